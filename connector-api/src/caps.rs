@@ -1,0 +1,307 @@
+//! What a connector declares it can do. Capabilities are data: the framework checks them
+//! once, at load (`Capabilities::validate`), and negotiation reads them; nothing probes a
+//! connector at run time to find out.
+
+use crate::layout::KvLayout;
+use crate::model::Dtype;
+use serde::{Deserialize, Serialize};
+
+/// Where KV bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MemoryKind {
+    /// Host DRAM.
+    Host,
+    /// Accelerator memory.
+    Device,
+    /// A local disk or SSD.
+    Disk,
+}
+
+/// How a connector moves KV between engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferMode {
+    /// It moves nothing between engines (a local cache).
+    None,
+    /// The consumer reads from the producer (NIXL READ).
+    Pull,
+    /// The producer writes into the consumer.
+    Push,
+}
+
+/// The relative cost of adapting a connector's own data path to another layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AdaptCost {
+    /// About the cost of a plain copy (e.g. a permute fused into a copy that happens anyway).
+    Low,
+    /// A separate pass over the bytes (e.g. a transpose on the copy path).
+    Medium,
+    /// Much slower than a plain copy.
+    High,
+}
+
+/// Which layouts a connector accepts. An empty `required` set means "any layout not
+/// rejected"; `preferred` orders the acceptable ones, most wanted first.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayoutConstraint {
+    /// If not empty, the layout must be one of these.
+    #[serde(default)]
+    pub required: Vec<KvLayout>,
+    /// The layout must not be one of these (unless the connector adapts).
+    #[serde(default)]
+    pub rejected: Vec<KvLayout>,
+    /// Acceptable layouts, most wanted first.
+    #[serde(default)]
+    pub preferred: Vec<KvLayout>,
+}
+
+impl LayoutConstraint {
+    /// True when `layout` is acceptable without adaptation.
+    pub fn accepts(&self, layout: KvLayout) -> bool {
+        !self.rejected.contains(&layout) && (self.required.is_empty() || self.required.contains(&layout))
+    }
+
+    /// A short human description, e.g. `requires HND (LBHNC)` or `rejects HND (LBHNC)`.
+    pub fn describe(&self) -> String {
+        let names = |v: &[KvLayout]| v.iter().map(|l| l.display_name()).collect::<Vec<_>>().join(" or ");
+        let mut parts = Vec::new();
+        if !self.required.is_empty() {
+            parts.push(format!("requires {}", names(&self.required)));
+        }
+        if !self.rejected.is_empty() {
+            parts.push(format!("rejects {}", names(&self.rejected)));
+        }
+        if parts.is_empty() {
+            parts.push("accepts any layout".to_owned());
+        }
+        if !self.preferred.is_empty() {
+            parts.push(format!("prefers {}", names(&self.preferred)));
+        }
+        parts.join(", ")
+    }
+}
+
+/// A connector role in a P/D deployment (vLLM's `kv_role` values).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum KvRoleCap {
+    /// Produces KV (prefill).
+    #[serde(rename = "kv_producer")]
+    Producer,
+    /// Consumes KV (decode).
+    #[serde(rename = "kv_consumer")]
+    Consumer,
+    /// Both.
+    #[serde(rename = "kv_both")]
+    Both,
+}
+
+/// Everything a connector declares about itself, for one config and model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Capabilities {
+    /// Supports the hybrid KV cache manager (one block table per KV cache group).
+    pub hma: bool,
+    /// Which layouts it accepts.
+    #[serde(default)]
+    pub layout: LayoutConstraint,
+    /// If set, the connector can adapt its own data path to a layout it does not accept, at
+    /// this cost.
+    #[serde(default)]
+    pub adapt: Option<AdaptCost>,
+    /// The block size (tokens per block) must be a multiple of this (1 = any).
+    #[serde(default = "one")]
+    pub block_size_multiple: u32,
+    /// If set, the block size must divide this number of tokens (e.g. a cache's chunk size).
+    #[serde(default)]
+    pub block_size_divides: Option<u32>,
+    /// Cache dtypes it can store; empty means any.
+    #[serde(default)]
+    pub cache_dtypes: Vec<Dtype>,
+    /// Memory kinds it can read and write KV in.
+    pub memory_kinds: Vec<MemoryKind>,
+    /// How it moves KV between engines.
+    pub transfer_mode: TransferMode,
+    /// Roles it can play.
+    pub roles: Vec<KvRoleCap>,
+    /// Saves and loads layer by layer.
+    #[serde(default)]
+    pub layerwise: bool,
+    /// Handles different tensor-parallel sizes on the two sides.
+    #[serde(default)]
+    pub heterogeneous_tp: bool,
+    /// Supports MLA (latent) KV caches.
+    #[serde(default)]
+    pub mla: bool,
+    /// Loads complete asynchronously (reported through `get_finished`).
+    #[serde(default)]
+    pub async_load: bool,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Declared capabilities that contradict themselves.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CapsError {
+    /// A layout is both required and rejected.
+    #[error("layout {layout} is both required and rejected")]
+    RequiredAndRejected {
+        /// The layout named in both sets.
+        layout: String,
+    },
+    /// A preferred layout is rejected.
+    #[error("layout {layout} is preferred but also rejected")]
+    PreferredRejected {
+        /// The layout.
+        layout: String,
+    },
+    /// Every layout is rejected and the connector cannot adapt.
+    #[error("it accepts no layout at all and cannot adapt")]
+    NoLayout,
+    /// A zero block-size constraint.
+    #[error("block_size_multiple is 0; use 1 for 'any block size'")]
+    ZeroBlockMultiple,
+    /// A zero divisor constraint.
+    #[error("block_size_divides is 0")]
+    ZeroBlockDivides,
+    /// The divisor is not compatible with the multiple.
+    #[error("block_size_divides {divides} is not a multiple of block_size_multiple {multiple}: no block size satisfies both")]
+    BlockConstraintsDisjoint {
+        /// block_size_divides.
+        divides: u32,
+        /// block_size_multiple.
+        multiple: u32,
+    },
+    /// No memory kind.
+    #[error("it declares no memory kind")]
+    NoMemoryKind,
+    /// No role.
+    #[error("it declares no role")]
+    NoRole,
+}
+
+impl Capabilities {
+    /// Checks the declaration for contradictions. The loader calls this once per query and
+    /// refuses a connector whose capabilities fail it.
+    pub fn validate(&self) -> Result<(), CapsError> {
+        for l in &self.layout.required {
+            if self.layout.rejected.contains(l) {
+                return Err(CapsError::RequiredAndRejected { layout: l.display_name() });
+            }
+        }
+        for l in &self.layout.preferred {
+            if self.layout.rejected.contains(l) {
+                return Err(CapsError::PreferredRejected { layout: l.display_name() });
+            }
+        }
+        if self.adapt.is_none() && !KvLayout::all().into_iter().any(|l| self.layout.accepts(l)) {
+            return Err(CapsError::NoLayout);
+        }
+        if self.block_size_multiple == 0 {
+            return Err(CapsError::ZeroBlockMultiple);
+        }
+        if let Some(d) = self.block_size_divides {
+            if d == 0 {
+                return Err(CapsError::ZeroBlockDivides);
+            }
+            if d % self.block_size_multiple != 0 {
+                return Err(CapsError::BlockConstraintsDisjoint {
+                    divides: d,
+                    multiple: self.block_size_multiple,
+                });
+            }
+        }
+        if self.memory_kinds.is_empty() {
+            return Err(CapsError::NoMemoryKind);
+        }
+        if self.roles.is_empty() {
+            return Err(CapsError::NoRole);
+        }
+        Ok(())
+    }
+
+    /// A one-line summary for tables, e.g. `hma=yes layout=requires HND (LBHNC) mode=pull`.
+    pub fn summary(&self) -> String {
+        let mut s = format!(
+            "hma={} layout={} mode={}",
+            if self.hma { "yes" } else { "no" },
+            self.layout.describe(),
+            match self.transfer_mode {
+                TransferMode::None => "none",
+                TransferMode::Pull => "pull",
+                TransferMode::Push => "push",
+            }
+        );
+        if let Some(c) = self.adapt {
+            s.push_str(&format!(" adapt={c:?}").to_lowercase());
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn base() -> Capabilities {
+        Capabilities {
+            hma: true,
+            layout: LayoutConstraint::default(),
+            adapt: None,
+            block_size_multiple: 1,
+            block_size_divides: None,
+            cache_dtypes: vec![],
+            memory_kinds: vec![MemoryKind::Host],
+            transfer_mode: TransferMode::Pull,
+            roles: vec![KvRoleCap::Both],
+            layerwise: false,
+            heterogeneous_tp: false,
+            mla: false,
+            async_load: false,
+        }
+    }
+
+    #[test]
+    fn required_and_rejected_is_invalid() {
+        let mut c = base();
+        c.layout.required = vec![KvLayout::HND];
+        c.layout.rejected = vec![KvLayout::LBHNC];
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("both required and rejected"), "{e}");
+    }
+
+    #[test]
+    fn everything_rejected_without_adapter_is_invalid() {
+        let mut c = base();
+        c.layout.rejected = KvLayout::all();
+        assert_eq!(c.validate(), Err(CapsError::NoLayout));
+        c.adapt = Some(AdaptCost::Medium);
+        assert_eq!(c.validate(), Ok(()));
+    }
+
+    #[test]
+    fn block_constraints() {
+        let mut c = base();
+        c.block_size_multiple = 0;
+        assert_eq!(c.validate(), Err(CapsError::ZeroBlockMultiple));
+        c.block_size_multiple = 16;
+        c.block_size_divides = Some(40);
+        assert!(matches!(c.validate(), Err(CapsError::BlockConstraintsDisjoint { .. })));
+        c.block_size_divides = Some(256);
+        assert_eq!(c.validate(), Ok(()));
+    }
+
+    #[test]
+    fn accepts_respects_required_and_rejected() {
+        let c = LayoutConstraint { required: vec![KvLayout::HND], rejected: vec![], preferred: vec![] };
+        assert!(c.accepts(KvLayout::LBHNC));
+        assert!(!c.accepts(KvLayout::NHD));
+        let r = LayoutConstraint { required: vec![], rejected: vec![KvLayout::HND], preferred: vec![] };
+        assert!(!r.accepts(KvLayout::HND));
+        assert!(r.accepts(KvLayout::BLNHC));
+    }
+}

@@ -1,0 +1,232 @@
+//! The safe connector traits, modelled on vLLM's v1 KV connector: a factory, a scheduler
+//! half and a worker half. Built-in connectors implement them directly; plugins implement
+//! them and export them through `export_connector!`; the host sees both the same way.
+
+use crate::caps::{Capabilities, MemoryKind};
+use crate::config::{KvRole, KvTransferConfig};
+use crate::error::ConnectorError;
+use crate::ids::{BlockId, LayerId, RequestId};
+use crate::layout::EffectiveLayout;
+use crate::model::ModelSpec;
+use serde::{Deserialize, Serialize};
+
+/// Result of every connector method.
+pub type ConnectorResult<T> = Result<T, ConnectorError>;
+
+/// Name and version of a connector.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConnectorInfo {
+    /// The connector's name (`nixl`, `lmcache`, ...).
+    pub name: String,
+    /// Its version.
+    pub version: String,
+    /// One line on what it does.
+    pub description: String,
+}
+
+/// Everything a connector instance is created with.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ConnectorContext {
+    /// This connector's own config (for a composite's child: the child's entry).
+    pub config: KvTransferConfig,
+    /// The model.
+    pub model: ModelSpec,
+    /// The negotiated layout.
+    pub effective: EffectiveLayout,
+    /// This engine's role.
+    pub role: KvRole,
+    /// This engine's id.
+    pub engine_id: String,
+    /// Tensor-parallel rank.
+    pub tp_rank: u32,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+}
+
+/// A request as the scheduler sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Request {
+    /// Its id.
+    pub id: RequestId,
+    /// The prompt's token ids.
+    pub prompt_tokens: Vec<u32>,
+    /// `kv_transfer_params` from the client or the proxy (JSON object, may be empty).
+    #[serde(default)]
+    pub kv_transfer_params: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Blocks allocated to a request, one list per KV cache group.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlocksPerGroup(pub Vec<Vec<BlockId>>);
+
+/// Answer of `get_num_new_matched_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MatchResult {
+    /// The connector cannot tell yet; ask again next step.
+    Pending,
+    /// This many tokens past `num_computed` can be loaded externally.
+    Matched {
+        /// Tokens the connector can provide.
+        tokens: usize,
+        /// True when the load completes asynchronously (reported by `get_finished`).
+        async_load: bool,
+    },
+}
+
+/// Answer of `request_finished`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct RequestFinished {
+    /// Keep the request's blocks until `get_finished` reports it as finished sending.
+    pub delay_free: bool,
+    /// Parameters the peer needs to pull the KV (vLLM's `kv_transfer_params`).
+    pub transfer_params: Option<serde_json::Map<String, serde_json::Value>>,
+}
+
+/// One scheduler step, as far as connectors care.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepInfo {
+    /// Step number.
+    pub step: u64,
+    /// Requests scheduled in this step.
+    pub scheduled: Vec<RequestId>,
+    /// Requests finished since the last step.
+    pub finished: Vec<RequestId>,
+}
+
+/// An event for KV-aware routers (blocks stored or removed).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum KvEvent {
+    /// Blocks were stored under these hashes.
+    Stored {
+        /// Block hashes.
+        hashes: Vec<u64>,
+        /// Tier (`cpu`, `disk`, ...).
+        tier: String,
+    },
+    /// Blocks were removed.
+    Removed {
+        /// Block hashes.
+        hashes: Vec<u64>,
+        /// Tier.
+        tier: String,
+    },
+}
+
+/// A registered KV memory region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvRegion {
+    /// A name for messages (`layer.3`, `group0`).
+    pub name: String,
+    /// Start address in this process (host) or on the device.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Where it lives.
+    pub memory: MemoryKind,
+    /// Device ordinal for device memory, else -1.
+    pub device: i32,
+    /// Layers held, in storage order.
+    pub layers: Vec<LayerId>,
+    /// KV cache group the region belongs to.
+    pub group: u32,
+    /// Blocks in the region.
+    pub num_blocks: u32,
+}
+
+/// Answer of `get_finished`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FinishedTransfers {
+    /// Requests whose blocks the producer may now free.
+    pub finished_sending: Vec<RequestId>,
+    /// Requests whose async load completed.
+    pub finished_recving: Vec<RequestId>,
+    /// Requests whose async load failed (the engine applies `kv_load_failure_policy`).
+    pub failed_recving: Vec<RequestId>,
+}
+
+/// Creates connector instances and answers capability queries.
+pub trait ConnectorFactory: Send + Sync {
+    /// Name and version.
+    fn info(&self) -> ConnectorInfo;
+
+    /// What the connector can do with this config and (when known) model. Needs no instance:
+    /// the CLI and negotiation call it before anything starts.
+    fn capabilities(
+        &self,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> ConnectorResult<Capabilities>;
+
+    /// Creates the scheduler half.
+    fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>>;
+
+    /// Creates the worker half.
+    fn create_worker(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn WorkerConnector>>;
+}
+
+/// The scheduler half (vLLM's `KVConnectorBase_V1` scheduler-side methods).
+pub trait SchedulerConnector: Send {
+    /// How many tokens past `num_computed` the connector can provide.
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: &Request,
+        num_computed: usize,
+    ) -> ConnectorResult<MatchResult>;
+
+    /// Blocks were allocated for `req`; `num_external_tokens` of them will be loaded.
+    fn update_state_after_alloc(
+        &mut self,
+        req: &Request,
+        blocks: &BlocksPerGroup,
+        num_external_tokens: usize,
+    ) -> ConnectorResult<()>;
+
+    /// Metadata for the workers for this step.
+    fn build_connector_meta(&mut self, step: &StepInfo) -> ConnectorResult<Vec<u8>>;
+
+    /// The request finished; say whether to delay freeing its blocks.
+    fn request_finished(
+        &mut self,
+        req: &Request,
+        blocks: &BlocksPerGroup,
+    ) -> ConnectorResult<RequestFinished>;
+
+    /// Events since the last call.
+    fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>>;
+}
+
+/// The worker half (vLLM's worker-side methods).
+pub trait WorkerConnector: Send {
+    /// The engine's KV memory.
+    fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()>;
+
+    /// This step's metadata from the scheduler half.
+    fn bind_connector_meta(&mut self, meta: &[u8]) -> ConnectorResult<()>;
+
+    /// Starts loading this step's external KV.
+    fn start_load_kv(&mut self) -> ConnectorResult<()>;
+
+    /// Blocks until `layer`'s KV is loaded (layer-wise connectors).
+    fn wait_for_layer_load(&mut self, layer: LayerId) -> ConnectorResult<()>;
+
+    /// `layer` was computed for these blocks; save what this step must save.
+    fn save_kv_layer(&mut self, layer: LayerId, block_ids: &[BlockId]) -> ConnectorResult<()>;
+
+    /// Blocks until this step's saves are safe to proceed past.
+    fn wait_for_save(&mut self) -> ConnectorResult<()>;
+
+    /// Requests whose sending or receiving finished since the last call.
+    fn get_finished(&mut self, finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers>;
+
+    /// Blocks whose load failed.
+    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>>;
+
+    /// Metadata the peer needs (JSON).
+    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>>;
+
+    /// The peer's metadata.
+    fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()>;
+
+    /// Releases everything.
+    fn shutdown(&mut self) -> ConnectorResult<()>;
+}

@@ -1,0 +1,89 @@
+//! The error every connector method returns.
+
+use serde::{Deserialize, Serialize};
+
+/// What went wrong inside a connector. Crosses the plugin boundary as its `kind` code plus
+/// the message, so a host sees the same error from a built-in and from a plugin.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum ConnectorError {
+    /// The data path behind this method is not built.
+    #[error("connector '{connector}': {method} is not implemented")]
+    NotImplemented {
+        /// The connector.
+        connector: String,
+        /// The method.
+        method: String,
+    },
+    /// The connector's config cannot be used.
+    #[error("connector '{connector}': invalid config: {message}")]
+    InvalidConfig {
+        /// The connector.
+        connector: String,
+        /// What is wrong and what to do.
+        message: String,
+    },
+    /// A call came in the wrong order or with arguments that do not fit the connector's state.
+    #[error("connector '{connector}': {message}")]
+    InvalidArgument {
+        /// The connector.
+        connector: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// An earlier call panicked; this instance refuses further calls.
+    #[error("connector '{connector}' is poisoned: an earlier call panicked ({message}); recreate it")]
+    Poisoned {
+        /// The connector.
+        connector: String,
+        /// The panic's message.
+        message: String,
+    },
+    /// The call panicked.
+    #[error("connector '{connector}' panicked in {method}: {message}")]
+    Panicked {
+        /// The connector.
+        connector: String,
+        /// The method.
+        method: String,
+        /// The panic's message.
+        message: String,
+    },
+    /// An I/O, transport or peer failure.
+    #[error("connector '{connector}': {message}")]
+    Io {
+        /// The connector.
+        connector: String,
+        /// What failed.
+        message: String,
+    },
+    /// Anything else, with its message.
+    #[error("connector '{connector}': {message}")]
+    Other {
+        /// The connector.
+        connector: String,
+        /// The message.
+        message: String,
+    },
+}
+
+impl ConnectorError {
+    /// Shorthand for `NotImplemented`.
+    pub fn not_implemented(connector: &str, method: &str) -> Self {
+        ConnectorError::NotImplemented { connector: connector.to_owned(), method: method.to_owned() }
+    }
+
+    /// Shorthand for `InvalidConfig`.
+    pub fn config(connector: &str, message: impl Into<String>) -> Self {
+        ConnectorError::InvalidConfig { connector: connector.to_owned(), message: message.into() }
+    }
+
+    /// Shorthand for `InvalidArgument`.
+    pub fn invalid(connector: &str, message: impl Into<String>) -> Self {
+        ConnectorError::InvalidArgument { connector: connector.to_owned(), message: message.into() }
+    }
+
+    /// Shorthand for `Io`.
+    pub fn io(connector: &str, message: impl Into<String>) -> Self {
+        ConnectorError::Io { connector: connector.to_owned(), message: message.into() }
+    }
+}

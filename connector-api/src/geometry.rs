@@ -1,0 +1,216 @@
+//! Where a block's bytes are: the arithmetic from (layer, K|V, block) to a byte range of a
+//! registered region, for any layout. Pure; connectors and the worker runtime share it so
+//! that both sides of a transfer address blocks the same way.
+
+use crate::ids::{BlockId, LayerId};
+use crate::layout::{Dim, EffectiveLayout, KvLayout};
+use crate::model::{AttentionKind, ModelSpec};
+use serde::{Deserialize, Serialize};
+
+/// The shape of one block for one layer and one of K/V.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockShape {
+    /// KV heads (H).
+    pub heads: u32,
+    /// Tokens per block (N).
+    pub tokens: u32,
+    /// Channels per head (C).
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub elem_size: u32,
+    /// 2 when K and V are stored separately, 1 for MLA's single latent.
+    pub kv_parts: u32,
+}
+
+impl BlockShape {
+    /// The shape the effective layout gives this model.
+    pub fn of(model: &ModelSpec, eff: &EffectiveLayout) -> BlockShape {
+        let mla = model.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. }));
+        BlockShape {
+            heads: model.num_kv_heads,
+            tokens: eff.block_size,
+            head_dim: model.head_dim,
+            elem_size: eff.cache_dtype.size() as u32,
+            kv_parts: if mla { 1 } else { 2 },
+        }
+    }
+
+    /// Bytes of one block of one layer and one of K/V.
+    pub fn bytes(&self) -> usize {
+        self.heads as usize * self.tokens as usize * self.head_dim as usize * self.elem_size as usize
+    }
+
+    /// Bytes of one block of one layer, K and V together.
+    pub fn layer_block_bytes(&self) -> usize {
+        self.bytes() * self.kv_parts as usize
+    }
+}
+
+/// A region's arrangement: which layers it holds, in what order, and how many blocks.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct RegionShape {
+    /// Layers held, in storage order (one for a per-layer layout).
+    pub layers: Vec<LayerId>,
+    /// Number of blocks.
+    pub num_blocks: u32,
+}
+
+/// A byte range inside one region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Span {
+    /// Index into the region list.
+    pub region: usize,
+    /// Offset in bytes from the region's start.
+    pub offset: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// Why a block cannot be addressed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GeometryError {
+    /// No region holds the layer.
+    #[error("no registered region holds layer {0}")]
+    NoRegionForLayer(LayerId),
+    /// A block id past the region's end.
+    #[error("block {block} is out of range: the region holding layer {layer} has {num_blocks} blocks")]
+    BlockOutOfRange {
+        /// The block.
+        block: BlockId,
+        /// The layer.
+        layer: LayerId,
+        /// Blocks in that region.
+        num_blocks: u32,
+    },
+    /// K/V index 1 on an MLA cache.
+    #[error("K/V part {0} does not exist in this cache (it has {1} parts)")]
+    NoSuchPart(u32, u32),
+}
+
+/// Addresses blocks in a set of regions laid out per one effective layout.
+#[derive(Debug, Clone)]
+pub struct Geometry {
+    shape: BlockShape,
+    layout: KvLayout,
+    regions: Vec<RegionShape>,
+}
+
+impl Geometry {
+    /// A geometry over `regions`, in registration order.
+    pub fn new(shape: BlockShape, layout: KvLayout, regions: Vec<RegionShape>) -> Geometry {
+        Geometry { shape, layout, regions }
+    }
+
+    /// The block shape.
+    pub fn shape(&self) -> BlockShape {
+        self.shape
+    }
+
+    /// The layout.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// The regions.
+    pub fn regions(&self) -> &[RegionShape] {
+        &self.regions
+    }
+
+    /// Bytes a region of this shape occupies.
+    pub fn region_bytes(&self, r: &RegionShape) -> usize {
+        r.layers.len() * r.num_blocks as usize * self.shape.layer_block_bytes()
+    }
+
+    /// The bytes of `block` for `layer` and K/V `part` (0 = K, 1 = V). Within the span the
+    /// three inner dims are in the layout's order of H, N, C.
+    pub fn span(&self, layer: LayerId, part: u32, block: BlockId) -> Result<Span, GeometryError> {
+        if part >= self.shape.kv_parts {
+            return Err(GeometryError::NoSuchPart(part, self.shape.kv_parts));
+        }
+        let (ri, r, li) = self
+            .regions
+            .iter()
+            .enumerate()
+            .find_map(|(i, r)| r.layers.iter().position(|l| *l == layer).map(|li| (i, r, li)))
+            .ok_or(GeometryError::NoRegionForLayer(layer))?;
+        if block.0 >= r.num_blocks {
+            return Err(GeometryError::BlockOutOfRange { block, layer, num_blocks: r.num_blocks });
+        }
+        let blk = self.shape.bytes();
+        let parts = self.shape.kv_parts as usize;
+        let nl = r.layers.len();
+        let b = block.0 as usize;
+        let nb = r.num_blocks as usize;
+        let offset = if self.layout.position(Dim::B) < self.layout.position(Dim::L) {
+            // [B][L][KV][..]
+            ((b * nl + li) * parts + part as usize) * blk
+        } else {
+            // [L][KV][B][..]
+            ((li * parts + part as usize) * nb + b) * blk
+        };
+        Ok(Span { region: ri, offset, len: blk })
+    }
+
+    /// Byte offset of element (head, token, channel) inside one block span, per the layout's
+    /// order of H, N and C.
+    pub fn inner_offset(&self, head: u32, token: u32, channel: u32) -> usize {
+        let s = self.shape;
+        let mut idx = 0usize;
+        for d in self.layout.order() {
+            let (size, i) = match d {
+                Dim::H => (s.heads, head),
+                Dim::N => (s.tokens, token),
+                Dim::C => (s.head_dim, channel),
+                Dim::L | Dim::B => continue,
+            };
+            idx = idx * size as usize + i as usize;
+        }
+        idx * s.elem_size as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> BlockShape {
+        BlockShape { heads: 2, tokens: 4, head_dim: 8, elem_size: 2, kv_parts: 2 }
+    }
+
+    #[test]
+    fn per_layer_offsets() {
+        let g = Geometry::new(
+            shape(),
+            KvLayout::NHD,
+            vec![
+                RegionShape { layers: vec![LayerId(0)], num_blocks: 10 },
+                RegionShape { layers: vec![LayerId(1)], num_blocks: 10 },
+            ],
+        );
+        let blk = shape().bytes();
+        assert_eq!(g.span(LayerId(1), 0, BlockId(3)).unwrap(), Span { region: 1, offset: 3 * blk, len: blk });
+        assert_eq!(g.span(LayerId(0), 1, BlockId(0)).unwrap().offset, 10 * blk);
+        assert!(g.span(LayerId(0), 0, BlockId(10)).is_err());
+        assert!(g.span(LayerId(2), 0, BlockId(0)).is_err());
+    }
+
+    #[test]
+    fn cross_layer_offsets() {
+        let g = Geometry::new(
+            shape(),
+            KvLayout::BLHNC,
+            vec![RegionShape { layers: vec![LayerId(0), LayerId(1)], num_blocks: 5 }],
+        );
+        let blk = shape().bytes();
+        assert_eq!(g.span(LayerId(1), 1, BlockId(2)).unwrap().offset, ((2 * 2 + 1) * 2 + 1) * blk);
+    }
+
+    #[test]
+    fn inner_offset_follows_layout() {
+        let nhd = Geometry::new(shape(), KvLayout::NHD, vec![]);
+        let hnd = Geometry::new(shape(), KvLayout::HND, vec![]);
+        // NHD: [N][H][C]; HND: [H][N][C]
+        assert_eq!(nhd.inner_offset(1, 2, 3), ((2 * 2 + 1) * 8 + 3) * 2);
+        assert_eq!(hnd.inner_offset(1, 2, 3), ((4 + 2) * 8 + 3) * 2);
+    }
+}

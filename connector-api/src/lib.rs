@@ -1,0 +1,29 @@
+//! The kvconnect contract, shared by every host, connector and plugin.
+//!
+//! This crate owns the plain data every side agrees on (model specs, KV layouts,
+//! capabilities, the negotiated effective layout and its compatibility descriptor), the pure
+//! functions over that data (negotiation, hashing, diffing), the safe connector traits, and
+//! the versioned C ABI that carries those traits across a shared-library boundary.
+//!
+//! It must not open sockets, spawn threads, touch files or load libraries: effects live in
+//! `kvconnect-host` and the connectors. A third-party plugin depends on this crate alone.
+
+pub mod caps;
+pub mod config;
+pub mod connector;
+pub mod error;
+pub mod geometry;
+pub mod ids;
+pub mod layout;
+pub mod model;
+
+pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
+pub use config::{FailurePolicy, KvRole, KvTransferConfig};
+pub use connector::{
+    BlocksPerGroup, ConnectorContext, ConnectorFactory, ConnectorInfo, ConnectorResult, FinishedTransfers,
+    KvEvent, KvRegion, MatchResult, Request, RequestFinished, SchedulerConnector, StepInfo, WorkerConnector,
+};
+pub use error::ConnectorError;
+pub use ids::{BlockId, LayerId, RequestId};
+pub use layout::{Dim, EffectiveLayout, KvGroup, KvLayout};
+pub use model::{AttentionKind, Dtype, ModelSpec};

@@ -1,0 +1,1 @@
+//! FlexKV-style radix-tree block cache with CPU and SSD tiers.

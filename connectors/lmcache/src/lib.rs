@@ -1,0 +1,1 @@
+//! LMCache-style chunked prefix cache with CPU and disk tiers.

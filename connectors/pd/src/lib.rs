@@ -1,0 +1,1 @@
+//! The composite connector: several children, one negotiated layout.

@@ -1,0 +1,1 @@
+//! The kvconnect host: finds and loads connectors (built in and plugins), and runs workers.

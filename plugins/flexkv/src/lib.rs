@@ -1,0 +1,1 @@
+//! The `flexkv` connector exported as a kvconnect plugin.

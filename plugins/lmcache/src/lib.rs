@@ -1,0 +1,1 @@
+//! The `lmcache` connector exported as a kvconnect plugin.

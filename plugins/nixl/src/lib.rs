@@ -1,0 +1,1 @@
+//! The `nixl` connector exported as a kvconnect plugin.

@@ -1,0 +1,1 @@
+//! Shared helpers for kvconnect's end-to-end tests.
