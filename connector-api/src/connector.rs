@@ -230,3 +230,13 @@ pub trait WorkerConnector: Send {
     /// Releases everything.
     fn shutdown(&mut self) -> ConnectorResult<()>;
 }
+
+/// Finds the factory for a config's connector: the host's registry implements this, and the
+/// composite uses it to create its children without knowing where they come from.
+pub trait ConnectorResolver: Send + Sync {
+    /// The factory for `config.kv_connector` (or its `kv_connector_module_path`).
+    fn resolve(&self, config: &KvTransferConfig) -> ConnectorResult<std::sync::Arc<dyn ConnectorFactory>>;
+
+    /// Every name that resolves, for error messages.
+    fn known_names(&self) -> Vec<String>;
+}

@@ -20,8 +20,9 @@ pub mod model;
 pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
 pub use config::{FailurePolicy, KvRole, KvTransferConfig};
 pub use connector::{
-    BlocksPerGroup, ConnectorContext, ConnectorFactory, ConnectorInfo, ConnectorResult, FinishedTransfers,
-    KvEvent, KvRegion, MatchResult, Request, RequestFinished, SchedulerConnector, StepInfo, WorkerConnector,
+    BlocksPerGroup, ConnectorContext, ConnectorFactory, ConnectorInfo, ConnectorResolver, ConnectorResult,
+    FinishedTransfers, KvEvent, KvRegion, MatchResult, Request, RequestFinished, SchedulerConnector,
+    StepInfo, WorkerConnector,
 };
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};

@@ -1,1 +1,3 @@
 //! LMCache-style chunked prefix cache with CPU and disk tiers.
+
+pub mod caps;

@@ -1,0 +1,32 @@
+//! What the nixl connector declares.
+
+use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::{
+    AttentionKind, Capabilities, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind,
+    ModelSpec, TransferMode,
+};
+
+/// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode.
+pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
+    let mla = model.is_some_and(|m| m.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. })));
+    let layout = if mla {
+        LayoutConstraint::default()
+    } else {
+        LayoutConstraint { required: vec![KvLayout::HND], rejected: vec![], preferred: vec![KvLayout::HND] }
+    };
+    Ok(Capabilities {
+        hma: true,
+        layout,
+        adapt: None,
+        block_size_multiple: 1,
+        block_size_divides: None,
+        cache_dtypes: vec![],
+        memory_kinds: vec![MemoryKind::Host],
+        transfer_mode: TransferMode::Pull,
+        roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
+        layerwise: false,
+        heterogeneous_tp: true,
+        mla: true,
+        async_load: true,
+    })
+}
