@@ -82,6 +82,16 @@ pub enum GeometryError {
         /// Blocks in that region.
         num_blocks: u32,
     },
+    /// A byte range that does not fit the region, or a buffer of the wrong length.
+    #[error("span of {len} bytes at offset {offset} does not fit region {region} (or the buffer length differs from the block's)")]
+    SpanOutOfRegion {
+        /// Region index.
+        region: usize,
+        /// Offset.
+        offset: usize,
+        /// Length asked for.
+        len: usize,
+    },
     /// K/V index 1 on an MLA cache.
     #[error("K/V part {0} does not exist in this cache (it has {1} parts)")]
     NoSuchPart(u32, u32),

@@ -14,6 +14,7 @@ pub mod connector;
 pub mod error;
 pub mod geometry;
 pub mod ids;
+pub mod kv_memory;
 pub mod layout;
 pub mod model;
 

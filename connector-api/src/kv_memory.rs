@@ -1,0 +1,267 @@
+//! Bounds-checked access to the KV regions a host registered with a connector.
+//!
+//! `register_kv_caches` hands a connector raw addresses. This module is where a connector
+//! turns them, once, into a value whose every read and write is checked against the
+//! effective layout: a block id past a region's end, a region of the wrong size or a layer
+//! no region holds is an error, never a stray write into someone else's memory.
+
+use crate::caps::MemoryKind;
+use crate::connector::KvRegion;
+use crate::geometry::{BlockShape, Geometry, GeometryError, RegionShape, Span};
+use crate::ids::{BlockId, LayerId};
+use crate::layout::EffectiveLayout;
+use crate::model::ModelSpec;
+
+/// Registered regions that do not match the effective layout.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegionError {
+    /// A region is not in host memory.
+    #[error("region '{name}' is in {memory:?} memory; this data path reads host memory only")]
+    NotHost {
+        /// The region.
+        name: String,
+        /// Its memory kind.
+        memory: MemoryKind,
+    },
+    /// A region's length disagrees with the layout.
+    #[error("region '{name}' is {len} bytes, but {layers} layer(s) x {num_blocks} blocks of {block_bytes} bytes (K and V) in the effective layout need {expected}: register regions laid out as the negotiated layout says")]
+    WrongSize {
+        /// The region.
+        name: String,
+        /// Its length.
+        len: u64,
+        /// Layers it holds.
+        layers: usize,
+        /// Blocks it holds.
+        num_blocks: u32,
+        /// Bytes per block per layer (K and V).
+        block_bytes: usize,
+        /// The expected length.
+        expected: u64,
+    },
+    /// A KV layer of the model is in no region.
+    #[error("layer {0} holds KV but no registered region covers it")]
+    MissingLayer(LayerId),
+    /// A layer is in two regions.
+    #[error("layer {0} is covered by more than one registered region")]
+    DuplicateLayer(LayerId),
+    /// A null address.
+    #[error("region '{0}' has a null address")]
+    Null(String),
+    /// A cross-layer layout with a region holding one layer, or the reverse.
+    #[error("region '{name}' holds {layers} layer(s) but the effective layout {layout} is {kind}")]
+    LayoutMismatch {
+        /// The region.
+        name: String,
+        /// Layers it holds.
+        layers: usize,
+        /// The layout.
+        layout: String,
+        /// "per-layer" or "cross-layer".
+        kind: &'static str,
+    },
+}
+
+/// A set of registered host regions, addressed through the effective layout.
+#[derive(Debug)]
+pub struct KvMemory {
+    geometry: Geometry,
+    bases: Vec<(usize, usize)>,
+}
+
+impl KvMemory {
+    /// Checks `regions` against the model and effective layout and keeps their addresses.
+    ///
+    /// # Safety
+    /// Every region must be host memory that is valid for reads and writes of `len` bytes for
+    /// as long as the returned value lives; the host promises this when it calls
+    /// `register_kv_caches`. Callers must not write a block that the engine is reading at the
+    /// same time (the step protocol orders them).
+    pub unsafe fn new(
+        regions: &[KvRegion],
+        model: &ModelSpec,
+        eff: &EffectiveLayout,
+    ) -> Result<KvMemory, RegionError> {
+        let shape = BlockShape::of(model, eff);
+        let mut shapes = Vec::with_capacity(regions.len());
+        let mut bases = Vec::with_capacity(regions.len());
+        let cross = eff.layout.is_cross_layer();
+        for r in regions {
+            if r.memory != MemoryKind::Host {
+                return Err(RegionError::NotHost { name: r.name.clone(), memory: r.memory });
+            }
+            if r.addr == 0 {
+                return Err(RegionError::Null(r.name.clone()));
+            }
+            if !cross && r.layers.len() != 1 {
+                return Err(RegionError::LayoutMismatch {
+                    name: r.name.clone(),
+                    layers: r.layers.len(),
+                    layout: eff.layout.display_name(),
+                    kind: "per-layer",
+                });
+            }
+            let expected = (r.layers.len() * r.num_blocks as usize * shape.layer_block_bytes()) as u64;
+            if r.len != expected {
+                return Err(RegionError::WrongSize {
+                    name: r.name.clone(),
+                    len: r.len,
+                    layers: r.layers.len(),
+                    num_blocks: r.num_blocks,
+                    block_bytes: shape.layer_block_bytes(),
+                    expected,
+                });
+            }
+            shapes.push(RegionShape { layers: r.layers.clone(), num_blocks: r.num_blocks });
+            bases.push((r.addr as usize, r.len as usize));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for s in &shapes {
+            for l in &s.layers {
+                if !seen.insert(*l) {
+                    return Err(RegionError::DuplicateLayer(*l));
+                }
+            }
+        }
+        for (i, k) in model.layers.iter().enumerate() {
+            let l = LayerId(i as u32);
+            if k.has_kv_blocks() && !seen.contains(&l) {
+                return Err(RegionError::MissingLayer(l));
+            }
+        }
+        Ok(KvMemory { geometry: Geometry::new(shape, eff.layout, shapes), bases })
+    }
+
+    /// The geometry the regions follow.
+    pub fn geometry(&self) -> &Geometry {
+        &self.geometry
+    }
+
+    /// The span of one block of one layer and K/V part.
+    pub fn span(&self, layer: LayerId, part: u32, block: BlockId) -> Result<Span, GeometryError> {
+        self.geometry.span(layer, part, block)
+    }
+
+    /// Copies a span out of the regions into `dst` (which must be `span.len` bytes).
+    pub fn read(&self, span: Span, dst: &mut [u8]) -> Result<(), GeometryError> {
+        let src = self.checked(span, dst.len())?;
+        // SAFETY: `checked` proved [src, src+len) lies inside a registered region, which the
+        // constructor's contract keeps valid for reads; `dst` is a distinct Rust slice.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    /// Copies `src` into a span of the regions.
+    pub fn write(&self, span: Span, src: &[u8]) -> Result<(), GeometryError> {
+        let dst = self.checked(span, src.len())?;
+        // SAFETY: as in `read`; the region is valid for writes and `src` cannot alias it
+        // because it is a shared Rust slice the caller owns.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
+    /// A read-only view of a span, for zero-copy senders. The caller must not hold it across
+    /// a step in which the engine may write the same block.
+    pub fn slice(&self, span: Span) -> Result<&[u8], GeometryError> {
+        let p = self.checked(span, span.len)?;
+        // SAFETY: bounds checked by `checked`; validity guaranteed by the constructor's
+        // contract for the lifetime of `self`.
+        Ok(unsafe { std::slice::from_raw_parts(p as *const u8, span.len) })
+    }
+
+    /// Start address and length of region `i`.
+    pub fn region_base(&self, i: usize) -> Option<(usize, usize)> {
+        self.bases.get(i).copied()
+    }
+
+    fn checked(&self, span: Span, len: usize) -> Result<usize, GeometryError> {
+        let (base, rlen) = self.bases.get(span.region).copied().ok_or(GeometryError::SpanOutOfRegion {
+            region: span.region,
+            offset: span.offset,
+            len,
+        })?;
+        if len != span.len || span.offset.checked_add(len).is_none_or(|end| end > rlen) {
+            return Err(GeometryError::SpanOutOfRegion { region: span.region, offset: span.offset, len });
+        }
+        Ok(base + span.offset)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::caps::TransferMode;
+    use crate::layout::{KvGroup, KvLayout};
+    use crate::model::{AttentionKind, Dtype};
+
+    fn model() -> ModelSpec {
+        ModelSpec {
+            name: "t".into(),
+            num_layers: 2,
+            num_kv_heads: 2,
+            head_dim: 4,
+            dtype: Some(Dtype::Bf16),
+            layers: vec![AttentionKind::Full, AttentionKind::Full],
+        }
+    }
+
+    fn eff() -> EffectiveLayout {
+        EffectiveLayout {
+            layout: KvLayout::NHD,
+            hma: false,
+            block_size: 4,
+            cache_dtype: Dtype::Bf16,
+            memory: MemoryKind::Host,
+            transfer_mode: TransferMode::None,
+            groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
+        }
+    }
+
+    fn region(buf: &mut [u8], layer: u32, blocks: u32) -> KvRegion {
+        KvRegion {
+            name: format!("layer.{layer}"),
+            addr: buf.as_mut_ptr() as u64,
+            len: buf.len() as u64,
+            memory: MemoryKind::Host,
+            device: -1,
+            layers: vec![LayerId(layer)],
+            group: 0,
+            num_blocks: blocks,
+        }
+    }
+
+    #[test]
+    fn read_write_round_trip_and_bounds() {
+        let per_layer = 3 * 2 * 2 * 4 * 4 * 2; // blocks * kv * heads * tokens * dim * 2 bytes
+        let mut a = vec![0u8; per_layer];
+        let mut b = vec![0u8; per_layer];
+        let regions = [region(&mut a, 0, 3), region(&mut b, 1, 3)];
+        // SAFETY: `a` and `b` outlive `mem` and are not touched while it is used.
+        let mem = unsafe { KvMemory::new(&regions, &model(), &eff()) }.unwrap();
+        let span = mem.span(LayerId(1), 1, BlockId(2)).unwrap();
+        let data: Vec<u8> = (0..span.len as u32).map(|i| i as u8).collect();
+        mem.write(span, &data).unwrap();
+        let mut back = vec![0u8; span.len];
+        mem.read(span, &mut back).unwrap();
+        assert_eq!(back, data);
+        assert!(mem.span(LayerId(1), 0, BlockId(3)).is_err());
+        assert!(mem.read(span, &mut [0u8; 3]).is_err());
+        drop(mem);
+        assert_eq!(&b[span.offset..span.offset + span.len], &data[..]);
+    }
+
+    #[test]
+    fn wrong_regions_are_refused() {
+        let mut a = vec![0u8; 100];
+        let regions = [region(&mut a, 0, 3)];
+        // SAFETY: the constructor fails before any access.
+        let e = unsafe { KvMemory::new(&regions, &model(), &eff()) }.unwrap_err();
+        assert!(matches!(e, RegionError::WrongSize { .. }), "{e}");
+        let per_layer = 3 * 2 * 2 * 4 * 4 * 2;
+        let mut a = vec![0u8; per_layer];
+        let regions = [region(&mut a, 0, 3)];
+        // SAFETY: as above.
+        let e = unsafe { KvMemory::new(&regions, &model(), &eff()) }.unwrap_err();
+        assert_eq!(e, RegionError::MissingLayer(LayerId(1)));
+    }
+}
