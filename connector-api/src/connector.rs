@@ -131,6 +131,10 @@ pub struct KvRegion {
     pub group: u32,
     /// Blocks in the region.
     pub num_blocks: u32,
+    /// Name of the POSIX shared-memory segment backing the region (`shm_open` name), when
+    /// the host allocated it there so a same-host peer can map it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shm_name: Option<String>,
 }
 
 /// Answer of `get_finished`.

@@ -227,6 +227,7 @@ mod tests {
             layers: vec![LayerId(layer)],
             group: 0,
             num_blocks: blocks,
+            shm_name: None,
         }
     }
 
