@@ -28,4 +28,4 @@ pub use connector::{
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
 pub use layout::{Dim, EffectiveLayout, KvGroup, KvLayout};
-pub use model::{AttentionKind, Dtype, ModelSpec};
+pub use model::{AttentionKind, Dtype, ModelError, ModelSpec};
