@@ -293,20 +293,23 @@ impl<'a> Fields<'a> {
 
     /// An integer field that must be at least 1, when present.
     fn positive(&self, field: &str) -> Result<Option<u32>, ModelError> {
-        match self.count(field)? {
-            Some(0) => Err(self.invalid(field, "must be a positive integer, got 0".to_string())),
-            other => Ok(other),
-        }
+        self.integer(field, 1)
     }
 
     /// An integer field that may be 0, when present.
     fn count(&self, field: &str) -> Result<Option<u32>, ModelError> {
+        self.integer(field, 0)
+    }
+
+    fn integer(&self, field: &str, min: u64) -> Result<Option<u32>, ModelError> {
         let Some(value) = self.get(field) else { return Ok(None) };
+        let kind = if min == 0 { "a non-negative integer" } else { "a positive integer" };
         match value.as_u64() {
+            Some(n) if n < min => Err(self.invalid(field, format!("must be {kind}, got {n}"))),
             Some(n) => u32::try_from(n)
                 .map(Some)
                 .map_err(|_| self.invalid(field, format!("{n} is too large (at most {})", u32::MAX))),
-            None => Err(self.invalid(field, format!("must be a non-negative integer, got {value}"))),
+            None => Err(self.invalid(field, format!("must be {kind}, got {value}"))),
         }
     }
 
@@ -456,7 +459,7 @@ fn model_name(root: Fields<'_>, text: Fields<'_>) -> String {
 
 /// `dtype` (transformers >= 4.56) or `torch_dtype`; both present must agree.
 fn read_dtype(f: Fields<'_>) -> Result<Option<Dtype>, ModelError> {
-    let mut found: Option<(&str, Dtype)> = None;
+    let mut found: Option<(&str, &str, Dtype)> = None;
     for field in ["dtype", "torch_dtype"] {
         let Some(s) = f.string(field)? else { continue };
         let dtype = Dtype::from_hf_name(s).ok_or_else(|| {
@@ -469,17 +472,17 @@ fn read_dtype(f: Fields<'_>) -> Result<Option<Dtype>, ModelError> {
             )
         })?;
         match found {
-            Some((other, prev)) if prev != dtype => {
+            Some((other, prev_name, prev)) if prev != dtype => {
                 return Err(ModelError::Contradiction {
                     a: f.name(other),
                     b: f.name(field),
-                    reason: format!("{other} is {prev:?} but {field} is {dtype:?}; keep one of them"),
+                    reason: format!("{other} is \"{prev_name}\" but {field} is \"{s}\"; keep one of them"),
                 })
             }
-            _ => found = Some((field, dtype)),
+            _ => found = Some((field, s, dtype)),
         }
     }
-    Ok(found.map(|(_, d)| d))
+    Ok(found.map(|(_, _, d)| d))
 }
 
 /// DeepSeek's MLA dims, when the config has `kv_lora_rank`.
