@@ -8,6 +8,7 @@
 //! It must not open sockets, spawn threads, touch files or load libraries: effects live in
 //! `kvconnect-host` and the connectors. A third-party plugin depends on this crate alone.
 
+pub mod abi;
 pub mod caps;
 pub mod config;
 pub mod connector;
@@ -17,6 +18,7 @@ pub mod ids;
 pub mod kv_memory;
 pub mod layout;
 pub mod model;
+pub mod sdk;
 
 pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
 pub use config::{FailurePolicy, KvRole, KvTransferConfig};
