@@ -18,6 +18,7 @@ pub mod ids;
 pub mod kv_memory;
 pub mod layout;
 pub mod model;
+pub mod negotiate;
 pub mod sdk;
 
 pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
@@ -31,3 +32,7 @@ pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
 pub use layout::{Dim, EffectiveLayout, KvGroup, KvLayout};
 pub use model::{AttentionKind, Dtype, ModelError, ModelSpec};
+pub use negotiate::{
+    negotiate, negotiate_deployment, ChildCaps, Conflict, DecidedBy, EngineOptions, FieldProvenance, HmaOption,
+    LayoutAdapter, Negotiated,
+};
