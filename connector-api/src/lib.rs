@@ -10,6 +10,7 @@
 
 pub mod abi;
 pub mod caps;
+pub mod compat;
 pub mod config;
 pub mod connector;
 pub mod error;
@@ -22,6 +23,7 @@ pub mod negotiate;
 pub mod sdk;
 
 pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
+pub use compat::{AdaptationPlan, CompatDescriptor, FieldClass, FieldDiff, Incompatible, LayoutPermutation};
 pub use config::{FailurePolicy, KvRole, KvTransferConfig};
 pub use connector::{
     BlocksPerGroup, ConnectorContext, ConnectorFactory, ConnectorInfo, ConnectorResolver, ConnectorResult,

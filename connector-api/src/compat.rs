@@ -1,0 +1,801 @@
+//! Compatibility of two workers' negotiated layouts: the descriptor each side sends at
+//! handshake, its hash, a field-level diff that carries both sides' provenance, and the
+//! adaptation plan the receiver applies when the sides differ only in adaptable fields.
+//!
+//! Strict fields (model, cache dtype, KV cache groups, transfer mode) must be equal; the
+//! compat hash covers exactly these. Adaptable fields (layout, block size, TP size) may
+//! differ when the receiver can convert: any layout by a permutation of dimensions, block
+//! and TP sizes when one divides the other. HMA is compared through the KV cache groups it
+//! produces, so HMA on and off on a model with one attention kind are compatible.
+
+use crate::caps::TransferMode;
+use crate::layout::{EffectiveLayout, KvGroup, KvLayout};
+use crate::model::{Dtype, ModelSpec};
+use crate::negotiate::{describe_groups, dtype_name, mode_name, EngineOptions, FieldProvenance, Negotiated};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+/// Bumped when the set or encoding of the hashed fields changes, so old and new peers
+/// never compare equal by accident.
+const HASH_SCHEMA: &str = "kvconnect.compat.v1";
+
+/// What a worker tells its peer about its KV cache, at handshake and in `kvconnect plan`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompatDescriptor {
+    /// `ModelSpec::fingerprint()`: the model's KV geometry.
+    pub model_fingerprint: String,
+    /// The model's name, for messages.
+    pub model_name: String,
+    /// The negotiated layout.
+    pub effective: EffectiveLayout,
+    /// Tensor-parallel size.
+    pub tp_size: u32,
+    /// This worker's tensor-parallel rank.
+    pub tp_rank: u32,
+    /// (name, version) of each child connector; informational, not hashed.
+    pub connectors: Vec<(String, String)>,
+    /// Provenance of the negotiated fields, for diffs; not hashed.
+    pub provenance: Vec<FieldProvenance>,
+}
+
+/// The hashed part of a descriptor. A struct (never a map) so the JSON field order is fixed.
+#[derive(Serialize)]
+struct StrictFields<'a> {
+    schema: &'static str,
+    model_fingerprint: &'a str,
+    cache_dtype: Dtype,
+    kv_groups: &'a [KvGroup],
+    transfer_mode: TransferMode,
+}
+
+impl CompatDescriptor {
+    /// The descriptor of a worker that negotiated `n` for `model` with `opts`.
+    pub fn new(model: &ModelSpec, n: &Negotiated, opts: &EngineOptions) -> Self {
+        CompatDescriptor {
+            model_fingerprint: model.fingerprint(),
+            model_name: model.name.clone(),
+            effective: n.effective.clone(),
+            tp_size: opts.tp_size,
+            tp_rank: opts.tp_rank,
+            connectors: n.children.iter().map(|c| (c.name.clone(), c.version.clone())).collect(),
+            provenance: n.provenance.clone(),
+        }
+    }
+
+    /// The canonical JSON of the strict fields, exactly what [`Self::compat_hash`] hashes.
+    pub fn strict_json(&self) -> String {
+        let strict = StrictFields {
+            schema: HASH_SCHEMA,
+            model_fingerprint: &self.model_fingerprint,
+            cache_dtype: self.effective.cache_dtype,
+            kv_groups: &self.effective.groups,
+            transfer_mode: self.effective.transfer_mode,
+        };
+        // Structs, enums, strings and integers only: serialising cannot fail; an empty
+        // string would still hash to a value no real descriptor produces.
+        serde_json::to_string(&strict).unwrap_or_default()
+    }
+
+    /// Hex SHA-256 of the canonical JSON of the strict fields. Two workers whose hashes
+    /// match can exchange KV, possibly through an [`AdaptationPlan`].
+    pub fn compat_hash(&self) -> String {
+        let digest = Sha256::digest(self.strict_json().as_bytes());
+        let mut s = String::with_capacity(64);
+        for b in digest {
+            s.push(char::from(HEX[usize::from(b >> 4)]));
+            s.push(char::from(HEX[usize::from(b & 0x0f)]));
+        }
+        s
+    }
+
+    fn why(&self, field: &str) -> String {
+        self.provenance
+            .iter()
+            .find(|p| p.field == field)
+            .map(|p| p.why())
+            .unwrap_or_else(|| "no provenance sent".to_owned())
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// Whether a field must be equal or can be converted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FieldClass {
+    /// Must be equal on both sides.
+    Strict,
+    /// May differ when the receiver can convert.
+    Adaptable,
+}
+
+/// One field that differs between two descriptors, with both sides' values and reasons.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FieldDiff {
+    /// `model`, `cache_dtype`, `hma`, `kv_groups`, `transfer_mode`, `layout`, `block_size`
+    /// or `tp_size`.
+    pub field: String,
+    /// Strict or adaptable.
+    pub class: FieldClass,
+    /// This side's value.
+    pub local: String,
+    /// Why this side has it.
+    pub local_why: String,
+    /// The peer's value.
+    pub peer: String,
+    /// Why the peer has it.
+    pub peer_why: String,
+    /// What to change (or, for an adaptable field, what the receiver does).
+    pub remedy: String,
+    /// More detail, e.g. both sides' KV cache groups for `hma`.
+    #[serde(default)]
+    pub detail: String,
+}
+
+impl FieldDiff {
+    /// `hma: prefill=off (child 'lmcache' ...), decode=on (default: ...): <remedy>`.
+    pub fn line(&self, local_role: &str, peer_role: &str) -> String {
+        format!(
+            "{}: {local_role}={} ({}), {peer_role}={} ({}): {}",
+            self.field, self.local, self.local_why, self.peer, self.peer_why, self.remedy
+        )
+    }
+}
+
+/// A permutation of the five logical KV dimensions the receiver applies to what it reads.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayoutPermutation {
+    /// The sender's layout.
+    pub from: KvLayout,
+    /// The receiver's layout.
+    pub to: KvLayout,
+    /// `perm[i]` is the axis of `from` that becomes axis `i` of `to` (numpy's
+    /// `transpose(perm)` over the `[.., .., .., .., ..]` order of `from`).
+    pub perm: [usize; 5],
+}
+
+impl LayoutPermutation {
+    /// The permutation that turns `from` into `to`.
+    pub fn between(from: KvLayout, to: KvLayout) -> Self {
+        let mut perm = [0usize; 5];
+        for (i, d) in to.order().iter().enumerate() {
+            perm[i] = from.position(*d);
+        }
+        LayoutPermutation { from, to, perm }
+    }
+}
+
+/// What the receiver does so two compatible descriptors can exchange KV. All `None` when
+/// the adaptable fields are equal.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdaptationPlan {
+    /// Permute the sender's layout into the receiver's.
+    pub layout: Option<LayoutPermutation>,
+    /// (receiver, sender) block sizes, reduced: `(1, 2)` means each sender block fills two
+    /// receiver blocks.
+    pub block_size_ratio: Option<(u32, u32)>,
+    /// (receiver, sender) TP sizes, reduced.
+    pub tp_ratio: Option<(u32, u32)>,
+}
+
+impl AdaptationPlan {
+    /// True when nothing needs converting.
+    pub fn is_identity(&self) -> bool {
+        self.layout.is_none() && self.block_size_ratio.is_none() && self.tp_ratio.is_none()
+    }
+}
+
+/// Two descriptors that cannot exchange KV: the strict fields that differ and the
+/// adaptable ones that cannot be converted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[error("{}", render(.diffs, .local_role, .peer_role))]
+pub struct Incompatible {
+    /// The differences that block the exchange.
+    pub diffs: Vec<FieldDiff>,
+    /// How messages name the local side (`prefill`, `local`).
+    pub local_role: String,
+    /// How messages name the peer (`decode`, `peer`).
+    pub peer_role: String,
+}
+
+impl Incompatible {
+    /// The message with other role names, e.g. `render("prefill", "decode")` for a check
+    /// made as local/peer.
+    pub fn render(&self, local_role: &str, peer_role: &str) -> String {
+        render(&self.diffs, local_role, peer_role)
+    }
+
+    /// The diff that names `field`, if any.
+    pub fn diff_of(&self, field: &str) -> Option<&FieldDiff> {
+        self.diffs.iter().find(|d| d.field == field)
+    }
+}
+
+fn render(diffs: &[FieldDiff], a: &str, b: &str) -> String {
+    let mut s = format!(
+        "{a} and {b} cannot exchange KV ({} field{} differ{}); refused before any KV moves:",
+        diffs.len(),
+        if diffs.len() == 1 { "" } else { "s" },
+        if diffs.len() == 1 { "s" } else { "" }
+    );
+    for d in diffs {
+        s.push_str("\n  ");
+        s.push_str(&d.line(a, b));
+        if !d.detail.is_empty() {
+            s.push_str("\n    ");
+            s.push_str(&d.detail);
+        }
+    }
+    s
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// `(a, b)` reduced when one divides the other; `None` otherwise.
+fn divisible_ratio(a: u32, b: u32) -> Option<(u32, u32)> {
+    if a == 0 || b == 0 || (a % b != 0 && b % a != 0) {
+        return None;
+    }
+    let g = gcd(a, b);
+    Some((a / g, b / g))
+}
+
+fn on_off(b: bool) -> &'static str {
+    if b {
+        "on"
+    } else {
+        "off"
+    }
+}
+
+fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) -> Vec<FieldDiff> {
+    let mut out = Vec::new();
+    let mut push =
+        |field: &str, class, local: String, local_why, peer: String, peer_why, remedy: String, detail| {
+            out.push(FieldDiff {
+                field: field.to_owned(),
+                class,
+                local,
+                local_why,
+                peer,
+                peer_why,
+                remedy,
+                detail,
+            });
+        };
+    let (ea, eb) = (&a.effective, &b.effective);
+
+    let same_model = a.model_fingerprint == b.model_fingerprint;
+    if !same_model {
+        let short = |d: &CompatDescriptor| {
+            format!("{} ({})", d.model_name, d.model_fingerprint.get(..12).unwrap_or(&d.model_fingerprint))
+        };
+        push(
+            "model",
+            FieldClass::Strict,
+            short(a),
+            "from its config.json".to_owned(),
+            short(b),
+            "from its config.json".to_owned(),
+            format!("serve the same model (the same config.json) on {ar} and {br}"),
+            String::new(),
+        );
+    }
+    if ea.cache_dtype != eb.cache_dtype {
+        push(
+            "cache_dtype",
+            FieldClass::Strict,
+            dtype_name(ea.cache_dtype).to_owned(),
+            a.why("cache_dtype"),
+            dtype_name(eb.cache_dtype).to_owned(),
+            b.why("cache_dtype"),
+            format!("set cache_dtype to the same value on {ar} and {br}"),
+            String::new(),
+        );
+    }
+    // Groups follow from the model: when the models differ, the model diff says it all.
+    if same_model && ea.groups != eb.groups {
+        let detail =
+            format!("kv groups: {ar} {}; {br} {}", describe_groups(&ea.groups), describe_groups(&eb.groups));
+        if ea.hma != eb.hma {
+            let on = if ea.hma { ar } else { br };
+            push(
+                "hma",
+                FieldClass::Strict,
+                on_off(ea.hma).to_owned(),
+                a.why("hma"),
+                on_off(eb.hma).to_owned(),
+                b.why("hma"),
+                format!("run {on} with the same connector set, or set hybrid_kv_cache_manager=off on {on}"),
+                detail,
+            );
+        } else {
+            push(
+                "kv_groups",
+                FieldClass::Strict,
+                describe_groups(&ea.groups),
+                a.why("kv_groups"),
+                describe_groups(&eb.groups),
+                b.why("kv_groups"),
+                format!(
+                    "negotiate {ar} and {br} together (kvconnect plan) so they get the same KV cache groups"
+                ),
+                String::new(),
+            );
+        }
+    }
+    if ea.transfer_mode != eb.transfer_mode {
+        push(
+            "transfer_mode",
+            FieldClass::Strict,
+            mode_name(ea.transfer_mode).to_owned(),
+            a.why("transfer_mode"),
+            mode_name(eb.transfer_mode).to_owned(),
+            b.why("transfer_mode"),
+            format!("use the same transport connector (e.g. nixl) on {ar} and {br}"),
+            String::new(),
+        );
+    }
+    if ea.layout != eb.layout {
+        let p = LayoutPermutation::between(eb.layout, ea.layout);
+        push(
+            "layout",
+            FieldClass::Adaptable,
+            ea.layout.display_name(),
+            a.why("layout"),
+            eb.layout.display_name(),
+            b.why("layout"),
+            format!(
+                "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set kv_cache_layout={} on both",
+                p.perm,
+                p.from.canonical_name(),
+                p.to.canonical_name(),
+                ea.layout.canonical_name()
+            ),
+            String::new(),
+        );
+    }
+    if ea.block_size != eb.block_size {
+        let remedy = match divisible_ratio(ea.block_size, eb.block_size) {
+            Some((x, y)) => format!(
+                "blocks are split or merged in a {x}:{y} ratio on receive; set block_size to the same value on both to avoid it"
+            ),
+            None => format!(
+                "{} and {} do not divide each other: set block_size to the same value on {ar} and {br} (or sizes where one divides the other)",
+                ea.block_size, eb.block_size
+            ),
+        };
+        push(
+            "block_size",
+            FieldClass::Adaptable,
+            ea.block_size.to_string(),
+            a.why("block_size"),
+            eb.block_size.to_string(),
+            b.why("block_size"),
+            remedy,
+            String::new(),
+        );
+    }
+    if a.tp_size != b.tp_size {
+        let remedy = match divisible_ratio(a.tp_size, b.tp_size) {
+            Some((x, y)) => format!("heads are regrouped across ranks in a {x}:{y} ratio on receive"),
+            None => format!(
+                "TP sizes {} and {} do not divide each other: use TP sizes where one divides the other",
+                a.tp_size, b.tp_size
+            ),
+        };
+        push(
+            "tp_size",
+            FieldClass::Adaptable,
+            a.tp_size.to_string(),
+            "engine option tp_size".to_owned(),
+            b.tp_size.to_string(),
+            "engine option tp_size".to_owned(),
+            remedy,
+            String::new(),
+        );
+    }
+    out
+}
+
+/// Every field that differs between two descriptors, strict fields first.
+pub fn diff(local: &CompatDescriptor, peer: &CompatDescriptor) -> Vec<FieldDiff> {
+    diff_named(local, peer, "local", "peer")
+}
+
+/// Like [`diff`], with role names in the remedies.
+pub fn diff_roles(a: &CompatDescriptor, b: &CompatDescriptor, a_role: &str, b_role: &str) -> Vec<FieldDiff> {
+    diff_named(a, b, a_role, b_role)
+}
+
+/// True when an adaptable diff cannot actually be converted.
+fn blocks(d: &FieldDiff, a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
+    match (d.class, d.field.as_str()) {
+        (FieldClass::Strict, _) => true,
+        (FieldClass::Adaptable, "block_size") => {
+            divisible_ratio(a.effective.block_size, b.effective.block_size).is_none()
+        }
+        (FieldClass::Adaptable, "tp_size") => divisible_ratio(a.tp_size, b.tp_size).is_none(),
+        (FieldClass::Adaptable, _) => false,
+    }
+}
+
+fn plan(receiver: &CompatDescriptor, sender: &CompatDescriptor) -> AdaptationPlan {
+    let (r, s) = (&receiver.effective, &sender.effective);
+    AdaptationPlan {
+        layout: (r.layout != s.layout).then(|| LayoutPermutation::between(s.layout, r.layout)),
+        block_size_ratio: if r.block_size == s.block_size {
+            None
+        } else {
+            divisible_ratio(r.block_size, s.block_size)
+        },
+        tp_ratio: if receiver.tp_size == sender.tp_size {
+            None
+        } else {
+            divisible_ratio(receiver.tp_size, sender.tp_size)
+        },
+    }
+}
+
+fn check_named(
+    a: &CompatDescriptor,
+    b: &CompatDescriptor,
+    ar: &str,
+    br: &str,
+    receiver_is_a: bool,
+) -> Result<AdaptationPlan, Incompatible> {
+    let blocking: Vec<FieldDiff> = diff_named(a, b, ar, br).into_iter().filter(|d| blocks(d, a, b)).collect();
+    if !blocking.is_empty() {
+        return Err(Incompatible { diffs: blocking, local_role: ar.to_owned(), peer_role: br.to_owned() });
+    }
+    Ok(if receiver_is_a { plan(a, b) } else { plan(b, a) })
+}
+
+/// Whether `local` can receive KV from `peer`: the plan `local` applies (identity when the
+/// adaptable fields are equal), or every blocking difference.
+pub fn check(local: &CompatDescriptor, peer: &CompatDescriptor) -> Result<AdaptationPlan, Incompatible> {
+    check_named(local, peer, "local", "peer", true)
+}
+
+/// [`check`] for a deployment: diffs are worded `prefill=..., decode=...` and the plan is
+/// what decode (the receiver) applies to what it reads from prefill.
+pub fn check_roles(
+    prefill: &CompatDescriptor,
+    decode: &CompatDescriptor,
+) -> Result<AdaptationPlan, Incompatible> {
+    check_named(prefill, decode, "prefill", "decode", false)
+}
+
+impl fmt::Display for LayoutPermutation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} -> {} (axes {:?})", self.from.canonical_name(), self.to.canonical_name(), self.perm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::caps::{AdaptCost, Capabilities, KvRoleCap, LayoutConstraint, MemoryKind};
+    use crate::ids::LayerId;
+    use crate::model::AttentionKind;
+    use crate::negotiate::{negotiate, negotiate_deployment, ChildCaps, DecidedBy, HmaOption};
+
+    fn caps(
+        hma: bool,
+        layout: LayoutConstraint,
+        adapt: Option<AdaptCost>,
+        mode: TransferMode,
+    ) -> Capabilities {
+        Capabilities {
+            hma,
+            layout,
+            adapt,
+            block_size_multiple: 1,
+            block_size_divides: None,
+            cache_dtypes: vec![],
+            memory_kinds: vec![MemoryKind::Host, MemoryKind::Disk],
+            transfer_mode: mode,
+            roles: vec![KvRoleCap::Both],
+            layerwise: false,
+            heterogeneous_tp: false,
+            mla: false,
+            async_load: false,
+        }
+    }
+
+    fn lmcache() -> ChildCaps {
+        let mut c = caps(
+            false,
+            LayoutConstraint {
+                required: vec![KvLayout::NHD, KvLayout::HND],
+                rejected: vec![],
+                preferred: vec![KvLayout::NHD, KvLayout::HND],
+            },
+            None,
+            TransferMode::None,
+        );
+        c.block_size_divides = Some(256);
+        ChildCaps { name: "lmcache".into(), version: "0.1.0".into(), caps: c }
+    }
+
+    fn nixl() -> ChildCaps {
+        let c = caps(
+            true,
+            LayoutConstraint {
+                required: vec![KvLayout::HND],
+                rejected: vec![],
+                preferred: vec![KvLayout::HND],
+            },
+            None,
+            TransferMode::Pull,
+        );
+        ChildCaps { name: "nixl".into(), version: "0.1.0".into(), caps: c }
+    }
+
+    fn gpt_oss() -> ModelSpec {
+        ModelSpec::from_hf_config_json(include_str!("../../fixtures/models/openai--gpt-oss-20b/config.json"))
+            .unwrap()
+    }
+
+    fn gemma3() -> ModelSpec {
+        ModelSpec::from_hf_config_json(include_str!(
+            "../../fixtures/models/google--gemma-3-1b-it/config.json"
+        ))
+        .unwrap()
+    }
+
+    fn qwen3() -> ModelSpec {
+        ModelSpec::from_hf_config_json(include_str!("../../fixtures/models/Qwen--Qwen3-0.6B/config.json"))
+            .unwrap()
+    }
+
+    fn desc(model: &ModelSpec, opts: &EngineOptions, children: &[ChildCaps]) -> CompatDescriptor {
+        CompatDescriptor::new(model, &negotiate(model, opts, children).unwrap(), opts)
+    }
+
+    fn opts() -> EngineOptions {
+        EngineOptions::default()
+    }
+
+    #[test]
+    fn dyn_3545_separate_negotiation_is_caught_with_the_reason() {
+        for model in [gpt_oss(), gemma3()] {
+            let prefill = desc(&model, &opts(), &[lmcache(), nixl()]);
+            let decode = desc(&model, &opts(), &[nixl()]);
+            assert_ne!(prefill.compat_hash(), decode.compat_hash());
+            let e = check_roles(&prefill, &decode).unwrap_err();
+            assert_eq!(e.diffs.len(), 1, "{e}");
+            let d = e.diff_of("hma").unwrap();
+            assert_eq!(d.class, FieldClass::Strict);
+            assert_eq!(
+                d.line("prefill", "decode"),
+                "hma: prefill=off (child 'lmcache' does not support HMA), decode=on (default: every child supports HMA and the model has 2 attention kinds): run decode with the same connector set, or set hybrid_kv_cache_manager=off on decode"
+            );
+            assert!(
+                d.detail.contains("prefill 1 group: ") && d.detail.contains("decode 2 groups: "),
+                "{}",
+                d.detail
+            );
+            let text = e.to_string();
+            assert!(text.starts_with("prefill and decode cannot exchange KV (1 field differs)"), "{text}");
+            // The same check from decode's side names the fields the other way round.
+            let e = check(&decode, &prefill).unwrap_err();
+            assert!(e.to_string().contains("hma: local=on"), "{e}");
+            assert!(e.render("decode", "prefill").contains("hma: decode=on"), "{e}");
+        }
+    }
+
+    #[test]
+    fn dyn_3545_remedy_works_and_joint_negotiation_agrees() {
+        let model = gpt_oss();
+        // The remedy: hybrid_kv_cache_manager=off on decode.
+        let off = EngineOptions { hybrid_kv_cache_manager: HmaOption::Off, ..opts() };
+        let prefill = desc(&model, &opts(), &[lmcache(), nixl()]);
+        let decode = desc(&model, &off, &[nixl()]);
+        assert_eq!(prefill.compat_hash(), decode.compat_hash());
+        // Joint negotiation gets there by itself.
+        let (p, d) =
+            negotiate_deployment(&model, (&opts(), &[lmcache(), nixl()]), (&opts(), &[nixl()])).unwrap();
+        let (pd, dd) =
+            (CompatDescriptor::new(&model, &p, &opts()), CompatDescriptor::new(&model, &d, &opts()));
+        assert_eq!(pd.compat_hash(), dd.compat_hash());
+        assert!(check_roles(&pd, &dd).unwrap().is_identity());
+    }
+
+    #[test]
+    fn dense_model_hma_flag_does_not_matter() {
+        let model = qwen3();
+        let prefill = desc(&model, &opts(), &[lmcache(), nixl()]);
+        let decode = desc(&model, &opts(), &[nixl()]);
+        assert_eq!(prefill.compat_hash(), decode.compat_hash());
+        // Even with the raw flag forced different, the groups (and the hash) are equal.
+        let on = desc(&model, &EngineOptions { hybrid_kv_cache_manager: HmaOption::On, ..opts() }, &[nixl()]);
+        let off =
+            desc(&model, &EngineOptions { hybrid_kv_cache_manager: HmaOption::Off, ..opts() }, &[nixl()]);
+        assert!(on.effective.hma && !off.effective.hma);
+        assert_eq!(on.compat_hash(), off.compat_hash());
+        assert!(diff(&on, &off).is_empty());
+        assert!(check(&on, &off).unwrap().is_identity());
+    }
+
+    #[test]
+    fn aliases_are_not_a_difference_but_cross_layer_is_adaptable() {
+        let model = qwen3();
+        let a = EngineOptions { kv_cache_layout: Some("HND".parse().unwrap()), ..opts() };
+        let b = EngineOptions { kv_cache_layout: Some("LBHNC".parse().unwrap()), ..opts() };
+        let da = desc(&model, &a, &[]);
+        let db = desc(&model, &b, &[]);
+        assert!(diff(&da, &db).is_empty());
+        assert!(check(&da, &db).unwrap().is_identity());
+
+        let c = EngineOptions { kv_cache_layout: Some(KvLayout::BLHNC), ..opts() };
+        let dc = desc(&model, &c, &[]);
+        assert_eq!(da.compat_hash(), dc.compat_hash(), "layout is adaptable, not hashed");
+        let d = diff(&da, &dc);
+        assert_eq!(d.len(), 1);
+        assert_eq!(d[0].field, "layout");
+        assert_eq!(d[0].class, FieldClass::Adaptable);
+        assert_eq!(d[0].local, "HND (LBHNC)");
+        assert_eq!(d[0].peer, "BLHNC");
+        assert_eq!(d[0].local_why, "user set kv_cache_layout=LBHNC");
+        // local (LBHNC) receives from the peer (BLHNC): output axis 0 (L) is input axis 1.
+        let plan = check(&da, &dc).unwrap();
+        assert_eq!(
+            plan.layout,
+            Some(LayoutPermutation { from: KvLayout::BLHNC, to: KvLayout::LBHNC, perm: [1, 0, 2, 3, 4] })
+        );
+        assert_eq!(plan.block_size_ratio, None);
+        // Decode (BLHNC) receiving from prefill (LBHNC).
+        let plan = check_roles(&da, &dc).unwrap();
+        assert_eq!(plan.layout.unwrap().perm, [1, 0, 2, 3, 4]);
+    }
+
+    #[test]
+    fn permutation_maps_every_axis() {
+        for from in KvLayout::all() {
+            for to in [KvLayout::LBHNC, KvLayout::BLNHC, KvLayout::LBNHC] {
+                let p = LayoutPermutation::between(from, to);
+                for (i, src) in p.perm.iter().enumerate() {
+                    assert_eq!(from.order()[*src], to.order()[i]);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn block_size_and_tp_ratios() {
+        let model = qwen3();
+        let b16 = desc(&model, &opts(), &[nixl()]);
+        let b32 = desc(&model, &EngineOptions { block_size: Some(32), ..opts() }, &[nixl()]);
+        let b24 = desc(&model, &EngineOptions { block_size: Some(24), ..opts() }, &[nixl()]);
+        let plan = check(&b16, &b32).unwrap();
+        assert_eq!(plan.block_size_ratio, Some((1, 2)));
+        assert!(!plan.is_identity());
+        let e = check_roles(&b16, &b24).unwrap_err();
+        let d = e.diff_of("block_size").unwrap();
+        assert_eq!(d.class, FieldClass::Adaptable);
+        assert!(e.to_string().contains(
+            "block_size: prefill=16 (default: vLLM's default block size; every child accepts it), decode=24 (user set block_size=24; every child accepts it): 16 and 24 do not divide each other"
+        ), "{e}");
+
+        let tp = |n| EngineOptions { tp_size: n, ..opts() };
+        let t2 = desc(&model, &tp(2), &[nixl()]);
+        let t4 = desc(&model, &tp(4), &[nixl()]);
+        let t3 = desc(&model, &tp(3), &[nixl()]);
+        assert_eq!(check(&t2, &t4).unwrap().tp_ratio, Some((1, 2)));
+        assert_eq!(check(&t4, &t2).unwrap().tp_ratio, Some((2, 1)));
+        // Decode (4) receives from prefill (2).
+        assert_eq!(check_roles(&t2, &t4).unwrap().tp_ratio, Some((2, 1)));
+        assert!(check(&t2, &t3).unwrap_err().diff_of("tp_size").is_some());
+    }
+
+    #[test]
+    fn strict_fields_other_than_hma() {
+        let q = desc(&qwen3(), &opts(), &[nixl()]);
+        let g = desc(&gemma3(), &opts(), &[nixl()]);
+        let e = check(&q, &g).unwrap_err();
+        assert_eq!(e.diffs.iter().map(|d| d.field.as_str()).collect::<Vec<_>>(), ["model"]);
+        assert!(
+            e.to_string().contains("serve the same model (the same config.json) on local and peer"),
+            "{e}"
+        );
+
+        let f16 = desc(&qwen3(), &EngineOptions { cache_dtype: Some(Dtype::F16), ..opts() }, &[nixl()]);
+        let e = check(&q, &f16).unwrap_err();
+        let d = e.diff_of("cache_dtype").unwrap();
+        assert_eq!((d.local.as_str(), d.peer.as_str()), ("bf16", "f16"));
+        assert_eq!(d.local_why, "model torch_dtype is bf16");
+        assert_eq!(d.peer_why, "user set cache_dtype=f16");
+
+        let local_only = desc(&qwen3(), &opts(), &[lmcache()]);
+        let e = check(&q, &local_only).unwrap_err();
+        let d = e.diff_of("transfer_mode").unwrap();
+        assert_eq!((d.local.as_str(), d.peer.as_str()), ("pull", "none"));
+        assert_ne!(q.compat_hash(), local_only.compat_hash());
+    }
+
+    #[test]
+    fn peer_without_provenance_still_diffs() {
+        let model = gpt_oss();
+        let a = desc(&model, &opts(), &[nixl()]);
+        let mut b = desc(&model, &opts(), &[lmcache(), nixl()]);
+        b.provenance.clear();
+        let e = check(&a, &b).unwrap_err();
+        assert_eq!(e.diff_of("hma").unwrap().peer_why, "no provenance sent");
+    }
+
+    #[test]
+    fn hash_is_stable_through_serde_and_ignores_informational_fields() {
+        let model = gpt_oss();
+        let a = desc(&model, &opts(), &[lmcache(), nixl()]);
+        let json = serde_json::to_string(&a).unwrap();
+        let back: CompatDescriptor = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, a);
+        assert_eq!(back.compat_hash(), a.compat_hash());
+        let mut c = a.clone();
+        c.connectors.push(("flexkv".into(), "9".into()));
+        c.provenance[0].reason = "something else".into();
+        c.tp_rank = 0;
+        c.model_name = "renamed".into();
+        c.effective.layout = KvLayout::BLNHC;
+        c.effective.block_size = 64;
+        c.effective.memory = MemoryKind::Device;
+        assert_eq!(c.compat_hash(), a.compat_hash());
+        assert_eq!(a.compat_hash().len(), 64);
+        assert!(a.compat_hash().bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+    }
+
+    /// Pins the hash of one fixed descriptor: a change here breaks every deployed peer's
+    /// handshake, so it must be deliberate (and bump `HASH_SCHEMA`).
+    #[test]
+    fn golden_hash() {
+        let d = CompatDescriptor {
+            model_fingerprint: "f".repeat(64),
+            model_name: "golden".into(),
+            effective: EffectiveLayout {
+                layout: KvLayout::HND,
+                hma: true,
+                block_size: 16,
+                cache_dtype: Dtype::Bf16,
+                memory: MemoryKind::Host,
+                transfer_mode: TransferMode::Pull,
+                groups: vec![
+                    KvGroup {
+                        kind: AttentionKind::SlidingWindow { window: 128 },
+                        layers: vec![LayerId(0), LayerId(2)],
+                    },
+                    KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(1), LayerId(3)] },
+                ],
+            },
+            tp_size: 1,
+            tp_rank: 0,
+            connectors: vec![("nixl".into(), "0.1.0".into())],
+            provenance: vec![],
+        };
+        assert_eq!(
+            d.strict_json(),
+            r#"{"schema":"kvconnect.compat.v1","model_fingerprint":"ffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff","cache_dtype":"bf16","kv_groups":[{"kind":{"kind":"sliding_window","window":128},"layers":[0,2]},{"kind":{"kind":"full"},"layers":[1,3]}],"transfer_mode":"pull"}"#
+        );
+        // Cross-checked with `printf %s <strict_json> | sha256sum`.
+        assert_eq!(d.compat_hash(), "33a45f5e299d74a76c6bc0d83b65bd0ebf19e4be74c90c03d8f812686cc28009");
+    }
+
+    #[test]
+    fn provenance_reaches_the_descriptor() {
+        let model = gpt_oss();
+        let (_, d) =
+            negotiate_deployment(&model, (&opts(), &[lmcache(), nixl()]), (&opts(), &[nixl()])).unwrap();
+        let dd = CompatDescriptor::new(&model, &d, &opts());
+        let hma = dd.provenance.iter().find(|p| p.field == "hma").unwrap();
+        assert_eq!(hma.decided_by, DecidedBy::Peer("lmcache".into()));
+        assert_eq!(dd.connectors, vec![("nixl".to_owned(), "0.1.0".to_owned())]);
+        assert_eq!(dd.model_fingerprint, model.fingerprint());
+    }
+}
