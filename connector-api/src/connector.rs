@@ -161,6 +161,17 @@ pub trait ConnectorFactory: Send + Sync {
         model: Option<&ModelSpec>,
     ) -> ConnectorResult<Capabilities>;
 
+    /// For a composite: every leaf connector it combines, in order, each with its own
+    /// declaration, so negotiation names the child that decides each field and attaches an
+    /// adapter to the child that needs it. `None` (the default) for a plain connector.
+    fn child_capabilities(
+        &self,
+        _config: &KvTransferConfig,
+        _model: Option<&ModelSpec>,
+    ) -> ConnectorResult<Option<Vec<crate::negotiate::ChildCaps>>> {
+        Ok(None)
+    }
+
     /// Creates the scheduler half.
     fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>>;
 

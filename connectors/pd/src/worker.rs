@@ -1,0 +1,225 @@
+//! The composite's worker half: every call fans out to every child in order; finished
+//! transfers are aggregated so a request is reported once, when every child involved is
+//! done.
+
+use crate::error::PdError;
+use crate::meta::MetaEnvelope;
+use kvconnect_api::{
+    BlockId, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, LayerId, RequestId,
+    WorkerConnector,
+};
+use std::collections::{BTreeSet, HashMap};
+
+/// A request some children still have to report.
+#[derive(Debug, Default)]
+struct Waiting {
+    children: BTreeSet<usize>,
+    failed: bool,
+}
+
+/// The worker half of the composite.
+pub struct PdWorker {
+    children: Vec<(String, Box<dyn WorkerConnector>)>,
+    sending: HashMap<RequestId, Waiting>,
+    /// Children that reported a request as sent before the metadata saying they delayed it.
+    sent_early: HashMap<RequestId, BTreeSet<usize>>,
+    recving: HashMap<RequestId, Waiting>,
+    ready_sending: Vec<RequestId>,
+}
+
+impl PdWorker {
+    /// A composite over these children (names unique, in order).
+    pub fn new(children: Vec<(String, Box<dyn WorkerConnector>)>) -> Self {
+        PdWorker {
+            children,
+            sending: HashMap::new(),
+            sent_early: HashMap::new(),
+            recving: HashMap::new(),
+            ready_sending: Vec::new(),
+        }
+    }
+
+    fn each(
+        &mut self,
+        mut f: impl FnMut(&mut Box<dyn WorkerConnector>) -> ConnectorResult<()>,
+    ) -> ConnectorResult<()> {
+        for (name, child) in self.children.iter_mut() {
+            f(child).map_err(|e| child_err(name, e))?;
+        }
+        Ok(())
+    }
+}
+
+fn child_err(name: &str, e: ConnectorError) -> ConnectorError {
+    PdError::Child { child: name.to_owned(), source: e }.into()
+}
+
+fn push_unique(v: &mut Vec<RequestId>, r: RequestId) {
+    if !v.contains(&r) {
+        v.push(r);
+    }
+}
+
+impl WorkerConnector for PdWorker {
+    fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        self.each(|c| c.register_kv_caches(regions))
+    }
+
+    fn bind_connector_meta(&mut self, meta: &[u8]) -> ConnectorResult<()> {
+        let names: Vec<String> = self.children.iter().map(|(n, _)| n.clone()).collect();
+        let env = MetaEnvelope::decode(meta, &names)?;
+        for (part, (name, child)) in env.parts.iter().zip(self.children.iter_mut()) {
+            child.bind_connector_meta(&part.bytes).map_err(|e| child_err(name, e))?;
+        }
+        for (req, delayers) in env.delayed {
+            let early = self.sent_early.remove(&req).unwrap_or_default();
+            let left: BTreeSet<usize> = delayers.into_iter().filter(|i| !early.contains(i)).collect();
+            if left.is_empty() {
+                push_unique(&mut self.ready_sending, req);
+            } else {
+                self.sending.insert(req, Waiting { children: left, failed: false });
+            }
+        }
+        for (req, loaders) in env.loads {
+            self.recving.insert(req, Waiting { children: loaders.into_iter().collect(), failed: false });
+        }
+        Ok(())
+    }
+
+    fn start_load_kv(&mut self) -> ConnectorResult<()> {
+        self.each(|c| c.start_load_kv())
+    }
+
+    fn wait_for_layer_load(&mut self, layer: LayerId) -> ConnectorResult<()> {
+        self.each(|c| c.wait_for_layer_load(layer))
+    }
+
+    fn save_kv_layer(&mut self, layer: LayerId, block_ids: &[BlockId]) -> ConnectorResult<()> {
+        self.each(|c| c.save_kv_layer(layer, block_ids))
+    }
+
+    fn wait_for_save(&mut self) -> ConnectorResult<()> {
+        self.each(|c| c.wait_for_save())
+    }
+
+    fn get_finished(&mut self, finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
+        let mut out = FinishedTransfers {
+            finished_sending: std::mem::take(&mut self.ready_sending),
+            ..Default::default()
+        };
+        for (i, (name, child)) in self.children.iter_mut().enumerate() {
+            let ft = child.get_finished(finished_reqs).map_err(|e| child_err(name, e))?;
+            for r in ft.finished_sending {
+                match self.sending.get_mut(&r) {
+                    Some(w) => {
+                        w.children.remove(&i);
+                        if w.children.is_empty() {
+                            self.sending.remove(&r);
+                            push_unique(&mut out.finished_sending, r);
+                        }
+                    }
+                    None => {
+                        self.sent_early.entry(r).or_default().insert(i);
+                    }
+                }
+            }
+            for r in ft.failed_recving {
+                let w = self.recving.entry(r.clone()).or_default();
+                w.children.remove(&i);
+                if !w.failed {
+                    w.failed = true;
+                    push_unique(&mut out.failed_recving, r.clone());
+                }
+                if w.children.is_empty() {
+                    self.recving.remove(&r);
+                }
+            }
+            for r in ft.finished_recving {
+                match self.recving.get_mut(&r) {
+                    Some(w) => {
+                        w.children.remove(&i);
+                        let done = w.children.is_empty();
+                        let failed = w.failed;
+                        if done {
+                            self.recving.remove(&r);
+                            if !failed {
+                                push_unique(&mut out.finished_recving, r);
+                            }
+                        }
+                    }
+                    // A load the scheduler did not route through the envelope: the child that
+                    // loads it is the one reporting it.
+                    None => push_unique(&mut out.finished_recving, r),
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
+        let mut all = BTreeSet::new();
+        for (name, child) in self.children.iter_mut() {
+            all.extend(child.block_ids_with_load_errors().map_err(|e| child_err(name, e))?);
+        }
+        Ok(all.into_iter().collect())
+    }
+
+    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
+        let mut map = serde_json::Map::new();
+        for (name, child) in self.children.iter_mut() {
+            if let Some(v) = child.handshake_metadata().map_err(|e| child_err(name, e))? {
+                map.insert(name.clone(), v);
+            }
+        }
+        Ok(if map.is_empty() { None } else { Some(serde_json::Value::Object(map)) })
+    }
+
+    fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()> {
+        let names: Vec<String> = self.children.iter().map(|(n, _)| n.clone()).collect();
+        let obj = peer.as_object().ok_or_else(|| {
+            PdError::BadPeer(format!(
+                "expected a JSON object keyed by child name ({}), got {}",
+                names.join(", "),
+                short(peer)
+            ))
+        })?;
+        if !names.iter().any(|n| obj.contains_key(n)) {
+            return Err(PdError::BadPeer(format!(
+                "it has keys [{}] but this composite's children are [{}]; a plain connector's metadata must be wrapped as {{\"<its name>\": ...}}",
+                obj.keys().cloned().collect::<Vec<_>>().join(", "),
+                names.join(", ")
+            ))
+            .into());
+        }
+        for k in obj.keys().filter(|k| !names.contains(k)) {
+            tracing::debug!(key = %k, "peer handshake metadata for a child this composite does not have; ignored");
+        }
+        for (name, child) in self.children.iter_mut() {
+            // A child with no counterpart on the peer (e.g. a local cache) gets nothing.
+            if let Some(v) = obj.get(name.as_str()) {
+                child.set_peer_handshake_metadata(v).map_err(|e| child_err(name, e))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn shutdown(&mut self) -> ConnectorResult<()> {
+        // Every child is shut down even when one fails; the first failure is reported.
+        let mut first = None;
+        for (name, child) in self.children.iter_mut() {
+            if let Err(e) = child.shutdown() {
+                first.get_or_insert(child_err(name, e));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+fn short(v: &serde_json::Value) -> String {
+    let s = v.to_string();
+    if s.len() > 80 {
+        format!("{}...", s.chars().take(80).collect::<String>())
+    } else {
+        s
+    }
+}
