@@ -14,6 +14,7 @@ use crate::model::{AttentionKind, Dtype, ModelSpec};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
+use std::sync::OnceLock;
 
 /// The hybrid KV cache manager setting (vLLM's `--disable-hybrid-kv-cache-manager`, as a
 /// tri-state so "let negotiation decide" is the default).
@@ -621,6 +622,12 @@ fn labels(parties: &[&Party]) -> Vec<String> {
     parties.iter().map(|p| p.label.clone()).collect()
 }
 
+/// Every layout, built once: `KvLayout::all()` filters 3125 candidate orders each call.
+fn all_layouts() -> &'static [KvLayout] {
+    static ALL: OnceLock<Vec<KvLayout>> = OnceLock::new();
+    ALL.get_or_init(KvLayout::all)
+}
+
 /// The order layouts are tried in: children's preferences in child order, then the common
 /// layouts, then every permutation.
 fn preference_order(parties: &[Party], with_all: bool) -> Vec<KvLayout> {
@@ -639,7 +646,7 @@ fn preference_order(parties: &[Party], with_all: bool) -> Vec<KvLayout> {
         push(l);
     }
     if with_all {
-        for l in KvLayout::all() {
+        for l in all_layouts().iter().copied() {
             push(l);
         }
     }
@@ -694,7 +701,7 @@ fn native_layout(caps: &Capabilities) -> KvLayout {
         .chain(KvLayout::COMMON.iter())
         .copied()
         .find(|l| c.accepts(*l))
-        .or_else(|| KvLayout::all().into_iter().find(|l| c.accepts(*l)))
+        .or_else(|| all_layouts().iter().copied().find(|l| c.accepts(*l)))
         .or_else(|| c.required.first().copied())
         .unwrap_or(KvLayout::LBNHC)
 }
