@@ -1,0 +1,722 @@
+//! The P/D side channel: the handshake a decode worker makes with a prefill worker before it
+//! loads any KV from it (DESIGN.md §6, §8; notes on the wire format in PD_PROTOCOL).
+//!
+//! Frames are a big-endian `u32` length followed by that many bytes of JSON. Every read has a
+//! timeout and every frame a size cap, so a peer that stalls, lies about a length or sends
+//! garbage costs one connection, never the server. The listener binds loopback unless told
+//! otherwise; bound elsewhere it can require a shared token in the `hello`.
+//!
+//! The decode side sends `hello` with its [`CompatDescriptor`]; the prefill side checks it
+//! with [`kvconnect_api::compat::check`] and answers `welcome` (its own descriptor and its
+//! connector's handshake metadata) or `refused` with the field-level diff, worded by role.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvconnect_api::compat::{check_roles, AdaptationPlan, CompatDescriptor, FieldDiff};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// The largest frame either side accepts (16 MiB): far above any real handshake, far below
+/// what would let a peer make the server allocate without bound.
+pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
+
+/// How long a read (a length prefix or a body) may take before the connection is dropped.
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What went wrong on the side channel.
+#[derive(Debug, thiserror::Error)]
+pub enum SideChannelError {
+    /// The listener could not bind.
+    #[error("side channel: cannot listen on {addr}: {source}; pick a free port with --side-channel-port or 0 for any")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Connecting to a peer failed.
+    #[error("side channel: cannot connect to {addr}: {message}; is the prefill worker running and is remote_host/remote_port right?")]
+    Connect {
+        /// The peer address as given.
+        addr: String,
+        /// What failed.
+        message: String,
+    },
+    /// A socket read or write failed.
+    #[error("side channel: I/O with {peer} failed: {source}")]
+    Io {
+        /// The peer.
+        peer: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The peer closed the connection before a whole frame arrived.
+    #[error("side channel: {peer} closed the connection in the middle of a frame")]
+    Closed {
+        /// The peer.
+        peer: String,
+    },
+    /// A read took longer than the timeout.
+    #[error("side channel: {peer} sent nothing for {after:?} while {what}; closing the connection")]
+    Timeout {
+        /// The peer.
+        peer: String,
+        /// What was being read.
+        what: &'static str,
+        /// The timeout.
+        after: Duration,
+    },
+    /// A frame's length prefix is above the cap.
+    #[error(
+        "side channel: {peer} announced a {len}-byte frame, above the {cap}-byte cap; closing the connection"
+    )]
+    FrameTooLarge {
+        /// The peer.
+        peer: String,
+        /// The announced length.
+        len: u64,
+        /// The cap.
+        cap: usize,
+    },
+    /// A frame is not a message of this protocol.
+    #[error("side channel: {peer} sent a frame that is not a kvconnect handshake message ({message}); closing the connection")]
+    Garbage {
+        /// The peer.
+        peer: String,
+        /// The parser's message.
+        message: String,
+    },
+    /// The peer answered with a message that makes no sense at this point.
+    #[error("side channel: {peer} answered with an unexpected '{got}' message")]
+    Unexpected {
+        /// The peer.
+        peer: String,
+        /// The message type.
+        got: &'static str,
+    },
+    /// A message could not be encoded (a bug, or metadata that is not JSON-encodable).
+    #[error("side channel: cannot encode a message: {0}")]
+    Encode(String),
+}
+
+/// One message on the side channel.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum Message {
+    /// Decode → prefill: who I am and how my KV cache is laid out.
+    Hello {
+        /// The decode engine's descriptor.
+        compat: CompatDescriptor,
+        /// The decode engine's id.
+        engine_id: String,
+        /// The shared token, when the prefill side requires one.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<String>,
+    },
+    /// Prefill → decode: compatible; here is how to reach my KV.
+    Welcome {
+        /// The prefill engine's descriptor.
+        compat: CompatDescriptor,
+        /// The prefill engine's id.
+        engine_id: String,
+        /// The prefill connector's `handshake_metadata()`.
+        metadata: Option<serde_json::Value>,
+    },
+    /// Prefill → decode: not compatible (or not allowed); nothing may be loaded.
+    Refused {
+        /// The strict fields that differ, with both sides' provenance.
+        diff: Vec<FieldDiff>,
+        /// The whole reason, worded by role, with remedies.
+        message: String,
+    },
+}
+
+impl Message {
+    fn kind(&self) -> &'static str {
+        match self {
+            Message::Hello { .. } => "hello",
+            Message::Welcome { .. } => "welcome",
+            Message::Refused { .. } => "refused",
+        }
+    }
+}
+
+/// Writes one frame: the JSON's length as a big-endian `u32`, then the JSON.
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    msg: &Message,
+    peer: &str,
+) -> Result<(), SideChannelError> {
+    let body = serde_json::to_vec(msg).map_err(|e| SideChannelError::Encode(e.to_string()))?;
+    let len = u32::try_from(body.len()).map_err(|_| {
+        SideChannelError::Encode(format!("a {}-byte message does not fit a frame", body.len()))
+    })?;
+    let io = |source| SideChannelError::Io { peer: peer.to_owned(), source };
+    w.write_all(&len.to_be_bytes()).await.map_err(io)?;
+    w.write_all(&body).await.map_err(io)?;
+    w.flush().await.map_err(io)
+}
+
+/// Reads one frame, enforcing the cap before allocating and the timeout on every read.
+/// `Ok(None)` means the peer closed the connection cleanly between frames.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    cap: usize,
+    timeout: Duration,
+    peer: &str,
+) -> Result<Option<Message>, SideChannelError> {
+    let mut len_buf = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        let n = tokio::time::timeout(timeout, r.read(&mut len_buf[got..]))
+            .await
+            .map_err(|_| SideChannelError::Timeout {
+                peer: peer.to_owned(),
+                what: "reading a frame length",
+                after: timeout,
+            })?
+            .map_err(|source| SideChannelError::Io { peer: peer.to_owned(), source })?;
+        if n == 0 {
+            return if got == 0 { Ok(None) } else { Err(SideChannelError::Closed { peer: peer.to_owned() }) };
+        }
+        got += n;
+    }
+    let len = u32::from_be_bytes(len_buf) as usize;
+    if len > cap {
+        return Err(SideChannelError::FrameTooLarge { peer: peer.to_owned(), len: len as u64, cap });
+    }
+    let mut body = vec![0u8; len];
+    tokio::time::timeout(timeout, r.read_exact(&mut body))
+        .await
+        .map_err(|_| SideChannelError::Timeout {
+            peer: peer.to_owned(),
+            what: "reading a frame body",
+            after: timeout,
+        })?
+        .map_err(|source| match source.kind() {
+            std::io::ErrorKind::UnexpectedEof => SideChannelError::Closed { peer: peer.to_owned() },
+            _ => SideChannelError::Io { peer: peer.to_owned(), source },
+        })?;
+    serde_json::from_slice(&body)
+        .map(Some)
+        .map_err(|e| SideChannelError::Garbage { peer: peer.to_owned(), message: e.to_string() })
+}
+
+/// Where and how the server listens.
+#[derive(Debug, Clone)]
+pub struct SideChannelConfig {
+    /// Address to bind; loopback by default.
+    pub host: IpAddr,
+    /// Port; 0 picks a free one.
+    pub port: u16,
+    /// A token every `hello` must carry (recommended when `host` is not loopback).
+    pub token: Option<String>,
+    /// Timeout of every read.
+    pub read_timeout: Duration,
+    /// Frame size cap.
+    pub max_frame: usize,
+}
+
+impl Default for SideChannelConfig {
+    fn default() -> Self {
+        SideChannelConfig {
+            host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port: 0,
+            token: None,
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            max_frame: DEFAULT_MAX_FRAME,
+        }
+    }
+}
+
+/// What the prefill side answers with: its identity and its connector's metadata.
+#[derive(Debug, Clone)]
+pub struct LocalIdentity {
+    /// This engine's descriptor.
+    pub compat: CompatDescriptor,
+    /// This engine's id.
+    pub engine_id: String,
+    /// The connector's `handshake_metadata()`.
+    pub metadata: Option<serde_json::Value>,
+}
+
+/// Counters a worker exposes on /health and /metrics.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    /// Handshakes answered with `welcome`.
+    pub welcomed: AtomicU64,
+    /// Handshakes answered with `refused`.
+    pub refused: AtomicU64,
+    /// Connections closed because the peer misbehaved (garbage, oversized, timeout).
+    pub dropped: AtomicU64,
+}
+
+/// A snapshot of [`ServerStats`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServerStatsSnapshot {
+    /// Handshakes answered with `welcome`.
+    pub welcomed: u64,
+    /// Handshakes answered with `refused`.
+    pub refused: u64,
+    /// Connections closed because the peer misbehaved.
+    pub dropped: u64,
+}
+
+impl ServerStats {
+    /// The current values.
+    pub fn snapshot(&self) -> ServerStatsSnapshot {
+        ServerStatsSnapshot {
+            welcomed: self.welcomed.load(Ordering::Relaxed),
+            refused: self.refused.load(Ordering::Relaxed),
+            dropped: self.dropped.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// The role-aware wording of a refusal: a header naming both engines, then one line per
+/// differing field, `hma: prefill=off (child 'lmcache' ...), decode=on (default): <remedy>`.
+/// The diffs are those of `check_roles(prefill, decode)`.
+pub fn render_refusal(prefill_engine: &str, decode_engine: &str, diffs: &[FieldDiff]) -> String {
+    let mut s = format!(
+        "prefill engine '{prefill_engine}' and decode engine '{decode_engine}' have incompatible KV caches; no KV was transferred:"
+    );
+    for d in diffs {
+        s.push_str("\n  ");
+        s.push_str(&d.line("prefill", "decode"));
+    }
+    s
+}
+
+fn tokens_equal(a: &str, b: &str) -> bool {
+    // Compare every byte so the time taken does not reveal how much of a guess was right.
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    let mut diff = a.len() ^ b.len();
+    for i in 0..a.len().max(b.len()) {
+        diff |= (*a.get(i).unwrap_or(&0) ^ *b.get(i).unwrap_or(&0)) as usize;
+    }
+    diff == 0
+}
+
+/// The prefill side's answer to one `hello`.
+pub fn answer_hello(local: &LocalIdentity, required_token: Option<&str>, hello: Message) -> Message {
+    let Message::Hello { compat, engine_id, token } = hello else {
+        return Message::Refused {
+            diff: Vec::new(),
+            message: format!("expected a 'hello' message first, got '{}'", hello.kind()),
+        };
+    };
+    if let Some(want) = required_token {
+        if !token.as_deref().is_some_and(|t| tokens_equal(t, want)) {
+            return Message::Refused {
+                diff: Vec::new(),
+                message: format!(
+                    "prefill engine '{}' requires a side-channel token and the one from decode engine '{engine_id}' is missing or wrong; set the same side_channel_token on both workers",
+                    local.engine_id
+                ),
+            };
+        }
+    }
+    match check_roles(&local.compat, &compat) {
+        Ok(_) => Message::Welcome {
+            compat: local.compat.clone(),
+            engine_id: local.engine_id.clone(),
+            metadata: local.metadata.clone(),
+        },
+        Err(inc) => Message::Refused {
+            message: render_refusal(&local.engine_id, &engine_id, &inc.diffs),
+            diff: inc.diffs,
+        },
+    }
+}
+
+/// A running side-channel listener. Dropping it stops accepting.
+pub struct SideChannelServer {
+    addr: SocketAddr,
+    stats: Arc<ServerStats>,
+    stop: watch::Sender<bool>,
+}
+
+impl SideChannelServer {
+    /// Binds and starts serving on the current tokio runtime.
+    pub async fn bind(
+        cfg: SideChannelConfig,
+        local: LocalIdentity,
+    ) -> Result<SideChannelServer, SideChannelError> {
+        let want = SocketAddr::new(cfg.host, cfg.port);
+        let listener =
+            TcpListener::bind(want).await.map_err(|source| SideChannelError::Bind { addr: want, source })?;
+        let addr = listener.local_addr().map_err(|source| SideChannelError::Bind { addr: want, source })?;
+        if !cfg.host.is_loopback() && cfg.token.is_none() {
+            tracing::warn!(%addr, "side channel listens beyond loopback without a token; any host that can reach it may handshake");
+        }
+        let stats = Arc::new(ServerStats::default());
+        let (stop, stop_rx) = watch::channel(false);
+        let local = Arc::new(local);
+        let cfg = Arc::new(cfg);
+        let st = stats.clone();
+        tokio::spawn(accept_loop(listener, cfg, local, st, stop_rx));
+        Ok(SideChannelServer { addr, stats, stop })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> Arc<ServerStats> {
+        self.stats.clone()
+    }
+}
+
+impl Drop for SideChannelServer {
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    cfg: Arc<SideChannelConfig>,
+    local: Arc<LocalIdentity>,
+    stats: Arc<ServerStats>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((sock, peer)) => {
+                    tokio::spawn(serve_connection(sock, peer, cfg.clone(), local.clone(), stats.clone()));
+                }
+                Err(e) => {
+                    // Running out of descriptors is transient; back off instead of spinning.
+                    tracing::warn!(error = %e, "side channel: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        }
+    }
+}
+
+async fn serve_connection(
+    mut sock: TcpStream,
+    peer: SocketAddr,
+    cfg: Arc<SideChannelConfig>,
+    local: Arc<LocalIdentity>,
+    stats: Arc<ServerStats>,
+) {
+    let peer_s = peer.to_string();
+    // A peer may handshake several times on one connection; each `hello` gets an answer.
+    loop {
+        let msg = match read_frame(&mut sock, cfg.max_frame, cfg.read_timeout, &peer_s).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return,
+            Err(e) => {
+                stats.dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = %peer_s, reason = %e, "side channel: closing connection");
+                return;
+            }
+        };
+        let answer = answer_hello(&local, cfg.token.as_deref(), msg);
+        match &answer {
+            Message::Welcome { .. } => {
+                stats.welcomed.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(peer = %peer_s, "side channel: handshake accepted");
+            }
+            Message::Refused { message, .. } => {
+                stats.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = %peer_s, "side channel: handshake refused: {message}");
+            }
+            Message::Hello { .. } => {}
+        }
+        if let Err(e) = write_frame(&mut sock, &answer, &peer_s).await {
+            tracing::warn!(peer = %peer_s, reason = %e, "side channel: closing connection");
+            return;
+        }
+    }
+}
+
+/// What a decode worker learns from a handshake.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HandshakeOutcome {
+    /// The peer is compatible.
+    Welcome {
+        /// The peer's descriptor.
+        compat: CompatDescriptor,
+        /// The peer's engine id.
+        engine_id: String,
+        /// The peer connector's handshake metadata.
+        metadata: Option<serde_json::Value>,
+        /// What this (receiving) side applies to the peer's bytes.
+        plan: AdaptationPlan,
+    },
+    /// The peer refused, or its answer shows a mismatch: nothing may be loaded from it.
+    Refused {
+        /// The differing fields.
+        diff: Vec<FieldDiff>,
+        /// The reason, worded by role.
+        message: String,
+    },
+}
+
+/// Decode side: handshakes with the prefill worker at `addr` (`host:port`).
+pub async fn handshake(
+    addr: &str,
+    local: &CompatDescriptor,
+    engine_id: &str,
+    token: Option<&str>,
+    timeout: Duration,
+) -> Result<HandshakeOutcome, SideChannelError> {
+    let connect_err = |message: String| SideChannelError::Connect { addr: addr.to_owned(), message };
+    let mut sock = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| connect_err(format!("no answer within {timeout:?}")))?
+        .map_err(|e| connect_err(e.to_string()))?;
+    let _ = sock.set_nodelay(true);
+    let hello = Message::Hello {
+        compat: local.clone(),
+        engine_id: engine_id.to_owned(),
+        token: token.map(str::to_owned),
+    };
+    write_frame(&mut sock, &hello, addr).await?;
+    let answer = read_frame(&mut sock, DEFAULT_MAX_FRAME, timeout, addr)
+        .await?
+        .ok_or_else(|| SideChannelError::Closed { peer: addr.to_owned() })?;
+    match answer {
+        Message::Welcome { compat, engine_id: peer_engine, metadata } => {
+            // Check again from this side: the plan is what the receiver applies, and a peer
+            // that welcomes a mismatch must not get its bytes written into our cache.
+            match check_roles(&compat, local) {
+                Ok(plan) => Ok(HandshakeOutcome::Welcome { compat, engine_id: peer_engine, metadata, plan }),
+                Err(inc) => Ok(HandshakeOutcome::Refused {
+                    message: render_refusal(&peer_engine, engine_id, &inc.diffs),
+                    diff: inc.diffs,
+                }),
+            }
+        }
+        Message::Refused { diff, message } => Ok(HandshakeOutcome::Refused { diff, message }),
+        other @ Message::Hello { .. } => {
+            Err(SideChannelError::Unexpected { peer: addr.to_owned(), got: other.kind() })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvconnect_api::negotiate::{negotiate, ChildCaps, EngineOptions};
+    use kvconnect_api::{KvTransferConfig, ModelSpec};
+
+    const REFERENCE: &str = include_str!("../../fixtures/models/kvconnect--reference/config.json");
+
+    fn descriptor(children: &[&str]) -> CompatDescriptor {
+        let model = ModelSpec::from_hf_config_json(REFERENCE).unwrap();
+        let cfg = KvTransferConfig::named("x");
+        let caps: Vec<ChildCaps> = children
+            .iter()
+            .map(|n| ChildCaps {
+                name: (*n).to_owned(),
+                version: "0.1.0".to_owned(),
+                caps: match *n {
+                    "nixl" => kvconnect_nixl::caps::capabilities(&cfg, Some(&model)).unwrap(),
+                    "lmcache" => kvconnect_lmcache::caps::capabilities(&cfg, Some(&model)).unwrap(),
+                    other => panic!("{other}"),
+                },
+            })
+            .collect();
+        let opts = EngineOptions::default();
+        let n = negotiate(&model, &opts, &caps).unwrap();
+        CompatDescriptor::new(&model, &n, &opts)
+    }
+
+    fn identity(children: &[&str]) -> LocalIdentity {
+        LocalIdentity {
+            compat: descriptor(children),
+            engine_id: "prefill-0".into(),
+            metadata: Some(serde_json::json!({"nixl": {"addr": "127.0.0.1:1"}})),
+        }
+    }
+
+    async fn server(children: &[&str], cfg: SideChannelConfig) -> SideChannelServer {
+        SideChannelServer::bind(cfg, identity(children)).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn frames_round_trip_through_a_pipe() {
+        let (mut a, mut b) = tokio::io::duplex(1 << 20);
+        let msg = Message::Refused { diff: Vec::new(), message: "x".repeat(1000) };
+        write_frame(&mut a, &msg, "t").await.unwrap();
+        write_frame(&mut a, &msg, "t").await.unwrap();
+        drop(a);
+        for _ in 0..2 {
+            assert_eq!(
+                read_frame(&mut b, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "t").await.unwrap(),
+                Some(msg.clone())
+            );
+        }
+        assert_eq!(read_frame(&mut b, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "t").await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn length_prefix_is_big_endian_u32() {
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        let msg = Message::Refused { diff: Vec::new(), message: "m".into() };
+        write_frame(&mut a, &msg, "t").await.unwrap();
+        let mut len = [0u8; 4];
+        b.read_exact(&mut len).await.unwrap();
+        let body = serde_json::to_vec(&msg).unwrap();
+        assert_eq!(u32::from_be_bytes(len) as usize, body.len());
+    }
+
+    #[tokio::test]
+    async fn oversized_frame_is_refused_before_reading_it() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&(1024u32).to_be_bytes()).await.unwrap();
+        let e = read_frame(&mut b, 512, DEFAULT_READ_TIMEOUT, "peer").await.unwrap_err();
+        assert!(matches!(e, SideChannelError::FrameTooLarge { len: 1024, cap: 512, .. }), "{e}");
+        assert!(e.to_string().contains("above the 512-byte cap"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_stalled_peer_times_out() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&[0, 0]).await.unwrap();
+        let e = read_frame(&mut b, 512, Duration::from_millis(50), "peer").await.unwrap_err();
+        assert!(matches!(e, SideChannelError::Timeout { what: "reading a frame length", .. }), "{e}");
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&10u32.to_be_bytes()).await.unwrap();
+        a.write_all(b"{\"ty").await.unwrap();
+        let e = read_frame(&mut b, 512, Duration::from_millis(50), "peer").await.unwrap_err();
+        assert!(matches!(e, SideChannelError::Timeout { what: "reading a frame body", .. }), "{e}");
+    }
+
+    #[tokio::test]
+    async fn garbage_and_truncation_are_errors_not_panics() {
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&5u32.to_be_bytes()).await.unwrap();
+        a.write_all(b"\xff\x00abc").await.unwrap();
+        let e = read_frame(&mut b, 512, DEFAULT_READ_TIMEOUT, "peer").await.unwrap_err();
+        assert!(matches!(e, SideChannelError::Garbage { .. }), "{e}");
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&100u32.to_be_bytes()).await.unwrap();
+        a.write_all(b"{}").await.unwrap();
+        drop(a);
+        let e = read_frame(&mut b, 512, DEFAULT_READ_TIMEOUT, "peer").await.unwrap_err();
+        assert!(matches!(e, SideChannelError::Closed { .. }), "{e}");
+    }
+
+    #[tokio::test]
+    async fn compatible_peers_are_welcomed_with_metadata() {
+        let s = server(&["nixl"], SideChannelConfig::default()).await;
+        assert!(s.local_addr().ip().is_loopback());
+        let out = handshake(
+            &s.local_addr().to_string(),
+            &descriptor(&["nixl"]),
+            "decode-0",
+            None,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        match out {
+            HandshakeOutcome::Welcome { engine_id, metadata, plan, .. } => {
+                assert_eq!(engine_id, "prefill-0");
+                assert_eq!(metadata.unwrap()["nixl"]["addr"], "127.0.0.1:1");
+                assert!(plan.is_identity());
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(s.stats().snapshot().welcomed, 1);
+    }
+
+    #[tokio::test]
+    async fn hma_mismatch_is_refused_with_the_field_diff() {
+        // DYN-3545: a composite with lmcache on prefill turns HMA off; a plain nixl decode
+        // negotiated alone keeps it on for the hybrid reference model.
+        let s = server(&["lmcache", "nixl"], SideChannelConfig::default()).await;
+        let out = handshake(
+            &s.local_addr().to_string(),
+            &descriptor(&["nixl"]),
+            "decode-0",
+            None,
+            Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+        let HandshakeOutcome::Refused { diff, message } = out else { panic!("{out:?}") };
+        assert!(diff.iter().any(|d| d.field == "hma"), "{diff:?}");
+        assert!(message.contains("hma: prefill=off"), "{message}");
+        assert!(message.contains("decode=on"), "{message}");
+        assert!(message.contains("lmcache"), "{message}");
+        assert_eq!(s.stats().snapshot().refused, 1);
+    }
+
+    #[tokio::test]
+    async fn a_required_token_must_match() {
+        let cfg = SideChannelConfig { token: Some("s3cret".into()), ..SideChannelConfig::default() };
+        let s = server(&["nixl"], cfg).await;
+        let addr = s.local_addr().to_string();
+        let d = descriptor(&["nixl"]);
+        let bad = handshake(&addr, &d, "decode-0", Some("guess"), Duration::from_secs(5)).await.unwrap();
+        assert!(
+            matches!(&bad, HandshakeOutcome::Refused { message, .. } if message.contains("token")),
+            "{bad:?}"
+        );
+        let none = handshake(&addr, &d, "decode-0", None, Duration::from_secs(5)).await.unwrap();
+        assert!(matches!(none, HandshakeOutcome::Refused { .. }));
+        let good = handshake(&addr, &d, "decode-0", Some("s3cret"), Duration::from_secs(5)).await.unwrap();
+        assert!(matches!(good, HandshakeOutcome::Welcome { .. }));
+    }
+
+    #[tokio::test]
+    async fn misbehaving_peers_are_dropped_and_others_still_served() {
+        let cfg = SideChannelConfig {
+            read_timeout: Duration::from_millis(200),
+            max_frame: 4096,
+            ..SideChannelConfig::default()
+        };
+        let s = server(&["nixl"], cfg).await;
+        let addr = s.local_addr().to_string();
+        // Garbage: a valid length, then bytes that are not a message.
+        let mut g = TcpStream::connect(&addr).await.unwrap();
+        g.write_all(&4u32.to_be_bytes()).await.unwrap();
+        g.write_all(b"junk").await.unwrap();
+        let mut buf = [0u8; 1];
+        assert_eq!(g.read(&mut buf).await.unwrap(), 0, "garbage connection must be closed");
+        // Oversized: a length above the cap.
+        let mut o = TcpStream::connect(&addr).await.unwrap();
+        o.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
+        assert_eq!(o.read(&mut buf).await.unwrap(), 0, "oversized connection must be closed");
+        // A stalled one is dropped after the timeout while a good one is served meanwhile.
+        let mut stalled = TcpStream::connect(&addr).await.unwrap();
+        stalled.write_all(&[0]).await.unwrap();
+        let out =
+            handshake(&addr, &descriptor(&["nixl"]), "decode-0", None, Duration::from_secs(5)).await.unwrap();
+        assert!(matches!(out, HandshakeOutcome::Welcome { .. }));
+        assert_eq!(stalled.read(&mut buf).await.unwrap(), 0, "stalled connection must be closed");
+        assert_eq!(s.stats().snapshot().dropped, 3);
+    }
+
+    #[tokio::test]
+    async fn connecting_to_nobody_names_the_address() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        drop(l);
+        let e =
+            handshake(&addr, &descriptor(&["nixl"]), "d", None, Duration::from_secs(2)).await.unwrap_err();
+        assert!(e.to_string().contains(&addr), "{e}");
+    }
+
+    #[test]
+    fn a_message_that_is_not_hello_is_refused() {
+        let local = identity(&["nixl"]);
+        let m = answer_hello(&local, None, Message::Refused { diff: Vec::new(), message: String::new() });
+        assert!(matches!(m, Message::Refused { message, .. } if message.contains("expected a 'hello'")));
+    }
+}
