@@ -44,7 +44,10 @@ pub fn resolve_children(cfg: &PdConfig, resolver: &dyn ConnectorResolver) -> Res
         let factory = resolver.resolve(config).map_err(|e| PdError::UnknownChild {
             index,
             name: config.kv_connector.clone(),
-            message: e.to_string(),
+            message: match e {
+                kvconnect_api::ConnectorError::InvalidConfig { message, .. } => message,
+                other => other.to_string(),
+            },
             known: resolver.known_names(),
         })?;
         let base = factory.info().name;

@@ -26,7 +26,10 @@ pub enum PdError {
         message: String,
     },
     /// A child names a connector nobody provides.
-    #[error("child {index} of the composite: cannot resolve connector '{name}' ({message}); known connectors: {}", known.join(", "))]
+    #[error(
+        "child {index} of the composite: cannot resolve connector '{name}': {}",
+        with_known(message, known)
+    )]
     UnknownChild {
         /// 0-based position in `connectors`.
         index: usize,
@@ -109,6 +112,15 @@ pub enum PdError {
     /// Peer handshake metadata that fits none of this composite's children.
     #[error("peer handshake metadata does not fit this composite: {0}")]
     BadPeer(String),
+}
+
+/// The resolver's message, with the known names appended unless it already lists them.
+pub fn with_known(message: &str, known: &[String]) -> String {
+    if !known.is_empty() && known.iter().all(|k| message.contains(k.as_str())) {
+        message.to_owned()
+    } else {
+        format!("{message}; known connectors: {}", known.join(", "))
+    }
 }
 
 impl From<PdError> for ConnectorError {

@@ -1,0 +1,153 @@
+//! `kvconnect negotiate`: one worker's effective KV layout, its compat hash and, with
+//! `--explain`, who decided every field and why.
+
+use crate::deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
+use anyhow::{anyhow, Context, Result};
+use kvconnect_api::compat::CompatDescriptor;
+use kvconnect_api::negotiate::{EngineOptions, HmaOption, Negotiated};
+use kvconnect_api::{ConnectorResolver, KvLayout, KvTransferConfig, ModelSpec};
+use std::io::Write;
+use std::path::PathBuf;
+
+/// Arguments of `kvconnect negotiate`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct NegotiateArgs {
+    /// The worker's vLLM --kv-transfer-config JSON.
+    #[arg(long = "kv-transfer-config", value_name = "JSON")]
+    pub kv_transfer_config: String,
+    /// The model's Hugging Face config.json.
+    #[arg(long, value_name = "CONFIG.json")]
+    pub model: PathBuf,
+    /// Hybrid KV cache manager: auto, on or off.
+    #[arg(long = "hybrid-kv-cache-manager", value_name = "auto|on|off", default_value = "auto")]
+    pub hybrid_kv_cache_manager: String,
+    /// Force a KV layout (NHD, HND, BLHNC, ... or any order of L, B, H, N, C).
+    #[arg(long = "kv-cache-layout", value_name = "LAYOUT")]
+    pub kv_cache_layout: Option<String>,
+    /// Tokens per block (default 16).
+    #[arg(long = "block-size", value_name = "N")]
+    pub block_size: Option<u32>,
+    /// Tensor-parallel size.
+    #[arg(long = "tp-size", value_name = "N", default_value_t = 1)]
+    pub tp_size: u32,
+    /// Cache dtype: auto (the model's), bf16, fp16, fp32, fp8, fp8_e5m2.
+    #[arg(long = "cache-dtype", value_name = "DTYPE")]
+    pub cache_dtype: Option<String>,
+    /// Forbid children from adapting their own data path to another layout.
+    #[arg(long = "no-adapters")]
+    pub no_adapters: bool,
+    /// Print the provenance of every field.
+    #[arg(long)]
+    pub explain: bool,
+    /// Print JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Reads a model config.json.
+pub fn read_model(path: &std::path::Path) -> Result<ModelSpec> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("model {}: cannot read it", path.display()))?;
+    ModelSpec::from_hf_config_json(&text).with_context(|| format!("model {}", path.display()))
+}
+
+fn options(args: &NegotiateArgs) -> Result<EngineOptions> {
+    let mut o = EngineOptions {
+        hybrid_kv_cache_manager: args
+            .hybrid_kv_cache_manager
+            .parse::<HmaOption>()
+            .map_err(|e| anyhow!("--hybrid-kv-cache-manager: {e}"))?,
+        tp_size: args.tp_size,
+        allow_adapters: !args.no_adapters,
+        ..EngineOptions::default()
+    };
+    if args.tp_size == 0 {
+        return Err(anyhow!("--tp-size must be a positive integer, got 0"));
+    }
+    if let Some(l) = &args.kv_cache_layout {
+        o.kv_cache_layout = Some(l.parse::<KvLayout>().map_err(|e| anyhow!("--kv-cache-layout: {e}"))?);
+    }
+    if let Some(b) = args.block_size {
+        if b == 0 {
+            return Err(anyhow!("--block-size must be a positive integer, got 0"));
+        }
+        o.block_size = Some(b);
+    }
+    if let Some(d) = &args.cache_dtype {
+        o.cache_dtype = parse_cache_dtype(d).map_err(|m| anyhow!("--{}", m.replacen('_', "-", 1)))?;
+    }
+    Ok(o)
+}
+
+/// One line per negotiated field, values only.
+pub fn render_fields(n: &Negotiated) -> String {
+    let w = n.provenance.iter().map(|p| p.field.len()).max().unwrap_or(0);
+    n.provenance.iter().map(|p| format!("  {:<w$}  {}\n", p.field, p.value)).collect()
+}
+
+/// The adapters, one line each.
+pub fn render_adapters(n: &Negotiated) -> String {
+    n.adapters
+        .iter()
+        .map(|a| {
+            format!(
+                "  adapter: child '{}' works in {} natively and adapts its own copy path to {} (transpose, cost {})\n",
+                a.child,
+                a.native.display_name(),
+                a.effective.display_name(),
+                format!("{:?}", a.cost).to_lowercase()
+            )
+        })
+        .collect()
+}
+
+/// Runs `kvconnect negotiate`. Returns the exit code: 0 negotiated, 1 conflict; bad input
+/// is an error (exit 2).
+pub fn run(args: &NegotiateArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Write) -> Result<u8> {
+    let config = KvTransferConfig::from_json(&args.kv_transfer_config).context("--kv-transfer-config")?;
+    let model = read_model(&args.model)?;
+    let opts = options(args)?;
+    let (n, d) = match negotiate_worker(resolver, &config, &model, &opts, "worker") {
+        Ok(r) => r,
+        Err(DeploymentError::Conflict { conflict, .. }) => {
+            if args.json {
+                writeln!(out, "{}", serde_json::json!({ "ok": false, "conflict": conflict.to_string() }))?;
+            } else {
+                writeln!(out, "conflict: {conflict}")?;
+            }
+            return Ok(1);
+        }
+        Err(e) => return Err(e.into()),
+    };
+    if args.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&json(&n, &d))?)?;
+        return Ok(0);
+    }
+    let names: Vec<String> = n.children.iter().map(|c| format!("{} {}", c.name, c.version)).collect();
+    writeln!(out, "model: {} ({})", model.name, args.model.display())?;
+    writeln!(out, "connector: {} [{}]", config.kv_connector, names.join(", "))?;
+    writeln!(out, "effective layout:")?;
+    if args.explain {
+        for line in n.explain().lines() {
+            writeln!(out, "  {line}")?;
+        }
+    } else {
+        write!(out, "{}", render_fields(&n))?;
+    }
+    write!(out, "{}", render_adapters(&n))?;
+    writeln!(out, "compat hash: {}", d.compat_hash())?;
+    Ok(0)
+}
+
+/// The JSON form of one worker's negotiation.
+pub fn json(n: &Negotiated, d: &CompatDescriptor) -> serde_json::Value {
+    serde_json::json!({
+        "ok": true,
+        "effective": n.effective,
+        "compat_hash": d.compat_hash(),
+        "provenance": n.provenance,
+        "adapters": n.adapters,
+        "children": n.children.iter().map(|c| serde_json::json!({"name": c.name, "version": c.version})).collect::<Vec<_>>(),
+        "descriptor": d,
+    })
+}

@@ -1,0 +1,862 @@
+//! Deployment files: one model and the prefill and decode workers' kv-transfer-configs and
+//! engine options, in TOML, and their negotiation per role.
+//!
+//! ```toml
+//! model = "../../fixtures/models/openai--gpt-oss-20b/config.json"   # relative to this file
+//!
+//! [prefill]
+//! kv_transfer_config = '{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"LMCacheConnectorV1"},{"kv_connector":"NixlConnector"}]}}'
+//! hybrid_kv_cache_manager = "auto"     # auto | on | off
+//!
+//! [decode]
+//! kv_transfer_config = '{"kv_connector":"NixlConnector"}'
+//!
+//! [connectors]                          # optional named configs, usable as kv_connector
+//! cache = '{"kv_connector":"LMCacheConnectorV1","kv_connector_extra_config":{"chunk_size":128}}'
+//! ```
+//!
+//! A worker started from a deployment calls [`negotiate_role`], so both roles reach the same
+//! descriptor and hash by construction when negotiated jointly.
+
+use kvconnect_api::compat::{
+    check_roles, diff_roles, AdaptationPlan, CompatDescriptor, FieldDiff, Incompatible,
+};
+use kvconnect_api::negotiate::{ChildCaps, Conflict, EngineOptions, HmaOption, Negotiated};
+use kvconnect_api::{negotiate, negotiate_deployment};
+use kvconnect_api::{ConnectorResolver, Dtype, KvLayout, KvTransferConfig, ModelSpec};
+use serde::Deserialize;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use toml::Spanned;
+
+/// A worker's role in a deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Computes the prompt's KV and serves it.
+    Prefill,
+    /// Pulls the KV and generates.
+    Decode,
+}
+
+impl Role {
+    /// `prefill` or `decode`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = DeploymentError;
+    fn from_str(s: &str) -> Result<Role, DeploymentError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "prefill" | "p" => Ok(Role::Prefill),
+            "decode" | "d" => Ok(Role::Decode),
+            _ => Err(DeploymentError::BadRole { given: s.to_owned() }),
+        }
+    }
+}
+
+/// One role's worker config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoleConfig {
+    /// Its kv-transfer-config, named connector configs expanded.
+    pub kv_transfer_config: KvTransferConfig,
+    /// Its engine options.
+    pub options: EngineOptions,
+}
+
+/// A deployment file, read and checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Deployment {
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// The model config path, resolved against the file's directory.
+    pub model_path: PathBuf,
+    /// The model.
+    pub model: ModelSpec,
+    /// The prefill worker.
+    pub prefill: RoleConfig,
+    /// The decode worker.
+    pub decode: RoleConfig,
+}
+
+impl Deployment {
+    /// One role's config.
+    pub fn role(&self, role: Role) -> &RoleConfig {
+        match role {
+            Role::Prefill => &self.prefill,
+            Role::Decode => &self.decode,
+        }
+    }
+}
+
+/// Everything that can be wrong with a deployment or its negotiation. The variants up to
+/// `Connector` are bad input; `Conflict` and `Incompatible` are deployments that cannot work.
+#[derive(Debug, thiserror::Error)]
+pub enum DeploymentError {
+    /// The file cannot be read.
+    #[error("{}: cannot read the deployment file: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// Not valid TOML, or a value of the wrong type.
+    #[error("{}:{line}:{column}: {message}", path.display())]
+    Toml {
+        /// The file.
+        path: PathBuf,
+        /// 1-based line.
+        line: usize,
+        /// 1-based column.
+        column: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// Keys the deployment format does not have.
+    #[error("{}: unknown key{} {}; valid keys are: model, [connectors], and in [prefill]/[decode]: {}", path.display(), if keys.len() == 1 { "" } else { "s" }, keys.join(", "), ROLE_KEYS.join(", "))]
+    UnknownKeys {
+        /// The file.
+        path: PathBuf,
+        /// The keys, dotted (`prefill.kv_cache_layot`).
+        keys: Vec<String>,
+    },
+    /// A required key is missing.
+    #[error("{}: missing {key}: {hint}", path.display())]
+    Missing {
+        /// The file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// What to write.
+        hint: String,
+    },
+    /// An embedded kv-transfer-config is not valid JSON or not a kv-transfer-config.
+    #[error("{}:{line}:{column}: {what} is not a valid kv-transfer-config: {message}", path.display())]
+    Json {
+        /// The file.
+        path: PathBuf,
+        /// Which config (`[prefill] kv_transfer_config`, `[connectors] cache`).
+        what: String,
+        /// 1-based line in the file.
+        line: usize,
+        /// 1-based column in the file.
+        column: usize,
+        /// serde's message.
+        message: String,
+    },
+    /// An engine option with a value that names nothing.
+    #[error("{}:{line}:{column}: [{role}] {message}", path.display())]
+    BadOption {
+        /// The file.
+        path: PathBuf,
+        /// The role.
+        role: String,
+        /// 1-based line.
+        line: usize,
+        /// 1-based column.
+        column: usize,
+        /// What is wrong and the valid values.
+        message: String,
+    },
+    /// A named connector config that refers back to itself.
+    #[error("{}: named connector '{name}' contains itself ({chain}); a composite's children must not refer back to it", path.display())]
+    PresetLoop {
+        /// The file.
+        path: PathBuf,
+        /// The name that recurs.
+        name: String,
+        /// The chain of names.
+        chain: String,
+    },
+    /// The model config cannot be read.
+    #[error("{}: model {}: {message}", path.display(), model.display())]
+    Model {
+        /// The deployment file.
+        path: PathBuf,
+        /// The model path as resolved.
+        model: PathBuf,
+        /// Why.
+        message: String,
+    },
+    /// `--role` names no role.
+    #[error("unknown role '{given}'; valid roles are prefill and decode")]
+    BadRole {
+        /// What was given.
+        given: String,
+    },
+    /// A connector cannot be resolved, or its capabilities cannot be read.
+    #[error("{role}: {message}")]
+    Connector {
+        /// `prefill`, `decode` or `worker`.
+        role: String,
+        /// The connector's or composite's message.
+        message: String,
+    },
+    /// The role's children admit no effective layout.
+    #[error("{role}: {conflict}")]
+    Conflict {
+        /// `prefill`, `decode`, `deployment` (joint) or `worker`.
+        role: String,
+        /// The conflict.
+        conflict: Conflict,
+    },
+}
+
+impl DeploymentError {
+    /// True for a deployment that is well formed but cannot work (a negotiation conflict),
+    /// false for bad input.
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, DeploymentError::Conflict { .. })
+    }
+}
+
+/// The keys of a `[prefill]` / `[decode]` table.
+pub const ROLE_KEYS: [&str; 8] = [
+    "kv_transfer_config",
+    "hybrid_kv_cache_manager",
+    "kv_cache_layout",
+    "block_size",
+    "tp_size",
+    "cache_dtype",
+    "kv_buffer_device",
+    "allow_adapters",
+];
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum StrOrBool {
+    Str(String),
+    Bool(bool),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDeployment {
+    model: Option<Spanned<String>>,
+    prefill: Option<RawRole>,
+    decode: Option<RawRole>,
+    #[serde(default)]
+    connectors: std::collections::BTreeMap<String, Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRole {
+    kv_transfer_config: Option<Spanned<String>>,
+    hybrid_kv_cache_manager: Option<Spanned<StrOrBool>>,
+    kv_cache_layout: Option<Spanned<String>>,
+    block_size: Option<Spanned<i64>>,
+    tp_size: Option<Spanned<i64>>,
+    cache_dtype: Option<Spanned<String>>,
+    kv_buffer_device: Option<Spanned<String>>,
+    allow_adapters: Option<bool>,
+}
+
+/// 1-based (line, column) of a byte offset.
+fn line_col(src: &str, offset: usize) -> (usize, usize) {
+    let mut i = offset.min(src.len());
+    while i > 0 && !src.is_char_boundary(i) {
+        i -= 1;
+    }
+    let before = &src[..i];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+/// Byte offset in the file where a string value's content starts (past the quotes, and
+/// past the newline TOML drops right after an opening `'''` or `"""`).
+fn content_start(src: &str, span_start: usize) -> usize {
+    let rest = src.get(span_start..).unwrap_or("");
+    let mut off = span_start;
+    if rest.starts_with("'''") || rest.starts_with("\"\"\"") {
+        off += 3;
+        let after = src.get(off..).unwrap_or("");
+        if after.starts_with("\r\n") {
+            off += 2;
+        } else if after.starts_with('\n') {
+            off += 1;
+        }
+    } else if rest.starts_with('\'') || rest.starts_with('"') {
+        off += 1;
+    }
+    off
+}
+
+/// Parses an embedded kv-transfer-config, placing JSON errors at their line and column in
+/// the file. Exact for literal strings ('...' and '''...'''), which need no escapes and are
+/// what the examples use.
+fn parse_embedded(
+    path: &Path,
+    src: &str,
+    what: &str,
+    value: &Spanned<String>,
+) -> Result<serde_json::Value, DeploymentError> {
+    serde_json::from_str::<serde_json::Value>(value.get_ref()).map_err(|e| {
+        let start = content_start(src, value.span().start);
+        let (l0, c0) = line_col(src, start);
+        let (line, column) = if e.line() <= 1 {
+            (l0, c0 + e.column().saturating_sub(1))
+        } else {
+            (l0 + e.line() - 1, e.column())
+        };
+        DeploymentError::Json {
+            path: path.to_owned(),
+            what: what.to_owned(),
+            line,
+            column,
+            message: strip_pos(&e.to_string()),
+        }
+    })
+}
+
+/// serde_json's message without its own " at line L column C" (relative to the string, so
+/// misleading next to the file position).
+fn strip_pos(msg: &str) -> String {
+    match msg.rfind(" at line ") {
+        Some(i) => msg[..i].to_owned(),
+        None => msg.to_owned(),
+    }
+}
+
+/// Replaces every object whose `kv_connector` names a `[connectors]` entry by that entry
+/// (the referring object's other keys override the entry's), recursively through
+/// composites' `connectors` lists.
+fn expand_presets(
+    path: &Path,
+    v: serde_json::Value,
+    presets: &std::collections::BTreeMap<String, serde_json::Value>,
+    stack: &mut Vec<String>,
+) -> Result<serde_json::Value, DeploymentError> {
+    let serde_json::Value::Object(mut obj) = v else { return Ok(v) };
+    let name = obj.get("kv_connector").and_then(|n| n.as_str()).map(str::to_owned);
+    if let Some(name) = name.filter(|n| presets.contains_key(n)) {
+        if stack.contains(&name) {
+            let mut chain = stack.clone();
+            chain.push(name.clone());
+            return Err(DeploymentError::PresetLoop {
+                path: path.to_owned(),
+                name,
+                chain: chain.join(" -> "),
+            });
+        }
+        let Some(serde_json::Value::Object(base)) = presets.get(&name).cloned() else {
+            return Err(DeploymentError::Missing {
+                path: path.to_owned(),
+                key: format!("connectors.{name}"),
+                hint: "a named connector config must be a JSON object".to_owned(),
+            });
+        };
+        obj.remove("kv_connector");
+        let mut merged = base;
+        for (k, val) in obj {
+            merged.insert(k, val);
+        }
+        stack.push(name);
+        let out = expand_presets(path, serde_json::Value::Object(merged), presets, stack);
+        stack.pop();
+        return out;
+    }
+    if let Some(serde_json::Value::Object(extra)) = obj.get_mut("kv_connector_extra_config") {
+        if let Some(serde_json::Value::Array(list)) = extra.get_mut("connectors") {
+            let items = std::mem::take(list);
+            for item in items {
+                list.push(expand_presets(path, item, presets, stack)?);
+            }
+        }
+    }
+    Ok(serde_json::Value::Object(obj))
+}
+
+/// Every key the format does not have, dotted.
+fn unknown_keys(table: &toml::Table) -> Vec<String> {
+    let mut out = Vec::new();
+    for (k, v) in table {
+        match k.as_str() {
+            "model" | "connectors" => {}
+            "prefill" | "decode" => {
+                if let Some(t) = v.as_table() {
+                    out.extend(
+                        t.keys().filter(|rk| !ROLE_KEYS.contains(&rk.as_str())).map(|rk| format!("{k}.{rk}")),
+                    );
+                }
+            }
+            _ => out.push(k.clone()),
+        }
+    }
+    out
+}
+
+impl Deployment {
+    /// Reads and checks a deployment file.
+    pub fn load(path: &Path) -> Result<Deployment, DeploymentError> {
+        let src = std::fs::read_to_string(path)
+            .map_err(|source| DeploymentError::Read { path: path.to_owned(), source })?;
+        Deployment::parse(path, &src)
+    }
+
+    /// Parses a deployment; `path` places relative model paths and names the file in errors.
+    pub fn parse(path: &Path, src: &str) -> Result<Deployment, DeploymentError> {
+        let toml_err = |e: toml::de::Error| {
+            let (line, column) = e.span().map_or((1, 1), |s| line_col(src, s.start));
+            let message = e.message().trim().lines().map(str::trim).collect::<Vec<_>>().join("; ");
+            DeploymentError::Toml { path: path.to_owned(), line, column, message }
+        };
+        let table: toml::Table = src.parse().map_err(toml_err)?;
+        let unknown = unknown_keys(&table);
+        if !unknown.is_empty() {
+            return Err(DeploymentError::UnknownKeys { path: path.to_owned(), keys: unknown });
+        }
+        let raw: RawDeployment = toml::from_str(src).map_err(toml_err)?;
+        let missing = |key: &str, hint: &str| DeploymentError::Missing {
+            path: path.to_owned(),
+            key: key.to_owned(),
+            hint: hint.to_owned(),
+        };
+        let model_rel = raw.model.ok_or_else(|| {
+            missing("model", "add model = \"<path to the model's config.json>\" (relative to this file)")
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        let model_path = normalize(&base.join(model_rel.get_ref()));
+        let model_json = std::fs::read_to_string(&model_path).map_err(|e| DeploymentError::Model {
+            path: path.to_owned(),
+            model: model_path.clone(),
+            message: format!("cannot read it: {e}"),
+        })?;
+        let model = ModelSpec::from_hf_config_json(&model_json).map_err(|e| DeploymentError::Model {
+            path: path.to_owned(),
+            model: model_path.clone(),
+            message: e.to_string(),
+        })?;
+
+        let mut presets = std::collections::BTreeMap::new();
+        for (name, v) in &raw.connectors {
+            presets.insert(name.clone(), parse_embedded(path, src, &format!("[connectors] {name}"), v)?);
+        }
+
+        let role = |r: Role, raw: Option<RawRole>| -> Result<RoleConfig, DeploymentError> {
+            let raw = raw.ok_or_else(|| {
+                missing(
+                    &format!("[{r}]"),
+                    "add a table with at least kv_transfer_config = '<vLLM kv-transfer-config JSON>'",
+                )
+            })?;
+            let ktc = raw.kv_transfer_config.ok_or_else(|| {
+                missing(
+                    &format!("{r}.kv_transfer_config"),
+                    "set it to the worker's vLLM --kv-transfer-config JSON",
+                )
+            })?;
+            let what = format!("[{r}] kv_transfer_config");
+            let json = parse_embedded(path, src, &what, &ktc)?;
+            let json = expand_presets(path, json, &presets, &mut Vec::new())?;
+            let (line, column) = line_col(src, content_start(src, ktc.span().start));
+            let kv_transfer_config: KvTransferConfig =
+                serde_json::from_value(json).map_err(|e| DeploymentError::Json {
+                    path: path.to_owned(),
+                    what: what.clone(),
+                    line,
+                    column,
+                    message: e.to_string(),
+                })?;
+            let bad = |span: std::ops::Range<usize>, message: String| {
+                let (line, column) = line_col(src, span.start);
+                DeploymentError::BadOption {
+                    path: path.to_owned(),
+                    role: r.name().to_owned(),
+                    line,
+                    column,
+                    message,
+                }
+            };
+            let mut o = EngineOptions::default();
+            if let Some(h) = raw.hybrid_kv_cache_manager {
+                o.hybrid_kv_cache_manager = match h.get_ref() {
+                    StrOrBool::Bool(true) => HmaOption::On,
+                    StrOrBool::Bool(false) => HmaOption::Off,
+                    StrOrBool::Str(s) => {
+                        s.parse().map_err(|e: kvconnect_api::negotiate::OptionParseError| {
+                            bad(h.span(), e.to_string())
+                        })?
+                    }
+                };
+            }
+            if let Some(l) = raw.kv_cache_layout {
+                o.kv_cache_layout = Some(
+                    l.get_ref()
+                        .parse::<KvLayout>()
+                        .map_err(|e| bad(l.span(), format!("kv_cache_layout: {e}")))?,
+                );
+            }
+            let positive = |v: Spanned<i64>, key: &str| -> Result<u32, DeploymentError> {
+                u32::try_from(*v.get_ref()).ok().filter(|n| *n > 0).ok_or_else(|| {
+                    bad(v.span(), format!("{key} must be a positive integer, got {}", v.get_ref()))
+                })
+            };
+            if let Some(b) = raw.block_size {
+                o.block_size = Some(positive(b, "block_size")?);
+            }
+            if let Some(t) = raw.tp_size {
+                o.tp_size = positive(t, "tp_size")?;
+            }
+            if let Some(d) = raw.cache_dtype {
+                o.cache_dtype = parse_cache_dtype(d.get_ref()).map_err(|m| bad(d.span(), m))?;
+            }
+            if let Some(m) = raw.kv_buffer_device {
+                o.memory = Some(
+                    EngineOptions::memory_from_kv_buffer_device(m.get_ref())
+                        .map_err(|e| bad(m.span(), e.to_string()))?,
+                );
+            } else if let Some(dev) = &kv_transfer_config.kv_buffer_device {
+                o.memory = Some(EngineOptions::memory_from_kv_buffer_device(dev).map_err(|e| {
+                    let (line, column) = line_col(src, content_start(src, ktc.span().start));
+                    DeploymentError::BadOption {
+                        path: path.to_owned(),
+                        role: r.name().to_owned(),
+                        line,
+                        column,
+                        message: e.to_string(),
+                    }
+                })?);
+            }
+            if let Some(a) = raw.allow_adapters {
+                o.allow_adapters = a;
+            }
+            Ok(RoleConfig { kv_transfer_config, options: o })
+        };
+        let prefill = role(Role::Prefill, raw.prefill)?;
+        let decode = role(Role::Decode, raw.decode)?;
+        Ok(Deployment { path: path.to_owned(), model_path, model, prefill, decode })
+    }
+}
+
+/// `a/b/../c` -> `a/c`, lexically (the model path is shown to users; symlinks are not
+/// resolved, as the file is opened through the joined path anyway).
+fn normalize(p: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut out: Vec<Component> = Vec::new();
+    for c in p.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir if matches!(out.last(), Some(Component::Normal(_))) => {
+                out.pop();
+            }
+            other => out.push(other),
+        }
+    }
+    if out.is_empty() {
+        PathBuf::from(".")
+    } else {
+        out.iter().collect()
+    }
+}
+
+/// `cache_dtype`: `auto` (the model's dtype) or a dtype name.
+pub fn parse_cache_dtype(s: &str) -> Result<Option<Dtype>, String> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        return Ok(None);
+    }
+    Dtype::from_hf_name(s).map(Some).ok_or_else(|| {
+        format!("cache_dtype: '{s}' is not a valid value; expected auto, bf16, fp16, fp32, fp8 (= fp8_e4m3) or fp8_e5m2")
+    })
+}
+
+/// The children negotiation sees for one worker's config: a composite's leaf children, or
+/// the connector itself.
+pub fn collect_children(
+    resolver: &dyn ConnectorResolver,
+    config: &KvTransferConfig,
+    model: &ModelSpec,
+    role: &str,
+) -> Result<Vec<ChildCaps>, DeploymentError> {
+    let cerr = |message: String| DeploymentError::Connector { role: role.to_owned(), message };
+    // A config error already names what is wrong; the connector's name is said once, as the
+    // user wrote it.
+    let said = |e: kvconnect_api::ConnectorError| match e {
+        kvconnect_api::ConnectorError::InvalidConfig { message, .. } => {
+            format!("{}: {message}", config.kv_connector)
+        }
+        other => format!("{}: {other}", config.kv_connector),
+    };
+    let factory = resolver.resolve(config).map_err(|e| {
+        let message = match &e {
+            kvconnect_api::ConnectorError::InvalidConfig { message, .. } => message.clone(),
+            other => other.to_string(),
+        };
+        cerr(format!(
+            "cannot resolve connector '{}': {}",
+            config.kv_connector,
+            kvconnect_pd::error::with_known(&message, &resolver.known_names())
+        ))
+    })?;
+    if let Some(children) = factory.child_capabilities(config, Some(model)).map_err(|e| cerr(said(e)))? {
+        return Ok(children);
+    }
+    let info = factory.info();
+    let caps = factory.capabilities(config, Some(model)).map_err(|e| cerr(said(e)))?;
+    caps.validate()
+        .map_err(|e| cerr(format!("connector '{}' declares contradictory capabilities: {e}", info.name)))?;
+    Ok(vec![ChildCaps { name: info.name, version: info.version, caps }])
+}
+
+/// Negotiates one worker alone, as an independently launched worker does.
+pub fn negotiate_worker(
+    resolver: &dyn ConnectorResolver,
+    config: &KvTransferConfig,
+    model: &ModelSpec,
+    opts: &EngineOptions,
+    role: &str,
+) -> Result<(Negotiated, CompatDescriptor), DeploymentError> {
+    let children = collect_children(resolver, config, model, role)?;
+    let n = negotiate(model, opts, &children)
+        .map_err(|conflict| DeploymentError::Conflict { role: role.to_owned(), conflict })?;
+    let d = CompatDescriptor::new(model, &n, opts);
+    Ok((n, d))
+}
+
+/// What a worker of `role` started from `deployment` negotiates: alone (`joint = false`, as
+/// independently launched workers do) or jointly with its peer (`joint = true`), in which
+/// case both roles reach the same strict fields and hash by construction.
+pub fn negotiate_role(
+    deployment: &Deployment,
+    role: Role,
+    joint: bool,
+    resolver: &dyn ConnectorResolver,
+) -> Result<(Negotiated, CompatDescriptor), DeploymentError> {
+    let model = &deployment.model;
+    if !joint {
+        let rc = deployment.role(role);
+        return negotiate_worker(resolver, &rc.kv_transfer_config, model, &rc.options, role.name());
+    }
+    let (p, d) = negotiate_both(deployment, resolver)?;
+    Ok(match role {
+        Role::Prefill => p,
+        Role::Decode => d,
+    })
+}
+
+type RoleResult = (Negotiated, CompatDescriptor);
+
+fn negotiate_both(
+    deployment: &Deployment,
+    resolver: &dyn ConnectorResolver,
+) -> Result<(RoleResult, RoleResult), DeploymentError> {
+    let model = &deployment.model;
+    let (p, d) = (&deployment.prefill, &deployment.decode);
+    let pc = collect_children(resolver, &p.kv_transfer_config, model, "prefill")?;
+    let dc = collect_children(resolver, &d.kv_transfer_config, model, "decode")?;
+    let (pn, dn) = negotiate_deployment(model, (&p.options, &pc), (&d.options, &dc))
+        .map_err(|conflict| DeploymentError::Conflict { role: "deployment".to_owned(), conflict })?;
+    let pd = CompatDescriptor::new(model, &pn, &p.options);
+    let dd = CompatDescriptor::new(model, &dn, &d.options);
+    Ok(((pn, pd), (dn, dd)))
+}
+
+/// Both roles negotiated and compared.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Jointly negotiated.
+    pub joint: bool,
+    /// Prefill's result.
+    pub prefill: (Negotiated, CompatDescriptor),
+    /// Decode's result.
+    pub decode: (Negotiated, CompatDescriptor),
+    /// Every field that differs, strict first, worded `prefill=..., decode=...`.
+    pub diffs: Vec<FieldDiff>,
+    /// What decode applies to what it reads from prefill, or why it cannot.
+    pub outcome: Result<AdaptationPlan, Incompatible>,
+}
+
+/// Negotiates both roles (alone or jointly) and checks that they can exchange KV.
+pub fn plan(
+    deployment: &Deployment,
+    joint: bool,
+    resolver: &dyn ConnectorResolver,
+) -> Result<Plan, DeploymentError> {
+    let (prefill, decode) = if joint {
+        negotiate_both(deployment, resolver)?
+    } else {
+        (
+            negotiate_role(deployment, Role::Prefill, false, resolver)?,
+            negotiate_role(deployment, Role::Decode, false, resolver)?,
+        )
+    };
+    let diffs = diff_roles(&prefill.1, &decode.1, "prefill", "decode");
+    let outcome = check_roles(&prefill.1, &decode.1);
+    Ok(Plan { joint, prefill, decode, diffs, outcome })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::registry::Registry;
+
+    /// A path in examples/deployments/, so `../../fixtures/...` finds the model configs.
+    fn here() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/deployments/test.toml")
+    }
+
+    const QWEN: &str = "model = \"../../fixtures/models/Qwen--Qwen3-0.6B/config.json\"\n";
+    const GPT_OSS: &str = "model = \"../../fixtures/models/openai--gpt-oss-20b/config.json\"\n";
+    const DYN3545: &str = r#"
+[prefill]
+kv_transfer_config = '{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"LMCacheConnectorV1"},{"kv_connector":"NixlConnector"}]}}'
+[decode]
+kv_transfer_config = '{"kv_connector":"NixlConnector"}'
+"#;
+
+    fn parse(src: &str) -> Result<Deployment, DeploymentError> {
+        Deployment::parse(&here(), src)
+    }
+
+    #[test]
+    fn reads_roles_options_and_the_model_relative_to_the_file() {
+        let d = parse(&format!(
+            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\",\"kv_buffer_device\":\"cuda\"}}'\n\
+             hybrid_kv_cache_manager = \"off\"\nkv_cache_layout = \"HND\"\nblock_size = 32\ntp_size = 2\n\
+             cache_dtype = \"fp8\"\nallow_adapters = false\n\
+             [decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\nhybrid_kv_cache_manager = true\n"
+        ))
+        .unwrap();
+        assert_eq!(d.model.num_layers, 28);
+        assert!(d.model_path.ends_with("fixtures/models/Qwen--Qwen3-0.6B/config.json"));
+        assert!(!d.model_path.to_string_lossy().contains(".."), "{}", d.model_path.display());
+        let p = &d.prefill.options;
+        assert_eq!(p.hybrid_kv_cache_manager, HmaOption::Off);
+        assert_eq!(p.kv_cache_layout, Some(KvLayout::LBHNC));
+        assert_eq!((p.block_size, p.tp_size, p.allow_adapters), (Some(32), 2, false));
+        assert_eq!(p.cache_dtype, Some(Dtype::Fp8E4m3));
+        assert_eq!(p.memory, Some(kvconnect_api::MemoryKind::Device), "from the config's kv_buffer_device");
+        assert_eq!(d.decode.options.hybrid_kv_cache_manager, HmaOption::On);
+        assert_eq!(
+            d.decode.options,
+            EngineOptions { hybrid_kv_cache_manager: HmaOption::On, ..Default::default() }
+        );
+    }
+
+    #[test]
+    fn malformed_toml_and_json_are_placed_in_the_file() {
+        let e = parse(&format!("{QWEN}\n[prefill\nkv_transfer_config = '{{}}'\n")).unwrap_err();
+        assert!(matches!(e, DeploymentError::Toml { line: 3, .. }), "{e}");
+        assert!(!e.to_string().contains('\n'), "one line: {e}");
+        let e = parse(&format!(
+            "{QWEN}[prefill]\nkv_transfer_config = '''\n{{\n  \"kv_connector\": \"NixlConnector\",\n  \"kv_role\": ,\n}}\n'''\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+        ))
+        .unwrap_err();
+        // Line 6 of the file is `  "kv_role": ,`; the comma is column 14.
+        assert!(matches!(e, DeploymentError::Json { line: 6, column: 14, .. }), "{e}");
+        assert!(e.to_string().contains("test.toml:6:14: [prefill] kv_transfer_config"), "{e}");
+        let e = parse(&format!(
+            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\": 7}}'\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("invalid type: integer `7`"), "{e}");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_named() {
+        let e =
+            parse(&format!("{QWEN}colour = 1\n[prefill]\nkv_cache_layot = \"HND\"\n[decode]\n")).unwrap_err();
+        let s = e.to_string();
+        assert!(
+            s.contains("colour") && s.contains("prefill.kv_cache_layot") && s.contains("kv_cache_layout"),
+            "{s}"
+        );
+        for (line, want) in [
+            ("kv_cache_layout = \"HDN\"", "unknown KV layout 'HDN'"),
+            ("hybrid_kv_cache_manager = \"maybe\"", "auto, on or off"),
+            ("block_size = 0", "block_size must be a positive integer, got 0"),
+            ("cache_dtype = \"int4\"", "expected auto, bf16"),
+            ("kv_buffer_device = \"tpu\"", "cpu or cuda"),
+        ] {
+            let e = parse(&format!(
+                "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n{line}\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+            ))
+            .unwrap_err();
+            assert!(matches!(e, DeploymentError::BadOption { line: 4, .. }), "{e}");
+            assert!(e.to_string().contains(want), "{e}");
+        }
+        let e = parse(&format!(
+            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("missing [decode]"), "{e}");
+        let e = parse("[prefill]\n").unwrap_err();
+        assert!(e.to_string().contains("missing model"), "{e}");
+        let e = parse(&format!("model = \"nowhere.json\"\n{DYN3545}")).unwrap_err();
+        assert!(e.to_string().contains("nowhere.json") && e.to_string().contains("cannot read it"), "{e}");
+    }
+
+    #[test]
+    fn named_connectors_expand_and_loops_are_refused() {
+        let d = parse(&format!(
+            "{QWEN}[connectors]\ncache = '{{\"kv_connector\":\"LMCacheConnectorV1\",\"kv_connector_extra_config\":{{\"chunk_size\":128}}}}'\n\
+             [prefill]\nkv_transfer_config = '{{\"kv_connector\":\"PdConnector\",\"kv_connector_extra_config\":{{\"connectors\":[{{\"kv_connector\":\"cache\"}},{{\"kv_connector\":\"NixlConnector\"}}]}}}}'\n\
+             [decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+        ))
+        .unwrap();
+        let child = &d.prefill.kv_transfer_config.kv_connector_extra_config["connectors"][0];
+        assert_eq!(child["kv_connector"], "LMCacheConnectorV1");
+        assert_eq!(child["kv_connector_extra_config"]["chunk_size"], 128);
+        let e = parse(&format!(
+            "{QWEN}[connectors]\na = '{{\"kv_connector\":\"PdConnector\",\"kv_connector_extra_config\":{{\"connectors\":[{{\"kv_connector\":\"b\"}}]}}}}'\n\
+             b = '{{\"kv_connector\":\"PdConnector\",\"kv_connector_extra_config\":{{\"connectors\":[{{\"kv_connector\":\"a\"}}]}}}}'\n\
+             [prefill]\nkv_transfer_config = '{{\"kv_connector\":\"a\"}}'\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+        ))
+        .unwrap_err();
+        assert!(e.to_string().contains("'a' contains itself (a -> b -> a)"), "{e}");
+    }
+
+    #[test]
+    fn dyn3545_alone_differs_jointly_agrees() {
+        let r = Registry::builtins_only();
+        let d = parse(&format!("{GPT_OSS}{DYN3545}")).unwrap();
+        let (pn, pd) = negotiate_role(&d, Role::Prefill, false, &r).unwrap();
+        let (dn, dd) = negotiate_role(&d, Role::Decode, false, &r).unwrap();
+        assert!(!pn.effective.hma && dn.effective.hma);
+        assert_ne!(pd.compat_hash(), dd.compat_hash());
+        let p = plan(&d, false, &r).unwrap();
+        let inc = p.outcome.unwrap_err();
+        assert!(inc.diff_of("hma").is_some(), "{inc}");
+
+        let (_, pj) = negotiate_role(&d, Role::Prefill, true, &r).unwrap();
+        let (_, dj) = negotiate_role(&d, Role::Decode, true, &r).unwrap();
+        assert_eq!(pj.compat_hash(), dj.compat_hash());
+        assert!(!pj.effective.hma && !dj.effective.hma);
+        assert!(plan(&d, true, &r).unwrap().outcome.unwrap().is_identity());
+
+        // With one attention kind HMA changes nothing: compatible even alone.
+        let q = parse(&format!("{QWEN}{DYN3545}")).unwrap();
+        assert!(plan(&q, false, &r).unwrap().outcome.is_ok());
+    }
+
+    #[test]
+    fn resolution_errors_are_bad_input_conflicts_are_not() {
+        let r = Registry::builtins_only();
+        let bad = parse(&format!(
+            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NoSuchConnector\"}}'\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+        ))
+        .unwrap();
+        let e = plan(&bad, false, &r).unwrap_err();
+        assert!(!e.is_conflict());
+        assert!(e.to_string().contains("NoSuchConnector") && e.to_string().contains("NixlConnector"), "{e}");
+        let on = parse(
+            &format!("{GPT_OSS}{DYN3545}").replace("[decode]", "hybrid_kv_cache_manager = \"on\"\n[decode]"),
+        )
+        .unwrap();
+        let e = plan(&on, false, &r).unwrap_err();
+        assert!(e.is_conflict());
+        assert!(e.to_string().contains("'lmcache'"), "{e}");
+    }
+}
