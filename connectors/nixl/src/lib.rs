@@ -1,3 +1,42 @@
 //! Pull-mode P/D KV transport: the real NIXL library, plus built-in shm and tcp backends.
+//!
+//! Prefill (producer) keeps a finished request's blocks (delay-free) and returns transfer
+//! params; decode (consumer) pulls those blocks into its own and tells prefill, which then
+//! reports the request in `finished_sending` so the host frees them. Blocks whose consumer
+//! never comes are freed when their lease (`kv_lease_duration`, renewed by heartbeats and
+//! reads) expires.
+//!
+//! Backends: `shm` (same host; decode maps prefill's shared-memory regions read-only and
+//! copies coalesced runs), `tcp` (any two hosts; blocks streamed over prefill's listener).
+//! `nixl` (the real library) is refused with a clear error in this build.
+//!
+//! The host side: it sets `side_channel_host`/`side_channel_port` in
+//! `kv_connector_extra_config` (they go into the transfer params as `remote_host` /
+//! `remote_port`), keeps stepping a producer while requests await `finished_sending`, and
+//! hands the decode worker PD_PROTOCOL's handshake envelope before loading from a peer.
+//!
+//! This crate must not decide compatibility (the host's handshake does, with
+//! `kvconnect_api`); it only refuses a peer whose blocks it cannot address.
 
 pub mod caps;
+pub mod config;
+pub mod copy_plan;
+pub mod error;
+pub mod factory;
+pub mod meta;
+pub mod metadata;
+pub mod params;
+pub mod producer;
+pub mod puller;
+pub mod scheduler;
+pub mod shm;
+pub mod wire;
+pub mod worker;
+
+pub use config::{Backend, NixlConfig};
+pub use error::TransferError;
+pub use factory::NixlFactory;
+pub use metadata::{PeerInfo, ProducerMetadata};
+pub use puller::{PullConfig, PullStats, Puller};
+pub use scheduler::NixlScheduler;
+pub use worker::NixlWorker;

@@ -1,0 +1,236 @@
+//! The nixl connector's settings, read from `kv_connector_extra_config`.
+//!
+//! Keys: `backend` (`shm` | `tcp` | `nixl`, default `shm`; vLLM's `backends: ["UCX"]` selects
+//! `nixl`), `kv_lease_duration` (seconds, default 30), `host` / `port` (the producer's
+//! control/data listener, default `127.0.0.1:0`), `io_timeout` and `connect_timeout`
+//! (seconds, defaults 10 and 5), `max_frame_bytes` (control frame cap, default 16 MiB), and
+//! `side_channel_host` / `side_channel_port`, which the *host* sets to its own side-channel
+//! address so that `request_finished` can put it into the transfer params.
+
+use kvconnect_api::{ConnectorError, KvTransferConfig};
+use serde_json::{Map, Value};
+use std::time::Duration;
+
+/// The connector's name in messages.
+pub const NAME: &str = "nixl";
+
+/// How the consumer moves blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Backend {
+    /// Same host: map the producer's shared-memory regions read-only and copy.
+    Shm,
+    /// Any two hosts: stream the blocks over the producer's TCP listener.
+    Tcp,
+    /// The real NIXL library (not in this build yet).
+    Nixl,
+}
+
+impl Backend {
+    /// The name users write.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Shm => "shm",
+            Backend::Tcp => "tcp",
+            Backend::Nixl => "nixl",
+        }
+    }
+
+    /// Parses a backend name.
+    pub fn parse(s: &str) -> Result<Backend, ConnectorError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "shm" => Ok(Backend::Shm),
+            "tcp" => Ok(Backend::Tcp),
+            "nixl" | "ucx" => Ok(Backend::Nixl),
+            other => Err(ConnectorError::config(
+                NAME,
+                format!("unknown backend '{other}' in kv_connector_extra_config.backend; use \"shm\" (same host), \"tcp\" (any hosts) or \"nixl\""),
+            )),
+        }
+    }
+}
+
+/// Parsed settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NixlConfig {
+    /// Data path.
+    pub backend: Backend,
+    /// How long a producer keeps a finished request's blocks for a consumer that has not
+    /// come (renewed by every heartbeat or read).
+    pub lease: Duration,
+    /// Listener bind address (producer).
+    pub host: String,
+    /// Listener port (0 = any).
+    pub port: u16,
+    /// Timeout of every socket read and write once a transfer started.
+    pub io_timeout: Duration,
+    /// Timeout of connecting to a producer.
+    pub connect_timeout: Duration,
+    /// Largest control frame accepted.
+    pub max_frame_bytes: usize,
+    /// The host's side-channel address, put into transfer params.
+    pub side_channel: Option<(String, u16)>,
+}
+
+impl Default for NixlConfig {
+    fn default() -> Self {
+        NixlConfig {
+            backend: Backend::Shm,
+            lease: Duration::from_secs(30),
+            host: "127.0.0.1".to_owned(),
+            port: 0,
+            io_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(5),
+            max_frame_bytes: crate::wire::DEFAULT_MAX_FRAME,
+            side_channel: None,
+        }
+    }
+}
+
+fn seconds(extra: &Map<String, Value>, key: &str, default: Duration) -> Result<Duration, ConnectorError> {
+    match extra.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => match v.as_f64() {
+            Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Duration::from_secs_f64(s)),
+            _ => Err(ConnectorError::config(
+                NAME,
+                format!("kv_connector_extra_config.{key} = {v}: expected a positive number of seconds"),
+            )),
+        },
+    }
+}
+
+fn port(extra: &Map<String, Value>, key: &str) -> Result<Option<u16>, ConnectorError> {
+    match extra.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => {
+            let n = v.as_u64().or_else(|| v.as_str().and_then(|s| s.trim().parse().ok()));
+            match n.and_then(|n| u16::try_from(n).ok()) {
+                Some(p) => Ok(Some(p)),
+                None => Err(ConnectorError::config(
+                    NAME,
+                    format!("kv_connector_extra_config.{key} = {v}: expected a TCP port (0..=65535)"),
+                )),
+            }
+        }
+    }
+}
+
+fn string(extra: &Map<String, Value>, key: &str) -> Result<Option<String>, ConnectorError> {
+    match extra.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(ConnectorError::config(
+            NAME,
+            format!("kv_connector_extra_config.{key} = {v}: expected a string"),
+        )),
+    }
+}
+
+impl NixlConfig {
+    /// Reads the settings from a kv-transfer-config.
+    pub fn from_config(config: &KvTransferConfig) -> Result<NixlConfig, ConnectorError> {
+        let extra = &config.kv_connector_extra_config;
+        let d = NixlConfig::default();
+        let backend = match (string(extra, "backend")?, extra.get("backends")) {
+            (Some(b), _) => Backend::parse(&b)?,
+            // vLLM's NixlConnector lists NIXL backends (`["UCX"]`): that is the real library.
+            (None, Some(Value::Array(list))) if !list.is_empty() => Backend::Nixl,
+            (None, Some(Value::Array(_))) | (None, None) | (None, Some(Value::Null)) => d.backend,
+            (None, Some(v)) => {
+                return Err(ConnectorError::config(
+                    NAME,
+                    format!("kv_connector_extra_config.backends = {v}: expected a list such as [\"UCX\"]"),
+                ))
+            }
+        };
+        let max_frame_bytes = match extra.get("max_frame_bytes") {
+            None | Some(Value::Null) => d.max_frame_bytes,
+            Some(v) => match v.as_u64() {
+                Some(n) if n >= 1024 && n <= (1 << 30) => n as usize,
+                _ => {
+                    return Err(ConnectorError::config(
+                        NAME,
+                        format!("kv_connector_extra_config.max_frame_bytes = {v}: expected bytes between 1024 and 1 GiB"),
+                    ))
+                }
+            },
+        };
+        let side_channel = match (string(extra, "side_channel_host")?, port(extra, "side_channel_port")?) {
+            (Some(h), Some(p)) => Some((h, p)),
+            (None, None) => None,
+            _ => {
+                return Err(ConnectorError::config(
+                    NAME,
+                    "side_channel_host and side_channel_port must be set together (the host sets both to its side-channel address)",
+                ))
+            }
+        };
+        Ok(NixlConfig {
+            backend,
+            lease: seconds(extra, "kv_lease_duration", d.lease)?,
+            host: string(extra, "host")?.unwrap_or(d.host),
+            port: port(extra, "port")?.unwrap_or(0),
+            io_timeout: seconds(extra, "io_timeout", d.io_timeout)?,
+            connect_timeout: seconds(extra, "connect_timeout", d.connect_timeout)?,
+            max_frame_bytes,
+            side_channel,
+        })
+    }
+
+    /// Refuses backends this build cannot run.
+    pub fn require_available(&self) -> Result<(), ConnectorError> {
+        if self.backend == Backend::Nixl {
+            return Err(ConnectorError::config(
+                NAME,
+                "backend 'nixl' (the real NIXL library over UCX, selected by backend=\"nixl\" or backends=[\"UCX\"]) is not available in this build yet; use backend \"shm\" (same host) or \"tcp\" (any two hosts)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn cfg(extra: Value) -> KvTransferConfig {
+        let mut c = KvTransferConfig::named("NixlConnector");
+        c.kv_connector_extra_config = extra.as_object().cloned().unwrap_or_default();
+        c
+    }
+
+    #[test]
+    fn defaults_and_keys() {
+        let c = NixlConfig::from_config(&cfg(json!({}))).unwrap();
+        assert_eq!(c.backend, Backend::Shm);
+        assert_eq!(c.lease, Duration::from_secs(30));
+        let c = NixlConfig::from_config(&cfg(json!({"backend": "tcp", "kv_lease_duration": 2.5,
+            "side_channel_host": "10.0.0.1", "side_channel_port": 5600})))
+        .unwrap();
+        assert_eq!(c.backend, Backend::Tcp);
+        assert_eq!(c.lease, Duration::from_millis(2500));
+        assert_eq!(c.side_channel, Some(("10.0.0.1".to_owned(), 5600)));
+    }
+
+    #[test]
+    fn vllm_backends_select_nixl_which_is_refused_clearly() {
+        let c = NixlConfig::from_config(&cfg(json!({"backends": ["UCX"]}))).unwrap();
+        assert_eq!(c.backend, Backend::Nixl);
+        let e = c.require_available().unwrap_err().to_string();
+        assert!(e.contains("not available in this build yet"), "{e}");
+    }
+
+    #[test]
+    fn bad_values_are_named() {
+        for (extra, key) in [
+            (json!({"backend": "rdma"}), "rdma"),
+            (json!({"kv_lease_duration": -1}), "kv_lease_duration"),
+            (json!({"side_channel_port": 70000, "side_channel_host": "h"}), "side_channel_port"),
+            (json!({"side_channel_host": "h"}), "side_channel_port"),
+        ] {
+            let e = NixlConfig::from_config(&cfg(extra)).unwrap_err().to_string();
+            assert!(e.contains(key), "{e}");
+        }
+    }
+}

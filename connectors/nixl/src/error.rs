@@ -1,0 +1,51 @@
+//! Why a transfer failed. A failed pull is reported in `failed_recving`; the message is
+//! logged with the request id.
+
+use crate::shm::ShmError;
+use kvconnect_api::geometry::GeometryError;
+use std::io;
+
+/// A transfer that did not complete.
+#[derive(Debug, thiserror::Error)]
+pub enum TransferError {
+    /// The blocks asked for do not fit either side's geometry or block lists.
+    #[error("cannot plan the copy: {0}")]
+    Plan(String),
+    /// A block address outside the registered regions.
+    #[error("block address: {0}")]
+    Geometry(#[from] GeometryError),
+    /// The producer refused (blocks freed, lease expired, unknown request, bad run).
+    #[error("producer engine '{engine}' refused: {reason}")]
+    Refused {
+        /// The producer.
+        engine: String,
+        /// Its reason.
+        reason: String,
+    },
+    /// No handshake with that engine yet.
+    #[error("no handshake metadata for engine '{0}': the host must complete the side-channel handshake before loading from it")]
+    UnknownPeer(String),
+    /// A socket error or timeout.
+    #[error("{op} with producer engine '{engine}' at {addr} failed: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The producer.
+        engine: String,
+        /// Its address.
+        addr: String,
+        /// The error.
+        source: io::Error,
+    },
+    /// The producer broke the protocol.
+    #[error("producer engine '{engine}' broke the protocol: {message}")]
+    Protocol {
+        /// The producer.
+        engine: String,
+        /// What it did.
+        message: String,
+    },
+    /// A shared-memory segment could not be used.
+    #[error("shm: {0}")]
+    Shm(#[from] ShmError),
+}

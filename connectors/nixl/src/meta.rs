@@ -1,0 +1,40 @@
+//! What the scheduler half tells the worker half each step (serialized as JSON).
+
+use kvconnect_api::{BlocksPerGroup, RequestId};
+use serde::{Deserialize, Serialize};
+
+/// A pull to start: copy tokens `[first_token, num_tokens)` of `request` from the remote
+/// engine's blocks into the local ones.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadSpec {
+    /// The request.
+    pub request: RequestId,
+    /// The engine holding the KV.
+    pub remote_engine_id: String,
+    /// Its blocks, one list per KV cache group, from the first token on.
+    pub remote_blocks: BlocksPerGroup,
+    /// This engine's blocks for the request, one list per group, from the first token on.
+    pub local_blocks: BlocksPerGroup,
+    /// First token to load (tokens before it are already computed locally).
+    pub first_token: usize,
+    /// One past the last token to load.
+    pub num_tokens: usize,
+}
+
+/// A finished request whose blocks this (producer) engine keeps for a consumer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendSpec {
+    /// The request.
+    pub request: RequestId,
+    /// Its blocks, one list per group.
+    pub blocks: BlocksPerGroup,
+}
+
+/// One step's metadata.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlMeta {
+    /// Loads to start this step (consumer).
+    pub loads: Vec<LoadSpec>,
+    /// Requests that finished with delayed free (producer).
+    pub sends: Vec<SendSpec>,
+}

@@ -1,0 +1,105 @@
+//! vLLM's `kv_transfer_params` for pull-mode P/D: what prefill returns and decode reads.
+
+use crate::config::NAME;
+use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorError, Request};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// The params prefill returns for a request finished with `do_remote_decode`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TransferParams {
+    /// The prefill engine's id.
+    pub remote_engine_id: String,
+    /// The prefill host's side-channel host.
+    pub remote_host: String,
+    /// The prefill host's side-channel port.
+    pub remote_port: u16,
+    /// The prefill blocks holding the KV, one list per KV cache group.
+    pub remote_block_ids: Vec<Vec<u32>>,
+    /// Tokens whose KV those blocks hold.
+    pub remote_num_tokens: usize,
+    /// Prefill's tensor-parallel size.
+    #[serde(default = "one")]
+    pub tp_size: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn flag(req: &Request, key: &str) -> bool {
+    req.kv_transfer_params.get(key).and_then(Value::as_bool).unwrap_or(false)
+}
+
+/// True when the client asked prefill to keep the KV for a remote decode.
+pub fn wants_remote_decode(req: &Request) -> bool {
+    flag(req, "do_remote_decode")
+}
+
+impl TransferParams {
+    /// The JSON object vLLM's proxies forward to decode.
+    pub fn to_map(&self) -> Map<String, Value> {
+        let mut m = match serde_json::to_value(self) {
+            Ok(Value::Object(m)) => m,
+            _ => Map::new(),
+        };
+        m.insert("do_remote_prefill".into(), Value::Bool(true));
+        m.insert("do_remote_decode".into(), Value::Bool(false));
+        m
+    }
+
+    /// The params of a decode request that carries `do_remote_prefill`; `None` for any other
+    /// request; an error naming the field when the params are malformed.
+    pub fn from_request(req: &Request) -> Result<Option<TransferParams>, ConnectorError> {
+        if !flag(req, "do_remote_prefill") {
+            return Ok(None);
+        }
+        serde_json::from_value(Value::Object(req.kv_transfer_params.clone())).map(Some).map_err(|e| {
+            ConnectorError::invalid(
+                NAME,
+                format!(
+                    "request {}: kv_transfer_params has do_remote_prefill but cannot be read ({e}); expected remote_engine_id, remote_host, remote_port, remote_block_ids (one list per KV cache group) and remote_num_tokens as prefill returned them",
+                    req.id
+                ),
+            )
+        })
+    }
+
+    /// The remote blocks as typed ids.
+    pub fn blocks(&self) -> BlocksPerGroup {
+        BlocksPerGroup(
+            self.remote_block_ids.iter().map(|g| g.iter().map(|b| BlockId(*b)).collect()).collect(),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn round_trip_through_a_request() {
+        let p = TransferParams {
+            remote_engine_id: "prefill-0".into(),
+            remote_host: "127.0.0.1".into(),
+            remote_port: 5600,
+            remote_block_ids: vec![vec![3, 4], vec![7]],
+            remote_num_tokens: 20,
+            tp_size: 1,
+        };
+        let req = Request { id: "r".into(), prompt_tokens: vec![1; 20], kv_transfer_params: p.to_map() };
+        assert_eq!(TransferParams::from_request(&req).unwrap(), Some(p));
+        assert_eq!(req.kv_transfer_params["do_remote_decode"], json!(false));
+    }
+
+    #[test]
+    fn malformed_params_are_an_error_and_absent_ones_none() {
+        let mut req = Request { id: "r".into(), prompt_tokens: vec![], kv_transfer_params: Map::new() };
+        assert_eq!(TransferParams::from_request(&req).unwrap(), None);
+        req.kv_transfer_params.insert("do_remote_prefill".into(), json!(true));
+        req.kv_transfer_params.insert("remote_port".into(), json!("x"));
+        let e = TransferParams::from_request(&req).unwrap_err().to_string();
+        assert!(e.contains("request r") && e.contains("remote_"), "{e}");
+    }
+}

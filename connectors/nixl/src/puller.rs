@@ -1,0 +1,293 @@
+//! The consumer (decode) side of a pull: plan the copy, move the bytes (shm: straight out of
+//! the producer's mapped segments; tcp: streamed into place), then tell the producer it is
+//! done. Every socket operation has a timeout, so a dead producer ends in an error, never a
+//! hang. This is also the entry point benchmarks use to time one transfer.
+
+use crate::config::Backend;
+use crate::copy_plan::{CopyPlan, LocalRegions};
+use crate::error::TransferError;
+use crate::meta::LoadSpec;
+use crate::metadata::PeerInfo;
+use crate::shm::ShmMapping;
+use crate::wire::{read_frame, write_frame, ClientMsg, FrameError, ServerMsg};
+use kvconnect_api::kv_memory::KvMemory;
+use kvconnect_api::LayerId;
+use std::collections::HashMap;
+use std::io::{self, Read};
+use std::net::TcpStream;
+use std::time::Duration;
+
+/// Consumer settings.
+#[derive(Debug, Clone)]
+pub struct PullConfig {
+    /// Data path.
+    pub backend: Backend,
+    /// Timeout of every socket read and write.
+    pub io_timeout: Duration,
+    /// Timeout of connecting.
+    pub connect_timeout: Duration,
+    /// Control frame cap.
+    pub max_frame: usize,
+}
+
+/// What one pull moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullStats {
+    /// Bytes copied out of the producer.
+    pub bytes: u64,
+    /// Contiguous runs (memcpys or socket reads) after coalescing.
+    pub runs: usize,
+    /// True when the layout or block size was adapted on receive.
+    pub adapted: bool,
+}
+
+struct Mapped {
+    names: Vec<Option<String>>,
+    maps: Vec<ShmMapping>,
+}
+
+/// Pulls blocks from producers; keeps one connection (and, for shm, the mapped segments)
+/// per producer engine.
+pub struct Puller {
+    cfg: PullConfig,
+    conns: HashMap<String, TcpStream>,
+    mapped: HashMap<String, Mapped>,
+}
+
+impl std::fmt::Debug for Puller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Puller").field("backend", &self.cfg.backend).finish()
+    }
+}
+
+fn timeout_aware(e: io::Error, after: Duration) -> io::Error {
+    if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("no answer within {:.1}s (producer dead or stalled)", after.as_secs_f64()),
+        )
+    } else {
+        e
+    }
+}
+
+impl Puller {
+    /// A puller with no connections yet.
+    pub fn new(cfg: PullConfig) -> Puller {
+        Puller { cfg, conns: HashMap::new(), mapped: HashMap::new() }
+    }
+
+    /// Forgets the connection and mappings of an engine (after its metadata changed).
+    pub fn forget(&mut self, engine: &str) {
+        self.conns.remove(engine);
+        self.mapped.remove(engine);
+    }
+
+    fn io(&self, op: &'static str, peer: &PeerInfo, e: io::Error) -> TransferError {
+        TransferError::Io {
+            op,
+            engine: peer.meta.engine_id.clone(),
+            addr: peer.addr.to_string(),
+            source: timeout_aware(e, self.cfg.io_timeout),
+        }
+    }
+
+    fn frame_err(&self, op: &'static str, peer: &PeerInfo, e: FrameError) -> TransferError {
+        match e {
+            FrameError::Io(e) => self.io(op, peer, e),
+            FrameError::Closed => self.io(
+                op,
+                peer,
+                io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by the producer"),
+            ),
+            other => {
+                TransferError::Protocol { engine: peer.meta.engine_id.clone(), message: other.to_string() }
+            }
+        }
+    }
+
+    fn conn(&mut self, peer: &PeerInfo) -> Result<&mut TcpStream, TransferError> {
+        let engine = &peer.meta.engine_id;
+        if !self.conns.contains_key(engine) {
+            let s = TcpStream::connect_timeout(&peer.addr, self.cfg.connect_timeout)
+                .map_err(|e| self.io("connecting", peer, e))?;
+            let setup = s
+                .set_nodelay(true)
+                .and_then(|_| s.set_read_timeout(Some(self.cfg.io_timeout)))
+                .and_then(|_| s.set_write_timeout(Some(self.cfg.io_timeout)));
+            setup.map_err(|e| self.io("configuring the socket", peer, e))?;
+            self.conns.insert(engine.clone(), s);
+        }
+        self.conns.get_mut(engine).ok_or_else(|| TransferError::UnknownPeer(engine.clone()))
+    }
+
+    /// Sends one control message and reads its answer.
+    fn call(&mut self, peer: &PeerInfo, msg: &ClientMsg) -> Result<ServerMsg, TransferError> {
+        let cap = self.cfg.max_frame;
+        let s = self.conn(peer)?;
+        let sent = write_frame(s, msg);
+        let answer = sent.map_err(FrameError::Io).and_then(|_| read_frame::<_, ServerMsg>(s, cap));
+        answer.map_err(|e| self.frame_err("asking", peer, e))
+    }
+
+    fn expect_ok(&mut self, peer: &PeerInfo, msg: &ClientMsg) -> Result<(), TransferError> {
+        match self.call(peer, msg)? {
+            ServerMsg::Ok => Ok(()),
+            ServerMsg::Error { reason } => {
+                Err(TransferError::Refused { engine: peer.meta.engine_id.clone(), reason })
+            }
+            other => Err(TransferError::Protocol {
+                engine: peer.meta.engine_id.clone(),
+                message: format!("answered {other:?} to {msg:?}"),
+            }),
+        }
+    }
+
+    /// Heartbeat: renews the producer's lease on `request`; fails when its blocks are gone.
+    pub fn hold(&mut self, peer: &PeerInfo, request: &str) -> Result<(), TransferError> {
+        let r = self.expect_ok(peer, &ClientMsg::Hold { request: request.to_owned() });
+        if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
+            self.conns.remove(&peer.meta.engine_id);
+        }
+        r
+    }
+
+    /// Copies `load` from `peer` into `local`, then tells the producer it is done. On `Ok`
+    /// the bytes are in place and the producer confirmed it held them throughout.
+    pub fn pull(
+        &mut self,
+        local: &KvMemory,
+        groups: &[Vec<LayerId>],
+        peer: &PeerInfo,
+        load: &LoadSpec,
+    ) -> Result<PullStats, TransferError> {
+        let plan = CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
+        let r = self.pull_plan(local, peer, load, &plan);
+        if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
+            // The stream may be mid-message: never reuse it.
+            self.conns.remove(&peer.meta.engine_id);
+        }
+        if matches!(r, Err(TransferError::Shm(_))) {
+            self.mapped.remove(&peer.meta.engine_id);
+        }
+        r
+    }
+
+    fn pull_plan(
+        &mut self,
+        local: &KvMemory,
+        peer: &PeerInfo,
+        load: &LoadSpec,
+        plan: &CopyPlan,
+    ) -> Result<PullStats, TransferError> {
+        let request = load.request.0.clone();
+        let mut dst = LocalRegions::new(local);
+        let runs = match plan {
+            CopyPlan::Direct(r) => r.len(),
+            CopyPlan::Adapt(b) => b.len(),
+        };
+        match self.cfg.backend {
+            Backend::Shm => {
+                // Pin the blocks first: a request the producer no longer holds is a failed
+                // receive, never a copy of whatever the blocks hold now.
+                self.expect_ok(peer, &ClientMsg::Hold { request: request.clone() })?;
+                self.map(peer)?;
+                let mapped = self
+                    .mapped
+                    .get(&peer.meta.engine_id)
+                    .ok_or_else(|| TransferError::UnknownPeer(peer.meta.engine_id.clone()))?;
+                let src = |region: u32, off: u64, len: u64| -> Result<&[u8], TransferError> {
+                    let m = mapped
+                        .maps
+                        .get(region as usize)
+                        .ok_or_else(|| TransferError::Plan(format!("no producer region {region}")))?;
+                    let s = m.as_slice();
+                    let end = off.checked_add(len).filter(|e| *e <= s.len() as u64).ok_or_else(|| {
+                        TransferError::Plan(format!(
+                            "{len} bytes at {off} do not fit producer segment '{}'",
+                            m.name()
+                        ))
+                    })?;
+                    Ok(&s[off as usize..end as usize])
+                };
+                match plan {
+                    CopyPlan::Direct(rs) => {
+                        for r in rs {
+                            dst.write_run(r, src(r.src_region, r.src_off, r.len)?)?;
+                        }
+                    }
+                    CopyPlan::Adapt(bs) => {
+                        for b in bs {
+                            dst.scatter(&peer.geometry, load, b, src(b.src_region, b.src_off, b.len)?)?;
+                        }
+                    }
+                }
+            }
+            Backend::Tcp => {
+                let total = plan.total_bytes();
+                match self.call(peer, &ClientMsg::Read { request: request.clone(), runs: plan.src_runs() })? {
+                    ServerMsg::Data { bytes } if bytes == total => {}
+                    ServerMsg::Error { reason } => {
+                        return Err(TransferError::Refused { engine: peer.meta.engine_id.clone(), reason })
+                    }
+                    other => {
+                        return Err(TransferError::Protocol {
+                            engine: peer.meta.engine_id.clone(),
+                            message: format!("answered {other:?} to a read of {total} bytes"),
+                        })
+                    }
+                }
+                let timeout = self.cfg.io_timeout;
+                let engine = peer.meta.engine_id.clone();
+                let addr = peer.addr.to_string();
+                let s = self.conn(peer)?;
+                let io = |e: io::Error| TransferError::Io {
+                    op: "reading block data",
+                    engine: engine.clone(),
+                    addr: addr.clone(),
+                    source: timeout_aware(e, timeout),
+                };
+                match plan {
+                    CopyPlan::Direct(rs) => {
+                        for r in rs {
+                            s.read_exact(dst.dst_mut(r.dst_region, r.dst_off, r.len)?).map_err(io)?;
+                        }
+                    }
+                    CopyPlan::Adapt(bs) => {
+                        let mut scratch = Vec::new();
+                        for b in bs {
+                            scratch.resize(b.len as usize, 0);
+                            s.read_exact(&mut scratch).map_err(io)?;
+                            dst.scatter(&peer.geometry, load, b, &scratch)?;
+                        }
+                    }
+                }
+            }
+            Backend::Nixl => {
+                return Err(TransferError::Plan("backend 'nixl' is not available in this build yet".into()));
+            }
+        }
+        self.expect_ok(peer, &ClientMsg::Done { request })?;
+        Ok(PullStats { bytes: plan.total_bytes(), runs, adapted: matches!(plan, CopyPlan::Adapt(_)) })
+    }
+
+    /// Maps the producer's segments (once per engine), checking their sizes.
+    fn map(&mut self, peer: &PeerInfo) -> Result<(), TransferError> {
+        let names: Vec<Option<String>> = peer.meta.regions.iter().map(|r| r.shm_name.clone()).collect();
+        if self.mapped.get(&peer.meta.engine_id).is_some_and(|m| m.names == names) {
+            return Ok(());
+        }
+        let mut maps = Vec::with_capacity(names.len());
+        for r in &peer.meta.regions {
+            let name = r.shm_name.as_deref().ok_or_else(|| {
+                TransferError::Plan(format!(
+                    "producer engine '{}' region '{}' is not in shared memory, so backend shm cannot read it: use backend tcp, or let the producer's pool allocate shm regions",
+                    peer.meta.engine_id, r.name
+                ))
+            })?;
+            maps.push(ShmMapping::open(name, r.len)?);
+        }
+        self.mapped.insert(peer.meta.engine_id.clone(), Mapped { names, maps });
+        Ok(())
+    }
+}

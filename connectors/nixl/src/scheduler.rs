@@ -1,0 +1,139 @@
+//! The scheduler half. Producer: a request finished with `do_remote_decode` keeps its blocks
+//! (delay-free) and returns the transfer params. Consumer: a request carrying
+//! `do_remote_prefill` matches the remote tokens as an async load, and its blocks go to the
+//! worker in the next step's metadata.
+
+use crate::config::{NixlConfig, NAME};
+use crate::meta::{LoadSpec, NixlMeta, SendSpec};
+use crate::params::{wants_remote_decode, TransferParams};
+use kvconnect_api::{
+    BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, KvEvent, MatchResult, Request,
+    RequestFinished, RequestId, SchedulerConnector, StepInfo,
+};
+use std::collections::{HashMap, HashSet};
+
+/// The nixl scheduler half.
+#[derive(Debug)]
+pub struct NixlScheduler {
+    ctx: ConnectorContext,
+    cfg: NixlConfig,
+    loads: Vec<LoadSpec>,
+    sends: Vec<SendSpec>,
+    /// `num_computed` seen when a request matched, so the load starts after it.
+    computed: HashMap<RequestId, usize>,
+    /// Requests whose load was already scheduled: never load twice.
+    scheduled: HashSet<RequestId>,
+}
+
+impl NixlScheduler {
+    /// A scheduler half for `ctx`.
+    pub fn new(ctx: &ConnectorContext, cfg: NixlConfig) -> NixlScheduler {
+        NixlScheduler {
+            ctx: ctx.clone(),
+            cfg,
+            loads: Vec::new(),
+            sends: Vec::new(),
+            computed: HashMap::new(),
+            scheduled: HashSet::new(),
+        }
+    }
+}
+
+impl SchedulerConnector for NixlScheduler {
+    fn get_num_new_matched_tokens(
+        &mut self,
+        req: &Request,
+        num_computed: usize,
+    ) -> ConnectorResult<MatchResult> {
+        let none = MatchResult::Matched { tokens: 0, async_load: false };
+        let Some(p) = TransferParams::from_request(req)? else { return Ok(none) };
+        if self.scheduled.contains(&req.id) {
+            return Ok(none);
+        }
+        // Leave at least one prompt token for the engine to compute (it needs its logits).
+        let loadable = p.remote_num_tokens.min(req.prompt_tokens.len().saturating_sub(1));
+        let tokens = loadable.saturating_sub(num_computed);
+        if tokens == 0 {
+            return Ok(none);
+        }
+        self.computed.insert(req.id.clone(), num_computed);
+        Ok(MatchResult::Matched { tokens, async_load: true })
+    }
+
+    fn update_state_after_alloc(
+        &mut self,
+        req: &Request,
+        blocks: &BlocksPerGroup,
+        num_external_tokens: usize,
+    ) -> ConnectorResult<()> {
+        let Some(p) = TransferParams::from_request(req)? else { return Ok(()) };
+        let first = self.computed.remove(&req.id).unwrap_or(0);
+        if num_external_tokens == 0 || self.scheduled.contains(&req.id) {
+            return Ok(());
+        }
+        if p.tp_size != self.ctx.tp_size {
+            return Err(ConnectorError::not_implemented(
+                NAME,
+                &format!(
+                    "loading request {} from a prefill with tp_size {} into tp_size {} (heterogeneous TP)",
+                    req.id, p.tp_size, self.ctx.tp_size
+                ),
+            ));
+        }
+        self.scheduled.insert(req.id.clone());
+        self.loads.push(LoadSpec {
+            request: req.id.clone(),
+            remote_engine_id: p.remote_engine_id.clone(),
+            remote_blocks: p.blocks(),
+            local_blocks: blocks.clone(),
+            first_token: first,
+            num_tokens: first + num_external_tokens,
+        });
+        Ok(())
+    }
+
+    fn build_connector_meta(&mut self, _step: &StepInfo) -> ConnectorResult<Vec<u8>> {
+        let meta =
+            NixlMeta { loads: std::mem::take(&mut self.loads), sends: std::mem::take(&mut self.sends) };
+        serde_json::to_vec(&meta)
+            .map_err(|e| ConnectorError::io(NAME, format!("cannot encode step metadata: {e}")))
+    }
+
+    fn request_finished(
+        &mut self,
+        req: &Request,
+        blocks: &BlocksPerGroup,
+    ) -> ConnectorResult<RequestFinished> {
+        self.scheduled.remove(&req.id);
+        self.computed.remove(&req.id);
+        if !wants_remote_decode(req) {
+            return Ok(RequestFinished::default());
+        }
+        let (host, port) = self.cfg.side_channel.clone().ok_or_else(|| {
+            ConnectorError::config(
+                NAME,
+                format!(
+                    "request {} asks for remote decode but kv_connector_extra_config has no side_channel_host/side_channel_port: the host sets them to its side-channel address before creating the connector",
+                    req.id
+                ),
+            )
+        })?;
+        let params = TransferParams {
+            remote_engine_id: self.ctx.engine_id.clone(),
+            remote_host: host,
+            remote_port: port,
+            remote_block_ids: blocks.0.iter().map(|g| g.iter().map(|b| b.0).collect()).collect(),
+            remote_num_tokens: req.prompt_tokens.len(),
+            tp_size: self.ctx.tp_size,
+        };
+        let has_blocks = blocks.0.iter().any(|g| !g.is_empty());
+        if has_blocks {
+            self.sends.push(SendSpec { request: req.id.clone(), blocks: blocks.clone() });
+        }
+        Ok(RequestFinished { delay_free: has_blocks, transfer_params: Some(params.to_map()) })
+    }
+
+    fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
+        Ok(Vec::new())
+    }
+}

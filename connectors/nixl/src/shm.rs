@@ -1,0 +1,254 @@
+//! POSIX shared memory: a consumer's read-only view of a producer's KV region
+//! ([`ShmMapping`]), and a segment owner ([`ShmSegment`]) for tests, benchmarks and hosts
+//! that have no pool of their own.
+
+use std::ffi::CString;
+use std::io;
+
+/// Why a segment could not be opened or created.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// A name with a NUL byte, or not starting with '/'.
+    #[error("shared memory name {0:?} is invalid: it must start with '/' and contain no NUL or further '/'")]
+    BadName(String),
+    /// A libc call failed.
+    #[error("shared memory segment '{name}': {op} failed: {source}")]
+    Os {
+        /// The segment.
+        name: String,
+        /// The call.
+        op: &'static str,
+        /// errno.
+        source: io::Error,
+    },
+    /// The segment's size is not what the peer's metadata says.
+    #[error("shared memory segment '{name}' is {actual} bytes but the peer's metadata says {expected}: it is not the region the peer registered (stale segment or a restarted peer); redo the handshake")]
+    SizeMismatch {
+        /// The segment.
+        name: String,
+        /// Its size.
+        actual: u64,
+        /// The metadata's.
+        expected: u64,
+    },
+    /// Other users may read or write it.
+    #[error("shared memory segment '{name}' has mode {mode:o} or another owner: KV regions must be created with mode 0600 by this user")]
+    NotPrivate {
+        /// The segment.
+        name: String,
+        /// Its mode bits.
+        mode: u32,
+    },
+}
+
+fn c_name(name: &str) -> Result<CString, ShmError> {
+    if !name.starts_with('/') || name.len() < 2 || name[1..].contains('/') {
+        return Err(ShmError::BadName(name.to_owned()));
+    }
+    CString::new(name).map_err(|_| ShmError::BadName(name.to_owned()))
+}
+
+fn os(name: &str, op: &'static str) -> ShmError {
+    ShmError::Os { name: name.to_owned(), op, source: io::Error::last_os_error() }
+}
+
+/// A read-only mapping of another process's segment.
+#[derive(Debug)]
+pub struct ShmMapping {
+    name: String,
+    ptr: *const u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only shared memory owned by this value; reading it from any
+// thread is as safe as reading it from one (the producer's writes are ordered by the
+// hold/done protocol, not by Rust).
+unsafe impl Send for ShmMapping {}
+// SAFETY: as above; `&ShmMapping` only hands out reads.
+unsafe impl Sync for ShmMapping {}
+
+impl ShmMapping {
+    /// Maps `name` read-only (`shm_open O_RDONLY` + `mmap PROT_READ`), refusing a segment
+    /// whose size differs from `expected_len` or that other users can open.
+    pub fn open(name: &str, expected_len: u64) -> Result<ShmMapping, ShmError> {
+        let c = c_name(name)?;
+        // SAFETY: `c` is a valid NUL-terminated string; shm_open does not keep the pointer.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_RDONLY, 0) };
+        if fd < 0 {
+            return Err(os(name, "shm_open"));
+        }
+        let result = (|| {
+            // SAFETY: an all-zero `stat` is a valid value for fstat to overwrite.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: `fd` is open and `st` is a valid out-pointer.
+            if unsafe { libc::fstat(fd, &mut st) } != 0 {
+                return Err(os(name, "fstat"));
+            }
+            // SAFETY: geteuid has no preconditions.
+            let me = unsafe { libc::geteuid() };
+            let mode = st.st_mode as u32 & 0o777;
+            if mode & 0o077 != 0 || st.st_uid != me {
+                return Err(ShmError::NotPrivate { name: name.to_owned(), mode });
+            }
+            let actual = st.st_size as u64;
+            if actual != expected_len {
+                return Err(ShmError::SizeMismatch { name: name.to_owned(), actual, expected: expected_len });
+            }
+            let len = usize::try_from(actual).map_err(|_| ShmError::SizeMismatch {
+                name: name.to_owned(),
+                actual,
+                expected: expected_len,
+            })?;
+            if len == 0 {
+                return Ok(ShmMapping {
+                    name: name.to_owned(),
+                    ptr: std::ptr::NonNull::dangling().as_ptr(),
+                    len,
+                });
+            }
+            // SAFETY: mapping `len` bytes of an open fd read-only and shared; the kernel picks
+            // the address; the result is checked for MAP_FAILED.
+            let p =
+                unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd, 0) };
+            if p == libc::MAP_FAILED {
+                return Err(os(name, "mmap"));
+            }
+            Ok(ShmMapping { name: name.to_owned(), ptr: p as *const u8, len })
+        })();
+        // SAFETY: `fd` is ours; the mapping (if any) stays valid after close.
+        unsafe { libc::close(fd) };
+        result
+    }
+
+    /// The segment's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The mapped bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` maps `len` readable bytes for as long as `self` lives (munmap in Drop).
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl Drop for ShmMapping {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            // SAFETY: unmapping exactly the range mmap returned; no slice of it outlives self.
+            unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        }
+    }
+}
+
+/// A shared-memory segment this process created (mode 0600), mapped read-write, unlinked
+/// and unmapped on drop.
+#[derive(Debug)]
+pub struct ShmSegment {
+    name: String,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the segment is plain memory owned by this value; callers synchronise access to its
+// bytes as they would for a Vec they share through a raw pointer.
+unsafe impl Send for ShmSegment {}
+// SAFETY: as above.
+unsafe impl Sync for ShmSegment {}
+
+impl ShmSegment {
+    /// Creates `name` with `len` zeroed bytes; fails if it exists.
+    pub fn create(name: &str, len: usize) -> Result<ShmSegment, ShmError> {
+        let c = c_name(name)?;
+        // SAFETY: valid C string; O_EXCL so an existing segment is never taken over.
+        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+        if fd < 0 {
+            return Err(os(name, "shm_open"));
+        }
+        let result = (|| {
+            // SAFETY: `fd` is open for writing.
+            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+                return Err(os(name, "ftruncate"));
+            }
+            let map_len = len.max(1);
+            // SAFETY: mapping an open fd of at least `len` bytes; checked for MAP_FAILED.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    map_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED,
+                    fd,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(os(name, "mmap"));
+            }
+            Ok(p as *mut u8)
+        })();
+        // SAFETY: `fd` is ours; the mapping outlives it.
+        unsafe { libc::close(fd) };
+        match result {
+            Ok(ptr) => Ok(ShmSegment { name: name.to_owned(), ptr, len }),
+            Err(e) => {
+                // SAFETY: removing the name we just created.
+                unsafe { libc::shm_unlink(c.as_ptr()) };
+                Err(e)
+            }
+        }
+    }
+
+    /// The segment's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Start address.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl Drop for ShmSegment {
+    fn drop(&mut self) {
+        // SAFETY: unmapping what `create` mapped and unlinking the name it created.
+        unsafe {
+            libc::munmap(self.ptr as *mut libc::c_void, self.len.max(1));
+            if let Ok(c) = CString::new(self.name.as_str()) {
+                libc::shm_unlink(c.as_ptr());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_map_read_only_and_check_size() {
+        let name = format!("/kvc-nixl-test-{}-a", std::process::id());
+        let seg = ShmSegment::create(&name, 4096).unwrap();
+        // SAFETY: the segment is 4096 bytes and only this test touches it.
+        unsafe { std::ptr::write_bytes(seg.as_mut_ptr(), 7, 4096) };
+        let m = ShmMapping::open(&name, 4096).unwrap();
+        assert!(m.as_slice().iter().all(|b| *b == 7));
+        let e = ShmMapping::open(&name, 8192).unwrap_err();
+        assert!(matches!(e, ShmError::SizeMismatch { actual: 4096, .. }), "{e}");
+        drop(m);
+        drop(seg);
+        assert!(ShmMapping::open(&name, 4096).is_err(), "unlinked on drop");
+        assert!(matches!(ShmMapping::open("no-slash", 1), Err(ShmError::BadName(_))));
+    }
+}

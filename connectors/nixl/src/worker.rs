@@ -1,0 +1,365 @@
+//! The worker half: registers the KV regions, runs the producer listener (prefill) and the
+//! background pull thread (decode), and reports finished and failed transfers.
+//!
+//! Nothing here blocks the step loop: `start_load_kv` only posts the step's loads to the
+//! pull thread; `get_finished` only collects what finished since the last call.
+
+use crate::config::{NixlConfig, NAME};
+use crate::error::TransferError;
+use crate::meta::{LoadSpec, NixlMeta};
+use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
+use crate::producer::{Producer, ProducerConfig};
+use crate::puller::{PullConfig, PullStats, Puller};
+use kvconnect_api::kv_memory::KvMemory;
+use kvconnect_api::{
+    BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, KvRole, LayerId,
+    RequestId, WorkerConnector,
+};
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+type Peers = Arc<Mutex<HashMap<String, Arc<PeerInfo>>>>;
+type Outcomes = Arc<Mutex<Vec<(LoadSpec, Result<PullStats, TransferError>)>>>;
+
+/// The nixl worker half.
+pub struct NixlWorker {
+    ctx: ConnectorContext,
+    cfg: NixlConfig,
+    groups: Vec<Vec<LayerId>>,
+    regions: Vec<KvRegion>,
+    mem: Option<Arc<KvMemory>>,
+    producer: Option<Producer>,
+    peers: Peers,
+    bound: NixlMeta,
+    jobs: Option<Sender<LoadSpec>>,
+    puller: Option<JoinHandle<()>>,
+    outcomes: Outcomes,
+    error_blocks: Vec<BlockId>,
+}
+
+impl std::fmt::Debug for NixlWorker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlWorker")
+            .field("engine_id", &self.ctx.engine_id)
+            .field("producer", &self.producer)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl NixlWorker {
+    /// A worker half for `ctx`.
+    pub fn new(ctx: &ConnectorContext, cfg: NixlConfig) -> NixlWorker {
+        let groups = ctx.effective.groups.iter().map(|g| g.layers.clone()).collect();
+        NixlWorker {
+            ctx: ctx.clone(),
+            cfg,
+            groups,
+            regions: Vec::new(),
+            mem: None,
+            producer: None,
+            peers: Arc::default(),
+            bound: NixlMeta::default(),
+            jobs: None,
+            puller: None,
+            outcomes: Arc::default(),
+            error_blocks: Vec::new(),
+        }
+    }
+
+    fn is_producer(&self) -> bool {
+        matches!(self.ctx.role, KvRole::Producer | KvRole::Both)
+    }
+
+    fn is_consumer(&self) -> bool {
+        matches!(self.ctx.role, KvRole::Consumer | KvRole::Both)
+    }
+
+    /// The producer listener's address, once regions are registered (producer roles).
+    pub fn listen_addr(&self) -> Option<std::net::SocketAddr> {
+        self.producer.as_ref().map(Producer::addr)
+    }
+
+    fn memory(&self) -> ConnectorResult<&Arc<KvMemory>> {
+        self.mem
+            .as_ref()
+            .ok_or_else(|| ConnectorError::invalid(NAME, "register_kv_caches has not been called"))
+    }
+
+    fn start_puller(&mut self, mem: Arc<KvMemory>) -> ConnectorResult<()> {
+        let (tx, rx) = mpsc::channel();
+        let ctx = PullLoop {
+            puller: Puller::new(PullConfig {
+                backend: self.cfg.backend,
+                io_timeout: self.cfg.io_timeout,
+                connect_timeout: self.cfg.connect_timeout,
+                max_frame: self.cfg.max_frame_bytes,
+            }),
+            mem,
+            groups: self.groups.clone(),
+            peers: self.peers.clone(),
+            outcomes: self.outcomes.clone(),
+            heartbeat: self.cfg.lease / 3,
+        };
+        let h = std::thread::Builder::new()
+            .name("nixl-pull".into())
+            .spawn(move || ctx.run(rx))
+            .map_err(|e| ConnectorError::io(NAME, format!("cannot start the pull thread: {e}")))?;
+        self.jobs = Some(tx);
+        self.puller = Some(h);
+        Ok(())
+    }
+}
+
+struct PullLoop {
+    puller: Puller,
+    mem: Arc<KvMemory>,
+    groups: Vec<Vec<LayerId>>,
+    peers: Peers,
+    outcomes: Outcomes,
+    heartbeat: Duration,
+}
+
+impl PullLoop {
+    fn peer(&self, engine: &str) -> Result<Arc<PeerInfo>, TransferError> {
+        lock(&self.peers).get(engine).cloned().ok_or_else(|| TransferError::UnknownPeer(engine.to_owned()))
+    }
+
+    fn finish(&self, load: LoadSpec, r: Result<PullStats, TransferError>) {
+        lock(&self.outcomes).push((load, r));
+    }
+
+    /// Heartbeats a queued load; a refusal or a dead peer fails it at once.
+    fn hold(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
+        let peer = self.peer(&load.remote_engine_id)?;
+        self.puller.hold(&peer, &load.request.0)
+    }
+
+    fn run(mut self, rx: Receiver<LoadSpec>) {
+        let mut queue: VecDeque<(LoadSpec, Instant)> = VecDeque::new();
+        loop {
+            if queue.is_empty() {
+                match rx.recv() {
+                    Ok(l) => queue.push_back((l, Instant::now() - self.heartbeat)),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match rx.recv_timeout(Duration::ZERO) {
+                    Ok(l) => queue.push_back((l, Instant::now() - self.heartbeat)),
+                    Err(RecvTimeoutError::Timeout) => break,
+                    Err(RecvTimeoutError::Disconnected) if queue.is_empty() => return,
+                    Err(RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            // Keep the leases of loads still waiting their turn, so a long queue does not
+            // let the producer free blocks we are about to pull.
+            let mut waiting = VecDeque::with_capacity(queue.len());
+            let head = queue.pop_front();
+            for (load, last) in queue.drain(..) {
+                if last.elapsed() < self.heartbeat {
+                    waiting.push_back((load, last));
+                    continue;
+                }
+                match self.hold(&load) {
+                    Ok(()) => waiting.push_back((load, Instant::now())),
+                    Err(e) => self.finish(load, Err(e)),
+                }
+            }
+            queue = waiting;
+            if let Some((load, _)) = head {
+                let r = self
+                    .peer(&load.remote_engine_id)
+                    .and_then(|peer| self.puller.pull(&self.mem, &self.groups, &peer, &load));
+                self.finish(load, r);
+            }
+        }
+    }
+}
+
+impl WorkerConnector for NixlWorker {
+    fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        if self.mem.is_some() {
+            return Err(ConnectorError::invalid(NAME, "register_kv_caches called twice"));
+        }
+        // SAFETY: the host promises, by calling register_kv_caches, that every region is host
+        // memory valid for reads and writes of `len` bytes until shutdown; shutdown stops
+        // the listener and joins the pull thread before the memory is dropped.
+        let mem = unsafe { KvMemory::new(regions, &self.ctx.model, &self.ctx.effective) }
+            .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))?;
+        let mem = Arc::new(mem);
+        self.regions = regions.to_vec();
+        if self.is_producer() {
+            let p = Producer::start(
+                mem.clone(),
+                ProducerConfig {
+                    engine_id: self.ctx.engine_id.clone(),
+                    host: self.cfg.host.clone(),
+                    port: self.cfg.port,
+                    lease: self.cfg.lease,
+                    io_timeout: self.cfg.io_timeout,
+                    idle_timeout: Duration::from_secs(300).max(self.cfg.lease * 2),
+                    max_frame: self.cfg.max_frame_bytes,
+                    unknown_grace: (self.cfg.io_timeout / 2).min(Duration::from_secs(3)),
+                },
+            )
+            .map_err(|e| {
+                ConnectorError::io(
+                    NAME,
+                    format!(
+                        "cannot listen on {}:{}: {e}; set kv_connector_extra_config.host/port",
+                        self.cfg.host, self.cfg.port
+                    ),
+                )
+            })?;
+            self.producer = Some(p);
+        }
+        if self.is_consumer() {
+            self.start_puller(mem.clone())?;
+        }
+        self.mem = Some(mem);
+        Ok(())
+    }
+
+    fn bind_connector_meta(&mut self, meta: &[u8]) -> ConnectorResult<()> {
+        let m: NixlMeta = serde_json::from_slice(meta).map_err(|e| {
+            ConnectorError::invalid(
+                NAME,
+                format!("step metadata from the scheduler half cannot be read: {e}"),
+            )
+        })?;
+        if !m.sends.is_empty() {
+            let p = self.producer.as_ref().ok_or_else(|| {
+                ConnectorError::invalid(NAME, "requests to keep for remote decode arrived, but this worker is not a producer (kv_role) or has no registered regions")
+            })?;
+            for s in &m.sends {
+                p.hold(s.request.clone(), &s.blocks, &self.groups).map_err(|e| {
+                    ConnectorError::invalid(
+                        NAME,
+                        format!("request {}: its blocks cannot be held: {e}", s.request),
+                    )
+                })?;
+            }
+        }
+        self.bound.loads.extend(m.loads);
+        Ok(())
+    }
+
+    fn start_load_kv(&mut self) -> ConnectorResult<()> {
+        let loads = std::mem::take(&mut self.bound.loads);
+        if loads.is_empty() {
+            return Ok(());
+        }
+        let Some(tx) = self.jobs.as_ref() else {
+            return Err(ConnectorError::invalid(NAME, "loads were scheduled, but this worker is not a consumer (kv_role) or has no registered regions"));
+        };
+        for l in loads {
+            if let Err(mpsc::SendError(l)) = tx.send(l) {
+                lock(&self.outcomes)
+                    .push((l, Err(TransferError::Plan("the pull thread has stopped".into()))));
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_for_layer_load(&mut self, _layer: LayerId) -> ConnectorResult<()> {
+        // Loads are whole-request and asynchronous: the engine waits on get_finished.
+        Ok(())
+    }
+
+    fn save_kv_layer(&mut self, _layer: LayerId, _block_ids: &[BlockId]) -> ConnectorResult<()> {
+        // Pull mode: the producer keeps its blocks in place; nothing is saved.
+        Ok(())
+    }
+
+    fn wait_for_save(&mut self) -> ConnectorResult<()> {
+        Ok(())
+    }
+
+    fn get_finished(&mut self, _finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
+        let mut out = FinishedTransfers::default();
+        if let Some(p) = &self.producer {
+            out.finished_sending = p.take_finished();
+        }
+        let done = std::mem::take(&mut *lock(&self.outcomes));
+        for (load, r) in done {
+            match r {
+                Ok(stats) => {
+                    tracing::debug!(request = %load.request, bytes = stats.bytes, runs = stats.runs, "nixl: pulled");
+                    out.finished_recving.push(load.request);
+                }
+                Err(e) => {
+                    tracing::warn!(request = %load.request, engine = %load.remote_engine_id, "nixl: loading request {} failed: {e}", load.request);
+                    self.error_blocks.extend(load.local_blocks.0.iter().flatten().copied());
+                    out.failed_recving.push(load.request);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
+        Ok(std::mem::take(&mut self.error_blocks))
+    }
+
+    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
+        let Some(p) = &self.producer else { return Ok(None) };
+        let mem = self.memory()?;
+        let g = mem.geometry();
+        let meta = ProducerMetadata {
+            version: PROTOCOL_VERSION,
+            engine_id: self.ctx.engine_id.clone(),
+            listen: p.addr().to_string(),
+            shape: g.shape(),
+            layout: g.layout(),
+            region_shapes: g.regions().to_vec(),
+            regions: self
+                .regions
+                .iter()
+                .map(|r| RegionInfo {
+                    name: r.name.clone(),
+                    len: r.len,
+                    group: r.group,
+                    shm_name: r.shm_name.clone(),
+                })
+                .collect(),
+            groups: self.groups.clone(),
+            pid: std::process::id(),
+        };
+        serde_json::to_value(meta)
+            .map(Some)
+            .map_err(|e| ConnectorError::io(NAME, format!("cannot encode handshake metadata: {e}")))
+    }
+
+    fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()> {
+        let mem = self.memory()?;
+        let info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
+        tracing::debug!(engine = %info.meta.engine_id, addr = %info.addr, "nixl: peer registered");
+        lock(&self.peers).insert(info.meta.engine_id.clone(), Arc::new(info));
+        Ok(())
+    }
+
+    fn shutdown(&mut self) -> ConnectorResult<()> {
+        self.jobs = None;
+        if let Some(h) = self.puller.take() {
+            let _ = h.join();
+        }
+        if let Some(mut p) = self.producer.take() {
+            p.shutdown();
+        }
+        self.mem = None;
+        Ok(())
+    }
+}
+
+impl Drop for NixlWorker {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
