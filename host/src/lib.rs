@@ -1,1 +1,2 @@
 //! The kvconnect host: finds and loads connectors (built in and plugins), and runs workers.
+pub mod worker;

@@ -1,0 +1,747 @@
+//! The reference engine and its step loop: the scheduler half (lookup, allocate,
+//! `update_state_after_alloc`, `build_connector_meta`, `request_finished`) and the worker
+//! half (`bind_connector_meta`, `start_load_kv`, per layer `wait_for_layer_load` → compute →
+//! `save_kv_layer`, `wait_for_save`, `get_finished`, `block_ids_with_load_errors`) called in
+//! vLLM's order every step.
+//!
+//! Blocks are freed only when the connector allows it: a `delay_free` answer from
+//! `request_finished` keeps them until `get_finished` reports the request in
+//! `finished_sending`. Async loads keep the request out of compute until `get_finished`
+//! reports it received (or failed: then `kv_load_failure_policy` decides).
+
+use crate::worker::error::WorkerError;
+use crate::worker::forward::{forward_layer, Scratch};
+use crate::worker::kv_codec;
+use crate::worker::model::{ReferenceConfig, ReferenceModel};
+use crate::worker::pool::KvPool;
+use kvconnect_api::{
+    AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, LayerId, MatchResult,
+    ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
+};
+use serde_json::{Map, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+/// How to build an engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The reference model's config (`ReferenceConfig::builtin()` for the checked-in one).
+    pub model: ReferenceConfig,
+    /// The negotiated layout (or `local_effective_layout` for a lone engine).
+    pub effective: EffectiveLayout,
+    /// Blocks per KV cache group.
+    pub num_blocks: u32,
+    /// Weight seed: engines that must agree use the same one.
+    pub seed: u64,
+    /// `Some(engine_id)`: regions in POSIX shared memory named `/kvc-<pid>-<engine_id>-<i>`
+    /// (for the nixl `shm` backend); `None`: private host memory.
+    pub shm: Option<String>,
+}
+
+/// A generation request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenRequest {
+    /// Unique among the engine's unfinished requests.
+    pub id: String,
+    /// Prompt token ids (bytes: 0..=255), at least one.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate, at least one; generation stops there (the byte model has no EOS).
+    pub max_tokens: usize,
+    /// vLLM's `kv_transfer_params` (`{"do_remote_decode": true}` on prefill, the prefill's
+    /// returned params on decode).
+    pub kv_transfer_params: Map<String, Value>,
+}
+
+impl GenRequest {
+    /// A request without transfer params.
+    pub fn new(id: impl Into<String>, prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
+        GenRequest { id: id.into(), prompt, max_tokens, kv_transfer_params: Map::new() }
+    }
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// `max_tokens` were generated.
+    Length,
+    /// The request failed; the message says why (e.g. a KV load failed under policy `fail`).
+    Error(String),
+}
+
+/// What one step produced for one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestOutput {
+    /// The request.
+    pub id: String,
+    /// Tokens generated in this step (0 or 1).
+    pub new_tokens: Vec<u32>,
+    /// Set when the request ended in this step.
+    pub finished: Option<FinishReason>,
+    /// What `request_finished` returned (only on the finishing output).
+    pub kv_transfer_params: Option<Map<String, Value>>,
+    /// Time from `add_request` to this token, on the output carrying the first token (TTFT).
+    pub first_token_latency: Option<Duration>,
+    /// Prompt tokens whose KV came through the connector (on the first-token output).
+    pub num_external_tokens: usize,
+}
+
+/// A finished request, as `run_to_completion` returns it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Completion {
+    /// The request.
+    pub id: String,
+    /// Every generated token.
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// What `request_finished` returned.
+    pub kv_transfer_params: Option<Map<String, Value>>,
+    /// Time to first token (None when it failed before one).
+    pub first_token_latency: Option<Duration>,
+    /// Prompt tokens whose KV came through the connector.
+    pub num_external_tokens: usize,
+}
+
+/// Timings and counts of the last step (for benchmarks: TTFT splits, load waits).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StepStats {
+    /// Step number (1-based).
+    pub step: u64,
+    /// Requests computed.
+    pub scheduled: usize,
+    /// Prompt tokens computed.
+    pub prefill_tokens: usize,
+    /// Decode tokens computed.
+    pub decode_tokens: usize,
+    /// Requests still waiting for an async load after the step.
+    pub waiting_for_remote_kv: usize,
+    /// Whole step.
+    pub elapsed: Duration,
+    /// Inside the model's math and the pool's reads/writes.
+    pub compute: Duration,
+    /// Inside connector calls.
+    pub connector: Duration,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Waiting,
+    WaitingForRemoteKv,
+    Running,
+}
+
+#[derive(Debug)]
+struct Seq {
+    req: Request,
+    max_tokens: usize,
+    state: State,
+    blocks: Option<BlocksPerGroup>,
+    num_computed: usize,
+    external: usize,
+    loaded_this_step: bool,
+    output: Vec<u32>,
+    added: Instant,
+}
+
+impl Seq {
+    fn seq_len(&self) -> usize {
+        self.req.prompt_tokens.len() + self.output.len()
+    }
+
+    fn token(&self, pos: usize) -> u32 {
+        let p = self.req.prompt_tokens.len();
+        if pos < p {
+            self.req.prompt_tokens[pos]
+        } else {
+            self.output[pos - p]
+        }
+    }
+}
+
+type Connector = (Box<dyn SchedulerConnector>, Box<dyn WorkerConnector>);
+
+/// The reference engine: model, block pool, optional connector, requests.
+pub struct Engine {
+    model: ReferenceModel,
+    spec: ModelSpec,
+    // Declared before `pool` so the connector is dropped (and shut down) before the memory
+    // it registered goes away.
+    connector: Option<Connector>,
+    pool: KvPool,
+    policy: FailurePolicy,
+    seqs: BTreeMap<u64, Seq>,
+    by_id: BTreeMap<String, u64>,
+    next_seq: u64,
+    pending_free: BTreeMap<String, BlocksPerGroup>,
+    sent_early: BTreeSet<String>,
+    finished_since_last: Vec<RequestId>,
+    step_no: u64,
+    stats: Option<StepStats>,
+    scratch: Scratch,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("model", &self.spec.name)
+            .field("effective", self.pool.effective())
+            .field("connector", &self.connector.is_some())
+            .field("unfinished", &self.seqs.len())
+            .finish()
+    }
+}
+
+fn conn_err(method: &'static str) -> impl FnOnce(kvconnect_api::ConnectorError) -> WorkerError {
+    move |source| WorkerError::Connector { method, source }
+}
+
+impl Engine {
+    /// Builds the model from `cfg.model` and `cfg.seed`, allocates the pool and registers its
+    /// regions with the connector's worker half.
+    pub fn new(
+        cfg: EngineConfig,
+        connector: Option<Connector>,
+        policy: FailurePolicy,
+    ) -> Result<Engine, WorkerError> {
+        let model = ReferenceModel::new(&cfg.model, cfg.seed)?;
+        let spec = cfg.model.model_spec()?;
+        if !kv_codec::supported(cfg.effective.cache_dtype) {
+            return Err(WorkerError::Layout(format!(
+                "cache dtype {:?} is not supported by the reference engine; use bf16 or f32",
+                cfg.effective.cache_dtype
+            )));
+        }
+        if spec.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. } | AttentionKind::Linear)) {
+            return Err(WorkerError::ModelConfig(
+                "the reference engine runs full and sliding-window attention only".into(),
+            ));
+        }
+        let pool = KvPool::new(&spec, &cfg.effective, cfg.num_blocks, cfg.shm.as_deref())?;
+        let mut connector = connector;
+        if let Some((_, w)) = connector.as_mut() {
+            w.register_kv_caches(pool.regions()).map_err(conn_err("register_kv_caches"))?;
+        }
+        Ok(Engine {
+            model,
+            spec,
+            connector,
+            pool,
+            policy,
+            seqs: BTreeMap::new(),
+            by_id: BTreeMap::new(),
+            next_seq: 0,
+            pending_free: BTreeMap::new(),
+            sent_early: BTreeSet::new(),
+            finished_since_last: Vec::new(),
+            step_no: 0,
+            stats: None,
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// Queues a request. Refused: an empty prompt, a token past 255, `max_tokens == 0`, an id
+    /// already in use, or a request that needs more blocks than the pool has.
+    pub fn add_request(&mut self, r: GenRequest) -> Result<(), WorkerError> {
+        let bad = |reason: String| Err(WorkerError::BadRequest { id: r.id.clone(), reason });
+        if r.prompt.is_empty() {
+            return bad("the prompt is empty; send at least one token".into());
+        }
+        if let Some(t) = r.prompt.iter().find(|t| **t >= crate::worker::tokenizer::VOCAB_SIZE) {
+            return bad(format!("token id {t} is outside the byte vocabulary (0..=255)"));
+        }
+        if r.max_tokens == 0 {
+            return bad("max_tokens is 0; ask for at least one token".into());
+        }
+        if self.by_id.contains_key(&r.id) || self.pending_free.contains_key(&r.id) {
+            return bad("a request with this id is still in the engine; use a unique id".into());
+        }
+        let need = self.blocks_needed(r.prompt.len(), r.max_tokens);
+        if need > self.pool.blocks_per_group() as usize {
+            return bad(format!(
+                "needs {need} blocks per KV cache group ({} prompt + {} generated tokens at {} tokens a block) but the pool has {}; raise num_blocks or shorten the request",
+                r.prompt.len(),
+                r.max_tokens,
+                self.pool.effective().block_size,
+                self.pool.blocks_per_group()
+            ));
+        }
+        let seq = Seq {
+            req: Request {
+                id: RequestId(r.id.clone()),
+                prompt_tokens: r.prompt,
+                kv_transfer_params: r.kv_transfer_params,
+            },
+            max_tokens: r.max_tokens,
+            state: State::Waiting,
+            blocks: None,
+            num_computed: 0,
+            external: 0,
+            loaded_this_step: false,
+            output: Vec::new(),
+            added: Instant::now(),
+        };
+        self.by_id.insert(r.id, self.next_seq);
+        self.seqs.insert(self.next_seq, seq);
+        self.next_seq += 1;
+        Ok(())
+    }
+
+    fn blocks_needed(&self, prompt: usize, max_tokens: usize) -> usize {
+        // Every position that is ever computed: the prompt and all generated tokens but the
+        // last (which is returned, never fed back).
+        (prompt + max_tokens - 1).div_ceil(self.pool.effective().block_size as usize)
+    }
+
+    /// True while any request is waiting, loading or running.
+    pub fn has_unfinished(&self) -> bool {
+        !self.seqs.is_empty()
+    }
+
+    /// Requests waiting, loading or running.
+    pub fn num_unfinished(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Finished requests whose blocks wait for the connector's `finished_sending`.
+    pub fn pending_frees(&self) -> Vec<String> {
+        self.pending_free.keys().cloned().collect()
+    }
+
+    /// Free blocks over all KV cache groups.
+    pub fn free_blocks(&self) -> usize {
+        self.pool.free_blocks()
+    }
+
+    /// All blocks over all KV cache groups.
+    pub fn total_blocks(&self) -> usize {
+        self.pool.total_blocks()
+    }
+
+    /// The regions registered with the connector.
+    pub fn regions(&self) -> &[KvRegion] {
+        self.pool.regions()
+    }
+
+    /// The block pool.
+    pub fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
+    /// The model as negotiation sees it.
+    pub fn model_spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The effective layout.
+    pub fn effective(&self) -> &EffectiveLayout {
+        self.pool.effective()
+    }
+
+    /// The connector's worker half (handshake metadata in and out).
+    pub fn worker_connector(&mut self) -> Option<&mut (dyn WorkerConnector + 'static)> {
+        self.connector.as_mut().map(|(_, w)| w.as_mut())
+    }
+
+    /// The connector's scheduler half.
+    pub fn scheduler_connector(&mut self) -> Option<&mut (dyn SchedulerConnector + 'static)> {
+        self.connector.as_mut().map(|(s, _)| s.as_mut())
+    }
+
+    /// Timings of the last step.
+    pub fn last_step_stats(&self) -> Option<&StepStats> {
+        self.stats.as_ref()
+    }
+
+    /// Shuts the connector's worker half down (also done on drop).
+    pub fn shutdown(&mut self) -> Result<(), WorkerError> {
+        if let Some((_, w)) = self.connector.as_mut() {
+            w.shutdown().map_err(conn_err("shutdown"))?;
+        }
+        Ok(())
+    }
+
+    /// Runs steps until every request has finished; returns them in the order they were
+    /// added. Fails with `Stalled` after `max_steps` steps.
+    pub fn run_to_completion(&mut self, max_steps: u64) -> Result<Vec<Completion>, WorkerError> {
+        let order: BTreeMap<String, u64> = self.by_id.clone();
+        let mut done: BTreeMap<u64, Completion> = BTreeMap::new();
+        let mut partial: BTreeMap<String, Completion> = BTreeMap::new();
+        let mut steps = 0;
+        while self.has_unfinished() {
+            if steps == max_steps {
+                return Err(WorkerError::Stalled { steps, waiting: self.by_id.keys().cloned().collect() });
+            }
+            steps += 1;
+            for o in self.step()? {
+                let c = partial.entry(o.id.clone()).or_insert_with(|| Completion {
+                    id: o.id.clone(),
+                    tokens: Vec::new(),
+                    finish: FinishReason::Length,
+                    kv_transfer_params: None,
+                    first_token_latency: None,
+                    num_external_tokens: 0,
+                });
+                c.tokens.extend(&o.new_tokens);
+                if o.first_token_latency.is_some() {
+                    c.first_token_latency = o.first_token_latency;
+                    c.num_external_tokens = o.num_external_tokens;
+                }
+                if let Some(f) = o.finished {
+                    let Some(mut c) = partial.remove(&o.id) else { continue };
+                    c.finish = f;
+                    c.kv_transfer_params = o.kv_transfer_params;
+                    let key = order.get(&o.id).copied().unwrap_or(u64::MAX - done.len() as u64);
+                    done.insert(key, c);
+                }
+            }
+        }
+        Ok(done.into_values().collect())
+    }
+
+    /// Runs (idle) steps until the connector has released every delayed block; fails with
+    /// `Stalled` after `max_steps`.
+    pub fn wait_for_pending_frees(&mut self, max_steps: u64) -> Result<(), WorkerError> {
+        let mut steps = 0;
+        while !self.pending_free.is_empty() {
+            if steps == max_steps {
+                return Err(WorkerError::Stalled { steps, waiting: self.pending_frees() });
+            }
+            steps += 1;
+            self.step()?;
+        }
+        Ok(())
+    }
+
+    /// One scheduler + worker step.
+    pub fn step(&mut self) -> Result<Vec<RequestOutput>, WorkerError> {
+        let t0 = Instant::now();
+        let mut conn_time = Duration::ZERO;
+        self.step_no += 1;
+        let mut outputs = Vec::new();
+
+        // Scheduler: admit waiting requests in arrival order.
+        let waiting: Vec<u64> =
+            self.seqs.iter().filter(|(_, s)| s.state == State::Waiting).map(|(k, _)| *k).collect();
+        for key in waiting {
+            let t = Instant::now();
+            let admitted = self.admit(key, &mut outputs);
+            conn_time += t.elapsed();
+            if !admitted? {
+                break; // out of blocks: later requests wait too (first come, first served)
+            }
+        }
+        let scheduled: Vec<u64> =
+            self.seqs.iter().filter(|(_, s)| s.state == State::Running).map(|(k, _)| *k).collect();
+        let info = StepInfo {
+            step: self.step_no,
+            scheduled: scheduled.iter().filter_map(|k| self.seqs.get(k)).map(|s| s.req.id.clone()).collect(),
+            finished: std::mem::take(&mut self.finished_since_last),
+        };
+
+        // Worker: bind metadata, start loads.
+        let mut load_failed: BTreeMap<u64, String> = BTreeMap::new();
+        let t = Instant::now();
+        if let Some((sched, worker)) = self.connector.as_mut() {
+            let meta = sched.build_connector_meta(&info).map_err(conn_err("build_connector_meta"))?;
+            worker.bind_connector_meta(&meta).map_err(conn_err("bind_connector_meta"))?;
+            if let Err(e) = worker.start_load_kv() {
+                for k in &scheduled {
+                    if self.seqs.get(k).is_some_and(|s| s.loaded_this_step) {
+                        load_failed.insert(*k, format!("start_load_kv failed: {e}"));
+                    }
+                }
+            }
+        }
+        conn_time += t.elapsed();
+
+        // Forward, layer by layer across the scheduled requests.
+        let mut compute = Duration::ZERO;
+        let d = self.model.hidden();
+        let mut hs: Vec<(u64, usize, Vec<f32>)> = Vec::with_capacity(scheduled.len());
+        let (mut prefill_tokens, mut decode_tokens) = (0, 0);
+        for k in &scheduled {
+            let Some(s) = self.seqs.get(k) else { continue };
+            let (start, end) = (s.num_computed, s.seq_len());
+            let mut h = vec![0.0f32; (end - start) * d];
+            for (i, pos) in (start..end).enumerate() {
+                self.model.embed(s.token(pos), &mut h[i * d..(i + 1) * d]);
+            }
+            if s.output.is_empty() {
+                prefill_tokens += end - start;
+            } else {
+                decode_tokens += end - start;
+            }
+            hs.push((*k, start, h));
+        }
+        for layer in 0..self.spec.layers.len() {
+            let lid = LayerId(layer as u32);
+            let t = Instant::now();
+            if let Some((_, worker)) = self.connector.as_mut() {
+                if let Err(e) = worker.wait_for_layer_load(lid) {
+                    for k in &scheduled {
+                        if self.seqs.get(k).is_some_and(|s| s.loaded_this_step) {
+                            load_failed
+                                .entry(*k)
+                                .or_insert_with(|| format!("wait_for_layer_load({layer}) failed: {e}"));
+                        }
+                    }
+                }
+            }
+            conn_time += t.elapsed();
+            let t = Instant::now();
+            let group = self
+                .pool
+                .group_of(lid)
+                .ok_or_else(|| WorkerError::Layout(format!("layer {layer} is in no KV cache group")))?;
+            let mut written: BTreeSet<BlockId> = BTreeSet::new();
+            for (k, start, h) in hs.iter_mut() {
+                let Some(blocks) = self.seqs.get(k).and_then(|s| s.blocks.as_ref()) else { continue };
+                let table = blocks.0.get(group).map(Vec::as_slice).unwrap_or(&[]);
+                let w = forward_layer(&self.model, &self.pool, layer, table, *start, h, &mut self.scratch)?;
+                written.extend(w);
+            }
+            compute += t.elapsed();
+            let t = Instant::now();
+            if let Some((_, worker)) = self.connector.as_mut() {
+                let ids: Vec<BlockId> = written.into_iter().collect();
+                worker.save_kv_layer(lid, &ids).map_err(conn_err("save_kv_layer"))?;
+            }
+            conn_time += t.elapsed();
+        }
+
+        // Worker: finish saves, collect finished transfers and load errors.
+        let t = Instant::now();
+        let mut fin = kvconnect_api::FinishedTransfers::default();
+        let mut err_blocks: BTreeSet<BlockId> = BTreeSet::new();
+        if let Some((_, worker)) = self.connector.as_mut() {
+            worker.wait_for_save().map_err(conn_err("wait_for_save"))?;
+            fin = worker.get_finished(&info.finished).map_err(conn_err("get_finished"))?;
+            err_blocks = worker
+                .block_ids_with_load_errors()
+                .map_err(conn_err("block_ids_with_load_errors"))?
+                .into_iter()
+                .collect();
+        }
+        conn_time += t.elapsed();
+
+        // Loads that completed or failed.
+        let recvd: BTreeSet<&str> = fin.finished_recving.iter().map(|r| r.0.as_str()).collect();
+        let failed_recv: BTreeSet<&str> = fin.failed_recving.iter().map(|r| r.0.as_str()).collect();
+        let bs = self.pool.effective().block_size as usize;
+        for (k, s) in self.seqs.iter() {
+            let id = s.req.id.0.as_str();
+            let touched = s.loaded_this_step || (s.state == State::WaitingForRemoteKv && recvd.contains(id));
+            if s.state == State::WaitingForRemoteKv && failed_recv.contains(id) {
+                load_failed
+                    .entry(*k)
+                    .or_insert_with(|| "the connector reported the async KV load as failed".into());
+            } else if touched && !err_blocks.is_empty() {
+                let ext_blocks = s.external.div_ceil(bs);
+                if let Some(b) = s.blocks.as_ref().and_then(|bl| {
+                    bl.0.iter()
+                        .flat_map(|g| g.iter().take(ext_blocks))
+                        .find(|b| err_blocks.contains(b))
+                        .copied()
+                }) {
+                    load_failed
+                        .entry(*k)
+                        .or_insert_with(|| format!("the connector could not load block {b}"));
+                }
+            }
+        }
+        let mut to_finish: Vec<(u64, FinishReason)> = Vec::new();
+        for (k, why) in &load_failed {
+            let Some(s) = self.seqs.get_mut(k) else { continue };
+            match self.policy {
+                FailurePolicy::Recompute => {
+                    tracing::warn!(request = %s.req.id, reason = %why, "KV load failed; recomputing the prompt");
+                    s.num_computed = 0;
+                    s.external = 0;
+                    s.state = State::Running;
+                }
+                FailurePolicy::Fail => to_finish.push((
+                    *k,
+                    FinishReason::Error(format!(
+                        "KV load of {} external tokens failed ({why}) and kv_load_failure_policy is 'fail'",
+                        s.external
+                    )),
+                )),
+            }
+        }
+        for s in self.seqs.values_mut() {
+            if s.state == State::WaitingForRemoteKv && recvd.contains(s.req.id.0.as_str()) {
+                s.state = State::Running;
+                s.num_computed = s.external;
+            }
+        }
+
+        // Sample the computed requests.
+        let t = Instant::now();
+        for (k, _, h) in &hs {
+            if load_failed.contains_key(k) {
+                continue;
+            }
+            let Some(s) = self.seqs.get_mut(k) else { continue };
+            let last = &h[h.len() - d..];
+            let tok = self.model.next_token(last);
+            s.num_computed = s.seq_len();
+            s.output.push(tok);
+            let first = s.output.len() == 1;
+            outputs.push(RequestOutput {
+                id: s.req.id.0.clone(),
+                new_tokens: vec![tok],
+                finished: None,
+                kv_transfer_params: None,
+                first_token_latency: first.then(|| s.added.elapsed()),
+                num_external_tokens: if first { s.external } else { 0 },
+            });
+            if s.output.len() >= s.max_tokens {
+                to_finish.push((*k, FinishReason::Length));
+            }
+        }
+        compute += t.elapsed();
+        let t = Instant::now();
+        for (k, why) in to_finish {
+            self.finish(k, why, &mut outputs)?;
+        }
+        for r in &fin.finished_sending {
+            match self.pending_free.remove(&r.0) {
+                Some(b) => self.pool.release(&b),
+                None if self.by_id.contains_key(&r.0) => {
+                    self.sent_early.insert(r.0.clone());
+                }
+                None => {
+                    tracing::debug!(request = %r, "finished_sending for a request without delayed blocks")
+                }
+            }
+        }
+        conn_time += t.elapsed();
+        for s in self.seqs.values_mut() {
+            s.loaded_this_step = false;
+        }
+        self.stats = Some(StepStats {
+            step: self.step_no,
+            scheduled: hs.len(),
+            prefill_tokens,
+            decode_tokens,
+            waiting_for_remote_kv: self
+                .seqs
+                .values()
+                .filter(|s| s.state == State::WaitingForRemoteKv)
+                .count(),
+            elapsed: t0.elapsed(),
+            compute,
+            connector: conn_time,
+        });
+        Ok(outputs)
+    }
+
+    /// Looks a waiting request up and allocates its blocks. Ok(false): no room now.
+    fn admit(&mut self, key: u64, outputs: &mut Vec<RequestOutput>) -> Result<bool, WorkerError> {
+        let Some(s) = self.seqs.get(&key) else { return Ok(true) };
+        let prompt_len = s.req.prompt_tokens.len();
+        let need = self.blocks_needed(prompt_len, s.max_tokens);
+        let mut lookup_error = None;
+        let (mut ext, mut async_load) = (0, false);
+        if let Some((sched, _)) = self.connector.as_mut() {
+            match sched.get_num_new_matched_tokens(&s.req, 0) {
+                Ok(MatchResult::Pending) => return Ok(true),
+                // At least one prompt token is always computed here: it yields the first
+                // output token (vLLM does the same).
+                Ok(MatchResult::Matched { tokens, async_load: a }) => {
+                    (ext, async_load) = (tokens.min(prompt_len - 1), a)
+                }
+                Err(e) => lookup_error = Some(format!("get_num_new_matched_tokens failed: {e}")),
+            }
+        }
+        if let (Some(why), FailurePolicy::Fail) = (&lookup_error, self.policy) {
+            let why = format!("KV lookup failed ({why}) and kv_load_failure_policy is 'fail'");
+            self.finish(key, FinishReason::Error(why), outputs)?;
+            return Ok(true);
+        }
+        let Some(blocks) = self.pool.allocate(need) else { return Ok(false) };
+        if let Some((sched, _)) = self.connector.as_mut() {
+            let s = &self.seqs[&key];
+            if let Err(e) = sched.update_state_after_alloc(&s.req, &blocks, ext) {
+                if ext > 0 && self.policy == FailurePolicy::Fail {
+                    let why =
+                        format!("update_state_after_alloc failed ({e}) and kv_load_failure_policy is 'fail'");
+                    if let Some(s) = self.seqs.get_mut(&key) {
+                        s.blocks = Some(blocks);
+                    }
+                    self.finish(key, FinishReason::Error(why), outputs)?;
+                    return Ok(true);
+                }
+                tracing::warn!(request = %s.req.id, error = %e, "update_state_after_alloc failed; computing the prompt locally");
+                (ext, async_load) = (0, false);
+            }
+        }
+        if let Some(s) = self.seqs.get_mut(&key) {
+            s.blocks = Some(blocks);
+            s.external = ext;
+            if async_load && ext > 0 {
+                s.state = State::WaitingForRemoteKv;
+            } else {
+                s.state = State::Running;
+                s.num_computed = ext;
+                s.loaded_this_step = ext > 0;
+            }
+        }
+        Ok(true)
+    }
+
+    /// Ends a request: tells the connector, frees or parks its blocks, emits the output.
+    fn finish(
+        &mut self,
+        key: u64,
+        why: FinishReason,
+        outputs: &mut Vec<RequestOutput>,
+    ) -> Result<(), WorkerError> {
+        let Some(s) = self.seqs.remove(&key) else { return Ok(()) };
+        self.by_id.remove(&s.req.id.0);
+        let blocks = s.blocks.clone().unwrap_or_default();
+        let mut params = None;
+        let mut delay = false;
+        if let Some((sched, _)) = self.connector.as_mut() {
+            match sched.request_finished(&s.req, &blocks) {
+                Ok(rf) => {
+                    delay = rf.delay_free;
+                    params = rf.transfer_params;
+                }
+                Err(e) => {
+                    tracing::warn!(request = %s.req.id, error = %e, "request_finished failed; freeing its blocks now");
+                }
+            }
+        }
+        if delay && !self.sent_early.remove(&s.req.id.0) {
+            self.pending_free.insert(s.req.id.0.clone(), blocks);
+        } else {
+            self.pool.release(&blocks);
+        }
+        self.finished_since_last.push(s.req.id.clone());
+        // Merge with this step's token output for the request, if any.
+        match outputs.iter_mut().find(|o| o.id == s.req.id.0) {
+            Some(o) => {
+                o.finished = Some(why);
+                o.kv_transfer_params = params;
+            }
+            None => outputs.push(RequestOutput {
+                id: s.req.id.0.clone(),
+                new_tokens: Vec::new(),
+                finished: Some(why),
+                kv_transfer_params: params,
+                first_token_latency: None,
+                num_external_tokens: 0,
+            }),
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if let Err(e) = self.shutdown() {
+            tracing::warn!(error = %e, "connector shutdown failed");
+        }
+    }
+}

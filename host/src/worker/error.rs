@@ -1,0 +1,63 @@
+//! What can go wrong in the worker runtime.
+
+use kvconnect_api::kv_memory::RegionError;
+use kvconnect_api::ConnectorError;
+
+/// An error of the worker runtime: pool, shared memory, model config, requests, connector.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The reference model's config.json cannot be used.
+    #[error("reference model config: {0}")]
+    ModelConfig(String),
+    /// The effective layout cannot be served by this engine.
+    #[error("effective layout not usable by the worker: {0}")]
+    Layout(String),
+    /// The pool's regions failed the layout check (a bug in the pool if it ever happens).
+    #[error("KV pool regions do not match the effective layout: {0}")]
+    Regions(#[from] RegionError),
+    /// A shared-memory call failed.
+    #[error("shared memory segment '{name}': {op} failed: {source}; check /dev/shm space and that no stale segment of that name exists")]
+    Shm {
+        /// Segment name.
+        name: String,
+        /// The call (`shm_open`, `ftruncate`, `mmap`).
+        op: &'static str,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Host memory for a region could not be allocated.
+    #[error("cannot allocate {bytes} bytes of host memory for KV region '{name}': lower num_blocks")]
+    Alloc {
+        /// Region name.
+        name: String,
+        /// Bytes asked for.
+        bytes: usize,
+    },
+    /// A request that can never be served or is malformed.
+    #[error("request '{id}': {reason}")]
+    BadRequest {
+        /// The request.
+        id: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// A connector call failed in a way that stops the step.
+    #[error("connector call {method} failed: {source}")]
+    Connector {
+        /// The method.
+        method: &'static str,
+        /// The connector's error.
+        source: ConnectorError,
+    },
+    /// Requests stayed unfinished for too many steps (a connector never answered).
+    #[error("{steps} steps passed and requests {waiting:?} are still unfinished: a connector reports a load as neither finished nor failed")]
+    Stalled {
+        /// Steps run.
+        steps: u64,
+        /// The requests still waiting.
+        waiting: Vec<String>,
+    },
+    /// Reading or writing a block of the pool failed (block id out of range: a bug).
+    #[error("KV pool access failed: {0}")]
+    Access(String),
+}

@@ -1,0 +1,35 @@
+//! The worker runtime: a KV block pool over host-memory regions laid out as the effective
+//! layout says, a per-step driver that calls the connector API in vLLM's order, and a small
+//! deterministic reference transformer that reads and writes its KV only through that pool.
+//!
+//! The reference engine exists so tests can prove that disaggregated serving (prefill on one
+//! engine, decode on another with the transferred KV) gives exactly the tokens a single
+//! engine gives. It is not a serving engine: no batching tricks, no preemption, no chunked
+//! prefill.
+//!
+//! Public API, in the order a user meets it:
+//! * [`ReferenceConfig`] — the reference model's `config.json` (Hugging Face style); its
+//!   [`ReferenceConfig::model_spec`] is what negotiation sees.
+//! * [`local_effective_layout`] — an effective layout for a single engine without
+//!   negotiation (tests, monolithic runs).
+//! * [`Engine`] with [`EngineConfig`], [`GenRequest`], [`RequestOutput`], [`FinishReason`],
+//!   [`StepStats`] — the engine and its step loop.
+//! * [`KvPool`] — the block pool (regions, block tables); [`shm`] — shared-memory regions.
+//! * [`tokenize`] / [`detokenize`] — the byte-level tokenizer.
+
+pub mod engine;
+pub mod error;
+pub mod forward;
+pub mod kv_codec;
+pub mod model;
+pub mod pool;
+pub mod prng;
+pub mod region;
+pub mod shm;
+pub mod tokenizer;
+
+pub use engine::{Completion, Engine, EngineConfig, FinishReason, GenRequest, RequestOutput, StepStats};
+pub use error::WorkerError;
+pub use model::{ReferenceConfig, ReferenceModel};
+pub use pool::{local_effective_layout, KvPool};
+pub use tokenizer::{detokenize, tokenize};

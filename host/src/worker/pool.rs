@@ -1,0 +1,486 @@
+//! The KV block pool: host-memory regions laid out as the effective layout says, and one
+//! block table (id space, free list) per KV cache group.
+//!
+//! Per-layer layouts (`LB...`) get one region per KV layer; cross-layer layouts (`BL...`)
+//! one region per KV cache group holding that group's layers. Offsets come from
+//! `kvconnect_api::geometry` only, through a bounds-checked `KvMemory` over the pool's own
+//! regions, so the engine and every connector address a block the same way.
+
+use crate::worker::error::WorkerError;
+use crate::worker::region::RegionMemory;
+use crate::worker::shm;
+use kvconnect_api::geometry::BlockShape;
+use kvconnect_api::kv_memory::KvMemory;
+use kvconnect_api::layout::Dim;
+use kvconnect_api::{
+    AttentionKind, BlockId, BlocksPerGroup, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, LayerId,
+    MemoryKind, ModelSpec, TransferMode,
+};
+
+/// An effective layout for one engine on its own, without negotiation: HMA on gives one
+/// KV cache group per attention kind (in order of first appearance), off gives one group of
+/// every KV layer. Host memory, no transfer.
+pub fn local_effective_layout(
+    model: &ModelSpec,
+    layout: KvLayout,
+    hma: bool,
+    block_size: u32,
+    cache_dtype: Dtype,
+) -> EffectiveLayout {
+    let kv_layers: Vec<(LayerId, AttentionKind)> = model
+        .layers
+        .iter()
+        .enumerate()
+        .filter(|(_, k)| k.has_kv_blocks())
+        .map(|(i, k)| (LayerId(i as u32), *k))
+        .collect();
+    let mut groups: Vec<KvGroup> = Vec::new();
+    if hma {
+        for (l, k) in &kv_layers {
+            match groups.iter_mut().find(|g| g.kind == *k) {
+                Some(g) => g.layers.push(*l),
+                None => groups.push(KvGroup { kind: *k, layers: vec![*l] }),
+            }
+        }
+    } else if let Some((_, first)) = kv_layers.first() {
+        groups.push(KvGroup { kind: *first, layers: kv_layers.iter().map(|(l, _)| *l).collect() });
+    }
+    EffectiveLayout {
+        layout,
+        hma,
+        block_size,
+        cache_dtype,
+        memory: MemoryKind::Host,
+        transfer_mode: TransferMode::None,
+        groups,
+    }
+}
+
+/// Element strides (in elements) of H, N and C inside one block span, per the layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InnerStrides {
+    /// Stride of a KV head.
+    pub head: usize,
+    /// Stride of a token slot.
+    pub token: usize,
+    /// Stride of a channel.
+    pub channel: usize,
+}
+
+/// The block pool. Owns the region memory; frees it (and unlinks shared-memory segments)
+/// on drop.
+#[derive(Debug)]
+pub struct KvPool {
+    effective: EffectiveLayout,
+    shape: BlockShape,
+    strides: InnerStrides,
+    // `mem` holds raw addresses into `memories`; it is declared first so it drops first.
+    mem: KvMemory,
+    regions: Vec<KvRegion>,
+    memories: Vec<RegionMemory>,
+    layer_group: Vec<Option<usize>>,
+    free: Vec<Vec<u32>>,
+    num_blocks: u32,
+}
+
+impl KvPool {
+    /// Allocates `num_blocks` blocks per KV cache group. With `shm_engine_id`, every region
+    /// is a shared-memory segment named by [`shm::segment_name`]; otherwise private memory.
+    pub fn new(
+        model: &ModelSpec,
+        eff: &EffectiveLayout,
+        num_blocks: u32,
+        shm_engine_id: Option<&str>,
+    ) -> Result<KvPool, WorkerError> {
+        let lay = |m: String| WorkerError::Layout(m);
+        if eff.memory != MemoryKind::Host {
+            return Err(lay(format!(
+                "memory kind is {:?}; the worker pool allocates host memory only (negotiate with memory = host)",
+                eff.memory
+            )));
+        }
+        if eff.block_size == 0 {
+            return Err(lay("block_size is 0; use a positive block size such as 16".into()));
+        }
+        if num_blocks == 0 {
+            return Err(lay("num_blocks is 0; the pool needs at least one block per KV cache group".into()));
+        }
+        if eff.groups.is_empty() {
+            return Err(lay(
+                "no KV cache groups: the effective layout must list the model's KV layers".into()
+            ));
+        }
+        if !eff.hma && eff.groups.len() != 1 {
+            return Err(lay(format!(
+                "hybrid KV cache manager is off but the layout has {} KV cache groups; with HMA off all KV layers form one group",
+                eff.groups.len()
+            )));
+        }
+        let n = model.layers.len();
+        let mut layer_group = vec![None; n];
+        for (gi, g) in eff.groups.iter().enumerate() {
+            if g.layers.is_empty() {
+                return Err(lay(format!("KV cache group {gi} holds no layers")));
+            }
+            for l in &g.layers {
+                let i = l.0 as usize;
+                if i >= n {
+                    return Err(lay(format!("group {gi} names layer {l}, but the model has {n} layers")));
+                }
+                if !model.layers[i].has_kv_blocks() {
+                    return Err(lay(format!("group {gi} names layer {l}, which stores no KV blocks")));
+                }
+                if layer_group[i].replace(gi).is_some() {
+                    return Err(lay(format!("layer {l} is in more than one KV cache group")));
+                }
+            }
+        }
+        if let Some(i) = (0..n).find(|i| model.layers[*i].has_kv_blocks() && layer_group[*i].is_none()) {
+            return Err(lay(format!("layer {i} stores KV but is in no KV cache group")));
+        }
+        let shape = BlockShape::of(model, eff);
+        // (name, layers, group) of every region, in registration order.
+        let plan: Vec<(String, Vec<LayerId>, usize)> = if eff.layout.is_cross_layer() {
+            eff.groups
+                .iter()
+                .enumerate()
+                .map(|(gi, g)| (format!("group{gi}"), g.layers.clone(), gi))
+                .collect()
+        } else {
+            (0..n)
+                .filter_map(|i| layer_group[i].map(|g| (format!("layer.{i}"), vec![LayerId(i as u32)], g)))
+                .collect()
+        };
+        let mut memories = Vec::with_capacity(plan.len());
+        let mut regions = Vec::with_capacity(plan.len());
+        for (ri, (name, layers, group)) in plan.into_iter().enumerate() {
+            let len = layers
+                .len()
+                .checked_mul(num_blocks as usize)
+                .and_then(|x| x.checked_mul(shape.layer_block_bytes()))
+                .ok_or_else(|| WorkerError::Alloc { name: name.clone(), bytes: usize::MAX })?;
+            let memory = match shm_engine_id {
+                Some(id) => RegionMemory::shm(&shm::segment_name(id, ri), len)?,
+                None => RegionMemory::heap(&name, len)?,
+            };
+            regions.push(KvRegion {
+                name,
+                addr: memory.ptr() as u64,
+                len: len as u64,
+                memory: MemoryKind::Host,
+                device: -1,
+                layers,
+                group: group as u32,
+                num_blocks,
+                shm_name: memory.shm_name().map(str::to_owned),
+            });
+            memories.push(memory);
+        }
+        // SAFETY: every region is memory owned by `memories`, valid for reads and writes of
+        // `len` bytes; `KvPool` keeps `memories` alive (and never moves their contents) for
+        // as long as `mem` lives, and drops `mem` first.
+        let mem = unsafe { KvMemory::new(&regions, model, eff) }?;
+        let strides = inner_strides(eff.layout, &shape);
+        let free = eff.groups.iter().map(|_| (0..num_blocks).rev().collect()).collect();
+        Ok(KvPool {
+            effective: eff.clone(),
+            shape,
+            strides,
+            mem,
+            regions,
+            memories,
+            layer_group,
+            free,
+            num_blocks,
+        })
+    }
+
+    /// The regions, in registration order (what `register_kv_caches` receives).
+    pub fn regions(&self) -> &[KvRegion] {
+        &self.regions
+    }
+
+    /// Bounds-checked access to the regions.
+    pub fn memory(&self) -> &KvMemory {
+        &self.mem
+    }
+
+    /// The effective layout the pool follows.
+    pub fn effective(&self) -> &EffectiveLayout {
+        &self.effective
+    }
+
+    /// One block's shape.
+    pub fn shape(&self) -> BlockShape {
+        self.shape
+    }
+
+    /// Strides of H, N, C inside a block span.
+    pub fn strides(&self) -> InnerStrides {
+        self.strides
+    }
+
+    /// Number of KV cache groups (block tables).
+    pub fn num_groups(&self) -> usize {
+        self.free.len()
+    }
+
+    /// The KV cache group of a layer (None for a layer without KV blocks).
+    pub fn group_of(&self, layer: LayerId) -> Option<usize> {
+        self.layer_group.get(layer.0 as usize).copied().flatten()
+    }
+
+    /// Blocks per group.
+    pub fn blocks_per_group(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Blocks in all groups together.
+    pub fn total_blocks(&self) -> usize {
+        self.num_blocks as usize * self.free.len()
+    }
+
+    /// Free blocks in all groups together.
+    pub fn free_blocks(&self) -> usize {
+        self.free.iter().map(Vec::len).sum()
+    }
+
+    /// Takes `n` blocks from every group, or none at all when some group has fewer free.
+    pub fn allocate(&mut self, n: usize) -> Option<BlocksPerGroup> {
+        if self.free.iter().any(|f| f.len() < n) {
+            return None;
+        }
+        let lists =
+            self.free.iter_mut().map(|f| (0..n).filter_map(|_| f.pop()).map(BlockId).collect()).collect();
+        Some(BlocksPerGroup(lists))
+    }
+
+    /// Takes `n` more blocks for every group and appends them to `blocks`; false (nothing
+    /// taken) when some group has fewer free.
+    pub fn extend(&mut self, blocks: &mut BlocksPerGroup, n: usize) -> bool {
+        match self.allocate(n) {
+            Some(more) => {
+                for (have, add) in blocks.0.iter_mut().zip(more.0) {
+                    have.extend(add);
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Returns blocks to their groups' free lists. Ids out of range or already free are
+    /// ignored with a warning (they would corrupt the free list).
+    pub fn release(&mut self, blocks: &BlocksPerGroup) {
+        for (g, list) in blocks.0.iter().enumerate() {
+            let Some(free) = self.free.get_mut(g) else {
+                tracing::warn!(group = g, "release of blocks of an unknown KV cache group ignored");
+                continue;
+            };
+            for b in list {
+                if b.0 >= self.num_blocks || free.contains(&b.0) {
+                    tracing::warn!(
+                        group = g,
+                        block = b.0,
+                        "release of an invalid or already free block ignored"
+                    );
+                    continue;
+                }
+                free.push(b.0);
+            }
+        }
+    }
+
+    /// Copies the bytes of (`layer`, K|V `part`, `block`) into `buf` (resized to fit).
+    pub fn read_block(
+        &self,
+        layer: LayerId,
+        part: u32,
+        block: BlockId,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), WorkerError> {
+        let span = self.mem.span(layer, part, block).map_err(|e| WorkerError::Access(e.to_string()))?;
+        buf.resize(span.len, 0);
+        self.mem.read(span, buf).map_err(|e| WorkerError::Access(e.to_string()))
+    }
+
+    /// Writes `buf` as the bytes of (`layer`, K|V `part`, `block`).
+    pub fn write_block(
+        &self,
+        layer: LayerId,
+        part: u32,
+        block: BlockId,
+        buf: &[u8],
+    ) -> Result<(), WorkerError> {
+        let span = self.mem.span(layer, part, block).map_err(|e| WorkerError::Access(e.to_string()))?;
+        self.mem.write(span, buf).map_err(|e| WorkerError::Access(e.to_string()))
+    }
+
+    /// Names of the shared-memory segments behind the regions (empty when private).
+    pub fn shm_names(&self) -> Vec<String> {
+        self.memories.iter().filter_map(|m| m.shm_name().map(str::to_owned)).collect()
+    }
+}
+
+fn inner_strides(layout: KvLayout, s: &BlockShape) -> InnerStrides {
+    let mut st = InnerStrides { head: 0, token: 0, channel: 0 };
+    let mut acc = 1usize;
+    for d in layout.order().iter().rev() {
+        match d {
+            Dim::H => {
+                st.head = acc;
+                acc *= s.heads as usize;
+            }
+            Dim::N => {
+                st.token = acc;
+                acc *= s.tokens as usize;
+            }
+            Dim::C => {
+                st.channel = acc;
+                acc *= s.head_dim as usize;
+            }
+            Dim::L | Dim::B => {}
+        }
+    }
+    st
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvconnect_api::geometry::Geometry;
+
+    fn model() -> ModelSpec {
+        ModelSpec {
+            name: "t".into(),
+            num_layers: 4,
+            num_kv_heads: 2,
+            head_dim: 4,
+            dtype: Some(Dtype::Bf16),
+            layers: vec![
+                AttentionKind::SlidingWindow { window: 8 },
+                AttentionKind::Full,
+                AttentionKind::SlidingWindow { window: 8 },
+                AttentionKind::Full,
+            ],
+        }
+    }
+
+    #[test]
+    fn groups_follow_hma() {
+        let on = local_effective_layout(&model(), KvLayout::HND, true, 4, Dtype::Bf16);
+        assert_eq!(on.groups.len(), 2);
+        assert_eq!(on.groups[0].layers, vec![LayerId(0), LayerId(2)]);
+        assert_eq!(on.groups[1].layers, vec![LayerId(1), LayerId(3)]);
+        let off = local_effective_layout(&model(), KvLayout::HND, false, 4, Dtype::Bf16);
+        assert_eq!(off.groups.len(), 1);
+        assert_eq!(off.groups[0].layers.len(), 4);
+    }
+
+    #[test]
+    fn regions_per_layout_and_hma() {
+        for (layout, hma, regions, groups) in [
+            (KvLayout::NHD, false, 4, 1),
+            (KvLayout::HND, true, 4, 2),
+            (KvLayout::BLHNC, false, 1, 1),
+            (KvLayout::BLNHC, true, 2, 2),
+        ] {
+            let eff = local_effective_layout(&model(), layout, hma, 4, Dtype::Bf16);
+            let pool = KvPool::new(&model(), &eff, 5, None).unwrap();
+            assert_eq!(pool.regions().len(), regions, "{layout}");
+            assert_eq!(pool.num_groups(), groups);
+            assert_eq!(pool.total_blocks(), 5 * groups);
+            let bytes: u64 = pool.regions().iter().map(|r| r.len).sum();
+            assert_eq!(bytes as usize, 4 * 5 * 2 * 2 * 4 * 4 * 2, "{layout}");
+        }
+    }
+
+    #[test]
+    fn block_bytes_land_where_geometry_says() {
+        let eff = local_effective_layout(&model(), KvLayout::BLHNC, true, 4, Dtype::Bf16);
+        let pool = KvPool::new(&model(), &eff, 3, None).unwrap();
+        let data: Vec<u8> = (0..pool.shape().bytes()).map(|i| (i % 251) as u8 + 1).collect();
+        pool.write_block(LayerId(2), 1, BlockId(2), &data).unwrap();
+        let g = Geometry::new(
+            pool.shape(),
+            KvLayout::BLHNC,
+            pool.regions()
+                .iter()
+                .map(|r| kvconnect_api::geometry::RegionShape {
+                    layers: r.layers.clone(),
+                    num_blocks: r.num_blocks,
+                })
+                .collect(),
+        );
+        let span = g.span(LayerId(2), 1, BlockId(2)).unwrap();
+        let r = &pool.regions()[span.region];
+        assert_eq!(r.layers, vec![LayerId(0), LayerId(2)]);
+        // SAFETY: the span lies inside region `r`, which `pool` keeps alive.
+        let raw =
+            unsafe { std::slice::from_raw_parts((r.addr as usize + span.offset) as *const u8, span.len) };
+        assert_eq!(raw, &data[..]);
+        let mut back = Vec::new();
+        pool.read_block(LayerId(2), 1, BlockId(2), &mut back).unwrap();
+        assert_eq!(back, data);
+        assert!(pool.read_block(LayerId(2), 1, BlockId(3), &mut back).is_err());
+    }
+
+    #[test]
+    fn allocate_is_all_or_nothing_and_release_restores() {
+        let eff = local_effective_layout(&model(), KvLayout::HND, true, 4, Dtype::Bf16);
+        let mut pool = KvPool::new(&model(), &eff, 4, None).unwrap();
+        let a = pool.allocate(3).unwrap();
+        assert_eq!(a.0.len(), 2);
+        assert_eq!(a.0[0], vec![BlockId(0), BlockId(1), BlockId(2)]);
+        assert!(pool.allocate(2).is_none());
+        assert_eq!(pool.free_blocks(), 2);
+        pool.release(&a);
+        pool.release(&a); // double free is ignored
+        assert_eq!(pool.free_blocks(), pool.total_blocks());
+    }
+
+    #[test]
+    fn strides_match_geometry_inner_offset() {
+        for layout in [KvLayout::NHD, KvLayout::HND, KvLayout::BLNHC, "LBCNH".parse().unwrap()] {
+            let eff = local_effective_layout(&model(), layout, false, 4, Dtype::F32);
+            let pool = KvPool::new(&model(), &eff, 1, None).unwrap();
+            let g = Geometry::new(pool.shape(), layout, vec![]);
+            let s = pool.strides();
+            for (h, t, c) in [(0, 0, 0), (1, 2, 3), (1, 3, 0), (0, 1, 2)] {
+                assert_eq!(
+                    (h * s.head + t * s.token + c * s.channel) * 4,
+                    g.inner_offset(h as u32, t as u32, c as u32)
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_layouts_are_refused_with_reasons() {
+        let mut eff = local_effective_layout(&model(), KvLayout::HND, false, 4, Dtype::Bf16);
+        eff.groups[0].layers.pop();
+        let e = KvPool::new(&model(), &eff, 2, None).unwrap_err().to_string();
+        assert!(e.contains("layer 3 stores KV but is in no KV cache group"), "{e}");
+        let eff = local_effective_layout(&model(), KvLayout::HND, false, 4, Dtype::Bf16);
+        let e = KvPool::new(&model(), &eff, 0, None).unwrap_err().to_string();
+        assert!(e.contains("num_blocks is 0"), "{e}");
+        let mut eff = local_effective_layout(&model(), KvLayout::HND, true, 4, Dtype::Bf16);
+        eff.hma = false;
+        let e = KvPool::new(&model(), &eff, 2, None).unwrap_err().to_string();
+        assert!(e.contains("HMA off"), "{e}");
+    }
+
+    #[test]
+    fn shm_regions_carry_their_names() {
+        let eff = local_effective_layout(&model(), KvLayout::HND, false, 4, Dtype::Bf16);
+        let pool = KvPool::new(&model(), &eff, 2, Some("pool test")).unwrap();
+        let names = pool.shm_names();
+        assert_eq!(names.len(), 4);
+        assert_eq!(pool.regions()[1].shm_name.as_deref(), Some(names[1].as_str()));
+        let live = shm::live_segments();
+        assert!(names.iter().all(|n| live.contains(n)));
+        drop(pool);
+        let live = shm::live_segments();
+        assert!(names.iter().all(|n| !live.contains(n)));
+    }
+}
