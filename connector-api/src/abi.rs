@@ -235,7 +235,9 @@ pub struct HostApi {
     /// Passed back to `log` unchanged.
     pub user_data: *const c_void,
     /// Receives one log event: level, target (module path), message. Thread-safe.
-    pub log: Option<unsafe extern "C" fn(user_data: *const c_void, level: u32, target: AbiBytes, message: AbiBytes)>,
+    pub log: Option<
+        unsafe extern "C" fn(user_data: *const c_void, level: u32, target: AbiBytes, message: AbiBytes),
+    >,
 }
 
 // SAFETY: the host promises `log` may be called from any thread with `user_data`, and the
@@ -250,7 +252,14 @@ impl HostApi {
         if let Some(log) = self.log {
             // SAFETY: the host gave us `log` and `user_data` for this purpose; both byte views
             // are valid for the call.
-            unsafe { log(self.user_data, level, AbiBytes::from_slice(target.as_bytes()), AbiBytes::from_slice(message.as_bytes())) }
+            unsafe {
+                log(
+                    self.user_data,
+                    level,
+                    AbiBytes::from_slice(target.as_bytes()),
+                    AbiBytes::from_slice(message.as_bytes()),
+                )
+            }
         }
     }
 }
@@ -309,7 +318,8 @@ pub struct FactoryVTable {
     /// Frees the factory.
     pub free: Option<unsafe extern "C" fn(this: *mut c_void)>,
     /// `*out` = JSON `ConnectorInfo`.
-    pub info: Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
+    pub info:
+        Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
     /// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty; `*out` = JSON
     /// `Capabilities`.
     pub capabilities: Option<
@@ -322,11 +332,23 @@ pub struct FactoryVTable {
         ) -> Status,
     >,
     /// `ctx` = JSON `ConnectorContext`; `*out` = the scheduler handle.
-    pub create_scheduler:
-        Option<unsafe extern "C" fn(this: *mut c_void, ctx: AbiBytes, out: *mut *mut c_void, err: *mut AbiBuffer) -> Status>,
+    pub create_scheduler: Option<
+        unsafe extern "C" fn(
+            this: *mut c_void,
+            ctx: AbiBytes,
+            out: *mut *mut c_void,
+            err: *mut AbiBuffer,
+        ) -> Status,
+    >,
     /// `ctx` = JSON `ConnectorContext`; `*out` = the worker handle.
-    pub create_worker:
-        Option<unsafe extern "C" fn(this: *mut c_void, ctx: AbiBytes, out: *mut *mut c_void, err: *mut AbiBuffer) -> Status>,
+    pub create_worker: Option<
+        unsafe extern "C" fn(
+            this: *mut c_void,
+            ctx: AbiBytes,
+            out: *mut *mut c_void,
+            err: *mut AbiBuffer,
+        ) -> Status,
+    >,
 }
 
 /// Scheduler-half entry points; `this` is a scheduler handle, used from one thread at a time.
@@ -339,21 +361,46 @@ pub struct SchedulerVTable {
     pub free: Option<unsafe extern "C" fn(this: *mut c_void)>,
     /// `req` = JSON `Request`; `*out` = JSON `MatchResult`.
     pub get_num_new_matched_tokens: Option<
-        unsafe extern "C" fn(this: *mut c_void, req: AbiBytes, num_computed: u64, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status,
+        unsafe extern "C" fn(
+            this: *mut c_void,
+            req: AbiBytes,
+            num_computed: u64,
+            out: *mut AbiBuffer,
+            err: *mut AbiBuffer,
+        ) -> Status,
     >,
     /// `req` = JSON `Request`, `blocks` = JSON `BlocksPerGroup`.
     pub update_state_after_alloc: Option<
-        unsafe extern "C" fn(this: *mut c_void, req: AbiBytes, blocks: AbiBytes, num_external_tokens: u64, err: *mut AbiBuffer) -> Status,
+        unsafe extern "C" fn(
+            this: *mut c_void,
+            req: AbiBytes,
+            blocks: AbiBytes,
+            num_external_tokens: u64,
+            err: *mut AbiBuffer,
+        ) -> Status,
     >,
     /// `step` = JSON `StepInfo`; `*out` = the metadata bytes, as the connector made them.
-    pub build_connector_meta:
-        Option<unsafe extern "C" fn(this: *mut c_void, step: AbiBytes, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
+    pub build_connector_meta: Option<
+        unsafe extern "C" fn(
+            this: *mut c_void,
+            step: AbiBytes,
+            out: *mut AbiBuffer,
+            err: *mut AbiBuffer,
+        ) -> Status,
+    >,
     /// `req`, `blocks` as above; `*out` = JSON `RequestFinished`.
     pub request_finished: Option<
-        unsafe extern "C" fn(this: *mut c_void, req: AbiBytes, blocks: AbiBytes, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status,
+        unsafe extern "C" fn(
+            this: *mut c_void,
+            req: AbiBytes,
+            blocks: AbiBytes,
+            out: *mut AbiBuffer,
+            err: *mut AbiBuffer,
+        ) -> Status,
     >,
     /// `*out` = JSON `Vec<KvEvent>`.
-    pub take_events: Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
+    pub take_events:
+        Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
 }
 
 /// Worker-half entry points; `this` is a worker handle, used from one thread at a time.
@@ -365,28 +412,44 @@ pub struct WorkerVTable {
     /// Frees the instance.
     pub free: Option<unsafe extern "C" fn(this: *mut c_void)>,
     /// `regions` = JSON `Vec<KvRegion>`.
-    pub register_kv_caches: Option<unsafe extern "C" fn(this: *mut c_void, regions: AbiBytes, err: *mut AbiBuffer) -> Status>,
+    pub register_kv_caches:
+        Option<unsafe extern "C" fn(this: *mut c_void, regions: AbiBytes, err: *mut AbiBuffer) -> Status>,
     /// The scheduler's metadata bytes for this step.
-    pub bind_connector_meta: Option<unsafe extern "C" fn(this: *mut c_void, meta: AbiBytes, err: *mut AbiBuffer) -> Status>,
+    pub bind_connector_meta:
+        Option<unsafe extern "C" fn(this: *mut c_void, meta: AbiBytes, err: *mut AbiBuffer) -> Status>,
     /// Starts this step's loads.
     pub start_load_kv: Option<unsafe extern "C" fn(this: *mut c_void, err: *mut AbiBuffer) -> Status>,
     /// Waits for one layer's loads.
-    pub wait_for_layer_load: Option<unsafe extern "C" fn(this: *mut c_void, layer: u32, err: *mut AbiBuffer) -> Status>,
+    pub wait_for_layer_load:
+        Option<unsafe extern "C" fn(this: *mut c_void, layer: u32, err: *mut AbiBuffer) -> Status>,
     /// Saves one layer of these blocks (`block_ids`: `len` u32 block ids).
     pub save_kv_layer: Option<
-        unsafe extern "C" fn(this: *mut c_void, layer: u32, block_ids: *const u32, len: usize, err: *mut AbiBuffer) -> Status,
+        unsafe extern "C" fn(
+            this: *mut c_void,
+            layer: u32,
+            block_ids: *const u32,
+            len: usize,
+            err: *mut AbiBuffer,
+        ) -> Status,
     >,
     /// Waits for this step's saves.
     pub wait_for_save: Option<unsafe extern "C" fn(this: *mut c_void, err: *mut AbiBuffer) -> Status>,
     /// `finished` = `len` request ids (UTF-8); `*out` = JSON `FinishedTransfers`.
     pub get_finished: Option<
-        unsafe extern "C" fn(this: *mut c_void, finished: *const AbiBytes, len: usize, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status,
+        unsafe extern "C" fn(
+            this: *mut c_void,
+            finished: *const AbiBytes,
+            len: usize,
+            out: *mut AbiBuffer,
+            err: *mut AbiBuffer,
+        ) -> Status,
     >,
     /// `*out` = JSON `Vec<BlockId>`.
     pub block_ids_with_load_errors:
         Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
     /// `*out` = JSON value, or `null` for none.
-    pub handshake_metadata: Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
+    pub handshake_metadata:
+        Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
     /// `peer` = JSON value.
     pub set_peer_handshake_metadata:
         Option<unsafe extern "C" fn(this: *mut c_void, peer: AbiBytes, err: *mut AbiBuffer) -> Status>,
@@ -442,7 +505,8 @@ pub const LAYOUT_FINGERPRINT: u64 = {
 };
 
 /// Bytes of the descriptor a host of this version reads (everything 1.0 defined).
-pub const MIN_DESCRIPTOR_SIZE: usize = offset_of!(PluginDescriptor, worker) + size_of::<*const WorkerVTable>();
+pub const MIN_DESCRIPTOR_SIZE: usize =
+    offset_of!(PluginDescriptor, worker) + size_of::<*const WorkerVTable>();
 /// Bytes of the factory vtable a host of this version calls.
 pub const MIN_FACTORY_VTABLE_SIZE: usize = offset_of!(FactoryVTable, create_worker) + size_of::<usize>();
 /// Bytes of the scheduler vtable a host of this version calls.
@@ -551,9 +615,15 @@ fn finish<T>(r: Result<T, ConnectorError>, err: *mut AbiBuffer, write_ok: impl F
 }
 
 /// Writes a JSON-encoded value to `out`.
-fn write_json<T: serde::Serialize>(connector: &str, v: &T, out: *mut AbiBuffer) -> Result<(), ConnectorError> {
-    let bytes = serde_json::to_vec(v)
-        .map_err(|e| ConnectorError::Other { connector: connector.to_owned(), message: format!("cannot encode a result: {e}") })?;
+fn write_json<T: serde::Serialize>(
+    connector: &str,
+    v: &T,
+    out: *mut AbiBuffer,
+) -> Result<(), ConnectorError> {
+    let bytes = serde_json::to_vec(v).map_err(|e| ConnectorError::Other {
+        connector: connector.to_owned(),
+        message: format!("cannot encode a result: {e}"),
+    })?;
     write_buf(out, bytes);
     Ok(())
 }
@@ -565,7 +635,11 @@ fn write_buf(out: *mut AbiBuffer, bytes: Vec<u8>) {
     }
 }
 
-fn read_json<T: serde::de::DeserializeOwned>(connector: &str, what: &str, b: AbiBytes) -> Result<T, ConnectorError> {
+fn read_json<T: serde::de::DeserializeOwned>(
+    connector: &str,
+    what: &str,
+    b: AbiBytes,
+) -> Result<T, ConnectorError> {
     // SAFETY: the host passes bytes valid for the duration of this call.
     let bytes = unsafe { b.as_slice() };
     serde_json::from_slice(bytes).map_err(|e| ConnectorError::InvalidArgument {
@@ -583,7 +657,10 @@ unsafe fn handle<'a, T>(this: *mut c_void) -> &'a mut T {
 
 unsafe extern "C" fn plugin_init(host: *const HostApi, err: *mut AbiBuffer) -> Status {
     let r = if host.is_null() {
-        Err(ConnectorError::Other { connector: "plugin".into(), message: "the host passed no host API".into() })
+        Err(ConnectorError::Other {
+            connector: "plugin".into(),
+            message: "the host passed no host API".into(),
+        })
     } else {
         // SAFETY: the host keeps its HostApi alive for the life of the process (documented
         // on `HostApi`), so a 'static borrow is sound.
@@ -627,7 +704,8 @@ unsafe extern "C" fn factory_capabilities(
     let f = unsafe { &*(this as *const ExportedFactory) };
     let r = (|| {
         let config: KvTransferConfig = read_json(f.name(), "kv-transfer-config", config)?;
-        let model: Option<ModelSpec> = if model.len == 0 { None } else { Some(read_json(f.name(), "model spec", model)?) };
+        let model: Option<ModelSpec> =
+            if model.len == 0 { None } else { Some(read_json(f.name(), "model spec", model)?) };
         let caps = f.call("capabilities", |c| c.capabilities(&config, model.as_ref()))?;
         write_json(f.name(), &caps, out)
     })();
@@ -642,7 +720,8 @@ unsafe extern "C" fn factory_create_scheduler(
 ) -> Status {
     // SAFETY: a live factory handle; factories are Sync.
     let f = unsafe { &*(this as *const ExportedFactory) };
-    let r = read_json::<ConnectorContext>(f.name(), "connector context", ctx).and_then(|ctx| f.create_scheduler(&ctx));
+    let r = read_json::<ConnectorContext>(f.name(), "connector context", ctx)
+        .and_then(|ctx| f.create_scheduler(&ctx));
     finish(r, err, |s| {
         if !out.is_null() {
             // SAFETY: valid out-parameter from the host.
@@ -659,7 +738,8 @@ unsafe extern "C" fn factory_create_worker(
 ) -> Status {
     // SAFETY: a live factory handle; factories are Sync.
     let f = unsafe { &*(this as *const ExportedFactory) };
-    let r = read_json::<ConnectorContext>(f.name(), "connector context", ctx).and_then(|ctx| f.create_worker(&ctx));
+    let r = read_json::<ConnectorContext>(f.name(), "connector context", ctx)
+        .and_then(|ctx| f.create_worker(&ctx));
     finish(r, err, |w| {
         if !out.is_null() {
             // SAFETY: valid out-parameter from the host.
@@ -685,7 +765,11 @@ unsafe extern "C" fn scheduler_get_num_new_matched_tokens(
     // SAFETY: a live scheduler handle, one thread at a time.
     let s = unsafe { handle::<ExportedScheduler>(this) };
     let r = read_json::<Request>(s.name(), "request", req)
-        .and_then(|req| s.call("get_num_new_matched_tokens", |c| c.get_num_new_matched_tokens(&req, num_computed as usize)))
+        .and_then(|req| {
+            s.call("get_num_new_matched_tokens", |c| {
+                c.get_num_new_matched_tokens(&req, num_computed as usize)
+            })
+        })
         .and_then(|m| write_json(s.name(), &m, out));
     finish(r, err, |()| ())
 }
@@ -702,7 +786,9 @@ unsafe extern "C" fn scheduler_update_state_after_alloc(
     let r = (|| {
         let req: Request = read_json(s.name(), "request", req)?;
         let blocks: BlocksPerGroup = read_json(s.name(), "block list", blocks)?;
-        s.call("update_state_after_alloc", |c| c.update_state_after_alloc(&req, &blocks, num_external_tokens as usize))
+        s.call("update_state_after_alloc", |c| {
+            c.update_state_after_alloc(&req, &blocks, num_external_tokens as usize)
+        })
     })();
     finish(r, err, |()| ())
 }
@@ -738,7 +824,11 @@ unsafe extern "C" fn scheduler_request_finished(
     finish(r, err, |()| ())
 }
 
-unsafe extern "C" fn scheduler_take_events(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status {
+unsafe extern "C" fn scheduler_take_events(
+    this: *mut c_void,
+    out: *mut AbiBuffer,
+    err: *mut AbiBuffer,
+) -> Status {
     // SAFETY: a live scheduler handle, one thread at a time.
     let s = unsafe { handle::<ExportedScheduler>(this) };
     let r = s.call("take_events", |c| c.take_events()).and_then(|ev| write_json(s.name(), &ev, out));
@@ -752,7 +842,11 @@ unsafe extern "C" fn worker_free(this: *mut c_void) {
     }
 }
 
-unsafe extern "C" fn worker_register_kv_caches(this: *mut c_void, regions: AbiBytes, err: *mut AbiBuffer) -> Status {
+unsafe extern "C" fn worker_register_kv_caches(
+    this: *mut c_void,
+    regions: AbiBytes,
+    err: *mut AbiBuffer,
+) -> Status {
     // SAFETY: a live worker handle, one thread at a time.
     let w = unsafe { handle::<ExportedWorker>(this) };
     let r = read_json::<Vec<KvRegion>>(w.name(), "region list", regions)
@@ -760,7 +854,11 @@ unsafe extern "C" fn worker_register_kv_caches(this: *mut c_void, regions: AbiBy
     finish(r, err, |()| ())
 }
 
-unsafe extern "C" fn worker_bind_connector_meta(this: *mut c_void, meta: AbiBytes, err: *mut AbiBuffer) -> Status {
+unsafe extern "C" fn worker_bind_connector_meta(
+    this: *mut c_void,
+    meta: AbiBytes,
+    err: *mut AbiBuffer,
+) -> Status {
     // SAFETY: a live worker handle, one thread at a time; `meta` is valid for the call.
     let (w, meta) = unsafe { (handle::<ExportedWorker>(this), meta.as_slice()) };
     finish(w.call("bind_connector_meta", |c| c.bind_connector_meta(meta)), err, |()| ())
@@ -772,7 +870,11 @@ unsafe extern "C" fn worker_start_load_kv(this: *mut c_void, err: *mut AbiBuffer
     finish(w.call("start_load_kv", |c| c.start_load_kv()), err, |()| ())
 }
 
-unsafe extern "C" fn worker_wait_for_layer_load(this: *mut c_void, layer: u32, err: *mut AbiBuffer) -> Status {
+unsafe extern "C" fn worker_wait_for_layer_load(
+    this: *mut c_void,
+    layer: u32,
+    err: *mut AbiBuffer,
+) -> Status {
     // SAFETY: a live worker handle, one thread at a time.
     let w = unsafe { handle::<ExportedWorker>(this) };
     finish(w.call("wait_for_layer_load", |c| c.wait_for_layer_load(LayerId(layer))), err, |()| ())
@@ -824,21 +926,36 @@ unsafe extern "C" fn worker_get_finished(
     finish(r, err, |()| ())
 }
 
-unsafe extern "C" fn worker_block_ids_with_load_errors(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status {
+unsafe extern "C" fn worker_block_ids_with_load_errors(
+    this: *mut c_void,
+    out: *mut AbiBuffer,
+    err: *mut AbiBuffer,
+) -> Status {
     // SAFETY: a live worker handle, one thread at a time.
     let w = unsafe { handle::<ExportedWorker>(this) };
-    let r = w.call("block_ids_with_load_errors", |c| c.block_ids_with_load_errors()).and_then(|b| write_json(w.name(), &b, out));
+    let r = w
+        .call("block_ids_with_load_errors", |c| c.block_ids_with_load_errors())
+        .and_then(|b| write_json(w.name(), &b, out));
     finish(r, err, |()| ())
 }
 
-unsafe extern "C" fn worker_handshake_metadata(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status {
+unsafe extern "C" fn worker_handshake_metadata(
+    this: *mut c_void,
+    out: *mut AbiBuffer,
+    err: *mut AbiBuffer,
+) -> Status {
     // SAFETY: a live worker handle, one thread at a time.
     let w = unsafe { handle::<ExportedWorker>(this) };
-    let r = w.call("handshake_metadata", |c| c.handshake_metadata()).and_then(|m| write_json(w.name(), &m, out));
+    let r =
+        w.call("handshake_metadata", |c| c.handshake_metadata()).and_then(|m| write_json(w.name(), &m, out));
     finish(r, err, |()| ())
 }
 
-unsafe extern "C" fn worker_set_peer_handshake_metadata(this: *mut c_void, peer: AbiBytes, err: *mut AbiBuffer) -> Status {
+unsafe extern "C" fn worker_set_peer_handshake_metadata(
+    this: *mut c_void,
+    peer: AbiBytes,
+    err: *mut AbiBuffer,
+) -> Status {
     // SAFETY: a live worker handle, one thread at a time.
     let w = unsafe { handle::<ExportedWorker>(this) };
     let r = read_json::<serde_json::Value>(w.name(), "peer handshake metadata", peer)

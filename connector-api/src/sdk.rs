@@ -80,7 +80,11 @@ fn guarded<T>(
         Err(payload) => {
             let message = panic_message(payload.as_ref());
             *poison = Some(format!("in {method}: {message}"));
-            Err(ConnectorError::Panicked { connector: connector.to_owned(), method: method.to_owned(), message })
+            Err(ConnectorError::Panicked {
+                connector: connector.to_owned(),
+                method: method.to_owned(),
+                message,
+            })
         }
     }
 }
@@ -280,7 +284,10 @@ mod tests {
         let r: Result<(), _> = guarded("t", "save_kv_layer", &mut poison, || panic!("boom"));
         assert!(matches!(r, Err(ConnectorError::Panicked { ref message, .. }) if message == "boom"), "{r:?}");
         let r = guarded("t", "wait_for_save", &mut poison, || Ok(()));
-        assert!(matches!(r, Err(ConnectorError::Poisoned { ref message, .. }) if message.contains("boom")), "{r:?}");
+        assert!(
+            matches!(r, Err(ConnectorError::Poisoned { ref message, .. }) if message.contains("boom")),
+            "{r:?}"
+        );
     }
 
     #[test]

@@ -1,1 +1,5 @@
-fn main() {}
+//! The `kvconnect` command.
+
+fn main() -> std::process::ExitCode {
+    kvconnect_host::cli::main()
+}

@@ -1,0 +1,85 @@
+//! The `kvconnect` command: argument parsing and dispatch to one module per subcommand.
+//! Subcommands return `anyhow::Result`; `main` prints the error chain as one message.
+
+pub mod plugins;
+
+use crate::registry::{Registry, RegistryConfig};
+use clap::{Args, Parser, Subcommand};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// kvconnect: KV-cache connectors for disaggregated LLM serving.
+#[derive(Debug, Parser)]
+#[command(name = "kvconnect", version, about, propagate_version = true)]
+pub struct Cli {
+    /// Options every subcommand takes.
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every subcommand takes.
+#[derive(Debug, Clone, Default, Args)]
+pub struct GlobalArgs {
+    /// Also load plugins from DIR (a directory of *.so files, or one file); repeatable.
+    /// KVCONNECT_PLUGIN_PATH (colon-separated) is always read too.
+    #[arg(long = "plugin-dir", value_name = "DIR", global = true)]
+    pub plugin_dirs: Vec<PathBuf>,
+    /// Load plugin files that group or others can write (refused by default).
+    #[arg(long, global = true)]
+    pub allow_insecure_plugins: bool,
+}
+
+impl GlobalArgs {
+    /// The registry these options describe. Refused plugins are logged as warnings, one
+    /// line each; the host goes on without them.
+    pub fn registry(&self) -> Registry {
+        let r = self.registry_quiet();
+        for e in r.load_errors() {
+            tracing::warn!("{e}");
+        }
+        r
+    }
+
+    /// The registry, leaving refused plugins to the caller to report.
+    pub fn registry_quiet(&self) -> Registry {
+        Registry::load(&RegistryConfig::with_env(self.plugin_dirs.clone(), self.allow_insecure_plugins))
+    }
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Capability queries: list the connectors this host can see, inspect one.
+    #[command(subcommand)]
+    Plugins(plugins::PluginsCommand),
+}
+
+/// Runs a parsed command line.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Plugins(c) => plugins::run(&cli.global, c),
+    }
+}
+
+/// The binary's entry point: parses the arguments, installs the log subscriber (stderr,
+/// `RUST_LOG`, default `warn`), runs, and prints any error as `error: ...`.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}

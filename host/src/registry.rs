@@ -1,0 +1,383 @@
+//! Every connector the host can create: the built-ins (nixl, lmcache, flexkv and the pd
+//! composite) and the plugins found on the plugin path, resolved by name.
+//!
+//! Names vLLM and Dynamo users write (`NixlConnector`, `LMCacheConnectorV1`,
+//! `FlexKVConnectorV1`, `PdConnector`, `MultiConnector`) resolve to the built-ins. The name
+//! only finds the connector: what it does comes from its capabilities, never from the name.
+//! `kv_connector_module_path` forces a plugin (by name or by path).
+
+use crate::loader::{self, LoadError, LoadedPlugin, LoaderOptions};
+use kvconnect_api::{ConnectorError, ConnectorFactory, ConnectorResolver, ConnectorResult, KvTransferConfig};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// Where a connector comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Origin {
+    /// Linked into the host.
+    Builtin,
+    /// Loaded from a plugin library.
+    Dynamic,
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Origin::Builtin => "builtin",
+            Origin::Dynamic => "dynamic",
+        })
+    }
+}
+
+/// A connector the registry knows.
+#[derive(Clone)]
+pub struct Entry {
+    /// The name it is registered under.
+    pub name: String,
+    /// Other names that resolve to it.
+    pub aliases: Vec<String>,
+    /// Built in or a plugin.
+    pub origin: Origin,
+    /// The plugin file, for a plugin.
+    pub path: Option<PathBuf>,
+    /// The plugin's ABI version (`1.0`), for a plugin.
+    pub abi: Option<String>,
+    /// The kvconnect-api version a plugin was built against.
+    pub sdk_version: Option<String>,
+    /// Its factory.
+    pub factory: Arc<dyn ConnectorFactory>,
+}
+
+impl std::fmt::Debug for Entry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Entry")
+            .field("name", &self.name)
+            .field("origin", &self.origin)
+            .field("path", &self.path)
+            .finish()
+    }
+}
+
+/// A name or path that resolves to nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    /// No connector has this name.
+    #[error("no connector named '{name}': known connectors are {}; a plugin is found through KVCONNECT_PLUGIN_PATH or --plugin-dir, or named by path", known.join(", "))]
+    Unknown {
+        /// The name asked for.
+        name: String,
+        /// Every name that resolves.
+        known: Vec<String>,
+    },
+    /// A plugin named by path could not be loaded.
+    #[error(transparent)]
+    Plugin(#[from] LoadError),
+}
+
+/// Where to look for plugins.
+#[derive(Debug, Clone, Default)]
+pub struct RegistryConfig {
+    /// Directories (or files) given on the command line or in a config file.
+    pub plugin_dirs: Vec<PathBuf>,
+    /// Also read `KVCONNECT_PLUGIN_PATH`.
+    pub use_env: bool,
+    /// `--allow-insecure-plugins`.
+    pub allow_insecure: bool,
+}
+
+impl RegistryConfig {
+    /// Plugin dirs from the command line plus `KVCONNECT_PLUGIN_PATH`.
+    pub fn with_env(plugin_dirs: Vec<PathBuf>, allow_insecure: bool) -> RegistryConfig {
+        RegistryConfig { plugin_dirs, use_env: true, allow_insecure }
+    }
+}
+
+/// The built-in connectors and the loaded plugins. Cheap to clone (one `Arc`); the pd
+/// composite gets a clone as its resolver.
+#[derive(Clone)]
+pub struct Registry {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    builtins: Vec<Builtin>,
+    plugins: Vec<LoadedPlugin>,
+    errors: Vec<LoadError>,
+    options: LoaderOptions,
+    // Plugins loaded later by path (`inspect ./libx.so`, `kv_connector_module_path`).
+    by_path: Mutex<HashMap<PathBuf, LoadedPlugin>>,
+}
+
+struct Builtin {
+    name: &'static str,
+    aliases: &'static [&'static str],
+    // None for the composite, which is made per resolve around a clone of the registry.
+    factory: Option<Arc<dyn ConnectorFactory>>,
+}
+
+fn builtins() -> Vec<Builtin> {
+    vec![
+        Builtin { name: "nixl", aliases: &["NixlConnector"], factory: Some(crate::builtin::nixl()) },
+        Builtin {
+            name: "lmcache",
+            aliases: &["LMCacheConnectorV1", "LMCacheConnector"],
+            factory: Some(crate::builtin::lmcache()),
+        },
+        Builtin {
+            name: "flexkv",
+            aliases: &["FlexKVConnectorV1", "FlexKVConnector"],
+            factory: Some(crate::builtin::flexkv()),
+        },
+        Builtin { name: "pd", aliases: &["PdConnector", "MultiConnector"], factory: None },
+    ]
+}
+
+impl Registry {
+    /// The built-ins only, no plugins.
+    pub fn builtins_only() -> Registry {
+        Registry::from_parts(Vec::new(), Vec::new(), LoaderOptions::default())
+    }
+
+    /// The built-ins plus every plugin found where `config` says. A plugin that fails its
+    /// checks is left out and its one-line reason kept in [`Registry::load_errors`] (and
+    /// logged as a warning); loading goes on with the rest.
+    pub fn load(config: &RegistryConfig) -> Registry {
+        let options = LoaderOptions { allow_insecure: config.allow_insecure };
+        let mut places = Vec::new();
+        if config.use_env {
+            if let Some(v) = std::env::var_os(loader::PLUGIN_PATH_ENV) {
+                places.extend(loader::split_plugin_path(&v.to_string_lossy()));
+            }
+        }
+        places.extend(config.plugin_dirs.iter().cloned());
+        let (files, mut errors) = loader::discover(&places);
+        let mut plugins: Vec<LoadedPlugin> = Vec::new();
+        let mut seen_files = Vec::new();
+        for f in files {
+            let canon = std::fs::canonicalize(&f).unwrap_or_else(|_| f.clone());
+            if seen_files.contains(&canon) {
+                continue;
+            }
+            seen_files.push(canon);
+            match loader::load_plugin(&f, &options) {
+                Ok(p) => {
+                    if let Some(other) = plugins.iter().find(|o| o.library.name() == p.library.name()) {
+                        errors.push(LoadError::DuplicateName {
+                            path: f.display().to_string(),
+                            name: p.library.name().to_owned(),
+                            other: other.library.path().display().to_string(),
+                        });
+                    } else {
+                        tracing::debug!(plugin = p.library.name(), path = %f.display(), "loaded plugin");
+                        plugins.push(p);
+                    }
+                }
+                Err(e) => errors.push(e),
+            }
+        }
+        for e in &errors {
+            tracing::warn!("{e}");
+        }
+        Registry::from_parts(plugins, errors, options)
+    }
+
+    fn from_parts(plugins: Vec<LoadedPlugin>, errors: Vec<LoadError>, options: LoaderOptions) -> Registry {
+        Registry {
+            inner: Arc::new(Inner {
+                builtins: builtins(),
+                plugins,
+                errors,
+                options,
+                by_path: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Why plugins on the path were refused, one line each.
+    pub fn load_errors(&self) -> &[LoadError] {
+        &self.inner.errors
+    }
+
+    /// Every connector: built-ins first, then plugins in load order.
+    pub fn entries(&self) -> Vec<Entry> {
+        let mut v: Vec<Entry> = self.inner.builtins.iter().map(|b| self.builtin_entry(b)).collect();
+        v.extend(self.inner.plugins.iter().map(plugin_entry));
+        v
+    }
+
+    /// Every name that resolves (built-in names, their aliases, plugin names).
+    pub fn names(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        for b in &self.inner.builtins {
+            v.push(b.name.to_owned());
+            v.extend(b.aliases.iter().map(|a| (*a).to_owned()));
+        }
+        for p in &self.inner.plugins {
+            if !v.iter().any(|n| n == p.library.name()) {
+                v.push(p.library.name().to_owned());
+            }
+        }
+        v
+    }
+
+    /// The connector a user names: a built-in name or alias, a plugin name, or a path to a
+    /// plugin file (anything with a `/` or a library suffix).
+    pub fn find(&self, name_or_path: &str) -> Result<Entry, RegistryError> {
+        if looks_like_path(name_or_path) {
+            return self.load_path(Path::new(name_or_path));
+        }
+        if let Some(b) = self.builtin(name_or_path) {
+            return Ok(self.builtin_entry(b));
+        }
+        if let Some(p) = self.inner.plugins.iter().find(|p| p.library.name() == name_or_path) {
+            return Ok(plugin_entry(p));
+        }
+        Err(RegistryError::Unknown { name: name_or_path.to_owned(), known: self.names() })
+    }
+
+    /// The connector a kv-transfer-config names.
+    pub fn find_for_config(&self, config: &KvTransferConfig) -> Result<Entry, RegistryError> {
+        if let Some(m) = config.kv_connector_module_path.as_deref().filter(|m| !m.is_empty()) {
+            if looks_like_path(m) {
+                return self.load_path(Path::new(m));
+            }
+            if let Some(p) = self.inner.plugins.iter().find(|p| p.library.name() == m) {
+                return Ok(plugin_entry(p));
+            }
+            if let Some(b) = self.builtin(m) {
+                return Ok(self.builtin_entry(b));
+            }
+            // vLLM configs carry Python module paths here (`lmcache.integration.vllm...`);
+            // those mean nothing to this host, so the connector name decides.
+            if !m.contains('.') {
+                return Err(RegistryError::Unknown { name: m.to_owned(), known: self.names() });
+            }
+            tracing::debug!(
+                module_path = m,
+                "kv_connector_module_path is a Python module path; resolving kv_connector instead"
+            );
+        }
+        self.find(&config.kv_connector)
+    }
+
+    fn builtin(&self, name: &str) -> Option<&Builtin> {
+        self.inner.builtins.iter().find(|b| b.name.eq_ignore_ascii_case(name) || b.aliases.contains(&name))
+    }
+
+    fn builtin_entry(&self, b: &Builtin) -> Entry {
+        let factory: Arc<dyn ConnectorFactory> = match &b.factory {
+            Some(f) => f.clone(),
+            None => Arc::new(kvconnect_pd::PdFactory::new(Arc::new(self.clone()))),
+        };
+        Entry {
+            name: b.name.to_owned(),
+            aliases: b.aliases.iter().map(|a| (*a).to_owned()).collect(),
+            origin: Origin::Builtin,
+            path: None,
+            abi: None,
+            sdk_version: None,
+            factory,
+        }
+    }
+
+    fn load_path(&self, path: &Path) -> Result<Entry, RegistryError> {
+        let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
+        for p in &self.inner.plugins {
+            if std::fs::canonicalize(p.library.path()).ok().as_ref() == Some(&canon) {
+                return Ok(plugin_entry(p));
+            }
+        }
+        let mut cache = self.inner.by_path.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = cache.get(&canon) {
+            return Ok(plugin_entry(p));
+        }
+        let p = loader::load_plugin(path, &self.inner.options)?;
+        let e = plugin_entry(&p);
+        cache.insert(canon, p);
+        Ok(e)
+    }
+}
+
+fn plugin_entry(p: &LoadedPlugin) -> Entry {
+    Entry {
+        name: p.library.name().to_owned(),
+        aliases: Vec::new(),
+        origin: Origin::Dynamic,
+        path: Some(p.library.path().to_path_buf()),
+        abi: Some(p.library.abi_version()),
+        sdk_version: Some(p.library.sdk_version().to_owned()),
+        factory: p.factory.clone(),
+    }
+}
+
+fn looks_like_path(s: &str) -> bool {
+    s.contains('/') || s.ends_with(".so") || s.contains(".so.") || s.ends_with(".dylib")
+}
+
+impl ConnectorResolver for Registry {
+    fn resolve(&self, config: &KvTransferConfig) -> ConnectorResult<Arc<dyn ConnectorFactory>> {
+        self.find_for_config(config)
+            .map(|e| e.factory)
+            .map_err(|e| ConnectorError::config(&config.kv_connector, e.to_string()))
+    }
+
+    fn known_names(&self) -> Vec<String> {
+        self.names()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_and_dynamo_names_resolve_to_builtins() {
+        let r = Registry::builtins_only();
+        for (alias, name) in [
+            ("NixlConnector", "nixl"),
+            ("LMCacheConnectorV1", "lmcache"),
+            ("FlexKVConnectorV1", "flexkv"),
+            ("PdConnector", "pd"),
+            ("MultiConnector", "pd"),
+            ("NIXL", "nixl"),
+        ] {
+            let e = r.find(alias).unwrap();
+            assert_eq!(e.name, name, "{alias}");
+            assert_eq!(e.origin, Origin::Builtin);
+        }
+    }
+
+    #[test]
+    fn unknown_name_lists_the_known_ones() {
+        let r = Registry::builtins_only();
+        let e = r.find("MooncakeConnector").unwrap_err().to_string();
+        assert!(e.contains("no connector named 'MooncakeConnector'"), "{e}");
+        for n in ["nixl", "lmcache", "flexkv", "pd", "NixlConnector", "MultiConnector"] {
+            assert!(e.contains(n), "{e}");
+        }
+        let err = r.resolve(&KvTransferConfig::named("MooncakeConnector")).err().unwrap();
+        assert!(matches!(err, ConnectorError::InvalidConfig { .. }), "{err}");
+    }
+
+    #[test]
+    fn module_path_forces_the_plugin_and_python_paths_fall_back_to_the_name() {
+        let r = Registry::builtins_only();
+        let mut c = KvTransferConfig::named("LMCacheConnectorV1");
+        c.kv_connector_module_path = Some("lmcache.integration.vllm.lmcache_connector_v1".into());
+        assert_eq!(r.find_for_config(&c).unwrap().name, "lmcache");
+        c.kv_connector_module_path = Some("myplugin".into());
+        assert!(matches!(r.find_for_config(&c), Err(RegistryError::Unknown { .. })));
+        c.kv_connector_module_path = Some("/nonexistent/libmine.so".into());
+        let e = r.find_for_config(&c).unwrap_err().to_string();
+        assert!(e.starts_with("plugin /nonexistent/libmine.so: cannot read it"), "{e}");
+    }
+
+    #[test]
+    fn pd_is_built_with_the_registry_as_resolver() {
+        let r = Registry::builtins_only();
+        let pd = r.find("PdConnector").unwrap();
+        assert_eq!(pd.factory.info().name, "pd");
+    }
+}
