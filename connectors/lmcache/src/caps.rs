@@ -1,21 +1,21 @@
 //! What the lmcache connector declares.
 
+use crate::config::LmcacheConfig;
 use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::{
-    Capabilities, ConnectorError, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind,
-    ModelSpec, TransferMode,
+    Capabilities, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind, ModelSpec,
+    TransferMode,
 };
 
-/// No HMA; NHD or HND; the block size must divide `chunk_size`; a local cache (no transfer).
+/// No HMA; NHD or HND; the block size must divide `chunk_size`; layer-wise when
+/// `use_layerwise` is set; a local cache (no transfer). Reads the full config (extra config,
+/// `LMCACHE_*` environment, `LMCACHE_CONFIG_FILE`), so a bad value is refused here already.
 pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
-    let chunk_size = match config.kv_connector_extra_config.get("chunk_size") {
-        None => 256,
-        Some(v) => v.as_u64().filter(|n| *n > 0 && *n <= u32::MAX as u64).ok_or_else(|| {
-            ConnectorError::config("lmcache", format!("chunk_size must be a positive integer, got {v}"))
-        })? as u32,
-    };
-    let layerwise =
-        config.kv_connector_extra_config.get("use_layerwise").and_then(|v| v.as_bool()).unwrap_or(false);
+    let cfg = LmcacheConfig::from_kv_config(config)?;
+    let mut memory_kinds = vec![MemoryKind::Host];
+    if cfg.local_disk.is_some() {
+        memory_kinds.push(MemoryKind::Disk);
+    }
     Ok(Capabilities {
         hma: false,
         layout: LayoutConstraint {
@@ -25,14 +25,45 @@ pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> Co
         },
         adapt: None,
         block_size_multiple: 1,
-        block_size_divides: Some(chunk_size),
+        block_size_divides: Some(cfg.chunk_size),
         cache_dtypes: vec![],
-        memory_kinds: vec![MemoryKind::Host, MemoryKind::Disk],
+        memory_kinds,
         transfer_mode: TransferMode::None,
         roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
-        layerwise,
+        layerwise: cfg.use_layerwise,
         heterogeneous_tp: false,
         mla: true,
         async_load: false,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn cfg(extra: serde_json::Value) -> KvTransferConfig {
+        let mut c = KvTransferConfig::named("LMCacheConnectorV1");
+        c.kv_connector_extra_config = extra.as_object().cloned().unwrap();
+        c
+    }
+
+    #[test]
+    fn reads_chunk_size_layerwise_and_disk() {
+        let c = capabilities(&cfg(json!({"chunk_size": 64, "use_layerwise": true})), None).unwrap();
+        assert_eq!(c.block_size_divides, Some(64));
+        assert!(c.layerwise && !c.hma);
+        assert_eq!(c.memory_kinds, vec![MemoryKind::Host]);
+        c.validate().unwrap();
+        let c = capabilities(&cfg(json!({"local_disk": "file:///tmp/x", "max_local_disk_size": 1.0})), None)
+            .unwrap();
+        assert_eq!(c.memory_kinds, vec![MemoryKind::Host, MemoryKind::Disk]);
+        assert_eq!(c.block_size_divides, Some(256));
+    }
+
+    #[test]
+    fn bad_config_is_refused() {
+        let e = capabilities(&cfg(json!({"chunk_size": 0})), None).unwrap_err().to_string();
+        assert!(e.contains("chunk_size"), "{e}");
+    }
 }

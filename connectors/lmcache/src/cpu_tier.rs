@@ -1,0 +1,137 @@
+//! The host-memory tier: chunks under a byte budget, least recently used evicted first.
+
+use crate::key::ChunkKey;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::Arc;
+
+/// Chunk bytes shared between the tier and readers (a reader keeps an evicted chunk alive).
+pub type ChunkData = Arc<Vec<u8>>;
+
+/// Keys are already uniform hashes, so the map uses their first word as is.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ *b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 ^= n;
+    }
+    fn write_usize(&mut self, n: usize) {
+        self.0 ^= n as u64;
+    }
+}
+
+/// A map keyed by chunk keys.
+pub type KeyMap<V> = HashMap<ChunkKey, V, BuildHasherDefault<KeyHasher>>;
+
+/// The CPU tier.
+pub struct CpuTier {
+    budget: u64,
+    used: u64,
+    tick: u64,
+    map: KeyMap<(ChunkData, u64)>,
+    lru: BTreeMap<u64, ChunkKey>,
+}
+
+impl CpuTier {
+    /// An empty tier holding at most `budget` bytes.
+    pub fn new(budget: u64) -> CpuTier {
+        CpuTier { budget, used: 0, tick: 0, map: KeyMap::default(), lru: BTreeMap::new() }
+    }
+
+    /// True when the chunk is here (does not count as a use).
+    pub fn contains(&self, key: &ChunkKey) -> bool {
+        self.map.contains_key(key)
+    }
+
+    /// The chunk, marked most recently used.
+    pub fn get(&mut self, key: &ChunkKey) -> Option<ChunkData> {
+        self.tick += 1;
+        let tick = self.tick;
+        let (data, t) = self.map.get_mut(key)?;
+        self.lru.remove(t);
+        *t = tick;
+        self.lru.insert(tick, *key);
+        Some(data.clone())
+    }
+
+    /// Stores a chunk, evicting least recently used ones until it fits. Returns the evicted
+    /// chunks, or gives the chunk back when it is larger than the whole budget.
+    pub fn put(&mut self, key: ChunkKey, data: ChunkData) -> Result<Vec<(ChunkKey, ChunkData)>, ChunkData> {
+        let len = data.len() as u64;
+        if len > self.budget {
+            return Err(data);
+        }
+        let mut evicted = Vec::new();
+        if let Some((old, t)) = self.map.remove(&key) {
+            self.lru.remove(&t);
+            self.used -= old.len() as u64;
+        }
+        while self.used + len > self.budget {
+            let Some((_, k)) = self.lru.pop_first() else { break };
+            if let Some((d, _)) = self.map.remove(&k) {
+                self.used -= d.len() as u64;
+                evicted.push((k, d));
+            }
+        }
+        self.tick += 1;
+        self.lru.insert(self.tick, key);
+        self.map.insert(key, (data, self.tick));
+        self.used += len;
+        Ok(evicted)
+    }
+
+    /// Chunks held.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Bytes held.
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// The budget.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u64) -> ChunkKey {
+        ChunkKey([i, i])
+    }
+
+    #[test]
+    fn evicts_least_recently_used_within_budget() {
+        let mut t = CpuTier::new(300);
+        for i in 0..3 {
+            assert!(t.put(k(i), Arc::new(vec![i as u8; 100])).unwrap().is_empty());
+        }
+        assert!(t.get(&k(0)).is_some()); // 1 is now the oldest
+        let ev = t.put(k(3), Arc::new(vec![3; 100])).unwrap();
+        assert_eq!(ev.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![k(1)]);
+        assert_eq!(t.used(), 300);
+        assert!(t.contains(&k(0)) && !t.contains(&k(1)));
+        let ev = t.put(k(4), Arc::new(vec![4; 250])).unwrap();
+        assert_eq!(ev.len(), 3, "needs room for 250 bytes");
+        assert_eq!((t.len(), t.used()), (1, 250));
+        assert!(t.put(k(5), Arc::new(vec![0; 301])).is_err(), "larger than the budget");
+    }
+}

@@ -1,0 +1,376 @@
+//! The local-disk tier: one file per chunk, `<key>.chunk`, with a header carrying the key,
+//! the length and a checksum of the bytes.
+//!
+//! The index is rebuilt from the files' headers when the tier opens, so it survives a
+//! restart; the order of last use is taken from the files' modification times. A file is
+//! written under a temporary name and renamed into place, so a crash leaves either the whole
+//! chunk or nothing under the final name. Every read checks the header and the checksum: a
+//! corrupt or truncated file is deleted and reported as a miss, never returned.
+
+use crate::cpu_tier::KeyMap;
+use crate::hash::hash_bytes;
+use crate::key::{ChunkKey, FORMAT_VERSION};
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::SystemTime;
+
+const MAGIC: [u8; 8] = *b"KVCLMCHK";
+/// Bytes before the chunk's data.
+pub const HEADER_LEN: usize = 64;
+const CHECKSUM_SEED: [u64; 2] = [0x6c6d_6361_6368_6521, 0x6469_736b_2d74_6965];
+
+/// Why a chunk could not be written.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskWriteError {
+    /// The chunk alone is larger than the tier's budget.
+    #[error("chunk of {len} bytes does not fit the disk budget of {budget} bytes (max_local_disk_size)")]
+    TooLarge {
+        /// Chunk bytes with header.
+        len: u64,
+        /// Budget.
+        budget: u64,
+    },
+    /// The file system refused.
+    #[error("writing {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
+
+/// Why a stored chunk could not be read back.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DiskReadError {
+    /// The file failed its checks (and was removed).
+    #[error("disk chunk {path} is corrupt: {reason}; it was removed")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What check failed.
+        reason: String,
+    },
+}
+
+/// A chunk read from disk: the whole file, data after the header.
+pub struct DiskChunk {
+    buf: Vec<u8>,
+}
+
+impl DiskChunk {
+    /// The chunk's bytes.
+    pub fn data(&self) -> &[u8] {
+        &self.buf[HEADER_LEN..]
+    }
+}
+
+struct Entry {
+    file_len: u64,
+    tick: u64,
+}
+
+struct Index {
+    map: KeyMap<Entry>,
+    lru: BTreeMap<u64, ChunkKey>,
+    used: u64,
+    tick: u64,
+}
+
+impl Index {
+    fn insert(&mut self, key: ChunkKey, file_len: u64) {
+        self.remove(&key);
+        self.tick += 1;
+        self.lru.insert(self.tick, key);
+        self.map.insert(key, Entry { file_len, tick: self.tick });
+        self.used += file_len;
+    }
+
+    fn remove(&mut self, key: &ChunkKey) -> bool {
+        match self.map.remove(key) {
+            Some(e) => {
+                self.lru.remove(&e.tick);
+                self.used -= e.file_len;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn touch(&mut self, key: &ChunkKey) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(e) = self.map.get_mut(key) {
+            self.lru.remove(&e.tick);
+            e.tick = tick;
+            self.lru.insert(tick, *key);
+        }
+    }
+}
+
+/// The disk tier of one store.
+pub struct DiskTier {
+    dir: PathBuf,
+    budget: u64,
+    index: Mutex<Index>,
+}
+
+/// What opening found.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct OpenReport {
+    /// Chunks indexed.
+    pub chunks: usize,
+    /// Files removed because their header was wrong or they were unfinished writes.
+    pub removed: usize,
+}
+
+impl DiskTier {
+    /// Opens (creating if needed) the tier in `dir` with a budget in bytes, checks that the
+    /// directory is writable, and indexes the chunks already there.
+    pub fn open(dir: &Path, budget: u64) -> Result<(DiskTier, OpenReport), std::io::Error> {
+        std::fs::create_dir_all(dir)?;
+        let probe = dir.join(format!(".probe-{}", std::process::id()));
+        std::fs::write(&probe, b"probe")?;
+        std::fs::remove_file(&probe)?;
+        let mut found: Vec<(SystemTime, ChunkKey, u64)> = Vec::new();
+        let mut report = OpenReport::default();
+        for ent in std::fs::read_dir(dir)? {
+            let ent = ent?;
+            let name = ent.file_name().to_string_lossy().into_owned();
+            let path = ent.path();
+            if name.contains(".tmp-") {
+                // An unfinished write from a process that died.
+                let _ = std::fs::remove_file(&path);
+                report.removed += 1;
+                continue;
+            }
+            let Some(key) = name.strip_suffix(".chunk").and_then(ChunkKey::from_hex) else { continue };
+            match check_header_file(&path, key) {
+                Ok(len) => {
+                    let mtime = ent.metadata().and_then(|m| m.modified()).unwrap_or(SystemTime::UNIX_EPOCH);
+                    found.push((mtime, key, len));
+                }
+                Err(_) => {
+                    let _ = std::fs::remove_file(&path);
+                    report.removed += 1;
+                }
+            }
+        }
+        found.sort();
+        let mut index = Index { map: KeyMap::default(), lru: BTreeMap::new(), used: 0, tick: 0 };
+        for (_, key, len) in found {
+            index.insert(key, len);
+        }
+        let tier = DiskTier { dir: dir.to_owned(), budget, index: Mutex::new(index) };
+        tier.evict_until(0);
+        report.chunks = tier.lock().map.len();
+        Ok((tier, report))
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Index> {
+        match self.index.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
+    }
+
+    /// The file of a chunk.
+    pub fn path_of(&self, key: &ChunkKey) -> PathBuf {
+        self.dir.join(format!("{}.chunk", key.hex()))
+    }
+
+    /// True when the chunk is indexed.
+    pub fn contains(&self, key: &ChunkKey) -> bool {
+        self.lock().map.contains_key(key)
+    }
+
+    /// (chunks, bytes used, budget).
+    pub fn usage(&self) -> (u64, u64, u64) {
+        let i = self.lock();
+        (i.map.len() as u64, i.used, self.budget)
+    }
+
+    /// Removes least recently used chunks until `incoming` more bytes fit; returns how many.
+    fn evict_until(&self, incoming: u64) -> u64 {
+        let mut n = 0;
+        loop {
+            let victim = {
+                let mut i = self.lock();
+                if i.used + incoming <= self.budget {
+                    return n;
+                }
+                let Some((_, k)) = i.lru.pop_first() else { return n };
+                if let Some(e) = i.map.remove(&k) {
+                    i.used -= e.file_len;
+                }
+                k
+            };
+            let _ = std::fs::remove_file(self.path_of(&victim));
+            n += 1;
+        }
+    }
+
+    /// Writes a chunk (blocking; the store calls it from its writer thread). Returns how many
+    /// chunks were evicted to make room.
+    pub fn write(&self, key: ChunkKey, data: &[u8]) -> Result<u64, DiskWriteError> {
+        let file_len = (HEADER_LEN + data.len()) as u64;
+        if file_len > self.budget {
+            return Err(DiskWriteError::TooLarge { len: file_len, budget: self.budget });
+        }
+        if self.contains(&key) {
+            return Ok(0);
+        }
+        let evicted = self.evict_until(file_len);
+        let path = self.path_of(&key);
+        let tmp = self.dir.join(format!("{}.tmp-{}", key.hex(), std::process::id()));
+        let io = |source| DiskWriteError::Io { path: path.clone(), source };
+        let header = header(key, data);
+        let res = (|| {
+            let mut f = std::fs::File::create(&tmp)?;
+            f.write_all(&header)?;
+            f.write_all(data)?;
+            drop(f);
+            std::fs::rename(&tmp, &path)
+        })();
+        if let Err(e) = res {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(e));
+        }
+        self.lock().insert(key, file_len);
+        Ok(evicted)
+    }
+
+    /// Reads and checks a chunk. `Ok(None)`: not here. A corrupt file is removed and reported.
+    pub fn read(&self, key: &ChunkKey) -> Result<Option<DiskChunk>, DiskReadError> {
+        let Some(expected_len) = self.lock().map.get(key).map(|e| e.file_len) else { return Ok(None) };
+        let path = self.path_of(key);
+        let result = read_checked(&path, *key, expected_len);
+        match result {
+            Ok(buf) => {
+                self.lock().touch(key);
+                Ok(Some(DiskChunk { buf }))
+            }
+            Err(reason) => {
+                self.lock().remove(key);
+                let _ = std::fs::remove_file(&path);
+                Err(DiskReadError::Corrupt { path, reason })
+            }
+        }
+    }
+}
+
+fn header(key: ChunkKey, data: &[u8]) -> [u8; HEADER_LEN] {
+    let sum = hash_bytes(CHECKSUM_SEED, data);
+    let mut h = [0u8; HEADER_LEN];
+    h[0..8].copy_from_slice(&MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h[16..24].copy_from_slice(&key.0[0].to_le_bytes());
+    h[24..32].copy_from_slice(&key.0[1].to_le_bytes());
+    h[32..40].copy_from_slice(&(data.len() as u64).to_le_bytes());
+    h[40..48].copy_from_slice(&sum[0].to_le_bytes());
+    h[48..56].copy_from_slice(&sum[1].to_le_bytes());
+    let hsum = hash_bytes(CHECKSUM_SEED, &h[..56]);
+    h[56..64].copy_from_slice(&hsum[0].to_le_bytes());
+    h
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+/// Checks a header; returns the data length.
+fn parse_header(h: &[u8], key: ChunkKey) -> Result<u64, String> {
+    if h.len() < HEADER_LEN {
+        return Err(format!("file is {} bytes, shorter than its header", h.len()));
+    }
+    if h[0..8] != MAGIC {
+        return Err("bad magic".to_owned());
+    }
+    if hash_bytes(CHECKSUM_SEED, &h[..56])[0] != u64_at(h, 56) {
+        return Err("header checksum mismatch".to_owned());
+    }
+    let mut v = [0u8; 4];
+    v.copy_from_slice(&h[8..12]);
+    let version = u32::from_le_bytes(v);
+    if version != FORMAT_VERSION {
+        return Err(format!("store format {version}, this build reads {FORMAT_VERSION}"));
+    }
+    if ChunkKey([u64_at(h, 16), u64_at(h, 24)]) != key {
+        return Err("header names another key than the file name".to_owned());
+    }
+    Ok(u64_at(h, 32))
+}
+
+/// Checks a file's header and length without reading its data; returns the file length.
+fn check_header_file(path: &Path, key: ChunkKey) -> Result<u64, String> {
+    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut h = [0u8; HEADER_LEN];
+    f.read_exact(&mut h).map_err(|e| format!("cannot read header: {e}"))?;
+    let len = parse_header(&h, key)?;
+    let file_len = f.metadata().map_err(|e| e.to_string())?.len();
+    if file_len != HEADER_LEN as u64 + len {
+        return Err(format!("file is {file_len} bytes, header says {}", HEADER_LEN as u64 + len));
+    }
+    Ok(file_len)
+}
+
+fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>, String> {
+    let buf = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
+    if buf.len() as u64 != expected_len {
+        return Err(format!("file is {} bytes, {} were written", buf.len(), expected_len));
+    }
+    let len = parse_header(&buf, key)?;
+    let data = &buf[HEADER_LEN..];
+    if data.len() as u64 != len {
+        return Err(format!("data is {} bytes, header says {len}", data.len()));
+    }
+    let sum = hash_bytes(CHECKSUM_SEED, data);
+    if sum != [u64_at(&buf, 40), u64_at(&buf, 48)] {
+        return Err("data checksum mismatch".to_owned());
+    }
+    Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_read_restart_corrupt_and_budget() {
+        let dir = tempfile::tempdir().unwrap();
+        let (t, r) = DiskTier::open(dir.path(), 10_000).unwrap();
+        assert_eq!(r.chunks, 0);
+        let a = ChunkKey([1, 2]);
+        let b = ChunkKey([3, 4]);
+        t.write(a, &[7u8; 1000]).unwrap();
+        t.write(b, &[9u8; 1000]).unwrap();
+        assert_eq!(t.read(&a).unwrap().unwrap().data(), &[7u8; 1000][..]);
+        drop(t);
+        let (t, r) = DiskTier::open(dir.path(), 10_000).unwrap();
+        assert_eq!(r.chunks, 2, "the index survives a restart");
+        // Flip one data byte: a miss, and the file is gone.
+        let p = t.path_of(&b);
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes[HEADER_LEN + 500] ^= 1;
+        std::fs::write(&p, &bytes).unwrap();
+        let e = t.read(&b).err().unwrap().to_string();
+        assert!(e.contains("data checksum mismatch"), "{e}");
+        assert!(!p.exists() && !t.contains(&b));
+        // Truncated: also a miss.
+        let p = t.path_of(&a);
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &bytes[..bytes.len() - 10]).unwrap();
+        assert!(t.read(&a).is_err());
+        // Budget: 10_000 bytes hold nine 1064-byte files, not ten.
+        for i in 0..10u64 {
+            t.write(ChunkKey([100 + i, 0]), &[i as u8; 1000]).unwrap();
+        }
+        assert_eq!(t.usage().0, 9);
+        assert!(!t.contains(&ChunkKey([100, 0])), "oldest evicted");
+        assert!(matches!(t.write(ChunkKey([5, 5]), &[0u8; 20_000]), Err(DiskWriteError::TooLarge { .. })));
+    }
+}

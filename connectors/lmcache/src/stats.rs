@@ -1,0 +1,119 @@
+//! Counters of one store, kept as atomics on the hot path and read as a serde snapshot
+//! (`kvconnect_lmcache::stats(engine_id)`) for metrics and reports.
+
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Figures of one tier.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierStats {
+    /// Chunks served from this tier.
+    pub hits: u64,
+    /// Bytes written into this tier.
+    pub bytes_stored: u64,
+    /// Bytes read out of this tier into KV caches.
+    pub bytes_loaded: u64,
+    /// Chunks evicted from this tier (to the next tier, or dropped).
+    pub evictions: u64,
+    /// Chunks held now.
+    pub chunks: u64,
+    /// Bytes held now.
+    pub bytes_used: u64,
+    /// Budget in bytes.
+    pub budget_bytes: u64,
+}
+
+/// A snapshot of one engine's lmcache store.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LmcacheStats {
+    /// Chunks a load found (any tier).
+    pub hits: u64,
+    /// Chunks a load expected but did not find or found corrupt.
+    pub misses: u64,
+    /// Tokens the scheduler half promised to load (sum of `num_external_tokens`).
+    pub hit_tokens: u64,
+    /// Chunks saved (new to the store).
+    pub chunks_saved: u64,
+    /// The CPU tier.
+    pub cpu: TierStats,
+    /// The disk tier (zeros when there is none).
+    pub disk: TierStats,
+    /// Disk writes that failed (I/O errors, a full disk, a chunk larger than the budget).
+    pub disk_write_errors: u64,
+    /// Disk chunks dropped because their checksum, header or length was wrong.
+    pub disk_corrupt_chunks: u64,
+    /// Chunks evicted from the CPU tier that were dropped instead of written because the
+    /// disk writer was too far behind.
+    pub disk_queue_drops: u64,
+    /// Chunks that fit no tier (larger than every budget) and were not stored.
+    pub rejected_chunks: u64,
+    /// KV blocks reported through `block_ids_with_load_errors`.
+    pub load_error_blocks: u64,
+    /// Saves that could not copy out of the KV cache.
+    pub save_errors: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct TierCounters {
+    pub hits: AtomicU64,
+    pub bytes_stored: AtomicU64,
+    pub bytes_loaded: AtomicU64,
+    pub evictions: AtomicU64,
+}
+
+impl TierCounters {
+    fn snapshot(&self) -> TierStats {
+        TierStats {
+            hits: get(&self.hits),
+            bytes_stored: get(&self.bytes_stored),
+            bytes_loaded: get(&self.bytes_loaded),
+            evictions: get(&self.evictions),
+            ..TierStats::default()
+        }
+    }
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub misses: AtomicU64,
+    pub hit_tokens: AtomicU64,
+    pub chunks_saved: AtomicU64,
+    pub cpu: TierCounters,
+    pub disk: TierCounters,
+    pub disk_write_errors: AtomicU64,
+    pub disk_corrupt_chunks: AtomicU64,
+    pub disk_queue_drops: AtomicU64,
+    pub rejected_chunks: AtomicU64,
+    pub load_error_blocks: AtomicU64,
+    pub save_errors: AtomicU64,
+}
+
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+fn get(c: &AtomicU64) -> u64 {
+    c.load(Ordering::Relaxed)
+}
+
+impl Counters {
+    /// The counters as a snapshot; the caller fills the tiers' occupancy.
+    pub fn snapshot(&self) -> LmcacheStats {
+        let cpu = self.cpu.snapshot();
+        let disk = self.disk.snapshot();
+        LmcacheStats {
+            hits: cpu.hits + disk.hits,
+            misses: get(&self.misses),
+            hit_tokens: get(&self.hit_tokens),
+            chunks_saved: get(&self.chunks_saved),
+            cpu,
+            disk,
+            disk_write_errors: get(&self.disk_write_errors),
+            disk_corrupt_chunks: get(&self.disk_corrupt_chunks),
+            disk_queue_drops: get(&self.disk_queue_drops),
+            rejected_chunks: get(&self.rejected_chunks),
+            load_error_blocks: get(&self.load_error_blocks),
+            save_errors: get(&self.save_errors),
+        }
+    }
+}

@@ -1,0 +1,336 @@
+//! The chunk store of one engine: the CPU tier in front, the disk tier behind it.
+//!
+//! What the CPU tier evicts goes to a background writer thread, so a save costs the step loop
+//! only its copy out of the KV cache. Until the writer has finished a chunk it stays
+//! readable from an in-flight map, so a chunk is never missing between the two tiers.
+
+use crate::config::LmcacheConfig;
+use crate::cpu_tier::{ChunkData, CpuTier, KeyMap};
+use crate::disk_tier::{DiskChunk, DiskTier, HEADER_LEN};
+use crate::key::ChunkKey;
+use crate::stats::{add, Counters, LmcacheStats};
+use kvconnect_api::{ConnectorError, KvEvent};
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// Events kept for `take_events` at most; older ones are dropped.
+const MAX_EVENTS: usize = 65_536;
+
+/// Bytes of a chunk read out of a tier.
+pub enum ChunkBytes {
+    /// From host memory (the CPU tier or the writer's queue).
+    Mem(ChunkData),
+    /// From a disk file, checked.
+    Disk(DiskChunk),
+}
+
+impl ChunkBytes {
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            ChunkBytes::Mem(d) => d,
+            ChunkBytes::Disk(d) => d.data(),
+        }
+    }
+}
+
+enum Job {
+    Write(ChunkKey, ChunkData),
+    Flush(mpsc::Sender<()>),
+}
+
+struct Shared {
+    disk: Option<DiskTier>,
+    inflight: Mutex<KeyMap<ChunkData>>,
+    inflight_bytes: AtomicU64,
+    counters: Counters,
+    events: Mutex<VecDeque<KvEvent>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    match m.lock() {
+        Ok(g) => g,
+        Err(p) => p.into_inner(),
+    }
+}
+
+impl Shared {
+    fn event(&self, e: KvEvent) {
+        let mut q = lock(&self.events);
+        if q.len() >= MAX_EVENTS {
+            q.pop_front();
+        }
+        q.push_back(e);
+    }
+}
+
+/// One engine's chunk store (shared by its scheduler and worker halves).
+pub struct ChunkStore {
+    cpu: Option<Mutex<CpuTier>>,
+    shared: Arc<Shared>,
+    tx: Option<Mutex<mpsc::Sender<Job>>>,
+    writer: Option<JoinHandle<()>>,
+    queue_cap: u64,
+}
+
+impl ChunkStore {
+    /// Opens the tiers the config names. The disk directory is created and must be writable.
+    pub fn open(cfg: &LmcacheConfig) -> Result<ChunkStore, ConnectorError> {
+        let cpu = cfg.local_cpu.then(|| Mutex::new(CpuTier::new(cfg.cpu_budget_bytes())));
+        let disk = match &cfg.local_disk {
+            None => None,
+            Some(dir) => {
+                let (tier, report) = DiskTier::open(dir, cfg.disk_budget_bytes()).map_err(|e| {
+                    ConnectorError::config(
+                        "lmcache",
+                        format!(
+                            "local_disk '{}' cannot be used: {e}; point local_disk at a writable directory",
+                            dir.display()
+                        ),
+                    )
+                })?;
+                if report.removed > 0 {
+                    tracing::warn!(dir = %dir.display(), removed = report.removed, "lmcache: removed unreadable or unfinished chunk files from the disk tier");
+                }
+                tracing::info!(dir = %dir.display(), chunks = report.chunks, "lmcache: disk tier opened");
+                Some(tier)
+            }
+        };
+        let has_disk = disk.is_some();
+        let shared = Arc::new(Shared {
+            disk,
+            inflight: Mutex::new(KeyMap::default()),
+            inflight_bytes: AtomicU64::new(0),
+            counters: Counters::default(),
+            events: Mutex::new(VecDeque::new()),
+        });
+        let (tx, writer) = if has_disk {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let sh = shared.clone();
+            let h = std::thread::Builder::new()
+                .name("lmcache-disk-writer".to_owned())
+                .spawn(move || writer_loop(&sh, rx))
+                .map_err(|e| {
+                    ConnectorError::io("lmcache", format!("cannot start the disk writer thread: {e}"))
+                })?;
+            (Some(Mutex::new(tx)), Some(h))
+        } else {
+            (None, None)
+        };
+        // The writer's queue may hold as much as the CPU tier (at least 256 MiB) before
+        // evictions are dropped instead of queued: memory stays bounded if the disk is slow.
+        let queue_cap = cfg.cpu_budget_bytes().max(256 << 20);
+        Ok(ChunkStore { cpu, shared, tx, writer, queue_cap })
+    }
+
+    /// True when some tier holds the chunk. No side effects (LRU order and stats unchanged).
+    pub fn contains(&self, key: &ChunkKey) -> bool {
+        if let Some(cpu) = &self.cpu {
+            if lock(cpu).contains(key) {
+                return true;
+            }
+        }
+        if self.shared.disk.is_none() {
+            return false;
+        }
+        if lock(&self.shared.inflight).contains_key(key) {
+            return true;
+        }
+        self.shared.disk.as_ref().is_some_and(|d| d.contains(key))
+    }
+
+    /// Stores a chunk in the CPU tier (or, without one or when it does not fit, hands it to
+    /// the disk writer).
+    pub fn put(&self, key: ChunkKey, data: Vec<u8>) {
+        let data = Arc::new(data);
+        let len = data.len() as u64;
+        let c = &self.shared.counters;
+        let to_disk = match &self.cpu {
+            Some(cpu) => {
+                let mut cpu = lock(cpu);
+                if cpu.contains(&key) {
+                    return;
+                }
+                match cpu.put(key, data) {
+                    Ok(evicted) => {
+                        add(&c.chunks_saved, 1);
+                        add(&c.cpu.bytes_stored, len);
+                        self.shared.event(KvEvent::Stored { hashes: vec![key.0[0]], tier: "cpu".into() });
+                        for (k, d) in evicted {
+                            add(&c.cpu.evictions, 1);
+                            self.shared.event(KvEvent::Removed { hashes: vec![k.0[0]], tier: "cpu".into() });
+                            // Still under the CPU lock, so the chunk is never in neither place.
+                            self.send_to_disk(k, d);
+                        }
+                        return;
+                    }
+                    Err(data) => data,
+                }
+            }
+            None => data,
+        };
+        if self.shared.disk.is_some() {
+            add(&c.chunks_saved, 1);
+            self.send_to_disk(key, to_disk);
+        } else {
+            add(&c.rejected_chunks, 1);
+            tracing::warn!(
+                bytes = len,
+                "lmcache: chunk larger than max_local_cpu_size and no disk tier; not stored"
+            );
+        }
+    }
+
+    fn send_to_disk(&self, key: ChunkKey, data: ChunkData) {
+        let Some(tx) = &self.tx else { return };
+        let c = &self.shared.counters;
+        let len = data.len() as u64;
+        if self.shared.inflight_bytes.load(Ordering::Relaxed) + len > self.queue_cap {
+            add(&c.disk_queue_drops, 1);
+            return;
+        }
+        {
+            let mut q = lock(&self.shared.inflight);
+            if q.insert(key, data.clone()).is_none() {
+                self.shared.inflight_bytes.fetch_add(len, Ordering::Relaxed);
+            }
+        }
+        if lock(tx).send(Job::Write(key, data)).is_err() {
+            // The writer is gone (it only stops when the store drops): keep nothing queued.
+            if lock(&self.shared.inflight).remove(&key).is_some() {
+                self.shared.inflight_bytes.fetch_sub(len, Ordering::Relaxed);
+            }
+            add(&c.disk_write_errors, 1);
+        }
+    }
+
+    /// The chunk from the fastest tier holding it. A corrupt disk chunk is removed and
+    /// counted, and the answer is `None`.
+    pub fn get(&self, key: &ChunkKey) -> Option<ChunkBytes> {
+        let c = &self.shared.counters;
+        if let Some(cpu) = &self.cpu {
+            if let Some(d) = lock(cpu).get(key) {
+                add(&c.cpu.hits, 1);
+                add(&c.cpu.bytes_loaded, d.len() as u64);
+                return Some(ChunkBytes::Mem(d));
+            }
+        }
+        let disk = self.shared.disk.as_ref()?;
+        if let Some(d) = lock(&self.shared.inflight).get(key).cloned() {
+            // Still on its way to disk: served from memory, counted as a disk-tier hit.
+            add(&c.disk.hits, 1);
+            add(&c.disk.bytes_loaded, d.len() as u64);
+            return Some(ChunkBytes::Mem(d));
+        }
+        match disk.read(key) {
+            Ok(Some(d)) => {
+                add(&c.disk.hits, 1);
+                add(&c.disk.bytes_loaded, d.data().len() as u64);
+                Some(ChunkBytes::Disk(d))
+            }
+            Ok(None) => None,
+            Err(e) => {
+                add(&c.disk_corrupt_chunks, 1);
+                self.shared.event(KvEvent::Removed { hashes: vec![key.0[0]], tier: "disk".into() });
+                tracing::warn!("lmcache: {e}");
+                None
+            }
+        }
+    }
+
+    /// Counts a chunk a load needed and did not get.
+    pub fn count_miss(&self) {
+        add(&self.shared.counters.misses, 1);
+    }
+
+    /// Counts tokens promised to a load.
+    pub fn count_hit_tokens(&self, n: usize) {
+        add(&self.shared.counters.hit_tokens, n as u64);
+    }
+
+    /// Counts blocks reported as failed loads.
+    pub fn count_load_error_blocks(&self, n: usize) {
+        add(&self.shared.counters.load_error_blocks, n as u64);
+    }
+
+    /// Counts a save that failed.
+    pub fn count_save_error(&self) {
+        add(&self.shared.counters.save_errors, 1);
+    }
+
+    /// Waits until every chunk handed to the disk writer so far is written (or failed).
+    pub fn flush(&self) {
+        let Some(tx) = &self.tx else { return };
+        let (done_tx, done_rx) = mpsc::channel();
+        if lock(tx).send(Job::Flush(done_tx)).is_ok() {
+            let _ = done_rx.recv();
+        }
+    }
+
+    /// Events since the last call.
+    pub fn take_events(&self) -> Vec<KvEvent> {
+        lock(&self.shared.events).drain(..).collect()
+    }
+
+    /// A snapshot of the counters and occupancy.
+    pub fn stats(&self) -> LmcacheStats {
+        let mut s = self.shared.counters.snapshot();
+        if let Some(cpu) = &self.cpu {
+            let cpu = lock(cpu);
+            s.cpu.chunks = cpu.len() as u64;
+            s.cpu.bytes_used = cpu.used();
+            s.cpu.budget_bytes = cpu.budget();
+        }
+        if let Some(d) = &self.shared.disk {
+            (s.disk.chunks, s.disk.bytes_used, s.disk.budget_bytes) = d.usage();
+        }
+        s
+    }
+}
+
+impl Drop for ChunkStore {
+    fn drop(&mut self) {
+        // Closing the channel ends the writer after it has written what was queued.
+        self.tx = None;
+        if let Some(h) = self.writer.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn writer_loop(sh: &Shared, rx: mpsc::Receiver<Job>) {
+    let Some(disk) = &sh.disk else { return };
+    let c = &sh.counters;
+    while let Ok(job) = rx.recv() {
+        match job {
+            Job::Flush(done) => {
+                let _ = done.send(());
+            }
+            Job::Write(key, data) => {
+                match disk.write(key, &data) {
+                    Ok(evicted) => {
+                        add(&c.disk.bytes_stored, (HEADER_LEN + data.len()) as u64);
+                        add(&c.disk.evictions, evicted);
+                        sh.event(KvEvent::Stored { hashes: vec![key.0[0]], tier: "disk".into() });
+                    }
+                    Err(e) => {
+                        let n = c.disk_write_errors.fetch_add(1, Ordering::Relaxed);
+                        // The first errors and then every 1000th: a full disk must not flood logs.
+                        if n < 5 || n % 1000 == 0 {
+                            tracing::warn!(
+                                errors = n + 1,
+                                "lmcache: disk tier write failed, chunk dropped: {e}"
+                            );
+                        }
+                    }
+                }
+                if lock(&sh.inflight).remove(&key).is_some() {
+                    sh.inflight_bytes.fetch_sub(data.len() as u64, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,301 @@
+//! The worker half: copies chunks between the store and the engine's KV blocks.
+//!
+//! Loads check every chunk's length before writing anything, so a chunk that is missing,
+//! corrupt or of the wrong size loads nothing: its blocks (and every later block of the
+//! request, since a prefix with a hole is useless) are reported through
+//! `block_ids_with_load_errors` and the engine recomputes them.
+
+use crate::chunk_layout::ChunkLayout;
+use crate::meta::{LoadSpec, SaveSpec, StepMeta};
+use crate::store::{ChunkBytes, ChunkStore};
+use kvconnect_api::kv_memory::KvMemory;
+use kvconnect_api::{
+    BlockId, ConnectorError, ConnectorResult, EffectiveLayout, FinishedTransfers, KvRegion, LayerId,
+    ModelSpec, RequestId, WorkerConnector,
+};
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+/// A load whose chunks were fetched and checked, waiting for its layers to be copied.
+struct FetchedLoad {
+    spec: LoadSpec,
+    /// (chunk index in spec.chunks, bytes) for the chunks that load.
+    chunks: Vec<(usize, ChunkBytes)>,
+}
+
+/// A save in progress: one buffer per chunk, filled layer by layer.
+struct PendingSave {
+    spec: SaveSpec,
+    bufs: Vec<Vec<u8>>,
+    failed: bool,
+}
+
+/// The lmcache worker half.
+pub struct LmcacheWorker {
+    store: Arc<ChunkStore>,
+    layout: ChunkLayout,
+    model: ModelSpec,
+    eff: EffectiveLayout,
+    layerwise: bool,
+    mem: Option<KvMemory>,
+    meta: StepMeta,
+    fetched: Vec<FetchedLoad>,
+    layers_loaded: usize,
+    saves: Vec<PendingSave>,
+    layers_saved: usize,
+    load_errors: BTreeSet<BlockId>,
+}
+
+fn no_regions() -> ConnectorError {
+    ConnectorError::invalid(
+        "lmcache",
+        "no KV regions are registered; call register_kv_caches before loading or saving",
+    )
+}
+
+impl LmcacheWorker {
+    /// A worker half over `store`.
+    pub fn new(
+        store: Arc<ChunkStore>,
+        layout: ChunkLayout,
+        model: ModelSpec,
+        eff: EffectiveLayout,
+        layerwise: bool,
+    ) -> LmcacheWorker {
+        LmcacheWorker {
+            store,
+            layout,
+            model,
+            eff,
+            layerwise,
+            mem: None,
+            meta: StepMeta::default(),
+            fetched: Vec::new(),
+            layers_loaded: 0,
+            saves: Vec::new(),
+            layers_saved: 0,
+            load_errors: BTreeSet::new(),
+        }
+    }
+
+    fn fail_blocks(&mut self, spec: &LoadSpec, from_token: usize) {
+        let before = self.load_errors.len();
+        for i in self.layout.block_indices(from_token.max(spec.start), spec.end) {
+            if let Some(b) = spec.blocks.get(i) {
+                self.load_errors.insert(*b);
+            }
+        }
+        self.store.count_load_error_blocks(self.load_errors.len() - before);
+    }
+
+    /// Fetches and checks every chunk of this step's loads.
+    fn fetch_loads(&mut self) {
+        let loads = std::mem::take(&mut self.meta.loads);
+        for spec in loads {
+            let mut chunks = Vec::with_capacity(spec.chunks.len());
+            let mut failed_at = None;
+            for (i, c) in spec.chunks.iter().enumerate() {
+                let want = self.layout.chunk_bytes(c.tokens);
+                match self.store.get(&c.key) {
+                    Some(b) if b.as_slice().len() == want => chunks.push((i, b)),
+                    Some(b) => {
+                        tracing::warn!(req = %spec.req, chunk = ?c.key, got = b.as_slice().len(), want, "lmcache: stored chunk has the wrong length; not loaded");
+                        self.store.count_miss();
+                        failed_at = Some(c.start);
+                        break;
+                    }
+                    None => {
+                        self.store.count_miss();
+                        failed_at = Some(c.start);
+                        break;
+                    }
+                }
+            }
+            if let Some(t) = failed_at {
+                self.fail_blocks(&spec, t);
+            }
+            self.fetched.push(FetchedLoad { spec, chunks });
+        }
+        self.layers_loaded = 0;
+    }
+
+    /// Copies layers `[self.layers_loaded, upto)` of every fetched load.
+    fn load_layers(&mut self, upto: usize) -> ConnectorResult<()> {
+        let Some(mem) = &self.mem else { return Err(no_regions()) };
+        let mut failures: Vec<(usize, usize)> = Vec::new();
+        for li in self.layers_loaded..upto {
+            for (fi, f) in self.fetched.iter().enumerate() {
+                for (ci, bytes) in &f.chunks {
+                    let c = f.spec.chunks[*ci];
+                    let t0 = f.spec.start.max(c.start) - c.start;
+                    let t1 = f.spec.end.min(c.start + c.tokens) - c.start;
+                    if let Err(e) = self.layout.load_layer(
+                        mem,
+                        li,
+                        &f.spec.blocks,
+                        c.start,
+                        c.tokens,
+                        t0,
+                        t1,
+                        bytes.as_slice(),
+                    ) {
+                        tracing::warn!(req = %f.spec.req, "lmcache: load failed: {e}");
+                        failures.push((fi, c.start));
+                        break;
+                    }
+                }
+            }
+        }
+        self.layers_loaded = self.layers_loaded.max(upto);
+        for (fi, start) in failures {
+            let spec = self.fetched[fi].spec.clone();
+            self.fail_blocks(&spec, start);
+            // Later layers would write blocks that are already reported.
+            self.fetched[fi].chunks.clear();
+        }
+        Ok(())
+    }
+
+    /// Copies layers `[self.layers_saved, upto)` of every pending save out of the KV cache.
+    fn save_layers(&mut self, upto: usize) -> ConnectorResult<()> {
+        let Some(mem) = &self.mem else { return Err(no_regions()) };
+        for li in self.layers_saved..upto {
+            let layer = self.layout.kv_layers()[li];
+            for s in self.saves.iter_mut().filter(|s| !s.failed) {
+                for (c, buf) in s.spec.chunks.iter().zip(s.bufs.iter_mut()) {
+                    if let Err(e) = self.layout.save_layer(mem, layer, &s.spec.blocks, c.start, c.tokens, buf)
+                    {
+                        tracing::warn!(req = %s.spec.req, "lmcache: save failed, request not stored: {e}");
+                        self.store.count_save_error();
+                        s.failed = true;
+                        break;
+                    }
+                }
+            }
+        }
+        self.layers_saved = self.layers_saved.max(upto);
+        Ok(())
+    }
+
+    fn layer_index(&self, layer: LayerId) -> Option<usize> {
+        self.layout.kv_layers().iter().position(|l| *l == layer)
+    }
+}
+
+impl WorkerConnector for LmcacheWorker {
+    fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        // SAFETY: the host promises, by calling register_kv_caches, that every region is valid
+        // host memory of `len` bytes until shutdown, and the step protocol keeps the engine
+        // from touching a block while this connector copies it.
+        let mem = unsafe { KvMemory::new(regions, &self.model, &self.eff) }.map_err(|e| {
+            ConnectorError::invalid(
+                "lmcache",
+                format!("registered KV regions do not match the effective layout: {e}"),
+            )
+        })?;
+        self.mem = Some(mem);
+        Ok(())
+    }
+
+    fn bind_connector_meta(&mut self, meta: &[u8]) -> ConnectorResult<()> {
+        self.meta = StepMeta::decode(meta)?;
+        self.fetched.clear();
+        self.layers_loaded = 0;
+        let saves = std::mem::take(&mut self.meta.saves);
+        self.saves = saves
+            .into_iter()
+            .map(|spec| {
+                let bufs = spec
+                    .chunks
+                    .iter()
+                    .map(|c| Vec::with_capacity(self.layout.chunk_bytes(c.tokens)))
+                    .collect();
+                PendingSave { spec, bufs, failed: false }
+            })
+            .collect();
+        self.layers_saved = 0;
+        Ok(())
+    }
+
+    fn start_load_kv(&mut self) -> ConnectorResult<()> {
+        if self.meta.loads.is_empty() {
+            return Ok(());
+        }
+        if self.mem.is_none() {
+            return Err(no_regions());
+        }
+        self.fetch_loads();
+        if !self.layerwise {
+            self.load_layers(self.layout.kv_layers().len())?;
+            self.fetched.clear();
+        }
+        Ok(())
+    }
+
+    fn wait_for_layer_load(&mut self, layer: LayerId) -> ConnectorResult<()> {
+        if !self.layerwise || self.fetched.is_empty() {
+            return Ok(());
+        }
+        match self.layer_index(layer) {
+            Some(li) => self.load_layers(li + 1),
+            None => Ok(()),
+        }
+    }
+
+    fn save_kv_layer(&mut self, layer: LayerId, _block_ids: &[BlockId]) -> ConnectorResult<()> {
+        if !self.layerwise || self.saves.is_empty() {
+            return Ok(());
+        }
+        match self.layer_index(layer) {
+            Some(li) => self.save_layers(li + 1),
+            None => Ok(()),
+        }
+    }
+
+    fn wait_for_save(&mut self) -> ConnectorResult<()> {
+        // Layers a layer-wise engine never waited for are loaded now, late but complete.
+        if !self.fetched.is_empty() {
+            self.load_layers(self.layout.kv_layers().len())?;
+            self.fetched.clear();
+        }
+        if self.saves.is_empty() {
+            return Ok(());
+        }
+        self.save_layers(self.layout.kv_layers().len())?;
+        for s in std::mem::take(&mut self.saves) {
+            if s.failed {
+                continue;
+            }
+            for (c, buf) in s.spec.chunks.iter().zip(s.bufs) {
+                self.store.put(c.key, buf);
+            }
+        }
+        Ok(())
+    }
+
+    fn get_finished(&mut self, _finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
+        // Loads and saves complete inside the step, so nothing is ever outstanding.
+        Ok(FinishedTransfers::default())
+    }
+
+    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
+        Ok(std::mem::take(&mut self.load_errors).into_iter().collect())
+    }
+
+    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
+        // A local cache: a peer needs nothing from it.
+        Ok(None)
+    }
+
+    fn set_peer_handshake_metadata(&mut self, _peer: &serde_json::Value) -> ConnectorResult<()> {
+        Ok(())
+    }
+
+    fn shutdown(&mut self) -> ConnectorResult<()> {
+        self.mem = None;
+        self.saves.clear();
+        self.fetched.clear();
+        self.store.flush();
+        Ok(())
+    }
+}
