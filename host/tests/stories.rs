@@ -1,0 +1,248 @@
+//! The negotiation stories of DESIGN.md §1, each run through the real `kvconnect` binary on
+//! the deployments in examples/deployments/: the exit code and what the user reads.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+struct Out {
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn kvconnect(args: &[&str]) -> Out {
+    let o = Command::new(env!("CARGO_BIN_EXE_kvconnect"))
+        .args(args)
+        .current_dir(root())
+        .env_remove("KVCONNECT_PLUGIN_PATH")
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    let out = Out {
+        code: o.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+    };
+    assert!(!out.stderr.contains("panicked"), "kvconnect {args:?} panicked:\n{}", out.stderr);
+    out
+}
+
+fn plan(file: &str, extra: &[&str]) -> Out {
+    let path = format!("examples/deployments/{file}");
+    let mut args = vec!["plan"];
+    args.extend_from_slice(extra);
+    args.push(&path);
+    kvconnect(&args)
+}
+
+/// The two `compat hash` lines of a plan, prefill first.
+fn hashes(stdout: &str) -> Vec<String> {
+    stdout.lines().filter_map(|l| l.trim().strip_prefix("compat hash")).map(|h| h.trim().to_owned()).collect()
+}
+
+const PD_LMCACHE_NIXL: &str = r#"{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"LMCacheConnectorV1"},{"kv_connector":"NixlConnector"}]}}"#;
+const PD_FLEXKV_NIXL: &str = r#"{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"FlexKVConnectorV1"},{"kv_connector":"NixlConnector"}]}}"#;
+const LLAMA: &str = "fixtures/models/meta-llama--Llama-3.1-8B-Instruct/config.json";
+const GEMMA: &str = "fixtures/models/google--gemma-3-1b-it/config.json";
+
+#[test]
+fn dyn3545_plan_catches_the_hma_mismatch_on_hybrid_models() {
+    for file in ["dyn3545-gpt-oss-20b.toml", "dyn3545-gemma-3-1b.toml"] {
+        let o = plan(file, &[]);
+        assert_eq!(o.code, 1, "{file}:\n{}{}", o.stdout, o.stderr);
+        assert!(o.stdout.contains("prefill: PdConnector[lmcache, nixl]"), "{}", o.stdout);
+        assert!(o.stdout.contains("NOT COMPATIBLE"), "{}", o.stdout);
+        // Which field, each side's value and why, and the remedy.
+        assert!(
+            o.stdout.contains("hma: prefill=off (child 'lmcache' does not support HMA), decode=on (default:"),
+            "{}",
+            o.stdout
+        );
+        assert!(o.stdout.contains("hybrid_kv_cache_manager=off on decode"), "{}", o.stdout);
+        let h = hashes(&o.stdout);
+        assert_eq!(h.len(), 2);
+        assert_ne!(h[0], h[1]);
+    }
+}
+
+#[test]
+fn dyn3545_joint_negotiation_agrees_by_construction() {
+    for file in ["dyn3545-gpt-oss-20b.toml", "dyn3545-gemma-3-1b.toml"] {
+        let o = plan(file, &["--joint"]);
+        assert_eq!(o.code, 0, "{file}:\n{}{}", o.stdout, o.stderr);
+        let h = hashes(&o.stdout);
+        assert_eq!(h.len(), 2);
+        assert_eq!(h[0], h[1], "{}", o.stdout);
+        assert!(o.stdout.contains("COMPATIBLE: identical"), "{}", o.stdout);
+    }
+}
+
+#[test]
+fn dyn3545_pair_on_a_single_attention_kind_model_passes_alone() {
+    let o = plan("dyn3545-qwen3-0.6b.toml", &[]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    let h = hashes(&o.stdout);
+    assert_eq!(h[0], h[1]);
+}
+
+#[test]
+fn flexkv_nixl_picks_hnd_with_a_transpose_on_flexkv() {
+    let o = plan("flexkv-nixl.toml", &[]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("adapter: child 'flexkv' works in NHD (LBNHC) natively"), "{}", o.stdout);
+
+    let o = kvconnect(&["negotiate", "--kv-transfer-config", PD_FLEXKV_NIXL, "--model", LLAMA, "--explain"]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    let layout = o.stdout.lines().find(|l| l.trim_start().starts_with("layout")).unwrap_or_default();
+    assert!(layout.contains("= HND (LBHNC)") && layout.contains("[child nixl]"), "{layout}");
+    assert!(layout.contains("'flexkv'") && layout.contains("transpose"), "{layout}");
+    assert!(o.stdout.contains("compat hash: "), "{}", o.stdout);
+
+    let o = plan("flexkv-nixl-no-adapters.toml", &[]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    assert!(
+        o.stdout.contains("child 'flexkv' rejects HND") && o.stdout.contains("child 'nixl' requires HND"),
+        "{}",
+        o.stdout
+    );
+    let o =
+        kvconnect(&["negotiate", "--kv-transfer-config", PD_FLEXKV_NIXL, "--model", LLAMA, "--no-adapters"]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("'flexkv'") && o.stdout.contains("'nixl'"), "{}", o.stdout);
+}
+
+#[test]
+fn hnd_and_lbhnc_are_the_same_layout() {
+    let o = plan("hnd-vs-lbhnc.toml", &[]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("COMPATIBLE: identical"), "{}", o.stdout);
+    assert!(!o.stdout.contains("layout: prefill="), "no layout diff: {}", o.stdout);
+}
+
+#[test]
+fn cross_layer_on_one_side_is_adaptable_with_a_permutation() {
+    let o = plan("cross-layer-one-side.toml", &[]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("COMPATIBLE with adaptation"), "{}", o.stdout);
+    assert!(o.stdout.contains("layout: prefill=BLHNC (user set kv_cache_layout=BLHNC"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains(
+            "decode permutes every block it reads from prefill: BLHNC -> LBHNC, axes [1, 0, 2, 3, 4]"
+        ),
+        "{}",
+        o.stdout
+    );
+    let h = hashes(&o.stdout);
+    assert_eq!(h[0], h[1], "the layout is not a strict field");
+}
+
+#[test]
+fn forcing_hma_on_with_a_child_that_lacks_it_names_the_child() {
+    let o = plan("hma-forced-on.toml", &[]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    assert!(
+        o.stdout.contains("child 'lmcache' does not support the hybrid KV cache manager"),
+        "{}",
+        o.stdout
+    );
+    let o = kvconnect(&[
+        "negotiate",
+        "--kv-transfer-config",
+        PD_LMCACHE_NIXL,
+        "--model",
+        GEMMA,
+        "--hybrid-kv-cache-manager",
+        "on",
+    ]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("child 'lmcache'"), "{}", o.stdout);
+}
+
+#[test]
+fn bad_deployments_exit_2_with_a_clear_message() {
+    for (file, wants) in [
+        ("bad/malformed-toml.toml", &["malformed-toml.toml:4:9:", "invalid table header"][..]),
+        (
+            "bad/malformed-json.toml",
+            &["malformed-json.toml:8:14: [prefill] kv_transfer_config", "expected value"][..],
+        ),
+        (
+            "bad/unknown-connector.toml",
+            &[
+                "'MooncakeStoreConnector'",
+                "NixlConnector",
+                "LMCacheConnectorV1",
+                "FlexKVConnectorV1",
+                "PdConnector",
+            ][..],
+        ),
+        (
+            "bad/unknown-layout.toml",
+            &["unknown-layout.toml:6:19:", "unknown KV layout 'HDN'", "valid layouts are NHD"][..],
+        ),
+        ("bad/empty-children.toml", &["no children", "kv_connector_extra_config.connectors"][..]),
+        ("bad/looping-composite.toml", &["'tiered' contains itself (tiered -> tiered)"][..]),
+        ("bad/unknown-keys.toml", &["prefill.kv_cache_layot", "decode.hybrid_kv_cache_manger"][..]),
+    ] {
+        let o = plan(file, &[]);
+        assert_eq!(o.code, 2, "{file}:\n{}{}", o.stdout, o.stderr);
+        assert!(o.stderr.starts_with("error: "), "{file}: {}", o.stderr);
+        assert_eq!(o.stderr.trim_end().lines().count(), 1, "{file}: one line: {}", o.stderr);
+        for w in wants {
+            assert!(o.stderr.contains(w), "{file}: want {w:?} in {}", o.stderr);
+        }
+    }
+    let o = plan("does-not-exist.toml", &[]);
+    assert_eq!(o.code, 2);
+    assert!(o.stderr.contains("cannot read the deployment file"), "{}", o.stderr);
+}
+
+#[test]
+fn bad_negotiate_arguments_exit_2_with_a_clear_message() {
+    for (args, wants) in [
+        (
+            vec!["--kv-transfer-config", "{\"kv_connector\": }", "--model", LLAMA],
+            &["line 1, column 18", "expected value"][..],
+        ),
+        (
+            vec![
+                "--kv-transfer-config",
+                "{\"kv_connector\":\"NixlConnector\"}",
+                "--model",
+                LLAMA,
+                "--kv-cache-layout",
+                "HDN",
+            ],
+            &["--kv-cache-layout", "unknown KV layout 'HDN'"][..],
+        ),
+        (
+            vec!["--kv-transfer-config", "{\"kv_connector\":\"Mooncake\"}", "--model", LLAMA],
+            &["'Mooncake'", "NixlConnector"][..],
+        ),
+        (
+            vec![
+                "--kv-transfer-config",
+                "{\"kv_connector\":\"PdConnector\",\"kv_connector_extra_config\":{\"connectors\":[]}}",
+                "--model",
+                LLAMA,
+            ],
+            &["no children"][..],
+        ),
+        (
+            vec!["--kv-transfer-config", "{\"kv_connector\":\"NixlConnector\"}", "--model", "nowhere.json"],
+            &["nowhere.json"][..],
+        ),
+    ] {
+        let mut a = vec!["negotiate"];
+        a.extend(args.iter().copied());
+        let o = kvconnect(&a);
+        assert_eq!(o.code, 2, "{a:?}:\n{}{}", o.stdout, o.stderr);
+        for w in wants {
+            assert!(o.stderr.contains(w), "{a:?}: want {w:?} in {}", o.stderr);
+        }
+    }
+}
