@@ -23,6 +23,7 @@ pub mod config;
 pub mod copy_plan;
 pub mod error;
 pub mod factory;
+pub mod harness;
 pub mod meta;
 pub mod metadata;
 pub mod params;

@@ -3,6 +3,7 @@
 //! `{"engine_id", "peer", "plan", "peer_effective"}`).
 
 use crate::config::NAME;
+use kvconnect_api::compat::AdaptationPlan;
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{ConnectorError, KvLayout, LayerId};
 use serde::{Deserialize, Serialize};
@@ -161,38 +162,39 @@ impl PeerInfo {
         Ok(())
     }
 
+    /// Checks the host's adaptation plan (`kvconnect_api::compat::AdaptationPlan`) against
+    /// what this data path will do: the layout permutation and block-size ratio are applied
+    /// on receive from the two geometries, so the plan must describe exactly those; a TP
+    /// ratio other than 1:1 is not supported.
     fn check_plan(&self, plan: &Value, own: &Geometry) -> Result<(), ConnectorError> {
         let e = &self.meta.engine_id;
-        if let Some(l) = plan.get("layout").filter(|l| !l.is_null()) {
-            let from: Option<KvLayout> = l.get("from").and_then(|v| serde_json::from_value(v.clone()).ok());
-            let to: Option<KvLayout> = l.get("to").and_then(|v| serde_json::from_value(v.clone()).ok());
-            if from != Some(self.meta.layout) || to != Some(own.layout()) {
+        let plan: AdaptationPlan = serde_json::from_value(plan.clone())
+            .map_err(|err| bad(format!("adaptation plan for peer engine '{e}' cannot be read: {err}")))?;
+        if let Some(l) = &plan.layout {
+            if l.from != self.meta.layout || l.to != own.layout() {
                 return Err(bad(format!(
-                    "adaptation plan for peer engine '{e}' permutes {l} but the peer's metadata says {} and this engine uses {}: the handshake and the regions disagree",
+                    "adaptation plan for peer engine '{e}' permutes {} -> {} but the peer's metadata says {} and this engine uses {}: the handshake and the regions disagree",
+                    l.from,
+                    l.to,
                     self.meta.layout,
                     own.layout()
                 )));
             }
         }
-        if let Some(t) = plan.get("tp_ratio").filter(|t| !t.is_null()) {
-            let ratio: Option<(u32, u32)> = serde_json::from_value(t.clone()).ok();
-            if !matches!(ratio, Some((a, b)) if a == b) {
-                return Err(ConnectorError::not_implemented(
-                    NAME,
-                    &format!(
-                        "receiving from peer engine '{e}' with tensor-parallel ratio {t} (heterogeneous TP)"
-                    ),
-                ));
-            }
+        if let Some((r, s)) = plan.tp_ratio.filter(|(r, s)| r != s) {
+            return Err(ConnectorError::not_implemented(
+                NAME,
+                &format!(
+                    "receiving from peer engine '{e}' with tensor-parallel ratio {r}:{s} (heterogeneous TP)"
+                ),
+            ));
         }
-        if let Some(r) = plan.get("block_size_ratio").filter(|r| !r.is_null()) {
-            let ratio: Option<(u32, u32)> = serde_json::from_value(r.clone()).ok();
-            let (p, o) = (self.meta.shape.tokens, own.shape().tokens);
-            // The ratio is applied from the two block sizes themselves; the plan must agree.
-            if !matches!(ratio, Some((a, b)) if (a as u64) * (o as u64) == (b as u64) * (p as u64) || (a as u64) * (p as u64) == (b as u64) * (o as u64))
-            {
+        if let Some((r, s)) = plan.block_size_ratio {
+            let (p, o) = (self.meta.shape.tokens as u64, own.shape().tokens as u64);
+            // (receiver, sender): r / s == own / peer.
+            if r as u64 * p != s as u64 * o {
                 return Err(bad(format!(
-                    "adaptation plan for peer engine '{e}' has block_size_ratio {r}, but the peer's blocks hold {p} tokens and this engine's {o}"
+                    "adaptation plan for peer engine '{e}' has block_size_ratio {r}:{s} (receiver:sender), but the peer's blocks hold {p} tokens and this engine's {o}"
                 )));
             }
         }

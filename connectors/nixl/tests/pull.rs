@@ -1,0 +1,421 @@
+//! Producer and consumer connector instances in one process, driven through the connector
+//! API as a host would: register regions, prefill finishes a request, decode matches,
+//! allocates, loads, and both report what finished.
+
+use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
+use kvconnect_api::{
+    BlockId, BlocksPerGroup, ConnectorFactory, EffectiveLayout, FinishedTransfers, KvLayout, KvRole,
+    MatchResult, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
+};
+use kvconnect_nixl::harness::{context, effective, model, Regions};
+use kvconnect_nixl::wire::{read_frame, write_frame, ClientMsg, ServerMsg};
+use kvconnect_nixl::NixlFactory;
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+const BLOCKS: u32 = 16;
+
+struct Engine {
+    sched: Box<dyn SchedulerConnector>,
+    worker: Box<dyn WorkerConnector>,
+    mem: Regions,
+    model: ModelSpec,
+    eff: EffectiveLayout,
+}
+
+fn shm_prefix(tag: &str) -> String {
+    format!("/kvc-nixl-t{}-{tag}", std::process::id())
+}
+
+fn engine(
+    role: KvRole,
+    id: &str,
+    layout: KvLayout,
+    block_size: u32,
+    extra: Value,
+    shm: Option<&str>,
+) -> Engine {
+    let m = model(3, 2, 8);
+    let eff = effective(&m, layout, block_size);
+    let ctx = context(&m, &eff, role, id, extra);
+    let mut sched = NixlFactory.create_scheduler(&ctx).unwrap();
+    let mut worker = NixlFactory.create_worker(&ctx).unwrap();
+    let mut mem = Regions::allocate(&m, &eff, BLOCKS, shm).unwrap();
+    // Distinct, position-dependent bytes so a misplaced copy cannot pass.
+    for i in 0..mem.regions().len() {
+        let salt = (id.len() * 31 + i * 7) as u32;
+        for (j, b) in mem.bytes_mut(i).iter_mut().enumerate() {
+            *b = ((j as u32).wrapping_mul(2654435761).wrapping_add(salt) >> 13) as u8;
+        }
+    }
+    worker.register_kv_caches(mem.regions()).unwrap();
+    let _ = &mut sched;
+    Engine { sched, worker, mem, model: m, eff }
+}
+
+fn producer(backend: &str, layout: KvLayout, bs: u32, lease: f64, tag: &str) -> Engine {
+    let extra = json!({"backend": backend, "kv_lease_duration": lease, "io_timeout": 2,
+        "side_channel_host": "127.0.0.1", "side_channel_port": 5600});
+    let shm = shm_prefix(tag);
+    engine(KvRole::Producer, "prefill-0", layout, bs, extra, (backend == "shm").then_some(shm.as_str()))
+}
+
+fn consumer(backend: &str, layout: KvLayout, bs: u32) -> Engine {
+    engine(
+        KvRole::Consumer,
+        "decode-0",
+        layout,
+        bs,
+        json!({"backend": backend, "io_timeout": 1, "connect_timeout": 1}),
+        None,
+    )
+}
+
+fn blocks(ids: &[u32]) -> BlocksPerGroup {
+    BlocksPerGroup(vec![ids.iter().map(|b| BlockId(*b)).collect()])
+}
+
+fn step(n: u64) -> StepInfo {
+    StepInfo { step: n, scheduled: vec![], finished: vec![] }
+}
+
+/// Prefill finishes `req` holding `pblocks`; returns the transfer params.
+fn prefill_finish(
+    p: &mut Engine,
+    req: &str,
+    prompt_len: usize,
+    pblocks: &[u32],
+) -> serde_json::Map<String, Value> {
+    let mut params = serde_json::Map::new();
+    params.insert("do_remote_decode".into(), json!(true));
+    let r = Request { id: req.into(), prompt_tokens: vec![7; prompt_len], kv_transfer_params: params };
+    let fin = p.sched.request_finished(&r, &blocks(pblocks)).unwrap();
+    assert!(fin.delay_free);
+    let meta = p.sched.build_connector_meta(&step(1)).unwrap();
+    p.worker.bind_connector_meta(&meta).unwrap();
+    fin.transfer_params.unwrap()
+}
+
+fn handshake(p: &mut Engine, d: &mut Engine) {
+    let meta = p.worker.handshake_metadata().unwrap().unwrap();
+    d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta})).unwrap();
+}
+
+/// Decode matches, allocates `dblocks` and starts the load; returns the matched tokens.
+fn decode_start(
+    d: &mut Engine,
+    req: &str,
+    prompt_len: usize,
+    params: serde_json::Map<String, Value>,
+    dblocks: &[u32],
+) -> usize {
+    let r = Request { id: req.into(), prompt_tokens: vec![7; prompt_len], kv_transfer_params: params };
+    let MatchResult::Matched { tokens, async_load } = d.sched.get_num_new_matched_tokens(&r, 0).unwrap()
+    else {
+        panic!("expected a match")
+    };
+    assert!(async_load);
+    d.sched.update_state_after_alloc(&r, &blocks(dblocks), tokens).unwrap();
+    let meta = d.sched.build_connector_meta(&step(1)).unwrap();
+    d.worker.bind_connector_meta(&meta).unwrap();
+    d.worker.start_load_kv().unwrap();
+    tokens
+}
+
+fn wait_finished(
+    w: &mut dyn WorkerConnector,
+    pred: impl Fn(&FinishedTransfers) -> bool,
+) -> FinishedTransfers {
+    let t0 = Instant::now();
+    let mut acc = FinishedTransfers::default();
+    while t0.elapsed() < Duration::from_secs(15) {
+        let f = w.get_finished(&[]).unwrap();
+        acc.finished_sending.extend(f.finished_sending);
+        acc.finished_recving.extend(f.finished_recving);
+        acc.failed_recving.extend(f.failed_recving);
+        if pred(&acc) {
+            return acc;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    panic!("timed out waiting; got {acc:?}")
+}
+
+fn geometry(e: &Engine) -> Geometry {
+    let shape = BlockShape::of(&e.model, &e.eff);
+    let regions = e
+        .mem
+        .regions()
+        .iter()
+        .map(|r| RegionShape { layers: r.layers.clone(), num_blocks: r.num_blocks })
+        .collect();
+    Geometry::new(shape, e.eff.layout, regions)
+}
+
+/// Every element of tokens [0, n) equal on both sides, addressed through each side's layout.
+fn assert_same_kv(p: &mut Engine, pblocks: &[u32], d: &mut Engine, dblocks: &[u32], n: usize) {
+    let (gp, gd) = (geometry(p), geometry(d));
+    let (sp, sd) = (gp.shape(), gd.shape());
+    let mut checked = 0;
+    for layer in p.model.kv_layers() {
+        for part in 0..2 {
+            for t in 0..n {
+                let (pb, db) = (pblocks[t / sp.tokens as usize], dblocks[t / sd.tokens as usize]);
+                let ps = gp.span(layer, part, BlockId(pb)).unwrap();
+                let ds = gd.span(layer, part, BlockId(db)).unwrap();
+                for h in 0..sp.heads {
+                    for c in 0..sp.head_dim {
+                        let po = ps.offset + gp.inner_offset(h, (t % sp.tokens as usize) as u32, c);
+                        let dof = ds.offset + gd.inner_offset(h, (t % sd.tokens as usize) as u32, c);
+                        let a = &p.mem.bytes_mut(ps.region)[po..po + 2].to_vec();
+                        let b = &d.mem.bytes_mut(ds.region)[dof..dof + 2];
+                        assert_eq!(a, b, "layer {layer} part {part} token {t} head {h} channel {c}");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(checked, 3 * 2 * n * 2 * 8);
+}
+
+fn full_flow(backend: &str, play: KvLayout, dlay: KvLayout, pbs: u32, dbs: u32, tag: &str) {
+    let mut p = producer(backend, play, pbs, 30.0, tag);
+    let mut d = consumer(backend, dlay, dbs);
+    handshake(&mut p, &mut d);
+    let prompt = 21;
+    let pblocks: Vec<u32> = (0..(prompt as u32).div_ceil(pbs)).map(|i| 3 + i).collect();
+    let dblocks: Vec<u32> = (0..(prompt as u32).div_ceil(dbs)).map(|i| 2 + 2 * i).collect();
+    let params = prefill_finish(&mut p, "req-1", prompt, &pblocks);
+    assert_eq!(params["remote_engine_id"], json!("prefill-0"));
+    assert_eq!(params["remote_port"], json!(5600));
+    assert_eq!(params["remote_num_tokens"], json!(prompt));
+    let tokens = decode_start(&mut d, "req-1", prompt, params, &dblocks);
+    assert_eq!(tokens, prompt - 1);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.finished_recving.is_empty() || !f.failed_recving.is_empty());
+    assert_eq!(f.finished_recving, vec![RequestId::from("req-1")], "{f:?}");
+    assert!(f.failed_recving.is_empty());
+    assert_same_kv(&mut p, &pblocks, &mut d, &dblocks, tokens);
+    let f = wait_finished(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
+    assert_eq!(f.finished_sending, vec![RequestId::from("req-1")]);
+}
+
+#[test]
+fn tcp_pull_full_worker_flow() {
+    full_flow("tcp", KvLayout::HND, KvLayout::HND, 4, 4, "a");
+}
+
+#[test]
+fn shm_pull_full_worker_flow() {
+    full_flow("shm", KvLayout::HND, KvLayout::HND, 4, 4, "b");
+}
+
+#[test]
+fn nhd_to_hnd_is_permuted_on_receive_exactly() {
+    full_flow("tcp", KvLayout::NHD, KvLayout::HND, 4, 4, "c");
+    full_flow("shm", KvLayout::NHD, KvLayout::HND, 4, 4, "d");
+}
+
+#[test]
+fn cross_layer_and_block_size_ratio_are_adapted() {
+    full_flow("tcp", KvLayout::HND, KvLayout::HND, 8, 4, "e");
+    full_flow("shm", KvLayout::BLHNC, KvLayout::BLHNC, 4, 4, "f");
+    full_flow("shm", KvLayout::NHD, KvLayout::HND, 4, 8, "g");
+}
+
+#[test]
+fn lease_expiry_frees_blocks_and_a_late_decode_fails() {
+    let mut p = producer("tcp", KvLayout::HND, 4, 0.3, "h");
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    handshake(&mut p, &mut d);
+    let params = prefill_finish(&mut p, "late", 9, &[1, 2, 3]);
+    assert!(p.worker.get_finished(&[]).unwrap().finished_sending.is_empty(), "held within the lease");
+    std::thread::sleep(Duration::from_millis(400));
+    let f = p.worker.get_finished(&[]).unwrap();
+    assert_eq!(f.finished_sending, vec![RequestId::from("late")], "freed at lease expiry");
+    decode_start(&mut d, "late", 9, params, &[4, 5, 6]);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.failed_recving, vec![RequestId::from("late")]);
+    let bad = d.worker.block_ids_with_load_errors().unwrap();
+    assert_eq!(bad, vec![BlockId(4), BlockId(5), BlockId(6)]);
+}
+
+#[test]
+fn unknown_request_is_a_failed_receive_on_both_backends() {
+    for (backend, tag) in [("tcp", "i"), ("shm", "j")] {
+        let mut p = producer(backend, KvLayout::HND, 4, 30.0, tag);
+        let mut d = consumer(backend, KvLayout::HND, 4);
+        handshake(&mut p, &mut d);
+        let params = json!({"do_remote_prefill": true, "remote_engine_id": "prefill-0", "remote_host": "127.0.0.1",
+            "remote_port": 1, "remote_block_ids": [[1, 2]], "remote_num_tokens": 8});
+        decode_start(&mut d, "never-prefilled", 8, params.as_object().cloned().unwrap(), &[1, 2]);
+        let f = wait_finished(d.worker.as_mut(), |f| {
+            !f.failed_recving.is_empty() || !f.finished_recving.is_empty()
+        });
+        assert_eq!(f.failed_recving, vec![RequestId::from("never-prefilled")], "{backend}");
+    }
+}
+
+#[test]
+fn garbage_and_oversized_frames_close_that_connection_only() {
+    let mut p = producer("tcp", KvLayout::HND, 4, 30.0, "k");
+    let addr = p.worker.handshake_metadata().unwrap().unwrap()["listen"].as_str().unwrap().to_owned();
+    // Oversized: a 1 GiB length prefix.
+    let mut big = TcpStream::connect(&addr).unwrap();
+    big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    big.write_all(&(1u32 << 30).to_be_bytes()).unwrap();
+    let mut buf = [0u8; 16];
+    assert_eq!(big.read(&mut buf).unwrap_or(0), 0, "closed without an answer");
+    // Garbage: a well-sized frame that is not a message.
+    let mut junk = TcpStream::connect(&addr).unwrap();
+    junk.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    junk.write_all(&7u32.to_be_bytes()).unwrap();
+    junk.write_all(b"\x00garbag").unwrap();
+    assert_eq!(junk.read(&mut buf).unwrap_or(0), 0);
+    // A run outside the request's blocks is refused, and that connection stays usable.
+    let _params = prefill_finish(&mut p, "ok", 9, &[1, 2, 3]);
+    let mut c = TcpStream::connect(&addr).unwrap();
+    write_frame(&mut c, &ClientMsg::Read { request: "ok".into(), runs: vec![(0, 0, 1 << 20)] }).unwrap();
+    let m: ServerMsg = read_frame(&mut c, 1 << 20).unwrap();
+    assert!(
+        matches!(m, ServerMsg::Error { ref reason } if reason.contains("not inside the blocks")),
+        "{m:?}"
+    );
+    // Others are still served, end to end.
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    handshake(&mut p, &mut d);
+    let params = prefill_finish(&mut p, "after", 9, &[5, 6, 7]);
+    decode_start(&mut d, "after", 9, params, &[1, 2, 3]);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.finished_recving.is_empty() || !f.failed_recving.is_empty());
+    assert_eq!(f.finished_recving, vec![RequestId::from("after")]);
+}
+
+/// A producer that answers a read with half the bytes it promised, then `close`s or stalls.
+fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        loop {
+            let m: ClientMsg = match read_frame(&mut s, 1 << 24) {
+                Ok(m) => m,
+                Err(_) => return,
+            };
+            match m {
+                ClientMsg::Hold { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
+                ClientMsg::Read { runs, .. } => {
+                    let total: u64 = runs.iter().map(|r| r.2).sum();
+                    write_frame(&mut s, &ServerMsg::Data { bytes: total }).unwrap();
+                    s.write_all(&vec![1u8; total as usize / 2]).unwrap();
+                    if close {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_secs(3));
+                    return;
+                }
+                ClientMsg::Done { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
+            }
+        }
+    });
+    (addr, h)
+}
+
+#[test]
+fn producer_killed_mid_transfer_is_a_failed_receive_within_the_timeout() {
+    for close in [true, false] {
+        let mut p = producer("tcp", KvLayout::HND, 4, 30.0, if close { "l" } else { "m" });
+        let mut d = consumer("tcp", KvLayout::HND, 4);
+        let mut meta = p.worker.handshake_metadata().unwrap().unwrap();
+        let (fake, h) = fake_producer(close);
+        meta["listen"] = json!(fake);
+        d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta})).unwrap();
+        let params = prefill_finish(&mut p, "cut", 9, &[1, 2, 3]);
+        let t0 = Instant::now();
+        decode_start(&mut d, "cut", 9, params, &[1, 2, 3]);
+        let f = wait_finished(d.worker.as_mut(), |f| {
+            !f.failed_recving.is_empty() || !f.finished_recving.is_empty()
+        });
+        assert_eq!(f.failed_recving, vec![RequestId::from("cut")], "close={close}");
+        assert!(t0.elapsed() < Duration::from_secs(5), "io_timeout is 1 s: {:?}", t0.elapsed());
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn producer_shut_down_is_a_failed_receive() {
+    let mut p = producer("shm", KvLayout::HND, 4, 30.0, "n");
+    let mut d = consumer("shm", KvLayout::HND, 4);
+    handshake(&mut p, &mut d);
+    let params = prefill_finish(&mut p, "gone", 9, &[1, 2, 3]);
+    p.worker.shutdown().unwrap();
+    decode_start(&mut d, "gone", 9, params, &[1, 2, 3]);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.failed_recving, vec![RequestId::from("gone")]);
+}
+
+#[test]
+fn shm_backend_refuses_a_peer_without_shared_memory_regions() {
+    let mut p = producer("tcp", KvLayout::HND, 4, 30.0, "o"); // heap regions
+    let mut d = consumer("shm", KvLayout::HND, 4);
+    handshake(&mut p, &mut d);
+    let params = prefill_finish(&mut p, "noshm", 9, &[1, 2, 3]);
+    decode_start(&mut d, "noshm", 9, params, &[1, 2, 3]);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.failed_recving, vec![RequestId::from("noshm")]);
+}
+
+#[test]
+fn nixl_backend_and_missing_side_channel_are_clear_errors() {
+    let m = model(3, 2, 8);
+    let eff = effective(&m, KvLayout::HND, 4);
+    for extra in [json!({"backend": "nixl"}), json!({"backends": ["UCX"]})] {
+        let ctx = context(&m, &eff, KvRole::Producer, "p", extra);
+        let e = NixlFactory.create_worker(&ctx).err().unwrap().to_string();
+        assert!(e.contains("backend 'nixl'") && e.contains("not available in this build yet"), "{e}");
+        assert!(NixlFactory.create_scheduler(&ctx).is_err());
+    }
+    let ctx = context(&m, &eff, KvRole::Producer, "p", json!({}));
+    let mut s = NixlFactory.create_scheduler(&ctx).unwrap();
+    let mut params = serde_json::Map::new();
+    params.insert("do_remote_decode".into(), json!(true));
+    let r = Request { id: "r".into(), prompt_tokens: vec![1; 4], kv_transfer_params: params };
+    let e = s.request_finished(&r, &blocks(&[1])).unwrap_err().to_string();
+    assert!(e.contains("side_channel_host"), "{e}");
+}
+
+#[test]
+fn incompatible_peer_and_mismatched_plan_are_refused_at_handshake() {
+    let mut p = producer("tcp", KvLayout::NHD, 4, 30.0, "p");
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    let meta = p.worker.handshake_metadata().unwrap().unwrap();
+    let plan = json!({"layout": {"from": "LBHNC", "to": "LBHNC", "perm": [0, 1, 2, 3, 4]}, "block_size_ratio": null, "tp_ratio": null});
+    let e = d
+        .worker
+        .set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta, "plan": plan}))
+        .unwrap_err();
+    assert!(e.to_string().contains("the handshake and the regions disagree"), "{e}");
+    let good = json!({"layout": {"from": "LBNHC", "to": "LBHNC", "perm": [0, 1, 3, 2, 4]}, "block_size_ratio": null, "tp_ratio": null});
+    d.worker
+        .set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta, "plan": good}))
+        .unwrap();
+    let mut other = meta.clone();
+    other["shape"]["heads"] = json!(4);
+    for r in other["regions"].as_array_mut().unwrap() {
+        r["len"] = json!(r["len"].as_u64().unwrap() * 2);
+    }
+    let e =
+        d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": other})).unwrap_err();
+    assert!(e.to_string().contains("4 kv heads per block, this engine 2"), "{e}");
+    let e = d
+        .worker
+        .set_peer_handshake_metadata(&json!({"engine_id": "someone-else", "peer": meta}))
+        .unwrap_err();
+    assert!(e.to_string().contains("someone-else"), "{e}");
+}
