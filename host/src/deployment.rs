@@ -208,8 +208,8 @@ pub enum DeploymentError {
     Conflict {
         /// `prefill`, `decode`, `deployment` (joint) or `worker`.
         role: String,
-        /// The conflict.
-        conflict: Conflict,
+        /// The conflict (boxed: it is large and errors travel by value).
+        conflict: Box<Conflict>,
     },
 }
 
@@ -619,8 +619,10 @@ pub fn negotiate_worker(
     role: &str,
 ) -> Result<(Negotiated, CompatDescriptor), DeploymentError> {
     let children = collect_children(resolver, config, model, role)?;
-    let n = negotiate(model, opts, &children)
-        .map_err(|conflict| DeploymentError::Conflict { role: role.to_owned(), conflict })?;
+    let n = negotiate(model, opts, &children).map_err(|conflict| DeploymentError::Conflict {
+        role: role.to_owned(),
+        conflict: Box::new(conflict),
+    })?;
     let d = CompatDescriptor::new(model, &n, opts);
     Ok((n, d))
 }
@@ -656,8 +658,9 @@ fn negotiate_both(
     let (p, d) = (&deployment.prefill, &deployment.decode);
     let pc = collect_children(resolver, &p.kv_transfer_config, model, "prefill")?;
     let dc = collect_children(resolver, &d.kv_transfer_config, model, "decode")?;
-    let (pn, dn) = negotiate_deployment(model, (&p.options, &pc), (&d.options, &dc))
-        .map_err(|conflict| DeploymentError::Conflict { role: "deployment".to_owned(), conflict })?;
+    let (pn, dn) = negotiate_deployment(model, (&p.options, &pc), (&d.options, &dc)).map_err(|conflict| {
+        DeploymentError::Conflict { role: "deployment".to_owned(), conflict: Box::new(conflict) }
+    })?;
     let pd = CompatDescriptor::new(model, &pn, &p.options);
     let dd = CompatDescriptor::new(model, &dn, &d.options);
     Ok(((pn, pd), (dn, dd)))
