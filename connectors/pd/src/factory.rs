@@ -121,6 +121,17 @@ impl ConnectorFactory for PdFactory {
         let _guard = ExpandGuard::enter(&ctx.config)?;
         let (_, children) = self.children(&ctx.config)?;
         let mut halves = Vec::with_capacity(children.len());
+        let mut movers = Vec::new();
+        for (i, c) in children.iter().enumerate() {
+            let caps = c
+                .factory
+                .capabilities(&c.config, Some(&ctx.model))
+                .map_err(|e| PdError::Child { child: c.name.clone(), source: e })?;
+            if caps.transfer_mode != kvconnect_api::TransferMode::None {
+                movers.push(i);
+            }
+        }
+        let transport = if movers.len() == 1 { movers.first().copied() } else { None };
         for c in &children {
             let w = c
                 .factory
@@ -128,7 +139,7 @@ impl ConnectorFactory for PdFactory {
                 .map_err(|e| PdError::Child { child: c.name.clone(), source: e })?;
             halves.push((c.name.clone(), w));
         }
-        Ok(Box::new(PdWorker::new(halves)))
+        Ok(Box::new(PdWorker::new(halves).with_transport(transport)))
     }
 }
 
@@ -371,8 +382,15 @@ mod tests {
         let got: Vec<String> = calls(&sa).into_iter().filter(|c| c.starts_with("peer")).collect();
         assert_eq!(got, vec![r#"peer {"agent":"d0"}"#], "only the first nixl has a counterpart");
         assert!(!calls(&sb).iter().any(|c| c.starts_with("peer")));
+        // Two transports: unkeyed metadata has no single recipient.
         let e = w.set_peer_handshake_metadata(&serde_json::json!({"agent": "d0"})).unwrap_err().to_string();
         assert!(e.contains("[agent]") && e.contains("[lmcache, nixl, nixl#2]"), "{e}");
+
+        // One transport: a plain peer's metadata (not keyed by child) goes to it alone.
+        let mut w = f.create_worker(&ctx(&pd(&["lmcache", "nixl"], ""))).unwrap();
+        w.set_peer_handshake_metadata(&serde_json::json!({"agent": "plain"})).unwrap();
+        assert!(calls(&sa).contains(&r#"peer {"agent":"plain"}"#.to_owned()));
+        assert!(!calls(&sb).iter().any(|c| c.starts_with("peer")));
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub struct PdWorker {
     sent_early: HashMap<RequestId, BTreeSet<usize>>,
     recving: HashMap<RequestId, Waiting>,
     ready_sending: Vec<RequestId>,
+    /// The one child that moves KV between engines, if there is exactly one: a plain
+    /// (non-composite) peer's handshake metadata is meant for it.
+    transport: Option<usize>,
 }
 
 impl PdWorker {
@@ -36,7 +39,15 @@ impl PdWorker {
             sent_early: HashMap::new(),
             recving: HashMap::new(),
             ready_sending: Vec::new(),
+            transport: None,
         }
+    }
+
+    /// Names the child (by index) that moves KV between engines, so metadata from a plain
+    /// peer (e.g. a decode worker running NIXL alone) reaches it.
+    pub fn with_transport(mut self, index: Option<usize>) -> Self {
+        self.transport = index.filter(|i| *i < self.children.len());
+        self
     }
 
     fn each(
@@ -176,16 +187,27 @@ impl WorkerConnector for PdWorker {
 
     fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()> {
         let names: Vec<String> = self.children.iter().map(|(n, _)| n.clone()).collect();
-        let obj = peer.as_object().ok_or_else(|| {
-            PdError::BadPeer(format!(
+        let Some(obj) = peer.as_object() else {
+            if let Some(i) = self.transport {
+                let (name, child) = &mut self.children[i];
+                return child.set_peer_handshake_metadata(peer).map_err(|e| child_err(name, e));
+            }
+            return Err(PdError::BadPeer(format!(
                 "expected a JSON object keyed by child name ({}), got {}",
                 names.join(", "),
                 short(peer)
             ))
-        })?;
+            .into());
+        };
         if !names.iter().any(|n| obj.contains_key(n)) {
+            // Not keyed by our children: a plain connector's metadata, meant for our one
+            // transport child.
+            if let Some(i) = self.transport {
+                let (name, child) = &mut self.children[i];
+                return child.set_peer_handshake_metadata(peer).map_err(|e| child_err(name, e));
+            }
             return Err(PdError::BadPeer(format!(
-                "it has keys [{}] but this composite's children are [{}]; a plain connector's metadata must be wrapped as {{\"<its name>\": ...}}",
+                "it has keys [{}] but this composite's children are [{}]; and no single transport child to give a plain connector's metadata to; wrap it as {{\"<child name>\": ...}}",
                 obj.keys().cloned().collect::<Vec<_>>().join(", "),
                 names.join(", ")
             ))
