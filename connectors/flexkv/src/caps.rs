@@ -1,15 +1,29 @@
 //! What the flexkv connector declares.
 
+use crate::config::FlexkvConfig;
 use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::{
-    AdaptCost, Capabilities, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind,
-    ModelSpec, TransferMode,
+    AdaptCost, Capabilities, ConnectorError, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint,
+    MemoryKind, ModelSpec, TransferMode,
 };
 
 /// No HMA; token-major blocks only (rejects HND) but adapts by transposing on its own copy
-/// path; async loads.
-pub fn capabilities(_config: &KvTransferConfig, _model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
-    Ok(Capabilities {
+/// path; async loads. Reads the config (extra config, `FLEXKV_*`, `FLEXKV_CONFIG_PATH`): a
+/// config that does not resolve is an error here already, and the disk memory kind is
+/// declared only when the SSD tier is on.
+pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
+    let cfg = FlexkvConfig::from_extra_and_process_env(&config.kv_connector_extra_config)
+        .map_err(|e| ConnectorError::config("flexkv", e.to_string()))?;
+    Ok(capabilities_for(&cfg))
+}
+
+/// The capabilities of a resolved config.
+pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
+    let mut memory_kinds = vec![MemoryKind::Host];
+    if cfg.ssd_enabled() {
+        memory_kinds.push(MemoryKind::Disk);
+    }
+    Capabilities {
         hma: false,
         layout: LayoutConstraint {
             required: vec![],
@@ -20,12 +34,33 @@ pub fn capabilities(_config: &KvTransferConfig, _model: Option<&ModelSpec>) -> C
         block_size_multiple: 1,
         block_size_divides: None,
         cache_dtypes: vec![],
-        memory_kinds: vec![MemoryKind::Host, MemoryKind::Disk],
+        memory_kinds,
         transfer_mode: TransferMode::None,
         roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
         layerwise: false,
         heterogeneous_tp: false,
         mla: false,
         async_load: true,
-    })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn declares_what_the_issue_says_and_reads_the_config() {
+        let mut cfg = KvTransferConfig::named("FlexKVConnectorV1");
+        let c = capabilities(&cfg, None).unwrap();
+        assert!(!c.hma && c.async_load && c.adapt.is_some());
+        assert!(!c.layout.accepts(KvLayout::HND) && c.layout.accepts(KvLayout::NHD));
+        c.validate().unwrap();
+        cfg.kv_connector_extra_config =
+            serde_json::json!({"ssd_cache_gb": 1, "ssd_cache_dir": "/tmp/x"}).as_object().cloned().unwrap();
+        assert!(capabilities(&cfg, None).unwrap().memory_kinds.contains(&MemoryKind::Disk));
+        cfg.kv_connector_extra_config =
+            serde_json::json!({"cpu_cache_gb": "many"}).as_object().cloned().unwrap();
+        let e = capabilities(&cfg, None).unwrap_err().to_string();
+        assert!(e.contains("cpu_cache_gb"), "{e}");
+    }
 }

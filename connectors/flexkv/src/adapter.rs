@@ -1,0 +1,189 @@
+//! The layout adapter: moves one block between the engine's KV regions and flexkv's stored
+//! form, transposing when the deployment's layout is not token-major.
+//!
+//! flexkv stores a block as every KV layer's K then V (V absent for MLA), each in NHD order
+//! `[N][H][C]`. When negotiation puts it in a head-major deployment (HND next to nixl, or
+//! the cross-layer `BLHNC`) the copy path transposes rows of `C` channels between `[H][N]`
+//! and `[N][H]`; the row positions of both sides come from
+//! `Geometry::inner_offset`, so any layout where `C` is innermost is a row copy and any
+//! other falls back to element moves. Regions are reached only through `KvMemory`.
+
+use kvconnect_api::geometry::{BlockShape, Geometry, GeometryError};
+use kvconnect_api::kv_memory::KvMemory;
+use kvconnect_api::layout::Dim;
+use kvconnect_api::{BlockId, EffectiveLayout, KvLayout, LayerId, ModelSpec};
+
+/// How one block is gathered from and scattered into the KV regions.
+#[derive(Debug, Clone)]
+pub struct BlockAdapter {
+    layers: Vec<LayerId>,
+    parts: u32,
+    sub_bytes: usize,
+    layout: KvLayout,
+    /// (offset in the region's block, offset in the stored NHD block) of every moved unit;
+    /// `None` when both orders are the same and a block is one plain copy.
+    moves: Option<Vec<(u32, u32)>>,
+    unit: usize,
+}
+
+impl BlockAdapter {
+    /// The adapter for a model in a deployment's effective layout.
+    pub fn new(model: &ModelSpec, eff: &EffectiveLayout) -> BlockAdapter {
+        let shape = BlockShape::of(model, eff);
+        Self::with_shape(model.kv_layers(), shape, eff.layout)
+    }
+
+    /// The adapter for explicit layers, block shape and layout.
+    pub fn with_shape(layers: Vec<LayerId>, shape: BlockShape, layout: KvLayout) -> BlockAdapter {
+        let deploy = Geometry::new(shape, layout, vec![]);
+        let stored = Geometry::new(shape, KvLayout::NHD, vec![]);
+        let inner = |l: KvLayout| {
+            l.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect::<Vec<_>>()
+        };
+        let (moves, unit) = if inner(layout) == inner(KvLayout::NHD) {
+            (None, shape.bytes())
+        } else if layout.position(Dim::C) > layout.position(Dim::H)
+            && layout.position(Dim::C) > layout.position(Dim::N)
+        {
+            let mut m = Vec::with_capacity((shape.heads * shape.tokens) as usize);
+            for n in 0..shape.tokens {
+                for h in 0..shape.heads {
+                    m.push((deploy.inner_offset(h, n, 0) as u32, stored.inner_offset(h, n, 0) as u32));
+                }
+            }
+            (Some(m), shape.head_dim as usize * shape.elem_size as usize)
+        } else {
+            let mut m = Vec::with_capacity(shape.bytes() / shape.elem_size.max(1) as usize);
+            for n in 0..shape.tokens {
+                for h in 0..shape.heads {
+                    for c in 0..shape.head_dim {
+                        m.push((deploy.inner_offset(h, n, c) as u32, stored.inner_offset(h, n, c) as u32));
+                    }
+                }
+            }
+            (Some(m), shape.elem_size as usize)
+        };
+        BlockAdapter { layers, parts: shape.kv_parts, sub_bytes: shape.bytes(), layout, moves, unit }
+    }
+
+    /// Bytes of one stored block (every KV layer, K and V).
+    pub fn slot_bytes(&self) -> usize {
+        self.layers.len() * self.parts as usize * self.sub_bytes
+    }
+
+    /// True when the copy path transposes.
+    pub fn transposes(&self) -> bool {
+        self.moves.is_some()
+    }
+
+    /// The deployment layout it adapts from.
+    pub fn layout(&self) -> KvLayout {
+        self.layout
+    }
+
+    /// Copies block `block` of every KV layer out of the regions into `dst` (stored form).
+    pub fn gather(&self, mem: &KvMemory, block: BlockId, dst: &mut [u8]) -> Result<(), GeometryError> {
+        self.check_len(dst.len())?;
+        for (i, out) in dst.chunks_exact_mut(self.sub_bytes).enumerate() {
+            let (layer, part) = self.sub(i);
+            let span = mem.span(layer, part, block)?;
+            match &self.moves {
+                None => mem.read(span, out)?,
+                Some(m) => permute(mem.slice(span)?, out, m, self.unit, false),
+            }
+        }
+        Ok(())
+    }
+
+    /// Copies a stored block `src` into block `block` of every KV layer. `scratch` holds one
+    /// transposed sub-block on its way in.
+    pub fn scatter(
+        &self,
+        mem: &KvMemory,
+        block: BlockId,
+        src: &[u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<(), GeometryError> {
+        self.check_len(src.len())?;
+        for (i, inp) in src.chunks_exact(self.sub_bytes).enumerate() {
+            let (layer, part) = self.sub(i);
+            let span = mem.span(layer, part, block)?;
+            match &self.moves {
+                None => mem.write(span, inp)?,
+                Some(m) => {
+                    scratch.resize(self.sub_bytes, 0);
+                    permute(inp, scratch, m, self.unit, true);
+                    mem.write(span, scratch)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn sub(&self, i: usize) -> (LayerId, u32) {
+        (self.layers[i / self.parts as usize], (i % self.parts as usize) as u32)
+    }
+
+    fn check_len(&self, len: usize) -> Result<(), GeometryError> {
+        if len != self.slot_bytes() {
+            return Err(GeometryError::SpanOutOfRegion { region: usize::MAX, offset: 0, len });
+        }
+        Ok(())
+    }
+}
+
+/// Moves `unit`-byte pieces between a deployment-ordered block and a stored one. `to_region`
+/// false: region -> stored (`src` is the region side); true: stored -> region.
+#[inline]
+fn permute(src: &[u8], dst: &mut [u8], moves: &[(u32, u32)], unit: usize, to_region: bool) {
+    for &(r, s) in moves {
+        let (from, to) = if to_region { (s as usize, r as usize) } else { (r as usize, s as usize) };
+        dst[to..to + unit].copy_from_slice(&src[from..from + unit]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape() -> BlockShape {
+        BlockShape { heads: 3, tokens: 4, head_dim: 5, elem_size: 2, kv_parts: 2 }
+    }
+
+    #[test]
+    fn nhd_is_a_plain_copy_and_hnd_is_a_transpose() {
+        assert!(!BlockAdapter::with_shape(vec![LayerId(0)], shape(), KvLayout::NHD).transposes());
+        assert!(!BlockAdapter::with_shape(vec![LayerId(0)], shape(), KvLayout::BLNHC).transposes());
+        let a = BlockAdapter::with_shape(vec![LayerId(0)], shape(), KvLayout::HND);
+        assert!(a.transposes());
+        assert_eq!(a.unit, 10);
+        // HND row (h=2, n=1) lands at NHD row (n=1, h=2).
+        let m = a.moves.as_ref().unwrap();
+        assert!(m.contains(&(((2 * 4 + 1) * 10) as u32, ((3 + 2) * 10) as u32)));
+    }
+
+    #[test]
+    fn odd_layout_moves_elements_exactly() {
+        // C outside N: element moves.
+        let l: KvLayout = "LBCHN".parse().unwrap();
+        let a = BlockAdapter::with_shape(vec![LayerId(0)], shape(), l);
+        assert_eq!(a.unit, 2);
+        let s = shape();
+        let src: Vec<u8> = (0..s.bytes()).map(|i| (i * 31 % 251) as u8).collect();
+        let mut stored = vec![0; s.bytes()];
+        permute(&src, &mut stored, a.moves.as_ref().unwrap(), a.unit, false);
+        let dg = Geometry::new(s, l, vec![]);
+        let sg = Geometry::new(s, KvLayout::NHD, vec![]);
+        for h in 0..3 {
+            for n in 0..4 {
+                for c in 0..5 {
+                    let (x, y) = (dg.inner_offset(h, n, c), sg.inner_offset(h, n, c));
+                    assert_eq!(src[x..x + 2], stored[y..y + 2]);
+                }
+            }
+        }
+        let mut back = vec![0; s.bytes()];
+        permute(&stored, &mut back, a.moves.as_ref().unwrap(), a.unit, true);
+        assert_eq!(back, src);
+    }
+}

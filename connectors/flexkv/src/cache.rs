@@ -1,0 +1,587 @@
+//! The tiered block cache: the radix index plus the CPU and SSD mempools and their storage.
+//!
+//! One lock guards the metadata (index, free lists, events); block bytes are copied outside
+//! it, under a reference that keeps the block's slots from being reused. A save inserts its
+//! block as pending (never matched), fills a CPU slot, then publishes it. When the CPU tier
+//! is full, the least recently used unreferenced block gives up its slot: it moves to the
+//! SSD tier (written by the saving transfer thread, not the step loop), or, without an SSD
+//! tier or when the SSD write fails, it is dropped if it is a leaf. A block read from SSD is
+//! checked before it is handed out; a corrupt record is dropped and reported as a miss.
+
+use crate::cpu_tier::CpuTier;
+use crate::mempool::SlotPool;
+use crate::radix::{Insert, RadixIndex, State, Tier};
+use crate::ssd_tier::{SsdReadError, SsdTier};
+use kvconnect_api::KvEvent;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+const MAX_EVENTS: usize = 65536;
+
+/// Counters of what the cache did, for logs, metrics and tests.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Blocks loaded from the CPU tier.
+    pub cpu_hits: u64,
+    /// Blocks loaded from the SSD tier.
+    pub ssd_hits: u64,
+    /// Blocks stored.
+    pub stored: u64,
+    /// Saves skipped because the block was already cached.
+    pub already_cached: u64,
+    /// Saves dropped because no slot could be freed (every block referenced).
+    pub no_space: u64,
+    /// Blocks moved from CPU to SSD.
+    pub demoted: u64,
+    /// Blocks dropped from the cache by eviction.
+    pub evicted: u64,
+    /// SSD writes that failed (full disk, I/O error); the block was not kept on SSD.
+    pub ssd_write_errors: u64,
+    /// SSD records found corrupt or unreadable when loading; dropped, reported as misses.
+    pub ssd_corrupt: u64,
+    /// Blocks copied back from SSD into the CPU tier on a hit.
+    pub promoted: u64,
+    /// Events dropped because nobody took them.
+    pub events_dropped: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    cpu_hits: AtomicU64,
+    ssd_hits: AtomicU64,
+    stored: AtomicU64,
+    already_cached: AtomicU64,
+    no_space: AtomicU64,
+    demoted: AtomicU64,
+    evicted: AtomicU64,
+    ssd_write_errors: AtomicU64,
+    ssd_corrupt: AtomicU64,
+    promoted: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// What a save did with one block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreOutcome {
+    /// Stored in the CPU tier.
+    Stored,
+    /// Already cached (or being saved by someone else).
+    Present,
+    /// Its parent is not cached: the rest of the chain cannot be kept.
+    NoParent,
+    /// No slot could be freed.
+    NoSpace,
+}
+
+/// Why a block could not be loaded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    /// The block is not (or no longer) cached.
+    #[error("block {0:016x} is not cached")]
+    Missing(u64),
+    /// Its SSD record failed verification and was dropped.
+    #[error("block {hash:016x}: {source}")]
+    Ssd {
+        /// The block.
+        hash: u64,
+        /// What the SSD tier said.
+        source: SsdReadError,
+    },
+    /// The destination refused the bytes.
+    #[error("block {hash:016x}: copying into the KV cache failed: {message}")]
+    Sink {
+        /// The block.
+        hash: u64,
+        /// Why.
+        message: String,
+    },
+}
+
+struct Inner {
+    index: RadixIndex,
+    cpu_pool: SlotPool,
+    ssd_pool: Option<SlotPool>,
+    events: VecDeque<KvEvent>,
+    events_dropped: u64,
+}
+
+impl Inner {
+    fn event(&mut self, e: KvEvent) {
+        if self.events.len() >= MAX_EVENTS {
+            self.events.pop_front();
+            self.events_dropped += 1;
+        }
+        self.events.push_back(e);
+    }
+
+    fn free(&mut self, slots: [Option<u32>; 2]) {
+        if let Some(c) = slots[0] {
+            self.cpu_pool.release(c);
+        }
+        if let (Some(s), Some(p)) = (slots[1], self.ssd_pool.as_mut()) {
+            p.release(s);
+        }
+    }
+}
+
+fn stored(hash: u64, tier: Tier) -> KvEvent {
+    KvEvent::Stored { hashes: vec![hash], tier: tier.name().to_owned() }
+}
+
+fn removed(hash: u64, tier: Tier) -> KvEvent {
+    KvEvent::Removed { hashes: vec![hash], tier: tier.name().to_owned() }
+}
+
+/// The cache of one engine.
+pub struct BlockCache {
+    inner: Mutex<Inner>,
+    cpu: CpuTier,
+    ssd: Option<SsdTier>,
+    promote: bool,
+    counters: Counters,
+    identity: String,
+}
+
+impl BlockCache {
+    /// A cache of `cpu_slots` CPU slots of `slot_bytes`, with an optional SSD tier.
+    /// `identity` describes what the cache was built for (compared by the registry).
+    pub fn new(
+        cpu_slots: u32,
+        slot_bytes: usize,
+        ssd: Option<SsdTier>,
+        promote: bool,
+        identity: String,
+    ) -> BlockCache {
+        let ssd_pool = ssd.as_ref().map(|s| SlotPool::new(s.num_slots()));
+        BlockCache {
+            inner: Mutex::new(Inner {
+                index: RadixIndex::new(),
+                cpu_pool: SlotPool::new(cpu_slots),
+                ssd_pool,
+                events: VecDeque::new(),
+                events_dropped: 0,
+            }),
+            cpu: CpuTier::new(cpu_slots, slot_bytes),
+            ssd,
+            promote,
+            counters: Counters::default(),
+            identity,
+        }
+    }
+
+    /// What the cache was built for.
+    pub fn identity(&self) -> &str {
+        &self.identity
+    }
+
+    /// Bytes of one block.
+    pub fn slot_bytes(&self) -> usize {
+        self.cpu.slot_bytes()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // Metadata updates never leave the index half-changed across a panic point, so a
+        // poisoned lock still guards consistent data.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Length of the longest cached prefix of `hashes`.
+    pub fn match_len(&self, hashes: &[u64]) -> usize {
+        self.lock().index.match_len(hashes)
+    }
+
+    /// Matches at most `max` blocks of `hashes`, marks them used and references them so they
+    /// cannot be evicted until `unpin`. Returns how many.
+    pub fn pin_prefix(&self, hashes: &[u64], max: usize) -> usize {
+        self.lock().index.match_and_pin(hashes, max)
+    }
+
+    /// Drops one reference on each block.
+    pub fn unpin(&self, hashes: &[u64]) {
+        let mut g = self.lock();
+        for h in hashes {
+            g.index.unpin(*h);
+        }
+    }
+
+    /// Blocks in the tree, on CPU, on SSD.
+    pub fn sizes(&self) -> (usize, usize, usize) {
+        let g = self.lock();
+        (g.index.len(), g.index.tier_len(Tier::Cpu), g.index.tier_len(Tier::Ssd))
+    }
+
+    /// Where a block is: (on CPU, on SSD, references). None when not in the tree.
+    pub fn locate(&self, hash: u64) -> Option<(bool, bool, u32)> {
+        self.lock().index.get(hash).map(|v| (v.cpu.is_some(), v.ssd.is_some(), v.refs))
+    }
+
+    /// The SSD tier, if on.
+    pub fn ssd(&self) -> Option<&SsdTier> {
+        self.ssd.as_ref()
+    }
+
+    /// A copy of the counters.
+    pub fn stats(&self) -> CacheStats {
+        let c = &self.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CacheStats {
+            cpu_hits: r(&c.cpu_hits),
+            ssd_hits: r(&c.ssd_hits),
+            stored: r(&c.stored),
+            already_cached: r(&c.already_cached),
+            no_space: r(&c.no_space),
+            demoted: r(&c.demoted),
+            evicted: r(&c.evicted),
+            ssd_write_errors: r(&c.ssd_write_errors),
+            ssd_corrupt: r(&c.ssd_corrupt),
+            promoted: r(&c.promoted),
+            events_dropped: self.lock().events_dropped,
+        }
+    }
+
+    /// Events since the last call.
+    pub fn take_events(&self) -> Vec<KvEvent> {
+        self.lock().events.drain(..).collect()
+    }
+
+    /// Stores block `hash` (child of `parent`, None for a first block); `fill` writes its
+    /// bytes into the slot. Errors from `fill` drop the block and are returned.
+    pub fn store<E>(
+        &self,
+        hash: u64,
+        parent: Option<u64>,
+        fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<StoreOutcome, E> {
+        let mut g = self.lock();
+        match g.index.insert_pending(hash, parent) {
+            Insert::Present => {
+                bump(&self.counters.already_cached);
+                return Ok(StoreOutcome::Present);
+            }
+            Insert::NoParent => return Ok(StoreOutcome::NoParent),
+            Insert::Created => {}
+        }
+        let (mut g, slot) = self.alloc_cpu(g);
+        let Some(slot) = slot else {
+            let slots = g.index.abandon(hash);
+            g.free(slots);
+            bump(&self.counters.no_space);
+            return Ok(StoreOutcome::NoSpace);
+        };
+        g.index.set_slot(hash, Tier::Cpu, slot);
+        drop(g);
+        let r = self.cpu.with_slot(slot, fill);
+        let mut g = self.lock();
+        match r {
+            Some(Ok(())) => {
+                g.index.mark_ready(hash);
+                g.index.unpin(hash);
+                g.event(stored(hash, Tier::Cpu));
+                bump(&self.counters.stored);
+                Ok(StoreOutcome::Stored)
+            }
+            Some(Err(e)) => {
+                let slots = g.index.abandon(hash);
+                g.free(slots);
+                Err(e)
+            }
+            None => {
+                // The pool never hands out a slot past the tier's end.
+                let slots = g.index.abandon(hash);
+                g.free(slots);
+                Ok(StoreOutcome::NoSpace)
+            }
+        }
+    }
+
+    /// Loads block `hash` (which the caller references) into `sink`. `scratch` is reused for
+    /// SSD reads.
+    pub fn load(
+        &self,
+        hash: u64,
+        scratch: &mut Vec<u8>,
+        sink: impl FnOnce(&[u8]) -> Result<(), String>,
+    ) -> Result<Tier, LoadError> {
+        let view = self.lock().index.get(hash).ok_or(LoadError::Missing(hash))?;
+        if view.state != State::Ready {
+            return Err(LoadError::Missing(hash));
+        }
+        if let Some(c) = view.cpu {
+            let r = self.cpu.with_slot(c, |buf| sink(buf)).ok_or(LoadError::Missing(hash))?;
+            r.map_err(|message| LoadError::Sink { hash, message })?;
+            bump(&self.counters.cpu_hits);
+            return Ok(Tier::Cpu);
+        }
+        let (Some(s), Some(ssd)) = (view.ssd, self.ssd.as_ref()) else {
+            return Err(LoadError::Missing(hash));
+        };
+        if let Err(source) = ssd.read(s, hash, scratch) {
+            let mut g = self.lock();
+            let slots = g.index.mark_dead(hash);
+            g.free(slots);
+            g.event(removed(hash, Tier::Ssd));
+            bump(&self.counters.ssd_corrupt);
+            tracing::warn!(block = format!("{hash:016x}"), "flexkv: dropped an SSD block: {source}");
+            return Err(LoadError::Ssd { hash, source });
+        }
+        let payload = &scratch[ssd.payload_range()];
+        sink(payload).map_err(|message| LoadError::Sink { hash, message })?;
+        bump(&self.counters.ssd_hits);
+        if self.promote {
+            self.promote_block(hash, payload);
+        }
+        Ok(Tier::Ssd)
+    }
+
+    fn promote_block(&self, hash: u64, payload: &[u8]) {
+        let g = self.lock();
+        if !matches!(g.index.get(hash), Some(v) if v.state == State::Ready && v.cpu.is_none()) {
+            return;
+        }
+        let (g, slot) = self.alloc_cpu(g);
+        let Some(slot) = slot else { return };
+        drop(g);
+        let filled = self.cpu.with_slot(slot, |buf| buf.copy_from_slice(payload)).is_some();
+        let mut g = self.lock();
+        match g.index.get(hash) {
+            Some(v) if filled && v.state == State::Ready && v.cpu.is_none() => {
+                g.index.set_slot(hash, Tier::Cpu, slot);
+                g.event(stored(hash, Tier::Cpu));
+                bump(&self.counters.promoted);
+            }
+            _ => g.cpu_pool.release(slot),
+        }
+    }
+
+    /// A free CPU slot, making one by demoting or evicting the LRU block when needed. The
+    /// lock is released while a demoted block is written to SSD.
+    fn alloc_cpu<'a>(&'a self, mut g: MutexGuard<'a, Inner>) -> (MutexGuard<'a, Inner>, Option<u32>) {
+        let mut demote_ok = self.ssd.is_some();
+        loop {
+            if let Some(s) = g.cpu_pool.alloc() {
+                return (g, Some(s));
+            }
+            // Dropping a block's last copy must not orphan its children.
+            let can_demote = demote_ok;
+            let victim = g.index.lru_victim(Tier::Cpu, |v| v.ssd.is_none() && !can_demote);
+            let Some(v) = victim else { return (g, None) };
+            let Some(view) = g.index.get(v) else { return (g, None) };
+            if view.ssd.is_some() {
+                let c = g.index.clear_slot(v, Tier::Cpu);
+                g.free([c, None]);
+                g.event(removed(v, Tier::Cpu));
+                continue;
+            }
+            if !demote_ok {
+                if let Some(slots) = g.index.remove(v) {
+                    g.free(slots);
+                    g.event(removed(v, Tier::Cpu));
+                    bump(&self.counters.evicted);
+                    continue;
+                }
+                return (g, None);
+            }
+            let Some(s) = self.alloc_ssd(&mut g) else {
+                demote_ok = false;
+                continue;
+            };
+            let (Some(c), Some(ssd)) = (view.cpu, self.ssd.as_ref()) else { return (g, None) };
+            g.index.pin(v);
+            drop(g);
+            let r = self.cpu.with_slot(c, |buf| ssd.write(s, v, buf));
+            g = self.lock();
+            g.index.unpin(v);
+            match r {
+                Some(Ok(())) => {
+                    g.index.set_slot(v, Tier::Ssd, s);
+                    let c = g.index.clear_slot(v, Tier::Cpu);
+                    g.free([c, None]);
+                    g.event(removed(v, Tier::Cpu));
+                    g.event(stored(v, Tier::Ssd));
+                    bump(&self.counters.demoted);
+                }
+                failed => {
+                    g.free([None, Some(s)]);
+                    bump(&self.counters.ssd_write_errors);
+                    let why = match failed {
+                        Some(Err(e)) => e.to_string(),
+                        _ => "slot out of range".to_owned(),
+                    };
+                    tracing::warn!(
+                        "flexkv: writing a block to the SSD tier failed ({why}); evicting from CPU without \
+                         keeping an SSD copy"
+                    );
+                    demote_ok = false;
+                }
+            }
+        }
+    }
+
+    /// A free SSD slot, evicting the LRU SSD block when needed (metadata only).
+    fn alloc_ssd(&self, g: &mut MutexGuard<'_, Inner>) -> Option<u32> {
+        loop {
+            if let Some(s) = g.ssd_pool.as_mut()?.alloc() {
+                return Some(s);
+            }
+            let v = g.index.lru_victim(Tier::Ssd, |v| v.cpu.is_none())?;
+            let view = g.index.get(v)?;
+            if view.cpu.is_some() {
+                let s = g.index.clear_slot(v, Tier::Ssd);
+                g.free([None, s]);
+            } else {
+                let slots = g.index.remove(v)?;
+                g.free(slots);
+                bump(&self.counters.evicted);
+            }
+            g.event(removed(v, Tier::Ssd));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::block_hashes;
+
+    fn fill(tag: u8) -> impl FnOnce(&mut [u8]) -> Result<(), String> {
+        move |b: &mut [u8]| {
+            b.iter_mut().enumerate().for_each(|(i, x)| *x = tag.wrapping_add(i as u8));
+            Ok(())
+        }
+    }
+
+    fn store_chain(c: &BlockCache, hashes: &[u64], tag: u8) -> Vec<StoreOutcome> {
+        let mut parent = None;
+        hashes
+            .iter()
+            .enumerate()
+            .map(|(i, h)| {
+                let o = c.store(*h, parent, fill(tag.wrapping_add(i as u8))).unwrap();
+                parent = Some(*h);
+                o
+            })
+            .collect()
+    }
+
+    fn load(c: &BlockCache, h: u64) -> Result<(Tier, Vec<u8>), LoadError> {
+        let mut out = Vec::new();
+        let mut scratch = Vec::new();
+        c.load(h, &mut scratch, |b| {
+            out = b.to_vec();
+            Ok(())
+        })
+        .map(|t| (t, out))
+    }
+
+    fn expected(tag: u8, n: usize) -> Vec<u8> {
+        (0..n).map(|i| tag.wrapping_add(i as u8)).collect()
+    }
+
+    #[test]
+    fn cpu_only_evicts_lru_leaves() {
+        let c = BlockCache::new(4, 64, None, false, String::new());
+        let a = block_hashes(1, &(0..48).collect::<Vec<_>>(), 16);
+        let b = block_hashes(1, &(100..132).collect::<Vec<_>>(), 16);
+        assert_eq!(store_chain(&c, &a, 0), vec![StoreOutcome::Stored; 3]);
+        assert_eq!(c.pin_prefix(&a, 3), 3);
+        c.unpin(&a);
+        // b needs 2 slots: one free, then the LRU leaf of a goes.
+        assert_eq!(store_chain(&c, &b, 50), vec![StoreOutcome::Stored; 2]);
+        assert_eq!(c.match_len(&a), 2);
+        assert_eq!(c.match_len(&b), 2);
+        assert_eq!(c.stats().evicted, 1);
+        assert_eq!(load(&c, a[1]).unwrap(), (Tier::Cpu, expected(1, 64)));
+    }
+
+    #[test]
+    fn pinned_blocks_are_never_evicted() {
+        let c = BlockCache::new(2, 8, None, false, String::new());
+        let a = block_hashes(1, &[1, 2], 1);
+        store_chain(&c, &a, 0);
+        assert_eq!(c.pin_prefix(&a, 2), 2);
+        let b = block_hashes(9, &[3], 1);
+        assert_eq!(store_chain(&c, &b, 0), vec![StoreOutcome::NoSpace]);
+        assert_eq!(c.match_len(&a), 2);
+        assert_eq!(c.stats().no_space, 1);
+        c.unpin(&a);
+        assert_eq!(store_chain(&c, &b, 0), vec![StoreOutcome::Stored]);
+    }
+
+    #[test]
+    fn cpu_to_ssd_and_back_with_promotion() {
+        let dir = tempfile::tempdir().unwrap();
+        let ssd = SsdTier::open(dir.path(), "t", 100, 10 * 4096).unwrap();
+        let c = BlockCache::new(2, 100, Some(ssd), true, String::new());
+        let a = block_hashes(1, &(0..5).collect::<Vec<_>>(), 1);
+        assert_eq!(store_chain(&c, &a, 10), vec![StoreOutcome::Stored; 5]);
+        assert_eq!(c.stats().demoted, 3);
+        assert_eq!(c.match_len(&a), 5);
+        assert_eq!(c.sizes(), (5, 2, 3));
+        let (on_cpu, on_ssd, _) = c.locate(a[0]).unwrap();
+        assert!(!on_cpu && on_ssd);
+        c.pin_prefix(&a, 1);
+        assert_eq!(load(&c, a[0]).unwrap(), (Tier::Ssd, expected(10, 100)));
+        c.unpin(&a[..1]);
+        assert_eq!(c.stats().ssd_hits, 1);
+        // Promotion gave it a CPU copy (by demoting another block).
+        assert_eq!(c.stats().promoted, 1);
+        assert_eq!(load(&c, a[0]).unwrap(), (Tier::Cpu, expected(10, 100)));
+        for (i, h) in a.iter().enumerate() {
+            assert_eq!(load(&c, *h).unwrap().1, expected(10 + i as u8, 100), "block {i}");
+        }
+    }
+
+    #[test]
+    fn corrupted_ssd_block_is_a_miss_and_never_loaded() {
+        use std::os::unix::fs::FileExt;
+        let dir = tempfile::tempdir().unwrap();
+        let ssd = SsdTier::open(dir.path(), "t", 100, 10 * 4096).unwrap();
+        let path = ssd.path().to_path_buf();
+        let c = BlockCache::new(1, 100, Some(ssd), false, String::new());
+        let a = block_hashes(1, &[1, 2, 3], 1);
+        store_chain(&c, &a, 0);
+        // a[0] and a[1] are on SSD in records 0 and 1; flip a byte of record 0's payload.
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(&[0xee], 32 + 7).unwrap();
+        c.pin_prefix(&a, 3);
+        let mut sunk = false;
+        let e = c
+            .load(a[0], &mut Vec::new(), |_| {
+                sunk = true;
+                Ok(())
+            })
+            .unwrap_err();
+        assert!(matches!(e, LoadError::Ssd { .. }), "{e}");
+        assert!(!sunk, "corrupt bytes were handed out");
+        c.unpin(&a);
+        assert_eq!(c.match_len(&a), 0);
+        assert_eq!(c.stats().ssd_corrupt, 1);
+        // The prefix can be cached again.
+        assert_eq!(store_chain(&c, &a[..1], 0), vec![StoreOutcome::Stored]);
+        assert_eq!(c.match_len(&a), 3);
+    }
+
+    #[test]
+    fn a_full_disk_degrades_to_cpu_eviction() {
+        let full = std::path::Path::new("/dev/full");
+        if !full.exists() {
+            eprintln!("skipping: /dev/full is not available");
+            return;
+        }
+        let ssd = SsdTier::open(full, "t", 100, 10 * 4096).unwrap();
+        let c = BlockCache::new(2, 100, Some(ssd), true, String::new());
+        let a = block_hashes(1, &[1, 2, 3, 4], 1);
+        let b = block_hashes(2, &[1, 2], 1);
+        store_chain(&c, &a, 0);
+        // a's leaves give way; nothing is kept on the full disk.
+        assert!(c.stats().ssd_write_errors >= 1);
+        assert_eq!(c.sizes().2, 0);
+        assert_eq!(c.match_len(&a), 2);
+        assert_eq!(store_chain(&c, &b, 0), vec![StoreOutcome::Stored; 2]);
+        assert_eq!(load(&c, b[1]).unwrap().1, expected(1, 100));
+    }
+}

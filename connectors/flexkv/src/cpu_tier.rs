@@ -1,0 +1,60 @@
+//! The CPU tier's storage: one byte buffer per mempool slot, allocated on first use so a
+//! large budget costs nothing until it fills.
+//!
+//! Each slot has its own lock. The cache's reference counts already keep two writers (or a
+//! writer and a reader) off one slot; the lock makes that a checked fact instead of an
+//! `unsafe` promise, and it is never contended.
+
+use std::sync::{Mutex, OnceLock};
+
+const CHUNK: usize = 4096;
+
+/// Slot storage of the CPU tier.
+pub struct CpuTier {
+    slot_bytes: usize,
+    num_slots: u32,
+    chunks: Vec<OnceLock<Box<[Mutex<Vec<u8>>]>>>,
+}
+
+impl CpuTier {
+    /// Storage for `num_slots` slots of `slot_bytes` each.
+    pub fn new(num_slots: u32, slot_bytes: usize) -> CpuTier {
+        let n = (num_slots as usize).div_ceil(CHUNK);
+        CpuTier { slot_bytes, num_slots, chunks: (0..n).map(|_| OnceLock::new()).collect() }
+    }
+
+    /// Bytes per slot.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+
+    /// Runs `f` on slot `slot`'s bytes (exactly `slot_bytes` long). None for a slot past the
+    /// end.
+    pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+        if slot >= self.num_slots {
+            return None;
+        }
+        let chunk = self.chunks.get(slot as usize / CHUNK)?;
+        let chunk = chunk.get_or_init(|| (0..CHUNK).map(|_| Mutex::new(Vec::new())).collect());
+        let mut buf = chunk[slot as usize % CHUNK].lock().unwrap_or_else(|e| e.into_inner());
+        if buf.len() != self.slot_bytes {
+            buf.resize(self.slot_bytes, 0);
+        }
+        Some(f(&mut buf))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slots_are_separate_and_bounded() {
+        let t = CpuTier::new(5000, 8);
+        t.with_slot(4999, |b| b.copy_from_slice(&[9; 8])).unwrap();
+        t.with_slot(1, |b| b.copy_from_slice(&[1; 8])).unwrap();
+        assert_eq!(t.with_slot(4999, |b| b.to_vec()).unwrap(), vec![9; 8]);
+        assert_eq!(t.with_slot(1, |b| b[0]).unwrap(), 1);
+        assert!(t.with_slot(5000, |_| ()).is_none());
+    }
+}

@@ -1,0 +1,83 @@
+//! The process-global registry that lets the scheduler half and the worker half of one
+//! engine share one cache.
+//!
+//! vLLM-style hosts create the two halves separately. Both look their cache up here by the
+//! engine's `engine_id` (`kv_transfer_config.engine_id`, else the context's); the first
+//! creates it, the second gets the same `Arc`. The registry keeps only weak references: the
+//! cache (its CPU memory and its SSD file) goes away when the last half is dropped. The two
+//! halves must live in one process; a worker in another process gets a cache of its own, so
+//! its scheduler would never see what it saved. Two engines in one process need distinct
+//! engine ids; a second cache asked for under an id that is taken with a different
+//! configuration is refused rather than silently shared.
+
+use crate::cache::BlockCache;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+fn registry() -> &'static Mutex<HashMap<String, Weak<BlockCache>>> {
+    static R: OnceLock<Mutex<HashMap<String, Weak<BlockCache>>>> = OnceLock::new();
+    R.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The id is taken by a cache built for something else.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("engine_id '{engine_id}' already has a flexkv cache in this process built for {existing}, but this half asks for {wanted}; give each engine its own engine_id and create both halves of one engine with the same config")]
+pub struct RegistryError {
+    /// The engine.
+    pub engine_id: String,
+    /// What the existing cache was built for.
+    pub existing: String,
+    /// What was asked for.
+    pub wanted: String,
+}
+
+/// The cache of `engine_id`, created by `make` when none is alive. `identity` must equal
+/// the existing cache's.
+pub fn shared_cache<E: From<RegistryError>>(
+    engine_id: &str,
+    identity: &str,
+    make: impl FnOnce() -> Result<BlockCache, E>,
+) -> Result<Arc<BlockCache>, E> {
+    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.retain(|_, w| w.strong_count() > 0);
+    if let Some(c) = r.get(engine_id).and_then(Weak::upgrade) {
+        if c.identity() != identity {
+            return Err(E::from(RegistryError {
+                engine_id: engine_id.to_owned(),
+                existing: c.identity().to_owned(),
+                wanted: identity.to_owned(),
+            }));
+        }
+        return Ok(c);
+    }
+    let c = Arc::new(make()?);
+    r.insert(engine_id.to_owned(), Arc::downgrade(&c));
+    Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_cache_per_engine_while_alive() {
+        let mk = || Ok::<_, RegistryError>(BlockCache::new(1, 8, None, false, "x".into()));
+        let a = shared_cache("reg-test-1", "x", mk).unwrap();
+        let b = shared_cache("reg-test-1", "x", mk).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        let other = shared_cache("reg-test-2", "x", mk).unwrap();
+        assert!(!Arc::ptr_eq(&a, &other));
+        let e = shared_cache("reg-test-1", "y", || {
+            Ok::<_, RegistryError>(BlockCache::new(1, 8, None, false, "y".into()))
+        })
+        .err()
+        .unwrap();
+        assert!(e.to_string().contains("give each engine its own engine_id"), "{e}");
+        drop((a, b));
+        let c = shared_cache("reg-test-1", "y", || {
+            Ok::<_, RegistryError>(BlockCache::new(1, 8, None, false, "y".into()))
+        })
+        .unwrap();
+        assert_eq!(c.identity(), "y");
+    }
+}

@@ -1,0 +1,231 @@
+//! The SSD tier's storage: fixed-size records in one file.
+//!
+//! `ssd_cache_dir` names a directory (created if missing; the tier makes
+//! `flexkv-<engine>-<pid>.ssd` in it and removes it when the cache is dropped) or an existing
+//! non-directory file such as a preallocated file or a block device (used in place, never
+//! removed). Record `i` sits at `i * record_bytes`: a 32-byte header (magic, block hash,
+//! payload length, payload checksum) then the payload, padded to 4 KiB. A record whose
+//! header or checksum disagrees is reported as corrupt, so a torn write, a full disk or a
+//! flipped bit is a cache miss, never KV loaded into an engine.
+
+use crate::hash::checksum;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+const MAGIC: u64 = 0x3142_4b56_5845_4c46; // "FLEXKVB1" little-endian
+const HEADER: usize = 32;
+const ALIGN: u64 = 4096;
+
+/// The tier cannot be opened.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SsdError {
+    /// The directory or file cannot be created or opened for writing.
+    #[error("ssd_cache_dir '{path}': {reason}; point ssd_cache_dir at a writable directory, or set ssd_cache_gb to 0 to run without the SSD tier")]
+    Open {
+        /// The path.
+        path: String,
+        /// The OS error.
+        reason: String,
+    },
+    /// The budget holds no record.
+    #[error("ssd_cache_gb = {gb} holds no block: one block record is {record} bytes; raise ssd_cache_gb or set it to 0")]
+    TooSmall {
+        /// The budget in GB.
+        gb: f64,
+        /// Bytes per record.
+        record: u64,
+    },
+}
+
+/// Why a record could not be read back.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SsdReadError {
+    /// The read failed.
+    #[error("reading SSD record {slot}: {reason}")]
+    Io {
+        /// The slot.
+        slot: u32,
+        /// The OS error.
+        reason: String,
+    },
+    /// The record is not the block it should be.
+    #[error("SSD record {slot} is corrupt: {reason}")]
+    Corrupt {
+        /// The slot.
+        slot: u32,
+        /// Which check failed.
+        reason: String,
+    },
+}
+
+/// Record storage of the SSD tier.
+pub struct SsdTier {
+    file: File,
+    path: PathBuf,
+    owned: bool,
+    payload: usize,
+    record: u64,
+    num_slots: u32,
+}
+
+impl SsdTier {
+    /// Bytes one record takes for a payload of `payload` bytes.
+    pub fn record_bytes(payload: usize) -> u64 {
+        (HEADER as u64 + payload as u64).div_ceil(ALIGN) * ALIGN
+    }
+
+    /// Opens the tier at `path` (see the module doc) for payloads of `payload` bytes within
+    /// `budget_bytes`.
+    pub fn open(path: &Path, tag: &str, payload: usize, budget_bytes: u64) -> Result<SsdTier, SsdError> {
+        let record = Self::record_bytes(payload);
+        let num_slots = (budget_bytes / record).min(u32::MAX as u64 - 1) as u32;
+        if num_slots == 0 {
+            return Err(SsdError::TooSmall { gb: budget_bytes as f64 / 1e9, record });
+        }
+        let err =
+            |e: std::io::Error| SsdError::Open { path: path.display().to_string(), reason: e.to_string() };
+        let (file_path, owned) = match std::fs::metadata(path) {
+            Ok(m) if !m.is_dir() => (path.to_path_buf(), false),
+            Ok(_) => (path.join(file_name(tag)), true),
+            Err(_) => {
+                std::fs::create_dir_all(path).map_err(err)?;
+                (path.join(file_name(tag)), true)
+            }
+        };
+        let mut opts = OpenOptions::new();
+        opts.read(true).write(true);
+        if owned {
+            opts.create(true).truncate(true);
+        }
+        let file = opts
+            .open(&file_path)
+            .map_err(|e| SsdError::Open { path: file_path.display().to_string(), reason: e.to_string() })?;
+        Ok(SsdTier { file, path: file_path, owned, payload, record, num_slots })
+    }
+
+    /// Records the budget holds.
+    pub fn num_slots(&self) -> u32 {
+        self.num_slots
+    }
+
+    /// The file in use.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes per record on disk.
+    pub fn record(&self) -> u64 {
+        self.record
+    }
+
+    /// Writes block `hash`'s payload into record `slot`.
+    pub fn write(&self, slot: u32, hash: u64, payload: &[u8]) -> std::io::Result<()> {
+        if slot >= self.num_slots || payload.len() != self.payload {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("record {slot} of {} bytes does not fit the tier", payload.len()),
+            ));
+        }
+        let off = slot as u64 * self.record;
+        let mut h = [0u8; HEADER];
+        h[0..8].copy_from_slice(&MAGIC.to_le_bytes());
+        h[8..16].copy_from_slice(&hash.to_le_bytes());
+        h[16..24].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        h[24..32].copy_from_slice(&checksum(payload).to_le_bytes());
+        // Payload first, header last: a write torn in between leaves an old or absent
+        // header, which fails verification instead of vouching for half a payload.
+        self.file.write_all_at(payload, off + HEADER as u64)?;
+        self.file.write_all_at(&h, off)
+    }
+
+    /// Reads record `slot` into `buf` (resized to header + payload) and checks that it holds
+    /// block `hash` intact. On success the payload is `&buf[payload_range()]`.
+    pub fn read(&self, slot: u32, hash: u64, buf: &mut Vec<u8>) -> Result<(), SsdReadError> {
+        if slot >= self.num_slots {
+            return Err(SsdReadError::Io { slot, reason: "slot past the end of the tier".into() });
+        }
+        buf.resize(HEADER + self.payload, 0);
+        self.file
+            .read_exact_at(buf, slot as u64 * self.record)
+            .map_err(|e| SsdReadError::Io { slot, reason: e.to_string() })?;
+        let word = |i: usize| {
+            let mut w = [0u8; 8];
+            w.copy_from_slice(&buf[i * 8..i * 8 + 8]);
+            u64::from_le_bytes(w)
+        };
+        let corrupt = |reason: String| SsdReadError::Corrupt { slot, reason };
+        if word(0) != MAGIC {
+            return Err(corrupt("bad magic".into()));
+        }
+        if word(1) != hash {
+            return Err(corrupt(format!("holds block {:016x}, expected {hash:016x}", word(1))));
+        }
+        if word(2) != self.payload as u64 {
+            return Err(corrupt(format!("length {} instead of {}", word(2), self.payload)));
+        }
+        if word(3) != checksum(&buf[HEADER..]) {
+            return Err(corrupt("checksum mismatch".into()));
+        }
+        Ok(())
+    }
+
+    /// Where the payload sits in a buffer filled by `read`.
+    pub fn payload_range(&self) -> std::ops::Range<usize> {
+        HEADER..HEADER + self.payload
+    }
+}
+
+impl Drop for SsdTier {
+    fn drop(&mut self) {
+        if self.owned {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn file_name(tag: &str) -> String {
+    let clean: String = tag
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
+        .collect();
+    format!("flexkv-{}-{}.ssd", clean, std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_corruption_is_detected() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = SsdTier::open(&dir.path().join("sub"), "e/1", 100, 3 * 4096).unwrap();
+        assert_eq!(t.num_slots(), 3);
+        let data: Vec<u8> = (0..100).collect();
+        t.write(2, 77, &data).unwrap();
+        let mut buf = Vec::new();
+        t.read(2, 77, &mut buf).unwrap();
+        assert_eq!(&buf[t.payload_range()], &data[..]);
+        assert!(matches!(t.read(2, 78, &mut buf), Err(SsdReadError::Corrupt { .. })));
+        assert!(matches!(t.read(1, 0, &mut buf), Err(SsdReadError::Corrupt { .. })));
+        // Flip one payload byte on disk.
+        let f = OpenOptions::new().write(true).open(t.path()).unwrap();
+        f.write_all_at(&[0xff], 2 * 4096 + 32 + 50).unwrap();
+        let e = t.read(2, 77, &mut buf).unwrap_err();
+        assert!(e.to_string().contains("checksum mismatch"), "{e}");
+        let p = t.path().to_path_buf();
+        drop(t);
+        assert!(!p.exists(), "owned file is removed");
+    }
+
+    #[test]
+    fn unusable_paths_and_budgets_are_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("plain");
+        std::fs::write(&file, b"x").unwrap();
+        let e = SsdTier::open(&file.join("sub"), "e", 10, 1 << 20).err().unwrap();
+        assert!(e.to_string().contains("point ssd_cache_dir at a writable directory"), "{e}");
+        let e = SsdTier::open(dir.path(), "e", 10, 100).err().unwrap();
+        assert!(matches!(e, SsdError::TooSmall { .. }), "{e}");
+    }
+}

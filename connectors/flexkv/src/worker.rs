@@ -1,0 +1,277 @@
+//! The worker half: runs the scheduler's loads and saves on the transfer pool.
+//!
+//! `start_load_kv` queues this step's loads and returns; each load reads its blocks (CPU
+//! slot or verified SSD record) and scatters them into the KV regions through the layout
+//! adapter, then drops the scheduler's references. `wait_for_save` queues this step's saves
+//! (the forward pass has written the blocks by then) and returns at once: saves never block
+//! the step loop. `get_finished` reports completed loads in `finished_recving`, failed ones in
+//! `failed_recving` (their unloaded blocks in `block_ids_with_load_errors`), and finished
+//! requests whose saves are done in `finished_sending`.
+
+use crate::adapter::BlockAdapter;
+use crate::cache::{BlockCache, StoreOutcome};
+use crate::factory::{Engine, NAME};
+use crate::meta::{FlexkvMeta, LoadOp, SaveOp};
+use crate::transfer::TransferPool;
+use kvconnect_api::kv_memory::KvMemory;
+use kvconnect_api::{
+    BlockId, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, LayerId, RequestId,
+    WorkerConnector,
+};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Arc;
+
+enum Done {
+    Load { req: RequestId, failed: Option<(Vec<BlockId>, String)> },
+    Save { req: RequestId },
+}
+
+#[derive(Default)]
+struct Saving {
+    outstanding: usize,
+    finished: bool,
+}
+
+/// The flexkv worker half.
+pub struct FlexkvWorker {
+    engine: Engine,
+    mem: Option<Arc<KvMemory>>,
+    pool: TransferPool,
+    done_tx: Sender<Done>,
+    done_rx: Receiver<Done>,
+    loads: Vec<LoadOp>,
+    saves: Vec<SaveOp>,
+    saving: HashMap<RequestId, Saving>,
+    load_errors: Vec<BlockId>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<(Vec<u8>, Vec<u8>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+impl FlexkvWorker {
+    /// The worker half over an engine's shared cache; starts the transfer threads.
+    pub fn new(engine: Engine) -> ConnectorResult<Self> {
+        let pool = TransferPool::new(engine.config.num_transfer_threads, "flexkv-xfer")
+            .map_err(|e| ConnectorError::io(NAME, format!("starting transfer threads: {e}")))?;
+        let (done_tx, done_rx) = channel();
+        Ok(FlexkvWorker {
+            engine,
+            mem: None,
+            pool,
+            done_tx,
+            done_rx,
+            loads: Vec::new(),
+            saves: Vec::new(),
+            saving: HashMap::new(),
+            load_errors: Vec::new(),
+        })
+    }
+
+    /// The shared cache (for stats and tests).
+    pub fn cache(&self) -> &Arc<BlockCache> {
+        &self.engine.cache
+    }
+
+    fn submit_saves(&mut self) {
+        let saves = std::mem::take(&mut self.saves);
+        for op in saves {
+            let Some(mem) = self.mem.clone() else {
+                tracing::warn!(req = %op.req, "flexkv: no KV caches registered; save skipped");
+                let _ = self.done_tx.send(Done::Save { req: op.req });
+                continue;
+            };
+            let (cache, adapter, tx) =
+                (self.engine.cache.clone(), self.engine.adapter.clone(), self.done_tx.clone());
+            let req = op.req.clone();
+            let job = move || {
+                save_blocks(&cache, &adapter, &mem, &op);
+                let _ = tx.send(Done::Save { req: op.req });
+            };
+            if !self.pool.submit(job) {
+                let _ = self.done_tx.send(Done::Save { req });
+            }
+        }
+    }
+}
+
+fn save_blocks(cache: &BlockCache, adapter: &BlockAdapter, mem: &KvMemory, op: &SaveOp) {
+    let mut parent = None;
+    for (hash, block) in op.hashes.iter().zip(&op.blocks) {
+        match cache.store(*hash, parent, |slot| adapter.gather(mem, *block, slot)) {
+            Ok(StoreOutcome::Stored | StoreOutcome::Present) => parent = Some(*hash),
+            // The rest of the chain could not be reached from the root.
+            Ok(StoreOutcome::NoParent | StoreOutcome::NoSpace) => return,
+            Err(e) => {
+                tracing::warn!(req = %op.req, block = block.0, "flexkv: save failed: {e}");
+                return;
+            }
+        }
+    }
+}
+
+fn load_blocks(
+    cache: &BlockCache,
+    adapter: &BlockAdapter,
+    mem: &KvMemory,
+    op: &LoadOp,
+) -> Option<(Vec<BlockId>, String)> {
+    if op.hashes.len() != op.blocks.len() {
+        return Some((op.blocks.clone(), format!("{} keys for {} blocks", op.hashes.len(), op.blocks.len())));
+    }
+    SCRATCH.with(|s| {
+        let (read_buf, tbuf) = &mut *s.borrow_mut();
+        for (i, (hash, block)) in op.hashes.iter().zip(&op.blocks).enumerate() {
+            let r = cache.load(*hash, read_buf, |bytes| {
+                adapter.scatter(mem, *block, bytes, tbuf).map_err(|e| e.to_string())
+            });
+            if let Err(e) = r {
+                return Some((op.blocks[i..].to_vec(), e.to_string()));
+            }
+        }
+        None
+    })
+}
+
+impl WorkerConnector for FlexkvWorker {
+    fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        // SAFETY: the host promises, by calling register_kv_caches, that every region is
+        // host memory valid for reads and writes for as long as this connector is alive (until
+        // `shutdown`, which joins the transfer threads before the regions are released), and
+        // the step protocol keeps the engine off the blocks a load or save is copying.
+        let mem = unsafe { KvMemory::new(regions, &self.engine.ctx.model, &self.engine.ctx.effective) }
+            .map_err(|e| ConnectorError::invalid(NAME, format!("register_kv_caches: {e}")))?;
+        self.mem = Some(Arc::new(mem));
+        Ok(())
+    }
+
+    fn bind_connector_meta(&mut self, meta: &[u8]) -> ConnectorResult<()> {
+        // Saves of the previous step whose wait_for_save never came: that forward pass is
+        // over, so they can run now.
+        self.submit_saves();
+        if meta.is_empty() {
+            return Ok(());
+        }
+        let m: FlexkvMeta = serde_json::from_slice(meta).map_err(|e| {
+            ConnectorError::invalid(NAME, format!("step metadata is not flexkv metadata: {e}"))
+        })?;
+        for s in &m.saves {
+            self.saving.entry(s.req.clone()).or_default().outstanding += 1;
+        }
+        for r in m.finished {
+            if let Some(s) = self.saving.get_mut(&r) {
+                s.finished = true;
+            }
+        }
+        self.loads.extend(m.loads);
+        self.saves.extend(m.saves);
+        Ok(())
+    }
+
+    fn start_load_kv(&mut self) -> ConnectorResult<()> {
+        for op in std::mem::take(&mut self.loads) {
+            let (cache, adapter, tx) =
+                (self.engine.cache.clone(), self.engine.adapter.clone(), self.done_tx.clone());
+            let Some(mem) = self.mem.clone() else {
+                cache.unpin(&op.hashes);
+                let failed = Some((op.blocks.clone(), "no KV caches registered".to_owned()));
+                let _ = tx.send(Done::Load { req: op.req, failed });
+                continue;
+            };
+            let (req, hashes, blocks) = (op.req.clone(), op.hashes.clone(), op.blocks.clone());
+            let job = move || {
+                let failed = load_blocks(&cache, &adapter, &mem, &op);
+                cache.unpin(&op.hashes);
+                let _ = tx.send(Done::Load { req: op.req, failed });
+            };
+            if !self.pool.submit(job) {
+                self.engine.cache.unpin(&hashes);
+                let _ =
+                    self.done_tx.send(Done::Load { req, failed: Some((blocks, "worker shut down".into())) });
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_for_layer_load(&mut self, _layer: LayerId) -> ConnectorResult<()> {
+        // Loads are whole-request and asynchronous: the engine waits for finished_recving.
+        Ok(())
+    }
+
+    fn save_kv_layer(&mut self, _layer: LayerId, _block_ids: &[BlockId]) -> ConnectorResult<()> {
+        // Whole blocks (every layer) are saved after the forward pass, in wait_for_save.
+        Ok(())
+    }
+
+    fn wait_for_save(&mut self) -> ConnectorResult<()> {
+        self.submit_saves();
+        Ok(())
+    }
+
+    fn get_finished(&mut self, finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
+        for r in finished_reqs {
+            if let Some(s) = self.saving.get_mut(r) {
+                s.finished = true;
+            }
+        }
+        let mut out = FinishedTransfers::default();
+        while let Ok(d) = self.done_rx.try_recv() {
+            match d {
+                Done::Load { req, failed: None } => out.finished_recving.push(req),
+                Done::Load { req, failed: Some((blocks, why)) } => {
+                    tracing::warn!(req = %req, "flexkv: load failed: {why}");
+                    self.load_errors.extend(blocks);
+                    out.failed_recving.push(req);
+                }
+                Done::Save { req } => {
+                    if let Some(s) = self.saving.get_mut(&req) {
+                        s.outstanding = s.outstanding.saturating_sub(1);
+                    }
+                }
+            }
+        }
+        let done: Vec<RequestId> = self
+            .saving
+            .iter()
+            .filter(|(_, s)| s.finished && s.outstanding == 0)
+            .map(|(r, _)| r.clone())
+            .collect();
+        for r in done {
+            self.saving.remove(&r);
+            out.finished_sending.push(r);
+        }
+        out.finished_sending.sort();
+        Ok(out)
+    }
+
+    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
+        Ok(std::mem::take(&mut self.load_errors))
+    }
+
+    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
+        // A local cache: nothing for a peer.
+        Ok(None)
+    }
+
+    fn set_peer_handshake_metadata(&mut self, _peer: &serde_json::Value) -> ConnectorResult<()> {
+        Ok(())
+    }
+
+    fn shutdown(&mut self) -> ConnectorResult<()> {
+        self.submit_saves();
+        self.pool.shutdown();
+        for op in std::mem::take(&mut self.loads) {
+            self.engine.cache.unpin(&op.hashes);
+        }
+        self.mem = None;
+        Ok(())
+    }
+}
+
+impl Drop for FlexkvWorker {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
