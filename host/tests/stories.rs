@@ -246,3 +246,27 @@ fn bad_negotiate_arguments_exit_2_with_a_clear_message() {
         }
     }
 }
+
+#[test]
+fn plan_and_negotiate_speak_json_for_scripts() {
+    let o = plan("dyn3545-gpt-oss-20b.toml", &["--json"]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(v["compatible"], false);
+    assert_eq!(v["joint"], false);
+    assert!(v["diffs"].as_array().unwrap().iter().any(|d| d["field"] == "hma"), "{v}");
+    assert_ne!(v["prefill"]["compat_hash"], v["decode"]["compat_hash"]);
+
+    let o = plan("dyn3545-gpt-oss-20b.toml", &["--joint", "--json"]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(v["compatible"], true);
+    assert_eq!(v["prefill"]["compat_hash"], v["decode"]["compat_hash"]);
+
+    let o = kvconnect(&["negotiate", "--kv-transfer-config", PD_FLEXKV_NIXL, "--model", LLAMA, "--json"]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    let v: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    assert_eq!(v["effective"]["layout"], "LBHNC");
+    assert_eq!(v["adapters"][0]["child"], "flexkv");
+    assert_eq!(v["compat_hash"].as_str().unwrap().len(), 64);
+}
