@@ -1,6 +1,9 @@
 //! The kvconnect host: finds and loads connectors (built in and plugins), and runs workers.
-pub mod worker;
 pub mod builtin;
 pub mod cli;
+pub mod deployment;
 pub mod loader;
 pub mod registry;
+pub mod server;
+pub mod sidechannel;
+pub mod worker;

@@ -363,6 +363,28 @@ impl SideChannelServer {
         Ok(SideChannelServer { addr, stats, stop })
     }
 
+    /// Starts serving on a listener bound earlier (the worker binds first so it can tell its
+    /// connector the port before the connector, whose metadata the server answers with,
+    /// exists). Must be called inside a tokio runtime.
+    pub fn from_std(
+        listener: std::net::TcpListener,
+        cfg: SideChannelConfig,
+        local: LocalIdentity,
+    ) -> Result<SideChannelServer, SideChannelError> {
+        let want = SocketAddr::new(cfg.host, cfg.port);
+        let bind_err = |source| SideChannelError::Bind { addr: want, source };
+        listener.set_nonblocking(true).map_err(bind_err)?;
+        let addr = listener.local_addr().map_err(bind_err)?;
+        let listener = TcpListener::from_std(listener).map_err(bind_err)?;
+        if !addr.ip().is_loopback() && cfg.token.is_none() {
+            tracing::warn!(%addr, "side channel listens beyond loopback without a token; any host that can reach it may handshake");
+        }
+        let stats = Arc::new(ServerStats::default());
+        let (stop, stop_rx) = watch::channel(false);
+        tokio::spawn(accept_loop(listener, Arc::new(cfg), Arc::new(local), stats.clone(), stop_rx));
+        Ok(SideChannelServer { addr, stats, stop })
+    }
+
     /// The bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr

@@ -1,7 +1,11 @@
 //! The `kvconnect` command: argument parsing and dispatch to one module per subcommand.
 //! Subcommands return `anyhow::Result`; `main` prints the error chain as one message.
 
+pub mod exit;
+pub mod negotiate;
+pub mod plan;
 pub mod plugins;
+pub mod worker;
 
 use crate::registry::{Registry, RegistryConfig};
 use clap::{Args, Parser, Subcommand};
@@ -55,12 +59,23 @@ pub enum Command {
     /// Capability queries: list the connectors this host can see, inspect one.
     #[command(subcommand)]
     Plugins(plugins::PluginsCommand),
+    /// One worker's effective KV layout and compat hash; --explain says who decided each field.
+    Negotiate(negotiate::NegotiateArgs),
+    /// Checks a deployment's prefill and decode workers against each other before launch.
+    Plan(plan::PlanArgs),
+    /// Runs a prefill or decode worker: engine, connector, side channel and HTTP API.
+    Worker(worker::WorkerArgs),
 }
 
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Plugins(c) => plugins::run(&cli.global, c),
+        Command::Negotiate(a) => {
+            exit::Exit::from_result(negotiate::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
+        }
+        Command::Plan(a) => exit::Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock())),
+        Command::Worker(a) => worker::run(&a, cli.global.registry()),
     }
 }
 
@@ -71,10 +86,18 @@ pub fn main() -> ExitCode {
     init_tracing();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+        Err(e) => match e.downcast_ref::<exit::Exit>() {
+            Some(x) => {
+                if let Some(inner) = &x.error {
+                    eprintln!("error: {inner:#}");
+                }
+                ExitCode::from(x.code)
+            }
+            None => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 

@@ -1,0 +1,177 @@
+//! `kvconnect worker`: runs one prefill or decode worker, negotiated from a deployment file
+//! (alone, or jointly with its peer's config with `--joint`) or from a kv-transfer-config and
+//! a model, alone, as vLLM does.
+
+use crate::deployment::{negotiate_role, negotiate_worker, parse_cache_dtype, Deployment, Role};
+use crate::registry::Registry;
+use crate::server::{run as run_worker, WorkerSpec};
+use crate::sidechannel::{SideChannelConfig, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT};
+use anyhow::{anyhow, bail, Context, Result};
+use kvconnect_api::negotiate::{EngineOptions, HmaOption};
+use kvconnect_api::{KvLayout, KvRole, KvTransferConfig, ModelSpec};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Arguments of `kvconnect worker`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct WorkerArgs {
+    /// A deployment file (TOML); with --role, runs that role's worker.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["kv_transfer_config", "model"])]
+    pub deployment: Option<PathBuf>,
+    /// prefill or decode (default from kv_role: kv_producer = prefill, kv_consumer = decode).
+    #[arg(long, value_name = "prefill|decode")]
+    pub role: Option<String>,
+    /// Negotiate jointly with the peer role's config from the deployment file.
+    #[arg(long, requires = "deployment")]
+    pub joint: bool,
+    /// The worker's vLLM --kv-transfer-config JSON (negotiated alone).
+    #[arg(long = "kv-transfer-config", value_name = "JSON", requires = "model")]
+    pub kv_transfer_config: Option<String>,
+    /// The model's config.json (the reference engine's, or any model with --synthetic-kv).
+    #[arg(long, value_name = "CONFIG.json")]
+    pub model: Option<PathBuf>,
+    /// Hybrid KV cache manager: auto, on or off (with --kv-transfer-config).
+    #[arg(long = "hybrid-kv-cache-manager", value_name = "auto|on|off", default_value = "auto")]
+    pub hybrid_kv_cache_manager: String,
+    /// Force a KV layout (with --kv-transfer-config).
+    #[arg(long = "kv-cache-layout", value_name = "LAYOUT")]
+    pub kv_cache_layout: Option<String>,
+    /// Tokens per block (with --kv-transfer-config; default 16).
+    #[arg(long = "block-size", value_name = "N")]
+    pub block_size: Option<u32>,
+    /// Cache dtype (with --kv-transfer-config): auto, bf16, fp16, fp32.
+    #[arg(long = "cache-dtype", value_name = "DTYPE")]
+    pub cache_dtype: Option<String>,
+    /// HTTP API bind address.
+    #[arg(long, value_name = "IP", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// HTTP API port (0 = any free port; the chosen one is printed).
+    #[arg(long, value_name = "P", default_value_t = 0)]
+    pub port: u16,
+    /// Side-channel bind address (loopback unless you need another host to reach it).
+    #[arg(long = "side-channel-host", value_name = "IP", default_value = "127.0.0.1")]
+    pub side_channel_host: IpAddr,
+    /// Side-channel port (0 = any free port; the chosen one is printed).
+    #[arg(long = "side-channel-port", value_name = "P", default_value_t = 0)]
+    pub side_channel_port: u16,
+    /// A token peers must present on the side channel (set the same on both workers; also
+    /// read from KVCONNECT_SIDE_CHANNEL_TOKEN).
+    #[arg(long = "side-channel-token", value_name = "TOKEN")]
+    pub side_channel_token: Option<String>,
+    /// Engine id (default: engine_id from the config, else `<role>-<pid>`).
+    #[arg(long = "engine-id", value_name = "ID")]
+    pub engine_id: Option<String>,
+    /// KV blocks per cache group.
+    #[arg(long = "num-blocks", value_name = "N", default_value_t = 1024)]
+    pub num_blocks: u32,
+    /// Weight seed of the reference engine (prefill and decode must match).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub seed: u64,
+    /// Move synthetic KV instead of running the reference model (transfer benchmarks).
+    #[arg(long = "synthetic-kv")]
+    pub synthetic_kv: bool,
+    /// Seconds a handshake with a peer may take.
+    #[arg(long = "handshake-timeout", value_name = "SECONDS", default_value_t = 10.0)]
+    pub handshake_timeout: f64,
+}
+
+fn options(a: &WorkerArgs) -> Result<EngineOptions> {
+    let mut o = EngineOptions {
+        hybrid_kv_cache_manager: a
+            .hybrid_kv_cache_manager
+            .parse::<HmaOption>()
+            .map_err(|e| anyhow!("--hybrid-kv-cache-manager: {e}"))?,
+        ..EngineOptions::default()
+    };
+    if let Some(l) = &a.kv_cache_layout {
+        o.kv_cache_layout = Some(l.parse::<KvLayout>().map_err(|e| anyhow!("--kv-cache-layout: {e}"))?);
+    }
+    if let Some(b) = a.block_size {
+        if b == 0 {
+            bail!("--block-size must be a positive integer, got 0");
+        }
+        o.block_size = Some(b);
+    }
+    if let Some(d) = &a.cache_dtype {
+        o.cache_dtype = parse_cache_dtype(d).map_err(|m| anyhow!("--{}", m.replacen('_', "-", 1)))?;
+    }
+    Ok(o)
+}
+
+fn role_of(a: &WorkerArgs, config: Option<&KvTransferConfig>) -> Result<Role> {
+    if let Some(r) = &a.role {
+        return r.parse::<Role>().map_err(|e| anyhow!("--role: {e}"));
+    }
+    match config.and_then(|c| c.kv_role) {
+        Some(KvRole::Producer) => Ok(Role::Prefill),
+        Some(KvRole::Consumer) => Ok(Role::Decode),
+        Some(KvRole::Both) => {
+            bail!("kv_role is kv_both; say which side this worker is with --role prefill|decode")
+        }
+        None => bail!("no role: pass --role prefill|decode (or set kv_role in the kv-transfer-config)"),
+    }
+}
+
+/// Runs `kvconnect worker`.
+pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
+    if a.num_blocks == 0 {
+        bail!("--num-blocks must be a positive integer, got 0");
+    }
+    if !(a.handshake_timeout.is_finite() && a.handshake_timeout > 0.0) {
+        bail!("--handshake-timeout must be a positive number of seconds, got {}", a.handshake_timeout);
+    }
+    let (role, config, model_json, model, negotiated, compat, opts) = if let Some(path) = &a.deployment {
+        let role = role_of(a, None)?;
+        let d = Deployment::load(path)?;
+        let (n, c) = negotiate_role(&d, role, a.joint, &registry)?;
+        let json = std::fs::read_to_string(&d.model_path)
+            .with_context(|| format!("model {}: cannot read it", d.model_path.display()))?;
+        let rc = d.role(role).clone();
+        (role, rc.kv_transfer_config, json, d.model, n, c, rc.options)
+    } else {
+        let (Some(cfg), Some(model_path)) = (&a.kv_transfer_config, &a.model) else {
+            bail!("say what to run: --deployment FILE --role prefill|decode, or --kv-transfer-config JSON --model CONFIG.json");
+        };
+        let config = KvTransferConfig::from_json(cfg).context("--kv-transfer-config")?;
+        let role = role_of(a, Some(&config))?;
+        let json = std::fs::read_to_string(model_path)
+            .with_context(|| format!("model {}: cannot read it", model_path.display()))?;
+        let model = ModelSpec::from_hf_config_json(&json)
+            .with_context(|| format!("model {}", model_path.display()))?;
+        let opts = options(a)?;
+        let (n, c) = negotiate_worker(&registry, &config, &model, &opts, role.name())?;
+        (role, config, json, model, n, c, opts)
+    };
+    let engine_id = a
+        .engine_id
+        .clone()
+        .or_else(|| config.engine_id.clone())
+        .unwrap_or_else(|| format!("{}-{}", role.name(), std::process::id()));
+    let spec = WorkerSpec {
+        role,
+        config,
+        model_json,
+        model,
+        negotiated,
+        compat,
+        options: opts,
+        engine_id,
+        http_addr: SocketAddr::new(a.host, a.port),
+        side_channel: SideChannelConfig {
+            host: a.side_channel_host,
+            port: a.side_channel_port,
+            token: a
+                .side_channel_token
+                .clone()
+                .or_else(|| std::env::var("KVCONNECT_SIDE_CHANNEL_TOKEN").ok()),
+            read_timeout: DEFAULT_READ_TIMEOUT,
+            max_frame: DEFAULT_MAX_FRAME,
+        },
+        num_blocks: a.num_blocks,
+        seed: a.seed,
+        synthetic: a.synthetic_kv,
+        handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
+    };
+    run_worker(spec, registry)
+}

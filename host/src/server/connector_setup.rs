@@ -1,0 +1,115 @@
+//! Turning a worker's kv-transfer-config into connector instances: the host writes its
+//! side-channel address into every nixl config (top level or a composite's child, at any
+//! depth) so `request_finished` can hand it to the peer, and reads which nixl backend is in
+//! use (the `shm` backend needs the block pool in shared memory).
+
+use crate::registry::Registry;
+use kvconnect_api::{ConnectorContext, KvTransferConfig, SchedulerConnector, WorkerConnector};
+use kvconnect_nixl::config::{Backend, NixlConfig};
+use serde_json::{Map, Value};
+
+fn is_nixl(registry: &Registry, name: &str) -> bool {
+    registry.find(name).map(|e| e.name == "nixl").unwrap_or(false)
+}
+
+fn set_in_extra(extra: &mut Map<String, Value>, host: &str, port: u16) {
+    extra.insert("side_channel_host".into(), Value::String(host.to_owned()));
+    extra.insert("side_channel_port".into(), Value::from(port));
+}
+
+fn walk_children(
+    registry: &Registry,
+    extra: &mut Map<String, Value>,
+    host: &str,
+    port: u16,
+    found: &mut Vec<Value>,
+) {
+    let Some(Value::Array(children)) = extra.get_mut("connectors") else { return };
+    for child in children.iter_mut() {
+        let Value::Object(c) = child else { continue };
+        let name = c.get("kv_connector").and_then(Value::as_str).unwrap_or_default().to_owned();
+        let entry = c.entry("kv_connector_extra_config").or_insert_with(|| Value::Object(Map::new()));
+        let Value::Object(child_extra) = entry else { continue };
+        if is_nixl(registry, &name) {
+            set_in_extra(child_extra, host, port);
+            found.push(Value::Object(c.clone()));
+            continue;
+        }
+        walk_children(registry, child_extra, host, port, found);
+    }
+}
+
+/// The config with `side_channel_host`/`side_channel_port` set in every nixl config in it,
+/// and the nixl configs found (as written, after the change).
+pub fn with_side_channel(
+    registry: &Registry,
+    config: &KvTransferConfig,
+    host: &str,
+    port: u16,
+) -> (KvTransferConfig, Vec<KvTransferConfig>) {
+    let mut c = config.clone();
+    let mut found = Vec::new();
+    if is_nixl(registry, &c.kv_connector) {
+        set_in_extra(&mut c.kv_connector_extra_config, host, port);
+        return (c.clone(), vec![c]);
+    }
+    let mut raw = Vec::new();
+    walk_children(registry, &mut c.kv_connector_extra_config, host, port, &mut raw);
+    for v in raw {
+        if let Ok(k) = serde_json::from_value::<KvTransferConfig>(v) {
+            found.push(k);
+        }
+    }
+    (c, found)
+}
+
+/// The nixl backend of the first nixl config, if any (it decides whether the pool lives in
+/// shared memory).
+pub fn nixl_backend(nixl_configs: &[KvTransferConfig]) -> Result<Option<Backend>, String> {
+    match nixl_configs.first() {
+        None => Ok(None),
+        Some(c) => NixlConfig::from_config(c).map(|n| Some(n.backend)).map_err(|e| e.to_string()),
+    }
+}
+
+/// Creates both halves of the configured connector.
+pub fn create_connector(
+    registry: &Registry,
+    ctx: &ConnectorContext,
+) -> Result<(Box<dyn SchedulerConnector>, Box<dyn WorkerConnector>), String> {
+    use kvconnect_api::ConnectorResolver;
+    let factory = registry
+        .resolve(&ctx.config)
+        .map_err(|e| format!("cannot resolve connector '{}': {e}", ctx.config.kv_connector))?;
+    let sched =
+        factory.create_scheduler(ctx).map_err(|e| format!("cannot create the scheduler half: {e}"))?;
+    let worker = factory.create_worker(ctx).map_err(|e| format!("cannot create the worker half: {e}"))?;
+    Ok((sched, worker))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn side_channel_reaches_nested_nixl_children_only() {
+        let r = Registry::builtins_only();
+        let c = KvTransferConfig::from_json(
+            r#"{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[
+                {"kv_connector":"LMCacheConnectorV1"},
+                {"kv_connector":"NixlConnector","kv_connector_extra_config":{"backend":"tcp"}}]}}"#,
+        )
+        .unwrap();
+        let (out, nixl) = with_side_channel(&r, &c, "127.0.0.1", 4242);
+        let children = out.kv_connector_extra_config["connectors"].as_array().unwrap();
+        assert!(children[0]["kv_connector_extra_config"].get("side_channel_port").is_none());
+        assert_eq!(children[1]["kv_connector_extra_config"]["side_channel_port"], 4242);
+        assert_eq!(nixl.len(), 1);
+        assert_eq!(nixl_backend(&nixl).unwrap(), Some(Backend::Tcp));
+
+        let plain = KvTransferConfig::from_json(r#"{"kv_connector":"NixlConnector"}"#).unwrap();
+        let (out, nixl) = with_side_channel(&r, &plain, "127.0.0.1", 7);
+        assert_eq!(out.kv_connector_extra_config["side_channel_host"], "127.0.0.1");
+        assert_eq!(nixl_backend(&nixl).unwrap(), Some(Backend::Shm));
+    }
+}

@@ -1,0 +1,302 @@
+//! The engine's own thread: it steps continuously while there is work and talks to the HTTP
+//! handlers only through a command channel, so no handler ever holds the engine.
+
+use crate::worker::{Engine, FinishReason, GenRequest, RequestOutput};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+
+/// What a driven engine must offer: the reference engine, or the transfer-only engine the
+/// transfer benchmark uses.
+pub trait Driver {
+    /// Queues a request.
+    fn add(&mut self, req: GenRequest) -> Result<(), String>;
+    /// One step.
+    fn step(&mut self) -> Result<Vec<RequestOutput>, String>;
+    /// True while requests run or delayed blocks wait for the connector.
+    fn busy(&self) -> bool;
+    /// True when the last step computed nothing (only waiting): the loop then naps briefly.
+    fn idle_step(&self) -> bool;
+    /// Passes a peer's handshake envelope to the connector's worker half.
+    fn set_peer(&mut self, envelope: &Value) -> Result<(), String>;
+    /// Pool and request counters.
+    fn stats(&self) -> PoolStats;
+    /// Shuts the connector down.
+    fn shutdown(&mut self);
+}
+
+/// Counters for /health and /metrics.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PoolStats {
+    /// Blocks over all KV cache groups.
+    pub total_blocks: usize,
+    /// Free blocks over all KV cache groups.
+    pub free_blocks: usize,
+    /// Requests waiting, loading or running.
+    pub unfinished: usize,
+    /// Finished requests whose blocks the connector still holds (delayed free).
+    pub pending_frees: usize,
+    /// Requests completed.
+    pub completed: u64,
+    /// Requests that ended with an error.
+    pub failed: u64,
+    /// Prompt tokens whose KV came through the connector.
+    pub external_tokens: u64,
+}
+
+impl Driver for Engine {
+    fn add(&mut self, req: GenRequest) -> Result<(), String> {
+        self.add_request(req).map_err(|e| e.to_string())
+    }
+
+    fn step(&mut self) -> Result<Vec<RequestOutput>, String> {
+        Engine::step(self).map_err(|e| e.to_string())
+    }
+
+    fn busy(&self) -> bool {
+        self.has_unfinished() || !self.pending_frees().is_empty()
+    }
+
+    fn idle_step(&self) -> bool {
+        self.last_step_stats().is_none_or(|s| s.scheduled == 0)
+    }
+
+    fn set_peer(&mut self, envelope: &Value) -> Result<(), String> {
+        match self.worker_connector() {
+            Some(w) => w.set_peer_handshake_metadata(envelope).map_err(|e| e.to_string()),
+            None => Err("this worker has no connector".into()),
+        }
+    }
+
+    fn stats(&self) -> PoolStats {
+        PoolStats {
+            total_blocks: self.total_blocks(),
+            free_blocks: self.free_blocks(),
+            unfinished: self.num_unfinished(),
+            pending_frees: self.pending_frees().len(),
+            ..PoolStats::default()
+        }
+    }
+
+    fn shutdown(&mut self) {
+        if let Err(e) = Engine::shutdown(self) {
+            tracing::warn!(error = %e, "connector shutdown failed");
+        }
+    }
+}
+
+/// A finished request.
+#[derive(Debug, Clone)]
+pub struct Done {
+    /// Generated tokens.
+    pub tokens: Vec<u32>,
+    /// Why it ended.
+    pub finish: FinishReason,
+    /// What the connector returned for the peer.
+    pub kv_transfer_params: Option<Map<String, Value>>,
+    /// Time to first token.
+    pub ttft: Option<Duration>,
+    /// Prompt tokens loaded through the connector.
+    pub num_external_tokens: usize,
+}
+
+/// A command for the engine thread.
+pub enum Command {
+    /// Run a request; the answer comes when it ends.
+    Submit(GenRequest, oneshot::Sender<Result<Done, String>>),
+    /// Pass a peer's handshake envelope to the connector.
+    SetPeer(Value, oneshot::Sender<Result<(), String>>),
+    /// Read the counters.
+    Stats(oneshot::Sender<PoolStats>),
+    /// Stop: fail what is unfinished, shut the connector down, drop the engine.
+    Shutdown,
+}
+
+/// The handlers' end of the channel.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: mpsc::Sender<Command>,
+}
+
+/// The engine thread is gone (it failed to start or was shut down).
+pub const ENGINE_GONE: &str = "the engine thread has stopped; the worker is shutting down";
+
+impl EngineHandle {
+    /// Runs a request to its end.
+    pub async fn submit(&self, req: GenRequest) -> Result<Done, String> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Command::Submit(req, tx)).map_err(|_| ENGINE_GONE.to_owned())?;
+        rx.await.map_err(|_| ENGINE_GONE.to_owned())?
+    }
+
+    /// Hands a peer envelope to the connector.
+    pub async fn set_peer(&self, envelope: Value) -> Result<(), String> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Command::SetPeer(envelope, tx)).map_err(|_| ENGINE_GONE.to_owned())?;
+        rx.await.map_err(|_| ENGINE_GONE.to_owned())?
+    }
+
+    /// The counters.
+    pub async fn stats(&self) -> Result<PoolStats, String> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Command::Stats(tx)).map_err(|_| ENGINE_GONE.to_owned())?;
+        rx.await.map_err(|_| ENGINE_GONE.to_owned())
+    }
+
+    /// Asks the thread to stop.
+    pub fn shutdown(&self) {
+        let _ = self.tx.send(Command::Shutdown);
+    }
+}
+
+struct Pending {
+    reply: oneshot::Sender<Result<Done, String>>,
+    done: Done,
+}
+
+/// Starts the engine thread. `build` runs on that thread (the engine owns raw memory and is
+/// not moved between threads); its `Ok` value (e.g. the connector's handshake metadata) is
+/// returned once the engine is up.
+pub fn spawn<D, T, F>(build: F) -> Result<(EngineHandle, std::thread::JoinHandle<()>, T), String>
+where
+    D: Driver + 'static,
+    T: Send + 'static,
+    F: FnOnce() -> Result<(D, T), String> + Send + 'static,
+{
+    let (tx, rx) = mpsc::channel::<Command>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<T, String>>();
+    let join = std::thread::Builder::new()
+        .name("kvconnect-engine".into())
+        .spawn(move || {
+            let (driver, extra) = match build() {
+                Ok(v) => v,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = ready_tx.send(Ok(extra));
+            run(driver, rx);
+        })
+        .map_err(|e| format!("cannot start the engine thread: {e}"))?;
+    match ready_rx.recv() {
+        Ok(Ok(extra)) => Ok((EngineHandle { tx }, join, extra)),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err("the engine thread exited while starting (it panicked; see the log)".into()),
+    }
+}
+
+fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
+    let mut pending: BTreeMap<String, Pending> = BTreeMap::new();
+    let mut counters = PoolStats::default();
+    let mut last_error_log = Instant::now() - Duration::from_secs(60);
+    loop {
+        // Block for a command only when there is nothing to step.
+        let first = if driver.busy() {
+            match rx.try_recv() {
+                Ok(c) => Some(c),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => break,
+            }
+        } else {
+            match rx.recv_timeout(Duration::from_millis(100)) {
+                Ok(c) => Some(c),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        };
+        let mut stop = false;
+        let mut next = first;
+        while let Some(cmd) = next {
+            match cmd {
+                Command::Submit(req, reply) => {
+                    let id = req.id.clone();
+                    match driver.add(req) {
+                        Ok(()) => {
+                            let done = Done {
+                                tokens: Vec::new(),
+                                finish: FinishReason::Length,
+                                kv_transfer_params: None,
+                                ttft: None,
+                                num_external_tokens: 0,
+                            };
+                            pending.insert(id, Pending { reply, done });
+                        }
+                        Err(e) => {
+                            let _ = reply.send(Err(e));
+                        }
+                    }
+                }
+                Command::SetPeer(env, reply) => {
+                    let _ = reply.send(driver.set_peer(&env));
+                }
+                Command::Stats(reply) => {
+                    let s = driver.stats();
+                    let _ = reply.send(PoolStats {
+                        completed: counters.completed,
+                        failed: counters.failed,
+                        external_tokens: counters.external_tokens,
+                        ..s
+                    });
+                }
+                Command::Shutdown => stop = true,
+            }
+            next = rx.try_recv().ok();
+        }
+        if stop {
+            break;
+        }
+        if !driver.busy() {
+            continue;
+        }
+        match driver.step() {
+            Ok(outputs) => {
+                for o in outputs {
+                    let Some(p) = pending.get_mut(&o.id) else { continue };
+                    p.done.tokens.extend(&o.new_tokens);
+                    if o.first_token_latency.is_some() {
+                        p.done.ttft = o.first_token_latency;
+                        p.done.num_external_tokens = o.num_external_tokens;
+                        counters.external_tokens += o.num_external_tokens as u64;
+                    }
+                    if let Some(f) = o.finished {
+                        if let Some(mut p) = pending.remove(&o.id) {
+                            if matches!(f, FinishReason::Error(_)) {
+                                counters.failed += 1;
+                            } else {
+                                counters.completed += 1;
+                            }
+                            p.done.finish = f;
+                            p.done.kv_transfer_params = o.kv_transfer_params;
+                            let _ = p.reply.send(Ok(p.done));
+                        }
+                    }
+                }
+                if driver.idle_step() {
+                    // Only waiting for transfers or delayed frees: do not spin a core.
+                    std::thread::sleep(Duration::from_micros(500));
+                }
+            }
+            Err(e) => {
+                if last_error_log.elapsed() > Duration::from_secs(1) {
+                    tracing::error!(error = %e, "engine step failed");
+                    last_error_log = Instant::now();
+                }
+                // A failed step fails the requests in flight rather than retrying forever.
+                for (_, p) in std::mem::take(&mut pending) {
+                    counters.failed += 1;
+                    let _ = p.reply.send(Err(format!("engine step failed: {e}")));
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+    for (_, p) in std::mem::take(&mut pending) {
+        let _ = p.reply.send(Err("the worker is shutting down".into()));
+    }
+    driver.shutdown();
+    drop(driver);
+}

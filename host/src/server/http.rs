@@ -1,0 +1,242 @@
+//! The worker's HTTP API (axum): `POST /v1/completions` (OpenAI-style, plus vLLM's
+//! `kv_transfer_params`), `GET /health` (role, pool and side-channel counters as JSON) and
+//! `GET /metrics` (the same counters as Prometheus text).
+
+use crate::server::engine_loop::{EngineHandle, PoolStats};
+use crate::server::peers::{remote_peer, strip_remote, Peers};
+use crate::sidechannel::ServerStats;
+use crate::worker::{detokenize, tokenize, FinishReason, GenRequest};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use kvconnect_api::FailurePolicy;
+use serde_json::{json, Map, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// What the handlers share.
+pub struct AppState {
+    /// The engine thread.
+    pub engine: EngineHandle,
+    /// Handshakes with prefill peers (every worker can load from a peer when asked).
+    pub peers: Peers,
+    /// `kv_load_failure_policy`.
+    pub policy: FailurePolicy,
+    /// `prefill` or `decode`.
+    pub role: String,
+    /// This engine's id.
+    pub engine_id: String,
+    /// The model's name, echoed in responses.
+    pub model: String,
+    /// This worker's compat hash.
+    pub compat_hash: String,
+    /// Side-channel server counters.
+    pub side_channel: Arc<ServerStats>,
+    /// Request counter for ids.
+    pub next_id: AtomicU64,
+}
+
+/// The router.
+pub fn router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .with_state(state)
+}
+
+fn error(status: StatusCode, kind: &str, message: String, extra: Option<(&str, Value)>) -> Response {
+    let mut e = json!({"message": message, "type": kind});
+    if let Some((k, v)) = extra {
+        e[k] = v;
+    }
+    (status, Json(json!({ "error": e }))).into_response()
+}
+
+fn bad_request(message: String) -> Response {
+    error(StatusCode::BAD_REQUEST, "invalid_request_error", message, None)
+}
+
+fn parse_prompt(v: Option<&Value>) -> Result<Vec<u32>, String> {
+    match v {
+        Some(Value::String(s)) => Ok(tokenize(s)),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|t| {
+                t.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| format!("prompt token {t} is not a non-negative integer token id"))
+            })
+            .collect(),
+        Some(other) => Err(format!("'prompt' must be a string or a list of token ids, not {other}")),
+        None => Err("the request has no 'prompt'; send a string or a list of token ids".into()),
+    }
+}
+
+async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+    let v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(e) => return bad_request(format!("the body is not JSON: {e}")),
+    };
+    let Value::Object(obj) = v else { return bad_request("the body must be a JSON object".into()) };
+    let prompt = match parse_prompt(obj.get("prompt")) {
+        Ok(p) => p,
+        Err(e) => return bad_request(e),
+    };
+    let max_tokens = match obj.get("max_tokens") {
+        None | Some(Value::Null) => 16,
+        Some(m) => match m.as_u64() {
+            Some(n) if n > 0 => n as usize,
+            _ => return bad_request(format!("'max_tokens' must be a positive integer, not {m}")),
+        },
+    };
+    let mut params: Map<String, Value> = match obj.get("kv_transfer_params") {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(other) => return bad_request(format!("'kv_transfer_params' must be an object, not {other}")),
+    };
+    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = match obj.get("request_id").and_then(Value::as_str) {
+        Some(s) => s.to_owned(),
+        None => format!("cmpl-{}-{n}", st.engine_id),
+    };
+
+    // Before any KV is loaded from a peer: the handshake, once per peer.
+    let mut kv_note = Value::Null;
+    match remote_peer(&params) {
+        Err(e) => return bad_request(e),
+        Ok(None) => {}
+        Ok(Some((engine, addr))) => {
+            if let Err(f) = st.peers.ensure(&engine, &addr, &st.engine).await {
+                match st.policy {
+                    FailurePolicy::Recompute => {
+                        tracing::warn!(request = %id, peer = %engine, "no KV will be loaded ({}); recomputing the prompt locally", f.message);
+                        params = strip_remote(&params);
+                        kv_note = json!({"recomputed": true, "reason": f.message});
+                    }
+                    FailurePolicy::Fail => {
+                        return error(
+                            StatusCode::BAD_GATEWAY,
+                            "kv_transfer_failed",
+                            format!("request {id}: {} (kv_load_failure_policy is 'fail')", f.message),
+                            Some(("diff", serde_json::to_value(&f.diff).unwrap_or(Value::Null))),
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    let prompt_len = prompt.len();
+    let req = GenRequest { id: id.clone(), prompt, max_tokens, kv_transfer_params: params };
+    let done = match st.engine.submit(req).await {
+        Ok(d) => d,
+        Err(e) => {
+            if e.starts_with("request '") {
+                return bad_request(e);
+            }
+            return error(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e, None);
+        }
+    };
+    if let FinishReason::Error(message) = &done.finish {
+        return error(
+            StatusCode::BAD_GATEWAY,
+            "kv_transfer_failed",
+            format!("request {id}: {message}"),
+            None,
+        );
+    }
+    let mut resp = json!({
+        "id": id,
+        "object": "text_completion",
+        "model": st.model,
+        "choices": [{
+            "index": 0,
+            "text": detokenize(&done.tokens),
+            "token_ids": done.tokens,
+            "finish_reason": "length",
+        }],
+        "usage": {"prompt_tokens": prompt_len, "completion_tokens": done.tokens.len(), "total_tokens": prompt_len + done.tokens.len()},
+        "kv_transfer_params": done.kv_transfer_params,
+        "kvconnect": {
+            "engine_id": st.engine_id,
+            "ttft_us": done.ttft.map(|d| d.as_micros() as u64),
+            "num_external_tokens": done.num_external_tokens,
+        },
+    });
+    if !kv_note.is_null() {
+        resp["kvconnect"]["kv_load"] = kv_note;
+    }
+    Json(resp).into_response()
+}
+
+async fn current(st: &AppState) -> Result<PoolStats, Response> {
+    st.engine.stats().await.map_err(|e| error(StatusCode::SERVICE_UNAVAILABLE, "engine_error", e, None))
+}
+
+async fn health(State(st): State<Arc<AppState>>) -> Response {
+    let pool = match current(&st).await {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    Json(json!({
+        "status": "ok",
+        "role": st.role,
+        "engine_id": st.engine_id,
+        "compat_hash": st.compat_hash,
+        "pool": pool,
+        "side_channel": st.side_channel.snapshot(),
+    }))
+    .into_response()
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let p = match current(&st).await {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let sc = st.side_channel.snapshot();
+    let mut out = String::new();
+    let mut gauge = |name: &str, help: &str, kind: &str, v: u64| {
+        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
+    };
+    gauge("kvconnect_pool_blocks", "KV blocks over all cache groups.", "gauge", p.total_blocks as u64);
+    gauge(
+        "kvconnect_pool_free_blocks",
+        "Free KV blocks over all cache groups.",
+        "gauge",
+        p.free_blocks as u64,
+    );
+    gauge(
+        "kvconnect_requests_unfinished",
+        "Requests waiting, loading or running.",
+        "gauge",
+        p.unfinished as u64,
+    );
+    gauge(
+        "kvconnect_pending_frees",
+        "Finished requests whose blocks the connector still holds.",
+        "gauge",
+        p.pending_frees as u64,
+    );
+    gauge("kvconnect_requests_completed_total", "Requests completed.", "counter", p.completed);
+    gauge("kvconnect_requests_failed_total", "Requests that ended with an error.", "counter", p.failed);
+    gauge(
+        "kvconnect_external_tokens_total",
+        "Prompt tokens whose KV was loaded through the connector.",
+        "counter",
+        p.external_tokens,
+    );
+    gauge("kvconnect_side_channel_welcomed_total", "Handshakes accepted.", "counter", sc.welcomed);
+    gauge("kvconnect_side_channel_refused_total", "Handshakes refused.", "counter", sc.refused);
+    gauge(
+        "kvconnect_side_channel_dropped_total",
+        "Side-channel connections closed for misbehaving.",
+        "counter",
+        sc.dropped,
+    );
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}

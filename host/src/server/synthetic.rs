@@ -1,0 +1,340 @@
+//! The transfer-only engine behind `kvconnect bench transfer`: the same block pool and
+//! connector calls in vLLM's order as the reference engine, but no model. Prefill fills a
+//! prompt's blocks with a pattern derived from (block index, layer, K|V) instead of computing
+//! them; decode loads them through the connector, times the load, and checks every full
+//! block against the pattern. This moves the KV of any model geometry (Qwen3-0.6B at 8192
+//! tokens is ~0.9 GiB) without running that model.
+
+use crate::server::engine_loop::{Driver, PoolStats};
+use crate::worker::{FinishReason, GenRequest, KvPool, RequestOutput};
+use kvconnect_api::{
+    BlocksPerGroup, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId, SchedulerConnector,
+    StepInfo, WorkerConnector,
+};
+use serde_json::{json, Map, Value};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+type Connector = (Box<dyn SchedulerConnector>, Box<dyn WorkerConnector>);
+
+struct Loading {
+    req: Request,
+    blocks: BlocksPerGroup,
+    external: usize,
+    started: Instant,
+}
+
+/// The transfer-only engine.
+pub struct TransferEngine {
+    // Before `pool`: the connector must go before the memory it registered.
+    conn: Connector,
+    pool: KvPool,
+    kv_layers: Vec<(LayerId, usize)>,
+    waiting: Vec<Request>,
+    loading: BTreeMap<String, Loading>,
+    pending_free: BTreeMap<String, BlocksPerGroup>,
+    finished_since_last: Vec<RequestId>,
+    step_no: u64,
+    idle: bool,
+}
+
+fn pattern_word(block_index: usize, layer: u32, part: u32) -> u64 {
+    // SplitMix64 of the coordinates: different for every block, layer and K|V.
+    let mut z = (block_index as u64) << 20 ^ (layer as u64) << 2 ^ part as u64;
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn fill(buf: &mut [u8], seed: u64) {
+    for (i, chunk) in buf.chunks_mut(8).enumerate() {
+        let w = (seed ^ i as u64).to_le_bytes();
+        chunk.copy_from_slice(&w[..chunk.len()]);
+    }
+}
+
+impl TransferEngine {
+    /// A pool of `num_blocks` blocks per group (in shared memory named for `shm_engine_id`
+    /// when given) registered with the connector.
+    pub fn new(
+        model: &ModelSpec,
+        eff: &EffectiveLayout,
+        num_blocks: u32,
+        shm_engine_id: Option<&str>,
+        mut conn: Connector,
+    ) -> Result<TransferEngine, String> {
+        let pool = KvPool::new(model, eff, num_blocks, shm_engine_id).map_err(|e| e.to_string())?;
+        conn.1.register_kv_caches(pool.regions()).map_err(|e| format!("register_kv_caches failed: {e}"))?;
+        let kv_layers = (0..model.layers.len() as u32)
+            .filter_map(|l| pool.group_of(LayerId(l)).map(|g| (LayerId(l), g)))
+            .collect();
+        Ok(TransferEngine {
+            conn,
+            pool,
+            kv_layers,
+            waiting: Vec::new(),
+            loading: BTreeMap::new(),
+            pending_free: BTreeMap::new(),
+            finished_since_last: Vec::new(),
+            step_no: 0,
+            idle: true,
+        })
+    }
+
+    /// The connector's handshake metadata.
+    pub fn handshake_metadata(&mut self) -> Result<Option<Value>, String> {
+        self.conn.1.handshake_metadata().map_err(|e| format!("handshake_metadata failed: {e}"))
+    }
+
+    fn block_size(&self) -> usize {
+        self.pool.effective().block_size as usize
+    }
+
+    fn kv_bytes(&self, tokens: usize) -> u64 {
+        let blocks = tokens.div_ceil(self.block_size());
+        (blocks * self.kv_layers.len() * self.pool.shape().layer_block_bytes()) as u64
+    }
+
+    fn write_pattern(&self, blocks: &BlocksPerGroup, tokens: usize) -> Result<(), String> {
+        let n = tokens.div_ceil(self.block_size());
+        let mut buf = vec![0u8; self.pool.shape().bytes()];
+        for &(layer, g) in &self.kv_layers {
+            for (i, b) in blocks.0[g].iter().take(n).enumerate() {
+                for part in 0..self.pool.shape().kv_parts {
+                    fill(&mut buf, pattern_word(i, layer.0, part));
+                    self.pool.write_block(layer, part, *b, &buf).map_err(|e| e.to_string())?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The first full block that does not hold the pattern, if any.
+    fn check_pattern(&self, blocks: &BlocksPerGroup, tokens: usize) -> Result<Option<String>, String> {
+        let n = tokens / self.block_size();
+        let mut want = vec![0u8; self.pool.shape().bytes()];
+        let mut got = Vec::new();
+        for &(layer, g) in &self.kv_layers {
+            for (i, b) in blocks.0[g].iter().take(n).enumerate() {
+                for part in 0..self.pool.shape().kv_parts {
+                    fill(&mut want, pattern_word(i, layer.0, part));
+                    self.pool.read_block(layer, part, *b, &mut got).map_err(|e| e.to_string())?;
+                    if got != want {
+                        return Ok(Some(format!(
+                            "block {i} of layer {} part {part} differs from what prefill wrote",
+                            layer.0
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    fn finish_output(id: &str, finished: FinishReason, params: Option<Map<String, Value>>) -> RequestOutput {
+        RequestOutput {
+            id: id.to_owned(),
+            new_tokens: vec![0],
+            finished: Some(finished),
+            kv_transfer_params: params,
+            first_token_latency: None,
+            num_external_tokens: 0,
+        }
+    }
+
+    fn admit(&mut self, req: Request, outputs: &mut Vec<RequestOutput>) -> Result<bool, String> {
+        let id = req.id.0.clone();
+        let prompt = req.prompt_tokens.len();
+        let (ext, async_load) = match self.conn.0.get_num_new_matched_tokens(&req, 0) {
+            Ok(MatchResult::Pending) => {
+                self.waiting.push(req);
+                return Ok(false);
+            }
+            Ok(MatchResult::Matched { tokens, async_load }) => {
+                (tokens.min(prompt.saturating_sub(1)), async_load)
+            }
+            Err(e) => {
+                outputs.push(Self::finish_output(
+                    &id,
+                    FinishReason::Error(format!("lookup failed: {e}")),
+                    None,
+                ));
+                return Ok(true);
+            }
+        };
+        let need = prompt.div_ceil(self.block_size());
+        let Some(blocks) = self.pool.allocate(need) else {
+            outputs.push(Self::finish_output(
+                &id,
+                FinishReason::Error(format!(
+                    "{need} blocks per group do not fit the pool; raise --num-blocks"
+                )),
+                None,
+            ));
+            return Ok(true);
+        };
+        self.conn
+            .0
+            .update_state_after_alloc(&req, &blocks, ext)
+            .map_err(|e| format!("update_state_after_alloc failed: {e}"))?;
+        if ext > 0 && async_load {
+            self.loading.insert(id, Loading { req, blocks, external: ext, started: Instant::now() });
+            return Ok(true);
+        }
+        // A producer: the "computed" KV is the pattern, then the request finishes at once.
+        self.write_pattern(&blocks, prompt)?;
+        for &(layer, g) in &self.kv_layers {
+            self.conn
+                .1
+                .save_kv_layer(layer, &blocks.0[g])
+                .map_err(|e| format!("save_kv_layer failed: {e}"))?;
+        }
+        self.conn.1.wait_for_save().map_err(|e| format!("wait_for_save failed: {e}"))?;
+        let rf = self
+            .conn
+            .0
+            .request_finished(&req, &blocks)
+            .map_err(|e| format!("request_finished failed: {e}"))?;
+        if rf.delay_free {
+            self.pending_free.insert(id.clone(), blocks);
+        } else {
+            self.pool.release(&blocks);
+        }
+        self.finished_since_last.push(req.id.clone());
+        outputs.push(Self::finish_output(&id, FinishReason::Length, rf.transfer_params));
+        Ok(true)
+    }
+
+    fn end_load(
+        &mut self,
+        id: &str,
+        failed: Option<String>,
+        outputs: &mut Vec<RequestOutput>,
+    ) -> Result<(), String> {
+        let Some(l) = self.loading.remove(id) else { return Ok(()) };
+        let elapsed = l.started.elapsed();
+        let outcome = match failed {
+            Some(why) => FinishReason::Error(format!("KV load failed: {why}")),
+            None => match self.check_pattern(&l.blocks, l.external)? {
+                Some(bad) => FinishReason::Error(format!("transferred KV is wrong: {bad}")),
+                None => FinishReason::Length,
+            },
+        };
+        let params = json!({
+            "transfer_us": elapsed.as_micros() as u64,
+            "bytes": self.kv_bytes(l.external),
+            "external_tokens": l.external,
+            "verified": matches!(outcome, FinishReason::Length),
+        });
+        let _ = self.conn.0.request_finished(&l.req, &l.blocks);
+        self.pool.release(&l.blocks);
+        self.finished_since_last.push(l.req.id.clone());
+        let mut o = Self::finish_output(id, outcome, params.as_object().cloned());
+        o.first_token_latency = Some(elapsed);
+        o.num_external_tokens = l.external;
+        outputs.push(o);
+        Ok(())
+    }
+}
+
+impl Driver for TransferEngine {
+    fn add(&mut self, r: GenRequest) -> Result<(), String> {
+        if r.prompt.is_empty() {
+            return Err(format!("request '{}': the prompt is empty", r.id));
+        }
+        self.waiting.push(Request {
+            id: RequestId(r.id),
+            prompt_tokens: r.prompt,
+            kv_transfer_params: r.kv_transfer_params,
+        });
+        Ok(())
+    }
+
+    fn step(&mut self) -> Result<Vec<RequestOutput>, String> {
+        self.step_no += 1;
+        let mut outputs = Vec::new();
+        let mut progressed = false;
+        for req in std::mem::take(&mut self.waiting) {
+            progressed |= self.admit(req, &mut outputs)?;
+        }
+        let info = StepInfo {
+            step: self.step_no,
+            scheduled: Vec::new(),
+            finished: std::mem::take(&mut self.finished_since_last),
+        };
+        let meta = self
+            .conn
+            .0
+            .build_connector_meta(&info)
+            .map_err(|e| format!("build_connector_meta failed: {e}"))?;
+        self.conn.1.bind_connector_meta(&meta).map_err(|e| format!("bind_connector_meta failed: {e}"))?;
+        self.conn.1.start_load_kv().map_err(|e| format!("start_load_kv failed: {e}"))?;
+        let fin =
+            self.conn.1.get_finished(&info.finished).map_err(|e| format!("get_finished failed: {e}"))?;
+        for r in &fin.finished_recving {
+            progressed = true;
+            self.end_load(&r.0, None, &mut outputs)?;
+        }
+        for r in &fin.failed_recving {
+            progressed = true;
+            self.end_load(&r.0, Some("the connector reported the load as failed".into()), &mut outputs)?;
+        }
+        for r in &fin.finished_sending {
+            if let Some(b) = self.pending_free.remove(&r.0) {
+                progressed = true;
+                self.pool.release(&b);
+            }
+        }
+        if !outputs.is_empty() {
+            tracing::debug!(step = self.step_no, outputs = outputs.len(), "transfer engine step");
+        }
+        self.idle = !progressed;
+        Ok(outputs)
+    }
+
+    fn busy(&self) -> bool {
+        !self.waiting.is_empty() || !self.loading.is_empty() || !self.pending_free.is_empty()
+    }
+
+    fn idle_step(&self) -> bool {
+        self.idle
+    }
+
+    fn set_peer(&mut self, envelope: &Value) -> Result<(), String> {
+        self.conn.1.set_peer_handshake_metadata(envelope).map_err(|e| e.to_string())
+    }
+
+    fn stats(&self) -> PoolStats {
+        PoolStats {
+            total_blocks: self.pool.total_blocks(),
+            free_blocks: self.pool.free_blocks(),
+            unfinished: self.waiting.len() + self.loading.len(),
+            pending_frees: self.pending_free.len(),
+            ..PoolStats::default()
+        }
+    }
+
+    fn shutdown(&mut self) {
+        if let Err(e) = self.conn.1.shutdown() {
+            tracing::warn!(error = %e, "connector shutdown failed");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_pattern_differs_per_block_layer_and_part() {
+        let a = pattern_word(0, 0, 0);
+        assert_ne!(a, pattern_word(1, 0, 0));
+        assert_ne!(a, pattern_word(0, 1, 0));
+        assert_ne!(a, pattern_word(0, 0, 1));
+        let mut buf = [0u8; 20];
+        fill(&mut buf, 7);
+        assert_eq!(&buf[..8], &7u64.to_le_bytes());
+        assert_eq!(&buf[8..16], &6u64.to_le_bytes());
+    }
+}
