@@ -398,11 +398,15 @@ impl BlockCache {
             match r {
                 Some(Ok(())) => {
                     g.index.set_slot(v, Tier::Ssd, s);
-                    let c = g.index.clear_slot(v, Tier::Cpu);
-                    g.free([c, None]);
-                    g.event(removed(v, Tier::Cpu));
                     g.event(stored(v, Tier::Ssd));
                     bump(&self.counters.demoted);
+                    // A load may have referenced the block (and be reading its CPU slot)
+                    // while the lock was released: then it keeps both copies for now.
+                    if g.index.get(v).is_some_and(|x| x.refs == 0) {
+                        let c = g.index.clear_slot(v, Tier::Cpu);
+                        g.free([c, None]);
+                        g.event(removed(v, Tier::Cpu));
+                    }
                 }
                 failed => {
                     g.free([None, Some(s)]);

@@ -1,0 +1,273 @@
+//! The flexkv connector through its two halves, in vLLM's call order, over real host
+//! regions: prefix hits, CPU->SSD eviction, SSD corruption, the HND transpose adapter and
+//! bad input.
+
+mod support;
+
+use kvconnect_api::{ConnectorFactory, KvLayout};
+use kvconnect_flexkv::factory::Engine;
+use kvconnect_flexkv::FlexkvFactory;
+use serde_json::json;
+use support::*;
+
+/// Bytes one block of every KV layer takes in the test model (2 layers x K,V x 2x4x8 bf16).
+const SLOT: f64 = 512.0;
+
+fn gb(blocks: f64) -> f64 {
+    blocks * SLOT / 1e9
+}
+
+#[test]
+fn prefix_hits_of_every_length_at_block_granularity() {
+    let mut sim = Sim::new(effective(KvLayout::NHD), json!({"cpu_cache_gb": gb(64.0)}), "prefix", 64);
+    let base = tokens(1, 8 * BS + 1);
+    let first = sim.run("base", &base);
+    assert_eq!(first.matched, 0);
+    assert!(first.delayed, "the save holds the blocks until it is done");
+    for k in 0..=8 {
+        // Shares k full blocks, then diverges inside block k.
+        let mut p = base[..k * BS].to_vec();
+        p.extend(tokens(100 + k as u32, 2 * BS + 1));
+        assert_eq!(sim.lookup(&p), k * BS, "shared {k} blocks");
+        if k == 8 {
+            continue;
+        }
+        // A partial block of agreement adds nothing.
+        let mut q = base[..k * BS + 2].to_vec();
+        q.extend(tokens(200 + k as u32, BS));
+        assert_eq!(sim.lookup(&q), k * BS, "shared {k} blocks and 2 tokens");
+    }
+    // The whole prompt cached: one token is left to compute.
+    assert_eq!(sim.lookup(&base[..8 * BS]), 7 * BS);
+    assert_eq!(sim.lookup(&base), 8 * BS);
+    // Loading every prefix length gives the exact KV.
+    for k in 1..=8 {
+        let mut p = base[..k * BS].to_vec();
+        p.extend(tokens(300 + k as u32, 3));
+        let o = sim.run(&format!("r{k}"), &p);
+        assert_eq!(o.matched, k * BS);
+        assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{o:?}");
+    }
+}
+
+#[test]
+fn cpu_evicts_to_ssd_and_ssd_hits_load_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = json!({
+        "cpu_cache_gb": gb(4.0),
+        "ssd_cache_gb": 64.0 * 4096.0 / 1e9,
+        "ssd_cache_dir": dir.path().join("ssd"),
+        "enable_ssd_promotion": false,
+    });
+    let mut sim = Sim::new(effective(KvLayout::NHD), extra.clone(), "evict", 64);
+    let a = tokens(1, 4 * BS + 1);
+    let b = tokens(2, 4 * BS + 1);
+    sim.run("a", &a);
+    sim.run("b", &b);
+    let cache = Engine::open(&ctx(effective(KvLayout::NHD), extra, "evict")).unwrap().cache;
+    let st = cache.stats();
+    assert_eq!(st.demoted, 4, "{st:?}");
+    assert_eq!(cache.sizes(), (8, 4, 4));
+    let o = sim.run("a2", &a);
+    assert_eq!(o.matched, 4 * BS);
+    assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{o:?}");
+    assert_eq!(cache.stats().ssd_hits, 4);
+    // No promotion: still on SSD only.
+    let o = sim.run("a3", &a);
+    assert!(o.wrong_blocks.is_empty());
+    assert_eq!(cache.stats().ssd_hits, 8);
+    assert_eq!(cache.stats().promoted, 0);
+}
+
+#[test]
+fn ssd_promotion_brings_hits_back_to_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let extra = json!({
+        "cpu_cache_gb": gb(4.0),
+        "ssd_cache_gb": 64.0 * 4096.0 / 1e9,
+        "ssd_cache_dir": dir.path(),
+    });
+    let mut sim = Sim::new(effective(KvLayout::NHD), extra.clone(), "promote", 64);
+    let a = tokens(1, 2 * BS + 1);
+    let b = tokens(2, 4 * BS + 1);
+    sim.run("a", &a);
+    sim.run("b", &b);
+    let cache = Engine::open(&ctx(effective(KvLayout::NHD), extra, "promote")).unwrap().cache;
+    assert_eq!(cache.stats().demoted, 2);
+    let o = sim.run("a2", &a);
+    assert!(o.wrong_blocks.is_empty() && o.matched == 2 * BS, "{o:?}");
+    let st = cache.stats();
+    assert_eq!((st.ssd_hits, st.promoted), (2, 2), "{st:?}");
+    sim.run("a3", &a);
+    assert_eq!(cache.stats().cpu_hits, 2);
+}
+
+#[test]
+fn a_corrupted_ssd_block_fails_the_load_loads_nothing_wrong_and_then_misses() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let extra = json!({
+        "cpu_cache_gb": gb(2.0),
+        "ssd_cache_gb": 64.0 * 4096.0 / 1e9,
+        "ssd_cache_dir": dir.path(),
+        "enable_ssd_promotion": false,
+    });
+    let mut sim = Sim::new(effective(KvLayout::NHD), extra.clone(), "corrupt", 64);
+    let a = tokens(1, 3 * BS + 1);
+    let b = tokens(2, 2 * BS + 1);
+    sim.run("a", &a);
+    sim.run("b", &b);
+    let cache = Engine::open(&ctx(effective(KvLayout::NHD), extra.clone(), "corrupt")).unwrap().cache;
+    assert_eq!(cache.sizes(), (5, 2, 3));
+    // Eviction order with 2 CPU slots: a1 (record 0, while a2 was saved), a0 (record 1,
+    // for b0), a2 (record 2, for b1).
+    let seed = Engine::open(&ctx(effective(KvLayout::NHD), extra.clone(), "corrupt")).unwrap().seed;
+    let hashes = kvconnect_flexkv::hash::block_hashes(seed, &a, BS);
+    assert!(hashes.iter().all(|h| cache.locate(*h) == Some((false, true, 0))));
+    let path = cache.ssd().unwrap().path().to_path_buf();
+    let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+    // Record 0 (a's middle block): flip two payload bytes.
+    f.write_all_at(&[0x5a, 0xa5], 32 + 100).unwrap();
+    let o = sim.run_opts("a2", &a, false);
+    assert_eq!(o.matched, 3 * BS);
+    assert!(o.load_failed, "{o:?}");
+    assert!(o.wrong_blocks.is_empty(), "the block before the corrupt one is exact: {o:?}");
+    assert_eq!(o.error_blocks.len(), 2, "the corrupt block and the one after it: {o:?}");
+    assert_eq!(cache.stats().ssd_corrupt, 1);
+    // The corrupt block is gone from the index: the next lookup stops before it.
+    assert_eq!(sim.lookup(&a), BS);
+    // Recomputing re-caches it, and then it loads exactly.
+    let o = sim.run("a3", &a);
+    assert_eq!(o.matched, BS);
+    assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{o:?}");
+    let o = sim.run("a4", &a);
+    assert_eq!(o.matched, 3 * BS);
+    assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{o:?}");
+}
+
+#[test]
+fn hnd_deployment_is_adapted_by_transpose_exactly() {
+    let eff = negotiated_with_hnd_transport();
+    let extra = json!({"cpu_cache_gb": gb(64.0)});
+    let mut sim = Sim::new(eff.clone(), extra.clone(), "hnd", 64);
+    let a = tokens(7, 5 * BS + 3);
+    sim.run("a", &a);
+    // Stored form: NHD, element by element.
+    let engine = Engine::open(&ctx(eff.clone(), extra, "hnd")).unwrap();
+    assert!(engine.adapter.transposes());
+    let hashes = kvconnect_flexkv::hash::block_hashes(engine.seed, &a, BS);
+    let nhd = kvconnect_api::geometry::Geometry::new(
+        kvconnect_api::geometry::BlockShape::of(&model(), &eff),
+        KvLayout::NHD,
+        vec![],
+    );
+    let sub = (HEADS * BS as u32 * DIM * 2) as usize;
+    for (i, h) in hashes.iter().enumerate() {
+        let mut stored = Vec::new();
+        engine
+            .cache
+            .load(*h, &mut Vec::new(), |b| {
+                stored = b.to_vec();
+                Ok(())
+            })
+            .unwrap();
+        for (li, layer) in [0u32, 2].iter().enumerate() {
+            for part in 0..2u32 {
+                let base = (li * 2 + part as usize) * sub;
+                for hd in 0..HEADS {
+                    for n in 0..BS as u32 {
+                        for c in 0..DIM {
+                            let o = base + nhd.inner_offset(hd, n, c);
+                            assert_eq!(
+                                stored[o..o + 2],
+                                kv_value(&a[..(i + 1) * BS], *layer, part, hd, n, c),
+                                "block {i} layer {layer} part {part} ({hd},{n},{c})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Saved from HND regions, loaded back into HND regions: exact.
+    let o = sim.run("a2", &a);
+    assert_eq!(o.matched, 5 * BS);
+    assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{o:?}");
+}
+
+#[test]
+fn both_halves_share_one_cache_per_engine_id() {
+    let extra = json!({"cpu_cache_gb": gb(8.0)});
+    let mut a = Sim::new(effective(KvLayout::NHD), extra.clone(), "share-a", 16);
+    let mut b = Sim::new(effective(KvLayout::NHD), extra, "share-b", 16);
+    let p = tokens(3, 2 * BS + 1);
+    a.run("x", &p);
+    assert_eq!(a.lookup(&p), 2 * BS);
+    assert_eq!(b.lookup(&p), 0, "another engine has its own cache");
+}
+
+#[test]
+fn bad_settings_are_clear_errors() {
+    let f = FlexkvFactory;
+    let eff = effective(KvLayout::NHD);
+    let err = |extra: serde_json::Value, id: &str| {
+        f.create_worker(&ctx(eff.clone(), extra, id)).err().map(|e| e.to_string()).unwrap_or_default()
+    };
+    let e = err(json!({"cpu_cache_gb": 0}), "bad0");
+    assert!(e.contains("cpu_cache_gb is 0"), "{e}");
+    let e = err(json!({"cpu_cache_gb": 1e-12}), "bad1");
+    assert_eq!(
+        e,
+        "connector 'flexkv': invalid config: cpu_cache_gb = 0.000000000001 holds no block: one block of every \
+         KV layer is 512 bytes; raise cpu_cache_gb to at least 0.000001"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let e = err(json!({"ssd_cache_gb": 1, "ssd_cache_dir": file.join("ssd")}), "bad2");
+    assert!(e.contains("point ssd_cache_dir at a writable directory"), "{e}");
+    let e = err(json!({"ssd_cache_gb": 1e-9, "ssd_cache_dir": dir.path()}), "bad3");
+    assert!(e.contains("holds no block"), "{e}");
+    let e = err(json!({"num_transfer_threads": "many"}), "bad4");
+    assert!(e.contains("num_transfer_threads"), "{e}");
+    // Capabilities read the config too.
+    let mut cfg = kvconnect_api::KvTransferConfig::named("flexkv");
+    cfg.kv_connector_extra_config = json!({"ssd_cache_gb": 1}).as_object().cloned().unwrap();
+    let e = f.capabilities(&cfg, None).unwrap_err().to_string();
+    assert!(e.contains("ssd_cache_dir is not set"), "{e}");
+}
+
+#[test]
+fn bad_metadata_and_missing_regions_are_errors_not_panics() {
+    let c = ctx(effective(KvLayout::NHD), json!({}), "badmeta");
+    let mut w = FlexkvFactory.create_worker(&c).unwrap();
+    let e = w.bind_connector_meta(b"{not json").unwrap_err().to_string();
+    assert!(e.contains("not flexkv metadata"), "{e}");
+    let e = w.register_kv_caches(&[]).unwrap_err().to_string();
+    assert!(e.contains("no registered region covers it"), "{e}");
+    let mut hma = effective(KvLayout::NHD);
+    hma.groups.push(hma.groups[0].clone());
+    let e = FlexkvFactory.create_scheduler(&ctx(hma, json!({}), "badhma")).err().unwrap().to_string();
+    assert!(e.contains("hybrid_kv_cache_manager=off"), "{e}");
+}
+
+#[test]
+fn a_full_disk_is_counted_and_nothing_wrong_is_loaded() {
+    if !std::path::Path::new("/dev/full").exists() {
+        eprintln!("skipping: /dev/full is not available");
+        return;
+    }
+    let extra = json!({"cpu_cache_gb": gb(2.0), "ssd_cache_gb": 1, "ssd_cache_dir": "/dev/full"});
+    let mut sim = Sim::new(effective(KvLayout::NHD), extra.clone(), "full", 32);
+    let a = tokens(1, 2 * BS + 1);
+    let b = tokens(2, 2 * BS + 1);
+    sim.run("a", &a);
+    sim.run("b", &b);
+    let cache = Engine::open(&ctx(effective(KvLayout::NHD), extra, "full")).unwrap().cache;
+    assert!(cache.stats().ssd_write_errors >= 1, "{:?}", cache.stats());
+    assert_eq!(cache.sizes().2, 0, "nothing is kept on a full disk");
+    for (id, p) in [("a2", &a), ("b2", &b)] {
+        let o = sim.run(id, p);
+        assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{id}: {o:?}");
+    }
+}
