@@ -307,3 +307,75 @@ mod tests {
         assert!(combine(&[named("a", a), named("b", b2)]).is_err());
     }
 }
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use kvconnect_api::{AdaptCost, MemoryKind};
+    use proptest::prelude::*;
+
+    fn layouts() -> impl Strategy<Value = Vec<KvLayout>> {
+        proptest::sample::subsequence(KvLayout::COMMON.to_vec(), 0..=2)
+    }
+
+    fn child() -> impl Strategy<Value = Capabilities> {
+        (
+            any::<bool>(),
+            layouts(),
+            layouts(),
+            any::<bool>(),
+            proptest::sample::subsequence(
+                vec![MemoryKind::Host, MemoryKind::Device, MemoryKind::Disk],
+                1..=3,
+            ),
+            any::<bool>(),
+        )
+            .prop_map(|(hma, required, rejected, adapts, memory_kinds, moves)| {
+                let rejected: Vec<KvLayout> =
+                    rejected.into_iter().filter(|l| !required.contains(l)).collect();
+                Capabilities {
+                    hma,
+                    layout: LayoutConstraint { preferred: required.clone(), required, rejected },
+                    adapt: adapts.then_some(AdaptCost::Medium),
+                    block_size_multiple: 1,
+                    block_size_divides: None,
+                    cache_dtypes: vec![],
+                    memory_kinds,
+                    transfer_mode: if moves { TransferMode::Pull } else { TransferMode::None },
+                    roles: vec![KvRoleCap::Both],
+                    layerwise: false,
+                    heterogeneous_tp: false,
+                    mla: false,
+                    async_load: false,
+                }
+            })
+    }
+
+    proptest! {
+        /// The combined declaration accepts exactly the layouts every non-adapting child
+        /// accepts, keeps HMA only when every child has it, and never contradicts itself;
+        /// it fails only when the children truly share no layout or no memory kind.
+        #[test]
+        fn combine_is_the_intersection_of_the_children(children in proptest::collection::vec(child(), 1..4)) {
+            let named: Vec<(String, Capabilities)> =
+                children.iter().enumerate().map(|(i, c)| (format!("c{i}"), c.clone())).collect();
+            let hard = |l: KvLayout| children.iter().filter(|c| c.adapt.is_none()).all(|c| c.layout.accepts(l));
+            let some_layout = KvLayout::all().into_iter().any(hard);
+            let some_memory = [MemoryKind::Host, MemoryKind::Device, MemoryKind::Disk]
+                .iter()
+                .any(|m| children.iter().all(|c| c.memory_kinds.contains(m)));
+            match combine(&named) {
+                Ok(c) => {
+                    prop_assert_eq!(c.hma, children.iter().all(|x| x.hma));
+                    for l in KvLayout::all() {
+                        prop_assert_eq!(c.layout.accepts(l), hard(l), "layout {}", l);
+                    }
+                    prop_assert_eq!(c.validate(), Ok(()));
+                    let any_mover = children.iter().any(|x| x.transfer_mode != TransferMode::None);
+                    prop_assert_eq!(c.transfer_mode != TransferMode::None, any_mover);
+                }
+                Err(_) => prop_assert!(!some_layout || !some_memory),
+            }
+        }
+    }
+}

@@ -245,3 +245,112 @@ fn short(v: &serde_json::Value) -> String {
         s
     }
 }
+
+#[cfg(test)]
+mod props {
+    use super::*;
+    use crate::fake::{caps_any, FakeFactory, Shared};
+    use crate::meta::{MetaEnvelope, MetaPart, META_VERSION};
+    use kvconnect_api::ConnectorFactory;
+    use proptest::prelude::*;
+    use std::collections::BTreeMap;
+
+    fn worker(n: usize) -> (PdWorker, Vec<Shared>) {
+        let mut halves = Vec::new();
+        let mut scripts = Vec::new();
+        for i in 0..n {
+            let (f, s) = FakeFactory::new(&format!("c{i}"), caps_any());
+            let ctx = kvconnect_api::ConnectorContext {
+                config: kvconnect_api::KvTransferConfig::named("x"),
+                model: kvconnect_api::ModelSpec {
+                    name: "m".into(),
+                    num_layers: 1,
+                    num_kv_heads: 1,
+                    head_dim: 1,
+                    dtype: None,
+                    layers: vec![kvconnect_api::AttentionKind::Full],
+                },
+                effective: kvconnect_api::EffectiveLayout {
+                    layout: kvconnect_api::KvLayout::HND,
+                    hma: false,
+                    block_size: 16,
+                    cache_dtype: kvconnect_api::Dtype::Bf16,
+                    memory: kvconnect_api::MemoryKind::Host,
+                    transfer_mode: kvconnect_api::TransferMode::Pull,
+                    groups: vec![],
+                },
+                role: kvconnect_api::KvRole::Producer,
+                engine_id: "e".into(),
+                tp_rank: 0,
+                tp_size: 1,
+            };
+            halves.push((format!("c{i}"), f.create_worker(&ctx).unwrap()));
+            scripts.push(s);
+        }
+        (PdWorker::new(halves), scripts)
+    }
+
+    /// Requests 0..m, each delayed by a non-empty set of 3 children (bit mask 1..8), and an
+    /// order in which the (request, child) reports and the metadata arrive.
+    fn case() -> impl Strategy<Value = (Vec<u8>, Vec<u32>, u32)> {
+        proptest::collection::vec(1u8..8, 1..6).prop_flat_map(|masks| {
+            let reports: usize = masks.iter().map(|m| m.count_ones() as usize).sum();
+            (Just(masks), proptest::collection::vec(any::<u32>(), reports), 0..=reports as u32)
+        })
+    }
+
+    proptest! {
+        /// Each request is reported finished sending exactly once, and only after every
+        /// child that delayed it has reported it and the metadata naming them has arrived,
+        /// whatever the order of the children's reports.
+        #[test]
+        fn finished_sending_once_after_every_delaying_child((masks, keys, bind_at) in case()) {
+            let (mut w, scripts) = worker(3);
+            let mut reports: Vec<(usize, usize)> = Vec::new();
+            for (r, m) in masks.iter().enumerate() {
+                for c in 0..3 {
+                    if m & (1 << c) != 0 {
+                        reports.push((r, c));
+                    }
+                }
+            }
+            let mut order: Vec<(u32, (usize, usize))> = keys.into_iter().zip(reports).collect();
+            order.sort();
+            let env = MetaEnvelope {
+                version: META_VERSION,
+                parts: (0..3).map(|i| MetaPart { index: i, name: format!("c{i}"), bytes: vec![] }).collect(),
+                delayed: masks
+                    .iter()
+                    .enumerate()
+                    .map(|(r, m)| (RequestId(format!("r{r}")), (0..3).filter(|c| m & (1 << c) != 0).collect()))
+                    .collect::<BTreeMap<_, _>>(),
+                loads: BTreeMap::new(),
+            };
+            let mut reported: Vec<BTreeSet<usize>> = vec![BTreeSet::new(); masks.len()];
+            let mut bound = false;
+            let mut seen: Vec<usize> = vec![0; masks.len()];
+            for (step, (_, (r, c))) in order.iter().enumerate() {
+                if step as u32 == bind_at {
+                    w.bind_connector_meta(&env.encode()).unwrap();
+                    bound = true;
+                }
+                scripts[*c].lock().unwrap().finished_sending.push(format!("r{r}"));
+                reported[*r].insert(*c);
+                for done in w.get_finished(&[]).unwrap().finished_sending {
+                    let i: usize = done.0[1..].parse().unwrap();
+                    seen[i] += 1;
+                    prop_assert!(bound, "r{} reported before the metadata arrived", i);
+                    prop_assert_eq!(reported[i].len() as u32, masks[i].count_ones(), "r{} reported early", i);
+                }
+            }
+            if !bound {
+                w.bind_connector_meta(&env.encode()).unwrap();
+            }
+            for done in w.get_finished(&[]).unwrap().finished_sending {
+                let i: usize = done.0[1..].parse().unwrap();
+                seen[i] += 1;
+            }
+            prop_assert!(seen.iter().all(|n| *n == 1), "{:?}", seen);
+        }
+    }
+}
