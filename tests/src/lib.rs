@@ -1,1 +1,288 @@
-//! Shared helpers for kvconnect's end-to-end tests.
+//! Shared helpers for kvconnect's end-to-end tests: start `kvconnect worker` processes, read
+//! the addresses they print, and talk HTTP/1.1 to them without pulling in a client library.
+
+pub mod plugin_fixtures;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStderr, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Path of the `kvconnect` binary the tests drive. The tests crate builds its own copy of the
+/// command (`kvconnect-e2e`, the same `kvconnect_host::cli` entry point); cargo builds a
+/// package's binaries before its integration tests, into the directory above the test
+/// executable's `deps/`.
+pub fn kvconnect_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current test executable");
+    let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let bin = dir.join(format!("kvconnect-e2e{}", std::env::consts::EXE_SUFFIX));
+    assert!(
+        bin.exists(),
+        "{} is missing: run the tests through `cargo test -p kvconnect-tests`",
+        bin.display()
+    );
+    bin
+}
+
+/// The workspace root (for fixtures).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
+}
+
+/// A model config from fixtures/models.
+pub fn fixture_model(dir: &str) -> PathBuf {
+    workspace_root().join("fixtures/models").join(dir).join("config.json")
+}
+
+/// A running worker process. Killed (SIGKILL) on drop unless already stopped.
+pub struct Worker {
+    /// The process.
+    pub child: Child,
+    /// `host:port` of its HTTP API.
+    pub http: String,
+    /// `host:port` of its side channel, when it has one.
+    pub side_channel: Option<String>,
+    /// What it logged, collected by a thread.
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Worker {
+    /// Starts `kvconnect worker ARGS...` and waits (up to 60 s) for the line with its
+    /// addresses.
+    pub fn start(args: &[&str]) -> Worker {
+        let mut child = Command::new(kvconnect_bin())
+            .arg("worker")
+            .args(args)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn kvconnect worker");
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let stderr = child.stderr.take().expect("stderr");
+        spawn_log_reader(stderr, log.clone());
+        let stdout = child.stdout.take().expect("stdout");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            for line in lines.by_ref() {
+                let Ok(line) = line else { break };
+                if line.trim_start().starts_with('{') {
+                    let _ = tx.send(line);
+                    break;
+                }
+            }
+            // Keep draining so the worker never blocks on a full pipe.
+            for _ in lines {}
+        });
+        let line = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(l) => l,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                std::thread::sleep(Duration::from_millis(200));
+                panic!(
+                    "worker {args:?} printed no address line; log:\n{}",
+                    log.lock().map(|l| l.clone()).unwrap_or_default()
+                );
+            }
+        };
+        let v: serde_json::Value = serde_json::from_str(&line).expect("address line is JSON");
+        let http = v["http"].as_str().expect("http address").to_owned();
+        let side_channel = v["side_channel"].as_str().map(str::to_owned);
+        Worker { child, http, side_channel, log }
+    }
+
+    /// Everything the worker logged so far.
+    pub fn log(&self) -> String {
+        self.log.lock().map(|l| l.clone()).unwrap_or_default()
+    }
+
+    /// Sends SIGTERM and waits up to `within` for the process to exit; returns its status.
+    pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let pid = self.child.id() as libc::pid_t;
+        // SAFETY: kill(2) with a pid this test spawned and has not reaped; no memory involved.
+        unsafe {
+            libc::kill(pid, libc::SIGTERM);
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < within {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Some(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Kills the process at once (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// GET a path; the body as JSON.
+    pub fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        http_request(&self.http, "GET", path, None)
+    }
+
+    /// POST JSON to a path.
+    pub fn post(&self, path: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
+        http_request(&self.http, "POST", path, Some(body))
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn spawn_log_reader(stderr: ChildStderr, log: std::sync::Arc<std::sync::Mutex<String>>) {
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stderr);
+        let mut line = String::new();
+        while let Ok(n) = r.read_line(&mut line) {
+            if n == 0 {
+                break;
+            }
+            if std::env::var_os("KVCONNECT_TEST_ECHO").is_some() {
+                eprint!("{line}");
+            }
+            if let Ok(mut l) = log.lock() {
+                l.push_str(&line);
+            }
+            line.clear();
+        }
+    });
+}
+
+/// One HTTP/1.1 request with `Connection: close`; returns the status and the body parsed as
+/// JSON (`Value::String` holding the raw body when it is not JSON).
+pub fn http_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&serde_json::Value>,
+) -> (u16, serde_json::Value) {
+    let mut s = TcpStream::connect(addr).expect("connect to worker");
+    s.set_read_timeout(Some(Duration::from_secs(300))).ok();
+    let payload = body.map(|b| b.to_string()).unwrap_or_default();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        payload.len()
+    );
+    s.write_all(req.as_bytes()).expect("send request");
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read response");
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    let json = serde_json::from_str(&body).unwrap_or(serde_json::Value::String(body));
+    (status, json)
+}
+
+fn dechunk(body: &str) -> String {
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || tail.len() < n {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = tail[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// The token ids of a completion response.
+pub fn token_ids(resp: &serde_json::Value) -> Vec<u64> {
+    resp["choices"][0]["token_ids"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|t| t.as_u64()).collect())
+        .unwrap_or_default()
+}
+
+/// Waits until `f` holds, polling every 50 ms, up to `within`.
+pub fn wait_until(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f()
+}
+
+/// The reference model's config (what the worker tests run).
+pub fn reference_model() -> PathBuf {
+    fixture_model("kvconnect--reference")
+}
+
+/// One disaggregated request, as a proxy does it: prefill with `do_remote_decode`, then
+/// decode with prefill's `kv_transfer_params` under prefill's request id. Returns decode's
+/// status and body.
+pub fn disaggregated(
+    prefill: &Worker,
+    decode: &Worker,
+    prompt: &[u32],
+    max_tokens: usize,
+) -> (u16, serde_json::Value) {
+    let (st, p) = prefill.post(
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    assert_eq!(st, 200, "prefill failed: {p}");
+    let params = p["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true, "prefill returned no transfer params: {p}");
+    decode.post(
+        "/v1/completions",
+        &serde_json::json!({"request_id": p["id"], "prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}),
+    )
+}
+
+/// Greedy output of a single in-process reference engine without any connector: the
+/// monolithic baseline disaggregated output must equal token for token.
+pub fn monolithic(prompts: &[Vec<u32>], max_tokens: usize, layout: kvconnect_api::KvLayout) -> Vec<Vec<u32>> {
+    use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+    let model = ReferenceConfig::builtin().expect("reference config");
+    let spec = model.model_spec().expect("reference spec");
+    let eff = local_effective_layout(&spec, layout, true, 16, kvconnect_api::Dtype::Bf16);
+    let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed: 0, shm: None };
+    let mut e = Engine::new(cfg, None, kvconnect_api::FailurePolicy::Recompute).expect("engine");
+    let mut out = Vec::new();
+    for (i, p) in prompts.iter().enumerate() {
+        e.add_request(GenRequest::new(format!("m{i}"), p.clone(), max_tokens)).expect("add");
+        let done = e.run_to_completion(100_000).expect("run");
+        out.push(done.into_iter().next().map(|c| c.tokens).unwrap_or_default());
+    }
+    out
+}
+
+/// `n` prompts of varied length (1 token, shorter than a block, block boundaries, longer
+/// than the reference model's 32-token sliding window, many blocks), deterministic bytes.
+pub fn varied_prompts(n: usize) -> Vec<Vec<u32>> {
+    const LENGTHS: [usize; 25] =
+        [1, 2, 3, 5, 8, 11, 15, 16, 17, 23, 31, 32, 33, 40, 47, 48, 49, 63, 64, 65, 80, 97, 128, 129, 160];
+    (0..n)
+        .map(|i| {
+            let len = LENGTHS[i % LENGTHS.len()] + (i / LENGTHS.len()) * 3;
+            (0..len).map(|j| ((i * 131 + j * 29 + j * j * 7) % 256) as u32).collect()
+        })
+        .collect()
+}

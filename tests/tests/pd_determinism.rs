@@ -1,0 +1,109 @@
+//! Disaggregated serving gives exactly the tokens of a single worker: one prefill and one
+//! decode process per configuration (HMA on and off, shm and tcp), 50 prompts of varied
+//! length each, greedy output compared token for token with a monolithic engine. Every
+//! decode must really have loaded the prompt's KV from prefill (all but the last prompt
+//! token), so a silent recompute cannot pass for a transfer.
+
+use kvconnect_api::KvLayout;
+use kvconnect_tests::{disaggregated, monolithic, reference_model, token_ids, varied_prompts, Worker};
+use std::sync::OnceLock;
+
+const PROMPTS: usize = 50;
+const MAX_TOKENS: usize = 4;
+
+fn baseline() -> &'static (Vec<Vec<u32>>, Vec<Vec<u32>>) {
+    static B: OnceLock<(Vec<Vec<u32>>, Vec<Vec<u32>>)> = OnceLock::new();
+    B.get_or_init(|| {
+        let prompts = varied_prompts(PROMPTS);
+        let mono = monolithic(&prompts, MAX_TOKENS, KvLayout::HND);
+        (prompts, mono)
+    })
+}
+
+fn nixl(role: &str, backend: &str) -> String {
+    format!(
+        r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_connector_extra_config":{{"backend":"{backend}"}}}}"#
+    )
+}
+
+fn start(role: &str, backend: &str, hma: &str) -> Worker {
+    let model = reference_model();
+    Worker::start(&[
+        "--kv-transfer-config",
+        &nixl(role, backend),
+        "--model",
+        model.to_str().unwrap(),
+        "--hybrid-kv-cache-manager",
+        hma,
+        "--engine-id",
+        &format!("{role}-{backend}-{hma}"),
+    ])
+}
+
+fn check(backend: &str, hma: &str) {
+    let (prompts, mono) = baseline();
+    let prefill = start("kv_producer", backend, hma);
+    let decode = start("kv_consumer", backend, hma);
+    for (i, p) in prompts.iter().enumerate() {
+        let (st, d) = disaggregated(&prefill, &decode, p, MAX_TOKENS);
+        assert_eq!(st, 200, "prompt {i} (len {}): decode failed: {d}\n{}", p.len(), decode.log());
+        let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
+        assert_eq!(
+            got,
+            mono[i],
+            "prompt {i} (len {}) over {backend}, hma {hma}: disaggregated != monolithic",
+            p.len()
+        );
+        assert_eq!(
+            d["kvconnect"]["num_external_tokens"].as_u64(),
+            Some(p.len() as u64 - 1),
+            "prompt {i}: decode must load all but the last prompt token from prefill: {d}"
+        );
+    }
+    let (_, h) = decode.get("/health");
+    assert_eq!(h["pool"]["failed"], 0, "{h}");
+    let expect: u64 = prompts.iter().map(|p| p.len() as u64 - 1).sum();
+    assert_eq!(h["pool"]["external_tokens"].as_u64(), Some(expect), "{h}");
+}
+
+#[test]
+fn shm_hma_on() {
+    check("shm", "on");
+}
+
+#[test]
+fn shm_hma_off() {
+    check("shm", "off");
+}
+
+#[test]
+fn tcp_hma_on() {
+    check("tcp", "on");
+}
+
+#[test]
+fn tcp_hma_off() {
+    check("tcp", "off");
+}
+
+#[test]
+fn monolithic_output_does_not_depend_on_the_layout() {
+    // nixl requires HND, so the NHD side of determinism is checked in-process: the same
+    // engine over an NHD and an HND pool gives the same tokens.
+    let (prompts, mono) = baseline();
+    let nhd = monolithic(prompts, MAX_TOKENS, KvLayout::NHD);
+    assert_eq!(&nhd, mono);
+}
+
+#[test]
+fn nhd_with_nixl_is_refused_at_start_with_the_constraint() {
+    let out = std::process::Command::new(kvconnect_tests::kvconnect_bin())
+        .args(["worker", "--kv-transfer-config", &nixl("kv_producer", "shm"), "--model"])
+        .arg(reference_model())
+        .args(["--kv-cache-layout", "NHD"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("nixl") && err.contains("requires HND"), "{err}");
+}
