@@ -2,7 +2,8 @@
 //! plugin side.
 //!
 //! A plugin exports one symbol, [`ENTRY_SYMBOL`], returning `&'static PluginDescriptor`. The
-//! descriptor's first fields (magic, ABI version, struct size, layout fingerprint) never move,
+//! descriptor's first fields (magic, ABI version, struct size, layout fingerprint, plugin name
+//! and version, SDK and rustc versions) never move,
 //! so any host can read them from any plugin and refuse it with a clear message. Then come
 //! the plugin's name and versions, its entry points and pointers to three vtables (factory,
 //! scheduler half, worker half). Every vtable starts with its own `struct_size`; new entries
@@ -269,7 +270,8 @@ pub type InitFn = unsafe extern "C" fn(host: *const HostApi, err: *mut AbiBuffer
 /// `factory_new(out, err)`: creates the plugin's factory; `*out` is its handle.
 pub type FactoryNewFn = unsafe extern "C" fn(out: *mut *mut c_void, err: *mut AbiBuffer) -> Status;
 
-/// What `kvconnect_plugin_entry` returns. The fields up to `layout_fingerprint` never move.
+/// What `kvconnect_plugin_entry` returns. The fields up to `rustc_version` are the fixed
+/// header: they never move, in any ABI version, so a host can name any plugin it refuses.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 pub struct PluginDescriptor {

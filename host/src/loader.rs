@@ -368,12 +368,12 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
         let d = &*desc;
         (d.abi_major, d.abi_minor, d.struct_size, d.layout_fingerprint)
     };
-    // The names sit right after the header; only read them when the struct is long enough to
-    // hold them, which it is for every major that has them at this offset (this one).
+    // The names are part of the fixed header too (every major keeps them at these offsets), so
+    // they can name another major's SDK; read them only when the struct is long enough.
     let names_end = std::mem::offset_of!(PluginDescriptor, rustc_version) + std::mem::size_of::<AbiBytes>();
-    let (name, version, plugin_sdk, plugin_rustc) = if major == abi::ABI_MAJOR && struct_size >= names_end {
-        // SAFETY: same major, and the struct is long enough: these fields exist and point to
-        // 'static strings in the plugin.
+    let (name, version, plugin_sdk, plugin_rustc) = if struct_size >= names_end {
+        // SAFETY: the struct is long enough to hold the fixed header, whose name fields point to
+        // 'static strings in the plugin in every ABI version.
         unsafe {
             let d = &*desc;
             (

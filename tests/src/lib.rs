@@ -286,3 +286,5 @@ pub fn varied_prompts(n: usize) -> Vec<Vec<u32>> {
         })
         .collect()
 }
+
+pub mod plugin_fixtures;
