@@ -286,5 +286,3 @@ pub fn varied_prompts(n: usize) -> Vec<Vec<u32>> {
         })
         .collect()
 }
-
-pub mod plugin_fixtures;
