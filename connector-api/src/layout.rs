@@ -139,19 +139,18 @@ impl KvLayout {
 
     /// Every valid layout (120 permutations), in a fixed order.
     pub fn all() -> Vec<KvLayout> {
+        // Lexicographic over dimension indices; repeated indices are skipped as soon as
+        // they appear (Capabilities::validate calls this on every negotiation, so it should
+        // not test all 3125 tuples).
         let mut out = Vec::with_capacity(120);
         let dims = Dim::ALL;
         for a in 0..5 {
-            for b in 0..5 {
-                for c in 0..5 {
-                    for d in 0..5 {
-                        for e in 0..5 {
-                            if let Some(l) =
-                                KvLayout::from_order([dims[a], dims[b], dims[c], dims[d], dims[e]])
-                            {
-                                out.push(l);
-                            }
-                        }
+            for b in (0..5).filter(|b| *b != a) {
+                for c in (0..5).filter(|c| ![a, b].contains(c)) {
+                    for d in (0..5).filter(|d| ![a, b, c].contains(d)) {
+                        // The one index left: 0 + 1 + 2 + 3 + 4 = 10.
+                        let e = 10 - a - b - c - d;
+                        out.push(KvLayout { order: [dims[a], dims[b], dims[c], dims[d], dims[e]] });
                     }
                 }
             }

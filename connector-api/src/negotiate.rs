@@ -671,20 +671,17 @@ fn layout_fit(layout: KvLayout, parties: &[Party]) -> Option<(usize, u32)> {
 
 /// The best layout by (fewest adapters, lowest cost, preference order).
 fn pick_layout(parties: &[Party]) -> Option<KvLayout> {
-    // The short list first: it usually holds a layout no child has to adapt to, and
-    // building all 120 permutations is then unnecessary.
     let short = preference_order(parties, false);
-    for l in &short {
-        if layout_fit(*l, parties) == Some((0, 0)) {
-            return Some(*l);
-        }
-    }
+    // The short list usually holds a layout no child has to adapt to; the rest of the 120
+    // are only looked at when it does not.
+    let rest = all_layouts().iter().filter(|l| !short.contains(l));
     let mut best: Option<((usize, u32), KvLayout)> = None;
-    for l in preference_order(parties, true) {
-        if let Some(fit) = layout_fit(l, parties) {
+    for l in short.iter().chain(rest) {
+        if let Some(fit) = layout_fit(*l, parties) {
             if best.as_ref().map_or(true, |(b, _)| fit < *b) {
-                best = Some((fit, l));
+                best = Some((fit, *l));
                 if fit.0 == 0 {
+                    // Nothing beats no adapter, and earlier layouts win ties.
                     break;
                 }
             }
@@ -1852,6 +1849,18 @@ mod tests {
         assert_eq!(n.effective.layout, KvLayout::LBHNC);
         assert!(n.effective.hma);
         assert_eq!(n.effective.block_size, 16);
+    }
+
+    #[test]
+    fn layouts_are_tried_in_a_fixed_order() {
+        // The fallback preference order is KvLayout::all(): ascending, so stable across builds.
+        let all = all_layouts();
+        assert_eq!(all.len(), 120);
+        assert!(all.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(all[0].canonical_name(), "LBHNC");
+        let c = preference_order(&[], true);
+        assert_eq!(c[..4], KvLayout::COMMON);
+        assert_eq!(c.len(), 120);
     }
 
     #[test]
