@@ -91,14 +91,16 @@ fn benches(c: &mut Criterion) {
     let d = CompatDescriptor::new(&m, &n, &o);
     let mut g = c.benchmark_group("negotiate_80_layers_3_children");
     g.bench_function("baseline_descriptor_to_json", |b| b.iter(|| serde_json::to_string(black_box(&d))));
-    g.bench_function("negotiate", |b| b.iter(|| negotiate(black_box(&m), black_box(&o), black_box(&ch))));
+    g.bench_function("negotiate", |b| {
+        b.iter(|| black_box(negotiate(black_box(&m), black_box(&o), black_box(&ch))).is_ok())
+    });
     g.bench_function("negotiate_descriptor_hash", |b| {
         b.iter(|| negotiate_and_hash(black_box(&m), black_box(&o), black_box(&ch)))
     });
     g.bench_function("compat_hash_only", |b| b.iter(|| black_box(&d).compat_hash()));
     let decode = vec![ch[2].clone()];
     g.bench_function("negotiate_deployment", |b| {
-        b.iter(|| negotiate_deployment(black_box(&m), (&o, &ch), (&o, &decode)))
+        b.iter(|| black_box(negotiate_deployment(black_box(&m), (&o, &ch), (&o, &decode))).is_ok())
     });
     g.finish();
 }

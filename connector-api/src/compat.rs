@@ -240,7 +240,7 @@ fn gcd(a: u32, b: u32) -> u32 {
 
 /// `(a, b)` reduced when one divides the other; `None` otherwise.
 fn divisible_ratio(a: u32, b: u32) -> Option<(u32, u32)> {
-    if a == 0 || b == 0 || (a % b != 0 && b % a != 0) {
+    if a == 0 || b == 0 || (!a.is_multiple_of(b) && !b.is_multiple_of(a)) {
         return None;
     }
     let g = gcd(a, b);

@@ -582,7 +582,7 @@ impl Party<'_> {
 
     fn block_ok(&self, b: u32) -> bool {
         let m = self.caps.block_size_multiple.max(1);
-        b % m == 0 && self.caps.block_size_divides.map_or(true, |d| b != 0 && d % b == 0)
+        b.is_multiple_of(m) && self.caps.block_size_divides.is_none_or(|d| b != 0 && d.is_multiple_of(b))
     }
 
     fn block_constraint(&self) -> String {
@@ -599,7 +599,7 @@ impl Party<'_> {
     fn block_violation(&self, b: u32) -> Option<String> {
         let m = self.caps.block_size_multiple.max(1);
         let mut why = Vec::new();
-        if b % m != 0 {
+        if !b.is_multiple_of(m) {
             why.push(format!("{} needs a block size that is a multiple of {m}; {b} is not", self.label));
         }
         if let Some(d) = self.caps.block_size_divides {
@@ -678,7 +678,7 @@ fn pick_layout(parties: &[Party]) -> Option<KvLayout> {
     let mut best: Option<((usize, u32), KvLayout)> = None;
     for l in short.iter().chain(rest) {
         if let Some(fit) = layout_fit(*l, parties) {
-            if best.as_ref().map_or(true, |(b, _)| fit < *b) {
+            if best.as_ref().is_none_or(|(b, _)| fit < *b) {
                 best = Some((fit, *l));
                 if fit.0 == 0 {
                     // Nothing beats no adapter, and earlier layouts win ties.
@@ -817,13 +817,12 @@ fn field(field: &str, value: String, decided_by: DecidedBy, reason: String) -> F
     FieldProvenance { field: field.to_owned(), value, decided_by, reason }
 }
 
+/// The effective layout, its provenance, and the adapters by party index.
+type Decision = (EffectiveLayout, Vec<FieldProvenance>, Vec<(usize, LayoutAdapter)>);
+
 /// The whole negotiation over one set of parties. `opts` holds the shared options already
 /// merged; memory is checked against the own parties only.
-fn decide(
-    model: &ModelSpec,
-    opts: &EngineOptions,
-    parties: &[Party],
-) -> Result<(EffectiveLayout, Vec<FieldProvenance>, Vec<(usize, LayoutAdapter)>), Conflict> {
+fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<Decision, Conflict> {
     // Options and declarations a negotiation cannot work with.
     for p in parties {
         if let Err(e) = p.caps.validate() {

@@ -59,7 +59,7 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     layout,
                     adapt,
                     block_size_multiple: mult,
-                    block_size_divides: div.map(|d: u32| if d % mult == 0 { d } else { d * mult }),
+                    block_size_divides: div.map(|d: u32| if d.is_multiple_of(mult) { d } else { d * mult }),
                     cache_dtypes: dtypes,
                     memory_kinds: if mem.is_empty() { vec![MemoryKind::Host] } else { mem },
                     transfer_mode: mode,
@@ -148,7 +148,7 @@ fn respell(children: &[ChildCaps]) -> Vec<ChildCaps> {
 }
 
 fn block_fits(c: &Capabilities, b: u32) -> bool {
-    b % c.block_size_multiple.max(1) == 0 && c.block_size_divides.map_or(true, |d| d % b == 0)
+    b.is_multiple_of(c.block_size_multiple.max(1)) && c.block_size_divides.is_none_or(|d| d.is_multiple_of(b))
 }
 
 /// (adapters, total cost) for a layout, by the rules, or None.
