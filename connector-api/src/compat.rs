@@ -200,16 +200,48 @@ pub struct Incompatible {
 }
 
 impl Incompatible {
-    /// The message with other role names, e.g. `render("prefill", "decode")` for a check
-    /// made as local/peer.
+    /// The message with other role names, e.g. `render("decode", "prefill")` for a check
+    /// made as local/peer on the decode side. Role names inside remedies are renamed too.
     pub fn render(&self, local_role: &str, peer_role: &str) -> String {
-        render(&self.diffs, local_role, peer_role)
+        let diffs: Vec<FieldDiff> = self
+            .diffs
+            .iter()
+            .map(|d| FieldDiff {
+                remedy: rename_roles(&d.remedy, [&self.local_role, &self.peer_role], [local_role, peer_role]),
+                detail: rename_roles(&d.detail, [&self.local_role, &self.peer_role], [local_role, peer_role]),
+                ..d.clone()
+            })
+            .collect();
+        render(&diffs, local_role, peer_role)
     }
 
     /// The diff that names `field`, if any.
     pub fn diff_of(&self, field: &str) -> Option<&FieldDiff> {
         self.diffs.iter().find(|d| d.field == field)
     }
+}
+
+/// Replaces whole words `from[i]` by `to[i]` in one pass, so swapping names works.
+fn rename_roles(text: &str, from: [&str; 2], to: [&str; 2]) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut word = String::new();
+    let flush = |word: &mut String, out: &mut String| {
+        match from.iter().position(|f| *f == word.as_str()) {
+            Some(i) => out.push_str(to[i]),
+            None => out.push_str(word),
+        }
+        word.clear();
+    };
+    for ch in text.chars() {
+        if ch.is_alphanumeric() || ch == '_' || ch == '-' {
+            word.push(ch);
+        } else {
+            flush(&mut word, &mut out);
+            out.push(ch);
+        }
+    }
+    flush(&mut word, &mut out);
+    out
 }
 
 fn render(diffs: &[FieldDiff], a: &str, b: &str) -> String {
@@ -458,10 +490,21 @@ fn check_named(
     Ok(if receiver_is_a { plan(a, b) } else { plan(b, a) })
 }
 
-/// Whether `local` can receive KV from `peer`: the plan `local` applies (identity when the
-/// adaptable fields are equal), or every blocking difference.
+/// Whether `local` can receive KV from `peer`: the plan `local` applies to what it reads
+/// (identity when the adaptable fields are equal), or every blocking difference.
 pub fn check(local: &CompatDescriptor, peer: &CompatDescriptor) -> Result<AdaptationPlan, Incompatible> {
     check_named(local, peer, "local", "peer", true)
+}
+
+/// [`check`] with role names in the messages, e.g. `("decode", "prefill")` on the decode
+/// side of a handshake. The plan is still what `local` applies to what it reads.
+pub fn check_with_roles(
+    local: &CompatDescriptor,
+    peer: &CompatDescriptor,
+    local_role: &str,
+    peer_role: &str,
+) -> Result<AdaptationPlan, Incompatible> {
+    check_named(local, peer, local_role, peer_role, true)
 }
 
 /// [`check`] for a deployment: diffs are worded `prefill=..., decode=...` and the plan is
@@ -588,7 +631,20 @@ mod tests {
             // The same check from decode's side names the fields the other way round.
             let e = check(&decode, &prefill).unwrap_err();
             assert!(e.to_string().contains("hma: local=on"), "{e}");
-            assert!(e.render("decode", "prefill").contains("hma: decode=on"), "{e}");
+            let r = e.render("decode", "prefill");
+            assert!(r.contains("hma: decode=on"), "{r}");
+            assert!(
+                r.contains(
+                    "run decode with the same connector set, or set hybrid_kv_cache_manager=off on decode"
+                ),
+                "{r}"
+            );
+            assert!(r.contains("kv groups: decode 2 groups"), "{r}");
+            let e = check_with_roles(&decode, &prefill, "decode", "prefill").unwrap_err();
+            assert_eq!(e.to_string(), r);
+            // Swapping the names is a rename, not a double replacement.
+            let swapped = e.render("prefill", "decode");
+            assert!(swapped.contains("hma: prefill=on") && swapped.contains("off on prefill"), "{swapped}");
         }
     }
 
