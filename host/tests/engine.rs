@@ -474,3 +474,31 @@ fn bad_requests_are_refused_with_reasons() {
     e.add_request(GenRequest::new("a", vec![1], 1)).unwrap();
     assert!(err(&mut e, GenRequest::new("a", vec![2], 1)).contains("still in the engine"));
 }
+
+#[test]
+fn shared_memory_regions_give_the_same_tokens_and_are_unlinked() {
+    let ps = prompts(4);
+    let want = generate(&mut monolithic(KvLayout::HND, true, Dtype::Bf16), &ps, 4);
+    let mut cfg = config(KvLayout::HND, true, Dtype::Bf16);
+    cfg.shm = Some("engine test".into());
+    let mut e = Engine::new(cfg, None, FailurePolicy::Recompute).unwrap();
+    let names: Vec<String> = e.regions().iter().map(|r| r.shm_name.clone().unwrap()).collect();
+    assert_eq!(names.len(), 4);
+    let on_disk = |n: &str| std::path::Path::new(&format!("/dev/shm{n}")).exists();
+    assert!(names.iter().all(|n| on_disk(n)), "{names:?}");
+    assert_eq!(generate(&mut e, &ps, 4), want);
+    drop(e);
+    assert!(names.iter().all(|n| !on_disk(n)), "{names:?}");
+}
+
+#[test]
+fn fixture_config_reads_like_any_model() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/models/kvconnect--reference/config.json");
+    let spec =
+        kvconnect_api::ModelSpec::from_hf_config_json(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let e = monolithic(KvLayout::HND, true, Dtype::Bf16);
+    assert_eq!(&spec, e.model_spec());
+    // Sliding and full layers: HMA gives two KV cache groups, hence two block tables.
+    assert_eq!(kvconnect_api::negotiate::kv_groups(&spec, true).len(), 2);
+    assert_eq!(e.pool().num_groups(), 2);
+}

@@ -745,3 +745,168 @@ impl Drop for Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::pool::local_effective_layout;
+    use kvconnect_api::{ConnectorResult, Dtype, FinishedTransfers, KvEvent, KvLayout, RequestFinished};
+    use std::sync::{Arc, Mutex};
+
+    type Log = Arc<Mutex<Vec<String>>>;
+
+    /// Records every call; delays freeing and reports the request sent one step later.
+    struct Rec {
+        log: Log,
+        send_after: Arc<Mutex<Vec<RequestId>>>,
+    }
+
+    impl SchedulerConnector for Rec {
+        fn get_num_new_matched_tokens(&mut self, req: &Request, n: usize) -> ConnectorResult<MatchResult> {
+            self.log.lock().unwrap().push(format!("lookup {} {n}", req.id));
+            Ok(MatchResult::Matched { tokens: 0, async_load: false })
+        }
+        fn update_state_after_alloc(
+            &mut self,
+            req: &Request,
+            b: &BlocksPerGroup,
+            ext: usize,
+        ) -> ConnectorResult<()> {
+            self.log.lock().unwrap().push(format!("alloc {} groups={} ext={ext}", req.id, b.0.len()));
+            Ok(())
+        }
+        fn build_connector_meta(&mut self, s: &StepInfo) -> ConnectorResult<Vec<u8>> {
+            self.log.lock().unwrap().push(format!(
+                "meta {} sched={} fin={}",
+                s.step,
+                s.scheduled.len(),
+                s.finished.len()
+            ));
+            Ok(vec![s.step as u8])
+        }
+        fn request_finished(
+            &mut self,
+            req: &Request,
+            _: &BlocksPerGroup,
+        ) -> ConnectorResult<RequestFinished> {
+            self.log.lock().unwrap().push(format!("finished {}", req.id));
+            self.send_after.lock().unwrap().push(req.id.clone());
+            Ok(RequestFinished {
+                delay_free: true,
+                transfer_params: Some(Map::from_iter([("k".into(), Value::from(1))])),
+            })
+        }
+        fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
+            Ok(Vec::new())
+        }
+    }
+
+    impl WorkerConnector for Rec {
+        fn register_kv_caches(&mut self, r: &[KvRegion]) -> ConnectorResult<()> {
+            self.log.lock().unwrap().push(format!("register {}", r.len()));
+            Ok(())
+        }
+        fn bind_connector_meta(&mut self, m: &[u8]) -> ConnectorResult<()> {
+            self.log.lock().unwrap().push(format!("bind {m:?}"));
+            Ok(())
+        }
+        fn start_load_kv(&mut self) -> ConnectorResult<()> {
+            self.log.lock().unwrap().push("start_load".into());
+            Ok(())
+        }
+        fn wait_for_layer_load(&mut self, l: LayerId) -> ConnectorResult<()> {
+            self.log.lock().unwrap().push(format!("wait_layer {l}"));
+            Ok(())
+        }
+        fn save_kv_layer(&mut self, l: LayerId, b: &[BlockId]) -> ConnectorResult<()> {
+            self.log.lock().unwrap().push(format!("save {l} {b:?}"));
+            Ok(())
+        }
+        fn wait_for_save(&mut self) -> ConnectorResult<()> {
+            self.log.lock().unwrap().push("wait_save".into());
+            Ok(())
+        }
+        fn get_finished(&mut self, f: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
+            self.log.lock().unwrap().push(format!("get_finished {}", f.len()));
+            // Report as sent what finished in an earlier step (never in the same one).
+            let sent =
+                if f.is_empty() { Vec::new() } else { std::mem::take(&mut *self.send_after.lock().unwrap()) };
+            Ok(FinishedTransfers { finished_sending: sent, ..Default::default() })
+        }
+        fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
+            self.log.lock().unwrap().push("load_errors".into());
+            Ok(Vec::new())
+        }
+        fn handshake_metadata(&mut self) -> ConnectorResult<Option<Value>> {
+            Ok(None)
+        }
+        fn set_peer_handshake_metadata(&mut self, _: &Value) -> ConnectorResult<()> {
+            Ok(())
+        }
+        fn shutdown(&mut self) -> ConnectorResult<()> {
+            self.log.lock().unwrap().push("shutdown".into());
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn connector_calls_come_in_vllm_order_and_blocks_wait_for_finished_sending() {
+        let cfg = ReferenceConfig::builtin().unwrap();
+        let spec = cfg.model_spec().unwrap();
+        let eff = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
+        let log = Log::default();
+        let send_after = Arc::new(Mutex::new(Vec::new()));
+        let conn: Connector = (
+            Box::new(Rec { log: log.clone(), send_after: send_after.clone() }),
+            Box::new(Rec { log: log.clone(), send_after }),
+        );
+        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 8, seed: 1, shm: None };
+        let mut e = Engine::new(ec, Some(conn), FailurePolicy::Recompute).unwrap();
+        e.add_request(GenRequest::new("a", vec![1; 20], 2)).unwrap();
+        let o1 = e.step().unwrap();
+        assert_eq!(o1.len(), 1);
+        assert!(o1[0].first_token_latency.is_some() && o1[0].finished.is_none());
+        let o2 = e.step().unwrap();
+        assert_eq!(o2[0].finished, Some(FinishReason::Length));
+        assert_eq!(o2[0].kv_transfer_params.as_ref().unwrap()["k"], 1);
+        // Finished but the connector still holds its blocks.
+        assert!(!e.has_unfinished());
+        assert_eq!(e.pending_frees(), vec!["a".to_owned()]);
+        assert_eq!(e.free_blocks(), e.total_blocks() - 2 * 2);
+        e.step().unwrap();
+        assert!(e.pending_frees().is_empty());
+        assert_eq!(e.free_blocks(), e.total_blocks());
+        drop(e);
+
+        let layers = |v: &mut Vec<String>, blocks: &str| {
+            for l in 0..4 {
+                v.push(format!("wait_layer {l}"));
+                v.push(format!("save {l} {blocks}"));
+            }
+        };
+        let mut want = vec!["register 4".to_owned(), "lookup a 0".into(), "alloc a groups=2 ext=0".into()];
+        want.extend(["meta 1 sched=1 fin=0".into(), "bind [1]".into(), "start_load".into()]);
+        layers(&mut want, "[BlockId(0), BlockId(1)]");
+        want.extend(["wait_save".into(), "get_finished 0".into(), "load_errors".into()]);
+        want.extend(["meta 2 sched=1 fin=0".into(), "bind [2]".into(), "start_load".into()]);
+        layers(&mut want, "[BlockId(1)]");
+        want.extend(["wait_save".into(), "get_finished 0".into(), "load_errors".into(), "finished a".into()]);
+        want.extend(["meta 3 sched=0 fin=1".into(), "bind [3]".into(), "start_load".into()]);
+        layers(&mut want, "[]");
+        want.extend(["wait_save".into(), "get_finished 1".into(), "load_errors".into(), "shutdown".into()]);
+        assert_eq!(*log.lock().unwrap(), want);
+    }
+
+    #[test]
+    fn unsupported_cache_dtype_is_refused() {
+        let cfg = ReferenceConfig::builtin().unwrap();
+        let spec = cfg.model_spec().unwrap();
+        let eff = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Fp8E4m3);
+        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 8, seed: 1, shm: None };
+        let e = Engine::new(ec, None, FailurePolicy::Recompute).unwrap_err().to_string();
+        assert!(
+            e.contains("cache dtype Fp8E4m3 is not supported by the reference engine; use bf16 or f32"),
+            "{e}"
+        );
+    }
+}

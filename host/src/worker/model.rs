@@ -9,7 +9,7 @@
 use crate::worker::error::WorkerError;
 use crate::worker::prng::SplitMix64;
 use crate::worker::tokenizer::VOCAB_SIZE;
-use kvconnect_api::{AttentionKind, Dtype, ModelSpec};
+use kvconnect_api::{AttentionKind, ModelSpec};
 use serde::Deserialize;
 
 /// The reference model's `config.json`, as checked in at
@@ -48,14 +48,19 @@ pub struct ReferenceConfig {
     /// The model dtype (`bfloat16`, `float32`, `float16`).
     #[serde(default)]
     pub torch_dtype: Option<String>,
+    /// The JSON text it was read from (what negotiation parses).
+    #[serde(skip)]
+    pub raw: String,
 }
 
 impl ReferenceConfig {
     /// Parses and checks a `config.json`.
     pub fn from_json(json: &str) -> Result<ReferenceConfig, WorkerError> {
-        let c: ReferenceConfig = serde_json::from_str(json)
+        let mut c: ReferenceConfig = serde_json::from_str(json)
             .map_err(|e| WorkerError::ModelConfig(format!("not a reference model config: {e}")))?;
+        c.raw = json.to_owned();
         c.validate()?;
+        c.model_spec()?;
         Ok(c)
     }
 
@@ -111,22 +116,24 @@ impl ReferenceConfig {
             .collect()
     }
 
-    /// The model as negotiation and the KV pool see it.
+    /// The model as negotiation and the KV pool see it: the generic Hugging Face parser's
+    /// reading of the same `config.json`, checked against what the engine computes, so a
+    /// disagreement is an error here rather than a silent layout mismatch later.
     pub fn model_spec(&self) -> Result<ModelSpec, WorkerError> {
-        let dtype = match self.torch_dtype.as_deref() {
-            Some("bfloat16") => Some(Dtype::Bf16),
-            Some("float16") => Some(Dtype::F16),
-            Some("float32") => Some(Dtype::F32),
-            _ => None,
-        };
-        Ok(ModelSpec {
-            name: self.model_type.clone(),
-            num_layers: self.num_hidden_layers as u32,
-            num_kv_heads: self.num_key_value_heads as u32,
-            head_dim: self.head_dim as u32,
-            dtype,
-            layers: self.attention_kinds()?,
-        })
+        let kinds = self.attention_kinds()?;
+        let spec = ModelSpec::from_hf_config_json(&self.raw).map_err(|e| {
+            WorkerError::ModelConfig(format!("negotiation cannot read this config.json: {e}"))
+        })?;
+        if spec.layers != kinds
+            || spec.num_kv_heads as usize != self.num_key_value_heads
+            || spec.head_dim as usize != self.head_dim
+        {
+            return Err(WorkerError::ModelConfig(format!(
+                "the Hugging Face config parser reads {} layers {:?} with {} KV heads of dim {}, but the engine computes {:?} with {} KV heads of dim {}",
+                spec.num_layers, spec.layers, spec.num_kv_heads, spec.head_dim, kinds, self.num_key_value_heads, self.head_dim
+            )));
+        }
+        Ok(spec)
     }
 }
 
@@ -340,12 +347,14 @@ fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvconnect_api::Dtype;
 
     #[test]
     fn builtin_config_describes_a_hybrid_model() {
         let c = ReferenceConfig::builtin().unwrap();
         let spec = c.model_spec().unwrap();
-        assert_eq!(spec.name, "kvconnect-reference");
+        assert!(spec.name.starts_with("kvconnect-reference"), "{}", spec.name);
+        assert_eq!(spec.num_layers, 4);
         assert_eq!(spec.num_kv_heads, 2);
         assert_eq!(spec.head_dim, 16);
         assert_eq!(spec.dtype, Some(Dtype::Bf16));

@@ -17,9 +17,9 @@ use kvconnect_api::{
     MemoryKind, ModelSpec, TransferMode,
 };
 
-/// An effective layout for one engine on its own, without negotiation: HMA on gives one
-/// KV cache group per attention kind (in order of first appearance), off gives one group of
-/// every KV layer. Host memory, no transfer.
+/// An effective layout for one engine on its own, without negotiation: the KV cache groups
+/// `negotiate` would give (HMA on: one per attention kind; off: one of every KV layer), host
+/// memory, no transfer.
 pub fn local_effective_layout(
     model: &ModelSpec,
     layout: KvLayout,
@@ -27,24 +27,7 @@ pub fn local_effective_layout(
     block_size: u32,
     cache_dtype: Dtype,
 ) -> EffectiveLayout {
-    let kv_layers: Vec<(LayerId, AttentionKind)> = model
-        .layers
-        .iter()
-        .enumerate()
-        .filter(|(_, k)| k.has_kv_blocks())
-        .map(|(i, k)| (LayerId(i as u32), *k))
-        .collect();
-    let mut groups: Vec<KvGroup> = Vec::new();
-    if hma {
-        for (l, k) in &kv_layers {
-            match groups.iter_mut().find(|g| g.kind == *k) {
-                Some(g) => g.layers.push(*l),
-                None => groups.push(KvGroup { kind: *k, layers: vec![*l] }),
-            }
-        }
-    } else if let Some((_, first)) = kv_layers.first() {
-        groups.push(KvGroup { kind: *first, layers: kv_layers.iter().map(|(l, _)| *l).collect() });
-    }
+    let groups = kvconnect_api::negotiate::kv_groups(model, hma);
     EffectiveLayout {
         layout,
         hma,
