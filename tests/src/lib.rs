@@ -120,10 +120,20 @@ impl Worker {
         None
     }
 
-    /// Kills the process at once (SIGKILL), as a crash would.
+    /// Kills the process at once (SIGKILL), as a crash would. A killed worker cannot unlink
+    /// its shared-memory segments, so the test removes them afterwards (as an operator
+    /// would) to keep /dev/shm clean on CI machines.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let prefix = format!("kvc-{}-", self.child.id());
+        if let Ok(d) = std::fs::read_dir("/dev/shm") {
+            for e in d.filter_map(|e| e.ok()) {
+                if e.file_name().to_string_lossy().starts_with(&prefix) {
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
     }
 
     /// GET a path; the body as JSON.
@@ -139,9 +149,12 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        // SIGTERM first so the worker unlinks its shared memory; SIGKILL if it hangs.
         if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            if self.terminate(Duration::from_secs(5)).is_none() {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+            }
         }
     }
 }

@@ -83,6 +83,7 @@ fn kv_role(role: Role) -> KvRole {
 }
 
 async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
+    let stop = shutdown_signal()?;
     let sc_want = SocketAddr::new(spec.side_channel.host, spec.side_channel.port);
     let sc_listener = std::net::TcpListener::bind(sc_want).with_context(|| {
         format!("cannot bind the side channel on {sc_want}; pick another --side-channel-port (0 = any)")
@@ -187,7 +188,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker ready");
 
     axum::serve(listener, http::router(state))
-        .with_graceful_shutdown(shutdown_signal())
+        .with_graceful_shutdown(stop)
         .await
         .context("HTTP server failed")?;
     tracing::info!("shutting down: stopping the engine and releasing KV memory");
@@ -202,26 +203,26 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
+/// Registers the SIGTERM and SIGINT handlers now (a signal that arrives before the worker
+/// announces itself must not kill it with the default action and leak its shared memory);
+/// the returned future completes on the first of them.
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?;
+        let mut int = signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?;
+        Ok(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGTERM");
-                std::future::pending::<()>().await
-            }
-        }
-    };
+        })
+    }
     #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = term => {}
+    {
+        Ok(async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
     }
 }
