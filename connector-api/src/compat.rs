@@ -11,7 +11,9 @@
 use crate::caps::TransferMode;
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout};
 use crate::model::{Dtype, ModelSpec};
-use crate::negotiate::{describe_groups, dtype_name, mode_name, EngineOptions, FieldProvenance, Negotiated};
+use crate::negotiate::{
+    describe_groups_with, dtype_name, mode_name, EngineOptions, FieldProvenance, Negotiated,
+};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::fmt;
@@ -334,8 +336,11 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
     }
     // Groups follow from the model: when the models differ, the model diff says it all.
     if same_model && ea.groups != eb.groups {
-        let detail =
-            format!("kv groups: {ar} {}; {br} {}", describe_groups(&ea.groups), describe_groups(&eb.groups));
+        let detail = format!(
+            "kv groups: {ar} {}; {br} {}",
+            describe_groups_with(&ea.groups, ea.hma),
+            describe_groups_with(&eb.groups, eb.hma)
+        );
         if ea.hma != eb.hma {
             let on = if ea.hma { ar } else { br };
             push(
@@ -352,9 +357,9 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             push(
                 "kv_groups",
                 FieldClass::Strict,
-                describe_groups(&ea.groups),
+                describe_groups_with(&ea.groups, ea.hma),
                 a.why("kv_groups"),
-                describe_groups(&eb.groups),
+                describe_groups_with(&eb.groups, eb.hma),
                 b.why("kv_groups"),
                 format!(
                     "negotiate {ar} and {br} together (kvconnect plan) so they get the same KV cache groups"

@@ -488,6 +488,16 @@ pub(crate) fn kind_name(k: &AttentionKind) -> String {
     }
 }
 
+/// The KV cache groups as one short string: `2 groups: sliding_window(128) x12, full x12`,
+/// or with HMA off `1 group: all 24 KV layers` (the group's `kind` is
+/// then only its first layer's, so it is not printed).
+pub fn describe_groups_with(groups: &[KvGroup], hma: bool) -> String {
+    match groups {
+        [one] if !hma => format!("1 group: all {} KV layers", one.layers.len()),
+        _ => describe_groups(groups),
+    }
+}
+
 /// The KV cache groups as one short string: `2 groups: sliding_window(128) x12, full x12`.
 pub fn describe_groups(groups: &[KvGroup]) -> String {
     if groups.is_empty() {
@@ -740,8 +750,9 @@ fn layout_remedy(parties: &[Party]) -> String {
         if let Some(l) = pick_layout(&enabled) {
             let who: Vec<String> =
                 adapters_for(l, &enabled).into_iter().map(|(i, _)| enabled[i].label.clone()).collect();
+            let verb = if who.len() == 1 { "adapts" } else { "adapt" };
             out.push(format!(
-                "allow adapters (allow_adapters=true): {} then adapt(s) to {}",
+                "allow adapters (allow_adapters=true): {} then {verb} to {}",
                 who.join(", "),
                 l.display_name()
             ));
@@ -1199,7 +1210,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
         field("cache_dtype", dtype_name(dtype).to_owned(), dtype_by, dtype_reason),
         field("memory", memory_name(memory).to_owned(), memory_by, memory_reason),
         field("transfer_mode", mode_name(mode).to_owned(), mode_by, mode_reason),
-        field("kv_groups", describe_groups(&groups), groups_by, groups_reason),
+        field("kv_groups", describe_groups_with(&groups, hma), groups_by, groups_reason),
     ];
     let effective =
         EffectiveLayout { layout, hma, block_size, cache_dtype: dtype, memory, transfer_mode: mode, groups };
