@@ -77,13 +77,14 @@ impl ReferenceConfig {
         if self.hidden_size == 0 || self.intermediate_size == 0 || self.num_hidden_layers == 0 {
             return bad("hidden_size, intermediate_size and num_hidden_layers must be positive".into());
         }
-        if self.num_key_value_heads == 0 || self.num_attention_heads % self.num_key_value_heads != 0 {
+        if self.num_key_value_heads == 0 || !self.num_attention_heads.is_multiple_of(self.num_key_value_heads)
+        {
             return bad(format!(
                 "num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({})",
                 self.num_attention_heads, self.num_key_value_heads
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim is {}; RoPE needs a positive even head_dim", self.head_dim));
         }
         if self.layer_types.len() != self.num_hidden_layers {

@@ -13,8 +13,8 @@ use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
 use kvconnect_api::{
-    AttentionKind, BlockId, BlocksPerGroup, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, LayerId,
-    MemoryKind, ModelSpec, TransferMode,
+    BlockId, BlocksPerGroup, Dtype, EffectiveLayout, KvLayout, KvRegion, LayerId, MemoryKind, ModelSpec,
+    TransferMode,
 };
 
 /// An effective layout for one engine on its own, without negotiation: the KV cache groups
@@ -332,6 +332,7 @@ fn inner_strides(layout: KvLayout, s: &BlockShape) -> InnerStrides {
 mod tests {
     use super::*;
     use kvconnect_api::geometry::Geometry;
+    use kvconnect_api::AttentionKind;
 
     fn model() -> ModelSpec {
         ModelSpec {
