@@ -813,6 +813,21 @@ mod tests {
         assert!(a.compat_hash().bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
     }
 
+    #[test]
+    fn nonsense_from_a_peer_is_an_error_not_a_panic() {
+        let good = desc(&qwen3(), &opts(), &[nixl()]);
+        let mut bad = good.clone();
+        bad.effective.block_size = 0;
+        bad.tp_size = 0;
+        // Byte 12 falls inside a two-byte character: the short form must not slice there.
+        bad.model_fingerprint = format!("a{}", "é".repeat(6));
+        bad.provenance.clear();
+        let e = check(&good, &bad).unwrap_err();
+        let fields: Vec<&str> = e.diffs.iter().map(|d| d.field.as_str()).collect();
+        assert_eq!(fields, ["model", "block_size", "tp_size"]);
+        assert!(e.to_string().contains("16 and 0 do not divide each other"), "{e}");
+    }
+
     /// Pins the hash of one fixed descriptor: a change here breaks every deployed peer's
     /// handshake, so it must be deliberate (and bump `HASH_SCHEMA`).
     #[test]

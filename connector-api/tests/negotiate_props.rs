@@ -4,7 +4,8 @@
 //! negotiation gives both roles one hash.
 
 use kvconnect_api::caps::KvRoleCap;
-use kvconnect_api::compat::check_roles;
+use kvconnect_api::compat::{check, check_roles, diff};
+use kvconnect_api::FieldClass;
 use kvconnect_api::{
     negotiate, negotiate_deployment, AdaptCost, AttentionKind, Capabilities, ChildCaps, CompatDescriptor,
     Conflict, Dtype, EngineOptions, HmaOption, KvLayout, LayoutConstraint, MemoryKind, ModelSpec, Negotiated,
@@ -334,6 +335,26 @@ proptest! {
             let all: Vec<ChildCaps> = p.iter().chain(&d).cloned().collect();
             check_sound(&m, &EngineOptions { kv_cache_layout: Some(pe.layout), ..o.clone() }, &p, &all, &pn)?;
             check_sound(&m, &EngineOptions { kv_cache_layout: Some(de.layout), ..o.clone() }, &d, &all, &dn)?;
+        }
+    }
+
+    #[test]
+    fn hash_equality_is_no_strict_diff(
+        m1 in model(), m2 in model(), o1 in options(), o2 in options(), c1 in children(), c2 in children(),
+        same_model in any::<bool>(),
+    ) {
+        let m2 = if same_model { m1.clone() } else { m2 };
+        if let (Ok(n1), Ok(n2)) = (negotiate(&m1, &o1, &c1), negotiate(&m2, &o2, &c2)) {
+            let a = CompatDescriptor::new(&m1, &n1, &o1);
+            let b = CompatDescriptor::new(&m2, &n2, &o2);
+            let strict = diff(&a, &b).iter().any(|d| d.class == FieldClass::Strict);
+            prop_assert_eq!(a.compat_hash() == b.compat_hash(), !strict);
+            // Whether two sides can exchange KV does not depend on who asks.
+            prop_assert_eq!(check(&a, &b).is_ok(), check(&b, &a).is_ok());
+            prop_assert!(check(&a, &a).unwrap().is_identity());
+            if strict {
+                prop_assert!(check(&a, &b).is_err());
+            }
         }
     }
 
