@@ -10,6 +10,9 @@ use std::collections::BTreeMap;
 /// Version of the envelope format; a worker refuses any other.
 pub const META_VERSION: u32 = 1;
 
+/// First bytes of every envelope.
+const MAGIC: &[u8; 4] = b"KVPD";
+
 /// One child's part.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MetaPart {
@@ -22,7 +25,12 @@ pub struct MetaPart {
 }
 
 /// A step's metadata for the whole composite.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// On the wire: `KVPD`, a little-endian u32 header length, the header as JSON (version,
+/// each part's index, name and length, `delayed`, `loads`), then the parts' bytes back to
+/// back. The children's bytes stay raw: spelling them out in JSON costs hundreds of times a
+/// copy (see `benches/composite.rs`).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MetaEnvelope {
     /// `META_VERSION`.
     pub version: u32,
@@ -31,31 +39,92 @@ pub struct MetaEnvelope {
     /// Requests finished since the last step whose freeing some children delay, with those
     /// children's indices: the worker reports the request as finished sending once all of
     /// them have.
-    #[serde(default)]
     pub delayed: BTreeMap<RequestId, Vec<usize>>,
     /// Requests with an external load this step, with the indices of the children that load
     /// a part: the worker reports the request as finished receiving once all of them have.
-    #[serde(default)]
     pub loads: BTreeMap<RequestId, Vec<usize>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct PartHeader {
+    index: usize,
+    name: String,
+    len: usize,
+}
+
+#[derive(Serialize, Deserialize)]
+struct Header {
+    version: u32,
+    parts: Vec<PartHeader>,
+    #[serde(default)]
+    delayed: BTreeMap<RequestId, Vec<usize>>,
+    #[serde(default)]
+    loads: BTreeMap<RequestId, Vec<usize>>,
 }
 
 impl MetaEnvelope {
     /// Encodes the envelope.
     pub fn encode(&self) -> Vec<u8> {
+        let header = Header {
+            version: self.version,
+            parts: self
+                .parts
+                .iter()
+                .map(|p| PartHeader { index: p.index, name: p.name.clone(), len: p.bytes.len() })
+                .collect(),
+            delayed: self.delayed.clone(),
+            loads: self.loads.clone(),
+        };
         // Serialising plain owned data with string keys cannot fail.
-        serde_json::to_vec(self).unwrap_or_default()
+        let h = serde_json::to_vec(&header).unwrap_or_default();
+        let body: usize = self.parts.iter().map(|p| p.bytes.len()).sum();
+        let mut out = Vec::with_capacity(8 + h.len() + body);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&(h.len() as u32).to_le_bytes());
+        out.extend_from_slice(&h);
+        for p in &self.parts {
+            out.extend_from_slice(&p.bytes);
+        }
+        out
     }
 
     /// Decodes and checks an envelope against this composite's children (names in order).
     pub fn decode(bytes: &[u8], names: &[String]) -> Result<MetaEnvelope, PdError> {
-        let env: MetaEnvelope = serde_json::from_slice(bytes)
-            .map_err(|e| PdError::BadMeta(format!("not a composite metadata envelope ({e})")))?;
-        if env.version != META_VERSION {
+        let not_env = |why: &str| PdError::BadMeta(format!("not a composite metadata envelope ({why})"));
+        if bytes.len() < 8 || &bytes[..4] != MAGIC {
+            return Err(not_env("it does not start with the KVPD header"));
+        }
+        let mut len4 = [0u8; 4];
+        len4.copy_from_slice(&bytes[4..8]);
+        let hlen = u32::from_le_bytes(len4) as usize;
+        let rest = &bytes[8..];
+        if hlen > rest.len() {
+            return Err(not_env(&format!("header of {hlen} bytes but only {} follow", rest.len())));
+        }
+        let header: Header =
+            serde_json::from_slice(&rest[..hlen]).map_err(|e| not_env(&format!("header: {e}")))?;
+        if header.version != META_VERSION {
             return Err(PdError::BadMeta(format!(
                 "envelope version {} but this worker reads version {META_VERSION}; run the same kvconnect on the scheduler and the workers",
-                env.version
+                header.version
             )));
         }
+        let mut body = &rest[hlen..];
+        let want_body: usize = header.parts.iter().map(|p| p.len).fold(0usize, |a, b| a.saturating_add(b));
+        if want_body != body.len() {
+            return Err(not_env(&format!(
+                "the parts add up to {want_body} bytes but {} follow the header",
+                body.len()
+            )));
+        }
+        let mut parts = Vec::with_capacity(header.parts.len());
+        for p in header.parts {
+            let (mine, tail) = body.split_at(p.len);
+            parts.push(MetaPart { index: p.index, name: p.name, bytes: mine.to_vec() });
+            body = tail;
+        }
+        let env =
+            MetaEnvelope { version: header.version, parts, delayed: header.delayed, loads: header.loads };
         let got: Vec<&str> = env.parts.iter().map(|p| p.name.as_str()).collect();
         let want: Vec<&str> = names.iter().map(String::as_str).collect();
         let indices_ok = env.parts.iter().enumerate().all(|(i, p)| p.index == i);
@@ -114,6 +183,14 @@ mod tests {
             "{e}"
         );
         assert!(MetaEnvelope::decode(b"\x00\x01garbage", &names()).is_err());
+        // Truncated anywhere: an error, never a panic.
+        let full = env().encode();
+        for cut in 0..full.len() {
+            assert!(MetaEnvelope::decode(&full[..cut], &names()).is_err(), "cut at {cut}");
+        }
+        let mut long = full.clone();
+        long.push(0);
+        assert!(MetaEnvelope::decode(&long, &names()).unwrap_err().to_string().contains("add up to"));
         let mut bad = env();
         bad.delayed.insert(RequestId::from("r2"), vec![7]);
         let e = MetaEnvelope::decode(&bad.encode(), &names()).unwrap_err();
