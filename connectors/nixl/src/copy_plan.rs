@@ -236,7 +236,11 @@ impl<'a> LocalRegions<'a> {
 
     /// Copies a direct run's bytes into place.
     pub fn write_run(&mut self, run: &CopyRun, src: &[u8]) -> Result<(), TransferError> {
-        self.dst_mut(run.dst_region, run.dst_off, run.len)?.copy_from_slice(src);
+        let dst = self.dst_mut(run.dst_region, run.dst_off, run.len)?;
+        if dst.len() != src.len() {
+            return Err(plan_err(format!("run of {} bytes for a destination of {}", src.len(), dst.len())));
+        }
+        crate::stream_copy::copy_run(dst, src);
         Ok(())
     }
 

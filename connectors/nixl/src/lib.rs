@@ -31,6 +31,7 @@ pub mod producer;
 pub mod puller;
 pub mod scheduler;
 pub mod shm;
+pub mod stream_copy;
 pub mod wire;
 pub mod worker;
 
