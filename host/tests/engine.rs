@@ -120,6 +120,8 @@ enum Fault {
     FailRecv,
     /// Load nothing but report every block as a load error.
     ErrorBlocks,
+    /// As ErrorBlocks, but the load is reported finished one step after its bad blocks.
+    ErrorBlocksEarly,
     /// Load zeros instead of the stored bytes and report success (to prove the tests see KV).
     Corrupt,
 }
@@ -203,6 +205,7 @@ struct LoopWorker {
     meta: Meta,
     sent: Vec<RequestId>,
     recvd: Vec<RequestId>,
+    recvd_later: Vec<RequestId>,
     failed: Vec<RequestId>,
     err_blocks: Vec<BlockId>,
     layers_saved: Vec<u32>,
@@ -241,9 +244,13 @@ impl WorkerConnector for LoopWorker {
                     self.failed.push(RequestId(id));
                     continue;
                 }
-                Fault::ErrorBlocks => {
+                Fault::ErrorBlocks | Fault::ErrorBlocksEarly => {
                     self.err_blocks.extend(blocks[0].iter().take(n).map(|b| BlockId(*b)));
-                    self.recvd.push(RequestId(id));
+                    if self.fault == Fault::ErrorBlocks {
+                        self.recvd.push(RequestId(id));
+                    } else {
+                        self.recvd_later.push(RequestId(id));
+                    }
                     continue;
                 }
                 _ => {}
@@ -298,9 +305,11 @@ impl WorkerConnector for LoopWorker {
     }
 
     fn get_finished(&mut self, _: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
+        let later = std::mem::take(&mut self.recvd_later);
+        let recvd = std::mem::replace(&mut self.recvd, later);
         Ok(FinishedTransfers {
+            finished_recving: recvd,
             finished_sending: std::mem::take(&mut self.sent),
-            finished_recving: std::mem::take(&mut self.recvd),
             failed_recving: std::mem::take(&mut self.failed),
         })
     }
@@ -341,6 +350,7 @@ fn loopback_engine(
         meta: Meta::default(),
         sent: Vec::new(),
         recvd: Vec::new(),
+        recvd_later: Vec::new(),
         failed: Vec::new(),
         err_blocks: Vec::new(),
         layers_saved: Vec::new(),
@@ -430,7 +440,7 @@ fn corrupt_kv_changes_the_output() {
 fn load_failure_with_recompute_still_matches_monolithic() {
     let ps = prompts(12);
     let mono = generate(&mut monolithic(KvLayout::HND, true, Dtype::Bf16), &ps, 4);
-    for fault in [Fault::FailRecv, Fault::ErrorBlocks] {
+    for fault in [Fault::FailRecv, Fault::ErrorBlocks, Fault::ErrorBlocksEarly] {
         let store = Store::default();
         let mut p = loopback_engine(&store, KvLayout::HND, true, true, Fault::None, FailurePolicy::Recompute);
         let mut d = loopback_engine(&store, KvLayout::HND, true, true, fault, FailurePolicy::Recompute);
@@ -446,6 +456,7 @@ fn load_failure_with_fail_policy_ends_the_request_with_the_reason() {
     for (fault, reason) in [
         (Fault::FailRecv, "the connector reported the async KV load as failed"),
         (Fault::ErrorBlocks, "the connector could not load block"),
+        (Fault::ErrorBlocksEarly, "the connector could not load block"),
     ] {
         let store = Store::default();
         let mut p = loopback_engine(&store, KvLayout::HND, true, true, Fault::None, FailurePolicy::Fail);

@@ -139,6 +139,7 @@ struct Seq {
     num_computed: usize,
     external: usize,
     loaded_this_step: bool,
+    load_error: Option<String>,
     output: Vec<u32>,
     added: Instant,
 }
@@ -277,6 +278,7 @@ impl Engine {
             num_computed: 0,
             external: 0,
             loaded_this_step: false,
+            load_error: None,
             output: Vec::new(),
             added: Instant::now(),
         };
@@ -528,24 +530,28 @@ impl Engine {
         let recvd: BTreeSet<&str> = fin.finished_recving.iter().map(|r| r.0.as_str()).collect();
         let failed_recv: BTreeSet<&str> = fin.failed_recving.iter().map(|r| r.0.as_str()).collect();
         let bs = self.pool.effective().block_size as usize;
-        for (k, s) in self.seqs.iter() {
+        for (k, s) in self.seqs.iter_mut() {
             let id = s.req.id.0.as_str();
-            let touched = s.loaded_this_step || (s.state == State::WaitingForRemoteKv && recvd.contains(id));
-            if s.state == State::WaitingForRemoteKv && failed_recv.contains(id) {
-                load_failed
-                    .entry(*k)
-                    .or_insert_with(|| "the connector reported the async KV load as failed".into());
-            } else if touched && !err_blocks.is_empty() {
+            let waiting = s.state == State::WaitingForRemoteKv;
+            // A bad block of a load still in flight is remembered and acted on once the
+            // connector is done with the request: recomputing into blocks a connector may
+            // still be writing would race with it.
+            if (s.loaded_this_step || waiting) && !err_blocks.is_empty() && s.load_error.is_none() {
                 let ext_blocks = s.external.div_ceil(bs);
-                if let Some(b) = s.blocks.as_ref().and_then(|bl| {
+                s.load_error = s.blocks.as_ref().and_then(|bl| {
                     bl.0.iter()
                         .flat_map(|g| g.iter().take(ext_blocks))
                         .find(|b| err_blocks.contains(b))
-                        .copied()
-                }) {
-                    load_failed
-                        .entry(*k)
-                        .or_insert_with(|| format!("the connector could not load block {b}"));
+                        .map(|b| format!("the connector could not load block {b}"))
+                });
+            }
+            if waiting && failed_recv.contains(id) {
+                load_failed
+                    .entry(*k)
+                    .or_insert_with(|| "the connector reported the async KV load as failed".into());
+            } else if s.loaded_this_step || (waiting && recvd.contains(id)) {
+                if let Some(why) = s.load_error.take() {
+                    load_failed.entry(*k).or_insert(why);
                 }
             }
         }
