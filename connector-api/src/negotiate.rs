@@ -828,13 +828,25 @@ fn field(field: &str, value: String, decided_by: DecidedBy, reason: String) -> F
     FieldProvenance { field: field.to_owned(), value, decided_by, reason }
 }
 
-/// The effective layout, its provenance, and the adapters by party index.
-type Decision = (EffectiveLayout, Vec<FieldProvenance>, Vec<(usize, LayoutAdapter)>);
+/// Adapters, each with the index of the party that adapts.
+type Adapters = Vec<(usize, LayoutAdapter)>;
 
-/// The whole negotiation over one set of parties. `opts` holds the shared options already
-/// merged; memory is checked against the own parties only.
-fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<Decision, Conflict> {
-    // Options and declarations a negotiation cannot work with.
+/// The effective layout, its provenance, and the adapters.
+type Decision = (EffectiveLayout, Vec<FieldProvenance>, Adapters);
+
+/// One field's value, who decided it and why.
+struct Decided<T> {
+    value: T,
+    by: DecidedBy,
+    reason: String,
+}
+
+fn decided<T>(value: T, by: DecidedBy, reason: String) -> Decided<T> {
+    Decided { value, by, reason }
+}
+
+/// Options and declarations no negotiation can work with.
+fn check_inputs(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<(), Conflict> {
     for p in parties {
         if let Err(e) = p.caps.validate() {
             return Err(Conflict::InvalidCaps { child: p.label.clone(), error: e.to_string() });
@@ -861,8 +873,6 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
             reason: "a block holds at least one token; leave it unset for the default 16".to_owned(),
         });
     }
-
-    // MLA.
     if model.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. })) {
         let unsupported: Vec<&Party> = parties.iter().filter(|p| !p.caps.mla).collect();
         if !unsupported.is_empty() {
@@ -872,8 +882,15 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
             });
         }
     }
+    Ok(())
+}
 
-    // HMA and the KV cache groups.
+/// HMA and the KV cache groups it gives.
+fn decide_hma(
+    model: &ModelSpec,
+    opts: &EngineOptions,
+    parties: &[Party],
+) -> Result<(Decided<bool>, Decided<Vec<KvGroup>>), Conflict> {
     let kinds = kv_kinds(model);
     // State-space and linear-attention layers keep per-sequence state that only the hybrid
     // manager can allocate; feed-forward-only blocks keep nothing and do not count.
@@ -948,8 +965,11 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     } else {
         (hma_by.clone(), "HMA off: all KV layers share one block table".to_owned())
     };
+    Ok((decided(hma, hma_by, hma_reason), decided(groups, groups_by, groups_reason)))
+}
 
-    // Layout.
+/// The layout and the children that adapt to it.
+fn decide_layout(opts: &EngineOptions, parties: &[Party]) -> Result<(Decided<KvLayout>, Adapters), Conflict> {
     let (layout, layout_by, layout_reason) = match opts.kv_cache_layout {
         Some(l) => {
             let violators: Vec<&Party> =
@@ -1022,8 +1042,11 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     } else {
         format!("{layout_reason}{}", adapter_clause(&adapters, parties))
     };
+    Ok((decided(layout, layout_by, layout_reason), adapters))
+}
 
-    // Block size.
+/// The block size: the user's, else 16, else the first size every child accepts.
+fn decide_block_size(opts: &EngineOptions, parties: &[Party]) -> Result<Decided<u32>, Conflict> {
     let (block_size, block_by, block_reason) = match opts.block_size {
         Some(b) => {
             let violations: Vec<String> = parties.iter().filter_map(|p| p.block_violation(b)).collect();
@@ -1083,8 +1106,15 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
             }
         }
     };
+    Ok(decided(block_size, block_by, block_reason))
+}
 
-    // Cache dtype.
+/// The cache dtype: the user's, else the model's, else bf16.
+fn decide_dtype(
+    model: &ModelSpec,
+    opts: &EngineOptions,
+    parties: &[Party],
+) -> Result<Decided<Dtype>, Conflict> {
     let (dtype, dtype_by, dtype_reason) = match (opts.cache_dtype, model.dtype) {
         (Some(d), _) => (d, DecidedBy::User, format!("user set cache_dtype={}", dtype_name(d))),
         (None, Some(d)) => (d, DecidedBy::Model, format!("model torch_dtype is {}", dtype_name(d))),
@@ -1135,8 +1165,11 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
             remedy,
         });
     }
+    Ok(decided(dtype, dtype_by, dtype_reason))
+}
 
-    // Memory kind: only this worker's own children touch its KV memory.
+/// The memory kind. Only this worker's own children touch its KV memory.
+fn decide_memory(opts: &EngineOptions, parties: &[Party]) -> Result<Decided<MemoryKind>, Conflict> {
     let (memory, memory_by, memory_reason) = match opts.memory {
         Some(m) => (m, DecidedBy::User, format!("user set kv_buffer_device ({})", memory_name(m))),
         None => (
@@ -1180,8 +1213,11 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
             remedy,
         });
     }
+    Ok(decided(memory, memory_by, memory_reason))
+}
 
-    // Transfer mode.
+/// The transfer mode: pull if a child pulls, push if one pushes, never both.
+fn decide_mode(parties: &[Party]) -> Result<Decided<TransferMode>, Conflict> {
     let pull: Vec<&Party> = parties.iter().filter(|p| p.caps.transfer_mode == TransferMode::Pull).collect();
     let push: Vec<&Party> = parties.iter().filter(|p| p.caps.transfer_mode == TransferMode::Push).collect();
     let (mode, mode_by, mode_reason) = match (pull.first(), push.first()) {
@@ -1202,18 +1238,38 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
             (TransferMode::None, DecidedBy::Default, "no child moves KV between engines".to_owned())
         }
     };
+    Ok(decided(mode, mode_by, mode_reason))
+}
+
+/// The whole negotiation over one set of parties. `opts` holds the shared options already
+/// merged; memory is checked against the own parties only.
+fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<Decision, Conflict> {
+    check_inputs(model, opts, parties)?;
+    let (hma, groups) = decide_hma(model, opts, parties)?;
+    let (layout, adapters) = decide_layout(opts, parties)?;
+    let block = decide_block_size(opts, parties)?;
+    let dtype = decide_dtype(model, opts, parties)?;
+    let memory = decide_memory(opts, parties)?;
+    let mode = decide_mode(parties)?;
 
     let provenance = vec![
-        field("layout", layout.display_name(), layout_by, layout_reason),
-        field("hma", if hma { "on" } else { "off" }.to_owned(), hma_by, hma_reason),
-        field("block_size", block_size.to_string(), block_by, block_reason),
-        field("cache_dtype", dtype_name(dtype).to_owned(), dtype_by, dtype_reason),
-        field("memory", memory_name(memory).to_owned(), memory_by, memory_reason),
-        field("transfer_mode", mode_name(mode).to_owned(), mode_by, mode_reason),
-        field("kv_groups", describe_groups_with(&groups, hma), groups_by, groups_reason),
+        field("layout", layout.value.display_name(), layout.by, layout.reason),
+        field("hma", if hma.value { "on" } else { "off" }.to_owned(), hma.by, hma.reason),
+        field("block_size", block.value.to_string(), block.by, block.reason),
+        field("cache_dtype", dtype_name(dtype.value).to_owned(), dtype.by, dtype.reason),
+        field("memory", memory_name(memory.value).to_owned(), memory.by, memory.reason),
+        field("transfer_mode", mode_name(mode.value).to_owned(), mode.by, mode.reason),
+        field("kv_groups", describe_groups_with(&groups.value, hma.value), groups.by, groups.reason),
     ];
-    let effective =
-        EffectiveLayout { layout, hma, block_size, cache_dtype: dtype, memory, transfer_mode: mode, groups };
+    let effective = EffectiveLayout {
+        layout: layout.value,
+        hma: hma.value,
+        block_size: block.value,
+        cache_dtype: dtype.value,
+        memory: memory.value,
+        transfer_mode: mode.value,
+        groups: groups.value,
+    };
     Ok((effective, provenance, adapters))
 }
 
