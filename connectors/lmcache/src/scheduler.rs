@@ -65,13 +65,8 @@ impl LmcacheScheduler {
 
     /// The end of the longest stored prefix, capped to leave the last prompt token.
     fn matched_end(&self, chunks: &[ChunkRef], prompt_len: usize) -> usize {
-        let mut end = 0;
-        for c in chunks {
-            if !self.store.contains(&c.key) {
-                break;
-            }
-            end = c.start + c.tokens;
-        }
+        let n = self.store.stored_prefix(chunks.iter().map(|c| c.key));
+        let end = n.checked_sub(1).map_or(0, |i| chunks[i].start + chunks[i].tokens);
         end.min(prompt_len.saturating_sub(1))
     }
 }

@@ -44,6 +44,7 @@ enum Job {
 
 struct Shared {
     disk: Option<DiskTier>,
+    pool: Mutex<BufferPool>,
     inflight: Mutex<KeyMap<ChunkData>>,
     inflight_bytes: AtomicU64,
     counters: Counters,
@@ -57,7 +58,40 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     }
 }
 
+/// Buffers of chunks that left every tier, kept for the next saves: a fresh multi-megabyte
+/// allocation is mapped page by page on first write, which costs more than the copy itself.
+struct BufferPool {
+    bufs: Vec<Vec<u8>>,
+    bytes: u64,
+    cap: u64,
+}
+
+impl BufferPool {
+    fn take(&mut self, len: usize) -> Option<Vec<u8>> {
+        // A buffer at least as large, but not wastefully larger.
+        let i =
+            self.bufs.iter().position(|b| b.capacity() >= len && b.capacity() <= len.saturating_mul(2))?;
+        let mut b = self.bufs.swap_remove(i);
+        self.bytes -= b.capacity() as u64;
+        b.clear();
+        Some(b)
+    }
+
+    fn give(&mut self, data: ChunkData) {
+        if let Ok(v) = Arc::try_unwrap(data) {
+            if self.bytes + v.capacity() as u64 <= self.cap {
+                self.bytes += v.capacity() as u64;
+                self.bufs.push(v);
+            }
+        }
+    }
+}
+
 impl Shared {
+    fn recycle(&self, data: ChunkData) {
+        lock(&self.pool).give(data);
+    }
+
     fn event(&self, e: KvEvent) {
         let mut q = lock(&self.events);
         if q.len() >= MAX_EVENTS {
@@ -100,8 +134,13 @@ impl ChunkStore {
             }
         };
         let has_disk = disk.is_some();
+        // Freed buffers kept for reuse: an eighth of the CPU budget, at least 64 MiB, never
+        // more than the budget itself (64 MiB without a CPU tier).
+        let budget = cfg.cpu_budget_bytes();
+        let pool_cap = if cfg.local_cpu { (budget / 8).max(64 << 20).min(budget) } else { 64 << 20 };
         let shared = Arc::new(Shared {
             disk,
+            pool: Mutex::new(BufferPool { bufs: Vec::new(), bytes: 0, cap: pool_cap }),
             inflight: Mutex::new(KeyMap::default()),
             inflight_bytes: AtomicU64::new(0),
             counters: Counters::default(),
@@ -140,6 +179,17 @@ impl ChunkStore {
             return true;
         }
         self.shared.disk.as_ref().is_some_and(|d| d.contains(key))
+    }
+
+    /// How many of `keys`, from the first, some tier holds (one lock for the CPU tier's run).
+    /// No side effects.
+    pub fn stored_prefix(&self, keys: impl Iterator<Item = ChunkKey> + Clone) -> usize {
+        let mut n = 0;
+        if let Some(cpu) = &self.cpu {
+            let cpu = lock(cpu);
+            n = keys.clone().take_while(|k| cpu.contains(k)).count();
+        }
+        n + keys.skip(n).take_while(|k| self.contains(k)).count()
     }
 
     /// Stores a chunk in the CPU tier (or, without one or when it does not fit, hands it to
@@ -184,12 +234,21 @@ impl ChunkStore {
         }
     }
 
+    /// An empty buffer with room for `len` bytes, reused when one is free.
+    pub fn take_buffer(&self, len: usize) -> Vec<u8> {
+        lock(&self.shared.pool).take(len).unwrap_or_else(|| Vec::with_capacity(len))
+    }
+
     fn send_to_disk(&self, key: ChunkKey, data: ChunkData) {
-        let Some(tx) = &self.tx else { return };
+        let Some(tx) = &self.tx else {
+            self.shared.recycle(data);
+            return;
+        };
         let c = &self.shared.counters;
         let len = data.len() as u64;
         if self.shared.inflight_bytes.load(Ordering::Relaxed) + len > self.queue_cap {
             add(&c.disk_queue_drops, 1);
+            self.shared.recycle(data);
             return;
         }
         {
@@ -327,9 +386,11 @@ fn writer_loop(sh: &Shared, rx: mpsc::Receiver<Job>) {
                         }
                     }
                 }
-                if lock(&sh.inflight).remove(&key).is_some() {
-                    sh.inflight_bytes.fetch_sub(data.len() as u64, Ordering::Relaxed);
+                let queued = lock(&sh.inflight).remove(&key);
+                if let Some(q) = queued {
+                    sh.inflight_bytes.fetch_sub(q.len() as u64, Ordering::Relaxed);
                 }
+                sh.recycle(data);
             }
         }
     }

@@ -208,7 +208,7 @@ impl WorkerConnector for LmcacheWorker {
                 let bufs = spec
                     .chunks
                     .iter()
-                    .map(|c| Vec::with_capacity(self.layout.chunk_bytes(c.tokens)))
+                    .map(|c| self.store.take_buffer(self.layout.chunk_bytes(c.tokens)))
                     .collect();
                 PendingSave { spec, bufs, failed: false }
             })
