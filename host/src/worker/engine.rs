@@ -179,6 +179,7 @@ pub struct Engine {
     step_no: u64,
     stats: Option<StepStats>,
     scratch: Scratch,
+    shut_down: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -237,6 +238,7 @@ impl Engine {
             step_no: 0,
             stats: None,
             scratch: Scratch::default(),
+            shut_down: false,
         })
     }
 
@@ -354,8 +356,12 @@ impl Engine {
         self.stats.as_ref()
     }
 
-    /// Shuts the connector's worker half down (also done on drop).
+    /// Shuts the connector's worker half down (also done on drop; only the first call
+    /// reaches the connector).
     pub fn shutdown(&mut self) -> Result<(), WorkerError> {
+        if std::mem::replace(&mut self.shut_down, true) {
+            return Ok(());
+        }
         if let Some((_, w)) = self.connector.as_mut() {
             w.shutdown().map_err(conn_err("shutdown"))?;
         }
@@ -420,6 +426,10 @@ impl Engine {
         let mut conn_time = Duration::ZERO;
         self.step_no += 1;
         let mut outputs = Vec::new();
+        // Set again by `admit` for loads of this step (a failed earlier step may have left it).
+        for s in self.seqs.values_mut() {
+            s.loaded_this_step = false;
+        }
 
         // Scheduler: admit waiting requests in arrival order.
         let waiting: Vec<u64> =
