@@ -8,7 +8,7 @@
 //! `Geometry::inner_offset`, so any layout where `C` is innermost is a row copy and any
 //! other falls back to element moves. Regions are reached only through `KvMemory`.
 
-use kvconnect_api::geometry::{BlockShape, Geometry, GeometryError};
+use kvconnect_api::geometry::{BlockShape, Geometry, GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
 use kvconnect_api::{BlockId, EffectiveLayout, KvLayout, LayerId, ModelSpec};
@@ -96,7 +96,7 @@ impl BlockAdapter {
     }
 
     /// Copies a stored block `src` into block `block` of every KV layer. `scratch` holds one
-    /// transposed sub-block on its way in.
+    /// transposed sub-block on its way in when the layout moves single elements.
     pub fn scatter(
         &self,
         mem: &KvMemory,
@@ -110,6 +110,15 @@ impl BlockAdapter {
             let span = mem.span(layer, part, block)?;
             match &self.moves {
                 None => mem.write(span, inp)?,
+                // Rows of a head dim: written straight into the region, row by row.
+                Some(m) if self.unit >= 64 => {
+                    for &(r, s) in m {
+                        let row =
+                            Span { region: span.region, offset: span.offset + r as usize, len: self.unit };
+                        mem.write(row, &inp[s as usize..s as usize + self.unit])?;
+                    }
+                }
+                // Single elements: transposed in `scratch`, then one copy.
                 Some(m) => {
                     scratch.resize(self.sub_bytes, 0);
                     permute(inp, scratch, m, self.unit, true);
@@ -185,5 +194,84 @@ mod tests {
         let mut back = vec![0; s.bytes()];
         permute(&stored, &mut back, a.moves.as_ref().unwrap(), a.unit, true);
         assert_eq!(back, src);
+    }
+
+    #[test]
+    fn wide_rows_round_trip_through_hnd_regions_exactly() {
+        use kvconnect_api::{AttentionKind, Dtype, KvGroup, KvRegion, MemoryKind, TransferMode};
+        let model = ModelSpec {
+            name: "t".into(),
+            num_layers: 2,
+            num_kv_heads: 4,
+            head_dim: 64,
+            dtype: Some(Dtype::Bf16),
+            layers: vec![AttentionKind::Full; 2],
+        };
+        let eff = |layout| EffectiveLayout {
+            layout,
+            hma: false,
+            block_size: 8,
+            cache_dtype: Dtype::Bf16,
+            memory: MemoryKind::Host,
+            transfer_mode: TransferMode::None,
+            groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
+        };
+        let shape = BlockShape::of(&model, &eff(KvLayout::HND));
+        let len = 3 * shape.layer_block_bytes();
+        let mut src: Vec<Vec<u8>> =
+            (0..2).map(|l| (0..len).map(|i| ((i * 131 + l * 7) % 253) as u8).collect()).collect();
+        let mut dst: Vec<Vec<u8>> = vec![vec![0u8; len]; 2];
+        let regions = |bufs: &mut Vec<Vec<u8>>| -> Vec<KvRegion> {
+            bufs.iter_mut()
+                .enumerate()
+                .map(|(l, b)| KvRegion {
+                    name: format!("layer.{l}"),
+                    addr: b.as_mut_ptr() as u64,
+                    len: b.len() as u64,
+                    memory: MemoryKind::Host,
+                    device: -1,
+                    layers: vec![LayerId(l as u32)],
+                    group: 0,
+                    num_blocks: 3,
+                    shm_name: None,
+                })
+                .collect()
+        };
+        // SAFETY: the buffers outlive both KvMemory values and are only read back after
+        // the copies.
+        let src_mem = unsafe { KvMemory::new(&regions(&mut src), &model, &eff(KvLayout::HND)) }.unwrap();
+        // SAFETY: as above.
+        let dst_mem = unsafe { KvMemory::new(&regions(&mut dst), &model, &eff(KvLayout::HND)) }.unwrap();
+        let a = BlockAdapter::new(&model, &eff(KvLayout::HND));
+        assert_eq!(a.unit, 128);
+        let mut stored = vec![0u8; a.slot_bytes()];
+        a.gather(&src_mem, BlockId(1), &mut stored).unwrap();
+        a.scatter(&dst_mem, BlockId(2), &stored, &mut Vec::new()).unwrap();
+        let hnd = Geometry::new(shape, KvLayout::HND, vec![]);
+        let nhd = Geometry::new(shape, KvLayout::NHD, vec![]);
+        for l in 0..2u32 {
+            for part in 0..2u32 {
+                let s = src_mem.span(LayerId(l), part, BlockId(1)).unwrap();
+                let d = dst_mem.span(LayerId(l), part, BlockId(2)).unwrap();
+                let base = (l * 2 + part) as usize * shape.bytes();
+                for h in 0..4 {
+                    for n in 0..8 {
+                        for c in 0..64 {
+                            let (x, y) = (hnd.inner_offset(h, n, c), nhd.inner_offset(h, n, c));
+                            let want = &src[l as usize][s.offset + x..s.offset + x + 2];
+                            assert_eq!(
+                                &stored[base + y..base + y + 2],
+                                want,
+                                "stored ({l},{part},{h},{n},{c})"
+                            );
+                            assert_eq!(&dst[l as usize][d.offset + x..d.offset + x + 2], want);
+                        }
+                    }
+                }
+            }
+        }
+        // Nothing outside the destination block was written.
+        let d0 = dst_mem.span(LayerId(0), 0, BlockId(0)).unwrap();
+        assert!(dst[0][d0.offset..d0.offset + d0.len].iter().all(|b| *b == 0));
     }
 }

@@ -172,14 +172,26 @@ impl RadixIndex {
     /// Matches the longest ready prefix of at most `max` blocks, marks it most recently used
     /// and takes one reference on each matched block. Returns how many.
     pub fn match_and_pin(&mut self, hashes: &[u64], max: usize) -> usize {
-        let n = self.match_len(&hashes[..max.min(hashes.len())]);
+        let mut path: Vec<NodeIdx> = Vec::with_capacity(max.min(hashes.len()));
+        let mut parent = NIL;
+        for h in &hashes[..max.min(hashes.len())] {
+            match self.map.get(h) {
+                Some(&idx)
+                    if self.nodes[idx as usize].parent == parent
+                        && self.nodes[idx as usize].state == State::Ready =>
+                {
+                    path.push(idx);
+                    parent = idx;
+                }
+                _ => break,
+            }
+        }
         // Deepest first, so ancestors end up more recent than descendants.
-        for h in hashes[..n].iter().rev() {
-            let idx = self.map[h];
+        for &idx in path.iter().rev() {
             self.nodes[idx as usize].refs += 1;
             self.touch_idx(idx);
         }
-        n
+        path.len()
     }
 
     /// Marks the path ending at `hash` most recently used (deepest first).

@@ -8,7 +8,7 @@
 //! header or checksum disagrees is reported as corrupt, so a torn write, a full disk or a
 //! flipped bit is a cache miss, never KV loaded into an engine.
 
-use crate::hash::checksum;
+use crate::hash::Checksum;
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -16,6 +16,9 @@ use std::path::{Path, PathBuf};
 const MAGIC: u64 = 0x3142_4b56_5845_4c46; // "FLEXKVB1" little-endian
 const HEADER: usize = 32;
 const ALIGN: u64 = 4096;
+/// Payloads are written and verified in pieces of this size, each checksummed while it is
+/// still in cache.
+const PIECE: usize = 128 * 1024;
 
 /// The tier cannot be opened.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -128,14 +131,20 @@ impl SsdTier {
             ));
         }
         let off = slot as u64 * self.record;
+        // Payload first, header last: a write torn in between leaves an old or absent
+        // header, which fails verification instead of vouching for half a payload.
+        let mut sum = Checksum::new();
+        let mut at = off + HEADER as u64;
+        for piece in payload.chunks(PIECE) {
+            sum.update(piece);
+            self.file.write_all_at(piece, at)?;
+            at += piece.len() as u64;
+        }
         let mut h = [0u8; HEADER];
         h[0..8].copy_from_slice(&MAGIC.to_le_bytes());
         h[8..16].copy_from_slice(&hash.to_le_bytes());
         h[16..24].copy_from_slice(&(payload.len() as u64).to_le_bytes());
-        h[24..32].copy_from_slice(&checksum(payload).to_le_bytes());
-        // Payload first, header last: a write torn in between leaves an old or absent
-        // header, which fails verification instead of vouching for half a payload.
-        self.file.write_all_at(payload, off + HEADER as u64)?;
+        h[24..32].copy_from_slice(&sum.finish().to_le_bytes());
         self.file.write_all_at(&h, off)
     }
 
@@ -146,9 +155,16 @@ impl SsdTier {
             return Err(SsdReadError::Io { slot, reason: "slot past the end of the tier".into() });
         }
         buf.resize(HEADER + self.payload, 0);
-        self.file
-            .read_exact_at(buf, slot as u64 * self.record)
-            .map_err(|e| SsdReadError::Io { slot, reason: e.to_string() })?;
+        let off = slot as u64 * self.record;
+        let io = |e: std::io::Error| SsdReadError::Io { slot, reason: e.to_string() };
+        self.file.read_exact_at(&mut buf[..HEADER], off).map_err(io)?;
+        let mut sum = Checksum::new();
+        let mut at = off + HEADER as u64;
+        for piece in buf[HEADER..].chunks_mut(PIECE) {
+            self.file.read_exact_at(piece, at).map_err(io)?;
+            sum.update(piece);
+            at += piece.len() as u64;
+        }
         let word = |i: usize| {
             let mut w = [0u8; 8];
             w.copy_from_slice(&buf[i * 8..i * 8 + 8]);
@@ -164,7 +180,7 @@ impl SsdTier {
         if word(2) != self.payload as u64 {
             return Err(corrupt(format!("length {} instead of {}", word(2), self.payload)));
         }
-        if word(3) != checksum(&buf[HEADER..]) {
+        if word(3) != sum.finish() {
             return Err(corrupt("checksum mismatch".into()));
         }
         Ok(())
