@@ -146,7 +146,7 @@ impl NixlConfig {
         let max_frame_bytes = match extra.get("max_frame_bytes") {
             None | Some(Value::Null) => d.max_frame_bytes,
             Some(v) => match v.as_u64() {
-                Some(n) if n >= 1024 && n <= (1 << 30) => n as usize,
+                Some(n) if (1024..=(1 << 30)).contains(&n) => n as usize,
                 _ => {
                     return Err(ConnectorError::config(
                         NAME,

@@ -142,17 +142,18 @@ impl PullLoop {
     }
 
     fn run(mut self, rx: Receiver<LoadSpec>) {
-        let mut queue: VecDeque<(LoadSpec, Instant)> = VecDeque::new();
+        // Each queued load with the time of its last heartbeat (None: never sent).
+        let mut queue: VecDeque<(LoadSpec, Option<Instant>)> = VecDeque::new();
         loop {
             if queue.is_empty() {
                 match rx.recv() {
-                    Ok(l) => queue.push_back((l, Instant::now() - self.heartbeat)),
+                    Ok(l) => queue.push_back((l, None)),
                     Err(_) => return,
                 }
             }
             loop {
                 match rx.recv_timeout(Duration::ZERO) {
-                    Ok(l) => queue.push_back((l, Instant::now() - self.heartbeat)),
+                    Ok(l) => queue.push_back((l, None)),
                     Err(RecvTimeoutError::Timeout) => break,
                     Err(RecvTimeoutError::Disconnected) if queue.is_empty() => return,
                     Err(RecvTimeoutError::Disconnected) => break,
@@ -163,12 +164,12 @@ impl PullLoop {
             let mut waiting = VecDeque::with_capacity(queue.len());
             let head = queue.pop_front();
             for (load, last) in queue.drain(..) {
-                if last.elapsed() < self.heartbeat {
+                if last.is_some_and(|t| t.elapsed() < self.heartbeat) {
                     waiting.push_back((load, last));
                     continue;
                 }
                 match self.hold(&load) {
-                    Ok(()) => waiting.push_back((load, Instant::now())),
+                    Ok(()) => waiting.push_back((load, Some(Instant::now()))),
                     Err(e) => self.finish(load, Err(e)),
                 }
             }
