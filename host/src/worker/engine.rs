@@ -775,11 +775,24 @@ mod tests {
     struct Rec {
         log: Log,
         send_after: Arc<Mutex<Vec<RequestId>>>,
+        misbehave: Misbehave,
+    }
+
+    #[derive(Clone, Copy, PartialEq)]
+    enum Misbehave {
+        No,
+        /// Lookups never resolve.
+        Pending,
+        /// build_connector_meta fails.
+        MetaError,
     }
 
     impl SchedulerConnector for Rec {
         fn get_num_new_matched_tokens(&mut self, req: &Request, n: usize) -> ConnectorResult<MatchResult> {
             self.log.lock().unwrap().push(format!("lookup {} {n}", req.id));
+            if self.misbehave == Misbehave::Pending {
+                return Ok(MatchResult::Pending);
+            }
             Ok(MatchResult::Matched { tokens: 0, async_load: false })
         }
         fn update_state_after_alloc(
@@ -798,6 +811,9 @@ mod tests {
                 s.scheduled.len(),
                 s.finished.len()
             ));
+            if self.misbehave == Misbehave::MetaError {
+                return Err(kvconnect_api::ConnectorError::io("rec", "peer went away"));
+            }
             Ok(vec![s.step as u8])
         }
         fn request_finished(
@@ -865,19 +881,41 @@ mod tests {
         }
     }
 
-    #[test]
-    fn connector_calls_come_in_vllm_order_and_blocks_wait_for_finished_sending() {
+    fn engine_with(misbehave: Misbehave, log: &Log) -> Engine {
         let cfg = ReferenceConfig::builtin().unwrap();
         let spec = cfg.model_spec().unwrap();
         let eff = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
-        let log = Log::default();
         let send_after = Arc::new(Mutex::new(Vec::new()));
         let conn: Connector = (
-            Box::new(Rec { log: log.clone(), send_after: send_after.clone() }),
-            Box::new(Rec { log: log.clone(), send_after }),
+            Box::new(Rec { log: log.clone(), send_after: send_after.clone(), misbehave }),
+            Box::new(Rec { log: log.clone(), send_after, misbehave }),
         );
         let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 8, seed: 1, shm: None };
-        let mut e = Engine::new(ec, Some(conn), FailurePolicy::Recompute).unwrap();
+        Engine::new(ec, Some(conn), FailurePolicy::Recompute).unwrap()
+    }
+
+    #[test]
+    fn a_lookup_that_never_resolves_is_reported_as_stalled() {
+        let mut e = engine_with(Misbehave::Pending, &Log::default());
+        e.add_request(GenRequest::new("slow", vec![1; 4], 1)).unwrap();
+        let err = e.run_to_completion(5).unwrap_err().to_string();
+        assert!(err.contains("5 steps passed and requests [\"slow\"] are still unfinished"), "{err}");
+        assert_eq!(e.free_blocks(), e.total_blocks());
+    }
+
+    #[test]
+    fn a_failing_step_call_names_the_method_and_keeps_the_request() {
+        let mut e = engine_with(Misbehave::MetaError, &Log::default());
+        e.add_request(GenRequest::new("a", vec![1; 4], 1)).unwrap();
+        let err = e.step().unwrap_err().to_string();
+        assert_eq!(err, "connector call build_connector_meta failed: connector 'rec': peer went away");
+        assert!(e.has_unfinished());
+    }
+
+    #[test]
+    fn connector_calls_come_in_vllm_order_and_blocks_wait_for_finished_sending() {
+        let log = Log::default();
+        let mut e = engine_with(Misbehave::No, &log);
         e.add_request(GenRequest::new("a", vec![1; 20], 2)).unwrap();
         let o1 = e.step().unwrap();
         assert_eq!(o1.len(), 1);
