@@ -23,20 +23,22 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// (total time, iterations) per benchmark, for the ratios.
-static TIMES: Mutex<BTreeMap<&'static str, (Duration, u64)>> = Mutex::new(BTreeMap::new());
+/// Per-iteration times of every timed batch, per benchmark, for the ratios.
+static TIMES: Mutex<BTreeMap<&'static str, Vec<f64>>> = Mutex::new(BTreeMap::new());
 
 fn record(name: &'static str, d: Duration, iters: u64) -> Duration {
     let mut t = TIMES.lock().unwrap();
-    let e = t.entry(name).or_insert((Duration::ZERO, 0));
-    e.0 += d;
-    e.1 += iters;
+    t.entry(name).or_default().push(d.as_secs_f64() / iters.max(1) as f64);
     d
 }
 
-fn mean(name: &str) -> f64 {
+/// The median per-iteration time (robust to the cold first batches of the warm-up).
+fn median(name: &str) -> f64 {
     let t = TIMES.lock().unwrap();
-    t.get(name).map(|(d, n)| d.as_secs_f64() / (*n).max(1) as f64).unwrap_or(f64::NAN)
+    let Some(v) = t.get(name) else { return f64::NAN };
+    let mut v = v.clone();
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
 }
 
 struct Engine {
@@ -288,19 +290,19 @@ criterion_group!(benches, cpu_tier, disk_tier, lookup);
 fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
-    let ratio = |base: &str, subj: &str| mean(base) / mean(subj);
+    let ratio = |base: &str, subj: &str| median(base) / median(subj);
     println!("\nlmcache ratios (baseline time / lmcache time, same run):");
     println!(
         "  cpu tier save+load vs memcpy:         {:.2}x  ({:.2} ms vs {:.2} ms per 16 MiB each way; target >= 0.7x)",
         ratio("cpu_memcpy", "cpu_lmcache"),
-        mean("cpu_lmcache") * 1e3,
-        mean("cpu_memcpy") * 1e3
+        median("cpu_lmcache") * 1e3,
+        median("cpu_memcpy") * 1e3
     );
     println!(
         "  disk tier write+read vs plain file:   {:.2}x  ({:.2} ms vs {:.2} ms per 8 MiB each way; target >= 0.7x)",
         ratio("disk_plain", "disk_lmcache"),
-        mean("disk_lmcache") * 1e3,
-        mean("disk_plain") * 1e3
+        median("disk_lmcache") * 1e3,
+        median("disk_plain") * 1e3
     );
-    println!("  lookup of a 32k-token prompt:         {:.1} us (target < 50 us)", mean("lookup_32k") * 1e6);
+    println!("  lookup of a 32k-token prompt:         {:.1} us (target < 50 us)", median("lookup_32k") * 1e6);
 }

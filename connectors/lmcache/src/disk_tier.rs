@@ -1,5 +1,7 @@
-//! The local-disk tier: one file per chunk, `<key>.chunk`, with a header carrying the key,
-//! the length and a checksum of the bytes.
+//! The local-disk tier: one file per chunk, `<key>.chunk`: a header carrying the key and the
+//! length, the bytes, and a trailer with their checksum (computed while the bytes stream
+//! through the cache on their way to or from the file, so checking costs no extra pass
+//! over memory).
 //!
 //! The index is rebuilt from the files' headers when the tier opens, so it survives a
 //! restart; the order of last use is taken from the files' modification times. A file is
@@ -8,7 +10,7 @@
 //! corrupt or truncated file is deleted and reported as a miss, never returned.
 
 use crate::cpu_tier::KeyMap;
-use crate::hash::hash_bytes;
+use crate::hash::{hash_bytes, BytesHasher};
 use crate::key::{ChunkKey, FORMAT_VERSION};
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -19,6 +21,12 @@ use std::time::SystemTime;
 const MAGIC: [u8; 8] = *b"KVCLMCHK";
 /// Bytes before the chunk's data.
 pub const HEADER_LEN: usize = 64;
+/// Bytes after the chunk's data (its checksum).
+pub const TRAILER_LEN: usize = 16;
+/// Bytes a file holds besides the chunk's data.
+pub const FILE_OVERHEAD: usize = HEADER_LEN + TRAILER_LEN;
+/// Bytes hashed and written (or read and hashed) at a time: small enough to stay in cache.
+const PIECE: usize = 1 << 20;
 const CHECKSUM_SEED: [u64; 2] = [0x6c6d_6361_6368_6521, 0x6469_736b_2d74_6965];
 
 /// Why a chunk could not be written.
@@ -63,7 +71,7 @@ pub struct DiskChunk {
 impl DiskChunk {
     /// The chunk's bytes.
     pub fn data(&self) -> &[u8] {
-        &self.buf[HEADER_LEN..]
+        &self.buf[HEADER_LEN..self.buf.len() - TRAILER_LEN]
     }
 }
 
@@ -215,7 +223,7 @@ impl DiskTier {
     /// Writes a chunk (blocking; the store calls it from its writer thread). Returns how many
     /// chunks were evicted to make room.
     pub fn write(&self, key: ChunkKey, data: &[u8]) -> Result<u64, DiskWriteError> {
-        let file_len = (HEADER_LEN + data.len()) as u64;
+        let file_len = (FILE_OVERHEAD + data.len()) as u64;
         if file_len > self.budget {
             return Err(DiskWriteError::TooLarge { len: file_len, budget: self.budget });
         }
@@ -226,11 +234,20 @@ impl DiskTier {
         let path = self.path_of(&key);
         let tmp = self.dir.join(format!("{}.tmp-{}", key.hex(), std::process::id()));
         let io = |source| DiskWriteError::Io { path: path.clone(), source };
-        let header = header(key, data);
+        let header = header(key, data.len());
         let res = (|| {
             let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&header)?;
-            f.write_all(data)?;
+            let mut h = BytesHasher::new(CHECKSUM_SEED);
+            for piece in data.chunks(PIECE) {
+                h.update(piece);
+                f.write_all(piece)?;
+            }
+            let sum = h.finish();
+            let mut trailer = [0u8; TRAILER_LEN];
+            trailer[..8].copy_from_slice(&sum[0].to_le_bytes());
+            trailer[8..].copy_from_slice(&sum[1].to_le_bytes());
+            f.write_all(&trailer)?;
             drop(f);
             std::fs::rename(&tmp, &path)
         })();
@@ -261,16 +278,13 @@ impl DiskTier {
     }
 }
 
-fn header(key: ChunkKey, data: &[u8]) -> [u8; HEADER_LEN] {
-    let sum = hash_bytes(CHECKSUM_SEED, data);
+fn header(key: ChunkKey, len: usize) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[0..8].copy_from_slice(&MAGIC);
     h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
     h[16..24].copy_from_slice(&key.0[0].to_le_bytes());
     h[24..32].copy_from_slice(&key.0[1].to_le_bytes());
-    h[32..40].copy_from_slice(&(data.len() as u64).to_le_bytes());
-    h[40..48].copy_from_slice(&sum[0].to_le_bytes());
-    h[48..56].copy_from_slice(&sum[1].to_le_bytes());
+    h[32..40].copy_from_slice(&(len as u64).to_le_bytes());
     let hsum = hash_bytes(CHECKSUM_SEED, &h[..56]);
     h[56..64].copy_from_slice(&hsum[0].to_le_bytes());
     h
@@ -312,24 +326,37 @@ fn check_header_file(path: &Path, key: ChunkKey) -> Result<u64, String> {
     f.read_exact(&mut h).map_err(|e| format!("cannot read header: {e}"))?;
     let len = parse_header(&h, key)?;
     let file_len = f.metadata().map_err(|e| e.to_string())?.len();
-    if file_len != HEADER_LEN as u64 + len {
-        return Err(format!("file is {file_len} bytes, header says {}", HEADER_LEN as u64 + len));
+    if file_len != FILE_OVERHEAD as u64 + len {
+        return Err(format!("file is {file_len} bytes, header says {}", FILE_OVERHEAD as u64 + len));
     }
     Ok(file_len)
 }
 
 fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>, String> {
-    let buf = std::fs::read(path).map_err(|e| format!("cannot read: {e}"))?;
-    if buf.len() as u64 != expected_len {
-        return Err(format!("file is {} bytes, {} were written", buf.len(), expected_len));
+    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let file_len = f.metadata().map_err(|e| format!("cannot stat: {e}"))?.len();
+    if file_len != expected_len || file_len < FILE_OVERHEAD as u64 {
+        return Err(format!("file is {file_len} bytes, {expected_len} were written"));
     }
-    let len = parse_header(&buf, key)?;
-    let data = &buf[HEADER_LEN..];
-    if data.len() as u64 != len {
-        return Err(format!("data is {} bytes, header says {len}", data.len()));
+    // Zeroed allocation is lazily mapped, so this costs no extra pass over the buffer.
+    let mut buf = vec![0u8; file_len as usize];
+    f.read_exact(&mut buf[..HEADER_LEN]).map_err(|e| format!("cannot read header: {e}"))?;
+    let len = parse_header(&buf[..HEADER_LEN], key)?;
+    if len + FILE_OVERHEAD as u64 != file_len {
+        return Err(format!("file is {file_len} bytes, header says {}", len + FILE_OVERHEAD as u64));
     }
-    let sum = hash_bytes(CHECKSUM_SEED, data);
-    if sum != [u64_at(&buf, 40), u64_at(&buf, 48)] {
+    let data_end = file_len as usize - TRAILER_LEN;
+    let mut h = BytesHasher::new(CHECKSUM_SEED);
+    let mut at = HEADER_LEN;
+    while at < data_end {
+        let end = (at + PIECE).min(data_end);
+        f.read_exact(&mut buf[at..end]).map_err(|e| format!("cannot read: {e}"))?;
+        h.update(&buf[at..end]);
+        at = end;
+    }
+    f.read_exact(&mut buf[data_end..]).map_err(|e| format!("cannot read trailer: {e}"))?;
+    let sum = h.finish();
+    if sum != [u64_at(&buf, data_end), u64_at(&buf, data_end + 8)] {
         return Err("data checksum mismatch".to_owned());
     }
     Ok(buf)
@@ -365,7 +392,7 @@ mod tests {
         let bytes = std::fs::read(&p).unwrap();
         std::fs::write(&p, &bytes[..bytes.len() - 10]).unwrap();
         assert!(t.read(&a).is_err());
-        // Budget: 10_000 bytes hold nine 1064-byte files, not ten.
+        // Budget: 10_000 bytes hold nine 1080-byte files, not ten.
         for i in 0..10u64 {
             t.write(ChunkKey([100 + i, 0]), &[i as u8; 1000]).unwrap();
         }

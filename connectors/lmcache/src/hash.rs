@@ -61,9 +61,10 @@ impl Acc {
         let k = &SECRET[self.stripe..self.stripe + 8];
         for i in 0..8 {
             let x = w[i] ^ k[i];
-            // The raw word is added too, so a zero product still counts the input.
-            self.acc[i ^ 1] = self.acc[i ^ 1].wrapping_add(w[i]);
-            self.acc[i] = self.acc[i].wrapping_add((x & 0xffff_ffff).wrapping_mul(x >> 32));
+            // XXH3 adds each raw word into the neighbouring accumulator, so a zero product
+            // still counts the input; written per lane so the loop vectorises.
+            self.acc[i] =
+                self.acc[i].wrapping_add(w[i ^ 1]).wrapping_add((x & 0xffff_ffff).wrapping_mul(x >> 32));
         }
         self.stripe += 1;
         if self.stripe == STRIPES_PER_BLOCK {
@@ -110,28 +111,56 @@ pub fn hash_tokens(seed: [u64; 2], tokens: &[u32]) -> [u64; 2] {
 
 /// Hashes bytes (a checksum for disk chunks).
 pub fn hash_bytes(seed: [u64; 2], bytes: &[u8]) -> [u64; 2] {
-    let mut s = Acc::new(seed);
-    let mut it = bytes.chunks_exact(64);
-    for c in &mut it {
-        let mut w = [0u64; 8];
-        for (i, x) in w.iter_mut().enumerate() {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(&c[8 * i..8 * i + 8]);
-            *x = u64::from_le_bytes(a);
-        }
-        s.stripe(&w);
+    let mut h = BytesHasher::new(seed);
+    h.update(bytes);
+    h.finish()
+}
+
+/// `hash_bytes` fed piece by piece, so a file can be checked while it is read (the bytes are
+/// still in cache). Every piece but the last must be a multiple of 64 bytes.
+pub struct BytesHasher {
+    acc: Acc,
+    len: u64,
+    tail: bool,
+}
+
+impl BytesHasher {
+    /// A hasher with this seed.
+    pub fn new(seed: [u64; 2]) -> BytesHasher {
+        BytesHasher { acc: Acc::new(seed), len: 0, tail: false }
     }
-    let rest = it.remainder();
-    if !rest.is_empty() {
-        let mut w = [0u64; 8];
-        for (i, part) in rest.chunks(8).enumerate() {
-            let mut a = [0u8; 8];
-            a[..part.len()].copy_from_slice(part);
-            w[i] = u64::from_le_bytes(a);
+
+    /// Feeds `bytes`; after a piece that is not a multiple of 64 bytes, nothing more may come.
+    pub fn update(&mut self, bytes: &[u8]) {
+        debug_assert!(!self.tail, "a piece after a partial stripe");
+        self.len += bytes.len() as u64;
+        let mut it = bytes.chunks_exact(64);
+        for c in &mut it {
+            let mut w = [0u64; 8];
+            for (i, x) in w.iter_mut().enumerate() {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(&c[8 * i..8 * i + 8]);
+                *x = u64::from_le_bytes(a);
+            }
+            self.acc.stripe(&w);
         }
-        s.stripe(&w);
+        let rest = it.remainder();
+        if !rest.is_empty() {
+            self.tail = true;
+            let mut w = [0u64; 8];
+            for (i, part) in rest.chunks(8).enumerate() {
+                let mut a = [0u8; 8];
+                a[..part.len()].copy_from_slice(part);
+                w[i] = u64::from_le_bytes(a);
+            }
+            self.acc.stripe(&w);
+        }
     }
-    s.finish(bytes.len() as u64)
+
+    /// The hash.
+    pub fn finish(self) -> [u64; 2] {
+        self.acc.finish(self.len)
+    }
 }
 
 #[cfg(test)]
@@ -159,6 +188,16 @@ mod tests {
         c[3] ^= 0x80;
         assert_ne!(h, hash_bytes([5, 6], &c));
         assert_ne!(h, hash_bytes([5, 6], &b[..999]));
+    }
+
+    #[test]
+    fn streaming_equals_one_shot() {
+        let b: Vec<u8> = (0..10_000u32).map(|i| (i * 13 % 256) as u8).collect();
+        let mut h = BytesHasher::new([3, 4]);
+        h.update(&b[..64 * 40]);
+        h.update(&b[64 * 40..64 * 100]);
+        h.update(&b[64 * 100..]);
+        assert_eq!(h.finish(), hash_bytes([3, 4], &b));
     }
 
     #[test]

@@ -6,7 +6,7 @@
 
 use crate::config::LmcacheConfig;
 use crate::cpu_tier::{ChunkData, CpuTier, KeyMap};
-use crate::disk_tier::{DiskChunk, DiskTier, HEADER_LEN};
+use crate::disk_tier::{DiskChunk, DiskTier, FILE_OVERHEAD};
 use crate::key::ChunkKey;
 use crate::stats::{add, Counters, LmcacheStats};
 use kvconnect_api::{ConnectorError, KvEvent};
@@ -371,7 +371,7 @@ fn writer_loop(sh: &Shared, rx: mpsc::Receiver<Job>) {
             Job::Write(key, data) => {
                 match disk.write(key, &data) {
                     Ok(evicted) => {
-                        add(&c.disk.bytes_stored, (HEADER_LEN + data.len()) as u64);
+                        add(&c.disk.bytes_stored, (FILE_OVERHEAD + data.len()) as u64);
                         add(&c.disk.evictions, evicted);
                         sh.event(KvEvent::Stored { hashes: vec![key.0[0]], tier: "disk".into() });
                     }
