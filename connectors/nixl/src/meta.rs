@@ -21,6 +21,28 @@ pub struct LoadSpec {
     pub num_tokens: usize,
 }
 
+impl LoadSpec {
+    /// A request that matched nothing to load (its tokens are all computed locally), whose
+    /// producer blocks should be freed now rather than at lease expiry.
+    pub fn release(request: RequestId, remote_engine_id: String) -> LoadSpec {
+        LoadSpec {
+            request,
+            remote_engine_id,
+            remote_blocks: BlocksPerGroup::default(),
+            local_blocks: BlocksPerGroup::default(),
+            first_token: 0,
+            num_tokens: 0,
+        }
+    }
+
+    /// True for [`LoadSpec::release`]: nothing to copy, only the producer to notify.
+    pub fn is_release(&self) -> bool {
+        self.remote_blocks.0.is_empty()
+            && self.local_blocks.0.is_empty()
+            && self.num_tokens == self.first_token
+    }
+}
+
 /// A finished request whose blocks this (producer) engine keeps for a consumer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SendSpec {

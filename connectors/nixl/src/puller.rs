@@ -152,6 +152,16 @@ impl Puller {
         r
     }
 
+    /// Tells the producer it may free `request`'s blocks without anything being pulled (the
+    /// consumer computes the prompt itself, e.g. a 1-token prompt).
+    pub fn release(&mut self, peer: &PeerInfo, request: &str) -> Result<PullStats, TransferError> {
+        let r = self.expect_ok(peer, &ClientMsg::Done { request: request.to_owned() });
+        if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
+            self.conns.remove(&peer.meta.engine_id);
+        }
+        r.map(|()| PullStats { bytes: 0, runs: 0, adapted: false })
+    }
+
     /// Copies `load` from `peer` into `local`, then tells the producer it is done. On `Ok`
     /// the bytes are in place and the producer confirmed it held them throughout.
     pub fn pull(

@@ -68,7 +68,13 @@ impl SchedulerConnector for NixlScheduler {
     ) -> ConnectorResult<()> {
         let Some(p) = TransferParams::from_request(req)? else { return Ok(()) };
         let first = self.computed.remove(&req.id).unwrap_or(0);
-        if num_external_tokens == 0 || self.scheduled.contains(&req.id) {
+        if self.scheduled.contains(&req.id) {
+            return Ok(());
+        }
+        if num_external_tokens == 0 {
+            // Computed locally after all: free the producer's blocks now, not at lease expiry.
+            self.scheduled.insert(req.id.clone());
+            self.loads.push(LoadSpec::release(req.id.clone(), p.remote_engine_id.clone()));
             return Ok(());
         }
         if p.tp_size != self.ctx.tp_size {

@@ -175,9 +175,13 @@ impl PullLoop {
             }
             queue = waiting;
             if let Some((load, _)) = head {
-                let r = self
-                    .peer(&load.remote_engine_id)
-                    .and_then(|peer| self.puller.pull(&self.mem, &self.groups, &peer, &load));
+                let r = self.peer(&load.remote_engine_id).and_then(|peer| {
+                    if load.is_release() {
+                        self.puller.release(&peer, &load.request.0)
+                    } else {
+                        self.puller.pull(&self.mem, &self.groups, &peer, &load)
+                    }
+                });
                 self.finish(load, r);
             }
         }
@@ -290,6 +294,14 @@ impl WorkerConnector for NixlWorker {
         }
         let done = std::mem::take(&mut *lock(&self.outcomes));
         for (load, r) in done {
+            if load.is_release() {
+                // Nothing was loaded, so nothing is reported; the producer frees its blocks
+                // now rather than at lease expiry, or at expiry if this failed.
+                if let Err(e) = r {
+                    tracing::debug!(request = %load.request, "nixl: releasing the producer's blocks of request {} failed: {e}", load.request);
+                }
+                continue;
+            }
             match r {
                 Ok(stats) => {
                     tracing::debug!(request = %load.request, bytes = stats.bytes, runs = stats.runs, "nixl: pulled");

@@ -419,3 +419,23 @@ fn incompatible_peer_and_mismatched_plan_are_refused_at_handshake() {
         .unwrap_err();
     assert!(e.to_string().contains("someone-else"), "{e}");
 }
+
+#[test]
+fn nothing_to_load_releases_the_producer_blocks_at_once() {
+    let mut p = producer("tcp", KvLayout::HND, 4, 30.0, "q");
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    handshake(&mut p, &mut d);
+    // A 1-token prompt: decode computes it itself (at least one token is always computed).
+    let params = prefill_finish(&mut p, "tiny", 1, &[1]);
+    let r = Request { id: "tiny".into(), prompt_tokens: vec![7], kv_transfer_params: params };
+    let m = d.sched.get_num_new_matched_tokens(&r, 0).unwrap();
+    assert_eq!(m, MatchResult::Matched { tokens: 0, async_load: false });
+    d.sched.update_state_after_alloc(&r, &blocks(&[2]), 0).unwrap();
+    let meta = d.sched.build_connector_meta(&step(1)).unwrap();
+    d.worker.bind_connector_meta(&meta).unwrap();
+    d.worker.start_load_kv().unwrap();
+    let f = wait_finished(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
+    assert_eq!(f.finished_sending, vec![RequestId::from("tiny")], "freed long before the 30 s lease");
+    let f = d.worker.get_finished(&[]).unwrap();
+    assert!(f.finished_recving.is_empty() && f.failed_recving.is_empty(), "nothing was loaded: {f:?}");
+}
