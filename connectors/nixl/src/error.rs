@@ -48,4 +48,17 @@ pub enum TransferError {
     /// A shared-memory segment could not be used.
     #[error("shm: {0}")]
     Shm(#[from] ShmError),
+    /// A NIXL call failed (the message carries NIXL's status name).
+    #[error("{0}")]
+    Nixl(#[from] crate::nixl_agent::NixlCallError),
+    /// A NIXL transfer did not finish in time.
+    #[error("NIXL READ of {bytes} bytes from producer engine '{engine}' did not finish within {seconds:.1}s (producer dead or stalled)")]
+    NixlTimeout {
+        /// The producer.
+        engine: String,
+        /// Bytes asked for.
+        bytes: u64,
+        /// The limit.
+        seconds: f64,
+    },
 }

@@ -18,7 +18,7 @@ impl ConnectorFactory for NixlFactory {
         ConnectorInfo {
             name: NAME.to_owned(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
-            description: "pull-mode P/D KV transport (backends: shm, tcp; nixl not in this build yet)"
+            description: "pull-mode P/D KV transport (backends: shm, tcp, nixl = the NIXL library over UCX)"
                 .to_owned(),
         }
     }

@@ -48,6 +48,21 @@ pub struct ProducerMetadata {
     pub groups: Vec<Vec<LayerId>>,
     /// Its process id (for messages).
     pub pid: u32,
+    /// Its NIXL agent, when it runs backend `nixl`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nixl: Option<NixlAgentMetadata>,
+}
+
+/// A producer's NIXL agent as peers need it: name, `getLocalMD()` bytes (hex) and the base
+/// address of each region (same order as `regions`) that READ descriptors are built from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NixlAgentMetadata {
+    /// The agent's name.
+    pub agent: String,
+    /// Its metadata, hex.
+    pub md: String,
+    /// Base address of each registered region.
+    pub region_addrs: Vec<u64>,
 }
 
 /// What a consumer knows of one producer.

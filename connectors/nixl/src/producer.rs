@@ -255,6 +255,19 @@ impl Producer {
         std::mem::take(&mut st.finished)
     }
 
+    /// A consumer has the blocks of `request` (backend nixl: its NIXL notification arrived):
+    /// ends the hold, so the request is reported finished. `Err` says why it was not held.
+    pub fn complete(&self, request: &RequestId) -> Result<(), String> {
+        let mut st = self.shared.lock();
+        if st.held.remove(request).is_some() {
+            st.forget(request.clone(), Gone::Done);
+            st.finished.push(request.clone());
+            Ok(())
+        } else {
+            Err(self.shared.reason(&st, request))
+        }
+    }
+
     /// Requests currently held.
     pub fn held(&self) -> usize {
         self.shared.lock().held.len()

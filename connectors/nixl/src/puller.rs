@@ -7,7 +7,8 @@ use crate::config::Backend;
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
 use crate::meta::LoadSpec;
-use crate::metadata::PeerInfo;
+use crate::metadata::{NixlAgentMetadata, PeerInfo};
+use crate::nixl_agent::{NixlAgent, ReadPair};
 use crate::shm::ShmMapping;
 use crate::wire::{read_frame, write_frame, ClientMsg, FrameError, ServerMsg};
 use kvconnect_api::kv_memory::KvMemory;
@@ -15,7 +16,24 @@ use kvconnect_api::LayerId;
 use std::collections::HashMap;
 use std::io::{self, Read};
 use std::net::TcpStream;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Prefix of the NIXL notification a consumer sends when it has a request's blocks.
+pub const NIXL_DONE: &str = "kvc-done ";
+
+fn no_agent() -> TransferError {
+    TransferError::Plan("backend 'nixl' selected but this worker has no NIXL agent (regions not registered)".into())
+}
+
+fn peer_agent(peer: &PeerInfo) -> Result<&NixlAgentMetadata, TransferError> {
+    peer.meta.nixl.as_ref().ok_or_else(|| {
+        TransferError::Plan(format!(
+            "producer engine '{}' published no NIXL agent: it does not run backend nixl; use the same backend on both sides",
+            peer.meta.engine_id
+        ))
+    })
+}
 
 /// Consumer settings.
 #[derive(Debug, Clone)]
@@ -52,6 +70,7 @@ pub struct Puller {
     cfg: PullConfig,
     conns: HashMap<String, TcpStream>,
     mapped: HashMap<String, Mapped>,
+    nixl: Option<Arc<NixlAgent>>,
 }
 
 impl std::fmt::Debug for Puller {
@@ -74,7 +93,13 @@ fn timeout_aware(e: io::Error, after: Duration) -> io::Error {
 impl Puller {
     /// A puller with no connections yet.
     pub fn new(cfg: PullConfig) -> Puller {
-        Puller { cfg, conns: HashMap::new(), mapped: HashMap::new() }
+        Puller { cfg, conns: HashMap::new(), mapped: HashMap::new(), nixl: None }
+    }
+
+    /// The NIXL agent that backend `nixl` reads with (this worker's, with its regions
+    /// registered, and every peer's metadata loaded).
+    pub fn set_nixl(&mut self, agent: Arc<NixlAgent>) {
+        self.nixl = Some(agent);
     }
 
     /// Forgets the connection and mappings of an engine (after its metadata changed).
@@ -274,11 +299,113 @@ impl Puller {
                 }
             }
             Backend::Nixl => {
-                return Err(TransferError::Plan("backend 'nixl' is not available in this build yet".into()));
+                // Pin first, as for shm: a request the producer no longer holds is a failed
+                // receive, never a read of whatever its blocks hold now.
+                self.expect_ok(peer, &ClientMsg::Hold { request: request.clone() })?;
+                self.nixl_read(&mut dst, peer, load, plan)?;
+                // Still held after the read means held throughout (a freed request is never
+                // held again), so the bytes are the request's. Then NIXL tells the producer.
+                self.expect_ok(peer, &ClientMsg::Hold { request: request.clone() })?;
+                let agent = self.nixl.as_ref().ok_or_else(no_agent)?;
+                let remote = peer_agent(peer)?;
+                agent.notify(&remote.agent, format!("{NIXL_DONE}{request}").as_bytes())?;
+                return Ok(PullStats { bytes: plan.total_bytes(), runs, adapted: matches!(plan, CopyPlan::Adapt(_)) });
             }
         }
         self.expect_ok(peer, &ClientMsg::Done { request })?;
         Ok(PullStats { bytes: plan.total_bytes(), runs, adapted: matches!(plan, CopyPlan::Adapt(_)) })
+    }
+
+    /// READs the plan's runs from the producer's registered regions (direct plans straight
+    /// into place, one descriptor per coalesced run; adapting plans into a registered staging
+    /// buffer, then scattered) and waits for the transfer on this (pull) thread.
+    fn nixl_read(
+        &self,
+        dst: &mut LocalRegions,
+        peer: &PeerInfo,
+        load: &LoadSpec,
+        plan: &CopyPlan,
+    ) -> Result<(), TransferError> {
+        let agent = self.nixl.as_ref().ok_or_else(no_agent)?;
+        let remote = peer_agent(peer)?;
+        let src = |region: u32, off: u64, len: u64| -> Result<usize, TransferError> {
+            let (r, base) = peer
+                .meta
+                .regions
+                .get(region as usize)
+                .zip(remote.region_addrs.get(region as usize))
+                .ok_or_else(|| TransferError::Plan(format!("no producer region {region}")))?;
+            if off.checked_add(len).is_none_or(|e| e > r.len) {
+                return Err(TransferError::Plan(format!(
+                    "{len} bytes at {off} do not fit producer region '{}' of {} bytes",
+                    r.name, r.len
+                )));
+            }
+            Ok((base + off) as usize)
+        };
+        let mut pairs = Vec::new();
+        match plan {
+            CopyPlan::Direct(rs) => {
+                for r in rs {
+                    let local = dst.dst_mut(r.dst_region, r.dst_off, r.len)?.as_mut_ptr() as usize;
+                    pairs.push(ReadPair { local, remote: src(r.src_region, r.src_off, r.len)?, len: r.len as usize });
+                }
+                self.nixl_wait(agent, peer, &remote.agent, &pairs)
+            }
+            CopyPlan::Adapt(bs) => {
+                let mut staging = vec![0u8; plan.total_bytes() as usize];
+                let base = staging.as_mut_ptr() as usize;
+                let mut at = 0usize;
+                for (region, off, len) in plan.src_runs() {
+                    pairs.push(ReadPair { local: base + at, remote: src(region, off, len)?, len: len as usize });
+                    at += len as usize;
+                }
+                // SAFETY: `staging` outlives the registration (dropped at the end of this block,
+                // after the transfer finished or was released).
+                let reg = unsafe { agent.register_dram(base, staging.len().max(1))? };
+                let r = self.nixl_wait(agent, peer, &remote.agent, &pairs);
+                drop(reg);
+                r?;
+                let mut at = 0usize;
+                for b in bs {
+                    let len = b.len as usize;
+                    dst.scatter(&peer.geometry, load, b, &staging[at..at + len])?;
+                    at += len;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn nixl_wait(
+        &self,
+        agent: &NixlAgent,
+        peer: &PeerInfo,
+        remote: &str,
+        pairs: &[ReadPair],
+    ) -> Result<(), TransferError> {
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let t = agent.post_read(remote, pairs)?;
+        // Allow the io timeout plus the transfer at a pessimistic 100 MB/s.
+        let limit = self.cfg.io_timeout + Duration::from_secs_f64(t.bytes as f64 / 100e6);
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while !agent.poll(&t)? {
+            if start.elapsed() > limit {
+                return Err(TransferError::NixlTimeout {
+                    engine: peer.meta.engine_id.clone(),
+                    bytes: t.bytes,
+                    seconds: limit.as_secs_f64(),
+                });
+            }
+            spins += 1;
+            if spins > 1000 {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
     }
 
     /// Maps the producer's segments (once per engine), checking their sizes.

@@ -9,7 +9,10 @@ use crate::error::TransferError;
 use crate::meta::{LoadSpec, NixlMeta};
 use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
 use crate::producer::{Producer, ProducerConfig};
-use crate::puller::{PullConfig, PullStats, Puller};
+use crate::puller::{PullConfig, PullStats, Puller, NIXL_DONE};
+use crate::config::Backend;
+use crate::metadata::NixlAgentMetadata;
+use crate::nixl_agent::{to_hex, from_hex, NixlAgent, Registration};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, KvRole, LayerId,
@@ -38,6 +41,9 @@ pub struct NixlWorker {
     puller: Option<JoinHandle<()>>,
     outcomes: Outcomes,
     error_blocks: Vec<BlockId>,
+    /// Backend nixl: this worker's agent and its region registrations (dropped first).
+    nixl_regs: Vec<Registration>,
+    nixl: Option<Arc<NixlAgent>>,
 }
 
 impl std::fmt::Debug for NixlWorker {
@@ -70,6 +76,8 @@ impl NixlWorker {
             puller: None,
             outcomes: Arc::default(),
             error_blocks: Vec::new(),
+            nixl_regs: Vec::new(),
+            nixl: None,
         }
     }
 
@@ -94,13 +102,17 @@ impl NixlWorker {
 
     fn start_puller(&mut self, mem: Arc<KvMemory>) -> ConnectorResult<()> {
         let (tx, rx) = mpsc::channel();
+        let mut puller = Puller::new(PullConfig {
+            backend: self.cfg.backend,
+            io_timeout: self.cfg.io_timeout,
+            connect_timeout: self.cfg.connect_timeout,
+            max_frame: self.cfg.max_frame_bytes,
+        });
+        if let Some(a) = &self.nixl {
+            puller.set_nixl(a.clone());
+        }
         let ctx = PullLoop {
-            puller: Puller::new(PullConfig {
-                backend: self.cfg.backend,
-                io_timeout: self.cfg.io_timeout,
-                connect_timeout: self.cfg.connect_timeout,
-                max_frame: self.cfg.max_frame_bytes,
-            }),
+            puller,
             mem,
             groups: self.groups.clone(),
             peers: self.peers.clone(),
@@ -113,6 +125,72 @@ impl NixlWorker {
             .map_err(|e| ConnectorError::io(NAME, format!("cannot start the pull thread: {e}")))?;
         self.jobs = Some(tx);
         self.puller = Some(h);
+        Ok(())
+    }
+
+    /// Backend nixl: one agent per worker, named after the engine and process, with every
+    /// KV region registered as DRAM.
+    fn start_nixl(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        let name = format!("{}-{}", self.ctx.engine_id, std::process::id());
+        let agent = NixlAgent::new(&name).map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
+        let mut regs = Vec::with_capacity(regions.len());
+        for r in regions {
+            // SAFETY: the host keeps every registered region valid host memory until shutdown,
+            // and shutdown drops these registrations (and the agent) before the memory goes.
+            let reg = unsafe { agent.register_dram(r.addr as usize, r.len as usize) }
+                .map_err(|e| ConnectorError::io(NAME, format!("region '{}': {e}", r.name)))?;
+            regs.push(reg);
+        }
+        self.nixl_regs = regs;
+        self.nixl = Some(Arc::new(agent));
+        Ok(())
+    }
+
+    fn nixl_metadata(&self) -> ConnectorResult<Option<NixlAgentMetadata>> {
+        let Some(a) = &self.nixl else { return Ok(None) };
+        let md = a.local_md().map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
+        Ok(Some(NixlAgentMetadata {
+            agent: a.name().to_owned(),
+            md: to_hex(&md),
+            region_addrs: self.regions.iter().map(|r| r.addr).collect(),
+        }))
+    }
+
+    /// Backend nixl: loads a producer's agent metadata (again only when it changed).
+    fn load_peer_agent(&self, info: &PeerInfo) -> ConnectorResult<()> {
+        let Some(a) = &self.nixl else { return Ok(()) };
+        let e = &info.meta.engine_id;
+        let Some(m) = &info.meta.nixl else {
+            return Err(ConnectorError::invalid(
+                NAME,
+                format!("peer engine '{e}' published no NIXL agent (it does not run backend nixl): use the same backend on both sides"),
+            ));
+        };
+        if m.region_addrs.len() != info.meta.regions.len() {
+            return Err(ConnectorError::invalid(
+                NAME,
+                format!("peer engine '{e}' NIXL metadata lists {} region addresses for {} regions", m.region_addrs.len(), info.meta.regions.len()),
+            ));
+        }
+        let known = lock(&self.peers).get(e).and_then(|p| p.meta.nixl.clone());
+        if known.as_ref().is_some_and(|k| k.md == m.md) {
+            return Ok(());
+        }
+        if let Some(k) = known {
+            a.invalidate_remote(&k.agent);
+        }
+        let md = from_hex(&m.md).ok_or_else(|| {
+            ConnectorError::invalid(NAME, format!("peer engine '{e}' NIXL metadata is not hex"))
+        })?;
+        let name = a
+            .load_remote_md(&md)
+            .map_err(|err| ConnectorError::invalid(NAME, format!("peer engine '{e}': {err}")))?;
+        if name != m.agent {
+            return Err(ConnectorError::invalid(
+                NAME,
+                format!("peer engine '{e}' says its NIXL agent is '{}' but its metadata is agent '{name}'", m.agent),
+            ));
+        }
         Ok(())
     }
 }
@@ -200,6 +278,9 @@ impl WorkerConnector for NixlWorker {
             .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))?;
         let mem = Arc::new(mem);
         self.regions = regions.to_vec();
+        if self.cfg.backend == Backend::Nixl {
+            self.start_nixl(regions)?;
+        }
         if self.is_producer() {
             let p = Producer::start(
                 mem.clone(),
@@ -290,6 +371,20 @@ impl WorkerConnector for NixlWorker {
     fn get_finished(&mut self, _finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
         let mut out = FinishedTransfers::default();
         if let Some(p) = &self.producer {
+            if let Some(a) = &self.nixl {
+                // Consumers tell a NIXL producer they have a request's blocks by notification.
+                let notes = a.take_notifications().map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
+                for (from, msg) in notes {
+                    match msg.strip_prefix(NIXL_DONE) {
+                        Some(id) => {
+                            if let Err(why) = p.complete(&RequestId::from(id)) {
+                                tracing::warn!(agent = %from, "nixl: done notification from '{from}': {why}");
+                            }
+                        }
+                        None => tracing::warn!(agent = %from, "nixl: ignoring unknown notification '{msg}' from '{from}'"),
+                    }
+                }
+            }
             out.finished_sending = p.take_finished();
         }
         let done = std::mem::take(&mut *lock(&self.outcomes));
@@ -344,6 +439,7 @@ impl WorkerConnector for NixlWorker {
                 .collect(),
             groups: self.groups.clone(),
             pid: std::process::id(),
+            nixl: self.nixl_metadata()?,
         };
         serde_json::to_value(meta)
             .map(Some)
@@ -353,6 +449,7 @@ impl WorkerConnector for NixlWorker {
     fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()> {
         let mem = self.memory()?;
         let info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
+        self.load_peer_agent(&info)?;
         tracing::debug!(engine = %info.meta.engine_id, addr = %info.addr, "nixl: peer registered");
         lock(&self.peers).insert(info.meta.engine_id.clone(), Arc::new(info));
         Ok(())
@@ -366,6 +463,8 @@ impl WorkerConnector for NixlWorker {
         if let Some(mut p) = self.producer.take() {
             p.shutdown();
         }
+        self.nixl_regs.clear();
+        self.nixl = None;
         self.mem = None;
         Ok(())
     }

@@ -1,0 +1,258 @@
+//! One NIXL agent per worker, over the UCX backend: registers KV regions as DRAM, exchanges
+//! agent metadata, posts READ transfers, polls them, and carries "done" notifications.
+//!
+//! Every NIXL call goes through here, so every NIXL failure becomes a [`NixlCallError`] whose
+//! message carries NIXL's status name (`NIXL_ERR_BACKEND`, ...) and the call that failed.
+
+use crate::nixl_lib::{self, NixlLibError};
+use nixl_sys::{
+    Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, RegistrationHandle,
+    XferDescList, XferOp, XferRequest, XferStatus,
+};
+use std::sync::Mutex;
+
+/// The NIXL transfer backend this connector uses.
+pub const UCX: &str = "UCX";
+
+/// A NIXL call that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum NixlCallError {
+    /// The library is not usable on this machine.
+    #[error(transparent)]
+    Library(#[from] NixlLibError),
+    /// NIXL returned an error status.
+    #[error("NIXL {op} failed: {status} ({detail})")]
+    Status {
+        /// The call, with what it was called on.
+        op: String,
+        /// NIXL's status name.
+        status: &'static str,
+        /// nixl-sys' description.
+        detail: String,
+    },
+}
+
+/// NIXL's name for the status behind a `nixl_sys` error.
+pub fn status_name(e: &NixlError) -> &'static str {
+    match e {
+        NixlError::InvalidParam | NixlError::StringConversionError(_) | NixlError::InvalidDataPointer => {
+            "NIXL_ERR_INVALID_PARAM"
+        }
+        NixlError::NotFound => "NIXL_ERR_NOT_FOUND",
+        NixlError::IndexOutOfBounds => "NIXL_ERR_INVALID_PARAM",
+        NixlError::NoTelemetry => "NIXL_ERR_NO_TELEMETRY",
+        NixlError::BackendError
+        | NixlError::FailedToCreateXferRequest
+        | NixlError::RegDescListCreationFailed
+        | NixlError::RegDescAddFailed
+        | NixlError::FailedToCreateXferDlistHandle
+        | NixlError::FailedToCreateBackend => "NIXL_ERR_BACKEND",
+    }
+}
+
+fn call(op: impl Into<String>) -> impl FnOnce(NixlError) -> NixlCallError {
+    let op = op.into();
+    move |e| NixlCallError::Status { op, status: status_name(&e), detail: e.to_string() }
+}
+
+/// A host-memory range to register (NIXL reads the pointer and size only).
+#[derive(Debug)]
+struct Dram {
+    addr: usize,
+    len: usize,
+}
+
+impl MemoryRegion for Dram {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl NixlDescriptor for Dram {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// One local range read from one remote range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadPair {
+    /// Local destination address.
+    pub local: usize,
+    /// Remote source address.
+    pub remote: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// A posted transfer; dropping it releases (and, if unfinished, aborts) it.
+pub struct Transfer {
+    req: XferRequest,
+    /// Bytes it moves.
+    pub bytes: u64,
+    /// Descriptors it was built from.
+    pub descriptors: usize,
+}
+
+impl std::fmt::Debug for Transfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("bytes", &self.bytes)
+            .field("descriptors", &self.descriptors)
+            .finish()
+    }
+}
+
+/// nixl-sys notes that agents created concurrently may deadlock; creation is serialised.
+static CREATE: Mutex<()> = Mutex::new(());
+
+/// A NIXL agent with the UCX backend and its registrations.
+pub struct NixlAgent {
+    agent: Agent,
+    name: String,
+}
+
+/// A registered memory range; deregistered on drop.
+#[derive(Debug)]
+pub struct Registration {
+    _handle: RegistrationHandle,
+}
+
+impl std::fmt::Debug for NixlAgent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NixlAgent").field("name", &self.name).finish()
+    }
+}
+
+impl NixlAgent {
+    /// Loads the library if needed and creates agent `name` with the UCX backend.
+    pub fn new(name: &str) -> Result<NixlAgent, NixlCallError> {
+        nixl_lib::load()?;
+        let _g = CREATE.lock().unwrap_or_else(|p| p.into_inner());
+        let agent = Agent::new(name).map_err(call(format!("createAgent('{name}')")))?;
+        let (_mems, params) = agent.get_plugin_params(UCX).map_err(call("getPluginParams(UCX)"))?;
+        agent.create_backend(UCX, &params).map_err(call("createBackend(UCX)"))?;
+        Ok(NixlAgent { agent, name: name.to_owned() })
+    }
+
+    /// This agent's name (what peers address it by).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Registers `len` bytes of host memory at `addr` with the UCX backend.
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must stay valid host memory until this agent is dropped: remote
+    /// agents may read it at any time.
+    pub unsafe fn register_dram(&self, addr: usize, len: usize) -> Result<Registration, NixlCallError> {
+        let h = self
+            .agent
+            .register_memory(&Dram { addr, len }, None)
+            .map_err(call(format!("registerMem(DRAM {len} bytes at {addr:#x})")))?;
+        Ok(Registration { _handle: h })
+    }
+
+    /// This agent's metadata (backend connection info and registrations) for peers.
+    pub fn local_md(&self) -> Result<Vec<u8>, NixlCallError> {
+        self.agent.get_local_md().map_err(call("getLocalMD"))
+    }
+
+    /// Loads a peer's metadata; returns the peer agent's name.
+    pub fn load_remote_md(&self, md: &[u8]) -> Result<String, NixlCallError> {
+        self.agent.load_remote_md(md).map_err(call(format!("loadRemoteMD({} bytes)", md.len())))
+    }
+
+    /// Forgets a peer's metadata (before loading a newer copy).
+    pub fn invalidate_remote(&self, remote: &str) {
+        let _ = self.agent.invalidate_remote_md(remote);
+    }
+
+    /// Posts one READ of `pairs` from `remote`'s registered memory into this agent's.
+    pub fn post_read(&self, remote: &str, pairs: &[ReadPair]) -> Result<Transfer, NixlCallError> {
+        let mut local = XferDescList::new(MemType::Dram).map_err(call("creating a descriptor list"))?;
+        let mut far = XferDescList::new(MemType::Dram).map_err(call("creating a descriptor list"))?;
+        let mut bytes = 0u64;
+        for p in pairs {
+            local.add_desc(p.local, p.len, 0);
+            far.add_desc(p.remote, p.len, 0);
+            bytes += p.len as u64;
+        }
+        let op = || format!("READ of {bytes} bytes in {} descriptors from agent '{remote}'", pairs.len());
+        let req = self
+            .agent
+            .create_xfer_req(XferOp::Read, &local, &far, remote, None)
+            .map_err(call(format!("createXferReq({})", op())))?;
+        self.agent.post_xfer_req(&req, None).map_err(call(format!("postXferReq({})", op())))?;
+        Ok(Transfer { req, bytes, descriptors: pairs.len() })
+    }
+
+    /// `Ok(true)` once `t` completed, `Ok(false)` while in progress; never blocks.
+    pub fn poll(&self, t: &Transfer) -> Result<bool, NixlCallError> {
+        match self.agent.get_xfer_status(&t.req) {
+            Ok(XferStatus::Success) => Ok(true),
+            Ok(XferStatus::InProgress) => Ok(false),
+            Err(e) => Err(call(format!("getXferStatus(READ of {} bytes)", t.bytes))(e)),
+        }
+    }
+
+    /// Sends `msg` to `remote` as a NIXL notification.
+    pub fn notify(&self, remote: &str, msg: &[u8]) -> Result<(), NixlCallError> {
+        self.agent.send_notification(remote, msg, None).map_err(call(format!("genNotif(to '{remote}')")))
+    }
+
+    /// Notifications received since the last call: (sending agent, message).
+    pub fn take_notifications(&self) -> Result<Vec<(String, String)>, NixlCallError> {
+        let mut map = NotificationMap::new().map_err(call("creating a notification map"))?;
+        self.agent.get_notifications(&mut map, None).map_err(call("getNotifs"))?;
+        let all = map.take_notifs().map_err(call("reading notifications"))?;
+        Ok(all.into_iter().flat_map(|(a, ms)| ms.into_iter().map(move |m| (a.clone(), m))).collect())
+    }
+}
+
+/// Hex for metadata bytes inside JSON.
+pub fn to_hex(b: &[u8]) -> String {
+    const H: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(b.len() * 2);
+    for &x in b {
+        s.push(H[(x >> 4) as usize] as char);
+        s.push(H[(x & 15) as usize] as char);
+    }
+    s
+}
+
+/// Inverse of [`to_hex`]; `None` on anything else.
+pub fn from_hex(s: &str) -> Option<Vec<u8>> {
+    let s = s.as_bytes();
+    if s.len() % 2 != 0 {
+        return None;
+    }
+    let d = |c: u8| (c as char).to_digit(16).map(|v| v as u8);
+    s.chunks(2).map(|p| Some(d(p[0])? << 4 | d(p[1])?)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hex_round_trips_and_rejects_garbage() {
+        let b: Vec<u8> = (0..=255).collect();
+        assert_eq!(from_hex(&to_hex(&b)).unwrap(), b);
+        assert!(from_hex("abc").is_none());
+        assert!(from_hex("zz").is_none());
+    }
+
+    #[test]
+    fn status_names_are_nixls() {
+        assert_eq!(status_name(&NixlError::BackendError), "NIXL_ERR_BACKEND");
+        assert_eq!(status_name(&NixlError::InvalidParam), "NIXL_ERR_INVALID_PARAM");
+        assert_eq!(status_name(&NixlError::NotFound), "NIXL_ERR_NOT_FOUND");
+    }
+}
