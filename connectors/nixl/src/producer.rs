@@ -361,6 +361,21 @@ fn serve(stream: TcpStream, s: &Shared) -> Result<(), String> {
                 };
                 send(&mut w, answer)?;
             }
+            ClientMsg::Check { request, runs } => {
+                let id = RequestId(request);
+                let answer = match s.acquire(&id) {
+                    Ok(()) => {
+                        let checked = s.check_runs(&id, &runs);
+                        s.release(&id);
+                        match checked {
+                            Ok(_) => ServerMsg::Ok,
+                            Err(reason) => ServerMsg::Error { reason },
+                        }
+                    }
+                    Err(reason) => ServerMsg::Error { reason },
+                };
+                send(&mut w, answer)?;
+            }
             ClientMsg::Done { request } => {
                 let id = RequestId(request);
                 let mut st = s.lock();

@@ -223,9 +223,10 @@ impl Puller {
         };
         match self.cfg.backend {
             Backend::Shm => {
-                // Pin the blocks first: a request the producer no longer holds is a failed
-                // receive, never a copy of whatever the blocks hold now.
-                self.expect_ok(peer, &ClientMsg::Hold { request: request.clone() })?;
+                // Pin the blocks first: a request the producer no longer holds, or runs outside
+                // its blocks (params naming another request's blocks), are a failed receive,
+                // never a copy of whatever those blocks hold now.
+                self.expect_ok(peer, &ClientMsg::Check { request: request.clone(), runs: plan.src_runs() })?;
                 self.map(peer)?;
                 let mapped = self
                     .mapped

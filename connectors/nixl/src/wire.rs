@@ -21,6 +21,14 @@ pub enum ClientMsg {
         /// The request.
         request: String,
     },
+    /// Heartbeat that also checks that these runs lie inside the request's blocks (shm
+    /// consumers, which copy without the producer seeing the reads).
+    Check {
+        /// The request.
+        request: String,
+        /// Runs the consumer is about to copy.
+        runs: Vec<WireRun>,
+    },
     /// "read request R blocks [...]": stream these runs of the request's blocks.
     Read {
         /// The request.

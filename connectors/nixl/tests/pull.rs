@@ -307,7 +307,7 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
                 Err(_) => return,
             };
             match m {
-                ClientMsg::Hold { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
+                ClientMsg::Hold { .. } | ClientMsg::Check { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
                 ClientMsg::Read { runs, .. } => {
                     let total: u64 = runs.iter().map(|r| r.2).sum();
                     write_frame(&mut s, &ServerMsg::Data { bytes: total }).unwrap();
@@ -433,4 +433,20 @@ fn nothing_to_load_releases_the_producer_blocks_at_once() {
     assert_eq!(f.finished_sending, vec![RequestId::from("tiny")], "freed long before the 30 s lease");
     let f = d.worker.get_finished(&[]).unwrap();
     assert!(f.finished_recving.is_empty() && f.failed_recving.is_empty(), "nothing was loaded: {f:?}");
+}
+
+#[test]
+fn params_naming_another_requests_blocks_are_a_failed_receive() {
+    for (backend, tag) in [("shm", "r"), ("tcp", "s")] {
+        let mut p = producer(backend, KvLayout::HND, 4, 30.0, tag);
+        let mut d = consumer(backend, KvLayout::HND, 4);
+        handshake(&mut p, &mut d);
+        let _other = prefill_finish(&mut p, "other", 9, &[8, 9, 10]);
+        let mut params = prefill_finish(&mut p, "mine", 9, &[1, 2, 3]);
+        // A client that rewrites the params to point at "other"'s blocks.
+        params.insert("remote_block_ids".into(), json!([[8, 9, 10]]));
+        decode_start(&mut d, "mine", 9, params, &[4, 5, 6]);
+        let f = wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+        assert_eq!(f.failed_recving, vec![RequestId::from("mine")], "{backend}");
+    }
 }
