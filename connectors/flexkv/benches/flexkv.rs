@@ -258,6 +258,12 @@ fn ssd_tier(c: &mut Criterion) {
         })
     });
     let mut rbuf = Vec::new();
+    let hot = vec![7u8; 128 * 1024];
+    g.bench_function("checksum_hot_128k_x256", |b| {
+        b.iter(|| {
+            (0..256).map(|_| kvconnect_flexkv::hash::checksum(black_box(&hot))).fold(0u64, |a, c| a ^ c)
+        })
+    });
     g.bench_function("checksum_only", |b| {
         b.iter(|| payloads.iter().map(|p| kvconnect_flexkv::hash::checksum(p)).fold(0u64, |a, c| a ^ c))
     });

@@ -328,7 +328,7 @@ impl BlockCache {
             tracing::warn!(block = format!("{hash:016x}"), "flexkv: dropped an SSD block: {source}");
             return Err(LoadError::Ssd { hash, source });
         }
-        let payload = &scratch[ssd.payload_range()];
+        let payload = &scratch[..];
         sink(payload).map_err(|message| LoadError::Sink { hash, message })?;
         bump(&self.counters.ssd_hits);
         if self.promote {
@@ -518,7 +518,7 @@ mod tests {
     #[test]
     fn cpu_to_ssd_and_back_with_promotion() {
         let dir = tempfile::tempdir().unwrap();
-        let ssd = SsdTier::open(dir.path(), "t", 100, 10 * 4096).unwrap();
+        let ssd = SsdTier::open(dir.path(), "t", 100, 10 * 8192).unwrap();
         let c = BlockCache::new(2, 100, Some(ssd), true, String::new());
         let a = block_hashes(1, &(0..5).collect::<Vec<_>>(), 1);
         assert_eq!(store_chain(&c, &a, 10), vec![StoreOutcome::Stored; 5]);
@@ -543,14 +543,14 @@ mod tests {
     fn corrupted_ssd_block_is_a_miss_and_never_loaded() {
         use std::os::unix::fs::FileExt;
         let dir = tempfile::tempdir().unwrap();
-        let ssd = SsdTier::open(dir.path(), "t", 100, 10 * 4096).unwrap();
+        let ssd = SsdTier::open(dir.path(), "t", 100, 10 * 8192).unwrap();
         let path = ssd.path().to_path_buf();
         let c = BlockCache::new(1, 100, Some(ssd), false, String::new());
         let a = block_hashes(1, &[1, 2, 3], 1);
         store_chain(&c, &a, 0);
         // a[0] and a[1] are on SSD in records 0 and 1; flip a byte of record 0's payload.
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
-        f.write_all_at(&[0xee], 32 + 7).unwrap();
+        f.write_all_at(&[0xee], 4096 + 7).unwrap();
         c.pin_prefix(&a, 3);
         let mut sunk = false;
         let e = c
@@ -576,7 +576,7 @@ mod tests {
             eprintln!("skipping: /dev/full is not available");
             return;
         }
-        let ssd = SsdTier::open(full, "t", 100, 10 * 4096).unwrap();
+        let ssd = SsdTier::open(full, "t", 100, 10 * 8192).unwrap();
         let c = BlockCache::new(2, 100, Some(ssd), true, String::new());
         let a = block_hashes(1, &[1, 2, 3, 4], 1);
         let b = block_hashes(2, &[1, 2], 1);

@@ -3,8 +3,9 @@
 //! `ssd_cache_dir` names a directory (created if missing; the tier makes
 //! `flexkv-<engine>-<pid>.ssd` in it and removes it when the cache is dropped) or an existing
 //! non-directory file such as a preallocated file or a block device (used in place, never
-//! removed). Record `i` sits at `i * record_bytes`: a 32-byte header (magic, block hash,
-//! payload length, payload checksum) then the payload, padded to 4 KiB. A record whose
+//! removed). Record `i` sits at `i * record_bytes`: a 4 KiB page whose first 32 bytes are
+//! the header (magic, block hash, payload length, payload checksum), then the payload,
+//! padded to 4 KiB, so payload I/O is page aligned. A record whose
 //! header or checksum disagrees is reported as corrupt, so a torn write, a full disk or a
 //! flipped bit is a cache miss, never KV loaded into an engine.
 
@@ -75,7 +76,7 @@ pub struct SsdTier {
 impl SsdTier {
     /// Bytes one record takes for a payload of `payload` bytes.
     pub fn record_bytes(payload: usize) -> u64 {
-        (HEADER as u64 + payload as u64).div_ceil(ALIGN) * ALIGN
+        ALIGN + (payload as u64).div_ceil(ALIGN) * ALIGN
     }
 
     /// Opens the tier at `path` (see the module doc) for payloads of `payload` bytes within
@@ -134,7 +135,7 @@ impl SsdTier {
         // Payload first, header last: a write torn in between leaves an old or absent
         // header, which fails verification instead of vouching for half a payload.
         let mut sum = Checksum::new();
-        let mut at = off + HEADER as u64;
+        let mut at = off + ALIGN;
         for piece in payload.chunks(PIECE) {
             sum.update(piece);
             self.file.write_all_at(piece, at)?;
@@ -148,26 +149,27 @@ impl SsdTier {
         self.file.write_all_at(&h, off)
     }
 
-    /// Reads record `slot` into `buf` (resized to header + payload) and checks that it holds
-    /// block `hash` intact. On success the payload is `&buf[payload_range()]`.
+    /// Reads record `slot`'s payload into `buf` (resized to the payload length) and checks
+    /// that it holds block `hash` intact.
     pub fn read(&self, slot: u32, hash: u64, buf: &mut Vec<u8>) -> Result<(), SsdReadError> {
         if slot >= self.num_slots {
             return Err(SsdReadError::Io { slot, reason: "slot past the end of the tier".into() });
         }
-        buf.resize(HEADER + self.payload, 0);
+        buf.resize(self.payload, 0);
         let off = slot as u64 * self.record;
         let io = |e: std::io::Error| SsdReadError::Io { slot, reason: e.to_string() };
-        self.file.read_exact_at(&mut buf[..HEADER], off).map_err(io)?;
+        let mut header = [0u8; HEADER];
+        self.file.read_exact_at(&mut header, off).map_err(io)?;
         let mut sum = Checksum::new();
-        let mut at = off + HEADER as u64;
-        for piece in buf[HEADER..].chunks_mut(PIECE) {
+        let mut at = off + ALIGN;
+        for piece in buf.chunks_mut(PIECE) {
             self.file.read_exact_at(piece, at).map_err(io)?;
             sum.update(piece);
             at += piece.len() as u64;
         }
         let word = |i: usize| {
             let mut w = [0u8; 8];
-            w.copy_from_slice(&buf[i * 8..i * 8 + 8]);
+            w.copy_from_slice(&header[i * 8..i * 8 + 8]);
             u64::from_le_bytes(w)
         };
         let corrupt = |reason: String| SsdReadError::Corrupt { slot, reason };
@@ -184,11 +186,6 @@ impl SsdTier {
             return Err(corrupt("checksum mismatch".into()));
         }
         Ok(())
-    }
-
-    /// Where the payload sits in a buffer filled by `read`.
-    pub fn payload_range(&self) -> std::ops::Range<usize> {
-        HEADER..HEADER + self.payload
     }
 }
 
@@ -215,18 +212,18 @@ mod tests {
     #[test]
     fn round_trip_and_corruption_is_detected() {
         let dir = tempfile::tempdir().unwrap();
-        let t = SsdTier::open(&dir.path().join("sub"), "e/1", 100, 3 * 4096).unwrap();
+        let t = SsdTier::open(&dir.path().join("sub"), "e/1", 100, 3 * 8192).unwrap();
         assert_eq!(t.num_slots(), 3);
         let data: Vec<u8> = (0..100).collect();
         t.write(2, 77, &data).unwrap();
         let mut buf = Vec::new();
         t.read(2, 77, &mut buf).unwrap();
-        assert_eq!(&buf[t.payload_range()], &data[..]);
+        assert_eq!(buf, data);
         assert!(matches!(t.read(2, 78, &mut buf), Err(SsdReadError::Corrupt { .. })));
         assert!(matches!(t.read(1, 0, &mut buf), Err(SsdReadError::Corrupt { .. })));
         // Flip one payload byte on disk.
         let f = OpenOptions::new().write(true).open(t.path()).unwrap();
-        f.write_all_at(&[0xff], 2 * 4096 + 32 + 50).unwrap();
+        f.write_all_at(&[0xff], 2 * 8192 + 4096 + 50).unwrap();
         let e = t.read(2, 77, &mut buf).unwrap_err();
         assert!(e.to_string().contains("checksum mismatch"), "{e}");
         let p = t.path().to_path_buf();

@@ -127,7 +127,7 @@ fn concurrent_save_load_evict_cpu_only() {
 #[test]
 fn concurrent_save_load_evict_with_ssd_and_promotion() {
     let dir = tempfile::tempdir().unwrap();
-    let ssd = SsdTier::open(dir.path(), "stress", SLOT, 24 * 4096).unwrap();
+    let ssd = SsdTier::open(dir.path(), "stress", SLOT, 24 * 8192).unwrap();
     let cache = Arc::new(BlockCache::new(8, SLOT, Some(ssd), true, String::new()));
     run(cache.clone(), 6, 600);
     let st = cache.stats();
