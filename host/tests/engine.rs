@@ -78,6 +78,14 @@ fn monolithic_is_deterministic_and_context_dependent() {
     // A request alone gives what it gives in a batch.
     let alone = generate(&mut monolithic(KvLayout::HND, true, Dtype::Bf16), &ps[3..4], 8);
     assert_eq!(alone[0], a[3]);
+    // The pool is full again after every single request.
+    let mut e = monolithic(KvLayout::BLNHC, true, Dtype::Bf16);
+    for (i, p) in ps.iter().enumerate() {
+        e.add_request(GenRequest::new(format!("one{i}"), p.clone(), 8)).unwrap();
+        let done = e.run_to_completion(100).unwrap();
+        assert_eq!(done[0].tokens, a[i]);
+        assert_eq!(e.free_blocks(), e.total_blocks(), "after request {i}");
+    }
     let s = detokenize(&a[0]);
     assert_eq!(tokenize(&s).len(), s.len());
 }

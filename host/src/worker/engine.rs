@@ -598,7 +598,8 @@ impl Engine {
                 continue;
             }
             let Some(s) = self.seqs.get_mut(k) else { continue };
-            let last = &h[h.len() - d..];
+            // Every scheduled request has at least one token to compute (admission leaves one).
+            let Some(last) = h.len().checked_sub(d).map(|i| &h[i..]) else { continue };
             let tok = self.model.next_token(last);
             s.num_computed = s.seq_len();
             s.output.push(tok);
@@ -677,7 +678,10 @@ impl Engine {
         }
         let Some(blocks) = self.pool.allocate(need) else { return Ok(false) };
         if let Some((sched, _)) = self.connector.as_mut() {
-            let s = &self.seqs[&key];
+            let Some(s) = self.seqs.get(&key) else {
+                self.pool.release(&blocks);
+                return Ok(true);
+            };
             if let Err(e) = sched.update_state_after_alloc(&s.req, &blocks, ext) {
                 if ext > 0 && self.policy == FailurePolicy::Fail {
                     let why =
