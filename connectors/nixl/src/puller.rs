@@ -23,7 +23,9 @@ use std::time::{Duration, Instant};
 pub const NIXL_DONE: &str = "kvc-done ";
 
 fn no_agent() -> TransferError {
-    TransferError::Plan("backend 'nixl' selected but this worker has no NIXL agent (regions not registered)".into())
+    TransferError::Plan(
+        "backend 'nixl' selected but this worker has no NIXL agent (regions not registered)".into(),
+    )
 }
 
 fn peer_agent(peer: &PeerInfo) -> Result<&NixlAgentMetadata, TransferError> {
@@ -133,6 +135,10 @@ impl Puller {
 
     fn conn(&mut self, peer: &PeerInfo) -> Result<&mut TcpStream, TransferError> {
         let engine = &peer.meta.engine_id;
+        // A producer that restarted publishes a new address: never reuse the old stream.
+        if self.conns.get(engine).is_some_and(|s| s.peer_addr().ok() != Some(peer.addr)) {
+            self.conns.remove(engine);
+        }
         if !self.conns.contains_key(engine) {
             let s = TcpStream::connect_timeout(&peer.addr, self.cfg.connect_timeout)
                 .map_err(|e| self.io("connecting", peer, e))?;
@@ -310,7 +316,11 @@ impl Puller {
                 let agent = self.nixl.as_ref().ok_or_else(no_agent)?;
                 let remote = peer_agent(peer)?;
                 agent.notify(&remote.agent, format!("{NIXL_DONE}{request}").as_bytes())?;
-                return Ok(PullStats { bytes: plan.total_bytes(), runs, adapted: matches!(plan, CopyPlan::Adapt(_)) });
+                return Ok(PullStats {
+                    bytes: plan.total_bytes(),
+                    runs,
+                    adapted: matches!(plan, CopyPlan::Adapt(_)),
+                });
             }
         }
         self.expect_ok(peer, &ClientMsg::Done { request })?;
@@ -349,7 +359,11 @@ impl Puller {
             CopyPlan::Direct(rs) => {
                 for r in rs {
                     let local = dst.dst_mut(r.dst_region, r.dst_off, r.len)?.as_mut_ptr() as usize;
-                    pairs.push(ReadPair { local, remote: src(r.src_region, r.src_off, r.len)?, len: r.len as usize });
+                    pairs.push(ReadPair {
+                        local,
+                        remote: src(r.src_region, r.src_off, r.len)?,
+                        len: r.len as usize,
+                    });
                 }
                 self.nixl_wait(agent, peer, &remote.agent, &pairs)
             }
@@ -358,7 +372,11 @@ impl Puller {
                 let base = staging.as_mut_ptr() as usize;
                 let mut at = 0usize;
                 for (region, off, len) in plan.src_runs() {
-                    pairs.push(ReadPair { local: base + at, remote: src(region, off, len)?, len: len as usize });
+                    pairs.push(ReadPair {
+                        local: base + at,
+                        remote: src(region, off, len)?,
+                        len: len as usize,
+                    });
                     at += len as usize;
                 }
                 // SAFETY: `staging` outlives the registration (dropped at the end of this block,

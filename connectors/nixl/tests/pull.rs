@@ -307,7 +307,9 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
                 Err(_) => return,
             };
             match m {
-                ClientMsg::Hold { .. } | ClientMsg::Check { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
+                ClientMsg::Hold { .. } | ClientMsg::Check { .. } => {
+                    write_frame(&mut s, &ServerMsg::Ok).unwrap()
+                }
                 ClientMsg::Read { runs, .. } => {
                     let total: u64 = runs.iter().map(|r| r.2).sum();
                     write_frame(&mut s, &ServerMsg::Data { bytes: total }).unwrap();
@@ -446,7 +448,32 @@ fn params_naming_another_requests_blocks_are_a_failed_receive() {
         // A client that rewrites the params to point at "other"'s blocks.
         params.insert("remote_block_ids".into(), json!([[8, 9, 10]]));
         decode_start(&mut d, "mine", 9, params, &[4, 5, 6]);
-        let f = wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+        let f = wait_finished(d.worker.as_mut(), |f| {
+            !f.failed_recving.is_empty() || !f.finished_recving.is_empty()
+        });
         assert_eq!(f.failed_recving, vec![RequestId::from("mine")], "{backend}");
     }
+}
+
+#[test]
+fn a_restarted_producer_is_reached_at_its_new_address_after_a_new_handshake() {
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    {
+        let mut p = producer("tcp", KvLayout::HND, 4, 30.0, "t");
+        handshake(&mut p, &mut d);
+        let params = prefill_finish(&mut p, "before", 9, &[1, 2, 3]);
+        decode_start(&mut d, "before", 9, params, &[1, 2, 3]);
+        let f = wait_finished(d.worker.as_mut(), |f| {
+            !f.finished_recving.is_empty() || !f.failed_recving.is_empty()
+        });
+        assert_eq!(f.finished_recving, vec![RequestId::from("before")]);
+    } // the producer goes away; the consumer's connection to it is dead
+    let mut p = producer("tcp", KvLayout::HND, 4, 30.0, "u");
+    handshake(&mut p, &mut d);
+    let params = prefill_finish(&mut p, "after", 9, &[4, 5, 6]);
+    decode_start(&mut d, "after", 9, params, &[4, 5, 6]);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.finished_recving.is_empty() || !f.failed_recving.is_empty());
+    assert_eq!(f.finished_recving, vec![RequestId::from("after")], "{f:?}");
+    assert_same_kv(&mut p, &[4, 5, 6], &mut d, &[4, 5, 6], 8);
 }
