@@ -6,6 +6,10 @@
 //! (seconds, defaults 10 and 5), `max_frame_bytes` (control frame cap, default 16 MiB), and
 //! `side_channel_host` / `side_channel_port`, which the *host* sets to its own side-channel
 //! address so that `request_finished` can put it into the transfer params.
+//!
+//! The listener's bound address is what the handshake metadata publishes, so for tcp between
+//! hosts set `host` to an address the decode host can reach (not `0.0.0.0`). The listener
+//! has no authentication: bind it to loopback or a trusted network.
 
 use kvconnect_api::{ConnectorError, KvTransferConfig};
 use serde_json::{Map, Value};
