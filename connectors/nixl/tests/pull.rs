@@ -477,3 +477,20 @@ fn a_restarted_producer_is_reached_at_its_new_address_after_a_new_handshake() {
     assert_eq!(f.finished_recving, vec![RequestId::from("after")], "{f:?}");
     assert_same_kv(&mut p, &[4, 5, 6], &mut d, &[4, 5, 6], 8);
 }
+
+#[test]
+fn decode_killed_mid_transfer_leaves_blocks_to_lease_expiry() {
+    let mut p = producer("tcp", KvLayout::HND, 4, 0.5, "v");
+    let addr = p.worker.handshake_metadata().unwrap().unwrap()["listen"].as_str().unwrap().to_owned();
+    let _params = prefill_finish(&mut p, "orphan", 9, &[1, 2, 3]);
+    // A decode that asks for the blocks, reads the answer's header and dies.
+    let mut c = TcpStream::connect(&addr).unwrap();
+    let runs = vec![(0u32, 128, 3 * 128)]; // K of blocks 1..4 in region 0 (HND, 2x4x8 bf16 = 128 B/block)
+    write_frame(&mut c, &ClientMsg::Read { request: "orphan".into(), runs }).unwrap();
+    let m: ServerMsg = read_frame(&mut c, 1 << 20).unwrap();
+    assert_eq!(m, ServerMsg::Data { bytes: 384 });
+    drop(c);
+    assert!(p.worker.get_finished(&[]).unwrap().finished_sending.is_empty(), "still within the lease");
+    let f = wait_finished(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
+    assert_eq!(f.finished_sending, vec![RequestId::from("orphan")], "freed at lease expiry");
+}
