@@ -24,6 +24,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Per-iteration times of every timed batch, per benchmark, for the ratios.
+/// Samples per benchmark (criterion's sample size, the same for every benchmark here).
+const SAMPLES: usize = 10;
+
 static TIMES: Mutex<BTreeMap<&'static str, Vec<f64>>> = Mutex::new(BTreeMap::new());
 
 fn record(name: &'static str, d: Duration, iters: u64) -> Duration {
@@ -32,11 +35,12 @@ fn record(name: &'static str, d: Duration, iters: u64) -> Duration {
     d
 }
 
-/// The median per-iteration time (robust to the cold first batches of the warm-up).
+/// The median per-iteration time over the last `SAMPLES` batches (criterion's samples; the
+/// warm-up batches before them are left out).
 fn median(name: &str) -> f64 {
     let t = TIMES.lock().unwrap();
     let Some(v) = t.get(name) else { return f64::NAN };
-    let mut v = v.clone();
+    let mut v = v[v.len().saturating_sub(SAMPLES)..].to_vec();
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
@@ -149,7 +153,7 @@ fn cpu_tier(c: &mut Criterion) {
         Engine::new("bench-cpu", 8, 8, 128, 16, 128, json!({"chunk_size": 256, "max_local_cpu_size": 0.125}));
     let bytes = chunks * 256 * 8 * 2 * 8 * 128 * 2;
     let mut g = c.benchmark_group("cpu_tier");
-    g.throughput(Throughput::Bytes(2 * bytes as u64)).sample_size(10);
+    g.throughput(Throughput::Bytes(2 * bytes as u64)).sample_size(SAMPLES);
     let mut seed = 0u32;
     g.bench_function("lmcache_save_then_load", |b| {
         b.iter_custom(|iters| {
@@ -210,7 +214,7 @@ fn disk_tier(c: &mut Criterion) {
     let plain = dir.path().join("plain");
     std::fs::create_dir_all(&plain).unwrap();
     let mut g = c.benchmark_group("disk_tier");
-    g.throughput(Throughput::Bytes(2 * len as u64)).sample_size(10);
+    g.throughput(Throughput::Bytes(2 * len as u64)).sample_size(SAMPLES);
     let mut i = 0u64;
     g.bench_function("lmcache_write_then_read", |b| {
         b.iter_custom(|iters| {
@@ -261,6 +265,7 @@ fn lookup(c: &mut Criterion) {
         MatchResult::Matched { tokens: tokens - 1, async_load: false }
     );
     let mut g = c.benchmark_group("lookup");
+    g.sample_size(SAMPLES);
     // Where the time goes: the key chain alone.
     let ns = kvconnect_lmcache::key::Namespace([1, 2]);
     g.bench_function("chunk_keys_32k", |b| {

@@ -338,23 +338,28 @@ fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>
     if file_len != expected_len || file_len < FILE_OVERHEAD as u64 {
         return Err(format!("file is {file_len} bytes, {expected_len} were written"));
     }
-    // Zeroed allocation is lazily mapped, so this costs no extra pass over the buffer.
-    let mut buf = vec![0u8; file_len as usize];
-    f.read_exact(&mut buf[..HEADER_LEN]).map_err(|e| format!("cannot read header: {e}"))?;
+    // Read into spare capacity: no zeroing pass over the buffer before the read fills it.
+    let mut buf = Vec::with_capacity(file_len as usize);
+    let mut take = |buf: &mut Vec<u8>, n: usize, what: &str| -> Result<(), String> {
+        let got = (&mut f).take(n as u64).read_to_end(buf).map_err(|e| format!("cannot read {what}: {e}"))?;
+        if got != n {
+            return Err(format!("file ended {} bytes early in the {what}", n - got));
+        }
+        Ok(())
+    };
+    take(&mut buf, HEADER_LEN, "header")?;
     let len = parse_header(&buf[..HEADER_LEN], key)?;
     if len + FILE_OVERHEAD as u64 != file_len {
         return Err(format!("file is {file_len} bytes, header says {}", len + FILE_OVERHEAD as u64));
     }
     let data_end = file_len as usize - TRAILER_LEN;
     let mut h = BytesHasher::new(CHECKSUM_SEED);
-    let mut at = HEADER_LEN;
-    while at < data_end {
-        let end = (at + PIECE).min(data_end);
-        f.read_exact(&mut buf[at..end]).map_err(|e| format!("cannot read: {e}"))?;
-        h.update(&buf[at..end]);
-        at = end;
+    while buf.len() < data_end {
+        let at = buf.len();
+        take(&mut buf, PIECE.min(data_end - at), "data")?;
+        h.update(&buf[at..]);
     }
-    f.read_exact(&mut buf[data_end..]).map_err(|e| format!("cannot read trailer: {e}"))?;
+    take(&mut buf, TRAILER_LEN, "trailer")?;
     let sum = h.finish();
     if sum != [u64_at(&buf, data_end), u64_at(&buf, data_end + 8)] {
         return Err("data checksum mismatch".to_owned());

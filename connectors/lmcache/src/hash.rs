@@ -87,18 +87,70 @@ impl Acc {
     }
 }
 
-/// Hashes token ids (by value) continuing from `seed` (the previous chunk's key).
-pub fn hash_tokens(seed: [u64; 2], tokens: &[u32]) -> [u64; 2] {
-    let mut s = Acc::new(seed);
-    let mut it = tokens.chunks_exact(16);
-    for c in &mut it {
+/// Calls the AVX2 build of a stripe loop where the CPU has AVX2 (the same arithmetic, twice
+/// as wide), else the portable one.
+macro_rules! dispatch {
+    ($portable:ident, $avx2:ident, $acc:expr, $data:expr) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the function only needs AVX2, which was just detected on this CPU.
+                unsafe { $avx2($acc, $data) }
+            } else {
+                $portable($acc, $data)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            $portable($acc, $data)
+        }
+    }};
+}
+
+/// Full 16-token stripes.
+#[inline(always)]
+fn token_stripes(acc: &mut Acc, tokens: &[u32]) {
+    for c in tokens.chunks_exact(16) {
         let mut w = [0u64; 8];
         for (i, x) in w.iter_mut().enumerate() {
             *x = c[2 * i] as u64 | (c[2 * i + 1] as u64) << 32;
         }
-        s.stripe(&w);
+        acc.stripe(&w);
     }
-    let rest = it.remainder();
+}
+
+/// Full 64-byte stripes.
+#[inline(always)]
+fn byte_stripes(acc: &mut Acc, bytes: &[u8]) {
+    for c in bytes.chunks_exact(64) {
+        let mut w = [0u64; 8];
+        for (i, x) in w.iter_mut().enumerate() {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&c[8 * i..8 * i + 8]);
+            *x = u64::from_le_bytes(a);
+        }
+        acc.stripe(&w);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn token_stripes_avx2(acc: &mut Acc, tokens: &[u32]) {
+    token_stripes(acc, tokens)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn byte_stripes_avx2(acc: &mut Acc, bytes: &[u8]) {
+    byte_stripes(acc, bytes)
+}
+
+/// Hashes token ids (by value) continuing from `seed` (the previous chunk's key).
+pub fn hash_tokens(seed: [u64; 2], tokens: &[u32]) -> [u64; 2] {
+    let mut s = Acc::new(seed);
+    let full = tokens.len() / 16 * 16;
+    dispatch!(token_stripes, token_stripes_avx2, &mut s, &tokens[..full]);
+    let rest = &tokens[full..];
     if !rest.is_empty() {
         let mut w = [0u64; 8];
         for (i, t) in rest.iter().enumerate() {
@@ -134,17 +186,9 @@ impl BytesHasher {
     pub fn update(&mut self, bytes: &[u8]) {
         debug_assert!(!self.tail, "a piece after a partial stripe");
         self.len += bytes.len() as u64;
-        let mut it = bytes.chunks_exact(64);
-        for c in &mut it {
-            let mut w = [0u64; 8];
-            for (i, x) in w.iter_mut().enumerate() {
-                let mut a = [0u8; 8];
-                a.copy_from_slice(&c[8 * i..8 * i + 8]);
-                *x = u64::from_le_bytes(a);
-            }
-            self.acc.stripe(&w);
-        }
-        let rest = it.remainder();
+        let full = bytes.len() / 64 * 64;
+        dispatch!(byte_stripes, byte_stripes_avx2, &mut self.acc, &bytes[..full]);
+        let rest = &bytes[full..];
         if !rest.is_empty() {
             self.tail = true;
             let mut w = [0u64; 8];
@@ -188,6 +232,26 @@ mod tests {
         c[3] ^= 0x80;
         assert_ne!(h, hash_bytes([5, 6], &c));
         assert_ne!(h, hash_bytes([5, 6], &b[..999]));
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn portable_and_avx2_builds_agree() {
+        if !std::arch::is_x86_feature_detected!("avx2") {
+            return;
+        }
+        let t: Vec<u32> = (0..4096u32).map(|i| i.wrapping_mul(2654435761)).collect();
+        let b: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 256) as u8).collect();
+        let (mut a1, mut a2) = (Acc::new([1, 2]), Acc::new([1, 2]));
+        token_stripes(&mut a1, &t);
+        // SAFETY: AVX2 was detected above.
+        unsafe { token_stripes_avx2(&mut a2, &t) };
+        assert_eq!(a1.finish(9), a2.finish(9));
+        let (mut a1, mut a2) = (Acc::new([1, 2]), Acc::new([1, 2]));
+        byte_stripes(&mut a1, &b);
+        // SAFETY: as above.
+        unsafe { byte_stripes_avx2(&mut a2, &b) };
+        assert_eq!(a1.finish(9), a2.finish(9));
     }
 
     #[test]
