@@ -386,8 +386,16 @@ mod tests {
         let e = w.set_peer_handshake_metadata(&serde_json::json!({"agent": "d0"})).unwrap_err().to_string();
         assert!(e.contains("[agent]") && e.contains("[lmcache, nixl, nixl#2]"), "{e}");
 
-        // One transport: a plain peer's metadata (not keyed by child) goes to it alone.
+        // One transport: a plain peer's metadata (not keyed by child) goes to it alone, and
+        // when only it has metadata, that goes out unwrapped for a plain peer to read.
         let mut w = f.create_worker(&ctx(&pd(&["lmcache", "nixl"], ""))).unwrap();
+        assert_eq!(w.handshake_metadata().unwrap().unwrap(), serde_json::json!({"agent": "p0"}));
+        sb.lock().unwrap().handshake = Some(serde_json::json!({"tier": "cpu"}));
+        assert_eq!(
+            w.handshake_metadata().unwrap().unwrap(),
+            serde_json::json!({"lmcache": {"tier": "cpu"}, "nixl": {"agent": "p0"}}),
+            "two children with metadata: keyed by name"
+        );
         w.set_peer_handshake_metadata(&serde_json::json!({"agent": "plain"})).unwrap();
         assert!(calls(&sa).contains(&r#"peer {"agent":"plain"}"#.to_owned()));
         assert!(!calls(&sb).iter().any(|c| c.starts_with("peer")));

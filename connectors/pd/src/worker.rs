@@ -177,10 +177,18 @@ impl WorkerConnector for PdWorker {
 
     fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
         let mut map = serde_json::Map::new();
-        for (name, child) in self.children.iter_mut() {
+        let mut from = Vec::new();
+        for (i, (name, child)) in self.children.iter_mut().enumerate() {
             if let Some(v) = child.handshake_metadata().map_err(|e| child_err(name, e))? {
                 map.insert(name.clone(), v);
+                from.push(i);
             }
+        }
+        // When only the transport child has anything to say, its metadata goes out as it is:
+        // a plain peer (decode running NIXL alone, the DYN-3545 pairing) reads it unchanged,
+        // and a composite peer routes unkeyed metadata to its own transport child.
+        if from.len() == 1 && self.transport == from.first().copied() {
+            return Ok(map.into_iter().next().map(|(_, v)| v));
         }
         Ok(if map.is_empty() { None } else { Some(serde_json::Value::Object(map)) })
     }
