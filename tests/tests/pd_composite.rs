@@ -2,7 +2,8 @@
 //! plain nixl, both started from one deployment file and negotiated jointly (`--joint`), so
 //! they agree on HMA off by construction (the fix for DYN-3545). Every decode must load the
 //! prompt's KV from prefill through the composite's nixl child and produce exactly the tokens
-//! of a single worker.
+//! of a single worker. A repeated prompt is then found in the composite's lmcache child on
+//! prefill (first hit wins) and still decodes to the same tokens.
 
 use kvconnect_api::KvLayout;
 use kvconnect_tests::{disaggregated, monolithic, reference_model, token_ids, varied_prompts, Worker};
@@ -55,4 +56,30 @@ fn composite_prefill_and_plain_decode_from_one_deployment_give_monolithic_tokens
             "prompt {i}: decode must load all but the last prompt token from prefill: {d}"
         );
     }
+    // The same long prompt again: prefill's lookup reaches lmcache first (first hit wins), so
+    // prefill loads the cached chunks instead of computing them.
+    let long: Vec<u32> = (0..600u32).map(|j| (j * 37 + 11) % 256).collect();
+    let ask = || {
+        let (st, p) = prefill.post(
+            "/v1/completions",
+            &serde_json::json!({"prompt": long, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+        );
+        assert_eq!(st, 200, "{p}");
+        p
+    };
+    let first = ask();
+    let second = ask();
+    assert_eq!(first["kvconnect"]["num_external_tokens"], 0, "{first}");
+    assert!(second["kvconnect"]["num_external_tokens"].as_u64().unwrap_or(0) >= 512, "{second}");
+    assert_eq!(first["choices"][0]["token_ids"], second["choices"][0]["token_ids"]);
+    // Decode pulls those blocks (partly loaded from lmcache on prefill) through nixl and
+    // still continues exactly as a single worker would.
+    let (st, d) = decode.post(
+        "/v1/completions",
+        &serde_json::json!({"request_id": second["id"], "prompt": long, "max_tokens": MAX_TOKENS, "kv_transfer_params": second["kv_transfer_params"]}),
+    );
+    assert_eq!(st, 200, "{d}");
+    assert_eq!(d["kvconnect"]["num_external_tokens"].as_u64(), Some(long.len() as u64 - 1), "{d}");
+    let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
+    assert_eq!(got, monolithic(&[long.clone()], MAX_TOKENS, KvLayout::HND)[0]);
 }
