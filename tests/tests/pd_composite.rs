@@ -81,5 +81,5 @@ fn composite_prefill_and_plain_decode_from_one_deployment_give_monolithic_tokens
     assert_eq!(st, 200, "{d}");
     assert_eq!(d["kvconnect"]["num_external_tokens"].as_u64(), Some(long.len() as u64 - 1), "{d}");
     let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
-    assert_eq!(got, monolithic(&[long.clone()], MAX_TOKENS, KvLayout::HND)[0]);
+    assert_eq!(got, monolithic(std::slice::from_ref(&long), MAX_TOKENS, KvLayout::HND)[0]);
 }
