@@ -96,7 +96,7 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
             if !args.joint {
                 writeln!(
                     out,
-                    "hint: workers started from this file with --deployment negotiate jointly; `kvconnect plan --joint {}` shows what they agree on",
+                    "hint: workers started with `kvconnect worker --deployment {0} --role prefill|decode --joint` negotiate jointly; `kvconnect plan --joint {0}` shows what they agree on",
                     args.deployment.display()
                 )?;
             }
