@@ -74,7 +74,7 @@ impl ChunkLayout {
                 ),
             ));
         }
-        if eff.block_size == 0 || chunk_size % eff.block_size != 0 {
+        if chunk_size.checked_rem(eff.block_size) != Some(0) {
             return Err(ConnectorError::config(
                 "lmcache",
                 format!(

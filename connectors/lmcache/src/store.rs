@@ -378,7 +378,7 @@ fn writer_loop(sh: &Shared, rx: mpsc::Receiver<Job>) {
                     Err(e) => {
                         let n = c.disk_write_errors.fetch_add(1, Ordering::Relaxed);
                         // The first errors and then every 1000th: a full disk must not flood logs.
-                        if n < 5 || n % 1000 == 0 {
+                        if n < 5 || n.checked_rem(1000) == Some(0) {
                             tracing::warn!(
                                 errors = n + 1,
                                 "lmcache: disk tier write failed, chunk dropped: {e}"

@@ -235,7 +235,7 @@ impl Engine {
             self.worker.save_kv_layer(LayerId(l), &blocks).unwrap();
         }
         self.worker.wait_for_save().unwrap();
-        let fin = self.worker.get_finished(&[req.id.clone()]).unwrap();
+        let fin = self.worker.get_finished(std::slice::from_ref(&req.id)).unwrap();
         assert!(fin.finished_recving.is_empty() && fin.failed_recving.is_empty());
         let f = self.sched.request_finished(&req, &BlocksPerGroup(vec![blocks.clone()])).unwrap();
         assert!(!f.delay_free);
