@@ -355,6 +355,37 @@ mod tests {
     }
 
     #[test]
+    fn unknown_keys_are_logged_as_warnings_naming_them() {
+        #[derive(Clone, Default)]
+        struct Sink(std::sync::Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Sink {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let sink = Sink::default();
+        let w = sink.clone();
+        let sub = tracing_subscriber::fmt().with_writer(move || w.clone()).with_ansi(false).finish();
+        let mut cfg = KvTransferConfig::named("LMCacheConnectorV1");
+        cfg.kv_connector_extra_config =
+            extra(json!({"chunk_size": 64, "remote_url_for_warn_test": "lm://x"}));
+        let c = tracing::subscriber::with_default(sub, || LmcacheConfig::from_kv_config(&cfg)).unwrap();
+        assert_eq!(c.chunk_size, 64);
+        let log = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
+        assert!(log.contains("WARN"), "{log}");
+        assert!(
+            log.contains(
+                "ignoring unknown config keys: remote_url_for_warn_test (kv_connector_extra_config)"
+            ),
+            "{log}"
+        );
+    }
+
+    #[test]
     fn bad_values_are_clear_errors() {
         let e = resolve(&extra(json!({"chunk_size": 0})), &[]).unwrap_err().to_string();
         assert!(e.contains("chunk_size") && e.contains("positive integer") && e.contains("got 0"), "{e}");
