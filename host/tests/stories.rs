@@ -248,6 +248,26 @@ fn bad_negotiate_arguments_exit_2_with_a_clear_message() {
 }
 
 #[test]
+fn plan_explain_says_why_each_side_chose_its_hma() {
+    let o = plan("dyn3545-gemma-3-1b.toml", &["--explain"]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    let hma: Vec<&str> = o.stdout.lines().filter(|l| l.trim_start().starts_with("hma ")).collect();
+    assert_eq!(hma.len(), 2, "{}", o.stdout);
+    assert!(hma[0].contains("= off") && hma[0].contains("[child lmcache]"), "{}", hma[0]);
+    assert!(hma[1].contains("= on") && hma[1].contains("[default]"), "{}", hma[1]);
+}
+
+#[test]
+fn negotiate_reads_the_config_from_a_file_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pd.json");
+    std::fs::write(&path, PD_FLEXKV_NIXL).unwrap();
+    let o = kvconnect(&["negotiate", "--kv-transfer-config", path.to_str().unwrap(), "--model", LLAMA]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("adapter: child 'flexkv'"), "{}", o.stdout);
+}
+
+#[test]
 fn plan_and_negotiate_speak_json_for_scripts() {
     let o = plan("dyn3545-gpt-oss-20b.toml", &["--json"]);
     assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);

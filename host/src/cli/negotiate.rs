@@ -12,8 +12,8 @@ use std::path::PathBuf;
 /// Arguments of `kvconnect negotiate`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct NegotiateArgs {
-    /// The worker's vLLM --kv-transfer-config JSON.
-    #[arg(long = "kv-transfer-config", value_name = "JSON")]
+    /// The worker's vLLM --kv-transfer-config JSON, or a file holding it.
+    #[arg(long = "kv-transfer-config", value_name = "JSON|FILE")]
     pub kv_transfer_config: String,
     /// The model's Hugging Face config.json.
     #[arg(long, value_name = "CONFIG.json")]
@@ -42,6 +42,17 @@ pub struct NegotiateArgs {
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `--kv-transfer-config`: inline JSON, or the path of a file holding it.
+pub fn read_config(arg: &str) -> Result<KvTransferConfig> {
+    let t = arg.trim_start();
+    if t.starts_with('{') || !std::path::Path::new(arg).is_file() {
+        return KvTransferConfig::from_json(arg).context("--kv-transfer-config");
+    }
+    let text = std::fs::read_to_string(arg)
+        .with_context(|| format!("--kv-transfer-config {arg}: cannot read it"))?;
+    KvTransferConfig::from_json(&text).with_context(|| format!("--kv-transfer-config {arg}"))
 }
 
 /// Reads a model config.json.
@@ -104,7 +115,7 @@ pub fn render_adapters(n: &Negotiated) -> String {
 /// Runs `kvconnect negotiate`. Returns the exit code: 0 negotiated, 1 conflict; bad input
 /// is an error (exit 2).
 pub fn run(args: &NegotiateArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Write) -> Result<u8> {
-    let config = KvTransferConfig::from_json(&args.kv_transfer_config).context("--kv-transfer-config")?;
+    let config = read_config(&args.kv_transfer_config)?;
     let model = read_model(&args.model)?;
     let opts = options(args)?;
     let (n, d) = match negotiate_worker(resolver, &config, &model, &opts, "worker") {

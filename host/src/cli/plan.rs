@@ -20,6 +20,9 @@ pub struct PlanArgs {
     /// Negotiate both roles together, as workers started from this deployment do.
     #[arg(long)]
     pub joint: bool,
+    /// Print who decided each field of each role, and why.
+    #[arg(long)]
+    pub explain: bool,
     /// Print JSON.
     #[arg(long)]
     pub json: bool,
@@ -85,7 +88,13 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
     for (role, (n, d)) in [(Role::Prefill, &p.prefill), (Role::Decode, &p.decode)] {
         writeln!(out)?;
         writeln!(out, "{role}: {}", connectors_of(&dep, role, &p))?;
-        write!(out, "{}", render_fields(n))?;
+        if args.explain {
+            for line in n.explain().lines() {
+                writeln!(out, "  {line}")?;
+            }
+        } else {
+            write!(out, "{}", render_fields(n))?;
+        }
         write!(out, "{}", render_adapters(n))?;
         writeln!(out, "  compat hash  {}", d.compat_hash())?;
     }
