@@ -1,6 +1,8 @@
 //! The `kvconnect` command: argument parsing and dispatch to one module per subcommand.
 //! Subcommands return `anyhow::Result`; `main` prints the error chain as one message.
 
+pub mod bench;
+mod bench_cuda;
 pub mod exit;
 pub mod negotiate;
 pub mod plan;
@@ -65,6 +67,9 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Runs a prefill or decode worker: engine, connector, side channel and HTTP API.
     Worker(worker::WorkerArgs),
+    /// End-to-end benchmarks against baselines measured in the same run.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 /// Runs a parsed command line.
@@ -76,6 +81,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Plan(a) => exit::Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock())),
         Command::Worker(a) => worker::run(&a, cli.global.registry()),
+        Command::Bench(c) => bench::run(&c),
     }
 }
 

@@ -38,13 +38,19 @@ pub struct TransferEngine {
     idle: bool,
 }
 
-fn pattern_word(block_index: usize, layer: u32, part: u32) -> u64 {
-    // SplitMix64 of the coordinates: different for every block, layer and K|V.
-    let mut z = (block_index as u64) << 20 ^ (layer as u64) << 2 ^ part as u64;
+fn pattern_word(salt: u64, block_index: usize, layer: u32, part: u32) -> u64 {
+    // SplitMix64 of the coordinates: different for every request, block, layer and K|V, so
+    // a block left over from an earlier transfer never passes for a new one.
+    let mut z = salt ^ (block_index as u64) << 20 ^ (layer as u64) << 2 ^ part as u64;
     z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// A per-request salt both sides derive from the request id (decode uses prefill's id).
+fn salt(id: &str) -> u64 {
+    id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 fn fill(buf: &mut [u8], seed: u64) {
@@ -96,13 +102,16 @@ impl TransferEngine {
         (blocks * self.kv_layers.len() * self.pool.shape().layer_block_bytes()) as u64
     }
 
-    fn write_pattern(&self, blocks: &BlocksPerGroup, tokens: usize) -> Result<(), String> {
+    /// Writes the request's pattern (or zeros, with `salt = None`) into its first blocks.
+    fn write_pattern(&self, blocks: &BlocksPerGroup, tokens: usize, salt: Option<u64>) -> Result<(), String> {
         let n = tokens.div_ceil(self.block_size());
         let mut buf = vec![0u8; self.pool.shape().bytes()];
         for &(layer, g) in &self.kv_layers {
             for (i, b) in blocks.0[g].iter().take(n).enumerate() {
                 for part in 0..self.pool.shape().kv_parts {
-                    fill(&mut buf, pattern_word(i, layer.0, part));
+                    if let Some(s) = salt {
+                        fill(&mut buf, pattern_word(s, i, layer.0, part));
+                    }
                     self.pool.write_block(layer, part, *b, &buf).map_err(|e| e.to_string())?;
                 }
             }
@@ -111,14 +120,19 @@ impl TransferEngine {
     }
 
     /// The first full block that does not hold the pattern, if any.
-    fn check_pattern(&self, blocks: &BlocksPerGroup, tokens: usize) -> Result<Option<String>, String> {
+    fn check_pattern(
+        &self,
+        blocks: &BlocksPerGroup,
+        tokens: usize,
+        salt: u64,
+    ) -> Result<Option<String>, String> {
         let n = tokens / self.block_size();
         let mut want = vec![0u8; self.pool.shape().bytes()];
         let mut got = Vec::new();
         for &(layer, g) in &self.kv_layers {
             for (i, b) in blocks.0[g].iter().take(n).enumerate() {
                 for part in 0..self.pool.shape().kv_parts {
-                    fill(&mut want, pattern_word(i, layer.0, part));
+                    fill(&mut want, pattern_word(salt, i, layer.0, part));
                     self.pool.read_block(layer, part, *b, &mut got).map_err(|e| e.to_string())?;
                     if got != want {
                         return Ok(Some(format!(
@@ -179,11 +193,13 @@ impl TransferEngine {
             .update_state_after_alloc(&req, &blocks, ext)
             .map_err(|e| format!("update_state_after_alloc failed: {e}"))?;
         if ext > 0 && async_load {
+            // Zero the destination first so only this transfer can make the check pass.
+            self.write_pattern(&blocks, ext, None)?;
             self.loading.insert(id, Loading { req, blocks, external: ext, started: Instant::now() });
             return Ok(true);
         }
         // A producer: the "computed" KV is the pattern, then the request finishes at once.
-        self.write_pattern(&blocks, prompt)?;
+        self.write_pattern(&blocks, prompt, Some(salt(&id)))?;
         for &(layer, g) in &self.kv_layers {
             self.conn
                 .1
@@ -216,7 +232,7 @@ impl TransferEngine {
         let elapsed = l.started.elapsed();
         let outcome = match failed {
             Some(why) => FinishReason::Error(format!("KV load failed: {why}")),
-            None => match self.check_pattern(&l.blocks, l.external)? {
+            None => match self.check_pattern(&l.blocks, l.external, salt(id))? {
                 Some(bad) => FinishReason::Error(format!("transferred KV is wrong: {bad}")),
                 None => FinishReason::Length,
             },
@@ -328,10 +344,12 @@ mod tests {
 
     #[test]
     fn the_pattern_differs_per_block_layer_and_part() {
-        let a = pattern_word(0, 0, 0);
-        assert_ne!(a, pattern_word(1, 0, 0));
-        assert_ne!(a, pattern_word(0, 1, 0));
-        assert_ne!(a, pattern_word(0, 0, 1));
+        let a = pattern_word(1, 0, 0, 0);
+        assert_ne!(a, pattern_word(1, 1, 0, 0));
+        assert_ne!(a, pattern_word(1, 0, 1, 0));
+        assert_ne!(a, pattern_word(1, 0, 0, 1));
+        assert_ne!(a, pattern_word(salt("a"), 0, 0, 0));
+        assert_ne!(salt("cmpl-1"), salt("cmpl-2"));
         let mut buf = [0u8; 20];
         fill(&mut buf, 7);
         assert_eq!(&buf[..8], &7u64.to_le_bytes());

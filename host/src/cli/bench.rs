@@ -1,0 +1,455 @@
+//! `kvconnect bench`: end-to-end figures from real worker processes, each reported as a
+//! ratio against a baseline measured in the same run.
+//!
+//! * `bench transfer` starts a prefill and a decode worker (two processes, the transfer-only
+//!   engine with synthetic KV of the given model's geometry), moves one prompt's KV through
+//!   the nixl connector, and compares the rate with a plain memcpy (`shm`) or a raw loopback
+//!   socket (`tcp`) over the same number of bytes.
+//! * `bench ttft` starts a prefill and a decode worker on the reference engine and compares
+//!   the time to first token of a long prompt served disaggregated with the same prompt
+//!   computed by one worker.
+
+use anyhow::{anyhow, bail, Context, Result};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// `kvconnect bench ...`.
+#[derive(Debug, clap::Subcommand)]
+pub enum BenchCommand {
+    /// Moves one prompt's KV between two worker processes; ratio against memcpy / a raw socket.
+    Transfer(TransferArgs),
+    /// Time to first token of a long prompt, disaggregated vs one worker (reference engine).
+    Ttft(TtftArgs),
+    /// The consumer half of `bench transfer --backend cuda_ipc` (started by it; reads its
+    /// spec as JSON on stdin).
+    #[command(hide = true)]
+    CudaIpcPeer,
+}
+
+/// Arguments of `bench transfer`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TransferArgs {
+    /// nixl backend: shm (same host, shared memory) or tcp.
+    #[arg(long, value_name = "shm|tcp", default_value = "shm")]
+    pub backend: String,
+    /// The model's config.json (any model: the KV contents are synthetic).
+    #[arg(long, value_name = "CONFIG.json")]
+    pub model: PathBuf,
+    /// Prompt length in tokens.
+    #[arg(long, value_name = "N", default_value_t = 8192)]
+    pub tokens: usize,
+    /// Measured transfers (after one warm-up); the best is reported.
+    #[arg(long, value_name = "N", default_value_t = 5)]
+    pub repeat: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+    /// Where the KV regions live: cpu, or cuda (with --backend cuda_ipc).
+    #[arg(long, value_name = "cpu|cuda", default_value = "cpu")]
+    pub device: String,
+    /// GPU of the prefill (producer) process (cuda_ipc).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub gpu: usize,
+    /// GPU of the decode (consumer) process (cuda_ipc); another GPU of the host crosses NVLink.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub peer_gpu: usize,
+}
+
+/// Arguments of `bench ttft`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct TtftArgs {
+    /// nixl backend: shm or tcp.
+    #[arg(long, value_name = "shm|tcp", default_value = "shm")]
+    pub backend: String,
+    /// The reference model's config.json.
+    #[arg(
+        long,
+        value_name = "CONFIG.json",
+        default_value = "fixtures/models/kvconnect--reference/config.json"
+    )]
+    pub model: PathBuf,
+    /// Prompt length in tokens.
+    #[arg(long, value_name = "N", default_value_t = 2048)]
+    pub tokens: usize,
+    /// Measured requests of each kind; the median is reported.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    pub repeat: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `kvconnect bench`.
+pub fn run(cmd: &BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Transfer(a) if a.backend == "cuda_ipc" || a.device == "cuda" => {
+            super::bench_cuda::transfer(a)
+        }
+        BenchCommand::Transfer(a) => transfer(a),
+        BenchCommand::Ttft(a) => ttft(a),
+        BenchCommand::CudaIpcPeer => super::bench_cuda::peer(),
+    }
+}
+
+/// A worker process the benchmark started; killed (SIGTERM first) on drop.
+struct BenchWorker {
+    child: Child,
+    http: String,
+}
+
+impl BenchWorker {
+    fn start(args: &[String]) -> Result<BenchWorker> {
+        let exe = std::env::current_exe().context("cannot find the kvconnect executable")?;
+        let mut child = Command::new(exe)
+            .arg("worker")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("cannot start a worker process")?;
+        let stdout = child.stdout.take().ok_or_else(|| anyhow!("worker stdout is not piped"))?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            for line in lines.by_ref().map_while(Result::ok) {
+                if line.starts_with('{') {
+                    let _ = tx.send(line);
+                    break;
+                }
+            }
+            for _ in lines {}
+        });
+        let mut w = BenchWorker { child, http: String::new() };
+        let line = rx
+            .recv_timeout(Duration::from_secs(120))
+            .map_err(|_| anyhow!("a worker did not start within 120 s (its log is above)"))?;
+        let v: Value = serde_json::from_str(&line).context("worker address line")?;
+        w.http =
+            v["http"].as_str().ok_or_else(|| anyhow!("worker printed no http address: {line}"))?.to_owned();
+        Ok(w)
+    }
+
+    fn post(&self, body: &Value) -> Result<Value> {
+        let (status, v) = http_post(&self.http, "/v1/completions", body)?;
+        if status != 200 {
+            bail!("worker {} answered {status}: {v}", self.http);
+        }
+        Ok(v)
+    }
+}
+
+impl Drop for BenchWorker {
+    fn drop(&mut self) {
+        // SIGTERM lets the worker unlink its shared memory.
+        if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
+            // SAFETY: kill(2) on a child this process spawned and has not reaped.
+            unsafe {
+                libc::kill(pid, libc::SIGTERM);
+            }
+        }
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn http_post(addr: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
+    let mut s = TcpStream::connect(addr).with_context(|| format!("cannot connect to worker {addr}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(600))).ok();
+    let payload = body.to_string();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        payload.len()
+    )
+    .context("sending a request to a worker")?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).context("reading a worker's answer")?;
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let v = serde_json::from_str(body).unwrap_or_else(|_| Value::String(body.to_owned()));
+    Ok((status, v))
+}
+
+fn backend(s: &str) -> Result<&'static str> {
+    match s {
+        "shm" => Ok("shm"),
+        "tcp" => Ok("tcp"),
+        other => bail!("--backend '{other}': use shm or tcp"),
+    }
+}
+
+fn nixl_config(role: &str, backend: &str) -> String {
+    json!({"kv_connector": "NixlConnector", "kv_role": role,
+           "kv_connector_extra_config": {"backend": backend}})
+    .to_string()
+}
+
+fn pair(model: &Path, backend: &str, extra: &[&str]) -> Result<(BenchWorker, BenchWorker)> {
+    let model = model.to_str().ok_or_else(|| anyhow!("--model path is not UTF-8"))?.to_owned();
+    let mk = |role: &str, id: &str| -> Vec<String> {
+        let mut v: Vec<String> =
+            ["--kv-transfer-config", &nixl_config(role, backend), "--model", &model, "--engine-id", id]
+                .iter()
+                .map(|s| s.to_string())
+                .collect();
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v
+    };
+    let prefill = BenchWorker::start(&mk("kv_producer", "bench-prefill"))?;
+    let decode = BenchWorker::start(&mk("kv_consumer", "bench-decode"))?;
+    Ok((prefill, decode))
+}
+
+/// One disaggregated request; returns decode's answer and the wall time of both requests.
+fn round(
+    prefill: &BenchWorker,
+    decode: &BenchWorker,
+    prompt: &Value,
+    max_tokens: usize,
+) -> Result<(Value, Duration)> {
+    let t0 = Instant::now();
+    let p = prefill.post(
+        &json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    )?;
+    let d = decode.post(&json!({"request_id": p["id"], "prompt": prompt, "max_tokens": max_tokens,
+                                "kv_transfer_params": p["kv_transfer_params"]}))?;
+    Ok((d, t0.elapsed()))
+}
+
+/// The baseline over the same bytes, measured right after each transfer so both see the
+/// same machine load (these machines are shared and noisy).
+enum Baseline {
+    Memcpy {
+        src: Vec<u8>,
+        dst: Vec<u8>,
+    },
+    Socket {
+        addr: std::net::SocketAddr,
+        dst: Vec<u8>,
+        sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
+    },
+}
+
+impl Baseline {
+    fn memcpy(bytes: usize) -> Baseline {
+        let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+        let mut dst = vec![0u8; bytes];
+        dst.copy_from_slice(&src); // fault every page in before timing
+        Baseline::Memcpy { src, dst }
+    }
+
+    fn socket(bytes: usize, rounds: usize) -> Result<Baseline> {
+        const CHUNK: usize = 1 << 20;
+        let listener = TcpListener::bind("127.0.0.1:0").context("baseline socket")?;
+        let addr = listener.local_addr()?;
+        let sender = std::thread::spawn(move || -> std::io::Result<()> {
+            let src = vec![7u8; CHUNK];
+            for _ in 0..rounds {
+                let (mut s, _) = listener.accept()?;
+                s.set_nodelay(true)?;
+                let mut left = bytes;
+                while left > 0 {
+                    let n = left.min(CHUNK);
+                    s.write_all(&src[..n])?;
+                    left -= n;
+                }
+            }
+            Ok(())
+        });
+        let mut dst = vec![0u8; bytes];
+        dst.fill(1);
+        Ok(Baseline::Socket { addr, dst, sender: Some(sender) })
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Baseline::Memcpy { .. } => "memcpy",
+            Baseline::Socket { .. } => "raw loopback socket",
+        }
+    }
+
+    fn measure(&mut self) -> Result<Duration> {
+        match self {
+            Baseline::Memcpy { src, dst } => {
+                let t = Instant::now();
+                dst.copy_from_slice(std::hint::black_box(src));
+                let d = t.elapsed();
+                std::hint::black_box(dst);
+                Ok(d)
+            }
+            Baseline::Socket { addr, dst, .. } => {
+                let t = Instant::now();
+                let mut s = TcpStream::connect(*addr)?;
+                s.read_exact(dst)?;
+                Ok(t.elapsed())
+            }
+        }
+    }
+
+    fn finish(&mut self) -> Result<()> {
+        if let Baseline::Socket { sender, .. } = self {
+            if let Some(h) = sender.take() {
+                h.join().map_err(|_| anyhow!("baseline sender panicked"))?.context("baseline sender")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9
+}
+
+fn transfer(a: &TransferArgs) -> Result<()> {
+    let backend = backend(&a.backend)?;
+    if a.tokens < 2 {
+        bail!("--tokens must be at least 2 (decode loads all but the last prompt token)");
+    }
+    let model_json =
+        std::fs::read_to_string(&a.model).with_context(|| format!("model {}", a.model.display()))?;
+    let spec = kvconnect_api::ModelSpec::from_hf_config_json(&model_json)
+        .with_context(|| format!("model {}", a.model.display()))?;
+    let blocks = (a.tokens.div_ceil(16) + 8).to_string();
+    let (prefill, decode) = pair(&a.model, backend, &["--synthetic-kv", "--num-blocks", &blocks])?;
+    let prompt = json!(vec![0u32; a.tokens]);
+    let total = a.repeat.max(1) + 1;
+    let mut bytes = 0u64;
+    let mut baseline: Option<Baseline> = None;
+    let (mut t, mut base_t) = (Duration::MAX, Duration::MAX);
+    for i in 0..total {
+        let (d, _) = round(&prefill, &decode, &prompt, 1)?;
+        let p = &d["kv_transfer_params"];
+        if p["verified"] != true {
+            bail!("decode did not verify the transferred KV: {d}");
+        }
+        bytes = p["bytes"].as_u64().ok_or_else(|| anyhow!("decode reported no byte count: {d}"))?;
+        let ti = Duration::from_micros(p["transfer_us"].as_u64().unwrap_or(0));
+        if baseline.is_none() {
+            baseline = Some(match backend {
+                "shm" => Baseline::memcpy(bytes as usize),
+                _ => Baseline::socket(bytes as usize, total)?,
+            });
+        }
+        let b = baseline.as_mut().ok_or_else(|| anyhow!("no baseline"))?.measure()?;
+        if !a.json {
+            eprintln!(
+                "[{}/{total}] {backend}: {bytes} bytes in {:.1} ms; baseline {:.1} ms{}",
+                i + 1,
+                ti.as_secs_f64() * 1e3,
+                b.as_secs_f64() * 1e3,
+                if i == 0 { " (warm-up)" } else { "" }
+            );
+        }
+        if i > 0 {
+            t = t.min(ti);
+            base_t = base_t.min(b);
+        }
+    }
+    drop(decode);
+    drop(prefill);
+    let mut baseline = baseline.ok_or_else(|| anyhow!("no measured transfer"))?;
+    baseline.finish()?;
+    let baseline = baseline.name();
+    let (g, bg) = (gbps(bytes, t), gbps(bytes, base_t));
+    let out = json!({
+        "backend": backend,
+        "model": spec.name,
+        "tokens": a.tokens,
+        "bytes": bytes,
+        "seconds": t.as_secs_f64(),
+        "gbps": g,
+        "baseline": baseline,
+        "baseline_seconds": base_t.as_secs_f64(),
+        "baseline_gbps": bg,
+        "ratio": g / bg,
+    });
+    if a.json {
+        println!("{out}");
+    } else {
+        println!(
+            "transfer {backend}: {bytes} bytes ({} tokens of {}) in {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.2}",
+            a.tokens,
+            spec.name,
+            t.as_secs_f64() * 1e3,
+            base_t.as_secs_f64() * 1e3,
+            g / bg
+        );
+    }
+    Ok(())
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v.get(v.len() / 2).copied().unwrap_or_default()
+}
+
+fn ttft(a: &TtftArgs) -> Result<()> {
+    let backend = backend(&a.backend)?;
+    if a.tokens < 2 {
+        bail!("--tokens must be at least 2");
+    }
+    let blocks = (a.tokens.div_ceil(16) + 8).to_string();
+    let (prefill, decode) = pair(&a.model, backend, &["--num-blocks", &blocks])?;
+    // Bytes of the byte tokenizer's vocabulary, varied so the prompt is not degenerate.
+    let prompt = json!((0..a.tokens).map(|i| ((i * 31 + i / 7) % 256) as u32).collect::<Vec<_>>());
+    let n = a.repeat.max(1);
+    let (mut mono, mut disagg, mut decode_side) = (Vec::new(), Vec::new(), Vec::new());
+    let mut mono_tokens = Value::Null;
+    let mut same = true;
+    round(&prefill, &decode, &prompt, 1)?; // warm-up: handshake, page faults
+    for i in 0..n {
+        let t0 = Instant::now();
+        let m = decode.post(&json!({"prompt": prompt, "max_tokens": 1}))?;
+        mono.push(t0.elapsed());
+        let (d, t) = round(&prefill, &decode, &prompt, 1)?;
+        disagg.push(t);
+        decode_side.push(Duration::from_micros(d["kvconnect"]["ttft_us"].as_u64().unwrap_or(0)));
+        same &= m["choices"][0]["token_ids"] == d["choices"][0]["token_ids"];
+        mono_tokens = m["choices"][0]["token_ids"].clone();
+        if !a.json {
+            eprintln!(
+                "[{}/{n}] monolithic {:.1} ms, disaggregated {:.1} ms",
+                i + 1,
+                mono[i].as_secs_f64() * 1e3,
+                t.as_secs_f64() * 1e3
+            );
+        }
+    }
+    let (m, d, ds) = (median(mono), median(disagg), median(decode_side));
+    let out = json!({
+        "backend": backend,
+        "tokens": a.tokens,
+        "monolithic_ttft_ms": m.as_secs_f64() * 1e3,
+        "disaggregated_ttft_ms": d.as_secs_f64() * 1e3,
+        "decode_side_ttft_ms": ds.as_secs_f64() * 1e3,
+        "ratio": d.as_secs_f64() / m.as_secs_f64().max(1e-9),
+        "same_first_token": same,
+        "first_token": mono_tokens,
+    });
+    if a.json {
+        println!("{out}");
+    } else {
+        println!(
+            "ttft {backend}, {} tokens: monolithic {:.1} ms, disaggregated {:.1} ms (prefill + transfer + first decode step; decode side alone {:.1} ms); ratio {:.2}; same first token: {same}",
+            a.tokens,
+            m.as_secs_f64() * 1e3,
+            d.as_secs_f64() * 1e3,
+            ds.as_secs_f64() * 1e3,
+            d.as_secs_f64() / m.as_secs_f64().max(1e-9)
+        );
+    }
+    Ok(())
+}
