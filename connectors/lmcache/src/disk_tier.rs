@@ -26,7 +26,7 @@ pub const TRAILER_LEN: usize = 16;
 /// Bytes a file holds besides the chunk's data.
 pub const FILE_OVERHEAD: usize = HEADER_LEN + TRAILER_LEN;
 /// Bytes hashed and written (or read and hashed) at a time: small enough to stay in cache.
-const PIECE: usize = 1 << 20;
+const PIECE: usize = 256 << 10;
 const CHECKSUM_SEED: [u64; 2] = [0x6c6d_6361_6368_6521, 0x6469_736b_2d74_6965];
 
 /// Why a chunk could not be written.
