@@ -113,6 +113,59 @@ pub fn chunk_keys(ns: Namespace, tokens: &[u32], chunk_size: usize, with_partial
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvconnect_api::{
+        AttentionKind, Dtype, EffectiveLayout, KvLayout, KvRole, KvTransferConfig, MemoryKind,
+    };
+
+    fn ctx() -> ConnectorContext {
+        ConnectorContext {
+            config: KvTransferConfig::named("LMCacheConnectorV1"),
+            model: ModelSpec {
+                name: "m".into(),
+                num_layers: 2,
+                num_kv_heads: 2,
+                head_dim: 8,
+                dtype: Some(Dtype::Bf16),
+                layers: vec![AttentionKind::Full; 2],
+            },
+            effective: EffectiveLayout {
+                layout: KvLayout::NHD,
+                hma: false,
+                block_size: 16,
+                cache_dtype: Dtype::Bf16,
+                memory: MemoryKind::Host,
+                transfer_mode: kvconnect_api::TransferMode::None,
+                groups: vec![],
+            },
+            role: KvRole::Both,
+            engine_id: "e".into(),
+            tp_rank: 0,
+            tp_size: 2,
+        }
+    }
+
+    #[test]
+    fn namespace_names_everything_the_bytes_depend_on() {
+        let base = Namespace::of(&ctx(), 256);
+        assert_eq!(base, Namespace::of(&ctx(), 256), "deterministic");
+        let mut other = ctx();
+        other.engine_id = "another engine".into();
+        assert_eq!(base, Namespace::of(&other, 256), "the engine id is not part of it");
+        let variants: Vec<Box<dyn Fn(&mut ConnectorContext)>> = vec![
+            Box::new(|c| c.tp_rank = 1),
+            Box::new(|c| c.tp_size = 4),
+            Box::new(|c| c.effective.layout = KvLayout::HND),
+            Box::new(|c| c.effective.block_size = 32),
+            Box::new(|c| c.effective.cache_dtype = Dtype::Fp8E4m3),
+            Box::new(|c| c.model.num_kv_heads = 4),
+        ];
+        for v in variants {
+            let mut c = ctx();
+            v(&mut c);
+            assert_ne!(Namespace::of(&c, 256), base);
+        }
+        assert_ne!(Namespace::of(&ctx(), 128), base, "chunk size");
+    }
 
     #[test]
     fn chain_depends_on_prefix() {

@@ -76,6 +76,13 @@ fn lookup_is_side_effect_free_and_repeatable() {
     let mut e = Engine::new(id, KvLayout::NHD, 16, json!({"chunk_size": CHUNK}));
     let p = prompt(2, 3 * CHUNK + 1);
     e.run("a", &p, 0);
+    let events = e.sched.take_events().unwrap();
+    let stored: Vec<_> = events
+        .iter()
+        .filter(|ev| matches!(ev, kvconnect_api::KvEvent::Stored { tier, .. } if tier == "cpu"))
+        .collect();
+    assert_eq!(stored.len(), 3, "one stored event per chunk: {events:?}");
+    assert!(e.sched.take_events().unwrap().is_empty(), "events are taken once");
     let before = kvconnect_lmcache::stats(id).unwrap();
     let r = request("b", &p);
     assert_eq!(e.lookup(&r, 0), 3 * CHUNK);
