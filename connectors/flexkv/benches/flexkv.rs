@@ -97,7 +97,12 @@ fn prefix_match(c: &mut Criterion) {
         let hashes = block_hashes(7, &toks, bs);
         let mut parent = None;
         for h in &hashes {
-            cache.store(*h, parent, |b| Ok::<(), ()>(b[0] = 1)).expect("infallible fill");
+            cache
+                .store(*h, parent, |b| {
+                    b[0] = 1;
+                    Ok::<(), ()>(())
+                })
+                .expect("infallible fill");
             parent = Some(*h);
         }
         prompts.push((toks, hashes));

@@ -274,7 +274,7 @@ fn bad(key: &'static str, v: &Raw, source: Source, reason: &str) -> ConfigError 
 
 fn gb(key: &'static str, v: Raw, s: Source) -> Result<f64, ConfigError> {
     match v.as_f64() {
-        Some(x) if x.is_finite() && x >= 0.0 && x <= 1e6 => Ok(x),
+        Some(x) if (0.0..=1e6).contains(&x) => Ok(x),
         _ => Err(bad(key, &v, s, "expected a size in GB, a number from 0 to 1000000 (e.g. 4 or 0.5)")),
     }
 }

@@ -9,11 +9,14 @@ use std::sync::{Mutex, OnceLock};
 
 const CHUNK: usize = 4096;
 
+/// A chunk of slots, created on first use.
+type Chunk = OnceLock<Box<[Mutex<Vec<u8>>]>>;
+
 /// Slot storage of the CPU tier.
 pub struct CpuTier {
     slot_bytes: usize,
     num_slots: u32,
-    chunks: Vec<OnceLock<Box<[Mutex<Vec<u8>>]>>>,
+    chunks: Vec<Chunk>,
 }
 
 impl CpuTier {

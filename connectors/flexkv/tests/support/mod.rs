@@ -307,7 +307,7 @@ impl Sim {
             let end = ((i + 1) * BS).min(prompt.len());
             self.write_block(*b, &prompt[..end]);
         }
-        self.meta(&[rid.clone()]);
+        self.meta(std::slice::from_ref(&rid));
         self.worker.start_load_kv().unwrap();
         self.worker.wait_for_save().unwrap();
         let rf = self.sched.request_finished(&req, &BlocksPerGroup(vec![blocks.clone()])).unwrap();
