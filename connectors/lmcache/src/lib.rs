@@ -11,7 +11,11 @@
 //! that takes what the CPU tier evicts (written by a background thread, never on the step
 //! loop) and serves hits back. The disk index is rebuilt from the files at start, so it
 //! survives a restart; every chunk read from disk is checked (header and checksum), and a
-//! corrupt or truncated chunk is a miss and is deleted, never loaded.
+//! corrupt or truncated chunk is a miss and is deleted, never loaded. Chunks still in the CPU
+//! tier when the store closes are not written to disk. Buffers of chunks that left every tier
+//! are kept for reuse by later saves (up to an eighth of the CPU budget, at least 64 MiB and
+//! never more than the budget), on top of the budget. Chunk bytes are stored in the effective
+//! layout's own order ([`chunk_layout`]).
 //!
 //! **Scheduler half** ([`LmcacheScheduler`]). `get_num_new_matched_tokens` returns the end of
 //! the longest run of stored chunks (chunk-aligned; a final partial chunk counts only with
@@ -34,7 +38,7 @@
 //! **Sharing the store.** In vLLM the two halves live in different processes; here the
 //! scheduler and worker of one engine run in one process, so they share one store through a
 //! process-global table keyed by (engine id, resolved config) ([`registry`]). It closes when
-//! the last half is dropped. [`stats`] reads its counters.
+//! the last half is dropped. [`stats()`] reads its counters.
 //!
 //! **Config**, highest precedence first: `kv_connector_extra_config` (LMCache's keys, plain or
 //! `lmcache.`-prefixed), `LMCACHE_<KEY>` environment variables (upper-case key), the flat
