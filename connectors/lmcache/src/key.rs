@@ -151,13 +151,13 @@ mod tests {
         let mut other = ctx();
         other.engine_id = "another engine".into();
         assert_eq!(base, Namespace::of(&other, 256), "the engine id is not part of it");
-        let variants: Vec<Box<dyn Fn(&mut ConnectorContext)>> = vec![
-            Box::new(|c| c.tp_rank = 1),
-            Box::new(|c| c.tp_size = 4),
-            Box::new(|c| c.effective.layout = KvLayout::HND),
-            Box::new(|c| c.effective.block_size = 32),
-            Box::new(|c| c.effective.cache_dtype = Dtype::Fp8E4m3),
-            Box::new(|c| c.model.num_kv_heads = 4),
+        let variants: [fn(&mut ConnectorContext); 6] = [
+            |c| c.tp_rank = 1,
+            |c| c.tp_size = 4,
+            |c| c.effective.layout = KvLayout::HND,
+            |c| c.effective.block_size = 32,
+            |c| c.effective.cache_dtype = Dtype::Fp8E4m3,
+            |c| c.model.num_kv_heads = 4,
         ];
         for v in variants {
             let mut c = ctx();
