@@ -143,3 +143,24 @@ fn layouts_never_share_chunks() {
     let mut bs8 = Engine::new("flow-layouts", KvLayout::NHD, 8, extra);
     assert_eq!(bs8.lookup(&request("b", &p), 0), 0, "nor one of another block size");
 }
+
+#[test]
+fn mla_caches_round_trip() {
+    // MLA: one latent per token and layer (no separate K and V), as the capabilities declare.
+    for layout in [KvLayout::NHD, KvLayout::HND] {
+        let id = format!("flow-mla-{}", layout.canonical_name());
+        let c = ctx_for(mla_model(), &id, layout, 8, json!({"chunk_size": CHUNK}));
+        let mut e = Engine::with_ctx(&kvconnect_lmcache::LmcacheFactory, c);
+        let p = prompt(6, 2 * CHUNK + 3);
+        e.run("a", &p, 0);
+        let s = kvconnect_lmcache::stats(&id).unwrap();
+        // 3 layers x 1 part x 32 tokens x 12 dims x 2 bytes per chunk.
+        assert_eq!(s.cpu.bytes_stored, 2 * 3 * 32 * 12 * 2);
+        e.zero();
+        let (m, blocks, errs) = e.load_only("b", &p);
+        assert_eq!(m, 2 * CHUNK);
+        assert!(errs.is_empty());
+        assert!(e.mismatches(&p, &blocks, 0, m).is_empty());
+        assert!(e.all_zero(&blocks, m, p.len()));
+    }
+}

@@ -39,12 +39,34 @@ pub fn effective(layout: KvLayout, block_size: u32) -> EffectiveLayout {
     }
 }
 
+/// An MLA model: one latent "head" per token (kv_lora_rank + rope dims), no separate V.
+pub fn mla_model() -> ModelSpec {
+    ModelSpec {
+        name: "lmcache-test-mla".into(),
+        num_layers: LAYERS,
+        num_kv_heads: 1,
+        head_dim: 12,
+        dtype: Some(Dtype::F16),
+        layers: vec![AttentionKind::Mla { kv_lora_rank: 8, qk_rope_head_dim: 4 }; LAYERS as usize],
+    }
+}
+
 pub fn ctx(engine_id: &str, layout: KvLayout, block_size: u32, extra: serde_json::Value) -> ConnectorContext {
+    ctx_for(model(), engine_id, layout, block_size, extra)
+}
+
+pub fn ctx_for(
+    model: ModelSpec,
+    engine_id: &str,
+    layout: KvLayout,
+    block_size: u32,
+    extra: serde_json::Value,
+) -> ConnectorContext {
     let mut config = KvTransferConfig::named("LMCacheConnectorV1");
     config.kv_connector_extra_config = extra.as_object().cloned().unwrap_or_default();
     ConnectorContext {
         config,
-        model: model(),
+        model,
         effective: effective(layout, block_size),
         role: KvRole::Both,
         engine_id: engine_id.to_owned(),
@@ -89,7 +111,11 @@ impl Engine {
         block_size: u32,
         extra: serde_json::Value,
     ) -> Engine {
-        let c = ctx(id, layout, block_size, extra);
+        Self::with_ctx(f, ctx(id, layout, block_size, extra))
+    }
+
+    pub fn with_ctx(f: &dyn ConnectorFactory, c: ConnectorContext) -> Engine {
+        let (id, layout, block_size) = (c.engine_id.clone(), c.effective.layout, c.effective.block_size);
         let sched = f.create_scheduler(&c).unwrap();
         let mut worker = f.create_worker(&c).unwrap();
         let shape = BlockShape::of(&c.model, &c.effective);
@@ -99,7 +125,7 @@ impl Engine {
         let mut buffers: Vec<Vec<u8>> = regions.iter().map(|r| vec![0u8; geometry.region_bytes(r)]).collect();
         let kv_regions = region_list(&mut buffers);
         worker.register_kv_caches(&kv_regions).unwrap();
-        Engine { id: id.to_owned(), sched, worker, geometry, buffers, block_size, next_block: 0, step: 0 }
+        Engine { id, sched, worker, geometry, buffers, block_size, next_block: 0, step: 0 }
     }
 
     pub fn alloc(&mut self, tokens: usize) -> Vec<BlockId> {
@@ -119,8 +145,9 @@ impl Engine {
     fn token_offsets(&self, layer: u32, part: u32, block: BlockId, tib: u32) -> Vec<(usize, usize)> {
         let span = self.geometry.span(LayerId(layer), part, block).unwrap();
         let mut v = Vec::new();
-        for h in 0..HEADS {
-            for c in 0..HEAD_DIM {
+        let shape = self.geometry.shape();
+        for h in 0..shape.heads {
+            for c in 0..shape.head_dim {
                 v.push((span.region, span.offset + self.geometry.inner_offset(h, tib, c)));
             }
         }
@@ -132,11 +159,11 @@ impl Engine {
         let bs = self.block_size as usize;
         for pos in from..to {
             for l in 0..LAYERS {
-                for p in 0..2 {
+                for p in 0..self.geometry.shape().kv_parts {
                     let offs = self.token_offsets(l, p, blocks[pos / bs], (pos % bs) as u32);
                     let mut i = 0;
-                    for h in 0..HEADS {
-                        for c in 0..HEAD_DIM {
+                    for h in 0..self.geometry.shape().heads {
+                        for c in 0..self.geometry.shape().head_dim {
                             let (r, o) = offs[i];
                             self.buffers[r][o..o + 2].copy_from_slice(&pattern(tokens, pos, l, p, h, c));
                             i += 1;
@@ -153,11 +180,11 @@ impl Engine {
         let mut bad = Vec::new();
         for pos in from..to {
             'tok: for l in 0..LAYERS {
-                for p in 0..2 {
+                for p in 0..self.geometry.shape().kv_parts {
                     let offs = self.token_offsets(l, p, blocks[pos / bs], (pos % bs) as u32);
                     let mut i = 0;
-                    for h in 0..HEADS {
-                        for c in 0..HEAD_DIM {
+                    for h in 0..self.geometry.shape().heads {
+                        for c in 0..self.geometry.shape().head_dim {
                             let (r, o) = offs[i];
                             if self.buffers[r][o..o + 2] != pattern(tokens, pos, l, p, h, c) {
                                 bad.push(pos);
@@ -177,7 +204,7 @@ impl Engine {
         let bs = self.block_size as usize;
         (from..to).all(|pos| {
             (0..LAYERS).all(|l| {
-                (0..2).all(|p| {
+                (0..self.geometry.shape().kv_parts).all(|p| {
                     self.token_offsets(l, p, blocks[pos / bs], (pos % bs) as u32)
                         .iter()
                         .all(|(r, o)| self.buffers[*r][*o..*o + 2] == [0, 0])
