@@ -99,6 +99,7 @@ impl AbiBytes {
     }
 
     /// Borrows bytes for one call.
+    #[inline]
     pub fn from_slice(b: &[u8]) -> AbiBytes {
         AbiBytes { ptr: b.as_ptr(), len: b.len() }
     }
@@ -144,6 +145,7 @@ pub struct AbiBuffer {
 
 impl AbiBuffer {
     /// An empty buffer, to pass as an out-parameter.
+    #[inline]
     pub const fn empty() -> AbiBuffer {
         AbiBuffer { ptr: core::ptr::null_mut(), len: 0, cap: 0, free: None }
     }
@@ -174,11 +176,13 @@ impl ReceivedBuffer {
     ///
     /// # Safety
     /// `buf` must be empty or have been filled by the other side of this ABI and not freed.
+    #[inline]
     pub unsafe fn new(buf: AbiBuffer) -> ReceivedBuffer {
         ReceivedBuffer(buf)
     }
 
     /// The bytes.
+    #[inline]
     pub fn as_bytes(&self) -> &[u8] {
         if self.0.ptr.is_null() || self.0.len == 0 {
             &[]
@@ -191,6 +195,7 @@ impl ReceivedBuffer {
 }
 
 impl Drop for ReceivedBuffer {
+    #[inline]
     fn drop(&mut self) {
         if let Some(free) = self.0.free {
             // SAFETY: the buffer came from the other side (see `new`) and is freed exactly once,
@@ -598,6 +603,7 @@ impl WorkerVTable {
 }
 
 /// Writes `r` to the out-parameters: the value through `write_ok`, an error as JSON.
+#[inline]
 fn finish<T>(r: Result<T, ConnectorError>, err: *mut AbiBuffer, write_ok: impl FnOnce(T)) -> Status {
     match r {
         Ok(v) => {

@@ -66,6 +66,7 @@ pub fn panic_message(payload: &(dyn Any + Send)) -> String {
 }
 
 /// Runs `f`, turning a panic into `Panicked` and recording it in `poison`.
+#[inline]
 fn guarded<T>(
     connector: &str,
     method: &str,
@@ -153,6 +154,7 @@ impl ExportedScheduler {
     }
 
     /// Runs one method, guarded; a panic poisons this instance.
+    #[inline]
     pub fn call<T>(
         &mut self,
         method: &str,
@@ -177,6 +179,7 @@ impl ExportedWorker {
     }
 
     /// Runs one method, guarded; a panic poisons this instance.
+    #[inline]
     pub fn call<T>(
         &mut self,
         method: &str,

@@ -495,7 +495,7 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     };
     // SAFETY: `init` comes from a checked descriptor; `host_api` is leaked ('static) as
     // `HostApi` documents; `err` is a valid out-parameter.
-    call_status(&name, |err| unsafe { init(host_api, err) }).map_err(|e| start_failed("init", e))?;
+    call_status(|| &name, |err| unsafe { init(host_api, err) }).map_err(|e| start_failed("init", e))?;
     let factory = ForeignFactory::create(library.clone()).map_err(|e| start_failed("its factory", e))?;
 
     // Capabilities are checked once here, for the plain config; `inspect` and negotiation
@@ -642,21 +642,29 @@ checked_vtable!(WorkerFns from WorkerVTable {
 // ---------------------------------------------------------------------------------------
 // Calling across: status codes, error buffers, JSON results.
 
-/// Runs one call that reports through a status and an error buffer.
-fn call_status(connector: &str, f: impl FnOnce(ErrOut) -> Status) -> ConnectorResult<()> {
+/// Runs one call that reports through a status and an error buffer. The connector's name is
+/// only looked up on the error path: the success path is the per-step hot path.
+#[inline]
+fn call_status<'a>(
+    connector: impl FnOnce() -> &'a str,
+    f: impl FnOnce(ErrOut) -> Status,
+) -> ConnectorResult<()> {
     let mut err = AbiBuffer::empty();
     let st = f(&mut err);
+    if st == status::OK && err.free.is_none() {
+        return Ok(());
+    }
     // SAFETY: `err` is empty or was filled by the plugin, which hands ownership to us.
     let err = unsafe { ReceivedBuffer::new(err) };
     if st == status::OK {
         return Ok(());
     }
-    Err(decode_error(connector, st, err.as_bytes()))
+    Err(decode_error(connector(), st, err.as_bytes()))
 }
 
 /// Runs one call that also fills an output buffer.
-fn call_out(
-    connector: &str,
+fn call_out<'a>(
+    connector: impl FnOnce() -> &'a str,
     f: impl FnOnce(*mut AbiBuffer, ErrOut) -> Status,
 ) -> ConnectorResult<ReceivedBuffer> {
     let mut out = AbiBuffer::empty();
@@ -666,15 +674,17 @@ fn call_out(
     r.map(|()| out)
 }
 
-fn call_json<T: serde::de::DeserializeOwned>(
-    connector: &str,
+fn call_json<'a, T: serde::de::DeserializeOwned>(
+    connector: impl Fn() -> &'a str,
     method: &str,
     f: impl FnOnce(*mut AbiBuffer, ErrOut) -> Status,
 ) -> ConnectorResult<T> {
-    let out = call_out(connector, f)?;
+    let out = call_out(&connector, f)?;
     serde_json::from_slice(out.as_bytes()).map_err(|e| ConnectorError::Other {
-        connector: connector.to_owned(),
-        message: format!("plugin returned a {method} result the host cannot decode ({e}); is it built against another kvconnect-api?"),
+        connector: connector().to_owned(),
+        message: format!(
+            "plugin returned a {method} result the host cannot decode ({e}); is it built against another kvconnect-api?"
+        ),
     })
 }
 
@@ -740,7 +750,7 @@ impl ForeignFactory {
         let mut handle: Handle = std::ptr::null_mut();
         let factory_new = lib.factory_new;
         // SAFETY: a checked entry; both out-parameters are valid.
-        call_status(&lib.name, |err| unsafe { factory_new(&mut handle, err) })?;
+        call_status(|| &lib.name, |err| unsafe { factory_new(&mut handle, err) })?;
         if handle.is_null() {
             return Err(ConnectorError::Other {
                 connector: lib.name.clone(),
@@ -750,7 +760,8 @@ impl ForeignFactory {
         let inner = Arc::new(FactoryHandle { lib, handle });
         let info_fn = inner.lib.factory_vt.info;
         // SAFETY: a live factory handle; valid out-parameters.
-        let info = call_json(&inner.lib.name, "info", |out, err| unsafe { info_fn(inner.handle, out, err) })?;
+        let info =
+            call_json(|| &inner.lib.name, "info", |out, err| unsafe { info_fn(inner.handle, out, err) })?;
         Ok(ForeignFactory { inner, info })
     }
 
@@ -781,9 +792,11 @@ impl ConnectorFactory for ForeignFactory {
         };
         let f = self.inner.lib.factory_vt.capabilities;
         // SAFETY: a live factory handle; argument bytes live across the call.
-        call_json(self.name(), "capabilities", |out, err| unsafe {
-            f(self.inner.handle, bytes(&c), bytes(&m), out, err)
-        })
+        call_json(
+            || self.name(),
+            "capabilities",
+            |out, err| unsafe { f(self.inner.handle, bytes(&c), bytes(&m), out, err) },
+        )
     }
 
     fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
@@ -791,7 +804,7 @@ impl ConnectorFactory for ForeignFactory {
         let f = self.inner.lib.factory_vt.create_scheduler;
         let mut h: Handle = std::ptr::null_mut();
         // SAFETY: a live factory handle; valid out-parameters; bytes live across the call.
-        call_status(self.name(), |err| unsafe { f(self.inner.handle, bytes(&c), &mut h, err) })?;
+        call_status(|| self.name(), |err| unsafe { f(self.inner.handle, bytes(&c), &mut h, err) })?;
         if h.is_null() {
             return Err(ConnectorError::Other {
                 connector: self.name().into(),
@@ -810,7 +823,7 @@ impl ConnectorFactory for ForeignFactory {
         let f = self.inner.lib.factory_vt.create_worker;
         let mut h: Handle = std::ptr::null_mut();
         // SAFETY: a live factory handle; valid out-parameters; bytes live across the call.
-        call_status(self.name(), |err| unsafe { f(self.inner.handle, bytes(&c), &mut h, err) })?;
+        call_status(|| self.name(), |err| unsafe { f(self.inner.handle, bytes(&c), &mut h, err) })?;
         if h.is_null() {
             return Err(ConnectorError::Other {
                 connector: self.name().into(),
@@ -854,9 +867,11 @@ impl SchedulerConnector for ForeignScheduler {
         let r = to_json(self.name(), req)?;
         let (f, h) = (self.vt.get_num_new_matched_tokens, self.handle);
         // SAFETY: a live instance used from this thread only; bytes live across the call.
-        call_json(self.name(), "get_num_new_matched_tokens", |out, err| unsafe {
-            f(h, bytes(&r), num_computed as u64, out, err)
-        })
+        call_json(
+            || self.name(),
+            "get_num_new_matched_tokens",
+            |out, err| unsafe { f(h, bytes(&r), num_computed as u64, out, err) },
+        )
     }
 
     fn update_state_after_alloc(
@@ -869,14 +884,17 @@ impl SchedulerConnector for ForeignScheduler {
         let b = to_json(self.name(), blocks)?;
         let (f, h) = (self.vt.update_state_after_alloc, self.handle);
         // SAFETY: as above.
-        call_status(self.name(), |err| unsafe { f(h, bytes(&r), bytes(&b), num_external_tokens as u64, err) })
+        call_status(
+            || self.name(),
+            |err| unsafe { f(h, bytes(&r), bytes(&b), num_external_tokens as u64, err) },
+        )
     }
 
     fn build_connector_meta(&mut self, step: &StepInfo) -> ConnectorResult<Vec<u8>> {
         let s = to_json(self.name(), step)?;
         let (f, h) = (self.vt.build_connector_meta, self.handle);
         // SAFETY: as above.
-        let out = call_out(self.name(), |out, err| unsafe { f(h, bytes(&s), out, err) })?;
+        let out = call_out(|| self.name(), |out, err| unsafe { f(h, bytes(&s), out, err) })?;
         Ok(out.as_bytes().to_vec())
     }
 
@@ -889,13 +907,17 @@ impl SchedulerConnector for ForeignScheduler {
         let b = to_json(self.name(), blocks)?;
         let (f, h) = (self.vt.request_finished, self.handle);
         // SAFETY: as above.
-        call_json(self.name(), "request_finished", |out, err| unsafe { f(h, bytes(&r), bytes(&b), out, err) })
+        call_json(
+            || self.name(),
+            "request_finished",
+            |out, err| unsafe { f(h, bytes(&r), bytes(&b), out, err) },
+        )
     }
 
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
         let (f, h) = (self.vt.take_events, self.handle);
         // SAFETY: as above.
-        call_json(self.name(), "take_events", |out, err| unsafe { f(h, out, err) })
+        call_json(|| self.name(), "take_events", |out, err| unsafe { f(h, out, err) })
     }
 }
 
@@ -928,72 +950,77 @@ impl WorkerConnector for ForeignWorker {
         let r = to_json(self.name(), &regions)?;
         let (f, h) = (self.vt.register_kv_caches, self.handle);
         // SAFETY: a live instance used from this thread only; bytes live across the call.
-        call_status(self.name(), |err| unsafe { f(h, bytes(&r), err) })
+        call_status(|| self.name(), |err| unsafe { f(h, bytes(&r), err) })
     }
 
     fn bind_connector_meta(&mut self, meta: &[u8]) -> ConnectorResult<()> {
         let (f, h) = (self.vt.bind_connector_meta, self.handle);
         // SAFETY: as above.
-        call_status(self.name(), |err| unsafe { f(h, bytes(meta), err) })
+        call_status(|| self.name(), |err| unsafe { f(h, bytes(meta), err) })
     }
 
     fn start_load_kv(&mut self) -> ConnectorResult<()> {
         let (f, h) = (self.vt.start_load_kv, self.handle);
         // SAFETY: as above.
-        call_status(self.name(), |err| unsafe { f(h, err) })
+        call_status(|| self.name(), |err| unsafe { f(h, err) })
     }
 
     fn wait_for_layer_load(&mut self, layer: LayerId) -> ConnectorResult<()> {
         let (f, h) = (self.vt.wait_for_layer_load, self.handle);
         // SAFETY: as above.
-        call_status(self.name(), |err| unsafe { f(h, layer.0, err) })
+        call_status(|| self.name(), |err| unsafe { f(h, layer.0, err) })
     }
 
     fn save_kv_layer(&mut self, layer: LayerId, block_ids: &[BlockId]) -> ConnectorResult<()> {
         let (f, h) = (self.vt.save_kv_layer, self.handle);
         // SAFETY: as above; `BlockId` is `repr(transparent)` over u32, so the slice is a valid
         // array of `len` u32 for the call.
-        call_status(self.name(), |err| unsafe {
-            f(h, layer.0, block_ids.as_ptr() as *const u32, block_ids.len(), err)
-        })
+        call_status(
+            || self.name(),
+            |err| unsafe { f(h, layer.0, block_ids.as_ptr() as *const u32, block_ids.len(), err) },
+        )
     }
 
     fn wait_for_save(&mut self) -> ConnectorResult<()> {
         let (f, h) = (self.vt.wait_for_save, self.handle);
         // SAFETY: as above.
-        call_status(self.name(), |err| unsafe { f(h, err) })
+        call_status(|| self.name(), |err| unsafe { f(h, err) })
     }
 
     fn get_finished(&mut self, finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
         let ids: Vec<AbiBytes> = finished_reqs.iter().map(|r| bytes(r.0.as_bytes())).collect();
         let (f, h) = (self.vt.get_finished, self.handle);
         // SAFETY: as above; `ids` and the strings it borrows live across the call.
-        call_json(self.name(), "get_finished", |out, err| unsafe { f(h, ids.as_ptr(), ids.len(), out, err) })
+        call_json(
+            || self.name(),
+            "get_finished",
+            |out, err| unsafe { f(h, ids.as_ptr(), ids.len(), out, err) },
+        )
     }
 
     fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
         let (f, h) = (self.vt.block_ids_with_load_errors, self.handle);
         // SAFETY: as above.
-        call_json(self.name(), "block_ids_with_load_errors", |out, err| unsafe { f(h, out, err) })
+        call_json(|| self.name(), "block_ids_with_load_errors", |out, err| unsafe { f(h, out, err) })
     }
 
     fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
         let (f, h) = (self.vt.handshake_metadata, self.handle);
         // SAFETY: as above.
-        call_json(self.name(), "handshake_metadata", |out, err| unsafe { f(h, out, err) })
+        call_json(|| self.name(), "handshake_metadata", |out, err| unsafe { f(h, out, err) })
     }
 
     fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()> {
         let p = to_json(self.name(), peer)?;
         let (f, h) = (self.vt.set_peer_handshake_metadata, self.handle);
         // SAFETY: as above.
-        call_status(self.name(), |err| unsafe { f(h, bytes(&p), err) })
+        call_status(|| self.name(), |err| unsafe { f(h, bytes(&p), err) })
     }
 
     fn shutdown(&mut self) -> ConnectorResult<()> {
         let (f, h) = (self.vt.shutdown, self.handle);
         // SAFETY: as above.
-        call_status(self.name(), |err| unsafe { f(h, err) })
+        call_status(|| self.name(), |err| unsafe { f(h, err) })
     }
 }
 

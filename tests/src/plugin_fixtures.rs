@@ -10,9 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 
-/// Every defect the broken-plugin fixture can be built with.
+/// Every defect the broken-plugin fixture can be built with. The first two load (a method
+/// panics later; a newer minor is accepted); the host refuses the others.
 pub const DEFECTS: &[&str] = &[
     "method_panics",
+    "newer_minor",
     "wrong_magic",
     "abi_major",
     "short_vtable",
