@@ -140,6 +140,9 @@ struct Seq {
     external: usize,
     loaded_this_step: bool,
     load_error: Option<String>,
+    /// Per KV cache group: how many leading blocks were already given back because every
+    /// future token's sliding window starts past them.
+    freed_prefix: Vec<usize>,
     output: Vec<u32>,
     added: Instant,
 }
@@ -281,6 +284,7 @@ impl Engine {
             external: 0,
             loaded_this_step: false,
             load_error: None,
+            freed_prefix: Vec::new(),
             output: Vec::new(),
             added: Instant::now(),
         };
@@ -617,6 +621,7 @@ impl Engine {
             }
         }
         compute += t.elapsed();
+        self.free_out_of_window_blocks();
         let t = Instant::now();
         for (k, why) in to_finish {
             self.finish(k, why, &mut outputs)?;
@@ -710,6 +715,47 @@ impl Engine {
         Ok(true)
     }
 
+    /// With HMA on and no connector, gives back sliding-window blocks no future token can
+    /// attend to (vLLM's sliding-window manager does the same). With a connector every block
+    /// stays until the request ends: `request_finished` hands the whole table to it, and a
+    /// transfer may still read it.
+    fn free_out_of_window_blocks(&mut self) {
+        if self.connector.is_some() || !self.pool.effective().hma {
+            return;
+        }
+        let bs = self.pool.effective().block_size as usize;
+        let windows: Vec<Option<usize>> = self
+            .pool
+            .effective()
+            .groups
+            .iter()
+            .map(|g| match g.kind {
+                AttentionKind::SlidingWindow { window } => Some(window as usize),
+                _ => None,
+            })
+            .collect();
+        for s in self.seqs.values_mut() {
+            let Some(blocks) = s.blocks.as_ref() else { continue };
+            if s.state != State::Running {
+                continue;
+            }
+            s.freed_prefix.resize(blocks.0.len(), 0);
+            // The next token computed sits at `num_computed` and sees positions from
+            // `num_computed + 1 - window` on; later tokens see even less of the past.
+            for (g, w) in windows.iter().enumerate() {
+                let (Some(w), Some(list)) = (w, blocks.0.get(g)) else { continue };
+                let first_needed = (s.num_computed + 1).saturating_sub(*w);
+                let upto = (first_needed / bs).min(list.len());
+                if upto > s.freed_prefix[g] {
+                    let mut give = vec![Vec::new(); blocks.0.len()];
+                    give[g] = list[s.freed_prefix[g]..upto].to_vec();
+                    self.pool.release(&BlocksPerGroup(give));
+                    s.freed_prefix[g] = upto;
+                }
+            }
+        }
+    }
+
     /// Ends a request: tells the connector, frees or parks its blocks, emits the output.
     fn finish(
         &mut self,
@@ -720,6 +766,14 @@ impl Engine {
         let Some(s) = self.seqs.remove(&key) else { return Ok(()) };
         self.by_id.remove(&s.req.id.0);
         let blocks = s.blocks.clone().unwrap_or_default();
+        let held = BlocksPerGroup(
+            blocks
+                .0
+                .iter()
+                .enumerate()
+                .map(|(g, list)| list[s.freed_prefix.get(g).copied().unwrap_or(0).min(list.len())..].to_vec())
+                .collect(),
+        );
         let mut params = None;
         let mut delay = false;
         if let Some((sched, _)) = self.connector.as_mut() {
@@ -734,9 +788,9 @@ impl Engine {
             }
         }
         if delay && !self.sent_early.remove(&s.req.id.0) {
-            self.pending_free.insert(s.req.id.0.clone(), blocks);
+            self.pending_free.insert(s.req.id.0.clone(), held);
         } else {
-            self.pool.release(&blocks);
+            self.pool.release(&held);
         }
         self.finished_since_last.push(s.req.id.clone());
         // Merge with this step's token output for the request, if any.
@@ -966,5 +1020,56 @@ mod tests {
             e.contains("cache dtype Fp8E4m3 is not supported by the reference engine; use bf16 or f32"),
             "{e}"
         );
+    }
+}
+
+#[cfg(test)]
+mod window_tests {
+    use super::*;
+    use crate::worker::pool::local_effective_layout;
+    use kvconnect_api::{Dtype, KvLayout};
+
+    fn engine(hma: bool) -> Engine {
+        let cfg = ReferenceConfig::builtin().unwrap();
+        let spec = cfg.model_spec().unwrap();
+        let eff = local_effective_layout(&spec, KvLayout::HND, hma, 16, Dtype::Bf16);
+        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 16, seed: 3, shm: None };
+        Engine::new(ec, None, FailurePolicy::Recompute).unwrap()
+    }
+
+    /// Runs a 150-token request, then (after its prefill) a second one that reuses whatever
+    /// blocks the pool has free; returns both token lists and the free count after step 1.
+    fn run(hma: bool) -> (Vec<u32>, Vec<u32>, usize) {
+        let long: Vec<u32> = (0..150u32).map(|i| (i * 7 + 3) % 256).collect();
+        let short: Vec<u32> = (0..40u32).map(|i| (i * 13 + 5) % 256).collect();
+        let mut e = engine(hma);
+        e.add_request(GenRequest::new("long", long, 20)).unwrap();
+        let mut toks: BTreeMap<String, Vec<u32>> = BTreeMap::new();
+        for o in e.step().unwrap() {
+            toks.entry(o.id).or_default().extend(o.new_tokens);
+        }
+        let free_after_prefill = e.free_blocks();
+        e.add_request(GenRequest::new("short", short, 20)).unwrap();
+        while e.has_unfinished() {
+            for o in e.step().unwrap() {
+                toks.entry(o.id).or_default().extend(o.new_tokens);
+            }
+        }
+        assert_eq!(e.free_blocks(), e.total_blocks());
+        (toks["long"].clone(), toks["short"].clone(), free_after_prefill)
+    }
+
+    #[test]
+    fn sliding_window_blocks_are_given_back_early_with_hma_and_tokens_do_not_change() {
+        let (long_on, short_on, free_on) = run(true);
+        let (long_off, short_off, free_off) = run(false);
+        // 11 blocks per group for 169 positions; after the prefill the next token (at 150)
+        // sees positions 119.. in the sliding layers, so blocks 0..7 of that group are free
+        // again; the short request then takes those very blocks while the long one decodes.
+        assert_eq!(free_on, 2 * 16 - 2 * 11 + 7);
+        assert_eq!(free_off, 16 - 11);
+        assert_eq!(long_on.len(), 20);
+        assert_eq!(long_on, long_off);
+        assert_eq!(short_on, short_off);
     }
 }
