@@ -470,6 +470,27 @@ impl Deployment {
                     column,
                     message: e.to_string(),
                 })?;
+            // A role's config saying the opposite role is a copy-paste slip that would start a
+            // worker on the wrong side of the transfer.
+            let wrong = match (r, kv_transfer_config.kv_role) {
+                (Role::Prefill, Some(kvconnect_api::KvRole::Consumer)) => Some("kv_consumer"),
+                (Role::Decode, Some(kvconnect_api::KvRole::Producer)) => Some("kv_producer"),
+                _ => None,
+            };
+            if let Some(w) = wrong {
+                let (line, column) = line_col(src, content_start(src, ktc.span().start));
+                let want =
+                    if r == Role::Prefill { "kv_producer or kv_both" } else { "kv_consumer or kv_both" };
+                return Err(DeploymentError::BadOption {
+                    path: path.to_owned(),
+                    role: r.name().to_owned(),
+                    line,
+                    column,
+                    message: format!(
+                        "kv_transfer_config has kv_role {w}; a {r} worker needs {want} (or no kv_role)"
+                    ),
+                });
+            }
             let bad = |span: std::ops::Range<usize>, message: String| {
                 let (line, column) = line_col(src, span.start);
                 DeploymentError::BadOption {
@@ -795,6 +816,14 @@ kv_transfer_config = '{"kv_connector":"NixlConnector"}'
         ))
         .unwrap_err();
         assert!(e.to_string().contains("missing [decode]"), "{e}");
+        let e = parse(&format!(
+            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_consumer\"}}'\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+        ))
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("test.toml:3:23: [prefill] kv_transfer_config has kv_role kv_consumer"),
+            "{e}"
+        );
         let e = parse("[prefill]\n").unwrap_err();
         assert!(e.to_string().contains("missing model"), "{e}");
         let e = parse(&format!("model = \"nowhere.json\"\n{DYN3545}")).unwrap_err();
