@@ -1,0 +1,281 @@
+//! `kvconnect bench transfer --backend cuda_ipc`: a real two-process transfer of a prompt's
+//! KV between GPU regions over CUDA IPC, measured against its baselines in the same run.
+//!
+//! The producer (prefill) process allocates per-layer K and V regions with plain
+//! `cuMemAlloc`, fills every block with a value derived from (region, block), exports IPC
+//! handles and starts the consumer (decode) process. The consumer opens the handles once,
+//! then times, with CUDA events, best of `iters`:
+//! - the gather kernel over every region and block of the request (one launch);
+//! - the same gather with an NHD→HND permute fused in;
+//! - one `cuMemcpyDtoDAsync` per block (what the kernel saves);
+//! - a contiguous device-to-device copy of the same bytes (the baseline);
+//! - 1-, 8- and 32-block requests (latency);
+//! - an lmcache-style save: gather into mapped pinned host memory vs one contiguous
+//!   device-to-host copy of the same bytes.
+//! Every gather is checked against the producer's fill pattern before it is timed.
+
+use crate::device::{DeviceBuffer, Gpu};
+use crate::error::CudaError;
+use crate::ipc::{ImportedRegion, IpcHandle};
+use crate::kernel::{GatherKernel, GatherSpec, Permute};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// The KV geometry of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Geometry {
+    /// KV layers.
+    pub layers: u32,
+    /// 2 (K and V) or 1 (MLA).
+    pub kv_parts: u32,
+    /// KV heads.
+    pub heads: u32,
+    /// Head dim.
+    pub head_dim: u32,
+    /// Bytes per element.
+    pub elem_size: u32,
+    /// Tokens per block.
+    pub block_tokens: u32,
+}
+
+impl Geometry {
+    /// Bytes of one block of one region.
+    pub fn block_bytes(&self) -> u64 {
+        self.heads as u64 * self.head_dim as u64 * self.elem_size as u64 * self.block_tokens as u64
+    }
+
+    /// Regions (layers × parts).
+    pub fn regions(&self) -> usize {
+        (self.layers * self.kv_parts) as usize
+    }
+}
+
+/// What the producer hands the consumer process (as JSON on its stdin).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PeerSpec {
+    /// Geometry.
+    pub geometry: Geometry,
+    /// Blocks per producer region.
+    pub producer_blocks: u32,
+    /// Blocks the request moves.
+    pub request_blocks: u32,
+    /// Producer GPU ordinal.
+    pub producer_device: usize,
+    /// GPU the consumer runs on.
+    pub consumer_device: usize,
+    /// The producer's regions.
+    pub regions: Vec<IpcHandle>,
+    /// A contiguous producer buffer of the request's size (for the baseline).
+    pub flat: IpcHandle,
+    /// Timed repetitions (best of).
+    pub iters: u32,
+}
+
+/// Fill value of block `k` of region `r`: every byte of the block.
+fn fill_value(r: usize, k: u32) -> u8 {
+    ((r as u64 * 131 + k as u64 * 7 + 1) % 251) as u8
+}
+
+/// The request's source blocks: spread over the producer's pool, not contiguous.
+fn source_blocks(request: u32, pool: u32) -> Vec<u32> {
+    // A fixed odd stride visits every block once when `pool` is a power of two.
+    (0..request).map(|i| ((i as u64 * 2654435761u64) % pool as u64) as u32).collect()
+}
+
+/// Producer side: allocate, fill, export, run `consumer` (which starts the other process
+/// and returns its JSON), keep everything alive until it returns.
+pub fn run_producer(
+    device: usize,
+    consumer_device: usize,
+    geometry: Geometry,
+    tokens: u32,
+    iters: u32,
+    consumer: impl FnOnce(&PeerSpec) -> Result<Value, String>,
+) -> Result<Value, CudaError> {
+    let gpu = Gpu::open(device)?;
+    let request_blocks = tokens.div_ceil(geometry.block_tokens).max(1);
+    let producer_blocks = (request_blocks * 2).next_power_of_two();
+    let bb = geometry.block_bytes() as usize;
+    let mut regions = Vec::with_capacity(geometry.regions());
+    for r in 0..geometry.regions() {
+        let buf = gpu.alloc(producer_blocks as usize * bb)?;
+        for k in 0..producer_blocks {
+            gpu.memset_async(buf.ptr() + k as u64 * bb as u64, fill_value(r, k), bb)?;
+        }
+        regions.push(buf);
+    }
+    let flat = gpu.alloc(request_blocks as usize * bb * geometry.regions())?;
+    gpu.memset_async(flat.ptr(), 0x5a, flat.len())?;
+    gpu.synchronize()?;
+    let spec = PeerSpec {
+        geometry,
+        producer_blocks,
+        request_blocks,
+        producer_device: device,
+        consumer_device,
+        regions: regions.iter().map(|b| IpcHandle::export(&gpu, b)).collect::<Result<_, _>>()?,
+        flat: IpcHandle::export(&gpu, &flat)?,
+        iters,
+    };
+    let mut out = consumer(&spec).map_err(|e| CudaError::Invalid(format!("consumer process: {e}")))?;
+    if let Value::Object(m) = &mut out {
+        m.insert("device".into(), json!(gpu.name()));
+        m.insert("producer_device".into(), json!(device));
+    }
+    drop(regions);
+    Ok(out)
+}
+
+fn best_ms(gpu: &Gpu, iters: u32, mut f: impl FnMut() -> Result<(), CudaError>) -> Result<f64, CudaError> {
+    f()?; // warm-up
+    gpu.synchronize()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..iters.max(1) {
+        let ms = gpu.time(&mut f)?;
+        best = best.min(ms);
+    }
+    Ok(best)
+}
+
+fn gbps(bytes: u64, ms: f64) -> f64 {
+    bytes as f64 / (ms / 1e3) / 1e9
+}
+
+/// Consumer side: open the peer's regions and measure. Returns the report.
+pub fn run_consumer(spec: &PeerSpec) -> Result<Value, CudaError> {
+    let gpu = Gpu::open(spec.consumer_device)?;
+    let mut kernel = GatherKernel::new(&gpu)?;
+    let g = spec.geometry;
+    let bb = g.block_bytes();
+    let nreg = g.regions();
+    let t_open = std::time::Instant::now();
+    let peer: Vec<ImportedRegion> =
+        spec.regions.iter().map(|h| ImportedRegion::open(&gpu, h)).collect::<Result<_, _>>()?;
+    let peer_flat = ImportedRegion::open(&gpu, &spec.flat)?;
+    let open_ms = t_open.elapsed().as_secs_f64() * 1e3;
+    let local_blocks = spec.request_blocks * 2;
+    let local: Vec<DeviceBuffer> =
+        (0..nreg).map(|_| gpu.alloc(local_blocks as usize * bb as usize)).collect::<Result<_, _>>()?;
+    let local_flat = gpu.alloc(peer_flat.len())?;
+    let src_bases: Vec<u64> = peer.iter().map(|p| p.ptr()).collect();
+    let dst_bases: Vec<u64> = local.iter().map(|l| l.ptr()).collect();
+    let src_blocks = source_blocks(spec.request_blocks, spec.producer_blocks);
+    // Destination blocks in reverse order: neither side is one contiguous run.
+    let dst_blocks: Vec<u32> = (0..spec.request_blocks).rev().map(|i| i + spec.request_blocks / 2).collect();
+    let bytes = spec.request_blocks as u64 * nreg as u64 * bb;
+
+    // Correctness first: poison, gather, check every block's first and last byte.
+    for l in &local {
+        gpu.memset_async(l.ptr(), 0xEE, l.len())?;
+    }
+    let plain = GatherSpec {
+        src_bases: &src_bases,
+        dst_bases: &dst_bases,
+        src_blocks: &src_blocks,
+        dst_blocks: &dst_blocks,
+        block_bytes: bb,
+        permute: Permute::None,
+    };
+    kernel.launch(&gpu, &plain)?;
+    gpu.synchronize()?;
+    let mut checked = 0u64;
+    let mut probe = vec![0u8; bb as usize];
+    for (r, l) in local.iter().enumerate() {
+        for (i, (&s, &d)) in src_blocks.iter().zip(&dst_blocks).enumerate() {
+            if i % 7 != 0 && i + 1 != src_blocks.len() {
+                continue;
+            }
+            gpu.download(&mut probe, l.ptr() + d as u64 * bb)?;
+            let want = fill_value(r, s);
+            if probe.iter().any(|b| *b != want) {
+                return Err(CudaError::Invalid(format!(
+                    "gather check failed: region {r} block {s}->{d} does not hold {want:#x}"
+                )));
+            }
+            checked += 1;
+        }
+    }
+
+    let iters = spec.iters;
+    let gather_ms = best_ms(&gpu, iters, || kernel.launch(&gpu, &plain))?;
+    let permuted =
+        GatherSpec { permute: Permute::NhdToHnd { heads: g.heads, tokens: g.block_tokens }, ..plain.clone() };
+    let permute_ms = best_ms(&gpu, iters, || kernel.launch(&gpu, &permuted))?;
+    let contiguous_ms =
+        best_ms(&gpu, iters, || gpu.copy_dtod_async(local_flat.ptr(), peer_flat.ptr(), bytes as usize))?;
+    let per_block_ms = best_ms(&gpu, iters.min(3), || {
+        for r in 0..nreg {
+            for (&s, &d) in src_blocks.iter().zip(&dst_blocks) {
+                gpu.copy_dtod_async(dst_bases[r] + d as u64 * bb, src_bases[r] + s as u64 * bb, bb as usize)?;
+            }
+        }
+        Ok(())
+    })?;
+    let mut small = serde_json::Map::new();
+    for n in [1usize, 8, 32] {
+        let n = n.min(src_blocks.len());
+        let s = GatherSpec { src_blocks: &src_blocks[..n], dst_blocks: &dst_blocks[..n], ..plain.clone() };
+        let ms = best_ms(&gpu, iters, || kernel.launch(&gpu, &s))?;
+        small.insert(format!("{n}_blocks_us"), json!(ms * 1e3));
+    }
+
+    // lmcache-style save: the request's blocks of every region into pinned host memory.
+    let mut pinned = gpu.alloc_pinned(bytes as usize)?;
+    let per_region = spec.request_blocks as u64 * bb;
+    let pinned_bases: Vec<u64> = (0..nreg as u64).map(|r| pinned.device_ptr() + r * per_region).collect();
+    let seq: Vec<u32> = (0..spec.request_blocks).collect();
+    let save = GatherSpec {
+        src_bases: &dst_bases,
+        dst_bases: &pinned_bases,
+        src_blocks: &dst_blocks,
+        dst_blocks: &seq,
+        block_bytes: bb,
+        permute: Permute::None,
+    };
+    kernel.launch(&gpu, &save)?;
+    gpu.synchronize()?;
+    let host = pinned.as_mut_slice();
+    for r in [0usize, nreg - 1] {
+        let off = r * per_region as usize;
+        let want = fill_value(r, src_blocks[0]);
+        if host[off] != want || host[off + bb as usize - 1] != want {
+            return Err(CudaError::Invalid(format!("save-to-host check failed in region {r}")));
+        }
+    }
+    let save_ms = best_ms(&gpu, iters, || kernel.launch(&gpu, &save))?;
+    let d2h_ms = best_ms(&gpu, iters, || {
+        // SAFETY: `pinned` holds `bytes` bytes and `local_flat` at least as many.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                &mut pinned.as_mut_slice()[..bytes as usize],
+                local_flat.ptr(),
+                gpu.stream().cu_stream(),
+            )
+        }
+        .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))
+    })?;
+
+    Ok(json!({
+        "backend": "cuda_ipc",
+        "bytes": bytes,
+        "regions": nreg,
+        "blocks": spec.request_blocks,
+        "block_bytes": bb,
+        "consumer_device": spec.consumer_device,
+        "ipc_open_ms": open_ms,
+        "blocks_checked": checked,
+        "gbps": gbps(bytes * 2, gather_ms),
+        "baseline": "contiguous cuMemcpyDtoDAsync of the same bytes",
+        "baseline_gbps": gbps(bytes * 2, contiguous_ms),
+        "ratio": contiguous_ms / gather_ms,
+        "permute_gbps": gbps(bytes * 2, permute_ms),
+        "permute_ratio": contiguous_ms / permute_ms,
+        "per_block_memcpy_gbps": gbps(bytes * 2, per_block_ms),
+        "per_block_memcpy_ratio": contiguous_ms / per_block_ms,
+        "small_requests": small,
+        "save_to_pinned_gbps": gbps(bytes, save_ms),
+        "contiguous_d2h_gbps": gbps(bytes, d2h_ms),
+        "save_ratio": d2h_ms / save_ms,
+        "note": "GB/s count bytes read + written for device copies, bytes moved for host saves"
+    }))
+}

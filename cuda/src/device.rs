@@ -1,0 +1,243 @@
+//! A GPU context, device buffers that can be exported over CUDA IPC, and pinned host
+//! buffers.
+
+use crate::error::CudaError;
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
+use std::sync::Arc;
+
+/// One GPU: a context and a non-default stream (IPC copies and the default stream do not
+/// mix well), found and checked before the first driver call.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    ordinal: usize,
+}
+
+/// Checks that the driver and NVRTC libraries can be loaded. cudarc's dynamic loading
+/// panics on a missing library, so this runs before anything else touches it.
+pub fn check_libraries() -> Result<(), CudaError> {
+    // SAFETY: only tries to dlopen the library by its candidate names; no symbol is called.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(CudaError::NoDriver("none of the candidate names of libcuda could be opened".into()));
+    }
+    // SAFETY: as above, for NVRTC.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(CudaError::NoNvrtc("none of the candidate names of libnvrtc could be opened".into()));
+    }
+    Ok(())
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal`.
+    pub fn open(ordinal: usize) -> Result<Gpu, CudaError> {
+        check_libraries()?;
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| CudaError::NoDevice { ordinal, message: format!("{e}") })?;
+        let stream = ctx.new_stream().map_err(|e| CudaError::driver("cuStreamCreate", e))?;
+        Ok(Gpu { ctx, stream, ordinal })
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream all of this crate's work goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// Device name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    /// `sm_XY` for NVRTC.
+    pub fn arch(&self) -> Result<String, CudaError> {
+        let (major, minor) =
+            self.ctx.compute_capability().map_err(|e| CudaError::driver("cuDeviceGetAttribute", e))?;
+        Ok(format!("sm_{major}{minor}"))
+    }
+
+    /// Makes this GPU's context current on the calling thread.
+    pub fn bind(&self) -> Result<(), CudaError> {
+        self.ctx.bind_to_thread().map_err(|e| CudaError::driver("cuCtxSetCurrent", e))
+    }
+
+    /// Waits for all work on the stream.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(|e| CudaError::driver("cuStreamSynchronize", e))
+    }
+
+    /// Allocates `bytes` of device memory with plain `cuMemAlloc` (IPC-exportable).
+    pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer, CudaError> {
+        self.bind()?;
+        // SAFETY: the context is current; the pointer is owned by the returned buffer and
+        // freed exactly once in its Drop.
+        let ptr = unsafe { result::malloc_sync(bytes) }.map_err(|e| {
+            if e.0 == sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
+                CudaError::OutOfMemory { bytes, ordinal: self.ordinal }
+            } else {
+                CudaError::driver("cuMemAlloc", e)
+            }
+        })?;
+        Ok(DeviceBuffer { ptr, bytes, ctx: self.ctx.clone() })
+    }
+
+    /// Allocates pinned host memory the GPU can address directly (mapped, portable).
+    pub fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer, CudaError> {
+        self.bind()?;
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the context is current; the pointer is owned by the returned buffer and
+        // freed exactly once in its Drop.
+        let host = unsafe { result::malloc_host(bytes, flags) }
+            .map_err(|e| CudaError::driver("cuMemHostAlloc", e))?;
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `host` was just allocated with DEVICEMAP, so it has a device address.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            // SAFETY: freeing what we just allocated, once.
+            unsafe {
+                let _ = result::free_host(host);
+            }
+            return Err(CudaError::driver("cuMemHostGetDevicePointer", cudarc::driver::DriverError(r)));
+        }
+        Ok(PinnedBuffer { host: host as *mut u8, dev, bytes, ctx: self.ctx.clone() })
+    }
+
+    /// Copies host bytes into device memory at `dst` (synchronously).
+    pub fn upload(&self, dst: u64, src: &[u8]) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: the caller passes a device address with at least src.len() bytes; the
+        // stream is synchronised before `src` can go away.
+        unsafe {
+            result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+                .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))?;
+        }
+        self.synchronize()
+    }
+
+    /// Copies device bytes at `src` into `dst` (synchronously).
+    pub fn download(&self, dst: &mut [u8], src: u64) -> Result<(), CudaError> {
+        self.bind()?;
+        // SAFETY: as in `upload`, in the other direction.
+        unsafe {
+            result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))?;
+        }
+        self.synchronize()
+    }
+
+    /// Enqueues a device-to-device copy on the stream.
+    pub fn copy_dtod_async(&self, dst: u64, src: u64, bytes: usize) -> Result<(), CudaError> {
+        // SAFETY: the caller passes device addresses valid for `bytes`.
+        unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) }
+            .map_err(|e| CudaError::driver("cuMemcpyDtoDAsync", e))
+    }
+
+    /// Fills device memory with a byte (asynchronously).
+    pub fn memset_async(&self, dst: u64, value: u8, bytes: usize) -> Result<(), CudaError> {
+        // SAFETY: the caller passes a device address valid for `bytes`.
+        unsafe { result::memset_d8_async(dst, value, bytes, self.stream.cu_stream()) }
+            .map_err(|e| CudaError::driver("cuMemsetD8Async", e))
+    }
+
+    /// Runs `f` between two timing events on the stream and returns the milliseconds.
+    pub fn time<F: FnOnce() -> Result<(), CudaError>>(&self, f: F) -> Result<f64, CudaError> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.ctx.new_event(flags).map_err(|e| CudaError::driver("cuEventCreate", e))?;
+        let end = self.ctx.new_event(flags).map_err(|e| CudaError::driver("cuEventCreate", e))?;
+        start.record(&self.stream).map_err(|e| CudaError::driver("cuEventRecord", e))?;
+        f()?;
+        end.record(&self.stream).map_err(|e| CudaError::driver("cuEventRecord", e))?;
+        let ms = start.elapsed_ms(&end).map_err(|e| CudaError::driver("cuEventElapsedTime", e))?;
+        Ok(ms as f64)
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+pub struct DeviceBuffer {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+impl DeviceBuffer {
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuMemAlloc in this context and is freed only here.
+            let _ = unsafe { result::free_sync(self.ptr) };
+        }
+    }
+}
+
+/// Page-locked host memory mapped into the GPU's address space, freed on drop.
+pub struct PinnedBuffer {
+    host: *mut u8,
+    dev: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; access goes through &self/&mut self.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// The device address of the mapping (for kernels).
+    pub fn device_ptr(&self) -> u64 {
+        self.dev
+    }
+
+    /// The bytes, on the host. Call only after the stream that wrote them is synchronised.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `host` points to `bytes` bytes owned by this value.
+        unsafe { std::slice::from_raw_parts(self.host, self.bytes) }
+    }
+
+    /// Mutable host view.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as above, uniquely borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.host, self.bytes) }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `host` came from cuMemHostAlloc and is freed only here.
+            let _ = unsafe { result::free_host(self.host as *mut std::ffi::c_void) };
+        }
+    }
+}

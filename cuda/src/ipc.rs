@@ -1,0 +1,98 @@
+//! CUDA IPC: exporting a device region to another process on the same host, and opening a
+//! peer's region once.
+
+use crate::device::{DeviceBuffer, Gpu};
+use crate::error::CudaError;
+use cudarc::driver::sys;
+use serde::{Deserialize, Serialize};
+
+/// A 64-byte `CUipcMemHandle`, as hex for JSON handshakes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IpcHandle {
+    /// The handle's bytes, hex.
+    pub hex: String,
+    /// Size of the exported region in bytes.
+    pub bytes: usize,
+}
+
+impl IpcHandle {
+    /// Exports a buffer allocated with `Gpu::alloc`.
+    pub fn export(gpu: &Gpu, buf: &DeviceBuffer) -> Result<IpcHandle, CudaError> {
+        gpu.bind()?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `buf` is a live cuMemAlloc allocation in the current context.
+        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, buf.ptr()) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(CudaError::driver("cuIpcGetMemHandle", cudarc::driver::DriverError(r)));
+        }
+        let hex = h.reserved.iter().map(|b| format!("{:02x}", *b as u8)).collect();
+        Ok(IpcHandle { hex, bytes: buf.len() })
+    }
+
+    fn raw(&self) -> Result<sys::CUipcMemHandle, CudaError> {
+        let bad = || CudaError::IpcOpen(format!("malformed handle '{}' (want 128 hex digits)", self.hex));
+        if self.hex.len() != 128 {
+            return Err(bad());
+        }
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        for (i, slot) in h.reserved.iter_mut().enumerate() {
+            let byte =
+                u8::from_str_radix(self.hex.get(2 * i..2 * i + 2).ok_or_else(bad)?, 16).map_err(|_| bad())?;
+            *slot = byte as std::ffi::c_char;
+        }
+        Ok(h)
+    }
+}
+
+/// A peer's region mapped into this process; unmapped on drop.
+pub struct ImportedRegion {
+    ptr: sys::CUdeviceptr,
+    bytes: usize,
+    ctx: std::sync::Arc<cudarc::driver::CudaContext>,
+}
+
+impl ImportedRegion {
+    /// Opens a peer's handle with lazy peer access (works across GPUs of one host too).
+    pub fn open(gpu: &Gpu, handle: &IpcHandle) -> Result<ImportedRegion, CudaError> {
+        let raw = handle.raw()?;
+        gpu.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `raw` is a handle's bytes; the driver validates it and fails cleanly for
+        // a handle whose owner is gone.
+        let r = unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                raw,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+        };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(CudaError::IpcOpen(format!("{:?}", r)));
+        }
+        Ok(ImportedRegion { ptr, bytes: handle.bytes, ctx: gpu.context().clone() })
+    }
+
+    /// Device address in this process.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.bytes
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.bytes == 0
+    }
+}
+
+impl Drop for ImportedRegion {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_ok() {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and is closed only here.
+            let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        }
+    }
+}

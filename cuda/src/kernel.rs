@@ -1,0 +1,282 @@
+//! The one gather kernel: copies a request's blocks of every region in a single launch,
+//! optionally permuting NHD↔HND inside each block on the way.
+//!
+//! One thread block copies one (block, region) pair with 16-byte loads, four in flight per
+//! thread. Regions are passed as base addresses (a per-layer K or V region, or a whole
+//! cross-layer region), blocks as two index arrays, so one launch covers every layer: per
+//! block copies are bound by the host (about 5 µs a call), one launch is not.
+
+use crate::device::{DeviceBuffer, Gpu, PinnedBuffer};
+use crate::error::CudaError;
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use std::ffi::CString;
+
+const SOURCE: &str = r#"
+extern "C" __global__ void kvc_gather(
+    const unsigned long long* __restrict__ src_bases,
+    const unsigned long long* __restrict__ dst_bases,
+    const unsigned int* __restrict__ src_blocks,
+    const unsigned int* __restrict__ dst_blocks,
+    unsigned int n_blocks,
+    unsigned long long block_bytes,
+    unsigned int mode,
+    unsigned int heads,
+    unsigned int tokens)
+{
+    const unsigned int b = blockIdx.x % n_blocks;
+    const unsigned int r = blockIdx.x / n_blocks;
+    const uint4* __restrict__ src =
+        (const uint4*)(src_bases[r] + (unsigned long long)src_blocks[b] * block_bytes);
+    uint4* __restrict__ dst =
+        (uint4*)(dst_bases[r] + (unsigned long long)dst_blocks[b] * block_bytes);
+    const unsigned int n16 = (unsigned int)(block_bytes >> 4);
+    const unsigned int step = blockDim.x;
+    if (mode == 0) {
+        unsigned int i = threadIdx.x;
+        for (; i + 3 * step < n16; i += 4 * step) {
+            uint4 a0 = src[i];
+            uint4 a1 = src[i + step];
+            uint4 a2 = src[i + 2 * step];
+            uint4 a3 = src[i + 3 * step];
+            dst[i] = a0;
+            dst[i + step] = a1;
+            dst[i + 2 * step] = a2;
+            dst[i + 3 * step] = a3;
+        }
+        for (; i < n16; i += step) dst[i] = src[i];
+    } else {
+        const unsigned int row16 = n16 / (heads * tokens);
+        for (unsigned int i = threadIdx.x; i < n16; i += step) {
+            const unsigned int d = i / row16;
+            const unsigned int c = i - d * row16;
+            unsigned int s;
+            if (mode == 1) {
+                // source token-major (row n*H+h), destination head-major (row h*N+n)
+                const unsigned int h = d / tokens;
+                const unsigned int n = d - h * tokens;
+                s = n * heads + h;
+            } else {
+                // source head-major, destination token-major (row n*H+h)
+                const unsigned int n = d / heads;
+                const unsigned int h = d - n * heads;
+                s = h * tokens + n;
+            }
+            dst[i] = src[s * row16 + c];
+        }
+    }
+}
+"#;
+
+/// A permute fused into the copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Permute {
+    /// Plain copy.
+    None,
+    /// Source blocks token-major (NHD), destination head-major (HND).
+    NhdToHnd {
+        /// KV heads per block.
+        heads: u32,
+        /// Tokens per block.
+        tokens: u32,
+    },
+    /// Source head-major, destination token-major.
+    HndToNhd {
+        /// KV heads per block.
+        heads: u32,
+        /// Tokens per block.
+        tokens: u32,
+    },
+}
+
+/// One launch's worth of copying.
+#[derive(Debug, Clone)]
+pub struct GatherSpec<'a> {
+    /// Base address of each source region (device, IPC-mapped or mapped pinned memory).
+    pub src_bases: &'a [u64],
+    /// Base address of each destination region, same count.
+    pub dst_bases: &'a [u64],
+    /// Source block index of each copied block.
+    pub src_blocks: &'a [u32],
+    /// Destination block index, same count.
+    pub dst_blocks: &'a [u32],
+    /// Bytes of one block in one region (a multiple of 16).
+    pub block_bytes: u64,
+    /// Permute to fuse.
+    pub permute: Permute,
+}
+
+impl GatherSpec<'_> {
+    fn check(&self) -> Result<(u32, u32, u32), CudaError> {
+        if self.src_bases.len() != self.dst_bases.len() {
+            return Err(CudaError::Invalid(format!(
+                "{} source regions but {} destination regions",
+                self.src_bases.len(),
+                self.dst_bases.len()
+            )));
+        }
+        if self.src_blocks.len() != self.dst_blocks.len() {
+            return Err(CudaError::Invalid(format!(
+                "{} source blocks but {} destination blocks",
+                self.src_blocks.len(),
+                self.dst_blocks.len()
+            )));
+        }
+        if self.block_bytes == 0 || self.block_bytes % 16 != 0 || self.block_bytes >> 4 > u32::MAX as u64 {
+            return Err(CudaError::Invalid(format!(
+                "block size {} bytes is not a positive multiple of 16",
+                self.block_bytes
+            )));
+        }
+        let (mode, heads, tokens) = match self.permute {
+            Permute::None => (0, 1, 1),
+            Permute::NhdToHnd { heads, tokens } => (1, heads, tokens),
+            Permute::HndToNhd { heads, tokens } => (2, heads, tokens),
+        };
+        if mode != 0 {
+            let rows = heads as u64 * tokens as u64;
+            if rows == 0 || self.block_bytes % (rows * 16) != 0 {
+                return Err(CudaError::Invalid(format!(
+                    "a permuted block of {} bytes must hold {heads} heads x {tokens} tokens of rows that are multiples of 16 bytes",
+                    self.block_bytes
+                )));
+            }
+        }
+        let grid = self.src_blocks.len() as u64 * self.src_bases.len() as u64;
+        if grid > i32::MAX as u64 {
+            return Err(CudaError::Invalid(format!("{grid} (block, region) pairs exceed one launch")));
+        }
+        Ok((mode, heads, tokens))
+    }
+}
+
+/// The compiled kernel plus reusable index buffers.
+pub struct GatherKernel {
+    func: CudaFunction,
+    arch: String,
+    scratch: Option<(DeviceBuffer, PinnedBuffer)>,
+}
+
+impl GatherKernel {
+    /// Compiles the kernel with NVRTC to a cubin for this GPU's architecture (no driver JIT
+    /// at load) and loads it. Done once per process.
+    pub fn new(gpu: &Gpu) -> Result<GatherKernel, CudaError> {
+        let arch = gpu.arch()?;
+        let cubin = compile_cubin(&arch)?;
+        gpu.bind()?;
+        let module = gpu
+            .context()
+            .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+            .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
+        let func =
+            module.load_function("kvc_gather").map_err(|e| CudaError::driver("cuModuleGetFunction", e))?;
+        Ok(GatherKernel { func, arch, scratch: None })
+    }
+
+    /// The architecture it was compiled for.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// Enqueues the gather on the GPU's stream (returns at once; synchronise or time it).
+    pub fn launch(&mut self, gpu: &Gpu, spec: &GatherSpec<'_>) -> Result<(), CudaError> {
+        let (mode, heads, tokens) = spec.check()?;
+        if spec.src_blocks.is_empty() || spec.src_bases.is_empty() {
+            return Ok(());
+        }
+        let r = spec.src_bases.len();
+        let b = spec.src_blocks.len();
+        let need = 16 * r + 8 * b;
+        let grow = self.scratch.as_ref().is_none_or(|(d, _)| d.len() < need);
+        if grow {
+            // The previous launch may still read the old scratch: wait before replacing it.
+            gpu.synchronize()?;
+            let cap = need.next_power_of_two().max(4096);
+            self.scratch = Some((gpu.alloc(cap)?, gpu.alloc_pinned(cap)?));
+        }
+        let Some((dev, pinned)) = self.scratch.as_mut() else {
+            return Err(CudaError::Invalid("gather scratch missing".into()));
+        };
+        // The pinned staging buffer is reused: the copy out of it must finish first.
+        gpu.synchronize()?;
+        let host = pinned.as_mut_slice();
+        let mut off = 0;
+        for v in spec.src_bases.iter().chain(spec.dst_bases) {
+            host[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+            off += 8;
+        }
+        for v in spec.src_blocks.iter().chain(spec.dst_blocks) {
+            host[off..off + 4].copy_from_slice(&v.to_ne_bytes());
+            off += 4;
+        }
+        gpu.bind()?;
+        // SAFETY: `dev` holds at least `need` bytes; the pinned source stays alive and is
+        // not rewritten before the stream is synchronised (above, at the next launch).
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(
+                dev.ptr(),
+                &pinned.as_slice()[..need],
+                gpu.stream().cu_stream(),
+            )
+            .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))?;
+        }
+        let base = dev.ptr();
+        let src_bases = base;
+        let dst_bases = base + 8 * r as u64;
+        let src_blocks = base + 16 * r as u64;
+        let dst_blocks = src_blocks + 4 * b as u64;
+        let n_blocks = b as u32;
+        let cfg =
+            LaunchConfig { grid_dim: ((r * b) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut args = gpu.stream().launch_builder(&self.func);
+        args.arg(&src_bases)
+            .arg(&dst_bases)
+            .arg(&src_blocks)
+            .arg(&dst_blocks)
+            .arg(&n_blocks)
+            .arg(&spec.block_bytes)
+            .arg(&mode)
+            .arg(&heads)
+            .arg(&tokens);
+        // SAFETY: the argument list matches the kernel's signature (pointers passed as
+        // 64-bit device addresses); `check` bounded the grid; the caller guarantees every
+        // base address plus (max block index + 1) * block_bytes lies in live memory.
+        unsafe { args.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
+        Ok(())
+    }
+}
+
+fn compile_cubin(arch: &str) -> Result<Vec<u8>, CudaError> {
+    use cudarc::nvrtc::{result, sys};
+    let compile_err = |log: String| CudaError::Compile { arch: arch.to_owned(), log };
+    let src = CString::new(SOURCE).map_err(|e| compile_err(e.to_string()))?;
+    let prog = result::create_program(&src, None).map_err(|e| compile_err(format!("{e:?}")))?;
+    let opts = [format!("--gpu-architecture={arch}"), "--std=c++17".to_owned()];
+    // SAFETY: `prog` was just created and is destroyed once below.
+    let compiled = unsafe { result::compile_program(prog, &opts) };
+    let out = match compiled {
+        Ok(()) => {
+            let mut size = 0usize;
+            // SAFETY: `prog` compiled successfully; the buffer is sized by NVRTC's answer.
+            unsafe {
+                sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| compile_err(format!("{e:?}")))?;
+                let mut buf = vec![0u8; size];
+                sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut std::ffi::c_char)
+                    .result()
+                    .map_err(|e| compile_err(format!("{e:?}")))?;
+                Ok(buf)
+            }
+        }
+        Err(e) => {
+            // SAFETY: `prog` is valid until destroyed below.
+            let log = unsafe { result::get_program_log(prog) }
+                .map(|l| l.iter().map(|c| *c as u8 as char).collect::<String>())
+                .unwrap_or_default();
+            Err(compile_err(format!("{e:?}: {log}")))
+        }
+    };
+    // SAFETY: destroyed once, after its last use.
+    let _ = unsafe { result::destroy_program(prog) };
+    out
+}
