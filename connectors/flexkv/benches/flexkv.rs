@@ -22,8 +22,40 @@ use kvconnect_flexkv::hash::block_hashes;
 use kvconnect_flexkv::ssd_tier::SsdTier;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 const LAYERS: u32 = 8;
+const PAIRS: usize = 31;
+
+/// Runs `base` and `cand` alternately (order swapped every pair) and prints the median of
+/// the per-pair ratios base time / candidate time, i.e. the candidate's throughput relative
+/// to the baseline's. Pairing cancels the slow swings of a shared, loaded machine that make
+/// two separately measured criterion figures drift apart.
+fn paired_ratio(name: &str, target: f64, base: &mut dyn FnMut(), cand: &mut dyn FnMut()) {
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    let mut r: Vec<f64> = (0..PAIRS)
+        .map(|i| {
+            if i % 2 == 0 {
+                let b = time(base);
+                b / time(cand)
+            } else {
+                let c = time(cand);
+                time(base) / c
+            }
+        })
+        .collect();
+    r.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    println!(
+        "RATIO {name}: {:.2}x the baseline's throughput (median of {PAIRS} interleaved pairs, quartiles {:.2}-{:.2}; target >= {target})",
+        r[PAIRS / 2],
+        r[PAIRS / 4],
+        r[3 * PAIRS / 4]
+    );
+}
 const BLOCKS: u32 = 64;
 
 fn model() -> ModelSpec {
@@ -131,33 +163,9 @@ fn cpu_tier(c: &mut Criterion) {
     let bytes = total_bytes(&src);
     let slot = adapter.slot_bytes();
     assert_eq!(slot * BLOCKS as usize, bytes);
-    // Room for exactly one request's 64 blocks: every store iteration evicts the last one.
-    let cache = BlockCache::new(BLOCKS, slot, None, false, String::new());
-    let seq = AtomicU64::new(0);
-    let mut g = c.benchmark_group("cpu_tier");
-    g.throughput(Throughput::Bytes(bytes as u64));
-    let mut flat = vec![0u8; bytes];
-    g.bench_function("memcpy_baseline", |b| {
-        b.iter(|| {
-            let mut off = 0;
-            for r in &src.bufs {
-                flat[off..off + r.len()].copy_from_slice(r);
-                off += r.len();
-            }
-        })
-    });
-    g.bench_function("store_64_blocks", |b| {
-        b.iter(|| {
-            let toks: Vec<u32> = vec![seq.fetch_add(1, Ordering::Relaxed) as u32; BLOCKS as usize];
-            let hashes = block_hashes(1, &toks, 1);
-            let mut parent = None;
-            for (i, h) in hashes.iter().enumerate() {
-                cache.store(*h, parent, |s| adapter.gather(&src.mem, BlockId(i as u32), s)).expect("gather");
-                parent = Some(*h);
-            }
-        })
-    });
-    // A fixed chain to load.
+    // Room for 2 x 64 blocks: the fixed chain that is loaded, and the store iterations, each
+    // of which evicts the previous one's 64 blocks.
+    let cache = BlockCache::new(2 * BLOCKS, slot, None, false, String::new());
     let hashes = block_hashes(99, &vec![5u32; BLOCKS as usize], 1);
     let mut parent = None;
     for (i, h) in hashes.iter().enumerate() {
@@ -165,20 +173,42 @@ fn cpu_tier(c: &mut Criterion) {
         parent = Some(*h);
     }
     assert_eq!(cache.pin_prefix(&hashes, hashes.len()), BLOCKS as usize);
-    let mut scratch = Vec::new();
-    let mut tbuf = Vec::new();
-    g.bench_function("load_64_blocks", |b| {
-        b.iter(|| {
-            for (i, h) in hashes.iter().enumerate() {
-                cache
-                    .load(*h, &mut scratch, |s| {
-                        adapter.scatter(&dst.mem, BlockId(i as u32), s, &mut tbuf).map_err(|e| e.to_string())
-                    })
-                    .expect("load");
-            }
-        })
-    });
+    let seq = AtomicU64::new(0);
+    let mut flat = vec![0u8; bytes];
+    let mut memcpy = || {
+        let mut off = 0;
+        for r in &src.bufs {
+            flat[off..off + r.len()].copy_from_slice(r);
+            off += r.len();
+        }
+    };
+    let mut store = || {
+        let toks: Vec<u32> = vec![seq.fetch_add(1, Ordering::Relaxed) as u32; BLOCKS as usize];
+        let chain = block_hashes(1, &toks, 1);
+        let mut parent = None;
+        for (i, h) in chain.iter().enumerate() {
+            cache.store(*h, parent, |s| adapter.gather(&src.mem, BlockId(i as u32), s)).expect("gather");
+            parent = Some(*h);
+        }
+    };
+    let (mut scratch, mut tbuf) = (Vec::new(), Vec::new());
+    let mut load = || {
+        for (i, h) in hashes.iter().enumerate() {
+            cache
+                .load(*h, &mut scratch, |s| {
+                    adapter.scatter(&dst.mem, BlockId(i as u32), s, &mut tbuf).map_err(|e| e.to_string())
+                })
+                .expect("load");
+        }
+    };
+    let mut g = c.benchmark_group("cpu_tier");
+    g.throughput(Throughput::Bytes(bytes as u64));
+    g.bench_function("memcpy_baseline", |b| b.iter(&mut memcpy));
+    g.bench_function("store_64_blocks", |b| b.iter(&mut store));
+    g.bench_function("load_64_blocks", |b| b.iter(&mut load));
     g.finish();
+    paired_ratio("cpu_tier store (KV -> CPU tier) vs memcpy", 0.7, &mut memcpy, &mut store);
+    paired_ratio("cpu_tier load (CPU tier -> KV) vs memcpy", 0.7, &mut memcpy, &mut load);
 }
 
 fn transpose(c: &mut Criterion) {
@@ -189,33 +219,33 @@ fn transpose(c: &mut Criterion) {
     let slot = adapter.slot_bytes();
     let mut stored: Vec<Vec<u8>> = (0..BLOCKS).map(|_| vec![0u8; slot]).collect();
     let mut flat = vec![0u8; bytes];
+    let mut memcpy = || {
+        let mut off = 0;
+        for r in &hnd.bufs {
+            flat[off..off + r.len()].copy_from_slice(r);
+            off += r.len();
+        }
+    };
+    let mut to_nhd = || {
+        for (i, s) in stored.iter_mut().enumerate() {
+            adapter.gather(&hnd.mem, BlockId(i as u32), s).expect("gather");
+        }
+    };
+    let mut to_hnd_src: Vec<Vec<u8>> = (0..BLOCKS).map(|i| vec![i as u8; slot]).collect();
+    let mut tbuf = Vec::new();
+    let mut to_hnd = || {
+        for (i, s) in to_hnd_src.iter_mut().enumerate() {
+            adapter.scatter(&hnd.mem, BlockId(i as u32), s, &mut tbuf).expect("scatter");
+        }
+    };
     let mut g = c.benchmark_group("transpose");
     g.throughput(Throughput::Bytes(bytes as u64));
-    g.bench_function("memcpy_baseline", |b| {
-        b.iter(|| {
-            let mut off = 0;
-            for r in &hnd.bufs {
-                flat[off..off + r.len()].copy_from_slice(r);
-                off += r.len();
-            }
-        })
-    });
-    g.bench_function("hnd_to_nhd_64_blocks", |b| {
-        b.iter(|| {
-            for (i, s) in stored.iter_mut().enumerate() {
-                adapter.gather(&hnd.mem, BlockId(i as u32), s).expect("gather");
-            }
-        })
-    });
-    let mut tbuf = Vec::new();
-    g.bench_function("nhd_to_hnd_64_blocks", |b| {
-        b.iter(|| {
-            for (i, s) in stored.iter().enumerate() {
-                adapter.scatter(&hnd.mem, BlockId(i as u32), s, &mut tbuf).expect("scatter");
-            }
-        })
-    });
+    g.bench_function("memcpy_baseline", |b| b.iter(&mut memcpy));
+    g.bench_function("hnd_to_nhd_64_blocks", |b| b.iter(&mut to_nhd));
+    g.bench_function("nhd_to_hnd_64_blocks", |b| b.iter(&mut to_hnd));
     g.finish();
+    paired_ratio("transpose HND -> NHD vs memcpy", 0.5, &mut memcpy, &mut to_nhd);
+    paired_ratio("transpose NHD -> HND vs memcpy", 0.5, &mut memcpy, &mut to_hnd);
 }
 
 fn ssd_tier(c: &mut Criterion) {
@@ -229,57 +259,68 @@ fn ssd_tier(c: &mut Criterion) {
         .expect("open tier");
     let payloads: Vec<Vec<u8>> = (0..n).map(|i| (0..slot).map(|j| (i * 7 + j) as u8).collect()).collect();
     let plain_path = dir.path().join("plain.bin");
-    let mut plain = std::fs::OpenOptions::new()
+    let plain = std::fs::OpenOptions::new()
         .create(true)
         .truncate(true)
         .read(true)
         .write(true)
         .open(&plain_path)
         .expect("plain file");
+    let plain = std::cell::RefCell::new(plain);
+    let mut plain_write = || {
+        let mut f = plain.borrow_mut();
+        f.seek(SeekFrom::Start(0)).expect("seek");
+        for p in &payloads {
+            f.write_all(p).expect("write");
+        }
+    };
+    let mut tier_write = || {
+        for (i, p) in payloads.iter().enumerate() {
+            tier.write(i as u32, i as u64, p).expect("tier write");
+        }
+    };
+    let mut buf = vec![0u8; slot];
+    let mut plain_read = || {
+        let mut f = plain.borrow_mut();
+        f.seek(SeekFrom::Start(0)).expect("seek");
+        for _ in 0..n {
+            f.read_exact(&mut buf).expect("read");
+        }
+    };
+    let mut rbuf = Vec::new();
+    let mut tier_read = || {
+        for i in 0..n {
+            black_box(tier.read(i as u32, i as u64, &mut rbuf).expect("tier read"));
+        }
+    };
+    let hot = vec![7u8; 128 * 1024];
     let mut g = c.benchmark_group("ssd_tier");
     g.throughput(Throughput::Bytes((slot * n) as u64));
-    g.bench_function(BenchmarkId::new("write", "plain_sequential"), |b| {
-        b.iter(|| {
-            plain.seek(SeekFrom::Start(0)).expect("seek");
-            for p in &payloads {
-                plain.write_all(p).expect("write");
-            }
-        })
-    });
-    g.bench_function(BenchmarkId::new("write", "tier_records"), |b| {
-        b.iter(|| {
-            for (i, p) in payloads.iter().enumerate() {
-                tier.write(i as u32, i as u64, p).expect("tier write");
-            }
-        })
-    });
-    let mut buf = vec![0u8; slot];
-    g.bench_function(BenchmarkId::new("read", "plain_sequential"), |b| {
-        b.iter(|| {
-            plain.seek(SeekFrom::Start(0)).expect("seek");
-            for _ in 0..n {
-                plain.read_exact(&mut buf).expect("read");
-            }
-        })
-    });
-    let mut rbuf = Vec::new();
-    let hot = vec![7u8; 128 * 1024];
+    g.bench_function(BenchmarkId::new("write", "plain_sequential"), |b| b.iter(&mut plain_write));
+    g.bench_function(BenchmarkId::new("write", "tier_records"), |b| b.iter(&mut tier_write));
+    g.bench_function(BenchmarkId::new("read", "plain_sequential"), |b| b.iter(&mut plain_read));
+    g.bench_function(BenchmarkId::new("read", "tier_records_verified"), |b| b.iter(&mut tier_read));
     g.bench_function("checksum_hot_128k_x256", |b| {
         b.iter(|| {
             (0..256).map(|_| kvconnect_flexkv::hash::checksum(black_box(&hot))).fold(0u64, |a, c| a ^ c)
         })
     });
-    g.bench_function("checksum_only", |b| {
+    g.bench_function("checksum_cold_32MiB", |b| {
         b.iter(|| payloads.iter().map(|p| kvconnect_flexkv::hash::checksum(p)).fold(0u64, |a, c| a ^ c))
     });
-    g.bench_function(BenchmarkId::new("read", "tier_records_verified"), |b| {
-        b.iter(|| {
-            for i in 0..n {
-                tier.read(i as u32, i as u64, &mut rbuf).expect("tier read");
-            }
-        })
-    });
     g.finish();
+    paired_ratio(
+        "ssd_tier write (records + checksum) vs sequential write",
+        0.7,
+        &mut plain_write,
+        &mut tier_write,
+    );
+    paired_ratio(
+        "ssd_tier read (records, verified) vs sequential read",
+        0.7,
+        &mut plain_read,
+        &mut tier_read,
+    );
 }
 
 criterion_group!(benches, prefix_match, cpu_tier, transpose, ssd_tier);

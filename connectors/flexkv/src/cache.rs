@@ -319,16 +319,18 @@ impl BlockCache {
         let (Some(s), Some(ssd)) = (view.ssd, self.ssd.as_ref()) else {
             return Err(LoadError::Missing(hash));
         };
-        if let Err(source) = ssd.read(s, hash, scratch) {
-            let mut g = self.lock();
-            let slots = g.index.mark_dead(hash);
-            g.free(slots);
-            g.event(removed(hash, Tier::Ssd));
-            bump(&self.counters.ssd_corrupt);
-            tracing::warn!(block = format!("{hash:016x}"), "flexkv: dropped an SSD block: {source}");
-            return Err(LoadError::Ssd { hash, source });
-        }
-        let payload = &scratch[..];
+        let payload = match ssd.read(s, hash, scratch) {
+            Ok(p) => p,
+            Err(source) => {
+                let mut g = self.lock();
+                let slots = g.index.mark_dead(hash);
+                g.free(slots);
+                g.event(removed(hash, Tier::Ssd));
+                bump(&self.counters.ssd_corrupt);
+                tracing::warn!(block = format!("{hash:016x}"), "flexkv: dropped an SSD block: {source}");
+                return Err(LoadError::Ssd { hash, source });
+            }
+        };
         sink(payload).map_err(|message| LoadError::Sink { hash, message })?;
         bump(&self.counters.ssd_hits);
         if self.promote {

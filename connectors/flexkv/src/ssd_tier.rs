@@ -19,7 +19,7 @@ const HEADER: usize = 32;
 const ALIGN: u64 = 4096;
 /// Payloads are written and verified in pieces of this size, each checksummed while it is
 /// still in cache.
-const PIECE: usize = 128 * 1024;
+const PIECE: usize = 256 * 1024;
 
 /// The tier cannot be opened.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -149,24 +149,28 @@ impl SsdTier {
         self.file.write_all_at(&h, off)
     }
 
-    /// Reads record `slot`'s payload into `buf` (resized to the payload length) and checks
-    /// that it holds block `hash` intact.
-    pub fn read(&self, slot: u32, hash: u64, buf: &mut Vec<u8>) -> Result<(), SsdReadError> {
+    /// Reads record `slot` into `buf` and checks that it holds block `hash` intact; returns
+    /// the payload (a slice of `buf`). The header page and the first piece of the payload
+    /// come in one read.
+    pub fn read<'b>(&self, slot: u32, hash: u64, buf: &'b mut Vec<u8>) -> Result<&'b [u8], SsdReadError> {
         if slot >= self.num_slots {
             return Err(SsdReadError::Io { slot, reason: "slot past the end of the tier".into() });
         }
-        buf.resize(self.payload, 0);
+        let page = ALIGN as usize;
+        buf.resize(page + self.payload, 0);
         let off = slot as u64 * self.record;
         let io = |e: std::io::Error| SsdReadError::Io { slot, reason: e.to_string() };
-        let mut header = [0u8; HEADER];
-        self.file.read_exact_at(&mut header, off).map_err(io)?;
+        let first = (page + PIECE).min(buf.len());
+        self.file.read_exact_at(&mut buf[..first], off).map_err(io)?;
         let mut sum = Checksum::new();
-        let mut at = off + ALIGN;
-        for piece in buf.chunks_mut(PIECE) {
+        sum.update(&buf[page..first]);
+        let mut at = off + first as u64;
+        for piece in buf[first..].chunks_mut(PIECE) {
             self.file.read_exact_at(piece, at).map_err(io)?;
             sum.update(piece);
             at += piece.len() as u64;
         }
+        let header = &buf[..HEADER];
         let word = |i: usize| {
             let mut w = [0u8; 8];
             w.copy_from_slice(&header[i * 8..i * 8 + 8]);
@@ -185,7 +189,7 @@ impl SsdTier {
         if word(3) != sum.finish() {
             return Err(corrupt("checksum mismatch".into()));
         }
-        Ok(())
+        Ok(&buf[page..])
     }
 }
 
@@ -217,8 +221,7 @@ mod tests {
         let data: Vec<u8> = (0..100).collect();
         t.write(2, 77, &data).unwrap();
         let mut buf = Vec::new();
-        t.read(2, 77, &mut buf).unwrap();
-        assert_eq!(buf, data);
+        assert_eq!(t.read(2, 77, &mut buf).unwrap(), &data[..]);
         assert!(matches!(t.read(2, 78, &mut buf), Err(SsdReadError::Corrupt { .. })));
         assert!(matches!(t.read(1, 0, &mut buf), Err(SsdReadError::Corrupt { .. })));
         // Flip one payload byte on disk.
