@@ -17,9 +17,12 @@ fn tmp() -> &'static Path {
     Path::new(env!("CARGO_TARGET_TMPDIR"))
 }
 
+/// The fixtures' directory, each defect's library, and the example plugin.
+type Fixtures = (tempfile::TempDir, Vec<(String, PathBuf)>, PathBuf);
+
 /// Every fixture library, built once per test binary.
-fn fixtures() -> &'static (tempfile::TempDir, Vec<(String, PathBuf)>, PathBuf) {
-    static F: OnceLock<(tempfile::TempDir, Vec<(String, PathBuf)>, PathBuf)> = OnceLock::new();
+fn fixtures() -> &'static Fixtures {
+    static F: OnceLock<Fixtures> = OnceLock::new();
     F.get_or_init(|| {
         let dir = tempfile::tempdir().unwrap();
         let libs = DEFECTS.iter().map(|d| ((*d).to_owned(), broken_plugin(tmp(), d, dir.path()))).collect();

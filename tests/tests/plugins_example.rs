@@ -126,7 +126,7 @@ fn step(
     }
     worker.wait_for_save().unwrap();
     assert_eq!(worker.block_ids_with_load_errors().unwrap(), vec![]);
-    assert_eq!(worker.get_finished(&[req.id.clone()]).unwrap(), Default::default());
+    assert_eq!(worker.get_finished(std::slice::from_ref(&req.id)).unwrap(), Default::default());
     sched.request_finished(req, &table).unwrap();
     worker.shutdown().unwrap();
     m
