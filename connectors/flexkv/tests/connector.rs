@@ -4,7 +4,7 @@
 
 mod support;
 
-use kvconnect_api::{ConnectorFactory, KvLayout};
+use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, MatchResult, Request};
 use kvconnect_flexkv::factory::Engine;
 use kvconnect_flexkv::FlexkvFactory;
 use serde_json::json;
@@ -269,5 +269,51 @@ fn a_full_disk_is_counted_and_nothing_wrong_is_loaded() {
     for (id, p) in [("a2", &a), ("b2", &b)] {
         let o = sim.run(id, p);
         assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{id}: {o:?}");
+    }
+}
+
+#[test]
+fn a_prefix_the_engine_already_has_is_not_loaded_again() {
+    let mut sim = Sim::new(effective(KvLayout::NHD), json!({"cpu_cache_gb": gb(64.0)}), "local-prefix", 64);
+    let a = tokens(5, 6 * BS + 1);
+    sim.run("a", &a);
+    // The engine computed (or had cached) the first 2 blocks itself.
+    let req = Request { id: "b".into(), prompt_tokens: a.clone(), kv_transfer_params: Default::default() };
+    let m = sim.sched.get_num_new_matched_tokens(&req, 2 * BS).unwrap();
+    assert_eq!(m, MatchResult::Matched { tokens: 4 * BS, async_load: true });
+    let blocks: Vec<BlockId> = (50..57).map(BlockId).collect();
+    for b in &blocks {
+        sim.fill_block(*b, 0xab);
+    }
+    sim.sched.update_state_after_alloc(&req, &BlocksPerGroup(vec![blocks.clone()]), 4 * BS).unwrap();
+    sim.meta(&[]);
+    sim.worker.start_load_kv().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let f = sim.worker.get_finished(&[]).unwrap();
+        assert!(f.failed_recving.is_empty(), "{f:?}");
+        if f.finished_recving.contains(&req.id) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "load never finished");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(
+        sim.block_all(blocks[0], 0xab) && sim.block_all(blocks[1], 0xab),
+        "the engine's own blocks were written"
+    );
+    for i in 2..6 {
+        assert!(sim.block_is(blocks[i], &a[..(i + 1) * BS]), "block {i} not loaded exactly");
+    }
+    assert!(sim.block_all(blocks[6], 0xab), "the block left to compute was written");
+    // A lookup that asks from past everything cached promises nothing and holds nothing.
+    let m = sim.sched.get_num_new_matched_tokens(&req, 6 * BS).unwrap();
+    assert_eq!(m, MatchResult::Matched { tokens: 0, async_load: false });
+    // Every reference taken by lookups and loads was given back.
+    let engine =
+        Engine::open(&ctx(effective(KvLayout::NHD), json!({"cpu_cache_gb": gb(64.0)}), "local-prefix"))
+            .unwrap();
+    for h in kvconnect_flexkv::hash::block_hashes(engine.seed, &a, BS) {
+        assert_eq!(engine.cache.locate(h), Some((true, false, 0)));
     }
 }

@@ -196,15 +196,30 @@ impl Sim {
     }
 
     fn zero_block(&mut self, block: BlockId) {
+        self.fill_block(block, 0);
+    }
+
+    /// Sets every byte of `block` (all layers, K and V) to `byte`.
+    pub fn fill_block(&mut self, block: BlockId, byte: u8) {
         for (ri, layer) in [0u32, 2].iter().enumerate() {
             for part in 0..2 {
                 let span = self.geo.span(LayerId(*layer), part, block).unwrap();
-                self.regions[ri][span.offset..span.offset + span.len].fill(0);
+                self.regions[ri][span.offset..span.offset + span.len].fill(byte);
             }
         }
     }
 
-    fn meta(&mut self, scheduled: &[RequestId]) {
+    /// True when every byte of `block` is `byte`.
+    pub fn block_all(&self, block: BlockId, byte: u8) -> bool {
+        [0u32, 2].iter().enumerate().all(|(ri, layer)| {
+            (0..2).all(|part| {
+                let span = self.geo.span(LayerId(*layer), part, block).unwrap();
+                self.regions[ri][span.offset..span.offset + span.len].iter().all(|b| *b == byte)
+            })
+        })
+    }
+
+    pub fn meta(&mut self, scheduled: &[RequestId]) {
         self.step += 1;
         let m = self
             .sched
