@@ -42,7 +42,9 @@ pub struct AppState {
 /// The router.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/v1/completions", post(completions))
+        .route("/v1/completions", post(crate::server::openai::completions))
+        .route("/v1/chat/completions", post(crate::server::openai::chat_completions))
+        .route("/v1/models", get(crate::server::openai::models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .with_state(state)
@@ -76,7 +78,8 @@ fn parse_prompt(v: Option<&Value>) -> Result<Vec<u32>, String> {
     }
 }
 
-async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+/// The engine-facing completions handler (the OpenAI layer in `openai` checks and wraps it).
+pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return bad_request(format!("the body is not JSON: {e}")),

@@ -11,7 +11,9 @@
 pub mod connector_setup;
 pub mod engine_loop;
 pub mod http;
+pub mod openai;
 pub mod peers;
+pub mod sse;
 pub mod synthetic;
 
 use crate::deployment::Role;
