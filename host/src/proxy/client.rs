@@ -1,0 +1,137 @@
+//! A minimal HTTP/1.1 client over tokio's TcpStream (one request per connection,
+//! `Connection: close`), enough for the proxy to talk to its workers without a client crate.
+
+use serde_json::Value;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// Largest response the client reads.
+const MAX_RESPONSE: usize = 64 << 20;
+
+/// Why a request to a worker got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// No connection.
+    #[error("cannot connect to {addr}: {source}; is the worker running?")]
+    Connect {
+        /// The worker's address.
+        addr: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The connection broke or timed out.
+    #[error("{addr} broke off the exchange: {reason}")]
+    Io {
+        /// The worker's address.
+        addr: String,
+        /// What happened.
+        reason: String,
+    },
+    /// The answer was not HTTP.
+    #[error("{addr} answered something that is not an HTTP response")]
+    Malformed {
+        /// The worker's address.
+        addr: String,
+    },
+}
+
+/// A response: status and body text.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// HTTP status.
+    pub status: u16,
+    /// The body (de-chunked).
+    pub body: String,
+}
+
+impl Reply {
+    /// The body as JSON (`Value::String` of the raw text when it is not JSON).
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|_| Value::String(self.body.clone()))
+    }
+}
+
+/// Sends one request and reads the whole answer within `timeout`.
+pub async fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Duration,
+) -> Result<Reply, ClientError> {
+    let io = |reason: String| ClientError::Io { addr: addr.to_owned(), reason };
+    let mut s = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| io(format!("no connection within {timeout:?}")))?
+        .map_err(|source| ClientError::Connect { addr: addr.to_owned(), source })?;
+    let payload = body.map(Value::to_string).unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        payload.len()
+    );
+    let exchange = async {
+        s.write_all(head.as_bytes()).await?;
+        s.write_all(payload.as_bytes()).await?;
+        let mut raw = Vec::new();
+        (&mut s).take(MAX_RESPONSE as u64).read_to_end(&mut raw).await?;
+        Ok::<_, std::io::Error>(raw)
+    };
+    let raw = tokio::time::timeout(timeout, exchange)
+        .await
+        .map_err(|_| io(format!("no answer within {timeout:?}")))?
+        .map_err(|e| io(e.to_string()))?;
+    parse(addr, &raw)
+}
+
+fn parse(addr: &str, raw: &[u8]) -> Result<Reply, ClientError> {
+    let malformed = || ClientError::Malformed { addr: addr.to_owned() };
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(malformed)?;
+    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    let status = head
+        .strip_prefix("http/1.")
+        .and_then(|h| h.split_whitespace().nth(1))
+        .and_then(|c| c.parse::<u16>().ok())
+        .ok_or_else(malformed)?;
+    let body = &raw[split + 4..];
+    let body = if head.contains("transfer-encoding: chunked") {
+        dechunk(body).ok_or_else(malformed)?
+    } else {
+        body.to_vec()
+    };
+    Ok(Reply { status, body: String::from_utf8_lossy(&body).into_owned() })
+}
+
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n")?;
+        let size = std::str::from_utf8(&b[..eol]).ok()?.split(';').next()?.trim();
+        let n = usize::from_str_radix(size, 16).ok()?;
+        b = &b[eol + 2..];
+        if n == 0 {
+            return Some(out);
+        }
+        out.extend_from_slice(b.get(..n)?);
+        b = b.get(n + 2..)?;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_plain_and_chunked_answers() {
+        let r = parse("a", b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").unwrap();
+        assert_eq!((r.status, r.body.as_str()), (200, "{}"));
+        let r = parse(
+            "a",
+            b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!((r.status, r.body.as_str()), (404, "abcde"));
+        assert!(parse("a", b"garbage").is_err());
+        assert!(parse("a", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n").is_err());
+    }
+}

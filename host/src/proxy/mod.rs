@@ -1,0 +1,229 @@
+//! The P/D proxy, as vLLM's `toy_proxy_server` does it: each user request goes first to a
+//! prefill worker (prefill only: `max_tokens: 1`, `kv_transfer_params: {"do_remote_decode":
+//! true}`), then to a decode worker with the transfer params prefill returned and prefill's
+//! request id; round-robin over several of each. The answer is decode's, with what the
+//! proxy saw added under `kvconnect.proxy` (which workers, prefill time, time to first token)
+//! and prefill's own `kvconnect` block under `kvconnect.prefill`.
+//!
+//! Errors keep the workers' OpenAI error bodies and statuses (a refused handshake under
+//! `fail` arrives from decode naming the difference); a worker that cannot be reached is a
+//! 503.
+
+pub mod client;
+pub mod metrics;
+
+use crate::server::openai::openai_error;
+use crate::server::sse;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use metrics::ProxyMetrics;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The proxy's workers and counters.
+pub struct Proxy {
+    /// Prefill workers' HTTP addresses.
+    pub prefill: Vec<String>,
+    /// Decode workers' HTTP addresses.
+    pub decode: Vec<String>,
+    next_prefill: AtomicUsize,
+    next_decode: AtomicUsize,
+    /// How long one worker request may take.
+    pub timeout: Duration,
+    /// Counters for `/metrics`.
+    pub metrics: ProxyMetrics,
+}
+
+impl Proxy {
+    /// A proxy over these workers (at least one of each).
+    pub fn new(prefill: Vec<String>, decode: Vec<String>, timeout: Duration) -> Proxy {
+        Proxy {
+            prefill,
+            decode,
+            next_prefill: AtomicUsize::new(0),
+            next_decode: AtomicUsize::new(0),
+            timeout,
+            metrics: ProxyMetrics::default(),
+        }
+    }
+
+    fn pick(list: &[String], next: &AtomicUsize) -> Option<String> {
+        if list.is_empty() {
+            return None;
+        }
+        Some(list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone())
+    }
+}
+
+/// The proxy's routes.
+pub fn router(p: Arc<Proxy>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(prom))
+        .with_state(p)
+}
+
+fn unreachable(role: &str, e: impl std::fmt::Display) -> Response {
+    openai_error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "service_unavailable",
+        format!("{role} worker unavailable: {e}"),
+        None,
+    )
+}
+
+fn relay(status: u16, body: Value) -> Response {
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY);
+    (status, Json(body)).into_response()
+}
+
+async fn disaggregated(p: &Proxy, raw: &[u8], chat: bool) -> Response {
+    let t0 = Instant::now();
+    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let v: Value = match serde_json::from_slice(raw) {
+        Ok(v) => v,
+        Err(e) => {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!("the body is not valid JSON: {e}"),
+                None,
+            )
+        }
+    };
+    let Value::Object(mut body) = v else {
+        return openai_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "the body must be a JSON object",
+            None,
+        );
+    };
+    let stream = match body.remove("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(other) => {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!("'stream' must be true or false, not {other}"),
+                Some("stream"),
+            )
+        }
+    };
+    // Prefill: the prompt only. Limits are checked by the workers; prefill sees the user's
+    // max_tokens first so a request too long for the context is refused before any KV moves.
+    let mut pre = body.clone();
+    let checked_max = pre.remove("max_completion_tokens").or_else(|| pre.get("max_tokens").cloned());
+    if let Some(m) = &checked_max {
+        if !m.as_u64().is_some_and(|n| n > 0) {
+            return openai_error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                format!("'max_tokens' must be a positive integer, not {m}"),
+                Some("max_tokens"),
+            );
+        }
+    }
+    pre.insert("max_tokens".into(), json!(1));
+    pre.insert("kv_transfer_params".into(), json!({"do_remote_decode": true}));
+    let Some(pw) = Proxy::pick(&p.prefill, &p.next_prefill) else {
+        return unreachable("prefill", "none configured");
+    };
+    let pr = match client::request(&pw, "POST", path, Some(&Value::Object(pre)), p.timeout).await {
+        Ok(r) => r,
+        Err(e) => {
+            p.metrics.error();
+            return unreachable("prefill", e);
+        }
+    };
+    let pv = pr.json();
+    if pr.status != 200 {
+        p.metrics.error();
+        return relay(pr.status, pv);
+    }
+    let prefill_done = t0.elapsed();
+    let mut dec = body;
+    dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
+    dec.insert("request_id".into(), pv["id"].clone());
+    let Some(dw) = Proxy::pick(&p.decode, &p.next_decode) else {
+        return unreachable("decode", "none configured");
+    };
+    let dr = match client::request(&dw, "POST", path, Some(&Value::Object(dec)), p.timeout).await {
+        Ok(r) => r,
+        Err(e) => {
+            p.metrics.error();
+            return unreachable("decode", e);
+        }
+    };
+    let mut dv = dr.json();
+    if dr.status != 200 {
+        p.metrics.error();
+        return relay(dr.status, dv);
+    }
+    let decode_ttft = Duration::from_micros(dv["kvconnect"]["ttft_us"].as_u64().unwrap_or(0));
+    let ttft = prefill_done + decode_ttft;
+    let total = t0.elapsed();
+    let tokens = dv["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+    p.metrics.served(&pw, &dw, ttft, total, tokens);
+    if dv.get("kvconnect").is_none_or(|k| !k.is_object()) {
+        dv["kvconnect"] = json!({});
+    }
+    dv["kvconnect"]["prefill"] = pv["kvconnect"].clone();
+    dv["kvconnect"]["proxy"] = json!({
+        "prefill_worker": pw, "decode_worker": dw,
+        "prefill_us": prefill_done.as_micros() as u64,
+        "ttft_us": ttft.as_micros() as u64,
+        "total_us": total.as_micros() as u64,
+    });
+    if stream {
+        sse::response(&dv, chat)
+    } else {
+        Json(dv).into_response()
+    }
+}
+
+async fn completions(State(p): State<Arc<Proxy>>, raw: Bytes) -> Response {
+    disaggregated(&p, &raw, false).await
+}
+
+async fn chat_completions(State(p): State<Arc<Proxy>>, raw: Bytes) -> Response {
+    disaggregated(&p, &raw, true).await
+}
+
+async fn models(State(p): State<Arc<Proxy>>) -> Response {
+    let Some(dw) = Proxy::pick(&p.decode, &p.next_decode) else {
+        return unreachable("decode", "none configured");
+    };
+    match client::request(&dw, "GET", "/v1/models", None, p.timeout).await {
+        Ok(r) => relay(r.status, r.json()),
+        Err(e) => unreachable("decode", e),
+    }
+}
+
+async fn health(State(p): State<Arc<Proxy>>) -> Response {
+    let mut workers = Vec::new();
+    let mut ok = true;
+    for (role, list) in [("prefill", &p.prefill), ("decode", &p.decode)] {
+        for w in list.iter() {
+            let up = matches!(client::request(w, "GET", "/health", None, Duration::from_secs(2)).await, Ok(r) if r.status == 200);
+            ok &= up;
+            workers.push(json!({"role": role, "http": w, "ok": up}));
+        }
+    }
+    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, Json(json!({"status": if ok { "ok" } else { "degraded" }, "workers": workers}))).into_response()
+}
+
+async fn prom(State(p): State<Arc<Proxy>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], p.metrics.render()).into_response()
+}
