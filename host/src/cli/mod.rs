@@ -6,6 +6,7 @@ pub mod exit;
 pub mod negotiate;
 pub mod plan;
 pub mod plugins;
+pub mod up;
 pub mod worker;
 
 use crate::registry::{Registry, RegistryConfig};
@@ -66,6 +67,8 @@ pub enum Command {
     Plan(plan::PlanArgs),
     /// Runs a prefill or decode worker: engine, connector, side channel and HTTP API.
     Worker(worker::WorkerArgs),
+    /// The whole P/D deployment in one command: prefill and decode workers plus the proxy.
+    Up(up::UpArgs),
     /// End-to-end benchmarks against baselines measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -80,6 +83,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Plan(a) => exit::Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock())),
         Command::Worker(a) => worker::run(&a, cli.global.registry()),
+        Command::Up(a) => up::run(&a),
         Command::Bench(c) => bench::run(&c),
     }
 }

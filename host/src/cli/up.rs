@@ -1,0 +1,9 @@
+//! `kvconnect up`: the one-command P/D deployment (workers, proxy, optional workload); the
+//! work is in [`crate::up`].
+
+pub use crate::up::UpArgs;
+
+/// Runs `kvconnect up`.
+pub fn run(a: &UpArgs) -> anyhow::Result<()> {
+    crate::up::run(a)
+}

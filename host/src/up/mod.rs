@@ -1,0 +1,330 @@
+//! `kvconnect up`: the whole P/D deployment in one command. Starts the prefill and decode
+//! workers as child processes of this binary (`worker` subcommand), runs the P/D proxy in
+//! this process, prints where it listens, and serves until SIGINT/SIGTERM; or, with
+//! `--workload N`, sends N built-in requests through the proxy, checks each answer against
+//! the monolithic reference engine run in-process, prints a report and exits.
+
+pub mod files;
+pub mod report;
+pub mod supervisor;
+pub mod workload;
+
+use crate::cli::exit::Exit;
+use crate::deployment::Deployment;
+use crate::proxy::{client, Proxy};
+use anyhow::{anyhow, Context, Result};
+use report::{Comparison, Percentiles, Report, Sample};
+use serde_json::{json, Value};
+use std::io::{IsTerminal, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use supervisor::{Launch, Supervisor};
+use workload::{Item, Prompts};
+
+/// Arguments of `kvconnect up`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct UpArgs {
+    /// A deployment file (TOML); default: the embedded examples/deployments/default-up.toml
+    /// (reference engine, prefill PdConnector[LMCache, NIXL shm], decode NIXL shm).
+    #[arg(value_name = "DEPLOYMENT.toml")]
+    pub deployment: Option<PathBuf>,
+    /// Number of prefill workers.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub prefill: u16,
+    /// Number of decode workers.
+    #[arg(long, value_name = "M", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub decode: u16,
+    /// Bind address of the proxy and the workers.
+    #[arg(long, value_name = "IP", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Proxy port (0 = any free port; the chosen one is printed). Workers always take free ports.
+    #[arg(long, value_name = "P", default_value_t = 0)]
+    pub port: u16,
+    /// Negotiate each worker alone (as independently started vLLM workers do) instead of
+    /// jointly from the deployment; a mismatch then shows at the handshake.
+    #[arg(long)]
+    pub independent: bool,
+    /// KV blocks per cache group on each worker (16 tokens a block).
+    #[arg(long = "num-blocks", value_name = "N", default_value_t = 256)]
+    pub num_blocks: u32,
+    /// Send N built-in requests through the proxy, print a report and exit (non-zero when
+    /// any output differs from the monolithic engine).
+    #[arg(long, value_name = "N")]
+    pub workload: Option<usize>,
+    /// Which prompts the workload sends.
+    #[arg(long, value_enum, default_value = "mixed")]
+    pub prompts: Prompts,
+    /// Workload requests in flight at once.
+    #[arg(long, value_name = "C", default_value_t = 4)]
+    pub concurrency: usize,
+    /// Also start one monolithic worker and send it the same workload; report TTFT ratios.
+    #[arg(long = "compare-monolithic", requires = "workload")]
+    pub compare_monolithic: bool,
+    /// Print the workload report as JSON.
+    #[arg(long, requires = "workload")]
+    pub json: bool,
+}
+
+/// Runs `kvconnect up`.
+pub fn run(a: &UpArgs) -> Result<()> {
+    if a.concurrency == 0 {
+        return Err(Exit::bad_input(anyhow!("--concurrency must be at least 1")));
+    }
+    if a.num_blocks == 0 {
+        return Err(Exit::bad_input(anyhow!("--num-blocks must be a positive integer, got 0")));
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let r = rt.block_on(up(a));
+    rt.shutdown_timeout(Duration::from_secs(1));
+    r
+}
+
+async fn up(a: &UpArgs) -> Result<()> {
+    let mut stop = Box::pin(shutdown_signal()?);
+    let files = files::DeploymentFiles::resolve(a.deployment.as_deref())?;
+    // Refuse a broken file before any process starts.
+    Deployment::load(&files.path).map_err(|e| Exit::bad_input(anyhow!(e)))?;
+    let sup = Arc::new(Mutex::new(Supervisor::default()));
+    let pid = std::process::id();
+    let mut launches = Vec::new();
+    for (role, n) in [("prefill", a.prefill), ("decode", a.decode)] {
+        for i in 0..n {
+            launches.push((role, role, format!("up{pid}-{role}-{i}")));
+        }
+    }
+    if a.compare_monolithic {
+        launches.push(("decode", "monolithic", format!("up{pid}-monolithic")));
+    }
+    for (role, label, engine_id) in launches {
+        let (sup2, path, joint, num_blocks, host) =
+            (sup.clone(), files.path.clone(), !a.independent, a.num_blocks, a.host);
+        let started = tokio::task::spawn_blocking(move || {
+            let l = Launch { deployment: &path, role, label, joint, engine_id, num_blocks, host };
+            let mut s = sup2.lock().map_err(|_| anyhow!("supervisor lock poisoned"))?;
+            s.start(&l, Duration::from_secs(60)).map(|w| w.http.clone())
+        });
+        tokio::select! {
+            r = started => { r.context("worker start task failed")??; }
+            _ = &mut stop => { stop_all(&sup).await; return Err(anyhow!("interrupted while starting the workers")); }
+        }
+    }
+    let (prefill, decode, mono) = {
+        let s = sup.lock().map_err(|_| anyhow!("supervisor lock poisoned"))?;
+        (s.addresses("prefill"), s.addresses("decode"), s.addresses("monolithic"))
+    };
+    let proxy = Arc::new(Proxy::new(prefill.clone(), decode.clone(), Duration::from_secs(300)));
+    let want = SocketAddr::new(a.host, a.port);
+    let listener = match tokio::net::TcpListener::bind(want).await {
+        Ok(l) => l,
+        Err(e) => {
+            stop_all(&sup).await;
+            return Err(anyhow!("cannot bind the proxy on {want}: {e}; pick another --port (0 = any)"));
+        }
+    };
+    let addr = listener.local_addr().context("proxy address")?;
+    let pids: Vec<u32> = sup.lock().map(|s| s.workers.iter().map(|w| w.pid()).collect()).unwrap_or_default();
+    let line = json!({
+        "proxy": format!("http://{addr}"), "prefill": prefill, "decode": decode,
+        "monolithic": mono, "worker_pids": pids,
+    });
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}").context("cannot write the address line to stdout")?;
+        out.flush().context("cannot flush stdout")?;
+    }
+    let (quit_tx, quit_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(async move {
+        axum::serve(listener, crate::proxy::router(proxy))
+            .with_graceful_shutdown(async {
+                let _ = quit_rx.await;
+            })
+            .await
+    });
+
+    let result = match a.workload {
+        Some(n) => {
+            let proxy_addr = addr.to_string();
+            tokio::select! {
+                r = run_workload(a, n, &proxy_addr, mono.first().cloned()) => r,
+                _ = &mut stop => Err(anyhow!("interrupted during the workload")),
+            }
+        }
+        None => {
+            eprintln!(
+                "kvconnect up: proxy on http://{addr} ({} prefill, {} decode); Ctrl-C to stop\n  curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 8}}'",
+                prefill.len(),
+                decode.len()
+            );
+            tokio::select! {
+                _ = &mut stop => Ok(()),
+                who = watch_children(&sup) => Err(anyhow!("worker {who} exited; stopping the rest")),
+            }
+        }
+    };
+    let _ = quit_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
+    stop_all(&sup).await;
+    drop(files);
+    result
+}
+
+async fn stop_all(sup: &Arc<Mutex<Supervisor>>) {
+    let sup = sup.clone();
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Ok(mut s) = sup.lock() {
+            s.stop(Duration::from_secs(10));
+        }
+    })
+    .await;
+}
+
+async fn watch_children(sup: &Arc<Mutex<Supervisor>>) -> String {
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if let Some(who) = sup.lock().ok().and_then(|mut s| s.any_exited()) {
+            return who;
+        }
+    }
+}
+
+fn sample(v: &Value, elapsed: Duration, truth: &[u32], direct: bool) -> Sample {
+    let k = &v["kvconnect"];
+    let ids: Vec<u32> = v["choices"][0]["token_ids"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())).collect())
+        .unwrap_or_default();
+    Sample {
+        ttft_us: if direct {
+            k["ttft_us"].as_u64().unwrap_or(0)
+        } else {
+            k["proxy"]["ttft_us"].as_u64().unwrap_or(0)
+        },
+        total_us: elapsed.as_micros() as u64,
+        tokens: v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
+        prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
+        loaded_tokens: k["num_external_tokens"].as_u64().unwrap_or(0),
+        decode_ttft_us: k["ttft_us"].as_u64().unwrap_or(0),
+        lmcache_tokens: k["prefill"]["num_external_tokens"].as_u64().unwrap_or(0),
+        matches: ids == truth,
+        error: None,
+    }
+}
+
+/// Sends every item to `addr` with `concurrency` in flight; samples in item order.
+async fn send_all(
+    addr: &str,
+    items: &[Item],
+    truth: &[Vec<u32>],
+    concurrency: usize,
+    direct: bool,
+    what: &str,
+) -> Vec<Sample> {
+    let sem = Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let tty = std::io::stderr().is_terminal();
+    let total = items.len();
+    let mut tasks = Vec::with_capacity(total);
+    for (it, t) in items.iter().zip(truth) {
+        let (sem, done, addr, it, t) = (sem.clone(), done.clone(), addr.to_owned(), it.clone(), t.clone());
+        let what = what.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let _permit = sem.acquire_owned().await;
+            let t0 = Instant::now();
+            let r = client::request(&addr, "POST", it.path, Some(&it.body), Duration::from_secs(300)).await;
+            let s = match r {
+                Ok(r) if r.status == 200 => sample(&r.json(), t0.elapsed(), &t, direct),
+                Ok(r) => {
+                    Sample { error: Some(format!("HTTP {}: {}", r.status, r.body)), ..Sample::default() }
+                }
+                Err(e) => Sample { error: Some(e.to_string()), ..Sample::default() },
+            };
+            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            if tty {
+                let width = 30;
+                let filled = n * width / total.max(1);
+                eprint!("\r{what} [{}{}] {n}/{total}", "#".repeat(filled), ".".repeat(width - filled));
+                if n == total {
+                    eprintln!();
+                }
+            }
+            s
+        }));
+    }
+    let mut out = Vec::with_capacity(total);
+    for t in tasks {
+        out.push(t.await.unwrap_or_else(|e| Sample {
+            error: Some(format!("request task failed: {e}")),
+            ..Sample::default()
+        }));
+    }
+    out
+}
+
+async fn run_workload(a: &UpArgs, n: usize, proxy: &str, mono: Option<String>) -> Result<()> {
+    let items = workload::items(n, a.prompts);
+    let it2 = items.clone();
+    let truth = tokio::task::spawn_blocking(move || workload::ground_truth(&it2, 0))
+        .await
+        .context("ground truth task")??;
+    let prompts = format!("{:?}", a.prompts).to_lowercase();
+    let t0 = Instant::now();
+    let samples = send_all(proxy, &items, &truth, a.concurrency, false, "disaggregated").await;
+    let mut report = Report::new(
+        &samples,
+        &prompts,
+        a.concurrency,
+        t0.elapsed().as_secs_f64(),
+        workload::kv_bytes_per_token()?,
+    );
+    if let Some(m) = mono {
+        let ms = send_all(&m, &items, &truth, a.concurrency, true, "monolithic").await;
+        let ok: Vec<f64> = ms.iter().filter(|s| s.error.is_none()).map(|s| s.ttft_us as f64 / 1e3).collect();
+        let mp = Percentiles::of(ok);
+        let ratio = |d: f64, m: f64| if m > 0.0 { d / m } else { 0.0 };
+        report.compare_monolithic = Some(Comparison {
+            ttft_p50_ratio: ratio(report.ttft_ms.p50, mp.p50),
+            ttft_p99_ratio: ratio(report.ttft_ms.p99, mp.p99),
+            monolithic_ttft_ms: mp,
+            monolithic_mismatches: ms.iter().filter(|s| s.error.is_some() || !s.matches).count(),
+        });
+    }
+    let mut out = std::io::stdout().lock();
+    if a.json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&report).context("report as JSON")?)
+            .context("stdout")?;
+    } else {
+        write!(out, "{}", report.text()).context("stdout")?;
+    }
+    out.flush().context("stdout")?;
+    if report.all_correct() {
+        Ok(())
+    } else {
+        Err(anyhow::Error::new(Exit {
+            code: 1,
+            error: Some(anyhow!(
+                "{} of {} requests failed or differ from the monolithic engine",
+                report.failed + report.mismatches,
+                report.requests
+            )),
+        }))
+    }
+}
+
+/// SIGTERM or SIGINT (registered now, so a signal during start-up is not the default kill).
+fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?;
+    let mut int = signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    })
+}

@@ -1,0 +1,207 @@
+//! The report of `kvconnect up --workload`: what each request measured, percentiles over
+//! them, and the text and JSON forms.
+
+use serde::Serialize;
+
+/// What one request measured.
+#[derive(Debug, Clone, Default)]
+pub struct Sample {
+    /// Time to first token, microseconds.
+    pub ttft_us: u64,
+    /// Whole request, microseconds.
+    pub total_us: u64,
+    /// Tokens generated.
+    pub tokens: u64,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Prompt tokens decode loaded from prefill.
+    pub loaded_tokens: u64,
+    /// Decode's own time to first token (the KV load is inside it), microseconds.
+    pub decode_ttft_us: u64,
+    /// Prompt tokens prefill found in LMCache.
+    pub lmcache_tokens: u64,
+    /// The tokens equal the monolithic engine's.
+    pub matches: bool,
+    /// An error instead of an answer.
+    pub error: Option<String>,
+}
+
+/// p50/p90/p99 of a series.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th percentile.
+    pub p90: f64,
+    /// 99th percentile.
+    pub p99: f64,
+}
+
+impl Percentiles {
+    /// Nearest-rank percentiles; zeros for an empty series.
+    pub fn of(mut v: Vec<f64>) -> Percentiles {
+        if v.is_empty() {
+            return Percentiles::default();
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        Percentiles { p50: at(0.50), p90: at(0.90), p99: at(0.99) }
+    }
+}
+
+/// The monolithic comparison.
+#[derive(Debug, Clone, Serialize)]
+pub struct Comparison {
+    /// TTFT of the single monolithic worker, ms.
+    pub monolithic_ttft_ms: Percentiles,
+    /// Disaggregated p50 TTFT over monolithic p50 TTFT.
+    pub ttft_p50_ratio: f64,
+    /// Disaggregated p99 TTFT over monolithic p99 TTFT.
+    pub ttft_p99_ratio: f64,
+    /// Monolithic outputs that differ from the in-process ground truth.
+    pub monolithic_mismatches: usize,
+}
+
+/// The whole report.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Requests sent.
+    pub requests: usize,
+    /// Which prompts.
+    pub prompts: String,
+    /// Requests in flight at once.
+    pub concurrency: usize,
+    /// Requests answered with an error.
+    pub failed: usize,
+    /// Answers whose tokens differ from the monolithic engine's.
+    pub mismatches: usize,
+    /// Time to first token through the proxy (prefill round trip + decode's first token), ms.
+    pub ttft_ms: Percentiles,
+    /// Tokens per second of each request.
+    pub tokens_per_s: Percentiles,
+    /// Tokens generated over the workload's wall time.
+    pub throughput_tokens_per_s: f64,
+    /// KV bytes decode loaded from prefill.
+    pub kv_bytes: u64,
+    /// KV bytes over the summed decode time to first token (the load is inside it), GB/s.
+    pub kv_gb_per_s: f64,
+    /// Prompt tokens prefill found in LMCache over all prompt tokens.
+    pub lmcache_hit_rate: f64,
+    /// Wall time, seconds.
+    pub wall_s: f64,
+    /// The first errors, verbatim.
+    pub errors: Vec<String>,
+    /// Against a monolithic worker process, when asked for.
+    pub compare_monolithic: Option<Comparison>,
+}
+
+impl Report {
+    /// Builds the report.
+    pub fn new(
+        samples: &[Sample],
+        prompts: &str,
+        concurrency: usize,
+        wall_s: f64,
+        kv_bytes_per_token: u64,
+    ) -> Report {
+        let ok: Vec<&Sample> = samples.iter().filter(|s| s.error.is_none()).collect();
+        let tokens: u64 = ok.iter().map(|s| s.tokens).sum();
+        let kv_bytes: u64 = ok.iter().map(|s| s.loaded_tokens * kv_bytes_per_token).sum();
+        let decode_s: f64 = ok.iter().map(|s| s.decode_ttft_us as f64 / 1e6).sum();
+        let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
+        let hits: u64 = ok.iter().map(|s| s.lmcache_tokens).sum();
+        Report {
+            requests: samples.len(),
+            prompts: prompts.to_owned(),
+            concurrency,
+            failed: samples.len() - ok.len(),
+            mismatches: ok.iter().filter(|s| !s.matches).count(),
+            ttft_ms: Percentiles::of(ok.iter().map(|s| s.ttft_us as f64 / 1e3).collect()),
+            tokens_per_s: Percentiles::of(
+                ok.iter()
+                    .filter(|s| s.total_us > 0)
+                    .map(|s| s.tokens as f64 * 1e6 / s.total_us as f64)
+                    .collect(),
+            ),
+            throughput_tokens_per_s: if wall_s > 0.0 { tokens as f64 / wall_s } else { 0.0 },
+            kv_bytes,
+            kv_gb_per_s: if decode_s > 0.0 { kv_bytes as f64 / decode_s / 1e9 } else { 0.0 },
+            lmcache_hit_rate: if prompt > 0 { hits as f64 / prompt as f64 } else { 0.0 },
+            wall_s,
+            errors: samples.iter().filter_map(|s| s.error.clone()).take(5).collect(),
+            compare_monolithic: None,
+        }
+    }
+
+    /// True when every request was answered with the monolithic engine's tokens.
+    pub fn all_correct(&self) -> bool {
+        self.failed == 0
+            && self.mismatches == 0
+            && self.compare_monolithic.as_ref().is_none_or(|c| c.monolithic_mismatches == 0)
+    }
+
+    /// The human form.
+    pub fn text(&self) -> String {
+        let p = |x: &Percentiles| format!("p50 {:.2}  p90 {:.2}  p99 {:.2}", x.p50, x.p90, x.p99);
+        let mut s = format!(
+            "workload: {} requests ({} prompts, {} in flight) in {:.2} s\n\
+             outputs equal to the monolithic engine: {}/{} ({} failed)\n\
+             TTFT ms (prefill + decode first token): {}\n\
+             tokens/s per request: {}\n\
+             throughput: {:.1} tokens/s\n\
+             KV moved prefill -> decode: {:.2} MB, {:.3} GB/s (over decode's time to first token)\n\
+             LMCache hit rate on prefill: {:.1}% of prompt tokens\n",
+            self.requests,
+            self.prompts,
+            self.concurrency,
+            self.wall_s,
+            self.requests - self.failed - self.mismatches,
+            self.requests,
+            self.failed,
+            p(&self.ttft_ms),
+            p(&self.tokens_per_s),
+            self.throughput_tokens_per_s,
+            self.kv_bytes as f64 / 1e6,
+            self.kv_gb_per_s,
+            self.lmcache_hit_rate * 100.0,
+        );
+        if let Some(c) = &self.compare_monolithic {
+            s.push_str(&format!(
+                "monolithic worker TTFT ms: {}\nTTFT disaggregated / monolithic: p50 {:.2}x  p99 {:.2}x ({} monolithic outputs differ)\n",
+                p(&c.monolithic_ttft_ms),
+                c.ttft_p50_ratio,
+                c.ttft_p99_ratio,
+                c.monolithic_mismatches
+            ));
+        }
+        for e in &self.errors {
+            s.push_str(&format!("error: {e}\n"));
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_are_nearest_rank() {
+        let p = Percentiles::of((1..=100).map(f64::from).collect());
+        assert_eq!((p.p50, p.p90, p.p99), (50.0, 90.0, 99.0));
+        assert_eq!(Percentiles::of(vec![]).p50, 0.0);
+    }
+
+    #[test]
+    fn a_mismatch_or_failure_makes_the_report_incorrect() {
+        let good = Sample { tokens: 4, total_us: 1000, ttft_us: 10, matches: true, ..Sample::default() };
+        let r = Report::new(&[good.clone()], "mixed", 1, 1.0, 512);
+        assert!(r.all_correct());
+        let bad = Sample { matches: false, ..good.clone() };
+        assert!(!Report::new(&[good.clone(), bad], "mixed", 1, 1.0, 512).all_correct());
+        let failed = Sample { error: Some("x".into()), ..good };
+        let r = Report::new(&[failed], "mixed", 1, 1.0, 512);
+        assert_eq!(r.failed, 1);
+        assert!(!r.all_correct());
+    }
+}

@@ -1,0 +1,138 @@
+//! The built-in workload of `kvconnect up --workload N`: deterministic requests (completions
+//! and chat), some sharing long prefixes so LMCache on prefill finds them, and the ground
+//! truth for each from the reference engine run in-process as a single monolithic engine.
+
+use crate::server::openai::chat_prompt;
+use crate::worker::{local_effective_layout, tokenize, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use anyhow::{anyhow, Context, Result};
+use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
+use serde_json::{json, Value};
+
+/// Which prompts the workload sends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Prompts {
+    /// Half share one of a few long prefixes, half unique.
+    Mixed,
+    /// Every prompt starts with one of a few long prefixes.
+    Shared,
+    /// No two prompts share more than a few tokens.
+    Unique,
+}
+
+/// Tokens generated per request.
+pub const MAX_TOKENS: usize = 8;
+
+/// One request of the workload.
+#[derive(Debug, Clone)]
+pub struct Item {
+    /// `/v1/completions` or `/v1/chat/completions`.
+    pub path: &'static str,
+    /// The JSON body.
+    pub body: Value,
+    /// The prompt as the engine sees it.
+    pub prompt: Vec<u32>,
+    /// True when the prompt starts with a shared prefix.
+    pub shared: bool,
+}
+
+fn letters(seed: usize, len: usize) -> String {
+    // Printable ASCII so chat content stays text; a cheap LCG keeps it deterministic.
+    let mut x = (seed as u64).wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..len)
+        .map(|_| {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (b'a' + ((x >> 33) % 26) as u8) as char
+        })
+        .collect()
+}
+
+/// The `n` requests of a workload.
+pub fn items(n: usize, kind: Prompts) -> Vec<Item> {
+    // Prefixes of 600 bytes: two LMCache chunks of 256 tokens each are reusable.
+    let prefixes: Vec<String> = (0..3).map(|i| letters(1000 + i, 600)).collect();
+    (0..n)
+        .map(|i| {
+            let shared = match kind {
+                Prompts::Shared => true,
+                Prompts::Unique => false,
+                Prompts::Mixed => i % 2 == 0,
+            };
+            let suffix = letters(i, 20 + (i * 7) % 60);
+            let text = if shared {
+                format!("{}{suffix}", prefixes[i % prefixes.len()])
+            } else {
+                letters(50_000 + i, 300 + (i * 13) % 300)
+            };
+            if i % 4 == 3 {
+                let messages = json!([{"role": "user", "content": text}]);
+                let prompt = chat_prompt(&messages).map(|p| tokenize(&p)).unwrap_or_default();
+                Item {
+                    path: "/v1/chat/completions",
+                    body: json!({"messages": messages, "max_tokens": MAX_TOKENS}),
+                    prompt,
+                    shared,
+                }
+            } else {
+                Item {
+                    path: "/v1/completions",
+                    body: json!({"prompt": text, "max_tokens": MAX_TOKENS}),
+                    prompt: tokenize(&text),
+                    shared,
+                }
+            }
+        })
+        .collect()
+}
+
+/// Greedy tokens of the single monolithic reference engine (no connector), in order.
+pub fn ground_truth(items: &[Item], seed: u64) -> Result<Vec<Vec<u32>>> {
+    let model = ReferenceConfig::builtin().map_err(|e| anyhow!("reference model: {e}"))?;
+    let spec = model.model_spec().map_err(|e| anyhow!("reference model: {e}"))?;
+    let eff = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
+    let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed, shm: None };
+    let mut e =
+        Engine::new(cfg, None, FailurePolicy::Recompute).map_err(|e| anyhow!("monolithic engine: {e}"))?;
+    let mut out = Vec::with_capacity(items.len());
+    for (i, it) in items.iter().enumerate() {
+        e.add_request(GenRequest::new(format!("truth-{i}"), it.prompt.clone(), MAX_TOKENS))
+            .map_err(|e| anyhow!("monolithic engine, request {i}: {e}"))?;
+        let done =
+            e.run_to_completion(1_000_000).map_err(|e| anyhow!("monolithic engine, request {i}: {e}"))?;
+        out.push(
+            done.into_iter().next().map(|c| c.tokens).context("the monolithic engine returned nothing")?,
+        );
+    }
+    Ok(out)
+}
+
+/// KV bytes per token over all layers (K and V) of the reference model, bf16.
+pub fn kv_bytes_per_token() -> Result<u64> {
+    let spec = ReferenceConfig::builtin()
+        .and_then(|m| m.model_spec())
+        .map_err(|e| anyhow!("reference model: {e}"))?;
+    let dtype = spec.dtype.map_or(2, |d| d.size() as u64);
+    Ok(u64::from(spec.num_layers) * 2 * u64::from(spec.num_kv_heads) * u64::from(spec.head_dim) * dtype)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mixed_workload_shares_prefixes_and_has_chat() {
+        let it = items(8, Prompts::Mixed);
+        assert_eq!(it.iter().filter(|i| i.shared).count(), 4);
+        assert!(it.iter().any(|i| i.path == "/v1/chat/completions"));
+        assert_eq!(it[0].prompt[..600], it[6].prompt[..600], "shared prefix");
+        assert_ne!(it[1].prompt[..20], it[5].prompt[..20], "unique prompts");
+        assert!(items(4, Prompts::Unique).iter().all(|i| !i.shared));
+    }
+
+    #[test]
+    fn ground_truth_is_deterministic() {
+        let it = items(2, Prompts::Unique);
+        let a = ground_truth(&it, 0).unwrap();
+        assert_eq!(a, ground_truth(&it, 0).unwrap());
+        assert_eq!(a[0].len(), MAX_TOKENS);
+    }
+}
