@@ -20,6 +20,7 @@ use kvconnect_api::{
 };
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
@@ -87,7 +88,12 @@ impl FlexkvWorker {
                 (self.engine.cache.clone(), self.engine.adapter.clone(), self.done_tx.clone());
             let req = op.req.clone();
             let job = move || {
-                save_blocks(&cache, &adapter, &mem, &op);
+                // A panic must still report the save as over, or the request's blocks would
+                // be held forever.
+                let r = catch_unwind(AssertUnwindSafe(|| save_blocks(&cache, &adapter, &mem, &op)));
+                if r.is_err() {
+                    tracing::error!(req = %op.req, "flexkv: a save panicked; the blocks it had not stored are not cached");
+                }
                 let _ = tx.send(Done::Save { req: op.req });
             };
             if !self.pool.submit(job) {
@@ -182,7 +188,9 @@ impl WorkerConnector for FlexkvWorker {
             };
             let (req, hashes, blocks) = (op.req.clone(), op.hashes.clone(), op.blocks.clone());
             let job = move || {
-                let failed = load_blocks(&cache, &adapter, &mem, &op);
+                // A panic is a failed load (never a hang, never a leaked reference).
+                let failed = catch_unwind(AssertUnwindSafe(|| load_blocks(&cache, &adapter, &mem, &op)))
+                    .unwrap_or_else(|_| Some((op.blocks.clone(), "the load panicked".to_owned())));
                 cache.unpin(&op.hashes);
                 let _ = tx.send(Done::Load { req: op.req, failed });
             };
