@@ -9,6 +9,7 @@
 //! checked before it is handed out; a corrupt record is dropped and reported as a miss.
 
 use crate::cpu_tier::CpuTier;
+use crate::hash::checksum;
 use crate::mempool::SlotPool;
 use crate::radix::{Insert, RadixIndex, State, Tier};
 use crate::ssd_tier::{SsdReadError, SsdTier};
@@ -274,7 +275,14 @@ impl BlockCache {
         };
         g.index.set_slot(hash, Tier::Cpu, slot);
         drop(g);
-        let r = self.cpu.with_slot(slot, fill);
+        // The checksum is taken now, while the bytes are hot, for a later move to SSD.
+        let r = self.cpu.with_slot_sum(slot, |buf, sum| {
+            let r = fill(buf);
+            if r.is_ok() {
+                *sum = checksum(buf);
+            }
+            r
+        });
         let mut g = self.lock();
         match r {
             Some(Ok(())) => {
@@ -347,7 +355,13 @@ impl BlockCache {
         let (g, slot) = self.alloc_cpu(g);
         let Some(slot) = slot else { return };
         drop(g);
-        let filled = self.cpu.with_slot(slot, |buf| buf.copy_from_slice(payload)).is_some();
+        let filled = self
+            .cpu
+            .with_slot_sum(slot, |buf, sum| {
+                buf.copy_from_slice(payload);
+                *sum = checksum(buf);
+            })
+            .is_some();
         let mut g = self.lock();
         match g.index.get(hash) {
             Some(v) if filled && v.state == State::Ready && v.cpu.is_none() => {
@@ -394,7 +408,7 @@ impl BlockCache {
             let (Some(c), Some(ssd)) = (view.cpu, self.ssd.as_ref()) else { return (g, None) };
             g.index.pin(v);
             drop(g);
-            let r = self.cpu.with_slot(c, |buf| ssd.write(s, v, buf));
+            let r = self.cpu.with_slot_sum(c, |buf, sum| ssd.write_summed(s, v, buf, *sum));
             g = self.lock();
             g.index.unpin(v);
             match r {

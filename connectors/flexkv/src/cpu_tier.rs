@@ -9,8 +9,16 @@ use std::sync::{Mutex, OnceLock};
 
 const CHUNK: usize = 4096;
 
+/// One slot: the block's bytes and their checksum (taken while the bytes were hot, so that
+/// moving the block to SSD later needs no second pass over them).
+#[derive(Default)]
+struct Slot {
+    data: Vec<u8>,
+    sum: u64,
+}
+
 /// A chunk of slots, created on first use.
-type Chunk = OnceLock<Box<[Mutex<Vec<u8>>]>>;
+type Chunk = OnceLock<Box<[Mutex<Slot>]>>;
 
 /// Slot storage of the CPU tier.
 pub struct CpuTier {
@@ -34,16 +42,22 @@ impl CpuTier {
     /// Runs `f` on slot `slot`'s bytes (exactly `slot_bytes` long). None for a slot past the
     /// end.
     pub fn with_slot<R>(&self, slot: u32, f: impl FnOnce(&mut [u8]) -> R) -> Option<R> {
+        self.with_slot_sum(slot, |data, _| f(data))
+    }
+
+    /// As `with_slot`, with the slot's stored checksum.
+    pub fn with_slot_sum<R>(&self, slot: u32, f: impl FnOnce(&mut [u8], &mut u64) -> R) -> Option<R> {
         if slot >= self.num_slots {
             return None;
         }
         let chunk = self.chunks.get(slot as usize / CHUNK)?;
-        let chunk = chunk.get_or_init(|| (0..CHUNK).map(|_| Mutex::new(Vec::new())).collect());
-        let mut buf = chunk[slot as usize % CHUNK].lock().unwrap_or_else(|e| e.into_inner());
-        if buf.len() != self.slot_bytes {
-            buf.resize(self.slot_bytes, 0);
+        let chunk = chunk.get_or_init(|| (0..CHUNK).map(|_| Mutex::new(Slot::default())).collect());
+        let mut s = chunk[slot as usize % CHUNK].lock().unwrap_or_else(|e| e.into_inner());
+        if s.data.len() != self.slot_bytes {
+            s.data.resize(self.slot_bytes, 0);
         }
-        Some(f(&mut buf))
+        let Slot { data, sum } = &mut *s;
+        Some(f(data, sum))
     }
 }
 
