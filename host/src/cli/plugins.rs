@@ -161,6 +161,10 @@ fn inspect(
         v["model"] = model.as_ref().map(|m| json!(m.name)).unwrap_or(Value::Null);
         v["summary"] = json!(caps.summary());
         v["capabilities"] = serde_json::to_value(&caps)?;
+        if let Some((backends, note)) = machine_notes(&entry.name) {
+            v["available_backends"] = json!(backends);
+            v["notes"] = json!([note]);
+        }
         v["children"] = match &children {
             Some(cs) => Value::Array(
                 cs.iter()
@@ -194,6 +198,10 @@ fn inspect(
     if let Some(m) = &model {
         head.push(vec!["model".to_owned(), m.name.clone()]);
     }
+    if let Some((backends, note)) = machine_notes(&entry.name) {
+        head.push(vec!["available_backends".to_owned(), backends.join(", ")]);
+        head.push(vec!["notes".to_owned(), note]);
+    }
     print!("{}", aligned(&head));
     println!("capabilities:");
     print!("{}", indent(&aligned(&caps_rows(&caps)), "  "));
@@ -204,6 +212,12 @@ fn inspect(
         }
     }
     Ok(())
+}
+
+/// What this machine can run of a connector, where that depends on the machine: the nixl
+/// connector's backends (`nixl` needs the NIXL library; looked up, not loaded).
+fn machine_notes(name: &str) -> Option<(Vec<String>, String)> {
+    (name == kvconnect_nixl::config::NAME).then(kvconnect_nixl::nixl_lib::availability)
 }
 
 fn read_config(arg: &str) -> anyhow::Result<KvTransferConfig> {
