@@ -83,13 +83,42 @@ pub fn example_plugin(tmp: &Path) -> PathBuf {
 pub fn broken_plugin(tmp: &Path, defect: &str, out_dir: &Path) -> PathBuf {
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
     let target = target_dir(tmp);
-    let src = workspace_root().join("tests/fixtures/broken-plugins");
+    let src = fixture_source(tmp);
     run_cargo(&["build", "--offline", "--features", defect, "--target-dir", &target.to_string_lossy()], &src);
     let built = target.join("debug").join(lib_file("kvconnect_broken_plugin"));
     let dst = out_dir.join(format!("libbroken_{defect}.so"));
     std::fs::copy(&built, &dst).expect("copy the built fixture");
     set_mode(&dst, 0o755);
     dst
+}
+
+/// A copy of `tests/fixtures/broken-plugins` under `tmp`, depending on this checkout's
+/// kvconnect-api by absolute path and locked to the workspace's `Cargo.lock`, so it builds
+/// offline with exactly the crates the workspace build fetched, and nothing is written into
+/// the source tree.
+fn fixture_source(tmp: &Path) -> PathBuf {
+    let ws = workspace_root();
+    let from = ws.join("tests/fixtures/broken-plugins");
+    let to = tmp.join("broken-plugin-src");
+    let api = ws.join("connector-api");
+    let manifest = std::fs::read_to_string(from.join("Cargo.toml"))
+        .expect("read the fixture manifest")
+        .replace("path = \"../../../connector-api\"", &format!("path = {:?}", api.to_string_lossy()));
+    write_if_changed(&to.join("Cargo.toml"), manifest.as_bytes());
+    write_if_changed(
+        &to.join("src/lib.rs"),
+        &std::fs::read(from.join("src/lib.rs")).expect("read the fixture source"),
+    );
+    write_if_changed(&to.join("Cargo.lock"), &std::fs::read(ws.join("Cargo.lock")).expect("read Cargo.lock"));
+    to
+}
+
+// Rewriting an unchanged file would make cargo rebuild it for every defect.
+fn write_if_changed(p: &Path, bytes: &[u8]) {
+    if std::fs::read(p).ok().as_deref() != Some(bytes) {
+        std::fs::create_dir_all(p.parent().expect("a parent directory")).expect("create fixture directory");
+        std::fs::write(p, bytes).expect("write fixture file");
+    }
 }
 
 /// Copies a file into `dir` under `name` with permission bits `mode`.
