@@ -82,12 +82,33 @@ impl KvMemory {
         model: &ModelSpec,
         eff: &EffectiveLayout,
     ) -> Result<KvMemory, RegionError> {
+        Self::build(regions, model, eff, true)
+    }
+
+    /// The geometry and bounds of regions this process cannot dereference (device memory):
+    /// the same checks as [`KvMemory::new`] except the memory kind, and no access —
+    /// `read`, `write` and `slice` fail with `SpanOutOfRegion`, `region_base` is `None`.
+    /// Connectors that move device bytes with their own kernels use it for planning.
+    pub fn geometry_only(
+        regions: &[KvRegion],
+        model: &ModelSpec,
+        eff: &EffectiveLayout,
+    ) -> Result<KvMemory, RegionError> {
+        Self::build(regions, model, eff, false)
+    }
+
+    fn build(
+        regions: &[KvRegion],
+        model: &ModelSpec,
+        eff: &EffectiveLayout,
+        host: bool,
+    ) -> Result<KvMemory, RegionError> {
         let shape = BlockShape::of(model, eff);
         let mut shapes = Vec::with_capacity(regions.len());
         let mut bases = Vec::with_capacity(regions.len());
         let cross = eff.layout.is_cross_layer();
         for r in regions {
-            if r.memory != MemoryKind::Host {
+            if host && r.memory != MemoryKind::Host {
                 return Err(RegionError::NotHost { name: r.name.clone(), memory: r.memory });
             }
             if r.addr == 0 {
@@ -113,7 +134,9 @@ impl KvMemory {
                 });
             }
             shapes.push(RegionShape { layers: r.layers.clone(), num_blocks: r.num_blocks });
-            bases.push((r.addr as usize, r.len as usize));
+            if host {
+                bases.push((r.addr as usize, r.len as usize));
+            }
         }
         let mut seen = std::collections::BTreeSet::new();
         for s in &shapes {

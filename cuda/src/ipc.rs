@@ -29,6 +29,21 @@ impl IpcHandle {
         Ok(IpcHandle { hex, bytes: buf.len() })
     }
 
+    /// Exports the allocation that starts at device address `ptr` (from `cuMemAlloc`, e.g.
+    /// a region the host allocated with [`Gpu::alloc`] and registered by address). The driver
+    /// checks the address; one that is not such an allocation is an error, not a crash.
+    pub fn export_address(gpu: &Gpu, ptr: u64, bytes: usize) -> Result<IpcHandle, CudaError> {
+        gpu.bind()?;
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: the driver validates `ptr` and fails for anything not a live allocation.
+        let r = unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(CudaError::driver("cuIpcGetMemHandle", cudarc::driver::DriverError(r)));
+        }
+        let hex = h.reserved.iter().map(|b| format!("{:02x}", *b as u8)).collect();
+        Ok(IpcHandle { hex, bytes })
+    }
+
     fn raw(&self) -> Result<sys::CUipcMemHandle, CudaError> {
         let bad = || CudaError::IpcOpen(format!("malformed handle '{}' (want 128 hex digits)", self.hex));
         if self.hex.len() != 128 {

@@ -21,7 +21,12 @@ pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> Co
         block_size_multiple: 1,
         block_size_divides: None,
         cache_dtypes: vec![],
-        memory_kinds: vec![MemoryKind::Host],
+        // Device KV regions need backend cuda_ipc, compiled only with the `cuda` feature.
+        memory_kinds: if cfg!(feature = "cuda") {
+            vec![MemoryKind::Host, MemoryKind::Device]
+        } else {
+            vec![MemoryKind::Host]
+        },
         transfer_mode: TransferMode::Pull,
         roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
         layerwise: false,

@@ -27,6 +27,9 @@ pub enum Backend {
     Tcp,
     /// The real NIXL library (UCX), found at run time (`crate::nixl_lib`).
     Nixl,
+    /// Same host, device KV regions: open the producer's CUDA IPC handles once and copy a
+    /// request's blocks with one gather kernel (`crate::cuda_ipc`, feature `cuda`).
+    CudaIpc,
 }
 
 impl Backend {
@@ -36,6 +39,7 @@ impl Backend {
             Backend::Shm => "shm",
             Backend::Tcp => "tcp",
             Backend::Nixl => "nixl",
+            Backend::CudaIpc => "cuda_ipc",
         }
     }
 
@@ -45,9 +49,10 @@ impl Backend {
             "shm" => Ok(Backend::Shm),
             "tcp" => Ok(Backend::Tcp),
             "nixl" | "ucx" => Ok(Backend::Nixl),
+            "cuda_ipc" | "cuda-ipc" => Ok(Backend::CudaIpc),
             other => Err(ConnectorError::config(
                 NAME,
-                format!("unknown backend '{other}' in kv_connector_extra_config.backend; use \"shm\" (same host), \"tcp\" (any hosts) or \"nixl\""),
+                format!("unknown backend '{other}' in kv_connector_extra_config.backend; use \"shm\" (same host), \"tcp\" (any hosts), \"nixl\" or \"cuda_ipc\" (same host, GPU KV)"),
             )),
         }
     }
@@ -191,6 +196,12 @@ impl NixlConfig {
                     format!("backend 'nixl' (selected by backend=\"nixl\" or backends=[\"UCX\"]) cannot run here: {e}; or use backend \"shm\" (same host) or \"tcp\" (any two hosts)"),
                 )
             })?;
+        }
+        if self.backend == Backend::CudaIpc && !cfg!(feature = "cuda") {
+            return Err(ConnectorError::config(
+                NAME,
+                "backend 'cuda_ipc' needs GPU support, which this build lacks: rebuild with `--features cuda` (kvconnect-host/cuda), or use backend \"shm\" or \"tcp\" with kv_buffer_device=\"cpu\"",
+            ));
         }
         Ok(())
     }

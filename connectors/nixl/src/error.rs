@@ -45,6 +45,10 @@ pub enum TransferError {
         /// What it did.
         message: String,
     },
+    /// A CUDA call of backend cuda_ipc failed (a peer's handle that cannot be opened, a
+    /// kernel launch, a stream error).
+    #[error("cuda_ipc: {0}")]
+    Cuda(String),
     /// A shared-memory segment could not be used.
     #[error("shm: {0}")]
     Shm(#[from] ShmError),

@@ -10,7 +10,8 @@
 //! copies coalesced runs), `tcp` (any two hosts; blocks streamed over prefill's listener).
 //! `nixl` (NVIDIA's NIXL library over UCX through `nixl-sys`; any two hosts; decode READs the
 //! producer's registered regions and notifies it through NIXL; the library is found at run
-//! time, see `nixl_lib`).
+//! time, see `nixl_lib`). `cuda_ipc` (feature `cuda`; same host, device KV regions): decode
+//! opens prefill's CUDA IPC handles once and copies each request with one gather kernel.
 //!
 //! The host side: it sets `side_channel_host`/`side_channel_port` in
 //! `kv_connector_extra_config` (they go into the transfer params as `remote_host` /
@@ -23,6 +24,8 @@
 pub mod caps;
 pub mod config;
 pub mod copy_plan;
+#[cfg(feature = "cuda")]
+pub mod cuda_ipc;
 pub mod error;
 pub mod factory;
 pub mod harness;

@@ -51,6 +51,23 @@ pub struct ProducerMetadata {
     /// Its NIXL agent, when it runs backend `nixl`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nixl: Option<NixlAgentMetadata>,
+    /// Its device regions' CUDA IPC handles, when it runs backend `cuda_ipc`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_ipc: Option<CudaIpcMetadata>,
+}
+
+/// A producer's device regions as a same-host consumer opens them: one CUDA IPC handle
+/// (128 hex digits) per region, same order as `regions`, and each region's device address
+/// (used instead of the handle by a consumer in the same process, where CUDA refuses to open
+/// its own handles).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CudaIpcMetadata {
+    /// Device ordinal of the regions.
+    pub device: i32,
+    /// `cuIpcGetMemHandle` of each region, hex.
+    pub handles: Vec<String>,
+    /// Device address of each region in the producer's process.
+    pub addrs: Vec<u64>,
 }
 
 /// A producer's NIXL agent as peers need it: name, `getLocalMD()` bytes (hex) and the base

@@ -73,6 +73,8 @@ pub struct Puller {
     conns: HashMap<String, TcpStream>,
     mapped: HashMap<String, Mapped>,
     nixl: Option<Arc<NixlAgent>>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<crate::cuda_ipc::CudaIpcPull>,
 }
 
 impl std::fmt::Debug for Puller {
@@ -95,7 +97,20 @@ fn timeout_aware(e: io::Error, after: Duration) -> io::Error {
 impl Puller {
     /// A puller with no connections yet.
     pub fn new(cfg: PullConfig) -> Puller {
-        Puller { cfg, conns: HashMap::new(), mapped: HashMap::new(), nixl: None }
+        Puller {
+            cfg,
+            conns: HashMap::new(),
+            mapped: HashMap::new(),
+            nixl: None,
+            #[cfg(feature = "cuda")]
+            cuda: None,
+        }
+    }
+
+    /// The device side that backend `cuda_ipc` copies with (this worker's GPU and regions).
+    #[cfg(feature = "cuda")]
+    pub fn set_cuda(&mut self, cuda: crate::cuda_ipc::CudaIpcPull) {
+        self.cuda = Some(cuda);
     }
 
     /// The NIXL agent that backend `nixl` reads with (this worker's, with its regions
@@ -203,7 +218,17 @@ impl Puller {
         load: &LoadSpec,
     ) -> Result<PullStats, TransferError> {
         let plan = CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
-        let r = self.pull_plan(local, peer, load, &plan);
+        let r = if self.cfg.backend == Backend::CudaIpc {
+            self.pull_cuda(local, groups, peer, load, &plan)
+        } else {
+            self.pull_plan(local, peer, load, &plan)
+        };
+        #[cfg(feature = "cuda")]
+        if matches!(r, Err(TransferError::Cuda(_))) {
+            if let Some(c) = self.cuda.as_mut() {
+                c.forget(&peer.meta.engine_id);
+            }
+        }
         if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
             // The stream may be mid-message: never reuse it.
             self.conns.remove(&peer.meta.engine_id);
@@ -212,6 +237,36 @@ impl Puller {
             self.mapped.remove(&peer.meta.engine_id);
         }
         r
+    }
+
+    /// Backend cuda_ipc: pin the request's blocks at the producer (as for shm), copy them with
+    /// one gather launch per KV cache group, then tell the producer.
+    fn pull_cuda(
+        &mut self,
+        local: &KvMemory,
+        groups: &[Vec<LayerId>],
+        peer: &PeerInfo,
+        load: &LoadSpec,
+        plan: &CopyPlan,
+    ) -> Result<PullStats, TransferError> {
+        let request = load.request.0.clone();
+        self.expect_ok(peer, &ClientMsg::Check { request: request.clone(), runs: plan.src_runs() })?;
+        #[cfg(feature = "cuda")]
+        {
+            let c = self.cuda.as_mut().ok_or_else(|| {
+                TransferError::Plan("backend cuda_ipc selected but this worker has no GPU side (regions not registered)".into())
+            })?;
+            let (bytes, adapted) = c.pull(local.geometry(), groups, peer, load)?;
+            self.expect_ok(peer, &ClientMsg::Done { request })?;
+            Ok(PullStats { bytes, runs: groups.len(), adapted })
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (local, groups, request);
+            Err(TransferError::Plan(
+                "backend cuda_ipc needs a build with `--features cuda`".into(),
+            ))
+        }
     }
 
     fn pull_plan(
@@ -304,6 +359,9 @@ impl Puller {
                         }
                     }
                 }
+            }
+            Backend::CudaIpc => {
+                return Err(TransferError::Plan("backend cuda_ipc copies on the GPU (pull_cuda)".into()));
             }
             Backend::Nixl => {
                 // Pin first, as for shm: a request the producer no longer holds is a failed

@@ -44,6 +44,9 @@ pub struct NixlWorker {
     /// Backend nixl: this worker's agent and its region registrations (dropped first).
     nixl_regs: Vec<Registration>,
     nixl: Option<Arc<NixlAgent>>,
+    /// Backend cuda_ipc: the GPU of this worker's device regions.
+    #[cfg(feature = "cuda")]
+    gpu: Option<Arc<kvconnect_cuda::Gpu>>,
 }
 
 impl std::fmt::Debug for NixlWorker {
@@ -78,6 +81,8 @@ impl NixlWorker {
             error_blocks: Vec::new(),
             nixl_regs: Vec::new(),
             nixl: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
         }
     }
 
@@ -110,6 +115,10 @@ impl NixlWorker {
         });
         if let Some(a) = &self.nixl {
             puller.set_nixl(a.clone());
+        }
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            puller.set_cuda(crate::cuda_ipc::CudaIpcPull::new(gpu.clone(), &self.regions));
         }
         let ctx = PullLoop {
             puller,
@@ -144,6 +153,32 @@ impl NixlWorker {
         self.nixl_regs = regs;
         self.nixl = Some(Arc::new(agent));
         Ok(())
+    }
+
+    /// Backend cuda_ipc: checks the regions are device memory on one GPU and opens it.
+    fn start_cuda(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        #[cfg(feature = "cuda")]
+        {
+            let gpu = crate::cuda_ipc::open_gpu(regions).map_err(|e| ConnectorError::invalid(NAME, e.to_string()))?;
+            self.gpu = Some(gpu);
+            Ok(())
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = regions;
+            Err(ConnectorError::config(NAME, "backend 'cuda_ipc' needs a build with `--features cuda`"))
+        }
+    }
+
+    /// Backend cuda_ipc: the IPC handles of this worker's regions, for the handshake.
+    fn cuda_metadata(&self) -> ConnectorResult<Option<crate::metadata::CudaIpcMetadata>> {
+        #[cfg(feature = "cuda")]
+        if let Some(gpu) = &self.gpu {
+            return crate::cuda_ipc::export(gpu, &self.regions)
+                .map(Some)
+                .map_err(|e| ConnectorError::io(NAME, e.to_string()));
+        }
+        Ok(None)
     }
 
     fn nixl_metadata(&self) -> ConnectorResult<Option<NixlAgentMetadata>> {
@@ -271,11 +306,17 @@ impl WorkerConnector for NixlWorker {
         if self.mem.is_some() {
             return Err(ConnectorError::invalid(NAME, "register_kv_caches called twice"));
         }
-        // SAFETY: the host promises, by calling register_kv_caches, that every region is host
-        // memory valid for reads and writes of `len` bytes until shutdown; shutdown stops
-        // the listener and joins the pull thread before the memory is dropped.
-        let mem = unsafe { KvMemory::new(regions, &self.ctx.model, &self.ctx.effective) }
-            .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))?;
+        let mem = if self.cfg.backend == Backend::CudaIpc {
+            // Device regions: this crate never dereferences them on the host; the GPU copies.
+            self.start_cuda(regions)?;
+            KvMemory::geometry_only(regions, &self.ctx.model, &self.ctx.effective)
+        } else {
+            // SAFETY: the host promises, by calling register_kv_caches, that every region is host
+            // memory valid for reads and writes of `len` bytes until shutdown; shutdown stops
+            // the listener and joins the pull thread before the memory is dropped.
+            unsafe { KvMemory::new(regions, &self.ctx.model, &self.ctx.effective) }
+        }
+        .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))?;
         let mem = Arc::new(mem);
         self.regions = regions.to_vec();
         if self.cfg.backend == Backend::Nixl {
@@ -440,6 +481,7 @@ impl WorkerConnector for NixlWorker {
             groups: self.groups.clone(),
             pid: std::process::id(),
             nixl: self.nixl_metadata()?,
+            cuda_ipc: self.cuda_metadata()?,
         };
         serde_json::to_value(meta)
             .map(Some)
@@ -465,6 +507,10 @@ impl WorkerConnector for NixlWorker {
         }
         self.nixl_regs.clear();
         self.nixl = None;
+        #[cfg(feature = "cuda")]
+        {
+            self.gpu = None;
+        }
         self.mem = None;
         Ok(())
     }

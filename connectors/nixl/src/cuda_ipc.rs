@@ -1,0 +1,329 @@
+//! Backend `cuda_ipc`: device KV regions on one host.
+//!
+//! The producer exports a CUDA IPC handle of each registered device region and publishes
+//! them in its handshake metadata. The consumer opens a peer's handles once (lazy peer
+//! access, so it also works across GPUs of one host) and, per request, launches ONE gather
+//! kernel per KV cache group over every layer and K/V part with source and destination
+//! block-index arrays (with HMA off there is one group, so one launch per request); when the
+//! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
+//! copy. The pull thread then synchronises the stream (the step loop never waits on it) and
+//! the usual "done" goes to the producer over the control connection.
+//!
+//! Per-layer layouts (`[L][KV][B]..`): the K part of layer l starts at its region's address,
+//! the V part `num_blocks * block_bytes` later, and blocks are contiguous, so each (layer,
+//! part) is one base address of the gather. Cross-layer layouts (`[B][L][KV]..`) are copied
+//! as whole cross-layer blocks, one base per region, and need equal layouts on both sides.
+
+use crate::error::TransferError;
+use crate::meta::LoadSpec;
+use crate::metadata::{CudaIpcMetadata, PeerInfo};
+use kvconnect_api::geometry::Geometry;
+use kvconnect_api::{BlockId, Dim, KvRegion, LayerId, MemoryKind};
+use kvconnect_cuda::{CudaError, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute};
+use std::collections::HashMap;
+use std::sync::Arc;
+
+fn cuda(e: CudaError) -> TransferError {
+    TransferError::Cuda(e.to_string())
+}
+
+fn plan(msg: String) -> TransferError {
+    TransferError::Plan(msg)
+}
+
+/// Checks that every region is device memory on one GPU and opens that GPU.
+pub fn open_gpu(regions: &[KvRegion]) -> Result<Arc<Gpu>, TransferError> {
+    let mut device = None;
+    for r in regions {
+        if r.memory != MemoryKind::Device || r.device < 0 {
+            return Err(plan(format!(
+                "backend cuda_ipc needs device KV regions, but region '{}' is {:?} memory: set kv_buffer_device=\"cuda\" (or use backend shm/tcp for host KV)",
+                r.name, r.memory
+            )));
+        }
+        if device.is_some_and(|d| d != r.device) {
+            return Err(plan(format!(
+                "backend cuda_ipc: region '{}' is on GPU {} but others on GPU {:?}: all KV regions of a worker must be on one GPU",
+                r.name,
+                r.device,
+                device
+            )));
+        }
+        device = Some(r.device);
+    }
+    let ordinal = device.unwrap_or(0) as usize;
+    Gpu::open(ordinal).map(Arc::new).map_err(cuda)
+}
+
+/// Producer side: the IPC handle of each registered region.
+pub fn export(gpu: &Gpu, regions: &[KvRegion]) -> Result<CudaIpcMetadata, TransferError> {
+    let mut handles = Vec::with_capacity(regions.len());
+    for r in regions {
+        let h = IpcHandle::export_address(gpu, r.addr, r.len as usize)
+            .map_err(|e| plan(format!("exporting region '{}': {e}", r.name)))?;
+        handles.push(h.hex);
+    }
+    Ok(CudaIpcMetadata {
+        device: gpu.ordinal() as i32,
+        handles,
+        addrs: regions.iter().map(|r| r.addr).collect(),
+    })
+}
+
+struct Opened {
+    handles: Vec<String>,
+    /// Mapped regions (empty for a producer in this same process).
+    _regions: Vec<ImportedRegion>,
+    bases: Vec<u64>,
+}
+
+/// Consumer side, owned by the pull thread: the GPU, the kernel (compiled at the first pull)
+/// and each peer's opened regions.
+pub struct CudaIpcPull {
+    gpu: Arc<Gpu>,
+    kernel: Option<GatherKernel>,
+    opened: HashMap<String, Opened>,
+    own: Vec<u64>,
+}
+
+impl std::fmt::Debug for CudaIpcPull {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaIpcPull").field("gpu", &self.gpu.ordinal()).finish()
+    }
+}
+
+/// Base address, block stride (= copied bytes) and region shape index of one copy unit.
+struct Unit {
+    region: usize,
+    offset: u64,
+}
+
+fn per_layer(g: &Geometry) -> bool {
+    g.layout().position(Dim::B) > g.layout().position(Dim::L)
+}
+
+fn inner_order(g: &Geometry) -> Vec<Dim> {
+    g.layout().order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect()
+}
+
+/// The permute that turns the peer's block bytes into this engine's.
+fn permute(peer: &Geometry, own: &Geometry) -> Result<Permute, TransferError> {
+    let (p, o) = (inner_order(peer), inner_order(own));
+    if p == o {
+        return Ok(Permute::None);
+    }
+    let s = own.shape();
+    let (heads, tokens) = (s.heads, s.tokens);
+    let nhd = [Dim::N, Dim::H, Dim::C];
+    let hnd = [Dim::H, Dim::N, Dim::C];
+    if p == nhd && o == hnd {
+        Ok(Permute::NhdToHnd { heads, tokens })
+    } else if p == hnd && o == nhd {
+        Ok(Permute::HndToNhd { heads, tokens })
+    } else {
+        Err(plan(format!(
+            "backend cuda_ipc permutes NHD<->HND only; the peer's blocks are {} and this engine's {}",
+            peer.layout(),
+            own.layout()
+        )))
+    }
+}
+
+fn unit(g: &Geometry, layer: LayerId, part: u32) -> Result<Unit, TransferError> {
+    let s = g.span(layer, part, BlockId(0))?;
+    Ok(Unit { region: s.region, offset: s.offset as u64 })
+}
+
+fn check_block(g: &Geometry, region: usize, b: BlockId, side: &str) -> Result<u32, TransferError> {
+    let n = g.regions().get(region).map(|r| r.num_blocks).unwrap_or(0);
+    if b.0 >= n {
+        return Err(plan(format!("{side} block {} is outside its region of {n} blocks", b.0)));
+    }
+    Ok(b.0)
+}
+
+impl CudaIpcPull {
+    /// A consumer over this worker's device regions.
+    pub fn new(gpu: Arc<Gpu>, own_regions: &[KvRegion]) -> CudaIpcPull {
+        CudaIpcPull {
+            gpu,
+            kernel: None,
+            opened: HashMap::new(),
+            own: own_regions.iter().map(|r| r.addr).collect(),
+        }
+    }
+
+    /// Forgets a peer's mapped regions.
+    pub fn forget(&mut self, engine: &str) {
+        self.opened.remove(engine);
+    }
+
+    /// Opens the peer's handles (once per peer, again when they changed).
+    fn peer_bases(&mut self, peer: &PeerInfo) -> Result<Vec<u64>, TransferError> {
+        let e = &peer.meta.engine_id;
+        let m = peer.meta.cuda_ipc.as_ref().ok_or_else(|| {
+            plan(format!(
+                "producer engine '{e}' published no CUDA IPC handles: it does not run backend cuda_ipc with device KV; use the same backend on both sides"
+            ))
+        })?;
+        if m.handles.len() != peer.meta.regions.len() || m.addrs.len() != peer.meta.regions.len() {
+            return Err(plan(format!(
+                "producer engine '{e}' lists {} IPC handles and {} addresses for {} regions",
+                m.handles.len(),
+                m.addrs.len(),
+                peer.meta.regions.len()
+            )));
+        }
+        if let Some(o) = self.opened.get(e).filter(|o| o.handles == m.handles) {
+            return Ok(o.bases.clone());
+        }
+        self.opened.remove(e);
+        let opened = if peer.meta.pid == std::process::id() {
+            // CUDA refuses to open a process's own handles; the addresses are valid here.
+            Opened { handles: m.handles.clone(), _regions: Vec::new(), bases: m.addrs.clone() }
+        } else {
+            let mut regions = Vec::with_capacity(m.handles.len());
+            for (h, r) in m.handles.iter().zip(&peer.meta.regions) {
+                let handle = IpcHandle { hex: h.clone(), bytes: r.len as usize };
+                let mapped = ImportedRegion::open(&self.gpu, &handle).map_err(|err| {
+                    TransferError::Cuda(format!("producer engine '{e}' region '{}': {err}", r.name))
+                })?;
+                regions.push(mapped);
+            }
+            let bases = regions.iter().map(ImportedRegion::ptr).collect();
+            Opened { handles: m.handles.clone(), _regions: regions, bases }
+        };
+        let bases = opened.bases.clone();
+        self.opened.insert(e.clone(), opened);
+        Ok(bases)
+    }
+
+    /// Copies `load` from `peer` into this worker's regions (geometry `own`) and waits for
+    /// the copy (on the calling pull thread). Returns the bytes copied and whether a layout
+    /// permute was fused in.
+    pub fn pull(
+        &mut self,
+        own: &Geometry,
+        groups: &[Vec<LayerId>],
+        peer: &PeerInfo,
+        load: &LoadSpec,
+    ) -> Result<(u64, bool), TransferError> {
+        let pg = &peer.geometry;
+        let e = &peer.meta.engine_id;
+        let (bp, bd) = (pg.shape().tokens as usize, own.shape().tokens as usize);
+        if bp != bd {
+            return Err(plan(format!(
+                "backend cuda_ipc needs equal block sizes; producer engine '{e}' has {bp} tokens per block, this engine {bd}"
+            )));
+        }
+        if bp == 0 {
+            return Err(plan("a block size of 0 tokens".into()));
+        }
+        if load.first_token % bp != 0 {
+            return Err(plan(format!(
+                "request {}: backend cuda_ipc copies whole blocks, but loading starts at token {} inside a block of {bp}",
+                load.request, load.first_token
+            )));
+        }
+        if load.remote_blocks.0.len() != groups.len() || load.local_blocks.0.len() != groups.len() {
+            return Err(plan(format!(
+                "request {}: {} remote and {} local block lists for {} KV cache groups",
+                load.request,
+                load.remote_blocks.0.len(),
+                load.local_blocks.0.len(),
+                groups.len()
+            )));
+        }
+        let perm = permute(pg, own)?;
+        let cross = match (per_layer(pg), per_layer(own)) {
+            (true, true) => false,
+            (false, false) if perm == Permute::None && pg.layout() == own.layout() => true,
+            _ => {
+                return Err(plan(format!(
+                    "backend cuda_ipc copies per-layer layouts (with an NHD/HND permute) or equal cross-layer layouts; producer engine '{e}' uses {} and this engine {}",
+                    pg.layout(),
+                    own.layout()
+                )))
+            }
+        };
+        let src_all = self.peer_bases(peer)?;
+        let shape = own.shape();
+        let span_bytes = shape.bytes() as u64;
+        let parts = shape.kv_parts;
+        let positions = if load.num_tokens > load.first_token {
+            load.first_token / bp..load.num_tokens.div_ceil(bp)
+        } else {
+            0..0
+        };
+        if self.kernel.is_none() {
+            self.kernel = Some(GatherKernel::new(&self.gpu).map_err(cuda)?);
+        }
+        let mut bytes = 0u64;
+        for (g, layers) in groups.iter().enumerate() {
+            let (rl, ll) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
+            if positions.end > rl.len() || positions.end > ll.len() {
+                return Err(plan(format!(
+                    "request {}: tokens {}..{} of group {g} need {} blocks on each side, got {} remote and {} local",
+                    load.request,
+                    load.first_token,
+                    load.num_tokens,
+                    positions.end,
+                    rl.len(),
+                    ll.len()
+                )));
+            }
+            let (mut src_bases, mut dst_bases) = (Vec::new(), Vec::new());
+            // (peer region, own region) of the units, to bound-check block indices.
+            let mut pairs = Vec::new();
+            let block_bytes;
+            if cross {
+                let Some(&first) = layers.first() else { continue };
+                let (s, d) = (unit(pg, first, 0)?, unit(own, first, 0)?);
+                let (sr, dr) = (&pg.regions()[s.region], &own.regions()[d.region]);
+                block_bytes = (sr.layers.len() as u64) * parts as u64 * span_bytes;
+                if dr.layers != sr.layers {
+                    return Err(plan(format!(
+                        "producer engine '{e}' region of group {g} holds layers {:?}, this engine's {:?}",
+                        sr.layers, dr.layers
+                    )));
+                }
+                src_bases.push(src_all[s.region]);
+                dst_bases.push(self.own[d.region]);
+                pairs.push((s.region, d.region));
+            } else {
+                block_bytes = span_bytes;
+                for &layer in layers {
+                    for part in 0..parts {
+                        let (s, d) = (unit(pg, layer, part)?, unit(own, layer, part)?);
+                        src_bases.push(src_all[s.region] + s.offset);
+                        dst_bases.push(self.own[d.region] + d.offset);
+                        pairs.push((s.region, d.region));
+                    }
+                }
+            }
+            let (mut src_blocks, mut dst_blocks) = (Vec::new(), Vec::new());
+            for pos in positions.clone() {
+                for &(sr, dr) in &pairs {
+                    check_block(pg, sr, rl[pos], "producer")?;
+                    check_block(own, dr, ll[pos], "local")?;
+                }
+                src_blocks.push(rl[pos].0);
+                dst_blocks.push(ll[pos].0);
+            }
+            let spec = GatherSpec {
+                src_bases: &src_bases,
+                dst_bases: &dst_bases,
+                src_blocks: &src_blocks,
+                dst_blocks: &dst_blocks,
+                block_bytes,
+                permute: perm,
+            };
+            let kernel = self.kernel.as_mut().ok_or_else(|| plan("gather kernel missing".into()))?;
+            kernel.launch(&self.gpu, &spec).map_err(cuda)?;
+            bytes += block_bytes * src_bases.len() as u64 * src_blocks.len() as u64;
+        }
+        // The pull thread waits; the step loop only sees the outcome in get_finished.
+        self.gpu.synchronize().map_err(cuda)?;
+        Ok((bytes, perm != Permute::None))
+    }
+}
