@@ -12,7 +12,7 @@
 pub mod client;
 pub mod metrics;
 
-use crate::server::openai::openai_error;
+use crate::server::openai::{chat_prompt, openai_error, CONTEXT_TOKENS};
 use crate::server::sse;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -120,16 +120,28 @@ async fn disaggregated(p: &Proxy, raw: &[u8], chat: bool) -> Response {
             )
         }
     };
-    // Prefill: the prompt only. Limits are checked by the workers; prefill sees the user's
-    // max_tokens first so a request too long for the context is refused before any KV moves.
+    // Prefill computes the prompt only (max_tokens 1), so the user's max_tokens is checked
+    // here, before any KV is produced for a decode that would refuse it.
     let mut pre = body.clone();
     let checked_max = pre.remove("max_completion_tokens").or_else(|| pre.get("max_tokens").cloned());
     if let Some(m) = &checked_max {
-        if !m.as_u64().is_some_and(|n| n > 0) {
+        let Some(n) = m.as_u64().filter(|n| *n > 0) else {
             return openai_error(
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 format!("'max_tokens' must be a positive integer, not {m}"),
+                Some("max_tokens"),
+            );
+        };
+        let prompt_len = prompt_tokens(&body, chat);
+        if prompt_len.saturating_add(n as usize) > CONTEXT_TOKENS {
+            return openai_error(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_request_error",
+                format!(
+                    "max_tokens {n} with a {prompt_len}-token prompt exceeds the model's context of {CONTEXT_TOKENS} tokens; ask for at most {} tokens",
+                    CONTEXT_TOKENS.saturating_sub(prompt_len)
+                ),
                 Some("max_tokens"),
             );
         }
@@ -189,6 +201,19 @@ async fn disaggregated(p: &Proxy, raw: &[u8], chat: bool) -> Response {
         sse::response(&dv, chat)
     } else {
         Json(dv).into_response()
+    }
+}
+
+/// Prompt length in tokens as the byte-level reference engine counts it (0 when the prompt
+/// is malformed: the worker then says what is wrong with it).
+fn prompt_tokens(body: &serde_json::Map<String, Value>, chat: bool) -> usize {
+    if chat {
+        return body.get("messages").and_then(|m| chat_prompt(m).ok()).map_or(0, |p| p.len());
+    }
+    match body.get("prompt") {
+        Some(Value::String(s)) => s.len(),
+        Some(Value::Array(a)) => a.len(),
+        _ => 0,
     }
 }
 

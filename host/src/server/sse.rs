@@ -89,6 +89,26 @@ pub fn collect_text(stream: &str) -> Option<String> {
     done.then_some(text)
 }
 
+/// The token ids a stream carries (each chunk's `token_ids`), joined; `None` as for
+/// [`collect_text`]. Byte-level tokens that are not whole UTF-8 characters arrive as U+FFFD in
+/// a chunk's text, so the ids are what to compare exactly.
+pub fn collect_token_ids(stream: &str) -> Option<Vec<u32>> {
+    let mut ids = Vec::new();
+    let mut done = false;
+    for ev in stream.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        let data = ev.trim().strip_prefix("data: ")?;
+        if data == "[DONE]" {
+            done = true;
+            continue;
+        }
+        let c: Value = serde_json::from_str(data).ok()?;
+        if let Some(a) = c["choices"][0]["token_ids"].as_array() {
+            ids.extend(a.iter().filter_map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())));
+        }
+    }
+    done.then_some(ids)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -109,6 +129,7 @@ mod tests {
         assert!(c.contains("\"role\":\"assistant\""), "{c}");
         assert!(c.contains("chat.completion.chunk"));
         assert_eq!(collect_text(&c).as_deref(), Some("ab"));
+        assert_eq!(collect_token_ids(&c), Some(vec![97, 98]));
     }
 
     #[test]

@@ -1,0 +1,311 @@
+//! `kvconnect up` end to end: the command starts its own prefill and decode worker processes
+//! and the P/D proxy; requests go through the proxy with a plain HTTP/1.1 client. Checked:
+//! the OpenAI routes (models, completions, chat, streaming), that distinct prefill and decode
+//! processes served them (their own /metrics), that outputs equal the monolithic engine's,
+//! bad input answered with OpenAI error bodies while the workers keep serving, the DYN-3545
+//! mismatch under `fail` and `recompute`, `--workload`, and that SIGTERM to `up` leaves no
+//! process and no shared-memory segment behind.
+
+use kvconnect_api::KvLayout;
+use kvconnect_host::server::openai::chat_prompt;
+use kvconnect_host::server::sse::{collect_text, collect_token_ids};
+use kvconnect_host::worker::{detokenize, tokenize};
+use kvconnect_tests::{
+    http_request, kvconnect_bin, monolithic, reference_model, token_ids, varied_prompts, wait_until,
+};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+/// A running `kvconnect up` (SIGKILLed on drop if a test failed before stopping it; its
+/// workers then die with it through their parent-death signal).
+struct Up {
+    child: Child,
+    proxy: String,
+    line: Value,
+}
+
+impl Up {
+    fn start(args: &[&str]) -> Up {
+        let mut child = Command::new(kvconnect_bin())
+            .arg("up")
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvconnect up");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            if let Some(Ok(l)) = lines.next() {
+                let _ = tx.send(l);
+            }
+            for _ in lines {}
+        });
+        let line = rx.recv_timeout(Duration::from_secs(120)).expect("kvconnect up printed no address line");
+        let line: Value = serde_json::from_str(&line).expect("address line is JSON");
+        let proxy = line["proxy"].as_str().unwrap().trim_start_matches("http://").to_owned();
+        Up { child, proxy, line }
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        self.line["worker_pids"].as_array().unwrap().iter().map(|p| p.as_i64().unwrap() as i32).collect()
+    }
+
+    fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        http_request(&self.proxy, "POST", path, Some(body))
+    }
+
+    /// SIGTERM; waits for `up` to exit and checks nothing of it is left.
+    fn terminate_and_check_clean(mut self) {
+        let pids = self.pids();
+        // SAFETY: kill(2) on the child this test spawned and has not reaped.
+        unsafe {
+            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        }
+        let mut status = None;
+        assert!(
+            wait_until(Duration::from_secs(30), || {
+                status = self.child.try_wait().unwrap();
+                status.is_some()
+            }),
+            "kvconnect up did not exit within 30 s of SIGTERM"
+        );
+        assert!(status.unwrap().success(), "up exited with {status:?}");
+        for pid in pids {
+            // SAFETY: signal 0 only asks whether the pid exists.
+            let alive = unsafe { libc::kill(pid, 0) } == 0;
+            assert!(!alive, "worker {pid} outlived kvconnect up");
+            let prefix = format!("kvc-{pid}-");
+            let left: Vec<String> = std::fs::read_dir("/dev/shm")
+                .map(|d| {
+                    d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().into_owned()).collect()
+                })
+                .unwrap_or_default();
+            assert!(
+                !left.iter().any(|n| n.starts_with(&prefix)),
+                "worker {pid} left shared memory behind: {left:?}"
+            );
+        }
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn metric(addr: &str, name: &str) -> u64 {
+    let (_, body) = http_request(addr, "GET", "/metrics", None);
+    let text = body.as_str().unwrap_or_default().to_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("{name} missing from {addr}/metrics:\n{text}"))
+}
+
+fn assert_openai_error(status: u16, body: &Value, want: u16, says: &str) {
+    assert_eq!(status, want, "{body}");
+    let e = &body["error"];
+    for k in ["message", "type", "param", "code"] {
+        assert!(e.get(k).is_some(), "error body lacks '{k}': {body}");
+    }
+    let m = e["message"].as_str().unwrap_or_default();
+    assert!(m.contains(says), "error message should say '{says}': {m}");
+}
+
+const MAX: usize = 4;
+
+#[test]
+fn up_serves_openai_routes_through_distinct_prefill_and_decode_processes_and_exits_clean() {
+    let up = Up::start(&["--prefill", "2", "--decode", "2", "--num-blocks", "128"]);
+    let (prefill, decode) = (up.line["prefill"].clone(), up.line["decode"].clone());
+    assert_eq!((prefill.as_array().unwrap().len(), decode.as_array().unwrap().len()), (2, 2), "{}", up.line);
+    let mut pids = up.pids();
+    pids.push(up.child.id() as i32);
+    pids.sort();
+    pids.dedup();
+    assert_eq!(pids.len(), 5, "four worker processes besides up itself: {}", up.line);
+
+    let (st, models) = http_request(&up.proxy, "GET", "/v1/models", None);
+    assert_eq!(st, 200, "{models}");
+    let model = models["data"][0]["id"].as_str().unwrap().to_owned();
+
+    // Completions, token prompts, against the monolithic engine.
+    let prompts = varied_prompts(8);
+    let mono = monolithic(&prompts, MAX, KvLayout::HND);
+    for (i, p) in prompts.iter().enumerate() {
+        let (st, d) = up.post("/v1/completions", &json!({"model": model, "prompt": p, "max_tokens": MAX}));
+        assert_eq!(st, 200, "prompt {i}: {d}");
+        let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
+        assert_eq!(got, mono[i], "prompt {i}: through the proxy != monolithic");
+        assert_eq!(
+            d["kvconnect"]["num_external_tokens"].as_u64(),
+            Some(p.len() as u64 - 1),
+            "decode loaded the KV: {d}"
+        );
+        assert_ne!(d["kvconnect"]["proxy"]["prefill_worker"], d["kvconnect"]["proxy"]["decode_worker"]);
+    }
+
+    // Streaming completion and chat (plain and streaming) with a text prompt.
+    let text = "The quick brown fox jumps over the lazy dog, again and again.";
+    let want_ids = monolithic(&[tokenize(text)], MAX, KvLayout::HND).remove(0);
+    let (st, s) = up.post("/v1/completions", &json!({"prompt": text, "max_tokens": MAX, "stream": true}));
+    assert_eq!(st, 200, "{s}");
+    let s = s.as_str().unwrap();
+    assert!(s.starts_with("data: {") && s.ends_with("data: [DONE]\n\n"), "{s}");
+    assert_eq!(collect_token_ids(s), Some(want_ids));
+    assert!(collect_text(s).is_some());
+    let messages =
+        json!([{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": text}]);
+    let chat_ids = monolithic(&[tokenize(&chat_prompt(&messages).unwrap())], MAX, KvLayout::HND).remove(0);
+    let chat_want = detokenize(&chat_ids);
+    let (st, c) =
+        up.post("/v1/chat/completions", &json!({"model": model, "messages": messages, "max_tokens": MAX}));
+    assert_eq!(st, 200, "{c}");
+    assert_eq!(c["object"], "chat.completion");
+    assert_eq!(c["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(c["choices"][0]["message"]["content"].as_str(), Some(chat_want.as_str()));
+    let (st, cs) =
+        up.post("/v1/chat/completions", &json!({"messages": messages, "max_tokens": MAX, "stream": true}));
+    assert_eq!(st, 200, "{cs}");
+    assert!(cs.as_str().unwrap().contains("chat.completion.chunk"), "{cs}");
+    assert_eq!(collect_token_ids(cs.as_str().unwrap()), Some(chat_ids));
+
+    // Both prefill and both decode processes served (round-robin), as their own counters say.
+    for w in prefill.as_array().unwrap().iter().chain(decode.as_array().unwrap()) {
+        let n = metric(w.as_str().unwrap(), "kvconnect_requests_completed_total");
+        assert!(n >= 3, "worker {w} served {n} requests; round-robin should spread 11 over two");
+    }
+
+    // Bad input: an OpenAI error body, a fitting status, and the workers keep serving.
+    let raw = |body: &str| {
+        let mut s = TcpStream::connect(&up.proxy).unwrap();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let (head, body) = out.split_once("\r\n\r\n").unwrap();
+        (
+            head.split_whitespace().nth(1).unwrap().parse::<u16>().unwrap(),
+            serde_json::from_str::<Value>(body).unwrap(),
+        )
+    };
+    let (st, e) = raw("{\"prompt\": \"hi\", ");
+    assert_openai_error(st, &e, 400, "not valid JSON");
+    let (st, e) = up.post("/v1/completions", &json!({"model": "gpt-4", "prompt": "hi"}));
+    assert_openai_error(st, &e, 404, "'gpt-4' does not exist");
+    assert_eq!(e["error"]["param"], "model");
+    let (st, e) = up.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 0}));
+    assert_openai_error(st, &e, 400, "positive integer");
+    let (st, e) = up.post("/v1/completions", &json!({"prompt": "hi", "max_tokens": 1_000_000}));
+    assert_openai_error(st, &e, 422, "exceeds the model's context");
+    // 128 blocks of 16 tokens hold 2048 tokens; the context (4096) would allow this prompt.
+    let long: Vec<u32> = (0..3000u32).map(|i| i % 251).collect();
+    let (st, e) = up.post("/v1/completions", &json!({"prompt": long, "max_tokens": 4}));
+    assert_openai_error(st, &e, 413, "but the pool has");
+    let (st, e) = up.post("/v1/chat/completions", &json!({"messages": [], "max_tokens": 4}));
+    assert_openai_error(st, &e, 400, "'messages' is empty");
+    // A client that sends a streaming request and hangs up before the answer.
+    for _ in 0..3 {
+        let mut s = TcpStream::connect(&up.proxy).unwrap();
+        let body = json!({"prompt": "disconnect me", "max_tokens": 64, "stream": true}).to_string();
+        let req = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        s.write_all(req.as_bytes()).unwrap();
+        drop(s);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let (st, d) = up.post("/v1/completions", &json!({"prompt": prompts[3], "max_tokens": MAX}));
+    assert_eq!(st, 200, "after bad input and hang-ups the workers still serve: {d}");
+    assert_eq!(token_ids(&d).into_iter().map(|t| t as u32).collect::<Vec<_>>(), mono[3]);
+    let (st, h) = http_request(&up.proxy, "GET", "/health", None);
+    assert_eq!(st, 200, "{h}");
+
+    up.terminate_and_check_clean();
+}
+
+fn mismatched(dir: &std::path::Path, policy: &str) -> std::path::PathBuf {
+    let text = format!(
+        r#"model = "{}"
+
+[prefill]
+kv_transfer_config = '{{"kv_connector":"PdConnector","kv_role":"kv_producer","kv_connector_extra_config":{{"connectors":[{{"kv_connector":"LMCacheConnectorV1"}},{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"shm"}}}}]}}}}'
+
+[decode]
+kv_transfer_config = '{{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_load_failure_policy":"{policy}","kv_connector_extra_config":{{"backend":"shm"}}}}'
+hybrid_kv_cache_manager = "auto"
+"#,
+        reference_model().display()
+    );
+    let p = dir.join(format!("dyn3545-{policy}.toml"));
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn mismatched_decode_fails_naming_hma_under_fail_and_recomputes_under_recompute() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = varied_prompts(6)[5].clone();
+    let mono = monolithic(std::slice::from_ref(&prompt), MAX, KvLayout::HND);
+
+    let fail = mismatched(dir.path(), "fail");
+    let up = Up::start(&[fail.to_str().unwrap(), "--independent"]);
+    let (st, e) = up.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": MAX}));
+    assert_eq!(st, 502, "{e}");
+    let m = e["error"]["message"].as_str().unwrap_or_default();
+    assert!(m.contains("hma: prefill=off") && m.contains("decode=on"), "{m}");
+    assert!(e["error"]["diff"].as_array().is_some_and(|d| d.iter().any(|f| f["field"] == "hma")), "{e}");
+    up.terminate_and_check_clean();
+
+    let recompute = mismatched(dir.path(), "recompute");
+    let up = Up::start(&[recompute.to_str().unwrap(), "--independent"]);
+    let (st, d) = up.post("/v1/completions", &json!({"prompt": prompt, "max_tokens": MAX}));
+    assert_eq!(st, 200, "{d}");
+    assert_eq!(token_ids(&d).into_iter().map(|t| t as u32).collect::<Vec<_>>(), mono[0]);
+    assert_eq!(d["kvconnect"]["kv_load"]["recomputed"], true, "{d}");
+    assert_eq!(d["kvconnect"]["num_external_tokens"], 0, "{d}");
+    up.terminate_and_check_clean();
+}
+
+#[test]
+fn workload_report_checks_every_output_and_exits_zero() {
+    let out = Command::new(kvconnect_bin())
+        .args(["up", "--workload", "8", "--json", "--compare-monolithic"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvconnect up --workload");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    // The first line is the address line; the report follows.
+    let report: Value = serde_json::from_str(stdout.split_once('\n').unwrap().1).unwrap();
+    assert_eq!(report["requests"], 8, "{report}");
+    assert_eq!(report["failed"], 0, "{report}");
+    assert_eq!(report["mismatches"], 0, "{report}");
+    assert!(report["kv_bytes"].as_u64().unwrap() > 0, "decode loaded KV from prefill: {report}");
+    assert!(report["lmcache_hit_rate"].as_f64().unwrap() > 0.0, "shared prefixes hit LMCache: {report}");
+    assert!(report["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{report}");
+    assert_eq!(report["compare_monolithic"]["monolithic_mismatches"], 0, "{report}");
+    assert!(report["compare_monolithic"]["ttft_p50_ratio"].as_f64().unwrap() > 0.0, "{report}");
+}
+
+#[test]
+fn up_refuses_a_missing_deployment_before_starting_anything() {
+    let out = Command::new(kvconnect_bin()).args(["up", "/nonexistent/deploy.toml"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no such file"), "{err}");
+    assert!(out.stdout.is_empty(), "no address line for a deployment that cannot start");
+}
