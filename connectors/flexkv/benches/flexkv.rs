@@ -274,11 +274,21 @@ fn ssd_tier(c: &mut Criterion) {
             f.write_all(p).expect("write");
         }
     };
+    // The demotion path: the checksum was taken when the block entered the CPU tier.
+    let sums: Vec<u64> = payloads.iter().map(|p| kvconnect_flexkv::hash::checksum(p)).collect();
     let mut tier_write = || {
+        for (i, p) in payloads.iter().enumerate() {
+            tier.write_summed(i as u32, i as u64, p, sums[i]).expect("tier write");
+        }
+    };
+    let mut tier_write_checksumming = || {
         for (i, p) in payloads.iter().enumerate() {
             tier.write(i as u32, i as u64, p).expect("tier write");
         }
     };
+    // The read benchmarks read what these wrote (also when run alone with a filter).
+    plain_write();
+    tier_write();
     let mut buf = vec![0u8; slot];
     let mut plain_read = || {
         let mut f = plain.borrow_mut();
@@ -293,13 +303,27 @@ fn ssd_tier(c: &mut Criterion) {
             black_box(tier.read(i as u32, i as u64, &mut rbuf).expect("tier read"));
         }
     };
+    // Reference: the same records read raw (one pread each, no checks), to tell the cost of
+    // verification from the cost of the file itself.
+    let raw = std::fs::File::open(tier.path()).expect("open tier file");
+    let mut rawbuf = vec![0u8; SsdTier::record_bytes(slot) as usize];
+    let mut raw_read = || {
+        use std::os::unix::fs::FileExt;
+        for i in 0..n {
+            raw.read_exact_at(&mut rawbuf, i as u64 * tier.record()).expect("raw read");
+        }
+    };
     let hot = vec![7u8; 128 * 1024];
     let mut g = c.benchmark_group("ssd_tier");
     g.throughput(Throughput::Bytes((slot * n) as u64));
     g.bench_function(BenchmarkId::new("write", "plain_sequential"), |b| b.iter(&mut plain_write));
     g.bench_function(BenchmarkId::new("write", "tier_records"), |b| b.iter(&mut tier_write));
+    g.bench_function(BenchmarkId::new("write", "tier_records_checksumming"), |b| {
+        b.iter(&mut tier_write_checksumming)
+    });
     g.bench_function(BenchmarkId::new("read", "plain_sequential"), |b| b.iter(&mut plain_read));
     g.bench_function(BenchmarkId::new("read", "tier_records_verified"), |b| b.iter(&mut tier_read));
+    g.bench_function(BenchmarkId::new("read", "tier_records_raw_pread"), |b| b.iter(&mut raw_read));
     g.bench_function("checksum_hot_128k_x256", |b| {
         b.iter(|| {
             (0..256).map(|_| kvconnect_flexkv::hash::checksum(black_box(&hot))).fold(0u64, |a, c| a ^ c)
@@ -310,15 +334,27 @@ fn ssd_tier(c: &mut Criterion) {
     });
     g.finish();
     paired_ratio(
-        "ssd_tier write (records + checksum) vs sequential write",
+        "ssd_tier write (records, checksum taken at store) vs sequential write",
         0.7,
         &mut plain_write,
         &mut tier_write,
     );
     paired_ratio(
+        "ssd_tier write (records, checksummed while writing) vs sequential write",
+        0.7,
+        &mut plain_write,
+        &mut tier_write_checksumming,
+    );
+    paired_ratio(
         "ssd_tier read (records, verified) vs sequential read",
         0.7,
         &mut plain_read,
+        &mut tier_read,
+    );
+    paired_ratio(
+        "ssd_tier read (records, verified) vs raw pread of the same records",
+        0.7,
+        &mut raw_read,
         &mut tier_read,
     );
 }
