@@ -469,8 +469,8 @@ async fn serve_connection(
 pub enum HandshakeOutcome {
     /// The peer is compatible.
     Welcome {
-        /// The peer's descriptor.
-        compat: CompatDescriptor,
+        /// The peer's descriptor (boxed: it is large and the refusal is small).
+        compat: Box<CompatDescriptor>,
         /// The peer's engine id.
         engine_id: String,
         /// The peer connector's handshake metadata.
@@ -515,7 +515,12 @@ pub async fn handshake(
             // Check again from this side: the plan is what the receiver applies, and a peer
             // that welcomes a mismatch must not get its bytes written into our cache.
             match check_roles(&compat, local) {
-                Ok(plan) => Ok(HandshakeOutcome::Welcome { compat, engine_id: peer_engine, metadata, plan }),
+                Ok(plan) => Ok(HandshakeOutcome::Welcome {
+                    compat: Box::new(compat),
+                    engine_id: peer_engine,
+                    metadata,
+                    plan,
+                }),
                 Err(inc) => Ok(HandshakeOutcome::Refused {
                     message: render_refusal(&peer_engine, engine_id, &inc.diffs),
                     diff: inc.diffs,

@@ -72,11 +72,11 @@ pub fn nixl_backend(nixl_configs: &[KvTransferConfig]) -> Result<Option<Backend>
     }
 }
 
+/// Both halves of a connector instance.
+pub type ConnectorHalves = (Box<dyn SchedulerConnector>, Box<dyn WorkerConnector>);
+
 /// Creates both halves of the configured connector.
-pub fn create_connector(
-    registry: &Registry,
-    ctx: &ConnectorContext,
-) -> Result<(Box<dyn SchedulerConnector>, Box<dyn WorkerConnector>), String> {
+pub fn create_connector(registry: &Registry, ctx: &ConnectorContext) -> Result<ConnectorHalves, String> {
     use kvconnect_api::ConnectorResolver;
     let factory = registry
         .resolve(&ctx.config)
