@@ -255,8 +255,15 @@ pub fn run_consumer(spec: &PeerSpec) -> Result<Value, CudaError> {
         .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))
     })?;
 
+    let cross = if spec.consumer_device != spec.producer_device {
+        cross_device(&gpu, spec.producer_device, bytes as usize, iters, gather_ms)?
+    } else {
+        Value::Null
+    };
+
     Ok(json!({
         "backend": "cuda_ipc",
+        "cross_device": cross,
         "bytes": bytes,
         "regions": nreg,
         "blocks": spec.request_blocks,
@@ -277,5 +284,137 @@ pub fn run_consumer(spec: &PeerSpec) -> Result<Value, CudaError> {
         "contiguous_d2h_gbps": gbps(bytes, d2h_ms),
         "save_ratio": d2h_ms / save_ms,
         "note": "GB/s count bytes read + written for device copies, bytes moved for host saves"
+    }))
+}
+
+/// Peer access from the consumer's GPU to the producer's, enabled when possible.
+fn enable_peer_access(gpu: &Gpu, producer: &Gpu) -> Result<bool, CudaError> {
+    use cudarc::driver::sys;
+    let mut can = 0;
+    // SAFETY: both devices come from live contexts; `can` is a plain out-parameter.
+    let r = unsafe {
+        sys::cuDeviceCanAccessPeer(&mut can, gpu.context().cu_device(), producer.context().cu_device())
+    };
+    if r != sys::cudaError_enum::CUDA_SUCCESS || can == 0 {
+        return Ok(false);
+    }
+    gpu.bind()?;
+    // SAFETY: the consumer's context is current; the peer context is live.
+    let r = unsafe { sys::cuCtxEnablePeerAccess(producer.context().cu_ctx(), 0) };
+    Ok(r == sys::cudaError_enum::CUDA_SUCCESS
+        || r == sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+}
+
+/// Two GPUs of one host: the contiguous `cuMemcpyPeerAsync` baseline and the
+/// host-staged fallback (pinned memory, two buffers: the download of one chunk overlaps
+/// the upload of the previous), in the same run.
+/// GB/s here count the bytes that cross between the GPUs once.
+fn cross_device(
+    gpu: &Gpu,
+    producer_device: usize,
+    bytes: usize,
+    iters: u32,
+    gather_ms: f64,
+) -> Result<Value, CudaError> {
+    let producer = Gpu::open(producer_device)?;
+    let peer_access = enable_peer_access(gpu, &producer)?;
+    let src = producer.alloc(bytes)?;
+    producer.memset_async(src.ptr(), 0x3c, bytes)?;
+    producer.synchronize()?;
+    let dst = gpu.alloc(bytes)?;
+    let peer_ms = best_ms(gpu, iters, || {
+        // SAFETY: both buffers hold `bytes` bytes in their own live contexts.
+        unsafe {
+            cudarc::driver::result::memcpy_peer_async(
+                gpu.context().cu_ctx(),
+                dst.ptr(),
+                producer.context().cu_ctx(),
+                src.ptr(),
+                bytes,
+                gpu.stream().cu_stream(),
+            )
+        }
+        .map_err(|e| CudaError::driver("cuMemcpyPeerAsync", e))
+    })?;
+    // Host-staged: chunks go GPU(producer) -> pinned -> GPU(consumer), two buffers in flight.
+    let chunk = (64usize << 20).min(bytes);
+    let mut stage = [producer.alloc_pinned(chunk)?, producer.alloc_pinned(chunk)?];
+    let staged = |stage: &mut [crate::device::PinnedBuffer; 2]| -> Result<f64, CudaError> {
+        let t = std::time::Instant::now();
+        let chunks: Vec<(usize, usize)> =
+            (0..bytes).step_by(chunk).map(|o| (o, chunk.min(bytes - o))).collect();
+        let download =
+            |buf: &mut crate::device::PinnedBuffer, (off, n): (usize, usize)| -> Result<(), CudaError> {
+                producer.bind()?;
+                // SAFETY: `buf` holds `chunk` >= n bytes; `src` holds `bytes`.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtoh_async(
+                        &mut buf.as_mut_slice()[..n],
+                        src.ptr() + off as u64,
+                        producer.stream().cu_stream(),
+                    )
+                }
+                .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))
+            };
+        download(&mut stage[0], chunks[0])?;
+        for (i, &(off, n)) in chunks.iter().enumerate() {
+            // Chunk i is on the host; the upload of chunk i-1 (the other buffer) is done.
+            producer.synchronize()?;
+            gpu.synchronize()?;
+            gpu.bind()?;
+            // SAFETY: the pinned source holds chunk i and is not refilled before the
+            // consumer's stream is synchronised at the next iteration.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    dst.ptr() + off as u64,
+                    &stage[i % 2].as_slice()[..n],
+                    gpu.stream().cu_stream(),
+                )
+            }
+            .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))?;
+            if let Some(next) = chunks.get(i + 1) {
+                download(&mut stage[(i + 1) % 2], *next)?;
+            }
+        }
+        gpu.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    staged(&mut stage)?;
+    let mut staged_ms = f64::INFINITY;
+    for _ in 0..iters.clamp(1, 3) {
+        staged_ms = staged_ms.min(staged(&mut stage)?);
+    }
+    // The staged path's own baseline: one contiguous download and one upload of the bytes.
+    let mut host = gpu.alloc_pinned(bytes)?;
+    let d2h_ms = best_ms(&producer, iters.clamp(1, 3), || {
+        // SAFETY: `host` holds `bytes`; `src` holds `bytes`.
+        unsafe {
+            cudarc::driver::result::memcpy_dtoh_async(
+                host.as_mut_slice(),
+                src.ptr(),
+                producer.stream().cu_stream(),
+            )
+        }
+        .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))
+    })?;
+    let h2d_ms = best_ms(gpu, iters.clamp(1, 3), || {
+        // SAFETY: as above, the other way.
+        unsafe {
+            cudarc::driver::result::memcpy_htod_async(dst.ptr(), host.as_slice(), gpu.stream().cu_stream())
+        }
+        .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))
+    })?;
+    let staged_baseline_ms = d2h_ms.max(h2d_ms);
+    Ok(json!({
+        "peer_access": peer_access,
+        "path": if peer_access { "gather kernel reading the peer GPU over NVLink" } else { "host-staged (no peer access)" },
+        "gather_gbps": gbps(bytes as u64, gather_ms),
+        "peer_copy_gbps": gbps(bytes as u64, peer_ms),
+        "ratio_vs_peer_copy": peer_ms / gather_ms,
+        "staged_gbps": gbps(bytes as u64, staged_ms),
+        "staged_baseline": "the slower of one contiguous D2H and one contiguous H2D of the same bytes",
+        "staged_baseline_gbps": gbps(bytes as u64, staged_baseline_ms),
+        "staged_ratio": staged_baseline_ms / staged_ms,
+        "note": "GB/s count the bytes that cross between the GPUs once"
     }))
 }

@@ -207,7 +207,7 @@ fn ipc_child() {
     if mode == "export-and-exit" {
         let buf = gpu.alloc(1 << 20).unwrap();
         let h = IpcHandle::export(&gpu, &buf).unwrap();
-        println!("{}", serde_json::to_string(&h).unwrap());
+        println!("\nKVC_HANDLE {}", serde_json::to_string(&h).unwrap());
         return; // the buffer and the process go away
     }
     // "import": read a handle, gather its blocks into local memory, print the bytes' sum.
@@ -232,9 +232,14 @@ fn ipc_child() {
     gpu.synchronize().unwrap();
     let mut out = vec![0u8; local.len()];
     gpu.download(&mut out, local.ptr()).unwrap();
-    println!("{}", serde_json::to_string(&out.iter().map(|b| *b as u64).sum::<u64>()).unwrap());
+    let sum: u64 = out.iter().map(|b| *b as u64).sum();
     let first_of_last = out[(n as usize - 1) * BLOCK];
-    println!("{first_of_last}");
+    println!("\nKVC_RESULT {sum} {first_of_last}");
+}
+
+/// The text after `marker` on the child's output line that carries it.
+fn marked(text: &str, marker: &str) -> Option<String> {
+    text.lines().find_map(|l| l.split_once(marker).map(|(_, rest)| rest.trim().to_owned()))
 }
 
 fn child(mode: &str) -> Command {
@@ -265,11 +270,10 @@ fn ipc_gather_across_processes() {
     let out = c.wait_with_output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    let nums: Vec<u64> = text.lines().filter_map(|l| l.trim().parse().ok()).collect();
+    let result = marked(&text, "KVC_RESULT ").unwrap_or_else(|| panic!("child output: {text}"));
     let sum: u64 = data.iter().map(|b| *b as u64).sum();
-    assert!(nums.contains(&sum), "child output: {text}");
     // The child reversed block order: its last block is our first.
-    assert!(nums.contains(&(data[0] as u64)), "child output: {text}");
+    assert_eq!(result, format!("{sum} {}", data[0]), "child output: {text}");
 }
 
 #[test]
@@ -278,8 +282,8 @@ fn dead_peer_handle_is_an_error_not_a_crash() {
     let out = child("export-and-exit").output().unwrap();
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    let line = text.lines().find(|l| l.starts_with('{')).expect("a handle line");
-    let h: IpcHandle = serde_json::from_str(line).unwrap();
+    let line = marked(&text, "KVC_HANDLE ").unwrap_or_else(|| panic!("child output: {text}"));
+    let h: IpcHandle = serde_json::from_str(&line).unwrap();
     match ImportedRegion::open(&gpu, &h) {
         Err(CudaError::IpcOpen(msg)) => assert!(!msg.is_empty()),
         Err(e) => panic!("unexpected error kind: {e}"),
