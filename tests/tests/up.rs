@@ -183,6 +183,7 @@ fn up_serves_openai_routes_through_distinct_prefill_and_decode_processes_and_exi
     for w in prefill.as_array().unwrap().iter().chain(decode.as_array().unwrap()) {
         let n = metric(w.as_str().unwrap(), "kvconnect_requests_completed_total");
         assert!(n >= 3, "worker {w} served {n} requests; round-robin should spread 11 over two");
+        assert!(metric(w.as_str().unwrap(), "kvconnect_ttft_seconds_count") >= 3, "TTFT histogram on {w}");
     }
 
     // Bad input: an OpenAI error body, a fitting status, and the workers keep serving.
@@ -268,6 +269,12 @@ fn mismatched_decode_fails_naming_hma_under_fail_and_recomputes_under_recompute(
     let m = e["error"]["message"].as_str().unwrap_or_default();
     assert!(m.contains("hma: prefill=off") && m.contains("decode=on"), "{m}");
     assert!(e["error"]["diff"].as_array().is_some_and(|d| d.iter().any(|f| f["field"] == "hma")), "{e}");
+    let dec = up.line["decode"][0].as_str().unwrap().to_owned();
+    assert_eq!(
+        metric(&dec, "kvconnect_handshake_refusals_total{field=\"hma\"}"),
+        1,
+        "decode counts the refusal by field"
+    );
     up.terminate_and_check_clean();
 
     let recompute = mismatched(dir.path(), "recompute");

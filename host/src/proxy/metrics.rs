@@ -8,15 +8,17 @@ use std::time::Duration;
 /// Histogram bucket bounds in seconds.
 const BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
 
+/// A Prometheus histogram with fixed buckets (1 ms to 10 s).
 #[derive(Debug, Default, Clone)]
-struct Histogram {
+pub struct Histogram {
     counts: [u64; BUCKETS.len()],
     sum: f64,
     n: u64,
 }
 
 impl Histogram {
-    fn observe(&mut self, d: Duration) {
+    /// Counts one observation.
+    pub fn observe(&mut self, d: Duration) {
         let s = d.as_secs_f64();
         for (c, b) in self.counts.iter_mut().zip(BUCKETS) {
             if s <= b {
@@ -27,7 +29,8 @@ impl Histogram {
         self.n += 1;
     }
 
-    fn render(&self, name: &str, help: &str, out: &mut String) {
+    /// Appends the histogram as Prometheus text.
+    pub fn render(&self, name: &str, help: &str, out: &mut String) {
         out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
         for (c, b) in self.counts.iter().zip(BUCKETS) {
             out.push_str(&format!("{name}_bucket{{le=\"{b}\"}} {c}\n"));

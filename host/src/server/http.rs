@@ -241,5 +241,6 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         "counter",
         sc.dropped,
     );
+    out.push_str(&crate::server::openai_metrics::render());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

@@ -12,6 +12,7 @@ pub mod connector_setup;
 pub mod engine_loop;
 pub mod http;
 pub mod openai;
+pub mod openai_metrics;
 pub mod peers;
 pub mod sse;
 pub mod synthetic;

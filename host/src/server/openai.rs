@@ -14,7 +14,7 @@
 //! sees the OpenAI stream format, not earlier first bytes.
 
 use crate::server::http::{self, AppState};
-use crate::server::sse;
+use crate::server::{openai_metrics, sse};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -92,15 +92,17 @@ fn check(st: &AppState, raw: &[u8], chat: bool) -> Result<Checked, Response> {
     if let Some(m) = body.get("model") {
         match m.as_str() {
             Some(name) if name == st.model => {}
-            Some(name) => return Err(openai_error(
-                StatusCode::NOT_FOUND,
-                "invalid_request_error",
-                format!(
+            Some(name) => {
+                return Err(openai_error(
+                    StatusCode::NOT_FOUND,
+                    "invalid_request_error",
+                    format!(
                     "the model '{name}' does not exist here; this worker serves '{}' (see GET /v1/models)",
                     st.model
                 ),
-                Some("model"),
-            )),
+                    Some("model"),
+                ))
+            }
             None => return Err(bad(format!("'model' must be a string, not {m}"), Some("model"))),
         }
     }
@@ -178,6 +180,9 @@ async fn openai_from_inner(resp: Response) -> Result<Value, Response> {
         return Ok(v);
     }
     let message = v["error"]["message"].as_str().unwrap_or("the engine failed this request").to_owned();
+    if v["error"].get("diff").is_some() {
+        openai_metrics::refusal(&message);
+    }
     let kind = v["error"]["type"].as_str().unwrap_or("server_error").to_owned();
     let (status, param) = if message.contains("but the pool has") {
         (StatusCode::PAYLOAD_TOO_LARGE, Some("prompt"))
@@ -196,6 +201,14 @@ async fn openai_from_inner(resp: Response) -> Result<Value, Response> {
 }
 
 async fn generate(st: Arc<AppState>, raw: Bytes, chat: bool) -> Response {
+    let route = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let r = generate_inner(st, raw, chat).await;
+    openai_metrics::request(route, r.status().as_u16());
+    r
+}
+
+async fn generate_inner(st: Arc<AppState>, raw: Bytes, chat: bool) -> Response {
+    let t0 = std::time::Instant::now();
     let c = match check(&st, &raw, chat) {
         Ok(c) => c,
         Err(r) => return r,
@@ -205,6 +218,16 @@ async fn generate(st: Arc<AppState>, raw: Bytes, chat: bool) -> Response {
         Ok(v) => v,
         Err(r) => return r,
     };
+    let k = &v["kvconnect"];
+    openai_metrics::generation(
+        std::time::Duration::from_micros(k["ttft_us"].as_u64().unwrap_or(0)),
+        t0.elapsed(),
+        v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
+        k["num_external_tokens"].as_u64().unwrap_or(0),
+    );
+    if let Some(reason) = k["kv_load"]["reason"].as_str() {
+        openai_metrics::refusal(reason);
+    }
     let v = if chat { sse::as_chat(v) } else { v };
     if c.stream {
         sse::response(&v, chat)
