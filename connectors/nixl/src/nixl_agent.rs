@@ -230,7 +230,7 @@ pub fn to_hex(b: &[u8]) -> String {
 /// Inverse of [`to_hex`]; `None` on anything else.
 pub fn from_hex(s: &str) -> Option<Vec<u8>> {
     let s = s.as_bytes();
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     let d = |c: u8| (c as char).to_digit(16).map(|v| v as u8);
