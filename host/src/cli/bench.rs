@@ -29,8 +29,8 @@ pub enum BenchCommand {
 /// Arguments of `bench transfer`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct TransferArgs {
-    /// nixl backend: shm (same host, shared memory) or tcp.
-    #[arg(long, value_name = "shm|tcp", default_value = "shm")]
+    /// nixl backend: shm (same host, shared memory), tcp, or nixl (the NIXL library).
+    #[arg(long, value_name = "shm|tcp|nixl", default_value = "shm")]
     pub backend: String,
     /// The model's config.json (any model: the KV contents are synthetic).
     #[arg(long, value_name = "CONFIG.json")]
@@ -170,7 +170,8 @@ fn backend(s: &str) -> Result<&'static str> {
     match s {
         "shm" => Ok("shm"),
         "tcp" => Ok("tcp"),
-        other => bail!("--backend '{other}': use shm or tcp"),
+        "nixl" => Ok("nixl"),
+        other => bail!("--backend '{other}': use shm, tcp or nixl"),
     }
 }
 
@@ -224,6 +225,9 @@ enum Baseline {
         dst: Vec<u8>,
         sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
     },
+    /// The same bytes in the same number of descriptors (one coalesced run per KV layer and
+    /// K/V part) READ through bare nixl-sys calls between two agents of this process.
+    Nixl(kvconnect_nixl::nixl_raw::RawNixlRead),
 }
 
 impl Baseline {
@@ -261,6 +265,7 @@ impl Baseline {
         match self {
             Baseline::Memcpy { .. } => "memcpy",
             Baseline::Socket { .. } => "raw loopback socket",
+            Baseline::Nixl(_) => "raw NIXL READ (nixl-sys)",
         }
     }
 
@@ -278,6 +283,13 @@ impl Baseline {
                 let mut s = TcpStream::connect(*addr)?;
                 s.read_exact(dst)?;
                 Ok(t.elapsed())
+            }
+            Baseline::Nixl(r) => {
+                let d = r.measure().map_err(|e| anyhow!("raw NIXL baseline: {e}"))?;
+                if !r.verify() {
+                    bail!("raw NIXL baseline: the READ delivered wrong bytes");
+                }
+                Ok(d)
             }
         }
     }
@@ -323,6 +335,10 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         if baseline.is_none() {
             baseline = Some(match backend {
                 "shm" => Baseline::memcpy(0),
+                "nixl" => Baseline::Nixl(
+                    kvconnect_nixl::nixl_raw::RawNixlRead::new(bytes as usize, 2 * spec.kv_layers().len())
+                        .map_err(|e| anyhow!("raw NIXL baseline: {e}"))?,
+                ),
                 _ => Baseline::socket(bytes as usize, total)?,
             });
         }
