@@ -81,6 +81,9 @@ struct Checked {
     stream: bool,
 }
 
+// The error is the finished response; it is built once per refused request, so its size
+// does not matter.
+#[allow(clippy::result_large_err)]
 fn check(st: &AppState, raw: &[u8], chat: bool) -> Result<Checked, Response> {
     let bad =
         |m: String, p: Option<&str>| openai_error(StatusCode::BAD_REQUEST, "invalid_request_error", m, p);

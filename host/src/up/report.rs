@@ -195,7 +195,7 @@ mod tests {
     #[test]
     fn a_mismatch_or_failure_makes_the_report_incorrect() {
         let good = Sample { tokens: 4, total_us: 1000, ttft_us: 10, matches: true, ..Sample::default() };
-        let r = Report::new(&[good.clone()], "mixed", 1, 1.0, 512);
+        let r = Report::new(std::slice::from_ref(&good), "mixed", 1, 1.0, 512);
         assert!(r.all_correct());
         let bad = Sample { matches: false, ..good.clone() };
         assert!(!Report::new(&[good.clone(), bad], "mixed", 1, 1.0, 512).all_correct());
