@@ -254,7 +254,10 @@ impl Puller {
         #[cfg(feature = "cuda")]
         {
             let c = self.cuda.as_mut().ok_or_else(|| {
-                TransferError::Plan("backend cuda_ipc selected but this worker has no GPU side (regions not registered)".into())
+                TransferError::Plan(
+                    "backend cuda_ipc selected but this worker has no GPU side (regions not registered)"
+                        .into(),
+                )
             })?;
             let (bytes, adapted) = c.pull(local.geometry(), groups, peer, load)?;
             self.expect_ok(peer, &ClientMsg::Done { request })?;
@@ -263,9 +266,7 @@ impl Puller {
         #[cfg(not(feature = "cuda"))]
         {
             let _ = (local, groups, request);
-            Err(TransferError::Plan(
-                "backend cuda_ipc needs a build with `--features cuda`".into(),
-            ))
+            Err(TransferError::Plan("backend cuda_ipc needs a build with `--features cuda`".into()))
         }
     }
 

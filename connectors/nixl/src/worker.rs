@@ -159,7 +159,8 @@ impl NixlWorker {
     fn start_cuda(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
         #[cfg(feature = "cuda")]
         {
-            let gpu = crate::cuda_ipc::open_gpu(regions).map_err(|e| ConnectorError::invalid(NAME, e.to_string()))?;
+            let gpu = crate::cuda_ipc::open_gpu(regions)
+                .map_err(|e| ConnectorError::invalid(NAME, e.to_string()))?;
             self.gpu = Some(gpu);
             Ok(())
         }

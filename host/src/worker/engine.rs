@@ -9,6 +9,7 @@
 //! `finished_sending`. Async loads keep the request out of compute until `get_finished`
 //! reports it received (or failed: then `kv_load_failure_policy` decides).
 
+use crate::worker::device_pool::DeviceMirror;
 use crate::worker::error::WorkerError;
 use crate::worker::forward::{forward_layer, Scratch};
 use crate::worker::kv_codec;
@@ -16,7 +17,7 @@ use crate::worker::model::{ReferenceConfig, ReferenceModel};
 use crate::worker::pool::KvPool;
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, LayerId, MatchResult,
-    ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
+    MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -171,6 +172,8 @@ pub struct Engine {
     // Declared before `pool` so the connector is dropped (and shut down) before the memory
     // it registered goes away.
     connector: Option<Connector>,
+    // Device KV: the regions the connector sees (dropped after it, before the pool).
+    device: Option<DeviceMirror>,
     pool: KvPool,
     policy: FailurePolicy,
     seqs: BTreeMap<u64, Seq>,
@@ -222,14 +225,20 @@ impl Engine {
             ));
         }
         let pool = KvPool::new(&spec, &cfg.effective, cfg.num_blocks, cfg.shm.as_deref())?;
+        let device = match cfg.effective.memory {
+            MemoryKind::Device => Some(DeviceMirror::new(&pool)?),
+            _ => None,
+        };
         let mut connector = connector;
         if let Some((_, w)) = connector.as_mut() {
-            w.register_kv_caches(pool.regions()).map_err(conn_err("register_kv_caches"))?;
+            let regions = device.as_ref().map_or(pool.regions(), DeviceMirror::regions);
+            w.register_kv_caches(regions).map_err(conn_err("register_kv_caches"))?;
         }
         Ok(Engine {
             model,
             spec,
             connector,
+            device,
             pool,
             policy,
             seqs: BTreeMap::new(),
@@ -327,7 +336,7 @@ impl Engine {
 
     /// The regions registered with the connector.
     pub fn regions(&self) -> &[KvRegion] {
-        self.pool.regions()
+        self.device.as_ref().map_or(self.pool.regions(), DeviceMirror::regions)
     }
 
     /// The block pool.
@@ -518,8 +527,11 @@ impl Engine {
             }
             compute += t.elapsed();
             let t = Instant::now();
+            let ids: Vec<BlockId> = written.into_iter().collect();
+            if let Some(dm) = &self.device {
+                dm.upload_blocks(&self.pool, lid, &ids)?;
+            }
             if let Some((_, worker)) = self.connector.as_mut() {
-                let ids: Vec<BlockId> = written.into_iter().collect();
                 worker.save_kv_layer(lid, &ids).map_err(conn_err("save_kv_layer"))?;
             }
             conn_time += t.elapsed();
@@ -537,6 +549,11 @@ impl Engine {
                 .map_err(conn_err("block_ids_with_load_errors"))?
                 .into_iter()
                 .collect();
+        }
+        if !fin.finished_recving.is_empty() {
+            if let Some(dm) = &self.device {
+                dm.download_all(&self.pool)?;
+            }
         }
         conn_time += t.elapsed();
 

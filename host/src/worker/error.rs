@@ -58,6 +58,9 @@ pub enum WorkerError {
         waiting: Vec<String>,
     },
     /// Reading or writing a block of the pool failed (block id out of range: a bug).
+    #[error("GPU KV regions (kv_buffer_device=\"cuda\"): {0}")]
+    Device(String),
+    /// Reading or writing the pool failed.
     #[error("KV pool access failed: {0}")]
     Access(String),
 }

@@ -17,6 +17,7 @@
 //! * [`KvPool`] — the block pool (regions, block tables); [`shm`] — shared-memory regions.
 //! * [`tokenize`] / [`detokenize`] — the byte-level tokenizer.
 
+pub mod device_pool;
 pub mod engine;
 pub mod error;
 pub mod forward;

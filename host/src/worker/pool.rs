@@ -76,9 +76,11 @@ impl KvPool {
         shm_engine_id: Option<&str>,
     ) -> Result<KvPool, WorkerError> {
         let lay = |m: String| WorkerError::Layout(m);
-        if eff.memory != MemoryKind::Host {
+        // Device KV: this pool is the engine's host working copy, `device_pool` the regions
+        // the connectors see.
+        if !matches!(eff.memory, MemoryKind::Host | MemoryKind::Device) {
             return Err(lay(format!(
-                "memory kind is {:?}; the worker pool allocates host memory only (negotiate with memory = host)",
+                "memory kind is {:?}; the worker keeps KV in host or device memory (kv_buffer_device \"cpu\" or \"cuda\")",
                 eff.memory
             )));
         }
