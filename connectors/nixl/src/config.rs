@@ -243,6 +243,19 @@ mod tests {
     }
 
     #[test]
+    fn cuda_ipc_needs_the_cuda_feature() {
+        let c = NixlConfig::from_config(&cfg(json!({"backend": "cuda_ipc"}))).unwrap();
+        assert_eq!(c.backend, Backend::CudaIpc);
+        let r = c.require_available();
+        if cfg!(feature = "cuda") {
+            assert!(r.is_ok(), "{r:?}");
+        } else {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("--features cuda") && e.contains("cuda_ipc"), "{e}");
+        }
+    }
+
+    #[test]
     fn bad_values_are_named() {
         for (extra, key) in [
             (json!({"backend": "rdma"}), "rdma"),

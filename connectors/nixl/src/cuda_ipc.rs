@@ -219,7 +219,7 @@ impl CudaIpcPull {
         if bp == 0 {
             return Err(plan("a block size of 0 tokens".into()));
         }
-        if load.first_token % bp != 0 {
+        if !load.first_token.is_multiple_of(bp) {
             return Err(plan(format!(
                 "request {}: backend cuda_ipc copies whole blocks, but loading starts at token {} inside a block of {bp}",
                 load.request, load.first_token

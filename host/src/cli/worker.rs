@@ -99,6 +99,15 @@ fn options(a: &WorkerArgs) -> Result<EngineOptions> {
     Ok(o)
 }
 
+/// Device KV (`kv_buffer_device = "cuda"`) needs a build with the `cuda` feature; say so
+/// before negotiation reports it as a memory kind no connector supports.
+fn device_kv_available(o: &EngineOptions) -> Result<()> {
+    if o.memory == Some(kvconnect_api::MemoryKind::Device) && !cfg!(feature = "cuda") {
+        bail!("kv_buffer_device=\"cuda\" asks for KV regions in GPU memory, but this kvconnect was built without GPU support: rebuild with `cargo build --release -p kvconnect-host --features cuda`, or use kv_buffer_device=\"cpu\"");
+    }
+    Ok(())
+}
+
 fn role_of(a: &WorkerArgs, config: Option<&KvTransferConfig>) -> Result<Role> {
     if let Some(r) = &a.role {
         return r.parse::<Role>().map_err(|e| anyhow!("--role: {e}"));
@@ -128,6 +137,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         let json = std::fs::read_to_string(&d.model_path)
             .with_context(|| format!("model {}: cannot read it", d.model_path.display()))?;
         let rc = d.role(role).clone();
+        device_kv_available(&rc.options)?;
         (role, rc.kv_transfer_config, json, d.model, n, c, rc.options)
     } else {
         let (Some(cfg), Some(model_path)) = (&a.kv_transfer_config, &a.model) else {
@@ -139,7 +149,14 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             .with_context(|| format!("model {}: cannot read it", model_path.display()))?;
         let model = ModelSpec::from_hf_config_json(&json)
             .with_context(|| format!("model {}", model_path.display()))?;
-        let opts = options(a)?;
+        let mut opts = options(a)?;
+        if let Some(dev) = &config.kv_buffer_device {
+            opts.memory = Some(
+                EngineOptions::memory_from_kv_buffer_device(dev)
+                    .map_err(|e| anyhow!("--kv-transfer-config kv_buffer_device: {e}"))?,
+            );
+        }
+        device_kv_available(&opts)?;
         let (n, c) = negotiate_worker(&registry, &config, &model, &opts, role.name())?;
         (role, config, json, model, n, c, opts)
     };
