@@ -1,0 +1,168 @@
+//! Device KV across processes: a prefill and a decode `kvconnect worker`, both with
+//! `kv_buffer_device = "cuda"` and the nixl connector's cuda_ipc backend, so decode opens
+//! prefill's CUDA IPC handles and copies each request with one gather kernel. Outputs must
+//! equal a monolithic engine's token for token, every decode must really load all but the
+//! last prompt token, and after prefill dies a load from it fails instead of hanging.
+//! Needs a GPU: skips, saying so, where there is none.
+#![cfg(feature = "cuda")]
+
+use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
+use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const MAX_TOKENS: usize = 4;
+
+fn reference_model() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/kvconnect--reference/config.json")
+}
+
+struct Worker {
+    child: Child,
+    http: String,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(role: &str, id: &str) -> Worker {
+    let cfg = format!(
+        r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_buffer_device":"cuda","kv_connector_extra_config":{{"backend":"cuda_ipc","io_timeout":3,"connect_timeout":2}}}}"#
+    );
+    let model = reference_model();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvconnect"))
+        .args(["worker", "--kv-transfer-config", &cfg, "--model", model.to_str().unwrap(), "--engine-id", id])
+        .args(["--num-blocks", "512"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(out).lines();
+    let line = loop {
+        match lines.next() {
+            Some(Ok(l)) if l.trim_start().starts_with('{') => break l,
+            Some(Ok(_)) => continue,
+            _ => panic!("worker {id} ended without printing its addresses"),
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    let v: Value = serde_json::from_str(&line).unwrap();
+    Worker { child, http: v["http"].as_str().unwrap().to_owned() }
+}
+
+fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    let payload = body.to_string();
+    let req = format!(
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        payload.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, serde_json::from_str(body).unwrap_or(Value::String(body.to_owned())))
+}
+
+fn prompts(n: usize) -> Vec<Vec<u32>> {
+    let lens = [2usize, 15, 16, 17, 33, 49, 65, 97, 129];
+    (0..n)
+        .map(|i| {
+            let len = lens[i % lens.len()] + (i / lens.len()) * 3;
+            (0..len).map(|j| ((i * 131 + j * 29 + j * j * 7) % 256) as u32).collect()
+        })
+        .collect()
+}
+
+fn monolithic(ps: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    let model = ReferenceConfig::builtin().unwrap();
+    let spec = model.model_spec().unwrap();
+    let effective = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
+    let cfg = EngineConfig { model, effective, num_blocks: 256, seed: 0, shm: None };
+    let mut e = Engine::new(cfg, None, FailurePolicy::Fail).unwrap();
+    let mut out = Vec::new();
+    for (i, p) in ps.iter().enumerate() {
+        e.add_request(GenRequest::new(format!("m{i}"), p.clone(), MAX_TOKENS)).unwrap();
+        out.push(e.run_to_completion(100_000).unwrap().remove(0).tokens);
+    }
+    out
+}
+
+#[test]
+fn two_worker_processes_over_cuda_ipc_equal_monolithic() {
+    if let Err(e) = kvconnect_cuda::Gpu::open(0) {
+        eprintln!("skipping: no GPU ({e})");
+        return;
+    }
+    let ps = prompts(18);
+    let mono = monolithic(&ps);
+    let prefill = start("kv_producer", "prefill-cuda");
+    let decode = start("kv_consumer", "decode-cuda");
+    for (i, p) in ps.iter().enumerate() {
+        let (st, pre) = post(
+            &prefill.http,
+            "/v1/completions",
+            &json!({"prompt": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+        );
+        assert_eq!(st, 200, "prefill of prompt {i}: {pre}");
+        let params = pre["kv_transfer_params"].clone();
+        let (st, d) = post(
+            &decode.http,
+            "/v1/completions",
+            &json!({"request_id": pre["id"], "prompt": p, "max_tokens": MAX_TOKENS, "kv_transfer_params": params}),
+        );
+        assert_eq!(st, 200, "decode of prompt {i}: {d}");
+        let got: Vec<u32> = d["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(got, mono[i], "prompt {i} (len {}): device KV over cuda_ipc != monolithic", p.len());
+        assert_eq!(
+            d["kvconnect"]["num_external_tokens"].as_u64(),
+            Some(p.len() as u64 - 1),
+            "prompt {i}: decode must load all but the last prompt token: {d}"
+        );
+    }
+    // Prefill dies: decode's load from it fails (kv_load_failure_policy applies: recompute
+    // gives the right tokens without external ones, fail gives an error), never a hang.
+    let p = ps[0].clone();
+    let (st, pre) = post(
+        &prefill.http,
+        "/v1/completions",
+        &json!({"prompt": p, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    assert_eq!(st, 200, "{pre}");
+    let params = pre["kv_transfer_params"].clone();
+    drop(prefill);
+    let (st, d) = post(
+        &decode.http,
+        "/v1/completions",
+        &json!({"request_id": pre["id"], "prompt": p, "max_tokens": MAX_TOKENS, "kv_transfer_params": params}),
+    );
+    if st == 200 {
+        let got: Vec<u32> = d["choices"][0]["token_ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(got, mono[0], "recomputed after the dead peer: {d}");
+    } else {
+        assert!(d.to_string().contains("prefill") || d.to_string().contains("load"), "{st} {d}");
+    }
+}
