@@ -17,8 +17,23 @@ use std::time::Duration;
 
 const MAX_TOKENS: usize = 4;
 
+/// The fixture, from this checkout or (a test binary carried to another machine and run in
+/// the repository root there) relative to the working directory.
 fn reference_model() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/kvconnect--reference/config.json")
+    let built =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/models/kvconnect--reference/config.json");
+    if built.exists() {
+        built
+    } else {
+        PathBuf::from("fixtures/models/kvconnect--reference/config.json")
+    }
+}
+
+/// The `kvconnect` binary built with this test, or `KVCONNECT_BIN` (a carried binary).
+fn kvconnect_bin() -> PathBuf {
+    std::env::var_os("KVCONNECT_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kvconnect")))
 }
 
 struct Worker {
@@ -38,7 +53,7 @@ fn start(role: &str, id: &str) -> Worker {
         r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_buffer_device":"cuda","kv_connector_extra_config":{{"backend":"cuda_ipc","io_timeout":3,"connect_timeout":2}}}}"#
     );
     let model = reference_model();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvconnect"))
+    let mut child = Command::new(kvconnect_bin())
         .args(["worker", "--kv-transfer-config", &cfg, "--model", model.to_str().unwrap(), "--engine-id", id])
         .args(["--num-blocks", "512"])
         .stdin(Stdio::null())

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU tests (device KV, cuda_ipc, the gather kernel), built on a machine without a GPU and
+# run on one with a GPU.
+#
+#   scripts/gpu-tests.sh build   # here: release test binaries + kvconnect, into .device/gpu-tests
+#   scripts/gpu-tests.sh run     # there, from the repository root: runs them, logs in $OUT
+#
+# Without a GPU every test skips with a message, so `run` also works (and proves nothing) here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=.device/gpu-tests
+
+build() {
+  rm -rf "$dir" && mkdir -p "$dir"
+  cargo build --release -p kvconnect-host --features cuda --bin kvconnect
+  local bin
+  bin="$(cargo build --release -p kvconnect-host --features cuda --bin kvconnect --message-format=json \
+    | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)"
+  cp "$bin" "$dir/kvconnect"
+  for spec in "kvconnect-nixl cuda cuda_ipc" "kvconnect-host cuda device_kv" \
+              "kvconnect-host cuda device_kv_processes" "kvconnect-cuda cuda gpu"; do
+    set -- $spec
+    cargo test --release -p "$1" --features "$2" --test "$3" --no-run
+    cargo test --release -p "$1" --features "$2" --test "$3" --no-run --message-format=json \
+      | python3 -c 'import json,sys
+for l in sys.stdin:
+    m=json.loads(l)
+    if m.get("reason")=="compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        print(m["target"]["name"], m["executable"])' \
+      | while read -r name exe; do cp "$exe" "$dir/test-$name"; done
+  done
+  strip "$dir"/* 2>/dev/null || true
+  du -sh "$dir"/*
+}
+
+run() {
+  local logs="${OUT:-.device/gpu-logs}" rc=0
+  mkdir -p "$logs"
+  export KVCONNECT_BIN="$PWD/$dir/kvconnect"
+  nvidia-smi -L > "$logs/gpu.txt" 2>&1 || true
+  for t in "$dir"/test-*; do
+    local name
+    name="$(basename "$t")"
+    if "$t" --test-threads=1 --nocapture > "$logs/$name.log" 2>&1; then
+      echo "PASS $name: $(grep -c '^test .* ok$' "$logs/$name.log") ok, skipped: $(grep -c 'skipping' "$logs/$name.log")"
+    else
+      rc=1
+      echo "FAIL $name (see $logs/$name.log)"
+      tail -40 "$logs/$name.log"
+    fi
+  done
+  return $rc
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) run ;;
+  *) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac
