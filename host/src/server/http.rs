@@ -31,6 +31,10 @@ pub struct AppState {
     pub engine_id: String,
     /// The model's name, echoed in responses.
     pub model: String,
+    /// Longest prompt plus completion this worker accepts, in tokens: the reference
+    /// engine's context, or unbounded (only the KV pool limits it) for the transfer-only
+    /// engine, which moves synthetic KV of any model's geometry.
+    pub max_model_len: usize,
     /// This worker's compat hash.
     pub compat_hash: String,
     /// Side-channel server counters.

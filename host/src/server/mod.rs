@@ -167,6 +167,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         role: spec.role.name().to_owned(),
         engine_id: spec.engine_id.clone(),
         model: spec.model.name.clone(),
+        max_model_len: if spec.synthetic { usize::MAX } else { openai::CONTEXT_TOKENS },
         compat_hash: spec.compat.compat_hash(),
         side_channel: server.stats(),
         next_id: AtomicU64::new(0),

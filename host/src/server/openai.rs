@@ -143,23 +143,24 @@ fn check(st: &AppState, raw: &[u8], chat: bool) -> Result<Checked, Response> {
         _ => 0,
     };
     if let Some(n) = max_tokens {
-        if prompt_len.saturating_add(n) > CONTEXT_TOKENS {
+        if prompt_len.saturating_add(n) > st.max_model_len {
             return Err(openai_error(
                 StatusCode::UNPROCESSABLE_ENTITY,
                 "invalid_request_error",
                 format!(
-                    "max_tokens {n} with a {prompt_len}-token prompt exceeds the model's context of {CONTEXT_TOKENS} tokens; ask for at most {} tokens",
-                    CONTEXT_TOKENS.saturating_sub(prompt_len)
+                    "max_tokens {n} with a {prompt_len}-token prompt exceeds the model's context of {} tokens; ask for at most {} tokens",
+                    st.max_model_len,
+                    st.max_model_len.saturating_sub(prompt_len)
                 ),
                 Some("max_tokens"),
             ));
         }
     }
-    if prompt_len > CONTEXT_TOKENS {
+    if prompt_len > st.max_model_len {
         return Err(openai_error(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
-            format!("the prompt has {prompt_len} tokens; the model's context is {CONTEXT_TOKENS} tokens"),
+            format!("the prompt has {prompt_len} tokens; the model's context is {} tokens", st.max_model_len),
             Some("prompt"),
         ));
     }
@@ -253,7 +254,7 @@ pub async fn chat_completions(State(st): State<Arc<AppState>>, raw: Bytes) -> Re
 pub async fn models(State(st): State<Arc<AppState>>) -> Response {
     Json(json!({
         "object": "list",
-        "data": [{"id": st.model, "object": "model", "owned_by": "kvconnect", "max_model_len": CONTEXT_TOKENS}],
+        "data": [{"id": st.model, "object": "model", "owned_by": "kvconnect", "max_model_len": st.max_model_len}],
     }))
     .into_response()
 }
