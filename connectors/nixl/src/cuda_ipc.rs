@@ -327,3 +327,42 @@ impl CudaIpcPull {
         Ok((bytes, perm != Permute::None))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvconnect_api::geometry::{BlockShape, RegionShape};
+    use kvconnect_api::KvLayout;
+
+    fn geo(layout: KvLayout) -> Geometry {
+        let shape = BlockShape { heads: 2, tokens: 4, head_dim: 8, elem_size: 2, kv_parts: 2 };
+        Geometry::new(shape, layout, vec![RegionShape { layers: vec![LayerId(0)], num_blocks: 8 }])
+    }
+
+    #[test]
+    fn the_permute_follows_the_two_layouts() {
+        let (nhd, hnd) = (geo(KvLayout::NHD), geo(KvLayout::HND));
+        assert_eq!(permute(&hnd, &hnd).unwrap(), Permute::None);
+        assert_eq!(permute(&nhd, &hnd).unwrap(), Permute::NhdToHnd { heads: 2, tokens: 4 });
+        assert_eq!(permute(&hnd, &nhd).unwrap(), Permute::HndToNhd { heads: 2, tokens: 4 });
+        assert!(per_layer(&hnd) && !per_layer(&geo(KvLayout::BLHNC)));
+    }
+
+    #[test]
+    fn host_regions_are_refused_with_the_setting_to_change() {
+        let r = KvRegion {
+            name: "layer.0".into(),
+            addr: 4096,
+            len: 4096,
+            memory: MemoryKind::Host,
+            device: -1,
+            layers: vec![LayerId(0)],
+            group: 0,
+            num_blocks: 8,
+            shm_name: None,
+        };
+        let Err(e) = open_gpu(&[r]) else { panic!("host regions accepted") };
+        let e = e.to_string();
+        assert!(e.contains("kv_buffer_device=\"cuda\"") && e.contains("layer.0"), "{e}");
+    }
+}
