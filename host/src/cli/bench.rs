@@ -24,6 +24,10 @@ pub enum BenchCommand {
     Transfer(TransferArgs),
     /// Time to first token of a long prompt, disaggregated vs one worker (reference engine).
     Ttft(TtftArgs),
+    /// The consumer half of `bench transfer --backend cuda_ipc` (started by it; reads its
+    /// spec as JSON on stdin).
+    #[command(hide = true)]
+    CudaIpcPeer,
 }
 
 /// Arguments of `bench transfer`.
@@ -44,6 +48,15 @@ pub struct TransferArgs {
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Where the KV regions live: cpu, or cuda (with --backend cuda_ipc).
+    #[arg(long, value_name = "cpu|cuda", default_value = "cpu")]
+    pub device: String,
+    /// GPU of the prefill (producer) process (cuda_ipc).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub gpu: usize,
+    /// GPU of the decode (consumer) process (cuda_ipc); another GPU of the host crosses NVLink.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub peer_gpu: usize,
 }
 
 /// Arguments of `bench ttft`.
@@ -73,8 +86,12 @@ pub struct TtftArgs {
 /// Runs `kvconnect bench`.
 pub fn run(cmd: &BenchCommand) -> Result<()> {
     match cmd {
+        BenchCommand::Transfer(a) if a.backend == "cuda_ipc" || a.device == "cuda" => {
+            super::bench_cuda::transfer(a)
+        }
         BenchCommand::Transfer(a) => transfer(a),
         BenchCommand::Ttft(a) => ttft(a),
+        BenchCommand::CudaIpcPeer => super::bench_cuda::peer(),
     }
 }
 

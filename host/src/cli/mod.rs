@@ -2,6 +2,7 @@
 //! Subcommands return `anyhow::Result`; `main` prints the error chain as one message.
 
 pub mod bench;
+mod bench_cuda;
 pub mod exit;
 pub mod negotiate;
 pub mod plan;
