@@ -84,6 +84,139 @@ pub async fn request(
     parse(addr, &raw)
 }
 
+/// An answer whose body is still arriving: the status, and the body's bytes (de-chunked) as
+/// they come, on a channel that closes at the body's end (an `Err` item when the connection
+/// broke or the chunking was malformed).
+pub struct Streaming {
+    /// HTTP status.
+    pub status: u16,
+    /// Body pieces as they arrive.
+    pub body: tokio::sync::mpsc::Receiver<Result<Vec<u8>, ClientError>>,
+}
+
+/// Sends one request and returns once the response head is in (within `timeout`); the body
+/// then streams on, each read within `timeout` of the last.
+pub async fn request_streaming(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Duration,
+) -> Result<Streaming, ClientError> {
+    let io = |reason: String| ClientError::Io { addr: addr.to_owned(), reason };
+    let mut s = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| io(format!("no connection within {timeout:?}")))?
+        .map_err(|source| ClientError::Connect { addr: addr.to_owned(), source })?;
+    let payload = body.map(Value::to_string).unwrap_or_default();
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        payload.len()
+    );
+    let mut raw = Vec::new();
+    let read_head = async {
+        s.write_all(head.as_bytes()).await?;
+        s.write_all(payload.as_bytes()).await?;
+        let mut buf = [0u8; 16384];
+        loop {
+            if let Some(at) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+                return Ok::<_, std::io::Error>(at);
+            }
+            if raw.len() > MAX_RESPONSE {
+                return Err(std::io::Error::other("the response head is too long"));
+            }
+            let n = s.read(&mut buf).await?;
+            if n == 0 {
+                return Err(std::io::Error::other("the connection closed before the response head"));
+            }
+            raw.extend_from_slice(&buf[..n]);
+        }
+    };
+    let split = tokio::time::timeout(timeout, read_head)
+        .await
+        .map_err(|_| io(format!("no answer within {timeout:?}")))?
+        .map_err(|e| io(e.to_string()))?;
+    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
+    let status = head
+        .strip_prefix("http/1.")
+        .and_then(|h| h.split_whitespace().nth(1))
+        .and_then(|c| c.parse::<u16>().ok())
+        .ok_or_else(|| ClientError::Malformed { addr: addr.to_owned() })?;
+    let chunked = head.contains("transfer-encoding: chunked");
+    let rest = raw[split + 4..].to_vec();
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let addr = addr.to_owned();
+    tokio::spawn(async move {
+        let mut pending = rest;
+        let mut buf = vec![0u8; 65536];
+        loop {
+            // Hand on what is complete so far.
+            let piece = if chunked {
+                match take_chunks(&mut pending) {
+                    Ok((data, last)) => {
+                        if !data.is_empty() && tx.send(Ok(data)).await.is_err() {
+                            return;
+                        }
+                        if last {
+                            return;
+                        }
+                        None
+                    }
+                    Err(()) => {
+                        let _ = tx.send(Err(ClientError::Malformed { addr: addr.clone() })).await;
+                        return;
+                    }
+                }
+            } else {
+                Some(std::mem::take(&mut pending))
+            };
+            if let Some(p) = piece.filter(|p| !p.is_empty()) {
+                if tx.send(Ok(p)).await.is_err() {
+                    return;
+                }
+            }
+            match tokio::time::timeout(timeout, s.read(&mut buf)).await {
+                Ok(Ok(0)) => return,
+                Ok(Ok(n)) => pending.extend_from_slice(&buf[..n]),
+                Ok(Err(e)) => {
+                    let _ = tx.send(Err(ClientError::Io { addr: addr.clone(), reason: e.to_string() })).await;
+                    return;
+                }
+                Err(_) => {
+                    let reason = format!("no more of the answer within {timeout:?}");
+                    let _ = tx.send(Err(ClientError::Io { addr: addr.clone(), reason })).await;
+                    return;
+                }
+            }
+        }
+    });
+    Ok(Streaming { status, body: rx })
+}
+
+/// Takes the complete chunks off the front of `b`: their data, and whether the last (empty)
+/// chunk was among them. A size line that is not hex is an error.
+fn take_chunks(b: &mut Vec<u8>) -> Result<(Vec<u8>, bool), ()> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(eol) = b[at..].windows(2).position(|w| w == b"\r\n") {
+        let size_line = String::from_utf8_lossy(&b[at..at + eol]).into_owned();
+        let size_hex = size_line.split(';').next().unwrap_or("").trim();
+        let n = usize::from_str_radix(size_hex, 16).map_err(|_| ())?;
+        let start = at + eol + 2;
+        if n == 0 {
+            b.drain(..start.min(b.len()));
+            return Ok((out, true));
+        }
+        if b.len() < start + n + 2 {
+            break;
+        }
+        out.extend_from_slice(&b[start..start + n]);
+        at = start + n + 2;
+    }
+    b.drain(..at);
+    Ok((out, false))
+}
+
 fn parse(addr: &str, raw: &[u8]) -> Result<Reply, ClientError> {
     let malformed = || ClientError::Malformed { addr: addr.to_owned() };
     let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(malformed)?;
@@ -120,6 +253,15 @@ fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn chunks_are_taken_as_they_complete() {
+        let mut b = b"3\r\nabc\r\n2\r\nd".to_vec();
+        assert_eq!(take_chunks(&mut b), Ok((b"abc".to_vec(), false)));
+        b.extend_from_slice(b"e\r\n0\r\n\r\n");
+        assert_eq!(take_chunks(&mut b), Ok((b"de".to_vec(), true)));
+        assert_eq!(take_chunks(&mut b"zz\r\n".to_vec()), Err(()));
+    }
 
     #[test]
     fn parses_plain_and_chunked_answers() {

@@ -86,7 +86,7 @@ fn relay(status: u16, body: Value) -> Response {
     (status, Json(body)).into_response()
 }
 
-async fn disaggregated(p: &Proxy, raw: &[u8], chat: bool) -> Response {
+async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
     let t0 = Instant::now();
     let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
     let v: Value = match serde_json::from_slice(raw) {
@@ -170,6 +170,11 @@ async fn disaggregated(p: &Proxy, raw: &[u8], chat: bool) -> Response {
     let Some(dw) = Proxy::pick(&p.decode, &p.next_decode) else {
         return unreachable("decode", "none configured");
     };
+    if stream {
+        dec.insert("stream".into(), json!(true));
+        let hop = Hop { pw, dw, prefill: pv["kvconnect"].clone(), t0, prefill_done };
+        return stream_decode(p, path, dec, hop).await;
+    }
     let dr = match client::request(&dw, "POST", path, Some(&Value::Object(dec)), p.timeout).await {
         Ok(r) => r,
         Err(e) => {
@@ -202,6 +207,114 @@ async fn disaggregated(p: &Proxy, raw: &[u8], chat: bool) -> Response {
     } else {
         Json(dv).into_response()
     }
+}
+
+/// What the proxy knows of a request when decode's stream starts.
+struct Hop {
+    pw: String,
+    dw: String,
+    prefill: Value,
+    t0: Instant,
+    prefill_done: Duration,
+}
+
+/// Decode's SSE stream, passed through to the client as it arrives; the closing chunk (the
+/// one with `usage`) gets the proxy's `kvconnect` block added, as a non-streaming answer does.
+/// TTFT counts to the first token chunk the proxy forwards.
+async fn stream_decode(
+    p: &Arc<Proxy>,
+    path: &str,
+    dec: serde_json::Map<String, Value>,
+    hop: Hop,
+) -> Response {
+    let mut ds =
+        match client::request_streaming(&hop.dw, "POST", path, Some(&Value::Object(dec)), p.timeout).await {
+            Ok(s) => s,
+            Err(e) => {
+                p.metrics.error();
+                return unreachable("decode", e);
+            }
+        };
+    if ds.status != 200 {
+        let mut b = Vec::new();
+        while let Some(Ok(piece)) = ds.body.recv().await {
+            b.extend_from_slice(&piece);
+        }
+        p.metrics.error();
+        let v = serde_json::from_slice(&b)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&b).into_owned()));
+        return relay(ds.status, v);
+    }
+    let (out, events) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let p = p.clone();
+    tokio::spawn(async move {
+        let mut client = Some(out);
+        let mut pending: Vec<u8> = Vec::new();
+        let (mut tokens, mut ttft, mut failed) = (0u64, None, false);
+        loop {
+            let piece = match ds.body.recv().await {
+                None => break,
+                Some(Ok(b)) => b,
+                Some(Err(e)) => {
+                    failed = true;
+                    let ev = json!({"error": {"message": format!("decode worker's stream broke: {e}"), "type": "service_unavailable"}});
+                    pending.extend_from_slice(format!("data: {ev}\n\n").as_bytes());
+                    Vec::new()
+                }
+            };
+            pending.extend_from_slice(&piece);
+            // Forward whole events only, so the closing one can be annotated.
+            while let Some(at) = pending.windows(2).position(|w| w == b"\n\n") {
+                let raw: Vec<u8> = pending.drain(..at + 2).collect();
+                let mut ev = raw.clone();
+                if let Some(mut v) = std::str::from_utf8(&raw)
+                    .ok()
+                    .and_then(|t| t.trim().strip_prefix("data: "))
+                    .and_then(|d| serde_json::from_str::<Value>(d).ok())
+                {
+                    if v["choices"][0]["token_ids"].as_array().is_some_and(|a| !a.is_empty()) {
+                        tokens += 1;
+                        ttft.get_or_insert_with(|| hop.t0.elapsed());
+                    }
+                    if v.get("error").is_some() {
+                        failed = true;
+                    }
+                    if v.get("usage").is_some_and(|u| !u.is_null()) {
+                        let total = hop.t0.elapsed();
+                        if !v.get("kvconnect").is_some_and(Value::is_object) {
+                            v["kvconnect"] = json!({});
+                        }
+                        v["kvconnect"]["prefill"] = hop.prefill.clone();
+                        v["kvconnect"]["proxy"] = json!({
+                            "prefill_worker": hop.pw, "decode_worker": hop.dw,
+                            "prefill_us": hop.prefill_done.as_micros() as u64,
+                            "ttft_us": ttft.unwrap_or(total).as_micros() as u64,
+                            "total_us": total.as_micros() as u64,
+                        });
+                        ev = format!("data: {v}\n\n").into_bytes();
+                    }
+                }
+                // A client that left stops the writes; decode's stream is still read to its
+                // end so the request is counted.
+                if let Some(c) = &client {
+                    if c.send(Bytes::from(ev)).await.is_err() {
+                        client = None;
+                    }
+                }
+            }
+        }
+        if failed {
+            p.metrics.error();
+        } else {
+            let total = hop.t0.elapsed();
+            p.metrics.served(&hop.pw, &hop.dw, ttft.unwrap_or(total), total, tokens);
+        }
+    });
+    (
+        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        axum::body::Body::from_stream(crate::server::openai::Events(events)),
+    )
+        .into_response()
 }
 
 /// Prompt length in tokens as the byte-level reference engine counts it (0 when the prompt

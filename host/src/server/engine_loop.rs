@@ -7,7 +7,10 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc as tmpsc, oneshot};
+
+/// Where a streaming request's new tokens go, step by step, as the engine produces them.
+pub type TokenSink = tmpsc::UnboundedSender<Vec<u32>>;
 
 /// What a driven engine must offer: the reference engine, or the transfer-only engine the
 /// transfer benchmark uses.
@@ -105,8 +108,9 @@ pub struct Done {
 
 /// A command for the engine thread.
 pub enum Command {
-    /// Run a request; the answer comes when it ends.
-    Submit(GenRequest, oneshot::Sender<Result<Done, String>>),
+    /// Run a request; the answer comes when it ends. With a sink, each step's new tokens are
+    /// also sent there as they are produced (the sink closes when the request ends).
+    Submit(GenRequest, oneshot::Sender<Result<Done, String>>, Option<TokenSink>),
     /// Pass a peer's handshake envelope to the connector.
     SetPeer(Value, oneshot::Sender<Result<(), String>>),
     /// Read the counters.
@@ -127,8 +131,15 @@ pub const ENGINE_GONE: &str = "the engine thread has stopped; the worker is shut
 impl EngineHandle {
     /// Runs a request to its end.
     pub async fn submit(&self, req: GenRequest) -> Result<Done, String> {
+        self.submit_streaming(req, None).await
+    }
+
+    /// Runs a request to its end, sending each step's new tokens to `sink` as they exist.
+    /// A sink whose receiver is gone (the client left) is dropped; the request still runs to
+    /// its end so its blocks are freed as usual.
+    pub async fn submit_streaming(&self, req: GenRequest, sink: Option<TokenSink>) -> Result<Done, String> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(Command::Submit(req, tx)).map_err(|_| ENGINE_GONE.to_owned())?;
+        self.tx.send(Command::Submit(req, tx, sink)).map_err(|_| ENGINE_GONE.to_owned())?;
         rx.await.map_err(|_| ENGINE_GONE.to_owned())?
     }
 
@@ -155,6 +166,7 @@ impl EngineHandle {
 struct Pending {
     reply: oneshot::Sender<Result<Done, String>>,
     done: Done,
+    sink: Option<TokenSink>,
 }
 
 /// Starts the engine thread. `build` runs on that thread (the engine owns raw memory and is
@@ -212,7 +224,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
         let mut next = first;
         while let Some(cmd) = next {
             match cmd {
-                Command::Submit(req, reply) => {
+                Command::Submit(req, reply, sink) => {
                     let id = req.id.clone();
                     match driver.add(req) {
                         Ok(()) => {
@@ -223,7 +235,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                                 ttft: None,
                                 num_external_tokens: 0,
                             };
-                            pending.insert(id, Pending { reply, done });
+                            pending.insert(id, Pending { reply, done, sink });
                         }
                         Err(e) => {
                             let _ = reply.send(Err(e));
@@ -257,10 +269,21 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                 for o in outputs {
                     let Some(p) = pending.get_mut(&o.id) else { continue };
                     p.done.tokens.extend(&o.new_tokens);
+                    if !o.new_tokens.is_empty() {
+                        // A closed receiver means the client left: stop sending, keep running.
+                        if p.sink.as_ref().is_some_and(|s| s.send(o.new_tokens.clone()).is_err()) {
+                            p.sink = None;
+                        }
+                    }
                     if o.first_token_latency.is_some() {
                         p.done.ttft = o.first_token_latency;
                         p.done.num_external_tokens = o.num_external_tokens;
                         counters.external_tokens += o.num_external_tokens as u64;
+                        if o.num_external_tokens > 0 {
+                            if let Some(t) = o.first_token_latency {
+                                crate::server::openai_metrics::external_first_token(t);
+                            }
+                        }
                     }
                     if let Some(f) = o.finished {
                         if let Some(mut p) = pending.remove(&o.id) {

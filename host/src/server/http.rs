@@ -2,7 +2,7 @@
 //! `kv_transfer_params`), `GET /health` (role, pool and side-channel counters as JSON) and
 //! `GET /metrics` (the same counters as Prometheus text).
 
-use crate::server::engine_loop::{EngineHandle, PoolStats};
+use crate::server::engine_loop::{EngineHandle, PoolStats, TokenSink};
 use crate::server::peers::{remote_peer, strip_remote, Peers};
 use crate::sidechannel::ServerStats;
 use crate::worker::{detokenize, tokenize, FinishReason, GenRequest};
@@ -41,6 +41,9 @@ pub struct AppState {
     pub side_channel: Arc<ServerStats>,
     /// Request counter for ids.
     pub next_id: AtomicU64,
+    /// KV bytes one token occupies in this worker's cache (the model at the effective cache
+    /// dtype), to turn tokens loaded through the connector into bytes moved.
+    pub kv_bytes_per_token: u64,
 }
 
 /// The router.
@@ -83,7 +86,17 @@ fn parse_prompt(v: Option<&Value>) -> Result<Vec<u32>, String> {
 }
 
 /// The engine-facing completions handler (the OpenAI layer in `openai` checks and wraps it).
-pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) -> Response {
+pub(crate) async fn completions(st: State<Arc<AppState>>, body: Bytes) -> Response {
+    completions_with(st, body, None).await
+}
+
+/// [`completions`], with each step's new tokens also sent to `sink` as the engine produces
+/// them (the streaming path).
+pub(crate) async fn completions_with(
+    State(st): State<Arc<AppState>>,
+    body: Bytes,
+    sink: Option<TokenSink>,
+) -> Response {
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => return bad_request(format!("the body is not JSON: {e}")),
@@ -139,7 +152,7 @@ pub(crate) async fn completions(State(st): State<Arc<AppState>>, body: Bytes) ->
 
     let prompt_len = prompt.len();
     let req = GenRequest { id: id.clone(), prompt, max_tokens, kv_transfer_params: params };
-    let done = match st.engine.submit(req).await {
+    let done = match st.engine.submit_streaming(req, sink).await {
         Ok(d) => d,
         Err(e) => {
             if e.starts_with("request '") {
@@ -237,6 +250,12 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         "counter",
         p.external_tokens,
     );
+    gauge(
+        "kvconnect_kv_bytes_moved_total",
+        "KV bytes loaded through the connector: external prompt tokens times the model's KV bytes per token at the cache dtype.",
+        "counter",
+        p.external_tokens.saturating_mul(st.kv_bytes_per_token),
+    );
     gauge("kvconnect_side_channel_welcomed_total", "Handshakes accepted.", "counter", sc.welcomed);
     gauge("kvconnect_side_channel_refused_total", "Handshakes refused.", "counter", sc.refused);
     gauge(
@@ -246,5 +265,33 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         sc.dropped,
     );
     out.push_str(&crate::server::openai_metrics::render());
+    out.push_str(&cache_metrics(&st.engine_id));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+/// The lmcache store's hits per tier, misses and bytes loaded per tier, read at scrape time
+/// (the store is process-global, keyed by this worker's engine id, which the composite passes
+/// to its children). Empty when this worker runs no lmcache connector.
+fn cache_metrics(engine_id: &str) -> String {
+    let Some(s) = kvconnect_lmcache::stats(engine_id) else { return String::new() };
+    let mut out = String::new();
+    out.push_str("# HELP kvconnect_cache_hits_total Chunks a KV load found in a cache tier.\n# TYPE kvconnect_cache_hits_total counter\n");
+    for (tier, t) in [("cpu", &s.cpu), ("disk", &s.disk)] {
+        out.push_str(&format!(
+            "kvconnect_cache_hits_total{{connector=\"lmcache\",tier=\"{tier}\"}} {}\n",
+            t.hits
+        ));
+    }
+    out.push_str(&format!(
+        "# HELP kvconnect_cache_misses_total Chunks a KV load expected but did not find.\n# TYPE kvconnect_cache_misses_total counter\nkvconnect_cache_misses_total{{connector=\"lmcache\"}} {}\n",
+        s.misses
+    ));
+    out.push_str("# HELP kvconnect_cache_loaded_bytes_total Bytes read out of a cache tier into the KV cache.\n# TYPE kvconnect_cache_loaded_bytes_total counter\n");
+    for (tier, t) in [("cpu", &s.cpu), ("disk", &s.disk)] {
+        out.push_str(&format!(
+            "kvconnect_cache_loaded_bytes_total{{connector=\"lmcache\",tier=\"{tier}\"}} {}\n",
+            t.bytes_loaded
+        ));
+    }
+    out
 }

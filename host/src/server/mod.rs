@@ -171,6 +171,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         compat_hash: spec.compat.compat_hash(),
         side_channel: server.stats(),
         next_id: AtomicU64::new(0),
+        kv_bytes_per_token: spec.model.kv_bytes_per_token(spec.negotiated.effective.cache_dtype),
     });
     let listener = tokio::net::TcpListener::bind(spec.http_addr).await.with_context(|| {
         format!("cannot bind the HTTP API on {}; pick another --port (0 = any)", spec.http_addr)

@@ -9,19 +9,27 @@
 //! Chat template (the reference engine has a byte-level tokenizer and no template of its
 //! own): each message becomes `"<role>: <content>\n"`, then `"assistant: "` is appended.
 //!
-//! Streaming: the engine hands a request back when it ends, so the SSE chunks (one per
-//! token, then `data: [DONE]`) are written once the whole completion is known; the client
-//! sees the OpenAI stream format, not earlier first bytes.
+//! Streaming: the engine thread sends each step's new tokens through a per-request channel,
+//! and each becomes an SSE chunk as soon as it exists; the closing chunk (`finish_reason`,
+//! `usage`, `kv_transfer_params`) and `data: [DONE]` follow when the request ends. The status
+//! line waits for the first token, so a request refused before generating anything still gets
+//! its OpenAI error status. A client that leaves mid-stream only closes the channel: the
+//! request runs to its end and frees its blocks as usual.
 
 use crate::server::http::{self, AppState};
 use crate::server::{openai_metrics, sse};
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+use tokio::sync::mpsc;
 
 /// Largest response body this layer reads back from the inner handler.
 const MAX_BODY: usize = 64 << 20;
@@ -217,11 +225,20 @@ async fn generate_inner(st: Arc<AppState>, raw: Bytes, chat: bool) -> Response {
         Ok(c) => c,
         Err(r) => return r,
     };
+    if c.stream {
+        return stream(st, c.body, chat, t0).await;
+    }
     let inner = http::completions(State(st.clone()), Bytes::from(Value::Object(c.body).to_string())).await;
-    let v = match openai_from_inner(inner).await {
-        Ok(v) => v,
-        Err(r) => return r,
-    };
+    match finished(inner, chat, t0).await {
+        Ok(v) => Json(v).into_response(),
+        Err(r) => r,
+    }
+}
+
+/// The inner handler's answer as the OpenAI response value (chat form for chat), with the
+/// request's metrics recorded.
+async fn finished(inner: Response, chat: bool, t0: Instant) -> Result<Value, Response> {
+    let v = openai_from_inner(inner).await?;
     let k = &v["kvconnect"];
     openai_metrics::generation(
         std::time::Duration::from_micros(k["ttft_us"].as_u64().unwrap_or(0)),
@@ -232,11 +249,117 @@ async fn generate_inner(st: Arc<AppState>, raw: Bytes, chat: bool) -> Response {
     if let Some(reason) = k["kv_load"]["reason"].as_str() {
         openai_metrics::refusal(reason);
     }
-    let v = if chat { sse::as_chat(v) } else { v };
-    if c.stream {
-        sse::response(&v, chat)
-    } else {
-        Json(v).into_response()
+    Ok(if chat { sse::as_chat(v) } else { v })
+}
+
+/// A `stream: true` request: SSE chunks leave as the engine produces tokens.
+async fn stream(st: Arc<AppState>, mut body: Map<String, Value>, chat: bool, t0: Instant) -> Response {
+    // The id goes into the chunks before the request ends, so it is fixed here.
+    let id = match body.get("request_id").and_then(Value::as_str) {
+        Some(s) => s.to_owned(),
+        None => {
+            let n = st.next_id.fetch_add(1, Ordering::Relaxed);
+            let id = format!("cmpl-{}-{n}", st.engine_id);
+            body.insert("request_id".into(), Value::String(id.clone()));
+            id
+        }
+    };
+    let (sink, mut tokens) = mpsc::unbounded_channel::<Vec<u32>>();
+    let inner_st = st.clone();
+    let raw = Bytes::from(Value::Object(body).to_string());
+    // Its own task: it runs to the request's end even when the client is gone.
+    let mut job = tokio::spawn(async move { http::completions_with(State(inner_st), raw, Some(sink)).await });
+    let first = tokio::select! {
+        biased;
+        t = tokens.recv() => t,
+        r = &mut job => {
+            // Ended (or refused) before a token was sent: answer it whole.
+            return match r {
+                Ok(inner) => match finished(inner, chat, t0).await {
+                    Ok(v) => sse::response(&v, chat),
+                    Err(r) => r,
+                },
+                Err(e) => openai_error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("the request's task failed: {e}"), None),
+            };
+        }
+    };
+    let Some(first) = first else {
+        // The sink closed without a token: the request ended; its answer says how.
+        return match job.await {
+            Ok(inner) => match finished(inner, chat, t0).await {
+                Ok(v) => sse::response(&v, chat),
+                Err(r) => r,
+            },
+            Err(e) => openai_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                format!("the request's task failed: {e}"),
+                None,
+            ),
+        };
+    };
+    let (out, events) = mpsc::channel::<Bytes>(64);
+    let (id, model) = (Value::String(id), Value::String(st.model.clone()));
+    tokio::spawn(async move {
+        let mut client = Some(out);
+        let mut n = 0usize;
+        let mut batch = Some(first);
+        while let Some(toks) = batch {
+            for t in toks {
+                push(&mut client, sse::token_event(&id, &model, chat, t, n == 0)).await;
+                n += 1;
+            }
+            batch = if client.is_some() { tokens.recv().await } else { None };
+        }
+        // A client that left closes the token channel: the engine stops sending to it.
+        drop(tokens);
+        let tail = match job.await {
+            Ok(inner) => match finished(inner, chat, t0).await {
+                Ok(v) => sse::final_events(&v, chat),
+                Err(r) => error_event(r).await,
+            },
+            Err(e) => format!(
+                "data: {}\n\n",
+                json!({"error": {"message": format!("the request's task failed: {e}"), "type": "server_error"}})
+            ),
+        };
+        push(&mut client, tail).await;
+    });
+    (
+        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        Body::from_stream(Events(events)),
+    )
+        .into_response()
+}
+
+/// Writes one event to the client; a client that left is forgotten (the request still runs
+/// to its end).
+async fn push(client: &mut Option<mpsc::Sender<Bytes>>, event: String) {
+    if let Some(c) = client {
+        if c.send(Bytes::from(event)).await.is_err() {
+            *client = None;
+        }
+    }
+}
+
+/// An error response, as the SSE event that ends a stream already under way (OpenAI sends
+/// `data: {"error": ...}` and closes; no `[DONE]` follows).
+async fn error_event(r: Response) -> String {
+    let bytes = axum::body::to_bytes(r.into_body(), MAX_BODY).await.unwrap_or_default();
+    let v: Value = serde_json::from_slice(&bytes).unwrap_or_else(
+        |_| json!({"error": {"message": String::from_utf8_lossy(&bytes), "type": "server_error"}}),
+    );
+    format!("data: {v}\n\n")
+}
+
+/// A stream's events as a response body (the proxy's streams use it too).
+pub(crate) struct Events(pub(crate) mpsc::Receiver<Bytes>);
+
+impl futures_core::Stream for Events {
+    type Item = Result<Bytes, std::convert::Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        self.0.poll_recv(cx).map(|e| e.map(Ok))
     }
 }
 

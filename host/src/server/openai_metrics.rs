@@ -1,6 +1,7 @@
 //! Counters the OpenAI layer of a worker keeps for `/metrics`: requests per route and status,
 //! time to first token and mean inter-token time per request as histograms, tokens loaded
-//! through the connector, and handshake refusals by the field that differed (`hma`,
+//! through the connector, the admission-to-first-token time of requests that loaded external
+//! KV, and handshake refusals by the field that differed (`hma`,
 //! `block_size`, ...). One worker process serves one engine, so the counters are
 //! process-wide.
 
@@ -14,6 +15,7 @@ struct Inner {
     requests: BTreeMap<(&'static str, u16), u64>,
     ttft: Histogram,
     inter_token: Histogram,
+    external_first_token: Histogram,
     loaded_tokens: u64,
     refusals: BTreeMap<String, u64>,
 }
@@ -40,6 +42,14 @@ pub fn generation(ttft: Duration, total: Duration, tokens: u64, loaded: u64) {
         }
         m.loaded_tokens += loaded;
     });
+}
+
+/// The time from admission to the first token of a request that loaded prompt KV through the
+/// connector (any route; the engine thread reports it). The engine does not expose the end of
+/// the load itself, so this is the load plus the first forward step: an upper bound on the
+/// transfer latency.
+pub fn external_first_token(t: Duration) {
+    with(|m| m.external_first_token.observe(t));
 }
 
 /// A handshake refusal; `reason` is the refusal message, whose indented `field: ...` lines
@@ -80,6 +90,11 @@ pub fn render() -> String {
         m.inter_token.render(
             "kvconnect_inter_token_seconds",
             "Mean time between tokens of each request (after the first).",
+            &mut out,
+        );
+        m.external_first_token.render(
+            "kvconnect_external_kv_first_token_seconds",
+            "Admission to first token of requests that loaded prompt KV through the connector (the external load plus one forward step).",
             &mut out,
         );
         out.push_str(&format!(

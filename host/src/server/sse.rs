@@ -1,5 +1,5 @@
-//! OpenAI response shapes built from a finished completion: the chat form of a text
-//! completion, and the server-sent-event stream (`data: {...}\n\n` per token, a last chunk
+//! OpenAI response shapes: the chat form of a text completion, and the server-sent-event
+//! stream (built whole from a finished completion, or event by event as tokens arrive) (`data: {...}\n\n` per token, a last chunk
 //! with `finish_reason` and `usage`, then `data: [DONE]\n\n`). The worker and the proxy both
 //! use these, so a stream looks the same from either.
 
@@ -25,41 +25,58 @@ pub fn as_chat(mut v: Value) -> Value {
     v
 }
 
-/// The stream of a finished response (`chat` picks the chunk shape).
-pub fn body(v: &Value, chat: bool) -> String {
-    let id = v["id"].clone();
-    let model = v["model"].clone();
-    let choice = &v["choices"][0];
-    let ids: Vec<u32> = choice["token_ids"]
-        .as_array()
-        .map(|a| a.iter().filter_map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())).collect())
-        .unwrap_or_default();
-    let object = if chat { "chat.completion.chunk" } else { "text_completion" };
-    let mut out = String::new();
-    let mut push = |c: Value| out.push_str(&format!("data: {c}\n\n"));
-    for (i, t) in ids.iter().enumerate() {
-        let text = detokenize(std::slice::from_ref(t));
-        let delta = if chat {
-            let mut d = json!({"content": text});
-            if i == 0 {
-                d["role"] = json!("assistant");
-            }
-            json!({"index": 0, "delta": d, "token_ids": [t], "finish_reason": null})
-        } else {
-            json!({"index": 0, "text": text, "token_ids": [t], "finish_reason": null})
-        };
-        push(json!({"id": id, "object": object, "model": model, "choices": [delta]}));
+fn object(chat: bool) -> &'static str {
+    if chat {
+        "chat.completion.chunk"
+    } else {
+        "text_completion"
     }
+}
+
+/// The event of one generated token; `first` marks the stream's first token (a chat delta
+/// then carries the assistant role).
+pub fn token_event(id: &Value, model: &Value, chat: bool, token: u32, first: bool) -> String {
+    let text = detokenize(std::slice::from_ref(&token));
+    let delta = if chat {
+        let mut d = json!({"content": text});
+        if first {
+            d["role"] = json!("assistant");
+        }
+        json!({"index": 0, "delta": d, "token_ids": [token], "finish_reason": null})
+    } else {
+        json!({"index": 0, "text": text, "token_ids": [token], "finish_reason": null})
+    };
+    let c = json!({"id": id, "object": object(chat), "model": model, "choices": [delta]});
+    format!("data: {c}\n\n")
+}
+
+/// The closing events of a finished response: the chunk with `finish_reason`, `usage`,
+/// `kv_transfer_params` and `kvconnect`, then `data: [DONE]`.
+pub fn final_events(v: &Value, chat: bool) -> String {
+    let choice = &v["choices"][0];
     let last = if chat {
         json!({"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]})
     } else {
         json!({"index": 0, "text": "", "finish_reason": choice["finish_reason"]})
     };
-    push(json!({
-        "id": id, "object": object, "model": model, "choices": [last],
+    let c = json!({
+        "id": v["id"], "object": object(chat), "model": v["model"], "choices": [last],
         "usage": v["usage"], "kv_transfer_params": v["kv_transfer_params"], "kvconnect": v["kvconnect"],
-    }));
-    out.push_str("data: [DONE]\n\n");
+    });
+    format!("data: {c}\n\ndata: [DONE]\n\n")
+}
+
+/// The stream of a finished response (`chat` picks the chunk shape).
+pub fn body(v: &Value, chat: bool) -> String {
+    let ids: Vec<u32> = v["choices"][0]["token_ids"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())).collect())
+        .unwrap_or_default();
+    let mut out = String::new();
+    for (i, t) in ids.iter().enumerate() {
+        out.push_str(&token_event(&v["id"], &v["model"], chat, *t, i == 0));
+    }
+    out.push_str(&final_events(v, chat));
     out
 }
 
