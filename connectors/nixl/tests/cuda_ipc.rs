@@ -234,7 +234,7 @@ fn child_producer() {
     let mut p = engine(&g, KvRole::Producer, "prefill-0", KvLayout::NHD);
     let meta = p.worker.handshake_metadata().unwrap().unwrap();
     let params = prefill_finish(&mut p, "req-1");
-    println!("KVC-CHILD {}", json!({"meta": meta, "params": params}));
+    println!("\nKVC-CHILD {}", json!({"meta": meta, "params": params}));
     let mut sink = Vec::new();
     let _ = std::io::stdin().read_to_end(&mut sink);
     let _ = p.worker.get_finished(&[]);
@@ -257,7 +257,8 @@ fn two_processes_ipc_then_dead_peer() {
     loop {
         line.clear();
         assert!(r.read_line(&mut line).unwrap() > 0, "producer process ended without its metadata");
-        if let Some(rest) = line.strip_prefix("KVC-CHILD ") {
+        // The test harness may print "test child_producer ... " on the same line first.
+        if let Some((_, rest)) = line.split_once("KVC-CHILD ") {
             line = rest.to_owned();
             break;
         }
