@@ -35,6 +35,6 @@ pub use ids::{BlockId, LayerId, RequestId};
 pub use layout::{Dim, EffectiveLayout, KvGroup, KvLayout};
 pub use model::{AttentionKind, Dtype, ModelError, ModelSpec};
 pub use negotiate::{
-    negotiate, negotiate_deployment, ChildCaps, Conflict, DecidedBy, EngineOptions, FieldProvenance, HmaOption,
-    LayoutAdapter, Negotiated,
+    negotiate, negotiate_deployment, ChildCaps, Conflict, DecidedBy, EngineOptions, FieldProvenance,
+    HmaOption, LayoutAdapter, Negotiated,
 };

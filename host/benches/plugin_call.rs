@@ -11,8 +11,8 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvconnect_api::{
-    AttentionKind, BlockId, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion,
-    KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode, WorkerConnector,
+    AttentionKind, BlockId, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout, KvGroup, KvLayout,
+    KvRegion, KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode, WorkerConnector,
 };
 use kvconnect_host::loader::{load_plugin, LoaderOptions};
 use std::hint::black_box;
@@ -34,7 +34,11 @@ fn build_example() -> PathBuf {
         .status()
         .expect("run cargo");
     assert!(status.success(), "building the example plugin failed");
-    tmp.join("release").join(format!("{}kvconnect_plugin_example{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX))
+    tmp.join("release").join(format!(
+        "{}kvconnect_plugin_example{}",
+        std::env::consts::DLL_PREFIX,
+        std::env::consts::DLL_SUFFIX
+    ))
 }
 
 fn ctx(dir: &Path) -> ConnectorContext {
@@ -102,12 +106,18 @@ fn bench(c: &mut Criterion) {
     let ids: Vec<BlockId> = (0..16).map(|i| BlockId(i * 3 + 1)).collect();
 
     let mut g = c.benchmark_group("save_kv_layer_16_blocks");
-    g.bench_function("in_process", |b| b.iter(|| w_native.save_kv_layer(black_box(LayerId(2)), black_box(&ids)).unwrap()));
-    g.bench_function("plugin", |b| b.iter(|| w_plugin.save_kv_layer(black_box(LayerId(2)), black_box(&ids)).unwrap()));
+    g.bench_function("in_process", |b| {
+        b.iter(|| w_native.save_kv_layer(black_box(LayerId(2)), black_box(&ids)).unwrap())
+    });
+    g.bench_function("plugin", |b| {
+        b.iter(|| w_plugin.save_kv_layer(black_box(LayerId(2)), black_box(&ids)).unwrap())
+    });
     g.finish();
 
     let mut g = c.benchmark_group("wait_for_layer_load_noop");
-    g.bench_function("in_process", |b| b.iter(|| w_native.wait_for_layer_load(black_box(LayerId(2))).unwrap()));
+    g.bench_function("in_process", |b| {
+        b.iter(|| w_native.wait_for_layer_load(black_box(LayerId(2))).unwrap())
+    });
     g.bench_function("plugin", |b| b.iter(|| w_plugin.wait_for_layer_load(black_box(LayerId(2))).unwrap()));
     g.finish();
 

@@ -1,5 +1,6 @@
 //! Disaggregated serving gives exactly the tokens of a single worker: one prefill and one
-//! decode process per configuration (HMA on and off, shm and tcp), 50 prompts of varied
+//! decode process per configuration (HMA on and off; shm, tcp and the real NIXL library),
+//! 50 prompts of varied
 //! length each, greedy output compared token for token with a monolithic engine. Every
 //! decode must really have loaded the prompt's KV from prefill (all but the last prompt
 //! token), so a silent recompute cannot pass for a transfer.
@@ -87,6 +88,26 @@ fn tcp_hma_on() {
 #[test]
 fn tcp_hma_off() {
     check("tcp", "off");
+}
+
+/// Backend nixl (the real NIXL library over UCX) in both worker processes; skipped with a
+/// message where the library is absent (CI fetches it).
+fn check_nixl(hma: &str) {
+    if let Err(e) = kvconnect_nixl::nixl_lib::find() {
+        eprintln!("skipping: NIXL library not found (run scripts/fetch-nixl.sh): {e}");
+        return;
+    }
+    check("nixl", hma);
+}
+
+#[test]
+fn nixl_hma_on() {
+    check_nixl("on");
+}
+
+#[test]
+fn nixl_hma_off() {
+    check_nixl("off");
 }
 
 #[test]

@@ -49,7 +49,8 @@ fn rust_values() -> Vec<(String, u64)> {
 
 /// The C program: one `printf` per value, using the header's names.
 fn c_source(values: &[(String, u64)]) -> String {
-    let mut s = String::from("#include <stdio.h>\n#include <stddef.h>\n#include \"kvconnect.h\"\nint main(void) {\n");
+    let mut s =
+        String::from("#include <stdio.h>\n#include <stddef.h>\n#include \"kvconnect.h\"\nint main(void) {\n");
     for (name, _) in values {
         let expr = match name.split_once('.') {
             Some((t, "size")) => format!("sizeof({t})"),

@@ -4,15 +4,15 @@
 //! Nothing here blocks the step loop: `start_load_kv` only posts the step's loads to the
 //! pull thread; `get_finished` only collects what finished since the last call.
 
+use crate::config::Backend;
 use crate::config::{NixlConfig, NAME};
 use crate::error::TransferError;
 use crate::meta::{LoadSpec, NixlMeta};
+use crate::metadata::NixlAgentMetadata;
 use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
+use crate::nixl_agent::{from_hex, to_hex, NixlAgent, Registration};
 use crate::producer::{Producer, ProducerConfig};
 use crate::puller::{PullConfig, PullStats, Puller, NIXL_DONE};
-use crate::config::Backend;
-use crate::metadata::NixlAgentMetadata;
-use crate::nixl_agent::{to_hex, from_hex, NixlAgent, Registration};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, KvRole, LayerId,
@@ -205,7 +205,11 @@ impl NixlWorker {
         if m.region_addrs.len() != info.meta.regions.len() {
             return Err(ConnectorError::invalid(
                 NAME,
-                format!("peer engine '{e}' NIXL metadata lists {} region addresses for {} regions", m.region_addrs.len(), info.meta.regions.len()),
+                format!(
+                    "peer engine '{e}' NIXL metadata lists {} region addresses for {} regions",
+                    m.region_addrs.len(),
+                    info.meta.regions.len()
+                ),
             ));
         }
         let known = lock(&self.peers).get(e).and_then(|p| p.meta.nixl.clone());
@@ -224,7 +228,10 @@ impl NixlWorker {
         if name != m.agent {
             return Err(ConnectorError::invalid(
                 NAME,
-                format!("peer engine '{e}' says its NIXL agent is '{}' but its metadata is agent '{name}'", m.agent),
+                format!(
+                    "peer engine '{e}' says its NIXL agent is '{}' but its metadata is agent '{name}'",
+                    m.agent
+                ),
             ));
         }
         Ok(())
@@ -423,7 +430,9 @@ impl WorkerConnector for NixlWorker {
                                 tracing::warn!(agent = %from, "nixl: done notification from '{from}': {why}");
                             }
                         }
-                        None => tracing::warn!(agent = %from, "nixl: ignoring unknown notification '{msg}' from '{from}'"),
+                        None => {
+                            tracing::warn!(agent = %from, "nixl: ignoring unknown notification '{msg}' from '{from}'")
+                        }
                     }
                 }
             }

@@ -82,7 +82,9 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Negotiate(a) => {
             exit::Exit::from_result(negotiate::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
         }
-        Command::Plan(a) => exit::Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock())),
+        Command::Plan(a) => {
+            exit::Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
+        }
         Command::Worker(a) => worker::run(&a, cli.global.registry()),
         Command::Up(a) => up::run(&a),
         Command::Bench(c) => bench::run(&c),
