@@ -12,6 +12,7 @@
 //! - 1-, 8- and 32-block requests (latency);
 //! - an lmcache-style save: gather into mapped pinned host memory vs one contiguous
 //!   device-to-host copy of the same bytes.
+//!
 //! Every gather is checked against the producer's fill pattern before it is timed.
 
 use crate::device::{DeviceBuffer, Gpu};

@@ -121,7 +121,7 @@ impl GatherSpec<'_> {
                 self.dst_blocks.len()
             )));
         }
-        if self.block_bytes == 0 || self.block_bytes % 16 != 0 || self.block_bytes >> 4 > u32::MAX as u64 {
+        if self.block_bytes == 0 || !self.block_bytes.is_multiple_of(16) || self.block_bytes >> 4 > u32::MAX as u64 {
             return Err(CudaError::Invalid(format!(
                 "block size {} bytes is not a positive multiple of 16",
                 self.block_bytes
@@ -134,7 +134,7 @@ impl GatherSpec<'_> {
         };
         if mode != 0 {
             let rows = heads as u64 * tokens as u64;
-            if rows == 0 || self.block_bytes % (rows * 16) != 0 {
+            if rows == 0 || !self.block_bytes.is_multiple_of(rows * 16) {
                 return Err(CudaError::Invalid(format!(
                     "a permuted block of {} bytes must hold {heads} heads x {tokens} tokens of rows that are multiples of 16 bytes",
                     self.block_bytes
