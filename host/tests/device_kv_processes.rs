@@ -48,7 +48,13 @@ impl Drop for Worker {
     }
 }
 
-fn start(role: &str, id: &str) -> Worker {
+/// GPU of the decode worker: `KVC_TEST_DECODE_GPU` (default 0, the prefill worker's GPU);
+/// on a host with two GPUs, 1 puts decode on the other GPU so the KV crosses NVLink.
+fn decode_gpu() -> String {
+    std::env::var("KVC_TEST_DECODE_GPU").unwrap_or_else(|_| "0".to_owned())
+}
+
+fn start(role: &str, id: &str, gpu: &str) -> Worker {
     let cfg = format!(
         r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_buffer_device":"cuda","kv_connector_extra_config":{{"backend":"cuda_ipc","io_timeout":3,"connect_timeout":2}}}}"#
     );
@@ -56,6 +62,7 @@ fn start(role: &str, id: &str) -> Worker {
     let mut child = Command::new(kvconnect_bin())
         .args(["worker", "--kv-transfer-config", &cfg, "--model", model.to_str().unwrap(), "--engine-id", id])
         .args(["--num-blocks", "512"])
+        .env("KVCONNECT_GPU", gpu)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
@@ -124,8 +131,8 @@ fn two_worker_processes_over_cuda_ipc_equal_monolithic() {
     }
     let ps = prompts(18);
     let mono = monolithic(&ps);
-    let prefill = start("kv_producer", "prefill-cuda");
-    let decode = start("kv_consumer", "decode-cuda");
+    let prefill = start("kv_producer", "prefill-cuda", "0");
+    let decode = start("kv_consumer", "decode-cuda", &decode_gpu());
     for (i, p) in ps.iter().enumerate() {
         let (st, pre) = post(
             &prefill.http,
