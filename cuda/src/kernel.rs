@@ -121,7 +121,10 @@ impl GatherSpec<'_> {
                 self.dst_blocks.len()
             )));
         }
-        if self.block_bytes == 0 || !self.block_bytes.is_multiple_of(16) || self.block_bytes >> 4 > u32::MAX as u64 {
+        if self.block_bytes == 0
+            || !self.block_bytes.is_multiple_of(16)
+            || self.block_bytes >> 4 > u32::MAX as u64
+        {
             return Err(CudaError::Invalid(format!(
                 "block size {} bytes is not a positive multiple of 16",
                 self.block_bytes
