@@ -299,3 +299,28 @@ pub fn varied_prompts(n: usize) -> Vec<Vec<u32>> {
         })
         .collect()
 }
+
+/// Starts `kvconnect up ARGS` and returns the process with the JSON address line it prints
+/// first (proxy, workers, their pids). Panics, as a test helper, when it prints none in 120 s.
+pub fn spawn_up(args: &[&str]) -> (std::process::Child, serde_json::Value) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(kvconnect_bin())
+        .arg("up")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .expect("spawn kvconnect up");
+    let stdout = child.stdout.take().expect("piped stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        if let Some(Ok(l)) = lines.next() {
+            let _ = tx.send(l);
+        }
+        for _ in lines {}
+    });
+    let line = rx.recv_timeout(Duration::from_secs(120)).expect("kvconnect up printed no address line");
+    (child, serde_json::from_str(&line).expect("address line is JSON"))
+}

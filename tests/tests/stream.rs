@@ -7,11 +7,11 @@
 //! the admission-to-first-token histogram of requests that loaded external KV.
 
 use kvconnect_host::server::sse::collect_token_ids;
-use kvconnect_tests::{http_request, kvconnect_bin, wait_until};
+use kvconnect_tests::{http_request, wait_until};
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 /// `kvconnect up`, SIGKILLed with its workers on drop.
@@ -22,25 +22,8 @@ struct Up {
 
 impl Up {
     fn start(args: &[&str]) -> Up {
-        let mut child = Command::new(kvconnect_bin())
-            .arg("up")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kvconnect up");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(l)) = lines.next() {
-                let _ = tx.send(l);
-            }
-            for _ in lines {}
-        });
-        let line = rx.recv_timeout(Duration::from_secs(120)).expect("kvconnect up printed no address line");
-        Up { child, line: serde_json::from_str(&line).expect("address line is JSON") }
+        let (child, line) = kvconnect_tests::spawn_up(args);
+        Up { child, line }
     }
 
     fn worker(&self, role: &str) -> String {

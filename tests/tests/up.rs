@@ -14,7 +14,7 @@ use kvconnect_tests::{
     http_request, kvconnect_bin, monolithic, reference_model, token_ids, varied_prompts, wait_until,
 };
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -29,25 +29,7 @@ struct Up {
 
 impl Up {
     fn start(args: &[&str]) -> Up {
-        let mut child = Command::new(kvconnect_bin())
-            .arg("up")
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kvconnect up");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(l)) = lines.next() {
-                let _ = tx.send(l);
-            }
-            for _ in lines {}
-        });
-        let line = rx.recv_timeout(Duration::from_secs(120)).expect("kvconnect up printed no address line");
-        let line: Value = serde_json::from_str(&line).expect("address line is JSON");
+        let (child, line) = kvconnect_tests::spawn_up(args);
         let proxy = line["proxy"].as_str().unwrap().trim_start_matches("http://").to_owned();
         Up { child, proxy, line }
     }
