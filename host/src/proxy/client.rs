@@ -52,6 +52,32 @@ impl Reply {
     }
 }
 
+/// Connects within `timeout` and returns the stream with the request (head and JSON body)
+/// to write on it.
+async fn connect(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+    timeout: Duration,
+) -> Result<(TcpStream, Vec<u8>), ClientError> {
+    let s = tokio::time::timeout(timeout, TcpStream::connect(addr))
+        .await
+        .map_err(|_| ClientError::Io {
+            addr: addr.to_owned(),
+            reason: format!("no connection within {timeout:?}"),
+        })?
+        .map_err(|source| ClientError::Connect { addr: addr.to_owned(), source })?;
+    let payload = body.map(Value::to_string).unwrap_or_default();
+    let mut message = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        payload.len()
+    )
+    .into_bytes();
+    message.extend_from_slice(payload.as_bytes());
+    Ok((s, message))
+}
+
 /// Sends one request and reads the whole answer within `timeout`.
 pub async fn request(
     addr: &str,
@@ -61,18 +87,9 @@ pub async fn request(
     timeout: Duration,
 ) -> Result<Reply, ClientError> {
     let io = |reason: String| ClientError::Io { addr: addr.to_owned(), reason };
-    let mut s = tokio::time::timeout(timeout, TcpStream::connect(addr))
-        .await
-        .map_err(|_| io(format!("no connection within {timeout:?}")))?
-        .map_err(|source| ClientError::Connect { addr: addr.to_owned(), source })?;
-    let payload = body.map(Value::to_string).unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        payload.len()
-    );
+    let (mut s, message) = connect(addr, method, path, body, timeout).await?;
     let exchange = async {
-        s.write_all(head.as_bytes()).await?;
-        s.write_all(payload.as_bytes()).await?;
+        s.write_all(&message).await?;
         let mut raw = Vec::new();
         (&mut s).take(MAX_RESPONSE as u64).read_to_end(&mut raw).await?;
         Ok::<_, std::io::Error>(raw)
@@ -104,19 +121,10 @@ pub async fn request_streaming(
     timeout: Duration,
 ) -> Result<Streaming, ClientError> {
     let io = |reason: String| ClientError::Io { addr: addr.to_owned(), reason };
-    let mut s = tokio::time::timeout(timeout, TcpStream::connect(addr))
-        .await
-        .map_err(|_| io(format!("no connection within {timeout:?}")))?
-        .map_err(|source| ClientError::Connect { addr: addr.to_owned(), source })?;
-    let payload = body.map(Value::to_string).unwrap_or_default();
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        payload.len()
-    );
+    let (mut s, message) = connect(addr, method, path, body, timeout).await?;
     let mut raw = Vec::new();
     let read_head = async {
-        s.write_all(head.as_bytes()).await?;
-        s.write_all(payload.as_bytes()).await?;
+        s.write_all(&message).await?;
         let mut buf = [0u8; 16384];
         loop {
             if let Some(at) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
