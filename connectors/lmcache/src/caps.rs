@@ -13,6 +13,10 @@ use kvconnect_api::{
 pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
     let cfg = LmcacheConfig::from_kv_config(config)?;
     let mut memory_kinds = vec![MemoryKind::Host];
+    // Device KV regions are staged through pinned host memory, compiled with `cuda` only.
+    if cfg!(feature = "cuda") {
+        memory_kinds.push(MemoryKind::Device);
+    }
     if cfg.local_disk.is_some() {
         memory_kinds.push(MemoryKind::Disk);
     }
@@ -53,11 +57,12 @@ mod tests {
         let c = capabilities(&cfg(json!({"chunk_size": 64, "use_layerwise": true})), None).unwrap();
         assert_eq!(c.block_size_divides, Some(64));
         assert!(c.layerwise && !c.hma);
-        assert_eq!(c.memory_kinds, vec![MemoryKind::Host]);
+        assert_eq!(c.memory_kinds.contains(&MemoryKind::Device), cfg!(feature = "cuda"));
+        assert!(!c.memory_kinds.contains(&MemoryKind::Disk));
         c.validate().unwrap();
         let c = capabilities(&cfg(json!({"local_disk": "file:///tmp/x", "max_local_disk_size": 1.0})), None)
             .unwrap();
-        assert_eq!(c.memory_kinds, vec![MemoryKind::Host, MemoryKind::Disk]);
+        assert!(c.memory_kinds.contains(&MemoryKind::Host) && c.memory_kinds.contains(&MemoryKind::Disk));
         assert_eq!(c.block_size_divides, Some(256));
     }
 

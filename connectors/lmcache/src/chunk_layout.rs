@@ -102,6 +102,11 @@ impl ChunkLayout {
         })
     }
 
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
     /// The KV layers, in chunk order.
     pub fn kv_layers(&self) -> &[LayerId] {
         &self.kv_layers

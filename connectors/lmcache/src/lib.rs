@@ -35,6 +35,12 @@
 //! out of the KV cache. A load that cannot complete is reported through
 //! `block_ids_with_load_errors` (from the first failed chunk to the end of the load).
 //!
+//! **Device KV** (feature `cuda`). With regions in GPU memory a save gathers the request's
+//! blocks of every layer into a pinned host copy with one kernel launch and the chunk code
+//! copies from there; a load fills a host copy and scatters it back with one launch before
+//! `start_load_kv` returns. Layer-wise saving and loading degrade to whole-request then.
+//! Without the feature, device regions are refused at `register_kv_caches`.
+//!
 //! **Sharing the store.** In vLLM the two halves live in different processes; here the
 //! scheduler and worker of one engine run in one process, so they share one store through a
 //! process-global table keyed by (engine id, resolved config) ([`registry`]). It closes when
@@ -54,6 +60,8 @@ pub mod caps;
 pub mod chunk_layout;
 pub mod config;
 pub mod cpu_tier;
+#[cfg(feature = "cuda")]
+pub mod device_kv;
 pub mod disk_tier;
 pub mod factory;
 pub mod hash;

@@ -4,6 +4,10 @@
 //! corrupt or of the wrong size loads nothing: its blocks (and every later block of the
 //! request, since a prefix with a hole is useless) are reported through
 //! `block_ids_with_load_errors` and the engine recomputes them.
+//!
+//! KV regions in GPU memory need the `cuda` feature: loads and saves then run whole-request
+//! through a pinned host copy of the request's blocks (see `device_kv`); without the feature
+//! registering them is an error that says how to rebuild.
 
 use crate::chunk_layout::ChunkLayout;
 use crate::meta::{LoadSpec, SaveSpec, StepMeta};
@@ -11,7 +15,7 @@ use crate::store::{ChunkBytes, ChunkStore};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, ConnectorError, ConnectorResult, EffectiveLayout, FinishedTransfers, KvRegion, LayerId,
-    ModelSpec, RequestId, WorkerConnector,
+    MemoryKind, ModelSpec, RequestId, WorkerConnector,
 };
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -30,6 +34,15 @@ struct PendingSave {
     failed: bool,
 }
 
+/// The registered KV regions.
+enum Kv {
+    /// Host memory, copied in place.
+    Host(KvMemory),
+    /// GPU memory, staged through pinned host copies.
+    #[cfg(feature = "cuda")]
+    Device(kvconnect_cuda::KvStage),
+}
+
 /// The lmcache worker half.
 pub struct LmcacheWorker {
     store: Arc<ChunkStore>,
@@ -37,7 +50,7 @@ pub struct LmcacheWorker {
     model: ModelSpec,
     eff: EffectiveLayout,
     layerwise: bool,
-    mem: Option<KvMemory>,
+    mem: Option<Kv>,
     meta: StepMeta,
     fetched: Vec<FetchedLoad>,
     layers_loaded: usize,
@@ -121,7 +134,12 @@ impl LmcacheWorker {
 
     /// Copies layers `[self.layers_loaded, upto)` of every fetched load.
     fn load_layers(&mut self, upto: usize) -> ConnectorResult<()> {
-        let Some(mem) = &self.mem else { return Err(no_regions()) };
+        let mem = match &self.mem {
+            Some(Kv::Host(m)) => m,
+            #[cfg(feature = "cuda")]
+            Some(Kv::Device(_)) => return self.load_device(),
+            None => return Err(no_regions()),
+        };
         let mut failures: Vec<(usize, usize)> = Vec::new();
         for li in self.layers_loaded..upto {
             for (fi, f) in self.fetched.iter().enumerate() {
@@ -158,7 +176,12 @@ impl LmcacheWorker {
 
     /// Copies layers `[self.layers_saved, upto)` of every pending save out of the KV cache.
     fn save_layers(&mut self, upto: usize) -> ConnectorResult<()> {
-        let Some(mem) = &self.mem else { return Err(no_regions()) };
+        let mem = match &self.mem {
+            Some(Kv::Host(m)) => m,
+            #[cfg(feature = "cuda")]
+            Some(Kv::Device(_)) => return self.save_device(),
+            None => return Err(no_regions()),
+        };
         for li in self.layers_saved..upto {
             let layer = self.layout.kv_layers()[li];
             for s in self.saves.iter_mut().filter(|s| !s.failed) {
@@ -180,10 +203,72 @@ impl LmcacheWorker {
     fn layer_index(&self, layer: LayerId) -> Option<usize> {
         self.layout.kv_layers().iter().position(|l| *l == layer)
     }
+
+    /// True when the regions are in GPU memory (loads and saves are whole-request then).
+    fn on_device(&self) -> bool {
+        match &self.mem {
+            Some(Kv::Host(_)) | None => false,
+            #[cfg(feature = "cuda")]
+            Some(Kv::Device(_)) => true,
+        }
+    }
+
+    /// Every fetched load, whole, through a host copy and one scatter per request.
+    #[cfg(feature = "cuda")]
+    fn load_device(&mut self) -> ConnectorResult<()> {
+        let Some(Kv::Device(stage)) = &self.mem else { return Err(no_regions()) };
+        let mut failures = Vec::new();
+        for f in &self.fetched {
+            let (loaded_to, why) = crate::device_kv::load(stage, &self.layout, &f.spec, &f.chunks);
+            if let Some(why) = why {
+                tracing::warn!(req = %f.spec.req, "lmcache: device load failed from token {loaded_to}: {why}");
+                failures.push((f.spec.clone(), loaded_to));
+            }
+        }
+        for (spec, from) in failures {
+            self.fail_blocks(&spec, from);
+        }
+        self.layers_loaded = self.layout.kv_layers().len();
+        self.fetched.clear();
+        Ok(())
+    }
+
+    /// Every pending save, whole: one gather per request, then the chunk copies.
+    #[cfg(feature = "cuda")]
+    fn save_device(&mut self) -> ConnectorResult<()> {
+        let Some(Kv::Device(stage)) = &self.mem else { return Err(no_regions()) };
+        for s in self.saves.iter_mut().filter(|s| !s.failed) {
+            if let Err(e) = crate::device_kv::save(stage, &self.layout, &s.spec, &mut s.bufs) {
+                tracing::warn!(req = %s.spec.req, "lmcache: device save failed, request not stored: {e}");
+                self.store.count_save_error();
+                s.failed = true;
+            }
+        }
+        self.layers_saved = self.layout.kv_layers().len();
+        Ok(())
+    }
+}
+
+/// Device regions in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn device_regions(_: &[KvRegion], _: &ModelSpec, _: &EffectiveLayout) -> ConnectorResult<Kv> {
+    Err(ConnectorError::config(
+        "lmcache",
+        "the KV regions are in GPU memory (kv_buffer_device=\"cuda\"), but kvconnect-lmcache was built without its `cuda` feature: rebuild with `--features kvconnect-host/cuda` (or kvconnect-lmcache/cuda), or use kv_buffer_device=\"cpu\"",
+    ))
+}
+
+#[cfg(feature = "cuda")]
+fn device_regions(regions: &[KvRegion], model: &ModelSpec, eff: &EffectiveLayout) -> ConnectorResult<Kv> {
+    crate::device_kv::open(regions, model, eff).map(Kv::Device)
 }
 
 impl WorkerConnector for LmcacheWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        if regions.iter().any(|r| r.memory == MemoryKind::Device) {
+            self.mem = Some(device_regions(regions, &self.model, &self.eff)?);
+            return Ok(());
+        }
         // SAFETY: the host promises, by calling register_kv_caches, that every region is valid
         // host memory of `len` bytes until shutdown, and the step protocol keeps the engine
         // from touching a block while this connector copies it.
@@ -193,7 +278,7 @@ impl WorkerConnector for LmcacheWorker {
                 format!("registered KV regions do not match the effective layout: {e}"),
             )
         })?;
-        self.mem = Some(mem);
+        self.mem = Some(Kv::Host(mem));
         Ok(())
     }
 
@@ -225,7 +310,7 @@ impl WorkerConnector for LmcacheWorker {
             return Err(no_regions());
         }
         self.fetch_loads();
-        if !self.layerwise {
+        if !self.layerwise || self.on_device() {
             self.load_layers(self.layout.kv_layers().len())?;
             self.fetched.clear();
         }
@@ -243,7 +328,8 @@ impl WorkerConnector for LmcacheWorker {
     }
 
     fn save_kv_layer(&mut self, layer: LayerId, _block_ids: &[BlockId]) -> ConnectorResult<()> {
-        if !self.layerwise || self.saves.is_empty() {
+        // Device KV saves whole requests at wait_for_save.
+        if !self.layerwise || self.saves.is_empty() || self.on_device() {
             return Ok(());
         }
         match self.layer_index(layer) {

@@ -70,6 +70,33 @@ fn unsupported_layouts_are_refused() {
     assert!(e.contains("lmcache stores NHD (LBNHC) or HND (LBHNC) caches only"), "{e}");
 }
 
+/// Device regions: without the `cuda` feature the error says how to rebuild; with it and no
+/// usable GPU here, the error is the driver's (never a panic).
+#[test]
+fn device_regions_without_cuda_or_a_gpu() {
+    let c = ctx("bad-input-device", KvLayout::NHD, 16, json!({"chunk_size": 32}));
+    let mut w = LmcacheFactory.create_worker(&c).unwrap();
+    let mut bufs: Vec<Vec<u8>> =
+        (0..LAYERS).map(|_| vec![0u8; 2 * 16 * 2 * 8 * 2 * NUM_BLOCKS as usize]).collect();
+    let mut regions = region_list(&mut bufs);
+    for r in &mut regions {
+        r.memory = kvconnect_api::MemoryKind::Device;
+        r.device = 0;
+    }
+    match w.register_kv_caches(&regions) {
+        Err(e) if cfg!(feature = "cuda") => {
+            let e = e.to_string();
+            assert!(e.contains("device KV regions cannot be staged"), "{e}");
+        }
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains("built without its `cuda` feature") && e.contains("kv_buffer_device"), "{e}");
+        }
+        // A machine with a GPU: the fake addresses are never touched at registration.
+        Ok(()) => assert!(cfg!(feature = "cuda")),
+    }
+}
+
 #[test]
 fn regions_that_do_not_match_the_layout() {
     let c = ctx("bad-input-regions", KvLayout::HND, 16, json!({"chunk_size": 32}));
