@@ -20,6 +20,10 @@ pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> Co
 /// The capabilities of a resolved config.
 pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
     let mut memory_kinds = vec![MemoryKind::Host];
+    // Device KV regions are staged through pinned host memory, compiled with `cuda` only.
+    if cfg!(feature = "cuda") {
+        memory_kinds.push(MemoryKind::Device);
+    }
     if cfg.ssd_enabled() {
         memory_kinds.push(MemoryKind::Disk);
     }
@@ -55,6 +59,7 @@ mod tests {
         assert!(!c.hma && c.async_load && c.adapt.is_some());
         assert!(!c.layout.accepts(KvLayout::HND) && c.layout.accepts(KvLayout::NHD));
         c.validate().unwrap();
+        assert_eq!(c.memory_kinds.contains(&MemoryKind::Device), cfg!(feature = "cuda"));
         cfg.kv_connector_extra_config =
             serde_json::json!({"ssd_cache_gb": 1, "ssd_cache_dir": "/tmp/x"}).as_object().cloned().unwrap();
         assert!(capabilities(&cfg, None).unwrap().memory_kinds.contains(&MemoryKind::Disk));

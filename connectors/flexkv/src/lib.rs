@@ -18,6 +18,11 @@
 //!   `build_connector_meta` -> `bind_connector_meta` and share the engine's cache through a
 //!   process-global registry keyed by engine id (`registry`).
 //!
+//! KV regions in GPU memory (feature `cuda`, `device_kv`): saves gather a request's blocks
+//! into a pinned host copy with one kernel launch when they are submitted; loads fill a host
+//! copy on the pool thread and scatter it back with one launch. Without the feature, device
+//! regions are refused at `register_kv_caches`.
+//!
 //! Settings (`config`): `cpu_cache_gb`, `ssd_cache_gb`, `ssd_cache_dir`,
 //! `num_transfer_threads`, `enable_ssd_promotion` from `kv_connector_extra_config`, then
 //! `FLEXKV_*` environment variables, then the file named by `FLEXKV_CONFIG_PATH`.
@@ -30,6 +35,8 @@ pub mod cache;
 pub mod caps;
 pub mod config;
 pub mod cpu_tier;
+#[cfg(feature = "cuda")]
+pub mod device_kv;
 pub mod factory;
 pub mod hash;
 pub mod mempool;

@@ -7,6 +7,11 @@
 //! the step loop. `get_finished` reports completed loads in `finished_recving`, failed ones in
 //! `failed_recving` (their unloaded blocks in `block_ids_with_load_errors`), and finished
 //! requests whose saves are done in `finished_sending`.
+//!
+//! KV regions in GPU memory need the `cuda` feature (see `device_kv`): a save gathers its
+//! blocks into a pinned host copy when it is submitted and the pool job stores from there; a
+//! load's pool job fills a host copy and scatters it back. Without the feature registering
+//! them is an error that says how to rebuild.
 
 use crate::adapter::BlockAdapter;
 use crate::cache::{BlockCache, StoreOutcome};
@@ -15,7 +20,7 @@ use crate::meta::{FlexkvMeta, LoadOp, SaveOp};
 use crate::transfer::TransferPool;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
-    BlockId, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, LayerId, RequestId,
+    BlockId, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, LayerId, MemoryKind, RequestId,
     WorkerConnector,
 };
 use std::cell::RefCell;
@@ -35,10 +40,20 @@ struct Saving {
     finished: bool,
 }
 
+/// The registered KV regions.
+#[derive(Clone)]
+enum Kv {
+    /// Host memory, copied in place.
+    Host(Arc<KvMemory>),
+    /// GPU memory, staged through pinned host copies.
+    #[cfg(feature = "cuda")]
+    Device(Arc<kvconnect_cuda::KvStage>),
+}
+
 /// The flexkv worker half.
 pub struct FlexkvWorker {
     engine: Engine,
-    mem: Option<Arc<KvMemory>>,
+    mem: Option<Kv>,
     pool: TransferPool,
     done_tx: Sender<Done>,
     done_rx: Receiver<Done>,
@@ -87,10 +102,28 @@ impl FlexkvWorker {
             let (cache, adapter, tx) =
                 (self.engine.cache.clone(), self.engine.adapter.clone(), self.done_tx.clone());
             let req = op.req.clone();
+            let src = match mem {
+                Kv::Host(m) => SaveSource::Host(m),
+                #[cfg(feature = "cuda")]
+                Kv::Device(stage) => match crate::device_kv::gather(&stage, &op.blocks) {
+                    Ok(copy) => SaveSource::Staged(copy),
+                    Err(e) => {
+                        tracing::warn!(req = %op.req, "flexkv: gathering device blocks failed, save skipped: {e}");
+                        let _ = self.done_tx.send(Done::Save { req: op.req });
+                        continue;
+                    }
+                },
+            };
             let job = move || {
                 // A panic must still report the save as over, or the request's blocks would
                 // be held forever.
-                let r = catch_unwind(AssertUnwindSafe(|| save_blocks(&cache, &adapter, &mem, &op)));
+                let r = catch_unwind(AssertUnwindSafe(|| match &src {
+                    SaveSource::Host(mem) => save_blocks(&cache, &adapter, mem, &op.blocks, &op),
+                    #[cfg(feature = "cuda")]
+                    SaveSource::Staged(copy) => {
+                        save_blocks(&cache, &adapter, copy.memory(), &copy.block_ids(), &op)
+                    }
+                }));
                 if r.is_err() {
                     tracing::error!(req = %op.req, "flexkv: a save panicked; the blocks it had not stored are not cached");
                 }
@@ -103,9 +136,19 @@ impl FlexkvWorker {
     }
 }
 
-fn save_blocks(cache: &BlockCache, adapter: &BlockAdapter, mem: &KvMemory, op: &SaveOp) {
+/// Where a save job reads its blocks.
+enum SaveSource {
+    /// The host regions (blocks as the op names them).
+    Host(Arc<KvMemory>),
+    /// A host copy gathered from device regions (blocks 0..n).
+    #[cfg(feature = "cuda")]
+    Staged(kvconnect_cuda::HostCopy),
+}
+
+/// Stores `op`'s blocks, read from `mem` at `blocks` (the op's ids, or a host copy's).
+fn save_blocks(cache: &BlockCache, adapter: &BlockAdapter, mem: &KvMemory, blocks: &[BlockId], op: &SaveOp) {
     let mut parent = None;
-    for (hash, block) in op.hashes.iter().zip(&op.blocks) {
+    for (hash, block) in op.hashes.iter().zip(blocks) {
         match cache.store(*hash, parent, |slot| adapter.gather(mem, *block, slot)) {
             Ok(StoreOutcome::Stored | StoreOutcome::Present) => parent = Some(*hash),
             // The rest of the chain could not be reached from the root.
@@ -118,18 +161,21 @@ fn save_blocks(cache: &BlockCache, adapter: &BlockAdapter, mem: &KvMemory, op: &
     }
 }
 
+/// Loads `op` into `mem` at `blocks` (the op's ids, or a host copy's); on failure, the op's
+/// blocks from the first that did not load, and why.
 fn load_blocks(
     cache: &BlockCache,
     adapter: &BlockAdapter,
     mem: &KvMemory,
+    blocks: &[BlockId],
     op: &LoadOp,
 ) -> Option<(Vec<BlockId>, String)> {
-    if op.hashes.len() != op.blocks.len() {
+    if op.hashes.len() != op.blocks.len() || blocks.len() != op.blocks.len() {
         return Some((op.blocks.clone(), format!("{} keys for {} blocks", op.hashes.len(), op.blocks.len())));
     }
     SCRATCH.with(|s| {
         let (read_buf, tbuf) = &mut *s.borrow_mut();
-        for (i, (hash, block)) in op.hashes.iter().zip(&op.blocks).enumerate() {
+        for (i, (hash, block)) in op.hashes.iter().zip(blocks).enumerate() {
             let r = cache.load(*hash, read_buf, |bytes| {
                 adapter.scatter(mem, *block, bytes, tbuf).map_err(|e| e.to_string())
             });
@@ -141,15 +187,59 @@ fn load_blocks(
     })
 }
 
+/// A load job's copy: straight into host regions, or through a host copy scattered back
+/// into device regions (only the blocks that loaded).
+fn load_into(
+    cache: &BlockCache,
+    adapter: &BlockAdapter,
+    mem: &Kv,
+    op: &LoadOp,
+) -> Option<(Vec<BlockId>, String)> {
+    match mem {
+        Kv::Host(m) => load_blocks(cache, adapter, m, &op.blocks, op),
+        #[cfg(feature = "cuda")]
+        Kv::Device(stage) => {
+            let copy = match crate::device_kv::host_copy(stage, op.blocks.len()) {
+                Ok(c) => c,
+                Err(e) => return Some((op.blocks.clone(), e)),
+            };
+            let failed = load_blocks(cache, adapter, copy.memory(), &copy.block_ids(), op);
+            let loaded = op.blocks.len() - failed.as_ref().map_or(0, |(b, _)| b.len().min(op.blocks.len()));
+            if let Err(e) = crate::device_kv::scatter(stage, &copy, &op.blocks, loaded) {
+                return Some((op.blocks.clone(), e));
+            }
+            failed
+        }
+    }
+}
+
+/// Device regions in a build without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+fn device_regions(_: &[KvRegion], _: &Engine) -> ConnectorResult<Kv> {
+    Err(ConnectorError::config(
+        NAME,
+        "register_kv_caches: the KV regions are in GPU memory (kv_buffer_device=\"cuda\"), but kvconnect-flexkv was built without its `cuda` feature: rebuild with `--features kvconnect-host/cuda` (or kvconnect-flexkv/cuda), or use kv_buffer_device=\"cpu\"",
+    ))
+}
+
+#[cfg(feature = "cuda")]
+fn device_regions(regions: &[KvRegion], engine: &Engine) -> ConnectorResult<Kv> {
+    crate::device_kv::open(regions, &engine.ctx.model, &engine.ctx.effective).map(|s| Kv::Device(Arc::new(s)))
+}
+
 impl WorkerConnector for FlexkvWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        if regions.iter().any(|r| r.memory == MemoryKind::Device) {
+            self.mem = Some(device_regions(regions, &self.engine)?);
+            return Ok(());
+        }
         // SAFETY: the host promises, by calling register_kv_caches, that every region is
         // host memory valid for reads and writes for as long as this connector is alive (until
         // `shutdown`, which joins the transfer threads before the regions are released), and
         // the step protocol keeps the engine off the blocks a load or save is copying.
         let mem = unsafe { KvMemory::new(regions, &self.engine.ctx.model, &self.engine.ctx.effective) }
             .map_err(|e| ConnectorError::invalid(NAME, format!("register_kv_caches: {e}")))?;
-        self.mem = Some(Arc::new(mem));
+        self.mem = Some(Kv::Host(Arc::new(mem)));
         Ok(())
     }
 
@@ -189,7 +279,7 @@ impl WorkerConnector for FlexkvWorker {
             let (req, hashes, blocks) = (op.req.clone(), op.hashes.clone(), op.blocks.clone());
             let job = move || {
                 // A panic is a failed load (never a hang, never a leaked reference).
-                let failed = catch_unwind(AssertUnwindSafe(|| load_blocks(&cache, &adapter, &mem, &op)))
+                let failed = catch_unwind(AssertUnwindSafe(|| load_into(&cache, &adapter, &mem, &op)))
                     .unwrap_or_else(|_| Some((op.blocks.clone(), "the load panicked".to_owned())));
                 cache.unpin(&op.hashes);
                 let _ = tx.send(Done::Load { req: op.req, failed });

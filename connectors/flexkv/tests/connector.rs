@@ -251,6 +251,37 @@ fn bad_metadata_and_missing_regions_are_errors_not_panics() {
     assert!(e.contains("hybrid_kv_cache_manager=off"), "{e}");
 }
 
+/// Device regions: without the `cuda` feature the error says how to rebuild; with it and no
+/// usable GPU here, the error names the cause (never a panic).
+#[test]
+fn device_regions_without_cuda_or_a_gpu() {
+    let c = ctx(effective(KvLayout::NHD), json!({}), "device-regions");
+    let mut w = FlexkvFactory.create_worker(&c).unwrap();
+    let region = |l: u32| kvconnect_api::KvRegion {
+        name: format!("layer.{l}"),
+        addr: 0x10000,
+        len: 8 * 512 / 2,
+        memory: kvconnect_api::MemoryKind::Device,
+        device: 0,
+        layers: vec![kvconnect_api::LayerId(l)],
+        group: 0,
+        num_blocks: 8,
+        shm_name: None,
+    };
+    match w.register_kv_caches(&[region(0), region(2)]) {
+        Err(e) if cfg!(feature = "cuda") => {
+            let e = e.to_string();
+            assert!(e.contains("device KV regions cannot be staged"), "{e}");
+        }
+        Err(e) => {
+            let e = e.to_string();
+            assert!(e.contains("built without its `cuda` feature") && e.contains("kv_buffer_device"), "{e}");
+        }
+        // A machine with a GPU: the fake addresses are never touched at registration.
+        Ok(()) => assert!(cfg!(feature = "cuda")),
+    }
+}
+
 #[test]
 fn a_full_disk_is_counted_and_nothing_wrong_is_loaded() {
     if !std::path::Path::new("/dev/full").exists() {
