@@ -64,6 +64,69 @@ impl Gpu {
         Ok(format!("sm_{major}{minor}"))
     }
 
+    /// The PCI bus id ("0000:1a:00.0"), which names a GPU the same way in every process
+    /// whatever CUDA_VISIBLE_DEVICES renumbers.
+    pub fn pci_bus_id(&self) -> Result<String, CudaError> {
+        pci_bus_id_of(self.ctx.cu_device())
+    }
+
+    /// Opens the GPU with this PCI bus id, as this process numbers it; `Ok(None)` when no
+    /// visible GPU has it (CUDA_VISIBLE_DEVICES hides it).
+    pub fn open_by_pci_bus_id(bus_id: &str) -> Result<Option<Gpu>, CudaError> {
+        check_libraries()?;
+        let count = CudaContext::device_count().map_err(|e| CudaError::driver("cuDeviceGetCount", e))?;
+        for ordinal in 0..count.max(0) as usize {
+            let mut dev: sys::CUdevice = 0;
+            // SAFETY: `dev` is a plain out-parameter; the driver was initialised by
+            // device_count.
+            let r = unsafe { sys::cuDeviceGet(&mut dev, ordinal as std::ffi::c_int) };
+            if r != sys::cudaError_enum::CUDA_SUCCESS {
+                continue;
+            }
+            if pci_bus_id_of(dev)?.eq_ignore_ascii_case(bus_id) {
+                return Gpu::open(ordinal).map(Some);
+            }
+        }
+        Ok(None)
+    }
+
+    /// Whether kernels on this GPU can read `peer`'s memory directly (NVLink or PCIe peer
+    /// access), as `cuDeviceCanAccessPeer` says. A GPU can always access itself.
+    pub fn can_access_peer(&self, peer: &Gpu) -> Result<bool, CudaError> {
+        let (own, other) = (self.ctx.cu_device(), peer.ctx.cu_device());
+        if own == other {
+            return Ok(true);
+        }
+        let mut can = 0;
+        // SAFETY: both devices come from live contexts; `can` is a plain out-parameter.
+        let r = unsafe { sys::cuDeviceCanAccessPeer(&mut can, own, other) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(CudaError::driver("cuDeviceCanAccessPeer", cudarc::driver::DriverError(r)));
+        }
+        Ok(can != 0)
+    }
+
+    /// Enables this context's access to `peer`'s memory; false when the devices cannot.
+    pub fn enable_peer_access(&self, peer: &Gpu) -> Result<bool, CudaError> {
+        if !self.can_access_peer(peer)? {
+            return Ok(false);
+        }
+        if self.ctx.cu_device() == peer.ctx.cu_device() {
+            return Ok(true);
+        }
+        self.bind()?;
+        // SAFETY: this context is current; the peer context is live.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) };
+        Ok(r == sys::cudaError_enum::CUDA_SUCCESS
+            || r == sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+    }
+
+    /// A fresh event (no timing) in this context.
+    pub fn event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);
+        self.ctx.new_event(flags).map_err(|e| CudaError::driver("cuEventCreate", e))
+    }
+
     /// Makes this GPU's context current on the calling thread.
     pub fn bind(&self) -> Result<(), CudaError> {
         self.ctx.bind_to_thread().map_err(|e| CudaError::driver("cuCtxSetCurrent", e))
@@ -160,6 +223,16 @@ impl Gpu {
     }
 }
 
+fn pci_bus_id_of(dev: sys::CUdevice) -> Result<String, CudaError> {
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: the buffer is 32 bytes, as the length passed says; the driver NUL-terminates.
+    let r = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as std::ffi::c_int, dev) };
+    if r != sys::cudaError_enum::CUDA_SUCCESS {
+        return Err(CudaError::driver("cuDeviceGetPCIBusId", cudarc::driver::DriverError(r)));
+    }
+    Ok(buf.iter().take_while(|c| **c != 0).map(|c| *c as u8 as char).collect())
+}
+
 /// Device memory from `cuMemAlloc`, freed on drop.
 pub struct DeviceBuffer {
     ptr: sys::CUdeviceptr,
@@ -208,6 +281,19 @@ impl PinnedBuffer {
     /// The device address of the mapping (for kernels).
     pub fn device_ptr(&self) -> u64 {
         self.dev
+    }
+
+    /// The device address of the mapping in `gpu`'s context (the buffer is portable, so
+    /// every context can address it; with unified addressing it is the same number).
+    pub fn device_ptr_in(&self, gpu: &Gpu) -> Result<u64, CudaError> {
+        gpu.bind()?;
+        let mut dev: sys::CUdeviceptr = 0;
+        // SAFETY: `host` is a live portable, mapped allocation; `dev` is an out-parameter.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, self.host as *mut std::ffi::c_void, 0) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(CudaError::driver("cuMemHostGetDevicePointer", cudarc::driver::DriverError(r)));
+        }
+        Ok(dev)
     }
 
     /// The bytes, on the host. Call only after the stream that wrote them is synchronised.

@@ -106,7 +106,7 @@ pub struct GatherSpec<'a> {
 }
 
 impl GatherSpec<'_> {
-    fn check(&self) -> Result<(u32, u32, u32), CudaError> {
+    pub(crate) fn check(&self) -> Result<(u32, u32, u32), CudaError> {
         if self.src_bases.len() != self.dst_bases.len() {
             return Err(CudaError::Invalid(format!(
                 "{} source regions but {} destination regions",

@@ -11,6 +11,8 @@ use kvconnect_host::worker::{
 use kvconnect_nixl::harness::context;
 use kvconnect_nixl::NixlFactory;
 use serde_json::json;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 const SEED: u64 = 1234;
 
@@ -96,7 +98,23 @@ fn check(play: KvLayout, dlay: KvLayout) {
         })
         .unwrap();
     }
-    let dec = d.run_to_completion(5_000_000).unwrap();
+    // The producer keeps stepping while decode pulls from it, as a serving worker does: the
+    // requests it finished in its last step reach its connector (which then holds their blocks
+    // for decode) only in the step after, and decode's "done" frees them later still.
+    let stop = AtomicBool::new(false);
+    let dec = std::thread::scope(|s| {
+        let producer = s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                p.step().unwrap();
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        let dec = d.run_to_completion(100_000);
+        stop.store(true, Ordering::Relaxed);
+        producer.join().unwrap();
+        dec
+    })
+    .unwrap();
     assert_eq!(dec.len(), ps.len());
     for c in &dec {
         let i: usize = c.id[1..].parse().unwrap();
@@ -113,7 +131,11 @@ fn check(play: KvLayout, dlay: KvLayout) {
             "prompt {i}: all but the last prompt token loaded"
         );
     }
-    p.wait_for_pending_frees(10).unwrap();
+    let t0 = Instant::now();
+    while !p.pending_frees().is_empty() && t0.elapsed() < Duration::from_secs(10) {
+        p.step().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
     assert_eq!(p.free_blocks(), p.total_blocks(), "prefill pool back to full");
     assert_eq!(d.free_blocks(), d.total_blocks(), "decode pool back to full");
 }

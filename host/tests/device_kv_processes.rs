@@ -3,6 +3,8 @@
 //! prefill's CUDA IPC handles and copies each request with one gather kernel. Outputs must
 //! equal a monolithic engine's token for token, every decode must really load all but the
 //! last prompt token, and after prefill dies a load from it fails instead of hanging.
+//! The same again with `cuda_ipc_path = "staged"` (the host-staged copy a GPU without peer
+//! access to the producer's gets by itself); the decode worker's log must name the path taken.
 //! Needs a GPU: skips, saying so, where there is none.
 #![cfg(feature = "cuda")]
 
@@ -39,12 +41,14 @@ fn kvconnect_bin() -> PathBuf {
 struct Worker {
     child: Child,
     http: String,
+    log: PathBuf,
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.log);
     }
 }
 
@@ -54,18 +58,20 @@ fn decode_gpu() -> String {
     std::env::var("KVC_TEST_DECODE_GPU").unwrap_or_else(|_| "0".to_owned())
 }
 
-fn start(role: &str, id: &str, gpu: &str) -> Worker {
+fn start(role: &str, id: &str, gpu: &str, path: &str) -> Worker {
     let cfg = format!(
-        r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_buffer_device":"cuda","kv_connector_extra_config":{{"backend":"cuda_ipc","io_timeout":3,"connect_timeout":2}}}}"#
+        r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_buffer_device":"cuda","kv_connector_extra_config":{{"backend":"cuda_ipc","cuda_ipc_path":"{path}","io_timeout":3,"connect_timeout":2}}}}"#
     );
     let model = reference_model();
+    let log = std::env::temp_dir().join(format!("kvc-{id}-{}.log", std::process::id()));
     let mut child = Command::new(kvconnect_bin())
         .args(["worker", "--kv-transfer-config", &cfg, "--model", model.to_str().unwrap(), "--engine-id", id])
         .args(["--num-blocks", "512"])
         .env("KVCONNECT_GPU", gpu)
+        .env("RUST_LOG", "warn,kvconnect_nixl=info")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
     let out = child.stdout.take().unwrap();
@@ -79,7 +85,13 @@ fn start(role: &str, id: &str, gpu: &str) -> Worker {
     };
     std::thread::spawn(move || for _ in lines {});
     let v: Value = serde_json::from_str(&line).unwrap();
-    Worker { child, http: v["http"].as_str().unwrap().to_owned() }
+    Worker { child, http: v["http"].as_str().unwrap().to_owned(), log }
+}
+
+impl Worker {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
 }
 
 fn post(addr: &str, path: &str, body: &Value) -> (u16, Value) {
@@ -125,14 +137,23 @@ fn monolithic(ps: &[Vec<u32>]) -> Vec<Vec<u32>> {
 
 #[test]
 fn two_worker_processes_over_cuda_ipc_equal_monolithic() {
+    two_workers("auto", 18);
+}
+
+#[test]
+fn two_worker_processes_host_staged_equal_monolithic() {
+    two_workers("staged", 9);
+}
+
+fn two_workers(path: &str, n: usize) {
     if let Err(e) = kvconnect_cuda::Gpu::open(0) {
         eprintln!("skipping: no GPU ({e})");
         return;
     }
-    let ps = prompts(18);
+    let ps = prompts(n);
     let mono = monolithic(&ps);
-    let prefill = start("kv_producer", "prefill-cuda", "0");
-    let decode = start("kv_consumer", "decode-cuda", &decode_gpu());
+    let prefill = start("kv_producer", &format!("prefill-{path}"), "0", path);
+    let decode = start("kv_consumer", &format!("decode-{path}"), &decode_gpu(), path);
     for (i, p) in ps.iter().enumerate() {
         let (st, pre) = post(
             &prefill.http,
@@ -160,6 +181,15 @@ fn two_worker_processes_over_cuda_ipc_equal_monolithic() {
             "prompt {i}: decode must load all but the last prompt token: {d}"
         );
     }
+    // The path taken is reported once per producer, with its reason.
+    let log = decode.log();
+    let want = match (path, decode_gpu().as_str()) {
+        ("staged", _) => "through pinned host memory",
+        (_, "0") => "same GPU, direct",
+        _ => "peer access",
+    };
+    assert!(log.contains("cuda_ipc: GPU") && log.contains(want), "decode log lacks '{want}':\n{log}");
+    eprintln!("decode worker reported: {}", log.lines().find(|l| l.contains("cuda_ipc: GPU")).unwrap_or(""));
     // Prefill dies: decode's load from it fails (kv_load_failure_policy applies: recompute
     // gives the right tokens without external ones, fail gives an error), never a hang.
     let p = ps[0].clone();

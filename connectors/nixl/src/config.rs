@@ -5,7 +5,9 @@
 //! control/data listener, default `127.0.0.1:0`), `io_timeout` and `connect_timeout`
 //! (seconds, defaults 10 and 5), `max_frame_bytes` (control frame cap, default 16 MiB), and
 //! `side_channel_host` / `side_channel_port`, which the *host* sets to its own side-channel
-//! address so that `request_finished` can put it into the transfer params.
+//! address so that `request_finished` can put it into the transfer params. Backend
+//! `cuda_ipc` also reads `cuda_ipc_path` (`auto` | `peer` | `staged`, default `auto`): how
+//! decode reaches a producer's GPU (see [`CudaIpcPath`]).
 //!
 //! The listener's bound address is what the handshake metadata publishes, so for tcp between
 //! hosts set `host` to an address the decode host can reach (not `0.0.0.0`). The listener
@@ -58,6 +60,43 @@ impl Backend {
     }
 }
 
+/// How backend `cuda_ipc` reaches the producer's GPU memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CudaIpcPath {
+    /// The gather kernel reads the producer's memory directly when the two GPUs are the same
+    /// or have peer access (NVLink, PCIe P2P); otherwise the copy goes through pinned host
+    /// memory. Chosen per producer, and logged.
+    Auto,
+    /// Direct only: a producer on a GPU without peer access is a failed load (the error says
+    /// so), never a silent slow path.
+    Peer,
+    /// Always through pinned host memory (for GPUs whose peer path is broken or slow).
+    Staged,
+}
+
+impl CudaIpcPath {
+    /// The name users write.
+    pub fn name(self) -> &'static str {
+        match self {
+            CudaIpcPath::Auto => "auto",
+            CudaIpcPath::Peer => "peer",
+            CudaIpcPath::Staged => "staged",
+        }
+    }
+
+    fn parse(s: &str) -> Result<CudaIpcPath, ConnectorError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(CudaIpcPath::Auto),
+            "peer" => Ok(CudaIpcPath::Peer),
+            "staged" | "host" => Ok(CudaIpcPath::Staged),
+            other => Err(ConnectorError::config(
+                NAME,
+                format!("unknown cuda_ipc_path '{other}' in kv_connector_extra_config; use \"auto\" (direct when the GPUs have peer access, else through pinned host memory), \"peer\" or \"staged\""),
+            )),
+        }
+    }
+}
+
 /// Parsed settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NixlConfig {
@@ -78,6 +117,8 @@ pub struct NixlConfig {
     pub max_frame_bytes: usize,
     /// The host's side-channel address, put into transfer params.
     pub side_channel: Option<(String, u16)>,
+    /// Backend cuda_ipc: direct peer reads, host staging, or chosen per producer.
+    pub cuda_ipc_path: CudaIpcPath,
 }
 
 impl Default for NixlConfig {
@@ -91,6 +132,7 @@ impl Default for NixlConfig {
             connect_timeout: Duration::from_secs(5),
             max_frame_bytes: crate::wire::DEFAULT_MAX_FRAME,
             side_channel: None,
+            cuda_ipc_path: CudaIpcPath::Auto,
         }
     }
 }
@@ -183,6 +225,10 @@ impl NixlConfig {
             connect_timeout: seconds(extra, "connect_timeout", d.connect_timeout)?,
             max_frame_bytes,
             side_channel,
+            cuda_ipc_path: match string(extra, "cuda_ipc_path")? {
+                Some(p) => CudaIpcPath::parse(&p)?,
+                None => d.cuda_ipc_path,
+            },
         })
     }
 
@@ -240,6 +286,18 @@ mod tests {
             let e = e.to_string();
             assert!(e.contains("scripts/fetch-nixl.sh") || e.contains("NIXL_LIB_DIR"), "{e}");
         }
+    }
+
+    #[test]
+    fn cuda_ipc_path_defaults_to_auto_and_names_its_choices() {
+        let c = NixlConfig::from_config(&cfg(json!({"backend": "cuda_ipc"}))).unwrap();
+        assert_eq!(c.cuda_ipc_path, CudaIpcPath::Auto);
+        let c = NixlConfig::from_config(&cfg(json!({"cuda_ipc_path": "Staged"}))).unwrap();
+        assert_eq!(c.cuda_ipc_path, CudaIpcPath::Staged);
+        let e = NixlConfig::from_config(&cfg(json!({"cuda_ipc_path": "nvlink"}))).unwrap_err().to_string();
+        assert!(e.contains("'nvlink'") && e.contains("\"auto\"") && e.contains("\"staged\""), "{e}");
+        let e = NixlConfig::from_config(&cfg(json!({"cuda_ipc_path": 1}))).unwrap_err().to_string();
+        assert!(e.contains("cuda_ipc_path") && e.contains("expected a string"), "{e}");
     }
 
     #[test]

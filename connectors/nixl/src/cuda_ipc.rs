@@ -9,17 +9,27 @@
 //! copy. The pull thread then synchronises the stream (the step loop never waits on it) and
 //! the usual "done" goes to the producer over the control connection.
 //!
+//! Two GPUs of one host: the producer names its GPU by PCI bus id, which the consumer looks
+//! up among the GPUs it sees. When its own GPU can access the producer's (peer access over
+//! NVLink or PCIe), the kernel reads the peer's memory directly; when it cannot, the copy
+//! goes through pinned host memory (`kvconnect_cuda::StagedCopy`: the producer's GPU gathers
+//! into it, this GPU gathers out of it). `cuda_ipc_path` forces either; the choice and its
+//! reason are logged once per producer.
+//!
 //! Per-layer layouts (`[L][KV][B]..`): the K part of layer l starts at its region's address,
 //! the V part `num_blocks * block_bytes` later, and blocks are contiguous, so each (layer,
 //! part) is one base address of the gather. Cross-layer layouts (`[B][L][KV]..`) are copied
 //! as whole cross-layer blocks, one base per region, and need equal layouts on both sides.
 
+use crate::config::CudaIpcPath;
 use crate::error::TransferError;
 use crate::meta::LoadSpec;
 use crate::metadata::{CudaIpcMetadata, PeerInfo};
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::{BlockId, Dim, KvRegion, LayerId, MemoryKind};
-use kvconnect_cuda::{CudaError, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute};
+use kvconnect_cuda::{
+    CudaError, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute, StagedCopy,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -67,7 +77,16 @@ pub fn export(gpu: &Gpu, regions: &[KvRegion]) -> Result<CudaIpcMetadata, Transf
         device: gpu.ordinal() as i32,
         handles,
         addrs: regions.iter().map(|r| r.addr).collect(),
+        pci_bus_id: gpu.pci_bus_id().ok(),
     })
+}
+
+/// How the copy reaches a producer's memory.
+enum Route {
+    /// This GPU's kernel reads it (same GPU, or peer access).
+    Direct,
+    /// Through pinned host memory; the regions are mapped on the producer's GPU.
+    Staged(Box<StagedCopy>),
 }
 
 struct Opened {
@@ -75,6 +94,7 @@ struct Opened {
     /// Mapped regions (empty for a producer in this same process).
     _regions: Vec<ImportedRegion>,
     bases: Vec<u64>,
+    route: Route,
 }
 
 /// Consumer side, owned by the pull thread: the GPU, the kernel (compiled at the first pull)
@@ -84,6 +104,7 @@ pub struct CudaIpcPull {
     kernel: Option<GatherKernel>,
     opened: HashMap<String, Opened>,
     own: Vec<u64>,
+    path: CudaIpcPath,
 }
 
 impl std::fmt::Debug for CudaIpcPull {
@@ -144,13 +165,70 @@ fn check_block(g: &Geometry, region: usize, b: BlockId, side: &str) -> Result<u3
 
 impl CudaIpcPull {
     /// A consumer over this worker's device regions.
-    pub fn new(gpu: Arc<Gpu>, own_regions: &[KvRegion]) -> CudaIpcPull {
+    pub fn new(gpu: Arc<Gpu>, own_regions: &[KvRegion], path: CudaIpcPath) -> CudaIpcPull {
         CudaIpcPull {
             gpu,
             kernel: None,
             opened: HashMap::new(),
             own: own_regions.iter().map(|r| r.addr).collect(),
+            path,
         }
+    }
+
+    /// Whether the copy from `engine` goes through host memory (None: not opened yet).
+    pub fn staged(&self, engine: &str) -> Option<bool> {
+        self.opened.get(engine).map(|o| matches!(o.route, Route::Staged(_)))
+    }
+
+    /// The producer's GPU as this process sees it, and whether the copy is staged (with why).
+    fn choose(&self, e: &str, m: &CudaIpcMetadata) -> Result<(Arc<Gpu>, bool, String), TransferError> {
+        let own_bus = self.gpu.pci_bus_id().map_err(cuda)?;
+        let producer = match &m.pci_bus_id {
+            Some(bus) if bus.eq_ignore_ascii_case(&own_bus) => self.gpu.clone(),
+            Some(bus) => match Gpu::open_by_pci_bus_id(bus).map_err(cuda)? {
+                Some(g) => Arc::new(g),
+                None => {
+                    return Err(TransferError::Cuda(format!(
+                        "producer engine '{e}' keeps its KV on GPU {bus}, which this process cannot see (CUDA_VISIBLE_DEVICES={}): make that GPU visible to this worker as well; CUDA IPC works between the GPUs of one host only",
+                        std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
+                    )))
+                }
+            },
+            // An older producer without a bus id: assume both processes number GPUs alike.
+            None if m.device as usize == self.gpu.ordinal() => self.gpu.clone(),
+            None => Arc::new(Gpu::open(m.device.max(0) as usize).map_err(cuda)?),
+        };
+        let prod_bus = producer.pci_bus_id().map_err(cuda)?;
+        let between = format!("GPU {prod_bus} (producer) -> GPU {own_bus} (this worker)");
+        if self.path == CudaIpcPath::Staged {
+            return Ok((
+                producer,
+                true,
+                format!("{between}: through pinned host memory (cuda_ipc_path = \"staged\")"),
+            ));
+        }
+        if Arc::ptr_eq(&producer, &self.gpu) {
+            return Ok((producer, false, format!("{between}: same GPU, direct")));
+        }
+        if self.gpu.can_access_peer(&producer).map_err(cuda)? {
+            return Ok((
+                producer,
+                false,
+                format!("{between}: peer access, the gather kernel reads the producer's GPU directly"),
+            ));
+        }
+        if self.path == CudaIpcPath::Peer {
+            return Err(TransferError::Cuda(format!(
+                "{between}: this GPU cannot access the producer's memory (cuDeviceCanAccessPeer = 0) and cuda_ipc_path = \"peer\" forbids the host-staged copy: set cuda_ipc_path = \"auto\", or put both workers on GPUs with peer access (NVLink)"
+            )));
+        }
+        Ok((
+            producer,
+            true,
+            format!(
+                "{between}: no peer access (cuDeviceCanAccessPeer = 0), copying through pinned host memory"
+            ),
+        ))
     }
 
     /// Forgets a peer's mapped regions.
@@ -158,8 +236,9 @@ impl CudaIpcPull {
         self.opened.remove(engine);
     }
 
-    /// Opens the peer's handles (once per peer, again when they changed).
-    fn peer_bases(&mut self, peer: &PeerInfo) -> Result<Vec<u64>, TransferError> {
+    /// Opens the peer's handles (once per peer, again when they changed) on the GPU the route
+    /// needs: this one for direct reads, the producer's for the staged copy.
+    fn open_peer(&mut self, peer: &PeerInfo) -> Result<&mut Opened, TransferError> {
         let e = &peer.meta.engine_id;
         let m = peer.meta.cuda_ipc.as_ref().ok_or_else(|| {
             plan(format!(
@@ -174,28 +253,45 @@ impl CudaIpcPull {
                 peer.meta.regions.len()
             )));
         }
-        if let Some(o) = self.opened.get(e).filter(|o| o.handles == m.handles) {
-            return Ok(o.bases.clone());
+        if self.opened.get(e).is_some_and(|o| o.handles == m.handles) {
+            return self.opened.get_mut(e).ok_or_else(|| TransferError::UnknownPeer(e.clone()));
         }
         self.opened.remove(e);
-        let opened = if peer.meta.pid == std::process::id() {
-            // CUDA refuses to open a process's own handles; the addresses are valid here.
-            Opened { handles: m.handles.clone(), _regions: Vec::new(), bases: m.addrs.clone() }
+        let (on, staged, why) = self.choose(e, m)?;
+        tracing::info!(engine = %e, "cuda_ipc: {why}");
+        let (regions, bases) = if peer.meta.pid == std::process::id() {
+            // CUDA refuses to open a process's own handles; the addresses are valid here,
+            // and a kernel on another GPU reads them once peer access is enabled.
+            if !staged && !Arc::ptr_eq(&on, &self.gpu) && !self.gpu.enable_peer_access(&on).map_err(cuda)? {
+                return Err(TransferError::Cuda(format!(
+                    "producer engine '{e}': peer access from GPU {} to GPU {} could not be enabled",
+                    self.gpu.ordinal(),
+                    on.ordinal()
+                )));
+            }
+            (Vec::new(), m.addrs.clone())
         } else {
+            let map_on = if staged { &on } else { &self.gpu };
             let mut regions = Vec::with_capacity(m.handles.len());
             for (h, r) in m.handles.iter().zip(&peer.meta.regions) {
                 let handle = IpcHandle { hex: h.clone(), bytes: r.len as usize };
-                let mapped = ImportedRegion::open(&self.gpu, &handle).map_err(|err| {
+                let mapped = ImportedRegion::open(map_on, &handle).map_err(|err| {
                     TransferError::Cuda(format!("producer engine '{e}' region '{}': {err}", r.name))
                 })?;
                 regions.push(mapped);
             }
             let bases = regions.iter().map(ImportedRegion::ptr).collect();
-            Opened { handles: m.handles.clone(), _regions: regions, bases }
+            (regions, bases)
         };
-        let bases = opened.bases.clone();
-        self.opened.insert(e.clone(), opened);
-        Ok(bases)
+        let route = if staged {
+            let copy =
+                StagedCopy::new(on, &self.gpu, kvconnect_cuda::staged::DEFAULT_CHUNK_BYTES).map_err(cuda)?;
+            Route::Staged(Box::new(copy))
+        } else {
+            Route::Direct
+        };
+        let opened = Opened { handles: m.handles.clone(), _regions: regions, bases, route };
+        Ok(self.opened.entry(e.clone()).or_insert(opened))
     }
 
     /// Copies `load` from `peer` into this worker's regions (geometry `own`) and waits for
@@ -246,7 +342,10 @@ impl CudaIpcPull {
                 )))
             }
         };
-        let src_all = self.peer_bases(peer)?;
+        if self.kernel.is_none() {
+            self.kernel = Some(GatherKernel::new(&self.gpu).map_err(cuda)?);
+        }
+        let src_all = self.open_peer(peer)?.bases.clone();
         let shape = own.shape();
         let span_bytes = shape.bytes() as u64;
         let parts = shape.kv_parts;
@@ -255,9 +354,6 @@ impl CudaIpcPull {
         } else {
             0..0
         };
-        if self.kernel.is_none() {
-            self.kernel = Some(GatherKernel::new(&self.gpu).map_err(cuda)?);
-        }
         let mut bytes = 0u64;
         for (g, layers) in groups.iter().enumerate() {
             let (rl, ll) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
@@ -319,7 +415,11 @@ impl CudaIpcPull {
                 permute: perm,
             };
             let kernel = self.kernel.as_mut().ok_or_else(|| plan("gather kernel missing".into()))?;
-            kernel.launch(&self.gpu, &spec).map_err(cuda)?;
+            let opened = self.opened.get_mut(e).ok_or_else(|| TransferError::UnknownPeer(e.clone()))?;
+            match &mut opened.route {
+                Route::Direct => kernel.launch(&self.gpu, &spec).map_err(cuda)?,
+                Route::Staged(copy) => copy.copy(&self.gpu, kernel, &spec).map_err(cuda)?,
+            }
             bytes += block_bytes * src_bases.len() as u64 * src_blocks.len() as u64;
         }
         // The pull thread waits; the step loop only sees the outcome in get_finished.

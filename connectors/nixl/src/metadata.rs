@@ -68,6 +68,10 @@ pub struct CudaIpcMetadata {
     pub handles: Vec<String>,
     /// Device address of each region in the producer's process.
     pub addrs: Vec<u64>,
+    /// PCI bus id of that GPU: names it in the consumer's process whatever
+    /// CUDA_VISIBLE_DEVICES numbers it there (absent from older producers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pci_bus_id: Option<String>,
 }
 
 /// A producer's NIXL agent as peers need it: name, `getLocalMD()` bytes (hex) and the base

@@ -118,7 +118,7 @@ impl NixlWorker {
         }
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &self.gpu {
-            puller.set_cuda(crate::cuda_ipc::CudaIpcPull::new(gpu.clone(), &self.regions));
+            puller.set_cuda(crate::cuda_ipc::CudaIpcPull::new(gpu.clone(), &self.regions, self.cfg.cuda_ipc_path));
         }
         let ctx = PullLoop {
             puller,

@@ -5,7 +5,11 @@
 //!   process's own IPC handles), with and without an NHD->HND permute;
 //! - two processes: this test binary re-runs itself as the producer, the consumer opens its
 //!   IPC handles (the real IPC path); then the producer dies and a load fails;
-//! - a handle that cannot be opened is a failed receive, never a crash.
+//! - a handle that cannot be opened is a failed receive, never a crash;
+//! - the host-staged path (`cuda_ipc_path = "staged"`, what a GPU without peer access to the
+//!   producer's gets automatically), in one process and across two, with a permute.
+//!
+//! `KVC_TEST_DECODE_GPU=1` on a two-GPU host puts every consumer on the second GPU.
 #![cfg(feature = "cuda")]
 
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
@@ -37,6 +41,12 @@ fn gpu() -> Option<Gpu> {
     }
 }
 
+/// The consumers' GPU: `KVC_TEST_DECODE_GPU` (default 0, the producers' GPU).
+fn decode_gpu() -> Gpu {
+    let ordinal = std::env::var("KVC_TEST_DECODE_GPU").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    Gpu::open(ordinal).unwrap()
+}
+
 struct Engine {
     sched: Box<dyn SchedulerConnector>,
     worker: Box<dyn WorkerConnector>,
@@ -49,6 +59,10 @@ struct Engine {
 
 /// Device regions filled with distinct, position-dependent bytes (salted by engine id).
 fn engine(g: &Gpu, role: KvRole, id: &str, layout: KvLayout) -> Engine {
+    engine_on_path(g, role, id, layout, "auto")
+}
+
+fn engine_on_path(g: &Gpu, role: KvRole, id: &str, layout: KvLayout, path: &str) -> Engine {
     let m = model(3, 2, 8);
     let eff = effective(&m, layout, BS);
     let ctx = context(
@@ -56,7 +70,7 @@ fn engine(g: &Gpu, role: KvRole, id: &str, layout: KvLayout) -> Engine {
         &eff,
         role,
         id,
-        json!({"backend": "cuda_ipc", "io_timeout": 2, "connect_timeout": 1,
+        json!({"backend": "cuda_ipc", "io_timeout": 2, "connect_timeout": 1, "cuda_ipc_path": path,
             "side_channel_host": "127.0.0.1", "side_channel_port": 5600}),
     );
     let sched = NixlFactory.create_scheduler(&ctx).unwrap();
@@ -74,7 +88,7 @@ fn engine(g: &Gpu, role: KvRole, id: &str, layout: KvLayout) -> Engine {
         let mut r = host.regions()[i].clone();
         r.addr = buf.ptr();
         r.memory = MemoryKind::Device;
-        r.device = 0;
+        r.device = g.ordinal() as i32;
         regions.push(r);
         dev.push(buf);
     }
@@ -150,6 +164,7 @@ fn geometry(e: &Engine) -> Geometry {
 /// Downloads the consumer's device regions and compares every element of tokens
 /// [0, PROMPT - 1) with the producer's (host copies of what it uploaded).
 fn assert_loaded(g: &Gpu, p: &mut Engine, d: &mut Engine) {
+    // The consumer's regions start with other bytes (another salt): a block not copied fails.
     for i in 0..d.dev.len() {
         let ptr = d.dev[i].ptr();
         g.download(d.host.bytes_mut(i), ptr).unwrap();
@@ -181,10 +196,11 @@ fn assert_loaded(g: &Gpu, p: &mut Engine, d: &mut Engine) {
     assert_eq!(checked, 3 * 2 * (PROMPT - 1) * 2 * 8);
 }
 
-fn in_process(play: KvLayout, dlay: KvLayout) {
+fn in_process(play: KvLayout, dlay: KvLayout, path: &str) {
     let Some(g) = gpu() else { return };
+    let dg = decode_gpu();
     let mut p = engine(&g, KvRole::Producer, "prefill-0", play);
-    let mut d = engine(&g, KvRole::Consumer, "decode-0", dlay);
+    let mut d = engine_on_path(&dg, KvRole::Consumer, "decode-0", dlay, path);
     let meta = p.worker.handshake_metadata().unwrap().unwrap();
     assert_eq!(meta["cuda_ipc"]["handles"].as_array().unwrap().len(), p.regions.len());
     d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta})).unwrap();
@@ -192,17 +208,22 @@ fn in_process(play: KvLayout, dlay: KvLayout) {
     decode_start(&mut d, "req-1", params);
     let f = wait_recv(d.worker.as_mut());
     assert_eq!(f.finished_recving, vec![RequestId::from("req-1")], "{f:?}");
-    assert_loaded(&g, &mut p, &mut d);
+    assert_loaded(&dg, &mut p, &mut d);
 }
 
 #[test]
 fn same_process_equal_layouts() {
-    in_process(KvLayout::HND, KvLayout::HND);
+    in_process(KvLayout::HND, KvLayout::HND, "auto");
 }
 
 #[test]
 fn same_process_fused_nhd_to_hnd_permute() {
-    in_process(KvLayout::NHD, KvLayout::HND);
+    in_process(KvLayout::NHD, KvLayout::HND, "auto");
+}
+
+#[test]
+fn same_process_host_staged_with_permute() {
+    in_process(KvLayout::NHD, KvLayout::HND, "staged");
 }
 
 #[test]
@@ -242,7 +263,17 @@ fn child_producer() {
 
 #[test]
 fn two_processes_ipc_then_dead_peer() {
+    two_processes("auto");
+}
+
+#[test]
+fn two_processes_host_staged_then_dead_peer() {
+    two_processes("staged");
+}
+
+fn two_processes(path: &str) {
     let Some(g) = gpu() else { return };
+    let dg = decode_gpu();
     let exe = std::env::current_exe().unwrap();
     let mut child = Command::new(exe)
         .args(["--exact", "child_producer", "--nocapture", "--test-threads=1"])
@@ -266,21 +297,21 @@ fn two_processes_ipc_then_dead_peer() {
     let v: Value = serde_json::from_str(&line).unwrap();
     let params = v["params"].as_object().unwrap().clone();
     // The consumer in HND: the permute is fused into the copy across processes.
-    let mut d = engine(&g, KvRole::Consumer, "decode-0", KvLayout::HND);
+    let mut d = engine_on_path(&dg, KvRole::Consumer, "decode-0", KvLayout::HND, path);
     d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": v["meta"]})).unwrap();
     decode_start(&mut d, "req-1", params.clone());
     let f = wait_recv(d.worker.as_mut());
     assert_eq!(f.finished_recving, vec![RequestId::from("req-1")], "{f:?}");
     // The producer's bytes are deterministic: rebuild them here (same id, layout, salt).
     let mut p_ref = engine(&g, KvRole::Both, "prefill-0", KvLayout::NHD);
-    assert_loaded(&g, &mut p_ref, &mut d);
+    assert_loaded(&dg, &mut p_ref, &mut d);
     drop(p_ref);
 
     // The producer dies: a later load from it fails (policy applies), nothing hangs.
     drop(child.stdin.take());
     let _ = child.kill();
     let _ = child.wait();
-    let mut d2 = engine(&g, KvRole::Consumer, "decode-1", KvLayout::HND);
+    let mut d2 = engine_on_path(&dg, KvRole::Consumer, "decode-1", KvLayout::HND, path);
     d2.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": v["meta"]})).unwrap();
     decode_start(&mut d2, "req-1", params);
     let f = wait_recv(d2.worker.as_mut());
