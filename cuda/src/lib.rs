@@ -18,9 +18,11 @@ pub mod ipc;
 pub mod kernel;
 pub mod kv_stage;
 pub mod kv_units;
+pub mod staged;
 
 pub use device::{DeviceBuffer, Gpu, PinnedBuffer};
 pub use error::CudaError;
 pub use ipc::{ImportedRegion, IpcHandle};
 pub use kernel::{GatherKernel, GatherSpec, Permute};
 pub use kv_stage::{HostCopy, KvStage, StageError};
+pub use staged::StagedCopy;
