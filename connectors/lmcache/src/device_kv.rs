@@ -34,7 +34,16 @@ fn save_blocks<'a>(layout: &ChunkLayout, spec: &'a SaveSpec) -> &'a [BlockId] {
     &spec.blocks[..n]
 }
 
-/// Gathers a save's blocks and copies every layer of every chunk into `bufs`.
+/// Bytes of chunk copies one thread takes on, at least (smaller saves stay on the caller's
+/// thread: spawning costs more than it saves).
+const BYTES_PER_THREAD: usize = 8 << 20;
+/// At most this many copy threads per save.
+const MAX_THREADS: usize = 8;
+
+/// Gathers a save's blocks and copies every layer of every chunk into `bufs`. The host
+/// copies of a long request are split across a few threads by chunk (each chunk's buffer is
+/// built by one thread, in layer order), so the copy out of pinned memory keeps up with the
+/// gather.
 pub fn save(
     stage: &KvStage,
     layout: &ChunkLayout,
@@ -43,14 +52,34 @@ pub fn save(
 ) -> Result<(), String> {
     let copy = stage.gather(save_blocks(layout, spec)).map_err(|e| e.to_string())?;
     let ids = copy.block_ids();
-    for layer in layout.kv_layers() {
-        for (c, buf) in spec.chunks.iter().zip(bufs.iter_mut()) {
-            layout
-                .save_layer(copy.memory(), *layer, &ids, c.start, c.tokens, buf)
-                .map_err(|e| e.to_string())?;
+    let mem = copy.memory();
+    let one = |chunks: &[crate::key::ChunkRef], bufs: &mut [Vec<u8>]| -> Result<(), String> {
+        for (c, buf) in chunks.iter().zip(bufs.iter_mut()) {
+            for layer in layout.kv_layers() {
+                layout.save_layer(mem, *layer, &ids, c.start, c.tokens, buf).map_err(|e| e.to_string())?;
+            }
         }
+        Ok(())
+    };
+    let n = spec.chunks.len().min(bufs.len());
+    let bytes: usize = spec.chunks.iter().map(|c| layout.chunk_bytes(c.tokens)).sum();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = (bytes / BYTES_PER_THREAD).min(cores).min(MAX_THREADS).min(n).max(1);
+    if threads == 1 {
+        return one(&spec.chunks[..n], &mut bufs[..n]);
     }
-    Ok(())
+    let per = n.div_ceil(threads);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = spec.chunks[..n]
+            .chunks(per)
+            .zip(bufs[..n].chunks_mut(per))
+            .map(|(c, b)| s.spawn(move || one(c, b)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a chunk copy thread panicked".into())))
+            .collect::<Result<(), String>>()
+    })
 }
 
 /// Writes a load's fetched chunks into a host copy and scatters them into the device

@@ -24,6 +24,9 @@ pub enum BenchCommand {
     Transfer(TransferArgs),
     /// Time to first token of a long prompt, disaggregated vs one worker (reference engine).
     Ttft(TtftArgs),
+    /// lmcache save of one request whose KV is in GPU memory; ratio against a contiguous
+    /// device-to-pinned-host copy of the same bytes (needs the cuda feature and a GPU).
+    LmcacheDevice(super::bench_lmcache_device::LmcacheDeviceArgs),
     /// The consumer half of `bench transfer --backend cuda_ipc` (started by it; reads its
     /// spec as JSON on stdin).
     #[command(hide = true)]
@@ -92,6 +95,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Transfer(a) => transfer(a),
         BenchCommand::Ttft(a) => ttft(a),
         BenchCommand::CudaIpcPeer => super::bench_cuda::peer(),
+        BenchCommand::LmcacheDevice(a) => super::bench_lmcache_device::run(a),
     }
 }
 

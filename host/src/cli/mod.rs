@@ -3,6 +3,7 @@
 
 pub mod bench;
 mod bench_cuda;
+mod bench_lmcache_device;
 pub mod exit;
 pub mod negotiate;
 pub mod plan;
