@@ -106,7 +106,7 @@ impl FlexkvWorker {
                 Kv::Host(m) => SaveSource::Host(m),
                 #[cfg(feature = "cuda")]
                 Kv::Device(stage) => match crate::device_kv::gather(&stage, &op.blocks) {
-                    Ok(copy) => SaveSource::Staged(copy),
+                    Ok(copy) => SaveSource::Staged(Box::new(copy)),
                     Err(e) => {
                         tracing::warn!(req = %op.req, "flexkv: gathering device blocks failed, save skipped: {e}");
                         let _ = self.done_tx.send(Done::Save { req: op.req });
@@ -142,7 +142,7 @@ enum SaveSource {
     Host(Arc<KvMemory>),
     /// A host copy gathered from device regions (blocks 0..n).
     #[cfg(feature = "cuda")]
-    Staged(kvconnect_cuda::HostCopy),
+    Staged(Box<kvconnect_cuda::HostCopy>),
 }
 
 /// Stores `op`'s blocks, read from `mem` at `blocks` (the op's ids, or a host copy's).

@@ -77,8 +77,7 @@ pub fn save(
             .collect();
         handles
             .into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| Err("a chunk copy thread panicked".into())))
-            .collect::<Result<(), String>>()
+            .try_for_each(|h| h.join().unwrap_or_else(|_| Err("a chunk copy thread panicked".into())))
     })
 }
 
@@ -117,10 +116,10 @@ pub fn load(
     };
     // Partly written blocks keep their other tokens: bring them up first.
     let mut edges: Vec<(BlockId, u32)> = Vec::new();
-    if spec.start % bs != 0 {
+    if !spec.start.is_multiple_of(bs) {
         edges.push((spec.blocks[idx.start], idx.start as u32));
     }
-    if hi % bs != 0 && (idx.end - 1 != idx.start || edges.is_empty()) {
+    if !hi.is_multiple_of(bs) && (idx.end - 1 != idx.start || edges.is_empty()) {
         edges.push((spec.blocks[idx.end - 1], (idx.end - 1) as u32));
     }
     if let Err(e) = stage.gather_into(&mut copy, &edges) {

@@ -40,7 +40,7 @@ enum Kv {
     Host(KvMemory),
     /// GPU memory, staged through pinned host copies.
     #[cfg(feature = "cuda")]
-    Device(kvconnect_cuda::KvStage),
+    Device(Box<kvconnect_cuda::KvStage>),
 }
 
 /// The lmcache worker half.
@@ -260,7 +260,7 @@ fn device_regions(_: &[KvRegion], _: &ModelSpec, _: &EffectiveLayout) -> Connect
 
 #[cfg(feature = "cuda")]
 fn device_regions(regions: &[KvRegion], model: &ModelSpec, eff: &EffectiveLayout) -> ConnectorResult<Kv> {
-    crate::device_kv::open(regions, model, eff).map(Kv::Device)
+    crate::device_kv::open(regions, model, eff).map(|s| Kv::Device(Box::new(s)))
 }
 
 impl WorkerConnector for LmcacheWorker {
