@@ -21,7 +21,8 @@ for l in sys.stdin:
   cp "$bin" "$dir/kvconnect"
   for spec in "kvconnect-nixl cuda cuda_ipc" "kvconnect-host cuda device_kv" \
               "kvconnect-host cuda device_kv_processes" "kvconnect-cuda cuda gpu" \
-              "kvconnect-lmcache cuda lmcache_device" "kvconnect-flexkv cuda flexkv_device"; do
+              "kvconnect-lmcache cuda lmcache_device" "kvconnect-flexkv cuda flexkv_device" \
+              "kvconnect-host cuda device_kv_caches"; do
     set -- $spec
     cargo test --release -p "$1" --features "$2" --test "$3" --no-run --message-format=json \
       | python3 -c 'import json,sys

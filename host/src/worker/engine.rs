@@ -477,6 +477,13 @@ impl Engine {
                 }
             }
         }
+        // Synchronous loads into device regions (lmcache) are complete when start_load_kv
+        // returns: bring them into the working copy before the forward reads it.
+        if let Some(dm) = &self.device {
+            if scheduled.iter().any(|k| self.seqs.get(k).is_some_and(|s| s.loaded_this_step)) {
+                dm.download_all(&self.pool)?;
+            }
+        }
         conn_time += t.elapsed();
 
         // Forward, layer by layer across the scheduled requests.
