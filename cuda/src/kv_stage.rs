@@ -55,6 +55,14 @@ pub enum StageError {
     /// No regions.
     #[error("no KV regions to stage")]
     NoRegions,
+    /// A region the kernel's 16-byte copies cannot address.
+    #[error("region '{name}' starts at {addr:#x}, not a multiple of 16 bytes: the gather copies 16-byte words; register regions as allocated by cuMemAlloc (256-byte aligned)")]
+    Misaligned {
+        /// The region.
+        name: String,
+        /// Its address.
+        addr: u64,
+    },
     /// Regions that do not match the model and layout.
     #[error("registered device KV regions do not match the effective layout: {0}")]
     Regions(#[from] RegionError),
@@ -223,6 +231,9 @@ impl KvStage {
                 first_name: format!("the stage's GPU {}", gpu.ordinal()),
                 first: gpu.ordinal() as i32,
             });
+        }
+        if let Some(r) = regions.iter().find(|r| !r.addr.is_multiple_of(16)) {
+            return Err(StageError::Misaligned { name: r.name.clone(), addr: r.addr });
         }
         let mem = KvMemory::geometry_only(regions, model, eff)?;
         let geometry = mem.geometry().clone();
