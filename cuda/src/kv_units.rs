@@ -337,6 +337,86 @@ mod tests {
         assert_eq!((host[0].addr, host[0].num_blocks, host[0].memory), (4096, 3, MemoryKind::Host));
     }
 
+    /// The gather done on the CPU with the kernel's arithmetic (unit base + block x
+    /// block_bytes on both sides): a host copy read through `KvMemory` over `host_regions`
+    /// holds device block `blocks[i]` as its block `i`, for every layer and part, in
+    /// per-layer and cross-layer layouts.
+    #[test]
+    fn emulated_gather_gives_a_host_copy_the_geometry_reads_back() {
+        use kvconnect_api::kv_memory::KvMemory;
+        use kvconnect_api::{AttentionKind, Dtype, EffectiveLayout, KvGroup, ModelSpec, TransferMode};
+        let model = ModelSpec {
+            name: "t".into(),
+            num_layers: 3,
+            num_kv_heads: 2,
+            head_dim: 8,
+            dtype: Some(Dtype::F16),
+            layers: vec![AttentionKind::Full; 3],
+        };
+        for layout in [KvLayout::NHD, KvLayout::HND, KvLayout::BLNHC, KvLayout::BLHNC] {
+            let eff = EffectiveLayout {
+                layout,
+                hma: false,
+                block_size: 4,
+                cache_dtype: Dtype::F16,
+                memory: MemoryKind::Device,
+                transfer_mode: TransferMode::None,
+                groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..3).map(LayerId).collect() }],
+            };
+            let shape = BlockShape::of(&model, &eff);
+            let g = Geometry::new(shape, layout, regions(layout, 3, 9));
+            let mut dev: Vec<Vec<u8>> = g
+                .regions()
+                .iter()
+                .enumerate()
+                .map(|(r, s)| (0..g.region_bytes(s)).map(|i| (i * 7 + r * 131 + i / 97) as u8).collect())
+                .collect();
+            let dev_regions: Vec<KvRegion> = dev
+                .iter_mut()
+                .zip(g.regions())
+                .enumerate()
+                .map(|(i, (b, s))| KvRegion {
+                    name: format!("r{i}"),
+                    addr: b.as_mut_ptr() as u64,
+                    len: b.len() as u64,
+                    memory: MemoryKind::Host,
+                    device: -1,
+                    layers: s.layers.clone(),
+                    group: 0,
+                    num_blocks: 9,
+                    shm_name: None,
+                })
+                .collect();
+            let blocks = [7u32, 0, 8, 3];
+            let units = KvUnits::of(&g).unwrap();
+            let st = StageLayout::new(&g, blocks.len() as u32).unwrap();
+            assert_eq!(st.unit_offsets.len(), units.units.len());
+            let mut stage = vec![0u8; st.bytes];
+            let bb = units.block_bytes as usize;
+            for (u, dst) in units.units.iter().zip(&st.unit_offsets) {
+                for (i, b) in blocks.iter().enumerate() {
+                    let s = u.offset as usize + *b as usize * bb;
+                    let d = *dst as usize + i * bb;
+                    stage[d..d + bb].copy_from_slice(&dev[u.region][s..s + bb]);
+                }
+            }
+            let host = st.host_regions(stage.as_mut_ptr() as u64, &dev_regions);
+            // SAFETY: the regions are Vecs alive to the end of this iteration, only read.
+            let copy = unsafe { KvMemory::new(&host, &model, &eff) }.unwrap();
+            // SAFETY: as above.
+            let orig = unsafe { KvMemory::new(&dev_regions, &model, &eff) }.unwrap();
+            for l in 0..3 {
+                for p in 0..2 {
+                    for (i, b) in blocks.iter().enumerate() {
+                        let a = copy.slice(copy.span(LayerId(l), p, BlockId(i as u32)).unwrap()).unwrap();
+                        let o = orig.slice(orig.span(LayerId(l), p, BlockId(*b)).unwrap()).unwrap();
+                        assert_eq!(a, o, "{layout} layer {l} part {p} copy block {i} = device block {b}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn refuses_what_one_gather_cannot_copy() {
         let g = Geometry::new(
