@@ -34,6 +34,8 @@ pub mod metadata;
 pub mod nixl_agent;
 pub mod nixl_lib;
 pub mod nixl_raw;
+#[cfg(feature = "cuda")]
+pub mod nixl_vram;
 pub mod params;
 pub mod producer;
 pub mod puller;

@@ -1,5 +1,6 @@
-//! One NIXL agent per worker, over the UCX backend: registers KV regions as DRAM, exchanges
-//! agent metadata, posts READ transfers, polls them, and carries "done" notifications.
+//! One NIXL agent per worker, over the UCX backend: registers KV regions (host memory as DRAM,
+//! GPU memory as VRAM with its device id), exchanges agent metadata, posts READ transfers,
+//! polls them, and carries "done" notifications.
 //!
 //! Every NIXL call goes through here, so every NIXL failure becomes a [`NixlCallError`] whose
 //! message carries NIXL's status name (`NIXL_ERR_BACKEND`, ...) and the call that failed.
@@ -55,14 +56,48 @@ fn call(op: impl Into<String>) -> impl FnOnce(NixlError) -> NixlCallError {
     move |e| NixlCallError::Status { op, status: status_name(&e), detail: e.to_string() }
 }
 
-/// A host-memory range to register (NIXL reads the pointer and size only).
-#[derive(Debug)]
-struct Dram {
-    addr: usize,
-    len: usize,
+/// Where a registered range or a side of a transfer lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NixlMem {
+    /// Host memory.
+    Dram,
+    /// GPU memory of this CUDA device ordinal (as this process numbers it).
+    Vram(u64),
 }
 
-impl MemoryRegion for Dram {
+impl NixlMem {
+    fn mem_type(self) -> MemType {
+        match self {
+            NixlMem::Dram => MemType::Dram,
+            NixlMem::Vram(_) => MemType::Vram,
+        }
+    }
+
+    fn device(self) -> u64 {
+        match self {
+            NixlMem::Dram => 0,
+            NixlMem::Vram(d) => d,
+        }
+    }
+
+    /// "DRAM" or "VRAM of GPU n", for messages.
+    pub fn describe(self) -> String {
+        match self {
+            NixlMem::Dram => "DRAM".into(),
+            NixlMem::Vram(d) => format!("VRAM of GPU {d}"),
+        }
+    }
+}
+
+/// A memory range to register (NIXL reads the pointer, size, type and device only).
+#[derive(Debug)]
+struct Range {
+    addr: usize,
+    len: usize,
+    mem: NixlMem,
+}
+
+impl MemoryRegion for Range {
     unsafe fn as_ptr(&self) -> *const u8 {
         self.addr as *const u8
     }
@@ -71,12 +106,12 @@ impl MemoryRegion for Dram {
     }
 }
 
-impl NixlDescriptor for Dram {
+impl NixlDescriptor for Range {
     fn mem_type(&self) -> MemType {
-        MemType::Dram
+        self.mem.mem_type()
     }
     fn device_id(&self) -> u64 {
-        0
+        self.mem.device()
     }
 }
 
@@ -116,6 +151,8 @@ static CREATE: Mutex<()> = Mutex::new(());
 pub struct NixlAgent {
     agent: Agent,
     name: String,
+    /// Memory types the UCX backend says it can move.
+    mems: Vec<MemType>,
 }
 
 /// A registered memory range; deregistered on drop.
@@ -136,9 +173,24 @@ impl NixlAgent {
         nixl_lib::load()?;
         let _g = CREATE.lock().unwrap_or_else(|p| p.into_inner());
         let agent = Agent::new(name).map_err(call(format!("createAgent('{name}')")))?;
-        let (_mems, params) = agent.get_plugin_params(UCX).map_err(call("getPluginParams(UCX)"))?;
-        agent.create_backend(UCX, &params).map_err(call("createBackend(UCX)"))?;
-        Ok(NixlAgent { agent, name: name.to_owned() })
+        let (plugin_mems, params) = agent.get_plugin_params(UCX).map_err(call("getPluginParams(UCX)"))?;
+        let backend = agent.create_backend(UCX, &params).map_err(call("createBackend(UCX)"))?;
+        // What the created backend reports; the plugin's static list if it reports nothing.
+        let mems = match agent.get_backend_params(&backend) {
+            Ok((m, _)) => m.iter().filter_map(Result::ok).collect(),
+            Err(_) => plugin_mems.iter().filter_map(Result::ok).collect(),
+        };
+        Ok(NixlAgent { agent, name: name.to_owned(), mems })
+    }
+
+    /// Whether the UCX backend lists `mem`'s memory type among those it can move.
+    pub fn supports(&self, mem: NixlMem) -> bool {
+        self.mems.contains(&mem.mem_type())
+    }
+
+    /// The memory types the UCX backend lists, for messages ("Dram, Vram").
+    pub fn memory_types(&self) -> String {
+        self.mems.iter().map(|m| format!("{m:?}")).collect::<Vec<_>>().join(", ")
     }
 
     /// This agent's name (what peers address it by).
@@ -152,10 +204,25 @@ impl NixlAgent {
     /// `[addr, addr + len)` must stay valid host memory until this agent is dropped: remote
     /// agents may read it at any time.
     pub unsafe fn register_dram(&self, addr: usize, len: usize) -> Result<Registration, NixlCallError> {
+        // SAFETY: the caller's promise, passed on.
+        unsafe { self.register(addr, len, NixlMem::Dram) }
+    }
+
+    /// Registers `len` bytes at `addr` in `mem` (host memory, or GPU memory of a device).
+    ///
+    /// # Safety
+    /// `[addr, addr + len)` must stay valid memory of that kind (for VRAM: `cuMemAlloc`
+    /// memory of that GPU) until this agent is dropped: remote agents may read it at any time.
+    pub unsafe fn register(
+        &self,
+        addr: usize,
+        len: usize,
+        mem: NixlMem,
+    ) -> Result<Registration, NixlCallError> {
         let h = self
             .agent
-            .register_memory(&Dram { addr, len }, None)
-            .map_err(call(format!("registerMem(DRAM {len} bytes at {addr:#x})")))?;
+            .register_memory(&Range { addr, len, mem }, None)
+            .map_err(call(format!("registerMem({} {len} bytes at {addr:#x})", mem.describe())))?;
         Ok(Registration { _handle: h })
     }
 
@@ -174,17 +241,37 @@ impl NixlAgent {
         let _ = self.agent.invalidate_remote_md(remote);
     }
 
-    /// Posts one READ of `pairs` from `remote`'s registered memory into this agent's.
+    /// Posts one READ of `pairs` from `remote`'s registered host memory into this agent's.
     pub fn post_read(&self, remote: &str, pairs: &[ReadPair]) -> Result<Transfer, NixlCallError> {
-        let mut local = XferDescList::new(MemType::Dram).map_err(call("creating a descriptor list"))?;
-        let mut far = XferDescList::new(MemType::Dram).map_err(call("creating a descriptor list"))?;
+        self.post_read_mem(remote, pairs, NixlMem::Dram, NixlMem::Dram)
+    }
+
+    /// Posts one READ of `pairs` from `remote`'s registered memory of kind `far_mem` into this
+    /// agent's memory of kind `local_mem` (e.g. VRAM to VRAM).
+    pub fn post_read_mem(
+        &self,
+        remote: &str,
+        pairs: &[ReadPair],
+        local_mem: NixlMem,
+        far_mem: NixlMem,
+    ) -> Result<Transfer, NixlCallError> {
+        let mut local =
+            XferDescList::new(local_mem.mem_type()).map_err(call("creating a descriptor list"))?;
+        let mut far = XferDescList::new(far_mem.mem_type()).map_err(call("creating a descriptor list"))?;
         let mut bytes = 0u64;
         for p in pairs {
-            local.add_desc(p.local, p.len, 0);
-            far.add_desc(p.remote, p.len, 0);
+            local.add_desc(p.local, p.len, local_mem.device());
+            far.add_desc(p.remote, p.len, far_mem.device());
             bytes += p.len as u64;
         }
-        let op = || format!("READ of {bytes} bytes in {} descriptors from agent '{remote}'", pairs.len());
+        let op = || {
+            format!(
+                "READ of {bytes} bytes in {} descriptors from agent '{remote}' ({} into {})",
+                pairs.len(),
+                far_mem.describe(),
+                local_mem.describe()
+            )
+        };
         let req = self
             .agent
             .create_xfer_req(XferOp::Read, &local, &far, remote, None)

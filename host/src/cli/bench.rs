@@ -27,6 +27,9 @@ pub enum BenchCommand {
     /// lmcache save of one request whose KV is in GPU memory; ratio against a contiguous
     /// device-to-pinned-host copy of the same bytes (needs the cuda feature and a GPU).
     LmcacheDevice(super::bench_lmcache_device::LmcacheDeviceArgs),
+    /// NIXL (UCX) READ of GPU memory registered as VRAM, checked byte for byte; ratio against
+    /// a contiguous cuMemcpyDtoD of the same bytes (needs the cuda feature, a GPU and NIXL).
+    NixlVram(super::bench_nixl_vram::NixlVramArgs),
     /// The consumer half of `bench transfer --backend cuda_ipc` (started by it; reads its
     /// spec as JSON on stdin).
     #[command(hide = true)]
@@ -96,6 +99,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Ttft(a) => ttft(a),
         BenchCommand::CudaIpcPeer => super::bench_cuda::peer(),
         BenchCommand::LmcacheDevice(a) => super::bench_lmcache_device::run(a),
+        BenchCommand::NixlVram(a) => super::bench_nixl_vram::run(a),
     }
 }
 
