@@ -19,7 +19,7 @@ for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)"
   cp "$bin" "$dir/kvconnect"
-  for spec in "kvconnect-nixl cuda cuda_ipc" "kvconnect-host cuda device_kv" \
+  for spec in "kvconnect-nixl cuda cuda_ipc" "kvconnect-nixl cuda nixl_vram" "kvconnect-host cuda device_kv" \
               "kvconnect-host cuda device_kv_processes" "kvconnect-cuda cuda gpu" \
               "kvconnect-lmcache cuda lmcache_device" "kvconnect-flexkv cuda flexkv_device" \
               "kvconnect-host cuda device_kv_caches"; do
