@@ -21,7 +21,8 @@ pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> Co
         block_size_multiple: 1,
         block_size_divides: None,
         cache_dtypes: vec![],
-        // Device KV regions need backend cuda_ipc, compiled only with the `cuda` feature.
+        // Device KV regions need backend cuda_ipc or nixl (registered as VRAM), compiled only
+        // with the `cuda` feature; shm and tcp refuse them at registration.
         memory_kinds: if cfg!(feature = "cuda") {
             vec![MemoryKind::Host, MemoryKind::Device]
         } else {

@@ -58,6 +58,13 @@ fn inner_order(g: &Geometry) -> Vec<Dim> {
     g.layout().order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect()
 }
 
+/// Whether every plan between these geometries must adapt on receive (H/N/C order or block
+/// shape differ), whatever the request. A plan can also adapt for one request only: one whose
+/// first token to load is not on a block boundary.
+pub fn layouts_adapt(peer: &Geometry, own: &Geometry) -> bool {
+    inner_order(peer) != inner_order(own) || peer.shape() != own.shape()
+}
+
 fn plan_err(msg: String) -> TransferError {
     TransferError::Plan(msg)
 }
@@ -106,10 +113,7 @@ impl CopyPlan {
             }
         }
         let parts = peer.shape().kv_parts;
-        let direct = bp == bd
-            && first % bp == 0
-            && inner_order(peer) == inner_order(own)
-            && peer.shape() == own.shape();
+        let direct = bp == bd && first % bp == 0 && !layouts_adapt(peer, own);
         if direct {
             let mut runs = Vec::new();
             for (g, layers) in groups.iter().enumerate() {
@@ -347,6 +351,14 @@ mod tests {
             CopyPlan::build(&g, &g, &[vec![LayerId(0), LayerId(1)]], &load(vec![1], vec![1, 2, 3], 0, 10))
                 .unwrap_err();
         assert!(e.to_string().contains("need 3 producer blocks"), "{e}");
+    }
+
+    #[test]
+    fn layouts_adapt_on_order_or_block_size_only() {
+        let hnd4 = geo(KvLayout::HND, 4);
+        assert!(!layouts_adapt(&hnd4, &hnd4));
+        assert!(layouts_adapt(&geo(KvLayout::NHD, 4), &hnd4));
+        assert!(layouts_adapt(&geo(KvLayout::HND, 8), &hnd4));
     }
 
     #[test]

@@ -10,7 +10,8 @@
 //! copies coalesced runs), `tcp` (any two hosts; blocks streamed over prefill's listener).
 //! `nixl` (NVIDIA's NIXL library over UCX through `nixl-sys`; any two hosts; decode READs the
 //! producer's registered regions and notifies it through NIXL; the library is found at run
-//! time, see `nixl_lib`). `cuda_ipc` (feature `cuda`; same host, device KV regions): decode
+//! time, see `nixl_lib`; with feature `cuda`, device KV regions are registered as VRAM and
+//! read VRAM to VRAM when both sides' KV is in GPU memory, see `nixl_vram` for the probe). `cuda_ipc` (feature `cuda`; same host, device KV regions): decode
 //! opens prefill's CUDA IPC handles once and copies each request with one gather kernel.
 //!
 //! The host side: it sets `side_channel_host`/`side_channel_port` in

@@ -84,6 +84,10 @@ pub struct NixlAgentMetadata {
     pub md: String,
     /// Base address of each registered region.
     pub region_addrs: Vec<u64>,
+    /// The CUDA device ordinal (in the producer's process) when its regions are GPU memory
+    /// registered as VRAM; absent when they are host memory (DRAM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vram_device: Option<u64>,
 }
 
 /// What a consumer knows of one producer.

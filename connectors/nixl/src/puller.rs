@@ -8,9 +8,10 @@ use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
 use crate::meta::LoadSpec;
 use crate::metadata::{NixlAgentMetadata, PeerInfo};
-use crate::nixl_agent::{NixlAgent, ReadPair};
+use crate::nixl_agent::{NixlAgent, NixlMem, ReadPair};
 use crate::shm::ShmMapping;
 use crate::wire::{read_frame, write_frame, ClientMsg, FrameError, ServerMsg};
+use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::LayerId;
 use std::collections::HashMap;
@@ -35,6 +36,70 @@ fn peer_agent(peer: &PeerInfo) -> Result<&NixlAgentMetadata, TransferError> {
             peer.meta.engine_id
         ))
     })
+}
+
+/// Why backend nixl cannot pull between these memory kinds: it reads VRAM from VRAM and
+/// DRAM from DRAM. `own_vram`: this engine's KV is in GPU memory.
+pub(crate) fn mixed_memory(engine: &str, own_vram: bool) -> String {
+    let (own, peer) = if own_vram {
+        ("GPU memory (VRAM)", "host memory (DRAM)")
+    } else {
+        ("host memory (DRAM)", "GPU memory (VRAM)")
+    };
+    format!(
+        "producer engine '{engine}' registered its KV with NIXL as {peer} but this engine's KV is in {own}: backend nixl reads VRAM from VRAM and DRAM from DRAM only; put both sides' KV in GPU memory (kv_buffer_device=\"cuda\") or both in host memory"
+    )
+}
+
+/// Why backend nixl cannot pull a plan that adapts the layout when the KV is in GPU memory:
+/// `what` names the mismatch.
+pub(crate) fn vram_adapt_refusal(engine: &str, what: &str) -> String {
+    format!(
+        "backend nixl reads GPU memory as it lies (VRAM to VRAM, no host copy), so it cannot adapt the KV layout on receive, which loading from producer engine '{engine}' needs ({what}): use backend cuda_ipc (same host), which fuses the permute into its GPU copy, or the same layout and block size on both sides"
+    )
+}
+
+/// Backend nixl with KV regions in GPU memory: this worker's GPU and its regions' device
+/// addresses, which READs write into.
+#[derive(Clone)]
+pub struct VramRegions {
+    /// CUDA device ordinal of every region.
+    pub device: u64,
+    /// (device address, bytes) of each region, in registration order.
+    pub regions: Vec<(u64, u64)>,
+    /// The GPU, made current on the pull thread before each READ (UCX's CUDA transports
+    /// work in the calling thread's context).
+    #[cfg(feature = "cuda")]
+    pub gpu: Arc<kvconnect_cuda::Gpu>,
+}
+
+impl std::fmt::Debug for VramRegions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VramRegions").field("device", &self.device).field("regions", &self.regions).finish()
+    }
+}
+
+/// The address of `len` bytes at `off` in producer region `region`, from its NIXL metadata.
+fn producer_addr(
+    peer: &PeerInfo,
+    remote: &NixlAgentMetadata,
+    region: u32,
+    off: u64,
+    len: u64,
+) -> Result<usize, TransferError> {
+    let (r, base) = peer
+        .meta
+        .regions
+        .get(region as usize)
+        .zip(remote.region_addrs.get(region as usize))
+        .ok_or_else(|| TransferError::Plan(format!("no producer region {region}")))?;
+    if off.checked_add(len).is_none_or(|e| e > r.len) {
+        return Err(TransferError::Plan(format!(
+            "{len} bytes at {off} do not fit producer region '{}' of {} bytes",
+            r.name, r.len
+        )));
+    }
+    Ok((base + off) as usize)
 }
 
 /// Consumer settings.
@@ -73,6 +138,7 @@ pub struct Puller {
     conns: HashMap<String, TcpStream>,
     mapped: HashMap<String, Mapped>,
     nixl: Option<Arc<NixlAgent>>,
+    nixl_vram: Option<VramRegions>,
     #[cfg(feature = "cuda")]
     cuda: Option<crate::cuda_ipc::CudaIpcPull>,
 }
@@ -102,6 +168,7 @@ impl Puller {
             conns: HashMap::new(),
             mapped: HashMap::new(),
             nixl: None,
+            nixl_vram: None,
             #[cfg(feature = "cuda")]
             cuda: None,
         }
@@ -117,6 +184,11 @@ impl Puller {
     /// registered, and every peer's metadata loaded).
     pub fn set_nixl(&mut self, agent: Arc<NixlAgent>) {
         self.nixl = Some(agent);
+    }
+
+    /// Backend nixl with device KV regions: READs go VRAM to VRAM into these regions.
+    pub fn set_nixl_vram(&mut self, regions: VramRegions) {
+        self.nixl_vram = Some(regions);
     }
 
     /// Forgets the connection and mappings of an engine (after its metadata changed).
@@ -398,21 +470,10 @@ impl Puller {
     ) -> Result<(), TransferError> {
         let agent = self.nixl.as_ref().ok_or_else(no_agent)?;
         let remote = peer_agent(peer)?;
-        let src = |region: u32, off: u64, len: u64| -> Result<usize, TransferError> {
-            let (r, base) = peer
-                .meta
-                .regions
-                .get(region as usize)
-                .zip(remote.region_addrs.get(region as usize))
-                .ok_or_else(|| TransferError::Plan(format!("no producer region {region}")))?;
-            if off.checked_add(len).is_none_or(|e| e > r.len) {
-                return Err(TransferError::Plan(format!(
-                    "{len} bytes at {off} do not fit producer region '{}' of {} bytes",
-                    r.name, r.len
-                )));
-            }
-            Ok((base + off) as usize)
-        };
+        if self.nixl_vram.is_some() || remote.vram_device.is_some() {
+            return self.nixl_read_vram(agent, peer, remote, dst.geometry(), load, plan);
+        }
+        let src = |region: u32, off: u64, len: u64| producer_addr(peer, remote, region, off, len);
         let mut pairs = Vec::new();
         match plan {
             CopyPlan::Direct(rs) => {
@@ -424,7 +485,7 @@ impl Puller {
                         len: r.len as usize,
                     });
                 }
-                self.nixl_wait(agent, peer, &remote.agent, &pairs)
+                self.nixl_wait(agent, peer, &remote.agent, &pairs, NixlMem::Dram, NixlMem::Dram)
             }
             CopyPlan::Adapt(bs) => {
                 let mut staging = vec![0u8; plan.total_bytes() as usize];
@@ -441,7 +502,7 @@ impl Puller {
                 // SAFETY: `staging` outlives the registration (dropped at the end of this block,
                 // after the transfer finished or was released).
                 let reg = unsafe { agent.register_dram(base, staging.len().max(1))? };
-                let r = self.nixl_wait(agent, peer, &remote.agent, &pairs);
+                let r = self.nixl_wait(agent, peer, &remote.agent, &pairs, NixlMem::Dram, NixlMem::Dram);
                 drop(reg);
                 r?;
                 let mut at = 0usize;
@@ -455,17 +516,85 @@ impl Puller {
         }
     }
 
+    /// Device KV regions on both sides: the plan's coalesced runs READ straight from the
+    /// producer's VRAM into this GPU's, one descriptor per run. A plan that adapts the
+    /// layout (NHD vs HND, other block sizes, a first token inside a block) is refused:
+    /// there is no host copy to scatter from.
+    fn nixl_read_vram(
+        &self,
+        agent: &NixlAgent,
+        peer: &PeerInfo,
+        remote: &NixlAgentMetadata,
+        own_geometry: &Geometry,
+        load: &LoadSpec,
+        plan: &CopyPlan,
+    ) -> Result<(), TransferError> {
+        let e = &peer.meta.engine_id;
+        let (own, far_device) = match (&self.nixl_vram, remote.vram_device) {
+            (Some(own), Some(d)) => (own, d),
+            (Some(_), None) => return Err(TransferError::Plan(mixed_memory(e, true))),
+            _ => return Err(TransferError::Plan(mixed_memory(e, false))),
+        };
+        let runs = match plan {
+            CopyPlan::Direct(runs) => runs,
+            CopyPlan::Adapt(_) => {
+                let (p, o) = (&peer.geometry, own_geometry);
+                let what = format!(
+                    "request {}: producer layout {} with {}-token blocks, this engine's {} with {}-token blocks, first token {}",
+                    load.request,
+                    p.layout(),
+                    p.shape().tokens,
+                    o.layout(),
+                    o.shape().tokens,
+                    load.first_token
+                );
+                return Err(TransferError::Plan(vram_adapt_refusal(e, &what)));
+            }
+        };
+        let mut pairs = Vec::with_capacity(runs.len());
+        for r in runs {
+            let (base, len) = own
+                .regions
+                .get(r.dst_region as usize)
+                .copied()
+                .ok_or_else(|| TransferError::Plan(format!("no local region {}", r.dst_region)))?;
+            if r.dst_off.checked_add(r.len).is_none_or(|end| end > len) {
+                return Err(TransferError::Plan(format!(
+                    "{} bytes at {} do not fit local region {} of {len} bytes",
+                    r.len, r.dst_off, r.dst_region
+                )));
+            }
+            pairs.push(ReadPair {
+                local: (base + r.dst_off) as usize,
+                remote: producer_addr(peer, remote, r.src_region, r.src_off, r.len)?,
+                len: r.len as usize,
+            });
+        }
+        #[cfg(feature = "cuda")]
+        own.gpu.bind().map_err(|err| TransferError::Cuda(err.to_string()))?;
+        self.nixl_wait(
+            agent,
+            peer,
+            &remote.agent,
+            &pairs,
+            NixlMem::Vram(own.device),
+            NixlMem::Vram(far_device),
+        )
+    }
+
     fn nixl_wait(
         &self,
         agent: &NixlAgent,
         peer: &PeerInfo,
         remote: &str,
         pairs: &[ReadPair],
+        local_mem: NixlMem,
+        far_mem: NixlMem,
     ) -> Result<(), TransferError> {
         if pairs.is_empty() {
             return Ok(());
         }
-        let t = agent.post_read(remote, pairs)?;
+        let t = agent.post_read_mem(remote, pairs, local_mem, far_mem)?;
         // Allow the io timeout plus the transfer at a pessimistic 100 MB/s.
         let limit = self.cfg.io_timeout + Duration::from_secs_f64(t.bytes as f64 / 100e6);
         let start = Instant::now();

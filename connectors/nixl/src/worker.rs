@@ -10,13 +10,16 @@ use crate::error::TransferError;
 use crate::meta::{LoadSpec, NixlMeta};
 use crate::metadata::NixlAgentMetadata;
 use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
+use crate::nixl_agent::NixlMem;
 use crate::nixl_agent::{from_hex, to_hex, NixlAgent, Registration};
 use crate::producer::{Producer, ProducerConfig};
-use crate::puller::{PullConfig, PullStats, Puller, NIXL_DONE};
+use crate::puller::{
+    mixed_memory, vram_adapt_refusal, PullConfig, PullStats, Puller, VramRegions, NIXL_DONE,
+};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, KvRole, LayerId,
-    RequestId, WorkerConnector,
+    MemoryKind, RequestId, WorkerConnector,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -44,6 +47,8 @@ pub struct NixlWorker {
     /// Backend nixl: this worker's agent and its region registrations (dropped first).
     nixl_regs: Vec<Registration>,
     nixl: Option<Arc<NixlAgent>>,
+    /// Backend nixl with device KV regions: their GPU and addresses (registered as VRAM).
+    nixl_vram: Option<VramRegions>,
     /// Backend cuda_ipc: the GPU of this worker's device regions.
     #[cfg(feature = "cuda")]
     gpu: Option<Arc<kvconnect_cuda::Gpu>>,
@@ -81,6 +86,7 @@ impl NixlWorker {
             error_blocks: Vec::new(),
             nixl_regs: Vec::new(),
             nixl: None,
+            nixl_vram: None,
             #[cfg(feature = "cuda")]
             gpu: None,
         }
@@ -116,9 +122,16 @@ impl NixlWorker {
         if let Some(a) = &self.nixl {
             puller.set_nixl(a.clone());
         }
+        if let Some(v) = &self.nixl_vram {
+            puller.set_nixl_vram(v.clone());
+        }
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &self.gpu {
-            puller.set_cuda(crate::cuda_ipc::CudaIpcPull::new(gpu.clone(), &self.regions, self.cfg.cuda_ipc_path));
+            puller.set_cuda(crate::cuda_ipc::CudaIpcPull::new(
+                gpu.clone(),
+                &self.regions,
+                self.cfg.cuda_ipc_path,
+            ));
         }
         let ctx = PullLoop {
             puller,
@@ -138,21 +151,87 @@ impl NixlWorker {
     }
 
     /// Backend nixl: one agent per worker, named after the engine and process, with every
-    /// KV region registered as DRAM.
+    /// KV region registered as DRAM, or as VRAM of their GPU when they are device memory.
     fn start_nixl(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
         let name = format!("{}-{}", self.ctx.engine_id, std::process::id());
         let agent = NixlAgent::new(&name).map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
+        let mem = match &self.nixl_vram {
+            Some(v) => {
+                let m = NixlMem::Vram(v.device);
+                if !agent.supports(m) {
+                    return Err(ConnectorError::io(
+                        NAME,
+                        format!(
+                            "UCX in this NIXL build offers no transport for VRAM (its UCX backend lists only: {}): use backend cuda_ipc for KV in GPU memory on one host, or a NIXL build with CUDA support",
+                            agent.memory_types()
+                        ),
+                    ));
+                }
+                m
+            }
+            None => NixlMem::Dram,
+        };
         let mut regs = Vec::with_capacity(regions.len());
         for r in regions {
-            // SAFETY: the host keeps every registered region valid host memory until shutdown,
-            // and shutdown drops these registrations (and the agent) before the memory goes.
-            let reg = unsafe { agent.register_dram(r.addr as usize, r.len as usize) }
-                .map_err(|e| ConnectorError::io(NAME, format!("region '{}': {e}", r.name)))?;
+            // SAFETY: the host keeps every registered region valid memory of its kind (host
+            // memory, or cuMemAlloc memory of this GPU for device regions) until shutdown, and
+            // shutdown drops these registrations (and the agent) before the memory goes.
+            let reg = unsafe { agent.register(r.addr as usize, r.len as usize, mem) }.map_err(|e| {
+                let hint = match mem {
+                    NixlMem::Dram => String::new(),
+                    NixlMem::Vram(_) => "; UCX in this NIXL build may offer no transport for VRAM (its CUDA module libuct_cuda needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver): `kvconnect bench nixl-vram` checks this machine, and backend cuda_ipc moves GPU KV on one host without NIXL".into(),
+                };
+                ConnectorError::io(NAME, format!("region '{}': {e}{hint}", r.name))
+            })?;
             regs.push(reg);
         }
         self.nixl_regs = regs;
         self.nixl = Some(Arc::new(agent));
         Ok(())
+    }
+
+    /// Backend nixl: when the regions are device memory, checks they are all on one GPU and
+    /// opens it (`nixl_vram`); host regions leave it unset.
+    fn start_nixl_vram(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        let Some(first) = regions.iter().find(|r| r.memory == MemoryKind::Device) else {
+            return Ok(());
+        };
+        for r in regions {
+            if r.memory != MemoryKind::Device {
+                return Err(ConnectorError::invalid(
+                    NAME,
+                    format!(
+                        "backend nixl: region '{}' is {:?} memory but region '{}' is in GPU memory: all KV regions of a worker must be in one kind of memory",
+                        r.name, r.memory, first.name
+                    ),
+                ));
+            }
+            if r.device < 0 || r.device != first.device {
+                return Err(ConnectorError::invalid(
+                    NAME,
+                    format!(
+                        "backend nixl: region '{}' is on GPU {} but region '{}' on GPU {}: all KV regions of a worker must be on one GPU",
+                        r.name, r.device, first.name, first.device
+                    ),
+                ));
+            }
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let gpu = kvconnect_cuda::Gpu::open(first.device as usize)
+                .map_err(|e| ConnectorError::invalid(NAME, format!("backend nixl with GPU KV: {e}")))?;
+            self.nixl_vram = Some(VramRegions {
+                device: first.device as u64,
+                regions: regions.iter().map(|r| (r.addr, r.len)).collect(),
+                gpu: Arc::new(gpu),
+            });
+            Ok(())
+        }
+        #[cfg(not(feature = "cuda"))]
+        Err(ConnectorError::config(
+            NAME,
+            "backend 'nixl' with KV regions in GPU memory needs a build with `--features cuda` (it registers them with NIXL as VRAM)",
+        ))
     }
 
     /// Backend cuda_ipc: checks the regions are device memory on one GPU and opens it.
@@ -189,10 +268,13 @@ impl NixlWorker {
             agent: a.name().to_owned(),
             md: to_hex(&md),
             region_addrs: self.regions.iter().map(|r| r.addr).collect(),
+            vram_device: self.nixl_vram.as_ref().map(|v| v.device),
         }))
     }
 
-    /// Backend nixl: loads a producer's agent metadata (again only when it changed).
+    /// Backend nixl: loads a producer's agent metadata (again only when it changed). With KV
+    /// in GPU memory, refuses a producer whose KV is in host memory (or the reverse) and one
+    /// whose layout or block size would need adapting on receive.
     fn load_peer_agent(&self, info: &PeerInfo) -> ConnectorResult<()> {
         let Some(a) = &self.nixl else { return Ok(()) };
         let e = &info.meta.engine_id;
@@ -202,6 +284,24 @@ impl NixlWorker {
                 format!("peer engine '{e}' published no NIXL agent (it does not run backend nixl): use the same backend on both sides"),
             ));
         };
+        match (&self.nixl_vram, m.vram_device) {
+            (Some(_), None) => return Err(ConnectorError::invalid(NAME, mixed_memory(e, true))),
+            (None, Some(_)) => return Err(ConnectorError::invalid(NAME, mixed_memory(e, false))),
+            (Some(_), Some(_)) => {
+                let own = self.memory()?.geometry();
+                if crate::copy_plan::layouts_adapt(&info.geometry, own) {
+                    let what = format!(
+                        "its layout {} with {}-token blocks, this engine's {} with {}-token blocks",
+                        info.geometry.layout(),
+                        info.geometry.shape().tokens,
+                        own.layout(),
+                        own.shape().tokens
+                    );
+                    return Err(ConnectorError::invalid(NAME, vram_adapt_refusal(e, &what)));
+                }
+            }
+            (None, None) => {}
+        }
         if m.region_addrs.len() != info.meta.regions.len() {
             return Err(ConnectorError::invalid(
                 NAME,
@@ -314,9 +414,15 @@ impl WorkerConnector for NixlWorker {
         if self.mem.is_some() {
             return Err(ConnectorError::invalid(NAME, "register_kv_caches called twice"));
         }
-        let mem = if self.cfg.backend == Backend::CudaIpc {
-            // Device regions: this crate never dereferences them on the host; the GPU copies.
-            self.start_cuda(regions)?;
+        if self.cfg.backend == Backend::Nixl {
+            self.start_nixl_vram(regions)?;
+        }
+        let mem = if self.cfg.backend == Backend::CudaIpc || self.nixl_vram.is_some() {
+            // Device regions: this crate never dereferences them on the host; the GPU copies
+            // (cuda_ipc) or NIXL moves them VRAM to VRAM.
+            if self.cfg.backend == Backend::CudaIpc {
+                self.start_cuda(regions)?;
+            }
             KvMemory::geometry_only(regions, &self.ctx.model, &self.ctx.effective)
         } else {
             // SAFETY: the host promises, by calling register_kv_caches, that every region is host
@@ -517,6 +623,7 @@ impl WorkerConnector for NixlWorker {
         }
         self.nixl_regs.clear();
         self.nixl = None;
+        self.nixl_vram = None;
         #[cfg(feature = "cuda")]
         {
             self.gpu = None;
@@ -529,5 +636,77 @@ impl WorkerConnector for NixlWorker {
 impl Drop for NixlWorker {
     fn drop(&mut self) {
         let _ = self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::{context, effective, model, Regions};
+    use kvconnect_api::KvLayout;
+
+    /// Backend nixl over `regions` of a 2-layer model (HND, 4-token blocks, 8 blocks).
+    fn register(edit: impl Fn(usize, &mut KvRegion)) -> ConnectorResult<()> {
+        let m = model(2, 2, 8);
+        let eff = effective(&m, KvLayout::HND, 4);
+        let ctx = context(&m, &eff, KvRole::Consumer, "decode-0", serde_json::json!({"backend": "nixl"}));
+        let cfg = NixlConfig::from_config(&ctx.config).unwrap();
+        let host = Regions::allocate(&m, &eff, 8, None).unwrap();
+        let mut regions = host.regions().to_vec();
+        for (i, r) in regions.iter_mut().enumerate() {
+            edit(i, r);
+        }
+        NixlWorker::new(&ctx, cfg).register_kv_caches(&regions)
+    }
+
+    #[test]
+    fn device_and_host_regions_mixed_are_refused() {
+        let e = register(|i, r| {
+            if i == 1 {
+                r.memory = MemoryKind::Device;
+                r.device = 0;
+            }
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("all KV regions of a worker must be in one kind of memory"), "{e}");
+    }
+
+    #[test]
+    fn device_regions_on_two_gpus_are_refused() {
+        let e = register(|i, r| {
+            r.memory = MemoryKind::Device;
+            r.device = i as i32;
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("must be on one GPU"), "{e}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn device_regions_without_the_cuda_feature_say_how_to_build() {
+        let e = register(|_, r| {
+            r.memory = MemoryKind::Device;
+            r.device = 0;
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--features cuda") && e.contains("VRAM"), "{e}");
+    }
+
+    #[test]
+    fn refusals_name_the_remedy() {
+        let e = vram_adapt_refusal("prefill-0", "its layout NHD");
+        assert!(
+            e.contains("backend cuda_ipc") && e.contains("fuses the permute") && e.contains("prefill-0"),
+            "{e}"
+        );
+        let e = mixed_memory("prefill-0", true);
+        assert!(e.contains("registered its KV with NIXL as host memory (DRAM)"), "{e}");
+        assert!(e.contains("this engine's KV is in GPU memory (VRAM)"), "{e}");
+        assert!(
+            mixed_memory("p", false).contains("as GPU memory (VRAM) but this engine's KV is in host memory")
+        );
     }
 }
