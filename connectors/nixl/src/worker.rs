@@ -154,6 +154,12 @@ impl NixlWorker {
     /// KV region registered as DRAM, or as VRAM of their GPU when they are device memory.
     fn start_nixl(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
         let name = format!("{}-{}", self.ctx.engine_id, std::process::id());
+        // UCX's CUDA support looks at the calling thread's context when the backend starts
+        // and when memory is registered: make the regions' GPU current first.
+        #[cfg(feature = "cuda")]
+        if let Some(v) = &self.nixl_vram {
+            v.gpu.bind().map_err(|e| ConnectorError::io(NAME, format!("backend nixl with GPU KV: {e}")))?;
+        }
         let agent = NixlAgent::new(&name).map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
         let mem = match &self.nixl_vram {
             Some(v) => {
