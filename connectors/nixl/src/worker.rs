@@ -212,7 +212,16 @@ impl NixlWorker {
                     ),
                 ));
             }
-            if r.device < 0 || r.device != first.device {
+            if r.device < 0 {
+                return Err(ConnectorError::invalid(
+                    NAME,
+                    format!(
+                        "backend nixl: region '{}' is in GPU memory but names no GPU (device {}): the host must give device regions their CUDA device ordinal",
+                        r.name, r.device
+                    ),
+                ));
+            }
+            if r.device != first.device {
                 return Err(ConnectorError::invalid(
                     NAME,
                     format!(
@@ -676,6 +685,17 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("all KV regions of a worker must be in one kind of memory"), "{e}");
+    }
+
+    #[test]
+    fn device_region_without_a_gpu_ordinal_is_refused() {
+        let e = register(|_, r| {
+            r.memory = MemoryKind::Device;
+            r.device = -1;
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("names no GPU (device -1)"), "{e}");
     }
 
     #[test]
