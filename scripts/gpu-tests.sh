@@ -3,7 +3,12 @@
 # run on one with a GPU.
 #
 #   scripts/gpu-tests.sh build   # here: release test binaries + kvconnect, into .device/gpu-tests
-#   scripts/gpu-tests.sh run     # there, from the repository root: runs them, logs in $OUT
+#   scripts/gpu-tests.sh run [NAME...]  # there, from the repository root: runs them (or the
+#                                       # test-NAME binaries given), logs in $OUT
+#
+# NIXL_LIB_DIR defaults to a trimmed NIXL copy under .device/nixl-min when one was carried
+# (the nixl_vram tests skip without the library). Each binary gets GPU_TEST_TIMEOUT seconds
+# (default 240): a hung test fails, it does not eat the machine's time.
 #
 # Without a GPU every test skips with a message, so `run` also works (and proves nothing) here.
 set -euo pipefail
@@ -37,14 +42,17 @@ for l in sys.stdin:
 }
 
 run() {
-  local logs="${OUT:-.device/gpu-logs}" rc=0
+  local logs="${OUT:-.device/gpu-logs}" rc=0 nixl=.device/nixl-min/x/.nixl_cu12.mesonpy.libs
   mkdir -p "$logs"
   export KVCONNECT_BIN="$PWD/$dir/kvconnect"
+  if [ -z "${NIXL_LIB_DIR:-}" ] && [ -d "$nixl" ]; then export NIXL_LIB_DIR="$PWD/$nixl"; fi
   nvidia-smi -L > "$logs/gpu.txt" 2>&1 || true
-  for t in "$dir"/test-*; do
+  local tests=("$dir"/test-*)
+  if [ $# -gt 0 ]; then tests=(); for n in "$@"; do tests+=("$dir/test-$n"); done; fi
+  for t in "${tests[@]}"; do
     local name
     name="$(basename "$t")"
-    if "$t" --test-threads=1 --nocapture > "$logs/$name.log" 2>&1; then
+    if timeout "${GPU_TEST_TIMEOUT:-240}" "$t" --test-threads=1 --nocapture > "$logs/$name.log" 2>&1; then
       echo "PASS $name: $(grep '^test result' "$logs/$name.log"); lines saying skipping: $(grep -c 'skipping' "$logs/$name.log")"
     else
       rc=1
@@ -57,6 +65,6 @@ run() {
 
 case "${1:-}" in
   build) build ;;
-  run) run ;;
+  run) shift; run "$@" ;;
   *) echo "usage: $0 build|run" >&2; exit 2 ;;
 esac
