@@ -296,6 +296,11 @@ impl PinnedBuffer {
         Ok(dev)
     }
 
+    /// The host address (for asynchronous copies by the copy engines).
+    pub fn host_ptr(&self) -> *mut u8 {
+        self.host
+    }
+
     /// The bytes, on the host. Call only after the stream that wrote them is synchronised.
     pub fn as_slice(&self) -> &[u8] {
         // SAFETY: `host` points to `bytes` bytes owned by this value.

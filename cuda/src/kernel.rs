@@ -157,6 +157,8 @@ pub struct GatherKernel {
     func: CudaFunction,
     arch: String,
     scratch: Option<(DeviceBuffer, PinnedBuffer)>,
+    /// Bumped by every `prepare`: a `Prepared` of an older generation is refused.
+    generation: u64,
 }
 
 impl GatherKernel {
@@ -172,7 +174,7 @@ impl GatherKernel {
             .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
         let func =
             module.load_function("kvc_gather").map_err(|e| CudaError::driver("cuModuleGetFunction", e))?;
-        Ok(GatherKernel { func, arch, scratch: None })
+        Ok(GatherKernel { func, arch, scratch: None, generation: 0 })
     }
 
     /// The architecture it was compiled for.
@@ -182,70 +184,143 @@ impl GatherKernel {
 
     /// Enqueues the gather on the GPU's stream (returns at once; synchronise or time it).
     pub fn launch(&mut self, gpu: &Gpu, spec: &GatherSpec<'_>) -> Result<(), CudaError> {
-        let (mode, heads, tokens) = spec.check()?;
-        if spec.src_blocks.is_empty() || spec.src_bases.is_empty() {
-            return Ok(());
+        let prepared = self.prepare(gpu, std::slice::from_ref(spec))?;
+        self.launch_prepared(gpu, &prepared, 0)
+    }
+
+    /// Uploads the index arrays of several gathers at once (one host wait, one copy), so that
+    /// [`GatherKernel::launch_prepared`] can then enqueue them, interleaved with other work,
+    /// without waiting on the host. A later `prepare` or `launch` invalidates the result.
+    pub fn prepare(&mut self, gpu: &Gpu, specs: &[GatherSpec<'_>]) -> Result<Prepared, CudaError> {
+        let mut need = 0usize;
+        let mut checked = Vec::with_capacity(specs.len());
+        for spec in specs {
+            checked.push(spec.check()?);
+            need += 16 * spec.src_bases.len() + 8 * spec.src_blocks.len();
         }
-        let r = spec.src_bases.len();
-        let b = spec.src_blocks.len();
-        let need = 16 * r + 8 * b;
         let grow = self.scratch.as_ref().is_none_or(|(d, _)| d.len() < need);
+        // The previous launches may still read the scratch: wait before rewriting or
+        // replacing it (the pinned staging half is reused too).
+        gpu.synchronize()?;
         if grow {
-            // The previous launch may still read the old scratch: wait before replacing it.
-            gpu.synchronize()?;
             let cap = need.next_power_of_two().max(4096);
             self.scratch = Some((gpu.alloc(cap)?, gpu.alloc_pinned(cap)?));
         }
+        self.generation += 1;
         let Some((dev, pinned)) = self.scratch.as_mut() else {
             return Err(CudaError::Invalid("gather scratch missing".into()));
         };
-        // The pinned staging buffer is reused: the copy out of it must finish first.
-        gpu.synchronize()?;
         let host = pinned.as_mut_slice();
-        let mut off = 0;
-        for v in spec.src_bases.iter().chain(spec.dst_bases) {
-            host[off..off + 8].copy_from_slice(&v.to_ne_bytes());
-            off += 8;
+        let base = dev.ptr();
+        let mut off = 0usize;
+        let mut launches = Vec::with_capacity(specs.len());
+        for (spec, (mode, heads, tokens)) in specs.iter().zip(checked) {
+            let (r, b) = (spec.src_bases.len(), spec.src_blocks.len());
+            let at = off;
+            for v in spec.src_bases.iter().chain(spec.dst_bases) {
+                host[off..off + 8].copy_from_slice(&v.to_ne_bytes());
+                off += 8;
+            }
+            for v in spec.src_blocks.iter().chain(spec.dst_blocks) {
+                host[off..off + 4].copy_from_slice(&v.to_ne_bytes());
+                off += 4;
+            }
+            let src_bases = base + at as u64;
+            let src_blocks = src_bases + 16 * r as u64;
+            launches.push(Launch {
+                src_bases,
+                dst_bases: src_bases + 8 * r as u64,
+                src_blocks,
+                dst_blocks: src_blocks + 4 * b as u64,
+                n_blocks: b as u32,
+                regions: r as u32,
+                block_bytes: spec.block_bytes,
+                mode,
+                heads,
+                tokens,
+            });
         }
-        for v in spec.src_blocks.iter().chain(spec.dst_blocks) {
-            host[off..off + 4].copy_from_slice(&v.to_ne_bytes());
-            off += 4;
+        if off > 0 {
+            gpu.bind()?;
+            // SAFETY: `dev` holds at least `need` >= off bytes; the pinned source stays alive
+            // and is not rewritten before the stream is synchronised (at the next prepare).
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    dev.ptr(),
+                    &pinned.as_slice()[..off],
+                    gpu.stream().cu_stream(),
+                )
+                .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))?;
+            }
+        }
+        Ok(Prepared { generation: self.generation, launches })
+    }
+
+    /// Enqueues gather `i` of a [`Prepared`] batch on the GPU's stream, without a host wait.
+    pub fn launch_prepared(&self, gpu: &Gpu, prepared: &Prepared, i: usize) -> Result<(), CudaError> {
+        if prepared.generation != self.generation {
+            return Err(CudaError::Invalid(
+                "a prepared gather was used after its index arrays were replaced".into(),
+            ));
+        }
+        let l =
+            prepared.launches.get(i).ok_or_else(|| CudaError::Invalid(format!("no prepared gather {i}")))?;
+        if l.n_blocks == 0 || l.regions == 0 {
+            return Ok(());
         }
         gpu.bind()?;
-        // SAFETY: `dev` holds at least `need` bytes; the pinned source stays alive and is
-        // not rewritten before the stream is synchronised (above, at the next launch).
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(
-                dev.ptr(),
-                &pinned.as_slice()[..need],
-                gpu.stream().cu_stream(),
-            )
-            .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))?;
-        }
-        let base = dev.ptr();
-        let src_bases = base;
-        let dst_bases = base + 8 * r as u64;
-        let src_blocks = base + 16 * r as u64;
-        let dst_blocks = src_blocks + 4 * b as u64;
-        let n_blocks = b as u32;
-        let cfg =
-            LaunchConfig { grid_dim: ((r * b) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let grid = l.regions * l.n_blocks;
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut args = gpu.stream().launch_builder(&self.func);
-        args.arg(&src_bases)
-            .arg(&dst_bases)
-            .arg(&src_blocks)
-            .arg(&dst_blocks)
-            .arg(&n_blocks)
-            .arg(&spec.block_bytes)
-            .arg(&mode)
-            .arg(&heads)
-            .arg(&tokens);
+        args.arg(&l.src_bases)
+            .arg(&l.dst_bases)
+            .arg(&l.src_blocks)
+            .arg(&l.dst_blocks)
+            .arg(&l.n_blocks)
+            .arg(&l.block_bytes)
+            .arg(&l.mode)
+            .arg(&l.heads)
+            .arg(&l.tokens);
         // SAFETY: the argument list matches the kernel's signature (pointers passed as
-        // 64-bit device addresses); `check` bounded the grid; the caller guarantees every
-        // base address plus (max block index + 1) * block_bytes lies in live memory.
+        // 64-bit device addresses, uploaded by `prepare` of this generation, which is still
+        // current); `check` bounded the grid; the caller guarantees every base address plus
+        // (max block index + 1) * block_bytes lies in live memory.
         unsafe { args.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
         Ok(())
     }
+}
+
+/// Index arrays of several gathers on the device, ready to launch.
+#[derive(Debug)]
+pub struct Prepared {
+    generation: u64,
+    launches: Vec<Launch>,
+}
+
+impl Prepared {
+    /// How many gathers it holds.
+    pub fn len(&self) -> usize {
+        self.launches.len()
+    }
+
+    /// True when it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.launches.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Launch {
+    src_bases: u64,
+    dst_bases: u64,
+    src_blocks: u64,
+    dst_blocks: u64,
+    n_blocks: u32,
+    regions: u32,
+    block_bytes: u64,
+    mode: u32,
+    heads: u32,
+    tokens: u32,
 }
 
 fn compile_cubin(arch: &str) -> Result<Vec<u8>, CudaError> {

@@ -2,31 +2,32 @@
 //! (no peer access: no NVLink and no PCIe peer-to-peer between them).
 //!
 //! A request's gather is cut into chunks of whole blocks. For each chunk the source GPU's
-//! gather kernel copies the blocks of every region into a pinned, mapped host buffer, and
-//! the destination GPU's kernel copies them from there into their places (with the layout
-//! permute, if any, fused into that second copy). Two buffers alternate, ordered by events
-//! only (no host waits between the GPUs), so one chunk's download overlaps the previous
-//! chunk's upload. The source regions must be addresses in the source GPU's context (a peer's
-//! IPC handles opened there), the destination regions addresses in the destination GPU's.
+//! gather kernel packs the blocks of every region into a device scratch buffer, a copy
+//! engine moves it into pinned host memory, the destination GPU's copy engine moves it into
+//! its own scratch, and its gather kernel puts the blocks in place (with the layout permute,
+//! if any, fused in). Two sets of buffers alternate and the two GPUs are ordered by events
+//! only, so the download of one chunk overlaps the upload of the previous one and the host
+//! never waits in between: the path runs at the speed of the slower PCIe direction. The
+//! source regions are addresses in the source GPU's context (a peer's IPC handles opened
+//! there), the destination regions addresses in the destination GPU's.
 
-use crate::device::{Gpu, PinnedBuffer};
+use crate::device::{DeviceBuffer, Gpu, PinnedBuffer};
 use crate::error::CudaError;
 use crate::kernel::{GatherKernel, GatherSpec, Permute};
-use cudarc::driver::CudaEvent;
+use cudarc::driver::{sys, CudaEvent};
 use std::sync::Arc;
 
-/// Default size of each of the two pinned buffers.
+/// Default size of each staging buffer.
 pub const DEFAULT_CHUNK_BYTES: usize = 64 << 20;
 
 struct Stage {
-    /// Kept alive while kernels use it through the two addresses below.
-    _buf: PinnedBuffer,
-    /// The buffer's address for kernels on the source and on the destination GPU.
-    src_ptr: u64,
-    dst_ptr: u64,
-    /// Recorded on the source stream when the chunk is in the buffer.
+    pinned: PinnedBuffer,
+    /// Packed chunk on the source GPU and its copy on the destination GPU.
+    src_scratch: DeviceBuffer,
+    dst_scratch: DeviceBuffer,
+    /// Recorded on the source stream when the chunk is in pinned memory.
     filled: CudaEvent,
-    /// Recorded on the destination stream when the chunk has left the buffer.
+    /// Recorded on the destination stream when the chunk has left pinned memory.
     drained: CudaEvent,
     used: bool,
 }
@@ -42,7 +43,7 @@ pub struct StagedCopy {
 
 impl StagedCopy {
     /// A staged path from `src` (the GPU that holds the source regions) to `dst`, with two
-    /// pinned buffers of `chunk_bytes` each (grown when one block of every region is larger).
+    /// sets of `chunk_bytes` buffers (grown when one block of every region is larger).
     /// Compiles the gather kernel for the source GPU.
     pub fn new(src: Arc<Gpu>, dst: &Gpu, chunk_bytes: usize) -> Result<StagedCopy, CudaError> {
         let src_kernel = GatherKernel::new(&src)?;
@@ -63,13 +64,10 @@ impl StagedCopy {
         self.src.synchronize()?;
         self.stages.clear();
         for _ in 0..2 {
-            let buf = self.src.alloc_pinned(bytes)?;
-            let src_ptr = buf.device_ptr_in(&self.src)?;
-            let dst_ptr = buf.device_ptr_in(dst)?;
             self.stages.push(Stage {
-                _buf: buf,
-                src_ptr,
-                dst_ptr,
+                pinned: self.src.alloc_pinned(bytes)?,
+                src_scratch: self.src.alloc(bytes)?,
+                dst_scratch: dst.alloc(bytes)?,
                 filled: self.src.event()?,
                 drained: dst.event()?,
                 used: false,
@@ -81,7 +79,22 @@ impl StagedCopy {
 
     /// Enqueues `spec` (sources on the source GPU, destinations on `dst`) chunk by chunk;
     /// returns when the last chunk is enqueued. Synchronise `dst` to wait for the whole copy.
+    /// On an error nothing is left queued (both GPUs are waited for).
     pub fn copy(
+        &mut self,
+        dst: &Gpu,
+        dst_kernel: &mut GatherKernel,
+        spec: &GatherSpec<'_>,
+    ) -> Result<(), CudaError> {
+        let r = self.enqueue(dst, dst_kernel, spec);
+        if r.is_err() {
+            let _ = dst.synchronize();
+            let _ = self.src.synchronize();
+        }
+        r
+    }
+
+    fn enqueue(
         &mut self,
         dst: &Gpu,
         dst_kernel: &mut GatherKernel,
@@ -110,43 +123,91 @@ impl StagedCopy {
         }
         let k = (self.chunk_bytes as u64 / per_block).max(1) as usize;
         let seq: Vec<u32> = (0..k.min(n) as u32).collect();
-        let (mut src_stage, mut dst_stage) = (vec![0u64; units], vec![0u64; units]);
-        for (i, start) in (0..n).step_by(k).enumerate() {
-            let end = (start + k).min(n);
-            let m = end - start;
-            let s = &mut self.stages[i % 2];
-            for u in 0..units {
-                let off = u as u64 * k as u64 * bb;
-                src_stage[u] = s.src_ptr + off;
-                dst_stage[u] = s.dst_ptr + off;
-            }
-            if s.used {
-                // The destination must have read this buffer's previous chunk.
-                self.src.stream().wait(&s.drained).map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
-            }
-            let down = GatherSpec {
+        // Unit u of a packed chunk starts at u * k blocks in the scratch buffers.
+        let packed =
+            |base: u64| -> Vec<u64> { (0..units as u64).map(|u| base + u * k as u64 * bb).collect() };
+        let src_packed: Vec<Vec<u64>> = self.stages.iter().map(|s| packed(s.src_scratch.ptr())).collect();
+        let dst_packed: Vec<Vec<u64>> = self.stages.iter().map(|s| packed(s.dst_scratch.ptr())).collect();
+        let chunks: Vec<(usize, usize)> = (0..n).step_by(k).map(|a| (a, (a + k).min(n))).collect();
+        let pack: Vec<GatherSpec<'_>> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, &(a, b))| GatherSpec {
                 src_bases: spec.src_bases,
-                dst_bases: &src_stage,
-                src_blocks: &spec.src_blocks[start..end],
-                dst_blocks: &seq[..m],
+                dst_bases: &src_packed[i % 2],
+                src_blocks: &spec.src_blocks[a..b],
+                dst_blocks: &seq[..b - a],
                 block_bytes: bb,
                 permute: Permute::None,
-            };
-            self.src_kernel.launch(&self.src, &down)?;
-            s.filled.record(self.src.stream()).map_err(|e| CudaError::driver("cuEventRecord", e))?;
-            dst.stream().wait(&s.filled).map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
-            let up = GatherSpec {
-                src_bases: &dst_stage,
+            })
+            .collect();
+        let unpack: Vec<GatherSpec<'_>> = chunks
+            .iter()
+            .enumerate()
+            .map(|(i, &(a, b))| GatherSpec {
+                src_bases: &dst_packed[i % 2],
                 dst_bases: spec.dst_bases,
-                src_blocks: &seq[..m],
-                dst_blocks: &spec.dst_blocks[start..end],
+                src_blocks: &seq[..b - a],
+                dst_blocks: &spec.dst_blocks[a..b],
                 block_bytes: bb,
                 permute: spec.permute,
+            })
+            .collect();
+        let pack = self.src_kernel.prepare(&self.src, &pack)?;
+        let unpack = dst_kernel.prepare(dst, &unpack)?;
+        for (i, &(a, b)) in chunks.iter().enumerate() {
+            // The packed bytes of this chunk: the last unit ends after its (b - a) blocks.
+            let bytes = ((units as u64 - 1) * k as u64 + (b - a) as u64) * bb;
+            let s = &mut self.stages[i % 2];
+            self.src_kernel.launch_prepared(&self.src, &pack, i)?;
+            if s.used {
+                // The destination must have taken this pinned buffer's previous chunk.
+                self.src.stream().wait(&s.drained).map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+            }
+            self.src.bind()?;
+            // SAFETY: the pinned buffer and the scratch hold chunk_bytes >= `bytes`; both live
+            // in `self` until the copy is synchronised (grow and drop synchronise first).
+            let r = unsafe {
+                sys::cuMemcpyDtoHAsync_v2(
+                    s.pinned.host_ptr() as *mut std::ffi::c_void,
+                    s.src_scratch.ptr(),
+                    bytes as usize,
+                    self.src.stream().cu_stream(),
+                )
             };
-            dst_kernel.launch(dst, &up)?;
+            check(r, "cuMemcpyDtoHAsync")?;
+            s.filled.record(self.src.stream()).map_err(|e| CudaError::driver("cuEventRecord", e))?;
+            dst.stream().wait(&s.filled).map_err(|e| CudaError::driver("cuStreamWaitEvent", e))?;
+            dst.bind()?;
+            // SAFETY: as above, on the destination GPU.
+            let r = unsafe {
+                sys::cuMemcpyHtoDAsync_v2(
+                    s.dst_scratch.ptr(),
+                    s.pinned.host_ptr() as *const std::ffi::c_void,
+                    bytes as usize,
+                    dst.stream().cu_stream(),
+                )
+            };
+            check(r, "cuMemcpyHtoDAsync")?;
             s.drained.record(dst.stream()).map_err(|e| CudaError::driver("cuEventRecord", e))?;
             s.used = true;
+            dst_kernel.launch_prepared(dst, &unpack, i)?;
         }
         Ok(())
+    }
+}
+
+impl Drop for StagedCopy {
+    fn drop(&mut self) {
+        // Work still queued may use the buffers freed with `stages`.
+        let _ = self.src.synchronize();
+    }
+}
+
+fn check(r: sys::CUresult, call: &'static str) -> Result<(), CudaError> {
+    if r == sys::cudaError_enum::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CudaError::driver(call, cudarc::driver::DriverError(r)))
     }
 }

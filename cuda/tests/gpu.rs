@@ -1,13 +1,17 @@
 //! GPU tests: exactness of gather, scatter and the fused permutes on random data with
 //! poisoned destinations, CUDA IPC across two processes, and a dead peer's handle. They
-//! need a GPU and skip, saying so, without one; on a machine without a driver they check
+//! need a GPU and skip, saying so, without one. The host-staged copy between GPUs (run on
+//! one GPU, or from GPU 0 to `KVC_TEST_DECODE_GPU`) is checked the same way; on a machine without a driver they check
 //! that opening a GPU is a clean error.
 #![cfg(feature = "cuda")]
 
 use kvconnect_cuda::device::check_libraries;
-use kvconnect_cuda::{CudaError, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute};
+use kvconnect_cuda::{
+    CudaError, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute, StagedCopy,
+};
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 
 fn gpu() -> Option<Gpu> {
     match Gpu::open(0) {
@@ -98,6 +102,91 @@ fn gather_is_exact_and_touches_nothing_else() {
             }
         }
     }
+}
+
+/// The host-staged path (what cuda_ipc takes without peer access): small staging buffers
+/// force many chunks and a short tail chunk; the permute is fused into the unpacking.
+#[test]
+fn host_staged_copy_is_exact_with_permute_over_many_chunks() {
+    let Some(src_gpu) = gpu() else { return };
+    let src_gpu = Arc::new(src_gpu);
+    let dst_ordinal = std::env::var("KVC_TEST_DECODE_GPU").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let dst_gpu = Gpu::open(dst_ordinal).unwrap();
+    let mut k = GatherKernel::new(&dst_gpu).unwrap();
+    let (nreg, nsrc, ndst) = (5usize, 64u32, 48u32);
+    let src_host: Vec<Vec<u8>> =
+        (0..nreg).map(|r| random_bytes(nsrc as usize * BLOCK, r as u64 + 7)).collect();
+    let src: Vec<_> = src_host
+        .iter()
+        .map(|h| {
+            let b = src_gpu.alloc(h.len()).unwrap();
+            src_gpu.upload(b.ptr(), h).unwrap();
+            b
+        })
+        .collect();
+    let dst: Vec<_> = (0..nreg).map(|_| dst_gpu.alloc(ndst as usize * BLOCK).unwrap()).collect();
+    for d in &dst {
+        dst_gpu.memset_async(d.ptr(), 0xEE, d.len()).unwrap();
+    }
+    dst_gpu.synchronize().unwrap();
+    // 23 blocks, 3 per chunk (5 regions x 3 blocks fit in the staging buffers): 8 chunks,
+    // the last one with 2 blocks.
+    let sb: Vec<u32> = (0..23u32).map(|i| (i * 37 + 5) % nsrc).collect();
+    let db: Vec<u32> = (0..23u32).map(|i| 47 - 2 * i).collect();
+    let mut staged = StagedCopy::new(src_gpu.clone(), &dst_gpu, 3 * nreg * BLOCK + 100).unwrap();
+    let spec = GatherSpec {
+        src_bases: &src.iter().map(|b| b.ptr()).collect::<Vec<_>>(),
+        dst_bases: &dst.iter().map(|b| b.ptr()).collect::<Vec<_>>(),
+        src_blocks: &sb,
+        dst_blocks: &db,
+        block_bytes: BLOCK as u64,
+        permute: Permute::NhdToHnd { heads: HEADS, tokens: TOKENS },
+    };
+    // Twice: the second pass reuses buffers the first one left behind.
+    for pass in 0..2 {
+        staged.copy(&dst_gpu, &mut k, &spec).unwrap();
+        dst_gpu.synchronize().unwrap();
+        for r in 0..nreg {
+            let mut out = vec![0u8; ndst as usize * BLOCK];
+            dst_gpu.download(&mut out, dst[r].ptr()).unwrap();
+            for blk in 0..ndst as usize {
+                let got = &out[blk * BLOCK..(blk + 1) * BLOCK];
+                match db.iter().position(|d| *d as usize == blk) {
+                    Some(i) => {
+                        let s = sb[i] as usize;
+                        let want = permute_reference(&src_host[r][s * BLOCK..(s + 1) * BLOCK], true);
+                        assert_eq!(got, &want[..], "pass {pass} region {r} block {blk}");
+                    }
+                    None => assert!(
+                        got.iter().all(|b| *b == 0xEE),
+                        "pass {pass} region {r} block {blk} was written"
+                    ),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stale_prepared_gather_is_refused() {
+    let Some(gpu) = gpu() else { return };
+    let mut k = GatherKernel::new(&gpu).unwrap();
+    let buf = gpu.alloc(2 * BLOCK).unwrap();
+    let spec = GatherSpec {
+        src_bases: &[buf.ptr()],
+        dst_bases: &[buf.ptr()],
+        src_blocks: &[0],
+        dst_blocks: &[1],
+        block_bytes: BLOCK as u64,
+        permute: Permute::None,
+    };
+    let old = k.prepare(&gpu, std::slice::from_ref(&spec)).unwrap();
+    let new = k.prepare(&gpu, std::slice::from_ref(&spec)).unwrap();
+    let e = k.launch_prepared(&gpu, &old, 0).unwrap_err().to_string();
+    assert!(e.contains("replaced"), "{e}");
+    k.launch_prepared(&gpu, &new, 0).unwrap();
+    assert!(k.launch_prepared(&gpu, &new, 1).is_err());
+    gpu.synchronize().unwrap();
 }
 
 fn permute_reference(src: &[u8], to_hnd: bool) -> Vec<u8> {
