@@ -21,7 +21,7 @@ use crate::kernel::{GatherKernel, GatherSpec, Permute};
 use crate::kv_units::{KvUnits, StageLayout, UnitsError};
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::{KvMemory, RegionError};
-use kvconnect_api::{BlockId, EffectiveLayout, KvRegion, MemoryKind, ModelSpec};
+use kvconnect_api::{BlockId, EffectiveLayout, KvRegion, LayerId, MemoryKind, ModelSpec};
 use std::sync::{Arc, Mutex};
 
 /// Spare pinned buffers kept for reuse (more are freed when returned).
@@ -85,6 +85,33 @@ pub enum StageError {
         /// Blocks in the copy.
         n: u32,
     },
+    /// A grid copy on a layout that keeps several layers in one block.
+    #[error("KV layout {0} keeps every layer of a block together; copies by (layer, K|V part) need a layout with L before B (NHD, HND, ...)")]
+    GridLayout(String),
+    /// A grid unit that is not one (layer, part) block.
+    #[error("layer {layer} part {part}: {why}")]
+    GridUnit {
+        /// The layer.
+        layer: u32,
+        /// The K/V part.
+        part: u32,
+        /// What is wrong.
+        why: String,
+    },
+    /// A grid block past the end of the grid's memory, or not 16-byte aligned.
+    #[error("grid unit {unit} block {index} does not fit the grid's {len} bytes at 16-byte alignment (unit offset {offset}, {block_bytes}-byte blocks)")]
+    GridOutOfRange {
+        /// The unit.
+        unit: usize,
+        /// The block index.
+        index: u32,
+        /// The unit's offset.
+        offset: u64,
+        /// Bytes of a block.
+        block_bytes: u64,
+        /// Bytes of the grid.
+        len: u64,
+    },
     /// The GPU, the driver or pinned memory failed.
     #[error("{what}: {error}")]
     Cuda {
@@ -119,6 +146,20 @@ pub fn regions_gpu(regions: &[KvRegion]) -> Result<usize, StageError> {
 }
 
 type FreeList = Arc<Mutex<Vec<PinnedBuffer>>>;
+
+/// Mapped pinned memory holding blocks in the caller's own arrangement (e.g. lmcache's chunk
+/// slots): block `k` of unit `u` at `device_ptr + units[u].2 + k * block_bytes`, where
+/// `block_bytes` is the stage's ([`KvStage::unit_shape`]) and every unit is one (layer, K|V
+/// part) of a per-layer layout.
+#[derive(Debug, Clone, Copy)]
+pub struct BlockGrid<'a> {
+    /// The memory's device address (a pinned buffer's mapping).
+    pub device_ptr: u64,
+    /// Bytes of the memory at `device_ptr`.
+    pub len: u64,
+    /// (layer, K|V part, byte offset of the unit's block 0) per unit.
+    pub units: &'a [(LayerId, u32, u64)],
+}
 
 /// A host copy of `n` device blocks in pinned memory, addressed as blocks `0..n` of the
 /// device regions' geometry.
@@ -312,6 +353,94 @@ impl KvStage {
         let (dev, staged) = self.check_pairs(copy, &flipped)?;
         let src: Vec<u64> = copy.layout.unit_offsets.iter().map(|o| copy.device_ptr() + o).collect();
         self.launch(&src, &self.bases, &staged, &dev, "scattering pinned KV blocks into the device regions")
+    }
+
+    /// Gathers `(device block, grid block)` pairs of every grid unit straight into the
+    /// grid's memory. One launch; returns when the bytes are on the host.
+    pub fn gather_to_grid(&self, grid: &BlockGrid<'_>, pairs: &[(BlockId, u32)]) -> Result<(), StageError> {
+        let (dev_bases, grid_bases) = self.grid_bases(grid, pairs.iter().map(|(_, k)| *k))?;
+        let (dev, idx) = self.check_device_blocks(pairs.iter().map(|(b, k)| (*b, *k)))?;
+        self.launch(&dev_bases, &grid_bases, &dev, &idx, "gathering device KV blocks into pinned chunk slots")
+    }
+
+    /// Scatters `(grid block, device block)` pairs of every grid unit from the grid's memory
+    /// into the device regions. One launch; returns when the device holds the bytes.
+    pub fn scatter_from_grid(
+        &self,
+        grid: &BlockGrid<'_>,
+        pairs: &[(u32, BlockId)],
+    ) -> Result<(), StageError> {
+        let (dev_bases, grid_bases) = self.grid_bases(grid, pairs.iter().map(|(k, _)| *k))?;
+        let (dev, idx) = self.check_device_blocks(pairs.iter().map(|(k, b)| (*b, *k)))?;
+        self.launch(
+            &grid_bases,
+            &dev_bases,
+            &idx,
+            &dev,
+            "scattering pinned chunk slots into the device regions",
+        )
+    }
+
+    /// The device and grid base address of each grid unit, after checking that every grid
+    /// block index in `indices` lies inside the grid's memory.
+    fn grid_bases(
+        &self,
+        grid: &BlockGrid<'_>,
+        indices: impl Iterator<Item = u32>,
+    ) -> Result<(Vec<u64>, Vec<u64>), StageError> {
+        if self.geometry.layout().position(kvconnect_api::layout::Dim::B) == 0 {
+            return Err(StageError::GridLayout(self.geometry.layout().display_name()));
+        }
+        let bb = self.block_bytes;
+        let max = indices.max();
+        let mut dev = Vec::with_capacity(grid.units.len());
+        let mut dst = Vec::with_capacity(grid.units.len());
+        for (u, (layer, part, offset)) in grid.units.iter().enumerate() {
+            let span = self.geometry.span(*layer, *part, BlockId(0)).map_err(|e| StageError::GridUnit {
+                layer: layer.0,
+                part: *part,
+                why: e.to_string(),
+            })?;
+            if span.len as u64 != bb {
+                return Err(StageError::GridUnit {
+                    layer: layer.0,
+                    part: *part,
+                    why: format!("a block is {} bytes but the stage copies {bb}-byte blocks", span.len),
+                });
+            }
+            let region = &self.regions[span.region];
+            dev.push(region.addr + span.offset as u64);
+            let end =
+                max.map_or(Some(0), |k| (k as u64 + 1).checked_mul(bb).and_then(|e| e.checked_add(*offset)));
+            let fits = end.is_some_and(|e| e <= grid.len);
+            if !fits || !(grid.device_ptr + offset).is_multiple_of(16) {
+                return Err(StageError::GridOutOfRange {
+                    unit: u,
+                    index: max.unwrap_or(0),
+                    offset: *offset,
+                    block_bytes: bb,
+                    len: grid.len,
+                });
+            }
+            dst.push(grid.device_ptr + offset);
+        }
+        Ok((dev, dst))
+    }
+
+    fn check_device_blocks(
+        &self,
+        pairs: impl Iterator<Item = (BlockId, u32)>,
+    ) -> Result<(Vec<u32>, Vec<u32>), StageError> {
+        let mut dev = Vec::new();
+        let mut idx = Vec::new();
+        for (b, k) in pairs {
+            if b.0 >= self.min_blocks {
+                return Err(StageError::BlockOutOfRange { block: b.0, num_blocks: self.min_blocks });
+            }
+            dev.push(b.0);
+            idx.push(k);
+        }
+        Ok((dev, idx))
     }
 
     fn check_pairs(

@@ -19,6 +19,7 @@ pub struct ChunkLayout {
     /// Bytes of one head's one token (head_dim x element size).
     row: usize,
     block_size: usize,
+    chunk_size: usize,
     head_major: bool,
 }
 
@@ -98,6 +99,7 @@ impl ChunkLayout {
             heads: shape.heads as usize,
             row: shape.head_dim as usize * shape.elem_size as usize,
             block_size: eff.block_size as usize,
+            chunk_size: chunk_size as usize,
             head_major: eff.layout.is_head_major(),
         })
     }
@@ -107,9 +109,29 @@ impl ChunkLayout {
         self.block_size
     }
 
+    /// Tokens of a full chunk.
+    pub fn chunk_size(&self) -> usize {
+        self.chunk_size
+    }
+
     /// The KV layers, in chunk order.
     pub fn kv_layers(&self) -> &[LayerId] {
         &self.kv_layers
+    }
+
+    /// K/V parts per layer (1 for MLA).
+    pub fn parts(&self) -> u32 {
+        self.parts
+    }
+
+    /// Bytes of one token of one (layer, K|V part): heads x head_dim x dtype size.
+    pub fn token_bytes(&self) -> usize {
+        self.heads * self.row
+    }
+
+    /// Bytes of one whole block of one (layer, K|V part).
+    pub fn block_bytes(&self) -> usize {
+        self.block_size * self.token_bytes()
     }
 
     /// Bytes of one (layer, K|V) segment of a chunk of `tokens` tokens.

@@ -1,12 +1,13 @@
 //! The host-memory tier: chunks under a byte budget, least recently used evicted first.
 
+use crate::chunk_buf::ChunkBuf;
 use crate::key::ChunkKey;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 
 /// Chunk bytes shared between the tier and readers (a reader keeps an evicted chunk alive).
-pub type ChunkData = Arc<Vec<u8>>;
+pub type ChunkData = Arc<ChunkBuf>;
 
 /// Keys are already uniform hashes, so the map uses their first word as is.
 #[derive(Default)]
@@ -70,11 +71,22 @@ impl CpuTier {
         if len > self.budget {
             return Err(data);
         }
-        let mut evicted = Vec::new();
         if let Some((old, t)) = self.map.remove(&key) {
             self.lru.remove(&t);
             self.used -= old.len() as u64;
         }
+        let evicted = self.evict_for(len);
+        self.tick += 1;
+        self.lru.insert(self.tick, key);
+        self.map.insert(key, (data, self.tick));
+        self.used += len;
+        Ok(evicted)
+    }
+
+    /// Evicts least recently used chunks until `len` more bytes fit (or the tier is empty)
+    /// and returns them.
+    pub fn evict_for(&mut self, len: u64) -> Vec<(ChunkKey, ChunkData)> {
+        let mut evicted = Vec::new();
         while self.used + len > self.budget {
             let Some((_, k)) = self.lru.pop_first() else { break };
             if let Some((d, _)) = self.map.remove(&k) {
@@ -82,11 +94,7 @@ impl CpuTier {
                 evicted.push((k, d));
             }
         }
-        self.tick += 1;
-        self.lru.insert(self.tick, key);
-        self.map.insert(key, (data, self.tick));
-        self.used += len;
-        Ok(evicted)
+        evicted
     }
 
     /// Chunks held.
@@ -118,20 +126,31 @@ mod tests {
         ChunkKey([i, i])
     }
 
+    fn d(v: Vec<u8>) -> ChunkData {
+        Arc::new(ChunkBuf::Heap(v))
+    }
+
     #[test]
     fn evicts_least_recently_used_within_budget() {
         let mut t = CpuTier::new(300);
         for i in 0..3 {
-            assert!(t.put(k(i), Arc::new(vec![i as u8; 100])).unwrap().is_empty());
+            assert!(t.put(k(i), d(vec![i as u8; 100])).unwrap().is_empty());
         }
         assert!(t.get(&k(0)).is_some()); // 1 is now the oldest
-        let ev = t.put(k(3), Arc::new(vec![3; 100])).unwrap();
+        let ev = t.put(k(3), d(vec![3; 100])).unwrap();
         assert_eq!(ev.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![k(1)]);
         assert_eq!(t.used(), 300);
         assert!(t.contains(&k(0)) && !t.contains(&k(1)));
-        let ev = t.put(k(4), Arc::new(vec![4; 250])).unwrap();
+        let ev = t.put(k(4), d(vec![4; 250])).unwrap();
         assert_eq!(ev.len(), 3, "needs room for 250 bytes");
         assert_eq!((t.len(), t.used()), (1, 250));
-        assert!(t.put(k(5), Arc::new(vec![0; 301])).is_err(), "larger than the budget");
+        assert!(t.put(k(5), d(vec![0; 301])).is_err(), "larger than the budget");
+        // Making room ahead of a save evicts the oldest first, and only what is needed.
+        t.put(k(6), d(vec![6; 40])).unwrap();
+        let ev = t.evict_for(10);
+        assert!(ev.is_empty(), "290 + 10 fits");
+        let ev = t.evict_for(100);
+        assert_eq!(ev.iter().map(|(k, _)| *k).collect::<Vec<_>>(), vec![k(4)]);
+        assert_eq!(t.used(), 40);
     }
 }

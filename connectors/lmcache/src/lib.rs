@@ -35,11 +35,15 @@
 //! out of the KV cache. A load that cannot complete is reported through
 //! `block_ids_with_load_errors` (from the first failed chunk to the end of the load).
 //!
-//! **Device KV** (feature `cuda`). With regions in GPU memory a save gathers the request's
-//! blocks of every layer into a pinned host copy with one kernel launch and the chunk code
-//! copies from there; a load fills a host copy and scatters it back with one launch before
-//! `start_load_kv` returns. Layer-wise saving and loading degrade to whole-request then.
-//! Without the feature, device regions are refused at `register_kv_caches`.
+//! **Device KV** (feature `cuda`). With regions in GPU memory the CPU tier keeps its chunks
+//! in a pinned slab of chunk-sized slots (sized from `max_local_cpu_size`, pinned at
+//! `register_kv_caches`, like LMCache's pinned CPU backend). A save gathers every full chunk
+//! of a request straight into slots with one kernel launch, already in chunk layout; a load
+//! scatters whole blocks straight out of the slots. Partial chunks, chunks the slab has no
+//! free slot for, chunks read from disk and blocks a load writes only partly go through a
+//! pinned host copy of the request's blocks and the host chunk code (one more launch).
+//! Layer-wise saving and loading degrade to whole-request then. Without the feature, device
+//! regions are refused at `register_kv_caches`.
 //!
 //! **Sharing the store.** In vLLM the two halves live in different processes; here the
 //! scheduler and worker of one engine run in one process, so they share one store through a
@@ -57,6 +61,8 @@
 //! disk writer.
 
 pub mod caps;
+pub mod chunk_buf;
+pub mod chunk_grid;
 pub mod chunk_layout;
 pub mod config;
 pub mod cpu_tier;
@@ -67,8 +73,11 @@ pub mod factory;
 pub mod hash;
 pub mod key;
 pub mod meta;
+#[cfg(feature = "cuda")]
+pub mod pinned_slab;
 pub mod registry;
 pub mod scheduler;
+pub mod slot_alloc;
 pub mod stats;
 pub mod store;
 pub mod worker;

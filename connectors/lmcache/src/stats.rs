@@ -51,6 +51,13 @@ pub struct LmcacheStats {
     pub load_error_blocks: u64,
     /// Saves that could not copy out of the KV cache.
     pub save_errors: u64,
+    /// Chunks device saves gathered straight into the pinned CPU tier's slots.
+    #[serde(default)]
+    pub pinned_chunks_saved: u64,
+    /// Chunks device saves built on the heap instead: the pinned slab had no free slot, or
+    /// the chunk is partial (fewer tokens than a chunk, so it does not fit a slot's grid).
+    #[serde(default)]
+    pub pinned_fallback_chunks: u64,
 }
 
 #[derive(Default)]
@@ -86,6 +93,8 @@ pub(crate) struct Counters {
     pub rejected_chunks: AtomicU64,
     pub load_error_blocks: AtomicU64,
     pub save_errors: AtomicU64,
+    pub pinned_chunks_saved: AtomicU64,
+    pub pinned_fallback_chunks: AtomicU64,
 }
 
 pub(crate) fn add(c: &AtomicU64, n: u64) {
@@ -114,6 +123,8 @@ impl Counters {
             rejected_chunks: get(&self.rejected_chunks),
             load_error_blocks: get(&self.load_error_blocks),
             save_errors: get(&self.save_errors),
+            pinned_chunks_saved: get(&self.pinned_chunks_saved),
+            pinned_fallback_chunks: get(&self.pinned_fallback_chunks),
         }
     }
 }

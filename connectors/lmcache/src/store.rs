@@ -4,6 +4,7 @@
 //! only its copy out of the KV cache. Until the writer has finished a chunk it stays
 //! readable from an in-flight map, so a chunk is never missing between the two tiers.
 
+use crate::chunk_buf::ChunkBuf;
 use crate::config::LmcacheConfig;
 use crate::cpu_tier::{ChunkData, CpuTier, KeyMap};
 use crate::disk_tier::{DiskChunk, DiskTier, FILE_OVERHEAD};
@@ -31,7 +32,7 @@ impl ChunkBytes {
     /// The bytes.
     pub fn as_slice(&self) -> &[u8] {
         match self {
-            ChunkBytes::Mem(d) => d,
+            ChunkBytes::Mem(d) => d.as_slice(),
             ChunkBytes::Disk(d) => d.data(),
         }
     }
@@ -78,7 +79,8 @@ impl BufferPool {
     }
 
     fn give(&mut self, data: ChunkData) {
-        if let Ok(v) = Arc::try_unwrap(data) {
+        // Pinned slots go back to their slab when dropped; heap buffers are kept.
+        if let Ok(ChunkBuf::Heap(v)) = Arc::try_unwrap(data) {
             if self.bytes + v.capacity() as u64 <= self.cap {
                 self.bytes += v.capacity() as u64;
                 self.bufs.push(v);
@@ -194,8 +196,8 @@ impl ChunkStore {
 
     /// Stores a chunk in the CPU tier (or, without one or when it does not fit, hands it to
     /// the disk writer).
-    pub fn put(&self, key: ChunkKey, data: Vec<u8>) {
-        let data = Arc::new(data);
+    pub fn put(&self, key: ChunkKey, data: impl Into<ChunkBuf>) {
+        let data = Arc::new(data.into());
         let len = data.len() as u64;
         let c = &self.shared.counters;
         let to_disk = match &self.cpu {
@@ -232,6 +234,32 @@ impl ChunkStore {
                 "lmcache: chunk larger than max_local_cpu_size and no disk tier; not stored"
             );
         }
+    }
+
+    /// Evicts least recently used chunks from the CPU tier (to the disk tier, as `put`
+    /// would) until `bytes` more fit, so a save about to take pinned slots finds the slots
+    /// of what `put` would evict anyway already free. No CPU tier: nothing to do.
+    pub fn make_room(&self, bytes: u64) {
+        let Some(cpu) = &self.cpu else { return };
+        let c = &self.shared.counters;
+        let mut cpu = lock(cpu);
+        for (k, d) in cpu.evict_for(bytes) {
+            add(&c.cpu.evictions, 1);
+            self.shared.event(KvEvent::Removed { hashes: vec![k.0[0]], tier: "cpu".into() });
+            self.send_to_disk(k, d);
+        }
+    }
+
+    /// The CPU tier's budget in bytes (0 without a CPU tier).
+    pub fn cpu_budget(&self) -> u64 {
+        self.cpu.as_ref().map_or(0, |c| lock(c).budget())
+    }
+
+    /// Counts chunks a device save gathered straight into pinned slots, and chunks it had
+    /// to build on the heap because the pinned slab had no free slot.
+    pub fn count_pinned(&self, pinned: usize, fallback: usize) {
+        add(&self.shared.counters.pinned_chunks_saved, pinned as u64);
+        add(&self.shared.counters.pinned_fallback_chunks, fallback as u64);
     }
 
     /// An empty buffer with room for `len` bytes, reused when one is free.

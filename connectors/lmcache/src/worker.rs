@@ -5,9 +5,9 @@
 //! request, since a prefix with a hole is useless) are reported through
 //! `block_ids_with_load_errors` and the engine recomputes them.
 //!
-//! KV regions in GPU memory need the `cuda` feature: loads and saves then run whole-request
-//! through a pinned host copy of the request's blocks (see `device_kv`); without the feature
-//! registering them is an error that says how to rebuild.
+//! KV regions in GPU memory need the `cuda` feature: loads and saves then run whole-request,
+//! straight between the device blocks and the pinned CPU tier's chunk slots (see
+//! `device_kv`); without the feature registering them is an error that says how to rebuild.
 
 use crate::chunk_layout::ChunkLayout;
 use crate::meta::{LoadSpec, SaveSpec, StepMeta};
@@ -27,10 +27,13 @@ struct FetchedLoad {
     chunks: Vec<(usize, ChunkBytes)>,
 }
 
-/// A save in progress: one buffer per chunk, filled layer by layer.
+/// A save in progress: one buffer per chunk, filled layer by layer (host KV), or the
+/// finished chunks (device KV, saved whole).
 struct PendingSave {
     spec: SaveSpec,
     bufs: Vec<Vec<u8>>,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    done: Vec<crate::chunk_buf::ChunkBuf>,
     failed: bool,
 }
 
@@ -38,9 +41,9 @@ struct PendingSave {
 enum Kv {
     /// Host memory, copied in place.
     Host(KvMemory),
-    /// GPU memory, staged through pinned host copies.
+    /// GPU memory, copied to and from the pinned CPU tier's chunk slots.
     #[cfg(feature = "cuda")]
-    Device(Box<kvconnect_cuda::KvStage>),
+    Device(Box<crate::device_kv::DeviceKv>),
 }
 
 /// The lmcache worker half.
@@ -213,13 +216,13 @@ impl LmcacheWorker {
         }
     }
 
-    /// Every fetched load, whole, through a host copy and one scatter per request.
+    /// Every fetched load, whole: straight from pinned slots, the rest through a host copy.
     #[cfg(feature = "cuda")]
     fn load_device(&mut self) -> ConnectorResult<()> {
-        let Some(Kv::Device(stage)) = &self.mem else { return Err(no_regions()) };
+        let Some(Kv::Device(dkv)) = &self.mem else { return Err(no_regions()) };
         let mut failures = Vec::new();
         for f in &self.fetched {
-            let (loaded_to, why) = crate::device_kv::load(stage, &self.layout, &f.spec, &f.chunks);
+            let (loaded_to, why) = crate::device_kv::load(dkv, &self.layout, &f.spec, &f.chunks);
             if let Some(why) = why {
                 tracing::warn!(req = %f.spec.req, "lmcache: device load failed from token {loaded_to}: {why}");
                 failures.push((f.spec.clone(), loaded_to));
@@ -233,15 +236,19 @@ impl LmcacheWorker {
         Ok(())
     }
 
-    /// Every pending save, whole: one gather per request, then the chunk copies.
+    /// Every pending save, whole: one gather per request into pinned slots (plus one for
+    /// the chunks that go to the heap).
     #[cfg(feature = "cuda")]
     fn save_device(&mut self) -> ConnectorResult<()> {
-        let Some(Kv::Device(stage)) = &self.mem else { return Err(no_regions()) };
-        for s in self.saves.iter_mut().filter(|s| !s.failed) {
-            if let Err(e) = crate::device_kv::save(stage, &self.layout, &s.spec, &mut s.bufs) {
-                tracing::warn!(req = %s.spec.req, "lmcache: device save failed, request not stored: {e}");
-                self.store.count_save_error();
-                s.failed = true;
+        let Some(Kv::Device(dkv)) = &self.mem else { return Err(no_regions()) };
+        for s in self.saves.iter_mut().filter(|s| !s.failed && s.done.is_empty()) {
+            match crate::device_kv::save(dkv, &self.store, &self.layout, &s.spec) {
+                Ok(done) => s.done = done,
+                Err(e) => {
+                    tracing::warn!(req = %s.spec.req, "lmcache: device save failed, request not stored: {e}");
+                    self.store.count_save_error();
+                    s.failed = true;
+                }
             }
         }
         self.layers_saved = self.layout.kv_layers().len();
@@ -251,7 +258,13 @@ impl LmcacheWorker {
 
 /// Device regions in a build without the `cuda` feature.
 #[cfg(not(feature = "cuda"))]
-fn device_regions(_: &[KvRegion], _: &ModelSpec, _: &EffectiveLayout) -> ConnectorResult<Kv> {
+fn device_regions(
+    _: &[KvRegion],
+    _: &ModelSpec,
+    _: &EffectiveLayout,
+    _: &ChunkLayout,
+    _: &ChunkStore,
+) -> ConnectorResult<Kv> {
     Err(ConnectorError::config(
         "lmcache",
         "the KV regions are in GPU memory (kv_buffer_device=\"cuda\"), but kvconnect-lmcache was built without its `cuda` feature: rebuild with `--features kvconnect-host/cuda` (or kvconnect-lmcache/cuda), or use kv_buffer_device=\"cpu\"",
@@ -259,14 +272,23 @@ fn device_regions(_: &[KvRegion], _: &ModelSpec, _: &EffectiveLayout) -> Connect
 }
 
 #[cfg(feature = "cuda")]
-fn device_regions(regions: &[KvRegion], model: &ModelSpec, eff: &EffectiveLayout) -> ConnectorResult<Kv> {
-    crate::device_kv::open(regions, model, eff).map(|s| Kv::Device(Box::new(s)))
+fn device_regions(
+    regions: &[KvRegion],
+    model: &ModelSpec,
+    eff: &EffectiveLayout,
+    layout: &ChunkLayout,
+    store: &ChunkStore,
+) -> ConnectorResult<Kv> {
+    crate::device_kv::open(regions, model, eff, layout, layout.chunk_size(), store)
+        .map(|d| Kv::Device(Box::new(d)))
 }
 
 impl WorkerConnector for LmcacheWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
         if regions.iter().any(|r| r.memory == MemoryKind::Device) {
-            self.mem = Some(device_regions(regions, &self.model, &self.eff)?);
+            // Drop the previous registration (and its slab) before pinning a new one.
+            self.mem = None;
+            self.mem = Some(device_regions(regions, &self.model, &self.eff, &self.layout, &self.store)?);
             return Ok(());
         }
         // SAFETY: the host promises, by calling register_kv_caches, that every region is valid
@@ -287,15 +309,20 @@ impl WorkerConnector for LmcacheWorker {
         self.fetched.clear();
         self.layers_loaded = 0;
         let saves = std::mem::take(&mut self.meta.saves);
+        // Device saves build their chunks whole at wait_for_save.
+        let device = self.on_device();
         self.saves = saves
             .into_iter()
             .map(|spec| {
-                let bufs = spec
-                    .chunks
-                    .iter()
-                    .map(|c| self.store.take_buffer(self.layout.chunk_bytes(c.tokens)))
-                    .collect();
-                PendingSave { spec, bufs, failed: false }
+                let bufs = if device {
+                    Vec::new()
+                } else {
+                    spec.chunks
+                        .iter()
+                        .map(|c| self.store.take_buffer(self.layout.chunk_bytes(c.tokens)))
+                        .collect()
+                };
+                PendingSave { spec, bufs, done: Vec::new(), failed: false }
             })
             .collect();
         self.layers_saved = 0;
@@ -350,6 +377,12 @@ impl WorkerConnector for LmcacheWorker {
         self.save_layers(self.layout.kv_layers().len())?;
         for s in std::mem::take(&mut self.saves) {
             if s.failed {
+                continue;
+            }
+            if !s.done.is_empty() {
+                for (c, buf) in s.spec.chunks.iter().zip(s.done) {
+                    self.store.put(c.key, buf);
+                }
                 continue;
             }
             for (c, buf) in s.spec.chunks.iter().zip(s.bufs) {
