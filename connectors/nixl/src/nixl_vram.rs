@@ -9,7 +9,9 @@
 //! buffers, alternating in the same run.
 //!
 //! Whether this works depends on the NIXL build: its UCX must carry the CUDA transports
-//! (`libuct_cuda`, which needs `libcuda.so.1` and `libnvidia-ml.so.1` from the driver).
+//! (`libuct_cuda`, which needs `libcuda.so.1` and `libnvidia-ml.so.1` from the driver), and
+//! UCX's CUDA memory hooks (`libucm_cuda`) need `libcudart.so.12`, which the nixl-cu12 wheel
+//! does not ship: without it UCX takes GPU memory for host memory and refuses to register it.
 //! Every way it can fail comes back as a [`VramError`] that says what to do, never an abort:
 //! the checks that can be made before NIXL touches device memory are made first.
 
@@ -253,8 +255,21 @@ pub fn check_vram_transport(nixl_dir: &Path) -> Result<Option<PathBuf>, VramErro
             ),
         });
     }
+    let beside = dir.parent().map(|d| d.join(CUDART)).filter(|p| p.exists());
+    // SAFETY: as for NVML: loaded to see that it can be, then closed.
+    if beside.is_none() && unsafe { libloading::Library::new(CUDART) }.is_err() {
+        return Err(VramError::NoVramTransport {
+            detail: format!(
+                "UCX's CUDA memory hooks (libucm_cuda) need {CUDART}, which the nixl-cu12 wheel does not ship and this machine lacks, so UCX would take GPU memory for host memory; install the CUDA 12 runtime (the pip package nvidia-cuda-runtime-cu12 has it) and put {CUDART} on LD_LIBRARY_PATH or into {}",
+                dir.parent().unwrap_or(&dir).display()
+            ),
+        });
+    }
     Ok(Some(module))
 }
+
+/// The CUDA runtime UCX's CUDA memory hooks link against.
+const CUDART: &str = "libcudart.so.12";
 
 /// Polls `t` until done, spinning then yielding, within `limit`.
 fn wait(agent: &NixlAgent, t: &crate::nixl_agent::Transfer, limit: Duration) -> Result<(), VramError> {

@@ -542,9 +542,9 @@ impl Puller {
                 let what = format!(
                     "request {}: producer layout {} with {}-token blocks, this engine's {} with {}-token blocks, first token {}",
                     load.request,
-                    p.layout(),
+                    p.layout().display_name(),
                     p.shape().tokens,
-                    o.layout(),
+                    o.layout().display_name(),
                     o.shape().tokens,
                     load.first_token
                 );

@@ -307,9 +307,9 @@ impl NixlWorker {
                 if crate::copy_plan::layouts_adapt(&info.geometry, own) {
                     let what = format!(
                         "its layout {} with {}-token blocks, this engine's {} with {}-token blocks",
-                        info.geometry.layout(),
+                        info.geometry.layout().display_name(),
                         info.geometry.shape().tokens,
-                        own.layout(),
+                        own.layout().display_name(),
                         own.shape().tokens
                     );
                     return Err(ConnectorError::invalid(NAME, vram_adapt_refusal(e, &what)));
