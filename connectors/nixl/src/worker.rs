@@ -185,7 +185,7 @@ impl NixlWorker {
             let reg = unsafe { agent.register(r.addr as usize, r.len as usize, mem) }.map_err(|e| {
                 let hint = match mem {
                     NixlMem::Dram => String::new(),
-                    NixlMem::Vram(_) => "; UCX in this NIXL build may offer no transport for VRAM (its CUDA module libuct_cuda needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver): `kvconnect bench nixl-vram` checks this machine, and backend cuda_ipc moves GPU KV on one host without NIXL".into(),
+                    NixlMem::Vram(_) => "; UCX in this NIXL build may offer no transport for VRAM (its CUDA module libuct_cuda needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver, its CUDA memory hooks libcudart.so.12, which the nixl-cu12 wheel does not ship): `kvconnect bench nixl-vram` checks this machine, and backend cuda_ipc moves GPU KV on one host without NIXL".into(),
                 };
                 ConnectorError::io(NAME, format!("region '{}': {e}{hint}", r.name))
             })?;
