@@ -1,7 +1,10 @@
 //! lmcache over KV regions in GPU memory (feature `cuda`): random device blocks are saved
 //! through the real scheduler/worker flow, the device is poisoned, and the prompt is loaded
 //! into other block ids; the downloaded bytes must equal the saved ones exactly, and bytes
-//! the load must not write (past the match) keep the poison. Skips, saying so, without a GPU.
+//! the load must not write (past the match) keep the poison. Full chunks go straight into
+//! the pinned CPU tier's slots and load straight out of them (the statistics say which path
+//! each chunk took); partial chunks and chunks from the disk tier go through the host copy.
+//! Skips, saying so, without a GPU.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -169,7 +172,13 @@ fn round_trip(layout: KvLayout, layerwise: bool) {
     let Some(gpu) = gpu() else { return };
     let dev = Dev::new(gpu, layout);
     let id = format!("lmcache-device-{}-{layerwise}", layout.canonical_name());
-    let c = ctx(&id, layout, BS, json!({"chunk_size": CHUNK, "use_layerwise": layerwise}));
+    // A small CPU tier: its pinned slab is what the tier's budget holds.
+    let c = ctx(
+        &id,
+        layout,
+        BS,
+        json!({"chunk_size": CHUNK, "use_layerwise": layerwise, "max_local_cpu_size": 0.01}),
+    );
     let caps = LmcacheFactory.capabilities(&c.config, None).unwrap();
     assert!(caps.memory_kinds.contains(&MemoryKind::Device));
     let mut e = (LmcacheFactory.create_scheduler(&c).unwrap(), LmcacheFactory.create_worker(&c).unwrap());
@@ -179,7 +188,13 @@ fn round_trip(layout: KvLayout, layerwise: bool) {
     let p = prompt(5, 2 * CHUNK + 9);
     let a = ids(&[100, 7, 55, 3, 200]);
     assert_eq!(step(&mut e, 1, "a", &p, &a), (0, vec![]));
-    assert_eq!(kvconnect_lmcache::stats(&id).unwrap().chunks_saved, 2);
+    let st = kvconnect_lmcache::stats(&id).unwrap();
+    assert_eq!(st.chunks_saved, 2);
+    assert_eq!(
+        (st.pinned_chunks_saved, st.pinned_fallback_chunks),
+        (2, 0),
+        "both chunks went straight into slots"
+    );
 
     // Load into other blocks of a poisoned device: the four blocks of the two chunks equal
     // the saved ones, the fifth (past the match) keeps the poison.
@@ -218,6 +233,117 @@ fn nhd_save_poison_load_into_other_blocks() {
 #[test]
 fn hnd_layerwise_degrades_to_whole_request_and_is_exact() {
     round_trip(KvLayout::HND, true);
+}
+
+/// A prompt of two full chunks and a partial one (`save_unfull_chunk`): the full chunks go
+/// into pinned slots, the partial one to the heap; one load takes blocks from both, and the
+/// last block only partly (the engine computes the final token).
+#[test]
+fn partial_chunk_goes_to_the_heap_and_loads_with_the_pinned_ones() {
+    let Some(gpu) = gpu() else { return };
+    let dev = Dev::new(gpu, KvLayout::NHD);
+    let id = "lmcache-device-unfull";
+    let c = ctx(
+        id,
+        KvLayout::NHD,
+        BS,
+        json!({"chunk_size": CHUNK, "save_unfull_chunk": true, "max_local_cpu_size": 0.01}),
+    );
+    let mut e = (LmcacheFactory.create_scheduler(&c).unwrap(), LmcacheFactory.create_worker(&c).unwrap());
+    e.1.register_kv_caches(&dev.regions()).unwrap();
+    let p = prompt(9, 2 * CHUNK + 9);
+    let a = ids(&[100, 7, 55, 3, 200]);
+    assert_eq!(step(&mut e, 1, "a", &p, &a), (0, vec![]));
+    let st = kvconnect_lmcache::stats(id).unwrap();
+    assert_eq!(st.chunks_saved, 3);
+    assert_eq!((st.pinned_chunks_saved, st.pinned_fallback_chunks), (2, 1));
+
+    dev.poison();
+    let b = ids(&[300, 9, 401, 12, 250]);
+    let (m, errs) = step(&mut e, 2, "b", &p, &b);
+    assert_eq!((m, errs), (2 * CHUNK + 8, vec![]), "all but the last token");
+    let now = dev.download();
+    for i in 0..4 {
+        assert!(dev.block(&now, b[i]) == dev.block(&dev.orig, a[i]), "block {i} (from a slot) differs");
+    }
+    // Block 4 holds tokens 64..73 of the prompt; 64..72 load from the heap chunk.
+    let want = dev.with_poisoned_tail(dev.block(&dev.orig, a[4]), 8);
+    assert!(dev.block(&now, b[4]) == want, "the partial chunk's block");
+    e.1.shutdown().unwrap();
+}
+
+/// No CPU tier, a disk tier: no pinned slab, every chunk is built on the heap, and the load
+/// from disk goes through the host copy, exactly.
+#[test]
+fn without_a_cpu_tier_chunks_go_through_the_heap_to_disk_and_back() {
+    let Some(gpu) = gpu() else { return };
+    let dev = Dev::new(gpu, KvLayout::HND);
+    let dir = tempfile::tempdir().unwrap();
+    let id = "lmcache-device-disk-only";
+    let c = ctx(
+        id,
+        KvLayout::HND,
+        BS,
+        json!({"chunk_size": CHUNK, "local_cpu": false, "local_disk": format!("file://{}", dir.path().display()), "max_local_disk_size": 0.01}),
+    );
+    let mut e = (LmcacheFactory.create_scheduler(&c).unwrap(), LmcacheFactory.create_worker(&c).unwrap());
+    e.1.register_kv_caches(&dev.regions()).unwrap();
+    let p = prompt(11, 2 * CHUNK + 1);
+    let a = ids(&[40, 41, 5, 6, 90]);
+    assert_eq!(step(&mut e, 1, "a", &p, &a), (0, vec![]));
+    kvconnect_lmcache::flush(id);
+    let st = kvconnect_lmcache::stats(id).unwrap();
+    assert_eq!((st.pinned_chunks_saved, st.pinned_fallback_chunks), (0, 2));
+    assert_eq!(st.disk.chunks, 2);
+
+    dev.poison();
+    let b = ids(&[60, 61, 62, 63, 64]);
+    let (m, errs) = step(&mut e, 2, "b", &p, &b);
+    assert_eq!((m, errs), (2 * CHUNK, vec![]));
+    let now = dev.download();
+    for i in 0..4 {
+        assert!(dev.block(&now, b[i]) == dev.block(&dev.orig, a[i]), "block {i} from disk differs");
+    }
+    assert!(dev.block(&now, b[4]).iter().all(|p| p.iter().all(|x| *x == POISON)));
+    assert_eq!(kvconnect_lmcache::stats(id).unwrap().disk.hits, 2);
+    e.1.shutdown().unwrap();
+}
+
+/// A CPU tier of two chunks: saving a second two-chunk prompt evicts the first prompt's
+/// chunks before the gather, so their slots serve the new save (nothing falls back), and the
+/// second prompt loads exactly while the first is gone.
+#[test]
+fn a_full_pinned_tier_evicts_before_the_gather_and_reuses_the_slots() {
+    let Some(gpu) = gpu() else { return };
+    let dev = Dev::new(gpu, KvLayout::NHD);
+    let id = "lmcache-device-full-tier";
+    // 2.5 chunks of 3 layers x K,V x 32 tokens x 2 heads x 8 x f16 = 6144 bytes each.
+    let gb = 2.5 * 6144.0 / (1u64 << 30) as f64;
+    let c = ctx(id, KvLayout::NHD, BS, json!({"chunk_size": CHUNK, "max_local_cpu_size": gb}));
+    let mut e = (LmcacheFactory.create_scheduler(&c).unwrap(), LmcacheFactory.create_worker(&c).unwrap());
+    e.1.register_kv_caches(&dev.regions()).unwrap();
+    let p1 = prompt(21, 2 * CHUNK);
+    let p2 = prompt(22, 2 * CHUNK);
+    let a1 = ids(&[1, 2, 3, 4]);
+    let a2 = ids(&[10, 11, 12, 13]);
+    assert_eq!(step(&mut e, 1, "p1", &p1, &a1), (0, vec![]));
+    assert_eq!(step(&mut e, 2, "p2", &p2, &a2), (0, vec![]));
+    let st = kvconnect_lmcache::stats(id).unwrap();
+    assert_eq!((st.pinned_chunks_saved, st.pinned_fallback_chunks), (4, 0));
+    assert_eq!((st.cpu.chunks, st.cpu.evictions), (2, 2));
+
+    dev.poison();
+    let b = ids(&[30, 31, 32, 33]);
+    let (m, errs) = step(&mut e, 3, "p2 again", &p2, &b);
+    assert_eq!((m, errs), (2 * CHUNK - 1, vec![]));
+    let now = dev.download();
+    for i in 0..3 {
+        assert!(dev.block(&now, b[i]) == dev.block(&dev.orig, a2[i]), "block {i} differs");
+    }
+    assert!(dev.block(&now, b[3]) == dev.with_poisoned_tail(dev.block(&dev.orig, a2[3]), BS - 1));
+    let (m, _) = step(&mut e, 4, "p1 again", &p1, &ids(&[40, 41, 42, 43]));
+    assert_eq!(m, 0, "the first prompt was evicted");
+    e.1.shutdown().unwrap();
 }
 
 #[test]
