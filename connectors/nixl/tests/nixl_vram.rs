@@ -14,19 +14,16 @@
 //! time), so every test holds `SERIAL`.
 #![cfg(feature = "cuda")]
 
-use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
-use kvconnect_api::{
-    BlockId, BlocksPerGroup, ConnectorFactory, EffectiveLayout, FinishedTransfers, KvLayout, KvRegion,
-    KvRole, MatchResult, MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo,
-    WorkerConnector,
-};
-use kvconnect_cuda::{DeviceBuffer, Gpu};
+mod device;
+
+use device::{assert_loaded, decode_start, device_engine, prefill_finish, wait, Engine, BLOCKS, BS};
+use kvconnect_api::{ConnectorFactory, KvLayout, KvRole, RequestId};
+use kvconnect_cuda::Gpu;
 use kvconnect_nixl::harness::{context, effective, model, Regions};
 use kvconnect_nixl::nixl_vram::{probe, VramProbe};
 use kvconnect_nixl::NixlFactory;
-use serde_json::{json, Value};
+use serde_json::json;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -63,158 +60,9 @@ fn vram_read_of_shuffled_blocks_delivers_every_byte() {
     assert!(r.nixl_read_ms > 0.0 && r.dtod_ms > 0.0);
 }
 
-const BLOCKS: u32 = 16;
-const PROMPT: usize = 21;
-const BS: u32 = 4;
-
-struct Engine {
-    sched: Box<dyn SchedulerConnector>,
-    worker: Box<dyn WorkerConnector>,
-    host: Regions,
-    dev: Vec<DeviceBuffer>,
-    regions: Vec<KvRegion>,
-    model: ModelSpec,
-    eff: EffectiveLayout,
-}
-
-/// An engine on backend nixl whose KV regions are device memory of `g`, filled with
-/// distinct, position-dependent bytes (salted by engine id).
+/// An engine on backend nixl whose KV regions are device memory of `g`.
 fn engine(g: &Gpu, role: KvRole, id: &str, layout: KvLayout) -> Engine {
-    let m = model(3, 2, 8);
-    let eff = effective(&m, layout, BS);
-    let ctx = context(
-        &m,
-        &eff,
-        role,
-        id,
-        json!({"backend": "nixl", "io_timeout": 5, "connect_timeout": 2,
-            "side_channel_host": "127.0.0.1", "side_channel_port": 5600}),
-    );
-    let sched = NixlFactory.create_scheduler(&ctx).unwrap();
-    let mut worker = NixlFactory.create_worker(&ctx).unwrap();
-    let mut host = Regions::allocate(&m, &eff, BLOCKS, None).unwrap();
-    let mut dev = Vec::new();
-    let mut regions = Vec::new();
-    for i in 0..host.regions().len() {
-        let salt = (id.len() * 31 + i * 7) as u32;
-        for (j, b) in host.bytes_mut(i).iter_mut().enumerate() {
-            *b = ((j as u32).wrapping_mul(2654435761).wrapping_add(salt) >> 13) as u8;
-        }
-        let buf = g.alloc(host.regions()[i].len as usize).unwrap();
-        g.upload(buf.ptr(), host.bytes_mut(i)).unwrap();
-        let mut r = host.regions()[i].clone();
-        r.addr = buf.ptr();
-        r.memory = MemoryKind::Device;
-        r.device = g.ordinal() as i32;
-        regions.push(r);
-        dev.push(buf);
-    }
-    if let Err(e) = worker.register_kv_caches(&regions) {
-        panic!("registering device KV regions with backend nixl failed: {e}");
-    }
-    Engine { sched, worker, host, dev, regions, model: m, eff }
-}
-
-fn blocks(ids: &[u32]) -> BlocksPerGroup {
-    BlocksPerGroup(vec![ids.iter().map(|b| BlockId(*b)).collect()])
-}
-
-fn step(n: u64) -> StepInfo {
-    StepInfo { step: n, scheduled: vec![], finished: vec![] }
-}
-
-fn pblocks() -> Vec<u32> {
-    (0..(PROMPT as u32).div_ceil(BS)).map(|i| 3 + i).collect()
-}
-
-/// Not contiguous, so the pull is several descriptors, not one.
-fn dblocks() -> Vec<u32> {
-    (0..(PROMPT as u32).div_ceil(BS)).map(|i| 2 + 2 * i).collect()
-}
-
-fn prefill_finish(p: &mut Engine, req: &str) -> serde_json::Map<String, Value> {
-    let mut params = serde_json::Map::new();
-    params.insert("do_remote_decode".into(), json!(true));
-    let r = Request { id: req.into(), prompt_tokens: vec![7; PROMPT], kv_transfer_params: params };
-    let fin = p.sched.request_finished(&r, &blocks(&pblocks())).unwrap();
-    assert!(fin.delay_free);
-    let meta = p.sched.build_connector_meta(&step(1)).unwrap();
-    p.worker.bind_connector_meta(&meta).unwrap();
-    fin.transfer_params.unwrap()
-}
-
-fn decode_start(d: &mut Engine, req: &str, params: serde_json::Map<String, Value>) {
-    let r = Request { id: req.into(), prompt_tokens: vec![7; PROMPT], kv_transfer_params: params };
-    let MatchResult::Matched { tokens, async_load } = d.sched.get_num_new_matched_tokens(&r, 0).unwrap()
-    else {
-        panic!("expected a match")
-    };
-    assert!(async_load);
-    d.sched.update_state_after_alloc(&r, &blocks(&dblocks()), tokens).unwrap();
-    let meta = d.sched.build_connector_meta(&step(1)).unwrap();
-    d.worker.bind_connector_meta(&meta).unwrap();
-    d.worker.start_load_kv().unwrap();
-}
-
-fn wait(w: &mut dyn WorkerConnector, pred: impl Fn(&FinishedTransfers) -> bool) -> FinishedTransfers {
-    let t0 = Instant::now();
-    let mut acc = FinishedTransfers::default();
-    while t0.elapsed() < Duration::from_secs(30) {
-        let f = w.get_finished(&[]).unwrap();
-        acc.finished_sending.extend(f.finished_sending);
-        acc.finished_recving.extend(f.finished_recving);
-        acc.failed_recving.extend(f.failed_recving);
-        if pred(&acc) {
-            return acc;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    panic!("timed out waiting; got {acc:?}")
-}
-
-fn geometry(e: &Engine) -> Geometry {
-    let shape = BlockShape::of(&e.model, &e.eff);
-    let regions = e
-        .regions
-        .iter()
-        .map(|r| RegionShape { layers: r.layers.clone(), num_blocks: r.num_blocks })
-        .collect();
-    Geometry::new(shape, e.eff.layout, regions)
-}
-
-/// Downloads the consumer's device regions and compares every element of tokens
-/// [0, PROMPT - 1) with the producer's (host copies of what it uploaded).
-fn assert_loaded(g: &Gpu, p: &mut Engine, d: &mut Engine) {
-    // The consumer's regions start with other bytes (another salt): a block not copied fails.
-    for i in 0..d.dev.len() {
-        let ptr = d.dev[i].ptr();
-        g.download(d.host.bytes_mut(i), ptr).unwrap();
-    }
-    let (gp, gd) = (geometry(p), geometry(d));
-    let s = gp.shape();
-    let (pb, db) = (pblocks(), dblocks());
-    let mut checked = 0;
-    for layer in p.model.kv_layers() {
-        for part in 0..2 {
-            for t in 0..PROMPT - 1 {
-                let bi = t / s.tokens as usize;
-                let ps = gp.span(layer, part, BlockId(pb[bi])).unwrap();
-                let ds = gd.span(layer, part, BlockId(db[bi])).unwrap();
-                let tok = (t % s.tokens as usize) as u32;
-                for h in 0..s.heads {
-                    for c in 0..s.head_dim {
-                        let po = ps.offset + gp.inner_offset(h, tok, c);
-                        let dof = ds.offset + gd.inner_offset(h, tok, c);
-                        let a = p.host.bytes_mut(ps.region)[po..po + 2].to_vec();
-                        let b = &d.host.bytes_mut(ds.region)[dof..dof + 2];
-                        assert_eq!(&a[..], b, "layer {layer} part {part} token {t} head {h} channel {c}");
-                        checked += 1;
-                    }
-                }
-            }
-        }
-    }
-    assert_eq!(checked, 3 * 2 * (PROMPT - 1) * 2 * 8);
+    device_engine(g, role, id, layout, json!({"backend": "nixl", "io_timeout": 5, "connect_timeout": 2}))
 }
 
 #[test]
