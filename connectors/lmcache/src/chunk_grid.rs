@@ -100,6 +100,112 @@ impl ChunkGrid {
     }
 }
 
+/// How a load of tokens `[from, to)` splits: blocks scattered straight from slots, and
+/// blocks that go through the host copy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadSplit {
+    /// (block-table index, grid index) of every block wholly covered by a chunk in a slot.
+    pub direct: Vec<(usize, u32)>,
+    /// Per block-table index below `to`'s block: true when the block goes through the host
+    /// copy (the rest of the range, including blocks the load writes only partly).
+    pub staged: Vec<bool>,
+}
+
+impl LoadSplit {
+    /// The block-table indices of the first and last staged block.
+    pub fn staged_bounds(&self) -> Option<(usize, usize)> {
+        self.staged.iter().position(|s| *s).zip(self.staged.iter().rposition(|s| *s))
+    }
+}
+
+impl ChunkGrid {
+    /// The gather pairs (device block, grid index) that write full chunks into slots:
+    /// `chunks` holds (first token, slot) of each full chunk, `blocks` the request's table.
+    pub fn save_pairs(
+        &self,
+        blocks: &[kvconnect_api::BlockId],
+        chunks: &[(usize, u32)],
+    ) -> Result<Vec<(kvconnect_api::BlockId, u32)>, String> {
+        let bs = self.chunk_tokens / self.blocks_per_chunk.max(1);
+        let mut pairs = Vec::with_capacity(chunks.len() * self.blocks_per_chunk);
+        for (start, slot) in chunks {
+            let first = start / bs.max(1);
+            for j in 0..self.blocks_per_chunk {
+                let block = *blocks.get(first + j).ok_or_else(|| {
+                    format!(
+                        "token {} needs block index {} but the request has {} blocks",
+                        start + j * bs,
+                        first + j,
+                        blocks.len()
+                    )
+                })?;
+                let k = self.index(*slot, j).ok_or_else(|| {
+                    format!("slot {slot} block {j} is past the kernel's 32-bit block index")
+                })?;
+                pairs.push((block, k));
+            }
+        }
+        Ok(pairs)
+    }
+
+    /// Splits a load of tokens `[from, to)`: `chunks` holds (first token, tokens, slot if
+    /// the chunk is a full chunk in a slot) of each fetched chunk.
+    pub fn split_load(&self, chunks: &[(usize, usize, Option<u32>)], from: usize, to: usize) -> LoadSplit {
+        let bs = self.chunk_tokens / self.blocks_per_chunk.max(1);
+        if to <= from || bs == 0 {
+            return LoadSplit { direct: Vec::new(), staged: Vec::new() };
+        }
+        let (lo, hi) = (from / bs, to.div_ceil(bs));
+        let mut staged = vec![false; hi];
+        staged[lo..hi].iter_mut().for_each(|s| *s = true);
+        let mut direct = Vec::new();
+        for (start, tokens, slot) in chunks {
+            let Some(slot) = slot else { continue };
+            if *tokens != self.chunk_tokens {
+                continue;
+            }
+            for j in self.whole_blocks(*start, from, to) {
+                let Some(k) = self.index(*slot, j) else { continue };
+                let i = start / bs + j;
+                staged[i] = false;
+                direct.push((i, k));
+            }
+        }
+        LoadSplit { direct, staged }
+    }
+}
+
+/// The chunk-relative token ranges of the chunk at `chunk_start` (`tokens` long) that a load
+/// of `[from, to)` writes through the host copy: maximal runs of staged blocks.
+pub fn staged_runs(
+    staged: &[bool],
+    block_size: usize,
+    chunk_start: usize,
+    tokens: usize,
+    from: usize,
+    to: usize,
+) -> Vec<(usize, usize)> {
+    let bs = block_size.max(1);
+    let hi_t = to.min(chunk_start + tokens);
+    let mut t = from.max(chunk_start);
+    let mut runs = Vec::new();
+    while t < hi_t {
+        let b = t / bs;
+        let mut e = b;
+        while e < staged.len() && staged[e] && e * bs < hi_t {
+            e += 1;
+        }
+        if e == b {
+            t = ((b + 1) * bs).min(hi_t);
+            continue;
+        }
+        let t_end = (e * bs).min(hi_t);
+        runs.push((t - chunk_start, t_end - chunk_start));
+        t = t_end;
+    }
+    runs
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,12 +315,11 @@ mod tests {
             let table: Vec<BlockId> = [17, 2, 9, 0, 11, 5, 19, 3, 8].iter().map(|b| BlockId(*b)).collect();
             let slots = [4u32, 0, 2];
             let mut slab = vec![0u8; 5 * grid.slot_bytes()];
-            let mut pairs = Vec::new();
-            for (c, slot) in slots.iter().enumerate() {
-                for j in 0..grid.blocks_per_chunk() {
-                    pairs.push((table[c * grid.blocks_per_chunk() + j], grid.index(*slot, j).unwrap()));
-                }
-            }
+            let placed: Vec<(usize, u32)> = slots.iter().enumerate().map(|(c, s)| (c * CHUNK, *s)).collect();
+            let pairs = grid.save_pairs(&table, &placed).unwrap();
+            assert_eq!(pairs.len(), 9);
+            let e = grid.save_pairs(&table[..8], &placed).unwrap_err();
+            assert!(e.contains("needs block index 8 but the request has 8 blocks"), "{e}");
             emulate_gather(&g, &kv, &grid, &pairs, &mut slab);
             for (c, slot) in slots.iter().enumerate() {
                 let mut want = Vec::new();
@@ -272,6 +377,108 @@ mod tests {
                 }
             }
             assert!(a == b, "{layout}: scatter from the slot differs from load_layer");
+        }
+    }
+
+    fn regions_over(bufs: &mut [Vec<u8>]) -> Vec<KvRegion> {
+        bufs.iter_mut()
+            .enumerate()
+            .map(|(i, b)| KvRegion {
+                name: format!("layer.{i}"),
+                addr: b.as_mut_ptr() as u64,
+                len: b.len() as u64,
+                memory: MemoryKind::Host,
+                device: -1,
+                layers: vec![LayerId(i as u32)],
+                group: 0,
+                num_blocks: BLOCKS,
+                shm_name: None,
+            })
+            .collect()
+    }
+
+    /// A device load as `device_kv::load` splits it — whole blocks of full chunks in slots
+    /// scattered by the grid arithmetic, every other token written by `load_layer` in the
+    /// runs `staged_runs` gives — writes exactly what `load_layer` over every chunk writes,
+    /// for loads that start and end inside blocks and chunks, over slotted, heap and partial
+    /// chunks.
+    #[test]
+    fn split_load_writes_what_load_layer_writes() {
+        for layout in [KvLayout::NHD, KvLayout::HND] {
+            let (kv, _r, g) = host_kv(layout);
+            let cl = ChunkLayout::new(&model(), &eff(layout), CHUNK as u32).unwrap();
+            let grid = ChunkGrid::new(&cl, CHUNK);
+            let bs = BS as usize;
+            // Chunks [0,12) in slot 3, [12,24) on the heap, [24,36) in slot 1, [36,41)
+            // partial (never scattered from a slot, even if it claims one).
+            let chunks: Vec<(usize, usize, Option<u32>)> =
+                vec![(0, CHUNK, Some(3)), (12, CHUNK, None), (24, CHUNK, Some(1)), (36, 5, Some(2))];
+            let bytes: Vec<Vec<u8>> = chunks
+                .iter()
+                .enumerate()
+                .map(|(c, (_, t, _))| (0..cl.chunk_bytes(*t)).map(|i| (i * 29 + c * 101 + 3) as u8).collect())
+                .collect();
+            let mut slab = vec![0u8; 4 * grid.slot_bytes()];
+            for ((_, _, slot), b) in chunks.iter().zip(&bytes) {
+                if let (Some(s), true) = (slot, b.len() == grid.slot_bytes()) {
+                    let o = *s as usize * grid.slot_bytes();
+                    slab[o..o + b.len()].copy_from_slice(b);
+                }
+            }
+            let table: Vec<BlockId> = (0..11).map(|i| BlockId(18 - i)).collect();
+            for (from, to) in [(0, 41), (0, 40), (2, 35), (13, 23), (4, 24), (25, 26), (0, 12), (7, 7)] {
+                // Reference: load_layer over every chunk's part of [from, to).
+                let mut a = kv.clone();
+                let ra = regions_over(&mut a);
+                // SAFETY: the regions are the Vecs in `a`, alive for this iteration.
+                let ma = unsafe { KvMemory::new(&ra, &model(), &eff(layout)) }.unwrap();
+                for ((start, t, _), b) in chunks.iter().zip(&bytes) {
+                    let (t0, t1) = (from.max(*start), to.min(start + t));
+                    if t0 < t1 {
+                        for li in 0..LAYERS as usize {
+                            cl.load_layer(&ma, li, &table, *start, *t, t0 - start, t1 - start, b).unwrap();
+                        }
+                    }
+                }
+                // The split.
+                let mut b2 = kv.clone();
+                let rb = regions_over(&mut b2);
+                // SAFETY: as above, for `b2`.
+                let mb = unsafe { KvMemory::new(&rb, &model(), &eff(layout)) }.unwrap();
+                let split = grid.split_load(&chunks, from, to);
+                let direct_blocks: Vec<usize> = split.direct.iter().map(|(i, _)| *i).collect();
+                for i in &direct_blocks {
+                    assert!(!split.staged[*i], "block {i} is both direct and staged");
+                    assert!(
+                        *i * bs >= from && (*i + 1) * bs <= to,
+                        "direct block {i} is not inside [{from}, {to})"
+                    );
+                }
+                for ((start, t, _), b) in chunks.iter().zip(&bytes) {
+                    for (t0, t1) in staged_runs(&split.staged, bs, *start, *t, from, to) {
+                        for li in 0..LAYERS as usize {
+                            cl.load_layer(&mb, li, &table, *start, *t, t0, t1, b).unwrap();
+                        }
+                    }
+                }
+                drop(mb);
+                let bb = grid.block_bytes();
+                for (l, p, off) in grid.units() {
+                    for (i, k) in &split.direct {
+                        let sp = g.span(*l, *p, table[*i]).unwrap();
+                        let src = *off as usize + *k as usize * bb;
+                        b2[sp.region][sp.offset..sp.offset + bb].copy_from_slice(&slab[src..src + bb]);
+                    }
+                }
+                drop(ma);
+                assert!(a == b2, "{layout} load [{from}, {to}) differs from load_layer");
+                if (from, to) == (0, 41) {
+                    // Blocks 0-2 (slot 3) and 6-8 (slot 1) come straight from slots.
+                    let mut d = direct_blocks.clone();
+                    d.sort();
+                    assert_eq!(d, vec![0, 1, 2, 6, 7, 8]);
+                }
+            }
         }
     }
 

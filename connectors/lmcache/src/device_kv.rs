@@ -24,7 +24,7 @@
 //! return at once).
 
 use crate::chunk_buf::ChunkBuf;
-use crate::chunk_grid::ChunkGrid;
+use crate::chunk_grid::{staged_runs, ChunkGrid};
 use crate::chunk_layout::ChunkLayout;
 use crate::meta::{LoadSpec, SaveSpec};
 use crate::pinned_slab::{PinnedSlab, PinnedSlot};
@@ -127,27 +127,12 @@ pub fn save(
             store.make_room(bytes as u64);
         }
         let slots = slab.take(full.len(), dkv.grid.slot_bytes());
-        let bs = layout.block_size().max(1);
-        let mut pairs = Vec::with_capacity(slots.len() * dkv.grid.blocks_per_chunk());
+        let mut placed = Vec::with_capacity(slots.len());
         for (ci, slot) in full.into_iter().zip(slots) {
-            let c = spec.chunks[ci];
-            let first = c.start / bs;
-            for j in 0..dkv.grid.blocks_per_chunk() {
-                let block = *spec.blocks.get(first + j).ok_or_else(|| {
-                    format!(
-                        "token {} needs block index {} but the request has {} blocks",
-                        c.start + j * bs,
-                        first + j,
-                        spec.blocks.len()
-                    )
-                })?;
-                let k = dkv.grid.index(slot.index(), j).ok_or_else(|| {
-                    format!("slot {} block {j} is past the kernel's block index", slot.index())
-                })?;
-                pairs.push((block, k));
-            }
+            placed.push((spec.chunks[ci].start, slot.index()));
             slotted[ci] = Some(slot);
         }
+        let pairs = dkv.grid.save_pairs(&spec.blocks, &placed)?;
         if !pairs.is_empty() {
             dkv.stage.gather_to_grid(&dkv.block_grid(slab), &pairs).map_err(|e| e.to_string())?;
         }
@@ -224,13 +209,13 @@ fn save_heap(
     Ok(bufs)
 }
 
-/// The slot of a fetched chunk that can be scattered straight into the device: a full
-/// chunk in this worker's slab.
-fn direct_slot<'a>(dkv: &DeviceKv, bytes: &'a ChunkBytes, tokens: usize) -> Option<&'a PinnedSlot> {
+/// The slot of a fetched chunk in this worker's slab (its whole blocks scatter straight into
+/// the device when it is a full chunk).
+fn direct_slot<'a>(dkv: &DeviceKv, bytes: &'a ChunkBytes) -> Option<&'a PinnedSlot> {
     let slab = dkv.slab.as_ref()?;
     let ChunkBytes::Mem(d) = bytes else { return None };
     let slot = d.pinned()?;
-    (Arc::ptr_eq(slot.slab(), slab) && tokens == dkv.grid.chunk_tokens()).then_some(slot)
+    Arc::ptr_eq(slot.slab(), slab).then_some(slot)
 }
 
 /// Writes a load's fetched chunks into the device blocks. Returns the first token that did
@@ -249,7 +234,6 @@ pub fn load(
     if hi <= spec.start {
         return (spec.start, None);
     }
-    let bs = layout.block_size().max(1);
     let idx = layout.block_indices(spec.start, hi);
     if idx.end > spec.blocks.len() {
         return (
@@ -261,25 +245,18 @@ pub fn load(
             )),
         );
     }
-    // Blocks scattered straight from slots: (block-table index, grid index).
-    let mut direct: Vec<(usize, u32)> = Vec::new();
-    let mut staged = vec![false; idx.end];
-    for s in staged[idx.clone()].iter_mut() {
-        *s = true;
-    }
-    for (ci, bytes) in chunks {
-        let c = spec.chunks[*ci];
-        let Some(slot) = direct_slot(dkv, bytes, c.tokens) else { continue };
-        for j in dkv.grid.whole_blocks(c.start, spec.start, hi) {
-            let Some(k) = dkv.grid.index(slot.index(), j) else { continue };
-            let i = c.start / bs + j;
-            staged[i] = false;
-            direct.push((i, k));
-        }
-    }
+    // Full chunks in slots scatter their whole blocks straight into the device.
+    let placed: Vec<(usize, usize, Option<u32>)> = chunks
+        .iter()
+        .map(|(ci, bytes)| {
+            let c = spec.chunks[*ci];
+            (c.start, c.tokens, direct_slot(dkv, bytes).map(PinnedSlot::index))
+        })
+        .collect();
+    let split = dkv.grid.split_load(&placed, spec.start, hi);
     let mut why = None;
-    if let Some((first, last)) = staged.iter().position(|s| *s).zip(staged.iter().rposition(|s| *s)) {
-        match load_staged(&dkv.stage, layout, spec, chunks, &staged, first..last + 1, hi) {
+    if let Some((first, last)) = split.staged_bounds() {
+        match load_staged(&dkv.stage, layout, spec, chunks, &split.staged, first..last + 1, hi) {
             Ok(()) => {}
             Err((to, e)) => {
                 hi = to;
@@ -289,7 +266,7 @@ pub fn load(
     }
     let end = layout.block_indices(spec.start, hi).end;
     let pairs: Vec<(u32, BlockId)> =
-        direct.iter().filter(|(i, _)| *i < end).map(|(i, k)| (*k, spec.blocks[*i])).collect();
+        split.direct.iter().filter(|(i, _)| *i < end).map(|(i, k)| (*k, spec.blocks[*i])).collect();
     if let (Some(slab), false) = (&dkv.slab, pairs.is_empty()) {
         if let Err(e) = dkv.stage.scatter_from_grid(&dkv.block_grid(slab), &pairs) {
             return (spec.start, Some(e.to_string()));
@@ -330,38 +307,16 @@ fn load_staged(
     let mut why = None;
     'chunks: for (ci, bytes) in chunks {
         let c = spec.chunks[*ci];
-        let lo_t = spec.start.max(c.start);
-        let hi_t = hi.min(c.start + c.tokens);
-        let mut t = lo_t;
-        while t < hi_t {
-            let b = t / bs;
-            let mut e = b;
-            while e < staged.len() && staged[e] && e * bs < hi_t {
-                e += 1;
-            }
-            if e == b {
-                // A block loaded from a slot: skip it.
-                t = ((b + 1) * bs).min(hi_t);
-                continue;
-            }
-            let t_end = (e * bs).min(hi_t);
+        for (t0, t1) in staged_runs(staged, bs, c.start, c.tokens, spec.start, hi) {
             for li in 0..layout.kv_layers().len() {
-                if let Err(err) = layout.load_layer(
-                    copy.memory(),
-                    li,
-                    &ids,
-                    c.start,
-                    c.tokens,
-                    t - c.start,
-                    t_end - c.start,
-                    bytes.as_slice(),
-                ) {
+                if let Err(err) =
+                    layout.load_layer(copy.memory(), li, &ids, c.start, c.tokens, t0, t1, bytes.as_slice())
+                {
                     hi = hi.min(c.start.max(spec.start));
                     why = Some(err.to_string());
                     break 'chunks;
                 }
             }
-            t = t_end;
         }
     }
     let pairs: Vec<(u32, BlockId)> = layout
