@@ -217,6 +217,53 @@ impl Drop for HostCopy {
     }
 }
 
+/// The device and grid base address of each grid unit, after checking that the layout keeps
+/// one (layer, part) per block, that every unit's block is the stage's block, and that grid
+/// blocks up to `max` of every unit lie inside the grid's memory at 16-byte alignment (the
+/// kernel writes wherever these bases point, so this is the bound that keeps it in bounds).
+fn grid_bases(
+    geometry: &Geometry,
+    regions: &[KvRegion],
+    block_bytes: u64,
+    grid: &BlockGrid<'_>,
+    max: Option<u32>,
+) -> Result<(Vec<u64>, Vec<u64>), StageError> {
+    if geometry.layout().position(kvconnect_api::layout::Dim::B) == 0 {
+        return Err(StageError::GridLayout(geometry.layout().display_name()));
+    }
+    let bb = block_bytes;
+    let mut dev = Vec::with_capacity(grid.units.len());
+    let mut dst = Vec::with_capacity(grid.units.len());
+    for (u, (layer, part, offset)) in grid.units.iter().enumerate() {
+        let unit_err = |why: String| StageError::GridUnit { layer: layer.0, part: *part, why };
+        let span = geometry.span(*layer, *part, BlockId(0)).map_err(|e| unit_err(e.to_string()))?;
+        if span.len as u64 != bb {
+            return Err(unit_err(format!(
+                "a block is {} bytes but the stage copies {bb}-byte blocks",
+                span.len
+            )));
+        }
+        let region = regions
+            .get(span.region)
+            .ok_or_else(|| unit_err(format!("region {} is not registered", span.region)))?;
+        dev.push(region.addr + span.offset as u64);
+        let end = (max.unwrap_or(0) as u64 + 1).checked_mul(bb).and_then(|e| e.checked_add(*offset));
+        let base = grid.device_ptr.checked_add(*offset);
+        let fits = end.is_some_and(|e| e <= grid.len) && base.is_some_and(|b| b.is_multiple_of(16));
+        if !fits {
+            return Err(StageError::GridOutOfRange {
+                unit: u,
+                index: max.unwrap_or(0),
+                offset: *offset,
+                block_bytes: bb,
+                len: grid.len,
+            });
+        }
+        dst.push(grid.device_ptr + offset);
+    }
+    Ok((dev, dst))
+}
+
 /// The device regions of one worker, their copy units, the gather kernel and the pinned
 /// buffers.
 pub struct KvStage {
@@ -358,7 +405,8 @@ impl KvStage {
     /// Gathers `(device block, grid block)` pairs of every grid unit straight into the
     /// grid's memory. One launch; returns when the bytes are on the host.
     pub fn gather_to_grid(&self, grid: &BlockGrid<'_>, pairs: &[(BlockId, u32)]) -> Result<(), StageError> {
-        let (dev_bases, grid_bases) = self.grid_bases(grid, pairs.iter().map(|(_, k)| *k))?;
+        let max = pairs.iter().map(|(_, k)| *k).max();
+        let (dev_bases, grid_bases) = grid_bases(&self.geometry, &self.regions, self.block_bytes, grid, max)?;
         let (dev, idx) = self.check_device_blocks(pairs.iter().map(|(b, k)| (*b, *k)))?;
         self.launch(&dev_bases, &grid_bases, &dev, &idx, "gathering device KV blocks into pinned chunk slots")
     }
@@ -370,7 +418,8 @@ impl KvStage {
         grid: &BlockGrid<'_>,
         pairs: &[(u32, BlockId)],
     ) -> Result<(), StageError> {
-        let (dev_bases, grid_bases) = self.grid_bases(grid, pairs.iter().map(|(k, _)| *k))?;
+        let max = pairs.iter().map(|(k, _)| *k).max();
+        let (dev_bases, grid_bases) = grid_bases(&self.geometry, &self.regions, self.block_bytes, grid, max)?;
         let (dev, idx) = self.check_device_blocks(pairs.iter().map(|(k, b)| (*b, *k)))?;
         self.launch(
             &grid_bases,
@@ -379,52 +428,6 @@ impl KvStage {
             &dev,
             "scattering pinned chunk slots into the device regions",
         )
-    }
-
-    /// The device and grid base address of each grid unit, after checking that every grid
-    /// block index in `indices` lies inside the grid's memory.
-    fn grid_bases(
-        &self,
-        grid: &BlockGrid<'_>,
-        indices: impl Iterator<Item = u32>,
-    ) -> Result<(Vec<u64>, Vec<u64>), StageError> {
-        if self.geometry.layout().position(kvconnect_api::layout::Dim::B) == 0 {
-            return Err(StageError::GridLayout(self.geometry.layout().display_name()));
-        }
-        let bb = self.block_bytes;
-        let max = indices.max();
-        let mut dev = Vec::with_capacity(grid.units.len());
-        let mut dst = Vec::with_capacity(grid.units.len());
-        for (u, (layer, part, offset)) in grid.units.iter().enumerate() {
-            let span = self.geometry.span(*layer, *part, BlockId(0)).map_err(|e| StageError::GridUnit {
-                layer: layer.0,
-                part: *part,
-                why: e.to_string(),
-            })?;
-            if span.len as u64 != bb {
-                return Err(StageError::GridUnit {
-                    layer: layer.0,
-                    part: *part,
-                    why: format!("a block is {} bytes but the stage copies {bb}-byte blocks", span.len),
-                });
-            }
-            let region = &self.regions[span.region];
-            dev.push(region.addr + span.offset as u64);
-            let end =
-                max.map_or(Some(0), |k| (k as u64 + 1).checked_mul(bb).and_then(|e| e.checked_add(*offset)));
-            let fits = end.is_some_and(|e| e <= grid.len);
-            if !fits || !(grid.device_ptr + offset).is_multiple_of(16) {
-                return Err(StageError::GridOutOfRange {
-                    unit: u,
-                    index: max.unwrap_or(0),
-                    offset: *offset,
-                    block_bytes: bb,
-                    len: grid.len,
-                });
-            }
-            dst.push(grid.device_ptr + offset);
-        }
-        Ok((dev, dst))
     }
 
     fn check_device_blocks(
@@ -544,6 +547,52 @@ mod tests {
             num_blocks: 1,
             shm_name: None,
         }
+    }
+
+    #[test]
+    fn grid_bases_bound_every_unit_inside_the_grid() {
+        use kvconnect_api::geometry::{BlockShape, RegionShape};
+        use kvconnect_api::KvLayout;
+        let shape = BlockShape { heads: 2, tokens: 4, head_dim: 8, elem_size: 2, kv_parts: 2 };
+        let bb = shape.bytes() as u64; // 128
+        let g = Geometry::new(
+            shape,
+            KvLayout::NHD,
+            (0..2).map(|l| RegionShape { layers: vec![LayerId(l)], num_blocks: 10 }).collect(),
+        );
+        let regions: Vec<KvRegion> = (0..2)
+            .map(|l| KvRegion {
+                addr: 0x10_0000 * (l + 1),
+                len: 2 * 10 * bb,
+                layers: vec![LayerId(l as u32)],
+                num_blocks: 10,
+                ..region("r", MemoryKind::Device, 0)
+            })
+            .collect();
+        // Chunk-like grid: units (layer, part) 3 blocks apart, 2 slots of 12 blocks.
+        let units: Vec<(LayerId, u32, u64)> =
+            (0..4).map(|u| (LayerId(u / 2), u % 2, u as u64 * 3 * bb)).collect();
+        let grid = BlockGrid { device_ptr: 0x9000_0000, len: 24 * bb, units: &units };
+        let (dev, dst) = grid_bases(&g, &regions, bb, &grid, Some(12 + 2)).unwrap();
+        // Device bases: layer l's K at the region start, V 10 blocks later.
+        assert_eq!(dev, vec![0x10_0000, 0x10_0000 + 10 * bb, 0x20_0000, 0x20_0000 + 10 * bb]);
+        assert_eq!(dst, vec![0x9000_0000, 0x9000_0000 + 3 * bb, 0x9000_0000 + 6 * bb, 0x9000_0000 + 9 * bb]);
+        // The last unit's block 15 would end past the grid's 24 blocks.
+        let e = grid_bases(&g, &regions, bb, &grid, Some(15)).unwrap_err();
+        assert!(matches!(e, StageError::GridOutOfRange { unit: 3, index: 15, .. }), "{e}");
+        let e = grid_bases(&g, &regions, bb, &BlockGrid { device_ptr: 0x9000_0008, ..grid }, Some(0))
+            .unwrap_err();
+        assert!(e.to_string().contains("16-byte alignment"), "{e}");
+        let bad = [(LayerId(5), 0, 0)];
+        let e = grid_bases(&g, &regions, bb, &BlockGrid { units: &bad, ..grid }, Some(0)).unwrap_err();
+        assert!(e.to_string().starts_with("layer 5 part 0:"), "{e}");
+        let cross = Geometry::new(
+            shape,
+            KvLayout::BLNHC,
+            vec![RegionShape { layers: vec![LayerId(0), LayerId(1)], num_blocks: 10 }],
+        );
+        let e = grid_bases(&cross, &regions[..1], 4 * bb, &grid, Some(0)).unwrap_err().to_string();
+        assert!(e.contains("BLNHC") && e.contains("L before B"), "{e}");
     }
 
     #[test]
