@@ -138,8 +138,8 @@ pub fn save(
         }
     }
     let rest: Vec<usize> = (0..n).filter(|i| slotted[*i].is_none()).collect();
-    store.count_pinned(n - rest.len(), rest.len());
     let mut heap = save_heap(&dkv.stage, store, layout, spec, &rest)?.into_iter();
+    store.count_pinned(n - rest.len(), rest.len());
     let mut out = Vec::with_capacity(n);
     for s in slotted {
         match s {
