@@ -111,13 +111,6 @@ pub struct LoadSplit {
     pub staged: Vec<bool>,
 }
 
-impl LoadSplit {
-    /// The block-table indices of the first and last staged block.
-    pub fn staged_bounds(&self) -> Option<(usize, usize)> {
-        self.staged.iter().position(|s| *s).zip(self.staged.iter().rposition(|s| *s))
-    }
-}
-
 impl ChunkGrid {
     /// The gather pairs (device block, grid index) that write full chunks into slots:
     /// `chunks` holds (first token, slot) of each full chunk, `blocks` the request's table.

@@ -255,8 +255,8 @@ pub fn load(
         .collect();
     let split = dkv.grid.split_load(&placed, spec.start, hi);
     let mut why = None;
-    if let Some((first, last)) = split.staged_bounds() {
-        match load_staged(&dkv.stage, layout, spec, chunks, &split.staged, first..last + 1, hi) {
+    if split.staged.iter().any(|s| *s) {
+        match load_staged(&dkv.stage, layout, spec, chunks, &split.staged, hi) {
             Ok(()) => {}
             Err((to, e)) => {
                 hi = to;
@@ -275,21 +275,30 @@ pub fn load(
     (hi, why)
 }
 
-/// Loads the blocks marked in `staged` (block-table indices within `range`) through a host
-/// copy of `range`. On failure returns the first token not loaded and why; blocks before it
-/// are scattered.
+/// Loads the blocks marked in `staged` (block-table indices) through a host copy holding
+/// just those blocks, in order. On failure returns the first token not loaded and why;
+/// blocks before it are scattered.
 fn load_staged(
     stage: &KvStage,
     layout: &ChunkLayout,
     spec: &LoadSpec,
     chunks: &[(usize, ChunkBytes)],
     staged: &[bool],
-    range: std::ops::Range<usize>,
     hi: usize,
 ) -> Result<(), (usize, String)> {
     let bs = layout.block_size().max(1);
-    let mut copy = stage.host_copy(range.len()).map_err(|e| (spec.start, e.to_string()))?;
-    let at = |i: usize| (i - range.start) as u32;
+    // Staged block i is the copy's block rank[i]; other entries are never read (the runs
+    // below cover staged blocks only).
+    let mut rank = vec![0u32; staged.len()];
+    let mut n = 0u32;
+    for (r, s) in rank.iter_mut().zip(staged) {
+        if *s {
+            *r = n;
+            n += 1;
+        }
+    }
+    let mut copy = stage.host_copy(n as usize).map_err(|e| (spec.start, e.to_string()))?;
+    let at = |i: usize| rank[i];
     // Partly written blocks keep their other tokens: bring them up first.
     let mut edges: Vec<(BlockId, u32)> = Vec::new();
     let first = spec.start / bs;
@@ -301,8 +310,7 @@ fn load_staged(
         edges.push((spec.blocks[last], at(last)));
     }
     stage.gather_into(&mut copy, &edges).map_err(|e| (spec.start, e.to_string()))?;
-    // Block-table index i is the copy's block i - range.start (others are never written).
-    let ids: Vec<BlockId> = (0..range.end).map(|i| BlockId(i.saturating_sub(range.start) as u32)).collect();
+    let ids: Vec<BlockId> = rank.iter().map(|r| BlockId(*r)).collect();
     let mut hi = hi;
     let mut why = None;
     'chunks: for (ci, bytes) in chunks {

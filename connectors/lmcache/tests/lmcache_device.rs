@@ -119,10 +119,15 @@ impl Dev {
     }
 
     /// `orig_block` with tokens `[from, BS)` of every head set to the poison.
-    fn with_poisoned_tail(&self, mut parts: Vec<Vec<u8>>, from: u32) -> Vec<Vec<u8>> {
+    fn with_poisoned_tail(&self, parts: Vec<Vec<u8>>, from: u32) -> Vec<Vec<u8>> {
+        self.with_poisoned(parts, from..BS)
+    }
+
+    /// `orig_block` with `tokens` of every head set to the poison.
+    fn with_poisoned(&self, mut parts: Vec<Vec<u8>>, tokens: std::ops::Range<u32>) -> Vec<Vec<u8>> {
         let row = (self.geometry.shape().head_dim * self.geometry.shape().elem_size) as usize;
         for p in &mut parts {
-            for t in from..BS {
+            for t in tokens.clone() {
                 for h in 0..self.geometry.shape().heads {
                     let o = self.geometry.inner_offset(h, t, 0);
                     p[o..o + row].fill(POISON);
@@ -133,17 +138,25 @@ impl Dev {
     }
 }
 
+type Halves = (Box<dyn kvconnect_api::SchedulerConnector>, Box<dyn kvconnect_api::WorkerConnector>);
+
 /// One request through the vLLM call order; returns (matched tokens, load errors).
-fn step(
-    e: &mut (Box<dyn kvconnect_api::SchedulerConnector>, Box<dyn kvconnect_api::WorkerConnector>),
+fn step(e: &mut Halves, n: u64, id: &str, tokens: &[u32], blocks: &[BlockId]) -> (usize, Vec<BlockId>) {
+    step_from(e, n, id, tokens, blocks, 0)
+}
+
+/// `step` for an engine that already computed `computed` tokens of the prompt.
+fn step_from(
+    e: &mut Halves,
     n: u64,
     id: &str,
     tokens: &[u32],
     blocks: &[BlockId],
+    computed: usize,
 ) -> (usize, Vec<BlockId>) {
     let (sched, worker) = e;
     let req = request(id, tokens);
-    let matched = match sched.get_num_new_matched_tokens(&req, 0).unwrap() {
+    let matched = match sched.get_num_new_matched_tokens(&req, computed).unwrap() {
         MatchResult::Matched { tokens, .. } => tokens,
         MatchResult::Pending => panic!("lmcache never answers Pending"),
     };
@@ -222,6 +235,25 @@ fn round_trip(layout: KvLayout, layerwise: bool) {
     }
     let want = dev.with_poisoned_tail(dev.block(&dev.orig, a[3]), BS - 1);
     assert!(dev.block(&now, cblocks[3]) == want, "{layout}: the partly loaded block");
+
+    // An engine that computed 20 tokens itself loads [20, 63): block 1 from token 4 on (out
+    // of chunk 0's slot, through the host copy), block 2 whole straight from chunk 1's slot,
+    // block 3 but its last token; block 0 is not touched.
+    dev.poison();
+    let d = ids(&[70, 71, 72, 73]);
+    let (m, errs) = step_from(&mut e, 4, "d", &p[..2 * CHUNK], &d, 20);
+    assert_eq!((m, errs), (2 * CHUNK - 1 - 20, vec![]));
+    let now = dev.download();
+    assert!(dev.block(&now, d[0]).iter().all(|p| p.iter().all(|x| *x == POISON)), "{layout}: block 0");
+    assert!(
+        dev.block(&now, d[1]) == dev.with_poisoned(dev.block(&dev.orig, a[1]), 0..4),
+        "{layout}: block 1"
+    );
+    assert!(dev.block(&now, d[2]) == dev.block(&dev.orig, a[2]), "{layout}: block 2");
+    assert!(
+        dev.block(&now, d[3]) == dev.with_poisoned_tail(dev.block(&dev.orig, a[3]), BS - 1),
+        "{layout}: block 3"
+    );
     e.1.shutdown().unwrap();
 }
 
