@@ -121,6 +121,12 @@ impl Gpu {
             || r == sys::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
     }
 
+    /// An event a waiting host thread sleeps on (blocking sync) instead of spinning.
+    pub fn completion_event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
+        let flags = Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC);
+        self.ctx.new_event(flags).map_err(|e| CudaError::driver("cuEventCreate", e))
+    }
+
     /// A fresh event (no timing) in this context.
     pub fn event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
         let flags = Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING);

@@ -163,10 +163,10 @@ pub struct GatherKernel {
 
 impl GatherKernel {
     /// Compiles the kernel with NVRTC to a cubin for this GPU's architecture (no driver JIT
-    /// at load) and loads it. Done once per process.
+    /// at load; once per architecture and process, then taken from a cache) and loads it.
     pub fn new(gpu: &Gpu) -> Result<GatherKernel, CudaError> {
         let arch = gpu.arch()?;
-        let cubin = compile_cubin(&arch)?;
+        let cubin = cubin_for(&arch)?;
         gpu.bind()?;
         let module = gpu
             .context()
@@ -321,6 +321,20 @@ struct Launch {
     mode: u32,
     heads: u32,
     tokens: u32,
+}
+
+/// The cubin for `arch`, compiled at the first call and kept for the process: every
+/// connector, staged path and stage of a worker loads the same bytes without NVRTC again.
+fn cubin_for(arch: &str) -> Result<Vec<u8>, CudaError> {
+    static CACHE: std::sync::Mutex<Vec<(String, Vec<u8>)>> = std::sync::Mutex::new(Vec::new());
+    // Holding the lock while compiling makes concurrent first callers wait for one compile.
+    let mut cache = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, c)) = cache.iter().find(|(a, _)| a == arch) {
+        return Ok(c.clone());
+    }
+    let cubin = compile_cubin(arch)?;
+    cache.push((arch.to_owned(), cubin.clone()));
+    Ok(cubin)
 }
 
 fn compile_cubin(arch: &str) -> Result<Vec<u8>, CudaError> {

@@ -20,6 +20,8 @@ pub mod kv_stage;
 pub mod kv_units;
 pub mod staged;
 
+/// A CUDA event (what `Gpu::event` and `Gpu::completion_event` return).
+pub use cudarc::driver::CudaEvent;
 pub use device::{DeviceBuffer, Gpu, PinnedBuffer};
 pub use error::CudaError;
 pub use ipc::{ImportedRegion, IpcHandle};

@@ -6,8 +6,10 @@
 //! kernel per KV cache group over every layer and K/V part with source and destination
 //! block-index arrays (with HMA off there is one group, so one launch per request); when the
 //! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
-//! copy. The pull thread then synchronises the stream (the step loop never waits on it) and
-//! the usual "done" goes to the producer over the control connection.
+//! copy. The pull thread then sleeps on a CUDA event recorded after the launches (the step
+//! loop never waits on it) and the usual "done" goes to the producer over the control
+//! connection. The kernel is compiled when the worker starts (once per process and GPU
+//! architecture, then cached), not at the first request.
 //!
 //! Two GPUs of one host: the producer names its GPU by PCI bus id, which the consumer looks
 //! up among the GPUs it sees. When its own GPU can access the producer's (peer access over
@@ -101,7 +103,9 @@ struct Opened {
 /// and each peer's opened regions.
 pub struct CudaIpcPull {
     gpu: Arc<Gpu>,
-    kernel: Option<GatherKernel>,
+    kernel: GatherKernel,
+    /// Recorded after a request's launches; the pull thread sleeps on it.
+    done: kvconnect_cuda::CudaEvent,
     opened: HashMap<String, Opened>,
     own: Vec<u64>,
     path: CudaIpcPath,
@@ -165,14 +169,21 @@ fn check_block(g: &Geometry, region: usize, b: BlockId, side: &str) -> Result<u3
 
 impl CudaIpcPull {
     /// A consumer over this worker's device regions.
-    pub fn new(gpu: Arc<Gpu>, own_regions: &[KvRegion], path: CudaIpcPath) -> CudaIpcPull {
-        CudaIpcPull {
+    /// Compiles (or takes from the process's cache) the gather kernel now, at start, so the
+    /// first request does not wait for NVRTC and a GPU that cannot run it fails registration.
+    pub fn new(
+        gpu: Arc<Gpu>,
+        own_regions: &[KvRegion],
+        path: CudaIpcPath,
+    ) -> Result<CudaIpcPull, TransferError> {
+        Ok(CudaIpcPull {
+            kernel: GatherKernel::new(&gpu).map_err(cuda)?,
+            done: gpu.completion_event().map_err(cuda)?,
             gpu,
-            kernel: None,
             opened: HashMap::new(),
             own: own_regions.iter().map(|r| r.addr).collect(),
             path,
-        }
+        })
     }
 
     /// Whether the copy from `engine` goes through host memory (None: not opened yet).
@@ -342,9 +353,6 @@ impl CudaIpcPull {
                 )))
             }
         };
-        if self.kernel.is_none() {
-            self.kernel = Some(GatherKernel::new(&self.gpu).map_err(cuda)?);
-        }
         let src_all = self.open_peer(peer)?.bases.clone();
         let shape = own.shape();
         let span_bytes = shape.bytes() as u64;
@@ -414,7 +422,7 @@ impl CudaIpcPull {
                 block_bytes,
                 permute: perm,
             };
-            let kernel = self.kernel.as_mut().ok_or_else(|| plan("gather kernel missing".into()))?;
+            let kernel = &mut self.kernel;
             let opened = self.opened.get_mut(e).ok_or_else(|| TransferError::UnknownPeer(e.clone()))?;
             match &mut opened.route {
                 Route::Direct => kernel.launch(&self.gpu, &spec).map_err(cuda)?,
@@ -422,8 +430,12 @@ impl CudaIpcPull {
             }
             bytes += block_bytes * src_bases.len() as u64 * src_blocks.len() as u64;
         }
-        // The pull thread waits; the step loop only sees the outcome in get_finished.
-        self.gpu.synchronize().map_err(cuda)?;
+        // Completion through an event after this request's launches: the pull thread sleeps
+        // on it; the step loop only sees the outcome in get_finished.
+        self.done
+            .record(self.gpu.stream())
+            .map_err(|e| TransferError::Cuda(format!("cuEventRecord: {e}")))?;
+        self.done.synchronize().map_err(|e| TransferError::Cuda(format!("cuEventSynchronize: {e}")))?;
         Ok((bytes, perm != Permute::None))
     }
 }

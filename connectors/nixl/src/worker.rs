@@ -127,11 +127,9 @@ impl NixlWorker {
         }
         #[cfg(feature = "cuda")]
         if let Some(gpu) = &self.gpu {
-            puller.set_cuda(crate::cuda_ipc::CudaIpcPull::new(
-                gpu.clone(),
-                &self.regions,
-                self.cfg.cuda_ipc_path,
-            ));
+            let pull = crate::cuda_ipc::CudaIpcPull::new(gpu.clone(), &self.regions, self.cfg.cuda_ipc_path)
+                .map_err(|e| ConnectorError::invalid(NAME, format!("backend cuda_ipc cannot start: {e}")))?;
+            puller.set_cuda(pull);
         }
         let ctx = PullLoop {
             puller,
