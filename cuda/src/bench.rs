@@ -19,7 +19,7 @@ use crate::device::{DeviceBuffer, Gpu};
 use crate::error::CudaError;
 use crate::ipc::{ImportedRegion, IpcHandle};
 use crate::kernel::{GatherKernel, GatherSpec, Permute};
-use crate::staged::{StagedCopy, DEFAULT_CHUNK_BYTES};
+use crate::staged::{StagedCopy, DEFAULT_BUFFERS, DEFAULT_CHUNK_BYTES};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -380,7 +380,13 @@ fn staged_path(
         block_bytes: bb,
         permute: Permute::None,
     };
-    let mut staged = StagedCopy::new(producer.clone(), gpu, DEFAULT_CHUNK_BYTES)?;
+    // Tuning knobs of this measurement only (the connector uses the defaults).
+    let knob = |name: &str, default: usize| {
+        std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok()).filter(|v| *v > 0).unwrap_or(default)
+    };
+    let chunk = knob("KVC_BENCH_STAGED_CHUNK_MIB", DEFAULT_CHUNK_BYTES >> 20) << 20;
+    let buffers = knob("KVC_BENCH_STAGED_BUFFERS", DEFAULT_BUFFERS);
+    let mut staged = StagedCopy::with_buffers(producer.clone(), gpu, chunk, buffers)?;
     poison(gpu, local)?;
     staged.copy(gpu, kernel, &request)?;
     gpu.synchronize()?;
@@ -416,7 +422,9 @@ fn staged_path(
     })?;
     let baseline_ms = d2h_ms.max(h2d_ms);
     Ok(json!({
-        "path": "gather into pinned host memory on the producer's GPU, gather out of it on the consumer's (64 MiB chunks, two buffers)",
+        "path": "pack on the producer's GPU, D2H, H2D, unpack on the consumer's",
+        "chunk_mib": chunk >> 20,
+        "buffers": buffers,
         "blocks_checked": checked,
         "gbps": gbps(bytes as u64, staged_ms),
         "baseline": "the slower of one contiguous D2H and one contiguous H2D of the same bytes",

@@ -20,6 +20,9 @@ use std::sync::Arc;
 /// Default size of each staging buffer.
 pub const DEFAULT_CHUNK_BYTES: usize = 64 << 20;
 
+/// Default number of buffer sets in flight.
+pub const DEFAULT_BUFFERS: usize = 2;
+
 struct Stage {
     pinned: PinnedBuffer,
     /// Packed chunk on the source GPU and its copy on the destination GPU.
@@ -38,6 +41,7 @@ pub struct StagedCopy {
     src_kernel: GatherKernel,
     dst_ordinal: usize,
     chunk_bytes: usize,
+    buffers: usize,
     stages: Vec<Stage>,
 }
 
@@ -46,9 +50,25 @@ impl StagedCopy {
     /// sets of `chunk_bytes` buffers (grown when one block of every region is larger).
     /// Compiles the gather kernel for the source GPU.
     pub fn new(src: Arc<Gpu>, dst: &Gpu, chunk_bytes: usize) -> Result<StagedCopy, CudaError> {
+        Self::with_buffers(src, dst, chunk_bytes, DEFAULT_BUFFERS)
+    }
+
+    /// The same with `buffers` (at least 2) buffer sets in flight.
+    pub fn with_buffers(
+        src: Arc<Gpu>,
+        dst: &Gpu,
+        chunk_bytes: usize,
+        buffers: usize,
+    ) -> Result<StagedCopy, CudaError> {
         let src_kernel = GatherKernel::new(&src)?;
-        let mut s =
-            StagedCopy { src, src_kernel, dst_ordinal: dst.ordinal(), chunk_bytes: 0, stages: Vec::new() };
+        let mut s = StagedCopy {
+            src,
+            src_kernel,
+            dst_ordinal: dst.ordinal(),
+            chunk_bytes: 0,
+            buffers: buffers.max(2),
+            stages: Vec::new(),
+        };
         s.grow(dst, chunk_bytes.max(16))?;
         Ok(s)
     }
@@ -63,7 +83,7 @@ impl StagedCopy {
         dst.synchronize()?;
         self.src.synchronize()?;
         self.stages.clear();
-        for _ in 0..2 {
+        for _ in 0..self.buffers {
             self.stages.push(Stage {
                 pinned: self.src.alloc_pinned(bytes)?,
                 src_scratch: self.src.alloc(bytes)?,
@@ -134,7 +154,7 @@ impl StagedCopy {
             .enumerate()
             .map(|(i, &(a, b))| GatherSpec {
                 src_bases: spec.src_bases,
-                dst_bases: &src_packed[i % 2],
+                dst_bases: &src_packed[i % src_packed.len()],
                 src_blocks: &spec.src_blocks[a..b],
                 dst_blocks: &seq[..b - a],
                 block_bytes: bb,
@@ -145,7 +165,7 @@ impl StagedCopy {
             .iter()
             .enumerate()
             .map(|(i, &(a, b))| GatherSpec {
-                src_bases: &dst_packed[i % 2],
+                src_bases: &dst_packed[i % dst_packed.len()],
                 dst_bases: spec.dst_bases,
                 src_blocks: &seq[..b - a],
                 dst_blocks: &spec.dst_blocks[a..b],
@@ -158,7 +178,8 @@ impl StagedCopy {
         for (i, &(a, b)) in chunks.iter().enumerate() {
             // The packed bytes of this chunk: the last unit ends after its (b - a) blocks.
             let bytes = ((units as u64 - 1) * k as u64 + (b - a) as u64) * bb;
-            let s = &mut self.stages[i % 2];
+            let nstages = self.stages.len();
+            let s = &mut self.stages[i % nstages];
             self.src_kernel.launch_prepared(&self.src, &pack, i)?;
             if s.used {
                 // The destination must have taken this pinned buffer's previous chunk.
