@@ -17,8 +17,11 @@ use crate::kernel::{GatherKernel, GatherSpec, Permute};
 use cudarc::driver::{sys, CudaEvent};
 use std::sync::Arc;
 
-/// Default size of each staging buffer.
-pub const DEFAULT_CHUNK_BYTES: usize = 64 << 20;
+/// Default size of each staging buffer. Measured on two H200s (8192 tokens of Qwen3-0.6B,
+/// 896 MiB): 4/8/16/32/64/128 MiB gave 0.79/0.87/0.91/0.90/0.85/0.75 of the baseline across
+/// GPUs — small chunks lose to per-chunk overhead, large ones to the first download and last
+/// upload that overlap nothing. More than two buffer sets changed nothing.
+pub const DEFAULT_CHUNK_BYTES: usize = 16 << 20;
 
 /// Default number of buffer sets in flight.
 pub const DEFAULT_BUFFERS: usize = 2;
