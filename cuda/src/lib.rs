@@ -19,6 +19,7 @@ pub mod kernel;
 pub mod kv_stage;
 pub mod kv_units;
 pub mod staged;
+pub mod testing;
 
 /// A CUDA event (what `Gpu::event` and `Gpu::completion_event` return).
 pub use cudarc::driver::CudaEvent;

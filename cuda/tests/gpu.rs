@@ -6,6 +6,7 @@
 #![cfg(feature = "cuda")]
 
 use kvconnect_cuda::device::check_libraries;
+use kvconnect_cuda::testing::random_bytes;
 use kvconnect_cuda::{
     CudaError, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute, StagedCopy,
 };
@@ -14,26 +15,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 fn gpu() -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            eprintln!("skipping: no usable GPU ({e})");
-            None
-        }
-    }
-}
-
-/// xorshift, fixed seed: reproducible random bytes.
-fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 24) as u8
-        })
-        .collect()
+    kvconnect_cuda::testing::gpu_or_skip(0)
 }
 
 #[test]

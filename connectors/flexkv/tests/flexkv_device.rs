@@ -12,6 +12,7 @@ use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRegion, LayerId, MatchResult, MemoryKind, Request,
     RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
+use kvconnect_cuda::testing::random_bytes;
 use kvconnect_cuda::{DeviceBuffer, Gpu};
 use kvconnect_flexkv::FlexkvFactory;
 use std::time::{Duration, Instant};
@@ -22,25 +23,7 @@ const POISON: u8 = 0xEE;
 const KV_LAYERS: [u32; 2] = [0, 2];
 
 fn gpu() -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            eprintln!("skipping: no usable GPU ({e})");
-            None
-        }
-    }
-}
-
-fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 24) as u8
-        })
-        .collect()
+    kvconnect_cuda::testing::gpu_or_skip(0)
 }
 
 struct Dev {

@@ -253,21 +253,7 @@ mod tests {
             .enumerate()
             .map(|(i, r)| (0..g.region_bytes(r)).map(|j| (j * 7 + i * 131 + j / 251) as u8).collect())
             .collect();
-        let regions = bufs
-            .iter_mut()
-            .enumerate()
-            .map(|(i, b)| KvRegion {
-                name: format!("layer.{i}"),
-                addr: b.as_mut_ptr() as u64,
-                len: b.len() as u64,
-                memory: MemoryKind::Host,
-                device: -1,
-                layers: vec![LayerId(i as u32)],
-                group: 0,
-                num_blocks: BLOCKS,
-                shm_name: None,
-            })
-            .collect();
+        let regions = regions_over(&mut bufs);
         (bufs, regions, g)
     }
 
@@ -337,21 +323,7 @@ mod tests {
             let table: Vec<BlockId> = [6, 14, 1].iter().map(|b| BlockId(*b)).collect();
             // load_layer into a copy of the regions.
             let mut a = kv.clone();
-            let regions_a: Vec<KvRegion> = a
-                .iter_mut()
-                .enumerate()
-                .map(|(i, b)| KvRegion {
-                    name: format!("layer.{i}"),
-                    addr: b.as_mut_ptr() as u64,
-                    len: b.len() as u64,
-                    memory: MemoryKind::Host,
-                    device: -1,
-                    layers: vec![LayerId(i as u32)],
-                    group: 0,
-                    num_blocks: BLOCKS,
-                    shm_name: None,
-                })
-                .collect();
+            let regions_a = regions_over(&mut a);
             // SAFETY: the regions are the Vecs in `a`, alive for the test, written only here.
             let mem = unsafe { KvMemory::new(&regions_a, &model(), &eff(layout)) }.unwrap();
             for li in 0..LAYERS as usize {

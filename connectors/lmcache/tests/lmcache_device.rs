@@ -14,6 +14,7 @@ use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRegion, LayerId, MatchResult, MemoryKind, StepInfo,
 };
+use kvconnect_cuda::testing::random_bytes;
 use kvconnect_cuda::{DeviceBuffer, Gpu};
 use kvconnect_lmcache::LmcacheFactory;
 use serde_json::json;
@@ -23,25 +24,7 @@ const BS: u32 = 16;
 const POISON: u8 = 0xEE;
 
 fn gpu() -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            eprintln!("skipping: no usable GPU ({e})");
-            None
-        }
-    }
-}
-
-fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 24) as u8
-        })
-        .collect()
+    kvconnect_cuda::testing::gpu_or_skip(0)
 }
 
 struct Dev {

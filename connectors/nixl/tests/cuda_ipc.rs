@@ -24,13 +24,7 @@ use std::process::{Command, Stdio};
 const CHILD_ENV: &str = "KVC_CUDA_IPC_CHILD";
 
 fn gpu() -> Option<Gpu> {
-    match Gpu::open(0) {
-        Ok(g) => Some(g),
-        Err(e) => {
-            eprintln!("skipping: no GPU ({e})");
-            None
-        }
-    }
+    kvconnect_cuda::testing::gpu_or_skip(0)
 }
 
 /// The consumers' GPU: `KVC_TEST_DECODE_GPU` (default 0, the producers' GPU).
