@@ -34,6 +34,7 @@ pub mod meta;
 pub mod metadata;
 pub mod nixl_agent;
 pub mod nixl_lib;
+#[cfg(feature = "nixl")]
 pub mod nixl_raw;
 #[cfg(feature = "cuda")]
 pub mod nixl_vram;

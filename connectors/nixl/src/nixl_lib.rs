@@ -23,6 +23,9 @@ pub const CAPI: &str = "libnixl_capi.so";
 /// Why the NIXL library cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NixlLibError {
+    /// This build was made without feature `nixl`.
+    #[error("this kvconnect was built without NIXL support: rebuild with `--features nixl` (e.g. `cargo build --release -p kvconnect-host --features nixl`; needs libclang, `apt-get install -y libclang-dev`), or use backend \"shm\" (same host) or \"tcp\" (any two hosts)")]
+    NotBuilt,
     /// `NIXL_LIB_DIR` is set but has no `libnixl_capi.so`.
     #[error("NIXL_LIB_DIR={dir} has no {CAPI}: point NIXL_LIB_DIR at the directory holding it (scripts/fetch-nixl.sh prints it), or unset it")]
     EnvDirMissing {
@@ -71,6 +74,9 @@ fn search_roots() -> Vec<PathBuf> {
 
 /// The directory holding `libnixl_capi.so`, without loading anything.
 pub fn find() -> Result<PathBuf, NixlLibError> {
+    if !cfg!(feature = "nixl") {
+        return Err(NixlLibError::NotBuilt);
+    }
     if let Some(dir) = std::env::var_os(ENV).filter(|d| !d.is_empty()) {
         let dir = PathBuf::from(dir);
         return if dir.join(CAPI).is_file() {
@@ -116,6 +122,12 @@ pub fn load() -> Result<&'static Path, NixlLibError> {
     LOADED.get_or_init(load_once).as_ref().map(PathBuf::as_path).map_err(Clone::clone)
 }
 
+#[cfg(not(feature = "nixl"))]
+fn load_once() -> Result<PathBuf, NixlLibError> {
+    Err(NixlLibError::NotBuilt)
+}
+
+#[cfg(feature = "nixl")]
 fn load_once() -> Result<PathBuf, NixlLibError> {
     let dir = find()?;
     let path = dir.join(CAPI);

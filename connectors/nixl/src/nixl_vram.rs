@@ -278,8 +278,8 @@ fn wait(agent: &NixlAgent, t: &crate::nixl_agent::Transfer, limit: Duration) -> 
     while !agent.poll(t)? {
         if start.elapsed() > limit {
             return Err(VramError::Timeout {
-                bytes: t.bytes,
-                descriptors: t.descriptors,
+                bytes: t.bytes(),
+                descriptors: t.descriptors(),
                 seconds: limit.as_secs_f64(),
             });
         }

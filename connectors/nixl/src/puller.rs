@@ -596,14 +596,14 @@ impl Puller {
         }
         let t = agent.post_read_mem(remote, pairs, local_mem, far_mem)?;
         // Allow the io timeout plus the transfer at a pessimistic 100 MB/s.
-        let limit = self.cfg.io_timeout + Duration::from_secs_f64(t.bytes as f64 / 100e6);
+        let limit = self.cfg.io_timeout + Duration::from_secs_f64(t.bytes() as f64 / 100e6);
         let start = Instant::now();
         let mut spins = 0u32;
         while !agent.poll(&t)? {
             if start.elapsed() > limit {
                 return Err(TransferError::NixlTimeout {
                     engine: peer.meta.engine_id.clone(),
-                    bytes: t.bytes,
+                    bytes: t.bytes(),
                     seconds: limit.as_secs_f64(),
                 });
             }

@@ -252,6 +252,7 @@ enum Baseline {
     },
     /// The same bytes in the same number of descriptors (one coalesced run per KV layer and
     /// K/V part) READ through bare nixl-sys calls between two agents of this process.
+    #[cfg(feature = "nixl")]
     Nixl(kvconnect_nixl::nixl_raw::RawNixlRead),
 }
 
@@ -290,6 +291,7 @@ impl Baseline {
         match self {
             Baseline::Memcpy { .. } => "memcpy",
             Baseline::Socket { .. } => "raw loopback socket",
+            #[cfg(feature = "nixl")]
             Baseline::Nixl(_) => "raw NIXL READ (nixl-sys)",
         }
     }
@@ -309,6 +311,7 @@ impl Baseline {
                 s.read_exact(dst)?;
                 Ok(t.elapsed())
             }
+            #[cfg(feature = "nixl")]
             Baseline::Nixl(r) => {
                 let d = r.measure().map_err(|e| anyhow!("raw NIXL baseline: {e}"))?;
                 if !r.verify() {
@@ -360,6 +363,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         if baseline.is_none() {
             baseline = Some(match backend {
                 "shm" => Baseline::memcpy(0),
+                #[cfg(feature = "nixl")]
                 "nixl" => Baseline::Nixl(
                     kvconnect_nixl::nixl_raw::RawNixlRead::new(bytes as usize, 2 * spec.kv_layers().len())
                         .map_err(|e| anyhow!("raw NIXL baseline: {e}"))?,

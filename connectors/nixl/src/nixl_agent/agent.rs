@@ -1,37 +1,12 @@
-//! One NIXL agent per worker, over the UCX backend: registers KV regions (host memory as DRAM,
-//! GPU memory as VRAM with its device id), exchanges agent metadata, posts READ transfers,
-//! polls them, and carries "done" notifications.
-//!
-//! Every NIXL call goes through here, so every NIXL failure becomes a [`NixlCallError`] whose
-//! message carries NIXL's status name (`NIXL_ERR_BACKEND`, ...) and the call that failed.
+//! The NIXL agent over `nixl-sys` (feature `nixl`).
 
-use crate::nixl_lib::{self, NixlLibError};
+use super::{NixlCallError, NixlMem, ReadPair, UCX};
+use crate::nixl_lib;
 use nixl_sys::{
     Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, RegistrationHandle,
     XferDescList, XferOp, XferRequest, XferStatus,
 };
 use std::sync::Mutex;
-
-/// The NIXL transfer backend this connector uses.
-pub const UCX: &str = "UCX";
-
-/// A NIXL call that failed.
-#[derive(Debug, thiserror::Error)]
-pub enum NixlCallError {
-    /// The library is not usable on this machine.
-    #[error(transparent)]
-    Library(#[from] NixlLibError),
-    /// NIXL returned an error status.
-    #[error("NIXL {op} failed: {status} ({detail})")]
-    Status {
-        /// The call, with what it was called on.
-        op: String,
-        /// NIXL's status name.
-        status: &'static str,
-        /// nixl-sys' description.
-        detail: String,
-    },
-}
 
 /// NIXL's name for the status behind a `nixl_sys` error.
 pub fn status_name(e: &NixlError) -> &'static str {
@@ -56,45 +31,27 @@ fn call(op: impl Into<String>) -> impl FnOnce(NixlError) -> NixlCallError {
     move |e| NixlCallError::Status { op, status: status_name(&e), detail: e.to_string() }
 }
 
-/// Where a registered range or a side of a transfer lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NixlMem {
-    /// Host memory.
-    Dram,
-    /// GPU memory of this CUDA device ordinal (as this process numbers it).
-    Vram(u64),
-}
-
-impl NixlMem {
-    fn mem_type(self) -> MemType {
-        match self {
-            NixlMem::Dram => MemType::Dram,
-            NixlMem::Vram(_) => MemType::Vram,
-        }
-    }
-
-    fn device(self) -> u64 {
-        match self {
-            NixlMem::Dram => 0,
-            NixlMem::Vram(d) => d,
-        }
-    }
-
-    /// "DRAM" or "VRAM of GPU n", for messages.
-    pub fn describe(self) -> String {
-        match self {
-            NixlMem::Dram => "DRAM".into(),
-            NixlMem::Vram(d) => format!("VRAM of GPU {d}"),
-        }
-    }
-}
-
 /// A memory range to register (NIXL reads the pointer, size, type and device only).
 #[derive(Debug)]
 struct Range {
     addr: usize,
     len: usize,
     mem: NixlMem,
+}
+
+fn mem_type(m: NixlMem) -> MemType {
+    match m {
+        NixlMem::Dram => MemType::Dram,
+        NixlMem::Vram(_) => MemType::Vram,
+    }
+}
+
+/// The device id NIXL is given (0 for host memory).
+fn device(m: NixlMem) -> u64 {
+    match m {
+        NixlMem::Dram => 0,
+        NixlMem::Vram(d) => d,
+    }
 }
 
 impl MemoryRegion for Range {
@@ -108,31 +65,30 @@ impl MemoryRegion for Range {
 
 impl NixlDescriptor for Range {
     fn mem_type(&self) -> MemType {
-        self.mem.mem_type()
+        mem_type(self.mem)
     }
     fn device_id(&self) -> u64 {
-        self.mem.device()
+        device(self.mem)
     }
-}
-
-/// One local range read from one remote range.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ReadPair {
-    /// Local destination address.
-    pub local: usize,
-    /// Remote source address.
-    pub remote: usize,
-    /// Bytes.
-    pub len: usize,
 }
 
 /// A posted transfer; dropping it releases (and, if unfinished, aborts) it.
 pub struct Transfer {
     req: XferRequest,
+    bytes: u64,
+    descriptors: usize,
+}
+
+impl Transfer {
     /// Bytes it moves.
-    pub bytes: u64,
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
     /// Descriptors it was built from.
-    pub descriptors: usize,
+    pub fn descriptors(&self) -> usize {
+        self.descriptors
+    }
 }
 
 impl std::fmt::Debug for Transfer {
@@ -185,7 +141,7 @@ impl NixlAgent {
 
     /// Whether the UCX backend lists `mem`'s memory type among those it can move.
     pub fn supports(&self, mem: NixlMem) -> bool {
-        self.mems.contains(&mem.mem_type())
+        self.mems.contains(&mem_type(mem))
     }
 
     /// The memory types the UCX backend lists, for messages ("Dram, Vram").
@@ -256,12 +212,12 @@ impl NixlAgent {
         far_mem: NixlMem,
     ) -> Result<Transfer, NixlCallError> {
         let mut local =
-            XferDescList::new(local_mem.mem_type()).map_err(call("creating a descriptor list"))?;
-        let mut far = XferDescList::new(far_mem.mem_type()).map_err(call("creating a descriptor list"))?;
+            XferDescList::new(mem_type(local_mem)).map_err(call("creating a descriptor list"))?;
+        let mut far = XferDescList::new(mem_type(far_mem)).map_err(call("creating a descriptor list"))?;
         let mut bytes = 0u64;
         for p in pairs {
-            local.add_desc(p.local, p.len, local_mem.device());
-            far.add_desc(p.remote, p.len, far_mem.device());
+            local.add_desc(p.local, p.len, device(local_mem));
+            far.add_desc(p.remote, p.len, device(far_mem));
             bytes += p.len as u64;
         }
         let op = || {
@@ -303,38 +259,9 @@ impl NixlAgent {
     }
 }
 
-/// Hex for metadata bytes inside JSON.
-pub fn to_hex(b: &[u8]) -> String {
-    const H: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(b.len() * 2);
-    for &x in b {
-        s.push(H[(x >> 4) as usize] as char);
-        s.push(H[(x & 15) as usize] as char);
-    }
-    s
-}
-
-/// Inverse of [`to_hex`]; `None` on anything else.
-pub fn from_hex(s: &str) -> Option<Vec<u8>> {
-    let s = s.as_bytes();
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    let d = |c: u8| (c as char).to_digit(16).map(|v| v as u8);
-    s.chunks(2).map(|p| Some(d(p[0])? << 4 | d(p[1])?)).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hex_round_trips_and_rejects_garbage() {
-        let b: Vec<u8> = (0..=255).collect();
-        assert_eq!(from_hex(&to_hex(&b)).unwrap(), b);
-        assert!(from_hex("abc").is_none());
-        assert!(from_hex("zz").is_none());
-    }
 
     #[test]
     fn status_names_are_nixls() {
