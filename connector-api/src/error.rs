@@ -67,6 +67,12 @@ pub enum ConnectorError {
 }
 
 impl ConnectorError {
+    /// True when the instance that returned this is unusable from now on: the call
+    /// panicked, or an earlier one did (`Poisoned`). The host must stop calling it.
+    pub fn poisons_instance(&self) -> bool {
+        matches!(self, ConnectorError::Panicked { .. } | ConnectorError::Poisoned { .. })
+    }
+
     /// Shorthand for `NotImplemented`.
     pub fn not_implemented(connector: &str, method: &str) -> Self {
         ConnectorError::NotImplemented { connector: connector.to_owned(), method: method.to_owned() }

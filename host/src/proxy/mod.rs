@@ -9,9 +9,11 @@
 //! `fail` arrives from decode naming the difference); a worker that cannot be reached is a
 //! 503.
 
+pub mod backends;
 pub mod client;
 pub mod metrics;
 
+use crate::deployment::Role;
 use crate::server::openai::{chat_prompt, openai_error, CONTEXT_TOKENS};
 use crate::server::sse;
 use axum::body::Bytes;
@@ -20,20 +22,16 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use backends::Backends;
 use metrics::ProxyMetrics;
 use serde_json::{json, Value};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The proxy's workers and counters.
 pub struct Proxy {
-    /// Prefill workers' HTTP addresses.
-    pub prefill: Vec<String>,
-    /// Decode workers' HTTP addresses.
-    pub decode: Vec<String>,
-    next_prefill: AtomicUsize,
-    next_decode: AtomicUsize,
+    /// The workers, with which of them are up (kept current by `kvconnect up`'s supervisor).
+    pub backends: Arc<Backends>,
     /// How long one worker request may take.
     pub timeout: Duration,
     /// Counters for `/metrics`.
@@ -41,23 +39,41 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    /// A proxy over these workers (at least one of each).
-    pub fn new(prefill: Vec<String>, decode: Vec<String>, timeout: Duration) -> Proxy {
-        Proxy {
-            prefill,
-            decode,
-            next_prefill: AtomicUsize::new(0),
-            next_decode: AtomicUsize::new(0),
-            timeout,
-            metrics: ProxyMetrics::default(),
-        }
+    /// A proxy over these workers.
+    pub fn new(backends: Arc<Backends>, timeout: Duration) -> Proxy {
+        Proxy { backends, timeout, metrics: ProxyMetrics::default() }
     }
 
-    fn pick(list: &[String], next: &AtomicUsize) -> Option<String> {
-        if list.is_empty() {
-            return None;
+    /// Sends one request to a worker of `role` that is up. A worker that cannot be reached
+    /// (it just died; the supervisor has not noticed yet) is skipped for the others of its
+    /// role. Returns the worker's address with its answer, or the 503 to send.
+    async fn send(
+        &self,
+        role: Role,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(String, client::Reply), Response> {
+        let mut tried: Vec<String> = Vec::new();
+        loop {
+            let w = match self.backends.pick(role, &tried) {
+                Ok(w) => w,
+                Err(e) if tried.is_empty() => return Err(unreachable(role.name(), e)),
+                Err(_) => break,
+            };
+            match client::request(&w, method, path, body, self.timeout).await {
+                Ok(r) => return Ok((w, r)),
+                Err(e @ client::ClientError::Connect { .. }) => {
+                    tracing::warn!(worker = %w, "{role} worker unreachable, trying another: {e}");
+                    tried.push(w);
+                }
+                Err(e) => return Err(unreachable(role.name(), e)),
+            }
         }
-        Some(list[next.fetch_add(1, Ordering::Relaxed) % list.len()].clone())
+        Err(unreachable(
+            role.name(),
+            format!("no {role} worker could be reached (tried {})", tried.join(", ")),
+        ))
     }
 }
 
@@ -148,14 +164,11 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
     }
     pre.insert("max_tokens".into(), json!(1));
     pre.insert("kv_transfer_params".into(), json!({"do_remote_decode": true}));
-    let Some(pw) = Proxy::pick(&p.prefill, &p.next_prefill) else {
-        return unreachable("prefill", "none configured");
-    };
-    let pr = match client::request(&pw, "POST", path, Some(&Value::Object(pre)), p.timeout).await {
+    let (pw, pr) = match p.send(Role::Prefill, "POST", path, Some(&Value::Object(pre))).await {
         Ok(r) => r,
-        Err(e) => {
+        Err(r) => {
             p.metrics.error();
-            return unreachable("prefill", e);
+            return r;
         }
     };
     let pv = pr.json();
@@ -167,19 +180,23 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
     let mut dec = body;
     dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
     dec.insert("request_id".into(), pv["id"].clone());
-    let Some(dw) = Proxy::pick(&p.decode, &p.next_decode) else {
-        return unreachable("decode", "none configured");
-    };
     if stream {
+        let dw = match p.backends.pick(Role::Decode, &[]) {
+            Ok(dw) => dw,
+            Err(e) => {
+                p.metrics.error();
+                return unreachable("decode", e);
+            }
+        };
         dec.insert("stream".into(), json!(true));
         let hop = Hop { pw, dw, prefill: pv["kvconnect"].clone(), t0, prefill_done };
         return stream_decode(p, path, dec, hop).await;
     }
-    let dr = match client::request(&dw, "POST", path, Some(&Value::Object(dec)), p.timeout).await {
+    let (dw, dr) = match p.send(Role::Decode, "POST", path, Some(&Value::Object(dec))).await {
         Ok(r) => r,
-        Err(e) => {
+        Err(r) => {
             p.metrics.error();
-            return unreachable("decode", e);
+            return r;
         }
     };
     let mut dv = dr.json();
@@ -339,24 +356,22 @@ async fn chat_completions(State(p): State<Arc<Proxy>>, raw: Bytes) -> Response {
 }
 
 async fn models(State(p): State<Arc<Proxy>>) -> Response {
-    let Some(dw) = Proxy::pick(&p.decode, &p.next_decode) else {
-        return unreachable("decode", "none configured");
-    };
-    match client::request(&dw, "GET", "/v1/models", None, p.timeout).await {
-        Ok(r) => relay(r.status, r.json()),
-        Err(e) => unreachable("decode", e),
+    match p.send(Role::Decode, "GET", "/v1/models", None).await {
+        Ok((_, r)) => relay(r.status, r.json()),
+        Err(r) => r,
     }
 }
 
 async fn health(State(p): State<Arc<Proxy>>) -> Response {
     let mut workers = Vec::new();
     let mut ok = true;
-    for (role, list) in [("prefill", &p.prefill), ("decode", &p.decode)] {
-        for w in list.iter() {
-            let up = matches!(client::request(w, "GET", "/health", None, Duration::from_secs(2)).await, Ok(r) if r.status == 200);
-            ok &= up;
-            workers.push(json!({"role": role, "http": w, "ok": up}));
-        }
+    for b in p.backends.all() {
+        let up = b.down.is_none()
+            && matches!(client::request(&b.http, "GET", "/health", None, Duration::from_secs(2)).await, Ok(r) if r.status == 200);
+        ok &= up;
+        workers.push(
+            json!({"role": b.role.name(), "engine_id": b.name, "http": b.http, "ok": up, "down": b.down}),
+        );
     }
     let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (status, Json(json!({"status": if ok { "ok" } else { "degraded" }, "workers": workers}))).into_response()

@@ -6,7 +6,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 /// Where a streaming request's new tokens go, step by step, as the engine produces them.
@@ -18,7 +18,12 @@ pub trait Driver {
     /// Queues a request.
     fn add(&mut self, req: GenRequest) -> Result<(), String>;
     /// One step.
-    fn step(&mut self) -> Result<Vec<RequestOutput>, String>;
+    fn step(&mut self) -> Result<Vec<RequestOutput>, StepFailure>;
+    /// Ends every unfinished request after a failed step and frees its blocks. With
+    /// `connector_dead` (the connector instance panicked and refuses every call), blocks
+    /// parked for the connector are freed too, since it will never report them sent.
+    /// Returns how many requests it ended.
+    fn abort_all(&mut self, why: &str, connector_dead: bool) -> usize;
     /// True while requests run or delayed blocks wait for the connector.
     fn busy(&self) -> bool;
     /// True when the last step computed nothing (only waiting): the loop then naps briefly.
@@ -29,6 +34,46 @@ pub trait Driver {
     fn stats(&self) -> PoolStats;
     /// Shuts the connector down.
     fn shutdown(&mut self);
+}
+
+/// A step that failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StepFailure {
+    /// What failed.
+    pub message: String,
+    /// The connector instance is unusable from now on (a call panicked; it answers
+    /// `Poisoned` to every later call).
+    pub connector_dead: bool,
+}
+
+impl StepFailure {
+    /// A failure the engine can go on after (its requests are ended).
+    pub fn recoverable(message: impl Into<String>) -> StepFailure {
+        StepFailure { message: message.into(), connector_dead: false }
+    }
+
+    /// From a connector call's error: dead when the call panicked or the instance is poisoned.
+    pub fn from_connector(message: impl Into<String>, e: &kvconnect_api::ConnectorError) -> StepFailure {
+        StepFailure { message: message.into(), connector_dead: e.poisons_instance() }
+    }
+}
+
+/// Why a submitted request got no answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    /// The engine refused the request (`request '<id>': ...` for a malformed one).
+    #[error("{0}")]
+    Rejected(String),
+    /// The worker cannot serve any request (its connector is poisoned): it says so on
+    /// `/health` and must be restarted.
+    #[error("worker unhealthy: {0}")]
+    Unhealthy(String),
+    /// The step running the request failed; the request was ended and its blocks freed.
+    #[error("{0}")]
+    Failed(String),
+    /// The engine thread is gone.
+    #[error("{ENGINE_GONE}")]
+    Gone,
 }
 
 /// Counters for /health and /metrics.
@@ -48,6 +93,8 @@ pub struct PoolStats {
     pub failed: u64,
     /// Prompt tokens whose KV came through the connector.
     pub external_tokens: u64,
+    /// Why this worker can serve nothing (its connector is poisoned); `None` when healthy.
+    pub unhealthy: Option<String>,
 }
 
 impl Driver for Engine {
@@ -55,8 +102,15 @@ impl Driver for Engine {
         self.add_request(req).map_err(|e| e.to_string())
     }
 
-    fn step(&mut self) -> Result<Vec<RequestOutput>, String> {
-        Engine::step(self).map_err(|e| e.to_string())
+    fn step(&mut self) -> Result<Vec<RequestOutput>, StepFailure> {
+        Engine::step(self).map_err(|e| match e.connector_error() {
+            Some(c) => StepFailure::from_connector(e.to_string(), c),
+            None => StepFailure::recoverable(e.to_string()),
+        })
+    }
+
+    fn abort_all(&mut self, why: &str, connector_dead: bool) -> usize {
+        Engine::abort_all(self, why, connector_dead)
     }
 
     fn busy(&self) -> bool {
@@ -110,7 +164,7 @@ pub struct Done {
 pub enum Command {
     /// Run a request; the answer comes when it ends. With a sink, each step's new tokens are
     /// also sent there as they are produced (the sink closes when the request ends).
-    Submit(GenRequest, oneshot::Sender<Result<Done, String>>, Option<TokenSink>),
+    Submit(GenRequest, oneshot::Sender<Result<Done, SubmitError>>, Option<TokenSink>),
     /// Pass a peer's handshake envelope to the connector.
     SetPeer(Value, oneshot::Sender<Result<(), String>>),
     /// Read the counters.
@@ -130,17 +184,21 @@ pub const ENGINE_GONE: &str = "the engine thread has stopped; the worker is shut
 
 impl EngineHandle {
     /// Runs a request to its end.
-    pub async fn submit(&self, req: GenRequest) -> Result<Done, String> {
+    pub async fn submit(&self, req: GenRequest) -> Result<Done, SubmitError> {
         self.submit_streaming(req, None).await
     }
 
     /// Runs a request to its end, sending each step's new tokens to `sink` as they exist.
     /// A sink whose receiver is gone (the client left) is dropped; the request still runs to
     /// its end so its blocks are freed as usual.
-    pub async fn submit_streaming(&self, req: GenRequest, sink: Option<TokenSink>) -> Result<Done, String> {
+    pub async fn submit_streaming(
+        &self,
+        req: GenRequest,
+        sink: Option<TokenSink>,
+    ) -> Result<Done, SubmitError> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(Command::Submit(req, tx, sink)).map_err(|_| ENGINE_GONE.to_owned())?;
-        rx.await.map_err(|_| ENGINE_GONE.to_owned())?
+        self.tx.send(Command::Submit(req, tx, sink)).map_err(|_| SubmitError::Gone)?;
+        rx.await.map_err(|_| SubmitError::Gone)?
     }
 
     /// Hands a peer envelope to the connector.
@@ -164,7 +222,7 @@ impl EngineHandle {
 }
 
 struct Pending {
-    reply: oneshot::Sender<Result<Done, String>>,
+    reply: oneshot::Sender<Result<Done, SubmitError>>,
     done: Done,
     sink: Option<TokenSink>,
 }
@@ -204,7 +262,6 @@ where
 fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
     let mut pending: BTreeMap<String, Pending> = BTreeMap::new();
     let mut counters = PoolStats::default();
-    let mut last_error_log = Instant::now() - Duration::from_secs(60);
     loop {
         // Block for a command only when there is nothing to step.
         let first = if driver.busy() {
@@ -226,6 +283,12 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
             match cmd {
                 Command::Submit(req, reply, sink) => {
                     let id = req.id.clone();
+                    if let Some(why) = &counters.unhealthy {
+                        counters.failed += 1;
+                        let _ = reply.send(Err(SubmitError::Unhealthy(why.clone())));
+                        next = rx.try_recv().ok();
+                        continue;
+                    }
                     match driver.add(req) {
                         Ok(()) => {
                             let done = Done {
@@ -238,7 +301,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                             pending.insert(id, Pending { reply, done, sink });
                         }
                         Err(e) => {
-                            let _ = reply.send(Err(e));
+                            let _ = reply.send(Err(SubmitError::Rejected(e)));
                         }
                     }
                 }
@@ -251,6 +314,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                         completed: counters.completed,
                         failed: counters.failed,
                         external_tokens: counters.external_tokens,
+                        unhealthy: counters.unhealthy.clone(),
                         ..s
                     });
                 }
@@ -303,22 +367,28 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                     std::thread::sleep(Duration::from_micros(500));
                 }
             }
-            Err(e) => {
-                if last_error_log.elapsed() > Duration::from_secs(1) {
-                    tracing::error!(error = %e, "engine step failed");
-                    last_error_log = Instant::now();
-                }
-                // A failed step fails the requests in flight rather than retrying forever.
+            Err(f) => {
+                // The step's requests are ended and their blocks freed: nothing is retried.
+                let ended = driver.abort_all(&f.message, f.connector_dead);
+                tracing::error!(error = %f.message, requests = ended, "engine step failed; its requests were ended");
                 for (_, p) in std::mem::take(&mut pending) {
                     counters.failed += 1;
-                    let _ = p.reply.send(Err(format!("engine step failed: {e}")));
+                    let _ =
+                        p.reply.send(Err(SubmitError::Failed(format!("engine step failed: {}", f.message))));
                 }
-                std::thread::sleep(Duration::from_millis(10));
+                if f.connector_dead {
+                    let why = format!(
+                        "{}; the connector instance is unusable: restart this worker (kvconnect up restarts it by itself)",
+                        f.message
+                    );
+                    tracing::error!("{why}");
+                    counters.unhealthy = Some(why);
+                }
             }
         }
     }
     for (_, p) in std::mem::take(&mut pending) {
-        let _ = p.reply.send(Err("the worker is shutting down".into()));
+        let _ = p.reply.send(Err(SubmitError::Failed("the worker is shutting down".into())));
     }
     driver.shutdown();
     drop(driver);

@@ -2,7 +2,7 @@
 //! `kv_transfer_params`), `GET /health` (role, pool and side-channel counters as JSON) and
 //! `GET /metrics` (the same counters as Prometheus text).
 
-use crate::server::engine_loop::{EngineHandle, PoolStats, TokenSink};
+use crate::server::engine_loop::{EngineHandle, PoolStats, SubmitError, TokenSink};
 use crate::server::peers::{remote_peer, strip_remote, Peers};
 use crate::sidechannel::ServerStats;
 use crate::worker::{detokenize, tokenize, FinishReason, GenRequest};
@@ -154,12 +154,11 @@ pub(crate) async fn completions_with(
     let req = GenRequest { id: id.clone(), prompt, max_tokens, kv_transfer_params: params };
     let done = match st.engine.submit_streaming(req, sink).await {
         Ok(d) => d,
-        Err(e) => {
-            if e.starts_with("request '") {
-                return bad_request(e);
-            }
-            return error(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e, None);
+        Err(SubmitError::Rejected(e)) if e.starts_with("request '") => return bad_request(e),
+        Err(e @ (SubmitError::Unhealthy(_) | SubmitError::Gone)) => {
+            return error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string(), None)
         }
+        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e.to_string(), None),
     };
     if let FinishReason::Error(message) = &done.finish {
         return error(
@@ -202,15 +201,19 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         Ok(p) => p,
         Err(r) => return r,
     };
-    Json(json!({
-        "status": "ok",
+    // A worker that can serve nothing says so: supervisors (kvconnect up, a liveness probe)
+    // restart it.
+    let status = if pool.unhealthy.is_some() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+    let body = json!({
+        "status": if pool.unhealthy.is_some() { "unhealthy" } else { "ok" },
+        "reason": pool.unhealthy,
         "role": st.role,
         "engine_id": st.engine_id,
         "compat_hash": st.compat_hash,
         "pool": pool,
         "side_channel": st.side_channel.snapshot(),
-    }))
-    .into_response()
+    });
+    (status, Json(body)).into_response()
 }
 
 async fn metrics(State(st): State<Arc<AppState>>) -> Response {

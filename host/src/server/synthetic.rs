@@ -5,11 +5,11 @@
 //! block against the pattern. This moves the KV of any model geometry (Qwen3-0.6B at 8192
 //! tokens is ~0.9 GiB) without running that model.
 
-use crate::server::engine_loop::{Driver, PoolStats};
+use crate::server::engine_loop::{Driver, PoolStats, StepFailure};
 use crate::worker::{FinishReason, GenRequest, KvPool, RequestOutput};
 use kvconnect_api::{
-    BlocksPerGroup, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId, SchedulerConnector,
-    StepInfo, WorkerConnector,
+    BlocksPerGroup, ConnectorError, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId,
+    SchedulerConnector, StepInfo, WorkerConnector,
 };
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -293,34 +293,33 @@ impl Driver for TransferEngine {
         Ok(())
     }
 
-    fn step(&mut self) -> Result<Vec<RequestOutput>, String> {
+    fn step(&mut self) -> Result<Vec<RequestOutput>, StepFailure> {
         self.step_no += 1;
         let mut outputs = Vec::new();
         let mut progressed = false;
         for req in std::mem::take(&mut self.waiting) {
-            progressed |= self.admit(req, &mut outputs)?;
+            progressed |= self.admit(req, &mut outputs).map_err(StepFailure::recoverable)?;
         }
         let info = StepInfo {
             step: self.step_no,
             scheduled: Vec::new(),
             finished: std::mem::take(&mut self.finished_since_last),
         };
-        let meta = self
-            .conn
-            .0
-            .build_connector_meta(&info)
-            .map_err(|e| format!("build_connector_meta failed: {e}"))?;
-        self.conn.1.bind_connector_meta(&meta).map_err(|e| format!("bind_connector_meta failed: {e}"))?;
-        self.conn.1.start_load_kv().map_err(|e| format!("start_load_kv failed: {e}"))?;
-        let fin =
-            self.conn.1.get_finished(&info.finished).map_err(|e| format!("get_finished failed: {e}"))?;
+        let call = |what: &'static str| {
+            move |e: ConnectorError| StepFailure::from_connector(format!("{what} failed: {e}"), &e)
+        };
+        let meta = self.conn.0.build_connector_meta(&info).map_err(call("build_connector_meta"))?;
+        self.conn.1.bind_connector_meta(&meta).map_err(call("bind_connector_meta"))?;
+        self.conn.1.start_load_kv().map_err(call("start_load_kv"))?;
+        let fin = self.conn.1.get_finished(&info.finished).map_err(call("get_finished"))?;
         for r in &fin.finished_recving {
             progressed = true;
-            self.end_load(&r.0, None, &mut outputs)?;
+            self.end_load(&r.0, None, &mut outputs).map_err(StepFailure::recoverable)?;
         }
         for r in &fin.failed_recving {
             progressed = true;
-            self.end_load(&r.0, Some("the connector reported the load as failed".into()), &mut outputs)?;
+            self.end_load(&r.0, Some("the connector reported the load as failed".into()), &mut outputs)
+                .map_err(StepFailure::recoverable)?;
         }
         for r in &fin.finished_sending {
             if let Some(b) = self.pending_free.remove(&r.0) {
@@ -333,6 +332,24 @@ impl Driver for TransferEngine {
         }
         self.idle = !progressed;
         Ok(outputs)
+    }
+
+    fn abort_all(&mut self, _why: &str, connector_dead: bool) -> usize {
+        // Requests still waiting hold no blocks. A live connector may still be writing the
+        // blocks of loads in flight, so those end when it reports them; a dead one never
+        // will, so its loads and parked blocks are freed now.
+        let mut ended = self.waiting.len();
+        self.waiting.clear();
+        if connector_dead {
+            ended += self.loading.len();
+            for (_, l) in std::mem::take(&mut self.loading) {
+                self.pool.release(&l.blocks);
+            }
+            for (_, b) in std::mem::take(&mut self.pending_free) {
+                self.pool.release(&b);
+            }
+        }
+        ended
     }
 
     fn busy(&self) -> bool {

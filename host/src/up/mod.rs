@@ -11,6 +11,8 @@ pub mod workload;
 
 use crate::cli::exit::Exit;
 use crate::deployment::Deployment;
+use crate::deployment::Role;
+use crate::proxy::backends::Backends;
 use crate::proxy::{client, Proxy};
 use anyhow::{anyhow, Context, Result};
 use report::{Comparison, Percentiles, Report, Sample};
@@ -18,9 +20,9 @@ use serde_json::{json, Value};
 use std::io::{IsTerminal, Write};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-use supervisor::{Launch, Supervisor};
+use supervisor::{Launch, RestartPolicy, Supervisor};
 use workload::{Item, Prompts};
 
 /// Arguments of `kvconnect up`.
@@ -90,45 +92,48 @@ async fn up(a: &UpArgs) -> Result<()> {
     let files = files::DeploymentFiles::resolve(a.deployment.as_deref())?;
     // Refuse a broken file before any process starts.
     Deployment::load(&files.path).map_err(|e| Exit::bad_input(anyhow!(e)))?;
-    let sup = Arc::new(Mutex::new(Supervisor::default()));
+    // The proxy's port first: a port in use is refused before any worker starts.
+    let want = SocketAddr::new(a.host, a.port);
+    let listener = tokio::net::TcpListener::bind(want).await.map_err(|e| {
+        Exit::bad_input(anyhow!(
+            "cannot bind the proxy on {want}: {e}; pick another --port (0 = any free port)"
+        ))
+    })?;
+    let addr = listener.local_addr().context("proxy address")?;
     let pid = std::process::id();
     let mut launches = Vec::new();
-    for (role, n) in [("prefill", a.prefill), ("decode", a.decode)] {
+    for (role, n) in [(Role::Prefill, a.prefill), (Role::Decode, a.decode)] {
         for i in 0..n {
-            launches.push((role, role, format!("up{pid}-{role}-{i}")));
+            launches.push(launch(a, &files.path, role, role.name(), format!("up{pid}-{role}-{i}"), true));
         }
     }
     if a.compare_monolithic {
-        launches.push(("decode", "monolithic", format!("up{pid}-monolithic")));
+        launches.push(launch(
+            a,
+            &files.path,
+            Role::Decode,
+            "monolithic",
+            format!("up{pid}-monolithic"),
+            false,
+        ));
     }
-    for (role, label, engine_id) in launches {
-        let (sup2, path, joint, num_blocks, host) =
-            (sup.clone(), files.path.clone(), !a.independent, a.num_blocks, a.host);
-        let started = tokio::task::spawn_blocking(move || {
-            let l = Launch { deployment: &path, role, label, joint, engine_id, num_blocks, host };
-            let mut s = sup2.lock().map_err(|_| anyhow!("supervisor lock poisoned"))?;
-            s.start(&l, Duration::from_secs(60)).map(|w| w.http.clone())
-        });
-        tokio::select! {
-            r = started => { r.context("worker start task failed")??; }
-            _ = &mut stop => { stop_all(&sup).await; return Err(anyhow!("interrupted while starting the workers")); }
-        }
-    }
-    let (prefill, decode, mono) = {
-        let s = sup.lock().map_err(|_| anyhow!("supervisor lock poisoned"))?;
-        (s.addresses("prefill"), s.addresses("decode"), s.addresses("monolithic"))
+    let backends = Arc::new(Backends::default());
+    let starting = Supervisor::start(
+        launches,
+        backends.clone(),
+        RestartPolicy::default(),
+        tokio::runtime::Handle::current(),
+    );
+    let (mut sup, started, mut gave_up) = tokio::select! {
+        r = starting => r?,
+        _ = &mut stop => return Err(anyhow!("interrupted while starting the workers")),
     };
-    let proxy = Arc::new(Proxy::new(prefill.clone(), decode.clone(), Duration::from_secs(300)));
-    let want = SocketAddr::new(a.host, a.port);
-    let listener = match tokio::net::TcpListener::bind(want).await {
-        Ok(l) => l,
-        Err(e) => {
-            stop_all(&sup).await;
-            return Err(anyhow!("cannot bind the proxy on {want}: {e}; pick another --port (0 = any)"));
-        }
+    let of = |label: &str| -> Vec<String> {
+        started.iter().filter(|s| s.label == label).map(|s| s.http.clone()).collect()
     };
-    let addr = listener.local_addr().context("proxy address")?;
-    let pids: Vec<u32> = sup.lock().map(|s| s.workers.iter().map(|w| w.pid()).collect()).unwrap_or_default();
+    let (prefill, decode, mono) = (of("prefill"), of("decode"), of("monolithic"));
+    let proxy = Arc::new(Proxy::new(backends, Duration::from_secs(300)));
+    let pids: Vec<u32> = started.iter().map(|s| s.pid).collect();
     let line = json!({
         "proxy": format!("http://{addr}"), "prefill": prefill, "decode": decode,
         "monolithic": mono, "worker_pids": pids,
@@ -153,6 +158,7 @@ async fn up(a: &UpArgs) -> Result<()> {
             tokio::select! {
                 r = run_workload(a, n, &proxy_addr, mono.first().cloned()) => r,
                 _ = &mut stop => Err(anyhow!("interrupted during the workload")),
+                why = &mut gave_up => Err(anyhow!("{}", why.unwrap_or_else(|_| "the supervisor stopped".into()))),
             }
         }
         None => {
@@ -163,33 +169,34 @@ async fn up(a: &UpArgs) -> Result<()> {
             );
             tokio::select! {
                 _ = &mut stop => Ok(()),
-                who = watch_children(&sup) => Err(anyhow!("worker {who} exited; stopping the rest")),
+                why = &mut gave_up => Err(anyhow!("{}; stopping the rest", why.unwrap_or_else(|_| "the supervisor stopped".into()))),
             }
         }
     };
     let _ = quit_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(5), server).await;
-    stop_all(&sup).await;
+    let _ = tokio::task::spawn_blocking(move || sup.stop()).await;
     drop(files);
     result
 }
 
-async fn stop_all(sup: &Arc<Mutex<Supervisor>>) {
-    let sup = sup.clone();
-    let _ = tokio::task::spawn_blocking(move || {
-        if let Ok(mut s) = sup.lock() {
-            s.stop(Duration::from_secs(10));
-        }
-    })
-    .await;
-}
-
-async fn watch_children(sup: &Arc<Mutex<Supervisor>>) -> String {
-    loop {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        if let Some(who) = sup.lock().ok().and_then(|mut s| s.any_exited()) {
-            return who;
-        }
+fn launch(
+    a: &UpArgs,
+    deployment: &std::path::Path,
+    role: Role,
+    label: &str,
+    engine_id: String,
+    behind_proxy: bool,
+) -> Launch {
+    Launch {
+        deployment: deployment.to_path_buf(),
+        role,
+        label: label.to_owned(),
+        joint: !a.independent,
+        engine_id,
+        num_blocks: a.num_blocks,
+        host: a.host,
+        behind_proxy,
     }
 }
 

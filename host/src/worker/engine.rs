@@ -648,7 +648,7 @@ impl Engine {
         self.free_out_of_window_blocks();
         let t = Instant::now();
         for (k, why) in to_finish {
-            self.finish(k, why, &mut outputs)?;
+            self.end(k, why, &mut outputs, true);
         }
         for r in &fin.finished_sending {
             match self.pending_free.remove(&r.0) {
@@ -702,7 +702,7 @@ impl Engine {
         }
         if let (Some(why), FailurePolicy::Fail) = (&lookup_error, self.policy) {
             let why = format!("KV lookup failed ({why}) and kv_load_failure_policy is 'fail'");
-            self.finish(key, FinishReason::Error(why), outputs)?;
+            self.end(key, FinishReason::Error(why), outputs, true);
             return Ok(true);
         }
         let Some(blocks) = self.pool.allocate(need) else { return Ok(false) };
@@ -718,7 +718,7 @@ impl Engine {
                     if let Some(s) = self.seqs.get_mut(&key) {
                         s.blocks = Some(blocks);
                     }
-                    self.finish(key, FinishReason::Error(why), outputs)?;
+                    self.end(key, FinishReason::Error(why), outputs, true);
                     return Ok(true);
                 }
                 tracing::warn!(request = %s.req.id, error = %e, "update_state_after_alloc failed; computing the prompt locally");
@@ -780,14 +780,30 @@ impl Engine {
         }
     }
 
-    /// Ends a request: tells the connector, frees or parks its blocks, emits the output.
-    fn finish(
-        &mut self,
-        key: u64,
-        why: FinishReason,
-        outputs: &mut Vec<RequestOutput>,
-    ) -> Result<(), WorkerError> {
-        let Some(s) = self.seqs.remove(&key) else { return Ok(()) };
+    /// Ends every unfinished request with `why` after a failed step, freeing its blocks (or
+    /// parking them for the connector as `request_finished` asks). With `connector_dead` the
+    /// connector is not called again: blocks are freed at once, and blocks parked for it
+    /// earlier are freed too, since a dead instance never reports them sent. Returns how
+    /// many requests it ended.
+    pub fn abort_all(&mut self, why: &str, connector_dead: bool) -> usize {
+        let keys: Vec<u64> = self.seqs.keys().copied().collect();
+        let mut outputs = Vec::new();
+        for k in &keys {
+            self.end(*k, FinishReason::Error(why.to_owned()), &mut outputs, !connector_dead);
+        }
+        if connector_dead {
+            for (_, b) in std::mem::take(&mut self.pending_free) {
+                self.pool.release(&b);
+            }
+            self.sent_early.clear();
+        }
+        keys.len()
+    }
+
+    /// Ends a request: tells the connector (unless `ask_connector` is false), frees or parks
+    /// its blocks, emits the output.
+    fn end(&mut self, key: u64, why: FinishReason, outputs: &mut Vec<RequestOutput>, ask_connector: bool) {
+        let Some(s) = self.seqs.remove(&key) else { return };
         self.by_id.remove(&s.req.id.0);
         let blocks = s.blocks.clone().unwrap_or_default();
         let held = BlocksPerGroup(
@@ -800,7 +816,7 @@ impl Engine {
         );
         let mut params = None;
         let mut delay = false;
-        if let Some((sched, _)) = self.connector.as_mut() {
+        if let Some((sched, _)) = self.connector.as_mut().filter(|_| ask_connector) {
             match sched.request_finished(&s.req, &blocks) {
                 Ok(rf) => {
                     delay = rf.delay_free;
@@ -832,7 +848,6 @@ impl Engine {
                 num_external_tokens: 0,
             }),
         }
-        Ok(())
     }
 }
 

@@ -64,3 +64,13 @@ pub enum WorkerError {
     #[error("KV pool access failed: {0}")]
     Access(String),
 }
+
+impl WorkerError {
+    /// The connector's error, when a connector call failed.
+    pub fn connector_error(&self) -> Option<&ConnectorError> {
+        match self {
+            WorkerError::Connector { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+}
