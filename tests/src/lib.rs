@@ -105,19 +105,7 @@ impl Worker {
 
     /// Sends SIGTERM and waits up to `within` for the process to exit; returns its status.
     pub fn terminate(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
-        let pid = self.child.id() as libc::pid_t;
-        // SAFETY: kill(2) with a pid this test spawned and has not reaped; no memory involved.
-        unsafe {
-            libc::kill(pid, libc::SIGTERM);
-        }
-        let t0 = Instant::now();
-        while t0.elapsed() < within {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return Some(st);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        None
+        terminate(&mut self.child, within)
     }
 
     /// Kills the process at once (SIGKILL), as a crash would. A killed worker cannot unlink
@@ -176,6 +164,24 @@ fn spawn_log_reader(stderr: ChildStderr, log: std::sync::Arc<std::sync::Mutex<St
             line.clear();
         }
     });
+}
+
+/// Sends SIGTERM to a process this test spawned and waits up to `within` for it to exit;
+/// returns its status (`None` if it is still running).
+pub fn terminate(child: &mut std::process::Child, within: Duration) -> Option<std::process::ExitStatus> {
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: kill(2) with a pid this test spawned and has not reaped; no memory involved.
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        if let Ok(Some(st)) = child.try_wait() {
+            return Some(st);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
 }
 
 /// One HTTP/1.1 request with `Connection: close`; returns the status and the body parsed as

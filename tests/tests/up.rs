@@ -10,9 +10,7 @@ use kvconnect_api::KvLayout;
 use kvconnect_host::server::openai::chat_prompt;
 use kvconnect_host::server::sse::{collect_text, collect_token_ids};
 use kvconnect_host::worker::{detokenize, tokenize};
-use kvconnect_tests::{
-    http_request, kvconnect_bin, monolithic, reference_model, token_ids, varied_prompts, wait_until,
-};
+use kvconnect_tests::{http_request, kvconnect_bin, monolithic, reference_model, token_ids, varied_prompts};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -45,19 +43,9 @@ impl Up {
     /// SIGTERM; waits for `up` to exit and checks nothing of it is left.
     fn terminate_and_check_clean(mut self) {
         let pids = self.pids();
-        // SAFETY: kill(2) on the child this test spawned and has not reaped.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
-        }
-        let mut status = None;
-        assert!(
-            wait_until(Duration::from_secs(30), || {
-                status = self.child.try_wait().unwrap();
-                status.is_some()
-            }),
-            "kvconnect up did not exit within 30 s of SIGTERM"
-        );
-        assert!(status.unwrap().success(), "up exited with {status:?}");
+        let status = kvconnect_tests::terminate(&mut self.child, Duration::from_secs(30));
+        let status = status.expect("kvconnect up did not exit within 30 s of SIGTERM");
+        assert!(status.success(), "up exited with {status:?}");
         for pid in pids {
             // SAFETY: signal 0 only asks whether the pid exists.
             let alive = unsafe { libc::kill(pid, 0) } == 0;

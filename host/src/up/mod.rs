@@ -67,6 +67,17 @@ pub struct UpArgs {
     /// Print the workload report as JSON.
     #[arg(long, requires = "workload")]
     pub json: bool,
+    /// Seconds between health checks of each worker; a worker that reports itself
+    /// unhealthy, or misses five checks in a row, is restarted.
+    #[arg(long = "health-interval", value_name = "SECS", default_value_t = 1.0, value_parser = positive_seconds)]
+    pub health_interval: f64,
+}
+
+fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 3600.0 => Ok(v),
+        _ => Err(format!("'{s}' is not a number of seconds between 0 and 3600")),
+    }
 }
 
 /// Runs `kvconnect up`.

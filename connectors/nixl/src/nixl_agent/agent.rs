@@ -211,8 +211,7 @@ impl NixlAgent {
         local_mem: NixlMem,
         far_mem: NixlMem,
     ) -> Result<Transfer, NixlCallError> {
-        let mut local =
-            XferDescList::new(mem_type(local_mem)).map_err(call("creating a descriptor list"))?;
+        let mut local = XferDescList::new(mem_type(local_mem)).map_err(call("creating a descriptor list"))?;
         let mut far = XferDescList::new(mem_type(far_mem)).map_err(call("creating a descriptor list"))?;
         let mut bytes = 0u64;
         for p in pairs {

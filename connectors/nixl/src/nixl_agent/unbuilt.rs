@@ -62,7 +62,12 @@ impl NixlAgent {
     ///
     /// # Safety
     /// As the real agent's: the range must stay valid while the agent lives.
-    pub unsafe fn register(&self, _addr: usize, _len: usize, _mem: NixlMem) -> Result<Registration, NixlCallError> {
+    pub unsafe fn register(
+        &self,
+        _addr: usize,
+        _len: usize,
+        _mem: NixlMem,
+    ) -> Result<Registration, NixlCallError> {
         match *self {}
     }
 
