@@ -60,6 +60,7 @@ fn bench(c: &mut Criterion) {
     let groups = vec![layers.clone()];
     let load = LoadSpec {
         request: RequestId::from("bench"),
+        remote_request: None,
         remote_engine_id: "prefill-bench".into(),
         remote_blocks: BlocksPerGroup(vec![ids.clone()]),
         local_blocks: BlocksPerGroup(vec![ids.clone()]),

@@ -321,6 +321,7 @@ mod tests {
     fn load(remote: Vec<u32>, local: Vec<u32>, first: usize, n: usize) -> LoadSpec {
         LoadSpec {
             request: "r".into(),
+            remote_request: None,
             remote_engine_id: "p".into(),
             remote_blocks: BlocksPerGroup(vec![remote.into_iter().map(BlockId).collect()]),
             local_blocks: BlocksPerGroup(vec![local.into_iter().map(BlockId).collect()]),

@@ -7,8 +7,11 @@ use serde::{Deserialize, Serialize};
 /// engine's blocks into the local ones.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoadSpec {
-    /// The request.
+    /// The request, as this engine knows it.
     pub request: RequestId,
+    /// The id the producer holds the request's blocks under, when it differs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_request: Option<RequestId>,
     /// The engine holding the KV.
     pub remote_engine_id: String,
     /// Its blocks, one list per KV cache group, from the first token on.
@@ -27,12 +30,18 @@ impl LoadSpec {
     pub fn release(request: RequestId, remote_engine_id: String) -> LoadSpec {
         LoadSpec {
             request,
+            remote_request: None,
             remote_engine_id,
             remote_blocks: BlocksPerGroup::default(),
             local_blocks: BlocksPerGroup::default(),
             first_token: 0,
             num_tokens: 0,
         }
+    }
+
+    /// The id to address the producer with: the one it holds the blocks under.
+    pub fn producer_request(&self) -> &str {
+        self.remote_request.as_ref().unwrap_or(&self.request).0.as_str()
     }
 
     /// True for [`LoadSpec::release`]: nothing to copy, only the producer to notify.

@@ -21,6 +21,11 @@ pub struct TransferParams {
     /// Prefill's tensor-parallel size.
     #[serde(default = "one")]
     pub tp_size: u32,
+    /// The id prefill holds the blocks under, as newer vLLM sends it. Decode addresses the
+    /// producer with it; without it (older proxies and producers), with its own request id,
+    /// which a proxy then must have made equal to prefill's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_request_id: Option<String>,
 }
 
 fn one() -> u32 {
@@ -87,10 +92,17 @@ mod tests {
             remote_block_ids: vec![vec![3, 4], vec![7]],
             remote_num_tokens: 20,
             tp_size: 1,
+            remote_request_id: Some("cmpl-abc".into()),
         };
         let req = Request { id: "r".into(), prompt_tokens: vec![1; 20], kv_transfer_params: p.to_map() };
-        assert_eq!(TransferParams::from_request(&req).unwrap(), Some(p));
+        assert_eq!(TransferParams::from_request(&req).unwrap(), Some(p.clone()));
         assert_eq!(req.kv_transfer_params["do_remote_decode"], json!(false));
+        assert_eq!(req.kv_transfer_params["remote_request_id"], json!("cmpl-abc"));
+        // Params from a producer that does not send the id still read.
+        let mut older = p.to_map();
+        older.remove("remote_request_id");
+        let req = Request { id: "r".into(), prompt_tokens: vec![1; 20], kv_transfer_params: older };
+        assert_eq!(TransferParams::from_request(&req).unwrap().unwrap().remote_request_id, None);
     }
 
     #[test]

@@ -321,7 +321,7 @@ impl Puller {
         load: &LoadSpec,
         plan: &CopyPlan,
     ) -> Result<PullStats, TransferError> {
-        let request = load.request.0.clone();
+        let request = load.producer_request().to_owned();
         self.expect_ok(peer, &ClientMsg::Check { request: request.clone(), runs: plan.src_runs() })?;
         #[cfg(feature = "cuda")]
         {
@@ -349,7 +349,7 @@ impl Puller {
         load: &LoadSpec,
         plan: &CopyPlan,
     ) -> Result<PullStats, TransferError> {
-        let request = load.request.0.clone();
+        let request = load.producer_request().to_owned();
         let mut dst = LocalRegions::new(local);
         let runs = match plan {
             CopyPlan::Direct(r) => r.len(),

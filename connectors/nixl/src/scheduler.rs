@@ -74,7 +74,9 @@ impl SchedulerConnector for NixlScheduler {
         if num_external_tokens == 0 {
             // Computed locally after all: free the producer's blocks now, not at lease expiry.
             self.scheduled.insert(req.id.clone());
-            self.loads.push(LoadSpec::release(req.id.clone(), p.remote_engine_id.clone()));
+            let mut release = LoadSpec::release(req.id.clone(), p.remote_engine_id.clone());
+            release.remote_request = p.remote_request_id.clone().map(RequestId);
+            self.loads.push(release);
             return Ok(());
         }
         if p.tp_size != self.ctx.tp_size {
@@ -89,6 +91,7 @@ impl SchedulerConnector for NixlScheduler {
         self.scheduled.insert(req.id.clone());
         self.loads.push(LoadSpec {
             request: req.id.clone(),
+            remote_request: p.remote_request_id.clone().map(RequestId),
             remote_engine_id: p.remote_engine_id.clone(),
             remote_blocks: p.blocks(),
             local_blocks: blocks.clone(),
@@ -131,6 +134,7 @@ impl SchedulerConnector for NixlScheduler {
             remote_block_ids: blocks.0.iter().map(|g| g.iter().map(|b| b.0).collect()).collect(),
             remote_num_tokens: req.prompt_tokens.len(),
             tp_size: self.ctx.tp_size,
+            remote_request_id: Some(req.id.0.clone()),
         };
         let has_blocks = blocks.0.iter().any(|g| !g.is_empty());
         if has_blocks {

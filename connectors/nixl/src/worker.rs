@@ -372,7 +372,7 @@ impl PullLoop {
     /// Heartbeats a queued load; a refusal or a dead peer fails it at once.
     fn hold(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
         let peer = self.peer(&load.remote_engine_id)?;
-        self.puller.hold(&peer, &load.request.0)
+        self.puller.hold(&peer, load.producer_request())
     }
 
     fn run(mut self, rx: Receiver<LoadSpec>) {
@@ -411,7 +411,7 @@ impl PullLoop {
             if let Some((load, _)) = head {
                 let r = self.peer(&load.remote_engine_id).and_then(|peer| {
                     if load.is_release() {
-                        self.puller.release(&peer, &load.request.0)
+                        self.puller.release(&peer, load.producer_request())
                     } else {
                         self.puller.pull(&self.mem, &self.groups, &peer, &load)
                     }
