@@ -155,7 +155,7 @@ impl Registry {
 
     /// The built-ins plus every plugin found where `config` says, loaded into this process.
     /// A plugin that fails its checks is left out and its one-line reason kept in
-    /// [`Registry::load_errors`] (and logged as a warning); loading goes on with the rest.
+    /// [`Registry::load_errors`] for the caller to report; loading goes on with the rest.
     pub fn load(config: &RegistryConfig) -> Registry {
         Registry::load_with(config, Arc::new(open_in_process))
     }
@@ -196,9 +196,6 @@ impl Registry {
                 Err(e) => errors.push(e),
             }
         }
-        for e in &errors {
-            tracing::warn!("{e}");
-        }
         Registry::from_parts(plugins, errors, options, open)
     }
 
@@ -223,6 +220,13 @@ impl Registry {
     /// Why plugins on the path were refused, one line each.
     pub fn load_errors(&self) -> &[LoadError] {
         &self.inner.errors
+    }
+
+    /// Logs each of [`Registry::load_errors`] as a warning.
+    pub fn warn_load_errors(&self) {
+        for e in &self.inner.errors {
+            tracing::warn!("{e}");
+        }
     }
 
     /// Every connector: built-ins first, then plugins in load order.

@@ -47,9 +47,7 @@ impl GlobalArgs {
     /// line each; the host goes on without them.
     pub fn registry(&self) -> Registry {
         let r = Registry::load(&self.registry_config());
-        for e in r.load_errors() {
-            tracing::warn!("{e}");
-        }
+        r.warn_load_errors();
         r
     }
 

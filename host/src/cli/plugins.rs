@@ -70,7 +70,9 @@ pub fn run(global: &GlobalArgs, cmd: PluginsCommand) -> anyhow::Result<()> {
     match cmd {
         PluginsCommand::List { json, limit } => list(&limit.registry(global)?, json),
         PluginsCommand::Inspect { target, kv_transfer_config, model, json, limit } => {
-            inspect(&limit.registry(global)?, &target, kv_transfer_config.as_deref(), model.as_deref(), json)
+            let registry = limit.registry(global)?;
+            registry.warn_load_errors();
+            inspect(&registry, &target, kv_transfer_config.as_deref(), model.as_deref(), json)
         }
         PluginsCommand::Probe(args) => probe::run(global, &args),
     }
