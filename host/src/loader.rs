@@ -203,6 +203,16 @@ pub enum LoadError {
         /// The other plugin's file.
         other: String,
     },
+    /// Loading and querying the plugin in a process of its own (`kvconnect plugins`) failed:
+    /// that process refused the plugin (its line is relayed as it is), or the plugin crashed
+    /// or hung that process.
+    #[error("{message}")]
+    QueryProcess {
+        /// The file.
+        path: String,
+        /// The whole line: the file, what happened, what to do.
+        message: String,
+    },
 }
 
 impl LoadError {
@@ -221,7 +231,8 @@ impl LoadError {
             | LoadError::MissingEntry { path, .. }
             | LoadError::StartFailed { path, .. }
             | LoadError::InvalidCapabilities { path, .. }
-            | LoadError::DuplicateName { path, .. } => path,
+            | LoadError::DuplicateName { path, .. }
+            | LoadError::QueryProcess { path, .. } => path,
         }
     }
 }

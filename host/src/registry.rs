@@ -94,6 +94,17 @@ impl RegistryConfig {
     }
 }
 
+/// Opens one plugin file as a registry entry, or says in one line why it cannot be used.
+/// Workers open plugins in their own process ([`open_in_process`]); `kvconnect plugins`
+/// opens each in a query process of its own, so that a plugin that crashes or hangs takes
+/// only that process down.
+pub type OpenPlugin = Arc<dyn Fn(&Path, &LoaderOptions) -> Result<Entry, LoadError> + Send + Sync>;
+
+/// Loads a plugin into this process: [`loader::load_plugin`] as a registry entry.
+pub fn open_in_process(path: &Path, options: &LoaderOptions) -> Result<Entry, LoadError> {
+    loader::load_plugin(path, options).map(|p| plugin_entry(&p))
+}
+
 /// The built-in connectors and the loaded plugins. Cheap to clone (one `Arc`); the pd
 /// composite gets a clone as its resolver.
 #[derive(Clone)]
@@ -103,11 +114,13 @@ pub struct Registry {
 
 struct Inner {
     builtins: Vec<Builtin>,
-    plugins: Vec<LoadedPlugin>,
+    // Origin::Dynamic entries, in load order.
+    plugins: Vec<Entry>,
     errors: Vec<LoadError>,
     options: LoaderOptions,
+    open: OpenPlugin,
     // Plugins loaded later by path (`inspect ./libx.so`, `kv_connector_module_path`).
-    by_path: Mutex<HashMap<PathBuf, LoadedPlugin>>,
+    by_path: Mutex<HashMap<PathBuf, Entry>>,
 }
 
 struct Builtin {
@@ -137,13 +150,19 @@ fn builtins() -> Vec<Builtin> {
 impl Registry {
     /// The built-ins only, no plugins.
     pub fn builtins_only() -> Registry {
-        Registry::from_parts(Vec::new(), Vec::new(), LoaderOptions::default())
+        Registry::from_parts(Vec::new(), Vec::new(), LoaderOptions::default(), Arc::new(open_in_process))
     }
 
-    /// The built-ins plus every plugin found where `config` says. A plugin that fails its
-    /// checks is left out and its one-line reason kept in [`Registry::load_errors`] (and
-    /// logged as a warning); loading goes on with the rest.
+    /// The built-ins plus every plugin found where `config` says, loaded into this process.
+    /// A plugin that fails its checks is left out and its one-line reason kept in
+    /// [`Registry::load_errors`] for the caller to report; loading goes on with the rest.
     pub fn load(config: &RegistryConfig) -> Registry {
+        Registry::load_with(config, Arc::new(open_in_process))
+    }
+
+    /// [`Registry::load`], opening each plugin file (found on the path, or named by path
+    /// later) with `open`.
+    pub fn load_with(config: &RegistryConfig, open: OpenPlugin) -> Registry {
         let options = LoaderOptions { allow_insecure: config.allow_insecure };
         let mut places = Vec::new();
         if config.use_env {
@@ -153,7 +172,7 @@ impl Registry {
         }
         places.extend(config.plugin_dirs.iter().cloned());
         let (files, mut errors) = loader::discover(&places);
-        let mut plugins: Vec<LoadedPlugin> = Vec::new();
+        let mut plugins: Vec<Entry> = Vec::new();
         let mut seen_files = Vec::new();
         for f in files {
             let canon = std::fs::canonicalize(&f).unwrap_or_else(|_| f.clone());
@@ -161,35 +180,38 @@ impl Registry {
                 continue;
             }
             seen_files.push(canon);
-            match loader::load_plugin(&f, &options) {
+            match open(&f, &options) {
                 Ok(p) => {
-                    if let Some(other) = plugins.iter().find(|o| o.library.name() == p.library.name()) {
+                    if let Some(other) = plugins.iter().find(|o| o.name == p.name) {
                         errors.push(LoadError::DuplicateName {
                             path: f.display().to_string(),
-                            name: p.library.name().to_owned(),
-                            other: other.library.path().display().to_string(),
+                            name: p.name,
+                            other: shown_path(other),
                         });
                     } else {
-                        tracing::debug!(plugin = p.library.name(), path = %f.display(), "loaded plugin");
+                        tracing::debug!(plugin = p.name, path = %f.display(), "loaded plugin");
                         plugins.push(p);
                     }
                 }
                 Err(e) => errors.push(e),
             }
         }
-        for e in &errors {
-            tracing::warn!("{e}");
-        }
-        Registry::from_parts(plugins, errors, options)
+        Registry::from_parts(plugins, errors, options, open)
     }
 
-    fn from_parts(plugins: Vec<LoadedPlugin>, errors: Vec<LoadError>, options: LoaderOptions) -> Registry {
+    fn from_parts(
+        plugins: Vec<Entry>,
+        errors: Vec<LoadError>,
+        options: LoaderOptions,
+        open: OpenPlugin,
+    ) -> Registry {
         Registry {
             inner: Arc::new(Inner {
                 builtins: builtins(),
                 plugins,
                 errors,
                 options,
+                open,
                 by_path: Mutex::new(HashMap::new()),
             }),
         }
@@ -200,10 +222,17 @@ impl Registry {
         &self.inner.errors
     }
 
+    /// Logs each of [`Registry::load_errors`] as a warning.
+    pub fn warn_load_errors(&self) {
+        for e in &self.inner.errors {
+            tracing::warn!("{e}");
+        }
+    }
+
     /// Every connector: built-ins first, then plugins in load order.
     pub fn entries(&self) -> Vec<Entry> {
         let mut v: Vec<Entry> = self.inner.builtins.iter().map(|b| self.builtin_entry(b)).collect();
-        v.extend(self.inner.plugins.iter().map(plugin_entry));
+        v.extend(self.inner.plugins.iter().cloned());
         v
     }
 
@@ -215,8 +244,8 @@ impl Registry {
             v.extend(b.aliases.iter().map(|a| (*a).to_owned()));
         }
         for p in &self.inner.plugins {
-            if !v.iter().any(|n| n == p.library.name()) {
-                v.push(p.library.name().to_owned());
+            if !v.contains(&p.name) {
+                v.push(p.name.clone());
             }
         }
         v
@@ -231,8 +260,8 @@ impl Registry {
         if let Some(b) = self.builtin(name_or_path) {
             return Ok(self.builtin_entry(b));
         }
-        if let Some(p) = self.inner.plugins.iter().find(|p| p.library.name() == name_or_path) {
-            return Ok(plugin_entry(p));
+        if let Some(p) = self.inner.plugins.iter().find(|p| p.name == name_or_path) {
+            return Ok(p.clone());
         }
         Err(RegistryError::Unknown { name: name_or_path.to_owned(), known: self.names() })
     }
@@ -243,8 +272,8 @@ impl Registry {
             if looks_like_path(m) {
                 return self.load_path(Path::new(m));
             }
-            if let Some(p) = self.inner.plugins.iter().find(|p| p.library.name() == m) {
-                return Ok(plugin_entry(p));
+            if let Some(p) = self.inner.plugins.iter().find(|p| p.name == m) {
+                return Ok(p.clone());
             }
             if let Some(b) = self.builtin(m) {
                 return Ok(self.builtin_entry(b));
@@ -285,19 +314,22 @@ impl Registry {
     fn load_path(&self, path: &Path) -> Result<Entry, RegistryError> {
         let canon = std::fs::canonicalize(path).unwrap_or_else(|_| path.to_path_buf());
         for p in &self.inner.plugins {
-            if std::fs::canonicalize(p.library.path()).ok().as_ref() == Some(&canon) {
-                return Ok(plugin_entry(p));
+            if p.path.as_ref().and_then(|f| std::fs::canonicalize(f).ok()).as_ref() == Some(&canon) {
+                return Ok(p.clone());
             }
         }
         let mut cache = self.inner.by_path.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(p) = cache.get(&canon) {
-            return Ok(plugin_entry(p));
+            return Ok(p.clone());
         }
-        let p = loader::load_plugin(path, &self.inner.options)?;
-        let e = plugin_entry(&p);
-        cache.insert(canon, p);
+        let e = (self.inner.open)(path, &self.inner.options)?;
+        cache.insert(canon, e.clone());
         Ok(e)
     }
+}
+
+fn shown_path(e: &Entry) -> String {
+    e.path.as_ref().map(|p| p.display().to_string()).unwrap_or_default()
 }
 
 fn plugin_entry(p: &LoadedPlugin) -> Entry {
@@ -372,6 +404,55 @@ mod tests {
         c.kv_connector_module_path = Some("/nonexistent/libmine.so".into());
         let e = r.find_for_config(&c).unwrap_err().to_string();
         assert!(e.starts_with("plugin /nonexistent/libmine.so: cannot read it"), "{e}");
+    }
+
+    #[test]
+    fn plugins_are_opened_with_the_registrys_opener_once_each() {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["liba.so", "libb.so", "libc.so"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let opened = Arc::new(Mutex::new(Vec::new()));
+        let seen = opened.clone();
+        let open: OpenPlugin = Arc::new(move |path: &Path, _: &LoaderOptions| {
+            let file = path.display().to_string();
+            seen.lock().unwrap().push(path.file_name().unwrap().to_string_lossy().into_owned());
+            if file.ends_with("libc.so") {
+                return Err(LoadError::QueryProcess {
+                    message: format!("plugin {file}: crashed"),
+                    path: file,
+                });
+            }
+            Ok(Entry {
+                name: "same".into(),
+                aliases: Vec::new(),
+                origin: Origin::Dynamic,
+                path: Some(path.to_path_buf()),
+                abi: Some("1.0".into()),
+                sdk_version: Some("0.1.0".into()),
+                factory: crate::builtin::lmcache(),
+            })
+        });
+        let config = RegistryConfig {
+            plugin_dirs: vec![dir.path().to_path_buf()],
+            use_env: false,
+            allow_insecure: false,
+        };
+        let r = Registry::load_with(&config, open);
+        assert_eq!(*opened.lock().unwrap(), ["liba.so", "libb.so", "libc.so"]);
+        let a = r.find("same").unwrap();
+        assert_eq!(a.path, Some(dir.path().join("liba.so")));
+        let errors: Vec<String> = r.load_errors().iter().map(|e| e.to_string()).collect();
+        assert_eq!(errors.len(), 2, "{errors:?}");
+        assert!(errors[0].contains("libb.so: connector name 'same' is already taken by"), "{errors:?}");
+        assert!(errors[1].ends_with("libc.so: crashed"), "{errors:?}");
+
+        // By path: a plugin already open is not opened again; another file is, once.
+        assert_eq!(r.find(&dir.path().join("liba.so").to_string_lossy()).unwrap().name, "same");
+        let b = dir.path().join("libb.so").to_string_lossy().into_owned();
+        assert_eq!(r.find(&b).unwrap().path, Some(PathBuf::from(&b)));
+        assert_eq!(r.find(&b).unwrap().name, "same");
+        assert_eq!(opened.lock().unwrap().len(), 4);
     }
 
     #[test]

@@ -24,6 +24,11 @@ pub const DEFECTS: &[&str] = &[
     "no_entry",
 ];
 
+/// Defects that take down the process loading the plugin, in the capability query the host
+/// makes at load: `std::process::abort()`, and a sleep that never ends. Only `kvconnect
+/// plugins`, which loads each plugin in a query process of its own, survives them.
+pub const CRASHING_DEFECTS: &[&str] = &["caps_aborts", "caps_hangs"];
+
 // One build at a time within a test binary; cargo's own lock orders the binaries.
 static BUILD: Mutex<()> = Mutex::new(());
 

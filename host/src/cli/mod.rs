@@ -8,6 +8,7 @@ mod bench_nixl_vram;
 pub mod exit;
 pub mod negotiate;
 pub mod plan;
+pub mod plugin_query;
 pub mod plugins;
 pub mod up;
 pub mod worker;
@@ -45,16 +46,14 @@ impl GlobalArgs {
     /// The registry these options describe. Refused plugins are logged as warnings, one
     /// line each; the host goes on without them.
     pub fn registry(&self) -> Registry {
-        let r = self.registry_quiet();
-        for e in r.load_errors() {
-            tracing::warn!("{e}");
-        }
+        let r = Registry::load(&self.registry_config());
+        r.warn_load_errors();
         r
     }
 
-    /// The registry, leaving refused plugins to the caller to report.
-    pub fn registry_quiet(&self) -> Registry {
-        Registry::load(&RegistryConfig::with_env(self.plugin_dirs.clone(), self.allow_insecure_plugins))
+    /// Where these options say to look for plugins.
+    pub fn registry_config(&self) -> RegistryConfig {
+        RegistryConfig::with_env(self.plugin_dirs.clone(), self.allow_insecure_plugins)
     }
 }
 

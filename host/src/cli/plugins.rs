@@ -2,14 +2,17 @@
 //! connector instance. The `--json` output is a stable interface (documented in README.md):
 //! fields are only ever added.
 
-use super::GlobalArgs;
+use super::plugin_query::probe::{self, ProbeArgs};
+use super::plugin_query::time_limit::{self, QUERY_TIMEOUT_ENV};
+use super::{plugin_query, GlobalArgs};
 use crate::registry::{Entry, Registry};
 use anyhow::{bail, Context};
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::{Capabilities, KvTransferConfig, MemoryKind, ModelSpec, TransferMode};
 use serde_json::{json, Value};
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// `kvconnect plugins ...`.
 #[derive(Debug, Subcommand)]
@@ -20,6 +23,8 @@ pub enum PluginsCommand {
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        limit: QueryLimit,
     },
     /// The full capabilities of one connector, for a config and a model.
     Inspect {
@@ -34,16 +39,42 @@ pub enum PluginsCommand {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        limit: QueryLimit,
     },
+    /// Loads one plugin file and prints its answer to a capability query as JSON: what
+    /// `list` and `inspect` run in a process of its own for each plugin.
+    #[command(hide = true)]
+    Probe(ProbeArgs),
+}
+
+/// How long each plugin's query process may take.
+#[derive(Debug, Clone, Args)]
+pub struct QueryLimit {
+    /// Seconds to wait for each plugin, loaded and queried in a process of its own, before
+    /// killing that process and refusing the plugin [default: 10, or
+    /// KVCONNECT_PLUGIN_QUERY_TIMEOUT]
+    #[arg(long, value_name = "SECS", value_parser = time_limit::parse_secs)]
+    query_timeout: Option<Duration>,
+}
+
+impl QueryLimit {
+    fn registry(&self, global: &GlobalArgs) -> anyhow::Result<Registry> {
+        let env = std::env::var(QUERY_TIMEOUT_ENV).ok();
+        plugin_query::registry(global, time_limit::query_timeout(self.query_timeout, env.as_deref())?)
+    }
 }
 
 /// Runs a `plugins` subcommand.
 pub fn run(global: &GlobalArgs, cmd: PluginsCommand) -> anyhow::Result<()> {
     match cmd {
-        PluginsCommand::List { json } => list(&global.registry_quiet(), json),
-        PluginsCommand::Inspect { target, kv_transfer_config, model, json } => {
-            inspect(&global.registry_quiet(), &target, kv_transfer_config.as_deref(), model.as_deref(), json)
+        PluginsCommand::List { json, limit } => list(&limit.registry(global)?, json),
+        PluginsCommand::Inspect { target, kv_transfer_config, model, json, limit } => {
+            let registry = limit.registry(global)?;
+            registry.warn_load_errors();
+            inspect(&registry, &target, kv_transfer_config.as_deref(), model.as_deref(), json)
         }
+        PluginsCommand::Probe(args) => probe::run(global, &args),
     }
 }
 
