@@ -1,24 +1,28 @@
-//! A minimal HTTP/1.1 client over tokio's TcpStream (one request per connection,
-//! `Connection: close`), enough for the proxy to talk to its workers without a client crate.
+//! The proxy's HTTP client to its workers: hyper-util's pooled HTTP/1.1 client, so requests
+//! reuse kept-alive connections instead of opening one each.
 
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
 use serde_json::Value;
+use std::sync::OnceLock;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
-/// Largest response the client reads.
+/// Largest response body the client reads whole.
 const MAX_RESPONSE: usize = 64 << 20;
 
 /// Why a request to a worker got no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// No connection.
-    #[error("cannot connect to {addr}: {source}; is the worker running?")]
+    #[error("cannot connect to {addr}: {reason}; is the worker running?")]
     Connect {
         /// The worker's address.
         addr: String,
-        /// The OS error.
-        source: std::io::Error,
+        /// What the connection attempt said.
+        reason: String,
     },
     /// The connection broke or timed out.
     #[error("{addr} broke off the exchange: {reason}")]
@@ -28,11 +32,13 @@ pub enum ClientError {
         /// What happened.
         reason: String,
     },
-    /// The answer was not HTTP.
-    #[error("{addr} answered something that is not an HTTP response")]
-    Malformed {
+    /// The request could not be formed (a bad address or header).
+    #[error("cannot send a request to {addr}: {reason}")]
+    Request {
         /// The worker's address.
         addr: String,
+        /// What is wrong.
+        reason: String,
     },
 }
 
@@ -41,7 +47,7 @@ pub enum ClientError {
 pub struct Reply {
     /// HTTP status.
     pub status: u16,
-    /// The body (de-chunked).
+    /// The body.
     pub body: String,
 }
 
@@ -52,33 +58,98 @@ impl Reply {
     }
 }
 
-/// Connects within `timeout` and returns the stream with the request (head and JSON body)
-/// to write on it.
-async fn connect(
-    addr: &str,
-    method: &str,
-    path: &str,
-    body: Option<&Value>,
-    timeout: Duration,
-) -> Result<(TcpStream, Vec<u8>), ClientError> {
-    let s = tokio::time::timeout(timeout, TcpStream::connect(addr))
-        .await
-        .map_err(|_| ClientError::Io {
-            addr: addr.to_owned(),
-            reason: format!("no connection within {timeout:?}"),
-        })?
-        .map_err(|source| ClientError::Connect { addr: addr.to_owned(), source })?;
-    let payload = body.map(Value::to_string).unwrap_or_default();
-    let mut message = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        payload.len()
-    )
-    .into_bytes();
-    message.extend_from_slice(payload.as_bytes());
-    Ok((s, message))
+/// One request to a worker.
+#[derive(Debug, Clone, Copy)]
+pub struct Call<'a> {
+    /// `host:port`.
+    pub addr: &'a str,
+    /// `GET` or `POST`.
+    pub method: &'a str,
+    /// The path, e.g. `/v1/completions`.
+    pub path: &'a str,
+    /// A JSON body.
+    pub body: Option<&'a Value>,
+    /// Extra headers.
+    pub headers: &'a [(&'a str, &'a str)],
+    /// Limit for the connection and the answer's head (and, streaming, each later piece).
+    pub timeout: Duration,
 }
 
-/// Sends one request and reads the whole answer within `timeout`.
+impl<'a> Call<'a> {
+    /// A call without extra headers.
+    pub fn new(
+        addr: &'a str,
+        method: &'a str,
+        path: &'a str,
+        body: Option<&'a Value>,
+        timeout: Duration,
+    ) -> Self {
+        Call { addr, method, path, body, headers: &[], timeout }
+    }
+}
+
+fn client() -> &'static Client<HttpConnector, Full<Bytes>> {
+    static CLIENT: OnceLock<Client<HttpConnector, Full<Bytes>>> = OnceLock::new();
+    CLIENT.get_or_init(|| {
+        let mut http = HttpConnector::new();
+        http.set_nodelay(true);
+        http.set_connect_timeout(Some(Duration::from_secs(5)));
+        Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(http)
+    })
+}
+
+/// Sends the request; returns the response with its body still to read.
+async fn send(c: &Call<'_>) -> Result<hyper::Response<hyper::body::Incoming>, ClientError> {
+    let bad = |reason: String| ClientError::Request { addr: c.addr.to_owned(), reason };
+    let payload = c.body.map(Value::to_string).unwrap_or_default();
+    let mut req = hyper::Request::builder()
+        .method(c.method)
+        .uri(format!("http://{}{}", c.addr, c.path))
+        .header(hyper::header::CONTENT_TYPE, "application/json");
+    for (k, v) in c.headers {
+        req = req.header(*k, *v);
+    }
+    let req = req.body(Full::new(Bytes::from(payload))).map_err(|e| bad(e.to_string()))?;
+    match tokio::time::timeout(c.timeout, client().request(req)).await {
+        Err(_) => Err(ClientError::Io {
+            addr: c.addr.to_owned(),
+            reason: format!("no answer within {:?}", c.timeout),
+        }),
+        Ok(Err(e)) if e.is_connect() => {
+            Err(ClientError::Connect { addr: c.addr.to_owned(), reason: chain(&e) })
+        }
+        Ok(Err(e)) => Err(ClientError::Io { addr: c.addr.to_owned(), reason: chain(&e) }),
+        Ok(Ok(r)) => Ok(r),
+    }
+}
+
+/// An error with its sources, as one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut at = e.source();
+    while let Some(src) = at {
+        s.push_str(": ");
+        s.push_str(&src.to_string());
+        at = src.source();
+    }
+    s
+}
+
+/// Sends one request and reads the whole answer within the call's timeout.
+pub async fn call(c: Call<'_>) -> Result<Reply, ClientError> {
+    let io = |reason: String| ClientError::Io { addr: c.addr.to_owned(), reason };
+    let r = send(&c).await?;
+    let status = r.status().as_u16();
+    let body = http_body_util::Limited::new(r.into_body(), MAX_RESPONSE);
+    let bytes = tokio::time::timeout(c.timeout, body.collect())
+        .await
+        .map_err(|_| io(format!("no whole answer within {:?}", c.timeout)))?
+        .map_err(|e| io(chain(e.as_ref())))?
+        .to_bytes();
+    Ok(Reply { status, body: String::from_utf8_lossy(&bytes).into_owned() })
+}
+
+/// [`call`] without extra headers.
 pub async fn request(
     addr: &str,
     method: &str,
@@ -86,24 +157,11 @@ pub async fn request(
     body: Option<&Value>,
     timeout: Duration,
 ) -> Result<Reply, ClientError> {
-    let io = |reason: String| ClientError::Io { addr: addr.to_owned(), reason };
-    let (mut s, message) = connect(addr, method, path, body, timeout).await?;
-    let exchange = async {
-        s.write_all(&message).await?;
-        let mut raw = Vec::new();
-        (&mut s).take(MAX_RESPONSE as u64).read_to_end(&mut raw).await?;
-        Ok::<_, std::io::Error>(raw)
-    };
-    let raw = tokio::time::timeout(timeout, exchange)
-        .await
-        .map_err(|_| io(format!("no answer within {timeout:?}")))?
-        .map_err(|e| io(e.to_string()))?;
-    parse(addr, &raw)
+    call(Call::new(addr, method, path, body, timeout)).await
 }
 
-/// An answer whose body is still arriving: the status, and the body's bytes (de-chunked) as
-/// they come, on a channel that closes at the body's end (an `Err` item when the connection
-/// broke or the chunking was malformed).
+/// An answer whose body is still arriving: the status, and the body's bytes as they come, on
+/// a channel that closes at the body's end (an `Err` item when the connection broke).
 pub struct Streaming {
     /// HTTP status.
     pub status: u16,
@@ -111,177 +169,79 @@ pub struct Streaming {
     pub body: tokio::sync::mpsc::Receiver<Result<Vec<u8>, ClientError>>,
 }
 
-/// Sends one request and returns once the response head is in (within `timeout`); the body
-/// then streams on, each read within `timeout` of the last.
-pub async fn request_streaming(
-    addr: &str,
-    method: &str,
-    path: &str,
-    body: Option<&Value>,
-    timeout: Duration,
-) -> Result<Streaming, ClientError> {
-    let io = |reason: String| ClientError::Io { addr: addr.to_owned(), reason };
-    let (mut s, message) = connect(addr, method, path, body, timeout).await?;
-    let mut raw = Vec::new();
-    let read_head = async {
-        s.write_all(&message).await?;
-        let mut buf = [0u8; 16384];
-        loop {
-            if let Some(at) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
-                return Ok::<_, std::io::Error>(at);
-            }
-            if raw.len() > MAX_RESPONSE {
-                return Err(std::io::Error::other("the response head is too long"));
-            }
-            let n = s.read(&mut buf).await?;
-            if n == 0 {
-                return Err(std::io::Error::other("the connection closed before the response head"));
-            }
-            raw.extend_from_slice(&buf[..n]);
-        }
-    };
-    let split = tokio::time::timeout(timeout, read_head)
-        .await
-        .map_err(|_| io(format!("no answer within {timeout:?}")))?
-        .map_err(|e| io(e.to_string()))?;
-    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-    let status = head
-        .strip_prefix("http/1.")
-        .and_then(|h| h.split_whitespace().nth(1))
-        .and_then(|c| c.parse::<u16>().ok())
-        .ok_or_else(|| ClientError::Malformed { addr: addr.to_owned() })?;
-    let chunked = head.contains("transfer-encoding: chunked");
-    let rest = raw[split + 4..].to_vec();
+/// Sends one request and returns once the response head is in; the body then streams on,
+/// each piece within the call's timeout of the last.
+pub async fn call_streaming(c: Call<'_>) -> Result<Streaming, ClientError> {
+    let r = send(&c).await?;
+    let status = r.status().as_u16();
+    let mut body = r.into_body();
     let (tx, rx) = tokio::sync::mpsc::channel(64);
-    let addr = addr.to_owned();
+    let (addr, timeout) = (c.addr.to_owned(), c.timeout);
     tokio::spawn(async move {
-        let mut pending = rest;
-        let mut buf = vec![0u8; 65536];
         loop {
-            // Hand on what is complete so far.
-            let piece = if chunked {
-                match take_chunks(&mut pending) {
-                    Ok((data, last)) => {
-                        if !data.is_empty() && tx.send(Ok(data)).await.is_err() {
-                            return;
-                        }
-                        if last {
-                            return;
-                        }
-                        None
-                    }
-                    Err(()) => {
-                        let _ = tx.send(Err(ClientError::Malformed { addr: addr.clone() })).await;
-                        return;
-                    }
-                }
-            } else {
-                Some(std::mem::take(&mut pending))
+            let piece = match tokio::time::timeout(timeout, body.frame()).await {
+                Err(_) => Err(ClientError::Io {
+                    addr: addr.clone(),
+                    reason: format!("no more of the answer within {timeout:?}"),
+                }),
+                Ok(None) => return,
+                Ok(Some(Err(e))) => Err(ClientError::Io { addr: addr.clone(), reason: chain(&e) }),
+                Ok(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(d) if d.is_empty() => continue,
+                    Ok(d) => Ok(d.to_vec()),
+                    Err(_) => continue, // trailers
+                },
             };
-            if let Some(p) = piece.filter(|p| !p.is_empty()) {
-                if tx.send(Ok(p)).await.is_err() {
-                    return;
-                }
-            }
-            match tokio::time::timeout(timeout, s.read(&mut buf)).await {
-                Ok(Ok(0)) => return,
-                Ok(Ok(n)) => pending.extend_from_slice(&buf[..n]),
-                Ok(Err(e)) => {
-                    let _ = tx.send(Err(ClientError::Io { addr: addr.clone(), reason: e.to_string() })).await;
-                    return;
-                }
-                Err(_) => {
-                    let reason = format!("no more of the answer within {timeout:?}");
-                    let _ = tx.send(Err(ClientError::Io { addr: addr.clone(), reason })).await;
-                    return;
-                }
+            let last = piece.is_err();
+            if tx.send(piece).await.is_err() || last {
+                return;
             }
         }
     });
     Ok(Streaming { status, body: rx })
 }
 
-/// Takes the complete chunks off the front of `b`: their data, and whether the last (empty)
-/// chunk was among them. A size line that is not hex is an error.
-fn take_chunks(b: &mut Vec<u8>) -> Result<(Vec<u8>, bool), ()> {
-    let mut out = Vec::new();
-    let mut at = 0;
-    while let Some(eol) = b[at..].windows(2).position(|w| w == b"\r\n") {
-        let size_line = String::from_utf8_lossy(&b[at..at + eol]).into_owned();
-        let size_hex = size_line.split(';').next().unwrap_or("").trim();
-        let n = usize::from_str_radix(size_hex, 16).map_err(|_| ())?;
-        let start = at + eol + 2;
-        if n == 0 {
-            b.drain(..start.min(b.len()));
-            return Ok((out, true));
-        }
-        if b.len() < start + n + 2 {
-            break;
-        }
-        out.extend_from_slice(&b[start..start + n]);
-        at = start + n + 2;
-    }
-    b.drain(..at);
-    Ok((out, false))
-}
-
-fn parse(addr: &str, raw: &[u8]) -> Result<Reply, ClientError> {
-    let malformed = || ClientError::Malformed { addr: addr.to_owned() };
-    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(malformed)?;
-    let head = String::from_utf8_lossy(&raw[..split]).to_ascii_lowercase();
-    let status = head
-        .strip_prefix("http/1.")
-        .and_then(|h| h.split_whitespace().nth(1))
-        .and_then(|c| c.parse::<u16>().ok())
-        .ok_or_else(malformed)?;
-    let body = &raw[split + 4..];
-    let body = if head.contains("transfer-encoding: chunked") {
-        dechunk(body).ok_or_else(malformed)?
-    } else {
-        body.to_vec()
-    };
-    Ok(Reply { status, body: String::from_utf8_lossy(&body).into_owned() })
-}
-
-fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b.windows(2).position(|w| w == b"\r\n")?;
-        let size = std::str::from_utf8(&b[..eol]).ok()?.split(';').next()?.trim();
-        let n = usize::from_str_radix(size, 16).ok()?;
-        b = &b[eol + 2..];
-        if n == 0 {
-            return Some(out);
-        }
-        out.extend_from_slice(b.get(..n)?);
-        b = b.get(n + 2..)?;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn chunks_are_taken_as_they_complete() {
-        let mut b = b"3\r\nabc\r\n2\r\nd".to_vec();
-        assert_eq!(take_chunks(&mut b), Ok((b"abc".to_vec(), false)));
-        b.extend_from_slice(b"e\r\n0\r\n\r\n");
-        assert_eq!(take_chunks(&mut b), Ok((b"de".to_vec(), true)));
-        assert_eq!(take_chunks(&mut b"zz\r\n".to_vec()), Err(()));
-    }
+    #[tokio::test]
+    async fn a_closed_port_is_a_connect_error_and_answers_are_read_over_one_pooled_connection() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed = l.local_addr().unwrap().to_string();
+        drop(l);
+        let e = request(&closed, "GET", "/health", None, Duration::from_secs(2)).await.unwrap_err();
+        assert!(matches!(e, ClientError::Connect { .. }), "{e}");
+        assert!(e.to_string().contains("is the worker running?"), "{e}");
 
-    #[test]
-    fn parses_plain_and_chunked_answers() {
-        let r = parse("a", b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}").unwrap();
-        assert_eq!((r.status, r.body.as_str()), (200, "{}"));
-        let r = parse(
-            "a",
-            b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n",
-        )
-        .unwrap();
-        assert_eq!((r.status, r.body.as_str()), (404, "abcde"));
-        assert!(parse("a", b"garbage").is_err());
-        assert!(parse("a", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n").is_err());
+        // A server that counts its connections and answers keep-alive requests.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let conns = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = conns.clone();
+        let app = axum::Router::new().route("/x", axum::routing::post(|b: String| async move { b }));
+        tokio::spawn(async move {
+            loop {
+                let (s, _) = listener.accept().await.unwrap();
+                counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+                tokio::spawn(async move {
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                        .await;
+                });
+            }
+        });
+        for i in 0..5 {
+            let body = serde_json::json!({"i": i});
+            let r = call(Call {
+                headers: &[("x-request-id", "abc")],
+                ..Call::new(&addr, "POST", "/x", Some(&body), Duration::from_secs(5))
+            })
+            .await
+            .unwrap();
+            assert_eq!((r.status, r.json()), (200, body));
+        }
+        assert_eq!(conns.load(std::sync::atomic::Ordering::SeqCst), 1, "one kept-alive connection");
     }
 }

@@ -15,10 +15,11 @@ pub mod metrics;
 
 use crate::deployment::Role;
 use crate::server::openai::{chat_prompt, openai_error, CONTEXT_TOKENS};
+use crate::server::request_id;
 use crate::server::sse;
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
@@ -53,6 +54,7 @@ impl Proxy {
         method: &str,
         path: &str,
         body: Option<&Value>,
+        headers: &[(&str, &str)],
     ) -> Result<(String, client::Reply), Response> {
         let mut tried: Vec<String> = Vec::new();
         loop {
@@ -61,7 +63,8 @@ impl Proxy {
                 Err(e) if tried.is_empty() => return Err(unreachable(role.name(), e)),
                 Err(_) => break,
             };
-            match client::request(&w, method, path, body, self.timeout).await {
+            let call = client::Call { headers, ..client::Call::new(&w, method, path, body, self.timeout) };
+            match client::call(call).await {
                 Ok(r) => return Ok((w, r)),
                 Err(e @ client::ClientError::Connect { .. }) => {
                     tracing::warn!(worker = %w, "{role} worker unreachable, trying another: {e}");
@@ -102,7 +105,26 @@ fn relay(status: u16, body: Value) -> Response {
     (status, Json(body)).into_response()
 }
 
-async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
+/// What vLLM's P/D proxy sends prefill: the client's body asking for one token, not
+/// streamed, and for the KV to be kept for a remote decode.
+pub fn prefill_body(body: &serde_json::Map<String, Value>) -> serde_json::Map<String, Value> {
+    let mut pre = body.clone();
+    pre.insert("max_tokens".into(), json!(1));
+    if pre.contains_key("max_completion_tokens") {
+        pre.insert("max_completion_tokens".into(), json!(1));
+    }
+    pre.insert("stream".into(), json!(false));
+    pre.remove("stream_options");
+    pre.remove("min_tokens");
+    pre.insert(
+        "kv_transfer_params".into(),
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+    );
+    pre
+}
+
+async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool, auth: Option<&str>) -> Response {
     let t0 = Instant::now();
     let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
     let v: Value = match serde_json::from_slice(raw) {
@@ -138,8 +160,7 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
     };
     // Prefill computes the prompt only (max_tokens 1), so the user's max_tokens is checked
     // here, before any KV is produced for a decode that would refuse it.
-    let mut pre = body.clone();
-    let checked_max = pre.remove("max_completion_tokens").or_else(|| pre.get("max_tokens").cloned());
+    let checked_max = body.get("max_completion_tokens").or_else(|| body.get("max_tokens")).cloned();
     if let Some(m) = &checked_max {
         let Some(n) = m.as_u64().filter(|n| *n > 0) else {
             return openai_error(
@@ -162,9 +183,16 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
             );
         }
     }
-    pre.insert("max_tokens".into(), json!(1));
-    pre.insert("kv_transfer_params".into(), json!({"do_remote_decode": true}));
-    let (pw, pr) = match p.send(Role::Prefill, "POST", path, Some(&Value::Object(pre))).await {
+    // vLLM's P/D proxy protocol: one X-Request-Id for both hops, the client's credentials
+    // passed on, prefill asked for one token and to keep the KV, decode given the client's
+    // body with prefill's kv_transfer_params verbatim.
+    let rid = uuid::Uuid::new_v4().to_string();
+    let mut headers: Vec<(&str, &str)> = vec![(request_id::HEADER, rid.as_str())];
+    if let Some(a) = auth {
+        headers.push(("authorization", a));
+    }
+    let pre = prefill_body(&body);
+    let (pw, pr) = match p.send(Role::Prefill, "POST", path, Some(&Value::Object(pre)), &headers).await {
         Ok(r) => r,
         Err(r) => {
             p.metrics.error();
@@ -179,7 +207,6 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
     let prefill_done = t0.elapsed();
     let mut dec = body;
     dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
-    dec.insert("request_id".into(), pv["id"].clone());
     if stream {
         let dw = match p.backends.pick(Role::Decode, &[]) {
             Ok(dw) => dw,
@@ -190,9 +217,9 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
         };
         dec.insert("stream".into(), json!(true));
         let hop = Hop { pw, dw, prefill: pv["kvconnect"].clone(), t0, prefill_done };
-        return stream_decode(p, path, dec, hop).await;
+        return stream_decode(p, path, dec, &headers, hop).await;
     }
-    let (dw, dr) = match p.send(Role::Decode, "POST", path, Some(&Value::Object(dec))).await {
+    let (dw, dr) = match p.send(Role::Decode, "POST", path, Some(&Value::Object(dec)), &headers).await {
         Ok(r) => r,
         Err(r) => {
             p.metrics.error();
@@ -242,16 +269,18 @@ async fn stream_decode(
     p: &Arc<Proxy>,
     path: &str,
     dec: serde_json::Map<String, Value>,
+    headers: &[(&str, &str)],
     hop: Hop,
 ) -> Response {
-    let mut ds =
-        match client::request_streaming(&hop.dw, "POST", path, Some(&Value::Object(dec)), p.timeout).await {
-            Ok(s) => s,
-            Err(e) => {
-                p.metrics.error();
-                return unreachable("decode", e);
-            }
-        };
+    let dec = Value::Object(dec);
+    let call = client::Call { headers, ..client::Call::new(&hop.dw, "POST", path, Some(&dec), p.timeout) };
+    let mut ds = match client::call_streaming(call).await {
+        Ok(s) => s,
+        Err(e) => {
+            p.metrics.error();
+            return unreachable("decode", e);
+        }
+    };
     if ds.status != 200 {
         let mut b = Vec::new();
         while let Some(Ok(piece)) = ds.body.recv().await {
@@ -347,16 +376,20 @@ fn prompt_tokens(body: &serde_json::Map<String, Value>, chat: bool) -> usize {
     }
 }
 
-async fn completions(State(p): State<Arc<Proxy>>, raw: Bytes) -> Response {
-    disaggregated(&p, &raw, false).await
+fn authorization(h: &HeaderMap) -> Option<&str> {
+    h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())
 }
 
-async fn chat_completions(State(p): State<Arc<Proxy>>, raw: Bytes) -> Response {
-    disaggregated(&p, &raw, true).await
+async fn completions(State(p): State<Arc<Proxy>>, h: HeaderMap, raw: Bytes) -> Response {
+    disaggregated(&p, &raw, false, authorization(&h)).await
+}
+
+async fn chat_completions(State(p): State<Arc<Proxy>>, h: HeaderMap, raw: Bytes) -> Response {
+    disaggregated(&p, &raw, true, authorization(&h)).await
 }
 
 async fn models(State(p): State<Arc<Proxy>>) -> Response {
-    match p.send(Role::Decode, "GET", "/v1/models", None).await {
+    match p.send(Role::Decode, "GET", "/v1/models", None, &[]).await {
         Ok((_, r)) => relay(r.status, r.json()),
         Err(r) => r,
     }

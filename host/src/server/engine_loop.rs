@@ -16,7 +16,7 @@ pub type TokenSink = tmpsc::UnboundedSender<Vec<u32>>;
 /// transfer benchmark uses.
 pub trait Driver {
     /// Queues a request.
-    fn add(&mut self, req: GenRequest) -> Result<(), String>;
+    fn add(&mut self, req: GenRequest) -> Result<(), SubmitError>;
     /// One step.
     fn step(&mut self) -> Result<Vec<RequestOutput>, StepFailure>;
     /// Ends every unfinished request after a failed step and frees its blocks. With
@@ -64,6 +64,9 @@ pub enum SubmitError {
     /// The engine refused the request (`request '<id>': ...` for a malformed one).
     #[error("{0}")]
     Rejected(String),
+    /// A request with the same id is still in the engine.
+    #[error("{0}")]
+    Duplicate(String),
     /// The worker cannot serve any request (its connector is poisoned): it says so on
     /// `/health` and must be restarted.
     #[error("worker unhealthy: {0}")]
@@ -98,8 +101,11 @@ pub struct PoolStats {
 }
 
 impl Driver for Engine {
-    fn add(&mut self, req: GenRequest) -> Result<(), String> {
-        self.add_request(req).map_err(|e| e.to_string())
+    fn add(&mut self, req: GenRequest) -> Result<(), SubmitError> {
+        self.add_request(req).map_err(|e| match e {
+            crate::worker::WorkerError::DuplicateId { .. } => SubmitError::Duplicate(e.to_string()),
+            e => SubmitError::Rejected(e.to_string()),
+        })
     }
 
     fn step(&mut self) -> Result<Vec<RequestOutput>, StepFailure> {
@@ -301,7 +307,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                             pending.insert(id, Pending { reply, done, sink });
                         }
                         Err(e) => {
-                            let _ = reply.send(Err(SubmitError::Rejected(e)));
+                            let _ = reply.send(Err(e));
                         }
                     }
                 }

@@ -155,6 +155,7 @@ pub(crate) async fn completions_with(
     let done = match st.engine.submit_streaming(req, sink).await {
         Ok(d) => d,
         Err(SubmitError::Rejected(e)) if e.starts_with("request '") => return bad_request(e),
+        Err(SubmitError::Duplicate(e)) => return error(StatusCode::CONFLICT, "conflict", e, None),
         Err(e @ (SubmitError::Unhealthy(_) | SubmitError::Gone)) => {
             return error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string(), None)
         }

@@ -14,6 +14,7 @@ pub mod http;
 pub mod openai;
 pub mod openai_metrics;
 pub mod peers;
+pub mod request_id;
 pub mod sse;
 pub mod synthetic;
 

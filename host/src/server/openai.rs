@@ -17,10 +17,10 @@
 //! request runs to its end and frees its blocks as usual.
 
 use crate::server::http::{self, AppState};
-use crate::server::{openai_metrics, sse};
+use crate::server::{openai_metrics, request_id, sse};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
@@ -212,18 +212,25 @@ async fn openai_from_inner(resp: Response) -> Result<Value, Response> {
     Err(r)
 }
 
-async fn generate(st: Arc<AppState>, raw: Bytes, chat: bool) -> Response {
+async fn generate(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool) -> Response {
     let route = if chat { "/v1/chat/completions" } else { "/v1/completions" };
-    let r = generate_inner(st, raw, chat).await;
+    let r = generate_inner(st, headers, raw, chat).await;
     openai_metrics::request(route, r.status().as_u16());
     r
 }
 
-async fn generate_inner(st: Arc<AppState>, raw: Bytes, chat: bool) -> Response {
+async fn generate_inner(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool) -> Response {
     let t0 = std::time::Instant::now();
-    let c = match check(&st, &raw, chat) {
+    let mut c = match check(&st, &raw, chat) {
         Ok(c) => c,
         Err(r) => return r,
+    };
+    let fresh = || format!("{}-{}", st.engine_id, st.next_id.fetch_add(1, Ordering::Relaxed));
+    match request_id::engine_request_id(headers, c.body.get("request_id"), chat, fresh) {
+        Ok(id) => c.body.insert("request_id".into(), Value::String(id)),
+        Err(e) => {
+            return openai_error(StatusCode::BAD_REQUEST, "invalid_request_error", e, Some("request_id"))
+        }
     };
     if c.stream {
         return stream(st, c.body, chat, t0).await;
@@ -253,17 +260,9 @@ async fn finished(inner: Response, chat: bool, t0: Instant) -> Result<Value, Res
 }
 
 /// A `stream: true` request: SSE chunks leave as the engine produces tokens.
-async fn stream(st: Arc<AppState>, mut body: Map<String, Value>, chat: bool, t0: Instant) -> Response {
-    // The id goes into the chunks before the request ends, so it is fixed here.
-    let id = match body.get("request_id").and_then(Value::as_str) {
-        Some(s) => s.to_owned(),
-        None => {
-            let n = st.next_id.fetch_add(1, Ordering::Relaxed);
-            let id = format!("cmpl-{}-{n}", st.engine_id);
-            body.insert("request_id".into(), Value::String(id.clone()));
-            id
-        }
-    };
+async fn stream(st: Arc<AppState>, body: Map<String, Value>, chat: bool, t0: Instant) -> Response {
+    // The id goes into the chunks before the request ends (`generate` fixed it).
+    let id = body.get("request_id").and_then(Value::as_str).unwrap_or_default().to_owned();
     let (sink, mut tokens) = mpsc::unbounded_channel::<Vec<u32>>();
     let inner_st = st.clone();
     let raw = Bytes::from(Value::Object(body).to_string());
@@ -364,13 +363,13 @@ impl futures_core::Stream for Events {
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(st): State<Arc<AppState>>, raw: Bytes) -> Response {
-    generate(st, raw, false).await
+pub async fn completions(State(st): State<Arc<AppState>>, headers: HeaderMap, raw: Bytes) -> Response {
+    generate(st, &headers, raw, false).await
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat_completions(State(st): State<Arc<AppState>>, raw: Bytes) -> Response {
-    generate(st, raw, true).await
+pub async fn chat_completions(State(st): State<Arc<AppState>>, headers: HeaderMap, raw: Bytes) -> Response {
+    generate(st, &headers, raw, true).await
 }
 
 /// `GET /v1/models`.

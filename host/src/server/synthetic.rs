@@ -5,7 +5,7 @@
 //! block against the pattern. This moves the KV of any model geometry (Qwen3-0.6B at 8192
 //! tokens is ~0.9 GiB) without running that model.
 
-use crate::server::engine_loop::{Driver, PoolStats, StepFailure};
+use crate::server::engine_loop::{Driver, PoolStats, StepFailure, SubmitError};
 use crate::worker::{FinishReason, GenRequest, KvPool, RequestOutput};
 use kvconnect_api::{
     BlocksPerGroup, ConnectorError, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId,
@@ -281,9 +281,9 @@ impl TransferEngine {
 }
 
 impl Driver for TransferEngine {
-    fn add(&mut self, r: GenRequest) -> Result<(), String> {
+    fn add(&mut self, r: GenRequest) -> Result<(), SubmitError> {
         if r.prompt.is_empty() {
-            return Err(format!("request '{}': the prompt is empty", r.id));
+            return Err(SubmitError::Rejected(format!("request '{}': the prompt is empty", r.id)));
         }
         self.waiting.push(Request {
             id: RequestId(r.id),

@@ -268,7 +268,7 @@ impl Engine {
             return bad("max_tokens is 0; ask for at least one token".into());
         }
         if self.by_id.contains_key(&r.id) || self.pending_free.contains_key(&r.id) {
-            return bad("a request with this id is still in the engine; use a unique id".into());
+            return Err(WorkerError::DuplicateId { id: r.id.clone() });
         }
         let need = self.blocks_needed(r.prompt.len(), r.max_tokens);
         if need > self.pool.blocks_per_group() as usize {

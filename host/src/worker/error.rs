@@ -41,6 +41,13 @@ pub enum WorkerError {
         /// What is wrong and what to do.
         reason: String,
     },
+    /// A request id that is already in the engine (running, or its blocks held for a
+    /// remote decode).
+    #[error("request '{id}': a request with this id is still in this engine (running, or its KV held for a remote decode); send a unique X-Request-Id or request_id")]
+    DuplicateId {
+        /// The id.
+        id: String,
+    },
     /// A connector call failed in a way that stops the step.
     #[error("connector call {method} failed: {source}")]
     Connector {
