@@ -55,6 +55,13 @@ pub fn shared_cache<E: From<RegistryError>>(
     Ok(c)
 }
 
+/// The counters of `engine_id`'s cache and its block size in bytes, while either half of
+/// that engine is alive.
+pub fn stats(engine_id: &str) -> Option<(crate::cache::CacheStats, usize)> {
+    let r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.get(engine_id).and_then(Weak::upgrade).map(|c| (c.stats(), c.slot_bytes()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

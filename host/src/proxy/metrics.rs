@@ -1,106 +1,72 @@
-//! The proxy's Prometheus counters: requests served and failed, tokens, requests per worker,
-//! and histograms of time to first token and of whole-request latency.
+//! The proxy's Prometheus metrics (through `prometheus-client`): requests served and failed,
+//! tokens, requests per worker, and histograms of time to first token and of whole-request
+//! latency.
 
-use std::collections::BTreeMap;
-use std::sync::Mutex;
+use crate::server::worker_metrics::SECONDS;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
 use std::time::Duration;
 
-/// Histogram bucket bounds in seconds.
-const BUCKETS: [f64; 12] = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0];
+type Labels = Vec<(&'static str, String)>;
 
-/// A Prometheus histogram with fixed buckets (1 ms to 10 s).
-#[derive(Debug, Default, Clone)]
-pub struct Histogram {
-    counts: [u64; BUCKETS.len()],
-    sum: f64,
-    n: u64,
-}
-
-impl Histogram {
-    /// Counts one observation.
-    pub fn observe(&mut self, d: Duration) {
-        let s = d.as_secs_f64();
-        for (c, b) in self.counts.iter_mut().zip(BUCKETS) {
-            if s <= b {
-                *c += 1;
-            }
-        }
-        self.sum += s;
-        self.n += 1;
-    }
-
-    /// Appends the histogram as Prometheus text.
-    pub fn render(&self, name: &str, help: &str, out: &mut String) {
-        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} histogram\n"));
-        for (c, b) in self.counts.iter().zip(BUCKETS) {
-            out.push_str(&format!("{name}_bucket{{le=\"{b}\"}} {c}\n"));
-        }
-        out.push_str(&format!(
-            "{name}_bucket{{le=\"+Inf\"}} {}\n{name}_sum {}\n{name}_count {}\n",
-            self.n, self.sum, self.n
-        ));
-    }
-}
-
-#[derive(Debug, Default)]
-struct Inner {
-    served: u64,
-    failed: u64,
-    tokens: u64,
-    per_worker: BTreeMap<(String, String), u64>,
+/// The proxy's metrics (shared by the handlers).
+#[derive(Debug)]
+pub struct ProxyMetrics {
+    registry: Registry,
+    served: Counter,
+    failed: Counter,
+    tokens: Counter,
+    per_worker: Family<Labels, Counter>,
     ttft: Histogram,
     latency: Histogram,
 }
 
-/// The counters (shared by the handlers).
-#[derive(Debug, Default)]
-pub struct ProxyMetrics {
-    inner: Mutex<Inner>,
+impl Default for ProxyMetrics {
+    fn default() -> Self {
+        let mut r = Registry::default();
+        let (served, failed, tokens) = (Counter::default(), Counter::default(), Counter::default());
+        let per_worker = Family::<Labels, Counter>::default();
+        let (ttft, latency) = (Histogram::new(SECONDS), Histogram::new(SECONDS));
+        r.register("kvconnect_proxy_requests", "Requests served through prefill and decode.", served.clone());
+        r.register("kvconnect_proxy_requests_failed", "Requests answered with an error.", failed.clone());
+        r.register("kvconnect_proxy_completion_tokens", "Tokens generated.", tokens.clone());
+        r.register("kvconnect_proxy_worker_requests", "Requests per worker.", per_worker.clone());
+        r.register(
+            "kvconnect_proxy_ttft_seconds",
+            "Time to first token (prefill round trip plus decode's first token).",
+            ttft.clone(),
+        );
+        r.register("kvconnect_proxy_request_seconds", "Whole-request latency at the proxy.", latency.clone());
+        ProxyMetrics { registry: r, served, failed, tokens, per_worker, ttft, latency }
+    }
 }
 
 impl ProxyMetrics {
     /// A request served by prefill `pw` and decode `dw`.
     pub fn served(&self, pw: &str, dw: &str, ttft: Duration, total: Duration, tokens: u64) {
-        if let Ok(mut m) = self.inner.lock() {
-            m.served += 1;
-            m.tokens += tokens;
-            *m.per_worker.entry(("prefill".into(), pw.into())).or_default() += 1;
-            *m.per_worker.entry(("decode".into(), dw.into())).or_default() += 1;
-            m.ttft.observe(ttft);
-            m.latency.observe(total);
+        self.served.inc();
+        self.tokens.inc_by(tokens);
+        for (role, w) in [("prefill", pw), ("decode", dw)] {
+            self.per_worker.get_or_create(&vec![("role", role.to_owned()), ("worker", w.to_owned())]).inc();
         }
+        self.ttft.observe(ttft.as_secs_f64());
+        self.latency.observe(total.as_secs_f64());
     }
 
     /// A request that ended with an error.
     pub fn error(&self) {
-        if let Ok(mut m) = self.inner.lock() {
-            m.failed += 1;
-        }
+        self.failed.inc();
     }
 
     /// Prometheus text.
     pub fn render(&self) -> String {
-        let Ok(m) = self.inner.lock() else { return String::new() };
         let mut out = String::new();
-        let mut counter = |name: &str, help: &str, v: u64| {
-            out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}\n"));
-        };
-        counter("kvconnect_proxy_requests_total", "Requests served through prefill and decode.", m.served);
-        counter("kvconnect_proxy_requests_failed_total", "Requests answered with an error.", m.failed);
-        counter("kvconnect_proxy_completion_tokens_total", "Tokens generated.", m.tokens);
-        out.push_str("# HELP kvconnect_proxy_worker_requests_total Requests per worker.\n# TYPE kvconnect_proxy_worker_requests_total counter\n");
-        for ((role, w), n) in &m.per_worker {
-            out.push_str(&format!(
-                "kvconnect_proxy_worker_requests_total{{role=\"{role}\",worker=\"{w}\"}} {n}\n"
-            ));
+        match prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry) {
+            Ok(()) => out,
+            Err(e) => format!("# metrics could not be encoded: {e}\n"),
         }
-        m.ttft.render(
-            "kvconnect_proxy_ttft_seconds",
-            "Time to first token (prefill round trip plus decode's first token).",
-            &mut out,
-        );
-        m.latency.render("kvconnect_proxy_request_seconds", "Whole-request latency at the proxy.", &mut out);
-        out
     }
 }
 

@@ -164,6 +164,10 @@ pub struct Done {
     pub ttft: Option<Duration>,
     /// Prompt tokens loaded through the connector.
     pub num_external_tokens: usize,
+    /// Prompt tokens found in the engine's prefix cache.
+    pub num_cached_tokens: usize,
+    /// Why the external KV load failed when the prompt was recomputed instead.
+    pub kv_load_failure: Option<String>,
 }
 
 /// A command for the engine thread.
@@ -265,6 +269,16 @@ where
     }
 }
 
+/// Counts a finished request in /health's counters and in /metrics.
+fn count(counters: &mut PoolStats, ok: bool) {
+    if ok {
+        counters.completed += 1;
+    } else {
+        counters.failed += 1;
+    }
+    crate::server::worker_metrics::finished(ok);
+}
+
 fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
     let mut pending: BTreeMap<String, Pending> = BTreeMap::new();
     let mut counters = PoolStats::default();
@@ -289,9 +303,9 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
             match cmd {
                 Command::Submit(req, reply, sink) => {
                     let id = req.id.clone();
-                    if let Some(why) = &counters.unhealthy {
-                        counters.failed += 1;
-                        let _ = reply.send(Err(SubmitError::Unhealthy(why.clone())));
+                    if let Some(why) = counters.unhealthy.clone() {
+                        count(&mut counters, false);
+                        let _ = reply.send(Err(SubmitError::Unhealthy(why)));
                         next = rx.try_recv().ok();
                         continue;
                     }
@@ -303,6 +317,8 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                                 kv_transfer_params: None,
                                 ttft: None,
                                 num_external_tokens: 0,
+                                num_cached_tokens: 0,
+                                kv_load_failure: None,
                             };
                             pending.insert(id, Pending { reply, done, sink });
                         }
@@ -348,19 +364,21 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                     if o.first_token_latency.is_some() {
                         p.done.ttft = o.first_token_latency;
                         p.done.num_external_tokens = o.num_external_tokens;
+                        p.done.num_cached_tokens = o.num_cached_tokens;
+                        p.done.kv_load_failure = o.kv_load_failure.clone();
                         counters.external_tokens += o.num_external_tokens as u64;
                         if o.num_external_tokens > 0 {
                             if let Some(t) = o.first_token_latency {
-                                crate::server::openai_metrics::external_first_token(t);
+                                crate::server::worker_metrics::external_first_token(t);
                             }
                         }
                     }
                     if let Some(f) = o.finished {
                         if let Some(mut p) = pending.remove(&o.id) {
                             if matches!(f, FinishReason::Error(_)) {
-                                counters.failed += 1;
+                                count(&mut counters, false);
                             } else {
-                                counters.completed += 1;
+                                count(&mut counters, true);
                             }
                             p.done.finish = f;
                             p.done.kv_transfer_params = o.kv_transfer_params;
@@ -378,7 +396,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                 let ended = driver.abort_all(&f.message, f.connector_dead);
                 tracing::error!(error = %f.message, requests = ended, "engine step failed; its requests were ended");
                 for (_, p) in std::mem::take(&mut pending) {
-                    counters.failed += 1;
+                    count(&mut counters, false);
                     let _ =
                         p.reply.send(Err(SubmitError::Failed(format!("engine step failed: {}", f.message))));
                 }

@@ -4,6 +4,7 @@
 
 use crate::server::engine_loop::{EngineHandle, PoolStats, SubmitError, TokenSink};
 use crate::server::peers::{remote_peer, strip_remote, Peers};
+use crate::server::worker_metrics::{self, PromptSources, Sample};
 use crate::sidechannel::ServerStats;
 use crate::worker::{detokenize, tokenize, FinishReason, GenRequest};
 use axum::body::Bytes;
@@ -126,25 +127,27 @@ pub(crate) async fn completions_with(
 
     // Before any KV is loaded from a peer: the handshake, once per peer.
     let mut kv_note = Value::Null;
-    match remote_peer(&params) {
+    let remote = match remote_peer(&params) {
         Err(e) => return bad_request(e),
-        Ok(None) => {}
-        Ok(Some((engine, addr))) => {
-            if let Err(f) = st.peers.ensure(&engine, &addr, &st.engine).await {
-                match st.policy {
-                    FailurePolicy::Recompute => {
-                        tracing::warn!(request = %id, peer = %engine, "no KV will be loaded ({}); recomputing the prompt locally", f.message);
-                        params = strip_remote(&params);
-                        kv_note = json!({"recomputed": true, "reason": f.message});
-                    }
-                    FailurePolicy::Fail => {
-                        return error(
-                            StatusCode::BAD_GATEWAY,
-                            "kv_transfer_failed",
-                            format!("request {id}: {} (kv_load_failure_policy is 'fail')", f.message),
-                            Some(("diff", serde_json::to_value(&f.diff).unwrap_or(Value::Null))),
-                        );
-                    }
+        Ok(r) => r,
+    };
+    if let Some((engine, addr)) = &remote {
+        if let Err(f) = st.peers.ensure(engine, addr, &st.engine).await {
+            let kind = if f.diff.is_empty() { "peer_unreachable" } else { "handshake_refused" };
+            worker_metrics::load_failure(kind, st.policy == FailurePolicy::Recompute);
+            match st.policy {
+                FailurePolicy::Recompute => {
+                    tracing::warn!(request = %id, peer = %engine, "no KV will be loaded ({}); recomputing the prompt locally", f.message);
+                    params = strip_remote(&params);
+                    kv_note = json!({"recomputed": true, "reason": f.message});
+                }
+                FailurePolicy::Fail => {
+                    return error(
+                        StatusCode::BAD_GATEWAY,
+                        "kv_transfer_failed",
+                        format!("request {id}: {} (kv_load_failure_policy is 'fail')", f.message),
+                        Some(("diff", serde_json::to_value(&f.diff).unwrap_or(Value::Null))),
+                    );
                 }
             }
         }
@@ -162,6 +165,9 @@ pub(crate) async fn completions_with(
         Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e.to_string(), None),
     };
     if let FinishReason::Error(message) = &done.finish {
+        if remote.is_some() {
+            worker_metrics::load_failure("load_failed", false);
+        }
         return error(
             StatusCode::BAD_GATEWAY,
             "kv_transfer_failed",
@@ -169,6 +175,15 @@ pub(crate) async fn completions_with(
             None,
         );
     }
+    if let Some(why) = &done.kv_load_failure {
+        worker_metrics::load_failure("load_failed", true);
+        kv_note = json!({"recomputed": true, "reason": why});
+    }
+    let external = done.num_external_tokens as u64;
+    worker_metrics::prompt(
+        PromptSources::of(prompt_len as u64, done.num_cached_tokens as u64, external),
+        external.saturating_mul(st.kv_bytes_per_token),
+    );
     let mut resp = json!({
         "id": id,
         "object": "text_completion",
@@ -185,6 +200,7 @@ pub(crate) async fn completions_with(
             "engine_id": st.engine_id,
             "ttft_us": done.ttft.map(|d| d.as_micros() as u64),
             "num_external_tokens": done.num_external_tokens,
+            "num_cached_tokens": done.num_cached_tokens,
         },
     });
     if !kv_note.is_null() {
@@ -223,79 +239,92 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         Err(r) => return r,
     };
     let sc = st.side_channel.snapshot();
-    let mut out = String::new();
-    let mut gauge = |name: &str, help: &str, kind: &str, v: u64| {
-        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"));
-    };
-    gauge("kvconnect_pool_blocks", "KV blocks over all cache groups.", "gauge", p.total_blocks as u64);
-    gauge(
-        "kvconnect_pool_free_blocks",
-        "Free KV blocks over all cache groups.",
-        "gauge",
-        p.free_blocks as u64,
-    );
-    gauge(
-        "kvconnect_requests_unfinished",
-        "Requests waiting, loading or running.",
-        "gauge",
-        p.unfinished as u64,
-    );
-    gauge(
-        "kvconnect_pending_frees",
-        "Finished requests whose blocks the connector still holds.",
-        "gauge",
-        p.pending_frees as u64,
-    );
-    gauge("kvconnect_requests_completed_total", "Requests completed.", "counter", p.completed);
-    gauge("kvconnect_requests_failed_total", "Requests that ended with an error.", "counter", p.failed);
-    gauge(
-        "kvconnect_external_tokens_total",
-        "Prompt tokens whose KV was loaded through the connector.",
-        "counter",
-        p.external_tokens,
-    );
-    gauge(
-        "kvconnect_kv_bytes_moved_total",
-        "KV bytes loaded through the connector: external prompt tokens times the model's KV bytes per token at the cache dtype.",
-        "counter",
-        p.external_tokens.saturating_mul(st.kv_bytes_per_token),
-    );
-    gauge("kvconnect_side_channel_welcomed_total", "Handshakes accepted.", "counter", sc.welcomed);
-    gauge("kvconnect_side_channel_refused_total", "Handshakes refused.", "counter", sc.refused);
-    gauge(
-        "kvconnect_side_channel_dropped_total",
-        "Side-channel connections closed for misbehaving.",
-        "counter",
-        sc.dropped,
-    );
-    out.push_str(&crate::server::openai_metrics::render());
-    out.push_str(&cache_metrics(&st.engine_id));
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+    let mut now = vec![
+        Sample::gauge("kvconnect_pool_blocks", "KV blocks over all cache groups.", p.total_blocks as u64),
+        Sample::gauge("kvconnect_pool_free_blocks", "Free KV blocks over all cache groups.", p.free_blocks as u64),
+        Sample::gauge("kvconnect_requests_unfinished", "Requests waiting, loading or running.", p.unfinished as u64),
+        Sample::gauge(
+            "kvconnect_pending_frees",
+            "Finished requests whose blocks the connector still holds.",
+            p.pending_frees as u64,
+        ),
+        Sample::gauge(
+            "kvconnect_worker_healthy",
+            "1 while the worker can serve; 0 once its connector is poisoned (see /health for why).",
+            u64::from(p.unhealthy.is_none()),
+        ),
+        Sample::counter(
+            "kvconnect_external_tokens",
+            "Prompt tokens whose KV was loaded through the connector.",
+            p.external_tokens,
+        ),
+        Sample::counter(
+            "kvconnect_kv_bytes_moved",
+            "KV bytes loaded through the connector: external prompt tokens times the model's KV bytes per token at the cache dtype.",
+            p.external_tokens.saturating_mul(st.kv_bytes_per_token),
+        ),
+        Sample::counter("kvconnect_side_channel_welcomed", "Handshakes accepted.", sc.welcomed),
+        Sample::counter("kvconnect_side_channel_refused", "Handshakes refused.", sc.refused),
+        Sample::counter("kvconnect_side_channel_dropped", "Side-channel connections closed for misbehaving.", sc.dropped),
+    ];
+    now.extend(cache_metrics(&st.engine_id));
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], worker_metrics::render(now)).into_response()
 }
 
-/// The lmcache store's hits per tier, misses and bytes loaded per tier, read at scrape time
-/// (the store is process-global, keyed by this worker's engine id, which the composite passes
-/// to its children). Empty when this worker runs no lmcache connector.
-fn cache_metrics(engine_id: &str) -> String {
-    let Some(s) = kvconnect_lmcache::stats(engine_id) else { return String::new() };
-    let mut out = String::new();
-    out.push_str("# HELP kvconnect_cache_hits_total Chunks a KV load found in a cache tier.\n# TYPE kvconnect_cache_hits_total counter\n");
-    for (tier, t) in [("cpu", &s.cpu), ("disk", &s.disk)] {
-        out.push_str(&format!(
-            "kvconnect_cache_hits_total{{connector=\"lmcache\",tier=\"{tier}\"}} {}\n",
-            t.hits
-        ));
+/// The cache tiers' hits, misses and bytes per direction, read at scrape time from the
+/// process-global stores of this worker's engine (the composite passes its engine id to its
+/// children): lmcache's CPU and disk tiers, flexkv's CPU and SSD tiers. Empty when this
+/// worker runs neither.
+fn cache_metrics(engine_id: &str) -> Vec<Sample> {
+    const HITS: &str = "Chunks (lmcache) or blocks (flexkv) a KV load found in a cache tier.";
+    const LOADED: &str = "Bytes read out of a cache tier into the KV cache.";
+    const OFFLOAD: &str = "Bytes moved between the KV cache and the host-memory cache tiers: GPU_to_CPU saved into a tier, CPU_to_GPU loaded from one (the KV cache may itself be in host memory).";
+    let hit = |connector: &str, tier: &str, v: u64| {
+        Sample::counter("kvconnect_cache_hits", HITS, v)
+            .with(vec![("connector", connector.into()), ("tier", tier.into())])
+    };
+    let loaded = |connector: &str, tier: &str, v: u64| {
+        Sample::counter("kvconnect_cache_loaded_bytes", LOADED, v)
+            .with(vec![("connector", connector.into()), ("tier", tier.into())])
+    };
+    let (mut hits, mut loads, mut misses) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut saved, mut restored) = (0u64, 0u64);
+    if let Some(s) = kvconnect_lmcache::stats(engine_id) {
+        for (tier, t) in [("cpu", &s.cpu), ("disk", &s.disk)] {
+            hits.push(hit("lmcache", tier, t.hits));
+            loads.push(loaded("lmcache", tier, t.bytes_loaded));
+            restored += t.bytes_loaded;
+        }
+        saved += s.cpu.bytes_stored;
+        misses.push(
+            Sample::counter(
+                "kvconnect_cache_misses",
+                "Chunks a KV load expected but did not find.",
+                s.misses,
+            )
+            .with(vec![("connector", "lmcache".into())]),
+        );
     }
-    out.push_str(&format!(
-        "# HELP kvconnect_cache_misses_total Chunks a KV load expected but did not find.\n# TYPE kvconnect_cache_misses_total counter\nkvconnect_cache_misses_total{{connector=\"lmcache\"}} {}\n",
-        s.misses
-    ));
-    out.push_str("# HELP kvconnect_cache_loaded_bytes_total Bytes read out of a cache tier into the KV cache.\n# TYPE kvconnect_cache_loaded_bytes_total counter\n");
-    for (tier, t) in [("cpu", &s.cpu), ("disk", &s.disk)] {
-        out.push_str(&format!(
-            "kvconnect_cache_loaded_bytes_total{{connector=\"lmcache\",tier=\"{tier}\"}} {}\n",
-            t.bytes_loaded
-        ));
+    if let Some((s, block)) = kvconnect_flexkv::registry::stats(engine_id) {
+        let block = block as u64;
+        for (tier, n) in [("cpu", s.cpu_hits), ("ssd", s.ssd_hits)] {
+            hits.push(hit("flexkv", tier, n));
+            loads.push(loaded("flexkv", tier, n * block));
+            restored += n * block;
+        }
+        saved += s.stored * block;
     }
+    if hits.is_empty() {
+        return Vec::new();
+    }
+    let offload = |direction: &str, v: u64| {
+        Sample::counter("vllm:kv_offload_total_bytes", OFFLOAD, v)
+            .with(vec![("transfer_type", direction.into())])
+    };
+    let mut out = hits;
+    out.extend(misses);
+    out.extend(loads);
+    out.push(offload("GPU_to_CPU", saved));
+    out.push(offload("CPU_to_GPU", restored));
     out
 }

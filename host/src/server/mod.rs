@@ -12,11 +12,11 @@ pub mod connector_setup;
 pub mod engine_loop;
 pub mod http;
 pub mod openai;
-pub mod openai_metrics;
 pub mod peers;
 pub mod request_id;
 pub mod sse;
 pub mod synthetic;
+pub mod worker_metrics;
 
 use crate::deployment::Role;
 use crate::registry::Registry;

@@ -17,7 +17,7 @@
 //! request runs to its end and frees its blocks as usual.
 
 use crate::server::http::{self, AppState};
-use crate::server::{openai_metrics, request_id, sse};
+use crate::server::{request_id, sse, worker_metrics};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -193,7 +193,7 @@ async fn openai_from_inner(resp: Response) -> Result<Value, Response> {
     }
     let message = v["error"]["message"].as_str().unwrap_or("the engine failed this request").to_owned();
     if v["error"].get("diff").is_some() {
-        openai_metrics::refusal(&message);
+        worker_metrics::refusal(&message);
     }
     let kind = v["error"]["type"].as_str().unwrap_or("server_error").to_owned();
     let (status, param) = if message.contains("but the pool has") {
@@ -215,7 +215,7 @@ async fn openai_from_inner(resp: Response) -> Result<Value, Response> {
 async fn generate(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool) -> Response {
     let route = if chat { "/v1/chat/completions" } else { "/v1/completions" };
     let r = generate_inner(st, headers, raw, chat).await;
-    openai_metrics::request(route, r.status().as_u16());
+    worker_metrics::request(route, r.status().as_u16());
     r
 }
 
@@ -247,14 +247,14 @@ async fn generate_inner(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat
 async fn finished(inner: Response, chat: bool, t0: Instant) -> Result<Value, Response> {
     let v = openai_from_inner(inner).await?;
     let k = &v["kvconnect"];
-    openai_metrics::generation(
+    worker_metrics::generation(
         std::time::Duration::from_micros(k["ttft_us"].as_u64().unwrap_or(0)),
         t0.elapsed(),
         v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
         k["num_external_tokens"].as_u64().unwrap_or(0),
     );
     if let Some(reason) = k["kv_load"]["reason"].as_str() {
-        openai_metrics::refusal(reason);
+        worker_metrics::refusal(reason);
     }
     Ok(if chat { sse::as_chat(v) } else { v })
 }

@@ -174,8 +174,7 @@ impl TransferEngine {
             new_tokens: vec![0],
             finished: Some(finished),
             kv_transfer_params: params,
-            first_token_latency: None,
-            num_external_tokens: 0,
+            ..RequestOutput::default()
         }
     }
 

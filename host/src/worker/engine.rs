@@ -70,7 +70,7 @@ pub enum FinishReason {
 }
 
 /// What one step produced for one request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestOutput {
     /// The request.
     pub id: String,
@@ -84,6 +84,11 @@ pub struct RequestOutput {
     pub first_token_latency: Option<Duration>,
     /// Prompt tokens whose KV came through the connector (on the first-token output).
     pub num_external_tokens: usize,
+    /// Prompt tokens found in this engine's prefix cache (on the first-token output).
+    pub num_cached_tokens: usize,
+    /// Why the external KV load failed, when the prompt was recomputed instead (on the
+    /// first-token output).
+    pub kv_load_failure: Option<String>,
 }
 
 /// A finished request, as `run_to_completion` returns it.
@@ -141,6 +146,10 @@ struct Seq {
     external: usize,
     loaded_this_step: bool,
     load_error: Option<String>,
+    /// Why an external load failed and the prompt was recomputed.
+    kv_load_failure: Option<String>,
+    /// Prompt tokens found in the prefix cache at admission.
+    cached: usize,
     /// Per KV cache group: how many leading blocks were already given back because every
     /// future token's sliding window starts past them.
     freed_prefix: Vec<usize>,
@@ -293,6 +302,8 @@ impl Engine {
             external: 0,
             loaded_this_step: false,
             load_error: None,
+            kv_load_failure: None,
+            cached: 0,
             freed_prefix: Vec::new(),
             output: Vec::new(),
             added: Instant::now(),
@@ -599,6 +610,7 @@ impl Engine {
             match self.policy {
                 FailurePolicy::Recompute => {
                     tracing::warn!(request = %s.req.id, reason = %why, "KV load failed; recomputing the prompt");
+                    s.kv_load_failure = Some(why.clone());
                     s.num_computed = 0;
                     s.external = 0;
                     s.state = State::Running;
@@ -639,6 +651,8 @@ impl Engine {
                 kv_transfer_params: None,
                 first_token_latency: first.then(|| s.added.elapsed()),
                 num_external_tokens: if first { s.external } else { 0 },
+                num_cached_tokens: if first { s.cached } else { 0 },
+                kv_load_failure: if first { s.kv_load_failure.clone() } else { None },
             });
             if s.output.len() >= s.max_tokens {
                 to_finish.push((*k, FinishReason::Length));
@@ -845,7 +859,7 @@ impl Engine {
                 finished: Some(why),
                 kv_transfer_params: params,
                 first_token_latency: None,
-                num_external_tokens: 0,
+                ..RequestOutput::default()
             }),
         }
     }
