@@ -72,6 +72,8 @@ pub struct RoleConfig {
     pub kv_transfer_config: KvTransferConfig,
     /// Its engine options.
     pub options: EngineOptions,
+    /// The engine's own prefix cache (vLLM's `--enable-prefix-caching`; off by default).
+    pub enable_prefix_caching: bool,
 }
 
 /// A deployment file, read and checked.
@@ -222,7 +224,7 @@ impl DeploymentError {
 }
 
 /// The keys of a `[prefill]` / `[decode]` table.
-pub const ROLE_KEYS: [&str; 8] = [
+pub const ROLE_KEYS: [&str; 9] = [
     "kv_transfer_config",
     "hybrid_kv_cache_manager",
     "kv_cache_layout",
@@ -231,6 +233,7 @@ pub const ROLE_KEYS: [&str; 8] = [
     "cache_dtype",
     "kv_buffer_device",
     "allow_adapters",
+    "enable_prefix_caching",
 ];
 
 #[derive(Deserialize)]
@@ -261,6 +264,7 @@ struct RawRole {
     cache_dtype: Option<Spanned<String>>,
     kv_buffer_device: Option<Spanned<String>>,
     allow_adapters: Option<bool>,
+    enable_prefix_caching: Option<bool>,
 }
 
 /// 1-based (line, column) of a byte offset.
@@ -554,7 +558,11 @@ impl Deployment {
             if let Some(a) = raw.allow_adapters {
                 o.allow_adapters = a;
             }
-            Ok(RoleConfig { kv_transfer_config, options: o })
+            Ok(RoleConfig {
+                kv_transfer_config,
+                options: o,
+                enable_prefix_caching: raw.enable_prefix_caching.unwrap_or(false),
+            })
         };
         let prefill = role(Role::Prefill, raw.prefill)?;
         let decode = role(Role::Decode, raw.decode)?;

@@ -66,6 +66,39 @@ fn generate(engine: &mut Engine, prompts: &[Vec<u32>], max_tokens: usize) -> Vec
 }
 
 #[test]
+fn the_prefix_cache_reuses_whole_prompt_blocks_and_changes_no_output() {
+    for hma in [false, true] {
+        let ps = prompts(20);
+        let want = generate(&mut monolithic(KvLayout::HND, hma, Dtype::Bf16), &ps, 6);
+        let mut e = monolithic(KvLayout::HND, hma, Dtype::Bf16);
+        e.enable_prefix_caching();
+        let run = |e: &mut Engine, id: &str, p: &[u32]| -> Completion {
+            e.add_request(GenRequest::new(id.to_owned(), p.to_vec(), 6)).unwrap();
+            let done = e.run_to_completion(10_000).unwrap().remove(0);
+            assert_eq!(e.free_blocks(), e.total_blocks(), "idle cached blocks count as free");
+            done
+        };
+        for (i, p) in ps.iter().enumerate() {
+            let first = run(&mut e, &format!("a{i}"), p);
+            assert_eq!(first.tokens, want[i], "prompt {i}, first run");
+            let again = run(&mut e, &format!("b{i}"), p);
+            assert_eq!(again.tokens, want[i], "prompt {i} from the cache (hma {hma})");
+            // Whole blocks, always leaving the last token to compute.
+            assert_eq!(again.num_cached_tokens, (p.len() - 1) / 16 * 16, "prompt {i} ({} tokens)", p.len());
+        }
+        // A prompt sharing only its first block with a cached one hits that block only.
+        let long = ps.iter().find(|p| p.len() > 40).unwrap();
+        let mut other = long[..20].to_vec();
+        other.extend(std::iter::repeat_n(b'z' as u32, 30));
+        let cold =
+            generate(&mut monolithic(KvLayout::HND, hma, Dtype::Bf16), std::slice::from_ref(&other), 6);
+        let warm = run(&mut e, "c", &other);
+        assert_eq!(warm.tokens, cold[0]);
+        assert_eq!(warm.num_cached_tokens, 16);
+    }
+}
+
+#[test]
 fn monolithic_is_deterministic_and_context_dependent() {
     let ps = prompts(6);
     let a = generate(&mut monolithic(KvLayout::HND, true, Dtype::Bf16), &ps, 8);

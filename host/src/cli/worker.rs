@@ -71,6 +71,10 @@ pub struct WorkerArgs {
     /// Move synthetic KV instead of running the reference model (transfer benchmarks).
     #[arg(long = "synthetic-kv")]
     pub synthetic_kv: bool,
+    /// Keep the KV of full prompt blocks for later prompts with the same prefix (vLLM's flag;
+    /// also `enable_prefix_caching = true` in a deployment file's role section).
+    #[arg(long = "enable-prefix-caching")]
+    pub enable_prefix_caching: bool,
     /// Seconds a handshake with a peer may take.
     #[arg(long = "handshake-timeout", value_name = "SECONDS", default_value_t = 10.0)]
     pub handshake_timeout: f64,
@@ -130,6 +134,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
     if !(a.handshake_timeout.is_finite() && a.handshake_timeout > 0.0) {
         bail!("--handshake-timeout must be a positive number of seconds, got {}", a.handshake_timeout);
     }
+    let mut prefix_caching = a.enable_prefix_caching;
     let (role, config, model_json, model, negotiated, compat, opts) = if let Some(path) = &a.deployment {
         let role = role_of(a, None)?;
         let d = Deployment::load(path)?;
@@ -138,6 +143,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             .with_context(|| format!("model {}: cannot read it", d.model_path.display()))?;
         let rc = d.role(role).clone();
         device_kv_available(&rc.options)?;
+        prefix_caching |= rc.enable_prefix_caching;
         (role, rc.kv_transfer_config, json, d.model, n, c, rc.options)
     } else {
         let (Some(cfg), Some(model_path)) = (&a.kv_transfer_config, &a.model) else {
@@ -188,6 +194,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         num_blocks: a.num_blocks,
         seed: a.seed,
         synthetic: a.synthetic_kv,
+        prefix_caching,
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
     };
     run_worker(spec, registry)

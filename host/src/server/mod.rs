@@ -62,6 +62,8 @@ pub struct WorkerSpec {
     pub seed: u64,
     /// Run the transfer-only engine (synthetic KV contents, no model compute).
     pub synthetic: bool,
+    /// The reference engine's prefix cache.
+    pub prefix_caching: bool,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
 }
@@ -134,6 +136,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
             anyhow!("{e}; the worker runs the reference engine: use fixtures/models/kvconnect--reference/config.json (or --synthetic-kv to move synthetic KV of any model)")
         })?;
         let reg = registry.clone();
+        let prefix_caching = spec.prefix_caching;
         let cfg = EngineConfig {
             model: reference,
             effective: spec.negotiated.effective.clone(),
@@ -144,6 +147,9 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         engine_loop::spawn(move || {
             let conn = connector_setup::create_connector(&reg, &ctx)?;
             let mut e = Engine::new(cfg, Some(conn), policy).map_err(|e| e.to_string())?;
+            if prefix_caching {
+                e.enable_prefix_caching();
+            }
             let md = match e.worker_connector() {
                 Some(w) => w.handshake_metadata().map_err(|e| format!("handshake_metadata failed: {e}"))?,
                 None => None,

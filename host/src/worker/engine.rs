@@ -15,6 +15,7 @@ use crate::worker::forward::{forward_layer, Scratch};
 use crate::worker::kv_codec;
 use crate::worker::model::{ReferenceConfig, ReferenceModel};
 use crate::worker::pool::KvPool;
+use crate::worker::prefix_cache::block_hashes;
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, LayerId, MatchResult,
     MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
@@ -106,6 +107,8 @@ pub struct Completion {
     pub first_token_latency: Option<Duration>,
     /// Prompt tokens whose KV came through the connector.
     pub num_external_tokens: usize,
+    /// Prompt tokens found in the prefix cache.
+    pub num_cached_tokens: usize,
 }
 
 /// Timings and counts of the last step (for benchmarks: TTFT splits, load waits).
@@ -195,6 +198,8 @@ pub struct Engine {
     stats: Option<StepStats>,
     scratch: Scratch,
     shut_down: bool,
+    /// Reuse the KV of full prompt blocks an earlier request computed (off by default).
+    prefix_caching: bool,
 }
 
 impl std::fmt::Debug for Engine {
@@ -260,7 +265,15 @@ impl Engine {
             stats: None,
             scratch: Scratch::default(),
             shut_down: false,
+            prefix_caching: false,
         })
+    }
+
+    /// Turns the prefix cache on (vLLM's `--enable-prefix-caching`): full prompt blocks of
+    /// finished requests stay cached until their blocks are needed, and a prompt starting
+    /// with the same tokens reuses them instead of computing or loading them.
+    pub fn enable_prefix_caching(&mut self) {
+        self.prefix_caching = true;
     }
 
     /// Queues a request. Refused: an empty prompt, a token past 255, `max_tokens == 0`, an id
@@ -412,11 +425,13 @@ impl Engine {
                     kv_transfer_params: None,
                     first_token_latency: None,
                     num_external_tokens: 0,
+                    num_cached_tokens: 0,
                 });
                 c.tokens.extend(&o.new_tokens);
                 if o.first_token_latency.is_some() {
                     c.first_token_latency = o.first_token_latency;
                     c.num_external_tokens = o.num_external_tokens;
+                    c.num_cached_tokens = o.num_cached_tokens;
                 }
                 if let Some(f) = o.finished {
                     let Some(mut c) = partial.remove(&o.id) else { continue };
@@ -586,10 +601,11 @@ impl Engine {
             // connector is done with the request: recomputing into blocks a connector may
             // still be writing would race with it.
             if (s.loaded_this_step || waiting) && !err_blocks.is_empty() && s.load_error.is_none() {
-                let ext_blocks = s.external.div_ceil(bs);
+                // The blocks the load wrote: past the cached prefix, up to its last token.
+                let (first, end) = (s.cached / bs, (s.cached + s.external).div_ceil(bs));
                 s.load_error = s.blocks.as_ref().and_then(|bl| {
                     bl.0.iter()
-                        .flat_map(|g| g.iter().take(ext_blocks))
+                        .flat_map(|g| g.iter().skip(first).take(end.saturating_sub(first)))
                         .find(|b| err_blocks.contains(b))
                         .map(|b| format!("the connector could not load block {b}"))
                 });
@@ -611,7 +627,7 @@ impl Engine {
                 FailurePolicy::Recompute => {
                     tracing::warn!(request = %s.req.id, reason = %why, "KV load failed; recomputing the prompt");
                     s.kv_load_failure = Some(why.clone());
-                    s.num_computed = 0;
+                    s.num_computed = s.cached;
                     s.external = 0;
                     s.state = State::Running;
                 }
@@ -627,7 +643,7 @@ impl Engine {
         for s in self.seqs.values_mut() {
             if s.state == State::WaitingForRemoteKv && recvd.contains(s.req.id.0.as_str()) {
                 s.state = State::Running;
-                s.num_computed = s.external;
+                s.num_computed = s.cached + s.external;
             }
         }
 
@@ -701,25 +717,46 @@ impl Engine {
         let Some(s) = self.seqs.get(&key) else { return Ok(true) };
         let prompt_len = s.req.prompt_tokens.len();
         let need = self.blocks_needed(prompt_len, s.max_tokens);
+        let bs = self.pool.effective().block_size as usize;
+        // The prefix cache first: whole blocks, leaving at least the last prompt token to
+        // compute (it yields the first output token).
+        let hashes = if self.prefix_caching {
+            let mut h = block_hashes(&s.req.prompt_tokens, bs);
+            h.truncate((prompt_len - 1) / bs);
+            h
+        } else {
+            Vec::new()
+        };
         let mut lookup_error = None;
         let (mut ext, mut async_load) = (0, false);
+        let mut hit = self.pool.take_cached(&hashes);
+        let mut cached = hit.0.first().map_or(0, Vec::len) * bs;
         if let Some((sched, _)) = self.connector.as_mut() {
-            match sched.get_num_new_matched_tokens(&s.req, 0) {
-                Ok(MatchResult::Pending) => return Ok(true),
+            match sched.get_num_new_matched_tokens(&s.req, cached) {
+                Ok(MatchResult::Pending) => {
+                    self.pool.release(&hit);
+                    return Ok(true);
+                }
                 // At least one prompt token is always computed here: it yields the first
                 // output token (vLLM does the same).
                 Ok(MatchResult::Matched { tokens, async_load: a }) => {
-                    (ext, async_load) = (tokens.min(prompt_len - 1), a)
+                    (ext, async_load) = (tokens.min(prompt_len - 1 - cached), a)
                 }
                 Err(e) => lookup_error = Some(format!("get_num_new_matched_tokens failed: {e}")),
             }
         }
         if let (Some(why), FailurePolicy::Fail) = (&lookup_error, self.policy) {
+            self.pool.release(&hit);
             let why = format!("KV lookup failed ({why}) and kv_load_failure_policy is 'fail'");
             self.end(key, FinishReason::Error(why), outputs, true);
             return Ok(true);
         }
-        let Some(blocks) = self.pool.allocate(need) else { return Ok(false) };
+        let fresh = need - cached / bs;
+        if !self.pool.extend(&mut hit, fresh) {
+            self.pool.release(&hit);
+            return Ok(false);
+        }
+        let blocks = hit;
         if let Some((sched, _)) = self.connector.as_mut() {
             let Some(s) = self.seqs.get(&key) else {
                 self.pool.release(&blocks);
@@ -739,14 +776,19 @@ impl Engine {
                 (ext, async_load) = (0, false);
             }
         }
+        if blocks.0.is_empty() {
+            cached = 0;
+        }
         if let Some(s) = self.seqs.get_mut(&key) {
             s.blocks = Some(blocks);
             s.external = ext;
+            s.cached = cached;
+            s.num_computed = cached;
             if async_load && ext > 0 {
                 s.state = State::WaitingForRemoteKv;
             } else {
                 s.state = State::Running;
-                s.num_computed = ext;
+                s.num_computed = cached + ext;
                 s.loaded_this_step = ext > 0;
             }
         }
@@ -756,9 +798,10 @@ impl Engine {
     /// With HMA on and no connector, gives back sliding-window blocks no future token can
     /// attend to (vLLM's sliding-window manager does the same). With a connector every block
     /// stays until the request ends: `request_finished` hands the whole table to it, and a
-    /// transfer may still read it.
+    /// transfer may still read it. With the prefix cache on they stay too, so that every
+    /// group holds the prompt's blocks when they are cached.
     fn free_out_of_window_blocks(&mut self) {
-        if self.connector.is_some() || !self.pool.effective().hma {
+        if self.connector.is_some() || !self.pool.effective().hma || self.prefix_caching {
             return;
         }
         let bs = self.pool.effective().block_size as usize;
@@ -814,6 +857,20 @@ impl Engine {
         keys.len()
     }
 
+    /// Records the request's full prompt blocks in the prefix cache (those every group still
+    /// holds: sliding-window blocks given back early may already serve another request).
+    fn cache_prompt_blocks(&mut self, s: &Seq, blocks: &BlocksPerGroup) {
+        let bs = self.pool.effective().block_size as usize;
+        let first_held = s.freed_prefix.iter().copied().max().unwrap_or(0);
+        for (i, h) in block_hashes(&s.req.prompt_tokens, bs).into_iter().enumerate().skip(first_held) {
+            let Some(row) = blocks.0.iter().map(|g| g.get(i).copied()).collect::<Option<Vec<BlockId>>>()
+            else {
+                break;
+            };
+            self.pool.cache_block(&row, h);
+        }
+    }
+
     /// Ends a request: tells the connector (unless `ask_connector` is false), frees or parks
     /// its blocks, emits the output.
     fn end(&mut self, key: u64, why: FinishReason, outputs: &mut Vec<RequestOutput>, ask_connector: bool) {
@@ -828,6 +885,10 @@ impl Engine {
                 .map(|(g, list)| list[s.freed_prefix.get(g).copied().unwrap_or(0).min(list.len())..].to_vec())
                 .collect(),
         );
+        let computed = !matches!(why, FinishReason::Error(_)) && s.num_computed >= s.req.prompt_tokens.len();
+        if self.prefix_caching && computed {
+            self.cache_prompt_blocks(&s, &blocks);
+        }
         let mut params = None;
         let mut delay = false;
         if let Some((sched, _)) = self.connector.as_mut().filter(|_| ask_connector) {

@@ -43,7 +43,7 @@ pub enum WorkerError {
     },
     /// A request id that is already in the engine (running, or its blocks held for a
     /// remote decode).
-    #[error("request '{id}': a request with this id is still in this engine (running, or its KV held for a remote decode); send a unique X-Request-Id or request_id")]
+    #[error("request '{id}': a request with this id is still in the engine (running, or its KV held for a remote decode); send a unique X-Request-Id or request_id")]
     DuplicateId {
         /// The id.
         id: String,

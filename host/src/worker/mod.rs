@@ -24,6 +24,7 @@ pub mod forward;
 pub mod kv_codec;
 pub mod model;
 pub mod pool;
+pub mod prefix_cache;
 pub mod prng;
 pub mod region;
 pub mod shm;

@@ -7,6 +7,7 @@
 //! regions, so the engine and every connector address a block the same way.
 
 use crate::worker::error::WorkerError;
+use crate::worker::prefix_cache::PrefixCache;
 use crate::worker::region::RegionMemory;
 use crate::worker::shm;
 use kvconnect_api::geometry::BlockShape;
@@ -63,6 +64,10 @@ pub struct KvPool {
     memories: Vec<RegionMemory>,
     layer_group: Vec<Option<usize>>,
     free: Vec<Vec<u32>>,
+    /// Per group and block: how many requests use it (0: free, or idle in `cache`).
+    refs: Vec<Vec<u32>>,
+    /// Full prompt blocks known by their tokens' hash (empty unless prefix caching is on).
+    cache: PrefixCache,
     num_blocks: u32,
 }
 
@@ -167,6 +172,7 @@ impl KvPool {
         let mem = unsafe { KvMemory::new(&regions, model, eff) }?;
         let strides = inner_strides(eff.layout, &shape);
         let free = eff.groups.iter().map(|_| (0..num_blocks).rev().collect()).collect();
+        let refs = eff.groups.iter().map(|_| vec![0; num_blocks as usize]).collect();
         Ok(KvPool {
             effective: eff.clone(),
             shape,
@@ -176,6 +182,8 @@ impl KvPool {
             memories,
             layer_group,
             free,
+            refs,
+            cache: PrefixCache::new(eff.groups.len()),
             num_blocks,
         })
     }
@@ -227,16 +235,27 @@ impl KvPool {
 
     /// Free blocks in all groups together.
     pub fn free_blocks(&self) -> usize {
-        self.free.iter().map(Vec::len).sum()
+        (0..self.free.len()).map(|g| self.free[g].len() + self.cache.idle(g)).sum()
     }
 
     /// Takes `n` blocks from every group, or none at all when some group has fewer free.
+    /// Free blocks go first; then idle cached blocks, longest idle first (their cached
+    /// prefix is forgotten).
     pub fn allocate(&mut self, n: usize) -> Option<BlocksPerGroup> {
-        if self.free.iter().any(|f| f.len() < n) {
+        if (0..self.free.len()).any(|g| self.free[g].len() + self.cache.idle(g) < n) {
             return None;
         }
-        let lists =
-            self.free.iter_mut().map(|f| (0..n).filter_map(|_| f.pop()).map(BlockId).collect()).collect();
+        let mut lists = Vec::with_capacity(self.free.len());
+        for g in 0..self.free.len() {
+            let mut list = Vec::with_capacity(n);
+            for _ in 0..n {
+                if let Some(b) = self.free[g].pop().or_else(|| self.cache.evict(g)) {
+                    self.refs[g][b as usize] = 1;
+                    list.push(BlockId(b));
+                }
+            }
+            lists.push(list);
+        }
         Some(BlocksPerGroup(lists))
     }
 
@@ -254,26 +273,61 @@ impl KvPool {
         }
     }
 
-    /// Returns blocks to their groups' free lists. Ids out of range or already free are
-    /// ignored with a warning (they would corrupt the free list).
+    /// Gives up one use of each block. A block nobody uses any more returns to its group's
+    /// free list, or, when it holds a cached prefix, stays cached as idle. Ids out of range
+    /// or not in use are ignored with a warning (they would corrupt the free list).
     pub fn release(&mut self, blocks: &BlocksPerGroup) {
         for (g, list) in blocks.0.iter().enumerate() {
-            let Some(free) = self.free.get_mut(g) else {
+            if g >= self.free.len() {
                 tracing::warn!(group = g, "release of blocks of an unknown KV cache group ignored");
                 continue;
-            };
+            }
             for b in list {
-                if b.0 >= self.num_blocks || free.contains(&b.0) {
+                let Some(r) = self.refs[g].get_mut(b.0 as usize).filter(|r| **r > 0) else {
                     tracing::warn!(
                         group = g,
                         block = b.0,
                         "release of an invalid or already free block ignored"
                     );
                     continue;
+                };
+                *r -= 1;
+                if *r > 0 {
+                    continue;
                 }
-                free.push(b.0);
+                if self.cache.is_cached(g, b.0) {
+                    self.cache.set_idle(g, b.0);
+                } else {
+                    self.free[g].push(b.0);
+                }
             }
         }
+    }
+
+    /// Remembers that `blocks` (one per group, in use) hold the full prompt block `hash`.
+    pub fn cache_block(&mut self, blocks: &[BlockId], hash: u64) {
+        for (g, b) in blocks.iter().enumerate() {
+            if self.refs.get(g).and_then(|r| r.get(b.0 as usize)).is_some_and(|r| *r > 0) {
+                self.cache.register(g, b.0, hash);
+            }
+        }
+    }
+
+    /// The blocks holding the longest cached run of `hashes`, taken for one more use (one
+    /// list per group, all of the same length).
+    pub fn take_cached(&mut self, hashes: &[u64]) -> BlocksPerGroup {
+        let found = self.cache.lookup(hashes);
+        let mut out = Vec::with_capacity(found.len());
+        for (g, list) in found.into_iter().enumerate() {
+            for b in &list {
+                if self.refs[g][*b as usize] == 0 {
+                    self.cache.set_busy(g, *b);
+                }
+                self.refs[g][*b as usize] += 1;
+            }
+            out.push(list.into_iter().map(BlockId).collect());
+        }
+        BlocksPerGroup(out)
     }
 
     /// Copies the bytes of (`layer`, K|V `part`, `block`) into `buf` (resized to fit).
@@ -423,6 +477,31 @@ mod tests {
         pool.release(&a);
         pool.release(&a); // double free is ignored
         assert_eq!(pool.free_blocks(), pool.total_blocks());
+    }
+
+    #[test]
+    fn cached_blocks_are_shared_kept_while_idle_and_evicted_when_needed() {
+        let eff = local_effective_layout(&model(), KvLayout::HND, false, 4, Dtype::Bf16);
+        let mut pool = KvPool::new(&model(), &eff, 4, None).unwrap();
+        let a = pool.allocate(2).unwrap();
+        pool.cache_block(&[a.0[0][0]], 7);
+        // A second request shares the cached block while the first still runs.
+        let shared = pool.take_cached(&[7, 8]);
+        assert_eq!(shared.0[0], vec![a.0[0][0]]);
+        pool.release(&a);
+        assert_eq!(pool.free_blocks(), 3, "the shared block is still in use");
+        pool.release(&shared);
+        assert_eq!(pool.free_blocks(), 4, "idle cached blocks count as free");
+        // Still cached while idle, and taken back when the pool runs out.
+        assert_eq!(pool.take_cached(&[7]).0[0].len(), 1);
+        let again = pool.take_cached(&[7]);
+        pool.release(&again);
+        pool.release(&again);
+        let all = pool.allocate(4).unwrap();
+        assert_eq!(all.0[0].len(), 4);
+        assert!(pool.take_cached(&[7]).0[0].is_empty(), "evicted for the allocation");
+        pool.release(&all);
+        assert_eq!(pool.free_blocks(), 4);
     }
 
     #[test]
