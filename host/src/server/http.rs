@@ -151,7 +151,13 @@ pub(crate) async fn completions_with(
     }
 
     let prompt_len = prompt.len();
-    let req = GenRequest { id: id.clone(), prompt, max_tokens, kv_transfer_params: params };
+    let req = GenRequest {
+        id: id.clone(),
+        prompt,
+        max_tokens,
+        kv_transfer_params: params,
+        sampling: Default::default(),
+    };
     let done = match st.engine.submit_streaming(req, sink).await {
         Ok(d) => d,
         Err(SubmitError::Rejected(e)) if e.starts_with("request '") => return bad_request(e),
