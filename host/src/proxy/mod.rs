@@ -15,7 +15,6 @@ pub mod metrics;
 
 use crate::deployment::Role;
 use crate::server::openai::{chat_prompt, openai_error, CONTEXT_TOKENS};
-use crate::server::sse;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -219,11 +218,8 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
         "ttft_us": ttft.as_micros() as u64,
         "total_us": total.as_micros() as u64,
     });
-    if stream {
-        sse::response(&dv, chat)
-    } else {
-        Json(dv).into_response()
-    }
+    // A streamed request returned above, with decode's stream.
+    Json(dv).into_response()
 }
 
 /// What the proxy knows of a request when decode's stream starts.
