@@ -5,16 +5,23 @@
 //! proxy saw added under `kvconnect.proxy` (which workers, prefill time, time to first token)
 //! and prefill's own `kvconnect` block under `kvconnect.prefill`.
 //!
+//! The proxy checks every OpenAI parameter as a worker does (`server::params`) before prefill
+//! produces any KV, and leaves the ones only decode acts on (`n`, `logprobs`, `min_tokens`,
+//! `stream_options`, ...) out of prefill's request. A request of several choices (a list of
+//! prompts, `n` above 1) is split into one request per choice (`fanout`).
+//!
 //! Errors keep the workers' OpenAI error bodies and statuses (a refused handshake under
 //! `fail` arrives from decode naming the difference); a worker that cannot be reached is a
 //! 503.
 
 pub mod backends;
 pub mod client;
+pub mod fanout;
 pub mod metrics;
 
 use crate::deployment::Role;
-use crate::server::openai::{chat_prompt, openai_error, CONTEXT_TOKENS};
+use crate::server::openai::{json_object, openai_error, param_error, CONTEXT_TOKENS};
+use crate::server::params;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -23,9 +30,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use backends::Backends;
 use metrics::ProxyMetrics;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
 
 /// The proxy's workers and counters.
 pub struct Proxy {
@@ -35,12 +44,19 @@ pub struct Proxy {
     pub timeout: Duration,
     /// Counters for `/metrics`.
     pub metrics: ProxyMetrics,
+    /// Numbers the ids of answers the proxy puts together itself.
+    next_id: AtomicU64,
 }
 
 impl Proxy {
     /// A proxy over these workers.
     pub fn new(backends: Arc<Backends>, timeout: Duration) -> Proxy {
-        Proxy { backends, timeout, metrics: ProxyMetrics::default() }
+        Proxy { backends, timeout, metrics: ProxyMetrics::default(), next_id: AtomicU64::new(0) }
+    }
+
+    /// A number for the id of an answer the proxy puts together itself.
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Sends one request to a worker of `role` that is up. A worker that cannot be reached
@@ -101,125 +117,150 @@ fn relay(status: u16, body: Value) -> Response {
     (status, Json(body)).into_response()
 }
 
+/// Parameters only decode acts on: prefill computes the prompt alone (`max_tokens: 1`), so a
+/// limit, a choice count or an output option there would only refuse or slow it.
+const DECODE_ONLY: &[&str] = &[
+    "max_completion_tokens",
+    "min_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+];
+
 async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool) -> Response {
     let t0 = Instant::now();
     let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
-    let v: Value = match serde_json::from_slice(raw) {
-        Ok(v) => v,
-        Err(e) => {
-            return openai_error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                format!("the body is not valid JSON: {e}"),
-                None,
-            )
+    let mut body = match json_object(raw) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    // Every parameter is checked here, before prefill produces KV for a decode that would
+    // refuse the request.
+    let req = match params::parse(&body, chat) {
+        Ok(r) => r,
+        Err(e) => return param_error(e),
+    };
+    for prompt in &req.prompts {
+        if let Err(e) = params::check_context(prompt.len(), req.max_tokens, CONTEXT_TOKENS) {
+            return param_error(e);
         }
-    };
-    let Value::Object(mut body) = v else {
-        return openai_error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "the body must be a JSON object",
-            None,
-        );
-    };
-    let stream = match body.remove("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => b,
-        Some(other) => {
-            return openai_error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                format!("'stream' must be true or false, not {other}"),
-                Some("stream"),
-            )
-        }
-    };
-    // Prefill computes the prompt only (max_tokens 1), so the user's max_tokens is checked
-    // here, before any KV is produced for a decode that would refuse it.
-    let mut pre = body.clone();
-    let checked_max = pre.remove("max_completion_tokens").or_else(|| pre.get("max_tokens").cloned());
-    if let Some(m) = &checked_max {
-        let Some(n) = m.as_u64().filter(|n| *n > 0) else {
-            return openai_error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                format!("'max_tokens' must be a positive integer, not {m}"),
-                Some("max_tokens"),
-            );
+    }
+    body.remove("stream");
+    if req.choices() > 1 {
+        return fanout::serve(p, path, body, &req).await;
+    }
+    if !req.stream {
+        return match one(p, path, body, t0).await {
+            Ok(v) => Json(v).into_response(),
+            Err(r) => r,
         };
-        let prompt_len = prompt_tokens(&body, chat);
-        if prompt_len.saturating_add(n as usize) > CONTEXT_TOKENS {
-            return openai_error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request_error",
-                format!(
-                    "max_tokens {n} with a {prompt_len}-token prompt exceeds the model's context of {CONTEXT_TOKENS} tokens; ask for at most {} tokens",
-                    CONTEXT_TOKENS.saturating_sub(prompt_len)
-                ),
-                Some("max_tokens"),
-            );
-        }
+    }
+    match one_stream(p, path, body, t0).await {
+        Ok(events) => sse_response(events),
+        Err(r) => r,
+    }
+}
+
+/// What prefill did for one choice, and the body decode gets.
+struct Prefilled {
+    pw: String,
+    kvconnect: Value,
+    done: Duration,
+    dec: Map<String, Value>,
+}
+
+/// Prefill's half of one choice: the prompt only (`max_tokens: 1`, `do_remote_decode`); the
+/// decode body gets the transfer params prefill returned and prefill's request id.
+async fn prefill(
+    p: &Arc<Proxy>,
+    path: &str,
+    body: Map<String, Value>,
+    t0: Instant,
+) -> Result<Prefilled, Response> {
+    let mut pre = body.clone();
+    for k in DECODE_ONLY {
+        pre.remove(*k);
     }
     pre.insert("max_tokens".into(), json!(1));
     pre.insert("kv_transfer_params".into(), json!({"do_remote_decode": true}));
-    let (pw, pr) = match p.send(Role::Prefill, "POST", path, Some(&Value::Object(pre))).await {
-        Ok(r) => r,
-        Err(r) => {
-            p.metrics.error();
-            return r;
-        }
-    };
+    let (pw, pr) = p
+        .send(Role::Prefill, "POST", path, Some(&Value::Object(pre)))
+        .await
+        .inspect_err(|_| p.metrics.error())?;
     let pv = pr.json();
     if pr.status != 200 {
         p.metrics.error();
-        return relay(pr.status, pv);
+        return Err(relay(pr.status, pv));
     }
-    let prefill_done = t0.elapsed();
     let mut dec = body;
     dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
     dec.insert("request_id".into(), pv["id"].clone());
-    if stream {
-        let dw = match p.backends.pick(Role::Decode, &[]) {
-            Ok(dw) => dw,
-            Err(e) => {
-                p.metrics.error();
-                return unreachable("decode", e);
-            }
-        };
-        dec.insert("stream".into(), json!(true));
-        let hop = Hop { pw, dw, prefill: pv["kvconnect"].clone(), t0, prefill_done };
-        return stream_decode(p, path, dec, hop).await;
-    }
-    let (dw, dr) = match p.send(Role::Decode, "POST", path, Some(&Value::Object(dec))).await {
-        Ok(r) => r,
-        Err(r) => {
-            p.metrics.error();
-            return r;
-        }
-    };
+    Ok(Prefilled { pw, kvconnect: pv["kvconnect"].clone(), done: t0.elapsed(), dec })
+}
+
+/// One choice, prefill then decode; decode's answer with the proxy's `kvconnect` block.
+pub(crate) async fn one(
+    p: &Arc<Proxy>,
+    path: &str,
+    body: Map<String, Value>,
+    t0: Instant,
+) -> Result<Value, Response> {
+    let pf = prefill(p, path, body, t0).await?;
+    let (dw, dr) = p
+        .send(Role::Decode, "POST", path, Some(&Value::Object(pf.dec)))
+        .await
+        .inspect_err(|_| p.metrics.error())?;
     let mut dv = dr.json();
     if dr.status != 200 {
         p.metrics.error();
-        return relay(dr.status, dv);
+        return Err(relay(dr.status, dv));
     }
     let decode_ttft = Duration::from_micros(dv["kvconnect"]["ttft_us"].as_u64().unwrap_or(0));
-    let ttft = prefill_done + decode_ttft;
+    let ttft = pf.done + decode_ttft;
     let total = t0.elapsed();
     let tokens = dv["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-    p.metrics.served(&pw, &dw, ttft, total, tokens);
+    p.metrics.served(&pf.pw, &dw, ttft, total, tokens);
     if dv.get("kvconnect").is_none_or(|k| !k.is_object()) {
         dv["kvconnect"] = json!({});
     }
-    dv["kvconnect"]["prefill"] = pv["kvconnect"].clone();
+    dv["kvconnect"]["prefill"] = pf.kvconnect;
     dv["kvconnect"]["proxy"] = json!({
-        "prefill_worker": pw, "decode_worker": dw,
-        "prefill_us": prefill_done.as_micros() as u64,
+        "prefill_worker": pf.pw, "decode_worker": dw,
+        "prefill_us": pf.done.as_micros() as u64,
         "ttft_us": ttft.as_micros() as u64,
         "total_us": total.as_micros() as u64,
     });
-    // A streamed request returned above, with decode's stream.
-    Json(dv).into_response()
+    Ok(dv)
+}
+
+/// One streamed choice, prefill then decode's stream: its events as they arrive.
+pub(crate) async fn one_stream(
+    p: &Arc<Proxy>,
+    path: &str,
+    body: Map<String, Value>,
+    t0: Instant,
+) -> Result<mpsc::Receiver<Bytes>, Response> {
+    let mut pf = prefill(p, path, body, t0).await?;
+    let dw = p.backends.pick(Role::Decode, &[]).map_err(|e| {
+        p.metrics.error();
+        unreachable("decode", e)
+    })?;
+    pf.dec.insert("stream".into(), json!(true));
+    let hop = Hop { pw: pf.pw, dw, prefill: pf.kvconnect, t0, prefill_done: pf.done };
+    stream_decode(p, path, pf.dec, hop).await
+}
+
+/// Events as a `text/event-stream` response.
+pub(crate) fn sse_response(events: mpsc::Receiver<Bytes>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        axum::body::Body::from_stream(crate::server::openai::Events(events)),
+    )
+        .into_response()
 }
 
 /// What the proxy knows of a request when decode's stream starts.
@@ -231,21 +272,21 @@ struct Hop {
     prefill_done: Duration,
 }
 
-/// Decode's SSE stream, passed through to the client as it arrives; the closing chunk (the
-/// one with `usage`) gets the proxy's `kvconnect` block added, as a non-streaming answer does.
-/// TTFT counts to the first token chunk the proxy forwards.
+/// Decode's SSE stream, passed on event by event as it arrives; the chunk with `usage` gets
+/// the proxy's `kvconnect` block added, as a non-streaming answer does. TTFT counts to the
+/// first token chunk the proxy forwards.
 async fn stream_decode(
     p: &Arc<Proxy>,
     path: &str,
-    dec: serde_json::Map<String, Value>,
+    dec: Map<String, Value>,
     hop: Hop,
-) -> Response {
+) -> Result<mpsc::Receiver<Bytes>, Response> {
     let mut ds =
         match client::request_streaming(&hop.dw, "POST", path, Some(&Value::Object(dec)), p.timeout).await {
             Ok(s) => s,
             Err(e) => {
                 p.metrics.error();
-                return unreachable("decode", e);
+                return Err(unreachable("decode", e));
             }
         };
     if ds.status != 200 {
@@ -256,9 +297,9 @@ async fn stream_decode(
         p.metrics.error();
         let v = serde_json::from_slice(&b)
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&b).into_owned()));
-        return relay(ds.status, v);
+        return Err(relay(ds.status, v));
     }
-    let (out, events) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let (out, events) = mpsc::channel::<Bytes>(64);
     let p = p.clone();
     tokio::spawn(async move {
         let mut client = Some(out);
@@ -323,24 +364,7 @@ async fn stream_decode(
             p.metrics.served(&hop.pw, &hop.dw, ttft.unwrap_or(total), total, tokens);
         }
     });
-    (
-        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
-        axum::body::Body::from_stream(crate::server::openai::Events(events)),
-    )
-        .into_response()
-}
-
-/// Prompt length in tokens as the byte-level reference engine counts it (0 when the prompt
-/// is malformed: the worker then says what is wrong with it).
-fn prompt_tokens(body: &serde_json::Map<String, Value>, chat: bool) -> usize {
-    if chat {
-        return body.get("messages").and_then(|m| chat_prompt(m).ok()).map_or(0, |p| p.len());
-    }
-    match body.get("prompt") {
-        Some(Value::String(s)) => s.len(),
-        Some(Value::Array(a)) => a.len(),
-        _ => 0,
-    }
+    Ok(events)
 }
 
 async fn completions(State(p): State<Arc<Proxy>>, raw: Bytes) -> Response {
