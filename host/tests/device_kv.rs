@@ -95,6 +95,7 @@ fn check(play: KvLayout, dlay: KvLayout) {
             prompt: ps[i].clone(),
             max_tokens: 4,
             kv_transfer_params: params,
+            sampling: Default::default(),
         })
         .unwrap();
     }

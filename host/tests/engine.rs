@@ -430,6 +430,7 @@ fn disaggregated(
             prompt: prompts[i].clone(),
             max_tokens,
             kv_transfer_params: params,
+            sampling: Default::default(),
         };
         d.add_request(r).unwrap();
     }

@@ -1,9 +1,16 @@
-//! The P/D proxy, as vLLM's `toy_proxy_server` does it: each user request goes first to a
-//! prefill worker (prefill only: `max_tokens: 1`, `kv_transfer_params: {"do_remote_decode":
-//! true}`), then to a decode worker with the transfer params prefill returned and prefill's
-//! request id; round-robin over several of each. The answer is decode's, with what the
+//! The P/D proxy, speaking vLLM's P/D proxy protocol (`toy_proxy_server`): each user request
+//! goes first to a prefill worker (prefill only: `max_tokens: 1`, not streamed, vLLM's
+//! `kv_transfer_params` with `do_remote_decode: true`), then to a decode worker with the
+//! client's body and the `kv_transfer_params` prefill returned, verbatim; both hops carry one
+//! fresh `X-Request-Id` (uuid4) and the client's `Authorization`. Round-robin over the
+//! workers of each role that are up. The answer is decode's, with what the
 //! proxy saw added under `kvconnect.proxy` (which workers, prefill time, time to first token)
 //! and prefill's own `kvconnect` block under `kvconnect.prefill`.
+//!
+//! The proxy checks every OpenAI parameter as a worker does (`server::params`) before prefill
+//! produces any KV, and leaves the ones only decode acts on (`n`, `logprobs`, `min_tokens`,
+//! `stream_options`, ...) out of prefill's request. A request of several choices (a list of
+//! prompts, `n` above 1) is split into one request per choice (`fanout`).
 //!
 //! Errors keep the workers' OpenAI error bodies and statuses (a refused handshake under
 //! `fail` arrives from decode naming the difference); a worker that cannot be reached is a
@@ -11,12 +18,12 @@
 
 pub mod backends;
 pub mod client;
+pub mod fanout;
 pub mod metrics;
 
 use crate::deployment::Role;
-use crate::server::openai::{chat_prompt, openai_error, CONTEXT_TOKENS};
-use crate::server::request_id;
-use crate::server::sse;
+use crate::server::openai::{json_object, openai_error, param_error, CONTEXT_TOKENS};
+use crate::server::{params, request_id};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -25,9 +32,11 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use backends::Backends;
 use metrics::ProxyMetrics;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
 
 /// The proxy's workers and counters.
 pub struct Proxy {
@@ -37,12 +46,19 @@ pub struct Proxy {
     pub timeout: Duration,
     /// Counters for `/metrics`.
     pub metrics: ProxyMetrics,
+    /// Numbers the ids of answers the proxy puts together itself.
+    next_id: AtomicU64,
 }
 
 impl Proxy {
     /// A proxy over these workers.
     pub fn new(backends: Arc<Backends>, timeout: Duration) -> Proxy {
-        Proxy { backends, timeout, metrics: ProxyMetrics::default() }
+        Proxy { backends, timeout, metrics: ProxyMetrics::default(), next_id: AtomicU64::new(0) }
+    }
+
+    /// A number for the id of an answer the proxy puts together itself.
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Sends one request to a worker of `role` that is up. A worker that cannot be reached
@@ -105,17 +121,80 @@ fn relay(status: u16, body: Value) -> Response {
     (status, Json(body)).into_response()
 }
 
-/// What vLLM's P/D proxy sends prefill: the client's body asking for one token, not
-/// streamed, and for the KV to be kept for a remote decode.
-pub fn prefill_body(body: &serde_json::Map<String, Value>) -> serde_json::Map<String, Value> {
-    let mut pre = body.clone();
-    pre.insert("max_tokens".into(), json!(1));
-    if pre.contains_key("max_completion_tokens") {
-        pre.insert("max_completion_tokens".into(), json!(1));
+/// Parameters only decode acts on: prefill computes the prompt alone (`max_tokens: 1`), so a
+/// limit, a choice count or an output option there would only refuse or slow it.
+const DECODE_ONLY: &[&str] = &[
+    "max_completion_tokens",
+    "min_tokens",
+    "stream",
+    "stream_options",
+    "n",
+    "best_of",
+    "logprobs",
+    "top_logprobs",
+    "echo",
+];
+
+async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool, auth: Option<String>) -> Response {
+    let t0 = Instant::now();
+    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
+    let mut body = match json_object(raw) {
+        Ok(b) => b,
+        Err(r) => return r,
+    };
+    // Every parameter is checked here, before prefill produces KV for a decode that would
+    // refuse the request.
+    let req = match params::parse(&body, chat) {
+        Ok(r) => r,
+        Err(e) => return param_error(e),
+    };
+    for prompt in &req.prompts {
+        if let Err(e) = params::check_context(prompt.len(), req.max_tokens, CONTEXT_TOKENS) {
+            return param_error(e);
+        }
     }
+    body.remove("stream");
+    if req.choices() > 1 {
+        return fanout::serve(p, path, body, &req, auth).await;
+    }
+    if !req.stream {
+        return match one(p, path, body, t0, auth).await {
+            Ok(v) => Json(v).into_response(),
+            Err(r) => r,
+        };
+    }
+    match one_stream(p, path, body, t0, auth).await {
+        Ok(events) => sse_response(events),
+        Err(r) => r,
+    }
+}
+
+/// What prefill did for one choice, and what decode gets.
+struct Prefilled {
+    pw: String,
+    kvconnect: Value,
+    done: Duration,
+    dec: Map<String, Value>,
+    /// The hop's headers: its X-Request-Id, and the client's Authorization.
+    headers: Vec<(&'static str, String)>,
+}
+
+impl Prefilled {
+    fn headers(&self) -> Vec<(&str, &str)> {
+        self.headers.iter().map(|(k, v)| (*k, v.as_str())).collect()
+    }
+}
+
+/// What vLLM's P/D proxy sends prefill: the client's body asking for one token, not
+/// streamed, without what only decode acts on, and asking for the KV to be kept for a remote
+/// decode.
+pub fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
+    let mut pre = body.clone();
+    for k in DECODE_ONLY {
+        pre.remove(*k);
+    }
+    pre.insert("max_tokens".into(), json!(1));
     pre.insert("stream".into(), json!(false));
-    pre.remove("stream_options");
-    pre.remove("min_tokens");
     pre.insert(
         "kv_transfer_params".into(),
         json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
@@ -124,133 +203,98 @@ pub fn prefill_body(body: &serde_json::Map<String, Value>) -> serde_json::Map<St
     pre
 }
 
-async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool, auth: Option<&str>) -> Response {
-    let t0 = Instant::now();
-    let path = if chat { "/v1/chat/completions" } else { "/v1/completions" };
-    let v: Value = match serde_json::from_slice(raw) {
-        Ok(v) => v,
-        Err(e) => {
-            return openai_error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                format!("the body is not valid JSON: {e}"),
-                None,
-            )
-        }
-    };
-    let Value::Object(mut body) = v else {
-        return openai_error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "the body must be a JSON object",
-            None,
-        );
-    };
-    let stream = match body.remove("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => b,
-        Some(other) => {
-            return openai_error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                format!("'stream' must be true or false, not {other}"),
-                Some("stream"),
-            )
-        }
-    };
-    // Prefill computes the prompt only (max_tokens 1), so the user's max_tokens is checked
-    // here, before any KV is produced for a decode that would refuse it.
-    let checked_max = body.get("max_completion_tokens").or_else(|| body.get("max_tokens")).cloned();
-    if let Some(m) = &checked_max {
-        let Some(n) = m.as_u64().filter(|n| *n > 0) else {
-            return openai_error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request_error",
-                format!("'max_tokens' must be a positive integer, not {m}"),
-                Some("max_tokens"),
-            );
-        };
-        let prompt_len = prompt_tokens(&body, chat);
-        if prompt_len.saturating_add(n as usize) > CONTEXT_TOKENS {
-            return openai_error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request_error",
-                format!(
-                    "max_tokens {n} with a {prompt_len}-token prompt exceeds the model's context of {CONTEXT_TOKENS} tokens; ask for at most {} tokens",
-                    CONTEXT_TOKENS.saturating_sub(prompt_len)
-                ),
-                Some("max_tokens"),
-            );
-        }
-    }
-    // vLLM's P/D proxy protocol: one X-Request-Id for both hops, the client's credentials
-    // passed on, prefill asked for one token and to keep the KV, decode given the client's
-    // body with prefill's kv_transfer_params verbatim.
-    let rid = uuid::Uuid::new_v4().to_string();
-    let mut headers: Vec<(&str, &str)> = vec![(request_id::HEADER, rid.as_str())];
+/// Prefill's half of one choice, under a fresh X-Request-Id; decode's body is the client's
+/// with the transfer params prefill returned, verbatim.
+async fn prefill(
+    p: &Arc<Proxy>,
+    path: &str,
+    body: Map<String, Value>,
+    t0: Instant,
+    auth: Option<String>,
+) -> Result<Prefilled, Response> {
+    let mut headers = vec![(request_id::HEADER, uuid::Uuid::new_v4().to_string())];
     if let Some(a) = auth {
         headers.push(("authorization", a));
     }
+    let hop: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let pre = prefill_body(&body);
-    let (pw, pr) = match p.send(Role::Prefill, "POST", path, Some(&Value::Object(pre)), &headers).await {
-        Ok(r) => r,
-        Err(r) => {
-            p.metrics.error();
-            return r;
-        }
-    };
+    let (pw, pr) = p
+        .send(Role::Prefill, "POST", path, Some(&Value::Object(pre)), &hop)
+        .await
+        .inspect_err(|_| p.metrics.error())?;
     let pv = pr.json();
     if pr.status != 200 {
         p.metrics.error();
-        return relay(pr.status, pv);
+        return Err(relay(pr.status, pv));
     }
-    let prefill_done = t0.elapsed();
     let mut dec = body;
     dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
-    if stream {
-        let dw = match p.backends.pick(Role::Decode, &[]) {
-            Ok(dw) => dw,
-            Err(e) => {
-                p.metrics.error();
-                return unreachable("decode", e);
-            }
-        };
-        dec.insert("stream".into(), json!(true));
-        let hop = Hop { pw, dw, prefill: pv["kvconnect"].clone(), t0, prefill_done };
-        return stream_decode(p, path, dec, &headers, hop).await;
-    }
-    let (dw, dr) = match p.send(Role::Decode, "POST", path, Some(&Value::Object(dec)), &headers).await {
-        Ok(r) => r,
-        Err(r) => {
-            p.metrics.error();
-            return r;
-        }
-    };
+    Ok(Prefilled { pw, kvconnect: pv["kvconnect"].clone(), done: t0.elapsed(), dec, headers })
+}
+
+/// One choice, prefill then decode; decode's answer with the proxy's `kvconnect` block.
+pub(crate) async fn one(
+    p: &Arc<Proxy>,
+    path: &str,
+    body: Map<String, Value>,
+    t0: Instant,
+    auth: Option<String>,
+) -> Result<Value, Response> {
+    let pf = prefill(p, path, body, t0, auth).await?;
+    let dec = Value::Object(pf.dec.clone());
+    let (dw, dr) = p
+        .send(Role::Decode, "POST", path, Some(&dec), &pf.headers())
+        .await
+        .inspect_err(|_| p.metrics.error())?;
     let mut dv = dr.json();
     if dr.status != 200 {
         p.metrics.error();
-        return relay(dr.status, dv);
+        return Err(relay(dr.status, dv));
     }
     let decode_ttft = Duration::from_micros(dv["kvconnect"]["ttft_us"].as_u64().unwrap_or(0));
-    let ttft = prefill_done + decode_ttft;
+    let ttft = pf.done + decode_ttft;
     let total = t0.elapsed();
     let tokens = dv["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-    p.metrics.served(&pw, &dw, ttft, total, tokens);
+    p.metrics.served(&pf.pw, &dw, ttft, total, tokens);
     if dv.get("kvconnect").is_none_or(|k| !k.is_object()) {
         dv["kvconnect"] = json!({});
     }
-    dv["kvconnect"]["prefill"] = pv["kvconnect"].clone();
+    dv["kvconnect"]["prefill"] = pf.kvconnect;
     dv["kvconnect"]["proxy"] = json!({
-        "prefill_worker": pw, "decode_worker": dw,
-        "prefill_us": prefill_done.as_micros() as u64,
+        "prefill_worker": pf.pw, "decode_worker": dw,
+        "prefill_us": pf.done.as_micros() as u64,
         "ttft_us": ttft.as_micros() as u64,
         "total_us": total.as_micros() as u64,
     });
-    if stream {
-        sse::response(&dv, chat)
-    } else {
-        Json(dv).into_response()
-    }
+    Ok(dv)
+}
+
+/// One streamed choice, prefill then decode's stream: its events as they arrive.
+pub(crate) async fn one_stream(
+    p: &Arc<Proxy>,
+    path: &str,
+    body: Map<String, Value>,
+    t0: Instant,
+    auth: Option<String>,
+) -> Result<mpsc::Receiver<Bytes>, Response> {
+    let mut pf = prefill(p, path, body, t0, auth).await?;
+    let dw = p.backends.pick(Role::Decode, &[]).map_err(|e| {
+        p.metrics.error();
+        unreachable("decode", e)
+    })?;
+    pf.dec.insert("stream".into(), json!(true));
+    let headers = pf.headers.clone();
+    let hop = Hop { pw: pf.pw, dw, prefill: pf.kvconnect, t0, prefill_done: pf.done };
+    stream_decode(p, path, pf.dec, &headers, hop).await
+}
+
+/// Events as a `text/event-stream` response.
+pub(crate) fn sse_response(events: mpsc::Receiver<Bytes>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        axum::body::Body::from_stream(crate::server::openai::Events(events)),
+    )
+        .into_response()
 }
 
 /// What the proxy knows of a request when decode's stream starts.
@@ -262,23 +306,25 @@ struct Hop {
     prefill_done: Duration,
 }
 
-/// Decode's SSE stream, passed through to the client as it arrives; the closing chunk (the
-/// one with `usage`) gets the proxy's `kvconnect` block added, as a non-streaming answer does.
-/// TTFT counts to the first token chunk the proxy forwards.
+/// Decode's SSE stream, passed on event by event as it arrives; the chunk with `usage` gets
+/// the proxy's `kvconnect` block added, as a non-streaming answer does. TTFT counts to the
+/// first token chunk the proxy forwards.
 async fn stream_decode(
     p: &Arc<Proxy>,
     path: &str,
-    dec: serde_json::Map<String, Value>,
-    headers: &[(&str, &str)],
+    dec: Map<String, Value>,
+    headers: &[(&'static str, String)],
     hop: Hop,
-) -> Response {
+) -> Result<mpsc::Receiver<Bytes>, Response> {
     let dec = Value::Object(dec);
-    let call = client::Call { headers, ..client::Call::new(&hop.dw, "POST", path, Some(&dec), p.timeout) };
+    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let call =
+        client::Call { headers: &headers, ..client::Call::new(&hop.dw, "POST", path, Some(&dec), p.timeout) };
     let mut ds = match client::call_streaming(call).await {
         Ok(s) => s,
         Err(e) => {
             p.metrics.error();
-            return unreachable("decode", e);
+            return Err(unreachable("decode", e));
         }
     };
     if ds.status != 200 {
@@ -289,9 +335,9 @@ async fn stream_decode(
         p.metrics.error();
         let v = serde_json::from_slice(&b)
             .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&b).into_owned()));
-        return relay(ds.status, v);
+        return Err(relay(ds.status, v));
     }
-    let (out, events) = tokio::sync::mpsc::channel::<Bytes>(64);
+    let (out, events) = mpsc::channel::<Bytes>(64);
     let p = p.clone();
     tokio::spawn(async move {
         let mut client = Some(out);
@@ -356,28 +402,12 @@ async fn stream_decode(
             p.metrics.served(&hop.pw, &hop.dw, ttft.unwrap_or(total), total, tokens);
         }
     });
-    (
-        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
-        axum::body::Body::from_stream(crate::server::openai::Events(events)),
-    )
-        .into_response()
+    Ok(events)
 }
 
-/// Prompt length in tokens as the byte-level reference engine counts it (0 when the prompt
-/// is malformed: the worker then says what is wrong with it).
-fn prompt_tokens(body: &serde_json::Map<String, Value>, chat: bool) -> usize {
-    if chat {
-        return body.get("messages").and_then(|m| chat_prompt(m).ok()).map_or(0, |p| p.len());
-    }
-    match body.get("prompt") {
-        Some(Value::String(s)) => s.len(),
-        Some(Value::Array(a)) => a.len(),
-        _ => 0,
-    }
-}
-
-fn authorization(h: &HeaderMap) -> Option<&str> {
-    h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())
+/// The client's Authorization header, passed on to the workers.
+fn authorization(h: &HeaderMap) -> Option<String> {
+    h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_owned)
 }
 
 async fn completions(State(p): State<Arc<Proxy>>, h: HeaderMap, raw: Bytes) -> Response {

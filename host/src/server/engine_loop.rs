@@ -1,7 +1,7 @@
 //! The engine's own thread: it steps continuously while there is work and talks to the HTTP
 //! handlers only through a command channel, so no handler ever holds the engine.
 
-use crate::worker::{Engine, FinishReason, GenRequest, RequestOutput};
+use crate::worker::{Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -9,8 +9,49 @@ use std::sync::mpsc;
 use std::time::Duration;
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
-/// Where a streaming request's new tokens go, step by step, as the engine produces them.
-pub type TokenSink = tmpsc::UnboundedSender<Vec<u32>>;
+/// One generated token as a stream passes it on.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Produced {
+    /// The token.
+    pub token: u32,
+    /// Its log-probabilities, when the request asked for them.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// What a stream receives: a choice's index and that choice's tokens of one step.
+pub type TokenStream = tmpsc::UnboundedReceiver<(usize, Vec<Produced>)>;
+
+/// Where a streaming request's new tokens go, step by step, as the engine produces them. The
+/// choices of one OpenAI request share one channel, each sending under its own index, so the
+/// stream sees every choice's tokens in the order they were produced.
+#[derive(Debug, Clone)]
+pub struct TokenSink {
+    tx: tmpsc::UnboundedSender<(usize, Vec<Produced>)>,
+    choice: usize,
+}
+
+impl TokenSink {
+    /// A channel for `choices` choices: the sinks (choice `i` sends under index `i`) and the
+    /// stream they feed. The stream ends once every sink is dropped.
+    pub fn channel(choices: usize) -> (Vec<TokenSink>, TokenStream) {
+        let (tx, rx) = tmpsc::unbounded_channel();
+        ((0..choices).map(|choice| TokenSink { tx: tx.clone(), choice }).collect(), rx)
+    }
+
+    /// Sends one step's tokens; false when the stream's reader is gone (the client left).
+    pub fn send(&self, tokens: Vec<Produced>) -> bool {
+        self.tx.send((self.choice, tokens)).is_ok()
+    }
+}
+
+/// One output's tokens paired with their log-probabilities (absent when not asked for).
+fn produced(o: &RequestOutput) -> Vec<Produced> {
+    o.new_tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Produced { token: *t, logprobs: o.logprobs.get(i).cloned() })
+        .collect()
+}
 
 /// What a driven engine must offer: the reference engine, or the transfer-only engine the
 /// transfer benchmark uses.
@@ -156,6 +197,8 @@ impl Driver for Engine {
 pub struct Done {
     /// Generated tokens.
     pub tokens: Vec<u32>,
+    /// Their log-probabilities, when the request asked for them.
+    pub logprobs: Vec<TokenLogprobs>,
     /// Why it ended.
     pub finish: FinishReason,
     /// What the connector returned for the peer.
@@ -313,6 +356,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                         Ok(()) => {
                             let done = Done {
                                 tokens: Vec::new(),
+                                logprobs: Vec::new(),
                                 finish: FinishReason::Length,
                                 kv_transfer_params: None,
                                 ttft: None,
@@ -355,9 +399,10 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                 for o in outputs {
                     let Some(p) = pending.get_mut(&o.id) else { continue };
                     p.done.tokens.extend(&o.new_tokens);
+                    p.done.logprobs.extend(o.logprobs.iter().cloned());
                     if !o.new_tokens.is_empty() {
                         // A closed receiver means the client left: stop sending, keep running.
-                        if p.sink.as_ref().is_some_and(|s| s.send(o.new_tokens.clone()).is_err()) {
+                        if p.sink.as_ref().is_some_and(|s| !s.send(produced(&o))) {
                             p.sink = None;
                         }
                     }

@@ -1,13 +1,13 @@
-//! The worker's HTTP API (axum): `POST /v1/completions` (OpenAI-style, plus vLLM's
-//! `kv_transfer_params`), `GET /health` (role, pool and side-channel counters as JSON) and
-//! `GET /metrics` (the same counters as Prometheus text).
+//! The worker's HTTP API (axum): the OpenAI routes (see `openai`), `GET /health` (role, pool
+//! and side-channel counters as JSON) and `GET /metrics` (the same counters as Prometheus
+//! text); and [`run_one`], which runs one engine request for the OpenAI layer (vLLM's
+//! `kv_transfer_params` included).
 
-use crate::server::engine_loop::{EngineHandle, PoolStats, SubmitError, TokenSink};
+use crate::server::engine_loop::{Done, EngineHandle, PoolStats, SubmitError, TokenSink};
 use crate::server::peers::{remote_peer, strip_remote, Peers};
 use crate::server::worker_metrics::{self, PromptSources, Sample};
 use crate::sidechannel::ServerStats;
-use crate::worker::{detokenize, tokenize, FinishReason, GenRequest};
-use axum::body::Bytes;
+use crate::worker::{FinishReason, GenRequest, SamplingParams};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvconnect_api::FailurePolicy;
 use serde_json::{json, Map, Value};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 /// What the handlers share.
@@ -66,69 +66,65 @@ fn error(status: StatusCode, kind: &str, message: String, extra: Option<(&str, V
     (status, Json(json!({ "error": e }))).into_response()
 }
 
-fn bad_request(message: String) -> Response {
-    error(StatusCode::BAD_REQUEST, "invalid_request_error", message, None)
+/// Why one engine request got no answer: the status, error type and message, with the
+/// handshake's field-by-field difference when a peer was refused. The OpenAI layer turns it
+/// into OpenAI's error body.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Failure {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// OpenAI's error `type`.
+    pub kind: &'static str,
+    /// What went wrong.
+    pub message: String,
+    /// The handshake difference (`kv_load_failure_policy = "fail"`).
+    pub diff: Option<Value>,
 }
 
-fn parse_prompt(v: Option<&Value>) -> Result<Vec<u32>, String> {
-    match v {
-        Some(Value::String(s)) => Ok(tokenize(s)),
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|t| {
-                t.as_u64()
-                    .and_then(|n| u32::try_from(n).ok())
-                    .ok_or_else(|| format!("prompt token {t} is not a non-negative integer token id"))
-            })
-            .collect(),
-        Some(other) => Err(format!("'prompt' must be a string or a list of token ids, not {other}")),
-        None => Err("the request has no 'prompt'; send a string or a list of token ids".into()),
+impl Failure {
+    fn new(status: StatusCode, kind: &'static str, message: String) -> Failure {
+        Failure { status, kind, message, diff: None }
     }
 }
 
-/// The engine-facing completions handler (the OpenAI layer in `openai` checks and wraps it).
-pub(crate) async fn completions(st: State<Arc<AppState>>, body: Bytes) -> Response {
-    completions_with(st, body, None).await
+/// One engine request, as the OpenAI layer hands it over: one prompt, one choice.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct OneRequest {
+    /// The engine's request id.
+    pub id: String,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Tokens to generate.
+    pub max_tokens: usize,
+    /// How tokens are chosen and reported.
+    pub sampling: SamplingParams,
+    /// vLLM's `kv_transfer_params` (empty for none).
+    pub kv_transfer_params: Map<String, Value>,
 }
 
-/// [`completions`], with each step's new tokens also sent to `sink` as the engine produces
-/// them (the streaming path).
-pub(crate) async fn completions_with(
-    State(st): State<Arc<AppState>>,
-    body: Bytes,
-    sink: Option<TokenSink>,
-) -> Response {
-    let v: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(e) => return bad_request(format!("the body is not JSON: {e}")),
-    };
-    let Value::Object(obj) = v else { return bad_request("the body must be a JSON object".into()) };
-    let prompt = match parse_prompt(obj.get("prompt")) {
-        Ok(p) => p,
-        Err(e) => return bad_request(e),
-    };
-    let max_tokens = match obj.get("max_tokens") {
-        None | Some(Value::Null) => 16,
-        Some(m) => match m.as_u64() {
-            Some(n) if n > 0 => n as usize,
-            _ => return bad_request(format!("'max_tokens' must be a positive integer, not {m}")),
-        },
-    };
-    let mut params: Map<String, Value> = match obj.get("kv_transfer_params") {
-        None | Some(Value::Null) => Map::new(),
-        Some(Value::Object(m)) => m.clone(),
-        Some(other) => return bad_request(format!("'kv_transfer_params' must be an object, not {other}")),
-    };
-    let n = st.next_id.fetch_add(1, Ordering::Relaxed);
-    let id = match obj.get("request_id").and_then(Value::as_str) {
-        Some(s) => s.to_owned(),
-        None => format!("cmpl-{}-{n}", st.engine_id),
-    };
+/// A finished engine request.
+#[derive(Debug, Clone)]
+pub(crate) struct Finished {
+    /// What the engine returned.
+    pub done: Done,
+    /// Set when the peer handshake failed and the prompt was recomputed (policy
+    /// `recompute`): `{"recomputed": true, "reason"}`.
+    pub kv_note: Value,
+}
 
+/// Runs one engine request to its end (loading KV from a peer first when its transfer
+/// params name one), sending each step's new tokens to `sink` as the engine produces them.
+pub(crate) async fn run_one(
+    st: Arc<AppState>,
+    req: OneRequest,
+    sink: Option<TokenSink>,
+) -> Result<Finished, Failure> {
+    let OneRequest { id, prompt, max_tokens, sampling, kv_transfer_params: mut params } = req;
+    let bad = |m: String| Failure::new(StatusCode::BAD_REQUEST, "invalid_request_error", m);
     // Before any KV is loaded from a peer: the handshake, once per peer.
     let mut kv_note = Value::Null;
     let remote = match remote_peer(&params) {
-        Err(e) => return bad_request(e),
+        Err(e) => return Err(bad(e)),
         Ok(r) => r,
     };
     if let Some((engine, addr)) = &remote {
@@ -142,38 +138,37 @@ pub(crate) async fn completions_with(
                     kv_note = json!({"recomputed": true, "reason": f.message});
                 }
                 FailurePolicy::Fail => {
-                    return error(
-                        StatusCode::BAD_GATEWAY,
-                        "kv_transfer_failed",
-                        format!("request {id}: {} (kv_load_failure_policy is 'fail')", f.message),
-                        Some(("diff", serde_json::to_value(&f.diff).unwrap_or(Value::Null))),
-                    );
+                    return Err(Failure {
+                        status: StatusCode::BAD_GATEWAY,
+                        kind: "kv_transfer_failed",
+                        message: format!("request {id}: {} (kv_load_failure_policy is 'fail')", f.message),
+                        diff: Some(serde_json::to_value(&f.diff).unwrap_or(Value::Null)),
+                    });
                 }
             }
         }
     }
 
     let prompt_len = prompt.len();
-    let req = GenRequest { id: id.clone(), prompt, max_tokens, kv_transfer_params: params };
+    let req = GenRequest { id: id.clone(), prompt, max_tokens, kv_transfer_params: params, sampling };
     let done = match st.engine.submit_streaming(req, sink).await {
         Ok(d) => d,
-        Err(SubmitError::Rejected(e)) if e.starts_with("request '") => return bad_request(e),
-        Err(SubmitError::Duplicate(e)) => return error(StatusCode::CONFLICT, "conflict", e, None),
+        Err(SubmitError::Rejected(e)) if e.starts_with("request '") => return Err(bad(e)),
+        Err(SubmitError::Duplicate(e)) => return Err(Failure::new(StatusCode::CONFLICT, "conflict", e)),
         Err(e @ (SubmitError::Unhealthy(_) | SubmitError::Gone)) => {
-            return error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string(), None)
+            return Err(Failure::new(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string()))
         }
-        Err(e) => return error(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e.to_string(), None),
+        Err(e) => return Err(Failure::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e.to_string())),
     };
     if let FinishReason::Error(message) = &done.finish {
         if remote.is_some() {
             worker_metrics::load_failure("load_failed", false);
         }
-        return error(
+        return Err(Failure::new(
             StatusCode::BAD_GATEWAY,
             "kv_transfer_failed",
             format!("request {id}: {message}"),
-            None,
-        );
+        ));
     }
     if let Some(why) = &done.kv_load_failure {
         worker_metrics::load_failure("load_failed", true);
@@ -184,29 +179,7 @@ pub(crate) async fn completions_with(
         PromptSources::of(prompt_len as u64, done.num_cached_tokens as u64, external),
         external.saturating_mul(st.kv_bytes_per_token),
     );
-    let mut resp = json!({
-        "id": id,
-        "object": "text_completion",
-        "model": st.model,
-        "choices": [{
-            "index": 0,
-            "text": detokenize(&done.tokens),
-            "token_ids": done.tokens,
-            "finish_reason": "length",
-        }],
-        "usage": {"prompt_tokens": prompt_len, "completion_tokens": done.tokens.len(), "total_tokens": prompt_len + done.tokens.len()},
-        "kv_transfer_params": done.kv_transfer_params,
-        "kvconnect": {
-            "engine_id": st.engine_id,
-            "ttft_us": done.ttft.map(|d| d.as_micros() as u64),
-            "num_external_tokens": done.num_external_tokens,
-            "num_cached_tokens": done.num_cached_tokens,
-        },
-    });
-    if !kv_note.is_null() {
-        resp["kvconnect"]["kv_load"] = kv_note;
-    }
-    Json(resp).into_response()
+    Ok(Finished { done, kv_note })
 }
 
 async fn current(st: &AppState) -> Result<PoolStats, Response> {

@@ -8,14 +8,19 @@
 //! connector; then the side channel starts answering with the connector's handshake
 //! metadata; last the HTTP listener opens and the addresses are printed as one JSON line.
 
+pub mod chat_template;
 pub mod connector_setup;
 pub mod engine_loop;
 pub mod http;
+pub mod logprobs;
 pub mod openai;
+pub mod params;
 pub mod peers;
 pub mod request_id;
+pub mod response;
 pub mod sse;
 pub mod synthetic;
+pub mod unsupported;
 pub mod worker_metrics;
 
 use crate::deployment::Role;

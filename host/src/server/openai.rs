@@ -1,38 +1,42 @@
 //! The OpenAI-compatible face of a worker: `GET /v1/models`, `POST /v1/completions` and
 //! `POST /v1/chat/completions`, with `stream: true` answered as server-sent events.
 //!
-//! The generation itself is the worker's own completions handler ([`http::completions`]);
-//! this layer checks what OpenAI clients send (model name, `max_tokens` against the model's
-//! context, chat messages), applies the chat template, and turns every error into OpenAI's
-//! body `{"error": {"message", "type", "param", "code"}}` with a fitting status.
+//! A request is checked into an [`OpenAiRequest`] (`params`: every parameter honoured or
+//! refused with a 400 naming it), the model name and the context are checked, and each of its
+//! choices (prompts × `n`) runs as one engine request ([`http::run_one`]), all at once; choice
+//! `j` of a prompt samples from `seed + j` (a seed is picked per request when none is given).
+//! Answers are built by `response` (one body) or `sse` (a stream); every error becomes
+//! OpenAI's body `{"error": {"message", "type", "param", "code"}}` with a fitting status.
 //!
-//! Chat template (the reference engine has a byte-level tokenizer and no template of its
-//! own): each message becomes `"<role>: <content>\n"`, then `"assistant: "` is appended.
-//!
-//! Streaming: the engine thread sends each step's new tokens through a per-request channel,
-//! and each becomes an SSE chunk as soon as it exists; the closing chunk (`finish_reason`,
-//! `usage`, `kv_transfer_params`) and `data: [DONE]` follow when the request ends. The status
-//! line waits for the first token, so a request refused before generating anything still gets
-//! its OpenAI error status. A client that leaves mid-stream only closes the channel: the
-//! request runs to its end and frees its blocks as usual.
+//! Streaming: the engine thread sends each step's new tokens through the request's channel
+//! (one for all its choices), and each becomes an SSE chunk as soon as it exists; the closing
+//! chunks and `data: [DONE]` follow when every choice has ended. The status line waits for the
+//! first token, so a request refused before generating anything still gets its OpenAI error
+//! status. A client that leaves mid-stream only closes the channel: the requests run to their
+//! end and free their blocks as usual.
 
-use crate::server::http::{self, AppState};
-use crate::server::{request_id, sse, worker_metrics};
+use crate::server::engine_loop::{TokenSink, TokenStream};
+use crate::server::http::{self, AppState, Failure, Finished, OneRequest};
+use crate::server::params::{self, OpenAiRequest, ParamError};
+use crate::server::response::{self, ChoiceOutput, Head, Shape};
+use crate::server::sse::{Chunks, Tail};
+use crate::server::{request_id, worker_metrics};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
+use std::hash::{BuildHasher, Hasher};
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
 
-/// Largest response body this layer reads back from the inner handler.
-const MAX_BODY: usize = 64 << 20;
+pub use crate::server::chat_template::chat_prompt;
 
 /// The reference engine's context window (`max_position_embeddings` of its config).
 pub const CONTEXT_TOKENS: usize = 4096;
@@ -53,163 +57,196 @@ pub fn openai_error(
         .into_response()
 }
 
-/// The chat template: `"<role>: <content>\n"` per message, then `"assistant: "`.
-pub fn chat_prompt(messages: &Value) -> Result<String, String> {
-    let Some(list) = messages.as_array() else {
-        return Err("'messages' must be a list of {\"role\", \"content\"} objects".into());
-    };
-    if list.is_empty() {
-        return Err("'messages' is empty; send at least one message".into());
-    }
-    let mut out = String::new();
-    for (i, m) in list.iter().enumerate() {
-        let role = m.get("role").and_then(Value::as_str);
-        let content = match m.get("content") {
-            Some(Value::String(s)) => Some(s.clone()),
-            // OpenAI's content parts: only text parts carry anything for this model.
-            Some(Value::Array(parts)) => parts
-                .iter()
-                .map(|p| p.get("text").and_then(Value::as_str).map(str::to_owned))
-                .collect::<Option<Vec<_>>>()
-                .map(|v| v.concat()),
-            _ => None,
-        };
-        match (role, content) {
-            (Some(r), Some(c)) => out.push_str(&format!("{r}: {c}\n")),
-            _ => return Err(format!("messages[{i}] needs a string 'role' and a text 'content': {m}")),
-        }
-    }
-    out.push_str("assistant: ");
-    Ok(out)
+/// A refused or malformed parameter as OpenAI's error response.
+pub fn param_error(e: ParamError) -> Response {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
+    openai_error(status, "invalid_request_error", e.message, e.param)
 }
 
-/// What the OpenAI layer checked and will pass on.
-struct Checked {
-    body: Map<String, Value>,
-    stream: bool,
+/// The body as a JSON object, or the 400 to answer.
+#[allow(clippy::result_large_err)]
+pub fn json_object(raw: &[u8]) -> Result<Map<String, Value>, Response> {
+    let bad = |m: String| openai_error(StatusCode::BAD_REQUEST, "invalid_request_error", m, None);
+    match serde_json::from_slice(raw) {
+        Ok(Value::Object(m)) => Ok(m),
+        Ok(_) => Err(bad("the body must be a JSON object".into())),
+        Err(e) => Err(bad(format!("the body is not valid JSON: {e}"))),
+    }
 }
 
 // The error is the finished response; it is built once per refused request, so its size
 // does not matter.
 #[allow(clippy::result_large_err)]
-fn check(st: &AppState, raw: &[u8], chat: bool) -> Result<Checked, Response> {
-    let bad =
-        |m: String, p: Option<&str>| openai_error(StatusCode::BAD_REQUEST, "invalid_request_error", m, p);
-    let v: Value =
-        serde_json::from_slice(raw).map_err(|e| bad(format!("the body is not valid JSON: {e}"), None))?;
-    let Value::Object(mut body) = v else {
-        return Err(bad("the body must be a JSON object".into(), None));
-    };
-    if let Some(m) = body.get("model") {
-        match m.as_str() {
-            Some(name) if name == st.model => {}
-            Some(name) => {
-                return Err(openai_error(
-                    StatusCode::NOT_FOUND,
-                    "invalid_request_error",
-                    format!(
+fn check(st: &AppState, raw: &[u8], chat: bool) -> Result<OpenAiRequest, Response> {
+    let body = json_object(raw)?;
+    if let Some(name) = body.get("model").and_then(Value::as_str) {
+        if name != st.model {
+            return Err(openai_error(
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                format!(
                     "the model '{name}' does not exist here; this worker serves '{}' (see GET /v1/models)",
                     st.model
                 ),
-                    Some("model"),
-                ))
-            }
-            None => return Err(bad(format!("'model' must be a string, not {m}"), Some("model"))),
-        }
-    }
-    let stream = match body.remove("stream") {
-        None | Some(Value::Null) => false,
-        Some(Value::Bool(b)) => b,
-        Some(other) => {
-            return Err(bad(format!("'stream' must be true or false, not {other}"), Some("stream")))
-        }
-    };
-    if chat {
-        let messages = body.remove("messages").unwrap_or(Value::Null);
-        let prompt = chat_prompt(&messages).map_err(|m| bad(m, Some("messages")))?;
-        body.insert("prompt".into(), Value::String(prompt));
-        // OpenAI's newer name for the same limit.
-        if let Some(m) = body.remove("max_completion_tokens") {
-            body.entry("max_tokens").or_insert(m);
-        }
-    }
-    let max_tokens = match body.get("max_tokens") {
-        None | Some(Value::Null) => None,
-        Some(m) => match m.as_u64() {
-            Some(n) if n > 0 => Some(n as usize),
-            _ => {
-                return Err(bad(
-                    format!("'max_tokens' must be a positive integer, not {m}"),
-                    Some("max_tokens"),
-                ))
-            }
-        },
-    };
-    let prompt_len = match body.get("prompt") {
-        Some(Value::String(s)) => s.len(),
-        Some(Value::Array(a)) => a.len(),
-        _ => 0,
-    };
-    if let Some(n) = max_tokens {
-        if prompt_len.saturating_add(n) > st.max_model_len {
-            return Err(openai_error(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "invalid_request_error",
-                format!(
-                    "max_tokens {n} with a {prompt_len}-token prompt exceeds the model's context of {} tokens; ask for at most {} tokens",
-                    st.max_model_len,
-                    st.max_model_len.saturating_sub(prompt_len)
-                ),
-                Some("max_tokens"),
+                Some("model"),
             ));
         }
     }
-    if prompt_len > st.max_model_len {
-        return Err(openai_error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "invalid_request_error",
-            format!("the prompt has {prompt_len} tokens; the model's context is {} tokens", st.max_model_len),
-            Some("prompt"),
-        ));
+    let req = params::parse(&body, chat).map_err(param_error)?;
+    if !req.ignored.is_empty() {
+        tracing::warn!(fields = ?req.ignored, "request fields neither OpenAI nor vLLM define were ignored");
     }
-    Ok(Checked { body, stream })
+    for p in &req.prompts {
+        params::check_context(p.len(), req.max_tokens, st.max_model_len).map_err(param_error)?;
+    }
+    Ok(req)
 }
 
-/// Rewrites an error from the inner handler as an OpenAI error with a fitting status.
-async fn openai_from_inner(resp: Response) -> Result<Value, Response> {
-    let status = resp.status();
-    let bytes = axum::body::to_bytes(resp.into_body(), MAX_BODY).await.map_err(|e| {
-        openai_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            format!("cannot read the engine's answer: {e}"),
-            None,
-        )
-    })?;
-    let v: Value = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| json!({"error": {"message": String::from_utf8_lossy(&bytes)}}));
-    if status.is_success() {
-        return Ok(v);
+/// An engine failure as OpenAI's error response (a full pool is the prompt's fault: 413).
+fn failure_response(f: Failure) -> Response {
+    if f.diff.is_some() {
+        worker_metrics::refusal(&f.message);
     }
-    let message = v["error"]["message"].as_str().unwrap_or("the engine failed this request").to_owned();
-    if v["error"].get("diff").is_some() {
-        worker_metrics::refusal(&message);
-    }
-    let kind = v["error"]["type"].as_str().unwrap_or("server_error").to_owned();
-    let (status, param) = if message.contains("but the pool has") {
+    let (status, param) = if f.message.contains("but the pool has") {
         (StatusCode::PAYLOAD_TOO_LARGE, Some("prompt"))
-    } else if message.contains("engine thread") || status == StatusCode::SERVICE_UNAVAILABLE {
+    } else if f.message.contains("engine thread") || f.status == StatusCode::SERVICE_UNAVAILABLE {
         (StatusCode::SERVICE_UNAVAILABLE, None)
     } else {
-        (status, None)
+        (f.status, None)
     };
-    let mut r = openai_error(status, &kind, message, param);
+    let mut r = openai_error(status, f.kind, f.message.clone(), param);
     // Keep the worker's structured extras (the handshake diff under `fail`).
-    if let Some(diff) = v["error"].get("diff") {
-        let body = json!({"error": {"message": v["error"]["message"], "type": kind, "param": param, "code": Value::Null, "diff": diff}});
+    if let Some(diff) = f.diff {
+        let body = json!({"error": {"message": f.message, "type": f.kind, "param": param, "code": Value::Null, "diff": diff}});
         r = (status, Json(body)).into_response();
     }
-    Err(r)
+    r
+}
+
+/// A seed for a request that gave none: different for every request.
+fn fresh_seed(n: u64) -> u64 {
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(n);
+    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.finish()
+}
+
+/// A checked request as it runs: its id, creation time and choices' engine requests.
+struct Plan {
+    req: OpenAiRequest,
+    head: Head,
+    t0: Instant,
+}
+
+impl Plan {
+    /// The request's id is vLLM's: from the X-Request-Id header, else the body's
+    /// `request_id`, else a fresh one (see `request_id`).
+    fn new(st: &AppState, headers: &HeaderMap, req: OpenAiRequest, t0: Instant) -> Result<Plan, Response> {
+        let fresh = || format!("{}-{}", st.engine_id, st.next_id.fetch_add(1, Ordering::Relaxed));
+        let body_id = req.request_id.clone().map(Value::String);
+        let id = request_id::engine_request_id(headers, body_id.as_ref(), req.chat, fresh).map_err(|e| {
+            openai_error(StatusCode::BAD_REQUEST, "invalid_request_error", e, Some("request_id"))
+        })?;
+        let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let head = Head { id, model: st.model.clone(), created, chat: req.chat };
+        Ok(Plan { req, head, t0 })
+    }
+
+    fn shape(&self) -> Shape {
+        Shape {
+            chat: self.req.chat,
+            logprobs: self.req.logprobs.is_some(),
+            include_stop: self.req.include_stop_str_in_output,
+        }
+    }
+
+    /// One engine request per choice, choice `prompt * n + j` sampling from `seed + j`; a
+    /// lone choice runs under the response's id (a proxy hands it to decode).
+    fn engine_requests(&self, seed: u64) -> Vec<OneRequest> {
+        let r = &self.req;
+        let many = r.choices() > 1;
+        let mut out = Vec::with_capacity(r.choices());
+        for prompt in &r.prompts {
+            for j in 0..r.n {
+                let index = out.len();
+                out.push(OneRequest {
+                    id: if many { format!("{}-{index}", self.head.id) } else { self.head.id.clone() },
+                    prompt: prompt.clone(),
+                    max_tokens: r.max_tokens_or_default(),
+                    sampling: r.sampling(seed.wrapping_add(j as u64)),
+                    kv_transfer_params: r.kv_transfer_params.clone().unwrap_or_default(),
+                });
+            }
+        }
+        out
+    }
+
+    /// The prompt each choice shows before its text (`echo`), or nothing.
+    fn prefixes(&self) -> Vec<Vec<u32>> {
+        let r = &self.req;
+        r.prompts
+            .iter()
+            .flat_map(|p| std::iter::repeat_n(if r.echo { p.clone() } else { Vec::new() }, r.n))
+            .collect()
+    }
+
+    /// Records each choice's metrics and returns the choices with the closing fields.
+    fn finish(&self, st: &AppState, results: &[Finished]) -> (Vec<ChoiceOutput>, Tail) {
+        for f in results {
+            let d = &f.done;
+            worker_metrics::generation(
+                d.ttft.unwrap_or_default(),
+                self.t0.elapsed(),
+                d.tokens.len() as u64,
+                d.num_external_tokens as u64,
+            );
+            if let Some(reason) = f.kv_note["reason"].as_str() {
+                worker_metrics::refusal(reason);
+            }
+        }
+        let outputs: Vec<ChoiceOutput> = results
+            .iter()
+            .map(|f| ChoiceOutput {
+                tokens: f.done.tokens.clone(),
+                logprobs: f.done.logprobs.clone(),
+                finish: f.done.finish.clone(),
+            })
+            .collect();
+        let prompt_tokens: usize = self.req.prompts.iter().map(Vec::len).sum();
+        let completion_tokens: usize = outputs.iter().map(|o| o.tokens.len()).sum();
+        let mut kvconnect = json!({
+            "engine_id": st.engine_id,
+            "ttft_us": results.iter().filter_map(|f| f.done.ttft).min().map(|d| d.as_micros() as u64),
+            "num_external_tokens": results.iter().map(|f| f.done.num_external_tokens).sum::<usize>(),
+            "num_cached_tokens": results.iter().map(|f| f.done.num_cached_tokens).sum::<usize>(),
+        });
+        if let Some(note) = results.iter().map(|f| &f.kv_note).find(|n| !n.is_null()) {
+            kvconnect["kv_load"] = note.clone();
+        }
+        let kv_transfer_params = match results {
+            [one] => serde_json::to_value(&one.done.kv_transfer_params).unwrap_or(Value::Null),
+            _ => Value::Null,
+        };
+        (
+            outputs,
+            Tail { usage: response::usage(prompt_tokens, completion_tokens), kv_transfer_params, kvconnect },
+        )
+    }
+
+    fn body(&self, st: &AppState, results: &[Finished]) -> Value {
+        let (outputs, tail) = self.finish(st, results);
+        let prefixes = self.prefixes();
+        let choices = outputs
+            .iter()
+            .enumerate()
+            .map(|(i, o)| response::choice(i, o, self.req.echo.then(|| prefixes[i].as_slice()), self.shape()))
+            .collect();
+        response::body(&self.head, choices, tail.usage, tail.kv_transfer_params, tail.kvconnect)
+    }
+
+    fn longest_stop(&self) -> usize {
+        self.req.sampling(0).stop.iter().map(Vec::len).max().unwrap_or(0)
+    }
 }
 
 async fn generate(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool) -> Response {
@@ -219,108 +256,97 @@ async fn generate(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool
     r
 }
 
+type Job = JoinHandle<Result<Finished, Failure>>;
+
+/// Every job's result in order; the first failure (or a job that panicked) ends it.
+async fn join(jobs: Vec<Job>) -> Result<Vec<Finished>, Response> {
+    let mut out = Vec::with_capacity(jobs.len());
+    let mut failed = None;
+    for j in jobs {
+        // Every job is awaited, so none outlives the answer unaccounted.
+        match j.await {
+            Ok(Ok(f)) => out.push(f),
+            Ok(Err(f)) => {
+                failed.get_or_insert_with(|| failure_response(f));
+            }
+            Err(e) => {
+                failed.get_or_insert_with(|| {
+                    openai_error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        format!("the request's task failed: {e}"),
+                        None,
+                    )
+                });
+            }
+        }
+    }
+    failed.map_or(Ok(out), Err)
+}
+
 async fn generate_inner(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool) -> Response {
-    let t0 = std::time::Instant::now();
-    let mut c = match check(&st, &raw, chat) {
-        Ok(c) => c,
+    let t0 = Instant::now();
+    let req = match check(&st, &raw, chat) {
+        Ok(r) => r,
         Err(r) => return r,
     };
-    let fresh = || format!("{}-{}", st.engine_id, st.next_id.fetch_add(1, Ordering::Relaxed));
-    match request_id::engine_request_id(headers, c.body.get("request_id"), chat, fresh) {
-        Ok(id) => c.body.insert("request_id".into(), Value::String(id)),
-        Err(e) => {
-            return openai_error(StatusCode::BAD_REQUEST, "invalid_request_error", e, Some("request_id"))
-        }
+    let plan = match Plan::new(&st, headers, req, t0) {
+        Ok(p) => p,
+        Err(r) => return r,
     };
-    if c.stream {
-        return stream(st, c.body, chat, t0).await;
+    let seed = plan.req.seed.unwrap_or_else(|| fresh_seed(st.next_id.load(Ordering::Relaxed)));
+    let ones = plan.engine_requests(seed);
+    if plan.req.stream {
+        let (sinks, tokens) = TokenSink::channel(ones.len());
+        let jobs: Vec<Job> = ones
+            .into_iter()
+            .zip(sinks)
+            .map(|(one, sink)| tokio::spawn(http::run_one(st.clone(), one, Some(sink))))
+            .collect();
+        return stream(st, plan, jobs, tokens).await;
     }
-    let inner = http::completions(State(st.clone()), Bytes::from(Value::Object(c.body).to_string())).await;
-    match finished(inner, chat, t0).await {
-        Ok(v) => Json(v).into_response(),
+    let jobs: Vec<Job> =
+        ones.into_iter().map(|one| tokio::spawn(http::run_one(st.clone(), one, None))).collect();
+    match join(jobs).await {
+        Ok(results) => Json(plan.body(&st, &results)).into_response(),
         Err(r) => r,
     }
 }
 
-/// The inner handler's answer as the OpenAI response value (chat form for chat), with the
-/// request's metrics recorded.
-async fn finished(inner: Response, chat: bool, t0: Instant) -> Result<Value, Response> {
-    let v = openai_from_inner(inner).await?;
-    let k = &v["kvconnect"];
-    worker_metrics::generation(
-        std::time::Duration::from_micros(k["ttft_us"].as_u64().unwrap_or(0)),
-        t0.elapsed(),
-        v["usage"]["completion_tokens"].as_u64().unwrap_or(0),
-        k["num_external_tokens"].as_u64().unwrap_or(0),
-    );
-    if let Some(reason) = k["kv_load"]["reason"].as_str() {
-        worker_metrics::refusal(reason);
-    }
-    Ok(if chat { sse::as_chat(v) } else { v })
-}
-
 /// A `stream: true` request: SSE chunks leave as the engine produces tokens.
-async fn stream(st: Arc<AppState>, body: Map<String, Value>, chat: bool, t0: Instant) -> Response {
-    // The id goes into the chunks before the request ends (`generate` fixed it).
-    let id = body.get("request_id").and_then(Value::as_str).unwrap_or_default().to_owned();
-    let (sink, mut tokens) = mpsc::unbounded_channel::<Vec<u32>>();
-    let inner_st = st.clone();
-    let raw = Bytes::from(Value::Object(body).to_string());
-    // Its own task: it runs to the request's end even when the client is gone.
-    let mut job = tokio::spawn(async move { http::completions_with(State(inner_st), raw, Some(sink)).await });
-    let first = tokio::select! {
-        biased;
-        t = tokens.recv() => t,
-        r = &mut job => {
-            // Ended (or refused) before a token was sent: answer it whole.
-            return match r {
-                Ok(inner) => match finished(inner, chat, t0).await {
-                    Ok(v) => sse::response(&v, chat),
-                    Err(r) => r,
-                },
-                Err(e) => openai_error(StatusCode::INTERNAL_SERVER_ERROR, "server_error", format!("the request's task failed: {e}"), None),
-            };
-        }
-    };
-    let Some(first) = first else {
-        // The sink closed without a token: the request ended; its answer says how.
-        return match job.await {
-            Ok(inner) => match finished(inner, chat, t0).await {
-                Ok(v) => sse::response(&v, chat),
-                Err(r) => r,
-            },
-            Err(e) => openai_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "server_error",
-                format!("the request's task failed: {e}"),
-                None,
-            ),
+async fn stream(st: Arc<AppState>, plan: Plan, jobs: Vec<Job>, mut tokens: TokenStream) -> Response {
+    // The channel closes when every choice has ended; ending before any token means the
+    // request was refused or failed: answer it whole, with its status.
+    let Some(first) = tokens.recv().await else {
+        return match join(jobs).await {
+            Ok(results) => {
+                let mut chunks = chunks_of(&plan);
+                let (outputs, tail) = plan.finish(&st, &results);
+                let body = chunks.open() + &chunks.close(&outputs, &tail);
+                ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], body)
+                    .into_response()
+            }
+            Err(r) => r,
         };
     };
     let (out, events) = mpsc::channel::<Bytes>(64);
-    let (id, model) = (Value::String(id), Value::String(st.model.clone()));
     tokio::spawn(async move {
         let mut client = Some(out);
-        let mut n = 0usize;
+        let mut chunks = chunks_of(&plan);
+        push(&mut client, chunks.open()).await;
         let mut batch = Some(first);
-        while let Some(toks) = batch {
-            for t in toks {
-                push(&mut client, sse::token_event(&id, &model, chat, t, n == 0)).await;
-                n += 1;
-            }
+        while let Some((index, new)) = batch {
+            push(&mut client, chunks.tokens(index, &new)).await;
             batch = if client.is_some() { tokens.recv().await } else { None };
         }
         // A client that left closes the token channel: the engine stops sending to it.
         drop(tokens);
-        let tail = match job.await {
-            Ok(inner) => match finished(inner, chat, t0).await {
-                Ok(v) => sse::final_events(&v, chat),
-                Err(r) => error_event(r).await,
-            },
-            Err(e) => format!(
-                "data: {}\n\n",
-                json!({"error": {"message": format!("the request's task failed: {e}"), "type": "server_error"}})
-            ),
+        let tail = match join(jobs).await {
+            Ok(results) => {
+                let (outputs, tail) = plan.finish(&st, &results);
+                chunks.close(&outputs, &tail)
+            }
+            Err(r) => error_event(r).await,
         };
         push(&mut client, tail).await;
     });
@@ -331,9 +357,16 @@ async fn stream(st: Arc<AppState>, body: Map<String, Value>, chat: bool, t0: Ins
         .into_response()
 }
 
+fn chunks_of(plan: &Plan) -> Chunks {
+    Chunks::new(plan.head.clone(), plan.shape(), plan.req.include_usage, plan.longest_stop(), plan.prefixes())
+}
+
 /// Writes one event to the client; a client that left is forgotten (the request still runs
 /// to its end).
 async fn push(client: &mut Option<mpsc::Sender<Bytes>>, event: String) {
+    if event.is_empty() {
+        return;
+    }
     if let Some(c) = client {
         if c.send(Bytes::from(event)).await.is_err() {
             *client = None;
@@ -341,10 +374,13 @@ async fn push(client: &mut Option<mpsc::Sender<Bytes>>, event: String) {
     }
 }
 
+/// Largest error body read back into a stream's error event.
+const MAX_ERROR_BODY: usize = 1 << 20;
+
 /// An error response, as the SSE event that ends a stream already under way (OpenAI sends
 /// `data: {"error": ...}` and closes; no `[DONE]` follows).
 async fn error_event(r: Response) -> String {
-    let bytes = axum::body::to_bytes(r.into_body(), MAX_BODY).await.unwrap_or_default();
+    let bytes = axum::body::to_bytes(r.into_body(), MAX_ERROR_BODY).await.unwrap_or_default();
     let v: Value = serde_json::from_slice(&bytes).unwrap_or_else(
         |_| json!({"error": {"message": String::from_utf8_lossy(&bytes), "type": "server_error"}}),
     );
@@ -379,28 +415,4 @@ pub async fn models(State(st): State<Arc<AppState>>) -> Response {
         "data": [{"id": st.model, "object": "model", "owned_by": "kvconnect", "max_model_len": st.max_model_len}],
     }))
     .into_response()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn chat_template_is_role_colon_content_lines_then_assistant() {
-        let p = chat_prompt(
-            &json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]),
-        );
-        assert_eq!(p.unwrap(), "system: be brief\nuser: hi\nassistant: ");
-        let parts = chat_prompt(
-            &json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]),
-        );
-        assert_eq!(parts.unwrap(), "user: ab\nassistant: ");
-    }
-
-    #[test]
-    fn chat_template_refuses_what_it_cannot_render() {
-        assert!(chat_prompt(&json!([])).unwrap_err().contains("empty"));
-        assert!(chat_prompt(&json!("hi")).unwrap_err().contains("list"));
-        assert!(chat_prompt(&json!([{"role": "user"}])).unwrap_err().contains("messages[0]"));
-    }
 }

@@ -172,6 +172,7 @@ impl TransferEngine {
         RequestOutput {
             id: id.to_owned(),
             new_tokens: vec![0],
+            logprobs: Vec::new(),
             finished: Some(finished),
             kv_transfer_params: params,
             ..RequestOutput::default()
@@ -283,6 +284,12 @@ impl Driver for TransferEngine {
     fn add(&mut self, r: GenRequest) -> Result<(), SubmitError> {
         if r.prompt.is_empty() {
             return Err(SubmitError::Rejected(format!("request '{}': the prompt is empty", r.id)));
+        }
+        if !r.sampling.is_plain_greedy() {
+            return Err(SubmitError::Rejected(format!(
+                "request '{}': the transfer-only engine computes no logits, so it cannot sample, report logprobs or stop at a stop sequence; send this request to a worker running the reference engine",
+                r.id
+            )));
         }
         self.waiting.push(Request {
             id: RequestId(r.id),

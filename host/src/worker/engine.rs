@@ -16,6 +16,8 @@ use crate::worker::kv_codec;
 use crate::worker::model::{ReferenceConfig, ReferenceModel};
 use crate::worker::pool::KvPool;
 use crate::worker::prefix_cache::block_hashes;
+use crate::worker::prng::SplitMix64;
+use crate::worker::sampling::{self, SamplingParams, TokenLogprobs};
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, LayerId, MatchResult,
     MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
@@ -47,17 +49,26 @@ pub struct GenRequest {
     pub id: String,
     /// Prompt token ids (bytes: 0..=255), at least one.
     pub prompt: Vec<u32>,
-    /// Tokens to generate, at least one; generation stops there (the byte model has no EOS).
+    /// Tokens to generate, at least one; generation stops there (the byte model has no EOS)
+    /// or earlier at a stop sequence.
     pub max_tokens: usize,
     /// vLLM's `kv_transfer_params` (`{"do_remote_decode": true}` on prefill, the prefill's
     /// returned params on decode).
     pub kv_transfer_params: Map<String, Value>,
+    /// How tokens are chosen and what is reported about them (greedy by default).
+    pub sampling: SamplingParams,
 }
 
 impl GenRequest {
-    /// A request without transfer params.
+    /// A greedy request without transfer params.
     pub fn new(id: impl Into<String>, prompt: Vec<u32>, max_tokens: usize) -> GenRequest {
-        GenRequest { id: id.into(), prompt, max_tokens, kv_transfer_params: Map::new() }
+        GenRequest {
+            id: id.into(),
+            prompt,
+            max_tokens,
+            kv_transfer_params: Map::new(),
+            sampling: SamplingParams::default(),
+        }
     }
 }
 
@@ -66,6 +77,12 @@ impl GenRequest {
 pub enum FinishReason {
     /// `max_tokens` were generated.
     Length,
+    /// The output ended with one of the request's stop sequences; its last `matched_tokens`
+    /// tokens are that sequence.
+    Stop {
+        /// Length of the stop sequence that matched.
+        matched_tokens: usize,
+    },
     /// The request failed; the message says why (e.g. a KV load failed under policy `fail`).
     Error(String),
 }
@@ -77,6 +94,9 @@ pub struct RequestOutput {
     pub id: String,
     /// Tokens generated in this step (0 or 1).
     pub new_tokens: Vec<u32>,
+    /// Their log-probabilities, one per new token, when the request asked for them (empty
+    /// otherwise).
+    pub logprobs: Vec<TokenLogprobs>,
     /// Set when the request ended in this step.
     pub finished: Option<FinishReason>,
     /// What `request_finished` returned (only on the finishing output).
@@ -99,6 +119,8 @@ pub struct Completion {
     pub id: String,
     /// Every generated token.
     pub tokens: Vec<u32>,
+    /// Their log-probabilities, when the request asked for them.
+    pub logprobs: Vec<TokenLogprobs>,
     /// Why it ended.
     pub finish: FinishReason,
     /// What `request_finished` returned.
@@ -158,6 +180,9 @@ struct Seq {
     freed_prefix: Vec<usize>,
     output: Vec<u32>,
     added: Instant,
+    sampling: SamplingParams,
+    /// The request's generator, seeded with `sampling.seed`: one draw per sampled token.
+    rng: SplitMix64,
 }
 
 impl Seq {
@@ -289,6 +314,9 @@ impl Engine {
         if r.max_tokens == 0 {
             return bad("max_tokens is 0; ask for at least one token".into());
         }
+        if let Err(why) = r.sampling.check() {
+            return bad(why);
+        }
         if self.by_id.contains_key(&r.id) || self.pending_free.contains_key(&r.id) {
             return Err(WorkerError::DuplicateId { id: r.id.clone() });
         }
@@ -320,6 +348,8 @@ impl Engine {
             freed_prefix: Vec::new(),
             output: Vec::new(),
             added: Instant::now(),
+            rng: SplitMix64::new(r.sampling.seed),
+            sampling: r.sampling,
         };
         self.by_id.insert(r.id, self.next_seq);
         self.seqs.insert(self.next_seq, seq);
@@ -421,6 +451,7 @@ impl Engine {
                 let c = partial.entry(o.id.clone()).or_insert_with(|| Completion {
                     id: o.id.clone(),
                     tokens: Vec::new(),
+                    logprobs: Vec::new(),
                     finish: FinishReason::Length,
                     kv_transfer_params: None,
                     first_token_latency: None,
@@ -428,6 +459,7 @@ impl Engine {
                     num_cached_tokens: 0,
                 });
                 c.tokens.extend(&o.new_tokens);
+                c.logprobs.extend(o.logprobs);
                 if o.first_token_latency.is_some() {
                     c.first_token_latency = o.first_token_latency;
                     c.num_external_tokens = o.num_external_tokens;
@@ -656,13 +688,17 @@ impl Engine {
             let Some(s) = self.seqs.get_mut(k) else { continue };
             // Every scheduled request has at least one token to compute (admission leaves one).
             let Some(last) = h.len().checked_sub(d).map(|i| &h[i..]) else { continue };
-            let tok = self.model.next_token(last);
+            let logits = self.model.logits(last);
+            let tok = sampling::sample(&logits, &s.sampling, &mut s.rng);
+            let logprobs: Vec<TokenLogprobs> =
+                s.sampling.logprobs.map(|n| sampling::token_logprobs(&logits, tok, n)).into_iter().collect();
             s.num_computed = s.seq_len();
             s.output.push(tok);
             let first = s.output.len() == 1;
             outputs.push(RequestOutput {
                 id: s.req.id.0.clone(),
                 new_tokens: vec![tok],
+                logprobs,
                 finished: None,
                 kv_transfer_params: None,
                 first_token_latency: first.then(|| s.added.elapsed()),
@@ -670,7 +706,10 @@ impl Engine {
                 num_cached_tokens: if first { s.cached } else { 0 },
                 kv_load_failure: if first { s.kv_load_failure.clone() } else { None },
             });
-            if s.output.len() >= s.max_tokens {
+            // A stop sequence that completes on the last allowed token still says "stop".
+            if let Some(matched_tokens) = sampling::stop_match(&s.output, &s.sampling) {
+                to_finish.push((*k, FinishReason::Stop { matched_tokens }));
+            } else if s.output.len() >= s.max_tokens {
                 to_finish.push((*k, FinishReason::Length));
             }
         }
@@ -917,6 +956,7 @@ impl Engine {
             None => outputs.push(RequestOutput {
                 id: s.req.id.0.clone(),
                 new_tokens: Vec::new(),
+                logprobs: Vec::new(),
                 finished: Some(why),
                 kv_transfer_params: params,
                 first_token_latency: None,

@@ -14,6 +14,8 @@
 //!   negotiation (tests, monolithic runs).
 //! * [`Engine`] with [`EngineConfig`], [`GenRequest`], [`RequestOutput`], [`FinishReason`],
 //!   [`StepStats`] — the engine and its step loop.
+//! * [`SamplingParams`] / [`TokenLogprobs`] — how a request's tokens are chosen (greedy by
+//!   default, seeded sampling) and the log-probabilities reported for them.
 //! * [`KvPool`] — the block pool (regions, block tables); [`shm`] — shared-memory regions.
 //! * [`tokenize`] / [`detokenize`] — the byte-level tokenizer.
 
@@ -27,6 +29,7 @@ pub mod pool;
 pub mod prefix_cache;
 pub mod prng;
 pub mod region;
+pub mod sampling;
 pub mod shm;
 pub mod tokenizer;
 
@@ -34,4 +37,5 @@ pub use engine::{Completion, Engine, EngineConfig, FinishReason, GenRequest, Req
 pub use error::WorkerError;
 pub use model::{ReferenceConfig, ReferenceModel};
 pub use pool::{local_effective_layout, KvPool};
+pub use sampling::{SamplingParams, TokenLogprobs};
 pub use tokenizer::{detokenize, tokenize};

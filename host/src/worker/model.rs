@@ -305,13 +305,19 @@ impl ReferenceModel {
         }
     }
 
-    /// Greedy next token from the final residual: argmax of the logits, ties to the lowest id.
-    pub fn next_token(&self, h: &[f32]) -> u32 {
+    /// The logits over the vocabulary from the final residual (final RMSNorm, then the LM
+    /// head); sampling and log-probabilities start from these.
+    pub fn logits(&self, h: &[f32]) -> Vec<f32> {
         let mut x = vec![0.0f32; h.len()];
         rms_norm(h, &self.final_norm, self.cfg.rms_norm_eps, &mut x);
         let mut logits = vec![0.0f32; self.cfg.vocab_size];
         matvec(&self.lm_head, &x, &mut logits);
-        argmax(&logits)
+        logits
+    }
+
+    /// Greedy next token from the final residual: argmax of the logits, ties to the lowest id.
+    pub fn next_token(&self, h: &[f32]) -> u32 {
+        argmax(&self.logits(h))
     }
 }
 

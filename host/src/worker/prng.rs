@@ -1,4 +1,5 @@
-//! A fixed-seed pseudo-random generator (SplitMix64) for the reference model's weights.
+//! A fixed-seed pseudo-random generator (SplitMix64) for the reference model's weights and
+//! for sampling a request's tokens from its `seed`.
 //!
 //! Written here rather than taken from a crate so that the weights of a seed can never change
 //! under a dependency upgrade: two engines built from the same config and seed, in any
@@ -31,6 +32,11 @@ impl SplitMix64 {
         let bits = (self.next_u64() >> 40) as u32; // 24 bits
         (bits as f32 / (1u32 << 23) as f32) - 1.0
     }
+
+    /// A uniform f64 in [0, 1), from the top 53 bits (exact in f64).
+    pub fn next_unit_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
 }
 
 #[cfg(test)]
@@ -51,5 +57,8 @@ mod tests {
         let xs: Vec<f32> = (0..1000).map(|_| r.next_signed_unit()).collect();
         assert!(xs.iter().all(|x| (-1.0..1.0).contains(x)));
         assert!(xs.iter().any(|x| *x < -0.5) && xs.iter().any(|x| *x > 0.5));
+        let us: Vec<f64> = (0..1000).map(|_| r.next_unit_f64()).collect();
+        assert!(us.iter().all(|u| (0.0..1.0).contains(u)));
+        assert!(us.iter().any(|u| *u < 0.1) && us.iter().any(|u| *u > 0.9));
     }
 }
