@@ -85,6 +85,8 @@ pub struct Deployment {
     pub model_path: PathBuf,
     /// The model.
     pub model: ModelSpec,
+    /// The name the workers serve the model under (`served_model_name`, as vLLM's flag).
+    pub served_model_name: Option<String>,
     /// The prefill worker.
     pub prefill: RoleConfig,
     /// The decode worker.
@@ -247,6 +249,7 @@ enum StrOrBool {
 #[serde(deny_unknown_fields)]
 struct RawDeployment {
     model: Option<Spanned<String>>,
+    served_model_name: Option<String>,
     prefill: Option<RawRole>,
     decode: Option<RawRole>,
     #[serde(default)]
@@ -566,7 +569,8 @@ impl Deployment {
         };
         let prefill = role(Role::Prefill, raw.prefill)?;
         let decode = role(Role::Decode, raw.decode)?;
-        Ok(Deployment { path: path.to_owned(), model_path, model, prefill, decode })
+        let served_model_name = raw.served_model_name;
+        Ok(Deployment { path: path.to_owned(), model_path, model, served_model_name, prefill, decode })
     }
 }
 

@@ -71,6 +71,11 @@ pub struct WorkerArgs {
     /// Move synthetic KV instead of running the reference model (transfer benchmarks).
     #[arg(long = "synthetic-kv")]
     pub synthetic_kv: bool,
+    /// The model name clients use (`model` in requests, `GET /v1/models`), as vLLM's flag;
+    /// default: `served_model_name` of the deployment file, else the config's
+    /// `_name_or_path`, else the name of the directory holding config.json.
+    #[arg(long = "served-model-name", value_name = "NAME")]
+    pub served_model_name: Option<String>,
     /// Keep the KV of full prompt blocks for later prompts with the same prefix (vLLM's flag;
     /// also `enable_prefix_caching = true` in a deployment file's role section).
     #[arg(long = "enable-prefix-caching")]
@@ -126,6 +131,30 @@ fn role_of(a: &WorkerArgs, config: Option<&KvTransferConfig>) -> Result<Role> {
     }
 }
 
+/// The name a model is served under when none is given: the config's `_name_or_path`
+/// (what Hugging Face saves), else the name of the directory holding `config.json`
+/// (`fixtures/models/kvconnect--reference/config.json` serves `kvconnect--reference`).
+fn default_served_name(config_json: &str, config_path: &std::path::Path) -> String {
+    let from_config = serde_json::from_str::<serde_json::Value>(config_json)
+        .ok()
+        .and_then(|v| v["_name_or_path"].as_str().map(str::to_owned))
+        .filter(|n| !n.trim().is_empty() && !n.contains(char::is_whitespace));
+    from_config.unwrap_or_else(|| {
+        let dir = std::fs::canonicalize(config_path).ok().and_then(|p| p.parent().map(|d| d.to_path_buf()));
+        dir.as_deref()
+            .and_then(|d| d.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "model".to_owned())
+    })
+}
+
+fn check_served_name(name: String) -> Result<String> {
+    if name.trim().is_empty() || name.contains(char::is_whitespace) {
+        bail!("--served-model-name (or served_model_name) '{name}' must be a non-empty name without spaces");
+    }
+    Ok(name)
+}
+
 /// Runs `kvconnect worker`.
 pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
     if a.num_blocks == 0 {
@@ -135,6 +164,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         bail!("--handshake-timeout must be a positive number of seconds, got {}", a.handshake_timeout);
     }
     let mut prefix_caching = a.enable_prefix_caching;
+    let mut served = a.served_model_name.clone();
     let (role, config, model_json, model, negotiated, compat, opts) = if let Some(path) = &a.deployment {
         let role = role_of(a, None)?;
         let d = Deployment::load(path)?;
@@ -144,6 +174,8 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         let rc = d.role(role).clone();
         device_kv_available(&rc.options)?;
         prefix_caching |= rc.enable_prefix_caching;
+        served = served.or(d.served_model_name.clone());
+        served.get_or_insert_with(|| default_served_name(&json, &d.model_path));
         (role, rc.kv_transfer_config, json, d.model, n, c, rc.options)
     } else {
         let (Some(cfg), Some(model_path)) = (&a.kv_transfer_config, &a.model) else {
@@ -155,6 +187,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             .with_context(|| format!("model {}: cannot read it", model_path.display()))?;
         let model = ModelSpec::from_hf_config_json(&json)
             .with_context(|| format!("model {}", model_path.display()))?;
+        served.get_or_insert_with(|| default_served_name(&json, model_path));
         let mut opts = options(a)?;
         if let Some(dev) = &config.kv_buffer_device {
             opts.memory = Some(
@@ -195,7 +228,27 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         seed: a.seed,
         synthetic: a.synthetic_kv,
         prefix_caching,
+        served_model_name: check_served_name(served.unwrap_or_default())?,
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
     };
     run_worker(spec, registry)
+}
+
+#[cfg(test)]
+mod served_name_tests {
+    use super::*;
+
+    #[test]
+    fn the_default_name_has_no_spaces() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("Qwen--Qwen3-0.6B");
+        std::fs::create_dir(&d).unwrap();
+        let cfg = d.join("config.json");
+        std::fs::write(&cfg, "{}").unwrap();
+        assert_eq!(default_served_name("{}", &cfg), "Qwen--Qwen3-0.6B");
+        assert_eq!(default_served_name(r#"{"_name_or_path": "Qwen/Qwen3-0.6B"}"#, &cfg), "Qwen/Qwen3-0.6B");
+        assert_eq!(default_served_name(r#"{"_name_or_path": "my model"}"#, &cfg), "Qwen--Qwen3-0.6B");
+        assert!(check_served_name("a b".into()).unwrap_err().to_string().contains("without spaces"));
+        assert!(check_served_name(String::new()).is_err());
+    }
 }

@@ -69,6 +69,8 @@ pub struct WorkerSpec {
     pub synthetic: bool,
     /// The reference engine's prefix cache.
     pub prefix_caching: bool,
+    /// The model name clients use.
+    pub served_model_name: String,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
 }
@@ -178,7 +180,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         policy,
         role: spec.role.name().to_owned(),
         engine_id: spec.engine_id.clone(),
-        model: spec.model.name.clone(),
+        model: spec.served_model_name.clone(),
         max_model_len: if spec.synthetic { usize::MAX } else { openai::CONTEXT_TOKENS },
         compat_hash: spec.compat.compat_hash(),
         side_channel: server.stats(),

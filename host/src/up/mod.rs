@@ -230,8 +230,18 @@ fn sample(v: &Value, elapsed: Duration, truth: &[u32], direct: bool) -> Sample {
         decode_ttft_us: k["ttft_us"].as_u64().unwrap_or(0),
         lmcache_tokens: k["prefill"]["num_external_tokens"].as_u64().unwrap_or(0),
         matches: ids == truth,
+        recomputed: !direct && recomputed_on_decode(v),
         error: None,
     }
+}
+
+/// Decode computed the prompt of a P/D request instead of loading it: it says so
+/// (`kv_load.recomputed`), or it neither loaded nor found in its cache a prompt of more than
+/// one token (the last is always computed).
+fn recomputed_on_decode(v: &Value) -> bool {
+    let k = &v["kvconnect"];
+    let got = k["num_external_tokens"].as_u64().unwrap_or(0) + k["num_cached_tokens"].as_u64().unwrap_or(0);
+    k["kv_load"]["recomputed"] == true || (got == 0 && v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) > 1)
 }
 
 /// Sends every item to `addr` with `concurrency` in flight; samples in item order.
@@ -326,9 +336,10 @@ async fn run_workload(a: &UpArgs, n: usize, proxy: &str, mono: Option<String>) -
         Err(anyhow::Error::new(Exit {
             code: 1,
             error: Some(anyhow!(
-                "{} of {} requests failed or differ from the monolithic engine",
+                "{} of {} requests failed or differ from the monolithic engine, and {} P/D requests recomputed their prompt on decode instead of loading its KV",
                 report.failed + report.mismatches,
-                report.requests
+                report.requests,
+                report.recomputed_requests
             )),
         }))
     }

@@ -22,6 +22,9 @@ pub struct Sample {
     pub lmcache_tokens: u64,
     /// The tokens equal the monolithic engine's.
     pub matches: bool,
+    /// Decode computed a prompt it should have loaded from prefill (a failed or refused KV
+    /// load, or none attempted).
+    pub recomputed: bool,
     /// An error instead of an answer.
     pub error: Option<String>,
 }
@@ -83,6 +86,10 @@ pub struct Report {
     pub throughput_tokens_per_s: f64,
     /// KV bytes decode loaded from prefill.
     pub kv_bytes: u64,
+    /// Requests whose decode loaded the prompt's KV from prefill (or found it cached).
+    pub loaded_requests: usize,
+    /// Requests whose decode computed the prompt instead of loading it.
+    pub recomputed_requests: usize,
     /// KV bytes over the summed decode time to first token (the load is inside it), GB/s.
     pub kv_gb_per_s: f64,
     /// Prompt tokens prefill found in LMCache over all prompt tokens.
@@ -116,6 +123,8 @@ impl Report {
             concurrency,
             failed: samples.len() - ok.len(),
             mismatches: ok.iter().filter(|s| !s.matches).count(),
+            loaded_requests: ok.iter().filter(|s| !s.recomputed).count(),
+            recomputed_requests: ok.iter().filter(|s| s.recomputed).count(),
             ttft_ms: Percentiles::of(ok.iter().map(|s| s.ttft_us as f64 / 1e3).collect()),
             tokens_per_s: Percentiles::of(
                 ok.iter()
@@ -133,10 +142,12 @@ impl Report {
         }
     }
 
-    /// True when every request was answered with the monolithic engine's tokens.
+    /// True when every request was answered with the monolithic engine's tokens and every
+    /// decode loaded its prompt's KV (a P/D deployment that silently recomputes is broken).
     pub fn all_correct(&self) -> bool {
         self.failed == 0
             && self.mismatches == 0
+            && self.recomputed_requests == 0
             && self.compare_monolithic.as_ref().is_none_or(|c| c.monolithic_mismatches == 0)
     }
 
@@ -149,6 +160,7 @@ impl Report {
              TTFT ms (prefill + decode first token): {}\n\
              tokens/s per request: {}\n\
              throughput: {:.1} tokens/s\n\
+             decode loaded the prompt's KV: {}/{} requests ({} recomputed instead)\n\
              KV moved prefill -> decode: {:.2} MB, {:.3} GB/s (over decode's time to first token)\n\
              LMCache hit rate on prefill: {:.1}% of prompt tokens\n",
             self.requests,
@@ -161,6 +173,9 @@ impl Report {
             p(&self.ttft_ms),
             p(&self.tokens_per_s),
             self.throughput_tokens_per_s,
+            self.loaded_requests,
+            self.requests - self.failed,
+            self.recomputed_requests,
             self.kv_bytes as f64 / 1e6,
             self.kv_gb_per_s,
             self.lmcache_hit_rate * 100.0,
@@ -199,6 +214,15 @@ mod tests {
         assert!(r.all_correct());
         let bad = Sample { matches: false, ..good.clone() };
         assert!(!Report::new(&[good.clone(), bad], "mixed", 1, 1.0, 512).all_correct());
+        let recomputed = Sample { recomputed: true, ..good.clone() };
+        let r = Report::new(&[good.clone(), recomputed], "mixed", 1, 1.0, 512);
+        assert_eq!((r.loaded_requests, r.recomputed_requests), (1, 1));
+        assert!(!r.all_correct(), "a recomputed P/D request is a failure");
+        assert!(
+            r.text().contains("decode loaded the prompt's KV: 1/2 requests (1 recomputed instead)"),
+            "{}",
+            r.text()
+        );
         let failed = Sample { error: Some("x".into()), ..good };
         let r = Report::new(&[failed], "mixed", 1, 1.0, 512);
         assert_eq!(r.failed, 1);
