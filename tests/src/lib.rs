@@ -192,11 +192,23 @@ pub fn http_request(
     path: &str,
     body: Option<&serde_json::Value>,
 ) -> (u16, serde_json::Value) {
+    http_request_with(addr, method, path, &[], body)
+}
+
+/// [`http_request`] with extra headers.
+pub fn http_request_with(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&serde_json::Value>,
+) -> (u16, serde_json::Value) {
     let mut s = TcpStream::connect(addr).expect("connect to worker");
     s.set_read_timeout(Some(Duration::from_secs(300))).ok();
     let payload = body.map(|b| b.to_string()).unwrap_or_default();
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{payload}",
         payload.len()
     );
     s.write_all(req.as_bytes()).expect("send request");
@@ -226,6 +238,19 @@ fn dechunk(body: &str) -> String {
         rest = tail[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// A worker's `/metrics`: every sample line's value by its name with labels, as written
+/// (`vllm:prompt_tokens_by_source_total{source="local_compute"}`).
+pub fn metrics(addr: &str) -> std::collections::BTreeMap<String, f64> {
+    let (status, body) = http_request(addr, "GET", "/metrics", None);
+    assert_eq!(status, 200, "GET /metrics on {addr}");
+    let text = body.as_str().unwrap_or_default().to_owned();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .filter_map(|(k, v)| v.parse::<f64>().ok().map(|v| (k.to_owned(), v)))
+        .collect()
 }
 
 /// The token ids of a completion response.

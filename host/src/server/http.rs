@@ -129,8 +129,7 @@ pub(crate) async fn run_one(
     };
     if let Some((engine, addr)) = &remote {
         if let Err(f) = st.peers.ensure(engine, addr, &st.engine).await {
-            let kind = if f.diff.is_empty() { "peer_unreachable" } else { "handshake_refused" };
-            worker_metrics::load_failure(kind, st.policy == FailurePolicy::Recompute);
+            worker_metrics::load_failure(f.reason, st.policy == FailurePolicy::Recompute);
             match st.policy {
                 FailurePolicy::Recompute => {
                     tracing::warn!(request = %id, peer = %engine, "no KV will be loaded ({}); recomputing the prompt locally", f.message);

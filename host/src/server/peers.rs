@@ -12,6 +12,10 @@ use tokio::sync::Mutex;
 /// Why KV cannot be loaded from a peer.
 #[derive(Debug, Clone)]
 pub struct PeerFailure {
+    /// What kind of failure, for metrics: `peer_unreachable`, `wrong_engine` (the address
+    /// serves another engine than the params name), `peer_rejected` (the connector refused
+    /// the peer's metadata) or `handshake_refused` (incompatible KV caches).
+    pub reason: &'static str,
     /// The whole reason.
     pub message: String,
     /// The field-level diff when the handshake was refused for incompatibility.
@@ -85,6 +89,7 @@ impl Peers {
         let outcome = handshake(addr, &self.local, &self.engine_id, self.token.as_deref(), self.timeout)
             .await
             .map_err(|e| PeerFailure {
+                reason: "peer_unreachable",
                 message: format!("cannot handshake with prefill engine '{engine}' at {addr}: {e}"),
                 diff: Vec::new(),
             })?;
@@ -92,6 +97,7 @@ impl Peers {
             HandshakeOutcome::Welcome { compat, engine_id, metadata, plan } => {
                 if engine_id != engine {
                     let f = PeerFailure {
+                        reason: "wrong_engine",
                         message: format!(
                             "the side channel at {addr} belongs to engine '{engine_id}', not '{engine}' named in kv_transfer_params; no KV was loaded"
                         ),
@@ -106,6 +112,7 @@ impl Peers {
                     "peer_effective": compat.effective,
                 });
                 handle.set_peer(envelope).await.map_err(|e| PeerFailure {
+                    reason: "peer_rejected",
                     message: format!(
                         "the connector rejected prefill engine '{engine}''s handshake metadata: {e}"
                     ),
@@ -117,7 +124,7 @@ impl Peers {
             }
             HandshakeOutcome::Refused { diff, message } => {
                 tracing::warn!(peer = %engine, %addr, "handshake refused: {message}");
-                let f = PeerFailure { message, diff };
+                let f = PeerFailure { reason: "handshake_refused", message, diff };
                 known.insert(key, PeerState::Refused(f.clone()));
                 Err(f)
             }
