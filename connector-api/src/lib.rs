@@ -20,6 +20,7 @@ pub mod kv_memory;
 pub mod layout;
 pub mod model;
 pub mod negotiate;
+pub mod region;
 pub mod sdk;
 
 pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
@@ -27,8 +28,8 @@ pub use compat::{AdaptationPlan, CompatDescriptor, FieldClass, FieldDiff, Incomp
 pub use config::{FailurePolicy, KvRole, KvTransferConfig};
 pub use connector::{
     BlocksPerGroup, ConnectorContext, ConnectorFactory, ConnectorInfo, ConnectorResolver, ConnectorResult,
-    FinishedTransfers, KvEvent, KvRegion, MatchResult, Request, RequestFinished, SchedulerConnector,
-    StepInfo, WorkerConnector,
+    FinishedTransfers, KvEvent, MatchResult, Request, RequestFinished, SchedulerConnector, StepInfo,
+    WorkerConnector,
 };
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
@@ -38,3 +39,4 @@ pub use negotiate::{
     negotiate, negotiate_deployment, ChildCaps, Conflict, DecidedBy, EngineOptions, FieldProvenance,
     HmaOption, LayoutAdapter, Negotiated,
 };
+pub use region::{KvRegion, KvRegionSpec};

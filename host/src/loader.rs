@@ -947,6 +947,8 @@ impl ForeignWorker {
 
 impl WorkerConnector for ForeignWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        // The regions' memory outlives this instance (`KvRegion::new`'s contract): the promise
+        // the plugin side's SDK relies on when it turns these specs back into regions.
         let r = to_json(self.name(), &regions)?;
         let (f, h) = (self.vt.register_kv_caches, self.handle);
         // SAFETY: a live instance used from this thread only; bytes live across the call.

@@ -16,6 +16,8 @@
 //! through `kvconnect_api::kv_memory`, bounds-checked), or block the step loop on anything but
 //! its own files.
 
+#![forbid(unsafe_code)]
+
 pub mod meta;
 pub mod scheduler;
 pub mod store;
