@@ -82,7 +82,7 @@ impl KvRegionSpec {
 /// Neither of these compiles:
 ///
 /// ```compile_fail
-/// let r: kvconnect_api::KvRegion = serde_json::from_str(r#"{"name":"x","addr":1,"len":8,
+/// let r: kvconnect_api::KvRegion = kvconnect_api::serde_json::from_str(r#"{"name":"x","addr":1,"len":8,
 ///     "memory":"host","device":-1,"layers":[0],"group":0,"num_blocks":1}"#).unwrap();
 /// ```
 ///

@@ -25,9 +25,9 @@ pub mod worker;
 
 use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::{
-    Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo, ConnectorResult,
-    KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind, ModelSpec, SchedulerConnector, TransferMode,
-    WorkerConnector,
+    serde_json, Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
+    ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind, ModelSpec, SchedulerConnector,
+    TransferMode, WorkerConnector,
 };
 use std::path::PathBuf;
 

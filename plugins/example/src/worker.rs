@@ -6,8 +6,8 @@ use crate::{store_dir, NAME};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
-    BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, LayerId,
-    RequestId, WorkerConnector,
+    serde_json, tracing, BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers,
+    KvRegion, LayerId, RequestId, WorkerConnector,
 };
 use std::collections::{BTreeSet, HashMap};
 
