@@ -1,5 +1,5 @@
 //! The versioned C ABI between a host and a plugin library: the only `unsafe` surface on the
-//! plugin side.
+//! plugin side. ARCHITECTURE.md §3 states its rules.
 //!
 //! A plugin exports one symbol, [`ENTRY_SYMBOL`], returning `&'static PluginDescriptor`. The
 //! descriptor's first fields (magic, ABI version, struct size, layout fingerprint, plugin name

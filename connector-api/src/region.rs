@@ -1,4 +1,5 @@
-//! The engine's KV memory as a connector receives it in `register_kv_caches`.
+//! The engine's KV memory as a connector receives it in `register_kv_caches`
+//! (ARCHITECTURE.md §4).
 //!
 //! A region carries a raw address, so making one is a promise about memory: only the host,
 //! which owns that memory, can make it, and it does so through the one `unsafe` constructor,

@@ -1,6 +1,6 @@
 //! Finds, opens and checks plugin libraries, and wraps what they export in `Foreign*` types
 //! that implement the safe connector traits, so the rest of the host cannot tell a plugin
-//! from a built-in connector.
+//! from a built-in connector. The checks, in order, are in ARCHITECTURE.md §3.
 //!
 //! A library is opened `RTLD_NOW|RTLD_LOCAL` and, once its code has run, never closed: its
 //! threads, thread-locals and the log bridge it installed may outlive every object it handed
