@@ -95,6 +95,8 @@ typedef struct kvc_scheduler_vtable {
 typedef struct kvc_worker_vtable {
     size_t struct_size;
     void (*free)(void *self);
+    /* `regions`: a JSON list of {name, addr, len, memory, device, layers, group, num_blocks,
+     * shm_name?}; the host keeps that memory valid until it frees this instance. */
     kvc_status (*register_kv_caches)(void *self, kvc_bytes regions, kvc_buffer *err);
     kvc_status (*bind_connector_meta)(void *self, kvc_bytes meta, kvc_buffer *err);
     kvc_status (*start_load_kv)(void *self, kvc_buffer *err);

@@ -1,5 +1,5 @@
 //! The versioned C ABI between a host and a plugin library: the only `unsafe` surface on the
-//! plugin side.
+//! plugin side. ARCHITECTURE.md §3 states its rules.
 //!
 //! A plugin exports one symbol, [`ENTRY_SYMBOL`], returning `&'static PluginDescriptor`. The
 //! descriptor's first fields (magic, ABI version, struct size, layout fingerprint, plugin name
@@ -21,9 +21,10 @@
 //! `include/kvconnect.h` is the same ABI for C and C++; a test checks that its sizes and
 //! offsets match these structs.
 
-use crate::connector::{BlocksPerGroup, ConnectorContext, KvRegion, Request, StepInfo};
+use crate::connector::{BlocksPerGroup, ConnectorContext, Request, StepInfo};
 use crate::error::ConnectorError;
 use crate::ids::{BlockId, LayerId, RequestId};
+use crate::region::{KvRegion, KvRegionSpec};
 use crate::sdk::{self, ExportedFactory, ExportedScheduler, ExportedWorker};
 use crate::{KvTransferConfig, ModelSpec};
 use core::ffi::c_void;
@@ -418,7 +419,8 @@ pub struct WorkerVTable {
     pub struct_size: usize,
     /// Frees the instance.
     pub free: Option<unsafe extern "C" fn(this: *mut c_void)>,
-    /// `regions` = JSON `Vec<KvRegion>`.
+    /// `regions` = JSON `Vec<KvRegionSpec>`: regions the host vouches for as
+    /// [`KvRegion::new`] requires (valid until this instance is freed).
     pub register_kv_caches:
         Option<unsafe extern "C" fn(this: *mut c_void, regions: AbiBytes, err: *mut AbiBuffer) -> Status>,
     /// The scheduler's metadata bytes for this step.
@@ -857,8 +859,16 @@ unsafe extern "C" fn worker_register_kv_caches(
 ) -> Status {
     // SAFETY: a live worker handle, one thread at a time.
     let w = unsafe { handle::<ExportedWorker>(this) };
-    let r = read_json::<Vec<KvRegion>>(w.name(), "region list", regions)
-        .and_then(|regions| w.call("register_kv_caches", |c| c.register_kv_caches(&regions)));
+    let r = read_json::<Vec<KvRegionSpec>>(w.name(), "region list", regions).and_then(|specs| {
+        let regions: Vec<KvRegion> = specs
+            .into_iter()
+            // SAFETY: the contract of this entry point (`WorkerVTable::register_kv_caches`): the
+            // host sends only regions made with `KvRegion::new`, and keeps their memory valid
+            // until it frees this instance, with which the connector's views of them go.
+            .map(|spec| unsafe { KvRegion::new(spec) })
+            .collect();
+        w.call("register_kv_caches", |c| c.register_kv_caches(&regions))
+    });
     finish(r, err, |()| ())
 }
 

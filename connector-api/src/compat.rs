@@ -588,19 +588,17 @@ mod tests {
     }
 
     fn gpt_oss() -> ModelSpec {
-        ModelSpec::from_hf_config_json(include_str!("../../fixtures/models/openai--gpt-oss-20b/config.json"))
+        ModelSpec::from_hf_config_json(include_str!("../fixtures/models/openai--gpt-oss-20b/config.json"))
             .unwrap()
     }
 
     fn gemma3() -> ModelSpec {
-        ModelSpec::from_hf_config_json(include_str!(
-            "../../fixtures/models/google--gemma-3-1b-it/config.json"
-        ))
-        .unwrap()
+        ModelSpec::from_hf_config_json(include_str!("../fixtures/models/google--gemma-3-1b-it/config.json"))
+            .unwrap()
     }
 
     fn qwen3() -> ModelSpec {
-        ModelSpec::from_hf_config_json(include_str!("../../fixtures/models/Qwen--Qwen3-0.6B/config.json"))
+        ModelSpec::from_hf_config_json(include_str!("../fixtures/models/Qwen--Qwen3-0.6B/config.json"))
             .unwrap()
     }
 

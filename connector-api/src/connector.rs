@@ -2,12 +2,13 @@
 //! half and a worker half. Built-in connectors implement them directly; plugins implement
 //! them and export them through `export_connector!`; the host sees both the same way.
 
-use crate::caps::{Capabilities, MemoryKind};
+use crate::caps::Capabilities;
 use crate::config::{KvRole, KvTransferConfig};
 use crate::error::ConnectorError;
 use crate::ids::{BlockId, LayerId, RequestId};
 use crate::layout::EffectiveLayout;
 use crate::model::ModelSpec;
+use crate::region::KvRegion;
 use serde::{Deserialize, Serialize};
 
 /// Result of every connector method.
@@ -112,31 +113,6 @@ pub enum KvEvent {
     },
 }
 
-/// A registered KV memory region.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct KvRegion {
-    /// A name for messages (`layer.3`, `group0`).
-    pub name: String,
-    /// Start address in this process (host) or on the device.
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Where it lives.
-    pub memory: MemoryKind,
-    /// Device ordinal for device memory, else -1.
-    pub device: i32,
-    /// Layers held, in storage order.
-    pub layers: Vec<LayerId>,
-    /// KV cache group the region belongs to.
-    pub group: u32,
-    /// Blocks in the region.
-    pub num_blocks: u32,
-    /// Name of the POSIX shared-memory segment backing the region (`shm_open` name), when
-    /// the host allocated it there so a same-host peer can map it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub shm_name: Option<String>,
-}
-
 /// Answer of `get_finished`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FinishedTransfers {
@@ -212,7 +188,10 @@ pub trait SchedulerConnector: Send {
 
 /// The worker half (vLLM's worker-side methods).
 pub trait WorkerConnector: Send {
-    /// The engine's KV memory.
+    /// The engine's KV memory, once, before any other worker call. The host vouched for every
+    /// region when it made it ([`KvRegion::new`]): the memory stays valid until this worker
+    /// has been shut down and dropped. Wrap the regions in
+    /// [`KvMemory`](crate::kv_memory::KvMemory) to read and write blocks, bounds-checked.
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()>;
 
     /// This step's metadata from the scheduler half.

@@ -1,16 +1,18 @@
 //! Bounds-checked access to the KV regions a host registered with a connector.
 //!
-//! `register_kv_caches` hands a connector raw addresses. This module is where a connector
-//! turns them, once, into a value whose every read and write is checked against the
-//! effective layout: a block id past a region's end, a region of the wrong size or a layer
-//! no region holds is an error, never a stray write into someone else's memory.
+//! `register_kv_caches` hands a connector regions the host vouched for ([`KvRegion::new`]).
+//! This module is where a connector turns them, once, into a value whose every read and
+//! write is checked against the effective layout: a block id past a region's end, a region
+//! of the wrong size or a layer no region holds is an error, never a stray write into
+//! someone else's memory. None of it takes `unsafe` from the connector: the promise about
+//! the memory was made where the regions were.
 
 use crate::caps::MemoryKind;
-use crate::connector::KvRegion;
 use crate::geometry::{BlockShape, Geometry, GeometryError, RegionShape, Span};
 use crate::ids::{BlockId, LayerId};
 use crate::layout::EffectiveLayout;
 use crate::model::ModelSpec;
+use crate::region::KvRegion;
 
 /// Registered regions that do not match the effective layout.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -71,13 +73,11 @@ pub struct KvMemory {
 
 impl KvMemory {
     /// Checks `regions` against the model and effective layout and keeps their addresses.
-    ///
-    /// # Safety
-    /// Every region must be host memory that is valid for reads and writes of `len` bytes for
-    /// as long as the returned value lives; the host promises this when it calls
-    /// `register_kv_caches`. Callers must not write a block that the engine is reading at the
-    /// same time (the step protocol orders them).
-    pub unsafe fn new(
+    /// Every region must be host memory; [`KvRegion::new`]'s contract keeps it valid for as
+    /// long as the returned value is used. Connectors write a block only when the step
+    /// protocol gives it to them (a load's target before the forward pass, a save's source
+    /// after it), so the engine never reads a block they are writing.
+    pub fn new(
         regions: &[KvRegion],
         model: &ModelSpec,
         eff: &EffectiveLayout,
@@ -108,34 +108,34 @@ impl KvMemory {
         let mut bases = Vec::with_capacity(regions.len());
         let cross = eff.layout.is_cross_layer();
         for r in regions {
-            if host && r.memory != MemoryKind::Host {
-                return Err(RegionError::NotHost { name: r.name.clone(), memory: r.memory });
+            if host && r.memory() != MemoryKind::Host {
+                return Err(RegionError::NotHost { name: r.name().to_owned(), memory: r.memory() });
             }
-            if r.addr == 0 {
-                return Err(RegionError::Null(r.name.clone()));
+            if r.addr() == 0 {
+                return Err(RegionError::Null(r.name().to_owned()));
             }
-            if !cross && r.layers.len() != 1 {
+            if !cross && r.layers().len() != 1 {
                 return Err(RegionError::LayoutMismatch {
-                    name: r.name.clone(),
-                    layers: r.layers.len(),
+                    name: r.name().to_owned(),
+                    layers: r.layers().len(),
                     layout: eff.layout.display_name(),
                     kind: "per-layer",
                 });
             }
-            let expected = (r.layers.len() * r.num_blocks as usize * shape.layer_block_bytes()) as u64;
-            if r.len != expected {
+            let expected = (r.layers().len() * r.num_blocks() as usize * shape.layer_block_bytes()) as u64;
+            if r.len() != expected {
                 return Err(RegionError::WrongSize {
-                    name: r.name.clone(),
-                    len: r.len,
-                    layers: r.layers.len(),
-                    num_blocks: r.num_blocks,
+                    name: r.name().to_owned(),
+                    len: r.len(),
+                    layers: r.layers().len(),
+                    num_blocks: r.num_blocks(),
                     block_bytes: shape.layer_block_bytes(),
                     expected,
                 });
             }
-            shapes.push(RegionShape { layers: r.layers.clone(), num_blocks: r.num_blocks });
+            shapes.push(RegionShape { layers: r.layers().to_vec(), num_blocks: r.num_blocks() });
             if host {
-                bases.push((r.addr as usize, r.len as usize));
+                bases.push((r.addr() as usize, r.len() as usize));
             }
         }
         let mut seen = std::collections::BTreeSet::new();
@@ -168,8 +168,8 @@ impl KvMemory {
     /// Copies a span out of the regions into `dst` (which must be `span.len` bytes).
     pub fn read(&self, span: Span, dst: &mut [u8]) -> Result<(), GeometryError> {
         let src = self.checked(span, dst.len())?;
-        // SAFETY: `checked` proved [src, src+len) lies inside a registered region, which the
-        // constructor's contract keeps valid for reads; `dst` is a distinct Rust slice.
+        // SAFETY: `checked` proved [src, src+len) lies inside a registered host region, which
+        // `KvRegion::new`'s contract keeps valid for reads; `dst` is a distinct Rust slice.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
@@ -187,8 +187,8 @@ impl KvMemory {
     /// a step in which the engine may write the same block.
     pub fn slice(&self, span: Span) -> Result<&[u8], GeometryError> {
         let p = self.checked(span, span.len)?;
-        // SAFETY: bounds checked by `checked`; validity guaranteed by the constructor's
-        // contract for the lifetime of `self`.
+        // SAFETY: bounds checked by `checked`; validity guaranteed by `KvRegion::new`'s
+        // contract for as long as `self`, built from those regions, is used.
         Ok(unsafe { std::slice::from_raw_parts(p as *const u8, span.len) })
     }
 
@@ -216,6 +216,7 @@ mod tests {
     use crate::caps::TransferMode;
     use crate::layout::{KvGroup, KvLayout};
     use crate::model::{AttentionKind, Dtype};
+    use crate::region::KvRegionSpec;
 
     fn model() -> ModelSpec {
         ModelSpec {
@@ -240,18 +241,12 @@ mod tests {
         }
     }
 
+    /// A region over `buf`; the caller keeps `buf` alive and untouched while it is used.
     fn region(buf: &mut [u8], layer: u32, blocks: u32) -> KvRegion {
-        KvRegion {
-            name: format!("layer.{layer}"),
-            addr: buf.as_mut_ptr() as u64,
-            len: buf.len() as u64,
-            memory: MemoryKind::Host,
-            device: -1,
-            layers: vec![LayerId(layer)],
-            group: 0,
-            num_blocks: blocks,
-            shm_name: None,
-        }
+        let spec = KvRegionSpec::host(format!("layer.{layer}"), buf, vec![LayerId(layer)], 0, blocks);
+        // SAFETY: every test keeps `buf` alive, and reads it only after dropping the KvMemory
+        // built from this region.
+        unsafe { KvRegion::new(spec) }
     }
 
     #[test]
@@ -260,8 +255,7 @@ mod tests {
         let mut a = vec![0u8; per_layer];
         let mut b = vec![0u8; per_layer];
         let regions = [region(&mut a, 0, 3), region(&mut b, 1, 3)];
-        // SAFETY: `a` and `b` outlive `mem` and are not touched while it is used.
-        let mem = unsafe { KvMemory::new(&regions, &model(), &eff()) }.unwrap();
+        let mem = KvMemory::new(&regions, &model(), &eff()).unwrap();
         let span = mem.span(LayerId(1), 1, BlockId(2)).unwrap();
         let data: Vec<u8> = (0..span.len as u32).map(|i| i as u8).collect();
         mem.write(span, &data).unwrap();
@@ -278,14 +272,12 @@ mod tests {
     fn wrong_regions_are_refused() {
         let mut a = vec![0u8; 100];
         let regions = [region(&mut a, 0, 3)];
-        // SAFETY: the constructor fails before any access.
-        let e = unsafe { KvMemory::new(&regions, &model(), &eff()) }.unwrap_err();
+        let e = KvMemory::new(&regions, &model(), &eff()).unwrap_err();
         assert!(matches!(e, RegionError::WrongSize { .. }), "{e}");
         let per_layer = 3 * 2 * 2 * 4 * 4 * 2;
         let mut a = vec![0u8; per_layer];
         let regions = [region(&mut a, 0, 3)];
-        // SAFETY: as above.
-        let e = unsafe { KvMemory::new(&regions, &model(), &eff()) }.unwrap_err();
+        let e = KvMemory::new(&regions, &model(), &eff()).unwrap_err();
         assert_eq!(e, RegionError::MissingLayer(LayerId(1)));
     }
 }

@@ -6,7 +6,8 @@
 //! the versioned C ABI that carries those traits across a shared-library boundary.
 //!
 //! It must not open sockets, spawn threads, touch files or load libraries: effects live in
-//! `kvconnect-host` and the connectors. A third-party plugin depends on this crate alone.
+//! `kvconnect-host` and the connectors. A third-party plugin depends on this crate alone: it
+//! re-exports `serde`, `serde_json` and `tracing` for that.
 
 pub mod abi;
 pub mod caps;
@@ -20,15 +21,25 @@ pub mod kv_memory;
 pub mod layout;
 pub mod model;
 pub mod negotiate;
+pub mod region;
 pub mod sdk;
+
+// The crates whose types and macros this crate's API uses, so that a plugin depends on
+// `kvconnect-api` alone and gets the very versions the API was built with: `serde_json`
+// (`Value` and `Map` in the trait signatures), `tracing` (the events the SDK forwards to the
+// host's log) and `serde` (implemented by every public type; derive with
+// `#[serde(crate = "kvconnect_api::serde")]`).
+pub use serde;
+pub use serde_json;
+pub use tracing;
 
 pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
 pub use compat::{AdaptationPlan, CompatDescriptor, FieldClass, FieldDiff, Incompatible, LayoutPermutation};
 pub use config::{FailurePolicy, KvRole, KvTransferConfig};
 pub use connector::{
     BlocksPerGroup, ConnectorContext, ConnectorFactory, ConnectorInfo, ConnectorResolver, ConnectorResult,
-    FinishedTransfers, KvEvent, KvRegion, MatchResult, Request, RequestFinished, SchedulerConnector,
-    StepInfo, WorkerConnector,
+    FinishedTransfers, KvEvent, MatchResult, Request, RequestFinished, SchedulerConnector, StepInfo,
+    WorkerConnector,
 };
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
@@ -38,3 +49,4 @@ pub use negotiate::{
     negotiate, negotiate_deployment, ChildCaps, Conflict, DecidedBy, EngineOptions, FieldProvenance,
     HmaOption, LayoutAdapter, Negotiated,
 };
+pub use region::{KvRegion, KvRegionSpec};

@@ -652,16 +652,15 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    const QWEN3: &str = include_str!("../../fixtures/models/Qwen--Qwen3-0.6B/config.json");
-    const LLAMA: &str = include_str!("../../fixtures/models/meta-llama--Llama-3.1-8B-Instruct/config.json");
-    const GEMMA3: &str = include_str!("../../fixtures/models/google--gemma-3-1b-it/config.json");
-    const GPT_OSS: &str = include_str!("../../fixtures/models/openai--gpt-oss-20b/config.json");
-    const DEEPSEEK: &str = include_str!("../../fixtures/models/deepseek-ai--DeepSeek-V2-Lite/config.json");
-    const MISTRAL: &str = include_str!("../../fixtures/models/mistralai--Mistral-7B-v0.1/config.json");
-    const QWEN3_NEXT: &str =
-        include_str!("../../fixtures/models/Qwen--Qwen3-Next-80B-A3B-Thinking/config.json");
+    const QWEN3: &str = include_str!("../fixtures/models/Qwen--Qwen3-0.6B/config.json");
+    const LLAMA: &str = include_str!("../fixtures/models/meta-llama--Llama-3.1-8B-Instruct/config.json");
+    const GEMMA3: &str = include_str!("../fixtures/models/google--gemma-3-1b-it/config.json");
+    const GPT_OSS: &str = include_str!("../fixtures/models/openai--gpt-oss-20b/config.json");
+    const DEEPSEEK: &str = include_str!("../fixtures/models/deepseek-ai--DeepSeek-V2-Lite/config.json");
+    const MISTRAL: &str = include_str!("../fixtures/models/mistralai--Mistral-7B-v0.1/config.json");
+    const QWEN3_NEXT: &str = include_str!("../fixtures/models/Qwen--Qwen3-Next-80B-A3B-Thinking/config.json");
     const NEMOTRON: &str =
-        include_str!("../../fixtures/models/nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/config.json");
+        include_str!("../fixtures/models/nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/config.json");
 
     fn parse(json: &str) -> ModelSpec {
         ModelSpec::from_hf_config_json(json).unwrap()

@@ -14,28 +14,28 @@ fn model(json: &str) -> ModelSpec {
 }
 
 fn gpt_oss() -> ModelSpec {
-    model(include_str!("../../fixtures/models/openai--gpt-oss-20b/config.json"))
+    model(include_str!("../fixtures/models/openai--gpt-oss-20b/config.json"))
 }
 fn gemma3() -> ModelSpec {
-    model(include_str!("../../fixtures/models/google--gemma-3-1b-it/config.json"))
+    model(include_str!("../fixtures/models/google--gemma-3-1b-it/config.json"))
 }
 fn qwen3() -> ModelSpec {
-    model(include_str!("../../fixtures/models/Qwen--Qwen3-0.6B/config.json"))
+    model(include_str!("../fixtures/models/Qwen--Qwen3-0.6B/config.json"))
 }
 fn llama() -> ModelSpec {
-    model(include_str!("../../fixtures/models/meta-llama--Llama-3.1-8B-Instruct/config.json"))
+    model(include_str!("../fixtures/models/meta-llama--Llama-3.1-8B-Instruct/config.json"))
 }
 fn mistral() -> ModelSpec {
-    model(include_str!("../../fixtures/models/mistralai--Mistral-7B-v0.1/config.json"))
+    model(include_str!("../fixtures/models/mistralai--Mistral-7B-v0.1/config.json"))
 }
 fn qwen3_next() -> ModelSpec {
-    model(include_str!("../../fixtures/models/Qwen--Qwen3-Next-80B-A3B-Thinking/config.json"))
+    model(include_str!("../fixtures/models/Qwen--Qwen3-Next-80B-A3B-Thinking/config.json"))
 }
 fn nemotron_h() -> ModelSpec {
-    model(include_str!("../../fixtures/models/nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/config.json"))
+    model(include_str!("../fixtures/models/nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/config.json"))
 }
 fn deepseek_v2() -> ModelSpec {
-    model(include_str!("../../fixtures/models/deepseek-ai--DeepSeek-V2-Lite/config.json"))
+    model(include_str!("../fixtures/models/deepseek-ai--DeepSeek-V2-Lite/config.json"))
 }
 
 fn caps(hma: bool, layout: LayoutConstraint, adapt: Option<AdaptCost>, mode: TransferMode) -> Capabilities {

@@ -130,19 +130,19 @@ fn cuda(what: &'static str) -> impl FnOnce(CudaError) -> StageError {
 pub fn regions_gpu(regions: &[KvRegion]) -> Result<usize, StageError> {
     let first = regions.first().ok_or(StageError::NoRegions)?;
     for r in regions {
-        if r.memory != MemoryKind::Device || r.device < 0 {
-            return Err(StageError::NotDevice { name: r.name.clone(), memory: r.memory });
+        if r.memory() != MemoryKind::Device || r.device() < 0 {
+            return Err(StageError::NotDevice { name: r.name().to_owned(), memory: r.memory() });
         }
-        if r.device != first.device {
+        if r.device() != first.device() {
             return Err(StageError::TwoGpus {
-                name: r.name.clone(),
-                device: r.device,
-                first_name: first.name.clone(),
-                first: first.device,
+                name: r.name().to_owned(),
+                device: r.device(),
+                first_name: first.name().to_owned(),
+                first: first.device(),
             });
         }
     }
-    Ok(first.device as usize)
+    Ok(first.device() as usize)
 }
 
 type FreeList = Arc<Mutex<Vec<PinnedBuffer>>>;
@@ -246,7 +246,7 @@ fn grid_bases(
         let region = regions
             .get(span.region)
             .ok_or_else(|| unit_err(format!("region {} is not registered", span.region)))?;
-        dev.push(region.addr + span.offset as u64);
+        dev.push(region.addr() + span.offset as u64);
         let end = (max.unwrap_or(0) as u64 + 1).checked_mul(bb).and_then(|e| e.checked_add(*offset));
         let base = grid.device_ptr.checked_add(*offset);
         let fits = end.is_some_and(|e| e <= grid.len) && base.is_some_and(|b| b.is_multiple_of(16));
@@ -314,20 +314,20 @@ impl KvStage {
         let ordinal = regions_gpu(regions)?;
         if ordinal != gpu.ordinal() {
             return Err(StageError::TwoGpus {
-                name: regions[0].name.clone(),
+                name: regions[0].name().to_owned(),
                 device: ordinal as i32,
                 first_name: format!("the stage's GPU {}", gpu.ordinal()),
                 first: gpu.ordinal() as i32,
             });
         }
-        if let Some(r) = regions.iter().find(|r| !r.addr.is_multiple_of(16)) {
-            return Err(StageError::Misaligned { name: r.name.clone(), addr: r.addr });
+        if let Some(r) = regions.iter().find(|r| !r.addr().is_multiple_of(16)) {
+            return Err(StageError::Misaligned { name: r.name().to_owned(), addr: r.addr() });
         }
         let mem = KvMemory::geometry_only(regions, model, eff)?;
         let geometry = mem.geometry().clone();
         let units = KvUnits::of(&geometry)?;
-        let bases = units.units.iter().map(|u| regions[u.region].addr + u.offset).collect();
-        let min_blocks = regions.iter().map(|r| r.num_blocks).min().unwrap_or(0);
+        let bases = units.units.iter().map(|u| regions[u.region].addr() + u.offset).collect();
+        let min_blocks = regions.iter().map(|r| r.num_blocks()).min().unwrap_or(0);
         gpu.bind().map_err(cuda("binding the GPU"))?;
         let kernel = GatherKernel::new(&gpu).map_err(cuda("preparing the gather kernel"))?;
         Ok(KvStage {
@@ -366,12 +366,11 @@ impl KvStage {
             .map_err(|_| StageError::StagedOutOfRange { index: u32::MAX, n: self.min_blocks })?;
         let layout = StageLayout::new(&self.geometry, n32)?;
         let buf = self.take_buffer(layout.bytes)?;
-        let host = layout.host_regions(buf.as_slice().as_ptr() as u64, &self.regions);
-        // SAFETY: the host regions lie inside `buf` (StageLayout sums their sizes into
-        // `layout.bytes` <= buf.len()), which the HostCopy owns for as long as `mem` lives;
-        // the GPU touches the buffer only inside `gather`/`scatter`, which synchronise the
-        // stream before returning, so host accesses never race a kernel.
-        let mem = unsafe { KvMemory::new(&host, &self.model, &self.eff) }?;
+        // SAFETY: `buf` holds at least `layout.bytes` bytes, which the HostCopy owns for as
+        // long as `mem` lives; the GPU touches the buffer only inside `gather`/`scatter`,
+        // which synchronise the stream before returning, so host accesses never race a kernel.
+        let host = unsafe { layout.host_regions(buf.as_slice().as_ptr() as u64, &self.regions) };
+        let mem = KvMemory::new(&host, &self.model, &self.eff)?;
         Ok(HostCopy { buf: Some(buf), mem, layout, n: n32, free: self.free.clone() })
     }
 
@@ -525,6 +524,7 @@ impl KvStage {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvconnect_api::KvRegionSpec;
 
     fn send_sync<T: Send + Sync>() {}
     fn send<T: Send>() {}
@@ -535,8 +535,8 @@ mod tests {
         send::<HostCopy>();
     }
 
-    fn region(name: &str, memory: MemoryKind, device: i32) -> KvRegion {
-        KvRegion {
+    fn spec(name: &str, memory: MemoryKind, device: i32) -> KvRegionSpec {
+        KvRegionSpec {
             name: name.into(),
             addr: 0x1000,
             len: 64,
@@ -547,6 +547,16 @@ mod tests {
             num_blocks: 1,
             shm_name: None,
         }
+    }
+
+    /// A region no test dereferences: these tests check descriptions and address arithmetic.
+    fn vouched(spec: KvRegionSpec) -> KvRegion {
+        // SAFETY: nothing reads or writes through the regions these tests make.
+        unsafe { KvRegion::new(spec) }
+    }
+
+    fn region(name: &str, memory: MemoryKind, device: i32) -> KvRegion {
+        vouched(spec(name, memory, device))
     }
 
     #[test]
@@ -561,12 +571,14 @@ mod tests {
             (0..2).map(|l| RegionShape { layers: vec![LayerId(l)], num_blocks: 10 }).collect(),
         );
         let regions: Vec<KvRegion> = (0..2)
-            .map(|l| KvRegion {
-                addr: 0x10_0000 * (l + 1),
-                len: 2 * 10 * bb,
-                layers: vec![LayerId(l as u32)],
-                num_blocks: 10,
-                ..region("r", MemoryKind::Device, 0)
+            .map(|l| {
+                vouched(KvRegionSpec {
+                    addr: 0x10_0000 * (l + 1),
+                    len: 2 * 10 * bb,
+                    layers: vec![LayerId(l as u32)],
+                    num_blocks: 10,
+                    ..spec("r", MemoryKind::Device, 0)
+                })
             })
             .collect();
         // Chunk-like grid: units (layer, part) 3 blocks apart, 2 slots of 12 blocks.

@@ -12,7 +12,7 @@
 
 use kvconnect_api::geometry::{Geometry, RegionShape};
 use kvconnect_api::layout::Dim;
-use kvconnect_api::{BlockId, KvLayout, KvRegion, LayerId, MemoryKind};
+use kvconnect_api::{BlockId, KvLayout, KvRegion, KvRegionSpec, LayerId, MemoryKind};
 
 /// Why regions cannot be split into copy units.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -206,22 +206,32 @@ impl StageLayout {
 
     /// Host regions over a buffer at `base` laid out as this stage (for `KvMemory::new`),
     /// named after the device regions.
-    pub fn host_regions(&self, base: u64, device: &[KvRegion]) -> Vec<KvRegion> {
+    ///
+    /// # Safety
+    /// `base` must start `self.bytes` bytes of host memory that stay readable and writable by
+    /// this process, and are otherwise untouched, for as long as the regions or anything built
+    /// from them is used.
+    pub unsafe fn host_regions(&self, base: u64, device: &[KvRegion]) -> Vec<KvRegion> {
         self.geometry
             .regions()
             .iter()
             .zip(&self.region_offsets)
             .zip(device)
-            .map(|((r, off), d)| KvRegion {
-                name: format!("{} (host copy)", d.name),
-                addr: base + *off as u64,
-                len: self.geometry.region_bytes(r) as u64,
-                memory: MemoryKind::Host,
-                device: -1,
-                layers: r.layers.clone(),
-                group: d.group,
-                num_blocks: r.num_blocks,
-                shm_name: None,
+            .map(|((r, off), d)| {
+                let spec = KvRegionSpec {
+                    name: format!("{} (host copy)", d.name()),
+                    addr: base + *off as u64,
+                    len: self.geometry.region_bytes(r) as u64,
+                    memory: MemoryKind::Host,
+                    device: -1,
+                    layers: r.layers.clone(),
+                    group: d.group(),
+                    num_blocks: r.num_blocks,
+                    shm_name: None,
+                };
+                // SAFETY: the region is `region_bytes` at `off` into the stage, which ends at
+                // `self.bytes`: inside the buffer the caller vouches for.
+                unsafe { KvRegion::new(spec) }
             })
             .collect()
     }
@@ -321,7 +331,7 @@ mod tests {
         // Block i of layer 1 part 1 of the stage is where the stage geometry says.
         let span = st.geometry.span(LayerId(1), 1, BlockId(2)).unwrap();
         assert_eq!(st.region_offsets[span.region] as u64 + span.offset as u64, 9 * blk + 2 * blk);
-        let dev = [KvRegion {
+        let dev = KvRegionSpec {
             name: "layer.0".into(),
             addr: 1,
             len: 0,
@@ -331,10 +341,11 @@ mod tests {
             group: 0,
             num_blocks: 100,
             shm_name: None,
-        }];
-        let host = st.host_regions(4096, &dev);
+        };
+        // SAFETY: neither region is ever dereferenced; the test only reads their descriptions.
+        let host = unsafe { st.host_regions(4096, &[KvRegion::new(dev)]) };
         assert_eq!(host.len(), 1, "zip stops at the shorter list");
-        assert_eq!((host[0].addr, host[0].num_blocks, host[0].memory), (4096, 3, MemoryKind::Host));
+        assert_eq!((host[0].addr(), host[0].num_blocks(), host[0].memory()), (4096, 3, MemoryKind::Host));
     }
 
     /// The gather done on the CPU with the kernel's arithmetic (unit base + block x
@@ -375,16 +386,10 @@ mod tests {
                 .iter_mut()
                 .zip(g.regions())
                 .enumerate()
-                .map(|(i, (b, s))| KvRegion {
-                    name: format!("r{i}"),
-                    addr: b.as_mut_ptr() as u64,
-                    len: b.len() as u64,
-                    memory: MemoryKind::Host,
-                    device: -1,
-                    layers: s.layers.clone(),
-                    group: 0,
-                    num_blocks: 9,
-                    shm_name: None,
+                .map(|(i, (b, s))| {
+                    let spec = KvRegionSpec::host(format!("r{i}"), b, s.layers.clone(), 0, 9);
+                    // SAFETY: `dev` outlives the regions within this iteration and is only read.
+                    unsafe { KvRegion::new(spec) }
                 })
                 .collect();
             let blocks = [7u32, 0, 8, 3];
@@ -400,11 +405,11 @@ mod tests {
                     stage[d..d + bb].copy_from_slice(&dev[u.region][s..s + bb]);
                 }
             }
-            let host = st.host_regions(stage.as_mut_ptr() as u64, &dev_regions);
-            // SAFETY: the regions are Vecs alive to the end of this iteration, only read.
-            let copy = unsafe { KvMemory::new(&host, &model, &eff) }.unwrap();
-            // SAFETY: as above.
-            let orig = unsafe { KvMemory::new(&dev_regions, &model, &eff) }.unwrap();
+            // SAFETY: `stage` holds `st.bytes` bytes, alive to the end of this iteration and
+            // only read through the regions.
+            let host = unsafe { st.host_regions(stage.as_mut_ptr() as u64, &dev_regions) };
+            let copy = KvMemory::new(&host, &model, &eff).unwrap();
+            let orig = KvMemory::new(&dev_regions, &model, &eff).unwrap();
             for l in 0..3 {
                 for p in 0..2 {
                     for (i, b) in blocks.iter().enumerate() {

@@ -12,7 +12,8 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvconnect_api::{
     AttentionKind, BlockId, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout, KvGroup, KvLayout,
-    KvRegion, KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode, WorkerConnector,
+    KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode,
+    WorkerConnector,
 };
 use kvconnect_host::loader::{load_plugin, LoaderOptions};
 use std::hint::black_box;
@@ -70,22 +71,16 @@ fn ctx(dir: &Path) -> ConnectorContext {
     }
 }
 
-fn worker(f: &dyn ConnectorFactory, dir: &Path, bufs: &mut [Vec<u8>]) -> Box<dyn WorkerConnector> {
+/// A worker of `f` with `bufs` registered as its per-layer regions.
+///
+/// # Safety
+/// `bufs` must outlive the returned worker and not be touched while it may use them.
+unsafe fn worker(f: &dyn ConnectorFactory, dir: &Path, bufs: &mut [Vec<u8>]) -> Box<dyn WorkerConnector> {
     let mut w = f.create_worker(&ctx(dir)).expect("create worker");
-    let regions: Vec<KvRegion> = bufs
-        .iter_mut()
-        .enumerate()
-        .map(|(l, b)| KvRegion {
-            name: format!("layer.{l}"),
-            addr: b.as_mut_ptr() as u64,
-            len: b.len() as u64,
-            memory: MemoryKind::Host,
-            device: -1,
-            layers: vec![LayerId(l as u32)],
-            group: 0,
-            num_blocks: NUM_BLOCKS,
-            shm_name: None,
-        })
+    let regions: Vec<KvRegion> = KvRegionSpec::per_layer(bufs, NUM_BLOCKS)
+        .into_iter()
+        // SAFETY: the caller's contract (`# Safety` above).
+        .map(|spec| unsafe { KvRegion::new(spec) })
         .collect();
     w.register_kv_caches(&regions).expect("register");
     w.bind_connector_meta(b"").expect("bind");
@@ -101,8 +96,11 @@ fn bench(c: &mut Criterion) {
 
     let native = kvconnect_plugin_example::ExampleFactory::new();
     let plugin = load_plugin(&lib, &LoaderOptions::default()).expect("load the example plugin");
-    let mut w_native = worker(&native, dir.path(), &mut bufs_a);
-    let mut w_plugin = worker(plugin.factory.as_ref(), dir.path(), &mut bufs_b);
+    // SAFETY: the buffers are declared before the workers, so they outlive them, and the
+    // benchmark touches them only through the workers.
+    let mut w_native = unsafe { worker(&native, dir.path(), &mut bufs_a) };
+    // SAFETY: as above.
+    let mut w_plugin = unsafe { worker(plugin.factory.as_ref(), dir.path(), &mut bufs_b) };
     let ids: Vec<BlockId> = (0..16).map(|i| BlockId(i * 3 + 1)).collect();
 
     let mut g = c.benchmark_group("save_kv_layer_16_blocks");

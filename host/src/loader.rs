@@ -1,6 +1,6 @@
 //! Finds, opens and checks plugin libraries, and wraps what they export in `Foreign*` types
 //! that implement the safe connector traits, so the rest of the host cannot tell a plugin
-//! from a built-in connector.
+//! from a built-in connector. The checks, in order, are in ARCHITECTURE.md §3.
 //!
 //! A library is opened `RTLD_NOW|RTLD_LOCAL` and, once its code has run, never closed: its
 //! threads, thread-locals and the log bridge it installed may outlive every object it handed
@@ -958,6 +958,8 @@ impl ForeignWorker {
 
 impl WorkerConnector for ForeignWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
+        // The regions' memory outlives this instance (`KvRegion::new`'s contract): the promise
+        // the plugin side's SDK relies on when it turns these specs back into regions.
         let r = to_json(self.name(), &regions)?;
         let (f, h) = (self.vt.register_kv_caches, self.handle);
         // SAFETY: a live instance used from this thread only; bytes live across the call.

@@ -1,5 +1,5 @@
 //! The P/D side channel: the handshake a decode worker makes with a prefill worker before it
-//! loads any KV from it (DESIGN.md §6, §8; notes on the wire format in PD_PROTOCOL).
+//! loads any KV from it (ARCHITECTURE.md §6 and §9).
 //!
 //! Frames are a big-endian `u32` length followed by that many bytes of JSON. Every read has a
 //! timeout and every frame a size cap, so a peer that stalls, lies about a length or sends

@@ -75,7 +75,7 @@ fn check(play: KvLayout, dlay: KvLayout) {
     let mono = monolithic(&ps, 4);
     let mut p = engine(KvRole::Producer, "prefill-0", play);
     let mut d = engine(KvRole::Consumer, "decode-0", dlay);
-    assert!(p.regions().iter().all(|r| r.memory == MemoryKind::Device && r.device >= 0));
+    assert!(p.regions().iter().all(|r| r.memory() == MemoryKind::Device && r.device() >= 0));
     let meta = p.worker_connector().unwrap().handshake_metadata().unwrap().unwrap();
     d.worker_connector()
         .unwrap()

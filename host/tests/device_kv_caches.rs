@@ -76,7 +76,7 @@ fn check(factory: &dyn ConnectorFactory, name: &str, layout: KvLayout, extra: se
     };
     let conn = (factory.create_scheduler(&ctx).unwrap(), factory.create_worker(&ctx).unwrap());
     let mut e = Engine::new(cfg, Some(conn), FailurePolicy::Fail).unwrap();
-    assert!(e.regions().iter().all(|r| r.memory == MemoryKind::Device));
+    assert!(e.regions().iter().all(|r| r.memory() == MemoryKind::Device));
     let first = run(&mut e, &ps, "a");
     let second = run(&mut e, &ps, "b");
     for (i, ((t1, _), (t2, ext))) in first.iter().zip(&second).enumerate() {

@@ -261,7 +261,7 @@ struct LoopWorker {
 
 impl LoopWorker {
     fn layers(&self) -> Vec<(u32, usize)> {
-        self.regions.iter().flat_map(|r| r.layers.iter().map(move |l| (l.0, r.group as usize))).collect()
+        self.regions.iter().flat_map(|r| r.layers().iter().map(move |l| (l.0, r.group() as usize))).collect()
     }
 }
 
@@ -269,11 +269,10 @@ impl WorkerConnector for LoopWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
         let cfg = ReferenceConfig::builtin().unwrap();
         let spec = cfg.model_spec().unwrap();
-        let hma = regions.iter().any(|r| r.group > 0);
+        let hma = regions.iter().any(|r| r.group() > 0);
         let layout = if regions.len() < 4 { KvLayout::BLHNC } else { KvLayout::HND };
         let eff = local_effective_layout(&spec, layout, hma, self.block_size as u32, Dtype::Bf16);
-        // SAFETY: the engine keeps its regions alive until after it shuts this connector down.
-        self.mem = Some(unsafe { KvMemory::new(regions, &spec, &eff) }.unwrap());
+        self.mem = Some(KvMemory::new(regions, &spec, &eff).unwrap());
         self.regions = regions.to_vec();
         Ok(())
     }
@@ -542,7 +541,7 @@ fn shared_memory_regions_give_the_same_tokens_and_are_unlinked() {
     let mut cfg = config(KvLayout::HND, true, Dtype::Bf16);
     cfg.shm = Some("engine test".into());
     let mut e = Engine::new(cfg, None, FailurePolicy::Recompute).unwrap();
-    let names: Vec<String> = e.regions().iter().map(|r| r.shm_name.clone().unwrap()).collect();
+    let names: Vec<String> = e.regions().iter().map(|r| r.shm_name().unwrap().to_owned()).collect();
     assert_eq!(names.len(), 4);
     let on_disk = |n: &str| std::path::Path::new(&format!("/dev/shm{n}")).exists();
     assert!(names.iter().all(|n| on_disk(n)), "{names:?}");

@@ -1,4 +1,4 @@
-//! The negotiation stories of DESIGN.md §1, each run through the real `kvconnect` binary on
+//! The negotiation stories of ARCHITECTURE.md §5, each run through the real `kvconnect` binary on
 //! the deployments in examples/deployments/: the exit code and what the user reads.
 
 use std::path::PathBuf;

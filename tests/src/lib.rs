@@ -1,7 +1,9 @@
 //! Shared helpers for kvconnect's end-to-end tests: start `kvconnect worker` processes, read
 //! the addresses they print, and talk HTTP/1.1 to them without pulling in a client library.
 
+pub mod cargo_cmd;
 pub mod plugin_fixtures;
+pub mod readme;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

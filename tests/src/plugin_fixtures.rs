@@ -1,13 +1,15 @@
 //! Builds the plugin libraries the plugin tests load through the real dynamic path: the
-//! example plugin (a workspace member) and the deliberately broken plugins of
-//! `tests/fixtures/broken-plugins`, one library per defect.
+//! example plugin (a workspace member), the deliberately broken plugins of
+//! `tests/fixtures/broken-plugins`, one library per defect, and plugin crates a test writes
+//! outside the workspace (README.md's).
 //!
 //! They are built with cargo into a directory under the test's `CARGO_TARGET_TMPDIR`, not the
 //! outer target directory, whose lock the running `cargo test` holds. Dependencies are
 //! compiled once and shared by every build there.
 
+use crate::cargo_cmd;
+use crate::workspace_root;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::Mutex;
 
 /// Every defect the broken-plugin fixture can be built with. The first two load (a method
@@ -32,31 +34,6 @@ pub const CRASHING_DEFECTS: &[&str] = &["caps_aborts", "caps_hangs"];
 // One build at a time within a test binary; cargo's own lock orders the binaries.
 static BUILD: Mutex<()> = Mutex::new(());
 
-fn cargo() -> String {
-    std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned())
-}
-
-fn run_cargo(args: &[&str], cwd: &Path) {
-    let out = Command::new(cargo())
-        .args(args)
-        .current_dir(cwd)
-        // The outer cargo's settings for the test binary must not leak into this build.
-        .env_remove("CARGO_TARGET_DIR")
-        .env_remove("CARGO_BUILD_TARGET_DIR")
-        .output()
-        .expect("run cargo");
-    assert!(
-        out.status.success(),
-        "cargo {args:?} in {} failed:\n{}",
-        cwd.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
-}
-
 fn target_dir(tmp: &Path) -> PathBuf {
     tmp.join("plugin-fixtures")
 }
@@ -66,7 +43,7 @@ pub fn example_plugin(tmp: &Path) -> PathBuf {
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
     let target = target_dir(tmp);
     let ws = workspace_root();
-    run_cargo(
+    cargo_cmd::run(
         &[
             "build",
             "--offline",
@@ -87,20 +64,39 @@ pub fn example_plugin(tmp: &Path) -> PathBuf {
 /// `out_dir`.
 pub fn broken_plugin(tmp: &Path, defect: &str, out_dir: &Path) -> PathBuf {
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    let target = target_dir(tmp);
     let src = fixture_source(tmp);
-    run_cargo(&["build", "--offline", "--features", defect, "--target-dir", &target.to_string_lossy()], &src);
-    let built = target.join("debug").join(lib_file("kvconnect_broken_plugin"));
+    let (built, _) = build_locked(tmp, &src, "kvconnect_broken_plugin", &["--features", defect]);
     let dst = out_dir.join(format!("libbroken_{defect}.so"));
     std::fs::copy(&built, &dst).expect("copy the built fixture");
     set_mode(&dst, 0o755);
     dst
 }
 
+/// Builds the plugin crate at `src`, a crate outside the workspace that depends on this
+/// checkout's kvconnect-api by path, into the fixtures' target directory. Returns its library
+/// (`lib_name` is the crate's library name) and what cargo printed on stderr.
+pub fn external_plugin(tmp: &Path, src: &Path, lib_name: &str) -> (PathBuf, String) {
+    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    build_locked(tmp, src, lib_name, &[])
+}
+
+/// Locks the crate at `src` to the workspace's `Cargo.lock`, so it builds offline with exactly
+/// the crates the workspace build fetched, and builds it with `args`. The caller holds `BUILD`.
+fn build_locked(tmp: &Path, src: &Path, lib_name: &str, args: &[&str]) -> (PathBuf, String) {
+    let target = target_dir(tmp);
+    let lock = std::fs::read(workspace_root().join("Cargo.lock")).expect("read Cargo.lock");
+    write_if_changed(&src.join("Cargo.lock"), &lock);
+    let target_arg = target.to_string_lossy();
+    let mut all = vec!["build", "--offline", "--target-dir", &target_arg];
+    all.extend_from_slice(args);
+    let out = cargo_cmd::run(&all, src);
+    let lib = target.join("debug").join(lib_file(lib_name));
+    assert!(lib.exists(), "{} was not built", lib.display());
+    (lib, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
 /// A copy of `tests/fixtures/broken-plugins` under `tmp`, depending on this checkout's
-/// kvconnect-api by absolute path and locked to the workspace's `Cargo.lock`, so it builds
-/// offline with exactly the crates the workspace build fetched, and nothing is written into
-/// the source tree.
+/// kvconnect-api by absolute path, so nothing is written into the source tree.
 fn fixture_source(tmp: &Path) -> PathBuf {
     let ws = workspace_root();
     let from = ws.join("tests/fixtures/broken-plugins");
@@ -114,7 +110,6 @@ fn fixture_source(tmp: &Path) -> PathBuf {
         &to.join("src/lib.rs"),
         &std::fs::read(from.join("src/lib.rs")).expect("read the fixture source"),
     );
-    write_if_changed(&to.join("Cargo.lock"), &std::fs::read(ws.join("Cargo.lock")).expect("read Cargo.lock"));
     to
 }
 

@@ -94,7 +94,7 @@ fn tcp_hma_off() {
 /// message where the library is absent (CI fetches it).
 fn check_nixl(hma: &str) {
     if let Err(e) = kvconnect_nixl::nixl_lib::find() {
-        eprintln!("skipping: NIXL library not found (run scripts/fetch-nixl.sh): {e}");
+        eprintln!("skipping backend nixl: {e}");
         return;
     }
     check("nixl", hma);

@@ -4,8 +4,8 @@
 
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,
-    KvGroup, KvLayout, KvRegion, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind, ModelSpec,
-    Request, RequestId, StepInfo, TransferMode,
+    KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind,
+    ModelSpec, Request, RequestId, StepInfo, TransferMode,
 };
 use kvconnect_host::registry::{Origin, Registry, RegistryConfig};
 use kvconnect_tests::plugin_fixtures;
@@ -61,20 +61,11 @@ impl Engine {
     }
 
     fn regions(&mut self) -> Vec<KvRegion> {
-        self.bufs
-            .iter_mut()
-            .enumerate()
-            .map(|(l, b)| KvRegion {
-                name: format!("layer.{l}"),
-                addr: b.as_mut_ptr() as u64,
-                len: b.len() as u64,
-                memory: MemoryKind::Host,
-                device: -1,
-                layers: vec![LayerId(l as u32)],
-                group: 0,
-                num_blocks: NUM_BLOCKS,
-                shm_name: None,
-            })
+        KvRegionSpec::per_layer(&mut self.bufs, NUM_BLOCKS)
+            .into_iter()
+            // SAFETY: the buffers belong to this Engine, which outlives every worker a test
+            // registers them with, and are read only between worker calls.
+            .map(|spec| unsafe { KvRegion::new(spec) })
             .collect()
     }
 

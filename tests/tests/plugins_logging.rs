@@ -66,18 +66,18 @@ fn plugin_events_appear_in_the_host_subscriber() {
         tp_rank: 0,
         tp_size: 1,
     };
-    let mut w = f.create_worker(&ctx).unwrap();
+    // Declared before the worker, so it is dropped after it.
     let mut region = vec![0u8; 4 * 2 * 4 * 8 * 2];
-    w.register_kv_caches(&[kvconnect_api::KvRegion {
-        name: "l0".into(),
-        addr: region.as_mut_ptr() as u64,
-        len: region.len() as u64,
-        memory: kvconnect_api::MemoryKind::Host,
-        device: -1,
-        layers: vec![kvconnect_api::LayerId(0)],
-        group: 0,
-        num_blocks: 4,
-        shm_name: None,
+    let mut w = f.create_worker(&ctx).unwrap();
+    // SAFETY: `region` outlives the worker and nothing else touches it meanwhile.
+    w.register_kv_caches(&[unsafe {
+        kvconnect_api::KvRegion::new(kvconnect_api::KvRegionSpec::host(
+            "l0",
+            &mut region,
+            vec![kvconnect_api::LayerId(0)],
+            0,
+            4,
+        ))
     }])
     .unwrap();
     let meta =

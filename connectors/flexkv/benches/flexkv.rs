@@ -13,8 +13,8 @@ use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criteri
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
-    AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, LayerId, MemoryKind,
-    ModelSpec, TransferMode,
+    AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec, LayerId,
+    MemoryKind, ModelSpec, TransferMode,
 };
 use kvconnect_flexkv::adapter::BlockAdapter;
 use kvconnect_flexkv::cache::BlockCache;
@@ -92,24 +92,14 @@ fn regions(layout: KvLayout) -> Regions {
     let len = BLOCKS as usize * shape.layer_block_bytes();
     let mut bufs: Vec<Vec<u8>> =
         (0..LAYERS).map(|l| (0..len).map(|i| (i as u32 ^ l) as u8).collect()).collect();
-    let kv: Vec<KvRegion> = bufs
-        .iter_mut()
-        .enumerate()
-        .map(|(l, b)| KvRegion {
-            name: format!("layer.{l}"),
-            addr: b.as_mut_ptr() as u64,
-            len: b.len() as u64,
-            memory: MemoryKind::Host,
-            device: -1,
-            layers: vec![LayerId(l as u32)],
-            group: 0,
-            num_blocks: BLOCKS,
-            shm_name: None,
-        })
+    let kv: Vec<KvRegion> = KvRegionSpec::per_layer(&mut bufs, BLOCKS)
+        .into_iter()
+        // SAFETY: `bufs` moves into the returned value beside the KvMemory built from these
+        // regions; moving a Vec does not move its heap buffer, and the buffers are not
+        // resized while it lives.
+        .map(|spec| unsafe { KvRegion::new(spec) })
         .collect();
-    // SAFETY: `bufs` is moved into the returned value beside `mem`; moving a Vec does not
-    // move its heap buffer, and the buffers are not resized or touched while `mem` is used.
-    let mem = unsafe { KvMemory::new(&kv, &model(), &eff(layout)) }.expect("bench regions fit the layout");
+    let mem = KvMemory::new(&kv, &model(), &eff(layout)).expect("bench regions fit the layout");
     Regions { bufs, mem }
 }
 

@@ -198,7 +198,9 @@ mod tests {
 
     #[test]
     fn wide_rows_round_trip_through_hnd_regions_exactly() {
-        use kvconnect_api::{AttentionKind, Dtype, KvGroup, KvRegion, MemoryKind, TransferMode};
+        use kvconnect_api::{
+            AttentionKind, Dtype, KvGroup, KvRegion, KvRegionSpec, MemoryKind, TransferMode,
+        };
         let model = ModelSpec {
             name: "t".into(),
             num_layers: 2,
@@ -222,26 +224,15 @@ mod tests {
             (0..2).map(|l| (0..len).map(|i| ((i * 131 + l * 7) % 253) as u8).collect()).collect();
         let mut dst: Vec<Vec<u8>> = vec![vec![0u8; len]; 2];
         let regions = |bufs: &mut Vec<Vec<u8>>| -> Vec<KvRegion> {
-            bufs.iter_mut()
-                .enumerate()
-                .map(|(l, b)| KvRegion {
-                    name: format!("layer.{l}"),
-                    addr: b.as_mut_ptr() as u64,
-                    len: b.len() as u64,
-                    memory: MemoryKind::Host,
-                    device: -1,
-                    layers: vec![LayerId(l as u32)],
-                    group: 0,
-                    num_blocks: 3,
-                    shm_name: None,
-                })
+            KvRegionSpec::per_layer(bufs, 3)
+                .into_iter()
+                // SAFETY: `src` and `dst` outlive both KvMemory values and are read back only
+                // after the copies.
+                .map(|spec| unsafe { KvRegion::new(spec) })
                 .collect()
         };
-        // SAFETY: the buffers outlive both KvMemory values and are only read back after
-        // the copies.
-        let src_mem = unsafe { KvMemory::new(&regions(&mut src), &model, &eff(KvLayout::HND)) }.unwrap();
-        // SAFETY: as above.
-        let dst_mem = unsafe { KvMemory::new(&regions(&mut dst), &model, &eff(KvLayout::HND)) }.unwrap();
+        let src_mem = KvMemory::new(&regions(&mut src), &model, &eff(KvLayout::HND)).unwrap();
+        let dst_mem = KvMemory::new(&regions(&mut dst), &model, &eff(KvLayout::HND)).unwrap();
         let a = BlockAdapter::new(&model, &eff(KvLayout::HND));
         assert_eq!(a.unit, 128);
         let mut stored = vec![0u8; a.slot_bytes()];

@@ -229,15 +229,13 @@ fn device_regions(regions: &[KvRegion], engine: &Engine) -> ConnectorResult<Kv> 
 
 impl WorkerConnector for FlexkvWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        if regions.iter().any(|r| r.memory == MemoryKind::Device) {
+        if regions.iter().any(|r| r.memory() == MemoryKind::Device) {
             self.mem = Some(device_regions(regions, &self.engine)?);
             return Ok(());
         }
-        // SAFETY: the host promises, by calling register_kv_caches, that every region is
-        // host memory valid for reads and writes for as long as this connector is alive (until
-        // `shutdown`, which joins the transfer threads before the regions are released), and
-        // the step protocol keeps the engine off the blocks a load or save is copying.
-        let mem = unsafe { KvMemory::new(regions, &self.engine.ctx.model, &self.engine.ctx.effective) }
+        // The regions stay valid until this worker is dropped; `shutdown` (also run on drop)
+        // joins the transfer threads, which share `mem`, before that.
+        let mem = KvMemory::new(regions, &self.engine.ctx.model, &self.engine.ctx.effective)
             .map_err(|e| ConnectorError::invalid(NAME, format!("register_kv_caches: {e}")))?;
         self.mem = Some(Kv::Host(Arc::new(mem)));
         Ok(())

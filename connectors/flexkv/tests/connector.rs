@@ -257,16 +257,22 @@ fn bad_metadata_and_missing_regions_are_errors_not_panics() {
 fn device_regions_without_cuda_or_a_gpu() {
     let c = ctx(effective(KvLayout::NHD), json!({}), "device-regions");
     let mut w = FlexkvFactory.create_worker(&c).unwrap();
-    let region = |l: u32| kvconnect_api::KvRegion {
-        name: format!("layer.{l}"),
-        addr: 0x10000,
-        len: 8 * 512 / 2,
-        memory: kvconnect_api::MemoryKind::Device,
-        device: 0,
-        layers: vec![kvconnect_api::LayerId(l)],
-        group: 0,
-        num_blocks: 8,
-        shm_name: None,
+    let region = |l: u32| {
+        // SAFETY: fake device addresses: the worker refuses them, or, on a machine with a GPU, only
+        // records them and is dropped without a transfer.
+        unsafe {
+            kvconnect_api::KvRegion::new(kvconnect_api::KvRegionSpec {
+                name: format!("layer.{l}"),
+                addr: 0x10000,
+                len: 8 * 512 / 2,
+                memory: kvconnect_api::MemoryKind::Device,
+                device: 0,
+                layers: vec![kvconnect_api::LayerId(l)],
+                group: 0,
+                num_blocks: 8,
+                shm_name: None,
+            })
+        }
     };
     match (w.register_kv_caches(&[region(0), region(2)]), cfg!(feature = "cuda")) {
         (Err(e), true) => {

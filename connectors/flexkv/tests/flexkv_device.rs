@@ -9,8 +9,8 @@ mod support;
 
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{
-    BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRegion, LayerId, MatchResult, MemoryKind, Request,
-    RequestId, SchedulerConnector, StepInfo, WorkerConnector,
+    BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRegion, KvRegionSpec, LayerId, MatchResult,
+    MemoryKind, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
 use kvconnect_cuda::testing::random_bytes;
 use kvconnect_cuda::{DeviceBuffer, Gpu};
@@ -65,16 +65,22 @@ impl Dev {
             .iter()
             .zip(self.geometry.regions())
             .enumerate()
-            .map(|(i, (b, r))| KvRegion {
-                name: format!("kv.{i}"),
-                addr: b.ptr(),
-                len: b.len() as u64,
-                memory: MemoryKind::Device,
-                device: self.gpu.ordinal() as i32,
-                layers: r.layers.clone(),
-                group: 0,
-                num_blocks: NUM_BLOCKS,
-                shm_name: None,
+            .map(|(i, (b, r))| {
+                // SAFETY: the regions are `self.bufs`, device allocations on `self.gpu` that live as
+                // long as this Dev, which outlives the workers in each test.
+                unsafe {
+                    KvRegion::new(KvRegionSpec {
+                        name: format!("kv.{i}"),
+                        addr: b.ptr(),
+                        len: b.len() as u64,
+                        memory: MemoryKind::Device,
+                        device: self.gpu.ordinal() as i32,
+                        layers: r.layers.clone(),
+                        group: 0,
+                        num_blocks: NUM_BLOCKS,
+                        shm_name: None,
+                    })
+                }
             })
             .collect()
     }
@@ -229,7 +235,10 @@ fn regions_on_two_gpus_are_refused() {
     let c = ctx(effective(KvLayout::NHD), serde_json::json!({}), "flexkv-device-two-gpus");
     let mut w = FlexkvFactory.create_worker(&c).unwrap();
     let mut regions = dev.regions();
-    regions[1].device += 1;
+    let mut spec = regions[1].spec().clone();
+    spec.device += 1;
+    // SAFETY: the worker refuses the regions (two GPUs) before it touches any of them.
+    regions[1] = unsafe { KvRegion::new(spec) };
     let e = w.register_kv_caches(&regions).unwrap_err().to_string();
     assert!(e.contains("must be on one GPU"), "{e}");
 }

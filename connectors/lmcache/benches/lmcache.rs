@@ -13,8 +13,8 @@ use criterion::{criterion_group, Criterion, Throughput};
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,
-    KvGroup, KvLayout, KvRegion, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind, ModelSpec,
-    Request, RequestId, SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
+    KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind,
+    ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
 };
 use kvconnect_lmcache::disk_tier::DiskTier;
 use kvconnect_lmcache::key::ChunkKey;
@@ -102,20 +102,11 @@ impl Engine {
         let geometry = Geometry::new(shape, KvLayout::NHD, regions.clone());
         let mut buffers: Vec<Vec<u8>> =
             regions.iter().enumerate().map(|(i, r)| vec![i as u8 + 1; geometry.region_bytes(r)]).collect();
-        let kv: Vec<KvRegion> = buffers
-            .iter_mut()
-            .enumerate()
-            .map(|(i, b)| KvRegion {
-                name: format!("layer.{i}"),
-                addr: b.as_mut_ptr() as u64,
-                len: b.len() as u64,
-                memory: MemoryKind::Host,
-                device: -1,
-                layers: vec![LayerId(i as u32)],
-                group: 0,
-                num_blocks,
-                shm_name: None,
-            })
+        let kv: Vec<KvRegion> = KvRegionSpec::per_layer(&mut buffers, num_blocks)
+            .into_iter()
+            // SAFETY: the buffers move into the returned Engine after its worker, so they are
+            // dropped after it; moving a Vec does not move its heap buffer.
+            .map(|spec| unsafe { KvRegion::new(spec) })
             .collect();
         worker.register_kv_caches(&kv).unwrap();
         Engine { sched, worker, geometry, buffers, block_size: block_size as usize, num_blocks, step: 0 }

@@ -205,8 +205,8 @@ mod tests {
     use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
     use kvconnect_api::kv_memory::KvMemory;
     use kvconnect_api::{
-        AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, MemoryKind, ModelSpec,
-        TransferMode,
+        AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec,
+        MemoryKind, ModelSpec, TransferMode,
     };
 
     const LAYERS: u32 = 3;
@@ -253,7 +253,9 @@ mod tests {
             .enumerate()
             .map(|(i, r)| (0..g.region_bytes(r)).map(|j| (j * 7 + i * 131 + j / 251) as u8).collect())
             .collect();
-        let regions = regions_over(&mut bufs);
+        // SAFETY: the buffers go back to the caller with the regions, and every test keeps them
+        // together to its end (moving a Vec does not move its heap buffer).
+        let regions = unsafe { regions_over(&mut bufs) };
         (bufs, regions, g)
     }
 
@@ -283,8 +285,7 @@ mod tests {
     fn grid_gather_equals_save_layer_for_nhd_and_hnd() {
         for layout in [KvLayout::NHD, KvLayout::HND] {
             let (kv, regions, g) = host_kv(layout);
-            // SAFETY: the regions are the Vecs in `kv`, alive and unchanged for the test.
-            let mem = unsafe { KvMemory::new(&regions, &model(), &eff(layout)) }.unwrap();
+            let mem = KvMemory::new(&regions, &model(), &eff(layout)).unwrap();
             let cl = ChunkLayout::new(&model(), &eff(layout), CHUNK as u32).unwrap();
             let grid = ChunkGrid::new(&cl, CHUNK);
             assert_eq!(grid.blocks_per_chunk(), CHUNK / BS as usize);
@@ -323,9 +324,9 @@ mod tests {
             let table: Vec<BlockId> = [6, 14, 1].iter().map(|b| BlockId(*b)).collect();
             // load_layer into a copy of the regions.
             let mut a = kv.clone();
-            let regions_a = regions_over(&mut a);
-            // SAFETY: the regions are the Vecs in `a`, alive for the test, written only here.
-            let mem = unsafe { KvMemory::new(&regions_a, &model(), &eff(layout)) }.unwrap();
+            // SAFETY: `a` lives to the end of this iteration and is read only after the writes.
+            let regions_a = unsafe { regions_over(&mut a) };
+            let mem = KvMemory::new(&regions_a, &model(), &eff(layout)).unwrap();
             for li in 0..LAYERS as usize {
                 cl.load_layer(&mem, li, &table, 0, CHUNK, 0, CHUNK, &chunk).unwrap();
             }
@@ -345,20 +346,15 @@ mod tests {
         }
     }
 
-    fn regions_over(bufs: &mut [Vec<u8>]) -> Vec<KvRegion> {
-        bufs.iter_mut()
-            .enumerate()
-            .map(|(i, b)| KvRegion {
-                name: format!("layer.{i}"),
-                addr: b.as_mut_ptr() as u64,
-                len: b.len() as u64,
-                memory: MemoryKind::Host,
-                device: -1,
-                layers: vec![LayerId(i as u32)],
-                group: 0,
-                num_blocks: BLOCKS,
-                shm_name: None,
-            })
+    /// One host region per buffer.
+    ///
+    /// # Safety
+    /// The buffers must outlive every use of the regions and not be touched meanwhile.
+    unsafe fn regions_over(bufs: &mut [Vec<u8>]) -> Vec<KvRegion> {
+        KvRegionSpec::per_layer(bufs, BLOCKS)
+            .into_iter()
+            // SAFETY: the caller's contract (`# Safety` above).
+            .map(|spec| unsafe { KvRegion::new(spec) })
             .collect()
     }
 
@@ -394,9 +390,9 @@ mod tests {
             for (from, to) in [(0, 41), (0, 40), (2, 35), (13, 23), (4, 24), (25, 26), (0, 12), (7, 7)] {
                 // Reference: load_layer over every chunk's part of [from, to).
                 let mut a = kv.clone();
-                let ra = regions_over(&mut a);
-                // SAFETY: the regions are the Vecs in `a`, alive for this iteration.
-                let ma = unsafe { KvMemory::new(&ra, &model(), &eff(layout)) }.unwrap();
+                // SAFETY: `a` lives to the end of this iteration and is read only after the writes.
+                let ra = unsafe { regions_over(&mut a) };
+                let ma = KvMemory::new(&ra, &model(), &eff(layout)).unwrap();
                 for ((start, t, _), b) in chunks.iter().zip(&bytes) {
                     let (t0, t1) = (from.max(*start), to.min(start + t));
                     if t0 < t1 {
@@ -407,9 +403,9 @@ mod tests {
                 }
                 // The split.
                 let mut b2 = kv.clone();
-                let rb = regions_over(&mut b2);
                 // SAFETY: as above, for `b2`.
-                let mb = unsafe { KvMemory::new(&rb, &model(), &eff(layout)) }.unwrap();
+                let rb = unsafe { regions_over(&mut b2) };
+                let mb = KvMemory::new(&rb, &model(), &eff(layout)).unwrap();
                 let split = grid.split_load(&chunks, from, to);
                 let direct_blocks: Vec<usize> = split.direct.iter().map(|(i, _)| *i).collect();
                 for i in &direct_blocks {

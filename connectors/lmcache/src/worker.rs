@@ -285,16 +285,13 @@ fn device_regions(
 
 impl WorkerConnector for LmcacheWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        if regions.iter().any(|r| r.memory == MemoryKind::Device) {
+        if regions.iter().any(|r| r.memory() == MemoryKind::Device) {
             // Drop the previous registration (and its slab) before pinning a new one.
             self.mem = None;
             self.mem = Some(device_regions(regions, &self.model, &self.eff, &self.layout, &self.store)?);
             return Ok(());
         }
-        // SAFETY: the host promises, by calling register_kv_caches, that every region is valid
-        // host memory of `len` bytes until shutdown, and the step protocol keeps the engine
-        // from touching a block while this connector copies it.
-        let mem = unsafe { KvMemory::new(regions, &self.model, &self.eff) }.map_err(|e| {
+        let mem = KvMemory::new(regions, &self.model, &self.eff).map_err(|e| {
             ConnectorError::invalid(
                 "lmcache",
                 format!("registered KV regions do not match the effective layout: {e}"),

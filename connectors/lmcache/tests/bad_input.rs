@@ -3,7 +3,7 @@
 mod common;
 
 use common::*;
-use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, LayerId};
+use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRegion, LayerId};
 use kvconnect_lmcache::LmcacheFactory;
 use serde_json::json;
 
@@ -78,11 +78,18 @@ fn device_regions_without_cuda_or_a_gpu() {
     let mut w = LmcacheFactory.create_worker(&c).unwrap();
     let mut bufs: Vec<Vec<u8>> =
         (0..LAYERS).map(|_| vec![0u8; 2 * 16 * 2 * 8 * 2 * NUM_BLOCKS as usize]).collect();
-    let mut regions = region_list(&mut bufs);
-    for r in &mut regions {
-        r.memory = kvconnect_api::MemoryKind::Device;
-        r.device = 0;
-    }
+    // SAFETY: the regions are relabelled as device memory below: the worker refuses them, or,
+    // on a machine with a GPU, only records them and is dropped without a transfer.
+    let regions: Vec<KvRegion> = unsafe { region_list(&mut bufs) }
+        .iter()
+        .map(|r| {
+            let mut spec = r.spec().clone();
+            spec.memory = kvconnect_api::MemoryKind::Device;
+            spec.device = 0;
+            // SAFETY: as above.
+            unsafe { KvRegion::new(spec) }
+        })
+        .collect();
     match (w.register_kv_caches(&regions), cfg!(feature = "cuda")) {
         (Err(e), true) => {
             let e = e.to_string();
@@ -105,13 +112,15 @@ fn regions_that_do_not_match_the_layout() {
     // One byte short per region.
     let mut bufs: Vec<Vec<u8>> =
         (0..LAYERS).map(|_| vec![0u8; 2 * 16 * 2 * 8 * 2 * NUM_BLOCKS as usize - 1]).collect();
-    let e = w.register_kv_caches(&region_list(&mut bufs)).unwrap_err().to_string();
+    // SAFETY: the worker refuses these regions, so it never uses them after this call.
+    let e = w.register_kv_caches(&unsafe { region_list(&mut bufs) }).unwrap_err().to_string();
     assert!(e.contains("registered KV regions do not match the effective layout"), "{e}");
     assert!(e.contains("region 'layer.0' is"), "{e}");
     // A layer missing.
     let mut bufs: Vec<Vec<u8>> =
         (0..2).map(|_| vec![0u8; 2 * 16 * 2 * 8 * 2 * NUM_BLOCKS as usize]).collect();
-    let e = w.register_kv_caches(&region_list(&mut bufs)).unwrap_err().to_string();
+    // SAFETY: as above.
+    let e = w.register_kv_caches(&unsafe { region_list(&mut bufs) }).unwrap_err().to_string();
     assert!(e.contains("layer 2 holds KV but no registered region covers it"), "{e}");
     // Loading before any registration is an error, not a crash.
     let s = LmcacheFactory.create_scheduler(&c).unwrap();

@@ -12,7 +12,8 @@ mod common;
 use common::*;
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{
-    BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRegion, LayerId, MatchResult, MemoryKind, StepInfo,
+    BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRegion, KvRegionSpec, LayerId, MatchResult,
+    MemoryKind, StepInfo,
 };
 use kvconnect_cuda::testing::random_bytes;
 use kvconnect_cuda::{DeviceBuffer, Gpu};
@@ -57,16 +58,22 @@ impl Dev {
         self.bufs
             .iter()
             .enumerate()
-            .map(|(i, b)| KvRegion {
-                name: format!("layer.{i}"),
-                addr: b.ptr(),
-                len: b.len() as u64,
-                memory: MemoryKind::Device,
-                device: self.gpu.ordinal() as i32,
-                layers: vec![LayerId(i as u32)],
-                group: 0,
-                num_blocks: NUM_BLOCKS,
-                shm_name: None,
+            .map(|(i, b)| {
+                // SAFETY: the regions are `self.bufs`, device allocations on `self.gpu` that live as
+                // long as this Dev, which outlives the workers in each test.
+                unsafe {
+                    KvRegion::new(KvRegionSpec {
+                        name: format!("layer.{i}"),
+                        addr: b.ptr(),
+                        len: b.len() as u64,
+                        memory: MemoryKind::Device,
+                        device: self.gpu.ordinal() as i32,
+                        layers: vec![LayerId(i as u32)],
+                        group: 0,
+                        num_blocks: NUM_BLOCKS,
+                        shm_name: None,
+                    })
+                }
             })
             .collect()
     }
@@ -368,7 +375,10 @@ fn regions_on_two_gpus_are_refused() {
     let c = ctx("lmcache-device-two-gpus", KvLayout::NHD, BS, json!({"chunk_size": CHUNK}));
     let mut w = LmcacheFactory.create_worker(&c).unwrap();
     let mut regions = dev.regions();
-    regions[1].device += 1;
+    let mut spec = regions[1].spec().clone();
+    spec.device += 1;
+    // SAFETY: the worker refuses the regions (two GPUs) before it touches any of them.
+    regions[1] = unsafe { KvRegion::new(spec) };
     let e = w.register_kv_caches(&regions).unwrap_err().to_string();
     assert!(e.contains("must be on one GPU"), "{e}");
 }

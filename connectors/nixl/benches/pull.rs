@@ -53,9 +53,7 @@ fn bench(c: &mut Criterion) {
 
     // Consumer: heap regions, same block ids.
     let dmem = Regions::allocate(&m, &eff, nblocks, None).expect("regions");
-    // SAFETY: `dmem` outlives `local` (both live to the end of this function) and nothing
-    // else touches its bytes while the benchmark runs.
-    let local = unsafe { KvMemory::new(dmem.regions(), &m, &eff) }.expect("consumer memory");
+    let local = KvMemory::new(dmem.regions(), &m, &eff).expect("consumer memory");
     let ids: Vec<BlockId> = (0..nblocks).map(BlockId).collect();
     let groups = vec![layers.clone()];
     let load = LoadSpec {
@@ -100,7 +98,7 @@ fn bench(c: &mut Criterion) {
     let maps: Vec<ShmMapping> = pmem
         .regions()
         .iter()
-        .map(|r| ShmMapping::open(r.shm_name.as_deref().expect("shm name"), r.len).expect("map"))
+        .map(|r| ShmMapping::open(r.shm_name().expect("shm name"), r.len()).expect("map"))
         .collect();
     let mut dmem = dmem;
     g.bench_function("memcpy_from_shm", |b| {

@@ -281,10 +281,19 @@ mod tests {
     fn vllm_backends_select_nixl() {
         let c = NixlConfig::from_config(&cfg(json!({"backends": ["UCX"]}))).unwrap();
         assert_eq!(c.backend, Backend::Nixl);
-        // Available or not depends on the machine; when not, the error says how to get it.
-        if let Err(e) = c.require_available() {
-            let e = e.to_string();
-            assert!(e.contains("scripts/fetch-nixl.sh") || e.contains("NIXL_LIB_DIR"), "{e}");
+        // Available or not depends on the build and the machine; when not, the error says
+        // how to get it, and offers the other backends once.
+        match c.require_available() {
+            Err(e) if !cfg!(feature = "nixl") => {
+                let e = e.to_string();
+                assert!(e.contains("built without NIXL support") && e.contains("--features nixl"), "{e}");
+                assert_eq!(e.matches("backend \"shm\"").count(), 1, "{e}");
+            }
+            Err(e) => {
+                let e = e.to_string();
+                assert!(e.contains("scripts/fetch-nixl.sh") || e.contains("NIXL_LIB_DIR"), "{e}");
+            }
+            Ok(()) => assert!(cfg!(feature = "nixl"), "backend nixl cannot be available without the feature"),
         }
     }
 

@@ -47,21 +47,21 @@ fn plan(msg: String) -> TransferError {
 pub fn open_gpu(regions: &[KvRegion]) -> Result<Arc<Gpu>, TransferError> {
     let mut device = None;
     for r in regions {
-        if r.memory != MemoryKind::Device || r.device < 0 {
+        if r.memory() != MemoryKind::Device || r.device() < 0 {
             return Err(plan(format!(
                 "backend cuda_ipc needs device KV regions, but region '{}' is {:?} memory: set kv_buffer_device=\"cuda\" (or use backend shm/tcp for host KV)",
-                r.name, r.memory
+                r.name(), r.memory()
             )));
         }
-        if device.is_some_and(|d| d != r.device) {
+        if device.is_some_and(|d| d != r.device()) {
             return Err(plan(format!(
                 "backend cuda_ipc: region '{}' is on GPU {} but others on GPU {:?}: all KV regions of a worker must be on one GPU",
-                r.name,
-                r.device,
+                r.name(),
+                r.device(),
                 device
             )));
         }
-        device = Some(r.device);
+        device = Some(r.device());
     }
     let ordinal = device.unwrap_or(0) as usize;
     Gpu::open(ordinal).map(Arc::new).map_err(cuda)
@@ -71,14 +71,14 @@ pub fn open_gpu(regions: &[KvRegion]) -> Result<Arc<Gpu>, TransferError> {
 pub fn export(gpu: &Gpu, regions: &[KvRegion]) -> Result<CudaIpcMetadata, TransferError> {
     let mut handles = Vec::with_capacity(regions.len());
     for r in regions {
-        let h = IpcHandle::export_address(gpu, r.addr, r.len as usize)
-            .map_err(|e| plan(format!("exporting region '{}': {e}", r.name)))?;
+        let h = IpcHandle::export_address(gpu, r.addr(), r.len() as usize)
+            .map_err(|e| plan(format!("exporting region '{}': {e}", r.name())))?;
         handles.push(h.hex);
     }
     Ok(CudaIpcMetadata {
         device: gpu.ordinal() as i32,
         handles,
-        addrs: regions.iter().map(|r| r.addr).collect(),
+        addrs: regions.iter().map(|r| r.addr()).collect(),
         pci_bus_id: gpu.pci_bus_id().ok(),
     })
 }
@@ -181,7 +181,7 @@ impl CudaIpcPull {
             done: gpu.completion_event().map_err(cuda)?,
             gpu,
             opened: HashMap::new(),
-            own: own_regions.iter().map(|r| r.addr).collect(),
+            own: own_regions.iter().map(|r| r.addr()).collect(),
             path,
         })
     }
@@ -444,7 +444,7 @@ impl CudaIpcPull {
 mod tests {
     use super::*;
     use kvconnect_api::geometry::{BlockShape, RegionShape};
-    use kvconnect_api::KvLayout;
+    use kvconnect_api::{KvLayout, KvRegionSpec};
 
     fn geo(layout: KvLayout) -> Geometry {
         let shape = BlockShape { heads: 2, tokens: 4, head_dim: 8, elem_size: 2, kv_parts: 2 };
@@ -462,7 +462,7 @@ mod tests {
 
     #[test]
     fn host_regions_are_refused_with_the_setting_to_change() {
-        let r = KvRegion {
+        let spec = KvRegionSpec {
             name: "layer.0".into(),
             addr: 4096,
             len: 4096,
@@ -473,6 +473,8 @@ mod tests {
             num_blocks: 8,
             shm_name: None,
         };
+        // SAFETY: never dereferenced: `open_gpu` refuses the region by its memory kind.
+        let r = unsafe { KvRegion::new(spec) };
         let Err(e) = open_gpu(&[r]) else { panic!("host regions accepted") };
         let e = e.to_string();
         assert!(e.contains("kv_buffer_device=\"cuda\"") && e.contains("layer.0"), "{e}");

@@ -5,8 +5,8 @@
 use crate::shm::{ShmError, ShmSegment};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::{
-    AttentionKind, ConnectorContext, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRole,
-    KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode,
+    AttentionKind, ConnectorContext, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec,
+    KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode,
 };
 
 /// A full-attention model with `layers` layers.
@@ -106,7 +106,7 @@ impl Regions {
                 }
             };
             backing.push(b);
-            regions.push(KvRegion {
+            let spec = KvRegionSpec {
                 name: format!("region.{i}"),
                 addr,
                 len: len as u64,
@@ -116,19 +116,24 @@ impl Regions {
                 group,
                 num_blocks,
                 shm_name,
-            });
+            };
+            // SAFETY: the region is the heap buffer or segment just pushed to `backing`, which
+            // `Regions` keeps (never moving the bytes) until it is dropped; tests drop the
+            // workers they register the regions with first.
+            regions.push(unsafe { KvRegion::new(spec) });
         }
         Ok(Regions { backing, regions })
     }
 
-    /// The regions to register.
+    /// The regions to register. Their memory goes with `self`: drop the workers they were
+    /// registered with first.
     pub fn regions(&self) -> &[KvRegion] {
         &self.regions
     }
 
     /// Region `i`'s bytes, for filling and checking (not while a transfer into it runs).
     pub fn bytes_mut(&mut self, i: usize) -> &mut [u8] {
-        let len = self.regions[i].len as usize;
+        let len = self.regions[i].len() as usize;
         match &mut self.backing[i] {
             Backing::Heap(v) => &mut v[..len],
             // SAFETY: the segment maps `len` bytes read-write for as long as `self` lives, and

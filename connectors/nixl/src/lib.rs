@@ -17,7 +17,8 @@
 //! The host side: it sets `side_channel_host`/`side_channel_port` in
 //! `kv_connector_extra_config` (they go into the transfer params as `remote_host` /
 //! `remote_port`), keeps stepping a producer while requests await `finished_sending`, and
-//! hands the decode worker PD_PROTOCOL's handshake envelope before loading from a peer.
+//! hands the decode worker its handshake envelope (ARCHITECTURE.md §6) before loading from a
+//! peer.
 //!
 //! This crate must not decide compatibility (the host's handshake does, with
 //! `kvconnect_api`); it only refuses a peer whose blocks it cannot address.

@@ -1,6 +1,6 @@
 //! Handshake metadata: what a producer publishes (`handshake_metadata`) and what a consumer
-//! keeps of it per peer engine (`set_peer_handshake_metadata`, PD_PROTOCOL's envelope
-//! `{"engine_id", "peer", "plan", "peer_effective"}`).
+//! keeps of it per peer engine (`set_peer_handshake_metadata`, the host's handshake envelope
+//! `{"engine_id", "peer", "plan", "peer_effective"}`; ARCHITECTURE.md §6 and §7).
 
 use crate::config::NAME;
 use kvconnect_api::compat::AdaptationPlan;
@@ -138,7 +138,7 @@ impl PeerInfo {
         Ok(PeerInfo { meta, addr, geometry })
     }
 
-    /// Reads PD_PROTOCOL's envelope and checks the peer against this engine's geometry and
+    /// Reads the host's handshake envelope (ARCHITECTURE.md §6) and checks the peer against this engine's geometry and
     /// the host's adaptation plan.
     pub fn from_envelope(
         env: &Value,

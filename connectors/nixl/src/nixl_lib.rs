@@ -24,7 +24,7 @@ pub const CAPI: &str = "libnixl_capi.so";
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NixlLibError {
     /// This build was made without feature `nixl`.
-    #[error("this kvconnect was built without NIXL support: rebuild with `--features nixl` (e.g. `cargo build --release -p kvconnect-host --features nixl`; needs libclang, `apt-get install -y libclang-dev`), or use backend \"shm\" (same host) or \"tcp\" (any two hosts)")]
+    #[error("this kvconnect was built without NIXL support: rebuild with `--features nixl` (e.g. `cargo build --release -p kvconnect-host --features nixl`; needs libclang, `apt-get install -y libclang-dev`)")]
     NotBuilt,
     /// `NIXL_LIB_DIR` is set but has no `libnixl_capi.so`.
     #[error("NIXL_LIB_DIR={dir} has no {CAPI}: point NIXL_LIB_DIR at the directory holding it (scripts/fetch-nixl.sh prints it), or unset it")]

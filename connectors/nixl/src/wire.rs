@@ -1,5 +1,6 @@
 //! The producer's control/data protocol: frames of a u32 big-endian length and a JSON body,
-//! capped in size; block bytes follow a `Data` answer unframed, exactly as many as it says.
+//! capped in size; block bytes follow a `Data` answer unframed, exactly as many as it says
+//! (ARCHITECTURE.md §7).
 //!
 //! Consumer → producer: [`ClientMsg`]. Producer → consumer: [`ServerMsg`].
 

@@ -180,12 +180,12 @@ impl NixlWorker {
             // SAFETY: the host keeps every registered region valid memory of its kind (host
             // memory, or cuMemAlloc memory of this GPU for device regions) until shutdown, and
             // shutdown drops these registrations (and the agent) before the memory goes.
-            let reg = unsafe { agent.register(r.addr as usize, r.len as usize, mem) }.map_err(|e| {
+            let reg = unsafe { agent.register(r.addr() as usize, r.len() as usize, mem) }.map_err(|e| {
                 let hint = match mem {
                     NixlMem::Dram => String::new(),
                     NixlMem::Vram(_) => "; UCX in this NIXL build may offer no transport for VRAM (its CUDA module libuct_cuda needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver, its CUDA memory hooks libcudart.so.12, which the nixl-cu12 wheel does not ship): `kvconnect bench nixl-vram` checks this machine, and backend cuda_ipc moves GPU KV on one host without NIXL".into(),
                 };
-                ConnectorError::io(NAME, format!("region '{}': {e}{hint}", r.name))
+                ConnectorError::io(NAME, format!("region '{}': {e}{hint}", r.name()))
             })?;
             regs.push(reg);
         }
@@ -197,45 +197,45 @@ impl NixlWorker {
     /// Backend nixl: when the regions are device memory, checks they are all on one GPU and
     /// opens it (`nixl_vram`); host regions leave it unset.
     fn start_nixl_vram(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        let Some(first) = regions.iter().find(|r| r.memory == MemoryKind::Device) else {
+        let Some(first) = regions.iter().find(|r| r.memory() == MemoryKind::Device) else {
             return Ok(());
         };
         for r in regions {
-            if r.memory != MemoryKind::Device {
+            if r.memory() != MemoryKind::Device {
                 return Err(ConnectorError::invalid(
                     NAME,
                     format!(
                         "backend nixl: region '{}' is {:?} memory but region '{}' is in GPU memory: all KV regions of a worker must be in one kind of memory",
-                        r.name, r.memory, first.name
+                        r.name(), r.memory(), first.name()
                     ),
                 ));
             }
-            if r.device < 0 {
+            if r.device() < 0 {
                 return Err(ConnectorError::invalid(
                     NAME,
                     format!(
                         "backend nixl: region '{}' is in GPU memory but names no GPU (device {}): the host must give device regions their CUDA device ordinal",
-                        r.name, r.device
+                        r.name(), r.device()
                     ),
                 ));
             }
-            if r.device != first.device {
+            if r.device() != first.device() {
                 return Err(ConnectorError::invalid(
                     NAME,
                     format!(
                         "backend nixl: region '{}' is on GPU {} but region '{}' on GPU {}: all KV regions of a worker must be on one GPU",
-                        r.name, r.device, first.name, first.device
+                        r.name(), r.device(), first.name(), first.device()
                     ),
                 ));
             }
         }
         #[cfg(feature = "cuda")]
         {
-            let gpu = kvconnect_cuda::Gpu::open(first.device as usize)
+            let gpu = kvconnect_cuda::Gpu::open(first.device() as usize)
                 .map_err(|e| ConnectorError::invalid(NAME, format!("backend nixl with GPU KV: {e}")))?;
             self.nixl_vram = Some(VramRegions {
-                device: first.device as u64,
-                regions: regions.iter().map(|r| (r.addr, r.len)).collect(),
+                device: first.device() as u64,
+                regions: regions.iter().map(|r| (r.addr(), r.len())).collect(),
                 gpu: Arc::new(gpu),
             });
             Ok(())
@@ -280,7 +280,7 @@ impl NixlWorker {
         Ok(Some(NixlAgentMetadata {
             agent: a.name().to_owned(),
             md: to_hex(&md),
-            region_addrs: self.regions.iter().map(|r| r.addr).collect(),
+            region_addrs: self.regions.iter().map(|r| r.addr()).collect(),
             vram_device: self.nixl_vram.as_ref().map(|v| v.device),
         }))
     }
@@ -438,10 +438,9 @@ impl WorkerConnector for NixlWorker {
             }
             KvMemory::geometry_only(regions, &self.ctx.model, &self.ctx.effective)
         } else {
-            // SAFETY: the host promises, by calling register_kv_caches, that every region is host
-            // memory valid for reads and writes of `len` bytes until shutdown; shutdown stops
-            // the listener and joins the pull thread before the memory is dropped.
-            unsafe { KvMemory::new(regions, &self.ctx.model, &self.ctx.effective) }
+            // Host regions, valid until this worker is dropped (`KvRegion::new`); shutdown stops
+            // the listener and joins the pull thread, the other users of `mem`, before that.
+            KvMemory::new(regions, &self.ctx.model, &self.ctx.effective)
         }
         .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))?;
         let mem = Arc::new(mem);
@@ -601,10 +600,10 @@ impl WorkerConnector for NixlWorker {
                 .regions
                 .iter()
                 .map(|r| RegionInfo {
-                    name: r.name.clone(),
-                    len: r.len,
-                    group: r.group,
-                    shm_name: r.shm_name.clone(),
+                    name: r.name().to_owned(),
+                    len: r.len(),
+                    group: r.group(),
+                    shm_name: r.shm_name().map(str::to_owned),
                 })
                 .collect(),
             groups: self.groups.clone(),
@@ -656,19 +655,27 @@ impl Drop for NixlWorker {
 mod tests {
     use super::*;
     use crate::harness::{context, effective, model, Regions};
-    use kvconnect_api::KvLayout;
+    use kvconnect_api::{KvLayout, KvRegionSpec};
 
     /// Backend nixl over `regions` of a 2-layer model (HND, 4-token blocks, 8 blocks).
-    fn register(edit: impl Fn(usize, &mut KvRegion)) -> ConnectorResult<()> {
+    fn register(edit: impl Fn(usize, &mut KvRegionSpec)) -> ConnectorResult<()> {
         let m = model(2, 2, 8);
         let eff = effective(&m, KvLayout::HND, 4);
         let ctx = context(&m, &eff, KvRole::Consumer, "decode-0", serde_json::json!({"backend": "nixl"}));
         let cfg = NixlConfig::from_config(&ctx.config).unwrap();
         let host = Regions::allocate(&m, &eff, 8, None).unwrap();
-        let mut regions = host.regions().to_vec();
-        for (i, r) in regions.iter_mut().enumerate() {
-            edit(i, r);
-        }
+        let regions: Vec<KvRegion> = host
+            .regions()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                let mut spec = r.spec().clone();
+                edit(i, &mut spec);
+                // SAFETY: the memory is `host`'s, alive for the whole test; a region relabelled
+                // as device memory is refused before anything touches it.
+                unsafe { KvRegion::new(spec) }
+            })
+            .collect();
         NixlWorker::new(&ctx, cfg).register_kv_caches(&regions)
     }
 

@@ -1,9 +1,11 @@
 //! Backend nixl through the real NIXL library (UCX, DRAM): a producer and a consumer
-//! connector instance in one process, driven as a host would. Skips with a message when the
-//! library is not on this machine (CI fetches it with scripts/fetch-nixl.sh).
+//! connector instance in one process, driven as a host would. Built with feature `nixl` only
+//! (`.ci/run` runs it so); skips with a message when the library is not on this machine (CI
+//! fetches it with scripts/fetch-nixl.sh).
 //!
 //! NIXL agents created concurrently may deadlock (nixl-sys runs its own tests one at a
 //! time), so every test here holds `SERIAL`.
+#![cfg(feature = "nixl")]
 
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{
@@ -156,7 +158,7 @@ fn geometry(e: &Engine) -> Geometry {
         .mem
         .regions()
         .iter()
-        .map(|r| RegionShape { layers: r.layers.clone(), num_blocks: r.num_blocks })
+        .map(|r| RegionShape { layers: r.layers().to_vec(), num_blocks: r.num_blocks() })
         .collect();
     Geometry::new(shape, e.eff.layout, regions)
 }

@@ -149,7 +149,7 @@ fn geometry(e: &Engine) -> Geometry {
         .mem
         .regions()
         .iter()
-        .map(|r| RegionShape { layers: r.layers.clone(), num_blocks: r.num_blocks })
+        .map(|r| RegionShape { layers: r.layers().to_vec(), num_blocks: r.num_blocks() })
         .collect();
     Geometry::new(shape, e.eff.layout, regions)
 }

@@ -1,6 +1,6 @@
 //! The connector metadata envelope: each child's bytes for one step, keyed by the child's
 //! index and name, plus what the worker half needs to aggregate `get_finished` (which
-//! children delay freeing a request, which children load it).
+//! children delay freeing a request, which children load it). ARCHITECTURE.md §8.
 
 use crate::error::PdError;
 use kvconnect_api::RequestId;

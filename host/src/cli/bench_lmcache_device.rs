@@ -93,8 +93,8 @@ mod imp {
     use anyhow::{anyhow, bail, Context, Result};
     use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
     use kvconnect_api::{
-        BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, KvLayout, KvRegion, KvRole,
-        KvTransferConfig, LayerId, MatchResult, MemoryKind, ModelSpec, Request, RequestId,
+        BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, KvLayout, KvRegion, KvRegionSpec,
+        KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind, ModelSpec, Request, RequestId,
         SchedulerConnector, StepInfo, WorkerConnector,
     };
     use kvconnect_cuda::{DeviceBuffer, Gpu, KvStage};
@@ -193,7 +193,7 @@ mod imp {
                 *x = ((j / 4096) as u8).wrapping_mul(31) ^ (i as u8).wrapping_mul(7) ^ (j as u8);
             }
             gpu.upload(b.ptr(), &fill).map_err(|e| anyhow!("{e}"))?;
-            regions.push(KvRegion {
+            let spec = KvRegionSpec {
                 name: format!("layer.{}", r.layers[0].0),
                 addr: b.ptr(),
                 len: b.len() as u64,
@@ -203,7 +203,10 @@ mod imp {
                 group: 0,
                 num_blocks,
                 shm_name: None,
-            });
+            };
+            // SAFETY: the region is `b`, a live allocation on GPU `a.gpu` that `bufs` keeps
+            // until the end of this function, after the stage and connectors using it are gone.
+            regions.push(unsafe { KvRegion::new(spec) });
             bufs.push(b);
         }
         let save_ids: Vec<BlockId> = (0..n as u32).map(|i| BlockId(2 * (n as u32 - 1 - i))).collect();

@@ -26,7 +26,7 @@ pub const GPU_ENV: &str = "KVCONNECT_GPU";
 #[cfg(feature = "cuda")]
 mod imp {
     use super::*;
-    use kvconnect_api::MemoryKind;
+    use kvconnect_api::{KvRegionSpec, MemoryKind};
     use kvconnect_cuda::{DeviceBuffer, Gpu};
 
     fn dev_err(what: &str, e: impl std::fmt::Display) -> WorkerError {
@@ -64,15 +64,19 @@ mod imp {
             let mut regions = Vec::with_capacity(pool.regions().len());
             for r in pool.regions() {
                 let buf =
-                    gpu.alloc(r.len as usize).map_err(|e| dev_err(&format!("region '{}'", r.name), e))?;
+                    gpu.alloc(r.len() as usize).map_err(|e| dev_err(&format!("region '{}'", r.name()), e))?;
                 gpu.memset_async(buf.ptr(), 0, buf.len()).map_err(|e| dev_err("zeroing", e))?;
-                regions.push(KvRegion {
+                let spec = KvRegionSpec {
                     addr: buf.ptr(),
                     memory: MemoryKind::Device,
                     device: ordinal as i32,
                     shm_name: None,
-                    ..r.clone()
-                });
+                    ..r.spec().clone()
+                };
+                // SAFETY: the region is `buf`, a live allocation of `r.len()` bytes on GPU
+                // `ordinal`, which the mirror keeps until it is dropped; the engine drops its
+                // connector, the only other holder of the regions, before the mirror.
+                regions.push(unsafe { KvRegion::new(spec) });
                 bufs.push(buf);
             }
             gpu.synchronize().map_err(|e| dev_err("zeroing", e))?;

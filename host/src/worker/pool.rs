@@ -14,8 +14,8 @@ use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
 use kvconnect_api::{
-    BlockId, BlocksPerGroup, Dtype, EffectiveLayout, KvLayout, KvRegion, LayerId, MemoryKind, ModelSpec,
-    TransferMode,
+    BlockId, BlocksPerGroup, Dtype, EffectiveLayout, KvLayout, KvRegion, KvRegionSpec, LayerId, MemoryKind,
+    ModelSpec, TransferMode,
 };
 
 /// An effective layout for one engine on its own, without negotiation: the KV cache groups
@@ -153,7 +153,7 @@ impl KvPool {
                 Some(id) => RegionMemory::shm(&shm::segment_name(id, ri), len)?,
                 None => RegionMemory::heap(&name, len)?,
             };
-            regions.push(KvRegion {
+            let spec = KvRegionSpec {
                 name,
                 addr: memory.ptr() as u64,
                 len: len as u64,
@@ -163,13 +163,15 @@ impl KvPool {
                 group: group as u32,
                 num_blocks,
                 shm_name: memory.shm_name().map(str::to_owned),
-            });
+            };
+            // SAFETY: the region is `memory`, valid for reads and writes of `len` bytes, which
+            // the pool keeps (never moving its contents) until it is dropped; the pool drops its
+            // own `mem` first, and the engine shuts down and drops its connector, the only
+            // other holder of the regions, before the pool.
+            regions.push(unsafe { KvRegion::new(spec) });
             memories.push(memory);
         }
-        // SAFETY: every region is memory owned by `memories`, valid for reads and writes of
-        // `len` bytes; `KvPool` keeps `memories` alive (and never moves their contents) for
-        // as long as `mem` lives, and drops `mem` first.
-        let mem = unsafe { KvMemory::new(&regions, model, eff) }?;
+        let mem = KvMemory::new(&regions, model, eff)?;
         let strides = inner_strides(eff.layout, &shape);
         let free = eff.groups.iter().map(|_| (0..num_blocks).rev().collect()).collect();
         let refs = eff.groups.iter().map(|_| vec![0; num_blocks as usize]).collect();
@@ -430,7 +432,7 @@ mod tests {
             assert_eq!(pool.regions().len(), regions, "{layout}");
             assert_eq!(pool.num_groups(), groups);
             assert_eq!(pool.total_blocks(), 5 * groups);
-            let bytes: u64 = pool.regions().iter().map(|r| r.len).sum();
+            let bytes: u64 = pool.regions().iter().map(|r| r.len()).sum();
             assert_eq!(bytes as usize, 4 * 5 * 2 * 2 * 4 * 4 * 2, "{layout}");
         }
     }
@@ -447,17 +449,17 @@ mod tests {
             pool.regions()
                 .iter()
                 .map(|r| kvconnect_api::geometry::RegionShape {
-                    layers: r.layers.clone(),
-                    num_blocks: r.num_blocks,
+                    layers: r.layers().to_vec(),
+                    num_blocks: r.num_blocks(),
                 })
                 .collect(),
         );
         let span = g.span(LayerId(2), 1, BlockId(2)).unwrap();
         let r = &pool.regions()[span.region];
-        assert_eq!(r.layers, vec![LayerId(0), LayerId(2)]);
+        assert_eq!(r.layers(), [LayerId(0), LayerId(2)]);
         // SAFETY: the span lies inside region `r`, which `pool` keeps alive.
         let raw =
-            unsafe { std::slice::from_raw_parts((r.addr as usize + span.offset) as *const u8, span.len) };
+            unsafe { std::slice::from_raw_parts((r.addr() as usize + span.offset) as *const u8, span.len) };
         assert_eq!(raw, &data[..]);
         let mut back = Vec::new();
         pool.read_block(LayerId(2), 1, BlockId(2), &mut back).unwrap();
@@ -541,7 +543,7 @@ mod tests {
         let pool = KvPool::new(&model(), &eff, 2, Some("pool test")).unwrap();
         let names = pool.shm_names();
         assert_eq!(names.len(), 4);
-        assert_eq!(pool.regions()[1].shm_name.as_deref(), Some(names[1].as_str()));
+        assert_eq!(pool.regions()[1].shm_name(), Some(names[1].as_str()));
         let live = shm::live_segments();
         assert!(names.iter().all(|n| live.contains(n)));
         drop(pool);

@@ -16,6 +16,8 @@
 //! through `kvconnect_api::kv_memory`, bounds-checked), or block the step loop on anything but
 //! its own files.
 
+#![forbid(unsafe_code)]
+
 pub mod meta;
 pub mod scheduler;
 pub mod store;
@@ -23,9 +25,9 @@ pub mod worker;
 
 use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::{
-    Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo, ConnectorResult,
-    KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind, ModelSpec, SchedulerConnector, TransferMode,
-    WorkerConnector,
+    serde_json, Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
+    ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind, ModelSpec, SchedulerConnector,
+    TransferMode, WorkerConnector,
 };
 use std::path::PathBuf;
 

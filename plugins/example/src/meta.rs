@@ -1,10 +1,11 @@
 //! What the scheduler half tells the worker half each step.
 
+use kvconnect_api::serde::{Deserialize, Serialize};
 use kvconnect_api::BlockId;
-use serde::{Deserialize, Serialize};
 
 /// One request's blocks to fill from the store.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(crate = "kvconnect_api::serde")]
 pub struct LoadJob {
     /// The store key.
     pub key: String,
@@ -16,6 +17,7 @@ pub struct LoadJob {
 
 /// One request's blocks to store after this step's forward pass.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(crate = "kvconnect_api::serde")]
 pub struct SaveJob {
     /// The store key.
     pub key: String,
@@ -27,6 +29,7 @@ pub struct SaveJob {
 
 /// This step's work.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(crate = "kvconnect_api::serde")]
 pub struct StepMeta {
     /// Loads to do before the forward pass.
     pub loads: Vec<LoadJob>,

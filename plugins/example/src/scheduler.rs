@@ -6,8 +6,8 @@ use crate::store::DirStore;
 use crate::{store_dir, NAME};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::{
-    BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, KvEvent, MatchResult, Request,
-    RequestFinished, RequestId, SchedulerConnector, StepInfo,
+    serde_json, BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, KvEvent, MatchResult,
+    Request, RequestFinished, RequestId, SchedulerConnector, StepInfo,
 };
 use std::collections::HashMap;
 

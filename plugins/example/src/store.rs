@@ -4,12 +4,13 @@
 //! and renamed into place.
 
 use kvconnect_api::geometry::BlockShape;
-use kvconnect_api::{KvLayout, LayerId};
-use serde::{Deserialize, Serialize};
+use kvconnect_api::serde::{Deserialize, Serialize};
+use kvconnect_api::{serde_json, KvLayout, LayerId};
 use std::path::{Path, PathBuf};
 
 /// What `meta.json` records about an entry.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(crate = "kvconnect_api::serde")]
 pub struct EntryMeta {
     /// The tokens the blocks hold.
     pub tokens: Vec<u32>,

@@ -6,8 +6,8 @@ use crate::{store_dir, NAME};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
-    BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, LayerId,
-    RequestId, WorkerConnector,
+    serde_json, tracing, BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers,
+    KvRegion, LayerId, RequestId, WorkerConnector,
 };
 use std::collections::{BTreeSet, HashMap};
 
@@ -86,9 +86,7 @@ impl ExampleWorker {
 
 impl WorkerConnector for ExampleWorker {
     fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        // SAFETY: `register_kv_caches` is the host's promise that these regions are valid host
-        // memory for as long as this worker lives; KvMemory checks them against the layout.
-        let mem = unsafe { KvMemory::new(regions, &self.ctx.model, &self.ctx.effective) }
+        let mem = KvMemory::new(regions, &self.ctx.model, &self.ctx.effective)
             .map_err(|e| ConnectorError::invalid(NAME, e.to_string()))?;
         self.memory = Some(mem);
         Ok(())

@@ -7,9 +7,9 @@ use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::geometry::{BlockShape, Geometry};
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, Capabilities, ChildCaps, ConnectorContext, ConnectorFactory,
-    Dtype, EffectiveLayout, EngineOptions, KvGroup, KvLayout, KvRegion, KvRole, KvTransferConfig, LayerId,
-    LayoutConstraint, MatchResult, MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo,
-    TransferMode, WorkerConnector,
+    Dtype, EffectiveLayout, EngineOptions, KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole,
+    KvTransferConfig, LayerId, LayoutConstraint, MatchResult, MemoryKind, ModelSpec, Request, RequestId,
+    SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
 };
 use kvconnect_flexkv::FlexkvFactory;
 use std::time::{Duration, Instant};
@@ -136,16 +136,18 @@ impl Sim {
         let kv: Vec<KvRegion> = [0u32, 2]
             .iter()
             .zip(regions.iter_mut())
-            .map(|(l, buf)| KvRegion {
-                name: format!("layer.{l}"),
-                addr: buf.as_mut_ptr() as u64,
-                len: buf.len() as u64,
-                memory: MemoryKind::Host,
-                device: -1,
-                layers: vec![LayerId(*l)],
-                group: 0,
-                num_blocks,
-                shm_name: None,
+            .map(|(l, buf)| {
+                // SAFETY: the buffers move into the Sim with the worker, which is declared before
+                // them and so dropped first; moving a Vec does not move its heap buffer.
+                unsafe {
+                    KvRegion::new(KvRegionSpec::host(
+                        format!("layer.{l}"),
+                        buf,
+                        vec![LayerId(*l)],
+                        0,
+                        num_blocks,
+                    ))
+                }
             })
             .collect();
         worker.register_kv_caches(&kv).unwrap();
@@ -153,7 +155,7 @@ impl Sim {
             shape,
             eff.layout,
             kv.iter()
-                .map(|r| kvconnect_api::geometry::RegionShape { layers: r.layers.clone(), num_blocks })
+                .map(|r| kvconnect_api::geometry::RegionShape { layers: r.layers().to_vec(), num_blocks })
                 .collect(),
         );
         Sim { eff, sched, worker, regions, geo, num_blocks, free: (0..num_blocks).rev().collect(), step: 0 }

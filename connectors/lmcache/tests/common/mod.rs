@@ -6,8 +6,8 @@
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,
-    KvGroup, KvLayout, KvRegion, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind, ModelSpec,
-    Request, RequestId, SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
+    KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind,
+    ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
 };
 use kvconnect_lmcache::LmcacheFactory;
 
@@ -123,7 +123,9 @@ impl Engine {
             (0..LAYERS).map(|l| RegionShape { layers: vec![LayerId(l)], num_blocks: NUM_BLOCKS }).collect();
         let geometry = Geometry::new(shape, layout, regions.clone());
         let mut buffers: Vec<Vec<u8>> = regions.iter().map(|r| vec![0u8; geometry.region_bytes(r)]).collect();
-        let kv_regions = region_list(&mut buffers);
+        // SAFETY: the buffers move into the Engine after its worker, so they are dropped after
+        // it (moving a Vec does not move its heap buffer); tests touch them between steps only.
+        let kv_regions = unsafe { region_list(&mut buffers) };
         worker.register_kv_caches(&kv_regions).unwrap();
         Engine { id, sched, worker, geometry, buffers, block_size, next_block: 0, step: 0 }
     }
@@ -296,21 +298,16 @@ pub fn request(id: &str, tokens: &[u32]) -> Request {
     }
 }
 
-pub fn region_list(buffers: &mut [Vec<u8>]) -> Vec<KvRegion> {
-    buffers
-        .iter_mut()
-        .enumerate()
-        .map(|(i, b)| KvRegion {
-            name: format!("layer.{i}"),
-            addr: b.as_mut_ptr() as u64,
-            len: b.len() as u64,
-            memory: MemoryKind::Host,
-            device: -1,
-            layers: vec![LayerId(i as u32)],
-            group: 0,
-            num_blocks: NUM_BLOCKS,
-            shm_name: None,
-        })
+/// One host region per buffer, layer `i` in buffer `i`.
+///
+/// # Safety
+/// The buffers must outlive every worker the regions are registered with and not be touched
+/// while a worker may use them.
+pub unsafe fn region_list(buffers: &mut [Vec<u8>]) -> Vec<KvRegion> {
+    KvRegionSpec::per_layer(buffers, NUM_BLOCKS)
+        .into_iter()
+        // SAFETY: the caller's contract (`# Safety` above).
+        .map(|spec| unsafe { KvRegion::new(spec) })
         .collect()
 }
 

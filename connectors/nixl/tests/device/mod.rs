@@ -48,13 +48,15 @@ pub fn device_engine(g: &Gpu, role: KvRole, id: &str, layout: KvLayout, extra: V
         for (j, b) in host.bytes_mut(i).iter_mut().enumerate() {
             *b = ((j as u32).wrapping_mul(2654435761).wrapping_add(salt) >> 13) as u8;
         }
-        let buf = g.alloc(host.regions()[i].len as usize).unwrap();
+        let buf = g.alloc(host.regions()[i].len() as usize).unwrap();
         g.upload(buf.ptr(), host.bytes_mut(i)).unwrap();
-        let mut r = host.regions()[i].clone();
-        r.addr = buf.ptr();
-        r.memory = MemoryKind::Device;
-        r.device = g.ordinal() as i32;
-        regions.push(r);
+        let mut spec = host.regions()[i].spec().clone();
+        spec.addr = buf.ptr();
+        spec.memory = MemoryKind::Device;
+        spec.device = g.ordinal() as i32;
+        // SAFETY: the region is `buf`, an allocation of the host region's length on `g`, which
+        // the Engine keeps in `dev` and drops after its worker.
+        regions.push(unsafe { KvRegion::new(spec) });
         dev.push(buf);
     }
     if let Err(e) = worker.register_kv_caches(&regions) {
@@ -131,7 +133,7 @@ pub fn geometry(e: &Engine) -> Geometry {
     let regions = e
         .regions
         .iter()
-        .map(|r| RegionShape { layers: r.layers.clone(), num_blocks: r.num_blocks })
+        .map(|r| RegionShape { layers: r.layers().to_vec(), num_blocks: r.num_blocks() })
         .collect();
     Geometry::new(shape, e.eff.layout, regions)
 }
