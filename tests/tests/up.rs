@@ -258,6 +258,37 @@ fn mismatched_decode_fails_naming_hma_under_fail_and_recomputes_under_recompute(
 }
 
 #[test]
+fn an_api_key_guards_the_proxy_and_the_workers_as_vllms_does() {
+    let up = Up::start(&["--api-key", "k3y-for-the-test"]);
+    let body = json!({"prompt": "Hello, key", "max_tokens": MAX});
+    let (st, e) = up.post("/v1/completions", &body);
+    assert_openai_error(st, &e, 401, "API key");
+    let auth = [("Authorization", "Bearer k3y-for-the-test")];
+    let (st, d) =
+        kvconnect_tests::http_request_with(&up.proxy, "POST", "/v1/completions", &auth, Some(&body));
+    assert_eq!(st, 200, "{d}");
+    assert!(d["kvconnect"]["num_external_tokens"].as_u64().unwrap() > 0, "decode loaded the KV: {d}");
+    let (st, m) = kvconnect_tests::http_request_with(&up.proxy, "GET", "/v1/models", &auth, None);
+    assert_eq!(st, 200, "{m}");
+    // The workers require it too; /health stays open, as vLLM's.
+    for w in [&up.line["prefill"][0], &up.line["decode"][0]] {
+        let w = w.as_str().unwrap();
+        let (st, e) = http_request(w, "POST", "/v1/completions", Some(&body));
+        assert_eq!(st, 401, "{e}");
+        assert_eq!(http_request(w, "GET", "/health", None).0, 200);
+    }
+    // Handed to the workers through their environment, never on a command line.
+    for pid in up.pids() {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        assert!(
+            !String::from_utf8_lossy(&cmdline).contains("k3y"),
+            "the key is on worker {pid}'s command line"
+        );
+    }
+    up.terminate_and_check_clean();
+}
+
+#[test]
 fn workload_report_checks_every_output_and_exits_zero() {
     let out = Command::new(kvconnect_bin())
         // One request at a time: a prompt sharing a prefix with one still in flight would find

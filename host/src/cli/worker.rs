@@ -71,6 +71,13 @@ pub struct WorkerArgs {
     /// Move synthetic KV instead of running the reference model (transfer benchmarks).
     #[arg(long = "synthetic-kv")]
     pub synthetic_kv: bool,
+    /// API key clients must send as `Authorization: Bearer <key>` on /v1 routes (as vLLM's
+    /// flag; default: $KVCONNECT_API_KEY, else $VLLM_API_KEY, else none).
+    #[arg(long = "api-key", value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Requests handled at once; more get 503 instead of waiting in an unbounded queue.
+    #[arg(long = "max-concurrent-requests", value_name = "N", default_value_t = crate::server::gate::DEFAULT_MAX_IN_FLIGHT)]
+    pub max_concurrent_requests: usize,
     /// The model name clients use (`model` in requests, `GET /v1/models`), as vLLM's flag;
     /// default: `served_model_name` of the deployment file, else the config's
     /// `_name_or_path`, else the name of the directory holding config.json.
@@ -229,6 +236,10 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         synthetic: a.synthetic_kv,
         prefix_caching,
         served_model_name: check_served_name(served.unwrap_or_default())?,
+        gate: crate::server::gate::Gate::new(
+            crate::server::gate::api_key(a.api_key.as_deref()),
+            a.max_concurrent_requests,
+        ),
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
     };
     run_worker(spec, registry)

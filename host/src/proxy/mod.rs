@@ -48,12 +48,20 @@ pub struct Proxy {
     pub metrics: ProxyMetrics,
     /// Numbers the ids of answers the proxy puts together itself.
     next_id: AtomicU64,
+    /// The API key the workers require, sent on every hop.
+    pub worker_key: Option<String>,
 }
 
 impl Proxy {
     /// A proxy over these workers.
     pub fn new(backends: Arc<Backends>, timeout: Duration) -> Proxy {
-        Proxy { backends, timeout, metrics: ProxyMetrics::default(), next_id: AtomicU64::new(0) }
+        Proxy {
+            backends,
+            timeout,
+            metrics: ProxyMetrics::default(),
+            next_id: AtomicU64::new(0),
+            worker_key: None,
+        }
     }
 
     /// A number for the id of an answer the proxy puts together itself.
@@ -405,21 +413,29 @@ async fn stream_decode(
     Ok(events)
 }
 
-/// The client's Authorization header, passed on to the workers.
-fn authorization(h: &HeaderMap) -> Option<String> {
-    h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_owned)
+/// The Authorization the workers get: the workers' key when the proxy has one (as vLLM's
+/// proxy sends its own key), else the client's header, passed on.
+fn authorization(p: &Proxy, h: &HeaderMap) -> Option<String> {
+    p.worker_key
+        .as_ref()
+        .map(|k| format!("Bearer {k}"))
+        .or_else(|| h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_owned))
 }
 
 async fn completions(State(p): State<Arc<Proxy>>, h: HeaderMap, raw: Bytes) -> Response {
-    disaggregated(&p, &raw, false, authorization(&h)).await
+    let auth = authorization(&p, &h);
+    disaggregated(&p, &raw, false, auth).await
 }
 
 async fn chat_completions(State(p): State<Arc<Proxy>>, h: HeaderMap, raw: Bytes) -> Response {
-    disaggregated(&p, &raw, true, authorization(&h)).await
+    let auth = authorization(&p, &h);
+    disaggregated(&p, &raw, true, auth).await
 }
 
-async fn models(State(p): State<Arc<Proxy>>) -> Response {
-    match p.send(Role::Decode, "GET", "/v1/models", None, &[]).await {
+async fn models(State(p): State<Arc<Proxy>>, h: HeaderMap) -> Response {
+    let auth = authorization(&p, &h);
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    match p.send(Role::Decode, "GET", "/v1/models", None, &headers).await {
         Ok((_, r)) => relay(r.status, r.json()),
         Err(r) => r,
     }

@@ -11,6 +11,7 @@
 pub mod chat_template;
 pub mod connector_setup;
 pub mod engine_loop;
+pub mod gate;
 pub mod http;
 pub mod logprobs;
 pub mod openai;
@@ -71,6 +72,8 @@ pub struct WorkerSpec {
     pub prefix_caching: bool,
     /// The model name clients use.
     pub served_model_name: String,
+    /// API key and in-flight bound of the HTTP API.
+    pub gate: gate::Gate,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
 }
@@ -206,7 +209,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     }
     tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker ready");
 
-    axum::serve(listener, http::router(state))
+    axum::serve(listener, spec.gate.clone().wrap(http::router(state)))
         .with_graceful_shutdown(stop)
         .await
         .context("HTTP server failed")?;

@@ -17,7 +17,7 @@ use crate::proxy::{client, Proxy};
 use anyhow::{anyhow, Context, Result};
 use report::{Comparison, Percentiles, Report, Sample};
 use serde_json::{json, Value};
-use std::io::{IsTerminal, Write};
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -67,6 +67,11 @@ pub struct UpArgs {
     /// Print the workload report as JSON.
     #[arg(long, requires = "workload")]
     pub json: bool,
+    /// API key clients of the proxy must send (`Authorization: Bearer <key>`), as vLLM's
+    /// flag; the workers require it too and get it through their environment (default:
+    /// $KVCONNECT_API_KEY, else $VLLM_API_KEY, else none).
+    #[arg(long = "api-key", value_name = "KEY")]
+    pub api_key: Option<String>,
     /// Seconds between health checks of each worker; a worker that reports itself
     /// unhealthy, or misses five checks in a row, is restarted.
     #[arg(long = "health-interval", value_name = "SECS", default_value_t = 1.0, value_parser = positive_seconds)]
@@ -128,6 +133,8 @@ async fn up(a: &UpArgs) -> Result<()> {
             false,
         ));
     }
+    let key = crate::server::gate::api_key(a.api_key.as_deref());
+    let gate = crate::server::gate::Gate::new(key.clone(), crate::server::gate::DEFAULT_MAX_IN_FLIGHT);
     let backends = Arc::new(Backends::default());
     let starting = Supervisor::start(
         launches,
@@ -143,7 +150,9 @@ async fn up(a: &UpArgs) -> Result<()> {
         started.iter().filter(|s| s.label == label).map(|s| s.http.clone()).collect()
     };
     let (prefill, decode, mono) = (of("prefill"), of("decode"), of("monolithic"));
-    let proxy = Arc::new(Proxy::new(backends, Duration::from_secs(300)));
+    let mut proxy = Proxy::new(backends, Duration::from_secs(300));
+    proxy.worker_key = key.clone();
+    let proxy = Arc::new(proxy);
     let pids: Vec<u32> = started.iter().map(|s| s.pid).collect();
     let line = json!({
         "proxy": format!("http://{addr}"), "prefill": prefill, "decode": decode,
@@ -156,7 +165,7 @@ async fn up(a: &UpArgs) -> Result<()> {
     }
     let (quit_tx, quit_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        axum::serve(listener, crate::proxy::router(proxy))
+        axum::serve(listener, gate.wrap(crate::proxy::router(proxy)))
             .with_graceful_shutdown(async {
                 let _ = quit_rx.await;
             })
@@ -167,7 +176,7 @@ async fn up(a: &UpArgs) -> Result<()> {
         Some(n) => {
             let proxy_addr = addr.to_string();
             tokio::select! {
-                r = run_workload(a, n, &proxy_addr, mono.first().cloned()) => r,
+                r = run_workload(a, n, &proxy_addr, mono.first().cloned(), key.as_deref()) => r,
                 _ = &mut stop => Err(anyhow!("interrupted during the workload")),
                 why = &mut gave_up => Err(anyhow!("{}", why.unwrap_or_else(|_| "the supervisor stopped".into()))),
             }
@@ -208,6 +217,7 @@ fn launch(
         num_blocks: a.num_blocks,
         host: a.host,
         behind_proxy,
+        api_key: crate::server::gate::api_key(a.api_key.as_deref()),
     }
 }
 
@@ -252,19 +262,29 @@ async fn send_all(
     concurrency: usize,
     direct: bool,
     what: &str,
+    key: Option<&str>,
 ) -> Vec<Sample> {
     let sem = Arc::new(tokio::sync::Semaphore::new(concurrency));
-    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let tty = std::io::stderr().is_terminal();
     let total = items.len();
+    // Drawn on stderr only when it is a terminal.
+    let bar = indicatif::ProgressBar::new(total as u64).with_message(what.to_owned());
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len}") {
+        bar.set_style(style.progress_chars("#>."));
+    }
+    let auth = key.map(|k| format!("Bearer {k}"));
     let mut tasks = Vec::with_capacity(total);
     for (it, t) in items.iter().zip(truth) {
-        let (sem, done, addr, it, t) = (sem.clone(), done.clone(), addr.to_owned(), it.clone(), t.clone());
-        let what = what.to_owned();
+        let (sem, bar, addr, it, t) = (sem.clone(), bar.clone(), addr.to_owned(), it.clone(), t.clone());
+        let auth = auth.clone();
         tasks.push(tokio::spawn(async move {
             let _permit = sem.acquire_owned().await;
             let t0 = Instant::now();
-            let r = client::request(&addr, "POST", it.path, Some(&it.body), Duration::from_secs(300)).await;
+            let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+            let call = client::Call {
+                headers: &headers,
+                ..client::Call::new(&addr, "POST", it.path, Some(&it.body), Duration::from_secs(300))
+            };
+            let r = client::call(call).await;
             let s = match r {
                 Ok(r) if r.status == 200 => sample(&r.json(), t0.elapsed(), &t, direct),
                 Ok(r) => {
@@ -272,15 +292,7 @@ async fn send_all(
                 }
                 Err(e) => Sample { error: Some(e.to_string()), ..Sample::default() },
             };
-            let n = done.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-            if tty {
-                let width = 30;
-                let filled = n * width / total.max(1);
-                eprint!("\r{what} [{}{}] {n}/{total}", "#".repeat(filled), ".".repeat(width - filled));
-                if n == total {
-                    eprintln!();
-                }
-            }
+            bar.inc(1);
             s
         }));
     }
@@ -291,10 +303,17 @@ async fn send_all(
             ..Sample::default()
         }));
     }
+    bar.finish();
     out
 }
 
-async fn run_workload(a: &UpArgs, n: usize, proxy: &str, mono: Option<String>) -> Result<()> {
+async fn run_workload(
+    a: &UpArgs,
+    n: usize,
+    proxy: &str,
+    mono: Option<String>,
+    key: Option<&str>,
+) -> Result<()> {
     let items = workload::items(n, a.prompts);
     let it2 = items.clone();
     let truth = tokio::task::spawn_blocking(move || workload::ground_truth(&it2, 0))
@@ -302,7 +321,7 @@ async fn run_workload(a: &UpArgs, n: usize, proxy: &str, mono: Option<String>) -
         .context("ground truth task")??;
     let prompts = format!("{:?}", a.prompts).to_lowercase();
     let t0 = Instant::now();
-    let samples = send_all(proxy, &items, &truth, a.concurrency, false, "disaggregated").await;
+    let samples = send_all(proxy, &items, &truth, a.concurrency, false, "disaggregated", key).await;
     let mut report = Report::new(
         &samples,
         &prompts,
@@ -311,7 +330,7 @@ async fn run_workload(a: &UpArgs, n: usize, proxy: &str, mono: Option<String>) -
         workload::kv_bytes_per_token()?,
     );
     if let Some(m) = mono {
-        let ms = send_all(&m, &items, &truth, a.concurrency, true, "monolithic").await;
+        let ms = send_all(&m, &items, &truth, a.concurrency, true, "monolithic", key).await;
         let ok: Vec<f64> = ms.iter().filter(|s| s.error.is_none()).map(|s| s.ttft_us as f64 / 1e3).collect();
         let mp = Percentiles::of(ok);
         let ratio = |d: f64, m: f64| if m > 0.0 { d / m } else { 0.0 };

@@ -45,6 +45,8 @@ pub struct Launch {
     pub host: std::net::IpAddr,
     /// Whether the proxy routes to it (the comparison worker is addressed directly).
     pub behind_proxy: bool,
+    /// The API key it requires, handed over in its environment (never on its command line).
+    pub api_key: Option<String>,
 }
 
 /// When to restart and when to give up.
@@ -288,6 +290,9 @@ impl Fleet {
             .stderr(Stdio::inherit());
         if l.joint {
             cmd.arg("--joint");
+        }
+        if let Some(k) = &l.api_key {
+            cmd.env(crate::server::gate::API_KEY_ENV[0], k);
         }
         die_with_this_thread(&mut cmd);
         let mut child =
