@@ -100,6 +100,13 @@ fn kv_role(role: Role) -> KvRole {
 
 async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     let stop = shutdown_signal()?;
+    let swept = crate::worker::shm::sweep_dead();
+    if swept > 0 {
+        tracing::warn!(
+            segments = swept,
+            "removed shared-memory segments left in /dev/shm by workers that died"
+        );
+    }
     let sc_want = SocketAddr::new(spec.side_channel.host, spec.side_channel.port);
     let sc_listener = std::net::TcpListener::bind(sc_want).with_context(|| {
         format!("cannot bind the side channel on {sc_want}; pick another --side-channel-port (0 = any)")

@@ -531,14 +531,7 @@ fn stop_child(child: &mut Child, engine_id: &str, grace: Duration) {
 
 /// A worker that was killed (or crashed) cannot unlink its segments.
 fn remove_segments(pid: u32) {
-    let prefix = format!("kvc-{pid}-");
-    if let Ok(d) = std::fs::read_dir("/dev/shm") {
-        for e in d.filter_map(|e| e.ok()) {
-            if e.file_name().to_string_lossy().starts_with(&prefix) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
+    crate::worker::shm::remove_segments_of(pid);
 }
 
 #[cfg(test)]

@@ -9,6 +9,7 @@ use crate::worker::error::WorkerError;
 use std::collections::BTreeSet;
 use std::ffi::CString;
 use std::sync::Mutex;
+use std::sync::OnceLock;
 
 static LIVE: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
 
@@ -18,16 +19,57 @@ fn live() -> std::sync::MutexGuard<'static, BTreeSet<String>> {
 }
 
 /// The segment name for region `index` of engine `engine_id` in this process:
-/// `/kvc-<pid>-<engine_id>-<index>`, with every character outside `[A-Za-z0-9_.-]`
-/// replaced by `_` and the engine id cut to keep the name short (macOS allows 31 bytes,
-/// Linux 255).
+/// `/kvc-<pid>-<random>-<engine_id>-<index>`: `<random>` is 32 random bits chosen once per
+/// process, so names cannot be guessed from the pid and the engine id; every character of
+/// the engine id outside `[A-Za-z0-9_.-]` is replaced by `_` and the id cut to keep the name
+/// short (Linux allows 255 bytes).
 pub fn segment_name(engine_id: &str, index: usize) -> String {
+    static RANDOM: OnceLock<String> = OnceLock::new();
+    let random = RANDOM.get_or_init(|| uuid::Uuid::new_v4().simple().to_string()[..8].to_owned());
     let clean: String = engine_id
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') { c } else { '_' })
         .take(48)
         .collect();
-    format!("/kvc-{}-{}-{}", std::process::id(), clean, index)
+    format!("/kvc-{}-{random}-{}-{}", std::process::id(), clean, index)
+}
+
+/// The pid in a segment name [`segment_name`] made (`kvc-<pid>-...`, with or without `/`).
+fn owner_pid(name: &str) -> Option<u32> {
+    let rest = name.trim_start_matches('/').strip_prefix("kvc-")?;
+    let (pid, _) = rest.split_once('-')?;
+    pid.parse().ok()
+}
+
+/// Unlinks the segments in /dev/shm whose name `keep` refuses; returns how many went.
+fn unlink_where(keep: impl Fn(u32) -> bool) -> usize {
+    let Ok(dir) = std::fs::read_dir("/dev/shm") else { return 0 };
+    let mut n = 0;
+    for e in dir.filter_map(Result::ok) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if owner_pid(&name).is_some_and(|pid| !keep(pid)) && std::fs::remove_file(e.path()).is_ok() {
+            n += 1;
+        }
+    }
+    n
+}
+
+/// Unlinks the segments of process `pid` (one that was killed cannot unlink its own).
+pub fn remove_segments_of(pid: u32) -> usize {
+    unlink_where(|p| p != pid)
+}
+
+/// Unlinks the segments whose creating process is gone (a crash or SIGKILL leaves them in
+/// /dev/shm, holding memory); returns how many. Workers run it when they start.
+pub fn sweep_dead() -> usize {
+    unlink_where(process_alive)
+}
+
+fn process_alive(pid: u32) -> bool {
+    let Ok(pid) = libc::pid_t::try_from(pid) else { return false };
+    // SAFETY: kill(2) with signal 0 only checks whether the process exists; no memory.
+    let r = unsafe { libc::kill(pid, 0) };
+    r == 0 || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
 }
 
 /// Names of the segments this process has created and not yet unlinked.
@@ -164,6 +206,34 @@ impl Drop for ShmSegment {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_carry_a_random_part_and_their_owner() {
+        let a = segment_name("prefill 0", 3);
+        let parts: Vec<&str> = a.trim_start_matches('/').split('-').collect();
+        assert_eq!(parts[0], "kvc");
+        assert_eq!(parts[1], std::process::id().to_string());
+        assert_eq!(parts[2].len(), 8, "{a}");
+        assert!(a.ends_with("-prefill_0-3"), "{a}");
+        assert_eq!(owner_pid(&a), Some(std::process::id()));
+        assert_eq!(owner_pid("kvc-nixl-bench-5"), None);
+    }
+
+    #[test]
+    fn the_sweep_removes_the_segments_of_dead_processes_only() {
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let gone = format!("/dev/shm/kvc-{dead}-00000000-sweep-test-0");
+        let mine = format!("/dev/shm/kvc-{}-00000000-sweep-test-0", std::process::id());
+        std::fs::write(&gone, b"x").unwrap();
+        std::fs::write(&mine, b"x").unwrap();
+        assert!(sweep_dead() >= 1);
+        assert!(!std::path::Path::new(&gone).exists(), "a dead process's segment is removed");
+        assert!(std::path::Path::new(&mine).exists(), "a live process's segment stays");
+        assert_eq!(remove_segments_of(std::process::id()), 1);
+        assert!(!std::path::Path::new(&mine).exists());
+    }
 
     #[test]
     fn create_map_and_unlink_on_drop() {
