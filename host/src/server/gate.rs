@@ -88,7 +88,11 @@ async fn check(State(g): State<Gate>, req: Request, next: Next) -> Response {
         );
     };
     let (parts, body) = next.run(req).await.into_parts();
-    // The place is held until the body (an SSE stream, say) is done or dropped.
+    if axum::body::HttpBody::size_hint(&body).exact().is_some() {
+        // A whole answer: the work is done.
+        return Response::from_parts(parts, body);
+    }
+    // A stream (SSE): the place is held until the body is done or dropped.
     let body = body.map_frame(move |f| {
         let _held = &permit;
         f
