@@ -224,6 +224,13 @@ impl Capabilities {
         Ok(())
     }
 
+    /// True when the connector moves KV between engines but only between equal
+    /// tensor-parallel sizes (it does not declare `heterogeneous_tp`): a peer with another
+    /// `tp_size` cannot load from it or be loaded from.
+    pub fn needs_equal_tp(&self) -> bool {
+        self.transfer_mode != TransferMode::None && !self.heterogeneous_tp
+    }
+
     /// A one-line summary for tables, e.g. `hma=yes layout=requires HND (LBHNC) mode=pull`.
     pub fn summary(&self) -> String {
         let mut s = format!(

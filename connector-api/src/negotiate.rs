@@ -164,7 +164,8 @@ impl fmt::Display for DecidedBy {
 /// A field of the negotiated result, its value, who decided it and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FieldProvenance {
-    /// `layout`, `hma`, `block_size`, `cache_dtype`, `memory`, `transfer_mode` or `kv_groups`.
+    /// `layout`, `hma`, `block_size`, `cache_dtype`, `memory`, `transfer_mode`, `kv_groups`
+    /// or `tp_size`.
     pub field: String,
     /// The value, in words (`HND (LBHNC)`, `on`, `16`, ...).
     pub value: String,
@@ -204,7 +205,7 @@ pub struct Negotiated {
     /// The effective layout as plain values.
     pub effective: EffectiveLayout,
     /// One entry per field: layout, hma, block_size, cache_dtype, memory, transfer_mode,
-    /// kv_groups.
+    /// kv_groups, tp_size.
     pub provenance: Vec<FieldProvenance>,
     /// This worker's children that adapt to the effective layout.
     pub adapters: Vec<LayoutAdapter>,
@@ -364,6 +365,21 @@ pub enum Conflict {
         prefill: String,
         /// Decode's value.
         decode: String,
+    },
+    /// Prefill and decode use different tensor-parallel sizes, and the KV cannot be moved
+    /// between them.
+    #[error("prefill has tp_size={prefill} and decode tp_size={decode}, but {reason}; no KV would be moved between them. Remedy: {remedy}")]
+    TpSize {
+        /// Prefill's TP size.
+        prefill: u32,
+        /// Decode's TP size.
+        decode: u32,
+        /// Children that move KV only between equal TP sizes.
+        children: Vec<String>,
+        /// Why the sizes cannot differ, naming those children.
+        reason: String,
+        /// What to change.
+        remedy: String,
     },
 }
 
@@ -1216,6 +1232,50 @@ fn decide_memory(opts: &EngineOptions, parties: &[Party]) -> Result<Decided<Memo
     Ok(decided(memory, memory_by, memory_reason))
 }
 
+/// The tensor-parallel size, and whether the peer may use another one: only when every
+/// child that moves KV between engines declares `heterogeneous_tp`.
+fn decide_tp(opts: &EngineOptions, parties: &[Party]) -> Decided<u32> {
+    let tp = opts.tp_size;
+    let (by, head) = if tp == 1 {
+        (DecidedBy::Default, "one tensor-parallel rank unless tp_size says otherwise".to_owned())
+    } else {
+        (DecidedBy::User, format!("user set tp_size={tp}"))
+    };
+    let movers: Vec<&Party> =
+        parties.iter().filter(|p| p.own && p.caps.transfer_mode != TransferMode::None).collect();
+    let fixed: Vec<&Party> = movers.iter().copied().filter(|p| p.caps.needs_equal_tp()).collect();
+    let tail = match (movers.is_empty(), fixed.is_empty()) {
+        (true, _) => "no child moves KV between engines".to_owned(),
+        (false, true) => {
+            format!("{} KV across different TP sizes", verb_of(&labels(&movers), "loads", "load"))
+        }
+        (false, false) => format!(
+            "{} KV only between equal TP sizes: the peer must use tp_size={tp} too",
+            verb_of(&labels(&fixed), "moves", "move")
+        ),
+    };
+    decided(tp, by, format!("{head}; {tail}"))
+}
+
+/// `a moves` or `a, b move`.
+fn verb_of(names: &[String], one: &str, many: &str) -> String {
+    format!("{} {}", names.join(", "), if names.len() == 1 { one } else { many })
+}
+
+/// True when a worker with these children can load KV from, or serve it to, a peer with
+/// another tensor-parallel size: some child moves KV between engines and every such child
+/// declares `heterogeneous_tp`.
+pub fn loads_across_tp<'a>(caps: impl IntoIterator<Item = &'a Capabilities>) -> bool {
+    let mut moves = false;
+    for c in caps {
+        if c.needs_equal_tp() {
+            return false;
+        }
+        moves |= c.transfer_mode != TransferMode::None;
+    }
+    moves
+}
+
 /// The transfer mode: pull if a child pulls, push if one pushes, never both.
 fn decide_mode(parties: &[Party]) -> Result<Decided<TransferMode>, Conflict> {
     let pull: Vec<&Party> = parties.iter().filter(|p| p.caps.transfer_mode == TransferMode::Pull).collect();
@@ -1251,6 +1311,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     let dtype = decide_dtype(model, opts, parties)?;
     let memory = decide_memory(opts, parties)?;
     let mode = decide_mode(parties)?;
+    let tp = decide_tp(opts, parties);
 
     let provenance = vec![
         field("layout", layout.value.display_name(), layout.by, layout.reason),
@@ -1260,6 +1321,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
         field("memory", memory_name(memory.value).to_owned(), memory.by, memory.reason),
         field("transfer_mode", mode_name(mode.value).to_owned(), mode.by, mode.reason),
         field("kv_groups", describe_groups_with(&groups.value, hma.value), groups.by, groups.reason),
+        field("tp_size", tp.value.to_string(), tp.by, tp.reason),
     ];
     let effective = EffectiveLayout {
         layout: layout.value,
@@ -1394,6 +1456,22 @@ pub fn negotiate_deployment(
     };
     let p = run(Role::Prefill, po, pc)?;
     let d = run(Role::Decode, dopt, dc)?;
+    if let Some(remedy) = crate::compat::tp_refusal(
+        ("prefill", po.tp_size),
+        ("decode", dopt.tp_size),
+        loads_across_tp(pc.iter().chain(dc).map(|c| &c.caps)),
+    ) {
+        let parties = view(Role::Prefill);
+        let children = labels(&parties.iter().filter(|p| p.caps.needs_equal_tp()).collect::<Vec<_>>());
+        let reason = if !children.is_empty() {
+            format!("{} not load KV across different TP sizes (no heterogeneous_tp)", list_does(&children))
+        } else if parties.iter().all(|p| p.caps.transfer_mode == TransferMode::None) {
+            "no child moves KV between the roles".to_owned()
+        } else {
+            format!("{} and {} do not divide each other", po.tp_size, dopt.tp_size)
+        };
+        return Err(Conflict::TpSize { prefill: po.tp_size, decode: dopt.tp_size, children, reason, remedy });
+    }
     Ok((p, d))
 }
 
@@ -1592,6 +1670,52 @@ mod tests {
     }
 
     #[test]
+    fn tp_size_says_whether_the_peer_may_use_another() {
+        let n = negotiate(&dense(), &opts(), &[lmcache(256), nixl()]).unwrap();
+        let tp = prov(&n, "tp_size");
+        assert_eq!((tp.value.as_str(), &tp.decided_by), ("1", &DecidedBy::Default));
+        assert_eq!(
+            tp.why(),
+            "default: one tensor-parallel rank unless tp_size says otherwise; child 'nixl' moves KV only between equal TP sizes: the peer must use tp_size=1 too"
+        );
+        let mut any_tp = nixl();
+        any_tp.caps.heterogeneous_tp = true;
+        let n =
+            negotiate(&dense(), &EngineOptions { tp_size: 2, ..opts() }, &[lmcache(256), any_tp]).unwrap();
+        assert_eq!(
+            prov(&n, "tp_size").why(),
+            "user set tp_size=2; child 'nixl' loads KV across different TP sizes"
+        );
+        let n = negotiate(&dense(), &opts(), &[lmcache(256)]).unwrap();
+        assert!(prov(&n, "tp_size").reason.ends_with("no child moves KV between engines"));
+    }
+
+    #[test]
+    fn deployment_tp_sizes_must_match_without_heterogeneous_tp() {
+        let tp = |n| EngineOptions { tp_size: n, ..opts() };
+        let e = negotiate_deployment(&dense(), (&tp(2), &[lmcache(256), nixl()]), (&tp(4), &[nixl()]))
+            .unwrap_err();
+        assert!(matches!(&e, Conflict::TpSize { prefill: 2, decode: 4, .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "prefill has tp_size=2 and decode tp_size=4, but child 'nixl' (prefill and decode) does not load KV across different TP sizes (no heterogeneous_tp); no KV would be moved between them. Remedy: the KV transport moves KV only between equal tensor-parallel sizes (it does not declare heterogeneous_tp), and 2 != 4: run decode with tp_size=2 like prefill, or prefill with tp_size=4"
+        );
+        // Equal sizes are fine, and so are divisible sizes with a transport that handles them.
+        negotiate_deployment(&dense(), (&tp(2), &[nixl()]), (&tp(2), &[nixl()])).unwrap();
+        let mut any_tp = nixl();
+        any_tp.caps.heterogeneous_tp = true;
+        let both = std::slice::from_ref(&any_tp);
+        negotiate_deployment(&dense(), (&tp(2), both), (&tp(4), both)).unwrap();
+        // Sizes that do not divide each other are refused even then.
+        let e = negotiate_deployment(&dense(), (&tp(2), both), (&tp(3), both)).unwrap_err();
+        assert!(e.to_string().contains("but 2 and 3 do not divide each other"), "{e}");
+        assert!(e.to_string().contains("TP sizes 2 and 3 do not divide each other"), "{e}");
+        // One role's transport lacking it is enough to refuse.
+        let e = negotiate_deployment(&dense(), (&tp(2), both), (&tp(4), &[nixl()])).unwrap_err();
+        assert!(e.to_string().contains("decode child 'nixl' does not load KV"), "{e}");
+    }
+
+    #[test]
     fn deployment_options_must_agree() {
         let off = EngineOptions { hybrid_kv_cache_manager: HmaOption::Off, ..opts() };
         let on = EngineOptions { hybrid_kv_cache_manager: HmaOption::On, ..opts() };
@@ -1660,7 +1784,7 @@ mod tests {
         let line = text.lines().find(|l| l.starts_with("layout")).unwrap();
         assert!(line.contains("[child nixl]"), "{text}");
         assert!(line.contains("child 'flexkv' does not accept it and adapts with a transpose"), "{text}");
-        assert_eq!(text.lines().count(), 7, "{text}");
+        assert_eq!(text.lines().count(), 8, "{text}");
         println!("{text}");
     }
 
@@ -1672,7 +1796,9 @@ mod tests {
         assert!(cols.windows(2).all(|w| w[0] == w[1]), "{text}");
         let brackets: Vec<usize> = text.lines().map(|l| l.find("  [").unwrap()).collect();
         assert!(brackets.windows(2).all(|w| w[0] == w[1]), "{text}");
-        for f in ["layout", "hma", "block_size", "cache_dtype", "memory", "transfer_mode", "kv_groups"] {
+        for f in
+            ["layout", "hma", "block_size", "cache_dtype", "memory", "transfer_mode", "kv_groups", "tp_size"]
+        {
             assert!(text.lines().any(|l| l.starts_with(f)), "{f} missing: {text}");
         }
     }

@@ -240,7 +240,8 @@ fn check_sound(
         TransferMode::None
     };
     prop_assert_eq!(e.transfer_mode, want);
-    for f in ["layout", "hma", "block_size", "cache_dtype", "memory", "transfer_mode", "kv_groups"] {
+    for f in ["layout", "hma", "block_size", "cache_dtype", "memory", "transfer_mode", "kv_groups", "tp_size"]
+    {
         prop_assert!(n.provenance_of(f).is_some(), "no provenance for {}", f);
     }
     Ok(())
@@ -295,6 +296,8 @@ fn check_conflict(
             prop_assert!(!violators.is_empty())
         }
         Conflict::InvalidOption { .. } | Conflict::OptionMismatch { .. } => {}
+        // Only a deployment (two TP sizes) refuses these, and this checks one worker.
+        Conflict::TpSize { .. } => prop_assert!(false, "one worker cannot have a TP conflict: {}", text),
     }
     Ok(())
 }

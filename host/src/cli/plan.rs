@@ -102,7 +102,9 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
     match &p.outcome {
         Err(inc) => {
             writeln!(out, "NOT COMPATIBLE: {inc}")?;
-            if !args.joint {
+            // Joint negotiation reconciles what the children decide, not the TP sizes the
+            // roles were given.
+            if !args.joint && inc.diffs.iter().any(|d| d.field != "tp_size") {
                 writeln!(
                     out,
                     "hint: workers started with `kvconnect worker --deployment {0} --role prefill|decode --joint` negotiate jointly; `kvconnect plan --joint {0}` shows what they agree on",
