@@ -4,26 +4,21 @@
 //! and decode computes the prompt itself (the output still equals the monolithic one).
 
 use kvconnect_api::KvLayout;
-use kvconnect_tests::{disaggregated, monolithic, reference_model, token_ids, varied_prompts, Worker};
+use kvconnect_tests::{
+    disaggregated, monolithic, reference_model, token_ids, varied_prompts, write_deployment, Worker,
+};
 
 #[test]
 fn a_decode_with_another_tp_size_loads_nothing_and_says_why() {
     let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("tp.toml");
-    let src = format!(
-        r#"model = "{}"
-
-[prefill]
-kv_transfer_config = '{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"shm"}}}}'
-tp_size = 1
-
-[decode]
-kv_transfer_config = '{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"shm"}}}}'
-tp_size = 2
-"#,
-        reference_model().display()
+    let nixl = r#"{"kv_connector":"NixlConnector","kv_connector_extra_config":{"backend":"shm"}}"#;
+    let file = write_deployment(
+        dir.path(),
+        "tp.toml",
+        &reference_model(),
+        (nixl, "tp_size = 1"),
+        (nixl, "tp_size = 2"),
     );
-    std::fs::write(&file, src).unwrap();
     let start = |role| Worker::start(&["--deployment", file.to_str().unwrap(), "--role", role]);
     let (p, d) = (start("prefill"), start("decode"));
     let prompts = varied_prompts(14);
