@@ -64,6 +64,13 @@ impl LayoutConstraint {
         !self.rejected.contains(&layout) && (self.required.is_empty() || self.required.contains(&layout))
     }
 
+    /// True when `layout`, or a layout with the same bytes for `heads` KV heads per layer
+    /// (with one head the head axis may sit anywhere; see [`KvLayout::normalized`]), is
+    /// acceptable without adaptation.
+    pub fn accepts_with_heads(&self, layout: KvLayout, heads: u32) -> bool {
+        self.accepts(layout) || (heads == 1 && (0..5).any(|pos| self.accepts(layout.with_head_at(pos))))
+    }
+
     /// A short human description, e.g. `requires HND (LBHNC)` or `rejects HND (LBHNC)`.
     pub fn describe(&self) -> String {
         let names = |v: &[KvLayout]| v.iter().map(|l| l.display_name()).collect::<Vec<_>>().join(" or ");

@@ -33,6 +33,12 @@ pub struct CompatDescriptor {
     pub model_name: String,
     /// The negotiated layout.
     pub effective: EffectiveLayout,
+    /// KV heads per layer (`ModelSpec::num_kv_heads`; 1 for MLA). With one head on both
+    /// sides, layouts that differ only in where the head axis sits are the same bytes and
+    /// are neither a difference nor a permutation. Not hashed (the model fingerprint covers
+    /// it); 0, as from an older peer, compares layouts as they are.
+    #[serde(default)]
+    pub kv_heads: u32,
     /// Tensor-parallel size.
     pub tp_size: u32,
     /// This worker's tensor-parallel rank.
@@ -65,6 +71,7 @@ impl CompatDescriptor {
             model_fingerprint: model.fingerprint(),
             model_name: model.name.clone(),
             effective: n.effective.clone(),
+            kv_heads: model.num_kv_heads,
             tp_size: opts.tp_size,
             tp_rank: opts.tp_rank,
             heterogeneous_tp: loads_across_tp(n.children.iter().map(|c| &c.caps)),
@@ -310,6 +317,36 @@ fn tp_exchangeable(a: u32, b: u32, heterogeneous: bool) -> bool {
     a == b || (heterogeneous && divisible_ratio(a, b).is_some())
 }
 
+/// The head count both descriptors agree on, or 0 (compare layouts exactly) when they do not.
+fn shared_heads(a: &CompatDescriptor, b: &CompatDescriptor) -> u32 {
+    if a.kv_heads == b.kv_heads && a.model_fingerprint == b.model_fingerprint {
+        a.kv_heads
+    } else {
+        0
+    }
+}
+
+/// Whether two descriptors' layouts put the same bytes in the same places.
+fn same_layout_bytes(a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
+    a.effective.layout.same_bytes(b.effective.layout, shared_heads(a, b))
+}
+
+/// `no adapter: one KV head, so LBNHC and LBHNC are the same bytes`.
+pub fn one_head_note(a: KvLayout, b: KvLayout) -> String {
+    format!(
+        "no adapter: one KV head, so {} and {} are the same bytes",
+        a.canonical_name(),
+        b.canonical_name()
+    )
+}
+
+/// Why two descriptors with different layouts need no permutation between them, when that
+/// is so: [`one_head_note`] of the sender's and the receiver's layouts.
+pub fn same_bytes_note(sender: &CompatDescriptor, receiver: &CompatDescriptor) -> Option<String> {
+    let (s, r) = (sender.effective.layout, receiver.effective.layout);
+    (s != r && same_layout_bytes(sender, receiver)).then(|| one_head_note(s, r))
+}
+
 fn on_off(b: bool) -> &'static str {
     if b {
         "on"
@@ -409,7 +446,7 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             String::new(),
         );
     }
-    if ea.layout != eb.layout {
+    if !same_layout_bytes(a, b) {
         let p = LayoutPermutation::between(eb.layout, ea.layout);
         push(
             "layout",
@@ -499,7 +536,8 @@ fn blocks(d: &FieldDiff, a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
 fn plan(receiver: &CompatDescriptor, sender: &CompatDescriptor) -> AdaptationPlan {
     let (r, s) = (&receiver.effective, &sender.effective);
     AdaptationPlan {
-        layout: (r.layout != s.layout).then(|| LayoutPermutation::between(s.layout, r.layout)),
+        layout: (!same_layout_bytes(receiver, sender))
+            .then(|| LayoutPermutation::between(s.layout, r.layout)),
         block_size_ratio: if r.block_size == s.block_size {
             None
         } else {
@@ -751,6 +789,36 @@ mod tests {
     }
 
     #[test]
+    fn one_kv_head_layouts_are_one_layout_across_workers() {
+        let layout = |l| EngineOptions { kv_cache_layout: Some(l), ..opts() };
+        // Gemma 3 1B has one KV head: NHD and HND are the same bytes.
+        let (nhd, hnd) =
+            (desc(&gemma3(), &layout(KvLayout::NHD), &[]), desc(&gemma3(), &layout(KvLayout::HND), &[]));
+        assert_eq!(nhd.kv_heads, 1);
+        assert!(diff_roles(&nhd, &hnd, "prefill", "decode").is_empty());
+        assert!(check_roles(&nhd, &hnd).unwrap().is_identity());
+        assert_eq!(nhd.compat_hash(), hnd.compat_hash());
+        assert_eq!(
+            same_bytes_note(&nhd, &hnd).as_deref(),
+            Some("no adapter: one KV head, so LBNHC and LBHNC are the same bytes")
+        );
+        assert_eq!(same_bytes_note(&nhd, &nhd), None, "equal layouts need no note");
+        // Cross-layer is not a head move: still a permutation.
+        let blhnc = desc(&gemma3(), &layout(KvLayout::BLHNC), &[]);
+        assert!(check_roles(&nhd, &blhnc).unwrap().layout.is_some());
+        // Qwen3 has eight: a diff and a permutation, as before.
+        let (nhd8, hnd8) =
+            (desc(&qwen3(), &layout(KvLayout::NHD), &[]), desc(&qwen3(), &layout(KvLayout::HND), &[]));
+        assert_eq!(diff(&nhd8, &hnd8).len(), 1);
+        assert_eq!(check_roles(&nhd8, &hnd8).unwrap().layout.unwrap().perm, [0, 1, 3, 2, 4]);
+        assert_eq!(same_bytes_note(&nhd8, &hnd8), None);
+        // A peer that does not send its head count (an older one) is compared exactly.
+        let mut old = hnd.clone();
+        old.kv_heads = 0;
+        assert!(check_roles(&nhd, &old).unwrap().layout.is_some());
+    }
+
+    #[test]
     fn permutation_maps_every_axis() {
         for from in KvLayout::all() {
             for to in [KvLayout::LBHNC, KvLayout::BLNHC, KvLayout::LBNHC] {
@@ -936,6 +1004,7 @@ mod tests {
                     KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(1), LayerId(3)] },
                 ],
             },
+            kv_heads: 8,
             tp_size: 1,
             tp_rank: 0,
             heterogeneous_tp: false,

@@ -571,6 +571,7 @@ pub fn kv_groups(model: &ModelSpec, hma: bool) -> Vec<KvGroup> {
 // The core.
 
 /// A child as one run of the core sees it: one of this worker's own, or the peer's.
+#[derive(Clone)]
 struct Party<'a> {
     name: &'a str,
     /// How messages name it (`child 'nixl'`, `decode child 'flexkv'`).
@@ -578,9 +579,22 @@ struct Party<'a> {
     own: bool,
     caps: &'a Capabilities,
     may_adapt: bool,
+    /// KV heads per layer of the model: with one, layouts that differ only in where the
+    /// head axis sits are the same bytes.
+    heads: u32,
 }
 
 impl Party<'_> {
+    /// Takes `layout` without adapting: it accepts it, or one with the same bytes.
+    fn accepts(&self, layout: KvLayout) -> bool {
+        self.caps.layout.accepts_with_heads(layout, self.heads)
+    }
+
+    /// Takes `layout` only because, with one KV head, a layout it accepts has the same bytes.
+    fn accepts_only_as_same_bytes(&self, layout: KvLayout) -> bool {
+        !self.caps.layout.accepts(layout) && self.accepts(layout)
+    }
+
     fn decided_by(&self) -> DecidedBy {
         if self.own {
             DecidedBy::Child(self.name.to_owned())
@@ -685,7 +699,7 @@ fn layout_fit(layout: KvLayout, parties: &[Party]) -> Option<(usize, u32)> {
     let mut n = 0;
     let mut cost = 0;
     for p in parties {
-        if p.caps.layout.accepts(layout) {
+        if p.accepts(layout) {
             continue;
         }
         let c = p.can_adapt()?;
@@ -733,7 +747,7 @@ fn adapters_for(layout: KvLayout, parties: &[Party]) -> Vec<(usize, LayoutAdapte
     parties
         .iter()
         .enumerate()
-        .filter(|(_, p)| !p.caps.layout.accepts(layout))
+        .filter(|(_, p)| !p.accepts(layout))
         .filter_map(|(i, p)| {
             p.can_adapt().map(|cost| {
                 (
@@ -753,16 +767,7 @@ fn adapters_for(layout: KvLayout, parties: &[Party]) -> Vec<(usize, LayoutAdapte
 fn layout_remedy(parties: &[Party]) -> String {
     let mut out = Vec::new();
     if parties.iter().any(|p| p.caps.adapt.is_some() && !p.may_adapt) {
-        let enabled: Vec<Party> = parties
-            .iter()
-            .map(|p| Party {
-                name: p.name,
-                label: p.label.clone(),
-                own: p.own,
-                caps: p.caps,
-                may_adapt: true,
-            })
-            .collect();
+        let enabled: Vec<Party> = parties.iter().map(|p| Party { may_adapt: true, ..p.clone() }).collect();
         if let Some(l) = pick_layout(&enabled) {
             let who: Vec<String> =
                 adapters_for(l, &enabled).into_iter().map(|(i, _)| enabled[i].label.clone()).collect();
@@ -775,18 +780,8 @@ fn layout_remedy(parties: &[Party]) -> String {
         }
     }
     for (i, p) in parties.iter().enumerate() {
-        let rest: Vec<Party> = parties
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != i)
-            .map(|(_, q)| Party {
-                name: q.name,
-                label: q.label.clone(),
-                own: q.own,
-                caps: q.caps,
-                may_adapt: q.may_adapt,
-            })
-            .collect();
+        let rest: Vec<Party> =
+            parties.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, q)| q.clone()).collect();
         if let Some(l) = pick_layout(&rest) {
             out.push(format!("remove {} (the others agree on {})", p.label, l.display_name()));
         }
@@ -989,7 +984,7 @@ fn decide_layout(opts: &EngineOptions, parties: &[Party]) -> Result<(Decided<KvL
     let (layout, layout_by, layout_reason) = match opts.kv_cache_layout {
         Some(l) => {
             let violators: Vec<&Party> =
-                parties.iter().filter(|p| !p.caps.layout.accepts(l) && p.can_adapt().is_none()).collect();
+                parties.iter().filter(|p| !p.accepts(l) && p.can_adapt().is_none()).collect();
             if !violators.is_empty() {
                 let mut remedy = match pick_layout(parties) {
                     Some(best) => format!(
@@ -1049,7 +1044,7 @@ fn decide_layout(opts: &EngineOptions, parties: &[Party]) -> Result<(Decided<KvL
         }
     };
     let adapters = adapters_for(layout, parties);
-    let layout_reason = if adapters.is_empty() {
+    let mut layout_reason = if adapters.is_empty() {
         if parties.is_empty() {
             layout_reason
         } else {
@@ -1058,6 +1053,13 @@ fn decide_layout(opts: &EngineOptions, parties: &[Party]) -> Result<(Decided<KvL
     } else {
         format!("{layout_reason}{}", adapter_clause(&adapters, parties))
     };
+    for p in parties.iter().filter(|p| p.accepts_only_as_same_bytes(layout)) {
+        layout_reason.push_str(&format!(
+            "; {}: {}",
+            p.label,
+            crate::compat::one_head_note(native_layout(p.caps), layout)
+        ));
+    }
     Ok((decided(layout, layout_by, layout_reason), adapters))
 }
 
@@ -1349,6 +1351,7 @@ pub fn negotiate(
             own: true,
             caps: &c.caps,
             may_adapt: opts.allow_adapters,
+            heads: model.num_kv_heads,
         })
         .collect();
     let (effective, provenance, adapters) = decide(model, opts, &parties)?;
@@ -1400,13 +1403,17 @@ pub fn negotiate_deployment(
         h => Some(h),
     };
     let hma = merge_opt("hybrid_kv_cache_manager", hma_of(po), hma_of(dopt), |h| h.to_string())?;
+    // Two layouts with the same bytes (one KV head, the head axis elsewhere) do not
+    // conflict: each role keeps the one it was given.
+    let (pl, dl) = (po.kv_cache_layout, dopt.kv_cache_layout);
+    let own_layouts = matches!((pl, dl), (Some(a), Some(b)) if a.same_bytes(b, model.num_kv_heads));
     let layout =
-        merge_opt("kv_cache_layout", po.kv_cache_layout, dopt.kv_cache_layout, |l| l.canonical_name())?;
+        if own_layouts { None } else { merge_opt("kv_cache_layout", pl, dl, |l| l.canonical_name())? };
     let block = merge_opt("block_size", po.block_size, dopt.block_size, |b| b.to_string())?;
     let dtype = merge_opt("cache_dtype", po.cache_dtype, dopt.cache_dtype, |d| dtype_name(d).to_owned())?;
     let shared = |o: &EngineOptions| EngineOptions {
         hybrid_kv_cache_manager: hma.unwrap_or(HmaOption::Auto),
-        kv_cache_layout: layout,
+        kv_cache_layout: layout.or(o.kv_cache_layout.filter(|_| own_layouts)),
         block_size: block,
         cache_dtype: dtype,
         ..o.clone()
@@ -1430,6 +1437,7 @@ pub fn negotiate_deployment(
                 own: both || role == Role::Prefill,
                 caps: &c.caps,
                 may_adapt: po.allow_adapters && (!both || dopt.allow_adapters),
+                heads: model.num_kv_heads,
             });
         }
         for c in dc.iter().filter(|c| !in_prefill(c)) {
@@ -1439,6 +1447,7 @@ pub fn negotiate_deployment(
                 own: role == Role::Decode,
                 caps: &c.caps,
                 may_adapt: dopt.allow_adapters,
+                heads: model.num_kv_heads,
             });
         }
         parties
@@ -1667,6 +1676,54 @@ mod tests {
         assert_eq!(p.adapters.len(), 1);
         assert_eq!(p.adapters[0].child, "flexkv");
         assert!(d.adapters.is_empty());
+    }
+
+    #[test]
+    fn one_kv_head_needs_no_layout_adapter() {
+        // Gemma-3-1B-like: one KV head. flexkv works in NHD and nixl requires HND; with one
+        // head those are the same bytes, so nobody adapts.
+        let one_head = ModelSpec { num_kv_heads: 1, ..dense() };
+        let n = negotiate(&one_head, &opts(), &[flexkv(), nixl()]).unwrap();
+        assert!(n.adapters.is_empty(), "{}", n.explain());
+        assert_eq!(n.effective.layout, KvLayout::NHD, "flexkv's preference, nixl takes it as is");
+        let why = &prov(&n, "layout").reason;
+        assert!(
+            why.contains("child 'nixl': no adapter: one KV head, so LBHNC and LBNHC are the same bytes"),
+            "{why}"
+        );
+        // Adapters off is then no conflict, and a layout nixl does not list is no violation.
+        let no_adapters = EngineOptions { allow_adapters: false, ..opts() };
+        assert!(negotiate(&one_head, &no_adapters, &[flexkv(), nixl()]).unwrap().adapters.is_empty());
+        let nhd = EngineOptions { kv_cache_layout: Some(KvLayout::NHD), ..opts() };
+        assert_eq!(negotiate(&one_head, &nhd, &[nixl()]).unwrap().effective.layout, KvLayout::NHD);
+        // Only the head axis is free: cross-layer is still a different layout.
+        let cross = EngineOptions { kv_cache_layout: Some(KvLayout::BLNHC), ..no_adapters.clone() };
+        assert!(negotiate(&one_head, &cross, &[nixl()]).is_err());
+        // With two heads nothing changes: flexkv transposes to nixl's HND.
+        let n = negotiate(&dense(), &opts(), &[flexkv(), nixl()]).unwrap();
+        assert_eq!((n.effective.layout, n.adapters.len()), (KvLayout::HND, 1));
+        assert!(!prov(&n, "layout").reason.contains("one KV head"));
+    }
+
+    #[test]
+    fn deployment_roles_keep_layouts_that_are_the_same_bytes() {
+        let lay = |l| EngineOptions { kv_cache_layout: Some(l), ..opts() };
+        let one_head = ModelSpec { num_kv_heads: 1, ..dense() };
+        let (p, d) = negotiate_deployment(
+            &one_head,
+            (&lay(KvLayout::NHD), &[lmcache(256), nixl()]),
+            (&lay(KvLayout::HND), &[nixl()]),
+        )
+        .unwrap();
+        assert_eq!((p.effective.layout, d.effective.layout), (KvLayout::NHD, KvLayout::HND));
+        // With more heads they are two layouts, and the roles must agree.
+        let e = negotiate_deployment(
+            &dense(),
+            (&lay(KvLayout::NHD), &[lmcache(256)]),
+            (&lay(KvLayout::HND), &[]),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Conflict::OptionMismatch { .. }), "{e}");
     }
 
     #[test]

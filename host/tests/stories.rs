@@ -176,6 +176,42 @@ fn different_tp_sizes_are_refused_naming_both_sizes() {
 }
 
 #[test]
+fn one_kv_head_makes_nhd_and_hnd_the_same_bytes() {
+    for extra in [&[][..], &["--joint"][..]] {
+        let o = plan("mla-nhd-hnd.toml", extra);
+        assert_eq!(o.code, 0, "{extra:?}:\n{}{}", o.stdout, o.stderr);
+        let layouts: Vec<&str> = o.stdout.lines().filter(|l| l.trim_start().starts_with("layout ")).collect();
+        assert!(layouts[0].ends_with("NHD (LBNHC)") && layouts[1].ends_with("HND (LBHNC)"), "{layouts:?}");
+        assert!(o.stdout.contains("COMPATIBLE: identical compat hashes;"), "{}", o.stdout);
+        assert!(
+            o.stdout.contains("no adapter: one KV head, so LBNHC and LBHNC are the same bytes"),
+            "{}",
+            o.stdout
+        );
+        assert!(!o.stdout.contains("permutes"), "{}", o.stdout);
+        assert!(!o.stdout.contains("layout: prefill="), "no layout diff: {}", o.stdout);
+        let h = hashes(&o.stdout);
+        assert_eq!(h[0], h[1]);
+    }
+    // Llama has eight KV heads: there NHD is another layout, which nixl does not take.
+    let dir = tempfile::tempdir().unwrap();
+    let src = std::fs::read_to_string(root().join("examples/deployments/mla-nhd-hnd.toml"))
+        .unwrap()
+        .replace("deepseek-ai--DeepSeek-V2-Lite", "meta-llama--Llama-3.1-8B-Instruct")
+        .replace("../../fixtures", root().join("fixtures").to_str().unwrap());
+    let file = dir.path().join("llama.toml");
+    std::fs::write(&file, src).unwrap();
+    let o = kvconnect(&["plan", file.to_str().unwrap()]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    assert!(
+        o.stdout.contains("kv_cache_layout=NHD (LBNHC) was set, but child 'nixl' does not accept it"),
+        "{}",
+        o.stdout
+    );
+    assert!(!o.stdout.contains("one KV head"), "{}", o.stdout);
+}
+
+#[test]
 fn forcing_hma_on_with_a_child_that_lacks_it_names_the_child() {
     let o = plan("hma-forced-on.toml", &[]);
     assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
