@@ -64,6 +64,13 @@ impl LayoutConstraint {
         !self.rejected.contains(&layout) && (self.required.is_empty() || self.required.contains(&layout))
     }
 
+    /// True when `layout`, or a layout with the same bytes for `heads` KV heads per layer
+    /// (with one head the head axis may sit anywhere; see [`KvLayout::normalized`]), is
+    /// acceptable without adaptation.
+    pub fn accepts_with_heads(&self, layout: KvLayout, heads: u32) -> bool {
+        self.accepts(layout) || (heads == 1 && (0..5).any(|pos| self.accepts(layout.with_head_at(pos))))
+    }
+
     /// A short human description, e.g. `requires HND (LBHNC)` or `rejects HND (LBHNC)`.
     pub fn describe(&self) -> String {
         let names = |v: &[KvLayout]| v.iter().map(|l| l.display_name()).collect::<Vec<_>>().join(" or ");
@@ -222,6 +229,13 @@ impl Capabilities {
             return Err(CapsError::NoRole);
         }
         Ok(())
+    }
+
+    /// True when the connector moves KV between engines but only between equal
+    /// tensor-parallel sizes (it does not declare `heterogeneous_tp`): a peer with another
+    /// `tp_size` cannot load from it or be loaded from.
+    pub fn needs_equal_tp(&self) -> bool {
+        self.transfer_mode != TransferMode::None && !self.heterogeneous_tp
     }
 
     /// A one-line summary for tables, e.g. `hma=yes layout=requires HND (LBHNC) mode=pull`.

@@ -5,14 +5,16 @@
 //! Strict fields (model, cache dtype, KV cache groups, transfer mode) must be equal; the
 //! compat hash covers exactly these. Adaptable fields (layout, block size, TP size) may
 //! differ when the receiver can convert: any layout by a permutation of dimensions, block
-//! and TP sizes when one divides the other. HMA is compared through the KV cache groups it
-//! produces, so HMA on and off on a model with one attention kind are compatible.
+//! sizes when one divides the other, TP sizes when one divides the other and the transports
+//! on both sides declare `heterogeneous_tp` (otherwise they must be equal). HMA is
+//! compared through the KV cache groups it produces, so HMA on and off on a model with one
+//! attention kind are compatible.
 
 use crate::caps::TransferMode;
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout};
 use crate::model::{Dtype, ModelSpec};
 use crate::negotiate::{
-    describe_groups_with, dtype_name, mode_name, EngineOptions, FieldProvenance, Negotiated,
+    describe_groups_with, dtype_name, loads_across_tp, mode_name, EngineOptions, FieldProvenance, Negotiated,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -31,10 +33,21 @@ pub struct CompatDescriptor {
     pub model_name: String,
     /// The negotiated layout.
     pub effective: EffectiveLayout,
+    /// KV heads per layer (`ModelSpec::num_kv_heads`; 1 for MLA). With one head on both
+    /// sides, layouts that differ only in where the head axis sits are the same bytes and
+    /// are neither a difference nor a permutation. Not hashed (the model fingerprint covers
+    /// it); 0, as from an older peer, compares layouts as they are.
+    #[serde(default)]
+    pub kv_heads: u32,
     /// Tensor-parallel size.
     pub tp_size: u32,
     /// This worker's tensor-parallel rank.
     pub tp_rank: u32,
+    /// Whether this worker's transport moves KV to or from a peer with another `tp_size`
+    /// (every child that moves KV between engines declares `heterogeneous_tp`). Not hashed;
+    /// a descriptor without it (an older peer) is taken to need equal TP sizes.
+    #[serde(default)]
+    pub heterogeneous_tp: bool,
     /// (name, version) of each child connector; informational, not hashed.
     pub connectors: Vec<(String, String)>,
     /// Provenance of the negotiated fields, for diffs; not hashed.
@@ -58,8 +71,10 @@ impl CompatDescriptor {
             model_fingerprint: model.fingerprint(),
             model_name: model.name.clone(),
             effective: n.effective.clone(),
+            kv_heads: model.num_kv_heads,
             tp_size: opts.tp_size,
             tp_rank: opts.tp_rank,
+            heterogeneous_tp: loads_across_tp(n.children.iter().map(|c| &c.caps)),
             connectors: n.children.iter().map(|c| (c.name.clone(), c.version.clone())).collect(),
             provenance: n.provenance.clone(),
         }
@@ -281,6 +296,57 @@ fn divisible_ratio(a: u32, b: u32) -> Option<(u32, u32)> {
     Some((a / g, b / g))
 }
 
+/// Why two workers with TP sizes `a` and `b` (each named by its role) cannot exchange KV,
+/// with the remedy, or `None` when they can: equal sizes, or sizes where one divides the
+/// other with a transport on both sides that declares `heterogeneous_tp`.
+pub(crate) fn tp_refusal(a: (&str, u32), b: (&str, u32), heterogeneous: bool) -> Option<String> {
+    let ((ar, at), (br, bt)) = (a, b);
+    if tp_exchangeable(at, bt, heterogeneous) {
+        return None;
+    }
+    if !heterogeneous {
+        return Some(format!(
+            "the KV transport moves KV only between equal tensor-parallel sizes (it does not declare heterogeneous_tp), and {at} != {bt}: run {br} with tp_size={at} like {ar}, or {ar} with tp_size={bt}"
+        ));
+    }
+    Some(format!("TP sizes {at} and {bt} do not divide each other: use TP sizes where one divides the other"))
+}
+
+/// Whether KV can move between TP sizes `a` and `b`.
+fn tp_exchangeable(a: u32, b: u32, heterogeneous: bool) -> bool {
+    a == b || (heterogeneous && divisible_ratio(a, b).is_some())
+}
+
+/// The head count both descriptors agree on, or 0 (compare layouts exactly) when they do not.
+fn shared_heads(a: &CompatDescriptor, b: &CompatDescriptor) -> u32 {
+    if a.kv_heads == b.kv_heads && a.model_fingerprint == b.model_fingerprint {
+        a.kv_heads
+    } else {
+        0
+    }
+}
+
+/// Whether two descriptors' layouts put the same bytes in the same places.
+fn same_layout_bytes(a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
+    a.effective.layout.same_bytes(b.effective.layout, shared_heads(a, b))
+}
+
+/// `no adapter: one KV head, so LBNHC and LBHNC are the same bytes`.
+pub fn one_head_note(a: KvLayout, b: KvLayout) -> String {
+    format!(
+        "no adapter: one KV head, so {} and {} are the same bytes",
+        a.canonical_name(),
+        b.canonical_name()
+    )
+}
+
+/// Why two descriptors with different layouts need no permutation between them, when that
+/// is so: [`one_head_note`] of the sender's and the receiver's layouts.
+pub fn same_bytes_note(sender: &CompatDescriptor, receiver: &CompatDescriptor) -> Option<String> {
+    let (s, r) = (sender.effective.layout, receiver.effective.layout);
+    (s != r && same_layout_bytes(sender, receiver)).then(|| one_head_note(s, r))
+}
+
 fn on_off(b: bool) -> &'static str {
     if b {
         "on"
@@ -380,7 +446,7 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             String::new(),
         );
     }
-    if ea.layout != eb.layout {
+    if !same_layout_bytes(a, b) {
         let p = LayoutPermutation::between(eb.layout, ea.layout);
         push(
             "layout",
@@ -421,20 +487,21 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
         );
     }
     if a.tp_size != b.tp_size {
-        let remedy = match divisible_ratio(a.tp_size, b.tp_size) {
-            Some((x, y)) => format!("heads are regrouped across ranks in a {x}:{y} ratio on receive"),
-            None => format!(
-                "TP sizes {} and {} do not divide each other: use TP sizes where one divides the other",
-                a.tp_size, b.tp_size
-            ),
+        let heterogeneous = a.heterogeneous_tp && b.heterogeneous_tp;
+        let remedy = match tp_refusal((ar, a.tp_size), (br, b.tp_size), heterogeneous) {
+            Some(refusal) => refusal,
+            None => {
+                let (x, y) = divisible_ratio(a.tp_size, b.tp_size).unwrap_or((1, 1));
+                format!("heads are regrouped across ranks in a {x}:{y} ratio on receive")
+            }
         };
         push(
             "tp_size",
             FieldClass::Adaptable,
             a.tp_size.to_string(),
-            "engine option tp_size".to_owned(),
+            a.why("tp_size"),
             b.tp_size.to_string(),
-            "engine option tp_size".to_owned(),
+            b.why("tp_size"),
             remedy,
             String::new(),
         );
@@ -459,7 +526,9 @@ fn blocks(d: &FieldDiff, a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
         (FieldClass::Adaptable, "block_size") => {
             divisible_ratio(a.effective.block_size, b.effective.block_size).is_none()
         }
-        (FieldClass::Adaptable, "tp_size") => divisible_ratio(a.tp_size, b.tp_size).is_none(),
+        (FieldClass::Adaptable, "tp_size") => {
+            !tp_exchangeable(a.tp_size, b.tp_size, a.heterogeneous_tp && b.heterogeneous_tp)
+        }
         (FieldClass::Adaptable, _) => false,
     }
 }
@@ -467,7 +536,8 @@ fn blocks(d: &FieldDiff, a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
 fn plan(receiver: &CompatDescriptor, sender: &CompatDescriptor) -> AdaptationPlan {
     let (r, s) = (&receiver.effective, &sender.effective);
     AdaptationPlan {
-        layout: (r.layout != s.layout).then(|| LayoutPermutation::between(s.layout, r.layout)),
+        layout: (!same_layout_bytes(receiver, sender))
+            .then(|| LayoutPermutation::between(s.layout, r.layout)),
         block_size_ratio: if r.block_size == s.block_size {
             None
         } else {
@@ -717,6 +787,36 @@ mod tests {
     }
 
     #[test]
+    fn one_kv_head_layouts_are_one_layout_across_workers() {
+        let layout = |l| EngineOptions { kv_cache_layout: Some(l), ..opts() };
+        // Gemma 3 1B has one KV head: NHD and HND are the same bytes.
+        let (nhd, hnd) =
+            (desc(&gemma3(), &layout(KvLayout::NHD), &[]), desc(&gemma3(), &layout(KvLayout::HND), &[]));
+        assert_eq!(nhd.kv_heads, 1);
+        assert!(diff_roles(&nhd, &hnd, "prefill", "decode").is_empty());
+        assert!(check_roles(&nhd, &hnd).unwrap().is_identity());
+        assert_eq!(nhd.compat_hash(), hnd.compat_hash());
+        assert_eq!(
+            same_bytes_note(&nhd, &hnd).as_deref(),
+            Some("no adapter: one KV head, so LBNHC and LBHNC are the same bytes")
+        );
+        assert_eq!(same_bytes_note(&nhd, &nhd), None, "equal layouts need no note");
+        // Cross-layer is not a head move: still a permutation.
+        let blhnc = desc(&gemma3(), &layout(KvLayout::BLHNC), &[]);
+        assert!(check_roles(&nhd, &blhnc).unwrap().layout.is_some());
+        // Qwen3 has eight: a diff and a permutation, as before.
+        let (nhd8, hnd8) =
+            (desc(&qwen3(), &layout(KvLayout::NHD), &[]), desc(&qwen3(), &layout(KvLayout::HND), &[]));
+        assert_eq!(diff(&nhd8, &hnd8).len(), 1);
+        assert_eq!(check_roles(&nhd8, &hnd8).unwrap().layout.unwrap().perm, [0, 1, 3, 2, 4]);
+        assert_eq!(same_bytes_note(&nhd8, &hnd8), None);
+        // A peer that does not send its head count (an older one) is compared exactly.
+        let mut old = hnd.clone();
+        old.kv_heads = 0;
+        assert!(check_roles(&nhd, &old).unwrap().layout.is_some());
+    }
+
+    #[test]
     fn permutation_maps_every_axis() {
         for from in KvLayout::all() {
             for to in [KvLayout::LBHNC, KvLayout::BLNHC, KvLayout::LBNHC] {
@@ -744,15 +844,69 @@ mod tests {
             "block_size: prefill=16 (default: vLLM's default block size; every child accepts it), decode=24 (user set block_size=24; every child accepts it): 16 and 24 do not divide each other"
         ), "{e}");
 
+        // A transport that declares heterogeneous TP regroups heads when one size divides
+        // the other.
+        let mut any_tp = nixl();
+        any_tp.caps.heterogeneous_tp = true;
         let tp = |n| EngineOptions { tp_size: n, ..opts() };
-        let t2 = desc(&model, &tp(2), &[nixl()]);
-        let t4 = desc(&model, &tp(4), &[nixl()]);
-        let t3 = desc(&model, &tp(3), &[nixl()]);
+        let t2 = desc(&model, &tp(2), std::slice::from_ref(&any_tp));
+        let t4 = desc(&model, &tp(4), std::slice::from_ref(&any_tp));
+        let t3 = desc(&model, &tp(3), std::slice::from_ref(&any_tp));
+        assert!(t2.heterogeneous_tp);
         assert_eq!(check(&t2, &t4).unwrap().tp_ratio, Some((1, 2)));
         assert_eq!(check(&t4, &t2).unwrap().tp_ratio, Some((2, 1)));
         // Decode (4) receives from prefill (2).
         assert_eq!(check_roles(&t2, &t4).unwrap().tp_ratio, Some((2, 1)));
-        assert!(check(&t2, &t3).unwrap_err().diff_of("tp_size").is_some());
+        let e = check_roles(&t2, &t3).unwrap_err();
+        let d = e.diff_of("tp_size").unwrap();
+        assert_eq!(d.class, FieldClass::Adaptable);
+        assert!(
+            e.to_string().contains("tp_size: prefill=2 (user set tp_size=2; child 'nixl' loads KV across different TP sizes), decode=3 (user set tp_size=3; child 'nixl' loads KV across different TP sizes): TP sizes 2 and 3 do not divide each other"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn tp_sizes_must_be_equal_when_a_transport_lacks_heterogeneous_tp() {
+        let model = qwen3();
+        let tp = |n| EngineOptions { tp_size: n, ..opts() };
+        let mut any_tp = nixl();
+        any_tp.caps.heterogeneous_tp = true;
+        // nixl() declares no heterogeneous TP, like the built-in nixl connector.
+        for (prefill, decode) in [(2, 4), (4, 2), (2, 3)] {
+            let p = desc(&model, &tp(prefill), &[nixl()]);
+            let d = desc(&model, &tp(decode), &[nixl()]);
+            assert!(!p.heterogeneous_tp && !d.heterogeneous_tp);
+            assert_eq!(p.compat_hash(), d.compat_hash(), "the TP size is not hashed");
+            let e = check_roles(&p, &d).unwrap_err();
+            let diff = e.diff_of("tp_size").unwrap();
+            assert_eq!(diff.class, FieldClass::Adaptable, "not hashed, but not convertible here");
+            assert_eq!((diff.local.clone(), diff.peer.clone()), (prefill.to_string(), decode.to_string()));
+            let text = e.to_string();
+            assert!(
+                text.contains(&format!("tp_size: prefill={prefill} (user set tp_size={prefill}; child 'nixl' moves KV only between equal TP sizes: the peer must use tp_size={prefill} too), decode={decode}")),
+                "{text}"
+            );
+            assert!(
+                text.contains(&format!(
+                    "run decode with tp_size={prefill} like prefill, or prefill with tp_size={decode}"
+                )),
+                "{text}"
+            );
+            // One side that handles it is not enough: the other's transport cannot.
+            let d_any = desc(&model, &tp(decode), std::slice::from_ref(&any_tp));
+            assert!(check_roles(&p, &d_any).unwrap_err().diff_of("tp_size").is_some());
+            assert!(check_roles(&d_any, &p).unwrap_err().diff_of("tp_size").is_some());
+        }
+        // Equal sizes stay compatible, and a descriptor from an older peer (no
+        // heterogeneous_tp) is taken to need equal sizes.
+        let p = desc(&model, &tp(2), &[nixl()]);
+        assert!(check_roles(&p, &desc(&model, &tp(2), &[nixl()])).unwrap().is_identity());
+        let mut json = serde_json::to_value(desc(&model, &tp(4), &[any_tp])).unwrap();
+        json.as_object_mut().unwrap().remove("heterogeneous_tp");
+        let old: CompatDescriptor = serde_json::from_value(json).unwrap();
+        assert!(!old.heterogeneous_tp);
+        assert!(check_roles(&p, &old).unwrap_err().diff_of("tp_size").is_some());
     }
 
     #[test]
@@ -848,8 +1002,10 @@ mod tests {
                     KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(1), LayerId(3)] },
                 ],
             },
+            kv_heads: 8,
             tp_size: 1,
             tp_rank: 0,
+            heterogeneous_tp: false,
             connectors: vec![("nixl".into(), "0.1.0".into())],
             provenance: vec![],
         };

@@ -7,7 +7,9 @@
 //! a cross-layer layout `BLHNC` as `[B][L][K|V][H][N][C]`.
 //!
 //! The names vLLM users write are aliases: `NHD` is `LBNHC`, `HND` is `LBHNC`. They are
-//! normalised on parse, so two layouts are compared as permutations, never as strings.
+//! normalised on parse, so two layouts are compared as permutations, never as strings. With
+//! one KV head per layer the head axis may sit anywhere without changing a byte;
+//! [`KvLayout::normalized`] is the one place that says so.
 
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use std::fmt;
@@ -135,6 +137,39 @@ impl KvLayout {
     /// True when heads are outside tokens within a block (HND-like).
     pub fn is_head_major(&self) -> bool {
         self.position(Dim::H) < self.position(Dim::N)
+    }
+
+    /// The layout with the head axis moved to position `pos` (0 = outermost, clamped to 4),
+    /// the other four axes kept in their order.
+    pub fn with_head_at(self, pos: usize) -> KvLayout {
+        let mut rest = self.order.iter().copied().filter(|d| *d != Dim::H);
+        let mut order = [Dim::H; 5];
+        for (i, slot) in order.iter_mut().enumerate() {
+            if i != pos.min(4) {
+                // Four axes for four slots: `rest` cannot run out.
+                *slot = rest.next().unwrap_or(Dim::H);
+            }
+        }
+        KvLayout { order }
+    }
+
+    /// The layout as its bytes are for `heads` KV heads per layer. With one head the head
+    /// axis has size 1 and adds nothing to any offset, so wherever it sits the bytes are the
+    /// same: it is moved to just outside `N` (`LBNHC` and `LBHNC` both give `LBHNC`, `BLNHC`
+    /// gives `BLHNC`). With more heads the layout is returned as it is. Layouts are compared
+    /// through this wherever the head count is known: negotiation's adapter decision, the
+    /// compatibility diff and the receiver's permutation.
+    pub fn normalized(self, heads: u32) -> KvLayout {
+        if heads != 1 {
+            return self;
+        }
+        let n = self.order.iter().filter(|d| **d != Dim::H).position(|d| *d == Dim::N).unwrap_or(0);
+        self.with_head_at(n)
+    }
+
+    /// True when the two layouts put the same bytes in the same places for `heads` KV heads.
+    pub fn same_bytes(self, other: KvLayout, heads: u32) -> bool {
+        self.normalized(heads) == other.normalized(heads)
     }
 
     /// Every valid layout (120 permutations), in a fixed order.
@@ -273,6 +308,20 @@ mod tests {
         for l in &all {
             assert_eq!(l.canonical_name().parse::<KvLayout>().unwrap(), *l);
         }
+    }
+
+    #[test]
+    fn one_head_makes_the_head_axis_position_irrelevant() {
+        assert_eq!(KvLayout::NHD.normalized(1), KvLayout::HND);
+        assert_eq!(KvLayout::HND.normalized(1), KvLayout::HND);
+        assert_eq!(KvLayout::BLNHC.normalized(1), KvLayout::BLHNC);
+        assert_eq!(KvLayout::NHD.normalized(8), KvLayout::NHD);
+        assert!(KvLayout::NHD.same_bytes(KvLayout::HND, 1));
+        assert!(!KvLayout::NHD.same_bytes(KvLayout::HND, 2));
+        // Only the head axis may move: cross-layer and per-layer stay different.
+        assert!(!KvLayout::LBHNC.same_bytes(KvLayout::BLHNC, 1));
+        assert_eq!(KvLayout::BLNHC.with_head_at(0).canonical_name(), "HBLNC");
+        assert_eq!(KvLayout::BLNHC.with_head_at(9).canonical_name(), "BLNCH");
     }
 
     #[test]

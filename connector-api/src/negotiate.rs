@@ -164,7 +164,8 @@ impl fmt::Display for DecidedBy {
 /// A field of the negotiated result, its value, who decided it and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FieldProvenance {
-    /// `layout`, `hma`, `block_size`, `cache_dtype`, `memory`, `transfer_mode` or `kv_groups`.
+    /// `layout`, `hma`, `block_size`, `cache_dtype`, `memory`, `transfer_mode`, `kv_groups`
+    /// or `tp_size`.
     pub field: String,
     /// The value, in words (`HND (LBHNC)`, `on`, `16`, ...).
     pub value: String,
@@ -204,7 +205,7 @@ pub struct Negotiated {
     /// The effective layout as plain values.
     pub effective: EffectiveLayout,
     /// One entry per field: layout, hma, block_size, cache_dtype, memory, transfer_mode,
-    /// kv_groups.
+    /// kv_groups, tp_size.
     pub provenance: Vec<FieldProvenance>,
     /// This worker's children that adapt to the effective layout.
     pub adapters: Vec<LayoutAdapter>,
@@ -364,6 +365,21 @@ pub enum Conflict {
         prefill: String,
         /// Decode's value.
         decode: String,
+    },
+    /// Prefill and decode use different tensor-parallel sizes, and the KV cannot be moved
+    /// between them.
+    #[error("prefill has tp_size={prefill} and decode tp_size={decode}, but {reason}; no KV would be moved between them. Remedy: {remedy}")]
+    TpSize {
+        /// Prefill's TP size.
+        prefill: u32,
+        /// Decode's TP size.
+        decode: u32,
+        /// Children that move KV only between equal TP sizes.
+        children: Vec<String>,
+        /// Why the sizes cannot differ, naming those children.
+        reason: String,
+        /// What to change.
+        remedy: String,
     },
 }
 
@@ -555,6 +571,7 @@ pub fn kv_groups(model: &ModelSpec, hma: bool) -> Vec<KvGroup> {
 // The core.
 
 /// A child as one run of the core sees it: one of this worker's own, or the peer's.
+#[derive(Clone)]
 struct Party<'a> {
     name: &'a str,
     /// How messages name it (`child 'nixl'`, `decode child 'flexkv'`).
@@ -562,9 +579,22 @@ struct Party<'a> {
     own: bool,
     caps: &'a Capabilities,
     may_adapt: bool,
+    /// KV heads per layer of the model: with one, layouts that differ only in where the
+    /// head axis sits are the same bytes.
+    heads: u32,
 }
 
 impl Party<'_> {
+    /// Takes `layout` without adapting: it accepts it, or one with the same bytes.
+    fn accepts(&self, layout: KvLayout) -> bool {
+        self.caps.layout.accepts_with_heads(layout, self.heads)
+    }
+
+    /// Takes `layout` only because, with one KV head, a layout it accepts has the same bytes.
+    fn accepts_only_as_same_bytes(&self, layout: KvLayout) -> bool {
+        !self.caps.layout.accepts(layout) && self.accepts(layout)
+    }
+
     fn decided_by(&self) -> DecidedBy {
         if self.own {
             DecidedBy::Child(self.name.to_owned())
@@ -669,7 +699,7 @@ fn layout_fit(layout: KvLayout, parties: &[Party]) -> Option<(usize, u32)> {
     let mut n = 0;
     let mut cost = 0;
     for p in parties {
-        if p.caps.layout.accepts(layout) {
+        if p.accepts(layout) {
             continue;
         }
         let c = p.can_adapt()?;
@@ -717,7 +747,7 @@ fn adapters_for(layout: KvLayout, parties: &[Party]) -> Vec<(usize, LayoutAdapte
     parties
         .iter()
         .enumerate()
-        .filter(|(_, p)| !p.caps.layout.accepts(layout))
+        .filter(|(_, p)| !p.accepts(layout))
         .filter_map(|(i, p)| {
             p.can_adapt().map(|cost| {
                 (
@@ -737,16 +767,7 @@ fn adapters_for(layout: KvLayout, parties: &[Party]) -> Vec<(usize, LayoutAdapte
 fn layout_remedy(parties: &[Party]) -> String {
     let mut out = Vec::new();
     if parties.iter().any(|p| p.caps.adapt.is_some() && !p.may_adapt) {
-        let enabled: Vec<Party> = parties
-            .iter()
-            .map(|p| Party {
-                name: p.name,
-                label: p.label.clone(),
-                own: p.own,
-                caps: p.caps,
-                may_adapt: true,
-            })
-            .collect();
+        let enabled: Vec<Party> = parties.iter().map(|p| Party { may_adapt: true, ..p.clone() }).collect();
         if let Some(l) = pick_layout(&enabled) {
             let who: Vec<String> =
                 adapters_for(l, &enabled).into_iter().map(|(i, _)| enabled[i].label.clone()).collect();
@@ -759,18 +780,8 @@ fn layout_remedy(parties: &[Party]) -> String {
         }
     }
     for (i, p) in parties.iter().enumerate() {
-        let rest: Vec<Party> = parties
-            .iter()
-            .enumerate()
-            .filter(|(j, _)| *j != i)
-            .map(|(_, q)| Party {
-                name: q.name,
-                label: q.label.clone(),
-                own: q.own,
-                caps: q.caps,
-                may_adapt: q.may_adapt,
-            })
-            .collect();
+        let rest: Vec<Party> =
+            parties.iter().enumerate().filter(|(j, _)| *j != i).map(|(_, q)| q.clone()).collect();
         if let Some(l) = pick_layout(&rest) {
             out.push(format!("remove {} (the others agree on {})", p.label, l.display_name()));
         }
@@ -973,7 +984,7 @@ fn decide_layout(opts: &EngineOptions, parties: &[Party]) -> Result<(Decided<KvL
     let (layout, layout_by, layout_reason) = match opts.kv_cache_layout {
         Some(l) => {
             let violators: Vec<&Party> =
-                parties.iter().filter(|p| !p.caps.layout.accepts(l) && p.can_adapt().is_none()).collect();
+                parties.iter().filter(|p| !p.accepts(l) && p.can_adapt().is_none()).collect();
             if !violators.is_empty() {
                 let mut remedy = match pick_layout(parties) {
                     Some(best) => format!(
@@ -1033,7 +1044,7 @@ fn decide_layout(opts: &EngineOptions, parties: &[Party]) -> Result<(Decided<KvL
         }
     };
     let adapters = adapters_for(layout, parties);
-    let layout_reason = if adapters.is_empty() {
+    let mut layout_reason = if adapters.is_empty() {
         if parties.is_empty() {
             layout_reason
         } else {
@@ -1042,6 +1053,13 @@ fn decide_layout(opts: &EngineOptions, parties: &[Party]) -> Result<(Decided<KvL
     } else {
         format!("{layout_reason}{}", adapter_clause(&adapters, parties))
     };
+    for p in parties.iter().filter(|p| p.accepts_only_as_same_bytes(layout)) {
+        layout_reason.push_str(&format!(
+            "; {}: {}",
+            p.label,
+            crate::compat::one_head_note(native_layout(p.caps), layout)
+        ));
+    }
     Ok((decided(layout, layout_by, layout_reason), adapters))
 }
 
@@ -1216,6 +1234,50 @@ fn decide_memory(opts: &EngineOptions, parties: &[Party]) -> Result<Decided<Memo
     Ok(decided(memory, memory_by, memory_reason))
 }
 
+/// The tensor-parallel size, and whether the peer may use another one: only when every
+/// child that moves KV between engines declares `heterogeneous_tp`.
+fn decide_tp(opts: &EngineOptions, parties: &[Party]) -> Decided<u32> {
+    let tp = opts.tp_size;
+    let (by, head) = if tp == 1 {
+        (DecidedBy::Default, "one tensor-parallel rank unless tp_size says otherwise".to_owned())
+    } else {
+        (DecidedBy::User, format!("user set tp_size={tp}"))
+    };
+    let movers: Vec<&Party> =
+        parties.iter().filter(|p| p.own && p.caps.transfer_mode != TransferMode::None).collect();
+    let fixed: Vec<&Party> = movers.iter().copied().filter(|p| p.caps.needs_equal_tp()).collect();
+    let tail = match (movers.is_empty(), fixed.is_empty()) {
+        (true, _) => "no child moves KV between engines".to_owned(),
+        (false, true) => {
+            format!("{} KV across different TP sizes", verb_of(&labels(&movers), "loads", "load"))
+        }
+        (false, false) => format!(
+            "{} KV only between equal TP sizes: the peer must use tp_size={tp} too",
+            verb_of(&labels(&fixed), "moves", "move")
+        ),
+    };
+    decided(tp, by, format!("{head}; {tail}"))
+}
+
+/// `a moves` or `a, b move`.
+fn verb_of(names: &[String], one: &str, many: &str) -> String {
+    format!("{} {}", names.join(", "), if names.len() == 1 { one } else { many })
+}
+
+/// True when a worker with these children can load KV from, or serve it to, a peer with
+/// another tensor-parallel size: some child moves KV between engines and every such child
+/// declares `heterogeneous_tp`.
+pub fn loads_across_tp<'a>(caps: impl IntoIterator<Item = &'a Capabilities>) -> bool {
+    let mut moves = false;
+    for c in caps {
+        if c.needs_equal_tp() {
+            return false;
+        }
+        moves |= c.transfer_mode != TransferMode::None;
+    }
+    moves
+}
+
 /// The transfer mode: pull if a child pulls, push if one pushes, never both.
 fn decide_mode(parties: &[Party]) -> Result<Decided<TransferMode>, Conflict> {
     let pull: Vec<&Party> = parties.iter().filter(|p| p.caps.transfer_mode == TransferMode::Pull).collect();
@@ -1251,6 +1313,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     let dtype = decide_dtype(model, opts, parties)?;
     let memory = decide_memory(opts, parties)?;
     let mode = decide_mode(parties)?;
+    let tp = decide_tp(opts, parties);
 
     let provenance = vec![
         field("layout", layout.value.display_name(), layout.by, layout.reason),
@@ -1260,6 +1323,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
         field("memory", memory_name(memory.value).to_owned(), memory.by, memory.reason),
         field("transfer_mode", mode_name(mode.value).to_owned(), mode.by, mode.reason),
         field("kv_groups", describe_groups_with(&groups.value, hma.value), groups.by, groups.reason),
+        field("tp_size", tp.value.to_string(), tp.by, tp.reason),
     ];
     let effective = EffectiveLayout {
         layout: layout.value,
@@ -1287,6 +1351,7 @@ pub fn negotiate(
             own: true,
             caps: &c.caps,
             may_adapt: opts.allow_adapters,
+            heads: model.num_kv_heads,
         })
         .collect();
     let (effective, provenance, adapters) = decide(model, opts, &parties)?;
@@ -1338,13 +1403,17 @@ pub fn negotiate_deployment(
         h => Some(h),
     };
     let hma = merge_opt("hybrid_kv_cache_manager", hma_of(po), hma_of(dopt), |h| h.to_string())?;
+    // Two layouts with the same bytes (one KV head, the head axis elsewhere) do not
+    // conflict: each role keeps the one it was given.
+    let (pl, dl) = (po.kv_cache_layout, dopt.kv_cache_layout);
+    let own_layouts = matches!((pl, dl), (Some(a), Some(b)) if a.same_bytes(b, model.num_kv_heads));
     let layout =
-        merge_opt("kv_cache_layout", po.kv_cache_layout, dopt.kv_cache_layout, |l| l.canonical_name())?;
+        if own_layouts { None } else { merge_opt("kv_cache_layout", pl, dl, |l| l.canonical_name())? };
     let block = merge_opt("block_size", po.block_size, dopt.block_size, |b| b.to_string())?;
     let dtype = merge_opt("cache_dtype", po.cache_dtype, dopt.cache_dtype, |d| dtype_name(d).to_owned())?;
     let shared = |o: &EngineOptions| EngineOptions {
         hybrid_kv_cache_manager: hma.unwrap_or(HmaOption::Auto),
-        kv_cache_layout: layout,
+        kv_cache_layout: layout.or(o.kv_cache_layout.filter(|_| own_layouts)),
         block_size: block,
         cache_dtype: dtype,
         ..o.clone()
@@ -1368,6 +1437,7 @@ pub fn negotiate_deployment(
                 own: both || role == Role::Prefill,
                 caps: &c.caps,
                 may_adapt: po.allow_adapters && (!both || dopt.allow_adapters),
+                heads: model.num_kv_heads,
             });
         }
         for c in dc.iter().filter(|c| !in_prefill(c)) {
@@ -1377,6 +1447,7 @@ pub fn negotiate_deployment(
                 own: role == Role::Decode,
                 caps: &c.caps,
                 may_adapt: dopt.allow_adapters,
+                heads: model.num_kv_heads,
             });
         }
         parties
@@ -1394,6 +1465,22 @@ pub fn negotiate_deployment(
     };
     let p = run(Role::Prefill, po, pc)?;
     let d = run(Role::Decode, dopt, dc)?;
+    if let Some(remedy) = crate::compat::tp_refusal(
+        ("prefill", po.tp_size),
+        ("decode", dopt.tp_size),
+        loads_across_tp(pc.iter().chain(dc).map(|c| &c.caps)),
+    ) {
+        let parties = view(Role::Prefill);
+        let children = labels(&parties.iter().filter(|p| p.caps.needs_equal_tp()).collect::<Vec<_>>());
+        let reason = if !children.is_empty() {
+            format!("{} not load KV across different TP sizes (no heterogeneous_tp)", list_does(&children))
+        } else if parties.iter().all(|p| p.caps.transfer_mode == TransferMode::None) {
+            "no child moves KV between the roles".to_owned()
+        } else {
+            format!("{} and {} do not divide each other", po.tp_size, dopt.tp_size)
+        };
+        return Err(Conflict::TpSize { prefill: po.tp_size, decode: dopt.tp_size, children, reason, remedy });
+    }
     Ok((p, d))
 }
 
@@ -1592,6 +1679,100 @@ mod tests {
     }
 
     #[test]
+    fn one_kv_head_needs_no_layout_adapter() {
+        // Gemma-3-1B-like: one KV head. flexkv works in NHD and nixl requires HND; with one
+        // head those are the same bytes, so nobody adapts.
+        let one_head = ModelSpec { num_kv_heads: 1, ..dense() };
+        let n = negotiate(&one_head, &opts(), &[flexkv(), nixl()]).unwrap();
+        assert!(n.adapters.is_empty(), "{}", n.explain());
+        assert_eq!(n.effective.layout, KvLayout::NHD, "flexkv's preference, nixl takes it as is");
+        let why = &prov(&n, "layout").reason;
+        assert!(
+            why.contains("child 'nixl': no adapter: one KV head, so LBHNC and LBNHC are the same bytes"),
+            "{why}"
+        );
+        // Adapters off is then no conflict, and a layout nixl does not list is no violation.
+        let no_adapters = EngineOptions { allow_adapters: false, ..opts() };
+        assert!(negotiate(&one_head, &no_adapters, &[flexkv(), nixl()]).unwrap().adapters.is_empty());
+        let nhd = EngineOptions { kv_cache_layout: Some(KvLayout::NHD), ..opts() };
+        assert_eq!(negotiate(&one_head, &nhd, &[nixl()]).unwrap().effective.layout, KvLayout::NHD);
+        // Only the head axis is free: cross-layer is still a different layout.
+        let cross = EngineOptions { kv_cache_layout: Some(KvLayout::BLNHC), ..no_adapters.clone() };
+        assert!(negotiate(&one_head, &cross, &[nixl()]).is_err());
+        // With two heads nothing changes: flexkv transposes to nixl's HND.
+        let n = negotiate(&dense(), &opts(), &[flexkv(), nixl()]).unwrap();
+        assert_eq!((n.effective.layout, n.adapters.len()), (KvLayout::HND, 1));
+        assert!(!prov(&n, "layout").reason.contains("one KV head"));
+    }
+
+    #[test]
+    fn deployment_roles_keep_layouts_that_are_the_same_bytes() {
+        let lay = |l| EngineOptions { kv_cache_layout: Some(l), ..opts() };
+        let one_head = ModelSpec { num_kv_heads: 1, ..dense() };
+        let (p, d) = negotiate_deployment(
+            &one_head,
+            (&lay(KvLayout::NHD), &[lmcache(256), nixl()]),
+            (&lay(KvLayout::HND), &[nixl()]),
+        )
+        .unwrap();
+        assert_eq!((p.effective.layout, d.effective.layout), (KvLayout::NHD, KvLayout::HND));
+        // With more heads they are two layouts, and the roles must agree.
+        let e = negotiate_deployment(
+            &dense(),
+            (&lay(KvLayout::NHD), &[lmcache(256)]),
+            (&lay(KvLayout::HND), &[]),
+        )
+        .unwrap_err();
+        assert!(matches!(e, Conflict::OptionMismatch { .. }), "{e}");
+    }
+
+    #[test]
+    fn tp_size_says_whether_the_peer_may_use_another() {
+        let n = negotiate(&dense(), &opts(), &[lmcache(256), nixl()]).unwrap();
+        let tp = prov(&n, "tp_size");
+        assert_eq!((tp.value.as_str(), &tp.decided_by), ("1", &DecidedBy::Default));
+        assert_eq!(
+            tp.why(),
+            "default: one tensor-parallel rank unless tp_size says otherwise; child 'nixl' moves KV only between equal TP sizes: the peer must use tp_size=1 too"
+        );
+        let mut any_tp = nixl();
+        any_tp.caps.heterogeneous_tp = true;
+        let n =
+            negotiate(&dense(), &EngineOptions { tp_size: 2, ..opts() }, &[lmcache(256), any_tp]).unwrap();
+        assert_eq!(
+            prov(&n, "tp_size").why(),
+            "user set tp_size=2; child 'nixl' loads KV across different TP sizes"
+        );
+        let n = negotiate(&dense(), &opts(), &[lmcache(256)]).unwrap();
+        assert!(prov(&n, "tp_size").reason.ends_with("no child moves KV between engines"));
+    }
+
+    #[test]
+    fn deployment_tp_sizes_must_match_without_heterogeneous_tp() {
+        let tp = |n| EngineOptions { tp_size: n, ..opts() };
+        let e = negotiate_deployment(&dense(), (&tp(2), &[lmcache(256), nixl()]), (&tp(4), &[nixl()]))
+            .unwrap_err();
+        assert!(matches!(&e, Conflict::TpSize { prefill: 2, decode: 4, .. }), "{e:?}");
+        assert_eq!(
+            e.to_string(),
+            "prefill has tp_size=2 and decode tp_size=4, but child 'nixl' (prefill and decode) does not load KV across different TP sizes (no heterogeneous_tp); no KV would be moved between them. Remedy: the KV transport moves KV only between equal tensor-parallel sizes (it does not declare heterogeneous_tp), and 2 != 4: run decode with tp_size=2 like prefill, or prefill with tp_size=4"
+        );
+        // Equal sizes are fine, and so are divisible sizes with a transport that handles them.
+        negotiate_deployment(&dense(), (&tp(2), &[nixl()]), (&tp(2), &[nixl()])).unwrap();
+        let mut any_tp = nixl();
+        any_tp.caps.heterogeneous_tp = true;
+        let both = std::slice::from_ref(&any_tp);
+        negotiate_deployment(&dense(), (&tp(2), both), (&tp(4), both)).unwrap();
+        // Sizes that do not divide each other are refused even then.
+        let e = negotiate_deployment(&dense(), (&tp(2), both), (&tp(3), both)).unwrap_err();
+        assert!(e.to_string().contains("but 2 and 3 do not divide each other"), "{e}");
+        assert!(e.to_string().contains("TP sizes 2 and 3 do not divide each other"), "{e}");
+        // One role's transport lacking it is enough to refuse.
+        let e = negotiate_deployment(&dense(), (&tp(2), both), (&tp(4), &[nixl()])).unwrap_err();
+        assert!(e.to_string().contains("decode child 'nixl' does not load KV"), "{e}");
+    }
+
+    #[test]
     fn deployment_options_must_agree() {
         let off = EngineOptions { hybrid_kv_cache_manager: HmaOption::Off, ..opts() };
         let on = EngineOptions { hybrid_kv_cache_manager: HmaOption::On, ..opts() };
@@ -1660,7 +1841,7 @@ mod tests {
         let line = text.lines().find(|l| l.starts_with("layout")).unwrap();
         assert!(line.contains("[child nixl]"), "{text}");
         assert!(line.contains("child 'flexkv' does not accept it and adapts with a transpose"), "{text}");
-        assert_eq!(text.lines().count(), 7, "{text}");
+        assert_eq!(text.lines().count(), 8, "{text}");
         println!("{text}");
     }
 
@@ -1672,7 +1853,9 @@ mod tests {
         assert!(cols.windows(2).all(|w| w[0] == w[1]), "{text}");
         let brackets: Vec<usize> = text.lines().map(|l| l.find("  [").unwrap()).collect();
         assert!(brackets.windows(2).all(|w| w[0] == w[1]), "{text}");
-        for f in ["layout", "hma", "block_size", "cache_dtype", "memory", "transfer_mode", "kv_groups"] {
+        for f in
+            ["layout", "hma", "block_size", "cache_dtype", "memory", "transfer_mode", "kv_groups", "tp_size"]
+        {
             assert!(text.lines().any(|l| l.starts_with(f)), "{f} missing: {text}");
         }
     }

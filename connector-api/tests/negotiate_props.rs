@@ -4,7 +4,8 @@
 //! negotiation gives both roles one hash.
 
 use kvconnect_api::caps::KvRoleCap;
-use kvconnect_api::compat::{check, check_roles, diff};
+use kvconnect_api::compat::{check, check_roles, diff, LayoutPermutation};
+use kvconnect_api::layout::Dim;
 use kvconnect_api::FieldClass;
 use kvconnect_api::{
     negotiate, negotiate_deployment, AdaptCost, AttentionKind, Capabilities, ChildCaps, CompatDescriptor,
@@ -13,6 +14,7 @@ use kvconnect_api::{
 };
 use proptest::prelude::*;
 use proptest::sample::{select, subsequence};
+use std::hash::{DefaultHasher, Hash, Hasher};
 
 fn all_layouts() -> &'static [KvLayout] {
     static ALL: std::sync::OnceLock<Vec<KvLayout>> = std::sync::OnceLock::new();
@@ -92,11 +94,15 @@ fn model() -> impl Strategy<Value = ModelSpec> {
         1 => Just(AttentionKind::FeedForward),
         1 => Just(AttentionKind::Mla { kv_lora_rank: 512, qk_rope_head_dim: 64 }),
     ];
-    (prop::collection::vec(kind, 1..40), prop::option::of(select(vec![Dtype::Bf16, Dtype::F16, Dtype::F32])))
-        .prop_map(|(layers, dtype)| ModelSpec {
+    (
+        prop::collection::vec(kind, 1..40),
+        prop::option::of(select(vec![Dtype::Bf16, Dtype::F16, Dtype::F32])),
+        select(vec![1u32, 8]),
+    )
+        .prop_map(|(layers, dtype, heads)| ModelSpec {
             name: "m".into(),
             num_layers: layers.len() as u32,
-            num_kv_heads: 8,
+            num_kv_heads: heads,
             head_dim: 128,
             dtype,
             layers,
@@ -152,11 +158,20 @@ fn block_fits(c: &Capabilities, b: u32) -> bool {
     b.is_multiple_of(c.block_size_multiple.max(1)) && c.block_size_divides.is_none_or(|d| d.is_multiple_of(b))
 }
 
+/// The child takes `l` without adapting: it accepts it, or with one KV head it accepts a
+/// layout that differs from `l` only in where the head axis sits (stated here apart from
+/// the crate's own rule).
+fn takes(c: &Capabilities, l: KvLayout, heads: u32) -> bool {
+    let no_h = |x: KvLayout| x.order().into_iter().filter(|d| *d != Dim::H).collect::<Vec<_>>();
+    c.layout.accepts(l)
+        || (heads == 1 && all_layouts().iter().any(|x| no_h(*x) == no_h(l) && c.layout.accepts(*x)))
+}
+
 /// (adapters, total cost) for a layout, by the rules, or None.
-fn fit(children: &[ChildCaps], l: KvLayout, allow: bool) -> Option<(usize, u32)> {
+fn fit(children: &[ChildCaps], l: KvLayout, allow: bool, heads: u32) -> Option<(usize, u32)> {
     let mut n = (0, 0);
     for c in children {
-        if c.caps.layout.accepts(l) {
+        if takes(&c.caps, l, heads) {
             continue;
         }
         let cost = c.caps.adapt.filter(|_| allow)?;
@@ -183,7 +198,7 @@ fn check_sound(
     for c in children {
         prop_assert!(c.caps.validate().is_ok());
         // Layout: accepted, or adapted through a listed adapter the child declared.
-        if !c.caps.layout.accepts(e.layout) {
+        if !takes(&c.caps, e.layout, m.num_kv_heads) {
             prop_assert!(o.allow_adapters && c.caps.adapt.is_some(), "{} neither accepts nor adapts", c.name);
             prop_assert!(n.adapters.iter().any(|a| a.child == c.name && a.effective == e.layout));
         }
@@ -194,15 +209,18 @@ fn check_sound(
             prop_assert!(c.caps.hma, "hma on but {} lacks it", c.name);
         }
     }
-    prop_assert_eq!(n.adapters.len(), children.iter().filter(|c| !c.caps.layout.accepts(e.layout)).count());
+    prop_assert_eq!(
+        n.adapters.len(),
+        children.iter().filter(|c| !takes(&c.caps, e.layout, m.num_kv_heads)).count()
+    );
     // User overrides are obeyed.
     if let Some(l) = o.kv_cache_layout {
         prop_assert_eq!(e.layout, l);
     } else {
         // Optimal: no layout needs fewer adapters or less cost.
-        let got = fit(children, e.layout, o.allow_adapters).unwrap();
+        let got = fit(children, e.layout, o.allow_adapters, m.num_kv_heads).unwrap();
         for l in all_layouts().iter().copied() {
-            if let Some(f) = fit(children, l, o.allow_adapters) {
+            if let Some(f) = fit(children, l, o.allow_adapters, m.num_kv_heads) {
                 prop_assert!(f >= got, "{l} fits with {f:?}, chosen {} with {got:?}", e.layout);
             }
         }
@@ -240,7 +258,8 @@ fn check_sound(
         TransferMode::None
     };
     prop_assert_eq!(e.transfer_mode, want);
-    for f in ["layout", "hma", "block_size", "cache_dtype", "memory", "transfer_mode", "kv_groups"] {
+    for f in ["layout", "hma", "block_size", "cache_dtype", "memory", "transfer_mode", "kv_groups", "tp_size"]
+    {
         prop_assert!(n.provenance_of(f).is_some(), "no provenance for {}", f);
     }
     Ok(())
@@ -258,7 +277,13 @@ fn check_conflict(
     match c {
         Conflict::InvalidCaps { .. } => prop_assert!(children.iter().any(|c| c.caps.validate().is_err())),
         Conflict::Layout { requested: None, constraints, .. } => {
-            prop_assert!(all_layouts().iter().copied().all(|l| fit(children, l, o.allow_adapters).is_none()));
+            prop_assert!(all_layouts().iter().copied().all(|l| fit(
+                children,
+                l,
+                o.allow_adapters,
+                m.num_kv_heads
+            )
+            .is_none()));
             prop_assert_eq!(constraints.len(), children.len());
             for ch in children {
                 prop_assert!(
@@ -272,7 +297,7 @@ fn check_conflict(
         Conflict::Layout { requested: Some(l), violators, .. } => {
             prop_assert_eq!(Some(*l), o.kv_cache_layout);
             prop_assert!(!violators.is_empty());
-            prop_assert!(fit(children, *l, o.allow_adapters).is_none());
+            prop_assert!(fit(children, *l, o.allow_adapters, m.num_kv_heads).is_none());
         }
         Conflict::BlockSize { by_user: false, .. } => {
             prop_assert!(o.block_size.is_none());
@@ -295,12 +320,56 @@ fn check_conflict(
             prop_assert!(!violators.is_empty())
         }
         Conflict::InvalidOption { .. } | Conflict::OptionMismatch { .. } => {}
+        // Only a deployment (two TP sizes) refuses these, and this checks one worker.
+        Conflict::TpSize { .. } => prop_assert!(false, "one worker cannot have a TP conflict: {}", text),
     }
     Ok(())
 }
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// With one KV head, layouts that differ only in where the head axis sits are one layout:
+    /// equal and equally hashed once normalised, no diff, no permutation, one compat hash.
+    /// With more heads they stay different layouts: a diff and a permutation (the compat
+    /// hash, which covers only the strict fields, is equal either way).
+    #[test]
+    fn the_head_axis_moves_freely_only_with_one_head(
+        l in select(all_layouts()), pos in 0usize..5, heads in 1u32..4,
+    ) {
+        let other = l.with_head_at(pos);
+        let std_hash = |x: KvLayout| {
+            let mut h = DefaultHasher::new();
+            x.hash(&mut h);
+            h.finish()
+        };
+        let m = ModelSpec {
+            name: "m".into(),
+            num_layers: 4,
+            num_kv_heads: heads,
+            head_dim: 64,
+            dtype: Some(Dtype::Bf16),
+            layers: vec![AttentionKind::Full; 4],
+        };
+        let desc = |layout: KvLayout| {
+            let o = EngineOptions { kv_cache_layout: Some(layout), ..EngineOptions::default() };
+            CompatDescriptor::new(&m, &negotiate(&m, &o, &[]).unwrap(), &o)
+        };
+        let (a, b) = (desc(l), desc(other));
+        prop_assert_eq!(a.compat_hash(), b.compat_hash());
+        if heads == 1 {
+            prop_assert_eq!(l.normalized(1), other.normalized(1));
+            prop_assert_eq!(std_hash(l.normalized(1)), std_hash(other.normalized(1)));
+            prop_assert!(diff(&a, &b).is_empty());
+            prop_assert!(check(&a, &b).unwrap().is_identity());
+        } else if other != l {
+            prop_assert_ne!(l.normalized(heads), other.normalized(heads));
+            prop_assert_ne!(std_hash(l.normalized(heads)), std_hash(other.normalized(heads)));
+            let fields: Vec<String> = diff(&a, &b).into_iter().map(|d| d.field).collect();
+            prop_assert_eq!(fields, vec!["layout".to_owned()]);
+            prop_assert_eq!(check(&a, &b).unwrap().layout, Some(LayoutPermutation::between(other, l)));
+        }
+    }
 
     #[test]
     fn deterministic(m in model(), o in options(), c in children()) {

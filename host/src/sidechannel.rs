@@ -543,6 +543,10 @@ mod tests {
     const REFERENCE: &str = include_str!("../../fixtures/models/kvconnect--reference/config.json");
 
     fn descriptor(children: &[&str]) -> CompatDescriptor {
+        descriptor_tp(children, 1)
+    }
+
+    fn descriptor_tp(children: &[&str], tp_size: u32) -> CompatDescriptor {
         let model = ModelSpec::from_hf_config_json(REFERENCE).unwrap();
         let cfg = KvTransferConfig::named("x");
         let caps: Vec<ChildCaps> = children
@@ -557,7 +561,7 @@ mod tests {
                 },
             })
             .collect();
-        let opts = EngineOptions::default();
+        let opts = EngineOptions { tp_size, ..EngineOptions::default() };
         let n = negotiate(&model, &opts, &caps).unwrap();
         CompatDescriptor::new(&model, &n, &opts)
     }
@@ -682,6 +686,76 @@ mod tests {
         assert!(message.contains("decode=on"), "{message}");
         assert!(message.contains("lmcache"), "{message}");
         assert_eq!(s.stats().snapshot().refused, 1);
+    }
+
+    /// A prefill engine with this descriptor, answering one handshake from `decode`.
+    async fn handshake_with(prefill: CompatDescriptor, decode: &CompatDescriptor) -> HandshakeOutcome {
+        let local = LocalIdentity { compat: prefill, engine_id: "prefill-0".into(), metadata: None };
+        let s = SideChannelServer::bind(SideChannelConfig::default(), local).await.unwrap();
+        let out = handshake(&s.local_addr().to_string(), decode, "decode-0", None, Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(s.stats().snapshot().welcomed, u64::from(matches!(out, HandshakeOutcome::Welcome { .. })));
+        out
+    }
+
+    #[tokio::test]
+    async fn a_tp_mismatch_is_refused_naming_both_sizes_and_the_remedy() {
+        // nixl loads only between equal TP sizes: prefill TP 2, decode TP 4 is refused.
+        let out = handshake_with(descriptor_tp(&["nixl"], 2), &descriptor_tp(&["nixl"], 4)).await;
+        let HandshakeOutcome::Refused { diff, message } = out else { panic!("{out:?}") };
+        assert_eq!(diff.iter().map(|d| d.field.as_str()).collect::<Vec<_>>(), ["tp_size"]);
+        assert!(
+            message.contains(
+                "tp_size: prefill=2 (user set tp_size=2; child 'nixl' moves KV only between equal TP sizes"
+            ),
+            "{message}"
+        );
+        assert!(message.contains("decode=4 (user set tp_size=4;"), "{message}");
+        assert!(
+            message.contains("run decode with tp_size=2 like prefill, or prefill with tp_size=4"),
+            "{message}"
+        );
+        assert!(message.contains("no KV was transferred"), "{message}");
+        // Equal sizes are welcomed.
+        let out = handshake_with(descriptor_tp(&["nixl"], 2), &descriptor_tp(&["nixl"], 2)).await;
+        assert!(matches!(out, HandshakeOutcome::Welcome { .. }), "{out:?}");
+    }
+
+    #[tokio::test]
+    async fn tp_sizes_that_do_not_divide_are_refused_even_by_transports_that_regroup_heads() {
+        // As a transport that declares heterogeneous TP would describe itself.
+        let regrouping = |tp| CompatDescriptor { heterogeneous_tp: true, ..descriptor_tp(&["nixl"], tp) };
+        let out = handshake_with(regrouping(2), &regrouping(3)).await;
+        let HandshakeOutcome::Refused { message, .. } = out else { panic!("{out:?}") };
+        assert!(message.contains("tp_size: prefill=2"), "{message}");
+        assert!(message.contains("decode=3"), "{message}");
+        assert!(message.contains("TP sizes 2 and 3 do not divide each other"), "{message}");
+        let out = handshake_with(regrouping(2), &regrouping(4)).await;
+        let HandshakeOutcome::Welcome { plan, .. } = out else { panic!("{out:?}") };
+        assert_eq!(plan.tp_ratio, Some((2, 1)), "decode (4) receives from prefill (2)");
+        // A peer that says nothing about heterogeneous TP (an older one) needs equal sizes.
+        let out = handshake_with(descriptor_tp(&["nixl"], 2), &regrouping(4)).await;
+        assert!(matches!(out, HandshakeOutcome::Refused { .. }), "{out:?}");
+    }
+
+    #[tokio::test]
+    async fn decode_refuses_a_welcome_for_another_tp_size() {
+        // A prefill engine that welcomes anyone: decode checks again and loads nothing.
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let prefill = descriptor_tp(&["nixl"], 2);
+        tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let _ = read_frame(&mut sock, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "d").await;
+            let welcome = Message::Welcome { compat: prefill, engine_id: "prefill-0".into(), metadata: None };
+            write_frame(&mut sock, &welcome, "d").await.unwrap();
+        });
+        let out = handshake(&addr, &descriptor_tp(&["nixl"], 1), "decode-0", None, Duration::from_secs(5))
+            .await
+            .unwrap();
+        let HandshakeOutcome::Refused { message, .. } = out else { panic!("{out:?}") };
+        assert!(message.contains("tp_size: prefill=2") && message.contains("decode=1"), "{message}");
     }
 
     #[tokio::test]

@@ -141,6 +141,77 @@ fn cross_layer_on_one_side_is_adaptable_with_a_permutation() {
 }
 
 #[test]
+fn different_tp_sizes_are_refused_naming_both_sizes() {
+    let o = plan("tp-mismatch.toml", &[]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    let tp: Vec<&str> = o.stdout.lines().filter(|l| l.trim_start().starts_with("tp_size ")).collect();
+    assert_eq!(tp.len(), 2, "each role shows its TP size: {}", o.stdout);
+    assert!(tp[0].ends_with(" 2") && tp[1].ends_with(" 4"), "{tp:?}");
+    assert!(o.stdout.contains("NOT COMPATIBLE"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains(
+            "tp_size: prefill=2 (user set tp_size=2; child 'nixl' moves KV only between equal TP sizes"
+        ),
+        "{}",
+        o.stdout
+    );
+    assert!(o.stdout.contains("decode=4 (user set tp_size=4;"), "{}", o.stdout);
+    assert!(
+        o.stdout.contains("run decode with tp_size=2 like prefill, or prefill with tp_size=4"),
+        "{}",
+        o.stdout
+    );
+    assert!(!o.stdout.contains("hint: "), "negotiating jointly does not change the TP sizes: {}", o.stdout);
+    let h = hashes(&o.stdout);
+    assert_eq!(h[0], h[1], "the TP size is not hashed: only the transport's support decides");
+
+    let o = plan("tp-mismatch.toml", &["--joint"]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    assert!(
+        o.stdout.contains("NOT COMPATIBLE: deployment: prefill has tp_size=2 and decode tp_size=4, but child 'nixl' (prefill and decode) does not load KV across different TP sizes"),
+        "{}",
+        o.stdout
+    );
+    assert!(o.stdout.contains("Remedy: ") && o.stdout.contains("run decode with tp_size=2"), "{}", o.stdout);
+}
+
+#[test]
+fn one_kv_head_makes_nhd_and_hnd_the_same_bytes() {
+    for extra in [&[][..], &["--joint"][..]] {
+        let o = plan("mla-nhd-hnd.toml", extra);
+        assert_eq!(o.code, 0, "{extra:?}:\n{}{}", o.stdout, o.stderr);
+        let layouts: Vec<&str> = o.stdout.lines().filter(|l| l.trim_start().starts_with("layout ")).collect();
+        assert!(layouts[0].ends_with("NHD (LBNHC)") && layouts[1].ends_with("HND (LBHNC)"), "{layouts:?}");
+        assert!(o.stdout.contains("COMPATIBLE: identical compat hashes;"), "{}", o.stdout);
+        assert!(
+            o.stdout.contains("no adapter: one KV head, so LBNHC and LBHNC are the same bytes"),
+            "{}",
+            o.stdout
+        );
+        assert!(!o.stdout.contains("permutes"), "{}", o.stdout);
+        assert!(!o.stdout.contains("layout: prefill="), "no layout diff: {}", o.stdout);
+        let h = hashes(&o.stdout);
+        assert_eq!(h[0], h[1]);
+    }
+    // Llama has eight KV heads: there NHD is another layout, which nixl does not take.
+    let dir = tempfile::tempdir().unwrap();
+    let src = std::fs::read_to_string(root().join("examples/deployments/mla-nhd-hnd.toml"))
+        .unwrap()
+        .replace("deepseek-ai--DeepSeek-V2-Lite", "meta-llama--Llama-3.1-8B-Instruct")
+        .replace("../../fixtures", root().join("fixtures").to_str().unwrap());
+    let file = dir.path().join("llama.toml");
+    std::fs::write(&file, src).unwrap();
+    let o = kvconnect(&["plan", file.to_str().unwrap()]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    assert!(
+        o.stdout.contains("kv_cache_layout=NHD (LBNHC) was set, but child 'nixl' does not accept it"),
+        "{}",
+        o.stdout
+    );
+    assert!(!o.stdout.contains("one KV head"), "{}", o.stdout);
+}
+
+#[test]
 fn forcing_hma_on_with_a_child_that_lacks_it_names_the_child() {
     let o = plan("hma-forced-on.toml", &[]);
     assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);

@@ -280,6 +280,28 @@ pub fn reference_model() -> PathBuf {
     fixture_model("kvconnect--reference")
 }
 
+/// Writes `dir/name`, a deployment file for `model` with one table per role: the role's
+/// kv-transfer-config and any more `key = value` lines for it.
+pub fn write_deployment(
+    dir: &Path,
+    name: &str,
+    model: &Path,
+    prefill: (&str, &str),
+    decode: (&str, &str),
+) -> PathBuf {
+    let text = format!(
+        "model = \"{}\"\n\n[prefill]\nkv_transfer_config = '{}'\n{}\n\n[decode]\nkv_transfer_config = '{}'\n{}\n",
+        model.display(),
+        prefill.0,
+        prefill.1,
+        decode.0,
+        decode.1
+    );
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write the deployment file");
+    path
+}
+
 /// One disaggregated request, as a proxy does it: prefill with `do_remote_decode`, then
 /// decode with prefill's `kv_transfer_params` under prefill's request id. Returns decode's
 /// status and body.

@@ -3,29 +3,57 @@
 //! they agree on HMA off by construction (the fix for DYN-3545). Every decode must load the
 //! prompt's KV from prefill through the composite's nixl child and produce exactly the tokens
 //! of a single worker. A repeated prompt is then found in the composite's lmcache child on
-//! prefill (first hit wins) and still decodes to the same tokens.
+//! prefill (first hit wins) and still decodes to the same tokens. The composite on decode,
+//! as kv_consumer or kv_both, loads through its own nixl child the same way.
 
 use kvconnect_api::KvLayout;
-use kvconnect_tests::{disaggregated, monolithic, reference_model, token_ids, varied_prompts, Worker};
+use kvconnect_tests::{
+    disaggregated, monolithic, reference_model, token_ids, varied_prompts, write_deployment, Worker,
+};
 
 const MAX_TOKENS: usize = 4;
 
+/// PdConnector[lmcache, nixl over shared memory] in `role`.
+fn composite(role: &str) -> String {
+    format!(
+        r#"{{"kv_connector":"PdConnector","kv_role":"{role}","kv_connector_extra_config":{{"connectors":[{{"kv_connector":"LMCacheConnectorV1"}},{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"shm"}}}}]}}}}"#
+    )
+}
+
+/// A deployment file `name` with the composite on prefill and `decode` on decode.
+fn deployment_with(dir: &std::path::Path, name: &str, decode: &str) -> std::path::PathBuf {
+    write_deployment(dir, name, &reference_model(), (&composite("kv_producer"), ""), (decode, ""))
+}
+
+/// Every prompt through prefill then decode: monolithic tokens, and decode loaded all but
+/// the last prompt token from prefill.
+fn all_loaded(prefill: &Worker, decode: &Worker, prompts: &[Vec<u32>], what: &str) {
+    let mono = monolithic(prompts, MAX_TOKENS, KvLayout::HND);
+    for (i, p) in prompts.iter().enumerate() {
+        let (st, d) = disaggregated(prefill, decode, p, MAX_TOKENS);
+        assert_eq!(
+            st,
+            200,
+            "{what} prompt {i}: {d}\nprefill log:\n{}\ndecode log:\n{}",
+            prefill.log(),
+            decode.log()
+        );
+        let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
+        assert_eq!(got, mono[i], "{what} prompt {i} (len {}): disaggregated != monolithic", p.len());
+        assert_eq!(
+            d["kvconnect"]["num_external_tokens"].as_u64(),
+            Some(p.len() as u64 - 1),
+            "{what} prompt {i}: decode must load all but the last prompt token from prefill: {d}"
+        );
+    }
+}
+
 fn deployment(dir: &std::path::Path) -> std::path::PathBuf {
-    let model = reference_model();
-    let text = format!(
-        r#"model = "{}"
-
-[prefill]
-kv_transfer_config = '{{"kv_connector":"PdConnector","kv_role":"kv_producer","kv_connector_extra_config":{{"connectors":[{{"kv_connector":"LMCacheConnectorV1"}},{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"shm"}}}}]}}}}'
-
-[decode]
-kv_transfer_config = '{{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{{"backend":"shm"}}}}'
-"#,
-        model.display()
-    );
-    let path = dir.join("pd.toml");
-    std::fs::write(&path, text).unwrap();
-    path
+    deployment_with(
+        dir,
+        "pd.toml",
+        r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"backend":"shm"}}"#,
+    )
 }
 
 #[test]
@@ -37,25 +65,7 @@ fn composite_prefill_and_plain_decode_from_one_deployment_give_monolithic_tokens
         Worker::start(&["--deployment", file, "--role", "prefill", "--joint", "--engine-id", "pd-prefill"]);
     let decode =
         Worker::start(&["--deployment", file, "--role", "decode", "--joint", "--engine-id", "pd-decode"]);
-    let prompts = varied_prompts(12);
-    let mono = monolithic(&prompts, MAX_TOKENS, KvLayout::HND);
-    for (i, p) in prompts.iter().enumerate() {
-        let (st, d) = disaggregated(&prefill, &decode, p, MAX_TOKENS);
-        assert_eq!(
-            st,
-            200,
-            "prompt {i}: {d}\nprefill log:\n{}\ndecode log:\n{}",
-            prefill.log(),
-            decode.log()
-        );
-        let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
-        assert_eq!(got, mono[i], "prompt {i} (len {}): disaggregated != monolithic", p.len());
-        assert_eq!(
-            d["kvconnect"]["num_external_tokens"].as_u64(),
-            Some(p.len() as u64 - 1),
-            "prompt {i}: decode must load all but the last prompt token from prefill: {d}"
-        );
-    }
+    all_loaded(&prefill, &decode, &varied_prompts(12), "plain decode");
     // The same long prompt again: prefill's lookup reaches lmcache first (first hit wins), so
     // prefill loads the cached chunks instead of computing them.
     let long: Vec<u32> = (0..600u32).map(|j| (j * 37 + 11) % 256).collect();
@@ -82,4 +92,18 @@ fn composite_prefill_and_plain_decode_from_one_deployment_give_monolithic_tokens
     assert_eq!(d["kvconnect"]["num_external_tokens"].as_u64(), Some(long.len() as u64 - 1), "{d}");
     let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
     assert_eq!(got, monolithic(std::slice::from_ref(&long), MAX_TOKENS, KvLayout::HND)[0]);
+}
+
+#[test]
+fn a_composite_decode_loads_through_its_nixl_child_as_consumer_and_as_both() {
+    let dir = tempfile::tempdir().unwrap();
+    for role in ["kv_consumer", "kv_both"] {
+        let file = deployment_with(dir.path(), &format!("pd-{role}.toml"), &composite(role));
+        let file = file.to_str().unwrap();
+        let start = |side: &str| {
+            let id = format!("pdd-{side}-{role}");
+            Worker::start(&["--deployment", file, "--role", side, "--joint", "--engine-id", &id])
+        };
+        all_loaded(&start("prefill"), &start("decode"), &varied_prompts(6), role);
+    }
 }

@@ -30,7 +30,7 @@ fn nixl(role: &str, backend: &str) -> String {
     )
 }
 
-fn start(role: &str, backend: &str, hma: &str) -> Worker {
+fn start(side: &str, role: &str, backend: &str, hma: &str) -> Worker {
     let model = reference_model();
     Worker::start(&[
         "--kv-transfer-config",
@@ -40,14 +40,20 @@ fn start(role: &str, backend: &str, hma: &str) -> Worker {
         "--hybrid-kv-cache-manager",
         hma,
         "--engine-id",
-        &format!("{role}-{backend}-{hma}"),
+        &format!("{side}-{role}-{backend}-{hma}"),
+        "--role",
+        side,
     ])
 }
 
 fn check(backend: &str, hma: &str) {
+    check_roles(backend, hma, "kv_producer", "kv_consumer");
+}
+
+fn check_roles(backend: &str, hma: &str, prefill_role: &str, decode_role: &str) {
     let (prompts, mono) = baseline();
-    let prefill = start("kv_producer", backend, hma);
-    let decode = start("kv_consumer", backend, hma);
+    let prefill = start("prefill", prefill_role, backend, hma);
+    let decode = start("decode", decode_role, backend, hma);
     for (i, p) in prompts.iter().enumerate() {
         let (st, d) = disaggregated(&prefill, &decode, p, MAX_TOKENS);
         assert_eq!(st, 200, "prompt {i} (len {}): decode failed: {d}\n{}", p.len(), decode.log());
@@ -78,6 +84,12 @@ fn shm_hma_on() {
 #[test]
 fn shm_hma_off() {
     check("shm", "off");
+}
+
+#[test]
+fn shm_kv_both_on_each_side() {
+    // kv_both (vLLM's usual NixlConnector role): each engine serves its KV and loads a peer's.
+    check_roles("shm", "on", "kv_both", "kv_both");
 }
 
 #[test]

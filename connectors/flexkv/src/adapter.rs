@@ -40,7 +40,10 @@ impl BlockAdapter {
         let inner = |l: KvLayout| {
             l.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect::<Vec<_>>()
         };
-        let (moves, unit) = if inner(layout) == inner(KvLayout::NHD) {
+        // With one KV head, where the head axis sits does not change the bytes.
+        let (moves, unit) = if inner(layout.normalized(shape.heads))
+            == inner(KvLayout::NHD.normalized(shape.heads))
+        {
             (None, shape.bytes())
         } else if layout.position(Dim::C) > layout.position(Dim::H)
             && layout.position(Dim::C) > layout.position(Dim::N)
@@ -194,6 +197,14 @@ mod tests {
         let mut back = vec![0; s.bytes()];
         permute(&stored, &mut back, a.moves.as_ref().unwrap(), a.unit, true);
         assert_eq!(back, src);
+    }
+
+    #[test]
+    fn one_kv_head_needs_no_transpose() {
+        let shape = |heads| BlockShape { heads, tokens: 8, head_dim: 16, elem_size: 2, kv_parts: 2 };
+        assert!(!BlockAdapter::with_shape(vec![LayerId(0)], shape(1), KvLayout::HND).transposes());
+        assert!(!BlockAdapter::with_shape(vec![LayerId(0)], shape(1), KvLayout::BLHNC).transposes());
+        assert!(BlockAdapter::with_shape(vec![LayerId(0)], shape(2), KvLayout::HND).transposes());
     }
 
     #[test]

@@ -4,7 +4,7 @@
 
 mod support;
 
-use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, MatchResult, Request};
+use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRole, MatchResult, Request};
 use kvconnect_flexkv::factory::Engine;
 use kvconnect_flexkv::FlexkvFactory;
 use serde_json::json;
@@ -353,5 +353,23 @@ fn a_prefix_the_engine_already_has_is_not_loaded_again() {
             .unwrap();
     for h in kvconnect_flexkv::hash::block_hashes(engine.seed, &a, BS) {
         assert_eq!(engine.cache.locate(h), Some((true, false, 0)));
+    }
+}
+
+#[test]
+fn every_declared_role_saves_and_loads() {
+    // The capabilities declare kv_producer, kv_consumer and kv_both: a cache on prefill, on
+    // decode or on one engine stores what it computes and serves it back alike.
+    for role in [KvRole::Producer, KvRole::Consumer, KvRole::Both] {
+        let mut c =
+            ctx(effective(KvLayout::NHD), json!({"cpu_cache_gb": gb(16.0)}), &format!("role-{role:?}"));
+        c.role = role;
+        c.config.kv_role = Some(role);
+        let mut sim = Sim::with_ctx(c, 32);
+        let p = tokens(40, 3 * BS + 2);
+        assert_eq!(sim.run("a", &p).matched, 0, "{role:?}: cold cache");
+        let o = sim.run("b", &p);
+        assert_eq!(o.matched, 3 * BS, "{role:?}");
+        assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{role:?}: {o:?}");
     }
 }

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use kvconnect_api::KvLayout;
+use kvconnect_api::{KvLayout, KvRole};
 use serde_json::json;
 
 const CHUNK: usize = 32;
@@ -162,5 +162,26 @@ fn mla_caches_round_trip() {
         assert!(errs.is_empty());
         assert!(e.mismatches(&p, &blocks, 0, m).is_empty());
         assert!(e.all_zero(&blocks, m, p.len()));
+    }
+}
+
+#[test]
+fn every_declared_role_saves_and_loads() {
+    // The capabilities declare kv_producer, kv_consumer and kv_both: a cache on prefill, on
+    // decode or on one engine stores what it computes and serves it back alike.
+    for role in [KvRole::Producer, KvRole::Consumer, KvRole::Both] {
+        let id = format!("flow-role-{role:?}");
+        let mut c = ctx(&id, KvLayout::NHD, 16, json!({"chunk_size": CHUNK}));
+        c.role = role;
+        c.config.kv_role = Some(role);
+        let mut e = Engine::with_ctx(&kvconnect_lmcache::LmcacheFactory, c);
+        let p = prompt(12, 2 * CHUNK + 5);
+        let (m, _, errs) = e.run("a", &p, 0);
+        assert_eq!((m, errs.len()), (0, 0), "{role:?}: cold cache");
+        e.zero();
+        let (m, blocks, errs) = e.load_only("b", &p);
+        assert_eq!(m, 2 * CHUNK, "{role:?}");
+        assert!(errs.is_empty(), "{role:?}: {errs:?}");
+        assert!(e.mismatches(&p, &blocks, 0, m).is_empty(), "{role:?}: loaded bytes are the saved bytes");
     }
 }

@@ -6,7 +6,9 @@ use kvconnect_api::{
     ModelSpec, TransferMode,
 };
 
-/// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode.
+/// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode. No
+/// heterogeneous TP: the scheduler loads only from a prefill with the same `tp_size`, so
+/// negotiation and the handshake refuse a peer with another one before any KV moves.
 pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
     let mla = model.is_some_and(|m| m.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. })));
     let layout = if mla {
@@ -31,7 +33,7 @@ pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> Co
         transfer_mode: TransferMode::Pull,
         roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
         layerwise: false,
-        heterogeneous_tp: true,
+        heterogeneous_tp: false,
         mla: true,
         async_load: true,
     })

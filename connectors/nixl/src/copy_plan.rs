@@ -54,12 +54,15 @@ pub enum CopyPlan {
     Adapt(Vec<SrcBlock>),
 }
 
+/// The order of H, N and C inside a block, as the bytes are: with one KV head the head axis
+/// may sit anywhere, so it is placed where `KvLayout::normalized` puts it.
 fn inner_order(g: &Geometry) -> Vec<Dim> {
-    g.layout().order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect()
+    let layout = g.layout().normalized(g.shape().heads);
+    layout.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect()
 }
 
-/// Whether every plan between these geometries must adapt on receive (H/N/C order or block
-/// shape differ), whatever the request. A plan can also adapt for one request only: one whose
+/// Whether every plan between these geometries must adapt on receive (H/N/C order as the
+/// bytes are, or block shape, differ), whatever the request. A plan can also adapt for one request only: one whose
 /// first token to load is not on a block boundary.
 pub fn layouts_adapt(peer: &Geometry, own: &Geometry) -> bool {
     inner_order(peer) != inner_order(own) || peer.shape() != own.shape()
@@ -307,7 +310,11 @@ mod tests {
     use kvconnect_api::{BlocksPerGroup, KvLayout};
 
     fn geo(layout: KvLayout, tokens: u32) -> Geometry {
-        let shape = BlockShape { heads: 2, tokens, head_dim: 4, elem_size: 2, kv_parts: 2 };
+        geo_heads(layout, tokens, 2)
+    }
+
+    fn geo_heads(layout: KvLayout, tokens: u32, heads: u32) -> Geometry {
+        let shape = BlockShape { heads, tokens, head_dim: 4, elem_size: 2, kv_parts: 2 };
         Geometry::new(
             shape,
             layout,
@@ -360,6 +367,12 @@ mod tests {
         assert!(!layouts_adapt(&hnd4, &hnd4));
         assert!(layouts_adapt(&geo(KvLayout::NHD, 4), &hnd4));
         assert!(layouts_adapt(&geo(KvLayout::HND, 8), &hnd4));
+        // One KV head: NHD and HND blocks are the same bytes, copied as they are.
+        let (nhd1, hnd1) = (geo_heads(KvLayout::NHD, 4, 1), geo_heads(KvLayout::HND, 4, 1));
+        assert!(!layouts_adapt(&nhd1, &hnd1));
+        let groups = vec![vec![LayerId(0), LayerId(1)]];
+        let p = CopyPlan::build(&nhd1, &hnd1, &groups, &load(vec![1, 2], vec![3, 4], 0, 8)).unwrap();
+        assert!(matches!(p, CopyPlan::Direct(_)), "{p:?}");
     }
 
     #[test]

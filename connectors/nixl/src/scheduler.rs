@@ -79,6 +79,8 @@ impl SchedulerConnector for NixlScheduler {
             self.loads.push(release);
             return Ok(());
         }
+        // Negotiation and the handshake already refuse a prefill with another TP size (this
+        // connector does not declare heterogeneous_tp); params from elsewhere stop here.
         if p.tp_size != self.ctx.tp_size {
             return Err(ConnectorError::not_implemented(
                 NAME,

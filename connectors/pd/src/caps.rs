@@ -218,7 +218,7 @@ mod tests {
             transfer_mode: TransferMode::Pull,
             roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
             layerwise: false,
-            heterogeneous_tp: true,
+            heterogeneous_tp: false,
             mla: true,
             async_load: true,
         }

@@ -6,7 +6,7 @@
 use crate::cli::negotiate::{render_adapters, render_fields};
 use crate::deployment::{plan, Deployment, DeploymentError, Plan, Role};
 use anyhow::Result;
-use kvconnect_api::compat::{FieldClass, FieldDiff};
+use kvconnect_api::compat::{same_bytes_note, FieldClass, FieldDiff};
 use kvconnect_api::ConnectorResolver;
 use std::io::Write;
 use std::path::PathBuf;
@@ -99,10 +99,13 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
         writeln!(out, "  compat hash  {}", d.compat_hash())?;
     }
     writeln!(out)?;
+    let same_bytes = same_bytes_note(&p.prefill.1, &p.decode.1);
     match &p.outcome {
         Err(inc) => {
             writeln!(out, "NOT COMPATIBLE: {inc}")?;
-            if !args.joint {
+            // Joint negotiation reconciles what the children decide, not the TP sizes the
+            // roles were given.
+            if !args.joint && inc.diffs.iter().any(|d| d.field != "tp_size") {
                 writeln!(
                     out,
                     "hint: workers started with `kvconnect worker --deployment {0} --role prefill|decode --joint` negotiate jointly; `kvconnect plan --joint {0}` shows what they agree on",
@@ -112,14 +115,23 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
             Ok(1)
         }
         Ok(plan) if plan.is_identity() => {
-            writeln!(
-                out,
-                "COMPATIBLE: identical compat hashes and layouts; decode reads prefill's blocks as they are"
-            )?;
+            match &same_bytes {
+                Some(note) => writeln!(
+                    out,
+                    "COMPATIBLE: identical compat hashes; decode reads prefill's blocks as they are\n  {note}"
+                )?,
+                None => writeln!(
+                    out,
+                    "COMPATIBLE: identical compat hashes and layouts; decode reads prefill's blocks as they are"
+                )?,
+            }
             Ok(0)
         }
         Ok(plan) => {
             writeln!(out, "COMPATIBLE with adaptation (the strict fields and compat hashes are equal):")?;
+            if let Some(note) = &same_bytes {
+                writeln!(out, "  {note}")?;
+            }
             for d in p.diffs.iter().filter(|d| d.class == FieldClass::Adaptable) {
                 writeln!(out, "  {}", diff_line(d))?;
             }

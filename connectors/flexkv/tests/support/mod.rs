@@ -126,7 +126,12 @@ pub struct Outcome {
 
 impl Sim {
     pub fn new(eff: EffectiveLayout, extra: serde_json::Value, engine_id: &str, num_blocks: u32) -> Sim {
-        let c = ctx(eff.clone(), extra, engine_id);
+        Sim::with_ctx(ctx(eff, extra, engine_id), num_blocks)
+    }
+
+    /// A simulation over a context built by the caller (another role, say).
+    pub fn with_ctx(c: ConnectorContext, num_blocks: u32) -> Sim {
+        let eff = c.effective.clone();
         let f = FlexkvFactory;
         let sched = f.create_scheduler(&c).unwrap();
         let mut worker = f.create_worker(&c).unwrap();
