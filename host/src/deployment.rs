@@ -74,6 +74,9 @@ pub struct RoleConfig {
     pub options: EngineOptions,
     /// The engine's own prefix cache (vLLM's `--enable-prefix-caching`; off by default).
     pub enable_prefix_caching: bool,
+    /// What kvconnect made of the config (LMCache P/D settings turned into the nixl
+    /// connector beside lmcache), for the worker's log and `kvconnect plan`.
+    pub notes: Vec<String>,
 }
 
 /// A deployment file, read and checked.
@@ -477,6 +480,16 @@ impl Deployment {
                     column,
                     message: e.to_string(),
                 })?;
+            // LMCache's P/D settings (in the lmcache config or LMCACHE_CONFIG_FILE) are a
+            // request for the nixl connector beside lmcache.
+            let (kv_transfer_config, notes) =
+                lmcache_pd(kv_transfer_config).map_err(|message| DeploymentError::BadOption {
+                    path: path.to_owned(),
+                    role: r.name().to_owned(),
+                    line,
+                    column,
+                    message,
+                })?;
             // A role's config saying the opposite role is a copy-paste slip that would start a
             // worker on the wrong side of the transfer.
             let wrong = match (r, kv_transfer_config.kv_role) {
@@ -494,7 +507,8 @@ impl Deployment {
                     line,
                     column,
                     message: format!(
-                        "kv_transfer_config has kv_role {w}; a {r} worker needs {want} (or no kv_role)"
+                        "kv_transfer_config has kv_role {w}{}; a {r} worker needs {want} (or no kv_role)",
+                        if notes.is_empty() { "" } else { " (from LMCache's pd_role)" }
                     ),
                 });
             }
@@ -565,12 +579,25 @@ impl Deployment {
                 kv_transfer_config,
                 options: o,
                 enable_prefix_caching: raw.enable_prefix_caching.unwrap_or(false),
+                notes,
             })
         };
         let prefill = role(Role::Prefill, raw.prefill)?;
         let decode = role(Role::Decode, raw.decode)?;
         let served_model_name = raw.served_model_name;
         Ok(Deployment { path: path.to_owned(), model_path, model, served_model_name, prefill, decode })
+    }
+}
+
+/// Applies [`kvconnect_lmcache::pd::rewrite`] with this process's `LMCACHE_*` variables:
+/// a config whose lmcache asks for P/D (LMCache's `enable_pd`) becomes the nixl connector
+/// beside lmcache, with a note saying so. Workers and `kvconnect plan` call it on every config
+/// they are given.
+pub fn lmcache_pd(cfg: KvTransferConfig) -> Result<(KvTransferConfig, Vec<String>), String> {
+    match kvconnect_lmcache::pd::rewrite(&cfg, &kvconnect_lmcache::config::lmcache_env()) {
+        Ok(Some(rw)) => Ok((rw.config, vec![rw.announcement])),
+        Ok(None) => Ok((cfg, Vec::new())),
+        Err(e) => Err(e.to_string()),
     }
 }
 

@@ -119,7 +119,7 @@ impl Engine {
                     "cpu_cache_gb = {} holds no block: one block of every KV layer is {slot} bytes; raise \
                      cpu_cache_gb to at least {:.6}",
                     config.cpu_cache_gb,
-                    slot as f64 / 1e9
+                    (slot as f64 / (1u64 << 30) as f64 * 1e6).ceil() / 1e6
                 ),
             ));
         }

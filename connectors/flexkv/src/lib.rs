@@ -47,6 +47,5 @@ pub mod scheduler;
 pub mod ssd_tier;
 pub mod transfer;
 pub mod worker;
-pub mod yaml;
 
 pub use factory::FlexkvFactory;

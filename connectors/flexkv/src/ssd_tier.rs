@@ -85,7 +85,7 @@ impl SsdTier {
         let record = Self::record_bytes(payload);
         let num_slots = (budget_bytes / record).min(u32::MAX as u64 - 1) as u32;
         if num_slots == 0 {
-            return Err(SsdError::TooSmall { gb: budget_bytes as f64 / 1e9, record });
+            return Err(SsdError::TooSmall { gb: budget_bytes as f64 / (1u64 << 30) as f64, record });
         }
         let err =
             |e: std::io::Error| SsdError::Open { path: path.display().to_string(), reason: e.to_string() };

@@ -14,7 +14,7 @@ use support::*;
 const SLOT: f64 = 512.0;
 
 fn gb(blocks: f64) -> f64 {
-    blocks * SLOT / 1e9
+    blocks * SLOT / (1u64 << 30) as f64
 }
 
 #[test]
@@ -55,7 +55,7 @@ fn cpu_evicts_to_ssd_and_ssd_hits_load_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let extra = json!({
         "cpu_cache_gb": gb(4.0),
-        "ssd_cache_gb": 64.0 * 8192.0 / 1e9,
+        "ssd_cache_gb": 64.0 * 8192.0 / (1u64 << 30) as f64,
         "ssd_cache_dir": dir.path().join("ssd"),
         "enable_ssd_promotion": false,
     });
@@ -84,7 +84,7 @@ fn ssd_promotion_brings_hits_back_to_cpu() {
     let dir = tempfile::tempdir().unwrap();
     let extra = json!({
         "cpu_cache_gb": gb(4.0),
-        "ssd_cache_gb": 64.0 * 8192.0 / 1e9,
+        "ssd_cache_gb": 64.0 * 8192.0 / (1u64 << 30) as f64,
         "ssd_cache_dir": dir.path(),
     });
     let mut sim = Sim::new(effective(KvLayout::NHD), extra.clone(), "promote", 64);
@@ -108,7 +108,7 @@ fn a_corrupted_ssd_block_fails_the_load_loads_nothing_wrong_and_then_misses() {
     let dir = tempfile::tempdir().unwrap();
     let extra = json!({
         "cpu_cache_gb": gb(2.0),
-        "ssd_cache_gb": 64.0 * 8192.0 / 1e9,
+        "ssd_cache_gb": 64.0 * 8192.0 / (1u64 << 30) as f64,
         "ssd_cache_dir": dir.path(),
         "enable_ssd_promotion": false,
     });

@@ -51,11 +51,10 @@
 //! the last half is dropped. [`stats()`] reads its counters.
 //!
 //! **Config**, highest precedence first: `kv_connector_extra_config` (LMCache's keys, plain or
-//! `lmcache.`-prefixed), `LMCACHE_<KEY>` environment variables (upper-case key), the flat
-//! YAML file named by `LMCACHE_CONFIG_FILE`. Keys: `chunk_size`, `local_cpu`,
-//! `max_local_cpu_size` (GB), `local_disk` (a path or `file:///path`), `max_local_disk_size`
-//! (GB), `save_unfull_chunk`, `use_layerwise`. Unknown keys are logged with `tracing::warn`,
-//! naming them.
+//! `lmcache.`-prefixed), `LMCACHE_<KEY>` environment variables (upper-case key), the YAML
+//! file named by `LMCACHE_CONFIG_FILE`. Every key of LMCache's is honoured, mapped (logged at
+//! info) or refused with the kvconnect way ([`keys`], [`config`]); LMCache's P/D settings are
+//! a request for the nixl connector beside lmcache in a `PdConnector` ([`pd`]).
 //!
 //! This crate must not depend on the host or other connectors; it owns no threads but its
 //! disk writer.
@@ -72,7 +71,9 @@ pub mod disk_tier;
 pub mod factory;
 pub mod hash;
 pub mod key;
+pub mod keys;
 pub mod meta;
+pub mod pd;
 #[cfg(feature = "cuda")]
 pub mod pinned_slab;
 pub mod registry;
@@ -81,7 +82,6 @@ pub mod slot_alloc;
 pub mod stats;
 pub mod store;
 pub mod worker;
-mod yaml;
 
 pub use config::LmcacheConfig;
 pub use factory::LmcacheFactory;

@@ -78,8 +78,14 @@ impl SchedulerConnector for LmcacheScheduler {
         num_computed: usize,
     ) -> ConnectorResult<MatchResult> {
         let chunks = self.keys(&req.prompt_tokens);
-        let matched_end = self.matched_end(&chunks, req.prompt_tokens.len());
-        let tokens = matched_end.saturating_sub(num_computed);
+        let mut matched_end = self.matched_end(&chunks, req.prompt_tokens.len());
+        let mut tokens = matched_end.saturating_sub(num_computed);
+        // LMCache's min_retrieve_tokens: a smaller hit is not worth a load; the chunks stay
+        // stored (saves skip them), the engine computes the tokens.
+        if tokens > 0 && tokens < self.cfg.min_retrieve_tokens as usize {
+            tokens = 0;
+            matched_end = num_computed;
+        }
         if self.lookups.len() >= MAX_REMEMBERED && !self.lookups.contains_key(&req.id) {
             self.lookups.clear();
         }

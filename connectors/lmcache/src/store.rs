@@ -115,6 +115,9 @@ pub struct ChunkStore {
 impl ChunkStore {
     /// Opens the tiers the config names. The disk directory is created and must be writable.
     pub fn open(cfg: &LmcacheConfig) -> Result<ChunkStore, ConnectorError> {
+        if cfg.remote.is_some() {
+            return Err(ConnectorError::not_implemented("lmcache", "the remote tier (remote_url)"));
+        }
         let cpu = cfg.local_cpu.then(|| Mutex::new(CpuTier::new(cfg.cpu_budget_bytes())));
         let disk = match &cfg.local_disk {
             None => None,

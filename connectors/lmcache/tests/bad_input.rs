@@ -46,22 +46,20 @@ fn zero_budgets_and_an_unwritable_disk() {
 #[test]
 fn unknown_keys_are_named() {
     let r = kvconnect_lmcache::config::resolve(
-        json!({"chunk_size": 16, "max_local_cpu_size_gb": 2, "lmcache.remote_url": "lm://x"})
-            .as_object()
-            .unwrap(),
+        json!({"chunk_size": 16, "max_local_cpu_size_gb": 2, "lmcache.not_a_key": 1}).as_object().unwrap(),
         &[],
     )
     .unwrap();
     assert_eq!(
         r.unknown_keys,
-        vec![
-            "lmcache.remote_url (kv_connector_extra_config)",
-            "max_local_cpu_size_gb (kv_connector_extra_config)"
-        ]
+        vec!["not_a_key (kv_connector_extra_config)", "max_local_cpu_size_gb (kv_connector_extra_config)"]
     );
     // They are warnings, not errors: the connector still starts.
     let c = ctx("bad-input-unknown", KvLayout::NHD, 16, json!({"chunk_size": 16, "not_a_key": 1}));
     assert!(LmcacheFactory.create_scheduler(&c).is_ok());
+    // LMCache's own keys are never unknown: a remote kvconnect cannot use is refused.
+    let e = scheduler_error(json!({"lmcache.remote_url": "lm://x:1"}), KvLayout::NHD, 16);
+    assert!(e.contains("LMCache's own server protocol") && e.contains("redis://host:port"), "{e}");
 }
 
 #[test]
@@ -180,8 +178,17 @@ fn a_bad_yaml_file_is_a_clear_error() {
     std::fs::write(&f, "chunk_size: 256\nlocal_cpu\n").unwrap();
     let env = vec![("LMCACHE_CONFIG_FILE".to_owned(), f.display().to_string())];
     let e = kvconnect_lmcache::config::resolve(&Default::default(), &env).unwrap_err().to_string();
-    assert!(e.contains("line 2: expected `key: value`, got 'local_cpu'"), "{e}");
-    std::fs::write(&f, "chunk_size:\n  - 256\n").unwrap();
+    assert!(
+        e.contains(&format!("LMCACHE_CONFIG_FILE={}: line 2, column 1: not valid YAML", f.display())),
+        "{e}"
+    );
+    std::fs::write(&f, "local_cpu: true\nchunk_size:\n  - 256\n").unwrap();
     let e = kvconnect_lmcache::config::resolve(&Default::default(), &env).unwrap_err().to_string();
-    assert!(e.contains("'chunk_size' at") && e.contains("nested value"), "{e}");
+    assert!(
+        e.contains(&format!(
+            "chunk_size from LMCACHE_CONFIG_FILE {} line 2 must be a positive integer",
+            f.display()
+        )) && e.contains("got [256]"),
+        "{e}"
+    );
 }

@@ -116,6 +116,8 @@ pub fn render_adapters(n: &Negotiated) -> String {
 /// is an error (exit 2).
 pub fn run(args: &NegotiateArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Write) -> Result<u8> {
     let config = read_config(&args.kv_transfer_config)?;
+    let (config, notes) =
+        crate::deployment::lmcache_pd(config).map_err(|e| anyhow::anyhow!("--kv-transfer-config: {e}"))?;
     let model = read_model(&args.model)?;
     let opts = options(args)?;
     let (n, d) = match negotiate_worker(resolver, &config, &model, &opts, "worker") {
@@ -137,6 +139,9 @@ pub fn run(args: &NegotiateArgs, resolver: &dyn ConnectorResolver, out: &mut dyn
     let names: Vec<String> = n.children.iter().map(|c| format!("{} {}", c.name, c.version)).collect();
     writeln!(out, "model: {} ({})", model.name, args.model.display())?;
     writeln!(out, "connector: {} [{}]", config.kv_connector, names.join(", "))?;
+    for note in &notes {
+        writeln!(out, "note: {note}")?;
+    }
     writeln!(out, "effective layout:")?;
     if args.explain {
         for line in n.explain().lines() {

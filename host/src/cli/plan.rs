@@ -75,6 +75,7 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
             "prefill": side(&p.prefill),
             "decode": side(&p.decode),
             "diffs": p.diffs,
+            "notes": {"prefill": dep.prefill.notes, "decode": dep.decode.notes},
             "plan": p.outcome.as_ref().ok(),
             "error": p.outcome.as_ref().err().map(|e| e.to_string()),
         });
@@ -88,6 +89,9 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
     for (role, (n, d)) in [(Role::Prefill, &p.prefill), (Role::Decode, &p.decode)] {
         writeln!(out)?;
         writeln!(out, "{role}: {}", connectors_of(&dep, role, &p))?;
+        for note in &dep.role(role).notes {
+            writeln!(out, "  note: {note}")?;
+        }
         if args.explain {
             for line in n.explain().lines() {
                 writeln!(out, "  {line}")?;

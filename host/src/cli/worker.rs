@@ -179,6 +179,9 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         let json = std::fs::read_to_string(&d.model_path)
             .with_context(|| format!("model {}: cannot read it", d.model_path.display()))?;
         let rc = d.role(role).clone();
+        for note in &rc.notes {
+            tracing::info!("{note}");
+        }
         device_kv_available(&rc.options)?;
         prefix_caching |= rc.enable_prefix_caching;
         served = served.or(d.served_model_name.clone());
@@ -189,6 +192,11 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             bail!("say what to run: --deployment FILE --role prefill|decode, or --kv-transfer-config JSON --model CONFIG.json");
         };
         let config = KvTransferConfig::from_json(cfg).context("--kv-transfer-config")?;
+        let (config, notes) =
+            crate::deployment::lmcache_pd(config).map_err(|e| anyhow!("--kv-transfer-config: {e}"))?;
+        for note in &notes {
+            tracing::info!("{note}");
+        }
         let role = role_of(a, Some(&config))?;
         let json = std::fs::read_to_string(model_path)
             .with_context(|| format!("model {}: cannot read it", model_path.display()))?;
