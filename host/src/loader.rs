@@ -434,9 +434,9 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
             host_sdk: abi::SDK_VERSION.into(),
         });
     }
-    // SAFETY: magic, major, size and fingerprint all match: the plugin's descriptor has
-    // exactly this host's 1.0 layout (plus perhaps fields appended later, which we ignore).
-    let d: PluginDescriptor = unsafe { std::ptr::read(desc) };
+    // SAFETY: magic, major and fingerprint match, and the plugin declares `struct_size` bytes
+    // (at least the 1.0 descriptor): its layout is this host's for the fields both know.
+    let d: PluginDescriptor = unsafe { abi::read_declared(desc, struct_size) };
     let missing = |what: &'static str, entry: &'static str| LoadError::MissingEntry {
         path: shown.clone(),
         what,
@@ -473,10 +473,16 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     if wsize < abi::MIN_WORKER_VTABLE_SIZE {
         return Err(too_short("worker vtable", wsize, abi::MIN_WORKER_VTABLE_SIZE));
     }
-    // SAFETY: each vtable declares at least the 1.0 size, so reading the 1.0 struct is in
-    // bounds; it is 'static data in the plugin.
-    let (fvt, svt, wvt) =
-        unsafe { (std::ptr::read(d.factory), std::ptr::read(d.scheduler), std::ptr::read(d.worker)) };
+    // SAFETY: each vtable is 'static data in the plugin, `struct_size` bytes long as it
+    // declares (at least the 1.0 size); entries past that are absent, and entries of a newer
+    // minor than the host's are not read.
+    let (fvt, svt, wvt) = unsafe {
+        (
+            abi::read_declared(d.factory, fsize),
+            abi::read_declared(d.scheduler, ssize),
+            abi::read_declared(d.worker, wsize),
+        )
+    };
     let factory_vt = FactoryFns::check(&fvt).map_err(|e| missing("factory vtable", e))?;
     let scheduler_vt = SchedulerFns::check(&svt).map_err(|e| missing("scheduler vtable", e))?;
     let worker_vt = WorkerFns::check(&wvt).map_err(|e| missing("worker vtable", e))?;
