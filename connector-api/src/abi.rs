@@ -37,7 +37,8 @@ pub const ABI_MAGIC: u64 = u64::from_le_bytes(*b"KVCONNEC");
 /// Breaking changes bump the major; a host refuses a plugin of another major.
 pub const ABI_MAJOR: u16 = 1;
 /// Additions (entries appended to a vtable) bump the minor; a host accepts a newer minor.
-pub const ABI_MINOR: u16 = 0;
+/// 1.1 appended `FactoryVTable::child_capabilities`.
+pub const ABI_MINOR: u16 = 1;
 /// The kvconnect-api version this ABI comes from (what to rebuild a plugin against).
 pub const SDK_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The compiler that built this copy of the SDK (`rustc -V`), for messages only.
@@ -276,6 +277,16 @@ pub type InitFn = unsafe extern "C" fn(host: *const HostApi, err: *mut AbiBuffer
 /// `factory_new(out, err)`: creates the plugin's factory; `*out` is its handle.
 pub type FactoryNewFn = unsafe extern "C" fn(out: *mut *mut c_void, err: *mut AbiBuffer) -> Status;
 
+/// A factory query: `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty
+/// for none; `*out` = the answer, JSON.
+pub type FactoryQueryFn = unsafe extern "C" fn(
+    this: *mut c_void,
+    config: AbiBytes,
+    model: AbiBytes,
+    out: *mut AbiBuffer,
+    err: *mut AbiBuffer,
+) -> Status;
+
 /// What `kvconnect_plugin_entry` returns. The fields up to `rustc_version` are the fixed
 /// header: they never move, in any ABI version, so a host can name any plugin it refuses.
 #[repr(C)]
@@ -330,15 +341,7 @@ pub struct FactoryVTable {
         Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
     /// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty; `*out` = JSON
     /// `Capabilities`.
-    pub capabilities: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            config: AbiBytes,
-            model: AbiBytes,
-            out: *mut AbiBuffer,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
+    pub capabilities: Option<FactoryQueryFn>,
     /// `ctx` = JSON `ConnectorContext`; `*out` = the scheduler handle.
     pub create_scheduler: Option<
         unsafe extern "C" fn(
@@ -357,6 +360,10 @@ pub struct FactoryVTable {
             err: *mut AbiBuffer,
         ) -> Status,
     >,
+    /// Since 1.1. For a composite: `config`, `model` as for `capabilities`; `*out` = JSON
+    /// `Option<Vec<ChildCaps>>`, `null` for a plain connector. May be null (and is absent
+    /// from a 1.0 plugin): the host then takes the connector to have no children.
+    pub child_capabilities: Option<FactoryQueryFn>,
 }
 
 /// Scheduler-half entry points; `this` is a scheduler handle, used from one thread at a time.
@@ -612,9 +619,10 @@ impl FactoryVTable {
         struct_size: size_of::<FactoryVTable>(),
         free: Some(factory_free),
         info: Some(factory_info),
-        capabilities: Some(factory_capabilities),
+        capabilities: Some(factory_query::<CapabilitiesQuery>),
         create_scheduler: Some(factory_create_scheduler),
         create_worker: Some(factory_create_worker),
+        child_capabilities: Some(factory_query::<ChildCapabilitiesQuery>),
     };
 }
 
@@ -749,7 +757,49 @@ unsafe extern "C" fn factory_info(this: *mut c_void, out: *mut AbiBuffer, err: *
     finish(f.call("info", |c| Ok(c.info())).and_then(|i| write_json(f.name(), &i, out)), err, |()| ())
 }
 
-unsafe extern "C" fn factory_capabilities(
+/// A factory query that takes a config and a model and answers JSON: one shim,
+/// [`factory_query`], serves each.
+trait FactoryQuery {
+    const METHOD: &'static str;
+    type Answer: serde::Serialize;
+    fn ask(
+        c: &dyn crate::connector::ConnectorFactory,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> Result<Self::Answer, ConnectorError>;
+}
+
+/// `FactoryVTable::capabilities`.
+struct CapabilitiesQuery;
+impl FactoryQuery for CapabilitiesQuery {
+    const METHOD: &'static str = "capabilities";
+    type Answer = crate::Capabilities;
+    fn ask(
+        c: &dyn crate::connector::ConnectorFactory,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> Result<Self::Answer, ConnectorError> {
+        c.capabilities(config, model)
+    }
+}
+
+/// `FactoryVTable::child_capabilities`.
+struct ChildCapabilitiesQuery;
+impl FactoryQuery for ChildCapabilitiesQuery {
+    const METHOD: &'static str = "child_capabilities";
+    type Answer = Option<Vec<crate::negotiate::ChildCaps>>;
+    fn ask(
+        c: &dyn crate::connector::ConnectorFactory,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> Result<Self::Answer, ConnectorError> {
+        c.child_capabilities(config, model)
+    }
+}
+
+/// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty for none; `*out` =
+/// the answer of `Q`, JSON.
+unsafe extern "C" fn factory_query<Q: FactoryQuery>(
     this: *mut c_void,
     config: AbiBytes,
     model: AbiBytes,
@@ -762,8 +812,8 @@ unsafe extern "C" fn factory_capabilities(
         let config: KvTransferConfig = read_json(f.name(), "kv-transfer-config", config)?;
         let model: Option<ModelSpec> =
             if model.len == 0 { None } else { Some(read_json(f.name(), "model spec", model)?) };
-        let caps = f.call("capabilities", |c| c.capabilities(&config, model.as_ref()))?;
-        write_json(f.name(), &caps, out)
+        let answer = f.call(Q::METHOD, |c| Q::ask(c, &config, model.as_ref()))?;
+        write_json(f.name(), &answer, out)
     })();
     finish(r, err, |()| ())
 }
@@ -1047,9 +1097,10 @@ mod tests {
     }
 
     #[test]
-    fn minimum_sizes_cover_the_whole_1_0_structs() {
+    fn minimum_sizes_cover_the_1_0_entries() {
         assert_eq!(MIN_DESCRIPTOR_SIZE, size_of::<PluginDescriptor>());
-        assert_eq!(MIN_FACTORY_VTABLE_SIZE, size_of::<FactoryVTable>());
+        // 1.1 appended `child_capabilities`, which a host may find absent.
+        assert_eq!(MIN_FACTORY_VTABLE_SIZE, offset_of!(FactoryVTable, child_capabilities));
         assert_eq!(MIN_SCHEDULER_VTABLE_SIZE, size_of::<SchedulerVTable>());
         assert_eq!(MIN_WORKER_VTABLE_SIZE, size_of::<WorkerVTable>());
         assert_eq!(MIN_HOST_API_SIZE, size_of::<HostApi>());

@@ -14,6 +14,7 @@ use kvconnect_api::abi::{
     self, log_level, status, AbiBuffer, AbiBytes, FactoryVTable, HostApi, PluginDescriptor, ReceivedBuffer,
     SchedulerVTable, Status, WorkerVTable,
 };
+use kvconnect_api::negotiate::ChildCaps;
 use kvconnect_api::{
     BlockId, BlocksPerGroup, Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
     ConnectorResult, FinishedTransfers, KvEvent, KvRegion, KvTransferConfig, LayerId, MatchResult, ModelSpec,
@@ -607,18 +608,22 @@ unsafe extern "C" fn host_log(user_data: *const c_void, level: u32, target: AbiB
 }
 
 // ---------------------------------------------------------------------------------------
-// Checked vtables: every 1.0 entry present, copied out once.
+// Checked vtables: every 1.0 entry present, copied out once; a later minor's entries are
+// optional (absent from an older plugin), and each caller names its fallback.
 
 type ErrOut = *mut AbiBuffer;
 type Handle = *mut c_void;
 
 macro_rules! checked_vtable {
-    ($name:ident from $vt:ty { $($f:ident : $t:ty),* $(,)? }) => {
+    (
+        $name:ident from $vt:ty { $($f:ident : $t:ty),* $(,)? }
+        $(optional { $($o:ident : $ot:ty),* $(,)? })?
+    ) => {
         #[derive(Clone, Copy)]
-        struct $name { $($f: $t),* }
+        struct $name { $($f: $t,)* $($($o: Option<$ot>,)*)? }
         impl $name {
             fn check(vt: &$vt) -> Result<$name, &'static str> {
-                Ok($name { $($f: vt.$f.ok_or(stringify!($f))?),* })
+                Ok($name { $($f: vt.$f.ok_or(stringify!($f))?,)* $($($o: vt.$o,)*)? })
             }
         }
     };
@@ -627,9 +632,12 @@ macro_rules! checked_vtable {
 checked_vtable!(FactoryFns from FactoryVTable {
     free: unsafe extern "C" fn(Handle),
     info: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-    capabilities: unsafe extern "C" fn(Handle, AbiBytes, AbiBytes, *mut AbiBuffer, ErrOut) -> Status,
+    capabilities: abi::FactoryQueryFn,
     create_scheduler: unsafe extern "C" fn(Handle, AbiBytes, *mut Handle, ErrOut) -> Status,
     create_worker: unsafe extern "C" fn(Handle, AbiBytes, *mut Handle, ErrOut) -> Status,
+} optional {
+    // 1.1; absent: no children.
+    child_capabilities: abi::FactoryQueryFn,
 });
 
 checked_vtable!(SchedulerFns from SchedulerVTable {
@@ -790,6 +798,27 @@ impl ForeignFactory {
     fn name(&self) -> &str {
         &self.inner.lib.name
     }
+
+    /// Runs a capability-style query: config and model in, JSON out.
+    fn query<T: serde::de::DeserializeOwned>(
+        &self,
+        method: &str,
+        f: abi::FactoryQueryFn,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> ConnectorResult<T> {
+        let c = to_json(self.name(), config)?;
+        let m = match model {
+            Some(m) => to_json(self.name(), m)?,
+            None => Vec::new(),
+        };
+        // SAFETY: a live factory handle; argument bytes live across the call.
+        call_json(
+            || self.name(),
+            method,
+            |out, err| unsafe { f(self.inner.handle, bytes(&c), bytes(&m), out, err) },
+        )
+    }
 }
 
 impl ConnectorFactory for ForeignFactory {
@@ -802,18 +831,19 @@ impl ConnectorFactory for ForeignFactory {
         config: &KvTransferConfig,
         model: Option<&ModelSpec>,
     ) -> ConnectorResult<Capabilities> {
-        let c = to_json(self.name(), config)?;
-        let m = match model {
-            Some(m) => to_json(self.name(), m)?,
-            None => Vec::new(),
-        };
-        let f = self.inner.lib.factory_vt.capabilities;
-        // SAFETY: a live factory handle; argument bytes live across the call.
-        call_json(
-            || self.name(),
-            "capabilities",
-            |out, err| unsafe { f(self.inner.handle, bytes(&c), bytes(&m), out, err) },
-        )
+        self.query("capabilities", self.inner.lib.factory_vt.capabilities, config, model)
+    }
+
+    fn child_capabilities(
+        &self,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> ConnectorResult<Option<Vec<ChildCaps>>> {
+        match self.inner.lib.factory_vt.child_capabilities {
+            Some(f) => self.query("child_capabilities", f, config, model),
+            // A 1.0 plugin: the entry did not exist, so it is not a composite.
+            None => Ok(None),
+        }
     }
 
     fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {

@@ -85,7 +85,7 @@ fn struct_too_short_for_a_call_the_host_makes() {
     let line = refuse(&lib("short_vtable"));
     assert!(line.contains("its worker vtable is"), "{line}");
     assert!(line.contains("this host calls entries up to byte"), "{line}");
-    assert!(line.contains("plugin built for ABI 1.0"), "{line}");
+    assert!(line.contains("plugin built for ABI 1.1"), "{line}");
 }
 
 #[test]

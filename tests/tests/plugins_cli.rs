@@ -41,7 +41,7 @@ fn list_shows_builtins_and_plugins_and_one_line_per_refused_plugin() {
         "{stdout}"
     );
     let row = stdout.lines().find(|l| l.starts_with("example ")).unwrap_or_else(|| panic!("{stdout}"));
-    assert!(row.contains("dynamic") && row.contains("1.0") && row.contains("libexample.so"), "{row}");
+    assert!(row.contains("dynamic") && row.contains("1.1") && row.contains("libexample.so"), "{row}");
     assert!(row.contains("hma=no") && row.contains("mode=none"), "{row}");
     for b in ["nixl", "lmcache", "flexkv", "pd"] {
         assert!(
@@ -72,7 +72,7 @@ fn list_shows_builtins_and_plugins_and_one_line_per_refused_plugin() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let ex = v["connectors"].as_array().unwrap().iter().find(|c| c["name"] == "example").unwrap();
     assert_eq!(ex["origin"], "dynamic");
-    assert_eq!(ex["abi"], "1.0");
+    assert_eq!(ex["abi"], "1.1");
     assert_eq!(ex["sdk_version"], kvconnect_api::abi::SDK_VERSION);
     assert!(ex["summary"].as_str().unwrap().starts_with("hma=no"));
     assert!(ex["capabilities_error"].is_null());
@@ -119,6 +119,30 @@ fn inspect_a_plugin_by_path_with_config_and_model() {
         s.lines().any(|l| l.trim_start().starts_with("layout") && l.contains("rejects HND (LBHNC)")),
         "{s}"
     );
+}
+
+#[test]
+fn inspect_shows_a_composite_plugins_children() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = broken_plugin(tmp(), "composite", dir.path());
+    let out = kvconnect(&["plugins", "inspect", &lib.to_string_lossy(), "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["abi"], format!("{}.{}", kvconnect_api::abi::ABI_MAJOR, kvconnect_api::abi::ABI_MINOR));
+    let children = v["children"].as_array().unwrap_or_else(|| panic!("no children: {v}"));
+    let names: Vec<&str> = children.iter().map(|c| c["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["cache", "net"]);
+    for c in children {
+        assert_eq!(c["version"], "0.1.0");
+        assert!(c["summary"].as_str().unwrap().starts_with("hma=no"), "{c}");
+        assert_eq!(c["capabilities"]["transfer_mode"], "none");
+    }
+    // A plain plugin has none.
+    let plain = broken_plugin(tmp(), "method_panics", dir.path());
+    let out = kvconnect(&["plugins", "inspect", &plain.to_string_lossy(), "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["children"].is_null(), "{v}");
 }
 
 #[test]
