@@ -38,7 +38,11 @@ pub const ABI_MAGIC: u64 = u64::from_le_bytes(*b"KVCONNEC");
 pub const ABI_MAJOR: u16 = 1;
 /// Additions (entries appended to a vtable) bump the minor; a host accepts a newer minor.
 /// 1.1 appended `FactoryVTable::child_capabilities`.
+#[cfg(not(feature = "abi_1_0"))]
 pub const ABI_MINOR: u16 = 1;
+/// The minor as 1.0 defined the ABI (the test-only `abi_1_0` feature: see Cargo.toml).
+#[cfg(feature = "abi_1_0")]
+pub const ABI_MINOR: u16 = 0;
 /// The kvconnect-api version this ABI comes from (what to rebuild a plugin against).
 pub const SDK_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// The compiler that built this copy of the SDK (`rustc -V`), for messages only.
@@ -363,6 +367,7 @@ pub struct FactoryVTable {
     /// Since 1.1. For a composite: `config`, `model` as for `capabilities`; `*out` = JSON
     /// `Option<Vec<ChildCaps>>`, `null` for a plain connector. May be null (and is absent
     /// from a 1.0 plugin): the host then takes the connector to have no children.
+    #[cfg(not(feature = "abi_1_0"))]
     pub child_capabilities: Option<FactoryQueryFn>,
 }
 
@@ -622,6 +627,7 @@ impl FactoryVTable {
         capabilities: Some(factory_query::<CapabilitiesQuery>),
         create_scheduler: Some(factory_create_scheduler),
         create_worker: Some(factory_create_worker),
+        #[cfg(not(feature = "abi_1_0"))]
         child_capabilities: Some(factory_query::<ChildCapabilitiesQuery>),
     };
 }
@@ -784,7 +790,9 @@ impl FactoryQuery for CapabilitiesQuery {
 }
 
 /// `FactoryVTable::child_capabilities`.
+#[cfg(not(feature = "abi_1_0"))]
 struct ChildCapabilitiesQuery;
+#[cfg(not(feature = "abi_1_0"))]
 impl FactoryQuery for ChildCapabilitiesQuery {
     const METHOD: &'static str = "child_capabilities";
     type Answer = Option<Vec<crate::negotiate::ChildCaps>>;
@@ -1100,7 +1108,10 @@ mod tests {
     fn minimum_sizes_cover_the_1_0_entries() {
         assert_eq!(MIN_DESCRIPTOR_SIZE, size_of::<PluginDescriptor>());
         // 1.1 appended `child_capabilities`, which a host may find absent.
+        #[cfg(not(feature = "abi_1_0"))]
         assert_eq!(MIN_FACTORY_VTABLE_SIZE, offset_of!(FactoryVTable, child_capabilities));
+        #[cfg(feature = "abi_1_0")]
+        assert_eq!(MIN_FACTORY_VTABLE_SIZE, size_of::<FactoryVTable>());
         assert_eq!(MIN_SCHEDULER_VTABLE_SIZE, size_of::<SchedulerVTable>());
         assert_eq!(MIN_WORKER_VTABLE_SIZE, size_of::<WorkerVTable>());
         assert_eq!(MIN_HOST_API_SIZE, size_of::<HostApi>());
