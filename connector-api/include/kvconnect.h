@@ -1,5 +1,5 @@
 /*
- * kvconnect plugin ABI, version 1.0: the C view of kvconnect-api's `abi` module.
+ * kvconnect plugin ABI, version 1.1: the C view of kvconnect-api's `abi` module.
  *
  * A plugin is a shared library exporting
  *
@@ -28,7 +28,7 @@ extern "C" {
 #define KVC_ENTRY_SYMBOL "kvconnect_plugin_entry"
 #define KVC_ABI_MAGIC 0x43454e4e4f43564bULL /* "KVCONNEC" read as a little-endian u64 */
 #define KVC_ABI_MAJOR 1
-#define KVC_ABI_MINOR 0
+#define KVC_ABI_MINOR 1
 
 typedef int32_t kvc_status;
 #define KVC_OK 0
@@ -78,6 +78,10 @@ typedef struct kvc_factory_vtable {
     kvc_status (*capabilities)(void *self, kvc_bytes config, kvc_bytes model, kvc_buffer *out, kvc_buffer *err);
     kvc_status (*create_scheduler)(void *self, kvc_bytes ctx, void **out, kvc_buffer *err);
     kvc_status (*create_worker)(void *self, kvc_bytes ctx, void **out, kvc_buffer *err);
+    /* Since 1.1; may be NULL (the host then takes the connector to have no children). For a
+     * composite, `*out` = a JSON list of {name, version, caps}; `null` for a plain connector. */
+    kvc_status (*child_capabilities)(void *self, kvc_bytes config, kvc_bytes model, kvc_buffer *out,
+                                     kvc_buffer *err);
 } kvc_factory_vtable;
 
 typedef struct kvc_scheduler_vtable {

@@ -37,6 +37,11 @@ pub const ABI_MAGIC: u64 = u64::from_le_bytes(*b"KVCONNEC");
 /// Breaking changes bump the major; a host refuses a plugin of another major.
 pub const ABI_MAJOR: u16 = 1;
 /// Additions (entries appended to a vtable) bump the minor; a host accepts a newer minor.
+/// 1.1 appended `FactoryVTable::child_capabilities`.
+#[cfg(not(feature = "abi_1_0"))]
+pub const ABI_MINOR: u16 = 1;
+/// The minor as 1.0 defined the ABI (the test-only `abi_1_0` feature: see Cargo.toml).
+#[cfg(feature = "abi_1_0")]
 pub const ABI_MINOR: u16 = 0;
 /// The kvconnect-api version this ABI comes from (what to rebuild a plugin against).
 pub const SDK_VERSION: &str = env!("CARGO_PKG_VERSION");
@@ -276,6 +281,16 @@ pub type InitFn = unsafe extern "C" fn(host: *const HostApi, err: *mut AbiBuffer
 /// `factory_new(out, err)`: creates the plugin's factory; `*out` is its handle.
 pub type FactoryNewFn = unsafe extern "C" fn(out: *mut *mut c_void, err: *mut AbiBuffer) -> Status;
 
+/// A factory query: `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty
+/// for none; `*out` = the answer, JSON.
+pub type FactoryQueryFn = unsafe extern "C" fn(
+    this: *mut c_void,
+    config: AbiBytes,
+    model: AbiBytes,
+    out: *mut AbiBuffer,
+    err: *mut AbiBuffer,
+) -> Status;
+
 /// What `kvconnect_plugin_entry` returns. The fields up to `rustc_version` are the fixed
 /// header: they never move, in any ABI version, so a host can name any plugin it refuses.
 #[repr(C)]
@@ -330,15 +345,7 @@ pub struct FactoryVTable {
         Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
     /// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty; `*out` = JSON
     /// `Capabilities`.
-    pub capabilities: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            config: AbiBytes,
-            model: AbiBytes,
-            out: *mut AbiBuffer,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
+    pub capabilities: Option<FactoryQueryFn>,
     /// `ctx` = JSON `ConnectorContext`; `*out` = the scheduler handle.
     pub create_scheduler: Option<
         unsafe extern "C" fn(
@@ -357,6 +364,11 @@ pub struct FactoryVTable {
             err: *mut AbiBuffer,
         ) -> Status,
     >,
+    /// Since 1.1. For a composite: `config`, `model` as for `capabilities`; `*out` = JSON
+    /// `Option<Vec<ChildCaps>>`, `null` for a plain connector. May be null (and is absent
+    /// from a 1.0 plugin): the host then takes the connector to have no children.
+    #[cfg(not(feature = "abi_1_0"))]
+    pub child_capabilities: Option<FactoryQueryFn>,
 }
 
 /// Scheduler-half entry points; `this` is a scheduler handle, used from one thread at a time.
@@ -483,34 +495,40 @@ const fn mix(mut h: u64, x: usize) -> u64 {
     h
 }
 
-/// Folds the size and every field offset of a struct into the hash.
+/// Folds a struct's alignment, the offset of each listed field and the end of the last one
+/// into the hash. Only the fields ABI `.0` defined are listed, and the struct's total size is
+/// deliberately left out: entries appended in a later minor change neither.
 macro_rules! fold_struct {
-    ($h:ident, $t:ty; $($f:ident),* $(,)?) => {{
-        let mut h = mix($h, size_of::<$t>());
-        h = mix(h, core::mem::align_of::<$t>());
+    ($h:ident, $t:ty, $end:expr; $($f:ident),* $(,)?) => {{
+        let mut h = mix($h, core::mem::align_of::<$t>());
         $( h = mix(h, offset_of!($t, $f)); )*
-        h
+        mix(h, $end)
     }};
 }
 
-/// A hash of the size and field offsets of every ABI struct of this major version, as 1.0
-/// defined them. Fields appended in later minors are not part of it (the struct sizes guard
-/// those), so every 1.x plugin reports the same value on the same target; a different value
-/// means the plugin's idea of the structs differs from the host's (another target, a patched
-/// SDK).
+/// A hash of the layout of every ABI struct as this major's `.0` defined it: alignment, the
+/// offsets of the header and of the `.0` entries, and where the `.0` entries end. It does not
+/// cover the struct sizes, so entries appended in a later minor leave it unchanged: every 1.x
+/// plugin reports the same value on the same target, and a vtable's own `struct_size` says
+/// which entries it has. A different value means the plugin's idea of the structs differs
+/// from the host's (another target, a patched SDK).
 pub const LAYOUT_FINGERPRINT: u64 = {
     let h = mix(FNV_OFFSET, ABI_MAJOR as usize);
-    let h = fold_struct!(h, AbiBytes; ptr, len);
-    let h = fold_struct!(h, AbiBuffer; ptr, len, cap, free);
-    let h = fold_struct!(h, HostApi; struct_size, abi_major, abi_minor, max_log_level, user_data, log);
-    let h = fold_struct!(h, PluginDescriptor; magic, abi_major, abi_minor, struct_size, layout_fingerprint,
-        name, version, sdk_version, rustc_version, init, factory_new, factory, scheduler, worker);
-    let h = fold_struct!(h, FactoryVTable; struct_size, free, info, capabilities, create_scheduler, create_worker);
-    let h = fold_struct!(h, SchedulerVTable; struct_size, free, get_num_new_matched_tokens,
-        update_state_after_alloc, build_connector_meta, request_finished, take_events);
-    fold_struct!(h, WorkerVTable; struct_size, free, register_kv_caches, bind_connector_meta, start_load_kv,
-        wait_for_layer_load, save_kv_layer, wait_for_save, get_finished, block_ids_with_load_errors,
-        handshake_metadata, set_peer_handshake_metadata, shutdown)
+    let h = fold_struct!(h, AbiBytes, size_of::<AbiBytes>(); ptr, len);
+    let h = fold_struct!(h, AbiBuffer, size_of::<AbiBuffer>(); ptr, len, cap, free);
+    let h = fold_struct!(h, HostApi, MIN_HOST_API_SIZE; struct_size, abi_major, abi_minor, max_log_level,
+        user_data, log);
+    let h = fold_struct!(h, PluginDescriptor, MIN_DESCRIPTOR_SIZE; magic, abi_major, abi_minor, struct_size,
+        layout_fingerprint, name, version, sdk_version, rustc_version, init, factory_new, factory, scheduler,
+        worker);
+    let h = fold_struct!(h, FactoryVTable, MIN_FACTORY_VTABLE_SIZE; struct_size, free, info, capabilities,
+        create_scheduler, create_worker);
+    let h = fold_struct!(h, SchedulerVTable, MIN_SCHEDULER_VTABLE_SIZE; struct_size, free,
+        get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta, request_finished,
+        take_events);
+    fold_struct!(h, WorkerVTable, MIN_WORKER_VTABLE_SIZE; struct_size, free, register_kv_caches,
+        bind_connector_meta, start_load_kv, wait_for_layer_load, save_kv_layer, wait_for_save, get_finished,
+        block_ids_with_load_errors, handshake_metadata, set_peer_handshake_metadata, shutdown)
 };
 
 /// Bytes of the descriptor a host of this version reads (everything 1.0 defined).
@@ -524,6 +542,46 @@ pub const MIN_SCHEDULER_VTABLE_SIZE: usize = offset_of!(SchedulerVTable, take_ev
 pub const MIN_WORKER_VTABLE_SIZE: usize = offset_of!(WorkerVTable, shutdown) + size_of::<usize>();
 /// Bytes of the host API a plugin of this version reads.
 pub const MIN_HOST_API_SIZE: usize = offset_of!(HostApi, log) + size_of::<usize>();
+
+/// A versioned ABI struct: it starts with (or, for the descriptor, holds at a fixed offset)
+/// its own `struct_size`, and all-zero bytes are a valid value of it, in which every entry is
+/// absent (`None`, null).
+///
+/// # Safety
+/// Implement it only for `repr(C)` structs whose fields are integers, raw pointers, `AbiBytes`
+/// and `Option`s of function pointers, for which zero is a valid value.
+pub unsafe trait Versioned: Copy {}
+// SAFETY: integers, raw pointers, `AbiBytes` and `Option<fn>` only.
+unsafe impl Versioned for PluginDescriptor {}
+// SAFETY: as above.
+unsafe impl Versioned for FactoryVTable {}
+// SAFETY: as above.
+unsafe impl Versioned for SchedulerVTable {}
+// SAFETY: as above.
+unsafe impl Versioned for WorkerVTable {}
+
+/// Reads a versioned struct the other side declared `declared` bytes long, as this side
+/// defines it: the bytes the two have in common are copied, and the entries this side knows
+/// but the other side's (older) minor does not are absent. Entries the other side's (newer)
+/// minor appended are not read at all. This is how a host of any 1.x reads the descriptor and
+/// vtables of a plugin of any 1.x.
+///
+/// # Safety
+/// `src` must point to at least `declared` readable bytes.
+pub unsafe fn read_declared<T: Versioned>(src: *const T, declared: usize) -> T {
+    let mut v = core::mem::MaybeUninit::<T>::zeroed();
+    // Whole fields only: every entry is pointer-sized and pointer-aligned, so rounding down to
+    // the alignment never keeps half of one.
+    let n = declared.min(size_of::<T>()) & !(core::mem::align_of::<T>() - 1);
+    // SAFETY: `src` has `declared >= n` readable bytes (the caller's contract), the
+    // destination `size_of::<T>() >= n`; the two do not overlap (one is on our stack). Zero
+    // is valid for the bytes not copied (`Versioned`), and the copied prefix holds the other
+    // side's values of the same fields, so the result is a valid `T`.
+    unsafe {
+        core::ptr::copy_nonoverlapping(src as *const u8, v.as_mut_ptr() as *mut u8, n);
+        v.assume_init()
+    }
+}
 
 // ---------------------------------------------------------------------------------------
 // The plugin side: descriptor construction and the shims behind every vtable entry.
@@ -566,9 +624,11 @@ impl FactoryVTable {
         struct_size: size_of::<FactoryVTable>(),
         free: Some(factory_free),
         info: Some(factory_info),
-        capabilities: Some(factory_capabilities),
+        capabilities: Some(factory_query::<CapabilitiesQuery>),
         create_scheduler: Some(factory_create_scheduler),
         create_worker: Some(factory_create_worker),
+        #[cfg(not(feature = "abi_1_0"))]
+        child_capabilities: Some(factory_query::<ChildCapabilitiesQuery>),
     };
 }
 
@@ -703,7 +763,51 @@ unsafe extern "C" fn factory_info(this: *mut c_void, out: *mut AbiBuffer, err: *
     finish(f.call("info", |c| Ok(c.info())).and_then(|i| write_json(f.name(), &i, out)), err, |()| ())
 }
 
-unsafe extern "C" fn factory_capabilities(
+/// A factory query that takes a config and a model and answers JSON: one shim,
+/// [`factory_query`], serves each.
+trait FactoryQuery {
+    const METHOD: &'static str;
+    type Answer: serde::Serialize;
+    fn ask(
+        c: &dyn crate::connector::ConnectorFactory,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> Result<Self::Answer, ConnectorError>;
+}
+
+/// `FactoryVTable::capabilities`.
+struct CapabilitiesQuery;
+impl FactoryQuery for CapabilitiesQuery {
+    const METHOD: &'static str = "capabilities";
+    type Answer = crate::Capabilities;
+    fn ask(
+        c: &dyn crate::connector::ConnectorFactory,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> Result<Self::Answer, ConnectorError> {
+        c.capabilities(config, model)
+    }
+}
+
+/// `FactoryVTable::child_capabilities`.
+#[cfg(not(feature = "abi_1_0"))]
+struct ChildCapabilitiesQuery;
+#[cfg(not(feature = "abi_1_0"))]
+impl FactoryQuery for ChildCapabilitiesQuery {
+    const METHOD: &'static str = "child_capabilities";
+    type Answer = Option<Vec<crate::negotiate::ChildCaps>>;
+    fn ask(
+        c: &dyn crate::connector::ConnectorFactory,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> Result<Self::Answer, ConnectorError> {
+        c.child_capabilities(config, model)
+    }
+}
+
+/// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty for none; `*out` =
+/// the answer of `Q`, JSON.
+unsafe extern "C" fn factory_query<Q: FactoryQuery>(
     this: *mut c_void,
     config: AbiBytes,
     model: AbiBytes,
@@ -716,8 +820,8 @@ unsafe extern "C" fn factory_capabilities(
         let config: KvTransferConfig = read_json(f.name(), "kv-transfer-config", config)?;
         let model: Option<ModelSpec> =
             if model.len == 0 { None } else { Some(read_json(f.name(), "model spec", model)?) };
-        let caps = f.call("capabilities", |c| c.capabilities(&config, model.as_ref()))?;
-        write_json(f.name(), &caps, out)
+        let answer = f.call(Q::METHOD, |c| Q::ask(c, &config, model.as_ref()))?;
+        write_json(f.name(), &answer, out)
     })();
     finish(r, err, |()| ())
 }
@@ -1001,12 +1105,70 @@ mod tests {
     }
 
     #[test]
-    fn minimum_sizes_cover_the_whole_1_0_structs() {
+    fn minimum_sizes_cover_the_1_0_entries() {
         assert_eq!(MIN_DESCRIPTOR_SIZE, size_of::<PluginDescriptor>());
+        // 1.1 appended `child_capabilities`, which a host may find absent.
+        #[cfg(not(feature = "abi_1_0"))]
+        assert_eq!(MIN_FACTORY_VTABLE_SIZE, offset_of!(FactoryVTable, child_capabilities));
+        #[cfg(feature = "abi_1_0")]
         assert_eq!(MIN_FACTORY_VTABLE_SIZE, size_of::<FactoryVTable>());
         assert_eq!(MIN_SCHEDULER_VTABLE_SIZE, size_of::<SchedulerVTable>());
         assert_eq!(MIN_WORKER_VTABLE_SIZE, size_of::<WorkerVTable>());
         assert_eq!(MIN_HOST_API_SIZE, size_of::<HostApi>());
+    }
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct V10 {
+        struct_size: usize,
+        a: Option<extern "C" fn() -> Status>,
+    }
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct V11 {
+        struct_size: usize,
+        a: Option<extern "C" fn() -> Status>,
+        b: Option<extern "C" fn() -> Status>,
+    }
+
+    // SAFETY: a usize and `Option<fn>`s.
+    unsafe impl Versioned for V10 {}
+    // SAFETY: as above.
+    unsafe impl Versioned for V11 {}
+
+    extern "C" fn seven() -> Status {
+        7
+    }
+
+    #[test]
+    fn an_appended_entry_leaves_the_fingerprint_alone() {
+        let end = offset_of!(V10, a) + size_of::<usize>();
+        let h10 = fold_struct!(FNV_OFFSET, V10, end; struct_size, a);
+        let h11 = fold_struct!(FNV_OFFSET, V11, end; struct_size, a);
+        assert_eq!(h10, h11);
+        // Moving a 1.0 entry does change it.
+        let moved = fold_struct!(FNV_OFFSET, V11, end; struct_size, b);
+        assert_ne!(h10, moved);
+    }
+
+    #[test]
+    fn each_side_reads_the_entries_both_know() {
+        // A newer vtable read by an older side: the appended entry is not read.
+        let new = V11 { struct_size: size_of::<V11>(), a: Some(seven), b: Some(seven) };
+        // SAFETY: `new` is `struct_size` bytes long.
+        let old: V10 = unsafe { read_declared(&new as *const V11 as *const V10, new.struct_size) };
+        assert_eq!(old.a.map(|f| f()), Some(7));
+        // An older vtable read by a newer side: the entry it lacks is absent.
+        let old = V10 { struct_size: size_of::<V10>(), a: Some(seven) };
+        // SAFETY: `old` is `struct_size` bytes long; nothing past it is read.
+        let new: V11 = unsafe { read_declared(&old as *const V10 as *const V11, old.struct_size) };
+        assert_eq!(new.a.map(|f| f()), Some(7));
+        assert!(new.b.is_none());
+        // A size that cuts an entry in half drops the whole entry.
+        // SAFETY: as above, fewer bytes.
+        let cut: V11 = unsafe { read_declared(&old as *const V10 as *const V11, old.struct_size - 3) };
+        assert!(cut.a.is_none());
     }
 
     #[test]

@@ -14,6 +14,7 @@ use kvconnect_api::abi::{
     self, log_level, status, AbiBuffer, AbiBytes, FactoryVTable, HostApi, PluginDescriptor, ReceivedBuffer,
     SchedulerVTable, Status, WorkerVTable,
 };
+use kvconnect_api::negotiate::ChildCaps;
 use kvconnect_api::{
     BlockId, BlocksPerGroup, Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
     ConnectorResult, FinishedTransfers, KvEvent, KvRegion, KvTransferConfig, LayerId, MatchResult, ModelSpec,
@@ -434,9 +435,9 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
             host_sdk: abi::SDK_VERSION.into(),
         });
     }
-    // SAFETY: magic, major, size and fingerprint all match: the plugin's descriptor has
-    // exactly this host's 1.0 layout (plus perhaps fields appended later, which we ignore).
-    let d: PluginDescriptor = unsafe { std::ptr::read(desc) };
+    // SAFETY: magic, major and fingerprint match, and the plugin declares `struct_size` bytes
+    // (at least the 1.0 descriptor): its layout is this host's for the fields both know.
+    let d: PluginDescriptor = unsafe { abi::read_declared(desc, struct_size) };
     let missing = |what: &'static str, entry: &'static str| LoadError::MissingEntry {
         path: shown.clone(),
         what,
@@ -473,10 +474,16 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     if wsize < abi::MIN_WORKER_VTABLE_SIZE {
         return Err(too_short("worker vtable", wsize, abi::MIN_WORKER_VTABLE_SIZE));
     }
-    // SAFETY: each vtable declares at least the 1.0 size, so reading the 1.0 struct is in
-    // bounds; it is 'static data in the plugin.
-    let (fvt, svt, wvt) =
-        unsafe { (std::ptr::read(d.factory), std::ptr::read(d.scheduler), std::ptr::read(d.worker)) };
+    // SAFETY: each vtable is 'static data in the plugin, `struct_size` bytes long as it
+    // declares (at least the 1.0 size); entries past that are absent, and entries of a newer
+    // minor than the host's are not read.
+    let (fvt, svt, wvt) = unsafe {
+        (
+            abi::read_declared(d.factory, fsize),
+            abi::read_declared(d.scheduler, ssize),
+            abi::read_declared(d.worker, wsize),
+        )
+    };
     let factory_vt = FactoryFns::check(&fvt).map_err(|e| missing("factory vtable", e))?;
     let scheduler_vt = SchedulerFns::check(&svt).map_err(|e| missing("scheduler vtable", e))?;
     let worker_vt = WorkerFns::check(&wvt).map_err(|e| missing("worker vtable", e))?;
@@ -601,18 +608,22 @@ unsafe extern "C" fn host_log(user_data: *const c_void, level: u32, target: AbiB
 }
 
 // ---------------------------------------------------------------------------------------
-// Checked vtables: every 1.0 entry present, copied out once.
+// Checked vtables: every 1.0 entry present, copied out once; a later minor's entries are
+// optional (absent from an older plugin), and each caller names its fallback.
 
 type ErrOut = *mut AbiBuffer;
 type Handle = *mut c_void;
 
 macro_rules! checked_vtable {
-    ($name:ident from $vt:ty { $($f:ident : $t:ty),* $(,)? }) => {
+    (
+        $name:ident from $vt:ty { $($f:ident : $t:ty),* $(,)? }
+        $(optional { $($o:ident : $ot:ty),* $(,)? })?
+    ) => {
         #[derive(Clone, Copy)]
-        struct $name { $($f: $t),* }
+        struct $name { $($f: $t,)* $($($o: Option<$ot>,)*)? }
         impl $name {
             fn check(vt: &$vt) -> Result<$name, &'static str> {
-                Ok($name { $($f: vt.$f.ok_or(stringify!($f))?),* })
+                Ok($name { $($f: vt.$f.ok_or(stringify!($f))?,)* $($($o: vt.$o,)*)? })
             }
         }
     };
@@ -621,9 +632,12 @@ macro_rules! checked_vtable {
 checked_vtable!(FactoryFns from FactoryVTable {
     free: unsafe extern "C" fn(Handle),
     info: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-    capabilities: unsafe extern "C" fn(Handle, AbiBytes, AbiBytes, *mut AbiBuffer, ErrOut) -> Status,
+    capabilities: abi::FactoryQueryFn,
     create_scheduler: unsafe extern "C" fn(Handle, AbiBytes, *mut Handle, ErrOut) -> Status,
     create_worker: unsafe extern "C" fn(Handle, AbiBytes, *mut Handle, ErrOut) -> Status,
+} optional {
+    // 1.1; absent: no children.
+    child_capabilities: abi::FactoryQueryFn,
 });
 
 checked_vtable!(SchedulerFns from SchedulerVTable {
@@ -784,6 +798,27 @@ impl ForeignFactory {
     fn name(&self) -> &str {
         &self.inner.lib.name
     }
+
+    /// Runs a capability-style query: config and model in, JSON out.
+    fn query<T: serde::de::DeserializeOwned>(
+        &self,
+        method: &str,
+        f: abi::FactoryQueryFn,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> ConnectorResult<T> {
+        let c = to_json(self.name(), config)?;
+        let m = match model {
+            Some(m) => to_json(self.name(), m)?,
+            None => Vec::new(),
+        };
+        // SAFETY: a live factory handle; argument bytes live across the call.
+        call_json(
+            || self.name(),
+            method,
+            |out, err| unsafe { f(self.inner.handle, bytes(&c), bytes(&m), out, err) },
+        )
+    }
 }
 
 impl ConnectorFactory for ForeignFactory {
@@ -796,18 +831,19 @@ impl ConnectorFactory for ForeignFactory {
         config: &KvTransferConfig,
         model: Option<&ModelSpec>,
     ) -> ConnectorResult<Capabilities> {
-        let c = to_json(self.name(), config)?;
-        let m = match model {
-            Some(m) => to_json(self.name(), m)?,
-            None => Vec::new(),
-        };
-        let f = self.inner.lib.factory_vt.capabilities;
-        // SAFETY: a live factory handle; argument bytes live across the call.
-        call_json(
-            || self.name(),
-            "capabilities",
-            |out, err| unsafe { f(self.inner.handle, bytes(&c), bytes(&m), out, err) },
-        )
+        self.query("capabilities", self.inner.lib.factory_vt.capabilities, config, model)
+    }
+
+    fn child_capabilities(
+        &self,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> ConnectorResult<Option<Vec<ChildCaps>>> {
+        match self.inner.lib.factory_vt.child_capabilities {
+            Some(f) => self.query("child_capabilities", f, config, model),
+            // A 1.0 plugin: the entry did not exist, so it is not a composite.
+            None => Ok(None),
+        }
     }
 
     fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {

@@ -30,6 +30,22 @@ pub fn kvconnect_bin() -> PathBuf {
     bin
 }
 
+/// Runs `kvconnect ARGS` as a user would, with no plugin path from the environment and logging
+/// off, and waits for it.
+pub fn run_kvconnect(args: &[&str]) -> std::process::Output {
+    Command::new(kvconnect_bin())
+        .args(args)
+        .env_remove("KVCONNECT_PLUGIN_PATH")
+        .env("RUST_LOG", "off")
+        .output()
+        .expect("run kvconnect")
+}
+
+/// Bytes a command printed, as text.
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
 /// The workspace root (for fixtures).
 pub fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()

@@ -41,20 +41,38 @@ fn target_dir(tmp: &Path) -> PathBuf {
 /// Builds the example plugin's cdylib; returns its path.
 pub fn example_plugin(tmp: &Path) -> PathBuf {
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    build_example(tmp, &[])
+}
+
+/// Builds the example plugin against kvconnect-api's ABI as 1.0 defined it (the test-only
+/// `abi_1_0` feature) and returns a copy of it in `out_dir`, named `libexample_abi_1_0.so`.
+pub fn example_plugin_abi_1_0(tmp: &Path, out_dir: &Path) -> PathBuf {
+    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let built = build_example(tmp, &["--features", "kvconnect-api/abi_1_0"]);
+    let dst = out_dir.join("libexample_abi_1_0.so");
+    std::fs::copy(&built, &dst).expect("copy the 1.0 example plugin");
+    set_mode(&dst, 0o755);
+    dst
+}
+
+/// Builds `tests/fixtures/abi-host`, a minimal host that loads one plugin with the rules of
+/// the kvconnect-api it is built against (`args`: `--features abi_1_0` for a 1.0 host);
+/// returns the executable.
+pub fn abi_host(tmp: &Path, args: &[&str]) -> PathBuf {
+    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let src = fixture_source(tmp, "abi-host", &["src/main.rs"]);
+    build_locked(tmp, &src, &format!("kvconnect-abi-host{}", std::env::consts::EXE_SUFFIX), args).0
+}
+
+/// The caller holds `BUILD`. The library is overwritten by the next build with other
+/// features; callers that need it to stay copy it.
+fn build_example(tmp: &Path, features: &[&str]) -> PathBuf {
     let target = target_dir(tmp);
-    let ws = workspace_root();
-    cargo_cmd::run(
-        &[
-            "build",
-            "--offline",
-            "-p",
-            "kvconnect-plugin-example",
-            "--lib",
-            "--target-dir",
-            &target.to_string_lossy(),
-        ],
-        &ws,
-    );
+    let target_arg = target.to_string_lossy();
+    let mut args =
+        vec!["build", "--offline", "-p", "kvconnect-plugin-example", "--lib", "--target-dir", &target_arg];
+    args.extend_from_slice(features);
+    cargo_cmd::run(&args, &workspace_root());
     let lib = target.join("debug").join(lib_file("kvconnect_plugin_example"));
     assert!(lib.exists(), "{} was not built", lib.display());
     lib
@@ -64,8 +82,8 @@ pub fn example_plugin(tmp: &Path) -> PathBuf {
 /// `out_dir`.
 pub fn broken_plugin(tmp: &Path, defect: &str, out_dir: &Path) -> PathBuf {
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    let src = fixture_source(tmp);
-    let (built, _) = build_locked(tmp, &src, "kvconnect_broken_plugin", &["--features", defect]);
+    let src = fixture_source(tmp, "broken-plugins", &["src/lib.rs"]);
+    let (built, _) = build_locked(tmp, &src, &lib_file("kvconnect_broken_plugin"), &["--features", defect]);
     let dst = out_dir.join(format!("libbroken_{defect}.so"));
     std::fs::copy(&built, &dst).expect("copy the built fixture");
     set_mode(&dst, 0o755);
@@ -77,12 +95,13 @@ pub fn broken_plugin(tmp: &Path, defect: &str, out_dir: &Path) -> PathBuf {
 /// (`lib_name` is the crate's library name) and what cargo printed on stderr.
 pub fn external_plugin(tmp: &Path, src: &Path, lib_name: &str) -> (PathBuf, String) {
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
-    build_locked(tmp, src, lib_name, &[])
+    build_locked(tmp, src, &lib_file(lib_name), &[])
 }
 
 /// Locks the crate at `src` to the workspace's `Cargo.lock`, so it builds offline with exactly
-/// the crates the workspace build fetched, and builds it with `args`. The caller holds `BUILD`.
-fn build_locked(tmp: &Path, src: &Path, lib_name: &str, args: &[&str]) -> (PathBuf, String) {
+/// the crates the workspace build fetched, and builds it with `args`; returns the file
+/// `artifact` of the build. The caller holds `BUILD`.
+fn build_locked(tmp: &Path, src: &Path, artifact: &str, args: &[&str]) -> (PathBuf, String) {
     let target = target_dir(tmp);
     let lock = std::fs::read(workspace_root().join("Cargo.lock")).expect("read Cargo.lock");
     write_if_changed(&src.join("Cargo.lock"), &lock);
@@ -90,26 +109,25 @@ fn build_locked(tmp: &Path, src: &Path, lib_name: &str, args: &[&str]) -> (PathB
     let mut all = vec!["build", "--offline", "--target-dir", &target_arg];
     all.extend_from_slice(args);
     let out = cargo_cmd::run(&all, src);
-    let lib = target.join("debug").join(lib_file(lib_name));
-    assert!(lib.exists(), "{} was not built", lib.display());
-    (lib, String::from_utf8_lossy(&out.stderr).into_owned())
+    let built = target.join("debug").join(artifact);
+    assert!(built.exists(), "{} was not built", built.display());
+    (built, String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
-/// A copy of `tests/fixtures/broken-plugins` under `tmp`, depending on this checkout's
-/// kvconnect-api by absolute path, so nothing is written into the source tree.
-fn fixture_source(tmp: &Path) -> PathBuf {
+/// A copy of `tests/fixtures/<name>` (its manifest and `files`) under `tmp`, depending on
+/// this checkout's kvconnect-api by absolute path, so nothing is written into the source tree.
+fn fixture_source(tmp: &Path, name: &str, files: &[&str]) -> PathBuf {
     let ws = workspace_root();
-    let from = ws.join("tests/fixtures/broken-plugins");
-    let to = tmp.join("broken-plugin-src");
+    let from = ws.join("tests/fixtures").join(name);
+    let to = tmp.join(format!("{name}-src"));
     let api = ws.join("connector-api");
     let manifest = std::fs::read_to_string(from.join("Cargo.toml"))
         .expect("read the fixture manifest")
         .replace("path = \"../../../connector-api\"", &format!("path = {:?}", api.to_string_lossy()));
     write_if_changed(&to.join("Cargo.toml"), manifest.as_bytes());
-    write_if_changed(
-        &to.join("src/lib.rs"),
-        &std::fs::read(from.join("src/lib.rs")).expect("read the fixture source"),
-    );
+    for f in files {
+        write_if_changed(&to.join(f), &std::fs::read(from.join(f)).expect("read the fixture source"));
+    }
     to
 }
 

@@ -85,7 +85,7 @@ fn struct_too_short_for_a_call_the_host_makes() {
     let line = refuse(&lib("short_vtable"));
     assert!(line.contains("its worker vtable is"), "{line}");
     assert!(line.contains("this host calls entries up to byte"), "{line}");
-    assert!(line.contains("plugin built for ABI 1.0"), "{line}");
+    assert!(line.contains("plugin built for ABI 1.1"), "{line}");
 }
 
 #[test]
@@ -157,6 +157,11 @@ fn a_newer_minor_is_accepted() {
         format!("{}.{}", kvconnect_api::abi::ABI_MAJOR, kvconnect_api::abi::ABI_MINOR + 1)
     );
     assert_eq!(p.library.name(), "broken");
+    // Its worker vtable is longer than this host's; the host calls only the entries it knows.
+    let mut w = kvconnect_api::ConnectorFactory::create_worker(p.factory.as_ref(), &worker_ctx()).unwrap();
+    w.save_kv_layer(LayerId(0), &[BlockId(1)]).unwrap();
+    assert_eq!(w.handshake_metadata().unwrap(), Some(serde_json::json!(1)));
+    w.shutdown().unwrap();
 }
 
 #[test]

@@ -20,7 +20,8 @@ fn rust_values() -> Vec<(String, u64)> {
     layout!(v, "kvc_bytes", AbiBytes; ptr, len);
     layout!(v, "kvc_buffer", AbiBuffer; ptr, len, cap, free);
     layout!(v, "kvc_host_api", HostApi; struct_size, abi_major, abi_minor, max_log_level, user_data, log);
-    layout!(v, "kvc_factory_vtable", FactoryVTable; struct_size, free, info, capabilities, create_scheduler, create_worker);
+    layout!(v, "kvc_factory_vtable", FactoryVTable; struct_size, free, info, capabilities, create_scheduler, create_worker,
+        child_capabilities);
     layout!(v, "kvc_scheduler_vtable", SchedulerVTable; struct_size, free, get_num_new_matched_tokens,
         update_state_after_alloc, build_connector_meta, request_finished, take_events);
     layout!(v, "kvc_worker_vtable", WorkerVTable; struct_size, free, register_kv_caches, bind_connector_meta,

@@ -1,22 +1,8 @@
 //! `kvconnect plugins list | inspect` as a user runs them, against real plugin libraries.
 
 use kvconnect_tests::plugin_fixtures::{self, broken_plugin, copy_with_mode};
-use kvconnect_tests::{fixture_model, kvconnect_bin};
+use kvconnect_tests::{fixture_model, run_kvconnect, text};
 use std::path::Path;
-use std::process::{Command, Output};
-
-fn kvconnect(args: &[&str]) -> Output {
-    Command::new(kvconnect_bin())
-        .args(args)
-        .env_remove("KVCONNECT_PLUGIN_PATH")
-        .env("RUST_LOG", "off")
-        .output()
-        .unwrap()
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
 
 fn tmp() -> &'static Path {
     Path::new(env!("CARGO_TARGET_TMPDIR"))
@@ -32,7 +18,7 @@ fn list_shows_builtins_and_plugins_and_one_line_per_refused_plugin() {
     std::fs::write(dir.path().join("libnotes.so"), "notes").unwrap();
 
     let d = dir.path().to_string_lossy().into_owned();
-    let out = kvconnect(&["--plugin-dir", &d, "plugins", "list"]);
+    let out = run_kvconnect(&["--plugin-dir", &d, "plugins", "list"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
     let header = stdout.lines().next().unwrap();
@@ -41,7 +27,7 @@ fn list_shows_builtins_and_plugins_and_one_line_per_refused_plugin() {
         "{stdout}"
     );
     let row = stdout.lines().find(|l| l.starts_with("example ")).unwrap_or_else(|| panic!("{stdout}"));
-    assert!(row.contains("dynamic") && row.contains("1.0") && row.contains("libexample.so"), "{row}");
+    assert!(row.contains("dynamic") && row.contains("1.1") && row.contains("libexample.so"), "{row}");
     assert!(row.contains("hma=no") && row.contains("mode=none"), "{row}");
     for b in ["nixl", "lmcache", "flexkv", "pd"] {
         assert!(
@@ -67,12 +53,12 @@ fn list_shows_builtins_and_plugins_and_one_line_per_refused_plugin() {
         .any(|l| l.contains("libbroken_invalid_caps.so") && l.contains("both required and rejected")));
     assert!(lines.iter().any(|l| l.contains("libnotes.so: not a loadable shared library")), "{stderr}");
 
-    let out = kvconnect(&["--plugin-dir", &d, "plugins", "list", "--json"]);
+    let out = run_kvconnect(&["--plugin-dir", &d, "plugins", "list", "--json"]);
     assert!(out.status.success());
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let ex = v["connectors"].as_array().unwrap().iter().find(|c| c["name"] == "example").unwrap();
     assert_eq!(ex["origin"], "dynamic");
-    assert_eq!(ex["abi"], "1.0");
+    assert_eq!(ex["abi"], "1.1");
     assert_eq!(ex["sdk_version"], kvconnect_api::abi::SDK_VERSION);
     assert!(ex["summary"].as_str().unwrap().starts_with("hma=no"));
     assert!(ex["capabilities_error"].is_null());
@@ -92,7 +78,7 @@ fn inspect_a_plugin_by_path_with_config_and_model() {
     let model = fixture_model("Qwen--Qwen3-0.6B");
     let cfg =
         r#"{"kv_connector":"example","kv_role":"kv_both","kv_connector_extra_config":{"dir":"/tmp/x"}}"#;
-    let out = kvconnect(&[
+    let out = run_kvconnect(&[
         "plugins",
         "inspect",
         &lib.to_string_lossy(),
@@ -111,7 +97,7 @@ fn inspect_a_plugin_by_path_with_config_and_model() {
     assert_eq!(v["capabilities"]["layout"]["preferred"], serde_json::json!(["LBNHC"]));
     assert!(v["model"].is_string());
 
-    let out = kvconnect(&["plugins", "inspect", "FlexKVConnectorV1"]);
+    let out = run_kvconnect(&["plugins", "inspect", "FlexKVConnectorV1"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let s = text(&out.stdout);
     assert!(s.lines().any(|l| l.starts_with("name") && l.ends_with("flexkv")), "{s}");
@@ -122,8 +108,32 @@ fn inspect_a_plugin_by_path_with_config_and_model() {
 }
 
 #[test]
+fn inspect_shows_a_composite_plugins_children() {
+    let dir = tempfile::tempdir().unwrap();
+    let lib = broken_plugin(tmp(), "composite", dir.path());
+    let out = run_kvconnect(&["plugins", "inspect", &lib.to_string_lossy(), "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["abi"], format!("{}.{}", kvconnect_api::abi::ABI_MAJOR, kvconnect_api::abi::ABI_MINOR));
+    let children = v["children"].as_array().unwrap_or_else(|| panic!("no children: {v}"));
+    let names: Vec<&str> = children.iter().map(|c| c["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["cache", "net"]);
+    for c in children {
+        assert_eq!(c["version"], "0.1.0");
+        assert!(c["summary"].as_str().unwrap().starts_with("hma=no"), "{c}");
+        assert_eq!(c["capabilities"]["transfer_mode"], "none");
+    }
+    // A plain plugin has none.
+    let plain = broken_plugin(tmp(), "method_panics", dir.path());
+    let out = run_kvconnect(&["plugins", "inspect", &plain.to_string_lossy(), "--json"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["children"].is_null(), "{v}");
+}
+
+#[test]
 fn inspect_refuses_unknown_names_and_invalid_capabilities() {
-    let out = kvconnect(&["plugins", "inspect", "MooncakeConnector"]);
+    let out = run_kvconnect(&["plugins", "inspect", "MooncakeConnector"]);
     assert!(!out.status.success());
     let e = text(&out.stderr);
     assert!(e.contains("no connector named 'MooncakeConnector'") && e.contains("NixlConnector"), "{e}");
@@ -131,7 +141,7 @@ fn inspect_refuses_unknown_names_and_invalid_capabilities() {
 
     let dir = tempfile::tempdir().unwrap();
     let bad = broken_plugin(tmp(), "invalid_caps", dir.path());
-    let out = kvconnect(&["plugins", "inspect", &bad.to_string_lossy()]);
+    let out = run_kvconnect(&["plugins", "inspect", &bad.to_string_lossy()]);
     assert!(!out.status.success());
     let e = text(&out.stderr);
     assert!(

@@ -4,7 +4,7 @@
 
 use crate::loader::{self, LoaderOptions};
 use kvconnect_api::{
-    Capabilities, ConnectorError, ConnectorFactory, ConnectorInfo, KvTransferConfig, ModelSpec,
+    Capabilities, ChildCaps, ConnectorError, ConnectorFactory, ConnectorInfo, KvTransferConfig, ModelSpec,
 };
 use serde::{Deserialize, Serialize};
 use std::path::Path;
@@ -32,11 +32,13 @@ pub struct Loaded {
     pub info: ConnectorInfo,
     /// Its factory's answer, error included, exactly as the factory gave it.
     pub capabilities: Result<Capabilities, ConnectorError>,
+    /// Its children's capabilities for the same query (`None`: not a composite).
+    pub children: Result<Option<Vec<ChildCaps>>, ConnectorError>,
 }
 
 impl Answer {
-    /// Loads the plugin into this process (the query process) and asks it for its
-    /// capabilities for `config` (default: the plain config naming it) and `model`.
+    /// Loads the plugin into this process (the query process) and asks it for its own and its
+    /// children's capabilities for `config` (default: the plain config naming it) and `model`.
     pub fn ask(
         path: &Path,
         options: &LoaderOptions,
@@ -54,6 +56,7 @@ impl Answer {
             sdk_version: plugin.library.sdk_version().to_owned(),
             info: plugin.factory.info(),
             capabilities: plugin.factory.capabilities(&config, model),
+            children: plugin.factory.child_capabilities(&config, model),
             name,
         }))
     }
@@ -71,12 +74,19 @@ mod tests {
     use super::*;
 
     fn loaded(capabilities: Result<Capabilities, ConnectorError>) -> Answer {
+        let children = match &capabilities {
+            Ok(caps) => {
+                Ok(Some(vec![ChildCaps { name: "leaf".into(), version: "1".into(), caps: caps.clone() }]))
+            }
+            Err(_) => Ok(None),
+        };
         Answer::Loaded(Box::new(Loaded {
             name: "mine".into(),
             abi: "1.0".into(),
             sdk_version: "0.1.0".into(),
             info: ConnectorInfo { name: "mine".into(), version: "2.0".into(), description: "d".into() },
             capabilities,
+            children,
         }))
     }
 

@@ -6,8 +6,8 @@ use super::process::QueryProcess;
 use crate::loader::{LoadError, LoaderOptions};
 use crate::registry::{Entry, OpenPlugin, Origin};
 use kvconnect_api::{
-    Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo, ConnectorResult,
-    KvTransferConfig, ModelSpec, SchedulerConnector, WorkerConnector,
+    Capabilities, ChildCaps, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
+    ConnectorResult, KvTransferConfig, ModelSpec, SchedulerConnector, WorkerConnector,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -61,6 +61,20 @@ impl QueriedFactory {
     }
 }
 
+impl QueriedFactory {
+    /// The answer to a query for `config` and `model`: the opening query's when it asked the
+    /// same, else a new query process's.
+    fn answer(&self, config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Loaded> {
+        if model.is_none() && *config == self.asked {
+            return Ok(self.loaded.clone());
+        }
+        self.query.ask(&self.path, &self.options, Some(config), model).map_err(|e| ConnectorError::Other {
+            connector: self.loaded.name.clone(),
+            message: e.to_string(),
+        })
+    }
+}
+
 impl ConnectorFactory for QueriedFactory {
     fn info(&self) -> ConnectorInfo {
         self.loaded.info.clone()
@@ -71,15 +85,15 @@ impl ConnectorFactory for QueriedFactory {
         config: &KvTransferConfig,
         model: Option<&ModelSpec>,
     ) -> ConnectorResult<Capabilities> {
-        if model.is_none() && *config == self.asked {
-            return self.loaded.capabilities.clone();
-        }
-        match self.query.ask(&self.path, &self.options, Some(config), model) {
-            Ok(loaded) => loaded.capabilities,
-            Err(e) => {
-                Err(ConnectorError::Other { connector: self.loaded.name.clone(), message: e.to_string() })
-            }
-        }
+        self.answer(config, model).and_then(|loaded| loaded.capabilities)
+    }
+
+    fn child_capabilities(
+        &self,
+        config: &KvTransferConfig,
+        model: Option<&ModelSpec>,
+    ) -> ConnectorResult<Option<Vec<ChildCaps>>> {
+        self.answer(config, model).and_then(|loaded| loaded.children)
     }
 
     fn create_scheduler(&self, _ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
