@@ -27,6 +27,7 @@ fn caps(hma: bool, layout: LayoutConstraint, adapt: Option<AdaptCost>, mode: Tra
         heterogeneous_tp: false,
         mla: false,
         async_load: false,
+        carries_state: false,
     }
 }
 
@@ -73,6 +74,7 @@ fn model() -> ModelSpec {
         head_dim: 128,
         dtype: Some(Dtype::Bf16),
         layers,
+        state: None,
     }
 }
 

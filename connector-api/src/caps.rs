@@ -145,6 +145,15 @@ pub struct Capabilities {
     /// Loads complete asynchronously (reported through `get_finished`).
     #[serde(default)]
     pub async_load: bool,
+    /// Saves and loads the per-request state of state-space / linear-attention layers
+    /// (Mamba, Gated DeltaNet) with the KV, so a hybrid model's decode gets both. Left out
+    /// of the JSON when false, so hosts that predate it read such declarations unchanged.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub carries_state: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 fn one() -> u32 {
@@ -276,6 +285,7 @@ mod tests {
             heterogeneous_tp: false,
             mla: false,
             async_load: false,
+            carries_state: false,
         }
     }
 

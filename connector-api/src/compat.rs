@@ -2,8 +2,8 @@
 //! handshake, its hash, a field-level diff that carries both sides' provenance, and the
 //! adaptation plan the receiver applies when the sides differ only in adaptable fields.
 //!
-//! Strict fields (model, cache dtype, KV cache groups, transfer mode) must be equal; the
-//! compat hash covers exactly these. Adaptable fields (layout, block size, TP size) may
+//! Strict fields (model, cache dtype, KV cache groups, state groups, transfer mode) must be
+//! equal; the compat hash covers exactly these. Adaptable fields (layout, block size, TP size) may
 //! differ when the receiver can convert: any layout by a permutation of dimensions, block
 //! sizes when one divides the other, TP sizes when one divides the other and the transports
 //! on both sides declare `heterogeneous_tp` (otherwise they must be equal). HMA is
@@ -11,10 +11,11 @@
 //! attention kind are compatible.
 
 use crate::caps::TransferMode;
-use crate::layout::{EffectiveLayout, KvGroup, KvLayout};
+use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
 use crate::model::{Dtype, ModelSpec};
 use crate::negotiate::{
-    describe_groups_with, dtype_name, loads_across_tp, mode_name, EngineOptions, FieldProvenance, Negotiated,
+    describe_groups_with, describe_state_groups, dtype_name, loads_across_tp, mode_name, EngineOptions,
+    FieldProvenance, Negotiated,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -61,6 +62,9 @@ struct StrictFields<'a> {
     model_fingerprint: &'a str,
     cache_dtype: Dtype,
     kv_groups: &'a [KvGroup],
+    /// Left out when empty, so models without state layers hash as they always have.
+    #[serde(skip_serializing_if = "<[StateGroup]>::is_empty")]
+    state_groups: &'a [StateGroup],
     transfer_mode: TransferMode,
 }
 
@@ -87,6 +91,7 @@ impl CompatDescriptor {
             model_fingerprint: &self.model_fingerprint,
             cache_dtype: self.effective.cache_dtype,
             kv_groups: &self.effective.groups,
+            state_groups: &self.effective.state_groups,
             transfer_mode: self.effective.transfer_mode,
         };
         // Structs, enums, strings and integers only: serialising cannot fail; an empty
@@ -130,8 +135,8 @@ pub enum FieldClass {
 /// One field that differs between two descriptors, with both sides' values and reasons.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FieldDiff {
-    /// `model`, `cache_dtype`, `hma`, `kv_groups`, `transfer_mode`, `layout`, `block_size`
-    /// or `tp_size`.
+    /// `model`, `cache_dtype`, `hma`, `kv_groups`, `state_groups`, `transfer_mode`,
+    /// `layout`, `block_size` or `tp_size`.
     pub field: String,
     /// Strict or adaptable.
     pub class: FieldClass,
@@ -434,6 +439,22 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             );
         }
     }
+    // State groups follow from the model too; they differ only with a peer that does not
+    // describe them.
+    if same_model && ea.state_groups != eb.state_groups {
+        push(
+            "state_groups",
+            FieldClass::Strict,
+            describe_state_groups(&ea.state_groups),
+            a.why("state_groups"),
+            describe_state_groups(&eb.state_groups),
+            b.why("state_groups"),
+            format!(
+                "run the same kvconnect version on {ar} and {br}, with connectors that carry the per-request state of the state layers"
+            ),
+            String::new(),
+        );
+    }
     if ea.transfer_mode != eb.transfer_mode {
         push(
             "transfer_mode",
@@ -602,7 +623,7 @@ mod tests {
     use super::*;
     use crate::caps::{AdaptCost, Capabilities, KvRoleCap, LayoutConstraint, MemoryKind};
     use crate::ids::LayerId;
-    use crate::model::AttentionKind;
+    use crate::model::{AttentionKind, ModelSpec};
     use crate::negotiate::{negotiate, negotiate_deployment, ChildCaps, DecidedBy, HmaOption};
 
     fn caps(
@@ -625,6 +646,7 @@ mod tests {
             heterogeneous_tp: false,
             mla: false,
             async_load: false,
+            carries_state: false,
         }
     }
 
@@ -817,6 +839,30 @@ mod tests {
     }
 
     #[test]
+    fn state_groups_are_strict_and_hashed() {
+        let nemotron = ModelSpec::from_hf_config_json(include_str!(
+            "../../fixtures/models/nvidia--NVIDIA-Nemotron-3-Nano-30B-A3B-BF16/config.json"
+        ))
+        .unwrap();
+        let mut carrier = nixl();
+        carrier.caps.carries_state = true;
+        let a = desc(&nemotron, &opts(), std::slice::from_ref(&carrier));
+        assert!(a.strict_json().contains(r#""state_groups":[{"layers":[0,2,4,"#), "{}", a.strict_json());
+        assert!(a.strict_json().contains(r#""ssm_shape":[64,64,128],"ssm_dtype":"f32""#));
+        // A peer that does not describe the state (an older one) is refused on that field.
+        let mut b = a.clone();
+        b.effective.state_groups.clear();
+        assert_ne!(a.compat_hash(), b.compat_hash());
+        let e = check_roles(&a, &b).unwrap_err();
+        let d = e.diff_of("state_groups").unwrap();
+        assert_eq!(d.class, FieldClass::Strict);
+        assert_eq!(d.local, "1 group: mamba2 x23 (conv 3x6144 bf16, ssm 64x64x128 f32)");
+        assert_eq!(d.peer, "none");
+        // Models without state layers keep the hash they had (see golden_hash).
+        assert!(!desc(&qwen3(), &opts(), &[nixl()]).strict_json().contains("state_groups"));
+    }
+
+    #[test]
     fn permutation_maps_every_axis() {
         for from in KvLayout::all() {
             for to in [KvLayout::LBHNC, KvLayout::BLNHC, KvLayout::LBNHC] {
@@ -1001,6 +1047,7 @@ mod tests {
                     },
                     KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(1), LayerId(3)] },
                 ],
+                state_groups: vec![],
             },
             kv_heads: 8,
             tp_size: 1,

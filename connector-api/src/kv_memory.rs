@@ -226,6 +226,7 @@ mod tests {
             head_dim: 4,
             dtype: Some(Dtype::Bf16),
             layers: vec![AttentionKind::Full, AttentionKind::Full],
+            state: None,
         }
     }
 
@@ -238,6 +239,7 @@ mod tests {
             memory: MemoryKind::Host,
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
+            state_groups: vec![],
         }
     }
 

@@ -254,6 +254,17 @@ pub struct KvGroup {
     pub layers: Vec<crate::ids::LayerId>,
 }
 
+/// One state group: state-space or linear-attention layers that keep the same per-request
+/// state instead of KV blocks (vLLM's Mamba-style cache). Decode needs this state as much as
+/// the KV of the attention layers: a transport that moves only KV blocks leaves it behind.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StateGroup {
+    /// The layers, ascending.
+    pub layers: Vec<crate::ids::LayerId>,
+    /// Their state's shapes and dtypes; `None` when the config does not give them.
+    pub state: Option<crate::model::LayerState>,
+}
+
 /// The layout both sides of a deployment use, as plain values. Negotiation computes it
 /// (with provenance, in `negotiate`); connectors and the worker runtime read it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -272,6 +283,10 @@ pub struct EffectiveLayout {
     pub transfer_mode: crate::caps::TransferMode,
     /// KV cache groups (layers that hold no KV blocks are in none).
     pub groups: Vec<KvGroup>,
+    /// State groups: the state-space / linear-attention layers and their per-request state.
+    /// Empty for models without such layers (and then left out of the JSON).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub state_groups: Vec<StateGroup>,
 }
 
 #[cfg(test)]

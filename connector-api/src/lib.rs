@@ -43,8 +43,8 @@ pub use connector::{
 };
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
-pub use layout::{Dim, EffectiveLayout, KvGroup, KvLayout};
-pub use model::{AttentionKind, Dtype, ModelError, ModelSpec};
+pub use layout::{Dim, EffectiveLayout, KvGroup, KvLayout, StateGroup};
+pub use model::{AttentionKind, Dtype, LayerState, ModelError, ModelSpec, StateKind};
 pub use negotiate::{
     negotiate, negotiate_deployment, ChildCaps, Conflict, DecidedBy, EngineOptions, FieldProvenance,
     HmaOption, LayoutAdapter, Negotiated,

@@ -103,6 +103,46 @@ impl AttentionKind {
     }
 }
 
+/// Which mixer keeps a state-space or linear-attention layer's per-request state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateKind {
+    /// Mamba2 (Nemotron-H's `M` layers): a causal-conv window and the SSM state.
+    Mamba2,
+    /// Gated DeltaNet (Qwen3-Next's linear attention): a causal-conv window and the
+    /// delta-rule recurrent state.
+    GatedDeltaNet,
+}
+
+/// The state one state-space or linear-attention layer keeps per request instead of KV
+/// blocks (vLLM's Mamba-style cache), for the whole layer before any tensor-parallel split:
+/// the shapes of its two tensors and their dtypes, from the config.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct LayerState {
+    /// The mixer.
+    pub kind: StateKind,
+    /// The conv state: `[conv_kernel - 1, conv_dim]`.
+    pub conv_shape: Vec<u32>,
+    /// Element type of the conv state (the model's dtype).
+    pub conv_dtype: Dtype,
+    /// The recurrent state: Mamba2 `[num_heads, head_dim, ssm_state_size]`, Gated DeltaNet
+    /// `[num_value_heads, key_head_dim, value_head_dim]`.
+    pub ssm_shape: Vec<u32>,
+    /// Element type of the recurrent state (Mamba2's `mamba_ssm_cache_dtype`, else the
+    /// model's dtype).
+    pub ssm_dtype: Dtype,
+}
+
+impl LayerState {
+    /// Bytes of one request's state in one layer.
+    pub fn bytes(&self) -> u64 {
+        let elems = |shape: &[u32]| shape.iter().map(|d| u64::from(*d)).fold(1u64, u64::saturating_mul);
+        elems(&self.conv_shape)
+            .saturating_mul(self.conv_dtype.size() as u64)
+            .saturating_add(elems(&self.ssm_shape).saturating_mul(self.ssm_dtype.size() as u64))
+    }
+}
+
 /// The KV geometry of a model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelSpec {
@@ -118,6 +158,11 @@ pub struct ModelSpec {
     pub dtype: Option<Dtype>,
     /// The attention kind of every layer, `num_layers` entries.
     pub layers: Vec<AttentionKind>,
+    /// The per-request state of its state-space / linear-attention layers, when it has any
+    /// and the config gives their dimensions. Left out of the canonical JSON (and so of the
+    /// fingerprint) when `None`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<LayerState>,
 }
 
 /// A `config.json` that cannot be read as a model.
@@ -440,7 +485,8 @@ fn parse(root: Fields<'_>, text: Fields<'_>) -> Result<ModelSpec, ModelError> {
         None => (num_kv_heads, head_dim),
     };
 
-    Ok(ModelSpec { name, num_layers, num_kv_heads, head_dim, dtype, layers })
+    let state = if slots.slots.contains(&Slot::Linear) { read_state(text, dtype)? } else { None };
+    Ok(ModelSpec { name, num_layers, num_kv_heads, head_dim, dtype, layers, state })
 }
 
 /// `model_type (FirstArchitecture)`, or whichever of the two the config has.
@@ -483,6 +529,74 @@ fn read_dtype(f: Fields<'_>) -> Result<Option<Dtype>, ModelError> {
         }
     }
     Ok(found.map(|(_, _, d)| d))
+}
+
+/// The state of the state-space / linear-attention layers: Mamba2 when the config has
+/// `mamba_num_heads` (Nemotron-H), Gated DeltaNet when it has `linear_num_value_heads`
+/// (Qwen3-Next), `None` when it has neither. A mixer named by one field needs all of its
+/// dimensions; they are not guessed.
+fn read_state(f: Fields<'_>, dtype: Option<Dtype>) -> Result<Option<LayerState>, ModelError> {
+    let model_dtype = dtype.unwrap_or(Dtype::Bf16);
+    let overflow =
+        |field: &str| f.invalid(field, "the state dimensions it gives overflow 32 bits".to_owned());
+    let window = |field: &str| -> Result<u32, ModelError> {
+        let k = f.required(field, "set it to the causal convolution's kernel width")?;
+        if k < 2 {
+            return Err(
+                f.invalid(field, format!("a causal conv kernel keeps k - 1 past inputs; {k} keeps none"))
+            );
+        }
+        Ok(k - 1)
+    };
+    let state = |kind, past, conv_dim, ssm_shape, ssm_dtype| {
+        Ok(Some(LayerState {
+            kind,
+            conv_shape: vec![past, conv_dim],
+            conv_dtype: model_dtype,
+            ssm_shape,
+            ssm_dtype,
+        }))
+    };
+    if f.get("mamba_num_heads").is_some() {
+        let hint = "a Mamba2 layer's state needs it (the config has mamba_num_heads)";
+        let heads = f.required("mamba_num_heads", hint)?;
+        let head_dim = f.required("mamba_head_dim", hint)?;
+        let state_size = f.required("ssm_state_size", hint)?;
+        let groups = f.required("n_groups", hint)?;
+        let past = window("conv_kernel")?;
+        // vLLM's MambaMixer2: the conv runs over x (heads * head_dim) and B and C
+        // (n_groups * state_size each).
+        let conv_dim = heads
+            .checked_mul(head_dim)
+            .and_then(|x| groups.checked_mul(state_size)?.checked_mul(2)?.checked_add(x))
+            .ok_or_else(|| overflow("mamba_num_heads"))?;
+        let ssm_dtype = match f.string("mamba_ssm_cache_dtype")? {
+            None => model_dtype,
+            Some(s) if s.eq_ignore_ascii_case("auto") => model_dtype,
+            Some(s) => Dtype::from_hf_name(s).ok_or_else(|| {
+                f.invalid(
+                    "mamba_ssm_cache_dtype",
+                    format!("unknown dtype \"{s}\"; expected auto, float32, float16 or bfloat16"),
+                )
+            })?,
+        };
+        return state(StateKind::Mamba2, past, conv_dim, vec![heads, head_dim, state_size], ssm_dtype);
+    }
+    if f.get("linear_num_value_heads").is_some() {
+        let hint = "a Gated DeltaNet layer's state needs it (the config has linear_num_value_heads)";
+        let v_heads = f.required("linear_num_value_heads", hint)?;
+        let k_heads = f.required("linear_num_key_heads", hint)?;
+        let k_dim = f.required("linear_key_head_dim", hint)?;
+        let v_dim = f.required("linear_value_head_dim", hint)?;
+        let past = window("linear_conv_kernel_dim")?;
+        // The conv runs over q and k (key heads each) and v (value heads).
+        let conv_dim = k_heads
+            .checked_mul(k_dim)
+            .and_then(|qk| qk.checked_mul(2)?.checked_add(v_heads.checked_mul(v_dim)?))
+            .ok_or_else(|| overflow("linear_num_value_heads"))?;
+        return state(StateKind::GatedDeltaNet, past, conv_dim, vec![v_heads, k_dim, v_dim], model_dtype);
+    }
+    Ok(None)
 }
 
 /// DeepSeek's MLA dims, when the config has `kv_lora_rank`.
@@ -804,6 +918,11 @@ mod tests {
         assert_eq!(m.kv_bytes_per_token(Dtype::Bf16), 24_576);
         assert!(m.has_state_layers());
         assert!(!m.is_hybrid(), "only one KV-holding kind");
+        // Gated DeltaNet: conv over q, k (16 heads x 128 each) and v (32 x 128), kernel 4.
+        let st = m.state.unwrap();
+        assert_eq!(st.kind, StateKind::GatedDeltaNet);
+        assert_eq!((st.conv_shape, st.conv_dtype), (vec![3, 8192], Dtype::Bf16));
+        assert_eq!((st.ssm_shape, st.ssm_dtype), (vec![32, 128, 128], Dtype::Bf16));
     }
 
     #[test]
@@ -819,6 +938,39 @@ mod tests {
         assert!(m.has_state_layers());
         assert!(!m.is_hybrid());
         assert!(!AttentionKind::FeedForward.has_kv_blocks());
+        // Mamba2: conv over x (64 heads x 64) and B, C (8 groups x 128 each), kernel 4; the
+        // SSM state in the config's mamba_ssm_cache_dtype.
+        let st = m.state.clone().unwrap();
+        assert_eq!(st.kind, StateKind::Mamba2);
+        assert_eq!((st.conv_shape.clone(), st.conv_dtype), (vec![3, 6144], Dtype::Bf16));
+        assert_eq!((st.ssm_shape.clone(), st.ssm_dtype), (vec![64, 64, 128], Dtype::F32));
+        assert_eq!(st.bytes(), 3 * 6144 * 2 + 64 * 64 * 128 * 4);
+    }
+
+    #[test]
+    fn state_dimensions_are_read_not_guessed() {
+        // A mixer named by one field needs all of its dimensions.
+        let e = err(&edit(NEMOTRON, &[("ssm_state_size", None)]));
+        assert!(matches!(e, ModelError::Missing { .. }), "{e:?}");
+        assert_names(&e, "ssm_state_size");
+        assert_names(&err(&edit(QWEN3_NEXT, &[("linear_key_head_dim", None)])), "linear_key_head_dim");
+        assert_names(&err(&edit(NEMOTRON, &[("conv_kernel", Some(1.into()))])), "conv_kernel");
+        assert_names(
+            &err(&edit(NEMOTRON, &[("mamba_ssm_cache_dtype", Some("float64".into()))])),
+            "mamba_ssm_cache_dtype",
+        );
+        assert_names(&err(&edit(NEMOTRON, &[("mamba_num_heads", Some(u32::MAX.into()))])), "mamba_num_heads");
+        let auto = parse(&edit(NEMOTRON, &[("mamba_ssm_cache_dtype", Some("auto".into()))]));
+        assert_eq!(auto.state.unwrap().ssm_dtype, Dtype::Bf16, "auto is the model's dtype");
+        // State layers whose dimensions the config does not give have no known state.
+        let m = parse(
+            r#"{"num_hidden_layers":2,"num_attention_heads":2,"head_dim":64,
+               "layer_types":["linear_attention","full_attention"]}"#,
+        );
+        assert!(m.has_state_layers() && m.state.is_none());
+        // Models without state layers have none, and their canonical JSON does not mention it.
+        assert!(parse(QWEN3).state.is_none());
+        assert!(!serde_json::to_string(&parse(QWEN3)).unwrap().contains("state"));
     }
 
     #[test]
@@ -842,6 +994,7 @@ mod tests {
             head_dim: 4,
             dtype: Some(Dtype::Bf16),
             layers: vec![AttentionKind::SlidingWindow { window: 8 }, AttentionKind::Full],
+            state: None,
         };
         let canonical = r#"{"name":"t","num_layers":2,"num_kv_heads":1,"head_dim":4,"dtype":"bf16","layers":[{"kind":"sliding_window","window":8},{"kind":"full"}]}"#;
         assert_eq!(serde_json::to_string(&m).unwrap(), canonical);

@@ -9,8 +9,8 @@
 
 use crate::caps::{AdaptCost, Capabilities, MemoryKind, TransferMode};
 use crate::ids::LayerId;
-use crate::layout::{EffectiveLayout, KvGroup, KvLayout};
-use crate::model::{AttentionKind, Dtype, ModelSpec};
+use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
+use crate::model::{AttentionKind, Dtype, ModelSpec, StateKind};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -286,6 +286,22 @@ pub enum Conflict {
         /// Children without HMA.
         unsupported: Vec<String>,
     },
+    /// A model with state-space or linear-attention layers and children that do not carry
+    /// their per-request state: decode would get the KV of the attention layers and not the
+    /// recurrent state.
+    #[error("model '{model}' keeps per-request state in {state_layers} state-space/linear-attention layer(s) ({groups}), which decode needs besides the KV blocks, but {} not carry per-request state (carries_state); nothing would give decode that state. Remedy: {remedy}", list_does(.unsupported))]
+    StateUnsupported {
+        /// The model's name.
+        model: String,
+        /// How many layers keep state.
+        state_layers: u32,
+        /// The state groups, described (`1 group: mamba2 x23 (conv 3x6144 bf16, ...)`).
+        groups: String,
+        /// Children that do not carry state.
+        unsupported: Vec<String>,
+        /// What to change.
+        remedy: String,
+    },
     /// An MLA model with children that do not handle latent KV caches.
     #[error("model '{model}' uses MLA (latent KV), but {} not declare MLA support; remove {} or use a connector version that supports MLA", list_does(.unsupported), them(.unsupported))]
     MlaUnsupported {
@@ -512,6 +528,78 @@ pub fn describe_groups_with(groups: &[KvGroup], hma: bool) -> String {
         [one] if !hma => format!("1 group: all {} KV layers", one.layers.len()),
         _ => describe_groups(groups),
     }
+}
+
+/// The state groups as one short string:
+/// `1 group: mamba2 x23 (conv 3x6144 bf16, ssm 64x64x128 f32)`, or `none`.
+pub fn describe_state_groups(groups: &[StateGroup]) -> String {
+    if groups.is_empty() {
+        return "none".to_owned();
+    }
+    let dims = |v: &[u32]| v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("x");
+    let parts: Vec<String> = groups
+        .iter()
+        .map(|g| match &g.state {
+            Some(st) => format!(
+                "{} x{} (conv {} {}, ssm {} {})",
+                state_kind_name(st.kind),
+                g.layers.len(),
+                dims(&st.conv_shape),
+                dtype_name(st.conv_dtype),
+                dims(&st.ssm_shape),
+                dtype_name(st.ssm_dtype)
+            ),
+            None => format!("linear x{} (state shape not in the config)", g.layers.len()),
+        })
+        .collect();
+    format!("{} group{}: {}", groups.len(), if groups.len() == 1 { "" } else { "s" }, parts.join(", "))
+}
+
+fn state_kind_name(k: StateKind) -> &'static str {
+    match k {
+        StateKind::Mamba2 => "mamba2",
+        StateKind::GatedDeltaNet => "gated_delta_net",
+    }
+}
+
+/// The state groups a model gets: its state-space / linear-attention layers, which all keep
+/// the state the config describes, as one group; none without such layers.
+pub fn state_groups(model: &ModelSpec) -> Vec<StateGroup> {
+    let layers: Vec<LayerId> = (0u32..)
+        .zip(&model.layers)
+        .filter(|(_, k)| matches!(k, AttentionKind::Linear))
+        .map(|(i, _)| LayerId(i))
+        .collect();
+    if layers.is_empty() {
+        return Vec::new();
+    }
+    vec![StateGroup { layers, state: model.state.clone() }]
+}
+
+/// The state groups, and a refusal when a child cannot carry their state.
+fn decide_state(model: &ModelSpec, parties: &[Party]) -> Result<Option<Decided<Vec<StateGroup>>>, Conflict> {
+    let groups = state_groups(model);
+    if groups.is_empty() {
+        return Ok(None);
+    }
+    let state_layers = groups.iter().map(|g| g.layers.len() as u32).sum::<u32>();
+    let unsupported: Vec<&Party> = parties.iter().filter(|p| !p.caps.carries_state).collect();
+    if !unsupported.is_empty() {
+        return Err(Conflict::StateUnsupported {
+            model: model.name.clone(),
+            state_layers,
+            groups: describe_state_groups(&groups),
+            unsupported: labels(&unsupported),
+            remedy: format!(
+                "use connectors that declare carries_state (none of the built-in ones does yet), or serve this model without disaggregation (remove {})",
+                them(&labels(&unsupported))
+            ),
+        });
+    }
+    let reason = format!(
+        "model has {state_layers} state-space/linear-attention layer(s); every child carries their per-request state"
+    );
+    Ok(Some(decided(groups, DecidedBy::Model, reason)))
 }
 
 /// The KV cache groups as one short string: `2 groups: sliding_window(128) x12, full x12`.
@@ -1308,6 +1396,7 @@ fn decide_mode(parties: &[Party]) -> Result<Decided<TransferMode>, Conflict> {
 fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<Decision, Conflict> {
     check_inputs(model, opts, parties)?;
     let (hma, groups) = decide_hma(model, opts, parties)?;
+    let state = decide_state(model, parties)?;
     let (layout, adapters) = decide_layout(opts, parties)?;
     let block = decide_block_size(opts, parties)?;
     let dtype = decide_dtype(model, opts, parties)?;
@@ -1315,7 +1404,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     let mode = decide_mode(parties)?;
     let tp = decide_tp(opts, parties);
 
-    let provenance = vec![
+    let mut provenance = vec![
         field("layout", layout.value.display_name(), layout.by, layout.reason),
         field("hma", if hma.value { "on" } else { "off" }.to_owned(), hma.by, hma.reason),
         field("block_size", block.value.to_string(), block.by, block.reason),
@@ -1325,6 +1414,16 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
         field("kv_groups", describe_groups_with(&groups.value, hma.value), groups.by, groups.reason),
         field("tp_size", tp.value.to_string(), tp.by, tp.reason),
     ];
+    let state_groups = match state {
+        Some(st) => {
+            // Next to the KV cache groups.
+            let at =
+                provenance.iter().position(|p| p.field == "kv_groups").map_or(provenance.len(), |i| i + 1);
+            provenance.insert(at, field("state_groups", describe_state_groups(&st.value), st.by, st.reason));
+            st.value
+        }
+        None => Vec::new(),
+    };
     let effective = EffectiveLayout {
         layout: layout.value,
         hma: hma.value,
@@ -1333,6 +1432,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
         memory: memory.value,
         transfer_mode: mode.value,
         groups: groups.value,
+        state_groups,
     };
     Ok((effective, provenance, adapters))
 }
@@ -1509,6 +1609,7 @@ mod tests {
             heterogeneous_tp: false,
             mla: false,
             async_load: false,
+            carries_state: false,
         }
     }
 
@@ -1574,6 +1675,7 @@ mod tests {
             head_dim: 64,
             dtype,
             layers,
+            state: None,
         }
     }
 
@@ -1977,9 +2079,20 @@ mod tests {
         let e = negotiate(&with_linear(), &off, &[nixl()]).unwrap_err();
         assert!(e.to_string().contains("hybrid_kv_cache_manager=off was set: set it to auto or on"), "{e}");
 
-        let n = negotiate(&with_linear(), &opts(), &[nixl()]).unwrap();
+        // HMA alone is not enough: nixl does not carry the state layers' per-request state.
+        let e = negotiate(&with_linear(), &opts(), &[nixl()]).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s) (1 group: linear x36 (state shape not in the config)), which decode needs besides the KV blocks, but child 'nixl' does not carry per-request state (carries_state); nothing would give decode that state. Remedy: use connectors that declare carries_state (none of the built-in ones does yet), or serve this model without disaggregation (remove child 'nixl')"
+        );
+        let mut carrier = nixl();
+        carrier.caps.carries_state = true;
+        let n = negotiate(&with_linear(), &opts(), &[carrier]).unwrap();
         assert!(n.effective.hma);
         assert_eq!(prov(&n, "hma").decided_by, DecidedBy::Model);
+        assert_eq!(n.effective.state_groups.len(), 1);
+        assert_eq!(n.effective.state_groups[0].layers.len(), 36);
+        assert_eq!(prov(&n, "state_groups").value, "1 group: linear x36 (state shape not in the config)");
         // The linear layers are in no group; only the 12 full layers are.
         assert_eq!(n.effective.groups.len(), 1);
         assert_eq!(n.effective.groups[0].layers.len(), 12);

@@ -53,6 +53,7 @@ fn caps(hma: bool, layout: LayoutConstraint, adapt: Option<AdaptCost>, mode: Tra
         heterogeneous_tp: false,
         mla: false,
         async_load: false,
+        carries_state: false,
     }
 }
 
@@ -160,7 +161,7 @@ fn gpt_oss_dtype_defaults_to_bf16_with_the_reason() {
 }
 
 #[test]
-fn state_space_models_refuse_children_without_hma() {
+fn state_space_models_refuse_children_without_hma_or_state() {
     for m in [qwen3_next(), nemotron_h()] {
         let e = negotiate(&m, &opts(), &[lmcache(), nixl(&m)]).unwrap_err();
         assert!(
@@ -168,14 +169,42 @@ fn state_space_models_refuse_children_without_hma() {
             "{}: {e}",
             m.name
         );
-        let n = negotiate(&m, &opts(), &[nixl(&m)]).unwrap();
+        // With HMA, nixl still cannot give decode the state of the state layers.
+        let e = negotiate(&m, &opts(), &[nixl(&m)]).unwrap_err();
+        assert!(
+            matches!(&e, Conflict::StateUnsupported { unsupported, .. } if unsupported == &["child 'nixl'"]),
+            "{}: {e}",
+            m.name
+        );
+        // A transport that carries it negotiates, with the state groups beside the KV groups.
+        let mut carrier = nixl(&m);
+        carrier.caps.carries_state = true;
+        let n = negotiate(&m, &opts(), &[carrier]).unwrap();
+        let fields: Vec<&str> = n.provenance.iter().map(|p| p.field.as_str()).collect();
+        let at = fields.iter().position(|f| *f == "kv_groups").unwrap();
+        assert_eq!(fields[at + 1], "state_groups", "{fields:?}");
+        assert_eq!(n.effective.state_groups.len(), 1);
+        assert_eq!(n.effective.state_groups[0].state, m.state);
         assert!(n.effective.hma);
         assert_eq!(n.provenance_of("hma").unwrap().decided_by, DecidedBy::Model);
         let kv_layers = m.layers.iter().filter(|k| k.has_kv_blocks()).count();
         let grouped: usize = n.effective.groups.iter().map(|g| g.layers.len()).sum();
         assert_eq!(grouped, kv_layers, "{}", m.name);
         assert!(kv_layers < m.layers.len());
+        let stateful = m.layers.iter().filter(|k| matches!(k, AttentionKind::Linear)).count();
+        assert_eq!(n.effective.state_groups[0].layers.len(), stateful, "{}", m.name);
     }
+    let state = |m: &ModelSpec| {
+        let mut carrier = nixl(m);
+        carrier.caps.carries_state = true;
+        n_state(m, carrier)
+    };
+    assert_eq!(state(&nemotron_h()), "1 group: mamba2 x23 (conv 3x6144 bf16, ssm 64x64x128 f32)");
+    assert_eq!(state(&qwen3_next()), "1 group: gated_delta_net x36 (conv 3x8192 bf16, ssm 32x128x128 bf16)");
+}
+
+fn n_state(m: &ModelSpec, child: ChildCaps) -> String {
+    negotiate(m, &opts(), &[child]).unwrap().provenance_of("state_groups").unwrap().value.clone()
 }
 
 #[test]

@@ -71,16 +71,23 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     heterogeneous_tp: false,
                     mla,
                     async_load: false,
+                    carries_state: false,
                 }
             },
         )
 }
 
 fn children() -> impl Strategy<Value = Vec<ChildCaps>> {
-    prop::collection::vec(capabilities(), 0..4).prop_map(|v| {
+    // Half the time every child carries per-request state, so models with state layers
+    // negotiate too.
+    (prop::collection::vec(capabilities(), 0..4), any::<bool>()).prop_map(|(v, state)| {
         v.into_iter()
             .enumerate()
-            .map(|(i, caps)| ChildCaps { name: format!("c{i}"), version: "1".into(), caps })
+            .map(|(i, caps)| ChildCaps {
+                name: format!("c{i}"),
+                version: "1".into(),
+                caps: Capabilities { carries_state: state, ..caps },
+            })
             .collect()
     })
 }
@@ -106,6 +113,7 @@ fn model() -> impl Strategy<Value = ModelSpec> {
             head_dim: 128,
             dtype,
             layers,
+            state: None,
         })
 }
 
@@ -238,7 +246,14 @@ fn check_sound(
     }
     if m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)) {
         prop_assert!(e.hma);
+        prop_assert!(children.iter().all(|c| c.caps.carries_state));
     }
+    // State groups: every state layer, with the model's state.
+    let state_layers: Vec<u32> =
+        (0u32..).zip(&m.layers).filter(|(_, k)| matches!(k, AttentionKind::Linear)).map(|(i, _)| i).collect();
+    let grouped: Vec<u32> = e.state_groups.iter().flat_map(|g| g.layers.iter().map(|l| l.0)).collect();
+    prop_assert_eq!(grouped, state_layers);
+    prop_assert!(e.state_groups.iter().all(|g| g.state == m.state));
     // Groups: every KV layer exactly once, no other layer.
     let mut grouped: Vec<u32> = e.groups.iter().flat_map(|g| g.layers.iter().map(|l| l.0)).collect();
     grouped.sort_unstable();
@@ -315,6 +330,11 @@ fn check_conflict(
             prop_assert!(m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)))
         }
         Conflict::MlaUnsupported { .. } => prop_assert!(children.iter().any(|c| !c.caps.mla)),
+        Conflict::StateUnsupported { unsupported, .. } => {
+            prop_assert!(m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)));
+            prop_assert!(!unsupported.is_empty());
+            prop_assert!(children.iter().any(|c| !c.caps.carries_state));
+        }
         Conflict::TransferMode { pull, push } => prop_assert!(!pull.is_empty() && !push.is_empty()),
         Conflict::CacheDtype { violators, .. } | Conflict::Memory { violators, .. } => {
             prop_assert!(!violators.is_empty())
@@ -350,6 +370,7 @@ proptest! {
             head_dim: 64,
             dtype: Some(Dtype::Bf16),
             layers: vec![AttentionKind::Full; 4],
+            state: None,
         };
         let desc = |layout: KvLayout| {
             let o = EngineOptions { kv_cache_layout: Some(layout), ..EngineOptions::default() };

@@ -363,6 +363,7 @@ mod tests {
             head_dim: 8,
             dtype: Some(Dtype::F16),
             layers: vec![AttentionKind::Full; 3],
+            state: None,
         };
         for layout in [KvLayout::NHD, KvLayout::HND, KvLayout::BLNHC, KvLayout::BLHNC] {
             let eff = EffectiveLayout {
@@ -373,6 +374,7 @@ mod tests {
                 memory: MemoryKind::Device,
                 transfer_mode: TransferMode::None,
                 groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..3).map(LayerId).collect() }],
+                state_groups: vec![],
             };
             let shape = BlockShape::of(&model, &eff);
             let g = Geometry::new(shape, layout, regions(layout, 3, 9));

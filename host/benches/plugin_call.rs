@@ -54,6 +54,7 @@ fn ctx(dir: &Path) -> ConnectorContext {
             head_dim: 128,
             dtype: Some(Dtype::Bf16),
             layers: vec![AttentionKind::Full; LAYERS as usize],
+            state: None,
         },
         effective: EffectiveLayout {
             layout: KvLayout::HND,
@@ -63,6 +64,7 @@ fn ctx(dir: &Path) -> ConnectorContext {
             memory: MemoryKind::Host,
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
+            state_groups: vec![],
         },
         role: KvRole::Both,
         engine_id: "bench".into(),

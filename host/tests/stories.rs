@@ -212,6 +212,34 @@ fn one_kv_head_makes_nhd_and_hnd_the_same_bytes() {
 }
 
 #[test]
+fn hybrid_models_list_their_state_groups_and_are_refused_without_a_state_carrier() {
+    for (file, groups) in [
+        ("nemotron-h-state.toml", "23 state-space/linear-attention layer(s) (1 group: mamba2 x23 (conv 3x6144 bf16, ssm 64x64x128 f32))"),
+        (
+            "qwen3-next-state.toml",
+            "36 state-space/linear-attention layer(s) (1 group: gated_delta_net x36 (conv 3x8192 bf16, ssm 32x128x128 bf16))",
+        ),
+    ] {
+        for extra in [&[][..], &["--joint"][..]] {
+            let o = plan(file, extra);
+            assert_eq!(o.code, 1, "{file} {extra:?}:\n{}{}", o.stdout, o.stderr);
+            assert!(o.stdout.contains("NOT COMPATIBLE"), "{}", o.stdout);
+            assert!(o.stdout.contains(groups), "{file}: {}", o.stdout);
+            assert!(o.stdout.contains("does not carry per-request state (carries_state)"), "{}", o.stdout);
+            assert!(o.stdout.contains("Remedy: use connectors that declare carries_state"), "{}", o.stdout);
+        }
+        let o = plan(file, &[]);
+        assert!(o.stdout.contains("but child 'nixl' does not carry"), "{}", o.stdout);
+        let o = plan(file, &["--joint"]);
+        assert!(o.stdout.contains("but child 'nixl' (prefill and decode) does not carry"), "{}", o.stdout);
+    }
+    let o = kvconnect(&["plugins", "inspect", "nixl"]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    let row = o.stdout.lines().find(|l| l.trim_start().starts_with("carries_state")).unwrap_or_default();
+    assert!(row.ends_with("no"), "{}", o.stdout);
+}
+
+#[test]
 fn forcing_hma_on_with_a_child_that_lacks_it_names_the_child() {
     let o = plan("hma-forced-on.toml", &[]);
     assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);

@@ -9,8 +9,8 @@
 //! test is declared false in the connector instead.
 //!
 //! Claims are the capability fields that promise behaviour: `hma`, `layerwise`,
-//! `heterogeneous_tp`, `mla`, `async_load`, `adapt`, and each memory kind, transfer mode and
-//! role. Layout, block-size and dtype fields restrict rather than promise; negotiation checks
+//! `heterogeneous_tp`, `mla`, `async_load`, `adapt`, `carries_state`, and each memory kind,
+//! transfer mode and role. Layout, block-size and dtype fields restrict rather than promise; negotiation checks
 //! them. Claims that only builds with `--features cuda` declare (device memory) name the GPU
 //! tests that exercise them; this build checks that those tests exist.
 
@@ -117,6 +117,7 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         heterogeneous_tp,
         mla,
         async_load,
+        carries_state,
     } = c;
     let mut out = BTreeSet::new();
     for (on, name) in [
@@ -126,6 +127,7 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         (*mla, "mla"),
         (*async_load, "async_load"),
         (adapt.is_some(), "adapt"),
+        (*carries_state, "carries_state"),
     ] {
         if on {
             out.insert(name.to_owned());

@@ -132,6 +132,7 @@ fn worker_ctx() -> ConnectorContext {
             head_dim: 8,
             dtype: None,
             layers: vec![kvconnect_api::AttentionKind::Full; 2],
+            state: None,
         },
         effective: EffectiveLayout {
             layout: kvconnect_api::KvLayout::NHD,
@@ -141,6 +142,7 @@ fn worker_ctx() -> ConnectorContext {
             memory: MemoryKind::Host,
             transfer_mode: TransferMode::None,
             groups: vec![],
+            state_groups: vec![],
         },
         role: KvRole::Both,
         engine_id: "e".into(),

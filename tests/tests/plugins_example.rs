@@ -22,6 +22,7 @@ fn model() -> ModelSpec {
         head_dim: 4,
         dtype: Some(Dtype::F16),
         layers: vec![AttentionKind::Full; LAYERS as usize],
+        state: None,
     }
 }
 
@@ -39,6 +40,7 @@ fn ctx(dir: &Path) -> ConnectorContext {
             memory: MemoryKind::Host,
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
+            state_groups: vec![],
         },
         role: KvRole::Both,
         engine_id: "e0".into(),

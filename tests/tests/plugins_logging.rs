@@ -51,6 +51,7 @@ fn plugin_events_appear_in_the_host_subscriber() {
             head_dim: 8,
             dtype: None,
             layers: vec![kvconnect_api::AttentionKind::Full],
+            state: None,
         },
         effective: kvconnect_api::EffectiveLayout {
             layout: kvconnect_api::KvLayout::NHD,
@@ -60,6 +61,7 @@ fn plugin_events_appear_in_the_host_subscriber() {
             memory: kvconnect_api::MemoryKind::Host,
             transfer_mode: kvconnect_api::TransferMode::None,
             groups: vec![],
+            state_groups: vec![],
         },
         role: kvconnect_api::KvRole::Both,
         engine_id: "e".into(),

@@ -66,6 +66,7 @@ fn model() -> ModelSpec {
         head_dim: 128,
         dtype: Some(Dtype::Bf16),
         layers: vec![AttentionKind::Full; LAYERS as usize],
+        state: None,
     }
 }
 
@@ -78,6 +79,7 @@ fn eff(layout: KvLayout) -> EffectiveLayout {
         memory: MemoryKind::Host,
         transfer_mode: TransferMode::None,
         groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
+        state_groups: vec![],
     }
 }
 

@@ -219,6 +219,7 @@ mod tests {
             head_dim: 64,
             dtype: Some(Dtype::Bf16),
             layers: vec![AttentionKind::Full; 2],
+            state: None,
         };
         let eff = |layout| EffectiveLayout {
             layout,
@@ -228,6 +229,7 @@ mod tests {
             memory: MemoryKind::Host,
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
+            state_groups: vec![],
         };
         let shape = BlockShape::of(&model, &eff(KvLayout::HND));
         let len = 3 * shape.layer_block_bytes();

@@ -45,6 +45,7 @@ pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
         heterogeneous_tp: false,
         mla: false,
         async_load: true,
+        carries_state: false,
     }
 }
 

@@ -73,6 +73,7 @@ impl Engine {
             head_dim,
             dtype: Some(Dtype::Bf16),
             layers: vec![AttentionKind::Full; layers as usize],
+            state: None,
         };
         let effective = EffectiveLayout {
             layout: KvLayout::NHD,
@@ -82,6 +83,7 @@ impl Engine {
             memory: MemoryKind::Host,
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..layers).map(LayerId).collect() }],
+            state_groups: vec![],
         };
         let mut config = KvTransferConfig::named("LMCacheConnectorV1");
         config.kv_connector_extra_config = extra.as_object().cloned().unwrap();

@@ -38,6 +38,7 @@ pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> Co
         heterogeneous_tp: false,
         mla: true,
         async_load: false,
+        carries_state: false,
     })
 }
 

@@ -222,6 +222,7 @@ mod tests {
             head_dim: 8,
             dtype: Some(Dtype::F16),
             layers: vec![AttentionKind::Full; LAYERS as usize],
+            state: None,
         }
     }
 
@@ -234,6 +235,7 @@ mod tests {
             memory: MemoryKind::Host,
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
+            state_groups: vec![],
         }
     }
 

@@ -353,6 +353,7 @@ mod tests {
             head_dim: 8,
             dtype: Some(Dtype::F16),
             layers: vec![AttentionKind::Full; 2],
+            state: None,
         };
         let eff = EffectiveLayout {
             layout: KvLayout::NHD,
@@ -362,6 +363,7 @@ mod tests {
             memory: MemoryKind::Device,
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
+            state_groups: vec![],
         };
         let cl = ChunkLayout::new(&model, &eff, 64).unwrap();
         let grid = ChunkGrid::new(&cl, 64);

@@ -127,6 +127,7 @@ mod tests {
                 head_dim: 8,
                 dtype: Some(Dtype::Bf16),
                 layers: vec![AttentionKind::Full; 2],
+                state: None,
             },
             effective: EffectiveLayout {
                 layout: KvLayout::NHD,
@@ -136,6 +137,7 @@ mod tests {
                 memory: MemoryKind::Host,
                 transfer_mode: kvconnect_api::TransferMode::None,
                 groups: vec![],
+                state_groups: vec![],
             },
             role: KvRole::Both,
             engine_id: "e".into(),

@@ -36,5 +36,6 @@ pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> Co
         heterogeneous_tp: false,
         mla: true,
         async_load: true,
+        carries_state: false,
     })
 }

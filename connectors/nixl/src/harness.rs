@@ -18,6 +18,7 @@ pub fn model(layers: u32, kv_heads: u32, head_dim: u32) -> ModelSpec {
         head_dim,
         dtype: Some(Dtype::Bf16),
         layers: vec![AttentionKind::Full; layers as usize],
+        state: None,
     }
 }
 
@@ -31,6 +32,7 @@ pub fn effective(model: &ModelSpec, layout: KvLayout, block_size: u32) -> Effect
         memory: MemoryKind::Host,
         transfer_mode: TransferMode::Pull,
         groups: vec![KvGroup { kind: AttentionKind::Full, layers: model.kv_layers() }],
+        state_groups: vec![],
     }
 }
 

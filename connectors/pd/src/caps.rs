@@ -12,7 +12,7 @@ use kvconnect_api::{Capabilities, KvLayout, LayoutConstraint, TransferMode};
 
 /// Combines the children's capabilities, in child order.
 ///
-/// * HMA, heterogeneous TP, MLA: only if every child has it.
+/// * HMA, heterogeneous TP, MLA, carrying per-request state: only if every child has it.
 /// * Layout: the hard constraints of children that cannot adapt are intersected; a child
 ///   that can adapt (e.g. flexkv transposing on its copy path) does not narrow the set.
 ///   Preferred layouts are the children's, in child order, those needing no adapter first.
@@ -125,6 +125,7 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
         heterogeneous_tp: all(|c| c.heterogeneous_tp),
         mla: all(|c| c.mla),
         async_load: any(|c| c.async_load),
+        carries_state: all(|c| c.carries_state),
     })
 }
 
@@ -221,6 +222,7 @@ mod tests {
             heterogeneous_tp: false,
             mla: true,
             async_load: true,
+            carries_state: false,
         }
     }
 
@@ -347,6 +349,7 @@ mod props {
                     heterogeneous_tp: false,
                     mla: false,
                     async_load: false,
+                    carries_state: false,
                 }
             })
     }

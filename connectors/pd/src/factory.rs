@@ -160,6 +160,7 @@ mod tests {
             head_dim: 4,
             dtype: Some(Dtype::Bf16),
             layers: vec![AttentionKind::Full; 2],
+            state: None,
         }
     }
 
@@ -175,6 +176,7 @@ mod tests {
                 memory: MemoryKind::Host,
                 transfer_mode: TransferMode::Pull,
                 groups: vec![],
+                state_groups: vec![],
             },
             role: KvRole::Producer,
             engine_id: "e0".into(),

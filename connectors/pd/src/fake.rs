@@ -74,6 +74,7 @@ pub fn caps_any() -> Capabilities {
         heterogeneous_tp: true,
         mla: true,
         async_load: true,
+        carries_state: false,
     }
 }
 

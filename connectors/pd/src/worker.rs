@@ -277,6 +277,7 @@ mod props {
                     head_dim: 1,
                     dtype: None,
                     layers: vec![kvconnect_api::AttentionKind::Full],
+                    state: None,
                 },
                 effective: kvconnect_api::EffectiveLayout {
                     layout: kvconnect_api::KvLayout::HND,
@@ -286,6 +287,7 @@ mod props {
                     memory: kvconnect_api::MemoryKind::Host,
                     transfer_mode: kvconnect_api::TransferMode::Pull,
                     groups: vec![],
+                    state_groups: vec![],
                 },
                 role: kvconnect_api::KvRole::Producer,
                 engine_id: "e".into(),

@@ -320,6 +320,7 @@ fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {
         vec!["heterogeneous_tp".into(), yes(c.heterogeneous_tp)],
         vec!["mla".into(), yes(c.mla)],
         vec!["async_load".into(), yes(c.async_load)],
+        vec!["carries_state".into(), yes(c.carries_state)],
     ]
 }
 

@@ -37,6 +37,7 @@ pub fn local_effective_layout(
         memory: MemoryKind::Host,
         transfer_mode: TransferMode::None,
         groups,
+        state_groups: vec![],
     }
 }
 
@@ -405,6 +406,7 @@ mod tests {
                 AttentionKind::SlidingWindow { window: 8 },
                 AttentionKind::Full,
             ],
+            state: None,
         }
     }
 

@@ -93,6 +93,7 @@ impl ConnectorFactory for ExampleFactory {
             heterogeneous_tp: false,
             mla: true,
             async_load: false,
+            carries_state: false,
         })
     }
 

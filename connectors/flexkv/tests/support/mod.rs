@@ -26,6 +26,7 @@ pub fn model() -> ModelSpec {
         head_dim: DIM,
         dtype: Some(Dtype::Bf16),
         layers: vec![AttentionKind::Full, AttentionKind::FeedForward, AttentionKind::Full],
+        state: None,
     }
 }
 
@@ -38,6 +39,7 @@ pub fn effective(layout: KvLayout) -> EffectiveLayout {
         memory: MemoryKind::Host,
         transfer_mode: TransferMode::None,
         groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(2)] }],
+        state_groups: vec![],
     }
 }
 
@@ -58,6 +60,7 @@ pub fn negotiated_with_hnd_transport() -> EffectiveLayout {
         heterogeneous_tp: false,
         mla: false,
         async_load: true,
+        carries_state: false,
     };
     let children = [
         ChildCaps { name: "flexkv".into(), version: "0".into(), caps: flex },

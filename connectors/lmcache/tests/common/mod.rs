@@ -24,6 +24,7 @@ pub fn model() -> ModelSpec {
         head_dim: HEAD_DIM,
         dtype: Some(Dtype::F16),
         layers: vec![AttentionKind::Full; LAYERS as usize],
+        state: None,
     }
 }
 
@@ -36,6 +37,7 @@ pub fn effective(layout: KvLayout, block_size: u32) -> EffectiveLayout {
         memory: MemoryKind::Host,
         transfer_mode: TransferMode::None,
         groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
+        state_groups: vec![],
     }
 }
 
@@ -48,6 +50,7 @@ pub fn mla_model() -> ModelSpec {
         head_dim: 12,
         dtype: Some(Dtype::F16),
         layers: vec![AttentionKind::Mla { kv_lora_rank: 8, qk_rope_head_dim: 4 }; LAYERS as usize],
+        state: None,
     }
 }
 
