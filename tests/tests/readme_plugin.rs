@@ -83,6 +83,7 @@ fn context() -> ConnectorContext {
         head_dim: 4,
         dtype: Some(Dtype::F16),
         layers: vec![AttentionKind::Full],
+        state: None,
     };
     ConnectorContext {
         config: KvTransferConfig::named("mine"),

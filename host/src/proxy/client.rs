@@ -16,7 +16,7 @@ const MAX_RESPONSE: usize = 64 << 20;
 /// Why a request to a worker got no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// No connection.
+    /// No connection, or the connection went away before any answer.
     #[error("cannot connect to {addr}: {reason}; is the worker running?")]
     Connect {
         /// The worker's address.
@@ -115,12 +115,33 @@ async fn send(c: &Call<'_>) -> Result<hyper::Response<hyper::body::Incoming>, Cl
             addr: c.addr.to_owned(),
             reason: format!("no answer within {:?}", c.timeout),
         }),
-        Ok(Err(e)) if e.is_connect() => {
+        Ok(Err(e)) if e.is_connect() || dropped_unanswered(&e) => {
             Err(ClientError::Connect { addr: c.addr.to_owned(), reason: chain(&e) })
         }
         Ok(Err(e)) => Err(ClientError::Io { addr: c.addr.to_owned(), reason: chain(&e) }),
         Ok(Ok(r)) => Ok(r),
     }
+}
+
+/// The connection went away before any answer came (a worker killed while a kept-alive
+/// connection to it sat in the pool): reset, aborted, a broken pipe, or a message cut short.
+fn dropped_unanswered(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut at: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = at {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            use std::io::ErrorKind::*;
+            if matches!(io.kind(), ConnectionReset | ConnectionAborted | BrokenPipe | ConnectionRefused) {
+                return true;
+            }
+        }
+        if let Some(h) = err.downcast_ref::<hyper::Error>() {
+            if h.is_canceled() || h.is_incomplete_message() {
+                return true;
+            }
+        }
+        at = err.source();
+    }
+    false
 }
 
 /// An error with its sources, as one line.
