@@ -11,8 +11,8 @@
 //! wrong and what to do; the caller logs it and goes on with the next plugin.
 
 use kvconnect_api::abi::{
-    self, log_level, status, AbiBuffer, AbiBytes, FactoryVTable, HostApi, PluginDescriptor, ReceivedBuffer,
-    SchedulerVTable, Status, WorkerVTable,
+    self, log_level, status, AbiBuffer, AbiBytes, FactoryFns, HostApi, PluginDescriptor, ReceivedBuffer,
+    SchedulerFns, Status, WorkerFns,
 };
 use kvconnect_api::negotiate::ChildCaps;
 use kvconnect_api::{
@@ -608,61 +608,12 @@ unsafe extern "C" fn host_log(user_data: *const c_void, level: u32, target: AbiB
 }
 
 // ---------------------------------------------------------------------------------------
-// Checked vtables: every 1.0 entry present, copied out once; a later minor's entries are
-// optional (absent from an older plugin), and each caller names its fallback.
+// Checked vtables (`abi::{FactoryFns, SchedulerFns, WorkerFns}`): every 1.0 entry present,
+// copied out once; a later minor's entries are optional, and each caller applies the fallback
+// `abi::vtables` declares for it.
 
 type ErrOut = *mut AbiBuffer;
 type Handle = *mut c_void;
-
-macro_rules! checked_vtable {
-    (
-        $name:ident from $vt:ty { $($f:ident : $t:ty),* $(,)? }
-        $(optional { $($o:ident : $ot:ty),* $(,)? })?
-    ) => {
-        #[derive(Clone, Copy)]
-        struct $name { $($f: $t,)* $($($o: Option<$ot>,)*)? }
-        impl $name {
-            fn check(vt: &$vt) -> Result<$name, &'static str> {
-                Ok($name { $($f: vt.$f.ok_or(stringify!($f))?,)* $($($o: vt.$o,)*)? })
-            }
-        }
-    };
-}
-
-checked_vtable!(FactoryFns from FactoryVTable {
-    free: unsafe extern "C" fn(Handle),
-    info: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-    capabilities: abi::FactoryQueryFn,
-    create_scheduler: unsafe extern "C" fn(Handle, AbiBytes, *mut Handle, ErrOut) -> Status,
-    create_worker: unsafe extern "C" fn(Handle, AbiBytes, *mut Handle, ErrOut) -> Status,
-} optional {
-    // 1.1; absent: no children.
-    child_capabilities: abi::FactoryQueryFn,
-});
-
-checked_vtable!(SchedulerFns from SchedulerVTable {
-    free: unsafe extern "C" fn(Handle),
-    get_num_new_matched_tokens: unsafe extern "C" fn(Handle, AbiBytes, u64, *mut AbiBuffer, ErrOut) -> Status,
-    update_state_after_alloc: unsafe extern "C" fn(Handle, AbiBytes, AbiBytes, u64, ErrOut) -> Status,
-    build_connector_meta: unsafe extern "C" fn(Handle, AbiBytes, *mut AbiBuffer, ErrOut) -> Status,
-    request_finished: unsafe extern "C" fn(Handle, AbiBytes, AbiBytes, *mut AbiBuffer, ErrOut) -> Status,
-    take_events: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-});
-
-checked_vtable!(WorkerFns from WorkerVTable {
-    free: unsafe extern "C" fn(Handle),
-    register_kv_caches: unsafe extern "C" fn(Handle, AbiBytes, ErrOut) -> Status,
-    bind_connector_meta: unsafe extern "C" fn(Handle, AbiBytes, ErrOut) -> Status,
-    start_load_kv: unsafe extern "C" fn(Handle, ErrOut) -> Status,
-    wait_for_layer_load: unsafe extern "C" fn(Handle, u32, ErrOut) -> Status,
-    save_kv_layer: unsafe extern "C" fn(Handle, u32, *const u32, usize, ErrOut) -> Status,
-    wait_for_save: unsafe extern "C" fn(Handle, ErrOut) -> Status,
-    get_finished: unsafe extern "C" fn(Handle, *const AbiBytes, usize, *mut AbiBuffer, ErrOut) -> Status,
-    block_ids_with_load_errors: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-    handshake_metadata: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-    set_peer_handshake_metadata: unsafe extern "C" fn(Handle, AbiBytes, ErrOut) -> Status,
-    shutdown: unsafe extern "C" fn(Handle, ErrOut) -> Status,
-});
 
 // ---------------------------------------------------------------------------------------
 // Calling across: status codes, error buffers, JSON results.
