@@ -13,7 +13,8 @@
  * never move in any ABI version. Set `magic`, `abi_major`, `abi_minor` and
  * `layout_fingerprint` to the KVC_ constants below, `struct_size` to
  * sizeof(kvc_plugin_descriptor), each vtable's `struct_size` to the sizeof of its struct,
- * `sdk_version` to "kvconnect.h 1.1" and `rustc_version` to your compiler.
+ * `sdk_version` to "kvconnect.h 1.1" (the host names it when it refuses the
+ * plugin) and `rustc_version` to your compiler.
  *
  * Every entry returns a kvc_status: KVC_OK, or the kind of error with a JSON-encoded error in
  * `*err` (`{"InvalidConfig":{"connector":"x","message":"..."}}`, kvconnect-api's

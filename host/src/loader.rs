@@ -95,7 +95,7 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// Another ABI major.
-    #[error("plugin {path}: built for kvconnect ABI {plugin_major}.x (kvconnect-api {plugin_sdk}), this host speaks {host_major}.x — rebuild it against kvconnect-api {host_sdk}")]
+    #[error("plugin {path}: built for kvconnect ABI {plugin_major}.x ({}), this host speaks {host_major}.x — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     AbiMajor {
         /// The file.
         path: String,
@@ -109,7 +109,7 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A struct shorter than what the host calls.
-    #[error("plugin {path}: its {what} is {found} bytes but this host calls entries up to byte {needed} (plugin built for ABI {plugin_major}.{plugin_minor} with kvconnect-api {plugin_sdk}, this host speaks {host_major}.{host_minor}) — rebuild it against kvconnect-api {host_sdk}")]
+    #[error("plugin {path}: its {what} is {found} bytes but this host calls entries up to byte {needed} (plugin built for ABI {plugin_major}.{plugin_minor} with {}, this host speaks {host_major}.{host_minor}) — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     TooShort {
         /// The file.
         path: String,
@@ -133,7 +133,7 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A layout fingerprint that is not ABI 1's.
-    #[error("plugin {path}: ABI layout fingerprint {found:#018x} is not the {expected:#018x} that ABI {host_major}.x has on this host (plugin built for ABI {plugin_major}.{plugin_minor} with kvconnect-api {plugin_sdk} by {plugin_rustc}): it was built for another target or against a modified kvconnect-api — rebuild it for this target against kvconnect-api {host_sdk}")]
+    #[error("plugin {path}: ABI layout fingerprint {found:#018x} is not the {expected:#018x} that ABI {host_major}.x has on this host (plugin built for ABI {plugin_major}.{plugin_minor} with {} by {plugin_rustc}): it was built for another target or against a modified kvconnect-api or header — {} for this target", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     Fingerprint {
         /// The file.
         path: String,
@@ -155,8 +155,10 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A required entry point is null.
-    #[error("plugin {path}: its {what} has no `{entry}` entry, which ABI {major}.0 requires — rebuild it against kvconnect-api {host_sdk}")]
+    #[error("plugin {path}: its {what} has no `{entry}` entry, which ABI {major}.0 requires — {}", rebuild(.plugin_sdk, .host_sdk))]
     MissingEntry {
+        /// The plugin's SDK version (`kvconnect.h M.N` for a C plugin).
+        plugin_sdk: String,
         /// The file.
         path: String,
         /// Which struct.
@@ -214,6 +216,32 @@ pub enum LoadError {
         /// The whole line: the file, what happened, what to do.
         message: String,
     },
+}
+
+/// The prefix a C plugin's `sdk_version` starts with (`kvconnect.h 1.1`), as kvconnect.h asks.
+const C_HEADER_SDK: &str = "kvconnect.h";
+
+/// What a plugin was built with, as a message names it.
+fn built_with(plugin_sdk: &str) -> String {
+    if plugin_sdk.starts_with(C_HEADER_SDK) {
+        plugin_sdk.to_owned()
+    } else {
+        format!("kvconnect-api {plugin_sdk}")
+    }
+}
+
+/// What to rebuild a plugin against: the C header of this host's ABI for a C plugin, else
+/// this host's kvconnect-api.
+fn rebuild(plugin_sdk: &str, host_sdk: &str) -> String {
+    if plugin_sdk.starts_with(C_HEADER_SDK) {
+        format!(
+            "rebuild it against {C_HEADER_SDK} {}.{} (connector-api/include/kvconnect.h of kvconnect-api {host_sdk})",
+            abi::ABI_MAJOR,
+            abi::ABI_MINOR
+        )
+    } else {
+        format!("rebuild it against kvconnect-api {host_sdk}")
+    }
 }
 
 impl LoadError {
@@ -439,6 +467,7 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     // (at least the 1.0 descriptor): its layout is this host's for the fields both know.
     let d: PluginDescriptor = unsafe { abi::read_declared(desc, struct_size) };
     let missing = |what: &'static str, entry: &'static str| LoadError::MissingEntry {
+        plugin_sdk: plugin_sdk.clone(),
         path: shown.clone(),
         what,
         entry,
@@ -1058,6 +1087,27 @@ mod tests {
         assert_eq!(names, ["liba.so", "libb.so.1", "libc.dylib", "notes.txt"]);
         assert_eq!(errors.len(), 1);
         assert!(errors[0].to_string().contains("cannot read it"), "{}", errors[0]);
+    }
+
+    #[test]
+    fn refusals_of_a_c_plugin_name_the_header_version() {
+        let e = |plugin_sdk: &str| LoadError::AbiMajor {
+            path: "libc.so".into(),
+            plugin_major: 2,
+            plugin_sdk: plugin_sdk.into(),
+            host_major: 1,
+            host_sdk: "0.1.0".into(),
+        };
+        let c = e("kvconnect.h 2.0").to_string();
+        assert!(c.contains("ABI 2.x (kvconnect.h 2.0)"), "{c}");
+        assert!(
+            c.contains(&format!("rebuild it against kvconnect.h {}.{}", abi::ABI_MAJOR, abi::ABI_MINOR)),
+            "{c}"
+        );
+        let rust = e("0.2.0").to_string();
+        assert!(
+            rust.contains("(kvconnect-api 0.2.0)") && rust.contains("rebuild it against kvconnect-api 0.1.0")
+        );
     }
 
     #[test]
