@@ -21,6 +21,8 @@
 //! `include/kvconnect.h` is the same ABI for C and C++, written from these definitions by
 //! [`c_header`]; a test keeps the checked-in file equal to it and checks its sizes and offsets.
 
+#![allow(unsafe_code)] // The C ABI itself: raw pointers and function pointers that cross to another library.
+
 use crate::connector::{BlocksPerGroup, ConnectorContext, Request, StepInfo};
 use crate::error::ConnectorError;
 use crate::ids::{BlockId, LayerId, RequestId};
