@@ -10,6 +10,8 @@
 //! Every check failure is a [`LoadError`] that prints as one line naming the file, what is
 //! wrong and what to do; the caller logs it and goes on with the next plugin.
 
+#![allow(unsafe_code)] // Opens plugin libraries and calls the C ABI they export.
+
 use kvconnect_api::abi::{
     self, log_level, status, AbiBuffer, AbiBytes, FactoryFns, HostApi, PluginDescriptor, ReceivedBuffer,
     SchedulerFns, Status, WorkerFns,
