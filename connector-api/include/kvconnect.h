@@ -1,19 +1,31 @@
 /*
  * kvconnect plugin ABI, version 1.1: the C view of kvconnect-api's `abi` module.
  *
+ * Written by kvconnect_api::abi::c_header() from the Rust definitions; do not edit.
+ * tests/tests/plugins_c_header.rs rewrites it when they change (and fails, so the change is
+ * seen), and compiles it to check every size and offset.
+ *
  * A plugin is a shared library exporting
  *
  *     const kvc_plugin_descriptor *kvconnect_plugin_entry(void);
  *
- * The descriptor's fields up to `rustc_version` never move in any ABI version. Every entry
- * returns a kvc_status: KVC_OK, or the kind of error with a JSON-encoded error in `*err`
- * (`{"InvalidConfig":{"connector":"x","message":"..."}}`, kvconnect-api's ConnectorError).
- * A buffer is freed by the side that allocated it, by calling its own `free`. Setup-time
- * values (configs, capabilities, model, context, regions, handshake metadata) are JSON;
- * per-step calls take plain arrays. An entry must never unwind or throw into its caller.
+ * returning a descriptor that lives as long as the process. Its fields up to `rustc_version`
+ * never move in any ABI version. Set `magic`, `abi_major`, `abi_minor` and
+ * `layout_fingerprint` to the KVC_ constants below, `struct_size` to
+ * sizeof(kvc_plugin_descriptor), each vtable's `struct_size` to the sizeof of its struct,
+ * `sdk_version` to "kvconnect.h 1.1" (the host names it when it refuses the
+ * plugin) and `rustc_version` to your compiler.
  *
- * Hand-maintained; tests/tests/plugins_c_header.rs compiles it and checks every size and
- * offset against the Rust definitions, so it cannot drift.
+ * Every entry returns a kvc_status: KVC_OK, or the kind of error with a JSON-encoded error in
+ * `*err` (`{"InvalidConfig":{"connector":"x","message":"..."}}`, kvconnect-api's
+ * ConnectorError). A buffer is freed by the side that allocated it, by calling its own `free`.
+ * Setup-time values (configs, capabilities, model, context, regions, handshake metadata) are
+ * JSON; per-step calls take plain arrays. An entry must never unwind or throw into its caller.
+ *
+ * Entries of ABI 1.0 must all be set: the host refuses a plugin with a NULL one.
+ * Entries a later minor appended say so, and may be NULL; the host then does what their
+ * comment says. A host of an older minor never calls them; a host of a newer minor finds the
+ * entries it knows and your header does not absent (your `struct_size` says which you have).
  */
 #ifndef KVCONNECT_H
 #define KVCONNECT_H
@@ -29,6 +41,9 @@ extern "C" {
 #define KVC_ABI_MAGIC 0x43454e4e4f43564bULL /* "KVCONNEC" read as a little-endian u64 */
 #define KVC_ABI_MAJOR 1
 #define KVC_ABI_MINOR 1
+/* A hash of the layout of ABI 1.0's structs (offsets and entry types, not sizes), on
+ * 64-bit targets: the same for every 1.x. The host refuses a plugin that reports another. */
+#define KVC_LAYOUT_FINGERPRINT 0x519a47d8acd937bdULL
 
 typedef int32_t kvc_status;
 #define KVC_OK 0
@@ -61,7 +76,8 @@ typedef struct kvc_buffer {
     void (*free)(uint8_t *ptr, size_t len, size_t cap);
 } kvc_buffer;
 
-/* Given to the plugin at load; valid for the life of the process. */
+/* Given to the plugin's `init`; valid for the life of the process, so the plugin may keep it.
+ * `log` may be called from any thread. */
 typedef struct kvc_host_api {
     size_t struct_size;
     uint16_t abi_major;
@@ -71,46 +87,74 @@ typedef struct kvc_host_api {
     void (*log)(const void *user_data, uint32_t level, kvc_bytes target, kvc_bytes message);
 } kvc_host_api;
 
+/* A factory: `self` is the handle `factory_new` made; any thread. */
 typedef struct kvc_factory_vtable {
     size_t struct_size;
+    /* Frees the factory. */
     void (*free)(void *self);
+    /* *out = JSON ConnectorInfo. */
     kvc_status (*info)(void *self, kvc_buffer *out, kvc_buffer *err);
+    /* config = JSON KvTransferConfig, model = JSON ModelSpec or empty; *out = JSON
+     * Capabilities.
+     */
     kvc_status (*capabilities)(void *self, kvc_bytes config, kvc_bytes model, kvc_buffer *out, kvc_buffer *err);
+    /* ctx = JSON ConnectorContext; *out = the scheduler handle. */
     kvc_status (*create_scheduler)(void *self, kvc_bytes ctx, void **out, kvc_buffer *err);
+    /* ctx = JSON ConnectorContext; *out = the worker handle. */
     kvc_status (*create_worker)(void *self, kvc_bytes ctx, void **out, kvc_buffer *err);
-    /* Since 1.1; may be NULL (the host then takes the connector to have no children). For a
-     * composite, `*out` = a JSON list of {name, version, caps}; `null` for a plain connector. */
-    kvc_status (*child_capabilities)(void *self, kvc_bytes config, kvc_bytes model, kvc_buffer *out,
-                                     kvc_buffer *err);
+    /* For a composite: config, model as for capabilities; *out = JSON
+     * Option<Vec<ChildCaps>> (a list of {name, version, caps}), null for a plain connector.
+     * Since 1.1; may be NULL: the connector has no children.
+     */
+    kvc_status (*child_capabilities)(void *self, kvc_bytes config, kvc_bytes model, kvc_buffer *out, kvc_buffer *err);
 } kvc_factory_vtable;
 
+/* A scheduler half: `self` is a handle `create_scheduler` made; one thread at a time. */
 typedef struct kvc_scheduler_vtable {
     size_t struct_size;
+    /* Frees the instance. */
     void (*free)(void *self);
-    kvc_status (*get_num_new_matched_tokens)(void *self, kvc_bytes req, uint64_t num_computed, kvc_buffer *out,
-                                             kvc_buffer *err);
-    kvc_status (*update_state_after_alloc)(void *self, kvc_bytes req, kvc_bytes blocks, uint64_t num_external_tokens,
-                                           kvc_buffer *err);
+    /* req = JSON Request; *out = JSON MatchResult. */
+    kvc_status (*get_num_new_matched_tokens)(void *self, kvc_bytes req, uint64_t num_computed, kvc_buffer *out, kvc_buffer *err);
+    /* req = JSON Request, blocks = JSON BlocksPerGroup. */
+    kvc_status (*update_state_after_alloc)(void *self, kvc_bytes req, kvc_bytes blocks, uint64_t num_external_tokens, kvc_buffer *err);
+    /* step = JSON StepInfo; *out = the metadata bytes, as the connector made them. */
     kvc_status (*build_connector_meta)(void *self, kvc_bytes step, kvc_buffer *out, kvc_buffer *err);
+    /* req, blocks as above; *out = JSON RequestFinished. */
     kvc_status (*request_finished)(void *self, kvc_bytes req, kvc_bytes blocks, kvc_buffer *out, kvc_buffer *err);
+    /* *out = JSON Vec<KvEvent>. */
     kvc_status (*take_events)(void *self, kvc_buffer *out, kvc_buffer *err);
 } kvc_scheduler_vtable;
 
+/* A worker half: `self` is a handle `create_worker` made; one thread at a time. */
 typedef struct kvc_worker_vtable {
     size_t struct_size;
+    /* Frees the instance. */
     void (*free)(void *self);
-    /* `regions`: a JSON list of {name, addr, len, memory, device, layers, group, num_blocks,
-     * shm_name?}; the host keeps that memory valid until it frees this instance. */
+    /* regions = JSON Vec<KvRegionSpec> (a list of {name, addr, len, memory, device,
+     * layers, group, num_blocks, shm_name?}): regions the host vouches for as
+     * KvRegion::new requires; it keeps that memory valid until it frees this instance.
+     */
     kvc_status (*register_kv_caches)(void *self, kvc_bytes regions, kvc_buffer *err);
+    /* The scheduler's metadata bytes for this step. */
     kvc_status (*bind_connector_meta)(void *self, kvc_bytes meta, kvc_buffer *err);
+    /* Starts this step's loads. */
     kvc_status (*start_load_kv)(void *self, kvc_buffer *err);
+    /* Waits for one layer's loads. */
     kvc_status (*wait_for_layer_load)(void *self, uint32_t layer, kvc_buffer *err);
+    /* Saves one layer of these blocks (block_ids: len u32 block ids). */
     kvc_status (*save_kv_layer)(void *self, uint32_t layer, const uint32_t *block_ids, size_t len, kvc_buffer *err);
+    /* Waits for this step's saves. */
     kvc_status (*wait_for_save)(void *self, kvc_buffer *err);
+    /* finished = len request ids (UTF-8); *out = JSON FinishedTransfers. */
     kvc_status (*get_finished)(void *self, const kvc_bytes *finished, size_t len, kvc_buffer *out, kvc_buffer *err);
+    /* *out = JSON Vec<BlockId>. */
     kvc_status (*block_ids_with_load_errors)(void *self, kvc_buffer *out, kvc_buffer *err);
+    /* *out = JSON value, or null for none. */
     kvc_status (*handshake_metadata)(void *self, kvc_buffer *out, kvc_buffer *err);
+    /* peer = JSON value. */
     kvc_status (*set_peer_handshake_metadata)(void *self, kvc_bytes peer, kvc_buffer *err);
+    /* Releases everything (the handle stays valid until free). */
     kvc_status (*shutdown)(void *self, kvc_buffer *err);
 } kvc_worker_vtable;
 
@@ -124,7 +168,13 @@ typedef struct kvc_plugin_descriptor {
     kvc_bytes version;
     kvc_bytes sdk_version;
     kvc_bytes rustc_version;
+    /* Called once, after the host has checked the descriptor and before anything else. It must
+     * check host->abi_major == KVC_ABI_MAJOR and that host->struct_size covers the fields it
+     * reads (else fail with an error saying which versions each side speaks), may keep `host`
+     * for the life of the process (logging through host->log, dropping levels above
+     * host->max_log_level), and returns KVC_OK or an error in *err. Must not be NULL. */
     kvc_status (*init)(const kvc_host_api *host, kvc_buffer *err);
+    /* Makes the factory; `*out` = its handle. Must not be NULL. */
     kvc_status (*factory_new)(void **out, kvc_buffer *err);
     const kvc_factory_vtable *factory;
     const kvc_scheduler_vtable *scheduler;

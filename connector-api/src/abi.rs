@@ -18,8 +18,10 @@
 //! * no Rust std type crosses, and no panic: the plugin side catches every panic
 //!   (`sdk`), turns it into [`status::PANICKED`] and poisons the instance.
 //!
-//! `include/kvconnect.h` is the same ABI for C and C++; a test checks that its sizes and
-//! offsets match these structs.
+//! `include/kvconnect.h` is the same ABI for C and C++, written from these definitions by
+//! [`c_header`]; a test keeps the checked-in file equal to it and checks its sizes and offsets.
+
+#![allow(unsafe_code)] // The C ABI itself: raw pointers and function pointers that cross to another library.
 
 use crate::connector::{BlocksPerGroup, ConnectorContext, Request, StepInfo};
 use crate::error::ConnectorError;
@@ -29,6 +31,13 @@ use crate::sdk::{self, ExportedFactory, ExportedScheduler, ExportedWorker};
 use crate::{KvTransferConfig, ModelSpec};
 use core::ffi::c_void;
 use core::mem::{offset_of, size_of};
+
+mod header;
+mod vtables;
+pub use header::c_header;
+pub use vtables::{
+    CType, EntryInfo, FactoryFns, FactoryVTable, SchedulerFns, SchedulerVTable, WorkerFns, WorkerVTable,
+};
 
 /// `kvconnect_plugin_entry`: the one symbol a plugin exports.
 pub const ENTRY_SYMBOL: &str = "kvconnect_plugin_entry";
@@ -332,157 +341,22 @@ unsafe impl Sync for PluginDescriptor {}
 // SAFETY: as above.
 unsafe impl Send for PluginDescriptor {}
 
-/// The factory's entry points. `this` is the handle `factory_new` returned.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct FactoryVTable {
-    /// `size_of::<FactoryVTable>()` as the plugin was built.
-    pub struct_size: usize,
-    /// Frees the factory.
-    pub free: Option<unsafe extern "C" fn(this: *mut c_void)>,
-    /// `*out` = JSON `ConnectorInfo`.
-    pub info:
-        Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
-    /// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty; `*out` = JSON
-    /// `Capabilities`.
-    pub capabilities: Option<FactoryQueryFn>,
-    /// `ctx` = JSON `ConnectorContext`; `*out` = the scheduler handle.
-    pub create_scheduler: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            ctx: AbiBytes,
-            out: *mut *mut c_void,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
-    /// `ctx` = JSON `ConnectorContext`; `*out` = the worker handle.
-    pub create_worker: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            ctx: AbiBytes,
-            out: *mut *mut c_void,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
-    /// Since 1.1. For a composite: `config`, `model` as for `capabilities`; `*out` = JSON
-    /// `Option<Vec<ChildCaps>>`, `null` for a plain connector. May be null (and is absent
-    /// from a 1.0 plugin): the host then takes the connector to have no children.
-    #[cfg(not(feature = "abi_1_0"))]
-    pub child_capabilities: Option<FactoryQueryFn>,
-}
-
-/// Scheduler-half entry points; `this` is a scheduler handle, used from one thread at a time.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct SchedulerVTable {
-    /// `size_of::<SchedulerVTable>()` as the plugin was built.
-    pub struct_size: usize,
-    /// Frees the instance.
-    pub free: Option<unsafe extern "C" fn(this: *mut c_void)>,
-    /// `req` = JSON `Request`; `*out` = JSON `MatchResult`.
-    pub get_num_new_matched_tokens: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            req: AbiBytes,
-            num_computed: u64,
-            out: *mut AbiBuffer,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
-    /// `req` = JSON `Request`, `blocks` = JSON `BlocksPerGroup`.
-    pub update_state_after_alloc: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            req: AbiBytes,
-            blocks: AbiBytes,
-            num_external_tokens: u64,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
-    /// `step` = JSON `StepInfo`; `*out` = the metadata bytes, as the connector made them.
-    pub build_connector_meta: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            step: AbiBytes,
-            out: *mut AbiBuffer,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
-    /// `req`, `blocks` as above; `*out` = JSON `RequestFinished`.
-    pub request_finished: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            req: AbiBytes,
-            blocks: AbiBytes,
-            out: *mut AbiBuffer,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
-    /// `*out` = JSON `Vec<KvEvent>`.
-    pub take_events:
-        Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
-}
-
-/// Worker-half entry points; `this` is a worker handle, used from one thread at a time.
-#[repr(C)]
-#[derive(Debug, Clone, Copy)]
-pub struct WorkerVTable {
-    /// `size_of::<WorkerVTable>()` as the plugin was built.
-    pub struct_size: usize,
-    /// Frees the instance.
-    pub free: Option<unsafe extern "C" fn(this: *mut c_void)>,
-    /// `regions` = JSON `Vec<KvRegionSpec>`: regions the host vouches for as
-    /// [`KvRegion::new`] requires (valid until this instance is freed).
-    pub register_kv_caches:
-        Option<unsafe extern "C" fn(this: *mut c_void, regions: AbiBytes, err: *mut AbiBuffer) -> Status>,
-    /// The scheduler's metadata bytes for this step.
-    pub bind_connector_meta:
-        Option<unsafe extern "C" fn(this: *mut c_void, meta: AbiBytes, err: *mut AbiBuffer) -> Status>,
-    /// Starts this step's loads.
-    pub start_load_kv: Option<unsafe extern "C" fn(this: *mut c_void, err: *mut AbiBuffer) -> Status>,
-    /// Waits for one layer's loads.
-    pub wait_for_layer_load:
-        Option<unsafe extern "C" fn(this: *mut c_void, layer: u32, err: *mut AbiBuffer) -> Status>,
-    /// Saves one layer of these blocks (`block_ids`: `len` u32 block ids).
-    pub save_kv_layer: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            layer: u32,
-            block_ids: *const u32,
-            len: usize,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
-    /// Waits for this step's saves.
-    pub wait_for_save: Option<unsafe extern "C" fn(this: *mut c_void, err: *mut AbiBuffer) -> Status>,
-    /// `finished` = `len` request ids (UTF-8); `*out` = JSON `FinishedTransfers`.
-    pub get_finished: Option<
-        unsafe extern "C" fn(
-            this: *mut c_void,
-            finished: *const AbiBytes,
-            len: usize,
-            out: *mut AbiBuffer,
-            err: *mut AbiBuffer,
-        ) -> Status,
-    >,
-    /// `*out` = JSON `Vec<BlockId>`.
-    pub block_ids_with_load_errors:
-        Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
-    /// `*out` = JSON value, or `null` for none.
-    pub handshake_metadata:
-        Option<unsafe extern "C" fn(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status>,
-    /// `peer` = JSON value.
-    pub set_peer_handshake_metadata:
-        Option<unsafe extern "C" fn(this: *mut c_void, peer: AbiBytes, err: *mut AbiBuffer) -> Status>,
-    /// Releases everything (the handle stays valid until `free`).
-    pub shutdown: Option<unsafe extern "C" fn(this: *mut c_void, err: *mut AbiBuffer) -> Status>,
-}
-
 // ---------------------------------------------------------------------------------------
 // Layout fingerprint and minimum sizes.
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+
+const fn mix_str(mut h: u64, s: &str) -> u64 {
+    let bytes = s.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        h ^= bytes[i] as u64;
+        h = h.wrapping_mul(FNV_PRIME);
+        i += 1;
+    }
+    h
+}
 
 const fn mix(mut h: u64, x: usize) -> u64 {
     let bytes = (x as u64).to_le_bytes();
@@ -521,25 +395,20 @@ pub const LAYOUT_FINGERPRINT: u64 = {
     let h = fold_struct!(h, PluginDescriptor, MIN_DESCRIPTOR_SIZE; magic, abi_major, abi_minor, struct_size,
         layout_fingerprint, name, version, sdk_version, rustc_version, init, factory_new, factory, scheduler,
         worker);
-    let h = fold_struct!(h, FactoryVTable, MIN_FACTORY_VTABLE_SIZE; struct_size, free, info, capabilities,
-        create_scheduler, create_worker);
-    let h = fold_struct!(h, SchedulerVTable, MIN_SCHEDULER_VTABLE_SIZE; struct_size, free,
-        get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta, request_finished,
-        take_events);
-    fold_struct!(h, WorkerVTable, MIN_WORKER_VTABLE_SIZE; struct_size, free, register_kv_caches,
-        bind_connector_meta, start_load_kv, wait_for_layer_load, save_kv_layer, wait_for_save, get_finished,
-        block_ids_with_load_errors, handshake_metadata, set_peer_handshake_metadata, shutdown)
+    let h = FactoryVTable::fold_layout(h);
+    let h = SchedulerVTable::fold_layout(h);
+    WorkerVTable::fold_layout(h)
 };
 
 /// Bytes of the descriptor a host of this version reads (everything 1.0 defined).
 pub const MIN_DESCRIPTOR_SIZE: usize =
     offset_of!(PluginDescriptor, worker) + size_of::<*const WorkerVTable>();
-/// Bytes of the factory vtable a host of this version calls.
-pub const MIN_FACTORY_VTABLE_SIZE: usize = offset_of!(FactoryVTable, create_worker) + size_of::<usize>();
-/// Bytes of the scheduler vtable a host of this version calls.
-pub const MIN_SCHEDULER_VTABLE_SIZE: usize = offset_of!(SchedulerVTable, take_events) + size_of::<usize>();
-/// Bytes of the worker vtable a host of this version calls.
-pub const MIN_WORKER_VTABLE_SIZE: usize = offset_of!(WorkerVTable, shutdown) + size_of::<usize>();
+/// Bytes of the factory vtable a host of this major calls (its `.0` entries).
+pub const MIN_FACTORY_VTABLE_SIZE: usize = FactoryVTable::MIN_SIZE;
+/// Bytes of the scheduler vtable a host of this major calls.
+pub const MIN_SCHEDULER_VTABLE_SIZE: usize = SchedulerVTable::MIN_SIZE;
+/// Bytes of the worker vtable a host of this major calls.
+pub const MIN_WORKER_VTABLE_SIZE: usize = WorkerVTable::MIN_SIZE;
 /// Bytes of the host API a plugin of this version reads.
 pub const MIN_HOST_API_SIZE: usize = offset_of!(HostApi, log) + size_of::<usize>();
 
@@ -553,12 +422,6 @@ pub const MIN_HOST_API_SIZE: usize = offset_of!(HostApi, log) + size_of::<usize>
 pub unsafe trait Versioned: Copy {}
 // SAFETY: integers, raw pointers, `AbiBytes` and `Option<fn>` only.
 unsafe impl Versioned for PluginDescriptor {}
-// SAFETY: as above.
-unsafe impl Versioned for FactoryVTable {}
-// SAFETY: as above.
-unsafe impl Versioned for SchedulerVTable {}
-// SAFETY: as above.
-unsafe impl Versioned for WorkerVTable {}
 
 /// Reads a versioned struct the other side declared `declared` bytes long, as this side
 /// defines it: the bytes the two have in common are copied, and the entries this side knows

@@ -7,6 +7,8 @@
 //! someone else's memory. None of it takes `unsafe` from the connector: the promise about
 //! the memory was made where the regions were.
 
+#![allow(unsafe_code)] // Reads and writes the host's KV memory at vouched-for addresses, after bounds checks.
+
 use crate::caps::MemoryKind;
 use crate::geometry::{BlockShape, Geometry, GeometryError, RegionShape, Span};
 use crate::ids::{BlockId, LayerId};

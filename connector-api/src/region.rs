@@ -9,6 +9,8 @@
 //! [`KvRegionSpec`] is the same description as plain data, for building, editing and sending
 //! (regions cross the plugin ABI as JSON specs and the SDK turns them back into regions).
 
+#![allow(unsafe_code)] // Declares `KvRegion::new`, the unsafe promise about memory only the host can make.
+
 use crate::caps::MemoryKind;
 use crate::ids::LayerId;
 use serde::{Deserialize, Serialize};

@@ -9,6 +9,8 @@
 //!
 //! Run: `cargo bench -p kvconnect-host --bench plugin_call -- --warm-up-time 1 --measurement-time 3`
 
+#![allow(unsafe_code)] // A benchmark harness over KV buffers it owns.
+
 use criterion::{criterion_group, criterion_main, Criterion};
 use kvconnect_api::{
     AttentionKind, BlockId, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout, KvGroup, KvLayout,

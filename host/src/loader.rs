@@ -10,9 +10,11 @@
 //! Every check failure is a [`LoadError`] that prints as one line naming the file, what is
 //! wrong and what to do; the caller logs it and goes on with the next plugin.
 
+#![allow(unsafe_code)] // Opens plugin libraries and calls the C ABI they export.
+
 use kvconnect_api::abi::{
-    self, log_level, status, AbiBuffer, AbiBytes, FactoryVTable, HostApi, PluginDescriptor, ReceivedBuffer,
-    SchedulerVTable, Status, WorkerVTable,
+    self, log_level, status, AbiBuffer, AbiBytes, FactoryFns, HostApi, PluginDescriptor, ReceivedBuffer,
+    SchedulerFns, Status, WorkerFns,
 };
 use kvconnect_api::negotiate::ChildCaps;
 use kvconnect_api::{
@@ -95,7 +97,7 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// Another ABI major.
-    #[error("plugin {path}: built for kvconnect ABI {plugin_major}.x (kvconnect-api {plugin_sdk}), this host speaks {host_major}.x — rebuild it against kvconnect-api {host_sdk}")]
+    #[error("plugin {path}: built for kvconnect ABI {plugin_major}.x ({}), this host speaks {host_major}.x — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     AbiMajor {
         /// The file.
         path: String,
@@ -109,7 +111,7 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A struct shorter than what the host calls.
-    #[error("plugin {path}: its {what} is {found} bytes but this host calls entries up to byte {needed} (plugin built for ABI {plugin_major}.{plugin_minor} with kvconnect-api {plugin_sdk}, this host speaks {host_major}.{host_minor}) — rebuild it against kvconnect-api {host_sdk}")]
+    #[error("plugin {path}: its {what} is {found} bytes but this host calls entries up to byte {needed} (plugin built for ABI {plugin_major}.{plugin_minor} with {}, this host speaks {host_major}.{host_minor}) — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     TooShort {
         /// The file.
         path: String,
@@ -133,7 +135,7 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A layout fingerprint that is not ABI 1's.
-    #[error("plugin {path}: ABI layout fingerprint {found:#018x} is not the {expected:#018x} that ABI {host_major}.x has on this host (plugin built for ABI {plugin_major}.{plugin_minor} with kvconnect-api {plugin_sdk} by {plugin_rustc}): it was built for another target or against a modified kvconnect-api — rebuild it for this target against kvconnect-api {host_sdk}")]
+    #[error("plugin {path}: ABI layout fingerprint {found:#018x} is not the {expected:#018x} that ABI {host_major}.x has on this host (plugin built for ABI {plugin_major}.{plugin_minor} with {} by {plugin_rustc}): it was built for another target or against a modified kvconnect-api or header — {} for this target", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     Fingerprint {
         /// The file.
         path: String,
@@ -155,8 +157,10 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A required entry point is null.
-    #[error("plugin {path}: its {what} has no `{entry}` entry, which ABI {major}.0 requires — rebuild it against kvconnect-api {host_sdk}")]
+    #[error("plugin {path}: its {what} has no `{entry}` entry, which ABI {major}.0 requires — {}", rebuild(.plugin_sdk, .host_sdk))]
     MissingEntry {
+        /// The plugin's SDK version (`kvconnect.h M.N` for a C plugin).
+        plugin_sdk: String,
         /// The file.
         path: String,
         /// Which struct.
@@ -214,6 +218,32 @@ pub enum LoadError {
         /// The whole line: the file, what happened, what to do.
         message: String,
     },
+}
+
+/// The prefix a C plugin's `sdk_version` starts with (`kvconnect.h 1.1`), as kvconnect.h asks.
+const C_HEADER_SDK: &str = "kvconnect.h";
+
+/// What a plugin was built with, as a message names it.
+fn built_with(plugin_sdk: &str) -> String {
+    if plugin_sdk.starts_with(C_HEADER_SDK) {
+        plugin_sdk.to_owned()
+    } else {
+        format!("kvconnect-api {plugin_sdk}")
+    }
+}
+
+/// What to rebuild a plugin against: the C header of this host's ABI for a C plugin, else
+/// this host's kvconnect-api.
+fn rebuild(plugin_sdk: &str, host_sdk: &str) -> String {
+    if plugin_sdk.starts_with(C_HEADER_SDK) {
+        format!(
+            "rebuild it against {C_HEADER_SDK} {}.{} (connector-api/include/kvconnect.h of kvconnect-api {host_sdk})",
+            abi::ABI_MAJOR,
+            abi::ABI_MINOR
+        )
+    } else {
+        format!("rebuild it against kvconnect-api {host_sdk}")
+    }
 }
 
 impl LoadError {
@@ -439,6 +469,7 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     // (at least the 1.0 descriptor): its layout is this host's for the fields both know.
     let d: PluginDescriptor = unsafe { abi::read_declared(desc, struct_size) };
     let missing = |what: &'static str, entry: &'static str| LoadError::MissingEntry {
+        plugin_sdk: plugin_sdk.clone(),
         path: shown.clone(),
         what,
         entry,
@@ -608,61 +639,12 @@ unsafe extern "C" fn host_log(user_data: *const c_void, level: u32, target: AbiB
 }
 
 // ---------------------------------------------------------------------------------------
-// Checked vtables: every 1.0 entry present, copied out once; a later minor's entries are
-// optional (absent from an older plugin), and each caller names its fallback.
+// Checked vtables (`abi::{FactoryFns, SchedulerFns, WorkerFns}`): every 1.0 entry present,
+// copied out once; a later minor's entries are optional, and each caller applies the fallback
+// `abi::vtables` declares for it.
 
 type ErrOut = *mut AbiBuffer;
 type Handle = *mut c_void;
-
-macro_rules! checked_vtable {
-    (
-        $name:ident from $vt:ty { $($f:ident : $t:ty),* $(,)? }
-        $(optional { $($o:ident : $ot:ty),* $(,)? })?
-    ) => {
-        #[derive(Clone, Copy)]
-        struct $name { $($f: $t,)* $($($o: Option<$ot>,)*)? }
-        impl $name {
-            fn check(vt: &$vt) -> Result<$name, &'static str> {
-                Ok($name { $($f: vt.$f.ok_or(stringify!($f))?,)* $($($o: vt.$o,)*)? })
-            }
-        }
-    };
-}
-
-checked_vtable!(FactoryFns from FactoryVTable {
-    free: unsafe extern "C" fn(Handle),
-    info: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-    capabilities: abi::FactoryQueryFn,
-    create_scheduler: unsafe extern "C" fn(Handle, AbiBytes, *mut Handle, ErrOut) -> Status,
-    create_worker: unsafe extern "C" fn(Handle, AbiBytes, *mut Handle, ErrOut) -> Status,
-} optional {
-    // 1.1; absent: no children.
-    child_capabilities: abi::FactoryQueryFn,
-});
-
-checked_vtable!(SchedulerFns from SchedulerVTable {
-    free: unsafe extern "C" fn(Handle),
-    get_num_new_matched_tokens: unsafe extern "C" fn(Handle, AbiBytes, u64, *mut AbiBuffer, ErrOut) -> Status,
-    update_state_after_alloc: unsafe extern "C" fn(Handle, AbiBytes, AbiBytes, u64, ErrOut) -> Status,
-    build_connector_meta: unsafe extern "C" fn(Handle, AbiBytes, *mut AbiBuffer, ErrOut) -> Status,
-    request_finished: unsafe extern "C" fn(Handle, AbiBytes, AbiBytes, *mut AbiBuffer, ErrOut) -> Status,
-    take_events: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-});
-
-checked_vtable!(WorkerFns from WorkerVTable {
-    free: unsafe extern "C" fn(Handle),
-    register_kv_caches: unsafe extern "C" fn(Handle, AbiBytes, ErrOut) -> Status,
-    bind_connector_meta: unsafe extern "C" fn(Handle, AbiBytes, ErrOut) -> Status,
-    start_load_kv: unsafe extern "C" fn(Handle, ErrOut) -> Status,
-    wait_for_layer_load: unsafe extern "C" fn(Handle, u32, ErrOut) -> Status,
-    save_kv_layer: unsafe extern "C" fn(Handle, u32, *const u32, usize, ErrOut) -> Status,
-    wait_for_save: unsafe extern "C" fn(Handle, ErrOut) -> Status,
-    get_finished: unsafe extern "C" fn(Handle, *const AbiBytes, usize, *mut AbiBuffer, ErrOut) -> Status,
-    block_ids_with_load_errors: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-    handshake_metadata: unsafe extern "C" fn(Handle, *mut AbiBuffer, ErrOut) -> Status,
-    set_peer_handshake_metadata: unsafe extern "C" fn(Handle, AbiBytes, ErrOut) -> Status,
-    shutdown: unsafe extern "C" fn(Handle, ErrOut) -> Status,
-});
 
 // ---------------------------------------------------------------------------------------
 // Calling across: status codes, error buffers, JSON results.
@@ -1107,6 +1089,27 @@ mod tests {
         assert_eq!(names, ["liba.so", "libb.so.1", "libc.dylib", "notes.txt"]);
         assert_eq!(errors.len(), 1);
         assert!(errors[0].to_string().contains("cannot read it"), "{}", errors[0]);
+    }
+
+    #[test]
+    fn refusals_of_a_c_plugin_name_the_header_version() {
+        let e = |plugin_sdk: &str| LoadError::AbiMajor {
+            path: "libc.so".into(),
+            plugin_major: 2,
+            plugin_sdk: plugin_sdk.into(),
+            host_major: 1,
+            host_sdk: "0.1.0".into(),
+        };
+        let c = e("kvconnect.h 2.0").to_string();
+        assert!(c.contains("ABI 2.x (kvconnect.h 2.0)"), "{c}");
+        assert!(
+            c.contains(&format!("rebuild it against kvconnect.h {}.{}", abi::ABI_MAJOR, abi::ABI_MINOR)),
+            "{c}"
+        );
+        let rust = e("0.2.0").to_string();
+        assert!(
+            rust.contains("(kvconnect-api 0.2.0)") && rust.contains("rebuild it against kvconnect-api 0.1.0")
+        );
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! `connector-api/include/kvconnect.h` describes the same ABI as `kvconnect_api::abi`: a C
-//! program compiled against the header prints every struct's size and every field's offset,
-//! and they must equal the Rust values, as must the constants.
+//! `connector-api/include/kvconnect.h` describes the same ABI as `kvconnect_api::abi`: it is
+//! what `abi::c_header()` writes, and a C program compiled against it prints every struct's
+//! size and every field's offset, which must equal the Rust values, as must the constants.
 
 use kvconnect_api::abi::{
     self, AbiBuffer, AbiBytes, FactoryVTable, HostApi, PluginDescriptor, SchedulerVTable, WorkerVTable,
@@ -20,18 +20,21 @@ fn rust_values() -> Vec<(String, u64)> {
     layout!(v, "kvc_bytes", AbiBytes; ptr, len);
     layout!(v, "kvc_buffer", AbiBuffer; ptr, len, cap, free);
     layout!(v, "kvc_host_api", HostApi; struct_size, abi_major, abi_minor, max_log_level, user_data, log);
-    layout!(v, "kvc_factory_vtable", FactoryVTable; struct_size, free, info, capabilities, create_scheduler, create_worker,
-        child_capabilities);
-    layout!(v, "kvc_scheduler_vtable", SchedulerVTable; struct_size, free, get_num_new_matched_tokens,
-        update_state_after_alloc, build_connector_meta, request_finished, take_events);
-    layout!(v, "kvc_worker_vtable", WorkerVTable; struct_size, free, register_kv_caches, bind_connector_meta,
-        start_load_kv, wait_for_layer_load, save_kv_layer, wait_for_save, get_finished, block_ids_with_load_errors,
-        handshake_metadata, set_peer_handshake_metadata, shutdown);
+    for (c, size, entries) in [
+        (FactoryVTable::C_NAME, size_of::<FactoryVTable>(), FactoryVTable::entries()),
+        (SchedulerVTable::C_NAME, size_of::<SchedulerVTable>(), SchedulerVTable::entries()),
+        (WorkerVTable::C_NAME, size_of::<WorkerVTable>(), WorkerVTable::entries()),
+    ] {
+        v.push((format!("{c}.size"), size as u64));
+        v.push((format!("{c}.struct_size"), 0));
+        v.extend(entries.iter().map(|e| (format!("{c}.{}", e.name), e.offset as u64)));
+    }
     layout!(v, "kvc_plugin_descriptor", PluginDescriptor; magic, abi_major, abi_minor, struct_size,
         layout_fingerprint, name, version, sdk_version, rustc_version, init, factory_new, factory, scheduler, worker);
     v.push(("KVC_ABI_MAGIC".into(), abi::ABI_MAGIC));
     v.push(("KVC_ABI_MAJOR".into(), abi::ABI_MAJOR as u64));
     v.push(("KVC_ABI_MINOR".into(), abi::ABI_MINOR as u64));
+    v.push(("KVC_LAYOUT_FINGERPRINT".into(), abi::LAYOUT_FINGERPRINT));
     for (name, code) in [
         ("KVC_OK", abi::status::OK),
         ("KVC_NOT_IMPLEMENTED", abi::status::NOT_IMPLEMENTED),
@@ -62,6 +65,26 @@ fn c_source(values: &[(String, u64)]) -> String {
     }
     s.push_str("    return 0;\n}\n");
     s
+}
+
+fn header_path() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../connector-api/include/kvconnect.h")
+}
+
+/// The checked-in header is the generated one. When the Rust definitions change, this rewrites
+/// it and fails once, so the new header is seen and committed with the change.
+#[test]
+fn c_header_is_the_one_the_rust_definitions_write() {
+    let generated = abi::c_header();
+    let path = header_path();
+    let current = std::fs::read_to_string(&path).unwrap_or_default();
+    if current != generated {
+        std::fs::write(&path, &generated).unwrap();
+        panic!(
+            "{} was out of date with kvconnect_api::abi and has been rewritten: review and commit it",
+            path.display()
+        );
+    }
 }
 
 #[test]

@@ -9,6 +9,8 @@
 //!   the time to first token of a long prompt served disaggregated with the same prompt
 //!   computed by one worker.
 
+#![allow(unsafe_code)] // Signals the benchmark's worker process (libc).
+
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};

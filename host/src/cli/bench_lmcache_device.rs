@@ -13,6 +13,8 @@
 //! wrong save shows. The report says how many chunks went into pinned slots and how many
 //! fell back to the heap. Built only with `cuda`.
 
+#![allow(unsafe_code)] // A benchmark harness that vouches for the KV regions it allocates.
+
 use anyhow::Result;
 use std::path::PathBuf;
 

@@ -15,6 +15,8 @@
 //!   that had to be killed has its shared-memory segments (`/dev/shm/kvc-<pid>-*`) removed
 //!   for it.
 
+#![allow(unsafe_code)] // Signals worker processes and sets their parent-death signal (libc).
+
 use crate::deployment::Role;
 use crate::proxy::backends::Backends;
 use crate::proxy::client;

@@ -16,6 +16,8 @@
 //!
 //! Built without the `cuda` feature, asking for device KV is an error saying how to rebuild.
 
+#![allow(unsafe_code)] // Vouches for device-mirrored KV regions and stages them through host memory.
+
 use crate::worker::error::WorkerError;
 use crate::worker::pool::KvPool;
 use kvconnect_api::{BlockId, KvRegion, LayerId};

@@ -6,6 +6,8 @@
 //! `kvconnect_api::geometry` only, through a bounds-checked `KvMemory` over the pool's own
 //! regions, so the engine and every connector address a block the same way.
 
+#![allow(unsafe_code)] // Vouches for the block pool's KV regions (`KvRegion::new`) and reads them.
+
 use crate::worker::error::WorkerError;
 use crate::worker::prefix_cache::PrefixCache;
 use crate::worker::region::RegionMemory;

@@ -1,6 +1,8 @@
 //! The memory behind one KV region: zeroed, page-aligned host memory, or a shared-memory
 //! segment. The address never moves while the value lives, because connectors hold it.
 
+#![allow(unsafe_code)] // Allocates and frees the host memory behind KV regions.
+
 use crate::worker::error::WorkerError;
 use crate::worker::shm::ShmSegment;
 use std::alloc::Layout;

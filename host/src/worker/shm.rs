@@ -5,6 +5,8 @@
 //! when the segment is dropped. A process-wide list of live segments lets a signal handler
 //! unlink them on SIGTERM/Ctrl-C ([`unlink_live_segments`]), since drops do not run then.
 
+#![allow(unsafe_code)] // Maps and unlinks POSIX shared memory for KV regions.
+
 use crate::worker::error::WorkerError;
 use std::collections::BTreeSet;
 use std::ffi::CString;

@@ -1,6 +1,7 @@
 //! A small engine for the lmcache tests: host buffers registered as regions per the
 //! geometry, a block allocator, pattern "compute", and the vLLM call order.
 
+#![allow(unsafe_code)] // A test harness that vouches for the KV buffers it owns.
 #![allow(dead_code)]
 
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};

@@ -10,7 +10,7 @@ use kvconnect_api::{
     ConnectorResult, KvTransferConfig, ModelSpec, SchedulerConnector, WorkerConnector,
 };
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Opens each plugin file with one query (the plain config naming it, no model), the one
 /// loading a plugin in this process would make.
@@ -27,6 +27,7 @@ fn open(query: &Arc<QueryProcess>, path: &Path, options: &LoaderOptions) -> Resu
         options: options.clone(),
         asked: KvTransferConfig::named(&loaded.name),
         loaded: loaded.clone(),
+        last: Mutex::new(None),
     };
     Ok(Entry {
         name: loaded.name,
@@ -48,6 +49,9 @@ struct QueriedFactory {
     options: LoaderOptions,
     asked: KvTransferConfig,
     loaded: Loaded,
+    /// The last other query and its answer: `inspect` asks for the capabilities and then the
+    /// children for the same config and model, which one query process answers.
+    last: Mutex<Option<(KvTransferConfig, Option<ModelSpec>, Loaded)>>,
 }
 
 impl QueriedFactory {
@@ -68,10 +72,17 @@ impl QueriedFactory {
         if model.is_none() && *config == self.asked {
             return Ok(self.loaded.clone());
         }
-        self.query.ask(&self.path, &self.options, Some(config), model).map_err(|e| ConnectorError::Other {
-            connector: self.loaded.name.clone(),
-            message: e.to_string(),
-        })
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((c, m, loaded)) = last.as_ref() {
+            if c == config && m.as_ref() == model {
+                return Ok(loaded.clone());
+            }
+        }
+        let loaded = self.query.ask(&self.path, &self.options, Some(config), model).map_err(|e| {
+            ConnectorError::Other { connector: self.loaded.name.clone(), message: e.to_string() }
+        })?;
+        *last = Some((config.clone(), model.cloned(), loaded.clone()));
+        Ok(loaded)
     }
 }
 

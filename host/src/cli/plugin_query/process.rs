@@ -6,6 +6,8 @@
 //! child) and the child's own messages reach the user as they would from this process.
 //! Its stdout is read in the background, so a plugin that prints a lot cannot block it.
 
+#![allow(unsafe_code)] // Sets the query process's parent-death signal before exec (libc).
+
 use super::answer::{Answer, Loaded};
 use super::failure::NoAnswer;
 use crate::loader::{LoadError, LoaderOptions};
