@@ -22,7 +22,8 @@ impl ConnectorFactory for LmcacheFactory {
         ConnectorInfo {
             name: "lmcache".to_owned(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
-            description: "LMCache-style chunked prefix cache with CPU and disk tiers".to_owned(),
+            description: "LMCache-style chunked prefix cache with CPU, disk and remote (Redis) tiers"
+                .to_owned(),
         }
     }
 

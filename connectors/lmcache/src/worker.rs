@@ -113,8 +113,8 @@ impl LmcacheWorker {
             for (i, c) in spec.chunks.iter().enumerate() {
                 let want = self.layout.chunk_bytes(c.tokens);
                 match self.store.get(&c.key) {
-                    Some(b) if b.as_slice().len() == want => chunks.push((i, b)),
-                    Some(b) => {
+                    Some((b, _)) if b.as_slice().len() == want => chunks.push((i, b)),
+                    Some((b, _)) => {
                         tracing::warn!(req = %spec.req, chunk = ?c.key, got = b.as_slice().len(), want, "lmcache: stored chunk has the wrong length; not loaded");
                         self.store.count_miss();
                         failed_at = Some(c.start);
