@@ -18,7 +18,8 @@
 //! layout's own order ([`chunk_layout`]). With `remote_url: redis://host:port` a remote tier
 //! that workers share sits behind both ([`remote_tier`]): new chunks are written to it in the
 //! background, lookups and loads fall back to it, every value is checksummed, and a remote
-//! that is down is a counted miss, never a failed or stalled request.
+//! that is down is a counted miss, never a failed or stalled request. Which tier served each
+//! request's tokens is recorded for the host ([`kvconnect_api::load_report`]).
 //!
 //! **Scheduler half** ([`LmcacheScheduler`]). `get_num_new_matched_tokens` returns the end of
 //! the longest run of stored chunks (chunk-aligned; a final partial chunk counts only with
