@@ -90,7 +90,7 @@ impl Link {
         let backoff = self.retry * (1u32 << (h.failures - 1).min(4));
         h.until = Some(Instant::now() + backoff);
         // The first failures and then every 100th: a remote that stays down must not flood logs.
-        if h.failures <= 3 || h.failures % 100 == 0 {
+        if h.failures <= 3 || h.failures.is_multiple_of(100) {
             tracing::warn!(
                 url = %self.url,
                 failures = h.failures,
