@@ -19,6 +19,7 @@ pub mod geometry;
 pub mod ids;
 pub mod kv_memory;
 pub mod layout;
+pub mod load_report;
 pub mod model;
 pub mod negotiate;
 pub mod region;

@@ -156,6 +156,10 @@ fn pd_flexkv_nixl_in_an_hnd_deployment_gives_monolithic_tokens() {
                 "round {round} prompt {i} (len {}): flexkv tokens on prefill: {pre}",
                 p.len()
             );
+            // The answer names the connector and the tier that supplied those tokens.
+            let sources = pre["kvconnect"]["cache_sources"].as_array().cloned().unwrap_or_default();
+            assert!(sources.iter().all(|s| s["connector"] == "flexkv" && s["tier"] == "cpu"), "{pre}");
+            assert_eq!(sources.iter().filter_map(|s| s["tokens"].as_u64()).sum::<u64>(), want, "{pre}");
             assert_eq!(
                 token_ids(&pre)[0] as u32,
                 mono[i][0],
@@ -180,6 +184,11 @@ fn pd_flexkv_nixl_in_an_hnd_deployment_gives_monolithic_tokens() {
                 d["kvconnect"]["num_external_tokens"].as_u64(),
                 Some(p.len() as u64 - 1),
                 "round {round} prompt {i}: decode must load all but the last prompt token from prefill: {d}"
+            );
+            assert_eq!(
+                d["kvconnect"]["cache_sources"],
+                serde_json::json!([]),
+                "decode's tokens came through nixl: {d}"
             );
         }
     }

@@ -305,7 +305,15 @@ fn workload_report_checks_every_output_and_exits_zero() {
     assert_eq!(report["failed"], 0, "{report}");
     assert_eq!(report["mismatches"], 0, "{report}");
     assert!(report["kv_bytes"].as_u64().unwrap() > 0, "decode loaded KV from prefill: {report}");
-    assert!(report["lmcache_hit_rate"].as_f64().unwrap() > 0.0, "shared prefixes hit LMCache: {report}");
+    assert!(
+        report["prefill_cache_hit_rate"].as_f64().unwrap() > 0.0,
+        "shared prefixes hit the cache: {report}"
+    );
+    let hits = report["prefill_cache_hits"].as_array().unwrap();
+    assert!(
+        hits.iter().all(|h| h["connector"] == "lmcache" && h["tier"] == "cpu"),
+        "the default deployment's prefill caches with lmcache's CPU tier: {report}"
+    );
     assert!(report["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{report}");
     assert_eq!(report["compare_monolithic"]["monolithic_mismatches"], 0, "{report}");
     assert!(report["compare_monolithic"]["ttft_p50_ratio"].as_f64().unwrap() > 0.0, "{report}");

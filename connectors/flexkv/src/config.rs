@@ -289,8 +289,8 @@ impl FlexkvConfig {
                     settings.push((key, raw, src));
                 }
                 Kind::DefaultOnly(default, remedy) => {
-                    if !raw.text().trim().eq_ignore_ascii_case(default)
-                        && !(default == &"false" && raw.as_bool() == Some(false))
+                    if !(raw.text().trim().eq_ignore_ascii_case(default)
+                        || *default == "false" && raw.as_bool() == Some(false))
                     {
                         return Err(ConfigError::Refused {
                             key: (*key).to_owned(),

@@ -17,6 +17,7 @@ use crate::adapter::BlockAdapter;
 use crate::cache::{BlockCache, StoreOutcome};
 use crate::factory::{Engine, NAME};
 use crate::meta::{FlexkvMeta, LoadOp, SaveOp};
+use crate::radix::Tier;
 use crate::transfer::TransferPool;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
@@ -30,8 +31,15 @@ use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 
 enum Done {
-    Load { req: RequestId, failed: Option<(Vec<BlockId>, String)> },
-    Save { req: RequestId },
+    /// A load ended; `tiers` counts the blocks the CPU and SSD tiers supplied.
+    Load {
+        req: RequestId,
+        failed: Option<(Vec<BlockId>, String)>,
+        tiers: TierBlocks,
+    },
+    Save {
+        req: RequestId,
+    },
 }
 
 #[derive(Default)]
@@ -161,14 +169,19 @@ fn save_blocks(cache: &BlockCache, adapter: &BlockAdapter, mem: &KvMemory, block
     }
 }
 
-/// Loads `op` into `mem` at `blocks` (the op's ids, or a host copy's); on failure, the op's
-/// blocks from the first that did not load, and why.
+/// Blocks a load read from each tier: (CPU, SSD).
+type TierBlocks = (u64, u64);
+
+/// Loads `op` into `mem` at `blocks` (the op's ids, or a host copy's), counting in `tiers`
+/// the blocks each tier supplied; on failure, the op's blocks from the first that did not
+/// load, and why.
 fn load_blocks(
     cache: &BlockCache,
     adapter: &BlockAdapter,
     mem: &KvMemory,
     blocks: &[BlockId],
     op: &LoadOp,
+    tiers: &mut TierBlocks,
 ) -> Option<(Vec<BlockId>, String)> {
     if op.hashes.len() != op.blocks.len() || blocks.len() != op.blocks.len() {
         return Some((op.blocks.clone(), format!("{} keys for {} blocks", op.hashes.len(), op.blocks.len())));
@@ -179,8 +192,10 @@ fn load_blocks(
             let r = cache.load(*hash, read_buf, |bytes| {
                 adapter.scatter(mem, *block, bytes, tbuf).map_err(|e| e.to_string())
             });
-            if let Err(e) = r {
-                return Some((op.blocks[i..].to_vec(), e.to_string()));
+            match r {
+                Ok(Tier::Cpu) => tiers.0 += 1,
+                Ok(Tier::Ssd) => tiers.1 += 1,
+                Err(e) => return Some((op.blocks[i..].to_vec(), e.to_string())),
             }
         }
         None
@@ -194,16 +209,17 @@ fn load_into(
     adapter: &BlockAdapter,
     mem: &Kv,
     op: &LoadOp,
+    tiers: &mut TierBlocks,
 ) -> Option<(Vec<BlockId>, String)> {
     match mem {
-        Kv::Host(m) => load_blocks(cache, adapter, m, &op.blocks, op),
+        Kv::Host(m) => load_blocks(cache, adapter, m, &op.blocks, op, tiers),
         #[cfg(feature = "cuda")]
         Kv::Device(stage) => {
             let copy = match crate::device_kv::host_copy(stage, op.blocks.len()) {
                 Ok(c) => c,
                 Err(e) => return Some((op.blocks.clone(), e)),
             };
-            let failed = load_blocks(cache, adapter, copy.memory(), &copy.block_ids(), op);
+            let failed = load_blocks(cache, adapter, copy.memory(), &copy.block_ids(), op, tiers);
             let loaded = op.blocks.len() - failed.as_ref().map_or(0, |(b, _)| b.len().min(op.blocks.len()));
             if let Err(e) = crate::device_kv::scatter(stage, &copy, &op.blocks, loaded) {
                 return Some((op.blocks.clone(), e));
@@ -271,21 +287,26 @@ impl WorkerConnector for FlexkvWorker {
             let Some(mem) = self.mem.clone() else {
                 cache.unpin(&op.hashes);
                 let failed = Some((op.blocks.clone(), "no KV caches registered".to_owned()));
-                let _ = tx.send(Done::Load { req: op.req, failed });
+                let _ = tx.send(Done::Load { req: op.req, failed, tiers: (0, 0) });
                 continue;
             };
             let (req, hashes, blocks) = (op.req.clone(), op.hashes.clone(), op.blocks.clone());
             let job = move || {
                 // A panic is a failed load (never a hang, never a leaked reference).
-                let failed = catch_unwind(AssertUnwindSafe(|| load_into(&cache, &adapter, &mem, &op)))
-                    .unwrap_or_else(|_| Some((op.blocks.clone(), "the load panicked".to_owned())));
+                let mut tiers = (0, 0);
+                let failed =
+                    catch_unwind(AssertUnwindSafe(|| load_into(&cache, &adapter, &mem, &op, &mut tiers)))
+                        .unwrap_or_else(|_| Some((op.blocks.clone(), "the load panicked".to_owned())));
                 cache.unpin(&op.hashes);
-                let _ = tx.send(Done::Load { req: op.req, failed });
+                let _ = tx.send(Done::Load { req: op.req, failed, tiers });
             };
             if !self.pool.submit(job) {
                 self.engine.cache.unpin(&hashes);
-                let _ =
-                    self.done_tx.send(Done::Load { req, failed: Some((blocks, "worker shut down".into())) });
+                let _ = self.done_tx.send(Done::Load {
+                    req,
+                    failed: Some((blocks, "worker shut down".into())),
+                    tiers: (0, 0),
+                });
             }
         }
         Ok(())
@@ -315,8 +336,15 @@ impl WorkerConnector for FlexkvWorker {
         let mut out = FinishedTransfers::default();
         while let Ok(d) = self.done_rx.try_recv() {
             match d {
-                Done::Load { req, failed: None } => out.finished_recving.push(req),
-                Done::Load { req, failed: Some((blocks, why)) } => {
+                Done::Load { req, failed: None, tiers } => {
+                    // Which tier supplied the request's tokens, for the host's report.
+                    let bs = self.engine.ctx.effective.block_size as u64;
+                    let engine = &self.engine.ctx.engine_id;
+                    kvconnect_api::load_report::record(engine, &req.0, "flexkv", "cpu", tiers.0 * bs);
+                    kvconnect_api::load_report::record(engine, &req.0, "flexkv", "ssd", tiers.1 * bs);
+                    out.finished_recving.push(req);
+                }
+                Done::Load { req, failed: Some((blocks, why)), .. } => {
                     tracing::warn!(req = %req, "flexkv: load failed: {why}");
                     self.load_errors.extend(blocks);
                     out.failed_recving.push(req);

@@ -9,6 +9,8 @@
 pub enum ChunkBuf {
     /// Heap memory (host KV regions, the disk tier, saves the slab had no room for).
     Heap(Vec<u8>),
+    /// A checked record read from the remote tier, kept whole (no copy of its bytes).
+    Record(crate::disk_tier::DiskChunk),
     /// A slot of a pinned slab, written by the GPU.
     #[cfg(feature = "cuda")]
     Pinned(crate::pinned_slab::PinnedSlot),
@@ -19,6 +21,7 @@ impl ChunkBuf {
     pub fn as_slice(&self) -> &[u8] {
         match self {
             ChunkBuf::Heap(v) => v,
+            ChunkBuf::Record(r) => r.data(),
             #[cfg(feature = "cuda")]
             ChunkBuf::Pinned(s) => s.as_slice(),
         }
@@ -38,7 +41,7 @@ impl ChunkBuf {
     #[cfg(feature = "cuda")]
     pub fn pinned(&self) -> Option<&crate::pinned_slab::PinnedSlot> {
         match self {
-            ChunkBuf::Heap(_) => None,
+            ChunkBuf::Heap(_) | ChunkBuf::Record(_) => None,
             ChunkBuf::Pinned(s) => Some(s),
         }
     }
@@ -62,6 +65,7 @@ impl std::fmt::Debug for ChunkBuf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ChunkBuf::Heap(v) => write!(f, "ChunkBuf::Heap({} bytes)", v.len()),
+            ChunkBuf::Record(r) => write!(f, "ChunkBuf::Record({} bytes)", r.data().len()),
             #[cfg(feature = "cuda")]
             ChunkBuf::Pinned(s) => write!(f, "ChunkBuf::Pinned(slot {}, {} bytes)", s.index(), s.len()),
         }

@@ -63,7 +63,7 @@ pub enum DiskReadError {
     },
 }
 
-/// A chunk read from disk: the whole file, data after the header.
+/// A checked chunk record (a disk file or a remote value): header, data, checksum trailer.
 pub struct DiskChunk {
     buf: Vec<u8>,
 }
@@ -73,6 +73,41 @@ impl DiskChunk {
     pub fn data(&self) -> &[u8] {
         &self.buf[HEADER_LEN..self.buf.len() - TRAILER_LEN]
     }
+}
+
+/// The record of a chunk, as a disk file holds it and the remote tier stores it: the header
+/// (magic, format, key, length), the bytes, their checksum.
+pub fn encode_record(key: ChunkKey, data: &[u8]) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(FILE_OVERHEAD + data.len());
+    buf.extend_from_slice(&header(key, data.len()));
+    let mut h = BytesHasher::new(CHECKSUM_SEED);
+    for piece in data.chunks(PIECE) {
+        h.update(piece);
+        buf.extend_from_slice(piece);
+    }
+    buf.extend_from_slice(&trailer(h.finish()));
+    buf
+}
+
+/// Checks a whole record of `key` (header, length, checksum): the chunk, or what is wrong.
+pub fn check_record(key: ChunkKey, buf: Vec<u8>) -> Result<DiskChunk, String> {
+    let len = parse_header(&buf, key)?;
+    if len + FILE_OVERHEAD as u64 != buf.len() as u64 {
+        return Err(format!("record is {} bytes, header says {}", buf.len(), len + FILE_OVERHEAD as u64));
+    }
+    let data_end = buf.len() - TRAILER_LEN;
+    let sum = hash_bytes(CHECKSUM_SEED, &buf[HEADER_LEN..data_end]);
+    if trailer(sum) != buf[data_end..] {
+        return Err("data checksum mismatch".to_owned());
+    }
+    Ok(DiskChunk { buf })
+}
+
+fn trailer(sum: [u64; 2]) -> [u8; TRAILER_LEN] {
+    let mut t = [0u8; TRAILER_LEN];
+    t[..8].copy_from_slice(&sum[0].to_le_bytes());
+    t[8..].copy_from_slice(&sum[1].to_le_bytes());
+    t
 }
 
 struct Entry {
@@ -243,11 +278,7 @@ impl DiskTier {
                 h.update(piece);
                 f.write_all(piece)?;
             }
-            let sum = h.finish();
-            let mut trailer = [0u8; TRAILER_LEN];
-            trailer[..8].copy_from_slice(&sum[0].to_le_bytes());
-            trailer[8..].copy_from_slice(&sum[1].to_le_bytes());
-            f.write_all(&trailer)?;
+            f.write_all(&trailer(h.finish()))?;
             drop(f);
             std::fs::rename(&tmp, &path)
         })();
@@ -360,8 +391,7 @@ fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>
         h.update(&buf[at..]);
     }
     take(&mut buf, TRAILER_LEN, "trailer")?;
-    let sum = h.finish();
-    if sum != [u64_at(&buf, data_end), u64_at(&buf, data_end + 8)] {
+    if trailer(h.finish()) != buf[data_end..] {
         return Err("data checksum mismatch".to_owned());
     }
     Ok(buf)

@@ -22,7 +22,8 @@ impl ConnectorFactory for LmcacheFactory {
         ConnectorInfo {
             name: "lmcache".to_owned(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
-            description: "LMCache-style chunked prefix cache with CPU and disk tiers".to_owned(),
+            description: "LMCache-style chunked prefix cache with CPU, disk and remote (Redis) tiers"
+                .to_owned(),
         }
     }
 
@@ -48,6 +49,7 @@ impl ConnectorFactory for LmcacheFactory {
         let layout = ChunkLayout::new(&ctx.model, &ctx.effective, cfg.chunk_size)?;
         let store = registry::store_for(&ctx.engine_id, &cfg)?;
         Ok(Box::new(LmcacheWorker::new(
+            ctx.engine_id.clone(),
             store,
             layout,
             ctx.model.clone(),

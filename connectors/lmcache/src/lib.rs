@@ -1,4 +1,4 @@
-//! LMCache-style chunked prefix cache with CPU and disk tiers.
+//! LMCache-style chunked prefix cache with CPU, disk and remote (Redis) tiers.
 //!
 //! A prompt is split into chunks of `chunk_size` tokens (default 256). Each chunk's key
 //! chains the previous chunk's key with this chunk's tokens, rooted in a namespace that
@@ -15,7 +15,11 @@
 //! tier when the store closes are not written to disk. Buffers of chunks that left every tier
 //! are kept for reuse by later saves (up to an eighth of the CPU budget, at least 64 MiB and
 //! never more than the budget), on top of the budget. Chunk bytes are stored in the effective
-//! layout's own order ([`chunk_layout`]).
+//! layout's own order ([`chunk_layout`]). With `remote_url: redis://host:port` a remote tier
+//! that workers share sits behind both ([`remote_tier`]): new chunks are written to it in the
+//! background, lookups and loads fall back to it, every value is checksummed, and a remote
+//! that is down is a counted miss, never a failed or stalled request. Which tier served each
+//! request's tokens is recorded for the host ([`kvconnect_api::load_report`]).
 //!
 //! **Scheduler half** ([`LmcacheScheduler`]). `get_num_new_matched_tokens` returns the end of
 //! the longest run of stored chunks (chunk-aligned; a final partial chunk counts only with
@@ -77,6 +81,7 @@ pub mod pd;
 #[cfg(feature = "cuda")]
 pub mod pinned_slab;
 pub mod registry;
+pub mod remote_tier;
 pub mod scheduler;
 pub mod slot_alloc;
 pub mod stats;

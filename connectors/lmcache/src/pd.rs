@@ -54,7 +54,7 @@ impl PdKeys {
 
     fn get(&self, names: &[&str]) -> Option<&(String, Raw, String)> {
         // The latest of the names given (LMCache's aliases: enable_xpyd, nixl_role, ...).
-        self.entries.iter().filter(|(k, _, _)| names.contains(&k.as_str())).last()
+        self.entries.iter().rev().find(|(k, _, _)| names.contains(&k.as_str()))
     }
 
     /// What the keys ask for: `None` when none is given; with P/D off they are logged as not

@@ -26,7 +26,7 @@ pub struct TierStats {
 /// A snapshot of one engine's lmcache store.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LmcacheStats {
-    /// Chunks a load found (any tier).
+    /// Chunks a load found (any tier: cpu + disk + remote).
     pub hits: u64,
     /// Chunks a load expected but did not find or found corrupt.
     pub misses: u64,
@@ -38,6 +38,32 @@ pub struct LmcacheStats {
     pub cpu: TierStats,
     /// The disk tier (zeros when there is none).
     pub disk: TierStats,
+    /// The remote tier (`remote_url`; zeros when there is none): hits, bytes written to and
+    /// read from it.
+    #[serde(default)]
+    pub remote: TierStats,
+    /// Remote reads that found nothing, including those the remote could not answer.
+    #[serde(default)]
+    pub remote_misses: u64,
+    /// Remote operations (lookups and reads) that failed: connection refused, timeout, an
+    /// error reply.
+    #[serde(default)]
+    pub remote_errors: u64,
+    /// Remote lookups and reads not tried because the remote failed recently (back-off).
+    #[serde(default)]
+    pub remote_skipped: u64,
+    /// Remote values that failed their header, length or checksum check (never loaded).
+    #[serde(default)]
+    pub remote_corrupt: u64,
+    /// Chunks written to the remote.
+    #[serde(default)]
+    pub remote_writes: u64,
+    /// Remote writes that failed.
+    #[serde(default)]
+    pub remote_write_errors: u64,
+    /// Chunks not written to the remote: its writer queue was full or the remote in back-off.
+    #[serde(default)]
+    pub remote_write_drops: u64,
     /// Disk writes that failed (I/O errors, a full disk, a chunk larger than the budget).
     pub disk_write_errors: u64,
     /// Disk chunks dropped because their checksum, header or length was wrong.
@@ -87,6 +113,14 @@ pub(crate) struct Counters {
     pub chunks_saved: AtomicU64,
     pub cpu: TierCounters,
     pub disk: TierCounters,
+    pub remote: TierCounters,
+    pub remote_misses: AtomicU64,
+    pub remote_errors: AtomicU64,
+    pub remote_skipped: AtomicU64,
+    pub remote_corrupt: AtomicU64,
+    pub remote_writes: AtomicU64,
+    pub remote_write_errors: AtomicU64,
+    pub remote_write_drops: AtomicU64,
     pub disk_write_errors: AtomicU64,
     pub disk_corrupt_chunks: AtomicU64,
     pub disk_queue_drops: AtomicU64,
@@ -110,13 +144,22 @@ impl Counters {
     pub fn snapshot(&self) -> LmcacheStats {
         let cpu = self.cpu.snapshot();
         let disk = self.disk.snapshot();
+        let remote = self.remote.snapshot();
         LmcacheStats {
-            hits: cpu.hits + disk.hits,
+            hits: cpu.hits + disk.hits + remote.hits,
             misses: get(&self.misses),
             hit_tokens: get(&self.hit_tokens),
             chunks_saved: get(&self.chunks_saved),
             cpu,
             disk,
+            remote,
+            remote_misses: get(&self.remote_misses),
+            remote_errors: get(&self.remote_errors),
+            remote_skipped: get(&self.remote_skipped),
+            remote_corrupt: get(&self.remote_corrupt),
+            remote_writes: get(&self.remote_writes),
+            remote_write_errors: get(&self.remote_write_errors),
+            remote_write_drops: get(&self.remote_write_drops),
             disk_write_errors: get(&self.disk_write_errors),
             disk_corrupt_chunks: get(&self.disk_corrupt_chunks),
             disk_queue_drops: get(&self.disk_queue_drops),

@@ -1,14 +1,18 @@
-//! The chunk store of one engine: the CPU tier in front, the disk tier behind it.
+//! The chunk store of one engine: the CPU tier in front, the disk tier behind it, and the
+//! remote tier (a Redis server other workers share) behind both.
 //!
 //! What the CPU tier evicts goes to a background writer thread, so a save costs the step loop
 //! only its copy out of the KV cache. Until the writer has finished a chunk it stays
-//! readable from an in-flight map, so a chunk is never missing between the two tiers.
+//! readable from an in-flight map, so a chunk is never missing between the two tiers. Every
+//! new chunk is also handed to the remote tier's writer thread; a chunk read from the remote
+//! is kept in the CPU tier, so the next hit is local.
 
 use crate::chunk_buf::ChunkBuf;
 use crate::config::LmcacheConfig;
 use crate::cpu_tier::{ChunkData, CpuTier, KeyMap};
 use crate::disk_tier::{DiskChunk, DiskTier, FILE_OVERHEAD};
 use crate::key::ChunkKey;
+use crate::remote_tier::{RemoteRead, RemoteTier};
 use crate::stats::{add, Counters, LmcacheStats};
 use kvconnect_api::{ConnectorError, KvEvent};
 use std::collections::VecDeque;
@@ -26,6 +30,28 @@ pub enum ChunkBytes {
     Mem(ChunkData),
     /// From a disk file, checked.
     Disk(DiskChunk),
+}
+
+/// The tier a chunk was read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Tier {
+    /// Host memory.
+    Cpu,
+    /// The local disk (or the disk writer's queue).
+    Disk,
+    /// The remote (Redis).
+    Remote,
+}
+
+impl Tier {
+    /// `cpu`, `disk` or `remote`, as metrics and reports name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Cpu => "cpu",
+            Tier::Disk => "disk",
+            Tier::Remote => "remote",
+        }
+    }
 }
 
 impl ChunkBytes {
@@ -48,7 +74,7 @@ struct Shared {
     pool: Mutex<BufferPool>,
     inflight: Mutex<KeyMap<ChunkData>>,
     inflight_bytes: AtomicU64,
-    counters: Counters,
+    counters: Arc<Counters>,
     events: Mutex<VecDeque<KvEvent>>,
 }
 
@@ -106,6 +132,7 @@ impl Shared {
 /// One engine's chunk store (shared by its scheduler and worker halves).
 pub struct ChunkStore {
     cpu: Option<Mutex<CpuTier>>,
+    remote: Option<RemoteTier>,
     shared: Arc<Shared>,
     tx: Option<Mutex<mpsc::Sender<Job>>>,
     writer: Option<JoinHandle<()>>,
@@ -115,9 +142,6 @@ pub struct ChunkStore {
 impl ChunkStore {
     /// Opens the tiers the config names. The disk directory is created and must be writable.
     pub fn open(cfg: &LmcacheConfig) -> Result<ChunkStore, ConnectorError> {
-        if cfg.remote.is_some() {
-            return Err(ConnectorError::not_implemented("lmcache", "the remote tier (remote_url)"));
-        }
         let cpu = cfg.local_cpu.then(|| Mutex::new(CpuTier::new(cfg.cpu_budget_bytes())));
         let disk = match &cfg.local_disk {
             None => None,
@@ -143,12 +167,22 @@ impl ChunkStore {
         // more than the budget itself (64 MiB without a CPU tier).
         let budget = cfg.cpu_budget_bytes();
         let pool_cap = if cfg.local_cpu { (budget / 8).max(64 << 20).min(budget) } else { 64 << 20 };
+        let counters = Arc::new(Counters::default());
+        let remote = match &cfg.remote {
+            None => None,
+            Some(r) => {
+                let tier = RemoteTier::with_counters(r, counters.clone())
+                    .map_err(|e| ConnectorError::config("lmcache", e.to_string()))?;
+                tracing::info!(url = %r.url, timeout_ms = r.timeout_ms, "lmcache: remote tier set up");
+                Some(tier)
+            }
+        };
         let shared = Arc::new(Shared {
             disk,
             pool: Mutex::new(BufferPool { bufs: Vec::new(), bytes: 0, cap: pool_cap }),
             inflight: Mutex::new(KeyMap::default()),
             inflight_bytes: AtomicU64::new(0),
-            counters: Counters::default(),
+            counters,
             events: Mutex::new(VecDeque::new()),
         });
         let (tx, writer) = if has_disk {
@@ -167,10 +201,11 @@ impl ChunkStore {
         // The writer's queue may hold as much as the CPU tier (at least 256 MiB) before
         // evictions are dropped instead of queued: memory stays bounded if the disk is slow.
         let queue_cap = cfg.cpu_budget_bytes().max(256 << 20);
-        Ok(ChunkStore { cpu, shared, tx, writer, queue_cap })
+        Ok(ChunkStore { cpu, remote, shared, tx, writer, queue_cap })
     }
 
-    /// True when some tier holds the chunk. No side effects (LRU order and stats unchanged).
+    /// True when a local tier (CPU or disk) holds the chunk. No side effects (LRU order and
+    /// stats unchanged).
     pub fn contains(&self, key: &ChunkKey) -> bool {
         if let Some(cpu) = &self.cpu {
             if lock(cpu).contains(key) {
@@ -186,15 +221,22 @@ impl ChunkStore {
         self.shared.disk.as_ref().is_some_and(|d| d.contains(key))
     }
 
-    /// How many of `keys`, from the first, some tier holds (one lock for the CPU tier's run).
-    /// No side effects.
+    /// How many of `keys`, from the first, some tier holds (one lock for the CPU tier's run,
+    /// one round trip to the remote for the rest). No side effects on the local tiers.
     pub fn stored_prefix(&self, keys: impl Iterator<Item = ChunkKey> + Clone) -> usize {
         let mut n = 0;
         if let Some(cpu) = &self.cpu {
             let cpu = lock(cpu);
             n = keys.clone().take_while(|k| cpu.contains(k)).count();
         }
-        n + keys.skip(n).take_while(|k| self.contains(k)).count()
+        n += keys.clone().skip(n).take_while(|k| self.contains(k)).count();
+        match &self.remote {
+            Some(remote) => {
+                let rest: Vec<ChunkKey> = keys.skip(n).collect();
+                n + remote.stored_prefix(&rest)
+            }
+            None => n,
+        }
     }
 
     /// Stores a chunk in the CPU tier (or, without one or when it does not fit, hands it to
@@ -209,8 +251,12 @@ impl ChunkStore {
                 if cpu.contains(&key) {
                     return;
                 }
+                let for_remote = self.remote.as_ref().map(|_| data.clone());
                 match cpu.put(key, data) {
                     Ok(evicted) => {
+                        if let (Some(remote), Some(d)) = (&self.remote, for_remote) {
+                            remote.put(key, d);
+                        }
                         add(&c.chunks_saved, 1);
                         add(&c.cpu.bytes_stored, len);
                         self.shared.event(KvEvent::Stored { hashes: vec![key.0[0]], tier: "cpu".into() });
@@ -227,8 +273,11 @@ impl ChunkStore {
             }
             None => data,
         };
-        if self.shared.disk.is_some() {
+        if self.shared.disk.is_some() || self.remote.is_some() {
             add(&c.chunks_saved, 1);
+            if let Some(remote) = &self.remote {
+                remote.put(key, to_disk.clone());
+            }
             self.send_to_disk(key, to_disk);
         } else {
             add(&c.rejected_chunks, 1);
@@ -299,15 +348,50 @@ impl ChunkStore {
 
     /// The chunk from the fastest tier holding it. A corrupt disk chunk is removed and
     /// counted, and the answer is `None`.
-    pub fn get(&self, key: &ChunkKey) -> Option<ChunkBytes> {
+    pub fn get(&self, key: &ChunkKey) -> Option<(ChunkBytes, Tier)> {
         let c = &self.shared.counters;
         if let Some(cpu) = &self.cpu {
             if let Some(d) = lock(cpu).get(key) {
                 add(&c.cpu.hits, 1);
                 add(&c.cpu.bytes_loaded, d.len() as u64);
-                return Some(ChunkBytes::Mem(d));
+                return Some((ChunkBytes::Mem(d), Tier::Cpu));
             }
         }
+        if let Some(b) = self.get_disk(key) {
+            return Some((b, Tier::Disk));
+        }
+        let remote = self.remote.as_ref()?;
+        match remote.get(key) {
+            RemoteRead::Hit(chunk) => {
+                let data: ChunkData = Arc::new(ChunkBuf::Record(chunk));
+                self.keep_in_cpu(*key, data.clone());
+                Some((ChunkBytes::Mem(data), Tier::Remote))
+            }
+            RemoteRead::Miss | RemoteRead::Corrupt(_) => None,
+        }
+    }
+
+    /// A chunk read from the remote goes into the CPU tier (its evictions to disk as usual),
+    /// not back to the remote.
+    fn keep_in_cpu(&self, key: ChunkKey, data: ChunkData) {
+        let Some(cpu) = &self.cpu else { return };
+        let c = &self.shared.counters;
+        let mut cpu = lock(cpu);
+        if cpu.contains(&key) {
+            return;
+        }
+        if let Ok(evicted) = cpu.put(key, data) {
+            self.shared.event(KvEvent::Stored { hashes: vec![key.0[0]], tier: "cpu".into() });
+            for (k, d) in evicted {
+                add(&c.cpu.evictions, 1);
+                self.shared.event(KvEvent::Removed { hashes: vec![k.0[0]], tier: "cpu".into() });
+                self.send_to_disk(k, d);
+            }
+        }
+    }
+
+    fn get_disk(&self, key: &ChunkKey) -> Option<ChunkBytes> {
+        let c = &self.shared.counters;
         let disk = self.shared.disk.as_ref()?;
         if let Some(d) = lock(&self.shared.inflight).get(key).cloned() {
             // Still on its way to disk: served from memory, counted as a disk-tier hit.
@@ -351,8 +435,12 @@ impl ChunkStore {
         add(&self.shared.counters.save_errors, 1);
     }
 
-    /// Waits until every chunk handed to the disk writer so far is written (or failed).
+    /// Waits until every chunk handed to the disk and remote writers so far is written (or
+    /// failed).
     pub fn flush(&self) {
+        if let Some(remote) = &self.remote {
+            remote.flush();
+        }
         let Some(tx) = &self.tx else { return };
         let (done_tx, done_rx) = mpsc::channel();
         if lock(tx).send(Job::Flush(done_tx)).is_ok() {

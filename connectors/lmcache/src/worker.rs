@@ -11,7 +11,7 @@
 
 use crate::chunk_layout::ChunkLayout;
 use crate::meta::{LoadSpec, SaveSpec, StepMeta};
-use crate::store::{ChunkBytes, ChunkStore};
+use crate::store::{ChunkBytes, ChunkStore, Tier};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, ConnectorError, ConnectorResult, EffectiveLayout, FinishedTransfers, KvRegion, LayerId,
@@ -25,6 +25,8 @@ struct FetchedLoad {
     spec: LoadSpec,
     /// (chunk index in spec.chunks, bytes) for the chunks that load.
     chunks: Vec<(usize, ChunkBytes)>,
+    /// The tier each of `chunks` came from.
+    tiers: Vec<Tier>,
 }
 
 /// A save in progress: one buffer per chunk, filled layer by layer (host KV), or the
@@ -48,6 +50,7 @@ enum Kv {
 
 /// The lmcache worker half.
 pub struct LmcacheWorker {
+    engine_id: String,
     store: Arc<ChunkStore>,
     layout: ChunkLayout,
     model: ModelSpec,
@@ -72,6 +75,7 @@ fn no_regions() -> ConnectorError {
 impl LmcacheWorker {
     /// A worker half over `store`.
     pub fn new(
+        engine_id: String,
         store: Arc<ChunkStore>,
         layout: ChunkLayout,
         model: ModelSpec,
@@ -79,6 +83,7 @@ impl LmcacheWorker {
         layerwise: bool,
     ) -> LmcacheWorker {
         LmcacheWorker {
+            engine_id,
             store,
             layout,
             model,
@@ -109,12 +114,16 @@ impl LmcacheWorker {
         let loads = std::mem::take(&mut self.meta.loads);
         for spec in loads {
             let mut chunks = Vec::with_capacity(spec.chunks.len());
+            let mut tiers = Vec::with_capacity(spec.chunks.len());
             let mut failed_at = None;
             for (i, c) in spec.chunks.iter().enumerate() {
                 let want = self.layout.chunk_bytes(c.tokens);
                 match self.store.get(&c.key) {
-                    Some(b) if b.as_slice().len() == want => chunks.push((i, b)),
-                    Some(b) => {
+                    Some((b, tier)) if b.as_slice().len() == want => {
+                        chunks.push((i, b));
+                        tiers.push(tier);
+                    }
+                    Some((b, _)) => {
                         tracing::warn!(req = %spec.req, chunk = ?c.key, got = b.as_slice().len(), want, "lmcache: stored chunk has the wrong length; not loaded");
                         self.store.count_miss();
                         failed_at = Some(c.start);
@@ -130,9 +139,27 @@ impl LmcacheWorker {
             if let Some(t) = failed_at {
                 self.fail_blocks(&spec, t);
             }
-            self.fetched.push(FetchedLoad { spec, chunks });
+            self.fetched.push(FetchedLoad { spec, chunks, tiers });
         }
         self.layers_loaded = 0;
+    }
+
+    /// Records, per request, the tokens each tier supplied to the loads that are done
+    /// ([`kvconnect_api::load_report`]); chunks of a failed load were dropped already.
+    fn report_loads(&self) {
+        for f in &self.fetched {
+            for ((ci, _), tier) in f.chunks.iter().zip(&f.tiers) {
+                let c = f.spec.chunks[*ci];
+                let tokens = f.spec.end.min(c.start + c.tokens).saturating_sub(f.spec.start.max(c.start));
+                kvconnect_api::load_report::record(
+                    &self.engine_id,
+                    &f.spec.req.0,
+                    "lmcache",
+                    tier.name(),
+                    tokens as u64,
+                );
+            }
+        }
     }
 
     /// Copies layers `[self.layers_loaded, upto)` of every fetched load.
@@ -173,6 +200,7 @@ impl LmcacheWorker {
             self.fail_blocks(&spec, start);
             // Later layers would write blocks that are already reported.
             self.fetched[fi].chunks.clear();
+            self.fetched[fi].tiers.clear();
         }
         Ok(())
     }
@@ -230,8 +258,13 @@ impl LmcacheWorker {
         }
         for (spec, from) in failures {
             self.fail_blocks(&spec, from);
+            if let Some(f) = self.fetched.iter_mut().find(|f| f.spec.req == spec.req) {
+                f.chunks.clear();
+                f.tiers.clear();
+            }
         }
         self.layers_loaded = self.layout.kv_layers().len();
+        self.report_loads();
         self.fetched.clear();
         Ok(())
     }
@@ -336,6 +369,7 @@ impl WorkerConnector for LmcacheWorker {
         self.fetch_loads();
         if !self.layerwise || self.on_device() {
             self.load_layers(self.layout.kv_layers().len())?;
+            self.report_loads();
             self.fetched.clear();
         }
         Ok(())
@@ -366,6 +400,7 @@ impl WorkerConnector for LmcacheWorker {
         // Layers a layer-wise engine never waited for are loaded now, late but complete.
         if !self.fetched.is_empty() {
             self.load_layers(self.layout.kv_layers().len())?;
+            self.report_loads();
             self.fetched.clear();
         }
         if self.saves.is_empty() {

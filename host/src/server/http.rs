@@ -110,6 +110,9 @@ pub(crate) struct Finished {
     /// Set when the peer handshake failed and the prompt was recomputed (policy
     /// `recompute`): `{"recomputed": true, "reason"}`.
     pub kv_note: Value,
+    /// Which cache connector and tier supplied the external tokens (lmcache's cpu, disk or
+    /// remote tier, flexkv's cpu or ssd tier), as the connectors recorded it.
+    pub cache_sources: Vec<kvconnect_api::load_report::TierTokens>,
 }
 
 /// Runs one engine request to its end (loading KV from a peer first when its transfer
@@ -178,7 +181,8 @@ pub(crate) async fn run_one(
         PromptSources::of(prompt_len as u64, done.num_cached_tokens as u64, external),
         external.saturating_mul(st.kv_bytes_per_token),
     );
-    Ok(Finished { done, kv_note })
+    let cache_sources = kvconnect_api::load_report::take(&st.engine_id, &id);
+    Ok(Finished { done, kv_note, cache_sources })
 }
 
 async fn current(st: &AppState) -> Result<PoolStats, Response> {
@@ -245,8 +249,8 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
 
 /// The cache tiers' hits, misses and bytes per direction, read at scrape time from the
 /// process-global stores of this worker's engine (the composite passes its engine id to its
-/// children): lmcache's CPU and disk tiers, flexkv's CPU and SSD tiers. Empty when this
-/// worker runs neither.
+/// children): lmcache's CPU, disk and remote tiers, flexkv's CPU and SSD tiers, and the
+/// remote tier's failures by kind. Empty when this worker runs neither.
 fn cache_metrics(engine_id: &str) -> Vec<Sample> {
     const HITS: &str = "Chunks (lmcache) or blocks (flexkv) a KV load found in a cache tier.";
     const LOADED: &str = "Bytes read out of a cache tier into the KV cache.";
@@ -261,8 +265,9 @@ fn cache_metrics(engine_id: &str) -> Vec<Sample> {
     };
     let (mut hits, mut loads, mut misses) = (Vec::new(), Vec::new(), Vec::new());
     let (mut saved, mut restored) = (0u64, 0u64);
+    let mut remote = Vec::new();
     if let Some(s) = kvconnect_lmcache::stats(engine_id) {
-        for (tier, t) in [("cpu", &s.cpu), ("disk", &s.disk)] {
+        for (tier, t) in [("cpu", &s.cpu), ("disk", &s.disk), ("remote", &s.remote)] {
             hits.push(hit("lmcache", tier, t.hits));
             loads.push(loaded("lmcache", tier, t.bytes_loaded));
             restored += t.bytes_loaded;
@@ -276,6 +281,20 @@ fn cache_metrics(engine_id: &str) -> Vec<Sample> {
             )
             .with(vec![("connector", "lmcache".into())]),
         );
+        const REMOTE: &str = "lmcache remote tier (remote_url) outcomes other than hits: miss (not there, or the remote could not answer), error (a failed lookup or read), skipped (not tried during the back-off after a failure), corrupt (failed its checksum; never loaded), write_error, write_dropped.";
+        for (outcome, v) in [
+            ("miss", s.remote_misses),
+            ("error", s.remote_errors),
+            ("skipped", s.remote_skipped),
+            ("corrupt", s.remote_corrupt),
+            ("write_error", s.remote_write_errors),
+            ("write_dropped", s.remote_write_drops),
+        ] {
+            remote.push(
+                Sample::counter("kvconnect_cache_remote_outcomes", REMOTE, v)
+                    .with(vec![("connector", "lmcache".into()), ("outcome", outcome.into())]),
+            );
+        }
     }
     if let Some((s, block)) = kvconnect_flexkv::registry::stats(engine_id) {
         let block = block as u64;
@@ -295,6 +314,7 @@ fn cache_metrics(engine_id: &str) -> Vec<Sample> {
     };
     let mut out = hits;
     out.extend(misses);
+    out.extend(remote);
     out.extend(loads);
     out.push(offload("GPU_to_CPU", saved));
     out.push(offload("CPU_to_GPU", restored));

@@ -223,6 +223,15 @@ impl Plan {
         if let Some(note) = results.iter().map(|f| &f.kv_note).find(|n| !n.is_null()) {
             kvconnect["kv_load"] = note.clone();
         }
+        // Which cache connector and tier served the external tokens, summed over the choices.
+        let mut sources: Vec<kvconnect_api::load_report::TierTokens> = Vec::new();
+        for t in results.iter().flat_map(|f| &f.cache_sources) {
+            match sources.iter_mut().find(|s| s.connector == t.connector && s.tier == t.tier) {
+                Some(s) => s.tokens += t.tokens,
+                None => sources.push(t.clone()),
+            }
+        }
+        kvconnect["cache_sources"] = serde_json::to_value(&sources).unwrap_or(Value::Null);
         let kv_transfer_params = match results {
             [one] => serde_json::to_value(&one.done.kv_transfer_params).unwrap_or(Value::Null),
             _ => Value::Null,

@@ -238,7 +238,7 @@ fn sample(v: &Value, elapsed: Duration, truth: &[u32], direct: bool) -> Sample {
         prompt_tokens: v["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
         loaded_tokens: k["num_external_tokens"].as_u64().unwrap_or(0),
         decode_ttft_us: k["ttft_us"].as_u64().unwrap_or(0),
-        lmcache_tokens: k["prefill"]["num_external_tokens"].as_u64().unwrap_or(0),
+        cache_sources: serde_json::from_value(k["prefill"]["cache_sources"].clone()).unwrap_or_default(),
         matches: ids == truth,
         recomputed: !direct && recomputed_on_decode(v),
         error: None,

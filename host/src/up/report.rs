@@ -1,6 +1,7 @@
 //! The report of `kvconnect up --workload`: what each request measured, percentiles over
 //! them, and the text and JSON forms.
 
+use kvconnect_api::load_report::TierTokens;
 use serde::Serialize;
 
 /// What one request measured.
@@ -18,8 +19,9 @@ pub struct Sample {
     pub loaded_tokens: u64,
     /// Decode's own time to first token (the KV load is inside it), microseconds.
     pub decode_ttft_us: u64,
-    /// Prompt tokens prefill found in LMCache.
-    pub lmcache_tokens: u64,
+    /// Prompt tokens prefill's cache connectors supplied, by connector and tier (prefill's
+    /// `kvconnect.cache_sources`).
+    pub cache_sources: Vec<TierTokens>,
     /// The tokens equal the monolithic engine's.
     pub matches: bool,
     /// Decode computed a prompt it should have loaded from prefill (a failed or refused KV
@@ -65,6 +67,19 @@ pub struct Comparison {
     pub monolithic_mismatches: usize,
 }
 
+/// Prefill cache hits of one connector's tier.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CacheHits {
+    /// The connector that produced them.
+    pub connector: String,
+    /// Its tier.
+    pub tier: String,
+    /// Prompt tokens it supplied.
+    pub tokens: u64,
+    /// Over all prompt tokens.
+    pub rate: f64,
+}
+
 /// The whole report.
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -92,8 +107,11 @@ pub struct Report {
     pub recomputed_requests: usize,
     /// KV bytes over the summed decode time to first token (the load is inside it), GB/s.
     pub kv_gb_per_s: f64,
-    /// Prompt tokens prefill found in LMCache over all prompt tokens.
-    pub lmcache_hit_rate: f64,
+    /// Prompt tokens prefill's cache connectors supplied over all prompt tokens.
+    pub prefill_cache_hit_rate: f64,
+    /// The same by connector and tier (`lmcache` `cpu`/`disk`/`remote`, `flexkv`
+    /// `cpu`/`ssd`), largest first.
+    pub prefill_cache_hits: Vec<CacheHits>,
     /// Wall time, seconds.
     pub wall_s: f64,
     /// The first errors, verbatim.
@@ -116,7 +134,24 @@ impl Report {
         let kv_bytes: u64 = ok.iter().map(|s| s.loaded_tokens * kv_bytes_per_token).sum();
         let decode_s: f64 = ok.iter().map(|s| s.decode_ttft_us as f64 / 1e6).sum();
         let prompt: u64 = ok.iter().map(|s| s.prompt_tokens).sum();
-        let hits: u64 = ok.iter().map(|s| s.lmcache_tokens).sum();
+        let mut by_tier: Vec<CacheHits> = Vec::new();
+        for t in ok.iter().flat_map(|s| &s.cache_sources) {
+            match by_tier.iter_mut().find(|h| h.connector == t.connector && h.tier == t.tier) {
+                Some(h) => h.tokens += t.tokens,
+                None => by_tier.push(CacheHits {
+                    connector: t.connector.clone(),
+                    tier: t.tier.clone(),
+                    tokens: t.tokens,
+                    rate: 0.0,
+                }),
+            }
+        }
+        let rate = |n: u64| if prompt > 0 { n as f64 / prompt as f64 } else { 0.0 };
+        for h in &mut by_tier {
+            h.rate = rate(h.tokens);
+        }
+        by_tier.sort_by(|a, b| b.tokens.cmp(&a.tokens).then_with(|| a.connector.cmp(&b.connector)));
+        let hits: u64 = by_tier.iter().map(|h| h.tokens).sum();
         Report {
             requests: samples.len(),
             prompts: prompts.to_owned(),
@@ -135,7 +170,8 @@ impl Report {
             throughput_tokens_per_s: if wall_s > 0.0 { tokens as f64 / wall_s } else { 0.0 },
             kv_bytes,
             kv_gb_per_s: if decode_s > 0.0 { kv_bytes as f64 / decode_s / 1e9 } else { 0.0 },
-            lmcache_hit_rate: if prompt > 0 { hits as f64 / prompt as f64 } else { 0.0 },
+            prefill_cache_hit_rate: rate(hits),
+            prefill_cache_hits: by_tier,
             wall_s,
             errors: samples.iter().filter_map(|s| s.error.clone()).take(5).collect(),
             compare_monolithic: None,
@@ -151,6 +187,19 @@ impl Report {
             && self.compare_monolithic.as_ref().is_none_or(|c| c.monolithic_mismatches == 0)
     }
 
+    /// `: lmcache remote 10.0%, lmcache cpu 4.8%`, or nothing without hits.
+    fn hits_by_tier(&self) -> String {
+        if self.prefill_cache_hits.is_empty() {
+            return String::new();
+        }
+        let parts: Vec<String> = self
+            .prefill_cache_hits
+            .iter()
+            .map(|h| format!("{} {} {:.1}%", h.connector, h.tier, h.rate * 100.0))
+            .collect();
+        format!(" ({})", parts.join(", "))
+    }
+
     /// The human form.
     pub fn text(&self) -> String {
         let p = |x: &Percentiles| format!("p50 {:.2}  p90 {:.2}  p99 {:.2}", x.p50, x.p90, x.p99);
@@ -162,7 +211,7 @@ impl Report {
              throughput: {:.1} tokens/s\n\
              decode loaded the prompt's KV: {}/{} requests ({} recomputed instead)\n\
              KV moved prefill -> decode: {:.2} MB, {:.3} GB/s (over decode's time to first token)\n\
-             LMCache hit rate on prefill: {:.1}% of prompt tokens\n",
+             cache hits on prefill: {:.1}% of prompt tokens{}\n",
             self.requests,
             self.prompts,
             self.concurrency,
@@ -178,7 +227,8 @@ impl Report {
             self.recomputed_requests,
             self.kv_bytes as f64 / 1e6,
             self.kv_gb_per_s,
-            self.lmcache_hit_rate * 100.0,
+            self.prefill_cache_hit_rate * 100.0,
+            self.hits_by_tier(),
         );
         if let Some(c) = &self.compare_monolithic {
             s.push_str(&format!(
@@ -205,6 +255,36 @@ mod tests {
         let p = Percentiles::of((1..=100).map(f64::from).collect());
         assert_eq!((p.p50, p.p90, p.p99), (50.0, 90.0, 99.0));
         assert_eq!(Percentiles::of(vec![]).p50, 0.0);
+    }
+
+    #[test]
+    fn cache_hits_name_the_connector_and_tier_that_produced_them() {
+        let t =
+            |c: &str, tier: &str, n: u64| TierTokens { connector: c.into(), tier: tier.into(), tokens: n };
+        let a = Sample {
+            prompt_tokens: 1000,
+            matches: true,
+            cache_sources: vec![t("flexkv", "cpu", 100), t("flexkv", "ssd", 48)],
+            ..Sample::default()
+        };
+        let b = Sample {
+            prompt_tokens: 1000,
+            matches: true,
+            cache_sources: vec![t("flexkv", "cpu", 100)],
+            ..Sample::default()
+        };
+        let r = Report::new(&[a, b], "shared", 1, 1.0, 512);
+        assert!((r.prefill_cache_hit_rate - 0.124).abs() < 1e-9);
+        assert_eq!(r.prefill_cache_hits[0].connector, "flexkv");
+        assert_eq!((r.prefill_cache_hits[0].tier.as_str(), r.prefill_cache_hits[0].tokens), ("cpu", 200));
+        let text = r.text();
+        assert!(
+            text.contains(
+                "cache hits on prefill: 12.4% of prompt tokens (flexkv cpu 10.0%, flexkv ssd 2.4%)"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("LMCache"), "{text}");
     }
 
     #[test]

@@ -1,5 +1,5 @@
 //! The built-in workload of `kvconnect up --workload N`: deterministic requests (completions
-//! and chat), some sharing long prefixes so LMCache on prefill finds them, and the ground
+//! and chat), some sharing long prefixes so the cache on prefill finds them, and the ground
 //! truth for each from the reference engine run in-process as a single monolithic engine.
 
 use crate::server::openai::chat_prompt;

@@ -1,0 +1,183 @@
+//! The remote tier on a real Redis server: two prefill-side stores share it (a prompt
+//! prefilled on A is a remote hit on B, with the KV a monolithic engine computes), a server
+//! killed mid-workload costs misses (counted) and never a wrong or failed request, a restarted
+//! one serves hits again, and a corrupt value under a real key is a miss counted as corrupt.
+//! Skipped, with a message, where redis-server is not installed.
+
+mod common;
+#[path = "common/redis_server.rs"]
+mod redis_server;
+
+use common::*;
+use kvconnect_api::load_report::{self, TierTokens};
+use kvconnect_api::{BlocksPerGroup, KvLayout, StepInfo};
+use kvconnect_lmcache::key::{chunk_keys, Namespace};
+use kvconnect_lmcache::remote_tier::redis_key;
+use redis_server::{skip, RedisServer};
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+const CHUNK: usize = 16;
+
+fn extra(url: &str) -> serde_json::Value {
+    json!({
+        "chunk_size": CHUNK,
+        "max_local_cpu_size": gb(64 * chunk_bytes(CHUNK)),
+        "remote_url": url,
+        "remote_timeout_ms": 100,
+        "remote_retry_ms": 50,
+    })
+}
+
+/// Runs `tokens` on `e` and checks its KV cache holds exactly what computing the prompt gives.
+fn run_checked(e: &mut Engine, id: &str, tokens: &[u32]) -> (usize, usize) {
+    let (matched, blocks, errors) = e.run(id, tokens, 0);
+    let bad = e.mismatches(tokens, &blocks, 0, tokens.len());
+    assert!(bad.is_empty(), "{id}: KV differs from the computed prompt at positions {bad:?}");
+    (matched, errors.len())
+}
+
+#[test]
+fn a_prompt_prefilled_on_one_store_is_a_remote_hit_on_another() {
+    let Some(redis) = RedisServer::start() else { return skip("remote_redis") };
+    let p = prompt(7, 3 * CHUNK + 5);
+    let mut a = Engine::new("remote-share-a", KvLayout::NHD, 8, extra(&redis.url()));
+    assert_eq!(run_checked(&mut a, "a0", &p), (0, 0));
+    kvconnect_lmcache::flush("remote-share-a");
+    let sa = kvconnect_lmcache::stats("remote-share-a").unwrap();
+    assert_eq!(sa.remote_writes, 3, "three full chunks written to the remote");
+
+    let mut b = Engine::new("remote-share-b", KvLayout::NHD, 8, extra(&redis.url()));
+    let (matched, errors) = run_checked(&mut b, "b0", &p);
+    assert_eq!((matched, errors), (3 * CHUNK, 0), "B loads A's three chunks");
+    let sb = kvconnect_lmcache::stats("remote-share-b").unwrap();
+    assert_eq!((sb.remote.hits, sb.cpu.hits, sb.remote_corrupt), (3, 0, 0), "{sb:?}");
+    assert_eq!(sb.remote.bytes_loaded, 3 * chunk_bytes(CHUNK) as u64);
+    // The request's tokens are reported as the remote tier's, for the host's answer.
+    let tier =
+        |t: &str, n: usize| TierTokens { connector: "lmcache".into(), tier: t.into(), tokens: n as u64 };
+    assert_eq!(load_report::take("remote-share-b", "b0"), vec![tier("remote", 3 * CHUNK)]);
+    // The chunks are now in B's CPU tier: the next hit is local.
+    let (matched, _) = run_checked(&mut b, "b1", &p);
+    assert_eq!(matched, 3 * CHUNK);
+    let sb = kvconnect_lmcache::stats("remote-share-b").unwrap();
+    assert_eq!((sb.remote.hits, sb.cpu.hits), (3, 3), "{sb:?}");
+    assert_eq!(load_report::take("remote-share-b", "b1"), vec![tier("cpu", 3 * CHUNK)]);
+
+    // A worker with another layout (or TP rank) never shares A's chunks: the keys differ.
+    let mut c = Engine::new("remote-share-c", KvLayout::HND, 8, extra(&redis.url()));
+    assert_eq!(run_checked(&mut c, "c0", &p).0, 0);
+    let mut other_tp = ctx("remote-share-d", KvLayout::NHD, 8, extra(&redis.url()));
+    other_tp.tp_rank = 1;
+    let mut d = Engine::with_ctx(&kvconnect_lmcache::LmcacheFactory, other_tp);
+    assert_eq!(run_checked(&mut d, "d0", &p).0, 0);
+}
+
+#[test]
+fn a_remote_killed_mid_workload_costs_misses_never_answers() {
+    let Some(mut redis) = RedisServer::start() else { return skip("remote_redis") };
+    let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(300 + i, 2 * CHUNK + 3)).collect();
+    let mut a = Engine::new("remote-kill-a", KvLayout::NHD, 8, extra(&redis.url()));
+    for (i, p) in prompts.iter().enumerate() {
+        run_checked(&mut a, &format!("a{i}"), p);
+    }
+    kvconnect_lmcache::flush("remote-kill-a");
+
+    let mut b = Engine::new("remote-kill-b", KvLayout::NHD, 8, extra(&redis.url()));
+    assert_eq!(run_checked(&mut b, "b0", &prompts[0]), (2 * CHUNK, 0));
+
+    // A lookup while the server is up, then it dies before the load: the load misses, the
+    // blocks are reported, the engine computes them, and the KV is still right.
+    let req = request("b1", &prompts[1]);
+    let matched = b.lookup(&req, 0);
+    assert_eq!(matched, 2 * CHUNK);
+    redis.kill();
+    let blocks = b.alloc(prompts[1].len());
+    b.sched.update_state_after_alloc(&req, &BlocksPerGroup(vec![blocks.clone()]), matched).unwrap();
+    let meta = b.sched.build_connector_meta(&StepInfo { step: 100, ..StepInfo::default() }).unwrap();
+    b.worker.bind_connector_meta(&meta).unwrap();
+    b.worker.start_load_kv().unwrap();
+    let failed = b.worker.block_ids_with_load_errors().unwrap();
+    assert!(!failed.is_empty(), "the load that could not read its chunks reports its blocks");
+    b.compute(&prompts[1], &blocks, 0, prompts[1].len());
+    b.worker.wait_for_save().unwrap();
+    assert!(b.mismatches(&prompts[1], &blocks, 0, prompts[1].len()).is_empty());
+
+    // The rest of the workload runs against a dead remote: every answer right, none slow.
+    let t0 = Instant::now();
+    for (i, p) in prompts.iter().enumerate().skip(2) {
+        assert_eq!(run_checked(&mut b, &format!("b{i}"), p), (0, 0), "prompt {i}");
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(3),
+        "six requests took {:?} with the remote down",
+        t0.elapsed()
+    );
+    let s = kvconnect_lmcache::stats("remote-kill-b").unwrap();
+    assert!(s.remote_misses >= 1, "{s:?}");
+    assert!(s.remote_errors >= 1, "{s:?}");
+    assert!(s.remote_errors + s.remote_skipped >= 7, "every remote lookup after the kill is counted: {s:?}");
+
+    // Restarted (empty): once the back-off has passed, writes and hits resume.
+    redis.restart();
+    std::thread::sleep(Duration::from_millis(900));
+    let fresh = prompt(999, 2 * CHUNK + 1);
+    let mut a2 = Engine::new("remote-kill-a2", KvLayout::NHD, 8, extra(&redis.url()));
+    run_checked(&mut a2, "a2", &fresh);
+    kvconnect_lmcache::flush("remote-kill-a2");
+    let before = kvconnect_lmcache::stats("remote-kill-b").unwrap().remote.hits;
+    assert_eq!(run_checked(&mut b, "b-after", &fresh), (2 * CHUNK, 0));
+    assert_eq!(kvconnect_lmcache::stats("remote-kill-b").unwrap().remote.hits, before + 2);
+}
+
+#[test]
+fn a_corrupt_or_truncated_remote_value_is_a_miss_counted_as_corrupt() {
+    let Some(redis) = RedisServer::start() else { return skip("remote_redis") };
+    let p = prompt(42, 2 * CHUNK + 1);
+    let mut a = Engine::new("remote-corrupt-a", KvLayout::NHD, 8, extra(&redis.url()));
+    run_checked(&mut a, "a0", &p);
+    kvconnect_lmcache::flush("remote-corrupt-a");
+
+    // The real keys of the prompt's chunks, as every worker of this layout derives them.
+    let c = ctx("remote-corrupt-a", KvLayout::NHD, 8, extra(&redis.url()));
+    let keys = chunk_keys(Namespace::of(&c, CHUNK as u32), &p, CHUNK, false);
+    assert_eq!(keys.len(), 2);
+    let mut conn = redis.client();
+    let k0 = redis_key(&keys[0].key);
+    let mut v: Vec<u8> = redis::cmd("GET").arg(&k0).query(&mut conn).unwrap();
+    v[100] ^= 0x40;
+    let () = redis::cmd("SET").arg(&k0).arg(&v).query(&mut conn).unwrap();
+
+    let mut b = Engine::new("remote-corrupt-b", KvLayout::NHD, 8, extra(&redis.url()));
+    let (matched, errors) = run_checked(&mut b, "b0", &p);
+    assert_eq!(matched, 2 * CHUNK, "the lookup sees the key");
+    assert!(errors > 0, "the corrupt chunk is not loaded; its blocks are recomputed");
+    let s = kvconnect_lmcache::stats("remote-corrupt-b").unwrap();
+    assert_eq!((s.remote_corrupt, s.remote.hits), (1, 0), "{s:?}");
+
+    // Truncated: the same.
+    let k1 = redis_key(&keys[1].key);
+    let v: Vec<u8> = redis::cmd("GET").arg(&k1).query(&mut conn).unwrap();
+    let () = redis::cmd("SET").arg(&k1).arg(&v[..v.len() - 7]).query(&mut conn).unwrap();
+    let mut b2 = Engine::new("remote-corrupt-b2", KvLayout::NHD, 8, extra(&redis.url()));
+    let req = request("b2", &p);
+    // Chunk 0 is still corrupt, so a load stops there; ask for chunk 1 alone past it.
+    let (_, errors) = {
+        let m = b2.lookup(&req, CHUNK);
+        assert_eq!(m, CHUNK);
+        let blocks = b2.alloc(p.len());
+        b2.compute(&p, &blocks, 0, CHUNK);
+        b2.sched.update_state_after_alloc(&req, &BlocksPerGroup(vec![blocks.clone()]), m).unwrap();
+        let meta = b2.sched.build_connector_meta(&StepInfo { step: 1, ..StepInfo::default() }).unwrap();
+        b2.worker.bind_connector_meta(&meta).unwrap();
+        b2.worker.start_load_kv().unwrap();
+        let errors = b2.worker.block_ids_with_load_errors().unwrap();
+        b2.compute(&p, &blocks, CHUNK, p.len());
+        b2.worker.wait_for_save().unwrap();
+        assert!(b2.mismatches(&p, &blocks, 0, p.len()).is_empty());
+        (m, errors)
+    };
+    assert!(!errors.is_empty());
+    let s = kvconnect_lmcache::stats("remote-corrupt-b2").unwrap();
+    assert_eq!((s.remote_corrupt, s.remote.hits), (1, 0), "{s:?}");
+}
