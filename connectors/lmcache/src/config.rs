@@ -294,7 +294,7 @@ pub fn resolve_all(
 
     for (k, v) in env_vars {
         let Some(rest) = k.strip_prefix("LMCACHE_") else { continue };
-        if rest == "CONFIG_FILE" || rest == "USE_EXPERIMENTAL" {
+        if rest == "CONFIG_FILE" {
             continue;
         }
         let key = rest.to_ascii_lowercase();

@@ -80,6 +80,7 @@ pub const KEYS: &[(&str, Kind)] = &[
     ("enable_scheduler_bypass_lookup", Kind::Mapped("the scheduler half looks chunks up in the shared store directly")),
     ("lmcache_rpc_port", Kind::Mapped("the scheduler and worker halves share one store in the worker process; no RPC port is opened")),
     ("use_native", Kind::Mapped("kvconnect's lmcache is native Rust")),
+    ("use_experimental", Kind::Mapped("kvconnect's lmcache follows LMCache v1 (the engine LMCACHE_USE_EXPERIMENTAL selected); v0 keys are mapped")),
     ("enable_kv_events", Kind::Mapped("KV events (stored/removed per tier) are always produced for the host's take_events")),
     ("use_gpu_connector_v3", Kind::Mapped("device KV is copied by kvconnect's own gather kernel (feature cuda)")),
     ("pin_timeout_sec", Kind::Mapped("chunks held by a load are reference counted and released when the load ends")),
