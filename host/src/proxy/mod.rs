@@ -189,8 +189,13 @@ struct Prefilled {
 
 impl Prefilled {
     fn headers(&self) -> Vec<(&str, &str)> {
-        self.headers.iter().map(|(k, v)| (*k, v.as_str())).collect()
+        borrowed(&self.headers)
     }
+}
+
+/// Owned header pairs as the client takes them.
+fn borrowed<'a>(headers: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    headers.iter().map(|(k, v)| (*k, v.as_str())).collect()
 }
 
 /// What vLLM's P/D proxy sends prefill: the client's body asking for one token, not
@@ -224,10 +229,9 @@ async fn prefill(
     if let Some(a) = auth {
         headers.push(("authorization", a));
     }
-    let hop: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
     let pre = prefill_body(&body);
     let (pw, pr) = p
-        .send(Role::Prefill, "POST", path, Some(&Value::Object(pre)), &hop)
+        .send(Role::Prefill, "POST", path, Some(&Value::Object(pre)), &borrowed(&headers))
         .await
         .inspect_err(|_| p.metrics.error())?;
     let pv = pr.json();
@@ -325,7 +329,7 @@ async fn stream_decode(
     hop: Hop,
 ) -> Result<mpsc::Receiver<Bytes>, Response> {
     let dec = Value::Object(dec);
-    let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let headers = borrowed(headers);
     let call =
         client::Call { headers: &headers, ..client::Call::new(&hop.dw, "POST", path, Some(&dec), p.timeout) };
     let mut ds = match client::call_streaming(call).await {
