@@ -108,34 +108,43 @@ impl Link {
 
     /// Runs `op` on `conn` (connecting first if needed): `None` when the remote is in
     /// back-off or the operation failed (the failure is recorded and the connection dropped).
+    /// A kept connection that turns out dropped (the server restarted since its last use) is
+    /// replaced once before that counts as a failure.
     fn run<T>(
         &self,
         conn: &mut Option<redis::Connection>,
         what: &str,
-        op: impl FnOnce(&mut redis::Connection) -> redis::RedisResult<T>,
+        mut op: impl FnMut(&mut redis::Connection) -> redis::RedisResult<T>,
     ) -> Result<T, Skip> {
         if !self.may_try() {
             return Err(Skip::Backoff);
         }
-        if conn.is_none() {
-            match self.connect() {
-                Ok(c) => *conn = Some(c),
-                Err(e) => {
-                    self.failed(&format!("connect for {what}"), &e);
-                    return Err(Skip::Failed);
+        let mut reused = conn.is_some();
+        loop {
+            if conn.is_none() {
+                match self.connect() {
+                    Ok(c) => *conn = Some(c),
+                    Err(e) => {
+                        self.failed(&format!("connect for {what}"), &e);
+                        return Err(Skip::Failed);
+                    }
                 }
             }
-        }
-        let Some(c) = conn.as_mut() else { return Err(Skip::Failed) };
-        match op(c) {
-            Ok(v) => {
-                self.succeeded();
-                Ok(v)
-            }
-            Err(e) => {
-                *conn = None;
-                self.failed(what, &e);
-                Err(Skip::Failed)
+            let Some(c) = conn.as_mut() else { return Err(Skip::Failed) };
+            match op(c) {
+                Ok(v) => {
+                    self.succeeded();
+                    return Ok(v);
+                }
+                Err(e) => {
+                    *conn = None;
+                    if reused && (e.is_connection_dropped() || e.is_io_error()) {
+                        reused = false;
+                        continue;
+                    }
+                    self.failed(what, &e);
+                    return Err(Skip::Failed);
+                }
             }
         }
     }
