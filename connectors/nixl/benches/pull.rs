@@ -123,6 +123,7 @@ fn bench(c: &mut Criterion) {
             io_timeout: Duration::from_secs(30),
             connect_timeout: Duration::from_secs(5),
             max_frame: 16 << 20,
+            copy_threads: kvconnect_nixl::copy_plan::default_copy_threads(),
         });
         g.bench_function(format!("{}_pull", backend.name()), |b| {
             b.iter_batched(

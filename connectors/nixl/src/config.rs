@@ -7,7 +7,8 @@
 //! `side_channel_host` / `side_channel_port`, which the *host* sets to its own side-channel
 //! address so that `request_finished` can put it into the transfer params. Backend
 //! `cuda_ipc` also reads `cuda_ipc_path` (`auto` | `peer` | `staged`, default `auto`): how
-//! decode reaches a producer's GPU (see [`CudaIpcPath`]).
+//! decode reaches a producer's GPU (see [`CudaIpcPath`]). Backend `shm` reads `copy_threads`
+//! (default: the cores this process may use, at most 8): how many threads copy one large pull.
 //!
 //! The listener's bound address is what the handshake metadata publishes, so for tcp between
 //! hosts set `host` to an address the decode host can reach (not `0.0.0.0`). The listener
@@ -119,6 +120,8 @@ pub struct NixlConfig {
     pub side_channel: Option<(String, u16)>,
     /// Backend cuda_ipc: direct peer reads, host staging, or chosen per producer.
     pub cuda_ipc_path: CudaIpcPath,
+    /// Backend shm: threads that copy one large pull.
+    pub copy_threads: usize,
 }
 
 impl Default for NixlConfig {
@@ -133,6 +136,7 @@ impl Default for NixlConfig {
             max_frame_bytes: crate::wire::DEFAULT_MAX_FRAME,
             side_channel: None,
             cuda_ipc_path: CudaIpcPath::Auto,
+            copy_threads: crate::copy_plan::default_copy_threads(),
         }
     }
 }
@@ -216,7 +220,20 @@ impl NixlConfig {
                 ))
             }
         };
+        let copy_threads = match extra.get("copy_threads") {
+            None | Some(Value::Null) => d.copy_threads,
+            Some(v) => match v.as_u64() {
+                Some(n) if (1..=64).contains(&n) => n as usize,
+                _ => {
+                    return Err(ConnectorError::config(
+                        NAME,
+                        format!("kv_connector_extra_config.copy_threads = {v}: expected a thread count from 1 to 64 (leave it out for one per core, at most 8)"),
+                    ))
+                }
+            },
+        };
         Ok(NixlConfig {
+            copy_threads,
             backend,
             lease: seconds(extra, "kv_lease_duration", d.lease)?,
             host: string(extra, "host")?.unwrap_or(d.host),
@@ -329,9 +346,19 @@ mod tests {
             (json!({"kv_lease_duration": -1}), "kv_lease_duration"),
             (json!({"side_channel_port": 70000, "side_channel_host": "h"}), "side_channel_port"),
             (json!({"side_channel_host": "h"}), "side_channel_port"),
+            (json!({"copy_threads": 0}), "copy_threads = 0: expected a thread count from 1 to 64"),
+            (json!({"copy_threads": "many"}), "copy_threads"),
         ] {
             let e = NixlConfig::from_config(&cfg(extra)).unwrap_err().to_string();
             assert!(e.contains(key), "{e}");
         }
+    }
+
+    #[test]
+    fn copy_threads_defaults_to_the_cores_and_can_be_set() {
+        let d = NixlConfig::from_config(&cfg(json!({}))).unwrap();
+        assert_eq!(d.copy_threads, crate::copy_plan::default_copy_threads());
+        assert!((1..=8).contains(&d.copy_threads));
+        assert_eq!(NixlConfig::from_config(&cfg(json!({"copy_threads": 3}))).unwrap().copy_threads, 3);
     }
 }

@@ -206,6 +206,42 @@ fn coalesce(runs: Vec<CopyRun>) -> Vec<CopyRun> {
     out
 }
 
+/// Below this many bytes a pull is copied by one thread: starting threads costs more than it
+/// saves.
+pub const PARALLEL_MIN_BYTES: usize = 8 << 20;
+
+/// The copy threads a pull uses unless `copy_threads` says otherwise: the cores this process
+/// may run on, at most 8 (memory bandwidth, not cores, bounds a copy beyond that).
+pub fn default_copy_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get()).min(8)
+}
+
+/// Cuts `(destination address, source)` pieces into consecutive shares of about `share`
+/// bytes each, splitting a piece where a share ends.
+fn split_evenly(pieces: Vec<(usize, &[u8])>, share: usize) -> Vec<Vec<(usize, &[u8])>> {
+    let share = share.max(1);
+    let mut out: Vec<Vec<(usize, &[u8])>> = vec![Vec::new()];
+    let mut room = share;
+    for (mut dst, mut src) in pieces {
+        while !src.is_empty() {
+            if room == 0 {
+                out.push(Vec::new());
+                room = share;
+            }
+            let n = src.len().min(room);
+            let (now, later) = src.split_at(n);
+            if let Some(last) = out.last_mut() {
+                last.push((dst, now));
+            }
+            dst += n;
+            src = later;
+            room -= n;
+        }
+    }
+    out.retain(|s| !s.is_empty());
+    out
+}
+
 /// Write access to this engine's registered regions for the receive path.
 pub struct LocalRegions<'a> {
     mem: &'a KvMemory,
@@ -241,13 +277,47 @@ impl<'a> LocalRegions<'a> {
         Ok(unsafe { std::slice::from_raw_parts_mut((base + off as usize) as *mut u8, len as usize) })
     }
 
-    /// Copies a direct run's bytes into place.
-    pub fn write_run(&mut self, run: &CopyRun, src: &[u8]) -> Result<(), TransferError> {
-        let dst = self.dst_mut(run.dst_region, run.dst_off, run.len)?;
-        if dst.len() != src.len() {
-            return Err(plan_err(format!("run of {} bytes for a destination of {}", src.len(), dst.len())));
+    /// Copies direct runs (each with its source bytes) into place, splitting the bytes evenly
+    /// over up to `threads` threads when there are at least [`PARALLEL_MIN_BYTES`] of them.
+    /// The destinations are bounds-checked and must not overlap (a plan never writes a byte
+    /// twice; one that would is refused before anything is copied).
+    pub fn write_runs(&mut self, runs: &[(CopyRun, &[u8])], threads: usize) -> Result<(), TransferError> {
+        let mut pieces = Vec::with_capacity(runs.len());
+        for (run, src) in runs {
+            if src.len() as u64 != run.len {
+                return Err(plan_err(format!("run of {} bytes for a destination of {}", src.len(), run.len)));
+            }
+            let dst = self.dst_mut(run.dst_region, run.dst_off, run.len)?;
+            pieces.push((dst.as_mut_ptr() as usize, *src));
         }
-        crate::stream_copy::copy_run(dst, src);
+        let mut spans: Vec<(usize, usize)> = pieces.iter().map(|(d, s)| (*d, *d + s.len())).collect();
+        spans.sort_unstable();
+        if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+            return Err(plan_err("two runs of the plan write the same destination bytes".into()));
+        }
+        let total: usize = pieces.iter().map(|(_, s)| s.len()).sum();
+        let threads = threads.clamp(1, (total / PARALLEL_MIN_BYTES).max(1));
+        let shares = split_evenly(pieces, total.div_ceil(threads));
+        let copy = |share: &[(usize, &[u8])]| {
+            for (dst, src) in share {
+                // SAFETY: each destination lies inside a registered region (checked by
+                // `dst_mut` above), no two overlap (checked above; splitting a piece keeps
+                // that), and `&mut self` is held until every thread has joined, so these are
+                // the only views of those bytes.
+                let dst = unsafe { std::slice::from_raw_parts_mut(*dst as *mut u8, src.len()) };
+                crate::stream_copy::copy_run(dst, src);
+            }
+        };
+        match shares.split_first() {
+            None => {}
+            Some((first, [])) => copy(first),
+            Some((first, rest)) => std::thread::scope(|s| {
+                for share in rest {
+                    s.spawn(move || copy(share));
+                }
+                copy(first);
+            }),
+        }
         Ok(())
     }
 
@@ -335,6 +405,59 @@ mod tests {
             first_token: first,
             num_tokens: n,
         }
+    }
+
+    #[test]
+    fn shares_split_pieces_evenly_and_in_order() {
+        let src: Vec<u8> = (0..100u8).collect();
+        let pieces = vec![(1000, &src[..30]), (5000, &src[30..100])];
+        let shares = split_evenly(pieces, 40);
+        let lens: Vec<Vec<(usize, usize)>> =
+            shares.iter().map(|s| s.iter().map(|(d, b)| (*d, b.len())).collect()).collect();
+        assert_eq!(lens, vec![vec![(1000, 30), (5000, 10)], vec![(5010, 40)], vec![(5050, 20)]]);
+        let joined: Vec<u8> = shares.iter().flatten().flat_map(|(_, b)| b.iter().copied()).collect();
+        assert_eq!(joined, src);
+        assert!(split_evenly(Vec::new(), 10).is_empty());
+    }
+
+    /// 2 layers x 8 heads x 128 channels, 16-token blocks, 64 blocks: 32 MiB of host KV.
+    fn big_memory() -> (crate::harness::Regions, KvMemory) {
+        let m = crate::harness::model(2, 8, 128);
+        let eff = crate::harness::effective(&m, KvLayout::HND, 16);
+        let regions = crate::harness::Regions::allocate(&m, &eff, 64, None).unwrap();
+        let mem = KvMemory::new(regions.regions(), &m, &eff).unwrap();
+        (regions, mem)
+    }
+
+    #[test]
+    fn runs_copied_by_several_threads_land_exactly() {
+        let (mut regions, mem) = big_memory();
+        let len = regions.regions()[0].len();
+        let src: Vec<u8> = (0..2 * len).map(|i| (i * 7 % 251) as u8).collect();
+        let runs: Vec<(CopyRun, &[u8])> = (0..2u32)
+            .map(|r| {
+                let run = CopyRun { src_region: r, src_off: 0, dst_region: r, dst_off: 0, len };
+                (run, &src[(r as u64 * len) as usize..((r as u64 + 1) * len) as usize])
+            })
+            .collect();
+        LocalRegions::new(&mem).write_runs(&runs, 4).unwrap();
+        drop(mem);
+        assert!(regions.bytes_mut(0) == &src[..len as usize]);
+        assert!(regions.bytes_mut(1) == &src[len as usize..]);
+    }
+
+    #[test]
+    fn runs_that_overlap_or_leave_their_region_are_refused_before_any_copy() {
+        let (mut regions, mem) = big_memory();
+        let src = vec![9u8; 4096];
+        let run = |off| CopyRun { src_region: 0, src_off: 0, dst_region: 0, dst_off: off, len: 4096 };
+        let e = LocalRegions::new(&mem).write_runs(&[(run(0), &src[..]), (run(2048), &src[..])], 2).unwrap_err();
+        assert!(e.to_string().contains("write the same destination bytes"), "{e}");
+        let far = regions.regions()[0].len();
+        let e = LocalRegions::new(&mem).write_runs(&[(run(0), &src[..]), (run(far), &src[..])], 2).unwrap_err();
+        assert!(e.to_string().contains("do not fit local region 0"), "{e}");
+        drop(mem);
+        assert!(regions.bytes_mut(0).iter().all(|b| *b == 0), "nothing was copied");
     }
 
     #[test]

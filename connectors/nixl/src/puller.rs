@@ -113,6 +113,8 @@ pub struct PullConfig {
     pub connect_timeout: Duration,
     /// Control frame cap.
     pub max_frame: usize,
+    /// Threads that copy one large shm pull.
+    pub copy_threads: usize,
 }
 
 /// What one pull moved.
@@ -382,9 +384,11 @@ impl Puller {
                 };
                 match plan {
                     CopyPlan::Direct(rs) => {
-                        for r in rs {
-                            dst.write_run(r, src(r.src_region, r.src_off, r.len)?)?;
-                        }
+                        let runs = rs
+                            .iter()
+                            .map(|r| Ok((*r, src(r.src_region, r.src_off, r.len)?)))
+                            .collect::<Result<Vec<_>, TransferError>>()?;
+                        dst.write_runs(&runs, self.cfg.copy_threads)?;
                     }
                     CopyPlan::Adapt(bs) => {
                         for b in bs {

@@ -118,6 +118,7 @@ impl NixlWorker {
             io_timeout: self.cfg.io_timeout,
             connect_timeout: self.cfg.connect_timeout,
             max_frame: self.cfg.max_frame_bytes,
+            copy_threads: self.cfg.copy_threads,
         });
         if let Some(a) = &self.nixl {
             puller.set_nixl(a.clone());

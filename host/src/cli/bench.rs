@@ -50,9 +50,10 @@ pub struct TransferArgs {
     /// Prompt length in tokens.
     #[arg(long, value_name = "N", default_value_t = 8192)]
     pub tokens: usize,
-    /// Measured transfers (after one warm-up); the best is reported.
-    #[arg(long, value_name = "N", default_value_t = 5)]
-    pub repeat: usize,
+    /// Measured pairs of (baseline, transfer), interleaved, after one warm-up; the median of
+    /// the per-pair ratios is reported with its quartiles.
+    #[arg(long, alias = "repeat", value_name = "N", default_value_t = 15)]
+    pub pairs: usize,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -83,9 +84,10 @@ pub struct TtftArgs {
     /// Prompt length in tokens.
     #[arg(long, value_name = "N", default_value_t = 2048)]
     pub tokens: usize,
-    /// Measured requests of each kind; the median is reported.
-    #[arg(long, value_name = "N", default_value_t = 3)]
-    pub repeat: usize,
+    /// Measured pairs of (monolithic, disaggregated) requests, interleaved; the median of the
+    /// per-pair ratios is reported with its quartiles.
+    #[arg(long, alias = "repeat", value_name = "N", default_value_t = 15)]
+    pub pairs: usize,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -334,10 +336,6 @@ impl Baseline {
     }
 }
 
-fn gbps(bytes: u64, d: Duration) -> f64 {
-    bytes as f64 / d.as_secs_f64().max(1e-9) / 1e9
-}
-
 fn transfer(a: &TransferArgs) -> Result<()> {
     let backend = backend(&a.backend)?;
     if a.tokens < 2 {
@@ -350,11 +348,19 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     let blocks = (a.tokens.div_ceil(16) + 8).to_string();
     let (prefill, decode) = pair(&a.model, backend, &["--synthetic-kv", "--num-blocks", &blocks])?;
     let prompt = json!(vec![0u32; a.tokens]);
-    let total = a.repeat.max(1) + 1;
+    let total = a.pairs.max(1) + 1;
+    let load_before = load_average();
     let mut bytes = 0u64;
     let mut baseline: Option<Baseline> = None;
-    let (mut t, mut base_t) = (Duration::MAX, Duration::MAX);
+    let (mut times, mut base_times, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..total {
+        // Pairs alternate which of the two runs first, so neither always meets a warmer
+        // machine; shm's baseline runs in the decode process right after its load.
+        let base_first = i % 2 == 1 && baseline.is_some() && backend != "shm";
+        let early = match (base_first, baseline.as_mut()) {
+            (true, Some(b)) => Some(b.measure()?),
+            _ => None,
+        };
         let (d, _) = round(&prefill, &decode, &prompt, 1)?;
         let p = &d["kv_transfer_params"];
         if p["verified"] != true {
@@ -373,10 +379,9 @@ fn transfer(a: &TransferArgs) -> Result<()> {
                 _ => Baseline::socket(bytes as usize, total)?,
             });
         }
-        // shm: the decode worker times a memcpy of the same bytes right after the load, in
-        // the same process; tcp: a raw loopback socket in this process.
-        let b = match p["memcpy_us"].as_u64() {
-            Some(us) if backend == "shm" && us > 0 => Duration::from_micros(us),
+        let b = match (early, p["memcpy_us"].as_u64()) {
+            (Some(b), _) => b,
+            (None, Some(us)) if backend == "shm" && us > 0 => Duration::from_micros(us),
             _ => baseline.as_mut().ok_or_else(|| anyhow!("no baseline"))?.measure()?,
         };
         if !a.json {
@@ -389,8 +394,10 @@ fn transfer(a: &TransferArgs) -> Result<()> {
             );
         }
         if i > 0 {
-            t = t.min(ti);
-            base_t = base_t.min(b);
+            times.push(ti.as_secs_f64());
+            base_times.push(b.as_secs_f64());
+            // Both moved the same bytes: the rate ratio is the inverse of the time ratio.
+            ratios.push(b.as_secs_f64() / ti.as_secs_f64().max(1e-9));
         }
     }
     drop(decode);
@@ -398,37 +405,79 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     let mut baseline = baseline.ok_or_else(|| anyhow!("no measured transfer"))?;
     baseline.finish()?;
     let baseline = baseline.name();
-    let (g, bg) = (gbps(bytes, t), gbps(bytes, base_t));
+    let (t, bt, r) = (Quartiles::of(&times), Quartiles::of(&base_times), Quartiles::of(&ratios));
+    let (g, bg) = (bytes as f64 / t.median.max(1e-9) / 1e9, bytes as f64 / bt.median.max(1e-9) / 1e9);
     let out = json!({
         "backend": backend,
         "model": spec.name,
         "tokens": a.tokens,
         "bytes": bytes,
-        "seconds": t.as_secs_f64(),
+        "pairs": ratios.len(),
+        "seconds": t.median,
         "gbps": g,
         "baseline": baseline,
-        "baseline_seconds": base_t.as_secs_f64(),
+        "baseline_seconds": bt.median,
         "baseline_gbps": bg,
-        "ratio": g / bg,
+        "ratio": r.median,
+        "ratio_q1": r.q1,
+        "ratio_q3": r.q3,
+        "machine": machine(load_before),
     });
     if a.json {
         println!("{out}");
     } else {
         println!(
-            "transfer {backend}: {bytes} bytes ({} tokens of {}) in {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.2}",
+            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.3} (quartiles {:.3} .. {:.3}); {}",
             a.tokens,
             spec.name,
-            t.as_secs_f64() * 1e3,
-            base_t.as_secs_f64() * 1e3,
-            g / bg
+            ratios.len(),
+            t.median * 1e3,
+            bt.median * 1e3,
+            r.median,
+            r.q1,
+            r.q3,
+            out["machine"]
         );
     }
     Ok(())
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v.get(v.len() / 2).copied().unwrap_or_default()
+/// The median and quartiles of a sample (linear interpolation between order statistics).
+#[derive(Debug, Clone, Copy, Default)]
+struct Quartiles {
+    q1: f64,
+    median: f64,
+    q3: f64,
+}
+
+impl Quartiles {
+    fn of(v: &[f64]) -> Quartiles {
+        let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+        if v.is_empty() {
+            return Quartiles::default();
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            let pos = q * (v.len() - 1) as f64;
+            let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+            v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
+        };
+        Quartiles { q1: at(0.25), median: at(0.5), q3: at(0.75) }
+    }
+}
+
+/// The 1-minute load average, from /proc/loadavg (None where there is none).
+fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+}
+
+/// What the figures were measured on: cores, and the load average before and after.
+fn machine(load_before: Option<f64>) -> Value {
+    json!({
+        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
+    })
 }
 
 fn ttft(a: &TtftArgs) -> Result<()> {
@@ -440,50 +489,71 @@ fn ttft(a: &TtftArgs) -> Result<()> {
     let (prefill, decode) = pair(&a.model, backend, &["--num-blocks", &blocks])?;
     // Bytes of the byte tokenizer's vocabulary, varied so the prompt is not degenerate.
     let prompt = json!((0..a.tokens).map(|i| ((i * 31 + i / 7) % 256) as u32).collect::<Vec<_>>());
-    let n = a.repeat.max(1);
-    let (mut mono, mut disagg, mut decode_side) = (Vec::new(), Vec::new(), Vec::new());
+    let n = a.pairs.max(1);
+    let load_before = load_average();
+    let (mut mono, mut disagg, mut decode_side, mut ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut mono_tokens = Value::Null;
     let mut same = true;
     round(&prefill, &decode, &prompt, 1)?; // warm-up: handshake, page faults
-    for i in 0..n {
+    let monolithic = || -> Result<(Value, Duration)> {
         let t0 = Instant::now();
         let m = decode.post(&json!({"prompt": prompt, "max_tokens": 1}))?;
-        mono.push(t0.elapsed());
-        let (d, t) = round(&prefill, &decode, &prompt, 1)?;
-        disagg.push(t);
-        decode_side.push(Duration::from_micros(d["kvconnect"]["ttft_us"].as_u64().unwrap_or(0)));
+        Ok((m, t0.elapsed()))
+    };
+    for i in 0..n {
+        // Pairs alternate which request runs first.
+        let ((m, mt), (d, dt)) = if i % 2 == 0 {
+            let m = monolithic()?;
+            (m, round(&prefill, &decode, &prompt, 1)?)
+        } else {
+            let d = round(&prefill, &decode, &prompt, 1)?;
+            (monolithic()?, d)
+        };
+        mono.push(mt.as_secs_f64());
+        disagg.push(dt.as_secs_f64());
+        ratios.push(dt.as_secs_f64() / mt.as_secs_f64().max(1e-9));
+        decode_side.push(d["kvconnect"]["ttft_us"].as_u64().unwrap_or(0) as f64 / 1e6);
         same &= m["choices"][0]["token_ids"] == d["choices"][0]["token_ids"];
         mono_tokens = m["choices"][0]["token_ids"].clone();
         if !a.json {
             eprintln!(
                 "[{}/{n}] monolithic {:.1} ms, disaggregated {:.1} ms",
                 i + 1,
-                mono[i].as_secs_f64() * 1e3,
-                t.as_secs_f64() * 1e3
+                mt.as_secs_f64() * 1e3,
+                dt.as_secs_f64() * 1e3
             );
         }
     }
-    let (m, d, ds) = (median(mono), median(disagg), median(decode_side));
+    let (m, d, ds, r) =
+        (Quartiles::of(&mono), Quartiles::of(&disagg), Quartiles::of(&decode_side), Quartiles::of(&ratios));
     let out = json!({
         "backend": backend,
         "tokens": a.tokens,
-        "monolithic_ttft_ms": m.as_secs_f64() * 1e3,
-        "disaggregated_ttft_ms": d.as_secs_f64() * 1e3,
-        "decode_side_ttft_ms": ds.as_secs_f64() * 1e3,
-        "ratio": d.as_secs_f64() / m.as_secs_f64().max(1e-9),
+        "pairs": ratios.len(),
+        "monolithic_ttft_ms": m.median * 1e3,
+        "disaggregated_ttft_ms": d.median * 1e3,
+        "decode_side_ttft_ms": ds.median * 1e3,
+        "ratio": r.median,
+        "ratio_q1": r.q1,
+        "ratio_q3": r.q3,
         "same_first_token": same,
         "first_token": mono_tokens,
+        "machine": machine(load_before),
     });
     if a.json {
         println!("{out}");
     } else {
         println!(
-            "ttft {backend}, {} tokens: monolithic {:.1} ms, disaggregated {:.1} ms (prefill + transfer + first decode step; decode side alone {:.1} ms); ratio {:.2}; same first token: {same}",
+            "ttft {backend}, {} tokens, median of {} interleaved pairs: monolithic {:.1} ms, disaggregated {:.1} ms (prefill + transfer + first decode step; decode side alone {:.1} ms); ratio {:.3} (quartiles {:.3} .. {:.3}); same first token: {same}; {}",
             a.tokens,
-            m.as_secs_f64() * 1e3,
-            d.as_secs_f64() * 1e3,
-            ds.as_secs_f64() * 1e3,
-            d.as_secs_f64() / m.as_secs_f64().max(1e-9)
+            ratios.len(),
+            m.median * 1e3,
+            d.median * 1e3,
+            ds.median * 1e3,
+            r.median,
+            r.q1,
+            r.q3,
+            out["machine"]
         );
     }
     Ok(())

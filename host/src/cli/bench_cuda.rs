@@ -46,7 +46,7 @@ pub fn transfer(a: &TransferArgs) -> Result<()> {
     };
     let exe = std::env::current_exe().context("locating the kvconnect binary")?;
     let report =
-        run_producer(a.gpu, a.peer_gpu, geometry, a.tokens as u32, a.repeat.max(1) as u32, |spec| {
+        run_producer(a.gpu, a.peer_gpu, geometry, a.tokens as u32, a.pairs.max(1) as u32, |spec| {
             let mut child = Command::new(&exe)
                 .args(["bench", "cuda-ipc-peer"])
                 .stdin(Stdio::piped())
