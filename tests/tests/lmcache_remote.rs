@@ -138,7 +138,9 @@ fn redis_killed_mid_workload_costs_counted_misses_and_restarted_serves_hits_agai
     // A keeps serving too; its writes to the dead remote are counted, not fatal.
     complete_checked(&a, &prompt(50, 2 * CHUNK as usize + 1), "A with Redis down");
     assert!(
-        wait_until(Duration::from_secs(10), || remote_outcome(&a, "write_error") + remote_outcome(&a, "write_dropped") >= 1.0),
+        wait_until(Duration::from_secs(10), || remote_outcome(&a, "write_error")
+            + remote_outcome(&a, "write_dropped")
+            >= 1.0),
         "A's failed writes are counted\n{}",
         a.log()
     );

@@ -451,10 +451,12 @@ mod tests {
         let (mut regions, mem) = big_memory();
         let src = vec![9u8; 4096];
         let run = |off| CopyRun { src_region: 0, src_off: 0, dst_region: 0, dst_off: off, len: 4096 };
-        let e = LocalRegions::new(&mem).write_runs(&[(run(0), &src[..]), (run(2048), &src[..])], 2).unwrap_err();
+        let e =
+            LocalRegions::new(&mem).write_runs(&[(run(0), &src[..]), (run(2048), &src[..])], 2).unwrap_err();
         assert!(e.to_string().contains("write the same destination bytes"), "{e}");
         let far = regions.regions()[0].len();
-        let e = LocalRegions::new(&mem).write_runs(&[(run(0), &src[..]), (run(far), &src[..])], 2).unwrap_err();
+        let e =
+            LocalRegions::new(&mem).write_runs(&[(run(0), &src[..]), (run(far), &src[..])], 2).unwrap_err();
         assert!(e.to_string().contains("do not fit local region 0"), "{e}");
         drop(mem);
         assert!(regions.bytes_mut(0).iter().all(|b| *b == 0), "nothing was copied");

@@ -491,7 +491,8 @@ fn ttft(a: &TtftArgs) -> Result<()> {
     let prompt = json!((0..a.tokens).map(|i| ((i * 31 + i / 7) % 256) as u32).collect::<Vec<_>>());
     let n = a.pairs.max(1);
     let load_before = load_average();
-    let (mut mono, mut disagg, mut decode_side, mut ratios) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut mono, mut disagg, mut decode_side, mut ratios) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut mono_tokens = Value::Null;
     let mut same = true;
     round(&prefill, &decode, &prompt, 1)?; // warm-up: handshake, page faults

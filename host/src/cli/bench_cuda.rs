@@ -45,31 +45,30 @@ pub fn transfer(a: &TransferArgs) -> Result<()> {
         block_tokens: 16,
     };
     let exe = std::env::current_exe().context("locating the kvconnect binary")?;
-    let report =
-        run_producer(a.gpu, a.peer_gpu, geometry, a.tokens as u32, a.pairs.max(1) as u32, |spec| {
-            let mut child = Command::new(&exe)
-                .args(["bench", "cuda-ipc-peer"])
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .spawn()
-                .map_err(|e| format!("starting {}: {e}", exe.display()))?;
-            let body = serde_json::to_string(spec).map_err(|e| e.to_string())?;
-            child
-                .stdin
-                .take()
-                .ok_or("no stdin")?
-                .write_all(body.as_bytes())
-                .map_err(|e| format!("writing the spec: {e}"))?;
-            let out = child.wait_with_output().map_err(|e| e.to_string())?;
-            let stdout = String::from_utf8_lossy(&out.stdout);
-            let line = stdout.lines().rev().find(|l| l.starts_with('{')).unwrap_or("");
-            let v: serde_json::Value =
-                serde_json::from_str(line).map_err(|e| format!("{e}: output was {stdout}"))?;
-            if let Some(err) = v.get("error").and_then(|e| e.as_str()) {
-                return Err(err.to_owned());
-            }
-            Ok(v)
-        })?;
+    let report = run_producer(a.gpu, a.peer_gpu, geometry, a.tokens as u32, a.pairs.max(1) as u32, |spec| {
+        let mut child = Command::new(&exe)
+            .args(["bench", "cuda-ipc-peer"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", exe.display()))?;
+        let body = serde_json::to_string(spec).map_err(|e| e.to_string())?;
+        child
+            .stdin
+            .take()
+            .ok_or("no stdin")?
+            .write_all(body.as_bytes())
+            .map_err(|e| format!("writing the spec: {e}"))?;
+        let out = child.wait_with_output().map_err(|e| e.to_string())?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let line = stdout.lines().rev().find(|l| l.starts_with('{')).unwrap_or("");
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| format!("{e}: output was {stdout}"))?;
+        if let Some(err) = v.get("error").and_then(|e| e.as_str()) {
+            return Err(err.to_owned());
+        }
+        Ok(v)
+    })?;
     if a.json {
         println!("{report}");
     } else {

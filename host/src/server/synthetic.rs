@@ -55,6 +55,13 @@ fn salt(id: &str) -> u64 {
     id.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// The id prefill salted a load's pattern with: its own request id, which nixl's transfer
+/// params carry as `remote_request_id` (decode's id differs unless a proxy sent both sides one
+/// X-Request-Id).
+fn producer_id(req: &Request) -> &str {
+    req.kv_transfer_params.get("remote_request_id").and_then(serde_json::Value::as_str).unwrap_or(&req.id.0)
+}
+
 fn fill(buf: &mut [u8], seed: u64) {
     for (i, chunk) in buf.chunks_mut(8).enumerate() {
         let w = (seed ^ i as u64).to_le_bytes();
@@ -268,7 +275,7 @@ impl TransferEngine {
         let elapsed = l.started.elapsed();
         let outcome = match failed {
             Some(why) => FinishReason::Error(format!("KV load failed: {why}")),
-            None => match self.check_pattern(&l.blocks, l.external, salt(id))? {
+            None => match self.check_pattern(&l.blocks, l.external, salt(producer_id(&l.req)))? {
                 Some(bad) => FinishReason::Error(format!("transferred KV is wrong: {bad}")),
                 None => FinishReason::Length,
             },

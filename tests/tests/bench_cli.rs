@@ -1,0 +1,59 @@
+//! `kvconnect bench transfer` and `bench ttft` as a user runs them (small sizes, debug build):
+//! every transfer is verified by decode, and the JSON carries the median ratio of the
+//! interleaved pairs with its quartiles and the machine it ran on.
+
+use kvconnect_tests::kvconnect_bin;
+use std::process::Command;
+
+fn bench(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(kvconnect_bin())
+        .arg("bench")
+        .args(args)
+        .arg("--json")
+        .current_dir(env!("CARGO_MANIFEST_DIR").to_owned() + "/..")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kvconnect bench {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("not JSON ({e}): {stdout}"))
+}
+
+fn check_pairs(r: &serde_json::Value, pairs: u64) {
+    assert_eq!(r["pairs"], pairs, "{r}");
+    let (q1, m, q3) =
+        (r["ratio_q1"].as_f64().unwrap(), r["ratio"].as_f64().unwrap(), r["ratio_q3"].as_f64().unwrap());
+    assert!(q1 > 0.0 && q1 <= m && m <= q3, "{r}");
+    assert!(r["machine"]["cores"].as_u64().unwrap() >= 1, "{r}");
+}
+
+#[test]
+fn bench_transfer_verifies_every_pair_and_reports_quartiles() {
+    for backend in ["shm", "tcp"] {
+        let r = bench(&[
+            "transfer",
+            "--backend",
+            backend,
+            "--model",
+            "fixtures/models/Qwen--Qwen3-0.6B/config.json",
+            "--tokens",
+            "200",
+            "--pairs",
+            "3",
+        ]);
+        check_pairs(&r, 3);
+        // 200 tokens: decode loads 199 of them, in 13 whole 16-token blocks of 28 layers x K
+        // and V x 8 heads x 128 channels x bf16.
+        assert_eq!(r["bytes"], 13 * 16 * 28 * 2 * 8 * 128 * 2, "{r}");
+    }
+}
+
+#[test]
+fn bench_ttft_pairs_monolithic_and_disaggregated_requests() {
+    let r = bench(&["ttft", "--tokens", "64", "--pairs", "3"]);
+    check_pairs(&r, 3);
+    assert_eq!(r["same_first_token"], true, "{r}");
+}
