@@ -317,6 +317,11 @@ fn workload_report_checks_every_output_and_exits_zero() {
     assert!(report["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{report}");
     assert_eq!(report["compare_monolithic"]["monolithic_mismatches"], 0, "{report}");
     assert!(report["compare_monolithic"]["ttft_p50_ratio"].as_f64().unwrap() > 0.0, "{report}");
+    // Every prompt ran on both, in interleaved rounds: eight pairs, ordered quartiles.
+    let c = &report["compare_monolithic"];
+    assert_eq!(c["pairs"], 8, "{report}");
+    let q = |k: &str| c["ttft_pair_ratio"][k].as_f64().unwrap();
+    assert!(0.0 < q("q1") && q("q1") <= q("median") && q("median") <= q("q3"), "{report}");
 }
 
 #[test]

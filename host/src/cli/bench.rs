@@ -11,6 +11,7 @@
 
 #![allow(unsafe_code)] // Signals the benchmark's worker process (libc).
 
+use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
@@ -405,7 +406,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     let mut baseline = baseline.ok_or_else(|| anyhow!("no measured transfer"))?;
     baseline.finish()?;
     let baseline = baseline.name();
-    let (t, bt, r) = (Quartiles::of(&times), Quartiles::of(&base_times), Quartiles::of(&ratios));
+    let (t, bt, r) = (Quartiles::of(times), Quartiles::of(base_times), Quartiles::of(ratios.clone()));
     let (g, bg) = (bytes as f64 / t.median.max(1e-9) / 1e9, bytes as f64 / bt.median.max(1e-9) / 1e9);
     let out = json!({
         "backend": backend,
@@ -440,30 +441,6 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// The median and quartiles of a sample (linear interpolation between order statistics).
-#[derive(Debug, Clone, Copy, Default)]
-struct Quartiles {
-    q1: f64,
-    median: f64,
-    q3: f64,
-}
-
-impl Quartiles {
-    fn of(v: &[f64]) -> Quartiles {
-        let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
-        if v.is_empty() {
-            return Quartiles::default();
-        }
-        v.sort_by(f64::total_cmp);
-        let at = |q: f64| {
-            let pos = q * (v.len() - 1) as f64;
-            let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
-            v[lo] + (v[hi] - v[lo]) * (pos - lo as f64)
-        };
-        Quartiles { q1: at(0.25), median: at(0.5), q3: at(0.75) }
-    }
 }
 
 /// The 1-minute load average, from /proc/loadavg (None where there is none).
@@ -525,8 +502,12 @@ fn ttft(a: &TtftArgs) -> Result<()> {
             );
         }
     }
-    let (m, d, ds, r) =
-        (Quartiles::of(&mono), Quartiles::of(&disagg), Quartiles::of(&decode_side), Quartiles::of(&ratios));
+    let (m, d, ds, r) = (
+        Quartiles::of(mono),
+        Quartiles::of(disagg),
+        Quartiles::of(decode_side),
+        Quartiles::of(ratios.clone()),
+    );
     let out = json!({
         "backend": backend,
         "tokens": a.tokens,

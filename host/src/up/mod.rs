@@ -15,7 +15,7 @@ use crate::deployment::Role;
 use crate::proxy::backends::Backends;
 use crate::proxy::{client, Proxy};
 use anyhow::{anyhow, Context, Result};
-use report::{Comparison, Percentiles, Report, Sample};
+use report::{Comparison, Report, Sample};
 use serde_json::{json, Value};
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
@@ -320,26 +320,28 @@ async fn run_workload(
         .await
         .context("ground truth task")??;
     let prompts = format!("{:?}", a.prompts).to_lowercase();
-    let t0 = Instant::now();
-    let samples = send_all(proxy, &items, &truth, a.concurrency, false, "disaggregated", key).await;
-    let mut report = Report::new(
-        &samples,
-        &prompts,
-        a.concurrency,
-        t0.elapsed().as_secs_f64(),
-        workload::kv_bytes_per_token()?,
-    );
-    if let Some(m) = mono {
-        let ms = send_all(&m, &items, &truth, a.concurrency, true, "monolithic", key).await;
-        let ok: Vec<f64> = ms.iter().filter(|s| s.error.is_none()).map(|s| s.ttft_us as f64 / 1e3).collect();
-        let mp = Percentiles::of(ok);
-        let ratio = |d: f64, m: f64| if m > 0.0 { d / m } else { 0.0 };
-        report.compare_monolithic = Some(Comparison {
-            ttft_p50_ratio: ratio(report.ttft_ms.p50, mp.p50),
-            ttft_p99_ratio: ratio(report.ttft_ms.p99, mp.p99),
-            monolithic_ttft_ms: mp,
-            monolithic_mismatches: ms.iter().filter(|s| s.error.is_some() || !s.matches).count(),
-        });
+    // With a monolithic worker to compare against, the two run in interleaved rounds of
+    // `concurrency` requests (which of the two goes first alternates), so both see the same
+    // machine load; each prompt's two TTFTs form a pair.
+    let round = if mono.is_some() { a.concurrency.max(1) } else { items.len().max(1) };
+    let (mut samples, mut mono_samples) = (Vec::with_capacity(items.len()), Vec::new());
+    let mut pd_seconds = 0.0;
+    for (k, (batch, truth)) in items.chunks(round).zip(truth.chunks(round)).enumerate() {
+        let mono_first = k % 2 == 1;
+        if let (true, Some(m)) = (mono_first, &mono) {
+            mono_samples.extend(send_all(m, batch, truth, a.concurrency, true, "monolithic", key).await);
+        }
+        let t0 = Instant::now();
+        samples.extend(send_all(proxy, batch, truth, a.concurrency, false, "disaggregated", key).await);
+        pd_seconds += t0.elapsed().as_secs_f64();
+        if let (false, Some(m)) = (mono_first, &mono) {
+            mono_samples.extend(send_all(m, batch, truth, a.concurrency, true, "monolithic", key).await);
+        }
+    }
+    let mut report =
+        Report::new(&samples, &prompts, a.concurrency, pd_seconds, workload::kv_bytes_per_token()?);
+    if mono.is_some() {
+        report.compare_monolithic = Some(Comparison::of(&samples, &mono_samples, &report.ttft_ms));
     }
     let mut out = std::io::stdout().lock();
     if a.json {

@@ -63,8 +63,58 @@ pub struct Comparison {
     pub ttft_p50_ratio: f64,
     /// Disaggregated p99 TTFT over monolithic p99 TTFT.
     pub ttft_p99_ratio: f64,
+    /// Per prompt, disaggregated TTFT over monolithic TTFT (both answered): the quartiles.
+    pub ttft_pair_ratio: Quartiles,
+    /// Prompts both answered.
+    pub pairs: usize,
     /// Monolithic outputs that differ from the in-process ground truth.
     pub monolithic_mismatches: usize,
+}
+
+impl Comparison {
+    /// Compares two runs of one workload, `pd[i]` and `mono[i]` being the same prompt.
+    pub fn of(pd: &[Sample], mono: &[Sample], pd_ttft_ms: &Percentiles) -> Comparison {
+        let ok = |s: &&Sample| s.error.is_none();
+        let mp = Percentiles::of(mono.iter().filter(ok).map(|s| s.ttft_us as f64 / 1e3).collect());
+        let ratio = |d: f64, m: f64| if m > 0.0 { d / m } else { 0.0 };
+        let pair_ratios: Vec<f64> = pd
+            .iter()
+            .zip(mono)
+            .filter(|(d, m)| d.error.is_none() && m.error.is_none() && m.ttft_us > 0)
+            .map(|(d, m)| d.ttft_us as f64 / m.ttft_us as f64)
+            .collect();
+        Comparison {
+            ttft_p50_ratio: ratio(pd_ttft_ms.p50, mp.p50),
+            ttft_p99_ratio: ratio(pd_ttft_ms.p99, mp.p99),
+            monolithic_ttft_ms: mp,
+            pairs: pair_ratios.len(),
+            ttft_pair_ratio: Quartiles::of(pair_ratios),
+            monolithic_mismatches: mono.iter().filter(|s| s.error.is_some() || !s.matches).count(),
+        }
+    }
+}
+
+/// The quartiles of a series (nearest rank).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Quartiles {
+    /// 25th percentile.
+    pub q1: f64,
+    /// Median.
+    pub median: f64,
+    /// 75th percentile.
+    pub q3: f64,
+}
+
+impl Quartiles {
+    /// Nearest-rank quartiles; zeros for an empty series.
+    pub fn of(mut v: Vec<f64>) -> Quartiles {
+        if v.is_empty() {
+            return Quartiles::default();
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        Quartiles { q1: at(0.25), median: at(0.50), q3: at(0.75) }
+    }
 }
 
 /// Prefill cache hits of one connector's tier.
@@ -232,10 +282,14 @@ impl Report {
         );
         if let Some(c) = &self.compare_monolithic {
             s.push_str(&format!(
-                "monolithic worker TTFT ms: {}\nTTFT disaggregated / monolithic: p50 {:.2}x  p99 {:.2}x ({} monolithic outputs differ)\n",
+                "monolithic worker TTFT ms: {}\nTTFT disaggregated / monolithic: p50 {:.2}x  p99 {:.2}x; per prompt, interleaved rounds: median {:.2}x (quartiles {:.2}x .. {:.2}x over {} pairs) ({} monolithic outputs differ)\n",
                 p(&c.monolithic_ttft_ms),
                 c.ttft_p50_ratio,
                 c.ttft_p99_ratio,
+                c.ttft_pair_ratio.median,
+                c.ttft_pair_ratio.q1,
+                c.ttft_pair_ratio.q3,
+                c.pairs,
                 c.monolithic_mismatches
             ));
         }
