@@ -44,13 +44,9 @@ pub struct Percentiles {
 
 impl Percentiles {
     /// Nearest-rank percentiles; zeros for an empty series.
-    pub fn of(mut v: Vec<f64>) -> Percentiles {
-        if v.is_empty() {
-            return Percentiles::default();
-        }
-        v.sort_by(f64::total_cmp);
-        let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-        Percentiles { p50: at(0.50), p90: at(0.90), p99: at(0.99) }
+    pub fn of(v: Vec<f64>) -> Percentiles {
+        let [p50, p90, p99] = nearest_rank(v, [0.50, 0.90, 0.99]);
+        Percentiles { p50, p90, p99 }
     }
 }
 
@@ -107,14 +103,19 @@ pub struct Quartiles {
 
 impl Quartiles {
     /// Nearest-rank quartiles; zeros for an empty series.
-    pub fn of(mut v: Vec<f64>) -> Quartiles {
-        if v.is_empty() {
-            return Quartiles::default();
-        }
-        v.sort_by(f64::total_cmp);
-        let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
-        Quartiles { q1: at(0.25), median: at(0.50), q3: at(0.75) }
+    pub fn of(v: Vec<f64>) -> Quartiles {
+        let [q1, median, q3] = nearest_rank(v, [0.25, 0.50, 0.75]);
+        Quartiles { q1, median, q3 }
     }
+}
+
+/// The nearest-rank quantiles `qs` of `v`; zeros for an empty series.
+fn nearest_rank<const N: usize>(mut v: Vec<f64>, qs: [f64; N]) -> [f64; N] {
+    if v.is_empty() {
+        return [0.0; N];
+    }
+    v.sort_by(f64::total_cmp);
+    qs.map(|q| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1])
 }
 
 /// Prefill cache hits of one connector's tier.
