@@ -14,8 +14,7 @@ use crate::caps::TransferMode;
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
 use crate::model::{Dtype, ModelSpec};
 use crate::negotiate::{
-    describe_groups_with, describe_state_groups, dtype_name, loads_across_tp, mode_name, EngineOptions,
-    FieldProvenance, Negotiated,
+    describe_groups_with, describe_state_groups, loads_across_tp, EngineOptions, FieldProvenance, Negotiated,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -397,9 +396,9 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
         push(
             "cache_dtype",
             FieldClass::Strict,
-            dtype_name(ea.cache_dtype).to_owned(),
+            ea.cache_dtype.to_string(),
             a.why("cache_dtype"),
-            dtype_name(eb.cache_dtype).to_owned(),
+            eb.cache_dtype.to_string(),
             b.why("cache_dtype"),
             format!("set cache_dtype to the same value on {ar} and {br}"),
             String::new(),
@@ -459,9 +458,9 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
         push(
             "transfer_mode",
             FieldClass::Strict,
-            mode_name(ea.transfer_mode).to_owned(),
+            ea.transfer_mode.to_string(),
             a.why("transfer_mode"),
-            mode_name(eb.transfer_mode).to_owned(),
+            eb.transfer_mode.to_string(),
             b.why("transfer_mode"),
             format!("use the same transport connector (e.g. nixl) on {ar} and {br}"),
             String::new(),

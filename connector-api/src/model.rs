@@ -12,6 +12,7 @@ use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
 use crate::ids::LayerId;
+use std::fmt;
 
 /// Element type of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -59,6 +60,19 @@ impl Dtype {
     }
 }
 
+impl fmt::Display for Dtype {
+    /// The name messages and provenance print (`bf16`, `fp8_e4m3`, ...).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dtype::F32 => "f32",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+            Dtype::Fp8E4m3 => "fp8_e4m3",
+            Dtype::Fp8E5m2 => "fp8_e5m2",
+        })
+    }
+}
+
 /// How one layer attends, which decides what (if anything) it keeps in KV blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
@@ -103,6 +117,19 @@ impl AttentionKind {
     }
 }
 
+impl fmt::Display for AttentionKind {
+    /// The name messages print (`full`, `sliding_window(128)`, `mla`, ...).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            AttentionKind::Full => f.write_str("full"),
+            AttentionKind::SlidingWindow { window } => write!(f, "sliding_window({window})"),
+            AttentionKind::Mla { .. } => f.write_str("mla"),
+            AttentionKind::Linear => f.write_str("linear"),
+            AttentionKind::FeedForward => f.write_str("feed_forward"),
+        }
+    }
+}
+
 /// Which mixer keeps a state-space or linear-attention layer's per-request state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -112,6 +139,16 @@ pub enum StateKind {
     /// Gated DeltaNet (Qwen3-Next's linear attention): a causal-conv window and the
     /// delta-rule recurrent state.
     GatedDeltaNet,
+}
+
+impl fmt::Display for StateKind {
+    /// The name messages print (`mamba2`, `gated_delta_net`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StateKind::Mamba2 => "mamba2",
+            StateKind::GatedDeltaNet => "gated_delta_net",
+        })
+    }
 }
 
 /// The state one state-space or linear-attention layer keeps per request instead of KV

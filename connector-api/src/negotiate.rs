@@ -10,7 +10,7 @@
 use crate::caps::{AdaptCost, Capabilities, MemoryKind, TransferMode};
 use crate::ids::LayerId;
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
-use crate::model::{AttentionKind, Dtype, ModelSpec, StateKind};
+use crate::model::{AttentionKind, Dtype, ModelSpec};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -466,57 +466,13 @@ fn constraint_list(c: &[ChildConstraint]) -> String {
 }
 
 // ---------------------------------------------------------------------------------------
-// Names of values, as messages and provenance print them.
-
-pub(crate) fn dtype_name(d: Dtype) -> &'static str {
-    match d {
-        Dtype::F32 => "f32",
-        Dtype::F16 => "f16",
-        Dtype::Bf16 => "bf16",
-        Dtype::Fp8E4m3 => "fp8_e4m3",
-        Dtype::Fp8E5m2 => "fp8_e5m2",
-    }
-}
-
-pub(crate) fn memory_name(m: MemoryKind) -> &'static str {
-    match m {
-        MemoryKind::Host => "host",
-        MemoryKind::Device => "device",
-        MemoryKind::Disk => "disk",
-    }
-}
-
-pub(crate) fn mode_name(m: TransferMode) -> &'static str {
-    match m {
-        TransferMode::None => "none",
-        TransferMode::Pull => "pull",
-        TransferMode::Push => "push",
-    }
-}
-
-fn cost_name(c: AdaptCost) -> &'static str {
-    match c {
-        AdaptCost::Low => "low",
-        AdaptCost::Medium => "medium",
-        AdaptCost::High => "high",
-    }
-}
+// Adapter costs.
 
 fn cost_weight(c: AdaptCost) -> u32 {
     match c {
         AdaptCost::Low => 1,
         AdaptCost::Medium => 2,
         AdaptCost::High => 3,
-    }
-}
-
-pub(crate) fn kind_name(k: &AttentionKind) -> String {
-    match k {
-        AttentionKind::Full => "full".to_owned(),
-        AttentionKind::SlidingWindow { window } => format!("sliding_window({window})"),
-        AttentionKind::Mla { .. } => "mla".to_owned(),
-        AttentionKind::Linear => "linear".to_owned(),
-        AttentionKind::FeedForward => "feed_forward".to_owned(),
     }
 }
 
@@ -542,24 +498,17 @@ pub fn describe_state_groups(groups: &[StateGroup]) -> String {
         .map(|g| match &g.state {
             Some(st) => format!(
                 "{} x{} (conv {} {}, ssm {} {})",
-                state_kind_name(st.kind),
+                st.kind,
                 g.layers.len(),
                 dims(&st.conv_shape),
-                dtype_name(st.conv_dtype),
+                st.conv_dtype,
                 dims(&st.ssm_shape),
-                dtype_name(st.ssm_dtype)
+                st.ssm_dtype
             ),
             None => format!("linear x{} (state shape not in the config)", g.layers.len()),
         })
         .collect();
     format!("{} group{}: {}", groups.len(), if groups.len() == 1 { "" } else { "s" }, parts.join(", "))
-}
-
-fn state_kind_name(k: StateKind) -> &'static str {
-    match k {
-        StateKind::Mamba2 => "mamba2",
-        StateKind::GatedDeltaNet => "gated_delta_net",
-    }
 }
 
 /// The state groups a model gets: its state-space / linear-attention layers, which all keep
@@ -607,8 +556,7 @@ pub fn describe_groups(groups: &[KvGroup]) -> String {
     if groups.is_empty() {
         return "no groups (the model has no KV layers)".to_owned();
     }
-    let parts: Vec<String> =
-        groups.iter().map(|g| format!("{} x{}", kind_name(&g.kind), g.layers.len())).collect();
+    let parts: Vec<String> = groups.iter().map(|g| format!("{} x{}", g.kind, g.layers.len())).collect();
     format!("{} group{}: {}", groups.len(), if groups.len() == 1 { "" } else { "s" }, parts.join(", "))
 }
 
@@ -702,8 +650,8 @@ impl Party<'_> {
     fn layout_constraint(&self) -> String {
         let adapt = match (self.caps.adapt, self.may_adapt) {
             (None, _) => "cannot adapt".to_owned(),
-            (Some(c), true) => format!("can adapt at {} cost", cost_name(c)),
-            (Some(c), false) => format!("could adapt at {} cost, but adapters are disabled", cost_name(c)),
+            (Some(c), true) => format!("can adapt at {} cost", c),
+            (Some(c), false) => format!("could adapt at {} cost, but adapters are disabled", c),
         };
         format!("{}; {}", self.caps.layout.describe(), adapt)
     }
@@ -889,7 +837,7 @@ fn adapter_clause(adapters: &[(usize, LayoutAdapter)], parties: &[Party]) -> Str
                 parties[*i].label,
                 a.native.display_name(),
                 a.effective.display_name(),
-                cost_name(a.cost)
+                a.cost
             )
         })
         .collect()
@@ -1033,7 +981,7 @@ fn decide_hma(
                     format!("model has {linear} state-space/linear-attention layer(s), which need the hybrid KV cache manager; every child supports it"),
                 )
             } else if !matters {
-                let kind = kinds.first().map(kind_name).unwrap_or_else(|| "none".to_owned());
+                let kind = kinds.first().map(|k| k.to_string()).unwrap_or_else(|| "none".to_owned());
                 (
                     false,
                     DecidedBy::Model,
@@ -1222,8 +1170,8 @@ fn decide_dtype(
     parties: &[Party],
 ) -> Result<Decided<Dtype>, Conflict> {
     let (dtype, dtype_by, dtype_reason) = match (opts.cache_dtype, model.dtype) {
-        (Some(d), _) => (d, DecidedBy::User, format!("user set cache_dtype={}", dtype_name(d))),
-        (None, Some(d)) => (d, DecidedBy::Model, format!("model torch_dtype is {}", dtype_name(d))),
+        (Some(d), _) => (d, DecidedBy::User, format!("user set cache_dtype={d}")),
+        (None, Some(d)) => (d, DecidedBy::Model, format!("model torch_dtype is {d}")),
         (None, None) => (Dtype::Bf16, DecidedBy::Default, "config has no torch_dtype".to_owned()),
     };
     let dtype_violators: Vec<&Party> = parties
@@ -1232,10 +1180,10 @@ fn decide_dtype(
         .collect();
     if !dtype_violators.is_empty() {
         let restricted: Vec<&Party> = parties.iter().filter(|p| !p.caps.cache_dtypes.is_empty()).collect();
-        let common: Vec<&str> = [Dtype::Bf16, Dtype::F16, Dtype::F32, Dtype::Fp8E4m3, Dtype::Fp8E5m2]
+        let common: Vec<String> = [Dtype::Bf16, Dtype::F16, Dtype::F32, Dtype::Fp8E4m3, Dtype::Fp8E5m2]
             .into_iter()
             .filter(|d| restricted.iter().all(|p| p.caps.cache_dtypes.contains(d)))
-            .map(dtype_name)
+            .map(|d| d.to_string())
             .collect();
         let remedy = if common.is_empty() {
             format!("the children share no cache dtype: remove {}", them(&labels(&dtype_violators)))
@@ -1247,7 +1195,7 @@ fn decide_dtype(
             )
         };
         return Err(Conflict::CacheDtype {
-            dtype: dtype_name(dtype).to_owned(),
+            dtype: dtype.to_string(),
             source_of: match dtype_by {
                 DecidedBy::User => "set by user".to_owned(),
                 DecidedBy::Model => "the model's torch_dtype".to_owned(),
@@ -1263,7 +1211,7 @@ fn decide_dtype(
                     } else {
                         format!(
                             "stores {}",
-                            p.caps.cache_dtypes.iter().map(|d| dtype_name(*d)).collect::<Vec<_>>().join(", ")
+                            p.caps.cache_dtypes.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
                         )
                     },
                 })
@@ -1277,7 +1225,7 @@ fn decide_dtype(
 /// The memory kind. Only this worker's own children touch its KV memory.
 fn decide_memory(opts: &EngineOptions, parties: &[Party]) -> Result<Decided<MemoryKind>, Conflict> {
     let (memory, memory_by, memory_reason) = match opts.memory {
-        Some(m) => (m, DecidedBy::User, format!("user set kv_buffer_device ({})", memory_name(m))),
+        Some(m) => (m, DecidedBy::User, format!("user set kv_buffer_device ({m})")),
         None => (
             MemoryKind::Host,
             DecidedBy::Default,
@@ -1288,10 +1236,10 @@ fn decide_memory(opts: &EngineOptions, parties: &[Party]) -> Result<Decided<Memo
     let memory_violators: Vec<&Party> =
         own.iter().copied().filter(|p| !p.caps.memory_kinds.contains(&memory)).collect();
     if !memory_violators.is_empty() {
-        let common: Vec<&str> = [MemoryKind::Host, MemoryKind::Device, MemoryKind::Disk]
+        let common: Vec<String> = [MemoryKind::Host, MemoryKind::Device, MemoryKind::Disk]
             .into_iter()
             .filter(|m| own.iter().all(|p| p.caps.memory_kinds.contains(m)))
-            .map(memory_name)
+            .map(|m| m.to_string())
             .collect();
         let remedy = if common.is_empty() {
             format!("the children share no memory kind: remove {}", them(&labels(&memory_violators)))
@@ -1303,7 +1251,7 @@ fn decide_memory(opts: &EngineOptions, parties: &[Party]) -> Result<Decided<Memo
             )
         };
         return Err(Conflict::Memory {
-            memory: memory_name(memory).to_owned(),
+            memory: memory.to_string(),
             source_of: if memory_by == DecidedBy::User { "set by user" } else { "default" }.to_owned(),
             violators: labels(&memory_violators),
             constraints: own
@@ -1312,7 +1260,7 @@ fn decide_memory(opts: &EngineOptions, parties: &[Party]) -> Result<Decided<Memo
                     child: p.label.clone(),
                     constraint: format!(
                         "uses {}",
-                        p.caps.memory_kinds.iter().map(|m| memory_name(*m)).collect::<Vec<_>>().join(", ")
+                        p.caps.memory_kinds.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(", ")
                     ),
                 })
                 .collect(),
@@ -1408,9 +1356,9 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
         field("layout", layout.value.display_name(), layout.by, layout.reason),
         field("hma", if hma.value { "on" } else { "off" }.to_owned(), hma.by, hma.reason),
         field("block_size", block.value.to_string(), block.by, block.reason),
-        field("cache_dtype", dtype_name(dtype.value).to_owned(), dtype.by, dtype.reason),
-        field("memory", memory_name(memory.value).to_owned(), memory.by, memory.reason),
-        field("transfer_mode", mode_name(mode.value).to_owned(), mode.by, mode.reason),
+        field("cache_dtype", dtype.value.to_string(), dtype.by, dtype.reason),
+        field("memory", memory.value.to_string(), memory.by, memory.reason),
+        field("transfer_mode", mode.value.to_string(), mode.by, mode.reason),
         field("kv_groups", describe_groups_with(&groups.value, hma.value), groups.by, groups.reason),
         field("tp_size", tp.value.to_string(), tp.by, tp.reason),
     ];
@@ -1510,7 +1458,7 @@ pub fn negotiate_deployment(
     let layout =
         if own_layouts { None } else { merge_opt("kv_cache_layout", pl, dl, |l| l.canonical_name())? };
     let block = merge_opt("block_size", po.block_size, dopt.block_size, |b| b.to_string())?;
-    let dtype = merge_opt("cache_dtype", po.cache_dtype, dopt.cache_dtype, |d| dtype_name(d).to_owned())?;
+    let dtype = merge_opt("cache_dtype", po.cache_dtype, dopt.cache_dtype, |d| d.to_string())?;
     let shared = |o: &EngineOptions| EngineOptions {
         hybrid_kv_cache_manager: hma.unwrap_or(HmaOption::Auto),
         kv_cache_layout: layout.or(o.kv_cache_layout.filter(|_| own_layouts)),
