@@ -5,6 +5,7 @@ use crate::caps::{Capabilities, MemoryKind, TransferMode};
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
 use crate::model::{AttentionKind, Dtype, ModelSpec};
 
+use super::allowed::{joined, AllowedValue};
 use super::conflict::{list_does, them, ChildConstraint, Conflict};
 use super::groups::{describe_state_groups, kv_groups, kv_kinds, state_groups};
 use super::layout_choice::{adapter_clause, adapters_for, layout_remedy, native_layout, pick_layout};
@@ -345,57 +346,38 @@ pub(super) fn decide_dtype(
     opts: &EngineOptions,
     parties: &[Party],
 ) -> Result<Decided<Dtype>, Conflict> {
-    let (dtype, dtype_by, dtype_reason) = match (opts.cache_dtype, model.dtype) {
-        (Some(d), _) => (d, DecidedBy::User, format!("user set cache_dtype={d}")),
-        (None, Some(d)) => (d, DecidedBy::Model, format!("model torch_dtype is {d}")),
-        (None, None) => (Dtype::Bf16, DecidedBy::Default, "config has no torch_dtype".to_owned()),
+    let chosen = match (opts.cache_dtype, model.dtype) {
+        (Some(d), _) => decided(d, DecidedBy::User, format!("user set cache_dtype={d}")),
+        (None, Some(d)) => decided(d, DecidedBy::Model, format!("model torch_dtype is {d}")),
+        (None, None) => decided(Dtype::Bf16, DecidedBy::Default, "config has no torch_dtype".to_owned()),
     };
-    let dtype_violators: Vec<&Party> = parties
-        .iter()
-        .filter(|p| !p.caps.cache_dtypes.is_empty() && !p.caps.cache_dtypes.contains(&dtype))
-        .collect();
-    if !dtype_violators.is_empty() {
-        let restricted: Vec<&Party> = parties.iter().filter(|p| !p.caps.cache_dtypes.is_empty()).collect();
-        let common: Vec<String> = [Dtype::Bf16, Dtype::F16, Dtype::F32, Dtype::Fp8E4m3, Dtype::Fp8E5m2]
-            .into_iter()
-            .filter(|d| restricted.iter().all(|p| p.caps.cache_dtypes.contains(d)))
-            .map(|d| d.to_string())
-            .collect();
-        let remedy = if common.is_empty() {
-            format!("the children share no cache dtype: remove {}", them(&labels(&dtype_violators)))
-        } else {
-            format!(
-                "set cache_dtype to {}, or remove {}",
-                common.join(" or "),
-                them(&labels(&dtype_violators))
-            )
-        };
-        return Err(Conflict::CacheDtype {
-            dtype: dtype.to_string(),
-            source_of: match dtype_by {
-                DecidedBy::User => "set by user".to_owned(),
-                DecidedBy::Model => "the model's torch_dtype".to_owned(),
-                _ => "default: config has no torch_dtype".to_owned(),
-            },
-            violators: labels(&dtype_violators),
-            constraints: parties
-                .iter()
-                .map(|p| ChildConstraint {
-                    child: p.label.clone(),
-                    constraint: if p.caps.cache_dtypes.is_empty() {
-                        "stores any dtype".to_owned()
-                    } else {
-                        format!(
-                            "stores {}",
-                            p.caps.cache_dtypes.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
-                        )
-                    },
-                })
-                .collect(),
-            remedy,
-        });
-    }
-    Ok(decided(dtype, dtype_by, dtype_reason))
+    let cache_dtype = AllowedValue {
+        values: &[Dtype::Bf16, Dtype::F16, Dtype::F32, Dtype::Fp8E4m3, Dtype::Fp8E5m2],
+        // A child that lists no dtype stores any.
+        allows: |p, d| p.caps.cache_dtypes.is_empty() || p.caps.cache_dtypes.contains(d),
+        describe: |p| {
+            if p.caps.cache_dtypes.is_empty() {
+                "stores any dtype".to_owned()
+            } else {
+                format!("stores {}", joined(&p.caps.cache_dtypes))
+            }
+        },
+        noun: "cache dtype",
+        setting: |common| format!("cache_dtype to {common}"),
+        source_of: |by| match by {
+            DecidedBy::User => "set by user",
+            DecidedBy::Model => "the model's torch_dtype",
+            _ => "default: config has no torch_dtype",
+        },
+        refuse: |r| Conflict::CacheDtype {
+            dtype: r.value,
+            source_of: r.source_of,
+            violators: r.violators,
+            constraints: r.constraints,
+            remedy: r.remedy,
+        },
+    };
+    cache_dtype.check(chosen, &parties.iter().collect::<Vec<_>>())
 }
 
 /// The memory kind. Only this worker's own children touch its KV memory.
@@ -403,50 +385,36 @@ pub(super) fn decide_memory(
     opts: &EngineOptions,
     parties: &[Party],
 ) -> Result<Decided<MemoryKind>, Conflict> {
-    let (memory, memory_by, memory_reason) = match opts.memory {
-        Some(m) => (m, DecidedBy::User, format!("user set kv_buffer_device ({m})")),
-        None => (
+    let chosen = match opts.memory {
+        Some(m) => decided(m, DecidedBy::User, format!("user set kv_buffer_device ({m})")),
+        None => decided(
             MemoryKind::Host,
             DecidedBy::Default,
             "KV buffers in host memory unless kv_buffer_device says otherwise".to_owned(),
         ),
     };
-    let own: Vec<&Party> = parties.iter().filter(|p| p.own).collect();
-    let memory_violators: Vec<&Party> =
-        own.iter().copied().filter(|p| !p.caps.memory_kinds.contains(&memory)).collect();
-    if !memory_violators.is_empty() {
-        let common: Vec<String> = [MemoryKind::Host, MemoryKind::Device, MemoryKind::Disk]
-            .into_iter()
-            .filter(|m| own.iter().all(|p| p.caps.memory_kinds.contains(m)))
-            .map(|m| m.to_string())
-            .collect();
-        let remedy = if common.is_empty() {
-            format!("the children share no memory kind: remove {}", them(&labels(&memory_violators)))
-        } else {
-            format!(
-                "set kv_buffer_device to {} memory, or remove {}",
-                common.join(" or "),
-                them(&labels(&memory_violators))
-            )
-        };
-        return Err(Conflict::Memory {
-            memory: memory.to_string(),
-            source_of: if memory_by == DecidedBy::User { "set by user" } else { "default" }.to_owned(),
-            violators: labels(&memory_violators),
-            constraints: own
-                .iter()
-                .map(|p| ChildConstraint {
-                    child: p.label.clone(),
-                    constraint: format!(
-                        "uses {}",
-                        p.caps.memory_kinds.iter().map(|m| m.to_string()).collect::<Vec<_>>().join(", ")
-                    ),
-                })
-                .collect(),
-            remedy,
-        });
-    }
-    Ok(decided(memory, memory_by, memory_reason))
+    let memory = AllowedValue {
+        values: &[MemoryKind::Host, MemoryKind::Device, MemoryKind::Disk],
+        allows: |p, m| p.caps.memory_kinds.contains(m),
+        describe: |p| format!("uses {}", joined(&p.caps.memory_kinds)),
+        noun: "memory kind",
+        setting: |common| format!("kv_buffer_device to {common} memory"),
+        source_of: |by| {
+            if *by == DecidedBy::User {
+                "set by user"
+            } else {
+                "default"
+            }
+        },
+        refuse: |r| Conflict::Memory {
+            memory: r.value,
+            source_of: r.source_of,
+            violators: r.violators,
+            constraints: r.constraints,
+            remedy: r.remedy,
+        },
+    };
+    memory.check(chosen, &parties.iter().filter(|p| p.own).collect::<Vec<_>>())
 }
 
 /// The tensor-parallel size, and whether the peer may use another one: only when every

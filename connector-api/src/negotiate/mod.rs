@@ -7,6 +7,7 @@
 //! roles of a deployment over the union of their children, which is what keeps a composite
 //! on prefill and a plain transport on decode from disagreeing about HMA (Dynamo DYN-3545).
 
+mod allowed;
 mod conflict;
 mod decide;
 mod deployment;

@@ -623,3 +623,42 @@ fn option_strings() {
     assert_eq!(o.tp_size, 1);
     assert!(o.allow_adapters);
 }
+
+/// The dtype and memory conflicts, word for word: one algorithm serves both fields, and a
+/// change in either field's wording shows here.
+#[test]
+fn dtype_and_memory_conflicts_word_for_word() {
+    let restricted = |name: &str, dtypes: Vec<Dtype>, memory: Vec<MemoryKind>| {
+        let mut c = nixl();
+        c.name = name.to_owned();
+        c.caps.cache_dtypes = dtypes;
+        c.caps.memory_kinds = memory;
+        c
+    };
+    let host = || vec![MemoryKind::Host];
+    let cases: Vec<(ModelSpec, EngineOptions, Vec<ChildCaps>)> = vec![
+        (
+            dense(),
+            EngineOptions { cache_dtype: Some(Dtype::Fp8E4m3), ..opts() },
+            vec![lmcache(256), restricted("nixl", vec![Dtype::Bf16, Dtype::F16], host())],
+        ),
+        (
+            dense(),
+            opts(),
+            vec![restricted("a", vec![Dtype::F16], host()), restricted("b", vec![Dtype::F32], host())],
+        ),
+        (hybrid(), opts(), vec![lmcache(256), restricted("c", vec![Dtype::F16], host())]),
+        (dense(), EngineOptions { memory: Some(MemoryKind::Device), ..opts() }, vec![lmcache(256), nixl()]),
+        (dense(), opts(), vec![nixl(), restricted("gpu", vec![], vec![MemoryKind::Device])]),
+    ];
+    let got: Vec<String> =
+        cases.iter().map(|(m, o, c)| negotiate(m, o, c).unwrap_err().to_string()).collect();
+    let want = [
+        "cache dtype fp8_e4m3 (set by user) is not supported by child 'nixl'. Children's dtypes: child 'lmcache' stores any dtype; child 'nixl' stores bf16, f16. Remedy: set cache_dtype to bf16 or f16, or remove child 'nixl'",
+        "cache dtype bf16 (the model's torch_dtype) is not supported by child 'a', child 'b'. Children's dtypes: child 'a' stores f16; child 'b' stores f32. Remedy: the children share no cache dtype: remove one of child 'a', child 'b'",
+        "cache dtype bf16 (default: config has no torch_dtype) is not supported by child 'c'. Children's dtypes: child 'lmcache' stores any dtype; child 'c' stores f16. Remedy: set cache_dtype to f16, or remove child 'c'",
+        "KV memory device (set by user) is not usable by child 'lmcache', child 'nixl'. Children's memory kinds: child 'lmcache' uses host, disk; child 'nixl' uses host. Remedy: set kv_buffer_device to host memory, or remove one of child 'lmcache', child 'nixl'",
+        "KV memory host (default) is not usable by child 'gpu'. Children's memory kinds: child 'nixl' uses host; child 'gpu' uses device. Remedy: the children share no memory kind: remove child 'gpu'",
+    ];
+    assert_eq!(got, want);
+}
