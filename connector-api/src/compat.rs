@@ -12,6 +12,7 @@
 
 use crate::caps::TransferMode;
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
+use crate::math::gcd;
 use crate::model::{Dtype, ModelSpec};
 use crate::negotiate::{
     describe_groups_with, describe_state_groups, loads_across_tp, EngineOptions, FieldProvenance, Negotiated,
@@ -281,14 +282,6 @@ fn render(diffs: &[FieldDiff], a: &str, b: &str) -> String {
         }
     }
     s
-}
-
-fn gcd(a: u32, b: u32) -> u32 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 /// `(a, b)` reduced when one divides the other; `None` otherwise.

@@ -20,6 +20,7 @@ pub mod ids;
 pub mod kv_memory;
 pub mod layout;
 pub mod load_report;
+pub mod math;
 pub mod model;
 pub mod negotiate;
 pub mod region;

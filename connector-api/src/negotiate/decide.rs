@@ -3,6 +3,7 @@
 
 use crate::caps::{Capabilities, MemoryKind, TransferMode};
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
+use crate::math::gcd;
 use crate::model::{AttentionKind, Dtype, ModelSpec};
 
 use super::allowed::{joined, AllowedValue};
@@ -14,14 +15,6 @@ use super::outcome::{DecidedBy, FieldProvenance, LayoutAdapter};
 use super::party::{labels, Party};
 
 pub(super) const BLOCK_SIZES: [u32; 13] = [16, 32, 64, 128, 8, 256, 4, 512, 2, 1024, 1, 2048, 4096];
-
-pub(super) fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
-}
 
 /// The block size every child accepts: the first of 16, 32, 64, 128, 8, 256, ... or, for
 /// unusual constraints, the least common multiple of the children's multiples.
