@@ -11,7 +11,7 @@ use super::conflict::{list_does, them, ChildConstraint, Conflict};
 use super::groups::{describe_state_groups, kv_groups, kv_kinds, state_groups};
 use super::layout_choice::{adapter_clause, adapters_for, layout_remedy, native_layout, pick_layout};
 use super::options::{EngineOptions, HmaOption};
-use super::outcome::{DecidedBy, FieldProvenance, LayoutAdapter};
+use super::outcome::{DecidedBy, FieldProvenance, LayoutAdapter, LayoutField};
 use super::party::{labels, Party};
 
 pub(super) const BLOCK_SIZES: [u32; 13] = [16, 32, 64, 128, 8, 256, 4, 512, 2, 1024, 1, 2048, 4096];
@@ -34,8 +34,13 @@ pub(super) fn fitting_block_size(parties: &[Party]) -> Option<u32> {
     parties.iter().all(|p| p.block_ok(l)).then_some(l)
 }
 
-pub(super) fn field(field: &str, value: String, decided_by: DecidedBy, reason: String) -> FieldProvenance {
-    FieldProvenance { field: field.to_owned(), value, decided_by, reason }
+pub(super) fn field(
+    field: LayoutField,
+    value: String,
+    decided_by: DecidedBy,
+    reason: String,
+) -> FieldProvenance {
+    FieldProvenance { field, value, decided_by, reason }
 }
 
 /// Adapters, each with the index of the party that adapts.

@@ -26,7 +26,7 @@ pub use groups::{
     describe_groups, describe_groups_with, describe_state_groups, kv_groups, kv_kinds, state_groups,
 };
 pub use options::{ChildCaps, EngineOptions, HmaOption, OptionParseError};
-pub use outcome::{DecidedBy, FieldProvenance, LayoutAdapter, Negotiated};
+pub use outcome::{DecidedBy, FieldProvenance, LayoutAdapter, LayoutField, Negotiated};
 
 use crate::layout::EffectiveLayout;
 use crate::model::ModelSpec;
@@ -50,21 +50,31 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     let tp = decide_tp(opts, parties);
 
     let mut provenance = vec![
-        field("layout", layout.value.display_name(), layout.by, layout.reason),
-        field("hma", if hma.value { "on" } else { "off" }.to_owned(), hma.by, hma.reason),
-        field("block_size", block.value.to_string(), block.by, block.reason),
-        field("cache_dtype", dtype.value.to_string(), dtype.by, dtype.reason),
-        field("memory", memory.value.to_string(), memory.by, memory.reason),
-        field("transfer_mode", mode.value.to_string(), mode.by, mode.reason),
-        field("kv_groups", describe_groups_with(&groups.value, hma.value), groups.by, groups.reason),
-        field("tp_size", tp.value.to_string(), tp.by, tp.reason),
+        field(LayoutField::Layout, layout.value.display_name(), layout.by, layout.reason),
+        field(LayoutField::Hma, if hma.value { "on" } else { "off" }.to_owned(), hma.by, hma.reason),
+        field(LayoutField::BlockSize, block.value.to_string(), block.by, block.reason),
+        field(LayoutField::CacheDtype, dtype.value.to_string(), dtype.by, dtype.reason),
+        field(LayoutField::Memory, memory.value.to_string(), memory.by, memory.reason),
+        field(LayoutField::TransferMode, mode.value.to_string(), mode.by, mode.reason),
+        field(
+            LayoutField::KvGroups,
+            describe_groups_with(&groups.value, hma.value),
+            groups.by,
+            groups.reason,
+        ),
+        field(LayoutField::TpSize, tp.value.to_string(), tp.by, tp.reason),
     ];
     let state_groups = match state {
         Some(st) => {
             // Next to the KV cache groups.
-            let at =
-                provenance.iter().position(|p| p.field == "kv_groups").map_or(provenance.len(), |i| i + 1);
-            provenance.insert(at, field("state_groups", describe_state_groups(&st.value), st.by, st.reason));
+            let at = provenance
+                .iter()
+                .position(|p| p.field == LayoutField::KvGroups)
+                .map_or(provenance.len(), |i| i + 1);
+            provenance.insert(
+                at,
+                field(LayoutField::StateGroups, describe_state_groups(&st.value), st.by, st.reason),
+            );
             st.value
         }
         None => Vec::new(),

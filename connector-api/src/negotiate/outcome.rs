@@ -36,12 +36,121 @@ impl fmt::Display for DecidedBy {
     }
 }
 
+/// A field of the negotiated result or of a compatibility diff. On the wire and in messages
+/// it is the snake_case name (`layout`, `hma`, `block_size`, ...), so descriptors, diffs and
+/// their hashes read as they did when the field was a string.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "String", into = "String")]
+pub enum LayoutField {
+    /// The model (its config.json fingerprint).
+    Model,
+    /// The KV layout.
+    Layout,
+    /// The hybrid KV cache manager.
+    Hma,
+    /// Tokens per block.
+    BlockSize,
+    /// The cache dtype.
+    CacheDtype,
+    /// Where the KV cache lives.
+    Memory,
+    /// Pull, push or none.
+    TransferMode,
+    /// The KV cache groups.
+    KvGroups,
+    /// The state groups of state-space / linear-attention layers.
+    StateGroups,
+    /// The tensor-parallel size.
+    TpSize,
+    /// A name this build does not know, from a newer peer: kept as sent.
+    Other(String),
+}
+
+impl LayoutField {
+    /// Every field this build knows, in the order negotiation reports them.
+    pub const KNOWN: [LayoutField; 10] = [
+        LayoutField::Model,
+        LayoutField::Layout,
+        LayoutField::Hma,
+        LayoutField::BlockSize,
+        LayoutField::CacheDtype,
+        LayoutField::Memory,
+        LayoutField::TransferMode,
+        LayoutField::KvGroups,
+        LayoutField::StateGroups,
+        LayoutField::TpSize,
+    ];
+
+    /// The field's name (`block_size`).
+    pub fn as_str(&self) -> &str {
+        match self {
+            LayoutField::Model => "model",
+            LayoutField::Layout => "layout",
+            LayoutField::Hma => "hma",
+            LayoutField::BlockSize => "block_size",
+            LayoutField::CacheDtype => "cache_dtype",
+            LayoutField::Memory => "memory",
+            LayoutField::TransferMode => "transfer_mode",
+            LayoutField::KvGroups => "kv_groups",
+            LayoutField::StateGroups => "state_groups",
+            LayoutField::TpSize => "tp_size",
+            LayoutField::Other(name) => name,
+        }
+    }
+}
+
+impl From<&str> for LayoutField {
+    fn from(name: &str) -> Self {
+        LayoutField::KNOWN
+            .into_iter()
+            .find(|f| f.as_str() == name)
+            .unwrap_or_else(|| LayoutField::Other(name.to_owned()))
+    }
+}
+
+impl From<String> for LayoutField {
+    fn from(name: String) -> Self {
+        match LayoutField::from(name.as_str()) {
+            LayoutField::Other(_) => LayoutField::Other(name),
+            known => known,
+        }
+    }
+}
+
+impl From<LayoutField> for String {
+    fn from(f: LayoutField) -> Self {
+        match f {
+            LayoutField::Other(name) => name,
+            known => known.as_str().to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for LayoutField {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // `pad`, so that `{:<12}` aligns columns.
+        f.pad(self.as_str())
+    }
+}
+
+impl PartialEq<str> for LayoutField {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl PartialEq<&str> for LayoutField {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
 /// A field of the negotiated result, its value, who decided it and why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct FieldProvenance {
-    /// `layout`, `hma`, `block_size`, `cache_dtype`, `memory`, `transfer_mode`, `kv_groups`
-    /// or `tp_size`.
-    pub field: String,
+    /// `layout`, `hma`, `block_size`, `cache_dtype`, `memory`, `transfer_mode`, `kv_groups`,
+    /// `state_groups` or `tp_size`.
+    pub field: LayoutField,
     /// The value, in words (`HND (LBHNC)`, `on`, `16`, ...).
     pub value: String,
     /// Who decided it.
@@ -89,15 +198,18 @@ pub struct Negotiated {
 }
 
 impl Negotiated {
-    /// The provenance of one field, by name.
-    pub fn provenance_of(&self, field: &str) -> Option<&FieldProvenance> {
+    /// The provenance of one field, by [`LayoutField`] or by name.
+    pub fn provenance_of<F>(&self, field: F) -> Option<&FieldProvenance>
+    where
+        LayoutField: PartialEq<F>,
+    {
         self.provenance.iter().find(|p| p.field == field)
     }
 
     /// One aligned line per field: `layout        = HND (LBHNC)  [child nixl]  child 'nixl' requires ...`.
     pub fn explain(&self) -> String {
         let by: Vec<String> = self.provenance.iter().map(|p| format!("[{}]", p.decided_by)).collect();
-        let fw = self.provenance.iter().map(|p| p.field.len()).max().unwrap_or(0);
+        let fw = self.provenance.iter().map(|p| p.field.as_str().len()).max().unwrap_or(0);
         let vw = self.provenance.iter().map(|p| p.value.chars().count()).max().unwrap_or(0);
         let bw = by.iter().map(|b| b.chars().count()).max().unwrap_or(0);
         let mut out = String::new();

@@ -662,3 +662,20 @@ fn dtype_and_memory_conflicts_word_for_word() {
     ];
     assert_eq!(got, want);
 }
+
+#[test]
+fn layout_fields_read_and_write_their_names() {
+    for f in LayoutField::KNOWN {
+        let json = serde_json::to_string(&f).unwrap();
+        assert_eq!(json, format!("\"{f}\""));
+        assert_eq!(serde_json::from_str::<LayoutField>(&json).unwrap(), f);
+        assert_eq!(LayoutField::from(f.as_str()), f);
+    }
+    assert_eq!(LayoutField::BlockSize.to_string(), "block_size");
+    assert_eq!(format!("[{:<12}]", LayoutField::Hma), "[hma         ]");
+    // A field a newer peer sends is kept as sent, not refused.
+    let f: LayoutField = serde_json::from_str("\"kv_scale\"").unwrap();
+    assert_eq!(f, LayoutField::Other("kv_scale".to_owned()));
+    assert_eq!(serde_json::to_string(&f).unwrap(), "\"kv_scale\"");
+    assert!(f == "kv_scale");
+}

@@ -92,7 +92,7 @@ fn options(args: &NegotiateArgs) -> Result<EngineOptions> {
 
 /// One line per negotiated field, values only.
 pub fn render_fields(n: &Negotiated) -> String {
-    let w = n.provenance.iter().map(|p| p.field.len()).max().unwrap_or(0);
+    let w = n.provenance.iter().map(|p| p.field.as_str().len()).max().unwrap_or(0);
     n.provenance.iter().map(|p| format!("  {:<w$}  {}\n", p.field, p.value)).collect()
 }
 
