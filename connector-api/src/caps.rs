@@ -5,6 +5,7 @@
 use crate::layout::KvLayout;
 use crate::model::Dtype;
 use serde::{Deserialize, Serialize};
+use std::fmt;
 
 /// Where KV bytes live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -16,6 +17,17 @@ pub enum MemoryKind {
     Device,
     /// A local disk or SSD.
     Disk,
+}
+
+impl fmt::Display for MemoryKind {
+    /// The name messages and provenance print (`host`, `device`, `disk`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MemoryKind::Host => "host",
+            MemoryKind::Device => "device",
+            MemoryKind::Disk => "disk",
+        })
+    }
 }
 
 /// How a connector moves KV between engines.
@@ -30,6 +42,17 @@ pub enum TransferMode {
     Push,
 }
 
+impl fmt::Display for TransferMode {
+    /// The name messages and provenance print (`none`, `pull`, `push`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            TransferMode::None => "none",
+            TransferMode::Pull => "pull",
+            TransferMode::Push => "push",
+        })
+    }
+}
+
 /// The relative cost of adapting a connector's own data path to another layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -40,6 +63,17 @@ pub enum AdaptCost {
     Medium,
     /// Much slower than a plain copy.
     High,
+}
+
+impl fmt::Display for AdaptCost {
+    /// The name messages print (`low`, `medium`, `high`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AdaptCost::Low => "low",
+            AdaptCost::Medium => "medium",
+            AdaptCost::High => "high",
+        })
+    }
 }
 
 /// Which layouts a connector accepts. An empty `required` set means "any layout not

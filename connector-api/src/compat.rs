@@ -12,10 +12,11 @@
 
 use crate::caps::TransferMode;
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
+use crate::math::gcd;
 use crate::model::{Dtype, ModelSpec};
 use crate::negotiate::{
-    describe_groups_with, describe_state_groups, dtype_name, loads_across_tp, mode_name, EngineOptions,
-    FieldProvenance, Negotiated,
+    describe_groups_with, describe_state_groups, loads_across_tp, EngineOptions, FieldProvenance,
+    LayoutField, Negotiated,
 };
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -111,7 +112,7 @@ impl CompatDescriptor {
         s
     }
 
-    fn why(&self, field: &str) -> String {
+    fn why(&self, field: LayoutField) -> String {
         self.provenance
             .iter()
             .find(|p| p.field == field)
@@ -137,7 +138,7 @@ pub enum FieldClass {
 pub struct FieldDiff {
     /// `model`, `cache_dtype`, `hma`, `kv_groups`, `state_groups`, `transfer_mode`,
     /// `layout`, `block_size` or `tp_size`.
-    pub field: String,
+    pub field: LayoutField,
     /// Strict or adaptable.
     pub class: FieldClass,
     /// This side's value.
@@ -237,8 +238,11 @@ impl Incompatible {
         render(&diffs, local_role, peer_role)
     }
 
-    /// The diff that names `field`, if any.
-    pub fn diff_of(&self, field: &str) -> Option<&FieldDiff> {
+    /// The diff that names `field` (a [`LayoutField`] or its name), if any.
+    pub fn diff_of<F>(&self, field: F) -> Option<&FieldDiff>
+    where
+        LayoutField: PartialEq<F>,
+    {
         self.diffs.iter().find(|d| d.field == field)
     }
 }
@@ -282,14 +286,6 @@ fn render(diffs: &[FieldDiff], a: &str, b: &str) -> String {
         }
     }
     s
-}
-
-fn gcd(a: u32, b: u32) -> u32 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 /// `(a, b)` reduced when one divides the other; `None` otherwise.
@@ -362,19 +358,16 @@ fn on_off(b: bool) -> &'static str {
 
 fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) -> Vec<FieldDiff> {
     let mut out = Vec::new();
-    let mut push =
-        |field: &str, class, local: String, local_why, peer: String, peer_why, remedy: String, detail| {
-            out.push(FieldDiff {
-                field: field.to_owned(),
-                class,
-                local,
-                local_why,
-                peer,
-                peer_why,
-                remedy,
-                detail,
-            });
-        };
+    let mut push = |field: LayoutField,
+                    class,
+                    local: String,
+                    local_why,
+                    peer: String,
+                    peer_why,
+                    remedy: String,
+                    detail| {
+        out.push(FieldDiff { field, class, local, local_why, peer, peer_why, remedy, detail });
+    };
     let (ea, eb) = (&a.effective, &b.effective);
 
     let same_model = a.model_fingerprint == b.model_fingerprint;
@@ -383,7 +376,7 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             format!("{} ({})", d.model_name, d.model_fingerprint.get(..12).unwrap_or(&d.model_fingerprint))
         };
         push(
-            "model",
+            LayoutField::Model,
             FieldClass::Strict,
             short(a),
             "from its config.json".to_owned(),
@@ -395,12 +388,12 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
     }
     if ea.cache_dtype != eb.cache_dtype {
         push(
-            "cache_dtype",
+            LayoutField::CacheDtype,
             FieldClass::Strict,
-            dtype_name(ea.cache_dtype).to_owned(),
-            a.why("cache_dtype"),
-            dtype_name(eb.cache_dtype).to_owned(),
-            b.why("cache_dtype"),
+            ea.cache_dtype.to_string(),
+            a.why(LayoutField::CacheDtype),
+            eb.cache_dtype.to_string(),
+            b.why(LayoutField::CacheDtype),
             format!("set cache_dtype to the same value on {ar} and {br}"),
             String::new(),
         );
@@ -415,23 +408,23 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
         if ea.hma != eb.hma {
             let on = if ea.hma { ar } else { br };
             push(
-                "hma",
+                LayoutField::Hma,
                 FieldClass::Strict,
                 on_off(ea.hma).to_owned(),
-                a.why("hma"),
+                a.why(LayoutField::Hma),
                 on_off(eb.hma).to_owned(),
-                b.why("hma"),
+                b.why(LayoutField::Hma),
                 format!("run {on} with the same connector set, or set hybrid_kv_cache_manager=off on {on}"),
                 detail,
             );
         } else {
             push(
-                "kv_groups",
+                LayoutField::KvGroups,
                 FieldClass::Strict,
                 describe_groups_with(&ea.groups, ea.hma),
-                a.why("kv_groups"),
+                a.why(LayoutField::KvGroups),
                 describe_groups_with(&eb.groups, eb.hma),
-                b.why("kv_groups"),
+                b.why(LayoutField::KvGroups),
                 format!(
                     "negotiate {ar} and {br} together (kvconnect plan) so they get the same KV cache groups"
                 ),
@@ -443,12 +436,12 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
     // describe them.
     if same_model && ea.state_groups != eb.state_groups {
         push(
-            "state_groups",
+            LayoutField::StateGroups,
             FieldClass::Strict,
             describe_state_groups(&ea.state_groups),
-            a.why("state_groups"),
+            a.why(LayoutField::StateGroups),
             describe_state_groups(&eb.state_groups),
-            b.why("state_groups"),
+            b.why(LayoutField::StateGroups),
             format!(
                 "run the same kvconnect version on {ar} and {br}, with connectors that carry the per-request state of the state layers"
             ),
@@ -457,12 +450,12 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
     }
     if ea.transfer_mode != eb.transfer_mode {
         push(
-            "transfer_mode",
+            LayoutField::TransferMode,
             FieldClass::Strict,
-            mode_name(ea.transfer_mode).to_owned(),
-            a.why("transfer_mode"),
-            mode_name(eb.transfer_mode).to_owned(),
-            b.why("transfer_mode"),
+            ea.transfer_mode.to_string(),
+            a.why(LayoutField::TransferMode),
+            eb.transfer_mode.to_string(),
+            b.why(LayoutField::TransferMode),
             format!("use the same transport connector (e.g. nixl) on {ar} and {br}"),
             String::new(),
         );
@@ -470,12 +463,12 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
     if !same_layout_bytes(a, b) {
         let p = LayoutPermutation::between(eb.layout, ea.layout);
         push(
-            "layout",
+            LayoutField::Layout,
             FieldClass::Adaptable,
             ea.layout.display_name(),
-            a.why("layout"),
+            a.why(LayoutField::Layout),
             eb.layout.display_name(),
-            b.why("layout"),
+            b.why(LayoutField::Layout),
             format!(
                 "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set kv_cache_layout={} on both",
                 p.perm,
@@ -497,12 +490,12 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             ),
         };
         push(
-            "block_size",
+            LayoutField::BlockSize,
             FieldClass::Adaptable,
             ea.block_size.to_string(),
-            a.why("block_size"),
+            a.why(LayoutField::BlockSize),
             eb.block_size.to_string(),
-            b.why("block_size"),
+            b.why(LayoutField::BlockSize),
             remedy,
             String::new(),
         );
@@ -517,12 +510,12 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             }
         };
         push(
-            "tp_size",
+            LayoutField::TpSize,
             FieldClass::Adaptable,
             a.tp_size.to_string(),
-            a.why("tp_size"),
+            a.why(LayoutField::TpSize),
             b.tp_size.to_string(),
-            b.why("tp_size"),
+            b.why(LayoutField::TpSize),
             remedy,
             String::new(),
         );
@@ -542,12 +535,12 @@ pub fn diff_roles(a: &CompatDescriptor, b: &CompatDescriptor, a_role: &str, b_ro
 
 /// True when an adaptable diff cannot actually be converted.
 fn blocks(d: &FieldDiff, a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
-    match (d.class, d.field.as_str()) {
+    match (d.class, &d.field) {
         (FieldClass::Strict, _) => true,
-        (FieldClass::Adaptable, "block_size") => {
+        (FieldClass::Adaptable, LayoutField::BlockSize) => {
             divisible_ratio(a.effective.block_size, b.effective.block_size).is_none()
         }
-        (FieldClass::Adaptable, "tp_size") => {
+        (FieldClass::Adaptable, LayoutField::TpSize) => {
             !tp_exchangeable(a.tp_size, b.tp_size, a.heterogeneous_tp && b.heterogeneous_tp)
         }
         (FieldClass::Adaptable, _) => false,

@@ -182,8 +182,11 @@ pub trait SchedulerConnector: Send {
         blocks: &BlocksPerGroup,
     ) -> ConnectorResult<RequestFinished>;
 
-    /// Events since the last call.
-    fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>>;
+    /// Events since the last call. None by default: a connector without a cache index
+    /// publishes nothing.
+    fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
+        Ok(Vec::new())
+    }
 }
 
 /// The worker half (vLLM's worker-side methods).
@@ -200,29 +203,47 @@ pub trait WorkerConnector: Send {
     /// Starts loading this step's external KV.
     fn start_load_kv(&mut self) -> ConnectorResult<()>;
 
-    /// Blocks until `layer`'s KV is loaded (layer-wise connectors).
-    fn wait_for_layer_load(&mut self, layer: LayerId) -> ConnectorResult<()>;
+    /// Blocks until `layer`'s KV is loaded (layer-wise connectors). Returns at once by
+    /// default: a connector that loads whole requests has nothing to wait for per layer.
+    fn wait_for_layer_load(&mut self, _layer: LayerId) -> ConnectorResult<()> {
+        Ok(())
+    }
 
     /// `layer` was computed for these blocks; save what this step must save.
     fn save_kv_layer(&mut self, layer: LayerId, block_ids: &[BlockId]) -> ConnectorResult<()>;
 
-    /// Blocks until this step's saves are safe to proceed past.
-    fn wait_for_save(&mut self) -> ConnectorResult<()>;
+    /// Blocks until this step's saves are safe to proceed past. Returns at once by default:
+    /// a connector that saves synchronously (or not at all) is done when `save_kv_layer`
+    /// returns.
+    fn wait_for_save(&mut self) -> ConnectorResult<()> {
+        Ok(())
+    }
 
     /// Requests whose sending or receiving finished since the last call.
     fn get_finished(&mut self, finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers>;
 
-    /// Blocks whose load failed.
-    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>>;
+    /// Blocks whose load failed. None by default, for connectors that report a failed load
+    /// through `get_finished` or load nothing.
+    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
+        Ok(Vec::new())
+    }
 
-    /// Metadata the peer needs (JSON).
-    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>>;
+    /// Metadata the peer needs (JSON). `None` by default: a connector that moves nothing
+    /// between engines has nothing to publish.
+    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
+        Ok(None)
+    }
 
-    /// The peer's metadata.
-    fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()>;
+    /// The peer's metadata. Ignored by default, for connectors that do not talk to a peer.
+    fn set_peer_handshake_metadata(&mut self, _peer: &serde_json::Value) -> ConnectorResult<()> {
+        Ok(())
+    }
 
-    /// Releases everything.
-    fn shutdown(&mut self) -> ConnectorResult<()>;
+    /// Releases everything. Nothing by default: what the connector holds is released when
+    /// it is dropped.
+    fn shutdown(&mut self) -> ConnectorResult<()> {
+        Ok(())
+    }
 }
 
 /// Finds the factory for a config's connector: the host's registry implements this, and the

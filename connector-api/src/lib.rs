@@ -20,6 +20,7 @@ pub mod ids;
 pub mod kv_memory;
 pub mod layout;
 pub mod load_report;
+pub mod math;
 pub mod model;
 pub mod negotiate;
 pub mod region;
@@ -48,6 +49,6 @@ pub use layout::{Dim, EffectiveLayout, KvGroup, KvLayout, StateGroup};
 pub use model::{AttentionKind, Dtype, LayerState, ModelError, ModelSpec, StateKind};
 pub use negotiate::{
     negotiate, negotiate_deployment, ChildCaps, Conflict, DecidedBy, EngineOptions, FieldProvenance,
-    HmaOption, LayoutAdapter, Negotiated,
+    HmaOption, LayoutAdapter, LayoutField, Negotiated,
 };
 pub use region::{KvRegion, KvRegionSpec};

@@ -6,12 +6,12 @@
 use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::compat::{check, check_roles, diff, LayoutPermutation};
 use kvconnect_api::layout::Dim;
-use kvconnect_api::FieldClass;
 use kvconnect_api::{
     negotiate, negotiate_deployment, AdaptCost, AttentionKind, Capabilities, ChildCaps, CompatDescriptor,
     Conflict, Dtype, EngineOptions, HmaOption, KvLayout, LayoutConstraint, MemoryKind, ModelSpec, Negotiated,
     TransferMode,
 };
+use kvconnect_api::{FieldClass, LayoutField};
 use proptest::prelude::*;
 use proptest::sample::{select, subsequence};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -386,8 +386,8 @@ proptest! {
         } else if other != l {
             prop_assert_ne!(l.normalized(heads), other.normalized(heads));
             prop_assert_ne!(std_hash(l.normalized(heads)), std_hash(other.normalized(heads)));
-            let fields: Vec<String> = diff(&a, &b).into_iter().map(|d| d.field).collect();
-            prop_assert_eq!(fields, vec!["layout".to_owned()]);
+            let fields: Vec<LayoutField> = diff(&a, &b).into_iter().map(|d| d.field).collect();
+            prop_assert_eq!(fields, vec![LayoutField::Layout]);
             prop_assert_eq!(check(&a, &b).unwrap().layout, Some(LayoutPermutation::between(other, l)));
         }
     }

@@ -5,9 +5,8 @@
 
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
-    BlockId, BlocksPerGroup, ConnectorResult, Dtype, FailurePolicy, FinishedTransfers, KvEvent, KvLayout,
-    KvRegion, LayerId, MatchResult, Request, RequestFinished, RequestId, SchedulerConnector, StepInfo,
-    WorkerConnector,
+    BlockId, BlocksPerGroup, ConnectorResult, Dtype, FailurePolicy, FinishedTransfers, KvLayout, KvRegion,
+    LayerId, MatchResult, Request, RequestFinished, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
 use kvconnect_host::worker::{
     detokenize, local_effective_layout, tokenize, Completion, Engine, EngineConfig, FinishReason, GenRequest,
@@ -238,10 +237,6 @@ impl SchedulerConnector for LoopSched {
         p.insert("remote_num_tokens".into(), json!(n));
         Ok(RequestFinished { delay_free: true, transfer_params: Some(p) })
     }
-
-    fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
-        Ok(Vec::new())
-    }
 }
 
 struct LoopWorker {
@@ -321,10 +316,6 @@ impl WorkerConnector for LoopWorker {
         Ok(())
     }
 
-    fn wait_for_layer_load(&mut self, _: LayerId) -> ConnectorResult<()> {
-        Ok(())
-    }
-
     fn save_kv_layer(&mut self, layer: LayerId, _: &[BlockId]) -> ConnectorResult<()> {
         self.layers_saved.push(layer.0);
         Ok(())
@@ -363,14 +354,6 @@ impl WorkerConnector for LoopWorker {
 
     fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
         Ok(std::mem::take(&mut self.err_blocks))
-    }
-
-    fn handshake_metadata(&mut self) -> ConnectorResult<Option<Value>> {
-        Ok(None)
-    }
-
-    fn set_peer_handshake_metadata(&mut self, _: &Value) -> ConnectorResult<()> {
-        Ok(())
     }
 
     fn shutdown(&mut self) -> ConnectorResult<()> {

@@ -150,3 +150,38 @@ fn inspect_refuses_unknown_names_and_invalid_capabilities() {
     );
     assert_eq!(e.trim_end().lines().count(), 1, "{e}");
 }
+
+/// `--kv-transfer-config` is read the same way by `negotiate` and `plugins inspect`: vLLM's
+/// JSON inline, or a file holding it; anything else is refused naming the argument.
+#[test]
+fn kv_transfer_config_is_inline_json_or_a_file_for_every_subcommand() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("kv.json");
+    std::fs::write(&file, "\n {\"kv_connector\": \"NixlConnector\", \"kv_role\": \"kv_both\"}\n").unwrap();
+    let file = file.to_string_lossy().into_owned();
+    let inline = r#"  {"kv_connector": "NixlConnector", "kv_role": "kv_both"}"#;
+    let model = fixture_model("Qwen--Qwen3-0.6B");
+    let model = model.to_string_lossy().into_owned();
+    let missing = dir.path().join("missing.json").to_string_lossy().into_owned();
+
+    for arg in [inline, file.as_str()] {
+        let out = run_kvconnect(&["plugins", "inspect", "nixl", "--kv-transfer-config", arg, "--json"]);
+        assert!(out.status.success(), "{arg}: {}", text(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["name"], "nixl", "{arg}");
+        let out = run_kvconnect(&["negotiate", "--kv-transfer-config", arg, "--model", &model]);
+        assert!(out.status.success(), "{arg}: {}", text(&out.stderr));
+        assert!(text(&out.stdout).contains("HND"), "{arg}: {}", text(&out.stdout));
+    }
+
+    for sub in [&["plugins", "inspect", "nixl"][..], &["negotiate", "--model", &model][..]] {
+        let out = run_kvconnect(&[sub, &["--kv-transfer-config", &missing]].concat());
+        assert!(!out.status.success(), "{sub:?}");
+        let err = text(&out.stderr);
+        assert!(
+            err.contains(&format!("--kv-transfer-config {missing}: not inline JSON"))
+                && err.contains("not a readable file"),
+            "{sub:?}: {err}"
+        );
+    }
+}

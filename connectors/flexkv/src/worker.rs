@@ -379,10 +379,6 @@ impl WorkerConnector for FlexkvWorker {
         Ok(None)
     }
 
-    fn set_peer_handshake_metadata(&mut self, _peer: &serde_json::Value) -> ConnectorResult<()> {
-        Ok(())
-    }
-
     fn shutdown(&mut self) -> ConnectorResult<()> {
         self.submit_saves();
         self.pool.shutdown();

@@ -17,6 +17,7 @@
 
 use crate::nixl_agent::{NixlAgent, NixlCallError, NixlMem, ReadPair};
 use crate::nixl_lib::{self, NixlLibError};
+use kvconnect_api::math::gcd;
 use kvconnect_cuda::{CudaError, Gpu};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -139,13 +140,6 @@ pub struct BlockPlan {
     pub block: usize,
     /// Source block of each destination block (a permutation of `0..blocks`).
     pub src_of: Vec<usize>,
-}
-
-fn gcd(mut a: usize, mut b: usize) -> usize {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
 }
 
 impl BlockPlan {

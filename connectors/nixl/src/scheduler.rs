@@ -7,8 +7,8 @@ use crate::config::{NixlConfig, NAME};
 use crate::meta::{LoadSpec, NixlMeta, SendSpec};
 use crate::params::{wants_remote_decode, TransferParams};
 use kvconnect_api::{
-    BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, KvEvent, MatchResult, Request,
-    RequestFinished, RequestId, SchedulerConnector, StepInfo,
+    BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, MatchResult, Request, RequestFinished,
+    RequestId, SchedulerConnector, StepInfo,
 };
 use std::collections::{HashMap, HashSet};
 
@@ -143,9 +143,5 @@ impl SchedulerConnector for NixlScheduler {
             self.sends.push(SendSpec { request: req.id.clone(), blocks: blocks.clone() });
         }
         Ok(RequestFinished { delay_free: has_blocks, transfer_params: Some(params.to_map()) })
-    }
-
-    fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
-        Ok(Vec::new())
     }
 }

@@ -532,10 +532,6 @@ impl WorkerConnector for NixlWorker {
         Ok(())
     }
 
-    fn wait_for_save(&mut self) -> ConnectorResult<()> {
-        Ok(())
-    }
-
     fn get_finished(&mut self, _finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
         let mut out = FinishedTransfers::default();
         if let Some(p) = &self.producer {

@@ -30,30 +30,12 @@ impl WorkerConnector for Counting {
     fn start_load_kv(&mut self) -> ConnectorResult<()> {
         Ok(())
     }
-    fn wait_for_layer_load(&mut self, _: LayerId) -> ConnectorResult<()> {
-        Ok(())
-    }
     fn save_kv_layer(&mut self, _: LayerId, b: &[BlockId]) -> ConnectorResult<()> {
         self.blocks += black_box(b.len()) as u64;
         Ok(())
     }
-    fn wait_for_save(&mut self) -> ConnectorResult<()> {
-        Ok(())
-    }
     fn get_finished(&mut self, _: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
         Ok(FinishedTransfers::default())
-    }
-    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
-        Ok(vec![])
-    }
-    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
-        Ok(None)
-    }
-    fn set_peer_handshake_metadata(&mut self, _: &serde_json::Value) -> ConnectorResult<()> {
-        Ok(())
-    }
-    fn shutdown(&mut self) -> ConnectorResult<()> {
-        Ok(())
     }
 }
 

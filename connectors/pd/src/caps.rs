@@ -8,6 +8,7 @@
 
 use crate::error::PdError;
 use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::math::gcd;
 use kvconnect_api::{Capabilities, KvLayout, LayoutConstraint, TransferMode};
 
 /// Combines the children's capabilities, in child order.
@@ -179,14 +180,6 @@ fn plays(c: &Capabilities, r: KvRoleCap) -> bool {
 
 fn describe(children: &[(String, Capabilities)], f: impl Fn(&Capabilities) -> String) -> String {
     children.iter().map(|(n, c)| format!("{n}: {}", f(c))).collect::<Vec<_>>().join("; ")
-}
-
-fn gcd(a: u32, b: u32) -> u32 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }
 
 fn lcm(a: u32, b: u32) -> u32 {

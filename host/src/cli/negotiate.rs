@@ -5,7 +5,7 @@ use crate::deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{EngineOptions, HmaOption, Negotiated};
-use kvconnect_api::{ConnectorResolver, KvLayout, KvTransferConfig, ModelSpec};
+use kvconnect_api::{ConnectorResolver, KvLayout, ModelSpec};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -44,16 +44,7 @@ pub struct NegotiateArgs {
     pub json: bool,
 }
 
-/// `--kv-transfer-config`: inline JSON, or the path of a file holding it.
-pub fn read_config(arg: &str) -> Result<KvTransferConfig> {
-    let t = arg.trim_start();
-    if t.starts_with('{') || !std::path::Path::new(arg).is_file() {
-        return KvTransferConfig::from_json(arg).context("--kv-transfer-config");
-    }
-    let text = std::fs::read_to_string(arg)
-        .with_context(|| format!("--kv-transfer-config {arg}: cannot read it"))?;
-    KvTransferConfig::from_json(&text).with_context(|| format!("--kv-transfer-config {arg}"))
-}
+pub use super::config_arg::read_config;
 
 /// Reads a model config.json.
 pub fn read_model(path: &std::path::Path) -> Result<ModelSpec> {
@@ -92,7 +83,7 @@ fn options(args: &NegotiateArgs) -> Result<EngineOptions> {
 
 /// One line per negotiated field, values only.
 pub fn render_fields(n: &Negotiated) -> String {
-    let w = n.provenance.iter().map(|p| p.field.len()).max().unwrap_or(0);
+    let w = n.provenance.iter().map(|p| p.field.as_str().len()).max().unwrap_or(0);
     n.provenance.iter().map(|p| format!("  {:<w$}  {}\n", p.field, p.value)).collect()
 }
 

@@ -2,6 +2,7 @@
 //! connector instance. The `--json` output is a stable interface (documented in README.md):
 //! fields are only ever added.
 
+use super::config_arg::read_config;
 use super::plugin_query::probe::{self, ProbeArgs};
 use super::plugin_query::time_limit::{self, QUERY_TIMEOUT_ENV};
 use super::{plugin_query, GlobalArgs};
@@ -249,16 +250,6 @@ fn inspect(
 /// connector's backends (`nixl` needs the NIXL library; looked up, not loaded).
 fn machine_notes(name: &str) -> Option<(Vec<String>, String)> {
     (name == kvconnect_nixl::config::NAME).then(kvconnect_nixl::nixl_lib::availability)
-}
-
-fn read_config(arg: &str) -> anyhow::Result<KvTransferConfig> {
-    let text = if arg.trim_start().starts_with('{') {
-        arg.to_owned()
-    } else {
-        std::fs::read_to_string(arg)
-            .with_context(|| format!("--kv-transfer-config {arg}: not JSON and not a readable file"))?
-    };
-    Ok(KvTransferConfig::from_json(&text)?)
 }
 
 fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {

@@ -978,7 +978,7 @@ impl Drop for Engine {
 mod tests {
     use super::*;
     use crate::worker::pool::local_effective_layout;
-    use kvconnect_api::{ConnectorResult, Dtype, FinishedTransfers, KvEvent, KvLayout, RequestFinished};
+    use kvconnect_api::{ConnectorResult, Dtype, FinishedTransfers, KvLayout, RequestFinished};
     use std::sync::{Arc, Mutex};
 
     type Log = Arc<Mutex<Vec<String>>>;
@@ -1040,9 +1040,6 @@ mod tests {
                 transfer_params: Some(Map::from_iter([("k".into(), Value::from(1))])),
             })
         }
-        fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
-            Ok(Vec::new())
-        }
     }
 
     impl WorkerConnector for Rec {
@@ -1080,12 +1077,6 @@ mod tests {
         fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
             self.log.lock().unwrap().push("load_errors".into());
             Ok(Vec::new())
-        }
-        fn handshake_metadata(&mut self) -> ConnectorResult<Option<Value>> {
-            Ok(None)
-        }
-        fn set_peer_handshake_metadata(&mut self, _: &Value) -> ConnectorResult<()> {
-            Ok(())
         }
         fn shutdown(&mut self) -> ConnectorResult<()> {
             self.log.lock().unwrap().push("shutdown".into());

@@ -6,8 +6,8 @@ use crate::store::DirStore;
 use crate::{store_dir, NAME};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::{
-    serde_json, BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, KvEvent, MatchResult,
-    Request, RequestFinished, RequestId, SchedulerConnector, StepInfo,
+    serde_json, BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, MatchResult, Request,
+    RequestFinished, RequestId, SchedulerConnector, StepInfo,
 };
 use std::collections::HashMap;
 
@@ -104,9 +104,5 @@ impl SchedulerConnector for ExampleScheduler {
         // Saves finish inside the step (wait_for_save), so blocks never need to outlive it.
         self.lookups.remove(&req.id);
         Ok(RequestFinished::default())
-    }
-
-    fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
-        Ok(Vec::new())
     }
 }

@@ -176,14 +176,6 @@ impl WorkerConnector for ExampleWorker {
         Ok(std::mem::take(&mut self.load_errors))
     }
 
-    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
-        Ok(None)
-    }
-
-    fn set_peer_handshake_metadata(&mut self, _peer: &serde_json::Value) -> ConnectorResult<()> {
-        Ok(())
-    }
-
     fn shutdown(&mut self) -> ConnectorResult<()> {
         self.memory = None;
         Ok(())
