@@ -44,6 +44,14 @@ impl BlockShape {
     pub fn layer_block_bytes(&self) -> usize {
         self.bytes() * self.kv_parts as usize
     }
+
+    /// [`BlockShape::layer_block_bytes`] for a shape a peer declared: `None` when it does not
+    /// fit 64 bits.
+    pub fn checked_layer_block_bytes(&self) -> Option<u64> {
+        [self.tokens, self.head_dim, self.elem_size, self.kv_parts]
+            .into_iter()
+            .try_fold(self.heads as u64, |acc, d| acc.checked_mul(d as u64))
+    }
 }
 
 /// A region's arrangement: which layers it holds, in what order, and how many blocks.
@@ -131,6 +139,14 @@ impl Geometry {
         r.layers.len() * r.num_blocks as usize * self.shape.layer_block_bytes()
     }
 
+    /// [`Geometry::region_bytes`] for a region a peer declared: `None` when it does not fit
+    /// 64 bits (a peer's sizes are multiplied checked, never trusted to be sane).
+    pub fn checked_region_bytes(&self, r: &RegionShape) -> Option<u64> {
+        (r.layers.len() as u64)
+            .checked_mul(r.num_blocks as u64)?
+            .checked_mul(self.shape.checked_layer_block_bytes()?)
+    }
+
     /// The bytes of `block` for `layer` and K/V `part` (0 = K, 1 = V). Within the span the
     /// three inner dims are in the layout's order of H, N, C.
     pub fn span(&self, layer: LayerId, part: u32, block: BlockId) -> Result<Span, GeometryError> {
@@ -185,6 +201,25 @@ mod tests {
 
     fn shape() -> BlockShape {
         BlockShape { heads: 2, tokens: 4, head_dim: 8, elem_size: 2, kv_parts: 2 }
+    }
+
+    #[test]
+    fn checked_sizes_refuse_overflow() {
+        let g = Geometry::new(
+            shape(),
+            KvLayout::NHD,
+            vec![RegionShape { layers: vec![LayerId(0); 3], num_blocks: 10 }],
+        );
+        assert_eq!(g.checked_region_bytes(&g.regions()[0]), Some(g.region_bytes(&g.regions()[0]) as u64));
+        let huge =
+            BlockShape { heads: u32::MAX, tokens: u32::MAX, head_dim: u32::MAX, elem_size: 2, kv_parts: 2 };
+        assert_eq!(huge.checked_layer_block_bytes(), None);
+        let g = Geometry::new(shape(), KvLayout::NHD, vec![]);
+        let many = RegionShape { layers: vec![LayerId(0); 4], num_blocks: u32::MAX };
+        let wide =
+            Geometry::new(BlockShape { heads: 1 << 16, tokens: 1 << 16, ..shape() }, KvLayout::NHD, vec![]);
+        assert!(g.checked_region_bytes(&many).is_some());
+        assert_eq!(wide.checked_region_bytes(&many), None);
     }
 
     #[test]

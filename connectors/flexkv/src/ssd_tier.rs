@@ -1,15 +1,24 @@
 //! The SSD tier's storage: fixed-size records in one file.
 //!
-//! `ssd_cache_dir` names a directory (created if missing; the tier makes
-//! `flexkv-<engine>-<pid>.ssd` in it and removes it when the cache is dropped) or an existing
-//! non-directory file such as a preallocated file or a block device (used in place, never
-//! removed). Record `i` sits at `i * record_bytes`: a 4 KiB page whose first 32 bytes are
+//! `ssd_cache_dir` names a directory or an existing non-directory file.
+//!
+//! * A directory (created with mode 0700 if missing) may be shared by several workers: each
+//!   makes its own subdirectory `flexkv-<engine>-<random>` in it (mode 0700, locked while
+//!   the worker runs, [`CacheDir::create_unique`]) and its record file `tier.ssd` in that
+//!   (mode 0600, O_EXCL|O_NOFOLLOW). The tier lasts as long as the worker: its subdirectory
+//!   is removed when the cache is dropped, and one left by a worker that crashed is removed
+//!   by the next worker that starts on the directory.
+//! * A file such as a preallocated file or a block device is used in place, never removed,
+//!   and locked: a second worker naming the same file is refused.
+//!
+//! Record `i` sits at `i * record_bytes`: a 4 KiB page whose first 32 bytes are
 //! the header (magic, block hash, payload length, payload checksum), then the payload,
 //! padded to 4 KiB, so payload I/O is page aligned. A record whose
 //! header or checksum disagrees is reported as corrupt, so a torn write, a full disk or a
 //! flipped bit is a cache miss, never KV loaded into an engine.
 
 use crate::hash::Checksum;
+use kvconnect_cache_dir::{create_private, sync_file, try_lock, CacheDir, CacheDirError};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -22,7 +31,7 @@ const ALIGN: u64 = 4096;
 const PIECE: usize = 256 * 1024;
 
 /// The tier cannot be opened.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, thiserror::Error)]
 pub enum SsdError {
     /// The directory or file cannot be created or opened for writing.
     #[error("ssd_cache_dir '{path}': {reason}; point ssd_cache_dir at a writable directory, or set ssd_cache_gb to 0 to run without the SSD tier")]
@@ -31,6 +40,15 @@ pub enum SsdError {
         path: String,
         /// The OS error.
         reason: String,
+    },
+    /// The directory cannot be made this worker's.
+    #[error(transparent)]
+    Dir(#[from] CacheDirError),
+    /// Another worker uses the file.
+    #[error("ssd_cache_dir '{path}' is a file another worker is using; give each worker its own file, or name a directory (workers can share one)")]
+    Busy {
+        /// The file.
+        path: String,
     },
     /// The budget holds no record.
     #[error("ssd_cache_gb = {gb} holds no block: one block record is {record} bytes; raise ssd_cache_gb or set it to 0")]
@@ -67,7 +85,8 @@ pub enum SsdReadError {
 pub struct SsdTier {
     file: File,
     path: PathBuf,
-    owned: bool,
+    /// This worker's subdirectory, when `ssd_cache_dir` is a directory; removed on drop.
+    owned: Option<CacheDir>,
     payload: usize,
     record: u64,
     num_slots: u32,
@@ -87,24 +106,29 @@ impl SsdTier {
         if num_slots == 0 {
             return Err(SsdError::TooSmall { gb: budget_bytes as f64 / (1u64 << 30) as f64, record });
         }
-        let err =
-            |e: std::io::Error| SsdError::Open { path: path.display().to_string(), reason: e.to_string() };
-        let (file_path, owned) = match std::fs::metadata(path) {
-            Ok(m) if !m.is_dir() => (path.to_path_buf(), false),
-            Ok(_) => (path.join(file_name(tag)), true),
-            Err(_) => {
-                std::fs::create_dir_all(path).map_err(err)?;
-                (path.join(file_name(tag)), true)
+        let open_err = |p: &Path, e: std::io::Error| SsdError::Open {
+            path: p.display().to_string(),
+            reason: e.to_string(),
+        };
+        let (file, file_path, owned) = match std::fs::metadata(path) {
+            Ok(m) if !m.is_dir() => {
+                // Named by the user: used in place (a block device's name is often a symlink).
+                let file =
+                    OpenOptions::new().read(true).write(true).open(path).map_err(|e| open_err(path, e))?;
+                if !try_lock(&file).map_err(|e| open_err(path, e))? {
+                    return Err(SsdError::Busy { path: path.display().to_string() });
+                }
+                (file, path.to_path_buf(), None)
+            }
+            _ => {
+                let dir = CacheDir::create_unique(path, &format!("flexkv-{}", clean(tag)), "ssd_cache_dir")?;
+                let file_path = dir.path().join("tier.ssd");
+                let file = create_private(&file_path).map_err(|e| open_err(&file_path, e))?;
+                // The file's creation is durable before any record is written to it.
+                sync_file(&file).and_then(|()| dir.sync()).map_err(|e| open_err(&file_path, e))?;
+                (file, file_path, Some(dir))
             }
         };
-        let mut opts = OpenOptions::new();
-        opts.read(true).write(true);
-        if owned {
-            opts.create(true).truncate(true);
-        }
-        let file = opts
-            .open(&file_path)
-            .map_err(|e| SsdError::Open { path: file_path.display().to_string(), reason: e.to_string() })?;
         Ok(SsdTier { file, path: file_path, owned, payload, record, num_slots })
     }
 
@@ -182,43 +206,62 @@ impl SsdTier {
             sum.update(piece);
             at += piece.len() as u64;
         }
-        let header = &buf[..HEADER];
-        let word = |i: usize| {
-            let mut w = [0u8; 8];
-            w.copy_from_slice(&header[i * 8..i * 8 + 8]);
-            u64::from_le_bytes(w)
-        };
-        let corrupt = |reason: String| SsdReadError::Corrupt { slot, reason };
-        if word(0) != MAGIC {
-            return Err(corrupt("bad magic".into()));
-        }
-        if word(1) != hash {
-            return Err(corrupt(format!("holds block {:016x}, expected {hash:016x}", word(1))));
-        }
-        if word(2) != self.payload as u64 {
-            return Err(corrupt(format!("length {} instead of {}", word(2), self.payload)));
-        }
-        if word(3) != sum.finish() {
-            return Err(corrupt("checksum mismatch".into()));
-        }
+        check_header(&buf[..HEADER], hash, self.payload, sum.finish())
+            .map_err(|reason| SsdReadError::Corrupt { slot, reason })?;
         Ok(&buf[page..])
     }
 }
 
 impl Drop for SsdTier {
     fn drop(&mut self) {
-        if self.owned {
-            let _ = std::fs::remove_file(&self.path);
+        if let Some(dir) = &self.owned {
+            let _ = std::fs::remove_dir_all(dir.path());
         }
     }
 }
 
-fn file_name(tag: &str) -> String {
-    let clean: String = tag
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' })
-        .collect();
-    format!("flexkv-{}-{}.ssd", clean, std::process::id())
+/// Checks a record's header: that it holds block `hash`, `payload` bytes long, whose
+/// checksum is `sum`.
+fn check_header(header: &[u8], hash: u64, payload: usize, sum: u64) -> Result<(), String> {
+    let word = |i: usize| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(&header[i * 8..i * 8 + 8]);
+        u64::from_le_bytes(w)
+    };
+    if header.len() < HEADER {
+        return Err(format!("header of {} bytes, a record's is {HEADER}", header.len()));
+    }
+    if word(0) != MAGIC {
+        return Err("bad magic".into());
+    }
+    if word(1) != hash {
+        return Err(format!("holds block {:016x}, expected {hash:016x}", word(1)));
+    }
+    if word(2) != payload as u64 {
+        return Err(format!("length {} instead of {payload}", word(2)));
+    }
+    if word(3) != sum {
+        return Err("checksum mismatch".into());
+    }
+    Ok(())
+}
+
+/// Checks a whole record as the file holds it (the header page, then the payload) for
+/// block `hash`: the payload, or what is wrong. The tier's reads check the same, piece by
+/// piece as they arrive.
+pub fn check_record(record: &[u8], hash: u64) -> Result<&[u8], String> {
+    let page = ALIGN as usize;
+    if record.len() < page {
+        return Err(format!("record of {} bytes is shorter than its {page}-byte header page", record.len()));
+    }
+    let payload = &record[page..];
+    check_header(&record[..HEADER], hash, payload.len(), crate::hash::checksum(payload))?;
+    Ok(payload)
+}
+
+/// The engine id as a file-name part.
+fn clean(tag: &str) -> String {
+    tag.chars().map(|c| if c.is_ascii_alphanumeric() || c == '-' || c == '_' { c } else { '_' }).collect()
 }
 
 #[cfg(test)]
@@ -249,6 +292,78 @@ mod tests {
         let p = t.path().to_path_buf();
         drop(t);
         assert!(!p.exists(), "owned file is removed");
+    }
+
+    fn mode(p: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_tier_is_private_and_unpredictable_and_workers_share_a_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("ssd");
+        let a = SsdTier::open(&dir, "e/1", 100, 3 * 8192).unwrap();
+        let b = SsdTier::open(&dir, "e/1", 100, 3 * 8192).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        for t in [&a, &b] {
+            assert_eq!(mode(t.path()), 0o600);
+            assert_eq!(mode(t.path().parent().unwrap()), 0o700);
+            let sub = t.path().parent().unwrap().file_name().unwrap().to_string_lossy().into_owned();
+            assert!(sub.starts_with("flexkv-e_1-") && sub.len() == "flexkv-e_1-".len() + 16, "{sub}");
+        }
+        assert_ne!(a.path(), b.path(), "two workers on one directory get their own files");
+        a.write(0, 1, &[1u8; 100]).unwrap();
+        b.write(0, 2, &[2u8; 100]).unwrap();
+        let mut buf = Vec::new();
+        assert_eq!(a.read(0, 1, &mut buf).unwrap(), &[1u8; 100][..]);
+        assert_eq!(b.read(0, 2, &mut buf).unwrap(), &[2u8; 100][..]);
+    }
+
+    #[test]
+    fn a_symlink_at_the_old_predictable_name_is_not_followed() {
+        // The tier used to create (and truncate) flexkv-<engine>-<pid>.ssd: a link planted
+        // there made it truncate any file its user could write.
+        let root = tempfile::tempdir().unwrap();
+        let victim = root.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let dir = root.path().join("ssd");
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::symlink(&victim, dir.join(format!("flexkv-e-{}.ssd", std::process::id())))
+            .unwrap();
+        let t = SsdTier::open(&dir, "e", 100, 3 * 8192).unwrap();
+        t.write(0, 1, &[9u8; 100]).unwrap();
+        drop(t);
+        assert_eq!(std::fs::read(&victim).unwrap(), b"precious");
+    }
+
+    #[test]
+    fn a_file_named_by_two_workers_is_refused_for_the_second() {
+        let root = tempfile::tempdir().unwrap();
+        let file = root.path().join("prealloc");
+        std::fs::write(&file, vec![0u8; 3 * 8192]).unwrap();
+        let first = SsdTier::open(&file, "e", 100, 3 * 8192).unwrap();
+        let e = SsdTier::open(&file, "e", 100, 3 * 8192).err().unwrap();
+        assert!(matches!(e, SsdError::Busy { .. }) && e.to_string().contains("another worker"), "{e}");
+        drop(first);
+        assert!(file.exists(), "a file named by the user is never removed");
+        SsdTier::open(&file, "e", 100, 3 * 8192).expect("free once the first is gone");
+    }
+
+    #[test]
+    fn whole_records_are_checked_like_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = SsdTier::open(dir.path(), "e", 100, 3 * 8192).unwrap();
+        let data: Vec<u8> = (0..100).collect();
+        t.write(0, 9, &data).unwrap();
+        let mut rec = vec![0u8; 4096 + 100];
+        t.file.read_exact_at(&mut rec, 0).unwrap();
+        assert_eq!(check_record(&rec, 9).unwrap(), &data[..]);
+        assert!(check_record(&rec, 8).unwrap_err().contains("expected"));
+        assert!(check_record(&rec[..4196 - 1], 9).unwrap_err().contains("length 100 instead of 99"));
+        assert!(check_record(&rec[..100], 9).unwrap_err().contains("shorter"));
+        rec[4096] ^= 1;
+        assert_eq!(check_record(&rec, 9).unwrap_err(), "checksum mismatch");
     }
 
     #[test]

@@ -373,3 +373,35 @@ fn every_declared_role_saves_and_loads() {
         assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{role:?}: {o:?}");
     }
 }
+
+#[test]
+fn two_engines_share_one_ssd_cache_dir_each_in_a_private_subdirectory() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let ssd = dir.path().join("ssd");
+    let extra = json!({
+        "cpu_cache_gb": gb(4.0),
+        "ssd_cache_gb": 64.0 * 8192.0 / (1u64 << 30) as f64,
+        "ssd_cache_dir": ssd,
+        "enable_ssd_promotion": false,
+    });
+    let mut one = Sim::new(effective(KvLayout::NHD), extra.clone(), "share-a", 64);
+    let mut two = Sim::new(effective(KvLayout::NHD), extra, "share-b", 64);
+    let (a, b) = (tokens(11, 4 * BS + 1), tokens(12, 4 * BS + 1));
+    for sim in [&mut one, &mut two] {
+        sim.run("a", &a);
+        sim.run("b", &b); // evicts a's blocks to the SSD tier
+        let o = sim.run("a2", &a);
+        assert_eq!(o.matched, 4 * BS);
+        assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{o:?}");
+    }
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&ssd), 0o700);
+    let subs: Vec<_> = std::fs::read_dir(&ssd).unwrap().map(|e| e.unwrap().path()).collect();
+    assert_eq!(subs.len(), 2, "{subs:?}");
+    for s in &subs {
+        let name = s.file_name().unwrap().to_string_lossy().into_owned();
+        assert!(name.starts_with("flexkv-share-a-") || name.starts_with("flexkv-share-b-"), "{name}");
+        assert_eq!((mode(s), mode(&s.join("tier.ssd"))), (0o700, 0o600));
+    }
+}

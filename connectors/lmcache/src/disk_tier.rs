@@ -5,15 +5,23 @@
 //!
 //! The index is rebuilt from the files' headers when the tier opens, so it survives a
 //! restart; the order of last use is taken from the files' modification times. A file is
-//! written under a temporary name and renamed into place, so a crash leaves either the whole
-//! chunk or nothing under the final name. Every read checks the header and the checksum: a
-//! corrupt or truncated file is deleted and reported as a miss, never returned.
+//! written under a temporary name, fsync'd, and renamed into place, so a crash leaves either
+//! the whole chunk or nothing under the final name, and nothing enters the index before it
+//! is durable. Every read checks the header and the checksum: a corrupt or truncated file
+//! is deleted and reported as a miss, never returned.
+//!
+//! The directory is this worker's alone ([`CacheDir`]): mode 0700, locked while the tier is
+//! open (a second worker on it is refused), files 0600 created with O_EXCL|O_NOFOLLOW under
+//! random temporary names; chunk files are opened without following symlinks.
 
 use crate::cpu_tier::KeyMap;
 use crate::hash::{hash_bytes, BytesHasher};
 use crate::key::{ChunkKey, FORMAT_VERSION};
+use kvconnect_cache_dir::{sync_file, CacheDir, CacheDirError};
 use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::SystemTime;
@@ -28,6 +36,22 @@ pub const FILE_OVERHEAD: usize = HEADER_LEN + TRAILER_LEN;
 /// Bytes hashed and written (or read and hashed) at a time: small enough to stay in cache.
 const PIECE: usize = 256 << 10;
 const CHECKSUM_SEED: [u64; 2] = [0x6c6d_6361_6368_6521, 0x6469_736b_2d74_6965];
+
+/// Why the tier cannot open.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskOpenError {
+    /// The directory cannot be made this worker's.
+    #[error(transparent)]
+    Dir(#[from] CacheDirError),
+    /// Its files cannot be listed.
+    #[error("local_disk '{path}' cannot be used: {source}; point local_disk at a writable directory")]
+    Io {
+        /// The directory.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+}
 
 /// Why a chunk could not be written.
 #[derive(Debug, thiserror::Error)]
@@ -79,7 +103,7 @@ impl DiskChunk {
 /// (magic, format, key, length), the bytes, their checksum.
 pub fn encode_record(key: ChunkKey, data: &[u8]) -> Vec<u8> {
     let mut buf = Vec::with_capacity(FILE_OVERHEAD + data.len());
-    buf.extend_from_slice(&header(key, data.len()));
+    buf.extend_from_slice(&record_header(key, data.len()));
     let mut h = BytesHasher::new(CHECKSUM_SEED);
     for piece in data.chunks(PIECE) {
         h.update(piece);
@@ -92,8 +116,8 @@ pub fn encode_record(key: ChunkKey, data: &[u8]) -> Vec<u8> {
 /// Checks a whole record of `key` (header, length, checksum): the chunk, or what is wrong.
 pub fn check_record(key: ChunkKey, buf: Vec<u8>) -> Result<DiskChunk, String> {
     let len = parse_header(&buf, key)?;
-    if len + FILE_OVERHEAD as u64 != buf.len() as u64 {
-        return Err(format!("record is {} bytes, header says {}", buf.len(), len + FILE_OVERHEAD as u64));
+    if record_len(len)? != buf.len() as u64 {
+        return Err(format!("record is {} bytes, header says {} of data", buf.len(), len));
     }
     let data_end = buf.len() - TRAILER_LEN;
     let sum = hash_bytes(CHECKSUM_SEED, &buf[HEADER_LEN..data_end]);
@@ -155,7 +179,7 @@ impl Index {
 
 /// The disk tier of one store.
 pub struct DiskTier {
-    dir: PathBuf,
+    dir: CacheDir,
     budget: u64,
     index: Mutex<Index>,
 }
@@ -170,21 +194,19 @@ pub struct OpenReport {
 }
 
 impl DiskTier {
-    /// Opens (creating if needed) the tier in `dir` with a budget in bytes, checks that the
-    /// directory is writable, and indexes the chunks already there.
-    pub fn open(dir: &Path, budget: u64) -> Result<(DiskTier, OpenReport), std::io::Error> {
-        std::fs::create_dir_all(dir)?;
-        let probe = dir.join(format!(".probe-{}", std::process::id()));
-        std::fs::write(&probe, b"probe")?;
-        std::fs::remove_file(&probe)?;
+    /// Opens (creating if needed) the tier in `dir` with a budget in bytes, takes the
+    /// directory for this worker (see the module doc), and indexes the chunks already there.
+    pub fn open(dir: &Path, budget: u64) -> Result<(DiskTier, OpenReport), DiskOpenError> {
+        let cache_dir = CacheDir::open(dir, "local_disk")?;
+        let io = |source| DiskOpenError::Io { path: dir.to_owned(), source };
         let mut found: Vec<(SystemTime, ChunkKey, u64)> = Vec::new();
         let mut report = OpenReport::default();
-        for ent in std::fs::read_dir(dir)? {
-            let ent = ent?;
+        for ent in std::fs::read_dir(dir).map_err(io)? {
+            let ent = ent.map_err(io)?;
             let name = ent.file_name().to_string_lossy().into_owned();
             let path = ent.path();
             if name.contains(".tmp-") {
-                // An unfinished write from a process that died.
+                // An unfinished write of a process that died (this one holds the lock).
                 let _ = std::fs::remove_file(&path);
                 report.removed += 1;
                 continue;
@@ -206,7 +228,7 @@ impl DiskTier {
         for (_, key, len) in found {
             index.insert(key, len);
         }
-        let tier = DiskTier { dir: dir.to_owned(), budget, index: Mutex::new(index) };
+        let tier = DiskTier { dir: cache_dir, budget, index: Mutex::new(index) };
         tier.evict_until(0);
         report.chunks = tier.lock().map.len();
         Ok((tier, report))
@@ -221,7 +243,7 @@ impl DiskTier {
 
     /// The file of a chunk.
     pub fn path_of(&self, key: &ChunkKey) -> PathBuf {
-        self.dir.join(format!("{}.chunk", key.hex()))
+        self.dir.path().join(format!("{}.chunk", key.hex()))
     }
 
     /// True when the chunk is indexed.
@@ -267,11 +289,10 @@ impl DiskTier {
         }
         let evicted = self.evict_until(file_len);
         let path = self.path_of(&key);
-        let tmp = self.dir.join(format!("{}.tmp-{}", key.hex(), std::process::id()));
         let io = |source| DiskWriteError::Io { path: path.clone(), source };
-        let header = header(key, data.len());
+        let (tmp, mut f) = self.dir.create_temp(&key.hex()).map_err(io)?;
+        let header = record_header(key, data.len());
         let res = (|| {
-            let mut f = std::fs::File::create(&tmp)?;
             f.write_all(&header)?;
             let mut h = BytesHasher::new(CHECKSUM_SEED);
             for piece in data.chunks(PIECE) {
@@ -279,8 +300,11 @@ impl DiskTier {
                 f.write_all(piece)?;
             }
             f.write_all(&trailer(h.finish()))?;
-            drop(f);
-            std::fs::rename(&tmp, &path)
+            sync_file(&f)?;
+            // rename(2) replaces whatever is at the final name (a symlink too) without
+            // following it.
+            std::fs::rename(&tmp, &path)?;
+            self.dir.sync()
         })();
         if let Err(e) = res {
             let _ = std::fs::remove_file(&tmp);
@@ -309,7 +333,16 @@ impl DiskTier {
     }
 }
 
-fn header(key: ChunkKey, len: usize) -> [u8; HEADER_LEN] {
+/// The whole record's length for a header's data length, which a file or the remote tier
+/// supplies: checked, never wrapped.
+fn record_len(data_len: u64) -> Result<u64, String> {
+    data_len
+        .checked_add(FILE_OVERHEAD as u64)
+        .ok_or_else(|| format!("header says {data_len} bytes of data, more than any record can hold"))
+}
+
+/// The header of a record of `len` bytes of `key`'s data, with its checksum.
+pub fn record_header(key: ChunkKey, len: usize) -> [u8; HEADER_LEN] {
     let mut h = [0u8; HEADER_LEN];
     h[0..8].copy_from_slice(&MAGIC);
     h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -350,21 +383,26 @@ fn parse_header(h: &[u8], key: ChunkKey) -> Result<u64, String> {
     Ok(u64_at(h, 32))
 }
 
+/// Opens a chunk file for reading; a symlink in its place is an error, never followed.
+fn open_chunk(path: &Path) -> std::io::Result<File> {
+    OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path)
+}
+
 /// Checks a file's header and length without reading its data; returns the file length.
 fn check_header_file(path: &Path, key: ChunkKey) -> Result<u64, String> {
-    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut f = open_chunk(path).map_err(|e| e.to_string())?;
     let mut h = [0u8; HEADER_LEN];
     f.read_exact(&mut h).map_err(|e| format!("cannot read header: {e}"))?;
     let len = parse_header(&h, key)?;
     let file_len = f.metadata().map_err(|e| e.to_string())?.len();
-    if file_len != FILE_OVERHEAD as u64 + len {
-        return Err(format!("file is {file_len} bytes, header says {}", FILE_OVERHEAD as u64 + len));
+    if file_len != record_len(len)? {
+        return Err(format!("file is {file_len} bytes, header says {len} of data"));
     }
     Ok(file_len)
 }
 
 fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>, String> {
-    let mut f = std::fs::File::open(path).map_err(|e| format!("cannot open: {e}"))?;
+    let mut f = open_chunk(path).map_err(|e| format!("cannot open: {e}"))?;
     let file_len = f.metadata().map_err(|e| format!("cannot stat: {e}"))?.len();
     if file_len != expected_len || file_len < FILE_OVERHEAD as u64 {
         return Err(format!("file is {file_len} bytes, {expected_len} were written"));
@@ -380,8 +418,8 @@ fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>
     };
     take(&mut buf, HEADER_LEN, "header")?;
     let len = parse_header(&buf[..HEADER_LEN], key)?;
-    if len + FILE_OVERHEAD as u64 != file_len {
-        return Err(format!("file is {file_len} bytes, header says {}", len + FILE_OVERHEAD as u64));
+    if record_len(len)? != file_len {
+        return Err(format!("file is {file_len} bytes, header says {len} of data"));
     }
     let data_end = file_len as usize - TRAILER_LEN;
     let mut h = BytesHasher::new(CHECKSUM_SEED);
@@ -434,5 +472,77 @@ mod tests {
         assert_eq!(t.usage().0, 9);
         assert!(!t.contains(&ChunkKey([100, 0])), "oldest evicted");
         assert!(matches!(t.write(ChunkKey([5, 5]), &[0u8; 20_000]), Err(DiskWriteError::TooLarge { .. })));
+    }
+
+    fn mode(p: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    #[test]
+    fn the_directory_and_chunk_files_are_private() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("disk");
+        let (t, _) = DiskTier::open(&dir, 10_000).unwrap();
+        t.write(ChunkKey([1, 2]), &[7u8; 100]).unwrap();
+        assert_eq!(mode(&dir), 0o700);
+        assert_eq!(mode(&t.path_of(&ChunkKey([1, 2]))), 0o600);
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| n == ".lock" || n.ends_with(".chunk")), "{names:?}");
+    }
+
+    #[test]
+    fn symlinks_at_a_chunk_path_are_neither_followed_nor_served() {
+        use std::os::unix::fs::symlink;
+        let root = tempfile::tempdir().unwrap();
+        let victim = root.path().join("victim");
+        std::fs::write(&victim, b"someone else's file").unwrap();
+        let dir = root.path().join("disk");
+        let key = ChunkKey([5, 6]);
+        {
+            let (t, _) = DiskTier::open(&dir, 10_000).unwrap();
+            // Planted at the path a write goes to: replaced, not written through.
+            symlink(&victim, t.path_of(&key)).unwrap();
+            t.write(key, &[1u8; 64]).unwrap();
+            assert!(!t.path_of(&key).symlink_metadata().unwrap().file_type().is_symlink());
+            assert_eq!(t.read(&key).unwrap().unwrap().data(), &[1u8; 64][..]);
+        }
+        assert_eq!(std::fs::read(&victim).unwrap(), b"someone else's file");
+        // Planted in place of a chunk while no worker ran, pointing at a valid record: not
+        // indexed (the link is removed, its target kept).
+        let good = root.path().join("good");
+        std::fs::write(&good, encode_record(ChunkKey([9, 9]), &[3u8; 10])).unwrap();
+        symlink(&good, dir.join(format!("{}.chunk", ChunkKey([9, 9]).hex()))).unwrap();
+        let (t, r) = DiskTier::open(&dir, 10_000).unwrap();
+        assert_eq!((r.chunks, r.removed), (1, 1));
+        assert!(!t.contains(&ChunkKey([9, 9])) && good.exists());
+    }
+
+    #[test]
+    fn a_second_tier_on_the_same_directory_is_refused() {
+        let root = tempfile::tempdir().unwrap();
+        let (_t, _) = DiskTier::open(root.path(), 10_000).unwrap();
+        let e = DiskTier::open(root.path(), 10_000).err().unwrap().to_string();
+        assert!(e.contains("is in use by another worker (pid") && e.contains("its own local_disk"), "{e}");
+    }
+
+    #[test]
+    fn a_sealed_header_with_a_huge_length_is_refused_not_wrapped() {
+        // A remote tier's value is written by whoever reaches the store: its header checksum
+        // is no proof of a sane length.
+        let key = ChunkKey([7, 8]);
+        for len in [usize::MAX, usize::MAX - FILE_OVERHEAD + 1, usize::MAX - 100] {
+            let mut rec = record_header(key, len).to_vec();
+            rec.extend_from_slice(&[0u8; TRAILER_LEN]);
+            let e = check_record(key, rec).err().unwrap();
+            assert!(e.contains("header says"), "{len}: {e}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join(format!("{}.chunk", key.hex()));
+        std::fs::write(&p, record_header(key, usize::MAX)).unwrap();
+        assert!(check_header_file(&p, key).unwrap_err().contains("more than any record"));
     }
 }

@@ -146,15 +146,8 @@ impl ChunkStore {
         let disk = match &cfg.local_disk {
             None => None,
             Some(dir) => {
-                let (tier, report) = DiskTier::open(dir, cfg.disk_budget_bytes()).map_err(|e| {
-                    ConnectorError::config(
-                        "lmcache",
-                        format!(
-                            "local_disk '{}' cannot be used: {e}; point local_disk at a writable directory",
-                            dir.display()
-                        ),
-                    )
-                })?;
+                let (tier, report) = DiskTier::open(dir, cfg.disk_budget_bytes())
+                    .map_err(|e| ConnectorError::config("lmcache", e.to_string()))?;
                 if report.removed > 0 {
                     tracing::warn!(dir = %dir.display(), removed = report.removed, "lmcache: removed unreadable or unfinished chunk files from the disk tier");
                 }

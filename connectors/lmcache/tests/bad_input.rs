@@ -192,3 +192,49 @@ fn a_bad_yaml_file_is_a_clear_error() {
         "{e}"
     );
 }
+
+/// Run by `a_second_worker_on_one_local_disk_is_refused` in a child process: opens a store
+/// on `KVC_HOLD_DISK`, says so, and holds it until killed.
+#[test]
+#[ignore = "a helper process of another test"]
+fn hold_local_disk() {
+    let Ok(dir) = std::env::var("KVC_HOLD_DISK") else { return };
+    let c = ctx("bad-input-holder", KvLayout::NHD, 16, json!({"local_disk": dir, "max_local_disk_size": 1}));
+    let _s = LmcacheFactory.create_scheduler(&c).unwrap();
+    println!("HOLDING");
+    std::thread::sleep(std::time::Duration::from_secs(120));
+}
+
+#[test]
+fn a_second_worker_on_one_local_disk_is_refused_until_the_first_dies() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let disk = dir.path().join("disk");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "hold_local_disk", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("KVC_HOLD_DISK", &disk)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.contains("HOLDING") {
+        line.clear();
+        assert!(out.read_line(&mut line).unwrap() > 0, "the holder exited before opening the disk");
+    }
+    let extra = json!({"local_disk": disk, "max_local_disk_size": 1});
+    let e = scheduler_error(extra.clone(), KvLayout::NHD, 16);
+    assert!(
+        e.contains(&format!(
+            "local_disk '{}' is in use by another worker (pid {})",
+            disk.display(),
+            child.id()
+        )) && e.contains("give each worker its own local_disk"),
+        "{e}"
+    );
+    // A worker that dies (here: killed) leaves no lock behind.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let c = ctx("bad-input-after", KvLayout::NHD, 16, extra);
+    LmcacheFactory.create_scheduler(&c).expect("the directory is free once its holder is gone");
+}

@@ -88,6 +88,15 @@ fn evicted_chunks_go_to_disk_and_are_served_from_there_also_after_a_restart() {
     assert_eq!(e.lookup(&request("p4", &prompts[4]), 0), 0);
 }
 
+/// The chunk files in a disk tier's directory (beside them: its lock file).
+fn chunk_files(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .map(|f| f.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "chunk"))
+        .collect()
+}
+
 #[test]
 fn a_corrupt_disk_chunk_is_a_miss_and_nothing_is_loaded() {
     let id = "tiers-corrupt";
@@ -98,7 +107,7 @@ fn a_corrupt_disk_chunk_is_a_miss_and_nothing_is_loaded() {
     e.run("a", &a, 0);
     e.run("b", &b, 0); // evicts a's chunk to disk
     kvconnect_lmcache::flush(id);
-    let files: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|f| f.unwrap().path()).collect();
+    let files = chunk_files(dir.path());
     assert_eq!(files.len(), 1);
     let mut bytes = std::fs::read(&files[0]).unwrap();
     let mid = bytes.len() / 2;
@@ -118,7 +127,7 @@ fn a_corrupt_disk_chunk_is_a_miss_and_nothing_is_loaded() {
     // A truncated file found at start is dropped from the index.
     e.run("c", &prompt(302, CHUNK + 1), 0); // evicts b's chunk
     kvconnect_lmcache::flush(id);
-    let f = std::fs::read_dir(dir.path()).unwrap().next().unwrap().unwrap().path();
+    let f = chunk_files(dir.path()).remove(0);
     let bytes = std::fs::read(&f).unwrap();
     std::fs::write(&f, &bytes[..bytes.len() - 1]).unwrap();
     let extra = disk_extra(dir.path(), 1, 1.0);
@@ -136,7 +145,7 @@ fn a_disk_that_refuses_writes_is_counted_and_the_cpu_tier_keeps_serving() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cache");
     let mut e = Engine::new(id, KvLayout::HND, 8, disk_extra(&path, 2, 1.0));
-    std::fs::remove_dir(&path).unwrap();
+    std::fs::remove_dir_all(&path).unwrap();
     std::fs::write(&path, b"not a directory").unwrap();
     let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(400 + i, CHUNK + 1)).collect();
     for (i, p) in prompts.iter().enumerate() {

@@ -8,7 +8,7 @@ use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{ConnectorError, KvLayout, LayerId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 
 /// Version of the metadata and wire protocol.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -105,8 +105,18 @@ fn bad(msg: String) -> ConnectorError {
     ConnectorError::invalid(NAME, msg)
 }
 
+/// At most 64 characters of a peer's string, for messages.
+fn truncated(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((at, _)) => format!("{}...", &s[..at]),
+        None => s.to_owned(),
+    }
+}
+
 impl PeerInfo {
-    /// Checks a producer's metadata on its own (sizes add up, address resolves).
+    /// Checks a producer's metadata on its own: sizes add up (multiplied checked: they come
+    /// from a peer) and the listener is an IP literal (nothing from the wire is resolved by
+    /// DNS).
     pub fn from_metadata(meta: ProducerMetadata) -> Result<PeerInfo, ConnectorError> {
         let e = &meta.engine_id;
         if meta.version != PROTOCOL_VERSION {
@@ -124,7 +134,15 @@ impl PeerInfo {
         }
         let geometry = Geometry::new(meta.shape, meta.layout, meta.region_shapes.clone());
         for (r, s) in meta.regions.iter().zip(&meta.region_shapes) {
-            let want = geometry.region_bytes(s) as u64;
+            let want = geometry.checked_region_bytes(s).ok_or_else(|| {
+                bad(format!(
+                    "peer engine '{e}' region '{}' declares {} layers of {} blocks of {:?}, which overflows 64 bits: the peer's metadata is corrupt or hostile",
+                    r.name,
+                    s.layers.len(),
+                    s.num_blocks,
+                    meta.shape
+                ))
+            })?;
             if r.len != want {
                 return Err(bad(format!(
                     "peer engine '{e}' region '{}' is {} bytes but its geometry needs {want}",
@@ -132,8 +150,11 @@ impl PeerInfo {
                 )));
             }
         }
-        let addr = meta.listen.to_socket_addrs().ok().and_then(|mut a| a.next()).ok_or_else(|| {
-            bad(format!("peer engine '{e}' listener address '{}' does not resolve", meta.listen))
+        let addr: SocketAddr = meta.listen.parse().map_err(|_| {
+            bad(format!(
+                "peer engine '{e}' listener address '{}' is not an IP address and port (like 10.0.0.5:5601); host names from a peer are not resolved",
+                truncated(&meta.listen)
+            ))
         })?;
         Ok(PeerInfo { meta, addr, geometry })
     }
@@ -239,5 +260,66 @@ impl PeerInfo {
             }
         }
         Ok(())
+    }
+}
+
+/// A producer's metadata as tests need one: two layers of ten blocks in one region.
+#[cfg(test)]
+pub(crate) fn sample_metadata() -> ProducerMetadata {
+    let shape = BlockShape { heads: 2, tokens: 4, head_dim: 8, elem_size: 2, kv_parts: 2 };
+    let region = RegionShape { layers: vec![LayerId(0), LayerId(1)], num_blocks: 10 };
+    let len = Geometry::new(shape, KvLayout::NHD, vec![]).region_bytes(&region) as u64;
+    ProducerMetadata {
+        version: PROTOCOL_VERSION,
+        engine_id: "prefill-0".into(),
+        listen: "127.0.0.1:5601".into(),
+        shape,
+        layout: KvLayout::NHD,
+        region_shapes: vec![region],
+        regions: vec![RegionInfo { name: "kv".into(), len, group: 0, shm_name: None }],
+        groups: vec![vec![LayerId(0), LayerId(1)]],
+        pid: 1,
+        nixl: None,
+        cuda_ipc: None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta() -> ProducerMetadata {
+        sample_metadata()
+    }
+
+    #[test]
+    fn sane_metadata_is_read() {
+        let info = PeerInfo::from_metadata(meta()).unwrap();
+        assert_eq!(info.addr, "127.0.0.1:5601".parse().unwrap());
+        let mut v6 = meta();
+        v6.listen = "[::1]:5601".into();
+        assert!(PeerInfo::from_metadata(v6).is_ok());
+    }
+
+    #[test]
+    fn sizes_that_overflow_are_refused_not_wrapped() {
+        let mut m = meta();
+        m.shape =
+            BlockShape { heads: u32::MAX, tokens: u32::MAX, head_dim: u32::MAX, elem_size: 8, kv_parts: 2 };
+        m.region_shapes[0].num_blocks = u32::MAX;
+        // A length that a wrapping product could equal.
+        m.regions[0].len = 0;
+        let e = PeerInfo::from_metadata(m).unwrap_err().to_string();
+        assert!(e.contains("overflows 64 bits") && e.contains("prefill-0"), "{e}");
+    }
+
+    #[test]
+    fn host_names_are_refused_without_a_lookup() {
+        for listen in ["localhost:5601", "prefill.example.com:5601", "127.0.0.1", "", &"x".repeat(10_000)] {
+            let mut m = meta();
+            m.listen = listen.to_owned();
+            let e = PeerInfo::from_metadata(m).unwrap_err().to_string();
+            assert!(e.contains("not an IP address and port") && e.len() < 400, "{listen}: {e}");
+        }
     }
 }

@@ -4,6 +4,7 @@ use crate::config::NAME;
 use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorError, Request};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use std::net::IpAddr;
 
 /// The params prefill returns for a request finished with `do_remote_decode`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -59,15 +60,28 @@ impl TransferParams {
         if !flag(req, "do_remote_prefill") {
             return Ok(None);
         }
-        serde_json::from_value(Value::Object(req.kv_transfer_params.clone())).map(Some).map_err(|e| {
-            ConnectorError::invalid(
+        let params: TransferParams =
+            serde_json::from_value(Value::Object(req.kv_transfer_params.clone())).map_err(|e| {
+                ConnectorError::invalid(
+                    NAME,
+                    format!(
+                        "request {}: kv_transfer_params has do_remote_prefill but cannot be read ({e}); expected remote_engine_id, remote_host, remote_port, remote_block_ids (one list per KV cache group) and remote_num_tokens as prefill returned them",
+                        req.id
+                    ),
+                )
+            })?;
+        // The params come from a client: a host name in them is never resolved.
+        if params.remote_host.parse::<IpAddr>().is_err() {
+            return Err(ConnectorError::invalid(
                 NAME,
                 format!(
-                    "request {}: kv_transfer_params has do_remote_prefill but cannot be read ({e}); expected remote_engine_id, remote_host, remote_port, remote_block_ids (one list per KV cache group) and remote_num_tokens as prefill returned them",
-                    req.id
+                    "request {}: kv_transfer_params remote_host {:?} is not an IP address; prefill returns its side-channel IP, forward it unchanged",
+                    req.id,
+                    params.remote_host.chars().take(64).collect::<String>()
                 ),
-            )
-        })
+            ));
+        }
+        Ok(Some(params))
     }
 
     /// The remote blocks as typed ids.
@@ -113,5 +127,29 @@ mod tests {
         req.kv_transfer_params.insert("remote_port".into(), json!("x"));
         let e = TransferParams::from_request(&req).unwrap_err().to_string();
         assert!(e.contains("request r") && e.contains("remote_"), "{e}");
+    }
+
+    #[test]
+    fn a_host_name_in_the_params_is_refused() {
+        let p = TransferParams {
+            remote_engine_id: "prefill-0".into(),
+            remote_host: "::1".into(),
+            remote_port: 5600,
+            remote_block_ids: vec![vec![3]],
+            remote_num_tokens: 16,
+            tp_size: 1,
+            remote_request_id: None,
+        };
+        let req = |p: &TransferParams| Request {
+            id: "r".into(),
+            prompt_tokens: vec![],
+            kv_transfer_params: p.to_map(),
+        };
+        assert!(TransferParams::from_request(&req(&p)).unwrap().is_some());
+        for host in ["localhost", "metadata.internal", "10.0.0.1:80", ""] {
+            let bad = TransferParams { remote_host: host.into(), ..p.clone() };
+            let e = TransferParams::from_request(&req(&bad)).unwrap_err().to_string();
+            assert!(e.contains("not an IP address") && e.contains("request r"), "{host}: {e}");
+        }
     }
 }

@@ -99,7 +99,16 @@ fn producer_addr(
             r.name, r.len
         )));
     }
-    Ok((base + off) as usize)
+    // The base comes from the peer: an end past the address space is its error, not a wrap.
+    base.checked_add(off)
+        .filter(|a| a.checked_add(len).is_some())
+        .and_then(|a| usize::try_from(a).ok())
+        .ok_or_else(|| {
+            TransferError::Plan(format!(
+                "producer region '{}' at address {base:#x} cannot hold {len} bytes at {off}: the peer's NIXL metadata is corrupt",
+                r.name
+            ))
+        })
 }
 
 /// Consumer settings.
@@ -637,5 +646,29 @@ impl Puller {
         }
         self.mapped.insert(peer.meta.engine_id.clone(), Mapped { names, maps });
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::metadata::sample_metadata;
+
+    #[test]
+    fn a_peer_region_address_near_the_top_is_an_error_not_a_wrap() {
+        let peer = PeerInfo::from_metadata(sample_metadata()).unwrap();
+        let len = peer.meta.regions[0].len;
+        let agent = |base: u64| NixlAgentMetadata {
+            agent: "a".into(),
+            md: String::new(),
+            region_addrs: vec![base],
+            vram_device: None,
+        };
+        assert_eq!(producer_addr(&peer, &agent(0x1000), 0, 16, 32).unwrap(), 0x1010);
+        let e = producer_addr(&peer, &agent(u64::MAX - 8), 0, 16, 32).unwrap_err().to_string();
+        assert!(e.contains("corrupt"), "{e}");
+        assert!(producer_addr(&peer, &agent(0x1000), 0, len, 1).is_err());
+        assert!(producer_addr(&peer, &agent(0x1000), 0, u64::MAX, 2).is_err());
+        assert!(producer_addr(&peer, &agent(0x1000), 3, 0, 1).is_err());
     }
 }

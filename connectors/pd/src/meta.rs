@@ -195,6 +195,21 @@ mod tests {
         bad.delayed.insert(RequestId::from("r2"), vec![7]);
         let e = MetaEnvelope::decode(&bad.encode(), &names()).unwrap_err();
         assert!(e.to_string().contains("child 7"), "{e}");
+        // Part lengths a peer chose to overflow a sum, or to split past the end.
+        for lens in [vec![usize::MAX, 2], vec![usize::MAX / 2 + 1, usize::MAX / 2 + 1], vec![3, usize::MAX]] {
+            let parts: Vec<String> = lens
+                .iter()
+                .enumerate()
+                .map(|(i, l)| format!(r#"{{"index":{i},"name":"p{i}","len":{l}}}"#))
+                .collect();
+            let h = format!(r#"{{"version":1,"parts":[{}]}}"#, parts.join(","));
+            let mut b = b"KVPD".to_vec();
+            b.extend_from_slice(&(h.len() as u32).to_le_bytes());
+            b.extend_from_slice(h.as_bytes());
+            b.extend_from_slice(&[0u8; 1]);
+            let e = MetaEnvelope::decode(&b, &names()).unwrap_err().to_string();
+            assert!(e.contains("add up to"), "{lens:?}: {e}");
+        }
         let mut v = env();
         v.version = 9;
         assert!(MetaEnvelope::decode(&v.encode(), &names()).unwrap_err().to_string().contains("version 9"));

@@ -6,6 +6,7 @@ use crate::sidechannel::{handshake, HandshakeOutcome};
 use kvconnect_api::compat::{CompatDescriptor, FieldDiff};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 use tokio::sync::Mutex;
 
@@ -46,10 +47,14 @@ pub fn remote_peer(params: &Map<String, Value>) -> Result<Option<(String, String
     let host = params.get("remote_host").and_then(Value::as_str);
     let port = params.get("remote_port").and_then(Value::as_u64);
     match (engine, host, port) {
-        (Some(e), Some(h), Some(p)) if p > 0 && p <= u16::MAX as u64 => {
-            let addr = if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") };
-            Ok(Some((e.to_owned(), addr)))
-        }
+        // A client wrote these params: only an IP literal, so no name from it is resolved.
+        (Some(e), Some(h), Some(p)) if p > 0 && p <= u16::MAX as u64 => match h.parse::<IpAddr>() {
+            Ok(ip) => Ok(Some((e.to_owned(), SocketAddr::new(ip, p as u16).to_string()))),
+            Err(_) => Err(format!(
+                "kv_transfer_params remote_host {:?} is not an IP address; prefill returns its side-channel IP, forward it unchanged",
+                h.chars().take(64).collect::<String>()
+            )),
+        },
         _ => Err("kv_transfer_params has do_remote_prefill but lacks a string remote_engine_id, a string remote_host or a remote_port in 1..65535; forward the params prefill returned unchanged".into()),
     }
 }
@@ -150,5 +155,20 @@ mod tests {
         let bad: Map<String, Value> =
             serde_json::from_value(json!({"do_remote_prefill": true, "remote_port": 0})).unwrap();
         assert!(remote_peer(&bad).unwrap_err().contains("remote_engine_id"));
+    }
+
+    #[test]
+    fn remote_peer_takes_ip_literals_only() {
+        let with_host = |h: &str| -> Map<String, Value> {
+            serde_json::from_value(json!({
+                "do_remote_prefill": true, "remote_engine_id": "p0", "remote_host": h, "remote_port": 5000
+            }))
+            .unwrap()
+        };
+        assert_eq!(remote_peer(&with_host("::1")).unwrap(), Some(("p0".into(), "[::1]:5000".into())));
+        for h in ["localhost", "evil.example", "127.0.0.1:22", "[::1]"] {
+            let e = remote_peer(&with_host(h)).unwrap_err();
+            assert!(e.contains("not an IP address"), "{h}: {e}");
+        }
     }
 }
