@@ -33,8 +33,10 @@ use core::ffi::c_void;
 use core::mem::{offset_of, size_of};
 
 mod header;
+mod json_values;
 mod vtables;
 pub use header::c_header;
+pub use json_values::{json_values, JsonValue};
 pub use vtables::{
     CType, EntryInfo, FactoryFns, FactoryVTable, SchedulerFns, SchedulerVTable, WorkerFns, WorkerVTable,
 };

@@ -4,6 +4,7 @@
 pub mod cargo_cmd;
 pub mod plugin_fixtures;
 pub mod readme;
+pub mod round_trip;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
