@@ -22,6 +22,7 @@ pub mod layout;
 pub mod load_report;
 pub mod model;
 pub mod negotiate;
+pub mod protocol;
 pub mod region;
 pub mod sdk;
 

@@ -5,6 +5,7 @@
 use crate::config::NAME;
 use kvconnect_api::compat::AdaptationPlan;
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
+use kvconnect_api::protocol::VersionMismatch;
 use kvconnect_api::{ConnectorError, KvLayout, LayerId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -109,12 +110,8 @@ impl PeerInfo {
     /// Checks a producer's metadata on its own (sizes add up, address resolves).
     pub fn from_metadata(meta: ProducerMetadata) -> Result<PeerInfo, ConnectorError> {
         let e = &meta.engine_id;
-        if meta.version != PROTOCOL_VERSION {
-            return Err(bad(format!(
-                "peer engine '{e}' speaks nixl protocol version {}, this build speaks {PROTOCOL_VERSION}: run the same kvconnect version on both sides",
-                meta.version
-            )));
-        }
+        VersionMismatch::check("nixl wire", "consumer", PROTOCOL_VERSION, "producer", Some(meta.version))
+            .map_err(|m| bad(format!("peer engine '{e}': {m}")))?;
         if meta.regions.len() != meta.region_shapes.len() {
             return Err(bad(format!(
                 "peer engine '{e}' metadata lists {} regions but {} region shapes",
@@ -239,5 +236,40 @@ impl PeerInfo {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(version: u32) -> ProducerMetadata {
+        ProducerMetadata {
+            version,
+            engine_id: "prefill-0".into(),
+            listen: "127.0.0.1:1".into(),
+            shape: BlockShape { heads: 2, tokens: 4, head_dim: 8, elem_size: 2, kv_parts: 2 },
+            layout: KvLayout::NHD,
+            region_shapes: vec![],
+            regions: vec![],
+            groups: vec![],
+            pid: 1,
+            nixl: None,
+            cuda_ipc: None,
+        }
+    }
+
+    #[test]
+    fn a_producer_of_another_wire_version_is_refused_naming_both() {
+        assert!(PeerInfo::from_metadata(meta(PROTOCOL_VERSION)).is_ok());
+        let e = PeerInfo::from_metadata(meta(PROTOCOL_VERSION + 1)).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "connector 'nixl': peer engine 'prefill-0': nixl wire version mismatch: this consumer speaks \
+                 version {PROTOCOL_VERSION}, the producer speaks version {} — run the same kvconnect release on both",
+                PROTOCOL_VERSION + 1
+            )
+        );
     }
 }
