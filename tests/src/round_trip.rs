@@ -2,6 +2,8 @@
 //! prompt is saved, then loaded into another engine's different blocks, byte for byte, through
 //! a `ConnectorFactory` (a plugin loaded by the host's loader, or a connector in-process).
 
+#![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
+
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,
     KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind,
