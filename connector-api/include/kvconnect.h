@@ -1,7 +1,7 @@
 /*
- * kvconnect plugin ABI, version 1.1: the C view of kvconnect-api's `abi` module.
+ * kvconnect plugin ABI, version 1.1: the C view of kvconnect-api's `ffi` module.
  *
- * Written by kvconnect_api::abi::c_header() from the Rust definitions; do not edit.
+ * Written by kvconnect_api::ffi::c_header() from the Rust definitions; do not edit.
  * tests/tests/plugins_c_header.rs rewrites it when they change (and fails, so the change is
  * seen), and compiles it to check every size and offset.
  *

@@ -20,9 +20,9 @@ pub fn c_header() -> String {
     let _ = write!(
         w,
         r#"/*
- * kvconnect plugin ABI, version {ABI_MAJOR}.{ABI_MINOR}: the C view of kvconnect-api's `abi` module.
+ * kvconnect plugin ABI, version {ABI_MAJOR}.{ABI_MINOR}: the C view of kvconnect-api's `ffi` module.
  *
- * Written by kvconnect_api::abi::c_header() from the Rust definitions; do not edit.
+ * Written by kvconnect_api::ffi::c_header() from the Rust definitions; do not edit.
  * tests/tests/plugins_c_header.rs rewrites it when they change (and fails, so the change is
  * seen), and compiles it to check every size and offset.
  *
