@@ -60,6 +60,7 @@ static const char *kind_name(kvc_status status) {
 }
 
 kvc_status fail(kvc_buffer *err, kvc_status status, const char *fmt, ...) {
+    if (!err) return status; /* the host always passes one; a caller that does not gets the code */
     va_list ap;
     va_start(ap, fmt);
     size_t len;
