@@ -1,7 +1,7 @@
 /*
- * kvconnect plugin ABI, version 1.1: the C view of kvconnect-api's `abi` module.
+ * kvconnect plugin ABI, version 1.1: the C view of kvconnect-api's `ffi` module.
  *
- * Written by kvconnect_api::abi::c_header() from the Rust definitions; do not edit.
+ * Written by kvconnect_api::ffi::c_header() from the Rust definitions; do not edit.
  * tests/tests/plugins_c_header.rs rewrites it when they change (and fails, so the change is
  * seen), and compiles it to check every size and offset.
  *
@@ -61,6 +61,52 @@ typedef int32_t kvc_status;
 #define KVC_LOG_INFO 3
 #define KVC_LOG_DEBUG 4
 #define KVC_LOG_TRACE 5
+
+/* The JSON values that cross, each the serde form of the kvconnect-api type named (its
+ * definition in connector-api/src is the schema; the host decodes with it, and a value it
+ * cannot decode is an error naming the field). The examples are written from real values.
+ *
+ * ConnectorInfo: factory info (*out); all three strings required.
+ *   {"name":"my-plugin","version":"0.1.0","description":"one line on what it does"}
+ *
+ * Capabilities: factory capabilities (*out); unknown fields are refused; layouts are dimension
+ *   orders (NHD = LBNHC, HND = LBHNC); memory_kinds host|device|disk; transfer_mode
+ *   none|pull|push; roles kv_producer|kv_consumer|kv_both.
+ *   {"hma":false,"layout":{"required":[],"rejected":["BLNHC"],"preferred":["LBNHC"]},"adapt":null,"block_size_multiple":1,"block_size_divides":null,"cache_dtypes":[],"memory_kinds":["host"],"transfer_mode":"none","roles":["kv_producer","kv_consumer","kv_both"],"layerwise":true,"heterogeneous_tp":false,"mla":false,"async_load":false}
+ *
+ * KvTransferConfig: factory capabilities and child_capabilities (config);
+ *   ConnectorContext.config; a plugin's own settings are in kv_connector_extra_config.
+ *   {"kv_connector":"my-plugin","kv_connector_extra_config":{"dir":"/var/cache/kv"}}
+ *
+ * ConnectorContext: create_scheduler, create_worker (ctx); effective is the negotiated layout
+ *   the KV regions follow.
+ *   {"config":{"kv_connector":"my-plugin","kv_connector_extra_config":{"dir":"/var/cache/kv"}},"model":{"name":"tiny","num_layers":2,"num_kv_heads":2,"head_dim":4,"dtype":"f16","layers":[{"kind":"full"},{"kind":"full"}]},"effective":{"layout":"LBNHC","hma":false,"block_size":16,"cache_dtype":"f16","memory":"host","transfer_mode":"none","groups":[{"kind":{"kind":"full"},"layers":[0,1]}]},"role":"kv_both","engine_id":"engine-0","tp_rank":0,"tp_size":1}
+ *
+ * ConnectorError: every entry's *err, with a status other than KVC_OK; one key naming the kind
+ *   (NotImplemented {connector, method}, InvalidConfig, InvalidArgument, Io, Other {connector,
+ *   message}); the status code says the same kind.
+ *   {"InvalidArgument":{"connector":"my-plugin","message":"block 9 is out of range for layer 0 (8 blocks)"}}
+ *
+ * Request: scheduler entries (req); kv_transfer_params may be absent.
+ *   {"id":"req-1","prompt_tokens":[101,2023,2003],"kv_transfer_params":{}}
+ *
+ * MatchResult: get_num_new_matched_tokens (*out); or "Pending" to be asked again next step.
+ *   {"Matched":{"tokens":16,"async_load":false}}
+ *
+ * BlocksPerGroup: update_state_after_alloc, request_finished (blocks); one list of block ids
+ *   per KV cache group.
+ *   [[3,5]]
+ *
+ * RequestFinished: request_finished (*out); transfer_params: an object for the peer, or null.
+ *   {"delay_free":false,"transfer_params":null}
+ *
+ * Vec<KvRegionSpec>: register_kv_caches (regions); addr is an address in this process for
+ *   memory host; shm_name may be absent.
+ *   [{"name":"layer.0","addr":139637976727552,"len":8192,"memory":"host","device":-1,"layers":[0],"group":0,"num_blocks":16}]
+ *
+ * FinishedTransfers: get_finished (*out); request ids as strings.
+ *   {"finished_sending":[],"finished_recving":[],"failed_recving":[]}
+ */
 
 /* Borrowed bytes or UTF-8 text, valid for one call. */
 typedef struct kvc_bytes {

@@ -9,7 +9,11 @@
 //! `kvconnect-host` and the connectors. A third-party plugin depends on this crate alone: it
 //! re-exports `serde`, `serde_json` and `tracing` for that.
 
-pub mod abi;
+pub mod ffi;
+/// The plugin ABI under its earlier name: everything in [`ffi`].
+pub mod abi {
+    pub use crate::ffi::*;
+}
 pub mod caps;
 pub mod compat;
 pub mod config;
@@ -23,6 +27,7 @@ pub mod load_report;
 pub mod math;
 pub mod model;
 pub mod negotiate;
+pub mod protocol;
 pub mod region;
 pub mod sdk;
 

@@ -10,7 +10,7 @@
 //!   (level, target, message and fields) to the host's log callback, and a panic hook that
 //!   logs panics there instead of writing to stderr.
 
-use crate::abi::{log_level, HostApi};
+use crate::ffi::{log_level, HostApi};
 use crate::connector::{ConnectorContext, ConnectorFactory, SchedulerConnector, WorkerConnector};
 use crate::error::ConnectorError;
 use std::any::Any;
@@ -36,7 +36,7 @@ macro_rules! export_connector {
         #[doc(hidden)]
         pub struct __KvconnectMakeFactory;
 
-        impl $crate::abi::MakeFactory for __KvconnectMakeFactory {
+        impl $crate::ffi::MakeFactory for __KvconnectMakeFactory {
             const NAME: &'static str = $name;
             const VERSION: &'static str = env!("CARGO_PKG_VERSION");
             fn make() -> ::std::boxed::Box<dyn $crate::ConnectorFactory> {
@@ -46,9 +46,9 @@ macro_rules! export_connector {
 
         /// The kvconnect plugin entry point.
         #[no_mangle]
-        pub extern "C" fn kvconnect_plugin_entry() -> &'static $crate::abi::PluginDescriptor {
-            static DESCRIPTOR: $crate::abi::PluginDescriptor =
-                $crate::abi::PluginDescriptor::new::<__KvconnectMakeFactory>();
+        pub extern "C" fn kvconnect_plugin_entry() -> &'static $crate::ffi::PluginDescriptor {
+            static DESCRIPTOR: $crate::ffi::PluginDescriptor =
+                $crate::ffi::PluginDescriptor::new::<__KvconnectMakeFactory>();
             &DESCRIPTOR
         }
     };
@@ -195,17 +195,17 @@ static HOST: OnceLock<&'static HostApi> = OnceLock::new();
 /// Called once per load with the host's callbacks: checks the host speaks our major,
 /// installs the log bridge and the panic hook.
 pub fn init(api: &'static HostApi) -> Result<(), ConnectorError> {
-    if api.abi_major != crate::abi::ABI_MAJOR || api.struct_size < crate::abi::MIN_HOST_API_SIZE {
+    if api.abi_major != crate::ffi::ABI_MAJOR || api.struct_size < crate::ffi::MIN_HOST_API_SIZE {
         return Err(ConnectorError::Other {
             connector: "plugin".into(),
             message: format!(
                 "this plugin speaks kvconnect ABI {}.{} but the host speaks {}.{} (host API struct of {} bytes, need {})",
-                crate::abi::ABI_MAJOR,
-                crate::abi::ABI_MINOR,
+                crate::ffi::ABI_MAJOR,
+                crate::ffi::ABI_MINOR,
                 api.abi_major,
                 api.abi_minor,
                 api.struct_size,
-                crate::abi::MIN_HOST_API_SIZE
+                crate::ffi::MIN_HOST_API_SIZE
             ),
         });
     }

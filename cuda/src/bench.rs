@@ -15,6 +15,8 @@
 //!
 //! Every gather is checked against the producer's fill pattern before it is timed.
 
+#![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
+
 use crate::device::{DeviceBuffer, Gpu};
 use crate::error::CudaError;
 use crate::ipc::{ImportedRegion, IpcHandle};

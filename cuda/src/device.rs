@@ -1,6 +1,8 @@
 //! A GPU context, device buffers that can be exported over CUDA IPC, and pinned host
 //! buffers.
 
+#![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
+
 use crate::error::CudaError;
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::sync::Arc;

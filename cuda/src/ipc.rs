@@ -1,6 +1,8 @@
 //! CUDA IPC: exporting a device region to another process on the same host, and opening a
 //! peer's region once.
 
+#![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
+
 use crate::device::{DeviceBuffer, Gpu};
 use crate::error::CudaError;
 use cudarc::driver::sys;

@@ -6,6 +6,8 @@
 //! cross-layer region), blocks as two index arrays, so one launch covers every layer: per
 //! block copies are bound by the host (about 5 µs a call), one launch is not.
 
+#![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
+
 use crate::device::{DeviceBuffer, Gpu, PinnedBuffer};
 use crate::error::CudaError;
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};

@@ -15,6 +15,8 @@
 //! (grown when a request needs more); a `HostCopy` owns its buffer until it is dropped, so a
 //! copy can be handed to another thread while the next request is gathered.
 
+#![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
+
 use crate::device::{Gpu, PinnedBuffer};
 use crate::error::CudaError;
 use crate::kernel::{GatherKernel, GatherSpec, Permute};

@@ -10,6 +10,8 @@
 //! a block into many units; `Geometry::span` does not describe such a layout that way, so it
 //! is refused. Pure: no GPU needed, so CI checks it against `Geometry::span`.
 
+#![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
+
 use kvconnect_api::geometry::{Geometry, RegionShape};
 use kvconnect_api::layout::Dim;
 use kvconnect_api::{BlockId, KvLayout, KvRegion, KvRegionSpec, LayerId, MemoryKind};

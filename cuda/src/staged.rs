@@ -11,6 +11,8 @@
 //! source regions are addresses in the source GPU's context (a peer's IPC handles opened
 //! there), the destination regions addresses in the destination GPU's.
 
+#![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
+
 use crate::device::{DeviceBuffer, Gpu, PinnedBuffer};
 use crate::error::CudaError;
 use crate::kernel::{GatherKernel, GatherSpec, Permute};

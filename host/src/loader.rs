@@ -1,6 +1,7 @@
-//! Finds, opens and checks plugin libraries, and wraps what they export in `Foreign*` types
-//! that implement the safe connector traits, so the rest of the host cannot tell a plugin
-//! from a built-in connector. The checks, in order, are in ARCHITECTURE.md §3.
+//! Finds, opens and checks plugin libraries, and hands their checked entries to the `Foreign*`
+//! types of `kvconnect_api::ffi`, which implement the safe connector traits, so the rest of
+//! the host cannot tell a plugin from a built-in connector. The checks, in order, are in
+//! ARCHITECTURE.md §3.
 //!
 //! A library is opened `RTLD_NOW|RTLD_LOCAL` and, once its code has run, never closed: its
 //! threads, thread-locals and the log bridge it installed may outlive every object it handed
@@ -12,18 +13,13 @@
 
 #![allow(unsafe_code)] // Opens plugin libraries and calls the C ABI they export.
 
-use kvconnect_api::abi::{
-    self, log_level, status, AbiBuffer, AbiBytes, FactoryFns, HostApi, PluginDescriptor, ReceivedBuffer,
-    SchedulerFns, Status, WorkerFns,
+use kvconnect_api::ffi::{
+    self as abi, call_status, host_api_for, AbiBytes, FactoryFns, PluginCode, PluginDescriptor,
+    PluginEntries, SchedulerFns, WorkerFns,
 };
-use kvconnect_api::negotiate::ChildCaps;
-use kvconnect_api::{
-    BlockId, BlocksPerGroup, Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
-    ConnectorResult, FinishedTransfers, KvEvent, KvRegion, KvTransferConfig, LayerId, MatchResult, ModelSpec,
-    Request, RequestFinished, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
-};
+pub use kvconnect_api::ffi::{ForeignFactory, ForeignScheduler, ForeignWorker};
+use kvconnect_api::{ConnectorError, ConnectorFactory, KvTransferConfig};
 use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
-use std::ffi::c_void;
 use std::mem::ManuallyDrop;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -279,10 +275,13 @@ pub struct PluginLibrary {
     rustc_version: String,
     abi_major: u16,
     abi_minor: u16,
-    factory_new: abi::FactoryNewFn,
-    factory_vt: FactoryFns,
-    scheduler_vt: SchedulerFns,
-    worker_vt: WorkerFns,
+    entries: PluginEntries,
+}
+
+impl PluginCode for PluginLibrary {
+    fn entries(&self) -> &PluginEntries {
+        &self.entries
+    }
 }
 
 impl std::fmt::Debug for PluginLibrary {
@@ -528,10 +527,7 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
         rustc_version: plugin_rustc,
         abi_major: major,
         abi_minor: minor,
-        factory_new,
-        factory_vt,
-        scheduler_vt,
-        worker_vt,
+        entries: PluginEntries { name: name.clone(), factory_new, factory_vt, scheduler_vt, worker_vt },
     });
 
     let host_api = host_api_for(&name);
@@ -545,7 +541,9 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     // SAFETY: `init` comes from a checked descriptor; `host_api` is leaked ('static) as
     // `HostApi` documents; `err` is a valid out-parameter.
     call_status(|| &name, |err| unsafe { init(host_api, err) }).map_err(|e| start_failed("init", e))?;
-    let factory = ForeignFactory::create(library.clone()).map_err(|e| start_failed("its factory", e))?;
+    // SAFETY: the entries passed every check above, and `library` keeps the code mapped (it is
+    // never closed) for as long as the factory and its instances hold it.
+    let factory = unsafe { ForeignFactory::create(library.clone()) }.map_err(|e| start_failed("its factory", e))?;
 
     // Capabilities are checked once here, for the plain config; `inspect` and negotiation
     // check them again for theirs.
@@ -583,476 +581,6 @@ fn check_permissions(shown: &str, meta: &std::fs::Metadata, opts: &LoaderOptions
         return Ok(());
     };
     Err(LoadError::Insecure { path: shown.to_owned(), who, mode })
-}
-
-// ---------------------------------------------------------------------------------------
-// Logging from plugins.
-
-fn host_api_for(plugin: &str) -> &'static HostApi {
-    use tracing::level_filters::LevelFilter;
-    let max = match LevelFilter::current() {
-        LevelFilter::OFF => log_level::OFF,
-        LevelFilter::ERROR => log_level::ERROR,
-        LevelFilter::WARN => log_level::WARN,
-        LevelFilter::INFO => log_level::INFO,
-        LevelFilter::DEBUG => log_level::DEBUG,
-        _ => log_level::TRACE,
-    };
-    // Leaked on purpose: the plugin keeps the pointer for the life of the process, and
-    // plugins are never unloaded (one small allocation per plugin).
-    let name: &'static String = Box::leak(Box::new(plugin.to_owned()));
-    Box::leak(Box::new(HostApi {
-        struct_size: std::mem::size_of::<HostApi>(),
-        abi_major: abi::ABI_MAJOR,
-        abi_minor: abi::ABI_MINOR,
-        max_log_level: max,
-        user_data: name as *const String as *const c_void,
-        log: Some(host_log),
-    }))
-}
-
-unsafe extern "C" fn host_log(user_data: *const c_void, level: u32, target: AbiBytes, message: AbiBytes) {
-    // A panic must not unwind into the plugin's frames.
-    let _ = std::panic::catch_unwind(|| {
-        // SAFETY: `user_data` is the leaked name `host_api_for` made; the byte views are
-        // valid for this call (the plugin's contract).
-        let (plugin, target, message) =
-            unsafe { (&*(user_data as *const String), target.to_string_lossy(), message.to_string_lossy()) };
-        match level {
-            log_level::ERROR => {
-                tracing::error!(target: "kvconnect::plugin", plugin = %plugin, module = %target, "{message}")
-            }
-            log_level::WARN => {
-                tracing::warn!(target: "kvconnect::plugin", plugin = %plugin, module = %target, "{message}")
-            }
-            log_level::INFO => {
-                tracing::info!(target: "kvconnect::plugin", plugin = %plugin, module = %target, "{message}")
-            }
-            log_level::DEBUG => {
-                tracing::debug!(target: "kvconnect::plugin", plugin = %plugin, module = %target, "{message}")
-            }
-            _ => {
-                tracing::trace!(target: "kvconnect::plugin", plugin = %plugin, module = %target, "{message}")
-            }
-        }
-    });
-}
-
-// ---------------------------------------------------------------------------------------
-// Checked vtables (`abi::{FactoryFns, SchedulerFns, WorkerFns}`): every 1.0 entry present,
-// copied out once; a later minor's entries are optional, and each caller applies the fallback
-// `abi::vtables` declares for it.
-
-type ErrOut = *mut AbiBuffer;
-type Handle = *mut c_void;
-
-// ---------------------------------------------------------------------------------------
-// Calling across: status codes, error buffers, JSON results.
-
-/// Runs one call that reports through a status and an error buffer. The connector's name is
-/// only looked up on the error path: the success path is the per-step hot path.
-#[inline]
-fn call_status<'a>(
-    connector: impl FnOnce() -> &'a str,
-    f: impl FnOnce(ErrOut) -> Status,
-) -> ConnectorResult<()> {
-    let mut err = AbiBuffer::empty();
-    let st = f(&mut err);
-    if st == status::OK && err.free.is_none() {
-        return Ok(());
-    }
-    // SAFETY: `err` is empty or was filled by the plugin, which hands ownership to us.
-    let err = unsafe { ReceivedBuffer::new(err) };
-    if st == status::OK {
-        return Ok(());
-    }
-    Err(decode_error(connector(), st, err.as_bytes()))
-}
-
-/// Runs one call that also fills an output buffer.
-fn call_out<'a>(
-    connector: impl FnOnce() -> &'a str,
-    f: impl FnOnce(*mut AbiBuffer, ErrOut) -> Status,
-) -> ConnectorResult<ReceivedBuffer> {
-    let mut out = AbiBuffer::empty();
-    let r = call_status(connector, |err| f(&mut out, err));
-    // SAFETY: `out` is empty or was filled by the plugin; either way it is ours to free.
-    let out = unsafe { ReceivedBuffer::new(out) };
-    r.map(|()| out)
-}
-
-fn call_json<'a, T: serde::de::DeserializeOwned>(
-    connector: impl Fn() -> &'a str,
-    method: &str,
-    f: impl FnOnce(*mut AbiBuffer, ErrOut) -> Status,
-) -> ConnectorResult<T> {
-    let out = call_out(&connector, f)?;
-    serde_json::from_slice(out.as_bytes()).map_err(|e| ConnectorError::Other {
-        connector: connector().to_owned(),
-        message: format!(
-            "plugin returned a {method} result the host cannot decode ({e}); is it built against another kvconnect-api?"
-        ),
-    })
-}
-
-fn decode_error(connector: &str, st: Status, bytes: &[u8]) -> ConnectorError {
-    if let Ok(e) = serde_json::from_slice::<ConnectorError>(bytes) {
-        return e;
-    }
-    let text = String::from_utf8_lossy(bytes);
-    let message =
-        if text.is_empty() { format!("failed with status {st} and no message") } else { text.into_owned() };
-    match st {
-        status::POISONED => ConnectorError::Poisoned { connector: connector.to_owned(), message },
-        status::PANICKED => ConnectorError::Panicked {
-            connector: connector.to_owned(),
-            method: "a plugin call".into(),
-            message,
-        },
-        _ => ConnectorError::Other { connector: connector.to_owned(), message },
-    }
-}
-
-fn to_json<T: serde::Serialize>(connector: &str, v: &T) -> ConnectorResult<Vec<u8>> {
-    serde_json::to_vec(v).map_err(|e| ConnectorError::Other {
-        connector: connector.to_owned(),
-        message: format!("cannot encode an argument for the plugin: {e}"),
-    })
-}
-
-fn bytes(b: &[u8]) -> AbiBytes {
-    AbiBytes::from_slice(b)
-}
-
-// ---------------------------------------------------------------------------------------
-// Foreign objects.
-
-struct FactoryHandle {
-    lib: Arc<PluginLibrary>,
-    handle: Handle,
-}
-
-// SAFETY: the handle is an SDK `ExportedFactory` (or a C plugin's equivalent), which the ABI
-// requires to be usable from any thread concurrently (`ConnectorFactory: Send + Sync`).
-unsafe impl Send for FactoryHandle {}
-// SAFETY: as above.
-unsafe impl Sync for FactoryHandle {}
-
-impl Drop for FactoryHandle {
-    fn drop(&mut self) {
-        // SAFETY: the handle came from `factory_new` and is freed once, after every instance
-        // (which hold an Arc to this) is gone.
-        unsafe { (self.lib.factory_vt.free)(self.handle) };
-    }
-}
-
-/// A plugin's factory, seen through the safe trait.
-pub struct ForeignFactory {
-    inner: Arc<FactoryHandle>,
-    info: ConnectorInfo,
-}
-
-impl ForeignFactory {
-    fn create(lib: Arc<PluginLibrary>) -> ConnectorResult<ForeignFactory> {
-        let mut handle: Handle = std::ptr::null_mut();
-        let factory_new = lib.factory_new;
-        // SAFETY: a checked entry; both out-parameters are valid.
-        call_status(|| &lib.name, |err| unsafe { factory_new(&mut handle, err) })?;
-        if handle.is_null() {
-            return Err(ConnectorError::Other {
-                connector: lib.name.clone(),
-                message: "factory_new returned no factory".into(),
-            });
-        }
-        let inner = Arc::new(FactoryHandle { lib, handle });
-        let info_fn = inner.lib.factory_vt.info;
-        // SAFETY: a live factory handle; valid out-parameters.
-        let info =
-            call_json(|| &inner.lib.name, "info", |out, err| unsafe { info_fn(inner.handle, out, err) })?;
-        Ok(ForeignFactory { inner, info })
-    }
-
-    /// The library it comes from.
-    pub fn library(&self) -> &Arc<PluginLibrary> {
-        &self.inner.lib
-    }
-
-    fn name(&self) -> &str {
-        &self.inner.lib.name
-    }
-
-    /// Runs a capability-style query: config and model in, JSON out.
-    fn query<T: serde::de::DeserializeOwned>(
-        &self,
-        method: &str,
-        f: abi::FactoryQueryFn,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> ConnectorResult<T> {
-        let c = to_json(self.name(), config)?;
-        let m = match model {
-            Some(m) => to_json(self.name(), m)?,
-            None => Vec::new(),
-        };
-        // SAFETY: a live factory handle; argument bytes live across the call.
-        call_json(
-            || self.name(),
-            method,
-            |out, err| unsafe { f(self.inner.handle, bytes(&c), bytes(&m), out, err) },
-        )
-    }
-}
-
-impl ConnectorFactory for ForeignFactory {
-    fn info(&self) -> ConnectorInfo {
-        self.info.clone()
-    }
-
-    fn capabilities(
-        &self,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> ConnectorResult<Capabilities> {
-        self.query("capabilities", self.inner.lib.factory_vt.capabilities, config, model)
-    }
-
-    fn child_capabilities(
-        &self,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> ConnectorResult<Option<Vec<ChildCaps>>> {
-        match self.inner.lib.factory_vt.child_capabilities {
-            Some(f) => self.query("child_capabilities", f, config, model),
-            // A 1.0 plugin: the entry did not exist, so it is not a composite.
-            None => Ok(None),
-        }
-    }
-
-    fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
-        let c = to_json(self.name(), ctx)?;
-        let f = self.inner.lib.factory_vt.create_scheduler;
-        let mut h: Handle = std::ptr::null_mut();
-        // SAFETY: a live factory handle; valid out-parameters; bytes live across the call.
-        call_status(|| self.name(), |err| unsafe { f(self.inner.handle, bytes(&c), &mut h, err) })?;
-        if h.is_null() {
-            return Err(ConnectorError::Other {
-                connector: self.name().into(),
-                message: "create_scheduler returned no instance".into(),
-            });
-        }
-        Ok(Box::new(ForeignScheduler {
-            factory: self.inner.clone(),
-            vt: self.inner.lib.scheduler_vt,
-            handle: h,
-        }))
-    }
-
-    fn create_worker(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn WorkerConnector>> {
-        let c = to_json(self.name(), ctx)?;
-        let f = self.inner.lib.factory_vt.create_worker;
-        let mut h: Handle = std::ptr::null_mut();
-        // SAFETY: a live factory handle; valid out-parameters; bytes live across the call.
-        call_status(|| self.name(), |err| unsafe { f(self.inner.handle, bytes(&c), &mut h, err) })?;
-        if h.is_null() {
-            return Err(ConnectorError::Other {
-                connector: self.name().into(),
-                message: "create_worker returned no instance".into(),
-            });
-        }
-        Ok(Box::new(ForeignWorker { factory: self.inner.clone(), vt: self.inner.lib.worker_vt, handle: h }))
-    }
-}
-
-/// A plugin's scheduler half.
-pub struct ForeignScheduler {
-    factory: Arc<FactoryHandle>,
-    vt: SchedulerFns,
-    handle: Handle,
-}
-
-// SAFETY: the instance is an SDK `ExportedScheduler` around a `Box<dyn SchedulerConnector>`
-// (`Send`); we call it from one thread at a time (`&mut self`).
-unsafe impl Send for ForeignScheduler {}
-
-impl Drop for ForeignScheduler {
-    fn drop(&mut self) {
-        // SAFETY: the handle came from `create_scheduler` and is freed once.
-        unsafe { (self.vt.free)(self.handle) };
-    }
-}
-
-impl ForeignScheduler {
-    fn name(&self) -> &str {
-        &self.factory.lib.name
-    }
-}
-
-impl SchedulerConnector for ForeignScheduler {
-    fn get_num_new_matched_tokens(
-        &mut self,
-        req: &Request,
-        num_computed: usize,
-    ) -> ConnectorResult<MatchResult> {
-        let r = to_json(self.name(), req)?;
-        let (f, h) = (self.vt.get_num_new_matched_tokens, self.handle);
-        // SAFETY: a live instance used from this thread only; bytes live across the call.
-        call_json(
-            || self.name(),
-            "get_num_new_matched_tokens",
-            |out, err| unsafe { f(h, bytes(&r), num_computed as u64, out, err) },
-        )
-    }
-
-    fn update_state_after_alloc(
-        &mut self,
-        req: &Request,
-        blocks: &BlocksPerGroup,
-        num_external_tokens: usize,
-    ) -> ConnectorResult<()> {
-        let r = to_json(self.name(), req)?;
-        let b = to_json(self.name(), blocks)?;
-        let (f, h) = (self.vt.update_state_after_alloc, self.handle);
-        // SAFETY: as above.
-        call_status(
-            || self.name(),
-            |err| unsafe { f(h, bytes(&r), bytes(&b), num_external_tokens as u64, err) },
-        )
-    }
-
-    fn build_connector_meta(&mut self, step: &StepInfo) -> ConnectorResult<Vec<u8>> {
-        let s = to_json(self.name(), step)?;
-        let (f, h) = (self.vt.build_connector_meta, self.handle);
-        // SAFETY: as above.
-        let out = call_out(|| self.name(), |out, err| unsafe { f(h, bytes(&s), out, err) })?;
-        Ok(out.as_bytes().to_vec())
-    }
-
-    fn request_finished(
-        &mut self,
-        req: &Request,
-        blocks: &BlocksPerGroup,
-    ) -> ConnectorResult<RequestFinished> {
-        let r = to_json(self.name(), req)?;
-        let b = to_json(self.name(), blocks)?;
-        let (f, h) = (self.vt.request_finished, self.handle);
-        // SAFETY: as above.
-        call_json(
-            || self.name(),
-            "request_finished",
-            |out, err| unsafe { f(h, bytes(&r), bytes(&b), out, err) },
-        )
-    }
-
-    fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
-        let (f, h) = (self.vt.take_events, self.handle);
-        // SAFETY: as above.
-        call_json(|| self.name(), "take_events", |out, err| unsafe { f(h, out, err) })
-    }
-}
-
-/// A plugin's worker half.
-pub struct ForeignWorker {
-    factory: Arc<FactoryHandle>,
-    vt: WorkerFns,
-    handle: Handle,
-}
-
-// SAFETY: the instance is an SDK `ExportedWorker` around a `Box<dyn WorkerConnector>`
-// (`Send`); we call it from one thread at a time (`&mut self`).
-unsafe impl Send for ForeignWorker {}
-
-impl Drop for ForeignWorker {
-    fn drop(&mut self) {
-        // SAFETY: the handle came from `create_worker` and is freed once.
-        unsafe { (self.vt.free)(self.handle) };
-    }
-}
-
-impl ForeignWorker {
-    fn name(&self) -> &str {
-        &self.factory.lib.name
-    }
-}
-
-impl WorkerConnector for ForeignWorker {
-    fn register_kv_caches(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        // The regions' memory outlives this instance (`KvRegion::new`'s contract): the promise
-        // the plugin side's SDK relies on when it turns these specs back into regions.
-        let r = to_json(self.name(), &regions)?;
-        let (f, h) = (self.vt.register_kv_caches, self.handle);
-        // SAFETY: a live instance used from this thread only; bytes live across the call.
-        call_status(|| self.name(), |err| unsafe { f(h, bytes(&r), err) })
-    }
-
-    fn bind_connector_meta(&mut self, meta: &[u8]) -> ConnectorResult<()> {
-        let (f, h) = (self.vt.bind_connector_meta, self.handle);
-        // SAFETY: as above.
-        call_status(|| self.name(), |err| unsafe { f(h, bytes(meta), err) })
-    }
-
-    fn start_load_kv(&mut self) -> ConnectorResult<()> {
-        let (f, h) = (self.vt.start_load_kv, self.handle);
-        // SAFETY: as above.
-        call_status(|| self.name(), |err| unsafe { f(h, err) })
-    }
-
-    fn wait_for_layer_load(&mut self, layer: LayerId) -> ConnectorResult<()> {
-        let (f, h) = (self.vt.wait_for_layer_load, self.handle);
-        // SAFETY: as above.
-        call_status(|| self.name(), |err| unsafe { f(h, layer.0, err) })
-    }
-
-    fn save_kv_layer(&mut self, layer: LayerId, block_ids: &[BlockId]) -> ConnectorResult<()> {
-        let (f, h) = (self.vt.save_kv_layer, self.handle);
-        // SAFETY: as above; `BlockId` is `repr(transparent)` over u32, so the slice is a valid
-        // array of `len` u32 for the call.
-        call_status(
-            || self.name(),
-            |err| unsafe { f(h, layer.0, block_ids.as_ptr() as *const u32, block_ids.len(), err) },
-        )
-    }
-
-    fn wait_for_save(&mut self) -> ConnectorResult<()> {
-        let (f, h) = (self.vt.wait_for_save, self.handle);
-        // SAFETY: as above.
-        call_status(|| self.name(), |err| unsafe { f(h, err) })
-    }
-
-    fn get_finished(&mut self, finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
-        let ids: Vec<AbiBytes> = finished_reqs.iter().map(|r| bytes(r.0.as_bytes())).collect();
-        let (f, h) = (self.vt.get_finished, self.handle);
-        // SAFETY: as above; `ids` and the strings it borrows live across the call.
-        call_json(
-            || self.name(),
-            "get_finished",
-            |out, err| unsafe { f(h, ids.as_ptr(), ids.len(), out, err) },
-        )
-    }
-
-    fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
-        let (f, h) = (self.vt.block_ids_with_load_errors, self.handle);
-        // SAFETY: as above.
-        call_json(|| self.name(), "block_ids_with_load_errors", |out, err| unsafe { f(h, out, err) })
-    }
-
-    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
-        let (f, h) = (self.vt.handshake_metadata, self.handle);
-        // SAFETY: as above.
-        call_json(|| self.name(), "handshake_metadata", |out, err| unsafe { f(h, out, err) })
-    }
-
-    fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()> {
-        let p = to_json(self.name(), peer)?;
-        let (f, h) = (self.vt.set_peer_handshake_metadata, self.handle);
-        // SAFETY: as above.
-        call_status(|| self.name(), |err| unsafe { f(h, bytes(&p), err) })
-    }
-
-    fn shutdown(&mut self) -> ConnectorResult<()> {
-        let (f, h) = (self.vt.shutdown, self.handle);
-        // SAFETY: as above.
-        call_status(|| self.name(), |err| unsafe { f(h, err) })
-    }
 }
 
 #[cfg(test)]

@@ -16,10 +16,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvconnect_api::compat::{check_roles, AdaptationPlan, CompatDescriptor, FieldDiff};
+use kvconnect_api::protocol::VersionMismatch;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
+
+/// The version of the handshake this host speaks; `hello` and `welcome` carry it, and each
+/// side refuses another with a [`VersionMismatch`] naming both.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The protocol's name in a version mismatch.
+const PROTOCOL: &str = "side-channel handshake";
 
 /// The largest frame either side accepts (16 MiB): far above any real handshake, far below
 /// what would let a peer make the server allocate without bound.
@@ -110,6 +118,9 @@ pub enum SideChannelError {
 pub enum Message {
     /// Decode → prefill: who I am and how my KV cache is laid out.
     Hello {
+        /// [`PROTOCOL_VERSION`] of the decode side (absent from releases before it was sent).
+        #[serde(default)]
+        version: Option<u32>,
         /// The decode engine's descriptor.
         compat: CompatDescriptor,
         /// The decode engine's id.
@@ -120,6 +131,9 @@ pub enum Message {
     },
     /// Prefill → decode: compatible; here is how to reach my KV.
     Welcome {
+        /// [`PROTOCOL_VERSION`] of the prefill side (absent from releases before it was sent).
+        #[serde(default)]
+        version: Option<u32>,
         /// The prefill engine's descriptor.
         compat: CompatDescriptor,
         /// The prefill engine's id.
@@ -304,12 +318,15 @@ fn tokens_equal(a: &str, b: &str) -> bool {
 
 /// The prefill side's answer to one `hello`.
 pub fn answer_hello(local: &LocalIdentity, required_token: Option<&str>, hello: Message) -> Message {
-    let Message::Hello { compat, engine_id, token } = hello else {
+    let Message::Hello { version, compat, engine_id, token } = hello else {
         return Message::Refused {
             diff: Vec::new(),
             message: format!("expected a 'hello' message first, got '{}'", hello.kind()),
         };
     };
+    if let Err(e) = VersionMismatch::check(PROTOCOL, "prefill worker", PROTOCOL_VERSION, "decode worker", version) {
+        return Message::Refused { diff: Vec::new(), message: e.to_string() };
+    }
     if let Some(want) = required_token {
         if !token.as_deref().is_some_and(|t| tokens_equal(t, want)) {
             return Message::Refused {
@@ -323,6 +340,7 @@ pub fn answer_hello(local: &LocalIdentity, required_token: Option<&str>, hello: 
     }
     match check_roles(&local.compat, &compat) {
         Ok(_) => Message::Welcome {
+            version: Some(PROTOCOL_VERSION),
             compat: local.compat.clone(),
             engine_id: local.engine_id.clone(),
             metadata: local.metadata.clone(),
@@ -502,6 +520,7 @@ pub async fn handshake(
         .map_err(|e| connect_err(e.to_string()))?;
     let _ = sock.set_nodelay(true);
     let hello = Message::Hello {
+        version: Some(PROTOCOL_VERSION),
         compat: local.clone(),
         engine_id: engine_id.to_owned(),
         token: token.map(str::to_owned),
@@ -511,7 +530,12 @@ pub async fn handshake(
         .await?
         .ok_or_else(|| SideChannelError::Closed { peer: addr.to_owned() })?;
     match answer {
-        Message::Welcome { compat, engine_id: peer_engine, metadata } => {
+        Message::Welcome { version, compat, engine_id: peer_engine, metadata } => {
+            if let Err(e) =
+                VersionMismatch::check(PROTOCOL, "decode worker", PROTOCOL_VERSION, "prefill worker", version)
+            {
+                return Ok(HandshakeOutcome::Refused { diff: Vec::new(), message: e.to_string() });
+            }
             // Check again from this side: the plan is what the receiver applies, and a peer
             // that welcomes a mismatch must not get its bytes written into our cache.
             match check_roles(&compat, local) {
@@ -748,7 +772,12 @@ mod tests {
         tokio::spawn(async move {
             let (mut sock, _) = listener.accept().await.unwrap();
             let _ = read_frame(&mut sock, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "d").await;
-            let welcome = Message::Welcome { compat: prefill, engine_id: "prefill-0".into(), metadata: None };
+            let welcome = Message::Welcome {
+                version: Some(PROTOCOL_VERSION),
+                compat: prefill,
+                engine_id: "prefill-0".into(),
+                metadata: None,
+            };
             write_frame(&mut sock, &welcome, "d").await.unwrap();
         });
         let out = handshake(&addr, &descriptor_tp(&["nixl"], 1), "decode-0", None, Duration::from_secs(5))
@@ -819,5 +848,62 @@ mod tests {
         let local = identity(&["nixl"]);
         let m = answer_hello(&local, None, Message::Refused { diff: Vec::new(), message: String::new() });
         assert!(matches!(m, Message::Refused { message, .. } if message.contains("expected a 'hello'")));
+    }
+
+    #[test]
+    fn a_hello_of_another_version_is_refused_naming_both() {
+        let local = identity(&["nixl"]);
+        let hello = |version| Message::Hello {
+            version,
+            compat: descriptor(&["nixl"]),
+            engine_id: "decode-0".into(),
+            token: None,
+        };
+        assert!(matches!(answer_hello(&local, None, hello(Some(PROTOCOL_VERSION))), Message::Welcome { .. }));
+        let Message::Refused { message, diff } = answer_hello(&local, None, hello(Some(PROTOCOL_VERSION + 1))) else {
+            panic!("a newer hello must be refused")
+        };
+        assert!(diff.is_empty());
+        assert_eq!(
+            message,
+            format!(
+                "side-channel handshake version mismatch: this prefill worker speaks version {PROTOCOL_VERSION}, \
+                 the decode worker speaks version {} — run the same kvconnect release on both",
+                PROTOCOL_VERSION + 1
+            )
+        );
+        // A hello from before versions were sent decodes, and is refused as such.
+        let old: Message = serde_json::from_value(serde_json::json!({
+            "type": "hello", "compat": descriptor(&["nixl"]), "engine_id": "decode-0"
+        }))
+        .unwrap();
+        let Message::Refused { message, .. } = answer_hello(&local, None, old) else { panic!("refused") };
+        assert!(message.contains("the decode worker speaks no version"), "{message}");
+    }
+
+    #[tokio::test]
+    async fn decode_refuses_a_welcome_of_another_version() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let (mut sock, _) = listener.accept().await.unwrap();
+            let _ = read_frame(&mut sock, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "d").await;
+            let welcome = Message::Welcome {
+                version: Some(7),
+                compat: descriptor(&["nixl"]),
+                engine_id: "prefill-0".into(),
+                metadata: None,
+            };
+            write_frame(&mut sock, &welcome, "d").await.unwrap();
+        });
+        let out = handshake(&addr, &descriptor(&["nixl"]), "decode-0", None, Duration::from_secs(5)).await.unwrap();
+        let HandshakeOutcome::Refused { message, .. } = out else { panic!("{out:?}") };
+        assert_eq!(
+            message,
+            format!(
+                "side-channel handshake version mismatch: this decode worker speaks version {PROTOCOL_VERSION}, \
+                 the prefill worker speaks version 7 — run the same kvconnect release on both"
+            )
+        );
     }
 }

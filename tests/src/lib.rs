@@ -1,9 +1,12 @@
 //! Shared helpers for kvconnect's end-to-end tests: start `kvconnect worker` processes, read
 //! the addresses they print, and talk HTTP/1.1 to them without pulling in a client library.
 
+#![allow(unsafe_code)] // Signals to processes the tests spawned (kill(2)).
+
 pub mod cargo_cmd;
 pub mod plugin_fixtures;
 pub mod readme;
+pub mod round_trip;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -155,3 +155,35 @@ fn set_mode(p: &Path, mode: u32) {
 fn lib_file(crate_name: &str) -> String {
     format!("{}{crate_name}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
 }
+
+/// Builds `plugins/c-example`, the plugin written in C against `kvconnect.h` alone, with the
+/// system C compiler (`$CC`, else `cc`) as its source file says, plus `defines` (`-DNAME=VALUE`
+/// flags); returns the library, `libc_example<suffix>.so` in `out_dir`.
+pub fn c_example_plugin(out_dir: &Path, suffix: &str, defines: &[&str]) -> PathBuf {
+    let ws = workspace_root();
+    let src = ws.join("plugins/c-example/src");
+    let mut sources: Vec<PathBuf> = std::fs::read_dir(&src)
+        .expect("read plugins/c-example/src")
+        .map(|e| e.expect("list plugins/c-example/src").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "c"))
+        .collect();
+    sources.sort();
+    let lib = out_dir.join(format!("libc_example{suffix}{}", std::env::consts::DLL_SUFFIX));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = std::process::Command::new(&cc)
+        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-I"])
+        .arg(ws.join("connector-api/include"))
+        .args(defines)
+        .args(&sources)
+        .arg("-o")
+        .arg(&lib)
+        .arg("-lpthread")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run the C compiler '{cc}' ({e}); install gcc or set CC"));
+    assert!(
+        out.status.success(),
+        "plugins/c-example does not compile:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    lib
+}

@@ -1,5 +1,7 @@
 //! Plugin logs reach the host's tracing subscriber through the log callback.
 
+#![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
+
 use kvconnect_api::KvTransferConfig;
 use kvconnect_host::registry::{Registry, RegistryConfig};
 use kvconnect_tests::plugin_fixtures;

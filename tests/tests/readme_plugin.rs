@@ -3,6 +3,8 @@
 //! this checkout), an offline build, the section's `kvconnect plugins inspect`, and then the
 //! worker half driven through the C ABI, to show its safe KV view at work.
 
+#![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
+
 use kvconnect_api::{
     AttentionKind, BlockId, ConnectorContext, ConnectorError, ConnectorFactory, Dtype, KvLayout, KvRegion,
     KvRegionSpec, KvRole, KvTransferConfig, LayerId, ModelSpec,

@@ -6,6 +6,8 @@
 //! mismatch under `fail` and `recompute`, `--workload`, and that SIGTERM to `up` leaves no
 //! process and no shared-memory segment behind.
 
+#![allow(unsafe_code)] // Asks whether worker processes are alive (kill(2) with signal 0).
+
 use kvconnect_api::KvLayout;
 use kvconnect_host::server::openai::chat_prompt;
 use kvconnect_host::server::sse::{collect_text, collect_token_ids};

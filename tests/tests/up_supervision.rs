@@ -4,6 +4,8 @@
 //! so on /health and fails requests at once, then `up` restarts it), a worker that cannot be
 //! restarted (`up` gives up with its error instead of looping), and a taken proxy port.
 
+#![allow(unsafe_code)] // Signals to worker processes the test's `up` started (kill(2)).
+
 use kvconnect_api::KvLayout;
 use kvconnect_tests::plugin_fixtures::broken_plugin;
 use kvconnect_tests::{

@@ -9,6 +9,8 @@
 //!
 //! Run: `cargo bench -p kvconnect-flexkv --bench flexkv -- --warm-up-time 1 --measurement-time 3`
 
+#![allow(unsafe_code)] // The benchmark vouches for its own KV buffers as regions (KvRegion::new).
+
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;

@@ -154,6 +154,7 @@ fn permute(src: &[u8], dst: &mut [u8], moves: &[(u32, u32)], unit: usize, to_reg
     }
 }
 
+#[allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
 #[cfg(test)]
 mod tests {
     use super::*;

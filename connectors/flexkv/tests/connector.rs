@@ -2,6 +2,8 @@
 //! regions: prefix hits, CPU->SSD eviction, SSD corruption, the HND transpose adapter and
 //! bad input.
 
+#![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
+
 mod support;
 
 use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRole, MatchResult, Request};

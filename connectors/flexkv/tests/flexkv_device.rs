@@ -3,6 +3,8 @@
 //! stores), the device is poisoned, and the prompt is loaded into other block ids on the
 //! pool thread; the downloaded bytes must equal the saved ones exactly and the block past
 //! the match keeps the poison. Per-layer and cross-layer layouts. Skips without a GPU.
+
+#![allow(unsafe_code)] // GPU tests vouch for their device buffers as regions (KvRegion::new).
 #![cfg(feature = "cuda")]
 
 mod support;

@@ -9,6 +9,8 @@
 //! end, each the median of 30 alternating subject/baseline pairs, so both see the same load
 //! on a shared machine. Run: `cargo bench -p kvconnect-lmcache --bench lmcache -- --warm-up-time 1 --measurement-time 3`
 
+#![allow(unsafe_code)] // The benchmark vouches for its own KV buffers as regions (KvRegion::new).
+
 use criterion::{criterion_group, Criterion, Throughput};
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{

@@ -199,6 +199,7 @@ pub fn staged_runs(
     runs
 }
 
+#[allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,6 +10,8 @@
 //! an adversary choosing colliding prompts. The once-per-engine namespace (model, layout, TP)
 //! is SHA-256.
 
+#![allow(unsafe_code)] // SIMD hashing: AVX2 intrinsics behind a runtime feature check.
+
 const STRIPES_PER_BLOCK: usize = 16;
 const SECRET: [u64; 32] = secret();
 

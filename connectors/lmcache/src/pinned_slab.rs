@@ -7,6 +7,8 @@
 //! the disk writer's queue or a load) drops it; slots keep the slab alive. When no slot is
 //! free, saves fall back to heap chunks (counted in the store's statistics).
 
+#![allow(unsafe_code)] // Pinned host memory the CUDA copy engine shares: raw slices of it.
+
 use crate::slot_alloc::SlotAllocator;
 use kvconnect_cuda::{Gpu, PinnedBuffer};
 use std::sync::{Arc, Mutex};

@@ -1,5 +1,7 @@
 //! Bad input: each a clear error (or a counted degradation), no panic, nothing wrong loaded.
 
+#![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
+
 mod common;
 
 use common::*;

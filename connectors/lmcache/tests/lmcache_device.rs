@@ -5,6 +5,8 @@
 //! the pinned CPU tier's slots and load straight out of them (the statistics say which path
 //! each chunk took); partial chunks and chunks from the disk tier go through the host copy.
 //! Skips, saying so, without a GPU.
+
+#![allow(unsafe_code)] // GPU tests vouch for their device buffers as regions (KvRegion::new).
 #![cfg(feature = "cuda")]
 
 mod common;

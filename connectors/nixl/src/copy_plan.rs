@@ -8,6 +8,8 @@
 //! channels of one token) to where this engine's layout puts that row. This is the
 //! receive-side application of the adaptation plan's layout permutation and block-size ratio.
 
+#![allow(unsafe_code)] // Slices of the registered KV regions the host vouched for.
+
 use crate::error::TransferError;
 use crate::meta::LoadSpec;
 use crate::wire::WireRun;

@@ -440,6 +440,7 @@ impl CudaIpcPull {
     }
 }
 
+#[allow(unsafe_code)] // CUDA IPC: the producer's device regions opened in this process.
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,6 +2,8 @@
 //! or shared memory), contexts, and a synthetic model. Used by this crate's tests and
 //! benchmarks and by `kvconnect bench transfer`; a real host allocates regions in its pool.
 
+#![allow(unsafe_code)] // The test harness's engine memory (heap or shm) vouched for as regions.
+
 use crate::shm::{ShmError, ShmSegment};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::{

@@ -5,6 +5,7 @@
 use crate::config::NAME;
 use kvconnect_api::compat::AdaptationPlan;
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
+use kvconnect_api::protocol::VersionMismatch;
 use kvconnect_api::{ConnectorError, KvLayout, LayerId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -119,12 +120,8 @@ impl PeerInfo {
     /// DNS).
     pub fn from_metadata(meta: ProducerMetadata) -> Result<PeerInfo, ConnectorError> {
         let e = &meta.engine_id;
-        if meta.version != PROTOCOL_VERSION {
-            return Err(bad(format!(
-                "peer engine '{e}' speaks nixl protocol version {}, this build speaks {PROTOCOL_VERSION}: run the same kvconnect version on both sides",
-                meta.version
-            )));
-        }
+        VersionMismatch::check("nixl wire", "consumer", PROTOCOL_VERSION, "producer", Some(meta.version))
+            .map_err(|m| bad(format!("peer engine '{e}': {m}")))?;
         if meta.regions.len() != meta.region_shapes.len() {
             return Err(bad(format!(
                 "peer engine '{e}' metadata lists {} regions but {} region shapes",
@@ -321,5 +318,21 @@ mod tests {
             let e = PeerInfo::from_metadata(m).unwrap_err().to_string();
             assert!(e.contains("not an IP address and port") && e.len() < 400, "{listen}: {e}");
         }
+    }
+
+    #[test]
+    fn a_producer_of_another_wire_version_is_refused_naming_both() {
+        assert!(PeerInfo::from_metadata(meta()).is_ok());
+        let mut m = meta();
+        m.version = PROTOCOL_VERSION + 1;
+        let e = PeerInfo::from_metadata(m).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "connector 'nixl': peer engine 'prefill-0': nixl wire version mismatch: this consumer speaks \
+                 version {PROTOCOL_VERSION}, the producer speaks version {} — run the same kvconnect release on both",
+                PROTOCOL_VERSION + 1
+            )
+        );
     }
 }

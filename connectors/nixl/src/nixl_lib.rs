@@ -10,6 +10,8 @@
 //! Never call `nixl_sys::is_stub()` before [`load`]: the stubs try their `dlopen` once and
 //! remember a failure for the life of the process.
 
+#![allow(unsafe_code)] // Opens the NIXL shared library (dlopen).
+
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 

@@ -3,6 +3,8 @@
 //! two DRAM buffers registered, metadata exchanged, one READ of `descriptors` equal runs,
 //! polled until done.
 
+#![allow(unsafe_code)] // NIXL bindings: raw buffers handed to the NIXL C API.
+
 use crate::nixl_agent::{status_name, NixlCallError};
 use nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, XferDescList, XferOp, XferStatus};
 use std::time::{Duration, Instant};

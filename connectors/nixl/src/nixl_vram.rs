@@ -15,6 +15,8 @@
 //! Every way it can fail comes back as a [`VramError`] that says what to do, never an abort:
 //! the checks that can be made before NIXL touches device memory are made first.
 
+#![allow(unsafe_code)] // NIXL VRAM registration and dlopen of the CUDA libraries it needs.
+
 use crate::nixl_agent::{NixlAgent, NixlCallError, NixlMem, ReadPair};
 use crate::nixl_lib::{self, NixlLibError};
 use kvconnect_api::math::gcd;

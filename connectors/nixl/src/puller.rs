@@ -3,6 +3,8 @@
 //! done. Every socket operation has a timeout, so a dead producer ends in an error, never a
 //! hang. This is also the entry point benchmarks use to time one transfer.
 
+#![allow(unsafe_code)] // NIXL registration of the staging buffer (the NIXL bindings' unsafe contract).
+
 use crate::config::Backend;
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;

@@ -2,6 +2,8 @@
 //! ([`ShmMapping`]), and a segment owner ([`ShmSegment`]) for tests, benchmarks and hosts
 //! that have no pool of their own.
 
+#![allow(unsafe_code)] // Shared memory: shm_open, mmap and slices of the mapping.
+
 use std::ffi::CString;
 use std::io;
 

@@ -6,6 +6,8 @@
 //! copies above a threshold scaled to the cache size, which per-region runs (one layer's
 //! K or V blocks) can fall under; so the shm backend decides by the run's size itself.
 
+#![allow(unsafe_code)] // SIMD copies: AVX2 non-temporal stores behind a runtime feature check.
+
 /// Runs at least this long are copied with streaming stores.
 pub const STREAM_THRESHOLD: usize = 2 << 20;
 

@@ -3,12 +3,16 @@
 //! children delay freeing a request, which children load it). ARCHITECTURE.md §8.
 
 use crate::error::PdError;
+use kvconnect_api::protocol::VersionMismatch;
 use kvconnect_api::RequestId;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// Version of the envelope format; a worker refuses any other.
 pub const META_VERSION: u32 = 1;
+
+/// The envelope's name in a version mismatch.
+const PROTOCOL: &str = "pd metadata envelope";
 
 /// First bytes of every envelope.
 const MAGIC: &[u8; 4] = b"KVPD";
@@ -103,12 +107,8 @@ impl MetaEnvelope {
         }
         let header: Header =
             serde_json::from_slice(&rest[..hlen]).map_err(|e| not_env(&format!("header: {e}")))?;
-        if header.version != META_VERSION {
-            return Err(PdError::BadMeta(format!(
-                "envelope version {} but this worker reads version {META_VERSION}; run the same kvconnect on the scheduler and the workers",
-                header.version
-            )));
-        }
+        VersionMismatch::check(PROTOCOL, "worker", META_VERSION, "scheduler", Some(header.version))
+            .map_err(|e| PdError::BadMeta(e.to_string()))?;
         let mut body = &rest[hlen..];
         let want_body: usize = header.parts.iter().map(|p| p.len).fold(0usize, |a, b| a.saturating_add(b));
         if want_body != body.len() {
@@ -212,6 +212,13 @@ mod tests {
         }
         let mut v = env();
         v.version = 9;
-        assert!(MetaEnvelope::decode(&v.encode(), &names()).unwrap_err().to_string().contains("version 9"));
+        assert_eq!(
+            MetaEnvelope::decode(&v.encode(), &names()).unwrap_err().to_string(),
+            format!(
+                "connector metadata does not fit this composite: pd metadata envelope version mismatch: this \
+                 worker speaks version {META_VERSION}, the scheduler speaks version 9 — run the same kvconnect \
+                 release on both"
+            )
+        );
     }
 }

@@ -1,6 +1,8 @@
 //! A tiny engine around the two flexkv halves: host KV regions, a block allocator, a
 //! deterministic "forward pass" that writes each block's KV, and the vLLM call order.
 
+#![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
+
 #![allow(dead_code)]
 
 use kvconnect_api::caps::KvRoleCap;

@@ -1,5 +1,7 @@
 //! The NIXL agent over `nixl-sys` (feature `nixl`).
 
+#![allow(unsafe_code)] // NIXL bindings: the agent over the NIXL C API.
+
 use super::{NixlCallError, NixlMem, ReadPair, UCX};
 use crate::nixl_lib;
 use nixl_sys::{

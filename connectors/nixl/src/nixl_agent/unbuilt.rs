@@ -2,6 +2,8 @@
 //! always fails with [`NixlLibError::NotBuilt`], so the types below are uninhabited and every
 //! method is unreachable; they keep the callers free of feature gates.
 
+#![allow(unsafe_code)] // NIXL bindings: the same unsafe signatures when NIXL is not built.
+
 use super::{NixlCallError, NixlMem, ReadPair};
 use crate::nixl_lib::NixlLibError;
 

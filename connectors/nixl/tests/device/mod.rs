@@ -1,6 +1,8 @@
 //! Shared by the device-KV connector tests (cuda_ipc, nixl_vram): engines whose KV regions
 //! are device memory filled with distinct, position-dependent bytes, the scheduler steps of
 //! one disaggregated request, and an element-by-element check of what a consumer loaded.
+
+#![allow(unsafe_code)] // GPU tests vouch for their device buffers as regions (KvRegion::new).
 #![allow(dead_code)]
 
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};

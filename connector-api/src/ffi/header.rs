@@ -3,6 +3,7 @@
 //! is this function's output; `tests/tests/plugins_c_header.rs` rewrites it and fails when it
 //! changed, and compiles it to check every size and offset.
 
+use super::json_values::json_values;
 use super::vtables::EntryInfo;
 use super::{
     log_level, status, FactoryVTable, SchedulerVTable, WorkerVTable, ABI_MAGIC, ABI_MAJOR, ABI_MINOR,
@@ -19,9 +20,9 @@ pub fn c_header() -> String {
     let _ = write!(
         w,
         r#"/*
- * kvconnect plugin ABI, version {ABI_MAJOR}.{ABI_MINOR}: the C view of kvconnect-api's `abi` module.
+ * kvconnect plugin ABI, version {ABI_MAJOR}.{ABI_MINOR}: the C view of kvconnect-api's `ffi` module.
  *
- * Written by kvconnect_api::abi::c_header() from the Rust definitions; do not edit.
+ * Written by kvconnect_api::ffi::c_header() from the Rust definitions; do not edit.
  * tests/tests/plugins_c_header.rs rewrites it when they change (and fails, so the change is
  * seen), and compiles it to check every size and offset.
  *
@@ -92,6 +93,7 @@ typedef int32_t kvc_status;
     ] {
         let _ = writeln!(w, "#define KVC_LOG_{name} {level}");
     }
+    json_section(w);
     w.push_str(
         r#"
 /* Borrowed bytes or UTF-8 text, valid for one call. */
@@ -210,4 +212,28 @@ fn vtable(w: &mut String, c_name: &str, doc: &str, entries: &[EntryInfo]) {
         let _ = writeln!(w, "    {} (*{})({});", e.c_ret, e.name, params.join(", "));
     }
     let _ = writeln!(w, "}} {c_name};");
+}
+
+/// The JSON values, each with its Rust type (the schema), where it crosses and an example.
+fn json_section(w: &mut String) {
+    w.push_str(
+        "\n/* The JSON values that cross, each the serde form of the kvconnect-api type named (its\n \
+         * definition in connector-api/src is the schema; the host decodes with it, and a value it\n \
+         * cannot decode is an error naming the field). The examples are written from real values.\n",
+    );
+    for v in json_values() {
+        w.push_str(" *\n");
+        let mut line = String::from(" *");
+        for word in format!("{}: {}; {}.", v.rust_type, v.used_by, v.rules).split(' ') {
+            if line.len() + 1 + word.len() > 96 {
+                w.push_str(&line);
+                w.push('\n');
+                line = String::from(" *  ");
+            }
+            line.push(' ');
+            line.push_str(word);
+        }
+        let _ = write!(w, "{line}\n *   {}\n", v.example);
+    }
+    w.push_str(" */\n");
 }

@@ -1,0 +1,207 @@
+//! The versioned C ABI between a host and a plugin library: the only `unsafe` surface on the
+//! plugin side. ARCHITECTURE.md §3 states its rules.
+//!
+//! A plugin exports one symbol, [`ENTRY_SYMBOL`], returning `&'static PluginDescriptor`. The
+//! descriptor's first fields (magic, ABI version, struct size, layout fingerprint, plugin name
+//! and version, SDK and rustc versions) never move,
+//! so any host can read them from any plugin and refuse it with a clear message. Then come
+//! the plugin's name and versions, its entry points and pointers to three vtables (factory,
+//! scheduler half, worker half). Every vtable starts with its own `struct_size`; new entries
+//! are only ever appended, as nullable function pointers, in a new minor version.
+//!
+//! Conventions every entry point follows:
+//! * it returns a [`Status`]: [`status::OK`] or the kind of [`ConnectorError`], with the
+//!   error itself (JSON) in the `err` buffer;
+//! * a buffer is freed by the side that allocated it, through the free function it carries;
+//! * setup-time values (configs, capabilities, model, context, regions, handshake metadata)
+//!   cross as JSON bytes; per-step calls take `repr(C)` slices;
+//! * no Rust std type crosses, and no panic: the plugin side catches every panic
+//!   (`sdk`), turns it into [`status::PANICKED`] and poisons the instance.
+//!
+//! `include/kvconnect.h` is the same ABI for C and C++, written from these definitions by
+//! [`c_header`]; a test keeps the checked-in file equal to it and checks its sizes and offsets.
+
+#![allow(unsafe_code)] // The C ABI itself: raw pointers and function pointers that cross to another library.
+
+use crate::error::ConnectorError;
+
+mod buffers;
+mod call;
+#[macro_use]
+mod descriptor;
+mod factory;
+mod header;
+mod json_values;
+mod log;
+mod scheduler;
+mod shim;
+mod vtables;
+mod worker;
+pub use buffers::*;
+pub use call::{call_status, PluginCode, PluginEntries};
+pub use factory::ForeignFactory;
+pub use scheduler::ForeignScheduler;
+pub use worker::ForeignWorker;
+pub use descriptor::*;
+pub use header::c_header;
+pub use log::*;
+pub use json_values::{json_values, JsonValue};
+pub use vtables::{
+    CType, EntryInfo, FactoryFns, FactoryVTable, SchedulerFns, SchedulerVTable, WorkerFns, WorkerVTable,
+};
+
+/// `kvconnect_plugin_entry`: the one symbol a plugin exports.
+pub const ENTRY_SYMBOL: &str = "kvconnect_plugin_entry";
+/// The first field of every descriptor: "KVCONNEC" read as a little-endian u64.
+pub const ABI_MAGIC: u64 = u64::from_le_bytes(*b"KVCONNEC");
+/// Breaking changes bump the major; a host refuses a plugin of another major.
+pub const ABI_MAJOR: u16 = 1;
+/// Additions (entries appended to a vtable) bump the minor; a host accepts a newer minor.
+/// 1.1 appended `FactoryVTable::child_capabilities`.
+#[cfg(not(feature = "abi_1_0"))]
+pub const ABI_MINOR: u16 = 1;
+/// The minor as 1.0 defined the ABI (the test-only `abi_1_0` feature: see Cargo.toml).
+#[cfg(feature = "abi_1_0")]
+pub const ABI_MINOR: u16 = 0;
+/// The kvconnect-api version this ABI comes from (what to rebuild a plugin against).
+pub const SDK_VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The compiler that built this copy of the SDK (`rustc -V`), for messages only.
+pub const RUSTC_VERSION: &str = env!("KVCONNECT_RUSTC_VERSION");
+
+/// The return value of every entry point.
+pub type Status = i32;
+
+/// Status codes: 0 is success, the others name the kind of [`ConnectorError`].
+pub mod status {
+    use super::Status;
+    /// Success.
+    pub const OK: Status = 0;
+    /// `ConnectorError::NotImplemented`.
+    pub const NOT_IMPLEMENTED: Status = 1;
+    /// `ConnectorError::InvalidConfig`.
+    pub const INVALID_CONFIG: Status = 2;
+    /// `ConnectorError::InvalidArgument`.
+    pub const INVALID_ARGUMENT: Status = 3;
+    /// `ConnectorError::Poisoned`.
+    pub const POISONED: Status = 4;
+    /// `ConnectorError::Panicked`.
+    pub const PANICKED: Status = 5;
+    /// `ConnectorError::Io`.
+    pub const IO: Status = 6;
+    /// `ConnectorError::Other`.
+    pub const OTHER: Status = 7;
+}
+
+/// The status code for an error.
+pub fn status_of(e: &ConnectorError) -> Status {
+    match e {
+        ConnectorError::NotImplemented { .. } => status::NOT_IMPLEMENTED,
+        ConnectorError::InvalidConfig { .. } => status::INVALID_CONFIG,
+        ConnectorError::InvalidArgument { .. } => status::INVALID_ARGUMENT,
+        ConnectorError::Poisoned { .. } => status::POISONED,
+        ConnectorError::Panicked { .. } => status::PANICKED,
+        ConnectorError::Io { .. } => status::IO,
+        ConnectorError::Other { .. } => status::OTHER,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::descriptor::{mix, FNV_OFFSET};
+    use super::shim::finish;
+    use super::*;
+    use core::mem::{offset_of, size_of};
+
+    #[test]
+    fn first_fields_never_move() {
+        assert_eq!(offset_of!(PluginDescriptor, magic), 0);
+        assert_eq!(offset_of!(PluginDescriptor, abi_major), 8);
+        assert_eq!(offset_of!(PluginDescriptor, abi_minor), 10);
+        assert_eq!(offset_of!(PluginDescriptor, struct_size), 16);
+        assert_eq!(offset_of!(PluginDescriptor, layout_fingerprint), 16 + size_of::<usize>());
+    }
+
+    #[test]
+    fn minimum_sizes_cover_the_1_0_entries() {
+        assert_eq!(MIN_DESCRIPTOR_SIZE, size_of::<PluginDescriptor>());
+        // 1.1 appended `child_capabilities`, which a host may find absent.
+        #[cfg(not(feature = "abi_1_0"))]
+        assert_eq!(MIN_FACTORY_VTABLE_SIZE, offset_of!(FactoryVTable, child_capabilities));
+        #[cfg(feature = "abi_1_0")]
+        assert_eq!(MIN_FACTORY_VTABLE_SIZE, size_of::<FactoryVTable>());
+        assert_eq!(MIN_SCHEDULER_VTABLE_SIZE, size_of::<SchedulerVTable>());
+        assert_eq!(MIN_WORKER_VTABLE_SIZE, size_of::<WorkerVTable>());
+        assert_eq!(MIN_HOST_API_SIZE, size_of::<HostApi>());
+    }
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct V10 {
+        struct_size: usize,
+        a: Option<extern "C" fn() -> Status>,
+    }
+
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct V11 {
+        struct_size: usize,
+        a: Option<extern "C" fn() -> Status>,
+        b: Option<extern "C" fn() -> Status>,
+    }
+
+    // SAFETY: a usize and `Option<fn>`s.
+    unsafe impl Versioned for V10 {}
+    // SAFETY: as above.
+    unsafe impl Versioned for V11 {}
+
+    extern "C" fn seven() -> Status {
+        7
+    }
+
+    #[test]
+    fn an_appended_entry_leaves_the_fingerprint_alone() {
+        let end = offset_of!(V10, a) + size_of::<usize>();
+        let h10 = fold_struct!(FNV_OFFSET, V10, end; struct_size, a);
+        let h11 = fold_struct!(FNV_OFFSET, V11, end; struct_size, a);
+        assert_eq!(h10, h11);
+        // Moving a 1.0 entry does change it.
+        let moved = fold_struct!(FNV_OFFSET, V11, end; struct_size, b);
+        assert_ne!(h10, moved);
+    }
+
+    #[test]
+    fn each_side_reads_the_entries_both_know() {
+        // A newer vtable read by an older side: the appended entry is not read.
+        let new = V11 { struct_size: size_of::<V11>(), a: Some(seven), b: Some(seven) };
+        // SAFETY: `new` is `struct_size` bytes long.
+        let old: V10 = unsafe { read_declared(&new as *const V11 as *const V10, new.struct_size) };
+        assert_eq!(old.a.map(|f| f()), Some(7));
+        // An older vtable read by a newer side: the entry it lacks is absent.
+        let old = V10 { struct_size: size_of::<V10>(), a: Some(seven) };
+        // SAFETY: `old` is `struct_size` bytes long; nothing past it is read.
+        let new: V11 = unsafe { read_declared(&old as *const V10 as *const V11, old.struct_size) };
+        assert_eq!(new.a.map(|f| f()), Some(7));
+        assert!(new.b.is_none());
+        // A size that cuts an entry in half drops the whole entry.
+        // SAFETY: as above, fewer bytes.
+        let cut: V11 = unsafe { read_declared(&old as *const V10 as *const V11, old.struct_size - 3) };
+        assert!(cut.a.is_none());
+    }
+
+    #[test]
+    fn magic_spells_kvconnec() {
+        assert_eq!(&ABI_MAGIC.to_le_bytes(), b"KVCONNEC");
+    }
+
+    #[test]
+    fn errors_round_trip_through_buffers() {
+        let mut err = AbiBuffer::empty();
+        let e = ConnectorError::invalid("x", "bad block");
+        let code = finish::<()>(Err(e.clone()), &mut err, |()| ());
+        assert_eq!(code, status::INVALID_ARGUMENT);
+        // SAFETY: filled by `finish` just above.
+        let buf = unsafe { ReceivedBuffer::new(err) };
+        let back: ConnectorError = serde_json::from_slice(buf.as_bytes()).unwrap();
+        assert_eq!(back, e);
+    }
+}
