@@ -287,14 +287,10 @@ impl Capabilities {
             "hma={} layout={} mode={}",
             if self.hma { "yes" } else { "no" },
             self.layout.describe(),
-            match self.transfer_mode {
-                TransferMode::None => "none",
-                TransferMode::Pull => "pull",
-                TransferMode::Push => "push",
-            }
+            self.transfer_mode
         );
         if let Some(c) = self.adapt {
-            s.push_str(&format!(" adapt={c:?}").to_lowercase());
+            s.push_str(&format!(" adapt={c}"));
         }
         s
     }

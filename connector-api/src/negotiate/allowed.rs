@@ -6,7 +6,7 @@ use std::fmt;
 use super::conflict::{them, ChildConstraint, Conflict};
 use super::decide::Decided;
 use super::outcome::DecidedBy;
-use super::party::{labels, Party};
+use super::party::{constraints, labels, Party};
 
 /// What a refused value gives the field's own [`Conflict`] variant.
 pub(super) struct Refusal {
@@ -65,10 +65,7 @@ impl<T: fmt::Display> AllowedValue<T> {
             value: chosen.value.to_string(),
             source_of: (self.source_of)(&chosen.by).to_owned(),
             violators: labels(&violators),
-            constraints: parties
-                .iter()
-                .map(|p| ChildConstraint { child: p.label.clone(), constraint: (self.describe)(p) })
-                .collect(),
+            constraints: constraints(parties.iter().copied(), self.describe),
             remedy,
         }))
     }

@@ -7,12 +7,12 @@ use crate::math::gcd;
 use crate::model::{AttentionKind, Dtype, ModelSpec};
 
 use super::allowed::{joined, AllowedValue};
-use super::conflict::{list_does, them, ChildConstraint, Conflict};
+use super::conflict::{list_does, them, Conflict};
 use super::groups::{describe_state_groups, kv_groups, kv_kinds, state_groups};
 use super::layout_choice::{adapter_clause, adapters_for, layout_remedy, native_layout, pick_layout};
 use super::options::{EngineOptions, HmaOption};
 use super::outcome::{DecidedBy, FieldProvenance, LayoutAdapter, LayoutField};
-use super::party::{labels, Party};
+use super::party::{constraints, labels, Party};
 
 pub(super) const BLOCK_SIZES: [u32; 13] = [16, 32, 64, 128, 8, 256, 4, 512, 2, 1024, 1, 2048, 4096];
 
@@ -211,13 +211,7 @@ pub(super) fn decide_layout(
                 return Err(Conflict::Layout {
                     requested: Some(l),
                     violators: labels(&violators),
-                    constraints: parties
-                        .iter()
-                        .map(|p| ChildConstraint {
-                            child: p.label.clone(),
-                            constraint: p.layout_constraint(),
-                        })
-                        .collect(),
+                    constraints: constraints(parties, |p| p.layout_constraint()),
                     remedy,
                 });
             }
@@ -228,13 +222,7 @@ pub(super) fn decide_layout(
                 return Err(Conflict::Layout {
                     requested: None,
                     violators: vec![],
-                    constraints: parties
-                        .iter()
-                        .map(|p| ChildConstraint {
-                            child: p.label.clone(),
-                            constraint: p.layout_constraint(),
-                        })
-                        .collect(),
+                    constraints: constraints(parties, |p| p.layout_constraint()),
                     remedy: layout_remedy(parties),
                 });
             };
@@ -292,10 +280,7 @@ pub(super) fn decide_block_size(opts: &EngineOptions, parties: &[Party]) -> Resu
                     block_size: b,
                     by_user: true,
                     violations,
-                    constraints: parties
-                        .iter()
-                        .map(|p| ChildConstraint { child: p.label.clone(), constraint: p.block_constraint() })
-                        .collect(),
+                    constraints: constraints(parties, |p| p.block_constraint()),
                     remedy,
                 });
             }
@@ -324,10 +309,7 @@ pub(super) fn decide_block_size(opts: &EngineOptions, parties: &[Party]) -> Resu
                             block_size: default,
                             by_user: false,
                             violations: violations.into_iter().map(|(_, v)| v).collect(),
-                            constraints: parties
-                                .iter()
-                                .map(|p| ChildConstraint { child: p.label.clone(), constraint: p.block_constraint() })
-                                .collect(),
+                            constraints: constraints(parties, |p| p.block_constraint()),
                             remedy: "the children's block-size constraints exclude each other: remove one of them or change its chunk size".to_owned(),
                         })
                     }

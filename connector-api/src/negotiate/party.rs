@@ -3,6 +3,7 @@
 use crate::caps::{AdaptCost, Capabilities};
 use crate::layout::KvLayout;
 
+use super::conflict::ChildConstraint;
 use super::outcome::DecidedBy;
 
 /// A child as one run of the core sees it: one of this worker's own, or the peer's.
@@ -91,6 +92,17 @@ impl Party<'_> {
             Some(why.join("; "))
         }
     }
+}
+
+/// Every party's constraint on one field, as a conflict lists them.
+pub(super) fn constraints<'p, 'a: 'p>(
+    parties: impl IntoIterator<Item = &'p Party<'a>>,
+    constraint: impl Fn(&Party) -> String,
+) -> Vec<ChildConstraint> {
+    parties
+        .into_iter()
+        .map(|p| ChildConstraint { child: p.label.clone(), constraint: constraint(p) })
+        .collect()
 }
 
 pub(super) fn labels(parties: &[&Party]) -> Vec<String> {

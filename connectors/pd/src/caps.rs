@@ -94,7 +94,7 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
             if movers.iter().any(|(_, o)| o.transfer_mode != c.transfer_mode) {
                 return Err(PdError::Incompatible(format!(
                     "children move KV in different directions ({}); keep one transport child",
-                    describe(children, |c| format!("{:?}", c.transfer_mode).to_lowercase())
+                    describe(children, |c| c.transfer_mode.to_string())
                 )));
             }
             c.transfer_mode

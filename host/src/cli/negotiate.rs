@@ -97,7 +97,7 @@ pub fn render_adapters(n: &Negotiated) -> String {
                 a.child,
                 a.native.display_name(),
                 a.effective.display_name(),
-                format!("{:?}", a.cost).to_lowercase()
+                a.cost
             )
         })
         .collect()

@@ -10,7 +10,7 @@ use crate::registry::{Entry, Registry};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
 use kvconnect_api::caps::KvRoleCap;
-use kvconnect_api::{Capabilities, KvTransferConfig, MemoryKind, ModelSpec, TransferMode};
+use kvconnect_api::{Capabilities, KvTransferConfig, ModelSpec};
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -258,7 +258,7 @@ fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {
     vec![
         vec!["hma".into(), yes(c.hma)],
         vec!["layout".into(), c.layout.describe()],
-        vec!["adapt".into(), c.adapt.map(|a| format!("{a:?}").to_lowercase()).unwrap_or_else(|| "no".into())],
+        vec!["adapt".into(), c.adapt.map(|a| a.to_string()).unwrap_or_else(|| "no".into())],
         vec!["block_size_multiple".into(), c.block_size_multiple.to_string()],
         vec![
             "block_size_divides".into(),
@@ -268,30 +268,8 @@ fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {
             "cache_dtypes".into(),
             list(c.cache_dtypes.iter().map(|d| format!("{d:?}").to_lowercase()).collect(), "any"),
         ],
-        vec![
-            "memory_kinds".into(),
-            list(
-                c.memory_kinds
-                    .iter()
-                    .map(|m| match m {
-                        MemoryKind::Host => "host",
-                        MemoryKind::Device => "device",
-                        MemoryKind::Disk => "disk",
-                    })
-                    .map(str::to_owned)
-                    .collect(),
-                "-",
-            ),
-        ],
-        vec![
-            "transfer_mode".into(),
-            match c.transfer_mode {
-                TransferMode::None => "none",
-                TransferMode::Pull => "pull",
-                TransferMode::Push => "push",
-            }
-            .into(),
-        ],
+        vec!["memory_kinds".into(), list(c.memory_kinds.iter().map(|m| m.to_string()).collect(), "-")],
+        vec!["transfer_mode".into(), c.transfer_mode.to_string()],
         vec![
             "roles".into(),
             list(
