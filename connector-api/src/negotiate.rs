@@ -89,6 +89,10 @@ pub struct EngineOptions {
     pub tp_rank: u32,
     /// Whether a child may adapt its own data path to a layout it does not accept.
     pub allow_adapters: bool,
+    /// The engine's in-block order is its own (`Some(why)`), e.g. vLLM's CPU attention backend,
+    /// which stores K transposed inside a block. `kv_cache_layout` then only says where whole
+    /// blocks are; blocks move whole and are never adapted, so a layout adapter is a conflict.
+    pub opaque_blocks: Option<String>,
 }
 
 impl Default for EngineOptions {
@@ -102,6 +106,7 @@ impl Default for EngineOptions {
             tp_size: 1,
             tp_rank: 0,
             allow_adapters: true,
+            opaque_blocks: None,
         }
     }
 }
@@ -321,6 +326,19 @@ pub enum Conflict {
         constraints: Vec<ChildConstraint>,
         /// What to change.
         remedy: String,
+    },
+    /// The engine's blocks are opaque and a child would need a layout adapter, which looks
+    /// inside blocks.
+    #[error("the engine's KV blocks are opaque ({why}), but {} would need a layout adapter ({}), which re-lays-out block contents; blocks can only move whole. Remedy: use connectors that accept the engine's layout {layout} as it is (nixl, lmcache, pd over them), or run an engine backend whose in-block layout is NHD or HND", them(.children), .adapters.join("; "))]
+    OpaqueBlocks {
+        /// Why the engine's blocks are opaque.
+        why: String,
+        /// The layout the engine's blocks are addressed in.
+        layout: KvLayout,
+        /// The children that would adapt.
+        children: Vec<String>,
+        /// Each adapter, in words (`child 'flexkv': LBNHC -> BLHNC`).
+        adapters: Vec<String>,
     },
     /// No block size satisfies every child, or the user's does not.
     #[error("{}: {}. Children's block-size constraints: {}. Remedy: {remedy}", block_head(.block_size, .by_user), .violations.join("; "), constraint_list(.constraints))]
@@ -1398,6 +1416,14 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     let (hma, groups) = decide_hma(model, opts, parties)?;
     let state = decide_state(model, parties)?;
     let (layout, adapters) = decide_layout(opts, parties)?;
+    if let (Some(why), false) = (&opts.opaque_blocks, adapters.is_empty()) {
+        let children: Vec<String> = adapters.iter().map(|(i, _)| parties[*i].label.clone()).collect();
+        let words = adapters
+            .iter()
+            .map(|(i, a)| format!("{}: {} -> {}", parties[*i].label, a.native, a.effective))
+            .collect();
+        return Err(Conflict::OpaqueBlocks { why: why.clone(), layout: layout.value, children, adapters: words });
+    }
     let block = decide_block_size(opts, parties)?;
     let dtype = decide_dtype(model, opts, parties)?;
     let memory = decide_memory(opts, parties)?;
@@ -1433,6 +1459,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
         transfer_mode: mode.value,
         groups: groups.value,
         state_groups,
+        opaque_blocks: opts.opaque_blocks.is_some(),
     };
     Ok((effective, provenance, adapters))
 }
@@ -1945,6 +1972,25 @@ mod tests {
         assert!(line.contains("child 'flexkv' does not accept it and adapts with a transpose"), "{text}");
         assert_eq!(text.lines().count(), 8, "{text}");
         println!("{text}");
+    }
+
+    #[test]
+    fn opaque_blocks_refuse_an_adapter_and_name_why() {
+        let cpu = EngineOptions {
+            kv_cache_layout: Some(KvLayout::HND),
+            opaque_blocks: Some("vLLM's CPU backend stores K transposed inside a block".into()),
+            ..opts()
+        };
+        let n = negotiate(&dense(), &cpu, &[nixl()]).unwrap();
+        assert!(n.effective.opaque_blocks);
+        assert!(n.adapters.is_empty());
+        let e = negotiate(&dense(), &cpu, &[flexkv(), nixl()]).unwrap_err();
+        assert!(matches!(e, Conflict::OpaqueBlocks { .. }), "{e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains("stores K transposed"), "{msg}");
+        assert!(msg.contains("child 'flexkv': LBNHC -> LBHNC"), "{msg}");
+        // The same children over a known layout adapt as before.
+        assert_eq!(negotiate(&dense(), &opts(), &[flexkv(), nixl()]).unwrap().adapters.len(), 1);
     }
 
     #[test]

@@ -65,7 +65,9 @@ fn inner_order(g: &Geometry) -> Vec<Dim> {
 /// bytes are, or block shape, differ), whatever the request. A plan can also adapt for one request only: one whose
 /// first token to load is not on a block boundary.
 pub fn layouts_adapt(peer: &Geometry, own: &Geometry) -> bool {
-    inner_order(peer) != inner_order(own) || peer.shape() != own.shape()
+    inner_order(peer) != inner_order(own)
+        || peer.shape() != own.shape()
+        || peer.opaque_blocks() != own.opaque_blocks()
 }
 
 fn plan_err(msg: String) -> TransferError {
@@ -117,6 +119,14 @@ impl CopyPlan {
         }
         let parts = peer.shape().kv_parts;
         let direct = bp == bd && first % bp == 0 && !layouts_adapt(peer, own);
+        if !direct && (peer.opaque_blocks() || own.opaque_blocks()) {
+            return Err(plan_err(format!(
+                "request {}: loading tokens {first}..{end} would adapt blocks (producer {} blocks of {bp} tokens, this engine {} of {bd}), but opaque blocks move whole only: same block size and engine backend on both sides, loads starting on a block boundary",
+                load.request,
+                if peer.opaque_blocks() { "opaque" } else { "known-layout" },
+                if own.opaque_blocks() { "opaque" } else { "known-layout" },
+            )));
+        }
         if direct {
             let mut runs = Vec::new();
             for (g, layers) in groups.iter().enumerate() {
