@@ -197,6 +197,10 @@ class KvconnectConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving, failed = self._worker.get_finished(sorted(finished_req_ids))
+        for r in recving:
+            logger.info("kvconnect worker: request %s loaded its external KV", r)
+        for r in failed:
+            logger.warning("kvconnect worker: request %s failed to load its external KV", r)
         # A failed load is finished too: vLLM then applies kv_load_failure_policy to the
         # blocks get_block_ids_with_load_errors reports.
         recving = set(recving) | set(failed)

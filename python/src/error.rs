@@ -40,6 +40,9 @@ pub enum AdapterError {
     /// The side channel (prefill) could not start.
     #[error("kvconnect: {0}")]
     SideChannel(String),
+    /// A combination the adapter does not implement.
+    #[error("kvconnect: not implemented: {0}")]
+    NotImplemented(String),
     /// Step metadata from the scheduler half cannot be read.
     #[error("kvconnect: step metadata from the scheduler: {0}")]
     Meta(String),

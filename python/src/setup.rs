@@ -11,7 +11,8 @@ use kvconnect_api::negotiate::{EngineOptions, HmaOption, Negotiated};
 use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype};
 use kvconnect_host::registry::{Registry, RegistryConfig};
-use kvconnect_host::server::connector_setup::with_side_channel;
+use kvconnect_host::server::connector_setup::{nixl_backend, with_side_channel};
+use kvconnect_nixl::config::Backend;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::net::{IpAddr, Ipv4Addr};
@@ -136,6 +137,11 @@ impl Setup {
         };
         let port = extra.side_channel_port.unwrap_or(0);
         let (config, transports) = with_side_channel(&registry, &config, &host.to_string(), port);
+        if nixl_backend(&transports).map_err(extra_err)? == Some(Backend::Shm) {
+            return Err(AdapterError::NotImplemented(
+                "the nixl backend 'shm' inside vLLM: it reads the producer's KV cache from shared-memory segments, and vLLM allocates its KV cache itself, in private memory; use backend 'tcp' (same host or across hosts)".into(),
+            ));
+        }
         let side_channel = match (transports.is_empty(), role, extra.side_channel_port) {
             (true, _, _) | (false, KvRole::Consumer, _) => None,
             (false, _, Some(p)) if p > 0 => Some((host, p)),

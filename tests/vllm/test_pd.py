@@ -195,6 +195,9 @@ def run_pd(model: str, logdir: Path, ps, backend: str, expected: list):
         want = [(len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK]
         if sorted(ext) != sorted(want):
             raise Failed(f"{backend}: decode loaded external tokens {ext}, expected {want} (the whole blocks before each prompt's last token)\n{dec.tail()}")
+        loaded = dec.text().count("loaded its external KV")
+        if loaded != len(want) or "failed to load its external KV" in dec.text():
+            raise Failed(f"{backend}: decode's worker finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
         if "handshake accepted" not in dec.text():
             raise Failed(f"{backend}: decode never handshook with prefill\n{dec.tail()}")
         print(f"ok: P/D over nixl/{backend} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens")
@@ -207,18 +210,18 @@ def run_pd(model: str, logdir: Path, ps, backend: str, expected: list):
         dec.stop()
 
 
-def run_bad_connector(model: str, logdir: Path):
-    inner = {"kv_connector": "NoSuchConnector"}
-    srv = Server("bad-connector", model, logdir, core=0, kv_config=kv_config("kv_both", inner))
+def run_refused(model: str, logdir: Path, name: str, inner: dict, want: str):
+    """vLLM must stop at startup with kvconnect's one-line message containing `want`."""
+    srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner, port=free_port()))
     try:
         status = srv.wait_exit(START_TIMEOUT)
         text = srv.text()
         if status == 0:
-            raise Failed("vLLM started with an unknown kvconnect connector")
-        line = next((l for l in text.splitlines() if "no connector named 'NoSuchConnector'" in l), None)
+            raise Failed(f"{name}: vLLM started")
+        line = next((l for l in text.splitlines() if want in l and "KvconnectError" in l), None)
         if line is None:
-            raise Failed(f"the unknown connector was not refused with kvconnect's message\n{srv.tail()}")
-        print(f"ok: unknown connector refused at startup: {line.strip()[:300]}")
+            raise Failed(f"{name}: not refused with kvconnect's message ({want!r})\n{srv.tail()}")
+        print(f"ok: {name} refused at startup: {line.strip()[:400]}")
     finally:
         srv.stop()
 
@@ -237,7 +240,10 @@ def main():
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
         for backend in a.backends.split(","):
             run_pd(model, tmp, ps, backend, expected)
-        run_bad_connector(model, tmp)
+        run_refused(model, tmp, "unknown-connector", {"kv_connector": "NoSuchConnector"},
+                    "no connector named 'NoSuchConnector'")
+        run_refused(model, tmp, "shm-backend", {"kv_connector": "NixlConnector",
+                    "kv_connector_extra_config": {"backend": "shm"}}, "not implemented: the nixl backend 'shm'")
     except Failed as e:
         print(f"FAILED: {e}", file=sys.stderr)
         print(f"logs in {tmp}", file=sys.stderr)
