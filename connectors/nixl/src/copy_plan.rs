@@ -363,6 +363,26 @@ mod tests {
     }
 
     #[test]
+    fn opaque_blocks_copy_whole_or_not_at_all() {
+        let opaque = |tokens| geo(KvLayout::HND, tokens).with_opaque_blocks(true);
+        let groups = vec![vec![LayerId(0), LayerId(1)]];
+        // Equal opaque geometries: each block (K part then V part) is one run per layer.
+        let p = CopyPlan::build(&opaque(4), &opaque(4), &groups, &load(vec![2, 3], vec![5, 6], 0, 8)).unwrap();
+        let CopyPlan::Direct(runs) = &p else { panic!("expected direct: {p:?}") };
+        assert_eq!(runs.len(), 2, "{runs:?}");
+        assert!(runs.iter().all(|r| r.len == 2 * 2 * 64 && r.src_off == 2 * 128 && r.dst_off == 5 * 128));
+        // Anything that would look inside a block is refused, naming why.
+        for (peer, own, first) in [
+            (opaque(4), opaque(8), 0),
+            (opaque(4), geo(KvLayout::HND, 4), 0),
+            (opaque(4), opaque(4), 2),
+        ] {
+            let e = CopyPlan::build(&peer, &own, &groups, &load(vec![2, 3], vec![5, 6], first, 8)).unwrap_err();
+            assert!(e.to_string().contains("opaque blocks move whole only"), "{e}");
+        }
+    }
+
+    #[test]
     fn too_few_blocks_is_a_plan_error() {
         let g = geo(KvLayout::HND, 4);
         let e =
