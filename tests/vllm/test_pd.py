@@ -244,6 +244,9 @@ def main():
                     "no connector named 'NoSuchConnector'")
         run_refused(model, tmp, "shm-backend", {"kv_connector": "NixlConnector",
                     "kv_connector_extra_config": {"backend": "shm"}}, "not implemented: the nixl backend 'shm'")
+        # flexkv works in NHD and would transpose into vLLM's CPU blocks, which are opaque.
+        run_refused(model, tmp, "adapter-over-opaque", {"kv_connector": "FlexKVConnectorV1"},
+                    "the engine's KV blocks are opaque")
     except Failed as e:
         print(f"FAILED: {e}", file=sys.stderr)
         print(f"logs in {tmp}", file=sys.stderr)
