@@ -67,6 +67,9 @@ struct StrictFields<'a> {
     #[serde(skip_serializing_if = "<[StateGroup]>::is_empty")]
     state_groups: &'a [StateGroup],
     transfer_mode: TransferMode,
+    /// Left out when false, so engines over known layouts hash as they always have.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    opaque_blocks: bool,
 }
 
 impl CompatDescriptor {
@@ -94,6 +97,7 @@ impl CompatDescriptor {
             kv_groups: &self.effective.groups,
             state_groups: &self.effective.state_groups,
             transfer_mode: self.effective.transfer_mode,
+            opaque_blocks: self.effective.opaque_blocks,
         };
         // Structs, enums, strings and integers only: serialising cannot fail; an empty
         // string would still hash to a value no real descriptor produces.
@@ -460,22 +464,42 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             String::new(),
         );
     }
+    // Opaque blocks (an engine-private in-block order) move whole: nothing about them adapts.
+    let opaque = ea.opaque_blocks || eb.opaque_blocks;
+    if ea.opaque_blocks != eb.opaque_blocks {
+        let name = |o: bool| if o { "opaque" } else { "known layout" }.to_owned();
+        let which = if ea.opaque_blocks { ar } else { br };
+        push(
+            LayoutField::OpaqueBlocks,
+            FieldClass::Strict,
+            name(ea.opaque_blocks),
+            "from the engine backend".to_owned(),
+            name(eb.opaque_blocks),
+            "from the engine backend".to_owned(),
+            format!("{which}'s engine backend keeps its in-block order private, so its blocks cannot be re-laid-out for the other side: run the same engine backend on {ar} and {br}"),
+            String::new(),
+        );
+    }
+    let adaptable = if opaque { FieldClass::Strict } else { FieldClass::Adaptable };
+    let opaque_remedy = |field: &str| {
+        format!("opaque blocks move whole, never adapted: set the same {field} on {ar} and {br}")
+    };
     if !same_layout_bytes(a, b) {
         let p = LayoutPermutation::between(eb.layout, ea.layout);
         push(
             LayoutField::Layout,
-            FieldClass::Adaptable,
+            adaptable,
             ea.layout.display_name(),
             a.why(LayoutField::Layout),
             eb.layout.display_name(),
             b.why(LayoutField::Layout),
-            format!(
+            if opaque { opaque_remedy("kv_cache_layout") } else { format!(
                 "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set kv_cache_layout={} on both",
                 p.perm,
                 p.from.canonical_name(),
                 p.to.canonical_name(),
                 ea.layout.canonical_name()
-            ),
+            ) },
             String::new(),
         );
     }
@@ -491,12 +515,12 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
         };
         push(
             LayoutField::BlockSize,
-            FieldClass::Adaptable,
+            adaptable,
             ea.block_size.to_string(),
             a.why(LayoutField::BlockSize),
             eb.block_size.to_string(),
             b.why(LayoutField::BlockSize),
-            remedy,
+            if opaque { opaque_remedy("block_size") } else { remedy },
             String::new(),
         );
     }
@@ -802,6 +826,31 @@ mod tests {
     }
 
     #[test]
+    fn opaque_blocks_are_strict_and_never_adapted() {
+        let cpu = |bs| EngineOptions {
+            kv_cache_layout: Some(KvLayout::HND),
+            block_size: Some(bs),
+            opaque_blocks: Some("engine-private in-block order".into()),
+            ..opts()
+        };
+        let (a, b) = (desc(&qwen3(), &cpu(16), &[nixl()]), desc(&qwen3(), &cpu(16), &[nixl()]));
+        assert!(check_roles(&a, &b).unwrap().is_identity());
+        assert_eq!(a.compat_hash(), b.compat_hash());
+        // Against an engine over a known layout: different hashes and a strict diff.
+        let known = desc(&qwen3(), &EngineOptions { kv_cache_layout: Some(KvLayout::HND), ..opts() }, &[nixl()]);
+        assert_ne!(a.compat_hash(), known.compat_hash());
+        let e = check_roles(&a, &known).unwrap_err();
+        assert_eq!(e.diffs[0].field, "opaque_blocks", "{e}");
+        assert!(e.to_string().contains("prefill's engine backend keeps its in-block order private"), "{e}");
+        // Block sizes that would otherwise split or merge blocks are refused between opaque ones.
+        let e = check_roles(&a, &desc(&qwen3(), &cpu(32), &[nixl()])).unwrap_err();
+        assert_eq!(e.diffs[0].field, "block_size");
+        assert!(e.diffs[0].remedy.contains("opaque blocks move whole"), "{e}");
+        // Engines over known layouts hash as before: the field is absent from their JSON.
+        assert!(!known.strict_json().contains("opaque"));
+    }
+
+    #[test]
     fn one_kv_head_layouts_are_one_layout_across_workers() {
         let layout = |l| EngineOptions { kv_cache_layout: Some(l), ..opts() };
         // Gemma 3 1B has one KV head: NHD and HND are the same bytes.
@@ -1041,6 +1090,7 @@ mod tests {
                     KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(1), LayerId(3)] },
                 ],
                 state_groups: vec![],
+                opaque_blocks: false,
             },
             kv_heads: 8,
             tp_size: 1,

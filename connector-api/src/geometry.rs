@@ -111,12 +111,27 @@ pub struct Geometry {
     shape: BlockShape,
     layout: KvLayout,
     regions: Vec<RegionShape>,
+    opaque: bool,
 }
 
 impl Geometry {
     /// A geometry over `regions`, in registration order.
     pub fn new(shape: BlockShape, layout: KvLayout, regions: Vec<RegionShape>) -> Geometry {
-        Geometry { shape, layout, regions }
+        Geometry { shape, layout, regions, opaque: false }
+    }
+
+    /// The same geometry over opaque blocks (`EffectiveLayout::opaque_blocks`): each layer's
+    /// blocks lie one after another in its region, a block's K part then its V part, so a
+    /// block's parts together are one contiguous run. Their inner order is not known:
+    /// [`Geometry::inner_offset`] means nothing here, and blocks may only be copied whole.
+    pub fn with_opaque_blocks(mut self, opaque: bool) -> Geometry {
+        self.opaque = opaque;
+        self
+    }
+
+    /// True for a geometry over opaque blocks.
+    pub fn opaque_blocks(&self) -> bool {
+        self.opaque
     }
 
     /// The block shape.
@@ -167,7 +182,10 @@ impl Geometry {
         let nl = r.layers.len();
         let b = block.0 as usize;
         let nb = r.num_blocks as usize;
-        let offset = if self.layout.position(Dim::B) < self.layout.position(Dim::L) {
+        let offset = if self.opaque {
+            // [L][B][KV][..]: whole blocks per layer.
+            ((li * nb + b) * parts + part as usize) * blk
+        } else if self.layout.position(Dim::B) < self.layout.position(Dim::L) {
             // [B][L][KV][..]
             ((b * nl + li) * parts + part as usize) * blk
         } else {
@@ -248,6 +266,27 @@ mod tests {
         );
         let blk = shape().bytes();
         assert_eq!(g.span(LayerId(1), 1, BlockId(2)).unwrap().offset, ((2 * 2 + 1) * 2 + 1) * blk);
+    }
+
+    #[test]
+    fn opaque_blocks_are_whole_per_layer() {
+        let g = Geometry::new(
+            shape(),
+            KvLayout::HND,
+            vec![
+                RegionShape { layers: vec![LayerId(0)], num_blocks: 10 },
+                RegionShape { layers: vec![LayerId(1)], num_blocks: 10 },
+            ],
+        )
+        .with_opaque_blocks(true);
+        let blk = shape().bytes();
+        let k = g.span(LayerId(1), 0, BlockId(3)).unwrap();
+        let v = g.span(LayerId(1), 1, BlockId(3)).unwrap();
+        assert_eq!(k, Span { region: 1, offset: 6 * blk, len: blk });
+        // V follows K inside the same block: the block is one run of 2 * blk bytes.
+        assert_eq!(v.offset, k.offset + blk);
+        assert_eq!(g.region_bytes(&g.regions()[0]), 10 * 2 * blk);
+        assert!(g.span(LayerId(0), 0, BlockId(10)).is_err());
     }
 
     #[test]

@@ -154,7 +154,7 @@ impl KvMemory {
                 return Err(RegionError::MissingLayer(l));
             }
         }
-        Ok(KvMemory { geometry: Geometry::new(shape, eff.layout, shapes), bases })
+        Ok(KvMemory { geometry: Geometry::new(shape, eff.layout, shapes).with_opaque_blocks(eff.opaque_blocks), bases })
     }
 
     /// The geometry the regions follow.
@@ -242,6 +242,7 @@ mod tests {
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
             state_groups: vec![],
+            opaque_blocks: false,
         }
     }
 

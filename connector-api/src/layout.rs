@@ -287,6 +287,13 @@ pub struct EffectiveLayout {
     /// Empty for models without such layers (and then left out of the JSON).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub state_groups: Vec<StateGroup>,
+    /// The engine's in-block order is its own (vLLM's CPU attention backend stores K
+    /// transposed inside a block): `layout` then only says that each layer's blocks are
+    /// addressed per layer, and a block's K and V parts lie together, K first, as one
+    /// contiguous block that moves whole and is never adapted. Left out of the JSON when
+    /// false, so every other engine's descriptors and hashes are unchanged.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub opaque_blocks: bool,
 }
 
 #[cfg(test)]

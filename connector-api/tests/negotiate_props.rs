@@ -136,6 +136,7 @@ fn options() -> impl Strategy<Value = EngineOptions> {
             tp_size: tp,
             tp_rank: tp - 1,
             allow_adapters: allow,
+            opaque_blocks: None,
         })
 }
 
@@ -321,6 +322,10 @@ fn check_conflict(
         Conflict::BlockSize { by_user: true, block_size, .. } => {
             prop_assert_eq!(Some(*block_size), o.block_size);
             prop_assert!(!children.iter().all(|c| block_fits(&c.caps, *block_size)));
+        }
+        Conflict::OpaqueBlocks { children: ch, .. } => {
+            prop_assert!(o.opaque_blocks.is_some());
+            prop_assert!(!ch.is_empty());
         }
         Conflict::HmaUnsupported { unsupported, .. } => {
             prop_assert_eq!(o.hybrid_kv_cache_manager, HmaOption::On);

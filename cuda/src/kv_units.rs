@@ -377,6 +377,7 @@ mod tests {
                 transfer_mode: TransferMode::None,
                 groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..3).map(LayerId).collect() }],
                 state_groups: vec![],
+                opaque_blocks: false,
             };
             let shape = BlockShape::of(&model, &eff);
             let g = Geometry::new(shape, layout, regions(layout, 3, 9));

@@ -41,6 +41,7 @@ pub fn ctx(dir: &Path) -> ConnectorContext {
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
             state_groups: vec![],
+            opaque_blocks: false,
         },
         role: KvRole::Both,
         engine_id: "e0".into(),

@@ -143,6 +143,7 @@ fn worker_ctx() -> ConnectorContext {
             transfer_mode: TransferMode::None,
             groups: vec![],
             state_groups: vec![],
+            opaque_blocks: false,
         },
         role: KvRole::Both,
         engine_id: "e".into(),

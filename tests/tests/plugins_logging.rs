@@ -64,6 +64,7 @@ fn plugin_events_appear_in_the_host_subscriber() {
             transfer_mode: kvconnect_api::TransferMode::None,
             groups: vec![],
             state_groups: vec![],
+            opaque_blocks: false,
         },
         role: kvconnect_api::KvRole::Both,
         engine_id: "e".into(),

@@ -60,6 +60,7 @@ pub fn json_values() -> Vec<JsonValue> {
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
             state_groups: vec![],
+            opaque_blocks: false,
         },
         role: KvRole::Both,
         engine_id: "engine-0".into(),

@@ -90,6 +90,19 @@ pub enum Conflict {
         /// What to change.
         remedy: String,
     },
+    /// The engine's blocks are opaque and a child would need a layout adapter, which looks
+    /// inside blocks.
+    #[error("the engine's KV blocks are opaque ({why}), but {} would need a layout adapter ({}), which re-lays-out block contents; blocks can only move whole. Remedy: use connectors that accept the engine's layout {layout} as it is (nixl, lmcache, pd over them), or run an engine backend whose in-block layout is NHD or HND", them(.children), .adapters.join("; "))]
+    OpaqueBlocks {
+        /// Why the engine's blocks are opaque.
+        why: String,
+        /// The layout the engine's blocks are addressed in.
+        layout: KvLayout,
+        /// The children that would adapt.
+        children: Vec<String>,
+        /// Each adapter, in words (`child 'flexkv': LBNHC -> BLHNC`).
+        adapters: Vec<String>,
+    },
     /// No block size satisfies every child, or the user's does not.
     #[error("{}: {}. Children's block-size constraints: {}. Remedy: {remedy}", block_head(.block_size, .by_user), .violations.join("; "), constraint_list(.constraints))]
     BlockSize {

@@ -43,6 +43,14 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     let (hma, groups) = decide_hma(model, opts, parties)?;
     let state = decide_state(model, parties)?;
     let (layout, adapters) = decide_layout(opts, parties)?;
+    if let (Some(why), false) = (&opts.opaque_blocks, adapters.is_empty()) {
+        let children: Vec<String> = adapters.iter().map(|(i, _)| parties[*i].label.clone()).collect();
+        let words = adapters
+            .iter()
+            .map(|(i, a)| format!("{}: {} -> {}", parties[*i].label, a.native, a.effective))
+            .collect();
+        return Err(Conflict::OpaqueBlocks { why: why.clone(), layout: layout.value, children, adapters: words });
+    }
     let block = decide_block_size(opts, parties)?;
     let dtype = decide_dtype(model, opts, parties)?;
     let memory = decide_memory(opts, parties)?;
@@ -88,6 +96,7 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
         transfer_mode: mode.value,
         groups: groups.value,
         state_groups,
+        opaque_blocks: opts.opaque_blocks.is_some(),
     };
     Ok((effective, provenance, adapters))
 }

@@ -80,6 +80,10 @@ pub struct EngineOptions {
     pub tp_rank: u32,
     /// Whether a child may adapt its own data path to a layout it does not accept.
     pub allow_adapters: bool,
+    /// The engine's in-block order is its own (`Some(why)`), e.g. vLLM's CPU attention backend,
+    /// which stores K transposed inside a block. `kv_cache_layout` then only says where whole
+    /// blocks are; blocks move whole and are never adapted, so a layout adapter is a conflict.
+    pub opaque_blocks: Option<String>,
 }
 
 impl Default for EngineOptions {
@@ -93,6 +97,7 @@ impl Default for EngineOptions {
             tp_size: 1,
             tp_rank: 0,
             allow_adapters: true,
+            opaque_blocks: None,
         }
     }
 }

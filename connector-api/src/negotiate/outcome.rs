@@ -62,13 +62,15 @@ pub enum LayoutField {
     StateGroups,
     /// The tensor-parallel size.
     TpSize,
+    /// Whether the engine's in-block order is private (blocks move whole only).
+    OpaqueBlocks,
     /// A name this build does not know, from a newer peer: kept as sent.
     Other(String),
 }
 
 impl LayoutField {
     /// Every field this build knows, in the order negotiation reports them.
-    pub const KNOWN: [LayoutField; 10] = [
+    pub const KNOWN: [LayoutField; 11] = [
         LayoutField::Model,
         LayoutField::Layout,
         LayoutField::Hma,
@@ -79,6 +81,7 @@ impl LayoutField {
         LayoutField::KvGroups,
         LayoutField::StateGroups,
         LayoutField::TpSize,
+        LayoutField::OpaqueBlocks,
     ];
 
     /// The field's name (`block_size`).
@@ -94,6 +97,7 @@ impl LayoutField {
             LayoutField::KvGroups => "kv_groups",
             LayoutField::StateGroups => "state_groups",
             LayoutField::TpSize => "tp_size",
+            LayoutField::OpaqueBlocks => "opaque_blocks",
             LayoutField::Other(name) => name,
         }
     }

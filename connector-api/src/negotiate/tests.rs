@@ -340,6 +340,25 @@ fn flexkv_adapts_to_nixls_hnd() {
 }
 
 #[test]
+fn opaque_blocks_refuse_an_adapter_and_name_why() {
+    let cpu = EngineOptions {
+        kv_cache_layout: Some(KvLayout::HND),
+        opaque_blocks: Some("vLLM's CPU backend stores K transposed inside a block".into()),
+        ..opts()
+    };
+    let n = negotiate(&dense(), &cpu, &[nixl()]).unwrap();
+    assert!(n.effective.opaque_blocks);
+    assert!(n.adapters.is_empty());
+    let e = negotiate(&dense(), &cpu, &[flexkv(), nixl()]).unwrap_err();
+    assert!(matches!(e, Conflict::OpaqueBlocks { .. }), "{e:?}");
+    let msg = e.to_string();
+    assert!(msg.contains("stores K transposed"), "{msg}");
+    assert!(msg.contains("child 'flexkv': LBNHC -> LBHNC"), "{msg}");
+    // The same children over a known layout adapt as before.
+    assert_eq!(negotiate(&dense(), &opts(), &[flexkv(), nixl()]).unwrap().adapters.len(), 1);
+}
+
+#[test]
 fn explain_is_aligned() {
     let n = negotiate(&hybrid(), &opts(), &[lmcache(256), nixl()]).unwrap();
     let text = n.explain();

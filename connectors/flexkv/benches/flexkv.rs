@@ -82,6 +82,7 @@ fn eff(layout: KvLayout) -> EffectiveLayout {
         transfer_mode: TransferMode::None,
         groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
         state_groups: vec![],
+        opaque_blocks: false,
     }
 }
 

@@ -231,6 +231,7 @@ mod tests {
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
             state_groups: vec![],
+            opaque_blocks: false,
         };
         let shape = BlockShape::of(&model, &eff(KvLayout::HND));
         let len = 3 * shape.layer_block_bytes();

@@ -86,6 +86,7 @@ impl Engine {
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..layers).map(LayerId).collect() }],
             state_groups: vec![],
+            opaque_blocks: false,
         };
         let mut config = KvTransferConfig::named("LMCacheConnectorV1");
         config.kv_connector_extra_config = extra.as_object().cloned().unwrap();

@@ -237,6 +237,7 @@ mod tests {
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
             state_groups: vec![],
+            opaque_blocks: false,
         }
     }
 

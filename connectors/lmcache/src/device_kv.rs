@@ -364,6 +364,7 @@ mod tests {
             transfer_mode: TransferMode::None,
             groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(1)] }],
             state_groups: vec![],
+            opaque_blocks: false,
         };
         let cl = ChunkLayout::new(&model, &eff, 64).unwrap();
         let grid = ChunkGrid::new(&cl, 64);

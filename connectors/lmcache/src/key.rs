@@ -138,6 +138,7 @@ mod tests {
                 transfer_mode: kvconnect_api::TransferMode::None,
                 groups: vec![],
                 state_groups: vec![],
+                opaque_blocks: false,
             },
             role: KvRole::Both,
             engine_id: "e".into(),

@@ -67,7 +67,9 @@ fn inner_order(g: &Geometry) -> Vec<Dim> {
 /// bytes are, or block shape, differ), whatever the request. A plan can also adapt for one request only: one whose
 /// first token to load is not on a block boundary.
 pub fn layouts_adapt(peer: &Geometry, own: &Geometry) -> bool {
-    inner_order(peer) != inner_order(own) || peer.shape() != own.shape()
+    inner_order(peer) != inner_order(own)
+        || peer.shape() != own.shape()
+        || peer.opaque_blocks() != own.opaque_blocks()
 }
 
 fn plan_err(msg: String) -> TransferError {
@@ -119,6 +121,14 @@ impl CopyPlan {
         }
         let parts = peer.shape().kv_parts;
         let direct = bp == bd && first % bp == 0 && !layouts_adapt(peer, own);
+        if !direct && (peer.opaque_blocks() || own.opaque_blocks()) {
+            return Err(plan_err(format!(
+                "request {}: loading tokens {first}..{end} would adapt blocks (producer {} blocks of {bp} tokens, this engine {} of {bd}), but opaque blocks move whole only: same block size and engine backend on both sides, loads starting on a block boundary",
+                load.request,
+                if peer.opaque_blocks() { "opaque" } else { "known-layout" },
+                if own.opaque_blocks() { "opaque" } else { "known-layout" },
+            )));
+        }
         if direct {
             let mut runs = Vec::new();
             for (g, layers) in groups.iter().enumerate() {
@@ -477,6 +487,26 @@ mod tests {
         let p = CopyPlan::build(&g, &g, &groups, &load(vec![2, 4, 3], vec![5, 6, 7], 0, 10)).unwrap();
         let CopyPlan::Direct(runs) = &p else { panic!("expected direct") };
         assert_eq!(runs.len(), 12, "non-contiguous source blocks stay separate");
+    }
+
+    #[test]
+    fn opaque_blocks_copy_whole_or_not_at_all() {
+        let opaque = |tokens| geo(KvLayout::HND, tokens).with_opaque_blocks(true);
+        let groups = vec![vec![LayerId(0), LayerId(1)]];
+        // Equal opaque geometries: each block (K part then V part) is one run per layer.
+        let p = CopyPlan::build(&opaque(4), &opaque(4), &groups, &load(vec![2, 3], vec![5, 6], 0, 8)).unwrap();
+        let CopyPlan::Direct(runs) = &p else { panic!("expected direct: {p:?}") };
+        assert_eq!(runs.len(), 2, "{runs:?}");
+        assert!(runs.iter().all(|r| r.len == 2 * 2 * 64 && r.src_off == 2 * 128 && r.dst_off == 5 * 128));
+        // Anything that would look inside a block is refused, naming why.
+        for (peer, own, first) in [
+            (opaque(4), opaque(8), 0),
+            (opaque(4), geo(KvLayout::HND, 4), 0),
+            (opaque(4), opaque(4), 2),
+        ] {
+            let e = CopyPlan::build(&peer, &own, &groups, &load(vec![2, 3], vec![5, 6], first, 8)).unwrap_err();
+            assert!(e.to_string().contains("opaque blocks move whole only"), "{e}");
+        }
     }
 
     #[test]

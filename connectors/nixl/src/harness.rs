@@ -35,6 +35,7 @@ pub fn effective(model: &ModelSpec, layout: KvLayout, block_size: u32) -> Effect
         transfer_mode: TransferMode::Pull,
         groups: vec![KvGroup { kind: AttentionKind::Full, layers: model.kv_layers() }],
         state_groups: vec![],
+        opaque_blocks: false,
     }
 }
 

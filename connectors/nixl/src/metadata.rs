@@ -41,6 +41,10 @@ pub struct ProducerMetadata {
     pub shape: BlockShape,
     /// Its layout.
     pub layout: KvLayout,
+    /// Its blocks are opaque (`EffectiveLayout::opaque_blocks`): they move whole, never
+    /// adapted. Absent (false) from producers over known layouts.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub opaque_blocks: bool,
     /// Its regions' arrangement, in registration order.
     pub region_shapes: Vec<RegionShape>,
     /// Its regions' sizes and shm segments, same order.
@@ -129,7 +133,8 @@ impl PeerInfo {
                 meta.region_shapes.len()
             )));
         }
-        let geometry = Geometry::new(meta.shape, meta.layout, meta.region_shapes.clone());
+        let geometry =
+            Geometry::new(meta.shape, meta.layout, meta.region_shapes.clone()).with_opaque_blocks(meta.opaque_blocks);
         for (r, s) in meta.regions.iter().zip(&meta.region_shapes) {
             let want = geometry.checked_region_bytes(s).ok_or_else(|| {
                 bad(format!(
@@ -211,6 +216,16 @@ impl PeerInfo {
         if p.tokens == 0 || o.tokens == 0 {
             return Err(bad(format!("peer engine '{e}' or this engine has a block size of 0 tokens")));
         }
+        if self.meta.opaque_blocks != own.opaque_blocks() || (own.opaque_blocks() && p.tokens != o.tokens) {
+            let side = |opaque: bool, tokens: u32| {
+                format!("{} blocks of {tokens} tokens", if opaque { "opaque" } else { "known-layout" })
+            };
+            return Err(bad(format!(
+                "peer engine '{e}' has {}, this engine {}: opaque blocks (an engine-private in-block order) move whole between engines with the same block size only, never adapted; run the same engine backend and block size on both sides",
+                side(self.meta.opaque_blocks, p.tokens),
+                side(own.opaque_blocks(), o.tokens)
+            )));
+        }
         if self.meta.groups != own_groups {
             return Err(bad(format!(
                 "peer engine '{e}' has KV cache groups {:?}, this engine {:?}: both sides must use the same hybrid KV cache manager setting",
@@ -278,6 +293,7 @@ pub(crate) fn sample_metadata() -> ProducerMetadata {
         pid: 1,
         nixl: None,
         cuda_ipc: None,
+        opaque_blocks: false,
     }
 }
 

@@ -594,6 +594,7 @@ impl WorkerConnector for NixlWorker {
             listen: p.addr().to_string(),
             shape: g.shape(),
             layout: g.layout(),
+            opaque_blocks: g.opaque_blocks(),
             region_shapes: g.regions().to_vec(),
             regions: self
                 .regions

@@ -177,6 +177,7 @@ mod tests {
                 transfer_mode: TransferMode::Pull,
                 groups: vec![],
                 state_groups: vec![],
+                opaque_blocks: false,
             },
             role: KvRole::Producer,
             engine_id: "e0".into(),

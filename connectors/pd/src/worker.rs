@@ -288,6 +288,7 @@ mod props {
                     transfer_mode: kvconnect_api::TransferMode::Pull,
                     groups: vec![],
                     state_groups: vec![],
+                    opaque_blocks: false,
                 },
                 role: kvconnect_api::KvRole::Producer,
                 engine_id: "e".into(),

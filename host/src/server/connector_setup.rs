@@ -75,16 +75,29 @@ pub fn nixl_backend(nixl_configs: &[KvTransferConfig]) -> Result<Option<Backend>
 /// Both halves of a connector instance.
 pub type ConnectorHalves = (Box<dyn SchedulerConnector>, Box<dyn WorkerConnector>);
 
+fn resolve(registry: &Registry, ctx: &ConnectorContext) -> Result<std::sync::Arc<dyn kvconnect_api::ConnectorFactory>, String> {
+    use kvconnect_api::ConnectorResolver;
+    registry
+        .resolve(&ctx.config)
+        .map_err(|e| format!("cannot resolve connector '{}': {e}", ctx.config.kv_connector))
+}
+
+/// Creates the scheduler half of the configured connector (an engine whose scheduler and
+/// workers live in separate processes, as vLLM's do, creates each half where it runs).
+pub fn create_scheduler(registry: &Registry, ctx: &ConnectorContext) -> Result<Box<dyn SchedulerConnector>, String> {
+    resolve(registry, ctx)?
+        .create_scheduler(ctx)
+        .map_err(|e| format!("cannot create the scheduler half: {e}"))
+}
+
+/// Creates the worker half of the configured connector.
+pub fn create_worker(registry: &Registry, ctx: &ConnectorContext) -> Result<Box<dyn WorkerConnector>, String> {
+    resolve(registry, ctx)?.create_worker(ctx).map_err(|e| format!("cannot create the worker half: {e}"))
+}
+
 /// Creates both halves of the configured connector.
 pub fn create_connector(registry: &Registry, ctx: &ConnectorContext) -> Result<ConnectorHalves, String> {
-    use kvconnect_api::ConnectorResolver;
-    let factory = registry
-        .resolve(&ctx.config)
-        .map_err(|e| format!("cannot resolve connector '{}': {e}", ctx.config.kv_connector))?;
-    let sched =
-        factory.create_scheduler(ctx).map_err(|e| format!("cannot create the scheduler half: {e}"))?;
-    let worker = factory.create_worker(ctx).map_err(|e| format!("cannot create the worker half: {e}"))?;
-    Ok((sched, worker))
+    Ok((create_scheduler(registry, ctx)?, create_worker(registry, ctx)?))
 }
 
 #[cfg(test)]

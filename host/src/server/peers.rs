@@ -91,48 +91,74 @@ impl Peers {
             Some(PeerState::Refused(f)) => return Err(f.clone()),
             None => {}
         }
-        let outcome = handshake(addr, &self.local, &self.engine_id, self.token.as_deref(), self.timeout)
-            .await
-            .map_err(|e| PeerFailure {
-                reason: "peer_unreachable",
-                message: format!("cannot handshake with prefill engine '{engine}' at {addr}: {e}"),
-                diff: Vec::new(),
-            })?;
-        match outcome {
-            HandshakeOutcome::Welcome { compat, engine_id, metadata, plan } => {
-                if engine_id != engine {
-                    let f = PeerFailure {
-                        reason: "wrong_engine",
-                        message: format!(
-                            "the side channel at {addr} belongs to engine '{engine_id}', not '{engine}' named in kv_transfer_params; no KV was loaded"
-                        ),
-                        diff: Vec::new(),
-                    };
-                    return Err(f);
+        let envelope = match peer_envelope(
+            addr,
+            engine,
+            &self.local,
+            &self.engine_id,
+            self.token.as_deref(),
+            self.timeout,
+        )
+        .await
+        {
+            Ok(envelope) => envelope,
+            Err(f) => {
+                if f.reason == "handshake_refused" {
+                    tracing::warn!(peer = %engine, %addr, "handshake refused: {}", f.message);
+                    known.insert(key, PeerState::Refused(f.clone()));
                 }
-                let envelope = json!({
-                    "engine_id": engine,
-                    "peer": metadata.unwrap_or(Value::Null),
-                    "plan": plan,
-                    "peer_effective": compat.effective,
-                });
-                handle.set_peer(envelope).await.map_err(|e| PeerFailure {
-                    reason: "peer_rejected",
+                return Err(f);
+            }
+        };
+        handle.set_peer(envelope).await.map_err(|e| PeerFailure {
+            reason: "peer_rejected",
+            message: format!("the connector rejected prefill engine '{engine}''s handshake metadata: {e}"),
+            diff: Vec::new(),
+        })?;
+        tracing::info!(peer = %engine, %addr, "handshake accepted; KV may be loaded from this peer");
+        known.insert(key, PeerState::Ready);
+        Ok(())
+    }
+}
+
+/// Handshakes with prefill engine `engine` at `addr` as a worker with descriptor `local` and
+/// id `engine_id`, and returns the envelope its connector gets through
+/// `set_peer_handshake_metadata` (ARCHITECTURE.md §6): `{"engine_id", "peer", "plan",
+/// "peer_effective"}`. Any engine that loads KV from a kvconnect prefill does this once per
+/// peer before loading: this worker and the vLLM adapter.
+pub async fn peer_envelope(
+    addr: &str,
+    engine: &str,
+    local: &CompatDescriptor,
+    engine_id: &str,
+    token: Option<&str>,
+    timeout: Duration,
+) -> Result<Value, PeerFailure> {
+    let outcome = handshake(addr, local, engine_id, token, timeout).await.map_err(|e| PeerFailure {
+        reason: "peer_unreachable",
+        message: format!("cannot handshake with prefill engine '{engine}' at {addr}: {e}"),
+        diff: Vec::new(),
+    })?;
+    match outcome {
+        HandshakeOutcome::Welcome { compat, engine_id, metadata, plan } => {
+            if engine_id != engine {
+                return Err(PeerFailure {
+                    reason: "wrong_engine",
                     message: format!(
-                        "the connector rejected prefill engine '{engine}''s handshake metadata: {e}"
+                        "the side channel at {addr} belongs to engine '{engine_id}', not '{engine}' named in kv_transfer_params; no KV was loaded"
                     ),
                     diff: Vec::new(),
-                })?;
-                tracing::info!(peer = %engine, %addr, "handshake accepted; KV may be loaded from this peer");
-                known.insert(key, PeerState::Ready);
-                Ok(())
+                });
             }
-            HandshakeOutcome::Refused { diff, message } => {
-                tracing::warn!(peer = %engine, %addr, "handshake refused: {message}");
-                let f = PeerFailure { reason: "handshake_refused", message, diff };
-                known.insert(key, PeerState::Refused(f.clone()));
-                Err(f)
-            }
+            Ok(json!({
+                "engine_id": engine,
+                "peer": metadata.unwrap_or(Value::Null),
+                "plan": plan,
+                "peer_effective": compat.effective,
+            }))
+        }
+        HandshakeOutcome::Refused { diff, message } => {
+            Err(PeerFailure { reason: "handshake_refused", message, diff })
         }
     }
 }

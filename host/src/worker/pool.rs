@@ -40,6 +40,7 @@ pub fn local_effective_layout(
         transfer_mode: TransferMode::None,
         groups,
         state_groups: vec![],
+        opaque_blocks: false,
     }
 }
 

@@ -42,6 +42,7 @@ pub fn effective(layout: KvLayout) -> EffectiveLayout {
         transfer_mode: TransferMode::None,
         groups: vec![KvGroup { kind: AttentionKind::Full, layers: vec![LayerId(0), LayerId(2)] }],
         state_groups: vec![],
+        opaque_blocks: false,
     }
 }
 

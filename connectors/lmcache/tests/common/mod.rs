@@ -39,6 +39,7 @@ pub fn effective(layout: KvLayout, block_size: u32) -> EffectiveLayout {
         transfer_mode: TransferMode::None,
         groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
         state_groups: vec![],
+        opaque_blocks: false,
     }
 }
 

@@ -1,0 +1,263 @@
+"""kvconnect connectors as a vLLM (v1) KV connector.
+
+    --kv-transfer-config '{"kv_connector": "KvconnectConnector",
+                           "kv_connector_module_path": "kvconnect.vllm",
+                           "kv_role": "kv_producer",
+                           "kv_connector_extra_config": {
+                               "kvconnect": {"kv_connector": "NixlConnector",
+                                             "kv_connector_extra_config": {"backend": "tcp"}},
+                               "side_channel_port": 5600}}'
+
+`kvconnect` is a kvconnect kv-transfer-config exactly as kvconnect takes it (any built-in
+or plugin connector); the other keys are the adapter's own (README.md). Both halves
+negotiate from vLLM's own settings at startup and refuse to start, with kvconnect's one-line
+message, when vLLM's settings contradict the negotiation. Everything else is delegated to
+the native module: this file only turns vLLM's objects into plain values.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from vllm.logger import init_logger
+
+from kvconnect import _kvconnect
+
+# Under vLLM's logger, so its handlers and level apply.
+logger = init_logger("vllm.kvconnect")
+
+# vLLM's CPU attention backend keeps each head's K transposed inside a block (and its
+# layout may change with the ISA): kvconnect moves such blocks whole and never adapts them.
+_CPU_OPAQUE = "vLLM's CPU attention backend stores K transposed inside a block"
+
+
+@dataclass
+class KvconnectMetadata(KVConnectorMetadata):
+    """One step's metadata: bytes the scheduler half made for the worker half."""
+
+    data: bytes
+
+
+def _layer_index(name: str) -> int:
+    try:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        return int(extract_layer_index(name))
+    except Exception:  # older or newer vLLM: the first number in the name
+        m = re.search(r"\.(\d+)\.", name)
+        if m is None:
+            raise _kvconnect.KvconnectError(
+                f"kvconnect: cannot tell the layer index of KV cache tensor '{name}'"
+            )
+        return int(m.group(1))
+
+
+def _kv_cache_layout(platform) -> Optional[str]:
+    if platform.is_cpu():
+        return "HND"  # vLLM's CPU backend logs "Using LBHNC KV cache layout"
+    try:
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+
+        return str(get_kv_cache_layout())
+    except Exception:
+        return None
+
+
+def _setup_json(vllm_config, tp_rank: int) -> str:
+    """vLLM's settings, as the native module negotiates from them."""
+    from vllm.platforms import current_platform
+
+    kt = vllm_config.kv_transfer_config
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    sc = vllm_config.scheduler_config
+    side = {
+        "kv_role": kt.kv_role,
+        "engine_id": str(kt.engine_id),
+        "extra_config": dict(kt.kv_connector_extra_config or {}),
+        "hf_config": mc.hf_config.to_dict(),
+        "block_size": int(cc.block_size),
+        "cache_dtype": str(cc.cache_dtype),
+        "model_dtype": str(mc.dtype).replace("torch.", ""),
+        "hma": not bool(getattr(sc, "disable_hybrid_kv_cache_manager", True)),
+        "tp_size": int(vllm_config.parallel_config.tensor_parallel_size),
+        "tp_rank": tp_rank,
+        "kv_device": str(current_platform.device_type),
+        "kv_cache_layout": _kv_cache_layout(current_platform),
+        "opaque_blocks": _CPU_OPAQUE if current_platform.is_cpu() else None,
+    }
+    return json.dumps(side, default=str)
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # the scheduler process has no TP group
+        return 0
+
+
+def _params(request) -> Optional[str]:
+    p = getattr(request, "kv_transfer_params", None)
+    return None if p is None else json.dumps(p)
+
+
+def _block_lists(blocks) -> list[list[int]]:
+    ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
+    if ids and isinstance(ids[0], int):
+        return [list(ids)]
+    return [list(g) for g in ids]
+
+
+class KvconnectConnector(KVConnectorBase_V1):
+    """A kvconnect connector behind vLLM's KV connector API (see the module's doc)."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._scheduler = None
+        self._worker = None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._layer_ids: dict[str, int] = {}
+        self._step = 0
+        self._save_blocks: tuple[int, list[int]] = (-1, [])
+        from vllm.platforms import current_platform
+
+        self._whole_blocks = current_platform.is_cpu()
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = _kvconnect.Scheduler(_setup_json(vllm_config, 0))
+            summary = self._scheduler.summary()
+        else:
+            self._worker = _kvconnect.Worker(_setup_json(vllm_config, _tp_rank()))
+            summary = self._worker.summary()
+        logger.info("kvconnect %s: %s", "scheduler" if self._scheduler else "worker", summary)
+
+    # ---- worker side ----
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        # The tensors are kept here: the native worker addresses their memory directly.
+        self._kv_caches = dict(kv_caches)
+        descs = []
+        for name, t in self._kv_caches.items():
+            if not t.is_contiguous():
+                raise _kvconnect.KvconnectError(
+                    f"kvconnect: KV cache tensor '{name}' is not contiguous (shape {tuple(t.shape)}, "
+                    f"strides {t.stride()}); kvconnect needs each layer's blocks back to back"
+                )
+            idx = _layer_index(name)
+            self._layer_ids[name] = idx
+            descs.append((name, idx, int(t.data_ptr()), int(t.numel() * t.element_size()), int(t.shape[0])))
+        addr = self._worker.register_kv_caches(descs)
+        if addr is not None:
+            logger.info("kvconnect worker: side channel listening on %s", addr)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._worker.wait_for_layer_load(self._layer_ids[layer_name])
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        if attn_metadata is None:
+            return
+        if isinstance(attn_metadata, dict):
+            attn_metadata = attn_metadata.get(layer_name)
+        slots = getattr(attn_metadata, "slot_mapping", None)
+        if slots is None:
+            return
+        # One list of the step's blocks, shared by its layers (same slot mapping object).
+        if self._save_blocks[0] != id(slots):
+            s = slots[slots >= 0]
+            blocks = torch.unique(torch.div(s, self._block_size, rounding_mode="floor")).tolist()
+            self._save_blocks = (id(slots), [int(b) for b in blocks])
+        self._worker.save_kv_layer(self._layer_ids[layer_name], self._save_blocks[1])
+
+    def wait_for_save(self):
+        self._worker.wait_for_save()
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind_connector_meta(connector_metadata.data)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._save_blocks = (-1, [])
+
+    def get_finished(self, finished_req_ids: set[str]):
+        sending, recving, failed = self._worker.get_finished(sorted(finished_req_ids))
+        for r in recving:
+            logger.info("kvconnect worker: request %s loaded its external KV", r)
+        for r in failed:
+            logger.warning("kvconnect worker: request %s failed to load its external KV", r)
+        # A failed load is finished too: vLLM then applies kv_load_failure_policy to the
+        # blocks get_block_ids_with_load_errors reports.
+        recving = set(recving) | set(failed)
+        return (set(sending) or None, recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set(self._worker.block_ids_with_load_errors())
+
+    def kvconnect_stats(self) -> dict[str, Any]:
+        """The native worker's counters (loads, sends, handshakes)."""
+        return json.loads(self._worker.stats_json())
+
+    def shutdown(self):
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- scheduler side ----
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        tokens, is_async = self._scheduler.get_num_new_matched_tokens(
+            request.request_id, list(request.prompt_token_ids or []), _params(request), int(num_computed_tokens)
+        )
+        if tokens and self._whole_blocks:
+            # vLLM's CPU attention computes the rest of a prompt only from a block boundary
+            # (it dies with SIGILL on a context that ends inside a block): load whole blocks,
+            # compute the rest.
+            end = (num_computed_tokens + tokens) // self._block_size * self._block_size
+            tokens = max(0, end - num_computed_tokens)
+            if tokens == 0:
+                is_async = False
+        return tokens, is_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
+        self._scheduler.update_state_after_alloc(
+            request.request_id,
+            list(request.prompt_token_ids or []),
+            _params(request),
+            _block_lists(blocks),
+            int(num_external_tokens),
+        )
+        if num_external_tokens > 0:
+            logger.info(
+                "kvconnect scheduler: request %s loads %d external tokens", request.request_id, num_external_tokens
+            )
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        self._step += 1
+        scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            scheduled += list(getattr(cached, "req_ids", []))
+        finished = sorted(getattr(scheduler_output, "finished_req_ids", set()) or set())
+        data = self._scheduler.build_connector_meta(self._step, scheduled, finished)
+        return KvconnectMetadata(data=data)
+
+    def request_finished(self, request, block_ids):
+        delay, params = self._scheduler.request_finished(
+            request.request_id, list(request.prompt_token_ids or []), _params(request), _block_lists(block_ids)
+        )
+        return delay, (json.loads(params) if params is not None else None)

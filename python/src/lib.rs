@@ -1,0 +1,30 @@
+//! `kvconnect._kvconnect`: any kvconnect connector (a built-in or a plugin) behind vLLM's KV
+//! connector API. The Python package (`kvconnect.vllm`) only adapts vLLM's calls and tensors;
+//! negotiation, the handshake, the connectors and their transfers run here, through the same
+//! registry, side channel and negotiation as kvconnect's own workers.
+
+mod error;
+mod meta;
+mod regions;
+mod scheduler;
+mod setup;
+mod worker;
+
+use pyo3::prelude::*;
+
+/// kvconnect's log lines go to stderr, beside vLLM's; `KVCONNECT_LOG` filters them (default
+/// `info`).
+pub(crate) fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVCONNECT_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+}
+
+#[pymodule]
+fn _kvconnect(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<scheduler::Scheduler>()?;
+    m.add_class::<worker::Worker>()?;
+    m.add("KvconnectError", m.py().get_type::<error::KvconnectError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

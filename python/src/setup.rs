@@ -1,0 +1,240 @@
+//! From vLLM's configuration to a negotiated kvconnect connector: reads the adapter's part of
+//! `kv_connector_extra_config`, turns vLLM's own settings (model, block size, cache dtype,
+//! hybrid KV cache manager, TP, KV device, in-block layout) into engine options, resolves the
+//! kvconnect connector through the host's registry (built-ins and plugins) and negotiates.
+//! The scheduler and worker halves run in separate processes; each negotiates over the same
+//! inputs, so they agree by construction.
+
+use crate::error::AdapterError;
+use kvconnect_api::compat::CompatDescriptor;
+use kvconnect_api::negotiate::{EngineOptions, HmaOption, Negotiated};
+use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelSpec};
+use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype};
+use kvconnect_host::registry::{Registry, RegistryConfig};
+use kvconnect_host::server::connector_setup::{nixl_backend, with_side_channel};
+use kvconnect_nixl::config::Backend;
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// What the Python half reads from vLLM's config, as JSON.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VllmSide {
+    /// vLLM's `kv_transfer_config.kv_role`.
+    pub kv_role: Option<KvRole>,
+    /// vLLM's `kv_transfer_config.engine_id`.
+    pub engine_id: String,
+    /// vLLM's `kv_transfer_config.kv_connector_extra_config`.
+    pub extra_config: Map<String, Value>,
+    /// The model's `hf_config` as a dict.
+    pub hf_config: Value,
+    /// `cache_config.block_size`.
+    pub block_size: u32,
+    /// `cache_config.cache_dtype` (`auto`, `bfloat16`, `fp8`, ...).
+    pub cache_dtype: String,
+    /// `model_config.dtype`, which `auto` means.
+    pub model_dtype: String,
+    /// Whether vLLM kept its hybrid KV cache manager on.
+    pub hma: bool,
+    /// `parallel_config.tensor_parallel_size`.
+    pub tp_size: u32,
+    /// This worker's TP rank (0 in the scheduler).
+    pub tp_rank: u32,
+    /// Where vLLM keeps the KV cache (`cpu`, `cuda`, ...).
+    pub kv_device: String,
+    /// The KV cache layout vLLM's attention backend uses (`HND`, `NHD`, ...).
+    pub kv_cache_layout: Option<String>,
+    /// Why the backend's blocks are opaque, when they are.
+    pub opaque_blocks: Option<String>,
+}
+
+/// The adapter's keys in `kv_connector_extra_config`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct AdapterExtra {
+    /// The kvconnect kv-transfer-config, exactly as kvconnect takes it.
+    kvconnect: Value,
+    /// Address prefill's side channel binds and decode reaches it at (default 127.0.0.1).
+    #[serde(default)]
+    side_channel_host: Option<String>,
+    /// Its port; needed by a producer whose connector moves KV to a peer.
+    #[serde(default)]
+    side_channel_port: Option<u16>,
+    /// A token the side channel requires from decode.
+    #[serde(default)]
+    side_channel_token: Option<String>,
+    /// Seconds a handshake may take (default 10).
+    #[serde(default)]
+    handshake_timeout_s: Option<f64>,
+    /// Where plugins are found, besides KVCONNECT_PLUGIN_PATH.
+    #[serde(default)]
+    plugin_dirs: Vec<PathBuf>,
+    /// Load plugins that are group- or world-writable.
+    #[serde(default)]
+    allow_insecure_plugins: bool,
+}
+
+const EXTRA_KEYS: &str = "kvconnect (required: the kvconnect kv-transfer-config), side_channel_host, side_channel_port, side_channel_token, handshake_timeout_s, plugin_dirs, allow_insecure_plugins";
+
+/// A negotiated connector, ready for either half to be created.
+pub struct Setup {
+    /// Every connector the host can create.
+    pub registry: Registry,
+    /// The context both halves are created with.
+    pub ctx: ConnectorContext,
+    /// The negotiation result.
+    pub negotiated: Negotiated,
+    /// This engine's descriptor, as the side channel compares it.
+    pub compat: CompatDescriptor,
+    /// Side channel: bind address and port (a producer whose connector moves KV).
+    pub side_channel: Option<(IpAddr, u16)>,
+    /// The token the side channel requires.
+    pub token: Option<String>,
+    /// Handshake timeout.
+    pub handshake_timeout: Duration,
+}
+
+fn extra_err(m: impl Into<String>) -> AdapterError {
+    AdapterError::ExtraConfig(m.into())
+}
+
+impl Setup {
+    /// Reads, resolves and negotiates. Every refusal is one line: an unknown connector names
+    /// the known ones, a conflict the field, each side's reason and the remedy.
+    pub fn from_vllm(side_json: &str) -> Result<Setup, AdapterError> {
+        let side: VllmSide = serde_json::from_str(side_json).map_err(|e| AdapterError::Setup(e.to_string()))?;
+        let extra: AdapterExtra = serde_json::from_value(Value::Object(side.extra_config.clone()))
+            .map_err(|e| extra_err(format!("{e}; its keys are {EXTRA_KEYS}")))?;
+        let mut config: KvTransferConfig = match &extra.kvconnect {
+            Value::Object(_) => serde_json::from_value(extra.kvconnect.clone())
+                .map_err(|e| extra_err(format!("'kvconnect' is not a kvconnect kv-transfer-config: {e}")))?,
+            Value::String(s) => KvTransferConfig::from_json(s)
+                .map_err(|e| extra_err(format!("'kvconnect' is not a kvconnect kv-transfer-config: {e}")))?,
+            _ => return Err(extra_err("'kvconnect' must be a kv-transfer-config object, e.g. {\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{\"backend\":\"tcp\"}}")),
+        };
+        let role = config.kv_role.or(side.kv_role).unwrap_or(KvRole::Both);
+        config.kv_role = Some(role);
+        if config.engine_id.is_none() {
+            config.engine_id = Some(side.engine_id.clone());
+        }
+        let engine_id = config.engine_id.clone().unwrap_or_default();
+
+        let model = ModelSpec::from_hf_config_json(&side.hf_config.to_string())
+            .map_err(|e| AdapterError::Model(e.to_string()))?;
+        let opts = engine_options(&side)?;
+
+        let registry = Registry::load(&RegistryConfig::with_env(extra.plugin_dirs.clone(), extra.allow_insecure_plugins));
+        registry.warn_load_errors();
+
+        let host: IpAddr = match &extra.side_channel_host {
+            None => IpAddr::V4(Ipv4Addr::LOCALHOST),
+            Some(h) => h.parse().map_err(|_| {
+                extra_err(format!("side_channel_host '{h}' is not an IP address; give the address decode reaches prefill at, e.g. 127.0.0.1"))
+            })?,
+        };
+        let port = extra.side_channel_port.unwrap_or(0);
+        let (config, transports) = with_side_channel(&registry, &config, &host.to_string(), port);
+        if nixl_backend(&transports).map_err(extra_err)? == Some(Backend::Shm) {
+            return Err(AdapterError::NotImplemented(
+                "the nixl backend 'shm' inside vLLM: it reads the producer's KV cache from shared-memory segments, and vLLM allocates its KV cache itself, in private memory; use backend 'tcp' (same host or across hosts)".into(),
+            ));
+        }
+        let side_channel = match (transports.is_empty(), role, extra.side_channel_port) {
+            (true, _, _) | (false, KvRole::Consumer, _) => None,
+            (false, _, Some(p)) if p > 0 => Some((host, p)),
+            (false, _, _) => {
+                return Err(extra_err(format!(
+                    "kv_role is {} and '{}' moves KV to a decode engine, so prefill needs a side channel: set side_channel_port to a free port (and side_channel_host to an address decode can reach, default 127.0.0.1)",
+                    role_name(role),
+                    config.kv_connector
+                )))
+            }
+        };
+
+        let (negotiated, compat) = negotiate_worker(&registry, &config, &model, &opts, role_name(role))
+            .map_err(|e| AdapterError::Negotiation(e.to_string()))?;
+        let timeout = extra.handshake_timeout_s.unwrap_or(10.0);
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(extra_err(format!("handshake_timeout_s is {timeout}; give a positive number of seconds")));
+        }
+        let ctx = ConnectorContext {
+            config,
+            model,
+            effective: negotiated.effective.clone(),
+            role,
+            engine_id,
+            tp_rank: opts.tp_rank,
+            tp_size: opts.tp_size,
+        };
+        Ok(Setup {
+            registry,
+            ctx,
+            negotiated,
+            compat,
+            side_channel,
+            token: extra.side_channel_token,
+            handshake_timeout: Duration::from_secs_f64(timeout),
+        })
+    }
+
+    /// One line for the log: connector, role, effective layout, compat hash.
+    pub fn summary(&self) -> String {
+        let e = &self.negotiated.effective;
+        format!(
+            "connector {} ({}) role {} engine {}: layout {}{}, block_size {}, cache_dtype {:?}, hma {}, groups {}, tp {}/{}; compat hash {}",
+            self.ctx.config.kv_connector,
+            self.compat.connectors.iter().map(|(n, v)| format!("{n} {v}")).collect::<Vec<_>>().join(", "),
+            role_name(self.ctx.role),
+            self.ctx.engine_id,
+            e.layout.display_name(),
+            if e.opaque_blocks { " (opaque blocks: moved whole, never adapted)" } else { "" },
+            e.block_size,
+            e.cache_dtype,
+            if e.hma { "on" } else { "off" },
+            e.groups.len(),
+            self.ctx.tp_rank,
+            self.ctx.tp_size,
+            self.compat.compat_hash()
+        )
+    }
+}
+
+fn role_name(role: KvRole) -> &'static str {
+    match role {
+        KvRole::Producer => "kv_producer",
+        KvRole::Consumer => "kv_consumer",
+        KvRole::Both => "kv_both",
+    }
+}
+
+/// vLLM's settings as kvconnect engine options. Each one is what vLLM will actually do, so
+/// negotiation refuses (instead of silently overriding) a child that cannot live with it.
+fn engine_options(side: &VllmSide) -> Result<EngineOptions, AdapterError> {
+    let dtype_name = if side.cache_dtype.trim().eq_ignore_ascii_case("auto") {
+        side.model_dtype.as_str()
+    } else {
+        side.cache_dtype.as_str()
+    };
+    let cache_dtype = parse_cache_dtype(dtype_name.trim_start_matches("torch."))
+        .map_err(|e| AdapterError::Setup(format!("vLLM's cache dtype: {e}")))?;
+    let memory = EngineOptions::memory_from_kv_buffer_device(&side.kv_device)
+        .map_err(|e| AdapterError::Setup(e.to_string()))?;
+    let layout = match &side.kv_cache_layout {
+        None => None,
+        Some(l) => Some(l.parse::<KvLayout>().map_err(|e| AdapterError::Setup(e.to_string()))?),
+    };
+    Ok(EngineOptions {
+        hybrid_kv_cache_manager: if side.hma { HmaOption::On } else { HmaOption::Off },
+        kv_cache_layout: layout,
+        block_size: Some(side.block_size),
+        cache_dtype,
+        memory: Some(memory),
+        tp_size: side.tp_size.max(1),
+        tp_rank: side.tp_rank,
+        allow_adapters: true,
+        opaque_blocks: side.opaque_blocks.clone(),
+    })
+}

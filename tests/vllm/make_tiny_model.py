@@ -1,0 +1,76 @@
+"""Builds a tiny Llama with a fixed seed and a local byte-level BPE tokenizer (with a chat
+template) into a directory, so vLLM can serve it without any download.
+
+    python make_tiny_model.py DIR
+
+Random weights from a fixed seed are deterministic: greedy outputs of two runs compare exactly.
+"""
+
+import sys
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 1024
+SEED = 1234
+
+SENTENCES = [
+    "The prefill engine computes the prompt and keeps its KV cache for the decode engine.",
+    "A decode engine loads the KV blocks and generates the rest of the answer, token by token.",
+    "Blocks move whole between engines over shared memory or over a TCP connection.",
+    "Negotiation settles the layout, the block size and the cache dtype before anything moves.",
+    "Hello world! How are you today? I am fine, thank you very much for asking.",
+    "0123456789 abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ .,;:!?'\"()[]{}<>-_=+*/\\",
+]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build(out: str) -> None:
+    torch.manual_seed(SEED)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(out)
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: make_tiny_model.py DIR")
+    build(sys.argv[1])
