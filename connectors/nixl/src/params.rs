@@ -26,6 +26,10 @@ pub struct TransferParams {
     /// which a proxy then must have made equal to prefill's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_request_id: Option<String>,
+    /// The transfer capability prefill issued for this request (128 random bits, hex): the
+    /// producer serves the request's blocks only to a consumer that names it.
+    #[serde(default)]
+    pub remote_capability: String,
 }
 
 fn one() -> u32 {
@@ -93,11 +97,13 @@ mod tests {
             remote_num_tokens: 20,
             tp_size: 1,
             remote_request_id: Some("cmpl-abc".into()),
+            remote_capability: "00112233445566778899aabbccddeeff".into(),
         };
         let req = Request { id: "r".into(), prompt_tokens: vec![1; 20], kv_transfer_params: p.to_map() };
         assert_eq!(TransferParams::from_request(&req).unwrap(), Some(p.clone()));
         assert_eq!(req.kv_transfer_params["do_remote_decode"], json!(false));
         assert_eq!(req.kv_transfer_params["remote_request_id"], json!("cmpl-abc"));
+        assert_eq!(req.kv_transfer_params["remote_capability"], json!("00112233445566778899aabbccddeeff"));
         // Params from a producer that does not send the id still read.
         let mut older = p.to_map();
         older.remove("remote_request_id");

@@ -118,6 +118,7 @@ impl NixlWorker {
             io_timeout: self.cfg.io_timeout,
             connect_timeout: self.cfg.connect_timeout,
             max_frame: self.cfg.max_frame_bytes,
+            secret: self.cfg.secret.clone(),
         });
         if let Some(a) = &self.nixl {
             puller.set_nixl(a.clone());
@@ -372,7 +373,7 @@ impl PullLoop {
     /// Heartbeats a queued load; a refusal or a dead peer fails it at once.
     fn hold(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
         let peer = self.peer(&load.remote_engine_id)?;
-        self.puller.hold(&peer, load.producer_request())
+        self.puller.hold(&peer, load)
     }
 
     fn run(mut self, rx: Receiver<LoadSpec>) {
@@ -411,7 +412,7 @@ impl PullLoop {
             if let Some((load, _)) = head {
                 let r = self.peer(&load.remote_engine_id).and_then(|peer| {
                     if load.is_release() {
-                        self.puller.release(&peer, load.producer_request())
+                        self.puller.release(&peer, &load)
                     } else {
                         self.puller.pull(&self.mem, &self.groups, &peer, &load)
                     }
@@ -460,6 +461,10 @@ impl WorkerConnector for NixlWorker {
                     idle_timeout: Duration::from_secs(300).max(self.cfg.lease * 2),
                     max_frame: self.cfg.max_frame_bytes,
                     unknown_grace: (self.cfg.io_timeout / 2).min(Duration::from_secs(3)),
+                    secret: self.cfg.secret.clone(),
+                    lease_max: self.cfg.lease_max,
+                    max_connections: self.cfg.max_connections,
+                    serve_reads: self.cfg.backend == Backend::Tcp,
                 },
             )
             .map_err(|e| {
@@ -492,7 +497,7 @@ impl WorkerConnector for NixlWorker {
                 ConnectorError::invalid(NAME, "requests to keep for remote decode arrived, but this worker is not a producer (kv_role) or has no registered regions")
             })?;
             for s in &m.sends {
-                p.hold(s.request.clone(), &s.blocks, &self.groups).map_err(|e| {
+                p.hold(s.request.clone(), s.capability.clone(), &s.blocks, &self.groups).map_err(|e| {
                     ConnectorError::invalid(
                         NAME,
                         format!("request {}: its blocks cannot be held: {e}", s.request),
@@ -542,9 +547,11 @@ impl WorkerConnector for NixlWorker {
                 // Consumers tell a NIXL producer they have a request's blocks by notification.
                 let notes = a.take_notifications().map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
                 for (from, msg) in notes {
-                    match msg.strip_prefix(NIXL_DONE) {
-                        Some(id) => {
-                            if let Err(why) = p.complete(&RequestId::from(id)) {
+                    // `kvc-done <request> <capability>`: an agent that does not know the
+                    // capability cannot end another request's hold.
+                    match msg.strip_prefix(NIXL_DONE).map(|rest| rest.rsplit_once(' ').unwrap_or((rest, ""))) {
+                        Some((id, capability)) => {
+                            if let Err(why) = p.complete(&RequestId::from(id), capability) {
                                 tracing::warn!(agent = %from, "nixl: done notification from '{from}': {why}");
                             }
                         }
