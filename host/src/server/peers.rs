@@ -1,20 +1,33 @@
 //! Decode side: the handshake with each prefill engine, made once per peer before any KV is
-//! loaded from it, and what a request does when the peer is refused or unreachable.
+//! loaded from it, and what a request does when the peer is not allowed, refused or
+//! unreachable.
+//!
+//! A peer is only contacted when the allow-list names it ([`Producers`]). Each peer has its
+//! own lock, so a slow handshake stalls only requests for that peer. A refusal is remembered
+//! for [`REFUSAL_MEMORY`], an acceptance until a transfer from the peer fails ([`Peers::forget`]).
 
 use crate::server::engine_loop::EngineHandle;
+use crate::server::producers::Producers;
 use crate::sidechannel::{handshake, HandshakeOutcome};
 use kvconnect_api::compat::{CompatDescriptor, FieldDiff};
+use kvconnect_nixl::auth::Secret;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
+
+/// How long a refused handshake is answered from memory before the peer is asked again.
+pub const REFUSAL_MEMORY: Duration = Duration::from_secs(30);
 
 /// Why KV cannot be loaded from a peer.
 #[derive(Debug, Clone)]
 pub struct PeerFailure {
-    /// What kind of failure, for metrics: `peer_unreachable`, `wrong_engine` (the address
-    /// serves another engine than the params name), `peer_rejected` (the connector refused
-    /// the peer's metadata) or `handshake_refused` (incompatible KV caches).
+    /// What kind of failure, for metrics: `producer_not_allowed` (the params name a producer
+    /// outside the allow-list; nothing was contacted), `peer_unreachable`, `wrong_engine` (the
+    /// address serves another engine than the params name), `peer_rejected` (the connector
+    /// refused the peer's metadata), `unauthenticated` (one side lacks the deployment's
+    /// secret) or `handshake_refused` (incompatible KV caches).
     pub reason: &'static str,
     /// The whole reason.
     pub message: String,
@@ -25,16 +38,19 @@ pub struct PeerFailure {
 #[derive(Debug, Clone)]
 enum PeerState {
     Ready,
-    Refused(PeerFailure),
+    Refused(PeerFailure, Instant),
 }
+
+type Slot = Arc<Mutex<Option<PeerState>>>;
 
 /// The peers this worker has handshaken with, by engine id and address.
 pub struct Peers {
     local: CompatDescriptor,
     engine_id: String,
-    token: Option<String>,
+    secret: Option<Secret>,
     timeout: Duration,
-    known: Mutex<HashMap<(String, String), PeerState>>,
+    allowed: Producers,
+    known: std::sync::Mutex<HashMap<(String, String), Slot>>,
 }
 
 /// The peer a request's `kv_transfer_params` point at, if it asks to load remote KV.
@@ -68,25 +84,44 @@ impl Peers {
     pub fn new(
         local: CompatDescriptor,
         engine_id: String,
-        token: Option<String>,
+        secret: Option<Secret>,
         timeout: Duration,
+        allowed: Producers,
     ) -> Peers {
-        Peers { local, engine_id, token, timeout, known: Mutex::new(HashMap::new()) }
+        Peers { local, engine_id, secret, timeout, allowed, known: std::sync::Mutex::new(HashMap::new()) }
     }
 
-    /// Makes sure KV may be loaded from `engine` at `addr`: handshakes on first use and
-    /// hands the peer's metadata to the connector. A refusal is remembered (the peer's
-    /// descriptor does not change while it runs); an unreachable peer is retried next time.
+    fn slot(&self, key: &(String, String)) -> Slot {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        known.entry(key.clone()).or_default().clone()
+    }
+
+    /// Forgets the handshake with `engine` at `addr` (a transfer from it failed, so it may
+    /// have restarted): the next request handshakes again.
+    pub async fn forget(&self, engine: &str, addr: &str) {
+        let slot = self.slot(&(engine.to_owned(), addr.to_owned()));
+        *slot.lock().await = None;
+    }
+
+    /// Makes sure KV may be loaded from `engine` at `addr`: checks the allow-list, handshakes
+    /// on first use and hands the peer's metadata to the connector. A refusal is remembered
+    /// for a while (the peer's descriptor does not change while it runs); an unreachable peer
+    /// is retried next time.
     pub async fn ensure(&self, engine: &str, addr: &str, handle: &EngineHandle) -> Result<(), PeerFailure> {
-        let key = (engine.to_owned(), addr.to_owned());
-        // Held across the handshake so concurrent requests to a new peer handshake once.
-        let mut known = self.known.lock().await;
-        match known.get(&key) {
-            Some(PeerState::Ready) => return Ok(()),
-            Some(PeerState::Refused(f)) => return Err(f.clone()),
-            None => {}
+        if let Err(message) = self.allowed.check(engine, addr) {
+            return Err(PeerFailure { reason: "producer_not_allowed", message, diff: Vec::new() });
         }
-        let outcome = handshake(addr, &self.local, &self.engine_id, self.token.as_deref(), self.timeout)
+        let key = (engine.to_owned(), addr.to_owned());
+        let slot = self.slot(&key);
+        // Held across the handshake so concurrent requests to a new peer handshake once;
+        // requests for other peers do not wait on it.
+        let mut known = slot.lock().await;
+        match &*known {
+            Some(PeerState::Ready) => return Ok(()),
+            Some(PeerState::Refused(f, at)) if at.elapsed() < REFUSAL_MEMORY => return Err(f.clone()),
+            _ => {}
+        }
+        let outcome = handshake(addr, &self.local, &self.engine_id, self.secret.as_ref(), self.timeout)
             .await
             .map_err(|e| PeerFailure {
                 reason: "peer_unreachable",
@@ -119,13 +154,18 @@ impl Peers {
                     diff: Vec::new(),
                 })?;
                 tracing::info!(peer = %engine, %addr, "handshake accepted; KV may be loaded from this peer");
-                known.insert(key, PeerState::Ready);
+                *known = Some(PeerState::Ready);
                 Ok(())
             }
             HandshakeOutcome::Refused { diff, message } => {
                 tracing::warn!(peer = %engine, %addr, "handshake refused: {message}");
-                let f = PeerFailure { reason: "handshake_refused", message, diff };
-                known.insert(key, PeerState::Refused(f.clone()));
+                let reason = if message.starts_with(crate::sidechannel::UNAUTHENTICATED) {
+                    "unauthenticated"
+                } else {
+                    "handshake_refused"
+                };
+                let f = PeerFailure { reason, message, diff };
+                *known = Some(PeerState::Refused(f.clone(), Instant::now()));
                 Err(f)
             }
         }
