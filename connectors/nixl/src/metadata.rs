@@ -11,7 +11,7 @@ use serde_json::Value;
 use std::net::{SocketAddr, ToSocketAddrs};
 
 /// Version of the metadata and wire protocol.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// One region as a peer sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
