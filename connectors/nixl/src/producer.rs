@@ -72,6 +72,8 @@ pub enum Refusal {
     Oversized,
     /// A frame that did not arrive whole within its deadline.
     Timeout,
+    /// A connection closed in the middle of a frame.
+    Truncated,
     /// A connection past the cap.
     TooManyConnections,
     /// A `read` to a producer whose backend does not serve reads.
@@ -80,12 +82,13 @@ pub enum Refusal {
 
 impl Refusal {
     /// Every reason, in the order counted.
-    pub const ALL: [Refusal; 7] = [
+    pub const ALL: [Refusal; 8] = [
         Refusal::Unauthenticated,
         Refusal::BadCapability,
         Refusal::Malformed,
         Refusal::Oversized,
         Refusal::Timeout,
+        Refusal::Truncated,
         Refusal::TooManyConnections,
         Refusal::ReadNotServed,
     ];
@@ -98,6 +101,7 @@ impl Refusal {
             Refusal::Malformed => "malformed",
             Refusal::Oversized => "oversized",
             Refusal::Timeout => "timeout",
+            Refusal::Truncated => "truncated",
             Refusal::TooManyConnections => "too_many_connections",
             Refusal::ReadNotServed => "read_not_served",
         }
@@ -106,7 +110,7 @@ impl Refusal {
 
 /// Refusals of one producer, by reason.
 #[derive(Debug, Default)]
-pub struct Refusals([AtomicU64; 7]);
+pub struct Refusals([AtomicU64; 8]);
 
 impl Refusals {
     fn count(&self, r: Refusal) {
@@ -484,10 +488,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let s = shared.clone();
         let spawned = std::thread::Builder::new().name("nixl-serve".into()).spawn(move || {
             let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into());
-            if let Err((reason, refusal)) = serve(stream, &s) {
-                if let Some(r) = refusal {
-                    s.refusals.count(r);
-                }
+            if let Err(reason) = serve(stream, &s) {
                 tracing::warn!(peer = %peer, "nixl producer: closing connection from {peer}: {reason}");
             }
             s.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
@@ -510,6 +511,9 @@ fn frame_refusal(e: FrameError, stopping: bool) -> Refused {
         FrameError::Io(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
             (format!("reading a request: {e}"), Some(Refusal::Timeout))
         }
+        FrameError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            (format!("the connection closed in the middle of a frame ({e})"), Some(Refusal::Truncated))
+        }
         FrameError::Io(e) => (format!("reading a request: {e}"), None),
     }
 }
@@ -524,8 +528,9 @@ fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared
     let first: ClientMsg = read_frame_within(reader, cfg.max_frame, cfg.io_timeout, cfg.io_timeout)
         .map_err(|e| frame_refusal(e, s.stop.load(Ordering::Relaxed)))?;
     let refuse = |w: &mut TcpStream, why: String| {
+        s.refusals.count(Refusal::Unauthenticated);
         let _ = write_frame(&mut DeadlineWriter { stream: w, deadline: within }, &ServerMsg::Error { reason: why.clone() });
-        Err((why, Some(Refusal::Unauthenticated)))
+        Err((why, None))
     };
     let ClientMsg::Auth { nonce, proof } = first else {
         return refuse(w, format!("engine '{}' answers only peers that prove the deployment's data-plane secret first; this peer sent a request without it", cfg.engine_id));
@@ -538,18 +543,27 @@ fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared
         .map_err(|e| (format!("answering the challenge: {e}"), None))
 }
 
-/// Serves one connection until it closes; `Err` carries the reason it was closed early and
-/// what it counts as.
-fn serve(stream: TcpStream, s: &Shared) -> Result<(), Refused> {
-    let cfg = &s.cfg;
-    let plain = |e: io::Error| (e.to_string(), None);
-    stream.set_nodelay(true).map_err(plain)?;
-    stream.set_write_timeout(Some(cfg.io_timeout)).map_err(plain)?;
-    let mut reader = BufReader::new(stream.try_clone().map_err(plain)?);
+/// Serves one connection until it closes; `Err` carries the reason it was closed early, which
+/// is counted while the connection is still open (a peer that sees it close sees the count).
+fn serve(stream: TcpStream, s: &Shared) -> Result<(), String> {
+    stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    stream.set_write_timeout(Some(s.cfg.io_timeout)).map_err(|e| e.to_string())?;
+    let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
     let mut w = stream;
-    authenticate(&mut reader, &mut w, s)?;
+    let r = authenticate(&mut reader, &mut w, s).and_then(|()| serve_requests(&mut reader, &mut w, s));
+    r.map_err(|(reason, refusal)| {
+        if let Some(r) = refusal {
+            s.refusals.count(r);
+        }
+        reason
+    })
+}
+
+/// Answers requests on an authenticated connection.
+fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared) -> Result<(), Refused> {
+    let cfg = &s.cfg;
     loop {
-        let msg: ClientMsg = match read_frame_within(&mut reader, cfg.max_frame, cfg.idle_timeout, cfg.io_timeout) {
+        let msg: ClientMsg = match read_frame_within(reader, cfg.max_frame, cfg.idle_timeout, cfg.io_timeout) {
             Ok(m) => m,
             Err(FrameError::Closed) => return Ok(()),
             Err(e) => return Err(frame_refusal(e, s.stop.load(Ordering::Relaxed))),
@@ -572,12 +586,12 @@ fn serve(stream: TcpStream, s: &Shared) -> Result<(), Refused> {
         match msg {
             ClientMsg::Auth { .. } => {
                 let r = Err(("already authenticated on this connection".to_owned(), Some(Refusal::Malformed)));
-                send(&mut w, answer(r))?;
+                send(w, answer(r))?;
             }
             ClientMsg::Hold { request, capability } => {
                 let id = RequestId(request);
                 let r = s.acquire(&id, &capability).map(|()| s.release(&id));
-                send(&mut w, answer(r))?;
+                send(w, answer(r))?;
             }
             ClientMsg::Check { request, capability, runs } => {
                 let id = RequestId(request);
@@ -586,11 +600,11 @@ fn serve(stream: TcpStream, s: &Shared) -> Result<(), Refused> {
                     s.release(&id);
                     checked.map(|_| ()).map_err(|reason| (reason, None))
                 });
-                send(&mut w, answer(r))?;
+                send(w, answer(r))?;
             }
             ClientMsg::Done { request, capability } => {
                 let r = s.complete(&RequestId(request), &capability);
-                send(&mut w, answer(r))?;
+                send(w, answer(r))?;
             }
             ClientMsg::Read { request, capability, runs } => {
                 let id = RequestId(request);
@@ -599,18 +613,18 @@ fn serve(stream: TcpStream, s: &Shared) -> Result<(), Refused> {
                         format!("engine '{}' does not serve reads over its listener: its backend copies without them; use the same backend on both sides", cfg.engine_id),
                         Some(Refusal::ReadNotServed),
                     ));
-                    send(&mut w, answer(r))?;
+                    send(w, answer(r))?;
                     continue;
                 }
                 if let Err(refused) = s.acquire(&id, &capability) {
-                    send(&mut w, answer(Err(refused)))?;
+                    send(w, answer(Err(refused)))?;
                     continue;
                 }
-                let result = stream_runs(&mut w, s, &id, &runs);
+                let result = stream_runs(w, s, &id, &runs);
                 s.release(&id);
                 match result {
                     Ok(()) => {}
-                    Err(StreamError::Refused(reason)) => send(&mut w, ServerMsg::Error { reason })?,
+                    Err(StreamError::Refused(reason)) => send(w, ServerMsg::Error { reason })?,
                     Err(StreamError::Io(e)) => {
                         return Err((format!("sending blocks of request {id}: {e}"), None))
                     }
@@ -642,4 +656,72 @@ fn stream_runs(w: &mut TcpStream, s: &Shared, id: &RequestId, runs: &[WireRun]) 
         w.write_all(b).map_err(StreamError::Io)?;
     }
     w.flush().map_err(StreamError::Io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::{effective, model, Regions};
+    use kvconnect_api::{BlockId, KvLayout};
+
+    fn producer(io_timeout: Duration) -> (Producer, Regions) {
+        let m = model(2, 2, 8);
+        let eff = effective(&m, KvLayout::HND, 4);
+        let regions = Regions::allocate(&m, &eff, 8, None).unwrap();
+        let mem = Arc::new(KvMemory::new(regions.regions(), &m, &eff).unwrap());
+        let cfg = ProducerConfig {
+            engine_id: "prefill-unit".into(),
+            host: "127.0.0.1".into(),
+            port: 0,
+            lease: Duration::from_secs(30),
+            io_timeout,
+            idle_timeout: Duration::from_secs(30),
+            max_frame: 1 << 20,
+            unknown_grace: Duration::ZERO,
+            secret: None,
+            lease_max: Duration::from_secs(120),
+            max_connections: 4,
+            serve_reads: true,
+        };
+        let p = Producer::start(mem, cfg).unwrap();
+        let groups = vec![m.kv_layers()];
+        p.hold(RequestId::from("r"), "cap".into(), &BlocksPerGroup(vec![vec![BlockId(1)]]), &groups).unwrap();
+        (p, regions)
+    }
+
+    #[test]
+    fn done_waits_for_a_read_in_flight_and_never_frees_under_it() {
+        let (p, _regions) = producer(Duration::from_secs(5));
+        let id = RequestId::from("r");
+        // A read of the request is in flight.
+        p.shared.acquire(&id, "cap").unwrap();
+        let shared = p.shared.clone();
+        let done = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let r = shared.complete(&RequestId::from("r"), "cap");
+            (r.map_err(|e| e.0), t0.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(p.held(), 1, "not freed while the read is in flight");
+        assert!(p.take_finished().is_empty());
+        p.shared.release(&id);
+        let (r, waited) = done.join().unwrap();
+        assert_eq!(r, Ok(()));
+        assert!(waited >= Duration::from_millis(250), "{waited:?}");
+        assert_eq!(p.take_finished(), vec![id]);
+    }
+
+    #[test]
+    fn done_under_a_read_that_never_ends_is_refused_after_the_io_timeout() {
+        let (p, _regions) = producer(Duration::from_millis(300));
+        let id = RequestId::from("r");
+        p.shared.acquire(&id, "cap").unwrap();
+        let e = p.complete(&id, "cap").unwrap_err();
+        assert!(e.contains("still in flight"), "{e}");
+        assert_eq!(p.held(), 1);
+        // A wrong capability is refused at once, read or not, and counted.
+        let e = p.complete(&id, "guess").unwrap_err();
+        assert!(e.contains("capability does not match"), "{e}");
+        assert!(p.refusals().contains(&("bad_capability", 1)));
+    }
 }
