@@ -62,6 +62,7 @@ fn bench(c: &mut Criterion) {
         remote_request: None,
         remote_engine_id: "prefill-bench".into(),
         remote_capability: "bench-capability".into(),
+        remote_side_channel: String::new(),
         remote_blocks: BlocksPerGroup(vec![ids.clone()]),
         local_blocks: BlocksPerGroup(vec![ids.clone()]),
         first_token: 0,

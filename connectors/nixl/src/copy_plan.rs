@@ -331,6 +331,7 @@ mod tests {
             remote_request: None,
             remote_engine_id: "p".into(),
             remote_capability: String::new(),
+            remote_side_channel: String::new(),
             remote_blocks: BlocksPerGroup(vec![remote.into_iter().map(BlockId).collect()]),
             local_blocks: BlocksPerGroup(vec![local.into_iter().map(BlockId).collect()]),
             first_token: first,

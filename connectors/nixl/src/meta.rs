@@ -18,6 +18,11 @@ pub struct LoadSpec {
     /// `kv_transfer_params`); every message about it names it.
     #[serde(default)]
     pub remote_capability: String,
+    /// The side-channel address the params name (`remote_host:remote_port`): the load uses
+    /// the peer the host handshook with there, so two producers claiming one engine id are
+    /// never mixed up.
+    #[serde(default)]
+    pub remote_side_channel: String,
     /// Its blocks, one list per KV cache group, from the first token on.
     pub remote_blocks: BlocksPerGroup,
     /// This engine's blocks for the request, one list per group, from the first token on.
@@ -37,6 +42,7 @@ impl LoadSpec {
             remote_request: None,
             remote_engine_id,
             remote_capability,
+            remote_side_channel: String::new(),
             remote_blocks: BlocksPerGroup::default(),
             local_blocks: BlocksPerGroup::default(),
             first_token: 0,

@@ -32,6 +32,15 @@ pub struct TransferParams {
     pub remote_capability: String,
 }
 
+/// `host:port`, with an IPv6 host in brackets: how a side channel's address is written.
+pub fn side_channel_addr(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 fn one() -> u32 {
     1
 }
@@ -72,6 +81,11 @@ impl TransferParams {
                 ),
             )
         })
+    }
+
+    /// The prefill side channel's address, as the host's handshake names it.
+    pub fn side_channel(&self) -> String {
+        side_channel_addr(&self.remote_host, self.remote_port)
     }
 
     /// The remote blocks as typed ids.

@@ -76,6 +76,7 @@ impl SchedulerConnector for NixlScheduler {
             self.scheduled.insert(req.id.clone());
             let mut release =
                 LoadSpec::release(req.id.clone(), p.remote_engine_id.clone(), p.remote_capability.clone());
+            release.remote_side_channel = p.side_channel();
             release.remote_request = p.remote_request_id.clone().map(RequestId);
             self.loads.push(release);
             return Ok(());
@@ -97,6 +98,7 @@ impl SchedulerConnector for NixlScheduler {
             remote_request: p.remote_request_id.clone().map(RequestId),
             remote_engine_id: p.remote_engine_id.clone(),
             remote_capability: p.remote_capability.clone(),
+            remote_side_channel: p.side_channel(),
             remote_blocks: p.blocks(),
             local_blocks: blocks.clone(),
             first_token: first,

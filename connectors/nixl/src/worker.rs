@@ -27,7 +27,21 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-type Peers = Arc<Mutex<HashMap<String, Arc<PeerInfo>>>>;
+/// Handshaken peers by (engine id, side-channel address the host handshook at; empty when
+/// the envelope named none).
+type Peers = Arc<Mutex<HashMap<(String, String), Arc<PeerInfo>>>>;
+
+/// The peer a load names: the one handshaken at the load's side-channel address, else one
+/// whose envelope named no address.
+fn find_peer(peers: &Peers, load: &LoadSpec) -> Result<Arc<PeerInfo>, TransferError> {
+    let peers = lock(peers);
+    let engine = load.remote_engine_id.clone();
+    peers
+        .get(&(engine.clone(), load.remote_side_channel.clone()))
+        .or_else(|| peers.get(&(engine.clone(), String::new())))
+        .cloned()
+        .ok_or(TransferError::UnknownPeer(engine))
+}
 type Outcomes = Arc<Mutex<Vec<(LoadSpec, Result<PullStats, TransferError>)>>>;
 
 /// The nixl worker half.
@@ -326,7 +340,10 @@ impl NixlWorker {
                 ),
             ));
         }
-        let known = lock(&self.peers).get(e).and_then(|p| p.meta.nixl.clone());
+        let known = lock(&self.peers)
+            .iter()
+            .find(|((engine, _), _)| engine == e)
+            .and_then(|(_, p)| p.meta.nixl.clone());
         if known.as_ref().is_some_and(|k| k.md == m.md) {
             return Ok(());
         }
@@ -362,8 +379,8 @@ struct PullLoop {
 }
 
 impl PullLoop {
-    fn peer(&self, engine: &str) -> Result<Arc<PeerInfo>, TransferError> {
-        lock(&self.peers).get(engine).cloned().ok_or_else(|| TransferError::UnknownPeer(engine.to_owned()))
+    fn peer(&self, load: &LoadSpec) -> Result<Arc<PeerInfo>, TransferError> {
+        find_peer(&self.peers, load)
     }
 
     fn finish(&self, load: LoadSpec, r: Result<PullStats, TransferError>) {
@@ -372,7 +389,7 @@ impl PullLoop {
 
     /// Heartbeats a queued load; a refusal or a dead peer fails it at once.
     fn hold(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
-        let peer = self.peer(&load.remote_engine_id)?;
+        let peer = self.peer(load)?;
         self.puller.hold(&peer, load)
     }
 
@@ -410,7 +427,7 @@ impl PullLoop {
             }
             queue = waiting;
             if let Some((load, _)) = head {
-                let r = self.peer(&load.remote_engine_id).and_then(|peer| {
+                let r = self.peer(&load).and_then(|peer| {
                     if load.is_release() {
                         self.puller.release(&peer, &load)
                     } else {
@@ -628,7 +645,8 @@ impl WorkerConnector for NixlWorker {
         let info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
         self.load_peer_agent(&info)?;
         tracing::debug!(engine = %info.meta.engine_id, addr = %info.addr, "nixl: peer registered");
-        lock(&self.peers).insert(info.meta.engine_id.clone(), Arc::new(info));
+        let side_channel = peer.get("side_channel").and_then(serde_json::Value::as_str).unwrap_or_default();
+        lock(&self.peers).insert((info.meta.engine_id.clone(), side_channel.to_owned()), Arc::new(info));
         Ok(())
     }
 

@@ -743,3 +743,28 @@ fn connections_past_the_cap_and_dripped_frames_are_refused() {
     let f = wait_finished(dd.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
     assert_eq!(f.finished_recving, vec![RequestId::from("after")]);
 }
+
+#[test]
+fn two_producers_claiming_one_engine_id_are_kept_apart_by_address() {
+    let mut first = producer_with("prefill-twin", json!({"side_channel_port": 5601}));
+    let mut second = producer_with("prefill-twin", json!({"side_channel_port": 5602}));
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    for (p, sc) in [(&mut first, "127.0.0.1:5601"), (&mut second, "127.0.0.1:5602")] {
+        let meta = p.worker.handshake_metadata().unwrap().unwrap();
+        d.worker
+            .set_peer_handshake_metadata(&json!({"engine_id": "prefill-twin", "side_channel": sc, "peer": meta}))
+            .unwrap();
+    }
+    // The second handshake did not replace the first: a load from the first is served by it.
+    let params = prefill_finish(&mut first, "from-first", 9, &[1, 2, 3]);
+    assert_eq!(params["remote_port"], json!(5601));
+    decode_start(&mut d, "from-first", 9, params, &[1, 2, 3]);
+    let f = wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.finished_recving, vec![RequestId::from("from-first")], "{f:?}");
+    // Params naming the second's address are pulled from the second, which does not hold it.
+    let mut params = prefill_finish(&mut first, "misdirected", 9, &[4, 5, 6]);
+    params.insert("remote_port".into(), json!(5602));
+    decode_start(&mut d, "misdirected", 9, params, &[4, 5, 6]);
+    let f = wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.failed_recving, vec![RequestId::from("misdirected")], "{f:?}");
+}

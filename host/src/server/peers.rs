@@ -63,8 +63,7 @@ pub fn remote_peer(params: &Map<String, Value>) -> Result<Option<(String, String
     let port = params.get("remote_port").and_then(Value::as_u64);
     match (engine, host, port) {
         (Some(e), Some(h), Some(p)) if p > 0 && p <= u16::MAX as u64 => {
-            let addr = if h.contains(':') { format!("[{h}]:{p}") } else { format!("{h}:{p}") };
-            Ok(Some((e.to_owned(), addr)))
+            Ok(Some((e.to_owned(), kvconnect_nixl::params::side_channel_addr(h, p as u16))))
         }
         _ => Err("kv_transfer_params has do_remote_prefill but lacks a string remote_engine_id, a string remote_host or a remote_port in 1..65535; forward the params prefill returned unchanged".into()),
     }
@@ -142,6 +141,7 @@ impl Peers {
                 }
                 let envelope = json!({
                     "engine_id": engine,
+                    "side_channel": addr,
                     "peer": metadata.unwrap_or(Value::Null),
                     "plan": plan,
                     "peer_effective": compat.effective,
