@@ -16,6 +16,10 @@ after="$2"
 pairs="${3:-7}"
 tokens="${4:-8192}"
 model=fixtures/models/Qwen--Qwen3-0.6B/config.json
+# Both builds' workers get a secret, as a real deployment's do (a build without data-plane
+# authentication ignores it or uses it as its side-channel token).
+KVCONNECT_SIDE_CHANNEL_TOKEN="${KVCONNECT_SIDE_CHANNEL_TOKEN:-$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+export KVCONNECT_SIDE_CHANNEL_TOKEN
 
 one() {
   "$1" bench transfer --backend "$2" --model "$model" --tokens "$tokens" --json 2>/dev/null \
