@@ -361,9 +361,9 @@ pub fn answer_hello(
             message: format!("expected a 'hello' message first, got '{}'", hello.kind()),
         };
     };
-    let proven = auth.as_ref().is_some_and(|a| {
-        auth::verify(secret, CHANNEL, Side::Client, server_nonce, &a.nonce, &a.proof)
-    });
+    let proven = auth
+        .as_ref()
+        .is_some_and(|a| auth::verify(secret, CHANNEL, Side::Client, server_nonce, &a.nonce, &a.proof));
     let Some(HelloAuth { nonce, .. }) = auth.filter(|_| proven) else {
         return Message::Refused {
             diff: Vec::new(),
@@ -498,10 +498,17 @@ async fn accept_loop(
 }
 
 /// Writes one frame, whole within `within`: a peer that does not read cannot hold the task.
-async fn write_within(sock: &mut TcpStream, m: &Message, peer: &str, within: Duration) -> Result<(), SideChannelError> {
+async fn write_within(
+    sock: &mut TcpStream,
+    m: &Message,
+    peer: &str,
+    within: Duration,
+) -> Result<(), SideChannelError> {
     match tokio::time::timeout(within, write_frame(sock, m, peer)).await {
         Ok(r) => r,
-        Err(_) => Err(SideChannelError::Timeout { peer: peer.to_owned(), what: "writing a frame", after: within }),
+        Err(_) => {
+            Err(SideChannelError::Timeout { peer: peer.to_owned(), what: "writing a frame", after: within })
+        }
     }
 }
 
@@ -520,7 +527,14 @@ async fn serve_connection(
             return;
         }
     };
-    if let Err(e) = write_within(&mut sock, &Message::Challenge { nonce: server_nonce.clone() }, &peer_s, cfg.read_timeout).await {
+    if let Err(e) = write_within(
+        &mut sock,
+        &Message::Challenge { nonce: server_nonce.clone() },
+        &peer_s,
+        cfg.read_timeout,
+    )
+    .await
+    {
         tracing::warn!(peer = %peer_s, reason = %e, "side channel: closing connection");
         return;
     }
@@ -871,7 +885,8 @@ mod tests {
                 return;
             };
             let proof = auth::proof(None, CHANNEL, Side::Server, "00", &a.nonce);
-            let welcome = Message::Welcome { compat: prefill, engine_id: "prefill-0".into(), metadata: None, proof };
+            let welcome =
+                Message::Welcome { compat: prefill, engine_id: "prefill-0".into(), metadata: None, proof };
             write_frame(&mut sock, &welcome, "d").await.unwrap();
         });
         let out = handshake(&addr, &descriptor_tp(&["nixl"], 1), "decode-0", None, Duration::from_secs(5))
@@ -903,20 +918,25 @@ mod tests {
         let hello = Message::Hello {
             compat: d.clone(),
             engine_id: "d".into(),
-            auth: Some(HelloAuth { nonce: "00".into(), proof: auth::proof(Some(&secret), CHANNEL, Side::Client, "11", "00") }),
+            auth: Some(HelloAuth {
+                nonce: "00".into(),
+                proof: auth::proof(Some(&secret), CHANNEL, Side::Client, "11", "00"),
+            }),
         };
         assert!(!serde_json::to_string(&hello).unwrap().contains(&secret.to_text()));
         // Two sides with different secrets (here none on the server) never agree.
         let open = server(&["nixl"], SideChannelConfig::default()).await;
-        let out = handshake(&open.local_addr().to_string(), &d, "decode-0", Some(&secret), Duration::from_secs(5))
-            .await
-            .unwrap();
+        let out =
+            handshake(&open.local_addr().to_string(), &d, "decode-0", Some(&secret), Duration::from_secs(5))
+                .await
+                .unwrap();
         assert!(
             matches!(&out, HandshakeOutcome::Refused { message, .. } if message.starts_with(UNAUTHENTICATED)),
             "{out:?}"
         );
         // Beyond loopback a secret is required.
-        let wide = SideChannelConfig { host: IpAddr::V4(Ipv4Addr::UNSPECIFIED), ..SideChannelConfig::default() };
+        let wide =
+            SideChannelConfig { host: IpAddr::V4(Ipv4Addr::UNSPECIFIED), ..SideChannelConfig::default() };
         let e = SideChannelServer::bind(wide, identity(&["nixl"])).await.err().unwrap().to_string();
         assert!(e.contains("without a data-plane secret") && e.contains("--secret-file"), "{e}");
     }
@@ -1005,7 +1025,8 @@ mod tests {
     #[test]
     fn a_message_that_is_not_hello_is_refused() {
         let local = identity(&["nixl"]);
-        let m = answer_hello(&local, None, "00", Message::Refused { diff: Vec::new(), message: String::new() });
+        let m =
+            answer_hello(&local, None, "00", Message::Refused { diff: Vec::new(), message: String::new() });
         assert!(matches!(m, Message::Refused { message, .. } if message.contains("expected a 'hello'")));
     }
 }

@@ -28,7 +28,8 @@ fn nixl(role: &str, extra: &str) -> String {
 
 fn worker(config: &str, id: &str, more: &[&str]) -> Worker {
     let model = reference_model();
-    let mut args = vec!["--kv-transfer-config", config, "--model", model.to_str().unwrap(), "--engine-id", id];
+    let mut args =
+        vec!["--kv-transfer-config", config, "--model", model.to_str().unwrap(), "--engine-id", id];
     args.extend_from_slice(more);
     Worker::start_with_env(&args, &[("KVCONNECT_SIDE_CHANNEL_TOKEN", SECRET)])
 }
@@ -106,12 +107,10 @@ fn drip(c: &mut TcpStream, bytes: &[u8], gap: Duration, limit: Duration) -> bool
 #[test]
 fn a_live_prefill_worker_refuses_and_counts_abuse_then_serves_normally() {
     let port = free_port();
-    let prefill = worker(
-        &nixl("kv_producer", &format!(r#","port":{port},"max_connections":8"#)),
-        "prefill-abuse",
-        &[],
-    );
-    let decode = worker(&nixl("kv_consumer", ""), "decode-abuse", &["--kv-producers", "prefill-abuse@127.0.0.1"]);
+    let prefill =
+        worker(&nixl("kv_producer", &format!(r#","port":{port},"max_connections":8"#)), "prefill-abuse", &[]);
+    let decode =
+        worker(&nixl("kv_consumer", ""), "decode-abuse", &["--kv-producers", "prefill-abuse@127.0.0.1"]);
     let producer = format!("127.0.0.1:{port}");
     let sc = prefill.side_channel.clone().expect("side channel");
     let prompts = varied_prompts(30);
@@ -127,7 +126,11 @@ fn a_live_prefill_worker_refuses_and_counts_abuse_then_serves_normally() {
 
     // Producer listener: no proof, then a wrong one.
     let mut c = challenged(&producer);
-    let read_a = |capability: &str| ClientMsg::Read { request: id_a.clone(), capability: capability.into(), runs: runs.clone() };
+    let read_a = |capability: &str| ClientMsg::Read {
+        request: id_a.clone(),
+        capability: capability.into(),
+        runs: runs.clone(),
+    };
     assert!(refused_with(&ask(&mut c, &read_a(&cap_b)), "data-plane secret"));
     assert!(closed_by_peer(&mut c));
     for m in [
@@ -208,7 +211,10 @@ fn a_live_prefill_worker_refuses_and_counts_abuse_then_serves_normally() {
     let dropped_before = prefill.get("/health").1["side_channel"]["dropped"].as_u64().unwrap();
     let mut c = TcpStream::connect(&sc).unwrap();
     let hello = frame(&vec![b' '; 200]);
-    assert!(drip(&mut c, &hello, Duration::from_millis(500), Duration::from_secs(25)), "side-channel drip not cut");
+    assert!(
+        drip(&mut c, &hello, Duration::from_millis(500), Duration::from_secs(25)),
+        "side-channel drip not cut"
+    );
     let h = prefill.get("/health").1;
     assert!(h["side_channel"]["dropped"].as_u64().unwrap() > dropped_before, "{h}");
     assert!(h["side_channel"]["dropped"].as_u64().unwrap() >= 3, "{h}");
@@ -247,9 +253,11 @@ fn decode_refuses_params_pointing_outside_its_allow_list_without_connecting() {
     let trap_port = trap.local_addr().unwrap().port();
     let prompt = &varied_prompts(30)[26];
     let p = prefill_one(&prefill, prompt);
-    for (engine, host, port) in
-        [("prefill-allowed", "127.0.0.2", trap_port), ("someone-else", "127.0.0.1", sc_port), ("prefill-allowed", "localhost", sc_port)]
-    {
+    for (engine, host, port) in [
+        ("prefill-allowed", "127.0.0.2", trap_port),
+        ("someone-else", "127.0.0.1", sc_port),
+        ("prefill-allowed", "localhost", sc_port),
+    ] {
         let mut params = p["kv_transfer_params"].clone();
         params["remote_engine_id"] = json!(engine);
         params["remote_host"] = json!(host);
@@ -262,7 +270,10 @@ fn decode_refuses_params_pointing_outside_its_allow_list_without_connecting() {
         let msg = d["error"]["message"].as_str().unwrap_or_default();
         assert!(msg.contains("nothing was contacted"), "{msg}");
     }
-    assert!(matches!(trap.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock), "decode connected");
+    assert!(
+        matches!(trap.accept(), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+        "decode connected"
+    );
     assert_eq!(metric(&decode, "kvconnect_kv_load_failures", &["reason=\"producer_not_allowed\""]), 3.0);
     assert_eq!(prefill.get("/health").1["side_channel"]["welcomed"], 0, "no handshake was made");
     // The listed producer is served.

@@ -304,10 +304,14 @@ fn up_hands_its_workers_one_secret_by_environment_and_decode_its_producers() {
             .map(|v| String::from_utf8_lossy(v).into_owned())
             .unwrap_or_else(|| panic!("worker {pid} got no secret in its environment"));
         assert!(secret.len() >= 32, "{secret}");
-        let cmdline = String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap()).into_owned();
+        let cmdline =
+            String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap()).into_owned();
         assert!(!cmdline.contains(&secret), "the secret is on worker {pid}'s command line");
         if cmdline.contains("\0decode\0") {
-            assert!(cmdline.contains("--kv-producers") && cmdline.contains("-prefill-0@127.0.0.1"), "{cmdline}");
+            assert!(
+                cmdline.contains("--kv-producers") && cmdline.contains("-prefill-0@127.0.0.1"),
+                "{cmdline}"
+            );
         }
         secrets.push(secret);
     }

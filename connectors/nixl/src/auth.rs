@@ -99,7 +99,13 @@ pub enum Side {
     Server,
 }
 
-fn mac(secret: Option<&Secret>, channel: &str, side: Side, server_nonce: &str, client_nonce: &str) -> Hmac<Sha256> {
+fn mac(
+    secret: Option<&Secret>,
+    channel: &str,
+    side: Side,
+    server_nonce: &str,
+    client_nonce: &str,
+) -> Hmac<Sha256> {
     // HMAC takes keys of any length, the empty one included.
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(Secret::key(secret))
         .unwrap_or_else(|_| unreachable!("HMAC accepts keys of every length"));
@@ -115,7 +121,13 @@ fn mac(secret: Option<&Secret>, channel: &str, side: Side, server_nonce: &str, c
 }
 
 /// The proof `side` sends on `channel` (`"producer"`, `"side-channel"`) for these nonces.
-pub fn proof(secret: Option<&Secret>, channel: &str, side: Side, server_nonce: &str, client_nonce: &str) -> String {
+pub fn proof(
+    secret: Option<&Secret>,
+    channel: &str,
+    side: Side,
+    server_nonce: &str,
+    client_nonce: &str,
+) -> String {
     to_hex(&mac(secret, channel, side, server_nonce, client_nonce).finalize().into_bytes())
 }
 

@@ -477,7 +477,10 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             );
             let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
             let mut w = stream;
-            let reason = format!("engine '{}' serves at most {} connections at once; try again later", shared.cfg.engine_id, shared.cfg.max_connections);
+            let reason = format!(
+                "engine '{}' serves at most {} connections at once; try again later",
+                shared.cfg.engine_id, shared.cfg.max_connections
+            );
             let _ = write_frame(&mut w, &ServerMsg::Error { reason });
             continue;
         }
@@ -523,13 +526,19 @@ fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared
     let cfg = &s.cfg;
     let server_nonce = auth::nonce().map_err(|e| (e.to_string(), None))?;
     let within = Instant::now() + cfg.io_timeout;
-    write_frame(&mut DeadlineWriter { stream: w, deadline: within }, &ServerMsg::Challenge { nonce: server_nonce.clone() })
-        .map_err(|e| (format!("sending the challenge: {e}"), None))?;
+    write_frame(
+        &mut DeadlineWriter { stream: w, deadline: within },
+        &ServerMsg::Challenge { nonce: server_nonce.clone() },
+    )
+    .map_err(|e| (format!("sending the challenge: {e}"), None))?;
     let first: ClientMsg = read_frame_within(reader, cfg.max_frame, cfg.io_timeout, cfg.io_timeout)
         .map_err(|e| frame_refusal(e, s.stop.load(Ordering::Relaxed)))?;
     let refuse = |w: &mut TcpStream, why: String| {
         s.refusals.count(Refusal::Unauthenticated);
-        let _ = write_frame(&mut DeadlineWriter { stream: w, deadline: within }, &ServerMsg::Error { reason: why.clone() });
+        let _ = write_frame(
+            &mut DeadlineWriter { stream: w, deadline: within },
+            &ServerMsg::Error { reason: why.clone() },
+        );
         Err((why, None))
     };
     let ClientMsg::Auth { nonce, proof } = first else {
@@ -539,8 +548,11 @@ fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared
         return refuse(w, format!("engine '{}': the proof of the data-plane secret is wrong; give every worker of the deployment the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file", cfg.engine_id));
     }
     let mine = auth::proof(cfg.secret.as_ref(), CHANNEL, Side::Server, &server_nonce, &nonce);
-    write_frame(&mut DeadlineWriter { stream: w, deadline: within }, &ServerMsg::Authenticated { proof: mine })
-        .map_err(|e| (format!("answering the challenge: {e}"), None))
+    write_frame(
+        &mut DeadlineWriter { stream: w, deadline: within },
+        &ServerMsg::Authenticated { proof: mine },
+    )
+    .map_err(|e| (format!("answering the challenge: {e}"), None))
 }
 
 /// Serves one connection until it closes; `Err` carries the reason it was closed early, which
@@ -563,7 +575,8 @@ fn serve(stream: TcpStream, s: &Shared) -> Result<(), String> {
 fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared) -> Result<(), Refused> {
     let cfg = &s.cfg;
     loop {
-        let msg: ClientMsg = match read_frame_within(reader, cfg.max_frame, cfg.idle_timeout, cfg.io_timeout) {
+        let msg: ClientMsg = match read_frame_within(reader, cfg.max_frame, cfg.idle_timeout, cfg.io_timeout)
+        {
             Ok(m) => m,
             Err(FrameError::Closed) => return Ok(()),
             Err(e) => return Err(frame_refusal(e, s.stop.load(Ordering::Relaxed))),
@@ -585,7 +598,8 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
         };
         match msg {
             ClientMsg::Auth { .. } => {
-                let r = Err(("already authenticated on this connection".to_owned(), Some(Refusal::Malformed)));
+                let r =
+                    Err(("already authenticated on this connection".to_owned(), Some(Refusal::Malformed)));
                 send(w, answer(r))?;
             }
             ClientMsg::Hold { request, capability } => {

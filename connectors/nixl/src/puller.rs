@@ -10,7 +10,9 @@ use crate::meta::LoadSpec;
 use crate::metadata::{NixlAgentMetadata, PeerInfo};
 use crate::nixl_agent::{NixlAgent, NixlMem, ReadPair};
 use crate::shm::ShmMapping;
-use crate::wire::{authenticate_client, read_frame, write_frame, ClientAuthError, ClientMsg, FrameError, ServerMsg};
+use crate::wire::{
+    authenticate_client, read_frame, write_frame, ClientAuthError, ClientMsg, FrameError, ServerMsg,
+};
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::LayerId;
@@ -103,11 +105,17 @@ fn producer_addr(
 }
 
 fn hold(load: &LoadSpec) -> ClientMsg {
-    ClientMsg::Hold { request: load.producer_request().to_owned(), capability: load.remote_capability.clone() }
+    ClientMsg::Hold {
+        request: load.producer_request().to_owned(),
+        capability: load.remote_capability.clone(),
+    }
 }
 
 fn done(load: &LoadSpec) -> ClientMsg {
-    ClientMsg::Done { request: load.producer_request().to_owned(), capability: load.remote_capability.clone() }
+    ClientMsg::Done {
+        request: load.producer_request().to_owned(),
+        capability: load.remote_capability.clone(),
+    }
 }
 
 fn check(load: &LoadSpec, plan: &CopyPlan) -> ClientMsg {
@@ -267,7 +275,9 @@ impl Puller {
         authenticate_client(s, self.cfg.secret.as_ref(), self.cfg.max_frame).map_err(|e| match e {
             ClientAuthError::Frame(f) => self.frame_err("authenticating", peer, f),
             ClientAuthError::Refused(reason) => TransferError::Refused { engine: engine(), reason },
-            e @ ClientAuthError::WrongServer => TransferError::Refused { engine: engine(), reason: e.to_string() },
+            e @ ClientAuthError::WrongServer => {
+                TransferError::Refused { engine: engine(), reason: e.to_string() }
+            }
             ClientAuthError::Protocol(message) => TransferError::Protocol { engine: engine(), message },
             ClientAuthError::Rng(e) => TransferError::Plan(e.to_string()),
         })

@@ -142,7 +142,10 @@ impl SchedulerConnector for NixlScheduler {
             tp_size: self.ctx.tp_size,
             remote_request_id: Some(req.id.0.clone()),
             remote_capability: crate::auth::capability().map_err(|e| {
-                ConnectorError::io(NAME, format!("request {}: cannot make its transfer capability: {e}", req.id))
+                ConnectorError::io(
+                    NAME,
+                    format!("request {}: cannot make its transfer capability: {e}", req.id),
+                )
             })?,
         };
         let has_blocks = blocks.0.iter().any(|g| !g.is_empty());

@@ -188,7 +188,11 @@ pub fn authenticate_client(
     let p = proof(secret, CHANNEL, Side::Client, &server_nonce, &mine);
     write_frame(s, &ClientMsg::Auth { nonce: mine.clone(), proof: p }).map_err(FrameError::Io)?;
     match read_frame::<_, ServerMsg>(s, cap)? {
-        ServerMsg::Authenticated { proof } if verify(secret, CHANNEL, Side::Server, &server_nonce, &mine, &proof) => Ok(()),
+        ServerMsg::Authenticated { proof }
+            if verify(secret, CHANNEL, Side::Server, &server_nonce, &mine, &proof) =>
+        {
+            Ok(())
+        }
         ServerMsg::Authenticated { .. } => Err(ClientAuthError::WrongServer),
         ServerMsg::Error { reason } => Err(ClientAuthError::Refused(reason)),
         other => Err(ClientAuthError::Protocol(format!("answered {other:?} to the proof of the secret"))),
@@ -243,7 +247,10 @@ impl Write for DeadlineWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let left = self.deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "the answer could not be sent whole in time"));
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the answer could not be sent whole in time",
+            ));
         }
         self.stream.set_write_timeout(Some(left))?;
         self.stream.write(buf)

@@ -566,7 +566,8 @@ impl WorkerConnector for NixlWorker {
                 for (from, msg) in notes {
                     // `kvc-done <request> <capability>`: an agent that does not know the
                     // capability cannot end another request's hold.
-                    match msg.strip_prefix(NIXL_DONE).map(|rest| rest.rsplit_once(' ').unwrap_or((rest, ""))) {
+                    match msg.strip_prefix(NIXL_DONE).map(|rest| rest.rsplit_once(' ').unwrap_or((rest, "")))
+                    {
                         Some((id, capability)) => {
                             if let Err(why) = p.complete(&RequestId::from(id), capability) {
                                 tracing::warn!(agent = %from, "nixl: done notification from '{from}': {why}");

@@ -7,8 +7,8 @@ use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, EffectiveLayout, FinishedTransfers, KvLayout, KvRole,
     MatchResult, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
-use kvconnect_nixl::harness::{context, effective, model, Regions};
 use kvconnect_nixl::auth::{self, Secret, Side};
+use kvconnect_nixl::harness::{context, effective, model, Regions};
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg, CHANNEL};
 use kvconnect_nixl::NixlFactory;
 use serde_json::{json, Value};
@@ -607,7 +607,8 @@ fn a_wrong_or_replayed_capability_neither_reads_nor_frees() {
     let addr = listen_addr(&mut p);
     let victim = prefill_finish(&mut p, "victim", 9, &[1, 2, 3]);
     let mine = prefill_finish(&mut p, "mine", 9, &[5, 6, 7]);
-    let (victim_cap, my_cap) = (victim["remote_capability"].as_str().unwrap(), mine["remote_capability"].as_str().unwrap());
+    let (victim_cap, my_cap) =
+        (victim["remote_capability"].as_str().unwrap(), mine["remote_capability"].as_str().unwrap());
     assert_eq!(victim_cap.len(), 32, "128 bits, hex");
     assert_ne!(victim_cap, my_cap);
     let runs = vec![(0u32, 128, 3 * 128)];
@@ -632,7 +633,8 @@ fn a_wrong_or_replayed_capability_neither_reads_nor_frees() {
     let mut d = consumer("tcp", KvLayout::HND, 4);
     handshake_as(&mut p, &mut d, "prefill-cap");
     decode_start(&mut d, "victim", 9, victim, &[1, 2, 3]);
-    let f = wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
     assert_eq!(f.finished_recving, vec![RequestId::from("victim")]);
     assert_same_kv(&mut p, &[1, 2, 3], &mut d, &[1, 2, 3], 8);
 }
@@ -651,9 +653,15 @@ fn only_backend_tcp_serves_reads() {
     let params = prefill_finish(&mut p, "r", 9, &[1, 2, 3]);
     let capability = params["remote_capability"].as_str().unwrap().to_owned();
     let mut c = authed(&addr, None);
-    let m = ask(&mut c, &ClientMsg::Read { request: "r".into(), capability: capability.clone(), runs: vec![(0, 128, 128)] });
+    let m = ask(
+        &mut c,
+        &ClientMsg::Read { request: "r".into(), capability: capability.clone(), runs: vec![(0, 128, 128)] },
+    );
     assert!(is_error(&m, "does not serve reads"), "{m:?}");
-    assert_eq!(ask(&mut c, &ClientMsg::Check { request: "r".into(), capability, runs: vec![(0, 128, 128)] }), ServerMsg::Ok);
+    assert_eq!(
+        ask(&mut c, &ClientMsg::Check { request: "r".into(), capability, runs: vec![(0, 128, 128)] }),
+        ServerMsg::Ok
+    );
     assert_eq!(refused("prefill-noread", "read_not_served"), 1);
 }
 
@@ -661,12 +669,19 @@ fn only_backend_tcp_serves_reads() {
 fn a_producer_beyond_loopback_needs_a_secret() {
     let m = model(3, 2, 8);
     let eff = effective(&m, KvLayout::HND, 4);
-    let ctx = context(&m, &eff, KvRole::Producer, "prefill-open", json!({"backend": "tcp", "host": "0.0.0.0"}));
+    let ctx =
+        context(&m, &eff, KvRole::Producer, "prefill-open", json!({"backend": "tcp", "host": "0.0.0.0"}));
     let mut worker = NixlFactory.create_worker(&ctx).unwrap();
     let mem = Regions::allocate(&m, &eff, BLOCKS, None).unwrap();
     let e = worker.register_kv_caches(mem.regions()).unwrap_err().to_string();
     assert!(e.contains("without a data-plane secret") && e.contains("KVCONNECT_SIDE_CHANNEL_TOKEN"), "{e}");
-    let ctx = context(&m, &eff, KvRole::Producer, "prefill-open", json!({"backend": "tcp", "host": "0.0.0.0", "data_plane_secret": SECRET}));
+    let ctx = context(
+        &m,
+        &eff,
+        KvRole::Producer,
+        "prefill-open",
+        json!({"backend": "tcp", "host": "0.0.0.0", "data_plane_secret": SECRET}),
+    );
     let mut worker = NixlFactory.create_worker(&ctx).unwrap();
     worker.register_kv_caches(mem.regions()).unwrap();
     // A secret too short to resist guessing is refused with what to do.
@@ -740,7 +755,8 @@ fn connections_past_the_cap_and_dripped_frames_are_refused() {
     handshake_as(&mut p, &mut dd, "prefill-flood");
     let params = prefill_finish(&mut p, "after", 9, &[1, 2, 3]);
     decode_start(&mut dd, "after", 9, params, &[1, 2, 3]);
-    let f = wait_finished(dd.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    let f =
+        wait_finished(dd.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
     assert_eq!(f.finished_recving, vec![RequestId::from("after")]);
 }
 
@@ -752,19 +768,23 @@ fn two_producers_claiming_one_engine_id_are_kept_apart_by_address() {
     for (p, sc) in [(&mut first, "127.0.0.1:5601"), (&mut second, "127.0.0.1:5602")] {
         let meta = p.worker.handshake_metadata().unwrap().unwrap();
         d.worker
-            .set_peer_handshake_metadata(&json!({"engine_id": "prefill-twin", "side_channel": sc, "peer": meta}))
+            .set_peer_handshake_metadata(
+                &json!({"engine_id": "prefill-twin", "side_channel": sc, "peer": meta}),
+            )
             .unwrap();
     }
     // The second handshake did not replace the first: a load from the first is served by it.
     let params = prefill_finish(&mut first, "from-first", 9, &[1, 2, 3]);
     assert_eq!(params["remote_port"], json!(5601));
     decode_start(&mut d, "from-first", 9, params, &[1, 2, 3]);
-    let f = wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
     assert_eq!(f.finished_recving, vec![RequestId::from("from-first")], "{f:?}");
     // Params naming the second's address are pulled from the second, which does not hold it.
     let mut params = prefill_finish(&mut first, "misdirected", 9, &[4, 5, 6]);
     params.insert("remote_port".into(), json!(5602));
     decode_start(&mut d, "misdirected", 9, params, &[4, 5, 6]);
-    let f = wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
     assert_eq!(f.failed_recving, vec![RequestId::from("misdirected")], "{f:?}");
 }

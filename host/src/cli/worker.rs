@@ -4,13 +4,15 @@
 
 use crate::deployment::{negotiate_role, negotiate_worker, parse_cache_dtype, Deployment, Role};
 use crate::registry::Registry;
-use crate::server::{run as run_worker, WorkerSpec};
 use crate::server::producers::Producers;
-use crate::sidechannel::{SideChannelConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT};
-use kvconnect_nixl::auth::{Secret, SECRET_ENV};
+use crate::server::{run as run_worker, WorkerSpec};
+use crate::sidechannel::{
+    SideChannelConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT,
+};
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::{EngineOptions, HmaOption};
 use kvconnect_api::{KvLayout, KvRole, KvTransferConfig, ModelSpec};
+use kvconnect_nixl::auth::{Secret, SECRET_ENV};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -275,7 +277,8 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
 /// `KVCONNECT_SIDE_CHANNEL_TOKEN`, else none.
 pub fn data_plane_secret(file: Option<&Path>) -> Result<Option<Secret>> {
     if let Some(f) = file {
-        let meta = std::fs::metadata(f).with_context(|| format!("--secret-file {}: cannot read it", f.display()))?;
+        let meta =
+            std::fs::metadata(f).with_context(|| format!("--secret-file {}: cannot read it", f.display()))?;
         let mode = std::os::unix::fs::PermissionsExt::mode(&meta.permissions());
         if mode & 0o077 != 0 {
             bail!(
@@ -285,11 +288,16 @@ pub fn data_plane_secret(file: Option<&Path>) -> Result<Option<Secret>> {
                 f.display()
             );
         }
-        let text = std::fs::read_to_string(f).with_context(|| format!("--secret-file {}: cannot read it", f.display()))?;
-        return Secret::from_text(&text, &format!("--secret-file {}", f.display())).map(Some).map_err(|e| anyhow!("{e}"));
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("--secret-file {}: cannot read it", f.display()))?;
+        return Secret::from_text(&text, &format!("--secret-file {}", f.display()))
+            .map(Some)
+            .map_err(|e| anyhow!("{e}"));
     }
     match std::env::var(SECRET_ENV) {
-        Ok(t) if !t.trim().is_empty() => Secret::from_text(&t, SECRET_ENV).map(Some).map_err(|e| anyhow!("{e}")),
+        Ok(t) if !t.trim().is_empty() => {
+            Secret::from_text(&t, SECRET_ENV).map(Some).map_err(|e| anyhow!("{e}"))
+        }
         _ => Ok(None),
     }
 }

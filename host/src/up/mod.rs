@@ -127,7 +127,8 @@ async fn up(a: &UpArgs) -> Result<()> {
     let mut launches = Vec::new();
     for (role, n) in [(Role::Prefill, a.prefill), (Role::Decode, a.decode)] {
         for i in 0..n {
-            let mut l = launch(a, &files.path, role, role.name(), format!("up{pid}-{role}-{i}"), true, &secret);
+            let mut l =
+                launch(a, &files.path, role, role.name(), format!("up{pid}-{role}-{i}"), true, &secret);
             if role == Role::Decode && !producers.is_empty() {
                 l.kv_producers = Some(producers.join(","));
             }
