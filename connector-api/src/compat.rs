@@ -493,13 +493,17 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             a.why(LayoutField::Layout),
             eb.layout.display_name(),
             b.why(LayoutField::Layout),
-            if opaque { opaque_remedy("kv_cache_layout") } else { format!(
+            if opaque {
+                opaque_remedy("kv_cache_layout")
+            } else {
+                format!(
                 "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set kv_cache_layout={} on both",
                 p.perm,
                 p.from.canonical_name(),
                 p.to.canonical_name(),
                 ea.layout.canonical_name()
-            ) },
+            )
+            },
             String::new(),
         );
     }
@@ -837,7 +841,8 @@ mod tests {
         assert!(check_roles(&a, &b).unwrap().is_identity());
         assert_eq!(a.compat_hash(), b.compat_hash());
         // Against an engine over a known layout: different hashes and a strict diff.
-        let known = desc(&qwen3(), &EngineOptions { kv_cache_layout: Some(KvLayout::HND), ..opts() }, &[nixl()]);
+        let known =
+            desc(&qwen3(), &EngineOptions { kv_cache_layout: Some(KvLayout::HND), ..opts() }, &[nixl()]);
         assert_ne!(a.compat_hash(), known.compat_hash());
         let e = check_roles(&a, &known).unwrap_err();
         assert_eq!(e.diffs[0].field, "opaque_blocks", "{e}");

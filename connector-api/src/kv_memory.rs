@@ -154,7 +154,10 @@ impl KvMemory {
                 return Err(RegionError::MissingLayer(l));
             }
         }
-        Ok(KvMemory { geometry: Geometry::new(shape, eff.layout, shapes).with_opaque_blocks(eff.opaque_blocks), bases })
+        Ok(KvMemory {
+            geometry: Geometry::new(shape, eff.layout, shapes).with_opaque_blocks(eff.opaque_blocks),
+            bases,
+        })
     }
 
     /// The geometry the regions follow.

@@ -51,14 +51,19 @@ mod tests {
     #[test]
     fn a_mismatch_names_both_versions_in_one_line() {
         assert!(VersionMismatch::check("nixl wire", "producer", 1, "consumer", Some(1)).is_ok());
-        let e = VersionMismatch::check("nixl wire", "producer", 1, "consumer", Some(2)).unwrap_err().to_string();
+        let e =
+            VersionMismatch::check("nixl wire", "producer", 1, "consumer", Some(2)).unwrap_err().to_string();
         assert_eq!(
             e,
             "nixl wire version mismatch: this producer speaks version 1, the consumer speaks version 2 — run the \
              same kvconnect release on both"
         );
-        let old = VersionMismatch::check("nixl wire", "producer", 1, "consumer", None).unwrap_err().to_string();
-        assert!(old.contains("the consumer speaks no version (a release from before versions were sent)"), "{old}");
+        let old =
+            VersionMismatch::check("nixl wire", "producer", 1, "consumer", None).unwrap_err().to_string();
+        assert!(
+            old.contains("the consumer speaks no version (a release from before versions were sent)"),
+            "{old}"
+        );
         assert!(!e.contains('\n') && !old.contains('\n'));
     }
 }

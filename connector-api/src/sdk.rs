@@ -10,9 +10,9 @@
 //!   (level, target, message and fields) to the host's log callback, and a panic hook that
 //!   logs panics there instead of writing to stderr.
 
-use crate::ffi::{log_level, HostApi};
 use crate::connector::{ConnectorContext, ConnectorFactory, SchedulerConnector, WorkerConnector};
 use crate::error::ConnectorError;
+use crate::ffi::{log_level, HostApi};
 use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Mutex, OnceLock};

@@ -74,6 +74,9 @@ pub struct RoleConfig {
     pub options: EngineOptions,
     /// The engine's own prefix cache (vLLM's `--enable-prefix-caching`; off by default).
     pub enable_prefix_caching: bool,
+    /// Decode: the producers KV may be loaded from (`[ENGINE@]IP[:PORT]`, as
+    /// `--kv-producers`); empty: only producers on this host.
+    pub kv_producers: Vec<String>,
     /// What kvconnect made of the config (LMCache P/D settings turned into the nixl
     /// connector beside lmcache), for the worker's log and `kvconnect plan`.
     pub notes: Vec<String>,
@@ -229,7 +232,7 @@ impl DeploymentError {
 }
 
 /// The keys of a `[prefill]` / `[decode]` table.
-pub const ROLE_KEYS: [&str; 9] = [
+pub const ROLE_KEYS: [&str; 10] = [
     "kv_transfer_config",
     "hybrid_kv_cache_manager",
     "kv_cache_layout",
@@ -239,6 +242,7 @@ pub const ROLE_KEYS: [&str; 9] = [
     "kv_buffer_device",
     "allow_adapters",
     "enable_prefix_caching",
+    "kv_producers",
 ];
 
 #[derive(Deserialize)]
@@ -271,6 +275,7 @@ struct RawRole {
     kv_buffer_device: Option<Spanned<String>>,
     allow_adapters: Option<bool>,
     enable_prefix_caching: Option<bool>,
+    kv_producers: Option<Vec<String>>,
 }
 
 /// 1-based (line, column) of a byte offset.
@@ -579,6 +584,7 @@ impl Deployment {
                 kv_transfer_config,
                 options: o,
                 enable_prefix_caching: raw.enable_prefix_caching.unwrap_or(false),
+                kv_producers: raw.kv_producers.unwrap_or_default(),
                 notes,
             })
         };

@@ -543,7 +543,8 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     call_status(|| &name, |err| unsafe { init(host_api, err) }).map_err(|e| start_failed("init", e))?;
     // SAFETY: the entries passed every check above, and `library` keeps the code mapped (it is
     // never closed) for as long as the factory and its instances hold it.
-    let factory = unsafe { ForeignFactory::create(library.clone()) }.map_err(|e| start_failed("its factory", e))?;
+    let factory =
+        unsafe { ForeignFactory::create(library.clone()) }.map_err(|e| start_failed("its factory", e))?;
 
     // Capabilities are checked once here, for the plain config; `inspect` and negotiation
     // check them again for theirs.

@@ -3,8 +3,10 @@
 //!
 //! Frames are a big-endian `u32` length followed by that many bytes of JSON. Every read has a
 //! timeout and every frame a size cap, so a peer that stalls, lies about a length or sends
-//! garbage costs one connection, never the server. The listener binds loopback unless told
-//! otherwise; bound elsewhere it can require a shared token in the `hello`.
+//! garbage costs one connection, never the server. Every connection opens with the prefill
+//! side's `challenge`; the `hello` answers it with a proof of the deployment's secret and the
+//! `welcome` proves it back (ARCHITECTURE.md §10), so the secret never crosses the wire. Without
+//! a secret the listener binds loopback only.
 //!
 //! The decode side sends `hello` with its [`CompatDescriptor`]; the prefill side checks it
 //! with [`kvconnect_api::compat::check`] and answers `welcome` (its own descriptor and its
@@ -17,6 +19,7 @@ use std::time::Duration;
 
 use kvconnect_api::compat::{check_roles, AdaptationPlan, CompatDescriptor, FieldDiff};
 use kvconnect_api::protocol::VersionMismatch;
+use kvconnect_nixl::auth::{self, Secret, Side};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -33,8 +36,15 @@ const PROTOCOL: &str = "side-channel handshake";
 /// what would let a peer make the server allocate without bound.
 pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 
-/// How long a read (a length prefix or a body) may take before the connection is dropped.
+/// How long a peer may wait before starting a frame, and then how long the whole frame may
+/// take, before the connection is dropped; also the limit on writing one.
 pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Connections served at once by default; more are closed at once.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
+/// The channel name both sides put into their proofs (`kvconnect_nixl::auth::proof`).
+pub const CHANNEL: &str = "kvconnect-side-channel";
 
 /// What went wrong on the side channel.
 #[derive(Debug, thiserror::Error)]
@@ -46,6 +56,12 @@ pub enum SideChannelError {
         addr: SocketAddr,
         /// The OS error.
         source: std::io::Error,
+    },
+    /// Bound beyond loopback without a secret.
+    #[error("side channel: refusing to listen on {addr} beyond loopback without a data-plane secret, which would let any host handshake; set KVCONNECT_SIDE_CHANNEL_TOKEN (at least 16 random bytes, the same on every worker of the deployment) or pass --secret-file, or bind --side-channel-host 127.0.0.1")]
+    Open {
+        /// The address.
+        addr: SocketAddr,
     },
     /// Connecting to a peer failed.
     #[error("side channel: cannot connect to {addr}: {message}; is the prefill worker running and is remote_host/remote_port right?")]
@@ -116,6 +132,11 @@ pub enum SideChannelError {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Message {
+    /// Prefill → decode, first on every connection: prove the secret over this nonce.
+    Challenge {
+        /// The prefill side's nonce for this connection (hex).
+        nonce: String,
+    },
     /// Decode → prefill: who I am and how my KV cache is laid out.
     Hello {
         /// [`PROTOCOL_VERSION`] of the decode side (absent from releases before it was sent).
@@ -125,9 +146,9 @@ pub enum Message {
         compat: CompatDescriptor,
         /// The decode engine's id.
         engine_id: String,
-        /// The shared token, when the prefill side requires one.
+        /// The answer to the challenge.
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        token: Option<String>,
+        auth: Option<HelloAuth>,
     },
     /// Prefill → decode: compatible; here is how to reach my KV.
     Welcome {
@@ -140,6 +161,9 @@ pub enum Message {
         engine_id: String,
         /// The prefill connector's `handshake_metadata()`.
         metadata: Option<serde_json::Value>,
+        /// The prefill side's proof of the secret over both nonces.
+        #[serde(default)]
+        proof: String,
     },
     /// Prefill → decode: not compatible (or not allowed); nothing may be loaded.
     Refused {
@@ -150,9 +174,20 @@ pub enum Message {
     },
 }
 
+/// A `hello`'s answer to the challenge: the decode side's nonce and its proof of the secret
+/// over both nonces.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HelloAuth {
+    /// The decode side's nonce (hex).
+    pub nonce: String,
+    /// HMAC over both nonces (hex).
+    pub proof: String,
+}
+
 impl Message {
     fn kind(&self) -> &'static str {
         match self {
+            Message::Challenge { .. } => "challenge",
             Message::Hello { .. } => "hello",
             Message::Welcome { .. } => "welcome",
             Message::Refused { .. } => "refused",
@@ -176,7 +211,8 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     w.flush().await.map_err(io)
 }
 
-/// Reads one frame, enforcing the cap before allocating and the timeout on every read.
+/// Reads one frame, enforcing the cap before allocating: the frame must start within
+/// `timeout`, and once started arrive whole within `timeout` more, however it is dripped.
 /// `Ok(None)` means the peer closed the connection cleanly between frames.
 pub async fn read_frame<R: AsyncRead + Unpin>(
     r: &mut R,
@@ -186,8 +222,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
 ) -> Result<Option<Message>, SideChannelError> {
     let mut len_buf = [0u8; 4];
     let mut got = 0;
+    let mut deadline = tokio::time::Instant::now() + timeout;
     while got < 4 {
-        let n = tokio::time::timeout(timeout, r.read(&mut len_buf[got..]))
+        let n = tokio::time::timeout_at(deadline, r.read(&mut len_buf[got..]))
             .await
             .map_err(|_| SideChannelError::Timeout {
                 peer: peer.to_owned(),
@@ -198,6 +235,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         if n == 0 {
             return if got == 0 { Ok(None) } else { Err(SideChannelError::Closed { peer: peer.to_owned() }) };
         }
+        if got == 0 {
+            deadline = tokio::time::Instant::now() + timeout;
+        }
         got += n;
     }
     let len = u32::from_be_bytes(len_buf) as usize;
@@ -205,7 +245,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         return Err(SideChannelError::FrameTooLarge { peer: peer.to_owned(), len: len as u64, cap });
     }
     let mut body = vec![0u8; len];
-    tokio::time::timeout(timeout, r.read_exact(&mut body))
+    tokio::time::timeout_at(deadline, r.read_exact(&mut body))
         .await
         .map_err(|_| SideChannelError::Timeout {
             peer: peer.to_owned(),
@@ -228,12 +268,14 @@ pub struct SideChannelConfig {
     pub host: IpAddr,
     /// Port; 0 picks a free one.
     pub port: u16,
-    /// A token every `hello` must carry (recommended when `host` is not loopback).
-    pub token: Option<String>,
-    /// Timeout of every read.
+    /// The deployment's secret every `hello` must prove; required beyond loopback.
+    pub secret: Option<Secret>,
+    /// How long a frame may take to start, and then to arrive whole; also the write limit.
     pub read_timeout: Duration,
     /// Frame size cap.
     pub max_frame: usize,
+    /// Connections served at once.
+    pub max_connections: usize,
 }
 
 impl Default for SideChannelConfig {
@@ -241,9 +283,10 @@ impl Default for SideChannelConfig {
         SideChannelConfig {
             host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: 0,
-            token: None,
+            secret: None,
             read_timeout: DEFAULT_READ_TIMEOUT,
             max_frame: DEFAULT_MAX_FRAME,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -268,6 +311,10 @@ pub struct ServerStats {
     pub refused: AtomicU64,
     /// Connections closed because the peer misbehaved (garbage, oversized, timeout).
     pub dropped: AtomicU64,
+    /// Handshakes refused because the peer did not prove the secret.
+    pub unauthenticated: AtomicU64,
+    /// Connections closed at once because the cap was reached.
+    pub over_cap: AtomicU64,
 }
 
 /// A snapshot of [`ServerStats`].
@@ -279,6 +326,12 @@ pub struct ServerStatsSnapshot {
     pub refused: u64,
     /// Connections closed because the peer misbehaved.
     pub dropped: u64,
+    /// Handshakes refused because the peer did not prove the secret.
+    #[serde(default)]
+    pub unauthenticated: u64,
+    /// Connections closed at once because the cap was reached.
+    #[serde(default)]
+    pub over_cap: u64,
 }
 
 impl ServerStats {
@@ -288,6 +341,8 @@ impl ServerStats {
             welcomed: self.welcomed.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
             dropped: self.dropped.load(Ordering::Relaxed),
+            unauthenticated: self.unauthenticated.load(Ordering::Relaxed),
+            over_cap: self.over_cap.load(Ordering::Relaxed),
         }
     }
 }
@@ -306,50 +361,61 @@ pub fn render_refusal(prefill_engine: &str, decode_engine: &str, diffs: &[FieldD
     s
 }
 
-fn tokens_equal(a: &str, b: &str) -> bool {
-    // Compare every byte so the time taken does not reveal how much of a guess was right.
-    let (a, b) = (a.as_bytes(), b.as_bytes());
-    let mut diff = a.len() ^ b.len();
-    for i in 0..a.len().max(b.len()) {
-        diff |= (*a.get(i).unwrap_or(&0) ^ *b.get(i).unwrap_or(&0)) as usize;
-    }
-    diff == 0
-}
-
-/// The prefill side's answer to one `hello`.
-pub fn answer_hello(local: &LocalIdentity, required_token: Option<&str>, hello: Message) -> Message {
-    let Message::Hello { version, compat, engine_id, token } = hello else {
+/// The prefill side's answer to one `hello` on a connection it challenged with
+/// `server_nonce`.
+pub fn answer_hello(
+    local: &LocalIdentity,
+    secret: Option<&Secret>,
+    server_nonce: &str,
+    hello: Message,
+) -> Message {
+    let Message::Hello { version, compat, engine_id, auth } = hello else {
         return Message::Refused {
             diff: Vec::new(),
             message: format!("expected a 'hello' message first, got '{}'", hello.kind()),
         };
     };
-    if let Err(e) = VersionMismatch::check(PROTOCOL, "prefill worker", PROTOCOL_VERSION, "decode worker", version) {
+    if let Err(e) =
+        VersionMismatch::check(PROTOCOL, "prefill worker", PROTOCOL_VERSION, "decode worker", version)
+    {
         return Message::Refused { diff: Vec::new(), message: e.to_string() };
     }
-    if let Some(want) = required_token {
-        if !token.as_deref().is_some_and(|t| tokens_equal(t, want)) {
-            return Message::Refused {
-                diff: Vec::new(),
-                message: format!(
-                    "prefill engine '{}' requires a side-channel token and the one from decode engine '{engine_id}' is missing or wrong; set the same side_channel_token on both workers",
-                    local.engine_id
-                ),
-            };
-        }
-    }
+    let proven = auth
+        .as_ref()
+        .is_some_and(|a| auth::verify(secret, CHANNEL, Side::Client, server_nonce, &a.nonce, &a.proof));
+    let Some(HelloAuth { nonce, .. }) = auth.filter(|_| proven) else {
+        return Message::Refused {
+            diff: Vec::new(),
+            message: format!(
+                "{UNAUTHENTICATED}: prefill engine '{}' did not get a valid proof of the deployment's data-plane secret from decode engine '{engine_id}'; give both workers the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file",
+                local.engine_id
+            ),
+        };
+    };
     match check_roles(&local.compat, &compat) {
         Ok(_) => Message::Welcome {
             version: Some(PROTOCOL_VERSION),
             compat: local.compat.clone(),
             engine_id: local.engine_id.clone(),
             metadata: local.metadata.clone(),
+            proof: auth::proof(secret, CHANNEL, Side::Server, server_nonce, &nonce),
         },
         Err(inc) => Message::Refused {
             message: render_refusal(&local.engine_id, &engine_id, &inc.diffs),
             diff: inc.diffs,
         },
     }
+}
+
+/// How a refusal for a missing or wrong proof of the secret begins.
+pub const UNAUTHENTICATED: &str = "unauthenticated";
+
+/// Refuses to serve beyond loopback without a secret.
+fn refuse_open(cfg: &SideChannelConfig, addr: SocketAddr) -> Result<(), SideChannelError> {
+    if cfg.secret.is_none() && !addr.ip().is_loopback() {
+        return Err(SideChannelError::Open { addr });
+    }
+    Ok(())
 }
 
 /// A running side-channel listener. Dropping it stops accepting.
@@ -369,9 +435,7 @@ impl SideChannelServer {
         let listener =
             TcpListener::bind(want).await.map_err(|source| SideChannelError::Bind { addr: want, source })?;
         let addr = listener.local_addr().map_err(|source| SideChannelError::Bind { addr: want, source })?;
-        if !cfg.host.is_loopback() && cfg.token.is_none() {
-            tracing::warn!(%addr, "side channel listens beyond loopback without a token; any host that can reach it may handshake");
-        }
+        refuse_open(&cfg, addr)?;
         let stats = Arc::new(ServerStats::default());
         let (stop, stop_rx) = watch::channel(false);
         let local = Arc::new(local);
@@ -394,9 +458,7 @@ impl SideChannelServer {
         listener.set_nonblocking(true).map_err(bind_err)?;
         let addr = listener.local_addr().map_err(bind_err)?;
         let listener = TcpListener::from_std(listener).map_err(bind_err)?;
-        if !addr.ip().is_loopback() && cfg.token.is_none() {
-            tracing::warn!(%addr, "side channel listens beyond loopback without a token; any host that can reach it may handshake");
-        }
+        refuse_open(&cfg, addr)?;
         let stats = Arc::new(ServerStats::default());
         let (stop, stop_rx) = watch::channel(false);
         tokio::spawn(accept_loop(listener, Arc::new(cfg), Arc::new(local), stats.clone(), stop_rx));
@@ -427,12 +489,23 @@ async fn accept_loop(
     stats: Arc<ServerStats>,
     mut stop: watch::Receiver<bool>,
 ) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(cfg.max_connections));
     loop {
         tokio::select! {
             _ = stop.changed() => return,
             accepted = listener.accept() => match accepted {
                 Ok((sock, peer)) => {
-                    tokio::spawn(serve_connection(sock, peer, cfg.clone(), local.clone(), stats.clone()));
+                    let Ok(slot) = slots.clone().try_acquire_owned() else {
+                        stats.over_cap.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(%peer, cap = cfg.max_connections, "side channel: refusing a connection past the cap of {} open connections", cfg.max_connections);
+                        drop(sock);
+                        continue;
+                    };
+                    let (cfg, local, stats) = (cfg.clone(), local.clone(), stats.clone());
+                    tokio::spawn(async move {
+                        serve_connection(sock, peer, cfg, local, stats).await;
+                        drop(slot);
+                    });
                 }
                 Err(e) => {
                     // Running out of descriptors is transient; back off instead of spinning.
@@ -440,6 +513,21 @@ async fn accept_loop(
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             }
+        }
+    }
+}
+
+/// Writes one frame, whole within `within`: a peer that does not read cannot hold the task.
+async fn write_within(
+    sock: &mut TcpStream,
+    m: &Message,
+    peer: &str,
+    within: Duration,
+) -> Result<(), SideChannelError> {
+    match tokio::time::timeout(within, write_frame(sock, m, peer)).await {
+        Ok(r) => r,
+        Err(_) => {
+            Err(SideChannelError::Timeout { peer: peer.to_owned(), what: "writing a frame", after: within })
         }
     }
 }
@@ -452,6 +540,24 @@ async fn serve_connection(
     stats: Arc<ServerStats>,
 ) {
     let peer_s = peer.to_string();
+    let server_nonce = match auth::nonce() {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(peer = %peer_s, "side channel: {e}");
+            return;
+        }
+    };
+    if let Err(e) = write_within(
+        &mut sock,
+        &Message::Challenge { nonce: server_nonce.clone() },
+        &peer_s,
+        cfg.read_timeout,
+    )
+    .await
+    {
+        tracing::warn!(peer = %peer_s, reason = %e, "side channel: closing connection");
+        return;
+    }
     // A peer may handshake several times on one connection; each `hello` gets an answer.
     loop {
         let msg = match read_frame(&mut sock, cfg.max_frame, cfg.read_timeout, &peer_s).await {
@@ -463,19 +569,26 @@ async fn serve_connection(
                 return;
             }
         };
-        let answer = answer_hello(&local, cfg.token.as_deref(), msg);
+        let answer = answer_hello(&local, cfg.secret.as_ref(), &server_nonce, msg);
         match &answer {
             Message::Welcome { .. } => {
                 stats.welcomed.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(peer = %peer_s, "side channel: handshake accepted");
             }
+            Message::Refused { message, .. } if message.starts_with(UNAUTHENTICATED) => {
+                stats.unauthenticated.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = %peer_s, "side channel: handshake refused: {message}");
+                // No second guess on this connection.
+                let _ = write_within(&mut sock, &answer, &peer_s, cfg.read_timeout).await;
+                return;
+            }
             Message::Refused { message, .. } => {
                 stats.refused.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(peer = %peer_s, "side channel: handshake refused: {message}");
             }
-            Message::Hello { .. } => {}
+            Message::Hello { .. } | Message::Challenge { .. } => {}
         }
-        if let Err(e) = write_frame(&mut sock, &answer, &peer_s).await {
+        if let Err(e) = write_within(&mut sock, &answer, &peer_s, cfg.read_timeout).await {
             tracing::warn!(peer = %peer_s, reason = %e, "side channel: closing connection");
             return;
         }
@@ -510,7 +623,7 @@ pub async fn handshake(
     addr: &str,
     local: &CompatDescriptor,
     engine_id: &str,
-    token: Option<&str>,
+    secret: Option<&Secret>,
     timeout: Duration,
 ) -> Result<HandshakeOutcome, SideChannelError> {
     let connect_err = |message: String| SideChannelError::Connect { addr: addr.to_owned(), message };
@@ -519,18 +632,37 @@ pub async fn handshake(
         .map_err(|_| connect_err(format!("no answer within {timeout:?}")))?
         .map_err(|e| connect_err(e.to_string()))?;
     let _ = sock.set_nodelay(true);
+    let server_nonce = match read_frame(&mut sock, DEFAULT_MAX_FRAME, timeout, addr)
+        .await?
+        .ok_or_else(|| SideChannelError::Closed { peer: addr.to_owned() })?
+    {
+        Message::Challenge { nonce } => nonce,
+        other => return Err(SideChannelError::Unexpected { peer: addr.to_owned(), got: other.kind() }),
+    };
+    let nonce = auth::nonce().map_err(|e| SideChannelError::Encode(e.to_string()))?;
     let hello = Message::Hello {
         version: Some(PROTOCOL_VERSION),
         compat: local.clone(),
         engine_id: engine_id.to_owned(),
-        token: token.map(str::to_owned),
+        auth: Some(HelloAuth {
+            proof: auth::proof(secret, CHANNEL, Side::Client, &server_nonce, &nonce),
+            nonce: nonce.clone(),
+        }),
     };
-    write_frame(&mut sock, &hello, addr).await?;
+    write_within(&mut sock, &hello, addr, timeout).await?;
     let answer = read_frame(&mut sock, DEFAULT_MAX_FRAME, timeout, addr)
         .await?
         .ok_or_else(|| SideChannelError::Closed { peer: addr.to_owned() })?;
     match answer {
-        Message::Welcome { version, compat, engine_id: peer_engine, metadata } => {
+        Message::Welcome { proof, .. }
+            if !auth::verify(secret, CHANNEL, Side::Server, &server_nonce, &nonce, &proof) =>
+        {
+            Ok(HandshakeOutcome::Refused {
+                diff: Vec::new(),
+                message: format!("{UNAUTHENTICATED}: the side channel at {addr} did not prove the deployment's data-plane secret; nothing is loaded from it. Give every worker the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file"),
+            })
+        }
+        Message::Welcome { version, compat, engine_id: peer_engine, metadata, .. } => {
             if let Err(e) =
                 VersionMismatch::check(PROTOCOL, "decode worker", PROTOCOL_VERSION, "prefill worker", version)
             {
@@ -552,7 +684,7 @@ pub async fn handshake(
             }
         }
         Message::Refused { diff, message } => Ok(HandshakeOutcome::Refused { diff, message }),
-        other @ Message::Hello { .. } => {
+        other @ (Message::Hello { .. } | Message::Challenge { .. }) => {
             Err(SideChannelError::Unexpected { peer: addr.to_owned(), got: other.kind() })
         }
     }
@@ -771,12 +903,20 @@ mod tests {
         let prefill = descriptor_tp(&["nixl"], 2);
         tokio::spawn(async move {
             let (mut sock, _) = listener.accept().await.unwrap();
-            let _ = read_frame(&mut sock, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "d").await;
+            let challenge = Message::Challenge { nonce: "00".into() };
+            write_frame(&mut sock, &challenge, "d").await.unwrap();
+            let Ok(Some(Message::Hello { auth: Some(a), .. })) =
+                read_frame(&mut sock, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "d").await
+            else {
+                return;
+            };
+            let proof = auth::proof(None, CHANNEL, Side::Server, "00", &a.nonce);
             let welcome = Message::Welcome {
                 version: Some(PROTOCOL_VERSION),
                 compat: prefill,
                 engine_id: "prefill-0".into(),
                 metadata: None,
+                proof,
             };
             write_frame(&mut sock, &welcome, "d").await.unwrap();
         });
@@ -788,20 +928,91 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_required_token_must_match() {
-        let cfg = SideChannelConfig { token: Some("s3cret".into()), ..SideChannelConfig::default() };
+    async fn the_secret_is_proven_never_sent_and_a_wrong_one_refused() {
+        let secret = Secret::from_text("the-deployment-secret-0123", "test").unwrap();
+        let cfg = SideChannelConfig { secret: Some(secret.clone()), ..SideChannelConfig::default() };
         let s = server(&["nixl"], cfg).await;
         let addr = s.local_addr().to_string();
         let d = descriptor(&["nixl"]);
-        let bad = handshake(&addr, &d, "decode-0", Some("guess"), Duration::from_secs(5)).await.unwrap();
-        assert!(
-            matches!(&bad, HandshakeOutcome::Refused { message, .. } if message.contains("token")),
-            "{bad:?}"
-        );
-        let none = handshake(&addr, &d, "decode-0", None, Duration::from_secs(5)).await.unwrap();
-        assert!(matches!(none, HandshakeOutcome::Refused { .. }));
-        let good = handshake(&addr, &d, "decode-0", Some("s3cret"), Duration::from_secs(5)).await.unwrap();
+        let guess = Secret::from_text("a-guessed-secret-of-length", "test").unwrap();
+        for wrong in [Some(&guess), None] {
+            let bad = handshake(&addr, &d, "decode-0", wrong, Duration::from_secs(5)).await.unwrap();
+            assert!(
+                matches!(&bad, HandshakeOutcome::Refused { message, .. } if message.starts_with(UNAUTHENTICATED) && message.contains("KVCONNECT_SIDE_CHANNEL_TOKEN")),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(s.stats().snapshot().unauthenticated, 2);
+        let good = handshake(&addr, &d, "decode-0", Some(&secret), Duration::from_secs(5)).await.unwrap();
         assert!(matches!(good, HandshakeOutcome::Welcome { .. }));
+        // The hello carries a proof over both nonces, never the secret itself.
+        let hello = Message::Hello {
+            version: Some(PROTOCOL_VERSION),
+            compat: d.clone(),
+            engine_id: "d".into(),
+            auth: Some(HelloAuth {
+                nonce: "00".into(),
+                proof: auth::proof(Some(&secret), CHANNEL, Side::Client, "11", "00"),
+            }),
+        };
+        assert!(!serde_json::to_string(&hello).unwrap().contains(&secret.to_text()));
+        // Two sides with different secrets (here none on the server) never agree.
+        let open = server(&["nixl"], SideChannelConfig::default()).await;
+        let out =
+            handshake(&open.local_addr().to_string(), &d, "decode-0", Some(&secret), Duration::from_secs(5))
+                .await
+                .unwrap();
+        assert!(
+            matches!(&out, HandshakeOutcome::Refused { message, .. } if message.starts_with(UNAUTHENTICATED)),
+            "{out:?}"
+        );
+        // Beyond loopback a secret is required.
+        let wide =
+            SideChannelConfig { host: IpAddr::V4(Ipv4Addr::UNSPECIFIED), ..SideChannelConfig::default() };
+        let e = SideChannelServer::bind(wide, identity(&["nixl"])).await.err().unwrap().to_string();
+        assert!(e.contains("without a data-plane secret") && e.contains("--secret-file"), "{e}");
+    }
+
+    /// A connection whose challenge was read.
+    async fn challenged(addr: &str) -> TcpStream {
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        let m = read_frame(&mut c, 4096, Duration::from_secs(5), "server").await.unwrap().unwrap();
+        assert!(matches!(m, Message::Challenge { .. }), "{m:?}");
+        c
+    }
+
+    #[tokio::test]
+    async fn dripped_frames_and_connections_past_the_cap_are_dropped() {
+        let cfg = SideChannelConfig {
+            read_timeout: Duration::from_millis(300),
+            max_connections: 2,
+            ..SideChannelConfig::default()
+        };
+        let s = server(&["nixl"], cfg).await;
+        let addr = s.local_addr().to_string();
+        // One byte every 100 ms: no read waits past the timeout, the frame does.
+        let mut drip = challenged(&addr).await;
+        let t0 = std::time::Instant::now();
+        let mut closed = false;
+        for b in 200u32.to_be_bytes().into_iter().chain(std::iter::repeat_n(b'x', 200)) {
+            if drip.write_all(&[b]).await.is_err() {
+                closed = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            if t0.elapsed() > Duration::from_secs(3) {
+                break;
+            }
+        }
+        let mut buf = [0u8; 1];
+        closed = closed || matches!(drip.read(&mut buf).await, Ok(0) | Err(_));
+        assert!(closed && t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+        assert_eq!(s.stats().snapshot().dropped, 1);
+        // Two held open; a third is closed at once without a challenge.
+        let (_a, _b) = (challenged(&addr).await, challenged(&addr).await);
+        let mut c = TcpStream::connect(&addr).await.unwrap();
+        assert_eq!(c.read(&mut buf).await.unwrap_or(0), 0);
+        assert_eq!(s.stats().snapshot().over_cap, 1);
     }
 
     #[tokio::test]
@@ -814,17 +1025,17 @@ mod tests {
         let s = server(&["nixl"], cfg).await;
         let addr = s.local_addr().to_string();
         // Garbage: a valid length, then bytes that are not a message.
-        let mut g = TcpStream::connect(&addr).await.unwrap();
+        let mut g = challenged(&addr).await;
         g.write_all(&4u32.to_be_bytes()).await.unwrap();
         g.write_all(b"junk").await.unwrap();
         let mut buf = [0u8; 1];
         assert_eq!(g.read(&mut buf).await.unwrap(), 0, "garbage connection must be closed");
         // Oversized: a length above the cap.
-        let mut o = TcpStream::connect(&addr).await.unwrap();
+        let mut o = challenged(&addr).await;
         o.write_all(&u32::MAX.to_be_bytes()).await.unwrap();
         assert_eq!(o.read(&mut buf).await.unwrap(), 0, "oversized connection must be closed");
         // A stalled one is dropped after the timeout while a good one is served meanwhile.
-        let mut stalled = TcpStream::connect(&addr).await.unwrap();
+        let mut stalled = challenged(&addr).await;
         stalled.write_all(&[0]).await.unwrap();
         let out =
             handshake(&addr, &descriptor(&["nixl"]), "decode-0", None, Duration::from_secs(5)).await.unwrap();
@@ -846,7 +1057,8 @@ mod tests {
     #[test]
     fn a_message_that_is_not_hello_is_refused() {
         let local = identity(&["nixl"]);
-        let m = answer_hello(&local, None, Message::Refused { diff: Vec::new(), message: String::new() });
+        let m =
+            answer_hello(&local, None, "00", Message::Refused { diff: Vec::new(), message: String::new() });
         assert!(matches!(m, Message::Refused { message, .. } if message.contains("expected a 'hello'")));
     }
 
@@ -857,10 +1069,18 @@ mod tests {
             version,
             compat: descriptor(&["nixl"]),
             engine_id: "decode-0".into(),
-            token: None,
+            auth: Some(HelloAuth {
+                nonce: "11".into(),
+                proof: auth::proof(None, CHANNEL, Side::Client, "00", "11"),
+            }),
         };
-        assert!(matches!(answer_hello(&local, None, hello(Some(PROTOCOL_VERSION))), Message::Welcome { .. }));
-        let Message::Refused { message, diff } = answer_hello(&local, None, hello(Some(PROTOCOL_VERSION + 1))) else {
+        assert!(matches!(
+            answer_hello(&local, None, "00", hello(Some(PROTOCOL_VERSION))),
+            Message::Welcome { .. }
+        ));
+        let Message::Refused { message, diff } =
+            answer_hello(&local, None, "00", hello(Some(PROTOCOL_VERSION + 1)))
+        else {
             panic!("a newer hello must be refused")
         };
         assert!(diff.is_empty());
@@ -877,7 +1097,9 @@ mod tests {
             "type": "hello", "compat": descriptor(&["nixl"]), "engine_id": "decode-0"
         }))
         .unwrap();
-        let Message::Refused { message, .. } = answer_hello(&local, None, old) else { panic!("refused") };
+        let Message::Refused { message, .. } = answer_hello(&local, None, "00", old) else {
+            panic!("refused")
+        };
         assert!(message.contains("the decode worker speaks no version"), "{message}");
     }
 
@@ -887,16 +1109,23 @@ mod tests {
         let addr = listener.local_addr().unwrap().to_string();
         tokio::spawn(async move {
             let (mut sock, _) = listener.accept().await.unwrap();
-            let _ = read_frame(&mut sock, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "d").await;
+            write_frame(&mut sock, &Message::Challenge { nonce: "00".into() }, "d").await.unwrap();
+            let Ok(Some(Message::Hello { auth: Some(a), .. })) =
+                read_frame(&mut sock, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT, "d").await
+            else {
+                return;
+            };
             let welcome = Message::Welcome {
                 version: Some(7),
                 compat: descriptor(&["nixl"]),
                 engine_id: "prefill-0".into(),
                 metadata: None,
+                proof: auth::proof(None, CHANNEL, Side::Server, "00", &a.nonce),
             };
             write_frame(&mut sock, &welcome, "d").await.unwrap();
         });
-        let out = handshake(&addr, &descriptor(&["nixl"]), "decode-0", None, Duration::from_secs(5)).await.unwrap();
+        let out =
+            handshake(&addr, &descriptor(&["nixl"]), "decode-0", None, Duration::from_secs(5)).await.unwrap();
         let HandshakeOutcome::Refused { message, .. } = out else { panic!("{out:?}") };
         assert_eq!(
             message,

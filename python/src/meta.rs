@@ -41,12 +41,13 @@ pub fn encode(peers: &[Peer], inner: &[u8]) -> Result<Vec<u8>, String> {
 
 /// The peers and the connector's bytes of an envelope, or why it is not one.
 pub fn decode(bytes: &[u8]) -> Result<(Vec<Peer>, &[u8]), String> {
-    let rest = bytes
-        .strip_prefix(MAGIC.as_slice())
-        .ok_or("it does not start with KVVA: the scheduler and the worker run different kvconnect versions")?;
+    let rest = bytes.strip_prefix(MAGIC.as_slice()).ok_or(
+        "it does not start with KVVA: the scheduler and the worker run different kvconnect versions",
+    )?;
     let (len, rest) = rest.split_at_checked(4).ok_or("it ends inside its header length")?;
     let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
-    let (header, inner) = rest.split_at_checked(len).ok_or("its header is longer than the bytes that follow")?;
+    let (header, inner) =
+        rest.split_at_checked(len).ok_or("its header is longer than the bytes that follow")?;
     let header: Header =
         serde_json::from_slice(header).map_err(|e| format!("its header cannot be read: {e}"))?;
     if header.version != VERSION {

@@ -47,7 +47,11 @@ fn blocks(groups: Vec<Vec<u32>>) -> BlocksPerGroup {
 }
 
 impl Scheduler {
-    fn with<T>(&self, call: &'static str, f: impl FnOnce(&mut State) -> Result<T, kvconnect_api::ConnectorError>) -> Result<T, AdapterError> {
+    fn with<T>(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(&mut State) -> Result<T, kvconnect_api::ConnectorError>,
+    ) -> Result<T, AdapterError> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         f(&mut st).map_err(|source| AdapterError::Connector { connector: self.name.clone(), call, source })
     }
@@ -80,7 +84,8 @@ impl Scheduler {
         num_computed: usize,
     ) -> PyResult<(Option<usize>, bool)> {
         let req = request(request_id, prompt_tokens, params_json)?;
-        let m = self.with("get_num_new_matched_tokens", |s| s.conn.get_num_new_matched_tokens(&req, num_computed))?;
+        let m = self
+            .with("get_num_new_matched_tokens", |s| s.conn.get_num_new_matched_tokens(&req, num_computed))?;
         Ok(match m {
             MatchResult::Pending => (None, false),
             MatchResult::Matched { tokens, async_load } => (Some(tokens), async_load),

@@ -12,6 +12,7 @@ use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelS
 use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype};
 use kvconnect_host::registry::{Registry, RegistryConfig};
 use kvconnect_host::server::connector_setup::{nixl_backend, with_side_channel};
+use kvconnect_nixl::auth::{Secret, SECRET_ENV};
 use kvconnect_nixl::config::Backend;
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -63,9 +64,6 @@ struct AdapterExtra {
     /// Its port; needed by a producer whose connector moves KV to a peer.
     #[serde(default)]
     side_channel_port: Option<u16>,
-    /// A token the side channel requires from decode.
-    #[serde(default)]
-    side_channel_token: Option<String>,
     /// Seconds a handshake may take (default 10).
     #[serde(default)]
     handshake_timeout_s: Option<f64>,
@@ -77,7 +75,7 @@ struct AdapterExtra {
     allow_insecure_plugins: bool,
 }
 
-const EXTRA_KEYS: &str = "kvconnect (required: the kvconnect kv-transfer-config), side_channel_host, side_channel_port, side_channel_token, handshake_timeout_s, plugin_dirs, allow_insecure_plugins";
+const EXTRA_KEYS: &str = "kvconnect (required: the kvconnect kv-transfer-config), side_channel_host, side_channel_port, handshake_timeout_s, plugin_dirs, allow_insecure_plugins";
 
 /// A negotiated connector, ready for either half to be created.
 pub struct Setup {
@@ -91,8 +89,9 @@ pub struct Setup {
     pub compat: CompatDescriptor,
     /// Side channel: bind address and port (a producer whose connector moves KV).
     pub side_channel: Option<(IpAddr, u16)>,
-    /// The token the side channel requires.
-    pub token: Option<String>,
+    /// The deployment's data-plane secret (KVCONNECT_SIDE_CHANNEL_TOKEN), which the side
+    /// channel and the nixl listener prove on every connection.
+    pub secret: Option<Secret>,
     /// Handshake timeout.
     pub handshake_timeout: Duration,
 }
@@ -105,7 +104,8 @@ impl Setup {
     /// Reads, resolves and negotiates. Every refusal is one line: an unknown connector names
     /// the known ones, a conflict the field, each side's reason and the remedy.
     pub fn from_vllm(side_json: &str) -> Result<Setup, AdapterError> {
-        let side: VllmSide = serde_json::from_str(side_json).map_err(|e| AdapterError::Setup(e.to_string()))?;
+        let side: VllmSide =
+            serde_json::from_str(side_json).map_err(|e| AdapterError::Setup(e.to_string()))?;
         let extra: AdapterExtra = serde_json::from_value(Value::Object(side.extra_config.clone()))
             .map_err(|e| extra_err(format!("{e}; its keys are {EXTRA_KEYS}")))?;
         let mut config: KvTransferConfig = match &extra.kvconnect {
@@ -126,7 +126,10 @@ impl Setup {
             .map_err(|e| AdapterError::Model(e.to_string()))?;
         let opts = engine_options(&side)?;
 
-        let registry = Registry::load(&RegistryConfig::with_env(extra.plugin_dirs.clone(), extra.allow_insecure_plugins));
+        let registry = Registry::load(&RegistryConfig::with_env(
+            extra.plugin_dirs.clone(),
+            extra.allow_insecure_plugins,
+        ));
         registry.warn_load_errors();
 
         let host: IpAddr = match &extra.side_channel_host {
@@ -136,7 +139,9 @@ impl Setup {
             })?,
         };
         let port = extra.side_channel_port.unwrap_or(0);
-        let (config, transports) = with_side_channel(&registry, &config, &host.to_string(), port);
+        let secret = data_plane_secret()?;
+        let (config, transports) =
+            with_side_channel(&registry, &config, &host.to_string(), port, secret.as_ref());
         if nixl_backend(&transports).map_err(extra_err)? == Some(Backend::Shm) {
             return Err(AdapterError::NotImplemented(
                 "the nixl backend 'shm' inside vLLM: it reads the producer's KV cache from shared-memory segments, and vLLM allocates its KV cache itself, in private memory; use backend 'tcp' (same host or across hosts)".into(),
@@ -158,7 +163,9 @@ impl Setup {
             .map_err(|e| AdapterError::Negotiation(e.to_string()))?;
         let timeout = extra.handshake_timeout_s.unwrap_or(10.0);
         if !(timeout.is_finite() && timeout > 0.0) {
-            return Err(extra_err(format!("handshake_timeout_s is {timeout}; give a positive number of seconds")));
+            return Err(extra_err(format!(
+                "handshake_timeout_s is {timeout}; give a positive number of seconds"
+            )));
         }
         let ctx = ConnectorContext {
             config,
@@ -175,7 +182,7 @@ impl Setup {
             negotiated,
             compat,
             side_channel,
-            token: extra.side_channel_token,
+            secret,
             handshake_timeout: Duration::from_secs_f64(timeout),
         })
     }
@@ -237,4 +244,15 @@ fn engine_options(side: &VllmSide) -> Result<EngineOptions, AdapterError> {
         allow_adapters: true,
         opaque_blocks: side.opaque_blocks.clone(),
     })
+}
+
+/// The deployment's data-plane secret from the environment, as a kvconnect worker reads it: it
+/// never travels in a kv-transfer-config, which vLLM logs.
+fn data_plane_secret() -> Result<Option<Secret>, AdapterError> {
+    match std::env::var(SECRET_ENV) {
+        Ok(t) if !t.trim().is_empty() => {
+            Secret::from_text(&t, SECRET_ENV).map(Some).map_err(|e| extra_err(e.to_string()))
+        }
+        _ => Ok(None),
+    }
 }

@@ -64,7 +64,7 @@ impl Worker {
             &peer.engine_id,
             &s.compat,
             &s.ctx.engine_id,
-            s.token.as_deref(),
+            s.secret.as_ref(),
             s.handshake_timeout,
         ));
         st.counters.handshakes += 1;
@@ -75,7 +75,10 @@ impl Worker {
                     st.peers.insert(peer.clone(), Ok(()));
                 }
                 Err(e) => {
-                    let why = format!("the connector rejected prefill engine '{}''s handshake metadata: {e}", peer.engine_id);
+                    let why = format!(
+                        "the connector rejected prefill engine '{}''s handshake metadata: {e}",
+                        peer.engine_id
+                    );
                     tracing::error!("kvconnect: {why}");
                     st.peers.insert(peer.clone(), Err(why));
                 }
@@ -106,7 +109,9 @@ impl Worker {
             .thread_name("kvconnect-sidechannel")
             .enable_all()
             .build()
-            .map_err(|e| AdapterError::SideChannel(format!("cannot start the side channel's runtime: {e}")))?;
+            .map_err(|e| {
+                AdapterError::SideChannel(format!("cannot start the side channel's runtime: {e}"))
+            })?;
         let state = State {
             conn,
             regions: Vec::new(),
@@ -128,7 +133,13 @@ impl Worker {
     fn register_kv_caches(&self, tensors: Vec<(String, u32, u64, u64, u32)>) -> PyResult<Option<String>> {
         let descs: Vec<TensorDesc> = tensors
             .into_iter()
-            .map(|(name, layer, addr, len, num_blocks)| TensorDesc { name, layer: LayerId(layer), addr, len, num_blocks })
+            .map(|(name, layer, addr, len, num_blocks)| TensorDesc {
+                name,
+                layer: LayerId(layer),
+                addr,
+                len,
+                num_blocks,
+            })
             .collect();
         let regions = regions::to_regions(&descs, &self.setup.ctx.model, &self.setup.negotiated.effective)?;
         let metadata = self.with("register_kv_caches", |s| {
@@ -137,7 +148,12 @@ impl Worker {
             s.conn.handshake_metadata()
         })?;
         let Some((host, port)) = self.setup.side_channel else { return Ok(None) };
-        let cfg = SideChannelConfig { host, port, token: self.setup.token.clone(), ..SideChannelConfig::default() };
+        let cfg = SideChannelConfig {
+            host,
+            port,
+            secret: self.setup.secret.clone(),
+            ..SideChannelConfig::default()
+        };
         let local = LocalIdentity {
             compat: self.setup.compat.clone(),
             engine_id: self.setup.ctx.engine_id.clone(),

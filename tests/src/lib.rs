@@ -75,9 +75,16 @@ impl Worker {
     /// Starts `kvconnect worker ARGS...` and waits (up to 60 s) for the line with its
     /// addresses.
     pub fn start(args: &[&str]) -> Worker {
+        Worker::start_with_env(args, &[])
+    }
+
+    /// As [`Worker::start`], with these variables added to its environment (a secret, which
+    /// must never be on its command line).
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Worker {
         let mut child = Command::new(kvconnect_bin())
             .arg("worker")
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "info".into()))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -272,6 +279,22 @@ pub fn metrics(addr: &str) -> std::collections::BTreeMap<String, f64> {
         .filter_map(|l| l.rsplit_once(' '))
         .filter_map(|(k, v)| v.parse::<f64>().ok().map(|v| (k.to_owned(), v)))
         .collect()
+}
+
+/// True once the peer closes `s` (within 20 s); what it sent before (a challenge, a refusal;
+/// at most 4 KiB) is read past.
+pub fn closed_by_peer(s: &mut std::net::TcpStream) -> bool {
+    use std::io::Read;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(20)));
+    let mut b = [0u8; 512];
+    let mut got = 0;
+    loop {
+        match s.read(&mut b) {
+            Ok(0) | Err(_) => return true,
+            Ok(n) if got + n > 4096 => return false,
+            Ok(n) => got += n,
+        }
+    }
 }
 
 /// The token ids of a completion response.

@@ -171,7 +171,17 @@ pub fn c_example_plugin(out_dir: &Path, suffix: &str, defines: &[&str]) -> PathB
     let lib = out_dir.join(format!("libc_example{suffix}{}", std::env::consts::DLL_SUFFIX));
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let out = std::process::Command::new(&cc)
-        .args(["-std=c99", "-Wall", "-Wextra", "-Werror", "-O2", "-shared", "-fPIC", "-fvisibility=hidden", "-I"])
+        .args([
+            "-std=c99",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-O2",
+            "-shared",
+            "-fPIC",
+            "-fvisibility=hidden",
+            "-I",
+        ])
         .arg(ws.join("connector-api/include"))
         .args(defines)
         .args(&sources)

@@ -6,9 +6,9 @@
 
 use kvconnect_api::KvLayout;
 use kvconnect_tests::{
-    disaggregated, monolithic, reference_model, token_ids, varied_prompts, wait_until, Worker,
+    closed_by_peer, disaggregated, monolithic, reference_model, token_ids, varied_prompts, wait_until, Worker,
 };
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
@@ -128,12 +128,6 @@ fn decode_applies_the_policy_when_prefill_dies() {
     let (_, h) = fail.get("/health");
     assert_eq!(h["pool"]["failed"], 1, "{h}");
     assert!(full(&fail), "decode freed the failed request's blocks: {}", pool(&fail));
-}
-
-fn closed_by_peer(s: &mut TcpStream) -> bool {
-    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-    let mut b = [0u8; 16];
-    matches!(s.read(&mut b), Ok(0) | Err(_))
 }
 
 #[test]

@@ -5,12 +5,16 @@
 
 use kvconnect_api::{abi, BlockId, KvTransferConfig, LayerId, TransferMode};
 use kvconnect_host::registry::{Origin, Registry, RegistryConfig};
-use kvconnect_tests::{plugin_fixtures, run_kvconnect, text};
 use kvconnect_tests::round_trip::{ctx, model, store_then_load, Engine, NUM_BLOCKS};
+use kvconnect_tests::{plugin_fixtures, run_kvconnect, text};
 use std::path::Path;
 
 fn load(lib: &Path) -> Registry {
-    Registry::load(&RegistryConfig { plugin_dirs: vec![lib.to_path_buf()], use_env: false, allow_insecure: false })
+    Registry::load(&RegistryConfig {
+        plugin_dirs: vec![lib.to_path_buf()],
+        use_env: false,
+        allow_insecure: false,
+    })
 }
 
 #[test]
@@ -44,7 +48,12 @@ fn c_plugin_errors_cross_as_connector_errors() {
     let mut eng = Engine::new(|_, _| 0);
     w.register_kv_caches(&eng.regions()).unwrap();
     let e = w.save_kv_layer(LayerId(0), &[BlockId(NUM_BLOCKS)]).unwrap_err();
-    assert_eq!(e.to_string(), format!("connector 'c-example': block {NUM_BLOCKS} is out of range for layer 0 ({NUM_BLOCKS} blocks)"));
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "connector 'c-example': block {NUM_BLOCKS} is out of range for layer 0 ({NUM_BLOCKS} blocks)"
+        )
+    );
     let e = w.save_kv_layer(LayerId(9), &[BlockId(0)]).unwrap_err();
     assert!(e.to_string().contains("no registered region holds layer 9"), "{e}");
     let e = w.bind_connector_meta(b"abc").unwrap_err();

@@ -116,5 +116,9 @@ fn c_header_matches_the_rust_abi() {
         }
     }
     assert_eq!(printed.lines().count(), values.len());
-    assert!(mismatches.is_empty(), "kvconnect.h has drifted from kvconnect_api::ffi:\n{}", mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "kvconnect.h has drifted from kvconnect_api::ffi:\n{}",
+        mismatches.join("\n")
+    );
 }

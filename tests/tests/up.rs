@@ -291,6 +291,38 @@ fn an_api_key_guards_the_proxy_and_the_workers_as_vllms_does() {
 }
 
 #[test]
+fn up_hands_its_workers_one_secret_by_environment_and_decode_its_producers() {
+    let up = Up::start(&[]);
+    let body = json!({"prompt": "Hello, secret", "max_tokens": MAX});
+    let (st, d) = up.post("/v1/completions", &body);
+    assert_eq!(st, 200, "{d}");
+    assert!(d["kvconnect"]["num_external_tokens"].as_u64().unwrap() > 0, "decode loaded the KV: {d}");
+    let mut secrets = Vec::new();
+    for pid in up.pids() {
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+        let secret = environ
+            .split(|b| *b == 0)
+            .find_map(|v| v.strip_prefix(b"KVCONNECT_SIDE_CHANNEL_TOKEN="))
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+            .unwrap_or_else(|| panic!("worker {pid} got no secret in its environment"));
+        assert!(secret.len() >= 32, "{secret}");
+        let cmdline =
+            String::from_utf8_lossy(&std::fs::read(format!("/proc/{pid}/cmdline")).unwrap()).into_owned();
+        assert!(!cmdline.contains(&secret), "the secret is on worker {pid}'s command line");
+        if cmdline.contains("\0decode\0") {
+            assert!(
+                cmdline.contains("--kv-producers") && cmdline.contains("-prefill-0@127.0.0.1"),
+                "{cmdline}"
+            );
+        }
+        secrets.push(secret);
+    }
+    secrets.dedup();
+    assert_eq!(secrets.len(), 1, "one secret for the deployment");
+    up.terminate_and_check_clean();
+}
+
+#[test]
 fn workload_report_checks_every_output_and_exits_zero() {
     let out = Command::new(kvconnect_bin())
         // One request at a time: a prompt sharing a prefix with one still in flight would find

@@ -34,7 +34,6 @@ pub struct PluginEntries {
     pub worker_vt: WorkerFns,
 }
 
-
 /// Runs one call that reports through a status and an error buffer. The connector's name is
 /// only looked up on the error path: the success path is the per-step hot path.
 #[inline]

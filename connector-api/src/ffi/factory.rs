@@ -3,10 +3,12 @@
 
 #![allow(unsafe_code)] // The C ABI itself: raw pointers and function pointers that cross to another library.
 
-use super::shim::*;
 use super::call::*;
+use super::shim::*;
 use crate::negotiate::ChildCaps;
-use crate::{Capabilities, ConnectorFactory, ConnectorInfo, ConnectorResult, SchedulerConnector, WorkerConnector};
+use crate::{
+    Capabilities, ConnectorFactory, ConnectorInfo, ConnectorResult, SchedulerConnector, WorkerConnector,
+};
 use std::sync::Arc;
 
 /// `create_scheduler` and `create_worker`.
@@ -31,7 +33,10 @@ impl FactoryVTable {
     };
 }
 
-pub(super) unsafe extern "C" fn factory_new<M: MakeFactory>(out: *mut *mut c_void, err: *mut AbiBuffer) -> Status {
+pub(super) unsafe extern "C" fn factory_new<M: MakeFactory>(
+    out: *mut *mut c_void,
+    err: *mut AbiBuffer,
+) -> Status {
     let r = ExportedFactory::new(M::NAME, M::make);
     finish(r, err, |f| {
         if !out.is_null() {
@@ -48,7 +53,11 @@ pub(super) unsafe extern "C" fn factory_free(this: *mut c_void) {
     }
 }
 
-pub(super) unsafe extern "C" fn factory_info(this: *mut c_void, out: *mut AbiBuffer, err: *mut AbiBuffer) -> Status {
+pub(super) unsafe extern "C" fn factory_info(
+    this: *mut c_void,
+    out: *mut AbiBuffer,
+    err: *mut AbiBuffer,
+) -> Status {
     // SAFETY: a live factory handle; factories are Sync, so a shared borrow is enough.
     let f = unsafe { &*(this as *const ExportedFactory) };
     finish(f.call("info", |c| Ok(c.info())).and_then(|i| write_json(f.name(), &i, out)), err, |()| ())
@@ -209,8 +218,11 @@ impl ForeignFactory {
         let inner = Arc::new(FactoryHandle { lib, handle });
         let info_fn = inner.lib.entries().factory_vt.info;
         // SAFETY: a live factory handle; valid out-parameters.
-        let info =
-            call_json(|| &inner.lib.entries().name, "info", |out, err| unsafe { info_fn(inner.handle, out, err) })?;
+        let info = call_json(
+            || &inner.lib.entries().name,
+            "info",
+            |out, err| unsafe { info_fn(inner.handle, out, err) },
+        )?;
         Ok(ForeignFactory { inner, info })
     }
 
@@ -293,7 +305,11 @@ impl ConnectorFactory for ForeignFactory {
     }
 
     fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
-        let handle = self.create_instance("create_scheduler", self.inner.lib.entries().factory_vt.create_scheduler, ctx)?;
+        let handle = self.create_instance(
+            "create_scheduler",
+            self.inner.lib.entries().factory_vt.create_scheduler,
+            ctx,
+        )?;
         Ok(Box::new(ForeignScheduler {
             factory: self.inner.clone(),
             vt: self.inner.lib.entries().scheduler_vt,
@@ -302,7 +318,12 @@ impl ConnectorFactory for ForeignFactory {
     }
 
     fn create_worker(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn WorkerConnector>> {
-        let handle = self.create_instance("create_worker", self.inner.lib.entries().factory_vt.create_worker, ctx)?;
-        Ok(Box::new(ForeignWorker { factory: self.inner.clone(), vt: self.inner.lib.entries().worker_vt, handle }))
+        let handle =
+            self.create_instance("create_worker", self.inner.lib.entries().factory_vt.create_worker, ctx)?;
+        Ok(Box::new(ForeignWorker {
+            factory: self.inner.clone(),
+            vt: self.inner.lib.entries().worker_vt,
+            handle,
+        }))
     }
 }

@@ -69,7 +69,11 @@ pub fn json_values() -> Vec<JsonValue> {
     };
     let caps = Capabilities {
         hma: false,
-        layout: LayoutConstraint { required: vec![], rejected: vec![KvLayout::BLNHC], preferred: vec![KvLayout::NHD] },
+        layout: LayoutConstraint {
+            required: vec![],
+            rejected: vec![KvLayout::BLNHC],
+            preferred: vec![KvLayout::NHD],
+        },
         adapt: None,
         block_size_multiple: 1,
         block_size_divides: None,

@@ -39,16 +39,16 @@ mod vtables;
 mod worker;
 pub use buffers::*;
 pub use call::{call_status, PluginCode, PluginEntries};
-pub use factory::ForeignFactory;
-pub use scheduler::ForeignScheduler;
-pub use worker::ForeignWorker;
 pub use descriptor::*;
+pub use factory::ForeignFactory;
 pub use header::c_header;
-pub use log::*;
 pub use json_values::{json_values, JsonValue};
+pub use log::*;
+pub use scheduler::ForeignScheduler;
 pub use vtables::{
     CType, EntryInfo, FactoryFns, FactoryVTable, SchedulerFns, SchedulerVTable, WorkerFns, WorkerVTable,
 };
+pub use worker::ForeignWorker;
 
 /// `kvconnect_plugin_entry`: the one symbol a plugin exports.
 pub const ENTRY_SYMBOL: &str = "kvconnect_plugin_entry";

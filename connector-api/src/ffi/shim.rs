@@ -8,7 +8,11 @@ use core::ffi::c_void;
 
 /// Writes `r` to the out-parameters: the value through `write_ok`, an error as JSON.
 #[inline]
-pub(super) fn finish<T>(r: Result<T, ConnectorError>, err: *mut AbiBuffer, write_ok: impl FnOnce(T)) -> Status {
+pub(super) fn finish<T>(
+    r: Result<T, ConnectorError>,
+    err: *mut AbiBuffer,
+    write_ok: impl FnOnce(T),
+) -> Status {
     match r {
         Ok(v) => {
             write_ok(v);

@@ -3,16 +3,16 @@
 
 #![allow(unsafe_code)] // The C ABI itself: raw pointers and function pointers that cross to another library.
 
-use super::shim::*;
 use super::call::*;
 use super::factory::FactoryHandle;
-use crate::{ConnectorResult, FinishedTransfers, WorkerConnector};
-use std::sync::Arc;
+use super::shim::*;
 use super::*;
 use crate::sdk::ExportedWorker;
 use crate::{BlockId, KvRegion, KvRegionSpec, LayerId, RequestId};
+use crate::{ConnectorResult, FinishedTransfers, WorkerConnector};
 use core::ffi::c_void;
 use core::mem::size_of;
+use std::sync::Arc;
 
 impl WorkerVTable {
     /// The SDK's worker shims.

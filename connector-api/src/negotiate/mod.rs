@@ -49,7 +49,12 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
             .iter()
             .map(|(i, a)| format!("{}: {} -> {}", parties[*i].label, a.native, a.effective))
             .collect();
-        return Err(Conflict::OpaqueBlocks { why: why.clone(), layout: layout.value, children, adapters: words });
+        return Err(Conflict::OpaqueBlocks {
+            why: why.clone(),
+            layout: layout.value,
+            children,
+            adapters: words,
+        });
     }
     let block = decide_block_size(opts, parties)?;
     let dtype = decide_dtype(model, opts, parties)?;

@@ -42,7 +42,8 @@ fn bench(c: &mut Criterion) {
         &eff,
         KvRole::Producer,
         "prefill-bench",
-        json!({"backend": "shm", "kv_lease_duration": 600}),
+        // tcp serves reads; an shm consumer only checks and maps.
+        json!({"backend": "tcp", "kv_lease_duration": 600, "kv_lease_max": 3600}),
     );
     let mut producer = NixlFactory.create_worker(&pctx).expect("producer");
     producer.register_kv_caches(pmem.regions()).expect("register producer");
@@ -60,6 +61,8 @@ fn bench(c: &mut Criterion) {
         request: RequestId::from("bench"),
         remote_request: None,
         remote_engine_id: "prefill-bench".into(),
+        remote_capability: "bench-capability".into(),
+        remote_side_channel: String::new(),
         remote_blocks: BlocksPerGroup(vec![ids.clone()]),
         local_blocks: BlocksPerGroup(vec![ids.clone()]),
         first_token: 0,
@@ -68,7 +71,11 @@ fn bench(c: &mut Criterion) {
     let hold = |w: &mut Box<dyn WorkerConnector>| {
         let meta = NixlMeta {
             loads: vec![],
-            sends: vec![SendSpec { request: "bench".into(), blocks: BlocksPerGroup(vec![ids.clone()]) }],
+            sends: vec![SendSpec {
+                request: "bench".into(),
+                capability: "bench-capability".into(),
+                blocks: BlocksPerGroup(vec![ids.clone()]),
+            }],
         };
         w.bind_connector_meta(&serde_json::to_vec(&meta).expect("meta")).expect("hold");
         let _ = w.get_finished(&[]);
@@ -124,6 +131,7 @@ fn bench(c: &mut Criterion) {
             connect_timeout: Duration::from_secs(5),
             max_frame: 16 << 20,
             copy_threads: kvconnect_nixl::copy_plan::default_copy_threads(),
+            secret: None,
         });
         g.bench_function(format!("{}_pull", backend.name()), |b| {
             b.iter_batched(

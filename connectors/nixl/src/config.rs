@@ -9,11 +9,15 @@
 //! `cuda_ipc` also reads `cuda_ipc_path` (`auto` | `peer` | `staged`, default `auto`): how
 //! decode reaches a producer's GPU (see [`CudaIpcPath`]). Backend `shm` reads `copy_threads`
 //! (default: the cores this process may use, at most 8): how many threads copy one large pull.
+//! `kv_lease_max` (seconds, default four leases) caps how long renewals may keep a request's
+//! blocks; `max_connections` (default 64) caps the listener's connections.
 //!
 //! The listener's bound address is what the handshake metadata publishes, so for tcp between
-//! hosts set `host` to an address the decode host can reach (not `0.0.0.0`). The listener
-//! has no authentication: bind it to loopback or a trusted network.
+//! hosts set `host` to an address the decode host can reach (not `0.0.0.0`). Every connection
+//! to it proves the deployment's secret (`data_plane_secret`, which the host sets, else
+//! `KVCONNECT_SIDE_CHANNEL_TOKEN`); without one it binds loopback only.
 
+use crate::auth::{Secret, SECRET_CONFIG_KEY, SECRET_ENV};
 use kvconnect_api::{ConnectorError, KvTransferConfig};
 use serde_json::{Map, Value};
 use std::time::Duration;
@@ -122,6 +126,15 @@ pub struct NixlConfig {
     pub cuda_ipc_path: CudaIpcPath,
     /// Backend shm: threads that copy one large pull.
     pub copy_threads: usize,
+    /// The deployment's data-plane secret (ARCHITECTURE.md §10): from `data_plane_secret`,
+    /// which the host sets, else `KVCONNECT_SIDE_CHANNEL_TOKEN`; `None` runs unauthenticated,
+    /// which a producer allows on loopback only.
+    pub secret: Option<Secret>,
+    /// The longest a producer keeps a request's blocks from when it first held them, however
+    /// often a consumer renews the lease (`kv_lease_max`, default four leases).
+    pub lease_max: Duration,
+    /// Connections the producer listener serves at once (`max_connections`); more are refused.
+    pub max_connections: usize,
 }
 
 impl Default for NixlConfig {
@@ -137,7 +150,26 @@ impl Default for NixlConfig {
             side_channel: None,
             cuda_ipc_path: CudaIpcPath::Auto,
             copy_threads: crate::copy_plan::default_copy_threads(),
+            secret: None,
+            lease_max: Duration::from_secs(120),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
+    }
+}
+
+/// Default of `max_connections`: far above the decode workers a producer serves (one
+/// connection each), far below what would exhaust its threads.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+
+/// The secret from the config the host wrote, else from the environment.
+fn secret(extra: &Map<String, Value>) -> Result<Option<Secret>, ConnectorError> {
+    let bad = |e: crate::auth::AuthError| ConnectorError::config(NAME, e.to_string());
+    if let Some(s) = string(extra, SECRET_CONFIG_KEY)? {
+        return Secret::from_text(&s, "the host").map(Some).map_err(bad);
+    }
+    match std::env::var(SECRET_ENV) {
+        Ok(s) if !s.trim().is_empty() => Secret::from_text(&s, SECRET_ENV).map(Some).map_err(bad),
+        _ => Ok(None),
     }
 }
 
@@ -232,10 +264,37 @@ impl NixlConfig {
                 }
             },
         };
+        let lease = seconds(extra, "kv_lease_duration", d.lease)?;
+        let lease_max = seconds(extra, "kv_lease_max", lease * 4)?;
+        if lease_max < lease {
+            return Err(ConnectorError::config(
+                NAME,
+                format!(
+                    "kv_connector_extra_config.kv_lease_max = {}s is shorter than kv_lease_duration = {}s; make it at least as long",
+                    lease_max.as_secs_f64(),
+                    lease.as_secs_f64()
+                ),
+            ));
+        }
+        let max_connections = match extra.get("max_connections") {
+            None | Some(Value::Null) => d.max_connections,
+            Some(v) => match v.as_u64() {
+                Some(n) if (1..=65536).contains(&n) => n as usize,
+                _ => {
+                    return Err(ConnectorError::config(
+                        NAME,
+                        format!("kv_connector_extra_config.max_connections = {v}: expected a count between 1 and 65536"),
+                    ))
+                }
+            },
+        };
         Ok(NixlConfig {
             copy_threads,
             backend,
-            lease: seconds(extra, "kv_lease_duration", d.lease)?,
+            lease,
+            lease_max,
+            max_connections,
+            secret: secret(extra)?,
             host: string(extra, "host")?.unwrap_or(d.host),
             port: port(extra, "port")?.unwrap_or(0),
             io_timeout: seconds(extra, "io_timeout", d.io_timeout)?,

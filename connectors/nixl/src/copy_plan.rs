@@ -412,6 +412,8 @@ mod tests {
             request: "r".into(),
             remote_request: None,
             remote_engine_id: "p".into(),
+            remote_capability: String::new(),
+            remote_side_channel: String::new(),
             remote_blocks: BlocksPerGroup(vec![remote.into_iter().map(BlockId).collect()]),
             local_blocks: BlocksPerGroup(vec![local.into_iter().map(BlockId).collect()]),
             first_token: first,
@@ -494,17 +496,17 @@ mod tests {
         let opaque = |tokens| geo(KvLayout::HND, tokens).with_opaque_blocks(true);
         let groups = vec![vec![LayerId(0), LayerId(1)]];
         // Equal opaque geometries: each block (K part then V part) is one run per layer.
-        let p = CopyPlan::build(&opaque(4), &opaque(4), &groups, &load(vec![2, 3], vec![5, 6], 0, 8)).unwrap();
+        let p =
+            CopyPlan::build(&opaque(4), &opaque(4), &groups, &load(vec![2, 3], vec![5, 6], 0, 8)).unwrap();
         let CopyPlan::Direct(runs) = &p else { panic!("expected direct: {p:?}") };
         assert_eq!(runs.len(), 2, "{runs:?}");
         assert!(runs.iter().all(|r| r.len == 2 * 2 * 64 && r.src_off == 2 * 128 && r.dst_off == 5 * 128));
         // Anything that would look inside a block is refused, naming why.
-        for (peer, own, first) in [
-            (opaque(4), opaque(8), 0),
-            (opaque(4), geo(KvLayout::HND, 4), 0),
-            (opaque(4), opaque(4), 2),
-        ] {
-            let e = CopyPlan::build(&peer, &own, &groups, &load(vec![2, 3], vec![5, 6], first, 8)).unwrap_err();
+        for (peer, own, first) in
+            [(opaque(4), opaque(8), 0), (opaque(4), geo(KvLayout::HND, 4), 0), (opaque(4), opaque(4), 2)]
+        {
+            let e =
+                CopyPlan::build(&peer, &own, &groups, &load(vec![2, 3], vec![5, 6], first, 8)).unwrap_err();
             assert!(e.to_string().contains("opaque blocks move whole only"), "{e}");
         }
     }

@@ -23,6 +23,7 @@
 //! This crate must not decide compatibility (the host's handshake does, with
 //! `kvconnect_api`); it only refuses a peer whose blocks it cannot address.
 
+pub mod auth;
 pub mod caps;
 pub mod config;
 pub mod copy_plan;

@@ -14,6 +14,15 @@ pub struct LoadSpec {
     pub remote_request: Option<RequestId>,
     /// The engine holding the KV.
     pub remote_engine_id: String,
+    /// The transfer capability the producer issued for the request (`remote_capability` in
+    /// `kv_transfer_params`); every message about it names it.
+    #[serde(default)]
+    pub remote_capability: String,
+    /// The side-channel address the params name (`remote_host:remote_port`): the load uses
+    /// the peer the host handshook with there, so two producers claiming one engine id are
+    /// never mixed up.
+    #[serde(default)]
+    pub remote_side_channel: String,
     /// Its blocks, one list per KV cache group, from the first token on.
     pub remote_blocks: BlocksPerGroup,
     /// This engine's blocks for the request, one list per group, from the first token on.
@@ -27,11 +36,13 @@ pub struct LoadSpec {
 impl LoadSpec {
     /// A request that matched nothing to load (its tokens are all computed locally), whose
     /// producer blocks should be freed now rather than at lease expiry.
-    pub fn release(request: RequestId, remote_engine_id: String) -> LoadSpec {
+    pub fn release(request: RequestId, remote_engine_id: String, remote_capability: String) -> LoadSpec {
         LoadSpec {
             request,
             remote_request: None,
             remote_engine_id,
+            remote_capability,
+            remote_side_channel: String::new(),
             remote_blocks: BlocksPerGroup::default(),
             local_blocks: BlocksPerGroup::default(),
             first_token: 0,
@@ -57,6 +68,8 @@ impl LoadSpec {
 pub struct SendSpec {
     /// The request.
     pub request: RequestId,
+    /// The capability a consumer must name to read them.
+    pub capability: String,
     /// Its blocks, one list per group.
     pub blocks: BlocksPerGroup,
 }

@@ -12,7 +12,7 @@ use serde_json::Value;
 use std::net::SocketAddr;
 
 /// Version of the metadata and wire protocol.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// One region as a peer sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -133,8 +133,8 @@ impl PeerInfo {
                 meta.region_shapes.len()
             )));
         }
-        let geometry =
-            Geometry::new(meta.shape, meta.layout, meta.region_shapes.clone()).with_opaque_blocks(meta.opaque_blocks);
+        let geometry = Geometry::new(meta.shape, meta.layout, meta.region_shapes.clone())
+            .with_opaque_blocks(meta.opaque_blocks);
         for (r, s) in meta.regions.iter().zip(&meta.region_shapes) {
             let want = geometry.checked_region_bytes(s).ok_or_else(|| {
                 bad(format!(

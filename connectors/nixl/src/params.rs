@@ -27,6 +27,19 @@ pub struct TransferParams {
     /// which a proxy then must have made equal to prefill's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remote_request_id: Option<String>,
+    /// The transfer capability prefill issued for this request (128 random bits, hex): the
+    /// producer serves the request's blocks only to a consumer that names it.
+    #[serde(default)]
+    pub remote_capability: String,
+}
+
+/// `host:port`, with an IPv6 host in brackets: how a side channel's address is written.
+pub fn side_channel_addr(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
 }
 
 fn one() -> u32 {
@@ -84,6 +97,11 @@ impl TransferParams {
         Ok(Some(params))
     }
 
+    /// The prefill side channel's address, as the host's handshake names it.
+    pub fn side_channel(&self) -> String {
+        side_channel_addr(&self.remote_host, self.remote_port)
+    }
+
     /// The remote blocks as typed ids.
     pub fn blocks(&self) -> BlocksPerGroup {
         BlocksPerGroup(
@@ -107,11 +125,13 @@ mod tests {
             remote_num_tokens: 20,
             tp_size: 1,
             remote_request_id: Some("cmpl-abc".into()),
+            remote_capability: "00112233445566778899aabbccddeeff".into(),
         };
         let req = Request { id: "r".into(), prompt_tokens: vec![1; 20], kv_transfer_params: p.to_map() };
         assert_eq!(TransferParams::from_request(&req).unwrap(), Some(p.clone()));
         assert_eq!(req.kv_transfer_params["do_remote_decode"], json!(false));
         assert_eq!(req.kv_transfer_params["remote_request_id"], json!("cmpl-abc"));
+        assert_eq!(req.kv_transfer_params["remote_capability"], json!("00112233445566778899aabbccddeeff"));
         // Params from a producer that does not send the id still read.
         let mut older = p.to_map();
         older.remove("remote_request_id");
@@ -139,6 +159,7 @@ mod tests {
             remote_num_tokens: 16,
             tp_size: 1,
             remote_request_id: None,
+            remote_capability: "00112233445566778899aabbccddeeff".into(),
         };
         let req = |p: &TransferParams| Request {
             id: "r".into(),

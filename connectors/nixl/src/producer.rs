@@ -1,21 +1,27 @@
 //! The producer (prefill) side: keeps finished requests' blocks under a lease and serves them
 //! over a small TCP control/data listener.
 //!
-//! One thread accepts, one thread per connection serves. A request's lease is renewed by
-//! every heartbeat (`hold`) and read; it ends with the consumer's `done` or, when the
-//! consumer never comes (killed decode, lost client), at expiry. Both end in
-//! `finished_sending`, after which the host frees the blocks. A peer that sends an oversized
-//! or malformed frame has its connection closed with a logged reason; others keep being
-//! served.
+//! One thread accepts, one thread per connection serves, up to `max_connections`. Every
+//! connection first proves the deployment's secret (ARCHITECTURE.md §10) and every request
+//! names its transfer capability. A request's lease is renewed by every heartbeat (`hold`)
+//! and read, never past `lease_max` from when it was first held; it ends with the consumer's
+//! `done` (once no read of it is in flight) or, when the consumer never comes (killed decode,
+//! lost client), at expiry. Both end in `finished_sending`, after which the host frees the
+//! blocks. A peer that fails the challenge, names a wrong capability, sends an oversized,
+//! malformed or dripping frame, or comes past the connection cap is refused, counted by
+//! reason ([`refusals`]) and logged; others keep being served.
 
-use crate::wire::{read_frame, write_frame, ClientMsg, FrameError, ServerMsg, WireRun};
+use crate::auth::{self, Secret, Side};
+use crate::wire::{
+    read_frame_within, write_frame, ClientMsg, DeadlineWriter, FrameError, ServerMsg, WireRun, CHANNEL,
+};
 use kvconnect_api::geometry::{GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{BlocksPerGroup, LayerId, RequestId};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -43,6 +49,91 @@ pub struct ProducerConfig {
     /// How long a read for a request not (yet) held waits for it to appear: the consumer may
     /// come before this engine's next step hands it the finished request.
     pub unknown_grace: Duration,
+    /// The deployment's secret; `None` only on loopback.
+    pub secret: Option<Secret>,
+    /// The longest a request is held from its first hold, renewals included.
+    pub lease_max: Duration,
+    /// Connections served at once.
+    pub max_connections: usize,
+    /// Whether `read` is served (backend tcp); other backends copy without it.
+    pub serve_reads: bool,
+}
+
+/// Why the listener refused a peer, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No proof of the secret, or a wrong one.
+    Unauthenticated,
+    /// A request named with a capability that is not its own.
+    BadCapability,
+    /// A frame that is not a message of the protocol.
+    Malformed,
+    /// A frame over the cap.
+    Oversized,
+    /// A frame that did not arrive whole within its deadline.
+    Timeout,
+    /// A connection closed in the middle of a frame.
+    Truncated,
+    /// A connection past the cap.
+    TooManyConnections,
+    /// A `read` to a producer whose backend does not serve reads.
+    ReadNotServed,
+}
+
+impl Refusal {
+    /// Every reason, in the order counted.
+    pub const ALL: [Refusal; 8] = [
+        Refusal::Unauthenticated,
+        Refusal::BadCapability,
+        Refusal::Malformed,
+        Refusal::Oversized,
+        Refusal::Timeout,
+        Refusal::Truncated,
+        Refusal::TooManyConnections,
+        Refusal::ReadNotServed,
+    ];
+
+    /// The reason's name in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated => "unauthenticated",
+            Refusal::BadCapability => "bad_capability",
+            Refusal::Malformed => "malformed",
+            Refusal::Oversized => "oversized",
+            Refusal::Timeout => "timeout",
+            Refusal::Truncated => "truncated",
+            Refusal::TooManyConnections => "too_many_connections",
+            Refusal::ReadNotServed => "read_not_served",
+        }
+    }
+}
+
+/// Refusals of one producer, by reason.
+#[derive(Debug, Default)]
+pub struct Refusals([AtomicU64; 8]);
+
+impl Refusals {
+    fn count(&self, r: Refusal) {
+        if let Some(i) = Refusal::ALL.iter().position(|x| *x == r) {
+            self.0[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// (reason, count) for every reason.
+    pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
+        Refusal::ALL.iter().zip(&self.0).map(|(r, n)| (r.name(), n.load(Ordering::Relaxed))).collect()
+    }
+}
+
+fn registry() -> &'static Mutex<HashMap<String, Arc<Refusals>>> {
+    static R: std::sync::OnceLock<Mutex<HashMap<String, Arc<Refusals>>>> = std::sync::OnceLock::new();
+    R.get_or_init(Mutex::default)
+}
+
+/// The refusals of this process's producer for `engine_id` (read by the host's /metrics),
+/// `None` when it runs none.
+pub fn refusals(engine_id: &str) -> Option<Vec<(&'static str, u64)>> {
+    registry().lock().unwrap_or_else(|p| p.into_inner()).get(engine_id).map(|r| r.snapshot())
 }
 
 /// Why a request's blocks are no longer held.
@@ -54,6 +145,9 @@ enum Gone {
 
 struct Held {
     deadline: Instant,
+    /// No renewal moves `deadline` past this.
+    cap: Instant,
+    capability: String,
     /// Per region: merged byte intervals [start, end) of the request's blocks.
     allowed: Vec<Vec<(u64, u64)>>,
     active: u32,
@@ -88,7 +182,12 @@ struct Shared {
     stop: AtomicBool,
     conns: Mutex<HashMap<u64, TcpStream>>,
     next_conn: AtomicU64,
+    open: AtomicUsize,
+    refusals: Arc<Refusals>,
 }
+
+/// A request's answer, and the reason it counts as a refusal, if it does.
+type Refused = (String, Option<Refusal>);
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -108,19 +207,30 @@ impl Shared {
         }
     }
 
-    /// Waits (up to the grace period) for `id` to be held and marks a read in progress.
-    fn acquire(&self, id: &RequestId) -> Result<(), String> {
+    fn wrong_capability(&self, id: &RequestId) -> Refused {
+        (
+            format!("request {id}: the transfer capability does not match the one engine '{}' issued for it; forward kv_transfer_params as prefill returned them", self.cfg.engine_id),
+            Some(Refusal::BadCapability),
+        )
+    }
+
+    /// Waits (up to the grace period) for `id` to be held, checks `capability`, and marks a
+    /// read in progress.
+    fn acquire(&self, id: &RequestId, capability: &str) -> Result<(), Refused> {
         let give_up = Instant::now() + self.cfg.unknown_grace;
         let mut st = self.lock();
         loop {
             if let Some(h) = st.held.get_mut(id) {
+                if !auth::same_secret(&h.capability, capability) {
+                    return Err(self.wrong_capability(id));
+                }
                 h.active += 1;
-                h.deadline = Instant::now() + self.cfg.lease;
+                h.deadline = (Instant::now() + self.cfg.lease).min(h.cap);
                 return Ok(());
             }
             let now = Instant::now();
             if st.gone.contains_key(id) || now >= give_up || self.stop.load(Ordering::Relaxed) {
-                return Err(self.reason(&st, id));
+                return Err((self.reason(&st, id), None));
             }
             st = self.cv.wait_timeout(st, give_up - now).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
@@ -130,7 +240,36 @@ impl Shared {
         let mut st = self.lock();
         if let Some(h) = st.held.get_mut(id) {
             h.active = h.active.saturating_sub(1);
-            h.deadline = Instant::now() + self.cfg.lease;
+            h.deadline = (Instant::now() + self.cfg.lease).min(h.cap);
+        }
+        drop(st);
+        self.cv.notify_all();
+    }
+
+    /// Ends the hold of `id` for a consumer that has its blocks: waits (up to the io timeout)
+    /// for reads of it in flight to end, so no block is freed while it is being sent.
+    fn complete(&self, id: &RequestId, capability: &str) -> Result<(), Refused> {
+        let give_up = Instant::now() + self.cfg.io_timeout;
+        let mut st = self.lock();
+        loop {
+            let Some(h) = st.held.get(id) else { return Err((self.reason(&st, id), None)) };
+            if !auth::same_secret(&h.capability, capability) {
+                return Err(self.wrong_capability(id));
+            }
+            if h.active == 0 {
+                st.held.remove(id);
+                st.forget(id.clone(), Gone::Done);
+                st.finished.push(id.clone());
+                return Ok(());
+            }
+            let now = Instant::now();
+            if now >= give_up || self.stop.load(Ordering::Relaxed) {
+                return Err((
+                    format!("request {id}: reads of its blocks are still in flight after {:.1}s; not freeing them under a read", self.cfg.io_timeout.as_secs_f64()),
+                    None,
+                ));
+            }
+            st = self.cv.wait_timeout(st, give_up - now).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
     }
 
@@ -168,10 +307,19 @@ impl std::fmt::Debug for Producer {
 }
 
 impl Producer {
-    /// Binds the listener and starts serving reads of `mem`.
+    /// Binds the listener and starts serving reads of `mem`. Without a secret it binds
+    /// loopback only.
     pub fn start(mem: Arc<KvMemory>, cfg: ProducerConfig) -> io::Result<Producer> {
         let listener = TcpListener::bind((cfg.host.as_str(), cfg.port))?;
         let addr = listener.local_addr()?;
+        if cfg.secret.is_none() && !addr.ip().is_loopback() {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!("the producer listener would accept connections beyond loopback ({addr}) without a data-plane secret, letting any host read this engine's KV; set KVCONNECT_SIDE_CHANNEL_TOKEN (at least {} random bytes, the same on every worker of the deployment) or pass --secret-file, or bind host 127.0.0.1", auth::MIN_SECRET_BYTES),
+            ));
+        }
+        let refusals = Arc::new(Refusals::default());
+        registry().lock().unwrap_or_else(|p| p.into_inner()).insert(cfg.engine_id.clone(), refusals.clone());
         let shared = Arc::new(Shared {
             mem,
             cfg,
@@ -180,6 +328,8 @@ impl Producer {
             stop: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(0),
+            open: AtomicUsize::new(0),
+            refusals,
         });
         let s = shared.clone();
         let accept =
@@ -193,10 +343,16 @@ impl Producer {
         self.addr
     }
 
-    /// Keeps `blocks` of `request` for a consumer, under a fresh lease.
+    /// The listener's refusals by reason.
+    pub fn refusals(&self) -> Vec<(&'static str, u64)> {
+        self.shared.refusals.snapshot()
+    }
+
+    /// Keeps `blocks` of `request` for a consumer that names `capability`, under a fresh lease.
     pub fn hold(
         &self,
         request: RequestId,
+        capability: String,
         blocks: &BlocksPerGroup,
         groups: &[Vec<LayerId>],
     ) -> Result<(), GeometryError> {
@@ -225,8 +381,10 @@ impl Producer {
         }
         let mut st = self.shared.lock();
         st.gone.remove(&request);
-        st.held
-            .insert(request, Held { deadline: Instant::now() + self.shared.cfg.lease, allowed, active: 0 });
+        let now = Instant::now();
+        let cap = now + self.shared.cfg.lease_max;
+        let deadline = (now + self.shared.cfg.lease).min(cap);
+        st.held.insert(request, Held { deadline, cap, capability, allowed, active: 0 });
         drop(st);
         self.shared.cv.notify_all();
         Ok(())
@@ -255,17 +413,16 @@ impl Producer {
         std::mem::take(&mut st.finished)
     }
 
-    /// A consumer has the blocks of `request` (backend nixl: its NIXL notification arrived):
-    /// ends the hold, so the request is reported finished. `Err` says why it was not held.
-    pub fn complete(&self, request: &RequestId) -> Result<(), String> {
-        let mut st = self.shared.lock();
-        if st.held.remove(request).is_some() {
-            st.forget(request.clone(), Gone::Done);
-            st.finished.push(request.clone());
-            Ok(())
-        } else {
-            Err(self.shared.reason(&st, request))
-        }
+    /// A consumer naming `capability` has the blocks of `request` (backend nixl: its NIXL
+    /// notification arrived): ends the hold once no read of it is in flight, so the request
+    /// is reported finished. `Err` says why it was not ended.
+    pub fn complete(&self, request: &RequestId, capability: &str) -> Result<(), String> {
+        self.shared.complete(request, capability).map_err(|(reason, refusal)| {
+            if let Some(r) = refusal {
+                self.shared.refusals.count(r);
+            }
+            reason
+        })
     }
 
     /// Requests currently held.
@@ -310,6 +467,23 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 continue;
             }
         };
+        if shared.open.fetch_add(1, Ordering::SeqCst) >= shared.cfg.max_connections {
+            shared.open.fetch_sub(1, Ordering::SeqCst);
+            shared.refusals.count(Refusal::TooManyConnections);
+            tracing::warn!(
+                "nixl producer: refusing a connection from {}: {} connections are open, the cap",
+                stream.peer_addr().map(|a| a.to_string()).unwrap_or_else(|_| "?".into()),
+                shared.cfg.max_connections
+            );
+            let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+            let mut w = stream;
+            let reason = format!(
+                "engine '{}' serves at most {} connections at once; try again later",
+                shared.cfg.engine_id, shared.cfg.max_connections
+            );
+            let _ = write_frame(&mut w, &ServerMsg::Error { reason });
+            continue;
+        }
         let id = shared.next_conn.fetch_add(1, Ordering::Relaxed);
         if let Ok(clone) = stream.try_clone() {
             shared.conns.lock().unwrap_or_else(|p| p.into_inner()).insert(id, clone);
@@ -321,86 +495,153 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 tracing::warn!(peer = %peer, "nixl producer: closing connection from {peer}: {reason}");
             }
             s.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            s.open.fetch_sub(1, Ordering::SeqCst);
         });
         if let Err(e) = spawned {
+            shared.open.fetch_sub(1, Ordering::SeqCst);
+            shared.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
             tracing::warn!("nixl producer: cannot start a serving thread: {e}");
         }
     }
 }
 
-/// Serves one connection until it closes; `Err` carries the reason it was closed early.
-fn serve(stream: TcpStream, s: &Shared) -> Result<(), String> {
+fn frame_refusal(e: FrameError, stopping: bool) -> Refused {
+    match e {
+        FrameError::TooLarge { .. } => (e.to_string(), Some(Refusal::Oversized)),
+        FrameError::Malformed(_) => (e.to_string(), Some(Refusal::Malformed)),
+        FrameError::Closed => ("closed".into(), None),
+        FrameError::Io(e) if stopping => (format!("shutting down ({e})"), None),
+        FrameError::Io(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            (format!("reading a request: {e}"), Some(Refusal::Timeout))
+        }
+        FrameError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
+            (format!("the connection closed in the middle of a frame ({e})"), Some(Refusal::Truncated))
+        }
+        FrameError::Io(e) => (format!("reading a request: {e}"), None),
+    }
+}
+
+/// The challenge-response that opens every connection; `Err` closes it.
+fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared) -> Result<(), Refused> {
     let cfg = &s.cfg;
+    let server_nonce = auth::nonce().map_err(|e| (e.to_string(), None))?;
+    let within = Instant::now() + cfg.io_timeout;
+    write_frame(
+        &mut DeadlineWriter { stream: w, deadline: within },
+        &ServerMsg::Challenge { nonce: server_nonce.clone() },
+    )
+    .map_err(|e| (format!("sending the challenge: {e}"), None))?;
+    let first: ClientMsg = read_frame_within(reader, cfg.max_frame, cfg.io_timeout, cfg.io_timeout)
+        .map_err(|e| frame_refusal(e, s.stop.load(Ordering::Relaxed)))?;
+    let refuse = |w: &mut TcpStream, why: String| {
+        s.refusals.count(Refusal::Unauthenticated);
+        let _ = write_frame(
+            &mut DeadlineWriter { stream: w, deadline: within },
+            &ServerMsg::Error { reason: why.clone() },
+        );
+        Err((why, None))
+    };
+    let ClientMsg::Auth { nonce, proof } = first else {
+        return refuse(w, format!("engine '{}' answers only peers that prove the deployment's data-plane secret first; this peer sent a request without it", cfg.engine_id));
+    };
+    if !auth::verify(cfg.secret.as_ref(), CHANNEL, Side::Client, &server_nonce, &nonce, &proof) {
+        return refuse(w, format!("engine '{}': the proof of the data-plane secret is wrong; give every worker of the deployment the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file", cfg.engine_id));
+    }
+    let mine = auth::proof(cfg.secret.as_ref(), CHANNEL, Side::Server, &server_nonce, &nonce);
+    write_frame(
+        &mut DeadlineWriter { stream: w, deadline: within },
+        &ServerMsg::Authenticated { proof: mine },
+    )
+    .map_err(|e| (format!("answering the challenge: {e}"), None))
+}
+
+/// Serves one connection until it closes; `Err` carries the reason it was closed early, which
+/// is counted while the connection is still open (a peer that sees it close sees the count).
+fn serve(stream: TcpStream, s: &Shared) -> Result<(), String> {
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
-    stream.set_write_timeout(Some(cfg.io_timeout)).map_err(|e| e.to_string())?;
-    stream.set_read_timeout(Some(cfg.idle_timeout)).map_err(|e| e.to_string())?;
+    stream.set_write_timeout(Some(s.cfg.io_timeout)).map_err(|e| e.to_string())?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
     let mut w = stream;
+    let r = authenticate(&mut reader, &mut w, s).and_then(|()| serve_requests(&mut reader, &mut w, s));
+    r.map_err(|(reason, refusal)| {
+        if let Some(r) = refusal {
+            s.refusals.count(r);
+        }
+        reason
+    })
+}
+
+/// Answers requests on an authenticated connection.
+fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared) -> Result<(), Refused> {
+    let cfg = &s.cfg;
     loop {
-        let msg: ClientMsg = match read_frame(&mut reader, cfg.max_frame) {
+        let msg: ClientMsg = match read_frame_within(reader, cfg.max_frame, cfg.idle_timeout, cfg.io_timeout)
+        {
             Ok(m) => m,
             Err(FrameError::Closed) => return Ok(()),
-            Err(e @ (FrameError::TooLarge { .. } | FrameError::Malformed(_))) => return Err(e.to_string()),
-            Err(FrameError::Io(e)) if s.stop.load(Ordering::Relaxed) => {
-                return Err(format!("shutting down ({e})"))
-            }
-            Err(FrameError::Io(e)) => return Err(format!("reading a request: {e}")),
+            Err(e) => return Err(frame_refusal(e, s.stop.load(Ordering::Relaxed))),
         };
         let send = |w: &mut TcpStream, m: ServerMsg| {
-            write_frame(w, &m).map_err(|e| format!("writing an answer: {e}"))
+            let deadline = Instant::now() + cfg.io_timeout;
+            write_frame(&mut DeadlineWriter { stream: w, deadline }, &m)
+                .map_err(|e| (format!("writing an answer: {e}"), None))
+        };
+        // A refusal is answered and counted; the connection stays open.
+        let answer = |r: Result<(), Refused>| match r {
+            Ok(()) => ServerMsg::Ok,
+            Err((reason, refusal)) => {
+                if let Some(r) = refusal {
+                    s.refusals.count(r);
+                }
+                ServerMsg::Error { reason }
+            }
         };
         match msg {
-            ClientMsg::Hold { request } => {
-                let id = RequestId(request);
-                let answer = match s.acquire(&id) {
-                    Ok(()) => {
-                        s.release(&id);
-                        ServerMsg::Ok
-                    }
-                    Err(reason) => ServerMsg::Error { reason },
-                };
-                send(&mut w, answer)?;
+            ClientMsg::Auth { .. } => {
+                let r =
+                    Err(("already authenticated on this connection".to_owned(), Some(Refusal::Malformed)));
+                send(w, answer(r))?;
             }
-            ClientMsg::Check { request, runs } => {
+            ClientMsg::Hold { request, capability } => {
                 let id = RequestId(request);
-                let answer = match s.acquire(&id) {
-                    Ok(()) => {
-                        let checked = s.check_runs(&id, &runs);
-                        s.release(&id);
-                        match checked {
-                            Ok(_) => ServerMsg::Ok,
-                            Err(reason) => ServerMsg::Error { reason },
-                        }
-                    }
-                    Err(reason) => ServerMsg::Error { reason },
-                };
-                send(&mut w, answer)?;
+                let r = s.acquire(&id, &capability).map(|()| s.release(&id));
+                send(w, answer(r))?;
             }
-            ClientMsg::Done { request } => {
+            ClientMsg::Check { request, capability, runs } => {
                 let id = RequestId(request);
-                let mut st = s.lock();
-                let answer = if st.held.remove(&id).is_some() {
-                    st.forget(id.clone(), Gone::Done);
-                    st.finished.push(id);
-                    ServerMsg::Ok
-                } else {
-                    ServerMsg::Error { reason: s.reason(&st, &id) }
-                };
-                drop(st);
-                send(&mut w, answer)?;
+                let r = s.acquire(&id, &capability).and_then(|()| {
+                    let checked = s.check_runs(&id, &runs);
+                    s.release(&id);
+                    checked.map(|_| ()).map_err(|reason| (reason, None))
+                });
+                send(w, answer(r))?;
             }
-            ClientMsg::Read { request, runs } => {
+            ClientMsg::Done { request, capability } => {
+                let r = s.complete(&RequestId(request), &capability);
+                send(w, answer(r))?;
+            }
+            ClientMsg::Read { request, capability, runs } => {
                 let id = RequestId(request);
-                if let Err(reason) = s.acquire(&id) {
-                    send(&mut w, ServerMsg::Error { reason })?;
+                if !cfg.serve_reads {
+                    let r = Err((
+                        format!("engine '{}' does not serve reads over its listener: its backend copies without them; use the same backend on both sides", cfg.engine_id),
+                        Some(Refusal::ReadNotServed),
+                    ));
+                    send(w, answer(r))?;
                     continue;
                 }
-                let result = stream_runs(&mut w, s, &id, &runs);
+                if let Err(refused) = s.acquire(&id, &capability) {
+                    send(w, answer(Err(refused)))?;
+                    continue;
+                }
+                let result = stream_runs(w, s, &id, &runs);
                 s.release(&id);
                 match result {
                     Ok(()) => {}
-                    Err(StreamError::Refused(reason)) => send(&mut w, ServerMsg::Error { reason })?,
-                    Err(StreamError::Io(e)) => return Err(format!("sending blocks of request {id}: {e}")),
+                    Err(StreamError::Refused(reason)) => send(w, ServerMsg::Error { reason })?,
+                    Err(StreamError::Io(e)) => {
+                        return Err((format!("sending blocks of request {id}: {e}"), None))
+                    }
                 }
             }
         }
@@ -420,9 +661,81 @@ fn stream_runs(w: &mut TcpStream, s: &Shared, id: &RequestId, runs: &[WireRun]) 
         let bytes = s.mem.slice(span).map_err(|e| StreamError::Refused(e.to_string()))?;
         slices.push(bytes);
     }
-    write_frame(w, &ServerMsg::Data { bytes: total }).map_err(StreamError::Io)?;
+    // The whole answer has one deadline: the io timeout plus the bytes at a pessimistic
+    // 100 MB/s, so a consumer that reads slowly cannot keep the blocks pinned.
+    let deadline = Instant::now() + s.cfg.io_timeout + Duration::from_secs_f64(total as f64 / 100e6);
+    let mut w = DeadlineWriter { stream: w, deadline };
+    write_frame(&mut w, &ServerMsg::Data { bytes: total }).map_err(StreamError::Io)?;
     for b in slices {
         w.write_all(b).map_err(StreamError::Io)?;
     }
     w.flush().map_err(StreamError::Io)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::harness::{effective, model, Regions};
+    use kvconnect_api::{BlockId, KvLayout};
+
+    fn producer(io_timeout: Duration) -> (Producer, Regions) {
+        let m = model(2, 2, 8);
+        let eff = effective(&m, KvLayout::HND, 4);
+        let regions = Regions::allocate(&m, &eff, 8, None).unwrap();
+        let mem = Arc::new(KvMemory::new(regions.regions(), &m, &eff).unwrap());
+        let cfg = ProducerConfig {
+            engine_id: "prefill-unit".into(),
+            host: "127.0.0.1".into(),
+            port: 0,
+            lease: Duration::from_secs(30),
+            io_timeout,
+            idle_timeout: Duration::from_secs(30),
+            max_frame: 1 << 20,
+            unknown_grace: Duration::ZERO,
+            secret: None,
+            lease_max: Duration::from_secs(120),
+            max_connections: 4,
+            serve_reads: true,
+        };
+        let p = Producer::start(mem, cfg).unwrap();
+        let groups = vec![m.kv_layers()];
+        p.hold(RequestId::from("r"), "cap".into(), &BlocksPerGroup(vec![vec![BlockId(1)]]), &groups).unwrap();
+        (p, regions)
+    }
+
+    #[test]
+    fn done_waits_for_a_read_in_flight_and_never_frees_under_it() {
+        let (p, _regions) = producer(Duration::from_secs(5));
+        let id = RequestId::from("r");
+        // A read of the request is in flight.
+        p.shared.acquire(&id, "cap").unwrap();
+        let shared = p.shared.clone();
+        let done = std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let r = shared.complete(&RequestId::from("r"), "cap");
+            (r.map_err(|e| e.0), t0.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(p.held(), 1, "not freed while the read is in flight");
+        assert!(p.take_finished().is_empty());
+        p.shared.release(&id);
+        let (r, waited) = done.join().unwrap();
+        assert_eq!(r, Ok(()));
+        assert!(waited >= Duration::from_millis(250), "{waited:?}");
+        assert_eq!(p.take_finished(), vec![id]);
+    }
+
+    #[test]
+    fn done_under_a_read_that_never_ends_is_refused_after_the_io_timeout() {
+        let (p, _regions) = producer(Duration::from_millis(300));
+        let id = RequestId::from("r");
+        p.shared.acquire(&id, "cap").unwrap();
+        let e = p.complete(&id, "cap").unwrap_err();
+        assert!(e.contains("still in flight"), "{e}");
+        assert_eq!(p.held(), 1);
+        // A wrong capability is refused at once, read or not, and counted.
+        let e = p.complete(&id, "guess").unwrap_err();
+        assert!(e.contains("capability does not match"), "{e}");
+        assert!(p.refusals().contains(&("bad_capability", 1)));
+    }
 }

@@ -12,7 +12,9 @@ use crate::meta::LoadSpec;
 use crate::metadata::{NixlAgentMetadata, PeerInfo};
 use crate::nixl_agent::{NixlAgent, NixlMem, ReadPair};
 use crate::shm::ShmMapping;
-use crate::wire::{read_frame, write_frame, ClientMsg, FrameError, ServerMsg};
+use crate::wire::{
+    authenticate_client, read_frame, write_frame, ClientAuthError, ClientMsg, FrameError, ServerMsg,
+};
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::LayerId;
@@ -113,6 +115,28 @@ fn producer_addr(
         })
 }
 
+fn hold(load: &LoadSpec) -> ClientMsg {
+    ClientMsg::Hold {
+        request: load.producer_request().to_owned(),
+        capability: load.remote_capability.clone(),
+    }
+}
+
+fn done(load: &LoadSpec) -> ClientMsg {
+    ClientMsg::Done {
+        request: load.producer_request().to_owned(),
+        capability: load.remote_capability.clone(),
+    }
+}
+
+fn check(load: &LoadSpec, plan: &CopyPlan) -> ClientMsg {
+    ClientMsg::Check {
+        request: load.producer_request().to_owned(),
+        capability: load.remote_capability.clone(),
+        runs: plan.src_runs(),
+    }
+}
+
 /// Consumer settings.
 #[derive(Debug, Clone)]
 pub struct PullConfig {
@@ -126,6 +150,9 @@ pub struct PullConfig {
     pub max_frame: usize,
     /// Threads that copy one large shm pull.
     pub copy_threads: usize,
+    /// The deployment's data-plane secret (`None`: the producer runs without one, on
+    /// loopback).
+    pub secret: Option<crate::auth::Secret>,
 }
 
 /// What one pull moved.
@@ -247,9 +274,26 @@ impl Puller {
                 .and_then(|_| s.set_read_timeout(Some(self.cfg.io_timeout)))
                 .and_then(|_| s.set_write_timeout(Some(self.cfg.io_timeout)));
             setup.map_err(|e| self.io("configuring the socket", peer, e))?;
+            let mut s = s;
+            self.authenticate(&mut s, peer)?;
             self.conns.insert(engine.clone(), s);
         }
         self.conns.get_mut(engine).ok_or_else(|| TransferError::UnknownPeer(engine.clone()))
+    }
+
+    /// Answers the producer's challenge and checks its proof in turn: a listener that does
+    /// not know the deployment's secret is never read from.
+    fn authenticate(&self, s: &mut TcpStream, peer: &PeerInfo) -> Result<(), TransferError> {
+        let engine = || peer.meta.engine_id.clone();
+        authenticate_client(s, self.cfg.secret.as_ref(), self.cfg.max_frame).map_err(|e| match e {
+            ClientAuthError::Frame(f) => self.frame_err("authenticating", peer, f),
+            ClientAuthError::Refused(reason) => TransferError::Refused { engine: engine(), reason },
+            e @ ClientAuthError::WrongServer => {
+                TransferError::Refused { engine: engine(), reason: e.to_string() }
+            }
+            ClientAuthError::Protocol(message) => TransferError::Protocol { engine: engine(), message },
+            ClientAuthError::Rng(e) => TransferError::Plan(e.to_string()),
+        })
     }
 
     /// Sends one control message and reads its answer.
@@ -274,9 +318,10 @@ impl Puller {
         }
     }
 
-    /// Heartbeat: renews the producer's lease on `request`; fails when its blocks are gone.
-    pub fn hold(&mut self, peer: &PeerInfo, request: &str) -> Result<(), TransferError> {
-        let r = self.expect_ok(peer, &ClientMsg::Hold { request: request.to_owned() });
+    /// Heartbeat: renews the producer's lease on `load`'s request; fails when its blocks are
+    /// gone.
+    pub fn hold(&mut self, peer: &PeerInfo, load: &LoadSpec) -> Result<(), TransferError> {
+        let r = self.expect_ok(peer, &hold(load));
         if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
             self.conns.remove(&peer.meta.engine_id);
         }
@@ -285,8 +330,8 @@ impl Puller {
 
     /// Tells the producer it may free `request`'s blocks without anything being pulled (the
     /// consumer computes the prompt itself, e.g. a 1-token prompt).
-    pub fn release(&mut self, peer: &PeerInfo, request: &str) -> Result<PullStats, TransferError> {
-        let r = self.expect_ok(peer, &ClientMsg::Done { request: request.to_owned() });
+    pub fn release(&mut self, peer: &PeerInfo, load: &LoadSpec) -> Result<PullStats, TransferError> {
+        let r = self.expect_ok(peer, &done(load));
         if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
             self.conns.remove(&peer.meta.engine_id);
         }
@@ -334,8 +379,7 @@ impl Puller {
         load: &LoadSpec,
         plan: &CopyPlan,
     ) -> Result<PullStats, TransferError> {
-        let request = load.producer_request().to_owned();
-        self.expect_ok(peer, &ClientMsg::Check { request: request.clone(), runs: plan.src_runs() })?;
+        self.expect_ok(peer, &check(load, plan))?;
         #[cfg(feature = "cuda")]
         {
             let c = self.cuda.as_mut().ok_or_else(|| {
@@ -345,12 +389,12 @@ impl Puller {
                 )
             })?;
             let (bytes, adapted) = c.pull(local.geometry(), groups, peer, load)?;
-            self.expect_ok(peer, &ClientMsg::Done { request })?;
+            self.expect_ok(peer, &done(load))?;
             Ok(PullStats { bytes, runs: groups.len(), adapted })
         }
         #[cfg(not(feature = "cuda"))]
         {
-            let _ = (local, groups, request);
+            let _ = (local, groups);
             Err(TransferError::Plan("backend cuda_ipc needs a build with `--features cuda`".into()))
         }
     }
@@ -362,7 +406,6 @@ impl Puller {
         load: &LoadSpec,
         plan: &CopyPlan,
     ) -> Result<PullStats, TransferError> {
-        let request = load.producer_request().to_owned();
         let mut dst = LocalRegions::new(local);
         let runs = match plan {
             CopyPlan::Direct(r) => r.len(),
@@ -373,7 +416,7 @@ impl Puller {
                 // Pin the blocks first: a request the producer no longer holds, or runs outside
                 // its blocks (params naming another request's blocks), are a failed receive,
                 // never a copy of whatever those blocks hold now.
-                self.expect_ok(peer, &ClientMsg::Check { request: request.clone(), runs: plan.src_runs() })?;
+                self.expect_ok(peer, &check(load, plan))?;
                 self.map(peer)?;
                 let mapped = self
                     .mapped
@@ -410,7 +453,12 @@ impl Puller {
             }
             Backend::Tcp => {
                 let total = plan.total_bytes();
-                match self.call(peer, &ClientMsg::Read { request: request.clone(), runs: plan.src_runs() })? {
+                let read = ClientMsg::Read {
+                    request: load.producer_request().to_owned(),
+                    capability: load.remote_capability.clone(),
+                    runs: plan.src_runs(),
+                };
+                match self.call(peer, &read)? {
                     ServerMsg::Data { bytes } if bytes == total => {}
                     ServerMsg::Error { reason } => {
                         return Err(TransferError::Refused { engine: peer.meta.engine_id.clone(), reason })
@@ -454,14 +502,15 @@ impl Puller {
             Backend::Nixl => {
                 // Pin first, as for shm: a request the producer no longer holds is a failed
                 // receive, never a read of whatever its blocks hold now.
-                self.expect_ok(peer, &ClientMsg::Hold { request: request.clone() })?;
+                self.expect_ok(peer, &hold(load))?;
                 self.nixl_read(&mut dst, peer, load, plan)?;
                 // Still held after the read means held throughout (a freed request is never
                 // held again), so the bytes are the request's. Then NIXL tells the producer.
-                self.expect_ok(peer, &ClientMsg::Hold { request: request.clone() })?;
+                self.expect_ok(peer, &hold(load))?;
                 let agent = self.nixl.as_ref().ok_or_else(no_agent)?;
                 let remote = peer_agent(peer)?;
-                agent.notify(&remote.agent, format!("{NIXL_DONE}{request}").as_bytes())?;
+                let note = format!("{NIXL_DONE}{} {}", load.producer_request(), load.remote_capability);
+                agent.notify(&remote.agent, note.as_bytes())?;
                 return Ok(PullStats {
                     bytes: plan.total_bytes(),
                     runs,
@@ -469,7 +518,7 @@ impl Puller {
                 });
             }
         }
-        self.expect_ok(peer, &ClientMsg::Done { request })?;
+        self.expect_ok(peer, &done(load))?;
         Ok(PullStats { bytes: plan.total_bytes(), runs, adapted: matches!(plan, CopyPlan::Adapt(_)) })
     }
 

@@ -74,7 +74,9 @@ impl SchedulerConnector for NixlScheduler {
         if num_external_tokens == 0 {
             // Computed locally after all: free the producer's blocks now, not at lease expiry.
             self.scheduled.insert(req.id.clone());
-            let mut release = LoadSpec::release(req.id.clone(), p.remote_engine_id.clone());
+            let mut release =
+                LoadSpec::release(req.id.clone(), p.remote_engine_id.clone(), p.remote_capability.clone());
+            release.remote_side_channel = p.side_channel();
             release.remote_request = p.remote_request_id.clone().map(RequestId);
             self.loads.push(release);
             return Ok(());
@@ -95,6 +97,8 @@ impl SchedulerConnector for NixlScheduler {
             request: req.id.clone(),
             remote_request: p.remote_request_id.clone().map(RequestId),
             remote_engine_id: p.remote_engine_id.clone(),
+            remote_capability: p.remote_capability.clone(),
+            remote_side_channel: p.side_channel(),
             remote_blocks: p.blocks(),
             local_blocks: blocks.clone(),
             first_token: first,
@@ -137,10 +141,20 @@ impl SchedulerConnector for NixlScheduler {
             remote_num_tokens: req.prompt_tokens.len(),
             tp_size: self.ctx.tp_size,
             remote_request_id: Some(req.id.0.clone()),
+            remote_capability: crate::auth::capability().map_err(|e| {
+                ConnectorError::io(
+                    NAME,
+                    format!("request {}: cannot make its transfer capability: {e}", req.id),
+                )
+            })?,
         };
         let has_blocks = blocks.0.iter().any(|g| !g.is_empty());
         if has_blocks {
-            self.sends.push(SendSpec { request: req.id.clone(), blocks: blocks.clone() });
+            self.sends.push(SendSpec {
+                request: req.id.clone(),
+                capability: params.remote_capability.clone(),
+                blocks: blocks.clone(),
+            });
         }
         Ok(RequestFinished { delay_free: has_blocks, transfer_params: Some(params.to_map()) })
     }

@@ -13,27 +13,46 @@ pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
 /// A byte run of one producer region: (region index, offset, length).
 pub type WireRun = (u32, u64, u64);
 
-/// What a consumer asks.
+/// What a consumer asks. Every connection opens with [`ClientMsg::Auth`] answering the
+/// producer's [`ServerMsg::Challenge`]; every request names its transfer capability.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ClientMsg {
+    /// The answer to the challenge: the consumer's own nonce and its proof of the secret
+    /// (`crate::auth::proof`, channel [`CHANNEL`]).
+    Auth {
+        /// The consumer's nonce (hex).
+        nonce: String,
+        /// HMAC over both nonces (hex).
+        proof: String,
+    },
     /// Heartbeat: keep the request's blocks (renews its lease); fails when they are gone.
     Hold {
         /// The request.
         request: String,
+        /// Its transfer capability, as prefill put it into `kv_transfer_params`.
+        #[serde(default)]
+        capability: String,
     },
     /// Heartbeat that also checks that these runs lie inside the request's blocks (shm
     /// consumers, which copy without the producer seeing the reads).
     Check {
         /// The request.
         request: String,
+        /// Its transfer capability.
+        #[serde(default)]
+        capability: String,
         /// Runs the consumer is about to copy.
         runs: Vec<WireRun>,
     },
-    /// "read request R blocks [...]": stream these runs of the request's blocks.
+    /// "read request R blocks [...]": stream these runs of the request's blocks (backend tcp
+    /// only).
     Read {
         /// The request.
         request: String,
+        /// Its transfer capability.
+        #[serde(default)]
+        capability: String,
         /// Runs, each inside the request's blocks.
         runs: Vec<WireRun>,
     },
@@ -41,13 +60,29 @@ pub enum ClientMsg {
     Done {
         /// The request.
         request: String,
+        /// Its transfer capability.
+        #[serde(default)]
+        capability: String,
     },
 }
+
+/// The channel name both sides put into their proofs on the producer listener.
+pub const CHANNEL: &str = "kvconnect-nixl-producer";
 
 /// What a producer answers.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "status", rename_all = "snake_case")]
 pub enum ServerMsg {
+    /// The first frame on every connection: prove the secret over this nonce.
+    Challenge {
+        /// The producer's nonce for this connection (hex).
+        nonce: String,
+    },
+    /// The consumer's proof holds; the producer's own proof over both nonces.
+    Authenticated {
+        /// HMAC over both nonces, server side (hex).
+        proof: String,
+    },
     /// Done / held.
     Ok,
     /// `bytes` bytes of block data follow, the runs in the order asked.
@@ -112,6 +147,120 @@ pub fn read_frame_bytes<R: Read>(r: &mut R, cap: usize) -> Result<Vec<u8>, Frame
     Ok(body)
 }
 
+/// Why a consumer could not authenticate to a producer.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientAuthError {
+    /// A frame could not be read.
+    #[error("{0}")]
+    Frame(#[from] FrameError),
+    /// The producer refused the proof.
+    #[error("{0}")]
+    Refused(String),
+    /// The producer does not hold this deployment's secret.
+    #[error("its proof of the data-plane secret is wrong: it does not hold this deployment's secret; give every worker the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file")]
+    WrongServer,
+    /// The producer answered out of protocol.
+    #[error("{0}")]
+    Protocol(String),
+    /// No nonce could be made.
+    #[error("{0}")]
+    Rng(#[from] crate::auth::AuthError),
+}
+
+/// The consumer's side of the challenge-response that opens a connection to a producer: on
+/// `Ok` both sides proved the same secret.
+pub fn authenticate_client(
+    s: &mut std::net::TcpStream,
+    secret: Option<&crate::auth::Secret>,
+    cap: usize,
+) -> Result<(), ClientAuthError> {
+    use crate::auth::{nonce, proof, verify, Side};
+    let server_nonce = match read_frame::<_, ServerMsg>(s, cap)? {
+        ServerMsg::Challenge { nonce } => nonce,
+        ServerMsg::Error { reason } => return Err(ClientAuthError::Refused(reason)),
+        other => {
+            return Err(ClientAuthError::Protocol(format!(
+                "opened with {other:?} instead of a challenge; run the same kvconnect on both sides"
+            )))
+        }
+    };
+    let mine = nonce()?;
+    let p = proof(secret, CHANNEL, Side::Client, &server_nonce, &mine);
+    write_frame(s, &ClientMsg::Auth { nonce: mine.clone(), proof: p }).map_err(FrameError::Io)?;
+    match read_frame::<_, ServerMsg>(s, cap)? {
+        ServerMsg::Authenticated { proof }
+            if verify(secret, CHANNEL, Side::Server, &server_nonce, &mine, &proof) =>
+        {
+            Ok(())
+        }
+        ServerMsg::Authenticated { .. } => Err(ClientAuthError::WrongServer),
+        ServerMsg::Error { reason } => Err(ClientAuthError::Refused(reason)),
+        other => Err(ClientAuthError::Protocol(format!("answered {other:?} to the proof of the secret"))),
+    }
+}
+
+/// Reads one frame from `stream` (through `reader`, which buffers it): waits up to `idle`
+/// for the frame to start, then allows the whole rest of it until `within` has passed, so a
+/// peer that drips a frame a byte at a time loses its connection, as one that stalls does.
+pub fn read_frame_within<T: for<'de> Deserialize<'de>>(
+    reader: &mut io::BufReader<std::net::TcpStream>,
+    cap: usize,
+    idle: std::time::Duration,
+    within: std::time::Duration,
+) -> Result<T, FrameError> {
+    use io::BufRead;
+    reader.get_ref().set_read_timeout(Some(idle))?;
+    if reader.fill_buf()?.is_empty() {
+        return Err(FrameError::Closed);
+    }
+    let deadline = std::time::Instant::now() + within;
+    read_frame(&mut Deadline { reader, deadline }, cap)
+}
+
+/// A reader that gives every read only what is left until a deadline.
+struct Deadline<'a> {
+    reader: &'a mut io::BufReader<std::net::TcpStream>,
+    deadline: std::time::Instant,
+}
+
+impl Read for Deadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "the frame did not arrive whole in time"));
+        }
+        self.reader.get_ref().set_read_timeout(Some(left))?;
+        self.reader.read(buf)
+    }
+}
+
+/// A writer that gives every write only what is left until a deadline, so a peer that reads
+/// slowly cannot hold a serving thread past it.
+pub struct DeadlineWriter<'a> {
+    /// The stream written to.
+    pub stream: &'a mut std::net::TcpStream,
+    /// When the whole write must be done.
+    pub deadline: std::time::Instant,
+}
+
+impl Write for DeadlineWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the answer could not be sent whole in time",
+            ));
+        }
+        self.stream.set_write_timeout(Some(left))?;
+        self.stream.write(buf)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.stream.flush()
+    }
+}
+
 /// Reads and decodes one frame.
 pub fn read_frame<R: Read, T: for<'de> Deserialize<'de>>(r: &mut R, cap: usize) -> Result<T, FrameError> {
     let body = read_frame_bytes(r, cap)?;
@@ -128,7 +277,7 @@ mod tests {
     #[test]
     fn round_trip_and_cap() {
         let mut buf = Vec::new();
-        let m = ClientMsg::Read { request: "r1".into(), runs: vec![(0, 16, 32)] };
+        let m = ClientMsg::Read { request: "r1".into(), capability: "c".into(), runs: vec![(0, 16, 32)] };
         write_frame(&mut buf, &m).unwrap();
         let back: ClientMsg = read_frame(&mut &buf[..], 1024).unwrap();
         assert_eq!(back, m);

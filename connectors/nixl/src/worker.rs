@@ -29,7 +29,21 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-type Peers = Arc<Mutex<HashMap<String, Arc<PeerInfo>>>>;
+/// Handshaken peers by (engine id, side-channel address the host handshook at; empty when
+/// the envelope named none).
+type Peers = Arc<Mutex<HashMap<(String, String), Arc<PeerInfo>>>>;
+
+/// The peer a load names: the one handshaken at the load's side-channel address, else one
+/// whose envelope named no address.
+fn find_peer(peers: &Peers, load: &LoadSpec) -> Result<Arc<PeerInfo>, TransferError> {
+    let peers = lock(peers);
+    let engine = load.remote_engine_id.clone();
+    peers
+        .get(&(engine.clone(), load.remote_side_channel.clone()))
+        .or_else(|| peers.get(&(engine.clone(), String::new())))
+        .cloned()
+        .ok_or(TransferError::UnknownPeer(engine))
+}
 type Outcomes = Arc<Mutex<Vec<(LoadSpec, Result<PullStats, TransferError>)>>>;
 
 /// The nixl worker half.
@@ -121,6 +135,7 @@ impl NixlWorker {
             connect_timeout: self.cfg.connect_timeout,
             max_frame: self.cfg.max_frame_bytes,
             copy_threads: self.cfg.copy_threads,
+            secret: self.cfg.secret.clone(),
         });
         if let Some(a) = &self.nixl {
             puller.set_nixl(a.clone());
@@ -328,7 +343,10 @@ impl NixlWorker {
                 ),
             ));
         }
-        let known = lock(&self.peers).get(e).and_then(|p| p.meta.nixl.clone());
+        let known = lock(&self.peers)
+            .iter()
+            .find(|((engine, _), _)| engine == e)
+            .and_then(|(_, p)| p.meta.nixl.clone());
         if known.as_ref().is_some_and(|k| k.md == m.md) {
             return Ok(());
         }
@@ -364,8 +382,8 @@ struct PullLoop {
 }
 
 impl PullLoop {
-    fn peer(&self, engine: &str) -> Result<Arc<PeerInfo>, TransferError> {
-        lock(&self.peers).get(engine).cloned().ok_or_else(|| TransferError::UnknownPeer(engine.to_owned()))
+    fn peer(&self, load: &LoadSpec) -> Result<Arc<PeerInfo>, TransferError> {
+        find_peer(&self.peers, load)
     }
 
     fn finish(&self, load: LoadSpec, r: Result<PullStats, TransferError>) {
@@ -374,8 +392,8 @@ impl PullLoop {
 
     /// Heartbeats a queued load; a refusal or a dead peer fails it at once.
     fn hold(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
-        let peer = self.peer(&load.remote_engine_id)?;
-        self.puller.hold(&peer, load.producer_request())
+        let peer = self.peer(load)?;
+        self.puller.hold(&peer, load)
     }
 
     fn run(mut self, rx: Receiver<LoadSpec>) {
@@ -412,9 +430,9 @@ impl PullLoop {
             }
             queue = waiting;
             if let Some((load, _)) = head {
-                let r = self.peer(&load.remote_engine_id).and_then(|peer| {
+                let r = self.peer(&load).and_then(|peer| {
                     if load.is_release() {
-                        self.puller.release(&peer, load.producer_request())
+                        self.puller.release(&peer, &load)
                     } else {
                         self.puller.pull(&self.mem, &self.groups, &peer, &load)
                     }
@@ -463,6 +481,10 @@ impl WorkerConnector for NixlWorker {
                     idle_timeout: Duration::from_secs(300).max(self.cfg.lease * 2),
                     max_frame: self.cfg.max_frame_bytes,
                     unknown_grace: (self.cfg.io_timeout / 2).min(Duration::from_secs(3)),
+                    secret: self.cfg.secret.clone(),
+                    lease_max: self.cfg.lease_max,
+                    max_connections: self.cfg.max_connections,
+                    serve_reads: self.cfg.backend == Backend::Tcp,
                 },
             )
             .map_err(|e| {
@@ -495,7 +517,7 @@ impl WorkerConnector for NixlWorker {
                 ConnectorError::invalid(NAME, "requests to keep for remote decode arrived, but this worker is not a producer (kv_role) or has no registered regions")
             })?;
             for s in &m.sends {
-                p.hold(s.request.clone(), &s.blocks, &self.groups).map_err(|e| {
+                p.hold(s.request.clone(), s.capability.clone(), &s.blocks, &self.groups).map_err(|e| {
                     ConnectorError::invalid(
                         NAME,
                         format!("request {}: its blocks cannot be held: {e}", s.request),
@@ -541,9 +563,12 @@ impl WorkerConnector for NixlWorker {
                 // Consumers tell a NIXL producer they have a request's blocks by notification.
                 let notes = a.take_notifications().map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
                 for (from, msg) in notes {
-                    match msg.strip_prefix(NIXL_DONE) {
-                        Some(id) => {
-                            if let Err(why) = p.complete(&RequestId::from(id)) {
+                    // `kvc-done <request> <capability>`: an agent that does not know the
+                    // capability cannot end another request's hold.
+                    match msg.strip_prefix(NIXL_DONE).map(|rest| rest.rsplit_once(' ').unwrap_or((rest, "")))
+                    {
+                        Some((id, capability)) => {
+                            if let Err(why) = p.complete(&RequestId::from(id), capability) {
                                 tracing::warn!(agent = %from, "nixl: done notification from '{from}': {why}");
                             }
                         }
@@ -621,7 +646,8 @@ impl WorkerConnector for NixlWorker {
         let info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
         self.load_peer_agent(&info)?;
         tracing::debug!(engine = %info.meta.engine_id, addr = %info.addr, "nixl: peer registered");
-        lock(&self.peers).insert(info.meta.engine_id.clone(), Arc::new(info));
+        let side_channel = peer.get("side_channel").and_then(serde_json::Value::as_str).unwrap_or_default();
+        lock(&self.peers).insert((info.meta.engine_id.clone(), side_channel.to_owned()), Arc::new(info));
         Ok(())
     }
 

@@ -7,8 +7,9 @@ use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, EffectiveLayout, FinishedTransfers, KvLayout, KvRole,
     MatchResult, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
+use kvconnect_nixl::auth::{self, Secret, Side};
 use kvconnect_nixl::harness::{context, effective, model, Regions};
-use kvconnect_nixl::wire::{read_frame, write_frame, ClientMsg, ServerMsg};
+use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg, CHANNEL};
 use kvconnect_nixl::NixlFactory;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -71,6 +72,32 @@ fn consumer(backend: &str, layout: KvLayout, bs: u32) -> Engine {
         json!({"backend": backend, "io_timeout": 1, "connect_timeout": 1}),
         None,
     )
+}
+
+/// A connection to a producer that has read the challenge and answered nothing yet.
+fn raw(addr: &str) -> TcpStream {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let m: ServerMsg = read_frame(&mut c, 1 << 20).unwrap();
+    assert!(matches!(m, ServerMsg::Challenge { .. }), "{m:?}");
+    c
+}
+
+/// A connection to a producer that proved `secret`.
+fn authed(addr: &str, secret: Option<&Secret>) -> TcpStream {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    authenticate_client(&mut c, secret, 1 << 20).unwrap();
+    c
+}
+
+fn ask(c: &mut TcpStream, m: &ClientMsg) -> ServerMsg {
+    write_frame(c, m).unwrap();
+    read_frame(c, 1 << 20).unwrap()
+}
+
+fn listen_addr(p: &mut Engine) -> String {
+    p.worker.handshake_metadata().unwrap().unwrap()["listen"].as_str().unwrap().to_owned()
 }
 
 fn blocks(ids: &[u32]) -> BlocksPerGroup {
@@ -263,24 +290,24 @@ fn unknown_request_is_a_failed_receive_on_both_backends() {
 #[test]
 fn garbage_and_oversized_frames_close_that_connection_only() {
     let mut p = producer("tcp", KvLayout::HND, 4, 30.0, "k");
-    let addr = p.worker.handshake_metadata().unwrap().unwrap()["listen"].as_str().unwrap().to_owned();
-    // Oversized: a 1 GiB length prefix.
-    let mut big = TcpStream::connect(&addr).unwrap();
-    big.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    big.write_all(&(1u32 << 30).to_be_bytes()).unwrap();
+    let addr = listen_addr(&mut p);
+    // Oversized: a 1 GiB length prefix, before and after authenticating.
     let mut buf = [0u8; 16];
-    assert_eq!(big.read(&mut buf).unwrap_or(0), 0, "closed without an answer");
+    for mut big in [raw(&addr), authed(&addr, None)] {
+        big.write_all(&(1u32 << 30).to_be_bytes()).unwrap();
+        assert_eq!(big.read(&mut buf).unwrap_or(0), 0, "closed without an answer");
+    }
     // Garbage: a well-sized frame that is not a message.
-    let mut junk = TcpStream::connect(&addr).unwrap();
-    junk.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    junk.write_all(&7u32.to_be_bytes()).unwrap();
-    junk.write_all(b"\x00garbag").unwrap();
-    assert_eq!(junk.read(&mut buf).unwrap_or(0), 0);
+    for mut junk in [raw(&addr), authed(&addr, None)] {
+        junk.write_all(&7u32.to_be_bytes()).unwrap();
+        junk.write_all(b"\x00garbag").unwrap();
+        assert_eq!(junk.read(&mut buf).unwrap_or(0), 0);
+    }
     // A run outside the request's blocks is refused, and that connection stays usable.
-    let _params = prefill_finish(&mut p, "ok", 9, &[1, 2, 3]);
-    let mut c = TcpStream::connect(&addr).unwrap();
-    write_frame(&mut c, &ClientMsg::Read { request: "ok".into(), runs: vec![(0, 0, 1 << 20)] }).unwrap();
-    let m: ServerMsg = read_frame(&mut c, 1 << 20).unwrap();
+    let params = prefill_finish(&mut p, "ok", 9, &[1, 2, 3]);
+    let capability = params["remote_capability"].as_str().unwrap().to_owned();
+    let mut c = authed(&addr, None);
+    let m = ask(&mut c, &ClientMsg::Read { request: "ok".into(), capability, runs: vec![(0, 0, 1 << 20)] });
     assert!(
         matches!(m, ServerMsg::Error { ref reason } if reason.contains("not inside the blocks")),
         "{m:?}"
@@ -301,6 +328,11 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
     let addr = l.local_addr().unwrap().to_string();
     let h = std::thread::spawn(move || {
         let (mut s, _) = l.accept().unwrap();
+        let server_nonce = auth::nonce().unwrap();
+        write_frame(&mut s, &ServerMsg::Challenge { nonce: server_nonce.clone() }).unwrap();
+        let Ok(ClientMsg::Auth { nonce, .. }) = read_frame(&mut s, 1 << 20) else { return };
+        let proof = auth::proof(None, CHANNEL, Side::Server, &server_nonce, &nonce);
+        write_frame(&mut s, &ServerMsg::Authenticated { proof }).unwrap();
         loop {
             let m: ClientMsg = match read_frame(&mut s, 1 << 24) {
                 Ok(m) => m,
@@ -321,6 +353,7 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
                     return;
                 }
                 ClientMsg::Done { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
+                ClientMsg::Auth { .. } => return,
             }
         }
     });
@@ -481,16 +514,277 @@ fn a_restarted_producer_is_reached_at_its_new_address_after_a_new_handshake() {
 #[test]
 fn decode_killed_mid_transfer_leaves_blocks_to_lease_expiry() {
     let mut p = producer("tcp", KvLayout::HND, 4, 0.5, "v");
-    let addr = p.worker.handshake_metadata().unwrap().unwrap()["listen"].as_str().unwrap().to_owned();
-    let _params = prefill_finish(&mut p, "orphan", 9, &[1, 2, 3]);
+    let addr = listen_addr(&mut p);
+    let params = prefill_finish(&mut p, "orphan", 9, &[1, 2, 3]);
+    let capability = params["remote_capability"].as_str().unwrap().to_owned();
     // A decode that asks for the blocks, reads the answer's header and dies.
-    let mut c = TcpStream::connect(&addr).unwrap();
+    let mut c = authed(&addr, None);
     let runs = vec![(0u32, 128, 3 * 128)]; // K of blocks 1..4 in region 0 (HND, 2x4x8 bf16 = 128 B/block)
-    write_frame(&mut c, &ClientMsg::Read { request: "orphan".into(), runs }).unwrap();
-    let m: ServerMsg = read_frame(&mut c, 1 << 20).unwrap();
+    let m = ask(&mut c, &ClientMsg::Read { request: "orphan".into(), capability, runs });
     assert_eq!(m, ServerMsg::Data { bytes: 384 });
     drop(c);
     assert!(p.worker.get_finished(&[]).unwrap().finished_sending.is_empty(), "still within the lease");
     let f = wait_finished(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
     assert_eq!(f.finished_sending, vec![RequestId::from("orphan")], "freed at lease expiry");
+}
+
+const SECRET: &str = "a-test-secret-of-enough-bytes";
+
+/// A tcp producer `id` with extra settings merged into the usual ones.
+fn producer_with(id: &str, more: Value) -> Engine {
+    let mut extra = json!({"backend": "tcp", "kv_lease_duration": 30, "io_timeout": 2,
+        "side_channel_host": "127.0.0.1", "side_channel_port": 5600});
+    for (k, v) in more.as_object().unwrap() {
+        extra[k] = v.clone();
+    }
+    engine(KvRole::Producer, id, KvLayout::HND, 4, extra, None)
+}
+
+fn refused(engine: &str, reason: &str) -> u64 {
+    let all = kvconnect_nixl::producer::refusals(engine).unwrap();
+    all.iter().find(|(r, _)| *r == reason).map(|(_, n)| *n).unwrap()
+}
+
+fn is_error(m: &ServerMsg, needle: &str) -> bool {
+    matches!(m, ServerMsg::Error { reason } if reason.contains(needle))
+}
+
+#[test]
+fn peers_without_the_secret_are_refused_counted_and_read_nothing() {
+    let mut p = producer_with("prefill-auth", json!({"data_plane_secret": SECRET}));
+    let addr = listen_addr(&mut p);
+    let params = prefill_finish(&mut p, "r", 9, &[1, 2, 3]);
+    let capability = params["remote_capability"].as_str().unwrap().to_owned();
+    let runs = vec![(0u32, 128, 3 * 128)];
+    // A request without the challenge-response: refused, connection closed.
+    let mut c = raw(&addr);
+    let read = ClientMsg::Read { request: "r".into(), capability: capability.clone(), runs: runs.clone() };
+    let m = ask(&mut c, &read);
+    assert!(is_error(&m, "prove the deployment's data-plane secret"), "{m:?}");
+    let mut buf = [0u8; 4];
+    assert_eq!(c.read(&mut buf).unwrap_or(0), 0, "closed after the refusal");
+    // A wrong secret, and none at all.
+    for wrong in [Some(Secret::from_text("another-secret-of-enough-bytes", "test").unwrap()), None] {
+        let mut c = TcpStream::connect(&addr).unwrap();
+        let e = authenticate_client(&mut c, wrong.as_ref(), 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("proof of the data-plane secret is wrong"), "{e}");
+    }
+    assert_eq!(refused("prefill-auth", "unauthenticated"), 3);
+    // The request is still held: the right secret and capability read it.
+    let good = Secret::from_text(SECRET, "test").unwrap();
+    let mut c = authed(&addr, Some(&good));
+    assert_eq!(ask(&mut c, &read), ServerMsg::Data { bytes: 384 });
+    // A consumer configured with another secret fails its receive; one with the same succeeds.
+    for (secret, ok) in [("another-secret-of-enough-bytes", false), (SECRET, true)] {
+        let mut d = engine(
+            KvRole::Consumer,
+            "decode-auth",
+            KvLayout::HND,
+            4,
+            json!({"backend": "tcp", "io_timeout": 1, "connect_timeout": 1, "data_plane_secret": secret}),
+            None,
+        );
+        handshake_as(&mut p, &mut d, "prefill-auth");
+        let req = if ok { "good" } else { "bad" };
+        let params = prefill_finish(&mut p, req, 9, &[4, 5, 6]);
+        decode_start(&mut d, req, 9, params, &[1, 2, 3]);
+        let f = wait_finished(d.worker.as_mut(), |f| {
+            !f.failed_recving.is_empty() || !f.finished_recving.is_empty()
+        });
+        let want = vec![RequestId::from(req)];
+        assert_eq!(if ok { f.finished_recving } else { f.failed_recving }, want, "{secret}");
+    }
+}
+
+fn handshake_as(p: &mut Engine, d: &mut Engine, engine_id: &str) {
+    let meta = p.worker.handshake_metadata().unwrap().unwrap();
+    d.worker.set_peer_handshake_metadata(&json!({"engine_id": engine_id, "peer": meta})).unwrap();
+}
+
+#[test]
+fn a_wrong_or_replayed_capability_neither_reads_nor_frees() {
+    let mut p = producer_with("prefill-cap", json!({}));
+    let addr = listen_addr(&mut p);
+    let victim = prefill_finish(&mut p, "victim", 9, &[1, 2, 3]);
+    let mine = prefill_finish(&mut p, "mine", 9, &[5, 6, 7]);
+    let (victim_cap, my_cap) =
+        (victim["remote_capability"].as_str().unwrap(), mine["remote_capability"].as_str().unwrap());
+    assert_eq!(victim_cap.len(), 32, "128 bits, hex");
+    assert_ne!(victim_cap, my_cap);
+    let runs = vec![(0u32, 128, 3 * 128)];
+    let mut c = authed(&addr, None);
+    // A guessed capability and one replayed from another request, on every operation.
+    for cap in ["0123456789abcdef0123456789abcdef", my_cap, ""] {
+        let capability = cap.to_owned();
+        let r = "victim".to_owned();
+        for m in [
+            ClientMsg::Hold { request: r.clone(), capability: capability.clone() },
+            ClientMsg::Check { request: r.clone(), capability: capability.clone(), runs: runs.clone() },
+            ClientMsg::Read { request: r.clone(), capability: capability.clone(), runs: runs.clone() },
+            ClientMsg::Done { request: r.clone(), capability: capability.clone() },
+        ] {
+            let a = ask(&mut c, &m);
+            assert!(is_error(&a, "transfer capability does not match"), "{m:?}: {a:?}");
+        }
+    }
+    assert_eq!(refused("prefill-cap", "bad_capability"), 12);
+    assert!(p.worker.get_finished(&[]).unwrap().finished_sending.is_empty(), "nothing freed");
+    // The victim's own consumer still gets its blocks.
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    handshake_as(&mut p, &mut d, "prefill-cap");
+    decode_start(&mut d, "victim", 9, victim, &[1, 2, 3]);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.finished_recving, vec![RequestId::from("victim")]);
+    assert_same_kv(&mut p, &[1, 2, 3], &mut d, &[1, 2, 3], 8);
+}
+
+#[test]
+fn only_backend_tcp_serves_reads() {
+    let mut p = engine(
+        KvRole::Producer,
+        "prefill-noread",
+        KvLayout::HND,
+        4,
+        json!({"backend": "shm", "side_channel_host": "127.0.0.1", "side_channel_port": 5600}),
+        Some(&shm_prefix("noread")),
+    );
+    let addr = listen_addr(&mut p);
+    let params = prefill_finish(&mut p, "r", 9, &[1, 2, 3]);
+    let capability = params["remote_capability"].as_str().unwrap().to_owned();
+    let mut c = authed(&addr, None);
+    let m = ask(
+        &mut c,
+        &ClientMsg::Read { request: "r".into(), capability: capability.clone(), runs: vec![(0, 128, 128)] },
+    );
+    assert!(is_error(&m, "does not serve reads"), "{m:?}");
+    assert_eq!(
+        ask(&mut c, &ClientMsg::Check { request: "r".into(), capability, runs: vec![(0, 128, 128)] }),
+        ServerMsg::Ok
+    );
+    assert_eq!(refused("prefill-noread", "read_not_served"), 1);
+}
+
+#[test]
+fn a_producer_beyond_loopback_needs_a_secret() {
+    let m = model(3, 2, 8);
+    let eff = effective(&m, KvLayout::HND, 4);
+    let ctx =
+        context(&m, &eff, KvRole::Producer, "prefill-open", json!({"backend": "tcp", "host": "0.0.0.0"}));
+    let mut worker = NixlFactory.create_worker(&ctx).unwrap();
+    let mem = Regions::allocate(&m, &eff, BLOCKS, None).unwrap();
+    let e = worker.register_kv_caches(mem.regions()).unwrap_err().to_string();
+    assert!(e.contains("without a data-plane secret") && e.contains("KVCONNECT_SIDE_CHANNEL_TOKEN"), "{e}");
+    let ctx = context(
+        &m,
+        &eff,
+        KvRole::Producer,
+        "prefill-open",
+        json!({"backend": "tcp", "host": "0.0.0.0", "data_plane_secret": SECRET}),
+    );
+    let mut worker = NixlFactory.create_worker(&ctx).unwrap();
+    worker.register_kv_caches(mem.regions()).unwrap();
+    // A secret too short to resist guessing is refused with what to do.
+    let ctx = context(&m, &eff, KvRole::Producer, "p", json!({"data_plane_secret": "short"}));
+    let e = NixlFactory.create_worker(&ctx).err().expect("a short secret is refused").to_string();
+    assert!(e.contains("at least 16") && e.contains("openssl rand"), "{e}");
+}
+
+#[test]
+fn renewals_cannot_hold_blocks_past_the_lease_cap() {
+    let mut p = producer_with("prefill-cap-lease", json!({"kv_lease_duration": 0.3, "kv_lease_max": 0.8}));
+    let addr = listen_addr(&mut p);
+    let params = prefill_finish(&mut p, "r", 9, &[1, 2, 3]);
+    let capability = params["remote_capability"].as_str().unwrap().to_owned();
+    let mut c = authed(&addr, None);
+    let t0 = Instant::now();
+    let hold = ClientMsg::Hold { request: "r".into(), capability };
+    let mut freed = None;
+    while t0.elapsed() < Duration::from_secs(3) {
+        // Renewed every 100 ms, well within the 0.3 s lease.
+        let _ = ask(&mut c, &hold);
+        if !p.worker.get_finished(&[]).unwrap().finished_sending.is_empty() {
+            freed = Some(t0.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let at = freed.expect("freed despite the renewals");
+    assert!(at >= Duration::from_millis(700), "not before the cap: {at:?}");
+    assert!(is_error(&ask(&mut c, &hold), "lease"), "a renewal after the cap fails");
+}
+
+#[test]
+fn connections_past_the_cap_and_dripped_frames_are_refused() {
+    let mut p = producer_with("prefill-flood", json!({"max_connections": 2, "io_timeout": 1}));
+    let addr = listen_addr(&mut p);
+    let a = authed(&addr, None);
+    let b = authed(&addr, None);
+    let mut c = TcpStream::connect(&addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let m: ServerMsg = read_frame(&mut c, 1 << 20).unwrap();
+    assert!(is_error(&m, "at most 2 connections"), "{m:?}");
+    assert_eq!(refused("prefill-flood", "too_many_connections"), 1);
+    drop((a, b));
+    std::thread::sleep(Duration::from_millis(200));
+    // A frame dripped a byte at a time loses its connection after the 1 s frame deadline,
+    // though no single byte waited longer than the idle timeout.
+    let mut d = authed(&addr, None);
+    let frame = {
+        let body = br#"{"op":"hold","request":"x","capability":"y"}"#;
+        let mut f = (body.len() as u32).to_be_bytes().to_vec();
+        f.extend_from_slice(body);
+        f
+    };
+    let t0 = Instant::now();
+    let mut cut = false;
+    for byte in &frame {
+        if d.write_all(&[*byte]).is_err() {
+            cut = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(150));
+    }
+    let mut buf = [0u8; 4];
+    cut = cut || d.read(&mut buf).unwrap_or(0) == 0;
+    assert!(cut, "the connection was closed");
+    assert!(t0.elapsed() < Duration::from_secs(8));
+    assert_eq!(refused("prefill-flood", "timeout"), 1);
+    // And a normal consumer is served afterwards.
+    let mut dd = consumer("tcp", KvLayout::HND, 4);
+    handshake_as(&mut p, &mut dd, "prefill-flood");
+    let params = prefill_finish(&mut p, "after", 9, &[1, 2, 3]);
+    decode_start(&mut dd, "after", 9, params, &[1, 2, 3]);
+    let f =
+        wait_finished(dd.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.finished_recving, vec![RequestId::from("after")]);
+}
+
+#[test]
+fn two_producers_claiming_one_engine_id_are_kept_apart_by_address() {
+    let mut first = producer_with("prefill-twin", json!({"side_channel_port": 5601}));
+    let mut second = producer_with("prefill-twin", json!({"side_channel_port": 5602}));
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    for (p, sc) in [(&mut first, "127.0.0.1:5601"), (&mut second, "127.0.0.1:5602")] {
+        let meta = p.worker.handshake_metadata().unwrap().unwrap();
+        d.worker
+            .set_peer_handshake_metadata(
+                &json!({"engine_id": "prefill-twin", "side_channel": sc, "peer": meta}),
+            )
+            .unwrap();
+    }
+    // The second handshake did not replace the first: a load from the first is served by it.
+    let params = prefill_finish(&mut first, "from-first", 9, &[1, 2, 3]);
+    assert_eq!(params["remote_port"], json!(5601));
+    decode_start(&mut d, "from-first", 9, params, &[1, 2, 3]);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.finished_recving, vec![RequestId::from("from-first")], "{f:?}");
+    // Params naming the second's address are pulled from the second, which does not hold it.
+    let mut params = prefill_finish(&mut first, "misdirected", 9, &[4, 5, 6]);
+    params.insert("remote_port".into(), json!(5602));
+    decode_start(&mut d, "misdirected", 9, params, &[4, 5, 6]);
+    let f =
+        wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
+    assert_eq!(f.failed_recving, vec![RequestId::from("misdirected")], "{f:?}");
 }

@@ -4,13 +4,17 @@
 
 use crate::deployment::{negotiate_role, negotiate_worker, parse_cache_dtype, Deployment, Role};
 use crate::registry::Registry;
+use crate::server::producers::Producers;
 use crate::server::{run as run_worker, WorkerSpec};
-use crate::sidechannel::{SideChannelConfig, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT};
+use crate::sidechannel::{
+    SideChannelConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT,
+};
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::{EngineOptions, HmaOption};
 use kvconnect_api::{KvLayout, KvRole, KvTransferConfig, ModelSpec};
+use kvconnect_nixl::auth::{Secret, SECRET_ENV};
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Arguments of `kvconnect worker`.
@@ -55,10 +59,16 @@ pub struct WorkerArgs {
     /// Side-channel port (0 = any free port; the chosen one is printed).
     #[arg(long = "side-channel-port", value_name = "P", default_value_t = 0)]
     pub side_channel_port: u16,
-    /// A token peers must present on the side channel (set the same on both workers; also
-    /// read from KVCONNECT_SIDE_CHANNEL_TOKEN).
-    #[arg(long = "side-channel-token", value_name = "TOKEN")]
-    pub side_channel_token: Option<String>,
+    /// A file holding the deployment's data-plane secret (mode 0600; the same on every
+    /// worker). Default: $KVCONNECT_SIDE_CHANNEL_TOKEN. Required when the side channel or the
+    /// nixl listener binds beyond loopback. Never given on the command line itself.
+    #[arg(long = "secret-file", value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Decode: the producers KV may be loaded from, comma-separated `[ENGINE@]IP[:PORT]` (their
+    /// side-channel addresses). Default: `kv_producers` of the deployment file, else only
+    /// producers on this host.
+    #[arg(long = "kv-producers", value_name = "LIST")]
+    pub kv_producers: Option<String>,
     /// Engine id (default: engine_id from the config, else `<role>-<pid>`).
     #[arg(long = "engine-id", value_name = "ID")]
     pub engine_id: Option<String>,
@@ -172,6 +182,10 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
     }
     let mut prefix_caching = a.enable_prefix_caching;
     let mut served = a.served_model_name.clone();
+    let mut producers = match &a.kv_producers {
+        Some(l) => Some(Producers::parse_list(l).map_err(|e| anyhow!("--kv-producers: {e}"))?),
+        None => None,
+    };
     let (role, config, model_json, model, negotiated, compat, opts) = if let Some(path) = &a.deployment {
         let role = role_of(a, None)?;
         let d = Deployment::load(path)?;
@@ -186,6 +200,13 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         prefix_caching |= rc.enable_prefix_caching;
         served = served.or(d.served_model_name.clone());
         served.get_or_insert_with(|| default_served_name(&json, &d.model_path));
+        if producers.is_none() {
+            let list = rc.kv_producers.join(",");
+            producers = Some(
+                Producers::parse_list(&list)
+                    .map_err(|e| anyhow!("{}: [{role}] kv_producers: {e}", path.display()))?,
+            );
+        }
         (role, rc.kv_transfer_config, json, d.model, n, c, rc.options)
     } else {
         let (Some(cfg), Some(model_path)) = (&a.kv_transfer_config, &a.model) else {
@@ -232,12 +253,10 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         side_channel: SideChannelConfig {
             host: a.side_channel_host,
             port: a.side_channel_port,
-            token: a
-                .side_channel_token
-                .clone()
-                .or_else(|| std::env::var("KVCONNECT_SIDE_CHANNEL_TOKEN").ok()),
+            secret: data_plane_secret(a.secret_file.as_deref())?,
             read_timeout: DEFAULT_READ_TIMEOUT,
             max_frame: DEFAULT_MAX_FRAME,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         },
         num_blocks: a.num_blocks,
         seed: a.seed,
@@ -249,8 +268,38 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             a.max_concurrent_requests,
         ),
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
+        producers: producers.unwrap_or_default(),
     };
     run_worker(spec, registry)
+}
+
+/// The deployment's data-plane secret: from `file` (which only its owner may read), else from
+/// `KVCONNECT_SIDE_CHANNEL_TOKEN`, else none.
+pub fn data_plane_secret(file: Option<&Path>) -> Result<Option<Secret>> {
+    if let Some(f) = file {
+        let meta =
+            std::fs::metadata(f).with_context(|| format!("--secret-file {}: cannot read it", f.display()))?;
+        let mode = std::os::unix::fs::PermissionsExt::mode(&meta.permissions());
+        if mode & 0o077 != 0 {
+            bail!(
+                "--secret-file {}: group or others may access it (mode {:o}); run `chmod 600 {}`",
+                f.display(),
+                mode & 0o777,
+                f.display()
+            );
+        }
+        let text = std::fs::read_to_string(f)
+            .with_context(|| format!("--secret-file {}: cannot read it", f.display()))?;
+        return Secret::from_text(&text, &format!("--secret-file {}", f.display()))
+            .map(Some)
+            .map_err(|e| anyhow!("{e}"));
+    }
+    match std::env::var(SECRET_ENV) {
+        Ok(t) if !t.trim().is_empty() => {
+            Secret::from_text(&t, SECRET_ENV).map(Some).map_err(|e| anyhow!("{e}"))
+        }
+        _ => Ok(None),
+    }
 }
 
 #[cfg(test)]

@@ -162,6 +162,11 @@ pub(crate) async fn run_one(
         }
         Err(e) => return Err(Failure::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e.to_string())),
     };
+    let failed_load = matches!(done.finish, FinishReason::Error(_)) || done.kv_load_failure.is_some();
+    if let (true, Some((engine, addr))) = (failed_load, &remote) {
+        // The peer may have restarted: handshake again before the next load from it.
+        st.peers.forget(engine, addr).await;
+    }
     if let FinishReason::Error(message) = &done.finish {
         if remote.is_some() {
             worker_metrics::load_failure("load_failed", false);
@@ -243,8 +248,27 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         Sample::counter("kvconnect_side_channel_refused", "Handshakes refused.", sc.refused),
         Sample::counter("kvconnect_side_channel_dropped", "Side-channel connections closed for misbehaving.", sc.dropped),
     ];
+    now.extend(data_plane_refusals(&st.engine_id, &sc));
     now.extend(cache_metrics(&st.engine_id));
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], worker_metrics::render(now)).into_response()
+}
+
+/// Peers the data plane refused, by listener and reason: the side channel's, and this
+/// worker's nixl producer listener's (when it runs one).
+fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnapshot) -> Vec<Sample> {
+    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: unauthenticated (no valid proof of the deployment's secret), bad_capability (a request named with a capability not its own), malformed, oversized, timeout (a frame not whole within its deadline), too_many_connections, read_not_served (a read to a backend that copies without it).";
+    let one = |listener: &str, reason: &str, v: u64| {
+        Sample::counter("kvconnect_data_plane_refused", HELP, v)
+            .with(vec![("listener", listener.into()), ("reason", reason.into())])
+    };
+    let mut out = vec![
+        one("side_channel", "unauthenticated", sc.unauthenticated),
+        one("side_channel", "too_many_connections", sc.over_cap),
+    ];
+    for (reason, v) in kvconnect_nixl::producer::refusals(engine_id).unwrap_or_default() {
+        out.push(one("producer", reason, v));
+    }
+    out
 }
 
 /// The cache tiers' hits, misses and bytes per direction, read at scrape time from the

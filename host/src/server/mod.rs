@@ -17,6 +17,7 @@ pub mod logprobs;
 pub mod openai;
 pub mod params;
 pub mod peers;
+pub mod producers;
 pub mod request_id;
 pub mod response;
 pub mod sse;
@@ -76,6 +77,8 @@ pub struct WorkerSpec {
     pub gate: gate::Gate,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
+    /// The producers a decode worker may load KV from.
+    pub producers: producers::Producers,
 }
 
 /// Runs the worker until SIGTERM or Ctrl-C.
@@ -107,6 +110,12 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
             "removed shared-memory segments left in /dev/shm by workers that died"
         );
     }
+    if connector_setup::carries_secret(&spec.config) {
+        anyhow::bail!(
+            "the kv-transfer-config sets {}, which would put the deployment's secret on a command line or in a config file others may read; remove it and set KVCONNECT_SIDE_CHANNEL_TOKEN or pass --secret-file",
+            kvconnect_nixl::auth::SECRET_CONFIG_KEY
+        );
+    }
     let sc_want = SocketAddr::new(spec.side_channel.host, spec.side_channel.port);
     let sc_listener = std::net::TcpListener::bind(sc_want).with_context(|| {
         format!("cannot bind the side channel on {sc_want}; pick another --side-channel-port (0 = any)")
@@ -118,6 +127,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         &spec.config,
         &sc_addr.ip().to_string(),
         sc_addr.port(),
+        spec.side_channel.secret.as_ref(),
     );
     if config.kv_role.is_none() {
         config.kv_role = Some(kv_role(spec.role));
@@ -176,7 +186,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     }
     .map_err(|e| anyhow!("cannot start the engine: {e}"))?;
 
-    let token = spec.side_channel.token.clone();
+    let secret = spec.side_channel.secret.clone();
     let server = SideChannelServer::from_std(
         sc_listener,
         spec.side_channel.clone(),
@@ -186,7 +196,13 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
 
     let state = Arc::new(http::AppState {
         engine: handle.clone(),
-        peers: peers::Peers::new(spec.compat.clone(), spec.engine_id.clone(), token, spec.handshake_timeout),
+        peers: peers::Peers::new(
+            spec.compat.clone(),
+            spec.engine_id.clone(),
+            secret,
+            spec.handshake_timeout,
+            spec.producers.clone(),
+        ),
         policy,
         role: spec.role.name().to_owned(),
         engine_id: spec.engine_id.clone(),

@@ -1,21 +1,34 @@
 //! Decode side: the handshake with each prefill engine, made once per peer before any KV is
-//! loaded from it, and what a request does when the peer is refused or unreachable.
+//! loaded from it, and what a request does when the peer is not allowed, refused or
+//! unreachable.
+//!
+//! A peer is only contacted when the allow-list names it ([`Producers`]). Each peer has its
+//! own lock, so a slow handshake stalls only requests for that peer. A refusal is remembered
+//! for [`REFUSAL_MEMORY`], an acceptance until a transfer from the peer fails ([`Peers::forget`]).
 
 use crate::server::engine_loop::EngineHandle;
+use crate::server::producers::Producers;
 use crate::sidechannel::{handshake, HandshakeOutcome};
 use kvconnect_api::compat::{CompatDescriptor, FieldDiff};
+use kvconnect_nixl::auth::Secret;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
+
+/// How long a refused handshake is answered from memory before the peer is asked again.
+pub const REFUSAL_MEMORY: Duration = Duration::from_secs(30);
 
 /// Why KV cannot be loaded from a peer.
 #[derive(Debug, Clone)]
 pub struct PeerFailure {
-    /// What kind of failure, for metrics: `peer_unreachable`, `wrong_engine` (the address
-    /// serves another engine than the params name), `peer_rejected` (the connector refused
-    /// the peer's metadata) or `handshake_refused` (incompatible KV caches).
+    /// What kind of failure, for metrics: `producer_not_allowed` (the params name a producer
+    /// outside the allow-list; nothing was contacted), `peer_unreachable`, `wrong_engine` (the
+    /// address serves another engine than the params name), `peer_rejected` (the connector
+    /// refused the peer's metadata), `unauthenticated` (one side lacks the deployment's
+    /// secret) or `handshake_refused` (incompatible KV caches).
     pub reason: &'static str,
     /// The whole reason.
     pub message: String,
@@ -26,16 +39,19 @@ pub struct PeerFailure {
 #[derive(Debug, Clone)]
 enum PeerState {
     Ready,
-    Refused(PeerFailure),
+    Refused(PeerFailure, Instant),
 }
+
+type Slot = Arc<Mutex<Option<PeerState>>>;
 
 /// The peers this worker has handshaken with, by engine id and address.
 pub struct Peers {
     local: CompatDescriptor,
     engine_id: String,
-    token: Option<String>,
+    secret: Option<Secret>,
     timeout: Duration,
-    known: Mutex<HashMap<(String, String), PeerState>>,
+    allowed: Producers,
+    known: std::sync::Mutex<HashMap<(String, String), Slot>>,
 }
 
 /// The peer a request's `kv_transfer_params` point at, if it asks to load remote KV.
@@ -73,39 +89,52 @@ impl Peers {
     pub fn new(
         local: CompatDescriptor,
         engine_id: String,
-        token: Option<String>,
+        secret: Option<Secret>,
         timeout: Duration,
+        allowed: Producers,
     ) -> Peers {
-        Peers { local, engine_id, token, timeout, known: Mutex::new(HashMap::new()) }
+        Peers { local, engine_id, secret, timeout, allowed, known: std::sync::Mutex::new(HashMap::new()) }
     }
 
-    /// Makes sure KV may be loaded from `engine` at `addr`: handshakes on first use and
-    /// hands the peer's metadata to the connector. A refusal is remembered (the peer's
-    /// descriptor does not change while it runs); an unreachable peer is retried next time.
+    fn slot(&self, key: &(String, String)) -> Slot {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        known.entry(key.clone()).or_default().clone()
+    }
+
+    /// Forgets the handshake with `engine` at `addr` (a transfer from it failed, so it may
+    /// have restarted): the next request handshakes again.
+    pub async fn forget(&self, engine: &str, addr: &str) {
+        let slot = self.slot(&(engine.to_owned(), addr.to_owned()));
+        *slot.lock().await = None;
+    }
+
+    /// Makes sure KV may be loaded from `engine` at `addr`: checks the allow-list, handshakes
+    /// on first use and hands the peer's metadata to the connector. A refusal is remembered
+    /// for a while (the peer's descriptor does not change while it runs); an unreachable peer
+    /// is retried next time.
     pub async fn ensure(&self, engine: &str, addr: &str, handle: &EngineHandle) -> Result<(), PeerFailure> {
-        let key = (engine.to_owned(), addr.to_owned());
-        // Held across the handshake so concurrent requests to a new peer handshake once.
-        let mut known = self.known.lock().await;
-        match known.get(&key) {
-            Some(PeerState::Ready) => return Ok(()),
-            Some(PeerState::Refused(f)) => return Err(f.clone()),
-            None => {}
+        if let Err(message) = self.allowed.check(engine, addr) {
+            return Err(PeerFailure { reason: "producer_not_allowed", message, diff: Vec::new() });
         }
-        let envelope = match peer_envelope(
-            addr,
-            engine,
-            &self.local,
-            &self.engine_id,
-            self.token.as_deref(),
-            self.timeout,
-        )
-        .await
-        {
+        let key = (engine.to_owned(), addr.to_owned());
+        let slot = self.slot(&key);
+        // Held across the handshake so concurrent requests to a new peer handshake once;
+        // requests for other peers do not wait on it.
+        let mut known = slot.lock().await;
+        match &*known {
+            Some(PeerState::Ready) => return Ok(()),
+            Some(PeerState::Refused(f, at)) if at.elapsed() < REFUSAL_MEMORY => return Err(f.clone()),
+            _ => {}
+        }
+        let outcome =
+            peer_envelope(addr, engine, &self.local, &self.engine_id, self.secret.as_ref(), self.timeout)
+                .await;
+        let envelope = match outcome {
             Ok(envelope) => envelope,
             Err(f) => {
-                if f.reason == "handshake_refused" {
+                if matches!(f.reason, "handshake_refused" | "unauthenticated") {
                     tracing::warn!(peer = %engine, %addr, "handshake refused: {}", f.message);
-                    known.insert(key, PeerState::Refused(f.clone()));
+                    *known = Some(PeerState::Refused(f.clone(), Instant::now()));
                 }
                 return Err(f);
             }
@@ -116,25 +145,25 @@ impl Peers {
             diff: Vec::new(),
         })?;
         tracing::info!(peer = %engine, %addr, "handshake accepted; KV may be loaded from this peer");
-        known.insert(key, PeerState::Ready);
+        *known = Some(PeerState::Ready);
         Ok(())
     }
 }
 
 /// Handshakes with prefill engine `engine` at `addr` as a worker with descriptor `local` and
-/// id `engine_id`, and returns the envelope its connector gets through
-/// `set_peer_handshake_metadata` (ARCHITECTURE.md §6): `{"engine_id", "peer", "plan",
-/// "peer_effective"}`. Any engine that loads KV from a kvconnect prefill does this once per
-/// peer before loading: this worker and the vLLM adapter.
+/// id `engine_id`, proving `secret`, and returns the envelope its connector gets through
+/// `set_peer_handshake_metadata` (ARCHITECTURE.md §6): `{"engine_id", "side_channel", "peer",
+/// "plan", "peer_effective"}`. Any engine that loads KV from a kvconnect prefill does this once
+/// per peer before loading: this worker and the vLLM adapter.
 pub async fn peer_envelope(
     addr: &str,
     engine: &str,
     local: &CompatDescriptor,
     engine_id: &str,
-    token: Option<&str>,
+    secret: Option<&Secret>,
     timeout: Duration,
 ) -> Result<Value, PeerFailure> {
-    let outcome = handshake(addr, local, engine_id, token, timeout).await.map_err(|e| PeerFailure {
+    let outcome = handshake(addr, local, engine_id, secret, timeout).await.map_err(|e| PeerFailure {
         reason: "peer_unreachable",
         message: format!("cannot handshake with prefill engine '{engine}' at {addr}: {e}"),
         diff: Vec::new(),
@@ -152,13 +181,19 @@ pub async fn peer_envelope(
             }
             Ok(json!({
                 "engine_id": engine,
+                "side_channel": addr,
                 "peer": metadata.unwrap_or(Value::Null),
                 "plan": plan,
                 "peer_effective": compat.effective,
             }))
         }
         HandshakeOutcome::Refused { diff, message } => {
-            Err(PeerFailure { reason: "handshake_refused", message, diff })
+            let reason = if message.starts_with(crate::sidechannel::UNAUTHENTICATED) {
+                "unauthenticated"
+            } else {
+                "handshake_refused"
+            };
+            Err(PeerFailure { reason, message, diff })
         }
     }
 }
@@ -182,7 +217,6 @@ mod tests {
             serde_json::from_value(json!({"do_remote_prefill": true, "remote_port": 0})).unwrap();
         assert!(remote_peer(&bad).unwrap_err().contains("remote_engine_id"));
     }
-
     #[test]
     fn remote_peer_takes_ip_literals_only() {
         let with_host = |h: &str| -> Map<String, Value> {

@@ -190,7 +190,7 @@ impl WorkerMetrics {
         r.register("vllm:nixl_bytes_transferred", bytes, m.transfer_bytes.clone());
         r.register(
             "kvconnect_kv_load_failures",
-            "Requests whose external KV could not be loaded, by reason: peer_unreachable, wrong_engine, peer_rejected, handshake_refused (at the handshake) or load_failed (the transfer).",
+            "Requests whose external KV could not be loaded, by reason: producer_not_allowed (params naming a producer outside the allow-list; nothing contacted), peer_unreachable, wrong_engine, peer_rejected, unauthenticated, handshake_refused (at the handshake) or load_failed (the transfer).",
             m.load_failures.clone(),
         );
         r.register(

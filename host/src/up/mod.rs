@@ -117,10 +117,22 @@ async fn up(a: &UpArgs) -> Result<()> {
     })?;
     let addr = listener.local_addr().context("proxy address")?;
     let pid = std::process::id();
+    // One secret for the deployment: the caller's, else a fresh one. Workers get it in their
+    // environment, and decode workers the list of this deployment's prefill engines.
+    let secret = match crate::cli::worker::data_plane_secret(None)? {
+        Some(s) => s,
+        None => kvconnect_nixl::auth::Secret::generate().map_err(|e| anyhow!("kvconnect up: {e}"))?,
+    };
+    let producers: Vec<String> = (0..a.prefill).map(|i| format!("up{pid}-prefill-{i}@127.0.0.1")).collect();
     let mut launches = Vec::new();
     for (role, n) in [(Role::Prefill, a.prefill), (Role::Decode, a.decode)] {
         for i in 0..n {
-            launches.push(launch(a, &files.path, role, role.name(), format!("up{pid}-{role}-{i}"), true));
+            let mut l =
+                launch(a, &files.path, role, role.name(), format!("up{pid}-{role}-{i}"), true, &secret);
+            if role == Role::Decode && !producers.is_empty() {
+                l.kv_producers = Some(producers.join(","));
+            }
+            launches.push(l);
         }
     }
     if a.compare_monolithic {
@@ -131,6 +143,7 @@ async fn up(a: &UpArgs) -> Result<()> {
             "monolithic",
             format!("up{pid}-monolithic"),
             false,
+            &secret,
         ));
     }
     let key = crate::server::gate::api_key(a.api_key.as_deref());
@@ -207,6 +220,7 @@ fn launch(
     label: &str,
     engine_id: String,
     behind_proxy: bool,
+    secret: &kvconnect_nixl::auth::Secret,
 ) -> Launch {
     Launch {
         deployment: deployment.to_path_buf(),
@@ -218,6 +232,8 @@ fn launch(
         host: a.host,
         behind_proxy,
         api_key: crate::server::gate::api_key(a.api_key.as_deref()),
+        secret: secret.clone(),
+        kv_producers: None,
     }
 }
 

@@ -49,6 +49,10 @@ pub struct Launch {
     pub behind_proxy: bool,
     /// The API key it requires, handed over in its environment (never on its command line).
     pub api_key: Option<String>,
+    /// The deployment's data-plane secret, handed over in its environment.
+    pub secret: kvconnect_nixl::auth::Secret,
+    /// Decode: the producers it may load from (`--kv-producers`).
+    pub kv_producers: Option<String>,
 }
 
 /// When to restart and when to give up.
@@ -295,6 +299,10 @@ impl Fleet {
         }
         if let Some(k) = &l.api_key {
             cmd.env(crate::server::gate::API_KEY_ENV[0], k);
+        }
+        cmd.env(kvconnect_nixl::auth::SECRET_ENV, l.secret.to_text());
+        if let Some(p) = &l.kv_producers {
+            cmd.args(["--kv-producers", p]);
         }
         die_with_this_thread(&mut cmd);
         let mut child =

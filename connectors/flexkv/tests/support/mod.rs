@@ -2,7 +2,6 @@
 //! deterministic "forward pass" that writes each block's KV, and the vLLM call order.
 
 #![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
-
 #![allow(dead_code)]
 
 use kvconnect_api::caps::KvRoleCap;
