@@ -155,7 +155,9 @@ fn a_corrupt_or_truncated_remote_value_is_a_miss_counted_as_corrupt() {
     let s = kvconnect_lmcache::stats("remote-corrupt-b").unwrap();
     assert_eq!((s.remote_corrupt, s.remote.hits), (1, 0), "{s:?}");
 
-    // Truncated: the same.
+    // Truncated: the same. B saved what it recomputed; its writes must land before the
+    // truncated value is written, or one would overwrite it.
+    kvconnect_lmcache::flush("remote-corrupt-b");
     let k1 = redis_key(&keys[1].key);
     let v: Vec<u8> = redis::cmd("GET").arg(&k1).query(&mut conn).unwrap();
     let () = redis::cmd("SET").arg(&k1).arg(&v[..v.len() - 7]).query(&mut conn).unwrap();
