@@ -103,21 +103,73 @@ pub enum GeometryError {
     /// K/V index 1 on an MLA cache.
     #[error("K/V part {0} does not exist in this cache (it has {1} parts)")]
     NoSuchPart(u32, u32),
+    /// A tensor-parallel rank past the last.
+    #[error("tensor-parallel rank {rank} does not exist: the regions belong to {ranks} rank(s)")]
+    NoSuchRank {
+        /// The rank asked for.
+        rank: u32,
+        /// Ranks the regions belong to.
+        ranks: u32,
+    },
 }
 
 /// Addresses blocks in a set of regions laid out per one effective layout.
+///
+/// Under tensor parallelism the regions belong to `tp_ranks` ranks, registered rank by
+/// rank, each rank with the same arrangement over its share of the KV heads: `shape.heads`
+/// is the heads of one rank, and rank `r` holds global heads `r * heads .. (r + 1) * heads`.
 #[derive(Debug, Clone)]
 pub struct Geometry {
     shape: BlockShape,
     layout: KvLayout,
     regions: Vec<RegionShape>,
     opaque: bool,
+    tp_ranks: u32,
 }
 
 impl Geometry {
-    /// A geometry over `regions`, in registration order.
+    /// A geometry over `regions`, in registration order (one tensor-parallel rank).
     pub fn new(shape: BlockShape, layout: KvLayout, regions: Vec<RegionShape>) -> Geometry {
-        Geometry { shape, layout, regions, opaque: false }
+        Geometry { shape, layout, regions, opaque: false, tp_ranks: 1 }
+    }
+
+    /// The same geometry over the regions of `ranks` tensor-parallel ranks (registered rank
+    /// by rank, the same number each); `None` when the regions do not split evenly.
+    pub fn with_tp_ranks(mut self, ranks: u32) -> Option<Geometry> {
+        if ranks == 0 || !self.regions.len().is_multiple_of(ranks as usize) {
+            return None;
+        }
+        self.tp_ranks = ranks;
+        Some(self)
+    }
+
+    /// Tensor-parallel ranks the regions belong to (1 without TP).
+    pub fn tp_ranks(&self) -> u32 {
+        self.tp_ranks
+    }
+
+    /// KV heads over all ranks.
+    pub fn total_heads(&self) -> u32 {
+        self.shape.heads * self.tp_ranks
+    }
+
+    /// Indices of rank `rank`'s regions.
+    pub fn rank_regions(&self, rank: u32) -> Result<std::ops::Range<usize>, GeometryError> {
+        if rank >= self.tp_ranks {
+            return Err(GeometryError::NoSuchRank { rank, ranks: self.tp_ranks });
+        }
+        let per = self.regions.len() / self.tp_ranks as usize;
+        Ok(rank as usize * per..(rank as usize + 1) * per)
+    }
+
+    /// Byte offset of local head `head`'s slice inside one block span, when each head's
+    /// tokens and channels are contiguous (H outermost of H, N and C, as in HND); `None`
+    /// otherwise. A head slice is [`BlockShape::bytes`] / heads long.
+    pub fn head_slice_offset(&self, head: u32) -> Option<usize> {
+        let inner: Vec<Dim> =
+            self.layout.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect();
+        (inner.first() == Some(&Dim::H) && !self.opaque && head < self.shape.heads)
+            .then(|| self.inner_offset(head, 0, 0))
     }
 
     /// The same geometry over opaque blocks (`EffectiveLayout::opaque_blocks`): each layer's
@@ -162,17 +214,29 @@ impl Geometry {
             .checked_mul(self.shape.checked_layer_block_bytes()?)
     }
 
-    /// The bytes of `block` for `layer` and K/V `part` (0 = K, 1 = V). Within the span the
-    /// three inner dims are in the layout's order of H, N, C.
+    /// The bytes of `block` for `layer` and K/V `part` (0 = K, 1 = V) in rank 0's regions
+    /// (the only rank without TP). Within the span the three inner dims are in the layout's
+    /// order of H, N, C.
     pub fn span(&self, layer: LayerId, part: u32, block: BlockId) -> Result<Span, GeometryError> {
+        self.rank_span(0, layer, part, block)
+    }
+
+    /// [`Geometry::span`] in tensor-parallel rank `rank`'s regions.
+    pub fn rank_span(
+        &self,
+        rank: u32,
+        layer: LayerId,
+        part: u32,
+        block: BlockId,
+    ) -> Result<Span, GeometryError> {
         if part >= self.shape.kv_parts {
             return Err(GeometryError::NoSuchPart(part, self.shape.kv_parts));
         }
-        let (ri, r, li) = self
-            .regions
+        let range = self.rank_regions(rank)?;
+        let (ri, r, li) = self.regions[range.clone()]
             .iter()
-            .enumerate()
-            .find_map(|(i, r)| r.layers.iter().position(|l| *l == layer).map(|li| (i, r, li)))
+            .zip(range)
+            .find_map(|(r, i)| r.layers.iter().position(|l| *l == layer).map(|li| (i, r, li)))
             .ok_or(GeometryError::NoRegionForLayer(layer))?;
         if block.0 >= r.num_blocks {
             return Err(GeometryError::BlockOutOfRange { block, layer, num_blocks: r.num_blocks });
@@ -287,6 +351,27 @@ mod tests {
         assert_eq!(v.offset, k.offset + blk);
         assert_eq!(g.region_bytes(&g.regions()[0]), 10 * 2 * blk);
         assert!(g.span(LayerId(0), 0, BlockId(10)).is_err());
+    }
+
+    #[test]
+    fn ranks_have_their_own_regions_and_head_slices() {
+        let per_layer = |l| RegionShape { layers: vec![LayerId(l)], num_blocks: 10 };
+        let regions = vec![per_layer(0), per_layer(1), per_layer(0), per_layer(1)];
+        let g = Geometry::new(shape(), KvLayout::HND, regions.clone()).with_tp_ranks(2).unwrap();
+        assert_eq!((g.tp_ranks(), g.total_heads()), (2, 4));
+        let blk = shape().bytes();
+        assert_eq!(
+            g.rank_span(1, LayerId(1), 1, BlockId(2)).unwrap(),
+            Span { region: 3, offset: 12 * blk, len: blk }
+        );
+        assert_eq!(g.rank_span(0, LayerId(1), 1, BlockId(2)).unwrap().region, 1);
+        assert_eq!(
+            g.rank_span(2, LayerId(0), 0, BlockId(0)),
+            Err(GeometryError::NoSuchRank { rank: 2, ranks: 2 })
+        );
+        assert_eq!(g.head_slice_offset(1), Some(blk / 2));
+        assert_eq!(Geometry::new(shape(), KvLayout::NHD, vec![]).head_slice_offset(1), None);
+        assert!(Geometry::new(shape(), KvLayout::HND, regions[..3].to_vec()).with_tp_ranks(2).is_none());
     }
 
     #[test]

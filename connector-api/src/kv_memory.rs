@@ -64,6 +64,16 @@ pub enum RegionError {
         /// "per-layer" or "cross-layer".
         kind: &'static str,
     },
+    /// Tensor-parallel ranks that do not split the KV heads, or the regions, evenly.
+    #[error("{regions} region(s) for a model with {heads} KV heads cannot be split across {ranks} tensor-parallel rank(s): the ranks must divide the KV heads and register the same regions each")]
+    TpSplit {
+        /// Ranks asked for.
+        ranks: u32,
+        /// The model's KV heads.
+        heads: u32,
+        /// Regions registered.
+        regions: usize,
+    },
 }
 
 /// A set of registered host regions, addressed through the effective layout.
@@ -84,7 +94,19 @@ impl KvMemory {
         model: &ModelSpec,
         eff: &EffectiveLayout,
     ) -> Result<KvMemory, RegionError> {
-        Self::build(regions, model, eff, true)
+        Self::build(regions, model, eff, true, 1)
+    }
+
+    /// [`KvMemory::new`] over the regions of `tp_ranks` tensor-parallel ranks, registered
+    /// rank by rank: each rank holds `num_kv_heads / tp_ranks` heads of every KV layer in
+    /// its own regions (`Geometry::with_tp_ranks`).
+    pub fn with_tp_ranks(
+        regions: &[KvRegion],
+        model: &ModelSpec,
+        eff: &EffectiveLayout,
+        tp_ranks: u32,
+    ) -> Result<KvMemory, RegionError> {
+        Self::build(regions, model, eff, true, tp_ranks)
     }
 
     /// The geometry and bounds of regions this process cannot dereference (device memory):
@@ -96,7 +118,7 @@ impl KvMemory {
         model: &ModelSpec,
         eff: &EffectiveLayout,
     ) -> Result<KvMemory, RegionError> {
-        Self::build(regions, model, eff, false)
+        Self::build(regions, model, eff, false, 1)
     }
 
     fn build(
@@ -104,8 +126,18 @@ impl KvMemory {
         model: &ModelSpec,
         eff: &EffectiveLayout,
         host: bool,
+        tp_ranks: u32,
     ) -> Result<KvMemory, RegionError> {
-        let shape = BlockShape::of(model, eff);
+        let split =
+            RegionError::TpSplit { ranks: tp_ranks, heads: model.num_kv_heads, regions: regions.len() };
+        if tp_ranks == 0
+            || !model.num_kv_heads.is_multiple_of(tp_ranks)
+            || !regions.len().is_multiple_of(tp_ranks as usize)
+        {
+            return Err(split);
+        }
+        let mut shape = BlockShape::of(model, eff);
+        shape.heads /= tp_ranks;
         let mut shapes = Vec::with_capacity(regions.len());
         let mut bases = Vec::with_capacity(regions.len());
         let cross = eff.layout.is_cross_layer();
@@ -140,24 +172,30 @@ impl KvMemory {
                 bases.push((r.addr() as usize, r.len() as usize));
             }
         }
-        let mut seen = std::collections::BTreeSet::new();
-        for s in &shapes {
-            for l in &s.layers {
-                if !seen.insert(*l) {
-                    return Err(RegionError::DuplicateLayer(*l));
+        // Every rank covers every KV layer once, in its own regions.
+        let per = shapes.len() / tp_ranks as usize;
+        for r in 0..tp_ranks as usize {
+            let rank = &shapes[r * per..(r + 1) * per];
+            let mut seen = std::collections::BTreeSet::new();
+            for s in rank {
+                for l in &s.layers {
+                    if !seen.insert(*l) {
+                        return Err(RegionError::DuplicateLayer(*l));
+                    }
+                }
+            }
+            for (i, k) in model.layers.iter().enumerate() {
+                let l = LayerId(i as u32);
+                if k.has_kv_blocks() && !seen.contains(&l) {
+                    return Err(RegionError::MissingLayer(l));
                 }
             }
         }
-        for (i, k) in model.layers.iter().enumerate() {
-            let l = LayerId(i as u32);
-            if k.has_kv_blocks() && !seen.contains(&l) {
-                return Err(RegionError::MissingLayer(l));
-            }
-        }
-        Ok(KvMemory {
-            geometry: Geometry::new(shape, eff.layout, shapes).with_opaque_blocks(eff.opaque_blocks),
-            bases,
-        })
+        let geometry = Geometry::new(shape, eff.layout, shapes)
+            .with_opaque_blocks(eff.opaque_blocks)
+            .with_tp_ranks(tp_ranks)
+            .ok_or(split)?;
+        Ok(KvMemory { geometry, bases })
     }
 
     /// The geometry the regions follow.
@@ -287,5 +325,23 @@ mod tests {
         let regions = [region(&mut a, 0, 3)];
         let e = KvMemory::new(&regions, &model(), &eff()).unwrap_err();
         assert_eq!(e, RegionError::MissingLayer(LayerId(1)));
+    }
+
+    #[test]
+    fn tensor_parallel_ranks_each_cover_every_layer_with_their_heads() {
+        // One head per rank: a rank's layer region is half the TP 1 size.
+        let per_rank_layer = 3 * 2 * 4 * 4 * 2;
+        let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; per_rank_layer]).collect();
+        let [a, b, c, d] = &mut bufs[..] else { unreachable!() };
+        let regions = [region(a, 0, 3), region(b, 1, 3), region(c, 0, 3), region(d, 1, 3)];
+        let mem = KvMemory::with_tp_ranks(&regions, &model(), &eff(), 2).unwrap();
+        assert_eq!((mem.geometry().shape().heads, mem.geometry().tp_ranks()), (1, 2));
+        assert_eq!(mem.geometry().rank_span(1, LayerId(0), 0, BlockId(0)).unwrap().region, 2);
+        let e = KvMemory::with_tp_ranks(&regions, &model(), &eff(), 4).unwrap_err();
+        assert_eq!(e, RegionError::TpSplit { ranks: 4, heads: 2, regions: 4 });
+        assert!(e.to_string().contains("cannot be split across 4 tensor-parallel rank(s)"), "{e}");
+        let e = KvMemory::with_tp_ranks(&regions[..2], &model(), &eff(), 2).unwrap_err();
+        assert_eq!(e, RegionError::MissingLayer(LayerId(1)));
+        assert!(KvMemory::with_tp_ranks(&[], &model(), &eff(), 2).is_err());
     }
 }

@@ -31,7 +31,7 @@ fn config(layout: KvLayout, memory: MemoryKind) -> EngineConfig {
     let spec = model.model_spec().unwrap();
     let mut effective = local_effective_layout(&spec, layout, true, 16, Dtype::Bf16);
     effective.memory = memory;
-    EngineConfig { effective, model, num_blocks: 512, seed: SEED, shm: None }
+    EngineConfig { effective, model, num_blocks: 512, seed: SEED, shm: None, tp_size: 1 }
 }
 
 fn engine(role: KvRole, id: &str, layout: KvLayout) -> Engine {

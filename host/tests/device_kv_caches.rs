@@ -29,7 +29,7 @@ fn config(layout: KvLayout, memory: MemoryKind) -> EngineConfig {
     let spec = model.model_spec().unwrap();
     let mut effective = local_effective_layout(&spec, layout, false, 16, Dtype::Bf16);
     effective.memory = memory;
-    EngineConfig { effective, model, num_blocks: 512, seed: SEED, shm: None }
+    EngineConfig { effective, model, num_blocks: 512, seed: SEED, shm: None, tp_size: 1 }
 }
 
 fn prompts(n: usize) -> Vec<Vec<u32>> {

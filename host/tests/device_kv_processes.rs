@@ -125,7 +125,7 @@ fn monolithic(ps: &[Vec<u32>]) -> Vec<Vec<u32>> {
     let model = ReferenceConfig::builtin().unwrap();
     let spec = model.model_spec().unwrap();
     let effective = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
-    let cfg = EngineConfig { model, effective, num_blocks: 256, seed: 0, shm: None };
+    let cfg = EngineConfig { model, effective, num_blocks: 256, seed: 0, shm: None, tp_size: 1 };
     let mut e = Engine::new(cfg, None, FailurePolicy::Fail).unwrap();
     let mut out = Vec::new();
     for (i, p) in ps.iter().enumerate() {

@@ -29,6 +29,7 @@ fn config(layout: KvLayout, hma: bool, dtype: Dtype) -> EngineConfig {
         num_blocks: BLOCKS,
         seed: SEED,
         shm: None,
+        tp_size: 1,
     }
 }
 

@@ -373,7 +373,7 @@ pub fn monolithic(prompts: &[Vec<u32>], max_tokens: usize, layout: kvconnect_api
     let model = ReferenceConfig::builtin().expect("reference config");
     let spec = model.model_spec().expect("reference spec");
     let eff = local_effective_layout(&spec, layout, true, 16, kvconnect_api::Dtype::Bf16);
-    let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed: 0, shm: None };
+    let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed: 0, shm: None, tp_size: 1 };
     let mut e = Engine::new(cfg, None, kvconnect_api::FailurePolicy::Recompute).expect("engine");
     let mut out = Vec::new();
     for (i, p) in prompts.iter().enumerate() {

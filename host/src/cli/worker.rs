@@ -47,6 +47,10 @@ pub struct WorkerArgs {
     /// Cache dtype (with --kv-transfer-config): auto, bf16, fp16, fp32.
     #[arg(long = "cache-dtype", value_name = "DTYPE")]
     pub cache_dtype: Option<String>,
+    /// Tensor-parallel size (with --kv-transfer-config; a deployment file sets `tp_size`):
+    /// the KV heads are split across this many ranks, each with its own KV regions.
+    #[arg(long = "tp-size", value_name = "N", default_value_t = 1, conflicts_with = "deployment")]
+    pub tp_size: u32,
     /// HTTP API bind address.
     #[arg(long, value_name = "IP", default_value = "127.0.0.1")]
     pub host: IpAddr,
@@ -119,6 +123,10 @@ fn options(a: &WorkerArgs) -> Result<EngineOptions> {
         }
         o.block_size = Some(b);
     }
+    if a.tp_size == 0 {
+        bail!("--tp-size must be a positive integer, got 0");
+    }
+    o.tp_size = a.tp_size;
     if let Some(d) = &a.cache_dtype {
         o.cache_dtype = parse_cache_dtype(d).map_err(|m| anyhow!("--{}", m.replacen('_', "-", 1)))?;
     }

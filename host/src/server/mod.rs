@@ -170,6 +170,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
             num_blocks: spec.num_blocks,
             seed: spec.seed,
             shm,
+            tp_size: spec.options.tp_size,
         };
         engine_loop::spawn(move || {
             let conn = connector_setup::create_connector(&reg, &ctx)?;

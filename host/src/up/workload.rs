@@ -89,7 +89,7 @@ pub fn ground_truth(items: &[Item], seed: u64) -> Result<Vec<Vec<u32>>> {
     let model = ReferenceConfig::builtin().map_err(|e| anyhow!("reference model: {e}"))?;
     let spec = model.model_spec().map_err(|e| anyhow!("reference model: {e}"))?;
     let eff = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
-    let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed, shm: None };
+    let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed, shm: None, tp_size: 1 };
     let mut e =
         Engine::new(cfg, None, FailurePolicy::Recompute).map_err(|e| anyhow!("monolithic engine: {e}"))?;
     let mut out = Vec::with_capacity(items.len());

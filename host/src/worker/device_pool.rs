@@ -179,7 +179,7 @@ mod tests {
         let spec = model.model_spec().unwrap();
         let mut effective = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
         effective.memory = MemoryKind::Device;
-        let cfg = EngineConfig { effective, model, num_blocks: 8, seed: 1, shm: None };
+        let cfg = EngineConfig { effective, model, num_blocks: 8, seed: 1, shm: None, tp_size: 1 };
         let e = Engine::new(cfg, None, FailurePolicy::Fail).unwrap_err().to_string();
         assert!(e.contains("--features cuda") && e.contains("kv_buffer_device"), "{e}");
     }

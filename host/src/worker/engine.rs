@@ -40,6 +40,9 @@ pub struct EngineConfig {
     /// `Some(engine_id)`: regions in POSIX shared memory named `/kvc-<pid>-<engine_id>-<i>`
     /// (for the nixl `shm` backend); `None`: private host memory.
     pub shm: Option<String>,
+    /// Tensor-parallel size: the KV heads are split across this many ranks, each with its
+    /// own regions (`KvPool::with_tp_ranks`); 1 without TP.
+    pub tp_size: u32,
 }
 
 /// A generation request.
@@ -263,7 +266,7 @@ impl Engine {
                 "the reference engine runs full and sliding-window attention only".into(),
             ));
         }
-        let pool = KvPool::new(&spec, &cfg.effective, cfg.num_blocks, cfg.shm.as_deref())?;
+        let pool = crate::worker::tp::pool(&spec, &cfg)?;
         let device = match cfg.effective.memory {
             MemoryKind::Device => Some(DeviceMirror::new(&pool)?),
             _ => None,
@@ -1093,7 +1096,7 @@ mod tests {
             Box::new(Rec { log: log.clone(), send_after: send_after.clone(), misbehave }),
             Box::new(Rec { log: log.clone(), send_after, misbehave }),
         );
-        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 8, seed: 1, shm: None };
+        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 8, seed: 1, shm: None, tp_size: 1 };
         Engine::new(ec, Some(conn), FailurePolicy::Recompute).unwrap()
     }
 
@@ -1159,7 +1162,7 @@ mod tests {
         let cfg = ReferenceConfig::builtin().unwrap();
         let spec = cfg.model_spec().unwrap();
         let eff = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Fp8E4m3);
-        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 8, seed: 1, shm: None };
+        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 8, seed: 1, shm: None, tp_size: 1 };
         let e = Engine::new(ec, None, FailurePolicy::Recompute).unwrap_err().to_string();
         assert!(
             e.contains("cache dtype Fp8E4m3 is not supported by the reference engine; use bf16 or f32"),
@@ -1178,7 +1181,7 @@ mod window_tests {
         let cfg = ReferenceConfig::builtin().unwrap();
         let spec = cfg.model_spec().unwrap();
         let eff = local_effective_layout(&spec, KvLayout::HND, hma, 16, Dtype::Bf16);
-        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 16, seed: 3, shm: None };
+        let ec = EngineConfig { model: cfg, effective: eff, num_blocks: 16, seed: 3, shm: None, tp_size: 1 };
         Engine::new(ec, None, FailurePolicy::Recompute).unwrap()
     }
 

@@ -12,6 +12,14 @@ pub enum WorkerError {
     /// The effective layout cannot be served by this engine.
     #[error("effective layout not usable by the worker: {0}")]
     Layout(String),
+    /// A tensor-parallel size the model's KV heads cannot be split across.
+    #[error("tp_size {tp_size} does not divide the model's {kv_heads} KV heads: each rank holds an equal share of them; use a tp_size that divides {kv_heads}")]
+    TpSize {
+        /// The tensor-parallel size asked for.
+        tp_size: u32,
+        /// The model's KV heads.
+        kv_heads: u32,
+    },
     /// The pool's regions failed the layout check (a bug in the pool if it ever happens).
     #[error("KV pool regions do not match the effective layout: {0}")]
     Regions(#[from] RegionError),

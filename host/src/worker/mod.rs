@@ -32,6 +32,7 @@ pub mod region;
 pub mod sampling;
 pub mod shm;
 pub mod tokenizer;
+pub mod tp;
 
 pub use engine::{Completion, Engine, EngineConfig, FinishReason, GenRequest, RequestOutput, StepStats};
 pub use error::WorkerError;

@@ -73,6 +73,12 @@ pub struct KvPool {
     /// Full prompt blocks known by their tokens' hash (empty unless prefix caching is on).
     cache: PrefixCache,
     num_blocks: u32,
+    /// Tensor-parallel ranks: each holds `num_kv_heads / tp_ranks` heads in its own regions.
+    tp_ranks: u32,
+    /// With several ranks: one rank's block shape and strides (the pool's own are those of
+    /// a whole block, all heads, which `read_block` gathers and `write_block` scatters).
+    rank_shape: BlockShape,
+    rank_strides: InnerStrides,
 }
 
 impl KvPool {
@@ -84,7 +90,23 @@ impl KvPool {
         num_blocks: u32,
         shm_engine_id: Option<&str>,
     ) -> Result<KvPool, WorkerError> {
+        Self::with_tp_ranks(model, eff, num_blocks, shm_engine_id, 1)
+    }
+
+    /// [`KvPool::new`] for `tp_ranks` tensor-parallel ranks: every rank gets its own regions
+    /// (registered rank by rank) holding its `num_kv_heads / tp_ranks` KV heads of every
+    /// layer, and all ranks share one block table, as vLLM's TP workers do.
+    pub fn with_tp_ranks(
+        model: &ModelSpec,
+        eff: &EffectiveLayout,
+        num_blocks: u32,
+        shm_engine_id: Option<&str>,
+        tp_ranks: u32,
+    ) -> Result<KvPool, WorkerError> {
         let lay = |m: String| WorkerError::Layout(m);
+        if tp_ranks == 0 || !model.num_kv_heads.is_multiple_of(tp_ranks) {
+            return Err(WorkerError::TpSize { tp_size: tp_ranks, kv_heads: model.num_kv_heads });
+        }
         // Device KV: this pool is the engine's host working copy, `device_pool` the regions
         // the connectors see.
         if !matches!(eff.memory, MemoryKind::Host | MemoryKind::Device) {
@@ -133,8 +155,9 @@ impl KvPool {
             return Err(lay(format!("layer {i} stores KV but is in no KV cache group")));
         }
         let shape = BlockShape::of(model, eff);
-        // (name, layers, group) of every region, in registration order.
-        let plan: Vec<(String, Vec<LayerId>, usize)> = if eff.layout.is_cross_layer() {
+        let rank_shape = BlockShape { heads: shape.heads / tp_ranks, ..shape };
+        // (name, layers, group) of every region of one rank, in registration order.
+        let rank_plan: Vec<(String, Vec<LayerId>, usize)> = if eff.layout.is_cross_layer() {
             eff.groups
                 .iter()
                 .enumerate()
@@ -145,13 +168,20 @@ impl KvPool {
                 .filter_map(|i| layer_group[i].map(|g| (format!("layer.{i}"), vec![LayerId(i as u32)], g)))
                 .collect()
         };
+        let plan: Vec<(String, Vec<LayerId>, usize)> = if tp_ranks == 1 {
+            rank_plan
+        } else {
+            (0..tp_ranks)
+                .flat_map(|r| rank_plan.iter().map(move |(n, l, g)| (format!("rank{r}.{n}"), l.clone(), *g)))
+                .collect()
+        };
         let mut memories = Vec::with_capacity(plan.len());
         let mut regions = Vec::with_capacity(plan.len());
         for (ri, (name, layers, group)) in plan.into_iter().enumerate() {
             let len = layers
                 .len()
                 .checked_mul(num_blocks as usize)
-                .and_then(|x| x.checked_mul(shape.layer_block_bytes()))
+                .and_then(|x| x.checked_mul(rank_shape.layer_block_bytes()))
                 .ok_or_else(|| WorkerError::Alloc { name: name.clone(), bytes: usize::MAX })?;
             let memory = match shm_engine_id {
                 Some(id) => RegionMemory::shm(&shm::segment_name(id, ri), len)?,
@@ -175,8 +205,9 @@ impl KvPool {
             regions.push(unsafe { KvRegion::new(spec) });
             memories.push(memory);
         }
-        let mem = KvMemory::new(&regions, model, eff)?;
+        let mem = KvMemory::with_tp_ranks(&regions, model, eff, tp_ranks)?;
         let strides = inner_strides(eff.layout, &shape);
+        let rank_strides = inner_strides(eff.layout, &rank_shape);
         let free = eff.groups.iter().map(|_| (0..num_blocks).rev().collect()).collect();
         let refs = eff.groups.iter().map(|_| vec![0; num_blocks as usize]).collect();
         Ok(KvPool {
@@ -191,6 +222,9 @@ impl KvPool {
             refs,
             cache: PrefixCache::new(eff.groups.len()),
             num_blocks,
+            tp_ranks,
+            rank_shape,
+            rank_strides,
         })
     }
 
@@ -336,7 +370,13 @@ impl KvPool {
         BlocksPerGroup(out)
     }
 
-    /// Copies the bytes of (`layer`, K|V `part`, `block`) into `buf` (resized to fit).
+    /// Tensor-parallel ranks of the pool (1 without TP).
+    pub fn tp_ranks(&self) -> u32 {
+        self.tp_ranks
+    }
+
+    /// Copies the bytes of (`layer`, K|V `part`, `block`) into `buf` (resized to fit), every
+    /// KV head: with several ranks, each rank's heads are gathered from its own regions.
     pub fn read_block(
         &self,
         layer: LayerId,
@@ -344,12 +384,23 @@ impl KvPool {
         block: BlockId,
         buf: &mut Vec<u8>,
     ) -> Result<(), WorkerError> {
-        let span = self.mem.span(layer, part, block).map_err(|e| WorkerError::Access(e.to_string()))?;
-        buf.resize(span.len, 0);
-        self.mem.read(span, buf).map_err(|e| WorkerError::Access(e.to_string()))
+        let access = |e: kvconnect_api::geometry::GeometryError| WorkerError::Access(e.to_string());
+        if self.tp_ranks == 1 {
+            let span = self.mem.span(layer, part, block).map_err(access)?;
+            buf.resize(span.len, 0);
+            return self.mem.read(span, buf).map_err(access);
+        }
+        buf.resize(self.shape.bytes(), 0);
+        for rank in 0..self.tp_ranks {
+            let span = self.mem.geometry().rank_span(rank, layer, part, block).map_err(access)?;
+            let src = self.mem.slice(span).map_err(access)?;
+            self.for_each_row(rank, |whole, part| buf[whole.clone()].copy_from_slice(&src[part]));
+        }
+        Ok(())
     }
 
-    /// Writes `buf` as the bytes of (`layer`, K|V `part`, `block`).
+    /// Writes `buf` as the bytes of (`layer`, K|V `part`, `block`), every KV head: with
+    /// several ranks, each rank's heads are scattered into its own regions.
     pub fn write_block(
         &self,
         layer: LayerId,
@@ -357,8 +408,48 @@ impl KvPool {
         block: BlockId,
         buf: &[u8],
     ) -> Result<(), WorkerError> {
-        let span = self.mem.span(layer, part, block).map_err(|e| WorkerError::Access(e.to_string()))?;
-        self.mem.write(span, buf).map_err(|e| WorkerError::Access(e.to_string()))
+        let access = |e: kvconnect_api::geometry::GeometryError| WorkerError::Access(e.to_string());
+        if self.tp_ranks == 1 {
+            let span = self.mem.span(layer, part, block).map_err(access)?;
+            return self.mem.write(span, buf).map_err(access);
+        }
+        if buf.len() != self.shape.bytes() {
+            return Err(WorkerError::Access(format!(
+                "a block of {} bytes written where blocks are {} bytes",
+                buf.len(),
+                self.shape.bytes()
+            )));
+        }
+        let mut rank_block = vec![0u8; self.rank_shape.bytes()];
+        for rank in 0..self.tp_ranks {
+            let span = self.mem.geometry().rank_span(rank, layer, part, block).map_err(access)?;
+            self.for_each_row(rank, |whole, part| rank_block[part].copy_from_slice(&buf[whole.clone()]));
+            self.mem.write(span, &rank_block).map_err(access)?;
+        }
+        Ok(())
+    }
+
+    /// Pairs the byte range of every element of `rank`'s heads in a whole block (all heads)
+    /// with its range in the rank's own block.
+    fn for_each_row(&self, rank: u32, mut f: impl FnMut(std::ops::Range<usize>, std::ops::Range<usize>)) {
+        let (whole, own) = (self.strides, self.rank_strides);
+        let s = self.rank_shape;
+        let es = s.elem_size as usize;
+        // Channels side by side (C innermost): one range per head and token.
+        let (run, runs) = match whole.channel == 1 && own.channel == 1 {
+            true => (s.head_dim as usize, 1),
+            false => (1, s.head_dim as usize),
+        };
+        for h in 0..s.heads as usize {
+            let global = rank as usize * s.heads as usize + h;
+            for n in 0..s.tokens as usize {
+                for c in 0..runs {
+                    let w = (global * whole.head + n * whole.token + c * whole.channel) * es;
+                    let o = (h * own.head + n * own.token + c * own.channel) * es;
+                    f(w..w + run * es, o..o + run * es);
+                }
+            }
+        }
     }
 
     /// Names of the shared-memory segments behind the regions (empty when private).
