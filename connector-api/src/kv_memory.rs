@@ -198,6 +198,15 @@ impl KvMemory {
         Ok(KvMemory { geometry, bases })
     }
 
+    /// How many tensor-parallel ranks' regions `regions` are, read from the regions
+    /// themselves: each rank's regions cover every KV layer once, so the count of regions
+    /// holding the first region's first layer (1 for an engine without TP, or for one rank
+    /// of an engine whose ranks each register their own).
+    pub fn tp_ranks_in(regions: &[KvRegion]) -> u32 {
+        let Some(first) = regions.first().and_then(|r| r.layers().first()) else { return 1 };
+        regions.iter().filter(|r| r.layers().contains(first)).count().max(1) as u32
+    }
+
     /// The geometry the regions follow.
     pub fn geometry(&self) -> &Geometry {
         &self.geometry
@@ -334,6 +343,8 @@ mod tests {
         let mut bufs: Vec<Vec<u8>> = (0..4).map(|_| vec![0u8; per_rank_layer]).collect();
         let [a, b, c, d] = &mut bufs[..] else { unreachable!() };
         let regions = [region(a, 0, 3), region(b, 1, 3), region(c, 0, 3), region(d, 1, 3)];
+        assert_eq!(KvMemory::tp_ranks_in(&regions), 2);
+        assert_eq!(KvMemory::tp_ranks_in(&regions[..2]), 1);
         let mem = KvMemory::with_tp_ranks(&regions, &model(), &eff(), 2).unwrap();
         assert_eq!((mem.geometry().shape().heads, mem.geometry().tp_ranks()), (1, 2));
         assert_eq!(mem.geometry().rank_span(1, LayerId(0), 0, BlockId(0)).unwrap().region, 2);

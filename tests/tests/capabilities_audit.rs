@@ -50,6 +50,7 @@ const PD_DECODE: &str =
 
 const CLAIMS: &[Claim] = &[
     claim("nixl", "hma", "tests/tests/pd_determinism.rs::shm_hma_on"),
+    claim("nixl", "heterogeneous_tp", "tests/tests/pd_determinism.rs::shm_tp_2_to_1"),
     claim("nixl", "mla", DEEPSEEK_PD),
     claim("nixl", "async_load", NIXL_FLOW),
     claim("nixl", "memory:host", NIXL_FLOW),

@@ -1,6 +1,7 @@
 //! Disaggregated serving gives exactly the tokens of a single worker: one prefill and one
-//! decode process per configuration (HMA on and off; shm, tcp and the real NIXL library),
-//! 50 prompts of varied
+//! decode process per configuration (HMA on and off; shm, tcp and the real NIXL library;
+//! tensor-parallel pairs 1->2, 2->1 and 2->2, decode's ranks reading their heads from
+//! prefill's), 50 prompts of varied
 //! length each, greedy output compared token for token with a monolithic engine. Every
 //! decode must really have loaded the prompt's KV from prefill (all but the last prompt
 //! token), so a silent recompute cannot pass for a transfer.
@@ -31,8 +32,15 @@ fn nixl(role: &str, backend: &str) -> String {
 }
 
 fn start(side: &str, role: &str, backend: &str, hma: &str) -> Worker {
+    start_tp(side, role, backend, hma, 1)
+}
+
+fn start_tp(side: &str, role: &str, backend: &str, hma: &str, tp: u32) -> Worker {
     let model = reference_model();
+    let tp = tp.to_string();
     Worker::start(&[
+        "--tp-size",
+        &tp,
         "--kv-transfer-config",
         &nixl(role, backend),
         "--model",
@@ -40,7 +48,7 @@ fn start(side: &str, role: &str, backend: &str, hma: &str) -> Worker {
         "--hybrid-kv-cache-manager",
         hma,
         "--engine-id",
-        &format!("{side}-{role}-{backend}-{hma}"),
+        &format!("{side}-{role}-{backend}-{hma}-tp{tp}"),
         "--role",
         side,
     ])
@@ -51,9 +59,23 @@ fn check(backend: &str, hma: &str) {
 }
 
 fn check_roles(backend: &str, hma: &str, prefill_role: &str, decode_role: &str) {
+    check_workers(
+        backend,
+        hma,
+        start("prefill", prefill_role, backend, hma),
+        start("decode", decode_role, backend, hma),
+    );
+}
+
+/// Prefill with TP `p`, decode with TP `d`.
+fn check_tp(backend: &str, p: u32, d: u32) {
+    let prefill = start_tp("prefill", "kv_producer", backend, "on", p);
+    let decode = start_tp("decode", "kv_consumer", backend, "on", d);
+    check_workers(backend, &format!("on, tp {p}->{d}"), prefill, decode);
+}
+
+fn check_workers(backend: &str, hma: &str, prefill: Worker, decode: Worker) {
     let (prompts, mono) = baseline();
-    let prefill = start("prefill", prefill_role, backend, hma);
-    let decode = start("decode", decode_role, backend, hma);
     for (i, p) in prompts.iter().enumerate() {
         let (st, d) = disaggregated(&prefill, &decode, p, MAX_TOKENS);
         assert_eq!(st, 200, "prompt {i} (len {}): decode failed: {d}\n{}", p.len(), decode.log());
@@ -69,6 +91,7 @@ fn check_roles(backend: &str, hma: &str, prefill_role: &str, decode_role: &str) 
             Some(p.len() as u64 - 1),
             "prompt {i}: decode must load all but the last prompt token from prefill: {d}"
         );
+        assert!(d["kvconnect"]["kv_load"].is_null(), "prompt {i}: nothing may be recomputed: {d}");
     }
     let (_, h) = decode.get("/health");
     assert_eq!(h["pool"]["failed"], 0, "{h}");
@@ -90,6 +113,31 @@ fn shm_hma_off() {
 fn shm_kv_both_on_each_side() {
     // kv_both (vLLM's usual NixlConnector role): each engine serves its KV and loads a peer's.
     check_roles("shm", "on", "kv_both", "kv_both");
+}
+
+#[test]
+fn shm_tp_1_to_2() {
+    check_tp("shm", 1, 2);
+}
+
+#[test]
+fn shm_tp_2_to_1() {
+    check_tp("shm", 2, 1);
+}
+
+#[test]
+fn shm_tp_2_to_2() {
+    check_tp("shm", 2, 2);
+}
+
+#[test]
+fn tcp_tp_1_to_2() {
+    check_tp("tcp", 1, 2);
+}
+
+#[test]
+fn tcp_tp_2_to_1() {
+    check_tp("tcp", 2, 1);
 }
 
 #[test]

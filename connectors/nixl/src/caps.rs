@@ -6,10 +6,14 @@ use kvconnect_api::{
     ModelSpec, TransferMode,
 };
 
-/// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode. No
-/// heterogeneous TP: the scheduler loads only from a prefill with the same `tp_size`, so
+/// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode.
+/// Heterogeneous TP on backends `shm` and `tcp`: a decode whose TP size divides, or is
+/// divided by, prefill's reads each rank's head slices from the prefill ranks holding them
+/// (`copy_plan`). Backends `nixl` and `cuda_ipc` move KV between equal TP sizes only, so
 /// negotiation and the handshake refuse a peer with another one before any KV moves.
-pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
+pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
+    let heterogeneous_tp = crate::config::NixlConfig::from_config(config)
+        .is_ok_and(|c| matches!(c.backend, crate::config::Backend::Shm | crate::config::Backend::Tcp));
     let mla = model.is_some_and(|m| m.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. })));
     let layout = if mla {
         LayoutConstraint::default()
@@ -33,9 +37,25 @@ pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> Co
         transfer_mode: TransferMode::Pull,
         roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
         layerwise: false,
-        heterogeneous_tp: false,
+        heterogeneous_tp,
         mla: true,
         async_load: true,
         carries_state: false,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heterogeneous_tp_only_on_the_backends_that_move_head_slices() {
+        for (backend, across) in [("shm", true), ("tcp", true), ("nixl", false), ("cuda_ipc", false)] {
+            let json = format!(
+                r#"{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"{backend}"}}}}"#
+            );
+            let config = KvTransferConfig::from_json(&json).unwrap();
+            assert_eq!(capabilities(&config, None).unwrap().heterogeneous_tp, across, "{backend}");
+        }
+    }
 }

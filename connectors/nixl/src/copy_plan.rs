@@ -13,7 +13,7 @@
 use crate::error::TransferError;
 use crate::meta::LoadSpec;
 use crate::wire::WireRun;
-use kvconnect_api::geometry::Geometry;
+use kvconnect_api::geometry::{BlockShape, Geometry};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{BlockId, Dim, LayerId};
 
@@ -59,7 +59,7 @@ pub enum CopyPlan {
 /// The order of H, N and C inside a block, as the bytes are: with one KV head the head axis
 /// may sit anywhere, so it is placed where `KvLayout::normalized` puts it.
 fn inner_order(g: &Geometry) -> Vec<Dim> {
-    let layout = g.layout().normalized(g.shape().heads);
+    let layout = g.layout().normalized(g.total_heads());
     layout.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect()
 }
 
@@ -67,8 +67,10 @@ fn inner_order(g: &Geometry) -> Vec<Dim> {
 /// bytes are, or block shape, differ), whatever the request. A plan can also adapt for one request only: one whose
 /// first token to load is not on a block boundary.
 pub fn layouts_adapt(peer: &Geometry, own: &Geometry) -> bool {
+    // Compared over all tensor-parallel ranks: how the heads are split is not adapting.
+    let whole = |g: &Geometry| BlockShape { heads: g.total_heads(), ..g.shape() };
     inner_order(peer) != inner_order(own)
-        || peer.shape() != own.shape()
+        || whole(peer) != whole(own)
         || peer.opaque_blocks() != own.opaque_blocks()
 }
 
@@ -121,6 +123,19 @@ impl CopyPlan {
         }
         let parts = peer.shape().kv_parts;
         let direct = bp == bd && first % bp == 0 && !layouts_adapt(peer, own);
+        if peer.tp_ranks() != 1 || own.tp_ranks() != 1 {
+            if !direct {
+                return Err(TransferError::NotBuilt(format!(
+                    "request {}: loading tokens {first}..{end} across tensor-parallel ranks (producer {} rank(s), this engine {}) while adapting blocks (producer {} blocks of {bp} tokens, this engine {} of {bd}, or a load not starting on a block boundary); across ranks use the same layout and block size on both sides",
+                    load.request,
+                    peer.tp_ranks(),
+                    own.tp_ranks(),
+                    peer.layout().display_name(),
+                    own.layout().display_name(),
+                )));
+            }
+            return Ok(CopyPlan::Direct(coalesce(across_ranks(peer, own, groups, load)?)));
+        }
         if !direct && (peer.opaque_blocks() || own.opaque_blocks()) {
             return Err(plan_err(format!(
                 "request {}: loading tokens {first}..{end} would adapt blocks (producer {} blocks of {bp} tokens, this engine {} of {bd}), but opaque blocks move whole only: same block size and engine backend on both sides, loads starting on a block boundary",
@@ -198,6 +213,67 @@ impl CopyPlan {
             CopyPlan::Adapt(blocks) => blocks.iter().map(|b| b.len).sum(),
         }
     }
+}
+
+/// The runs of a load between engines whose KV heads are split across tensor-parallel
+/// ranks, the same layout and block size on both sides. Global head `h` lives in rank
+/// `h / heads` of each side; every slice of `min(producer heads, own heads)` heads lies in
+/// one rank on each side, so each of this engine's ranks reads its heads from the producer
+/// ranks holding them, one contiguous head slice per block (heads outermost in a block).
+fn across_ranks(
+    peer: &Geometry,
+    own: &Geometry,
+    groups: &[Vec<LayerId>],
+    load: &LoadSpec,
+) -> Result<Vec<CopyRun>, TransferError> {
+    let (hp, ho) = (peer.shape().heads, own.shape().heads);
+    if peer.total_heads() != own.total_heads() || hp == 0 || ho == 0 {
+        return Err(plan_err(format!(
+            "request {}: the producer holds {} KV heads over {} rank(s), this engine {} over {}: both must hold the same model's heads",
+            load.request,
+            peer.total_heads(),
+            peer.tp_ranks(),
+            own.total_heads(),
+            own.tp_ranks()
+        )));
+    }
+    let slice = hp.min(ho);
+    let head_bytes = (peer.shape().bytes() / hp as usize) as u64;
+    let offset = |g: &Geometry, head: u32| {
+        g.head_slice_offset(head).map(|o| o as u64).ok_or_else(|| {
+            TransferError::NotBuilt(format!(
+                "request {}: layout {} keeps a KV head's tokens apart inside a block, so one tensor-parallel rank's heads are not contiguous; across ranks use a layout with heads outermost in a block (HND)",
+                load.request,
+                g.layout().display_name()
+            ))
+        })
+    };
+    let bs = peer.shape().tokens as usize;
+    let mut runs = Vec::new();
+    for (g, layers) in groups.iter().enumerate() {
+        let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
+        for &layer in layers {
+            for part in 0..peer.shape().kv_parts {
+                for pos in positions(load.first_token, load.num_tokens, bs) {
+                    for first_head in (0..peer.total_heads()).step_by(slice as usize) {
+                        let (pr, ph) = (first_head / hp, first_head % hp);
+                        let (or, oh) = (first_head / ho, first_head % ho);
+                        let s = peer.rank_span(pr, layer, part, r[pos])?;
+                        let d = own.rank_span(or, layer, part, l[pos])?;
+                        runs.push(CopyRun {
+                            src_region: s.region as u32,
+                            src_off: s.offset as u64 + offset(peer, ph)?,
+                            dst_region: d.region as u32,
+                            dst_off: d.offset as u64 + offset(own, oh)?,
+                            len: slice as u64 * head_bytes,
+                        });
+                    }
+                }
+            }
+        }
+    }
+    runs.sort_by_key(|r| (r.src_region, r.src_off));
+    Ok(runs)
 }
 
 fn coalesce(runs: Vec<CopyRun>) -> Vec<CopyRun> {
@@ -388,7 +464,7 @@ impl<'a> LocalRegions<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvconnect_api::geometry::{BlockShape, RegionShape};
+    use kvconnect_api::geometry::RegionShape;
     use kvconnect_api::{BlocksPerGroup, KvLayout};
 
     fn geo(layout: KvLayout, tokens: u32) -> Geometry {
@@ -419,6 +495,103 @@ mod tests {
             first_token: first,
             num_tokens: n,
         }
+    }
+
+    /// Two layers over `ranks` ranks holding 4 KV heads between them, HND.
+    fn ranked(ranks: u32, layout: KvLayout) -> Geometry {
+        let shape = BlockShape { heads: 4 / ranks, tokens: 4, head_dim: 2, elem_size: 2, kv_parts: 2 };
+        let per_rank = [0, 1].map(|l| RegionShape { layers: vec![LayerId(l)], num_blocks: 8 });
+        let regions = (0..ranks).flat_map(|_| per_rank.clone()).collect();
+        Geometry::new(shape, layout, regions).with_tp_ranks(ranks).unwrap()
+    }
+
+    /// Every element of the blocks `blocks` in `g`'s regions, named by what it is: (layer,
+    /// part, block position, global head, token, channel) -> (region, byte offset).
+    fn elements(g: &Geometry, blocks: &[u32]) -> Vec<((u32, u32, usize, u32, u32, u32), (usize, usize))> {
+        let s = g.shape();
+        let mut out = Vec::new();
+        for layer in 0..2 {
+            for part in 0..2 {
+                for (pos, b) in blocks.iter().enumerate() {
+                    for head in 0..g.total_heads() {
+                        let span = g.rank_span(head / s.heads, LayerId(layer), part, BlockId(*b)).unwrap();
+                        for t in 0..s.tokens {
+                            for c in 0..s.head_dim {
+                                let at = span.offset + g.inner_offset(head % s.heads, t, c);
+                                out.push(((layer, part, pos, head, t, c), (span.region, at)));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn each_rank_reads_its_heads_from_the_producer_ranks_that_hold_them() {
+        for (p, d) in [(2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (1, 4)] {
+            let (peer, own) = (ranked(p, KvLayout::HND), ranked(d, KvLayout::HND));
+            let (remote, local) = (vec![3, 5], vec![6, 1]);
+            let plan = CopyPlan::build(
+                &peer,
+                &own,
+                &[vec![LayerId(0), LayerId(1)]],
+                &load(remote.clone(), local.clone(), 0, 8),
+            )
+            .unwrap();
+            let CopyPlan::Direct(runs) = &plan else { panic!("{p}->{d}: {plan:?}") };
+            // Producer regions filled with each element's own name; copy the runs as a pull would.
+            let region_len = peer.region_bytes(&peer.regions()[0]);
+            let mut src = vec![vec![0u8; region_len]; peer.regions().len()];
+            for (i, (_, (r, at))) in elements(&peer, &remote).into_iter().enumerate() {
+                src[r][at..at + 2].copy_from_slice(&(i as u16 + 1).to_le_bytes());
+            }
+            let mut dst = vec![vec![0u8; own.region_bytes(&own.regions()[0])]; own.regions().len()];
+            for r in runs {
+                let (so, dof, n) = (r.src_off as usize, r.dst_off as usize, r.len as usize);
+                dst[r.dst_region as usize][dof..dof + n]
+                    .copy_from_slice(&src[r.src_region as usize][so..so + n]);
+            }
+            let want = elements(&peer, &remote);
+            for ((name, (r, at)), (wname, _)) in elements(&own, &local).into_iter().zip(&want) {
+                assert_eq!(name, *wname);
+                let i = want.iter().position(|(n, _)| *n == name).unwrap();
+                assert_eq!(&dst[r][at..at + 2], &(i as u16 + 1).to_le_bytes(), "{p}->{d}: {name:?}");
+            }
+            assert_eq!(plan.total_bytes() as usize, 2 * 2 * 2 * peer.total_heads() as usize * 4 * 2 * 2);
+        }
+    }
+
+    #[test]
+    fn across_ranks_an_adapting_or_head_interleaved_plan_is_not_built() {
+        let groups = [vec![LayerId(0), LayerId(1)]];
+        let e = CopyPlan::build(
+            &ranked(2, KvLayout::HND),
+            &ranked(1, KvLayout::NHD),
+            &groups,
+            &load(vec![0], vec![0], 0, 4),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("not implemented: request r: loading tokens 0..4 across tensor-parallel ranks (producer 2 rank(s), this engine 1)"), "{e}");
+        let e = CopyPlan::build(
+            &ranked(2, KvLayout::NHD),
+            &ranked(1, KvLayout::NHD),
+            &groups,
+            &load(vec![0], vec![0], 0, 4),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("layout NHD (LBNHC) keeps a KV head's tokens apart inside a block"), "{e}");
+        let mut other = ranked(1, KvLayout::HND);
+        other =
+            Geometry::new(BlockShape { heads: 2, ..other.shape() }, KvLayout::HND, other.regions().to_vec());
+        let e = CopyPlan::build(&ranked(2, KvLayout::HND), &other, &groups, &load(vec![0], vec![0], 0, 4))
+            .unwrap_err()
+            .to_string();
+        // Another model's heads are never copied (the handshake refuses such a peer first).
+        assert!(e.contains("(producer 2 rank(s), this engine 1)"), "{e}");
     }
 
     #[test]

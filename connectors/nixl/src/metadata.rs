@@ -37,8 +37,12 @@ pub struct ProducerMetadata {
     pub engine_id: String,
     /// Its control/data listener, `host:port`.
     pub listen: String,
-    /// Its block shape.
+    /// Its block shape (`heads`: one tensor-parallel rank's).
     pub shape: BlockShape,
+    /// Its tensor-parallel ranks: `region_shapes` and `regions` list every rank's regions,
+    /// rank by rank. Absent (1) from producers without TP.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub tp_size: u32,
     /// Its layout.
     pub layout: KvLayout,
     /// Its blocks are opaque (`EffectiveLayout::opaque_blocks`): they move whole, never
@@ -95,6 +99,14 @@ pub struct NixlAgentMetadata {
     pub vram_device: Option<u64>,
 }
 
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
+}
+
 /// What a consumer knows of one producer.
 #[derive(Debug, Clone)]
 pub struct PeerInfo {
@@ -134,7 +146,15 @@ impl PeerInfo {
             )));
         }
         let geometry = Geometry::new(meta.shape, meta.layout, meta.region_shapes.clone())
-            .with_opaque_blocks(meta.opaque_blocks);
+            .with_opaque_blocks(meta.opaque_blocks)
+            .with_tp_ranks(meta.tp_size)
+            .ok_or_else(|| {
+                bad(format!(
+                    "peer engine '{e}' metadata lists {} regions for tp_size {}: every tensor-parallel rank must list the same regions",
+                    meta.region_shapes.len(),
+                    meta.tp_size
+                ))
+            })?;
         for (r, s) in meta.regions.iter().zip(&meta.region_shapes) {
             let want = geometry.checked_region_bytes(s).ok_or_else(|| {
                 bad(format!(
@@ -202,7 +222,7 @@ impl PeerInfo {
         let (p, o) = (self.meta.shape, own.shape());
         let e = &self.meta.engine_id;
         for (field, a, b) in [
-            ("kv heads", p.heads, o.heads),
+            ("kv heads (all tensor-parallel ranks)", self.geometry.total_heads(), own.total_heads()),
             ("head dim", p.head_dim, o.head_dim),
             ("bytes per element", p.elem_size, o.elem_size),
             ("K/V parts", p.kv_parts, o.kv_parts),
@@ -236,9 +256,9 @@ impl PeerInfo {
     }
 
     /// Checks the host's adaptation plan (`kvconnect_api::compat::AdaptationPlan`) against
-    /// what this data path will do: the layout permutation and block-size ratio are applied
-    /// on receive from the two geometries, so the plan must describe exactly those; a TP
-    /// ratio other than 1:1 is not supported.
+    /// what this data path will do: the layout permutation, block-size ratio and TP ratio
+    /// are applied on receive from the two geometries, so the plan must describe exactly
+    /// those.
     fn check_plan(&self, plan: &Value, own: &Geometry) -> Result<(), ConnectorError> {
         let e = &self.meta.engine_id;
         let plan: AdaptationPlan = serde_json::from_value(plan.clone())
@@ -254,13 +274,14 @@ impl PeerInfo {
                 )));
             }
         }
-        if let Some((r, s)) = plan.tp_ratio.filter(|(r, s)| r != s) {
-            return Err(ConnectorError::not_implemented(
-                NAME,
-                &format!(
-                    "receiving from peer engine '{e}' with tensor-parallel ratio {r}:{s} (heterogeneous TP)"
-                ),
-            ));
+        if let Some((r, s)) = plan.tp_ratio {
+            let (p, o) = (self.geometry.tp_ranks() as u64, own.tp_ranks() as u64);
+            // (receiver, sender): r / s == own / peer.
+            if r as u64 * p != s as u64 * o {
+                return Err(bad(format!(
+                    "adaptation plan for peer engine '{e}' has tp_ratio {r}:{s} (receiver:sender), but the peer's regions belong to {p} tensor-parallel rank(s) and this engine's to {o}"
+                )));
+            }
         }
         if let Some((r, s)) = plan.block_size_ratio {
             let (p, o) = (self.meta.shape.tokens as u64, own.shape().tokens as u64);
@@ -294,6 +315,7 @@ pub(crate) fn sample_metadata() -> ProducerMetadata {
         nixl: None,
         cuda_ipc: None,
         opaque_blocks: false,
+        tp_size: 1,
     }
 }
 

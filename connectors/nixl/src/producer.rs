@@ -360,9 +360,11 @@ impl Producer {
         let mut allowed: Vec<Vec<(u64, u64)>> = vec![Vec::new(); g.regions().len()];
         for (gi, ids) in blocks.0.iter().enumerate() {
             for &layer in groups.get(gi).map(Vec::as_slice).unwrap_or(&[]) {
-                for part in 0..g.shape().kv_parts {
+                for (rank, part) in
+                    (0..g.tp_ranks()).flat_map(|r| (0..g.shape().kv_parts).map(move |p| (r, p)))
+                {
                     for &b in ids {
-                        let Span { region, offset, len } = g.span(layer, part, b)?;
+                        let Span { region, offset, len } = g.rank_span(rank, layer, part, b)?;
                         allowed[region].push((offset as u64, (offset + len) as u64));
                     }
                 }

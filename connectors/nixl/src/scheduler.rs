@@ -81,14 +81,16 @@ impl SchedulerConnector for NixlScheduler {
             self.loads.push(release);
             return Ok(());
         }
-        // Negotiation and the handshake already refuse a prefill with another TP size (this
-        // connector does not declare heterogeneous_tp); params from elsewhere stop here.
-        if p.tp_size != self.ctx.tp_size {
-            return Err(ConnectorError::not_implemented(
+        // Negotiation and the handshake already refuse TP sizes that do not divide each other
+        // (decode's ranks read head slices from prefill's, or the reverse); params from
+        // elsewhere stop here.
+        let (a, b) = (p.tp_size.max(1), self.ctx.tp_size.max(1));
+        if !a.is_multiple_of(b) && !b.is_multiple_of(a) {
+            return Err(ConnectorError::invalid(
                 NAME,
-                &format!(
-                    "loading request {} from a prefill with tp_size {} into tp_size {} (heterogeneous TP)",
-                    req.id, p.tp_size, self.ctx.tp_size
+                format!(
+                    "request {} comes from a prefill with tp_size {a} but this decode has tp_size {b}: the sizes must divide one another (D = P/2, P, 2P, ...); run decode with tp_size {a}",
+                    req.id
                 ),
             ));
         }

@@ -448,6 +448,16 @@ impl WorkerConnector for NixlWorker {
         if self.mem.is_some() {
             return Err(ConnectorError::invalid(NAME, "register_kv_caches called twice"));
         }
+        let ranks = KvMemory::tp_ranks_in(regions);
+        if ranks > 1 && !matches!(self.cfg.backend, Backend::Shm | Backend::Tcp) {
+            return Err(ConnectorError::not_implemented(
+                NAME,
+                &format!(
+                    "KV regions of {ranks} tensor-parallel ranks on backend '{}' (backends shm and tcp move KV across ranks)",
+                    self.cfg.backend.name()
+                ),
+            ));
+        }
         if self.cfg.backend == Backend::Nixl {
             self.start_nixl_vram(regions)?;
         }
@@ -461,7 +471,9 @@ impl WorkerConnector for NixlWorker {
         } else {
             // Host regions, valid until this worker is dropped (`KvRegion::new`); shutdown stops
             // the listener and joins the pull thread, the other users of `mem`, before that.
-            KvMemory::new(regions, &self.ctx.model, &self.ctx.effective)
+            // With several ranks' regions (the engine's TP ranks), each rank holds its share
+            // of the KV heads in its own regions.
+            KvMemory::with_tp_ranks(regions, &self.ctx.model, &self.ctx.effective, ranks)
         }
         .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))?;
         let mem = Arc::new(mem);
@@ -618,6 +630,7 @@ impl WorkerConnector for NixlWorker {
             engine_id: self.ctx.engine_id.clone(),
             listen: p.addr().to_string(),
             shape: g.shape(),
+            tp_size: g.tp_ranks(),
             layout: g.layout(),
             opaque_blocks: g.opaque_blocks(),
             region_shapes: g.regions().to_vec(),
