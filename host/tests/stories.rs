@@ -176,6 +176,27 @@ fn different_tp_sizes_are_refused_naming_both_sizes() {
 }
 
 #[test]
+fn nixl_over_shm_loads_across_tp_sizes_that_divide_one_another() {
+    let o = plan("tp-heterogeneous.toml", &[]);
+    assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("COMPATIBLE with adaptation"), "{}", o.stdout);
+    assert!(o.stdout.contains("child 'nixl' loads KV across different TP sizes"), "{}", o.stdout);
+    assert!(o.stdout.contains("heads are regrouped across ranks in a 1:2 ratio on receive"), "{}", o.stdout);
+    // 2 and 3 do not divide one another: refused naming both sizes.
+    let dir = tempfile::tempdir().unwrap();
+    let src = std::fs::read_to_string(root().join("examples/deployments/tp-heterogeneous.toml"))
+        .unwrap()
+        .replace("tp_size = 4", "tp_size = 3")
+        .replace("../../fixtures", &root().join("fixtures").display().to_string());
+    let file = dir.path().join("tp3.toml");
+    std::fs::write(&file, src).unwrap();
+    let o = kvconnect(&["plan", file.to_str().unwrap()]);
+    assert_eq!(o.code, 1, "{}{}", o.stdout, o.stderr);
+    assert!(o.stdout.contains("tp_size: prefill=2") && o.stdout.contains("decode=3"), "{}", o.stdout);
+    assert!(o.stdout.contains("TP sizes 2 and 3 do not divide each other"), "{}", o.stdout);
+}
+
+#[test]
 fn one_kv_head_makes_nhd_and_hnd_the_same_bytes() {
     for extra in [&[][..], &["--joint"][..]] {
         let o = plan("mla-nhd-hnd.toml", extra);

@@ -565,33 +565,19 @@ mod tests {
 
     #[test]
     fn across_ranks_an_adapting_or_head_interleaved_plan_is_not_built() {
-        let groups = [vec![LayerId(0), LayerId(1)]];
-        let e = CopyPlan::build(
-            &ranked(2, KvLayout::HND),
-            &ranked(1, KvLayout::NHD),
-            &groups,
-            &load(vec![0], vec![0], 0, 4),
-        )
-        .unwrap_err()
-        .to_string();
+        let refusal = |peer: &Geometry, own: &Geometry| {
+            let groups = [vec![LayerId(0), LayerId(1)]];
+            CopyPlan::build(peer, own, &groups, &load(vec![0], vec![0], 0, 4)).unwrap_err().to_string()
+        };
+        let e = refusal(&ranked(2, KvLayout::HND), &ranked(1, KvLayout::NHD));
         assert!(e.starts_with("not implemented: request r: loading tokens 0..4 across tensor-parallel ranks (producer 2 rank(s), this engine 1)"), "{e}");
-        let e = CopyPlan::build(
-            &ranked(2, KvLayout::NHD),
-            &ranked(1, KvLayout::NHD),
-            &groups,
-            &load(vec![0], vec![0], 0, 4),
-        )
-        .unwrap_err()
-        .to_string();
+        let e = refusal(&ranked(2, KvLayout::NHD), &ranked(1, KvLayout::NHD));
         assert!(e.contains("layout NHD (LBNHC) keeps a KV head's tokens apart inside a block"), "{e}");
-        let mut other = ranked(1, KvLayout::HND);
-        other =
-            Geometry::new(BlockShape { heads: 2, ..other.shape() }, KvLayout::HND, other.regions().to_vec());
-        let e = CopyPlan::build(&ranked(2, KvLayout::HND), &other, &groups, &load(vec![0], vec![0], 0, 4))
-            .unwrap_err()
-            .to_string();
+        let one = ranked(1, KvLayout::HND);
+        let other =
+            Geometry::new(BlockShape { heads: 2, ..one.shape() }, KvLayout::HND, one.regions().to_vec());
         // Another model's heads are never copied (the handshake refuses such a peer first).
-        assert!(e.contains("(producer 2 rank(s), this engine 1)"), "{e}");
+        assert!(refusal(&ranked(2, KvLayout::HND), &other).contains("(producer 2 rank(s), this engine 1)"));
     }
 
     #[test]
