@@ -397,6 +397,22 @@ pub fn varied_prompts(n: usize) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Runs `kvconnect up ARGS` (which must include `--workload N --json`) to its end and returns
+/// the workload report; panics, as a test helper, when it fails.
+pub fn up_workload_report(args: &[&str]) -> serde_json::Value {
+    let out = std::process::Command::new(kvconnect_bin())
+        .arg("up")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run kvconnect up --workload");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    // The first line is the address line; the report follows.
+    let report = stdout.split_once('\n').map(|(_, r)| r).unwrap_or_default();
+    serde_json::from_str(report).unwrap_or_else(|e| panic!("no workload report ({e}): {stdout}"))
+}
+
 /// Starts `kvconnect up ARGS` and returns the process with the JSON address line it prints
 /// first (proxy, workers, their pids). Panics, as a test helper, when it prints none in 120 s.
 pub fn spawn_up(args: &[&str]) -> (std::process::Child, serde_json::Value) {

@@ -16,7 +16,7 @@ use kvconnect_tests::{http_request, kvconnect_bin, monolithic, reference_model, 
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 /// A running `kvconnect up` (SIGKILLed on drop if a test failed before stopping it; its
@@ -324,17 +324,16 @@ fn up_hands_its_workers_one_secret_by_environment_and_decode_its_producers() {
 
 #[test]
 fn workload_report_checks_every_output_and_exits_zero() {
-    let out = Command::new(kvconnect_bin())
-        // One request at a time: a prompt sharing a prefix with one still in flight would find
-        // nothing stored yet, so the hit rate would depend on timing.
-        .args(["up", "--workload", "8", "--concurrency", "1", "--json", "--compare-monolithic"])
-        .stdin(Stdio::null())
-        .output()
-        .expect("run kvconnect up --workload");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    // The first line is the address line; the report follows.
-    let report: Value = serde_json::from_str(stdout.split_once('\n').unwrap().1).unwrap();
+    // One request at a time: a prompt sharing a prefix with one still in flight would find
+    // nothing stored yet, so the hit rate would depend on timing.
+    let report = kvconnect_tests::up_workload_report(&[
+        "--workload",
+        "8",
+        "--concurrency",
+        "1",
+        "--json",
+        "--compare-monolithic",
+    ]);
     assert_eq!(report["requests"], 8, "{report}");
     assert_eq!(report["failed"], 0, "{report}");
     assert_eq!(report["mismatches"], 0, "{report}");
