@@ -52,6 +52,37 @@ fn bench_transfer_verifies_every_pair_and_reports_quartiles() {
 }
 
 #[test]
+fn bench_transfer_across_tp_sizes_pairs_tp_2_to_1_with_tp_1_to_1() {
+    for backend in ["shm", "tcp"] {
+        let r = bench(&[
+            "transfer",
+            "--backend",
+            backend,
+            "--model",
+            "fixtures/models/Qwen--Qwen3-0.6B/config.json",
+            "--tokens",
+            "200",
+            "--pairs",
+            "3",
+            "--tp-size",
+            "2",
+        ]);
+        check_pairs(&r, 3);
+        assert_eq!((r["prefill_tp_size"].as_u64(), r["decode_tp_size"].as_u64()), (Some(2), Some(1)), "{r}");
+        // The same bytes as TP 1 -> TP 1: every head of every block, from two prefill ranks.
+        assert_eq!(r["bytes"], 13 * 16 * 28 * 2 * 8 * 128 * 2, "{r}");
+    }
+    let out = Command::new(kvconnect_bin())
+        .args(["bench", "transfer", "--backend", "nixl", "--tp-size", "2", "--model"])
+        .arg(kvconnect_tests::reference_model())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("loads across TP sizes run on backends shm and tcp"), "{err}");
+}
+
+#[test]
 fn bench_ttft_pairs_monolithic_and_disaggregated_requests() {
     let r = bench(&["ttft", "--tokens", "64", "--pairs", "3"]);
     check_pairs(&r, 3);

@@ -67,6 +67,10 @@ pub struct TransferArgs {
     /// GPU of the decode (consumer) process (cuda_ipc); another GPU of the host crosses NVLink.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub peer_gpu: usize,
+    /// Prefill's tensor-parallel size: above 1, times the load from prefill TP P into decode
+    /// TP 1 against TP 1 -> TP 1 (the baseline) in interleaved pairs (backends shm and tcp).
+    #[arg(long = "tp-size", value_name = "P", default_value_t = 1)]
+    pub tp_size: u32,
 }
 
 /// Arguments of `bench ttft`.
@@ -100,6 +104,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Transfer(a) if a.backend == "cuda_ipc" || a.device == "cuda" => {
             super::bench_cuda::transfer(a)
         }
+        BenchCommand::Transfer(a) if a.tp_size != 1 => super::bench_tp::transfer(a),
         BenchCommand::Transfer(a) => transfer(a),
         BenchCommand::Ttft(a) => ttft(a),
         BenchCommand::CudaIpcPeer => super::bench_cuda::peer(),
@@ -109,7 +114,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
 }
 
 /// A worker process the benchmark started; killed (SIGTERM first) on drop.
-struct BenchWorker {
+pub(super) struct BenchWorker {
     child: Child,
     http: String,
 }
@@ -196,7 +201,7 @@ fn http_post(addr: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
     Ok((status, v))
 }
 
-fn backend(s: &str) -> Result<&'static str> {
+pub(super) fn backend(s: &str) -> Result<&'static str> {
     match s {
         "shm" => Ok("shm"),
         "tcp" => Ok("tcp"),
@@ -212,23 +217,35 @@ fn nixl_config(role: &str, backend: &str) -> String {
 }
 
 fn pair(model: &Path, backend: &str, extra: &[&str]) -> Result<(BenchWorker, BenchWorker)> {
+    pair_with(model, backend, extra, &[], "bench")
+}
+
+/// A prefill and a decode worker with `extra` arguments, prefill with `prefill_extra` too,
+/// named `<tag>-prefill` and `<tag>-decode`.
+pub(super) fn pair_with(
+    model: &Path,
+    backend: &str,
+    extra: &[&str],
+    prefill_extra: &[&str],
+    tag: &str,
+) -> Result<(BenchWorker, BenchWorker)> {
     let model = model.to_str().ok_or_else(|| anyhow!("--model path is not UTF-8"))?.to_owned();
-    let mk = |role: &str, id: &str| -> Vec<String> {
+    let mk = |role: &str, id: &str, more: &[&str]| -> Vec<String> {
         let mut v: Vec<String> =
             ["--kv-transfer-config", &nixl_config(role, backend), "--model", &model, "--engine-id", id]
                 .iter()
                 .map(|s| s.to_string())
                 .collect();
-        v.extend(extra.iter().map(|s| s.to_string()));
+        v.extend(extra.iter().chain(more).map(|s| s.to_string()));
         v
     };
-    let prefill = BenchWorker::start(&mk("kv_producer", "bench-prefill"))?;
-    let decode = BenchWorker::start(&mk("kv_consumer", "bench-decode"))?;
+    let prefill = BenchWorker::start(&mk("kv_producer", &format!("{tag}-prefill"), prefill_extra))?;
+    let decode = BenchWorker::start(&mk("kv_consumer", &format!("{tag}-decode"), &[]))?;
     Ok((prefill, decode))
 }
 
 /// One disaggregated request; returns decode's answer and the wall time of both requests.
-fn round(
+pub(super) fn round(
     prefill: &BenchWorker,
     decode: &BenchWorker,
     prompt: &Value,
@@ -444,12 +461,12 @@ fn transfer(a: &TransferArgs) -> Result<()> {
 }
 
 /// The 1-minute load average, from /proc/loadavg (None where there is none).
-fn load_average() -> Option<f64> {
+pub(super) fn load_average() -> Option<f64> {
     std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
 }
 
 /// What the figures were measured on: cores, and the load average before and after.
-fn machine(load_before: Option<f64>) -> Value {
+pub(super) fn machine(load_before: Option<f64>) -> Value {
     json!({
         "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
         "load_average_before": load_before,

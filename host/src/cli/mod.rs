@@ -5,6 +5,7 @@ pub mod bench;
 mod bench_cuda;
 mod bench_lmcache_device;
 mod bench_nixl_vram;
+mod bench_tp;
 pub mod config_arg;
 pub mod exit;
 pub mod negotiate;

@@ -152,9 +152,10 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     let (handle, join, metadata) = if spec.synthetic {
         let reg = registry.clone();
         let (model, eff, blocks) = (spec.model.clone(), spec.negotiated.effective.clone(), spec.num_blocks);
+        let tp_size = spec.options.tp_size;
         engine_loop::spawn(move || {
             let conn = connector_setup::create_connector(&reg, &ctx)?;
-            let mut e = synthetic::TransferEngine::new(&model, &eff, blocks, shm.as_deref(), conn)?;
+            let mut e = synthetic::TransferEngine::new(&model, &eff, blocks, shm.as_deref(), tp_size, conn)?;
             let md = e.handshake_metadata()?;
             Ok((e, md))
         })

@@ -71,15 +71,17 @@ fn fill(buf: &mut [u8], seed: u64) {
 
 impl TransferEngine {
     /// A pool of `num_blocks` blocks per group (in shared memory named for `shm_engine_id`
-    /// when given) registered with the connector.
+    /// when given), its KV heads split across `tp_size` ranks, registered with the connector.
     pub fn new(
         model: &ModelSpec,
         eff: &EffectiveLayout,
         num_blocks: u32,
         shm_engine_id: Option<&str>,
+        tp_size: u32,
         mut conn: Connector,
     ) -> Result<TransferEngine, String> {
-        let pool = KvPool::new(model, eff, num_blocks, shm_engine_id).map_err(|e| e.to_string())?;
+        let pool = KvPool::with_tp_ranks(model, eff, num_blocks, shm_engine_id, tp_size)
+            .map_err(|e| e.to_string())?;
         conn.1.register_kv_caches(pool.regions()).map_err(|e| format!("register_kv_caches failed: {e}"))?;
         let kv_layers = (0..model.layers.len() as u32)
             .filter_map(|l| pool.group_of(LayerId(l)).map(|g| (LayerId(l), g)))
