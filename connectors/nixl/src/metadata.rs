@@ -222,7 +222,7 @@ impl PeerInfo {
         let (p, o) = (self.meta.shape, own.shape());
         let e = &self.meta.engine_id;
         for (field, a, b) in [
-            ("kv heads (all tensor-parallel ranks)", self.geometry.total_heads(), own.total_heads()),
+            ("kv heads", self.geometry.total_heads(), own.total_heads()),
             ("head dim", p.head_dim, o.head_dim),
             ("bytes per element", p.elem_size, o.elem_size),
             ("K/V parts", p.kv_parts, o.kv_parts),
