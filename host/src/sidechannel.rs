@@ -702,9 +702,17 @@ mod tests {
         descriptor_tp(children, 1)
     }
 
+    /// Over nixl's backend `nixl`, which moves KV between equal TP sizes only.
     fn descriptor_tp(children: &[&str], tp_size: u32) -> CompatDescriptor {
+        descriptor_on("nixl", children, tp_size)
+    }
+
+    fn descriptor_on(backend: &str, children: &[&str], tp_size: u32) -> CompatDescriptor {
         let model = ModelSpec::from_hf_config_json(REFERENCE).unwrap();
-        let cfg = KvTransferConfig::named("x");
+        let cfg = KvTransferConfig::from_json(&format!(
+            r#"{{"kv_connector":"x","kv_connector_extra_config":{{"backend":"{backend}"}}}}"#
+        ))
+        .unwrap();
         let caps: Vec<ChildCaps> = children
             .iter()
             .map(|n| ChildCaps {
@@ -857,7 +865,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_tp_mismatch_is_refused_naming_both_sizes_and_the_remedy() {
-        // nixl loads only between equal TP sizes: prefill TP 2, decode TP 4 is refused.
+        // nixl over backend nixl loads only between equal TP sizes: prefill TP 2, decode TP 4
+        // is refused.
         let out = handshake_with(descriptor_tp(&["nixl"], 2), &descriptor_tp(&["nixl"], 4)).await;
         let HandshakeOutcome::Refused { diff, message } = out else { panic!("{out:?}") };
         assert_eq!(diff.iter().map(|d| d.field.as_str()).collect::<Vec<_>>(), ["tp_size"]);
@@ -893,6 +902,16 @@ mod tests {
         // A peer that says nothing about heterogeneous TP (an older one) needs equal sizes.
         let out = handshake_with(descriptor_tp(&["nixl"], 2), &regrouping(4)).await;
         assert!(matches!(out, HandshakeOutcome::Refused { .. }), "{out:?}");
+        // nixl over shm regroups heads: 2 -> 4 and 2 -> 1 are welcomed, 2 -> 3 is not.
+        let shm = |tp| descriptor_on("shm", &["nixl"], tp);
+        for (d, ratio) in [(4, (2, 1)), (1, (1, 2))] {
+            let out = handshake_with(shm(2), &shm(d)).await;
+            let HandshakeOutcome::Welcome { plan, .. } = out else { panic!("{out:?}") };
+            assert_eq!(plan.tp_ratio, Some(ratio), "prefill 2, decode {d}");
+        }
+        let out = handshake_with(shm(2), &shm(3)).await;
+        let HandshakeOutcome::Refused { message, .. } = out else { panic!("{out:?}") };
+        assert!(message.contains("TP sizes 2 and 3 do not divide each other"), "{message}");
     }
 
     #[tokio::test]
