@@ -286,6 +286,7 @@ fn bad_deployments_exit_2_with_a_clear_message() {
         ("bad/empty-children.toml", &["no children", "kv_connector_extra_config.connectors"][..]),
         ("bad/looping-composite.toml", &["'tiered' contains itself (tiered -> tiered)"][..]),
         ("bad/unknown-keys.toml", &["prefill.kv_cache_layot", "decode.hybrid_kv_cache_manger"][..]),
+        ("bad/model-is-a-device.toml", &["/dev/zero", "not a regular file"][..]),
     ] {
         let o = plan(file, &[]);
         assert_eq!(o.code, 2, "{file}:\n{}{}", o.stdout, o.stderr);
@@ -298,6 +299,28 @@ fn bad_deployments_exit_2_with_a_clear_message() {
     let o = plan("does-not-exist.toml", &[]);
     assert_eq!(o.code, 2);
     assert!(o.stderr.contains("cannot read the deployment file"), "{}", o.stderr);
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_the_command_quietly() {
+    use std::process::Stdio;
+    for args in [&["plugins", "inspect", "nixl"][..], &["plugins", "list", "--json"][..]] {
+        // The reader's end is closed before the command starts, as `| head -0` leaves it.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let o = Command::new(env!("CARGO_BIN_EXE_kvconnect"))
+            .args(args)
+            .current_dir(root())
+            .env_remove("KVCONNECT_PLUGIN_PATH")
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(o.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(stderr.is_empty(), "{args:?}: nothing on stderr: {stderr}");
+    }
 }
 
 #[test]
