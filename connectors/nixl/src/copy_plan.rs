@@ -228,30 +228,76 @@ pub fn default_copy_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(8)
 }
 
-/// Cuts `(destination address, source)` pieces into consecutive shares of about `share`
-/// bytes each, splitting a piece where a share ends.
-fn split_evenly(pieces: Vec<(usize, &[u8])>, share: usize) -> Vec<Vec<(usize, &[u8])>> {
+/// Cuts `pieces` into consecutive shares of about `share` bytes each (`len` of a piece),
+/// cutting a piece where a share ends (`cut(piece, n)`: its first `n` bytes and the rest).
+fn split_shares<T>(
+    pieces: impl IntoIterator<Item = T>,
+    share: usize,
+    len: impl Fn(&T) -> usize,
+    cut: impl Fn(T, usize) -> (T, T),
+) -> Vec<Vec<T>> {
     let share = share.max(1);
-    let mut out: Vec<Vec<(usize, &[u8])>> = vec![Vec::new()];
+    let mut out: Vec<Vec<T>> = vec![Vec::new()];
     let mut room = share;
-    for (mut dst, mut src) in pieces {
-        while !src.is_empty() {
+    for mut piece in pieces {
+        while len(&piece) > 0 {
             if room == 0 {
                 out.push(Vec::new());
                 room = share;
             }
-            let n = src.len().min(room);
-            let (now, later) = src.split_at(n);
+            let n = len(&piece).min(room);
+            let (now, later) = cut(piece, n);
             if let Some(last) = out.last_mut() {
-                last.push((dst, now));
+                last.push(now);
             }
-            dst += n;
-            src = later;
+            piece = later;
             room -= n;
         }
     }
     out.retain(|s| !s.is_empty());
     out
+}
+
+/// Cuts `(destination address, source)` pieces into consecutive shares of about `share`
+/// bytes each, splitting a piece where a share ends.
+fn split_evenly(pieces: Vec<(usize, &[u8])>, share: usize) -> Vec<Vec<(usize, &[u8])>> {
+    split_shares(
+        pieces,
+        share,
+        |(_, src)| src.len(),
+        |(dst, src), n| {
+            let (now, later) = src.split_at(n);
+            ((dst, now), (dst + n, later))
+        },
+    )
+}
+
+/// Cuts direct runs into at most `parts` consecutive shares of about equal bytes (the
+/// streams of one tcp pull), splitting a run where a share ends; the shares, concatenated,
+/// are `runs` in order.
+pub fn split_runs(runs: &[CopyRun], parts: usize) -> Vec<Vec<CopyRun>> {
+    let total: u64 = runs.iter().map(|r| r.len).sum();
+    let share = total.div_ceil(parts.max(1) as u64).max(1);
+    split_shares(
+        runs.iter().copied(),
+        usize::try_from(share).unwrap_or(usize::MAX),
+        |r| r.len as usize,
+        |r, n| {
+            let n = n as u64;
+            let now = CopyRun { len: n, ..r };
+            let later = CopyRun { src_off: r.src_off + n, dst_off: r.dst_off + n, len: r.len - n, ..r };
+            (now, later)
+        },
+    )
+}
+
+/// Refuses destination spans `[start, end)` of which two overlap.
+fn refuse_overlap(mut spans: Vec<(usize, usize)>) -> Result<(), TransferError> {
+    spans.sort_unstable();
+    if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+        return Err(plan_err("two runs of the plan write the same destination bytes".into()));
+    }
+    Ok(())
 }
 
 /// Write access to this engine's registered regions for the receive path.
@@ -302,11 +348,7 @@ impl<'a> LocalRegions<'a> {
             let dst = self.dst_mut(run.dst_region, run.dst_off, run.len)?;
             pieces.push((dst.as_mut_ptr() as usize, *src));
         }
-        let mut spans: Vec<(usize, usize)> = pieces.iter().map(|(d, s)| (*d, *d + s.len())).collect();
-        spans.sort_unstable();
-        if spans.windows(2).any(|w| w[1].0 < w[0].1) {
-            return Err(plan_err("two runs of the plan write the same destination bytes".into()));
-        }
+        refuse_overlap(pieces.iter().map(|(d, s)| (*d, *d + s.len())).collect())?;
         let total: usize = pieces.iter().map(|(_, s)| s.len()).sum();
         let threads = threads.clamp(1, (total / PARALLEL_MIN_BYTES).max(1));
         let shares = split_evenly(pieces, total.div_ceil(threads));
@@ -331,6 +373,38 @@ impl<'a> LocalRegions<'a> {
             }),
         }
         Ok(())
+    }
+
+    /// Writable views of the destinations of `shares` (direct runs, each share one stream's),
+    /// bounds-checked, all at once: runs whose destinations overlap are refused before any
+    /// view is handed out, so each share can be received on its own thread.
+    pub fn views(&mut self, shares: &[Vec<CopyRun>]) -> Result<Vec<Vec<&mut [u8]>>, TransferError> {
+        let mut addrs = Vec::with_capacity(shares.len());
+        for share in shares {
+            let mut v = Vec::with_capacity(share.len());
+            for r in share {
+                let dst = self.dst_mut(r.dst_region, r.dst_off, r.len)?;
+                v.push((dst.as_mut_ptr() as usize, dst.len()));
+            }
+            addrs.push(v);
+        }
+        refuse_overlap(addrs.iter().flatten().map(|&(a, n)| (a, a + n)).collect())?;
+        let views = addrs
+            .into_iter()
+            .map(|share| {
+                share
+                    .into_iter()
+                    .map(|(a, n)| {
+                        // SAFETY: each destination lies inside a registered region (checked by
+                        // `dst_mut` above), no two overlap (checked above), and the views
+                        // borrow `self` mutably for their whole life, so no other view of
+                        // these bytes can be made while they live.
+                        unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n) }
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(views)
     }
 
     /// Scatters one source block (the producer's bytes of `b`) into this engine's layout.
@@ -432,6 +506,38 @@ mod tests {
         let joined: Vec<u8> = shares.iter().flatten().flat_map(|(_, b)| b.iter().copied()).collect();
         assert_eq!(joined, src);
         assert!(split_evenly(Vec::new(), 10).is_empty());
+    }
+
+    #[test]
+    fn runs_split_into_streams_cover_every_byte_once_in_order() {
+        let run = |s, d, len| CopyRun { src_region: 1, src_off: s, dst_region: 2, dst_off: d, len };
+        let runs = vec![run(0, 100, 30), run(50, 500, 70)];
+        let shares = split_runs(&runs, 3);
+        assert_eq!(
+            shares,
+            vec![vec![run(0, 100, 30), run(50, 500, 4)], vec![run(54, 504, 34)], vec![run(88, 538, 32)]]
+        );
+        assert_eq!(split_runs(&runs, 1), vec![runs.clone()]);
+        assert_eq!(split_runs(&runs, 0), vec![runs.clone()]);
+        assert_eq!(split_runs(&runs, 1000).len(), 100, "never a share of zero bytes");
+        assert!(split_runs(&[], 4).is_empty());
+    }
+
+    #[test]
+    fn views_of_overlapping_or_outside_runs_are_refused() {
+        let (regions, mem) = big_memory();
+        let run = |off, len| CopyRun { src_region: 0, src_off: 0, dst_region: 0, dst_off: off, len };
+        let mut local = LocalRegions::new(&mem);
+        let v = local.views(&[vec![run(0, 64)], vec![run(64, 64), run(4096, 8)]]).unwrap();
+        assert_eq!(
+            v.iter().map(|s| s.iter().map(|b| b.len()).collect::<Vec<_>>()).collect::<Vec<_>>(),
+            vec![vec![64], vec![64, 8]]
+        );
+        let e = local.views(&[vec![run(0, 64)], vec![run(32, 64)]]).unwrap_err();
+        assert!(e.to_string().contains("write the same destination bytes"), "{e}");
+        let far = regions.regions()[0].len();
+        let e = local.views(&[vec![run(far - 8, 64)]]).unwrap_err();
+        assert!(e.to_string().contains("do not fit local region 0"), "{e}");
     }
 
     /// 2 layers x 8 heads x 128 channels, 16-token blocks, 64 blocks: 32 MiB of host KV.

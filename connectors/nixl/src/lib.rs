@@ -46,6 +46,7 @@ pub mod puller;
 pub mod scheduler;
 pub mod shm;
 pub mod stream_copy;
+pub mod tcp_data;
 pub mod wire;
 pub mod worker;
 

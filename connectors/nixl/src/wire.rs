@@ -243,8 +243,9 @@ pub struct DeadlineWriter<'a> {
     pub deadline: std::time::Instant,
 }
 
-impl Write for DeadlineWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+impl DeadlineWriter<'_> {
+    /// Gives the next write what is left until the deadline; an error once it has passed.
+    fn arm(&mut self) -> io::Result<()> {
         let left = self.deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
             return Err(io::Error::new(
@@ -252,8 +253,19 @@ impl Write for DeadlineWriter<'_> {
                 "the answer could not be sent whole in time",
             ));
         }
-        self.stream.set_write_timeout(Some(left))?;
+        self.stream.set_write_timeout(Some(left))
+    }
+}
+
+impl Write for DeadlineWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm()?;
         self.stream.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.arm()?;
+        self.stream.write_vectored(bufs)
     }
 
     fn flush(&mut self) -> io::Result<()> {

@@ -135,6 +135,9 @@ impl NixlWorker {
             connect_timeout: self.cfg.connect_timeout,
             max_frame: self.cfg.max_frame_bytes,
             copy_threads: self.cfg.copy_threads,
+            streams: self.cfg.tcp_streams,
+            stream_min_bytes: self.cfg.tcp_stream_min_bytes,
+            socket_buffer: self.cfg.tcp_socket_buffer,
             secret: self.cfg.secret.clone(),
         });
         if let Some(a) = &self.nixl {
@@ -485,6 +488,7 @@ impl WorkerConnector for NixlWorker {
                     lease_max: self.cfg.lease_max,
                     max_connections: self.cfg.max_connections,
                     serve_reads: self.cfg.backend == Backend::Tcp,
+                    socket_buffer: self.cfg.tcp_socket_buffer,
                 },
             )
             .map_err(|e| {
