@@ -29,26 +29,26 @@ mod buffers;
 mod call;
 #[macro_use]
 mod descriptor;
+#[macro_use]
+mod vtables;
 mod factory;
 mod header;
 mod json_values;
 mod log;
+mod marshal;
 mod scheduler;
 mod shim;
-mod vtables;
 mod worker;
 pub use buffers::*;
 pub use call::{call_status, PluginCode, PluginEntries};
 pub use descriptor::*;
-pub use factory::ForeignFactory;
+pub use factory::{FactoryFns, FactoryVTable, ForeignFactory};
 pub use header::c_header;
 pub use json_values::{json_values, JsonValue};
 pub use log::*;
-pub use scheduler::ForeignScheduler;
-pub use vtables::{
-    CType, EntryInfo, FactoryFns, FactoryVTable, SchedulerFns, SchedulerVTable, WorkerFns, WorkerVTable,
-};
-pub use worker::ForeignWorker;
+pub use scheduler::{ForeignScheduler, SchedulerFns, SchedulerVTable};
+pub use vtables::{CType, EntryInfo};
+pub use worker::{ForeignWorker, WorkerFns, WorkerVTable};
 
 /// `kvconnect_plugin_entry`: the one symbol a plugin exports.
 pub const ENTRY_SYMBOL: &str = "kvconnect_plugin_entry";

@@ -70,3 +70,11 @@ pub(super) unsafe fn handle<'a, T>(this: *mut c_void) -> &'a mut T {
     // SAFETY: the caller's contract.
     unsafe { &mut *(this as *mut T) }
 }
+
+/// # Safety
+/// `this` must be a live handle of type `T` from this library that may be shared between
+/// threads (a factory).
+pub(super) unsafe fn shared<'a, T>(this: *mut c_void) -> &'a T {
+    // SAFETY: the caller's contract.
+    unsafe { &*(this as *const T) }
+}
