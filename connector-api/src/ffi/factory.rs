@@ -7,11 +7,11 @@
 
 use super::call::*;
 use super::marshal::Cross;
+use super::panic_guard::ExportedFactory;
 use super::shim::*;
 use super::vtables::{free_exported, EntryInfo, Err, Out, This};
 use super::*;
 use crate::negotiate::ChildCaps;
-use crate::sdk::ExportedFactory;
 use crate::{
     Capabilities, ConnectorFactory, ConnectorInfo, ConnectorResult, SchedulerConnector, WorkerConnector,
 };

@@ -16,7 +16,7 @@
 //! * setup-time values (configs, capabilities, model, context, regions, handshake metadata)
 //!   cross as JSON bytes; per-step calls take `repr(C)` slices;
 //! * no Rust std type crosses, and no panic: the plugin side catches every panic
-//!   (`sdk`), turns it into [`status::PANICKED`] and poisons the instance.
+//!   (`panic_guard`), turns it into [`status::PANICKED`] and poisons the instance.
 //!
 //! `include/kvconnect.h` is the same ABI for C and C++, written from these definitions by
 //! [`c_header`]; a test keeps the checked-in file equal to it and checks its sizes and offsets.
@@ -36,6 +36,7 @@ mod header;
 mod json_values;
 mod log;
 mod marshal;
+mod panic_guard;
 mod scheduler;
 mod shim;
 mod worker;

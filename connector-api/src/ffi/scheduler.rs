@@ -6,10 +6,10 @@
 use super::call::*;
 use super::factory::FactoryHandle;
 use super::marshal::Cross;
+use super::panic_guard::ExportedScheduler;
 use super::shim::*;
 use super::vtables::{free_exported, EntryInfo, Err, Out, This};
 use super::*;
-use crate::sdk::ExportedScheduler;
 use crate::{BlocksPerGroup, Request, StepInfo};
 use crate::{ConnectorResult, KvEvent, MatchResult, RequestFinished, SchedulerConnector};
 use core::mem::{offset_of, size_of};

@@ -6,10 +6,10 @@
 use super::call::*;
 use super::factory::FactoryHandle;
 use super::marshal::Cross;
+use super::panic_guard::ExportedWorker;
 use super::shim::*;
 use super::vtables::{free_exported, EntryInfo, Err, Out, This};
 use super::*;
-use crate::sdk::ExportedWorker;
 use crate::{BlockId, KvRegion, LayerId, RequestId};
 use crate::{ConnectorResult, FinishedTransfers, WorkerConnector};
 use core::mem::{offset_of, size_of};
