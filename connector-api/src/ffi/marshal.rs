@@ -116,7 +116,7 @@ impl<'a> Cross<'a> for &'a [KvRegion] {
             // SAFETY: the contract of `register_kv_caches`: the host sends only regions made
             // with `KvRegion::new`, and keeps their memory valid until it frees this instance,
             // with which the connector's views of them go.
-            .map(|spec| unsafe { KvRegion::new(spec) })
+            .map(|spec| unsafe { KvRegion::vouched(spec) })
             .collect())
     }
     fn lend(o: &'a Vec<KvRegion>) -> Self {
