@@ -45,7 +45,9 @@ pub use call::{call_status, PluginCode, PluginEntries};
 pub use descriptor::*;
 pub use factory::{FactoryFns, FactoryVTable, ForeignFactory};
 pub use header::c_header;
-pub use json_values::{json_values, JsonValue};
+#[cfg(feature = "schema")]
+pub use json_values::json_schemas;
+pub use json_values::{json_values, JsonValue, SCHEMA_DIR};
 pub use log::*;
 pub use scheduler::{ForeignScheduler, SchedulerFns, SchedulerVTable};
 pub use vtables::{CType, EntryInfo};
