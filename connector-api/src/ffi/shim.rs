@@ -30,6 +30,13 @@ pub(super) fn finish<T>(
     }
 }
 
+/// Runs `f`, which decodes a call's arguments (`?` on the first that does not decode) and
+/// calls the connector.
+#[inline]
+pub(super) fn attempt<T>(f: impl FnOnce() -> Result<T, ConnectorError>) -> Result<T, ConnectorError> {
+    f()
+}
+
 /// Writes a JSON-encoded value to `out`.
 pub(super) fn write_json<T: serde::Serialize>(
     connector: &str,

@@ -140,13 +140,13 @@ macro_rules! shim {
 /// the connector method, guarded.
 macro_rules! shim_call {
     ($s:ident, $entry:ident, $($arg:ident : $rty:ty as ($($c:ident : $cty:ty),+)),*) => {
-        (|| {
+        attempt(|| {
             $(
                 // SAFETY: the host's C parameters for this argument, valid for the call.
                 let $arg = unsafe { <$rty as Cross>::read($s.name(), ($($c,)+)) }?;
             )*
             $s.call(stringify!($entry), |c| c.$entry($(<$rty as Cross>::lend(&$arg)),*))
-        })()
+        })
     };
 }
 
