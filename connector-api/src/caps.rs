@@ -9,6 +9,7 @@ use std::fmt;
 
 /// Where KV bytes live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum MemoryKind {
     /// Host DRAM.
@@ -32,6 +33,7 @@ impl fmt::Display for MemoryKind {
 
 /// How a connector moves KV between engines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum TransferMode {
     /// It moves nothing between engines (a local cache).
@@ -55,6 +57,7 @@ impl fmt::Display for TransferMode {
 
 /// The relative cost of adapting a connector's own data path to another layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum AdaptCost {
     /// About the cost of a plain copy (e.g. a permute fused into a copy that happens anyway).
@@ -79,6 +82,7 @@ impl fmt::Display for AdaptCost {
 /// Which layouts a connector accepts. An empty `required` set means "any layout not
 /// rejected"; `preferred` orders the acceptable ones, most wanted first.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LayoutConstraint {
     /// If not empty, the layout must be one of these.
@@ -127,6 +131,7 @@ impl LayoutConstraint {
 
 /// A connector role in a P/D deployment (vLLM's `kv_role` values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum KvRoleCap {
     /// Produces KV (prefill).
     #[serde(rename = "kv_producer")]
@@ -141,6 +146,7 @@ pub enum KvRoleCap {
 
 /// Everything a connector declares about itself, for one config and model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Capabilities {
     /// Supports the hybrid KV cache manager (one block table per KV cache group).
