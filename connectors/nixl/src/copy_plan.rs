@@ -435,10 +435,10 @@ mod tests {
     }
 
     /// 2 layers x 8 heads x 128 channels, 16-token blocks, 64 blocks: 32 MiB of host KV.
-    fn big_memory() -> (crate::harness::Regions, KvMemory) {
-        let m = crate::harness::model(2, 8, 128);
-        let eff = crate::harness::effective(&m, KvLayout::HND, 16);
-        let regions = crate::harness::Regions::allocate(&m, &eff, 64, None).unwrap();
+    fn big_memory() -> (kvconnect_bench::harness::Regions, KvMemory) {
+        let m = kvconnect_bench::harness::model(2, 8, 128);
+        let eff = kvconnect_bench::harness::effective(&m, KvLayout::HND, 16);
+        let regions = kvconnect_bench::harness::Regions::allocate(&m, &eff, 64, None).unwrap();
         let mem = KvMemory::new(regions.regions(), &m, &eff).unwrap();
         (regions, mem)
     }

@@ -680,8 +680,8 @@ impl Drop for NixlWorker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::{context, effective, model, Regions};
     use kvconnect_api::{KvLayout, KvRegionSpec};
+    use kvconnect_bench::harness::{context, effective, model, Regions};
 
     /// Backend nixl over `regions` of a 2-layer model (HND, 4-token blocks, 8 blocks).
     fn register(edit: impl Fn(usize, &mut KvRegionSpec)) -> ConnectorResult<()> {

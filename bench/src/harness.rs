@@ -4,12 +4,12 @@
 
 #![allow(unsafe_code)] // The test harness's engine memory (heap or shm) vouched for as regions.
 
-use crate::shm::{ShmError, ShmSegment};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::{
     AttentionKind, ConnectorContext, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec,
     KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode,
 };
+use kvconnect_nixl::shm::{ShmError, ShmSegment};
 
 /// A full-attention model with `layers` layers.
 pub fn model(layers: u32, kv_heads: u32, head_dim: u32) -> ModelSpec {
