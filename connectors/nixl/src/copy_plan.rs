@@ -11,7 +11,7 @@
 #![allow(unsafe_code)] // Slices of the registered KV regions the host vouched for.
 
 use crate::error::TransferError;
-use crate::meta::LoadSpec;
+use crate::metadata::LoadSpec;
 use crate::wire::WireRun;
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;

@@ -33,7 +33,6 @@ pub mod copy_plan;
 pub mod cuda_ipc;
 pub mod error;
 pub mod factory;
-pub mod meta;
 pub mod metadata;
 pub mod nixl_agent;
 pub mod nixl_lib;

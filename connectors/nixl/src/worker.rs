@@ -9,8 +9,8 @@
 use crate::config::Backend;
 use crate::config::{NixlConfig, NAME};
 use crate::error::TransferError;
-use crate::meta::{LoadSpec, NixlMeta};
 use crate::metadata::NixlAgentMetadata;
+use crate::metadata::{LoadSpec, NixlMeta};
 use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
 use crate::nixl_agent::NixlMem;
 use crate::nixl_agent::{from_hex, to_hex, NixlAgent, Registration};
