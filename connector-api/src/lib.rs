@@ -9,6 +9,14 @@
 //! `kvconnect-host` and the connectors. A third-party plugin depends on this crate alone: it
 //! re-exports `serde`, `serde_json` and `tracing` for that.
 
+// The negotiation tests' children, shared with the integration tests and the benchmark; the
+// file names this crate by its name, in its own unit tests too.
+#[cfg(test)]
+extern crate self as kvconnect_api;
+#[cfg(test)]
+#[path = "../tests/support/children.rs"]
+mod children;
+
 pub mod ffi;
 /// The plugin ABI under its earlier name: everything in [`ffi`].
 pub mod abi {
@@ -40,7 +48,7 @@ pub use serde;
 pub use serde_json;
 pub use tracing;
 
-pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
+pub use caps::{AdaptCost, Capabilities, CapabilitiesBuilder, LayoutConstraint, MemoryKind, TransferMode};
 pub use compat::{AdaptationPlan, CompatDescriptor, FieldClass, FieldDiff, Incompatible, LayoutPermutation};
 pub use config::{FailurePolicy, KvRole, KvTransferConfig};
 pub use connector::{
