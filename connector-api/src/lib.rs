@@ -27,6 +27,7 @@ pub mod compat;
 pub mod config;
 pub mod connector;
 pub mod error;
+pub mod frame;
 pub mod geometry;
 pub mod ids;
 pub mod kv_memory;
