@@ -36,6 +36,7 @@ pub mod load_report;
 pub mod math;
 pub mod model;
 pub mod negotiate;
+pub mod per_engine;
 pub mod protocol;
 pub mod region;
 pub mod sdk;
