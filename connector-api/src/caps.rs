@@ -1,6 +1,11 @@
 //! What a connector declares it can do. Capabilities are data: the framework checks them
 //! once, at load (`Capabilities::validate`), and negotiation reads them; nothing probes a
-//! connector at run time to find out.
+//! connector at run time to find out. [`Capabilities::builder`] makes a declaration that is
+//! validated as it is built.
+
+mod builder;
+
+pub use builder::CapabilitiesBuilder;
 
 use crate::layout::KvLayout;
 use crate::model::Dtype;
@@ -307,22 +312,40 @@ mod tests {
     use super::*;
 
     fn base() -> Capabilities {
-        Capabilities {
-            hma: true,
-            layout: LayoutConstraint::default(),
-            adapt: None,
-            block_size_multiple: 1,
-            block_size_divides: None,
-            cache_dtypes: vec![],
-            memory_kinds: vec![MemoryKind::Host],
-            transfer_mode: TransferMode::Pull,
-            roles: vec![KvRoleCap::Both],
-            layerwise: false,
-            heterogeneous_tp: false,
-            mla: false,
-            async_load: false,
-            carries_state: false,
-        }
+        Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRoleCap::Both])
+            .hma(true)
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_builder_validates_what_it_builds() {
+        let any = || Capabilities::builder(TransferMode::None, [MemoryKind::Host], [KvRoleCap::Both]);
+        assert_eq!(any().block_size_multiple(0).build(), Err(CapsError::ZeroBlockMultiple));
+        assert_eq!(
+            any().block_size_multiple(16).block_size_divides(Some(24)).build(),
+            Err(CapsError::BlockConstraintsDisjoint { divides: 24, multiple: 16 })
+        );
+        assert_eq!(
+            Capabilities::builder(TransferMode::Pull, [], [KvRoleCap::Both]).build(),
+            Err(CapsError::NoMemoryKind)
+        );
+        assert_eq!(
+            Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], []).build(),
+            Err(CapsError::NoRole)
+        );
+        let everything_rejected =
+            LayoutConstraint { rejected: KvLayout::all(), ..LayoutConstraint::default() };
+        assert_eq!(any().layout(everything_rejected.clone()).build(), Err(CapsError::NoLayout));
+        let c = any()
+            .layout(everything_rejected)
+            .adapt(Some(AdaptCost::High))
+            .mla(true)
+            .async_load(true)
+            .build()
+            .unwrap();
+        assert!(c.mla && c.async_load && !c.hma && c.block_size_multiple == 1 && c.cache_dtypes.is_empty());
+        assert_eq!(c.adapt, Some(AdaptCost::High));
     }
 
     #[test]

@@ -10,8 +10,8 @@ use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRole, RequestId, WorkerConnector,
 };
-use kvconnect_nixl::harness::{context, effective, model, Regions};
-use kvconnect_nixl::meta::{LoadSpec, NixlMeta, SendSpec};
+use kvconnect_bench::harness::{context, effective, model, Regions};
+use kvconnect_nixl::metadata::{LoadSpec, NixlMeta, SendSpec};
 use kvconnect_nixl::shm::ShmMapping;
 use kvconnect_nixl::stream_copy::copy_run;
 use kvconnect_nixl::{Backend, NixlFactory, PeerInfo, ProducerMetadata, PullConfig, Puller};

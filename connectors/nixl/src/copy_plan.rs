@@ -11,7 +11,7 @@
 #![allow(unsafe_code)] // Slices of the registered KV regions the host vouched for.
 
 use crate::error::TransferError;
-use crate::meta::LoadSpec;
+use crate::metadata::LoadSpec;
 use crate::wire::WireRun;
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
@@ -541,10 +541,10 @@ mod tests {
     }
 
     /// 2 layers x 8 heads x 128 channels, 16-token blocks, 64 blocks: 32 MiB of host KV.
-    fn big_memory() -> (crate::harness::Regions, KvMemory) {
-        let m = crate::harness::model(2, 8, 128);
-        let eff = crate::harness::effective(&m, KvLayout::HND, 16);
-        let regions = crate::harness::Regions::allocate(&m, &eff, 64, None).unwrap();
+    fn big_memory() -> (kvconnect_bench::harness::Regions, KvMemory) {
+        let m = kvconnect_bench::harness::model(2, 8, 128);
+        let eff = kvconnect_bench::harness::effective(&m, KvLayout::HND, 16);
+        let regions = kvconnect_bench::harness::Regions::allocate(&m, &eff, 64, None).unwrap();
         let mem = KvMemory::new(regions.regions(), &m, &eff).unwrap();
         (regions, mem)
     }

@@ -679,8 +679,8 @@ fn stream_runs(w: &mut TcpStream, s: &Shared, id: &RequestId, runs: &[WireRun]) 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::{effective, model, Regions};
     use kvconnect_api::{BlockId, KvLayout};
+    use kvconnect_bench::harness::{effective, model, Regions};
 
     fn producer(io_timeout: Duration) -> (Producer, Regions) {
         let m = model(2, 2, 8);

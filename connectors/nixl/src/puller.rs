@@ -8,7 +8,7 @@
 use crate::config::Backend;
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
-use crate::meta::LoadSpec;
+use crate::metadata::LoadSpec;
 use crate::metadata::{NixlAgentMetadata, PeerInfo};
 use crate::nixl_agent::{NixlAgent, NixlMem, ReadPair};
 use crate::shm::ShmMapping;

@@ -9,8 +9,8 @@
 use crate::config::Backend;
 use crate::config::{NixlConfig, NAME};
 use crate::error::TransferError;
-use crate::meta::{LoadSpec, NixlMeta};
 use crate::metadata::NixlAgentMetadata;
+use crate::metadata::{LoadSpec, NixlMeta};
 use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
 use crate::nixl_agent::NixlMem;
 use crate::nixl_agent::{from_hex, to_hex, NixlAgent, Registration};
@@ -684,8 +684,8 @@ impl Drop for NixlWorker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::{context, effective, model, Regions};
     use kvconnect_api::{KvLayout, KvRegionSpec};
+    use kvconnect_bench::harness::{context, effective, model, Regions};
 
     /// Backend nixl over `regions` of a 2-layer model (HND, 4-token blocks, 8 blocks).
     fn register(edit: impl Fn(usize, &mut KvRegionSpec)) -> ConnectorResult<()> {

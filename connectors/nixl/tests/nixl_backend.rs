@@ -13,7 +13,7 @@ use kvconnect_api::{
     KvLayout, KvRole, LayerId, MatchResult, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo,
     WorkerConnector,
 };
-use kvconnect_nixl::harness::{context, effective, model, Regions};
+use kvconnect_bench::harness::{context, effective, model, Regions};
 use kvconnect_nixl::NixlFactory;
 use serde_json::{json, Value};
 use std::sync::{Mutex, MutexGuard};

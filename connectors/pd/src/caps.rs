@@ -198,26 +198,18 @@ mod tests {
 
     // The three mirror the built-in connectors' declarations for a non-MLA model.
     fn nixl() -> Capabilities {
-        Capabilities {
-            hma: true,
-            layout: LayoutConstraint {
+        let roles = [KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both];
+        Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], roles)
+            .hma(true)
+            .layout(LayoutConstraint {
                 required: vec![KvLayout::HND],
                 rejected: vec![],
                 preferred: vec![KvLayout::HND],
-            },
-            adapt: None,
-            block_size_multiple: 1,
-            block_size_divides: None,
-            cache_dtypes: vec![],
-            memory_kinds: vec![MemoryKind::Host],
-            transfer_mode: TransferMode::Pull,
-            roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
-            layerwise: false,
-            heterogeneous_tp: false,
-            mla: true,
-            async_load: true,
-            carries_state: false,
-        }
+            })
+            .mla(true)
+            .async_load(true)
+            .build()
+            .unwrap()
     }
 
     fn lmcache() -> Capabilities {

@@ -270,7 +270,7 @@ enum Baseline {
     /// The same bytes in the same number of descriptors (one coalesced run per KV layer and
     /// K/V part) READ through bare nixl-sys calls between two agents of this process.
     #[cfg(feature = "nixl")]
-    Nixl(kvconnect_nixl::nixl_raw::RawNixlRead),
+    Nixl(kvconnect_bench::nixl_raw::RawNixlRead),
 }
 
 impl Baseline {
@@ -430,7 +430,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
                 "shm" => Baseline::memcpy(0),
                 #[cfg(feature = "nixl")]
                 "nixl" => Baseline::Nixl(
-                    kvconnect_nixl::nixl_raw::RawNixlRead::new(bytes as usize, 2 * spec.kv_layers().len())
+                    kvconnect_bench::nixl_raw::RawNixlRead::new(bytes as usize, 2 * spec.kv_layers().len())
                         .map_err(|e| anyhow!("raw NIXL baseline: {e}"))?,
                 ),
                 _ => Baseline::socket(

@@ -2,6 +2,7 @@
 //! (alone, or jointly with its peer's config with `--joint`) or from a kv-transfer-config and
 //! a model, alone, as vLLM does.
 
+use super::config_arg::read_config;
 use crate::deployment::{negotiate_role, negotiate_worker, parse_cache_dtype, Deployment, Role};
 use crate::registry::Registry;
 use crate::server::producers::Producers;
@@ -29,8 +30,8 @@ pub struct WorkerArgs {
     /// Negotiate jointly with the peer role's config from the deployment file.
     #[arg(long, requires = "deployment")]
     pub joint: bool,
-    /// The worker's vLLM --kv-transfer-config JSON (negotiated alone).
-    #[arg(long = "kv-transfer-config", value_name = "JSON", requires = "model")]
+    /// The worker's vLLM --kv-transfer-config JSON, or a file holding it (negotiated alone).
+    #[arg(long = "kv-transfer-config", value_name = "JSON|FILE", requires = "model")]
     pub kv_transfer_config: Option<String>,
     /// The model's config.json (the reference engine's, or any model with --synthetic-kv).
     #[arg(long, value_name = "CONFIG.json")]
@@ -212,7 +213,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         let (Some(cfg), Some(model_path)) = (&a.kv_transfer_config, &a.model) else {
             bail!("say what to run: --deployment FILE --role prefill|decode, or --kv-transfer-config JSON --model CONFIG.json");
         };
-        let config = KvTransferConfig::from_json(cfg).context("--kv-transfer-config")?;
+        let config = read_config(cfg)?;
         let (config, notes) =
             crate::deployment::lmcache_pd(config).map_err(|e| anyhow!("--kv-transfer-config: {e}"))?;
         for note in &notes {

@@ -17,11 +17,11 @@
 
 #![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
 
-use crate::device::{DeviceBuffer, Gpu};
-use crate::error::CudaError;
-use crate::ipc::{ImportedRegion, IpcHandle};
-use crate::kernel::{GatherKernel, GatherSpec, Permute};
-use crate::staged::{StagedCopy, DEFAULT_BUFFERS, DEFAULT_CHUNK_BYTES};
+use kvconnect_cuda::device::{DeviceBuffer, Gpu};
+use kvconnect_cuda::error::CudaError;
+use kvconnect_cuda::ipc::{ImportedRegion, IpcHandle};
+use kvconnect_cuda::kernel::{GatherKernel, GatherSpec, Permute};
+use kvconnect_cuda::staged::{StagedCopy, DEFAULT_BUFFERS, DEFAULT_CHUNK_BYTES};
 use kvconnect_api::stats::Quartiles;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
