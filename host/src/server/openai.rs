@@ -49,10 +49,21 @@ pub fn openai_error(
     param: Option<&str>,
 ) -> Response {
     let code = match status {
-        StatusCode::NOT_FOUND => json!("model_not_found"),
-        StatusCode::PAYLOAD_TOO_LARGE => json!("context_length_exceeded"),
-        _ => Value::Null,
+        StatusCode::NOT_FOUND => Some("model_not_found"),
+        StatusCode::PAYLOAD_TOO_LARGE => Some("context_length_exceeded"),
+        _ => None,
     };
+    openai_error_with_code(status, kind, message, param, code)
+}
+
+/// [`openai_error`] with its `code` given.
+pub fn openai_error_with_code(
+    status: StatusCode,
+    kind: &str,
+    message: impl Into<String>,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Response {
     (status, Json(json!({"error": {"message": message.into(), "type": kind, "param": param, "code": code}})))
         .into_response()
 }
