@@ -278,8 +278,22 @@ async fn generate(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool
 
 type Job = JoinHandle<Result<Finished, Failure>>;
 
+/// Aborts the jobs it holds when dropped (finished ones are unaffected): a handler dropped
+/// because its client disconnected takes its engine requests with it, and the engine cancels
+/// them, freeing their blocks.
+struct AbortOnDrop(Vec<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
+    }
+}
+
 /// Every job's result in order; the first failure (or a job that panicked) ends it.
 async fn join(jobs: Vec<Job>) -> Result<Vec<Finished>, Response> {
+    let _abort = AbortOnDrop(jobs.iter().map(JoinHandle::abort_handle).collect());
     let mut out = Vec::with_capacity(jobs.len());
     let mut failed = None;
     for j in jobs {

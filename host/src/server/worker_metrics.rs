@@ -133,6 +133,7 @@ pub struct WorkerMetrics {
     load_failures: Family<Labels, Counter>,
     recomputed: Counter,
     http_refused: Family<Labels, Counter>,
+    cancelled: Counter,
 }
 
 fn seconds() -> Histogram {
@@ -159,6 +160,7 @@ impl WorkerMetrics {
             load_failures: Family::default(),
             recomputed: Counter::default(),
             http_refused: Family::default(),
+            cancelled: Counter::default(),
         };
         r.register("kvconnect_http_requests", "OpenAI-route requests by route and status.", m.http.clone());
         r.register("kvconnect_ttft_seconds", "Engine time to first token.", m.ttft.clone());
@@ -204,6 +206,11 @@ impl WorkerMetrics {
             "kvconnect_http_refused",
             "HTTP clients cut off before their request ran, by reason: header_timeout (the request head not whole in time; the connection is closed), body_timeout (408), body_too_large (413).",
             m.http_refused.clone(),
+        );
+        r.register(
+            "kvconnect_requests_cancelled",
+            "Requests ended before their end because their client disconnected (their blocks freed then).",
+            m.cancelled.clone(),
         );
         r.register_collector(Box::new(m.scraped.clone()));
         WorkerMetrics { registry: r, ..m }
@@ -270,6 +277,11 @@ pub fn load_failure(reason: &'static str, recomputed: bool) {
     if recomputed {
         m.recomputed.inc();
     }
+}
+
+/// A request ended because its client disconnected.
+pub fn cancelled() {
+    get().cancelled.inc();
 }
 
 /// An HTTP client cut off before its request ran (`reason`: header_timeout, body_timeout,
