@@ -69,9 +69,9 @@ fn hosts(tag: &str) -> Option<Hosts> {
     Some(h)
 }
 
-fn tcp_config(role: &str, top: &str, extra: &str) -> String {
+fn config(backend: &str, role: &str, top: &str, extra: &str) -> String {
     format!(
-        r#"{{"kv_connector":"NixlConnector","kv_role":"{role}"{top},"kv_connector_extra_config":{{"backend":"tcp"{extra}}}}}"#
+        r#"{{"kv_connector":"NixlConnector","kv_role":"{role}"{top},"kv_connector_extra_config":{{"backend":"{backend}"{extra}}}}}"#
     )
 }
 
@@ -80,16 +80,21 @@ fn start(ns: &Netns, config: &str, engine: &str, more: &[&str], secret: bool) ->
     let mut args =
         vec!["--kv-transfer-config", config, "--model", model.to_str().unwrap(), "--engine-id", engine];
     args.extend_from_slice(more);
-    let env: &[(&str, &str)] = if secret { &[("KVCONNECT_SIDE_CHANNEL_TOKEN", SECRET)] } else { &[] };
-    Worker::start_command(ns.command(&kvconnect_bin()), &args, env)
+    // UCX (backend nixl) over TCP only, so its bytes cross the link rather than shared memory.
+    let mut env = vec![("UCX_TLS", "tcp")];
+    if secret {
+        env.push(("KVCONNECT_SIDE_CHANNEL_TOKEN", SECRET));
+    }
+    Worker::start_command(ns.command(&kvconnect_bin()), &args, &env)
 }
 
 /// Prefill in its namespace: side channel and producer listener on the link's address, HTTP on
 /// its loopback (the test reaches it from a thread in the namespace).
 /// Its io_timeout, which also bounds how long one read's answer may take to send, is long
 /// enough for the slow link: only the cut, not prefill's own deadline, can end a transfer.
-fn prefill_worker(h: &Hosts, engine: &str, lease_s: u32) -> Worker {
-    let config = tcp_config(
+fn prefill_worker(h: &Hosts, backend: &str, engine: &str, lease_s: u32) -> Worker {
+    let config = config(
+        backend,
         "kv_producer",
         "",
         &format!(
@@ -106,9 +111,13 @@ fn prefill_worker(h: &Hosts, engine: &str, lease_s: u32) -> Worker {
     )
 }
 
-fn decode_worker(ns: &Netns, prefill_engine: &str, policy: &str, secret: bool) -> Worker {
-    let config =
-        tcp_config("kv_consumer", &format!(r#","kv_load_failure_policy":"{policy}""#), r#","io_timeout":3"#);
+fn decode_worker(ns: &Netns, backend: &str, prefill_engine: &str, policy: &str, secret: bool) -> Worker {
+    let config = config(
+        backend,
+        "kv_consumer",
+        &format!(r#","kv_load_failure_policy":"{policy}""#),
+        r#","io_timeout":3"#,
+    );
     let producers = format!("{prefill_engine}@{PREFILL_IP}:{SIDE_CHANNEL_PORT}");
     start(ns, &config, &format!("{prefill_engine}-decode"), &["--kv-producers", &producers], secret)
 }
@@ -154,28 +163,48 @@ fn all_free(ns: &Netns, w: &Worker) -> bool {
     p["free_blocks"] == p["total_blocks"] && p["pending_frees"] == 0
 }
 
-#[test]
-fn pd_across_hosts_equals_monolithic_and_an_outsider_without_the_secret_reads_nothing() {
-    let Some(h) = hosts("eq") else { return };
-    let prefill = prefill_worker(&h, "prefill-xh", 30);
-    let decode = decode_worker(&h.decode, "prefill-xh", "fail", true);
+/// Prompts of several lengths through prefill and decode across the link, each output equal
+/// to the monolithic one with every prompt token but the last loaded; then prefill's blocks
+/// are all free. Returns the prompts and their monolithic outputs.
+fn pd_equals_monolithic(h: &Hosts, prefill: &Worker, decode: &Worker) -> (Vec<Vec<u32>>, Vec<Vec<u32>>) {
     let prompts: Vec<Vec<u32>> = varied_prompts(25).into_iter().skip(18).collect();
     let mono = monolithic(&prompts, MAX_TOKENS, KvLayout::HND);
-
-    // (a) P/D across the link equals the monolithic output, every prompt token loaded.
     for (prompt, want) in prompts.iter().zip(&mono) {
-        let p = prefill_one(&h, &prefill, prompt);
-        let (st, d) = decode_one(&h.decode, &decode, prompt, &p);
+        let p = prefill_one(h, prefill, prompt);
+        let (st, d) = decode_one(&h.decode, decode, prompt, &p);
         assert_eq!(st, 200, "{d}\n{}", decode.log());
         let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
         assert_eq!(&got, want, "prompt of {} tokens: disaggregated across hosts != monolithic", prompt.len());
         assert_eq!(d["kvconnect"]["num_external_tokens"].as_u64(), Some(prompt.len() as u64 - 1), "{d}");
     }
     assert!(
-        wait_until(Duration::from_secs(30), || all_free(&h.prefill, &prefill)),
+        wait_until(Duration::from_secs(30), || all_free(&h.prefill, prefill)),
         "{}",
-        pool(&h.prefill, &prefill)
+        pool(&h.prefill, prefill)
     );
+    (prompts, mono)
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn pd_across_hosts_over_nixl_ucx_equals_monolithic() {
+    if let Err(e) = kvconnect_nixl::nixl_lib::find() {
+        eprintln!("skipping backend nixl across hosts: {e}");
+        return;
+    }
+    let Some(h) = hosts("nixl") else { return };
+    let prefill = prefill_worker(&h, "nixl", "prefill-xn", 30);
+    let decode = decode_worker(&h.decode, "nixl", "prefill-xn", "fail", true);
+    pd_equals_monolithic(&h, &prefill, &decode);
+}
+
+#[test]
+fn pd_across_hosts_equals_monolithic_and_an_outsider_without_the_secret_reads_nothing() {
+    let Some(h) = hosts("eq") else { return };
+    let prefill = prefill_worker(&h, "tcp", "prefill-xh", 30);
+    let decode = decode_worker(&h.decode, "tcp", "prefill-xh", "fail", true);
+    // (a) P/D across the link equals the monolithic output, every prompt token loaded.
+    let (prompts, mono) = pd_equals_monolithic(&h, &prefill, &decode);
 
     // (c) The outsider holds a request's whole kv_transfer_params (capability included) but not
     // the secret.
@@ -216,7 +245,7 @@ fn pd_across_hosts_equals_monolithic_and_an_outsider_without_the_secret_reads_no
     });
     // A real decode worker on the outsider's host, allowed to load from prefill but without
     // the secret: its handshake is refused, nothing is loaded.
-    let stranger = decode_worker(&h.outsider, "prefill-xh", "fail", false);
+    let stranger = decode_worker(&h.outsider, "tcp", "prefill-xh", "fail", false);
     let (st, d) = decode_one(&h.outsider, &stranger, prompt, &p);
     assert_eq!(st, 502, "{d}\n{}", stranger.log());
     assert!(d["kvconnect"]["num_external_tokens"].is_null(), "{d}");
@@ -248,8 +277,8 @@ fn a_link_cut_mid_transfer_applies_decodes_policy_and_prefill_frees_by_lease() {
     let Some(h) = hosts("cut") else { return };
     // The lease outlasts the bytes that sit in socket buffers and the shaped queue after
     // prefill's last write (the consumer's done comes once they have crossed).
-    let prefill = prefill_worker(&h, "prefill-cut", 15);
-    let decode = decode_worker(&h.decode, "prefill-cut", "recompute", true);
+    let prefill = prefill_worker(&h, "tcp", "prefill-cut", 15);
+    let decode = decode_worker(&h.decode, "tcp", "prefill-cut", "recompute", true);
     // A long prompt over a slow link (1 Mbit/s): its KV takes seconds to cross, so the cut
     // lands inside the transfer.
     let prompt: Vec<u32> = (0..2000u32).map(|j| (j * 29 + j * j * 7) % 256).collect();
