@@ -1,9 +1,10 @@
 //! Shared helpers for kvconnect's end-to-end tests: start `kvconnect worker` processes, read
 //! the addresses they print, and talk HTTP/1.1 to them without pulling in a client library.
 
-#![allow(unsafe_code)] // Signals to processes the tests spawned (kill(2)).
+#![allow(unsafe_code)] // Signals to processes the tests spawned (kill(2)); setns(2) in netns.
 
 pub mod cargo_cmd;
+pub mod netns;
 pub mod plugin_fixtures;
 pub mod readme;
 pub mod round_trip;
@@ -81,7 +82,13 @@ impl Worker {
     /// As [`Worker::start`], with these variables added to its environment (a secret, which
     /// must never be on its command line).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Worker {
-        let mut child = Command::new(kvconnect_bin())
+        Worker::start_command(Command::new(kvconnect_bin()), args, env)
+    }
+
+    /// As [`Worker::start_with_env`], with `kvconnect` run by `command` (which ends with the
+    /// kvconnect binary: `ip netns exec NS kvconnect`, say).
+    pub fn start_command(mut command: Command, args: &[&str], env: &[(&str, &str)]) -> Worker {
+        let mut child = command
             .arg("worker")
             .args(args)
             .envs(env.iter().copied())

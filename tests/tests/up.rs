@@ -366,3 +366,28 @@ fn up_refuses_a_missing_deployment_before_starting_anything() {
     assert!(err.contains("no such file"), "{err}");
     assert!(out.stdout.is_empty(), "no address line for a deployment that cannot start");
 }
+
+#[test]
+fn the_proxy_and_its_workers_refuse_a_body_over_the_limit_with_413() {
+    let up = Up::start(&[]);
+    let too_big = kvconnect_host::server::gate::DEFAULT_MAX_BODY_BYTES + 1;
+    for addr in [up.proxy.as_str(), up.line["decode"][0].as_str().unwrap()] {
+        // Declared over the limit: answered without the body being sent at all.
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: up\r\nContent-Type: application/json\r\nContent-Length: {too_big}\r\nConnection: close\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        let mut raw = String::new();
+        let _ = s.read_to_string(&mut raw);
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+        let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let e: Value = serde_json::from_str(body).unwrap_or(Value::String(body.to_owned()));
+        assert_openai_error(status, &e, 413, "--max-request-body-bytes");
+        assert_eq!(e["error"]["code"], "request_too_large", "{addr}: {e}");
+    }
+    let (st, d) = up.post("/v1/completions", &json!({"prompt": "Hello, limit", "max_tokens": MAX}));
+    assert_eq!(st, 200, "{d}");
+    up.terminate_and_check_clean();
+}

@@ -20,6 +20,7 @@ pub mod peers;
 pub mod producers;
 pub mod request_id;
 pub mod response;
+pub mod serve;
 pub mod sse;
 pub mod synthetic;
 pub mod unsupported;
@@ -73,8 +74,10 @@ pub struct WorkerSpec {
     pub prefix_caching: bool,
     /// The model name clients use.
     pub served_model_name: String,
-    /// API key and in-flight bound of the HTTP API.
+    /// API key, in-flight bound and body limits of the HTTP API.
     pub gate: gate::Gate,
+    /// How long an HTTP client may take to send a request's head.
+    pub http_header_timeout: Duration,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
     /// The producers a decode worker may load KV from.
@@ -232,10 +235,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     }
     tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker ready");
 
-    axum::serve(listener, spec.gate.clone().wrap(http::router(state)))
-        .with_graceful_shutdown(stop)
-        .await
-        .context("HTTP server failed")?;
+    serve::serve(listener, spec.gate.clone().wrap(http::router(state)), spec.http_header_timeout, stop).await;
     tracing::info!("shutting down: stopping the engine and releasing KV memory");
     drop(server);
     handle.shutdown();

@@ -361,6 +361,12 @@ impl Driver for TransferEngine {
         Ok(outputs)
     }
 
+    fn cancel(&mut self, _id: &str, _why: &str) -> crate::worker::Cancel {
+        // Transfer benchmark requests have no client to lose mid-way worth the bookkeeping:
+        // they run to their end and free their blocks then.
+        crate::worker::Cancel::NotSupported
+    }
+
     fn abort_all(&mut self, _why: &str, connector_dead: bool) -> usize {
         // Requests still waiting hold no blocks. A live connector may still be writing the
         // blocks of loads in flight, so those end when it reports them; a dead one never

@@ -178,11 +178,15 @@ async fn up(a: &UpArgs) -> Result<()> {
     }
     let (quit_tx, quit_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        axum::serve(listener, gate.wrap(crate::proxy::router(proxy)))
-            .with_graceful_shutdown(async {
+        crate::server::serve::serve(
+            listener,
+            gate.wrap(crate::proxy::router(proxy)),
+            crate::server::serve::DEFAULT_HEADER_TIMEOUT,
+            async {
                 let _ = quit_rx.await;
-            })
-            .await
+            },
+        )
+        .await
     });
 
     let result = match a.workload {

@@ -154,6 +154,19 @@ pub struct StepStats {
     pub connector: Duration,
 }
 
+/// What [`Engine::cancel`] did with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancel {
+    /// Ended, its blocks freed.
+    Ended,
+    /// Not now (its KV is being loaded); ask again after a step.
+    Later,
+    /// No such unfinished request (it ended already).
+    Unknown,
+    /// This engine runs every request to its end.
+    NotSupported,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Waiting,
@@ -908,6 +921,22 @@ impl Engine {
             };
             self.pool.cache_block(&row, h);
         }
+    }
+
+    /// Ends request `id` for a client that is gone: its blocks are freed now, and a prefill
+    /// request's are not kept for a remote decode (no one will get its transfer params).
+    /// While its KV is being loaded from a peer (a transfer may be writing its blocks) it is
+    /// left running: `Later`, ask again.
+    pub fn cancel(&mut self, id: &str, why: &str) -> Cancel {
+        let Some(&key) = self.by_id.get(id) else { return Cancel::Unknown };
+        let Some(s) = self.seqs.get_mut(&key) else { return Cancel::Unknown };
+        if s.state == State::WaitingForRemoteKv {
+            return Cancel::Later;
+        }
+        s.req.kv_transfer_params.remove("do_remote_decode");
+        let mut outputs = Vec::new();
+        self.end(key, FinishReason::Error(why.to_owned()), &mut outputs, true);
+        Cancel::Ended
     }
 
     /// Ends a request: tells the connector (unless `ask_connector` is false), frees or parks

@@ -33,7 +33,9 @@ pub mod sampling;
 pub mod shm;
 pub mod tokenizer;
 
-pub use engine::{Completion, Engine, EngineConfig, FinishReason, GenRequest, RequestOutput, StepStats};
+pub use engine::{
+    Cancel, Completion, Engine, EngineConfig, FinishReason, GenRequest, RequestOutput, StepStats,
+};
 pub use error::WorkerError;
 pub use model::{ReferenceConfig, ReferenceModel};
 pub use pool::{local_effective_layout, KvPool};
