@@ -30,6 +30,7 @@ pub mod negotiate;
 pub mod protocol;
 pub mod region;
 pub mod sdk;
+pub mod state_slots;
 
 // The crates whose types and macros this crate's API uses, so that a plugin depends on
 // `kvconnect-api` alone and gets the very versions the API was built with: `serde_json`
