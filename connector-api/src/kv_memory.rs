@@ -326,6 +326,47 @@ mod tests {
     }
 
     #[test]
+    fn state_regions_follow_the_kv_regions_with_one_slot_per_request() {
+        use crate::layout::StateGroup;
+        use crate::model::{LayerState, StateKind};
+        let st = LayerState {
+            kind: StateKind::GatedDeltaNet,
+            conv_shape: vec![3, 8],
+            conv_dtype: Dtype::Bf16,
+            ssm_shape: vec![1, 2, 2],
+            ssm_dtype: Dtype::F32,
+        };
+        let mut m = model();
+        m.num_layers = 3;
+        m.layers.push(AttentionKind::Linear);
+        m.state = Some(st.clone());
+        let mut e = eff();
+        e.state_groups = vec![StateGroup { layers: vec![LayerId(2)], state: Some(st) }];
+        let slot = 3 * 8 * 2 + 4 * 4;
+        let block = 2 * 2 * 4 * 4 * 2;
+        let (mut a, mut b, mut s) = (vec![0u8; block * 3], vec![0u8; block * 3], vec![0u8; slot * 5]);
+        let regions = [region(&mut a, 0, 3), region(&mut b, 1, 3), region(&mut s, 2, 5)];
+        let mem = KvMemory::new(&regions, &m, &e).unwrap();
+        let span = mem.state_span(LayerId(2), BlockId(4)).unwrap();
+        assert_eq!(span, Span { region: 2, offset: 4 * slot, len: slot });
+        mem.write(span, &vec![7u8; slot]).unwrap();
+        assert!(mem.state_span(LayerId(2), BlockId(5)).is_err());
+        drop(mem);
+        assert!(s[4 * slot..].iter().all(|x| *x == 7));
+        // A state region of the wrong size, or before a KV region, is refused saying so.
+        let (mut a, mut b, mut s) = (vec![0u8; block * 3], vec![0u8; block * 3], vec![0u8; slot * 5 + 1]);
+        let e1 = KvMemory::new(&[region(&mut a, 0, 3), region(&mut b, 1, 3), region(&mut s, 2, 5)], &m, &e)
+            .unwrap_err()
+            .to_string();
+        assert!(e1.contains("state region 'layer.2'") && e1.contains("5 slots of 64 bytes"), "{e1}");
+        let (mut a, mut b, mut s) = (vec![0u8; block * 3], vec![0u8; block * 3], vec![0u8; slot * 5]);
+        let e2 = KvMemory::new(&[region(&mut s, 2, 5), region(&mut a, 0, 3), region(&mut b, 1, 3)], &m, &e)
+            .unwrap_err()
+            .to_string();
+        assert!(e2.contains("register every KV region first"), "{e2}");
+    }
+
+    #[test]
     fn read_write_round_trip_and_bounds() {
         let per_layer = 3 * 2 * 2 * 4 * 4 * 2; // blocks * kv * heads * tokens * dim * 2 bytes
         let mut a = vec![0u8; per_layer];

@@ -488,6 +488,57 @@ mod tests {
         }
     }
 
+    /// `geo` plus one state layer (2) of 8 slots of 96 bytes after the two KV regions.
+    fn geo_state(layout: KvLayout, tokens: u32) -> Geometry {
+        use kvconnect_api::state_slots::{StateRegion, StateSlots};
+        geo(layout, tokens).with_state(StateSlots {
+            slot_bytes: 96,
+            first_region: 2,
+            regions: vec![StateRegion { layers: vec![LayerId(2)], num_slots: 8 }],
+        })
+    }
+
+    /// A load of the KV group's blocks and the state group's slot.
+    fn load_state(remote: (Vec<u32>, u32), local: (Vec<u32>, u32), first: usize, n: usize) -> LoadSpec {
+        let ids = |v: Vec<u32>| v.into_iter().map(BlockId).collect::<Vec<_>>();
+        LoadSpec {
+            remote_blocks: BlocksPerGroup(vec![ids(remote.0), vec![BlockId(remote.1)]]),
+            local_blocks: BlocksPerGroup(vec![ids(local.0), vec![BlockId(local.1)]]),
+            ..load(vec![], vec![], first, n)
+        }
+    }
+
+    #[test]
+    fn a_load_moves_the_state_slot_beside_the_kv_blocks() {
+        let groups = vec![vec![LayerId(0), LayerId(1)], vec![LayerId(2)]];
+        let (peer, own) = (geo_state(KvLayout::HND, 4), geo_state(KvLayout::HND, 4));
+        let plan = CopyPlan::build(&peer, &own, &groups, &load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7))
+            .unwrap();
+        let CopyPlan::Direct(runs) = &plan else { panic!("equal layouts copy directly") };
+        let state: Vec<&CopyRun> = runs.iter().filter(|r| r.src_region == 2).collect();
+        assert_eq!(
+            state,
+            [&CopyRun { src_region: 2, src_off: 5 * 96, dst_region: 2, dst_off: 6 * 96, len: 96 }]
+        );
+        let kv = 2 * 2 * 2 * peer.shape().bytes() as u64;
+        assert_eq!(plan.total_bytes(), kv + 96);
+        // Nothing to load: no state either.
+        let none =
+            CopyPlan::build(&peer, &own, &groups, &load_state((vec![1], 5), (vec![3], 6), 3, 3)).unwrap();
+        assert_eq!(none.total_bytes(), 0);
+        // A state group without a slot is a planning error naming it.
+        let mut bad = load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7);
+        bad.local_blocks.0[1].clear();
+        let e = CopyPlan::build(&peer, &own, &groups, &bad).unwrap_err().to_string();
+        assert!(e.contains("state group 1 needs one producer and one local state slot"), "{e}");
+        // State beside blocks that must be adapted is not built.
+        let nhd = geo_state(KvLayout::NHD, 4);
+        let e = CopyPlan::build(&nhd, &own, &groups, &load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("not implemented:") && e.contains("per-request state"), "{e}");
+    }
+
     #[test]
     fn shares_split_pieces_evenly_and_in_order() {
         let src: Vec<u8> = (0..100u8).collect();

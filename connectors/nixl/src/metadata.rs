@@ -390,4 +390,42 @@ mod tests {
             )
         );
     }
+
+    /// `meta()` with one state layer (2) of 10 slots of 64 bytes after its KV region.
+    fn with_state() -> ProducerMetadata {
+        use kvconnect_api::state_slots::StateRegion;
+        let mut m = meta();
+        m.state = StateSlots {
+            slot_bytes: 64,
+            first_region: 1,
+            regions: vec![StateRegion { layers: vec![LayerId(2)], num_slots: 10 }],
+        };
+        m.regions.push(RegionInfo { name: "state.2".into(), len: 640, group: 1, shm_name: None });
+        m.groups.push(vec![LayerId(2)]);
+        m
+    }
+
+    #[test]
+    fn state_regions_are_checked_and_must_match_this_engines() {
+        use kvconnect_api::BlockId;
+        let info = PeerInfo::from_metadata(with_state()).unwrap();
+        assert_eq!(info.geometry.state().span(LayerId(2), BlockId(3)).unwrap().offset, 192);
+        let mut short = with_state();
+        short.regions[1].len = 639;
+        let e = PeerInfo::from_metadata(short).unwrap_err().to_string();
+        assert!(e.contains("state region 'state.2' is 639 bytes"), "{e}");
+        let mut missing = with_state();
+        missing.regions.pop();
+        let e = PeerInfo::from_metadata(missing).unwrap_err().to_string();
+        assert!(e.contains("1 region shapes and 1 state regions"), "{e}");
+        // An engine without that state (another model) refuses the peer, naming both.
+        let own = Geometry::new(info.meta.shape, info.meta.layout, info.meta.region_shapes.clone());
+        let e = info.check_receivable(&own, &info.meta.groups).unwrap_err().to_string();
+        assert!(
+            e.contains("keeps per-request state of 64 bytes in layers [LayerId(2)], this engine 0 bytes"),
+            "{e}"
+        );
+        let own = own.with_state(info.meta.state.clone());
+        info.check_receivable(&own, &info.meta.groups).unwrap();
+    }
 }

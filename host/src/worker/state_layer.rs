@@ -237,3 +237,88 @@ pub fn forward_state_layer(
     }
     pool.write_state(lid, slot, buf)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::worker::model::ReferenceConfig;
+    use crate::worker::pool::local_effective_layout;
+    use kvconnect_api::KvLayout;
+
+    fn setup() -> (ReferenceModel, KvPool) {
+        let cfg = ReferenceConfig::builtin_hybrid().unwrap();
+        let spec = cfg.model_spec().unwrap();
+        let eff = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
+        (ReferenceModel::new(&cfg, 5).unwrap(), KvPool::new(&spec, &eff, 4, None).unwrap())
+    }
+
+    /// Residuals of `n` tokens (their embeddings).
+    fn rows(m: &ReferenceModel, n: usize) -> Vec<f32> {
+        let d = m.hidden();
+        let mut h = vec![0.0f32; n * d];
+        for (i, row) in h.chunks_exact_mut(d).enumerate() {
+            m.embed((i * 37 + 11) as u32 % 256, row);
+        }
+        h
+    }
+
+    #[test]
+    fn the_hybrid_config_has_state_layers_with_the_configs_dims() {
+        let cfg = ReferenceConfig::builtin_hybrid().unwrap();
+        let spec = cfg.model_spec().unwrap();
+        assert_eq!(spec.layers.iter().filter(|k| **k == kvconnect_api::AttentionKind::Linear).count(), 2);
+        let dims = cfg.state_dims(&spec).unwrap().unwrap();
+        assert_eq!(
+            (dims.past, dims.conv_dim, dims.k_heads, dims.k_dim, dims.v_heads, dims.v_dim),
+            (3, 32, 1, 8, 2, 8)
+        );
+        assert_eq!(spec.state.unwrap().bytes(), 3 * 32 * 2 + 2 * 8 * 8 * 2);
+    }
+
+    #[test]
+    fn a_stored_state_continues_exactly_and_a_lost_one_does_not() {
+        let (m, pool) = setup();
+        let d = m.hidden();
+        let n = 20;
+        let mut buf = Vec::new();
+        // All tokens at once.
+        let mut whole = rows(&m, n);
+        forward_state_layer(&m, &pool, 1, BlockId(0), 0, &mut whole, &mut buf).unwrap();
+        // All but the last, then the last from the stored state (in another slot's history).
+        let mut split = rows(&m, n);
+        let (head, last) = split.split_at_mut((n - 1) * d);
+        forward_state_layer(&m, &pool, 1, BlockId(1), 0, head, &mut buf).unwrap();
+        forward_state_layer(&m, &pool, 1, BlockId(1), n - 1, last, &mut buf).unwrap();
+        assert_eq!(whole, split, "a stored state continues bit for bit");
+        // The same last token with the state lost (zeros, as a decode that never received it
+        // would hold) gives another residual.
+        pool.read_state(LayerId(1), BlockId(1), &mut buf).unwrap();
+        buf.fill(0);
+        pool.write_state(LayerId(1), BlockId(1), &buf).unwrap();
+        let mut lost = rows(&m, n)[(n - 1) * d..].to_vec();
+        forward_state_layer(&m, &pool, 1, BlockId(1), n - 1, &mut lost, &mut buf).unwrap();
+        assert_ne!(&whole[(n - 1) * d..], &lost[..]);
+        // A request starting at token 0 ignores whatever its slot held before.
+        let mut again = rows(&m, n);
+        forward_state_layer(&m, &pool, 1, BlockId(0), 0, &mut again, &mut buf).unwrap();
+        assert_eq!(whole, again);
+    }
+
+    #[test]
+    fn prefill_for_a_remote_decode_stops_one_token_short() {
+        let mut params = serde_json::Map::new();
+        params.insert("do_remote_decode".into(), true.into());
+        let mut r = Request { id: "r".into(), prompt_tokens: vec![1, 2, 3], kv_transfer_params: params };
+        let mut max = 8;
+        prefill_backoff(&mut r, &mut max);
+        assert_eq!((r.prompt_tokens, max), (vec![1, 2], 1));
+        let mut one =
+            Request { id: "o".into(), prompt_tokens: vec![1], kv_transfer_params: r.kv_transfer_params };
+        prefill_backoff(&mut one, &mut max);
+        assert_eq!(one.prompt_tokens, vec![1]);
+        let mut local =
+            Request { id: "l".into(), prompt_tokens: vec![1, 2], kv_transfer_params: Default::default() };
+        prefill_backoff(&mut local, &mut max);
+        assert_eq!(local.prompt_tokens, vec![1, 2]);
+    }
+}
