@@ -3,7 +3,7 @@
 //! pool's state slot of the request.
 //!
 //! Per token: `x = RMSNorm(h)`, `u = W_in x` (q, k and v channels), a causal depthwise conv
-//! over the last `kernel` values of `u` then SiLU; per value head a decay `a = sigmoid(w_a · x)`
+//! over the last `kernel` values of `u` then SiLU; per value head a decay `a = sigmoid(w_a · x + 3)`
 //! and the state update `S = a S + k vᵀ`, the output `o = Sᵀ q`, projected back onto the
 //! residual, then the layer's MLP. The conv window and `S` are rounded to their dtypes after
 //! every token, so a state stored after any token and loaded elsewhere continues exactly as
@@ -117,7 +117,8 @@ impl StateWeights {
             w_in: u(dims.conv_dim * d, a(d)),
             conv: u(dims.conv_dim * (dims.past + 1), a(dims.past + 1)),
             w_decay: u(dims.v_heads * d, a(d)),
-            w_out: u(d * vd, a(vd)),
+            // A larger gain than the attention output's, so the state layers steer the tokens.
+            w_out: u(d * vd, 3.0 * a(vd)),
         }
     }
 
@@ -209,7 +210,9 @@ pub fn forward_state_layer(
         for vh in 0..dm.v_heads {
             let kh = vh / group;
             let decay_in: f32 = w.w_decay[vh * d..(vh + 1) * d].iter().zip(&x).map(|(a, b)| a * b).sum();
-            let a = 1.0 / (1.0 + (-decay_in).exp());
+            // Biased towards 1 (about 0.95): the state remembers far back, so what it holds
+            // moves the output visibly.
+            let a = 1.0 / (1.0 + (-(decay_in + 3.0)).exp());
             let (qh, kh_) = (&q[kh * dm.k_dim..(kh + 1) * dm.k_dim], &k[kh * dm.k_dim..(kh + 1) * dm.k_dim]);
             let vv = &v[vh * dm.v_dim..(vh + 1) * dm.v_dim];
             let sh = &mut s[vh * dm.k_dim * dm.v_dim..(vh + 1) * dm.k_dim * dm.v_dim];
