@@ -112,12 +112,24 @@ pub struct Geometry {
     layout: KvLayout,
     regions: Vec<RegionShape>,
     opaque: bool,
+    state: crate::state_slots::StateSlots,
 }
 
 impl Geometry {
     /// A geometry over `regions`, in registration order.
     pub fn new(shape: BlockShape, layout: KvLayout, regions: Vec<RegionShape>) -> Geometry {
-        Geometry { shape, layout, regions, opaque: false }
+        Geometry { shape, layout, regions, opaque: false, state: Default::default() }
+    }
+
+    /// The same geometry with the state regions that follow the KV regions.
+    pub fn with_state(mut self, state: crate::state_slots::StateSlots) -> Geometry {
+        self.state = state;
+        self
+    }
+
+    /// The state regions (empty for a model without state layers).
+    pub fn state(&self) -> &crate::state_slots::StateSlots {
+        &self.state
     }
 
     /// The same geometry over opaque blocks (`EffectiveLayout::opaque_blocks`): each layer's

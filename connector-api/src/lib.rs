@@ -40,6 +40,7 @@ pub mod per_engine;
 pub mod protocol;
 pub mod region;
 pub mod sdk;
+pub mod state_slots;
 pub mod stats;
 
 // The crates whose types and macros this crate's API uses, so that a plugin depends on

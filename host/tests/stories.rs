@@ -233,10 +233,29 @@ fn hybrid_models_list_their_state_groups_and_are_refused_without_a_state_carrier
         let o = plan(file, &["--joint"]);
         assert!(o.stdout.contains("but child 'nixl' (prefill and decode) does not carry"), "{}", o.stdout);
     }
+    // The nixl connector carries state over shm (its default backend) and tcp: the same
+    // models with those backends are compatible, and the plan lists their state groups.
     let o = kvconnect(&["plugins", "inspect", "nixl"]);
     assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
     let row = o.stdout.lines().find(|l| l.trim_start().starts_with("carries_state")).unwrap_or_default();
-    assert!(row.ends_with("no"), "{}", o.stdout);
+    assert!(row.ends_with("yes"), "{}", o.stdout);
+    for (file, groups) in [
+        ("nemotron-h-state.toml", "1 group: mamba2 x23 (conv 3x6144 bf16, ssm 64x64x128 f32)"),
+        ("qwen3-next-state.toml", "1 group: gated_delta_net x36 (conv 3x8192 bf16, ssm 32x128x128 bf16)"),
+    ] {
+        for backend in ["shm", "tcp"] {
+            let dir = tempfile::tempdir().unwrap();
+            let src = std::fs::read_to_string(root().join("examples/deployments").join(file))
+                .unwrap()
+                .replace(r#""backends":["UCX"]"#, &format!(r#""backend":"{backend}""#))
+                .replace("../../fixtures", root().join("fixtures").to_str().unwrap());
+            let path = dir.path().join(file);
+            std::fs::write(&path, src).unwrap();
+            let o = kvconnect(&["plan", path.to_str().unwrap()]);
+            assert_eq!(o.code, 0, "{file} over {backend}:\n{}{}", o.stdout, o.stderr);
+            assert!(o.stdout.contains(groups), "{file} over {backend}: {}", o.stdout);
+        }
+    }
 }
 
 #[test]

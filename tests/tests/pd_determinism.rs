@@ -1,12 +1,17 @@
 //! Disaggregated serving gives exactly the tokens of a single worker: one prefill and one
-//! decode process per configuration (HMA on and off; shm, tcp and the real NIXL library),
+//! decode process per configuration (HMA on and off; shm, tcp and the real NIXL library;
+//! the hybrid reference model, whose state layers' per-request state moves with the KV),
 //! 50 prompts of varied
 //! length each, greedy output compared token for token with a monolithic engine. Every
 //! decode must really have loaded the prompt's KV from prefill (all but the last prompt
 //! token), so a silent recompute cannot pass for a transfer.
 
 use kvconnect_api::KvLayout;
-use kvconnect_tests::{disaggregated, monolithic, reference_model, token_ids, varied_prompts, Worker};
+use kvconnect_tests::{
+    disaggregated, hybrid_reference_model, monolithic, monolithic_of, reference_model, token_ids,
+    varied_prompts, Worker,
+};
+use std::path::Path;
 use std::sync::OnceLock;
 
 const PROMPTS: usize = 50;
@@ -30,8 +35,22 @@ fn nixl(role: &str, backend: &str) -> String {
     )
 }
 
+/// The hybrid model's prompts (the same as the plain model's) and its monolithic outputs.
+fn hybrid_baseline() -> &'static Baseline {
+    static B: OnceLock<Baseline> = OnceLock::new();
+    B.get_or_init(|| {
+        let prompts = varied_prompts(PROMPTS);
+        let model = kvconnect_host::worker::ReferenceConfig::builtin_hybrid().expect("hybrid config");
+        let mono = monolithic_of(model, &prompts, MAX_TOKENS, KvLayout::HND);
+        (prompts, mono)
+    })
+}
+
 fn start(side: &str, role: &str, backend: &str, hma: &str) -> Worker {
-    let model = reference_model();
+    start_model(&reference_model(), side, role, backend, hma)
+}
+
+fn start_model(model: &Path, side: &str, role: &str, backend: &str, hma: &str) -> Worker {
     Worker::start(&[
         "--kv-transfer-config",
         &nixl(role, backend),
@@ -51,11 +70,27 @@ fn check(backend: &str, hma: &str) {
 }
 
 fn check_roles(backend: &str, hma: &str, prefill_role: &str, decode_role: &str) {
-    let (prompts, mono) = baseline();
     let prefill = start("prefill", prefill_role, backend, hma);
     let decode = start("decode", decode_role, backend, hma);
+    check_pair(baseline(), &prefill, &decode, backend, hma);
+}
+
+/// The hybrid reference model: attention KV and the state layers' state move from prefill
+/// to decode. Prefill stops one prompt token short (vLLM's `_prefill_backoff`); decode
+/// must still load all but the last prompt token and compute only that one, so a decode
+/// that recomputed the prompt (or kept a state of its own) fails the token count or the
+/// output.
+fn check_hybrid(backend: &str) {
+    let model = hybrid_reference_model();
+    let prefill = start_model(&model, "prefill", "kv_producer", backend, "on");
+    let decode = start_model(&model, "decode", "kv_consumer", backend, "on");
+    check_pair(hybrid_baseline(), &prefill, &decode, backend, "on");
+}
+
+fn check_pair(base: &Baseline, prefill: &Worker, decode: &Worker, backend: &str, hma: &str) {
+    let (prompts, mono) = base;
     for (i, p) in prompts.iter().enumerate() {
-        let (st, d) = disaggregated(&prefill, &decode, p, MAX_TOKENS);
+        let (st, d) = disaggregated(prefill, decode, p, MAX_TOKENS);
         assert_eq!(st, 200, "prompt {i} (len {}): decode failed: {d}\n{}", p.len(), decode.log());
         let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
         assert_eq!(
@@ -90,6 +125,16 @@ fn shm_hma_off() {
 fn shm_kv_both_on_each_side() {
     // kv_both (vLLM's usual NixlConnector role): each engine serves its KV and loads a peer's.
     check_roles("shm", "on", "kv_both", "kv_both");
+}
+
+#[test]
+fn hybrid_model_shm_hma_on() {
+    check_hybrid("shm");
+}
+
+#[test]
+fn hybrid_model_tcp_hma_on() {
+    check_hybrid("tcp");
 }
 
 #[test]

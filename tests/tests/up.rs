@@ -323,6 +323,29 @@ fn up_hands_its_workers_one_secret_by_environment_and_decode_its_producers() {
 }
 
 #[test]
+fn hybrid_model_workload_moves_kv_and_state_and_equals_monolithic() {
+    // The hybrid reference model (sliding, state and full layers) over nixl shm with HMA on:
+    // every decode loads its prompt's KV and state from prefill, none recomputes, and every
+    // output equals the monolithic engine's.
+    let deployment = kvconnect_tests::workspace_root().join("examples/deployments/hybrid-up.toml");
+    let out = Command::new(kvconnect_bin())
+        .arg("up")
+        .arg(&deployment)
+        .args(["--workload", "8", "--json"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvconnect up --workload");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_str(stdout.split_once('\n').unwrap().1).unwrap();
+    assert_eq!(report["requests"], 8, "{report}");
+    assert_eq!(report["failed"], 0, "{report}");
+    assert_eq!(report["mismatches"], 0, "{report}");
+    assert_eq!(report["loaded_requests"], 8, "every decode loaded from prefill: {report}");
+    assert_eq!(report["recomputed_requests"], 0, "no decode recomputed its prompt: {report}");
+}
+
+#[test]
 fn workload_report_checks_every_output_and_exits_zero() {
     let out = Command::new(kvconnect_bin())
         // One request at a time: a prompt sharing a prefix with one still in flight would find

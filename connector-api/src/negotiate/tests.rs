@@ -417,7 +417,7 @@ fn linear_layers_need_hma() {
     let e = negotiate(&with_linear(), &opts(), &[nixl()]).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s) (1 group: linear x36 (state shape not in the config)), which decode needs besides the KV blocks, but child 'nixl' does not carry per-request state (carries_state); nothing would give decode that state. Remedy: use connectors that declare carries_state (none of the built-in ones does yet), or serve this model without disaggregation (remove child 'nixl')"
+        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s) (1 group: linear x36 (state shape not in the config)), which decode needs besides the KV blocks, but child 'nixl' does not carry per-request state (carries_state); nothing would give decode that state. Remedy: use connectors that declare carries_state (the nixl connector does, with backend shm or tcp), or serve this model without disaggregation (remove child 'nixl')"
     );
     let mut carrier = nixl();
     carrier.caps.carries_state = true;

@@ -9,7 +9,12 @@ use kvconnect_api::{
 /// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode. No
 /// heterogeneous TP: the scheduler loads only from a prefill with the same `tp_size`, so
 /// negotiation and the handshake refuse a peer with another one before any KV moves.
-pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
+/// Per-request state (state-space / linear-attention layers) moves with backends `shm` and
+/// `tcp` only, the data paths whose state copies are built and tested; a config that does
+/// not parse declares no state (creating the connector then says what is wrong).
+pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
+    let carries_state = crate::config::NixlConfig::from_config(config)
+        .is_ok_and(|c| matches!(c.backend, crate::config::Backend::Shm | crate::config::Backend::Tcp));
     let mla = model.is_some_and(|m| m.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. })));
     let layout = if mla {
         LayoutConstraint::default()
@@ -36,6 +41,6 @@ pub fn capabilities(_config: &KvTransferConfig, model: Option<&ModelSpec>) -> Co
         heterogeneous_tp: false,
         mla: true,
         async_load: true,
-        carries_state: false,
+        carries_state,
     })
 }

@@ -13,7 +13,7 @@
 use crate::error::TransferError;
 use crate::metadata::LoadSpec;
 use crate::wire::WireRun;
-use kvconnect_api::geometry::Geometry;
+use kvconnect_api::geometry::{Geometry, Span};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{BlockId, Dim, LayerId};
 
@@ -30,6 +30,19 @@ pub struct CopyRun {
     pub dst_off: u64,
     /// Bytes.
     pub len: u64,
+}
+
+impl CopyRun {
+    /// The copy of source span `s` to destination span `d` (of the same length).
+    fn between(s: Span, d: Span) -> CopyRun {
+        CopyRun {
+            src_region: s.region as u32,
+            src_off: s.offset as u64,
+            dst_region: d.region as u32,
+            dst_off: d.offset as u64,
+            len: s.len as u64,
+        }
+    }
 }
 
 /// One source block of an adapting plan.
@@ -84,6 +97,50 @@ fn positions(first: usize, end: usize, bs: usize) -> std::ops::Range<usize> {
     first / bs..end.div_ceil(bs)
 }
 
+/// True for a state group (its layers keep per-request state in state slots, not KV blocks).
+fn is_state_group(own: &Geometry, layers: &[LayerId]) -> bool {
+    layers.first().is_some_and(|l| own.state().holds(*l))
+}
+
+/// The copies of a load's per-request state: for every state group, the request's one slot
+/// in each of its layers, from the producer's slot to this engine's. None when the load
+/// moves no tokens.
+fn state_runs(
+    peer: &Geometry,
+    own: &Geometry,
+    groups: &[Vec<LayerId>],
+    load: &LoadSpec,
+) -> Result<Vec<CopyRun>, TransferError> {
+    let mut runs = Vec::new();
+    if load.num_tokens <= load.first_token {
+        return Ok(runs);
+    }
+    for (g, layers) in groups.iter().enumerate() {
+        if !is_state_group(own, layers) {
+            continue;
+        }
+        let (Some(&r), Some(&l)) = (load.remote_blocks.0[g].first(), load.local_blocks.0[g].first()) else {
+            return Err(plan_err(format!(
+                "request {}: state group {g} needs one producer and one local state slot, got {} and {}",
+                load.request,
+                load.remote_blocks.0[g].len(),
+                load.local_blocks.0[g].len()
+            )));
+        };
+        for &layer in layers {
+            let (s, d) = (peer.state().span(layer, r)?, own.state().span(layer, l)?);
+            if s.len != d.len {
+                return Err(plan_err(format!(
+                    "request {}: layer {layer} keeps {} bytes of state on the producer and {} here",
+                    load.request, s.len, d.len
+                )));
+            }
+            runs.push(CopyRun::between(s, d));
+        }
+    }
+    Ok(runs)
+}
+
 impl CopyPlan {
     /// Plans `load` from a producer with geometry `peer` into `own`, over the KV cache
     /// `groups` (layers per group; both sides have the same groups).
@@ -107,7 +164,11 @@ impl CopyPlan {
             )));
         }
         let (first, end) = (load.first_token, load.num_tokens);
+        let state = state_runs(peer, own, groups, load)?;
         for (g, (r, l)) in load.remote_blocks.0.iter().zip(&load.local_blocks.0).enumerate() {
+            if is_state_group(own, &groups[g]) {
+                continue;
+            }
             let need_r = positions(first, end, bp).end;
             let need_l = positions(first, end, bd).end;
             if first < end && (r.len() < need_r || l.len() < need_l) {
@@ -129,22 +190,25 @@ impl CopyPlan {
                 if own.opaque_blocks() { "opaque" } else { "known-layout" },
             )));
         }
+        if !direct && !state.is_empty() {
+            return Err(TransferError::NotImplemented(format!(
+                "request {}: loading tokens {first}..{end} adapts blocks (producer blocks of {bp} tokens, this engine's of {bd}, or another H/N order), and moving per-request state beside adapted blocks is not built; use the same layout and block size on both sides of a model with state layers",
+                load.request
+            )));
+        }
         if direct {
-            let mut runs = Vec::new();
+            let mut runs = state;
             for (g, layers) in groups.iter().enumerate() {
+                if is_state_group(own, layers) {
+                    continue;
+                }
                 let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
                 for &layer in layers {
                     for part in 0..parts {
                         for pos in positions(first, end, bp) {
                             let s = peer.span(layer, part, r[pos])?;
                             let d = own.span(layer, part, l[pos])?;
-                            runs.push(CopyRun {
-                                src_region: s.region as u32,
-                                src_off: s.offset as u64,
-                                dst_region: d.region as u32,
-                                dst_off: d.offset as u64,
-                                len: s.len as u64,
-                            });
+                            runs.push(CopyRun::between(s, d));
                         }
                     }
                 }
@@ -154,6 +218,9 @@ impl CopyPlan {
         } else {
             let mut blocks = Vec::new();
             for (g, layers) in groups.iter().enumerate() {
+                if is_state_group(own, layers) {
+                    continue;
+                }
                 let r = &load.remote_blocks.0[g];
                 for &layer in layers {
                     for part in 0..parts {
@@ -493,6 +560,57 @@ mod tests {
             first_token: first,
             num_tokens: n,
         }
+    }
+
+    /// `geo` plus one state layer (2) of 8 slots of 96 bytes after the two KV regions.
+    fn geo_state(layout: KvLayout, tokens: u32) -> Geometry {
+        use kvconnect_api::state_slots::{StateRegion, StateSlots};
+        geo(layout, tokens).with_state(StateSlots {
+            slot_bytes: 96,
+            first_region: 2,
+            regions: vec![StateRegion { layers: vec![LayerId(2)], num_slots: 8 }],
+        })
+    }
+
+    /// A load of the KV group's blocks and the state group's slot.
+    fn load_state(remote: (Vec<u32>, u32), local: (Vec<u32>, u32), first: usize, n: usize) -> LoadSpec {
+        let ids = |v: Vec<u32>| v.into_iter().map(BlockId).collect::<Vec<_>>();
+        LoadSpec {
+            remote_blocks: BlocksPerGroup(vec![ids(remote.0), vec![BlockId(remote.1)]]),
+            local_blocks: BlocksPerGroup(vec![ids(local.0), vec![BlockId(local.1)]]),
+            ..load(vec![], vec![], first, n)
+        }
+    }
+
+    #[test]
+    fn a_load_moves_the_state_slot_beside_the_kv_blocks() {
+        let groups = vec![vec![LayerId(0), LayerId(1)], vec![LayerId(2)]];
+        let (peer, own) = (geo_state(KvLayout::HND, 4), geo_state(KvLayout::HND, 4));
+        let plan = CopyPlan::build(&peer, &own, &groups, &load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7))
+            .unwrap();
+        let CopyPlan::Direct(runs) = &plan else { panic!("equal layouts copy directly") };
+        let state: Vec<&CopyRun> = runs.iter().filter(|r| r.src_region == 2).collect();
+        assert_eq!(
+            state,
+            [&CopyRun { src_region: 2, src_off: 5 * 96, dst_region: 2, dst_off: 6 * 96, len: 96 }]
+        );
+        let kv = 2 * 2 * 2 * peer.shape().bytes() as u64;
+        assert_eq!(plan.total_bytes(), kv + 96);
+        // Nothing to load: no state either.
+        let none =
+            CopyPlan::build(&peer, &own, &groups, &load_state((vec![1], 5), (vec![3], 6), 3, 3)).unwrap();
+        assert_eq!(none.total_bytes(), 0);
+        // A state group without a slot is a planning error naming it.
+        let mut bad = load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7);
+        bad.local_blocks.0[1].clear();
+        let e = CopyPlan::build(&peer, &own, &groups, &bad).unwrap_err().to_string();
+        assert!(e.contains("state group 1 needs one producer and one local state slot"), "{e}");
+        // State beside blocks that must be adapted is not built.
+        let nhd = geo_state(KvLayout::NHD, 4);
+        let e = CopyPlan::build(&nhd, &own, &groups, &load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("not implemented:") && e.contains("per-request state"), "{e}");
     }
 
     #[test]

@@ -359,9 +359,16 @@ impl Producer {
         groups: &[Vec<LayerId>],
     ) -> Result<(), GeometryError> {
         let g = self.shared.mem.geometry();
-        let mut allowed: Vec<Vec<(u64, u64)>> = vec![Vec::new(); g.regions().len()];
+        let mut allowed: Vec<Vec<(u64, u64)>> = vec![Vec::new(); g.regions().len() + g.state().regions.len()];
         for (gi, ids) in blocks.0.iter().enumerate() {
             for &layer in groups.get(gi).map(Vec::as_slice).unwrap_or(&[]) {
+                if g.state().holds(layer) {
+                    for &slot in ids {
+                        let Span { region, offset, len } = g.state().span(layer, slot)?;
+                        allowed[region].push((offset as u64, (offset + len) as u64));
+                    }
+                    continue;
+                }
                 for part in 0..g.shape().kv_parts {
                     for &b in ids {
                         let Span { region, offset, len } = g.span(layer, part, b)?;

@@ -86,7 +86,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl NixlWorker {
     /// A worker half for `ctx`.
     pub fn new(ctx: &ConnectorContext, cfg: NixlConfig) -> NixlWorker {
-        let groups = ctx.effective.groups.iter().map(|g| g.layers.clone()).collect();
+        // The KV cache groups, then the state groups: the order of a request's block lists.
+        let groups = ctx.effective.groups.iter().map(|g| g.layers.clone());
+        let groups = groups.chain(ctx.effective.state_groups.iter().map(|g| g.layers.clone())).collect();
         NixlWorker {
             ctx: ctx.clone(),
             cfg,
@@ -636,6 +638,7 @@ impl WorkerConnector for NixlWorker {
                 })
                 .collect(),
             groups: self.groups.clone(),
+            state: g.state().clone(),
             pid: std::process::id(),
             nixl: self.nixl_metadata()?,
             cuda_ipc: self.cuda_metadata()?,

@@ -178,7 +178,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
             let conn = connector_setup::create_connector(&reg, &ctx)?;
             let mut e = Engine::new(cfg, Some(conn), policy).map_err(|e| e.to_string())?;
             if prefix_caching {
-                e.enable_prefix_caching();
+                e.enable_prefix_caching().map_err(|e| e.to_string())?;
             }
             let md = match e.worker_connector() {
                 Some(w) => w.handshake_metadata().map_err(|e| format!("handshake_metadata failed: {e}"))?,

@@ -79,6 +79,12 @@ impl TransferEngine {
         shm_engine_id: Option<&str>,
         mut conn: Connector,
     ) -> Result<TransferEngine, String> {
+        if !eff.state_groups.is_empty() {
+            return Err(format!(
+                "not implemented: synthetic KV for model '{}', whose state layers keep a per-request state; run the hybrid reference model (fixtures/models/kvconnect--reference-hybrid) without --synthetic-kv",
+                model.name
+            ));
+        }
         let pool = KvPool::new(model, eff, num_blocks, shm_engine_id).map_err(|e| e.to_string())?;
         conn.1.register_kv_caches(pool.regions()).map_err(|e| format!("register_kv_caches failed: {e}"))?;
         let kv_layers = (0..model.layers.len() as u32)

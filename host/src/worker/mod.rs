@@ -31,6 +31,8 @@ pub mod prng;
 pub mod region;
 pub mod sampling;
 pub mod shm;
+pub mod state_layer;
+pub mod state_pool;
 pub mod tokenizer;
 
 pub use engine::{
