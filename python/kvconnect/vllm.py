@@ -26,8 +26,13 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 from vllm.logger import init_logger
@@ -47,6 +52,78 @@ class KvconnectMetadata(KVConnectorMetadata):
     """One step's metadata: bytes the scheduler half made for the worker half."""
 
     data: bytes
+
+
+@dataclass
+class KvconnectHandshake(KVConnectorHandshakeMetadata):
+    """What the worker (TP rank 0) hands vLLM's scheduler process at startup: where it serves
+    the kvconnect connector's scheduler half. Both halves run in the worker process, as in
+    kvconnect's own workers, so a cache connector's halves share its store."""
+
+    scheduler_socket: str
+
+
+@dataclass
+class KvconnectStats(KVConnectorStats):
+    """kvconnect's counters for one interval, as the worker's native half reports them:
+    `loads_done`, `loads_failed`, `sends_done`, `handshakes`, `handshakes_refused`,
+    `external_requests`, `external_tokens` and `cache_tokens_<connector>_<tier>`. Every value
+    is a count, so workers' and intervals' stats add up."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvconnectStats":
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"kvconnect_{k}": v for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+# Counters shown on vLLM's /metrics: (stats key, metric name, help).
+_PROM_COUNTERS = [
+    ("loads_done", "vllm:kvconnect_loads_done", "Requests whose external KV kvconnect finished loading."),
+    ("loads_failed", "vllm:kvconnect_loads_failed", "Requests whose external KV load failed."),
+    ("sends_done", "vllm:kvconnect_sends_done", "Requests whose KV a peer finished reading from this engine."),
+    ("handshakes", "vllm:kvconnect_handshakes", "Side-channel handshakes with prefill engines."),
+    ("handshakes_refused", "vllm:kvconnect_handshakes_refused", "Handshakes refused (descriptors differ, wrong engine)."),
+    ("external_requests", "vllm:kvconnect_external_requests", "Requests scheduled to load KV from outside."),
+    ("external_tokens", "vllm:kvconnect_external_tokens", "Prompt tokens scheduled to load instead of computing."),
+]
+
+
+class KvconnectPromMetrics(KVConnectorPromMetrics):
+    """kvconnect's counters as Prometheus counters on vLLM's /metrics; the tokens each cache
+    tier supplied as `vllm:kvconnect_cache_tokens{source="<connector>_<tier>"}`."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self._counters = {}
+        for key, name, doc in _PROM_COUNTERS:
+            c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = create_metric_per_engine(c, per_engine_labelvalues)
+        self._cache_tokens = self._counter_cls(
+            name="vllm:kvconnect_cache_tokens",
+            documentation="Prompt tokens each kvconnect cache tier supplied.",
+            labelnames=labelnames + ["source"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for k, v in (transfer_stats_data or {}).items():
+            if not v:
+                continue
+            if k in self._counters:
+                self._counters[k][engine_idx].inc(v)
+            elif k.startswith("cache_tokens_"):
+                labels = list(self.per_engine_labelvalues[engine_idx]) + [k[len("cache_tokens_"):]]
+                self._cache_tokens.labels(*labels).inc(v)
 
 
 def _layer_index(name: str) -> int:
@@ -210,14 +287,44 @@ class KvconnectConnector(KVConnectorBase_V1):
         return set(self._worker.block_ids_with_load_errors())
 
     def kvconnect_stats(self) -> dict[str, Any]:
-        """The native worker's counters (loads, sends, handshakes)."""
+        """The native worker's counters since start (see KvconnectStats)."""
         return json.loads(self._worker.stats_json())
+
+    def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
+        socket = self._worker.scheduler_socket() if self._worker is not None else None
+        return None if socket is None else KvconnectHandshake(scheduler_socket=socket)
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if self._worker is None:
+            return None
+        delta = json.loads(self._worker.take_stats_json())
+        return KvconnectStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return KvconnectStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvconnectPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:
             self._worker.shutdown()
 
     # ---- scheduler side ----
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        if self._scheduler is None:
+            return
+        sockets = [m.scheduler_socket for m in (metadata or {}).values() if isinstance(m, KvconnectHandshake)]
+        if not sockets:
+            raise _kvconnect.KvconnectError(
+                "kvconnect: no vLLM worker serves the connector's scheduler half (TP rank 0 should); "
+                "run the same kvconnect in vLLM's scheduler and workers"
+            )
+        self._scheduler.attach(sockets[0])
+        logger.info("kvconnect scheduler: the connector's scheduler half runs in the worker, at %s", sockets[0])
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         tokens, is_async = self._scheduler.get_num_new_matched_tokens(
