@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
@@ -368,3 +369,13 @@ class KvconnectConnector(KVConnectorBase_V1):
             request.request_id, list(request.prompt_token_ids or []), _params(request), _block_lists(block_ids)
         )
         return delay, (json.loads(params) if params is not None else None)
+
+
+class KvconnectHmaConnector(KvconnectConnector, SupportsHMA):
+    """KvconnectConnector for a kvconnect connector that supports vLLM's hybrid KV cache
+    manager (nixl does; lmcache, flexkv and a composite holding either do not). vLLM keeps
+    HMA on for it, so each KV cache group keeps its own block table; the negotiation then runs
+    with HMA on and refuses, at startup and naming the child, a connector that lacks it."""
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        return self.request_finished(request, block_ids)

@@ -124,11 +124,11 @@ def tokens_of(resp: dict) -> list:
 
 
 
-def kv_config(role: str, inner: dict, port=None, **adapter) -> dict:
+def kv_config(role: str, inner: dict, port=None, cls="KvconnectConnector", **adapter) -> dict:
     extra = {"kvconnect": inner, **adapter}
     if port is not None:
         extra["side_channel_port"] = port
-    return {"kv_connector": "KvconnectConnector", "kv_connector_module_path": "kvconnect.vllm",
+    return {"kv_connector": cls, "kv_connector_module_path": "kvconnect.vllm",
             "kv_role": role, "kv_connector_extra_config": extra}
 
 
@@ -175,9 +175,9 @@ def wait_log(server: "Server", text: str, timeout: float = 60) -> bool:
     return True
 
 
-def run_refused(model: str, logdir: Path, name: str, inner: dict, want: str):
+def run_refused(model: str, logdir: Path, name: str, inner: dict, want: str, cls="KvconnectConnector"):
     """vLLM must stop at startup with kvconnect's one-line message containing `want`."""
-    srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner, port=free_port()))
+    srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner, port=free_port(), cls=cls))
     try:
         status = srv.wait_exit(START_TIMEOUT)
         text = srv.text()
@@ -191,7 +191,7 @@ def run_refused(model: str, logdir: Path, name: str, inner: dict, want: str):
         srv.stop()
 
 
-def run_checks(name: str, keep: bool, checks) -> None:
+def run_checks(name: str, keep: bool, checks, kind: str = "llama") -> None:
     """Builds the tiny model in a fresh directory and runs `checks(model, logdir)`; on
     `Failed` prints it with where the logs are and exits 1, else removes the directory
     (unless `keep`)."""
@@ -200,7 +200,7 @@ def run_checks(name: str, keep: bool, checks) -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix=f"kvconnect-vllm-{name}-"))
     model = str(tmp / "model")
-    make_tiny_model.build(model)
+    make_tiny_model.build(model, kind)
     try:
         checks(model, tmp)
     except Failed as e:
