@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -273,19 +274,35 @@ class KvconnectConnector(KVConnectorBase_V1):
         super().clear_connector_metadata()
         self._save_blocks = (-1, [])
 
-    def get_finished(self, finished_req_ids: set[str]):
+    # With one KV cache group a failed load is reported by its blocks (vLLM recomputes from
+    # the first bad one); with several, block ids are not unique, so by request instead.
+    _failed_by_request = False
+
+    def _finished(self, finished_req_ids: set[str]):
         sending, recving, failed = self._worker.get_finished(sorted(finished_req_ids))
         for r in recving:
             logger.info("kvconnect worker: request %s loaded its external KV", r)
         for r in failed:
             logger.warning("kvconnect worker: request %s failed to load its external KV", r)
-        # A failed load is finished too: vLLM then applies kv_load_failure_policy to the
-        # blocks get_block_ids_with_load_errors reports.
-        recving = set(recving) | set(failed)
-        return (set(sending) or None, recving or None)
+        return set(sending), set(recving), set(failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        sending, recving, failed = self._finished(finished_req_ids)
+        # A failed load is finished too: vLLM then applies kv_load_failure_policy.
+        recving |= failed
+        return (sending or None, recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=recving | failed,
+            failed_recving=failed if self._failed_by_request else set(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set(self._worker.block_ids_with_load_errors())
+        blocks = set(self._worker.block_ids_with_load_errors())
+        return set() if self._failed_by_request else blocks
 
     def kvconnect_stats(self) -> dict[str, Any]:
         """The native worker's counters since start (see KvconnectStats)."""
@@ -375,7 +392,10 @@ class KvconnectHmaConnector(KvconnectConnector, SupportsHMA):
     """KvconnectConnector for a kvconnect connector that supports vLLM's hybrid KV cache
     manager (nixl does; lmcache, flexkv and a composite holding either do not). vLLM keeps
     HMA on for it, so each KV cache group keeps its own block table; the negotiation then runs
-    with HMA on and refuses, at startup and naming the child, a connector that lacks it."""
+    with HMA on and refuses, at startup and naming the child, a connector that lacks it.
+    A failed load is reported by request (block ids are per group)."""
+
+    _failed_by_request = True
 
     def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
         return self.request_finished(request, block_ids)

@@ -23,6 +23,7 @@ from harness import (  # noqa: E402
     run_checks, tokens_of, wait_log,
 )
 from test_pd import nixl, pd_complete  # noqa: E402
+import requests  # noqa: E402
 
 PROMPT_LENS = [40, 100, 200]
 COMPOSITE = {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [
@@ -62,6 +63,10 @@ def checks(model: str, tmp: Path):
         if not wait_log(dec, want, timeout=30) or "decode=on" not in dec.text():
             raise Failed(f"decode did not refuse the pair with {want!r} ... decode=on\n{dec.tail()}")
         line = next(l for l in dec.text().splitlines() if want in l)
+        # The failed load is reported by request (block ids are per KV cache group with HMA
+        # on): decode stays up and serves the next request.
+        if "EngineDeadError" in dec.text() or requests.get(dec.url + "/health", timeout=30).status_code != 200:
+            raise Failed(f"decode's engine died after the refused handshake\n{dec.tail()}")
         if external_tokens(dec.text()) and "loaded its external KV" in dec.text():
             raise Failed(f"decode loaded KV from a prefill engine it refused\n{dec.tail()}")
         print(f"ok: DYN-3545 refused at the handshake: {line.strip()[:400]}")
