@@ -31,25 +31,31 @@ CHAT_TEMPLATE = (
 )
 
 
+# What both kinds share: the size of every layer and the special tokens.
+GEOMETRY = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    torch_dtype="bfloat16",
+)
+
+
 def _sliding() -> "torch.nn.Module":
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     cfg = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
         query_pre_attn_scalar=64,
         sliding_window=64,
         layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        torch_dtype="bfloat16",
+        **GEOMETRY,
     )
     return Gemma3ForCausalLM(cfg)
 
@@ -57,26 +63,10 @@ def _sliding() -> "torch.nn.Module":
 def build(out: str, kind: str = "llama") -> None:
     torch.manual_seed(SEED)
     if kind == "sliding":
-        _sliding().to(torch.bfloat16).save_pretrained(out)
-        _tokenizer(out)
-        return
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
+        model = _sliding()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **GEOMETRY))
+    model.to(torch.bfloat16).save_pretrained(out)
     _tokenizer(out)
 
 
