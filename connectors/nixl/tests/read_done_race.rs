@@ -8,7 +8,7 @@ use kvconnect_api::geometry::Span;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{BlockId, BlocksPerGroup, KvLayout, LayerId, RequestId};
 use kvconnect_nixl::auth::Secret;
-use kvconnect_nixl::harness::{effective, model, Regions};
+use kvconnect_bench::harness::{effective, model, Regions};
 use kvconnect_nixl::producer::{Producer, ProducerConfig};
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg};
 use std::io::Read;
@@ -92,6 +92,7 @@ fn reads_racing_done_and_lease_expiry_never_ship_bytes_of_a_reused_block() {
             secret: Some(secret.clone()),
             lease_max: Duration::from_millis(120),
             max_connections: 16,
+            socket_buffer: 0,
             serve_reads: true,
         },
     )
