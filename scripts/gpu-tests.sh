@@ -7,7 +7,7 @@
 #                                       # test-NAME binaries given), logs in $OUT
 #
 # NIXL_LIB_DIR defaults to a trimmed NIXL copy under .device/nixl-min when one was carried
-# (the nixl_vram tests skip without the library). Each binary gets GPU_TEST_TIMEOUT seconds
+# (the nixl_vram and nixl_vram_probe tests skip without the library). Each binary gets GPU_TEST_TIMEOUT seconds
 # (default 240): a hung test fails, it does not eat the machine's time.
 #
 # Without a GPU every test skips with a message, so `run` also works (and proves nothing) here.
@@ -24,7 +24,8 @@ for l in sys.stdin:
     m=json.loads(l)
     if m.get("reason")=="compiler-artifact" and m.get("executable"): print(m["executable"])' | tail -1)"
   cp "$bin" "$dir/kvconnect"
-  for spec in "kvconnect-nixl cuda cuda_ipc" "kvconnect-nixl cuda nixl_vram" "kvconnect-host cuda device_kv" \
+  for spec in "kvconnect-nixl cuda cuda_ipc" "kvconnect-nixl cuda nixl_vram" "kvconnect-bench cuda nixl_vram_probe" \
+              "kvconnect-host cuda device_kv" \
               "kvconnect-host cuda device_kv_processes" "kvconnect-cuda cuda gpu" \
               "kvconnect-lmcache cuda lmcache_device" "kvconnect-flexkv cuda flexkv_device" \
               "kvconnect-host cuda device_kv_caches"; do

@@ -5,61 +5,19 @@
 //! `cargo bench -p kvconnect-api --bench negotiate -- --warm-up-time 1 --measurement-time 3`
 
 use criterion::{black_box, criterion_group, Criterion};
-use kvconnect_api::caps::KvRoleCap;
+#[path = "../tests/support/children.rs"]
+mod children;
+
 use kvconnect_api::{
-    negotiate, negotiate_deployment, AdaptCost, AttentionKind, Capabilities, ChildCaps, CompatDescriptor,
-    Dtype, EngineOptions, KvLayout, LayoutConstraint, MemoryKind, ModelSpec, TransferMode,
+    negotiate, negotiate_deployment, AttentionKind, ChildCaps, CompatDescriptor, Dtype, EngineOptions,
+    ModelSpec,
 };
 use std::time::Instant;
 
-fn caps(hma: bool, layout: LayoutConstraint, adapt: Option<AdaptCost>, mode: TransferMode) -> Capabilities {
-    Capabilities {
-        hma,
-        layout,
-        adapt,
-        block_size_multiple: 1,
-        block_size_divides: None,
-        cache_dtypes: vec![],
-        memory_kinds: vec![MemoryKind::Host, MemoryKind::Disk],
-        transfer_mode: mode,
-        roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
-        layerwise: false,
-        heterogeneous_tp: false,
-        mla: false,
-        async_load: false,
-        carries_state: false,
-    }
-}
-
 fn children() -> Vec<ChildCaps> {
-    let mut lmcache = caps(
-        false,
-        LayoutConstraint {
-            required: vec![KvLayout::NHD, KvLayout::HND],
-            rejected: vec![],
-            preferred: vec![KvLayout::NHD, KvLayout::HND],
-        },
-        None,
-        TransferMode::None,
-    );
-    lmcache.block_size_divides = Some(256);
-    let flexkv = caps(
-        false,
-        LayoutConstraint { required: vec![], rejected: vec![KvLayout::HND], preferred: vec![KvLayout::NHD] },
-        Some(AdaptCost::Medium),
-        TransferMode::None,
-    );
-    let mut nixl = caps(
-        true,
-        LayoutConstraint { required: vec![KvLayout::HND], rejected: vec![], preferred: vec![KvLayout::HND] },
-        None,
-        TransferMode::Pull,
-    );
-    nixl.memory_kinds = vec![MemoryKind::Host];
-    [("lmcache", lmcache), ("flexkv", flexkv), ("nixl", nixl)]
-        .into_iter()
-        .map(|(n, caps)| ChildCaps { name: n.into(), version: "0.1.0".into(), caps })
-        .collect()
+    let mut lmcache = children::lmcache(256);
+    lmcache.caps.mla = false;
+    vec![lmcache, children::flexkv(), children::nixl()]
 }
 
 /// 80 layers: three sliding-window (4096) layers, then one full-attention layer.

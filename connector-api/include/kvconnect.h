@@ -66,6 +66,10 @@ typedef int32_t kvc_status;
  * definition in connector-api/src is the schema; the host decodes with it, and a value it
  * cannot decode is an error naming the field). The examples are written from real values.
  *
+ * JSON Schemas (draft 2020-12) of ConnectorInfo, Capabilities, ConnectorContext and
+ * ConnectorError are in the repository under connector-api/schema/ (*.schema.json); a test keeps them
+ * equal to the types and checks real values from the connectors against them.
+ *
  * ConnectorInfo: factory info (*out); all three strings required.
  *   {"name":"my-plugin","version":"0.1.0","description":"one line on what it does"}
  *

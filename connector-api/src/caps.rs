@@ -1,6 +1,11 @@
 //! What a connector declares it can do. Capabilities are data: the framework checks them
 //! once, at load (`Capabilities::validate`), and negotiation reads them; nothing probes a
-//! connector at run time to find out.
+//! connector at run time to find out. [`Capabilities::builder`] makes a declaration that is
+//! validated as it is built.
+
+mod builder;
+
+pub use builder::CapabilitiesBuilder;
 
 use crate::layout::KvLayout;
 use crate::model::Dtype;
@@ -9,6 +14,7 @@ use std::fmt;
 
 /// Where KV bytes live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum MemoryKind {
     /// Host DRAM.
@@ -32,6 +38,7 @@ impl fmt::Display for MemoryKind {
 
 /// How a connector moves KV between engines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum TransferMode {
     /// It moves nothing between engines (a local cache).
@@ -55,6 +62,7 @@ impl fmt::Display for TransferMode {
 
 /// The relative cost of adapting a connector's own data path to another layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum AdaptCost {
     /// About the cost of a plain copy (e.g. a permute fused into a copy that happens anyway).
@@ -79,6 +87,7 @@ impl fmt::Display for AdaptCost {
 /// Which layouts a connector accepts. An empty `required` set means "any layout not
 /// rejected"; `preferred` orders the acceptable ones, most wanted first.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct LayoutConstraint {
     /// If not empty, the layout must be one of these.
@@ -127,6 +136,7 @@ impl LayoutConstraint {
 
 /// A connector role in a P/D deployment (vLLM's `kv_role` values).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum KvRoleCap {
     /// Produces KV (prefill).
     #[serde(rename = "kv_producer")]
@@ -141,6 +151,7 @@ pub enum KvRoleCap {
 
 /// Everything a connector declares about itself, for one config and model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Capabilities {
     /// Supports the hybrid KV cache manager (one block table per KV cache group).
@@ -301,22 +312,40 @@ mod tests {
     use super::*;
 
     fn base() -> Capabilities {
-        Capabilities {
-            hma: true,
-            layout: LayoutConstraint::default(),
-            adapt: None,
-            block_size_multiple: 1,
-            block_size_divides: None,
-            cache_dtypes: vec![],
-            memory_kinds: vec![MemoryKind::Host],
-            transfer_mode: TransferMode::Pull,
-            roles: vec![KvRoleCap::Both],
-            layerwise: false,
-            heterogeneous_tp: false,
-            mla: false,
-            async_load: false,
-            carries_state: false,
-        }
+        Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRoleCap::Both])
+            .hma(true)
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn the_builder_validates_what_it_builds() {
+        let any = || Capabilities::builder(TransferMode::None, [MemoryKind::Host], [KvRoleCap::Both]);
+        assert_eq!(any().block_size_multiple(0).build(), Err(CapsError::ZeroBlockMultiple));
+        assert_eq!(
+            any().block_size_multiple(16).block_size_divides(Some(24)).build(),
+            Err(CapsError::BlockConstraintsDisjoint { divides: 24, multiple: 16 })
+        );
+        assert_eq!(
+            Capabilities::builder(TransferMode::Pull, [], [KvRoleCap::Both]).build(),
+            Err(CapsError::NoMemoryKind)
+        );
+        assert_eq!(
+            Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], []).build(),
+            Err(CapsError::NoRole)
+        );
+        let everything_rejected =
+            LayoutConstraint { rejected: KvLayout::all(), ..LayoutConstraint::default() };
+        assert_eq!(any().layout(everything_rejected.clone()).build(), Err(CapsError::NoLayout));
+        let c = any()
+            .layout(everything_rejected)
+            .adapt(Some(AdaptCost::High))
+            .mla(true)
+            .async_load(true)
+            .build()
+            .unwrap();
+        assert!(c.mla && c.async_load && !c.hma && c.block_size_multiple == 1 && c.cache_dtypes.is_empty());
+        assert_eq!(c.adapt, Some(AdaptCost::High));
     }
 
     #[test]

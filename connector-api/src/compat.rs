@@ -642,62 +642,24 @@ impl fmt::Display for LayoutPermutation {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::caps::{AdaptCost, Capabilities, KvRoleCap, LayoutConstraint, MemoryKind};
+    use crate::caps::MemoryKind;
+    use crate::children;
     use crate::ids::LayerId;
     use crate::model::{AttentionKind, ModelSpec};
     use crate::negotiate::{negotiate, negotiate_deployment, ChildCaps, DecidedBy, HmaOption};
 
-    fn caps(
-        hma: bool,
-        layout: LayoutConstraint,
-        adapt: Option<AdaptCost>,
-        mode: TransferMode,
-    ) -> Capabilities {
-        Capabilities {
-            hma,
-            layout,
-            adapt,
-            block_size_multiple: 1,
-            block_size_divides: None,
-            cache_dtypes: vec![],
-            memory_kinds: vec![MemoryKind::Host, MemoryKind::Disk],
-            transfer_mode: mode,
-            roles: vec![KvRoleCap::Both],
-            layerwise: false,
-            heterogeneous_tp: false,
-            mla: false,
-            async_load: false,
-            carries_state: false,
-        }
-    }
-
+    /// lmcache as compat's tests have always declared it: no MLA.
     fn lmcache() -> ChildCaps {
-        let mut c = caps(
-            false,
-            LayoutConstraint {
-                required: vec![KvLayout::NHD, KvLayout::HND],
-                rejected: vec![],
-                preferred: vec![KvLayout::NHD, KvLayout::HND],
-            },
-            None,
-            TransferMode::None,
-        );
-        c.block_size_divides = Some(256);
-        ChildCaps { name: "lmcache".into(), version: "0.1.0".into(), caps: c }
+        let mut c = children::lmcache(256);
+        c.caps.mla = false;
+        c
     }
 
+    /// nixl as compat's tests have always declared it: host and disk memory.
     fn nixl() -> ChildCaps {
-        let c = caps(
-            true,
-            LayoutConstraint {
-                required: vec![KvLayout::HND],
-                rejected: vec![],
-                preferred: vec![KvLayout::HND],
-            },
-            None,
-            TransferMode::Pull,
-        );
-        ChildCaps { name: "nixl".into(), version: "0.1.0".into(), caps: c }
+        let mut c = children::nixl();
+        c.caps.memory_kinds = vec![MemoryKind::Host, MemoryKind::Disk];
+        c
     }
 
     fn gpt_oss() -> ModelSpec {

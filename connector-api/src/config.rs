@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 
 /// `kv_role`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum KvRole {
     /// Prefill side.
     #[serde(rename = "kv_producer")]
@@ -18,6 +19,7 @@ pub enum KvRole {
 
 /// `kv_load_failure_policy`: what to do when external KV cannot be loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum FailurePolicy {
     /// The engine computes the missing tokens itself.
@@ -30,6 +32,7 @@ pub enum FailurePolicy {
 /// A KV transfer config as vLLM users write it. Unknown top-level keys are kept in `other`
 /// (vLLM has many that kvconnect does not use, e.g. `kv_ip`, `kv_buffer_size`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct KvTransferConfig {
     /// The connector's name (`NixlConnector`, `LMCacheConnectorV1`, `PdConnector`, ...).
     pub kv_connector: String,

@@ -16,6 +16,7 @@ pub type ConnectorResult<T> = Result<T, ConnectorError>;
 
 /// Name and version of a connector.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ConnectorInfo {
     /// The connector's name (`nixl`, `lmcache`, ...).
     pub name: String,
@@ -27,6 +28,7 @@ pub struct ConnectorInfo {
 
 /// Everything a connector instance is created with.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ConnectorContext {
     /// This connector's own config (for a composite's child: the child's entry).
     pub config: KvTransferConfig,

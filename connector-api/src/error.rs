@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 /// What went wrong inside a connector. Crosses the plugin boundary as its `kind` code plus
 /// the message, so a host sees the same error from a built-in and from a plugin.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub enum ConnectorError {
     /// The data path behind this method is not built.
     #[error("connector '{connector}': {method} is not implemented")]

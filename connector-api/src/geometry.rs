@@ -125,12 +125,13 @@ pub struct Geometry {
     regions: Vec<RegionShape>,
     opaque: bool,
     tp_ranks: u32,
+    state: crate::state_slots::StateSlots,
 }
 
 impl Geometry {
     /// A geometry over `regions`, in registration order (one tensor-parallel rank).
     pub fn new(shape: BlockShape, layout: KvLayout, regions: Vec<RegionShape>) -> Geometry {
-        Geometry { shape, layout, regions, opaque: false, tp_ranks: 1 }
+        Geometry { shape, layout, regions, opaque: false, tp_ranks: 1, state: Default::default() }
     }
 
     /// The same geometry over the regions of `ranks` tensor-parallel ranks (registered rank
@@ -170,6 +171,17 @@ impl Geometry {
             self.layout.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect();
         (inner.first() == Some(&Dim::H) && !self.opaque && head < self.shape.heads)
             .then(|| self.inner_offset(head, 0, 0))
+    }
+
+    /// The same geometry with the state regions that follow the KV regions.
+    pub fn with_state(mut self, state: crate::state_slots::StateSlots) -> Geometry {
+        self.state = state;
+        self
+    }
+
+    /// The state regions (empty for a model without state layers).
+    pub fn state(&self) -> &crate::state_slots::StateSlots {
+        &self.state
     }
 
     /// The same geometry over opaque blocks (`EffectiveLayout::opaque_blocks`): each layer's

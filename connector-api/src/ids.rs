@@ -12,6 +12,7 @@ pub struct BlockId(pub u32);
 
 /// A model layer's index (0-based, counting every layer of the model, KV-less ones included).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(transparent)]
 #[repr(transparent)]
 pub struct LayerId(pub u32);

@@ -15,6 +15,7 @@ use crate::ids::{BlockId, LayerId};
 use crate::layout::EffectiveLayout;
 use crate::model::ModelSpec;
 use crate::region::KvRegion;
+use crate::state_slots::{StateRegion, StateSlots};
 
 /// Registered regions that do not match the effective layout.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -52,6 +53,14 @@ pub enum RegionError {
     /// A null address.
     #[error("region '{0}' has a null address")]
     Null(String),
+    /// A state region that does not fit the effective layout's state groups.
+    #[error("state region '{name}': {reason}")]
+    State {
+        /// The region.
+        name: String,
+        /// What is wrong and what to do.
+        reason: String,
+    },
     /// A cross-layer layout with a region holding one layer, or the reverse.
     #[error("region '{name}' holds {layers} layer(s) but the effective layout {layout} is {kind}")]
     LayoutMismatch {
@@ -141,7 +150,26 @@ impl KvMemory {
         let mut shapes = Vec::with_capacity(regions.len());
         let mut bases = Vec::with_capacity(regions.len());
         let cross = eff.layout.is_cross_layer();
+        let state_layers: std::collections::BTreeSet<LayerId> =
+            eff.state_groups.iter().flat_map(|g| g.layers.iter().copied()).collect();
+        let mut state = StateSlots::default();
         for r in regions {
+            if !r.layers().is_empty() && r.layers().iter().all(|l| state_layers.contains(l)) {
+                if host && r.memory() != MemoryKind::Host {
+                    return Err(RegionError::NotHost { name: r.name().to_owned(), memory: r.memory() });
+                }
+                state_region(r, eff, shapes.len(), &mut state)?;
+                if host {
+                    bases.push((r.addr() as usize, r.len() as usize));
+                }
+                continue;
+            }
+            if !state.is_empty() {
+                return Err(RegionError::State {
+                    name: r.name().to_owned(),
+                    reason: "a KV region follows a state region; register every KV region first".into(),
+                });
+            }
             if host && r.memory() != MemoryKind::Host {
                 return Err(RegionError::NotHost { name: r.name().to_owned(), memory: r.memory() });
             }
@@ -172,13 +200,22 @@ impl KvMemory {
                 bases.push((r.addr() as usize, r.len() as usize));
             }
         }
-        // Every rank covers every KV layer once, in its own regions.
+        if tp_ranks > 1 && !state.is_empty() {
+            return Err(RegionError::State {
+                name: regions.last().map(|r| r.name().to_owned()).unwrap_or_default(),
+                reason: format!(
+                    "not implemented: state layers across {tp_ranks} tensor-parallel ranks (state regions are registered for TP 1 only)"
+                ),
+            });
+        }
+        // Every rank covers every KV layer once, in its own regions (state regions, TP 1
+        // only, count towards that one rank).
         let per = shapes.len() / tp_ranks as usize;
         for r in 0..tp_ranks as usize {
             let rank = &shapes[r * per..(r + 1) * per];
             let mut seen = std::collections::BTreeSet::new();
-            for s in rank {
-                for l in &s.layers {
+            for s in rank.iter().map(|s| &s.layers).chain(state.regions.iter().map(|r| &r.layers)) {
+                for l in s {
                     if !seen.insert(*l) {
                         return Err(RegionError::DuplicateLayer(*l));
                     }
@@ -194,7 +231,8 @@ impl KvMemory {
         let geometry = Geometry::new(shape, eff.layout, shapes)
             .with_opaque_blocks(eff.opaque_blocks)
             .with_tp_ranks(tp_ranks)
-            .ok_or(split)?;
+            .ok_or(split)?
+            .with_state(state);
         Ok(KvMemory { geometry, bases })
     }
 
@@ -215,6 +253,11 @@ impl KvMemory {
     /// The span of one block of one layer and K/V part.
     pub fn span(&self, layer: LayerId, part: u32, block: BlockId) -> Result<Span, GeometryError> {
         self.geometry.span(layer, part, block)
+    }
+
+    /// The span of one request's state `slot` in state layer `layer`.
+    pub fn state_span(&self, layer: LayerId, slot: BlockId) -> Result<Span, GeometryError> {
+        self.geometry.state().span(layer, slot)
     }
 
     /// Copies a span out of the regions into `dst` (which must be `span.len` bytes).
@@ -262,6 +305,39 @@ impl KvMemory {
     }
 }
 
+/// Checks one state region (host memory, one slot per request in each of its layers, after
+/// the KV regions) and adds it to `state`.
+fn state_region(
+    r: &KvRegion,
+    eff: &EffectiveLayout,
+    first_region: usize,
+    state: &mut StateSlots,
+) -> Result<(), RegionError> {
+    let bad = |reason: String| RegionError::State { name: r.name().to_owned(), reason };
+    if r.addr() == 0 {
+        return Err(RegionError::Null(r.name().to_owned()));
+    }
+    let slot_bytes = StateSlots::slot_bytes_of(eff).ok_or_else(|| {
+        bad("the effective layout's state groups do not give one state shape (conv and recurrent state dims must be in the model's config)".into())
+    })?;
+    if state.is_empty() {
+        *state = StateSlots { slot_bytes, first_region, regions: Vec::new() };
+    }
+    let region = StateRegion { layers: r.layers().to_vec(), num_slots: r.num_blocks() };
+    let expected = state.region_bytes(&region);
+    if expected != Some(r.len()) {
+        return Err(bad(format!(
+            "{} bytes, but {} layer(s) x {} slots of {slot_bytes} bytes need {}; register state regions sized as the state groups say",
+            r.len(),
+            region.layers.len(),
+            region.num_slots,
+            expected.map_or("more than 2^64".to_owned(), |e| e.to_string())
+        )));
+    }
+    state.regions.push(region);
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -302,6 +378,47 @@ mod tests {
         // SAFETY: every test keeps `buf` alive, and reads it only after dropping the KvMemory
         // built from this region.
         unsafe { KvRegion::new(spec) }
+    }
+
+    #[test]
+    fn state_regions_follow_the_kv_regions_with_one_slot_per_request() {
+        use crate::layout::StateGroup;
+        use crate::model::{LayerState, StateKind};
+        let st = LayerState {
+            kind: StateKind::GatedDeltaNet,
+            conv_shape: vec![3, 8],
+            conv_dtype: Dtype::Bf16,
+            ssm_shape: vec![1, 2, 2],
+            ssm_dtype: Dtype::F32,
+        };
+        let mut m = model();
+        m.num_layers = 3;
+        m.layers.push(AttentionKind::Linear);
+        m.state = Some(st.clone());
+        let mut e = eff();
+        e.state_groups = vec![StateGroup { layers: vec![LayerId(2)], state: Some(st) }];
+        let slot = 3 * 8 * 2 + 4 * 4;
+        let block = 2 * 2 * 4 * 4 * 2;
+        let (mut a, mut b, mut s) = (vec![0u8; block * 3], vec![0u8; block * 3], vec![0u8; slot * 5]);
+        let regions = [region(&mut a, 0, 3), region(&mut b, 1, 3), region(&mut s, 2, 5)];
+        let mem = KvMemory::new(&regions, &m, &e).unwrap();
+        let span = mem.state_span(LayerId(2), BlockId(4)).unwrap();
+        assert_eq!(span, Span { region: 2, offset: 4 * slot, len: slot });
+        mem.write(span, &vec![7u8; slot]).unwrap();
+        assert!(mem.state_span(LayerId(2), BlockId(5)).is_err());
+        drop(mem);
+        assert!(s[4 * slot..].iter().all(|x| *x == 7));
+        // A state region of the wrong size, or before a KV region, is refused saying so.
+        let (mut a, mut b, mut s) = (vec![0u8; block * 3], vec![0u8; block * 3], vec![0u8; slot * 5 + 1]);
+        let e1 = KvMemory::new(&[region(&mut a, 0, 3), region(&mut b, 1, 3), region(&mut s, 2, 5)], &m, &e)
+            .unwrap_err()
+            .to_string();
+        assert!(e1.contains("state region 'layer.2'") && e1.contains("5 slots of 64 bytes"), "{e1}");
+        let (mut a, mut b, mut s) = (vec![0u8; block * 3], vec![0u8; block * 3], vec![0u8; slot * 5]);
+        let e2 = KvMemory::new(&[region(&mut s, 2, 5), region(&mut a, 0, 3), region(&mut b, 1, 3)], &m, &e)
+            .unwrap_err()
+            .to_string();
+        assert!(e2.contains("register every KV region first"), "{e2}");
     }
 
     #[test]

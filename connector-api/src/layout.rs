@@ -218,6 +218,22 @@ impl FromStr for KvLayout {
     }
 }
 
+/// A layout crosses as its name: an alias or the five dimension letters in storage order.
+#[cfg(feature = "schema")]
+impl schemars::JsonSchema for KvLayout {
+    fn schema_name() -> std::borrow::Cow<'static, str> {
+        "KvLayout".into()
+    }
+
+    fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+        schemars::json_schema!({
+            "description": "A KV layout: NHD or HND (aliases), or the five letters L (layer), B (block), N (token), H (head), C (channel) in storage order, each once",
+            "type": "string",
+            "pattern": "^(NHD|HND|[LBNHC]{5})$"
+        })
+    }
+}
+
 impl fmt::Display for KvLayout {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.canonical_name())
@@ -247,6 +263,7 @@ impl<'de> Deserialize<'de> for KvLayout {
 /// on, a hybrid model has one group per attention kind; with it off, all KV layers form one
 /// group.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct KvGroup {
     /// The attention kind of the group's layers (the first layer's, when mixed).
     pub kind: crate::model::AttentionKind,
@@ -258,6 +275,7 @@ pub struct KvGroup {
 /// state instead of KV blocks (vLLM's Mamba-style cache). Decode needs this state as much as
 /// the KV of the attention layers: a transport that moves only KV blocks leaves it behind.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct StateGroup {
     /// The layers, ascending.
     pub layers: Vec<crate::ids::LayerId>,
@@ -268,6 +286,7 @@ pub struct StateGroup {
 /// The layout both sides of a deployment use, as plain values. Negotiation computes it
 /// (with provenance, in `negotiate`); connectors and the worker runtime read it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct EffectiveLayout {
     /// Physical order of the KV dimensions.
     pub layout: KvLayout,

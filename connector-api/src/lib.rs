@@ -9,6 +9,14 @@
 //! `kvconnect-host` and the connectors. A third-party plugin depends on this crate alone: it
 //! re-exports `serde`, `serde_json` and `tracing` for that.
 
+// The negotiation tests' children, shared with the integration tests and the benchmark; the
+// file names this crate by its name, in its own unit tests too.
+#[cfg(test)]
+extern crate self as kvconnect_api;
+#[cfg(test)]
+#[path = "../tests/support/children.rs"]
+mod children;
+
 pub mod ffi;
 /// The plugin ABI under its earlier name: everything in [`ffi`].
 pub mod abi {
@@ -19,6 +27,7 @@ pub mod compat;
 pub mod config;
 pub mod connector;
 pub mod error;
+pub mod frame;
 pub mod geometry;
 pub mod ids;
 pub mod kv_memory;
@@ -27,9 +36,12 @@ pub mod load_report;
 pub mod math;
 pub mod model;
 pub mod negotiate;
+pub mod per_engine;
 pub mod protocol;
 pub mod region;
 pub mod sdk;
+pub mod state_slots;
+pub mod stats;
 
 // The crates whose types and macros this crate's API uses, so that a plugin depends on
 // `kvconnect-api` alone and gets the very versions the API was built with: `serde_json`
@@ -40,7 +52,7 @@ pub use serde;
 pub use serde_json;
 pub use tracing;
 
-pub use caps::{AdaptCost, Capabilities, LayoutConstraint, MemoryKind, TransferMode};
+pub use caps::{AdaptCost, Capabilities, CapabilitiesBuilder, LayoutConstraint, MemoryKind, TransferMode};
 pub use compat::{AdaptationPlan, CompatDescriptor, FieldClass, FieldDiff, Incompatible, LayoutPermutation};
 pub use config::{FailurePolicy, KvRole, KvTransferConfig};
 pub use connector::{

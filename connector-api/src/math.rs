@@ -1,17 +1,22 @@
 //! Integer helpers the crates share, so each is written once.
 
-use std::ops::Rem;
+use std::ops::{Div, Rem};
 
-/// The unsigned integer types [`gcd`] takes.
-pub trait Unsigned: Copy + PartialEq + Rem<Output = Self> {
+/// The unsigned integer types [`gcd`] and [`lcm`] take.
+pub trait Unsigned: Copy + PartialEq + Rem<Output = Self> + Div<Output = Self> {
     /// Zero.
     const ZERO: Self;
+    /// `self * other`, or `None` past the type's range.
+    fn checked_mul(self, other: Self) -> Option<Self>;
 }
 
 macro_rules! unsigned {
     ($($t:ty),*) => {$(
         impl Unsigned for $t {
             const ZERO: $t = 0;
+            fn checked_mul(self, other: $t) -> Option<$t> {
+                <$t>::checked_mul(self, other)
+            }
         }
     )*};
 }
@@ -24,6 +29,15 @@ pub fn gcd<T: Unsigned>(mut a: T, mut b: T) -> T {
         (a, b) = (b, a % b);
     }
     a
+}
+
+/// The least common multiple of two positive numbers, or `None` when it does not fit the type
+/// (or either is zero).
+pub fn lcm<T: Unsigned>(a: T, b: T) -> Option<T> {
+    if a == T::ZERO || b == T::ZERO {
+        return None;
+    }
+    (a / gcd(a, b)).checked_mul(b)
 }
 
 #[cfg(test)]
@@ -39,6 +53,10 @@ mod tests {
         assert_eq!(gcd(0u32, 5), 5);
         assert_eq!(gcd(0u32, 0), 0);
         assert_eq!(gcd(17u32, 5), 1);
+        assert_eq!(lcm(4u32, 6), Some(12));
+        assert_eq!(lcm(16u32, 16), Some(16));
+        assert_eq!(lcm(0u32, 6), None);
+        assert_eq!(lcm(u32::MAX, u32::MAX - 1), None);
     }
 
     proptest! {

@@ -16,6 +16,7 @@ mod hf_config;
 
 /// Element type of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum Dtype {
     /// 32-bit float.
@@ -75,6 +76,7 @@ impl fmt::Display for Dtype {
 
 /// How one layer attends, which decides what (if anything) it keeps in KV blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum AttentionKind {
     /// Full attention: every past token's K and V.
@@ -132,6 +134,7 @@ impl fmt::Display for AttentionKind {
 
 /// Which mixer keeps a state-space or linear-attention layer's per-request state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "snake_case")]
 pub enum StateKind {
     /// Mamba2 (Nemotron-H's `M` layers): a causal-conv window and the SSM state.
@@ -155,6 +158,7 @@ impl fmt::Display for StateKind {
 /// blocks (vLLM's Mamba-style cache), for the whole layer before any tensor-parallel split:
 /// the shapes of its two tensors and their dtypes, from the config.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct LayerState {
     /// The mixer.
     pub kind: StateKind,
@@ -182,6 +186,7 @@ impl LayerState {
 
 /// The KV geometry of a model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 pub struct ModelSpec {
     /// A short name: `model_type` and/or the first architecture, for messages.
     pub name: String,

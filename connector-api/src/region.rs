@@ -3,7 +3,8 @@
 //!
 //! A region carries a raw address, so making one is a promise about memory: only the host,
 //! which owns that memory, can make it, and it does so through the one `unsafe` constructor,
-//! [`KvRegion::new`]. Everything after that is safe: a region's fields are read-only, a
+//! [`KvRegion::new`], which exists only with the crate's `host` feature: a plugin built
+//! against kvconnect-api cannot call it. Everything after that is safe: a region's fields are read-only, a
 //! clone describes the same memory, nothing deserialises into a region, and
 //! [`crate::kv_memory::KvMemory`] bounds-checks every access against the effective layout.
 //! [`KvRegionSpec`] is the same description as plain data, for building, editing and sending
@@ -113,7 +114,20 @@ impl KvRegion {
     /// plan) is used: a host keeps it until every connector it registered the region with
     /// has been shut down and dropped. No Rust reference into it may exist elsewhere; the
     /// engine and the connectors take turns on each block as the step protocol orders them.
+    ///
+    /// Only with the `host` feature: the code that owns the memory makes regions; a plugin or
+    /// connector receives them.
+    #[cfg(any(feature = "host", test))]
     pub unsafe fn new(spec: KvRegionSpec) -> KvRegion {
+        KvRegion { spec }
+    }
+
+    /// [`KvRegion::new`] for the plugin side of the ABI, which rebuilds the regions the host
+    /// sent on the host's word.
+    ///
+    /// # Safety
+    /// As for [`KvRegion::new`].
+    pub(crate) unsafe fn vouched(spec: KvRegionSpec) -> KvRegion {
         KvRegion { spec }
     }
 

@@ -1,12 +1,14 @@
 //! Negotiation and compatibility over the real Hugging Face configs in fixtures/models,
 //! with children declared like the built-in nixl, lmcache and flexkv connectors.
 
-use kvconnect_api::caps::KvRoleCap;
+#[path = "support/children.rs"]
+mod children;
+
+use children::{caps, flexkv};
 use kvconnect_api::compat::{check, check_roles};
 use kvconnect_api::{
-    negotiate, negotiate_deployment, AdaptCost, AttentionKind, Capabilities, ChildCaps, CompatDescriptor,
-    Conflict, DecidedBy, Dtype, EngineOptions, KvLayout, LayoutConstraint, MemoryKind, ModelSpec,
-    TransferMode,
+    negotiate, negotiate_deployment, AttentionKind, ChildCaps, CompatDescriptor, Conflict, DecidedBy, Dtype,
+    EngineOptions, KvLayout, LayoutConstraint, MemoryKind, ModelSpec, TransferMode,
 };
 
 fn model(json: &str) -> ModelSpec {
@@ -38,39 +40,8 @@ fn deepseek_v2() -> ModelSpec {
     model(include_str!("../fixtures/models/deepseek-ai--DeepSeek-V2-Lite/config.json"))
 }
 
-fn caps(hma: bool, layout: LayoutConstraint, adapt: Option<AdaptCost>, mode: TransferMode) -> Capabilities {
-    Capabilities {
-        hma,
-        layout,
-        adapt,
-        block_size_multiple: 1,
-        block_size_divides: None,
-        cache_dtypes: vec![],
-        memory_kinds: vec![MemoryKind::Host, MemoryKind::Disk],
-        transfer_mode: mode,
-        roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
-        layerwise: false,
-        heterogeneous_tp: false,
-        mla: false,
-        async_load: false,
-        carries_state: false,
-    }
-}
-
 fn lmcache() -> ChildCaps {
-    let mut c = caps(
-        false,
-        LayoutConstraint {
-            required: vec![KvLayout::NHD, KvLayout::HND],
-            rejected: vec![],
-            preferred: vec![KvLayout::NHD, KvLayout::HND],
-        },
-        None,
-        TransferMode::None,
-    );
-    c.block_size_divides = Some(256);
-    c.mla = true;
-    ChildCaps { name: "lmcache".into(), version: "0.1.0".into(), caps: c }
+    children::lmcache(256)
 }
 
 /// nixl's declaration depends on the model: no layout constraint for MLA.
@@ -84,17 +55,7 @@ fn nixl(m: &ModelSpec) -> ChildCaps {
     let mut c = caps(true, layout, None, TransferMode::Pull);
     c.memory_kinds = vec![MemoryKind::Host];
     c.mla = true;
-    ChildCaps { name: "nixl".into(), version: "0.1.0".into(), caps: c }
-}
-
-fn flexkv() -> ChildCaps {
-    let c = caps(
-        false,
-        LayoutConstraint { required: vec![], rejected: vec![KvLayout::HND], preferred: vec![KvLayout::NHD] },
-        Some(AdaptCost::Medium),
-        TransferMode::None,
-    );
-    ChildCaps { name: "flexkv".into(), version: "0.1.0".into(), caps: c }
+    children::child("nixl", c)
 }
 
 fn opts() -> EngineOptions {

@@ -50,7 +50,8 @@ pub enum CudaError {
 }
 
 impl CudaError {
-    pub(crate) fn driver(call: &'static str, e: cudarc::driver::DriverError) -> CudaError {
+    /// A failed driver call, named; out of memory is worded as such.
+    pub fn driver(call: &'static str, e: cudarc::driver::DriverError) -> CudaError {
         if e.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY {
             return CudaError::Driver { call, message: "CUDA_ERROR_OUT_OF_MEMORY".into() };
         }

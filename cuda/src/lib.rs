@@ -9,9 +9,9 @@
 //!
 //! It must not know about connectors, requests or sockets: callers pass base addresses and
 //! block-index arrays. It is compiled in CI (no GPU needed to build it); its GPU tests are
-//! behind the `cuda` feature and run on a machine with a GPU.
+//! behind the `cuda` feature and run on a machine with a GPU. Its benchmark
+//! (`kvconnect bench transfer --backend cuda_ipc`) lives in `kvconnect-bench`.
 
-pub mod bench;
 pub mod device;
 pub mod error;
 pub mod ipc;

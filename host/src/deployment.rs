@@ -416,7 +416,7 @@ fn unknown_keys(table: &toml::Table) -> Vec<String> {
 impl Deployment {
     /// Reads and checks a deployment file.
     pub fn load(path: &Path) -> Result<Deployment, DeploymentError> {
-        let src = std::fs::read_to_string(path)
+        let src = kvconnect_config_file::read_text(path)
             .map_err(|source| DeploymentError::Read { path: path.to_owned(), source })?;
         Deployment::parse(path, &src)
     }
@@ -444,11 +444,12 @@ impl Deployment {
         })?;
         let base = path.parent().unwrap_or(Path::new("."));
         let model_path = normalize(&base.join(model_rel.get_ref()));
-        let model_json = std::fs::read_to_string(&model_path).map_err(|e| DeploymentError::Model {
-            path: path.to_owned(),
-            model: model_path.clone(),
-            message: format!("cannot read it: {e}"),
-        })?;
+        let model_json =
+            kvconnect_config_file::read_text(&model_path).map_err(|e| DeploymentError::Model {
+                path: path.to_owned(),
+                model: model_path.clone(),
+                message: format!("cannot read it: {e}"),
+            })?;
         let model = ModelSpec::from_hf_config_json(&model_json).map_err(|e| DeploymentError::Model {
             path: path.to_owned(),
             model: model_path.clone(),

@@ -365,39 +365,81 @@ pub fn split_plugin_path(s: &str) -> Vec<PathBuf> {
     s.split(':').filter(|p| !p.is_empty()).map(PathBuf::from).collect()
 }
 
-/// Opens and checks one plugin file, initialises it and creates its factory.
+/// Opens and checks one plugin file, initialises it and creates its factory: the permission
+/// check and `dlopen` (`open_library`), the entry symbol, the descriptor's fixed header and
+/// its major, size and fingerprint (`read_header`, `Header::check`), the vtables and their
+/// required entries (`checked_entries`), then `init`, the factory and one capabilities query
+/// (`start`). The first failure is the error.
 pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, LoadError> {
     let shown = path.display().to_string();
-    let meta = std::fs::metadata(path)
-        .map_err(|e| LoadError::Unreadable { path: shown.clone(), reason: e.to_string() })?;
-    check_permissions(&shown, &meta, opts)?;
-    // An absolute path, so dlopen never searches LD_LIBRARY_PATH for a bare file name.
-    let full = std::fs::canonicalize(path)
-        .map_err(|e| LoadError::Unreadable { path: shown.clone(), reason: e.to_string() })?;
+    let lib = open_library(path, &shown, opts)?;
+    let desc = descriptor(&lib, &shown)?;
+    let header = read_header(desc, &shown)?;
+    header.check(&shown)?;
+    let (init, entries) = checked_entries(desc, &header, &shown)?;
+    let library = Arc::new(PluginLibrary {
+        _lib: ManuallyDrop::new(lib),
+        path: path.to_path_buf(),
+        name: header.name.clone(),
+        version: header.version.clone(),
+        sdk_version: header.plugin_sdk.clone(),
+        rustc_version: header.plugin_rustc.clone(),
+        abi_major: header.major,
+        abi_minor: header.minor,
+        entries,
+    });
+    start(library, init, &shown)
+}
 
+/// Checks the file's permissions and opens it.
+fn open_library(path: &Path, shown: &str, opts: &LoaderOptions) -> Result<Library, LoadError> {
+    let unreadable =
+        |e: std::io::Error| LoadError::Unreadable { path: shown.to_owned(), reason: e.to_string() };
+    let meta = std::fs::metadata(path).map_err(unreadable)?;
+    check_permissions(shown, &meta, opts)?;
+    // An absolute path, so dlopen never searches LD_LIBRARY_PATH for a bare file name.
+    let full = std::fs::canonicalize(path).map_err(unreadable)?;
     // SAFETY: opening a library runs its initialisers. That is the point of a plugin: the
     // file passed the permission check, and the user put it on the plugin path.
-    let lib = unsafe { Library::open(Some(&full), RTLD_NOW | RTLD_LOCAL) }
-        .map_err(|e| LoadError::NotALibrary { path: shown.clone(), reason: e.to_string() })?;
-    let desc = {
-        // SAFETY: `kvconnect_plugin_entry` has this signature in every ABI version (it is the
-        // one thing that never changes); we only call it, once.
-        let entry = unsafe {
-            lib.get::<unsafe extern "C" fn() -> *const PluginDescriptor>(abi::ENTRY_SYMBOL.as_bytes())
-        }
-        .map_err(|_| LoadError::NoEntry { path: shown.clone() })?;
-        // SAFETY: see above; the function takes no arguments.
-        unsafe { entry() }
-    };
+    unsafe { Library::open(Some(&full), RTLD_NOW | RTLD_LOCAL) }
+        .map_err(|e| LoadError::NotALibrary { path: shown.to_owned(), reason: e.to_string() })
+}
+
+/// Calls the entry symbol; the descriptor it returns, not null.
+fn descriptor(lib: &Library, shown: &str) -> Result<*const PluginDescriptor, LoadError> {
+    // SAFETY: `kvconnect_plugin_entry` has this signature in every ABI version (it is the
+    // one thing that never changes); we only call it, once.
+    let entry =
+        unsafe { lib.get::<unsafe extern "C" fn() -> *const PluginDescriptor>(abi::ENTRY_SYMBOL.as_bytes()) }
+            .map_err(|_| LoadError::NoEntry { path: shown.to_owned() })?;
+    // SAFETY: see above; the function takes no arguments.
+    let desc = unsafe { entry() };
     if desc.is_null() {
-        return Err(LoadError::NullDescriptor { path: shown });
+        return Err(LoadError::NullDescriptor { path: shown.to_owned() });
     }
+    Ok(desc)
+}
+
+/// The descriptor's fixed header: what any version of the ABI lets a host read.
+struct Header {
+    major: u16,
+    minor: u16,
+    struct_size: usize,
+    fingerprint: u64,
+    name: String,
+    version: String,
+    plugin_sdk: String,
+    plugin_rustc: String,
+}
+
+/// Reads the fixed header once the magic says it is a kvconnect descriptor.
+fn read_header(desc: *const PluginDescriptor, shown: &str) -> Result<Header, LoadError> {
     // SAFETY: every kvconnect descriptor starts with a u64 magic, and the entry returned a
     // non-null pointer to 'static data; we read nothing else until the magic matches.
     let magic = unsafe { std::ptr::read(desc as *const u64) };
     if magic != abi::ABI_MAGIC {
         return Err(LoadError::BadMagic {
-            path: shown,
+            path: shown.to_owned(),
             found: magic,
             expected: abi::ABI_MAGIC,
             host_sdk: abi::SDK_VERSION.into(),
@@ -427,54 +469,83 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     } else {
         ("?".to_owned(), "?".to_owned(), "unknown".to_owned(), "an unknown rustc".to_owned())
     };
-    if major != abi::ABI_MAJOR {
-        return Err(LoadError::AbiMajor {
-            path: shown,
-            plugin_major: major,
-            plugin_sdk,
+    Ok(Header { major, minor, struct_size, fingerprint, name, version, plugin_sdk, plugin_rustc })
+}
+
+impl Header {
+    /// The major, the descriptor's size and the layout fingerprint against this host's.
+    fn check(&self, shown: &str) -> Result<(), LoadError> {
+        if self.major != abi::ABI_MAJOR {
+            return Err(LoadError::AbiMajor {
+                path: shown.to_owned(),
+                plugin_major: self.major,
+                plugin_sdk: self.plugin_sdk.clone(),
+                host_major: abi::ABI_MAJOR,
+                host_sdk: abi::SDK_VERSION.into(),
+            });
+        }
+        if self.struct_size < abi::MIN_DESCRIPTOR_SIZE {
+            return Err(self.too_short(
+                shown,
+                "plugin descriptor",
+                self.struct_size,
+                abi::MIN_DESCRIPTOR_SIZE,
+            ));
+        }
+        if self.fingerprint != abi::LAYOUT_FINGERPRINT {
+            return Err(LoadError::Fingerprint {
+                path: shown.to_owned(),
+                found: self.fingerprint,
+                expected: abi::LAYOUT_FINGERPRINT,
+                host_major: abi::ABI_MAJOR,
+                plugin_major: self.major,
+                plugin_minor: self.minor,
+                plugin_sdk: self.plugin_sdk.clone(),
+                plugin_rustc: self.plugin_rustc.clone(),
+                host_sdk: abi::SDK_VERSION.into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn too_short(&self, shown: &str, what: &'static str, found: usize, needed: usize) -> LoadError {
+        LoadError::TooShort {
+            path: shown.to_owned(),
+            what,
+            found,
+            needed,
+            plugin_major: self.major,
+            plugin_minor: self.minor,
+            plugin_sdk: self.plugin_sdk.clone(),
             host_major: abi::ABI_MAJOR,
+            host_minor: abi::ABI_MINOR,
             host_sdk: abi::SDK_VERSION.into(),
-        });
+        }
     }
-    let too_short = |what: &'static str, found: usize, needed: usize| LoadError::TooShort {
-        path: shown.clone(),
-        what,
-        found,
-        needed,
-        plugin_major: major,
-        plugin_minor: minor,
-        plugin_sdk: plugin_sdk.clone(),
-        host_major: abi::ABI_MAJOR,
-        host_minor: abi::ABI_MINOR,
-        host_sdk: abi::SDK_VERSION.into(),
-    };
-    if struct_size < abi::MIN_DESCRIPTOR_SIZE {
-        return Err(too_short("plugin descriptor", struct_size, abi::MIN_DESCRIPTOR_SIZE));
-    }
-    if fingerprint != abi::LAYOUT_FINGERPRINT {
-        return Err(LoadError::Fingerprint {
-            path: shown,
-            found: fingerprint,
-            expected: abi::LAYOUT_FINGERPRINT,
-            host_major: abi::ABI_MAJOR,
-            plugin_major: major,
-            plugin_minor: minor,
-            plugin_sdk,
-            plugin_rustc,
+
+    fn missing(&self, shown: &str, what: &'static str, entry: &'static str) -> LoadError {
+        LoadError::MissingEntry {
+            plugin_sdk: self.plugin_sdk.clone(),
+            path: shown.to_owned(),
+            what,
+            entry,
+            major: abi::ABI_MAJOR,
             host_sdk: abi::SDK_VERSION.into(),
-        });
+        }
     }
+}
+
+/// Reads the descriptor and its three vtables as long as the plugin declares them, and checks
+/// that every entry this major requires is there; `init` and the entries.
+fn checked_entries(
+    desc: *const PluginDescriptor,
+    header: &Header,
+    shown: &str,
+) -> Result<(abi::InitFn, PluginEntries), LoadError> {
+    let missing = |what, entry| header.missing(shown, what, entry);
     // SAFETY: magic, major and fingerprint match, and the plugin declares `struct_size` bytes
     // (at least the 1.0 descriptor): its layout is this host's for the fields both know.
-    let d: PluginDescriptor = unsafe { abi::read_declared(desc, struct_size) };
-    let missing = |what: &'static str, entry: &'static str| LoadError::MissingEntry {
-        plugin_sdk: plugin_sdk.clone(),
-        path: shown.clone(),
-        what,
-        entry,
-        major: abi::ABI_MAJOR,
-        host_sdk: abi::SDK_VERSION.into(),
-    };
+    let d: PluginDescriptor = unsafe { abi::read_declared(desc, header.struct_size) };
     let init = d.init.ok_or_else(|| missing("plugin descriptor", "init"))?;
     let factory_new = d.factory_new.ok_or_else(|| missing("plugin descriptor", "factory_new"))?;
     if d.factory.is_null() {
@@ -495,14 +566,14 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
             std::ptr::read(d.worker as *const usize),
         )
     };
-    if fsize < abi::MIN_FACTORY_VTABLE_SIZE {
-        return Err(too_short("factory vtable", fsize, abi::MIN_FACTORY_VTABLE_SIZE));
-    }
-    if ssize < abi::MIN_SCHEDULER_VTABLE_SIZE {
-        return Err(too_short("scheduler vtable", ssize, abi::MIN_SCHEDULER_VTABLE_SIZE));
-    }
-    if wsize < abi::MIN_WORKER_VTABLE_SIZE {
-        return Err(too_short("worker vtable", wsize, abi::MIN_WORKER_VTABLE_SIZE));
+    for (what, found, needed) in [
+        ("factory vtable", fsize, abi::MIN_FACTORY_VTABLE_SIZE),
+        ("scheduler vtable", ssize, abi::MIN_SCHEDULER_VTABLE_SIZE),
+        ("worker vtable", wsize, abi::MIN_WORKER_VTABLE_SIZE),
+    ] {
+        if found < needed {
+            return Err(header.too_short(shown, what, found, needed));
+        }
     }
     // SAFETY: each vtable is 'static data in the plugin, `struct_size` bytes long as it
     // declares (at least the 1.0 size); entries past that are absent, and entries of a newer
@@ -514,25 +585,22 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
             abi::read_declared(d.worker, wsize),
         )
     };
-    let factory_vt = FactoryFns::check(&fvt).map_err(|e| missing("factory vtable", e))?;
-    let scheduler_vt = SchedulerFns::check(&svt).map_err(|e| missing("scheduler vtable", e))?;
-    let worker_vt = WorkerFns::check(&wvt).map_err(|e| missing("worker vtable", e))?;
+    let entries = PluginEntries {
+        name: header.name.clone(),
+        factory_new,
+        factory_vt: FactoryFns::check(&fvt).map_err(|e| missing("factory vtable", e))?,
+        scheduler_vt: SchedulerFns::check(&svt).map_err(|e| missing("scheduler vtable", e))?,
+        worker_vt: WorkerFns::check(&wvt).map_err(|e| missing("worker vtable", e))?,
+    };
+    Ok((init, entries))
+}
 
-    let library = Arc::new(PluginLibrary {
-        _lib: ManuallyDrop::new(lib),
-        path: path.to_path_buf(),
-        name: name.clone(),
-        version: version.clone(),
-        sdk_version: plugin_sdk,
-        rustc_version: plugin_rustc,
-        abi_major: major,
-        abi_minor: minor,
-        entries: PluginEntries { name: name.clone(), factory_new, factory_vt, scheduler_vt, worker_vt },
-    });
-
+/// Runs the plugin's `init`, makes its factory and checks its capabilities once.
+fn start(library: Arc<PluginLibrary>, init: abi::InitFn, shown: &str) -> Result<LoadedPlugin, LoadError> {
+    let (name, version) = (library.name.clone(), library.version.clone());
     let host_api = host_api_for(&name);
     let start_failed = |stage: &'static str, e: ConnectorError| LoadError::StartFailed {
-        path: shown.clone(),
+        path: shown.to_owned(),
         name: name.clone(),
         version: version.clone(),
         stage,
@@ -541,8 +609,8 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
     // SAFETY: `init` comes from a checked descriptor; `host_api` is leaked ('static) as
     // `HostApi` documents; `err` is a valid out-parameter.
     call_status(|| &name, |err| unsafe { init(host_api, err) }).map_err(|e| start_failed("init", e))?;
-    // SAFETY: the entries passed every check above, and `library` keeps the code mapped (it is
-    // never closed) for as long as the factory and its instances hold it.
+    // SAFETY: the entries passed every check of `checked_entries`, and `library` keeps the code
+    // mapped (it is never closed) for as long as the factory and its instances hold it.
     let factory =
         unsafe { ForeignFactory::create(library.clone()) }.map_err(|e| start_failed("its factory", e))?;
 
@@ -552,7 +620,7 @@ pub fn load_plugin(path: &Path, opts: &LoaderOptions) -> Result<LoadedPlugin, Lo
         Ok(caps) => {
             if let Err(e) = caps.validate() {
                 return Err(LoadError::InvalidCapabilities {
-                    path: shown,
+                    path: shown.to_owned(),
                     name,
                     version,
                     reason: e.to_string(),

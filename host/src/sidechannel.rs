@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvconnect_api::compat::{check_roles, AdaptationPlan, CompatDescriptor, FieldDiff};
+use kvconnect_api::frame;
 use kvconnect_api::protocol::VersionMismatch;
 use kvconnect_nixl::auth::{self, Secret, Side};
 use serde::{Deserialize, Serialize};
@@ -34,7 +35,7 @@ const PROTOCOL: &str = "side-channel handshake";
 
 /// The largest frame either side accepts (16 MiB): far above any real handshake, far below
 /// what would let a peer make the server allocate without bound.
-pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
+pub use kvconnect_api::frame::DEFAULT_MAX_FRAME;
 
 /// How long a peer may wait before starting a frame, and then how long the whole frame may
 /// take, before the connection is dropped; also the limit on writing one.
@@ -201,13 +202,9 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
     msg: &Message,
     peer: &str,
 ) -> Result<(), SideChannelError> {
-    let body = serde_json::to_vec(msg).map_err(|e| SideChannelError::Encode(e.to_string()))?;
-    let len = u32::try_from(body.len()).map_err(|_| {
-        SideChannelError::Encode(format!("a {}-byte message does not fit a frame", body.len()))
-    })?;
+    let buf = frame::encode(msg).map_err(|e| SideChannelError::Encode(e.to_string()))?;
     let io = |source| SideChannelError::Io { peer: peer.to_owned(), source };
-    w.write_all(&len.to_be_bytes()).await.map_err(io)?;
-    w.write_all(&body).await.map_err(io)?;
+    w.write_all(&buf).await.map_err(io)?;
     w.flush().await.map_err(io)
 }
 
@@ -240,10 +237,11 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         }
         got += n;
     }
-    let len = u32::from_be_bytes(len_buf) as usize;
-    if len > cap {
-        return Err(SideChannelError::FrameTooLarge { peer: peer.to_owned(), len: len as u64, cap });
-    }
+    let len = frame::body_len(len_buf, cap).map_err(|e| SideChannelError::FrameTooLarge {
+        peer: peer.to_owned(),
+        len: e.len as u64,
+        cap,
+    })?;
     let mut body = vec![0u8; len];
     tokio::time::timeout_at(deadline, r.read_exact(&mut body))
         .await
@@ -256,7 +254,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
             std::io::ErrorKind::UnexpectedEof => SideChannelError::Closed { peer: peer.to_owned() },
             _ => SideChannelError::Io { peer: peer.to_owned(), source },
         })?;
-    serde_json::from_slice(&body)
+    frame::decode(&body)
         .map(Some)
         .map_err(|e| SideChannelError::Garbage { peer: peer.to_owned(), message: e.to_string() })
 }

@@ -5,10 +5,10 @@
 #![cfg(feature = "cuda")]
 
 use kvconnect_api::{ConnectorFactory, Dtype, FailurePolicy, KvLayout, KvRole, MemoryKind};
+use kvconnect_bench::harness::context;
 use kvconnect_host::worker::{
     local_effective_layout, Engine, EngineConfig, FinishReason, GenRequest, ReferenceConfig,
 };
-use kvconnect_nixl::harness::context;
 use kvconnect_nixl::NixlFactory;
 use serde_json::json;
 use std::sync::atomic::{AtomicBool, Ordering};

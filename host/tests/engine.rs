@@ -71,7 +71,7 @@ fn the_prefix_cache_reuses_whole_prompt_blocks_and_changes_no_output() {
         let ps = prompts(20);
         let want = generate(&mut monolithic(KvLayout::HND, hma, Dtype::Bf16), &ps, 6);
         let mut e = monolithic(KvLayout::HND, hma, Dtype::Bf16);
-        e.enable_prefix_caching();
+        e.enable_prefix_caching().unwrap();
         let run = |e: &mut Engine, id: &str, p: &[u32]| -> Completion {
             e.add_request(GenRequest::new(id.to_owned(), p.to_vec(), 6)).unwrap();
             let done = e.run_to_completion(10_000).unwrap().remove(0);

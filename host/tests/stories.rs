@@ -254,10 +254,29 @@ fn hybrid_models_list_their_state_groups_and_are_refused_without_a_state_carrier
         let o = plan(file, &["--joint"]);
         assert!(o.stdout.contains("but child 'nixl' (prefill and decode) does not carry"), "{}", o.stdout);
     }
+    // The nixl connector carries state over shm (its default backend) and tcp: the same
+    // models with those backends are compatible, and the plan lists their state groups.
     let o = kvconnect(&["plugins", "inspect", "nixl"]);
     assert_eq!(o.code, 0, "{}{}", o.stdout, o.stderr);
     let row = o.stdout.lines().find(|l| l.trim_start().starts_with("carries_state")).unwrap_or_default();
-    assert!(row.ends_with("no"), "{}", o.stdout);
+    assert!(row.ends_with("yes"), "{}", o.stdout);
+    for (file, groups) in [
+        ("nemotron-h-state.toml", "1 group: mamba2 x23 (conv 3x6144 bf16, ssm 64x64x128 f32)"),
+        ("qwen3-next-state.toml", "1 group: gated_delta_net x36 (conv 3x8192 bf16, ssm 32x128x128 bf16)"),
+    ] {
+        for backend in ["shm", "tcp"] {
+            let dir = tempfile::tempdir().unwrap();
+            let src = std::fs::read_to_string(root().join("examples/deployments").join(file))
+                .unwrap()
+                .replace(r#""backends":["UCX"]"#, &format!(r#""backend":"{backend}""#))
+                .replace("../../fixtures", root().join("fixtures").to_str().unwrap());
+            let path = dir.path().join(file);
+            std::fs::write(&path, src).unwrap();
+            let o = kvconnect(&["plan", path.to_str().unwrap()]);
+            assert_eq!(o.code, 0, "{file} over {backend}:\n{}{}", o.stdout, o.stderr);
+            assert!(o.stdout.contains(groups), "{file} over {backend}: {}", o.stdout);
+        }
+    }
 }
 
 #[test]
@@ -307,6 +326,7 @@ fn bad_deployments_exit_2_with_a_clear_message() {
         ("bad/empty-children.toml", &["no children", "kv_connector_extra_config.connectors"][..]),
         ("bad/looping-composite.toml", &["'tiered' contains itself (tiered -> tiered)"][..]),
         ("bad/unknown-keys.toml", &["prefill.kv_cache_layot", "decode.hybrid_kv_cache_manger"][..]),
+        ("bad/model-is-a-device.toml", &["/dev/zero", "not a regular file"][..]),
     ] {
         let o = plan(file, &[]);
         assert_eq!(o.code, 2, "{file}:\n{}{}", o.stdout, o.stderr);
@@ -319,6 +339,28 @@ fn bad_deployments_exit_2_with_a_clear_message() {
     let o = plan("does-not-exist.toml", &[]);
     assert_eq!(o.code, 2);
     assert!(o.stderr.contains("cannot read the deployment file"), "{}", o.stderr);
+}
+
+#[test]
+fn a_reader_that_goes_away_ends_the_command_quietly() {
+    use std::process::Stdio;
+    for args in [&["plugins", "inspect", "nixl"][..], &["plugins", "list", "--json"][..]] {
+        // The reader's end is closed before the command starts, as `| head -0` leaves it.
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let o = Command::new(env!("CARGO_BIN_EXE_kvconnect"))
+            .args(args)
+            .current_dir(root())
+            .env_remove("KVCONNECT_PLUGIN_PATH")
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert_eq!(o.status.code(), Some(141), "{args:?}: {stderr}");
+        assert!(stderr.is_empty(), "{args:?}: nothing on stderr: {stderr}");
+    }
 }
 
 #[test]

@@ -26,8 +26,15 @@ import torch
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 
 from vllm.logger import init_logger
@@ -47,6 +54,78 @@ class KvconnectMetadata(KVConnectorMetadata):
     """One step's metadata: bytes the scheduler half made for the worker half."""
 
     data: bytes
+
+
+@dataclass
+class KvconnectHandshake(KVConnectorHandshakeMetadata):
+    """What the worker (TP rank 0) hands vLLM's scheduler process at startup: where it serves
+    the kvconnect connector's scheduler half. Both halves run in the worker process, as in
+    kvconnect's own workers, so a cache connector's halves share its store."""
+
+    scheduler_socket: str
+
+
+@dataclass
+class KvconnectStats(KVConnectorStats):
+    """kvconnect's counters for one interval, as the worker's native half reports them:
+    `loads_done`, `loads_failed`, `sends_done`, `handshakes`, `handshakes_refused`,
+    `external_requests`, `external_tokens` and `cache_tokens_<connector>_<tier>`. Every value
+    is a count, so workers' and intervals' stats add up."""
+
+    def reset(self):
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> "KvconnectStats":
+        for k, v in (other.data or {}).items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {f"kvconnect_{k}": v for k, v in sorted(self.data.items())}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+# Counters shown on vLLM's /metrics: (stats key, metric name, help).
+_PROM_COUNTERS = [
+    ("loads_done", "vllm:kvconnect_loads_done", "Requests whose external KV kvconnect finished loading."),
+    ("loads_failed", "vllm:kvconnect_loads_failed", "Requests whose external KV load failed."),
+    ("sends_done", "vllm:kvconnect_sends_done", "Requests whose KV a peer finished reading from this engine."),
+    ("handshakes", "vllm:kvconnect_handshakes", "Side-channel handshakes with prefill engines."),
+    ("handshakes_refused", "vllm:kvconnect_handshakes_refused", "Handshakes refused (descriptors differ, wrong engine)."),
+    ("external_requests", "vllm:kvconnect_external_requests", "Requests scheduled to load KV from outside."),
+    ("external_tokens", "vllm:kvconnect_external_tokens", "Prompt tokens scheduled to load instead of computing."),
+]
+
+
+class KvconnectPromMetrics(KVConnectorPromMetrics):
+    """kvconnect's counters as Prometheus counters on vLLM's /metrics; the tokens each cache
+    tier supplied as `vllm:kvconnect_cache_tokens{source="<connector>_<tier>"}`."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        self._counters = {}
+        for key, name, doc in _PROM_COUNTERS:
+            c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = create_metric_per_engine(c, per_engine_labelvalues)
+        self._cache_tokens = self._counter_cls(
+            name="vllm:kvconnect_cache_tokens",
+            documentation="Prompt tokens each kvconnect cache tier supplied.",
+            labelnames=labelnames + ["source"],
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
+        for k, v in (transfer_stats_data or {}).items():
+            if not v:
+                continue
+            if k in self._counters:
+                self._counters[k][engine_idx].inc(v)
+            elif k.startswith("cache_tokens_"):
+                labels = list(self.per_engine_labelvalues[engine_idx]) + [k[len("cache_tokens_"):]]
+                self._cache_tokens.labels(*labels).inc(v)
 
 
 def _layer_index(name: str) -> int:
@@ -195,29 +274,75 @@ class KvconnectConnector(KVConnectorBase_V1):
         super().clear_connector_metadata()
         self._save_blocks = (-1, [])
 
-    def get_finished(self, finished_req_ids: set[str]):
+    # With one KV cache group a failed load is reported by its blocks (vLLM recomputes from
+    # the first bad one); with several, block ids are not unique, so by request instead.
+    _failed_by_request = False
+
+    def _finished(self, finished_req_ids: set[str]):
         sending, recving, failed = self._worker.get_finished(sorted(finished_req_ids))
         for r in recving:
             logger.info("kvconnect worker: request %s loaded its external KV", r)
         for r in failed:
             logger.warning("kvconnect worker: request %s failed to load its external KV", r)
-        # A failed load is finished too: vLLM then applies kv_load_failure_policy to the
-        # blocks get_block_ids_with_load_errors reports.
-        recving = set(recving) | set(failed)
-        return (set(sending) or None, recving or None)
+        return set(sending), set(recving), set(failed)
+
+    def get_finished(self, finished_req_ids: set[str]):
+        sending, recving, failed = self._finished(finished_req_ids)
+        # A failed load is finished too: vLLM then applies kv_load_failure_policy.
+        recving |= failed
+        return (sending or None, recving or None)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=recving | failed,
+            failed_recving=failed if self._failed_by_request else set(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return set(self._worker.block_ids_with_load_errors())
+        blocks = set(self._worker.block_ids_with_load_errors())
+        return set() if self._failed_by_request else blocks
 
     def kvconnect_stats(self) -> dict[str, Any]:
-        """The native worker's counters (loads, sends, handshakes)."""
+        """The native worker's counters since start (see KvconnectStats)."""
         return json.loads(self._worker.stats_json())
+
+    def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
+        socket = self._worker.scheduler_socket() if self._worker is not None else None
+        return None if socket is None else KvconnectHandshake(scheduler_socket=socket)
+
+    def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
+        if self._worker is None:
+            return None
+        delta = json.loads(self._worker.take_stats_json())
+        return KvconnectStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:
+        return KvconnectStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return KvconnectPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:
             self._worker.shutdown()
 
     # ---- scheduler side ----
+
+    def set_xfer_handshake_metadata(self, metadata) -> None:
+        if self._scheduler is None:
+            return
+        sockets = [m.scheduler_socket for m in (metadata or {}).values() if isinstance(m, KvconnectHandshake)]
+        if not sockets:
+            raise _kvconnect.KvconnectError(
+                "kvconnect: no vLLM worker serves the connector's scheduler half (TP rank 0 should); "
+                "run the same kvconnect in vLLM's scheduler and workers"
+            )
+        self._scheduler.attach(sockets[0])
+        logger.info("kvconnect scheduler: the connector's scheduler half runs in the worker, at %s", sockets[0])
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         tokens, is_async = self._scheduler.get_num_new_matched_tokens(
@@ -261,3 +386,16 @@ class KvconnectConnector(KVConnectorBase_V1):
             request.request_id, list(request.prompt_token_ids or []), _params(request), _block_lists(block_ids)
         )
         return delay, (json.loads(params) if params is not None else None)
+
+
+class KvconnectHmaConnector(KvconnectConnector, SupportsHMA):
+    """KvconnectConnector for a kvconnect connector that supports vLLM's hybrid KV cache
+    manager (nixl does; lmcache, flexkv and a composite holding either do not). vLLM keeps
+    HMA on for it, so each KV cache group keeps its own block table; the negotiation then runs
+    with HMA on and refuses, at startup and naming the child, a connector that lacks it.
+    A failed load is reported by request (block ids are per group)."""
+
+    _failed_by_request = True
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        return self.request_finished(request, block_ids)

@@ -43,6 +43,12 @@ pub enum AdapterError {
     /// A combination the adapter does not implement.
     #[error("kvconnect: not implemented: {0}")]
     NotImplemented(String),
+    /// vLLM called the scheduler before it handed over the worker's scheduler socket.
+    #[error("kvconnect: vLLM called {call} before set_xfer_handshake_metadata handed the scheduler the worker's scheduler socket; this vLLM does not pass connector handshake metadata, which kvconnect.vllm needs")]
+    NotAttached {
+        /// The call.
+        call: &'static str,
+    },
     /// Step metadata from the scheduler half cannot be read.
     #[error("kvconnect: step metadata from the scheduler: {0}")]
     Meta(String),

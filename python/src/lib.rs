@@ -6,6 +6,7 @@
 mod error;
 mod meta;
 mod regions;
+mod sched_link;
 mod scheduler;
 mod setup;
 mod worker;

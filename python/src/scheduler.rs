@@ -4,16 +4,19 @@
 
 use crate::error::AdapterError;
 use crate::meta::{self, Peer};
+use crate::sched_link::client::RemoteScheduler;
 use crate::setup::Setup;
 use kvconnect_api::{BlockId, BlocksPerGroup, MatchResult, Request, RequestId, SchedulerConnector, StepInfo};
 use kvconnect_host::server::peers::remote_peer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde_json::{Map, Value};
+use std::path::PathBuf;
 use std::sync::Mutex;
 
 struct State {
-    conn: Box<dyn SchedulerConnector>,
+    /// The half in the worker process, once vLLM handed over its socket.
+    conn: Option<Box<dyn SchedulerConnector>>,
     peers: Vec<Peer>,
 }
 
@@ -50,10 +53,16 @@ impl Scheduler {
     fn with<T>(
         &self,
         call: &'static str,
-        f: impl FnOnce(&mut State) -> Result<T, kvconnect_api::ConnectorError>,
+        f: impl FnOnce(&mut dyn SchedulerConnector, &mut Vec<Peer>) -> Result<T, kvconnect_api::ConnectorError>,
     ) -> Result<T, AdapterError> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        f(&mut st).map_err(|source| AdapterError::Connector { connector: self.name.clone(), call, source })
+        let State { conn, peers } = &mut *st;
+        let conn = conn.as_mut().ok_or(AdapterError::NotAttached { call })?;
+        f(conn.as_mut(), peers).map_err(|source| AdapterError::Connector {
+            connector: self.name.clone(),
+            call,
+            source,
+        })
     }
 }
 
@@ -65,9 +74,18 @@ impl Scheduler {
         crate::init_logging();
         let setup = Setup::from_vllm(setup_json)?;
         let name = setup.ctx.config.kv_connector.clone();
-        let conn = kvconnect_host::server::connector_setup::create_scheduler(&setup.registry, &setup.ctx)
-            .map_err(AdapterError::Negotiation)?;
-        Ok(Scheduler { name, summary: setup.summary(), state: Mutex::new(State { conn, peers: Vec::new() }) })
+        Ok(Scheduler {
+            name,
+            summary: setup.summary(),
+            state: Mutex::new(State { conn: None, peers: Vec::new() }),
+        })
+    }
+
+    /// The socket at which the worker process (TP rank 0) serves the connector's scheduler
+    /// half (`Worker.scheduler_socket`), as vLLM's handshake metadata carried it.
+    fn attach(&self, socket: &str) {
+        let conn = RemoteScheduler::new(&self.name, PathBuf::from(socket));
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).conn = Some(Box::new(conn));
     }
 
     /// Connector, role, effective layout and compat hash, in one line.
@@ -84,8 +102,8 @@ impl Scheduler {
         num_computed: usize,
     ) -> PyResult<(Option<usize>, bool)> {
         let req = request(request_id, prompt_tokens, params_json)?;
-        let m = self
-            .with("get_num_new_matched_tokens", |s| s.conn.get_num_new_matched_tokens(&req, num_computed))?;
+        let m =
+            self.with("get_num_new_matched_tokens", |c, _| c.get_num_new_matched_tokens(&req, num_computed))?;
         Ok(match m {
             MatchResult::Pending => (None, false),
             MatchResult::Matched { tokens, async_load } => (Some(tokens), async_load),
@@ -105,12 +123,12 @@ impl Scheduler {
         let peer = remote_peer(&req.kv_transfer_params)
             .map_err(|e| AdapterError::Setup(format!("request {request_id}: {e}")))?;
         let b = blocks(block_ids);
-        self.with("update_state_after_alloc", |s| {
-            s.conn.update_state_after_alloc(&req, &b, num_external)?;
+        self.with("update_state_after_alloc", |c, peers| {
+            c.update_state_after_alloc(&req, &b, num_external)?;
             if let Some((engine_id, addr)) = peer {
                 let p = Peer { engine_id, addr };
-                if !s.peers.contains(&p) {
-                    s.peers.push(p);
+                if !peers.contains(&p) {
+                    peers.push(p);
                 }
             }
             Ok(())
@@ -131,9 +149,9 @@ impl Scheduler {
             scheduled: scheduled.into_iter().map(RequestId).collect(),
             finished: finished.into_iter().map(RequestId).collect(),
         };
-        let (peers, inner) = self.with("build_connector_meta", |s| {
-            let inner = s.conn.build_connector_meta(&info)?;
-            Ok((std::mem::take(&mut s.peers), inner))
+        let (peers, inner) = self.with("build_connector_meta", |c, peers| {
+            let inner = c.build_connector_meta(&info)?;
+            Ok((std::mem::take(peers), inner))
         })?;
         let bytes = meta::encode(&peers, &inner).map_err(AdapterError::Meta)?;
         Ok(PyBytes::new(py, &bytes))
@@ -149,7 +167,7 @@ impl Scheduler {
     ) -> PyResult<(bool, Option<String>)> {
         let req = request(request_id, prompt_tokens, params_json)?;
         let b = blocks(block_ids);
-        let r = self.with("request_finished", |s| s.conn.request_finished(&req, &b))?;
+        let r = self.with("request_finished", |c, _| c.request_finished(&req, &b))?;
         let params = r.transfer_params.map(|m| Value::Object(m).to_string());
         Ok((r.delay_free, params))
     }

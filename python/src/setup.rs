@@ -7,9 +7,9 @@
 
 use crate::error::AdapterError;
 use kvconnect_api::compat::CompatDescriptor;
-use kvconnect_api::negotiate::{EngineOptions, HmaOption, Negotiated};
+use kvconnect_api::negotiate::{Conflict, EngineOptions, HmaOption, Negotiated};
 use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelSpec};
-use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype};
+use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
 use kvconnect_host::registry::{Registry, RegistryConfig};
 use kvconnect_host::server::connector_setup::{nixl_backend, with_side_channel};
 use kvconnect_nixl::auth::{Secret, SECRET_ENV};
@@ -159,8 +159,15 @@ impl Setup {
             }
         };
 
-        let (negotiated, compat) = negotiate_worker(&registry, &config, &model, &opts, role_name(role))
-            .map_err(|e| AdapterError::Negotiation(e.to_string()))?;
+        let (negotiated, compat) =
+            negotiate_worker(&registry, &config, &model, &opts, role_name(role)).map_err(|e| match &e {
+                DeploymentError::Conflict { conflict, .. } if matches!(**conflict, Conflict::HmaUnsupported { .. }) => {
+                    AdapterError::Negotiation(format!(
+                        "{e}; inside vLLM: name KvconnectConnector instead of KvconnectHmaConnector, and vLLM turns its hybrid KV cache manager off"
+                    ))
+                }
+                _ => AdapterError::Negotiation(e.to_string()),
+            })?;
         let timeout = extra.handshake_timeout_s.unwrap_or(10.0);
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(extra_err(format!(

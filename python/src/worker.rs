@@ -6,13 +6,16 @@
 use crate::error::AdapterError;
 use crate::meta::{self, Peer};
 use crate::regions::{self, TensorDesc};
+use crate::sched_link::server::{SchedulerCounters, SchedulerServer};
 use crate::setup::Setup;
 use kvconnect_api::{BlockId, ConnectorError, LayerId, RequestId, WorkerConnector};
+use kvconnect_host::server::connector_setup;
 use kvconnect_host::server::peers::peer_envelope;
 use kvconnect_host::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
 use pyo3::prelude::*;
 use serde_json::json;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
 #[derive(Default)]
@@ -22,6 +25,30 @@ struct Counters {
     sends_done: u64,
     handshakes: u64,
     handshakes_refused: u64,
+    /// Tokens each cache tier supplied (`<connector>_<tier>`), from the connectors' load
+    /// reports, taken as vLLM finishes each request.
+    cache_tokens: BTreeMap<String, u64>,
+}
+
+impl Counters {
+    /// Every counter by its stats name, with the scheduler half's when this worker serves it.
+    fn named(&self, sched: Option<&SchedulerCounters>) -> BTreeMap<String, u64> {
+        let mut m = BTreeMap::from([
+            ("loads_done".to_owned(), self.loads_done),
+            ("loads_failed".to_owned(), self.loads_failed),
+            ("sends_done".to_owned(), self.sends_done),
+            ("handshakes".to_owned(), self.handshakes),
+            ("handshakes_refused".to_owned(), self.handshakes_refused),
+        ]);
+        if let Some(sc) = sched {
+            m.insert("external_requests".into(), sc.external_requests.load(Ordering::Relaxed));
+            m.insert("external_tokens".into(), sc.external_tokens.load(Ordering::Relaxed));
+        }
+        for (k, v) in &self.cache_tokens {
+            m.insert(format!("cache_tokens_{k}"), *v);
+        }
+        m
+    }
 }
 
 struct State {
@@ -31,6 +58,8 @@ struct State {
     /// Peers handshaken with: Ok, or why nothing may be loaded from them.
     peers: HashMap<Peer, Result<(), String>>,
     counters: Counters,
+    /// The counters as last reported to vLLM (`take_stats_json`).
+    reported: BTreeMap<String, u64>,
 }
 
 /// The worker half of a kvconnect connector inside vLLM.
@@ -40,6 +69,8 @@ pub struct Worker {
     setup: Setup,
     rt: tokio::runtime::Runtime,
     state: Mutex<State>,
+    /// TP rank 0 serves the connector's scheduler half to vLLM's scheduler process.
+    scheduler: Option<SchedulerServer>,
 }
 
 impl Worker {
@@ -102,8 +133,17 @@ impl Worker {
         crate::init_logging();
         let setup = Setup::from_vllm(setup_json)?;
         let name = setup.ctx.config.kv_connector.clone();
-        let conn = kvconnect_host::server::connector_setup::create_worker(&setup.registry, &setup.ctx)
-            .map_err(AdapterError::Negotiation)?;
+        // Both halves in this process, scheduler half first, as kvconnect's own workers make
+        // them: a connector's halves may share state (lmcache's and flexkv's stores).
+        let scheduler = if setup.ctx.tp_rank == 0 {
+            let half = connector_setup::create_scheduler(&setup.registry, &setup.ctx)
+                .map_err(AdapterError::Negotiation)?;
+            Some(SchedulerServer::start(&name, half)?)
+        } else {
+            None
+        };
+        let conn =
+            connector_setup::create_worker(&setup.registry, &setup.ctx).map_err(AdapterError::Negotiation)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("kvconnect-sidechannel")
@@ -118,13 +158,20 @@ impl Worker {
             server: None,
             peers: HashMap::new(),
             counters: Counters::default(),
+            reported: BTreeMap::new(),
         };
-        Ok(Worker { name, setup, rt, state: Mutex::new(state) })
+        Ok(Worker { name, setup, rt, state: Mutex::new(state), scheduler })
     }
 
     /// Connector, role, effective layout and compat hash, in one line.
     fn summary(&self) -> String {
         self.setup.summary()
+    }
+
+    /// Where this worker serves the connector's scheduler half (TP rank 0 only), for vLLM's
+    /// scheduler process (`Scheduler.attach`).
+    fn scheduler_socket(&self) -> Option<String> {
+        self.scheduler.as_ref().map(|s| s.path().display().to_string())
     }
 
     /// vLLM's KV cache tensors, one per attention layer: `(layer name, layer index, data
@@ -204,8 +251,15 @@ impl Worker {
     /// `(finished sending, finished receiving, failed receiving)` request ids.
     fn get_finished(&self, finished: Vec<String>) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
         let ids: Vec<RequestId> = finished.into_iter().map(RequestId).collect();
+        let engine = self.setup.ctx.engine_id.as_str();
         let f = self.with("get_finished", |s| {
             let f = s.conn.get_finished(&ids)?;
+            for r in &ids {
+                for t in kvconnect_api::load_report::take(engine, &r.0) {
+                    *s.counters.cache_tokens.entry(format!("{}_{}", t.connector, t.tier)).or_default() +=
+                        t.tokens;
+                }
+            }
             s.counters.sends_done += f.finished_sending.len() as u64;
             s.counters.loads_done += f.finished_recving.len() as u64;
             s.counters.loads_failed += f.failed_recving.len() as u64;
@@ -220,18 +274,29 @@ impl Worker {
         Ok(b.into_iter().map(|b| b.0).collect())
     }
 
-    /// Counters since start, as JSON: loads finished and failed, sends finished, handshakes.
+    /// Counters since start, as a JSON object of numbers: loads finished and failed, sends
+    /// finished, handshakes, tokens each cache tier supplied and, on the worker that serves
+    /// the scheduler half, requests and tokens scheduled to load from outside.
     fn stats_json(&self) -> String {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let c = &st.counters;
-        json!({
-            "loads_done": c.loads_done,
-            "loads_failed": c.loads_failed,
-            "sends_done": c.sends_done,
-            "handshakes": c.handshakes,
-            "handshakes_refused": c.handshakes_refused,
-        })
-        .to_string()
+        json!(st.counters.named(self.scheduler.as_ref().map(|s| s.counters()))).to_string()
+    }
+
+    /// What the counters grew by since the last call (only those that grew), for vLLM's
+    /// per-interval connector stats.
+    fn take_stats_json(&self) -> String {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let now = st.counters.named(self.scheduler.as_ref().map(|s| s.counters()));
+        let delta: BTreeMap<&String, u64> = now
+            .iter()
+            .filter_map(|(k, v)| {
+                let d = v.saturating_sub(st.reported.get(k).copied().unwrap_or(0));
+                (d > 0).then_some((k, d))
+            })
+            .collect();
+        let out = json!(delta).to_string();
+        st.reported = now;
+        out
     }
 
     fn shutdown(&self) -> PyResult<()> {

@@ -1,9 +1,10 @@
 //! Shared helpers for kvconnect's end-to-end tests: start `kvconnect worker` processes, read
 //! the addresses they print, and talk HTTP/1.1 to them without pulling in a client library.
 
-#![allow(unsafe_code)] // Signals to processes the tests spawned (kill(2)).
+#![allow(unsafe_code)] // Signals to processes the tests spawned (kill(2)); setns(2) in netns.
 
 pub mod cargo_cmd;
+pub mod netns;
 pub mod plugin_fixtures;
 pub mod readme;
 pub mod round_trip;
@@ -81,7 +82,13 @@ impl Worker {
     /// As [`Worker::start`], with these variables added to its environment (a secret, which
     /// must never be on its command line).
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Worker {
-        let mut child = Command::new(kvconnect_bin())
+        Worker::start_command(Command::new(kvconnect_bin()), args, env)
+    }
+
+    /// As [`Worker::start_with_env`], with `kvconnect` run by `command` (which ends with the
+    /// kvconnect binary: `ip netns exec NS kvconnect`, say).
+    pub fn start_command(mut command: Command, args: &[&str], env: &[(&str, &str)]) -> Worker {
+        let mut child = command
             .arg("worker")
             .args(args)
             .envs(env.iter().copied())
@@ -322,6 +329,11 @@ pub fn reference_model() -> PathBuf {
     fixture_model("kvconnect--reference")
 }
 
+/// The hybrid reference model's config: sliding-window, state and full-attention layers.
+pub fn hybrid_reference_model() -> PathBuf {
+    fixture_model("kvconnect--reference-hybrid")
+}
+
 /// Writes `dir/name`, a deployment file for `model` with one table per role: the role's
 /// kv-transfer-config and any more `key = value` lines for it.
 pub fn write_deployment(
@@ -369,8 +381,18 @@ pub fn disaggregated(
 /// Greedy output of a single in-process reference engine without any connector: the
 /// monolithic baseline disaggregated output must equal token for token.
 pub fn monolithic(prompts: &[Vec<u32>], max_tokens: usize, layout: kvconnect_api::KvLayout) -> Vec<Vec<u32>> {
-    use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
-    let model = ReferenceConfig::builtin().expect("reference config");
+    let model = kvconnect_host::worker::ReferenceConfig::builtin().expect("reference config");
+    monolithic_of(model, prompts, max_tokens, layout)
+}
+
+/// [`monolithic`] with another reference model (e.g. the hybrid one).
+pub fn monolithic_of(
+    model: kvconnect_host::worker::ReferenceConfig,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    layout: kvconnect_api::KvLayout,
+) -> Vec<Vec<u32>> {
+    use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest};
     let spec = model.model_spec().expect("reference spec");
     let eff = local_effective_layout(&spec, layout, true, 16, kvconnect_api::Dtype::Bf16);
     let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed: 0, shm: None, tp_size: 1 };

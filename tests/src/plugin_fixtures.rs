@@ -64,6 +64,20 @@ pub fn abi_host(tmp: &Path, args: &[&str]) -> PathBuf {
     build_locked(tmp, &src, &format!("kvconnect-abi-host{}", std::env::consts::EXE_SUFFIX), args).0
 }
 
+/// Runs `cargo build` on `tests/fixtures/region-forger` (`args`: e.g. `--features host`),
+/// without asserting success: its tests look at whether kvconnect-api let it build.
+pub fn build_region_forger(tmp: &Path, args: &[&str]) -> std::process::Output {
+    let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
+    let src = fixture_source(tmp, "region-forger", &["src/lib.rs"]);
+    let lock = std::fs::read(workspace_root().join("Cargo.lock")).expect("read Cargo.lock");
+    write_if_changed(&src.join("Cargo.lock"), &lock);
+    let target = target_dir(tmp);
+    let target_arg = target.to_string_lossy();
+    let mut all = vec!["build", "--offline", "--target-dir", &target_arg];
+    all.extend_from_slice(args);
+    cargo_cmd::command(&all, &src).output().expect("run cargo")
+}
+
 /// The caller holds `BUILD`. The library is overwritten by the next build with other
 /// features; callers that need it to stay copy it.
 fn build_example(tmp: &Path, features: &[&str]) -> PathBuf {

@@ -52,6 +52,8 @@ const CLAIMS: &[Claim] = &[
     claim("nixl", "hma", "tests/tests/pd_determinism.rs::shm_hma_on"),
     claim("nixl", "heterogeneous_tp", "tests/tests/pd_determinism.rs::shm_tp_2_to_1"),
     claim("nixl", "mla", DEEPSEEK_PD),
+    // Declared with backends shm (the default) and tcp; both run in the matrix.
+    claim("nixl", "carries_state", "tests/tests/pd_determinism.rs::hybrid_model_shm_hma_on"),
     claim("nixl", "async_load", NIXL_FLOW),
     claim("nixl", "memory:host", NIXL_FLOW),
     gpu("nixl", "memory:device", "connectors/nixl/tests/cuda_ipc.rs::same_process_equal_layouts"),
@@ -191,6 +193,10 @@ fn configurations(tmp: &std::path::Path) -> Vec<(&'static str, String)> {
     );
     vec![
         ("nixl", nixl.to_owned()),
+        (
+            "nixl",
+            r#"{"kv_connector":"NixlConnector","kv_connector_extra_config":{"backend":"tcp"}}"#.to_owned(),
+        ),
         ("lmcache", lmcache.to_owned()),
         ("lmcache", lmcache_all.clone()),
         ("flexkv", flexkv.to_owned()),
@@ -205,14 +211,19 @@ fn configurations(tmp: &std::path::Path) -> Vec<(&'static str, String)> {
 fn declared() -> BTreeMap<&'static str, BTreeSet<String>> {
     let tmp = tempfile::tempdir().unwrap();
     let registry = Registry::builtins_only();
-    let models: Vec<ModelSpec> =
-        ["Qwen--Qwen3-0.6B", "deepseek-ai--DeepSeek-V2-Lite", "openai--gpt-oss-20b", "kvconnect--reference"]
-            .iter()
-            .map(|m| {
-                let text = std::fs::read_to_string(fixture_model(m)).unwrap();
-                ModelSpec::from_hf_config_json(&text).unwrap()
-            })
-            .collect();
+    let models: Vec<ModelSpec> = [
+        "Qwen--Qwen3-0.6B",
+        "deepseek-ai--DeepSeek-V2-Lite",
+        "openai--gpt-oss-20b",
+        "kvconnect--reference",
+        "kvconnect--reference-hybrid",
+    ]
+    .iter()
+    .map(|m| {
+        let text = std::fs::read_to_string(fixture_model(m)).unwrap();
+        ModelSpec::from_hf_config_json(&text).unwrap()
+    })
+    .collect();
     let mut out: BTreeMap<&'static str, BTreeSet<String>> = BTreeMap::new();
     for (name, json) in configurations(tmp.path()) {
         let config = KvTransferConfig::from_json(&json).unwrap();

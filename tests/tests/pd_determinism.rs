@@ -1,13 +1,18 @@
 //! Disaggregated serving gives exactly the tokens of a single worker: one prefill and one
 //! decode process per configuration (HMA on and off; shm, tcp and the real NIXL library;
 //! tensor-parallel pairs 1->2, 2->1 and 2->2, decode's ranks reading their heads from
-//! prefill's), 50 prompts of varied
+//! prefill's; the hybrid reference model, whose state layers' per-request state moves with
+//! the KV), 50 prompts of varied
 //! length each, greedy output compared token for token with a monolithic engine. Every
 //! decode must really have loaded the prompt's KV from prefill (all but the last prompt
 //! token), so a silent recompute cannot pass for a transfer.
 
 use kvconnect_api::KvLayout;
-use kvconnect_tests::{disaggregated, monolithic, reference_model, token_ids, varied_prompts, Worker};
+use kvconnect_tests::{
+    disaggregated, hybrid_reference_model, monolithic, monolithic_of, reference_model, token_ids,
+    varied_prompts, Worker,
+};
+use std::path::Path;
 use std::sync::OnceLock;
 
 const PROMPTS: usize = 50;
@@ -31,12 +36,26 @@ fn nixl(role: &str, backend: &str) -> String {
     )
 }
 
-fn start(side: &str, role: &str, backend: &str, hma: &str) -> Worker {
-    start_tp(side, role, backend, hma, 1)
+/// The hybrid model's prompts (the same as the plain model's) and its monolithic outputs.
+fn hybrid_baseline() -> &'static Baseline {
+    static B: OnceLock<Baseline> = OnceLock::new();
+    B.get_or_init(|| {
+        let prompts = varied_prompts(PROMPTS);
+        let model = kvconnect_host::worker::ReferenceConfig::builtin_hybrid().expect("hybrid config");
+        let mono = monolithic_of(model, &prompts, MAX_TOKENS, KvLayout::HND);
+        (prompts, mono)
+    })
 }
 
-fn start_tp(side: &str, role: &str, backend: &str, hma: &str, tp: u32) -> Worker {
-    let model = reference_model();
+fn start(side: &str, role: &str, backend: &str, hma: &str) -> Worker {
+    start_tp(&reference_model(), side, role, backend, hma, 1)
+}
+
+fn start_model(model: &Path, side: &str, role: &str, backend: &str, hma: &str) -> Worker {
+    start_tp(model, side, role, backend, hma, 1)
+}
+
+fn start_tp(model: &Path, side: &str, role: &str, backend: &str, hma: &str, tp: u32) -> Worker {
     let tp = tp.to_string();
     Worker::start(&[
         "--tp-size",
@@ -59,25 +78,35 @@ fn check(backend: &str, hma: &str) {
 }
 
 fn check_roles(backend: &str, hma: &str, prefill_role: &str, decode_role: &str) {
-    check_workers(
-        backend,
-        hma,
-        start("prefill", prefill_role, backend, hma),
-        start("decode", decode_role, backend, hma),
-    );
+    let prefill = start("prefill", prefill_role, backend, hma);
+    let decode = start("decode", decode_role, backend, hma);
+    check_pair(baseline(), &prefill, &decode, backend, hma);
 }
 
 /// Prefill with TP `p`, decode with TP `d`.
 fn check_tp(backend: &str, p: u32, d: u32) {
-    let prefill = start_tp("prefill", "kv_producer", backend, "on", p);
-    let decode = start_tp("decode", "kv_consumer", backend, "on", d);
-    check_workers(backend, &format!("on, tp {p}->{d}"), prefill, decode);
+    let model = reference_model();
+    let prefill = start_tp(&model, "prefill", "kv_producer", backend, "on", p);
+    let decode = start_tp(&model, "decode", "kv_consumer", backend, "on", d);
+    check_pair(baseline(), &prefill, &decode, backend, &format!("on, tp {p}->{d}"));
 }
 
-fn check_workers(backend: &str, hma: &str, prefill: Worker, decode: Worker) {
-    let (prompts, mono) = baseline();
+/// The hybrid reference model: attention KV and the state layers' state move from prefill
+/// to decode. Prefill stops one prompt token short (vLLM's `_prefill_backoff`); decode
+/// must still load all but the last prompt token and compute only that one, so a decode
+/// that recomputed the prompt (or kept a state of its own) fails the token count or the
+/// output.
+fn check_hybrid(backend: &str) {
+    let model = hybrid_reference_model();
+    let prefill = start_model(&model, "prefill", "kv_producer", backend, "on");
+    let decode = start_model(&model, "decode", "kv_consumer", backend, "on");
+    check_pair(hybrid_baseline(), &prefill, &decode, backend, "on");
+}
+
+fn check_pair(base: &Baseline, prefill: &Worker, decode: &Worker, backend: &str, hma: &str) {
+    let (prompts, mono) = base;
     for (i, p) in prompts.iter().enumerate() {
-        let (st, d) = disaggregated(&prefill, &decode, p, MAX_TOKENS);
+        let (st, d) = disaggregated(prefill, decode, p, MAX_TOKENS);
         assert_eq!(st, 200, "prompt {i} (len {}): decode failed: {d}\n{}", p.len(), decode.log());
         let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
         assert_eq!(
@@ -138,6 +167,16 @@ fn tcp_tp_1_to_2() {
 #[test]
 fn tcp_tp_2_to_1() {
     check_tp("tcp", 2, 1);
+}
+
+#[test]
+fn hybrid_model_shm_hma_on() {
+    check_hybrid("shm");
+}
+
+#[test]
+fn hybrid_model_tcp_hma_on() {
+    check_hybrid("tcp");
 }
 
 #[test]

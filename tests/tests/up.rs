@@ -16,7 +16,7 @@ use kvconnect_tests::{http_request, kvconnect_bin, monolithic, reference_model, 
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command};
+use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// A running `kvconnect up` (SIGKILLed on drop if a test failed before stopping it; its
@@ -323,6 +323,29 @@ fn up_hands_its_workers_one_secret_by_environment_and_decode_its_producers() {
 }
 
 #[test]
+fn hybrid_model_workload_moves_kv_and_state_and_equals_monolithic() {
+    // The hybrid reference model (sliding, state and full layers) over nixl shm with HMA on:
+    // every decode loads its prompt's KV and state from prefill, none recomputes, and every
+    // output equals the monolithic engine's.
+    let deployment = kvconnect_tests::workspace_root().join("examples/deployments/hybrid-up.toml");
+    let out = Command::new(kvconnect_bin())
+        .arg("up")
+        .arg(&deployment)
+        .args(["--workload", "8", "--json"])
+        .stdin(Stdio::null())
+        .output()
+        .expect("run kvconnect up --workload");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report: Value = serde_json::from_str(stdout.split_once('\n').unwrap().1).unwrap();
+    assert_eq!(report["requests"], 8, "{report}");
+    assert_eq!(report["failed"], 0, "{report}");
+    assert_eq!(report["mismatches"], 0, "{report}");
+    assert_eq!(report["loaded_requests"], 8, "every decode loaded from prefill: {report}");
+    assert_eq!(report["recomputed_requests"], 0, "no decode recomputed its prompt: {report}");
+}
+
+#[test]
 fn workload_report_checks_every_output_and_exits_zero() {
     // One request at a time: a prompt sharing a prefix with one still in flight would find
     // nothing stored yet, so the hit rate would depend on timing.
@@ -364,4 +387,29 @@ fn up_refuses_a_missing_deployment_before_starting_anything() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no such file"), "{err}");
     assert!(out.stdout.is_empty(), "no address line for a deployment that cannot start");
+}
+
+#[test]
+fn the_proxy_and_its_workers_refuse_a_body_over_the_limit_with_413() {
+    let up = Up::start(&[]);
+    let too_big = kvconnect_host::server::gate::DEFAULT_MAX_BODY_BYTES + 1;
+    for addr in [up.proxy.as_str(), up.line["decode"][0].as_str().unwrap()] {
+        // Declared over the limit: answered without the body being sent at all.
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(60))).unwrap();
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: up\r\nContent-Type: application/json\r\nContent-Length: {too_big}\r\nConnection: close\r\n\r\n"
+        );
+        s.write_all(head.as_bytes()).unwrap();
+        let mut raw = String::new();
+        let _ = s.read_to_string(&mut raw);
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+        let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let e: Value = serde_json::from_str(body).unwrap_or(Value::String(body.to_owned()));
+        assert_openai_error(status, &e, 413, "--max-request-body-bytes");
+        assert_eq!(e["error"]["code"], "request_too_large", "{addr}: {e}");
+    }
+    let (st, d) = up.post("/v1/completions", &json!({"prompt": "Hello, limit", "max_tokens": MAX}));
+    assert_eq!(st, 200, "{d}");
+    up.terminate_and_check_clean();
 }

@@ -1,7 +1,8 @@
-"""Builds a tiny Llama with a fixed seed and a local byte-level BPE tokenizer (with a chat
+"""Builds a tiny Llama (or, with `sliding`, a Gemma-3-like model whose first layer attends
+through a sliding window) with a fixed seed and a local byte-level BPE tokenizer (with a chat
 template) into a directory, so vLLM can serve it without any download.
 
-    python make_tiny_model.py DIR
+    python make_tiny_model.py DIR [llama|sliding]
 
 Random weights from a fixed seed are deterministic: greedy outputs of two runs compare exactly.
 """
@@ -30,26 +31,46 @@ CHAT_TEMPLATE = (
 )
 
 
-def build(out: str) -> None:
-    torch.manual_seed(SEED)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-    )
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out)
+# What both kinds share: the size of every layer and the special tokens.
+GEOMETRY = dict(
+    vocab_size=VOCAB,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=3,
+    torch_dtype="bfloat16",
+)
 
+
+def _sliding() -> "torch.nn.Module":
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    cfg = Gemma3TextConfig(
+        query_pre_attn_scalar=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        **GEOMETRY,
+    )
+    return Gemma3ForCausalLM(cfg)
+
+
+def build(out: str, kind: str = "llama") -> None:
+    torch.manual_seed(SEED)
+    if kind == "sliding":
+        model = _sliding()
+    else:
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **GEOMETRY))
+    model.to(torch.bfloat16).save_pretrained(out)
+    _tokenizer(out)
+
+
+def _tokenizer(out: str) -> None:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -71,6 +92,6 @@ def build(out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: make_tiny_model.py DIR")
-    build(sys.argv[1])
+    if len(sys.argv) not in (2, 3):
+        sys.exit("usage: make_tiny_model.py DIR [llama|sliding]")
+    build(*sys.argv[1:])

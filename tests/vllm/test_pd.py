@@ -10,131 +10,23 @@ Exit status 0 when every check passed; the failing check and the servers' log ta
 
 import argparse
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-try:
-    import requests
-    import vllm  # noqa: F401
-    import kvconnect.vllm  # noqa: F401
-except ImportError as e:
-    msg = (f"vLLM tests skipped: {e}; install vLLM with scripts/install-vllm.sh and kvconnect with "
-           "VENV/bin/pip install ./python, then run this with VENV/bin/python")
-    if os.environ.get("KVCONNECT_REQUIRE_VLLM") == "1":
-        sys.exit("FAILED: " + msg)
-    print(msg)
-    sys.exit(0)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (  # noqa: E402
+    BLOCK, MAX_TOKENS, Failed, Server, complete, external_tokens, free_port,
+    kv_config, make_tiny_model, run_checks, run_refused, tokens_of, wait_log, wait_metric,
+)
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import make_tiny_model  # noqa: E402
-
-BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 # Shorter than a block, exactly one, one past, several, and long.
 PROMPT_LENS = [5, 20, 31, 32, 33, 63, 64, 65, 96, 100, 150, 200]
-MAX_TOKENS = 12
-START_TIMEOUT = 420
-
-
-class Failed(Exception):
-    pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prompts() -> list[list[int]]:
     rng = random.Random(7)
     return [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in PROMPT_LENS]
-
-
-class Server:
-    def __init__(self, name: str, model: str, logdir: Path, core: int, kv_config=None, extra_env=None):
-        self.name = name
-        self.port = free_port()
-        self.log_path = logdir / f"{name}.log"
-        cmd = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", model, "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK),
-            "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-        ]
-        if kv_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
-        env = dict(os.environ)
-        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-                    "KVCONNECT_LOG": "info", "PYTHONFAULTHANDLER": "1"})
-        env.update(extra_env or {})
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def wait_healthy(self, timeout=START_TIMEOUT):
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise Failed(f"{self.name} exited with status {self.proc.returncode} before it was healthy\n{self.tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(1)
-        raise Failed(f"{self.name} not healthy within {timeout} s\n{self.tail()}")
-
-    def wait_exit(self, timeout) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise Failed(f"{self.name} still running after {timeout} s\n{self.tail()}")
-
-    def text(self) -> str:
-        self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def tail(self, n=40) -> str:
-        lines = self.text().splitlines()[-n:]
-        return "\n".join(f"  [{self.name}] {l}" for l in lines)
-
-    def stop(self):
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.log.close()
-
-
-def complete(url: str, prompt: list[int], request_id: str, kv_transfer_params=None, max_tokens=MAX_TOKENS) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "return_token_ids": True}
-    if kv_transfer_params is not None:
-        body["kv_transfer_params"] = kv_transfer_params
-    r = requests.post(url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=120)
-    if r.status_code != 200:
-        raise Failed(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
-    return r.json()
-
-
-def tokens_of(resp: dict) -> list:
-    c = resp["choices"][0]
-    return c.get("token_ids") or c["text"]
 
 
 def pd_complete(prefill: str, decode: str, prompt: list[int], request_id: str) -> dict:
@@ -149,22 +41,6 @@ def pd_complete(prefill: str, decode: str, prompt: list[int], request_id: str) -
     return complete(decode, prompt, request_id, kv_transfer_params=params)
 
 
-def kv_config(role: str, inner: dict, port=None) -> dict:
-    extra = {"kvconnect": inner}
-    if port is not None:
-        extra["side_channel_port"] = port
-    return {"kv_connector": "KvconnectConnector", "kv_connector_module_path": "kvconnect.vllm",
-            "kv_role": role, "kv_connector_extra_config": extra}
-
-
-def external_tokens(log: str) -> list[int]:
-    out = []
-    for line in log.splitlines():
-        if "kvconnect scheduler: request" in line and "external tokens" in line:
-            out.append(int(line.split(" loads ")[1].split()[0]))
-    return out
-
-
 def run_monolithic(model: str, logdir: Path, ps) -> list:
     srv = Server("monolithic", model, logdir, core=0)
     try:
@@ -174,33 +50,54 @@ def run_monolithic(model: str, logdir: Path, ps) -> list:
         srv.stop()
 
 
-def run_pd(model: str, logdir: Path, ps, backend: str, expected: list):
-    inner = {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": backend}}
-    pre = Server(f"prefill-{backend}", model, logdir, core=0,
-                 kv_config=kv_config("kv_producer", inner, port=free_port()))
-    dec = Server(f"decode-{backend}", model, logdir, core=1, kv_config=kv_config("kv_consumer", inner))
+def nixl(backend: str) -> dict:
+    return {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": backend}}
+
+
+def run_pd(model: str, logdir: Path, ps, label: str, pre_inner: dict, dec_inner: dict, expected: list,
+           dec_class: str = "KvconnectConnector"):
+    """Prefill and decode servers through the adapter; outputs equal `expected`, decode loads
+    the prompts' KV and vLLM's /metrics and stats log show kvconnect's counters."""
+    pre = Server(f"prefill-{label}", model, logdir, core=0,
+                 kv_config=kv_config("kv_producer", pre_inner, port=free_port()))
+    dec = Server(f"decode-{label}", model, logdir, core=1,
+                 kv_config=kv_config("kv_consumer", dec_inner, cls=dec_class))
     try:
         pre.wait_healthy()
         dec.wait_healthy()
         for s in (pre, dec):
             if "compat hash" not in s.text():
                 raise Failed(f"{s.name} did not log its negotiated layout and compat hash\n{s.tail()}")
-        got = [tokens_of(pd_complete(pre.url, dec.url, p, f"pd-{backend}-{i}")) for i, p in enumerate(ps)]
+        got = [tokens_of(pd_complete(pre.url, dec.url, p, f"pd-{label}-{i}")) for i, p in enumerate(ps)]
         for i, (g, e) in enumerate(zip(got, expected)):
             if g != e:
-                raise Failed(f"{backend}: prompt {i} ({len(ps[i])} tokens): P/D gave {g}, monolithic {e}")
+                raise Failed(f"{label}: prompt {i} ({len(ps[i])} tokens): P/D gave {g}, monolithic {e}")
         ext = external_tokens(dec.text())
         # vLLM's CPU attention continues a prompt from a block boundary only: decode loads the
         # whole blocks before the prompt's last token and computes the rest.
         want = [(len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK]
         if sorted(ext) != sorted(want):
-            raise Failed(f"{backend}: decode loaded external tokens {ext}, expected {want} (the whole blocks before each prompt's last token)\n{dec.tail()}")
+            raise Failed(f"{label}: decode loaded external tokens {ext}, expected {want} (the whole blocks before each prompt's last token)\n{dec.tail()}")
         loaded = dec.text().count("loaded its external KV")
         if loaded != len(want) or "failed to load its external KV" in dec.text():
-            raise Failed(f"{backend}: decode's worker finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
+            raise Failed(f"{label}: decode's worker finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
         if "handshake accepted" not in dec.text():
-            raise Failed(f"{backend}: decode never handshook with prefill\n{dec.tail()}")
-        print(f"ok: P/D over nixl/{backend} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens")
+            raise Failed(f"{label}: decode never handshook with prefill\n{dec.tail()}")
+        # kvconnect's counters reach vLLM's /metrics through the connector stats hooks.
+        n, total = len(want), sum(want)
+        loads = wait_metric(dec.url, "vllm:kvconnect_loads_done_total", n)
+        ext_m = wait_metric(dec.url, "vllm:kvconnect_external_tokens_total", total)
+        vllm_ext = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", total)
+        # Prefill holds every request's blocks for decode, loaded or not (decode computes a
+        # prompt shorter than a block itself and releases it).
+        sends = wait_metric(pre.url, "vllm:kvconnect_sends_done_total", len(ps))
+        if (loads, ext_m, vllm_ext, sends) != (n, total, total, len(ps)):
+            raise Failed(f"{label}: /metrics show decode loads {loads}, kvconnect external tokens {ext_m}, "
+                         f"vLLM external prefix-cache hits {vllm_ext}, prefill sends {sends}; expected {n}, "
+                         f"{total}, {total}, {len(ps)}")
+        if not wait_log(dec, "KV Transfer metrics: kvconnect_"):
+            raise Failed(f"{label}: vLLM's stats log never showed kvconnect's transfer metrics\n{dec.tail()}")
+        print(f"ok: P/D over {label} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens")
     except Failed:
         print(pre.tail(), file=sys.stderr)
         print(dec.tail(), file=sys.stderr)
@@ -210,36 +107,28 @@ def run_pd(model: str, logdir: Path, ps, backend: str, expected: list):
         dec.stop()
 
 
-def run_refused(model: str, logdir: Path, name: str, inner: dict, want: str):
-    """vLLM must stop at startup with kvconnect's one-line message containing `want`."""
-    srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner, port=free_port()))
-    try:
-        status = srv.wait_exit(START_TIMEOUT)
-        text = srv.text()
-        if status == 0:
-            raise Failed(f"{name}: vLLM started")
-        line = next((l for l in text.splitlines() if want in l and "KvconnectError" in l), None)
-        if line is None:
-            raise Failed(f"{name}: not refused with kvconnect's message ({want!r})\n{srv.tail()}")
-        print(f"ok: {name} refused at startup: {line.strip()[:400]}")
-    finally:
-        srv.stop()
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", default="tcp")
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
     a = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="kvconnect-vllm-"))
-    model = str(tmp / "model")
-    make_tiny_model.build(model)
-    ps = prompts()
-    try:
+
+    def checks(model: str, tmp: Path):
+        ps = prompts()
         expected = run_monolithic(model, tmp, ps)
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
         for backend in a.backends.split(","):
-            run_pd(model, tmp, ps, backend, expected)
+            run_pd(model, tmp, ps, f"nixl-{backend}", nixl(backend), nixl(backend), expected)
+        # The composite on prefill, a plain transport on decode, each negotiating alone; decode
+        # through the HMA-capable class, so vLLM keeps its hybrid KV cache manager on there and
+        # off on prefill (lmcache lacks it). On a model with one attention kind the KV cache
+        # groups agree anyway, so the handshake accepts the pair.
+        composite = {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "LMCacheConnectorV1", "kv_connector_extra_config": {"chunk_size": BLOCK}},
+            nixl("tcp")]}}
+        run_pd(model, tmp, ps, "composite", composite, nixl("tcp"), expected, dec_class="KvconnectHmaConnector")
+        run_refused(model, tmp, "hma-class-over-lmcache", {"kv_connector": "LMCacheConnectorV1"},
+                    "name KvconnectConnector instead of KvconnectHmaConnector", cls="KvconnectHmaConnector")
         run_refused(model, tmp, "unknown-connector", {"kv_connector": "NoSuchConnector"},
                     "no connector named 'NoSuchConnector'")
         run_refused(model, tmp, "shm-backend", {"kv_connector": "NixlConnector",
@@ -247,14 +136,8 @@ def main():
         # flexkv works in NHD and would transpose into vLLM's CPU blocks, which are opaque.
         run_refused(model, tmp, "adapter-over-opaque", {"kv_connector": "FlexKVConnectorV1"},
                     "the engine's KV blocks are opaque")
-    except Failed as e:
-        print(f"FAILED: {e}", file=sys.stderr)
-        print(f"logs in {tmp}", file=sys.stderr)
-        sys.exit(1)
-    if not a.keep:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
-    print("all vLLM checks passed")
+
+    run_checks("pd", a.keep, checks)
 
 
 if __name__ == "__main__":

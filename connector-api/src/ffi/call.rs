@@ -98,9 +98,13 @@ pub(super) fn decode_error(connector: &str, st: Status, bytes: &[u8]) -> Connect
     }
 }
 
-pub(super) fn to_json<T: serde::Serialize>(connector: &str, v: &T) -> ConnectorResult<Vec<u8>> {
+/// Encodes an argument; `connector` names the plugin in an error.
+pub(super) fn to_json<'n, T: serde::Serialize + ?Sized>(
+    connector: impl FnOnce() -> &'n str,
+    v: &T,
+) -> ConnectorResult<Vec<u8>> {
     serde_json::to_vec(v).map_err(|e| ConnectorError::Other {
-        connector: connector.to_owned(),
+        connector: connector().to_owned(),
         message: format!("cannot encode an argument for the plugin: {e}"),
     })
 }

@@ -13,16 +13,6 @@ pub type InitFn = unsafe extern "C" fn(host: *const HostApi, err: *mut AbiBuffer
 /// `factory_new(out, err)`: creates the plugin's factory; `*out` is its handle.
 pub type FactoryNewFn = unsafe extern "C" fn(out: *mut *mut c_void, err: *mut AbiBuffer) -> Status;
 
-/// A factory query: `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty
-/// for none; `*out` = the answer, JSON.
-pub type FactoryQueryFn = unsafe extern "C" fn(
-    this: *mut c_void,
-    config: AbiBytes,
-    model: AbiBytes,
-    out: *mut AbiBuffer,
-    err: *mut AbiBuffer,
-) -> Status;
-
 /// What `kvconnect_plugin_entry` returns. The fields up to `rustc_version` are the fixed
 /// header: they never move, in any ABI version, so a host can name any plugin it refuses.
 #[repr(C)]

@@ -1,36 +1,71 @@
-//! The factory across the boundary: the plugin-side shims behind [`FactoryVTable`] and the
-//! host-side [`ForeignFactory`] that calls them.
+//! The factory across the boundary: [`FactoryVTable`]'s entries, from which its plugin-side
+//! shims and the host-side [`ForeignFactory`] are generated, and the entries written by hand:
+//! `factory_new`, `info` (the host asks once, at load, and keeps the answer) and the two that
+//! make instances (their `*out` is a new handle the host wraps, not a value).
 
 #![allow(unsafe_code)] // The C ABI itself: raw pointers and function pointers that cross to another library.
 
 use super::call::*;
+use super::marshal::Cross;
+use super::panic_guard::ExportedFactory;
 use super::shim::*;
+use super::vtables::{free_exported, EntryInfo, Err, Out, This};
+use super::*;
 use crate::negotiate::ChildCaps;
 use crate::{
     Capabilities, ConnectorFactory, ConnectorInfo, ConnectorResult, SchedulerConnector, WorkerConnector,
 };
+use crate::{ConnectorContext, KvTransferConfig, ModelSpec};
+use core::ffi::c_void;
+use core::mem::{offset_of, size_of};
 use std::sync::Arc;
 
 /// `create_scheduler` and `create_worker`.
 type CreateFn = unsafe extern "C" fn(*mut c_void, AbiBytes, *mut *mut c_void, *mut AbiBuffer) -> Status;
-use super::*;
-use crate::sdk::ExportedFactory;
-use crate::{ConnectorContext, KvTransferConfig, ModelSpec};
-use core::ffi::c_void;
-use core::mem::size_of;
 
-impl FactoryVTable {
-    /// The SDK's factory shims.
-    pub const EXPORTED: FactoryVTable = FactoryVTable {
-        struct_size: size_of::<FactoryVTable>(),
-        free: Some(factory_free),
-        info: Some(factory_info),
-        capabilities: Some(factory_query::<CapabilitiesQuery>),
-        create_scheduler: Some(factory_create_scheduler),
-        create_worker: Some(factory_create_worker),
-        #[cfg(not(feature = "abi_1_0"))]
-        child_capabilities: Some(factory_query::<ChildCapabilitiesQuery>),
-    };
+vtable! {
+    /// The factory's entry points. `this` is the handle `factory_new` returned; a factory may
+    /// be called from any thread.
+    FactoryVTable, checked FactoryFns, c "kvc_factory_vtable", free "Frees the factory.",
+    plugin ExportedFactory, via shared,
+    host impl ConnectorFactory for ForeignFactory, shared {
+        /// `*out` = JSON `ConnectorInfo`.
+        info() -> json(ConnectorInfo), by factory_info;
+        /// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty; `*out` = JSON
+        /// `Capabilities`.
+        capabilities(config: &KvTransferConfig as (config: AbiBytes), model: Option<&ModelSpec> as (model: AbiBytes))
+            -> json(Capabilities);
+        /// `ctx` = JSON `ConnectorContext`; `*out` = the scheduler handle.
+        create_scheduler(ctx: &ConnectorContext as (ctx: AbiBytes)) -> handle, by factory_create_scheduler;
+        /// `ctx` = JSON `ConnectorContext`; `*out` = the worker handle.
+        create_worker(ctx: &ConnectorContext as (ctx: AbiBytes)) -> handle, by factory_create_worker;
+    }
+    optional {
+        /// For a composite: `config`, `model` as for `capabilities`; `*out` = JSON
+        /// `Option<Vec<ChildCaps>>` (a list of {name, version, caps}), `null` for a plain connector.
+        #[since(1, 1)] #[cfg(not(feature = "abi_1_0"))]
+        child_capabilities(config: &KvTransferConfig as (config: AbiBytes), model: Option<&ModelSpec> as (model: AbiBytes))
+            -> json(Option<Vec<ChildCaps>>), else "the connector has no children" => Ok(None);
+    }
+    by hand {
+        fn info(&self) -> ConnectorInfo {
+            self.info.clone()
+        }
+
+        fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
+            let handle = self.create_instance("create_scheduler", self.fns().create_scheduler, ctx)?;
+            Ok(Box::new(ForeignScheduler {
+                factory: self.inner.clone(),
+                vt: self.inner.lib.entries().scheduler_vt,
+                handle,
+            }))
+        }
+
+        fn create_worker(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn WorkerConnector>> {
+            let handle = self.create_instance("create_worker", self.fns().create_worker, ctx)?;
+            Ok(Box::new(ForeignWorker { factory: self.inner.clone(), vt: self.inner.lib.entries().worker_vt, handle }))
+        }
+    }
 }
 
 pub(super) unsafe extern "C" fn factory_new<M: MakeFactory>(
@@ -46,13 +81,6 @@ pub(super) unsafe extern "C" fn factory_new<M: MakeFactory>(
     })
 }
 
-pub(super) unsafe extern "C" fn factory_free(this: *mut c_void) {
-    if !this.is_null() {
-        // SAFETY: `this` came from `factory_new` (Box::into_raw) and the host frees it once.
-        drop(unsafe { Box::from_raw(this as *mut ExportedFactory) });
-    }
-}
-
 pub(super) unsafe extern "C" fn factory_info(
     this: *mut c_void,
     out: *mut AbiBuffer,
@@ -61,69 +89,6 @@ pub(super) unsafe extern "C" fn factory_info(
     // SAFETY: a live factory handle; factories are Sync, so a shared borrow is enough.
     let f = unsafe { &*(this as *const ExportedFactory) };
     finish(f.call("info", |c| Ok(c.info())).and_then(|i| write_json(f.name(), &i, out)), err, |()| ())
-}
-
-/// A factory query that takes a config and a model and answers JSON: one shim,
-/// [`factory_query`], serves each.
-pub(super) trait FactoryQuery {
-    const METHOD: &'static str;
-    type Answer: serde::Serialize;
-    fn ask(
-        c: &dyn crate::connector::ConnectorFactory,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> Result<Self::Answer, ConnectorError>;
-}
-
-/// `FactoryVTable::capabilities`.
-pub(super) struct CapabilitiesQuery;
-impl FactoryQuery for CapabilitiesQuery {
-    const METHOD: &'static str = "capabilities";
-    type Answer = crate::Capabilities;
-    fn ask(
-        c: &dyn crate::connector::ConnectorFactory,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> Result<Self::Answer, ConnectorError> {
-        c.capabilities(config, model)
-    }
-}
-
-/// `FactoryVTable::child_capabilities`.
-#[cfg(not(feature = "abi_1_0"))]
-pub(super) struct ChildCapabilitiesQuery;
-#[cfg(not(feature = "abi_1_0"))]
-impl FactoryQuery for ChildCapabilitiesQuery {
-    const METHOD: &'static str = "child_capabilities";
-    type Answer = Option<Vec<crate::negotiate::ChildCaps>>;
-    fn ask(
-        c: &dyn crate::connector::ConnectorFactory,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> Result<Self::Answer, ConnectorError> {
-        c.child_capabilities(config, model)
-    }
-}
-
-/// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty for none; `*out` =
-/// the answer of `Q`, JSON.
-pub(super) unsafe extern "C" fn factory_query<Q: FactoryQuery>(
-    this: *mut c_void,
-    config: AbiBytes,
-    model: AbiBytes,
-    out: *mut AbiBuffer,
-    err: *mut AbiBuffer,
-) -> Status {
-    // SAFETY: a live factory handle; factories are Sync.
-    let f = unsafe { &*(this as *const ExportedFactory) };
-    let r = (|| {
-        let config: KvTransferConfig = read_json(f.name(), "kv-transfer-config", config)?;
-        let model: Option<ModelSpec> =
-            if model.len == 0 { None } else { Some(read_json(f.name(), "model spec", model)?) };
-        let answer = f.call(Q::METHOD, |c| Q::ask(c, &config, model.as_ref()))?;
-        write_json(f.name(), &answer, out)
-    })();
-    finish(r, err, |()| ())
 }
 
 /// The shared body of `create_scheduler` and `create_worker`: `ctx` = JSON
@@ -237,7 +202,7 @@ impl ForeignFactory {
 
     /// Calls `create_scheduler` or `create_worker` (`method`, entry `f`); returns the handle.
     fn create_instance(&self, method: &str, f: CreateFn, ctx: &ConnectorContext) -> ConnectorResult<Handle> {
-        let c = to_json(self.name(), ctx)?;
+        let c = to_json(|| self.name(), ctx)?;
         let mut h: Handle = std::ptr::null_mut();
         // SAFETY: a live factory handle; valid out-parameters; bytes live across the call.
         call_status(|| self.name(), |err| unsafe { f(self.inner.handle, bytes(&c), &mut h, err) })?;
@@ -250,80 +215,11 @@ impl ForeignFactory {
         Ok(h)
     }
 
-    /// Runs a capability-style query: config and model in, JSON out.
-    fn query<T: serde::de::DeserializeOwned>(
-        &self,
-        method: &str,
-        f: FactoryQueryFn,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> ConnectorResult<T> {
-        let c = to_json(self.name(), config)?;
-        let m = match model {
-            Some(m) => to_json(self.name(), m)?,
-            None => Vec::new(),
-        };
-        // SAFETY: a live factory handle; argument bytes live across the call.
-        call_json(
-            || self.name(),
-            method,
-            |out, err| unsafe { f(self.inner.handle, bytes(&c), bytes(&m), out, err) },
-        )
-    }
-}
-
-impl ConnectorFactory for ForeignFactory {
-    fn info(&self) -> ConnectorInfo {
-        self.info.clone()
+    fn fns(&self) -> &FactoryFns {
+        &self.inner.lib.entries().factory_vt
     }
 
-    fn capabilities(
-        &self,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> ConnectorResult<Capabilities> {
-        self.query("capabilities", self.inner.lib.entries().factory_vt.capabilities, config, model)
-    }
-
-    fn child_capabilities(
-        &self,
-        config: &KvTransferConfig,
-        model: Option<&ModelSpec>,
-    ) -> ConnectorResult<Option<Vec<ChildCaps>>> {
-        #[cfg(not(feature = "abi_1_0"))]
-        match self.inner.lib.entries().factory_vt.child_capabilities {
-            Some(f) => self.query("child_capabilities", f, config, model),
-            // A 1.0 plugin: the entry did not exist, so it is not a composite.
-            None => Ok(None),
-        }
-        // A host of ABI 1.0 knows no such entry.
-        #[cfg(feature = "abi_1_0")]
-        {
-            let _ = (config, model);
-            Ok(None)
-        }
-    }
-
-    fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
-        let handle = self.create_instance(
-            "create_scheduler",
-            self.inner.lib.entries().factory_vt.create_scheduler,
-            ctx,
-        )?;
-        Ok(Box::new(ForeignScheduler {
-            factory: self.inner.clone(),
-            vt: self.inner.lib.entries().scheduler_vt,
-            handle,
-        }))
-    }
-
-    fn create_worker(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn WorkerConnector>> {
-        let handle =
-            self.create_instance("create_worker", self.inner.lib.entries().factory_vt.create_worker, ctx)?;
-        Ok(Box::new(ForeignWorker {
-            factory: self.inner.clone(),
-            vt: self.inner.lib.entries().worker_vt,
-            handle,
-        }))
+    fn raw_handle(&self) -> Handle {
+        self.inner.handle
     }
 }

@@ -3,7 +3,7 @@
 //! is this function's output; `tests/tests/plugins_c_header.rs` rewrites it and fails when it
 //! changed, and compiles it to check every size and offset.
 
-use super::json_values::json_values;
+use super::json_values::{json_values, SCHEMA_DIR};
 use super::vtables::EntryInfo;
 use super::{
     log_level, status, FactoryVTable, SchedulerVTable, WorkerVTable, ABI_MAGIC, ABI_MAJOR, ABI_MINOR,
@@ -220,6 +220,12 @@ fn json_section(w: &mut String) {
         "\n/* The JSON values that cross, each the serde form of the kvconnect-api type named (its\n \
          * definition in connector-api/src is the schema; the host decodes with it, and a value it\n \
          * cannot decode is an error naming the field). The examples are written from real values.\n",
+    );
+    let _ = write!(
+        w,
+        " *\n * JSON Schemas (draft 2020-12) of ConnectorInfo, Capabilities, ConnectorContext and\n \
+         * ConnectorError are in the repository under {SCHEMA_DIR}/ (*.schema.json); a test keeps them\n \
+         * equal to the types and checks real values from the connectors against them.\n",
     );
     for v in json_values() {
         w.push_str(" *\n");

@@ -178,6 +178,26 @@ pub fn json_values() -> Vec<JsonValue> {
     ]
 }
 
+/// The files under `connector-api/schema/` that hold the JSON Schemas of the ABI's values.
+pub const SCHEMA_DIR: &str = "connector-api/schema";
+
+/// The JSON Schemas of the values a plugin returns or is given at setup, as the types make
+/// them: `(file name under SCHEMA_DIR, schema)`. The header points C authors at the files;
+/// tests/tests/plugins_json_schemas.rs keeps them equal to this and validates real values
+/// against them.
+#[cfg(feature = "schema")]
+pub fn json_schemas() -> Vec<(&'static str, serde_json::Value)> {
+    fn schema<T: schemars::JsonSchema>() -> serde_json::Value {
+        schemars::schema_for!(T).to_value()
+    }
+    vec![
+        ("connector_info.schema.json", schema::<ConnectorInfo>()),
+        ("capabilities.schema.json", schema::<Capabilities>()),
+        ("connector_context.schema.json", schema::<ConnectorContext>()),
+        ("connector_error.schema.json", schema::<ConnectorError>()),
+    ]
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,12 +1,17 @@
 //! The log bridge: the host's [`HostApi`] (its version and its logger), handed to the
-//! plugin's `init`, which the SDK keeps to forward `tracing` events.
+//! plugin's `init`, which the SDK keeps to forward `tracing` events; the plugin side's
+//! subscriber that does so; and the host side's logger that receives them.
 
 #![allow(unsafe_code)] // The C ABI itself: raw pointers and function pointers that cross to another library.
 
 use super::shim::finish;
 use super::*;
-use crate::sdk;
 use core::ffi::c_void;
+use std::sync::OnceLock;
+use tracing::field::{Field, Visit};
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 
 /// Log levels on the wire.
 pub mod log_level {
@@ -79,9 +84,97 @@ pub(super) unsafe extern "C" fn plugin_init(host: *const HostApi, err: *mut AbiB
         // SAFETY: the host keeps its HostApi alive for the life of the process (documented
         // on `HostApi`), so a 'static borrow is sound.
         let api: &'static HostApi = unsafe { &*host };
-        sdk::init(api)
+        install(api)
     };
     finish(r, err, |()| ())
+}
+
+/// The plugin side of the bridge: the host API this plugin was loaded with.
+static HOST: OnceLock<&'static HostApi> = OnceLock::new();
+
+/// The plugin's `init`, once per load with the host's callbacks: checks the host speaks our
+/// major, installs the log bridge and a panic hook that logs there instead of to stderr.
+fn install(api: &'static HostApi) -> Result<(), ConnectorError> {
+    if api.abi_major != crate::ffi::ABI_MAJOR || api.struct_size < crate::ffi::MIN_HOST_API_SIZE {
+        return Err(ConnectorError::Other {
+            connector: "plugin".into(),
+            message: format!(
+                "this plugin speaks kvconnect ABI {}.{} but the host speaks {}.{} (host API struct of {} bytes, need {})",
+                crate::ffi::ABI_MAJOR,
+                crate::ffi::ABI_MINOR,
+                api.abi_major,
+                api.abi_minor,
+                api.struct_size,
+                crate::ffi::MIN_HOST_API_SIZE
+            ),
+        });
+    }
+    if HOST.set(api).is_err() {
+        // Loaded twice by the same host: the first bridge stays.
+        return Ok(());
+    }
+    let filter = match api.max_log_level {
+        log_level::OFF => LevelFilter::OFF,
+        log_level::ERROR => LevelFilter::ERROR,
+        log_level::WARN => LevelFilter::WARN,
+        log_level::INFO => LevelFilter::INFO,
+        log_level::DEBUG => LevelFilter::DEBUG,
+        _ => LevelFilter::TRACE,
+    };
+    let subscriber = tracing_subscriber::registry().with(HostLogLayer { api }.with_filter(filter));
+    // Inside a cdylib this is the plugin's own copy of tracing, so it cannot displace the
+    // host's subscriber; it fails only if the plugin set one itself, which then wins.
+    let _ = tracing::subscriber::set_global_default(subscriber);
+    std::panic::set_hook(Box::new(|info| {
+        // The panic is also returned to the host as an error; this adds where it happened.
+        tracing::error!(target: "panic", "{info}");
+    }));
+    Ok(())
+}
+
+/// Forwards tracing events to the host's log callback.
+struct HostLogLayer {
+    api: &'static HostApi,
+}
+
+impl<S: Subscriber> Layer<S> for HostLogLayer {
+    fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
+        let meta = event.metadata();
+        let level = match *meta.level() {
+            Level::ERROR => log_level::ERROR,
+            Level::WARN => log_level::WARN,
+            Level::INFO => log_level::INFO,
+            Level::DEBUG => log_level::DEBUG,
+            Level::TRACE => log_level::TRACE,
+        };
+        let mut v = MessageVisitor::default();
+        event.record(&mut v);
+        self.api.log(level, meta.target(), &v.text);
+    }
+}
+
+/// Renders an event as `message key=value ...`.
+#[derive(Default)]
+struct MessageVisitor {
+    text: String,
+}
+
+impl Visit for MessageVisitor {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        if field.name() == "message" {
+            self.text.insert_str(0, value);
+        } else {
+            self.text.push_str(&format!(" {}={}", field.name(), value));
+        }
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            self.text.insert_str(0, &format!("{value:?}"));
+        } else {
+            self.text.push_str(&format!(" {}={:?}", field.name(), value));
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@
 //! * setup-time values (configs, capabilities, model, context, regions, handshake metadata)
 //!   cross as JSON bytes; per-step calls take `repr(C)` slices;
 //! * no Rust std type crosses, and no panic: the plugin side catches every panic
-//!   (`sdk`), turns it into [`status::PANICKED`] and poisons the instance.
+//!   (`panic_guard`), turns it into [`status::PANICKED`] and poisons the instance.
 //!
 //! `include/kvconnect.h` is the same ABI for C and C++, written from these definitions by
 //! [`c_header`]; a test keeps the checked-in file equal to it and checks its sizes and offsets.
@@ -29,26 +29,29 @@ mod buffers;
 mod call;
 #[macro_use]
 mod descriptor;
+#[macro_use]
+mod vtables;
 mod factory;
 mod header;
 mod json_values;
 mod log;
+mod marshal;
+mod panic_guard;
 mod scheduler;
 mod shim;
-mod vtables;
 mod worker;
 pub use buffers::*;
 pub use call::{call_status, PluginCode, PluginEntries};
 pub use descriptor::*;
-pub use factory::ForeignFactory;
+pub use factory::{FactoryFns, FactoryVTable, ForeignFactory};
 pub use header::c_header;
-pub use json_values::{json_values, JsonValue};
+#[cfg(feature = "schema")]
+pub use json_values::json_schemas;
+pub use json_values::{json_values, JsonValue, SCHEMA_DIR};
 pub use log::*;
-pub use scheduler::ForeignScheduler;
-pub use vtables::{
-    CType, EntryInfo, FactoryFns, FactoryVTable, SchedulerFns, SchedulerVTable, WorkerFns, WorkerVTable,
-};
-pub use worker::ForeignWorker;
+pub use scheduler::{ForeignScheduler, SchedulerFns, SchedulerVTable};
+pub use vtables::{CType, EntryInfo};
+pub use worker::{ForeignWorker, WorkerFns, WorkerVTable};
 
 /// `kvconnect_plugin_entry`: the one symbol a plugin exports.
 pub const ENTRY_SYMBOL: &str = "kvconnect_plugin_entry";

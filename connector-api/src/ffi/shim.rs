@@ -30,6 +30,13 @@ pub(super) fn finish<T>(
     }
 }
 
+/// Runs `f`, which decodes a call's arguments (`?` on the first that does not decode) and
+/// calls the connector.
+#[inline]
+pub(super) fn attempt<T>(f: impl FnOnce() -> Result<T, ConnectorError>) -> Result<T, ConnectorError> {
+    f()
+}
+
 /// Writes a JSON-encoded value to `out`.
 pub(super) fn write_json<T: serde::Serialize>(
     connector: &str,
@@ -69,4 +76,12 @@ pub(super) fn read_json<T: serde::de::DeserializeOwned>(
 pub(super) unsafe fn handle<'a, T>(this: *mut c_void) -> &'a mut T {
     // SAFETY: the caller's contract.
     unsafe { &mut *(this as *mut T) }
+}
+
+/// # Safety
+/// `this` must be a live handle of type `T` from this library that may be shared between
+/// threads (a factory).
+pub(super) unsafe fn shared<'a, T>(this: *mut c_void) -> &'a T {
+    // SAFETY: the caller's contract.
+    unsafe { &*(this as *const T) }
 }

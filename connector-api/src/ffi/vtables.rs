@@ -1,12 +1,22 @@
-//! The three vtables, each entry listed once in [`vtable!`]. From that one list come the
+//! [`vtable!`], which turns one list of entries into everything the boundary needs for them.
+//! Each vtable's list lives beside its object (`factory.rs`, `scheduler.rs`, `worker.rs`); an
+//! entry names the connector-trait method, its Rust parameter types and the C parameters
+//! each crosses as (`marshal.rs` says how), and what it returns. From that list come the
 //! `#[repr(C)]` struct, the minimum size a host of this major needs, the entries' part of the
 //! layout fingerprint, the host's checked copy (`*Fns`: 1.0 entries required, later ones
-//! optional, each with its fallback), and the C header's declarations (`header.rs`).
-//! Adding an entry in a new minor is one line in an `optional` block here.
+//! optional, each with its fallback), the C header's declarations (`header.rs`), the
+//! plugin-side shim of each entry and the host-side `Foreign*` method that calls it.
+//! Adding an entry in a new minor is one line in an `optional` block.
+//!
+//! Return kinds: none (status only), `json(T)` (a JSON value in `*out`), `bytes` (raw bytes
+//! in `*out`), `handle` (`*out` = a new instance). An entry marked `by shim_fn` has its shim
+//! and host method written by hand beside the list, for calls that are more than "decode,
+//! call, encode" (making instances, the factory's cached `info`).
 
-use super::{mix, mix_str, AbiBuffer, AbiBytes, Status, Versioned};
+#![allow(unsafe_code)] // Generates the shims and `Foreign*` calls: raw pointers that cross to another library.
+
+use super::{AbiBuffer, AbiBytes};
 use core::ffi::c_void;
-use core::mem::{offset_of, size_of};
 
 /// The C spelling of a type that crosses the boundary.
 pub trait CType {
@@ -33,7 +43,7 @@ c_types! {
 }
 
 /// One vtable entry, for the C header and the layout checks.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct EntryInfo {
     /// The field name.
     pub name: &'static str,
@@ -48,34 +58,182 @@ pub struct EntryInfo {
     /// The C return type.
     pub c_ret: &'static str,
     /// The C parameters: type and name.
-    pub c_params: &'static [(&'static str, &'static str)],
+    pub c_params: Vec<(&'static str, &'static str)>,
 }
 
-macro_rules! c_ret {
+/// The C parameter `*out` for a return kind, as a `(type, name)` pair (none for status only).
+macro_rules! out_param {
     () => {
-        "void"
+        None
     };
-    ($t:ty) => {
-        <$t as CType>::C
+    (handle) => {
+        Some((<*mut *mut c_void as CType>::C, "out"))
+    };
+    ($kind:ident $(($t:ty))?) => {
+        Some((<*mut AbiBuffer as CType>::C, "out"))
     };
 }
 
+/// The `*out` type of a return kind as the fingerprint spells it (with its separator).
+macro_rules! out_str {
+    () => {
+        ""
+    };
+    (handle) => {
+        "*mut *mut c_void, "
+    };
+    ($kind:ident $(($t:ty))?) => {
+        "Out, "
+    };
+}
+
+/// The value a `Foreign*` method returns for a return kind.
+macro_rules! ret_ty {
+    () => { () };
+    (json($t:ty)) => { $t };
+    (bytes) => { Vec<u8> };
+}
+
+/// The C function-pointer type of an entry.
+macro_rules! entry_fn {
+    ([$($cty:ty),*], []) => {
+        unsafe extern "C" fn(This, $($cty,)* Err) -> Status
+    };
+    ([$($cty:ty),*], [handle]) => {
+        unsafe extern "C" fn(This, $($cty,)* *mut *mut c_void, Err) -> Status
+    };
+    ([$($cty:ty),*], [$kind:ident $(($t:ty))?]) => {
+        unsafe extern "C" fn(This, $($cty,)* Out, Err) -> Status
+    };
+}
+
+/// The plugin-side shim of a generated entry: decode each argument (`Cross::read`), call the
+/// connector method under the panic guard (`call` of the SDK's exported object), write the
+/// result and the error. A hand-written entry (`by`) has none.
+macro_rules! shim {
+    ([by $shim:ident] $($rest:tt)*) => {};
+    ([] $exported:ty, $get:ident, $entry:ident, [$($args:tt)*], [$($c:ident : $cty:ty),*], []) => {
+        pub(super) unsafe extern "C" fn $entry(this: This, $($c: $cty,)* err: Err) -> Status {
+            // SAFETY: a live handle of this plugin's, used as the vtable documents.
+            let s = unsafe { $get::<$exported>(this) };
+            finish(shim_call!(s, $entry, $($args)*), err, |()| ())
+        }
+    };
+    ([] $exported:ty, $get:ident, $entry:ident, [$($args:tt)*], [$($c:ident : $cty:ty),*], [json($t:ty)]) => {
+        pub(super) unsafe extern "C" fn $entry(this: This, $($c: $cty,)* out: Out, err: Err) -> Status {
+            // SAFETY: a live handle of this plugin's, used as the vtable documents.
+            let s = unsafe { $get::<$exported>(this) };
+            let r = shim_call!(s, $entry, $($args)*).and_then(|v: $t| write_json(s.name(), &v, out));
+            finish(r, err, |()| ())
+        }
+    };
+    ([] $exported:ty, $get:ident, $entry:ident, [$($args:tt)*], [$($c:ident : $cty:ty),*], [bytes]) => {
+        pub(super) unsafe extern "C" fn $entry(this: This, $($c: $cty,)* out: Out, err: Err) -> Status {
+            // SAFETY: a live handle of this plugin's, used as the vtable documents.
+            let s = unsafe { $get::<$exported>(this) };
+            finish(shim_call!(s, $entry, $($args)*), err, |bytes| write_buf(out, bytes))
+        }
+    };
+}
+
+/// Decodes the arguments in order (the first that does not decode is the error) and calls
+/// the connector method, guarded.
+macro_rules! shim_call {
+    ($s:ident, $entry:ident, $($arg:ident : $rty:ty as ($($c:ident : $cty:ty),+)),*) => {
+        attempt(|| {
+            $(
+                // SAFETY: the host's C parameters for this argument, valid for the call.
+                let $arg = unsafe { <$rty as Cross>::read($s.name(), ($($c,)+)) }?;
+            )*
+            $s.call(stringify!($entry), |c| c.$entry($(<$rty as Cross>::lend(&$arg)),*))
+        })
+    };
+}
+
+/// The host-side method of a generated entry, for the `Foreign*` impl of the connector trait;
+/// `by` entries are written by hand. `$recv` is `shared` (`&self`) or `unique` (`&mut self`);
+/// `$fallback`, for entries a plugin may lack, is what the method returns then.
+macro_rules! foreign_fn {
+    ([by $shim:ident] $($rest:tt)*) => {};
+    ([] unique, $entry:ident, [$($arg:ident : $rty:ty as $cs:tt),*], [$($ret:tt)*], $opt:tt) => {
+        fn $entry(&mut self, $($arg: $rty),*) -> ConnectorResult<ret_ty!($($ret)*)> {
+            foreign_entry!(self, $entry, [$($arg : $rty as $cs),*], [$($ret)*], $opt)
+        }
+    };
+    ([] shared, $entry:ident, [$($arg:ident : $rty:ty as $cs:tt),*], [$($ret:tt)*], $opt:tt) => {
+        fn $entry(&self, $($arg: $rty),*) -> ConnectorResult<ret_ty!($($ret)*)> {
+            foreign_entry!(self, $entry, [$($arg : $rty as $cs),*], [$($ret)*], $opt)
+        }
+    };
+}
+
+/// A required entry is called; an optional one when the plugin has it, else its fallback.
+macro_rules! foreign_entry {
+    ($s:ident, $entry:ident, [$($arg:ident : $rty:ty as $cs:tt),*], [$($ret:tt)*], []) => {
+        foreign_call!($s, $entry, $s.fns().$entry, [$($arg : $rty as $cs),*], [$($ret)*])
+    };
+    ($s:ident, $entry:ident, [$($arg:ident : $rty:ty as $cs:tt),*], [$($ret:tt)*], [$fallback:expr]) => {
+        match $s.fns().$entry {
+            Some(f) => foreign_call!($s, $entry, f, [$($arg : $rty as $cs),*], [$($ret)*]),
+            None => {
+                let _ = ($($arg,)*);
+                $fallback
+            }
+        }
+    };
+}
+
+/// Prepares the arguments (`Cross::hold`, kept alive across the call), passes their C
+/// parameters, and reads the result and the error.
+macro_rules! foreign_call {
+    ($s:ident, $entry:ident, $f:expr, [$($arg:ident : $rty:ty as ($($c:ident : $cty:ty),+)),*], [$($ret:tt)*]) => {{
+        $( let $arg = <$rty as Cross>::hold($arg, || $s.name())?; )*
+        $( let ($($c,)+) = <$rty as Cross>::c(&$arg); )*
+        let (f, h) = ($f, $s.raw_handle());
+        foreign_ret!($s, $entry, f, h, [$($($c),+),*], [$($ret)*])
+    }};
+}
+
+macro_rules! foreign_ret {
+    ($s:ident, $entry:ident, $f:ident, $h:ident, [$($c:ident),*], []) => {
+        // SAFETY: a live instance of this plugin, used from this thread as its vtable says; the
+        // arguments' C parameters point into values that live across the call.
+        call_status(|| $s.name(), |err| unsafe { $f($h, $($c,)* err) })
+    };
+    ($s:ident, $entry:ident, $f:ident, $h:ident, [$($c:ident),*], [json($t:ty)]) => {
+        // SAFETY: as above.
+        call_json(|| $s.name(), stringify!($entry), |out, err| unsafe { $f($h, $($c,)* out, err) })
+    };
+    ($s:ident, $entry:ident, $f:ident, $h:ident, [$($c:ident),*], [bytes]) => {
+        // SAFETY: as above.
+        call_out(|| $s.name(), |out, err| unsafe { $f($h, $($c,)* out, err) })
+            .map(|out| out.as_bytes().to_vec())
+    };
+}
+
+/// One vtable from its list of entries; see the module doc. The `free` entry comes first in
+/// every vtable and is implied: it frees the plugin's exported object.
 macro_rules! vtable {
     (
         $(#[doc = $sdoc:literal])*
-        $name:ident, checked $checked:ident, c $cname:literal {
+        $name:ident, checked $checked:ident, c $cname:literal, free $freedoc:literal,
+        plugin $exported:ty, via $get:ident,
+        host impl $trait:ident for $foreign:ident, $recv:ident {
             $(
                 $(#[doc = $doc:literal])*
-                $entry:ident ( $($arg:ident : $aty:ty),* $(,)? ) $(-> $ret:ty)?;
+                $entry:ident ( $($arg:ident : $rty:ty as ($($c:ident : $cty:ty),+)),* )
+                    $(-> $rk:ident $(($rt:ty))?)? $(, by $shim:ident)?;
             )*
         }
         optional {
             $(
                 $(#[doc = $odoc:literal])*
                 #[since(1, $minor:literal)] $(#[cfg($cfg:meta)])?
-                $oentry:ident ( $($oarg:ident : $oaty:ty),* $(,)? ) $(-> $oret:ty)?, else $fallback:literal;
+                $oentry:ident ( $($oarg:ident : $orty:ty as ($($oc:ident : $octy:ty),+)),* )
+                    $(-> $ork:ident $(($ort:ty))?)?, else $fallback:literal => $fbexpr:expr;
             )*
         }
+        by hand { $($manual:tt)* }
     ) => {
         $(#[doc = $sdoc])*
         #[repr(C)]
@@ -83,15 +241,17 @@ macro_rules! vtable {
         pub struct $name {
             /// `size_of` this struct as the plugin was built: which entries it has.
             pub struct_size: usize,
+            #[doc = $freedoc]
+            pub free: Option<unsafe extern "C" fn(this: This)>,
             $(
                 $(#[doc = $doc])*
-                pub $entry: Option<unsafe extern "C" fn($($arg: $aty),*) $(-> $ret)?>,
+                pub $entry: Option<entry_fn!([$($($cty),+),*], [$($rk $(($rt))?)?])>,
             )*
             $(
                 $(#[doc = $odoc])*
                 #[doc = concat!("\n\nSince 1.", $minor, "; may be null (or absent, in an older plugin): ", $fallback)]
                 $(#[cfg($cfg)])?
-                pub $oentry: Option<unsafe extern "C" fn($($oarg: $oaty),*) $(-> $oret)?>,
+                pub $oentry: Option<entry_fn!([$($($octy),+),*], [$($ork $(($ort))?)?])>,
             )*
         }
 
@@ -104,7 +264,7 @@ macro_rules! vtable {
 
             /// Bytes of it a host of this major calls: up to the last `.0` entry.
             pub const MIN_SIZE: usize = {
-                let mut end = size_of::<usize>();
+                let mut end = offset_of!($name, free) + size_of::<usize>();
                 $(
                     let e = offset_of!($name, $entry) + size_of::<usize>();
                     if e > end {
@@ -114,30 +274,55 @@ macro_rules! vtable {
                 end
             };
 
+            /// The SDK's shims, as a plugin exports them.
+            pub const EXPORTED: $name = $name {
+                struct_size: size_of::<$name>(),
+                free: Some(free_exported::<$exported>),
+                $( $entry: Some(shim_name!($entry $(, $shim)?)), )*
+                $( $(#[cfg($cfg)])? $oentry: Some(shim_name!($oentry)), )*
+            };
+
             /// Folds the `.0` layout into the fingerprint: alignment, each entry's offset and
             /// parameter types, where they end. Not the struct's size, which later minors grow.
             pub(crate) const fn fold_layout(h: u64) -> u64 {
                 let mut h = mix(h, core::mem::align_of::<$name>());
                 h = mix(h, offset_of!($name, struct_size));
+                h = mix(h, offset_of!($name, free));
+                h = mix_str(h, "(This)");
                 $(
                     h = mix(h, offset_of!($name, $entry));
-                    h = mix_str(h, stringify!(($($aty),*) $(-> $ret)?));
+                    h = mix_str(h, concat!(
+                        "(This, ", $($(stringify!($cty), ", ",)+)* out_str!($($rk $(($rt))?)?), "Err) -> Status"
+                    ));
                 )*
                 mix(h, Self::MIN_SIZE)
             }
 
             /// Every entry, in order.
             pub fn entries() -> Vec<EntryInfo> {
-                #[allow(unused_mut)]
-                let mut v = vec![$(EntryInfo {
-                    name: stringify!($entry),
-                    offset: offset_of!($name, $entry),
+                let mut v = vec![EntryInfo {
+                    name: "free",
+                    offset: offset_of!($name, free),
                     since_minor: 0,
                     fallback: None,
-                    doc: &[$($doc),*],
-                    c_ret: c_ret!($($ret)?),
-                    c_params: &[$((<$aty as CType>::C, stringify!($arg))),*],
-                }),*];
+                    doc: &[$freedoc],
+                    c_ret: "void",
+                    c_params: vec![(<This as CType>::C, "this")],
+                }];
+                $(
+                    v.push(EntryInfo {
+                        name: stringify!($entry),
+                        offset: offset_of!($name, $entry),
+                        since_minor: 0,
+                        fallback: None,
+                        doc: &[$($doc),*],
+                        c_ret: <Status as CType>::C,
+                        c_params: EntryInfo::c_params(
+                            &[$($((<$cty as CType>::C, stringify!($c))),+),*],
+                            out_param!($($rk $(($rt))?)?),
+                        ),
+                    });
+                )*
                 $(
                     $(#[cfg($cfg)])?
                     v.push(EntryInfo {
@@ -146,8 +331,11 @@ macro_rules! vtable {
                         since_minor: $minor,
                         fallback: Some($fallback),
                         doc: &[$($odoc),*],
-                        c_ret: c_ret!($($oret)?),
-                        c_params: &[$((<$oaty as CType>::C, stringify!($oarg))),*],
+                        c_ret: <Status as CType>::C,
+                        c_params: EntryInfo::c_params(
+                            &[$($((<$octy as CType>::C, stringify!($oc))),+),*],
+                            out_param!($($ork $(($ort))?)?),
+                        ),
                     });
                 )*
                 v
@@ -157,14 +345,16 @@ macro_rules! vtable {
         #[doc = concat!("A checked copy of a plugin's `", stringify!($name), "`: every `.0` entry present, later ones optional.")]
         #[derive(Debug, Clone, Copy)]
         pub struct $checked {
+            #[doc = concat!("`", stringify!($name), "::free`.")]
+            pub free: unsafe extern "C" fn(this: This),
             $(
                 #[doc = concat!("`", stringify!($name), "::", stringify!($entry), "`.")]
-                pub $entry: unsafe extern "C" fn($($arg: $aty),*) $(-> $ret)?,
+                pub $entry: entry_fn!([$($($cty),+),*], [$($rk $(($rt))?)?]),
             )*
             $(
                 #[doc = concat!("`", stringify!($name), "::", stringify!($oentry), "`; absent: ", $fallback)]
                 $(#[cfg($cfg)])?
-                pub $oentry: Option<unsafe extern "C" fn($($oarg: $oaty),*) $(-> $oret)?>,
+                pub $oentry: Option<entry_fn!([$($($octy),+),*], [$($ork $(($ort))?)?])>,
             )*
         }
 
@@ -172,93 +362,77 @@ macro_rules! vtable {
             /// Checks that every `.0` entry is there; names the first one missing.
             pub fn check(vt: &$name) -> Result<$checked, &'static str> {
                 Ok($checked {
+                    free: vt.free.ok_or("free")?,
                     $( $entry: vt.$entry.ok_or(stringify!($entry))?, )*
                     $( $(#[cfg($cfg)])? $oentry: vt.$oentry, )*
                 })
             }
         }
+
+        /// The plugin-side shims of the generated entries.
+        mod shims {
+            use super::*;
+            $(
+                shim!([$(by $shim)?] $exported, $get, $entry,
+                    [$($arg : $rty as ($($c : $cty),+)),*], [$($($c : $cty),+),*], [$($rk $(($rt))?)?]);
+            )*
+            $(
+                $(#[cfg($cfg)])?
+                shim!([] $exported, $get, $oentry,
+                    [$($oarg : $orty as ($($oc : $octy),+)),*], [$($($oc : $octy),+),*], [$($ork $(($ort))?)?]);
+            )*
+        }
+
+        impl $trait for $foreign {
+            $(
+                foreign_fn!([$(by $shim)?] $recv, $entry,
+                    [$($arg : $rty as ($($c : $cty),+)),*], [$($rk $(($rt))?)?], []);
+            )*
+            $(
+                $(#[cfg($cfg)])?
+                foreign_fn!([] $recv, $oentry,
+                    [$($oarg : $orty as ($($oc : $octy),+)),*], [$($ork $(($ort))?)?], [$fbexpr]);
+            )*
+            $($manual)*
+        }
     };
 }
 
-type This = *mut c_void;
-type Out = *mut AbiBuffer;
-type Err = *mut AbiBuffer;
+/// The shim an entry's `EXPORTED` slot holds: the generated one, or the hand-written one.
+macro_rules! shim_name {
+    ($entry:ident) => {
+        shims::$entry
+    };
+    ($entry:ident, $shim:ident) => {
+        $shim
+    };
+}
 
-vtable! {
-    /// The factory's entry points. `this` is the handle `factory_new` returned; a factory may
-    /// be called from any thread.
-    FactoryVTable, checked FactoryFns, c "kvc_factory_vtable" {
-        /// Frees the factory.
-        free(this: This);
-        /// `*out` = JSON `ConnectorInfo`.
-        info(this: This, out: Out, err: Err) -> Status;
-        /// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty; `*out` = JSON
-        /// `Capabilities`.
-        capabilities(this: This, config: AbiBytes, model: AbiBytes, out: Out, err: Err) -> Status;
-        /// `ctx` = JSON `ConnectorContext`; `*out` = the scheduler handle.
-        create_scheduler(this: This, ctx: AbiBytes, out: *mut *mut c_void, err: Err) -> Status;
-        /// `ctx` = JSON `ConnectorContext`; `*out` = the worker handle.
-        create_worker(this: This, ctx: AbiBytes, out: *mut *mut c_void, err: Err) -> Status;
-    }
-    optional {
-        /// For a composite: `config`, `model` as for `capabilities`; `*out` = JSON
-        /// `Option<Vec<ChildCaps>>` (a list of {name, version, caps}), `null` for a plain connector.
-        #[since(1, 1)] #[cfg(not(feature = "abi_1_0"))]
-        child_capabilities(this: This, config: AbiBytes, model: AbiBytes, out: Out, err: Err) -> Status,
-            else "the connector has no children";
+impl EntryInfo {
+    /// `this`, the entry's own parameters, `*out` if it has one, and `err`.
+    pub fn c_params(
+        own: &[(&'static str, &'static str)],
+        out: Option<(&'static str, &'static str)>,
+    ) -> Vec<(&'static str, &'static str)> {
+        let mut p = vec![(<This as CType>::C, "this")];
+        p.extend_from_slice(own);
+        p.extend(out);
+        p.push((<Err as CType>::C, "err"));
+        p
     }
 }
 
-vtable! {
-    /// Scheduler-half entry points; `this` is a scheduler handle, used from one thread at a
-    /// time.
-    SchedulerVTable, checked SchedulerFns, c "kvc_scheduler_vtable" {
-        /// Frees the instance.
-        free(this: This);
-        /// `req` = JSON `Request`; `*out` = JSON `MatchResult`.
-        get_num_new_matched_tokens(this: This, req: AbiBytes, num_computed: u64, out: Out, err: Err) -> Status;
-        /// `req` = JSON `Request`, `blocks` = JSON `BlocksPerGroup`.
-        update_state_after_alloc(this: This, req: AbiBytes, blocks: AbiBytes, num_external_tokens: u64, err: Err)
-            -> Status;
-        /// `step` = JSON `StepInfo`; `*out` = the metadata bytes, as the connector made them.
-        build_connector_meta(this: This, step: AbiBytes, out: Out, err: Err) -> Status;
-        /// `req`, `blocks` as above; `*out` = JSON `RequestFinished`.
-        request_finished(this: This, req: AbiBytes, blocks: AbiBytes, out: Out, err: Err) -> Status;
-        /// `*out` = JSON `Vec<KvEvent>`.
-        take_events(this: This, out: Out, err: Err) -> Status;
+/// The `free` entry every vtable starts with: drops the exported object `this` points to.
+///
+/// # Safety
+/// `this` is null or a `Box<T>` this library made (`Box::into_raw`), freed once.
+pub(super) unsafe extern "C" fn free_exported<T>(this: *mut c_void) {
+    if !this.is_null() {
+        // SAFETY: the caller's contract.
+        drop(unsafe { Box::from_raw(this as *mut T) });
     }
-    optional {}
 }
 
-vtable! {
-    /// Worker-half entry points; `this` is a worker handle, used from one thread at a time.
-    WorkerVTable, checked WorkerFns, c "kvc_worker_vtable" {
-        /// Frees the instance.
-        free(this: This);
-        /// `regions` = JSON `Vec<KvRegionSpec>` (a list of {name, addr, len, memory, device,
-        /// layers, group, num_blocks, shm_name?}): regions the host vouches for as
-        /// `KvRegion::new` requires; it keeps that memory valid until it frees this instance.
-        register_kv_caches(this: This, regions: AbiBytes, err: Err) -> Status;
-        /// The scheduler's metadata bytes for this step.
-        bind_connector_meta(this: This, meta: AbiBytes, err: Err) -> Status;
-        /// Starts this step's loads.
-        start_load_kv(this: This, err: Err) -> Status;
-        /// Waits for one layer's loads.
-        wait_for_layer_load(this: This, layer: u32, err: Err) -> Status;
-        /// Saves one layer of these blocks (`block_ids`: `len` u32 block ids).
-        save_kv_layer(this: This, layer: u32, block_ids: *const u32, len: usize, err: Err) -> Status;
-        /// Waits for this step's saves.
-        wait_for_save(this: This, err: Err) -> Status;
-        /// `finished` = `len` request ids (UTF-8); `*out` = JSON `FinishedTransfers`.
-        get_finished(this: This, finished: *const AbiBytes, len: usize, out: Out, err: Err) -> Status;
-        /// `*out` = JSON `Vec<BlockId>`.
-        block_ids_with_load_errors(this: This, out: Out, err: Err) -> Status;
-        /// `*out` = JSON value, or `null` for none.
-        handshake_metadata(this: This, out: Out, err: Err) -> Status;
-        /// `peer` = JSON value.
-        set_peer_handshake_metadata(this: This, peer: AbiBytes, err: Err) -> Status;
-        /// Releases everything (the handle stays valid until `free`).
-        shutdown(this: This, err: Err) -> Status;
-    }
-    optional {}
-}
+pub(super) type This = *mut c_void;
+pub(super) type Out = *mut AbiBuffer;
+pub(super) type Err = *mut AbiBuffer;

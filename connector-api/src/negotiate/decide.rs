@@ -484,7 +484,7 @@ pub(super) fn decide_state(
             groups: describe_state_groups(&groups),
             unsupported: labels(&unsupported),
             remedy: format!(
-                "use connectors that declare carries_state (none of the built-in ones does yet), or serve this model without disaggregation (remove {})",
+                "use connectors that declare carries_state (the nixl connector does, with backend shm or tcp), or serve this model without disaggregation (remove {})",
                 them(&labels(&unsupported))
             ),
         });

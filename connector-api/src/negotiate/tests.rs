@@ -1,78 +1,10 @@
 use super::layout_choice::{all_layouts, preference_order};
 use super::*;
-use crate::caps::{AdaptCost, Capabilities, KvRoleCap, LayoutConstraint, MemoryKind, TransferMode};
+use crate::caps::{AdaptCost, LayoutConstraint, MemoryKind, TransferMode};
+use crate::children::{caps, child, flexkv, lmcache, nixl};
 use crate::ids::LayerId;
 use crate::layout::KvLayout;
 use crate::model::{AttentionKind, Dtype};
-
-fn caps(hma: bool, layout: LayoutConstraint, adapt: Option<AdaptCost>, mode: TransferMode) -> Capabilities {
-    Capabilities {
-        hma,
-        layout,
-        adapt,
-        block_size_multiple: 1,
-        block_size_divides: None,
-        cache_dtypes: vec![],
-        memory_kinds: vec![MemoryKind::Host, MemoryKind::Disk],
-        transfer_mode: mode,
-        roles: vec![KvRoleCap::Both],
-        layerwise: false,
-        heterogeneous_tp: false,
-        mla: false,
-        async_load: false,
-        carries_state: false,
-    }
-}
-
-fn child(name: &str, caps: Capabilities) -> ChildCaps {
-    ChildCaps { name: name.to_owned(), version: "0.1.0".to_owned(), caps }
-}
-
-/// Like connectors/lmcache: no HMA, NHD or HND, block size must divide the chunk size.
-fn lmcache(chunk: u32) -> ChildCaps {
-    let mut c = caps(
-        false,
-        LayoutConstraint {
-            required: vec![KvLayout::NHD, KvLayout::HND],
-            rejected: vec![],
-            preferred: vec![KvLayout::NHD, KvLayout::HND],
-        },
-        None,
-        TransferMode::None,
-    );
-    c.block_size_divides = Some(chunk);
-    c.mla = true;
-    child("lmcache", c)
-}
-
-/// Like connectors/nixl for a non-MLA model: HMA, requires HND, pulls.
-fn nixl() -> ChildCaps {
-    let mut c = caps(
-        true,
-        LayoutConstraint { required: vec![KvLayout::HND], rejected: vec![], preferred: vec![KvLayout::HND] },
-        None,
-        TransferMode::Pull,
-    );
-    c.memory_kinds = vec![MemoryKind::Host];
-    child("nixl", c)
-}
-
-/// Like connectors/flexkv: no HMA, rejects HND, adapts at medium cost.
-fn flexkv() -> ChildCaps {
-    child(
-        "flexkv",
-        caps(
-            false,
-            LayoutConstraint {
-                required: vec![],
-                rejected: vec![KvLayout::HND],
-                preferred: vec![KvLayout::NHD],
-            },
-            Some(AdaptCost::Medium),
-            TransferMode::None,
-        ),
-    )
-}
 
 fn model(name: &str, layers: Vec<AttentionKind>, dtype: Option<Dtype>) -> ModelSpec {
     ModelSpec {
@@ -485,7 +417,7 @@ fn linear_layers_need_hma() {
     let e = negotiate(&with_linear(), &opts(), &[nixl()]).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s) (1 group: linear x36 (state shape not in the config)), which decode needs besides the KV blocks, but child 'nixl' does not carry per-request state (carries_state); nothing would give decode that state. Remedy: use connectors that declare carries_state (none of the built-in ones does yet), or serve this model without disaggregation (remove child 'nixl')"
+        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s) (1 group: linear x36 (state shape not in the config)), which decode needs besides the KV blocks, but child 'nixl' does not carry per-request state (carries_state); nothing would give decode that state. Remedy: use connectors that declare carries_state (the nixl connector does, with backend shm or tcp), or serve this model without disaggregation (remove child 'nixl')"
     );
     let mut carrier = nixl();
     carrier.caps.carries_state = true;

@@ -8,7 +8,45 @@
 //! came from. What a key means is the connector's business, not this crate's.
 
 use serde_json::Value;
+use std::io::Read;
 use std::path::{Path, PathBuf};
+
+/// The largest config file read: far above any real one, small enough that a mistaken path
+/// (a log, a model's weights) fails at once instead of filling memory.
+pub const MAX_FILE_BYTES: u64 = 16 << 20;
+
+/// Reads a config file's text: a regular file of at most [`MAX_FILE_BYTES`]. A device such as
+/// `/dev/zero`, a pipe or a directory is refused before a byte is read, so a wrong path is an
+/// error instead of a read without end.
+pub fn read_text(path: &Path) -> std::io::Result<String> {
+    use std::io::{Error, ErrorKind};
+    let meta = std::fs::metadata(path)?;
+    if !meta.is_file() {
+        return Err(Error::new(
+            ErrorKind::InvalidInput,
+            "not a regular file (a device, a pipe or a directory); give the path of the file itself",
+        ));
+    }
+    let too_big = || {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!(
+                "larger than the {} MiB a config file may have; is this the right file?",
+                MAX_FILE_BYTES >> 20
+            ),
+        )
+    };
+    if meta.len() > MAX_FILE_BYTES {
+        return Err(too_big());
+    }
+    let mut text = String::new();
+    // The cap holds even if the file grows between the check and the read.
+    std::fs::File::open(path)?.take(MAX_FILE_BYTES + 1).read_to_string(&mut text)?;
+    if text.len() as u64 > MAX_FILE_BYTES {
+        return Err(too_big());
+    }
+    Ok(text)
+}
 
 /// How a file is written.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +148,7 @@ fn kind(v: &Value) -> &'static str {
 impl ConfigFile {
     /// Reads the file `var` names. `example` is a line shown when the file is not a mapping.
     pub fn read(var: &str, path: &Path, example: &str) -> Result<ConfigFile, FileError> {
-        let text = std::fs::read_to_string(path).map_err(|source| FileError::Unreadable {
+        let text = read_text(path).map_err(|source| FileError::Unreadable {
             var: var.to_owned(),
             path: path.to_owned(),
             source,
@@ -305,6 +343,22 @@ mod tests {
             e.to_string().contains("cannot read the file")
                 && e.to_string().contains("unset FLEXKV_CONFIG_PATH")
         );
+    }
+
+    #[test]
+    fn devices_directories_and_huge_files_are_refused_unread() {
+        let e = ConfigFile::read("LMCACHE_CONFIG_FILE", Path::new("/dev/zero"), "").unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let e = read_text(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        let big = dir.path().join("big.yaml");
+        std::fs::File::create(&big).unwrap().set_len(MAX_FILE_BYTES + 1).unwrap();
+        let e = read_text(&big).unwrap_err().to_string();
+        assert!(e.contains("larger than the 16 MiB"), "{e}");
+        let ok = dir.path().join("ok.yaml");
+        std::fs::write(&ok, "chunk_size: 256\n").unwrap();
+        assert_eq!(read_text(&ok).unwrap(), "chunk_size: 256\n");
     }
 
     #[test]

@@ -6,7 +6,12 @@
 //! node's edge to its parent is a stored index; the tree shape (parent links, child counts)
 //! is what keeps the cache prefix-closed: a node is removed only when it is a leaf, so every
 //! cached block stays reachable from the root. Matching walks the prompt's hashes and stops
-//! at the first block that is missing, not ready, or whose parent link disagrees.
+//! at the first block that is missing, not ready, or whose parent link disagrees. While no
+//! block that is not ready has children (the usual case: pending blocks are leaves until
+//! they are ready), "block i matches" holds for a prefix of the prompt and fails after it,
+//! since a ready block's ancestors are all in the tree and ready and, the hashes being
+//! chained, are the prompt's earlier blocks; the matched length is then found by bisection
+//! (about log2(n) probes, each checking the block and its parent link) instead of a walk.
 //!
 //! Each tier (CPU, SSD) has an intrusive doubly linked LRU list of the nodes holding a copy
 //! there (O(1) touch). Touching a matched path moves it to the front deepest-first and a new
@@ -128,6 +133,13 @@ pub struct RadixIndex {
     free: Vec<NodeIdx>,
     map: HashMap<u64, NodeIdx, BuildHasherDefault<PassThrough>>,
     lists: [List; 2],
+    /// Blocks that are not ready but have children: while there are none, matching bisects.
+    blocking: usize,
+}
+
+/// Whether a node keeps a ready descendant behind a block that does not match.
+fn blocks(n: &Node) -> bool {
+    n.state != State::Ready && n.children > 0
 }
 
 impl RadixIndex {
@@ -153,6 +165,43 @@ impl RadixIndex {
 
     /// Length of the longest cached, ready prefix of `hashes`.
     pub fn match_len(&self, hashes: &[u64]) -> usize {
+        if self.blocking == 0 {
+            return self.bisect(hashes);
+        }
+        self.walk(hashes)
+    }
+
+    /// Whether block `i` of `hashes` is in the tree, ready, and a child of block `i - 1`
+    /// (a first block of none).
+    fn links(&self, hashes: &[u64], i: usize) -> bool {
+        let Some(&idx) = self.map.get(&hashes[i]) else { return false };
+        let n = &self.nodes[idx as usize];
+        let parent = match i.checked_sub(1) {
+            None => NIL,
+            Some(p) => match self.map.get(&hashes[p]) {
+                Some(&p) => p,
+                None => return false,
+            },
+        };
+        n.state == State::Ready && n.parent == parent
+    }
+
+    /// The matched length when no block that is not ready has children (module docs).
+    fn bisect(&self, hashes: &[u64]) -> usize {
+        let (mut lo, mut hi) = (0, hashes.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.links(hashes, mid) {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+
+    /// The matched length, block by block.
+    fn walk(&self, hashes: &[u64]) -> usize {
         let mut parent = NIL;
         for (i, h) in hashes.iter().enumerate() {
             match self.map.get(h) {
@@ -172,26 +221,35 @@ impl RadixIndex {
     /// Matches the longest ready prefix of at most `max` blocks, marks it most recently used
     /// and takes one reference on each matched block. Returns how many.
     pub fn match_and_pin(&mut self, hashes: &[u64], max: usize) -> usize {
-        let mut path: Vec<NodeIdx> = Vec::with_capacity(max.min(hashes.len()));
-        let mut parent = NIL;
-        for h in &hashes[..max.min(hashes.len())] {
-            match self.map.get(h) {
-                Some(&idx)
-                    if self.nodes[idx as usize].parent == parent
-                        && self.nodes[idx as usize].state == State::Ready =>
-                {
-                    path.push(idx);
-                    parent = idx;
-                }
-                _ => break,
+        let n = self.match_len(&hashes[..max.min(hashes.len())]);
+        // Deepest first, so ancestors end up more recent than descendants; the matched
+        // blocks are the deepest one and its ancestors.
+        let mut idx = match n.checked_sub(1) {
+            Some(last) => self.map.get(&hashes[last]).copied().unwrap_or(NIL),
+            None => NIL,
+        };
+        for _ in 0..n {
+            if idx == NIL {
+                break;
             }
-        }
-        // Deepest first, so ancestors end up more recent than descendants.
-        for &idx in path.iter().rev() {
             self.nodes[idx as usize].refs += 1;
             self.touch_idx(idx);
+            idx = self.nodes[idx as usize].parent;
         }
-        path.len()
+        n
+    }
+
+    /// Changes node `idx` through `f`, keeping the count of blocking nodes.
+    fn update(&mut self, idx: NodeIdx, f: impl FnOnce(&mut Node)) {
+        let n = &mut self.nodes[idx as usize];
+        let before = blocks(n);
+        f(n);
+        let after = blocks(n);
+        match (before, after) {
+            (false, true) => self.blocking += 1,
+            (true, false) => self.blocking -= 1,
+            _ => {}
+        }
     }
 
     /// Marks the path ending at `hash` most recently used (deepest first).
@@ -252,10 +310,12 @@ impl RadixIndex {
             },
         };
         if let Some(&idx) = self.map.get(&hash) {
-            let n = &mut self.nodes[idx as usize];
+            let n = &self.nodes[idx as usize];
             if n.state == State::Dead && n.parent == pidx {
-                n.state = State::Pending;
-                n.refs += 1;
+                self.update(idx, |n| {
+                    n.state = State::Pending;
+                    n.refs += 1;
+                });
                 return Insert::Created;
             }
             return Insert::Present;
@@ -282,7 +342,7 @@ impl RadixIndex {
         };
         self.map.insert(hash, idx);
         if pidx != NIL {
-            self.nodes[pidx as usize].children += 1;
+            self.update(pidx, |p| p.children += 1);
         }
         Insert::Created
     }
@@ -290,7 +350,7 @@ impl RadixIndex {
     /// Marks a pending block ready (its data is written).
     pub fn mark_ready(&mut self, hash: u64) {
         if let Some(&idx) = self.map.get(&hash) {
-            self.nodes[idx as usize].state = State::Ready;
+            self.update(idx, |n| n.state = State::Ready);
         }
     }
 
@@ -298,8 +358,8 @@ impl RadixIndex {
     pub fn mark_dead(&mut self, hash: u64) -> [Option<u32>; 2] {
         let Some(&idx) = self.map.get(&hash) else { return [None, None] };
         let slots = [self.take_slot(idx, Tier::Cpu), self.take_slot(idx, Tier::Ssd)];
-        let n = &mut self.nodes[idx as usize];
-        n.state = State::Dead;
+        self.update(idx, |n| n.state = State::Dead);
+        let n = &self.nodes[idx as usize];
         if n.refs == 0 && n.children == 0 {
             self.remove_idx(idx);
         }
@@ -354,9 +414,11 @@ impl RadixIndex {
     pub fn abandon(&mut self, hash: u64) -> [Option<u32>; 2] {
         let Some(&idx) = self.map.get(&hash) else { return [None, None] };
         let slots = [self.take_slot(idx, Tier::Cpu), self.take_slot(idx, Tier::Ssd)];
-        let n = &mut self.nodes[idx as usize];
-        n.refs = n.refs.saturating_sub(1);
-        n.state = State::Dead;
+        self.update(idx, |n| {
+            n.refs = n.refs.saturating_sub(1);
+            n.state = State::Dead;
+        });
+        let n = &self.nodes[idx as usize];
         if n.refs == 0 && n.children == 0 {
             self.remove_idx(idx);
         }
@@ -371,8 +433,8 @@ impl RadixIndex {
         self.map.remove(&hash);
         self.free.push(idx);
         if parent != NIL {
-            let p = &mut self.nodes[parent as usize];
-            p.children -= 1;
+            self.update(parent, |p| p.children -= 1);
+            let p = &self.nodes[parent as usize];
             // A dead parent that was kept only for this child goes too.
             if p.children == 0 && p.refs == 0 && p.state == State::Dead && p.slot == [None, None] {
                 self.remove_idx(parent);
@@ -498,6 +560,77 @@ mod tests {
         assert_eq!(ix.match_len(&[1]), 0);
         ix.unpin(1);
         assert!(ix.is_empty());
+    }
+
+    /// A chained block hash, as `hash::block_hashes` makes them: a block's hash names its
+    /// whole prefix.
+    fn link(parent: u64, token: u64) -> u64 {
+        let mut z = parent ^ token.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z ^ (z >> 31)
+    }
+
+    #[test]
+    fn bisection_matches_the_walk_through_saves_deaths_revivals_and_removals() {
+        let mut ix = RadixIndex::new();
+        let mut rng = 0x1234_5678u64;
+        let mut next = move |n: u64| {
+            rng = link(rng, 1);
+            rng % n
+        };
+        // Prompts over a 3-token alphabet, so they share prefixes and branch.
+        let prompt = |toks: &[u64]| {
+            let mut h = 7;
+            toks.iter()
+                .map(|t| {
+                    h = link(h, *t);
+                    h
+                })
+                .collect::<Vec<u64>>()
+        };
+        let mut bisected = 0;
+        for round in 0..3000 {
+            let toks: Vec<u64> = (0..1 + next(12)).map(|_| next(3)).collect();
+            let hashes = prompt(&toks);
+            let at = next(hashes.len() as u64) as usize;
+            let h = hashes[at];
+            match next(6) {
+                0 | 1 => {
+                    if ix.insert_pending(h, at.checked_sub(1).map(|p| hashes[p])) == Insert::Created {
+                        if next(4) > 0 {
+                            ix.mark_ready(h);
+                        }
+                        ix.unpin(h);
+                    }
+                }
+                2 => {
+                    ix.mark_dead(h);
+                }
+                3 => {
+                    ix.remove(h);
+                }
+                4 => {
+                    ix.mark_ready(h);
+                }
+                _ => {
+                    let n = ix.match_and_pin(&hashes, hashes.len());
+                    assert_eq!(n, ix.walk(&hashes));
+                    for x in &hashes[..n] {
+                        ix.unpin(*x);
+                    }
+                }
+            }
+            let blocking = ix.map.values().filter(|&&i| blocks(&ix.nodes[i as usize])).count();
+            assert_eq!(ix.blocking, blocking, "round {round}");
+            for _ in 0..4 {
+                let q: Vec<u64> = (0..1 + next(14)).map(|_| next(3)).collect();
+                let q = prompt(&q);
+                assert_eq!(ix.match_len(&q), ix.walk(&q), "round {round}");
+                bisected += usize::from(ix.blocking == 0);
+            }
+        }
+        assert!(bisected > 1000, "the bisection ran ({bisected} queries)");
+        assert!(ix.len() > 10, "the tree grew ({} blocks)", ix.len());
     }
 
     #[test]

@@ -11,13 +11,10 @@
 //! configuration is refused rather than silently shared.
 
 use crate::cache::BlockCache;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use kvconnect_api::per_engine::PerEngine;
+use std::sync::Arc;
 
-fn registry() -> &'static Mutex<HashMap<String, Weak<BlockCache>>> {
-    static R: OnceLock<Mutex<HashMap<String, Weak<BlockCache>>>> = OnceLock::new();
-    R.get_or_init(|| Mutex::new(HashMap::new()))
-}
+static CACHES: PerEngine<BlockCache> = PerEngine::new();
 
 /// The id is taken by a cache built for something else.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,28 +35,21 @@ pub fn shared_cache<E: From<RegistryError>>(
     identity: &str,
     make: impl FnOnce() -> Result<BlockCache, E>,
 ) -> Result<Arc<BlockCache>, E> {
-    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
-    r.retain(|_, w| w.strong_count() > 0);
-    if let Some(c) = r.get(engine_id).and_then(Weak::upgrade) {
-        if c.identity() != identity {
-            return Err(E::from(RegistryError {
-                engine_id: engine_id.to_owned(),
-                existing: c.identity().to_owned(),
-                wanted: identity.to_owned(),
-            }));
-        }
-        return Ok(c);
-    }
-    let c = Arc::new(make()?);
-    r.insert(engine_id.to_owned(), Arc::downgrade(&c));
-    Ok(c)
+    // One cache per engine: any other identity is refused.
+    let taken = |existing: &str| {
+        Some(E::from(RegistryError {
+            engine_id: engine_id.to_owned(),
+            existing: existing.to_owned(),
+            wanted: identity.to_owned(),
+        }))
+    };
+    CACHES.get_or_create(engine_id, identity, taken, make)
 }
 
 /// The counters of `engine_id`'s cache and its block size in bytes, while either half of
 /// that engine is alive.
 pub fn stats(engine_id: &str) -> Option<(crate::cache::CacheStats, usize)> {
-    let r = registry().lock().unwrap_or_else(|e| e.into_inner());
-    r.get(engine_id).and_then(Weak::upgrade).map(|c| (c.stats(), c.slot_bytes()))
+    CACHES.live(engine_id).first().map(|c| (c.stats(), c.slot_bytes()))
 }
 
 #[cfg(test)]

@@ -10,8 +10,8 @@ use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRole, RequestId, WorkerConnector,
 };
-use kvconnect_nixl::harness::{context, effective, model, Regions};
-use kvconnect_nixl::meta::{LoadSpec, NixlMeta, SendSpec};
+use kvconnect_bench::harness::{context, effective, model, Regions};
+use kvconnect_nixl::metadata::{LoadSpec, NixlMeta, SendSpec};
 use kvconnect_nixl::shm::ShmMapping;
 use kvconnect_nixl::stream_copy::copy_run;
 use kvconnect_nixl::{Backend, NixlFactory, PeerInfo, ProducerMetadata, PullConfig, Puller};
@@ -131,6 +131,9 @@ fn bench(c: &mut Criterion) {
             connect_timeout: Duration::from_secs(5),
             max_frame: 16 << 20,
             copy_threads: kvconnect_nixl::copy_plan::default_copy_threads(),
+            streams: kvconnect_nixl::tcp_data::default_tcp_streams(),
+            stream_min_bytes: kvconnect_nixl::tcp_data::STREAM_MIN_BYTES,
+            socket_buffer: kvconnect_nixl::tcp_data::DEFAULT_SOCKET_BUFFER,
             secret: None,
         });
         g.bench_function(format!("{}_pull", backend.name()), |b| {

@@ -11,8 +11,12 @@ use kvconnect_api::{
 /// divided by, prefill's reads each rank's head slices from the prefill ranks holding them
 /// (`copy_plan`). Backends `nixl` and `cuda_ipc` move KV between equal TP sizes only, so
 /// negotiation and the handshake refuse a peer with another one before any KV moves.
+/// Per-request state (state-space / linear-attention layers) moves with backends `shm` and
+/// `tcp` only, the data paths whose state copies are built and tested, and only between TP 1
+/// engines (state across TP ranks is not implemented); a config that does not parse declares
+/// neither (creating the connector then says what is wrong).
 pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
-    let heterogeneous_tp = crate::config::NixlConfig::from_config(config)
+    let shm_or_tcp = crate::config::NixlConfig::from_config(config)
         .is_ok_and(|c| matches!(c.backend, crate::config::Backend::Shm | crate::config::Backend::Tcp));
     let mla = model.is_some_and(|m| m.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. })));
     let layout = if mla {
@@ -37,10 +41,10 @@ pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> Con
         transfer_mode: TransferMode::Pull,
         roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
         layerwise: false,
-        heterogeneous_tp,
+        heterogeneous_tp: shm_or_tcp,
         mla: true,
         async_load: true,
-        carries_state: false,
+        carries_state: shm_or_tcp,
     })
 }
 

@@ -9,6 +9,10 @@
 //! `cuda_ipc` also reads `cuda_ipc_path` (`auto` | `peer` | `staged`, default `auto`): how
 //! decode reaches a producer's GPU (see [`CudaIpcPath`]). Backend `shm` reads `copy_threads`
 //! (default: the cores this process may use, at most 8): how many threads copy one large pull.
+//! Backend `tcp` reads `tcp_streams` (default one per two cores, 1 to 4): how many parallel
+//! connections receive one large pull, each carrying at least `tcp_stream_min_bytes`
+//! (default 64 MiB), and `tcp_socket_buffer` (bytes, default 4 MiB, 0 for the kernel's
+//! autotuning): each data socket's send and receive buffer.
 //! `kv_lease_max` (seconds, default four leases) caps how long renewals may keep a request's
 //! blocks; `max_connections` (default 64) caps the listener's connections.
 //!
@@ -126,6 +130,12 @@ pub struct NixlConfig {
     pub cuda_ipc_path: CudaIpcPath,
     /// Backend shm: threads that copy one large pull.
     pub copy_threads: usize,
+    /// Backend tcp: parallel streams of one large pull.
+    pub tcp_streams: usize,
+    /// Backend tcp: each data socket's send and receive buffer, bytes (0: the kernel's).
+    pub tcp_socket_buffer: usize,
+    /// Backend tcp: the least one parallel stream carries, bytes.
+    pub tcp_stream_min_bytes: u64,
     /// The deployment's data-plane secret (ARCHITECTURE.md §10): from `data_plane_secret`,
     /// which the host sets, else `KVCONNECT_SIDE_CHANNEL_TOKEN`; `None` runs unauthenticated,
     /// which a producer allows on loopback only.
@@ -150,6 +160,9 @@ impl Default for NixlConfig {
             side_channel: None,
             cuda_ipc_path: CudaIpcPath::Auto,
             copy_threads: crate::copy_plan::default_copy_threads(),
+            tcp_streams: crate::tcp_data::default_tcp_streams(),
+            tcp_socket_buffer: crate::tcp_data::DEFAULT_SOCKET_BUFFER,
+            tcp_stream_min_bytes: crate::tcp_data::STREAM_MIN_BYTES,
             secret: None,
             lease_max: Duration::from_secs(120),
             max_connections: DEFAULT_MAX_CONNECTIONS,
@@ -199,6 +212,26 @@ fn port(extra: &Map<String, Value>, key: &str) -> Result<Option<u16>, ConnectorE
                 )),
             }
         }
+    }
+}
+
+/// A whole number in `range` under `key`, else `default`; `expected` says what to write.
+fn count(
+    extra: &Map<String, Value>,
+    key: &str,
+    default: usize,
+    range: std::ops::RangeInclusive<u64>,
+    expected: &str,
+) -> Result<usize, ConnectorError> {
+    match extra.get(key) {
+        None | Some(Value::Null) => Ok(default),
+        Some(v) => match v.as_u64().filter(|n| range.contains(n)).and_then(|n| usize::try_from(n).ok()) {
+            Some(n) => Ok(n),
+            None => Err(ConnectorError::config(
+                NAME,
+                format!("kv_connector_extra_config.{key} = {v}: expected {expected}"),
+            )),
+        },
     }
 }
 
@@ -252,18 +285,34 @@ impl NixlConfig {
                 ))
             }
         };
-        let copy_threads = match extra.get("copy_threads") {
-            None | Some(Value::Null) => d.copy_threads,
-            Some(v) => match v.as_u64() {
-                Some(n) if (1..=64).contains(&n) => n as usize,
-                _ => {
-                    return Err(ConnectorError::config(
-                        NAME,
-                        format!("kv_connector_extra_config.copy_threads = {v}: expected a thread count from 1 to 64 (leave it out for one per core, at most 8)"),
-                    ))
-                }
-            },
-        };
+        let copy_threads = count(
+            extra,
+            "copy_threads",
+            d.copy_threads,
+            1..=64,
+            "a thread count from 1 to 64 (leave it out for one per core, at most 8)",
+        )?;
+        let tcp_streams = count(
+            extra,
+            "tcp_streams",
+            d.tcp_streams,
+            1..=16,
+            "a stream count from 1 to 16 (leave it out for one per two cores, at most 4)",
+        )?;
+        let tcp_socket_buffer = count(
+            extra,
+            "tcp_socket_buffer",
+            d.tcp_socket_buffer,
+            0..=(256 << 20),
+            "bytes from 0 (the kernel's autotuning) to 256 MiB",
+        )?;
+        let tcp_stream_min_bytes = count(
+            extra,
+            "tcp_stream_min_bytes",
+            d.tcp_stream_min_bytes as usize,
+            1..=(1 << 40),
+            "bytes from 1 to 1 TiB",
+        )? as u64;
         let lease = seconds(extra, "kv_lease_duration", d.lease)?;
         let lease_max = seconds(extra, "kv_lease_max", lease * 4)?;
         if lease_max < lease {
@@ -276,20 +325,13 @@ impl NixlConfig {
                 ),
             ));
         }
-        let max_connections = match extra.get("max_connections") {
-            None | Some(Value::Null) => d.max_connections,
-            Some(v) => match v.as_u64() {
-                Some(n) if (1..=65536).contains(&n) => n as usize,
-                _ => {
-                    return Err(ConnectorError::config(
-                        NAME,
-                        format!("kv_connector_extra_config.max_connections = {v}: expected a count between 1 and 65536"),
-                    ))
-                }
-            },
-        };
+        let max_connections =
+            count(extra, "max_connections", d.max_connections, 1..=65536, "a count between 1 and 65536")?;
         Ok(NixlConfig {
             copy_threads,
+            tcp_streams,
+            tcp_socket_buffer,
+            tcp_stream_min_bytes,
             backend,
             lease,
             lease_max,
@@ -407,6 +449,10 @@ mod tests {
             (json!({"side_channel_host": "h"}), "side_channel_port"),
             (json!({"copy_threads": 0}), "copy_threads = 0: expected a thread count from 1 to 64"),
             (json!({"copy_threads": "many"}), "copy_threads"),
+            (json!({"tcp_streams": 0}), "tcp_streams = 0: expected a stream count from 1 to 16"),
+            (json!({"tcp_streams": 17}), "tcp_streams = 17"),
+            (json!({"tcp_socket_buffer": -1}), "tcp_socket_buffer = -1: expected bytes from 0"),
+            (json!({"tcp_socket_buffer": 1e12}), "tcp_socket_buffer"),
         ] {
             let e = NixlConfig::from_config(&cfg(extra)).unwrap_err().to_string();
             assert!(e.contains(key), "{e}");
@@ -419,5 +465,14 @@ mod tests {
         assert_eq!(d.copy_threads, crate::copy_plan::default_copy_threads());
         assert!((1..=8).contains(&d.copy_threads));
         assert_eq!(NixlConfig::from_config(&cfg(json!({"copy_threads": 3}))).unwrap().copy_threads, 3);
+    }
+
+    #[test]
+    fn tcp_streams_and_socket_buffer_default_and_can_be_set() {
+        let d = NixlConfig::from_config(&cfg(json!({}))).unwrap();
+        assert_eq!(d.tcp_streams, crate::tcp_data::default_tcp_streams());
+        assert_eq!(d.tcp_socket_buffer, crate::tcp_data::DEFAULT_SOCKET_BUFFER);
+        let c = NixlConfig::from_config(&cfg(json!({"tcp_streams": 3, "tcp_socket_buffer": 0}))).unwrap();
+        assert_eq!((c.tcp_streams, c.tcp_socket_buffer), (3, 0));
     }
 }

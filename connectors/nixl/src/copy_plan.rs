@@ -11,9 +11,9 @@
 #![allow(unsafe_code)] // Slices of the registered KV regions the host vouched for.
 
 use crate::error::TransferError;
-use crate::meta::LoadSpec;
+use crate::metadata::LoadSpec;
 use crate::wire::WireRun;
-use kvconnect_api::geometry::{BlockShape, Geometry};
+use kvconnect_api::geometry::{BlockShape, Geometry, Span};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{BlockId, Dim, LayerId};
 
@@ -30,6 +30,19 @@ pub struct CopyRun {
     pub dst_off: u64,
     /// Bytes.
     pub len: u64,
+}
+
+impl CopyRun {
+    /// The copy of source span `s` to destination span `d` (of the same length).
+    fn between(s: Span, d: Span) -> CopyRun {
+        CopyRun {
+            src_region: s.region as u32,
+            src_off: s.offset as u64,
+            dst_region: d.region as u32,
+            dst_off: d.offset as u64,
+            len: s.len as u64,
+        }
+    }
 }
 
 /// One source block of an adapting plan.
@@ -86,6 +99,50 @@ fn positions(first: usize, end: usize, bs: usize) -> std::ops::Range<usize> {
     first / bs..end.div_ceil(bs)
 }
 
+/// True for a state group (its layers keep per-request state in state slots, not KV blocks).
+fn is_state_group(own: &Geometry, layers: &[LayerId]) -> bool {
+    layers.first().is_some_and(|l| own.state().holds(*l))
+}
+
+/// The copies of a load's per-request state: for every state group, the request's one slot
+/// in each of its layers, from the producer's slot to this engine's. None when the load
+/// moves no tokens.
+fn state_runs(
+    peer: &Geometry,
+    own: &Geometry,
+    groups: &[Vec<LayerId>],
+    load: &LoadSpec,
+) -> Result<Vec<CopyRun>, TransferError> {
+    let mut runs = Vec::new();
+    if load.num_tokens <= load.first_token {
+        return Ok(runs);
+    }
+    for (g, layers) in groups.iter().enumerate() {
+        if !is_state_group(own, layers) {
+            continue;
+        }
+        let (Some(&r), Some(&l)) = (load.remote_blocks.0[g].first(), load.local_blocks.0[g].first()) else {
+            return Err(plan_err(format!(
+                "request {}: state group {g} needs one producer and one local state slot, got {} and {}",
+                load.request,
+                load.remote_blocks.0[g].len(),
+                load.local_blocks.0[g].len()
+            )));
+        };
+        for &layer in layers {
+            let (s, d) = (peer.state().span(layer, r)?, own.state().span(layer, l)?);
+            if s.len != d.len {
+                return Err(plan_err(format!(
+                    "request {}: layer {layer} keeps {} bytes of state on the producer and {} here",
+                    load.request, s.len, d.len
+                )));
+            }
+            runs.push(CopyRun::between(s, d));
+        }
+    }
+    Ok(runs)
+}
+
 impl CopyPlan {
     /// Plans `load` from a producer with geometry `peer` into `own`, over the KV cache
     /// `groups` (layers per group; both sides have the same groups).
@@ -109,7 +166,21 @@ impl CopyPlan {
             )));
         }
         let (first, end) = (load.first_token, load.num_tokens);
+        if (peer.tp_ranks() != 1 || own.tp_ranks() != 1)
+            && (!peer.state().is_empty() || !own.state().is_empty())
+        {
+            return Err(TransferError::NotImplemented(format!(
+                "request {}: moving per-request state across tensor-parallel ranks (producer {} rank(s), this engine {}) is not built; run a model with state layers at TP 1 on both sides",
+                load.request,
+                peer.tp_ranks(),
+                own.tp_ranks()
+            )));
+        }
+        let state = state_runs(peer, own, groups, load)?;
         for (g, (r, l)) in load.remote_blocks.0.iter().zip(&load.local_blocks.0).enumerate() {
+            if is_state_group(own, &groups[g]) {
+                continue;
+            }
             let need_r = positions(first, end, bp).end;
             let need_l = positions(first, end, bd).end;
             if first < end && (r.len() < need_r || l.len() < need_l) {
@@ -125,7 +196,7 @@ impl CopyPlan {
         let direct = bp == bd && first % bp == 0 && !layouts_adapt(peer, own);
         if peer.tp_ranks() != 1 || own.tp_ranks() != 1 {
             if !direct {
-                return Err(TransferError::NotBuilt(format!(
+                return Err(TransferError::NotImplemented(format!(
                     "request {}: loading tokens {first}..{end} across tensor-parallel ranks (producer {} rank(s), this engine {}) while adapting blocks (producer {} blocks of {bp} tokens, this engine {} of {bd}, or a load not starting on a block boundary); across ranks use the same layout and block size on both sides",
                     load.request,
                     peer.tp_ranks(),
@@ -144,22 +215,25 @@ impl CopyPlan {
                 if own.opaque_blocks() { "opaque" } else { "known-layout" },
             )));
         }
+        if !direct && !state.is_empty() {
+            return Err(TransferError::NotImplemented(format!(
+                "request {}: loading tokens {first}..{end} adapts blocks (producer blocks of {bp} tokens, this engine's of {bd}, or another H/N order), and moving per-request state beside adapted blocks is not built; use the same layout and block size on both sides of a model with state layers",
+                load.request
+            )));
+        }
         if direct {
-            let mut runs = Vec::new();
+            let mut runs = state;
             for (g, layers) in groups.iter().enumerate() {
+                if is_state_group(own, layers) {
+                    continue;
+                }
                 let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
                 for &layer in layers {
                     for part in 0..parts {
                         for pos in positions(first, end, bp) {
                             let s = peer.span(layer, part, r[pos])?;
                             let d = own.span(layer, part, l[pos])?;
-                            runs.push(CopyRun {
-                                src_region: s.region as u32,
-                                src_off: s.offset as u64,
-                                dst_region: d.region as u32,
-                                dst_off: d.offset as u64,
-                                len: s.len as u64,
-                            });
+                            runs.push(CopyRun::between(s, d));
                         }
                     }
                 }
@@ -169,6 +243,9 @@ impl CopyPlan {
         } else {
             let mut blocks = Vec::new();
             for (g, layers) in groups.iter().enumerate() {
+                if is_state_group(own, layers) {
+                    continue;
+                }
                 let r = &load.remote_blocks.0[g];
                 for &layer in layers {
                     for part in 0..parts {
@@ -241,7 +318,7 @@ fn across_ranks(
     let head_bytes = (peer.shape().bytes() / hp as usize) as u64;
     let offset = |g: &Geometry, head: u32| {
         g.head_slice_offset(head).map(|o| o as u64).ok_or_else(|| {
-            TransferError::NotBuilt(format!(
+            TransferError::NotImplemented(format!(
                 "request {}: layout {} keeps a KV head's tokens apart inside a block, so one tensor-parallel rank's heads are not contiguous; across ranks use a layout with heads outermost in a block (HND)",
                 load.request,
                 g.layout().display_name()
@@ -304,30 +381,76 @@ pub fn default_copy_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(8)
 }
 
-/// Cuts `(destination address, source)` pieces into consecutive shares of about `share`
-/// bytes each, splitting a piece where a share ends.
-fn split_evenly(pieces: Vec<(usize, &[u8])>, share: usize) -> Vec<Vec<(usize, &[u8])>> {
+/// Cuts `pieces` into consecutive shares of about `share` bytes each (`len` of a piece),
+/// cutting a piece where a share ends (`cut(piece, n)`: its first `n` bytes and the rest).
+fn split_shares<T>(
+    pieces: impl IntoIterator<Item = T>,
+    share: usize,
+    len: impl Fn(&T) -> usize,
+    cut: impl Fn(T, usize) -> (T, T),
+) -> Vec<Vec<T>> {
     let share = share.max(1);
-    let mut out: Vec<Vec<(usize, &[u8])>> = vec![Vec::new()];
+    let mut out: Vec<Vec<T>> = vec![Vec::new()];
     let mut room = share;
-    for (mut dst, mut src) in pieces {
-        while !src.is_empty() {
+    for mut piece in pieces {
+        while len(&piece) > 0 {
             if room == 0 {
                 out.push(Vec::new());
                 room = share;
             }
-            let n = src.len().min(room);
-            let (now, later) = src.split_at(n);
+            let n = len(&piece).min(room);
+            let (now, later) = cut(piece, n);
             if let Some(last) = out.last_mut() {
-                last.push((dst, now));
+                last.push(now);
             }
-            dst += n;
-            src = later;
+            piece = later;
             room -= n;
         }
     }
     out.retain(|s| !s.is_empty());
     out
+}
+
+/// Cuts `(destination address, source)` pieces into consecutive shares of about `share`
+/// bytes each, splitting a piece where a share ends.
+fn split_evenly(pieces: Vec<(usize, &[u8])>, share: usize) -> Vec<Vec<(usize, &[u8])>> {
+    split_shares(
+        pieces,
+        share,
+        |(_, src)| src.len(),
+        |(dst, src), n| {
+            let (now, later) = src.split_at(n);
+            ((dst, now), (dst + n, later))
+        },
+    )
+}
+
+/// Cuts direct runs into at most `parts` consecutive shares of about equal bytes (the
+/// streams of one tcp pull), splitting a run where a share ends; the shares, concatenated,
+/// are `runs` in order.
+pub fn split_runs(runs: &[CopyRun], parts: usize) -> Vec<Vec<CopyRun>> {
+    let total: u64 = runs.iter().map(|r| r.len).sum();
+    let share = total.div_ceil(parts.max(1) as u64).max(1);
+    split_shares(
+        runs.iter().copied(),
+        usize::try_from(share).unwrap_or(usize::MAX),
+        |r| r.len as usize,
+        |r, n| {
+            let n = n as u64;
+            let now = CopyRun { len: n, ..r };
+            let later = CopyRun { src_off: r.src_off + n, dst_off: r.dst_off + n, len: r.len - n, ..r };
+            (now, later)
+        },
+    )
+}
+
+/// Refuses destination spans `[start, end)` of which two overlap.
+fn refuse_overlap(mut spans: Vec<(usize, usize)>) -> Result<(), TransferError> {
+    spans.sort_unstable();
+    if spans.windows(2).any(|w| w[1].0 < w[0].1) {
+        return Err(plan_err("two runs of the plan write the same destination bytes".into()));
+    }
+    Ok(())
 }
 
 /// Write access to this engine's registered regions for the receive path.
@@ -378,11 +501,7 @@ impl<'a> LocalRegions<'a> {
             let dst = self.dst_mut(run.dst_region, run.dst_off, run.len)?;
             pieces.push((dst.as_mut_ptr() as usize, *src));
         }
-        let mut spans: Vec<(usize, usize)> = pieces.iter().map(|(d, s)| (*d, *d + s.len())).collect();
-        spans.sort_unstable();
-        if spans.windows(2).any(|w| w[1].0 < w[0].1) {
-            return Err(plan_err("two runs of the plan write the same destination bytes".into()));
-        }
+        refuse_overlap(pieces.iter().map(|(d, s)| (*d, *d + s.len())).collect())?;
         let total: usize = pieces.iter().map(|(_, s)| s.len()).sum();
         let threads = threads.clamp(1, (total / PARALLEL_MIN_BYTES).max(1));
         let shares = split_evenly(pieces, total.div_ceil(threads));
@@ -407,6 +526,38 @@ impl<'a> LocalRegions<'a> {
             }),
         }
         Ok(())
+    }
+
+    /// Writable views of the destinations of `shares` (direct runs, each share one stream's),
+    /// bounds-checked, all at once: runs whose destinations overlap are refused before any
+    /// view is handed out, so each share can be received on its own thread.
+    pub fn views(&mut self, shares: &[Vec<CopyRun>]) -> Result<Vec<Vec<&mut [u8]>>, TransferError> {
+        let mut addrs = Vec::with_capacity(shares.len());
+        for share in shares {
+            let mut v = Vec::with_capacity(share.len());
+            for r in share {
+                let dst = self.dst_mut(r.dst_region, r.dst_off, r.len)?;
+                v.push((dst.as_mut_ptr() as usize, dst.len()));
+            }
+            addrs.push(v);
+        }
+        refuse_overlap(addrs.iter().flatten().map(|&(a, n)| (a, a + n)).collect())?;
+        let views = addrs
+            .into_iter()
+            .map(|share| {
+                share
+                    .into_iter()
+                    .map(|(a, n)| {
+                        // SAFETY: each destination lies inside a registered region (checked by
+                        // `dst_mut` above), no two overlap (checked above), and the views
+                        // borrow `self` mutably for their whole life, so no other view of
+                        // these bytes can be made while they live.
+                        unsafe { std::slice::from_raw_parts_mut(a as *mut u8, n) }
+                    })
+                    .collect()
+            })
+            .collect();
+        Ok(views)
     }
 
     /// Scatters one source block (the producer's bytes of `b`) into this engine's layout.
@@ -580,6 +731,57 @@ mod tests {
         assert!(refusal(&ranked(2, KvLayout::HND), &other).contains("(producer 2 rank(s), this engine 1)"));
     }
 
+    /// `geo` plus one state layer (2) of 8 slots of 96 bytes after the two KV regions.
+    fn geo_state(layout: KvLayout, tokens: u32) -> Geometry {
+        use kvconnect_api::state_slots::{StateRegion, StateSlots};
+        geo(layout, tokens).with_state(StateSlots {
+            slot_bytes: 96,
+            first_region: 2,
+            regions: vec![StateRegion { layers: vec![LayerId(2)], num_slots: 8 }],
+        })
+    }
+
+    /// A load of the KV group's blocks and the state group's slot.
+    fn load_state(remote: (Vec<u32>, u32), local: (Vec<u32>, u32), first: usize, n: usize) -> LoadSpec {
+        let ids = |v: Vec<u32>| v.into_iter().map(BlockId).collect::<Vec<_>>();
+        LoadSpec {
+            remote_blocks: BlocksPerGroup(vec![ids(remote.0), vec![BlockId(remote.1)]]),
+            local_blocks: BlocksPerGroup(vec![ids(local.0), vec![BlockId(local.1)]]),
+            ..load(vec![], vec![], first, n)
+        }
+    }
+
+    #[test]
+    fn a_load_moves_the_state_slot_beside_the_kv_blocks() {
+        let groups = vec![vec![LayerId(0), LayerId(1)], vec![LayerId(2)]];
+        let (peer, own) = (geo_state(KvLayout::HND, 4), geo_state(KvLayout::HND, 4));
+        let plan = CopyPlan::build(&peer, &own, &groups, &load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7))
+            .unwrap();
+        let CopyPlan::Direct(runs) = &plan else { panic!("equal layouts copy directly") };
+        let state: Vec<&CopyRun> = runs.iter().filter(|r| r.src_region == 2).collect();
+        assert_eq!(
+            state,
+            [&CopyRun { src_region: 2, src_off: 5 * 96, dst_region: 2, dst_off: 6 * 96, len: 96 }]
+        );
+        let kv = 2 * 2 * 2 * peer.shape().bytes() as u64;
+        assert_eq!(plan.total_bytes(), kv + 96);
+        // Nothing to load: no state either.
+        let none =
+            CopyPlan::build(&peer, &own, &groups, &load_state((vec![1], 5), (vec![3], 6), 3, 3)).unwrap();
+        assert_eq!(none.total_bytes(), 0);
+        // A state group without a slot is a planning error naming it.
+        let mut bad = load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7);
+        bad.local_blocks.0[1].clear();
+        let e = CopyPlan::build(&peer, &own, &groups, &bad).unwrap_err().to_string();
+        assert!(e.contains("state group 1 needs one producer and one local state slot"), "{e}");
+        // State beside blocks that must be adapted is not built.
+        let nhd = geo_state(KvLayout::NHD, 4);
+        let e = CopyPlan::build(&nhd, &own, &groups, &load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("not implemented:") && e.contains("per-request state"), "{e}");
+    }
+
     #[test]
     fn shares_split_pieces_evenly_and_in_order() {
         let src: Vec<u8> = (0..100u8).collect();
@@ -593,11 +795,43 @@ mod tests {
         assert!(split_evenly(Vec::new(), 10).is_empty());
     }
 
+    #[test]
+    fn runs_split_into_streams_cover_every_byte_once_in_order() {
+        let run = |s, d, len| CopyRun { src_region: 1, src_off: s, dst_region: 2, dst_off: d, len };
+        let runs = vec![run(0, 100, 30), run(50, 500, 70)];
+        let shares = split_runs(&runs, 3);
+        assert_eq!(
+            shares,
+            vec![vec![run(0, 100, 30), run(50, 500, 4)], vec![run(54, 504, 34)], vec![run(88, 538, 32)]]
+        );
+        assert_eq!(split_runs(&runs, 1), vec![runs.clone()]);
+        assert_eq!(split_runs(&runs, 0), vec![runs.clone()]);
+        assert_eq!(split_runs(&runs, 1000).len(), 100, "never a share of zero bytes");
+        assert!(split_runs(&[], 4).is_empty());
+    }
+
+    #[test]
+    fn views_of_overlapping_or_outside_runs_are_refused() {
+        let (regions, mem) = big_memory();
+        let run = |off, len| CopyRun { src_region: 0, src_off: 0, dst_region: 0, dst_off: off, len };
+        let mut local = LocalRegions::new(&mem);
+        let v = local.views(&[vec![run(0, 64)], vec![run(64, 64), run(4096, 8)]]).unwrap();
+        assert_eq!(
+            v.iter().map(|s| s.iter().map(|b| b.len()).collect::<Vec<_>>()).collect::<Vec<_>>(),
+            vec![vec![64], vec![64, 8]]
+        );
+        let e = local.views(&[vec![run(0, 64)], vec![run(32, 64)]]).unwrap_err();
+        assert!(e.to_string().contains("write the same destination bytes"), "{e}");
+        let far = regions.regions()[0].len();
+        let e = local.views(&[vec![run(far - 8, 64)]]).unwrap_err();
+        assert!(e.to_string().contains("do not fit local region 0"), "{e}");
+    }
+
     /// 2 layers x 8 heads x 128 channels, 16-token blocks, 64 blocks: 32 MiB of host KV.
-    fn big_memory() -> (crate::harness::Regions, KvMemory) {
-        let m = crate::harness::model(2, 8, 128);
-        let eff = crate::harness::effective(&m, KvLayout::HND, 16);
-        let regions = crate::harness::Regions::allocate(&m, &eff, 64, None).unwrap();
+    fn big_memory() -> (kvconnect_bench::harness::Regions, KvMemory) {
+        let m = kvconnect_bench::harness::model(2, 8, 128);
+        let eff = kvconnect_bench::harness::effective(&m, KvLayout::HND, 16);
+        let regions = kvconnect_bench::harness::Regions::allocate(&m, &eff, 64, None).unwrap();
         let mem = KvMemory::new(regions.regions(), &m, &eff).unwrap();
         (regions, mem)
     }

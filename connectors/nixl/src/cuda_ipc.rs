@@ -25,7 +25,7 @@
 
 use crate::config::CudaIpcPath;
 use crate::error::TransferError;
-use crate::meta::LoadSpec;
+use crate::metadata::LoadSpec;
 use crate::metadata::{CudaIpcMetadata, PeerInfo};
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::{BlockId, Dim, KvRegion, LayerId, MemoryKind};

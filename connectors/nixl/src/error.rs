@@ -11,9 +11,9 @@ pub enum TransferError {
     /// The blocks asked for do not fit either side's geometry or block lists.
     #[error("cannot plan the copy: {0}")]
     Plan(String),
-    /// A copy this data path does not make (yet); the message says what to run instead.
+    /// A transfer this data path does not build.
     #[error("not implemented: {0}")]
-    NotBuilt(String),
+    NotImplemented(String),
     /// A block address outside the registered regions.
     #[error("block address: {0}")]
     Geometry(#[from] GeometryError),

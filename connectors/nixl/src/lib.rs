@@ -11,8 +11,9 @@
 //! `nixl` (NVIDIA's NIXL library over UCX through `nixl-sys`; any two hosts; decode READs the
 //! producer's registered regions and notifies it through NIXL; the library is found at run
 //! time, see `nixl_lib`; with feature `cuda`, device KV regions are registered as VRAM and
-//! read VRAM to VRAM when both sides' KV is in GPU memory, see `nixl_vram` for the probe). `cuda_ipc` (feature `cuda`; same host, device KV regions): decode
-//! opens prefill's CUDA IPC handles once and copies each request with one gather kernel.
+//! read VRAM to VRAM when both sides' KV is in GPU memory; the probe that checks a NIXL
+//! build can is `kvconnect-bench`'s). `cuda_ipc` (feature `cuda`; same host, device KV
+//! regions): decode opens prefill's CUDA IPC handles once and copies each request with one gather kernel.
 //!
 //! The host side: it sets `side_channel_host`/`side_channel_port` in
 //! `kv_connector_extra_config` (they go into the transfer params as `remote_host` /
@@ -21,7 +22,8 @@
 //! peer.
 //!
 //! This crate must not decide compatibility (the host's handshake does, with
-//! `kvconnect_api`); it only refuses a peer whose blocks it cannot address.
+//! `kvconnect_api`); it only refuses a peer whose blocks it cannot address. Every plugin that
+//! exports it links it, so benchmarks, probes and test harnesses live in `kvconnect-bench`.
 
 pub mod auth;
 pub mod caps;
@@ -31,21 +33,16 @@ pub mod copy_plan;
 pub mod cuda_ipc;
 pub mod error;
 pub mod factory;
-pub mod harness;
-pub mod meta;
 pub mod metadata;
 pub mod nixl_agent;
 pub mod nixl_lib;
-#[cfg(feature = "nixl")]
-pub mod nixl_raw;
-#[cfg(feature = "cuda")]
-pub mod nixl_vram;
 pub mod params;
 pub mod producer;
 pub mod puller;
 pub mod scheduler;
 pub mod shm;
 pub mod stream_copy;
+pub mod tcp_data;
 pub mod wire;
 pub mod worker;
 

@@ -19,7 +19,7 @@ use kvconnect_api::geometry::{GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{BlocksPerGroup, LayerId, RequestId};
 use std::collections::{HashMap, VecDeque};
-use std::io::{self, BufReader, Write};
+use std::io::{self, BufReader, IoSlice, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -57,6 +57,8 @@ pub struct ProducerConfig {
     pub max_connections: usize,
     /// Whether `read` is served (backend tcp); other backends copy without it.
     pub serve_reads: bool,
+    /// Send and receive buffer of each connection, bytes (0: the kernel's autotuning).
+    pub socket_buffer: usize,
 }
 
 /// Why the listener refused a peer, as counted.
@@ -357,9 +359,16 @@ impl Producer {
         groups: &[Vec<LayerId>],
     ) -> Result<(), GeometryError> {
         let g = self.shared.mem.geometry();
-        let mut allowed: Vec<Vec<(u64, u64)>> = vec![Vec::new(); g.regions().len()];
+        let mut allowed: Vec<Vec<(u64, u64)>> = vec![Vec::new(); g.regions().len() + g.state().regions.len()];
         for (gi, ids) in blocks.0.iter().enumerate() {
             for &layer in groups.get(gi).map(Vec::as_slice).unwrap_or(&[]) {
+                if g.state().holds(layer) {
+                    for &slot in ids {
+                        let Span { region, offset, len } = g.state().span(layer, slot)?;
+                        allowed[region].push((offset as u64, (offset + len) as u64));
+                    }
+                    continue;
+                }
                 for (rank, part) in
                     (0..g.tp_ranks()).flat_map(|r| (0..g.shape().kv_parts).map(move |p| (r, p)))
                 {
@@ -561,6 +570,9 @@ fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared
 /// is counted while the connection is still open (a peer that sees it close sees the count).
 fn serve(stream: TcpStream, s: &Shared) -> Result<(), String> {
     stream.set_nodelay(true).map_err(|e| e.to_string())?;
+    if s.cfg.serve_reads {
+        crate::tcp_data::set_buffers(&stream, s.cfg.socket_buffer).map_err(|e| e.to_string())?;
+    }
     stream.set_write_timeout(Some(s.cfg.io_timeout)).map_err(|e| e.to_string())?;
     let mut reader = BufReader::new(stream.try_clone().map_err(|e| e.to_string())?);
     let mut w = stream;
@@ -661,24 +673,23 @@ fn stream_runs(w: &mut TcpStream, s: &Shared, id: &RequestId, runs: &[WireRun]) 
     for &(region, off, len) in runs {
         let span = Span { region: region as usize, offset: off as usize, len: len as usize };
         let bytes = s.mem.slice(span).map_err(|e| StreamError::Refused(e.to_string()))?;
-        slices.push(bytes);
+        slices.push(IoSlice::new(bytes));
     }
     // The whole answer has one deadline: the io timeout plus the bytes at a pessimistic
     // 100 MB/s, so a consumer that reads slowly cannot keep the blocks pinned.
     let deadline = Instant::now() + s.cfg.io_timeout + Duration::from_secs_f64(total as f64 / 100e6);
     let mut w = DeadlineWriter { stream: w, deadline };
     write_frame(&mut w, &ServerMsg::Data { bytes: total }).map_err(StreamError::Io)?;
-    for b in slices {
-        w.write_all(b).map_err(StreamError::Io)?;
-    }
+    // Straight out of the regions, as many runs per system call as the socket takes.
+    crate::tcp_data::write_all_vectored(&mut w, &mut slices).map_err(StreamError::Io)?;
     w.flush().map_err(StreamError::Io)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::{effective, model, Regions};
     use kvconnect_api::{BlockId, KvLayout};
+    use kvconnect_bench::harness::{effective, model, Regions};
 
     fn producer(io_timeout: Duration) -> (Producer, Regions) {
         let m = model(2, 2, 8);
@@ -698,6 +709,7 @@ mod tests {
             lease_max: Duration::from_secs(120),
             max_connections: 4,
             serve_reads: true,
+            socket_buffer: 1 << 20,
         };
         let p = Producer::start(mem, cfg).unwrap();
         let groups = vec![m.kv_layers()];

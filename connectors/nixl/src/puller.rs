@@ -8,7 +8,7 @@
 use crate::config::Backend;
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
-use crate::meta::LoadSpec;
+use crate::metadata::LoadSpec;
 use crate::metadata::{NixlAgentMetadata, PeerInfo};
 use crate::nixl_agent::{NixlAgent, NixlMem, ReadPair};
 use crate::shm::ShmMapping;
@@ -150,6 +150,12 @@ pub struct PullConfig {
     pub max_frame: usize,
     /// Threads that copy one large shm pull.
     pub copy_threads: usize,
+    /// Parallel streams of one large tcp pull (`crate::tcp_data::streams_for`).
+    pub streams: usize,
+    /// The least one of those streams carries.
+    pub stream_min_bytes: u64,
+    /// Send and receive buffer of each tcp connection, bytes (0: the kernel's autotuning).
+    pub socket_buffer: usize,
     /// The deployment's data-plane secret (`None`: the producer runs without one, on
     /// loopback).
     pub secret: Option<crate::auth::Secret>,
@@ -171,11 +177,12 @@ struct Mapped {
     maps: Vec<ShmMapping>,
 }
 
-/// Pulls blocks from producers; keeps one connection (and, for shm, the mapped segments)
-/// per producer engine.
+/// Pulls blocks from producers; keeps its connections (the first carries control messages;
+/// tcp opens more for parallel streams) and, for shm, the mapped segments, per producer
+/// engine.
 pub struct Puller {
     cfg: PullConfig,
-    conns: HashMap<String, TcpStream>,
+    conns: HashMap<String, Vec<TcpStream>>,
     mapped: HashMap<String, Mapped>,
     nixl: Option<Arc<NixlAgent>>,
     nixl_vram: Option<VramRegions>,
@@ -260,25 +267,36 @@ impl Puller {
         }
     }
 
+    /// The control connection to `peer`.
     fn conn(&mut self, peer: &PeerInfo) -> Result<&mut TcpStream, TransferError> {
+        let engine = peer.meta.engine_id.clone();
+        self.streams(peer, 1)?.first_mut().ok_or(TransferError::UnknownPeer(engine))
+    }
+
+    /// `n` authenticated connections to `peer` (the first is the control connection), opened
+    /// as needed and kept.
+    fn streams(&mut self, peer: &PeerInfo, n: usize) -> Result<&mut [TcpStream], TransferError> {
         let engine = &peer.meta.engine_id;
-        // A producer that restarted publishes a new address: never reuse the old stream.
-        if self.conns.get(engine).is_some_and(|s| s.peer_addr().ok() != Some(peer.addr)) {
+        // A producer that restarted publishes a new address: never reuse the old streams.
+        if self.conns.get(engine).is_some_and(|v| v.iter().any(|s| s.peer_addr().ok() != Some(peer.addr))) {
             self.conns.remove(engine);
         }
-        if !self.conns.contains_key(engine) {
-            let s = TcpStream::connect_timeout(&peer.addr, self.cfg.connect_timeout)
+        let have = self.conns.get(engine).map_or(0, Vec::len);
+        for _ in have..n.max(1) {
+            let buffer = if self.cfg.backend == Backend::Tcp { self.cfg.socket_buffer } else { 0 };
+            let mut s = crate::tcp_data::connect(peer.addr, self.cfg.connect_timeout, buffer)
                 .map_err(|e| self.io("connecting", peer, e))?;
             let setup = s
-                .set_nodelay(true)
-                .and_then(|_| s.set_read_timeout(Some(self.cfg.io_timeout)))
+                .set_read_timeout(Some(self.cfg.io_timeout))
                 .and_then(|_| s.set_write_timeout(Some(self.cfg.io_timeout)));
             setup.map_err(|e| self.io("configuring the socket", peer, e))?;
-            let mut s = s;
             self.authenticate(&mut s, peer)?;
-            self.conns.insert(engine.clone(), s);
+            self.conns.entry(engine.clone()).or_default().push(s);
         }
-        self.conns.get_mut(engine).ok_or_else(|| TransferError::UnknownPeer(engine.clone()))
+        match self.conns.get_mut(engine) {
+            Some(v) => Ok(&mut v[..n.max(1)]),
+            None => Err(TransferError::UnknownPeer(engine.clone())),
+        }
     }
 
     /// Answers the producer's challenge and checks its proof in turn: a listener that does
@@ -451,6 +469,9 @@ impl Puller {
                     }
                 }
             }
+            Backend::Tcp if matches!(plan, CopyPlan::Direct(_)) => {
+                self.receive_tcp(&mut dst, peer, load, plan)?
+            }
             Backend::Tcp => {
                 let total = plan.total_bytes();
                 let read = ClientMsg::Read {
@@ -480,19 +501,12 @@ impl Puller {
                     addr: addr.clone(),
                     source: timeout_aware(e, timeout),
                 };
-                match plan {
-                    CopyPlan::Direct(rs) => {
-                        for r in rs {
-                            s.read_exact(dst.dst_mut(r.dst_region, r.dst_off, r.len)?).map_err(io)?;
-                        }
-                    }
-                    CopyPlan::Adapt(bs) => {
-                        let mut scratch = Vec::new();
-                        for b in bs {
-                            scratch.resize(b.len as usize, 0);
-                            s.read_exact(&mut scratch).map_err(io)?;
-                            dst.scatter(&peer.geometry, load, b, &scratch)?;
-                        }
+                if let CopyPlan::Adapt(bs) = plan {
+                    let mut scratch = Vec::new();
+                    for b in bs {
+                        scratch.resize(b.len as usize, 0);
+                        s.read_exact(&mut scratch).map_err(io)?;
+                        dst.scatter(&peer.geometry, load, b, &scratch)?;
                     }
                 }
             }
@@ -520,6 +534,69 @@ impl Puller {
         }
         self.expect_ok(peer, &done(load))?;
         Ok(PullStats { bytes: plan.total_bytes(), runs, adapted: matches!(plan, CopyPlan::Adapt(_)) })
+    }
+
+    /// Backend tcp, a direct plan: its runs cut into one share per stream (several for a
+    /// large pull), each asked for on its own connection and received straight into its
+    /// destination blocks, the streams on threads of their own.
+    fn receive_tcp(
+        &mut self,
+        dst: &mut LocalRegions,
+        peer: &PeerInfo,
+        load: &LoadSpec,
+        plan: &CopyPlan,
+    ) -> Result<(), TransferError> {
+        let CopyPlan::Direct(runs) = plan else {
+            return Err(TransferError::Plan("an adapting plan is received on one stream".into()));
+        };
+        let n = crate::tcp_data::streams_for(plan.total_bytes(), self.cfg.streams, self.cfg.stream_min_bytes);
+        let shares = crate::copy_plan::split_runs(runs, n);
+        let views = dst.views(&shares)?;
+        let reads: Vec<ClientMsg> = shares
+            .iter()
+            .map(|share| ClientMsg::Read {
+                request: load.producer_request().to_owned(),
+                capability: load.remote_capability.clone(),
+                runs: share.iter().map(|r| (r.src_region, r.src_off, r.len)).collect(),
+            })
+            .collect();
+        let cap = self.cfg.max_frame;
+        let streams = self.streams(peer, shares.len())?;
+        let mut jobs = streams.iter_mut().zip(reads.iter()).zip(views);
+        let results: Vec<Result<(), crate::tcp_data::ShareError>> = match jobs.next() {
+            None => Vec::new(),
+            Some(((s, read), v)) => std::thread::scope(|scope| {
+                let rest: Vec<_> = jobs
+                    .map(|((s, read), v)| {
+                        scope.spawn(move || crate::tcp_data::receive_share(s, read, v, cap))
+                    })
+                    .collect();
+                let mut out = vec![crate::tcp_data::receive_share(s, read, v, cap)];
+                for h in rest {
+                    out.push(h.join().unwrap_or_else(|_| {
+                        Err(crate::tcp_data::ShareError::Protocol("a receiving thread panicked".into()))
+                    }));
+                }
+                out
+            }),
+        };
+        if let Some(e) = results.into_iter().find_map(Result::err) {
+            // Another stream may have stopped mid-answer: reuse none of them.
+            self.conns.remove(&peer.meta.engine_id);
+            return Err(self.share_err(peer, e));
+        }
+        Ok(())
+    }
+
+    fn share_err(&self, peer: &PeerInfo, e: crate::tcp_data::ShareError) -> TransferError {
+        use crate::tcp_data::ShareError;
+        let engine = peer.meta.engine_id.clone();
+        match e {
+            ShareError::Frame(f) => self.frame_err("asking", peer, f),
+            ShareError::Io(e) => self.io("reading block data", peer, e),
+            ShareError::Refused(reason) => TransferError::Refused { engine, reason },
+            ShareError::Protocol(message) => TransferError::Protocol { engine, message },
+        }
     }
 
     /// READs the plan's runs from the producer's registered regions (direct plans straight

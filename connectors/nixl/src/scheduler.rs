@@ -4,7 +4,7 @@
 //! worker in the next step's metadata.
 
 use crate::config::{NixlConfig, NAME};
-use crate::meta::{LoadSpec, NixlMeta, SendSpec};
+use crate::metadata::{LoadSpec, NixlMeta, SendSpec};
 use crate::params::{wants_remote_decode, TransferParams};
 use kvconnect_api::{
     BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, MatchResult, Request, RequestFinished,

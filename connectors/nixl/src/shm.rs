@@ -1,11 +1,15 @@
 //! POSIX shared memory: a consumer's read-only view of a producer's KV region
-//! ([`ShmMapping`]), and a segment owner ([`ShmSegment`]) for tests, benchmarks and hosts
-//! that have no pool of their own.
+//! ([`ShmMapping`]), and the segment that backs one ([`ShmSegment`]): the host pool's KV
+//! regions and the test harness's. Segments are created `O_EXCL` with mode 0600 (only this
+//! user can map them) and unlinked when dropped; a process-wide list of live segments lets a
+//! signal handler unlink them ([`unlink_live_segments`]), since drops do not run then.
 
 #![allow(unsafe_code)] // Shared memory: shm_open, mmap and slices of the mapping.
 
+use std::collections::BTreeSet;
 use std::ffi::CString;
 use std::io;
+use std::sync::Mutex;
 
 /// Why a segment could not be opened or created.
 #[derive(Debug, thiserror::Error)]
@@ -152,8 +156,39 @@ impl Drop for ShmMapping {
     }
 }
 
-/// A shared-memory segment this process created (mode 0600), mapped read-write, unlinked
-/// and unmapped on drop.
+/// The segments this process created and has not unlinked: a signal handler unlinks them
+/// ([`unlink_live_segments`]), since drops do not run on SIGTERM/Ctrl-C.
+static LIVE: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+
+fn live() -> std::sync::MutexGuard<'static, BTreeSet<String>> {
+    // A panic while holding the lock leaves a set of names that is still correct.
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Names of the segments this process has created and not yet unlinked.
+pub fn live_segments() -> Vec<String> {
+    live().iter().cloned().collect()
+}
+
+/// Unlinks every live segment of this process (for SIGTERM/Ctrl-C handlers: mappings stay
+/// valid until the process exits, but the names are gone from /dev/shm). Returns how many
+/// were unlinked.
+pub fn unlink_live_segments() -> usize {
+    let names: Vec<String> = std::mem::take(&mut *live()).into_iter().collect();
+    let mut n = 0;
+    for name in names {
+        if let Ok(c) = CString::new(name) {
+            // SAFETY: `c` is a valid NUL-terminated string; shm_unlink only reads it.
+            if unsafe { libc::shm_unlink(c.as_ptr()) } == 0 {
+                n += 1;
+            }
+        }
+    }
+    n
+}
+
+/// A shared-memory segment this process created (mode 0600, `O_EXCL`), mapped read-write,
+/// unlinked and unmapped on drop: the host pool's KV regions and the test harness's.
 #[derive(Debug)]
 pub struct ShmSegment {
     name: String,
@@ -161,32 +196,70 @@ pub struct ShmSegment {
     len: usize,
 }
 
-// SAFETY: the segment is plain memory owned by this value; callers synchronise access to its
-// bytes as they would for a Vec they share through a raw pointer.
+// SAFETY: the segment is plain memory owned by this value; access goes through raw pointers
+// (the step protocol orders the engine's and the connectors' turns), never through shared
+// Rust references, so moving or sharing the handle between threads is sound.
 unsafe impl Send for ShmSegment {}
-// SAFETY: as above.
+// SAFETY: as above; `&ShmSegment` only exposes the address, name and length.
 unsafe impl Sync for ShmSegment {}
 
 impl ShmSegment {
-    /// Creates `name` with `len` zeroed bytes; fails if it exists.
+    /// Creates `name` with `len` zeroed bytes (zeroed by the kernel); fails if it exists.
     pub fn create(name: &str, len: usize) -> Result<ShmSegment, ShmError> {
+        ShmSegment::create_inner(name, len, false)
+    }
+
+    /// As [`ShmSegment::create`], but a segment of that name that no segment of this process
+    /// holds is taken for a leftover and replaced: for names that carry this process's pid,
+    /// whose earlier owner (a crashed process with the same pid) cannot be alive.
+    pub fn create_replacing(name: &str, len: usize) -> Result<ShmSegment, ShmError> {
+        ShmSegment::create_inner(name, len, true)
+    }
+
+    fn create_inner(name: &str, len: usize, replace: bool) -> Result<ShmSegment, ShmError> {
+        if live().contains(name) {
+            return Err(ShmError::Os {
+                name: name.to_owned(),
+                op: "shm_open",
+                source: io::Error::new(
+                    io::ErrorKind::AlreadyExists,
+                    "this process already holds a segment of that name (two engines with the same engine_id?)",
+                ),
+            });
+        }
         let c = c_name(name)?;
-        // SAFETY: valid C string; O_EXCL so an existing segment is never taken over.
-        let fd = unsafe { libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600) };
+        let open = || {
+            // SAFETY: `c` is a valid NUL-terminated string; O_EXCL so an existing segment is
+            // never taken over.
+            unsafe {
+                libc::shm_open(c.as_ptr(), libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600 as libc::mode_t)
+            }
+        };
+        let mut fd = open();
+        if fd < 0 && replace && io::Error::last_os_error().kind() == io::ErrorKind::AlreadyExists {
+            // SAFETY: valid NUL-terminated string.
+            unsafe { libc::shm_unlink(c.as_ptr()) };
+            fd = open();
+        }
         if fd < 0 {
             return Err(os(name, "shm_open"));
         }
         let result = (|| {
+            let off_len = libc::off_t::try_from(len).map_err(|_| ShmError::Os {
+                name: name.to_owned(),
+                op: "ftruncate",
+                source: io::Error::new(io::ErrorKind::InvalidInput, format!("{len} bytes do not fit off_t")),
+            })?;
             // SAFETY: `fd` is open for writing.
-            if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+            if unsafe { libc::ftruncate(fd, off_len) } != 0 {
                 return Err(os(name, "ftruncate"));
             }
-            let map_len = len.max(1);
-            // SAFETY: mapping an open fd of at least `len` bytes; checked for MAP_FAILED.
+            // SAFETY: a fresh shared mapping of an open fd of at least `len` bytes (one byte
+            // for an empty segment); checked for MAP_FAILED.
             let p = unsafe {
                 libc::mmap(
                     std::ptr::null_mut(),
-                    map_len,
+                    len.max(1),
                     libc::PROT_READ | libc::PROT_WRITE,
                     libc::MAP_SHARED,
                     fd,
@@ -198,10 +271,13 @@ impl ShmSegment {
             }
             Ok(p as *mut u8)
         })();
-        // SAFETY: `fd` is ours; the mapping outlives it.
+        // SAFETY: `fd` is ours; the mapping keeps the segment alive without it.
         unsafe { libc::close(fd) };
         match result {
-            Ok(ptr) => Ok(ShmSegment { name: name.to_owned(), ptr, len }),
+            Ok(ptr) => {
+                live().insert(name.to_owned());
+                Ok(ShmSegment { name: name.to_owned(), ptr, len })
+            }
             Err(e) => {
                 // SAFETY: removing the name we just created.
                 unsafe { libc::shm_unlink(c.as_ptr()) };
@@ -210,13 +286,13 @@ impl ShmSegment {
         }
     }
 
-    /// The segment's name.
+    /// The `shm_open` name.
     pub fn name(&self) -> &str {
         &self.name
     }
 
-    /// Start address.
-    pub fn as_mut_ptr(&self) -> *mut u8 {
+    /// Start of the mapping.
+    pub fn ptr(&self) -> *mut u8 {
         self.ptr
     }
 
@@ -225,7 +301,7 @@ impl ShmSegment {
         self.len
     }
 
-    /// True when empty.
+    /// True for a zero-length segment.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -233,11 +309,14 @@ impl ShmSegment {
 
 impl Drop for ShmSegment {
     fn drop(&mut self) {
-        // SAFETY: unmapping what `create` mapped and unlinking the name it created.
-        unsafe {
-            libc::munmap(self.ptr as *mut libc::c_void, self.len.max(1));
+        // SAFETY: `ptr` and the mapped length are exactly what `create` mapped, unmapped once
+        // here.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len.max(1)) };
+        // A signal handler may have unlinked it already (unlink_live_segments).
+        if live().remove(&self.name) {
             if let Ok(c) = CString::new(self.name.as_str()) {
-                libc::shm_unlink(c.as_ptr());
+                // SAFETY: valid NUL-terminated string.
+                unsafe { libc::shm_unlink(c.as_ptr()) };
             }
         }
     }
@@ -252,7 +331,7 @@ mod tests {
         let name = format!("/kvc-nixl-test-{}-a", std::process::id());
         let seg = ShmSegment::create(&name, 4096).unwrap();
         // SAFETY: the segment is 4096 bytes and only this test touches it.
-        unsafe { std::ptr::write_bytes(seg.as_mut_ptr(), 7, 4096) };
+        unsafe { std::ptr::write_bytes(seg.ptr(), 7, 4096) };
         let m = ShmMapping::open(&name, 4096).unwrap();
         assert!(m.as_slice().iter().all(|b| *b == 7));
         let e = ShmMapping::open(&name, 8192).unwrap_err();

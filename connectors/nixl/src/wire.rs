@@ -7,8 +7,8 @@
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
-/// Default cap on one control frame (as the host side channel's).
-pub const DEFAULT_MAX_FRAME: usize = 16 << 20;
+/// Default cap on one control frame (the host side channel's too).
+pub use kvconnect_api::frame::DEFAULT_MAX_FRAME;
 
 /// A byte run of one producer region: (region index, offset, length).
 pub type WireRun = (u32, u64, u64);
@@ -121,11 +121,7 @@ pub enum FrameError {
 
 /// Writes one frame.
 pub fn write_frame<W: Write>(w: &mut W, msg: &impl Serialize) -> io::Result<()> {
-    let body = serde_json::to_vec(msg).map_err(io::Error::other)?;
-    let len = u32::try_from(body.len()).map_err(|_| io::Error::other("frame over 4 GiB"))?;
-    let mut buf = Vec::with_capacity(4 + body.len());
-    buf.extend_from_slice(&len.to_be_bytes());
-    buf.extend_from_slice(&body);
+    let buf = kvconnect_api::frame::encode(msg).map_err(io::Error::other)?;
     w.write_all(&buf)?;
     w.flush()
 }
@@ -138,10 +134,8 @@ pub fn read_frame_bytes<R: Read>(r: &mut R, cap: usize) -> Result<Vec<u8>, Frame
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
         Err(e) => return Err(FrameError::Io(e)),
     }
-    let len = u32::from_be_bytes(len) as usize;
-    if len > cap {
-        return Err(FrameError::TooLarge { len, cap });
-    }
+    let len = kvconnect_api::frame::body_len(len, cap)
+        .map_err(|e| FrameError::TooLarge { len: e.len, cap: e.cap })?;
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
     Ok(body)
@@ -243,8 +237,9 @@ pub struct DeadlineWriter<'a> {
     pub deadline: std::time::Instant,
 }
 
-impl Write for DeadlineWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+impl DeadlineWriter<'_> {
+    /// Gives the next write what is left until the deadline; an error once it has passed.
+    fn arm(&mut self) -> io::Result<()> {
         let left = self.deadline.saturating_duration_since(std::time::Instant::now());
         if left.is_zero() {
             return Err(io::Error::new(
@@ -252,8 +247,19 @@ impl Write for DeadlineWriter<'_> {
                 "the answer could not be sent whole in time",
             ));
         }
-        self.stream.set_write_timeout(Some(left))?;
+        self.stream.set_write_timeout(Some(left))
+    }
+}
+
+impl Write for DeadlineWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.arm()?;
         self.stream.write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.arm()?;
+        self.stream.write_vectored(bufs)
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -264,7 +270,7 @@ impl Write for DeadlineWriter<'_> {
 /// Reads and decodes one frame.
 pub fn read_frame<R: Read, T: for<'de> Deserialize<'de>>(r: &mut R, cap: usize) -> Result<T, FrameError> {
     let body = read_frame_bytes(r, cap)?;
-    serde_json::from_slice(&body).map_err(|e| {
+    kvconnect_api::frame::decode(&body).map_err(|e| {
         let head = String::from_utf8_lossy(&body[..body.len().min(64)]).into_owned();
         FrameError::Malformed(format!("{e} (frame starts {head:?})"))
     })

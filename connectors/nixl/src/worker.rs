@@ -9,8 +9,8 @@
 use crate::config::Backend;
 use crate::config::{NixlConfig, NAME};
 use crate::error::TransferError;
-use crate::meta::{LoadSpec, NixlMeta};
 use crate::metadata::NixlAgentMetadata;
+use crate::metadata::{LoadSpec, NixlMeta};
 use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
 use crate::nixl_agent::NixlMem;
 use crate::nixl_agent::{from_hex, to_hex, NixlAgent, Registration};
@@ -86,7 +86,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 impl NixlWorker {
     /// A worker half for `ctx`.
     pub fn new(ctx: &ConnectorContext, cfg: NixlConfig) -> NixlWorker {
-        let groups = ctx.effective.groups.iter().map(|g| g.layers.clone()).collect();
+        // The KV cache groups, then the state groups: the order of a request's block lists.
+        let groups = ctx.effective.groups.iter().map(|g| g.layers.clone());
+        let groups = groups.chain(ctx.effective.state_groups.iter().map(|g| g.layers.clone())).collect();
         NixlWorker {
             ctx: ctx.clone(),
             cfg,
@@ -135,6 +137,9 @@ impl NixlWorker {
             connect_timeout: self.cfg.connect_timeout,
             max_frame: self.cfg.max_frame_bytes,
             copy_threads: self.cfg.copy_threads,
+            streams: self.cfg.tcp_streams,
+            stream_min_bytes: self.cfg.tcp_stream_min_bytes,
+            socket_buffer: self.cfg.tcp_socket_buffer,
             secret: self.cfg.secret.clone(),
         });
         if let Some(a) = &self.nixl {
@@ -497,6 +502,7 @@ impl WorkerConnector for NixlWorker {
                     lease_max: self.cfg.lease_max,
                     max_connections: self.cfg.max_connections,
                     serve_reads: self.cfg.backend == Backend::Tcp,
+                    socket_buffer: self.cfg.tcp_socket_buffer,
                 },
             )
             .map_err(|e| {
@@ -645,6 +651,7 @@ impl WorkerConnector for NixlWorker {
                 })
                 .collect(),
             groups: self.groups.clone(),
+            state: g.state().clone(),
             pid: std::process::id(),
             nixl: self.nixl_metadata()?,
             cuda_ipc: self.cuda_metadata()?,
@@ -693,8 +700,8 @@ impl Drop for NixlWorker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::harness::{context, effective, model, Regions};
     use kvconnect_api::{KvLayout, KvRegionSpec};
+    use kvconnect_bench::harness::{context, effective, model, Regions};
 
     /// Backend nixl over `regions` of a 2-layer model (HND, 4-token blocks, 8 blocks).
     fn register(edit: impl Fn(usize, &mut KvRegionSpec)) -> ConnectorResult<()> {

@@ -13,7 +13,7 @@ use kvconnect_api::{
     KvLayout, KvRole, LayerId, MatchResult, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo,
     WorkerConnector,
 };
-use kvconnect_nixl::harness::{context, effective, model, Regions};
+use kvconnect_bench::harness::{context, effective, model, Regions};
 use kvconnect_nixl::NixlFactory;
 use serde_json::{json, Value};
 use std::sync::{Mutex, MutexGuard};
@@ -239,6 +239,54 @@ fn pull_nhd_hma_on() {
 fn pull_nhd_to_hnd_adapts_on_receive() {
     let Some(_g) = nixl_or_skip() else { return };
     pull_and_compare(KvLayout::NHD, KvLayout::HND, false);
+}
+
+#[test]
+fn a_done_notification_without_the_requests_capability_frees_nothing() {
+    let Some(_g) = nixl_or_skip() else { return };
+    let (mut p, mut d) = pair(KvLayout::HND, KvLayout::HND, false, 30.0);
+    handshake(&mut p, &mut d);
+    let (pb, db) = (vec![vec![3, 4, 5]], vec![vec![1, 2, 3]]);
+    let params = prefill_finish(&mut p, "guarded", 9, &pb);
+    // A NIXL agent that has the producer's agent metadata and the request id, but not the
+    // capability: no capability, then one of its own.
+    let meta = p.worker.handshake_metadata().unwrap().unwrap();
+    let md = kvconnect_nixl::nixl_agent::from_hex(meta["nixl"]["md"].as_str().unwrap()).unwrap();
+    let rogue = kvconnect_nixl::nixl_agent::NixlAgent::new("rogue-agent").unwrap();
+    let remote = rogue.load_remote_md(&md).unwrap();
+    for note in ["kvc-done guarded".to_owned(), format!("kvc-done guarded {}", "0".repeat(32))] {
+        rogue.notify(&remote, note.as_bytes()).unwrap();
+    }
+    let bad_capability = || {
+        kvconnect_nixl::producer::refusals("prefill-0")
+            .unwrap_or_default()
+            .into_iter()
+            .find(|(r, _)| *r == "bad_capability")
+            .map_or(0, |(_, n)| n)
+    };
+    let t0 = Instant::now();
+    while bad_capability() < 2 {
+        let f = p.worker.get_finished(&[]).unwrap();
+        assert!(
+            f.finished_sending.is_empty(),
+            "a notification without the capability freed the blocks: {f:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(60), "the rogue notifications never arrived");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let f = p.worker.get_finished(&[]).unwrap();
+    assert!(f.finished_sending.is_empty(), "{f:?}");
+    // The real consumer, which has the capability, loads the blocks and its notification
+    // frees them.
+    decode_start(&mut d, "guarded", 9, params, &db);
+    let f = wait(d.worker.as_mut(), |f| !f.finished_recving.is_empty() || !f.failed_recving.is_empty());
+    assert_eq!(f.finished_recving, vec![RequestId::from("guarded")], "{f:?}");
+    let fp = wait(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
+    assert_eq!(fp.finished_sending, vec![RequestId::from("guarded")]);
+    assert_same_kv(&mut p, &pb, &mut d, &db, 8);
+    drop(rogue);
+    d.worker.shutdown().unwrap();
+    p.worker.shutdown().unwrap();
 }
 
 #[test]

@@ -1,9 +1,8 @@
-//! NIXL with GPU memory. Needs a GPU and the NIXL library: every test skips, saying so,
+//! NIXL with GPU memory, through the connector (the raw probe's test is kvconnect-bench's
+//! `tests/nixl_vram_probe.rs`). Needs a GPU and the NIXL library: every test skips, saying so,
 //! where either is missing (`NIXL_LIB_DIR` names the library's directory;
 //! scripts/fetch-nixl.sh fetches it).
 //!
-//! - the raw VRAM probe: two agents, UCX, two device buffers registered as VRAM, one READ of
-//!   shuffled blocks, a notification, every byte compared;
 //! - backend nixl over device KV regions, driven through the connector API as a host would:
 //!   a producer and a consumer engine in this process, a request loaded VRAM to VRAM and
 //!   compared element by element, the producer told through NIXL's notification;
@@ -18,9 +17,8 @@ mod device;
 
 use device::{assert_loaded, decode_start, device_engine, prefill_finish, wait, Engine, BLOCKS, BS};
 use kvconnect_api::{ConnectorFactory, KvLayout, KvRole, RequestId};
+use kvconnect_bench::harness::{context, effective, model, Regions};
 use kvconnect_cuda::Gpu;
-use kvconnect_nixl::harness::{context, effective, model, Regions};
-use kvconnect_nixl::nixl_vram::{probe, VramProbe};
 use kvconnect_nixl::NixlFactory;
 use serde_json::json;
 use std::sync::{Mutex, MutexGuard};
@@ -42,22 +40,6 @@ fn gpu_and_nixl_or_skip() -> Option<(Gpu, MutexGuard<'static, ()>)> {
         return None;
     }
     Some((g, SERIAL.lock().unwrap_or_else(|p| p.into_inner())))
-}
-
-#[test]
-fn vram_read_of_shuffled_blocks_delivers_every_byte() {
-    let Some((_g, _serial)) = gpu_and_nixl_or_skip() else { return };
-    // 4 MiB in 257 blocks: a prime count, so the block size is not a power of two either.
-    let r = match probe(VramProbe { gpu: 0, bytes: 4 << 20, blocks: 257, repeat: 2 }) {
-        Ok(r) => r,
-        Err(e) => panic!("NIXL VRAM probe failed: {e}"),
-    };
-    eprintln!("{}", serde_json::to_string(&r).unwrap());
-    assert_eq!(r.blocks, 257);
-    assert_eq!(r.bytes, r.block_bytes * 257);
-    assert!(r.verified, "destination differs from its source blocks at offset {:?}", r.first_mismatch);
-    assert_eq!(r.notifications, 3, "one notification per READ (warm-up + 2)");
-    assert!(r.nixl_read_ms > 0.0 && r.dtod_ms > 0.0);
 }
 
 /// An engine on backend nixl whose KV regions are device memory of `g`.

@@ -7,8 +7,8 @@ use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, EffectiveLayout, FinishedTransfers, KvLayout, KvRole,
     MatchResult, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
+use kvconnect_bench::harness::{context, effective, model, Regions};
 use kvconnect_nixl::auth::{self, Secret, Side};
-use kvconnect_nixl::harness::{context, effective, model, Regions};
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg, CHANNEL};
 use kvconnect_nixl::NixlFactory;
 use serde_json::{json, Value};
@@ -64,14 +64,16 @@ fn producer(backend: &str, layout: KvLayout, bs: u32, lease: f64, tag: &str) -> 
 }
 
 fn consumer(backend: &str, layout: KvLayout, bs: u32) -> Engine {
-    engine(
-        KvRole::Consumer,
-        "decode-0",
-        layout,
-        bs,
-        json!({"backend": backend, "io_timeout": 1, "connect_timeout": 1}),
-        None,
-    )
+    consumer_with(backend, layout, bs, json!({}))
+}
+
+/// A consumer with extra settings merged into the usual ones.
+fn consumer_with(backend: &str, layout: KvLayout, bs: u32, more: Value) -> Engine {
+    let mut extra = json!({"backend": backend, "io_timeout": 1, "connect_timeout": 1});
+    if let (Some(e), Some(m)) = (extra.as_object_mut(), more.as_object()) {
+        e.extend(m.clone());
+    }
+    engine(KvRole::Consumer, "decode-0", layout, bs, extra, None)
 }
 
 /// A connection to a producer that has read the challenge and answered nothing yet.
@@ -209,8 +211,20 @@ fn assert_same_kv(p: &mut Engine, pblocks: &[u32], d: &mut Engine, dblocks: &[u3
 }
 
 fn full_flow(backend: &str, play: KvLayout, dlay: KvLayout, pbs: u32, dbs: u32, tag: &str) {
+    full_flow_with(backend, play, dlay, pbs, dbs, tag, json!({}))
+}
+
+fn full_flow_with(
+    backend: &str,
+    play: KvLayout,
+    dlay: KvLayout,
+    pbs: u32,
+    dbs: u32,
+    tag: &str,
+    consumer_extra: Value,
+) {
     let mut p = producer(backend, play, pbs, 30.0, tag);
-    let mut d = consumer(backend, dlay, dbs);
+    let mut d = consumer_with(backend, dlay, dbs, consumer_extra);
     handshake(&mut p, &mut d);
     let prompt = 21;
     let pblocks: Vec<u32> = (0..(prompt as u32).div_ceil(pbs)).map(|i| 3 + i).collect();
@@ -233,6 +247,13 @@ fn full_flow(backend: &str, play: KvLayout, dlay: KvLayout, pbs: u32, dbs: u32, 
 #[test]
 fn tcp_pull_full_worker_flow() {
     full_flow("tcp", KvLayout::HND, KvLayout::HND, 4, 4, "a");
+}
+
+#[test]
+fn tcp_pull_on_parallel_streams_lands_every_byte() {
+    // 3840 bytes cut into three streams of at least 1 KiB, each its own connection.
+    let more = json!({"tcp_streams": 3, "tcp_stream_min_bytes": 1024, "tcp_socket_buffer": 65536});
+    full_flow_with("tcp", KvLayout::HND, KvLayout::HND, 4, 4, "w", more);
 }
 
 #[test]

@@ -8,7 +8,7 @@
 
 use crate::error::PdError;
 use kvconnect_api::caps::KvRoleCap;
-use kvconnect_api::math::gcd;
+use kvconnect_api::math::{gcd, lcm};
 use kvconnect_api::{Capabilities, KvLayout, LayoutConstraint, TransferMode};
 
 /// Combines the children's capabilities, in child order.
@@ -39,7 +39,12 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
     let mut multiple = 1u32;
     let mut divides: Option<u32> = None;
     for (_, c) in children {
-        multiple = lcm(multiple, c.block_size_multiple.max(1));
+        multiple = lcm(multiple, c.block_size_multiple.max(1)).ok_or_else(|| {
+            PdError::Incompatible(format!(
+                "the children's block-size multiples have no common multiple below 2^32 ({})",
+                describe(children, |c| format!("block size multiple of {}", c.block_size_multiple))
+            ))
+        })?;
         if let Some(d) = c.block_size_divides {
             divides = Some(divides.map_or(d, |x| gcd(x, d)));
         }
@@ -182,10 +187,6 @@ fn describe(children: &[(String, Capabilities)], f: impl Fn(&Capabilities) -> St
     children.iter().map(|(n, c)| format!("{n}: {}", f(c))).collect::<Vec<_>>().join("; ")
 }
 
-fn lcm(a: u32, b: u32) -> u32 {
-    a / gcd(a, b) * b
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -197,26 +198,18 @@ mod tests {
 
     // The three mirror the built-in connectors' declarations for a non-MLA model.
     fn nixl() -> Capabilities {
-        Capabilities {
-            hma: true,
-            layout: LayoutConstraint {
+        let roles = [KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both];
+        Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], roles)
+            .hma(true)
+            .layout(LayoutConstraint {
                 required: vec![KvLayout::HND],
                 rejected: vec![],
                 preferred: vec![KvLayout::HND],
-            },
-            adapt: None,
-            block_size_multiple: 1,
-            block_size_divides: None,
-            cache_dtypes: vec![],
-            memory_kinds: vec![MemoryKind::Host],
-            transfer_mode: TransferMode::Pull,
-            roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
-            layerwise: false,
-            heterogeneous_tp: false,
-            mla: true,
-            async_load: true,
-            carries_state: false,
-        }
+            })
+            .mla(true)
+            .async_load(true)
+            .build()
+            .unwrap()
     }
 
     fn lmcache() -> Capabilities {
@@ -300,6 +293,16 @@ mod tests {
         let mut b2 = lmcache();
         b2.block_size_divides = Some(40);
         assert!(combine(&[named("a", a), named("b", b2)]).is_err());
+    }
+
+    #[test]
+    fn multiples_past_32_bits_are_an_error_not_an_overflow() {
+        let (mut a, mut b) = (nixl(), lmcache());
+        a.block_size_multiple = 65_537;
+        b.block_size_multiple = 65_539;
+        let e = combine(&[named("a", a), named("b", b)]).unwrap_err().to_string();
+        assert!(e.contains("no common multiple below 2^32"), "{e}");
+        assert!(e.contains("a: block size multiple of 65537"), "{e}");
     }
 }
 

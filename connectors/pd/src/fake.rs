@@ -60,22 +60,13 @@ impl FakeFactory {
 
 /// Plain capabilities: HMA, any layout, pull.
 pub fn caps_any() -> Capabilities {
-    Capabilities {
-        hma: true,
-        layout: LayoutConstraint::default(),
-        adapt: None,
-        block_size_multiple: 1,
-        block_size_divides: None,
-        cache_dtypes: vec![],
-        memory_kinds: vec![MemoryKind::Host],
-        transfer_mode: TransferMode::Pull,
-        roles: vec![KvRoleCap::Both],
-        layerwise: false,
-        heterogeneous_tp: true,
-        mla: true,
-        async_load: true,
-        carries_state: false,
-    }
+    Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRoleCap::Both])
+        .hma(true)
+        .heterogeneous_tp(true)
+        .mla(true)
+        .async_load(true)
+        .build()
+        .expect("valid capabilities")
 }
 
 /// A cache: no HMA, NHD or HND, no transfer.

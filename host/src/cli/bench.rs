@@ -71,6 +71,14 @@ pub struct TransferArgs {
     /// TP 1 against TP 1 -> TP 1 (the baseline) in interleaved pairs (backends shm and tcp).
     #[arg(long = "tp-size", value_name = "P", default_value_t = 1)]
     pub tp_size: u32,
+    /// tcp: parallel streams of one pull (the connector's `tcp_streams`; default one per two
+    /// cores, at most 4); the raw-socket baseline uses as many.
+    #[arg(long, value_name = "N")]
+    pub streams: Option<usize>,
+    /// tcp: send and receive buffer of every socket, bytes (the connector's
+    /// `tcp_socket_buffer`; 0 for the kernel's autotuning); the baseline's are the same.
+    #[arg(long, value_name = "BYTES", default_value_t = kvconnect_nixl::tcp_data::DEFAULT_SOCKET_BUFFER)]
+    pub socket_buffer: usize,
 }
 
 /// Arguments of `bench ttft`.
@@ -210,32 +218,35 @@ pub(super) fn backend(s: &str) -> Result<&'static str> {
     }
 }
 
-fn nixl_config(role: &str, backend: &str) -> String {
-    json!({"kv_connector": "NixlConnector", "kv_role": role,
-           "kv_connector_extra_config": {"backend": backend}})
-    .to_string()
+fn nixl_config(role: &str, backend: &str, settings: &Value) -> String {
+    let mut extra = json!({"backend": backend});
+    if let (Some(e), Some(more)) = (extra.as_object_mut(), settings.as_object()) {
+        e.extend(more.clone());
+    }
+    json!({"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}).to_string()
 }
 
-fn pair(model: &Path, backend: &str, extra: &[&str]) -> Result<(BenchWorker, BenchWorker)> {
-    pair_with(model, backend, extra, &[], "bench")
+fn pair(model: &Path, backend: &str, settings: &Value, extra: &[&str]) -> Result<(BenchWorker, BenchWorker)> {
+    pair_with(model, backend, settings, extra, &[], "bench")
 }
 
-/// A prefill and a decode worker with `extra` arguments, prefill with `prefill_extra` too,
-/// named `<tag>-prefill` and `<tag>-decode`.
+/// A prefill and a decode worker with connector `settings` and `extra` arguments, prefill
+/// with `prefill_extra` too, named `<tag>-prefill` and `<tag>-decode`.
 pub(super) fn pair_with(
     model: &Path,
     backend: &str,
+    settings: &Value,
     extra: &[&str],
     prefill_extra: &[&str],
     tag: &str,
 ) -> Result<(BenchWorker, BenchWorker)> {
     let model = model.to_str().ok_or_else(|| anyhow!("--model path is not UTF-8"))?.to_owned();
     let mk = |role: &str, id: &str, more: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> =
-            ["--kv-transfer-config", &nixl_config(role, backend), "--model", &model, "--engine-id", id]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
+        let config = nixl_config(role, backend, settings);
+        let mut v: Vec<String> = ["--kv-transfer-config", &config, "--model", &model, "--engine-id", id]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
         v.extend(extra.iter().chain(more).map(|s| s.to_string()));
         v
     };
@@ -270,12 +281,14 @@ enum Baseline {
     Socket {
         addr: std::net::SocketAddr,
         dst: Vec<u8>,
+        streams: usize,
+        buffer: usize,
         sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
     },
     /// The same bytes in the same number of descriptors (one coalesced run per KV layer and
     /// K/V part) READ through bare nixl-sys calls between two agents of this process.
     #[cfg(feature = "nixl")]
-    Nixl(kvconnect_nixl::nixl_raw::RawNixlRead),
+    Nixl(kvconnect_bench::nixl_raw::RawNixlRead),
 }
 
 impl Baseline {
@@ -286,27 +299,49 @@ impl Baseline {
         Baseline::Memcpy { src, dst }
     }
 
-    fn socket(bytes: usize, rounds: usize) -> Result<Baseline> {
+    /// `bytes` over `streams` loopback connections at once (each an equal share, as the tcp
+    /// pull cuts its runs), every socket's buffers set to `buffer` bytes as the connector
+    /// sets its own.
+    fn socket(bytes: usize, rounds: usize, streams: usize, buffer: usize) -> Result<Baseline> {
         const CHUNK: usize = 1 << 20;
+        let streams = streams.max(1);
         let listener = TcpListener::bind("127.0.0.1:0").context("baseline socket")?;
         let addr = listener.local_addr()?;
+        let share = bytes.div_ceil(streams).max(1);
         let sender = std::thread::spawn(move || -> std::io::Result<()> {
-            let src = vec![7u8; CHUNK];
             for _ in 0..rounds {
-                let (mut s, _) = listener.accept()?;
-                s.set_nodelay(true)?;
-                let mut left = bytes;
-                while left > 0 {
-                    let n = left.min(CHUNK);
-                    s.write_all(&src[..n])?;
-                    left -= n;
+                let mut conns = Vec::with_capacity(streams);
+                for _ in 0..streams {
+                    let (s, _) = listener.accept()?;
+                    s.set_nodelay(true)?;
+                    kvconnect_nixl::tcp_data::set_buffers(&s, buffer)?;
+                    conns.push(s);
+                }
+                let sends: Vec<_> = conns
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, mut s)| {
+                        let mut left = share.min(bytes.saturating_sub(i * share));
+                        std::thread::spawn(move || -> std::io::Result<()> {
+                            let src = vec![7u8; CHUNK];
+                            while left > 0 {
+                                let n = left.min(CHUNK);
+                                s.write_all(&src[..n])?;
+                                left -= n;
+                            }
+                            Ok(())
+                        })
+                    })
+                    .collect();
+                for h in sends {
+                    h.join().map_err(|_| std::io::Error::other("a baseline sender panicked"))??;
                 }
             }
             Ok(())
         });
         let mut dst = vec![0u8; bytes];
         dst.fill(1);
-        Ok(Baseline::Socket { addr, dst, sender: Some(sender) })
+        Ok(Baseline::Socket { addr, dst, streams, buffer, sender: Some(sender) })
     }
 
     fn name(&self) -> &'static str {
@@ -327,10 +362,24 @@ impl Baseline {
                 std::hint::black_box(dst);
                 Ok(d)
             }
-            Baseline::Socket { addr, dst, .. } => {
+            Baseline::Socket { addr, dst, streams, buffer, .. } => {
                 let t = Instant::now();
-                let mut s = TcpStream::connect(*addr)?;
-                s.read_exact(dst)?;
+                let mut conns = Vec::with_capacity(*streams);
+                for _ in 0..*streams {
+                    conns.push(kvconnect_nixl::tcp_data::connect(*addr, Duration::from_secs(10), *buffer)?);
+                }
+                let share = dst.len().div_ceil(*streams).max(1);
+                std::thread::scope(|scope| -> Result<()> {
+                    let recvs: Vec<_> = conns
+                        .iter_mut()
+                        .zip(dst.chunks_mut(share))
+                        .map(|(s, d)| scope.spawn(move || s.read_exact(d)))
+                        .collect();
+                    for h in recvs {
+                        h.join().map_err(|_| anyhow!("a baseline receiver panicked"))??;
+                    }
+                    Ok(())
+                })?;
                 Ok(t.elapsed())
             }
             #[cfg(feature = "nixl")]
@@ -354,6 +403,20 @@ impl Baseline {
     }
 }
 
+/// The tcp streams of one pull and the connector settings `--streams` and `--socket-buffer`
+/// ask for (tcp only; other backends take none).
+pub(super) fn connector_settings(a: &TransferArgs, backend: &str) -> Result<(usize, Value)> {
+    let streams = a.streams.unwrap_or_else(kvconnect_nixl::tcp_data::default_tcp_streams);
+    if !(1..=16).contains(&streams) {
+        bail!("--streams {streams}: expected 1 to 16");
+    }
+    let settings = match backend {
+        "tcp" => json!({"tcp_streams": streams, "tcp_socket_buffer": a.socket_buffer}),
+        _ => json!({}),
+    };
+    Ok((streams, settings))
+}
+
 fn transfer(a: &TransferArgs) -> Result<()> {
     let backend = backend(&a.backend)?;
     if a.tokens < 2 {
@@ -364,7 +427,8 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     let spec = kvconnect_api::ModelSpec::from_hf_config_json(&model_json)
         .with_context(|| format!("model {}", a.model.display()))?;
     let blocks = (a.tokens.div_ceil(16) + 8).to_string();
-    let (prefill, decode) = pair(&a.model, backend, &["--synthetic-kv", "--num-blocks", &blocks])?;
+    let (streams, settings) = connector_settings(a, backend)?;
+    let (prefill, decode) = pair(&a.model, backend, &settings, &["--synthetic-kv", "--num-blocks", &blocks])?;
     let prompt = json!(vec![0u32; a.tokens]);
     let total = a.pairs.max(1) + 1;
     let load_before = load_average();
@@ -391,10 +455,19 @@ fn transfer(a: &TransferArgs) -> Result<()> {
                 "shm" => Baseline::memcpy(0),
                 #[cfg(feature = "nixl")]
                 "nixl" => Baseline::Nixl(
-                    kvconnect_nixl::nixl_raw::RawNixlRead::new(bytes as usize, 2 * spec.kv_layers().len())
+                    kvconnect_bench::nixl_raw::RawNixlRead::new(bytes as usize, 2 * spec.kv_layers().len())
                         .map_err(|e| anyhow!("raw NIXL baseline: {e}"))?,
                 ),
-                _ => Baseline::socket(bytes as usize, total)?,
+                _ => Baseline::socket(
+                    bytes as usize,
+                    total,
+                    kvconnect_nixl::tcp_data::streams_for(
+                        bytes,
+                        streams,
+                        kvconnect_nixl::tcp_data::STREAM_MIN_BYTES,
+                    ),
+                    a.socket_buffer,
+                )?,
             });
         }
         let b = match (early, p["memcpy_us"].as_u64()) {
@@ -425,7 +498,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     let baseline = baseline.name();
     let (t, bt, r) = (Quartiles::of(times), Quartiles::of(base_times), Quartiles::of(ratios.clone()));
     let (g, bg) = (bytes as f64 / t.median.max(1e-9) / 1e9, bytes as f64 / bt.median.max(1e-9) / 1e9);
-    let out = json!({
+    let mut out = json!({
         "backend": backend,
         "model": spec.name,
         "tokens": a.tokens,
@@ -441,6 +514,14 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         "ratio_q3": r.q3,
         "machine": machine(load_before),
     });
+    if backend == "tcp" {
+        out["streams"] = json!(kvconnect_nixl::tcp_data::streams_for(
+            bytes,
+            streams,
+            kvconnect_nixl::tcp_data::STREAM_MIN_BYTES
+        ));
+        out["socket_buffer"] = json!(a.socket_buffer);
+    }
     if a.json {
         println!("{out}");
     } else {
@@ -480,7 +561,7 @@ fn ttft(a: &TtftArgs) -> Result<()> {
         bail!("--tokens must be at least 2");
     }
     let blocks = (a.tokens.div_ceil(16) + 8).to_string();
-    let (prefill, decode) = pair(&a.model, backend, &["--num-blocks", &blocks])?;
+    let (prefill, decode) = pair(&a.model, backend, &json!({}), &["--num-blocks", &blocks])?;
     // Bytes of the byte tokenizer's vocabulary, varied so the prompt is not degenerate.
     let prompt = json!((0..a.tokens).map(|i| ((i * 31 + i / 7) % 256) as u32).collect::<Vec<_>>());
     let n = a.pairs.max(1);

@@ -21,7 +21,7 @@ pub fn peer() -> Result<()> {
 #[cfg(feature = "cuda")]
 pub fn transfer(a: &TransferArgs) -> Result<()> {
     use anyhow::{bail, Context};
-    use kvconnect_cuda::bench::{run_producer, Geometry};
+    use kvconnect_bench::cuda_ipc::{run_producer, Geometry};
     use std::io::Write;
     use std::process::{Command, Stdio};
 
@@ -100,8 +100,8 @@ pub fn peer() -> Result<()> {
     use std::io::Read;
     let mut body = String::new();
     std::io::stdin().read_to_string(&mut body)?;
-    let out = match serde_json::from_str::<kvconnect_cuda::bench::PeerSpec>(&body) {
-        Ok(spec) => match kvconnect_cuda::bench::run_consumer(&spec) {
+    let out = match serde_json::from_str::<kvconnect_bench::cuda_ipc::PeerSpec>(&body) {
+        Ok(spec) => match kvconnect_bench::cuda_ipc::run_consumer(&spec) {
             Ok(v) => v,
             Err(e) => serde_json::json!({ "error": e.to_string() }),
         },

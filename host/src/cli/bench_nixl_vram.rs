@@ -36,7 +36,7 @@ pub fn run(_a: &NixlVramArgs) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 pub fn run(a: &NixlVramArgs) -> Result<()> {
-    use kvconnect_nixl::nixl_vram::{probe, VramProbe};
+    use kvconnect_bench::nixl_vram::{probe, VramProbe};
     let r = probe(VramProbe { gpu: a.gpu, bytes: a.bytes, blocks: a.blocks, repeat: a.repeat })
         .map_err(|e| anyhow::anyhow!("bench nixl-vram: {e}"))?;
     if a.json {

@@ -4,7 +4,9 @@
 //! the median of the per-pair ratios (baseline time / TP P time, as `bench transfer` reports
 //! rates against its baseline: below 1 is slower) with its quartiles.
 
-use super::bench::{backend, load_average, machine, pair_with, round, BenchWorker, TransferArgs};
+use super::bench::{
+    backend, connector_settings, load_average, machine, pair_with, round, BenchWorker, TransferArgs,
+};
 use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
@@ -39,8 +41,10 @@ pub(super) fn transfer(a: &TransferArgs) -> Result<()> {
     let blocks = (a.tokens.div_ceil(16) + 8).to_string();
     let extra = ["--synthetic-kv", "--num-blocks", &blocks];
     let tp = a.tp_size.to_string();
-    let base = pair_with(&a.model, backend, &extra, &[], "bench-tp1")?;
-    let across = pair_with(&a.model, backend, &extra, &["--tp-size", &tp], &format!("bench-tp{tp}"))?;
+    let (_, settings) = connector_settings(a, backend)?;
+    let base = pair_with(&a.model, backend, &settings, &extra, &[], "bench-tp1")?;
+    let across =
+        pair_with(&a.model, backend, &settings, &extra, &["--tp-size", &tp], &format!("bench-tp{tp}"))?;
     let prompt = json!(vec![0u32; a.tokens]);
     let total = a.pairs.max(1) + 1;
     let load_before = load_average();

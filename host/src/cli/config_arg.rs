@@ -10,7 +10,7 @@ pub fn read_config(arg: &str) -> Result<KvTransferConfig> {
     if arg.trim_start().starts_with('{') {
         return KvTransferConfig::from_json(arg).context("--kv-transfer-config");
     }
-    let text = std::fs::read_to_string(arg).with_context(|| {
+    let text = kvconnect_config_file::read_text(std::path::Path::new(arg)).with_context(|| {
         format!(
             "--kv-transfer-config {arg}: not inline JSON (that starts with '{{') and not a readable file; \
              pass the JSON itself or the path of a file holding it"

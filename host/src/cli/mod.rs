@@ -101,6 +101,9 @@ pub fn main() -> ExitCode {
     init_tracing();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
+        // The reader went away (`kvconnect plugins inspect nixl | head`): stop quietly, with
+        // the status a process killed by SIGPIPE has.
+        Err(e) if broken_pipe(&e) => ExitCode::from(141),
         Err(e) => match e.downcast_ref::<exit::Exit>() {
             Some(x) => {
                 if let Some(inner) = &x.error {
@@ -114,6 +117,17 @@ pub fn main() -> ExitCode {
             }
         },
     }
+}
+
+/// Whether `e` is, or wraps, a write to a closed pipe.
+fn broken_pipe(e: &anyhow::Error) -> bool {
+    let is = |c: &(dyn std::error::Error + 'static)| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    };
+    e.chain().any(is)
+        || e.downcast_ref::<exit::Exit>()
+            .and_then(|x| x.error.as_ref())
+            .is_some_and(|inner| inner.chain().any(is))
 }
 
 fn init_tracing() {

@@ -48,8 +48,8 @@ pub use super::config_arg::read_config;
 
 /// Reads a model config.json.
 pub fn read_model(path: &std::path::Path) -> Result<ModelSpec> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("model {}: cannot read it", path.display()))?;
+    let text = kvconnect_config_file::read_text(path)
+        .with_context(|| format!("model {}: cannot read it", path.display()))?;
     ModelSpec::from_hf_config_json(&text).with_context(|| format!("model {}", path.display()))
 }
 

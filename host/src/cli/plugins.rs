@@ -12,6 +12,7 @@ use clap::{Args, Subcommand};
 use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::{Capabilities, KvTransferConfig, ModelSpec};
 use serde_json::{json, Value};
+use std::io::Write;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -103,7 +104,11 @@ fn list(registry: &Registry, as_json: bool) -> anyhow::Result<()> {
             .iter()
             .map(|e| json!({"path": e.path(), "message": e.to_string()}))
             .collect();
-        println!("{}", serde_json::to_string_pretty(&json!({"connectors": connectors, "errors": errors}))?);
+        writeln!(
+            std::io::stdout(),
+            "{}",
+            serde_json::to_string_pretty(&json!({"connectors": connectors, "errors": errors}))?
+        )?;
     } else {
         let mut table =
             vec![["NAME", "VERSION", "ORIGIN", "ABI", "PATH", "CAPABILITIES"].map(str::to_owned).to_vec()];
@@ -121,7 +126,7 @@ fn list(registry: &Registry, as_json: bool) -> anyhow::Result<()> {
                 },
             ]);
         }
-        print!("{}", aligned(&table));
+        write!(std::io::stdout(), "{}", aligned(&table))?;
         for e in registry.load_errors() {
             eprintln!("{e}");
         }
@@ -205,7 +210,7 @@ fn inspect(
             ),
             None => Value::Null,
         };
-        println!("{}", serde_json::to_string_pretty(&v)?);
+        writeln!(std::io::stdout(), "{}", serde_json::to_string_pretty(&v)?)?;
         return Ok(());
     }
     let info = entry.factory.info();
@@ -234,13 +239,13 @@ fn inspect(
         head.push(vec!["available_backends".to_owned(), backends.join(", ")]);
         head.push(vec!["notes".to_owned(), note]);
     }
-    print!("{}", aligned(&head));
-    println!("capabilities:");
-    print!("{}", indent(&aligned(&caps_rows(&caps)), "  "));
+    write!(std::io::stdout(), "{}", aligned(&head))?;
+    writeln!(std::io::stdout(), "capabilities:")?;
+    write!(std::io::stdout(), "{}", indent(&aligned(&caps_rows(&caps)), "  "))?;
     if let Some(cs) = children {
-        println!("children:");
+        writeln!(std::io::stdout(), "children:")?;
         for c in cs {
-            println!("  {} {}: {}", c.name, c.version, c.caps.summary());
+            writeln!(std::io::stdout(), "  {} {}: {}", c.name, c.version, c.caps.summary())?;
         }
     }
     Ok(())

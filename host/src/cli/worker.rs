@@ -2,6 +2,7 @@
 //! (alone, or jointly with its peer's config with `--joint`) or from a kv-transfer-config and
 //! a model, alone, as vLLM does.
 
+use super::config_arg::read_config;
 use crate::deployment::{negotiate_role, negotiate_worker, parse_cache_dtype, Deployment, Role};
 use crate::registry::Registry;
 use crate::server::producers::Producers;
@@ -29,8 +30,8 @@ pub struct WorkerArgs {
     /// Negotiate jointly with the peer role's config from the deployment file.
     #[arg(long, requires = "deployment")]
     pub joint: bool,
-    /// The worker's vLLM --kv-transfer-config JSON (negotiated alone).
-    #[arg(long = "kv-transfer-config", value_name = "JSON", requires = "model")]
+    /// The worker's vLLM --kv-transfer-config JSON, or a file holding it (negotiated alone).
+    #[arg(long = "kv-transfer-config", value_name = "JSON|FILE", requires = "model")]
     pub kv_transfer_config: Option<String>,
     /// The model's config.json (the reference engine's, or any model with --synthetic-kv).
     #[arg(long, value_name = "CONFIG.json")]
@@ -101,6 +102,16 @@ pub struct WorkerArgs {
     /// also `enable_prefix_caching = true` in a deployment file's role section).
     #[arg(long = "enable-prefix-caching")]
     pub enable_prefix_caching: bool,
+    /// The largest request body taken (bytes); larger ones get 413.
+    #[arg(long = "max-request-body-bytes", value_name = "N", default_value_t = crate::server::gate::DEFAULT_MAX_BODY_BYTES)]
+    pub max_request_body_bytes: usize,
+    /// Seconds a client may take to send a request's head (line and headers); slower ones,
+    /// and idle kept-alive connections, are closed.
+    #[arg(long = "request-header-timeout", value_name = "SECONDS", default_value_t = crate::server::serve::DEFAULT_HEADER_TIMEOUT.as_secs_f64())]
+    pub request_header_timeout: f64,
+    /// Seconds a client may take to send a request's body; slower ones get 408.
+    #[arg(long = "request-body-timeout", value_name = "SECONDS", default_value_t = crate::server::gate::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
+    pub request_body_timeout: f64,
     /// Seconds a handshake with a peer may take.
     #[arg(long = "handshake-timeout", value_name = "SECONDS", default_value_t = 10.0)]
     pub handshake_timeout: f64,
@@ -220,7 +231,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         let (Some(cfg), Some(model_path)) = (&a.kv_transfer_config, &a.model) else {
             bail!("say what to run: --deployment FILE --role prefill|decode, or --kv-transfer-config JSON --model CONFIG.json");
         };
-        let config = KvTransferConfig::from_json(cfg).context("--kv-transfer-config")?;
+        let config = read_config(cfg)?;
         let (config, notes) =
             crate::deployment::lmcache_pd(config).map_err(|e| anyhow!("--kv-transfer-config: {e}"))?;
         for note in &notes {
@@ -274,11 +285,24 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         gate: crate::server::gate::Gate::new(
             crate::server::gate::api_key(a.api_key.as_deref()),
             a.max_concurrent_requests,
+        )
+        .with_body_limits(
+            a.max_request_body_bytes,
+            seconds("--request-body-timeout", a.request_body_timeout)?,
         ),
+        http_header_timeout: seconds("--request-header-timeout", a.request_header_timeout)?,
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
         producers: producers.unwrap_or_default(),
     };
     run_worker(spec, registry)
+}
+
+/// A positive, finite number of seconds from flag `flag`.
+fn seconds(flag: &str, v: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| anyhow!("{flag} must be a positive number of seconds, got {v}"))
 }
 
 /// The deployment's data-plane secret: from `file` (which only its owner may read), else from

@@ -94,7 +94,9 @@ fn client() -> &'static Client<HttpConnector, Full<Bytes>> {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
         http.set_connect_timeout(Some(Duration::from_secs(5)));
-        Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(30)).build(http)
+        // Below the workers' request-header deadline, which also closes idle connections: a
+        // pooled connection is dropped here before the worker drops it under a request.
+        Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(10)).build(http)
     })
 }
 

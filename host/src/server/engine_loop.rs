@@ -1,7 +1,7 @@
 //! The engine's own thread: it steps continuously while there is work and talks to the HTTP
 //! handlers only through a command channel, so no handler ever holds the engine.
 
-use crate::worker::{Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
+use crate::worker::{Cancel, Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -65,6 +65,9 @@ pub trait Driver {
     /// parked for the connector are freed too, since it will never report them sent.
     /// Returns how many requests it ended.
     fn abort_all(&mut self, why: &str, connector_dead: bool) -> usize;
+    /// Ends request `id` because its client is gone, freeing its blocks (see
+    /// [`Engine::cancel`]).
+    fn cancel(&mut self, id: &str, why: &str) -> Cancel;
     /// True while requests run or delayed blocks wait for the connector.
     fn busy(&self) -> bool;
     /// True when the last step computed nothing (only waiting): the loop then naps briefly.
@@ -158,6 +161,9 @@ impl Driver for Engine {
 
     fn abort_all(&mut self, why: &str, connector_dead: bool) -> usize {
         Engine::abort_all(self, why, connector_dead)
+    }
+    fn cancel(&mut self, id: &str, why: &str) -> Cancel {
+        Engine::cancel(self, id, why)
     }
 
     fn busy(&self) -> bool {
@@ -278,6 +284,41 @@ struct Pending {
     reply: oneshot::Sender<Result<Done, SubmitError>>,
     done: Done,
     sink: Option<TokenSink>,
+    /// The client is gone (its stream's reader was dropped).
+    client_gone: bool,
+    /// The engine will not cancel it (it runs every request to its end).
+    uncancellable: bool,
+}
+
+/// Why a request is cancelled.
+const CLIENT_GONE: &str = "the client disconnected before the request finished";
+
+/// Ends the requests whose clients are gone (a dropped answer or stream), so their blocks
+/// are freed now rather than when they would have finished.
+fn cancel_abandoned<D: Driver>(driver: &mut D, pending: &mut BTreeMap<String, Pending>) {
+    let gone: Vec<String> = pending
+        .iter()
+        .filter(|(_, p)| !p.uncancellable && (p.client_gone || p.reply.is_closed()))
+        .map(|(id, _)| id.clone())
+        .collect();
+    for id in gone {
+        match driver.cancel(&id, CLIENT_GONE) {
+            Cancel::Ended => {
+                if let Some(p) = pending.remove(&id) {
+                    // A streaming handler may still wait for the answer its client will not read.
+                    let _ = p.reply.send(Err(SubmitError::Failed(CLIENT_GONE.to_owned())));
+                }
+                crate::server::worker_metrics::cancelled();
+                tracing::info!(request = %id, "{CLIENT_GONE}; ended it and freed its blocks");
+            }
+            Cancel::Later => {}
+            Cancel::Unknown | Cancel::NotSupported => {
+                if let Some(p) = pending.get_mut(&id) {
+                    p.uncancellable = true;
+                }
+            }
+        }
+    }
 }
 
 /// Starts the engine thread. `build` runs on that thread (the engine owns raw memory and is
@@ -364,7 +405,10 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                                 num_cached_tokens: 0,
                                 kv_load_failure: None,
                             };
-                            pending.insert(id, Pending { reply, done, sink });
+                            pending.insert(
+                                id,
+                                Pending { reply, done, sink, client_gone: false, uncancellable: false },
+                            );
                         }
                         Err(e) => {
                             let _ = reply.send(Err(e));
@@ -394,6 +438,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
         if !driver.busy() {
             continue;
         }
+        cancel_abandoned(&mut driver, &mut pending);
         match driver.step() {
             Ok(outputs) => {
                 for o in outputs {
@@ -401,9 +446,11 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                     p.done.tokens.extend(&o.new_tokens);
                     p.done.logprobs.extend(o.logprobs.iter().cloned());
                     if !o.new_tokens.is_empty() {
-                        // A closed receiver means the client left: stop sending, keep running.
+                        // A closed receiver means the client left: stop sending; the request
+                        // is cancelled before the next step.
                         if p.sink.as_ref().is_some_and(|s| !s.send(produced(&o))) {
                             p.sink = None;
+                            p.client_gone = true;
                         }
                     }
                     if o.first_token_latency.is_some() {

@@ -2,9 +2,10 @@
 //! runs: the API key, as vLLM's `--api-key` does it (`Authorization: Bearer <key>`; `/health`
 //! and `/metrics` stay open, as vLLM's), and a bound on requests in flight, answered with 503
 //! past it instead of queueing without limit. A request holds its place until its answer,
-//! streamed or not, has been sent.
+//! streamed or not, has been sent. The body is read here, whole, within a size limit (413
+//! past it) and a deadline (408 past it), so no handler waits on a slow or endless upload.
 
-use crate::server::openai::openai_error;
+use crate::server::openai::{openai_error, openai_error_with_code};
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
@@ -13,6 +14,7 @@ use axum::response::Response;
 use axum::Router;
 use http_body_util::BodyExt;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::Semaphore;
 
 /// Environment variables read for the API key when no `--api-key` is given, in order.
@@ -20,6 +22,12 @@ pub const API_KEY_ENV: [&str; 2] = ["KVCONNECT_API_KEY", "VLLM_API_KEY"];
 
 /// Requests in flight by default.
 pub const DEFAULT_MAX_IN_FLIGHT: usize = 512;
+
+/// The largest request body taken by default (a prompt of token ids is well under it).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
+
+/// How long a client may take to send a request's body, by default.
+pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The key from `--api-key`, else from the environment; empty means none.
 pub fn api_key(flag: Option<&str>) -> Option<String> {
@@ -34,18 +42,81 @@ pub struct Gate {
     api_key: Option<Arc<str>>,
     in_flight: Arc<Semaphore>,
     limit: usize,
+    max_body: usize,
+    body_timeout: Duration,
 }
 
 impl Gate {
-    /// Requires `api_key` when given; at most `max_in_flight` requests at once.
+    /// Requires `api_key` when given; at most `max_in_flight` requests at once; bodies within
+    /// the default size and time.
     pub fn new(api_key: Option<String>, max_in_flight: usize) -> Gate {
         let limit = max_in_flight.max(1);
-        Gate { api_key: api_key.map(Arc::from), in_flight: Arc::new(Semaphore::new(limit)), limit }
+        Gate {
+            api_key: api_key.map(Arc::from),
+            in_flight: Arc::new(Semaphore::new(limit)),
+            limit,
+            max_body: DEFAULT_MAX_BODY_BYTES,
+            body_timeout: DEFAULT_BODY_TIMEOUT,
+        }
+    }
+
+    /// Bodies of at most `max_bytes`, sent within `timeout`.
+    pub fn with_body_limits(self, max_bytes: usize, timeout: Duration) -> Gate {
+        Gate { max_body: max_bytes, body_timeout: timeout, ..self }
     }
 
     /// `router` with the checks in front of its `/v1/` routes.
     pub fn wrap(self, router: Router) -> Router {
-        router.layer(axum::middleware::from_fn_with_state(self, check))
+        // The gate reads `/v1/` bodies itself; other routes keep the same cap.
+        let cap = axum::extract::DefaultBodyLimit::max(self.max_body);
+        router.layer(axum::middleware::from_fn_with_state(self, check)).layer(cap)
+    }
+}
+
+/// Reads the body whole: within the size limit and the deadline, else the OpenAI-style error
+/// to answer (counted by reason).
+async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
+    let too_large = |what: String| {
+        crate::server::worker_metrics::http_refused("body_too_large");
+        openai_error_with_code(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("{what}; this server takes at most {} bytes (--max-request-body-bytes)", g.max_body),
+            None,
+            Some("request_too_large"),
+        )
+    };
+    let declared =
+        req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|n| *n > g.max_body as u64) {
+        return Err(too_large(format!("the request body is {n} bytes")));
+    }
+    let (parts, body) = req.into_parts();
+    let limited = http_body_util::Limited::new(body, g.max_body);
+    match tokio::time::timeout(g.body_timeout, limited.collect()).await {
+        Ok(Ok(b)) => Ok(Request::from_parts(parts, Body::from(b.to_bytes()))),
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(too_large("the request body is larger than the limit".into()))
+        }
+        Ok(Err(e)) => Err(openai_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            format!("the request body could not be read: {e}"),
+            None,
+        )),
+        Err(_) => {
+            crate::server::worker_metrics::http_refused("body_timeout");
+            Err(openai_error_with_code(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive whole within {} s; send it at once",
+                    g.body_timeout.as_secs_f64()
+                ),
+                None,
+                Some("request_timeout"),
+            ))
+        }
     }
 }
 
@@ -86,6 +157,10 @@ async fn check(State(g): State<Gate>, req: Request, next: Next) -> Response {
             ),
             None,
         );
+    };
+    let req = match read_body(&g, req).await {
+        Ok(r) => r,
+        Err(answer) => return answer,
     };
     let (parts, body) = next.run(req).await.into_parts();
     if axum::body::HttpBody::size_hint(&body).exact().is_some() {

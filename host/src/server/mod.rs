@@ -20,6 +20,7 @@ pub mod peers;
 pub mod producers;
 pub mod request_id;
 pub mod response;
+pub mod serve;
 pub mod sse;
 pub mod synthetic;
 pub mod unsupported;
@@ -73,8 +74,10 @@ pub struct WorkerSpec {
     pub prefix_caching: bool,
     /// The model name clients use.
     pub served_model_name: String,
-    /// API key and in-flight bound of the HTTP API.
+    /// API key, in-flight bound and body limits of the HTTP API.
     pub gate: gate::Gate,
+    /// How long an HTTP client may take to send a request's head.
+    pub http_header_timeout: Duration,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
     /// The producers a decode worker may load KV from.
@@ -177,7 +180,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
             let conn = connector_setup::create_connector(&reg, &ctx)?;
             let mut e = Engine::new(cfg, Some(conn), policy).map_err(|e| e.to_string())?;
             if prefix_caching {
-                e.enable_prefix_caching();
+                e.enable_prefix_caching().map_err(|e| e.to_string())?;
             }
             let md = match e.worker_connector() {
                 Some(w) => w.handshake_metadata().map_err(|e| format!("handshake_metadata failed: {e}"))?,
@@ -234,10 +237,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     }
     tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker ready");
 
-    axum::serve(listener, spec.gate.clone().wrap(http::router(state)))
-        .with_graceful_shutdown(stop)
-        .await
-        .context("HTTP server failed")?;
+    serve::serve(listener, spec.gate.clone().wrap(http::router(state)), spec.http_header_timeout, stop).await;
     tracing::info!("shutting down: stopping the engine and releasing KV memory");
     drop(server);
     handle.shutdown();

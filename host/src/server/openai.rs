@@ -49,10 +49,21 @@ pub fn openai_error(
     param: Option<&str>,
 ) -> Response {
     let code = match status {
-        StatusCode::NOT_FOUND => json!("model_not_found"),
-        StatusCode::PAYLOAD_TOO_LARGE => json!("context_length_exceeded"),
-        _ => Value::Null,
+        StatusCode::NOT_FOUND => Some("model_not_found"),
+        StatusCode::PAYLOAD_TOO_LARGE => Some("context_length_exceeded"),
+        _ => None,
     };
+    openai_error_with_code(status, kind, message, param, code)
+}
+
+/// [`openai_error`] with its `code` given.
+pub fn openai_error_with_code(
+    status: StatusCode,
+    kind: &str,
+    message: impl Into<String>,
+    param: Option<&str>,
+    code: Option<&str>,
+) -> Response {
     (status, Json(json!({"error": {"message": message.into(), "type": kind, "param": param, "code": code}})))
         .into_response()
 }
@@ -267,8 +278,22 @@ async fn generate(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool
 
 type Job = JoinHandle<Result<Finished, Failure>>;
 
+/// Aborts the jobs it holds when dropped (finished ones are unaffected): a handler dropped
+/// because its client disconnected takes its engine requests with it, and the engine cancels
+/// them, freeing their blocks.
+struct AbortOnDrop(Vec<tokio::task::AbortHandle>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        for h in &self.0 {
+            h.abort();
+        }
+    }
+}
+
 /// Every job's result in order; the first failure (or a job that panicked) ends it.
 async fn join(jobs: Vec<Job>) -> Result<Vec<Finished>, Response> {
+    let _abort = AbortOnDrop(jobs.iter().map(JoinHandle::abort_handle).collect());
     let mut out = Vec::with_capacity(jobs.len());
     let mut failed = None;
     for j in jobs {

@@ -80,6 +80,12 @@ impl TransferEngine {
         tp_size: u32,
         mut conn: Connector,
     ) -> Result<TransferEngine, String> {
+        if !eff.state_groups.is_empty() {
+            return Err(format!(
+                "not implemented: synthetic KV for model '{}', whose state layers keep a per-request state; run the hybrid reference model (fixtures/models/kvconnect--reference-hybrid) without --synthetic-kv",
+                model.name
+            ));
+        }
         let pool = KvPool::with_tp_ranks(model, eff, num_blocks, shm_engine_id, tp_size)
             .map_err(|e| e.to_string())?;
         conn.1.register_kv_caches(pool.regions()).map_err(|e| format!("register_kv_caches failed: {e}"))?;
@@ -361,6 +367,12 @@ impl Driver for TransferEngine {
         }
         self.idle = !progressed;
         Ok(outputs)
+    }
+
+    fn cancel(&mut self, _id: &str, _why: &str) -> crate::worker::Cancel {
+        // Transfer benchmark requests have no client to lose mid-way worth the bookkeeping:
+        // they run to their end and free their blocks then.
+        crate::worker::Cancel::NotSupported
     }
 
     fn abort_all(&mut self, _why: &str, connector_dead: bool) -> usize {

@@ -132,6 +132,8 @@ pub struct WorkerMetrics {
     transfer_bytes: Histogram,
     load_failures: Family<Labels, Counter>,
     recomputed: Counter,
+    http_refused: Family<Labels, Counter>,
+    cancelled: Counter,
 }
 
 fn seconds() -> Histogram {
@@ -157,6 +159,8 @@ impl WorkerMetrics {
             transfer_bytes: Histogram::new(exponential_buckets(4096.0, 4.0, 12)),
             load_failures: Family::default(),
             recomputed: Counter::default(),
+            http_refused: Family::default(),
+            cancelled: Counter::default(),
         };
         r.register("kvconnect_http_requests", "OpenAI-route requests by route and status.", m.http.clone());
         r.register("kvconnect_ttft_seconds", "Engine time to first token.", m.ttft.clone());
@@ -197,6 +201,16 @@ impl WorkerMetrics {
             "kvconnect_kv_recomputed_requests",
             "Requests that were to load external KV and computed their prompt here instead (kv_load_failure_policy recompute).",
             m.recomputed.clone(),
+        );
+        r.register(
+            "kvconnect_http_refused",
+            "HTTP clients cut off before their request ran, by reason: header_timeout (the request head not whole in time; the connection is closed), body_timeout (408), body_too_large (413).",
+            m.http_refused.clone(),
+        );
+        r.register(
+            "kvconnect_requests_cancelled",
+            "Requests ended before their end because their client disconnected (their blocks freed then).",
+            m.cancelled.clone(),
         );
         r.register_collector(Box::new(m.scraped.clone()));
         WorkerMetrics { registry: r, ..m }
@@ -263,6 +277,17 @@ pub fn load_failure(reason: &'static str, recomputed: bool) {
     if recomputed {
         m.recomputed.inc();
     }
+}
+
+/// A request ended because its client disconnected.
+pub fn cancelled() {
+    get().cancelled.inc();
+}
+
+/// An HTTP client cut off before its request ran (`reason`: header_timeout, body_timeout,
+/// body_too_large).
+pub fn http_refused(reason: &'static str) {
+    get().http_refused.get_or_create(&vec![("reason", reason.to_owned())]).inc();
 }
 
 /// A handshake refusal; `reason` is the refusal message, whose indented `field: ...` lines

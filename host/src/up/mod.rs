@@ -107,7 +107,7 @@ async fn up(a: &UpArgs) -> Result<()> {
     let mut stop = Box::pin(shutdown_signal()?);
     let files = files::DeploymentFiles::resolve(a.deployment.as_deref())?;
     // Refuse a broken file before any process starts.
-    Deployment::load(&files.path).map_err(|e| Exit::bad_input(anyhow!(e)))?;
+    let deployment = Deployment::load(&files.path).map_err(|e| Exit::bad_input(anyhow!(e)))?;
     // The proxy's port first: a port in use is refused before any worker starts.
     let want = SocketAddr::new(a.host, a.port);
     let listener = tokio::net::TcpListener::bind(want).await.map_err(|e| {
@@ -178,18 +178,22 @@ async fn up(a: &UpArgs) -> Result<()> {
     }
     let (quit_tx, quit_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        axum::serve(listener, gate.wrap(crate::proxy::router(proxy)))
-            .with_graceful_shutdown(async {
+        crate::server::serve::serve(
+            listener,
+            gate.wrap(crate::proxy::router(proxy)),
+            crate::server::serve::DEFAULT_HEADER_TIMEOUT,
+            async {
                 let _ = quit_rx.await;
-            })
-            .await
+            },
+        )
+        .await
     });
 
     let result = match a.workload {
         Some(n) => {
             let proxy_addr = addr.to_string();
             tokio::select! {
-                r = run_workload(a, n, &proxy_addr, mono.first().cloned(), key.as_deref()) => r,
+                r = run_workload(a, n, &proxy_addr, mono.first().cloned(), key.as_deref(), &deployment.model_path) => r,
                 _ = &mut stop => Err(anyhow!("interrupted during the workload")),
                 why = &mut gave_up => Err(anyhow!("{}", why.unwrap_or_else(|_| "the supervisor stopped".into()))),
             }
@@ -329,10 +333,13 @@ async fn run_workload(
     proxy: &str,
     mono: Option<String>,
     key: Option<&str>,
+    model_path: &std::path::Path,
 ) -> Result<()> {
+    let model = workload::reference_model(model_path)?;
     let items = workload::items(n, a.prompts);
     let it2 = items.clone();
-    let truth = tokio::task::spawn_blocking(move || workload::ground_truth(&it2, 0))
+    let m2 = model.clone();
+    let truth = tokio::task::spawn_blocking(move || workload::ground_truth(&it2, 0, m2))
         .await
         .context("ground truth task")??;
     let prompts = format!("{:?}", a.prompts).to_lowercase();
@@ -355,7 +362,7 @@ async fn run_workload(
         }
     }
     let mut report =
-        Report::new(&samples, &prompts, a.concurrency, pd_seconds, workload::kv_bytes_per_token()?);
+        Report::new(&samples, &prompts, a.concurrency, pd_seconds, workload::kv_bytes_per_token(&model)?);
     if mono.is_some() {
         report.compare_monolithic = Some(Comparison::of(&samples, &mono_samples, &report.ttft_ms));
     }

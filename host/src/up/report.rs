@@ -90,33 +90,8 @@ impl Comparison {
     }
 }
 
-/// The quartiles of a series (nearest rank).
-#[derive(Debug, Clone, Default, Serialize)]
-pub struct Quartiles {
-    /// 25th percentile.
-    pub q1: f64,
-    /// Median.
-    pub median: f64,
-    /// 75th percentile.
-    pub q3: f64,
-}
-
-impl Quartiles {
-    /// Nearest-rank quartiles; zeros for an empty series.
-    pub fn of(v: Vec<f64>) -> Quartiles {
-        let [q1, median, q3] = nearest_rank(v, [0.25, 0.50, 0.75]);
-        Quartiles { q1, median, q3 }
-    }
-}
-
-/// The nearest-rank quantiles `qs` of `v`; zeros for an empty series.
-fn nearest_rank<const N: usize>(mut v: Vec<f64>, qs: [f64; N]) -> [f64; N] {
-    if v.is_empty() {
-        return [0.0; N];
-    }
-    v.sort_by(f64::total_cmp);
-    qs.map(|q| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1])
-}
+use kvconnect_api::stats::nearest_rank;
+pub use kvconnect_api::stats::Quartiles;
 
 /// Prefill cache hits of one connector's tier.
 #[derive(Debug, Clone, PartialEq, Serialize)]

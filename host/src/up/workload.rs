@@ -84,9 +84,18 @@ pub fn items(n: usize, kind: Prompts) -> Vec<Item> {
         .collect()
 }
 
+/// The reference model the deployment names (its `model`), which the workers run and the
+/// ground truth is computed with.
+pub fn reference_model(path: &std::path::Path) -> Result<ReferenceConfig> {
+    let json =
+        std::fs::read_to_string(path).with_context(|| format!("model {}: cannot read it", path.display()))?;
+    ReferenceConfig::from_json(&json).map_err(|e| {
+        anyhow!("model {}: {e}; --workload checks outputs against the reference engine, so the deployment must name a reference model (fixtures/models/kvconnect--reference*)", path.display())
+    })
+}
+
 /// Greedy tokens of the single monolithic reference engine (no connector), in order.
-pub fn ground_truth(items: &[Item], seed: u64) -> Result<Vec<Vec<u32>>> {
-    let model = ReferenceConfig::builtin().map_err(|e| anyhow!("reference model: {e}"))?;
+pub fn ground_truth(items: &[Item], seed: u64, model: ReferenceConfig) -> Result<Vec<Vec<u32>>> {
     let spec = model.model_spec().map_err(|e| anyhow!("reference model: {e}"))?;
     let eff = local_effective_layout(&spec, KvLayout::HND, true, 16, Dtype::Bf16);
     let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed, shm: None, tp_size: 1 };
@@ -105,13 +114,10 @@ pub fn ground_truth(items: &[Item], seed: u64) -> Result<Vec<Vec<u32>>> {
     Ok(out)
 }
 
-/// KV bytes per token over all layers (K and V) of the reference model, bf16.
-pub fn kv_bytes_per_token() -> Result<u64> {
-    let spec = ReferenceConfig::builtin()
-        .and_then(|m| m.model_spec())
-        .map_err(|e| anyhow!("reference model: {e}"))?;
-    let dtype = spec.dtype.map_or(2, |d| d.size() as u64);
-    Ok(u64::from(spec.num_layers) * 2 * u64::from(spec.num_kv_heads) * u64::from(spec.head_dim) * dtype)
+/// KV bytes per token over the KV layers (K and V) of the reference model, in its dtype.
+pub fn kv_bytes_per_token(model: &ReferenceConfig) -> Result<u64> {
+    let spec = model.model_spec().map_err(|e| anyhow!("reference model: {e}"))?;
+    Ok(spec.kv_bytes_per_token(spec.dtype.unwrap_or(Dtype::Bf16)))
 }
 
 #[cfg(test)]
@@ -131,8 +137,9 @@ mod tests {
     #[test]
     fn ground_truth_is_deterministic() {
         let it = items(2, Prompts::Unique);
-        let a = ground_truth(&it, 0).unwrap();
-        assert_eq!(a, ground_truth(&it, 0).unwrap());
+        let m = ReferenceConfig::builtin().unwrap();
+        let a = ground_truth(&it, 0, m.clone()).unwrap();
+        assert_eq!(a, ground_truth(&it, 0, m).unwrap());
         assert_eq!(a[0].len(), MAX_TOKENS);
     }
 }

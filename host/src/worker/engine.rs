@@ -18,6 +18,7 @@ use crate::worker::pool::KvPool;
 use crate::worker::prefix_cache::block_hashes;
 use crate::worker::prng::SplitMix64;
 use crate::worker::sampling::{self, SamplingParams, TokenLogprobs};
+use crate::worker::state_layer;
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, LayerId, MatchResult,
     MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
@@ -157,6 +158,19 @@ pub struct StepStats {
     pub connector: Duration,
 }
 
+/// What [`Engine::cancel`] did with a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cancel {
+    /// Ended, its blocks freed.
+    Ended,
+    /// Not now (its KV is being loaded); ask again after a step.
+    Later,
+    /// No such unfinished request (it ended already).
+    Unknown,
+    /// This engine runs every request to its end.
+    NotSupported,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum State {
     Waiting,
@@ -225,6 +239,7 @@ pub struct Engine {
     step_no: u64,
     stats: Option<StepStats>,
     scratch: Scratch,
+    state_buf: Vec<u8>,
     shut_down: bool,
     /// Reuse the KV of full prompt blocks an earlier request computed (off by default).
     prefix_caching: bool,
@@ -261,9 +276,14 @@ impl Engine {
                 cfg.effective.cache_dtype
             )));
         }
-        if spec.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. } | AttentionKind::Linear)) {
+        if spec.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. } | AttentionKind::FeedForward)) {
             return Err(WorkerError::ModelConfig(
-                "the reference engine runs full and sliding-window attention only".into(),
+                "the reference engine runs full and sliding-window attention and state layers only".into(),
+            ));
+        }
+        if spec.has_state_layers() && cfg.effective.memory == MemoryKind::Device {
+            return Err(WorkerError::Layout(
+                "not implemented: state layers with KV in device memory; use kv_buffer_device \"cpu\"".into(),
             ));
         }
         let pool = crate::worker::tp::pool(&spec, &cfg)?;
@@ -292,6 +312,7 @@ impl Engine {
             step_no: 0,
             stats: None,
             scratch: Scratch::default(),
+            state_buf: Vec::new(),
             shut_down: false,
             prefix_caching: false,
         })
@@ -300,8 +321,17 @@ impl Engine {
     /// Turns the prefix cache on (vLLM's `--enable-prefix-caching`): full prompt blocks of
     /// finished requests stay cached until their blocks are needed, and a prompt starting
     /// with the same tokens reuses them instead of computing or loading them.
-    pub fn enable_prefix_caching(&mut self) {
+    ///
+    /// Refused for models with state layers: a cached prefix holds KV, not the state after it.
+    pub fn enable_prefix_caching(&mut self) -> Result<(), WorkerError> {
+        if self.pool.has_state() {
+            return Err(WorkerError::ModelConfig(format!(
+                "not implemented: prefix caching for model '{}', whose state layers keep a per-request state that cached KV blocks do not restore; serve it without --enable-prefix-caching",
+                self.spec.name
+            )));
+        }
         self.prefix_caching = true;
+        Ok(())
     }
 
     /// Queues a request. Refused: an empty prompt, a token past 255, `max_tokens == 0`, an id
@@ -333,7 +363,7 @@ impl Engine {
                 self.pool.blocks_per_group()
             ));
         }
-        let seq = Seq {
+        let mut seq = Seq {
             req: Request {
                 id: RequestId(r.id.clone()),
                 prompt_tokens: r.prompt,
@@ -354,6 +384,9 @@ impl Engine {
             rng: SplitMix64::new(r.sampling.seed),
             sampling: r.sampling,
         };
+        if self.spec.has_state_layers() {
+            state_layer::prefill_backoff(&mut seq.req, &mut seq.max_tokens);
+        }
         self.by_id.insert(r.id, self.next_seq);
         self.seqs.insert(self.next_seq, seq);
         self.next_seq += 1;
@@ -582,6 +615,14 @@ impl Engine {
             }
             conn_time += t.elapsed();
             let t = Instant::now();
+            if let Some(sg) = self.pool.state_group_of(lid) {
+                let slots = self.forward_state(layer, sg, &mut hs)?;
+                compute += t.elapsed();
+                if let Some((_, worker)) = self.connector.as_mut() {
+                    worker.save_kv_layer(lid, &slots).map_err(conn_err("save_kv_layer"))?;
+                }
+                continue;
+            }
             let group = self
                 .pool
                 .group_of(lid)
@@ -754,6 +795,36 @@ impl Engine {
         Ok(outputs)
     }
 
+    /// Runs state layer `layer` (of state group `sg`) for every scheduled request; returns
+    /// the state slots written.
+    fn forward_state(
+        &mut self,
+        layer: usize,
+        sg: usize,
+        hs: &mut [(u64, usize, Vec<f32>)],
+    ) -> Result<Vec<BlockId>, WorkerError> {
+        let list = self.pool.num_groups() + sg;
+        let mut written = Vec::new();
+        for (k, start, h) in hs.iter_mut() {
+            let Some(blocks) = self.seqs.get(k).and_then(|s| s.blocks.as_ref()) else { continue };
+            let slot = blocks.0.get(list).and_then(|l| l.first()).copied().ok_or_else(|| {
+                WorkerError::Layout(format!("a request has no state slot for state layer {layer}"))
+            })?;
+            state_layer::forward_state_layer(
+                &self.model,
+                &self.pool,
+                layer,
+                slot,
+                *start,
+                h,
+                &mut self.state_buf,
+            )?;
+            written.push(slot);
+        }
+        written.sort_unstable();
+        Ok(written)
+    }
+
     /// Looks a waiting request up and allocates its blocks. Ok(false): no room now.
     fn admit(&mut self, key: u64, outputs: &mut Vec<RequestOutput>) -> Result<bool, WorkerError> {
         let Some(s) = self.seqs.get(&key) else { return Ok(true) };
@@ -794,7 +865,7 @@ impl Engine {
             return Ok(true);
         }
         let fresh = need - cached / bs;
-        if !self.pool.extend(&mut hit, fresh) {
+        if !self.pool.extend(&mut hit, fresh) || !self.pool.take_state_slots(&mut hit) {
             self.pool.release(&hit);
             return Ok(false);
         }
@@ -911,6 +982,22 @@ impl Engine {
             };
             self.pool.cache_block(&row, h);
         }
+    }
+
+    /// Ends request `id` for a client that is gone: its blocks are freed now, and a prefill
+    /// request's are not kept for a remote decode (no one will get its transfer params).
+    /// While its KV is being loaded from a peer (a transfer may be writing its blocks) it is
+    /// left running: `Later`, ask again.
+    pub fn cancel(&mut self, id: &str, why: &str) -> Cancel {
+        let Some(&key) = self.by_id.get(id) else { return Cancel::Unknown };
+        let Some(s) = self.seqs.get_mut(&key) else { return Cancel::Unknown };
+        if s.state == State::WaitingForRemoteKv {
+            return Cancel::Later;
+        }
+        s.req.kv_transfer_params.remove("do_remote_decode");
+        let mut outputs = Vec::new();
+        self.end(key, FinishReason::Error(why.to_owned()), &mut outputs, true);
+        Cancel::Ended
     }
 
     /// Ends a request: tells the connector (unless `ask_connector` is false), frees or parks

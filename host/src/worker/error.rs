@@ -89,3 +89,19 @@ impl WorkerError {
         }
     }
 }
+
+impl From<kvconnect_nixl::shm::ShmError> for WorkerError {
+    fn from(e: kvconnect_nixl::shm::ShmError) -> Self {
+        use kvconnect_nixl::shm::ShmError;
+        match e {
+            ShmError::Os { name, op, source } => WorkerError::Shm { name, op, source },
+            ShmError::BadName(ref name)
+            | ShmError::SizeMismatch { ref name, .. }
+            | ShmError::NotPrivate { ref name, .. } => WorkerError::Shm {
+                name: name.clone(),
+                op: "shm_open",
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()),
+            },
+        }
+    }
+}

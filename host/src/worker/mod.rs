@@ -31,10 +31,14 @@ pub mod prng;
 pub mod region;
 pub mod sampling;
 pub mod shm;
+pub mod state_layer;
+pub mod state_pool;
 pub mod tokenizer;
 pub mod tp;
 
-pub use engine::{Completion, Engine, EngineConfig, FinishReason, GenRequest, RequestOutput, StepStats};
+pub use engine::{
+    Cancel, Completion, Engine, EngineConfig, FinishReason, GenRequest, RequestOutput, StepStats,
+};
 pub use error::WorkerError;
 pub use model::{ReferenceConfig, ReferenceModel};
 pub use pool::{local_effective_layout, KvPool};

@@ -1,5 +1,6 @@
 //! The reference model: a small decoder-only transformer (RMSNorm, GQA attention with RoPE,
-//! full-attention and sliding-window layers, SiLU-gated MLP), described by a Hugging Face
+//! full-attention and sliding-window layers, state layers (`state_layer`), SiLU-gated MLP),
+//! described by a Hugging Face
 //! style `config.json` and given weights drawn from a fixed-seed generator.
 //!
 //! All math is f32 and written so that a token's result depends only on its own inputs and
@@ -8,6 +9,7 @@
 
 use crate::worker::error::WorkerError;
 use crate::worker::prng::SplitMix64;
+use crate::worker::state_layer::{StateDims, StateWeights};
 use crate::worker::tokenizer::VOCAB_SIZE;
 use kvconnect_api::{AttentionKind, ModelSpec};
 use serde::Deserialize;
@@ -16,6 +18,11 @@ use serde::Deserialize;
 /// `fixtures/models/kvconnect--reference/config.json`.
 pub const REFERENCE_CONFIG_JSON: &str =
     include_str!("../../../fixtures/models/kvconnect--reference/config.json");
+
+/// The hybrid reference model's `config.json` (sliding-window, state and full-attention
+/// layers), as checked in at `fixtures/models/kvconnect--reference-hybrid/config.json`.
+pub const REFERENCE_HYBRID_CONFIG_JSON: &str =
+    include_str!("../../../fixtures/models/kvconnect--reference-hybrid/config.json");
 
 /// The fields of a Hugging Face `config.json` the reference model reads.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -34,7 +41,8 @@ pub struct ReferenceConfig {
     pub num_key_value_heads: usize,
     /// Channels per head.
     pub head_dim: usize,
-    /// `full_attention` or `sliding_attention` per layer.
+    /// `full_attention`, `sliding_attention` or `linear_attention` (a state layer, whose
+    /// dimensions come from the `linear_*` fields) per layer.
     pub layer_types: Vec<String>,
     /// Window of the sliding layers, in tokens.
     #[serde(default)]
@@ -67,6 +75,12 @@ impl ReferenceConfig {
     /// The checked-in reference config (`fixtures/models/kvconnect--reference/config.json`).
     pub fn builtin() -> Result<ReferenceConfig, WorkerError> {
         ReferenceConfig::from_json(REFERENCE_CONFIG_JSON)
+    }
+
+    /// The checked-in hybrid reference config
+    /// (`fixtures/models/kvconnect--reference-hybrid/config.json`).
+    pub fn builtin_hybrid() -> Result<ReferenceConfig, WorkerError> {
+        ReferenceConfig::from_json(REFERENCE_HYBRID_CONFIG_JSON)
     }
 
     fn validate(&self) -> Result<(), WorkerError> {
@@ -104,6 +118,7 @@ impl ReferenceConfig {
             .enumerate()
             .map(|(i, t)| match t.as_str() {
                 "full_attention" => Ok(AttentionKind::Full),
+                "linear_attention" => Ok(AttentionKind::Linear),
                 "sliding_attention" => match self.sliding_window {
                     Some(w) if w > 0 => Ok(AttentionKind::SlidingWindow { window: w }),
                     _ => Err(WorkerError::ModelConfig(format!(
@@ -111,7 +126,7 @@ impl ReferenceConfig {
                     ))),
                 },
                 other => Err(WorkerError::ModelConfig(format!(
-                    "layer_types[{i}] is '{other}'; the reference model knows full_attention and sliding_attention"
+                    "layer_types[{i}] is '{other}'; the reference model knows full_attention, sliding_attention and linear_attention"
                 ))),
             })
             .collect()
@@ -134,7 +149,21 @@ impl ReferenceConfig {
                 spec.num_layers, spec.layers, spec.num_kv_heads, spec.head_dim, kinds, self.num_key_value_heads, self.head_dim
             )));
         }
+        self.state_dims(&spec)?;
         Ok(spec)
+    }
+
+    /// The dimensions of the state layers' state, when the model has state layers.
+    pub fn state_dims(&self, spec: &ModelSpec) -> Result<Option<StateDims>, WorkerError> {
+        if !spec.has_state_layers() {
+            return Ok(None);
+        }
+        let st = spec.state.as_ref().ok_or_else(|| {
+            WorkerError::ModelConfig(
+                "the config has linear_attention layers but no state dimensions: give linear_num_value_heads, linear_num_key_heads, linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim".into(),
+            )
+        })?;
+        StateDims::of(st).map(Some)
     }
 }
 
@@ -166,6 +195,8 @@ pub struct ReferenceModel {
     final_norm: Vec<f32>,
     lm_head: Vec<f32>,
     inv_freq: Vec<f64>,
+    /// Per layer: the state layer's weights (None for attention layers).
+    state: Vec<Option<StateWeights>>,
 }
 
 fn uniform(rng: &mut SplitMix64, n: usize, scale: f32) -> Vec<f32> {
@@ -190,7 +221,7 @@ impl ReferenceModel {
         // depends visibly on which past tokens are in the cache.
         let a = |fan_in: usize| (3.0 / fan_in as f32).sqrt();
         let embed = uniform(&mut rng, cfg.vocab_size * d, 1.0);
-        let layers = kinds
+        let layers: Vec<LayerWeights> = kinds
             .into_iter()
             .map(|kind| LayerWeights {
                 kind,
@@ -208,7 +239,17 @@ impl ReferenceModel {
         let final_norm = norm_weights(&mut rng, d);
         let lm_head = uniform(&mut rng, cfg.vocab_size * d, 2.0 * a(d));
         let inv_freq = (0..hd / 2).map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd as f64)).collect();
-        Ok(ReferenceModel { cfg: cfg.clone(), embed, layers, final_norm, lm_head, inv_freq })
+        // State weights come from a generator of their own, so adding state layers leaves
+        // every attention-only model's weights as they were.
+        let dims = cfg.state_dims(&cfg.model_spec()?)?;
+        let mut srng = SplitMix64::new(seed ^ 0x5354_4154_455f_4c59);
+        let state = state_weights_for(&layers, dims, d, &mut srng);
+        Ok(ReferenceModel { cfg: cfg.clone(), embed, layers, final_norm, lm_head, inv_freq, state })
+    }
+
+    /// The weights of state layer `l` (None for an attention layer).
+    pub fn state_weights(&self, l: usize) -> Option<&StateWeights> {
+        self.state.get(l).and_then(Option::as_ref)
     }
 
     /// Residual width.
@@ -290,6 +331,14 @@ impl ReferenceModel {
         for (hi, pi) in h.iter_mut().zip(&proj) {
             *hi += pi;
         }
+        self.mlp(l, h);
+    }
+
+    /// Layer `l`'s MLP (RMSNorm, SiLU-gated), added to the residual `h`.
+    pub fn mlp(&self, l: usize, h: &mut [f32]) {
+        let c = &self.cfg;
+        let w = &self.layers[l];
+        let mut proj = vec![0.0f32; h.len()];
         let mut x = vec![0.0f32; h.len()];
         rms_norm(h, &w.mlp_norm, c.rms_norm_eps, &mut x);
         let mut g = vec![0.0f32; c.intermediate_size];
@@ -321,6 +370,21 @@ impl ReferenceModel {
     }
 }
 
+fn state_weights_for(
+    layers: &[LayerWeights],
+    dims: Option<StateDims>,
+    d: usize,
+    rng: &mut SplitMix64,
+) -> Vec<Option<StateWeights>> {
+    layers
+        .iter()
+        .map(|w| match (w.kind, dims) {
+            (AttentionKind::Linear, Some(dims)) => Some(StateWeights::new(dims, d, rng)),
+            _ => None,
+        })
+        .collect()
+}
+
 /// Index of the largest value; the lowest index among equals; NaN never wins.
 pub fn argmax(xs: &[f32]) -> u32 {
     let mut best = 0usize;
@@ -336,14 +400,14 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
+pub(crate) fn matvec(w: &[f32], x: &[f32], out: &mut [f32]) {
     let n = x.len();
     for (o, row) in out.iter_mut().zip(w.chunks_exact(n)) {
         *o = dot(row, x);
     }
 }
 
-fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+pub(crate) fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let ms = x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32;
     let r = 1.0 / (ms + eps).sqrt();
     for ((o, xi), wi) in out.iter_mut().zip(x).zip(w) {
@@ -372,9 +436,13 @@ mod tests {
     #[test]
     fn bad_configs_say_which_field() {
         let mut v: serde_json::Value = serde_json::from_str(REFERENCE_CONFIG_JSON).unwrap();
+        v["layer_types"][2] = "mla".into();
+        let e = ReferenceConfig::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("layer_types[2] is 'mla'"), "{e}");
+        let mut v: serde_json::Value = serde_json::from_str(REFERENCE_CONFIG_JSON).unwrap();
         v["layer_types"][2] = "linear_attention".into();
         let e = ReferenceConfig::from_json(&v.to_string()).unwrap_err().to_string();
-        assert!(e.contains("layer_types[2] is 'linear_attention'"), "{e}");
+        assert!(e.contains("linear_attention layers but no state dimensions"), "{e}");
         let mut v: serde_json::Value = serde_json::from_str(REFERENCE_CONFIG_JSON).unwrap();
         v["vocab_size"] = 1000.into();
         let e = ReferenceConfig::from_json(&v.to_string()).unwrap_err().to_string();

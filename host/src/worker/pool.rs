@@ -12,6 +12,7 @@ use crate::worker::error::WorkerError;
 use crate::worker::prefix_cache::PrefixCache;
 use crate::worker::region::RegionMemory;
 use crate::worker::shm;
+use crate::worker::state_pool::StatePool;
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
@@ -21,8 +22,8 @@ use kvconnect_api::{
 };
 
 /// An effective layout for one engine on its own, without negotiation: the KV cache groups
-/// `negotiate` would give (HMA on: one per attention kind; off: one of every KV layer), host
-/// memory, no transfer.
+/// `negotiate` would give (HMA on: one per attention kind; off: one of every KV layer) and
+/// the model's state groups, host memory, no transfer.
 pub fn local_effective_layout(
     model: &ModelSpec,
     layout: KvLayout,
@@ -39,9 +40,50 @@ pub fn local_effective_layout(
         memory: MemoryKind::Host,
         transfer_mode: TransferMode::None,
         groups,
-        state_groups: vec![],
+        state_groups: kvconnect_api::negotiate::state_groups(model),
         opaque_blocks: false,
     }
+}
+
+/// One host region the pool allocates: name, bytes, layers, group and blocks (or slots).
+pub(crate) struct HostRegion {
+    pub name: String,
+    pub len: usize,
+    pub layers: Vec<LayerId>,
+    pub group: usize,
+    pub num_blocks: u32,
+}
+
+/// Allocates `r` (a shared-memory segment named for `shm_engine_id` and its index, or private
+/// memory) and appends it, vouched for, to `regions`, and its memory to `memories`.
+pub(crate) fn push_host_region(
+    r: HostRegion,
+    shm_engine_id: Option<&str>,
+    regions: &mut Vec<KvRegion>,
+    memories: &mut Vec<RegionMemory>,
+) -> Result<(), WorkerError> {
+    let memory = match shm_engine_id {
+        Some(id) => RegionMemory::shm(&shm::segment_name(id, regions.len()), r.len)?,
+        None => RegionMemory::heap(&r.name, r.len)?,
+    };
+    let spec = KvRegionSpec {
+        name: r.name,
+        addr: memory.ptr() as u64,
+        len: r.len as u64,
+        memory: MemoryKind::Host,
+        device: -1,
+        layers: r.layers,
+        group: r.group as u32,
+        num_blocks: r.num_blocks,
+        shm_name: memory.shm_name().map(str::to_owned),
+    };
+    // SAFETY: the region is `memory`, valid for reads and writes of `len` bytes, which the
+    // pool keeps (never moving its contents) until it is dropped; the pool drops its own `mem`
+    // first, and the engine shuts down and drops its connector, the only other holder of the
+    // regions, before the pool.
+    regions.push(unsafe { KvRegion::new(spec) });
+    memories.push(memory);
+    Ok(())
 }
 
 /// Element strides (in elements) of H, N and C inside one block span, per the layout.
@@ -70,6 +112,8 @@ pub struct KvPool {
     free: Vec<Vec<u32>>,
     /// Per group and block: how many requests use it (0: free, or idle in `cache`).
     refs: Vec<Vec<u32>>,
+    /// Per state group: its free state slots, and which slots are in use.
+    state: StatePool,
     /// Full prompt blocks known by their tokens' hash (empty unless prefix caching is on).
     cache: PrefixCache,
     num_blocks: u32,
@@ -177,34 +221,21 @@ impl KvPool {
         };
         let mut memories = Vec::with_capacity(plan.len());
         let mut regions = Vec::with_capacity(plan.len());
-        for (ri, (name, layers, group)) in plan.into_iter().enumerate() {
+        for (name, layers, group) in plan {
             let len = layers
                 .len()
                 .checked_mul(num_blocks as usize)
                 .and_then(|x| x.checked_mul(rank_shape.layer_block_bytes()))
                 .ok_or_else(|| WorkerError::Alloc { name: name.clone(), bytes: usize::MAX })?;
-            let memory = match shm_engine_id {
-                Some(id) => RegionMemory::shm(&shm::segment_name(id, ri), len)?,
-                None => RegionMemory::heap(&name, len)?,
-            };
-            let spec = KvRegionSpec {
-                name,
-                addr: memory.ptr() as u64,
-                len: len as u64,
-                memory: MemoryKind::Host,
-                device: -1,
-                layers,
-                group: group as u32,
-                num_blocks,
-                shm_name: memory.shm_name().map(str::to_owned),
-            };
-            // SAFETY: the region is `memory`, valid for reads and writes of `len` bytes, which
-            // the pool keeps (never moving its contents) until it is dropped; the pool drops its
-            // own `mem` first, and the engine shuts down and drops its connector, the only
-            // other holder of the regions, before the pool.
-            regions.push(unsafe { KvRegion::new(spec) });
-            memories.push(memory);
+            let spec = HostRegion { name, len, layers, group, num_blocks };
+            push_host_region(spec, shm_engine_id, &mut regions, &mut memories)?;
         }
+        if tp_ranks > 1 && !eff.state_groups.is_empty() {
+            return Err(lay(format!(
+                "not implemented: state layers (per-request state slots) across {tp_ranks} tensor-parallel ranks; run a model with state layers at tp_size 1"
+            )));
+        }
+        let state = StatePool::allocate(eff, num_blocks, shm_engine_id, &mut regions, &mut memories)?;
         let mem = KvMemory::with_tp_ranks(&regions, model, eff, tp_ranks)?;
         let strides = inner_strides(eff.layout, &shape);
         let rank_strides = inner_strides(eff.layout, &rank_shape);
@@ -220,6 +251,7 @@ impl KvPool {
             layer_group,
             free,
             refs,
+            state,
             cache: PrefixCache::new(eff.groups.len()),
             num_blocks,
             tp_ranks,
@@ -318,6 +350,10 @@ impl KvPool {
     /// or not in use are ignored with a warning (they would corrupt the free list).
     pub fn release(&mut self, blocks: &BlocksPerGroup) {
         for (g, list) in blocks.0.iter().enumerate() {
+            if let Some(sg) = g.checked_sub(self.free.len()).filter(|sg| *sg < self.state.groups()) {
+                self.state.release(sg, list);
+                continue;
+            }
             if g >= self.free.len() {
                 tracing::warn!(group = g, "release of blocks of an unknown KV cache group ignored");
                 continue;
@@ -342,6 +378,42 @@ impl KvPool {
                 }
             }
         }
+    }
+
+    /// Appends one state slot per state group to `blocks` (after its KV cache groups' lists);
+    /// false (nothing taken) when some state group has no free slot. Models without state
+    /// layers take nothing.
+    pub fn take_state_slots(&mut self, blocks: &mut BlocksPerGroup) -> bool {
+        match self.state.take() {
+            Some(slots) => {
+                blocks.0.extend(slots.into_iter().map(|s| vec![BlockId(s)]));
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The state group of a state layer (None for a layer without state).
+    pub fn state_group_of(&self, layer: LayerId) -> Option<usize> {
+        self.effective.state_groups.iter().position(|g| g.layers.contains(&layer))
+    }
+
+    /// True when the model has state layers (and so the pool state slots).
+    pub fn has_state(&self) -> bool {
+        self.state.groups() > 0
+    }
+
+    /// Copies one request's state (`slot`) of state layer `layer` into `buf` (resized to fit).
+    pub fn read_state(&self, layer: LayerId, slot: BlockId, buf: &mut Vec<u8>) -> Result<(), WorkerError> {
+        let span = self.mem.state_span(layer, slot).map_err(|e| WorkerError::Access(e.to_string()))?;
+        buf.resize(span.len, 0);
+        self.mem.read(span, buf).map_err(|e| WorkerError::Access(e.to_string()))
+    }
+
+    /// Writes `buf` as one request's state (`slot`) of state layer `layer`.
+    pub fn write_state(&self, layer: LayerId, slot: BlockId, buf: &[u8]) -> Result<(), WorkerError> {
+        let span = self.mem.state_span(layer, slot).map_err(|e| WorkerError::Access(e.to_string()))?;
+        self.mem.write(span, buf).map_err(|e| WorkerError::Access(e.to_string()))
     }
 
     /// Remembers that `blocks` (one per group, in use) hold the full prompt block `hash`.

@@ -44,7 +44,7 @@ impl RegionMemory {
 
     /// `len` zeroed bytes in a new shared-memory segment called `shm_name`.
     pub fn shm(shm_name: &str, len: usize) -> Result<RegionMemory, WorkerError> {
-        Ok(RegionMemory::Shm(ShmSegment::create(shm_name, len.max(1))?))
+        Ok(RegionMemory::Shm(ShmSegment::create_replacing(shm_name, len.max(1))?))
     }
 
     /// Start address.

@@ -48,22 +48,12 @@ pub fn effective(layout: KvLayout) -> EffectiveLayout {
 /// The effective layout negotiation gives flexkv next to a transport that requires HND.
 pub fn negotiated_with_hnd_transport() -> EffectiveLayout {
     let flex = kvconnect_flexkv::caps::capabilities(&KvTransferConfig::named("flexkv"), None).unwrap();
-    let hnd_transport = Capabilities {
-        hma: true,
-        layout: LayoutConstraint { required: vec![KvLayout::HND], rejected: vec![], preferred: vec![] },
-        adapt: None,
-        block_size_multiple: 1,
-        block_size_divides: None,
-        cache_dtypes: vec![],
-        memory_kinds: vec![MemoryKind::Host],
-        transfer_mode: TransferMode::Pull,
-        roles: vec![KvRoleCap::Both],
-        layerwise: false,
-        heterogeneous_tp: false,
-        mla: false,
-        async_load: true,
-        carries_state: false,
-    };
+    let hnd_transport = Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRoleCap::Both])
+        .hma(true)
+        .layout(LayoutConstraint { required: vec![KvLayout::HND], rejected: vec![], preferred: vec![] })
+        .async_load(true)
+        .build()
+        .unwrap();
     let children = [
         ChildCaps { name: "flexkv".into(), version: "0".into(), caps: flex },
         ChildCaps { name: "nixl".into(), version: "0".into(), caps: hnd_transport },

@@ -10,8 +10,8 @@ use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, EffectiveLayout, FinishedTransfers, KvLayout, KvRegion,
     KvRole, MatchResult, MemoryKind, ModelSpec, Request, SchedulerConnector, StepInfo, WorkerConnector,
 };
+use kvconnect_bench::harness::{context, effective, model, Regions};
 use kvconnect_cuda::{DeviceBuffer, Gpu};
-use kvconnect_nixl::harness::{context, effective, model, Regions};
 use kvconnect_nixl::NixlFactory;
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};

@@ -4,12 +4,12 @@
 
 #![allow(unsafe_code)] // The test harness's engine memory (heap or shm) vouched for as regions.
 
-use crate::shm::{ShmError, ShmSegment};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::{
     AttentionKind, ConnectorContext, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec,
     KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode,
 };
+use kvconnect_nixl::shm::{ShmError, ShmSegment};
 
 /// A full-attention model with `layers` layers.
 pub fn model(layers: u32, kv_heads: u32, head_dim: u32) -> ModelSpec {
@@ -100,7 +100,7 @@ impl Regions {
             let (b, addr, shm_name) = match shm_prefix {
                 Some(p) => {
                     let seg = ShmSegment::create(&format!("{p}-{i}"), len)?;
-                    let addr = seg.as_mut_ptr() as u64;
+                    let addr = seg.ptr() as u64;
                     let name = seg.name().to_owned();
                     (Backing::Shm(seg), addr, Some(name))
                 }
@@ -143,7 +143,7 @@ impl Regions {
             Backing::Heap(v) => &mut v[..len],
             // SAFETY: the segment maps `len` bytes read-write for as long as `self` lives, and
             // `&mut self` makes this the only view handed out.
-            Backing::Shm(s) => unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr(), len) },
+            Backing::Shm(s) => unsafe { std::slice::from_raw_parts_mut(s.ptr(), len) },
         }
     }
 }

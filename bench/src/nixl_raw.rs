@@ -5,7 +5,7 @@
 
 #![allow(unsafe_code)] // NIXL bindings: raw buffers handed to the NIXL C API.
 
-use crate::nixl_agent::{status_name, NixlCallError};
+use kvconnect_nixl::nixl_agent::{status_name, NixlCallError};
 use nixl_sys::{Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, XferDescList, XferOp, XferStatus};
 use std::time::{Duration, Instant};
 
@@ -63,7 +63,7 @@ impl std::fmt::Debug for RawNixlRead {
 impl RawNixlRead {
     /// Loads the library, creates both agents (UCX) and registers both buffers.
     pub fn new(bytes: usize, descriptors: usize) -> Result<RawNixlRead, NixlCallError> {
-        crate::nixl_lib::load()?;
+        kvconnect_nixl::nixl_lib::load()?;
         let pid = std::process::id();
         let (pa, da) = (format!("raw-prefill-{pid}"), format!("raw-decode-{pid}"));
         let a = Agent::new(&pa).map_err(err("createAgent"))?;

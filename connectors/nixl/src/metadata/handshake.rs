@@ -6,6 +6,7 @@ use crate::config::NAME;
 use kvconnect_api::compat::AdaptationPlan;
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::protocol::VersionMismatch;
+use kvconnect_api::state_slots::StateSlots;
 use kvconnect_api::{ConnectorError, KvLayout, LayerId};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -53,8 +54,12 @@ pub struct ProducerMetadata {
     pub region_shapes: Vec<RegionShape>,
     /// Its regions' sizes and shm segments, same order.
     pub regions: Vec<RegionInfo>,
-    /// Layers of each KV cache group.
+    /// Layers of each KV cache group, then of each state group.
     pub groups: Vec<Vec<LayerId>>,
+    /// Its state regions (after the KV regions in `regions`) and their slot size; absent
+    /// for models without state layers.
+    #[serde(default, skip_serializing_if = "StateSlots::is_empty")]
+    pub state: StateSlots,
     /// Its process id (for messages).
     pub pid: u32,
     /// Its NIXL agent, when it runs backend `nixl`.
@@ -138,12 +143,33 @@ impl PeerInfo {
         let e = &meta.engine_id;
         VersionMismatch::check("nixl wire", "consumer", PROTOCOL_VERSION, "producer", Some(meta.version))
             .map_err(|m| bad(format!("peer engine '{e}': {m}")))?;
-        if meta.regions.len() != meta.region_shapes.len() {
+        let shapes = meta.region_shapes.len() + meta.state.regions.len();
+        if meta.regions.len() != shapes {
             return Err(bad(format!(
-                "peer engine '{e}' metadata lists {} regions but {} region shapes",
+                "peer engine '{e}' metadata lists {} regions but {} region shapes and {} state regions",
                 meta.regions.len(),
+                meta.region_shapes.len(),
+                meta.state.regions.len()
+            )));
+        }
+        if !meta.state.is_empty() && meta.state.first_region != meta.region_shapes.len() {
+            return Err(bad(format!(
+                "peer engine '{e}' metadata puts its state regions at {} but has {} KV regions before them",
+                meta.state.first_region,
                 meta.region_shapes.len()
             )));
+        }
+        for (r, s) in meta.regions[meta.region_shapes.len()..].iter().zip(&meta.state.regions) {
+            if meta.state.region_bytes(s) != Some(r.len) {
+                return Err(bad(format!(
+                    "peer engine '{e}' state region '{}' is {} bytes but {} layer(s) x {} slots of {} bytes do not make that",
+                    r.name,
+                    r.len,
+                    s.layers.len(),
+                    s.num_slots,
+                    meta.state.slot_bytes
+                )));
+            }
         }
         let geometry = Geometry::new(meta.shape, meta.layout, meta.region_shapes.clone())
             .with_opaque_blocks(meta.opaque_blocks)
@@ -154,7 +180,14 @@ impl PeerInfo {
                     meta.region_shapes.len(),
                     meta.tp_size
                 ))
-            })?;
+            })?
+            .with_state(meta.state.clone());
+        if geometry.tp_ranks() > 1 && !geometry.state().is_empty() {
+            return Err(bad(format!(
+                "peer engine '{e}' has state layers at tp_size {}: not implemented: per-request state across tensor-parallel ranks (run a model with state layers at TP 1)",
+                meta.tp_size
+            )));
+        }
         for (r, s) in meta.regions.iter().zip(&meta.region_shapes) {
             let want = geometry.checked_region_bytes(s).ok_or_else(|| {
                 bad(format!(
@@ -246,6 +279,17 @@ impl PeerInfo {
                 side(own.opaque_blocks(), o.tokens)
             )));
         }
+        let (ps, os) = (&self.meta.state, own.state());
+        let layers = |s: &StateSlots| s.regions.iter().flat_map(|r| r.layers.clone()).collect::<Vec<_>>();
+        if ps.slot_bytes != os.slot_bytes || layers(ps) != layers(os) {
+            return Err(bad(format!(
+                "peer engine '{e}' keeps per-request state of {} bytes in layers {:?}, this engine {} bytes in layers {:?}: the same model on both sides is required",
+                ps.slot_bytes,
+                layers(ps),
+                os.slot_bytes,
+                layers(os)
+            )));
+        }
         if self.meta.groups != own_groups {
             return Err(bad(format!(
                 "peer engine '{e}' has KV cache groups {:?}, this engine {:?}: both sides must use the same hybrid KV cache manager setting",
@@ -311,6 +355,7 @@ pub(crate) fn sample_metadata() -> ProducerMetadata {
         region_shapes: vec![region],
         regions: vec![RegionInfo { name: "kv".into(), len, group: 0, shm_name: None }],
         groups: vec![vec![LayerId(0), LayerId(1)]],
+        state: StateSlots::default(),
         pid: 1,
         nixl: None,
         cuda_ipc: None,
@@ -372,5 +417,43 @@ mod tests {
                 PROTOCOL_VERSION + 1
             )
         );
+    }
+
+    /// `meta()` with one state layer (2) of 10 slots of 64 bytes after its KV region.
+    fn with_state() -> ProducerMetadata {
+        use kvconnect_api::state_slots::StateRegion;
+        let mut m = meta();
+        m.state = StateSlots {
+            slot_bytes: 64,
+            first_region: 1,
+            regions: vec![StateRegion { layers: vec![LayerId(2)], num_slots: 10 }],
+        };
+        m.regions.push(RegionInfo { name: "state.2".into(), len: 640, group: 1, shm_name: None });
+        m.groups.push(vec![LayerId(2)]);
+        m
+    }
+
+    #[test]
+    fn state_regions_are_checked_and_must_match_this_engines() {
+        use kvconnect_api::BlockId;
+        let info = PeerInfo::from_metadata(with_state()).unwrap();
+        assert_eq!(info.geometry.state().span(LayerId(2), BlockId(3)).unwrap().offset, 192);
+        let mut short = with_state();
+        short.regions[1].len = 639;
+        let e = PeerInfo::from_metadata(short).unwrap_err().to_string();
+        assert!(e.contains("state region 'state.2' is 639 bytes"), "{e}");
+        let mut missing = with_state();
+        missing.regions.pop();
+        let e = PeerInfo::from_metadata(missing).unwrap_err().to_string();
+        assert!(e.contains("1 region shapes and 1 state regions"), "{e}");
+        // An engine without that state (another model) refuses the peer, naming both.
+        let own = Geometry::new(info.meta.shape, info.meta.layout, info.meta.region_shapes.clone());
+        let e = info.check_receivable(&own, &info.meta.groups).unwrap_err().to_string();
+        assert!(
+            e.contains("keeps per-request state of 64 bytes in layers [LayerId(2)], this engine 0 bytes"),
+            "{e}"
+        );
+        let own = own.with_state(info.meta.state.clone());
+        info.check_receivable(&own, &info.meta.groups).unwrap();
     }
 }

@@ -17,10 +17,10 @@
 
 #![allow(unsafe_code)] // NIXL VRAM registration and dlopen of the CUDA libraries it needs.
 
-use crate::nixl_agent::{NixlAgent, NixlCallError, NixlMem, ReadPair};
-use crate::nixl_lib::{self, NixlLibError};
 use kvconnect_api::math::gcd;
 use kvconnect_cuda::{CudaError, Gpu};
+use kvconnect_nixl::nixl_agent::{NixlAgent, NixlCallError, NixlMem, ReadPair};
+use kvconnect_nixl::nixl_lib::{self, NixlLibError};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -268,7 +268,11 @@ pub fn check_vram_transport(nixl_dir: &Path) -> Result<Option<PathBuf>, VramErro
 const CUDART: &str = "libcudart.so.12";
 
 /// Polls `t` until done, spinning then yielding, within `limit`.
-fn wait(agent: &NixlAgent, t: &crate::nixl_agent::Transfer, limit: Duration) -> Result<(), VramError> {
+fn wait(
+    agent: &NixlAgent,
+    t: &kvconnect_nixl::nixl_agent::Transfer,
+    limit: Duration,
+) -> Result<(), VramError> {
     let start = Instant::now();
     let mut spins = 0u32;
     while !agent.poll(t)? {

@@ -17,11 +17,12 @@
 
 #![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
 
-use crate::device::{DeviceBuffer, Gpu};
-use crate::error::CudaError;
-use crate::ipc::{ImportedRegion, IpcHandle};
-use crate::kernel::{GatherKernel, GatherSpec, Permute};
-use crate::staged::{StagedCopy, DEFAULT_BUFFERS, DEFAULT_CHUNK_BYTES};
+use kvconnect_api::stats::Quartiles;
+use kvconnect_cuda::device::{DeviceBuffer, Gpu};
+use kvconnect_cuda::error::CudaError;
+use kvconnect_cuda::ipc::{ImportedRegion, IpcHandle};
+use kvconnect_cuda::kernel::{GatherKernel, GatherSpec, Permute};
+use kvconnect_cuda::staged::{StagedCopy, DEFAULT_BUFFERS, DEFAULT_CHUNK_BYTES};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -141,6 +142,43 @@ fn best_ms(gpu: &Gpu, iters: u32, mut f: impl FnMut() -> Result<(), CudaError>) 
     Ok(best)
 }
 
+/// Interleaved pairs of a baseline and a subject (the order alternating within a pair), after
+/// one warm-up of each: the per-pair ratio baseline/subject and each side's times.
+struct Paired {
+    ratio: Quartiles,
+    baseline_ms: Quartiles,
+    subject_ms: Quartiles,
+}
+
+fn paired(
+    gpu: &Gpu,
+    pairs: u32,
+    mut baseline: impl FnMut() -> Result<(), CudaError>,
+    mut subject: impl FnMut() -> Result<(), CudaError>,
+) -> Result<Paired, CudaError> {
+    baseline()?;
+    subject()?;
+    gpu.synchronize()?;
+    let (mut ratios, mut base, mut subj) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..pairs.max(1) {
+        let (b, s) = if i % 2 == 0 {
+            let b = gpu.time(&mut baseline)?;
+            (b, gpu.time(&mut subject)?)
+        } else {
+            let s = gpu.time(&mut subject)?;
+            (gpu.time(&mut baseline)?, s)
+        };
+        ratios.push(b / s);
+        base.push(b);
+        subj.push(s);
+    }
+    Ok(Paired {
+        ratio: Quartiles::of(ratios),
+        baseline_ms: Quartiles::of(base),
+        subject_ms: Quartiles::of(subj),
+    })
+}
+
 fn gbps(bytes: u64, ms: f64) -> f64 {
     bytes as f64 / (ms / 1e3) / 1e9
 }
@@ -183,12 +221,12 @@ pub fn run_consumer(spec: &PeerSpec) -> Result<Value, CudaError> {
     let checked = check_blocks(&gpu, &local, &src_blocks, &dst_blocks, bb, "gather")?;
 
     let iters = spec.iters;
-    let gather_ms = best_ms(&gpu, iters, || kernel.launch(&gpu, &plain))?;
+    let contiguous = || gpu.copy_dtod_async(local_flat.ptr(), peer_flat.ptr(), bytes as usize);
+    let gather = paired(&gpu, iters, contiguous, || kernel.launch(&gpu, &plain))?;
     let permuted =
         GatherSpec { permute: Permute::NhdToHnd { heads: g.heads, tokens: g.block_tokens }, ..plain.clone() };
-    let permute_ms = best_ms(&gpu, iters, || kernel.launch(&gpu, &permuted))?;
-    let contiguous_ms =
-        best_ms(&gpu, iters, || gpu.copy_dtod_async(local_flat.ptr(), peer_flat.ptr(), bytes as usize))?;
+    let permute = paired(&gpu, iters, contiguous, || kernel.launch(&gpu, &permuted))?;
+    let (gather_ms, contiguous_ms) = (gather.subject_ms.median, gather.baseline_ms.median);
     let per_block_ms = best_ms(&gpu, iters.min(3), || {
         for r in 0..nreg {
             for (&s, &d) in src_blocks.iter().zip(&dst_blocks) {
@@ -263,12 +301,15 @@ pub fn run_consumer(spec: &PeerSpec) -> Result<Value, CudaError> {
         "consumer_device": spec.consumer_device,
         "ipc_open_ms": open_ms,
         "blocks_checked": checked,
+        "pairs": iters.max(1),
         "gbps": gbps(bytes * 2, gather_ms),
-        "baseline": "contiguous cuMemcpyDtoDAsync of the same bytes",
+        "baseline": "contiguous cuMemcpyDtoDAsync of the same bytes, interleaved with the subject",
         "baseline_gbps": gbps(bytes * 2, contiguous_ms),
-        "ratio": contiguous_ms / gather_ms,
-        "permute_gbps": gbps(bytes * 2, permute_ms),
-        "permute_ratio": contiguous_ms / permute_ms,
+        "ratio": gather.ratio.median,
+        "ratio_quartiles": gather.ratio,
+        "permute_gbps": gbps(bytes * 2, permute.subject_ms.median),
+        "permute_ratio": permute.ratio.median,
+        "permute_ratio_quartiles": permute.ratio,
         "per_block_memcpy_gbps": gbps(bytes * 2, per_block_ms),
         "per_block_memcpy_ratio": contiguous_ms / per_block_ms,
         "small_requests": small,

@@ -1,0 +1,120 @@
+//! Building a [`Capabilities`] declaration that is checked when it is made.
+
+use super::{AdaptCost, Capabilities, CapsError, KvRoleCap, LayoutConstraint, MemoryKind, TransferMode};
+use crate::model::Dtype;
+
+/// Builds a [`Capabilities`] from what a connector must declare (how it moves KV, where it
+/// keeps it, which roles it plays) and whatever it adds; [`CapabilitiesBuilder::build`]
+/// validates the result, so a declaration that contradicts itself never leaves the builder.
+///
+/// Everything not set is the most modest claim: no HMA, any layout and no adapter, any block
+/// size, any cache dtype, not layerwise, equal TP sizes only, no MLA, synchronous loads, no
+/// state.
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until build() is called"]
+pub struct CapabilitiesBuilder {
+    caps: Capabilities,
+}
+
+impl Capabilities {
+    /// A builder for a connector that moves KV by `transfer_mode`, keeps it in
+    /// `memory_kinds` and plays `roles`.
+    pub fn builder(
+        transfer_mode: TransferMode,
+        memory_kinds: impl IntoIterator<Item = MemoryKind>,
+        roles: impl IntoIterator<Item = KvRoleCap>,
+    ) -> CapabilitiesBuilder {
+        CapabilitiesBuilder {
+            caps: Capabilities {
+                hma: false,
+                layout: LayoutConstraint::default(),
+                adapt: None,
+                block_size_multiple: 1,
+                block_size_divides: None,
+                cache_dtypes: Vec::new(),
+                memory_kinds: memory_kinds.into_iter().collect(),
+                transfer_mode,
+                roles: roles.into_iter().collect(),
+                layerwise: false,
+                heterogeneous_tp: false,
+                mla: false,
+                async_load: false,
+                carries_state: false,
+            },
+        }
+    }
+}
+
+impl CapabilitiesBuilder {
+    /// Supports the hybrid KV cache manager.
+    pub fn hma(mut self, yes: bool) -> Self {
+        self.caps.hma = yes;
+        self
+    }
+
+    /// The layouts it accepts.
+    pub fn layout(mut self, layout: LayoutConstraint) -> Self {
+        self.caps.layout = layout;
+        self
+    }
+
+    /// Adapts its own data path to a layout it does not accept, at this cost (`None`: never).
+    pub fn adapt(mut self, cost: Option<AdaptCost>) -> Self {
+        self.caps.adapt = cost;
+        self
+    }
+
+    /// The block size must be a multiple of `n`.
+    pub fn block_size_multiple(mut self, n: u32) -> Self {
+        self.caps.block_size_multiple = n;
+        self
+    }
+
+    /// The block size must divide `tokens` (`None`: no such constraint).
+    pub fn block_size_divides(mut self, tokens: Option<u32>) -> Self {
+        self.caps.block_size_divides = tokens;
+        self
+    }
+
+    /// The cache dtypes it can store (empty: any).
+    pub fn cache_dtypes(mut self, dtypes: impl IntoIterator<Item = Dtype>) -> Self {
+        self.caps.cache_dtypes = dtypes.into_iter().collect();
+        self
+    }
+
+    /// Saves and loads layer by layer.
+    pub fn layerwise(mut self, yes: bool) -> Self {
+        self.caps.layerwise = yes;
+        self
+    }
+
+    /// Handles different tensor-parallel sizes on the two sides.
+    pub fn heterogeneous_tp(mut self, yes: bool) -> Self {
+        self.caps.heterogeneous_tp = yes;
+        self
+    }
+
+    /// Supports MLA (latent) KV caches.
+    pub fn mla(mut self, yes: bool) -> Self {
+        self.caps.mla = yes;
+        self
+    }
+
+    /// Loads complete asynchronously.
+    pub fn async_load(mut self, yes: bool) -> Self {
+        self.caps.async_load = yes;
+        self
+    }
+
+    /// Carries the per-request state of state-space layers with the KV.
+    pub fn carries_state(mut self, yes: bool) -> Self {
+        self.caps.carries_state = yes;
+        self
+    }
+
+    /// The declaration, or why it contradicts itself ([`Capabilities::validate`]).
+    pub fn build(self) -> Result<Capabilities, CapsError> {
+        self.caps.validate()?;
+        Ok(self.caps)
+    }
+}

@@ -1,0 +1,146 @@
+//! The worker side: serves the connector's scheduler half on a Unix socket in a private
+//! directory (mode 0700, removed when the server drops), one thread per connection. The
+//! socket is reachable only by this user; vLLM's scheduler process is the one client.
+
+use super::{read_frame, write_frame, Call, Reply};
+use crate::error::AdapterError;
+use kvconnect_api::{ConnectorError, SchedulerConnector};
+use kvconnect_cache_dir::CacheDir;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// What the served half decided, for the worker's stats.
+#[derive(Debug, Default)]
+pub struct SchedulerCounters {
+    /// Requests allocated with tokens to load from outside (`num_external_tokens > 0`).
+    pub external_requests: AtomicU64,
+    /// Tokens those requests load instead of computing.
+    pub external_tokens: AtomicU64,
+}
+
+/// A scheduler half served to the scheduler process.
+pub struct SchedulerServer {
+    path: PathBuf,
+    counters: Arc<SchedulerCounters>,
+    // Kept for its lock; the directory and socket are removed on drop.
+    dir: CacheDir,
+}
+
+impl SchedulerServer {
+    /// Starts serving `conn` (named `name` in errors).
+    pub fn start(name: &str, conn: Box<dyn SchedulerConnector>) -> Result<SchedulerServer, AdapterError> {
+        let err = |m: String| {
+            AdapterError::SideChannel(format!(
+                "cannot serve the scheduler half to vLLM's scheduler process: {m}"
+            ))
+        };
+        let dir = CacheDir::create_unique(&std::env::temp_dir(), "kvconnect-vllm-scheduler", "TMPDIR")
+            .map_err(|e| err(e.to_string()))?;
+        let path = dir.path().join("scheduler.sock");
+        let listener = UnixListener::bind(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+        let conn = Arc::new(Mutex::new(conn));
+        let counters = Arc::new(SchedulerCounters::default());
+        let served = counters.clone();
+        let name = name.to_owned();
+        std::thread::Builder::new()
+            .name("kvconnect-scheduler-half".into())
+            .spawn(move || {
+                for stream in listener.incoming() {
+                    let Ok(stream) = stream else { continue };
+                    let conn = conn.clone();
+                    let name = name.clone();
+                    let counters = served.clone();
+                    let _ = std::thread::Builder::new()
+                        .name("kvconnect-scheduler-conn".into())
+                        .spawn(move || serve(&name, stream, &conn, &counters));
+                }
+            })
+            .map_err(|e| err(e.to_string()))?;
+        Ok(SchedulerServer { path, counters, dir })
+    }
+
+    /// What the half decided so far.
+    pub fn counters(&self) -> &SchedulerCounters {
+        &self.counters
+    }
+
+    /// The socket's path, for the scheduler process.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+}
+
+impl Drop for SchedulerServer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+        let _ = std::fs::remove_dir_all(self.dir.path());
+    }
+}
+
+fn serve(
+    name: &str,
+    mut stream: UnixStream,
+    conn: &Mutex<Box<dyn SchedulerConnector>>,
+    counters: &SchedulerCounters,
+) {
+    loop {
+        let frame = match read_frame(&mut stream) {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("kvconnect: the scheduler process's connection failed: {e}");
+                return;
+            }
+        };
+        let call: Call = match serde_json::from_slice(&frame) {
+            Ok(c) => c,
+            Err(e) => {
+                let reply = Reply::Error(ConnectorError::invalid(
+                    name,
+                    format!("a scheduler call that cannot be read ({e}): run the same kvconnect in vLLM's scheduler and workers"),
+                ));
+                let _ = send(&mut stream, &reply, None);
+                return;
+            }
+        };
+        let mut c = conn.lock().unwrap_or_else(|p| p.into_inner());
+        let (reply, extra) = match call {
+            Call::Match { request, num_computed } => {
+                (c.get_num_new_matched_tokens(&request, num_computed).map(Reply::Matched), None)
+            }
+            Call::Alloc { request, blocks, num_external } => {
+                let r = c.update_state_after_alloc(&request, &blocks, num_external);
+                if r.is_ok() && num_external > 0 {
+                    counters.external_requests.fetch_add(1, Ordering::Relaxed);
+                    counters.external_tokens.fetch_add(num_external as u64, Ordering::Relaxed);
+                }
+                (r.map(|()| Reply::Done), None)
+            }
+            Call::Meta { step } => match c.build_connector_meta(&step) {
+                Ok(bytes) => (Ok(Reply::Meta), Some(bytes)),
+                Err(e) => (Err(e), None),
+            },
+            Call::Finished { request, blocks } => {
+                (c.request_finished(&request, &blocks).map(Reply::Finished), None)
+            }
+            Call::Events => (c.take_events().map(Reply::Events), None),
+        };
+        drop(c);
+        let reply = reply.unwrap_or_else(Reply::Error);
+        if let Err(e) = send(&mut stream, &reply, extra.as_deref()) {
+            tracing::warn!("kvconnect: cannot answer the scheduler process: {e}");
+            return;
+        }
+    }
+}
+
+fn send(stream: &mut UnixStream, reply: &Reply, extra: Option<&[u8]>) -> std::io::Result<()> {
+    let json = serde_json::to_vec(reply).map_err(std::io::Error::other)?;
+    write_frame(stream, &json)?;
+    if let Some(bytes) = extra {
+        write_frame(stream, bytes)?;
+    }
+    Ok(())
+}

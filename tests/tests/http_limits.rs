@@ -1,0 +1,118 @@
+//! A worker's HTTP API against clients that send too much or too slowly, as a raw TCP client
+//! would: a body over the limit (declared, or chunked without a length) gets 413 with an
+//! OpenAI-style error, a body that does not arrive in time gets 408, a request head dripped a
+//! byte at a time is cut off at its deadline; each is counted in /metrics, and the worker then
+//! serves a normal request.
+
+use kvconnect_tests::{closed_by_peer, metrics, reference_model, Worker};
+use serde_json::{json, Value};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+fn worker() -> Worker {
+    let model = reference_model();
+    let config = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"backend":"shm"}}"#;
+    Worker::start(&[
+        "--kv-transfer-config",
+        config,
+        "--model",
+        model.to_str().unwrap(),
+        "--max-request-body-bytes",
+        "4096",
+        "--request-header-timeout",
+        "2",
+        "--request-body-timeout",
+        "2",
+    ])
+}
+
+/// Sends `head` (and `body`) on a fresh connection; the status and JSON of the answer.
+fn raw(addr: &str, head: &str, body: &[u8]) -> (u16, Value) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    s.write_all(head.as_bytes()).unwrap();
+    // The server may answer and close before taking the whole body.
+    let _ = s.write_all(body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (h, b) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = h.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, serde_json::from_str(b).unwrap_or(Value::String(b.to_owned())))
+}
+
+fn refused(w: &Worker, reason: &str) -> f64 {
+    let label = format!("reason=\"{reason}\"");
+    metrics(&w.http)
+        .iter()
+        .find(|(k, _)| k.starts_with("kvconnect_http_refused") && k.contains(&label))
+        .map(|(_, v)| *v)
+        .unwrap_or(0.0)
+}
+
+fn assert_openai_error(st: u16, e: &Value, status: u16, code: &str, says: &str) {
+    assert_eq!(st, status, "{e}");
+    assert_eq!(e["error"]["type"], "invalid_request_error", "{e}");
+    assert_eq!(e["error"]["code"], code, "{e}");
+    let msg = e["error"]["message"].as_str().unwrap_or_default();
+    assert!(msg.contains(says), "{msg}");
+}
+
+#[test]
+fn oversized_slow_and_dripping_requests_are_refused_counted_and_the_worker_serves_on() {
+    let w = worker();
+    let post = |extra: &str| {
+        format!("POST /v1/completions HTTP/1.1\r\nHost: w\r\nContent-Type: application/json\r\n{extra}Connection: close\r\n\r\n")
+    };
+
+    // A body declared over the limit: refused before it is read.
+    let big = vec![b' '; 10_000];
+    let (st, e) = raw(&w.http, &post("Content-Length: 10000\r\n"), &big);
+    assert_openai_error(st, &e, 413, "request_too_large", "at most 4096 bytes");
+    // Chunked, with no length: refused once past the limit.
+    let mut chunked = format!("{:x}\r\n", big.len()).into_bytes();
+    chunked.extend_from_slice(&big);
+    chunked.extend_from_slice(b"\r\n0\r\n\r\n");
+    let (st, e) = raw(&w.http, &post("Transfer-Encoding: chunked\r\n"), &chunked);
+    assert_openai_error(st, &e, 413, "request_too_large", "larger than the limit");
+    assert_eq!(refused(&w, "body_too_large"), 2.0);
+
+    // A body that stops coming: 408 at the body deadline.
+    let (st, e) = raw(&w.http, &post("Content-Length: 100\r\n"), br#"{"prompt": [1, 2"#);
+    assert_openai_error(st, &e, 408, "request_timeout", "did not arrive whole within 2 s");
+    assert_eq!(refused(&w, "body_timeout"), 1.0);
+
+    // A request head dripped a byte every 300 ms: the connection is closed at its deadline.
+    let mut s = TcpStream::connect(&w.http).unwrap();
+    let head = post("Content-Length: 2\r\nX-Padding: 0123456789012345678901234567890123456789\r\n");
+    let t0 = Instant::now();
+    let mut cut = false;
+    for b in head.as_bytes() {
+        if s.write_all(&[*b]).is_err() {
+            cut = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        if t0.elapsed() > Duration::from_secs(40) {
+            break;
+        }
+    }
+    assert!(cut || closed_by_peer(&mut s), "a dripping request head was not cut off");
+    assert!(t0.elapsed() < Duration::from_secs(40), "the head deadline never fired");
+    let counted = {
+        let t = Instant::now();
+        loop {
+            let n = refused(&w, "header_timeout");
+            if n >= 1.0 || t.elapsed() > Duration::from_secs(20) {
+                break n;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    assert_eq!(counted, 1.0);
+
+    // A normal request within the limits is served.
+    let (st, d) = w.post("/v1/completions", &json!({"prompt": [1, 2, 3, 4, 5], "max_tokens": 2}));
+    assert_eq!(st, 200, "{d}");
+}

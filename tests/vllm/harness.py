@@ -1,0 +1,212 @@
+"""What the real-vLLM tests share: the import guard (skip, or fail under
+KVCONNECT_REQUIRE_VLLM=1), a vLLM OpenAI server in its own process group, completions, the
+adapter's kv-transfer-config and what its log and /metrics say.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+try:
+    import requests
+    import vllm  # noqa: F401
+    import kvconnect.vllm  # noqa: F401
+except ImportError as e:
+    msg = (f"vLLM tests skipped: {e}; install vLLM with scripts/install-vllm.sh and kvconnect with "
+           "VENV/bin/pip install ./python, then run this with VENV/bin/python")
+    if os.environ.get("KVCONNECT_REQUIRE_VLLM") == "1":
+        sys.exit("FAILED: " + msg)
+    print(msg)
+    sys.exit(0)
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import make_tiny_model  # noqa: E402
+
+BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
+MAX_TOKENS = 12
+START_TIMEOUT = 420
+
+
+class Failed(Exception):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, name: str, model: str, logdir: Path, core: int, kv_config=None, extra_env=None, args=()):
+        self.name = name
+        self.port = free_port()
+        self.log_path = logdir / f"{name}.log"
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model, "--served-model-name", "tiny",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK),
+            "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+        ]
+        cmd += list(args)
+        if kv_config is not None:
+            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        env = dict(os.environ)
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+                    "KVCONNECT_LOG": "info", "PYTHONFAULTHANDLER": "1"})
+        env.update(extra_env or {})
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_healthy(self, timeout=START_TIMEOUT):
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise Failed(f"{self.name} exited with status {self.proc.returncode} before it was healthy\n{self.tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise Failed(f"{self.name} not healthy within {timeout} s\n{self.tail()}")
+
+    def wait_exit(self, timeout) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise Failed(f"{self.name} still running after {timeout} s\n{self.tail()}")
+
+    def text(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n=40) -> str:
+        lines = self.text().splitlines()[-n:]
+        return "\n".join(f"  [{self.name}] {l}" for l in lines)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def complete(url: str, prompt: list[int], request_id: str, kv_transfer_params=None, max_tokens=MAX_TOKENS) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = kv_transfer_params
+    r = requests.post(url + "/v1/completions", json=body, headers={"X-Request-Id": request_id}, timeout=120)
+    if r.status_code != 200:
+        raise Failed(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+    return r.json()
+
+
+def tokens_of(resp: dict) -> list:
+    c = resp["choices"][0]
+    return c.get("token_ids") or c["text"]
+
+
+
+def kv_config(role: str, inner: dict, port=None, cls="KvconnectConnector", **adapter) -> dict:
+    extra = {"kvconnect": inner, **adapter}
+    if port is not None:
+        extra["side_channel_port"] = port
+    return {"kv_connector": cls, "kv_connector_module_path": "kvconnect.vllm",
+            "kv_role": role, "kv_connector_extra_config": extra}
+
+
+def external_tokens(log: str) -> list[int]:
+    """The external tokens the adapter's scheduler logged, one entry per request that loads."""
+    out = []
+    for line in log.splitlines():
+        if "kvconnect scheduler: request" in line and "external tokens" in line:
+            out.append(int(line.split(" loads ")[1].split()[0]))
+    return out
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """The sum of a Prometheus metric's samples on a vLLM server's /metrics (0 when absent);
+    `labels` (e.g. 'source="lmcache_cpu"') selects samples carrying it."""
+    text = requests.get(url + "/metrics", timeout=30).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            if labels and labels not in line:
+                continue
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_metric(url: str, name: str, want: float, labels: str = "", timeout: float = 60) -> float:
+    """Polls /metrics until the metric reaches `want` (vLLM publishes connector stats a step
+    after they happen); returns the last value."""
+    deadline = time.time() + timeout
+    while True:
+        v = metric(url, name, labels)
+        if v >= want or time.time() > deadline:
+            return v
+        time.sleep(1)
+
+
+def wait_log(server: "Server", text: str, timeout: float = 60) -> bool:
+    """Waits for `text` in the server's log (vLLM logs its stats every 10 s)."""
+    deadline = time.time() + timeout
+    while text not in server.text():
+        if time.time() > deadline:
+            return False
+        time.sleep(1)
+    return True
+
+
+def run_refused(model: str, logdir: Path, name: str, inner: dict, want: str, cls="KvconnectConnector"):
+    """vLLM must stop at startup with kvconnect's one-line message containing `want`."""
+    srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner, port=free_port(), cls=cls))
+    try:
+        status = srv.wait_exit(START_TIMEOUT)
+        text = srv.text()
+        if status == 0:
+            raise Failed(f"{name}: vLLM started")
+        line = next((l for l in text.splitlines() if want in l and "KvconnectError" in l), None)
+        if line is None:
+            raise Failed(f"{name}: not refused with kvconnect's message ({want!r})\n{srv.tail()}")
+        print(f"ok: {name} refused at startup: {line.strip()[:400]}")
+    finally:
+        srv.stop()
+
+
+def run_checks(name: str, keep: bool, checks, kind: str = "llama") -> None:
+    """Builds the tiny model in a fresh directory and runs `checks(model, logdir)`; on
+    `Failed` prints it with where the logs are and exits 1, else removes the directory
+    (unless `keep`)."""
+    import shutil
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(prefix=f"kvconnect-vllm-{name}-"))
+    model = str(tmp / "model")
+    make_tiny_model.build(model, kind)
+    try:
+        checks(model, tmp)
+    except Failed as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        print(f"logs in {tmp}", file=sys.stderr)
+        sys.exit(1)
+    if not keep:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"all vLLM {name} checks passed")
