@@ -73,3 +73,27 @@ fn a_tp_size_that_does_not_divide_the_kv_heads_is_refused_at_start() {
         "{err}"
     );
 }
+
+#[test]
+fn state_layers_across_tensor_parallel_ranks_are_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let nixl = r#"{"kv_connector":"NixlConnector","kv_connector_extra_config":{"backend":"shm"}}"#;
+    let file = write_deployment(
+        dir.path(),
+        "hybrid-tp.toml",
+        &kvconnect_tests::hybrid_reference_model(),
+        (nixl, "tp_size = 2\nhybrid_kv_cache_manager = \"on\""),
+        (nixl, "hybrid_kv_cache_manager = \"on\""),
+    );
+    let out = std::process::Command::new(kvconnect_tests::kvconnect_bin())
+        .args(["worker", "--deployment", file.to_str().unwrap(), "--role", "prefill"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(
+        err.contains("not implemented: state layers") && err.contains("at tp_size 1"),
+        "{err}"
+    );
+}
