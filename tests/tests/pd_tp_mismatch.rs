@@ -92,8 +92,5 @@ fn state_layers_across_tensor_parallel_ranks_are_refused_at_start() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
-    assert!(
-        err.contains("not implemented: state layers") && err.contains("at tp_size 1"),
-        "{err}"
-    );
+    assert!(err.contains("not implemented: state layers") && err.contains("at tp_size 1"), "{err}");
 }
