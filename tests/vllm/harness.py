@@ -3,6 +3,7 @@ KVCONNECT_REQUIRE_VLLM=1), a vLLM OpenAI server in its own process group, comple
 adapter's kv-transfer-config and what its log and /metrics say.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -173,6 +174,20 @@ def wait_log(server: "Server", text: str, timeout: float = 60) -> bool:
             return False
         time.sleep(1)
     return True
+
+
+@contextlib.contextmanager
+def serving(*servers: "Server"):
+    """Stops `servers` when the block ends; on a failed check, prints their logs' tails first."""
+    try:
+        yield
+    except Failed:
+        for s in servers:
+            print(s.tail(), file=sys.stderr)
+        raise
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def run_refused(model: str, logdir: Path, name: str, inner: dict, want: str, cls="KvconnectConnector"):

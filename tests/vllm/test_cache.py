@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     BLOCK, Failed, Server, complete, external_tokens, kv_config, make_tiny_model, run_checks,
-    run_refused, tokens_of, wait_metric,
+    run_refused, serving, tokens_of, wait_metric,
 )
 
 # Under a block (never stored), one block and a bit, several blocks.
@@ -47,7 +47,7 @@ def run_prefix_hit(model: str, logdir: Path, name: str, inner: dict, cache_sourc
     ps = [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in PROMPT_LENS]
     srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner),
                  args=["--no-enable-prefix-caching"])
-    try:
+    with serving(srv):
         srv.wait_healthy()
         if "compat hash" not in srv.text():
             raise Failed(f"{name}: the adapter did not log its negotiated layout\n{srv.tail()}")
@@ -76,11 +76,6 @@ def run_prefix_hit(model: str, logdir: Path, name: str, inner: dict, cache_sourc
                 raise Failed(f"{name}: kvconnect's metrics show {src} tokens from {cache_source}, expected {total}")
         print(f"ok: {name} prefix hit inside vLLM: {len(want)} second runs loaded {total} prompt tokens "
               f"from kvconnect's connector (vLLM's external hits {vllm_hits:.0f}), outputs equal")
-    except Failed:
-        print(srv.tail(), file=sys.stderr)
-        raise
-    finally:
-        srv.stop()
 
 
 def checks(model: str, tmp: Path):

@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, complete, external_tokens, free_port, kv_config, make_tiny_model,
-    run_checks, tokens_of, wait_log,
+    BLOCK, Failed, Server, external_tokens, free_port, kv_config, make_tiny_model,
+    run_checks, serving, tokens_of, wait_log,
 )
-from test_pd import nixl, pd_complete  # noqa: E402
+from test_pd import nixl, pd_complete, run_monolithic  # noqa: E402
 import requests  # noqa: E402
 
 PROMPT_LENS = [40, 100, 200]
@@ -42,15 +42,10 @@ def pair(model: str, logdir: Path, label: str, dec_class: str):
 def checks(model: str, tmp: Path):
     rng = random.Random(5)
     ps = [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in PROMPT_LENS]
-    mono = Server("monolithic", model, tmp, core=0)
-    try:
-        mono.wait_healthy()
-        expected = [tokens_of(complete(mono.url, p, f"mono-{i}")) for i, p in enumerate(ps)]
-    finally:
-        mono.stop()
+    expected = run_monolithic(model, tmp, ps)
 
     pre, dec = pair(model, tmp, "mismatch", "KvconnectHmaConnector")
-    try:
+    with serving(pre, dec):
         pre.wait_healthy()
         dec.wait_healthy()
         if "hma on" not in dec.text() or "hma off" not in pre.text():
@@ -70,16 +65,9 @@ def checks(model: str, tmp: Path):
         if external_tokens(dec.text()) and "loaded its external KV" in dec.text():
             raise Failed(f"decode loaded KV from a prefill engine it refused\n{dec.tail()}")
         print(f"ok: DYN-3545 refused at the handshake: {line.strip()[:400]}")
-    except Failed:
-        print(pre.tail(), file=sys.stderr)
-        print(dec.tail(), file=sys.stderr)
-        raise
-    finally:
-        pre.stop()
-        dec.stop()
 
     pre, dec = pair(model, tmp, "matched", "KvconnectConnector")
-    try:
+    with serving(pre, dec):
         pre.wait_healthy()
         dec.wait_healthy()
         got = [tokens_of(pd_complete(pre.url, dec.url, p, f"dyn3545-ok-{i}")) for i, p in enumerate(ps)]
@@ -90,13 +78,6 @@ def checks(model: str, tmp: Path):
         if sorted(external_tokens(dec.text())) != sorted(want):
             raise Failed(f"matched pair: decode loaded {external_tokens(dec.text())} external tokens, expected {want}\n{dec.tail()}")
         print(f"ok: with HMA off on both, the composite prefill and NIXL decode equal monolithic for {len(ps)} prompts")
-    except Failed:
-        print(pre.tail(), file=sys.stderr)
-        print(dec.tail(), file=sys.stderr)
-        raise
-    finally:
-        pre.stop()
-        dec.stop()
 
 
 def main():

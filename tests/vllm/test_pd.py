@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     BLOCK, MAX_TOKENS, Failed, Server, complete, external_tokens, free_port,
-    kv_config, make_tiny_model, run_checks, run_refused, tokens_of, wait_log, wait_metric,
+    kv_config, make_tiny_model, run_checks, run_refused, serving, tokens_of, wait_log, wait_metric,
 )
 
 # Shorter than a block, exactly one, one past, several, and long.
@@ -43,11 +43,9 @@ def pd_complete(prefill: str, decode: str, prompt: list[int], request_id: str) -
 
 def run_monolithic(model: str, logdir: Path, ps) -> list:
     srv = Server("monolithic", model, logdir, core=0)
-    try:
+    with serving(srv):
         srv.wait_healthy()
         return [tokens_of(complete(srv.url, p, f"mono-{i}")) for i, p in enumerate(ps)]
-    finally:
-        srv.stop()
 
 
 def nixl(backend: str) -> dict:
@@ -62,7 +60,7 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner: dict, dec_inner:
                  kv_config=kv_config("kv_producer", pre_inner, port=free_port()))
     dec = Server(f"decode-{label}", model, logdir, core=1,
                  kv_config=kv_config("kv_consumer", dec_inner, cls=dec_class))
-    try:
+    with serving(pre, dec):
         pre.wait_healthy()
         dec.wait_healthy()
         for s in (pre, dec):
@@ -98,13 +96,6 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner: dict, dec_inner:
         if not wait_log(dec, "KV Transfer metrics: kvconnect_"):
             raise Failed(f"{label}: vLLM's stats log never showed kvconnect's transfer metrics\n{dec.tail()}")
         print(f"ok: P/D over {label} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens")
-    except Failed:
-        print(pre.tail(), file=sys.stderr)
-        print(dec.tail(), file=sys.stderr)
-        raise
-    finally:
-        pre.stop()
-        dec.stop()
 
 
 def main():

@@ -95,39 +95,20 @@ impl ExportedFactory {
     }
 }
 
-/// A scheduler half behind the ABI.
-pub(crate) struct ExportedScheduler {
+/// A connector half behind the ABI: its name, the connector, and the poison a panic leaves.
+pub(crate) struct Exported<C: ?Sized> {
     name: &'static str,
-    inner: Box<dyn SchedulerConnector>,
+    inner: Box<C>,
     poison: Option<String>,
 }
 
-impl ExportedScheduler {
-    /// The connector name.
-    pub fn name(&self) -> &str {
-        self.name
-    }
-
-    /// Runs one method, guarded; a panic poisons this instance.
-    #[inline]
-    pub fn call<T>(
-        &mut self,
-        method: &str,
-        f: impl FnOnce(&mut dyn SchedulerConnector) -> Result<T, ConnectorError>,
-    ) -> Result<T, ConnectorError> {
-        let inner = &mut self.inner;
-        guarded(self.name, method, &mut self.poison, || f(inner.as_mut()))
-    }
-}
+/// A scheduler half behind the ABI.
+pub(crate) type ExportedScheduler = Exported<dyn SchedulerConnector>;
 
 /// A worker half behind the ABI.
-pub(crate) struct ExportedWorker {
-    name: &'static str,
-    inner: Box<dyn WorkerConnector>,
-    poison: Option<String>,
-}
+pub(crate) type ExportedWorker = Exported<dyn WorkerConnector>;
 
-impl ExportedWorker {
+impl<C: ?Sized> Exported<C> {
     /// The connector name.
     pub fn name(&self) -> &str {
         self.name
@@ -138,7 +119,7 @@ impl ExportedWorker {
     pub fn call<T>(
         &mut self,
         method: &str,
-        f: impl FnOnce(&mut dyn WorkerConnector) -> Result<T, ConnectorError>,
+        f: impl FnOnce(&mut C) -> Result<T, ConnectorError>,
     ) -> Result<T, ConnectorError> {
         let inner = &mut self.inner;
         guarded(self.name, method, &mut self.poison, || f(inner.as_mut()))
