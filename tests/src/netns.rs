@@ -51,6 +51,14 @@ impl Netns {
         ns
     }
 
+    /// Whether interface `dev` here has carrier (`state UP`).
+    pub fn link_up(&self, dev: &str) -> bool {
+        Command::new("ip")
+            .args(["-n", &self.name, "-o", "link", "show", dev])
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("state UP"))
+    }
+
     /// Runs `ip -n NAME ARGS`; panics with what it printed when it fails.
     pub fn ip(&self, args: &[&str]) {
         let mut all = vec!["-n", self.name.as_str()];
@@ -100,13 +108,19 @@ impl Drop for Netns {
 }
 
 /// Joins `a` and `b` with a veth pair: `a_if` with `a_addr` (CIDR) in `a`, `b_if` with
-/// `b_addr` in `b`, both up. Deleting either namespace removes the pair.
+/// `b_addr` in `b`, both up. Deleting either namespace removes the pair. Returns once both
+/// ends report carrier (`state UP`): a process started before that sees no such device (UCX
+/// then refuses the interface, or offers the peer an address it cannot reach).
 pub fn link(a: &Netns, a_if: &str, a_addr: &str, b: &Netns, b_if: &str, b_addr: &str) {
     a.ip(&["link", "add", a_if, "type", "veth", "peer", "name", b_if, "netns", &b.name]);
     a.ip(&["addr", "add", a_addr, "dev", a_if]);
     b.ip(&["addr", "add", b_addr, "dev", b_if]);
     a.ip(&["link", "set", a_if, "up"]);
     b.ip(&["link", "set", b_if, "up"]);
+    for (ns, dev) in [(a, a_if), (b, b_if)] {
+        let up = crate::wait_until(std::time::Duration::from_secs(10), || ns.link_up(dev));
+        assert!(up, "link {dev} in {} did not come up within 10 s", ns.name);
+    }
 }
 
 /// Deletes namespaces left by test processes that no longer run (killed before their drops).

@@ -75,13 +75,16 @@ fn config(backend: &str, role: &str, top: &str, extra: &str) -> String {
     )
 }
 
-fn start(ns: &Netns, config: &str, engine: &str, more: &[&str], secret: bool) -> Worker {
+/// Starts a worker in `ns`; UCX (backend nixl) uses the namespace's link `device` alone: with
+/// every interface offered (prefill has two links), it may pick an address the peer cannot
+/// reach and fail the handshake with "Destination is unreachable".
+fn start(ns: &Netns, device: &str, config: &str, engine: &str, more: &[&str], secret: bool) -> Worker {
     let model = reference_model();
     let mut args =
         vec!["--kv-transfer-config", config, "--model", model.to_str().unwrap(), "--engine-id", engine];
     args.extend_from_slice(more);
     // UCX (backend nixl) over TCP only, so its bytes cross the link rather than shared memory.
-    let mut env = vec![("UCX_TLS", "tcp")];
+    let mut env = vec![("UCX_TLS", "tcp"), ("UCX_NET_DEVICES", device)];
     if secret {
         env.push(("KVCONNECT_SIDE_CHANNEL_TOKEN", SECRET));
     }
@@ -104,6 +107,7 @@ fn prefill_worker(h: &Hosts, backend: &str, engine: &str, lease_s: u32) -> Worke
     let sc_port = SIDE_CHANNEL_PORT.to_string();
     start(
         &h.prefill,
+        PREFILL_IF,
         &config,
         engine,
         &["--side-channel-host", PREFILL_IP, "--side-channel-port", &sc_port],
@@ -119,7 +123,14 @@ fn decode_worker(ns: &Netns, backend: &str, prefill_engine: &str, policy: &str, 
         r#","io_timeout":3"#,
     );
     let producers = format!("{prefill_engine}@{PREFILL_IP}:{SIDE_CHANNEL_PORT}");
-    start(ns, &config, &format!("{prefill_engine}-decode"), &["--kv-producers", &producers], secret)
+    start(
+        ns,
+        "to-prefill",
+        &config,
+        &format!("{prefill_engine}-decode"),
+        &["--kv-producers", &producers],
+        secret,
+    )
 }
 
 fn prefill_one(h: &Hosts, w: &Worker, prompt: &[u32]) -> Value {
