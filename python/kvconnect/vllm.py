@@ -17,12 +17,15 @@ the native module: this file only turns vLLM's objects into plain values.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import json
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -200,6 +203,36 @@ def _block_lists(blocks) -> list[list[int]]:
     return [list(g) for g in ids]
 
 
+class _SharedKvAllocation(TorchFunctionMode):
+    """Inside vLLM's KV cache allocation: the one `torch.zeros(size, dtype=int8)` vLLM
+    allocates its whole KV cache with returns the native worker's shared-memory buffer
+    (zeroed, each layer's blocks one segment); every other call runs as it would."""
+
+    def __init__(self, worker, size: int, placements):
+        super().__init__()
+        self._worker = worker
+        self._size = size
+        self._placements = placements
+        self._done = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (func is torch.zeros and not self._done and len(args) == 1 and _as_int(args[0]) == self._size
+                and kwargs.get("dtype") == torch.int8 and torch.device(kwargs.get("device") or "cpu").type == "cpu"):
+            addr = self._worker.allocate_shared_kv(self._size, self._placements)
+            self._done = True
+            atexit.register(_kvconnect.unlink_shared_kv)
+            memory = (ctypes.c_int8 * self._size).from_address(addr)
+            return torch.frombuffer(memory, dtype=torch.int8)
+        return func(*args, **kwargs)
+
+
+def _as_int(x) -> Optional[int]:
+    if isinstance(x, (tuple, list, torch.Size)) and len(x) == 1:
+        x = x[0]
+    return x if isinstance(x, int) else None
+
+
 class KvconnectConnector(KVConnectorBase_V1):
     """A kvconnect connector behind vLLM's KV connector API (see the module's doc)."""
 
@@ -225,20 +258,43 @@ class KvconnectConnector(KVConnectorBase_V1):
 
     # ---- worker side ----
 
+    def get_mem_pool_context(self):
+        """Over the nixl `shm` backend a producer's KV cache must be shared memory, so a
+        same-host decode can map it: vLLM allocates its whole KV cache with one
+        `torch.zeros` inside this context, and that call gets kvconnect's shared-memory
+        buffer instead (README.md, "kvconnect inside vLLM")."""
+        if self._worker is None or not self._worker.kv_in_shared_memory():
+            return None
+        cfg = self._kv_cache_config
+        tensors = list(getattr(cfg, "kv_cache_tensors", None) or [])
+        if not tensors:
+            raise _kvconnect.KvconnectError(
+                "kvconnect: not implemented: the nixl backend 'shm' with a vLLM that passes the connector no "
+                "KV cache placement (kv_cache_config.kv_cache_tensors); use backend 'tcp'"
+            )
+        placements = [
+            (int(t.offset), int(t.layer_stride), int(t.block_stride), len(t.layers), int(cfg.num_blocks_of(t)))
+            for t in tensors
+        ]
+        return _SharedKvAllocation(self._worker, int(tensors[0].size), placements)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         # The tensors are kept here: the native worker addresses their memory directly.
         self._kv_caches = dict(kv_caches)
         descs = []
         for name, t in self._kv_caches.items():
-            if not t.is_contiguous():
+            if not isinstance(t, torch.Tensor):
                 raise _kvconnect.KvconnectError(
-                    f"kvconnect: KV cache tensor '{name}' is not contiguous (shape {tuple(t.shape)}, "
-                    f"strides {t.stride()}); kvconnect needs each layer's blocks back to back"
+                    f"kvconnect: not implemented: vLLM's KV cache for layer '{name}' is a {type(t).__name__} "
+                    "(a state layer's tensors), not one tensor; kvconnect inside vLLM moves attention layers' KV only"
                 )
             idx = _layer_index(name)
             self._layer_ids[name] = idx
-            descs.append((name, idx, int(t.data_ptr()), int(t.numel() * t.element_size()), int(t.shape[0])))
-        addr = self._worker.register_kv_caches(descs)
+            device = None if t.device.type == "cpu" else int(t.device.index or 0)
+            descs.append((name, idx, int(t.data_ptr()), [int(x) for x in t.shape], [int(x) for x in t.stride()],
+                          int(t.element_size()), str(t.dtype).replace("torch.", ""), device))
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        addr = self._worker.register_kv_caches(descs, None if num_blocks is None else int(num_blocks))
         if addr is not None:
             logger.info("kvconnect worker: side channel listening on %s", addr)
 
@@ -282,9 +338,9 @@ class KvconnectConnector(KVConnectorBase_V1):
         sending, recving, failed = self._worker.get_finished(sorted(finished_req_ids))
         for r in recving:
             logger.info("kvconnect worker: request %s loaded its external KV", r)
-        for r in failed:
-            logger.warning("kvconnect worker: request %s failed to load its external KV", r)
-        return set(sending), set(recving), set(failed)
+        for r, why in failed:
+            logger.warning("kvconnect worker: request %s failed to load its external KV: %s", r, why)
+        return set(sending), set(recving), {r for r, _ in failed}
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving, failed = self._finished(finished_req_ids)

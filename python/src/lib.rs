@@ -4,11 +4,14 @@
 //! registry, side channel and negotiation as kvconnect's own workers.
 
 mod error;
+mod joint;
 mod meta;
+mod peer_gate;
 mod regions;
 mod sched_link;
 mod scheduler;
 mod setup;
+mod shm_kv;
 mod worker;
 
 use pyo3::prelude::*;
@@ -21,10 +24,18 @@ pub(crate) fn init_logging() {
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 
+/// Unlinks the names of this process's shared-memory KV segments (at interpreter exit; the
+/// memory stays mapped until the process ends). Returns how many went.
+#[pyfunction]
+fn unlink_shared_kv() -> usize {
+    shm_kv::unlink_at_exit()
+}
+
 #[pymodule]
 fn _kvconnect(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<worker::Worker>()?;
+    m.add_function(wrap_pyfunction!(unlink_shared_kv, m)?)?;
     m.add("KvconnectError", m.py().get_type::<error::KvconnectError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

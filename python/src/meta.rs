@@ -3,13 +3,13 @@
 //! handshake with each before its connector touches their blocks, then the kvconnect
 //! connector's own metadata bytes, untouched.
 //!
-//! `KVVA`, a little-endian `u32` header length, the header as JSON (`version`, `peers`), then
-//! the connector's bytes.
+//! `KVVA`, a little-endian `u32` header length, the header as JSON (`version`, `peers`, and
+//! `loads`: each loading request with the index of its peer), then the connector's bytes.
 
 use serde::{Deserialize, Serialize};
 
 const MAGIC: &[u8; 4] = b"KVVA";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 
 /// A prefill engine to handshake with: its id and side-channel `host:port`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -20,15 +20,39 @@ pub struct Peer {
     pub addr: String,
 }
 
+/// One step's peers and which request loads from which.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepPeers {
+    /// Prefill engines this step loads from.
+    pub peers: Vec<Peer>,
+    /// `(request id, index into peers)` for each request that loads.
+    pub loads: Vec<(String, usize)>,
+}
+
+impl StepPeers {
+    /// Records that `request` loads from `peer`.
+    pub fn add(&mut self, request: &str, peer: Peer) {
+        let i = match self.peers.iter().position(|p| *p == peer) {
+            Some(i) => i,
+            None => {
+                self.peers.push(peer);
+                self.peers.len() - 1
+            }
+        };
+        self.loads.push((request.to_owned(), i));
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 struct Header {
     version: u32,
-    peers: Vec<Peer>,
+    #[serde(flatten)]
+    step: StepPeers,
 }
 
 /// The envelope around one step's connector metadata.
-pub fn encode(peers: &[Peer], inner: &[u8]) -> Result<Vec<u8>, String> {
-    let header = serde_json::to_vec(&Header { version: VERSION, peers: peers.to_vec() })
+pub fn encode(step: &StepPeers, inner: &[u8]) -> Result<Vec<u8>, String> {
+    let header = serde_json::to_vec(&Header { version: VERSION, step: step.clone() })
         .map_err(|e| format!("cannot encode the step's peers: {e}"))?;
     let len = u32::try_from(header.len()).map_err(|_| "the step's peer list is over 4 GiB".to_owned())?;
     let mut out = Vec::with_capacity(8 + header.len() + inner.len());
@@ -40,7 +64,7 @@ pub fn encode(peers: &[Peer], inner: &[u8]) -> Result<Vec<u8>, String> {
 }
 
 /// The peers and the connector's bytes of an envelope, or why it is not one.
-pub fn decode(bytes: &[u8]) -> Result<(Vec<Peer>, &[u8]), String> {
+pub fn decode(bytes: &[u8]) -> Result<(StepPeers, &[u8]), String> {
     let rest = bytes.strip_prefix(MAGIC.as_slice()).ok_or(
         "it does not start with KVVA: the scheduler and the worker run different kvconnect versions",
     )?;
@@ -56,5 +80,8 @@ pub fn decode(bytes: &[u8]) -> Result<(Vec<Peer>, &[u8]), String> {
             header.version
         ));
     }
-    Ok((header.peers, inner))
+    if let Some((r, i)) = header.step.loads.iter().find(|(_, i)| *i >= header.step.peers.len()) {
+        return Err(format!("request {r} loads from peer {i} of {}", header.step.peers.len()));
+    }
+    Ok((header.step, inner))
 }

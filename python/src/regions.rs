@@ -1,36 +1,45 @@
-//! vLLM's KV cache tensors as kvconnect regions: one region per attention layer, its blocks
-//! whole and back to back (vLLM allocates `[num_blocks, ...]` per layer). The tensors are
-//! checked against the negotiated block shape before the connector sees them.
+//! vLLM's KV cache tensors as kvconnect regions: one region per attention layer, described
+//! from the tensor's own shape, strides, dtype and device (`kvconnect_api::engine_tensor`)
+//! and checked against the negotiated layout before the connector sees it. Over the nixl
+//! `shm` backend each region is also the shared-memory segment vLLM's KV cache was put in
+//! (`shm_kv`).
 
 #![allow(unsafe_code)] // Vouches for vLLM's KV cache tensors as regions (KvRegion::new).
 
 use crate::error::AdapterError;
+use crate::shm_kv;
+use kvconnect_api::engine_tensor::{describe, Expected, TensorDesc};
 use kvconnect_api::geometry::BlockShape;
-use kvconnect_api::{EffectiveLayout, KvRegion, KvRegionSpec, LayerId, MemoryKind, ModelSpec};
+use kvconnect_api::{EffectiveLayout, KvRegion, KvRegionSpec, ModelSpec};
 
-/// One layer's KV cache tensor as the Python half describes it.
-#[derive(Debug, Clone)]
-pub struct TensorDesc {
-    /// vLLM's layer name.
-    pub name: String,
-    /// The layer's index in the model.
-    pub layer: LayerId,
-    /// `tensor.data_ptr()`.
-    pub addr: u64,
-    /// `tensor.numel() * tensor.element_size()`.
-    pub len: u64,
-    /// `tensor.shape[0]`.
-    pub num_blocks: u32,
-}
-
-/// The regions for `tensors`, each checked: a known KV layer of a group, non-null, and
-/// exactly `num_blocks` blocks of the negotiated shape.
+/// The regions for `tensors`, each checked: a KV layer of a group, described as the
+/// negotiated layout (`num_blocks`: the blocks vLLM allocated, when known) and, with
+/// `in_shared_memory`, one of the segments vLLM's KV cache was allocated in.
 pub fn to_regions(
     tensors: &[TensorDesc],
     model: &ModelSpec,
     eff: &EffectiveLayout,
+    num_blocks: Option<u64>,
+    in_shared_memory: bool,
 ) -> Result<Vec<KvRegion>, AdapterError> {
-    let block = BlockShape::of(model, eff).layer_block_bytes() as u64;
+    if let Some(g) = eff.state_groups.first() {
+        return Err(AdapterError::NotImplemented(format!(
+            "a model with state layers (layers {:?}: Mamba or linear attention) inside vLLM: kvconnect does not describe vLLM's state tensors as regions yet; serve it P/D with kvconnect's own workers (kvconnect up)",
+            g.layers.iter().map(|l| l.0).collect::<Vec<_>>()
+        )));
+    }
+    let shape = BlockShape::of(model, eff);
+    let expected = Expected {
+        num_blocks,
+        block_size: u64::from(eff.block_size),
+        heads: u64::from(shape.heads),
+        head_dim: u64::from(shape.head_dim),
+        kv_parts: u64::from(shape.kv_parts),
+        dtype: eff.cache_dtype,
+        memory: eff.memory,
+        opaque: eff.opaque_blocks,
+        layout: eff.layout,
+    };
     let mut out = Vec::with_capacity(tensors.len());
     for t in tensors {
         let err = |message: String| AdapterError::Region { layer: t.name.clone(), message };
@@ -39,31 +48,30 @@ pub fn to_regions(
             .iter()
             .position(|g| g.layers.contains(&t.layer))
             .ok_or_else(|| err(format!("layer index {} is in no KV cache group of the negotiated layout ({} groups); the model's config.json and the engine's layers disagree", t.layer.0, eff.groups.len())))?;
-        if t.addr == 0 {
-            return Err(err("its data pointer is null".into()));
-        }
-        if t.len != block * u64::from(t.num_blocks) {
-            return Err(err(format!(
-                "{} bytes for {} blocks, but the negotiated layout (block_size {}, cache dtype {:?}, {} KV heads of head dim {}) needs {} bytes per block: vLLM's cache and the negotiation disagree",
-                t.len, t.num_blocks, eff.block_size, eff.cache_dtype, model.num_kv_heads, model.head_dim, block
-            )));
-        }
+        let d = describe(t, &expected).map_err(|e| err(e.to_string()))?;
+        let shm_name = if in_shared_memory {
+            Some(shm_kv::segment_at(t.addr, d.len).ok_or_else(|| {
+                err("it is not in the shared memory kvconnect gave vLLM for its KV cache (vLLM did not allocate it inside the connector's get_mem_pool_context), so the nixl backend 'shm' cannot serve it; use backend 'tcp'".into())
+            })?)
+        } else {
+            None
+        };
         let spec = KvRegionSpec {
             name: t.name.clone(),
             addr: t.addr,
-            len: t.len,
+            len: d.len,
             memory: eff.memory,
-            device: if eff.memory == MemoryKind::Host { -1 } else { 0 },
+            device: d.device,
             layers: vec![t.layer],
             group: group as u32,
-            num_blocks: t.num_blocks,
-            shm_name: None,
+            num_blocks: d.num_blocks,
+            shm_name,
         };
         // SAFETY: the memory is vLLM's KV cache tensor for this layer, of the kind the
-        // negotiation named (checked by vLLM's device), `len` bytes from `addr` as the tensor
-        // reports them. kvconnect.vllm keeps a reference to every tensor in the connector
-        // object, which owns this worker, so the memory outlives the connector; vLLM keeps
-        // its KV cache for the engine's life.
+        // negotiation named (checked against the tensor's device), dense over `len` bytes
+        // from `addr` as its shape and strides say. kvconnect.vllm keeps a reference to every
+        // tensor in the connector object, which owns this worker, so the memory outlives the
+        // connector; vLLM keeps its KV cache for the engine's life.
         out.push(unsafe { KvRegion::new(spec) });
     }
     Ok(out)

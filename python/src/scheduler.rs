@@ -3,7 +3,7 @@
 //! this step loads from, so the worker half can handshake with them first.
 
 use crate::error::AdapterError;
-use crate::meta::{self, Peer};
+use crate::meta::{self, Peer, StepPeers};
 use crate::sched_link::client::RemoteScheduler;
 use crate::setup::Setup;
 use kvconnect_api::{BlockId, BlocksPerGroup, MatchResult, Request, RequestId, SchedulerConnector, StepInfo};
@@ -17,7 +17,8 @@ use std::sync::Mutex;
 struct State {
     /// The half in the worker process, once vLLM handed over its socket.
     conn: Option<Box<dyn SchedulerConnector>>,
-    peers: Vec<Peer>,
+    /// This step's loads and the prefill engines they come from.
+    peers: StepPeers,
 }
 
 /// The scheduler half of a kvconnect connector inside vLLM.
@@ -53,7 +54,7 @@ impl Scheduler {
     fn with<T>(
         &self,
         call: &'static str,
-        f: impl FnOnce(&mut dyn SchedulerConnector, &mut Vec<Peer>) -> Result<T, kvconnect_api::ConnectorError>,
+        f: impl FnOnce(&mut dyn SchedulerConnector, &mut StepPeers) -> Result<T, kvconnect_api::ConnectorError>,
     ) -> Result<T, AdapterError> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let State { conn, peers } = &mut *st;
@@ -77,7 +78,7 @@ impl Scheduler {
         Ok(Scheduler {
             name,
             summary: setup.summary(),
-            state: Mutex::new(State { conn: None, peers: Vec::new() }),
+            state: Mutex::new(State { conn: None, peers: StepPeers::default() }),
         })
     }
 
@@ -126,10 +127,7 @@ impl Scheduler {
         self.with("update_state_after_alloc", |c, peers| {
             c.update_state_after_alloc(&req, &b, num_external)?;
             if let Some((engine_id, addr)) = peer {
-                let p = Peer { engine_id, addr };
-                if !peers.contains(&p) {
-                    peers.push(p);
-                }
+                peers.add(request_id, Peer { engine_id, addr });
             }
             Ok(())
         })?;

@@ -6,12 +6,14 @@
 //! inputs, so they agree by construction.
 
 use crate::error::AdapterError;
+use crate::joint::Joint;
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{Conflict, EngineOptions, HmaOption, Negotiated};
 use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
 use kvconnect_host::registry::{Registry, RegistryConfig};
 use kvconnect_host::server::connector_setup::{nixl_backend, with_side_channel};
+use kvconnect_host::server::producers::Producers;
 use kvconnect_nixl::auth::{Secret, SECRET_ENV};
 use kvconnect_nixl::config::Backend;
 use serde::Deserialize;
@@ -57,7 +59,15 @@ pub struct VllmSide {
 #[serde(deny_unknown_fields)]
 struct AdapterExtra {
     /// The kvconnect kv-transfer-config, exactly as kvconnect takes it.
-    kvconnect: Value,
+    #[serde(default)]
+    kvconnect: Option<Value>,
+    /// A kvconnect deployment file naming both roles' configs: this server negotiates
+    /// jointly with its peer from it (`joint`), instead of `kvconnect`.
+    #[serde(default)]
+    deployment: Option<PathBuf>,
+    /// This server's role in `deployment` (`prefill`, `decode`); default from kv_role.
+    #[serde(default)]
+    deployment_role: Option<String>,
     /// Address prefill's side channel binds and decode reaches it at (default 127.0.0.1).
     #[serde(default)]
     side_channel_host: Option<String>,
@@ -73,9 +83,13 @@ struct AdapterExtra {
     /// Load plugins that are group- or world-writable.
     #[serde(default)]
     allow_insecure_plugins: bool,
+    /// Decode: the producers KV may be loaded from, `[ENGINE@]IP[:PORT]` (a list or one
+    /// comma-separated string), as kvconnect workers' `--kv-producers`; unset: this host only.
+    #[serde(default)]
+    kv_producers: Option<Value>,
 }
 
-const EXTRA_KEYS: &str = "kvconnect (required: the kvconnect kv-transfer-config), side_channel_host, side_channel_port, handshake_timeout_s, plugin_dirs, allow_insecure_plugins";
+const EXTRA_KEYS: &str = "kvconnect (the kvconnect kv-transfer-config) or deployment (a kvconnect deployment file, negotiated jointly) with deployment_role, side_channel_host, side_channel_port, handshake_timeout_s, plugin_dirs, allow_insecure_plugins, kv_producers";
 
 /// A negotiated connector, ready for either half to be created.
 pub struct Setup {
@@ -94,6 +108,12 @@ pub struct Setup {
     pub secret: Option<Secret>,
     /// Handshake timeout.
     pub handshake_timeout: Duration,
+    /// vLLM's KV cache goes into shared memory (a producer over nixl's `shm` backend).
+    pub shm_kv: bool,
+    /// How it was negotiated jointly, when a deployment file was given.
+    pub joint: Option<String>,
+    /// Decode: the producers KV may be loaded from (empty: this host only).
+    pub producers: Producers,
 }
 
 fn extra_err(m: impl Into<String>) -> AdapterError {
@@ -108,12 +128,14 @@ impl Setup {
             serde_json::from_str(side_json).map_err(|e| AdapterError::Setup(e.to_string()))?;
         let extra: AdapterExtra = serde_json::from_value(Value::Object(side.extra_config.clone()))
             .map_err(|e| extra_err(format!("{e}; its keys are {EXTRA_KEYS}")))?;
-        let mut config: KvTransferConfig = match &extra.kvconnect {
-            Value::Object(_) => serde_json::from_value(extra.kvconnect.clone())
-                .map_err(|e| extra_err(format!("'kvconnect' is not a kvconnect kv-transfer-config: {e}")))?,
-            Value::String(s) => KvTransferConfig::from_json(s)
-                .map_err(|e| extra_err(format!("'kvconnect' is not a kvconnect kv-transfer-config: {e}")))?,
-            _ => return Err(extra_err("'kvconnect' must be a kv-transfer-config object, e.g. {\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{\"backend\":\"tcp\"}}")),
+        let (mut config, joint) = match (&extra.kvconnect, &extra.deployment) {
+            (Some(v), None) => (kvconnect_config(v)?, None),
+            (None, Some(path)) => {
+                let j = Joint::load(path, extra.deployment_role.as_deref(), side.kv_role)?;
+                (j.config(), Some(j))
+            }
+            (Some(_), Some(_)) => return Err(extra_err("give either 'kvconnect' (this server's kvconnect kv-transfer-config) or 'deployment' (a kvconnect deployment file with both roles' configs, negotiated jointly), not both")),
+            (None, None) => return Err(extra_err(format!("no kvconnect connector named: give 'kvconnect' (a kvconnect kv-transfer-config, e.g. {{\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{{\"backend\":\"tcp\"}}}}) or 'deployment' (a kvconnect deployment file); its keys are {EXTRA_KEYS}"))),
         };
         let role = config.kv_role.or(side.kv_role).unwrap_or(KvRole::Both);
         config.kv_role = Some(role);
@@ -142,11 +164,10 @@ impl Setup {
         let secret = data_plane_secret()?;
         let (config, transports) =
             with_side_channel(&registry, &config, &host.to_string(), port, secret.as_ref());
-        if nixl_backend(&transports).map_err(extra_err)? == Some(Backend::Shm) {
-            return Err(AdapterError::NotImplemented(
-                "the nixl backend 'shm' inside vLLM: it reads the producer's KV cache from shared-memory segments, and vLLM allocates its KV cache itself, in private memory; use backend 'tcp' (same host or across hosts)".into(),
-            ));
-        }
+        // A producer over nixl's shm backend serves its KV cache from shared memory, which
+        // kvconnect.vllm allocates it in (shm_kv); a consumer reads the producer's segments.
+        let shm_kv = nixl_backend(&transports).map_err(extra_err)? == Some(Backend::Shm)
+            && matches!(role, KvRole::Producer | KvRole::Both);
         let side_channel = match (transports.is_empty(), role, extra.side_channel_port) {
             (true, _, _) | (false, KvRole::Consumer, _) => None,
             (false, _, Some(p)) if p > 0 => Some((host, p)),
@@ -159,15 +180,34 @@ impl Setup {
             }
         };
 
-        let (negotiated, compat) =
-            negotiate_worker(&registry, &config, &model, &opts, role_name(role)).map_err(|e| match &e {
-                DeploymentError::Conflict { conflict, .. } if matches!(**conflict, Conflict::HmaUnsupported { .. }) => {
-                    AdapterError::Negotiation(format!(
-                        "{e}; inside vLLM: name KvconnectConnector instead of KvconnectHmaConnector, and vLLM turns its hybrid KV cache manager off"
-                    ))
-                }
-                _ => AdapterError::Negotiation(e.to_string()),
-            })?;
+        let (negotiated, compat, joint_note) = match &joint {
+            Some(j) => {
+                let o = j.negotiate(&registry, &config, &model, &opts)?;
+                (o.negotiated, o.compat, Some(o.note))
+            }
+            None => {
+                let (n, c) = negotiate_worker(&registry, &config, &model, &opts, role_name(role)).map_err(|e| match &e {
+                    DeploymentError::Conflict { conflict, .. } if matches!(**conflict, Conflict::HmaUnsupported { .. }) => {
+                        AdapterError::Negotiation(format!(
+                            "{e}; inside vLLM: name KvconnectConnector instead of KvconnectHmaConnector, and vLLM turns its hybrid KV cache manager off"
+                        ))
+                    }
+                    _ => AdapterError::Negotiation(e.to_string()),
+                })?;
+                (n, c, None)
+            }
+        };
+        let producers = match &extra.kv_producers {
+            None => Ok(Producers::default()),
+            Some(Value::String(s)) => Producers::parse_list(s),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_str().ok_or_else(|| format!("{v} is not a string")).and_then(str::parse))
+                .collect::<Result<Vec<_>, _>>()
+                .map(Producers),
+            Some(v) => Err(format!("{v} is neither a list nor a comma-separated string")),
+        }
+        .map_err(|e| extra_err(format!("kv_producers: {e}")))?;
         let timeout = extra.handshake_timeout_s.unwrap_or(10.0);
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(extra_err(format!(
@@ -191,6 +231,9 @@ impl Setup {
             side_channel,
             secret,
             handshake_timeout: Duration::from_secs_f64(timeout),
+            shm_kv,
+            joint: joint_note,
+            producers,
         })
     }
 
@@ -212,7 +255,18 @@ impl Setup {
             self.ctx.tp_rank,
             self.ctx.tp_size,
             self.compat.compat_hash()
-        )
+        ) + &self.joint.as_ref().map(|j| format!("; {j}")).unwrap_or_default()
+    }
+}
+
+/// The adapter's `kvconnect` key as a kvconnect kv-transfer-config.
+fn kvconnect_config(v: &Value) -> Result<KvTransferConfig, AdapterError> {
+    match v {
+        Value::Object(_) => serde_json::from_value(v.clone())
+            .map_err(|e| extra_err(format!("'kvconnect' is not a kvconnect kv-transfer-config: {e}"))),
+        Value::String(s) => KvTransferConfig::from_json(s)
+            .map_err(|e| extra_err(format!("'kvconnect' is not a kvconnect kv-transfer-config: {e}"))),
+        _ => Err(extra_err("'kvconnect' must be a kv-transfer-config object, e.g. {\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{\"backend\":\"tcp\"}}")),
     }
 }
 

@@ -5,12 +5,15 @@
 
 use crate::error::AdapterError;
 use crate::meta::{self, Peer};
-use crate::regions::{self, TensorDesc};
+use crate::peer_gate::PeerGate;
+use crate::regions;
 use crate::sched_link::server::{SchedulerCounters, SchedulerServer};
 use crate::setup::Setup;
-use kvconnect_api::{BlockId, ConnectorError, LayerId, RequestId, WorkerConnector};
+use crate::shm_kv;
+use kvconnect_api::engine_tensor::{Placement, TensorDesc};
+use kvconnect_api::{BlockId, ConnectorError, LayerId, LayoutField, RequestId, WorkerConnector};
 use kvconnect_host::server::connector_setup;
-use kvconnect_host::server::peers::peer_envelope;
+use kvconnect_host::server::peers::{peer_envelope, PeerFailure};
 use kvconnect_host::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
 use pyo3::prelude::*;
 use serde_json::json;
@@ -55,8 +58,10 @@ struct State {
     conn: Box<dyn WorkerConnector>,
     regions: Vec<kvconnect_api::KvRegion>,
     server: Option<SideChannelServer>,
-    /// Peers handshaken with: Ok, or why nothing may be loaded from them.
-    peers: HashMap<Peer, Result<(), String>>,
+    /// The prefill engine each loading request reads from, until vLLM finishes it.
+    load_peer: HashMap<String, Peer>,
+    /// Why a request's load cannot succeed (its peer was refused), for its failure report.
+    failed_why: HashMap<String, String>,
     counters: Counters,
     /// The counters as last reported to vLLM (`take_stats_json`).
     reported: BTreeMap<String, u64>,
@@ -69,6 +74,8 @@ pub struct Worker {
     setup: Setup,
     rt: tokio::runtime::Runtime,
     state: Mutex<State>,
+    /// Which prefill engines may be handshaken with, and what each answered.
+    gate: PeerGate,
     /// TP rank 0 serves the connector's scheduler half to vLLM's scheduler process.
     scheduler: Option<SchedulerServer>,
 }
@@ -83,12 +90,9 @@ impl Worker {
         f(&mut st).map_err(|source| AdapterError::Connector { connector: self.name.clone(), call, source })
     }
 
-    /// Handshakes with `peer` once; a refusal is remembered (a running prefill's descriptor
-    /// does not change), an unreachable peer is tried again next time.
-    fn ensure_peer(&self, st: &mut State, peer: &Peer) {
-        if st.peers.contains_key(peer) {
-            return;
-        }
+    /// Handshakes with `peer` and hands its metadata to the connector; the gate runs this at
+    /// most once per peer until it is forgotten or its refusal has aged out.
+    fn handshake(&self, peer: &Peer) -> Result<(), PeerFailure> {
         let s = &self.setup;
         let outcome = self.rt.block_on(peer_envelope(
             &peer.addr,
@@ -98,30 +102,27 @@ impl Worker {
             s.secret.as_ref(),
             s.handshake_timeout,
         ));
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         st.counters.handshakes += 1;
-        match outcome {
-            Ok(envelope) => match st.conn.set_peer_handshake_metadata(&envelope) {
-                Ok(()) => {
-                    tracing::info!(peer = %peer.engine_id, addr = %peer.addr, "kvconnect: handshake accepted; KV may be loaded from this prefill engine");
-                    st.peers.insert(peer.clone(), Ok(()));
-                }
-                Err(e) => {
-                    let why = format!(
-                        "the connector rejected prefill engine '{}''s handshake metadata: {e}",
-                        peer.engine_id
-                    );
-                    tracing::error!("kvconnect: {why}");
-                    st.peers.insert(peer.clone(), Err(why));
-                }
-            },
-            Err(f) => {
-                tracing::error!(reason = f.reason, "kvconnect: {}", f.message);
-                if f.reason == "handshake_refused" || f.reason == "wrong_engine" {
-                    st.counters.handshakes_refused += 1;
-                    st.peers.insert(peer.clone(), Err(f.message));
-                }
+        let envelope = outcome.map_err(|mut f| {
+            if matches!(f.reason, "handshake_refused" | "wrong_engine" | "unauthenticated") {
+                st.counters.handshakes_refused += 1;
             }
-        }
+            if f.diff.iter().any(|d| d.field == LayoutField::Hma) {
+                f.message.push_str("\n  inside vLLM: decode's hybrid KV cache manager is on when its connector class is KvconnectHmaConnector and the model has several KV cache groups; name KvconnectConnector on decode (vLLM then turns it off), or give both servers the same 'deployment' file so they negotiate it jointly");
+            }
+            f
+        })?;
+        st.conn.set_peer_handshake_metadata(&envelope).map_err(|e| PeerFailure {
+            reason: "peer_rejected",
+            message: format!(
+                "the connector rejected prefill engine '{}''s handshake metadata: {e}",
+                peer.engine_id
+            ),
+            diff: Vec::new(),
+        })?;
+        tracing::info!(peer = %peer.engine_id, addr = %peer.addr, "kvconnect: handshake accepted; KV may be loaded from this prefill engine");
+        Ok(())
     }
 }
 
@@ -156,11 +157,13 @@ impl Worker {
             conn,
             regions: Vec::new(),
             server: None,
-            peers: HashMap::new(),
+            load_peer: HashMap::new(),
+            failed_why: HashMap::new(),
             counters: Counters::default(),
             reported: BTreeMap::new(),
         };
-        Ok(Worker { name, setup, rt, state: Mutex::new(state), scheduler })
+        let gate = PeerGate::new(setup.producers.clone());
+        Ok(Worker { name, setup, rt, state: Mutex::new(state), gate, scheduler })
     }
 
     /// Connector, role, effective layout and compat hash, in one line.
@@ -174,21 +177,56 @@ impl Worker {
         self.scheduler.as_ref().map(|s| s.path().display().to_string())
     }
 
-    /// vLLM's KV cache tensors, one per attention layer: `(layer name, layer index, data
-    /// pointer, bytes, blocks)`. The caller keeps the tensors alive while this worker lives.
-    /// Returns the side channel's address on a producer.
-    fn register_kv_caches(&self, tensors: Vec<(String, u32, u64, u64, u32)>) -> PyResult<Option<String>> {
-        let descs: Vec<TensorDesc> = tensors
+    /// Whether vLLM's KV cache must be in shared memory (a producer over the nixl `shm`
+    /// backend): `kvconnect.vllm` then allocates it through [`Worker::allocate_shared_kv`].
+    fn kv_in_shared_memory(&self) -> bool {
+        self.setup.shm_kv
+    }
+
+    /// The `size`-byte buffer vLLM allocates its whole KV cache as, each layer's blocks a
+    /// shared-memory segment: `placements` are vLLM's `KVCacheTensor`s as `(offset,
+    /// layer_stride, block_stride, layers, blocks)`. Returns its address; it lives for the
+    /// process.
+    fn allocate_shared_kv(&self, size: u64, placements: Vec<(u64, u64, u64, u64, u64)>) -> PyResult<u64> {
+        let p: Vec<Placement> = placements
             .into_iter()
-            .map(|(name, layer, addr, len, num_blocks)| TensorDesc {
-                name,
-                layer: LayerId(layer),
-                addr,
-                len,
+            .map(|(offset, layer_stride, block_stride, num_layers, num_blocks)| Placement {
+                offset,
+                layer_stride,
+                block_stride,
+                num_layers,
                 num_blocks,
             })
             .collect();
-        let regions = regions::to_regions(&descs, &self.setup.ctx.model, &self.setup.negotiated.effective)?;
+        Ok(shm_kv::allocate(&self.setup.ctx.engine_id, size, &p)?)
+    }
+
+    /// vLLM's KV cache tensors, one per attention layer: `(layer name, layer index, data
+    /// pointer, shape, strides in elements, element size, dtype, device ordinal or None for
+    /// host memory)`, and the blocks vLLM allocated. The caller keeps the tensors alive
+    /// while this worker lives. Returns the side channel's address on a producer.
+    #[allow(clippy::type_complexity)]
+    fn register_kv_caches(
+        &self,
+        tensors: Vec<(String, u32, u64, Vec<u64>, Vec<u64>, u64, String, Option<i32>)>,
+        num_blocks: Option<u64>,
+    ) -> PyResult<Option<String>> {
+        let descs: Vec<TensorDesc> = tensors
+            .into_iter()
+            .map(|(name, layer, addr, shape, strides, elem_size, dtype, device)| TensorDesc {
+                name,
+                layer: LayerId(layer),
+                addr,
+                shape,
+                strides,
+                elem_size,
+                dtype,
+                device,
+            })
+            .collect();
+        let s = &self.setup;
+        let regions =
+            regions::to_regions(&descs, &s.ctx.model, &s.negotiated.effective, num_blocks, s.shm_kv)?;
         let metadata = self.with("register_kv_caches", |s| {
             s.conn.register_kv_caches(&regions)?;
             s.regions = regions;
@@ -216,12 +254,28 @@ impl Worker {
         Ok(Some(addr))
     }
 
-    /// This step's metadata from the scheduler half.
+    /// This step's metadata from the scheduler half: each prefill engine it loads from is
+    /// handshaken with first (outside the state lock, one lock per peer); the requests of a
+    /// refused one keep the refusal for their failure report.
     fn bind_connector_meta(&self, meta_bytes: &[u8]) -> PyResult<()> {
-        let (peers, inner) = meta::decode(meta_bytes).map_err(AdapterError::Meta)?;
+        let (step, inner) = meta::decode(meta_bytes).map_err(AdapterError::Meta)?;
+        let refused: Vec<Option<String>> = step
+            .peers
+            .iter()
+            .map(|p| {
+                self.gate.ensure(p, || self.handshake(p)).err().map(|f| {
+                    tracing::error!(reason = f.reason, peer = %p.engine_id, addr = %p.addr, "kvconnect: {}", f.message);
+                    // One line per request: the refusal's header and each field's diff.
+                    format!("{} ({})", f.message.replace(":\n  ", ": ").replace("\n  ", "; "), f.reason)
+                })
+            })
+            .collect();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        for p in &peers {
-            self.ensure_peer(&mut st, p);
+        for (r, i) in &step.loads {
+            st.load_peer.insert(r.clone(), step.peers[*i].clone());
+            if let Some(why) = &refused[*i] {
+                st.failed_why.insert(r.clone(), why.clone());
+            }
         }
         st.conn.bind_connector_meta(inner).map_err(|source| AdapterError::Connector {
             connector: self.name.clone(),
@@ -248,10 +302,18 @@ impl Worker {
         Ok(self.with("wait_for_save", |s| s.conn.wait_for_save())?)
     }
 
-    /// `(finished sending, finished receiving, failed receiving)` request ids.
-    fn get_finished(&self, finished: Vec<String>) -> PyResult<(Vec<String>, Vec<String>, Vec<String>)> {
+    /// `(finished sending, finished receiving, failed receiving)`: request ids, a failed one
+    /// with why it failed (the refused handshake's field diff and remedy, when that is why).
+    /// A peer a load failed from for another reason is forgotten: the next request
+    /// handshakes with it again.
+    #[allow(clippy::type_complexity)]
+    fn get_finished(
+        &self,
+        finished: Vec<String>,
+    ) -> PyResult<(Vec<String>, Vec<String>, Vec<(String, String)>)> {
         let ids: Vec<RequestId> = finished.into_iter().map(RequestId).collect();
         let engine = self.setup.ctx.engine_id.as_str();
+        let mut forget = Vec::new();
         let f = self.with("get_finished", |s| {
             let f = s.conn.get_finished(&ids)?;
             for r in &ids {
@@ -263,10 +325,32 @@ impl Worker {
             s.counters.sends_done += f.finished_sending.len() as u64;
             s.counters.loads_done += f.finished_recving.len() as u64;
             s.counters.loads_failed += f.failed_recving.len() as u64;
-            Ok(f)
+            let failed: Vec<(String, String)> = f
+                .failed_recving
+                .iter()
+                .map(|r| {
+                    let peer = s.load_peer.remove(&r.0);
+                    let why = s.failed_why.remove(&r.0).unwrap_or_else(|| {
+                        forget.extend(peer.clone());
+                        match &peer {
+                            Some(p) => format!("the load from prefill engine '{}' at {} failed (see the connector's error above); the next request handshakes with it again", p.engine_id, p.addr),
+                            None => "the connector's load failed (see its error above)".to_owned(),
+                        }
+                    });
+                    (r.0.clone(), why)
+                })
+                .collect();
+            for r in f.finished_recving.iter().chain(&ids) {
+                s.load_peer.remove(&r.0);
+                s.failed_why.remove(&r.0);
+            }
+            let strs = |v: &[RequestId]| v.iter().map(|r| r.0.clone()).collect::<Vec<_>>();
+            Ok((strs(&f.finished_sending), strs(&f.finished_recving), failed))
         })?;
-        let strs = |v: Vec<RequestId>| v.into_iter().map(|r| r.0).collect();
-        Ok((strs(f.finished_sending), strs(f.finished_recving), strs(f.failed_recving)))
+        for p in &forget {
+            self.gate.forget(p);
+        }
+        Ok(f)
     }
 
     fn block_ids_with_load_errors(&self) -> PyResult<Vec<u32>> {

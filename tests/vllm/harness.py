@@ -119,14 +119,40 @@ def complete(url: str, prompt: list[int], request_id: str, kv_transfer_params=No
     return r.json()
 
 
+def compat_hash(log: str) -> str:
+    """The compat hash the adapter's worker logged for its own negotiation."""
+    for line in log.splitlines():
+        if "kvconnect worker: connector" in line and "compat hash " in line:
+            return line.split("compat hash ")[1].split(";")[0].split()[0]
+    raise Failed("no compat hash in the log")
+
+
+def joint_peer_hash(log: str) -> str:
+    """The peer's compat hash the adapter logged when it negotiated jointly."""
+    for line in log.splitlines():
+        if "kvconnect worker: connector" in line and "negotiates compat hash " in line:
+            return line.split("negotiates compat hash ")[1].split()[0]
+    raise Failed("the adapter did not log a joint negotiation")
+
+
+def write_deployment(path: Path, model: str, prefill: dict, decode: dict) -> Path:
+    """A kvconnect deployment file (as `kvconnect plan --joint` reads) for the served model."""
+    path.write_text(f"model = {json.dumps(str(Path(model) / 'config.json'))}\n\n"
+                    f"[prefill]\nkv_transfer_config = '{json.dumps(prefill)}'\n\n"
+                    f"[decode]\nkv_transfer_config = '{json.dumps(decode)}'\n")
+    return path
+
+
 def tokens_of(resp: dict) -> list:
     c = resp["choices"][0]
     return c.get("token_ids") or c["text"]
 
 
 
-def kv_config(role: str, inner: dict, port=None, cls="KvconnectConnector", **adapter) -> dict:
-    extra = {"kvconnect": inner, **adapter}
+def kv_config(role: str, inner, port=None, cls="KvconnectConnector", **adapter) -> dict:
+    """The adapter's kv-transfer-config: `inner` is the kvconnect kv-transfer-config (None
+    with adapter key `deployment`, which names both roles')."""
+    extra = dict(adapter) if inner is None else {"kvconnect": inner, **adapter}
     if port is not None:
         extra["side_channel_port"] = port
     return {"kv_connector": cls, "kv_connector_module_path": "kvconnect.vllm",
@@ -190,9 +216,11 @@ def serving(*servers: "Server"):
             s.stop()
 
 
-def run_refused(model: str, logdir: Path, name: str, inner: dict, want: str, cls="KvconnectConnector"):
-    """vLLM must stop at startup with kvconnect's one-line message containing `want`."""
-    srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner, port=free_port(), cls=cls))
+def run_refused(model: str, logdir: Path, name: str, inner, want: str, cls="KvconnectConnector", config=None):
+    """vLLM must stop at startup with kvconnect's one-line message containing `want`;
+    `config` replaces the kv-transfer-config made from `inner`."""
+    srv = Server(name, model, logdir, core=0,
+                 kv_config=config or kv_config("kv_both", inner, port=free_port(), cls=cls))
     try:
         status = srv.wait_exit(START_TIMEOUT)
         text = srv.text()

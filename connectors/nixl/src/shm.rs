@@ -217,6 +217,23 @@ impl ShmSegment {
     }
 
     fn create_inner(name: &str, len: usize, replace: bool) -> Result<ShmSegment, ShmError> {
+        // SAFETY: no fixed address: the kernel picks one.
+        unsafe { ShmSegment::create_at(name, len, replace, None) }
+    }
+
+    /// As [`ShmSegment::create_inner`]; with `at`, the segment is mapped there, over what was
+    /// mapped (`MAP_FIXED`).
+    ///
+    /// # Safety
+    /// With `at`: `[at, at + len)` is page-aligned, mapped by the caller, and nothing reads or
+    /// writes it through another mapping while this segment replaces it; the segment unmaps
+    /// it when dropped.
+    unsafe fn create_at(
+        name: &str,
+        len: usize,
+        replace: bool,
+        at: Option<*mut u8>,
+    ) -> Result<ShmSegment, ShmError> {
         if live().contains(name) {
             return Err(ShmError::Os {
                 name: name.to_owned(),
@@ -254,14 +271,19 @@ impl ShmSegment {
             if unsafe { libc::ftruncate(fd, off_len) } != 0 {
                 return Err(os(name, "ftruncate"));
             }
+            let (addr, fixed) = match at {
+                Some(a) => (a as *mut libc::c_void, libc::MAP_FIXED),
+                None => (std::ptr::null_mut(), 0),
+            };
             // SAFETY: a fresh shared mapping of an open fd of at least `len` bytes (one byte
-            // for an empty segment); checked for MAP_FAILED.
+            // for an empty segment); checked for MAP_FAILED. With MAP_FIXED, the caller
+            // vouched for the range (create_at's contract).
             let p = unsafe {
                 libc::mmap(
-                    std::ptr::null_mut(),
+                    addr,
                     len.max(1),
                     libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED,
+                    libc::MAP_SHARED | fixed,
                     fd,
                     0,
                 )
@@ -322,6 +344,118 @@ impl Drop for ShmSegment {
     }
 }
 
+/// One contiguous, zeroed buffer of this process whose page-aligned slabs are shared-memory
+/// segments (the rest private memory): for an engine that allocates its whole KV cache at
+/// once and views each layer's part of it, so every layer's region is one segment a same-host
+/// peer maps by name. Unmapped, and its segments unlinked, when dropped.
+#[derive(Debug)]
+pub struct ShmArena {
+    ptr: *mut u8,
+    len: usize,
+    /// Dropped (unmapped, unlinked) before the reservation is unmapped.
+    segments: Vec<(usize, ShmSegment)>,
+}
+
+// SAFETY: as for ShmSegment: plain memory owned by this value, reached through raw pointers.
+unsafe impl Send for ShmArena {}
+// SAFETY: as above; `&ShmArena` only exposes addresses and names.
+unsafe impl Sync for ShmArena {}
+
+/// Why an arena's slabs cannot be laid out.
+fn bad_slab(name: &str, reason: String) -> ShmError {
+    ShmError::Os {
+        name: name.to_owned(),
+        op: "arena",
+        source: io::Error::new(io::ErrorKind::InvalidInput, reason),
+    }
+}
+
+impl ShmArena {
+    /// `len` zeroed bytes in which each `(offset, len)` slab is a segment named by `name(i)`
+    /// for the `i`-th distinct slab. Slabs listed twice (engines alias one range from two
+    /// views) are one segment; slabs must be page-aligned, inside the buffer and must not
+    /// overlap otherwise.
+    pub fn create(
+        len: usize,
+        slabs: &[(usize, usize)],
+        name: impl Fn(usize) -> String,
+    ) -> Result<ShmArena, ShmError> {
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096).max(1);
+        let mut distinct: Vec<(usize, usize)> = slabs.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let label = "KV arena";
+        for w in distinct.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(bad_slab(
+                    label,
+                    format!("slabs {:?} and {:?} overlap without being the same range", w[0], w[1]),
+                ));
+            }
+        }
+        for &(off, l) in &distinct {
+            if off % page != 0 || l % page != 0 || l == 0 || off.checked_add(l).is_none_or(|e| e > len) {
+                return Err(bad_slab(
+                    label,
+                    format!("slab of {l} bytes at {off} is empty, not aligned to the {page}-byte page or outside the {len}-byte buffer"),
+                ));
+            }
+        }
+        // SAFETY: a fresh private anonymous mapping (zeroed); the kernel picks the address;
+        // checked for MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(os(label, "mmap"));
+        }
+        let mut arena = ShmArena { ptr: p as *mut u8, len, segments: Vec::with_capacity(distinct.len()) };
+        for (i, &(off, l)) in distinct.iter().enumerate() {
+            // SAFETY: `[ptr + off, + l)` is page-aligned and inside the mapping this arena just
+            // made, which nothing else has seen yet; the segment replaces that part of it.
+            let seg = unsafe { ShmSegment::create_at(&name(i), l, true, Some(arena.ptr.add(off))) }?;
+            arena.segments.push((off, seg));
+        }
+        Ok(arena)
+    }
+
+    /// Start of the buffer.
+    pub fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// The segment that is exactly `[addr, addr + len)`, by name.
+    pub fn segment_at(&self, addr: u64, len: u64) -> Option<&str> {
+        let base = self.ptr as u64;
+        self.segments
+            .iter()
+            .find(|(off, s)| base + *off as u64 == addr && s.len() as u64 == len)
+            .map(|(_, s)| s.name())
+    }
+
+    /// The segments' names.
+    pub fn names(&self) -> Vec<String> {
+        self.segments.iter().map(|(_, s)| s.name().to_owned()).collect()
+    }
+}
+
+impl Drop for ShmArena {
+    fn drop(&mut self) {
+        self.segments.clear();
+        // SAFETY: unmapping exactly the range create mapped (the segments' parts of it are
+        // already unmapped, which munmap allows).
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len.max(1)) };
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -340,5 +474,34 @@ mod tests {
         drop(seg);
         assert!(ShmMapping::open(&name, 4096).is_err(), "unlinked on drop");
         assert!(matches!(ShmMapping::open("no-slash", 1), Err(ShmError::BadName(_))));
+    }
+
+    #[test]
+    fn an_arena_maps_its_slabs_as_segments_and_the_rest_as_private_memory() {
+        let base = format!("/kvc-nixl-test-{}-arena", std::process::id());
+        let name = |i: usize| format!("{base}-{i}");
+        let page = 4096;
+        // Two views of the first slab (aliased), a second slab, a private gap between them.
+        let a = ShmArena::create(4 * page, &[(0, page), (2 * page, 2 * page), (0, page)], name).unwrap();
+        assert_eq!(a.names(), [name(0), name(1)]);
+        // SAFETY: the arena is 4 pages, only this test touches it.
+        let all = unsafe { std::slice::from_raw_parts_mut(a.ptr(), 4 * page) };
+        assert!(all.iter().all(|b| *b == 0), "zeroed");
+        all[..page].fill(1);
+        all[page..2 * page].fill(2);
+        all[2 * page..].fill(3);
+        let m0 = ShmMapping::open(&name(0), page as u64).unwrap();
+        let m1 = ShmMapping::open(&name(1), 2 * page as u64).unwrap();
+        assert!(m0.as_slice().iter().all(|b| *b == 1));
+        assert!(m1.as_slice().iter().all(|b| *b == 3), "a peer sees the arena's writes");
+        let base_addr = a.ptr() as u64;
+        assert_eq!(a.segment_at(base_addr + 2 * page as u64, 2 * page as u64), Some(name(1).as_str()));
+        assert_eq!(a.segment_at(base_addr + page as u64, page as u64), None, "the gap is private");
+        drop((m0, m1, a));
+        assert!(ShmMapping::open(&name(0), page as u64).is_err(), "unlinked on drop");
+        for bad in [vec![(0, page), (page / 2, page)], vec![(100, page)], vec![(3 * page, 2 * page)]] {
+            let e = ShmArena::create(4 * page, &bad, name).unwrap_err().to_string();
+            assert!(e.contains("overlap") || e.contains("aligned"), "{bad:?}: {e}");
+        }
     }
 }
