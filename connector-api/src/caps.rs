@@ -195,6 +195,12 @@ pub struct Capabilities {
     /// of the JSON when false, so hosts that predate it read such declarations unchanged.
     #[serde(default, skip_serializing_if = "is_false")]
     pub carries_state: bool,
+    /// Over an engine whose blocks are opaque (`EngineOptions::opaque_blocks`), stores and
+    /// loads them whole, byte for byte, in the engine's own layout: its layout constraint and
+    /// adapter then do not apply. For caches whose blocks only the engine that stored them
+    /// (same layout, same opaque format) reads back. Left out of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub stores_opaque_blocks: bool,
 }
 
 fn is_false(b: &bool) -> bool {

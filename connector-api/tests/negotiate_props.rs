@@ -72,6 +72,7 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     mla,
                     async_load: false,
                     carries_state: false,
+                    stores_opaque_blocks: false,
                 }
             },
         )

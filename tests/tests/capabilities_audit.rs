@@ -9,7 +9,8 @@
 //! test is declared false in the connector instead.
 //!
 //! Claims are the capability fields that promise behaviour: `hma`, `layerwise`,
-//! `heterogeneous_tp`, `mla`, `async_load`, `adapt`, `carries_state`, and each memory kind,
+//! `heterogeneous_tp`, `mla`, `async_load`, `adapt`, `carries_state`, `stores_opaque_blocks`,
+//! and each memory kind,
 //! transfer mode and role. Layout, block-size and dtype fields restrict rather than promise; negotiation checks
 //! them. Claims that only builds with `--features cuda` declare (device memory) name the GPU
 //! tests that exercise them; this build checks that those tests exist.
@@ -74,6 +75,7 @@ const CLAIMS: &[Claim] = &[
     claim("lmcache", "role:kv_consumer", LMCACHE_ROLES),
     claim("lmcache", "role:kv_both", LMCACHE_ROLES),
     claim("flexkv", "adapt", "connectors/flexkv/tests/connector.rs::hnd_deployment_is_adapted_by_transpose_exactly"),
+    claim("flexkv", "stores_opaque_blocks", "connectors/flexkv/tests/connector.rs::opaque_blocks_are_stored_and_loaded_whole"),
     claim(
         "flexkv",
         "async_load",
@@ -121,6 +123,7 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         mla,
         async_load,
         carries_state,
+        stores_opaque_blocks,
     } = c;
     let mut out = BTreeSet::new();
     for (on, name) in [
@@ -131,6 +134,7 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         (*async_load, "async_load"),
         (adapt.is_some(), "adapt"),
         (*carries_state, "carries_state"),
+        (*stores_opaque_blocks, "stores_opaque_blocks"),
     ] {
         if on {
             out.insert(name.to_owned());

@@ -1,5 +1,6 @@
-"""kvconnect's lmcache connector inside one real vLLM server (CPU): the second run of a prompt
-loads its prefix from kvconnect's cache instead of computing it, with the same greedy output.
+"""kvconnect's cache connectors (lmcache, flexkv, the example plugin) inside one real vLLM
+server (CPU): the second run of a prompt loads its prefix from kvconnect's cache instead of
+computing it, with the same greedy output.
 
     VENV/bin/python tests/vllm/test_cache.py [--keep]
 
@@ -25,6 +26,7 @@ from harness import (  # noqa: E402
 PROMPT_LENS = [20, 40, 100, 200]
 LMCACHE = {"kv_connector": "LMCacheConnectorV1",
            "kv_connector_extra_config": {"chunk_size": BLOCK, "max_local_cpu_size": 0.25}}
+FLEXKV = {"kv_connector": "FlexKVConnectorV1", "kv_connector_extra_config": {"cpu_cache_gb": 0.25}}
 
 
 def example_plugin() -> Path:
@@ -80,6 +82,9 @@ def run_prefix_hit(model: str, logdir: Path, name: str, inner: dict, cache_sourc
 
 def checks(model: str, tmp: Path):
     run_prefix_hit(model, tmp, "lmcache", LMCACHE, cache_source="lmcache_cpu")
+    # flexkv stores vLLM's opaque CPU blocks whole (it transposes only blocks whose layout
+    # it knows), so it runs here without an adapter.
+    run_prefix_hit(model, tmp, "flexkv", FLEXKV, cache_source="flexkv_cpu")
     plugin = example_plugin()
     run_prefix_hit(model, tmp, "example-plugin", {
         "kv_connector": "example", "kv_connector_module_path": str(plugin),

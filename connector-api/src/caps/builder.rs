@@ -40,6 +40,7 @@ impl Capabilities {
                 mla: false,
                 async_load: false,
                 carries_state: false,
+                stores_opaque_blocks: false,
             },
         }
     }
@@ -109,6 +110,12 @@ impl CapabilitiesBuilder {
     /// Carries the per-request state of state-space layers with the KV.
     pub fn carries_state(mut self, yes: bool) -> Self {
         self.caps.carries_state = yes;
+        self
+    }
+
+    /// Stores and loads an engine's opaque blocks whole (`Capabilities::stores_opaque_blocks`).
+    pub fn stores_opaque_blocks(mut self, yes: bool) -> Self {
+        self.caps.stores_opaque_blocks = yes;
         self
     }
 

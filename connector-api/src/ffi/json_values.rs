@@ -86,6 +86,7 @@ pub fn json_values() -> Vec<JsonValue> {
         mla: false,
         async_load: false,
         carries_state: false,
+        stores_opaque_blocks: false,
     };
     let region = KvRegionSpec {
         name: "layer.0".into(),

@@ -28,6 +28,7 @@ pub use groups::{
 pub use options::{ChildCaps, EngineOptions, HmaOption, OptionParseError};
 pub use outcome::{DecidedBy, FieldProvenance, LayoutAdapter, LayoutField, Negotiated};
 
+use crate::caps::{Capabilities, LayoutConstraint};
 use crate::layout::EffectiveLayout;
 use crate::model::ModelSpec;
 use decide::{
@@ -42,7 +43,18 @@ fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<
     check_inputs(model, opts, parties)?;
     let (hma, groups) = decide_hma(model, opts, parties)?;
     let state = decide_state(model, parties)?;
-    let (layout, adapters) = decide_layout(opts, parties)?;
+    // Over opaque blocks, a child that stores them whole takes the engine's layout as it is:
+    // its own constraint (and adapter) is for blocks it looks inside.
+    let whole: Vec<Capabilities> = parties
+        .iter()
+        .map(|p| match opts.opaque_blocks.is_some() && p.caps.stores_opaque_blocks {
+            true => Capabilities { layout: LayoutConstraint::default(), adapt: None, ..p.caps.clone() },
+            false => p.caps.clone(),
+        })
+        .collect();
+    let layout_parties: Vec<Party> =
+        parties.iter().zip(&whole).map(|(p, c)| Party { caps: c, ..p.clone() }).collect();
+    let (layout, adapters) = decide_layout(opts, &layout_parties)?;
     if let (Some(why), false) = (&opts.opaque_blocks, adapters.is_empty()) {
         let children: Vec<String> = adapters.iter().map(|(i, _)| parties[*i].label.clone()).collect();
         let words = adapters

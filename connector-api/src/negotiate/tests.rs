@@ -288,6 +288,14 @@ fn opaque_blocks_refuse_an_adapter_and_name_why() {
     assert!(msg.contains("child 'flexkv': LBNHC -> LBHNC"), "{msg}");
     // The same children over a known layout adapt as before.
     assert_eq!(negotiate(&dense(), &opts(), &[flexkv(), nixl()]).unwrap().adapters.len(), 1);
+    // A child that stores opaque blocks whole takes the engine's layout without an adapter;
+    // over a known layout its own constraint still holds.
+    let mut whole = flexkv();
+    whole.caps.stores_opaque_blocks = true;
+    let n = negotiate(&dense(), &cpu, &[whole.clone(), nixl()]).unwrap();
+    assert!(n.adapters.is_empty() && n.effective.opaque_blocks, "{}", n.explain());
+    assert_eq!(n.effective.layout, KvLayout::HND);
+    assert_eq!(negotiate(&dense(), &opts(), &[whole, nixl()]).unwrap().adapters.len(), 1);
 }
 
 #[test]

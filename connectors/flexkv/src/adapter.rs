@@ -33,6 +33,17 @@ impl BlockAdapter {
         Self::with_shape(model.kv_layers(), shape, eff.layout)
     }
 
+    /// The adapter over an engine's opaque blocks (`EffectiveLayout::opaque_blocks`): every
+    /// K and V span is copied as it is, never transposed, so the stored form is the engine's
+    /// own bytes, which only an engine of the same layout reads back (the key seed says so).
+    pub fn whole_blocks(model: &ModelSpec, eff: &EffectiveLayout) -> BlockAdapter {
+        let shape = BlockShape::of(model, eff);
+        let mut a = Self::with_shape(model.kv_layers(), shape, eff.layout);
+        a.moves = None;
+        a.unit = shape.bytes();
+        a
+    }
+
     /// The adapter for explicit layers, block shape and layout.
     pub fn with_shape(layers: Vec<LayerId>, shape: BlockShape, layout: KvLayout) -> BlockAdapter {
         let deploy = Geometry::new(shape, layout, vec![]);

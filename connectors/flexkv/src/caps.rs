@@ -8,7 +8,7 @@ use kvconnect_api::{
 };
 
 /// No HMA; token-major blocks only (rejects HND) but adapts by transposing on its own copy
-/// path; async loads. Reads the config (extra config, `FLEXKV_*`, `FLEXKV_CONFIG_PATH`): a
+/// path, except over opaque blocks, which it stores whole in the engine's layout; async loads. Reads the config (extra config, `FLEXKV_*`, `FLEXKV_CONFIG_PATH`): a
 /// config that does not resolve is an error here already, and the disk memory kind is
 /// declared only when the SSD tier is on.
 pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
@@ -46,6 +46,9 @@ pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
         mla: false,
         async_load: true,
         carries_state: false,
+        // Over opaque blocks (vLLM's CPU backend) it stores each block's bytes as they are
+        // and loads them back into the same engine's layout, never transposing.
+        stores_opaque_blocks: true,
     }
 }
 

@@ -100,7 +100,12 @@ impl Engine {
         if eff.block_size == 0 {
             return Err(ConnectorError::config(NAME, "the effective block size is 0"));
         }
-        let adapter = BlockAdapter::new(&ctx.model, eff);
+        // Opaque blocks are stored whole (the capability stores_opaque_blocks), any other
+        // layout in flexkv's token-major form.
+        let adapter = match eff.opaque_blocks {
+            true => BlockAdapter::whole_blocks(&ctx.model, eff),
+            false => BlockAdapter::new(&ctx.model, eff),
+        };
         let slot = adapter.slot_bytes();
         if slot == 0 {
             return Err(ConnectorError::config(
@@ -124,9 +129,17 @@ impl Engine {
             ));
         }
         let tp = format!("tp{}/{}", ctx.tp_rank, ctx.tp_size);
+        // Opaque blocks are the engine's own bytes: keyed by its layout too, so an engine of
+        // another layout never reads them.
+        let opaque = if eff.opaque_blocks {
+            format!("|opaque {}", eff.layout.canonical_name())
+        } else {
+            String::new()
+        };
         let seed = hash_bytes(
             0,
-            format!("{}|{}|{:?}|{tp}", ctx.model.fingerprint(), eff.block_size, eff.cache_dtype).as_bytes(),
+            format!("{}|{}|{:?}|{tp}{opaque}", ctx.model.fingerprint(), eff.block_size, eff.cache_dtype)
+                .as_bytes(),
         );
         let engine_id = ctx.config.engine_id.clone().filter(|s| !s.is_empty()).unwrap_or_else(|| {
             if ctx.engine_id.is_empty() {

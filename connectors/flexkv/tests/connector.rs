@@ -198,6 +198,53 @@ fn hnd_deployment_is_adapted_by_transpose_exactly() {
 }
 
 #[test]
+fn opaque_blocks_are_stored_and_loaded_whole() {
+    let eff = negotiated_over_opaque_blocks();
+    let extra = json!({"cpu_cache_gb": gb(64.0)});
+    let mut sim = Sim::new(eff.clone(), extra.clone(), "opaque", 64);
+    let a = tokens(11, 5 * BS + 3);
+    sim.run("a", &a);
+    // Stored form: each block's K and V spans of every layer, byte for byte as the engine
+    // wrote them, never transposed.
+    let engine = Engine::open(&ctx(eff.clone(), extra, "opaque")).unwrap();
+    assert!(!engine.adapter.transposes());
+    let sub = (HEADS * BS as u32 * DIM * 2) as usize;
+    let mut want = vec![0u8; 4 * sub];
+    for (li, layer) in [0u32, 2].iter().enumerate() {
+        for part in 0..2u32 {
+            let base = (li * 2 + part as usize) * sub;
+            for h in 0..HEADS {
+                for n in 0..BS as u32 {
+                    for c in 0..DIM {
+                        // Where the engine's own layout puts the element: HND, not flexkv's NHD.
+                        let o = base + sim.geo.inner_offset(h, n, c);
+                        want[o..o + 2].copy_from_slice(&kv_value(&a[..BS], *layer, part, h, n, c));
+                    }
+                }
+            }
+        }
+    }
+    let hashes = kvconnect_flexkv::hash::block_hashes(engine.seed, &a, BS);
+    let mut stored = Vec::new();
+    engine
+        .cache
+        .load(hashes[0], &mut Vec::new(), |b| {
+            stored = b.to_vec();
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(stored, want, "stored whole");
+    // Loaded back into other blocks of the same engine: exact.
+    let o = sim.run("a2", &a);
+    assert_eq!(o.matched, 5 * BS);
+    assert!(!o.load_failed && o.wrong_blocks.is_empty(), "{o:?}");
+    // An engine over a known layout keys its blocks apart: it never reads opaque bytes.
+    let known =
+        Engine::open(&ctx(negotiated_with_hnd_transport(), json!({"cpu_cache_gb": gb(64.0)}), "opaque"));
+    assert!(known.is_err() || known.unwrap().seed != engine.seed);
+}
+
+#[test]
 fn both_halves_share_one_cache_per_engine_id() {
     let extra = json!({"cpu_cache_gb": gb(8.0)});
     let mut a = Sim::new(effective(KvLayout::NHD), extra.clone(), "share-a", 16);

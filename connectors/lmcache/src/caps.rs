@@ -39,6 +39,7 @@ pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> Co
         mla: true,
         async_load: false,
         carries_state: false,
+        stores_opaque_blocks: false,
     })
 }
 

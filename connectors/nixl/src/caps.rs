@@ -45,6 +45,7 @@ pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> Con
         mla: true,
         async_load: true,
         carries_state: shm_or_tcp,
+        stores_opaque_blocks: false,
     })
 }
 

@@ -132,6 +132,7 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
         mla: all(|c| c.mla),
         async_load: any(|c| c.async_load),
         carries_state: all(|c| c.carries_state),
+        stores_opaque_blocks: all(|c| c.stores_opaque_blocks),
     })
 }
 
@@ -346,6 +347,7 @@ mod props {
                     mla: false,
                     async_load: false,
                     carries_state: false,
+                    stores_opaque_blocks: false,
                 }
             })
     }

@@ -94,6 +94,7 @@ impl ConnectorFactory for ExampleFactory {
             mla: true,
             async_load: false,
             carries_state: false,
+            stores_opaque_blocks: false,
         })
     }
 

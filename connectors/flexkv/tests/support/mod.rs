@@ -65,6 +65,23 @@ pub fn negotiated_with_hnd_transport() -> EffectiveLayout {
     n.effective
 }
 
+/// flexkv alone over an engine whose blocks are opaque (vLLM's CPU backend, HND): no
+/// adapter, the engine's layout kept.
+pub fn negotiated_over_opaque_blocks() -> EffectiveLayout {
+    let flex = kvconnect_flexkv::caps::capabilities(&KvTransferConfig::named("flexkv"), None).unwrap();
+    let children = [ChildCaps { name: "flexkv".into(), version: "0".into(), caps: flex }];
+    let opts = EngineOptions {
+        block_size: Some(BS as u32),
+        kv_cache_layout: Some(KvLayout::HND),
+        opaque_blocks: Some("the test engine's in-block format is its own".into()),
+        ..EngineOptions::default()
+    };
+    let n = kvconnect_api::negotiate(&model(), &opts, &children).unwrap();
+    assert!(n.effective.opaque_blocks && n.adapters.is_empty(), "{}", n.explain());
+    assert_eq!(n.effective.layout, KvLayout::HND, "{}", n.explain());
+    n.effective
+}
+
 pub fn ctx(eff: EffectiveLayout, extra: serde_json::Value, engine_id: &str) -> ConnectorContext {
     let mut config = KvTransferConfig::named("flexkv");
     config.kv_connector_extra_config = extra.as_object().cloned().unwrap_or_default();
@@ -157,7 +174,8 @@ impl Sim {
             kv.iter()
                 .map(|r| kvconnect_api::geometry::RegionShape { layers: r.layers().to_vec(), num_blocks })
                 .collect(),
-        );
+        )
+        .with_opaque_blocks(eff.opaque_blocks);
         Sim { eff, sched, worker, regions, geo, num_blocks, free: (0..num_blocks).rev().collect(), step: 0 }
     }
 
