@@ -1,7 +1,7 @@
 """kvconnect inside a real vLLM (CPU): prefill/decode through KvconnectConnector equals a
 monolithic server, token for token, and decode loads the prompt's KV instead of computing it.
 
-    VENV/bin/python tests/vllm/test_pd.py [--backends tcp,shm] [--keep]
+    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp] [--keep]
 
 Runs with the venv scripts/install-vllm.sh makes, with kvconnect installed into it
 (`VENV/bin/pip install ./python`). Servers run one or two at a time (about 4 GB each).
@@ -10,23 +10,33 @@ Exit status 0 when every check passed; the failing check and the servers' log ta
 
 import argparse
 import json
+import os
 import random
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, MAX_TOKENS, Failed, Server, complete, external_tokens, free_port,
-    kv_config, make_tiny_model, run_checks, run_refused, serving, tokens_of, wait_log, wait_metric,
+    BLOCK, MAX_TOKENS, Failed, Server, compat_hash, complete, external_tokens, free_port, joint_peer_hash,
+    kv_config, make_tiny_model, metric, run_checks, run_refused, serving, tokens_of, wait_log, wait_metric,
+    write_deployment,
 )
+import requests  # noqa: E402
 
 # Shorter than a block, exactly one, one past, several, and long.
 PROMPT_LENS = [5, 20, 31, 32, 33, 63, 64, 65, 96, 100, 150, 200]
 
 
-def prompts() -> list[list[int]]:
-    rng = random.Random(7)
-    return [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+def prompts(seed: int = 7, lens=PROMPT_LENS) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in lens]
+
+
+# Fresh prompts for the requests through kvconnect proxy (decode's own prefix cache holds
+# the others by then).
+PROXY_PROMPT_LENS = [20, 33, 64, 100, 150, 200]
 
 
 def pd_complete(prefill: str, decode: str, prompt: list[int], request_id: str) -> dict:
@@ -52,14 +62,97 @@ def nixl(backend: str) -> dict:
     return {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": backend}}
 
 
-def run_pd(model: str, logdir: Path, ps, label: str, pre_inner: dict, dec_inner: dict, expected: list,
-           dec_class: str = "KvconnectConnector"):
+def prefill_params(prefill: str, prompt: list[int], request_id: str) -> dict:
+    """The kv_transfer_params prefill returns for `prompt` (vLLM's protocol, one token)."""
+    first = complete(prefill, prompt, request_id, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+    return first["kv_transfer_params"]
+
+
+def check_unlisted_producer(pre: Server, dec: Server, label: str, prompt: list[int]):
+    """Params that point decode at a producer its kv_producers does not list (a client
+    rewrote remote_port): the request fails, decode contacts nothing and stays up."""
+    with socket.socket() as lure:
+        lure.bind(("127.0.0.1", 0))
+        lure.listen(4)
+        lure.settimeout(3)
+        params = dict(prefill_params(pre.url, prompt, f"pd-{label}-lure"), remote_port=lure.getsockname()[1])
+        try:
+            complete(dec.url, prompt, f"pd-{label}-lure", kv_transfer_params=params)
+            raise Failed(f"{label}: decode served a request whose producer is outside kv_producers")
+        except Failed as e:
+            if "HTTP 500" not in str(e):
+                raise
+        try:
+            lure.accept()
+            raise Failed(f"{label}: decode connected to a producer outside kv_producers")
+        except socket.timeout:
+            pass
+    line = next((l for l in dec.text().splitlines() if "lure" in l and "failed to load its external KV" in l), "")
+    if "which kv_producers does not list; nothing was contacted" not in line or "producer_not_allowed" not in line:
+        raise Failed(f"{label}: decode's failure report for the unlisted producer: {line!r}\n{dec.tail()}")
+    print(f"ok: {label}: a producer outside kv_producers refused without a connection: {line.strip()[:300]}")
+
+
+def kvconnect_bin() -> Path:
+    """The kvconnect binary cargo built (`cargo build -p kvconnect-host`), or KVCONNECT_BIN."""
+    env = os.environ.get("KVCONNECT_BIN")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "target" / "debug" / "kvconnect"
+    if not path.is_file():
+        raise Failed(f"no kvconnect binary at {path}: build it with `cargo build -p kvconnect-host` or name it in KVCONNECT_BIN")
+    return path
+
+
+def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: list):
+    """`kvconnect proxy` in front of the two vLLM servers: plain OpenAI requests through it
+    (the last one streamed) equal monolithic, and decode loads each prompt's KV."""
+    ext0 = metric(dec.url, "vllm:external_prefix_cache_hits_total")
+    proxy = subprocess.Popen([str(kvconnect_bin()), "proxy", "--prefill", pre.url, "--decode", dec.url,
+                              "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = proxy.stdout.readline()
+        if not first:
+            raise Failed(f"kvconnect proxy did not start: {proxy.stderr.read()[:500]}")
+        url = json.loads(first)["proxy"]
+        for i, (p, e) in enumerate(zip(ps[:-1], expected)):
+            got = tokens_of(complete(url, p, f"proxy-{label}-{i}"))
+            if got != e:
+                raise Failed(f"{label}: through kvconnect proxy, prompt {i} ({len(p)} tokens) gave {got}, monolithic {e}")
+        body = {"model": "tiny", "prompt": ps[-1], "max_tokens": MAX_TOKENS, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "stream": True}
+        streamed = []
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            if r.status_code != 200:
+                raise Failed(f"{label}: streaming through kvconnect proxy: HTTP {r.status_code}: {r.text[:300]}")
+            for line in r.iter_lines():
+                if line.startswith(b"data: ") and line != b"data: [DONE]":
+                    for c in json.loads(line[6:]).get("choices", []):
+                        streamed += c.get("token_ids") or []
+        if streamed != expected[-1]:
+            raise Failed(f"{label}: streamed through kvconnect proxy: {streamed}, monolithic {expected[-1]}")
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+    want = sum((len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK)
+    ext = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", ext0 + want) - ext0
+    if ext != want:
+        raise Failed(f"{label}: through kvconnect proxy decode's external prefix-cache hits grew by {ext}, expected {want}")
+    print(f"ok: {label}: {len(ps)} requests through kvconnect proxy (one streamed) equal monolithic; decode loaded {ext:.0f} prompt tokens")
+
+
+def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expected: list,
+           dec_class: str = "KvconnectConnector", shm: bool = False, pre_adapter=None, dec_adapter=None,
+           lure: bool = False, via_proxy=None):
     """Prefill and decode servers through the adapter; outputs equal `expected`, decode loads
-    the prompts' KV and vLLM's /metrics and stats log show kvconnect's counters."""
+    the prompts' KV and vLLM's /metrics and stats log show kvconnect's counters. `lure`:
+    decode lists prefill as its only producer and is sent params naming another."""
+    port = free_port()
+    dec_adapter = dict(dec_adapter or {})
+    if lure:
+        dec_adapter["kv_producers"] = [f"127.0.0.1:{port}"]
     pre = Server(f"prefill-{label}", model, logdir, core=0,
-                 kv_config=kv_config("kv_producer", pre_inner, port=free_port()))
+                 kv_config=kv_config("kv_producer", pre_inner, port=port, **(pre_adapter or {})))
     dec = Server(f"decode-{label}", model, logdir, core=1,
-                 kv_config=kv_config("kv_consumer", dec_inner, cls=dec_class))
+                 kv_config=kv_config("kv_consumer", dec_inner, cls=dec_class, **dec_adapter))
     with serving(pre, dec):
         pre.wait_healthy()
         dec.wait_healthy()
@@ -79,6 +172,13 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner: dict, dec_inner:
         loaded = dec.text().count("loaded its external KV")
         if loaded != len(want) or "failed to load its external KV" in dec.text():
             raise Failed(f"{label}: decode's worker finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
+        if pre_adapter and "deployment" in pre_adapter:
+            hp, hd = compat_hash(pre.text()), compat_hash(dec.text())
+            if (joint_peer_hash(pre.text()), joint_peer_hash(dec.text())) != (hd, hp):
+                raise Failed(f"{label}: jointly negotiated, but each side's view of the other's compat hash "
+                             f"differs from the other's own ({hp}, {hd})\n{pre.tail()}\n{dec.tail()}")
+            print(f"ok: {label}: both servers negotiated jointly from {pre_adapter['deployment']}; "
+                  f"prefill {hp[:12]}, decode {hd[:12]}, each as the other predicted")
         if "handshake accepted" not in dec.text():
             raise Failed(f"{label}: decode never handshook with prefill\n{dec.tail()}")
         # kvconnect's counters reach vLLM's /metrics through the connector stats hooks.
@@ -95,38 +195,66 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner: dict, dec_inner:
                          f"{total}, {total}, {len(ps)}")
         if not wait_log(dec, "KV Transfer metrics: kvconnect_"):
             raise Failed(f"{label}: vLLM's stats log never showed kvconnect's transfer metrics\n{dec.tail()}")
-        print(f"ok: P/D over {label} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens")
+        if lure:
+            check_unlisted_producer(pre, dec, label, prompts(9, [200])[0])
+        if via_proxy:
+            check_kvconnect_proxy(pre, dec, label, *via_proxy)
+        segments = shared_kv_segments(pre.text())
+        if shm != bool(segments):
+            raise Failed(f"{label}: prefill's KV cache in shared memory: {segments or 'no'}, expected {shm}\n{pre.tail()}")
+    # The segments go with the process that made them.
+    left = [s for s in segments if Path("/dev/shm", s.lstrip("/")).exists()]
+    if left:
+        raise Failed(f"{label}: prefill's shared-memory segments outlived it: {left}")
+    print(f"ok: P/D over {label} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens"
+          + (f"; prefill's KV cache was {len(segments)} shared-memory segments, removed at exit" if shm else ""))
+
+
+def shared_kv_segments(log: str) -> list[str]:
+    """The shared-memory segments the adapter logged vLLM's KV cache was put in."""
+    for line in log.splitlines():
+        if "kvconnect: vLLM's KV cache (" in line and ") is in shared memory: " in line:
+            return [s.strip() for s in line.split(") is in shared memory: ")[1].split(",")]
+    return []
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backends", default="tcp")
+    ap.add_argument("--backends", default="shm,tcp")
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
     a = ap.parse_args()
 
     def checks(model: str, tmp: Path):
-        ps = prompts()
-        expected = run_monolithic(model, tmp, ps)
+        ps, pp = prompts(), prompts(8, PROXY_PROMPT_LENS)
+        out = run_monolithic(model, tmp, ps + pp)
+        expected, expected_pp = out[:len(ps)], out[len(ps):]
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
         for backend in a.backends.split(","):
-            run_pd(model, tmp, ps, f"nixl-{backend}", nixl(backend), nixl(backend), expected)
+            run_pd(model, tmp, ps, f"nixl-{backend}", nixl(backend), nixl(backend), expected,
+                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if backend == "shm" else None)
+        composite = {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [
+            {"kv_connector": "LMCacheConnectorV1", "kv_connector_extra_config": {"chunk_size": BLOCK}},
+            nixl("tcp")]}}
         # The composite on prefill, a plain transport on decode, each negotiating alone; decode
         # through the HMA-capable class, so vLLM keeps its hybrid KV cache manager on there and
         # off on prefill (lmcache lacks it). On a model with one attention kind the KV cache
         # groups agree anyway, so the handshake accepts the pair.
-        composite = {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [
-            {"kv_connector": "LMCacheConnectorV1", "kv_connector_extra_config": {"chunk_size": BLOCK}},
-            nixl("tcp")]}}
         run_pd(model, tmp, ps, "composite", composite, nixl("tcp"), expected, dec_class="KvconnectHmaConnector")
+        # The same pair negotiated jointly: both servers read one deployment file and each
+        # computes both roles' layouts, so each knows the other's compat hash before any
+        # request.
+        dep = write_deployment(tmp / "composite.toml", model, composite, nixl("tcp"))
+        run_pd(model, tmp, ps, "composite-joint", None, None, expected,
+               pre_adapter={"deployment": str(dep)}, dec_adapter={"deployment": str(dep)})
         run_refused(model, tmp, "hma-class-over-lmcache", {"kv_connector": "LMCacheConnectorV1"},
                     "name KvconnectConnector instead of KvconnectHmaConnector", cls="KvconnectHmaConnector")
         run_refused(model, tmp, "unknown-connector", {"kv_connector": "NoSuchConnector"},
                     "no connector named 'NoSuchConnector'")
-        run_refused(model, tmp, "shm-backend", {"kv_connector": "NixlConnector",
-                    "kv_connector_extra_config": {"backend": "shm"}}, "not implemented: the nixl backend 'shm'")
-        # flexkv works in NHD and would transpose into vLLM's CPU blocks, which are opaque.
-        run_refused(model, tmp, "adapter-over-opaque", {"kv_connector": "FlexKVConnectorV1"},
-                    "the engine's KV blocks are opaque")
+        # A deployment file that says otherwise than vLLM runs is refused, naming the setting.
+        bad = write_deployment(tmp / "block16.toml", model, nixl("tcp"), nixl("tcp"))
+        bad.write_text(bad.read_text().replace("[decode]\n", "[decode]\nblock_size = 16\n"))
+        run_refused(model, tmp, "deployment-disagrees", None, "block_size = 16 in the file, 32 in this vLLM server",
+                    config=kv_config("kv_consumer", None, deployment=str(bad)))
 
     run_checks("pd", a.keep, checks)
 

@@ -12,6 +12,7 @@ pub mod negotiate;
 pub mod plan;
 pub mod plugin_query;
 pub mod plugins;
+pub mod proxy;
 pub mod up;
 pub mod worker;
 
@@ -73,6 +74,9 @@ pub enum Command {
     Worker(worker::WorkerArgs),
     /// The whole P/D deployment in one command: prefill and decode workers plus the proxy.
     Up(up::UpArgs),
+    /// The P/D proxy alone, in front of prefill and decode servers started elsewhere (vLLM
+    /// servers with KvconnectConnector).
+    Proxy(proxy::ProxyArgs),
     /// End-to-end benchmarks against baselines measured in the same run.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
@@ -90,6 +94,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Worker(a) => worker::run(&a, cli.global.registry()),
         Command::Up(a) => up::run(&a),
+        Command::Proxy(a) => proxy::run(&a),
         Command::Bench(c) => bench::run(&c),
     }
 }

@@ -50,6 +50,10 @@ pub struct Proxy {
     next_id: AtomicU64,
     /// The API key the workers require, sent on every hop.
     pub worker_key: Option<String>,
+    /// The workers are not kvconnect's (`kvconnect proxy` in front of vLLM servers): the
+    /// client's body goes on as it came, as vLLM's own proxy sends it, and each server checks
+    /// its own parameters (its model's context, its tokenizer, its sampling options).
+    pub verbatim: bool,
 }
 
 impl Proxy {
@@ -61,6 +65,7 @@ impl Proxy {
             metrics: ProxyMetrics::default(),
             next_id: AtomicU64::new(0),
             worker_key: None,
+            verbatim: false,
         }
     }
 
@@ -150,6 +155,14 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool, auth: Option<Stri
         Ok(b) => b,
         Err(r) => return r,
     };
+    if p.verbatim {
+        let stream = body.remove("stream").is_some_and(|s| s == json!(true));
+        return match one_or_stream(p, path, body, t0, auth, stream).await {
+            Ok(Either::One(v)) => Json(v).into_response(),
+            Ok(Either::Stream(events)) => sse_response(events),
+            Err(r) => r,
+        };
+    }
     // Every parameter is checked here, before prefill produces KV for a decode that would
     // refuse the request.
     let req = match params::parse(&body, chat) {
@@ -174,6 +187,27 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool, auth: Option<Stri
     match one_stream(p, path, body, t0, auth).await {
         Ok(events) => sse_response(events),
         Err(r) => r,
+    }
+}
+
+/// One choice's answer: whole, or decode's stream.
+enum Either {
+    One(Value),
+    Stream(mpsc::Receiver<Bytes>),
+}
+
+async fn one_or_stream(
+    p: &Arc<Proxy>,
+    path: &str,
+    body: Map<String, Value>,
+    t0: Instant,
+    auth: Option<String>,
+    stream: bool,
+) -> Result<Either, Response> {
+    if stream {
+        one_stream(p, path, body, t0, auth).await.map(Either::Stream)
+    } else {
+        one(p, path, body, t0, auth).await.map(Either::One)
     }
 }
 

@@ -390,7 +390,7 @@ async fn run_workload(
 }
 
 /// SIGTERM or SIGINT (registered now, so a signal during start-up is not the default kill).
-fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
+pub(crate) fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?;

@@ -1,0 +1,126 @@
+//! `kvconnect proxy`: the P/D proxy alone, in front of prefill and decode servers that
+//! kvconnect did not start: vLLM servers running `kvconnect.vllm.KvconnectConnector`, or any
+//! servers speaking vLLM's P/D proxy protocol. Requests are routed as `kvconnect up`'s proxy
+//! routes them (crate::proxy); the client's body goes on verbatim, so each server checks its
+//! own parameters.
+
+use crate::cli::exit::Exit;
+use crate::deployment::Role;
+use crate::proxy::backends::Backends;
+use crate::proxy::Proxy;
+use anyhow::{anyhow, Context, Result};
+use serde_json::json;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// `kvconnect proxy`.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ProxyArgs {
+    /// A prefill server's HTTP address (`http://HOST:PORT` or `HOST:PORT`); repeat for
+    /// several (round-robin).
+    #[arg(long, value_name = "URL", required = true)]
+    pub prefill: Vec<String>,
+    /// A decode server's HTTP address; repeat for several.
+    #[arg(long, value_name = "URL", required = true)]
+    pub decode: Vec<String>,
+    /// Address and port the proxy listens on (port 0: any free port; the address line on
+    /// stdout says which).
+    #[arg(long, default_value = "127.0.0.1:8000", value_name = "HOST:PORT")]
+    pub listen: SocketAddr,
+    /// Seconds one request to a server may take.
+    #[arg(long = "timeout-s", default_value_t = 300)]
+    pub timeout_s: u64,
+    /// API key clients must send, and the proxy sends the servers (default:
+    /// $KVCONNECT_API_KEY, else $VLLM_API_KEY, else none).
+    #[arg(long = "api-key", value_name = "KEY")]
+    pub api_key: Option<String>,
+}
+
+/// `http://HOST:PORT`, `HOST:PORT` or either with a trailing `/`, as the proxy's client
+/// takes it (`HOST:PORT`).
+pub fn server_addr(flag: &str, url: &str) -> Result<String, String> {
+    let t = url.trim().trim_end_matches('/');
+    let rest = t.strip_prefix("http://").unwrap_or(t);
+    let bad = || format!("--{flag} {url}: expected http://HOST:PORT or HOST:PORT (plain HTTP, no path)");
+    if rest.contains("://") || rest.contains('/') || rest.is_empty() {
+        return Err(bad());
+    }
+    let (host, port) = rest.rsplit_once(':').ok_or_else(bad)?;
+    if host.is_empty() || port.parse::<u16>().map_or(true, |p| p == 0) {
+        return Err(bad());
+    }
+    Ok(rest.to_owned())
+}
+
+/// Runs `kvconnect proxy` until SIGINT or SIGTERM.
+pub fn run(a: &ProxyArgs) -> Result<()> {
+    let mut servers = Vec::new();
+    for (role, urls) in [(Role::Prefill, &a.prefill), (Role::Decode, &a.decode)] {
+        for (i, u) in urls.iter().enumerate() {
+            let addr = server_addr(role.name(), u).map_err(|e| Exit::bad_input(anyhow!(e)))?;
+            servers.push((role, format!("{role}-{i}"), addr));
+        }
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let r = rt.block_on(serve(a, servers));
+    rt.shutdown_timeout(Duration::from_secs(1));
+    r
+}
+
+async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()> {
+    let stop = crate::up::shutdown_signal()?;
+    let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {
+        Exit::bad_input(anyhow!(
+            "cannot bind the proxy on {}: {e}; pick another --listen (port 0 = any free port)",
+            a.listen
+        ))
+    })?;
+    let addr = listener.local_addr().context("proxy address")?;
+    let of = |r: Role| servers.iter().filter(|s| s.0 == r).map(|s| s.2.clone()).collect::<Vec<_>>();
+    let line =
+        json!({"proxy": format!("http://{addr}"), "prefill": of(Role::Prefill), "decode": of(Role::Decode)});
+    let key = crate::server::gate::api_key(a.api_key.as_deref());
+    let gate = crate::server::gate::Gate::new(key.clone(), crate::server::gate::DEFAULT_MAX_IN_FLIGHT);
+    let mut proxy = Proxy::new(Arc::new(Backends::new(servers)), Duration::from_secs(a.timeout_s.max(1)));
+    proxy.worker_key = key;
+    proxy.verbatim = true;
+    {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}").context("cannot write the address line to stdout")?;
+        out.flush().context("cannot flush stdout")?;
+    }
+    eprintln!(
+        "kvconnect proxy: on http://{addr} in front of {} prefill and {} decode servers; Ctrl-C to stop",
+        a.prefill.len(),
+        a.decode.len()
+    );
+    crate::server::serve::serve(
+        listener,
+        gate.wrap(crate::proxy::router(Arc::new(proxy))),
+        crate::server::serve::DEFAULT_HEADER_TIMEOUT,
+        stop,
+    )
+    .await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_addresses_are_plain_http_host_and_port() {
+        assert_eq!(server_addr("prefill", "http://127.0.0.1:8100/").unwrap(), "127.0.0.1:8100");
+        assert_eq!(server_addr("decode", "localhost:9").unwrap(), "localhost:9");
+        for bad in ["https://h:1", "http://h:1/v1", "h", "h:0", "h:x", ":5", ""] {
+            let e = server_addr("decode", bad).unwrap_err();
+            assert!(e.contains("expected http://HOST:PORT"), "{bad}: {e}");
+        }
+    }
+}
