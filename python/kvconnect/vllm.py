@@ -219,12 +219,29 @@ class _SharedKvAllocation(TorchFunctionMode):
         kwargs = kwargs or {}
         if (func is torch.zeros and not self._done and len(args) == 1 and _as_int(args[0]) == self._size
                 and kwargs.get("dtype") == torch.int8 and torch.device(kwargs.get("device") or "cpu").type == "cpu"):
-            addr = self._worker.allocate_shared_kv(self._size, self._placements)
+            addr, names = self._worker.allocate_shared_kv(self._size, self._placements)
             self._done = True
-            atexit.register(_kvconnect.unlink_shared_kv)
+            _unlink_when_gone(names)
             memory = (ctypes.c_int8 * self._size).from_address(addr)
             return torch.frombuffer(memory, dtype=torch.int8)
         return func(*args, **kwargs)
+
+
+def _unlink_when_gone(names: list[str]) -> None:
+    """The KV segments' names go with this process: at interpreter exit, or, since vLLM
+    SIGKILLs its workers on shutdown, through multiprocessing's resource tracker, which
+    unlinks registered shared memory once the processes using it are gone."""
+    from multiprocessing import resource_tracker
+
+    for n in names:
+        resource_tracker.register(n, "shared_memory")
+
+    def at_exit():
+        _kvconnect.unlink_shared_kv()
+        for n in names:
+            resource_tracker.unregister(n, "shared_memory")
+
+    atexit.register(at_exit)
 
 
 def _as_int(x) -> Optional[int]:

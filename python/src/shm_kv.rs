@@ -8,8 +8,10 @@
 //! slabs, one per layer's blocks, are shared-memory segments, so each layer's region is one
 //! whole segment, as the shm backend maps it. The buffer lives for the process (vLLM keeps
 //! its KV cache for the engine's life); its segments are unlinked at exit
-//! ([`unlink_at_exit`]) or, after a crash, by the next kvconnect process's sweep of segments
-//! whose process is gone.
+//! ([`unlink_at_exit`]) or, since vLLM kills its workers with SIGKILL when it shuts down, by
+//! Python's multiprocessing resource tracker, which `kvconnect.vllm` registers them with and
+//! which unlinks what is left once the server's processes are gone; after a crash of the
+//! whole tree, the next kvconnect process sweeps segments whose process is gone.
 //!
 //! Cost: none per step (vLLM computes into the same memory it always had); the KV cache is
 //! shared memory (`/dev/shm`) instead of private memory, and a decode that maps it touches
@@ -28,9 +30,13 @@ fn arena() -> MutexGuard<'static, Option<ShmArena>> {
     ARENA.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Makes the `size`-byte KV buffer vLLM views as `tensors`, each layer's blocks a segment
-/// named for `engine_id`; returns its address. Once per process.
-pub fn allocate(engine_id: &str, size: u64, placements: &[Placement]) -> Result<u64, AdapterError> {
+/// Makes the `size`-byte KV buffer vLLM views as `placements`, each layer's blocks a segment
+/// named for `engine_id`; returns its address and the segments' names. Once per process.
+pub fn allocate(
+    engine_id: &str,
+    size: u64,
+    placements: &[Placement],
+) -> Result<(u64, Vec<String>), AdapterError> {
     let slabs: Vec<(usize, usize)> = layer_ranges(size, placements)
         .map_err(|e| {
             AdapterError::NotImplemented(format!(
@@ -66,7 +72,7 @@ pub fn allocate(engine_id: &str, size: u64, placements: &[Placement]) -> Result<
         names.join(", ")
     );
     *a = Some(made);
-    Ok(addr)
+    Ok((addr, names))
 }
 
 /// The shared-memory segment that is exactly `[addr, addr + len)`, if vLLM's KV cache is in

@@ -185,9 +185,13 @@ impl Worker {
 
     /// The `size`-byte buffer vLLM allocates its whole KV cache as, each layer's blocks a
     /// shared-memory segment: `placements` are vLLM's `KVCacheTensor`s as `(offset,
-    /// layer_stride, block_stride, layers, blocks)`. Returns its address; it lives for the
-    /// process.
-    fn allocate_shared_kv(&self, size: u64, placements: Vec<(u64, u64, u64, u64, u64)>) -> PyResult<u64> {
+    /// layer_stride, block_stride, layers, blocks)`. Returns its address, which lives for the
+    /// process, and the segments' names.
+    fn allocate_shared_kv(
+        &self,
+        size: u64,
+        placements: Vec<(u64, u64, u64, u64, u64)>,
+    ) -> PyResult<(u64, Vec<String>)> {
         let p: Vec<Placement> = placements
             .into_iter()
             .map(|(offset, layer_stride, block_stride, num_layers, num_blocks)| Placement {

@@ -15,6 +15,7 @@ import random
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -202,8 +203,14 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         segments = shared_kv_segments(pre.text())
         if shm != bool(segments):
             raise Failed(f"{label}: prefill's KV cache in shared memory: {segments or 'no'}, expected {shm}\n{pre.tail()}")
-    # The segments go with the process that made them.
-    left = [s for s in segments if Path("/dev/shm", s.lstrip("/")).exists()]
+    # The segments go with the server that made them (its resource tracker unlinks them once
+    # its processes are gone, a moment after the server itself).
+    deadline = time.time() + 20
+    while True:
+        left = [s for s in segments if Path("/dev/shm", s.lstrip("/")).exists()]
+        if not left or time.time() > deadline:
+            break
+        time.sleep(0.5)
     if left:
         raise Failed(f"{label}: prefill's shared-memory segments outlived it: {left}")
     print(f"ok: P/D over {label} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens"
