@@ -8,6 +8,7 @@ pub mod netns;
 pub mod plugin_fixtures;
 pub mod readme;
 pub mod round_trip;
+pub mod side_channel;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -356,6 +357,33 @@ pub fn write_deployment(
     path
 }
 
+/// A worker on the reference model with kv-transfer-config `config`, engine id `id` and the
+/// arguments `more`, given `secret` as its data-plane secret (through its environment).
+pub fn reference_worker_with_secret(config: &str, id: &str, more: &[&str], secret: &str) -> Worker {
+    let model = reference_model();
+    let mut args = vec![
+        "--kv-transfer-config",
+        config,
+        "--model",
+        model.to_str().unwrap_or_default(),
+        "--engine-id",
+        id,
+    ];
+    args.extend_from_slice(more);
+    Worker::start_with_env(&args, &[("KVCONNECT_SIDE_CHANNEL_TOKEN", secret)])
+}
+
+/// Prefill of `prompt` for a decode elsewhere (`do_remote_decode`, one token), as a proxy
+/// asks for it: prefill's answer, whose `kv_transfer_params` decode is to be given.
+pub fn prefill_for_remote_decode(prefill: &Worker, prompt: &[u32]) -> serde_json::Value {
+    let (st, p) = prefill.post(
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    assert_eq!(st, 200, "prefill failed: {p}");
+    p
+}
+
 /// One disaggregated request, as a proxy does it: prefill with `do_remote_decode`, then
 /// decode with prefill's `kv_transfer_params` under prefill's request id. Returns decode's
 /// status and body.
@@ -365,11 +393,7 @@ pub fn disaggregated(
     prompt: &[u32],
     max_tokens: usize,
 ) -> (u16, serde_json::Value) {
-    let (st, p) = prefill.post(
-        "/v1/completions",
-        &serde_json::json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
-    );
-    assert_eq!(st, 200, "prefill failed: {p}");
+    let p = prefill_for_remote_decode(prefill, prompt);
     let params = p["kv_transfer_params"].clone();
     assert_eq!(params["do_remote_prefill"], true, "prefill returned no transfer params: {p}");
     decode.post(

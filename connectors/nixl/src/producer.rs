@@ -72,7 +72,8 @@ pub enum Refusal {
     Malformed,
     /// A frame over the cap.
     Oversized,
-    /// A frame that did not arrive whole within its deadline.
+    /// A frame that did not arrive whole within its deadline, or an answer (a Read's blocks
+    /// included) its peer did not take whole within its deadline.
     Timeout,
     /// A connection closed in the middle of a frame.
     Truncated,
@@ -532,6 +533,12 @@ fn frame_refusal(e: FrameError, stopping: bool) -> Refused {
     }
 }
 
+/// A write that failed at its deadline (the peer reads too slowly, or not at all) is a
+/// `timeout`; other failures (the peer went away) are no refusal.
+fn write_refusal(e: &io::Error) -> Option<Refusal> {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut).then_some(Refusal::Timeout)
+}
+
 /// The challenge-response that opens every connection; `Err` closes it.
 fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared) -> Result<(), Refused> {
     let cfg = &s.cfg;
@@ -598,7 +605,7 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
         let send = |w: &mut TcpStream, m: ServerMsg| {
             let deadline = Instant::now() + cfg.io_timeout;
             write_frame(&mut DeadlineWriter { stream: w, deadline }, &m)
-                .map_err(|e| (format!("writing an answer: {e}"), None))
+                .map_err(|e| (format!("writing an answer: {e}"), write_refusal(&e)))
         };
         // A refusal is answered and counted; the connection stays open.
         let answer = |r: Result<(), Refused>| match r {
@@ -654,7 +661,8 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
                     Ok(()) => {}
                     Err(StreamError::Refused(reason)) => send(w, ServerMsg::Error { reason })?,
                     Err(StreamError::Io(e)) => {
-                        return Err((format!("sending blocks of request {id}: {e}"), None))
+                        let refusal = write_refusal(&e);
+                        return Err((format!("sending blocks of request {id}: {e}"), refusal));
                     }
                 }
             }

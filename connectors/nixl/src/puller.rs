@@ -9,7 +9,7 @@ use crate::config::Backend;
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
 use crate::metadata::LoadSpec;
-use crate::metadata::{NixlAgentMetadata, PeerInfo};
+use crate::metadata::{NixlAgentMetadata, PeerInfo, ProducerMetadata};
 use crate::nixl_agent::{NixlAgent, NixlMem, ReadPair};
 use crate::shm::ShmMapping;
 use crate::wire::{
@@ -183,6 +183,8 @@ struct Mapped {
 pub struct Puller {
     cfg: PullConfig,
     conns: HashMap<String, Vec<TcpStream>>,
+    /// The producer (its metadata) each engine's `conns` were opened to.
+    conns_to: HashMap<String, ProducerMetadata>,
     mapped: HashMap<String, Mapped>,
     nixl: Option<Arc<NixlAgent>>,
     nixl_vram: Option<VramRegions>,
@@ -213,6 +215,7 @@ impl Puller {
         Puller {
             cfg,
             conns: HashMap::new(),
+            conns_to: HashMap::new(),
             mapped: HashMap::new(),
             nixl: None,
             nixl_vram: None,
@@ -277,11 +280,15 @@ impl Puller {
     /// as needed and kept.
     fn streams(&mut self, peer: &PeerInfo, n: usize) -> Result<&mut [TcpStream], TransferError> {
         let engine = &peer.meta.engine_id;
-        // A producer that restarted publishes a new address: never reuse the old streams.
-        if self.conns.get(engine).is_some_and(|v| v.iter().any(|s| s.peer_addr().ok() != Some(peer.addr))) {
+        // A producer that restarted publishes a new address, or at the same address new
+        // metadata (its process, its segments): never reuse the streams to the old one.
+        if self.conns.contains_key(engine) && self.conns_to.get(engine) != Some(&peer.meta) {
             self.conns.remove(engine);
         }
         let have = self.conns.get(engine).map_or(0, Vec::len);
+        if have == 0 {
+            self.conns_to.insert(engine.clone(), peer.meta.clone());
+        }
         for _ in have..n.max(1) {
             let buffer = if self.cfg.backend == Backend::Tcp { self.cfg.socket_buffer } else { 0 };
             let mut s = crate::tcp_data::connect(peer.addr, self.cfg.connect_timeout, buffer)

@@ -64,6 +64,13 @@ pub struct WorkerArgs {
     /// Side-channel port (0 = any free port; the chosen one is printed).
     #[arg(long = "side-channel-port", value_name = "P", default_value_t = 0)]
     pub side_channel_port: u16,
+    /// Seconds a side-channel peer may take to start a frame, then to send it whole, and to
+    /// take each answer; its connection is closed past that.
+    #[arg(long = "side-channel-timeout", value_name = "SECONDS", default_value_t = DEFAULT_READ_TIMEOUT.as_secs_f64())]
+    pub side_channel_timeout: f64,
+    /// Side-channel connections served at once; more are closed at once.
+    #[arg(long = "side-channel-max-connections", value_name = "N", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub side_channel_max_connections: usize,
     /// A file holding the deployment's data-plane secret (mode 0600; the same on every
     /// worker). Default: $KVCONNECT_SIDE_CHANNEL_TOKEN. Required when the side channel or the
     /// nixl listener binds beyond loopback. Never given on the command line itself.
@@ -273,9 +280,9 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             host: a.side_channel_host,
             port: a.side_channel_port,
             secret: data_plane_secret(a.secret_file.as_deref())?,
-            read_timeout: DEFAULT_READ_TIMEOUT,
+            read_timeout: seconds("--side-channel-timeout", a.side_channel_timeout)?,
             max_frame: DEFAULT_MAX_FRAME,
-            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections: at_least_one("--side-channel-max-connections", a.side_channel_max_connections)?,
         },
         num_blocks: a.num_blocks,
         seed: a.seed,
@@ -303,6 +310,14 @@ fn seconds(flag: &str, v: f64) -> Result<Duration> {
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| anyhow!("{flag} must be a positive number of seconds, got {v}"))
+}
+
+/// `n` from flag `flag`, which must be at least 1.
+fn at_least_one(flag: &str, n: usize) -> Result<usize> {
+    if n == 0 {
+        bail!("{flag} must be at least 1, got 0");
+    }
+    Ok(n)
 }
 
 /// The deployment's data-plane secret: from `file` (which only its owner may read), else from

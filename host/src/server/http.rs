@@ -4,7 +4,7 @@
 //! `kv_transfer_params` included).
 
 use crate::server::engine_loop::{Done, EngineHandle, PoolStats, SubmitError, TokenSink};
-use crate::server::peers::{remote_peer, strip_remote, Peers};
+use crate::server::peers::{remote_instance, remote_peer, strip_remote, Peers};
 use crate::server::worker_metrics::{self, PromptSources, Sample};
 use crate::sidechannel::ServerStats;
 use crate::worker::{FinishReason, GenRequest, SamplingParams};
@@ -40,6 +40,9 @@ pub struct AppState {
     pub compat_hash: String,
     /// Side-channel server counters.
     pub side_channel: Arc<ServerStats>,
+    /// This process's random id (its side channel's): prefill's `kv_transfer_params` carry it
+    /// as `remote_instance`, so a decode notices a restart at the same address.
+    pub instance: String,
     /// Request counter for ids.
     pub next_id: AtomicU64,
     /// KV bytes one token occupies in this worker's cache (the model at the effective cache
@@ -131,7 +134,7 @@ pub(crate) async fn run_one(
         Ok(r) => r,
     };
     if let Some((engine, addr)) = &remote {
-        if let Err(f) = st.peers.ensure(engine, addr, &st.engine).await {
+        if let Err(f) = st.peers.ensure(engine, addr, remote_instance(&params), &st.engine).await {
             worker_metrics::load_failure(f.reason, st.policy == FailurePolicy::Recompute);
             match st.policy {
                 FailurePolicy::Recompute => {
@@ -153,7 +156,7 @@ pub(crate) async fn run_one(
 
     let prompt_len = prompt.len();
     let req = GenRequest { id: id.clone(), prompt, max_tokens, kv_transfer_params: params, sampling };
-    let done = match st.engine.submit_streaming(req, sink).await {
+    let mut done = match st.engine.submit_streaming(req, sink).await {
         Ok(d) => d,
         Err(SubmitError::Rejected(e)) if e.starts_with("request '") => return Err(bad(e)),
         Err(SubmitError::Duplicate(e)) => return Err(Failure::new(StatusCode::CONFLICT, "conflict", e)),
@@ -162,6 +165,11 @@ pub(crate) async fn run_one(
         }
         Err(e) => return Err(Failure::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e.to_string())),
     };
+    if let Some(p) =
+        done.kv_transfer_params.as_mut().filter(|p| p.get("do_remote_prefill") == Some(&Value::Bool(true)))
+    {
+        p.insert("remote_instance".into(), Value::String(st.instance.clone()));
+    }
     let failed_load = matches!(done.finish, FinishReason::Error(_)) || done.kv_load_failure.is_some();
     if let (true, Some((engine, addr))) = (failed_load, &remote) {
         // The peer may have restarted: handshake again before the next load from it.
@@ -256,15 +264,13 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
 /// Peers the data plane refused, by listener and reason: the side channel's, and this
 /// worker's nixl producer listener's (when it runs one).
 fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnapshot) -> Vec<Sample> {
-    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: unauthenticated (no valid proof of the deployment's secret), bad_capability (a request named with a capability not its own), malformed, oversized, timeout (a frame not whole within its deadline), too_many_connections, read_not_served (a read to a backend that copies without it).";
+    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: unauthenticated (no valid proof of the deployment's secret; on the side channel, no proof at all), wrong_secret (side channel: a proof that does not verify), bad_capability (a request named with a capability not its own), malformed, oversized, truncated (closed mid-frame), timeout (a frame not whole within its deadline, read or written), too_many_connections, read_not_served (a read to a backend that copies without it).";
     let one = |listener: &str, reason: &str, v: u64| {
         Sample::counter("kvconnect_data_plane_refused", HELP, v)
             .with(vec![("listener", listener.into()), ("reason", reason.into())])
     };
-    let mut out = vec![
-        one("side_channel", "unauthenticated", sc.unauthenticated),
-        one("side_channel", "too_many_connections", sc.over_cap),
-    ];
+    let mut out: Vec<Sample> =
+        sc.refusals().into_iter().map(|(reason, v)| one("side_channel", reason, v)).collect();
     for (reason, v) in kvconnect_nixl::producer::refusals(engine_id).unwrap_or_default() {
         out.push(one("producer", reason, v));
     }

@@ -215,6 +215,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         max_model_len: if spec.synthetic { usize::MAX } else { openai::CONTEXT_TOKENS },
         compat_hash: spec.compat.compat_hash(),
         side_channel: server.stats(),
+        instance: server.instance().to_owned(),
         next_id: AtomicU64::new(0),
         kv_bytes_per_token: spec.model.kv_bytes_per_token(spec.negotiated.effective.cache_dtype),
     });
