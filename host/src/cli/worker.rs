@@ -119,6 +119,14 @@ pub struct WorkerArgs {
     /// Seconds a client may take to send a request's body; slower ones get 408.
     #[arg(long = "request-body-timeout", value_name = "SECONDS", default_value_t = crate::server::gate::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
     pub request_body_timeout: f64,
+    /// Seconds a whole request may take (its body, its run, its streamed answer); past it a
+    /// whole answer is 504, a stream ends with an error event, and the request is cancelled.
+    #[arg(long = "request-timeout", value_name = "SECONDS", default_value_t = crate::server::gate::DEFAULT_RUN_TIMEOUT.as_secs_f64())]
+    pub request_timeout: f64,
+    /// HTTP connections open at once (idle kept-alive ones count); past it a new connection
+    /// is answered 503 and closed.
+    #[arg(long = "max-connections", value_name = "N", default_value_t = crate::server::serve::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
     /// Seconds a handshake with a peer may take.
     #[arg(long = "handshake-timeout", value_name = "SECONDS", default_value_t = 10.0)]
     pub handshake_timeout: f64,
@@ -296,8 +304,10 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         .with_body_limits(
             a.max_request_body_bytes,
             seconds("--request-body-timeout", a.request_body_timeout)?,
-        ),
+        )
+        .with_run_timeout(seconds("--request-timeout", a.request_timeout)?),
         http_header_timeout: seconds("--request-header-timeout", a.request_header_timeout)?,
+        http_max_connections: at_least_one("--max-connections", a.max_connections)?,
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
         producers: producers.unwrap_or_default(),
     };

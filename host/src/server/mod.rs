@@ -78,6 +78,8 @@ pub struct WorkerSpec {
     pub gate: gate::Gate,
     /// How long an HTTP client may take to send a request's head.
     pub http_header_timeout: Duration,
+    /// HTTP connections open at once.
+    pub http_max_connections: usize,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
     /// The producers a decode worker may load KV from.
@@ -238,7 +240,8 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     }
     tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker ready");
 
-    serve::serve(listener, spec.gate.clone().wrap(http::router(state)), spec.http_header_timeout, stop).await;
+    let app = spec.gate.clone().wrap(http::router(state));
+    serve::serve(listener, app, spec.http_header_timeout, spec.http_max_connections, stop).await;
     tracing::info!("shutting down: stopping the engine and releasing KV memory");
     drop(server);
     handle.shutdown();

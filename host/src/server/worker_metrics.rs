@@ -204,7 +204,7 @@ impl WorkerMetrics {
         );
         r.register(
             "kvconnect_http_refused",
-            "HTTP clients cut off before their request ran, by reason: header_timeout (the request head not whole in time; the connection is closed), body_timeout (408), body_too_large (413).",
+            "HTTP clients refused or cut off, by reason: header_timeout (the request head not whole in time; the connection is closed), body_timeout (408), body_too_large (413), too_many_requests (503 past --max-concurrent-requests), too_many_connections (a connection past --max-connections, answered 503 and closed), run_timeout (a request past --request-timeout: 504, or its stream ended).",
             m.http_refused.clone(),
         );
         r.register(
@@ -284,8 +284,8 @@ pub fn cancelled() {
     get().cancelled.inc();
 }
 
-/// An HTTP client cut off before its request ran (`reason`: header_timeout, body_timeout,
-/// body_too_large).
+/// An HTTP client refused or cut off (`reason`: header_timeout, body_timeout, body_too_large,
+/// too_many_requests, too_many_connections, run_timeout).
 pub fn http_refused(reason: &'static str) {
     get().http_refused.get_or_create(&vec![("reason", reason.to_owned())]).inc();
 }

@@ -182,6 +182,7 @@ async fn up(a: &UpArgs) -> Result<()> {
             listener,
             gate.wrap(crate::proxy::router(proxy)),
             crate::server::serve::DEFAULT_HEADER_TIMEOUT,
+            crate::server::serve::DEFAULT_MAX_CONNECTIONS,
             async {
                 let _ = quit_rx.await;
             },
