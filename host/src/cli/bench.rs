@@ -125,6 +125,8 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
 pub(super) struct BenchWorker {
     child: Child,
     http: String,
+    /// Its side channel, `host:port`, when it has one.
+    side_channel: Option<String>,
 }
 
 impl BenchWorker {
@@ -150,13 +152,14 @@ impl BenchWorker {
             }
             for _ in lines {}
         });
-        let mut w = BenchWorker { child, http: String::new() };
+        let mut w = BenchWorker { child, http: String::new(), side_channel: None };
         let line = rx
             .recv_timeout(Duration::from_secs(120))
             .map_err(|_| anyhow!("a worker did not start within 120 s (its log is above)"))?;
         let v: Value = serde_json::from_str(&line).context("worker address line")?;
         w.http =
             v["http"].as_str().ok_or_else(|| anyhow!("worker printed no http address: {line}"))?.to_owned();
+        w.side_channel = v["side_channel"].as_str().map(str::to_owned);
         Ok(w)
     }
 
@@ -491,6 +494,12 @@ fn transfer(a: &TransferArgs) -> Result<()> {
             ratios.push(b.as_secs_f64() / ti.as_secs_f64().max(1e-9));
         }
     }
+    // What decode paid once, in the warm-up, before its first load from this peer.
+    let consumer = nixl_config("kv_consumer", backend, &settings);
+    let mut handshake = match &prefill.side_channel {
+        Some(sc) => super::bench_handshake::measure(sc, &consumer, &spec, a.pairs)?,
+        None => Value::Null,
+    };
     drop(decode);
     drop(prefill);
     let mut baseline = baseline.ok_or_else(|| anyhow!("no measured transfer"))?;
@@ -514,19 +523,26 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         "ratio_q3": r.q3,
         "machine": machine(load_before),
     });
+    let used_streams =
+        kvconnect_nixl::tcp_data::streams_for(bytes, streams, kvconnect_nixl::tcp_data::STREAM_MIN_BYTES);
     if backend == "tcp" {
-        out["streams"] = json!(kvconnect_nixl::tcp_data::streams_for(
-            bytes,
-            streams,
-            kvconnect_nixl::tcp_data::STREAM_MIN_BYTES
-        ));
+        out["streams"] = json!(used_streams);
         out["socket_buffer"] = json!(a.socket_buffer);
     }
+    // Once per peer: one handshake, and one producer connection per stream (tcp) or one.
+    let conns = if backend == "tcp" { used_streams } else { 1 } as f64;
+    let per_peer_ms = handshake["side_channel_ms"]["median"].as_f64().unwrap_or(0.0)
+        + conns * handshake["producer_connection_ms"]["median"].as_f64().unwrap_or(0.0);
+    if !handshake.is_null() {
+        handshake["per_peer_ms"] = json!(per_peer_ms);
+        handshake["per_peer_over_one_transfer"] = json!(per_peer_ms / 1e3 / t.median.max(1e-9));
+    }
+    out["handshake"] = handshake;
     if a.json {
         println!("{out}");
     } else {
         println!(
-            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.3} (quartiles {:.3} .. {:.3}); {}",
+            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.3} (quartiles {:.3} .. {:.3}); once per peer: {per_peer_ms:.2} ms of handshakes; {}",
             a.tokens,
             spec.name,
             ratios.len(),

@@ -3,6 +3,7 @@
 
 pub mod bench;
 mod bench_cuda;
+mod bench_handshake;
 mod bench_lmcache_device;
 mod bench_nixl_vram;
 mod bench_tp;
