@@ -809,3 +809,56 @@ fn two_producers_claiming_one_engine_id_are_kept_apart_by_address() {
         wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
     assert_eq!(f.failed_recving, vec![RequestId::from("misdirected")], "{f:?}");
 }
+
+#[test]
+fn overlapping_reads_cannot_hold_blocks_past_the_lease_cap() {
+    // Small producer socket buffers: an answer its reader never takes stalls its read there.
+    let io_timeout = Duration::from_millis(600);
+    let mut p = producer_with(
+        "prefill-overlap",
+        json!({"kv_lease_duration": 0.3, "kv_lease_max": 1.0, "io_timeout": 0.6, "tcp_socket_buffer": 4096}),
+    );
+    let addr = listen_addr(&mut p);
+    let params = prefill_finish(&mut p, "r", 9, &[1, 2, 3]);
+    let t0 = Instant::now();
+    let capability = params["remote_capability"].as_str().unwrap().to_owned();
+    // One run of the request named 4096 times: 1.5 MiB that this consumer never reads.
+    let read = ClientMsg::Read { request: "r".into(), capability, runs: vec![(0u32, 128, 3 * 128); 4096] };
+    let (mut stalled, mut last_read, mut refused_at, mut freed) = (Vec::new(), t0, None, None);
+    while t0.elapsed() < Duration::from_secs(8) && freed.is_none() {
+        // A new read every 200 ms, each before the last one's deadline: one is always in
+        // flight.
+        if refused_at.is_none() {
+            let mut c = authed(&addr, None);
+            match ask(&mut c, &read) {
+                ServerMsg::Data { bytes } => {
+                    assert_eq!(bytes, 4096 * 384);
+                    last_read = Instant::now();
+                    stalled.push(c);
+                }
+                m if is_error(&m, "kv_lease_max = 1.0s") => refused_at = Some(t0.elapsed()),
+                m => panic!("{m:?}"),
+            }
+        }
+        if !p.worker.get_finished(&[]).unwrap().finished_sending.is_empty() {
+            freed = Some(Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let refused_at = refused_at.expect("reads past the lease cap were refused");
+    assert!(refused_at >= Duration::from_millis(800), "not before the cap: {refused_at:?}");
+    let freed = freed.expect("the blocks were freed although reads kept overlapping");
+    assert!(refused("prefill-overlap", "lease_cap") >= 1);
+    // Not while the last read was in flight: it ran until its whole deadline cut it.
+    assert!(freed >= last_read + io_timeout - Duration::from_millis(100), "freed under a read");
+    assert!(freed - t0 < Duration::from_secs(3), "freed {:?} after the first read", freed - t0);
+    // Every stalled read was cut off by the producer: its connection ends short of its bytes.
+    for mut c in stalled {
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n @ 1..) = c.read(&mut buf) {
+            got += n;
+        }
+        assert!(got < 4096 * 384, "a read ran past its deadline: {got} bytes");
+    }
+}
