@@ -24,6 +24,7 @@
 //! as whole cross-layer blocks, one base per region, and need equal layouts on both sides.
 
 use crate::config::CudaIpcPath;
+use crate::cuda_ipc_exports::{sources, Exports, Sources};
 use crate::error::TransferError;
 use crate::metadata::LoadSpec;
 use crate::metadata::{CudaIpcMetadata, PeerInfo};
@@ -67,20 +68,22 @@ pub fn open_gpu(regions: &[KvRegion]) -> Result<Arc<Gpu>, TransferError> {
     Gpu::open(ordinal).map(Arc::new).map_err(cuda)
 }
 
-/// Producer side: the IPC handle of each registered region.
-pub fn export(gpu: &Gpu, regions: &[KvRegion]) -> Result<CudaIpcMetadata, TransferError> {
+/// Producer side: the IPC handle of each registered region, for the handshake, and the
+/// record of them that a consumer in this same process reads them by (kept until the
+/// regions go).
+pub fn export(gpu: &Gpu, regions: &[KvRegion]) -> Result<(CudaIpcMetadata, Exports), TransferError> {
     let mut handles = Vec::with_capacity(regions.len());
     for r in regions {
         let h = IpcHandle::export_address(gpu, r.addr(), r.len() as usize)
             .map_err(|e| plan(format!("exporting region '{}': {e}", r.name())))?;
         handles.push(h.hex);
     }
-    Ok(CudaIpcMetadata {
-        device: gpu.ordinal() as i32,
-        handles,
-        addrs: regions.iter().map(|r| r.addr()).collect(),
-        pci_bus_id: gpu.pci_bus_id().ok(),
-    })
+    let pci_bus_id = gpu.pci_bus_id().ok();
+    let exports = Exports::record(
+        handles.iter().zip(regions).map(|(h, r)| (h.clone(), r.addr(), r.len())).collect(),
+        pci_bus_id.clone(),
+    );
+    Ok((CudaIpcMetadata { device: gpu.ordinal() as i32, handles, pci_bus_id }, exports))
 }
 
 /// How the copy reaches a producer's memory.
@@ -93,7 +96,10 @@ enum Route {
 
 struct Opened {
     handles: Vec<String>,
-    /// Mapped regions (empty for a producer in this same process).
+    /// Where they were found when opened.
+    sources: Sources,
+    /// Mapped regions (empty for a producer in this same process, whose regions are read
+    /// where it registered them).
     _regions: Vec<ImportedRegion>,
     bases: Vec<u64>,
     route: Route,
@@ -191,10 +197,17 @@ impl CudaIpcPull {
         self.opened.get(engine).map(|o| matches!(o.route, Route::Staged(_)))
     }
 
-    /// The producer's GPU as this process sees it, and whether the copy is staged (with why).
-    fn choose(&self, e: &str, m: &CudaIpcMetadata) -> Result<(Arc<Gpu>, bool, String), TransferError> {
+    /// The producer's GPU as this process sees it (`local_bus`: the bus id this process
+    /// exported the regions from, when it did), and whether the copy is staged (with why).
+    fn choose(
+        &self,
+        e: &str,
+        m: &CudaIpcMetadata,
+        local_bus: Option<&Option<String>>,
+    ) -> Result<(Arc<Gpu>, bool, String), TransferError> {
         let own_bus = self.gpu.pci_bus_id().map_err(cuda)?;
-        let producer = match &m.pci_bus_id {
+        let bus = local_bus.unwrap_or(&m.pci_bus_id);
+        let producer = match bus {
             Some(bus) if bus.eq_ignore_ascii_case(&own_bus) => self.gpu.clone(),
             Some(bus) => match Gpu::open_by_pci_bus_id(bus).map_err(cuda)? {
                 Some(g) => Arc::new(g),
@@ -256,43 +269,48 @@ impl CudaIpcPull {
                 "producer engine '{e}' published no CUDA IPC handles: it does not run backend cuda_ipc with device KV; use the same backend on both sides"
             ))
         })?;
-        if m.handles.len() != peer.meta.regions.len() || m.addrs.len() != peer.meta.regions.len() {
-            return Err(plan(format!(
-                "producer engine '{e}' lists {} IPC handles and {} addresses for {} regions",
-                m.handles.len(),
-                m.addrs.len(),
-                peer.meta.regions.len()
-            )));
-        }
-        if self.opened.get(e).is_some_and(|o| o.handles == m.handles) {
+        // Handles this process exported are read where it registered them (CUDA refuses to
+        // open a process's own handles); nothing from the wire says which, or where. Asked
+        // on every pull: a producer of this process that is gone is never read again.
+        let sources = sources(e, m, &peer.meta.regions).map_err(plan)?;
+        if self.opened.get(e).is_some_and(|o| o.handles == m.handles && o.sources == sources) {
             return self.opened.get_mut(e).ok_or_else(|| TransferError::UnknownPeer(e.clone()));
         }
         self.opened.remove(e);
-        let (on, staged, why) = self.choose(e, m)?;
+        let local_bus = match &sources {
+            Sources::Local { pci_bus_id, .. } => Some(pci_bus_id),
+            Sources::Import => None,
+        };
+        let (on, staged, why) = self.choose(e, m, local_bus)?;
         tracing::info!(engine = %e, "cuda_ipc: {why}");
-        let (regions, bases) = if peer.meta.pid == std::process::id() {
-            // CUDA refuses to open a process's own handles; the addresses are valid here,
-            // and a kernel on another GPU reads them once peer access is enabled.
-            if !staged && !Arc::ptr_eq(&on, &self.gpu) && !self.gpu.enable_peer_access(&on).map_err(cuda)? {
-                return Err(TransferError::Cuda(format!(
-                    "producer engine '{e}': peer access from GPU {} to GPU {} could not be enabled",
-                    self.gpu.ordinal(),
-                    on.ordinal()
-                )));
+        let (regions, bases) = match sources.clone() {
+            Sources::Local { addrs, .. } => {
+                // A kernel on another GPU reads them once peer access is enabled.
+                if !staged
+                    && !Arc::ptr_eq(&on, &self.gpu)
+                    && !self.gpu.enable_peer_access(&on).map_err(cuda)?
+                {
+                    return Err(TransferError::Cuda(format!(
+                        "producer engine '{e}': peer access from GPU {} to GPU {} could not be enabled",
+                        self.gpu.ordinal(),
+                        on.ordinal()
+                    )));
+                }
+                (Vec::new(), addrs)
             }
-            (Vec::new(), m.addrs.clone())
-        } else {
-            let map_on = if staged { &on } else { &self.gpu };
-            let mut regions = Vec::with_capacity(m.handles.len());
-            for (h, r) in m.handles.iter().zip(&peer.meta.regions) {
-                let handle = IpcHandle { hex: h.clone(), bytes: r.len as usize };
-                let mapped = ImportedRegion::open(map_on, &handle).map_err(|err| {
-                    TransferError::Cuda(format!("producer engine '{e}' region '{}': {err}", r.name))
-                })?;
-                regions.push(mapped);
+            Sources::Import => {
+                let map_on = if staged { &on } else { &self.gpu };
+                let mut regions = Vec::with_capacity(m.handles.len());
+                for (h, r) in m.handles.iter().zip(&peer.meta.regions) {
+                    let handle = IpcHandle { hex: h.clone(), bytes: r.len as usize };
+                    let mapped = ImportedRegion::open(map_on, &handle).map_err(|err| {
+                        TransferError::Cuda(format!("producer engine '{e}' region '{}': {err}", r.name))
+                    })?;
+                    regions.push(mapped);
+                }
+                let bases = regions.iter().map(ImportedRegion::ptr).collect();
+                (regions, bases)
             }
-            let bases = regions.iter().map(ImportedRegion::ptr).collect();
-            (regions, bases)
         };
         let route = if staged {
             let copy =
@@ -301,7 +319,7 @@ impl CudaIpcPull {
         } else {
             Route::Direct
         };
-        let opened = Opened { handles: m.handles.clone(), _regions: regions, bases, route };
+        let opened = Opened { handles: m.handles.clone(), sources, _regions: regions, bases, route };
         Ok(self.opened.entry(e.clone()).or_insert(opened))
     }
 

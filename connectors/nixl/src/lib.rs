@@ -31,6 +31,7 @@ pub mod config;
 pub mod copy_plan;
 #[cfg(feature = "cuda")]
 pub mod cuda_ipc;
+pub mod cuda_ipc_exports;
 pub mod error;
 pub mod factory;
 pub mod metadata;

@@ -68,6 +68,10 @@ pub struct NixlWorker {
     /// Backend cuda_ipc: the GPU of this worker's device regions.
     #[cfg(feature = "cuda")]
     gpu: Option<Arc<kvconnect_cuda::Gpu>>,
+    /// Backend cuda_ipc, producer: the handles published, and their record for consumers in
+    /// this process (dropped before the regions go).
+    #[cfg(feature = "cuda")]
+    cuda_exports: Option<(crate::metadata::CudaIpcMetadata, crate::cuda_ipc_exports::Exports)>,
 }
 
 impl std::fmt::Debug for NixlWorker {
@@ -107,6 +111,8 @@ impl NixlWorker {
             nixl_vram: None,
             #[cfg(feature = "cuda")]
             gpu: None,
+            #[cfg(feature = "cuda")]
+            cuda_exports: None,
         }
     }
 
@@ -276,6 +282,11 @@ impl NixlWorker {
         {
             let gpu = crate::cuda_ipc::open_gpu(regions)
                 .map_err(|e| ConnectorError::invalid(NAME, e.to_string()))?;
+            if self.is_producer() {
+                let exported = crate::cuda_ipc::export(&gpu, regions)
+                    .map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
+                self.cuda_exports = Some(exported);
+            }
             self.gpu = Some(gpu);
             Ok(())
         }
@@ -289,10 +300,8 @@ impl NixlWorker {
     /// Backend cuda_ipc: the IPC handles of this worker's regions, for the handshake.
     fn cuda_metadata(&self) -> ConnectorResult<Option<crate::metadata::CudaIpcMetadata>> {
         #[cfg(feature = "cuda")]
-        if let Some(gpu) = &self.gpu {
-            return crate::cuda_ipc::export(gpu, &self.regions)
-                .map(Some)
-                .map_err(|e| ConnectorError::io(NAME, e.to_string()));
+        if let Some((m, _)) = &self.cuda_exports {
+            return Ok(Some(m.clone()));
         }
         Ok(None)
     }
@@ -684,6 +693,7 @@ impl WorkerConnector for NixlWorker {
         self.nixl_vram = None;
         #[cfg(feature = "cuda")]
         {
+            self.cuda_exports = None;
             self.gpu = None;
         }
         self.mem = None;

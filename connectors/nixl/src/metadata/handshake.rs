@@ -60,7 +60,8 @@ pub struct ProducerMetadata {
     /// for models without state layers.
     #[serde(default, skip_serializing_if = "StateSlots::is_empty")]
     pub state: StateSlots,
-    /// Its process id (for messages).
+    /// Its process id, for messages only: nothing a consumer decides or addresses depends
+    /// on it.
     pub pid: u32,
     /// Its NIXL agent, when it runs backend `nixl`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -71,17 +72,15 @@ pub struct ProducerMetadata {
 }
 
 /// A producer's device regions as a same-host consumer opens them: one CUDA IPC handle
-/// (128 hex digits) per region, same order as `regions`, and each region's device address
-/// (used instead of the handle by a consumer in the same process, where CUDA refuses to open
-/// its own handles).
+/// (128 hex digits) per region, same order as `regions`. No device address: a consumer in
+/// the producer's own process (where CUDA refuses to open the process's own handles) finds
+/// the regions by handle among those its process exported (`crate::cuda_ipc_exports`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CudaIpcMetadata {
     /// Device ordinal of the regions.
     pub device: i32,
     /// `cuIpcGetMemHandle` of each region, hex.
     pub handles: Vec<String>,
-    /// Device address of each region in the producer's process.
-    pub addrs: Vec<u64>,
     /// PCI bus id of that GPU: names it in the consumer's process whatever
     /// CUDA_VISIBLE_DEVICES numbers it there (absent from older producers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
