@@ -27,7 +27,7 @@ use crate::config::CudaIpcPath;
 use crate::cuda_ipc_exports::{sources, Exports, Sources};
 use crate::error::TransferError;
 use crate::metadata::LoadSpec;
-use crate::metadata::{CudaIpcMetadata, PeerInfo};
+use crate::metadata::{CudaIpcMetadata, PeerInfo, PeerKey};
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::{BlockId, Dim, KvRegion, LayerId, MemoryKind};
 use kvconnect_cuda::{
@@ -112,7 +112,7 @@ pub struct CudaIpcPull {
     kernel: GatherKernel,
     /// Recorded after a request's launches; the pull thread sleeps on it.
     done: kvconnect_cuda::CudaEvent,
-    opened: HashMap<String, Opened>,
+    opened: HashMap<PeerKey, Opened>,
     own: Vec<u64>,
     path: CudaIpcPath,
 }
@@ -192,9 +192,9 @@ impl CudaIpcPull {
         })
     }
 
-    /// Whether the copy from `engine` goes through host memory (None: not opened yet).
-    pub fn staged(&self, engine: &str) -> Option<bool> {
-        self.opened.get(engine).map(|o| matches!(o.route, Route::Staged(_)))
+    /// Whether the copy from producer `key` goes through host memory (None: not opened yet).
+    pub fn staged(&self, key: &PeerKey) -> Option<bool> {
+        self.opened.get(key).map(|o| matches!(o.route, Route::Staged(_)))
     }
 
     /// The producer's GPU as this process sees it (`local_bus`: the bus id this process
@@ -256,8 +256,8 @@ impl CudaIpcPull {
     }
 
     /// Forgets a peer's mapped regions.
-    pub fn forget(&mut self, engine: &str) {
-        self.opened.remove(engine);
+    pub fn forget(&mut self, key: &PeerKey) {
+        self.opened.remove(key);
     }
 
     /// Opens the peer's handles (once per peer, again when they changed) on the GPU the route
@@ -273,10 +273,11 @@ impl CudaIpcPull {
         // open a process's own handles); nothing from the wire says which, or where. Asked
         // on every pull: a producer of this process that is gone is never read again.
         let sources = sources(e, m, &peer.meta.regions).map_err(plan)?;
-        if self.opened.get(e).is_some_and(|o| o.handles == m.handles && o.sources == sources) {
-            return self.opened.get_mut(e).ok_or_else(|| TransferError::UnknownPeer(e.clone()));
+        let key = peer.key();
+        if self.opened.get(&key).is_some_and(|o| o.handles == m.handles && o.sources == sources) {
+            return self.opened.get_mut(&key).ok_or_else(|| TransferError::UnknownPeer(e.clone()));
         }
-        self.opened.remove(e);
+        self.opened.remove(&key);
         let local_bus = match &sources {
             Sources::Local { pci_bus_id, .. } => Some(pci_bus_id),
             Sources::Import => None,
@@ -320,7 +321,7 @@ impl CudaIpcPull {
             Route::Direct
         };
         let opened = Opened { handles: m.handles.clone(), sources, _regions: regions, bases, route };
-        Ok(self.opened.entry(e.clone()).or_insert(opened))
+        Ok(self.opened.entry(key).or_insert(opened))
     }
 
     /// Copies `load` from `peer` into this worker's regions (geometry `own`) and waits for
@@ -441,7 +442,8 @@ impl CudaIpcPull {
                 permute: perm,
             };
             let kernel = &mut self.kernel;
-            let opened = self.opened.get_mut(e).ok_or_else(|| TransferError::UnknownPeer(e.clone()))?;
+            let opened =
+                self.opened.get_mut(&peer.key()).ok_or_else(|| TransferError::UnknownPeer(e.clone()))?;
             match &mut opened.route {
                 Route::Direct => kernel.launch(&self.gpu, &spec).map_err(cuda)?,
                 Route::Staged(copy) => copy.copy(&self.gpu, kernel, &spec).map_err(cuda)?,

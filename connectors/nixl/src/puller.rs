@@ -9,7 +9,7 @@ use crate::config::Backend;
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
 use crate::metadata::LoadSpec;
-use crate::metadata::{NixlAgentMetadata, PeerInfo};
+use crate::metadata::{NixlAgentMetadata, PeerInfo, PeerKey};
 use crate::nixl_agent::{NixlAgent, NixlMem, ReadPair};
 use crate::shm::ShmMapping;
 use crate::wire::{
@@ -18,7 +18,7 @@ use crate::wire::{
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::LayerId;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::io::{self, Read};
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -179,11 +179,18 @@ struct Mapped {
 
 /// Pulls blocks from producers; keeps its connections (the first carries control messages;
 /// tcp opens more for parallel streams) and, for shm, the mapped segments, per producer
-/// engine.
+/// ([`PeerKey`]: engine and address), so two producers claiming one engine id never share
+/// or evict each other's. After a transfer error from a producer all of it is dropped and
+/// made again from its handshake; connections are also made again for a new handshake.
 pub struct Puller {
     cfg: PullConfig,
-    conns: HashMap<String, Vec<TcpStream>>,
-    mapped: HashMap<String, Mapped>,
+    /// Per producer: the handshake (`PeerInfo::generation`) they were opened for, and the
+    /// connections.
+    conns: HashMap<PeerKey, (u64, Vec<TcpStream>)>,
+    mapped: HashMap<PeerKey, Mapped>,
+    /// Backend nixl: producers whose agent metadata is loaded again before the next READ
+    /// (a transfer from them failed).
+    nixl_stale: HashSet<PeerKey>,
     nixl: Option<Arc<NixlAgent>>,
     nixl_vram: Option<VramRegions>,
     #[cfg(feature = "cuda")]
@@ -214,6 +221,7 @@ impl Puller {
             cfg,
             conns: HashMap::new(),
             mapped: HashMap::new(),
+            nixl_stale: HashSet::new(),
             nixl: None,
             nixl_vram: None,
             #[cfg(feature = "cuda")]
@@ -238,10 +246,19 @@ impl Puller {
         self.nixl_vram = Some(regions);
     }
 
-    /// Forgets the connection and mappings of an engine (after its metadata changed).
-    pub fn forget(&mut self, engine: &str) {
-        self.conns.remove(engine);
-        self.mapped.remove(engine);
+    /// Forgets what is kept for producer `key` (connections, mappings, opened handles) and,
+    /// for backend nixl, loads its agent metadata again before the next READ: after a
+    /// transfer error the next pull starts from its handshake.
+    pub fn forget(&mut self, key: &PeerKey) {
+        self.conns.remove(key);
+        self.mapped.remove(key);
+        #[cfg(feature = "cuda")]
+        if let Some(c) = self.cuda.as_mut() {
+            c.forget(key);
+        }
+        if self.nixl.is_some() {
+            self.nixl_stale.insert(key.clone());
+        }
     }
 
     fn io(&self, op: &'static str, peer: &PeerInfo, e: io::Error) -> TransferError {
@@ -276,12 +293,15 @@ impl Puller {
     /// `n` authenticated connections to `peer` (the first is the control connection), opened
     /// as needed and kept.
     fn streams(&mut self, peer: &PeerInfo, n: usize) -> Result<&mut [TcpStream], TransferError> {
-        let engine = &peer.meta.engine_id;
-        // A producer that restarted publishes a new address: never reuse the old streams.
-        if self.conns.get(engine).is_some_and(|v| v.iter().any(|s| s.peer_addr().ok() != Some(peer.addr))) {
-            self.conns.remove(engine);
+        let key = peer.key();
+        // A new handshake may be with a producer that restarted (at the same address or
+        // another): never reuse the old streams.
+        if self.conns.get(&key).is_some_and(|(generation, v)| {
+            *generation != peer.generation || v.iter().any(|s| s.peer_addr().ok() != Some(peer.addr))
+        }) {
+            self.conns.remove(&key);
         }
-        let have = self.conns.get(engine).map_or(0, Vec::len);
+        let have = self.conns.get(&key).map_or(0, |(_, v)| v.len());
         for _ in have..n.max(1) {
             let buffer = if self.cfg.backend == Backend::Tcp { self.cfg.socket_buffer } else { 0 };
             let mut s = crate::tcp_data::connect(peer.addr, self.cfg.connect_timeout, buffer)
@@ -291,11 +311,11 @@ impl Puller {
                 .and_then(|_| s.set_write_timeout(Some(self.cfg.io_timeout)));
             setup.map_err(|e| self.io("configuring the socket", peer, e))?;
             self.authenticate(&mut s, peer)?;
-            self.conns.entry(engine.clone()).or_default().push(s);
+            self.conns.entry(key.clone()).or_insert_with(|| (peer.generation, Vec::new())).1.push(s);
         }
-        match self.conns.get_mut(engine) {
-            Some(v) => Ok(&mut v[..n.max(1)]),
-            None => Err(TransferError::UnknownPeer(engine.clone())),
+        match self.conns.get_mut(&key) {
+            Some((_, v)) => Ok(&mut v[..n.max(1)]),
+            None => Err(TransferError::UnknownPeer(key.engine)),
         }
     }
 
@@ -341,7 +361,7 @@ impl Puller {
     pub fn hold(&mut self, peer: &PeerInfo, load: &LoadSpec) -> Result<(), TransferError> {
         let r = self.expect_ok(peer, &hold(load));
         if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
-            self.conns.remove(&peer.meta.engine_id);
+            self.conns.remove(&peer.key());
         }
         r
     }
@@ -351,7 +371,7 @@ impl Puller {
     pub fn release(&mut self, peer: &PeerInfo, load: &LoadSpec) -> Result<PullStats, TransferError> {
         let r = self.expect_ok(peer, &done(load));
         if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
-            self.conns.remove(&peer.meta.engine_id);
+            self.conns.remove(&peer.key());
         }
         r.map(|()| PullStats { bytes: 0, runs: 0, adapted: false })
     }
@@ -371,18 +391,10 @@ impl Puller {
         } else {
             self.pull_plan(local, peer, load, &plan)
         };
-        #[cfg(feature = "cuda")]
-        if matches!(r, Err(TransferError::Cuda(_))) {
-            if let Some(c) = self.cuda.as_mut() {
-                c.forget(&peer.meta.engine_id);
-            }
-        }
-        if matches!(r, Err(TransferError::Io { .. } | TransferError::Protocol { .. })) {
-            // The stream may be mid-message: never reuse it.
-            self.conns.remove(&peer.meta.engine_id);
-        }
-        if matches!(r, Err(TransferError::Shm(_))) {
-            self.mapped.remove(&peer.meta.engine_id);
+        if r.as_ref().is_err_and(TransferError::is_transport) {
+            // A stream may be mid-message, a mapping or NIXL's endpoints stale: start again
+            // from the handshake.
+            self.forget(&peer.key());
         }
         r
     }
@@ -438,7 +450,7 @@ impl Puller {
                 self.map(peer)?;
                 let mapped = self
                     .mapped
-                    .get(&peer.meta.engine_id)
+                    .get(&peer.key())
                     .ok_or_else(|| TransferError::UnknownPeer(peer.meta.engine_id.clone()))?;
                 let src = |region: u32, off: u64, len: u64| -> Result<&[u8], TransferError> {
                     let m = mapped
@@ -582,7 +594,7 @@ impl Puller {
         };
         if let Some(e) = results.into_iter().find_map(Result::err) {
             // Another stream may have stopped mid-answer: reuse none of them.
-            self.conns.remove(&peer.meta.engine_id);
+            self.conns.remove(&peer.key());
             return Err(self.share_err(peer, e));
         }
         Ok(())
@@ -603,7 +615,7 @@ impl Puller {
     /// into place, one descriptor per coalesced run; adapting plans into a registered staging
     /// buffer, then scattered) and waits for the transfer on this (pull) thread.
     fn nixl_read(
-        &self,
+        &mut self,
         dst: &mut LocalRegions,
         peer: &PeerInfo,
         load: &LoadSpec,
@@ -611,6 +623,16 @@ impl Puller {
     ) -> Result<(), TransferError> {
         let agent = self.nixl.as_ref().ok_or_else(no_agent)?;
         let remote = peer_agent(peer)?;
+        if self.nixl_stale.remove(&peer.key()) {
+            // The last transfer from this producer failed: its metadata again, as at the
+            // handshake (UCX connects anew).
+            let md = crate::nixl_agent::from_hex(&remote.md).ok_or_else(|| TransferError::Protocol {
+                engine: peer.meta.engine_id.clone(),
+                message: "its NIXL metadata is not hex".into(),
+            })?;
+            agent.invalidate_remote(&remote.agent);
+            agent.load_remote_md(&md)?;
+        }
         if self.nixl_vram.is_some() || remote.vram_device.is_some() {
             return self.nixl_read_vram(agent, peer, remote, dst.geometry(), load, plan);
         }
@@ -759,7 +781,7 @@ impl Puller {
     /// Maps the producer's segments (once per engine), checking their sizes.
     fn map(&mut self, peer: &PeerInfo) -> Result<(), TransferError> {
         let names: Vec<Option<String>> = peer.meta.regions.iter().map(|r| r.shm_name.clone()).collect();
-        if self.mapped.get(&peer.meta.engine_id).is_some_and(|m| m.names == names) {
+        if self.mapped.get(&peer.key()).is_some_and(|m| m.names == names) {
             return Ok(());
         }
         let mut maps = Vec::with_capacity(names.len());
@@ -772,7 +794,7 @@ impl Puller {
             })?;
             maps.push(ShmMapping::open(name, r.len)?);
         }
-        self.mapped.insert(peer.meta.engine_id.clone(), Mapped { names, maps });
+        self.mapped.insert(peer.key(), Mapped { names, maps });
         Ok(())
     }
 }

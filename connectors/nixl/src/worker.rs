@@ -11,7 +11,7 @@ use crate::config::{NixlConfig, NAME};
 use crate::error::TransferError;
 use crate::metadata::NixlAgentMetadata;
 use crate::metadata::{LoadSpec, NixlMeta};
-use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
+use crate::metadata::{PeerInfo, PeerKey, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
 use crate::nixl_agent::NixlMem;
 use crate::nixl_agent::{from_hex, to_hex, NixlAgent, Registration};
 use crate::producer::{Producer, ProducerConfig};
@@ -31,16 +31,17 @@ use std::time::{Duration, Instant};
 
 /// Handshaken peers by (engine id, side-channel address the host handshook at; empty when
 /// the envelope named none).
-type Peers = Arc<Mutex<HashMap<(String, String), Arc<PeerInfo>>>>;
+type Peers = Arc<Mutex<HashMap<PeerKey, Arc<PeerInfo>>>>;
 
 /// The peer a load names: the one handshaken at the load's side-channel address, else one
 /// whose envelope named no address.
 fn find_peer(peers: &Peers, load: &LoadSpec) -> Result<Arc<PeerInfo>, TransferError> {
     let peers = lock(peers);
     let engine = load.remote_engine_id.clone();
+    let at = |side_channel: String| PeerKey { engine: engine.clone(), side_channel };
     peers
-        .get(&(engine.clone(), load.remote_side_channel.clone()))
-        .or_else(|| peers.get(&(engine.clone(), String::new())))
+        .get(&at(load.remote_side_channel.clone()))
+        .or_else(|| peers.get(&at(String::new())))
         .cloned()
         .ok_or(TransferError::UnknownPeer(engine))
 }
@@ -55,6 +56,8 @@ pub struct NixlWorker {
     mem: Option<Arc<KvMemory>>,
     producer: Option<Producer>,
     peers: Peers,
+    /// Handshakes taken so far: each peer's `generation`.
+    handshakes: u64,
     bound: NixlMeta,
     jobs: Option<Sender<LoadSpec>>,
     puller: Option<JoinHandle<()>>,
@@ -101,6 +104,7 @@ impl NixlWorker {
             mem: None,
             producer: None,
             peers: Arc::default(),
+            handshakes: 0,
             bound: NixlMeta::default(),
             jobs: None,
             puller: None,
@@ -180,7 +184,10 @@ impl NixlWorker {
     /// Backend nixl: one agent per worker, named after the engine and process, with every
     /// KV region registered as DRAM, or as VRAM of their GPU when they are device memory.
     fn start_nixl(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        let name = format!("{}-{}", self.ctx.engine_id, std::process::id());
+        // Unique in this process too: NIXL tells agents apart by name only.
+        static AGENTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = AGENTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("{}-{}-{n}", self.ctx.engine_id, std::process::id());
         // UCX's CUDA support looks at the calling thread's context when the backend starts
         // and when memory is registered: make the regions' GPU current first.
         #[cfg(feature = "cuda")]
@@ -357,16 +364,34 @@ impl NixlWorker {
                 ),
             ));
         }
-        let known = lock(&self.peers)
-            .iter()
-            .find(|((engine, _), _)| engine == e)
-            .and_then(|(_, p)| p.meta.nixl.clone());
+        // NIXL knows remote agents by name alone, so what is loaded is kept per peer (engine
+        // and address): a producer that claims another's engine id neither replaces nor
+        // invalidates its agent.
+        let key = info.key();
+        let peers = lock(&self.peers);
+        let others: Vec<&NixlAgentMetadata> =
+            peers.iter().filter(|(k, _)| **k != key).filter_map(|(_, p)| p.meta.nixl.as_ref()).collect();
+        if let Some(other) = others.iter().find(|o| o.agent == m.agent && o.md != m.md) {
+            return Err(ConnectorError::invalid(
+                NAME,
+                format!(
+                    "peer engine {key} names its NIXL agent '{}', which another producer this engine already loaded uses with other metadata ({} bytes against {}): NIXL tells agents apart by name only, so this peer is refused; give each producer its own agent",
+                    m.agent,
+                    m.md.len() / 2,
+                    other.md.len() / 2
+                ),
+            ));
+        }
+        let known = peers.get(&key).and_then(|p| p.meta.nixl.clone());
         if known.as_ref().is_some_and(|k| k.md == m.md) {
             return Ok(());
         }
-        if let Some(k) = known {
+        // The agent this peer had before (a producer that restarted), unless another peer
+        // still uses it.
+        if let Some(k) = known.filter(|k| !others.iter().any(|o| o.agent == k.agent)) {
             a.invalidate_remote(&k.agent);
         }
+        drop(peers);
         let md = from_hex(&m.md).ok_or_else(|| {
             ConnectorError::invalid(NAME, format!("peer engine '{e}' NIXL metadata is not hex"))
         })?;
@@ -674,9 +699,11 @@ impl WorkerConnector for NixlWorker {
         let mem = self.memory()?;
         let info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
         self.load_peer_agent(&info)?;
-        tracing::debug!(engine = %info.meta.engine_id, addr = %info.addr, "nixl: peer registered");
-        let side_channel = peer.get("side_channel").and_then(serde_json::Value::as_str).unwrap_or_default();
-        lock(&self.peers).insert((info.meta.engine_id.clone(), side_channel.to_owned()), Arc::new(info));
+        tracing::debug!(engine = %info.meta.engine_id, side_channel = %info.side_channel, addr = %info.addr, "nixl: peer registered");
+        let mut info = info;
+        self.handshakes += 1;
+        info.generation = self.handshakes;
+        lock(&self.peers).insert(info.key(), Arc::new(info));
         Ok(())
     }
 
