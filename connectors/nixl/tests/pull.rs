@@ -875,7 +875,7 @@ fn a_producer_restarted_at_the_same_address_is_loaded_from_at_once_after_its_new
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut d = consumer("tcp", KvLayout::HND, 4);
     let sc = json!({"engine_id": "prefill-again", "side_channel": "127.0.0.1:5600"});
-    let mut handshake_at = |p: &mut Engine, d: &mut Engine| {
+    let handshake_at = |p: &mut Engine, d: &mut Engine| {
         let mut env = sc.clone();
         env["peer"] = p.worker.handshake_metadata().unwrap().unwrap();
         d.worker.set_peer_handshake_metadata(&env).unwrap();
