@@ -63,7 +63,7 @@ pub(crate) fn push_host_region(
     memories: &mut Vec<RegionMemory>,
 ) -> Result<(), WorkerError> {
     let memory = match shm_engine_id {
-        Some(id) => RegionMemory::shm(&shm::segment_name(id, regions.len()), r.len)?,
+        Some(id) => RegionMemory::shm(&shm::segment_name(id, regions.len())?, r.len)?,
         None => RegionMemory::heap(&r.name, r.len)?,
     };
     let spec = KvRegionSpec {
