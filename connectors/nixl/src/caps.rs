@@ -7,17 +7,17 @@ use kvconnect_api::{
 };
 
 /// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode.
-/// Heterogeneous TP on backends `shm` and `tcp`: a decode whose TP size divides, or is
-/// divided by, prefill's reads each rank's head slices from the prefill ranks holding them
-/// (`copy_plan`). Backends `nixl` and `cuda_ipc` move KV between equal TP sizes only, so
-/// negotiation and the handshake refuse a peer with another one before any KV moves.
-/// Per-request state (state-space / linear-attention layers) moves with backends `shm` and
-/// `tcp` only, the data paths whose state copies are built and tested, and only between TP 1
-/// engines (state across TP ranks is not implemented); a config that does not parse declares
-/// neither (creating the connector then says what is wrong).
+/// Heterogeneous TP where the backend says so (`BackendInfo::across_tp`: shm and tcp): a
+/// decode whose TP size divides, or is divided by, prefill's reads each rank's head slices
+/// from the prefill ranks holding them (`copy_plan`). The others (nixl, cuda_ipc) move KV
+/// between equal TP sizes only, so negotiation and the handshake refuse a peer with another
+/// one before any KV moves. Per-request state (state-space / linear-attention layers) moves
+/// where the backend says so (`carries_state`: shm and tcp, the data paths whose state
+/// copies are built and tested), and only between TP 1 engines (state across TP ranks is not
+/// implemented); a config that does not parse declares neither (creating the connector then
+/// says what is wrong).
 pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
-    let shm_or_tcp = crate::config::NixlConfig::from_config(config)
-        .is_ok_and(|c| matches!(c.backend, crate::config::Backend::Shm | crate::config::Backend::Tcp));
+    let backend = crate::config::NixlConfig::from_config(config).ok().map(|c| c.backend);
     let mla = model.is_some_and(|m| m.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. })));
     let layout = if mla {
         LayoutConstraint::default()
@@ -41,10 +41,10 @@ pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> Con
         transfer_mode: TransferMode::Pull,
         roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
         layerwise: false,
-        heterogeneous_tp: shm_or_tcp,
+        heterogeneous_tp: backend.is_some_and(|b| b.across_tp),
         mla: true,
         async_load: true,
-        carries_state: shm_or_tcp,
+        carries_state: backend.is_some_and(|b| b.carries_state),
     })
 }
 

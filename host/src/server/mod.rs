@@ -34,7 +34,6 @@ use anyhow::{anyhow, Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{EngineOptions, Negotiated};
 use kvconnect_api::{ConnectorContext, KvRole, KvTransferConfig, ModelSpec};
-use kvconnect_nixl::config::Backend;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
@@ -139,7 +138,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         config.engine_id = Some(spec.engine_id.clone());
     }
     let backend = connector_setup::nixl_backend(&nixl_configs).map_err(|e| anyhow!(e))?;
-    let shm = (backend == Some(Backend::Shm)).then(|| spec.engine_id.clone());
+    let shm = backend.is_some_and(|b| b.shm_regions).then(|| spec.engine_id.clone());
     let ctx = ConnectorContext {
         config: config.clone(),
         model: spec.model.clone(),

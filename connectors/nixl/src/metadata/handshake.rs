@@ -74,7 +74,7 @@ pub struct ProducerMetadata {
 /// A producer's device regions as a same-host consumer opens them: one CUDA IPC handle
 /// (128 hex digits) per region, same order as `regions`. No device address: a consumer in
 /// the producer's own process (where CUDA refuses to open the process's own handles) finds
-/// the regions by handle among those its process exported (`crate::cuda_ipc_exports`).
+/// the regions by handle among those its process exported (`crate::transport::cuda_ipc::exports`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CudaIpcMetadata {
     /// Device ordinal of the regions.

@@ -1,30 +1,8 @@
-//! Backend `cuda_ipc`: device KV regions on one host.
-//!
-//! The producer exports a CUDA IPC handle of each registered device region and publishes
-//! them in its handshake metadata. The consumer opens a peer's handles once (lazy peer
-//! access, so it also works across GPUs of one host) and, per request, launches ONE gather
-//! kernel per KV cache group over every layer and K/V part with source and destination
-//! block-index arrays (with HMA off there is one group, so one launch per request); when the
-//! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
-//! copy. The pull thread then sleeps on a CUDA event recorded after the launches (the step
-//! loop never waits on it) and the usual "done" goes to the producer over the control
-//! connection. The kernel is compiled when the worker starts (once per process and GPU
-//! architecture, then cached), not at the first request.
-//!
-//! Two GPUs of one host: the producer names its GPU by PCI bus id, which the consumer looks
-//! up among the GPUs it sees. When its own GPU can access the producer's (peer access over
-//! NVLink or PCIe), the kernel reads the peer's memory directly; when it cannot, the copy
-//! goes through pinned host memory (`kvconnect_cuda::StagedCopy`: the producer's GPU gathers
-//! into it, this GPU gathers out of it). `cuda_ipc_path` forces either; the choice and its
-//! reason are logged once per producer.
-//!
-//! Per-layer layouts (`[L][KV][B]..`): the K part of layer l starts at its region's address,
-//! the V part `num_blocks * block_bytes` later, and blocks are contiguous, so each (layer,
-//! part) is one base address of the gather. Cross-layer layouts (`[B][L][KV]..`) are copied
-//! as whole cross-layer blocks, one base per region, and need equal layouts on both sides.
+//! Backend `cuda_ipc`, the GPU side (feature `cuda`): exporting a producer's regions, and the
+//! consumer's opened peers and gather kernel (see [`super`]).
 
+use super::exports::{sources, Exports, Sources};
 use crate::config::CudaIpcPath;
-use crate::cuda_ipc_exports::{sources, Exports, Sources};
 use crate::error::TransferError;
 use crate::metadata::LoadSpec;
 use crate::metadata::{CudaIpcMetadata, PeerInfo, PeerKey};
