@@ -199,6 +199,7 @@ fn assert_same_kv(p: &mut Engine, pb: &[Vec<u32>], d: &mut Engine, db: &[Vec<u32
 fn pull_and_compare(play: KvLayout, dlay: KvLayout, hma: bool) {
     let (mut p, mut d) = pair(play, dlay, hma, 30.0);
     handshake(&mut p, &mut d);
+    let prepared_before = kvconnect_nixl::transport::nixl::prepared_reads();
     let n = 21;
     let groups = if hma { 2 } else { 1 };
     // Contiguous producer blocks (merged into one descriptor per layer and K/V) against
@@ -213,6 +214,10 @@ fn pull_and_compare(play: KvLayout, dlay: KvLayout, hma: bool) {
     let fp = wait(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
     assert_eq!(fp.finished_sending, vec![RequestId::from("req-1")]);
     assert_same_kv(&mut p, &pb, &mut d, &db, n - 1);
+    // Equal layouts READ by the indices of the lists prepared for the producer; a plan that
+    // adapts the layout reads into a staging buffer with descriptors of its own.
+    let prepared = kvconnect_nixl::transport::nixl::prepared_reads() - prepared_before;
+    assert_eq!(prepared, u64::from(play == dlay), "{play:?} -> {dlay:?}");
     d.worker.shutdown().unwrap();
     p.worker.shutdown().unwrap();
 }
@@ -479,4 +484,48 @@ fn a_restarted_producer_is_loaded_from_after_a_failed_load_and_a_new_handshake()
     load_checked(&mut new, &mut d, "after").unwrap();
     d.worker.shutdown().unwrap();
     new.worker.shutdown().unwrap();
+}
+
+#[allow(unsafe_code)] // Registers buffers this test owns with NIXL.
+#[test]
+fn prepared_lists_read_by_index_and_refuse_bad_indices() {
+    use kvconnect_nixl::nixl_agent::{NixlAgent, NixlMem};
+    let Some(_g) = nixl_or_skip() else { return };
+    let (owner, reader) = (NixlAgent::new("prep-owner").unwrap(), NixlAgent::new("prep-reader").unwrap());
+    let src: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    let mut dst = vec![0u8; 4096];
+    // SAFETY: both buffers outlive the registrations, dropped at the end of this test.
+    let regs = unsafe {
+        (
+            owner.register_dram(src.as_ptr() as usize, src.len()).unwrap(),
+            reader.register_dram(dst.as_mut_ptr() as usize, dst.len()).unwrap(),
+        )
+    };
+    let remote = reader.load_remote_md(&owner.local_md().unwrap()).unwrap();
+    let spans = |base: usize| (0..4).map(|i| (base + i * 1024, 1024)).collect::<Vec<_>>();
+    let local = reader.prepare(None, &spans(dst.as_ptr() as usize), NixlMem::Dram).unwrap();
+    let far = reader.prepare(Some(&remote), &spans(src.as_ptr() as usize), NixlMem::Dram).unwrap();
+    assert_eq!(far.entries(), 4);
+    // Source spans 2, 3 into destination spans 0, 1 (contiguous on both sides: merged).
+    let t = reader.post_read_prepared(&local, &[0, 1], &far, &[2, 3], 2048).unwrap();
+    let t0 = Instant::now();
+    while !reader.poll(&t).unwrap() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the READ never finished");
+    }
+    drop(t);
+    assert_eq!(&dst[..2048], &src[2048..]);
+    assert!(dst[2048..].iter().all(|&b| b == 0), "nothing else written");
+    for (li, fi, why) in [
+        (&[0, 1][..], &[2][..], "as many entries of each"),
+        (&[4][..], &[0][..], "an index past the end"),
+        (&[0][..], &[-1][..], "an index past the end"),
+    ] {
+        let e = reader.post_read_prepared(&local, li, &far, fi, 1024).unwrap_err().to_string();
+        assert!(e.contains("makeXferReq") && e.contains(why), "{e}");
+    }
+    // A peer's list where this agent's belongs.
+    let e = reader.post_read_prepared(&far, &[0], &far, &[0], 1024).unwrap_err().to_string();
+    assert!(e.contains("a local list, a peer's list"), "{e}");
+    reader.release_prepared(local);
+    drop(regs);
 }

@@ -7,15 +7,24 @@
 //! host memory only, into a registered staging buffer, then scattered), holds again (still
 //! held means held throughout) and tells the producer with a NIXL notification
 //! (`kvc-done <request> <capability>`) instead of `done`.
+//!
+//! Descriptor lists are prepared once per producer and region set, not per request: one
+//! entry per span (one layer's K or V of one block) of every region, this worker's own at
+//! start and each producer's at the first pull from it (again when its agent or regions
+//! change, or after a transfer from it failed). A direct plan's READ then names the entries
+//! of its runs by index (`makeXferReq`, which merges entries contiguous on both sides back
+//! into the coalesced runs). Adapting plans, which read into a staging buffer of their own,
+//! and regions too large to list build their descriptors per request.
 
 #![allow(unsafe_code)] // NIXL registration of the KV regions and of staging buffers (the NIXL bindings' unsafe contract).
 
 use super::{Backend, BackendInfo, Completion, Link, Setup, Started, Transport};
 use crate::config::NAME;
+use crate::copy_plan::CopyRun;
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
 use crate::metadata::{LoadSpec, NixlAgentMetadata, PeerInfo, PeerKey, ProducerMetadata};
-use crate::nixl_agent::{from_hex, to_hex, NixlAgent, NixlMem, ReadPair, Registration};
+use crate::nixl_agent::{from_hex, to_hex, NixlAgent, NixlMem, Prepared, ReadPair, Registration, Transfer};
 use crate::puller::PullStats;
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
@@ -194,9 +203,21 @@ fn start(s: &Setup<'_>) -> ConnectorResult<Started> {
         })?;
         regs.push(reg);
     }
+    let unit = mem.geometry().shape().bytes() as u64;
+    let own_regions: Vec<(u64, u64)> = s.regions.iter().map(|r| (r.addr(), r.len())).collect();
+    let own = match (s.consumer, span_ranges(&own_regions, unit)) {
+        (true, Some((ranges, index))) => {
+            let list =
+                agent.prepare(None, &ranges, kind).map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
+            Some(Spans { list, list_mem: kind, index })
+        }
+        _ => None,
+    };
     let transport = Nixl {
+        prepared: Mutex::default(),
+        own,
         regs,
-        agent: Arc::new(agent),
+        agent,
         region_addrs: s.regions.iter().map(|r| r.addr()).collect(),
         vram,
         stale: Mutex::default(),
@@ -206,9 +227,14 @@ fn start(s: &Setup<'_>) -> ConnectorResult<Started> {
 
 /// The started backend.
 pub struct Nixl {
-    // Field order is drop order: the registrations before the agent.
+    // Field order is drop order: the prepared lists and registrations before the agent.
+    /// Each producer's regions, prepared at the first pull from it.
+    prepared: Mutex<HashMap<PeerKey, PeerSpans>>,
+    /// This worker's regions, prepared at start (`None`: not a consumer, or too many spans
+    /// to list).
+    own: Option<Spans>,
     regs: Vec<Registration>,
-    agent: Arc<NixlAgent>,
+    agent: NixlAgent,
     /// Base address of each registered region, for the handshake.
     region_addrs: Vec<u64>,
     /// KV regions in GPU memory: READs go VRAM to VRAM into them.
@@ -216,6 +242,87 @@ pub struct Nixl {
     /// Producers whose agent metadata is loaded again before the next READ (a transfer
     /// from them failed).
     stale: Mutex<HashSet<PeerKey>>,
+}
+
+/// READs this process posted by the indices of prepared lists (the rest built their
+/// descriptors per request): what tests and benchmarks check the fast path by.
+static PREPARED_READS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// READs this process posted through prepared descriptor lists so far.
+pub fn prepared_reads() -> u64 {
+    PREPARED_READS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The most entries a prepared list may have: beyond it a worker builds its descriptors per
+/// request (the list would cost NIXL more memory than it saves time).
+const MAX_PREPARED_ENTRIES: usize = 1 << 22;
+
+/// Regions prepared as one list of entries ([`SpanIndex`]).
+#[derive(Debug)]
+struct Spans {
+    list: Prepared,
+    /// The memory kind they were prepared as.
+    list_mem: NixlMem,
+    index: SpanIndex,
+}
+
+/// Regions cut into `unit`-byte entries: region `r`'s entry `i` is `[base_r + i * unit,
+/// + unit)`, at index `first[r] + i` of one list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct SpanIndex {
+    unit: u64,
+    first: Vec<usize>,
+    /// Entries of each region.
+    count: Vec<usize>,
+}
+
+impl SpanIndex {
+    /// The entries of `len` bytes at `off` in region `region`, if they are whole entries.
+    fn entries(&self, region: u32, off: u64, len: u64) -> Option<std::ops::Range<usize>> {
+        let r = region as usize;
+        if off % self.unit != 0 || len % self.unit != 0 {
+            return None;
+        }
+        let (start, n) = ((off / self.unit) as usize, (len / self.unit) as usize);
+        let (first, count) = (*self.first.get(r)?, *self.count.get(r)?);
+        let end = start.checked_add(n).filter(|e| *e <= count)?;
+        Some(first + start..first + end)
+    }
+}
+
+/// Regions of `(base, bytes)` cut into `unit`-byte entries: the entries' ranges and their
+/// index. `None` when the unit is 0, there would be more than [`MAX_PREPARED_ENTRIES`], or an
+/// address does not fit this machine's.
+fn span_ranges(regions: &[(u64, u64)], unit: u64) -> Option<(Vec<(usize, usize)>, SpanIndex)> {
+    if unit == 0 {
+        return None;
+    }
+    let total: u64 = regions.iter().map(|(_, len)| len / unit).sum();
+    if total > MAX_PREPARED_ENTRIES as u64 {
+        return None;
+    }
+    let mut ranges = Vec::with_capacity(total as usize);
+    let mut index = SpanIndex { unit, first: Vec::new(), count: Vec::new() };
+    for &(base, len) in regions {
+        index.first.push(ranges.len());
+        let n = (len / unit) as usize;
+        index.count.push(n);
+        for i in 0..n as u64 {
+            let at = usize::try_from(base.checked_add(i * unit)?).ok()?;
+            ranges.push((at, usize::try_from(unit).ok()?));
+        }
+    }
+    Some((ranges, index))
+}
+
+/// A producer's prepared regions, and what they were prepared for.
+#[derive(Debug)]
+struct PeerSpans {
+    agent: String,
+    region_addrs: Vec<u64>,
+    region_lens: Vec<u64>,
+    /// `None`: they cannot be listed (too many spans, or a unit other than this worker's).
+    spans: Option<Spans>,
 }
 
 impl std::fmt::Debug for Nixl {
@@ -281,11 +388,12 @@ impl Nixl {
         let key = peer.key();
         if self.stale.lock().unwrap_or_else(|p| p.into_inner()).remove(&key) {
             // The last transfer from this producer failed: its metadata again, as at the
-            // handshake (UCX connects anew).
+            // handshake (UCX connects anew), and its lists prepared again.
             let md = from_hex(&remote.md).ok_or_else(|| TransferError::Protocol {
                 engine: peer.meta.engine_id.clone(),
                 message: "its NIXL metadata is not hex".into(),
             })?;
+            self.release_prepared_of(&remote.agent);
             self.agent.invalidate_remote(&remote.agent);
             self.agent.load_remote_md(&md)?;
         }
@@ -296,6 +404,9 @@ impl Nixl {
         let mut pairs = Vec::new();
         match plan {
             CopyPlan::Direct(rs) => {
+                if let Some(t) = self.post_prepared(peer, remote, rs, NixlMem::Dram)? {
+                    return self.finish(io_timeout, peer, t);
+                }
                 for r in rs {
                     let local = dst.dst_mut(r.dst_region, r.dst_off, r.len)?.as_mut_ptr() as usize;
                     pairs.push(ReadPair {
@@ -370,6 +481,11 @@ impl Nixl {
                 return Err(TransferError::Plan(vram_adapt_refusal(e, &what)));
             }
         };
+        #[cfg(feature = "cuda")]
+        own.gpu.bind().map_err(|err| TransferError::Cuda(err.to_string()))?;
+        if let Some(t) = self.post_prepared(peer, remote, runs, NixlMem::Vram(far_device))? {
+            return self.finish(io_timeout, peer, t);
+        }
         let mut pairs = Vec::with_capacity(runs.len());
         for r in runs {
             let (base, len) = own
@@ -389,8 +505,6 @@ impl Nixl {
                 len: r.len as usize,
             });
         }
-        #[cfg(feature = "cuda")]
-        own.gpu.bind().map_err(|err| TransferError::Cuda(err.to_string()))?;
         self.wait(
             io_timeout,
             peer,
@@ -401,8 +515,85 @@ impl Nixl {
         )
     }
 
-    /// Posts one READ of `pairs` and polls it until done, within the io timeout plus the
-    /// bytes at a pessimistic 100 MB/s.
+    /// Releases the lists prepared for every producer whose agent is `agent` (before its
+    /// metadata is invalidated: NIXL's prepared lists point into it).
+    fn release_prepared_of(&self, agent: &str) {
+        let mut table = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        let keys: Vec<PeerKey> =
+            table.iter().filter(|(_, p)| p.agent == agent).map(|(k, _)| k.clone()).collect();
+        for k in keys {
+            if let Some(spans) = table.remove(&k).and_then(|p| p.spans) {
+                self.agent.release_prepared(spans.list);
+            }
+        }
+    }
+
+    /// Posts the READ of a direct plan's `runs` by the indices of prepared entries: the
+    /// producer's regions (of memory kind `far_mem`) prepared at the first pull from it, or
+    /// again when its agent or regions changed. `None` when the runs cannot be named so
+    /// (this worker's or the producer's regions too large to list, other units on the two
+    /// sides, a run that is not whole entries, nothing to read): the caller builds them.
+    fn post_prepared(
+        &self,
+        peer: &PeerInfo,
+        remote: &NixlAgentMetadata,
+        runs: &[CopyRun],
+        far_mem: NixlMem,
+    ) -> Result<Option<Transfer>, TransferError> {
+        let Some(own) = &self.own else { return Ok(None) };
+        if runs.is_empty() {
+            return Ok(None);
+        }
+        let key = peer.key();
+        let lens: Vec<u64> = peer.meta.regions.iter().map(|r| r.len).collect();
+        let mut table = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+        let fresh = table.get(&key).is_some_and(|p| {
+            p.agent == remote.agent
+                && p.region_addrs == remote.region_addrs
+                && p.region_lens == lens
+                && p.spans.as_ref().is_none_or(|s| s.list_mem == far_mem)
+        });
+        if !fresh {
+            if let Some(spans) = table.remove(&key).and_then(|p| p.spans) {
+                self.agent.release_prepared(spans.list);
+            }
+            let unit = peer.geometry.shape().bytes() as u64;
+            let regions: Vec<(u64, u64)> =
+                remote.region_addrs.iter().copied().zip(lens.iter().copied()).collect();
+            let spans = match span_ranges(&regions, unit).filter(|_| unit == own.index.unit) {
+                Some((ranges, index)) => {
+                    let list = self.agent.prepare(Some(&remote.agent), &ranges, far_mem)?;
+                    Some(Spans { list, list_mem: far_mem, index })
+                }
+                None => None,
+            };
+            let prepared = PeerSpans {
+                agent: remote.agent.clone(),
+                region_addrs: remote.region_addrs.clone(),
+                region_lens: lens,
+                spans,
+            };
+            table.insert(key.clone(), prepared);
+        }
+        let Some(far) = table.get(&key).and_then(|p| p.spans.as_ref()) else { return Ok(None) };
+        let (mut local_idx, mut far_idx, mut bytes) = (Vec::new(), Vec::new(), 0u64);
+        for r in runs {
+            let entries = (
+                own.index.entries(r.dst_region, r.dst_off, r.len),
+                far.index.entries(r.src_region, r.src_off, r.len),
+            );
+            let (Some(l), Some(f)) = entries else { return Ok(None) };
+            // Entries are fewer than MAX_PREPARED_ENTRIES, so their indices fit an i32.
+            local_idx.extend(l.map(|i| i as i32));
+            far_idx.extend(f.map(|i| i as i32));
+            bytes += r.len;
+        }
+        let t = self.agent.post_read_prepared(&own.list, &local_idx, &far.list, &far_idx, bytes)?;
+        PREPARED_READS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Some(t))
+    }
+
+    /// Posts one READ of `pairs` and polls it until done.
     fn wait(
         &self,
         io_timeout: Duration,
@@ -416,6 +607,12 @@ impl Nixl {
             return Ok(());
         }
         let t = self.agent.post_read_mem(remote, pairs, local_mem, far_mem)?;
+        self.finish(io_timeout, peer, t)
+    }
+
+    /// Polls a posted READ until done, within the io timeout plus its bytes at a pessimistic
+    /// 100 MB/s, on this (pull) thread.
+    fn finish(&self, io_timeout: Duration, peer: &PeerInfo, t: Transfer) -> Result<(), TransferError> {
         let limit = io_timeout + Duration::from_secs_f64(t.bytes() as f64 / 100e6);
         let start = Instant::now();
         let mut spins = 0u32;
@@ -519,6 +716,7 @@ impl Transport for Nixl {
         // The agent this peer had before (a producer that restarted), unless another peer
         // still uses it.
         if let Some(k) = before.filter(|k| !others.iter().any(|o| o.agent == k.agent)) {
+            self.release_prepared_of(&k.agent);
             self.agent.invalidate_remote(&k.agent);
         }
         let md = from_hex(&m.md).ok_or_else(|| {
@@ -610,6 +808,25 @@ mod tests {
         assert!(producer_addr(&peer, &agent(0x1000), 0, len, 1).is_err());
         assert!(producer_addr(&peer, &agent(0x1000), 0, u64::MAX, 2).is_err());
         assert!(producer_addr(&peer, &agent(0x1000), 3, 0, 1).is_err());
+    }
+
+    #[test]
+    fn regions_are_listed_span_by_span_and_runs_named_by_their_entries() {
+        let (ranges, index) = span_ranges(&[(0x1000, 4 * 64), (0x9000, 2 * 64 + 10)], 64).unwrap();
+        assert_eq!(ranges.len(), 6, "whole spans only");
+        assert_eq!((ranges[0], ranges[3], ranges[4]), ((0x1000, 64), (0x10c0, 64), (0x9000, 64)));
+        assert_eq!(index.entries(0, 64, 128), Some(1..3));
+        assert_eq!(index.entries(1, 64, 64), Some(5..6));
+        // Not whole entries, past a region, or no such region: built per request instead.
+        assert_eq!(index.entries(0, 32, 64), None);
+        assert_eq!(index.entries(0, 64, 100), None);
+        assert_eq!(index.entries(0, 192, 128), None);
+        assert_eq!(index.entries(2, 0, 64), None);
+        assert_eq!(index.entries(0, u64::MAX - 63, 64), None);
+        // Too many spans, a unit of 0, an address past this machine's: no list.
+        assert!(span_ranges(&[(0, (MAX_PREPARED_ENTRIES as u64 + 1) * 8)], 8).is_none());
+        assert!(span_ranges(&[(0, 64)], 0).is_none());
+        assert!(span_ranges(&[(u64::MAX - 8, 64)], 32).is_none());
     }
 
     #[test]
