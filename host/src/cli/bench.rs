@@ -37,6 +37,10 @@ pub enum BenchCommand {
     /// spec as JSON on stdin).
     #[command(hide = true)]
     CudaIpcPeer,
+    /// The source process of `bench transfer --backend nixl`'s raw NIXL baseline (started by
+    /// it; reads the transfer's shape as JSON on stdin, serves until stdin closes).
+    #[command(hide = true)]
+    NixlRawPeer,
 }
 
 /// Arguments of `bench transfer`.
@@ -116,6 +120,7 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Transfer(a) => transfer(a),
         BenchCommand::Ttft(a) => ttft(a),
         BenchCommand::CudaIpcPeer => super::bench_cuda::peer(),
+        BenchCommand::NixlRawPeer => nixl_raw_peer(),
         BenchCommand::LmcacheDevice(a) => super::bench_lmcache_device::run(a),
         BenchCommand::NixlVram(a) => super::bench_nixl_vram::run(a),
     }
@@ -285,8 +290,8 @@ enum Baseline {
         buffer: usize,
         sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
     },
-    /// The same bytes in the same number of descriptors (one coalesced run per KV layer and
-    /// K/V part) READ through bare nixl-sys calls between two agents of this process.
+    /// The same bytes in the same shape (one run per KV layer and K/V part, one prepared
+    /// entry per block of each) READ through bare nixl-sys calls from a second process.
     #[cfg(feature = "nixl")]
     Nixl(kvconnect_bench::nixl_raw::RawNixlRead),
 }
@@ -349,7 +354,7 @@ impl Baseline {
             Baseline::Memcpy { .. } => "memcpy",
             Baseline::Socket { .. } => "raw loopback socket",
             #[cfg(feature = "nixl")]
-            Baseline::Nixl(_) => "raw NIXL READ (nixl-sys)",
+            Baseline::Nixl(_) => "raw NIXL READ between two processes (nixl-sys)",
         }
     }
 
@@ -454,10 +459,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
             baseline = Some(match backend {
                 "shm" => Baseline::memcpy(0),
                 #[cfg(feature = "nixl")]
-                "nixl" => Baseline::Nixl(
-                    kvconnect_bench::nixl_raw::RawNixlRead::new(bytes as usize, 2 * spec.kv_layers().len())
-                        .map_err(|e| anyhow!("raw NIXL baseline: {e}"))?,
-                ),
+                "nixl" => raw_nixl(&spec, a.tokens, bytes)?,
                 _ => Baseline::socket(
                     bytes as usize,
                     total,
@@ -539,6 +541,40 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The raw NIXL baseline of the transfer of `tokens` tokens (`bytes` of `model`'s KV): the
+/// connector's shape (one run per KV layer and K/V part, of the 16-token blocks the
+/// transfer engine loads, with spare blocks between runs as its pool has), its source in a
+/// second `kvconnect` process.
+#[cfg(feature = "nixl")]
+fn raw_nixl(model: &kvconnect_api::ModelSpec, tokens: usize, bytes: u64) -> Result<Baseline> {
+    use kvconnect_bench::nixl_raw::{RawNixlRead, Shape};
+    let mla = model.layers.iter().any(|k| matches!(k, kvconnect_api::AttentionKind::Mla { .. }));
+    let runs = model.kv_layers().len() * if mla { 1 } else { 2 };
+    // Decode loads all but the last prompt token.
+    let blocks = (tokens - 1).div_ceil(16);
+    let bytes = bytes as usize;
+    let unit = bytes.checked_div(runs * blocks).unwrap_or(0);
+    if unit == 0 || unit * runs * blocks != bytes {
+        bail!("raw NIXL baseline: {bytes} bytes are not {runs} runs of {blocks} blocks");
+    }
+    let shape = Shape { runs, run_bytes: blocks * unit, gap_bytes: 8 * unit, unit };
+    let exe = std::env::current_exe().context("cannot find the kvconnect executable")?;
+    let mut source = Command::new(exe);
+    source.args(["bench", "nixl-raw-peer"]).stderr(Stdio::inherit());
+    Ok(Baseline::Nixl(RawNixlRead::spawn(shape, source).map_err(|e| anyhow!("raw NIXL baseline: {e}"))?))
+}
+
+/// `bench nixl-raw-peer`: the raw NIXL baseline's source process.
+fn nixl_raw_peer() -> Result<()> {
+    #[cfg(feature = "nixl")]
+    {
+        kvconnect_bench::nixl_raw::serve_source(std::io::stdin(), std::io::stdout())
+            .context("serving the raw NIXL baseline")
+    }
+    #[cfg(not(feature = "nixl"))]
+    bail!("this kvconnect was built without NIXL support (the nixl feature)")
 }
 
 /// The 1-minute load average, from /proc/loadavg (None where there is none).
