@@ -109,28 +109,8 @@ macro_rules! dispatch {
     }};
 }
 
-/// The same as `dispatch!` for functions of two arguments.
-macro_rules! dispatch2 {
-    ($portable:ident, $avx2:ident, $a:expr, $b:expr) => {{
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the function only needs AVX2, which was just detected on this CPU.
-                unsafe { $avx2($a, $b) }
-            } else {
-                $portable($a, $b)
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            $portable($a, $b)
-        }
-    }};
-}
-
-/// Full 16-token stripes, one at a time into the accumulators (the reference the block
-/// sums are tested against).
-#[cfg(test)]
+/// Full 16-token stripes.
+#[inline(always)]
 fn token_stripes(acc: &mut Acc, tokens: &[u32]) {
     for c in tokens.chunks_exact(16) {
         let mut w = [0u64; 8];
@@ -157,121 +137,30 @@ fn byte_stripes(acc: &mut Acc, bytes: &[u8]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn byte_stripes_avx2(acc: &mut Acc, bytes: &[u8]) {
-    byte_stripes(acc, bytes)
-}
-
-/// Tokens of one block of stripes (16 stripes of 16 tokens).
-const BLOCK_TOKENS: usize = 16 * STRIPES_PER_BLOCK;
-
-/// What up to one block of tokens (a block's first `tokens.len()` tokens, at most 256) adds
-/// to the accumulators, and how many stripes it fills (the last one zero-padded).
-///
-/// A stripe adds `w[i ^ 1] + lo(x) * hi(x)` (`x = w[i] ^ secret`) to accumulator `i`: nothing
-/// it adds depends on the accumulators. So a block's sum can be taken apart from the chain of
-/// chunk keys, and the sums of a whole prompt's blocks are taken first, free of the chain's
-/// latency ([`chunk_keys_of`]); only the scramble between blocks and each key's final mix
-/// follow the chain.
-#[inline(always)]
-fn token_block_sum(tokens: &[u32]) -> ([u64; 8], usize) {
-    let mut sum = [0u64; 8];
-    let full = tokens.len() / 16;
-    for (s, c) in tokens.chunks_exact(16).enumerate() {
-        let mut w = [0u64; 8];
-        for (i, x) in w.iter_mut().enumerate() {
-            *x = c[2 * i] as u64 | (c[2 * i + 1] as u64) << 32;
-        }
-        add_stripe(&mut sum, &w, s);
-    }
-    let rest = &tokens[full * 16..];
-    if rest.is_empty() {
-        return (sum, full);
-    }
-    let mut w = [0u64; 8];
-    for (i, t) in rest.iter().enumerate() {
-        w[i / 2] |= (*t as u64) << (32 * (i % 2));
-    }
-    add_stripe(&mut sum, &w, full);
-    (sum, full + 1)
-}
-
-/// What stripe `s` of a block, words `w`, adds to the accumulators.
-#[inline(always)]
-fn add_stripe(sum: &mut [u64; 8], w: &[u64; 8], s: usize) {
-    let k = &SECRET[s..s + 8];
-    for i in 0..8 {
-        let x = w[i] ^ k[i];
-        sum[i] = sum[i].wrapping_add(w[i ^ 1]).wrapping_add((x & 0xffff_ffff).wrapping_mul(x >> 32));
-    }
-}
-
-/// The sums of consecutive blocks of `tokens`, appended to `out`.
-#[inline(always)]
-fn token_block_sums(tokens: &[u32], out: &mut Vec<([u64; 8], usize)>) {
-    let whole = tokens.len() / BLOCK_TOKENS * BLOCK_TOKENS;
-    for b in tokens[..whole].chunks_exact(BLOCK_TOKENS) {
-        // A whole block: a fixed-length loop the compiler unrolls and vectorises.
-        let b: &[u32; BLOCK_TOKENS] = b.try_into().unwrap_or_else(|_| unreachable!("chunks_exact"));
-        out.push(token_block_sum(b));
-    }
-    if whole < tokens.len() {
-        out.push(token_block_sum(&tokens[whole..]));
-    }
+unsafe fn token_stripes_avx2(acc: &mut Acc, tokens: &[u32]) {
+    token_stripes(acc, tokens)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn token_block_sums_avx2(tokens: &[u32], out: &mut Vec<([u64; 8], usize)>) {
-    token_block_sums(tokens, out)
-}
-
-impl Acc {
-    /// Adds a block's sum (see [`token_block_sum`]); scrambles after a full block.
-    #[inline(always)]
-    fn add_block(&mut self, (sum, stripes): &([u64; 8], usize)) {
-        for (a, s) in self.acc.iter_mut().zip(sum) {
-            *a = a.wrapping_add(*s);
-        }
-        if *stripes == STRIPES_PER_BLOCK {
-            for i in 0..8 {
-                let a = self.acc[i];
-                self.acc[i] = (a ^ (a >> 47) ^ SECRET[16 + i]).wrapping_mul(0x9e37_79b1);
-            }
-        } else {
-            self.stripe = *stripes;
-        }
-    }
-}
-
-/// The hashes of consecutive pieces of `tokens`, `piece` tokens each (the last may be
-/// shorter), each continuing from the one before and the first from `seed`:
-/// `out[i] = hash_tokens(out[i - 1], piece i)`. Block sums first, then the chain.
-pub fn chain_tokens(seed: [u64; 2], tokens: &[u32], piece: usize, out: &mut Vec<[u64; 2]>) {
-    let piece = piece.max(1);
-    let mut sums = Vec::with_capacity(tokens.len() / BLOCK_TOKENS + tokens.len() / piece + 2);
-    let mut ends = Vec::with_capacity(tokens.len() / piece + 1);
-    for c in tokens.chunks(piece) {
-        dispatch2!(token_block_sums, token_block_sums_avx2, c, &mut sums);
-        ends.push((sums.len(), c.len()));
-    }
-    let mut prev = seed;
-    let mut at = 0;
-    for (end, len) in ends {
-        let mut acc = Acc::new(prev);
-        for b in &sums[at..end] {
-            acc.add_block(b);
-        }
-        prev = acc.finish(len as u64);
-        out.push(prev);
-        at = end;
-    }
+unsafe fn byte_stripes_avx2(acc: &mut Acc, bytes: &[u8]) {
+    byte_stripes(acc, bytes)
 }
 
 /// Hashes token ids (by value) continuing from `seed` (the previous chunk's key).
 pub fn hash_tokens(seed: [u64; 2], tokens: &[u32]) -> [u64; 2] {
-    let mut out = Vec::with_capacity(1);
-    chain_tokens(seed, tokens, tokens.len(), &mut out);
-    out.pop().unwrap_or_else(|| Acc::new(seed).finish(0))
+    let mut s = Acc::new(seed);
+    let full = tokens.len() / 16 * 16;
+    dispatch!(token_stripes, token_stripes_avx2, &mut s, &tokens[..full]);
+    let rest = &tokens[full..];
+    if !rest.is_empty() {
+        let mut w = [0u64; 8];
+        for (i, t) in rest.iter().enumerate() {
+            w[i / 2] |= (*t as u64) << (32 * (i % 2));
+        }
+        s.stripe(&w);
+    }
+    s.finish(tokens.len() as u64)
 }
 
 /// Hashes bytes (a checksum for disk chunks).
@@ -355,53 +244,16 @@ mod tests {
         }
         let t: Vec<u32> = (0..4096u32).map(|i| i.wrapping_mul(2654435761)).collect();
         let b: Vec<u8> = (0..8192u32).map(|i| (i * 7 % 256) as u8).collect();
-        let (mut s1, mut s2) = (Vec::new(), Vec::new());
-        token_block_sums(&t[..4000], &mut s1);
+        let (mut a1, mut a2) = (Acc::new([1, 2]), Acc::new([1, 2]));
+        token_stripes(&mut a1, &t);
         // SAFETY: AVX2 was detected above.
-        unsafe { token_block_sums_avx2(&t[..4000], &mut s2) };
-        assert_eq!(s1, s2);
+        unsafe { token_stripes_avx2(&mut a2, &t) };
+        assert_eq!(a1.finish(9), a2.finish(9));
         let (mut a1, mut a2) = (Acc::new([1, 2]), Acc::new([1, 2]));
         byte_stripes(&mut a1, &b);
         // SAFETY: as above.
         unsafe { byte_stripes_avx2(&mut a2, &b) };
         assert_eq!(a1.finish(9), a2.finish(9));
-    }
-
-    /// The hash as it was first written: one stripe at a time into the accumulators.
-    fn reference(seed: [u64; 2], tokens: &[u32]) -> [u64; 2] {
-        let mut s = Acc::new(seed);
-        let full = tokens.len() / 16 * 16;
-        token_stripes(&mut s, &tokens[..full]);
-        let rest = &tokens[full..];
-        if !rest.is_empty() {
-            let mut w = [0u64; 8];
-            for (i, t) in rest.iter().enumerate() {
-                w[i / 2] |= (*t as u64) << (32 * (i % 2));
-            }
-            s.stripe(&w);
-        }
-        s.finish(tokens.len() as u64)
-    }
-
-    #[test]
-    fn block_sums_then_the_chain_equal_the_stripe_by_stripe_hash() {
-        let t: Vec<u32> = (0..3000u32).map(|i| i.wrapping_mul(2654435761) % 151_000).collect();
-        for len in [0, 1, 15, 16, 17, 240, 241, 255, 256, 257, 511, 512, 513, 1000, 3000] {
-            assert_eq!(hash_tokens([3, 9], &t[..len]), reference([3, 9], &t[..len]), "{len} tokens");
-        }
-        for piece in [1, 16, 100, 256, 512, 3000, 5000] {
-            let mut out = Vec::new();
-            chain_tokens([4, 2], &t, piece, &mut out);
-            let mut prev = [4, 2];
-            let want: Vec<[u64; 2]> = t
-                .chunks(piece)
-                .map(|c| {
-                    prev = reference(prev, c);
-                    prev
-                })
-                .collect();
-            assert_eq!(out, want, "pieces of {piece}");
-        }
     }
 
     #[test]

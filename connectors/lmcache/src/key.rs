@@ -3,7 +3,7 @@
 //! size, chunk size). A cache written under one layout can therefore never be read as
 //! another: the keys differ.
 
-use crate::hash::chain_tokens;
+use crate::hash::hash_tokens;
 use kvconnect_api::{ConnectorContext, ModelSpec};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
@@ -98,17 +98,16 @@ pub struct ChunkRef {
 /// The keys of `tokens`' chunks: every full chunk, plus the final partial one if
 /// `with_partial`.
 pub fn chunk_keys(ns: Namespace, tokens: &[u32], chunk_size: usize, with_partial: bool) -> Vec<ChunkRef> {
-    let chunk_size = chunk_size.max(1);
-    let keyed = if with_partial { tokens.len() } else { tokens.len() / chunk_size * chunk_size };
-    let mut keys = Vec::with_capacity(keyed.div_ceil(chunk_size));
-    chain_tokens(ns.0, &tokens[..keyed], chunk_size, &mut keys);
-    keys.into_iter()
-        .enumerate()
-        .map(|(i, k)| {
-            let start = i * chunk_size;
-            ChunkRef { key: ChunkKey(k), start, tokens: chunk_size.min(keyed - start) }
-        })
-        .collect()
+    let mut out = Vec::with_capacity(tokens.len() / chunk_size.max(1) + 1);
+    let mut prev = ns.0;
+    for (i, c) in tokens.chunks(chunk_size.max(1)).enumerate() {
+        if c.len() < chunk_size && !with_partial {
+            break;
+        }
+        prev = hash_tokens(prev, c);
+        out.push(ChunkRef { key: ChunkKey(prev), start: i * chunk_size, tokens: c.len() });
+    }
+    out
 }
 
 #[cfg(test)]
