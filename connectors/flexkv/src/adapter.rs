@@ -139,17 +139,15 @@ impl BlockAdapter {
             let span = mem.span(layer, part, block)?;
             match &self.moves {
                 None => mem.write(span, inp)?,
-                // Rows of a head dim of another size: written straight into the region, row
-                // by row.
-                Some(m) if self.unit >= 64 && self.unit != 128 && self.unit != 256 => {
+                // Rows of a head dim: written straight into the region, row by row.
+                Some(m) if self.unit >= 64 => {
                     for &(r, s) in m {
                         let row =
                             Span { region: span.region, offset: span.offset + r as usize, len: self.unit };
                         mem.write(row, &inp[s as usize..s as usize + self.unit])?;
                     }
                 }
-                // Rows of the usual sizes, or single elements: transposed in `scratch` (one
-                // sub-block, in cache), then one copy.
+                // Single elements: transposed in `scratch`, then one copy.
                 Some(m) => {
                     scratch.resize(self.sub_bytes, 0);
                     permute(inp, scratch, m, self.unit, true);
@@ -173,32 +171,12 @@ impl BlockAdapter {
 }
 
 /// Moves `unit`-byte pieces between a deployment-ordered block and a stored one. `to_region`
-/// false: region -> stored (`src` is the region side); true: stored -> region. The usual row
-/// sizes (a head dim of 64 or 128 in 16-bit, 128 in fp8) are moved as fixed-size copies the
-/// compiler inlines, instead of a call to memcpy per row.
+/// false: region -> stored (`src` is the region side); true: stored -> region.
 #[inline]
 fn permute(src: &[u8], dst: &mut [u8], moves: &[(u32, u32)], unit: usize, to_region: bool) {
-    match unit {
-        128 => permute_rows::<128>(src, dst, moves, to_region),
-        256 => permute_rows::<256>(src, dst, moves, to_region),
-        _ => {
-            for &(r, s) in moves {
-                let (from, to) = if to_region { (s as usize, r as usize) } else { (r as usize, s as usize) };
-                dst[to..to + unit].copy_from_slice(&src[from..from + unit]);
-            }
-        }
-    }
-}
-
-#[inline(always)]
-fn permute_rows<const N: usize>(src: &[u8], dst: &mut [u8], moves: &[(u32, u32)], to_region: bool) {
     for &(r, s) in moves {
         let (from, to) = if to_region { (s as usize, r as usize) } else { (r as usize, s as usize) };
-        let row: &[u8; N] = match src[from..from + N].try_into() {
-            Ok(row) => row,
-            Err(_) => unreachable!("a slice of N bytes"),
-        };
-        dst[to..to + N].copy_from_slice(row);
+        dst[to..to + unit].copy_from_slice(&src[from..from + unit]);
     }
 }
 
