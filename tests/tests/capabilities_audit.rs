@@ -121,6 +121,9 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         mla,
         async_load,
         carries_state,
+        state_with_tp,
+        adapts_with_tp,
+        adapts_with_state,
     } = c;
     let mut out = BTreeSet::new();
     for (on, name) in [
@@ -131,6 +134,9 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         (*async_load, "async_load"),
         (adapt.is_some(), "adapt"),
         (*carries_state, "carries_state"),
+        (*state_with_tp, "state_with_tp"),
+        (*adapts_with_tp, "adapts_with_tp"),
+        (*adapts_with_state, "adapts_with_state"),
     ] {
         if on {
             out.insert(name.to_owned());
