@@ -1,16 +1,19 @@
 //! Disaggregated serving gives exactly the tokens of a single worker: one prefill and one
 //! decode process per configuration (HMA on and off; shm, tcp and the real NIXL library;
-//! tensor-parallel pairs 1->2, 2->1 and 2->2, decode's ranks reading their heads from
-//! prefill's; the hybrid reference model, whose state layers' per-request state moves with
-//! the KV), 50 prompts of varied
-//! length each, greedy output compared token for token with a monolithic engine. Every
-//! decode must really have loaded the prompt's KV from prefill (all but the last prompt
-//! token), so a silent recompute cannot pass for a transfer.
+//! tensor-parallel pairs 1->2, 2->1 and 2->2 over shm and tcp, decode's ranks reading their
+//! heads from prefill's; the hybrid reference model, whose state layers' per-request state
+//! moves with the KV), 50 prompts of varied length each, greedy output compared token for
+//! token with a monolithic engine. Every decode must really have loaded the prompt's KV from
+//! prefill (all but the last prompt token), so a silent recompute cannot pass for a transfer.
+//!
+//! The hybrid model has no TP pairs: nixl moves per-request state between TP 1 engines only
+//! (it does not declare `state_with_tp`), and the matrix checks that every such pair is
+//! refused before launch.
 
 use kvconnect_api::KvLayout;
 use kvconnect_tests::{
-    disaggregated, hybrid_reference_model, monolithic, monolithic_of, reference_model, token_ids,
-    varied_prompts, Worker,
+    disaggregated, hybrid_reference_model, monolithic, monolithic_of, reference_model, run_kvconnect, text,
+    token_ids, varied_prompts, write_deployment, Worker,
 };
 use std::path::Path;
 use std::sync::OnceLock;
@@ -167,6 +170,51 @@ fn tcp_tp_1_to_2() {
 #[test]
 fn tcp_tp_2_to_1() {
     check_tp("tcp", 2, 1);
+}
+
+#[test]
+fn tcp_tp_2_to_2() {
+    check_tp("tcp", 2, 2);
+}
+
+#[test]
+fn hybrid_model_tp_pairs_are_refused_before_launch() {
+    // Refused by negotiation on the side with tp_size 2 (alone), and by the joint negotiation,
+    // naming the child and the remedy: no worker of such a pair would start.
+    let dir = tempfile::tempdir().unwrap();
+    let model = hybrid_reference_model();
+    for backend in ["shm", "tcp"] {
+        for (p, d) in [(1, 2), (2, 1), (2, 2)] {
+            let (pc, dc) = (nixl("kv_producer", backend), nixl("kv_consumer", backend));
+            let (po, dopt) = (format!("tp_size = {p}"), format!("tp_size = {d}"));
+            let file = write_deployment(dir.path(), "hybrid-tp.toml", &model, (&pc, &po), (&dc, &dopt));
+            let side = if p > 1 { "prefill" } else { "decode" };
+            for joint in [false, true] {
+                let mut args = vec!["plan"];
+                if joint {
+                    args.push("--joint");
+                }
+                args.push(file.to_str().unwrap());
+                let out = run_kvconnect(&args);
+                let stdout = text(&out.stdout);
+                let case = format!("{backend} tp {p}->{d} joint={joint}");
+                assert_eq!(out.status.code(), Some(1), "{case}:\n{stdout}{}", text(&out.stderr));
+                let who = if joint { "deployment" } else { side };
+                assert!(
+                    stdout.contains(&format!("NOT COMPATIBLE: {who}: model 'kvconnect-reference")),
+                    "{case}: {stdout}"
+                );
+                assert!(
+                    stdout.contains("carries that state only at tp_size 1 (no state_with_tp)"),
+                    "{case}: {stdout}"
+                );
+                assert!(
+                    stdout.contains("Remedy: run this model with tp_size=1 on prefill and decode"),
+                    "{case}: {stdout}"
+                );
+            }
+        }
+    }
 }
 
 #[test]
