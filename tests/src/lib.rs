@@ -365,6 +365,18 @@ pub fn disaggregated(
     prompt: &[u32],
     max_tokens: usize,
 ) -> (u16, serde_json::Value) {
+    disaggregated_with(prefill, decode, prompt, max_tokens, || {})
+}
+
+/// [`disaggregated`], running `between` after prefill answered and before decode is asked
+/// (a test that tampers with what decode will load).
+pub fn disaggregated_with(
+    prefill: &Worker,
+    decode: &Worker,
+    prompt: &[u32],
+    max_tokens: usize,
+    between: impl FnOnce(),
+) -> (u16, serde_json::Value) {
     let (st, p) = prefill.post(
         "/v1/completions",
         &serde_json::json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
@@ -372,6 +384,7 @@ pub fn disaggregated(
     assert_eq!(st, 200, "prefill failed: {p}");
     let params = p["kv_transfer_params"].clone();
     assert_eq!(params["do_remote_prefill"], true, "prefill returned no transfer params: {p}");
+    between();
     decode.post(
         "/v1/completions",
         &serde_json::json!({"request_id": p["id"], "prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}),

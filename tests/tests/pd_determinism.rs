@@ -8,14 +8,15 @@
 //!
 //! The hybrid model has no TP pairs: nixl moves per-request state between TP 1 engines only
 //! (it does not declare `state_with_tp`), and the matrix checks that every such pair is
-//! refused before launch.
+//! refused before launch. A negative control shows the hybrid rows can fail: with prefill's
+//! state zeroed on the way, decode's outputs differ from monolithic.
 
-use kvconnect_api::KvLayout;
+use kvconnect_api::{KvLayout, ModelSpec};
 use kvconnect_tests::{
-    disaggregated, hybrid_reference_model, monolithic, monolithic_of, reference_model, run_kvconnect, text,
-    token_ids, varied_prompts, write_deployment, Worker,
+    disaggregated, disaggregated_with, hybrid_reference_model, monolithic, monolithic_of, reference_model,
+    run_kvconnect, text, token_ids, varied_prompts, write_deployment, Worker,
 };
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 const PROMPTS: usize = 50;
@@ -215,6 +216,83 @@ fn hybrid_model_tp_pairs_are_refused_before_launch() {
             }
         }
     }
+}
+
+/// Prefill's state segments: in the shm backend every region of an engine is a segment
+/// `/dev/shm/kvc-<pid>-<random>-<engine id>-<index>`, and the state regions are the last
+/// ones, one per state layer (ARCHITECTURE.md §11).
+fn state_segments(prefill: &Worker, state_layers: usize) -> Vec<PathBuf> {
+    let prefix = format!("kvc-{}-", prefill.child.id());
+    let mut segments: Vec<(usize, PathBuf)> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            let index = name.strip_prefix(&prefix)?.rsplit('-').next()?.parse().ok()?;
+            Some((index, e.path()))
+        })
+        .collect();
+    segments.sort();
+    let n = segments.len();
+    assert!(n > state_layers, "prefill's segments: {segments:?}");
+    assert_eq!(segments[n - 1].0, n - 1, "segment indices 0..{n}: {segments:?}");
+    let size = |p: &PathBuf| std::fs::metadata(p).unwrap().len();
+    let (kv, state) = segments.split_at(n - state_layers);
+    // State regions hold one slot per request, KV regions blocks of several layers: the
+    // sizes tell them apart.
+    assert!(state.iter().all(|(_, p)| size(p) == size(&state[0].1)), "{segments:?}");
+    assert!(kv.iter().all(|(_, p)| size(p) != size(&state[0].1)), "{segments:?}");
+    state.iter().map(|(_, p)| p.clone()).collect()
+}
+
+fn zero(path: &Path) {
+    use std::io::Write;
+    let len = std::fs::metadata(path).unwrap().len() as usize;
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all(&vec![0u8; len]).unwrap();
+}
+
+#[test]
+fn hybrid_model_without_prefills_state_diverges_from_monolithic() {
+    // The negative control of the hybrid rows: the same pair over shm, with prefill's state
+    // slots zeroed after each prefill and before decode loads them. Decode still loads the
+    // prompt's KV (all but the last prompt token) and recomputes nothing, so only the state
+    // it starts from is wrong; its outputs must then differ from monolithic, which proves the
+    // equality of the hybrid rows depends on the state moving.
+    let model = hybrid_reference_model();
+    let spec = ModelSpec::from_hf_config_json(&std::fs::read_to_string(&model).unwrap()).unwrap();
+    let state_layers: usize =
+        kvconnect_api::negotiate::state_groups(&spec).iter().map(|g| g.layers.len()).sum();
+    assert_eq!(state_layers, 2);
+    let prefill = start_model(&model, "prefill", "kv_producer", "shm", "on");
+    let decode = start_model(&model, "decode", "kv_consumer", "shm", "on");
+    let segments = state_segments(&prefill, state_layers);
+    let (prompts, mono) = hybrid_baseline();
+    let mut differ = 0;
+    let mut long = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let (st, d) =
+            disaggregated_with(&prefill, &decode, p, MAX_TOKENS, || segments.iter().for_each(|s| zero(s)));
+        assert_eq!(st, 200, "prompt {i}: {d}\n{}", decode.log());
+        assert_eq!(
+            d["kvconnect"]["num_external_tokens"].as_u64(),
+            Some(p.len() as u64 - 1),
+            "prompt {i}: {d}"
+        );
+        assert!(d["kvconnect"]["kv_load"].is_null(), "prompt {i}: nothing may be recomputed: {d}");
+        let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
+        if p.len() >= 16 {
+            long += 1;
+            differ += usize::from(got != mono[i]);
+        }
+    }
+    eprintln!(
+        "without prefill's state, {differ} of {long} prompts of 16 tokens or more differ from monolithic"
+    );
+    assert!(
+        differ * 4 >= long * 3,
+        "only {differ} of {long} prompts of 16 tokens or more differ without prefill's state"
+    );
 }
 
 #[test]
