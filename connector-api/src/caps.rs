@@ -195,6 +195,24 @@ pub struct Capabilities {
     /// of the JSON when false, so hosts that predate it read such declarations unchanged.
     #[serde(default, skip_serializing_if = "is_false")]
     pub carries_state: bool,
+    /// Carries that state also when either side splits its KV heads over several
+    /// tensor-parallel ranks (`tp_size` > 1). Without it, a model with state layers runs at
+    /// `tp_size` 1 on both sides: negotiation refuses another size for such a model, and the
+    /// compat check a peer with one. Left out of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub state_with_tp: bool,
+    /// Adapts blocks on receive (another block size or layout on the peer) also when either
+    /// side splits its KV heads over several tensor-parallel ranks. Without it, a side with
+    /// `tp_size` > 1 needs the peer's block size and layout: the compat check refuses the pair
+    /// otherwise. Left out of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub adapts_with_tp: bool,
+    /// Adapts blocks on receive (another block size or layout on the peer) also for a model
+    /// with state layers, whose per-request state moves beside the blocks. Without it, such a
+    /// model needs the same block size and layout on both sides. Left out of the JSON when
+    /// false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub adapts_with_state: bool,
 }
 
 fn is_false(b: &bool) -> bool {

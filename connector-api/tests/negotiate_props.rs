@@ -72,6 +72,9 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     mla,
                     async_load: false,
                     carries_state: false,
+                    state_with_tp: false,
+                    adapts_with_tp: false,
+                    adapts_with_state: false,
                 }
             },
         )
@@ -79,14 +82,14 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
 
 fn children() -> impl Strategy<Value = Vec<ChildCaps>> {
     // Half the time every child carries per-request state, so models with state layers
-    // negotiate too.
-    (prop::collection::vec(capabilities(), 0..4), any::<bool>()).prop_map(|(v, state)| {
+    // negotiate too; a quarter of the time also at tp_size > 1.
+    (prop::collection::vec(capabilities(), 0..4), any::<bool>(), any::<bool>()).prop_map(|(v, state, tp)| {
         v.into_iter()
             .enumerate()
             .map(|(i, caps)| ChildCaps {
                 name: format!("c{i}"),
                 version: "1".into(),
-                caps: Capabilities { carries_state: state, ..caps },
+                caps: Capabilities { carries_state: state, state_with_tp: state && tp, ..caps },
             })
             .collect()
     })
@@ -248,6 +251,7 @@ fn check_sound(
     if m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)) {
         prop_assert!(e.hma);
         prop_assert!(children.iter().all(|c| c.caps.carries_state));
+        prop_assert!(o.tp_size == 1 || children.iter().all(|c| c.caps.state_with_tp));
     }
     // State groups: every state layer, with the model's state.
     let state_layers: Vec<u32> =
@@ -339,6 +343,13 @@ fn check_conflict(
             prop_assert!(m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)));
             prop_assert!(!unsupported.is_empty());
             prop_assert!(children.iter().any(|c| !c.caps.carries_state));
+        }
+        Conflict::StateWithTp { tp_size, children: named, .. } => {
+            prop_assert!(m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)));
+            prop_assert!(*tp_size > 1 && *tp_size == o.tp_size);
+            prop_assert!(!named.is_empty());
+            prop_assert!(children.iter().all(|c| c.caps.carries_state));
+            prop_assert!(children.iter().any(|c| !c.caps.state_with_tp));
         }
         Conflict::TransferMode { pull, push } => prop_assert!(!pull.is_empty() && !push.is_empty()),
         Conflict::CacheDtype { violators, .. } | Conflict::Memory { violators, .. } => {

@@ -86,6 +86,9 @@ pub fn json_values() -> Vec<JsonValue> {
         mla: false,
         async_load: false,
         carries_state: false,
+        state_with_tp: false,
+        adapts_with_tp: false,
+        adapts_with_state: false,
     };
     let region = KvRegionSpec {
         name: "layer.0".into(),

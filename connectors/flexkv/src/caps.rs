@@ -46,6 +46,9 @@ pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
         mla: false,
         async_load: true,
         carries_state: false,
+        state_with_tp: false,
+        adapts_with_tp: false,
+        adapts_with_state: false,
     }
 }
 

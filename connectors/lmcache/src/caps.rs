@@ -39,6 +39,9 @@ pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> Co
         mla: true,
         async_load: false,
         carries_state: false,
+        state_with_tp: false,
+        adapts_with_tp: false,
+        adapts_with_state: false,
     })
 }
 

@@ -13,7 +13,9 @@ use kvconnect_api::{Capabilities, KvLayout, LayoutConstraint, TransferMode};
 
 /// Combines the children's capabilities, in child order.
 ///
-/// * HMA, heterogeneous TP, MLA, carrying per-request state: only if every child has it.
+/// * HMA, heterogeneous TP, MLA, carrying per-request state, and the adaptations combined
+///   with TP or state (`state_with_tp`, `adapts_with_tp`, `adapts_with_state`): only if every
+///   child has it.
 /// * Layout: the hard constraints of children that cannot adapt are intersected; a child
 ///   that can adapt (e.g. flexkv transposing on its copy path) does not narrow the set.
 ///   Preferred layouts are the children's, in child order, those needing no adapter first.
@@ -132,6 +134,9 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
         mla: all(|c| c.mla),
         async_load: any(|c| c.async_load),
         carries_state: all(|c| c.carries_state),
+        state_with_tp: all(|c| c.state_with_tp),
+        adapts_with_tp: all(|c| c.adapts_with_tp),
+        adapts_with_state: all(|c| c.adapts_with_state),
     })
 }
 
@@ -346,6 +351,9 @@ mod props {
                     mla: false,
                     async_load: false,
                     carries_state: false,
+                    state_with_tp: false,
+                    adapts_with_tp: false,
+                    adapts_with_state: false,
                 }
             })
     }

@@ -149,7 +149,9 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
                 )?;
             }
             if let Some((r, s)) = plan.block_size_ratio {
-                writeln!(out, "  block sizes: {r} decode block(s) per {s} prefill block(s)")?;
+                // (receiver, sender) block sizes, reduced: (2, 1) means decode's blocks hold
+                // twice as many tokens, so one decode block takes two prefill blocks.
+                writeln!(out, "  block sizes: {s} decode block(s) per {r} prefill block(s)")?;
             }
             if let Some((r, s)) = plan.tp_ratio {
                 writeln!(

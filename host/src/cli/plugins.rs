@@ -295,6 +295,9 @@ fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {
         vec!["mla".into(), yes(c.mla)],
         vec!["async_load".into(), yes(c.async_load)],
         vec!["carries_state".into(), yes(c.carries_state)],
+        vec!["state_with_tp".into(), yes(c.state_with_tp)],
+        vec!["adapts_with_tp".into(), yes(c.adapts_with_tp)],
+        vec!["adapts_with_state".into(), yes(c.adapts_with_state)],
     ]
 }
 

@@ -94,6 +94,9 @@ impl ConnectorFactory for ExampleFactory {
             mla: true,
             async_load: false,
             carries_state: false,
+            state_with_tp: false,
+            adapts_with_tp: false,
+            adapts_with_state: false,
         })
     }
 
