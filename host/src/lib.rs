@@ -8,4 +8,3 @@ pub mod registry;
 pub mod server;
 pub mod sidechannel;
 pub mod up;
-pub mod worker;

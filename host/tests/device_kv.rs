@@ -6,7 +6,7 @@
 
 use kvconnect_api::{ConnectorFactory, Dtype, FailurePolicy, KvLayout, KvRole, MemoryKind};
 use kvconnect_bench::harness::context;
-use kvconnect_host::worker::{
+use kvconnect_engine::{
     local_effective_layout, Engine, EngineConfig, FinishReason, GenRequest, ReferenceConfig,
 };
 use kvconnect_nixl::NixlFactory;

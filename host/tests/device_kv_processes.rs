@@ -9,7 +9,7 @@
 #![cfg(feature = "cuda")]
 
 use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
-use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -5,7 +5,7 @@
 //! monolithic one). The model has 6 KV heads, so TP 2 and TP 3 both run.
 
 use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
-use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use kvconnect_tests::{disaggregated, reference_model, token_ids, varied_prompts, write_deployment, Worker};
 
 /// The reference config with 6 query and 6 KV heads.

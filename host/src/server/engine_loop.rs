@@ -1,7 +1,7 @@
 //! The engine's own thread: it steps continuously while there is work and talks to the HTTP
 //! handlers only through a command channel, so no handler ever holds the engine.
 
-use crate::worker::{Cancel, Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
+use kvconnect_engine::{Cancel, Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -147,7 +147,7 @@ pub struct PoolStats {
 impl Driver for Engine {
     fn add(&mut self, req: GenRequest) -> Result<(), SubmitError> {
         self.add_request(req).map_err(|e| match e {
-            crate::worker::WorkerError::DuplicateId { .. } => SubmitError::Duplicate(e.to_string()),
+            kvconnect_engine::WorkerError::DuplicateId { .. } => SubmitError::Duplicate(e.to_string()),
             e => SubmitError::Rejected(e.to_string()),
         })
     }

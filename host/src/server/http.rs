@@ -7,13 +7,13 @@ use crate::server::engine_loop::{Done, EngineHandle, PoolStats, SubmitError, Tok
 use crate::server::peers::{remote_peer, strip_remote, Peers};
 use crate::server::worker_metrics::{self, PromptSources, Sample};
 use crate::sidechannel::ServerStats;
-use crate::worker::{FinishReason, GenRequest, SamplingParams};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvconnect_api::FailurePolicy;
+use kvconnect_engine::{FinishReason, GenRequest, SamplingParams};
 use serde_json::{json, Map, Value};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;

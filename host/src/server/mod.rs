@@ -29,11 +29,11 @@ pub mod worker_metrics;
 use crate::deployment::Role;
 use crate::registry::Registry;
 use crate::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
-use crate::worker::{Engine, EngineConfig, ReferenceConfig};
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{EngineOptions, Negotiated};
 use kvconnect_api::{ConnectorContext, KvRole, KvTransferConfig, ModelSpec};
+use kvconnect_engine::{Engine, EngineConfig, ReferenceConfig};
 use kvconnect_nixl::config::Backend;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -106,7 +106,7 @@ fn kv_role(role: Role) -> KvRole {
 
 async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     let stop = shutdown_signal()?;
-    let swept = crate::worker::shm::sweep_dead();
+    let swept = kvconnect_engine::shm::sweep_dead();
     if swept > 0 {
         tracing::warn!(
             segments = swept,
@@ -243,7 +243,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     handle.shutdown();
     let _ = tokio::task::spawn_blocking(move || join.join()).await;
     // The pool unlinks its segments on drop; this catches any a panic left behind.
-    let left = crate::worker::shm::unlink_live_segments();
+    let left = kvconnect_engine::shm::unlink_live_segments();
     if left > 0 {
         tracing::warn!(segments = left, "unlinked shared-memory segments left behind");
     }

@@ -13,7 +13,7 @@
 use crate::server::engine_loop::Produced;
 use crate::server::logprobs;
 use crate::server::response::{self, ChoiceOutput, Head, Shape};
-use crate::worker::detokenize;
+use kvconnect_engine::detokenize;
 use serde_json::{json, Value};
 
 /// A choice's text as its stream has shown it.
@@ -227,7 +227,7 @@ pub fn collect_token_ids(stream: &str) -> Option<Vec<u32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::{FinishReason, TokenLogprobs};
+    use kvconnect_engine::{FinishReason, TokenLogprobs};
 
     fn head(chat: bool) -> Head {
         Head { id: "cmpl-1".into(), model: "m".into(), created: 1, chat }

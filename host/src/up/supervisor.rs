@@ -541,7 +541,7 @@ fn stop_child(child: &mut Child, engine_id: &str, grace: Duration) {
 
 /// A worker that was killed (or crashed) cannot unlink its segments.
 fn remove_segments(pid: u32) {
-    crate::worker::shm::remove_segments_of(pid);
+    kvconnect_engine::shm::remove_segments_of(pid);
 }
 
 #[cfg(test)]

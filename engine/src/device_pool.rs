@@ -18,8 +18,8 @@
 
 #![allow(unsafe_code)] // Vouches for device-mirrored KV regions and stages them through host memory.
 
-use crate::worker::error::WorkerError;
-use crate::worker::pool::KvPool;
+use crate::error::WorkerError;
+use crate::pool::KvPool;
 use kvconnect_api::{BlockId, KvRegion, LayerId};
 
 /// The environment variable that picks the GPU (ordinal, default 0).
@@ -170,7 +170,7 @@ pub use imp::DeviceMirror;
 
 #[cfg(all(test, not(feature = "cuda")))]
 mod tests {
-    use crate::worker::{local_effective_layout, Engine, EngineConfig, ReferenceConfig};
+    use crate::{local_effective_layout, Engine, EngineConfig, ReferenceConfig};
     use kvconnect_api::{Dtype, FailurePolicy, KvLayout, MemoryKind};
 
     #[test]

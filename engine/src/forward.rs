@@ -2,10 +2,10 @@
 //! written only through the block pool (so what the engine attends to is exactly what a
 //! connector saved or loaded).
 
-use crate::worker::error::WorkerError;
-use crate::worker::kv_codec;
-use crate::worker::model::ReferenceModel;
-use crate::worker::pool::KvPool;
+use crate::error::WorkerError;
+use crate::kv_codec;
+use crate::model::ReferenceModel;
+use crate::pool::KvPool;
 use kvconnect_api::{AttentionKind, BlockId, LayerId};
 
 /// Reusable buffers, so the hot loop does not allocate per token.

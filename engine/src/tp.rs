@@ -4,9 +4,9 @@
 //! forward pass gathers a layer's heads from every rank's regions, so its arithmetic (and
 //! every output token) is exactly TP 1's.
 
-use crate::worker::engine::EngineConfig;
-use crate::worker::error::WorkerError;
-use crate::worker::pool::KvPool;
+use crate::engine::EngineConfig;
+use crate::error::WorkerError;
+use crate::pool::KvPool;
 use kvconnect_api::{MemoryKind, ModelSpec};
 
 /// The engine's block pool for `cfg.tp_size` ranks. Refused: a size that does not divide
@@ -27,9 +27,9 @@ pub fn pool(spec: &ModelSpec, cfg: &EngineConfig) -> Result<KvPool, WorkerError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::engine::{Engine, GenRequest};
-    use crate::worker::model::ReferenceConfig;
-    use crate::worker::pool::local_effective_layout;
+    use crate::engine::{Engine, GenRequest};
+    use crate::model::ReferenceConfig;
+    use crate::pool::local_effective_layout;
     use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
 
     fn engine(tp_size: u32, layout: KvLayout) -> Result<Engine, WorkerError> {

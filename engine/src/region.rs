@@ -3,8 +3,8 @@
 
 #![allow(unsafe_code)] // Allocates and frees the host memory behind KV regions.
 
-use crate::worker::error::WorkerError;
-use crate::worker::shm::ShmSegment;
+use crate::error::WorkerError;
+use crate::shm::ShmSegment;
 use std::alloc::Layout;
 
 const ALIGN: usize = 4096;

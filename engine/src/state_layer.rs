@@ -9,11 +9,11 @@
 //! every token, so a state stored after any token and loaded elsewhere continues exactly as
 //! if it had never left: prefill on one engine and decode on another agree bit for bit.
 
-use crate::worker::error::WorkerError;
-use crate::worker::kv_codec;
-use crate::worker::model::{matvec, rms_norm, ReferenceModel};
-use crate::worker::pool::KvPool;
-use crate::worker::prng::SplitMix64;
+use crate::error::WorkerError;
+use crate::kv_codec;
+use crate::model::{matvec, rms_norm, ReferenceModel};
+use crate::pool::KvPool;
+use crate::prng::SplitMix64;
 use kvconnect_api::{BlockId, Dtype, LayerId, LayerState, Request, StateKind};
 
 /// The state's dimensions, from the model's `LayerState` (the config's `linear_*` fields).
@@ -244,8 +244,8 @@ pub fn forward_state_layer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::model::ReferenceConfig;
-    use crate::worker::pool::local_effective_layout;
+    use crate::model::ReferenceConfig;
+    use crate::pool::local_effective_layout;
     use kvconnect_api::KvLayout;
 
     fn setup() -> (ReferenceModel, KvPool) {

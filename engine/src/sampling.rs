@@ -9,8 +9,8 @@
 //! monolithic worker, or a decode worker that continues from transferred KV (decode samples
 //! every generated token, so the generator sees the same draws in the same order).
 
-use crate::worker::model::argmax;
-use crate::worker::prng::SplitMix64;
+use crate::model::argmax;
+use crate::prng::SplitMix64;
 
 /// How a request's tokens are chosen and reported. `Default` is greedy decoding with nothing
 /// reported and no stop sequences: exactly what the engine did before sampling existed.

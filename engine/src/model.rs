@@ -7,22 +7,22 @@
 //! the KV it reads, never on which other tokens share the step: prefill on one engine and
 //! decode on another then agree bit for bit.
 
-use crate::worker::error::WorkerError;
-use crate::worker::prng::SplitMix64;
-use crate::worker::state_layer::{StateDims, StateWeights};
-use crate::worker::tokenizer::VOCAB_SIZE;
+use crate::error::WorkerError;
+use crate::prng::SplitMix64;
+use crate::state_layer::{StateDims, StateWeights};
+use crate::tokenizer::VOCAB_SIZE;
 use kvconnect_api::{AttentionKind, ModelSpec};
 use serde::Deserialize;
 
 /// The reference model's `config.json`, as checked in at
 /// `fixtures/models/kvconnect--reference/config.json`.
 pub const REFERENCE_CONFIG_JSON: &str =
-    include_str!("../../../fixtures/models/kvconnect--reference/config.json");
+    include_str!("../../fixtures/models/kvconnect--reference/config.json");
 
 /// The hybrid reference model's `config.json` (sliding-window, state and full-attention
 /// layers), as checked in at `fixtures/models/kvconnect--reference-hybrid/config.json`.
 pub const REFERENCE_HYBRID_CONFIG_JSON: &str =
-    include_str!("../../../fixtures/models/kvconnect--reference-hybrid/config.json");
+    include_str!("../../fixtures/models/kvconnect--reference-hybrid/config.json");
 
 /// The fields of a Hugging Face `config.json` the reference model reads.
 #[derive(Debug, Clone, PartialEq, Deserialize)]

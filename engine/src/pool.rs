@@ -8,11 +8,11 @@
 
 #![allow(unsafe_code)] // Vouches for the block pool's KV regions (`KvRegion::new`) and reads them.
 
-use crate::worker::error::WorkerError;
-use crate::worker::prefix_cache::PrefixCache;
-use crate::worker::region::RegionMemory;
-use crate::worker::shm;
-use crate::worker::state_pool::StatePool;
+use crate::error::WorkerError;
+use crate::prefix_cache::PrefixCache;
+use crate::region::RegionMemory;
+use crate::shm;
+use crate::state_pool::StatePool;
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;

@@ -4,9 +4,9 @@
 //! one slot per state group for its whole life; its id is the request's block list for that
 //! group, after the KV cache groups' lists.
 
-use crate::worker::error::WorkerError;
-use crate::worker::pool::{push_host_region, HostRegion};
-use crate::worker::region::RegionMemory;
+use crate::error::WorkerError;
+use crate::pool::{push_host_region, HostRegion};
+use crate::region::RegionMemory;
 use kvconnect_api::state_slots::StateSlots;
 use kvconnect_api::{BlockId, EffectiveLayout, KvRegion};
 

@@ -9,16 +9,16 @@
 //! `finished_sending`. Async loads keep the request out of compute until `get_finished`
 //! reports it received (or failed: then `kv_load_failure_policy` decides).
 
-use crate::worker::device_pool::DeviceMirror;
-use crate::worker::error::WorkerError;
-use crate::worker::forward::{forward_layer, Scratch};
-use crate::worker::kv_codec;
-use crate::worker::model::{ReferenceConfig, ReferenceModel};
-use crate::worker::pool::KvPool;
-use crate::worker::prefix_cache::block_hashes;
-use crate::worker::prng::SplitMix64;
-use crate::worker::sampling::{self, SamplingParams, TokenLogprobs};
-use crate::worker::state_layer;
+use crate::device_pool::DeviceMirror;
+use crate::error::WorkerError;
+use crate::forward::{forward_layer, Scratch};
+use crate::kv_codec;
+use crate::model::{ReferenceConfig, ReferenceModel};
+use crate::pool::KvPool;
+use crate::prefix_cache::block_hashes;
+use crate::prng::SplitMix64;
+use crate::sampling::{self, SamplingParams, TokenLogprobs};
+use crate::state_layer;
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, LayerId, MatchResult,
     MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
@@ -286,7 +286,7 @@ impl Engine {
                 "not implemented: state layers with KV in device memory; use kv_buffer_device \"cpu\"".into(),
             ));
         }
-        let pool = crate::worker::tp::pool(&spec, &cfg)?;
+        let pool = crate::tp::pool(&spec, &cfg)?;
         let device = match cfg.effective.memory {
             MemoryKind::Device => Some(DeviceMirror::new(&pool)?),
             _ => None,
@@ -341,7 +341,7 @@ impl Engine {
         if r.prompt.is_empty() {
             return bad("the prompt is empty; send at least one token".into());
         }
-        if let Some(t) = r.prompt.iter().find(|t| **t >= crate::worker::tokenizer::VOCAB_SIZE) {
+        if let Some(t) = r.prompt.iter().find(|t| **t >= crate::tokenizer::VOCAB_SIZE) {
             return bad(format!("token id {t} is outside the byte vocabulary (0..=255)"));
         }
         if r.max_tokens == 0 {
@@ -1067,7 +1067,7 @@ impl Drop for Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::pool::local_effective_layout;
+    use crate::pool::local_effective_layout;
     use kvconnect_api::{ConnectorResult, Dtype, FinishedTransfers, KvLayout, RequestFinished};
     use std::sync::{Arc, Mutex};
 
@@ -1261,7 +1261,7 @@ mod tests {
 #[cfg(test)]
 mod window_tests {
     use super::*;
-    use crate::worker::pool::local_effective_layout;
+    use crate::pool::local_effective_layout;
     use kvconnect_api::{Dtype, KvLayout};
 
     fn engine(hma: bool) -> Engine {
