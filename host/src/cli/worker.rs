@@ -3,7 +3,7 @@
 //! a model, alone, as vLLM does.
 
 use super::config_arg::read_config;
-use crate::deployment::{negotiate_role, negotiate_worker, parse_cache_dtype, Deployment, Role};
+use crate::deployment::{negotiate_alone, negotiate_role, parse_cache_dtype, Deployment, Negotiating};
 use crate::registry::Registry;
 use crate::server::producers::Producers;
 use crate::server::{run as run_worker, WorkerSpec};
@@ -12,7 +12,7 @@ use crate::sidechannel::{
 };
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::{EngineOptions, HmaOption};
-use kvconnect_api::{KvLayout, KvRole, KvTransferConfig, ModelSpec};
+use kvconnect_api::{KvLayout, KvTransferConfig, ModelSpec, Role};
 use kvconnect_nixl::auth::{Secret, SECRET_ENV};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -158,11 +158,9 @@ fn role_of(a: &WorkerArgs, config: Option<&KvTransferConfig>) -> Result<Role> {
         return r.parse::<Role>().map_err(|e| anyhow!("--role: {e}"));
     }
     match config.and_then(|c| c.kv_role) {
-        Some(KvRole::Producer) => Ok(Role::Prefill),
-        Some(KvRole::Consumer) => Ok(Role::Decode),
-        Some(KvRole::Both) => {
-            bail!("kv_role is kv_both; say which side this worker is with --role prefill|decode")
-        }
+        Some(k) => Role::from_kv_role(k).ok_or_else(|| {
+            anyhow!("kv_role is {k}; say which side this worker is with --role prefill|decode")
+        }),
         None => bail!("no role: pass --role prefill|decode (or set kv_role in the kv-transfer-config)"),
     }
 }
@@ -251,7 +249,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             );
         }
         device_kv_available(&opts)?;
-        let (n, c) = negotiate_worker(&registry, &config, &model, &opts, role.name())?;
+        let (n, c) = negotiate_alone(&registry, &config, &model, &opts, Negotiating::Role(role))?;
         (role, config, json, model, n, c, opts)
     };
     let engine_id = a

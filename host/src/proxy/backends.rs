@@ -3,7 +3,7 @@
 //! restarted process announced its new address; the proxy picks round-robin among the
 //! workers of a role that are up.
 
-use crate::deployment::Role;
+use kvconnect_api::Role;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::RwLock;
 
@@ -25,7 +25,7 @@ pub struct Backend {
 #[error("no {role} worker is up ({why}); retry shortly: kvconnect up restarts workers that exit")]
 pub struct NoBackend {
     /// The role.
-    pub role: &'static str,
+    pub role: Role,
     /// What the workers of that role are doing.
     pub why: String,
 }
@@ -103,7 +103,7 @@ impl Backends {
                     .collect::<Vec<_>>()
                     .join("; ")
             };
-            return Err(NoBackend { role: role.name(), why });
+            return Err(NoBackend { role, why });
         }
         let i = self.next[slot(role)].fetch_add(1, Ordering::Relaxed) % up.len();
         Ok(up[i].http.clone())

@@ -3,6 +3,7 @@
 //! latency.
 
 use crate::server::worker_metrics::SECONDS;
+use kvconnect_api::Role;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -48,8 +49,8 @@ impl ProxyMetrics {
     pub fn served(&self, pw: &str, dw: &str, ttft: Duration, total: Duration, tokens: u64) {
         self.served.inc();
         self.tokens.inc_by(tokens);
-        for (role, w) in [("prefill", pw), ("decode", dw)] {
-            self.per_worker.get_or_create(&vec![("role", role.to_owned()), ("worker", w.to_owned())]).inc();
+        for (role, w) in [(Role::Prefill, pw), (Role::Decode, dw)] {
+            self.per_worker.get_or_create(&vec![("role", role.to_string()), ("worker", w.to_owned())]).inc();
         }
         self.ttft.observe(ttft.as_secs_f64());
         self.latency.observe(total.as_secs_f64());

@@ -21,7 +21,6 @@ pub mod client;
 pub mod fanout;
 pub mod metrics;
 
-use crate::deployment::Role;
 use crate::server::openai::{json_object, openai_error, param_error, CONTEXT_TOKENS};
 use crate::server::{params, request_id};
 use axum::body::Bytes;
@@ -31,6 +30,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use backends::Backends;
+use kvconnect_api::Role;
 use metrics::ProxyMetrics;
 use serde_json::{json, Map, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -84,7 +84,7 @@ impl Proxy {
         loop {
             let w = match self.backends.pick(role, &tried) {
                 Ok(w) => w,
-                Err(e) if tried.is_empty() => return Err(unreachable(role.name(), e)),
+                Err(e) if tried.is_empty() => return Err(unreachable(role, e)),
                 Err(_) => break,
             };
             let call = client::Call { headers, ..client::Call::new(&w, method, path, body, self.timeout) };
@@ -94,13 +94,10 @@ impl Proxy {
                     tracing::warn!(worker = %w, "{role} worker unreachable, trying another: {e}");
                     tried.push(w);
                 }
-                Err(e) => return Err(unreachable(role.name(), e)),
+                Err(e) => return Err(unreachable(role, e)),
             }
         }
-        Err(unreachable(
-            role.name(),
-            format!("no {role} worker could be reached (tried {})", tried.join(", ")),
-        ))
+        Err(unreachable(role, format!("no {role} worker could be reached (tried {})", tried.join(", "))))
     }
 }
 
@@ -115,7 +112,7 @@ pub fn router(p: Arc<Proxy>) -> Router {
         .with_state(p)
 }
 
-fn unreachable(role: &str, e: impl std::fmt::Display) -> Response {
+fn unreachable(role: Role, e: impl std::fmt::Display) -> Response {
     openai_error(
         StatusCode::SERVICE_UNAVAILABLE,
         "service_unavailable",
@@ -292,7 +289,7 @@ pub(crate) async fn one_stream(
     let mut pf = prefill(p, path, body, t0, auth).await?;
     let dw = p.backends.pick(Role::Decode, &[]).map_err(|e| {
         p.metrics.error();
-        unreachable("decode", e)
+        unreachable(Role::Decode, e)
     })?;
     pf.dec.insert("stream".into(), json!(true));
     let headers = pf.headers.clone();
@@ -336,7 +333,7 @@ async fn stream_decode(
         Ok(s) => s,
         Err(e) => {
             p.metrics.error();
-            return Err(unreachable("decode", e));
+            return Err(unreachable(Role::Decode, e));
         }
     };
     if ds.status != 200 {

@@ -12,7 +12,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvconnect_api::FailurePolicy;
+use kvconnect_api::{FailurePolicy, Role};
 use kvconnect_engine::{FinishReason, GenRequest, SamplingParams};
 use serde_json::{json, Map, Value};
 use std::sync::atomic::AtomicU64;
@@ -26,8 +26,8 @@ pub struct AppState {
     pub peers: Peers,
     /// `kv_load_failure_policy`.
     pub policy: FailurePolicy,
-    /// `prefill` or `decode`.
-    pub role: String,
+    /// Prefill or decode.
+    pub role: Role,
     /// This engine's id.
     pub engine_id: String,
     /// The model's name, echoed in responses.
@@ -205,7 +205,7 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
     let body = json!({
         "status": if pool.unhealthy.is_some() { "unhealthy" } else { "ok" },
         "reason": pool.unhealthy,
-        "role": st.role,
+        "role": st.role.name(),
         "engine_id": st.engine_id,
         "compat_hash": st.compat_hash,
         "pool": pool,

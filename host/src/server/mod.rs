@@ -26,13 +26,13 @@ pub mod synthetic;
 pub mod unsupported;
 pub mod worker_metrics;
 
-use crate::deployment::Role;
 use crate::registry::Registry;
 use crate::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{EngineOptions, Negotiated};
-use kvconnect_api::{ConnectorContext, KvRole, KvTransferConfig, ModelSpec};
+use kvconnect_api::Role;
+use kvconnect_api::{ConnectorContext, KvTransferConfig, ModelSpec};
 use kvconnect_engine::{Engine, EngineConfig, ReferenceConfig};
 use kvconnect_nixl::config::Backend;
 use std::io::Write;
@@ -97,13 +97,6 @@ pub fn run(spec: WorkerSpec, registry: Registry) -> Result<()> {
     r
 }
 
-fn kv_role(role: Role) -> KvRole {
-    match role {
-        Role::Prefill => KvRole::Producer,
-        Role::Decode => KvRole::Consumer,
-    }
-}
-
 async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     let stop = shutdown_signal()?;
     let swept = kvconnect_engine::shm::sweep_dead();
@@ -133,7 +126,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         spec.side_channel.secret.as_ref(),
     );
     if config.kv_role.is_none() {
-        config.kv_role = Some(kv_role(spec.role));
+        config.kv_role = Some(spec.role.kv_role());
     }
     if config.engine_id.is_none() {
         config.engine_id = Some(spec.engine_id.clone());
@@ -144,7 +137,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         config: config.clone(),
         model: spec.model.clone(),
         effective: spec.negotiated.effective.clone(),
-        role: kv_role(spec.role),
+        role: spec.role.kv_role(),
         engine_id: spec.engine_id.clone(),
         tp_rank: spec.options.tp_rank,
         tp_size: spec.options.tp_size,
@@ -209,7 +202,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
             spec.producers.clone(),
         ),
         policy,
-        role: spec.role.name().to_owned(),
+        role: spec.role,
         engine_id: spec.engine_id.clone(),
         model: spec.served_model_name.clone(),
         max_model_len: if spec.synthetic { usize::MAX } else { openai::CONTEXT_TOKENS },

@@ -11,10 +11,10 @@ pub mod workload;
 
 use crate::cli::exit::Exit;
 use crate::deployment::Deployment;
-use crate::deployment::Role;
 use crate::proxy::backends::Backends;
 use crate::proxy::{client, Proxy};
 use anyhow::{anyhow, Context, Result};
+use kvconnect_api::Role;
 use report::{Comparison, Report, Sample};
 use serde_json::{json, Value};
 use std::io::Write;
