@@ -11,13 +11,15 @@
 
 #![allow(unsafe_code)] // Signals the benchmark's worker process (libc).
 
+use crate::proxy::client;
 use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// `kvconnect bench ...`.
@@ -190,23 +192,24 @@ impl Drop for BenchWorker {
     }
 }
 
+/// POSTs `body` to a worker through the proxy's pooled HTTP client, on one runtime kept for
+/// the benchmark's life (its pooled connections live there).
 fn http_post(addr: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
-    let mut s = TcpStream::connect(addr).with_context(|| format!("cannot connect to worker {addr}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(600))).ok();
-    let payload = body.to_string();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
-        payload.len()
-    )
-    .context("sending a request to a worker")?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).context("reading a worker's answer")?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let v = serde_json::from_str(body).unwrap_or_else(|_| Value::String(body.to_owned()));
-    Ok((status, v))
+    static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    let rt = RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| anyhow!("cannot start the async runtime: {e}"))?;
+    let reply = rt
+        .block_on(client::request(addr, "POST", path, Some(body), Duration::from_secs(600)))
+        .context("a request to a worker")?;
+    Ok((reply.status, reply.json()))
 }
 
 pub(super) fn backend(s: &str) -> Result<&'static str> {
