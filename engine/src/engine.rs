@@ -10,7 +10,7 @@
 //! reports it received (or failed: then `kv_load_failure_policy` decides).
 
 use crate::device_pool::DeviceMirror;
-use crate::error::WorkerError;
+use crate::error::EngineError;
 use crate::forward::Scratch;
 use crate::kv_codec;
 use crate::model::{ReferenceConfig, ReferenceModel};
@@ -258,8 +258,8 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-fn conn_err(method: &'static str) -> impl FnOnce(kvconnect_api::ConnectorError) -> WorkerError {
-    move |source| WorkerError::Connector { method, source }
+fn conn_err(method: &'static str) -> impl FnOnce(kvconnect_api::ConnectorError) -> EngineError {
+    move |source| EngineError::Connector { method, source }
 }
 
 impl Engine {
@@ -269,22 +269,22 @@ impl Engine {
         cfg: EngineConfig,
         connector: Option<Connector>,
         policy: FailurePolicy,
-    ) -> Result<Engine, WorkerError> {
+    ) -> Result<Engine, EngineError> {
         let model = ReferenceModel::new(&cfg.model, cfg.seed)?;
         let spec = cfg.model.model_spec()?;
         if !kv_codec::supported(cfg.effective.cache_dtype) {
-            return Err(WorkerError::Layout(format!(
+            return Err(EngineError::Layout(format!(
                 "cache dtype {:?} is not supported by the reference engine; use bf16 or f32",
                 cfg.effective.cache_dtype
             )));
         }
         if spec.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. } | AttentionKind::FeedForward)) {
-            return Err(WorkerError::ModelConfig(
+            return Err(EngineError::ModelConfig(
                 "the reference engine runs full and sliding-window attention and state layers only".into(),
             ));
         }
         if spec.has_state_layers() && cfg.effective.memory == MemoryKind::Device {
-            return Err(WorkerError::Layout(
+            return Err(EngineError::Layout(
                 "not implemented: state layers with KV in device memory; use kv_buffer_device \"cpu\"".into(),
             ));
         }
@@ -325,9 +325,9 @@ impl Engine {
     /// with the same tokens reuses them instead of computing or loading them.
     ///
     /// Refused for models with state layers: a cached prefix holds KV, not the state after it.
-    pub fn enable_prefix_caching(&mut self) -> Result<(), WorkerError> {
+    pub fn enable_prefix_caching(&mut self) -> Result<(), EngineError> {
         if self.pool.has_state() {
-            return Err(WorkerError::ModelConfig(format!(
+            return Err(EngineError::ModelConfig(format!(
                 "not implemented: prefix caching for model '{}', whose state layers keep a per-request state that cached KV blocks do not restore; serve it without --enable-prefix-caching",
                 self.spec.name
             )));
@@ -338,8 +338,8 @@ impl Engine {
 
     /// Queues a request. Refused: an empty prompt, a token past 255, `max_tokens == 0`, an id
     /// already in use, or a request that needs more blocks than the pool has.
-    pub fn add_request(&mut self, r: GenRequest) -> Result<(), WorkerError> {
-        let bad = |reason: String| Err(WorkerError::BadRequest { id: r.id.clone(), reason });
+    pub fn add_request(&mut self, r: GenRequest) -> Result<(), EngineError> {
+        let bad = |reason: String| Err(EngineError::BadRequest { id: r.id.clone(), reason });
         if r.prompt.is_empty() {
             return bad("the prompt is empty; send at least one token".into());
         }
@@ -353,7 +353,7 @@ impl Engine {
             return bad(why);
         }
         if self.by_id.contains_key(&r.id) || self.pending_free.contains_key(&r.id) {
-            return Err(WorkerError::DuplicateId { id: r.id.clone() });
+            return Err(EngineError::DuplicateId { id: r.id.clone() });
         }
         let need = self.blocks_needed(r.prompt.len(), r.max_tokens);
         if need > self.pool.blocks_per_group() as usize {
@@ -463,7 +463,7 @@ impl Engine {
 
     /// Shuts the connector's worker half down (also done on drop; only the first call
     /// reaches the connector).
-    pub fn shutdown(&mut self) -> Result<(), WorkerError> {
+    pub fn shutdown(&mut self) -> Result<(), EngineError> {
         if std::mem::replace(&mut self.shut_down, true) {
             return Ok(());
         }
@@ -475,14 +475,14 @@ impl Engine {
 
     /// Runs steps until every request has finished; returns them in the order they were
     /// added. Fails with `Stalled` after `max_steps` steps.
-    pub fn run_to_completion(&mut self, max_steps: u64) -> Result<Vec<Completion>, WorkerError> {
+    pub fn run_to_completion(&mut self, max_steps: u64) -> Result<Vec<Completion>, EngineError> {
         let order: BTreeMap<String, u64> = self.by_id.clone();
         let mut done: BTreeMap<u64, Completion> = BTreeMap::new();
         let mut partial: BTreeMap<String, Completion> = BTreeMap::new();
         let mut steps = 0;
         while self.has_unfinished() {
             if steps == max_steps {
-                return Err(WorkerError::Stalled { steps, waiting: self.by_id.keys().cloned().collect() });
+                return Err(EngineError::Stalled { steps, waiting: self.by_id.keys().cloned().collect() });
             }
             steps += 1;
             for o in self.step()? {
@@ -517,11 +517,11 @@ impl Engine {
 
     /// Runs (idle) steps until the connector has released every delayed block; fails with
     /// `Stalled` after `max_steps`.
-    pub fn wait_for_pending_frees(&mut self, max_steps: u64) -> Result<(), WorkerError> {
+    pub fn wait_for_pending_frees(&mut self, max_steps: u64) -> Result<(), EngineError> {
         let mut steps = 0;
         while !self.pending_free.is_empty() {
             if steps == max_steps {
-                return Err(WorkerError::Stalled { steps, waiting: self.pending_frees() });
+                return Err(EngineError::Stalled { steps, waiting: self.pending_frees() });
             }
             steps += 1;
             self.step()?;
@@ -536,13 +536,13 @@ impl Engine {
         layer: usize,
         sg: usize,
         hs: &mut [(u64, usize, Vec<f32>)],
-    ) -> Result<Vec<BlockId>, WorkerError> {
+    ) -> Result<Vec<BlockId>, EngineError> {
         let list = self.pool.num_groups() + sg;
         let mut written = Vec::new();
         for (k, start, h) in hs.iter_mut() {
             let Some(blocks) = self.seqs.get(k).and_then(|s| s.blocks.as_ref()) else { continue };
             let slot = blocks.0.get(list).and_then(|l| l.first()).copied().ok_or_else(|| {
-                WorkerError::Layout(format!("a request has no state slot for state layer {layer}"))
+                EngineError::Layout(format!("a request has no state slot for state layer {layer}"))
             })?;
             state_layer::forward_state_layer(
                 &self.model,
@@ -560,7 +560,7 @@ impl Engine {
     }
 
     /// Looks a waiting request up and allocates its blocks. Ok(false): no room now.
-    fn admit(&mut self, key: u64, outputs: &mut Vec<RequestOutput>) -> Result<bool, WorkerError> {
+    fn admit(&mut self, key: u64, outputs: &mut Vec<RequestOutput>) -> Result<bool, EngineError> {
         let Some(s) = self.seqs.get(&key) else { return Ok(true) };
         let prompt_len = s.req.prompt_tokens.len();
         let need = self.blocks_needed(prompt_len, s.max_tokens);

@@ -39,7 +39,7 @@ pub mod tp;
 pub use engine::{
     Cancel, Completion, Engine, EngineConfig, FinishReason, GenRequest, RequestOutput, StepStats,
 };
-pub use error::WorkerError;
+pub use error::EngineError;
 pub use model::{ReferenceConfig, ReferenceModel};
 pub use pool::{local_effective_layout, KvPool};
 pub use sampling::{SamplingParams, TokenLogprobs};

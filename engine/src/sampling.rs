@@ -6,7 +6,7 @@
 //!
 //! Everything here is a pure function of the logits, the parameters and the generator's
 //! state, so a request with the same prompt and seed gets the same tokens on any engine: a
-//! monolithic worker, or a decode worker that continues from transferred KV (decode samples
+//! monolithic one, or a decode engine that continues from transferred KV (decode samples
 //! every generated token, so the generator sees the same draws in the same order).
 
 use crate::model::argmax;

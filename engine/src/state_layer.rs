@@ -9,7 +9,7 @@
 //! every token, so a state stored after any token and loaded elsewhere continues exactly as
 //! if it had never left: prefill on one engine and decode on another agree bit for bit.
 
-use crate::error::WorkerError;
+use crate::error::EngineError;
 use crate::kv_codec;
 use crate::model::{matvec, rms_norm, ReferenceModel};
 use crate::pool::KvPool;
@@ -39,8 +39,8 @@ pub struct StateDims {
 
 impl StateDims {
     /// The dimensions of a Gated DeltaNet state; other mixers are refused.
-    pub fn of(st: &LayerState) -> Result<StateDims, WorkerError> {
-        let bad = |m: String| Err(WorkerError::ModelConfig(m));
+    pub fn of(st: &LayerState) -> Result<StateDims, EngineError> {
+        let bad = |m: String| Err(EngineError::ModelConfig(m));
         if st.kind != StateKind::GatedDeltaNet {
             return bad(format!(
                 "the reference engine's state layers keep a gated_delta_net state (linear_attention with linear_* fields), not {}",
@@ -151,9 +151,9 @@ pub fn forward_state_layer(
     start: usize,
     h: &mut [f32],
     buf: &mut Vec<u8>,
-) -> Result<(), WorkerError> {
+) -> Result<(), EngineError> {
     let w = model.state_weights(layer).ok_or_else(|| {
-        WorkerError::Layout(format!(
+        EngineError::Layout(format!(
             "layer {layer} is in a state group but the model has no state weights for it"
         ))
     })?;
@@ -166,7 +166,7 @@ pub fn forward_state_layer(
     let mut s = vec![0.0f32; dm.ssm_len()];
     pool.read_state(lid, slot, buf)?;
     if buf.len() != conv_bytes + dm.ssm_len() * se {
-        return Err(WorkerError::Access(format!(
+        return Err(EngineError::Access(format!(
             "state slot of layer {layer} is {} bytes; the model's state needs {}",
             buf.len(),
             conv_bytes + dm.ssm_len() * se

@@ -1,4 +1,4 @@
-//! Deployment files: one model and the prefill and decode workers' kv-transfer-configs and
+//! Deployment files: one model and the prefill and decode servers' kv-transfer-configs and
 //! engine options, in TOML, and their negotiation per role.
 //!
 //! ```toml
@@ -15,7 +15,7 @@
 //! cache = '{"kv_connector":"LMCacheConnectorV1","kv_connector_extra_config":{"chunk_size":128}}'
 //! ```
 //!
-//! A worker started from a deployment calls [`negotiate_role`], so both roles reach the same
+//! A server started from a deployment calls [`negotiate_role`], so both roles reach the same
 //! descriptor and hash by construction when negotiated jointly.
 
 use kvconnect_api::compat::{
@@ -51,7 +51,7 @@ impl fmt::Display for Negotiating {
     }
 }
 
-/// One role's worker config.
+/// One role's server config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoleConfig {
     /// Its kv-transfer-config, named connector configs expanded.
@@ -64,7 +64,7 @@ pub struct RoleConfig {
     /// `--kv-producers`); empty: only producers on this host.
     pub kv_producers: Vec<String>,
     /// What kvconnect made of the config (LMCache P/D settings turned into the nixl
-    /// connector beside lmcache), for the worker's log and `kvconnect plan`.
+    /// connector beside lmcache), for the server's log and `kvconnect plan`.
     pub notes: Vec<String>,
 }
 
@@ -77,11 +77,11 @@ pub struct Deployment {
     pub model_path: PathBuf,
     /// The model.
     pub model: ModelSpec,
-    /// The name the workers serve the model under (`served_model_name`, as vLLM's flag).
+    /// The name the servers serve the model under (`served_model_name`, as vLLM's flag).
     pub served_model_name: Option<String>,
-    /// The prefill worker.
+    /// The prefill server.
     pub prefill: RoleConfig,
-    /// The decode worker.
+    /// The decode server.
     pub decode: RoleConfig,
 }
 
@@ -472,7 +472,7 @@ impl Deployment {
                 DeploymentError::BadOption { path: path.to_owned(), role: r, line, column, message }
             })?;
             // A role's config saying the opposite role is a copy-paste slip that would start a
-            // worker on the wrong side of the transfer.
+            // server on the wrong side of the transfer.
             let wrong =
                 kv_transfer_config.kv_role.filter(|k| Role::from_kv_role(*k).is_some_and(|says| says != r));
             if let Some(w) = wrong {
@@ -563,7 +563,7 @@ impl Deployment {
 
 /// Applies [`kvconnect_lmcache::pd::rewrite`] with this process's `LMCACHE_*` variables:
 /// a config whose lmcache asks for P/D (LMCache's `enable_pd`) becomes the nixl connector
-/// beside lmcache, with a note saying so. Workers and `kvconnect plan` call it on every config
+/// beside lmcache, with a note saying so. Servers and `kvconnect plan` call it on every config
 /// they are given.
 pub fn lmcache_pd(cfg: KvTransferConfig) -> Result<(KvTransferConfig, Vec<String>), String> {
     match kvconnect_lmcache::pd::rewrite(&cfg, &kvconnect_lmcache::config::lmcache_env()) {

@@ -6,7 +6,7 @@
 //! that are done.
 
 use super::{conn_err, Engine, FinishReason, RequestOutput, Seq, State, StepStats};
-use crate::error::WorkerError;
+use crate::error::EngineError;
 use crate::forward::forward_layer;
 use crate::sampling::{self, TokenLogprobs};
 use kvconnect_api::{BlockId, FailurePolicy, FinishedTransfers, LayerId, StepInfo};
@@ -41,7 +41,7 @@ fn loading<'a>(seqs: &'a BTreeMap<u64, Seq>, scheduled: &'a [u64]) -> impl Itera
 
 impl Engine {
     /// One scheduler + worker step.
-    pub fn step(&mut self) -> Result<Vec<RequestOutput>, WorkerError> {
+    pub fn step(&mut self) -> Result<Vec<RequestOutput>, EngineError> {
         let t0 = Instant::now();
         self.step_no += 1;
         let mut w = StepWork::default();
@@ -87,7 +87,7 @@ impl Engine {
 
     /// Scheduler: admits waiting requests in arrival order, until the pool is out of blocks
     /// (later requests wait too: first come, first served).
-    fn admit_waiting(&mut self, w: &mut StepWork) -> Result<(), WorkerError> {
+    fn admit_waiting(&mut self, w: &mut StepWork) -> Result<(), EngineError> {
         let waiting: Vec<u64> =
             self.seqs.iter().filter(|(_, s)| s.state == State::Waiting).map(|(k, _)| *k).collect();
         for key in waiting {
@@ -119,7 +119,7 @@ impl Engine {
 
     /// Worker: binds the step's metadata and starts the loads. A failed start fails every
     /// load of this step.
-    fn start_loads(&mut self, info: &StepInfo, w: &mut StepWork) -> Result<(), WorkerError> {
+    fn start_loads(&mut self, info: &StepInfo, w: &mut StepWork) -> Result<(), EngineError> {
         let t = Instant::now();
         if let Some((sched, worker)) = self.connector.as_mut() {
             let meta = sched.build_connector_meta(info).map_err(conn_err("build_connector_meta"))?;
@@ -163,7 +163,7 @@ impl Engine {
 
     /// One layer across the scheduled requests: waits for its loads, computes it and hands
     /// what it wrote to the connector to save.
-    fn run_layer(&mut self, layer: usize, w: &mut StepWork) -> Result<(), WorkerError> {
+    fn run_layer(&mut self, layer: usize, w: &mut StepWork) -> Result<(), EngineError> {
         let lid = LayerId(layer as u32);
         let t = Instant::now();
         if let Some((_, worker)) = self.connector.as_mut() {
@@ -203,11 +203,11 @@ impl Engine {
         &mut self,
         layer: usize,
         hidden: &mut [(u64, usize, Vec<f32>)],
-    ) -> Result<Vec<BlockId>, WorkerError> {
+    ) -> Result<Vec<BlockId>, EngineError> {
         let group = self
             .pool
             .group_of(LayerId(layer as u32))
-            .ok_or_else(|| WorkerError::Layout(format!("layer {layer} is in no KV cache group")))?;
+            .ok_or_else(|| EngineError::Layout(format!("layer {layer} is in no KV cache group")))?;
         let mut written: BTreeSet<BlockId> = BTreeSet::new();
         for (k, start, h) in hidden.iter_mut() {
             let Some(blocks) = self.seqs.get(k).and_then(|s| s.blocks.as_ref()) else { continue };
@@ -224,7 +224,7 @@ impl Engine {
         &mut self,
         info: &StepInfo,
         w: &mut StepWork,
-    ) -> Result<(FinishedTransfers, BTreeSet<BlockId>), WorkerError> {
+    ) -> Result<(FinishedTransfers, BTreeSet<BlockId>), EngineError> {
         let t = Instant::now();
         let mut fin = FinishedTransfers::default();
         let mut err_blocks: BTreeSet<BlockId> = BTreeSet::new();

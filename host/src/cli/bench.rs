@@ -1,15 +1,15 @@
-//! `kvconnect bench`: end-to-end figures from real worker processes, each reported as a
+//! `kvconnect bench`: end-to-end figures from real server processes, each reported as a
 //! ratio against a baseline measured in the same run.
 //!
-//! * `bench transfer` starts a prefill and a decode worker (two processes, the transfer-only
+//! * `bench transfer` starts a prefill and a decode server (two processes, the transfer-only
 //!   engine with synthetic KV of the given model's geometry), moves one prompt's KV through
 //!   the nixl connector, and compares the rate with a plain memcpy (`shm`) or a raw loopback
 //!   socket (`tcp`) over the same number of bytes.
-//! * `bench ttft` starts a prefill and a decode worker on the reference engine and compares
+//! * `bench ttft` starts a prefill and a decode server on the reference engine and compares
 //!   the time to first token of a long prompt served disaggregated with the same prompt
-//!   computed by one worker.
+//!   computed by one server.
 
-#![allow(unsafe_code)] // Signals the benchmark's worker process (libc).
+#![allow(unsafe_code)] // Signals the benchmark's server process (libc).
 
 use crate::proxy::client;
 use crate::up::report::Quartiles;
@@ -123,14 +123,14 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
     }
 }
 
-/// A worker process the benchmark started; killed (SIGTERM first) on drop.
-pub(super) struct BenchWorker {
+/// A server process the benchmark started; killed (SIGTERM first) on drop.
+pub(super) struct BenchServer {
     child: Child,
     http: String,
 }
 
-impl BenchWorker {
-    fn start(args: &[String]) -> Result<BenchWorker> {
+impl BenchServer {
+    fn start(args: &[String]) -> Result<BenchServer> {
         let exe = std::env::current_exe().context("cannot find the kvconnect executable")?;
         let mut child = Command::new(exe)
             .arg("worker")
@@ -152,7 +152,7 @@ impl BenchWorker {
             }
             for _ in lines {}
         });
-        let mut w = BenchWorker { child, http: String::new() };
+        let mut w = BenchServer { child, http: String::new() };
         let line = rx
             .recv_timeout(Duration::from_secs(120))
             .map_err(|_| anyhow!("a worker did not start within 120 s (its log is above)"))?;
@@ -171,9 +171,9 @@ impl BenchWorker {
     }
 }
 
-impl Drop for BenchWorker {
+impl Drop for BenchServer {
     fn drop(&mut self) {
-        // SIGTERM lets the worker unlink its shared memory.
+        // SIGTERM lets the server unlink its shared memory.
         if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
             // SAFETY: kill(2) on a child this process spawned and has not reaped.
             unsafe {
@@ -192,7 +192,7 @@ impl Drop for BenchWorker {
     }
 }
 
-/// POSTs `body` to a worker through the proxy's pooled HTTP client, on one runtime kept for
+/// POSTs `body` to a server through the proxy's pooled HTTP client, on one runtime kept for
 /// the benchmark's life (its pooled connections live there).
 fn http_post(addr: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
     static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
@@ -229,11 +229,11 @@ fn nixl_config(role: &str, backend: &str, settings: &Value) -> String {
     json!({"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}).to_string()
 }
 
-fn pair(model: &Path, backend: &str, settings: &Value, extra: &[&str]) -> Result<(BenchWorker, BenchWorker)> {
+fn pair(model: &Path, backend: &str, settings: &Value, extra: &[&str]) -> Result<(BenchServer, BenchServer)> {
     pair_with(model, backend, settings, extra, &[], "bench")
 }
 
-/// A prefill and a decode worker with connector `settings` and `extra` arguments, prefill
+/// A prefill and a decode server with connector `settings` and `extra` arguments, prefill
 /// with `prefill_extra` too, named `<tag>-prefill` and `<tag>-decode`.
 pub(super) fn pair_with(
     model: &Path,
@@ -242,7 +242,7 @@ pub(super) fn pair_with(
     extra: &[&str],
     prefill_extra: &[&str],
     tag: &str,
-) -> Result<(BenchWorker, BenchWorker)> {
+) -> Result<(BenchServer, BenchServer)> {
     let model = model.to_str().ok_or_else(|| anyhow!("--model path is not UTF-8"))?.to_owned();
     let mk = |role: &str, id: &str, more: &[&str]| -> Vec<String> {
         let config = nixl_config(role, backend, settings);
@@ -253,15 +253,15 @@ pub(super) fn pair_with(
         v.extend(extra.iter().chain(more).map(|s| s.to_string()));
         v
     };
-    let prefill = BenchWorker::start(&mk("kv_producer", &format!("{tag}-prefill"), prefill_extra))?;
-    let decode = BenchWorker::start(&mk("kv_consumer", &format!("{tag}-decode"), &[]))?;
+    let prefill = BenchServer::start(&mk("kv_producer", &format!("{tag}-prefill"), prefill_extra))?;
+    let decode = BenchServer::start(&mk("kv_consumer", &format!("{tag}-decode"), &[]))?;
     Ok((prefill, decode))
 }
 
 /// One disaggregated request; returns decode's answer and the wall time of both requests.
 pub(super) fn round(
-    prefill: &BenchWorker,
-    decode: &BenchWorker,
+    prefill: &BenchServer,
+    decode: &BenchServer,
     prompt: &Value,
     max_tokens: usize,
 ) -> Result<(Value, Duration)> {

@@ -1,4 +1,4 @@
-//! `kvconnect negotiate`: one worker's effective KV layout, its compat hash and, with
+//! `kvconnect negotiate`: one server's effective KV layout, its compat hash and, with
 //! `--explain`, who decided every field and why.
 
 use crate::deployment::{negotiate_alone, parse_cache_dtype, DeploymentError, Negotiating};
@@ -146,7 +146,7 @@ pub fn run(args: &NegotiateArgs, resolver: &dyn ConnectorResolver, out: &mut dyn
     Ok(0)
 }
 
-/// The JSON form of one worker's negotiation.
+/// The JSON form of one server's negotiation.
 pub fn json(n: &Negotiated, d: &CompatDescriptor) -> serde_json::Value {
     serde_json::json!({
         "ok": true,

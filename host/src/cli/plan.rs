@@ -1,4 +1,4 @@
-//! `kvconnect plan DEPLOYMENT.toml`: negotiates the prefill and decode workers of a
+//! `kvconnect plan DEPLOYMENT.toml`: negotiates the prefill and decode servers of a
 //! deployment and says, before anything starts, whether they can exchange KV: identical,
 //! adaptable (with the plan the receiver applies), or not (the field-level diff and a
 //! remedy).

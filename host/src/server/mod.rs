@@ -1,4 +1,4 @@
-//! The worker process behind `kvconnect worker`: one engine (the reference engine, or the
+//! The server process behind `kvconnect worker`: one engine (the reference engine, or the
 //! transfer-only engine of `kvconnect bench transfer`) with its connector, the P/D side
 //! channel, and an HTTP API.
 //!
@@ -14,6 +14,7 @@ pub mod engine_loop;
 pub mod gate;
 pub mod http;
 pub mod logprobs;
+pub mod metrics;
 pub mod openai;
 pub mod params;
 pub mod peers;
@@ -24,7 +25,6 @@ pub mod serve;
 pub mod sse;
 pub mod synthetic;
 pub mod unsupported;
-pub mod worker_metrics;
 
 use crate::registry::Registry;
 use crate::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
@@ -41,9 +41,9 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Everything a worker is started with, negotiated already.
+/// Everything a server is started with, negotiated already.
 #[derive(Debug, Clone)]
-pub struct WorkerSpec {
+pub struct ServerSpec {
     /// Prefill or decode.
     pub role: Role,
     /// The kv-transfer-config as given (the side-channel keys are added here).
@@ -54,7 +54,7 @@ pub struct WorkerSpec {
     pub model: ModelSpec,
     /// The negotiation result.
     pub negotiated: Negotiated,
-    /// This worker's compat descriptor.
+    /// This server's compat descriptor.
     pub compat: CompatDescriptor,
     /// Engine options (TP rank and size).
     pub options: EngineOptions,
@@ -80,12 +80,12 @@ pub struct WorkerSpec {
     pub http_header_timeout: Duration,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
-    /// The producers a decode worker may load KV from.
+    /// The producers a decode server may load KV from.
     pub producers: producers::Producers,
 }
 
-/// Runs the worker until SIGTERM or Ctrl-C.
-pub fn run(spec: WorkerSpec, registry: Registry) -> Result<()> {
+/// Runs the server until SIGTERM or Ctrl-C.
+pub fn run(spec: ServerSpec, registry: Registry) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -97,7 +97,7 @@ pub fn run(spec: WorkerSpec, registry: Registry) -> Result<()> {
     r
 }
 
-async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
+async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
     let stop = shutdown_signal()?;
     let swept = kvconnect_engine::shm::sweep_dead();
     if swept > 0 {
@@ -243,7 +243,7 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     Ok(())
 }
 
-/// Registers the SIGTERM and SIGINT handlers now (a signal that arrives before the worker
+/// Registers the SIGTERM and SIGINT handlers now (a signal that arrives before the server
 /// announces itself must not kill it with the default action and leak its shared memory);
 /// the returned future completes on the first of them.
 fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {

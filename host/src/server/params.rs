@@ -1,4 +1,4 @@
-//! The OpenAI request parameters workers and the proxy read, checked into an [`OpenAiRequest`]
+//! The OpenAI request parameters servers and the proxy read, checked into an [`OpenAiRequest`]
 //! or refused with a [`ParamError`] naming the parameter.
 //!
 //! Every parameter OpenAI or vLLM define is either honoured, accepted without effect where
@@ -67,10 +67,10 @@ impl ParamError {
     }
 }
 
-/// A checked request: what the worker runs (or the proxy forwards).
+/// A checked request: what the server runs (or the proxy forwards).
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpenAiRequest {
-    /// `model`, when given (the worker compares it with its own).
+    /// `model`, when given (the server compares it with its own).
     pub model: Option<String>,
     /// `/v1/chat/completions` (else `/v1/completions`).
     pub chat: bool,

@@ -84,7 +84,7 @@ pub fn items(n: usize, kind: Prompts) -> Vec<Item> {
         .collect()
 }
 
-/// The reference model the deployment names (its `model`), which the workers run and the
+/// The reference model the deployment names (its `model`), which the servers run and the
 /// ground truth is computed with.
 pub fn reference_model(path: &std::path::Path) -> Result<ReferenceConfig> {
     let json =
