@@ -2,7 +2,8 @@
 pub mod builtin;
 pub mod cli;
 pub mod deployment;
-pub mod loader;
+/// The plugin loader (crate `kvconnect-loader`), under the name the host has always used.
+pub use kvconnect_loader as loader;
 pub mod proxy;
 pub mod registry;
 pub mod server;

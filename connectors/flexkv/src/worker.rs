@@ -157,7 +157,7 @@ enum SaveSource {
 fn save_blocks(cache: &BlockCache, adapter: &BlockAdapter, mem: &KvMemory, blocks: &[BlockId], op: &SaveOp) {
     let mut parent = None;
     for (hash, block) in op.hashes.iter().zip(blocks) {
-        match cache.store(*hash, parent, |slot| adapter.gather(mem, *block, slot)) {
+        match cache.store_summed(*hash, parent, |slot| adapter.gather_summed(mem, *block, slot)) {
             Ok(StoreOutcome::Stored | StoreOutcome::Present) => parent = Some(*hash),
             // The rest of the chain could not be reached from the root.
             Ok(StoreOutcome::NoParent | StoreOutcome::NoSpace) => return,

@@ -546,16 +546,14 @@ fn transfer(a: &TransferArgs) -> Result<()> {
 
 /// The 1-minute load average, from /proc/loadavg (None where there is none).
 pub(super) fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+    kvconnect_api::stats::load_average()
 }
 
 /// What the figures were measured on: cores, and the load average before and after.
 pub(super) fn machine(load_before: Option<f64>) -> Value {
-    json!({
-        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-    })
+    let mut m = kvconnect_api::stats::Machine::start().finish();
+    m.load_average_before = load_before;
+    json!(m)
 }
 
 fn ttft(a: &TtftArgs) -> Result<()> {
