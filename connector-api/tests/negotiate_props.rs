@@ -3,9 +3,9 @@
 //! or through a listed adapter), complete (a conflict means no answer exists), and joint
 //! negotiation gives both roles one hash.
 
-use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::compat::{check, check_roles, diff, LayoutPermutation};
 use kvconnect_api::layout::Dim;
+use kvconnect_api::KvRole;
 use kvconnect_api::{
     negotiate, negotiate_deployment, AdaptCost, AttentionKind, Capabilities, ChildCaps, CompatDescriptor,
     Conflict, Dtype, EngineOptions, HmaOption, KvLayout, LayoutConstraint, MemoryKind, ModelSpec, Negotiated,
@@ -66,7 +66,7 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     cache_dtypes: dtypes,
                     memory_kinds: if mem.is_empty() { vec![MemoryKind::Host] } else { mem },
                     transfer_mode: mode,
-                    roles: vec![KvRoleCap::Both],
+                    roles: vec![KvRole::Both],
                     layerwise: false,
                     heterogeneous_tp: false,
                     mla,

@@ -1,4 +1,4 @@
-//! The kvconnect host: finds and loads connectors (built in and plugins), and runs workers.
+//! The kvconnect host: finds and loads connectors (built in and plugins), and runs servers.
 pub mod builtin;
 pub mod cli;
 pub mod deployment;
@@ -9,4 +9,3 @@ pub mod registry;
 pub mod server;
 pub mod sidechannel;
 pub mod up;
-pub mod worker;

@@ -422,18 +422,18 @@ pub fn assert_refused_at_the_handshake(
 /// Greedy output of a single in-process reference engine without any connector: the
 /// monolithic baseline disaggregated output must equal token for token.
 pub fn monolithic(prompts: &[Vec<u32>], max_tokens: usize, layout: kvconnect_api::KvLayout) -> Vec<Vec<u32>> {
-    let model = kvconnect_host::worker::ReferenceConfig::builtin().expect("reference config");
+    let model = kvconnect_engine::ReferenceConfig::builtin().expect("reference config");
     monolithic_of(model, prompts, max_tokens, layout)
 }
 
 /// [`monolithic`] with another reference model (e.g. the hybrid one).
 pub fn monolithic_of(
-    model: kvconnect_host::worker::ReferenceConfig,
+    model: kvconnect_engine::ReferenceConfig,
     prompts: &[Vec<u32>],
     max_tokens: usize,
     layout: kvconnect_api::KvLayout,
 ) -> Vec<Vec<u32>> {
-    use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest};
+    use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest};
     let spec = model.model_spec().expect("reference spec");
     let eff = local_effective_layout(&spec, layout, true, 16, kvconnect_api::Dtype::Bf16);
     let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed: 0, shm: None, tp_size: 1 };

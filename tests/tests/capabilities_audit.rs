@@ -21,7 +21,7 @@
 //! negotiation checks them. Claims that only builds with `--features cuda` declare name the
 //! GPU tests that exercise them; this build checks that those tests exist.
 
-use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::KvRole;
 use kvconnect_api::{Capabilities, ConnectorResolver, KvTransferConfig, MemoryKind, ModelSpec, TransferMode};
 use kvconnect_host::registry::Registry;
 use kvconnect_tests::{fixture_model, workspace_root};
@@ -198,9 +198,9 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
     for r in roles {
         out.insert(
             match r {
-                KvRoleCap::Producer => "role:kv_producer",
-                KvRoleCap::Consumer => "role:kv_consumer",
-                KvRoleCap::Both => "role:kv_both",
+                KvRole::Producer => "role:kv_producer",
+                KvRole::Consumer => "role:kv_consumer",
+                KvRole::Both => "role:kv_both",
             }
             .to_owned(),
         );

@@ -8,7 +8,7 @@
 //! prefill, which loads nothing and says why (ARCHITECTURE.md §5).
 
 use kvconnect_api::KvLayout;
-use kvconnect_host::worker::ReferenceConfig;
+use kvconnect_engine::ReferenceConfig;
 use kvconnect_tests::{
     assert_refused_at_the_handshake, disaggregated, monolithic, monolithic_of, run_kvconnect, text,
     varied_prompts, workspace_root, Worker,

@@ -45,7 +45,7 @@ fn hybrid_baseline() -> &'static Baseline {
     static B: OnceLock<Baseline> = OnceLock::new();
     B.get_or_init(|| {
         let prompts = varied_prompts(PROMPTS);
-        let model = kvconnect_host::worker::ReferenceConfig::builtin_hybrid().expect("hybrid config");
+        let model = kvconnect_engine::ReferenceConfig::builtin_hybrid().expect("hybrid config");
         let mono = monolithic_of(model, &prompts, MAX_TOKENS, KvLayout::HND);
         (prompts, mono)
     })

@@ -5,9 +5,10 @@
 //! monolithic one). The model has 6 KV heads, so TP 2 and TP 3 both run.
 
 use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
-use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use kvconnect_tests::{
-    assert_refused_at_the_handshake, disaggregated, reference_model, varied_prompts, write_deployment, Worker,
+    assert_refused_at_the_handshake, disaggregated, reference_model, varied_prompts, write_deployment,
+    Worker,
 };
 
 /// The reference config with 6 query and 6 KV heads.

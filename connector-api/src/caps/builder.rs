@@ -1,6 +1,6 @@
 //! Building a [`Capabilities`] declaration that is checked when it is made.
 
-use super::{AdaptCost, Capabilities, CapsError, KvRoleCap, LayoutConstraint, MemoryKind, TransferMode};
+use super::{AdaptCost, Capabilities, CapsError, KvRole, LayoutConstraint, MemoryKind, TransferMode};
 use crate::model::Dtype;
 
 /// Builds a [`Capabilities`] from what a connector must declare (how it moves KV, where it
@@ -22,7 +22,7 @@ impl Capabilities {
     pub fn builder(
         transfer_mode: TransferMode,
         memory_kinds: impl IntoIterator<Item = MemoryKind>,
-        roles: impl IntoIterator<Item = KvRoleCap>,
+        roles: impl IntoIterator<Item = KvRole>,
     ) -> CapabilitiesBuilder {
         CapabilitiesBuilder {
             caps: Capabilities {
