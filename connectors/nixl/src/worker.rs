@@ -333,11 +333,6 @@ impl WorkerConnector for NixlWorker {
         Ok(())
     }
 
-    fn wait_for_layer_load(&mut self, _layer: LayerId) -> ConnectorResult<()> {
-        // Loads are whole-request and asynchronous: the engine waits on get_finished.
-        Ok(())
-    }
-
     fn save_kv_layer(&mut self, _layer: LayerId, _block_ids: &[BlockId]) -> ConnectorResult<()> {
         // Pull mode: the producer keeps its blocks in place; nothing is saved.
         Ok(())

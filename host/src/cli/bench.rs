@@ -1,23 +1,25 @@
-//! `kvconnect bench`: end-to-end figures from real worker processes, each reported as a
+//! `kvconnect bench`: end-to-end figures from real server processes, each reported as a
 //! ratio against a baseline measured in the same run.
 //!
-//! * `bench transfer` starts a prefill and a decode worker (two processes, the transfer-only
+//! * `bench transfer` starts a prefill and a decode server (two processes, the transfer-only
 //!   engine with synthetic KV of the given model's geometry), moves one prompt's KV through
 //!   the nixl connector, and compares the rate with a plain memcpy (`shm`) or a raw loopback
 //!   socket (`tcp`) over the same number of bytes.
-//! * `bench ttft` starts a prefill and a decode worker on the reference engine and compares
+//! * `bench ttft` starts a prefill and a decode server on the reference engine and compares
 //!   the time to first token of a long prompt served disaggregated with the same prompt
-//!   computed by one worker.
+//!   computed by one server.
 
-#![allow(unsafe_code)] // Signals the benchmark's worker process (libc).
+#![allow(unsafe_code)] // Signals the benchmark's server process (libc).
 
+use crate::proxy::client;
 use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// `kvconnect bench ...`.
@@ -126,14 +128,14 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
     }
 }
 
-/// A worker process the benchmark started; killed (SIGTERM first) on drop.
-pub(super) struct BenchWorker {
+/// A server process the benchmark started; killed (SIGTERM first) on drop.
+pub(super) struct BenchServer {
     child: Child,
     http: String,
 }
 
-impl BenchWorker {
-    fn start(args: &[String]) -> Result<BenchWorker> {
+impl BenchServer {
+    fn start(args: &[String]) -> Result<BenchServer> {
         let exe = std::env::current_exe().context("cannot find the kvconnect executable")?;
         let mut child = Command::new(exe)
             .arg("worker")
@@ -155,7 +157,7 @@ impl BenchWorker {
             }
             for _ in lines {}
         });
-        let mut w = BenchWorker { child, http: String::new() };
+        let mut w = BenchServer { child, http: String::new() };
         let line = rx
             .recv_timeout(Duration::from_secs(120))
             .map_err(|_| anyhow!("a worker did not start within 120 s (its log is above)"))?;
@@ -174,9 +176,9 @@ impl BenchWorker {
     }
 }
 
-impl Drop for BenchWorker {
+impl Drop for BenchServer {
     fn drop(&mut self) {
-        // SIGTERM lets the worker unlink its shared memory.
+        // SIGTERM lets the server unlink its shared memory.
         if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
             // SAFETY: kill(2) on a child this process spawned and has not reaped.
             unsafe {
@@ -195,23 +197,24 @@ impl Drop for BenchWorker {
     }
 }
 
+/// POSTs `body` to a server through the proxy's pooled HTTP client, on one runtime kept for
+/// the benchmark's life (its pooled connections live there).
 fn http_post(addr: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
-    let mut s = TcpStream::connect(addr).with_context(|| format!("cannot connect to worker {addr}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(600))).ok();
-    let payload = body.to_string();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
-        payload.len()
-    )
-    .context("sending a request to a worker")?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).context("reading a worker's answer")?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let v = serde_json::from_str(body).unwrap_or_else(|_| Value::String(body.to_owned()));
-    Ok((status, v))
+    static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    let rt = RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| anyhow!("cannot start the async runtime: {e}"))?;
+    let reply = rt
+        .block_on(client::request(addr, "POST", path, Some(body), Duration::from_secs(600)))
+        .context("a request to a worker")?;
+    Ok((reply.status, reply.json()))
 }
 
 pub(super) fn backend(s: &str) -> Result<&'static str> {
@@ -231,11 +234,11 @@ fn nixl_config(role: &str, backend: &str, settings: &Value) -> String {
     json!({"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}).to_string()
 }
 
-fn pair(model: &Path, backend: &str, settings: &Value, extra: &[&str]) -> Result<(BenchWorker, BenchWorker)> {
+fn pair(model: &Path, backend: &str, settings: &Value, extra: &[&str]) -> Result<(BenchServer, BenchServer)> {
     pair_with(model, backend, settings, extra, &[], "bench")
 }
 
-/// A prefill and a decode worker with connector `settings` and `extra` arguments, prefill
+/// A prefill and a decode server with connector `settings` and `extra` arguments, prefill
 /// with `prefill_extra` too, named `<tag>-prefill` and `<tag>-decode`.
 pub(super) fn pair_with(
     model: &Path,
@@ -244,7 +247,7 @@ pub(super) fn pair_with(
     extra: &[&str],
     prefill_extra: &[&str],
     tag: &str,
-) -> Result<(BenchWorker, BenchWorker)> {
+) -> Result<(BenchServer, BenchServer)> {
     let model = model.to_str().ok_or_else(|| anyhow!("--model path is not UTF-8"))?.to_owned();
     let mk = |role: &str, id: &str, more: &[&str]| -> Vec<String> {
         let config = nixl_config(role, backend, settings);
@@ -255,15 +258,15 @@ pub(super) fn pair_with(
         v.extend(extra.iter().chain(more).map(|s| s.to_string()));
         v
     };
-    let prefill = BenchWorker::start(&mk("kv_producer", &format!("{tag}-prefill"), prefill_extra))?;
-    let decode = BenchWorker::start(&mk("kv_consumer", &format!("{tag}-decode"), &[]))?;
+    let prefill = BenchServer::start(&mk("kv_producer", &format!("{tag}-prefill"), prefill_extra))?;
+    let decode = BenchServer::start(&mk("kv_consumer", &format!("{tag}-decode"), &[]))?;
     Ok((prefill, decode))
 }
 
 /// One disaggregated request; returns decode's answer and the wall time of both requests.
 pub(super) fn round(
-    prefill: &BenchWorker,
-    decode: &BenchWorker,
+    prefill: &BenchServer,
+    decode: &BenchServer,
     prompt: &Value,
     max_tokens: usize,
 ) -> Result<(Value, Duration)> {
@@ -579,16 +582,14 @@ fn nixl_raw_peer() -> Result<()> {
 
 /// The 1-minute load average, from /proc/loadavg (None where there is none).
 pub(super) fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+    kvconnect_api::stats::load_average()
 }
 
 /// What the figures were measured on: cores, and the load average before and after.
 pub(super) fn machine(load_before: Option<f64>) -> Value {
-    json!({
-        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-    })
+    let mut m = kvconnect_api::stats::Machine::start().finish();
+    m.load_average_before = load_before;
+    json!(m)
 }
 
 fn ttft(a: &TtftArgs) -> Result<()> {

@@ -1,4 +1,4 @@
-//! Turning a worker's kv-transfer-config into connector instances: the host writes its
+//! Turning a server's kv-transfer-config into connector instances: the host writes its
 //! side-channel address into every nixl config (top level or a composite's child, at any
 //! depth) so `request_finished` can hand it to the peer, and the deployment's data-plane
 //! secret (in memory only), and reads which nixl backend is in use (the `shm` backend needs

@@ -1,4 +1,4 @@
-//! What the OpenAI routes (`/v1/...`) of a worker and of the proxy check before their handler
+//! What the OpenAI routes (`/v1/...`) of a server and of the proxy check before their handler
 //! runs: the API key, as vLLM's `--api-key` does it (`Authorization: Bearer <key>`; `/health`
 //! and `/metrics` stay open, as vLLM's), and a bound on requests in flight, answered with 503
 //! past it instead of queueing without limit. A request holds its place until its answer,
@@ -77,7 +77,7 @@ impl Gate {
 /// to answer (counted by reason).
 async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
     let too_large = |what: String| {
-        crate::server::worker_metrics::http_refused("body_too_large");
+        crate::server::metrics::http_refused("body_too_large");
         openai_error_with_code(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
@@ -105,7 +105,7 @@ async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
             None,
         )),
         Err(_) => {
-            crate::server::worker_metrics::http_refused("body_timeout");
+            crate::server::metrics::http_refused("body_timeout");
             Err(openai_error_with_code(
                 StatusCode::REQUEST_TIMEOUT,
                 "invalid_request_error",

@@ -1,4 +1,4 @@
-//! The HTTP accept loop of workers and of the proxy: hyper's HTTP/1 server with a deadline on
+//! The HTTP accept loop of servers and of the proxy: hyper's HTTP/1 server with a deadline on
 //! every request head, so a client that drips its headers (or sends none) is cut off and
 //! counted instead of holding a connection for ever; shutdown lets requests in flight finish.
 
@@ -44,7 +44,7 @@ pub async fn serve(
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 if e.is_timeout() {
-                    crate::server::worker_metrics::http_refused("header_timeout");
+                    crate::server::metrics::http_refused("header_timeout");
                     tracing::warn!(
                         "HTTP: closed a connection whose request head did not arrive whole within {} s",
                         header_timeout.as_secs_f64()

@@ -29,7 +29,7 @@ pub mod gather;
 
 use super::BackendInfo;
 use crate::config::NAME;
-use kvconnect_api::ConnectorError;
+use kvconnect_api::{ConnectorError, MemoryKind};
 
 /// Its entry in [`super::BACKENDS`].
 pub static BACKEND: BackendInfo = BackendInfo {
@@ -38,6 +38,8 @@ pub static BACKEND: BackendInfo = BackendInfo {
     offer: "\"cuda_ipc\" (same host, GPU KV)",
     across_tp: false,
     carries_state: false,
+    // It opens and copies GPU regions (creating it needs the `cuda` feature).
+    memory_kinds: &[MemoryKind::Device],
     serves_reads: false,
     shm_regions: false,
     available,

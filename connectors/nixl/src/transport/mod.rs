@@ -21,7 +21,7 @@ pub use crate::puller::Link;
 use crate::puller::PullStats;
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::{ConnectorContext, ConnectorError, ConnectorResult, KvRegion, LayerId, RequestId};
+use kvconnect_api::{ConnectorContext, ConnectorError, ConnectorResult, KvRegion, LayerId, MemoryKind, RequestId};
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -43,6 +43,8 @@ pub struct BackendInfo {
     pub across_tp: bool,
     /// Moves each request's per-request state (state-space layers) with its KV.
     pub carries_state: bool,
+    /// The memory its data path reads and writes (what the connector declares for it).
+    pub memory_kinds: &'static [MemoryKind],
     /// The producer's listener serves `read` (the blocks travel over it).
     pub serves_reads: bool,
     /// The producer's KV regions must be POSIX shared-memory segments (the host allocates its

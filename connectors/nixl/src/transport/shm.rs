@@ -10,7 +10,7 @@ use crate::metadata::{LoadSpec, PeerInfo, PeerKey};
 use crate::puller::PullStats;
 use crate::shm::ShmMapping;
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::{ConnectorResult, LayerId};
+use kvconnect_api::{ConnectorResult, LayerId, MemoryKind};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -21,6 +21,8 @@ pub static BACKEND: BackendInfo = BackendInfo {
     offer: "\"shm\" (same host)",
     across_tp: true,
     carries_state: true,
+    // Its copies read and write host memory only.
+    memory_kinds: &[MemoryKind::Host],
     serves_reads: false,
     shm_regions: true,
     available: || Ok(()),

@@ -13,7 +13,7 @@ use crate::puller::PullStats;
 use crate::tcp_data::ShareError;
 use crate::wire::{ClientMsg, ServerMsg};
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::{ConnectorResult, LayerId};
+use kvconnect_api::{ConnectorResult, LayerId, MemoryKind};
 use std::io::Read;
 use std::sync::Arc;
 
@@ -24,6 +24,8 @@ pub static BACKEND: BackendInfo = BackendInfo {
     offer: "\"tcp\" (any hosts)",
     across_tp: true,
     carries_state: true,
+    // Its copies read and write host memory only.
+    memory_kinds: &[MemoryKind::Host],
     serves_reads: true,
     shm_regions: false,
     available: || Ok(()),

@@ -63,7 +63,7 @@ pub fn remove_segments_of(pid: u32) -> usize {
 }
 
 /// Unlinks the segments whose creating process is gone (a crash or SIGKILL leaves them in
-/// /dev/shm, holding memory); returns how many. Workers run it when they start.
+/// /dev/shm, holding memory); returns how many. Servers run it when they start.
 pub fn sweep_dead() -> usize {
     unlink_where(process_alive)
 }
