@@ -1,4 +1,4 @@
-//! The P/D side channel: the handshake a decode worker makes with a prefill worker before it
+//! The P/D side channel: the handshake a decode server makes with a prefill server before it
 //! loads any KV from it (ARCHITECTURE.md §6 and §9).
 //!
 //! Frames are a big-endian `u32` length followed by that many bytes of JSON. Every read has a
@@ -372,7 +372,7 @@ impl Refusal {
     }
 }
 
-/// Counters a worker exposes on /health and /metrics.
+/// Counters a server exposes on /health and /metrics.
 #[derive(Debug, Default)]
 pub struct ServerStats {
     /// Handshakes answered with `welcome`.
@@ -574,7 +574,7 @@ impl SideChannelServer {
         Ok(SideChannelServer { addr, stats, stop, instance })
     }
 
-    /// Starts serving on a listener bound earlier (the worker binds first so it can tell its
+    /// Starts serving on a listener bound earlier (the server binds first so it can tell its
     /// connector the port before the connector, whose metadata the server answers with,
     /// exists). Must be called inside a tokio runtime.
     pub fn from_std(
@@ -747,7 +747,7 @@ async fn serve_connection(
     }
 }
 
-/// What a decode worker learns from a handshake.
+/// What a decode server learns from a handshake.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HandshakeOutcome {
     /// The peer is compatible.
@@ -772,7 +772,7 @@ pub enum HandshakeOutcome {
     },
 }
 
-/// Decode side: handshakes with the prefill worker at `addr` (`host:port`).
+/// Decode side: handshakes with the prefill server at `addr` (`host:port`).
 pub async fn handshake(
     addr: &str,
     local: &CompatDescriptor,

@@ -13,7 +13,6 @@ use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype, Deployment
 use kvconnect_host::registry::{Registry, RegistryConfig};
 use kvconnect_host::server::connector_setup::{nixl_backend, with_side_channel};
 use kvconnect_nixl::auth::{Secret, SECRET_ENV};
-use kvconnect_nixl::config::Backend;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::net::{IpAddr, Ipv4Addr};
@@ -142,7 +141,7 @@ impl Setup {
         let secret = data_plane_secret()?;
         let (config, transports) =
             with_side_channel(&registry, &config, &host.to_string(), port, secret.as_ref());
-        if nixl_backend(&transports).map_err(extra_err)? == Some(Backend::Shm) {
+        if nixl_backend(&transports).map_err(extra_err)?.is_some_and(|b| b.shm_regions) {
             return Err(AdapterError::NotImplemented(
                 "the nixl backend 'shm' inside vLLM: it reads the producer's KV cache from shared-memory segments, and vLLM allocates its KV cache itself, in private memory; use backend 'tcp' (same host or across hosts)".into(),
             ));

@@ -41,7 +41,7 @@ use party::Party;
 fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<Decision, Conflict> {
     check_inputs(model, opts, parties)?;
     let (hma, groups) = decide_hma(model, opts, parties)?;
-    let state = decide_state(model, parties)?;
+    let state = decide_state(model, opts.tp_size, parties)?;
     let (layout, adapters) = decide_layout(opts, parties)?;
     if let (Some(why), false) = (&opts.opaque_blocks, adapters.is_empty()) {
         let children: Vec<String> = adapters.iter().map(|(i, _)| parties[*i].label.clone()).collect();

@@ -13,8 +13,8 @@ pub mod negotiate;
 pub mod plan;
 pub mod plugin_query;
 pub mod plugins;
+pub mod server;
 pub mod up;
-pub mod worker;
 
 use crate::registry::{Registry, RegistryConfig};
 use clap::{Args, Parser, Subcommand};
@@ -71,7 +71,9 @@ pub enum Command {
     /// Checks a deployment's prefill and decode workers against each other before launch.
     Plan(plan::PlanArgs),
     /// Runs a prefill or decode worker: engine, connector, side channel and HTTP API.
-    Worker(worker::WorkerArgs),
+    // One server; the subcommand keeps the name users know it by (ARCHITECTURE.md §2).
+    #[command(name = "worker")]
+    Server(server::ServerArgs),
     /// The whole P/D deployment in one command: prefill and decode workers plus the proxy.
     Up(up::UpArgs),
     /// End-to-end benchmarks against baselines measured in the same run.
@@ -89,7 +91,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(a) => {
             exit::Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
         }
-        Command::Worker(a) => worker::run(&a, cli.global.registry()),
+        Command::Server(a) => server::run(&a, cli.global.registry()),
         Command::Up(a) => up::run(&a),
         Command::Bench(c) => bench::run(&c),
     }

@@ -1,4 +1,4 @@
-//! What the OpenAI routes (`/v1/...`) of a worker and of the proxy check before their handler
+//! What the OpenAI routes (`/v1/...`) of a server and of the proxy check before their handler
 //! runs: the API key, as vLLM's `--api-key` does it (`Authorization: Bearer <key>`; `/health`
 //! and `/metrics` stay open, as vLLM's), and a bound on requests in flight, answered with 503
 //! past it instead of queueing without limit. A request holds its place until its answer,
@@ -96,7 +96,7 @@ impl Gate {
 /// to answer (counted by reason).
 async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
     let too_large = |what: String| {
-        crate::server::worker_metrics::http_refused("body_too_large");
+        crate::server::metrics::http_refused("body_too_large");
         openai_error_with_code(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
@@ -124,7 +124,7 @@ async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
             None,
         )),
         Err(_) => {
-            crate::server::worker_metrics::http_refused("body_timeout");
+            crate::server::metrics::http_refused("body_timeout");
             Err(openai_error_with_code(
                 StatusCode::REQUEST_TIMEOUT,
                 "invalid_request_error",
@@ -168,7 +168,7 @@ async fn check(State(g): State<Gate>, req: Request, next: Next) -> Response {
     }
     let deadline = tokio::time::Instant::now() + g.run_timeout;
     let Ok(permit) = g.in_flight.clone().try_acquire_owned() else {
-        crate::server::worker_metrics::http_refused("too_many_requests");
+        crate::server::metrics::http_refused("too_many_requests");
         return openai_error(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
@@ -221,7 +221,7 @@ fn run_timeout_error(g: &Gate) -> serde_json::Value {
 }
 
 fn ran_too_long(g: &Gate) -> Response {
-    crate::server::worker_metrics::http_refused("run_timeout");
+    crate::server::metrics::http_refused("run_timeout");
     let e = run_timeout_error(g);
     (StatusCode::GATEWAY_TIMEOUT, axum::Json(e)).into_response()
 }
@@ -247,7 +247,7 @@ impl HttpBody for UntilDeadline {
         let Some(body) = this.body.as_mut() else { return Poll::Ready(None) };
         if this.deadline.as_mut().poll(cx).is_ready() {
             this.body = None;
-            crate::server::worker_metrics::http_refused("run_timeout");
+            crate::server::metrics::http_refused("run_timeout");
             tracing::warn!("HTTP: a streamed request ran past its deadline (--request-timeout); ended it");
             return Poll::Ready(this.last.take().map(|b| Ok(Frame::data(b))));
         }

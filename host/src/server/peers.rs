@@ -47,7 +47,7 @@ enum PeerState {
 
 type Slot = Arc<Mutex<Option<PeerState>>>;
 
-/// The peers this worker has handshaken with, by engine id and address.
+/// The peers this server has handshaken with, by engine id and address.
 pub struct Peers {
     local: CompatDescriptor,
     engine_id: String,
@@ -93,7 +93,7 @@ pub fn strip_remote(params: &Map<String, Value>) -> Map<String, Value> {
 }
 
 impl Peers {
-    /// Peers of a worker with this descriptor and engine id.
+    /// Peers of a server with this descriptor and engine id.
     pub fn new(
         local: CompatDescriptor,
         engine_id: String,
@@ -171,11 +171,11 @@ impl Peers {
     }
 }
 
-/// Handshakes with prefill engine `engine` at `addr` as a worker with descriptor `local` and
+/// Handshakes with prefill engine `engine` at `addr` as a server with descriptor `local` and
 /// id `engine_id`, proving `secret`, and returns the envelope its connector gets through
 /// `set_peer_handshake_metadata` (ARCHITECTURE.md §6): `{"engine_id", "side_channel", "peer",
 /// "plan", "peer_effective", "instance"}`. Any engine that loads KV from a kvconnect prefill does this once
-/// per peer before loading: this worker and the vLLM adapter.
+/// per peer before loading: this server and the vLLM adapter.
 pub async fn peer_envelope(
     addr: &str,
     engine: &str,

@@ -1,4 +1,4 @@
-//! The HTTP accept loop of workers and of the proxy: hyper's HTTP/1 server with a deadline on
+//! The HTTP accept loop of servers and of the proxy: hyper's HTTP/1 server with a deadline on
 //! every request head, so a client that drips its headers (or sends none) is cut off and
 //! counted instead of holding a connection for ever, and a cap on open connections, past which
 //! a new one is answered 503 and closed (counted); shutdown lets requests in flight finish.
@@ -65,7 +65,7 @@ pub async fn serve(
             if let Ok(mut s) = stream.into_std() {
                 let _ = std::io::Write::write(&mut s, &over_cap_answer(max_connections));
             }
-            crate::server::worker_metrics::http_refused("too_many_connections");
+            crate::server::metrics::http_refused("too_many_connections");
             tracing::warn!(
                 "HTTP: refused a connection past the cap of {max_connections} (--max-connections)"
             );
@@ -78,7 +78,7 @@ pub async fn serve(
             let _slot = slot;
             if let Err(e) = conn.await {
                 if e.is_timeout() {
-                    crate::server::worker_metrics::http_refused("header_timeout");
+                    crate::server::metrics::http_refused("header_timeout");
                     tracing::warn!(
                         "HTTP: closed a connection whose request head did not arrive whole within {} s",
                         header_timeout.as_secs_f64()

@@ -1,18 +1,18 @@
-//! `kvconnect worker`: runs one prefill or decode worker, negotiated from a deployment file
+//! `kvconnect worker`: runs one prefill or decode server, negotiated from a deployment file
 //! (alone, or jointly with its peer's config with `--joint`) or from a kv-transfer-config and
 //! a model, alone, as vLLM does.
 
 use super::config_arg::read_config;
-use crate::deployment::{negotiate_role, negotiate_worker, parse_cache_dtype, Deployment, Role};
+use crate::deployment::{negotiate_alone, negotiate_role, parse_cache_dtype, Deployment, Negotiating};
 use crate::registry::Registry;
 use crate::server::producers::Producers;
-use crate::server::{run as run_worker, WorkerSpec};
+use crate::server::{run as run_server, ServerSpec};
 use crate::sidechannel::{
     SideChannelConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT,
 };
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::{EngineOptions, HmaOption};
-use kvconnect_api::{KvLayout, KvRole, KvTransferConfig, ModelSpec};
+use kvconnect_api::{KvLayout, KvTransferConfig, ModelSpec, Role};
 use kvconnect_nixl::auth::{Secret, SECRET_ENV};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 /// Arguments of `kvconnect worker`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct WorkerArgs {
+pub struct ServerArgs {
     /// A deployment file (TOML); with --role, runs that role's worker.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kv_transfer_config", "model"])]
     pub deployment: Option<PathBuf>,
@@ -132,7 +132,7 @@ pub struct WorkerArgs {
     pub handshake_timeout: f64,
 }
 
-fn options(a: &WorkerArgs) -> Result<EngineOptions> {
+fn options(a: &ServerArgs) -> Result<EngineOptions> {
     let mut o = EngineOptions {
         hybrid_kv_cache_manager: a
             .hybrid_kv_cache_manager
@@ -168,16 +168,14 @@ fn device_kv_available(o: &EngineOptions) -> Result<()> {
     Ok(())
 }
 
-fn role_of(a: &WorkerArgs, config: Option<&KvTransferConfig>) -> Result<Role> {
+fn role_of(a: &ServerArgs, config: Option<&KvTransferConfig>) -> Result<Role> {
     if let Some(r) = &a.role {
         return r.parse::<Role>().map_err(|e| anyhow!("--role: {e}"));
     }
     match config.and_then(|c| c.kv_role) {
-        Some(KvRole::Producer) => Ok(Role::Prefill),
-        Some(KvRole::Consumer) => Ok(Role::Decode),
-        Some(KvRole::Both) => {
-            bail!("kv_role is kv_both; say which side this worker is with --role prefill|decode")
-        }
+        Some(k) => Role::from_kv_role(k).ok_or_else(|| {
+            anyhow!("kv_role is {k}; say which side this worker is with --role prefill|decode")
+        }),
         None => bail!("no role: pass --role prefill|decode (or set kv_role in the kv-transfer-config)"),
     }
 }
@@ -207,7 +205,7 @@ fn check_served_name(name: String) -> Result<String> {
 }
 
 /// Runs `kvconnect worker`.
-pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
+pub fn run(a: &ServerArgs, registry: Registry) -> Result<()> {
     if a.num_blocks == 0 {
         bail!("--num-blocks must be a positive integer, got 0");
     }
@@ -266,7 +264,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             );
         }
         device_kv_available(&opts)?;
-        let (n, c) = negotiate_worker(&registry, &config, &model, &opts, role.name())?;
+        let (n, c) = negotiate_alone(&registry, &config, &model, &opts, Negotiating::Role(role))?;
         (role, config, json, model, n, c, opts)
     };
     let engine_id = a
@@ -274,7 +272,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         .clone()
         .or_else(|| config.engine_id.clone())
         .unwrap_or_else(|| format!("{}-{}", role.name(), std::process::id()));
-    let spec = WorkerSpec {
+    let spec = ServerSpec {
         role,
         config,
         model_json,
@@ -311,7 +309,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
         producers: producers.unwrap_or_default(),
     };
-    run_worker(spec, registry)
+    run_server(spec, registry)
 }
 
 /// A positive, finite number of seconds from flag `flag`.
