@@ -9,6 +9,7 @@ pub use builder::CapabilitiesBuilder;
 
 use crate::layout::KvLayout;
 use crate::model::Dtype;
+use crate::role::KvRole;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -134,20 +135,9 @@ impl LayoutConstraint {
     }
 }
 
-/// A connector role in a P/D deployment (vLLM's `kv_role` values).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-pub enum KvRoleCap {
-    /// Produces KV (prefill).
-    #[serde(rename = "kv_producer")]
-    Producer,
-    /// Consumes KV (decode).
-    #[serde(rename = "kv_consumer")]
-    Consumer,
-    /// Both.
-    #[serde(rename = "kv_both")]
-    Both,
-}
+/// The roles a connector can play: vLLM's `kv_role` values, [`KvRole`] (this name is kept
+/// for the connectors and plugins written against it).
+pub type KvRoleCap = KvRole;
 
 /// Everything a connector declares about itself, for one config and model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -177,7 +167,7 @@ pub struct Capabilities {
     /// How it moves KV between engines.
     pub transfer_mode: TransferMode,
     /// Roles it can play.
-    pub roles: Vec<KvRoleCap>,
+    pub roles: Vec<KvRole>,
     /// Saves and loads layer by layer.
     #[serde(default)]
     pub layerwise: bool,
@@ -195,6 +185,24 @@ pub struct Capabilities {
     /// of the JSON when false, so hosts that predate it read such declarations unchanged.
     #[serde(default, skip_serializing_if = "is_false")]
     pub carries_state: bool,
+    /// Carries that state also when either side splits its KV heads over several
+    /// tensor-parallel ranks (`tp_size` > 1). Without it, a model with state layers runs at
+    /// `tp_size` 1 on both sides: negotiation refuses another size for such a model, and the
+    /// compat check a peer with one. Left out of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub state_with_tp: bool,
+    /// Adapts blocks on receive (another block size or layout on the peer) also when either
+    /// side splits its KV heads over several tensor-parallel ranks. Without it, a side with
+    /// `tp_size` > 1 needs the peer's block size and layout: the compat check refuses the pair
+    /// otherwise. Left out of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub adapts_with_tp: bool,
+    /// Adapts blocks on receive (another block size or layout on the peer) also for a model
+    /// with state layers, whose per-request state moves beside the blocks. Without it, such a
+    /// model needs the same block size and layout on both sides. Left out of the JSON when
+    /// false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub adapts_with_state: bool,
     /// Over an engine whose blocks are opaque (`EngineOptions::opaque_blocks`), stores and
     /// loads them whole, byte for byte, in the engine's own layout: its layout constraint and
     /// adapter then do not apply. For caches whose blocks only the engine that stored them
@@ -318,7 +326,7 @@ mod tests {
     use super::*;
 
     fn base() -> Capabilities {
-        Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRoleCap::Both])
+        Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRole::Both])
             .hma(true)
             .build()
             .unwrap()
@@ -326,14 +334,14 @@ mod tests {
 
     #[test]
     fn the_builder_validates_what_it_builds() {
-        let any = || Capabilities::builder(TransferMode::None, [MemoryKind::Host], [KvRoleCap::Both]);
+        let any = || Capabilities::builder(TransferMode::None, [MemoryKind::Host], [KvRole::Both]);
         assert_eq!(any().block_size_multiple(0).build(), Err(CapsError::ZeroBlockMultiple));
         assert_eq!(
             any().block_size_multiple(16).block_size_divides(Some(24)).build(),
             Err(CapsError::BlockConstraintsDisjoint { divides: 24, multiple: 16 })
         );
         assert_eq!(
-            Capabilities::builder(TransferMode::Pull, [], [KvRoleCap::Both]).build(),
+            Capabilities::builder(TransferMode::Pull, [], [KvRole::Both]).build(),
             Err(CapsError::NoMemoryKind)
         );
         assert_eq!(

@@ -8,14 +8,17 @@
 //! sizes when one divides the other, TP sizes when one divides the other and the transports
 //! on both sides declare `heterogeneous_tp` (otherwise they must be equal). HMA is
 //! compared through the KV cache groups it produces, so HMA on and off on a model with one
-//! attention kind are compatible.
+//! attention kind are compatible. Adaptations combined with tensor parallelism or with a
+//! model's per-request state need the children on both sides to support the combination
+//! ([`Limits`]); a pair that would need one they lack is refused like any other blocking
+//! difference, naming those children.
 
-use crate::caps::TransferMode;
+use crate::caps::{Capabilities, TransferMode};
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
 use crate::math::gcd;
 use crate::model::{Dtype, ModelSpec};
 use crate::negotiate::{
-    describe_groups_with, describe_state_groups, loads_across_tp, EngineOptions, FieldProvenance,
+    describe_groups_with, describe_state_groups, loads_across_tp, ChildCaps, EngineOptions, FieldProvenance,
     LayoutField, Negotiated,
 };
 use serde::{Deserialize, Serialize};
@@ -50,10 +53,54 @@ pub struct CompatDescriptor {
     /// a descriptor without it (an older peer) is taken to need equal TP sizes.
     #[serde(default)]
     pub heterogeneous_tp: bool,
+    /// Which combinations of adaptations this worker's children lack (not hashed). A
+    /// descriptor without it (an older peer) is taken to lack every one.
+    #[serde(default = "Limits::undescribed")]
+    pub limits: Limits,
     /// (name, version) of each child connector; informational, not hashed.
     pub connectors: Vec<(String, String)>,
     /// Provenance of the negotiated fields, for diffs; not hashed.
     pub provenance: Vec<FieldProvenance>,
+}
+
+/// The combinations of adaptations a worker's children do not support, each with the
+/// children that lack it, as messages name them (`child 'nixl'`). Empty lists: no limit.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Limits {
+    /// Children that carry per-request state only at TP 1 (no `state_with_tp`).
+    pub no_state_with_tp: Vec<String>,
+    /// Children moving KV between engines that adapt blocks only when both sides run TP 1
+    /// (no `adapts_with_tp`).
+    pub no_adapts_with_tp: Vec<String>,
+    /// Children that move per-request state only beside blocks copied as they are (no
+    /// `adapts_with_state`).
+    pub no_adapts_with_state: Vec<String>,
+}
+
+impl Limits {
+    /// The limits of a worker with these children.
+    pub fn of(children: &[ChildCaps]) -> Limits {
+        let lacking = |movers_only: bool, has: fn(&Capabilities) -> bool| -> Vec<String> {
+            children
+                .iter()
+                .filter(|c| !movers_only || c.caps.transfer_mode != TransferMode::None)
+                .filter(|c| !has(&c.caps))
+                .map(|c| format!("child '{}'", c.name))
+                .collect()
+        };
+        Limits {
+            no_state_with_tp: lacking(false, |c| c.state_with_tp),
+            no_adapts_with_tp: lacking(true, |c| c.adapts_with_tp),
+            no_adapts_with_state: lacking(false, |c| c.adapts_with_state),
+        }
+    }
+
+    /// What a descriptor that does not describe its limits (an older peer's) is taken to
+    /// have: every limit, imposed by connectors it does not name.
+    pub fn undescribed() -> Limits {
+        let who = || vec!["the connectors of a peer that does not describe its limits".to_owned()];
+        Limits { no_state_with_tp: who(), no_adapts_with_tp: who(), no_adapts_with_state: who() }
+    }
 }
 
 /// The hashed part of a descriptor. A struct (never a map) so the JSON field order is fixed.
@@ -83,6 +130,7 @@ impl CompatDescriptor {
             tp_size: opts.tp_size,
             tp_rank: opts.tp_rank,
             heterogeneous_tp: loads_across_tp(n.children.iter().map(|c| &c.caps)),
+            limits: Limits::of(&n.children),
             connectors: n.children.iter().map(|c| (c.name.clone(), c.version.clone())).collect(),
             provenance: n.provenance.clone(),
         }
@@ -352,6 +400,76 @@ pub fn same_bytes_note(sender: &CompatDescriptor, receiver: &CompatDescriptor) -
     (s != r && same_layout_bytes(sender, receiver)).then(|| one_head_note(s, r))
 }
 
+/// The children of `a` (on `ar`) and `b` (on `br`) that one limit names, each once:
+/// `child 'nixl' (prefill and decode)`, `child 'x' on decode`.
+fn limited_by(a: &[String], b: &[String], ar: &str, br: &str) -> String {
+    let mut out: Vec<String> = a
+        .iter()
+        .map(|l| if b.contains(l) { format!("{l} ({ar} and {br})") } else { format!("{l} on {ar}") })
+        .collect();
+    out.extend(b.iter().filter(|l| !a.contains(l)).map(|l| format!("{l} on {br}")));
+    out.join(", ")
+}
+
+/// Why the adaptation `field` needs between `a` and `b` cannot be combined with their
+/// tensor-parallel ranks or with the model's per-request state, naming the children that
+/// lack the combination and the remedy; `None` when no such combination is needed or both
+/// sides support it. For `tp_size` the adaptation is moving state across ranks at all.
+fn combination_refusal(
+    field: &LayoutField,
+    a: &CompatDescriptor,
+    b: &CompatDescriptor,
+    ar: &str,
+    br: &str,
+) -> Option<String> {
+    let (ea, eb) = (&a.effective, &b.effective);
+    let state = !ea.state_groups.is_empty() || !eb.state_groups.is_empty();
+    let ranks = a.tp_size > 1 || b.tp_size > 1;
+    let sizes = format!("tp_size {} on {ar} and {} on {br}", a.tp_size, b.tp_size);
+    let who = |f: fn(&Limits) -> &Vec<String>| limited_by(f(&a.limits), f(&b.limits), ar, br);
+    let (what, remedy) = match field {
+        LayoutField::TpSize => {
+            let who = who(|l| &l.no_state_with_tp);
+            return (state && ranks && !who.is_empty()).then(|| {
+                format!(
+                    "the model's state layers keep a per-request state, and moving it with {sizes} is not supported by {who} (no state_with_tp): run {ar} and {br} with tp_size=1"
+                )
+            });
+        }
+        LayoutField::BlockSize => {
+            let (x, y) = divisible_ratio(ea.block_size, eb.block_size)?;
+            (
+                format!("blocks would be split or merged in a {x}:{y} ratio"),
+                format!("set block_size to the same value on {ar} and {br}"),
+            )
+        }
+        LayoutField::Layout => (
+            format!(
+                "the receiver would permute the blocks ({} and {})",
+                ea.layout.canonical_name(),
+                eb.layout.canonical_name()
+            ),
+            format!("set kv_cache_layout={} on both", ea.layout.canonical_name()),
+        ),
+        _ => return None,
+    };
+    if ea.opaque_blocks || eb.opaque_blocks {
+        return None;
+    }
+    let tp_who = who(|l| &l.no_adapts_with_tp);
+    if ranks && !tp_who.is_empty() {
+        return Some(format!(
+            "{what} with {sizes}, which is not supported by {tp_who} (no adapts_with_tp: across tensor-parallel ranks blocks are copied as they are): {remedy}"
+        ));
+    }
+    let state_who = who(|l| &l.no_adapts_with_state);
+    (state && !state_who.is_empty()).then(|| {
+        format!(
+            "{what} beside the per-request state of the model's state layers, which is not supported by {state_who} (no adapts_with_state): {remedy}"
+        )
+    })
+}
+
 fn on_off(b: bool) -> &'static str {
     if b {
         "on"
@@ -495,6 +613,8 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             b.why(LayoutField::Layout),
             if opaque {
                 opaque_remedy("kv_cache_layout")
+            } else if let Some(refusal) = combination_refusal(&LayoutField::Layout, a, b, ar, br) {
+                refusal
             } else {
                 format!(
                 "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set kv_cache_layout={} on both",
@@ -524,15 +644,22 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
             a.why(LayoutField::BlockSize),
             eb.block_size.to_string(),
             b.why(LayoutField::BlockSize),
-            if opaque { opaque_remedy("block_size") } else { remedy },
+            if opaque {
+                opaque_remedy("block_size")
+            } else {
+                combination_refusal(&LayoutField::BlockSize, a, b, ar, br).unwrap_or(remedy)
+            },
             String::new(),
         );
     }
-    if a.tp_size != b.tp_size {
+    // Equal TP sizes above 1 are a difference only for a model whose state the children
+    // cannot move across ranks.
+    let state_refusal = combination_refusal(&LayoutField::TpSize, a, b, ar, br);
+    if a.tp_size != b.tp_size || state_refusal.is_some() {
         let heterogeneous = a.heterogeneous_tp && b.heterogeneous_tp;
-        let remedy = match tp_refusal((ar, a.tp_size), (br, b.tp_size), heterogeneous) {
-            Some(refusal) => refusal,
-            None => {
+        let remedy = match (tp_refusal((ar, a.tp_size), (br, b.tp_size), heterogeneous), state_refusal) {
+            (Some(refusal), _) | (None, Some(refusal)) => refusal,
+            (None, None) => {
                 let (x, y) = divisible_ratio(a.tp_size, b.tp_size).unwrap_or((1, 1));
                 format!("heads are regrouped across ranks in a {x}:{y} ratio on receive")
             }
@@ -567,10 +694,13 @@ fn blocks(d: &FieldDiff, a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
         (FieldClass::Strict, _) => true,
         (FieldClass::Adaptable, LayoutField::BlockSize) => {
             divisible_ratio(a.effective.block_size, b.effective.block_size).is_none()
+                || combination_refusal(&d.field, a, b, "", "").is_some()
         }
         (FieldClass::Adaptable, LayoutField::TpSize) => {
             !tp_exchangeable(a.tp_size, b.tp_size, a.heterogeneous_tp && b.heterogeneous_tp)
+                || combination_refusal(&d.field, a, b, "", "").is_some()
         }
+        (FieldClass::Adaptable, LayoutField::Layout) => combination_refusal(&d.field, a, b, "", "").is_some(),
         (FieldClass::Adaptable, _) => false,
     }
 }
@@ -964,6 +1094,123 @@ mod tests {
         assert!(check_roles(&p, &old).unwrap_err().diff_of("tp_size").is_some());
     }
 
+    /// The hybrid reference model (two state layers) and nixl as it declares itself over
+    /// shm: heterogeneous TP and state, neither combined with adapting blocks nor state with TP.
+    fn hybrid_ref() -> ModelSpec {
+        ModelSpec::from_hf_config_json(include_str!(
+            "../../fixtures/models/kvconnect--reference-hybrid/config.json"
+        ))
+        .unwrap()
+    }
+
+    fn shm_nixl() -> ChildCaps {
+        let mut c = nixl();
+        c.caps.heterogeneous_tp = true;
+        c.caps.carries_state = true;
+        c
+    }
+
+    fn with(tp_size: u32, block_size: u32) -> EngineOptions {
+        EngineOptions { tp_size, block_size: Some(block_size), ..opts() }
+    }
+
+    #[test]
+    fn adapting_blocks_across_tp_ranks_needs_adapts_with_tp_on_both_sides() {
+        let (model, c) = (qwen3(), shm_nixl());
+        let d = |tp, bs| desc(&model, &with(tp, bs), std::slice::from_ref(&c));
+        assert_eq!(d(2, 16).limits.no_adapts_with_tp, ["child 'nixl'"]);
+        // Either alone adapts; together (even at equal TP sizes above 1) they are refused on
+        // the block size, naming the child and the remedy.
+        assert!(check_roles(&d(2, 16), &d(1, 16)).unwrap().tp_ratio.is_some());
+        assert!(check_roles(&d(1, 16), &d(1, 32)).unwrap().block_size_ratio.is_some());
+        for (p, q) in [(2, 1), (1, 2), (2, 2)] {
+            let e = check_roles(&d(p, 16), &d(q, 32)).unwrap_err();
+            let diff = e.diff_of("block_size").unwrap();
+            assert_eq!(
+                diff.remedy,
+                format!("blocks would be split or merged in a 1:2 ratio with tp_size {p} on prefill and {q} on decode, which is not supported by child 'nixl' (prefill and decode) (no adapts_with_tp: across tensor-parallel ranks blocks are copied as they are): set block_size to the same value on prefill and decode")
+            );
+            assert!(e.diff_of("tp_size").is_none() || p != q, "{e}");
+            // The same check from decode's side at the handshake.
+            let e = check_with_roles(&d(q, 32), &d(p, 16), "decode", "prefill").unwrap_err();
+            assert!(e.to_string().contains("not supported by child 'nixl' (decode and prefill)"), "{e}");
+        }
+        // One side that can is not enough.
+        let mut both = c.clone();
+        both.caps.adapts_with_tp = true;
+        let able = |tp, bs| desc(&model, &with(tp, bs), std::slice::from_ref(&both));
+        let e = check_roles(&able(2, 16), &d(1, 32)).unwrap_err();
+        assert!(
+            e.diff_of("block_size").unwrap().remedy.contains("child 'nixl' on decode (no adapts_with_tp"),
+            "{e}"
+        );
+        let plan = check_roles(&able(2, 16), &able(1, 32)).unwrap();
+        assert_eq!((plan.tp_ratio, plan.block_size_ratio), (Some((1, 2)), Some((2, 1))));
+        // A peer that does not describe its limits (an older one) is taken to have them all.
+        let mut json = serde_json::to_value(able(1, 32)).unwrap();
+        json.as_object_mut().unwrap().remove("limits");
+        let old: CompatDescriptor = serde_json::from_value(json).unwrap();
+        let e = check_roles(&able(2, 16), &old).unwrap_err();
+        assert!(
+            e.to_string().contains("the connectors of a peer that does not describe its limits on decode"),
+            "{e}"
+        );
+        assert!(check_roles(&able(2, 16), &{
+            let mut o = old.clone();
+            o.effective.block_size = 16;
+            o
+        })
+        .is_ok());
+    }
+
+    #[test]
+    fn state_beside_adapted_blocks_needs_adapts_with_state() {
+        let (model, c) = (hybrid_ref(), shm_nixl());
+        let d = |bs| desc(&model, &with(1, bs), std::slice::from_ref(&c));
+        assert!(check_roles(&d(16), &d(16)).unwrap().is_identity());
+        let e = check_roles(&d(16), &d(32)).unwrap_err();
+        assert_eq!(e.diffs.len(), 1, "{e}");
+        assert_eq!(
+            e.diffs[0].remedy,
+            "blocks would be split or merged in a 1:2 ratio beside the per-request state of the model's state layers, which is not supported by child 'nixl' (prefill and decode) (no adapts_with_state): set block_size to the same value on prefill and decode"
+        );
+        // The same sizes on a model without state layers adapt.
+        let q = |bs| desc(&qwen3(), &with(1, bs), std::slice::from_ref(&c));
+        assert!(check_roles(&q(16), &q(32)).is_ok());
+        let mut able = c.clone();
+        able.caps.adapts_with_state = true;
+        let a = |bs| desc(&model, &with(1, bs), std::slice::from_ref(&able));
+        assert_eq!(check_roles(&a(16), &a(32)).unwrap().block_size_ratio, Some((2, 1)));
+    }
+
+    #[test]
+    fn state_across_tp_ranks_needs_state_with_tp_on_both_sides() {
+        let (model, c) = (hybrid_ref(), shm_nixl());
+        let tp1 = desc(&model, &with(1, 16), std::slice::from_ref(&c));
+        assert_eq!(tp1.limits.no_state_with_tp, ["child 'nixl'"]);
+        // Negotiation already refuses a worker at TP 2 with this child; a peer whose
+        // descriptor says TP 2 anyway is refused at the handshake, with or without a TP
+        // difference.
+        for (p, q) in [(1, 2), (2, 1), (2, 2)] {
+            let (mut a, mut b) = (tp1.clone(), tp1.clone());
+            a.tp_size = p;
+            b.tp_size = q;
+            let e = check_roles(&a, &b).unwrap_err();
+            let diff = e.diff_of("tp_size").unwrap_or_else(|| panic!("{p}->{q}: {e}"));
+            assert_eq!(
+                diff.remedy,
+                format!("the model's state layers keep a per-request state, and moving it with tp_size {p} on prefill and {q} on decode is not supported by child 'nixl' (prefill and decode) (no state_with_tp): run prefill and decode with tp_size=1")
+            );
+        }
+        let mut able = c.clone();
+        able.caps.state_with_tp = true;
+        let mut a = desc(&model, &with(1, 16), std::slice::from_ref(&able));
+        let mut b = a.clone();
+        a.tp_size = 2;
+        b.tp_size = 2;
+        assert!(check_roles(&a, &b).unwrap().is_identity());
+    }
+
     #[test]
     fn strict_fields_other_than_hma() {
         let q = desc(&qwen3(), &opts(), &[nixl()]);
@@ -1063,6 +1310,7 @@ mod tests {
             tp_size: 1,
             tp_rank: 0,
             heterogeneous_tp: false,
+            limits: Limits::default(),
             connectors: vec![("nixl".into(), "0.1.0".into())],
             provenance: vec![],
         };

@@ -1,21 +1,7 @@
 //! vLLM's `--kv-transfer-config` JSON, read verbatim.
 
+pub use crate::role::KvRole;
 use serde::{Deserialize, Serialize};
-
-/// `kv_role`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
-pub enum KvRole {
-    /// Prefill side.
-    #[serde(rename = "kv_producer")]
-    Producer,
-    /// Decode side.
-    #[serde(rename = "kv_consumer")]
-    Consumer,
-    /// Both (monolithic with a cache, or symmetric P/D).
-    #[serde(rename = "kv_both")]
-    Both,
-}
 
 /// `kv_load_failure_policy`: what to do when external KV cannot be loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]

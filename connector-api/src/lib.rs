@@ -41,6 +41,7 @@ pub mod peer_slots;
 pub mod per_engine;
 pub mod protocol;
 pub mod region;
+pub mod role;
 pub mod sdk;
 pub mod state_slots;
 pub mod stats;
@@ -56,7 +57,7 @@ pub use tracing;
 
 pub use caps::{AdaptCost, Capabilities, CapabilitiesBuilder, LayoutConstraint, MemoryKind, TransferMode};
 pub use compat::{AdaptationPlan, CompatDescriptor, FieldClass, FieldDiff, Incompatible, LayoutPermutation};
-pub use config::{FailurePolicy, KvRole, KvTransferConfig};
+pub use config::{FailurePolicy, KvTransferConfig};
 pub use connector::{
     BlocksPerGroup, ConnectorContext, ConnectorFactory, ConnectorInfo, ConnectorResolver, ConnectorResult,
     FinishedTransfers, KvEvent, MatchResult, Request, RequestFinished, SchedulerConnector, StepInfo,
@@ -71,3 +72,4 @@ pub use negotiate::{
     HmaOption, LayoutAdapter, LayoutField, Negotiated,
 };
 pub use region::{KvRegion, KvRegionSpec};
+pub use role::{KvRole, Role, UnknownRole};

@@ -1,7 +1,9 @@
 //! The summary every benchmark reports: quartiles of a series, such as the per-pair ratios of
-//! interleaved baseline/subject runs.
+//! interleaved baseline/subject runs ([`interleaved`]), and the machine it ran on
+//! ([`Machine`]: cores, load average before and after).
 
 use serde::Serialize;
+use std::time::Instant;
 
 /// The quartiles of a series (nearest rank).
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -31,9 +33,213 @@ pub fn nearest_rank<const N: usize>(mut v: Vec<f64>, qs: [f64; N]) -> [f64; N] {
     qs.map(|q| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1])
 }
 
+/// What `pairs` interleaved runs of a baseline and a subject gave: the per-pair ratio
+/// baseline time / subject time (above 1: the subject is faster) and each side's times in
+/// seconds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Paired {
+    /// Pairs measured (warm-ups not counted).
+    pub pairs: usize,
+    /// Baseline time / subject time, per pair.
+    pub ratio: Quartiles,
+    /// The baseline's times (seconds).
+    pub baseline_s: Quartiles,
+    /// The subject's times (seconds).
+    pub subject_s: Quartiles,
+}
+
+/// Runs `warmup` unmeasured rounds of both, then `pairs` pairs of a baseline and a subject,
+/// alternating which runs first within a pair (baseline first in even pairs), so neither always
+/// meets a warmer or a quieter machine. Each closure returns how long its run took (seconds),
+/// so a caller can time only the part that matters, or time on a device's clock; the first
+/// error ends the run.
+pub fn interleaved<E>(
+    pairs: usize,
+    warmup: usize,
+    mut baseline: impl FnMut() -> Result<f64, E>,
+    mut subject: impl FnMut() -> Result<f64, E>,
+) -> Result<Paired, E> {
+    for _ in 0..warmup {
+        baseline()?;
+        subject()?;
+    }
+    let (mut ratios, mut base, mut subj) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..pairs.max(1) {
+        let (b, s) = if i % 2 == 0 {
+            let b = baseline()?;
+            (b, subject()?)
+        } else {
+            let s = subject()?;
+            (baseline()?, s)
+        };
+        ratios.push(b / s.max(f64::MIN_POSITIVE));
+        base.push(b);
+        subj.push(s);
+    }
+    Ok(Paired {
+        pairs: ratios.len(),
+        ratio: Quartiles::of(ratios),
+        baseline_s: Quartiles::of(base),
+        subject_s: Quartiles::of(subj),
+    })
+}
+
+/// [`interleaved`] for closures that cannot fail, each timed whole on the wall clock.
+pub fn interleaved_timed(
+    pairs: usize,
+    warmup: usize,
+    mut baseline: impl FnMut(),
+    mut subject: impl FnMut(),
+) -> Paired {
+    let r = interleaved::<std::convert::Infallible>(
+        pairs,
+        warmup,
+        || Ok(seconds(&mut baseline)),
+        || Ok(seconds(&mut subject)),
+    );
+    match r {
+        Ok(p) => p,
+        Err(never) => match never {},
+    }
+}
+
+impl Paired {
+    /// One line for a report: the median ratio with its quartiles and pairs, and each
+    /// side's median time (and rate, given the bytes each run moved).
+    pub fn summary(&self, bytes: Option<usize>) -> String {
+        let side = |q: &Quartiles| match bytes {
+            Some(b) => format!("{:.3} ms = {:.2} GB/s", q.median * 1e3, b as f64 / q.median.max(1e-12) / 1e9),
+            None => format!("{:.3} ms", q.median * 1e3),
+        };
+        format!(
+            "{:.3}x the baseline's throughput (median of {} interleaved pairs, quartiles {:.3} .. {:.3}; subject {}, baseline {})",
+            self.ratio.median,
+            self.pairs,
+            self.ratio.q1,
+            self.ratio.q3,
+            side(&self.subject_s),
+            side(&self.baseline_s)
+        )
+    }
+
+    /// Whether the median ratio reaches `goal`: `met`, `missed`, or, from a single pair (a
+    /// run that only checks the code works), no verdict.
+    pub fn verdict(&self, goal: f64) -> &'static str {
+        verdict(self.pairs, self.ratio.median >= goal)
+    }
+}
+
+/// `met` or `missed`, or no verdict from a single sample or pair.
+pub fn verdict(samples: usize, met: bool) -> &'static str {
+    match (samples, met) {
+        (0 | 1, _) => "one sample, a test run: no verdict",
+        (_, true) => "met",
+        (_, false) => "missed",
+    }
+}
+
+/// Seconds `f` took to run.
+pub fn seconds(f: impl FnOnce()) -> f64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
+/// The quartiles of the time of one call of `f` (seconds), over `samples` samples of
+/// `iters` calls each, after one unmeasured call.
+pub fn per_call(samples: usize, iters: usize, mut f: impl FnMut()) -> Quartiles {
+    f();
+    let iters = iters.max(1);
+    Quartiles::of(
+        (0..samples.max(1)).map(|_| seconds(|| (0..iters).for_each(|_| f())) / iters as f64).collect(),
+    )
+}
+
+/// What a figure was measured on: the cores this process may use and the 1-minute load
+/// average when the measurement began and when it ended (None where /proc/loadavg is
+/// missing).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Machine {
+    /// Cores available to this process.
+    pub cores: usize,
+    /// Load average when the measurement began.
+    pub load_average_before: Option<f64>,
+    /// Load average when it ended (None until [`Machine::finish`]).
+    pub load_average_after: Option<f64>,
+}
+
+impl Machine {
+    /// The machine now, before a measurement.
+    pub fn start() -> Machine {
+        Machine {
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            load_average_before: load_average(),
+            load_average_after: None,
+        }
+    }
+
+    /// Records the load average after the measurement.
+    pub fn finish(mut self) -> Machine {
+        self.load_average_after = load_average();
+        self
+    }
+}
+
+impl std::fmt::Display for Machine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let load = |l: Option<f64>| l.map_or_else(|| "unknown".to_owned(), |l| format!("{l:.2}"));
+        write!(f, "{} cores, load average {}", self.cores, load(self.load_average_before))?;
+        match self.load_average_after {
+            Some(after) => write!(f, " before, {after:.2} after"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The 1-minute load average, from /proc/loadavg (None where there is none).
+pub fn load_average() -> Option<f64> {
+    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pairs_alternate_their_order_and_report_the_ratio_of_each() {
+        let order = std::cell::RefCell::new(Vec::new());
+        let mut b_times = [2.0, 2.0, 4.0].into_iter();
+        let mut s_times = [1.0, 4.0, 1.0].into_iter();
+        let p = interleaved::<()>(
+            3,
+            0,
+            || {
+                order.borrow_mut().push('b');
+                Ok(b_times.next().unwrap())
+            },
+            || {
+                order.borrow_mut().push('s');
+                Ok(s_times.next().unwrap())
+            },
+        )
+        .unwrap();
+        assert_eq!(order.into_inner(), vec!['b', 's', 's', 'b', 'b', 's']);
+        assert_eq!(p.pairs, 3);
+        assert_eq!(p.ratio, Quartiles { q1: 0.5, median: 2.0, q3: 4.0 });
+        assert_eq!(p.baseline_s.median, 2.0);
+        let e = interleaved(5, 1, || Ok(1.0), || Err("subject failed"));
+        assert_eq!(e, Err("subject failed"));
+    }
+
+    #[test]
+    fn the_machine_names_its_cores_and_load() {
+        let m = Machine::start().finish();
+        assert!(m.cores >= 1);
+        if std::path::Path::new("/proc/loadavg").exists() {
+            assert!(m.load_average_before.is_some() && m.load_average_after.is_some());
+        }
+        assert!(m.to_string().contains(&format!("{} cores", m.cores)));
+    }
 
     #[test]
     fn nearest_rank_quartiles() {

@@ -3,9 +3,9 @@
 //! or through a listed adapter), complete (a conflict means no answer exists), and joint
 //! negotiation gives both roles one hash.
 
-use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::compat::{check, check_roles, diff, LayoutPermutation};
 use kvconnect_api::layout::Dim;
+use kvconnect_api::KvRole;
 use kvconnect_api::{
     negotiate, negotiate_deployment, AdaptCost, AttentionKind, Capabilities, ChildCaps, CompatDescriptor,
     Conflict, Dtype, EngineOptions, HmaOption, KvLayout, LayoutConstraint, MemoryKind, ModelSpec, Negotiated,
@@ -66,12 +66,15 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     cache_dtypes: dtypes,
                     memory_kinds: if mem.is_empty() { vec![MemoryKind::Host] } else { mem },
                     transfer_mode: mode,
-                    roles: vec![KvRoleCap::Both],
+                    roles: vec![KvRole::Both],
                     layerwise: false,
                     heterogeneous_tp: false,
                     mla,
                     async_load: false,
                     carries_state: false,
+                    state_with_tp: false,
+                    adapts_with_tp: false,
+                    adapts_with_state: false,
                     stores_opaque_blocks: false,
                 }
             },
@@ -80,14 +83,14 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
 
 fn children() -> impl Strategy<Value = Vec<ChildCaps>> {
     // Half the time every child carries per-request state, so models with state layers
-    // negotiate too.
-    (prop::collection::vec(capabilities(), 0..4), any::<bool>()).prop_map(|(v, state)| {
+    // negotiate too; a quarter of the time also at tp_size > 1.
+    (prop::collection::vec(capabilities(), 0..4), any::<bool>(), any::<bool>()).prop_map(|(v, state, tp)| {
         v.into_iter()
             .enumerate()
             .map(|(i, caps)| ChildCaps {
                 name: format!("c{i}"),
                 version: "1".into(),
-                caps: Capabilities { carries_state: state, ..caps },
+                caps: Capabilities { carries_state: state, state_with_tp: state && tp, ..caps },
             })
             .collect()
     })
@@ -249,6 +252,7 @@ fn check_sound(
     if m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)) {
         prop_assert!(e.hma);
         prop_assert!(children.iter().all(|c| c.caps.carries_state));
+        prop_assert!(o.tp_size == 1 || children.iter().all(|c| c.caps.state_with_tp));
     }
     // State groups: every state layer, with the model's state.
     let state_layers: Vec<u32> =
@@ -340,6 +344,13 @@ fn check_conflict(
             prop_assert!(m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)));
             prop_assert!(!unsupported.is_empty());
             prop_assert!(children.iter().any(|c| !c.caps.carries_state));
+        }
+        Conflict::StateWithTp { tp_size, children: named, .. } => {
+            prop_assert!(m.layers.iter().any(|k| matches!(k, AttentionKind::Linear)));
+            prop_assert!(*tp_size > 1 && *tp_size == o.tp_size);
+            prop_assert!(!named.is_empty());
+            prop_assert!(children.iter().all(|c| c.caps.carries_state));
+            prop_assert!(children.iter().any(|c| !c.caps.state_with_tp));
         }
         Conflict::TransferMode { pull, push } => prop_assert!(!pull.is_empty() && !push.is_empty()),
         Conflict::CacheDtype { violators, .. } | Conflict::Memory { violators, .. } => {

@@ -86,7 +86,22 @@ impl ImportedRegion {
         if r != sys::cudaError_enum::CUDA_SUCCESS {
             return Err(CudaError::IpcOpen(format!("{:?}", r)));
         }
-        Ok(ImportedRegion { ptr, bytes: handle.bytes, ctx: gpu.context().clone() })
+        let region = ImportedRegion { ptr, bytes: handle.bytes, ctx: gpu.context().clone() };
+        // The size comes with the handle, from the peer: the mapping must hold that many
+        // bytes, or reads past its end would land in whatever this process maps next to it.
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: `ptr` is the live mapping just opened; the driver only writes the two outputs.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(CudaError::IpcOpen(format!("cuMemGetAddressRange of the mapping: {r:?}")));
+        }
+        if base != ptr || size < handle.bytes {
+            return Err(CudaError::IpcOpen(format!(
+                "the handle maps {size} bytes but its owner claims {}: refused",
+                handle.bytes
+            )));
+        }
+        Ok(region)
     }
 
     /// Device address in this process.

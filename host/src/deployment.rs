@@ -1,4 +1,4 @@
-//! Deployment files: one model and the prefill and decode workers' kv-transfer-configs and
+//! Deployment files: one model and the prefill and decode servers' kv-transfer-configs and
 //! engine options, in TOML, and their negotiation per role.
 //!
 //! ```toml
@@ -15,7 +15,7 @@
 //! cache = '{"kv_connector":"LMCacheConnectorV1","kv_connector_extra_config":{"chunk_size":128}}'
 //! ```
 //!
-//! A worker started from a deployment calls [`negotiate_role`], so both roles reach the same
+//! A server started from a deployment calls [`negotiate_role`], so both roles reach the same
 //! descriptor and hash by construction when negotiated jointly.
 
 use kvconnect_api::compat::{
@@ -23,49 +23,35 @@ use kvconnect_api::compat::{
 };
 use kvconnect_api::negotiate::{ChildCaps, Conflict, EngineOptions, HmaOption, Negotiated};
 use kvconnect_api::{negotiate, negotiate_deployment};
-use kvconnect_api::{ConnectorResolver, Dtype, KvLayout, KvTransferConfig, ModelSpec};
+use kvconnect_api::{ConnectorResolver, Dtype, KvLayout, KvTransferConfig, ModelSpec, Role};
 use serde::Deserialize;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use toml::Spanned;
 
-/// A worker's role in a deployment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Role {
-    /// Computes the prompt's KV and serves it.
-    Prefill,
-    /// Pulls the KV and generates.
-    Decode,
+/// Whose negotiation an error is about; the error's message starts with its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Negotiating {
+    /// One role of a deployment (`prefill`, `decode`).
+    Role(Role),
+    /// Both roles of a deployment, together (`deployment`).
+    Deployment,
+    /// One engine outside any deployment, by the name its caller gives it in messages
+    /// (`kvconnect negotiate`: `worker`; the vLLM adapter: vLLM's `kv_role`).
+    Engine(&'static str),
 }
 
-impl Role {
-    /// `prefill` or `decode`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
-
-impl fmt::Display for Role {
+impl fmt::Display for Negotiating {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for Role {
-    type Err = DeploymentError;
-    fn from_str(s: &str) -> Result<Role, DeploymentError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "prefill" | "p" => Ok(Role::Prefill),
-            "decode" | "d" => Ok(Role::Decode),
-            _ => Err(DeploymentError::BadRole { given: s.to_owned() }),
+        match self {
+            Negotiating::Role(r) => r.fmt(f),
+            Negotiating::Deployment => f.write_str("deployment"),
+            Negotiating::Engine(name) => f.write_str(name),
         }
     }
 }
 
-/// One role's worker config.
+/// One role's server config.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RoleConfig {
     /// Its kv-transfer-config, named connector configs expanded.
@@ -78,7 +64,7 @@ pub struct RoleConfig {
     /// `--kv-producers`); empty: only producers on this host.
     pub kv_producers: Vec<String>,
     /// What kvconnect made of the config (LMCache P/D settings turned into the nixl
-    /// connector beside lmcache), for the worker's log and `kvconnect plan`.
+    /// connector beside lmcache), for the server's log and `kvconnect plan`.
     pub notes: Vec<String>,
 }
 
@@ -91,11 +77,11 @@ pub struct Deployment {
     pub model_path: PathBuf,
     /// The model.
     pub model: ModelSpec,
-    /// The name the workers serve the model under (`served_model_name`, as vLLM's flag).
+    /// The name the servers serve the model under (`served_model_name`, as vLLM's flag).
     pub served_model_name: Option<String>,
-    /// The prefill worker.
+    /// The prefill server.
     pub prefill: RoleConfig,
-    /// The decode worker.
+    /// The decode server.
     pub decode: RoleConfig,
 }
 
@@ -170,8 +156,8 @@ pub enum DeploymentError {
     BadOption {
         /// The file.
         path: PathBuf,
-        /// The role.
-        role: String,
+        /// The role whose table holds it.
+        role: Role,
         /// 1-based line.
         line: usize,
         /// 1-based column.
@@ -199,25 +185,19 @@ pub enum DeploymentError {
         /// Why.
         message: String,
     },
-    /// `--role` names no role.
-    #[error("unknown role '{given}'; valid roles are prefill and decode")]
-    BadRole {
-        /// What was given.
-        given: String,
-    },
     /// A connector cannot be resolved, or its capabilities cannot be read.
-    #[error("{role}: {message}")]
+    #[error("{who}: {message}")]
     Connector {
-        /// `prefill`, `decode` or `worker`.
-        role: String,
+        /// Whose connector.
+        who: Negotiating,
         /// The connector's or composite's message.
         message: String,
     },
     /// The role's children admit no effective layout.
-    #[error("{role}: {conflict}")]
+    #[error("{who}: {conflict}")]
     Conflict {
-        /// `prefill`, `decode`, `deployment` (joint) or `worker`.
-        role: String,
+        /// Whose children.
+        who: Negotiating,
         /// The conflict (boxed: it is large and errors travel by value).
         conflict: Box<Conflict>,
     },
@@ -488,28 +468,19 @@ impl Deployment {
                 })?;
             // LMCache's P/D settings (in the lmcache config or LMCACHE_CONFIG_FILE) are a
             // request for the nixl connector beside lmcache.
-            let (kv_transfer_config, notes) =
-                lmcache_pd(kv_transfer_config).map_err(|message| DeploymentError::BadOption {
-                    path: path.to_owned(),
-                    role: r.name().to_owned(),
-                    line,
-                    column,
-                    message,
-                })?;
+            let (kv_transfer_config, notes) = lmcache_pd(kv_transfer_config).map_err(|message| {
+                DeploymentError::BadOption { path: path.to_owned(), role: r, line, column, message }
+            })?;
             // A role's config saying the opposite role is a copy-paste slip that would start a
-            // worker on the wrong side of the transfer.
-            let wrong = match (r, kv_transfer_config.kv_role) {
-                (Role::Prefill, Some(kvconnect_api::KvRole::Consumer)) => Some("kv_consumer"),
-                (Role::Decode, Some(kvconnect_api::KvRole::Producer)) => Some("kv_producer"),
-                _ => None,
-            };
+            // server on the wrong side of the transfer.
+            let wrong =
+                kv_transfer_config.kv_role.filter(|k| Role::from_kv_role(*k).is_some_and(|says| says != r));
             if let Some(w) = wrong {
                 let (line, column) = line_col(src, content_start(src, ktc.span().start));
-                let want =
-                    if r == Role::Prefill { "kv_producer or kv_both" } else { "kv_consumer or kv_both" };
+                let want = format!("{} or {}", r.kv_role(), kvconnect_api::KvRole::Both);
                 return Err(DeploymentError::BadOption {
                     path: path.to_owned(),
-                    role: r.name().to_owned(),
+                    role: r,
                     line,
                     column,
                     message: format!(
@@ -520,13 +491,7 @@ impl Deployment {
             }
             let bad = |span: std::ops::Range<usize>, message: String| {
                 let (line, column) = line_col(src, span.start);
-                DeploymentError::BadOption {
-                    path: path.to_owned(),
-                    role: r.name().to_owned(),
-                    line,
-                    column,
-                    message,
-                }
+                DeploymentError::BadOption { path: path.to_owned(), role: r, line, column, message }
             };
             let mut o = EngineOptions::default();
             if let Some(h) = raw.hybrid_kv_cache_manager {
@@ -571,7 +536,7 @@ impl Deployment {
                     let (line, column) = line_col(src, content_start(src, ktc.span().start));
                     DeploymentError::BadOption {
                         path: path.to_owned(),
-                        role: r.name().to_owned(),
+                        role: r,
                         line,
                         column,
                         message: e.to_string(),
@@ -598,7 +563,7 @@ impl Deployment {
 
 /// Applies [`kvconnect_lmcache::pd::rewrite`] with this process's `LMCACHE_*` variables:
 /// a config whose lmcache asks for P/D (LMCache's `enable_pd`) becomes the nixl connector
-/// beside lmcache, with a note saying so. Workers and `kvconnect plan` call it on every config
+/// beside lmcache, with a note saying so. Servers and `kvconnect plan` call it on every config
 /// they are given.
 pub fn lmcache_pd(cfg: KvTransferConfig) -> Result<(KvTransferConfig, Vec<String>), String> {
     match kvconnect_lmcache::pd::rewrite(&cfg, &kvconnect_lmcache::config::lmcache_env()) {
@@ -639,15 +604,15 @@ pub fn parse_cache_dtype(s: &str) -> Result<Option<Dtype>, String> {
     })
 }
 
-/// The children negotiation sees for one worker's config: a composite's leaf children, or
+/// The children negotiation sees for one engine's config: a composite's leaf children, or
 /// the connector itself.
 pub fn collect_children(
     resolver: &dyn ConnectorResolver,
     config: &KvTransferConfig,
     model: &ModelSpec,
-    role: &str,
+    who: &Negotiating,
 ) -> Result<Vec<ChildCaps>, DeploymentError> {
-    let cerr = |message: String| DeploymentError::Connector { role: role.to_owned(), message };
+    let cerr = |message: String| DeploymentError::Connector { who: who.clone(), message };
     // A config error already names what is wrong; the connector's name is said once, as the
     // user wrote it.
     let said = |e: kvconnect_api::ConnectorError| match e {
@@ -677,25 +642,35 @@ pub fn collect_children(
     Ok(vec![ChildCaps { name: info.name, version: info.version, caps }])
 }
 
-/// Negotiates one worker alone, as an independently launched worker does.
+/// Negotiates one engine alone, as an independently launched engine does.
+pub fn negotiate_alone(
+    resolver: &dyn ConnectorResolver,
+    config: &KvTransferConfig,
+    model: &ModelSpec,
+    opts: &EngineOptions,
+    who: Negotiating,
+) -> Result<(Negotiated, CompatDescriptor), DeploymentError> {
+    let children = collect_children(resolver, config, model, &who)?;
+    let n = negotiate(model, opts, &children)
+        .map_err(|conflict| DeploymentError::Conflict { who, conflict: Box::new(conflict) })?;
+    let d = CompatDescriptor::new(model, &n, opts);
+    Ok((n, d))
+}
+
+/// [`negotiate_alone`] for an engine that errors name `name` (the vLLM adapter's entry: it
+/// names the engine by its `kv_role`).
 pub fn negotiate_worker(
     resolver: &dyn ConnectorResolver,
     config: &KvTransferConfig,
     model: &ModelSpec,
     opts: &EngineOptions,
-    role: &str,
+    name: &'static str,
 ) -> Result<(Negotiated, CompatDescriptor), DeploymentError> {
-    let children = collect_children(resolver, config, model, role)?;
-    let n = negotiate(model, opts, &children).map_err(|conflict| DeploymentError::Conflict {
-        role: role.to_owned(),
-        conflict: Box::new(conflict),
-    })?;
-    let d = CompatDescriptor::new(model, &n, opts);
-    Ok((n, d))
+    negotiate_alone(resolver, config, model, opts, Negotiating::Engine(name))
 }
 
-/// What a worker of `role` started from `deployment` negotiates: alone (`joint = false`, as
-/// independently launched workers do) or jointly with its peer (`joint = true`), in which
+/// What a server of `role` started from `deployment` negotiates: alone (`joint = false`, as
+/// independently launched servers do) or jointly with its peer (`joint = true`), in which
 /// case both roles reach the same strict fields and hash by construction.
 pub fn negotiate_role(
     deployment: &Deployment,
@@ -706,7 +681,13 @@ pub fn negotiate_role(
     let model = &deployment.model;
     if !joint {
         let rc = deployment.role(role);
-        return negotiate_worker(resolver, &rc.kv_transfer_config, model, &rc.options, role.name());
+        return negotiate_alone(
+            resolver,
+            &rc.kv_transfer_config,
+            model,
+            &rc.options,
+            Negotiating::Role(role),
+        );
     }
     let (p, d) = negotiate_both(deployment, resolver)?;
     Ok(match role {
@@ -723,10 +704,10 @@ fn negotiate_both(
 ) -> Result<(RoleResult, RoleResult), DeploymentError> {
     let model = &deployment.model;
     let (p, d) = (&deployment.prefill, &deployment.decode);
-    let pc = collect_children(resolver, &p.kv_transfer_config, model, "prefill")?;
-    let dc = collect_children(resolver, &d.kv_transfer_config, model, "decode")?;
+    let pc = collect_children(resolver, &p.kv_transfer_config, model, &Negotiating::Role(Role::Prefill))?;
+    let dc = collect_children(resolver, &d.kv_transfer_config, model, &Negotiating::Role(Role::Decode))?;
     let (pn, dn) = negotiate_deployment(model, (&p.options, &pc), (&d.options, &dc)).map_err(|conflict| {
-        DeploymentError::Conflict { role: "deployment".to_owned(), conflict: Box::new(conflict) }
+        DeploymentError::Conflict { who: Negotiating::Deployment, conflict: Box::new(conflict) }
     })?;
     let pd = CompatDescriptor::new(model, &pn, &p.options);
     let dd = CompatDescriptor::new(model, &dn, &d.options);
@@ -762,7 +743,7 @@ pub fn plan(
             negotiate_role(deployment, Role::Decode, false, resolver)?,
         )
     };
-    let diffs = diff_roles(&prefill.1, &decode.1, "prefill", "decode");
+    let diffs = diff_roles(&prefill.1, &decode.1, Role::Prefill.name(), Role::Decode.name());
     let outcome = check_roles(&prefill.1, &decode.1);
     Ok(Plan { joint, prefill, decode, diffs, outcome })
 }

@@ -1,11 +1,11 @@
-//! The kvconnect host: finds and loads connectors (built in and plugins), and runs workers.
+//! The kvconnect host: finds and loads connectors (built in and plugins), and runs servers.
 pub mod builtin;
 pub mod cli;
 pub mod deployment;
-pub mod loader;
+/// The plugin loader (crate `kvconnect-loader`), under the name the host has always used.
+pub use kvconnect_loader as loader;
 pub mod proxy;
 pub mod registry;
 pub mod server;
 pub mod sidechannel;
 pub mod up;
-pub mod worker;

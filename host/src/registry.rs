@@ -95,7 +95,7 @@ impl RegistryConfig {
 }
 
 /// Opens one plugin file as a registry entry, or says in one line why it cannot be used.
-/// Workers open plugins in their own process ([`open_in_process`]); `kvconnect plugins`
+/// Servers open plugins in their own process ([`open_in_process`]); `kvconnect plugins`
 /// opens each in a query process of its own, so that a plugin that crashes or hangs takes
 /// only that process down.
 pub type OpenPlugin = Arc<dyn Fn(&Path, &LoaderOptions) -> Result<Entry, LoadError> + Send + Sync>;

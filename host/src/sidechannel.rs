@@ -1,4 +1,4 @@
-//! The P/D side channel: the handshake a decode worker makes with a prefill worker before it
+//! The P/D side channel: the handshake a decode server makes with a prefill server before it
 //! loads any KV from it (ARCHITECTURE.md §6 and §9).
 //!
 //! Frames are a big-endian `u32` length followed by that many bytes of JSON. Every read has a
@@ -165,6 +165,11 @@ pub enum Message {
         /// The prefill side's proof of the secret over both nonces.
         #[serde(default)]
         proof: String,
+        /// A random id of the prefill process, which its requests' `kv_transfer_params` carry
+        /// as `remote_instance`: a decode that sees another one handshakes again (the peer
+        /// restarted). Absent from releases before it was sent.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        instance: Option<String>,
     },
     /// Prefill → decode: not compatible (or not allowed); nothing may be loaded.
     Refused {
@@ -300,19 +305,85 @@ pub struct LocalIdentity {
     pub metadata: Option<serde_json::Value>,
 }
 
-/// Counters a worker exposes on /health and /metrics.
+/// Why the side channel refused a peer, named as /metrics names it (the producer listener's
+/// names where they mean the same thing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// A `hello` without a proof of the secret.
+    Unauthenticated,
+    /// A `hello` whose proof does not verify: the peer has another secret, or none.
+    WrongSecret,
+    /// A frame that is not a message of the protocol.
+    Malformed,
+    /// A frame announced over the cap.
+    Oversized,
+    /// A connection closed (or reset) in the middle of a frame.
+    Truncated,
+    /// A frame not started or not whole within its deadline, read or written (a peer that
+    /// drips its frame, sends nothing, or does not read the answer).
+    Timeout,
+    /// A connection past the cap, closed at once.
+    TooManyConnections,
+}
+
+impl Refusal {
+    /// Every reason, in the order counted.
+    pub const ALL: [Refusal; 7] = [
+        Refusal::Unauthenticated,
+        Refusal::WrongSecret,
+        Refusal::Malformed,
+        Refusal::Oversized,
+        Refusal::Truncated,
+        Refusal::Timeout,
+        Refusal::TooManyConnections,
+    ];
+
+    /// The reason's name in metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Refusal::Unauthenticated => "unauthenticated",
+            Refusal::WrongSecret => "wrong_secret",
+            Refusal::Malformed => "malformed",
+            Refusal::Oversized => "oversized",
+            Refusal::Truncated => "truncated",
+            Refusal::Timeout => "timeout",
+            Refusal::TooManyConnections => "too_many_connections",
+        }
+    }
+
+    /// The reason a connection that failed with `e` is closed for; `None` for a socket error
+    /// that is no peer's frame (the connection is still dropped and counted as such).
+    fn of(e: &SideChannelError) -> Option<Refusal> {
+        match e {
+            SideChannelError::Garbage { .. } => Some(Refusal::Malformed),
+            SideChannelError::FrameTooLarge { .. } => Some(Refusal::Oversized),
+            SideChannelError::Closed { .. } => Some(Refusal::Truncated),
+            SideChannelError::Timeout { .. } => Some(Refusal::Timeout),
+            SideChannelError::Io { source, .. }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof
+                ) =>
+            {
+                Some(Refusal::Truncated)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Counters a server exposes on /health and /metrics.
 #[derive(Debug, Default)]
 pub struct ServerStats {
     /// Handshakes answered with `welcome`.
     pub welcomed: AtomicU64,
     /// Handshakes answered with `refused`.
     pub refused: AtomicU64,
-    /// Connections closed because the peer misbehaved (garbage, oversized, timeout).
+    /// Connections closed because the peer misbehaved (malformed, oversized, truncated,
+    /// timeout) or its socket failed.
     pub dropped: AtomicU64,
-    /// Handshakes refused because the peer did not prove the secret.
-    pub unauthenticated: AtomicU64,
-    /// Connections closed at once because the cap was reached.
-    pub over_cap: AtomicU64,
+    /// Refusals by reason, in the order of [`Refusal::ALL`].
+    refusals: [AtomicU64; Refusal::ALL.len()],
 }
 
 /// A snapshot of [`ServerStats`].
@@ -322,26 +393,79 @@ pub struct ServerStatsSnapshot {
     pub welcomed: u64,
     /// Handshakes answered with `refused`.
     pub refused: u64,
-    /// Connections closed because the peer misbehaved.
+    /// Connections closed because the peer misbehaved or its socket failed.
     pub dropped: u64,
-    /// Handshakes refused because the peer did not prove the secret.
+    /// Hellos refused without a proof of the secret.
     #[serde(default)]
     pub unauthenticated: u64,
+    /// Hellos refused for a proof that does not verify.
+    #[serde(default)]
+    pub wrong_secret: u64,
+    /// Connections closed for a frame that is not a message.
+    #[serde(default)]
+    pub malformed: u64,
+    /// Connections closed for a frame over the cap.
+    #[serde(default)]
+    pub oversized: u64,
+    /// Connections closed in the middle of a frame.
+    #[serde(default)]
+    pub truncated: u64,
+    /// Connections closed for a frame not whole within its deadline, read or written.
+    #[serde(default)]
+    pub timeout: u64,
     /// Connections closed at once because the cap was reached.
     #[serde(default)]
     pub over_cap: u64,
 }
 
 impl ServerStats {
+    /// Counts one refusal.
+    pub fn count(&self, r: Refusal) {
+        if let Some(i) = Refusal::ALL.iter().position(|x| *x == r) {
+            self.refusals[i].fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// How many refusals for `r` so far.
+    pub fn refusals(&self, r: Refusal) -> u64 {
+        Refusal::ALL.iter().position(|x| *x == r).map_or(0, |i| self.refusals[i].load(Ordering::Relaxed))
+    }
+
     /// The current values.
     pub fn snapshot(&self) -> ServerStatsSnapshot {
         ServerStatsSnapshot {
             welcomed: self.welcomed.load(Ordering::Relaxed),
             refused: self.refused.load(Ordering::Relaxed),
             dropped: self.dropped.load(Ordering::Relaxed),
-            unauthenticated: self.unauthenticated.load(Ordering::Relaxed),
-            over_cap: self.over_cap.load(Ordering::Relaxed),
+            unauthenticated: self.refusals(Refusal::Unauthenticated),
+            wrong_secret: self.refusals(Refusal::WrongSecret),
+            malformed: self.refusals(Refusal::Malformed),
+            oversized: self.refusals(Refusal::Oversized),
+            truncated: self.refusals(Refusal::Truncated),
+            timeout: self.refusals(Refusal::Timeout),
+            over_cap: self.refusals(Refusal::TooManyConnections),
         }
+    }
+}
+
+impl ServerStatsSnapshot {
+    /// (reason, count) for every [`Refusal`], as /metrics labels them.
+    pub fn refusals(&self) -> Vec<(&'static str, u64)> {
+        Refusal::ALL
+            .iter()
+            .map(|r| {
+                let n = match r {
+                    Refusal::Unauthenticated => self.unauthenticated,
+                    Refusal::WrongSecret => self.wrong_secret,
+                    Refusal::Malformed => self.malformed,
+                    Refusal::Oversized => self.oversized,
+                    Refusal::Truncated => self.truncated,
+                    Refusal::Timeout => self.timeout,
+                    Refusal::TooManyConnections => self.over_cap,
+                };
+                (r.name(), n)
+            })
+            .collect()
     }
 }
 
@@ -360,9 +484,10 @@ pub fn render_refusal(prefill_engine: &str, decode_engine: &str, diffs: &[FieldD
 }
 
 /// The prefill side's answer to one `hello` on a connection it challenged with
-/// `server_nonce`.
+/// `server_nonce`, from the process whose id is `instance`.
 pub fn answer_hello(
     local: &LocalIdentity,
+    instance: &str,
     secret: Option<&Secret>,
     server_nonce: &str,
     hello: Message,
@@ -397,6 +522,7 @@ pub fn answer_hello(
             engine_id: local.engine_id.clone(),
             metadata: local.metadata.clone(),
             proof: auth::proof(secret, CHANNEL, Side::Server, server_nonce, &nonce),
+            instance: Some(instance.to_owned()),
         },
         Err(inc) => Message::Refused {
             message: render_refusal(&local.engine_id, &engine_id, &inc.diffs),
@@ -421,6 +547,12 @@ pub struct SideChannelServer {
     addr: SocketAddr,
     stats: Arc<ServerStats>,
     stop: watch::Sender<bool>,
+    instance: Arc<str>,
+}
+
+/// A new random id for this process's side channel (the `instance` of its welcomes).
+fn new_instance() -> Result<Arc<str>, SideChannelError> {
+    auth::nonce().map(Arc::from).map_err(|e| SideChannelError::Encode(e.to_string()))
 }
 
 impl SideChannelServer {
@@ -436,14 +568,13 @@ impl SideChannelServer {
         refuse_open(&cfg, addr)?;
         let stats = Arc::new(ServerStats::default());
         let (stop, stop_rx) = watch::channel(false);
-        let local = Arc::new(local);
-        let cfg = Arc::new(cfg);
-        let st = stats.clone();
-        tokio::spawn(accept_loop(listener, cfg, local, st, stop_rx));
-        Ok(SideChannelServer { addr, stats, stop })
+        let instance = new_instance()?;
+        let served = Arc::new(Served { local, instance: instance.clone() });
+        tokio::spawn(accept_loop(listener, Arc::new(cfg), served, stats.clone(), stop_rx));
+        Ok(SideChannelServer { addr, stats, stop, instance })
     }
 
-    /// Starts serving on a listener bound earlier (the worker binds first so it can tell its
+    /// Starts serving on a listener bound earlier (the server binds first so it can tell its
     /// connector the port before the connector, whose metadata the server answers with,
     /// exists). Must be called inside a tokio runtime.
     pub fn from_std(
@@ -459,8 +590,10 @@ impl SideChannelServer {
         refuse_open(&cfg, addr)?;
         let stats = Arc::new(ServerStats::default());
         let (stop, stop_rx) = watch::channel(false);
-        tokio::spawn(accept_loop(listener, Arc::new(cfg), Arc::new(local), stats.clone(), stop_rx));
-        Ok(SideChannelServer { addr, stats, stop })
+        let instance = new_instance()?;
+        let served = Arc::new(Served { local, instance: instance.clone() });
+        tokio::spawn(accept_loop(listener, Arc::new(cfg), served, stats.clone(), stop_rx));
+        Ok(SideChannelServer { addr, stats, stop, instance })
     }
 
     /// The bound address.
@@ -472,6 +605,18 @@ impl SideChannelServer {
     pub fn stats(&self) -> Arc<ServerStats> {
         self.stats.clone()
     }
+
+    /// This process's random id, sent in every welcome; prefill puts it into its requests'
+    /// `kv_transfer_params` as `remote_instance`.
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+}
+
+/// What a server answers with: the identity and the process's id.
+struct Served {
+    local: LocalIdentity,
+    instance: Arc<str>,
 }
 
 impl Drop for SideChannelServer {
@@ -483,7 +628,7 @@ impl Drop for SideChannelServer {
 async fn accept_loop(
     listener: TcpListener,
     cfg: Arc<SideChannelConfig>,
-    local: Arc<LocalIdentity>,
+    local: Arc<Served>,
     stats: Arc<ServerStats>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -494,7 +639,7 @@ async fn accept_loop(
             accepted = listener.accept() => match accepted {
                 Ok((sock, peer)) => {
                     let Ok(slot) = slots.clone().try_acquire_owned() else {
-                        stats.over_cap.fetch_add(1, Ordering::Relaxed);
+                        stats.count(Refusal::TooManyConnections);
                         tracing::warn!(%peer, cap = cfg.max_connections, "side channel: refusing a connection past the cap of {} open connections", cfg.max_connections);
                         drop(sock);
                         continue;
@@ -530,11 +675,20 @@ async fn write_within(
     }
 }
 
+/// Closes a connection that failed with `e`: counted as dropped, and by its reason.
+fn drop_connection(stats: &ServerStats, peer: &str, e: &SideChannelError) {
+    stats.dropped.fetch_add(1, Ordering::Relaxed);
+    if let Some(r) = Refusal::of(e) {
+        stats.count(r);
+    }
+    tracing::warn!(peer = %peer, reason = %e, "side channel: closing connection");
+}
+
 async fn serve_connection(
     mut sock: TcpStream,
     peer: SocketAddr,
     cfg: Arc<SideChannelConfig>,
-    local: Arc<LocalIdentity>,
+    served: Arc<Served>,
     stats: Arc<ServerStats>,
 ) {
     let peer_s = peer.to_string();
@@ -553,7 +707,7 @@ async fn serve_connection(
     )
     .await
     {
-        tracing::warn!(peer = %peer_s, reason = %e, "side channel: closing connection");
+        drop_connection(&stats, &peer_s, &e);
         return;
     }
     // A peer may handshake several times on one connection; each `hello` gets an answer.
@@ -562,19 +716,19 @@ async fn serve_connection(
             Ok(Some(m)) => m,
             Ok(None) => return,
             Err(e) => {
-                stats.dropped.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(peer = %peer_s, reason = %e, "side channel: closing connection");
+                drop_connection(&stats, &peer_s, &e);
                 return;
             }
         };
-        let answer = answer_hello(&local, cfg.secret.as_ref(), &server_nonce, msg);
+        let proof_given = matches!(&msg, Message::Hello { auth: Some(_), .. });
+        let answer = answer_hello(&served.local, &served.instance, cfg.secret.as_ref(), &server_nonce, msg);
         match &answer {
             Message::Welcome { .. } => {
                 stats.welcomed.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(peer = %peer_s, "side channel: handshake accepted");
             }
             Message::Refused { message, .. } if message.starts_with(UNAUTHENTICATED) => {
-                stats.unauthenticated.fetch_add(1, Ordering::Relaxed);
+                stats.count(if proof_given { Refusal::WrongSecret } else { Refusal::Unauthenticated });
                 tracing::warn!(peer = %peer_s, "side channel: handshake refused: {message}");
                 // No second guess on this connection.
                 let _ = write_within(&mut sock, &answer, &peer_s, cfg.read_timeout).await;
@@ -587,13 +741,13 @@ async fn serve_connection(
             Message::Hello { .. } | Message::Challenge { .. } => {}
         }
         if let Err(e) = write_within(&mut sock, &answer, &peer_s, cfg.read_timeout).await {
-            tracing::warn!(peer = %peer_s, reason = %e, "side channel: closing connection");
+            drop_connection(&stats, &peer_s, &e);
             return;
         }
     }
 }
 
-/// What a decode worker learns from a handshake.
+/// What a decode server learns from a handshake.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HandshakeOutcome {
     /// The peer is compatible.
@@ -606,6 +760,8 @@ pub enum HandshakeOutcome {
         metadata: Option<serde_json::Value>,
         /// What this (receiving) side applies to the peer's bytes.
         plan: AdaptationPlan,
+        /// The peer process's random id (absent from releases before it was sent).
+        instance: Option<String>,
     },
     /// The peer refused, or its answer shows a mismatch: nothing may be loaded from it.
     Refused {
@@ -616,7 +772,7 @@ pub enum HandshakeOutcome {
     },
 }
 
-/// Decode side: handshakes with the prefill worker at `addr` (`host:port`).
+/// Decode side: handshakes with the prefill server at `addr` (`host:port`).
 pub async fn handshake(
     addr: &str,
     local: &CompatDescriptor,
@@ -660,7 +816,7 @@ pub async fn handshake(
                 message: format!("{UNAUTHENTICATED}: the side channel at {addr} did not prove the deployment's data-plane secret; nothing is loaded from it. Give every worker the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file"),
             })
         }
-        Message::Welcome { version, compat, engine_id: peer_engine, metadata, .. } => {
+        Message::Welcome { version, compat, engine_id: peer_engine, metadata, instance, .. } => {
             if let Err(e) =
                 VersionMismatch::check(PROTOCOL, "decode worker", PROTOCOL_VERSION, "prefill worker", version)
             {
@@ -674,6 +830,7 @@ pub async fn handshake(
                     engine_id: peer_engine,
                     metadata,
                     plan,
+                    instance,
                 }),
                 Err(inc) => Ok(HandshakeOutcome::Refused {
                     message: render_refusal(&peer_engine, engine_id, &inc.diffs),
@@ -818,8 +975,10 @@ mod tests {
         .await
         .unwrap();
         match out {
-            HandshakeOutcome::Welcome { engine_id, metadata, plan, .. } => {
+            HandshakeOutcome::Welcome { engine_id, metadata, plan, instance, .. } => {
                 assert_eq!(engine_id, "prefill-0");
+                assert_eq!(instance.as_deref(), Some(s.instance()), "the welcome names the process");
+                assert_eq!(s.instance().len(), 32);
                 assert_eq!(metadata.unwrap()["nixl"]["addr"], "127.0.0.1:1");
                 assert!(plan.is_identity());
             }
@@ -934,6 +1093,7 @@ mod tests {
                 engine_id: "prefill-0".into(),
                 metadata: None,
                 proof,
+                instance: None,
             };
             write_frame(&mut sock, &welcome, "d").await.unwrap();
         });
@@ -959,7 +1119,28 @@ mod tests {
                 "{bad:?}"
             );
         }
-        assert_eq!(s.stats().snapshot().unauthenticated, 2);
+        // A proof made with another secret, or with none, does not verify.
+        assert_eq!(s.stats().snapshot().wrong_secret, 2);
+        assert_eq!(s.stats().snapshot().unauthenticated, 0);
+        // A hello with no proof at all.
+        let mut c = challenged(&addr).await;
+        let bare = Message::Hello {
+            version: Some(PROTOCOL_VERSION),
+            compat: d.clone(),
+            engine_id: "d".into(),
+            auth: None,
+        };
+        write_frame(&mut c, &bare, "server").await.unwrap();
+        let m = read_frame(&mut c, DEFAULT_MAX_FRAME, Duration::from_secs(5), "server").await.unwrap();
+        assert!(
+            matches!(&m, Some(Message::Refused { message, .. }) if message.starts_with(UNAUTHENTICATED)),
+            "{m:?}"
+        );
+        assert_eq!(
+            read_frame(&mut c, DEFAULT_MAX_FRAME, Duration::from_secs(5), "server").await.unwrap(),
+            None
+        );
+        assert_eq!(s.stats().snapshot().unauthenticated, 1);
         let good = handshake(&addr, &d, "decode-0", Some(&secret), Duration::from_secs(5)).await.unwrap();
         assert!(matches!(good, HandshakeOutcome::Welcome { .. }));
         // The hello carries a proof over both nonces, never the secret itself.
@@ -1025,6 +1206,7 @@ mod tests {
         closed = closed || matches!(drip.read(&mut buf).await, Ok(0) | Err(_));
         assert!(closed && t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
         assert_eq!(s.stats().snapshot().dropped, 1);
+        assert_eq!(s.stats().snapshot().timeout, 1);
         // Two held open; a third is closed at once without a challenge.
         let (_a, _b) = (challenged(&addr).await, challenged(&addr).await);
         let mut c = TcpStream::connect(&addr).await.unwrap();
@@ -1058,7 +1240,36 @@ mod tests {
             handshake(&addr, &descriptor(&["nixl"]), "decode-0", None, Duration::from_secs(5)).await.unwrap();
         assert!(matches!(out, HandshakeOutcome::Welcome { .. }));
         assert_eq!(stalled.read(&mut buf).await.unwrap(), 0, "stalled connection must be closed");
-        assert_eq!(s.stats().snapshot().dropped, 3);
+        let snap = s.stats().snapshot();
+        assert_eq!(snap.dropped, 3);
+        assert_eq!((snap.malformed, snap.oversized, snap.timeout, snap.truncated), (1, 1, 1, 0), "{snap:?}");
+        // Cut in the middle of a frame.
+        let mut t = challenged(&addr).await;
+        t.write_all(&40u32.to_be_bytes()).await.unwrap();
+        t.write_all(b"{\"type\":").await.unwrap();
+        drop(t);
+        let truncated = async {
+            while s.stats().snapshot().truncated == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(5), truncated)
+            .await
+            .expect("the truncated frame was not counted");
+        assert_eq!(s.stats().snapshot().dropped, 4);
+        let reasons = s.stats().snapshot().refusals();
+        assert_eq!(
+            reasons,
+            [
+                ("unauthenticated", 0),
+                ("wrong_secret", 0),
+                ("malformed", 1),
+                ("oversized", 1),
+                ("truncated", 1),
+                ("timeout", 1),
+                ("too_many_connections", 0)
+            ]
+        );
     }
 
     #[tokio::test]
@@ -1074,8 +1285,13 @@ mod tests {
     #[test]
     fn a_message_that_is_not_hello_is_refused() {
         let local = identity(&["nixl"]);
-        let m =
-            answer_hello(&local, None, "00", Message::Refused { diff: Vec::new(), message: String::new() });
+        let m = answer_hello(
+            &local,
+            "i",
+            None,
+            "00",
+            Message::Refused { diff: Vec::new(), message: String::new() },
+        );
         assert!(matches!(m, Message::Refused { message, .. } if message.contains("expected a 'hello'")));
     }
 
@@ -1092,11 +1308,11 @@ mod tests {
             }),
         };
         assert!(matches!(
-            answer_hello(&local, None, "00", hello(Some(PROTOCOL_VERSION))),
+            answer_hello(&local, "i", None, "00", hello(Some(PROTOCOL_VERSION))),
             Message::Welcome { .. }
         ));
         let Message::Refused { message, diff } =
-            answer_hello(&local, None, "00", hello(Some(PROTOCOL_VERSION + 1)))
+            answer_hello(&local, "i", None, "00", hello(Some(PROTOCOL_VERSION + 1)))
         else {
             panic!("a newer hello must be refused")
         };
@@ -1114,7 +1330,7 @@ mod tests {
             "type": "hello", "compat": descriptor(&["nixl"]), "engine_id": "decode-0"
         }))
         .unwrap();
-        let Message::Refused { message, .. } = answer_hello(&local, None, "00", old) else {
+        let Message::Refused { message, .. } = answer_hello(&local, "i", None, "00", old) else {
             panic!("refused")
         };
         assert!(message.contains("the decode worker speaks no version"), "{message}");
@@ -1138,6 +1354,7 @@ mod tests {
                 engine_id: "prefill-0".into(),
                 metadata: None,
                 proof: auth::proof(None, CHANNEL, Side::Server, "00", &a.nonce),
+                instance: None,
             };
             write_frame(&mut sock, &welcome, "d").await.unwrap();
         });

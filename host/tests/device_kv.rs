@@ -6,7 +6,7 @@
 
 use kvconnect_api::{ConnectorFactory, Dtype, FailurePolicy, KvLayout, KvRole, MemoryKind};
 use kvconnect_bench::harness::context;
-use kvconnect_host::worker::{
+use kvconnect_engine::{
     local_effective_layout, Engine, EngineConfig, FinishReason, GenRequest, ReferenceConfig,
 };
 use kvconnect_nixl::NixlFactory;
@@ -99,7 +99,7 @@ fn check(play: KvLayout, dlay: KvLayout) {
         })
         .unwrap();
     }
-    // The producer keeps stepping while decode pulls from it, as a serving worker does: the
+    // The producer keeps stepping while decode pulls from it, as a server does: the
     // requests it finished in its last step reach its connector (which then holds their blocks
     // for decode) only in the step after, and decode's "done" frees them later still.
     let stop = AtomicBool::new(false);

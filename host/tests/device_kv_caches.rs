@@ -9,7 +9,7 @@
 use kvconnect_api::{
     ConnectorContext, ConnectorFactory, Dtype, FailurePolicy, KvLayout, KvRole, KvTransferConfig, MemoryKind,
 };
-use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use serde_json::json;
 
 const SEED: u64 = 4321;

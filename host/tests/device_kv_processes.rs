@@ -4,12 +4,12 @@
 //! equal a monolithic engine's token for token, every decode must really load all but the
 //! last prompt token, and after prefill dies a load from it fails instead of hanging.
 //! The same again with `cuda_ipc_path = "staged"` (the host-staged copy a GPU without peer
-//! access to the producer's gets by itself); the decode worker's log must name the path taken.
+//! access to the producer's gets by itself); the decode server's log must name the path taken.
 //! Needs a GPU: skips, saying so, where there is none.
 #![cfg(feature = "cuda")]
 
 use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
-use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -38,13 +38,13 @@ fn kvconnect_bin() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kvconnect")))
 }
 
-struct Worker {
+struct Server {
     child: Child,
     http: String,
     log: PathBuf,
 }
 
-impl Drop for Worker {
+impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
@@ -52,13 +52,13 @@ impl Drop for Worker {
     }
 }
 
-/// GPU of the decode worker: `KVC_TEST_DECODE_GPU` (default 0, the prefill worker's GPU);
+/// GPU of the decode server: `KVC_TEST_DECODE_GPU` (default 0, the prefill server's GPU);
 /// on a host with two GPUs, 1 puts decode on the other GPU so the KV crosses NVLink.
 fn decode_gpu() -> String {
     std::env::var("KVC_TEST_DECODE_GPU").unwrap_or_else(|_| "0".to_owned())
 }
 
-fn start(role: &str, id: &str, gpu: &str, path: &str) -> Worker {
+fn start(role: &str, id: &str, gpu: &str, path: &str) -> Server {
     let cfg = format!(
         r#"{{"kv_connector":"NixlConnector","kv_role":"{role}","kv_buffer_device":"cuda","kv_connector_extra_config":{{"backend":"cuda_ipc","cuda_ipc_path":"{path}","io_timeout":3,"connect_timeout":2}}}}"#
     );
@@ -85,10 +85,10 @@ fn start(role: &str, id: &str, gpu: &str, path: &str) -> Worker {
     };
     std::thread::spawn(move || for _ in lines {});
     let v: Value = serde_json::from_str(&line).unwrap();
-    Worker { child, http: v["http"].as_str().unwrap().to_owned(), log }
+    Server { child, http: v["http"].as_str().unwrap().to_owned(), log }
 }
 
-impl Worker {
+impl Server {
     fn log(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
@@ -136,16 +136,16 @@ fn monolithic(ps: &[Vec<u32>]) -> Vec<Vec<u32>> {
 }
 
 #[test]
-fn two_worker_processes_over_cuda_ipc_equal_monolithic() {
-    two_workers("auto", 18);
+fn two_server_processes_over_cuda_ipc_equal_monolithic() {
+    two_servers("auto", 18);
 }
 
 #[test]
-fn two_worker_processes_host_staged_equal_monolithic() {
-    two_workers("staged", 9);
+fn two_server_processes_host_staged_equal_monolithic() {
+    two_servers("staged", 9);
 }
 
-fn two_workers(path: &str, n: usize) {
+fn two_servers(path: &str, n: usize) {
     if let Err(e) = kvconnect_cuda::Gpu::open(0) {
         eprintln!("skipping: no GPU ({e})");
         return;

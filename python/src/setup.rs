@@ -15,7 +15,6 @@ use kvconnect_host::registry::{Registry, RegistryConfig};
 use kvconnect_host::server::connector_setup::{nixl_backend, with_side_channel};
 use kvconnect_host::server::producers::Producers;
 use kvconnect_nixl::auth::{Secret, SECRET_ENV};
-use kvconnect_nixl::config::Backend;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::net::{IpAddr, Ipv4Addr};
@@ -166,7 +165,7 @@ impl Setup {
             with_side_channel(&registry, &config, &host.to_string(), port, secret.as_ref());
         // A producer over nixl's shm backend serves its KV cache from shared memory, which
         // kvconnect.vllm allocates it in (shm_kv); a consumer reads the producer's segments.
-        let shm_kv = nixl_backend(&transports).map_err(extra_err)? == Some(Backend::Shm)
+        let shm_kv = nixl_backend(&transports).map_err(extra_err)?.is_some_and(|b| b.shm_regions)
             && matches!(role, KvRole::Producer | KvRole::Both);
         let side_channel = match (transports.is_empty(), role, extra.side_channel_port) {
             (true, _, _) | (false, KvRole::Consumer, _) => None,

@@ -19,7 +19,7 @@
 
 use crate::error::AdapterError;
 use kvconnect_api::engine_tensor::{layer_ranges, Placement};
-use kvconnect_host::worker::shm::{segment_name, sweep_dead};
+use kvconnect_engine::shm::{segment_name, sweep_dead};
 use kvconnect_nixl::shm::{unlink_live_segments, ShmArena};
 use std::sync::{Mutex, MutexGuard};
 

@@ -8,6 +8,7 @@ pub mod netns;
 pub mod plugin_fixtures;
 pub mod readme;
 pub mod round_trip;
+pub mod side_channel;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -356,6 +357,33 @@ pub fn write_deployment(
     path
 }
 
+/// A worker on the reference model with kv-transfer-config `config`, engine id `id` and the
+/// arguments `more`, given `secret` as its data-plane secret (through its environment).
+pub fn reference_worker_with_secret(config: &str, id: &str, more: &[&str], secret: &str) -> Worker {
+    let model = reference_model();
+    let mut args = vec![
+        "--kv-transfer-config",
+        config,
+        "--model",
+        model.to_str().unwrap_or_default(),
+        "--engine-id",
+        id,
+    ];
+    args.extend_from_slice(more);
+    Worker::start_with_env(&args, &[("KVCONNECT_SIDE_CHANNEL_TOKEN", secret)])
+}
+
+/// Prefill of `prompt` for a decode elsewhere (`do_remote_decode`, one token), as a proxy
+/// asks for it: prefill's answer, whose `kv_transfer_params` decode is to be given.
+pub fn prefill_for_remote_decode(prefill: &Worker, prompt: &[u32]) -> serde_json::Value {
+    let (st, p) = prefill.post(
+        "/v1/completions",
+        &serde_json::json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
+    );
+    assert_eq!(st, 200, "prefill failed: {p}");
+    p
+}
+
 /// One disaggregated request, as a proxy does it: prefill with `do_remote_decode`, then
 /// decode with prefill's `kv_transfer_params` under prefill's request id. Returns decode's
 /// status and body.
@@ -365,34 +393,71 @@ pub fn disaggregated(
     prompt: &[u32],
     max_tokens: usize,
 ) -> (u16, serde_json::Value) {
-    let (st, p) = prefill.post(
-        "/v1/completions",
-        &serde_json::json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
-    );
-    assert_eq!(st, 200, "prefill failed: {p}");
+    disaggregated_with(prefill, decode, prompt, max_tokens, || {})
+}
+
+/// [`disaggregated`], running `between` after prefill answered and before decode is asked
+/// (a test that tampers with what decode will load).
+pub fn disaggregated_with(
+    prefill: &Worker,
+    decode: &Worker,
+    prompt: &[u32],
+    max_tokens: usize,
+    between: impl FnOnce(),
+) -> (u16, serde_json::Value) {
+    let p = prefill_for_remote_decode(prefill, prompt);
     let params = p["kv_transfer_params"].clone();
     assert_eq!(params["do_remote_prefill"], true, "prefill returned no transfer params: {p}");
+    between();
     decode.post(
         "/v1/completions",
         &serde_json::json!({"request_id": p["id"], "prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}),
     )
 }
 
+/// Asserts that decode answered `r` (its status `st`, for `prompt` whose monolithic output is
+/// `mono`) after its handshake with prefill was refused: the output is still `mono`, because
+/// decode computed the prompt itself; nothing was loaded; the request's load note says it was
+/// recomputed with a reason containing each of `reason`; and prefill's side channel counted
+/// one refusal and no welcome.
+pub fn assert_refused_at_the_handshake(
+    prefill: &Worker,
+    decode: &Worker,
+    (st, r): (u16, &serde_json::Value),
+    mono: &[u32],
+    reason: &[&str],
+) {
+    assert_eq!(st, 200, "{r}\n{}", decode.log());
+    assert_eq!(token_ids(r).into_iter().map(|t| t as u32).collect::<Vec<_>>(), mono, "{r}");
+    assert_eq!(r["kvconnect"]["num_external_tokens"], 0, "{r}");
+    assert_eq!(r["kvconnect"]["kv_load"]["recomputed"], true, "{r}");
+    let why = r["kvconnect"]["kv_load"]["reason"].as_str().unwrap_or_default();
+    for w in reason {
+        assert!(why.contains(w), "want {w:?} in the load note's reason: {why}");
+    }
+    let (_, h) = decode.get("/health");
+    assert_eq!(h["pool"]["external_tokens"], 0, "nothing may be loaded from a refused peer: {h}");
+    assert_eq!(h["pool"]["failed"], 0, "{h}");
+    let (_, h) = prefill.get("/health");
+    assert_eq!(h["side_channel"]["refused"], 1, "{h}");
+    assert_eq!(h["side_channel"]["welcomed"], 0, "{h}");
+}
+
 /// Greedy output of a single in-process reference engine without any connector: the
 /// monolithic baseline disaggregated output must equal token for token.
 pub fn monolithic(prompts: &[Vec<u32>], max_tokens: usize, layout: kvconnect_api::KvLayout) -> Vec<Vec<u32>> {
-    let model = kvconnect_host::worker::ReferenceConfig::builtin().expect("reference config");
+    let model = kvconnect_engine::ReferenceConfig::builtin().expect("reference config");
     monolithic_of(model, prompts, max_tokens, layout)
 }
 
 /// [`monolithic`] with another reference model (e.g. the hybrid one).
 pub fn monolithic_of(
-    model: kvconnect_host::worker::ReferenceConfig,
+    model: kvconnect_engine::ReferenceConfig,
     prompts: &[Vec<u32>],
     max_tokens: usize,
     layout: kvconnect_api::KvLayout,
 ) -> Vec<Vec<u32>> {
-    use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest};
+    use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest};
     let spec = model.model_spec().expect("reference spec");
     let eff = local_effective_layout(&spec, layout, true, 16, kvconnect_api::Dtype::Bf16);
     let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed: 0, shm: None, tp_size: 1 };

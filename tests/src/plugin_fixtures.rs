@@ -20,6 +20,7 @@ pub const DEFECTS: &[&str] = &[
     "wrong_magic",
     "abi_major",
     "short_vtable",
+    "minor_without_entry",
     "bad_fingerprint",
     "factory_panics",
     "invalid_caps",
@@ -55,9 +56,9 @@ pub fn example_plugin_abi_1_0(tmp: &Path, out_dir: &Path) -> PathBuf {
     dst
 }
 
-/// Builds `tests/fixtures/abi-host`, a minimal host that loads one plugin with the rules of
-/// the kvconnect-api it is built against (`args`: `--features abi_1_0` for a 1.0 host);
-/// returns the executable.
+/// Builds `tests/fixtures/abi-host`, a host that loads one plugin through the real loader,
+/// built against the kvconnect-api of its features (`args`: `--features abi_1_0` for a 1.0
+/// host); returns the executable.
 pub fn abi_host(tmp: &Path, args: &[&str]) -> PathBuf {
     let _g = BUILD.lock().unwrap_or_else(|e| e.into_inner());
     let src = fixture_source(tmp, "abi-host", &["src/main.rs"]);
@@ -134,10 +135,12 @@ fn fixture_source(tmp: &Path, name: &str, files: &[&str]) -> PathBuf {
     let ws = workspace_root();
     let from = ws.join("tests/fixtures").join(name);
     let to = tmp.join(format!("{name}-src"));
-    let api = ws.join("connector-api");
-    let manifest = std::fs::read_to_string(from.join("Cargo.toml"))
-        .expect("read the fixture manifest")
-        .replace("path = \"../../../connector-api\"", &format!("path = {:?}", api.to_string_lossy()));
+    let mut manifest = std::fs::read_to_string(from.join("Cargo.toml")).expect("read the fixture manifest");
+    for dep in ["connector-api", "loader"] {
+        let at = ws.join(dep);
+        manifest = manifest
+            .replace(&format!("path = \"../../../{dep}\""), &format!("path = {:?}", at.to_string_lossy()));
+    }
     write_if_changed(&to.join("Cargo.toml"), manifest.as_bytes());
     for f in files {
         write_if_changed(&to.join(f), &std::fs::read(from.join(f)).expect("read the fixture source"));

@@ -51,6 +51,32 @@ fn bench_transfer_verifies_every_pair_and_reports_quartiles() {
     }
 }
 
+/// Backend nixl against raw nixl-sys READs from a second process, in the same tiny
+/// configuration; skipped with a message where the NIXL library is absent (CI fetches it).
+#[cfg(feature = "nixl")]
+#[test]
+fn bench_transfer_nixl_pairs_the_connector_with_raw_nixl_between_two_processes() {
+    if let Err(e) = kvconnect_nixl::nixl_lib::find() {
+        eprintln!("skipping backend nixl: {e}");
+        return;
+    }
+    let r = bench(&[
+        "transfer",
+        "--backend",
+        "nixl",
+        "--model",
+        "fixtures/models/Qwen--Qwen3-0.6B/config.json",
+        "--tokens",
+        "200",
+        "--pairs",
+        "3",
+    ]);
+    check_pairs(&r, 3);
+    assert_eq!(r["bytes"], 13 * 16 * 28 * 2 * 8 * 128 * 2, "{r}");
+    assert_eq!(r["baseline"], "raw NIXL READ between two processes (nixl-sys)", "{r}");
+    assert!(r["machine"]["load_average_before"].as_f64().is_some(), "{r}");
+}
+
 #[test]
 fn bench_transfer_across_tp_sizes_pairs_tp_2_to_1_with_tp_1_to_1() {
     for backend in ["shm", "tcp"] {

@@ -8,22 +8,31 @@
 //! still promises it, or a named test that is renamed or removed, fails here. A claim with no
 //! test is declared false in the connector instead.
 //!
+//! nixl is audited per backend (`shm`, `tcp`, `nixl`, `cuda_ipc`): a claim that some of its
+//! backends declare and others do not (heterogeneous TP, per-request state, each memory kind)
+//! names one test per backend that declares it, a test that runs on that backend; a claim
+//! every backend declares names one test.
+//!
 //! Claims are the capability fields that promise behaviour: `hma`, `layerwise`,
-//! `heterogeneous_tp`, `mla`, `async_load`, `adapt`, `carries_state`, `stores_opaque_blocks`,
-//! and each memory kind,
-//! transfer mode and role. Layout, block-size and dtype fields restrict rather than promise; negotiation checks
-//! them. Claims that only builds with `--features cuda` declare (device memory) name the GPU
-//! tests that exercise them; this build checks that those tests exist.
+//! `heterogeneous_tp`, `mla`, `async_load`, `adapt`, `carries_state`, `stores_opaque_blocks`, the combinations
+//! `state_with_tp`, `adapts_with_tp` and `adapts_with_state` (no built-in declares them:
+//! negotiation and the compat check refuse those pairs before launch), and each memory kind,
+//! transfer mode and role. Layout, block-size and dtype fields restrict rather than promise;
+//! negotiation checks them. Claims that only builds with `--features cuda` declare name the
+//! GPU tests that exercise them; this build checks that those tests exist.
 
-use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::KvRole;
 use kvconnect_api::{Capabilities, ConnectorResolver, KvTransferConfig, MemoryKind, ModelSpec, TransferMode};
 use kvconnect_host::registry::Registry;
 use kvconnect_tests::{fixture_model, workspace_root};
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One promise and the test that keeps it.
+#[derive(Clone, Copy)]
 struct Claim {
     connector: &'static str,
+    /// The backend it is declared for, when the connector declares it on some backends only.
+    backend: Option<&'static str>,
     claim: &'static str,
     /// `path/from/the/workspace/root.rs::test_function`.
     test: &'static str,
@@ -32,11 +41,31 @@ struct Claim {
 }
 
 const fn claim(connector: &'static str, claim: &'static str, test: &'static str) -> Claim {
-    Claim { connector, claim, test, only_with: None }
+    Claim { connector, backend: None, claim, test, only_with: None }
+}
+
+/// A claim of one backend of `connector`.
+const fn on(
+    connector: &'static str,
+    backend: &'static str,
+    claim: &'static str,
+    test: &'static str,
+) -> Claim {
+    Claim { connector, backend: Some(backend), claim, test, only_with: None }
 }
 
 const fn gpu(connector: &'static str, claim: &'static str, test: &'static str) -> Claim {
-    Claim { connector, claim, test, only_with: Some("cuda") }
+    Claim { connector, backend: None, claim, test, only_with: Some("cuda") }
+}
+
+/// A claim of one backend that only `--features cuda` builds declare.
+const fn gpu_on(
+    connector: &'static str,
+    backend: &'static str,
+    claim: &'static str,
+    test: &'static str,
+) -> Claim {
+    Claim { connector, backend: Some(backend), claim, test, only_with: Some("cuda") }
 }
 
 const NIXL_FLOW: &str = "connectors/nixl/tests/pull.rs::shm_pull_full_worker_flow";
@@ -51,13 +80,17 @@ const PD_DECODE: &str =
 
 const CLAIMS: &[Claim] = &[
     claim("nixl", "hma", "tests/tests/pd_determinism.rs::shm_hma_on"),
-    claim("nixl", "heterogeneous_tp", "tests/tests/pd_determinism.rs::shm_tp_2_to_1"),
+    on("nixl", "shm", "heterogeneous_tp", "tests/tests/pd_determinism.rs::shm_tp_2_to_1"),
+    on("nixl", "tcp", "heterogeneous_tp", "tests/tests/pd_determinism.rs::tcp_tp_2_to_1"),
     claim("nixl", "mla", DEEPSEEK_PD),
-    // Declared with backends shm (the default) and tcp; both run in the matrix.
-    claim("nixl", "carries_state", "tests/tests/pd_determinism.rs::hybrid_model_shm_hma_on"),
+    on("nixl", "shm", "carries_state", "tests/tests/pd_determinism.rs::hybrid_model_shm_hma_on"),
+    on("nixl", "tcp", "carries_state", "tests/tests/pd_determinism.rs::hybrid_model_tcp_hma_on"),
     claim("nixl", "async_load", NIXL_FLOW),
-    claim("nixl", "memory:host", NIXL_FLOW),
-    gpu("nixl", "memory:device", "connectors/nixl/tests/cuda_ipc.rs::same_process_equal_layouts"),
+    on("nixl", "shm", "memory:host", NIXL_FLOW),
+    on("nixl", "tcp", "memory:host", "connectors/nixl/tests/pull.rs::tcp_pull_full_worker_flow"),
+    on("nixl", "nixl", "memory:host", "tests/tests/pd_determinism.rs::nixl_hma_on"),
+    on("nixl", "cuda_ipc", "memory:device", "connectors/nixl/tests/cuda_ipc.rs::same_process_equal_layouts"),
+    gpu_on("nixl", "nixl", "memory:device", "connectors/nixl/tests/nixl_vram.rs::connector_loads_a_request_vram_to_vram"),
     claim("nixl", "transfer:pull", "connectors/nixl/tests/pull.rs::tcp_pull_full_worker_flow"),
     claim("nixl", "role:kv_producer", NIXL_FLOW),
     claim("nixl", "role:kv_consumer", NIXL_FLOW),
@@ -123,6 +156,9 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         mla,
         async_load,
         carries_state,
+        state_with_tp,
+        adapts_with_tp,
+        adapts_with_state,
         stores_opaque_blocks,
     } = c;
     let mut out = BTreeSet::new();
@@ -134,6 +170,9 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         (*async_load, "async_load"),
         (adapt.is_some(), "adapt"),
         (*carries_state, "carries_state"),
+        (*state_with_tp, "state_with_tp"),
+        (*adapts_with_tp, "adapts_with_tp"),
+        (*adapts_with_state, "adapts_with_state"),
         (*stores_opaque_blocks, "stores_opaque_blocks"),
     ] {
         if on {
@@ -162,9 +201,9 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
     for r in roles {
         out.insert(
             match r {
-                KvRoleCap::Producer => "role:kv_producer",
-                KvRoleCap::Consumer => "role:kv_consumer",
-                KvRoleCap::Both => "role:kv_both",
+                KvRole::Producer => "role:kv_producer",
+                KvRole::Consumer => "role:kv_consumer",
+                KvRole::Both => "role:kv_both",
             }
             .to_owned(),
         );
@@ -173,9 +212,10 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
 }
 
 /// The kv-transfer-configs under which each built-in declares every claim it can make: the
-/// plain config and the settings that turn on config-dependent claims. pd is audited over
-/// the composites the examples and tests run.
-fn configurations(tmp: &std::path::Path) -> Vec<(&'static str, String)> {
+/// plain config and the settings that turn on config-dependent claims, and for nixl each
+/// backend (named, so its claims are audited per backend). pd is audited over the composites
+/// the examples and tests run.
+fn configurations(tmp: &std::path::Path) -> Vec<(&'static str, Option<&'static str>, String)> {
     let disk = format!("file://{}", tmp.join("lmcache-disk").display());
     let ssd = tmp.join("flexkv-ssd").display().to_string();
     let lmcache_all = format!(
@@ -195,24 +235,37 @@ fn configurations(tmp: &std::path::Path) -> Vec<(&'static str, String)> {
         r#"{"kv_connector":"LMCacheConnectorV1"}"#,
         r#"{"kv_connector":"FlexKVConnectorV1"}"#,
     );
+    let backend = |b: &str| {
+        format!(r#"{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"{b}"}}}}"#)
+    };
     vec![
-        ("nixl", nixl.to_owned()),
+        // shm is the default backend.
+        ("nixl", Some("shm"), nixl.to_owned()),
+        ("nixl", Some("shm"), backend("shm")),
+        ("nixl", Some("tcp"), backend("tcp")),
+        ("nixl", Some("nixl"), backend("nixl")),
         (
             "nixl",
-            r#"{"kv_connector":"NixlConnector","kv_connector_extra_config":{"backend":"tcp"}}"#.to_owned(),
+            Some("nixl"),
+            r#"{"kv_connector":"NixlConnector","kv_connector_extra_config":{"backends":["UCX"]}}"#.to_owned(),
         ),
-        ("lmcache", lmcache.to_owned()),
-        ("lmcache", lmcache_all.clone()),
-        ("flexkv", flexkv.to_owned()),
-        ("flexkv", flexkv_all),
-        ("pd", pd(&[lmcache, nixl])),
-        ("pd", pd(&[flexkv, nixl])),
-        ("pd", pd(&[&lmcache_all, nixl])),
+        ("nixl", Some("cuda_ipc"), backend("cuda_ipc")),
+        ("lmcache", None, lmcache.to_owned()),
+        ("lmcache", None, lmcache_all.clone()),
+        ("flexkv", None, flexkv.to_owned()),
+        ("flexkv", None, flexkv_all),
+        ("pd", None, pd(&[lmcache, nixl])),
+        ("pd", None, pd(&[flexkv, nixl])),
+        ("pd", None, pd(&[&lmcache_all, nixl])),
     ]
 }
 
-/// Every claim each built-in declares, over every configuration and fixture model.
-fn declared() -> BTreeMap<&'static str, BTreeSet<String>> {
+/// A connector and, for one audited per backend, the backend.
+type Variant = (&'static str, Option<&'static str>);
+
+/// Every claim each built-in declares (per backend for nixl), over every configuration and
+/// fixture model.
+fn declared() -> BTreeMap<Variant, BTreeSet<String>> {
     let tmp = tempfile::tempdir().unwrap();
     let registry = Registry::builtins_only();
     let models: Vec<ModelSpec> = [
@@ -228,8 +281,8 @@ fn declared() -> BTreeMap<&'static str, BTreeSet<String>> {
         ModelSpec::from_hf_config_json(&text).unwrap()
     })
     .collect();
-    let mut out: BTreeMap<&'static str, BTreeSet<String>> = BTreeMap::new();
-    for (name, json) in configurations(tmp.path()) {
+    let mut out: BTreeMap<Variant, BTreeSet<String>> = BTreeMap::new();
+    for (name, backend, json) in configurations(tmp.path()) {
         let config = KvTransferConfig::from_json(&json).unwrap();
         let factory = registry.resolve(&config).unwrap();
         assert_eq!(factory.info().name, name, "{json} resolves to another connector");
@@ -237,37 +290,106 @@ fn declared() -> BTreeMap<&'static str, BTreeSet<String>> {
             let caps = factory
                 .capabilities(&config, model)
                 .unwrap_or_else(|e| panic!("{name} {json} on {:?}: {e}", model.map(|m| &m.name)));
-            out.entry(name).or_default().extend(claims_of(&caps));
+            out.entry((name, backend)).or_default().extend(claims_of(&caps));
         }
     }
     out
 }
 
-#[test]
-fn every_declared_claim_names_the_test_that_exercises_it() {
-    let declared = declared();
-    assert_eq!(declared.keys().copied().collect::<Vec<_>>(), ["flexkv", "lmcache", "nixl", "pd"]);
+/// What the table lacks and what it promises in vain, against `declared`.
+fn audit(declared: &BTreeMap<Variant, BTreeSet<String>>, claims: &[Claim]) -> (Vec<String>, Vec<String>) {
+    let show = |(c, b): &Variant| match b {
+        Some(b) => format!("{c} (backend {b})"),
+        None => (*c).to_owned(),
+    };
     let mut missing = Vec::new();
-    let mut stale = Vec::new();
-    for (connector, claims) in &declared {
-        for c in claims {
-            if !CLAIMS.iter().any(|e| e.connector == *connector && e.claim == c) {
-                missing.push(format!("{connector} declares {c}"));
+    for (variant, declares) in declared {
+        for c in declares {
+            // A claim of one backend is kept by a test of that backend, or by one test when
+            // every backend of the connector declares it.
+            let covered = claims.iter().any(|e| {
+                e.connector == variant.0 && e.claim == c && (e.backend.is_none() || e.backend == variant.1)
+            });
+            if !covered {
+                missing.push(format!("{} declares {c}", show(variant)));
             }
         }
     }
-    for e in CLAIMS {
+    let mut stale = Vec::new();
+    for e in claims {
         // A claim only some builds make is checked where it is declared.
-        let is_declared = declared.get(e.connector).is_some_and(|c| c.contains(e.claim));
-        if !is_declared && e.only_with.is_none() {
-            stale.push(format!("{} {} ({})", e.connector, e.claim, e.test));
+        if e.only_with.is_some() {
+            continue;
+        }
+        let variants: Vec<(&Variant, &BTreeSet<String>)> = declared
+            .iter()
+            .filter(|((c, b), _)| *c == e.connector && (e.backend.is_none() || *b == e.backend))
+            .collect();
+        let kept = !variants.is_empty() && variants.iter().all(|(_, d)| d.contains(e.claim));
+        if !kept {
+            let not: Vec<String> =
+                variants.iter().filter(|(_, d)| !d.contains(e.claim)).map(|(v, _)| show(v)).collect();
+            stale.push(format!(
+                "{} {} ({}): not declared by {}",
+                e.backend.map_or(e.connector.to_owned(), |b| format!("{} (backend {b})", e.connector)),
+                e.claim,
+                e.test,
+                if not.is_empty() { "any configuration".to_owned() } else { not.join(", ") }
+            ));
         }
     }
+    (missing, stale)
+}
+
+#[test]
+fn every_declared_claim_names_the_test_that_exercises_it() {
+    let declared = declared();
+    let connectors: BTreeSet<&str> = declared.keys().map(|(c, _)| *c).collect();
+    assert_eq!(connectors.into_iter().collect::<Vec<_>>(), ["flexkv", "lmcache", "nixl", "pd"]);
+    let backends: Vec<_> = declared.keys().filter(|(c, _)| *c == "nixl").map(|(_, b)| *b).collect();
+    assert_eq!(backends, [Some("cuda_ipc"), Some("nixl"), Some("shm"), Some("tcp")]);
+    let (missing, stale) = audit(&declared, CLAIMS);
     assert!(
         missing.is_empty(),
-        "claims without a test (name the test that exercises each in CLAIMS, or declare it false): {missing:#?}"
+        "claims without a test (name the test that exercises each in CLAIMS, per backend where only some backends declare it, or declare it false): {missing:#?}"
     );
     assert!(stale.is_empty(), "CLAIMS lists claims the connectors no longer declare: {stale:#?}");
+}
+
+#[test]
+fn claims_that_depend_on_the_backend_are_audited_per_backend() {
+    let declared = declared();
+    let nixl = |b| &declared[&("nixl", Some(b))];
+    // What this build's nixl declares on each backend: state and TP across sizes on the
+    // paths that move them, memory kinds as each backend's copies reach them, and no
+    // adaptation combined with TP or state anywhere.
+    for b in ["shm", "tcp"] {
+        assert!(nixl(b).contains("carries_state") && nixl(b).contains("heterogeneous_tp"), "{b}");
+        assert!(nixl(b).contains("memory:host") && !nixl(b).contains("memory:device"), "{b}");
+    }
+    for b in ["nixl", "cuda_ipc"] {
+        assert!(!nixl(b).contains("carries_state") && !nixl(b).contains("heterogeneous_tp"), "{b}");
+    }
+    assert!(!nixl("cuda_ipc").contains("memory:host"));
+    for (v, d) in &declared {
+        for c in ["state_with_tp", "adapts_with_tp", "adapts_with_state"] {
+            assert!(!d.contains(c), "{v:?} declares {c}");
+        }
+    }
+    // A claim of shm and tcp kept by a test of one of them only is missing for the other.
+    let one_test: Vec<Claim> = CLAIMS
+        .iter()
+        .filter(|e| !(e.claim == "carries_state" && e.backend == Some("tcp")))
+        .copied()
+        .collect();
+    let (missing, _) = audit(&declared, &one_test);
+    assert_eq!(missing, ["nixl (backend tcp) declares carries_state"]);
+    // One entry for every backend, for a claim only some declare, is promised in vain.
+    let mut blanket: Vec<Claim> = CLAIMS.iter().copied().collect();
+    blanket.push(claim("nixl", "carries_state", "tests/tests/pd_determinism.rs::hybrid_model_shm_hma_on"));
+    let (_, stale) = audit(&declared, &blanket);
+    assert_eq!(stale.len(), 1, "{stale:#?}");
+    assert!(stale[0].contains("not declared by nixl (backend cuda_ipc), nixl (backend nixl)"), "{stale:#?}");
 }
 
 #[test]

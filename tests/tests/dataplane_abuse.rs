@@ -6,10 +6,15 @@
 //! normal P/D request. And a decode request whose `kv_transfer_params` point outside the
 //! decode worker's allow-list is refused without any connection being made.
 
+use kvconnect_host::sidechannel::Message;
 use kvconnect_nixl::auth::Secret;
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg};
-use kvconnect_tests::{closed_by_peer, metrics, reference_model, varied_prompts, Worker};
-use serde_json::{json, Value};
+use kvconnect_tests::{
+    closed_by_peer, metrics, prefill_for_remote_decode, reference_model, reference_worker_with_secret,
+    side_channel, varied_prompts, Worker,
+};
+use serde_json::json;
+use side_channel::frame;
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -27,20 +32,7 @@ fn nixl(role: &str, extra: &str) -> String {
 }
 
 fn worker(config: &str, id: &str, more: &[&str]) -> Worker {
-    let model = reference_model();
-    let mut args =
-        vec!["--kv-transfer-config", config, "--model", model.to_str().unwrap(), "--engine-id", id];
-    args.extend_from_slice(more);
-    Worker::start_with_env(&args, &[("KVCONNECT_SIDE_CHANNEL_TOKEN", SECRET)])
-}
-
-fn prefill_one(w: &Worker, prompt: &[u32]) -> Value {
-    let (st, p) = w.post(
-        "/v1/completions",
-        &json!({"prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": true}}),
-    );
-    assert_eq!(st, 200, "{p}");
-    p
+    reference_worker_with_secret(config, id, more, SECRET)
 }
 
 /// A connection whose first frame (the challenge) was read.
@@ -82,13 +74,6 @@ fn refused(w: &Worker, listener: &str, reason: &str) -> f64 {
     metric(w, "kvconnect_data_plane_refused", &[&l, &r])
 }
 
-/// A frame of `body`, as the wire writes it.
-fn frame(body: &[u8]) -> Vec<u8> {
-    let mut f = (body.len() as u32).to_be_bytes().to_vec();
-    f.extend_from_slice(body);
-    f
-}
-
 /// Writes `bytes` one every `gap`; true when the peer cut the connection within `limit`.
 fn drip(c: &mut TcpStream, bytes: &[u8], gap: Duration, limit: Duration) -> bool {
     let t0 = Instant::now();
@@ -107,16 +92,19 @@ fn drip(c: &mut TcpStream, bytes: &[u8], gap: Duration, limit: Duration) -> bool
 #[test]
 fn a_live_prefill_worker_refuses_and_counts_abuse_then_serves_normally() {
     let port = free_port();
-    let prefill =
-        worker(&nixl("kv_producer", &format!(r#","port":{port},"max_connections":8"#)), "prefill-abuse", &[]);
+    let prefill = worker(
+        &nixl("kv_producer", &format!(r#","port":{port},"max_connections":8"#)),
+        "prefill-abuse",
+        &["--side-channel-timeout", "2", "--side-channel-max-connections", "4"],
+    );
     let decode =
         worker(&nixl("kv_consumer", ""), "decode-abuse", &["--kv-producers", "prefill-abuse@127.0.0.1"]);
     let producer = format!("127.0.0.1:{port}");
     let sc = prefill.side_channel.clone().expect("side channel");
     let prompts = varied_prompts(30);
     let (pa, pb) = (&prompts[26], &prompts[27]);
-    let a = prefill_one(&prefill, pa);
-    let b = prefill_one(&prefill, pb);
+    let a = prefill_for_remote_decode(&prefill, pa);
+    let b = prefill_for_remote_decode(&prefill, pb);
     let (id_a, id_b) = (a["id"].as_str().unwrap().to_owned(), b["id"].as_str().unwrap().to_owned());
     let cap_b = b["kv_transfer_params"]["remote_capability"].as_str().unwrap().to_owned();
     assert_eq!(cap_b.len(), 32, "{b}");
@@ -195,30 +183,54 @@ fn a_live_prefill_worker_refuses_and_counts_abuse_then_serves_normally() {
     assert!(refused(&prefill, "producer", "too_many_connections") >= 1.0);
     drop(flood);
 
-    // Side channel: a hello without the proof, garbage, oversized, truncated, a drip.
-    let mut c = TcpStream::connect(&sc).unwrap();
-    c.write_all(&frame(br#"{"type":"hello","engine_id":"x","compat":{}}"#)).unwrap();
+    // Side channel: a hello without any proof, one proving another secret, garbage,
+    // oversized, truncated, a drip, and a flood past its cap of 4; each refused by reason.
+    let sc_refused = |reason: &str| refused(&prefill, "side_channel", reason);
+    let compat = side_channel::descriptor(&nixl("kv_consumer", ""), &reference_model());
+    let (mut c, _) = side_channel::challenged(&sc);
+    c.write_all(&side_channel::hello(&compat, "intruder", None)).unwrap();
+    let answer = side_channel::read_message(&mut c);
+    assert!(
+        matches!(&answer, Some(Message::Refused { message, .. }) if message.starts_with("unauthenticated")),
+        "{answer:?}"
+    );
     assert!(closed_by_peer(&mut c));
-    let mut c = TcpStream::connect(&sc).unwrap();
+    let out = side_channel::handshake(&sc, &compat, Some(&wrong));
+    assert!(
+        matches!(&out, Some(Message::Refused { message, .. }) if message.contains("did not get a valid proof")),
+        "{out:?}"
+    );
+    assert_eq!(sc_refused("unauthenticated"), 1.0);
+    assert_eq!(sc_refused("wrong_secret"), 1.0);
+    let (mut c, _) = side_channel::challenged(&sc);
     c.write_all(&frame(b"garbage!")).unwrap();
     assert!(closed_by_peer(&mut c));
-    let mut c = TcpStream::connect(&sc).unwrap();
+    let (mut c, _) = side_channel::challenged(&sc);
     c.write_all(&u32::MAX.to_be_bytes()).unwrap();
     assert!(closed_by_peer(&mut c));
-    let mut c = TcpStream::connect(&sc).unwrap();
+    let (mut c, _) = side_channel::challenged(&sc);
     c.write_all(&whole[..5]).unwrap();
-    drop(c);
-    let dropped_before = prefill.get("/health").1["side_channel"]["dropped"].as_u64().unwrap();
-    let mut c = TcpStream::connect(&sc).unwrap();
-    let hello = frame(&vec![b' '; 200]);
-    assert!(
-        drip(&mut c, &hello, Duration::from_millis(500), Duration::from_secs(25)),
-        "side-channel drip not cut"
-    );
+    c.shutdown(std::net::Shutdown::Write).unwrap();
+    assert!(closed_by_peer(&mut c));
+    assert_eq!(sc_refused("malformed"), 1.0);
+    assert_eq!(sc_refused("oversized"), 1.0);
+    assert_eq!(sc_refused("truncated"), 1.0);
+    // A byte every 300 ms: cut at the 2 s frame deadline (--side-channel-timeout).
+    let (mut c, _) = side_channel::challenged(&sc);
+    let t0 = Instant::now();
+    assert!(drip(&mut c, &frame(&[b' '; 200]), Duration::from_millis(300), Duration::from_secs(10)));
+    assert!(t0.elapsed() >= Duration::from_secs(2), "cut before its deadline: {:?}", t0.elapsed());
+    assert_eq!(sc_refused("timeout"), 1.0);
+    let flood: Vec<_> = (0..4).map(|_| side_channel::challenged(&sc)).collect();
+    let mut extra = TcpStream::connect(&sc).unwrap();
+    extra.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    assert!(side_channel::read_message(&mut extra).is_none(), "a connection past the cap got a challenge");
+    assert_eq!(sc_refused("too_many_connections"), 1.0);
+    drop(flood);
     let h = prefill.get("/health").1;
-    assert!(h["side_channel"]["dropped"].as_u64().unwrap() > dropped_before, "{h}");
-    assert!(h["side_channel"]["dropped"].as_u64().unwrap() >= 3, "{h}");
     assert_eq!(h["side_channel"]["welcomed"], 0, "{h}");
+    assert_eq!(h["side_channel"]["dropped"], 4, "{h}");
+    assert_eq!(metric(&prefill, "kvconnect_side_channel_dropped", &[]), 4.0);
 
     // Nothing was read or freed: both requests are still held, and A is served to its decode.
     assert_eq!(held(&prefill), 2);
@@ -252,7 +264,7 @@ fn decode_refuses_params_pointing_outside_its_allow_list_without_connecting() {
     trap.set_nonblocking(true).unwrap();
     let trap_port = trap.local_addr().unwrap().port();
     let prompt = &varied_prompts(30)[26];
-    let p = prefill_one(&prefill, prompt);
+    let p = prefill_for_remote_decode(&prefill, prompt);
     // A host name is refused as a bad request before the allow-list is asked: nothing from a
     // client is resolved.
     for (engine, host, port, status, says) in [

@@ -11,7 +11,7 @@
 //!   decode must load the KV from prefill and produce the monolithic tokens both times.
 
 use kvconnect_api::{ConnectorContext, Dtype, FailurePolicy, KvLayout, KvRole, KvTransferConfig};
-use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use kvconnect_tests::{disaggregated, monolithic, reference_model, token_ids, varied_prompts, Worker};
 
 const MAX_TOKENS: usize = 4;

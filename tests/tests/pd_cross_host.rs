@@ -3,17 +3,19 @@
 //! secret. A P/D request equals the monolithic output; a link cut in the middle of a transfer
 //! makes decode apply its kv_load_failure_policy (counted, never a silent success) and prefill
 //! free the blocks at lease expiry; a third namespace, routed to prefill but without the secret,
-//! reads nothing from its producer listener or its side channel, and is counted.
+//! reads nothing from its producer listener or its side channel, and is counted. With feature
+//! `nixl`, the same three over backend nixl (NIXL over UCX, TCP only).
 //!
 //! Needs root and iproute2 (`ip netns`, `tc`); skips with the reason otherwise.
 
 use kvconnect_api::KvLayout;
+use kvconnect_host::sidechannel::Message;
 use kvconnect_nixl::auth::Secret;
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg};
 use kvconnect_tests::netns::{self, link, Netns};
 use kvconnect_tests::{
-    closed_by_peer, kvconnect_bin, metrics, monolithic, reference_model, token_ids, varied_prompts,
-    wait_until, Worker,
+    closed_by_peer, kvconnect_bin, metrics, monolithic, reference_model, side_channel, token_ids,
+    varied_prompts, wait_until, Worker,
 };
 use serde_json::{json, Value};
 use std::net::TcpStream;
@@ -115,12 +117,26 @@ fn prefill_worker(h: &Hosts, backend: &str, engine: &str, lease_s: u32) -> Worke
     )
 }
 
+/// Decode in `ns`, allowed to load from `prefill_engine`. Its io_timeout (3 s) also bounds a
+/// NIXL READ, with the bytes at 100 MB/s on top: over a shaped link NIXL needs more
+/// ([`decode_worker_within`]).
 fn decode_worker(ns: &Netns, backend: &str, prefill_engine: &str, policy: &str, secret: bool) -> Worker {
+    decode_worker_within(ns, backend, prefill_engine, policy, secret, 3)
+}
+
+fn decode_worker_within(
+    ns: &Netns,
+    backend: &str,
+    prefill_engine: &str,
+    policy: &str,
+    secret: bool,
+    io_timeout_s: u32,
+) -> Worker {
     let config = config(
         backend,
         "kv_consumer",
         &format!(r#","kv_load_failure_policy":"{policy}""#),
-        r#","io_timeout":3"#,
+        &format!(r#","io_timeout":{io_timeout_s}"#),
     );
     let producers = format!("{prefill_engine}@{PREFILL_IP}:{SIDE_CHANNEL_PORT}");
     start(
@@ -196,17 +212,29 @@ fn pd_equals_monolithic(h: &Hosts, prefill: &Worker, decode: &Worker) -> (Vec<Ve
     (prompts, mono)
 }
 
+/// Whether backend nixl can run here (the NIXL library found); says why not otherwise.
+#[cfg(feature = "nixl")]
+fn nixl_here() -> bool {
+    match kvconnect_nixl::nixl_lib::find() {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("skipping backend nixl across hosts: {e}");
+            false
+        }
+    }
+}
+
 #[cfg(feature = "nixl")]
 #[test]
-fn pd_across_hosts_over_nixl_ucx_equals_monolithic() {
-    if let Err(e) = kvconnect_nixl::nixl_lib::find() {
-        eprintln!("skipping backend nixl across hosts: {e}");
+fn pd_across_hosts_over_nixl_ucx_equals_monolithic_and_an_outsider_without_the_secret_reads_nothing() {
+    if !nixl_here() {
         return;
     }
     let Some(h) = hosts("nixl") else { return };
     let prefill = prefill_worker(&h, "nixl", "prefill-xn", 30);
     let decode = decode_worker(&h.decode, "nixl", "prefill-xn", "fail", true);
-    pd_equals_monolithic(&h, &prefill, &decode);
+    let (prompts, mono) = pd_equals_monolithic(&h, &prefill, &decode);
+    an_outsider_without_the_secret_reads_nothing(&h, "nixl", &prefill, &decode, &prompts[0], &mono[0]);
 }
 
 #[test]
@@ -216,16 +244,29 @@ fn pd_across_hosts_equals_monolithic_and_an_outsider_without_the_secret_reads_no
     let decode = decode_worker(&h.decode, "tcp", "prefill-xh", "fail", true);
     // (a) P/D across the link equals the monolithic output, every prompt token loaded.
     let (prompts, mono) = pd_equals_monolithic(&h, &prefill, &decode);
+    an_outsider_without_the_secret_reads_nothing(&h, "tcp", &prefill, &decode, &prompts[0], &mono[0]);
+}
 
-    // (c) The outsider holds a request's whole kv_transfer_params (capability included) but not
-    // the secret.
-    let prompt = &prompts[0];
-    let p = prefill_one(&h, &prefill, prompt);
+/// The outsider holds a request's whole kv_transfer_params (capability included) but not the
+/// secret: its reads on prefill's producer listener and its hellos on the side channel are
+/// refused and counted, a decode worker of `backend` on its host loads nothing, and the
+/// request is then served whole to the real decode (`want` its monolithic output).
+fn an_outsider_without_the_secret_reads_nothing(
+    h: &Hosts,
+    backend: &str,
+    prefill: &Worker,
+    decode: &Worker,
+    prompt: &[u32],
+    want: &[u32],
+) {
+    let p = prefill_one(h, prefill, prompt);
     let params = p["kv_transfer_params"].clone();
     let capability = params["remote_capability"].as_str().expect("capability").to_owned();
     let request = p["id"].as_str().expect("id").to_owned();
     let producer = format!("{PREFILL_IP}:{PRODUCER_PORT}");
-    let side_channel = format!("{PREFILL_IP}:{SIDE_CHANNEL_PORT}");
+    let side_channel_addr = format!("{PREFILL_IP}:{SIDE_CHANNEL_PORT}");
+    let consumer = config(backend, "kv_consumer", r#","kv_load_failure_policy":"fail""#, "");
+    let compat = side_channel::descriptor(&consumer, &reference_model());
     h.outsider.run(|| {
         // The producer listener: a Read with the right capability but no proof of the secret.
         let mut c = TcpStream::connect(&producer).expect("the outsider reaches the producer listener");
@@ -246,17 +287,20 @@ fn pd_across_hosts_equals_monolithic_and_an_outsider_without_the_secret_reads_no
         let guess = Secret::from_text("a-guessed-secret-that-is-long-enough", "test").unwrap();
         let e = authenticate_client(&mut c, Some(&guess), 1 << 20).unwrap_err().to_string();
         assert!(e.contains("proof of the data-plane secret is wrong"), "{e}");
-        // The side channel: a hello without the proof.
-        let mut c = TcpStream::connect(&side_channel).expect("the outsider reaches the side channel");
-        let hello = br#"{"type":"hello","engine_id":"outsider","compat":{}}"#;
-        let mut frame = (hello.len() as u32).to_be_bytes().to_vec();
-        frame.extend_from_slice(hello);
-        std::io::Write::write_all(&mut c, &frame).unwrap();
+        // The side channel: a hello of a compatible decode, without the proof.
+        let (mut c, _) = side_channel::challenged(&side_channel_addr);
+        std::io::Write::write_all(&mut c, &side_channel::hello(&compat, "outsider", None)).unwrap();
+        let answer = side_channel::read_message(&mut c);
+        assert!(
+            matches!(&answer, Some(Message::Refused { message, .. }) if message.starts_with("unauthenticated")),
+            "{answer:?}"
+        );
         assert!(closed_by_peer(&mut c));
     });
     // A real decode worker on the outsider's host, allowed to load from prefill but without
     // the secret: its handshake is refused, nothing is loaded.
-    let stranger = decode_worker(&h.outsider, "tcp", "prefill-xh", "fail", false);
+    let engine = p["kv_transfer_params"]["remote_engine_id"].as_str().expect("remote_engine_id").to_owned();
+    let stranger = decode_worker(&h.outsider, backend, &engine, "fail", false);
     let (st, d) = decode_one(&h.outsider, &stranger, prompt, &p);
     assert_eq!(st, 502, "{d}\n{}", stranger.log());
     assert!(d["kvconnect"]["num_external_tokens"].is_null(), "{d}");
@@ -267,29 +311,51 @@ fn pd_across_hosts_equals_monolithic_and_an_outsider_without_the_secret_reads_no
 
     let refused = |listener: &str, reason: &str| {
         let (l, r) = (format!("listener=\"{listener}\""), format!("reason=\"{reason}\""));
-        metric(&h.prefill, &prefill, "kvconnect_data_plane_refused", &[&l, &r])
+        metric(&h.prefill, prefill, "kvconnect_data_plane_refused", &[&l, &r])
     };
     assert_eq!(refused("producer", "unauthenticated"), 2.0);
-    assert!(refused("side_channel", "unauthenticated") >= 1.0);
+    // The hand-written hello carried no proof; the stranger's proves no secret.
+    assert_eq!(refused("side_channel", "unauthenticated"), 1.0);
+    assert_eq!(refused("side_channel", "wrong_secret"), 1.0);
     let sc = h.prefill.run(|| prefill.get("/health")).1["side_channel"].clone();
     assert_eq!(sc["welcomed"], 1, "only the real decode was welcomed: {sc}");
 
     // Nothing was read or freed: the request is still held, and its decode gets all of it.
-    assert_eq!(pool(&h.prefill, &prefill)["pending_frees"], 1);
-    let (st, d) = decode_one(&h.decode, &decode, prompt, &p);
+    assert_eq!(pool(&h.prefill, prefill)["pending_frees"], 1);
+    let (st, d) = decode_one(&h.decode, decode, prompt, &p);
     assert_eq!(st, 200, "{d}");
     assert_eq!(d["kvconnect"]["num_external_tokens"].as_u64(), Some(prompt.len() as u64 - 1), "{d}");
     let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
-    assert_eq!(got, mono[0]);
+    assert_eq!(got, want);
 }
 
 #[test]
 fn a_link_cut_mid_transfer_applies_decodes_policy_and_prefill_frees_by_lease() {
     let Some(h) = hosts("cut") else { return };
+    link_cut_mid_transfer(&h, "tcp", 3);
+}
+
+#[cfg(feature = "nixl")]
+#[test]
+fn a_link_cut_mid_transfer_over_nixl_ucx_applies_decodes_policy_and_prefill_frees_by_lease() {
+    if !nixl_here() {
+        return;
+    }
+    let Some(h) = hosts("ncut") else { return };
+    // A NIXL READ must be whole within decode's io_timeout plus its bytes at 100 MB/s: the
+    // uncut transfer over the shaped link takes about 10 s.
+    link_cut_mid_transfer(&h, "nixl", 40);
+}
+
+/// Over `backend`, a long prompt's KV crosses a 1 Mbit/s link whole, then the link is cut in
+/// the middle of the same transfer: decode (io_timeout `decode_io_timeout_s`) recomputes,
+/// counted, and prefill frees the blocks when their lease runs out.
+fn link_cut_mid_transfer(h: &Hosts, backend: &str, decode_io_timeout_s: u32) {
     // The lease outlasts the bytes that sit in socket buffers and the shaped queue after
     // prefill's last write (the consumer's done comes once they have crossed).
-    let prefill = prefill_worker(&h, "tcp", "prefill-cut", 15);
-    let decode = decode_worker(&h.decode, "tcp", "prefill-cut", "recompute", true);
+    let engine = format!("prefill-cut-{backend}");
+    let prefill = prefill_worker(h, backend, &engine, 15);
+    let decode = decode_worker_within(&h.decode, backend, &engine, "recompute", true, decode_io_timeout_s);
     // A long prompt over a slow link (1 Mbit/s): its KV takes seconds to cross, so the cut
     // lands inside the transfer.
     let prompt: Vec<u32> = (0..2000u32).map(|j| (j * 29 + j * j * 7) % 256).collect();
@@ -301,7 +367,7 @@ fn a_link_cut_mid_transfer_applies_decodes_policy_and_prefill_frees_by_lease() {
     assert!(tc.status.success(), "tc {}: {}", shape.join(" "), String::from_utf8_lossy(&tc.stderr));
 
     // Uncut, the slow link carries the whole KV: what fails next is the cut's doing.
-    let p = prefill_one(&h, &prefill, &prompt);
+    let p = prefill_one(h, &prefill, &prompt);
     let sent_before = h.prefill.stat(PREFILL_IF, "tx_bytes");
     let (st, d) = decode_one(&h.decode, &decode, &prompt, &p);
     assert_eq!(st, 200, "{d}\n{}", decode.log());
@@ -321,7 +387,7 @@ fn a_link_cut_mid_transfer_applies_decodes_policy_and_prefill_frees_by_lease() {
         pool(&h.prefill, &prefill)
     );
 
-    let p = prefill_one(&h, &prefill, &prompt);
+    let p = prefill_one(h, &prefill, &prompt);
     let held = pool(&h.prefill, &prefill);
     assert_eq!(held["pending_frees"], 1, "{held}");
     let sent_before = h.prefill.stat(PREFILL_IF, "tx_bytes");

@@ -1,18 +1,22 @@
 //! Disaggregated serving gives exactly the tokens of a single worker: one prefill and one
 //! decode process per configuration (HMA on and off; shm, tcp and the real NIXL library;
-//! tensor-parallel pairs 1->2, 2->1 and 2->2, decode's ranks reading their heads from
-//! prefill's; the hybrid reference model, whose state layers' per-request state moves with
-//! the KV), 50 prompts of varied
-//! length each, greedy output compared token for token with a monolithic engine. Every
-//! decode must really have loaded the prompt's KV from prefill (all but the last prompt
-//! token), so a silent recompute cannot pass for a transfer.
+//! tensor-parallel pairs 1->2, 2->1 and 2->2 over shm and tcp, decode's ranks reading their
+//! heads from prefill's; the hybrid reference model, whose state layers' per-request state
+//! moves with the KV), 50 prompts of varied length each, greedy output compared token for
+//! token with a monolithic engine. Every decode must really have loaded the prompt's KV from
+//! prefill (all but the last prompt token), so a silent recompute cannot pass for a transfer.
+//!
+//! The hybrid model has no TP pairs: nixl moves per-request state between TP 1 engines only
+//! (it does not declare `state_with_tp`), and the matrix checks that every such pair is
+//! refused before launch. A negative control shows the hybrid rows can fail: with prefill's
+//! state zeroed on the way, decode's outputs differ from monolithic.
 
-use kvconnect_api::KvLayout;
+use kvconnect_api::{KvLayout, ModelSpec};
 use kvconnect_tests::{
-    disaggregated, hybrid_reference_model, monolithic, monolithic_of, reference_model, token_ids,
-    varied_prompts, Worker,
+    disaggregated, disaggregated_with, hybrid_reference_model, monolithic, monolithic_of, reference_model,
+    run_kvconnect, text, token_ids, varied_prompts, write_deployment, Worker,
 };
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 const PROMPTS: usize = 50;
@@ -41,7 +45,7 @@ fn hybrid_baseline() -> &'static Baseline {
     static B: OnceLock<Baseline> = OnceLock::new();
     B.get_or_init(|| {
         let prompts = varied_prompts(PROMPTS);
-        let model = kvconnect_host::worker::ReferenceConfig::builtin_hybrid().expect("hybrid config");
+        let model = kvconnect_engine::ReferenceConfig::builtin_hybrid().expect("hybrid config");
         let mono = monolithic_of(model, &prompts, MAX_TOKENS, KvLayout::HND);
         (prompts, mono)
     })
@@ -167,6 +171,128 @@ fn tcp_tp_1_to_2() {
 #[test]
 fn tcp_tp_2_to_1() {
     check_tp("tcp", 2, 1);
+}
+
+#[test]
+fn tcp_tp_2_to_2() {
+    check_tp("tcp", 2, 2);
+}
+
+#[test]
+fn hybrid_model_tp_pairs_are_refused_before_launch() {
+    // Refused by negotiation on the side with tp_size 2 (alone), and by the joint negotiation,
+    // naming the child and the remedy: no worker of such a pair would start.
+    let dir = tempfile::tempdir().unwrap();
+    let model = hybrid_reference_model();
+    for backend in ["shm", "tcp"] {
+        for (p, d) in [(1, 2), (2, 1), (2, 2)] {
+            let (pc, dc) = (nixl("kv_producer", backend), nixl("kv_consumer", backend));
+            let (po, dopt) = (format!("tp_size = {p}"), format!("tp_size = {d}"));
+            let file = write_deployment(dir.path(), "hybrid-tp.toml", &model, (&pc, &po), (&dc, &dopt));
+            let side = if p > 1 { "prefill" } else { "decode" };
+            for joint in [false, true] {
+                let mut args = vec!["plan"];
+                if joint {
+                    args.push("--joint");
+                }
+                args.push(file.to_str().unwrap());
+                let out = run_kvconnect(&args);
+                let stdout = text(&out.stdout);
+                let case = format!("{backend} tp {p}->{d} joint={joint}");
+                assert_eq!(out.status.code(), Some(1), "{case}:\n{stdout}{}", text(&out.stderr));
+                let who = if joint { "deployment" } else { side };
+                assert!(
+                    stdout.contains(&format!("NOT COMPATIBLE: {who}: model 'kvconnect-reference")),
+                    "{case}: {stdout}"
+                );
+                assert!(
+                    stdout.contains("carries that state only at tp_size 1 (no state_with_tp)"),
+                    "{case}: {stdout}"
+                );
+                assert!(
+                    stdout.contains("Remedy: run this model with tp_size=1 on prefill and decode"),
+                    "{case}: {stdout}"
+                );
+            }
+        }
+    }
+}
+
+/// Prefill's state segments: in the shm backend every region of an engine is a segment
+/// `/dev/shm/kvc-<pid>-<random>-<engine id>-<index>`, and the state regions are the last
+/// ones, one per state layer (ARCHITECTURE.md §11).
+fn state_segments(prefill: &Worker, state_layers: usize) -> Vec<PathBuf> {
+    let prefix = format!("kvc-{}-", prefill.child.id());
+    let mut segments: Vec<(usize, PathBuf)> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .filter_map(|e| {
+            let e = e.ok()?;
+            let name = e.file_name().into_string().ok()?;
+            let index = name.strip_prefix(&prefix)?.rsplit('-').next()?.parse().ok()?;
+            Some((index, e.path()))
+        })
+        .collect();
+    segments.sort();
+    let n = segments.len();
+    assert!(n > state_layers, "prefill's segments: {segments:?}");
+    assert_eq!(segments[n - 1].0, n - 1, "segment indices 0..{n}: {segments:?}");
+    let size = |p: &PathBuf| std::fs::metadata(p).unwrap().len();
+    let (kv, state) = segments.split_at(n - state_layers);
+    // State regions hold one slot per request, KV regions blocks of several layers: the
+    // sizes tell them apart.
+    assert!(state.iter().all(|(_, p)| size(p) == size(&state[0].1)), "{segments:?}");
+    assert!(kv.iter().all(|(_, p)| size(p) != size(&state[0].1)), "{segments:?}");
+    state.iter().map(|(_, p)| p.clone()).collect()
+}
+
+fn zero(path: &Path) {
+    use std::io::Write;
+    let len = std::fs::metadata(path).unwrap().len() as usize;
+    let mut f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
+    f.write_all(&vec![0u8; len]).unwrap();
+}
+
+#[test]
+fn hybrid_model_without_prefills_state_diverges_from_monolithic() {
+    // The negative control of the hybrid rows: the same pair over shm, with prefill's state
+    // slots zeroed after each prefill and before decode loads them. Decode still loads the
+    // prompt's KV (all but the last prompt token) and recomputes nothing, so only the state
+    // it starts from is wrong; its outputs must then differ from monolithic, which proves the
+    // equality of the hybrid rows depends on the state moving.
+    let model = hybrid_reference_model();
+    let spec = ModelSpec::from_hf_config_json(&std::fs::read_to_string(&model).unwrap()).unwrap();
+    let state_layers: usize =
+        kvconnect_api::negotiate::state_groups(&spec).iter().map(|g| g.layers.len()).sum();
+    assert_eq!(state_layers, 2);
+    let prefill = start_model(&model, "prefill", "kv_producer", "shm", "on");
+    let decode = start_model(&model, "decode", "kv_consumer", "shm", "on");
+    let segments = state_segments(&prefill, state_layers);
+    let (prompts, mono) = hybrid_baseline();
+    let mut differ = 0;
+    let mut long = 0;
+    for (i, p) in prompts.iter().enumerate() {
+        let (st, d) =
+            disaggregated_with(&prefill, &decode, p, MAX_TOKENS, || segments.iter().for_each(|s| zero(s)));
+        assert_eq!(st, 200, "prompt {i}: {d}\n{}", decode.log());
+        assert_eq!(
+            d["kvconnect"]["num_external_tokens"].as_u64(),
+            Some(p.len() as u64 - 1),
+            "prompt {i}: {d}"
+        );
+        assert!(d["kvconnect"]["kv_load"].is_null(), "prompt {i}: nothing may be recomputed: {d}");
+        let got: Vec<u32> = token_ids(&d).into_iter().map(|t| t as u32).collect();
+        if p.len() >= 16 {
+            long += 1;
+            differ += usize::from(got != mono[i]);
+        }
+    }
+    eprintln!(
+        "without prefill's state, {differ} of {long} prompts of 16 tokens or more differ from monolithic"
+    );
+    assert!(
+        differ * 4 >= long * 3,
+        "only {differ} of {long} prompts of 16 tokens or more differ without prefill's state"
+    );
 }
 
 #[test]

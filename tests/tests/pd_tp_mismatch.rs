@@ -5,8 +5,11 @@
 //! monolithic one). The model has 6 KV heads, so TP 2 and TP 3 both run.
 
 use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
-use kvconnect_host::worker::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
-use kvconnect_tests::{disaggregated, reference_model, token_ids, varied_prompts, write_deployment, Worker};
+use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use kvconnect_tests::{
+    assert_refused_at_the_handshake, disaggregated, reference_model, varied_prompts, write_deployment,
+    Worker,
+};
 
 /// The reference config with 6 query and 6 KV heads.
 fn six_heads() -> String {
@@ -42,18 +45,13 @@ fn a_decode_whose_tp_size_does_not_divide_prefills_loads_nothing_and_says_why() 
     let mono = monolithic(&config, prompt, 4);
 
     let (st, r) = disaggregated(&p, &d, prompt, 4);
-    assert_eq!(st, 200, "{r}");
-    assert_eq!(token_ids(&r).into_iter().map(|t| t as u32).collect::<Vec<_>>(), mono);
-    assert_eq!(r["kvconnect"]["num_external_tokens"], 0, "{r}");
-    assert_eq!(r["kvconnect"]["kv_load"]["recomputed"], true, "{r}");
-    let why = r["kvconnect"]["kv_load"]["reason"].as_str().unwrap_or_default();
-    assert!(why.contains("tp_size: prefill=2") && why.contains("decode=3"), "{why}");
-    assert!(why.contains("TP sizes 2 and 3 do not divide each other"), "{why}");
-    let (_, h) = d.get("/health");
-    assert_eq!(h["pool"]["external_tokens"], 0, "nothing may be loaded from a refused peer: {h}");
-    let (_, h) = p.get("/health");
-    assert_eq!(h["side_channel"]["refused"], 1, "{h}");
-    assert_eq!(h["side_channel"]["welcomed"], 0, "{h}");
+    assert_refused_at_the_handshake(
+        &p,
+        &d,
+        (st, &r),
+        &mono,
+        &["tp_size: prefill=2", "decode=3", "TP sizes 2 and 3 do not divide each other"],
+    );
 }
 
 #[test]
@@ -74,8 +72,11 @@ fn a_tp_size_that_does_not_divide_the_kv_heads_is_refused_at_start() {
     );
 }
 
+/// nixl carries state only between TP 1 engines (no `state_with_tp`): negotiation refuses the
+/// worker before its engine or connector starts, naming the child and the remedy. (The
+/// engine's and the transport's own refusals stay behind it, as defence in depth.)
 #[test]
-fn state_layers_across_tensor_parallel_ranks_are_refused_at_start() {
+fn state_layers_across_tensor_parallel_ranks_are_refused_at_negotiation() {
     let dir = tempfile::tempdir().unwrap();
     let nixl = r#"{"kv_connector":"NixlConnector","kv_connector_extra_config":{"backend":"shm"}}"#;
     let file = write_deployment(
@@ -92,5 +93,10 @@ fn state_layers_across_tensor_parallel_ranks_are_refused_at_start() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!err.contains("panicked"), "{err}");
-    assert!(err.contains("not implemented: state layers") && err.contains("at tp_size 1"), "{err}");
+    assert!(
+        err.contains("error: prefill: model 'kvconnect-reference (KvconnectReferenceForCausalLM)' keeps per-request state in 2 state-space/linear-attention layer(s), and tp_size=2 splits its KV heads over 2 tensor-parallel ranks, but child 'nixl' carries that state only at tp_size 1 (no state_with_tp)"),
+        "{err}"
+    );
+    assert!(err.contains("Remedy: run this model with tp_size=1 on prefill and decode"), "{err}");
+    assert!(!err.contains("not implemented"), "refused by negotiation, not by the engine: {err}");
 }

@@ -7,11 +7,10 @@
 //! * the example plugin against each copy, and load the 1.0 build into this 1.1 host, in
 //!   process and through `kvconnect plugins inspect --json`: it loads, and the entry it lacks
 //!   is absent with its fallback (no children);
-//! * `tests/fixtures/abi-host`, a minimal host, against the 1.0 copy, and load the 1.1 build
-//!   into it: it loads and answers through the 1.0 entries only. Building the real `kvconnect`
-//!   binary against the 1.0 copy would rebuild every connector and the host; the minimal host
-//!   applies the real loader's version checks through the same kvconnect-api functions
-//!   (`LAYOUT_FINGERPRINT`, the `MIN_*` sizes, `read_declared`), compiled at 1.0;
+//! * `tests/fixtures/abi-host`, a host made of the real loader (`kvconnect-loader`), against
+//!   each copy, and load 1.1 builds into it: the 1.0 host loads them and answers through the
+//!   1.0 entries only (a composite's children, a 1.1 entry, are not asked for), the 1.1 host
+//!   built the same way sees them;
 //! * a plugin built for major 2, which the host refuses with one line.
 
 use kvconnect_api::{ConnectorFactory, KvTransferConfig};
@@ -67,27 +66,44 @@ fn a_1_0_plugin_loads_into_a_1_1_host_with_the_newer_entry_absent() {
 
 #[test]
 fn a_1_1_plugin_loads_into_a_1_0_host_which_calls_only_1_0_entries() {
-    let new = &examples().2;
-    let host = abi_host(tmp(), &["--features", "abi_1_0"]);
-    let out = Command::new(&host).arg(new).output().unwrap();
-    assert!(out.status.success(), "the 1.0 host refused the 1.1 plugin: {}", text(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["host_abi"], "1.0");
-    assert_eq!(v["plugin_abi"], "1.1");
-    // The plugin's factory vtable has an entry this host does not know, and never reads.
-    let (plugin_size, host_size) =
-        (v["plugin_factory_vtable_size"].as_u64().unwrap(), v["host_factory_vtable_size"].as_u64().unwrap());
-    assert_eq!(plugin_size, host_size + std::mem::size_of::<usize>() as u64, "{v}");
-    assert_eq!(v["info"]["name"], "example");
-    assert_eq!(v["capabilities"]["transfer_mode"], "none");
+    let dir = tempfile::tempdir().unwrap();
+    let composite = broken_plugin(tmp(), "composite", dir.path());
+    // Each build of the host overwrites the last: keep a copy of the 1.0 one.
+    let old_host =
+        copy_with_mode(&abi_host(tmp(), &["--features", "abi_1_0"]), dir.path(), "abi-host-1.0", 0o755);
+    let new_host = abi_host(tmp(), &[]);
+    let run = |host: &Path, plugin: &Path| {
+        let out = Command::new(host).arg(plugin).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{} refused {}: {}",
+            host.display(),
+            plugin.display(),
+            text(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
 
-    // The same host built at 1.1 sees the whole vtable: the 1.0 one saw less, not other.
-    let host = abi_host(tmp(), &[]);
-    let out = Command::new(&host).arg(new).output().unwrap();
-    assert!(out.status.success(), "{}", text(&out.stderr));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["host_abi"], "1.1");
-    assert_eq!(v["host_factory_vtable_size"].as_u64().unwrap(), plugin_size);
+    let v = run(&old_host, &examples().2);
+    assert_eq!(v["host_abi"], "1.0", "{v}");
+    assert_eq!(v["plugin_abi"], "1.1", "{v}");
+    assert_eq!(v["info"]["name"], "example", "{v}");
+    assert_eq!(v["capabilities"]["ok"]["transfer_mode"], "none", "{v}");
+
+    // A composite's `child_capabilities` is a 1.1 entry: the 1.0 host does not know it, so
+    // it has the 1.0 answer (no children), though the plugin exports the entry.
+    let v = run(&old_host, &composite);
+    assert_eq!((&v["host_abi"], &v["plugin_abi"]), (&"1.0".into(), &"1.1".into()), "{v}");
+    assert!(v["children"]["ok"].is_null(), "{v}");
+    let v = run(&new_host, &composite);
+    assert_eq!(v["host_abi"], "1.1", "{v}");
+    let names: Vec<_> = v["children"]["ok"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|c| c["name"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(names, ["cache", "net"], "{v}");
 }
 
 #[test]

@@ -89,6 +89,14 @@ fn struct_too_short_for_a_call_the_host_makes() {
 }
 
 #[test]
+fn struct_too_short_for_the_minor_the_plugin_declares() {
+    let line = refuse(&lib("minor_without_entry"));
+    assert!(line.contains("declares ABI 1.1 but its factory vtable is"), "{line}");
+    assert!(line.contains("so it was built from mismatched definitions"), "{line}");
+    assert!(line.contains("rebuild it against kvconnect-api"), "{line}");
+}
+
+#[test]
 fn layout_fingerprint_mismatch() {
     let line = refuse(&lib("bad_fingerprint"));
     assert!(line.contains("ABI layout fingerprint"), "{line}");

@@ -9,9 +9,9 @@
 #![allow(unsafe_code)] // Asks whether worker processes are alive (kill(2) with signal 0).
 
 use kvconnect_api::KvLayout;
+use kvconnect_engine::{detokenize, tokenize};
 use kvconnect_host::server::openai::chat_prompt;
 use kvconnect_host::server::sse::{collect_text, collect_token_ids};
-use kvconnect_host::worker::{detokenize, tokenize};
 use kvconnect_tests::{http_request, kvconnect_bin, monolithic, reference_model, token_ids, varied_prompts};
 use serde_json::{json, Value};
 use std::io::{Read, Write};

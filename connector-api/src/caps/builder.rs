@@ -1,6 +1,6 @@
 //! Building a [`Capabilities`] declaration that is checked when it is made.
 
-use super::{AdaptCost, Capabilities, CapsError, KvRoleCap, LayoutConstraint, MemoryKind, TransferMode};
+use super::{AdaptCost, Capabilities, CapsError, KvRole, LayoutConstraint, MemoryKind, TransferMode};
 use crate::model::Dtype;
 
 /// Builds a [`Capabilities`] from what a connector must declare (how it moves KV, where it
@@ -9,7 +9,7 @@ use crate::model::Dtype;
 ///
 /// Everything not set is the most modest claim: no HMA, any layout and no adapter, any block
 /// size, any cache dtype, not layerwise, equal TP sizes only, no MLA, synchronous loads, no
-/// state.
+/// state, and no adaptation combined with tensor parallelism or state.
 #[derive(Debug, Clone)]
 #[must_use = "a builder does nothing until build() is called"]
 pub struct CapabilitiesBuilder {
@@ -22,7 +22,7 @@ impl Capabilities {
     pub fn builder(
         transfer_mode: TransferMode,
         memory_kinds: impl IntoIterator<Item = MemoryKind>,
-        roles: impl IntoIterator<Item = KvRoleCap>,
+        roles: impl IntoIterator<Item = KvRole>,
     ) -> CapabilitiesBuilder {
         CapabilitiesBuilder {
             caps: Capabilities {
@@ -40,6 +40,9 @@ impl Capabilities {
                 mla: false,
                 async_load: false,
                 carries_state: false,
+                state_with_tp: false,
+                adapts_with_tp: false,
+                adapts_with_state: false,
                 stores_opaque_blocks: false,
             },
         }
@@ -110,6 +113,24 @@ impl CapabilitiesBuilder {
     /// Carries the per-request state of state-space layers with the KV.
     pub fn carries_state(mut self, yes: bool) -> Self {
         self.caps.carries_state = yes;
+        self
+    }
+
+    /// Carries that state also when either side has `tp_size` > 1.
+    pub fn state_with_tp(mut self, yes: bool) -> Self {
+        self.caps.state_with_tp = yes;
+        self
+    }
+
+    /// Adapts blocks (block size, layout) also when either side has `tp_size` > 1.
+    pub fn adapts_with_tp(mut self, yes: bool) -> Self {
+        self.caps.adapts_with_tp = yes;
+        self
+    }
+
+    /// Adapts blocks (block size, layout) also for a model with state layers.
+    pub fn adapts_with_state(mut self, yes: bool) -> Self {
+        self.caps.adapts_with_state = yes;
         self
     }
 

@@ -2,7 +2,7 @@
 //! example of each, made by serialising real values of the types the host decodes them into,
 //! so the header's examples cannot drift from what the host sends and accepts.
 
-use crate::caps::{Capabilities, KvRoleCap, LayoutConstraint, MemoryKind, TransferMode};
+use crate::caps::{Capabilities, LayoutConstraint, MemoryKind, TransferMode};
 use crate::connector::{
     BlocksPerGroup, ConnectorContext, ConnectorInfo, FinishedTransfers, MatchResult, Request, RequestFinished,
 };
@@ -80,12 +80,15 @@ pub fn json_values() -> Vec<JsonValue> {
         cache_dtypes: vec![],
         memory_kinds: vec![MemoryKind::Host],
         transfer_mode: TransferMode::None,
-        roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
+        roles: vec![KvRole::Producer, KvRole::Consumer, KvRole::Both],
         layerwise: true,
         heterogeneous_tp: false,
         mla: false,
         async_load: false,
         carries_state: false,
+        state_with_tp: false,
+        adapts_with_tp: false,
+        adapts_with_state: false,
         stores_opaque_blocks: false,
     };
     let region = KvRegionSpec {

@@ -137,6 +137,21 @@ mod tests {
         assert_eq!(MIN_HOST_API_SIZE, size_of::<HostApi>());
     }
 
+    #[test]
+    fn minimum_sizes_per_minor_end_at_that_minors_last_entry() {
+        for minor in 0..=ABI_MINOR + 1 {
+            assert_eq!(SchedulerVTable::min_size_for_minor(minor), size_of::<SchedulerVTable>());
+            assert_eq!(WorkerVTable::min_size_for_minor(minor), size_of::<WorkerVTable>());
+        }
+        assert_eq!(FactoryVTable::min_size_for_minor(0), MIN_FACTORY_VTABLE_SIZE);
+        // 1.1's `child_capabilities` is the factory's last entry: a 1.1 plugin (or a newer one)
+        // exports the whole struct this host knows.
+        #[cfg(not(feature = "abi_1_0"))]
+        for minor in 1..=ABI_MINOR + 1 {
+            assert_eq!(FactoryVTable::min_size_for_minor(minor), size_of::<FactoryVTable>());
+        }
+    }
+
     #[repr(C)]
     #[derive(Clone, Copy)]
     struct V10 {

@@ -274,6 +274,25 @@ macro_rules! vtable {
                 end
             };
 
+            /// Bytes of it that a plugin of minor `minor` exports at least: up to the last
+            /// entry of that minor or an earlier one. For a minor newer than this host's, the
+            /// entries this host knows.
+            pub const fn min_size_for_minor(minor: u16) -> usize {
+                #[allow(unused_mut)] // a vtable without later entries never grows it
+                let mut end = Self::MIN_SIZE;
+                $(
+                    $(#[cfg($cfg)])?
+                    {
+                        let e = offset_of!($name, $oentry) + size_of::<usize>();
+                        if $minor <= minor && e > end {
+                            end = e;
+                        }
+                    }
+                )*
+                let _ = minor;
+                end
+            }
+
             /// The SDK's shims, as a plugin exports them.
             pub const EXPORTED: $name = $name {
                 struct_size: size_of::<$name>(),

@@ -70,6 +70,21 @@ pub enum Conflict {
         /// What to change.
         remedy: String,
     },
+    /// A model with state layers whose KV heads are split over several tensor-parallel ranks,
+    /// and children that carry its per-request state only at `tp_size` 1.
+    #[error("model '{model}' keeps per-request state in {state_layers} state-space/linear-attention layer(s), and tp_size={tp_size} splits its KV heads over {tp_size} tensor-parallel ranks, but {} that state only at tp_size 1 (no state_with_tp). Remedy: {remedy}", verb(.children, "carries", "carry"))]
+    StateWithTp {
+        /// The model's name.
+        model: String,
+        /// How many layers keep state.
+        state_layers: u32,
+        /// The tensor-parallel size asked for.
+        tp_size: u32,
+        /// Children that carry state only at TP 1.
+        children: Vec<String>,
+        /// What to change.
+        remedy: String,
+    },
     /// An MLA model with children that do not handle latent KV caches.
     #[error("model '{model}' uses MLA (latent KV), but {} not declare MLA support; remove {} or use a connector version that supports MLA", list_does(.unsupported), them(.unsupported))]
     MlaUnsupported {
@@ -185,6 +200,11 @@ pub(super) fn list_does(v: &[String]) -> String {
         1 => format!("{} does", v[0]),
         _ => format!("{} do", v.join(", ")),
     }
+}
+
+/// `a carries` or `a, b carry`.
+pub(super) fn verb(names: &[String], one: &str, many: &str) -> String {
+    format!("{} {}", names.join(", "), if names.len() == 1 { one } else { many })
 }
 
 pub(super) fn them(v: &[String]) -> String {

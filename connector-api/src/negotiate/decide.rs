@@ -7,7 +7,7 @@ use crate::math::gcd;
 use crate::model::{AttentionKind, Dtype, ModelSpec};
 
 use super::allowed::{joined, AllowedValue};
-use super::conflict::{list_does, them, Conflict};
+use super::conflict::{list_does, them, verb, Conflict};
 use super::groups::{describe_state_groups, kv_groups, kv_kinds, state_groups};
 use super::layout_choice::{adapter_clause, adapters_for, layout_remedy, native_layout, pick_layout};
 use super::options::{EngineOptions, HmaOption};
@@ -412,19 +412,14 @@ pub(super) fn decide_tp(opts: &EngineOptions, parties: &[Party]) -> Decided<u32>
     let tail = match (movers.is_empty(), fixed.is_empty()) {
         (true, _) => "no child moves KV between engines".to_owned(),
         (false, true) => {
-            format!("{} KV across different TP sizes", verb_of(&labels(&movers), "loads", "load"))
+            format!("{} KV across different TP sizes", verb(&labels(&movers), "loads", "load"))
         }
         (false, false) => format!(
             "{} KV only between equal TP sizes: the peer must use tp_size={tp} too",
-            verb_of(&labels(&fixed), "moves", "move")
+            verb(&labels(&fixed), "moves", "move")
         ),
     };
     decided(tp, by, format!("{head}; {tail}"))
-}
-
-/// `a moves` or `a, b move`.
-pub(super) fn verb_of(names: &[String], one: &str, many: &str) -> String {
-    format!("{} {}", names.join(", "), if names.len() == 1 { one } else { many })
 }
 
 /// True when a worker with these children can load KV from, or serve it to, a peer with
@@ -466,9 +461,11 @@ pub(super) fn decide_mode(parties: &[Party]) -> Result<Decided<TransferMode>, Co
     Ok(decided(mode, mode_by, mode_reason))
 }
 
-/// The state groups, and a refusal when a child cannot carry their state.
+/// The state groups, and a refusal when a child cannot carry their state, or cannot carry
+/// it at this worker's `tp_size`.
 pub(super) fn decide_state(
     model: &ModelSpec,
+    tp_size: u32,
     parties: &[Party],
 ) -> Result<Option<Decided<Vec<StateGroup>>>, Conflict> {
     let groups = state_groups(model);
@@ -486,6 +483,19 @@ pub(super) fn decide_state(
             remedy: format!(
                 "use connectors that declare carries_state (the nixl connector does, with backend shm or tcp), or serve this model without disaggregation (remove {})",
                 them(&labels(&unsupported))
+            ),
+        });
+    }
+    let single_rank: Vec<&Party> = parties.iter().filter(|p| !p.caps.state_with_tp).collect();
+    if tp_size > 1 && !single_rank.is_empty() {
+        return Err(Conflict::StateWithTp {
+            model: model.name.clone(),
+            state_layers,
+            tp_size,
+            children: labels(&single_rank),
+            remedy: format!(
+                "run this model with tp_size=1 on prefill and decode, or use connectors that declare state_with_tp (instead of {})",
+                them(&labels(&single_rank))
             ),
         });
     }

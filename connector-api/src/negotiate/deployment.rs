@@ -2,6 +2,7 @@
 
 use crate::caps::TransferMode;
 use crate::model::ModelSpec;
+use crate::role::Role;
 
 use super::conflict::{list_does, Conflict};
 use super::decide;
@@ -9,13 +10,6 @@ use super::decide::loads_across_tp;
 use super::options::{ChildCaps, EngineOptions, HmaOption};
 use super::outcome::Negotiated;
 use super::party::{labels, Party};
-
-/// The role a worker plays in a deployment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Role {
-    Prefill,
-    Decode,
-}
 
 /// Merges one option of the two roles: unset on one side takes the other's value; two set
 /// values must agree.
@@ -113,8 +107,8 @@ pub fn negotiate_deployment(
     let p = run(Role::Prefill, po, pc)?;
     let d = run(Role::Decode, dopt, dc)?;
     if let Some(remedy) = crate::compat::tp_refusal(
-        ("prefill", po.tp_size),
-        ("decode", dopt.tp_size),
+        (Role::Prefill.name(), po.tp_size),
+        (Role::Decode.name(), dopt.tp_size),
         loads_across_tp(pc.iter().chain(dc).map(|c| &c.caps)),
     ) {
         let parties = view(Role::Prefill);

@@ -42,7 +42,7 @@ use party::Party;
 fn decide(model: &ModelSpec, opts: &EngineOptions, parties: &[Party]) -> Result<Decision, Conflict> {
     check_inputs(model, opts, parties)?;
     let (hma, groups) = decide_hma(model, opts, parties)?;
-    let state = decide_state(model, parties)?;
+    let state = decide_state(model, opts.tp_size, parties)?;
     // Over opaque blocks, a child that stores them whole takes the engine's layout as it is:
     // its own constraint (and adapter) is for blocks it looks inside.
     let whole: Vec<Capabilities> = parties

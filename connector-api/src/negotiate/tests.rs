@@ -441,6 +441,46 @@ fn linear_layers_need_hma() {
 }
 
 #[test]
+fn state_at_tp_above_one_needs_children_that_carry_it_across_ranks() {
+    let mut carrier = nixl();
+    carrier.caps.carries_state = true;
+    carrier.caps.heterogeneous_tp = true;
+    let tp = |n| EngineOptions { tp_size: n, ..opts() };
+    assert!(negotiate(&with_linear(), &tp(1), std::slice::from_ref(&carrier)).is_ok());
+    let e = negotiate(&with_linear(), &tp(2), std::slice::from_ref(&carrier)).unwrap_err();
+    assert!(
+        matches!(&e, Conflict::StateWithTp { tp_size: 2, children, .. } if children == &["child 'nixl'"])
+    );
+    assert_eq!(
+        e.to_string(),
+        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s), and tp_size=2 splits its KV heads over 2 tensor-parallel ranks, but child 'nixl' carries that state only at tp_size 1 (no state_with_tp). Remedy: run this model with tp_size=1 on prefill and decode, or use connectors that declare state_with_tp (instead of child 'nixl')"
+    );
+    // A model without state layers is not concerned.
+    assert!(negotiate(&dense(), &tp(2), std::slice::from_ref(&carrier)).is_ok());
+    // Jointly, the side with TP 1 is refused too when its peer splits the heads: the children
+    // of both roles carry the state.
+    let e = negotiate_deployment(
+        &with_linear(),
+        (&tp(1), std::slice::from_ref(&carrier)),
+        (&tp(2), std::slice::from_ref(&carrier)),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("but child 'nixl' (prefill and decode) carries that state only at tp_size 1"),
+        "{e}"
+    );
+    carrier.caps.state_with_tp = true;
+    let n = negotiate(&with_linear(), &tp(2), std::slice::from_ref(&carrier)).unwrap();
+    assert_eq!(n.effective.state_groups.len(), 1);
+    assert!(negotiate_deployment(
+        &with_linear(),
+        (&tp(1), std::slice::from_ref(&carrier)),
+        (&tp(2), std::slice::from_ref(&carrier)),
+    )
+    .is_ok());
+}
+
+#[test]
 fn mla_needs_declared_support() {
     let n = negotiate(&mla_model(), &opts(), &[lmcache(256)]).unwrap();
     assert_eq!(n.effective.groups.len(), 1);

@@ -4,7 +4,7 @@
 
 #![allow(dead_code)]
 
-use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::KvRole;
 use kvconnect_api::{
     AdaptCost, Capabilities, ChildCaps, KvLayout, LayoutConstraint, MemoryKind, TransferMode,
 };
@@ -17,7 +17,7 @@ pub fn caps(
     adapt: Option<AdaptCost>,
     mode: TransferMode,
 ) -> Capabilities {
-    Capabilities::builder(mode, [MemoryKind::Host, MemoryKind::Disk], [KvRoleCap::Both])
+    Capabilities::builder(mode, [MemoryKind::Host, MemoryKind::Disk], [KvRole::Both])
         .hma(hma)
         .layout(layout)
         .adapt(adapt)

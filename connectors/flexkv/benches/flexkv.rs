@@ -1,19 +1,30 @@
-//! flexkv benchmarks, each beside the baseline it is judged against (same run):
+//! flexkv benchmarks, each subject beside the baseline it is judged against, measured in the
+//! same run as interleaved pairs (`kvconnect_api::stats::interleaved`: the order alternates
+//! within a pair) and reported as the median ratio baseline time / subject time with its
+//! quartiles, with the machine's cores and load average before and after:
 //!
-//! * `prefix_match`: longest-prefix match of a 2k-block prompt on a tree holding 100k
-//!   blocks (absolute figure; target under 50 us), plus the hashing of that prompt;
-//! * `cpu_tier`: storing / loading 64 blocks (32 MiB, NHD) through the cache vs memcpy of
-//!   the same bytes;
-//! * `transpose`: the HND<->NHD adapter copy vs memcpy of the same bytes;
-//! * `ssd_tier`: writing / reading 64 block records vs plain sequential file I/O.
+//! * `cpu_tier`: storing 64 blocks (32 MiB, NHD) into the cache (copy and checksum in one
+//!   pass) and loading them back into other blocks, each vs a memcpy of the same bytes;
+//! * `transpose`: the HND -> NHD and NHD -> HND adapter copies vs a memcpy of the same bytes;
+//! * `ssd_tier`: writing 64 block records in the batches a demotion writes, each batch made
+//!   durable with one `fdatasync`, vs a sequential write of the same bytes with the same
+//!   syncs; and the verified read of the records vs a sequential read of the plain file;
+//! * `prefix_match`: the longest-prefix match of a 2k-block prompt on a tree of 100k blocks
+//!   (absolute; goal under 10 us), and the hashing of that prompt.
 //!
-//! Run: `cargo bench -p kvconnect-flexkv --bench flexkv -- --warm-up-time 1 --measurement-time 3`
+//! Every copy's bytes are checked after its pairs. All copies here run on one thread, and
+//! so do their baselines.
+//!
+//! Run: `cargo bench -p kvconnect-flexkv --bench flexkv` (`FLEXKV_BENCH_DIR` puts the SSD
+//! files elsewhere than the temp dir; `FLEXKV_BENCH_PAIRS` sets the pairs, 21 by default).
+//! Without `--bench` (as `cargo test` runs it) every part runs once at a tiny size, checking
+//! its bytes.
 
 #![allow(unsafe_code)] // The benchmark vouches for its own KV buffers as regions (KvRegion::new).
 
-use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
+use kvconnect_api::stats::{interleaved_timed, per_call, verdict, Machine, Paired, Quartiles};
 use kvconnect_api::{
     AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec, LayerId,
     MemoryKind, ModelSpec, TransferMode,
@@ -22,105 +33,148 @@ use kvconnect_flexkv::adapter::BlockAdapter;
 use kvconnect_flexkv::cache::BlockCache;
 use kvconnect_flexkv::hash::block_hashes;
 use kvconnect_flexkv::ssd_tier::SsdTier;
+use std::cell::RefCell;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
 
-const LAYERS: u32 = 8;
-const PAIRS: usize = 31;
-
-/// Runs `base` and `cand` alternately (order swapped every pair) and prints the median of
-/// the per-pair ratios base time / candidate time, i.e. the candidate's throughput relative
-/// to the baseline's. Pairing cancels the slow swings of a shared, loaded machine that make
-/// two separately measured criterion figures drift apart.
-fn paired_ratio(name: &str, target: f64, base: &mut dyn FnMut(), cand: &mut dyn FnMut()) {
-    let time = |f: &mut dyn FnMut()| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    };
-    let mut r: Vec<f64> = (0..PAIRS)
-        .map(|i| {
-            if i % 2 == 0 {
-                let b = time(base);
-                b / time(cand)
-            } else {
-                let c = time(cand);
-                time(base) / c
-            }
-        })
-        .collect();
-    r.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
-    println!(
-        "RATIO {name}: {:.2}x the baseline's throughput (median of {PAIRS} interleaved pairs, quartiles {:.2}-{:.2}; target >= {target})",
-        r[PAIRS / 2],
-        r[PAIRS / 4],
-        r[3 * PAIRS / 4]
-    );
+/// The sizes of one run: the benchmark's, or the tiny one of a test run.
+struct Size {
+    test: bool,
+    pairs: usize,
+    layers: u32,
+    heads: u32,
+    head_dim: u32,
+    blocks: u32,
+    /// Prompts of `prompt_blocks` blocks in the prefix-match tree.
+    prompts: u32,
+    prompt_blocks: usize,
 }
-const BLOCKS: u32 = 64;
 
-fn model() -> ModelSpec {
-    ModelSpec {
-        name: "bench".into(),
-        num_layers: LAYERS,
-        num_kv_heads: 8,
-        head_dim: 128,
-        dtype: Some(Dtype::Bf16),
-        layers: vec![AttentionKind::Full; LAYERS as usize],
-        state: None,
+impl Size {
+    fn from_args() -> Size {
+        let args: Vec<String> = std::env::args().collect();
+        // `cargo bench` passes --bench; `cargo test` does not (and `-- --test` asks for a test).
+        let test = !args.iter().any(|a| a == "--bench") || args.iter().any(|a| a == "--test");
+        if test {
+            return Size {
+                test,
+                pairs: 1,
+                layers: 2,
+                heads: 2,
+                head_dim: 64,
+                blocks: 4,
+                prompts: 2,
+                prompt_blocks: 8,
+            };
+        }
+        let pairs = std::env::var("FLEXKV_BENCH_PAIRS").ok().and_then(|p| p.parse().ok()).unwrap_or(21);
+        Size { test, pairs, layers: 8, heads: 8, head_dim: 128, blocks: 64, prompts: 50, prompt_blocks: 2048 }
+    }
+
+    fn model(&self) -> ModelSpec {
+        ModelSpec {
+            name: "bench".into(),
+            num_layers: self.layers,
+            num_kv_heads: self.heads,
+            head_dim: self.head_dim,
+            dtype: Some(Dtype::Bf16),
+            layers: vec![AttentionKind::Full; self.layers as usize],
+            state: None,
+        }
+    }
+
+    fn eff(&self, layout: KvLayout) -> EffectiveLayout {
+        EffectiveLayout {
+            layout,
+            hma: false,
+            block_size: 16,
+            cache_dtype: Dtype::Bf16,
+            memory: MemoryKind::Host,
+            transfer_mode: TransferMode::None,
+            groups: vec![KvGroup {
+                kind: AttentionKind::Full,
+                layers: (0..self.layers).map(LayerId).collect(),
+            }],
+            state_groups: vec![],
+            opaque_blocks: false,
+        }
+    }
+
+    /// Per-layer host regions filled with a pattern (`seed` 0: all zeros), and the KvMemory
+    /// over them.
+    fn regions(&self, layout: KvLayout, seed: u32) -> Regions {
+        let shape = BlockShape::of(&self.model(), &self.eff(layout));
+        let len = self.blocks as usize * shape.layer_block_bytes();
+        let mut bufs: Vec<Vec<u8>> = (0..self.layers)
+            .map(|l| {
+                (0..len)
+                    .map(|i| if seed == 0 { 0 } else { (i as u32).wrapping_mul(2_654_435_761) >> 24 ^ l ^ seed } as u8)
+                    .collect()
+            })
+            .collect();
+        let kv: Vec<KvRegion> = KvRegionSpec::per_layer(&mut bufs, self.blocks)
+            .into_iter()
+            // SAFETY: `bufs` moves into the returned value beside the KvMemory built from these
+            // regions; moving a Vec does not move its heap buffer, and the buffers are not
+            // resized while it lives.
+            .map(|spec| unsafe { KvRegion::new(spec) })
+            .collect();
+        let mem = KvMemory::new(&kv, &self.model(), &self.eff(layout)).expect("bench regions fit the layout");
+        Regions { bufs, mem }
     }
 }
 
-fn eff(layout: KvLayout) -> EffectiveLayout {
-    EffectiveLayout {
-        layout,
-        hma: false,
-        block_size: 16,
-        cache_dtype: Dtype::Bf16,
-        memory: MemoryKind::Host,
-        transfer_mode: TransferMode::None,
-        groups: vec![KvGroup { kind: AttentionKind::Full, layers: (0..LAYERS).map(LayerId).collect() }],
-        state_groups: vec![],
-        opaque_blocks: false,
-    }
-}
-
-/// Per-layer host regions filled with a pattern, and the KvMemory over them.
+/// Per-layer host regions and the KvMemory over them.
 struct Regions {
     bufs: Vec<Vec<u8>>,
     mem: KvMemory,
 }
 
-fn regions(layout: KvLayout) -> Regions {
-    let shape = BlockShape::of(&model(), &eff(layout));
-    let len = BLOCKS as usize * shape.layer_block_bytes();
-    let mut bufs: Vec<Vec<u8>> =
-        (0..LAYERS).map(|l| (0..len).map(|i| (i as u32 ^ l) as u8).collect()).collect();
-    let kv: Vec<KvRegion> = KvRegionSpec::per_layer(&mut bufs, BLOCKS)
-        .into_iter()
-        // SAFETY: `bufs` moves into the returned value beside the KvMemory built from these
-        // regions; moving a Vec does not move its heap buffer, and the buffers are not
-        // resized while it lives.
-        .map(|spec| unsafe { KvRegion::new(spec) })
-        .collect();
-    let mem = KvMemory::new(&kv, &model(), &eff(layout)).expect("bench regions fit the layout");
-    Regions { bufs, mem }
+impl Regions {
+    fn bytes(&self) -> usize {
+        self.bufs.iter().map(|b| b.len()).sum()
+    }
+
+    /// The baseline of the CPU copies: every region copied into `flat`, one memcpy each.
+    fn memcpy_into(&self, flat: &mut [u8]) {
+        let mut off = 0;
+        for r in &self.bufs {
+            flat[off..off + r.len()].copy_from_slice(r);
+            off += r.len();
+        }
+    }
+
+    fn check_flat(&self, flat: &[u8], what: &str) {
+        assert!(flat == self.bufs.concat().as_slice(), "{what}: the memcpy baseline's bytes differ");
+    }
 }
 
-fn total_bytes(r: &Regions) -> usize {
-    r.bufs.iter().map(|b| b.len()).sum()
+/// Prints one comparison.
+fn report(name: &str, goal: f64, p: Paired, bytes: usize, machine: Machine) {
+    println!("RATIO {name}: {}; goal >= {goal}: {}; {machine}", p.summary(Some(bytes)), p.verdict(goal));
 }
 
-fn prefix_match(c: &mut Criterion) {
+fn absolute(name: &str, q: &Quartiles, samples: usize, goal_us: Option<f64>) {
+    let goal = goal_us
+        .map_or(String::new(), |g| format!("; goal < {g} us: {}", verdict(samples, q.median * 1e6 < g)));
+    println!(
+        "TIME {name}: {:.2} us (median of {samples} samples, quartiles {:.2} .. {:.2}){goal}",
+        q.median * 1e6,
+        q.q1 * 1e6,
+        q.q3 * 1e6
+    );
+}
+
+fn pairs(size: &Size, base: impl FnMut(), subject: impl FnMut()) -> Paired {
+    interleaved_timed(size.pairs, if size.test { 0 } else { 2 }, base, subject)
+}
+
+fn prefix_match(size: &Size) {
     let bs = 16usize;
-    let prompt_blocks = 2048usize;
-    // 50 prompts of 2k blocks = 100k blocks, all distinct (different first tokens).
-    let cache = BlockCache::new(110_000, 1, None, false, String::new());
+    let cache = BlockCache::new(size.prompts * size.prompt_blocks as u32 + 64, 1, None, false, String::new());
     let mut prompts = Vec::new();
-    for p in 0..50u32 {
+    for p in 0..size.prompts {
         let toks: Vec<u32> =
-            (0..(prompt_blocks * bs) as u32).map(|i| i.wrapping_mul(31) ^ (p << 24)).collect();
+            (0..(size.prompt_blocks * bs) as u32).map(|i| i.wrapping_mul(31) ^ (p << 24)).collect();
         let hashes = block_hashes(7, &toks, bs);
         let mut parent = None;
         for h in &hashes {
@@ -134,60 +188,82 @@ fn prefix_match(c: &mut Criterion) {
         }
         prompts.push((toks, hashes));
     }
-    assert!(cache.sizes().0 >= 100_000);
-    let (toks, hashes) = &prompts[17];
-    let mut g = c.benchmark_group("prefix_match");
-    g.bench_function("match_2k_blocks_in_100k_tree", |b| {
-        b.iter(|| black_box(cache.match_len(black_box(hashes))))
+    assert_eq!(cache.sizes().0, size.prompts as usize * size.prompt_blocks);
+    let (toks, hashes) = &prompts[size.prompts as usize / 3];
+    assert_eq!(cache.match_len(hashes), hashes.len());
+    let (samples, iters) = if size.test { (1, 1) } else { (31, 2000) };
+    let m = Machine::start();
+    let q = per_call(samples, iters, || {
+        std::hint::black_box(cache.match_len(std::hint::black_box(hashes)));
     });
-    g.bench_function("match_pin_unpin_2k_blocks_in_100k_tree", |b| {
-        b.iter(|| {
-            let n = cache.pin_prefix(black_box(hashes), hashes.len());
-            cache.unpin(&hashes[..n]);
-            n
-        })
+    let name = format!("prefix_match {}-block prompt in a {}-block tree", hashes.len(), cache.sizes().0);
+    absolute(&name, &q, samples, Some(10.0));
+    let q = per_call(samples, iters / 10, || {
+        let n = cache.pin_prefix(std::hint::black_box(hashes), hashes.len());
+        cache.unpin(&hashes[..n]);
     });
-    g.bench_function("hash_2k_block_prompt", |b| b.iter(|| block_hashes(7, black_box(toks), bs)));
-    g.finish();
+    absolute("prefix_match match+pin+unpin", &q, samples, None);
+    let q = per_call(samples, iters / 10, || {
+        std::hint::black_box(block_hashes(7, std::hint::black_box(toks), bs));
+    });
+    absolute(&format!("hash of the {}-token prompt", toks.len()), &q, samples, None);
+    println!("  ({})", m.finish());
 }
 
-fn cpu_tier(c: &mut Criterion) {
-    let src = regions(KvLayout::NHD);
-    let dst = regions(KvLayout::NHD);
-    let adapter = BlockAdapter::new(&model(), &eff(KvLayout::NHD));
-    let bytes = total_bytes(&src);
+fn cpu_tier(size: &Size) {
+    let src = size.regions(KvLayout::NHD, 1);
+    let dst = size.regions(KvLayout::NHD, 0);
+    let adapter = BlockAdapter::new(&size.model(), &size.eff(KvLayout::NHD));
+    let bytes = src.bytes();
     let slot = adapter.slot_bytes();
-    assert_eq!(slot * BLOCKS as usize, bytes);
-    // Room for 2 x 64 blocks: the fixed chain that is loaded, and the store iterations, each
-    // of which evicts the previous one's 64 blocks.
-    let cache = BlockCache::new(2 * BLOCKS, slot, None, false, String::new());
-    let hashes = block_hashes(99, &vec![5u32; BLOCKS as usize], 1);
+    let n = size.blocks as usize;
+    assert_eq!(slot * n, bytes);
+    // Room for 2 x n blocks: the fixed chain that is loaded, and the store iterations, each
+    // of which evicts the previous one's n blocks.
+    let cache = BlockCache::new(2 * size.blocks, slot, None, false, String::new());
+    let hashes = block_hashes(99, &vec![5u32; n], 1);
     let mut parent = None;
     for (i, h) in hashes.iter().enumerate() {
-        cache.store(*h, parent, |s| adapter.gather(&src.mem, BlockId(i as u32), s)).expect("gather");
+        cache
+            .store_summed(*h, parent, |s| adapter.gather_summed(&src.mem, BlockId(i as u32), s))
+            .expect("gather");
         parent = Some(*h);
     }
-    assert_eq!(cache.pin_prefix(&hashes, hashes.len()), BLOCKS as usize);
-    let seq = AtomicU64::new(0);
+    assert_eq!(cache.pin_prefix(&hashes, hashes.len()), n);
     let mut flat = vec![0u8; bytes];
-    let mut memcpy = || {
-        let mut off = 0;
-        for r in &src.bufs {
-            flat[off..off + r.len()].copy_from_slice(r);
-            off += r.len();
-        }
-    };
-    let mut store = || {
-        let toks: Vec<u32> = vec![seq.fetch_add(1, Ordering::Relaxed) as u32; BLOCKS as usize];
-        let chain = block_hashes(1, &toks, 1);
+    let seq = std::cell::Cell::new(0u32);
+    let last = RefCell::new(Vec::new());
+    let store = || {
+        seq.set(seq.get() + 1);
+        let chain = block_hashes(1, &vec![seq.get(); n], 1);
         let mut parent = None;
         for (i, h) in chain.iter().enumerate() {
-            cache.store(*h, parent, |s| adapter.gather(&src.mem, BlockId(i as u32), s)).expect("gather");
+            cache
+                .store_summed(*h, parent, |s| adapter.gather_summed(&src.mem, BlockId(i as u32), s))
+                .expect("gather");
             parent = Some(*h);
         }
+        *last.borrow_mut() = chain;
     };
     let (mut scratch, mut tbuf) = (Vec::new(), Vec::new());
-    let mut load = || {
+    let m = Machine::start();
+    let flat_cell = RefCell::new(&mut flat);
+    let p = pairs(size, || src.memcpy_into(&mut flat_cell.borrow_mut()), store);
+    report("cpu_tier store (KV -> CPU tier, checksum in the same pass) vs memcpy", 0.9, p, bytes, m.finish());
+    // The last stored chain holds the source's blocks: loaded into `dst`, they equal them.
+    let chain = last.borrow().clone();
+    assert_eq!(cache.pin_prefix(&chain, n), n, "the stored chain is cached");
+    for (i, h) in chain.iter().enumerate() {
+        cache
+            .load(*h, &mut scratch, |s| {
+                adapter.scatter(&dst.mem, BlockId(i as u32), s, &mut tbuf).map_err(|e| e.to_string())
+            })
+            .expect("load the stored chain");
+    }
+    cache.unpin(&chain);
+    assert!(dst.bufs == src.bufs, "the stored blocks differ from the source's");
+    flat_cell.borrow_mut().fill(0);
+    let load = || {
         for (i, h) in hashes.iter().enumerate() {
             cache
                 .load(*h, &mut scratch, |s| {
@@ -196,63 +272,73 @@ fn cpu_tier(c: &mut Criterion) {
                 .expect("load");
         }
     };
-    let mut g = c.benchmark_group("cpu_tier");
-    g.throughput(Throughput::Bytes(bytes as u64));
-    g.bench_function("memcpy_baseline", |b| b.iter(&mut memcpy));
-    g.bench_function("store_64_blocks", |b| b.iter(&mut store));
-    g.bench_function("load_64_blocks", |b| b.iter(&mut load));
-    g.finish();
-    paired_ratio("cpu_tier store (KV -> CPU tier) vs memcpy", 0.7, &mut memcpy, &mut store);
-    paired_ratio("cpu_tier load (CPU tier -> KV) vs memcpy", 0.7, &mut memcpy, &mut load);
+    let m = Machine::start();
+    let p = pairs(size, || src.memcpy_into(&mut flat_cell.borrow_mut()), load);
+    report("cpu_tier load (CPU tier -> KV) vs memcpy", 0.9, p, bytes, m.finish());
+    src.check_flat(&flat_cell.borrow(), "cpu_tier");
+    assert!(dst.bufs == src.bufs, "the loaded blocks differ from the stored ones");
 }
 
-fn transpose(c: &mut Criterion) {
-    let hnd = regions(KvLayout::HND);
-    let adapter = BlockAdapter::new(&model(), &eff(KvLayout::HND));
+fn transpose(size: &Size) {
+    let hnd = size.regions(KvLayout::HND, 3);
+    let back = size.regions(KvLayout::HND, 0);
+    let adapter = BlockAdapter::new(&size.model(), &size.eff(KvLayout::HND));
     assert!(adapter.transposes());
-    let bytes = total_bytes(&hnd);
+    let bytes = hnd.bytes();
     let slot = adapter.slot_bytes();
-    let mut stored: Vec<Vec<u8>> = (0..BLOCKS).map(|_| vec![0u8; slot]).collect();
+    let mut stored: Vec<Vec<u8>> = (0..size.blocks).map(|_| vec![0u8; slot]).collect();
     let mut flat = vec![0u8; bytes];
-    let mut memcpy = || {
-        let mut off = 0;
-        for r in &hnd.bufs {
-            flat[off..off + r.len()].copy_from_slice(r);
-            off += r.len();
-        }
-    };
-    let mut to_nhd = || {
-        for (i, s) in stored.iter_mut().enumerate() {
-            adapter.gather(&hnd.mem, BlockId(i as u32), s).expect("gather");
-        }
-    };
-    let mut to_hnd_src: Vec<Vec<u8>> = (0..BLOCKS).map(|i| vec![i as u8; slot]).collect();
+    let flat_cell = RefCell::new(&mut flat);
+    let m = Machine::start();
+    let p = pairs(
+        size,
+        || hnd.memcpy_into(&mut flat_cell.borrow_mut()),
+        || {
+            for (i, s) in stored.iter_mut().enumerate() {
+                adapter.gather(&hnd.mem, BlockId(i as u32), s).expect("gather");
+            }
+        },
+    );
+    report("transpose HND -> NHD vs memcpy", 0.9, p, bytes, m.finish());
+    hnd.check_flat(&flat_cell.borrow(), "transpose");
     let mut tbuf = Vec::new();
-    let mut to_hnd = || {
-        for (i, s) in to_hnd_src.iter_mut().enumerate() {
-            adapter.scatter(&hnd.mem, BlockId(i as u32), s, &mut tbuf).expect("scatter");
+    let m = Machine::start();
+    let p = pairs(
+        size,
+        || hnd.memcpy_into(&mut flat_cell.borrow_mut()),
+        || {
+            for (i, s) in stored.iter().enumerate() {
+                adapter.scatter(&back.mem, BlockId(i as u32), s, &mut tbuf).expect("scatter");
+            }
+        },
+    );
+    report("transpose NHD -> HND vs memcpy", 0.9, p, bytes, m.finish());
+    // NHD -> HND undoes HND -> NHD, and the stored form is not the region's bytes.
+    assert!(back.bufs == hnd.bufs, "the transposes do not round-trip");
+    let mut raw = Vec::new();
+    for l in 0..size.layers {
+        for part in 0..2 {
+            let span = hnd.mem.span(LayerId(l), part, BlockId(0)).expect("span");
+            raw.extend_from_slice(hnd.mem.slice(span).expect("slice"));
         }
-    };
-    let mut g = c.benchmark_group("transpose");
-    g.throughput(Throughput::Bytes(bytes as u64));
-    g.bench_function("memcpy_baseline", |b| b.iter(&mut memcpy));
-    g.bench_function("hnd_to_nhd_64_blocks", |b| b.iter(&mut to_nhd));
-    g.bench_function("nhd_to_hnd_64_blocks", |b| b.iter(&mut to_hnd));
-    g.finish();
-    paired_ratio("transpose HND -> NHD vs memcpy", 0.5, &mut memcpy, &mut to_nhd);
-    paired_ratio("transpose NHD -> HND vs memcpy", 0.5, &mut memcpy, &mut to_hnd);
+    }
+    assert!(stored[0] != raw, "the stored form is the region's bytes: nothing was transposed");
 }
 
-fn ssd_tier(c: &mut Criterion) {
-    let slot = 512 * 1024;
-    let n = BLOCKS as usize;
+fn ssd_tier(size: &Size) {
+    let slot = if size.test { 8192 } else { 512 * 1024 };
+    let n = size.blocks as usize;
+    // The records one demotion writes before its sync, for a CPU tier of 4 x n blocks.
+    let cache = BlockCache::new(4 * size.blocks, slot, None, false, String::new());
+    let batch = cache.demote_batch_blocks();
     let dir = tempfile::tempdir_in(
         std::env::var_os("FLEXKV_BENCH_DIR").unwrap_or_else(|| std::env::temp_dir().into()),
     )
     .expect("bench temp dir");
     let tier = SsdTier::open(&dir.path().join("tier"), "bench", slot, SsdTier::record_bytes(slot) * n as u64)
         .expect("open tier");
-    let payloads: Vec<Vec<u8>> = (0..n).map(|i| (0..slot).map(|j| (i * 7 + j) as u8).collect()).collect();
+    let payloads: Vec<Vec<u8>> =
+        (0..n).map(|i| (0..slot).map(|j| (i * 7 + j * 13 + (j >> 12)) as u8).collect()).collect();
     let plain_path = dir.path().join("plain.bin");
     let plain = std::fs::OpenOptions::new()
         .create(true)
@@ -261,31 +347,40 @@ fn ssd_tier(c: &mut Criterion) {
         .write(true)
         .open(&plain_path)
         .expect("plain file");
-    let plain = std::cell::RefCell::new(plain);
-    let mut plain_write = || {
+    let plain = RefCell::new(plain);
+    // Same durability on both sides: a sync after every `batch` blocks.
+    let plain_write = || {
         let mut f = plain.borrow_mut();
         f.seek(SeekFrom::Start(0)).expect("seek");
-        for p in &payloads {
-            f.write_all(p).expect("write");
+        for group in payloads.chunks(batch) {
+            for p in group {
+                f.write_all(p).expect("write");
+            }
+            f.sync_data().expect("sync the plain file");
         }
     };
     // The demotion path: the checksum was taken when the block entered the CPU tier.
     let sums: Vec<u64> = payloads.iter().map(|p| kvconnect_flexkv::hash::checksum(p)).collect();
-    let mut tier_write = || {
-        for (i, p) in payloads.iter().enumerate() {
-            tier.write_summed(i as u32, i as u64, p, sums[i]).expect("tier write");
+    let tier_write = || {
+        for (g, group) in payloads.chunks(batch).enumerate() {
+            for (j, p) in group.iter().enumerate() {
+                let i = g * batch + j;
+                tier.write_summed(i as u32, i as u64, p, sums[i]).expect("tier write");
+            }
+            tier.sync().expect("sync the tier");
         }
     };
-    let mut tier_write_checksumming = || {
-        for (i, p) in payloads.iter().enumerate() {
-            tier.write(i as u32, i as u64, p).expect("tier write");
-        }
-    };
-    // The read benchmarks read what these wrote (also when run alone with a filter).
-    plain_write();
-    tier_write();
+    let m = Machine::start();
+    let p = pairs(size, plain_write, tier_write);
+    report(
+        &format!("ssd_tier write (records in batches of {batch}, each fdatasync'd) vs sequential write, same syncs"),
+        0.9,
+        p,
+        slot * n,
+        m.finish(),
+    );
     let mut buf = vec![0u8; slot];
-    let mut plain_read = || {
+    let plain_read = || {
         let mut f = plain.borrow_mut();
         f.seek(SeekFrom::Start(0)).expect("seek");
         for _ in 0..n {
@@ -295,64 +390,53 @@ fn ssd_tier(c: &mut Criterion) {
     let mut rbuf = Vec::new();
     let mut tier_read = || {
         for i in 0..n {
-            black_box(tier.read(i as u32, i as u64, &mut rbuf).expect("tier read"));
+            std::hint::black_box(tier.read(i as u32, i as u64, &mut rbuf).expect("tier read"));
         }
     };
+    let m = Machine::start();
+    let p = pairs(size, plain_read, &mut tier_read);
+    report("ssd_tier read (records, verified) vs sequential read", 0.9, p, slot * n, m.finish());
     // Reference: the same records read raw (one pread each, no checks), to tell the cost of
     // verification from the cost of the file itself.
     let raw = std::fs::File::open(tier.path()).expect("open tier file");
     let mut rawbuf = vec![0u8; SsdTier::record_bytes(slot) as usize];
-    let mut raw_read = || {
+    let raw_read = || {
         use std::os::unix::fs::FileExt;
         for i in 0..n {
             raw.read_exact_at(&mut rawbuf, i as u64 * tier.record()).expect("raw read");
         }
     };
-    let hot = vec![7u8; 128 * 1024];
-    let mut g = c.benchmark_group("ssd_tier");
-    g.throughput(Throughput::Bytes((slot * n) as u64));
-    g.bench_function(BenchmarkId::new("write", "plain_sequential"), |b| b.iter(&mut plain_write));
-    g.bench_function(BenchmarkId::new("write", "tier_records"), |b| b.iter(&mut tier_write));
-    g.bench_function(BenchmarkId::new("write", "tier_records_checksumming"), |b| {
-        b.iter(&mut tier_write_checksumming)
-    });
-    g.bench_function(BenchmarkId::new("read", "plain_sequential"), |b| b.iter(&mut plain_read));
-    g.bench_function(BenchmarkId::new("read", "tier_records_verified"), |b| b.iter(&mut tier_read));
-    g.bench_function(BenchmarkId::new("read", "tier_records_raw_pread"), |b| b.iter(&mut raw_read));
-    g.bench_function("checksum_hot_128k_x256", |b| {
-        b.iter(|| {
-            (0..256).map(|_| kvconnect_flexkv::hash::checksum(black_box(&hot))).fold(0u64, |a, c| a ^ c)
-        })
-    });
-    g.bench_function("checksum_cold_32MiB", |b| {
-        b.iter(|| payloads.iter().map(|p| kvconnect_flexkv::hash::checksum(p)).fold(0u64, |a, c| a ^ c))
-    });
-    g.finish();
-    paired_ratio(
-        "ssd_tier write (records, checksum taken at store) vs sequential write",
-        0.7,
-        &mut plain_write,
-        &mut tier_write,
+    let m = Machine::start();
+    let p = pairs(size, raw_read, &mut tier_read);
+    report(
+        "ssd_tier read (records, verified) vs raw pread of the same records (reference, no goal)",
+        0.0,
+        p,
+        slot * n,
+        m.finish(),
     );
-    paired_ratio(
-        "ssd_tier write (records, checksummed while writing) vs sequential write",
-        0.7,
-        &mut plain_write,
-        &mut tier_write_checksumming,
-    );
-    paired_ratio(
-        "ssd_tier read (records, verified) vs sequential read",
-        0.7,
-        &mut plain_read,
-        &mut tier_read,
-    );
-    paired_ratio(
-        "ssd_tier read (records, verified) vs raw pread of the same records",
-        0.7,
-        &mut raw_read,
-        &mut tier_read,
-    );
+    for (i, want) in payloads.iter().enumerate() {
+        assert_eq!(tier.read(i as u32, i as u64, &mut rbuf).expect("tier read"), &want[..], "record {i}");
+    }
+    let mut f = plain.borrow_mut();
+    f.seek(SeekFrom::Start(0)).expect("seek");
+    for (i, want) in payloads.iter().enumerate() {
+        f.read_exact(&mut buf).expect("read");
+        assert!(buf == *want, "plain block {i}");
+    }
 }
 
-criterion_group!(benches, prefix_match, cpu_tier, transpose, ssd_tier);
-criterion_main!(benches);
+fn main() {
+    let size = Size::from_args();
+    let all = Machine::start();
+    println!(
+        "flexkv bench ({}; {} pairs per ratio): {all}",
+        if size.test { "test run, tiny sizes" } else { "full sizes" },
+        size.pairs
+    );
+    cpu_tier(&size);
+    transpose(&size);
+    ssd_tier(&size);
+    prefix_match(&size);
+    println!("flexkv bench done: {}", all.finish());
+}

@@ -8,6 +8,7 @@
 //! `Geometry::inner_offset`, so any layout where `C` is innermost is a row copy and any
 //! other falls back to element moves. Regions are reached only through `KvMemory`.
 
+use crate::hash::Checksum;
 use kvconnect_api::geometry::{BlockShape, Geometry, GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
@@ -107,6 +108,31 @@ impl BlockAdapter {
             }
         }
         Ok(())
+    }
+
+    /// [`BlockAdapter::gather`], returning the stored block's [`crate::hash::checksum`]
+    /// taken in the same pass: each piece is summed as it is copied (or, when transposing,
+    /// right after its sub-block is, while that is still in cache).
+    pub fn gather_summed(
+        &self,
+        mem: &KvMemory,
+        block: BlockId,
+        dst: &mut [u8],
+    ) -> Result<u64, GeometryError> {
+        self.check_len(dst.len())?;
+        let mut sum = Checksum::new();
+        for (i, out) in dst.chunks_exact_mut(self.sub_bytes).enumerate() {
+            let (layer, part) = self.sub(i);
+            let span = mem.span(layer, part, block)?;
+            match &self.moves {
+                None => sum.copy_update(out, mem.slice(span)?),
+                Some(m) => {
+                    permute(mem.slice(span)?, out, m, self.unit, false);
+                    sum.update(out);
+                }
+            }
+        }
+        Ok(sum.finish())
     }
 
     /// Copies a stored block `src` into block `block` of every KV layer. `scratch` holds one
@@ -262,7 +288,11 @@ mod tests {
         let a = BlockAdapter::new(&model, &eff(KvLayout::HND));
         assert_eq!(a.unit, 128);
         let mut stored = vec![0u8; a.slot_bytes()];
-        a.gather(&src_mem, BlockId(1), &mut stored).unwrap();
+        let sum = a.gather_summed(&src_mem, BlockId(1), &mut stored).unwrap();
+        assert_eq!(sum, crate::hash::checksum(&stored), "summed in the same pass as the copy");
+        let mut plain = vec![0u8; a.slot_bytes()];
+        a.gather(&src_mem, BlockId(1), &mut plain).unwrap();
+        assert_eq!(plain, stored);
         a.scatter(&dst_mem, BlockId(2), &stored, &mut Vec::new()).unwrap();
         let hnd = Geometry::new(shape, KvLayout::HND, vec![]);
         let nhd = Geometry::new(shape, KvLayout::NHD, vec![]);

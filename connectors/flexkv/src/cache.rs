@@ -20,6 +20,16 @@ use std::sync::{Mutex, MutexGuard};
 
 const MAX_EVENTS: usize = 65536;
 
+/// Bytes of CPU blocks one demotion writes to SSD before its one sync (see
+/// [`BlockCache::demote_batch_blocks`]): a sync costs about as much as writing several MiB,
+/// so blocks are demoted in batches rather than one by one.
+pub const DEMOTE_BATCH_BYTES: usize = 32 << 20;
+
+/// Blocks of `slot_bytes` one demotion moves, for a CPU tier of `cpu_slots` slots.
+fn demote_batch_blocks(slot_bytes: usize, cpu_slots: usize) -> usize {
+    (DEMOTE_BATCH_BYTES / slot_bytes.max(1)).min(cpu_slots / 4).max(1)
+}
+
 /// Counters of what the cache did, for logs, metrics and tests.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -250,12 +260,29 @@ impl BlockCache {
     }
 
     /// Stores block `hash` (child of `parent`, None for a first block); `fill` writes its
-    /// bytes into the slot. Errors from `fill` drop the block and are returned.
+    /// bytes into the slot. Errors from `fill` drop the block and are returned. The block's
+    /// checksum is taken after `fill`, a second pass over the slot: a copy that can sum as it
+    /// goes uses [`BlockCache::store_summed`].
     pub fn store<E>(
         &self,
         hash: u64,
         parent: Option<u64>,
         fill: impl FnOnce(&mut [u8]) -> Result<(), E>,
+    ) -> Result<StoreOutcome, E> {
+        self.store_summed(hash, parent, |buf| {
+            fill(buf)?;
+            Ok(checksum(buf))
+        })
+    }
+
+    /// As [`BlockCache::store`], where `fill` also returns the [`checksum`] of what it wrote,
+    /// taken in the same pass as its copy. A wrong sum is caught when the block is read back
+    /// from SSD (a miss, never loaded).
+    pub fn store_summed<E>(
+        &self,
+        hash: u64,
+        parent: Option<u64>,
+        fill: impl FnOnce(&mut [u8]) -> Result<u64, E>,
     ) -> Result<StoreOutcome, E> {
         let mut g = self.lock();
         match g.index.insert_pending(hash, parent) {
@@ -277,11 +304,9 @@ impl BlockCache {
         drop(g);
         // The checksum is taken now, while the bytes are hot, for a later move to SSD.
         let r = self.cpu.with_slot_sum(slot, |buf, sum| {
-            let r = fill(buf);
-            if r.is_ok() {
-                *sum = checksum(buf);
-            }
-            r
+            fill(buf).map(|s| {
+                *sum = s;
+            })
         });
         let mut g = self.lock();
         match r {
@@ -374,7 +399,7 @@ impl BlockCache {
     }
 
     /// A free CPU slot, making one by demoting or evicting the LRU block when needed. The
-    /// lock is released while a demoted block is written to SSD.
+    /// lock is released while demoted blocks are written to SSD.
     fn alloc_cpu<'a>(&'a self, mut g: MutexGuard<'a, Inner>) -> (MutexGuard<'a, Inner>, Option<u32>) {
         let mut demote_ok = self.ssd.is_some();
         loop {
@@ -401,21 +426,72 @@ impl BlockCache {
                 }
                 return (g, None);
             }
-            let Some(s) = self.alloc_ssd(&mut g) else {
+            let (batch, guard) = self.demote_batch(g);
+            g = guard;
+            if batch == 0 {
                 demote_ok = false;
-                continue;
-            };
-            let (Some(c), Some(ssd)) = (view.cpu, self.ssd.as_ref()) else { return (g, None) };
+            }
+        }
+    }
+
+    /// Most blocks one demotion moves to SSD: [`DEMOTE_BATCH_BYTES`] of them, at most a
+    /// quarter of the CPU tier, at least one.
+    pub fn demote_batch_blocks(&self) -> usize {
+        let slots = self.lock().cpu_pool.capacity() as usize;
+        demote_batch_blocks(self.cpu.slot_bytes(), slots)
+    }
+
+    /// Moves a batch of the least recently used CPU blocks that have no SSD copy to SSD:
+    /// writes their records with the lock released, makes them durable with one sync, and only
+    /// then enters them in the index and frees their CPU slots. Returns how many were
+    /// demoted (0: no SSD slot, or the writes failed; the caller then evicts instead).
+    fn demote_batch<'a>(&'a self, mut g: MutexGuard<'a, Inner>) -> (usize, MutexGuard<'a, Inner>) {
+        let Some(ssd) = self.ssd.as_ref() else { return (0, g) };
+        let max = demote_batch_blocks(self.cpu.slot_bytes(), g.cpu_pool.capacity() as usize);
+        // (block, CPU slot, SSD slot); each is pinned while its record is written.
+        let mut batch: Vec<(u64, u32, u32)> = Vec::new();
+        while batch.len() < max {
+            let Some(v) = g.index.lru_victim(Tier::Cpu, |_| false) else { break };
+            let Some(view) = g.index.get(v) else { break };
+            let Some(c) = view.cpu else { break };
+            if view.ssd.is_some() {
+                break;
+            }
+            let Some(s) = self.alloc_ssd(&mut g) else { break };
             g.index.pin(v);
-            drop(g);
-            let r = self.cpu.with_slot_sum(c, |buf, sum| ssd.write_summed(s, v, buf, *sum));
-            g = self.lock();
+            batch.push((v, c, s));
+        }
+        if batch.is_empty() {
+            return (0, g);
+        }
+        drop(g);
+        let mut written: Vec<std::io::Result<()>> = batch
+            .iter()
+            .map(|&(v, c, s)| {
+                self.cpu
+                    .with_slot_sum(c, |buf, sum| ssd.write_summed(s, v, buf, *sum))
+                    .unwrap_or_else(|| Err(std::io::Error::other("CPU slot out of range")))
+            })
+            .collect();
+        // Nothing enters the index before it is durable: one sync for the whole batch.
+        if written.iter().any(|r| r.is_ok()) {
+            if let Err(e) = ssd.sync() {
+                let why = e.to_string();
+                for r in written.iter_mut().filter(|r| r.is_ok()) {
+                    *r = Err(std::io::Error::other(format!("syncing the SSD tier failed: {why}")));
+                }
+            }
+        }
+        let mut g = self.lock();
+        let mut demoted = 0;
+        for (&(v, _, s), r) in batch.iter().zip(written) {
             g.index.unpin(v);
             match r {
-                Some(Ok(())) => {
+                Ok(()) => {
                     g.index.set_slot(v, Tier::Ssd, s);
                     g.event(stored(v, Tier::Ssd));
                     bump(&self.counters.demoted);
+                    demoted += 1;
                     // A load may have referenced the block (and be reading its CPU slot)
                     // while the lock was released: then it keeps both copies for now.
                     if g.index.get(v).is_some_and(|x| x.refs == 0) {
@@ -424,21 +500,17 @@ impl BlockCache {
                         g.event(removed(v, Tier::Cpu));
                     }
                 }
-                failed => {
+                Err(e) => {
                     g.free([None, Some(s)]);
                     bump(&self.counters.ssd_write_errors);
-                    let why = match failed {
-                        Some(Err(e)) => e.to_string(),
-                        _ => "slot out of range".to_owned(),
-                    };
                     tracing::warn!(
-                        "flexkv: writing a block to the SSD tier failed ({why}); evicting from CPU without \
+                        "flexkv: writing a block to the SSD tier failed ({e}); evicting from CPU without \
                          keeping an SSD copy"
                     );
-                    demote_ok = false;
                 }
             }
         }
+        (demoted, g)
     }
 
     /// A free SSD slot, evicting the LRU SSD block when needed (metadata only).
@@ -499,6 +571,31 @@ mod tests {
 
     fn expected(tag: u8, n: usize) -> Vec<u8> {
         (0..n).map(|i| tag.wrapping_add(i as u8)).collect()
+    }
+
+    #[test]
+    fn blocks_are_demoted_in_batches_each_synced_before_it_is_indexed() {
+        let dir = tempfile::tempdir().unwrap();
+        let ssd = SsdTier::open(dir.path(), "t", 100, 20 * 8192).unwrap();
+        let c = BlockCache::new(8, 100, Some(ssd), false, String::new());
+        assert_eq!(c.demote_batch_blocks(), 2, "a quarter of 8 CPU slots");
+        let a = block_hashes(1, &(0..9).collect::<Vec<_>>(), 1);
+        store_chain(&c, &a, 0);
+        // The ninth block needed one slot; the two least recently used blocks moved together.
+        assert_eq!(c.stats().demoted, 2);
+        assert_eq!(c.sizes(), (9, 7, 2));
+        c.pin_prefix(&a, 9);
+        let mut from_ssd = 0;
+        for (i, h) in a.iter().enumerate() {
+            let (tier, bytes) = load(&c, *h).unwrap();
+            assert_eq!(bytes, expected(i as u8, 100), "block {i}");
+            from_ssd += usize::from(tier == Tier::Ssd);
+        }
+        assert_eq!(from_ssd, 2);
+        c.unpin(&a);
+        // Large blocks: 32 MiB of them at a time, whatever the CPU tier's size.
+        assert_eq!(demote_batch_blocks(512 << 10, 100_000), 64);
+        assert_eq!(demote_batch_blocks(512 << 10, 3), 1);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! What the flexkv connector declares.
 
 use crate::config::FlexkvConfig;
-use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::KvRole;
 use kvconnect_api::{
     AdaptCost, Capabilities, ConnectorError, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint,
     MemoryKind, ModelSpec, TransferMode,
@@ -40,12 +40,15 @@ pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
         cache_dtypes: vec![],
         memory_kinds,
         transfer_mode: TransferMode::None,
-        roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
+        roles: vec![KvRole::Producer, KvRole::Consumer, KvRole::Both],
         layerwise: false,
         heterogeneous_tp: false,
         mla: false,
         async_load: true,
         carries_state: false,
+        state_with_tp: false,
+        adapts_with_tp: false,
+        adapts_with_state: false,
         // Over opaque blocks (vLLM's CPU backend) it stores each block's bytes as they are
         // and loads them back into the same engine's layout, never transposing.
         stores_opaque_blocks: true,

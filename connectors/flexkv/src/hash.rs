@@ -128,6 +128,30 @@ impl Checksum {
         self.tail.extend_from_slice(kib.remainder());
     }
 
+    /// Copies `src` into `dst` (same length) and adds it, in one pass: each 16 KiB piece is
+    /// summed right after it is copied, while it is in the L1 cache, so the bytes are read
+    /// from memory once (a piece of 1 KiB measured slower: the copy's start-up cost). The
+    /// same rule on piece lengths as [`Checksum::update`].
+    pub fn copy_update(&mut self, dst: &mut [u8], src: &[u8]) {
+        if dst.len() != src.len() || !self.tail.is_empty() {
+            // Not one of the fused cases: the plain copy, then the sum.
+            let n = dst.len().min(src.len());
+            dst[..n].copy_from_slice(&src[..n]);
+            self.update(&dst[..n]);
+            return;
+        }
+        self.len += src.len() as u64;
+        let whole = src.len() / 1024 * 1024;
+        for (d, s) in dst[..whole].chunks_mut(16 << 10).zip(src[..whole].chunks(16 << 10)) {
+            d.copy_from_slice(s);
+            for kib in d.chunks_exact(1024) {
+                self.block(kib);
+            }
+        }
+        dst[whole..].copy_from_slice(&src[whole..]);
+        self.tail.extend_from_slice(&src[whole..]);
+    }
+
     #[inline]
     fn block(&mut self, block: &[u8]) {
         let (mut a, mut b) = (self.acc, self.sums);
@@ -202,5 +226,11 @@ mod tests {
         p.update(&data[2048..3000]);
         p.update(&data[3000..]);
         assert_eq!(p.finish(), c);
+        // Copying while summing gives the same sum and the same bytes.
+        let mut q = Checksum::new();
+        let mut out = vec![0u8; data.len()];
+        q.copy_update(&mut out[..3072], &data[..3072]);
+        q.copy_update(&mut out[3072..], &data[3072..]);
+        assert_eq!((q.finish(), &out), (c, &data));
     }
 }

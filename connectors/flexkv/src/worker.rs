@@ -157,7 +157,7 @@ enum SaveSource {
 fn save_blocks(cache: &BlockCache, adapter: &BlockAdapter, mem: &KvMemory, blocks: &[BlockId], op: &SaveOp) {
     let mut parent = None;
     for (hash, block) in op.hashes.iter().zip(blocks) {
-        match cache.store(*hash, parent, |slot| adapter.gather(mem, *block, slot)) {
+        match cache.store_summed(*hash, parent, |slot| adapter.gather_summed(mem, *block, slot)) {
             Ok(StoreOutcome::Stored | StoreOutcome::Present) => parent = Some(*hash),
             // The rest of the chain could not be reached from the root.
             Ok(StoreOutcome::NoParent | StoreOutcome::NoSpace) => return,
@@ -280,6 +280,8 @@ impl WorkerConnector for FlexkvWorker {
         Ok(())
     }
 
+    // Loads are whole-request and asynchronous (the engine waits for finished_recving), so
+    // wait_for_layer_load keeps the trait's default; a local cache has no handshake metadata.
     fn start_load_kv(&mut self) -> ConnectorResult<()> {
         for op in std::mem::take(&mut self.loads) {
             let (cache, adapter, tx) =
@@ -309,11 +311,6 @@ impl WorkerConnector for FlexkvWorker {
                 });
             }
         }
-        Ok(())
-    }
-
-    fn wait_for_layer_load(&mut self, _layer: LayerId) -> ConnectorResult<()> {
-        // Loads are whole-request and asynchronous: the engine waits for finished_recving.
         Ok(())
     }
 
@@ -372,11 +369,6 @@ impl WorkerConnector for FlexkvWorker {
 
     fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
         Ok(std::mem::take(&mut self.load_errors))
-    }
-
-    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
-        // A local cache: nothing for a peer.
-        Ok(None)
     }
 
     fn shutdown(&mut self) -> ConnectorResult<()> {

@@ -1,18 +1,28 @@
-//! lmcache benchmarks, each against a baseline measured in the same run:
-//! * `cpu_tier`: save a prompt's chunks through the worker half and load them back into other
-//!   blocks, vs a plain memcpy of the same bytes out of and back into the regions;
-//! * `disk_tier`: write and read a chunk through the disk tier (header, checksum, rename,
-//!   index, LRU budget), vs a plain sequential file write and read of the same bytes;
-//! * `lookup`: `get_num_new_matched_tokens` on a fully stored 32k-token prompt (target < 50 µs).
+//! lmcache benchmarks, each subject beside the baseline it is judged against, measured in the
+//! same run as interleaved pairs (`kvconnect_api::stats::interleaved`: the order alternates
+//! within a pair) and reported as the median ratio baseline time / subject time with its
+//! quartiles, with the machine's cores and load average before and after:
 //!
-//! Ratios (baseline time / lmcache time; 1.0 = as fast as the baseline) are printed at the
-//! end, each the median of 30 alternating subject/baseline pairs, so both see the same load
-//! on a shared machine. Run: `cargo bench -p kvconnect-lmcache --bench lmcache -- --warm-up-time 1 --measurement-time 3`
+//! * `cpu_tier`: a prompt's chunks (2 x 8 MiB) saved through the worker half and loaded back
+//!   into other blocks, vs a memcpy of the same bytes block by block out of the regions and
+//!   back into other blocks;
+//! * `disk_tier`: an 8 MiB chunk written through the disk tier (header, checksum taken in the
+//!   same pass as the write, fsync, rename, directory fsync, index, LRU budget) and read back
+//!   (checked in the same pass as the read), vs a plain file of the same bytes created,
+//!   written, fsync'd with its directory (the same durability) and read back;
+//! * `lookup`: `get_num_new_matched_tokens` on a fully stored 32k-token prompt (absolute;
+//!   goal under 10 us), and the key chain alone.
+//!
+//! Every copy's bytes are checked. The copies run on one thread, and so do their baselines.
+//!
+//! Run: `cargo bench -p kvconnect-lmcache --bench lmcache` (`LMCACHE_BENCH_PAIRS` sets the
+//! pairs, 21 by default). Without `--bench` (as `cargo test` runs it) every part runs once at
+//! a tiny size, checking its bytes.
 
 #![allow(unsafe_code)] // The benchmark vouches for its own KV buffers as regions (KvRegion::new).
 
-use criterion::{criterion_group, Criterion, Throughput};
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
+use kvconnect_api::stats::{interleaved_timed, per_call, verdict, Machine, Paired, Quartiles};
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,
     KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind,
@@ -22,30 +32,60 @@ use kvconnect_lmcache::disk_tier::DiskTier;
 use kvconnect_lmcache::key::ChunkKey;
 use kvconnect_lmcache::LmcacheFactory;
 use serde_json::json;
-use std::collections::BTreeMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::io::{Read, Write};
 
-/// Per-iteration times of every timed batch, per benchmark, for the ratios.
-/// Samples per benchmark (criterion's sample size, the same for every benchmark here).
-const SAMPLES: usize = 10;
-
-static TIMES: Mutex<BTreeMap<&'static str, Vec<f64>>> = Mutex::new(BTreeMap::new());
-
-fn record(name: &'static str, d: Duration, iters: u64) -> Duration {
-    let mut t = TIMES.lock().unwrap();
-    t.entry(name).or_default().push(d.as_secs_f64() / iters.max(1) as f64);
-    d
+/// The sizes of one run: the benchmark's, or the tiny one of a test run.
+struct Size {
+    test: bool,
+    pairs: usize,
+    /// Model of the CPU-tier comparison: layers, KV heads, head dim.
+    model: (u32, u32, u32),
+    chunk: usize,
+    chunks: usize,
+    disk_bytes: usize,
+    lookup_tokens: usize,
 }
 
-/// The median per-iteration time over the last `SAMPLES` batches (criterion's samples; the
-/// warm-up batches before them are left out).
-fn median(name: &str) -> f64 {
-    let t = TIMES.lock().unwrap();
-    let Some(v) = t.get(name) else { return f64::NAN };
-    let mut v = v[v.len().saturating_sub(SAMPLES)..].to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
+impl Size {
+    fn from_args() -> Size {
+        let args: Vec<String> = std::env::args().collect();
+        // `cargo bench` passes --bench; `cargo test` does not (and `-- --test` asks for a test).
+        let test = !args.iter().any(|a| a == "--bench") || args.iter().any(|a| a == "--test");
+        if test {
+            return Size {
+                test,
+                pairs: 1,
+                model: (2, 2, 16),
+                chunk: 32,
+                chunks: 2,
+                disk_bytes: 4096,
+                lookup_tokens: 1024,
+            };
+        }
+        let pairs = std::env::var("LMCACHE_BENCH_PAIRS").ok().and_then(|p| p.parse().ok()).unwrap_or(21);
+        // 8 layers x 8 KV heads x 128 dims x bf16: 32 KiB per token, 8 MiB per 256-token chunk.
+        Size {
+            test,
+            pairs,
+            model: (8, 8, 128),
+            chunk: 256,
+            chunks: 2,
+            disk_bytes: 8 << 20,
+            lookup_tokens: 32 * 1024,
+        }
+    }
+
+    fn warmup(&self, n: usize) -> usize {
+        if self.test {
+            0
+        } else {
+            n
+        }
+    }
+}
+
+fn report(name: &str, goal: f64, p: Paired, bytes: usize, machine: Machine) {
+    println!("RATIO {name}: {}; goal >= {goal}: {}; {machine}", p.summary(Some(bytes)), p.verdict(goal));
 }
 
 struct Engine {
@@ -105,8 +145,17 @@ impl Engine {
         let regions: Vec<RegionShape> =
             (0..layers).map(|l| RegionShape { layers: vec![LayerId(l)], num_blocks }).collect();
         let geometry = Geometry::new(shape, KvLayout::NHD, regions.clone());
-        let mut buffers: Vec<Vec<u8>> =
-            regions.iter().enumerate().map(|(i, r)| vec![i as u8 + 1; geometry.region_bytes(r)]).collect();
+        // A pattern that differs from byte to byte, block to block and region to region, so a
+        // block copied to the wrong place is seen.
+        let mut buffers: Vec<Vec<u8>> = regions
+            .iter()
+            .enumerate()
+            .map(|(i, r)| {
+                (0..geometry.region_bytes(r))
+                    .map(|j| ((j as u32).wrapping_mul(2_654_435_761) >> 24) as u8 ^ i as u8)
+                    .collect()
+            })
+            .collect();
         let kv: Vec<KvRegion> = KvRegionSpec::per_layer(&mut buffers, num_blocks)
             .into_iter()
             // SAFETY: the buffers move into the returned Engine after its worker, so they are
@@ -143,37 +192,54 @@ impl Engine {
     }
 }
 
-/// The CPU-tier comparison: a prompt of two 256-token chunks saved through the worker half
-/// and loaded back into other blocks, vs the same bytes copied block by block out of the
-/// regions into a buffer and back into other blocks.
+/// The CPU-tier comparison: a prompt of `chunks` chunks saved through the worker half and
+/// loaded back into other blocks, vs the same bytes copied block by block out of the regions
+/// into a buffer and back into other blocks.
 struct CpuBench {
     e: Engine,
     staging: Vec<u8>,
+    chunks: usize,
+    chunk: usize,
     seed: u32,
 }
 
-const CPU_CHUNKS: usize = 2;
-/// 8 layers x 8 KV heads x 128 dims x bf16: 32 KiB per token, 8 MiB per 256-token chunk.
-const CPU_BYTES: usize = CPU_CHUNKS * 256 * 8 * 2 * 8 * 128 * 2;
+/// First block of the loads (the saves use blocks from 0).
+const LOAD_AT: u32 = 40;
 
 impl CpuBench {
-    fn new(id: &str) -> CpuBench {
-        let e = Engine::new(id, 8, 8, 128, 16, 128, json!({"chunk_size": 256, "max_local_cpu_size": 0.125}));
-        CpuBench { e, staging: vec![0u8; CPU_BYTES], seed: 0 }
+    fn new(size: &Size, id: &str) -> CpuBench {
+        let (layers, heads, dim) = size.model;
+        // The CPU tier holds eight saves; its evictions are recycled into later saves.
+        let bytes = (size.chunks * size.chunk) as u64 * u64::from(layers * heads * dim) * 2 * 2;
+        let budget_gb = (8 * bytes) as f64 / (1u64 << 30) as f64;
+        let e = Engine::new(
+            id,
+            layers,
+            heads,
+            dim,
+            16,
+            128,
+            json!({"chunk_size": size.chunk, "max_local_cpu_size": budget_gb}),
+        );
+        CpuBench { e, staging: vec![0u8; bytes as usize], chunks: size.chunks, chunk: size.chunk, seed: 0 }
+    }
+
+    fn bytes(&self) -> usize {
+        self.staging.len()
     }
 
     fn lmcache(&mut self) {
         self.seed += 1;
         let seed = self.seed;
-        let p: Vec<u32> = (0..(CPU_CHUNKS * 256 + 1) as u32).map(|i| i ^ seed << 16).collect();
+        let p: Vec<u32> = (0..(self.chunks * self.chunk + 1) as u32).map(|i| i ^ seed << 16).collect();
         assert_eq!(self.e.request("save", &p, 0), 0);
-        assert_eq!(self.e.request("load", &p, 40), CPU_CHUNKS * 256);
+        assert_eq!(self.e.request("load", &p, LOAD_AT), self.chunks * self.chunk);
     }
 
     fn memcpy(&mut self) {
         let e = &mut self.e;
         let per_block = e.geometry.shape().bytes();
-        let nblocks = CPU_CHUNKS * 256 / e.block_size;
+        let nblocks = self.chunks * self.chunk / e.block_size;
         let mut off = 0;
         for buf in e.buffers.iter() {
             for part in 0..2 {
@@ -188,39 +254,59 @@ impl CpuBench {
         for buf in e.buffers.iter_mut() {
             for part in 0..2 {
                 for blk in 0..nblocks {
-                    let s = e.geometry.span(LayerId(0), part, BlockId(40 + blk as u32)).unwrap();
+                    let s = e.geometry.span(LayerId(0), part, BlockId(LOAD_AT + blk as u32)).unwrap();
                     buf[s.offset..s.offset + per_block].copy_from_slice(&self.staging[off..off + per_block]);
                     off += per_block;
                 }
             }
         }
-        std::hint::black_box(&mut e.buffers);
+        std::hint::black_box(&mut self.e.buffers);
+    }
+
+    /// Checks that the blocks at `LOAD_AT` hold what the saved blocks hold, then scrambles
+    /// them so the next check sees only the next copy's bytes.
+    fn check_and_clear(&mut self, what: &str) {
+        let e = &mut self.e;
+        let per_block = e.geometry.shape().bytes();
+        for (r, buf) in e.buffers.iter_mut().enumerate() {
+            for part in 0..2 {
+                for blk in 0..(self.chunks * self.chunk / e.block_size) as u32 {
+                    let a = e.geometry.span(LayerId(0), part, BlockId(blk)).unwrap().offset;
+                    let b = e.geometry.span(LayerId(0), part, BlockId(LOAD_AT + blk)).unwrap().offset;
+                    assert!(
+                        buf[a..a + per_block] == buf[b..b + per_block],
+                        "{what}: region {r} part {part} block {blk} was not copied back intact"
+                    );
+                    buf[b..b + per_block].fill(0xa5);
+                }
+            }
+        }
     }
 }
 
-/// The disk-tier comparison: an 8 MiB chunk written and read back through the disk tier
-/// (header, checksum, rename, index, LRU budget of four chunks) vs `std::fs::write` and
-/// `std::fs::read` of the same bytes (deleting the file four writes back).
+/// The disk-tier comparison: a chunk written and read back through the disk tier (budget of
+/// four chunks), vs a plain file of the same bytes created, written, made as durable (fsync
+/// of the file and of its directory) and read back (the file four writes back removed).
 struct DiskBench {
     _dir: tempfile::TempDir,
     tier: DiskTier,
     plain: std::path::PathBuf,
+    plain_dir: std::fs::File,
     data: Vec<u8>,
     i: u64,
     j: u64,
 }
 
-const DISK_BYTES: usize = 8 << 20;
-
 impl DiskBench {
-    fn new() -> DiskBench {
+    fn new(size: &Size) -> DiskBench {
         let dir = tempfile::tempdir().unwrap();
-        let data: Vec<u8> = (0..DISK_BYTES).map(|i| (i * 31 % 251) as u8).collect();
-        let budget = 4 * (DISK_BYTES + kvconnect_lmcache::disk_tier::FILE_OVERHEAD) as u64;
+        let data: Vec<u8> = (0..size.disk_bytes).map(|i| (i * 31 % 251) as u8).collect();
+        let budget = 4 * (size.disk_bytes + kvconnect_lmcache::disk_tier::FILE_OVERHEAD) as u64;
         let (tier, _) = DiskTier::open(&dir.path().join("tier"), budget).unwrap();
         let plain = dir.path().join("plain");
         std::fs::create_dir_all(&plain).unwrap();
-        DiskBench { _dir: dir, tier, plain, data, i: 0, j: 0 }
+        let plain_dir = std::fs::File::open(&plain).unwrap();
+        DiskBench { _dir: dir, tier, plain, plain_dir, data, i: 0, j: 0 }
     }
 
     fn lmcache(&mut self) {
@@ -228,73 +314,72 @@ impl DiskBench {
         let k = ChunkKey([self.i, 7]);
         self.tier.write(k, &self.data).unwrap();
         let back = self.tier.read(&k).unwrap().unwrap();
-        assert_eq!(back.data().len(), DISK_BYTES);
+        assert!(back.data() == self.data.as_slice(), "the disk tier gave back other bytes");
     }
 
     fn plain(&mut self) {
         self.j += 1;
         let p = self.plain.join(format!("{}.bin", self.j));
-        std::fs::write(&p, &self.data).unwrap();
-        let back = std::fs::read(&p).unwrap();
-        assert_eq!(back.len(), DISK_BYTES);
+        let mut f = std::fs::File::create(&p).unwrap();
+        f.write_all(&self.data).unwrap();
+        f.sync_all().unwrap();
+        self.plain_dir.sync_all().unwrap();
+        drop(f);
+        let mut back = Vec::new();
+        std::fs::File::open(&p).unwrap().read_to_end(&mut back).unwrap();
+        assert!(back == self.data, "the plain file gave back other bytes");
         if self.j > 4 {
             let _ = std::fs::remove_file(self.plain.join(format!("{}.bin", self.j - 4)));
         }
     }
 }
 
-fn timed(iters: u64, mut f: impl FnMut()) -> Duration {
-    let start = Instant::now();
-    for _ in 0..iters {
-        f();
-    }
-    start.elapsed()
+fn cpu_tier(size: &Size) {
+    let mut b = CpuBench::new(size, "bench-cpu");
+    let bytes = 2 * b.bytes();
+    // Until the tier is full its saves take fresh memory; the warm-up fills it (eight saves).
+    let warmup = size.warmup(9);
+    let cell = std::cell::RefCell::new(&mut b);
+    let m = Machine::start();
+    let p =
+        interleaved_timed(size.pairs, warmup, || cell.borrow_mut().memcpy(), || cell.borrow_mut().lmcache());
+    report("cpu tier save+load vs memcpy out and back", 0.9, p, bytes, m.finish());
+    b.lmcache();
+    b.check_and_clear("lmcache");
+    b.memcpy();
+    b.check_and_clear("memcpy");
 }
 
-fn cpu_tier(c: &mut Criterion) {
-    let mut b = CpuBench::new("bench-cpu");
-    let mut g = c.benchmark_group("cpu_tier");
-    g.throughput(Throughput::Bytes(2 * CPU_BYTES as u64)).sample_size(SAMPLES);
-    g.bench_function("lmcache_save_then_load", |x| x.iter_custom(|n| timed(n, || b.lmcache())));
-    g.bench_function("memcpy_baseline", |x| x.iter_custom(|n| timed(n, || b.memcpy())));
-    g.finish();
+fn disk_tier(size: &Size) {
+    let mut b = DiskBench::new(size);
+    let bytes = 2 * b.data.len();
+    let cell = std::cell::RefCell::new(&mut b);
+    let m = Machine::start();
+    let p = interleaved_timed(
+        size.pairs,
+        size.warmup(2),
+        || cell.borrow_mut().plain(),
+        || cell.borrow_mut().lmcache(),
+    );
+    report("disk tier write+read vs plain file write+fsync+read", 0.9, p, bytes, m.finish());
 }
 
-fn disk_tier(c: &mut Criterion) {
-    let mut b = DiskBench::new();
-    let mut g = c.benchmark_group("disk_tier");
-    g.throughput(Throughput::Bytes(2 * DISK_BYTES as u64)).sample_size(SAMPLES);
-    g.bench_function("lmcache_write_then_read", |x| x.iter_custom(|n| timed(n, || b.lmcache())));
-    g.bench_function("plain_file_baseline", |x| x.iter_custom(|n| timed(n, || b.plain())));
-    g.finish();
+fn absolute(name: &str, q: &Quartiles, samples: usize, goal_us: Option<f64>) {
+    let goal = goal_us
+        .map_or(String::new(), |g| format!("; goal < {g} us: {}", verdict(samples, q.median * 1e6 < g)));
+    println!(
+        "TIME {name}: {:.2} us (median of {samples} samples, quartiles {:.2} .. {:.2}){goal}",
+        q.median * 1e6,
+        q.q1 * 1e6,
+        q.q3 * 1e6
+    );
 }
 
-/// The ratio baseline/subject from `rounds` alternating pairs (median of the per-pair
-/// ratios), so both sides see the same load on a shared machine.
-fn paired(rounds: usize, mut subject: impl FnMut(), mut baseline: impl FnMut()) -> (f64, f64, f64) {
-    for _ in 0..3 {
-        subject();
-        baseline();
-    }
-    let (mut rs, mut ss, mut bs) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..rounds {
-        let s = timed(1, &mut subject).as_secs_f64();
-        let b = timed(1, &mut baseline).as_secs_f64();
-        rs.push(b / s);
-        ss.push(s);
-        bs.push(b);
-    }
-    let med = |mut v: Vec<f64>| {
-        v.sort_by(|a, b| a.total_cmp(b));
-        v[v.len() / 2]
-    };
-    (med(rs), med(ss), med(bs))
-}
-
-fn lookup(c: &mut Criterion) {
-    // A small model, so 128 stored chunks stay small; lookup cost does not depend on it.
-    let tokens = 32 * 1024;
-    let mut e = Engine::new("bench-lookup", 1, 1, 8, 16, 2048 + 64, json!({"chunk_size": 256}));
+fn lookup(size: &Size) {
+    // A small model, so the stored chunks stay small; lookup cost does not depend on it.
+    let tokens = size.lookup_tokens;
+    let blocks = (tokens / 16) as u32 + 64;
+    let mut e = Engine::new("bench-lookup", 1, 1, 8, 16, blocks, json!({"chunk_size": 256}));
     let p: Vec<u32> = (0..tokens as u32).map(|i| i.wrapping_mul(2654435761) % 128_000).collect();
     e.request("fill", &p, 0);
     let req = Request {
@@ -306,54 +391,35 @@ fn lookup(c: &mut Criterion) {
         e.sched.get_num_new_matched_tokens(&req, 0).unwrap(),
         MatchResult::Matched { tokens: tokens - 1, async_load: false }
     );
-    let mut g = c.benchmark_group("lookup");
-    g.sample_size(SAMPLES);
-    // Where the time goes: the key chain alone.
+    let (samples, iters) = if size.test { (1, 1) } else { (31, 500) };
+    let m = Machine::start();
+    let q = per_call(samples, iters, || {
+        std::hint::black_box(e.sched.get_num_new_matched_tokens(std::hint::black_box(&req), 0).unwrap());
+    });
+    absolute(
+        &format!("get_num_new_matched_tokens, {tokens}-token prompt all stored"),
+        &q,
+        samples,
+        Some(10.0),
+    );
     let ns = kvconnect_lmcache::key::Namespace([1, 2]);
-    g.bench_function("chunk_keys_32k", |b| {
-        b.iter(|| std::hint::black_box(kvconnect_lmcache::key::chunk_keys(ns, &p, 256, false)))
+    let q = per_call(samples, iters, || {
+        std::hint::black_box(kvconnect_lmcache::key::chunk_keys(ns, std::hint::black_box(&p), 256, false));
     });
-    g.throughput(Throughput::Bytes(4 * tokens as u64));
-    g.bench_function("hash_tokens_32k", |b| {
-        b.iter(|| {
-            std::hint::black_box(kvconnect_lmcache::hash::hash_tokens([1, 2], std::hint::black_box(&p)))
-        })
-    });
-    g.throughput(Throughput::Elements(1));
-    g.bench_function("get_num_new_matched_tokens_32k", |b| {
-        b.iter_custom(|iters| {
-            let start = Instant::now();
-            for _ in 0..iters {
-                std::hint::black_box(e.sched.get_num_new_matched_tokens(&req, 0).unwrap());
-            }
-            record("lookup_32k", start.elapsed(), iters)
-        })
-    });
-    g.finish();
+    absolute(&format!("  of which the key chain of the {tokens} tokens"), &q, samples, None);
+    println!("  ({})", m.finish());
 }
 
-criterion_group!(benches, cpu_tier, disk_tier, lookup);
-
 fn main() {
-    benches();
-    Criterion::default().configure_from_args().final_summary();
-    // Ratios from alternating pairs, after criterion's own figures above.
-    let mut cpu = CpuBench::new("bench-cpu-paired");
-    let cpu_cell = std::cell::RefCell::new(&mut cpu);
-    let (r, s, b) = paired(30, || cpu_cell.borrow_mut().lmcache(), || cpu_cell.borrow_mut().memcpy());
-    println!("\nlmcache ratios (baseline time / lmcache time; median of 30 alternating pairs, same run):");
+    let size = Size::from_args();
+    let all = Machine::start();
     println!(
-        "  cpu tier save+load vs memcpy:        {r:.2}x  ({:.2} ms vs {:.2} ms for 16 MiB each way; target >= 0.7x)",
-        s * 1e3,
-        b * 1e3
+        "lmcache bench ({}; {} pairs per ratio): {all}",
+        if size.test { "test run, tiny sizes" } else { "full sizes" },
+        size.pairs
     );
-    let mut disk = DiskBench::new();
-    let disk_cell = std::cell::RefCell::new(&mut disk);
-    let (r, s, b) = paired(30, || disk_cell.borrow_mut().lmcache(), || disk_cell.borrow_mut().plain());
-    println!(
-        "  disk tier write+read vs plain file:  {r:.2}x  ({:.2} ms vs {:.2} ms for 8 MiB each way; target >= 0.7x)",
-        s * 1e3,
-        b * 1e3
-    );
-    println!("  lookup of a 32k-token prompt:        {:.1} us (target < 50 us)", median("lookup_32k") * 1e6);
+    cpu_tier(&size);
+    disk_tier(&size);
+    lookup(&size);
+    println!("lmcache bench done: {}", all.finish());
 }

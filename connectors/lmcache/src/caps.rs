@@ -1,7 +1,7 @@
 //! What the lmcache connector declares.
 
 use crate::config::LmcacheConfig;
-use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::KvRole;
 use kvconnect_api::{
     Capabilities, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind, ModelSpec,
     TransferMode,
@@ -33,12 +33,15 @@ pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> Co
         cache_dtypes: vec![],
         memory_kinds,
         transfer_mode: TransferMode::None,
-        roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
+        roles: vec![KvRole::Producer, KvRole::Consumer, KvRole::Both],
         layerwise: cfg.use_layerwise,
         heterogeneous_tp: false,
         mla: true,
         async_load: false,
         carries_state: false,
+        state_with_tp: false,
+        adapts_with_tp: false,
+        adapts_with_state: false,
         stores_opaque_blocks: false,
     })
 }

@@ -433,15 +433,6 @@ impl WorkerConnector for LmcacheWorker {
         Ok(std::mem::take(&mut self.load_errors).into_iter().collect())
     }
 
-    fn handshake_metadata(&mut self) -> ConnectorResult<Option<serde_json::Value>> {
-        // A local cache: a peer needs nothing from it.
-        Ok(None)
-    }
-
-    fn set_peer_handshake_metadata(&mut self, _peer: &serde_json::Value) -> ConnectorResult<()> {
-        Ok(())
-    }
-
     fn shutdown(&mut self) -> ConnectorResult<()> {
         self.mem = None;
         self.saves.clear();

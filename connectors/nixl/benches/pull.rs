@@ -14,10 +14,12 @@ use kvconnect_bench::harness::{context, effective, model, Regions};
 use kvconnect_nixl::metadata::{LoadSpec, NixlMeta, SendSpec};
 use kvconnect_nixl::shm::ShmMapping;
 use kvconnect_nixl::stream_copy::copy_run;
-use kvconnect_nixl::{Backend, NixlFactory, PeerInfo, ProducerMetadata, PullConfig, Puller};
+use kvconnect_nixl::transport::{shm::Shm, tcp::Tcp, Transport};
+use kvconnect_nixl::{NixlFactory, PeerInfo, ProducerMetadata, PullConfig, Puller};
 use serde_json::json;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
 use std::time::Duration;
 
 const BLOCK: u32 = 16;
@@ -124,18 +126,25 @@ fn bench(c: &mut Criterion) {
         })
     });
 
-    for backend in [Backend::Shm, Backend::Tcp] {
-        let mut puller = Puller::new(PullConfig {
-            backend,
-            io_timeout: Duration::from_secs(30),
-            connect_timeout: Duration::from_secs(5),
-            max_frame: 16 << 20,
-            copy_threads: kvconnect_nixl::copy_plan::default_copy_threads(),
-            streams: kvconnect_nixl::tcp_data::default_tcp_streams(),
-            stream_min_bytes: kvconnect_nixl::tcp_data::STREAM_MIN_BYTES,
-            socket_buffer: kvconnect_nixl::tcp_data::DEFAULT_SOCKET_BUFFER,
-            secret: None,
-        });
+    let backends: [Arc<dyn Transport>; 2] = [
+        Arc::new(Shm::new(kvconnect_nixl::copy_plan::default_copy_threads())),
+        Arc::new(Tcp::new(
+            kvconnect_nixl::tcp_data::default_tcp_streams(),
+            kvconnect_nixl::tcp_data::STREAM_MIN_BYTES,
+        )),
+    ];
+    for transport in backends {
+        let backend = transport.backend();
+        let mut puller = Puller::new(
+            PullConfig {
+                io_timeout: Duration::from_secs(30),
+                connect_timeout: Duration::from_secs(5),
+                max_frame: 16 << 20,
+                socket_buffer: kvconnect_nixl::tcp_data::DEFAULT_SOCKET_BUFFER,
+                secret: None,
+            },
+            transport,
+        );
         g.bench_function(format!("{}_pull", backend.name()), |b| {
             b.iter_batched(
                 || hold(&mut producer),

@@ -1,29 +1,40 @@
 //! What the nixl connector declares.
 
+use crate::config::NixlConfig;
 use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::{
     AttentionKind, Capabilities, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind,
     ModelSpec, TransferMode,
 };
 
-/// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode.
-/// Heterogeneous TP on backends `shm` and `tcp`: a decode whose TP size divides, or is
-/// divided by, prefill's reads each rank's head slices from the prefill ranks holding them
-/// (`copy_plan`). Backends `nixl` and `cuda_ipc` move KV between equal TP sizes only, so
-/// negotiation and the handshake refuse a peer with another one before any KV moves.
-/// Per-request state (state-space / linear-attention layers) moves with backends `shm` and
-/// `tcp` only, the data paths whose state copies are built and tested, and only between TP 1
-/// engines (state across TP ranks is not implemented); a config that does not parse declares
-/// neither (creating the connector then says what is wrong).
+/// HMA yes; HND required for non-MLA models (like vLLM's NixlConnector); pull mode. What
+/// else it declares depends on the backend, each claim being what that backend's data path
+/// does (`tests/tests/capabilities_audit.rs` names the test of each):
+///
+/// * **shm, tcp**: host memory (their copies read and write host memory only); heterogeneous
+///   TP (a decode whose TP size divides, or is divided by, prefill's reads each rank's head
+///   slices from the prefill ranks holding them, `copy_plan`); per-request state of
+///   state-space / linear-attention layers (direct copies of the state slots beside the KV).
+/// * **nixl**: host memory, and device memory (registered as VRAM) in builds with the `cuda`
+///   feature; equal TP sizes only; no state.
+/// * **cuda_ipc**: device memory only (it opens and copies GPU regions; creating it needs the
+///   `cuda` feature); equal TP sizes only; no state.
+///
+/// No backend combines adaptations: across tensor-parallel ranks blocks are copied as they
+/// are (same block size and layout on both sides), state moves only at TP 1 and only beside
+/// blocks copied as they are, so `state_with_tp`, `adapts_with_tp` and `adapts_with_state` are
+/// false and negotiation and the compat check refuse those pairs before launch. A config that
+/// does not parse declares the most modest set (creating the connector then says what is
+/// wrong).
 pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
-    let shm_or_tcp = crate::config::NixlConfig::from_config(config)
-        .is_ok_and(|c| matches!(c.backend, crate::config::Backend::Shm | crate::config::Backend::Tcp));
+    let backend = NixlConfig::from_config(config).ok().map(|c| c.backend);
     let mla = model.is_some_and(|m| m.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. })));
     let layout = if mla {
         LayoutConstraint::default()
     } else {
         LayoutConstraint { required: vec![KvLayout::HND], rejected: vec![], preferred: vec![KvLayout::HND] }
     };
+    let memory_kinds = backend.map_or(vec![MemoryKind::Host], |b| b.memory_kinds.to_vec());
     Ok(Capabilities {
         hma: true,
         layout,
@@ -31,20 +42,17 @@ pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> Con
         block_size_multiple: 1,
         block_size_divides: None,
         cache_dtypes: vec![],
-        // Device KV regions need backend cuda_ipc or nixl (registered as VRAM), compiled only
-        // with the `cuda` feature; shm and tcp refuse them at registration.
-        memory_kinds: if cfg!(feature = "cuda") {
-            vec![MemoryKind::Host, MemoryKind::Device]
-        } else {
-            vec![MemoryKind::Host]
-        },
+        memory_kinds,
         transfer_mode: TransferMode::Pull,
         roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
         layerwise: false,
-        heterogeneous_tp: shm_or_tcp,
+        heterogeneous_tp: backend.is_some_and(|b| b.across_tp),
         mla: true,
         async_load: true,
-        carries_state: shm_or_tcp,
+        carries_state: backend.is_some_and(|b| b.carries_state),
+        state_with_tp: false,
+        adapts_with_tp: false,
+        adapts_with_state: false,
         stores_opaque_blocks: false,
     })
 }
@@ -62,5 +70,26 @@ mod tests {
             let config = KvTransferConfig::from_json(&json).unwrap();
             assert_eq!(capabilities(&config, None).unwrap().heterogeneous_tp, across, "{backend}");
         }
+    }
+
+    #[test]
+    fn memory_kinds_are_what_each_backend_copies() {
+        let caps = |backend: &str| {
+            let json = format!(
+                r#"{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"{backend}"}}}}"#
+            );
+            capabilities(&KvTransferConfig::from_json(&json).unwrap(), None).unwrap()
+        };
+        // shm and tcp read and write host memory only, so they never claim device memory,
+        // and with it the state they carry never meets device KV.
+        for backend in ["shm", "tcp"] {
+            let c = caps(backend);
+            assert_eq!(c.memory_kinds, [MemoryKind::Host], "{backend}");
+            assert!(c.carries_state && !c.state_with_tp && !c.adapts_with_tp && !c.adapts_with_state);
+        }
+        assert_eq!(caps("cuda_ipc").memory_kinds, [MemoryKind::Device]);
+        let nixl = caps("nixl").memory_kinds;
+        assert_eq!(nixl.contains(&MemoryKind::Device), cfg!(feature = "cuda"), "{nixl:?}");
+        assert!(!caps("cuda_ipc").carries_state && !caps("nixl").carries_state);
     }
 }

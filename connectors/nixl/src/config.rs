@@ -29,45 +29,7 @@ use std::time::Duration;
 /// The connector's name in messages.
 pub const NAME: &str = "nixl";
 
-/// How the consumer moves blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Backend {
-    /// Same host: map the producer's shared-memory regions read-only and copy.
-    Shm,
-    /// Any two hosts: stream the blocks over the producer's TCP listener.
-    Tcp,
-    /// The real NIXL library (UCX), found at run time (`crate::nixl_lib`).
-    Nixl,
-    /// Same host, device KV regions: open the producer's CUDA IPC handles once and copy a
-    /// request's blocks with one gather kernel (`crate::cuda_ipc`, feature `cuda`).
-    CudaIpc,
-}
-
-impl Backend {
-    /// The name users write.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Shm => "shm",
-            Backend::Tcp => "tcp",
-            Backend::Nixl => "nixl",
-            Backend::CudaIpc => "cuda_ipc",
-        }
-    }
-
-    /// Parses a backend name.
-    pub fn parse(s: &str) -> Result<Backend, ConnectorError> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "shm" => Ok(Backend::Shm),
-            "tcp" => Ok(Backend::Tcp),
-            "nixl" | "ucx" => Ok(Backend::Nixl),
-            "cuda_ipc" | "cuda-ipc" => Ok(Backend::CudaIpc),
-            other => Err(ConnectorError::config(
-                NAME,
-                format!("unknown backend '{other}' in kv_connector_extra_config.backend; use \"shm\" (same host), \"tcp\" (any hosts), \"nixl\" or \"cuda_ipc\" (same host, GPU KV)"),
-            )),
-        }
-    }
-}
+pub use crate::transport::Backend;
 
 /// How backend `cuda_ipc` reaches the producer's GPU memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -150,7 +112,7 @@ pub struct NixlConfig {
 impl Default for NixlConfig {
     fn default() -> Self {
         NixlConfig {
-            backend: Backend::Shm,
+            backend: Backend::default(),
             lease: Duration::from_secs(30),
             host: "127.0.0.1".to_owned(),
             port: 0,
@@ -254,7 +216,9 @@ impl NixlConfig {
         let backend = match (string(extra, "backend")?, extra.get("backends")) {
             (Some(b), _) => Backend::parse(&b)?,
             // vLLM's NixlConnector lists NIXL backends (`["UCX"]`): that is the real library.
-            (None, Some(Value::Array(list))) if !list.is_empty() => Backend::Nixl,
+            (None, Some(Value::Array(list))) if !list.is_empty() => {
+                Backend::of(&crate::transport::nixl::BACKEND)
+            }
             (None, Some(Value::Array(_))) | (None, None) | (None, Some(Value::Null)) => d.backend,
             (None, Some(v)) => {
                 return Err(ConnectorError::config(
@@ -350,24 +314,11 @@ impl NixlConfig {
         })
     }
 
-    /// Refuses backends this machine cannot run: `nixl` needs the NIXL library
-    /// (`crate::nixl_lib`), which is found and loaded here, never aborting.
+    /// Refuses a backend this build or machine cannot run (`nixl` needs the NIXL library,
+    /// [`crate::nixl_lib`], which is found and loaded here, never aborting; `cuda_ipc` the
+    /// `cuda` feature), saying what to do.
     pub fn require_available(&self) -> Result<(), ConnectorError> {
-        if self.backend == Backend::Nixl {
-            crate::nixl_lib::load().map_err(|e| {
-                ConnectorError::config(
-                    NAME,
-                    format!("backend 'nixl' (selected by backend=\"nixl\" or backends=[\"UCX\"]) cannot run here: {e}; or use backend \"shm\" (same host) or \"tcp\" (any two hosts)"),
-                )
-            })?;
-        }
-        if self.backend == Backend::CudaIpc && !cfg!(feature = "cuda") {
-            return Err(ConnectorError::config(
-                NAME,
-                "backend 'cuda_ipc' needs GPU support, which this build lacks: rebuild with `--features cuda` (kvconnect-host/cuda), or use backend \"shm\" or \"tcp\" with kv_buffer_device=\"cpu\"",
-            ));
-        }
-        Ok(())
+        (self.backend.available)()
     }
 }
 
@@ -385,12 +336,12 @@ mod tests {
     #[test]
     fn defaults_and_keys() {
         let c = NixlConfig::from_config(&cfg(json!({}))).unwrap();
-        assert_eq!(c.backend, Backend::Shm);
+        assert_eq!(c.backend.name(), "shm");
         assert_eq!(c.lease, Duration::from_secs(30));
         let c = NixlConfig::from_config(&cfg(json!({"backend": "tcp", "kv_lease_duration": 2.5,
             "side_channel_host": "10.0.0.1", "side_channel_port": 5600})))
         .unwrap();
-        assert_eq!(c.backend, Backend::Tcp);
+        assert_eq!(c.backend.name(), "tcp");
         assert_eq!(c.lease, Duration::from_millis(2500));
         assert_eq!(c.side_channel, Some(("10.0.0.1".to_owned(), 5600)));
     }
@@ -398,7 +349,7 @@ mod tests {
     #[test]
     fn vllm_backends_select_nixl() {
         let c = NixlConfig::from_config(&cfg(json!({"backends": ["UCX"]}))).unwrap();
-        assert_eq!(c.backend, Backend::Nixl);
+        assert_eq!(c.backend.name(), "nixl");
         // Available or not depends on the build and the machine; when not, the error says
         // how to get it, and offers the other backends once.
         match c.require_available() {
@@ -430,7 +381,7 @@ mod tests {
     #[test]
     fn cuda_ipc_needs_the_cuda_feature() {
         let c = NixlConfig::from_config(&cfg(json!({"backend": "cuda_ipc"}))).unwrap();
-        assert_eq!(c.backend, Backend::CudaIpc);
+        assert_eq!(c.backend.name(), "cuda_ipc");
         let r = c.require_available();
         if cfg!(feature = "cuda") {
             assert!(r.is_ok(), "{r:?}");

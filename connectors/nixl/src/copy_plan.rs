@@ -453,7 +453,12 @@ fn refuse_overlap(mut spans: Vec<(usize, usize)>) -> Result<(), TransferError> {
     Ok(())
 }
 
-/// Write access to this engine's registered regions for the receive path.
+/// Write access to this engine's registered regions for the receive path. `KvMemory`'s safe
+/// API copies in and out (`write` is one plain memcpy per call) and hands out no writable
+/// view; the receive path needs views that sockets receive straight into and runs copied
+/// with streaming stores on several threads, so it makes them here, each bounds-checked
+/// against the registered region by [`LocalRegions::dst_mut`] and kept exclusive by
+/// `&mut self`.
 pub struct LocalRegions<'a> {
     mem: &'a KvMemory,
 }

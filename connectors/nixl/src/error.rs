@@ -69,3 +69,20 @@ pub enum TransferError {
         seconds: f64,
     },
 }
+
+impl TransferError {
+    /// Whether the data path to the producer failed (a socket, a mapping, NIXL, CUDA), as
+    /// opposed to a refusal or a plan that cannot be made: what the consumer kept for that
+    /// producer may be stale.
+    pub fn is_transport(&self) -> bool {
+        matches!(
+            self,
+            TransferError::Io { .. }
+                | TransferError::Protocol { .. }
+                | TransferError::Cuda(_)
+                | TransferError::Shm(_)
+                | TransferError::Nixl(_)
+                | TransferError::NixlTimeout { .. }
+        )
+    }
+}

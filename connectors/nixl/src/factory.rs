@@ -1,7 +1,7 @@
 //! `NixlFactory`: the connector's entry point for hosts and composites.
 
 use crate::caps;
-use crate::config::{NixlConfig, NAME};
+use crate::config::{Backend, NixlConfig, NAME};
 use crate::scheduler::NixlScheduler;
 use crate::worker::NixlWorker;
 use kvconnect_api::{
@@ -18,8 +18,10 @@ impl ConnectorFactory for NixlFactory {
         ConnectorInfo {
             name: NAME.to_owned(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
-            description: "pull-mode P/D KV transport (backends: shm, tcp, nixl = the NIXL library over UCX)"
-                .to_owned(),
+            description: format!(
+                "pull-mode P/D KV transport (backends: {}; nixl = the NIXL library over UCX)",
+                Backend::all().map(Backend::name).collect::<Vec<_>>().join(", ")
+            ),
         }
     }
 

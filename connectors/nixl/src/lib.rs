@@ -6,7 +6,7 @@
 //! never comes are freed when their lease (`kv_lease_duration`, renewed by heartbeats and
 //! reads) expires.
 //!
-//! Backends: `shm` (same host; decode maps prefill's shared-memory regions read-only and
+//! Backends (`transport`: one file each, one registration table, one trait): `shm` (same host; decode maps prefill's shared-memory regions read-only and
 //! copies coalesced runs), `tcp` (any two hosts; blocks streamed over prefill's listener).
 //! `nixl` (NVIDIA's NIXL library over UCX through `nixl-sys`; any two hosts; decode READs the
 //! producer's registered regions and notifies it through NIXL; the library is found at run
@@ -29,8 +29,6 @@ pub mod auth;
 pub mod caps;
 pub mod config;
 pub mod copy_plan;
-#[cfg(feature = "cuda")]
-pub mod cuda_ipc;
 pub mod error;
 pub mod factory;
 pub mod metadata;
@@ -43,6 +41,7 @@ pub mod scheduler;
 pub mod shm;
 pub mod stream_copy;
 pub mod tcp_data;
+pub mod transport;
 pub mod wire;
 pub mod worker;
 

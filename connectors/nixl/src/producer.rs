@@ -4,9 +4,11 @@
 //! One thread accepts, one thread per connection serves, up to `max_connections`. Every
 //! connection first proves the deployment's secret (ARCHITECTURE.md §10) and every request
 //! names its transfer capability. A request's lease is renewed by every heartbeat (`hold`)
-//! and read, never past `lease_max` from when it was first held; it ends with the consumer's
-//! `done` (once no read of it is in flight) or, when the consumer never comes (killed decode,
-//! lost client), at expiry. Both end in `finished_sending`, after which the host frees the
+//! and read, never past `lease_max` from when it was first held: past it every `hold`,
+//! `check` and `read` is refused (counted as `lease_cap`), and each read in flight has a
+//! whole deadline bounded by the request's bytes, so no consumer keeps blocks past the cap
+//! plus one read. A request ends with the consumer's `done` (once no read of it is in
+//! flight) or, when the consumer never comes (killed decode, lost client), at expiry. Both end in `finished_sending`, after which the host frees the
 //! blocks. A peer that fails the challenge, names a wrong capability, sends an oversized,
 //! malformed or dripping frame, or comes past the connection cap is refused, counted by
 //! reason ([`refusals`]) and logged; others keep being served.
@@ -72,7 +74,8 @@ pub enum Refusal {
     Malformed,
     /// A frame over the cap.
     Oversized,
-    /// A frame that did not arrive whole within its deadline.
+    /// A frame that did not arrive whole within its deadline, or an answer (a Read's blocks
+    /// included) its peer did not take whole within its deadline.
     Timeout,
     /// A connection closed in the middle of a frame.
     Truncated,
@@ -80,11 +83,13 @@ pub enum Refusal {
     TooManyConnections,
     /// A `read` to a producer whose backend does not serve reads.
     ReadNotServed,
+    /// A `hold`, `check` or `read` of a request held for `lease_max` already.
+    LeaseCap,
 }
 
 impl Refusal {
     /// Every reason, in the order counted.
-    pub const ALL: [Refusal; 8] = [
+    pub const ALL: [Refusal; 9] = [
         Refusal::Unauthenticated,
         Refusal::BadCapability,
         Refusal::Malformed,
@@ -93,6 +98,7 @@ impl Refusal {
         Refusal::Truncated,
         Refusal::TooManyConnections,
         Refusal::ReadNotServed,
+        Refusal::LeaseCap,
     ];
 
     /// The reason's name in metrics.
@@ -106,13 +112,14 @@ impl Refusal {
             Refusal::Truncated => "truncated",
             Refusal::TooManyConnections => "too_many_connections",
             Refusal::ReadNotServed => "read_not_served",
+            Refusal::LeaseCap => "lease_cap",
         }
     }
 }
 
 /// Refusals of one producer, by reason.
 #[derive(Debug, Default)]
-pub struct Refusals([AtomicU64; 8]);
+pub struct Refusals([AtomicU64; 9]);
 
 impl Refusals {
     fn count(&self, r: Refusal) {
@@ -152,6 +159,9 @@ struct Held {
     capability: String,
     /// Per region: merged byte intervals [start, end) of the request's blocks.
     allowed: Vec<Vec<(u64, u64)>>,
+    /// Bytes of those intervals: what one read of the whole request sends.
+    bytes: u64,
+    /// Reads in flight.
     active: u32,
 }
 
@@ -216,9 +226,21 @@ impl Shared {
         )
     }
 
+    fn past_cap(&self, id: &RequestId) -> Refused {
+        (
+            format!(
+                "request {id}: engine '{}' has held its blocks for kv_lease_max = {:.1}s since it first held them; it serves no more reads or renewals of them and frees them once the reads in flight end; pull sooner, or raise kv_lease_max on the producer",
+                self.cfg.engine_id,
+                self.cfg.lease_max.as_secs_f64()
+            ),
+            Some(Refusal::LeaseCap),
+        )
+    }
+
     /// Waits (up to the grace period) for `id` to be held, checks `capability`, and marks a
-    /// read in progress.
-    fn acquire(&self, id: &RequestId, capability: &str) -> Result<(), Refused> {
+    /// read in progress; past the lease cap it refuses. Returns the request's bytes (what a
+    /// read of all of it sends).
+    fn acquire(&self, id: &RequestId, capability: &str) -> Result<u64, Refused> {
         let give_up = Instant::now() + self.cfg.unknown_grace;
         let mut st = self.lock();
         loop {
@@ -226,9 +248,13 @@ impl Shared {
                 if !auth::same_secret(&h.capability, capability) {
                     return Err(self.wrong_capability(id));
                 }
+                let now = Instant::now();
+                if now >= h.cap {
+                    return Err(self.past_cap(id));
+                }
                 h.active += 1;
-                h.deadline = (Instant::now() + self.cfg.lease).min(h.cap);
-                return Ok(());
+                h.deadline = (now + self.cfg.lease).min(h.cap);
+                return Ok(h.bytes);
             }
             let now = Instant::now();
             if st.gone.contains_key(id) || now >= give_up || self.stop.load(Ordering::Relaxed) {
@@ -390,12 +416,13 @@ impl Producer {
             }
             *iv = merged;
         }
+        let bytes = allowed.iter().flatten().map(|(s, e)| e - s).sum();
         let mut st = self.shared.lock();
         st.gone.remove(&request);
         let now = Instant::now();
         let cap = now + self.shared.cfg.lease_max;
         let deadline = (now + self.shared.cfg.lease).min(cap);
-        st.held.insert(request, Held { deadline, cap, capability, allowed, active: 0 });
+        st.held.insert(request, Held { deadline, cap, capability, allowed, bytes, active: 0 });
         drop(st);
         self.shared.cv.notify_all();
         Ok(())
@@ -532,6 +559,12 @@ fn frame_refusal(e: FrameError, stopping: bool) -> Refused {
     }
 }
 
+/// A write that failed at its deadline (the peer reads too slowly, or not at all) is a
+/// `timeout`; other failures (the peer went away) are no refusal.
+fn write_refusal(e: &io::Error) -> Option<Refusal> {
+    matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut).then_some(Refusal::Timeout)
+}
+
 /// The challenge-response that opens every connection; `Err` closes it.
 fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared) -> Result<(), Refused> {
     let cfg = &s.cfg;
@@ -598,7 +631,7 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
         let send = |w: &mut TcpStream, m: ServerMsg| {
             let deadline = Instant::now() + cfg.io_timeout;
             write_frame(&mut DeadlineWriter { stream: w, deadline }, &m)
-                .map_err(|e| (format!("writing an answer: {e}"), None))
+                .map_err(|e| (format!("writing an answer: {e}"), write_refusal(&e)))
         };
         // A refusal is answered and counted; the connection stays open.
         let answer = |r: Result<(), Refused>| match r {
@@ -618,12 +651,12 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
             }
             ClientMsg::Hold { request, capability } => {
                 let id = RequestId(request);
-                let r = s.acquire(&id, &capability).map(|()| s.release(&id));
+                let r = s.acquire(&id, &capability).map(|_| s.release(&id));
                 send(w, answer(r))?;
             }
             ClientMsg::Check { request, capability, runs } => {
                 let id = RequestId(request);
-                let r = s.acquire(&id, &capability).and_then(|()| {
+                let r = s.acquire(&id, &capability).and_then(|_| {
                     let checked = s.check_runs(&id, &runs);
                     s.release(&id);
                     checked.map(|_| ()).map_err(|reason| (reason, None))
@@ -644,17 +677,21 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
                     send(w, answer(r))?;
                     continue;
                 }
-                if let Err(refused) = s.acquire(&id, &capability) {
-                    send(w, answer(Err(refused)))?;
-                    continue;
-                }
-                let result = stream_runs(w, s, &id, &runs);
+                let held_bytes = match s.acquire(&id, &capability) {
+                    Ok(b) => b,
+                    Err(refused) => {
+                        send(w, answer(Err(refused)))?;
+                        continue;
+                    }
+                };
+                let result = stream_runs(w, s, &id, &runs, held_bytes);
                 s.release(&id);
                 match result {
                     Ok(()) => {}
                     Err(StreamError::Refused(reason)) => send(w, ServerMsg::Error { reason })?,
                     Err(StreamError::Io(e)) => {
-                        return Err((format!("sending blocks of request {id}: {e}"), None))
+                        let refusal = write_refusal(&e);
+                        return Err((format!("sending blocks of request {id}: {e}"), refusal));
                     }
                 }
             }
@@ -662,12 +699,27 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
     }
 }
 
+/// How long one read may take to send, whole: the io timeout plus its bytes at a
+/// pessimistic 100 MB/s, the bytes counted at most once per byte the request holds (a read
+/// that names its runs over and over is no slower to cut off), so a consumer that reads
+/// slowly cannot keep the blocks pinned.
+fn read_deadline(io_timeout: Duration, total: u64, held_bytes: u64) -> Duration {
+    io_timeout + Duration::from_secs_f64(total.min(held_bytes) as f64 / 100e6)
+}
+
 enum StreamError {
     Refused(String),
     Io(io::Error),
 }
 
-fn stream_runs(w: &mut TcpStream, s: &Shared, id: &RequestId, runs: &[WireRun]) -> Result<(), StreamError> {
+/// Sends `runs` of request `id` (which holds `held_bytes`) straight out of the regions.
+fn stream_runs(
+    w: &mut TcpStream,
+    s: &Shared,
+    id: &RequestId,
+    runs: &[WireRun],
+    held_bytes: u64,
+) -> Result<(), StreamError> {
     let total = s.check_runs(id, runs).map_err(StreamError::Refused)?;
     let mut slices = Vec::with_capacity(runs.len());
     for &(region, off, len) in runs {
@@ -675,9 +727,7 @@ fn stream_runs(w: &mut TcpStream, s: &Shared, id: &RequestId, runs: &[WireRun]) 
         let bytes = s.mem.slice(span).map_err(|e| StreamError::Refused(e.to_string()))?;
         slices.push(IoSlice::new(bytes));
     }
-    // The whole answer has one deadline: the io timeout plus the bytes at a pessimistic
-    // 100 MB/s, so a consumer that reads slowly cannot keep the blocks pinned.
-    let deadline = Instant::now() + s.cfg.io_timeout + Duration::from_secs_f64(total as f64 / 100e6);
+    let deadline = Instant::now() + read_deadline(s.cfg.io_timeout, total, held_bytes);
     let mut w = DeadlineWriter { stream: w, deadline };
     write_frame(&mut w, &ServerMsg::Data { bytes: total }).map_err(StreamError::Io)?;
     // Straight out of the regions, as many runs per system call as the socket takes.
@@ -692,6 +742,10 @@ mod tests {
     use kvconnect_bench::harness::{effective, model, Regions};
 
     fn producer(io_timeout: Duration) -> (Producer, Regions) {
+        leased_producer(io_timeout, Duration::from_secs(30), Duration::from_secs(120))
+    }
+
+    fn leased_producer(io_timeout: Duration, lease: Duration, lease_max: Duration) -> (Producer, Regions) {
         let m = model(2, 2, 8);
         let eff = effective(&m, KvLayout::HND, 4);
         let regions = Regions::allocate(&m, &eff, 8, None).unwrap();
@@ -700,13 +754,13 @@ mod tests {
             engine_id: "prefill-unit".into(),
             host: "127.0.0.1".into(),
             port: 0,
-            lease: Duration::from_secs(30),
+            lease,
             io_timeout,
             idle_timeout: Duration::from_secs(30),
             max_frame: 1 << 20,
             unknown_grace: Duration::ZERO,
             secret: None,
-            lease_max: Duration::from_secs(120),
+            lease_max,
             max_connections: 4,
             serve_reads: true,
             socket_buffer: 1 << 20,
@@ -751,5 +805,49 @@ mod tests {
         let e = p.complete(&id, "guess").unwrap_err();
         assert!(e.contains("capability does not match"), "{e}");
         assert!(p.refusals().contains(&("bad_capability", 1)));
+    }
+
+    #[test]
+    fn overlapping_reads_are_refused_past_the_lease_cap_and_the_blocks_freed_after_the_last() {
+        let cap = Duration::from_millis(400);
+        let (p, _regions) = leased_producer(Duration::from_secs(5), Duration::from_millis(100), cap);
+        let id = RequestId::from("r");
+        let t0 = Instant::now();
+        // A consumer that always starts its next read before the last one ends: one read is
+        // in flight at every moment.
+        p.shared.acquire(&id, "cap").unwrap();
+        let refused = loop {
+            assert!(t0.elapsed() < Duration::from_secs(5), "reads were never refused");
+            match p.shared.acquire(&id, "cap") {
+                Ok(bytes) => {
+                    assert_eq!(bytes, 2 * 2 * 128, "one block of 2 layers, K and V, 128 bytes each");
+                    p.shared.release(&id);
+                }
+                Err(refused) => break refused,
+            }
+            assert!(p.take_finished().is_empty(), "freed while a read is in flight");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let at = t0.elapsed();
+        assert!(at >= cap - Duration::from_millis(50), "refused before the cap: {at:?}");
+        assert_eq!(refused.1, Some(Refusal::LeaseCap));
+        assert!(refused.0.contains("kv_lease_max = 0.4s"), "{}", refused.0);
+        // A renewal and a check are refused alike; the read in flight still holds the blocks.
+        assert_eq!(p.shared.acquire(&id, "cap").unwrap_err().1, Some(Refusal::LeaseCap));
+        assert!(p.take_finished().is_empty(), "freed while a read is in flight");
+        assert_eq!(p.held(), 1);
+        p.shared.release(&id);
+        assert_eq!(p.take_finished(), vec![id.clone()], "freed once the last read ended");
+        // A wrong capability past the cap is still a wrong capability.
+        let (_, r) = p.shared.acquire(&id, "guess").unwrap_err();
+        assert_eq!(r, None, "freed: unknown now");
+    }
+
+    #[test]
+    fn a_reads_deadline_counts_each_held_byte_once() {
+        let io = Duration::from_secs(1);
+        assert_eq!(read_deadline(io, 100_000_000, 1 << 40), Duration::from_secs(2));
+        // Runs named over and over (a terabyte asked of a 100 MB request) get no longer.
+        assert_eq!(read_deadline(io, 1 << 40, 100_000_000), Duration::from_secs(2));
     }
 }

@@ -1,27 +1,21 @@
-//! The worker half: registers the KV regions, runs the producer listener (prefill) and the
-//! background pull thread (decode), and reports finished and failed transfers.
+//! The worker half: starts the backend over the KV regions ([`crate::transport`]), runs the
+//! producer listener (prefill) and the background pull thread (decode), and reports finished
+//! and failed transfers.
 //!
 //! Nothing here blocks the step loop: `start_load_kv` only posts the step's loads to the
 //! pull thread; `get_finished` only collects what finished since the last call.
 
-#![allow(unsafe_code)] // NIXL registration of the KV regions (the NIXL bindings' unsafe contract).
-
-use crate::config::Backend;
 use crate::config::{NixlConfig, NAME};
 use crate::error::TransferError;
-use crate::metadata::NixlAgentMetadata;
 use crate::metadata::{LoadSpec, NixlMeta};
-use crate::metadata::{PeerInfo, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
-use crate::nixl_agent::NixlMem;
-use crate::nixl_agent::{from_hex, to_hex, NixlAgent, Registration};
+use crate::metadata::{PeerInfo, PeerKey, ProducerMetadata, RegionInfo, PROTOCOL_VERSION};
 use crate::producer::{Producer, ProducerConfig};
-use crate::puller::{
-    mixed_memory, vram_adapt_refusal, PullConfig, PullStats, Puller, VramRegions, NIXL_DONE,
-};
+use crate::puller::{PullConfig, PullStats, Puller};
+use crate::transport::{Backend, Setup, Transport};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, KvRole, LayerId,
-    MemoryKind, RequestId, WorkerConnector,
+    RequestId, WorkerConnector,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -31,16 +25,17 @@ use std::time::{Duration, Instant};
 
 /// Handshaken peers by (engine id, side-channel address the host handshook at; empty when
 /// the envelope named none).
-type Peers = Arc<Mutex<HashMap<(String, String), Arc<PeerInfo>>>>;
+type Peers = Arc<Mutex<HashMap<PeerKey, Arc<PeerInfo>>>>;
 
 /// The peer a load names: the one handshaken at the load's side-channel address, else one
 /// whose envelope named no address.
 fn find_peer(peers: &Peers, load: &LoadSpec) -> Result<Arc<PeerInfo>, TransferError> {
     let peers = lock(peers);
     let engine = load.remote_engine_id.clone();
+    let at = |side_channel: String| PeerKey { engine: engine.clone(), side_channel };
     peers
-        .get(&(engine.clone(), load.remote_side_channel.clone()))
-        .or_else(|| peers.get(&(engine.clone(), String::new())))
+        .get(&at(load.remote_side_channel.clone()))
+        .or_else(|| peers.get(&at(String::new())))
         .cloned()
         .ok_or(TransferError::UnknownPeer(engine))
 }
@@ -55,19 +50,16 @@ pub struct NixlWorker {
     mem: Option<Arc<KvMemory>>,
     producer: Option<Producer>,
     peers: Peers,
+    /// Handshakes taken so far: each peer's `generation`.
+    handshakes: u64,
     bound: NixlMeta,
     jobs: Option<Sender<LoadSpec>>,
     puller: Option<JoinHandle<()>>,
     outcomes: Outcomes,
     error_blocks: Vec<BlockId>,
-    /// Backend nixl: this worker's agent and its region registrations (dropped first).
-    nixl_regs: Vec<Registration>,
-    nixl: Option<Arc<NixlAgent>>,
-    /// Backend nixl with device KV regions: their GPU and addresses (registered as VRAM).
-    nixl_vram: Option<VramRegions>,
-    /// Backend cuda_ipc: the GPU of this worker's device regions.
-    #[cfg(feature = "cuda")]
-    gpu: Option<Arc<kvconnect_cuda::Gpu>>,
+    /// The started backend (after `register_kv_caches`); dropped at shutdown, after the pull
+    /// thread and the listener, before the regions go.
+    transport: Option<Arc<dyn Transport>>,
 }
 
 impl std::fmt::Debug for NixlWorker {
@@ -97,16 +89,13 @@ impl NixlWorker {
             mem: None,
             producer: None,
             peers: Arc::default(),
+            handshakes: 0,
             bound: NixlMeta::default(),
             jobs: None,
             puller: None,
             outcomes: Arc::default(),
             error_blocks: Vec::new(),
-            nixl_regs: Vec::new(),
-            nixl: None,
-            nixl_vram: None,
-            #[cfg(feature = "cuda")]
-            gpu: None,
+            transport: None,
         }
     }
 
@@ -129,31 +118,26 @@ impl NixlWorker {
             .ok_or_else(|| ConnectorError::invalid(NAME, "register_kv_caches has not been called"))
     }
 
-    fn start_puller(&mut self, mem: Arc<KvMemory>) -> ConnectorResult<()> {
+    fn transport(&self) -> ConnectorResult<&Arc<dyn Transport>> {
+        self.transport
+            .as_ref()
+            .ok_or_else(|| ConnectorError::invalid(NAME, "register_kv_caches has not been called"))
+    }
+
+    fn start_puller(&mut self, mem: Arc<KvMemory>, transport: Arc<dyn Transport>) -> ConnectorResult<()> {
         let (tx, rx) = mpsc::channel();
-        let mut puller = Puller::new(PullConfig {
-            backend: self.cfg.backend,
-            io_timeout: self.cfg.io_timeout,
-            connect_timeout: self.cfg.connect_timeout,
-            max_frame: self.cfg.max_frame_bytes,
-            copy_threads: self.cfg.copy_threads,
-            streams: self.cfg.tcp_streams,
-            stream_min_bytes: self.cfg.tcp_stream_min_bytes,
-            socket_buffer: self.cfg.tcp_socket_buffer,
-            secret: self.cfg.secret.clone(),
-        });
-        if let Some(a) = &self.nixl {
-            puller.set_nixl(a.clone());
-        }
-        if let Some(v) = &self.nixl_vram {
-            puller.set_nixl_vram(v.clone());
-        }
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = &self.gpu {
-            let pull = crate::cuda_ipc::CudaIpcPull::new(gpu.clone(), &self.regions, self.cfg.cuda_ipc_path)
-                .map_err(|e| ConnectorError::invalid(NAME, format!("backend cuda_ipc cannot start: {e}")))?;
-            puller.set_cuda(pull);
-        }
+        let backend = transport.backend();
+        let puller = Puller::new(
+            PullConfig {
+                io_timeout: self.cfg.io_timeout,
+                connect_timeout: self.cfg.connect_timeout,
+                max_frame: self.cfg.max_frame_bytes,
+                // Only where the blocks travel over these connections.
+                socket_buffer: if backend.serves_reads { self.cfg.tcp_socket_buffer } else { 0 },
+                secret: self.cfg.secret.clone(),
+            },
+            transport,
+        );
         let ctx = PullLoop {
             puller,
             mem,
@@ -168,211 +152,6 @@ impl NixlWorker {
             .map_err(|e| ConnectorError::io(NAME, format!("cannot start the pull thread: {e}")))?;
         self.jobs = Some(tx);
         self.puller = Some(h);
-        Ok(())
-    }
-
-    /// Backend nixl: one agent per worker, named after the engine and process, with every
-    /// KV region registered as DRAM, or as VRAM of their GPU when they are device memory.
-    fn start_nixl(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        let name = format!("{}-{}", self.ctx.engine_id, std::process::id());
-        // UCX's CUDA support looks at the calling thread's context when the backend starts
-        // and when memory is registered: make the regions' GPU current first.
-        #[cfg(feature = "cuda")]
-        if let Some(v) = &self.nixl_vram {
-            v.gpu.bind().map_err(|e| ConnectorError::io(NAME, format!("backend nixl with GPU KV: {e}")))?;
-        }
-        let agent = NixlAgent::new(&name).map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
-        let mem = match &self.nixl_vram {
-            Some(v) => {
-                let m = NixlMem::Vram(v.device);
-                if !agent.supports(m) {
-                    return Err(ConnectorError::io(
-                        NAME,
-                        format!(
-                            "UCX in this NIXL build offers no transport for VRAM (its UCX backend lists only: {}): use backend cuda_ipc for KV in GPU memory on one host, or a NIXL build with CUDA support",
-                            agent.memory_types()
-                        ),
-                    ));
-                }
-                m
-            }
-            None => NixlMem::Dram,
-        };
-        let mut regs = Vec::with_capacity(regions.len());
-        for r in regions {
-            // SAFETY: the host keeps every registered region valid memory of its kind (host
-            // memory, or cuMemAlloc memory of this GPU for device regions) until shutdown, and
-            // shutdown drops these registrations (and the agent) before the memory goes.
-            let reg = unsafe { agent.register(r.addr() as usize, r.len() as usize, mem) }.map_err(|e| {
-                let hint = match mem {
-                    NixlMem::Dram => String::new(),
-                    NixlMem::Vram(_) => "; UCX in this NIXL build may offer no transport for VRAM (its CUDA module libuct_cuda needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver, its CUDA memory hooks libcudart.so.12, which the nixl-cu12 wheel does not ship): `kvconnect bench nixl-vram` checks this machine, and backend cuda_ipc moves GPU KV on one host without NIXL".into(),
-                };
-                ConnectorError::io(NAME, format!("region '{}': {e}{hint}", r.name()))
-            })?;
-            regs.push(reg);
-        }
-        self.nixl_regs = regs;
-        self.nixl = Some(Arc::new(agent));
-        Ok(())
-    }
-
-    /// Backend nixl: when the regions are device memory, checks they are all on one GPU and
-    /// opens it (`nixl_vram`); host regions leave it unset.
-    fn start_nixl_vram(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        let Some(first) = regions.iter().find(|r| r.memory() == MemoryKind::Device) else {
-            return Ok(());
-        };
-        for r in regions {
-            if r.memory() != MemoryKind::Device {
-                return Err(ConnectorError::invalid(
-                    NAME,
-                    format!(
-                        "backend nixl: region '{}' is {:?} memory but region '{}' is in GPU memory: all KV regions of a worker must be in one kind of memory",
-                        r.name(), r.memory(), first.name()
-                    ),
-                ));
-            }
-            if r.device() < 0 {
-                return Err(ConnectorError::invalid(
-                    NAME,
-                    format!(
-                        "backend nixl: region '{}' is in GPU memory but names no GPU (device {}): the host must give device regions their CUDA device ordinal",
-                        r.name(), r.device()
-                    ),
-                ));
-            }
-            if r.device() != first.device() {
-                return Err(ConnectorError::invalid(
-                    NAME,
-                    format!(
-                        "backend nixl: region '{}' is on GPU {} but region '{}' on GPU {}: all KV regions of a worker must be on one GPU",
-                        r.name(), r.device(), first.name(), first.device()
-                    ),
-                ));
-            }
-        }
-        #[cfg(feature = "cuda")]
-        {
-            let gpu = kvconnect_cuda::Gpu::open(first.device() as usize)
-                .map_err(|e| ConnectorError::invalid(NAME, format!("backend nixl with GPU KV: {e}")))?;
-            self.nixl_vram = Some(VramRegions {
-                device: first.device() as u64,
-                regions: regions.iter().map(|r| (r.addr(), r.len())).collect(),
-                gpu: Arc::new(gpu),
-            });
-            Ok(())
-        }
-        #[cfg(not(feature = "cuda"))]
-        Err(ConnectorError::config(
-            NAME,
-            "backend 'nixl' with KV regions in GPU memory needs a build with `--features cuda` (it registers them with NIXL as VRAM)",
-        ))
-    }
-
-    /// Backend cuda_ipc: checks the regions are device memory on one GPU and opens it.
-    fn start_cuda(&mut self, regions: &[KvRegion]) -> ConnectorResult<()> {
-        #[cfg(feature = "cuda")]
-        {
-            let gpu = crate::cuda_ipc::open_gpu(regions)
-                .map_err(|e| ConnectorError::invalid(NAME, e.to_string()))?;
-            self.gpu = Some(gpu);
-            Ok(())
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = regions;
-            Err(ConnectorError::config(NAME, "backend 'cuda_ipc' needs a build with `--features cuda`"))
-        }
-    }
-
-    /// Backend cuda_ipc: the IPC handles of this worker's regions, for the handshake.
-    fn cuda_metadata(&self) -> ConnectorResult<Option<crate::metadata::CudaIpcMetadata>> {
-        #[cfg(feature = "cuda")]
-        if let Some(gpu) = &self.gpu {
-            return crate::cuda_ipc::export(gpu, &self.regions)
-                .map(Some)
-                .map_err(|e| ConnectorError::io(NAME, e.to_string()));
-        }
-        Ok(None)
-    }
-
-    fn nixl_metadata(&self) -> ConnectorResult<Option<NixlAgentMetadata>> {
-        let Some(a) = &self.nixl else { return Ok(None) };
-        let md = a.local_md().map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
-        Ok(Some(NixlAgentMetadata {
-            agent: a.name().to_owned(),
-            md: to_hex(&md),
-            region_addrs: self.regions.iter().map(|r| r.addr()).collect(),
-            vram_device: self.nixl_vram.as_ref().map(|v| v.device),
-        }))
-    }
-
-    /// Backend nixl: loads a producer's agent metadata (again only when it changed). With KV
-    /// in GPU memory, refuses a producer whose KV is in host memory (or the reverse) and one
-    /// whose layout or block size would need adapting on receive.
-    fn load_peer_agent(&self, info: &PeerInfo) -> ConnectorResult<()> {
-        let Some(a) = &self.nixl else { return Ok(()) };
-        let e = &info.meta.engine_id;
-        let Some(m) = &info.meta.nixl else {
-            return Err(ConnectorError::invalid(
-                NAME,
-                format!("peer engine '{e}' published no NIXL agent (it does not run backend nixl): use the same backend on both sides"),
-            ));
-        };
-        match (&self.nixl_vram, m.vram_device) {
-            (Some(_), None) => return Err(ConnectorError::invalid(NAME, mixed_memory(e, true))),
-            (None, Some(_)) => return Err(ConnectorError::invalid(NAME, mixed_memory(e, false))),
-            (Some(_), Some(_)) => {
-                let own = self.memory()?.geometry();
-                if crate::copy_plan::layouts_adapt(&info.geometry, own) {
-                    let what = format!(
-                        "its layout {} with {}-token blocks, this engine's {} with {}-token blocks",
-                        info.geometry.layout().display_name(),
-                        info.geometry.shape().tokens,
-                        own.layout().display_name(),
-                        own.shape().tokens
-                    );
-                    return Err(ConnectorError::invalid(NAME, vram_adapt_refusal(e, &what)));
-                }
-            }
-            (None, None) => {}
-        }
-        if m.region_addrs.len() != info.meta.regions.len() {
-            return Err(ConnectorError::invalid(
-                NAME,
-                format!(
-                    "peer engine '{e}' NIXL metadata lists {} region addresses for {} regions",
-                    m.region_addrs.len(),
-                    info.meta.regions.len()
-                ),
-            ));
-        }
-        let known = lock(&self.peers)
-            .iter()
-            .find(|((engine, _), _)| engine == e)
-            .and_then(|(_, p)| p.meta.nixl.clone());
-        if known.as_ref().is_some_and(|k| k.md == m.md) {
-            return Ok(());
-        }
-        if let Some(k) = known {
-            a.invalidate_remote(&k.agent);
-        }
-        let md = from_hex(&m.md).ok_or_else(|| {
-            ConnectorError::invalid(NAME, format!("peer engine '{e}' NIXL metadata is not hex"))
-        })?;
-        let name = a
-            .load_remote_md(&md)
-            .map_err(|err| ConnectorError::invalid(NAME, format!("peer engine '{e}': {err}")))?;
-        if name != m.agent {
-            return Err(ConnectorError::invalid(
-                NAME,
-                format!(
-                    "peer engine '{e}' says its NIXL agent is '{}' but its metadata is agent '{name}'",
-                    m.agent
-                ),
-            ));
-        }
         Ok(())
     }
 }
@@ -459,39 +238,28 @@ impl WorkerConnector for NixlWorker {
         if self.mem.is_some() {
             return Err(ConnectorError::invalid(NAME, "register_kv_caches called twice"));
         }
+        let backend = self.cfg.backend;
         let ranks = KvMemory::tp_ranks_in(regions);
-        if ranks > 1 && !matches!(self.cfg.backend, Backend::Shm | Backend::Tcp) {
+        if ranks > 1 && !backend.across_tp {
             return Err(ConnectorError::not_implemented(
                 NAME,
                 &format!(
-                    "KV regions of {ranks} tensor-parallel ranks on backend '{}' (backends shm and tcp move KV across ranks)",
-                    self.cfg.backend.name()
+                    "KV regions of {ranks} tensor-parallel ranks on backend '{}' (backends {} move KV across ranks)",
+                    backend.name(),
+                    Backend::names_where(|b| b.across_tp)
                 ),
             ));
         }
-        if self.cfg.backend == Backend::Nixl {
-            self.start_nixl_vram(regions)?;
-        }
-        let mem = if self.cfg.backend == Backend::CudaIpc || self.nixl_vram.is_some() {
-            // Device regions: this crate never dereferences them on the host; the GPU copies
-            // (cuda_ipc) or NIXL moves them VRAM to VRAM.
-            if self.cfg.backend == Backend::CudaIpc {
-                self.start_cuda(regions)?;
-            }
-            KvMemory::geometry_only(regions, &self.ctx.model, &self.ctx.effective)
-        } else {
-            // Host regions, valid until this worker is dropped (`KvRegion::new`); shutdown stops
-            // the listener and joins the pull thread, the other users of `mem`, before that.
-            // With several ranks' regions (the engine's TP ranks), each rank holds its share
-            // of the KV heads in its own regions.
-            KvMemory::with_tp_ranks(regions, &self.ctx.model, &self.ctx.effective, ranks)
-        }
-        .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))?;
-        let mem = Arc::new(mem);
+        let started = (backend.start)(&Setup {
+            regions,
+            ctx: &self.ctx,
+            cfg: &self.cfg,
+            tp_ranks: ranks,
+            producer: self.is_producer(),
+            consumer: self.is_consumer(),
+        })?;
+        let mem = Arc::new(started.mem);
         self.regions = regions.to_vec();
-        if self.cfg.backend == Backend::Nixl {
-            self.start_nixl(regions)?;
-        }
         if self.is_producer() {
             let p = Producer::start(
                 mem.clone(),
@@ -507,7 +275,7 @@ impl WorkerConnector for NixlWorker {
                     secret: self.cfg.secret.clone(),
                     lease_max: self.cfg.lease_max,
                     max_connections: self.cfg.max_connections,
-                    serve_reads: self.cfg.backend == Backend::Tcp,
+                    serve_reads: backend.serves_reads,
                     socket_buffer: self.cfg.tcp_socket_buffer,
                 },
             )
@@ -523,8 +291,9 @@ impl WorkerConnector for NixlWorker {
             self.producer = Some(p);
         }
         if self.is_consumer() {
-            self.start_puller(mem.clone())?;
+            self.start_puller(mem.clone(), started.transport.clone())?;
         }
+        self.transport = Some(started.transport);
         self.mem = Some(mem);
         Ok(())
     }
@@ -570,11 +339,6 @@ impl WorkerConnector for NixlWorker {
         Ok(())
     }
 
-    fn wait_for_layer_load(&mut self, _layer: LayerId) -> ConnectorResult<()> {
-        // Loads are whole-request and asynchronous: the engine waits on get_finished.
-        Ok(())
-    }
-
     fn save_kv_layer(&mut self, _layer: LayerId, _block_ids: &[BlockId]) -> ConnectorResult<()> {
         // Pull mode: the producer keeps its blocks in place; nothing is saved.
         Ok(())
@@ -582,24 +346,12 @@ impl WorkerConnector for NixlWorker {
 
     fn get_finished(&mut self, _finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
         let mut out = FinishedTransfers::default();
-        if let Some(p) = &self.producer {
-            if let Some(a) = &self.nixl {
-                // Consumers tell a NIXL producer they have a request's blocks by notification.
-                let notes = a.take_notifications().map_err(|e| ConnectorError::io(NAME, e.to_string()))?;
-                for (from, msg) in notes {
-                    // `kvc-done <request> <capability>`: an agent that does not know the
-                    // capability cannot end another request's hold.
-                    match msg.strip_prefix(NIXL_DONE).map(|rest| rest.rsplit_once(' ').unwrap_or((rest, "")))
-                    {
-                        Some((id, capability)) => {
-                            if let Err(why) = p.complete(&RequestId::from(id), capability) {
-                                tracing::warn!(agent = %from, "nixl: done notification from '{from}': {why}");
-                            }
-                        }
-                        None => {
-                            tracing::warn!(agent = %from, "nixl: ignoring unknown notification '{msg}' from '{from}'")
-                        }
-                    }
+        if let (Some(p), Some(t)) = (&self.producer, &self.transport) {
+            // Completions that reached this producer outside its listener (NIXL
+            // notifications): the capability they name decides, as for `done`.
+            for c in t.completions()? {
+                if let Err(why) = p.complete(&c.request, &c.capability) {
+                    tracing::warn!(agent = %c.from, "nixl: done notification from '{}': {why}", c.from);
                 }
             }
             out.finished_sending = p.take_finished();
@@ -637,7 +389,7 @@ impl WorkerConnector for NixlWorker {
         let Some(p) = &self.producer else { return Ok(None) };
         let mem = self.memory()?;
         let g = mem.geometry();
-        let meta = ProducerMetadata {
+        let mut meta = ProducerMetadata {
             version: PROTOCOL_VERSION,
             engine_id: self.ctx.engine_id.clone(),
             listen: p.addr().to_string(),
@@ -659,9 +411,10 @@ impl WorkerConnector for NixlWorker {
             groups: self.groups.clone(),
             state: g.state().clone(),
             pid: std::process::id(),
-            nixl: self.nixl_metadata()?,
-            cuda_ipc: self.cuda_metadata()?,
+            nixl: None,
+            cuda_ipc: None,
         };
+        self.transport()?.publish(&mut meta)?;
         serde_json::to_value(meta)
             .map(Some)
             .map_err(|e| ConnectorError::io(NAME, format!("cannot encode handshake metadata: {e}")))
@@ -669,11 +422,12 @@ impl WorkerConnector for NixlWorker {
 
     fn set_peer_handshake_metadata(&mut self, peer: &serde_json::Value) -> ConnectorResult<()> {
         let mem = self.memory()?;
-        let info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
-        self.load_peer_agent(&info)?;
-        tracing::debug!(engine = %info.meta.engine_id, addr = %info.addr, "nixl: peer registered");
-        let side_channel = peer.get("side_channel").and_then(serde_json::Value::as_str).unwrap_or_default();
-        lock(&self.peers).insert((info.meta.engine_id.clone(), side_channel.to_owned()), Arc::new(info));
+        let mut info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
+        self.transport()?.admit(&info, mem.geometry(), &lock(&self.peers))?;
+        tracing::debug!(engine = %info.meta.engine_id, side_channel = %info.side_channel, addr = %info.addr, "nixl: peer registered");
+        self.handshakes += 1;
+        info.generation = self.handshakes;
+        lock(&self.peers).insert(info.key(), Arc::new(info));
         Ok(())
     }
 
@@ -685,13 +439,7 @@ impl WorkerConnector for NixlWorker {
         if let Some(mut p) = self.producer.take() {
             p.shutdown();
         }
-        self.nixl_regs.clear();
-        self.nixl = None;
-        self.nixl_vram = None;
-        #[cfg(feature = "cuda")]
-        {
-            self.gpu = None;
-        }
+        self.transport = None;
         self.mem = None;
         Ok(())
     }
@@ -703,10 +451,11 @@ impl Drop for NixlWorker {
     }
 }
 
+#[allow(unsafe_code)] // The tests vouch for regions over buffers they own (`KvRegion::new`).
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvconnect_api::{KvLayout, KvRegionSpec};
+    use kvconnect_api::{KvLayout, KvRegionSpec, MemoryKind};
     use kvconnect_bench::harness::{context, effective, model, Regions};
 
     /// Backend nixl over `regions` of a 2-layer model (HND, 4-token blocks, 8 blocks).
@@ -776,20 +525,5 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(e.contains("--features cuda") && e.contains("VRAM"), "{e}");
-    }
-
-    #[test]
-    fn refusals_name_the_remedy() {
-        let e = vram_adapt_refusal("prefill-0", "its layout NHD");
-        assert!(
-            e.contains("backend cuda_ipc") && e.contains("fuses the permute") && e.contains("prefill-0"),
-            "{e}"
-        );
-        let e = mixed_memory("prefill-0", true);
-        assert!(e.contains("registered its KV with NIXL as host memory (DRAM)"), "{e}");
-        assert!(e.contains("this engine's KV is in GPU memory (VRAM)"), "{e}");
-        assert!(
-            mixed_memory("p", false).contains("as GPU memory (VRAM) but this engine's KV is in host memory")
-        );
     }
 }

@@ -1,8 +1,9 @@
 //! Backend cuda_ipc with device KV regions, driven through the connector API as a host would.
 //! Needs a GPU: every test skips, saying so, where none can be opened.
 //!
-//! - same process (the consumer uses the producer's device addresses; CUDA refuses to open a
-//!   process's own IPC handles), with and without an NHD->HND permute;
+//! - same process (CUDA refuses to open a process's own IPC handles: the consumer finds the
+//!   regions by handle among those this process exported), with and without an NHD->HND
+//!   permute;
 //! - two processes: this test binary re-runs itself as the producer, the consumer opens its
 //!   IPC handles (the real IPC path); then the producer dies and a load fails;
 //! - a handle that cannot be opened is a failed receive, never a crash;

@@ -199,6 +199,7 @@ fn assert_same_kv(p: &mut Engine, pb: &[Vec<u32>], d: &mut Engine, db: &[Vec<u32
 fn pull_and_compare(play: KvLayout, dlay: KvLayout, hma: bool) {
     let (mut p, mut d) = pair(play, dlay, hma, 30.0);
     handshake(&mut p, &mut d);
+    let prepared_before = kvconnect_nixl::transport::nixl::prepared_reads();
     let n = 21;
     let groups = if hma { 2 } else { 1 };
     // Contiguous producer blocks (merged into one descriptor per layer and K/V) against
@@ -213,6 +214,10 @@ fn pull_and_compare(play: KvLayout, dlay: KvLayout, hma: bool) {
     let fp = wait(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
     assert_eq!(fp.finished_sending, vec![RequestId::from("req-1")]);
     assert_same_kv(&mut p, &pb, &mut d, &db, n - 1);
+    // Equal layouts READ by the indices of the lists prepared for the producer; a plan that
+    // adapts the layout reads into a staging buffer with descriptors of its own.
+    let prepared = kvconnect_nixl::transport::nixl::prepared_reads() - prepared_before;
+    assert_eq!(prepared, u64::from(play == dlay), "{play:?} -> {dlay:?}");
     d.worker.shutdown().unwrap();
     p.worker.shutdown().unwrap();
 }
@@ -385,4 +390,142 @@ fn missing_library_is_an_error_not_an_abort() {
     assert!(line.contains("backend 'nixl'") && line.contains("has no libnixl_capi.so"), "{line}");
     assert!(line.contains("scripts/fetch-nixl.sh"), "{line}");
     std::fs::remove_dir_all(&empty).unwrap();
+}
+
+/// A NIXL producer `id` whose params name side channel 127.0.0.1:`port`.
+fn producer_at(id: &str, port: u16) -> Engine {
+    engine(
+        KvRole::Producer,
+        id,
+        KvLayout::HND,
+        false,
+        json!({"backend": "nixl", "io_timeout": 5, "side_channel_host": "127.0.0.1", "side_channel_port": port}),
+    )
+}
+
+/// The host's handshake of `d` with `p`, reached at side channel 127.0.0.1:`port`.
+fn handshake_at(p: &mut Engine, d: &mut Engine, id: &str, port: u16) -> Result<(), String> {
+    let meta = p.worker.handshake_metadata().unwrap().unwrap();
+    let env = json!({"engine_id": id, "side_channel": format!("127.0.0.1:{port}"), "peer": meta});
+    d.worker.set_peer_handshake_metadata(&env).map_err(|e| e.to_string())
+}
+
+/// One load of `req` from `p` into `d`, checked byte for byte; `Err` when it failed.
+fn load_checked(p: &mut Engine, d: &mut Engine, req: &str) -> Result<(), FinishedTransfers> {
+    let (pb, db) = (vec![vec![3, 4, 5]], vec![vec![1, 2, 3]]);
+    let params = prefill_finish(p, req, 9, &pb);
+    decode_start(d, req, 9, params, &db);
+    let f = wait(d.worker.as_mut(), |f| !f.finished_recving.is_empty() || !f.failed_recving.is_empty());
+    if f.finished_recving != vec![RequestId::from(req)] {
+        return Err(f);
+    }
+    assert_same_kv(p, &pb, d, &db, 8);
+    Ok(())
+}
+
+#[test]
+fn two_producers_claiming_one_engine_id_neither_replace_nor_invalidate_each_others_agent() {
+    let Some(_g) = nixl_or_skip() else { return };
+    let mut first = producer_at("prefill-twin", 5621);
+    let mut second = producer_at("prefill-twin", 5622);
+    let mut d = engine(
+        KvRole::Consumer,
+        "decode-0",
+        KvLayout::HND,
+        false,
+        json!({"backend": "nixl", "io_timeout": 5}),
+    );
+    handshake_at(&mut first, &mut d, "prefill-twin", 5621).unwrap();
+    handshake_at(&mut second, &mut d, "prefill-twin", 5622).unwrap();
+    // Loads alternate; each reads its own producer's agent, and the second handshake (or a
+    // repeated one) did not invalidate the first's.
+    load_checked(&mut first, &mut d, "a").unwrap();
+    load_checked(&mut second, &mut d, "b").unwrap();
+    handshake_at(&mut second, &mut d, "prefill-twin", 5622).unwrap();
+    load_checked(&mut first, &mut d, "c").unwrap();
+    load_checked(&mut second, &mut d, "d").unwrap();
+    // A third peer that names the first's agent with metadata of its own is refused: NIXL
+    // could not tell the two apart.
+    let mut meta = first.worker.handshake_metadata().unwrap().unwrap();
+    let mine = second.worker.handshake_metadata().unwrap().unwrap();
+    meta["nixl"]["md"] = mine["nixl"]["md"].clone();
+    let env = json!({"engine_id": "prefill-twin", "side_channel": "127.0.0.1:5623", "peer": meta});
+    let e = d.worker.set_peer_handshake_metadata(&env).unwrap_err().to_string();
+    assert!(e.contains("another producer this engine already loaded uses with other metadata"), "{e}");
+    load_checked(&mut first, &mut d, "e").unwrap();
+    for w in [&mut d.worker, &mut first.worker, &mut second.worker] {
+        w.shutdown().unwrap();
+    }
+}
+
+#[test]
+fn a_restarted_producer_is_loaded_from_after_a_failed_load_and_a_new_handshake() {
+    let Some(_g) = nixl_or_skip() else { return };
+    let mut d = engine(
+        KvRole::Consumer,
+        "decode-0",
+        KvLayout::HND,
+        false,
+        json!({"backend": "nixl", "io_timeout": 2}),
+    );
+    let mut old = producer_at("prefill-restart", 5631);
+    handshake_at(&mut old, &mut d, "prefill-restart", 5631).unwrap();
+    load_checked(&mut old, &mut d, "before").unwrap();
+    // The producer goes away: a load from it fails.
+    let params = prefill_finish(&mut old, "lost", 9, &[vec![6, 7, 8]]);
+    old.worker.shutdown().unwrap();
+    decode_start(&mut d, "lost", 9, params, &[vec![4, 5, 6]]);
+    let f = wait(d.worker.as_mut(), |f| !f.finished_recving.is_empty() || !f.failed_recving.is_empty());
+    assert_eq!(f.failed_recving, vec![RequestId::from("lost")], "{f:?}");
+    // Its successor (another agent, the same engine id and side channel) after the host's
+    // new handshake: loaded from at once.
+    let mut new = producer_at("prefill-restart", 5631);
+    handshake_at(&mut new, &mut d, "prefill-restart", 5631).unwrap();
+    load_checked(&mut new, &mut d, "after").unwrap();
+    d.worker.shutdown().unwrap();
+    new.worker.shutdown().unwrap();
+}
+
+#[allow(unsafe_code)] // Registers buffers this test owns with NIXL.
+#[test]
+fn prepared_lists_read_by_index_and_refuse_bad_indices() {
+    use kvconnect_nixl::nixl_agent::{NixlAgent, NixlMem};
+    let Some(_g) = nixl_or_skip() else { return };
+    let (owner, reader) = (NixlAgent::new("prep-owner").unwrap(), NixlAgent::new("prep-reader").unwrap());
+    let src: Vec<u8> = (0..4096u32).map(|i| (i * 7 % 251) as u8).collect();
+    let mut dst = vec![0u8; 4096];
+    // SAFETY: both buffers outlive the registrations, dropped at the end of this test.
+    let regs = unsafe {
+        (
+            owner.register_dram(src.as_ptr() as usize, src.len()).unwrap(),
+            reader.register_dram(dst.as_mut_ptr() as usize, dst.len()).unwrap(),
+        )
+    };
+    let remote = reader.load_remote_md(&owner.local_md().unwrap()).unwrap();
+    let spans = |base: usize| (0..4).map(|i| (base + i * 1024, 1024)).collect::<Vec<_>>();
+    let local = reader.prepare(None, &spans(dst.as_ptr() as usize), NixlMem::Dram).unwrap();
+    let far = reader.prepare(Some(&remote), &spans(src.as_ptr() as usize), NixlMem::Dram).unwrap();
+    assert_eq!(far.entries(), 4);
+    // Source spans 2, 3 into destination spans 0, 1 (contiguous on both sides: merged).
+    let t = reader.post_read_prepared(&local, &[0, 1], &far, &[2, 3], 2048).unwrap();
+    let t0 = Instant::now();
+    while !reader.poll(&t).unwrap() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "the READ never finished");
+    }
+    drop(t);
+    assert_eq!(&dst[..2048], &src[2048..]);
+    assert!(dst[2048..].iter().all(|&b| b == 0), "nothing else written");
+    for (li, fi, why) in [
+        (&[0, 1][..], &[2][..], "as many entries of each"),
+        (&[4][..], &[0][..], "an index past the end"),
+        (&[0][..], &[-1][..], "an index past the end"),
+    ] {
+        let e = reader.post_read_prepared(&local, li, &far, fi, 1024).unwrap_err().to_string();
+        assert!(e.contains("makeXferReq") && e.contains(why), "{e}");
+    }
+    // A peer's list where this agent's belongs.
+    let e = reader.post_read_prepared(&far, &[0], &far, &[0], 1024).unwrap_err().to_string();
+    assert!(e.contains("a local list, a peer's list"), "{e}");
+    reader.release_prepared(local);
+    drop(regs);
 }

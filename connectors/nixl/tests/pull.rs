@@ -809,3 +809,118 @@ fn two_producers_claiming_one_engine_id_are_kept_apart_by_address() {
         wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty());
     assert_eq!(f.failed_recving, vec![RequestId::from("misdirected")], "{f:?}");
 }
+
+#[test]
+fn overlapping_reads_cannot_hold_blocks_past_the_lease_cap() {
+    // Small producer socket buffers: an answer its reader never takes stalls its read there.
+    let io_timeout = Duration::from_millis(600);
+    let mut p = producer_with(
+        "prefill-overlap",
+        json!({"kv_lease_duration": 0.3, "kv_lease_max": 1.0, "io_timeout": 0.6, "tcp_socket_buffer": 4096}),
+    );
+    let addr = listen_addr(&mut p);
+    let params = prefill_finish(&mut p, "r", 9, &[1, 2, 3]);
+    let t0 = Instant::now();
+    let capability = params["remote_capability"].as_str().unwrap().to_owned();
+    // One run of the request named 4096 times: 1.5 MiB that this consumer never reads.
+    let read = ClientMsg::Read { request: "r".into(), capability, runs: vec![(0u32, 128, 3 * 128); 4096] };
+    let (mut stalled, mut last_read, mut refused_at, mut freed) = (Vec::new(), t0, None, None);
+    while t0.elapsed() < Duration::from_secs(8) && freed.is_none() {
+        // A new read every 200 ms, each before the last one's deadline: one is always in
+        // flight.
+        if refused_at.is_none() {
+            let mut c = authed(&addr, None);
+            match ask(&mut c, &read) {
+                ServerMsg::Data { bytes } => {
+                    assert_eq!(bytes, 4096 * 384);
+                    last_read = Instant::now();
+                    stalled.push(c);
+                }
+                m if is_error(&m, "kv_lease_max = 1.0s") => refused_at = Some(t0.elapsed()),
+                m => panic!("{m:?}"),
+            }
+        }
+        if !p.worker.get_finished(&[]).unwrap().finished_sending.is_empty() {
+            freed = Some(Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let refused_at = refused_at.expect("reads past the lease cap were refused");
+    assert!(refused_at >= Duration::from_millis(800), "not before the cap: {refused_at:?}");
+    let freed = freed.expect("the blocks were freed although reads kept overlapping");
+    assert!(refused("prefill-overlap", "lease_cap") >= 1);
+    // Not while the last read was in flight: it ran until its whole deadline cut it.
+    assert!(freed >= last_read + io_timeout - Duration::from_millis(100), "freed under a read");
+    assert!(freed - t0 < Duration::from_secs(3), "freed {:?} after the first read", freed - t0);
+    // Every stalled read was cut off by the producer: its connection ends short of its bytes.
+    for mut c in stalled {
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 1 << 16];
+        while let Ok(n @ 1..) = c.read(&mut buf) {
+            got += n;
+        }
+        assert!(got < 4096 * 384, "a read ran past its deadline: {got} bytes");
+    }
+}
+
+/// A load of `req` from `p` into `d` (blocks 1..4 on both sides); returns what decode reported.
+fn load_one(p: &mut Engine, d: &mut Engine, req: &str) -> FinishedTransfers {
+    let params = prefill_finish(p, req, 9, &[1, 2, 3]);
+    decode_start(d, req, 9, params, &[1, 2, 3]);
+    wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty())
+}
+
+#[test]
+fn a_producer_restarted_at_the_same_address_is_loaded_from_at_once_after_its_new_handshake() {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    let sc = json!({"engine_id": "prefill-again", "side_channel": "127.0.0.1:5600"});
+    let handshake_at = |p: &mut Engine, d: &mut Engine| {
+        let mut env = sc.clone();
+        env["peer"] = p.worker.handshake_metadata().unwrap().unwrap();
+        d.worker.set_peer_handshake_metadata(&env).unwrap();
+    };
+    {
+        let mut p = producer_with("prefill-again", json!({"port": port}));
+        handshake_at(&mut p, &mut d);
+        assert_eq!(load_one(&mut p, &mut d, "before").finished_recving, vec![RequestId::from("before")]);
+    } // it goes away; decode's connections to it are dead, at an address that is live again:
+    let mut p = producer_with("prefill-again", json!({"port": port}));
+    assert_eq!(listen_addr(&mut p), format!("127.0.0.1:{port}"));
+    handshake_at(&mut p, &mut d);
+    // The first load after the new handshake already succeeds: nothing of the old producer
+    // (its connections) is used for the new one.
+    let f = load_one(&mut p, &mut d, "after");
+    assert_eq!(f.finished_recving, vec![RequestId::from("after")], "{f:?}");
+    assert_same_kv(&mut p, &[1, 2, 3], &mut d, &[1, 2, 3], 8);
+}
+
+#[test]
+fn two_shm_producers_claiming_one_engine_id_each_serve_their_own_loads() {
+    let shm = |tag: &str| shm_prefix(tag);
+    let extra = |port: u16| {
+        json!({"backend": "shm", "kv_lease_duration": 30, "io_timeout": 2,
+               "side_channel_host": "127.0.0.1", "side_channel_port": port})
+    };
+    let mut first =
+        engine(KvRole::Producer, "prefill-twin-shm", KvLayout::HND, 4, extra(5611), Some(&shm("tw1")));
+    let mut second =
+        engine(KvRole::Producer, "prefill-twin-shm", KvLayout::HND, 4, extra(5612), Some(&shm("tw2")));
+    let mut d = consumer("shm", KvLayout::HND, 4);
+    for (p, sc) in [(&mut first, "127.0.0.1:5611"), (&mut second, "127.0.0.1:5612")] {
+        let meta = p.worker.handshake_metadata().unwrap().unwrap();
+        d.worker
+            .set_peer_handshake_metadata(
+                &json!({"engine_id": "prefill-twin-shm", "side_channel": sc, "peer": meta}),
+            )
+            .unwrap();
+    }
+    // Loads alternate between the two; each lands its own producer's bytes.
+    for (i, from_first) in [true, false, true, false].into_iter().enumerate() {
+        let p = if from_first { &mut first } else { &mut second };
+        let req = format!("r{i}");
+        let f = load_one(p, &mut d, &req);
+        assert_eq!(f.finished_recving, vec![RequestId::from(req.as_str())], "{f:?}");
+        assert_same_kv(p, &[1, 2, 3], &mut d, &[1, 2, 3], 8);
+    }
+}

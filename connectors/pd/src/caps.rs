@@ -7,13 +7,15 @@
 //! attached to the child that needs them.
 
 use crate::error::PdError;
-use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::math::{gcd, lcm};
+use kvconnect_api::KvRole;
 use kvconnect_api::{Capabilities, KvLayout, LayoutConstraint, TransferMode};
 
 /// Combines the children's capabilities, in child order.
 ///
-/// * HMA, heterogeneous TP, MLA, carrying per-request state: only if every child has it.
+/// * HMA, heterogeneous TP, MLA, carrying per-request state, and the adaptations combined
+///   with TP or state (`state_with_tp`, `adapts_with_tp`, `adapts_with_state`): only if every
+///   child has it.
 /// * Layout: the hard constraints of children that cannot adapt are intersected; a child
 ///   that can adapt (e.g. flexkv transposing on its copy path) does not narrow the set.
 ///   Preferred layouts are the children's, in child order, those needing no adapter first.
@@ -106,7 +108,7 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
         }
     };
 
-    let roles: Vec<KvRoleCap> = [KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both]
+    let roles: Vec<KvRole> = [KvRole::Producer, KvRole::Consumer, KvRole::Both]
         .into_iter()
         .filter(|r| children.iter().all(|(_, c)| plays(c, *r)))
         .collect();
@@ -132,6 +134,9 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
         mla: all(|c| c.mla),
         async_load: any(|c| c.async_load),
         carries_state: all(|c| c.carries_state),
+        state_with_tp: all(|c| c.state_with_tp),
+        adapts_with_tp: all(|c| c.adapts_with_tp),
+        adapts_with_state: all(|c| c.adapts_with_state),
         stores_opaque_blocks: all(|c| c.stores_opaque_blocks),
     })
 }
@@ -176,11 +181,11 @@ fn combine_layout(children: &[(String, Capabilities)]) -> Result<LayoutConstrain
     Ok(LayoutConstraint { required, rejected, preferred })
 }
 
-fn plays(c: &Capabilities, r: KvRoleCap) -> bool {
+fn plays(c: &Capabilities, r: KvRole) -> bool {
     let has = |x| c.roles.contains(&x);
     match r {
-        KvRoleCap::Both => has(KvRoleCap::Both) || (has(KvRoleCap::Producer) && has(KvRoleCap::Consumer)),
-        other => has(other) || has(KvRoleCap::Both),
+        KvRole::Both => has(KvRole::Both) || (has(KvRole::Producer) && has(KvRole::Consumer)),
+        other => has(other) || has(KvRole::Both),
     }
 }
 
@@ -199,7 +204,7 @@ mod tests {
 
     // The three mirror the built-in connectors' declarations for a non-MLA model.
     fn nixl() -> Capabilities {
-        let roles = [KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both];
+        let roles = [KvRole::Producer, KvRole::Consumer, KvRole::Both];
         Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], roles)
             .hma(true)
             .layout(LayoutConstraint {
@@ -341,12 +346,15 @@ mod props {
                     cache_dtypes: vec![],
                     memory_kinds,
                     transfer_mode: if moves { TransferMode::Pull } else { TransferMode::None },
-                    roles: vec![KvRoleCap::Both],
+                    roles: vec![KvRole::Both],
                     layerwise: false,
                     heterogeneous_tp: false,
                     mla: false,
                     async_load: false,
                     carries_state: false,
+                    state_with_tp: false,
+                    adapts_with_tp: false,
+                    adapts_with_state: false,
                     stores_opaque_blocks: false,
                 }
             })

@@ -2,7 +2,7 @@
 //! for the composite's tests.
 
 use crate::factory::PdFactory;
-use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::KvRole;
 use kvconnect_api::{
     BlockId, BlocksPerGroup, Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
     ConnectorResolver, ConnectorResult, FinishedTransfers, KvEvent, KvLayout, KvRegion, KvTransferConfig,
@@ -60,7 +60,7 @@ impl FakeFactory {
 
 /// Plain capabilities: HMA, any layout, pull.
 pub fn caps_any() -> Capabilities {
-    Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRoleCap::Both])
+    Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRole::Both])
         .hma(true)
         .heterogeneous_tp(true)
         .mla(true)

@@ -1,23 +1,25 @@
-//! `kvconnect bench`: end-to-end figures from real worker processes, each reported as a
+//! `kvconnect bench`: end-to-end figures from real server processes, each reported as a
 //! ratio against a baseline measured in the same run.
 //!
-//! * `bench transfer` starts a prefill and a decode worker (two processes, the transfer-only
+//! * `bench transfer` starts a prefill and a decode server (two processes, the transfer-only
 //!   engine with synthetic KV of the given model's geometry), moves one prompt's KV through
 //!   the nixl connector, and compares the rate with a plain memcpy (`shm`) or a raw loopback
 //!   socket (`tcp`) over the same number of bytes.
-//! * `bench ttft` starts a prefill and a decode worker on the reference engine and compares
+//! * `bench ttft` starts a prefill and a decode server on the reference engine and compares
 //!   the time to first token of a long prompt served disaggregated with the same prompt
-//!   computed by one worker.
+//!   computed by one server.
 
-#![allow(unsafe_code)] // Signals the benchmark's worker process (libc).
+#![allow(unsafe_code)] // Signals the benchmark's server process (libc).
 
+use crate::proxy::client;
 use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// `kvconnect bench ...`.
@@ -37,6 +39,10 @@ pub enum BenchCommand {
     /// spec as JSON on stdin).
     #[command(hide = true)]
     CudaIpcPeer,
+    /// The source process of `bench transfer --backend nixl`'s raw NIXL baseline (started by
+    /// it; reads the transfer's shape as JSON on stdin, serves until stdin closes).
+    #[command(hide = true)]
+    NixlRawPeer,
 }
 
 /// Arguments of `bench transfer`.
@@ -116,19 +122,22 @@ pub fn run(cmd: &BenchCommand) -> Result<()> {
         BenchCommand::Transfer(a) => transfer(a),
         BenchCommand::Ttft(a) => ttft(a),
         BenchCommand::CudaIpcPeer => super::bench_cuda::peer(),
+        BenchCommand::NixlRawPeer => nixl_raw_peer(),
         BenchCommand::LmcacheDevice(a) => super::bench_lmcache_device::run(a),
         BenchCommand::NixlVram(a) => super::bench_nixl_vram::run(a),
     }
 }
 
-/// A worker process the benchmark started; killed (SIGTERM first) on drop.
-pub(super) struct BenchWorker {
+/// A server process the benchmark started; killed (SIGTERM first) on drop.
+pub(super) struct BenchServer {
     child: Child,
     http: String,
+    /// Its side channel, `host:port`, when it has one.
+    side_channel: Option<String>,
 }
 
-impl BenchWorker {
-    fn start(args: &[String]) -> Result<BenchWorker> {
+impl BenchServer {
+    fn start(args: &[String]) -> Result<BenchServer> {
         let exe = std::env::current_exe().context("cannot find the kvconnect executable")?;
         let mut child = Command::new(exe)
             .arg("worker")
@@ -150,13 +159,14 @@ impl BenchWorker {
             }
             for _ in lines {}
         });
-        let mut w = BenchWorker { child, http: String::new() };
+        let mut w = BenchServer { child, http: String::new(), side_channel: None };
         let line = rx
             .recv_timeout(Duration::from_secs(120))
             .map_err(|_| anyhow!("a worker did not start within 120 s (its log is above)"))?;
         let v: Value = serde_json::from_str(&line).context("worker address line")?;
         w.http =
             v["http"].as_str().ok_or_else(|| anyhow!("worker printed no http address: {line}"))?.to_owned();
+        w.side_channel = v["side_channel"].as_str().map(str::to_owned);
         Ok(w)
     }
 
@@ -169,9 +179,9 @@ impl BenchWorker {
     }
 }
 
-impl Drop for BenchWorker {
+impl Drop for BenchServer {
     fn drop(&mut self) {
-        // SIGTERM lets the worker unlink its shared memory.
+        // SIGTERM lets the server unlink its shared memory.
         if let Ok(pid) = libc::pid_t::try_from(self.child.id()) {
             // SAFETY: kill(2) on a child this process spawned and has not reaped.
             unsafe {
@@ -190,23 +200,24 @@ impl Drop for BenchWorker {
     }
 }
 
+/// POSTs `body` to a server through the proxy's pooled HTTP client, on one runtime kept for
+/// the benchmark's life (its pooled connections live there).
 fn http_post(addr: &str, path: &str, body: &Value) -> Result<(u16, Value)> {
-    let mut s = TcpStream::connect(addr).with_context(|| format!("cannot connect to worker {addr}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(600))).ok();
-    let payload = body.to_string();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{payload}",
-        payload.len()
-    )
-    .context("sending a request to a worker")?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).context("reading a worker's answer")?;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
-    let status = head.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let v = serde_json::from_str(body).unwrap_or_else(|_| Value::String(body.to_owned()));
-    Ok((status, v))
+    static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, String>> = OnceLock::new();
+    let rt = RUNTIME
+        .get_or_init(|| {
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| anyhow!("cannot start the async runtime: {e}"))?;
+    let reply = rt
+        .block_on(client::request(addr, "POST", path, Some(body), Duration::from_secs(600)))
+        .context("a request to a worker")?;
+    Ok((reply.status, reply.json()))
 }
 
 pub(super) fn backend(s: &str) -> Result<&'static str> {
@@ -226,11 +237,11 @@ fn nixl_config(role: &str, backend: &str, settings: &Value) -> String {
     json!({"kv_connector": "NixlConnector", "kv_role": role, "kv_connector_extra_config": extra}).to_string()
 }
 
-fn pair(model: &Path, backend: &str, settings: &Value, extra: &[&str]) -> Result<(BenchWorker, BenchWorker)> {
+fn pair(model: &Path, backend: &str, settings: &Value, extra: &[&str]) -> Result<(BenchServer, BenchServer)> {
     pair_with(model, backend, settings, extra, &[], "bench")
 }
 
-/// A prefill and a decode worker with connector `settings` and `extra` arguments, prefill
+/// A prefill and a decode server with connector `settings` and `extra` arguments, prefill
 /// with `prefill_extra` too, named `<tag>-prefill` and `<tag>-decode`.
 pub(super) fn pair_with(
     model: &Path,
@@ -239,7 +250,7 @@ pub(super) fn pair_with(
     extra: &[&str],
     prefill_extra: &[&str],
     tag: &str,
-) -> Result<(BenchWorker, BenchWorker)> {
+) -> Result<(BenchServer, BenchServer)> {
     let model = model.to_str().ok_or_else(|| anyhow!("--model path is not UTF-8"))?.to_owned();
     let mk = |role: &str, id: &str, more: &[&str]| -> Vec<String> {
         let config = nixl_config(role, backend, settings);
@@ -250,15 +261,15 @@ pub(super) fn pair_with(
         v.extend(extra.iter().chain(more).map(|s| s.to_string()));
         v
     };
-    let prefill = BenchWorker::start(&mk("kv_producer", &format!("{tag}-prefill"), prefill_extra))?;
-    let decode = BenchWorker::start(&mk("kv_consumer", &format!("{tag}-decode"), &[]))?;
+    let prefill = BenchServer::start(&mk("kv_producer", &format!("{tag}-prefill"), prefill_extra))?;
+    let decode = BenchServer::start(&mk("kv_consumer", &format!("{tag}-decode"), &[]))?;
     Ok((prefill, decode))
 }
 
 /// One disaggregated request; returns decode's answer and the wall time of both requests.
 pub(super) fn round(
-    prefill: &BenchWorker,
-    decode: &BenchWorker,
+    prefill: &BenchServer,
+    decode: &BenchServer,
     prompt: &Value,
     max_tokens: usize,
 ) -> Result<(Value, Duration)> {
@@ -285,8 +296,8 @@ enum Baseline {
         buffer: usize,
         sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
     },
-    /// The same bytes in the same number of descriptors (one coalesced run per KV layer and
-    /// K/V part) READ through bare nixl-sys calls between two agents of this process.
+    /// The same bytes in the same shape (one run per KV layer and K/V part, one prepared
+    /// entry per block of each) READ through bare nixl-sys calls from a second process.
     #[cfg(feature = "nixl")]
     Nixl(kvconnect_bench::nixl_raw::RawNixlRead),
 }
@@ -349,7 +360,7 @@ impl Baseline {
             Baseline::Memcpy { .. } => "memcpy",
             Baseline::Socket { .. } => "raw loopback socket",
             #[cfg(feature = "nixl")]
-            Baseline::Nixl(_) => "raw NIXL READ (nixl-sys)",
+            Baseline::Nixl(_) => "raw NIXL READ between two processes (nixl-sys)",
         }
     }
 
@@ -454,10 +465,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
             baseline = Some(match backend {
                 "shm" => Baseline::memcpy(0),
                 #[cfg(feature = "nixl")]
-                "nixl" => Baseline::Nixl(
-                    kvconnect_bench::nixl_raw::RawNixlRead::new(bytes as usize, 2 * spec.kv_layers().len())
-                        .map_err(|e| anyhow!("raw NIXL baseline: {e}"))?,
-                ),
+                "nixl" => raw_nixl(&spec, a.tokens, bytes)?,
                 _ => Baseline::socket(
                     bytes as usize,
                     total,
@@ -491,6 +499,12 @@ fn transfer(a: &TransferArgs) -> Result<()> {
             ratios.push(b.as_secs_f64() / ti.as_secs_f64().max(1e-9));
         }
     }
+    // What decode paid once, in the warm-up, before its first load from this peer.
+    let consumer = nixl_config("kv_consumer", backend, &settings);
+    let mut handshake = match &prefill.side_channel {
+        Some(sc) => super::bench_handshake::measure(sc, &consumer, &spec, a.pairs)?,
+        None => Value::Null,
+    };
     drop(decode);
     drop(prefill);
     let mut baseline = baseline.ok_or_else(|| anyhow!("no measured transfer"))?;
@@ -514,19 +528,26 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         "ratio_q3": r.q3,
         "machine": machine(load_before),
     });
+    let used_streams =
+        kvconnect_nixl::tcp_data::streams_for(bytes, streams, kvconnect_nixl::tcp_data::STREAM_MIN_BYTES);
     if backend == "tcp" {
-        out["streams"] = json!(kvconnect_nixl::tcp_data::streams_for(
-            bytes,
-            streams,
-            kvconnect_nixl::tcp_data::STREAM_MIN_BYTES
-        ));
+        out["streams"] = json!(used_streams);
         out["socket_buffer"] = json!(a.socket_buffer);
     }
+    // Once per peer: one handshake, and one producer connection per stream (tcp) or one.
+    let conns = if backend == "tcp" { used_streams } else { 1 } as f64;
+    let per_peer_ms = handshake["side_channel_ms"]["median"].as_f64().unwrap_or(0.0)
+        + conns * handshake["producer_connection_ms"]["median"].as_f64().unwrap_or(0.0);
+    if !handshake.is_null() {
+        handshake["per_peer_ms"] = json!(per_peer_ms);
+        handshake["per_peer_over_one_transfer"] = json!(per_peer_ms / 1e3 / t.median.max(1e-9));
+    }
+    out["handshake"] = handshake;
     if a.json {
         println!("{out}");
     } else {
         println!(
-            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.3} (quartiles {:.3} .. {:.3}); {}",
+            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.3} (quartiles {:.3} .. {:.3}); once per peer: {per_peer_ms:.2} ms of handshakes; {}",
             a.tokens,
             spec.name,
             ratios.len(),
@@ -541,18 +562,50 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     Ok(())
 }
 
+/// The raw NIXL baseline of the transfer of `tokens` tokens (`bytes` of `model`'s KV): the
+/// connector's shape (one run per KV layer and K/V part, of the 16-token blocks the
+/// transfer engine loads, with spare blocks between runs as its pool has), its source in a
+/// second `kvconnect` process.
+#[cfg(feature = "nixl")]
+fn raw_nixl(model: &kvconnect_api::ModelSpec, tokens: usize, bytes: u64) -> Result<Baseline> {
+    use kvconnect_bench::nixl_raw::{RawNixlRead, Shape};
+    let mla = model.layers.iter().any(|k| matches!(k, kvconnect_api::AttentionKind::Mla { .. }));
+    let runs = model.kv_layers().len() * if mla { 1 } else { 2 };
+    // Decode loads all but the last prompt token.
+    let blocks = (tokens - 1).div_ceil(16);
+    let bytes = bytes as usize;
+    let unit = bytes.checked_div(runs * blocks).unwrap_or(0);
+    if unit == 0 || unit * runs * blocks != bytes {
+        bail!("raw NIXL baseline: {bytes} bytes are not {runs} runs of {blocks} blocks");
+    }
+    let shape = Shape { runs, run_bytes: blocks * unit, gap_bytes: 8 * unit, unit };
+    let exe = std::env::current_exe().context("cannot find the kvconnect executable")?;
+    let mut source = Command::new(exe);
+    source.args(["bench", "nixl-raw-peer"]).stderr(Stdio::inherit());
+    Ok(Baseline::Nixl(RawNixlRead::spawn(shape, source).map_err(|e| anyhow!("raw NIXL baseline: {e}"))?))
+}
+
+/// `bench nixl-raw-peer`: the raw NIXL baseline's source process.
+fn nixl_raw_peer() -> Result<()> {
+    #[cfg(feature = "nixl")]
+    {
+        kvconnect_bench::nixl_raw::serve_source(std::io::stdin(), std::io::stdout())
+            .context("serving the raw NIXL baseline")
+    }
+    #[cfg(not(feature = "nixl"))]
+    bail!("this kvconnect was built without NIXL support (the nixl feature)")
+}
+
 /// The 1-minute load average, from /proc/loadavg (None where there is none).
 pub(super) fn load_average() -> Option<f64> {
-    std::fs::read_to_string("/proc/loadavg").ok()?.split_whitespace().next()?.parse().ok()
+    kvconnect_api::stats::load_average()
 }
 
 /// What the figures were measured on: cores, and the load average before and after.
 pub(super) fn machine(load_before: Option<f64>) -> Value {
-    json!({
-        "cores": std::thread::available_parallelism().map_or(1, |n| n.get()),
-        "load_average_before": load_before,
-        "load_average_after": load_average(),
-    })
+    let mut m = kvconnect_api::stats::Machine::start().finish();
+    m.load_average_before = load_before;
+    json!(m)
 }
 
 fn ttft(a: &TtftArgs) -> Result<()> {

@@ -91,7 +91,6 @@ pub fn run(a: &LmcacheDeviceArgs) -> Result<()> {
 #[cfg(feature = "cuda")]
 mod imp {
     use super::LmcacheDeviceArgs;
-    use crate::worker::local_effective_layout;
     use anyhow::{anyhow, bail, Context, Result};
     use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
     use kvconnect_api::{
@@ -100,6 +99,7 @@ mod imp {
         SchedulerConnector, StepInfo, WorkerConnector,
     };
     use kvconnect_cuda::{DeviceBuffer, Gpu, KvStage};
+    use kvconnect_engine::local_effective_layout;
     use kvconnect_lmcache::LmcacheFactory;
     use serde_json::{json, Value};
     use std::sync::Arc;

@@ -5,7 +5,7 @@
 //! rates against its baseline: below 1 is slower) with its quartiles.
 
 use super::bench::{
-    backend, connector_settings, load_average, machine, pair_with, round, BenchWorker, TransferArgs,
+    backend, connector_settings, load_average, machine, pair_with, round, BenchServer, TransferArgs,
 };
 use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
@@ -13,8 +13,8 @@ use serde_json::{json, Value};
 use std::time::Duration;
 
 /// One load through `(prefill, decode)`: its time and bytes, once decode verified them.
-fn load(workers: &(BenchWorker, BenchWorker), prompt: &Value) -> Result<(Duration, u64)> {
-    let (d, _) = round(&workers.0, &workers.1, prompt, 1)?;
+fn load(servers: &(BenchServer, BenchServer), prompt: &Value) -> Result<(Duration, u64)> {
+    let (d, _) = round(&servers.0, &servers.1, prompt, 1)?;
     let p = &d["kv_transfer_params"];
     if p["verified"] != true {
         bail!("decode did not verify the transferred KV: {d}");

@@ -3,6 +3,7 @@
 
 pub mod bench;
 mod bench_cuda;
+mod bench_handshake;
 mod bench_lmcache_device;
 mod bench_nixl_vram;
 mod bench_tp;
@@ -13,8 +14,8 @@ pub mod plan;
 pub mod plugin_query;
 pub mod plugins;
 pub mod proxy;
+pub mod server;
 pub mod up;
-pub mod worker;
 
 use crate::registry::{Registry, RegistryConfig};
 use clap::{Args, Parser, Subcommand};
@@ -71,7 +72,9 @@ pub enum Command {
     /// Checks a deployment's prefill and decode workers against each other before launch.
     Plan(plan::PlanArgs),
     /// Runs a prefill or decode worker: engine, connector, side channel and HTTP API.
-    Worker(worker::WorkerArgs),
+    // One server; the subcommand keeps the name users know it by (ARCHITECTURE.md §2).
+    #[command(name = "worker")]
+    Server(server::ServerArgs),
     /// The whole P/D deployment in one command: prefill and decode workers plus the proxy.
     Up(up::UpArgs),
     /// The P/D proxy alone, in front of prefill and decode servers started elsewhere (vLLM
@@ -92,7 +95,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(a) => {
             exit::Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
         }
-        Command::Worker(a) => worker::run(&a, cli.global.registry()),
+        Command::Server(a) => server::run(&a, cli.global.registry()),
         Command::Up(a) => up::run(&a),
         Command::Proxy(a) => proxy::run(&a),
         Command::Bench(c) => bench::run(&c),

@@ -1,7 +1,7 @@
-//! `kvconnect negotiate`: one worker's effective KV layout, its compat hash and, with
+//! `kvconnect negotiate`: one server's effective KV layout, its compat hash and, with
 //! `--explain`, who decided every field and why.
 
-use crate::deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
+use crate::deployment::{negotiate_alone, parse_cache_dtype, DeploymentError, Negotiating};
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{EngineOptions, HmaOption, Negotiated};
@@ -111,7 +111,7 @@ pub fn run(args: &NegotiateArgs, resolver: &dyn ConnectorResolver, out: &mut dyn
         crate::deployment::lmcache_pd(config).map_err(|e| anyhow::anyhow!("--kv-transfer-config: {e}"))?;
     let model = read_model(&args.model)?;
     let opts = options(args)?;
-    let (n, d) = match negotiate_worker(resolver, &config, &model, &opts, "worker") {
+    let (n, d) = match negotiate_alone(resolver, &config, &model, &opts, Negotiating::Engine("worker")) {
         Ok(r) => r,
         Err(DeploymentError::Conflict { conflict, .. }) => {
             if args.json {
@@ -146,7 +146,7 @@ pub fn run(args: &NegotiateArgs, resolver: &dyn ConnectorResolver, out: &mut dyn
     Ok(0)
 }
 
-/// The JSON form of one worker's negotiation.
+/// The JSON form of one server's negotiation.
 pub fn json(n: &Negotiated, d: &CompatDescriptor) -> serde_json::Value {
     serde_json::json!({
         "ok": true,

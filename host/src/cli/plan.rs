@@ -1,13 +1,14 @@
-//! `kvconnect plan DEPLOYMENT.toml`: negotiates the prefill and decode workers of a
+//! `kvconnect plan DEPLOYMENT.toml`: negotiates the prefill and decode servers of a
 //! deployment and says, before anything starts, whether they can exchange KV: identical,
 //! adaptable (with the plan the receiver applies), or not (the field-level diff and a
 //! remedy).
 
 use crate::cli::negotiate::{render_adapters, render_fields};
-use crate::deployment::{plan, Deployment, DeploymentError, Plan, Role};
+use crate::deployment::{plan, Deployment, DeploymentError, Plan};
 use anyhow::Result;
 use kvconnect_api::compat::{same_bytes_note, FieldClass, FieldDiff};
 use kvconnect_api::ConnectorResolver;
+use kvconnect_api::Role;
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -149,7 +150,9 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
                 )?;
             }
             if let Some((r, s)) = plan.block_size_ratio {
-                writeln!(out, "  block sizes: {r} decode block(s) per {s} prefill block(s)")?;
+                // (receiver, sender) block sizes, reduced: (2, 1) means decode's blocks hold
+                // twice as many tokens, so one decode block takes two prefill blocks.
+                writeln!(out, "  block sizes: {s} decode block(s) per {r} prefill block(s)")?;
             }
             if let Some((r, s)) = plan.tp_ratio {
                 writeln!(

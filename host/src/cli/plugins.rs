@@ -9,7 +9,6 @@ use super::{plugin_query, GlobalArgs};
 use crate::registry::{Entry, Registry};
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand};
-use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::{Capabilities, KvTransferConfig, ModelSpec};
 use serde_json::{json, Value};
 use std::io::Write;
@@ -275,26 +274,15 @@ fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {
         ],
         vec!["memory_kinds".into(), list(c.memory_kinds.iter().map(|m| m.to_string()).collect(), "-")],
         vec!["transfer_mode".into(), c.transfer_mode.to_string()],
-        vec![
-            "roles".into(),
-            list(
-                c.roles
-                    .iter()
-                    .map(|r| match r {
-                        KvRoleCap::Producer => "kv_producer",
-                        KvRoleCap::Consumer => "kv_consumer",
-                        KvRoleCap::Both => "kv_both",
-                    })
-                    .map(str::to_owned)
-                    .collect(),
-                "-",
-            ),
-        ],
+        vec!["roles".into(), list(c.roles.iter().map(|r| r.to_string()).collect(), "-")],
         vec!["layerwise".into(), yes(c.layerwise)],
         vec!["heterogeneous_tp".into(), yes(c.heterogeneous_tp)],
         vec!["mla".into(), yes(c.mla)],
         vec!["async_load".into(), yes(c.async_load)],
         vec!["carries_state".into(), yes(c.carries_state)],
+        vec!["state_with_tp".into(), yes(c.state_with_tp)],
+        vec!["adapts_with_tp".into(), yes(c.adapts_with_tp)],
+        vec!["adapts_with_state".into(), yes(c.adapts_with_state)],
     ]
 }
 

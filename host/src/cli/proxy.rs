@@ -88,7 +88,7 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
     let key = crate::server::gate::api_key(a.api_key.as_deref());
     let gate = crate::server::gate::Gate::new(key.clone(), crate::server::gate::DEFAULT_MAX_IN_FLIGHT);
     let mut proxy = Proxy::new(Arc::new(Backends::new(servers)), Duration::from_secs(a.timeout_s.max(1)));
-    proxy.worker_key = key;
+    proxy.server_key = key;
     proxy.verbatim = true;
     {
         let mut out = std::io::stdout().lock();

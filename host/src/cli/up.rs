@@ -1,4 +1,4 @@
-//! `kvconnect up`: the one-command P/D deployment (workers, proxy, optional workload); the
+//! `kvconnect up`: the one-command P/D deployment (servers, proxy, optional workload); the
 //! work is in [`crate::up`].
 
 pub use crate::up::UpArgs;

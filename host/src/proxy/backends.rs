@@ -1,13 +1,13 @@
-//! The workers behind the proxy: each one's role, address and whether it is up. The
-//! supervisor marks workers down when they exit or turn unhealthy and up again once a
+//! The servers behind the proxy: each one's role, address and whether it is up. The
+//! supervisor marks servers down when they exit or turn unhealthy and up again once a
 //! restarted process announced its new address; the proxy picks round-robin among the
-//! workers of a role that are up.
+//! servers of a role that are up.
 
-use crate::deployment::Role;
+use kvconnect_api::Role;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::RwLock;
 
-/// One worker as the proxy sees it.
+/// One server as the proxy sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Backend {
     /// Prefill or decode.
@@ -20,17 +20,17 @@ pub struct Backend {
     pub down: Option<String>,
 }
 
-/// No worker of a role is up.
+/// No server of a role is up.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("no {role} worker is up ({why}); retry shortly: kvconnect up restarts workers that exit")]
 pub struct NoBackend {
     /// The role.
-    pub role: &'static str,
-    /// What the workers of that role are doing.
+    pub role: Role,
+    /// What the servers of that role are doing.
     pub why: String,
 }
 
-/// The proxy's workers.
+/// The proxy's servers.
 #[derive(Debug, Default)]
 pub struct Backends {
     list: RwLock<Vec<Backend>>,
@@ -45,17 +45,17 @@ fn slot(role: Role) -> usize {
 }
 
 impl Backends {
-    /// Workers that are all up.
-    pub fn new(workers: impl IntoIterator<Item = (Role, String, String)>) -> Backends {
+    /// Servers that are all up.
+    pub fn new(servers: impl IntoIterator<Item = (Role, String, String)>) -> Backends {
         let b = Backends::default();
-        b.extend(workers);
+        b.extend(servers);
         b
     }
 
-    /// Adds workers that are up.
-    pub fn extend(&self, workers: impl IntoIterator<Item = (Role, String, String)>) {
+    /// Adds servers that are up.
+    pub fn extend(&self, servers: impl IntoIterator<Item = (Role, String, String)>) {
         let mut l = self.list.write().unwrap_or_else(|p| p.into_inner());
-        l.extend(workers.into_iter().map(|(role, name, http)| Backend { role, name, http, down: None }));
+        l.extend(servers.into_iter().map(|(role, name, http)| Backend { role, name, http, down: None }));
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Backend>> {
@@ -69,7 +69,7 @@ impl Backends {
         }
     }
 
-    /// Marks `name` down, with the reason the proxy reports while no other worker can serve.
+    /// Marks `name` down, with the reason the proxy reports while no other server can serve.
     pub fn set_down(&self, name: &str, why: &str) {
         self.update(name, |b| b.down = Some(why.to_owned()));
     }
@@ -82,12 +82,12 @@ impl Backends {
         });
     }
 
-    /// Every worker, in start order.
+    /// Every server, in start order.
     pub fn all(&self) -> Vec<Backend> {
         self.read().clone()
     }
 
-    /// The next worker of `role` that is up, round-robin, other than those in `avoid`.
+    /// The next server of `role` that is up, round-robin, other than those in `avoid`.
     pub fn pick(&self, role: Role, avoid: &[String]) -> Result<String, NoBackend> {
         let l = self.read();
         let of_role: Vec<&Backend> = l.iter().filter(|b| b.role == role).collect();
@@ -103,7 +103,7 @@ impl Backends {
                     .collect::<Vec<_>>()
                     .join("; ")
             };
-            return Err(NoBackend { role: role.name(), why });
+            return Err(NoBackend { role, why });
         }
         let i = self.next[slot(role)].fetch_add(1, Ordering::Relaxed) % up.len();
         Ok(up[i].http.clone())
@@ -123,7 +123,7 @@ mod tests {
     }
 
     #[test]
-    fn picks_round_robin_and_skips_workers_that_are_down() {
+    fn picks_round_robin_and_skips_servers_that_are_down() {
         let b = two_decoders();
         let picks: Vec<String> = (0..4).map(|_| b.pick(Role::Decode, &[]).unwrap()).collect();
         assert_eq!(picks, ["127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:2", "127.0.0.1:3"]);
@@ -138,7 +138,7 @@ mod tests {
     }
 
     #[test]
-    fn no_worker_up_names_the_role_and_why() {
+    fn no_server_up_names_the_role_and_why() {
         let b = two_decoders();
         b.set_down("d0", "exited: killed by signal 9 (SIGKILL); restarting");
         let e = b.pick(Role::Decode, &["127.0.0.1:3".to_owned()]).unwrap_err().to_string();

@@ -1,4 +1,4 @@
-//! The proxy's HTTP client to its workers: hyper-util's pooled HTTP/1.1 client, so requests
+//! The proxy's HTTP client to its servers: hyper-util's pooled HTTP/1.1 client, so requests
 //! reuse kept-alive connections instead of opening one each.
 
 use http_body_util::{BodyExt, Full};
@@ -13,13 +13,13 @@ use std::time::Duration;
 /// Largest response body the client reads whole.
 const MAX_RESPONSE: usize = 64 << 20;
 
-/// Why a request to a worker got no answer.
+/// Why a request to a server got no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
     /// No connection, or the connection went away before any answer.
     #[error("cannot connect to {addr}: {reason}; is the worker running?")]
     Connect {
-        /// The worker's address.
+        /// The server's address.
         addr: String,
         /// What the connection attempt said.
         reason: String,
@@ -27,7 +27,7 @@ pub enum ClientError {
     /// The connection broke or timed out.
     #[error("{addr} broke off the exchange: {reason}")]
     Io {
-        /// The worker's address.
+        /// The server's address.
         addr: String,
         /// What happened.
         reason: String,
@@ -35,7 +35,7 @@ pub enum ClientError {
     /// The request could not be formed (a bad address or header).
     #[error("cannot send a request to {addr}: {reason}")]
     Request {
-        /// The worker's address.
+        /// The server's address.
         addr: String,
         /// What is wrong.
         reason: String,
@@ -58,7 +58,7 @@ impl Reply {
     }
 }
 
-/// One request to a worker.
+/// One request to a server.
 #[derive(Debug, Clone, Copy)]
 pub struct Call<'a> {
     /// `host:port`.
@@ -94,8 +94,8 @@ fn client() -> &'static Client<HttpConnector, Full<Bytes>> {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
         http.set_connect_timeout(Some(Duration::from_secs(5)));
-        // Below the workers' request-header deadline, which also closes idle connections: a
-        // pooled connection is dropped here before the worker drops it under a request.
+        // Below the servers' request-header deadline, which also closes idle connections: a
+        // pooled connection is dropped here before the server drops it under a request.
         Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(10)).build(http)
     })
 }
@@ -125,7 +125,7 @@ async fn send(c: &Call<'_>) -> Result<hyper::Response<hyper::body::Incoming>, Cl
     }
 }
 
-/// The connection went away before any answer came (a worker killed while a kept-alive
+/// The connection went away before any answer came (a server killed while a kept-alive
 /// connection to it sat in the pool): reset, aborted, a broken pipe, or a message cut short.
 fn dropped_unanswered(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut at: Option<&(dyn std::error::Error + 'static)> = Some(e);

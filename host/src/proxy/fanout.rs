@@ -1,10 +1,10 @@
 //! Requests of several choices through the proxy: a list of prompts, or `n` above 1. Prefill
 //! returns one set of `kv_transfer_params` per request, so each choice becomes a request of
-//! its own (one prompt, `n` 1; choice `j` of a prompt gets `seed + j`, as a worker seeds its
+//! its own (one prompt, `n` 1; choice `j` of a prompt gets `seed + j`, as a server seeds its
 //! own choices), all run through prefill and decode at once; their answers are merged into
 //! one with the choices in OpenAI's order (`index = prompt * n + j`). A streamed request
 //! opens every choice's decode stream before answering (its status is then known), passes
-//! token chunks on as they arrive under the choice's index, and closes the way a worker's
+//! token chunks on as they arrive under the choice's index, and closes the way a server's
 //! stream closes.
 
 use crate::proxy::{one, one_stream, sse_response, Proxy};
@@ -76,7 +76,7 @@ pub fn merge(answers: &[Value], n: usize, id: &str) -> Value {
 
 /// The merged stream of the choices' streams: token chunks pass on as they arrive (under the
 /// response's id and their choice's index); each choice's closing chunk is kept until every
-/// choice has ended, then they go out in `index` order with the request's usage, as a worker's
+/// choice has ended, then they go out in `index` order with the request's usage, as a server's
 /// stream of several choices ends.
 #[derive(Debug)]
 pub struct Merge {

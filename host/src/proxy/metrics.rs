@@ -1,8 +1,9 @@
 //! The proxy's Prometheus metrics (through `prometheus-client`): requests served and failed,
-//! tokens, requests per worker, and histograms of time to first token and of whole-request
+//! tokens, requests per server, and histograms of time to first token and of whole-request
 //! latency.
 
-use crate::server::worker_metrics::SECONDS;
+use crate::server::metrics::SECONDS;
+use kvconnect_api::Role;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
@@ -18,7 +19,7 @@ pub struct ProxyMetrics {
     served: Counter,
     failed: Counter,
     tokens: Counter,
-    per_worker: Family<Labels, Counter>,
+    per_server: Family<Labels, Counter>,
     ttft: Histogram,
     latency: Histogram,
 }
@@ -27,19 +28,19 @@ impl Default for ProxyMetrics {
     fn default() -> Self {
         let mut r = Registry::default();
         let (served, failed, tokens) = (Counter::default(), Counter::default(), Counter::default());
-        let per_worker = Family::<Labels, Counter>::default();
+        let per_server = Family::<Labels, Counter>::default();
         let (ttft, latency) = (Histogram::new(SECONDS), Histogram::new(SECONDS));
         r.register("kvconnect_proxy_requests", "Requests served through prefill and decode.", served.clone());
         r.register("kvconnect_proxy_requests_failed", "Requests answered with an error.", failed.clone());
         r.register("kvconnect_proxy_completion_tokens", "Tokens generated.", tokens.clone());
-        r.register("kvconnect_proxy_worker_requests", "Requests per worker.", per_worker.clone());
+        r.register("kvconnect_proxy_worker_requests", "Requests per worker.", per_server.clone());
         r.register(
             "kvconnect_proxy_ttft_seconds",
             "Time to first token (prefill round trip plus decode's first token).",
             ttft.clone(),
         );
         r.register("kvconnect_proxy_request_seconds", "Whole-request latency at the proxy.", latency.clone());
-        ProxyMetrics { registry: r, served, failed, tokens, per_worker, ttft, latency }
+        ProxyMetrics { registry: r, served, failed, tokens, per_server, ttft, latency }
     }
 }
 
@@ -48,8 +49,8 @@ impl ProxyMetrics {
     pub fn served(&self, pw: &str, dw: &str, ttft: Duration, total: Duration, tokens: u64) {
         self.served.inc();
         self.tokens.inc_by(tokens);
-        for (role, w) in [("prefill", pw), ("decode", dw)] {
-            self.per_worker.get_or_create(&vec![("role", role.to_owned()), ("worker", w.to_owned())]).inc();
+        for (role, w) in [(Role::Prefill, pw), (Role::Decode, dw)] {
+            self.per_server.get_or_create(&vec![("role", role.to_string()), ("worker", w.to_owned())]).inc();
         }
         self.ttft.observe(ttft.as_secs_f64());
         self.latency.observe(total.as_secs_f64());

@@ -1,19 +1,19 @@
 //! The P/D proxy, speaking vLLM's P/D proxy protocol (`toy_proxy_server`): each user request
-//! goes first to a prefill worker (prefill only: `max_tokens: 1`, not streamed, vLLM's
-//! `kv_transfer_params` with `do_remote_decode: true`), then to a decode worker with the
+//! goes first to a prefill server (prefill only: `max_tokens: 1`, not streamed, vLLM's
+//! `kv_transfer_params` with `do_remote_decode: true`), then to a decode server with the
 //! client's body and the `kv_transfer_params` prefill returned, verbatim; both hops carry one
 //! fresh `X-Request-Id` (uuid4) and the client's `Authorization`. Round-robin over the
-//! workers of each role that are up. The answer is decode's, with what the
-//! proxy saw added under `kvconnect.proxy` (which workers, prefill time, time to first token)
+//! servers of each role that are up. The answer is decode's, with what the
+//! proxy saw added under `kvconnect.proxy` (which servers, prefill time, time to first token)
 //! and prefill's own `kvconnect` block under `kvconnect.prefill`.
 //!
-//! The proxy checks every OpenAI parameter as a worker does (`server::params`) before prefill
+//! The proxy checks every OpenAI parameter as a server does (`server::params`) before prefill
 //! produces any KV, and leaves the ones only decode acts on (`n`, `logprobs`, `min_tokens`,
 //! `stream_options`, ...) out of prefill's request. A request of several choices (a list of
 //! prompts, `n` above 1) is split into one request per choice (`fanout`).
 //!
-//! Errors keep the workers' OpenAI error bodies and statuses (a refused handshake under
-//! `fail` arrives from decode naming the difference); a worker that cannot be reached is a
+//! Errors keep the servers' OpenAI error bodies and statuses (a refused handshake under
+//! `fail` arrives from decode naming the difference); a server that cannot be reached is a
 //! 503.
 
 pub mod backends;
@@ -21,7 +21,6 @@ pub mod client;
 pub mod fanout;
 pub mod metrics;
 
-use crate::deployment::Role;
 use crate::server::openai::{json_object, openai_error, param_error, CONTEXT_TOKENS};
 use crate::server::{params, request_id};
 use axum::body::Bytes;
@@ -31,6 +30,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use backends::Backends;
+use kvconnect_api::Role;
 use metrics::ProxyMetrics;
 use serde_json::{json, Map, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,18 +38,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// The proxy's workers and counters.
+/// The proxy's servers and counters.
 pub struct Proxy {
-    /// The workers, with which of them are up (kept current by `kvconnect up`'s supervisor).
+    /// The servers, with which of them are up (kept current by `kvconnect up`'s supervisor).
     pub backends: Arc<Backends>,
-    /// How long one worker request may take.
+    /// How long one server request may take.
     pub timeout: Duration,
     /// Counters for `/metrics`.
     pub metrics: ProxyMetrics,
     /// Numbers the ids of answers the proxy puts together itself.
     next_id: AtomicU64,
-    /// The API key the workers require, sent on every hop.
-    pub worker_key: Option<String>,
+    /// The API key the servers require, sent on every hop.
+    pub server_key: Option<String>,
     /// The workers are not kvconnect's (`kvconnect proxy` in front of vLLM servers): the
     /// client's body goes on as it came, as vLLM's own proxy sends it, and each server checks
     /// its own parameters (its model's context, its tokenizer, its sampling options).
@@ -57,14 +57,14 @@ pub struct Proxy {
 }
 
 impl Proxy {
-    /// A proxy over these workers.
+    /// A proxy over these servers.
     pub fn new(backends: Arc<Backends>, timeout: Duration) -> Proxy {
         Proxy {
             backends,
             timeout,
             metrics: ProxyMetrics::default(),
             next_id: AtomicU64::new(0),
-            worker_key: None,
+            server_key: None,
             verbatim: false,
         }
     }
@@ -74,9 +74,9 @@ impl Proxy {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Sends one request to a worker of `role` that is up. A worker that cannot be reached
+    /// Sends one request to a server of `role` that is up. A server that cannot be reached
     /// (it just died; the supervisor has not noticed yet) is skipped for the others of its
-    /// role. Returns the worker's address with its answer, or the 503 to send.
+    /// role. Returns the server's address with its answer, or the 503 to send.
     async fn send(
         &self,
         role: Role,
@@ -89,7 +89,7 @@ impl Proxy {
         loop {
             let w = match self.backends.pick(role, &tried) {
                 Ok(w) => w,
-                Err(e) if tried.is_empty() => return Err(unreachable(role.name(), e)),
+                Err(e) if tried.is_empty() => return Err(unreachable(role, e)),
                 Err(_) => break,
             };
             let call = client::Call { headers, ..client::Call::new(&w, method, path, body, self.timeout) };
@@ -99,13 +99,10 @@ impl Proxy {
                     tracing::warn!(worker = %w, "{role} worker unreachable, trying another: {e}");
                     tried.push(w);
                 }
-                Err(e) => return Err(unreachable(role.name(), e)),
+                Err(e) => return Err(unreachable(role, e)),
             }
         }
-        Err(unreachable(
-            role.name(),
-            format!("no {role} worker could be reached (tried {})", tried.join(", ")),
-        ))
+        Err(unreachable(role, format!("no {role} worker could be reached (tried {})", tried.join(", "))))
     }
 }
 
@@ -120,7 +117,7 @@ pub fn router(p: Arc<Proxy>) -> Router {
         .with_state(p)
 }
 
-fn unreachable(role: &str, e: impl std::fmt::Display) -> Response {
+fn unreachable(role: Role, e: impl std::fmt::Display) -> Response {
     openai_error(
         StatusCode::SERVICE_UNAVAILABLE,
         "service_unavailable",
@@ -326,7 +323,7 @@ pub(crate) async fn one_stream(
     let mut pf = prefill(p, path, body, t0, auth).await?;
     let dw = p.backends.pick(Role::Decode, &[]).map_err(|e| {
         p.metrics.error();
-        unreachable("decode", e)
+        unreachable(Role::Decode, e)
     })?;
     pf.dec.insert("stream".into(), json!(true));
     let headers = pf.headers.clone();
@@ -370,7 +367,7 @@ async fn stream_decode(
         Ok(s) => s,
         Err(e) => {
             p.metrics.error();
-            return Err(unreachable("decode", e));
+            return Err(unreachable(Role::Decode, e));
         }
     };
     if ds.status != 200 {
@@ -451,10 +448,10 @@ async fn stream_decode(
     Ok(events)
 }
 
-/// The Authorization the workers get: the workers' key when the proxy has one (as vLLM's
+/// The Authorization the servers get: the servers' key when the proxy has one (as vLLM's
 /// proxy sends its own key), else the client's header, passed on.
 fn authorization(p: &Proxy, h: &HeaderMap) -> Option<String> {
-    p.worker_key
+    p.server_key
         .as_ref()
         .map(|k| format!("Bearer {k}"))
         .or_else(|| h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).map(str::to_owned))
@@ -480,18 +477,18 @@ async fn models(State(p): State<Arc<Proxy>>, h: HeaderMap) -> Response {
 }
 
 async fn health(State(p): State<Arc<Proxy>>) -> Response {
-    let mut workers = Vec::new();
+    let mut servers = Vec::new();
     let mut ok = true;
     for b in p.backends.all() {
         let up = b.down.is_none()
             && matches!(client::request(&b.http, "GET", "/health", None, Duration::from_secs(2)).await, Ok(r) if r.status == 200);
         ok &= up;
-        workers.push(
+        servers.push(
             json!({"role": b.role.name(), "engine_id": b.name, "http": b.http, "ok": up, "down": b.down}),
         );
     }
     let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, Json(json!({"status": if ok { "ok" } else { "degraded" }, "workers": workers}))).into_response()
+    (status, Json(json!({"status": if ok { "ok" } else { "degraded" }, "workers": servers}))).into_response()
 }
 
 async fn prom(State(p): State<Arc<Proxy>>) -> Response {

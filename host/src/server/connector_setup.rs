@@ -1,4 +1,4 @@
-//! Turning a worker's kv-transfer-config into connector instances: the host writes its
+//! Turning a server's kv-transfer-config into connector instances: the host writes its
 //! side-channel address into every nixl config (top level or a composite's child, at any
 //! depth) so `request_finished` can hand it to the peer, and the deployment's data-plane
 //! secret (in memory only), and reads which nixl backend is in use (the `shm` backend needs
@@ -153,11 +153,11 @@ mod tests {
         assert!(children[0]["kv_connector_extra_config"].get(SECRET_CONFIG_KEY).is_none());
         assert!(!carries_secret(&c) && carries_secret(&out));
         assert_eq!(nixl.len(), 1);
-        assert_eq!(nixl_backend(&nixl).unwrap(), Some(Backend::Tcp));
+        assert_eq!(nixl_backend(&nixl).unwrap(), Some(Backend::parse("tcp").unwrap()));
 
         let plain = KvTransferConfig::from_json(r#"{"kv_connector":"NixlConnector"}"#).unwrap();
         let (out, nixl) = with_side_channel(&r, &plain, "127.0.0.1", 7, None);
         assert_eq!(out.kv_connector_extra_config["side_channel_host"], "127.0.0.1");
-        assert_eq!(nixl_backend(&nixl).unwrap(), Some(Backend::Shm));
+        assert_eq!(nixl_backend(&nixl).unwrap(), Some(Backend::parse("shm").unwrap()));
     }
 }

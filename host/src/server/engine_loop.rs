@@ -1,7 +1,7 @@
 //! The engine's own thread: it steps continuously while there is work and talks to the HTTP
 //! handlers only through a command channel, so no handler ever holds the engine.
 
-use crate::worker::{Cancel, Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
+use kvconnect_engine::{Cancel, Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -111,7 +111,7 @@ pub enum SubmitError {
     /// A request with the same id is still in the engine.
     #[error("{0}")]
     Duplicate(String),
-    /// The worker cannot serve any request (its connector is poisoned): it says so on
+    /// The server cannot serve any request (its connector is poisoned): it says so on
     /// `/health` and must be restarted.
     #[error("worker unhealthy: {0}")]
     Unhealthy(String),
@@ -140,14 +140,14 @@ pub struct PoolStats {
     pub failed: u64,
     /// Prompt tokens whose KV came through the connector.
     pub external_tokens: u64,
-    /// Why this worker can serve nothing (its connector is poisoned); `None` when healthy.
+    /// Why this server can serve nothing (its connector is poisoned); `None` when healthy.
     pub unhealthy: Option<String>,
 }
 
 impl Driver for Engine {
     fn add(&mut self, req: GenRequest) -> Result<(), SubmitError> {
         self.add_request(req).map_err(|e| match e {
-            crate::worker::WorkerError::DuplicateId { .. } => SubmitError::Duplicate(e.to_string()),
+            kvconnect_engine::EngineError::DuplicateId { .. } => SubmitError::Duplicate(e.to_string()),
             e => SubmitError::Rejected(e.to_string()),
         })
     }
@@ -308,7 +308,7 @@ fn cancel_abandoned<D: Driver>(driver: &mut D, pending: &mut BTreeMap<String, Pe
                     // A streaming handler may still wait for the answer its client will not read.
                     let _ = p.reply.send(Err(SubmitError::Failed(CLIENT_GONE.to_owned())));
                 }
-                crate::server::worker_metrics::cancelled();
+                crate::server::metrics::cancelled();
                 tracing::info!(request = %id, "{CLIENT_GONE}; ended it and freed its blocks");
             }
             Cancel::Later => {}
@@ -360,7 +360,7 @@ fn count(counters: &mut PoolStats, ok: bool) {
     } else {
         counters.failed += 1;
     }
-    crate::server::worker_metrics::finished(ok);
+    crate::server::metrics::finished(ok);
 }
 
 fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
@@ -461,7 +461,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                         counters.external_tokens += o.num_external_tokens as u64;
                         if o.num_external_tokens > 0 {
                             if let Some(t) = o.first_token_latency {
-                                crate::server::worker_metrics::external_first_token(t);
+                                crate::server::metrics::external_first_token(t);
                             }
                         }
                     }

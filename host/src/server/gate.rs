@@ -1,21 +1,29 @@
-//! What the OpenAI routes (`/v1/...`) of a worker and of the proxy check before their handler
+//! What the OpenAI routes (`/v1/...`) of a server and of the proxy check before their handler
 //! runs: the API key, as vLLM's `--api-key` does it (`Authorization: Bearer <key>`; `/health`
 //! and `/metrics` stay open, as vLLM's), and a bound on requests in flight, answered with 503
 //! past it instead of queueing without limit. A request holds its place until its answer,
 //! streamed or not, has been sent. The body is read here, whole, within a size limit (413
 //! past it) and a deadline (408 past it), so no handler waits on a slow or endless upload.
+//! And the whole request, body read, run and streamed answer, has one deadline: past it a
+//! whole answer is 504, a stream ends with an error event, and the request is dropped, which
+//! cancels its engine requests and frees their blocks (as a client that disconnects does).
 
 use crate::server::openai::{openai_error, openai_error_with_code};
 use axum::body::Body;
+use axum::body::{Bytes, HttpBody};
 use axum::extract::{Request, State};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Router;
 use http_body_util::BodyExt;
+use hyper::body::Frame;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Environment variables read for the API key when no `--api-key` is given, in order.
 pub const API_KEY_ENV: [&str; 2] = ["KVCONNECT_API_KEY", "VLLM_API_KEY"];
@@ -28,6 +36,10 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 16 << 20;
 
 /// How long a client may take to send a request's body, by default.
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a whole request may run, by default: far above any generation of the reference
+/// engine's 4096-token context.
+pub const DEFAULT_RUN_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The key from `--api-key`, else from the environment; empty means none.
 pub fn api_key(flag: Option<&str>) -> Option<String> {
@@ -44,6 +56,7 @@ pub struct Gate {
     limit: usize,
     max_body: usize,
     body_timeout: Duration,
+    run_timeout: Duration,
 }
 
 impl Gate {
@@ -57,7 +70,13 @@ impl Gate {
             limit,
             max_body: DEFAULT_MAX_BODY_BYTES,
             body_timeout: DEFAULT_BODY_TIMEOUT,
+            run_timeout: DEFAULT_RUN_TIMEOUT,
         }
+    }
+
+    /// Whole requests (body, run and streamed answer) of at most `timeout`.
+    pub fn with_run_timeout(self, timeout: Duration) -> Gate {
+        Gate { run_timeout: timeout, ..self }
     }
 
     /// Bodies of at most `max_bytes`, sent within `timeout`.
@@ -77,7 +96,7 @@ impl Gate {
 /// to answer (counted by reason).
 async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
     let too_large = |what: String| {
-        crate::server::worker_metrics::http_refused("body_too_large");
+        crate::server::metrics::http_refused("body_too_large");
         openai_error_with_code(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
@@ -105,7 +124,7 @@ async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
             None,
         )),
         Err(_) => {
-            crate::server::worker_metrics::http_refused("body_timeout");
+            crate::server::metrics::http_refused("body_timeout");
             Err(openai_error_with_code(
                 StatusCode::REQUEST_TIMEOUT,
                 "invalid_request_error",
@@ -147,7 +166,9 @@ async fn check(State(g): State<Gate>, req: Request, next: Next) -> Response {
             );
         }
     }
+    let deadline = tokio::time::Instant::now() + g.run_timeout;
     let Ok(permit) = g.in_flight.clone().try_acquire_owned() else {
+        crate::server::metrics::http_refused("too_many_requests");
         return openai_error(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
@@ -162,17 +183,84 @@ async fn check(State(g): State<Gate>, req: Request, next: Next) -> Response {
         Ok(r) => r,
         Err(answer) => return answer,
     };
-    let (parts, body) = next.run(req).await.into_parts();
+    // Dropping the handler at the deadline drops its engine requests, which are cancelled.
+    let Ok(answer) = tokio::time::timeout_at(deadline, next.run(req)).await else {
+        return ran_too_long(&g);
+    };
+    let (parts, body) = answer.into_parts();
     if axum::body::HttpBody::size_hint(&body).exact().is_some() {
         // A whole answer: the work is done.
         return Response::from_parts(parts, body);
     }
-    // A stream (SSE): the place is held until the body is done or dropped.
-    let body = body.map_frame(move |f| {
-        let _held = &permit;
-        f
-    });
+    // A stream (SSE): the place is held until the body is done, cut or dropped.
+    let sse = parts
+        .headers
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let last = sse.then(|| Bytes::from(format!("data: {}\n\n", run_timeout_error(&g))));
+    let body = UntilDeadline {
+        body: Some(body),
+        deadline: Box::pin(tokio::time::sleep_until(deadline)),
+        last,
+        _permit: permit,
+    };
     Response::from_parts(parts, Body::new(body))
+}
+
+/// What a request cut at its deadline is told, as OpenAI's error body.
+fn run_timeout_error(g: &Gate) -> serde_json::Value {
+    serde_json::json!({"error": {
+        "message": format!(
+            "the request ran past {} s, the most this server gives one (--request-timeout), and was ended",
+            g.run_timeout.as_secs_f64()
+        ),
+        "type": "timeout_error",
+        "param": null,
+        "code": "request_run_timeout",
+    }})
+}
+
+fn ran_too_long(g: &Gate) -> Response {
+    crate::server::metrics::http_refused("run_timeout");
+    let e = run_timeout_error(g);
+    (StatusCode::GATEWAY_TIMEOUT, axum::Json(e)).into_response()
+}
+
+/// A streamed answer that ends at the request's deadline: the stream is dropped then (which
+/// cancels its engine request), and an SSE client gets one last error event.
+struct UntilDeadline {
+    body: Option<Body>,
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    last: Option<Bytes>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl HttpBody for UntilDeadline {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        let Some(body) = this.body.as_mut() else { return Poll::Ready(None) };
+        if this.deadline.as_mut().poll(cx).is_ready() {
+            this.body = None;
+            crate::server::metrics::http_refused("run_timeout");
+            tracing::warn!("HTTP: a streamed request ran past its deadline (--request-timeout); ended it");
+            return Poll::Ready(this.last.take().map(|b| Ok(Frame::data(b))));
+        }
+        let next = Pin::new(body).poll_frame(cx);
+        if matches!(next, Poll::Ready(None)) {
+            this.body = None;
+        }
+        next
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_none()
+    }
 }
 
 #[cfg(test)]
@@ -212,6 +300,69 @@ mod tests {
         assert_eq!(status(&a, "/v1/models", Some("Bearer s3cret")).await, 200);
         assert_eq!(status(&a, "/health", None).await, 200);
         assert_eq!(status(&app(None, 8), "/v1/models", None).await, 200);
+    }
+
+    /// One SSE event, then nothing more, ever.
+    struct Forever(bool);
+
+    impl HttpBody for Forever {
+        type Data = Bytes;
+        type Error = axum::Error;
+
+        fn poll_frame(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+        ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+            let this = self.get_mut();
+            if std::mem::replace(&mut this.0, true) {
+                return Poll::Pending;
+            }
+            Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"data: {\"token\": 1}\n\n")))))
+        }
+    }
+
+    #[tokio::test]
+    async fn a_request_past_its_deadline_gets_504_and_a_stream_ends_with_an_error_event() {
+        let r = Router::new()
+            .route(
+                "/v1/slow",
+                get(|| async {
+                    tokio::time::sleep(Duration::from_secs(30)).await;
+                    "slow"
+                }),
+            )
+            .route(
+                "/v1/stream",
+                get(|| async {
+                    Response::builder()
+                        .header(header::CONTENT_TYPE, "text/event-stream")
+                        .body(Body::new(Forever(false)))
+                        .unwrap()
+                }),
+            );
+        let a = Gate::new(None, 1).with_run_timeout(Duration::from_millis(200)).wrap(r);
+        let t0 = std::time::Instant::now();
+        let slow = a.clone().oneshot(axum::http::Request::get("/v1/slow").body(Body::empty()).unwrap());
+        let slow = slow.await.unwrap();
+        assert_eq!(slow.status(), StatusCode::GATEWAY_TIMEOUT);
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        let e: serde_json::Value =
+            serde_json::from_slice(&slow.into_body().collect().await.unwrap().to_bytes()).unwrap();
+        assert_eq!(e["error"]["code"], "request_run_timeout", "{e}");
+        assert!(e["error"]["message"].as_str().unwrap().contains("--request-timeout"), "{e}");
+        let stream = a.clone().oneshot(axum::http::Request::get("/v1/stream").body(Body::empty()).unwrap());
+        let stream = stream.await.unwrap();
+        assert_eq!(stream.status(), StatusCode::OK);
+        let body = tokio::time::timeout(Duration::from_secs(5), stream.into_body().collect())
+            .await
+            .expect("the stream was not cut at its deadline")
+            .unwrap()
+            .to_bytes();
+        let text = String::from_utf8_lossy(&body);
+        assert!(text.starts_with("data: {\"token\": 1}\n\ndata: {\"error\":"), "{text}");
+        assert!(text.contains("request_run_timeout") && text.ends_with("\n\n"), "{text}");
+        // The cut stream gave its place back.
+        assert_eq!(status(&a, "/v1/stream", None).await, 200);
     }
 
     #[tokio::test]

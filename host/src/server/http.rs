@@ -1,19 +1,19 @@
-//! The worker's HTTP API (axum): the OpenAI routes (see `openai`), `GET /health` (role, pool
+//! The server's HTTP API (axum): the OpenAI routes (see `openai`), `GET /health` (role, pool
 //! and side-channel counters as JSON) and `GET /metrics` (the same counters as Prometheus
 //! text); and [`run_one`], which runs one engine request for the OpenAI layer (vLLM's
 //! `kv_transfer_params` included).
 
 use crate::server::engine_loop::{Done, EngineHandle, PoolStats, SubmitError, TokenSink};
-use crate::server::peers::{remote_peer, strip_remote, Peers};
-use crate::server::worker_metrics::{self, PromptSources, Sample};
+use crate::server::metrics::{self, PromptSources, Sample};
+use crate::server::peers::{remote_instance, remote_peer, strip_remote, Peers};
 use crate::sidechannel::ServerStats;
-use crate::worker::{FinishReason, GenRequest, SamplingParams};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvconnect_api::FailurePolicy;
+use kvconnect_api::{FailurePolicy, Role};
+use kvconnect_engine::{FinishReason, GenRequest, SamplingParams};
 use serde_json::{json, Map, Value};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
@@ -22,27 +22,30 @@ use std::sync::Arc;
 pub struct AppState {
     /// The engine thread.
     pub engine: EngineHandle,
-    /// Handshakes with prefill peers (every worker can load from a peer when asked).
+    /// Handshakes with prefill peers (every server can load from a peer when asked).
     pub peers: Peers,
     /// `kv_load_failure_policy`.
     pub policy: FailurePolicy,
-    /// `prefill` or `decode`.
-    pub role: String,
+    /// Prefill or decode.
+    pub role: Role,
     /// This engine's id.
     pub engine_id: String,
     /// The model's name, echoed in responses.
     pub model: String,
-    /// Longest prompt plus completion this worker accepts, in tokens: the reference
+    /// Longest prompt plus completion this server accepts, in tokens: the reference
     /// engine's context, or unbounded (only the KV pool limits it) for the transfer-only
     /// engine, which moves synthetic KV of any model's geometry.
     pub max_model_len: usize,
-    /// This worker's compat hash.
+    /// This server's compat hash.
     pub compat_hash: String,
     /// Side-channel server counters.
     pub side_channel: Arc<ServerStats>,
+    /// This process's random id (its side channel's): prefill's `kv_transfer_params` carry it
+    /// as `remote_instance`, so a decode notices a restart at the same address.
+    pub instance: String,
     /// Request counter for ids.
     pub next_id: AtomicU64,
-    /// KV bytes one token occupies in this worker's cache (the model at the effective cache
+    /// KV bytes one token occupies in this server's cache (the model at the effective cache
     /// dtype), to turn tokens loaded through the connector into bytes moved.
     pub kv_bytes_per_token: u64,
 }
@@ -54,7 +57,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(crate::server::openai::chat_completions))
         .route("/v1/models", get(crate::server::openai::models))
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(prom))
         .with_state(state)
 }
 
@@ -131,8 +134,8 @@ pub(crate) async fn run_one(
         Ok(r) => r,
     };
     if let Some((engine, addr)) = &remote {
-        if let Err(f) = st.peers.ensure(engine, addr, &st.engine).await {
-            worker_metrics::load_failure(f.reason, st.policy == FailurePolicy::Recompute);
+        if let Err(f) = st.peers.ensure(engine, addr, remote_instance(&params), &st.engine).await {
+            metrics::load_failure(f.reason, st.policy == FailurePolicy::Recompute);
             match st.policy {
                 FailurePolicy::Recompute => {
                     tracing::warn!(request = %id, peer = %engine, "no KV will be loaded ({}); recomputing the prompt locally", f.message);
@@ -153,7 +156,7 @@ pub(crate) async fn run_one(
 
     let prompt_len = prompt.len();
     let req = GenRequest { id: id.clone(), prompt, max_tokens, kv_transfer_params: params, sampling };
-    let done = match st.engine.submit_streaming(req, sink).await {
+    let mut done = match st.engine.submit_streaming(req, sink).await {
         Ok(d) => d,
         Err(SubmitError::Rejected(e)) if e.starts_with("request '") => return Err(bad(e)),
         Err(SubmitError::Duplicate(e)) => return Err(Failure::new(StatusCode::CONFLICT, "conflict", e)),
@@ -162,6 +165,11 @@ pub(crate) async fn run_one(
         }
         Err(e) => return Err(Failure::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_error", e.to_string())),
     };
+    if let Some(p) =
+        done.kv_transfer_params.as_mut().filter(|p| p.get("do_remote_prefill") == Some(&Value::Bool(true)))
+    {
+        p.insert("remote_instance".into(), Value::String(st.instance.clone()));
+    }
     let failed_load = matches!(done.finish, FinishReason::Error(_)) || done.kv_load_failure.is_some();
     if let (true, Some((engine, addr))) = (failed_load, &remote) {
         // The peer may have restarted: handshake again before the next load from it.
@@ -169,7 +177,7 @@ pub(crate) async fn run_one(
     }
     if let FinishReason::Error(message) = &done.finish {
         if remote.is_some() {
-            worker_metrics::load_failure("load_failed", false);
+            metrics::load_failure("load_failed", false);
         }
         return Err(Failure::new(
             StatusCode::BAD_GATEWAY,
@@ -178,11 +186,11 @@ pub(crate) async fn run_one(
         ));
     }
     if let Some(why) = &done.kv_load_failure {
-        worker_metrics::load_failure("load_failed", true);
+        metrics::load_failure("load_failed", true);
         kv_note = json!({"recomputed": true, "reason": why});
     }
     let external = done.num_external_tokens as u64;
-    worker_metrics::prompt(
+    metrics::prompt(
         PromptSources::of(prompt_len as u64, done.num_cached_tokens as u64, external),
         external.saturating_mul(st.kv_bytes_per_token),
     );
@@ -199,13 +207,13 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
         Ok(p) => p,
         Err(r) => return r,
     };
-    // A worker that can serve nothing says so: supervisors (kvconnect up, a liveness probe)
+    // A server that can serve nothing says so: supervisors (kvconnect up, a liveness probe)
     // restart it.
     let status = if pool.unhealthy.is_some() { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
     let body = json!({
         "status": if pool.unhealthy.is_some() { "unhealthy" } else { "ok" },
         "reason": pool.unhealthy,
-        "role": st.role,
+        "role": st.role.name(),
         "engine_id": st.engine_id,
         "compat_hash": st.compat_hash,
         "pool": pool,
@@ -214,7 +222,7 @@ async fn health(State(st): State<Arc<AppState>>) -> Response {
     (status, Json(body)).into_response()
 }
 
-async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+async fn prom(State(st): State<Arc<AppState>>) -> Response {
     let p = match current(&st).await {
         Ok(p) => p,
         Err(r) => return r,
@@ -250,21 +258,19 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     ];
     now.extend(data_plane_refusals(&st.engine_id, &sc));
     now.extend(cache_metrics(&st.engine_id));
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], worker_metrics::render(now)).into_response()
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], metrics::render(now)).into_response()
 }
 
 /// Peers the data plane refused, by listener and reason: the side channel's, and this
-/// worker's nixl producer listener's (when it runs one).
+/// server's nixl producer listener's (when it runs one).
 fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnapshot) -> Vec<Sample> {
-    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: unauthenticated (no valid proof of the deployment's secret), bad_capability (a request named with a capability not its own), malformed, oversized, timeout (a frame not whole within its deadline), too_many_connections, read_not_served (a read to a backend that copies without it).";
+    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: unauthenticated (no valid proof of the deployment's secret; on the side channel, no proof at all), wrong_secret (side channel: a proof that does not verify), bad_capability (a request named with a capability not its own), malformed, oversized, truncated (closed mid-frame), timeout (a frame not whole within its deadline, read or written), too_many_connections, read_not_served (a read to a backend that copies without it), lease_cap (a hold, check or read past kv_lease_max).";
     let one = |listener: &str, reason: &str, v: u64| {
         Sample::counter("kvconnect_data_plane_refused", HELP, v)
             .with(vec![("listener", listener.into()), ("reason", reason.into())])
     };
-    let mut out = vec![
-        one("side_channel", "unauthenticated", sc.unauthenticated),
-        one("side_channel", "too_many_connections", sc.over_cap),
-    ];
+    let mut out: Vec<Sample> =
+        sc.refusals().into_iter().map(|(reason, v)| one("side_channel", reason, v)).collect();
     for (reason, v) in kvconnect_nixl::producer::refusals(engine_id).unwrap_or_default() {
         out.push(one("producer", reason, v));
     }
@@ -272,9 +278,9 @@ fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnap
 }
 
 /// The cache tiers' hits, misses and bytes per direction, read at scrape time from the
-/// process-global stores of this worker's engine (the composite passes its engine id to its
+/// process-global stores of this server's engine (the composite passes its engine id to its
 /// children): lmcache's CPU, disk and remote tiers, flexkv's CPU and SSD tiers, and the
-/// remote tier's failures by kind. Empty when this worker runs neither.
+/// remote tier's failures by kind. Empty when this server runs neither.
 fn cache_metrics(engine_id: &str) -> Vec<Sample> {
     const HITS: &str = "Chunks (lmcache) or blocks (flexkv) a KV load found in a cache tier.";
     const LOADED: &str = "Bytes read out of a cache tier into the KV cache.";

@@ -7,7 +7,7 @@
 //! as `bytes:\xNN`, as OpenAI shows tokens that are not whole characters, so every byte keeps
 //! its own key in `top_logprobs`. `bytes` always holds the token's byte.
 
-use crate::worker::TokenLogprobs;
+use kvconnect_engine::TokenLogprobs;
 use serde_json::{json, Map, Value};
 
 /// The lowest log-probability written (OpenAI and vLLM write -9999.0 for -inf).

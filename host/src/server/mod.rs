@@ -1,4 +1,4 @@
-//! The worker process behind `kvconnect worker`: one engine (the reference engine, or the
+//! The server process behind `kvconnect worker`: one engine (the reference engine, or the
 //! transfer-only engine of `kvconnect bench transfer`) with its connector, the P/D side
 //! channel, and an HTTP API.
 //!
@@ -14,6 +14,7 @@ pub mod engine_loop;
 pub mod gate;
 pub mod http;
 pub mod logprobs;
+pub mod metrics;
 pub mod openai;
 pub mod params;
 pub mod peers;
@@ -24,26 +25,24 @@ pub mod serve;
 pub mod sse;
 pub mod synthetic;
 pub mod unsupported;
-pub mod worker_metrics;
 
-use crate::deployment::Role;
 use crate::registry::Registry;
 use crate::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
-use crate::worker::{Engine, EngineConfig, ReferenceConfig};
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{EngineOptions, Negotiated};
-use kvconnect_api::{ConnectorContext, KvRole, KvTransferConfig, ModelSpec};
-use kvconnect_nixl::config::Backend;
+use kvconnect_api::Role;
+use kvconnect_api::{ConnectorContext, KvTransferConfig, ModelSpec};
+use kvconnect_engine::{Engine, EngineConfig, ReferenceConfig};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Everything a worker is started with, negotiated already.
+/// Everything a server is started with, negotiated already.
 #[derive(Debug, Clone)]
-pub struct WorkerSpec {
+pub struct ServerSpec {
     /// Prefill or decode.
     pub role: Role,
     /// The kv-transfer-config as given (the side-channel keys are added here).
@@ -54,7 +53,7 @@ pub struct WorkerSpec {
     pub model: ModelSpec,
     /// The negotiation result.
     pub negotiated: Negotiated,
-    /// This worker's compat descriptor.
+    /// This server's compat descriptor.
     pub compat: CompatDescriptor,
     /// Engine options (TP rank and size).
     pub options: EngineOptions,
@@ -78,14 +77,16 @@ pub struct WorkerSpec {
     pub gate: gate::Gate,
     /// How long an HTTP client may take to send a request's head.
     pub http_header_timeout: Duration,
+    /// HTTP connections open at once.
+    pub http_max_connections: usize,
     /// Timeout of a handshake with a peer.
     pub handshake_timeout: Duration,
-    /// The producers a decode worker may load KV from.
+    /// The producers a decode server may load KV from.
     pub producers: producers::Producers,
 }
 
-/// Runs the worker until SIGTERM or Ctrl-C.
-pub fn run(spec: WorkerSpec, registry: Registry) -> Result<()> {
+/// Runs the server until SIGTERM or Ctrl-C.
+pub fn run(spec: ServerSpec, registry: Registry) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -97,16 +98,9 @@ pub fn run(spec: WorkerSpec, registry: Registry) -> Result<()> {
     r
 }
 
-fn kv_role(role: Role) -> KvRole {
-    match role {
-        Role::Prefill => KvRole::Producer,
-        Role::Decode => KvRole::Consumer,
-    }
-}
-
-async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
+async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
     let stop = shutdown_signal()?;
-    let swept = crate::worker::shm::sweep_dead();
+    let swept = kvconnect_engine::shm::sweep_dead();
     if swept > 0 {
         tracing::warn!(
             segments = swept,
@@ -133,18 +127,18 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
         spec.side_channel.secret.as_ref(),
     );
     if config.kv_role.is_none() {
-        config.kv_role = Some(kv_role(spec.role));
+        config.kv_role = Some(spec.role.kv_role());
     }
     if config.engine_id.is_none() {
         config.engine_id = Some(spec.engine_id.clone());
     }
     let backend = connector_setup::nixl_backend(&nixl_configs).map_err(|e| anyhow!(e))?;
-    let shm = (backend == Some(Backend::Shm)).then(|| spec.engine_id.clone());
+    let shm = backend.is_some_and(|b| b.shm_regions).then(|| spec.engine_id.clone());
     let ctx = ConnectorContext {
         config: config.clone(),
         model: spec.model.clone(),
         effective: spec.negotiated.effective.clone(),
-        role: kv_role(spec.role),
+        role: spec.role.kv_role(),
         engine_id: spec.engine_id.clone(),
         tp_rank: spec.options.tp_rank,
         tp_size: spec.options.tp_size,
@@ -209,12 +203,13 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
             spec.producers.clone(),
         ),
         policy,
-        role: spec.role.name().to_owned(),
+        role: spec.role,
         engine_id: spec.engine_id.clone(),
         model: spec.served_model_name.clone(),
         max_model_len: if spec.synthetic { usize::MAX } else { openai::CONTEXT_TOKENS },
         compat_hash: spec.compat.compat_hash(),
         side_channel: server.stats(),
+        instance: server.instance().to_owned(),
         next_id: AtomicU64::new(0),
         kv_bytes_per_token: spec.model.kv_bytes_per_token(spec.negotiated.effective.cache_dtype),
     });
@@ -237,20 +232,21 @@ async fn serve(spec: WorkerSpec, registry: Registry) -> Result<()> {
     }
     tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker ready");
 
-    serve::serve(listener, spec.gate.clone().wrap(http::router(state)), spec.http_header_timeout, stop).await;
+    let app = spec.gate.clone().wrap(http::router(state));
+    serve::serve(listener, app, spec.http_header_timeout, spec.http_max_connections, stop).await;
     tracing::info!("shutting down: stopping the engine and releasing KV memory");
     drop(server);
     handle.shutdown();
     let _ = tokio::task::spawn_blocking(move || join.join()).await;
     // The pool unlinks its segments on drop; this catches any a panic left behind.
-    let left = crate::worker::shm::unlink_live_segments();
+    let left = kvconnect_engine::shm::unlink_live_segments();
     if left > 0 {
         tracing::warn!(segments = left, "unlinked shared-memory segments left behind");
     }
     Ok(())
 }
 
-/// Registers the SIGTERM and SIGINT handlers now (a signal that arrives before the worker
+/// Registers the SIGTERM and SIGINT handlers now (a signal that arrives before the server
 /// announces itself must not kill it with the default action and leak its shared memory);
 /// the returned future completes on the first of them.
 fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {

@@ -1,4 +1,4 @@
-//! The OpenAI-compatible face of a worker: `GET /v1/models`, `POST /v1/completions` and
+//! The OpenAI-compatible face of a server: `GET /v1/models`, `POST /v1/completions` and
 //! `POST /v1/chat/completions`, with `stream: true` answered as server-sent events.
 //!
 //! A request is checked into an [`OpenAiRequest`] (`params`: every parameter honoured or
@@ -20,7 +20,7 @@ use crate::server::http::{self, AppState, Failure, Finished, OneRequest};
 use crate::server::params::{self, OpenAiRequest, ParamError};
 use crate::server::response::{self, ChoiceOutput, Head, Shape};
 use crate::server::sse::{Chunks, Tail};
-use crate::server::{request_id, worker_metrics};
+use crate::server::{metrics, request_id};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -116,7 +116,7 @@ fn check(st: &AppState, raw: &[u8], chat: bool) -> Result<OpenAiRequest, Respons
 /// An engine failure as OpenAI's error response (a full pool is the prompt's fault: 413).
 fn failure_response(f: Failure) -> Response {
     if f.diff.is_some() {
-        worker_metrics::refusal(&f.message);
+        metrics::refusal(&f.message);
     }
     let (status, param) = if f.message.contains("but the pool has") {
         (StatusCode::PAYLOAD_TOO_LARGE, Some("prompt"))
@@ -126,7 +126,7 @@ fn failure_response(f: Failure) -> Response {
         (f.status, None)
     };
     let mut r = openai_error(status, f.kind, f.message.clone(), param);
-    // Keep the worker's structured extras (the handshake diff under `fail`).
+    // Keep the server's structured extras (the handshake diff under `fail`).
     if let Some(diff) = f.diff {
         let body = json!({"error": {"message": f.message, "type": f.kind, "param": param, "code": Value::Null, "diff": diff}});
         r = (status, Json(body)).into_response();
@@ -205,14 +205,14 @@ impl Plan {
     fn finish(&self, st: &AppState, results: &[Finished]) -> (Vec<ChoiceOutput>, Tail) {
         for f in results {
             let d = &f.done;
-            worker_metrics::generation(
+            metrics::generation(
                 d.ttft.unwrap_or_default(),
                 self.t0.elapsed(),
                 d.tokens.len() as u64,
                 d.num_external_tokens as u64,
             );
             if let Some(reason) = f.kv_note["reason"].as_str() {
-                worker_metrics::refusal(reason);
+                metrics::refusal(reason);
             }
         }
         let outputs: Vec<ChoiceOutput> = results
@@ -272,7 +272,7 @@ impl Plan {
 async fn generate(st: Arc<AppState>, headers: &HeaderMap, raw: Bytes, chat: bool) -> Response {
     let route = if chat { "/v1/chat/completions" } else { "/v1/completions" };
     let r = generate_inner(st, headers, raw, chat).await;
-    worker_metrics::request(route, r.status().as_u16());
+    metrics::request(route, r.status().as_u16());
     r
 }
 

@@ -1,4 +1,4 @@
-//! The OpenAI request parameters workers and the proxy read, checked into an [`OpenAiRequest`]
+//! The OpenAI request parameters servers and the proxy read, checked into an [`OpenAiRequest`]
 //! or refused with a [`ParamError`] naming the parameter.
 //!
 //! Every parameter OpenAI or vLLM define is either honoured, accepted without effect where
@@ -8,7 +8,7 @@
 
 use crate::server::chat_template;
 use crate::server::unsupported::{refuse, NO_EFFECT, REFUSED};
-use crate::worker::{tokenize, SamplingParams};
+use kvconnect_engine::{tokenize, SamplingParams};
 use serde_json::{Map, Value};
 
 /// `max_tokens` when the request gives none (OpenAI's completions default).
@@ -67,10 +67,10 @@ impl ParamError {
     }
 }
 
-/// A checked request: what the worker runs (or the proxy forwards).
+/// A checked request: what the server runs (or the proxy forwards).
 #[derive(Debug, Clone, PartialEq)]
 pub struct OpenAiRequest {
-    /// `model`, when given (the worker compares it with its own).
+    /// `model`, when given (the server compares it with its own).
     pub model: Option<String>,
     /// `/v1/chat/completions` (else `/v1/completions`).
     pub chat: bool,
@@ -277,7 +277,7 @@ fn stop_token_ids(v: Option<&Value>) -> Result<Vec<u32>, ParamError> {
             .iter()
             .map(|t| {
                 t.as_u64()
-                    .filter(|n| *n < u64::from(crate::worker::tokenizer::VOCAB_SIZE))
+                    .filter(|n| *n < u64::from(kvconnect_engine::tokenizer::VOCAB_SIZE))
                     .map(|n| n as u32)
                     .ok_or_else(|| {
                         bad(format!("stop token {t} is not a token id of the byte vocabulary (0..=255)"))

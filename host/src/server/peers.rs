@@ -4,7 +4,9 @@
 //!
 //! A peer is only contacted when the allow-list names it ([`Producers`]). Each peer has its
 //! own lock, so a slow handshake stalls only requests for that peer. A refusal is remembered
-//! for [`REFUSAL_MEMORY`], an acceptance until a transfer from the peer fails ([`Peers::forget`]).
+//! for [`REFUSAL_MEMORY`], an acceptance until a transfer from the peer fails ([`Peers::forget`])
+//! or a request names another process at the peer's address (its `remote_instance`: the peer
+//! restarted), which is handshaken again before anything is loaded from it.
 
 use crate::server::engine_loop::EngineHandle;
 use crate::server::producers::Producers;
@@ -38,13 +40,14 @@ pub struct PeerFailure {
 
 #[derive(Debug, Clone)]
 enum PeerState {
-    Ready,
+    /// Handshaken with the process of this id (`None`: a peer that sends none).
+    Ready(Option<String>),
     Refused(PeerFailure, Instant),
 }
 
 type Slot = Arc<Mutex<Option<PeerState>>>;
 
-/// The peers this worker has handshaken with, by engine id and address.
+/// The peers this server has handshaken with, by engine id and address.
 pub struct Peers {
     local: CompatDescriptor,
     engine_id: String,
@@ -75,6 +78,11 @@ pub fn remote_peer(params: &Map<String, Value>) -> Result<Option<(String, String
     }
 }
 
+/// The prefill process a request's params were made by (`remote_instance`), when they say.
+pub fn remote_instance(params: &Map<String, Value>) -> Option<&str> {
+    params.get("remote_instance").and_then(Value::as_str)
+}
+
 /// The params with the remote-prefill keys removed: the request is then computed locally.
 pub fn strip_remote(params: &Map<String, Value>) -> Map<String, Value> {
     params
@@ -85,7 +93,7 @@ pub fn strip_remote(params: &Map<String, Value>) -> Map<String, Value> {
 }
 
 impl Peers {
-    /// Peers of a worker with this descriptor and engine id.
+    /// Peers of a server with this descriptor and engine id.
     pub fn new(
         local: CompatDescriptor,
         engine_id: String,
@@ -108,11 +116,18 @@ impl Peers {
         *slot.lock().await = None;
     }
 
-    /// Makes sure KV may be loaded from `engine` at `addr`: checks the allow-list, handshakes
-    /// on first use and hands the peer's metadata to the connector. A refusal is remembered
-    /// for a while (the peer's descriptor does not change while it runs); an unreachable peer
-    /// is retried next time.
-    pub async fn ensure(&self, engine: &str, addr: &str, handle: &EngineHandle) -> Result<(), PeerFailure> {
+    /// Makes sure KV may be loaded from `engine` at `addr`, the process `instance` when the
+    /// request says which: checks the allow-list, handshakes on first use (and again when the
+    /// request names another process than the one handshaken) and hands the peer's metadata
+    /// to the connector. A refusal is remembered for a while (the peer's descriptor does not
+    /// change while it runs); an unreachable peer is retried next time.
+    pub async fn ensure(
+        &self,
+        engine: &str,
+        addr: &str,
+        instance: Option<&str>,
+        handle: &EngineHandle,
+    ) -> Result<(), PeerFailure> {
         if let Err(message) = self.allowed.check(engine, addr) {
             return Err(PeerFailure { reason: "producer_not_allowed", message, diff: Vec::new() });
         }
@@ -122,7 +137,12 @@ impl Peers {
         // requests for other peers do not wait on it.
         let mut known = slot.lock().await;
         match &*known {
-            Some(PeerState::Ready) => return Ok(()),
+            Some(PeerState::Ready(seen)) if instance.is_none() || seen.as_deref() == instance => {
+                return Ok(())
+            }
+            Some(PeerState::Ready(seen)) => {
+                tracing::info!(peer = %engine, %addr, was = ?seen, now = ?instance, "prefill engine restarted at the same address; handshaking again");
+            }
             Some(PeerState::Refused(f, at)) if at.elapsed() < REFUSAL_MEMORY => return Err(f.clone()),
             _ => {}
         }
@@ -139,22 +159,23 @@ impl Peers {
                 return Err(f);
             }
         };
+        let seen = envelope.get("instance").and_then(Value::as_str).map(str::to_owned);
         handle.set_peer(envelope).await.map_err(|e| PeerFailure {
             reason: "peer_rejected",
             message: format!("the connector rejected prefill engine '{engine}''s handshake metadata: {e}"),
             diff: Vec::new(),
         })?;
         tracing::info!(peer = %engine, %addr, "handshake accepted; KV may be loaded from this peer");
-        *known = Some(PeerState::Ready);
+        *known = Some(PeerState::Ready(seen));
         Ok(())
     }
 }
 
-/// Handshakes with prefill engine `engine` at `addr` as a worker with descriptor `local` and
+/// Handshakes with prefill engine `engine` at `addr` as a server with descriptor `local` and
 /// id `engine_id`, proving `secret`, and returns the envelope its connector gets through
 /// `set_peer_handshake_metadata` (ARCHITECTURE.md §6): `{"engine_id", "side_channel", "peer",
-/// "plan", "peer_effective"}`. Any engine that loads KV from a kvconnect prefill does this once
-/// per peer before loading: this worker and the vLLM adapter.
+/// "plan", "peer_effective", "instance"}`. Any engine that loads KV from a kvconnect prefill does this once
+/// per peer before loading: this server and the vLLM adapter.
 pub async fn peer_envelope(
     addr: &str,
     engine: &str,
@@ -169,7 +190,7 @@ pub async fn peer_envelope(
         diff: Vec::new(),
     })?;
     match outcome {
-        HandshakeOutcome::Welcome { compat, engine_id, metadata, plan } => {
+        HandshakeOutcome::Welcome { compat, engine_id, metadata, plan, instance } => {
             if engine_id != engine {
                 return Err(PeerFailure {
                     reason: "wrong_engine",
@@ -185,6 +206,7 @@ pub async fn peer_envelope(
                 "peer": metadata.unwrap_or(Value::Null),
                 "plan": plan,
                 "peer_effective": compat.effective,
+                "instance": instance,
             }))
         }
         HandshakeOutcome::Refused { diff, message } => {

@@ -1,4 +1,4 @@
-//! Which producers a decode worker may load KV from (`--kv-producers`, or `kv_producers` in a
+//! Which producers a decode server may load KV from (`--kv-producers`, or `kv_producers` in a
 //! deployment file's `[decode]` section): a request whose `kv_transfer_params` name any other
 //! is refused before anything is contacted, so a client cannot point decode at an arbitrary
 //! host and port.

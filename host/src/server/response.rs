@@ -4,7 +4,7 @@
 //! and this server's `kv_transfer_params` and `kvconnect` blocks.
 
 use crate::server::logprobs;
-use crate::worker::{detokenize, FinishReason, TokenLogprobs};
+use kvconnect_engine::{detokenize, FinishReason, TokenLogprobs};
 use serde_json::{json, Value};
 
 /// A finished choice: what the engine generated for it.

@@ -8,12 +8,12 @@
 //! `kv_transfer_params` and `kvconnect`; with it every chunk has `"usage": null` and one more
 //! chunk with no choices carries them, as OpenAI sends it. With stop sequences a choice's
 //! text is held back by the longest one's length, so no part of the stop sequence that ends
-//! it is ever sent (the token that completes it arrives before the request's end). The worker and the proxy send the same shapes.
+//! it is ever sent (the token that completes it arrives before the request's end). The server and the proxy send the same shapes.
 
 use crate::server::engine_loop::Produced;
 use crate::server::logprobs;
 use crate::server::response::{self, ChoiceOutput, Head, Shape};
-use crate::worker::detokenize;
+use kvconnect_engine::detokenize;
 use serde_json::{json, Value};
 
 /// A choice's text as its stream has shown it.
@@ -227,7 +227,7 @@ pub fn collect_token_ids(stream: &str) -> Option<Vec<u32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::{FinishReason, TokenLogprobs};
+    use kvconnect_engine::{FinishReason, TokenLogprobs};
 
     fn head(chat: bool) -> Head {
         Head { id: "cmpl-1".into(), model: "m".into(), created: 1, chat }

@@ -6,11 +6,11 @@
 //! tokens is ~0.9 GiB) without running that model.
 
 use crate::server::engine_loop::{Driver, PoolStats, StepFailure, SubmitError};
-use crate::worker::{FinishReason, GenRequest, KvPool, RequestOutput};
 use kvconnect_api::{
     BlocksPerGroup, ConnectorError, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId,
     SchedulerConnector, StepInfo, WorkerConnector,
 };
+use kvconnect_engine::{FinishReason, GenRequest, KvPool, RequestOutput};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -369,10 +369,10 @@ impl Driver for TransferEngine {
         Ok(outputs)
     }
 
-    fn cancel(&mut self, _id: &str, _why: &str) -> crate::worker::Cancel {
+    fn cancel(&mut self, _id: &str, _why: &str) -> kvconnect_engine::Cancel {
         // Transfer benchmark requests have no client to lose mid-way worth the bookkeeping:
         // they run to their end and free their blocks then.
-        crate::worker::Cancel::NotSupported
+        kvconnect_engine::Cancel::NotSupported
     }
 
     fn abort_all(&mut self, _why: &str, connector_dead: bool) -> usize {

@@ -12,7 +12,7 @@ pub const REFERENCE_MODEL: &str = include_str!("../../../fixtures/models/kvconne
 
 /// A deployment file on disk; a temporary one is removed on drop.
 pub struct DeploymentFiles {
-    /// The file to pass to the workers.
+    /// The file to pass to the servers.
     pub path: PathBuf,
     temp: Option<PathBuf>,
 }

@@ -1,5 +1,5 @@
 //! `kvconnect up`: the whole P/D deployment in one command. Starts the prefill and decode
-//! workers as child processes of this binary (`worker` subcommand), runs the P/D proxy in
+//! servers as child processes of this binary (`worker` subcommand), runs the P/D proxy in
 //! this process, prints where it listens, and serves until SIGINT/SIGTERM; or, with
 //! `--workload N`, sends N built-in requests through the proxy, checks each answer against
 //! the monolithic reference engine run in-process, prints a report and exits.
@@ -11,10 +11,10 @@ pub mod workload;
 
 use crate::cli::exit::Exit;
 use crate::deployment::Deployment;
-use crate::deployment::Role;
 use crate::proxy::backends::Backends;
 use crate::proxy::{client, Proxy};
 use anyhow::{anyhow, Context, Result};
+use kvconnect_api::Role;
 use report::{Comparison, Report, Sample};
 use serde_json::{json, Value};
 use std::io::Write;
@@ -108,7 +108,7 @@ async fn up(a: &UpArgs) -> Result<()> {
     let files = files::DeploymentFiles::resolve(a.deployment.as_deref())?;
     // Refuse a broken file before any process starts.
     let deployment = Deployment::load(&files.path).map_err(|e| Exit::bad_input(anyhow!(e)))?;
-    // The proxy's port first: a port in use is refused before any worker starts.
+    // The proxy's port first: a port in use is refused before any server starts.
     let want = SocketAddr::new(a.host, a.port);
     let listener = tokio::net::TcpListener::bind(want).await.map_err(|e| {
         Exit::bad_input(anyhow!(
@@ -117,9 +117,9 @@ async fn up(a: &UpArgs) -> Result<()> {
     })?;
     let addr = listener.local_addr().context("proxy address")?;
     let pid = std::process::id();
-    // One secret for the deployment: the caller's, else a fresh one. Workers get it in their
-    // environment, and decode workers the list of this deployment's prefill engines.
-    let secret = match crate::cli::worker::data_plane_secret(None)? {
+    // One secret for the deployment: the caller's, else a fresh one. Servers get it in their
+    // environment, and decode servers the list of this deployment's prefill engines.
+    let secret = match crate::cli::server::data_plane_secret(None)? {
         Some(s) => s,
         None => kvconnect_nixl::auth::Secret::generate().map_err(|e| anyhow!("kvconnect up: {e}"))?,
     };
@@ -164,7 +164,7 @@ async fn up(a: &UpArgs) -> Result<()> {
     };
     let (prefill, decode, mono) = (of("prefill"), of("decode"), of("monolithic"));
     let mut proxy = Proxy::new(backends, Duration::from_secs(300));
-    proxy.worker_key = key.clone();
+    proxy.server_key = key.clone();
     let proxy = Arc::new(proxy);
     let pids: Vec<u32> = started.iter().map(|s| s.pid).collect();
     let line = json!({
@@ -182,6 +182,7 @@ async fn up(a: &UpArgs) -> Result<()> {
             listener,
             gate.wrap(crate::proxy::router(proxy)),
             crate::server::serve::DEFAULT_HEADER_TIMEOUT,
+            crate::server::serve::DEFAULT_MAX_CONNECTIONS,
             async {
                 let _ = quit_rx.await;
             },
@@ -343,7 +344,7 @@ async fn run_workload(
         .await
         .context("ground truth task")??;
     let prompts = format!("{:?}", a.prompts).to_lowercase();
-    // With a monolithic worker to compare against, the two run in interleaved rounds of
+    // With a monolithic server to compare against, the two run in interleaved rounds of
     // `concurrency` requests (which of the two goes first alternates), so both see the same
     // machine load; each prompt's two TTFTs form a pair.
     let round = if mono.is_some() { a.concurrency.max(1) } else { items.len().max(1) };

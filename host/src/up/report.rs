@@ -53,7 +53,7 @@ impl Percentiles {
 /// The monolithic comparison.
 #[derive(Debug, Clone, Serialize)]
 pub struct Comparison {
-    /// TTFT of the single monolithic worker, ms.
+    /// TTFT of the single monolithic server, ms.
     pub monolithic_ttft_ms: Percentiles,
     /// Disaggregated p50 TTFT over monolithic p50 TTFT.
     pub ttft_p50_ratio: f64,
@@ -142,7 +142,7 @@ pub struct Report {
     pub wall_s: f64,
     /// The first errors, verbatim.
     pub errors: Vec<String>,
-    /// Against a monolithic worker process, when asked for.
+    /// Against a monolithic server process, when asked for.
     pub compare_monolithic: Option<Comparison>,
 }
 

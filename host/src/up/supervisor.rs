@@ -1,26 +1,26 @@
-//! The worker processes `kvconnect up` starts and keeps running: the same binary's `worker`
+//! The server processes `kvconnect up` starts and keeps running: the same binary's `worker`
 //! subcommand, one process each, all owned by one supervisor thread that lives exactly as
 //! long as `up`.
 //!
-//! - Every worker is forked from the supervisor thread, so the death signal it asks for
+//! - Every server is forked from the supervisor thread, so the death signal it asks for
 //!   (PR_SET_PDEATHSIG, which Linux ties to the *thread* that forked the child) fires when
 //!   `up` dies and for no other reason.
-//! - A worker that exits, or whose `/health` says it is unhealthy (a poisoned connector) or
+//! - A server that exits, or whose `/health` says it is unhealthy (a poisoned connector) or
 //!   stops answering, is restarted with backoff, logged with the reason. While it is down the
 //!   proxy routes around it ([`Backends`]).
-//! - A worker that keeps failing right after it starts (a bad deployment, a port taken) makes
+//! - A server that keeps failing right after it starts (a bad deployment, a port taken) makes
 //!   `up` give up after [`RestartPolicy::max_quick_failures`] attempts in a row, with the
-//!   worker's error, instead of looping.
-//! - Stopping sends SIGTERM to every worker and waits (SIGKILL after a grace period); a worker
+//!   server's error, instead of looping.
+//! - Stopping sends SIGTERM to every server and waits (SIGKILL after a grace period); a server
 //!   that had to be killed has its shared-memory segments (`/dev/shm/kvc-<pid>-*`) removed
 //!   for it.
 
-#![allow(unsafe_code)] // Signals worker processes and sets their parent-death signal (libc).
+#![allow(unsafe_code)] // Signals server processes and sets their parent-death signal (libc).
 
-use crate::deployment::Role;
 use crate::proxy::backends::Backends;
 use crate::proxy::client;
 use anyhow::{anyhow, bail, Context, Result};
+use kvconnect_api::Role;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -28,14 +28,14 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// How to start one worker (kept to start it again).
+/// How to start one server (kept to start it again).
 #[derive(Debug, Clone)]
 pub struct Launch {
     /// The deployment file.
     pub deployment: PathBuf,
-    /// The worker's `--role`.
+    /// The server's `--role`.
     pub role: Role,
-    /// Label in reports and addresses (`monolithic` for the comparison worker).
+    /// Label in reports and addresses (`monolithic` for the comparison server).
     pub label: String,
     /// Negotiate jointly with the peer role's config.
     pub joint: bool,
@@ -45,7 +45,7 @@ pub struct Launch {
     pub num_blocks: u32,
     /// HTTP bind address.
     pub host: std::net::IpAddr,
-    /// Whether the proxy routes to it (the comparison worker is addressed directly).
+    /// Whether the proxy routes to it (the comparison server is addressed directly).
     pub behind_proxy: bool,
     /// The API key it requires, handed over in its environment (never on its command line).
     pub api_key: Option<String>,
@@ -58,19 +58,19 @@ pub struct Launch {
 /// When to restart and when to give up.
 #[derive(Debug, Clone)]
 pub struct RestartPolicy {
-    /// How long a worker may take to print its address line.
+    /// How long a server may take to print its address line.
     pub ready_within: Duration,
     /// First wait before a restart; doubles per quick failure up to `max_backoff`.
     pub backoff: Duration,
     /// Longest wait before a restart.
     pub max_backoff: Duration,
-    /// A worker that fails within this long of being started failed quickly.
+    /// A server that fails within this long of being started failed quickly.
     pub quick: Duration,
     /// Quick failures in a row after which `up` gives up.
     pub max_quick_failures: u32,
     /// How often `/health` is asked.
     pub health_every: Duration,
-    /// Unanswered `/health` probes in a row after which a worker counts as hung.
+    /// Unanswered `/health` probes in a row after which a server counts as hung.
     pub health_misses: u32,
     /// SIGTERM to SIGKILL.
     pub grace: Duration,
@@ -91,7 +91,7 @@ impl Default for RestartPolicy {
     }
 }
 
-/// A started worker, as reported to `up`.
+/// A started server, as reported to `up`.
 #[derive(Debug, Clone)]
 pub struct Started {
     /// Its label.
@@ -118,10 +118,10 @@ pub struct Supervisor {
 pub type GaveUp = tokio::sync::oneshot::Receiver<String>;
 
 impl Supervisor {
-    /// Starts the supervisor thread, which starts every worker in order. Returns once all
+    /// Starts the supervisor thread, which starts every server in order. Returns once all
     /// are ready (or the first cannot start: then the others are stopped and its error is
     /// returned). `rt` runs the health probes. The returned receiver yields a message if
-    /// the supervisor gives up on a worker later.
+    /// the supervisor gives up on a server later.
     pub async fn start(
         launches: Vec<Launch>,
         backends: Arc<Backends>,
@@ -158,7 +158,7 @@ impl Supervisor {
         }
     }
 
-    /// Stops every worker and waits for them (blocking).
+    /// Stops every server and waits for them (blocking).
     pub fn stop(&mut self) {
         let _ = self.control.send(Control::Stop);
         if let Some(t) = self.thread.take() {
@@ -173,7 +173,7 @@ impl Drop for Supervisor {
     }
 }
 
-/// One worker slot: its launch, its current process, its restart bookkeeping.
+/// One server slot: its launch, its current process, its restart bookkeeping.
 struct Slot {
     launch: Launch,
     proc: Option<Proc>,
@@ -198,7 +198,7 @@ struct Fleet {
     stopping: bool,
 }
 
-/// What happened to a worker the supervisor watches.
+/// What happened to a server the supervisor watches.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Event {
     Exited(String),
@@ -238,7 +238,7 @@ fn signal_name(sig: i32) -> &'static str {
     }
 }
 
-/// The wait before restart number `failures` (1 = first quick failure; 0 = after a worker
+/// The wait before restart number `failures` (1 = first quick failure; 0 = after a server
 /// that had run for a while).
 fn backoff(p: &RestartPolicy, failures: u32) -> Duration {
     let doublings = failures.saturating_sub(1).min(16);
@@ -280,7 +280,7 @@ impl Fleet {
         Ok(started)
     }
 
-    /// Starts one worker and waits for its address line.
+    /// Starts one server and waits for its address line.
     fn spawn(&mut self, l: &Launch) -> Result<Proc> {
         let exe =
             std::env::current_exe().context("cannot find this program's own path to start the workers")?;
@@ -318,7 +318,7 @@ impl Fleet {
                     break;
                 }
             }
-            // Keep draining so the worker never blocks on a full pipe.
+            // Keep draining so the server never blocks on a full pipe.
             for _ in lines {}
         });
         let t0 = Instant::now();
@@ -358,7 +358,7 @@ impl Fleet {
         Ok(Proc { child, http, started: Instant::now() })
     }
 
-    /// Watches until asked to stop (`None`) or until it gives up on a worker (`Some(why)`).
+    /// Watches until asked to stop (`None`) or until it gives up on a server (`Some(why)`).
     fn watch(&mut self) -> Option<String> {
         loop {
             std::thread::sleep(Duration::from_millis(100));
@@ -410,7 +410,7 @@ impl Fleet {
         }
     }
 
-    /// Marks the worker down, stops what is left of it and schedules its restart.
+    /// Marks the server down, stops what is left of it and schedules its restart.
     fn take_down(&mut self, i: usize, event: &Event) {
         let policy = self.policy.clone();
         let slot = &mut self.slots[i];
@@ -434,7 +434,7 @@ impl Fleet {
         slot.health_misses = 0;
     }
 
-    /// Restarts the worker if its backoff is over; `Err` when it gives up on it.
+    /// Restarts the server if its backoff is over; `Err` when it gives up on it.
     fn restart_if_due(&mut self, i: usize) -> Result<(), String> {
         let slot = &self.slots[i];
         if slot.restart_at.is_none_or(|t| Instant::now() < t) {
@@ -471,7 +471,7 @@ impl Fleet {
         }
     }
 
-    /// SIGTERM to every worker at once, then waits for each (SIGKILL after the grace).
+    /// SIGTERM to every server at once, then waits for each (SIGKILL after the grace).
     fn stop_all(&mut self) {
         for s in &self.slots {
             if let Some(p) = &s.proc {
@@ -539,9 +539,9 @@ fn stop_child(child: &mut Child, engine_id: &str, grace: Duration) {
     remove_segments(child.id());
 }
 
-/// A worker that was killed (or crashed) cannot unlink its segments.
+/// A server that was killed (or crashed) cannot unlink its segments.
 fn remove_segments(pid: u32) {
-    crate::worker::shm::remove_segments_of(pid);
+    kvconnect_engine::shm::remove_segments_of(pid);
 }
 
 #[cfg(test)]

@@ -3,9 +3,9 @@
 //! truth for each from the reference engine run in-process as a single monolithic engine.
 
 use crate::server::openai::chat_prompt;
-use crate::worker::{local_effective_layout, tokenize, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
+use kvconnect_engine::{local_effective_layout, tokenize, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use serde_json::{json, Value};
 
 /// Which prompts the workload sends.
@@ -84,7 +84,7 @@ pub fn items(n: usize, kind: Prompts) -> Vec<Item> {
         .collect()
 }
 
-/// The reference model the deployment names (its `model`), which the workers run and the
+/// The reference model the deployment names (its `model`), which the servers run and the
 /// ground truth is computed with.
 pub fn reference_model(path: &std::path::Path) -> Result<ReferenceConfig> {
     let json =

@@ -23,7 +23,7 @@ pub mod scheduler;
 pub mod store;
 pub mod worker;
 
-use kvconnect_api::caps::KvRoleCap;
+use kvconnect_api::KvRole;
 use kvconnect_api::{
     serde_json, Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
     ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind, ModelSpec, SchedulerConnector,
@@ -88,12 +88,15 @@ impl ConnectorFactory for ExampleFactory {
             cache_dtypes: vec![],
             memory_kinds: vec![MemoryKind::Host],
             transfer_mode: TransferMode::None,
-            roles: vec![KvRoleCap::Producer, KvRoleCap::Consumer, KvRoleCap::Both],
+            roles: vec![KvRole::Producer, KvRole::Consumer, KvRole::Both],
             layerwise: true,
             heterogeneous_tp: false,
             mla: true,
             async_load: false,
             carries_state: false,
+            state_with_tp: false,
+            adapts_with_tp: false,
+            adapts_with_state: false,
             stores_opaque_blocks: false,
         })
     }

@@ -102,6 +102,7 @@ impl WorkerConnector for ExampleWorker {
         Ok(())
     }
 
+    // Loads complete here, so wait_for_layer_load keeps the trait's default.
     fn start_load_kv(&mut self) -> ConnectorResult<()> {
         let loads = std::mem::take(&mut self.meta.loads);
         for job in &loads {
@@ -111,11 +112,6 @@ impl WorkerConnector for ExampleWorker {
                 self.load_errors.extend(job.blocks.iter().copied());
             }
         }
-        Ok(())
-    }
-
-    fn wait_for_layer_load(&mut self, _layer: LayerId) -> ConnectorResult<()> {
-        // Loads complete inside start_load_kv.
         Ok(())
     }
 

@@ -4,7 +4,6 @@
 #![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
 #![allow(dead_code)]
 
-use kvconnect_api::caps::KvRoleCap;
 use kvconnect_api::geometry::{BlockShape, Geometry};
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, Capabilities, ChildCaps, ConnectorContext, ConnectorFactory,
@@ -48,7 +47,7 @@ pub fn effective(layout: KvLayout) -> EffectiveLayout {
 /// The effective layout negotiation gives flexkv next to a transport that requires HND.
 pub fn negotiated_with_hnd_transport() -> EffectiveLayout {
     let flex = kvconnect_flexkv::caps::capabilities(&KvTransferConfig::named("flexkv"), None).unwrap();
-    let hnd_transport = Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRoleCap::Both])
+    let hnd_transport = Capabilities::builder(TransferMode::Pull, [MemoryKind::Host], [KvRole::Both])
         .hma(true)
         .layout(LayoutConstraint { required: vec![KvLayout::HND], rejected: vec![], preferred: vec![] })
         .async_load(true)

@@ -60,7 +60,8 @@ pub struct ProducerMetadata {
     /// for models without state layers.
     #[serde(default, skip_serializing_if = "StateSlots::is_empty")]
     pub state: StateSlots,
-    /// Its process id (for messages).
+    /// Its process id, for messages only: nothing a consumer decides or addresses depends
+    /// on it.
     pub pid: u32,
     /// Its NIXL agent, when it runs backend `nixl`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -71,17 +72,15 @@ pub struct ProducerMetadata {
 }
 
 /// A producer's device regions as a same-host consumer opens them: one CUDA IPC handle
-/// (128 hex digits) per region, same order as `regions`, and each region's device address
-/// (used instead of the handle by a consumer in the same process, where CUDA refuses to open
-/// its own handles).
+/// (128 hex digits) per region, same order as `regions`. No device address: a consumer in
+/// the producer's own process (where CUDA refuses to open the process's own handles) finds
+/// the regions by handle among those its process exported (`crate::transport::cuda_ipc::exports`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CudaIpcMetadata {
     /// Device ordinal of the regions.
     pub device: i32,
     /// `cuIpcGetMemHandle` of each region, hex.
     pub handles: Vec<String>,
-    /// Device address of each region in the producer's process.
-    pub addrs: Vec<u64>,
     /// PCI bus id of that GPU: names it in the consumer's process whatever
     /// CUDA_VISIBLE_DEVICES numbers it there (absent from older producers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -112,6 +111,28 @@ fn is_one(n: &u32) -> bool {
     *n == 1
 }
 
+/// What names one producer to a consumer: its engine id and the side-channel address the
+/// host handshook with it at (empty when the envelope named none). Two producers claiming
+/// one engine id are two peers; everything a consumer keeps per producer (its metadata,
+/// connections, mappings, NIXL agent) is kept by this.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerKey {
+    /// The engine id it claims.
+    pub engine: String,
+    /// `host:port` of the side channel it was reached at.
+    pub side_channel: String,
+}
+
+impl std::fmt::Display for PeerKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.side_channel.is_empty() {
+            write!(f, "'{}'", self.engine)
+        } else {
+            write!(f, "'{}' at {}", self.engine, self.side_channel)
+        }
+    }
+}
+
 /// What a consumer knows of one producer.
 #[derive(Debug, Clone)]
 pub struct PeerInfo {
@@ -121,6 +142,12 @@ pub struct PeerInfo {
     pub addr: SocketAddr,
     /// Its geometry.
     pub geometry: Geometry,
+    /// The side-channel address the host reached it at (the envelope's `side_channel`; empty
+    /// when it names none).
+    pub side_channel: String,
+    /// Which handshake with it this is: a consumer numbers them, and state kept for an
+    /// earlier one (connections to a producer that may have restarted) is not reused.
+    pub generation: u64,
 }
 
 fn bad(msg: String) -> ConnectorError {
@@ -211,7 +238,12 @@ impl PeerInfo {
                 truncated(&meta.listen)
             ))
         })?;
-        Ok(PeerInfo { meta, addr, geometry })
+        Ok(PeerInfo { meta, addr, geometry, side_channel: String::new(), generation: 0 })
+    }
+
+    /// What names this peer.
+    pub fn key(&self) -> PeerKey {
+        PeerKey { engine: self.meta.engine_id.clone(), side_channel: self.side_channel.clone() }
     }
 
     /// Reads the host's handshake envelope (ARCHITECTURE.md §6) and checks the peer against this engine's geometry and
@@ -237,7 +269,17 @@ impl PeerInfo {
                 meta.engine_id
             )));
         }
-        let info = PeerInfo::from_metadata(meta)?;
+        let mut info = PeerInfo::from_metadata(meta)?;
+        info.side_channel = match env.get("side_channel") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(v) => {
+                return Err(bad(format!(
+                    "peer handshake envelope for '{engine_id}' has side_channel {}: expected a \"host:port\" string",
+                    truncated(&v.to_string())
+                )))
+            }
+        };
         info.check_receivable(own, own_groups)?;
         if let Some(plan) = env.get("plan").filter(|p| !p.is_null()) {
             info.check_plan(plan, own)?;
@@ -379,6 +421,20 @@ mod tests {
         let mut v6 = meta();
         v6.listen = "[::1]:5601".into();
         assert!(PeerInfo::from_metadata(v6).is_ok());
+    }
+
+    #[test]
+    fn the_envelopes_side_channel_names_the_peer_with_its_engine() {
+        let m = meta();
+        let own = PeerInfo::from_metadata(m.clone()).unwrap().geometry;
+        let env = |sc: Value| serde_json::json!({"engine_id": "prefill-0", "side_channel": sc, "peer": m});
+        let info = PeerInfo::from_envelope(&env(Value::from("10.0.0.5:5600")), &own, &m.groups).unwrap();
+        assert_eq!(info.key(), PeerKey { engine: "prefill-0".into(), side_channel: "10.0.0.5:5600".into() });
+        assert_eq!(info.key().to_string(), "'prefill-0' at 10.0.0.5:5600");
+        let info = PeerInfo::from_envelope(&env(Value::Null), &own, &m.groups).unwrap();
+        assert_eq!(info.key().side_channel, "");
+        let e = PeerInfo::from_envelope(&env(Value::from(5600)), &own, &m.groups).unwrap_err().to_string();
+        assert!(e.contains("side_channel 5600: expected a \"host:port\" string"), "{e}");
     }
 
     #[test]

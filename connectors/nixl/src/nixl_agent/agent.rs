@@ -6,8 +6,10 @@ use super::{NixlCallError, NixlMem, ReadPair, UCX};
 use crate::nixl_lib;
 use nixl_sys::{
     Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, RegistrationHandle,
-    XferDescList, XferOp, XferRequest, XferStatus,
+    XferDescList, XferDlistHandle, XferOp, XferRequest, XferStatus,
 };
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// NIXL's name for the status behind a `nixl_sys` error.
@@ -105,12 +107,43 @@ impl std::fmt::Debug for Transfer {
 /// nixl-sys notes that agents created concurrently may deadlock; creation is serialised.
 static CREATE: Mutex<()> = Mutex::new(());
 
+/// A descriptor list NIXL prepared (`prepXferDlist`), kept by the agent that made it.
+struct PreparedHandle(XferDlistHandle);
+
+// SAFETY: the handle is a pointer NIXL owns; it is only passed back to the agent that made
+// it (whose calls nixl-sys serialises under the agent's lock) and released in Drop, which
+// runs before that agent is dropped (it lives in the agent's own table, declared before it).
+unsafe impl Send for PreparedHandle {}
+// SAFETY: as above; shared use only reads the pointer.
+unsafe impl Sync for PreparedHandle {}
+
 /// A NIXL agent with the UCX backend and its registrations.
 pub struct NixlAgent {
+    // Field order is drop order: the prepared lists hold a pointer to the agent and are
+    // released first.
+    prepared: Mutex<HashMap<u64, PreparedHandle>>,
+    next_prepared: AtomicU64,
     agent: Agent,
     name: String,
     /// Memory types the UCX backend says it can move.
     mems: Vec<MemType>,
+}
+
+/// A descriptor list prepared once (`prepXferDlist`) over this agent's memory or a peer's:
+/// transfers then name its entries by index (`makeXferReq`), which NIXL merges where they are
+/// contiguous on both sides. Released by [`NixlAgent::release_prepared`], or with the agent.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Prepared {
+    id: u64,
+    entries: usize,
+    remote: Option<String>,
+}
+
+impl Prepared {
+    /// Its entries.
+    pub fn entries(&self) -> usize {
+        self.entries
+    }
 }
 
 /// A registered memory range; deregistered on drop.
@@ -138,7 +171,13 @@ impl NixlAgent {
             Ok((m, _)) => m.iter().filter_map(Result::ok).collect(),
             Err(_) => plugin_mems.iter().filter_map(Result::ok).collect(),
         };
-        Ok(NixlAgent { agent, name: name.to_owned(), mems })
+        Ok(NixlAgent {
+            prepared: Mutex::default(),
+            next_prepared: AtomicU64::new(0),
+            agent,
+            name: name.to_owned(),
+            mems,
+        })
     }
 
     /// Whether the UCX backend lists `mem`'s memory type among those it can move.
@@ -235,6 +274,72 @@ impl NixlAgent {
             .map_err(call(format!("createXferReq({})", op())))?;
         self.agent.post_xfer_req(&req, None).map_err(call(format!("postXferReq({})", op())))?;
         Ok(Transfer { req, bytes, descriptors: pairs.len() })
+    }
+
+    /// Prepares `ranges` (address, bytes) of memory of kind `mem` as one descriptor list:
+    /// this agent's registered memory (`remote` None), or agent `remote`'s (whose metadata
+    /// is loaded; NIXL checks every range against that agent's registrations now).
+    pub fn prepare(
+        &self,
+        remote: Option<&str>,
+        ranges: &[(usize, usize)],
+        mem: NixlMem,
+    ) -> Result<Prepared, NixlCallError> {
+        let mut list = XferDescList::new(mem_type(mem)).map_err(call("creating a descriptor list"))?;
+        for &(addr, len) in ranges {
+            list.add_desc(addr, len, device(mem));
+        }
+        let whose = remote.map_or_else(|| "this agent".to_owned(), |r| format!("agent '{r}'"));
+        let handle = self.agent.prepare_xfer_dlist(remote.unwrap_or(""), &list, None).map_err(call(
+            format!("prepXferDlist({} descriptors of {} of {whose})", ranges.len(), mem.describe()),
+        ))?;
+        let id = self.next_prepared.fetch_add(1, Ordering::Relaxed);
+        self.prepared.lock().unwrap_or_else(|p| p.into_inner()).insert(id, PreparedHandle(handle));
+        Ok(Prepared { id, entries: ranges.len(), remote: remote.map(str::to_owned) })
+    }
+
+    /// Releases a prepared list.
+    pub fn release_prepared(&self, p: Prepared) {
+        self.prepared.lock().unwrap_or_else(|p| p.into_inner()).remove(&p.id);
+    }
+
+    /// Posts one READ of entries `far_idx` of `far` (a peer's list) into entries `local_idx`
+    /// of `local` (this agent's), pairwise; `bytes` is what they add up to, for messages.
+    pub fn post_read_prepared(
+        &self,
+        local: &Prepared,
+        local_idx: &[i32],
+        far: &Prepared,
+        far_idx: &[i32],
+        bytes: u64,
+    ) -> Result<Transfer, NixlCallError> {
+        let remote = far.remote.as_deref().unwrap_or("?");
+        let op = || {
+            format!("READ of {bytes} bytes in {} prepared descriptors from agent '{remote}'", far_idx.len())
+        };
+        let bad = |what: &str| NixlCallError::Status {
+            op: format!("makeXferReq({})", op()),
+            status: "NIXL_ERR_INVALID_PARAM",
+            detail: what.to_owned(),
+        };
+        if local.remote.is_some() || far.remote.is_none() || local_idx.len() != far_idx.len() {
+            return Err(bad("a local list, a peer's list and as many entries of each are needed"));
+        }
+        let in_range = |idx: &[i32], n: usize| idx.iter().all(|&i| i >= 0 && (i as usize) < n);
+        if !in_range(local_idx, local.entries) || !in_range(far_idx, far.entries) {
+            return Err(bad("an index past the end of its prepared list"));
+        }
+        let req = {
+            let table = self.prepared.lock().unwrap_or_else(|p| p.into_inner());
+            let (Some(l), Some(f)) = (table.get(&local.id), table.get(&far.id)) else {
+                return Err(bad("a prepared list that was released"));
+            };
+            self.agent
+                .make_xfer_req(XferOp::Read, &l.0, local_idx, &f.0, far_idx, None)
+                .map_err(call(format!("makeXferReq({})", op())))?
+        };
+        self.agent.post_xfer_req(&req, None).map_err(call(format!("postXferReq({})", op())))?;
+        Ok(Transfer { req, bytes, descriptors: far_idx.len() })
     }
 
     /// `Ok(true)` once `t` completed, `Ok(false)` while in progress; never blocks.

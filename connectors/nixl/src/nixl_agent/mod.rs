@@ -11,9 +11,9 @@ mod agent;
 mod unbuilt;
 
 #[cfg(feature = "nixl")]
-pub use agent::{status_name, NixlAgent, Registration, Transfer};
+pub use agent::{status_name, NixlAgent, Prepared, Registration, Transfer};
 #[cfg(not(feature = "nixl"))]
-pub use unbuilt::{NixlAgent, Registration, Transfer};
+pub use unbuilt::{NixlAgent, Prepared, Registration, Transfer};
 
 use crate::nixl_lib::NixlLibError;
 

@@ -15,6 +15,17 @@ pub enum NixlAgent {}
 #[derive(Debug)]
 pub enum Registration {}
 
+/// A prepared descriptor list; none exists in this build.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Prepared {}
+
+impl Prepared {
+    /// Its entries.
+    pub fn entries(&self) -> usize {
+        match *self {}
+    }
+}
+
 /// A posted transfer; none exists in this build.
 #[derive(Debug)]
 pub enum Transfer {}
@@ -100,6 +111,33 @@ impl NixlAgent {
         _pairs: &[ReadPair],
         _local_mem: NixlMem,
         _far_mem: NixlMem,
+    ) -> Result<Transfer, NixlCallError> {
+        match *self {}
+    }
+
+    /// Unreachable: no agent exists.
+    pub fn prepare(
+        &self,
+        _remote: Option<&str>,
+        _ranges: &[(usize, usize)],
+        _mem: NixlMem,
+    ) -> Result<Prepared, NixlCallError> {
+        match *self {}
+    }
+
+    /// Unreachable: no agent exists.
+    pub fn release_prepared(&self, _p: Prepared) {
+        match *self {}
+    }
+
+    /// Unreachable: no agent exists.
+    pub fn post_read_prepared(
+        &self,
+        _local: &Prepared,
+        _local_idx: &[i32],
+        _far: &Prepared,
+        _far_idx: &[i32],
+        _bytes: u64,
     ) -> Result<Transfer, NixlCallError> {
         match *self {}
     }

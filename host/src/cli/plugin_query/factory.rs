@@ -42,7 +42,7 @@ fn open(query: &Arc<QueryProcess>, path: &Path, options: &LoaderOptions) -> Resu
 
 /// A plugin's factory, answered by query processes: its info and its capabilities for the
 /// config the opening query asked about come from that query; any other capability query
-/// runs another. It creates no connectors: workers load plugins themselves.
+/// runs another. It creates no connectors: servers load plugins themselves.
 struct QueriedFactory {
     query: Arc<QueryProcess>,
     path: PathBuf,

@@ -5,7 +5,7 @@
 //! plugin that aborts, segfaults or hangs is refused with one line naming its file and the
 //! signal or the time limit; the other connectors are listed as usual.
 //!
-//! The child runs the same loader workers use and answers with what it gave, so the
+//! The child runs the same loader servers use and answers with what it gave, so the
 //! entries, capabilities and refusals read exactly as if the plugin had been loaded here.
 //! Built-ins are queried in this process.
 

@@ -130,6 +130,27 @@ pub enum LoadError {
         /// The host's kvconnect-api version.
         host_sdk: String,
     },
+    /// A vtable shorter than the minor the plugin declares defines it: built from mismatched
+    /// definitions.
+    #[error("plugin {path}: declares ABI {plugin_major}.{plugin_minor} but its {what} is {found} bytes, short of the {needed} bytes that {plugin_major}.{plugin_minor} defines, so it was built from mismatched definitions ({}) — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
+    ShortForItsMinor {
+        /// The file.
+        path: String,
+        /// Which struct.
+        what: &'static str,
+        /// Its declared size.
+        found: usize,
+        /// What its declared minor defines.
+        needed: usize,
+        /// The plugin's ABI major.
+        plugin_major: u16,
+        /// The plugin's ABI minor.
+        plugin_minor: u16,
+        /// The plugin's SDK version.
+        plugin_sdk: String,
+        /// The host's kvconnect-api version.
+        host_sdk: String,
+    },
     /// A layout fingerprint that is not ABI 1's.
     #[error("plugin {path}: ABI layout fingerprint {found:#018x} is not the {expected:#018x} that ABI {host_major}.x has on this host (plugin built for ABI {plugin_major}.{plugin_minor} with {} by {plugin_rustc}): it was built for another target or against a modified kvconnect-api or header — {} for this target", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     Fingerprint {
@@ -254,6 +275,7 @@ impl LoadError {
             | LoadError::BadMagic { path, .. }
             | LoadError::AbiMajor { path, .. }
             | LoadError::TooShort { path, .. }
+            | LoadError::ShortForItsMinor { path, .. }
             | LoadError::Fingerprint { path, .. }
             | LoadError::MissingEntry { path, .. }
             | LoadError::StartFailed { path, .. }
@@ -573,6 +595,25 @@ fn checked_entries(
     ] {
         if found < needed {
             return Err(header.too_short(shown, what, found, needed));
+        }
+    }
+    // A plugin exports every entry of the minor it declares (those this host knows).
+    for (what, found, needed) in [
+        ("factory vtable", fsize, abi::FactoryVTable::min_size_for_minor(header.minor)),
+        ("scheduler vtable", ssize, abi::SchedulerVTable::min_size_for_minor(header.minor)),
+        ("worker vtable", wsize, abi::WorkerVTable::min_size_for_minor(header.minor)),
+    ] {
+        if found < needed {
+            return Err(LoadError::ShortForItsMinor {
+                path: shown.to_owned(),
+                what,
+                found,
+                needed,
+                plugin_major: header.major,
+                plugin_minor: header.minor,
+                plugin_sdk: header.plugin_sdk.clone(),
+                host_sdk: abi::SDK_VERSION.into(),
+            });
         }
     }
     // SAFETY: each vtable is 'static data in the plugin, `struct_size` bytes long as it

@@ -9,23 +9,25 @@
 //! `finished_sending`. Async loads keep the request out of compute until `get_finished`
 //! reports it received (or failed: then `kv_load_failure_policy` decides).
 
-use crate::worker::device_pool::DeviceMirror;
-use crate::worker::error::WorkerError;
-use crate::worker::forward::{forward_layer, Scratch};
-use crate::worker::kv_codec;
-use crate::worker::model::{ReferenceConfig, ReferenceModel};
-use crate::worker::pool::KvPool;
-use crate::worker::prefix_cache::block_hashes;
-use crate::worker::prng::SplitMix64;
-use crate::worker::sampling::{self, SamplingParams, TokenLogprobs};
-use crate::worker::state_layer;
+use crate::device_pool::DeviceMirror;
+use crate::error::EngineError;
+use crate::forward::Scratch;
+use crate::kv_codec;
+use crate::model::{ReferenceConfig, ReferenceModel};
+use crate::pool::KvPool;
+use crate::prefix_cache::block_hashes;
+use crate::prng::SplitMix64;
+use crate::sampling::{SamplingParams, TokenLogprobs};
+use crate::state_layer;
 use kvconnect_api::{
-    AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, LayerId, MatchResult,
-    MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
+    AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, MatchResult,
+    MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, WorkerConnector,
 };
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
+
+mod step;
 
 /// How to build an engine.
 #[derive(Debug, Clone)]
@@ -256,8 +258,8 @@ impl std::fmt::Debug for Engine {
     }
 }
 
-fn conn_err(method: &'static str) -> impl FnOnce(kvconnect_api::ConnectorError) -> WorkerError {
-    move |source| WorkerError::Connector { method, source }
+fn conn_err(method: &'static str) -> impl FnOnce(kvconnect_api::ConnectorError) -> EngineError {
+    move |source| EngineError::Connector { method, source }
 }
 
 impl Engine {
@@ -267,26 +269,26 @@ impl Engine {
         cfg: EngineConfig,
         connector: Option<Connector>,
         policy: FailurePolicy,
-    ) -> Result<Engine, WorkerError> {
+    ) -> Result<Engine, EngineError> {
         let model = ReferenceModel::new(&cfg.model, cfg.seed)?;
         let spec = cfg.model.model_spec()?;
         if !kv_codec::supported(cfg.effective.cache_dtype) {
-            return Err(WorkerError::Layout(format!(
+            return Err(EngineError::Layout(format!(
                 "cache dtype {:?} is not supported by the reference engine; use bf16 or f32",
                 cfg.effective.cache_dtype
             )));
         }
         if spec.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. } | AttentionKind::FeedForward)) {
-            return Err(WorkerError::ModelConfig(
+            return Err(EngineError::ModelConfig(
                 "the reference engine runs full and sliding-window attention and state layers only".into(),
             ));
         }
         if spec.has_state_layers() && cfg.effective.memory == MemoryKind::Device {
-            return Err(WorkerError::Layout(
+            return Err(EngineError::Layout(
                 "not implemented: state layers with KV in device memory; use kv_buffer_device \"cpu\"".into(),
             ));
         }
-        let pool = crate::worker::tp::pool(&spec, &cfg)?;
+        let pool = crate::tp::pool(&spec, &cfg)?;
         let device = match cfg.effective.memory {
             MemoryKind::Device => Some(DeviceMirror::new(&pool)?),
             _ => None,
@@ -323,9 +325,9 @@ impl Engine {
     /// with the same tokens reuses them instead of computing or loading them.
     ///
     /// Refused for models with state layers: a cached prefix holds KV, not the state after it.
-    pub fn enable_prefix_caching(&mut self) -> Result<(), WorkerError> {
+    pub fn enable_prefix_caching(&mut self) -> Result<(), EngineError> {
         if self.pool.has_state() {
-            return Err(WorkerError::ModelConfig(format!(
+            return Err(EngineError::ModelConfig(format!(
                 "not implemented: prefix caching for model '{}', whose state layers keep a per-request state that cached KV blocks do not restore; serve it without --enable-prefix-caching",
                 self.spec.name
             )));
@@ -336,12 +338,12 @@ impl Engine {
 
     /// Queues a request. Refused: an empty prompt, a token past 255, `max_tokens == 0`, an id
     /// already in use, or a request that needs more blocks than the pool has.
-    pub fn add_request(&mut self, r: GenRequest) -> Result<(), WorkerError> {
-        let bad = |reason: String| Err(WorkerError::BadRequest { id: r.id.clone(), reason });
+    pub fn add_request(&mut self, r: GenRequest) -> Result<(), EngineError> {
+        let bad = |reason: String| Err(EngineError::BadRequest { id: r.id.clone(), reason });
         if r.prompt.is_empty() {
             return bad("the prompt is empty; send at least one token".into());
         }
-        if let Some(t) = r.prompt.iter().find(|t| **t >= crate::worker::tokenizer::VOCAB_SIZE) {
+        if let Some(t) = r.prompt.iter().find(|t| **t >= crate::tokenizer::VOCAB_SIZE) {
             return bad(format!("token id {t} is outside the byte vocabulary (0..=255)"));
         }
         if r.max_tokens == 0 {
@@ -351,7 +353,7 @@ impl Engine {
             return bad(why);
         }
         if self.by_id.contains_key(&r.id) || self.pending_free.contains_key(&r.id) {
-            return Err(WorkerError::DuplicateId { id: r.id.clone() });
+            return Err(EngineError::DuplicateId { id: r.id.clone() });
         }
         let need = self.blocks_needed(r.prompt.len(), r.max_tokens);
         if need > self.pool.blocks_per_group() as usize {
@@ -461,7 +463,7 @@ impl Engine {
 
     /// Shuts the connector's worker half down (also done on drop; only the first call
     /// reaches the connector).
-    pub fn shutdown(&mut self) -> Result<(), WorkerError> {
+    pub fn shutdown(&mut self) -> Result<(), EngineError> {
         if std::mem::replace(&mut self.shut_down, true) {
             return Ok(());
         }
@@ -473,14 +475,14 @@ impl Engine {
 
     /// Runs steps until every request has finished; returns them in the order they were
     /// added. Fails with `Stalled` after `max_steps` steps.
-    pub fn run_to_completion(&mut self, max_steps: u64) -> Result<Vec<Completion>, WorkerError> {
+    pub fn run_to_completion(&mut self, max_steps: u64) -> Result<Vec<Completion>, EngineError> {
         let order: BTreeMap<String, u64> = self.by_id.clone();
         let mut done: BTreeMap<u64, Completion> = BTreeMap::new();
         let mut partial: BTreeMap<String, Completion> = BTreeMap::new();
         let mut steps = 0;
         while self.has_unfinished() {
             if steps == max_steps {
-                return Err(WorkerError::Stalled { steps, waiting: self.by_id.keys().cloned().collect() });
+                return Err(EngineError::Stalled { steps, waiting: self.by_id.keys().cloned().collect() });
             }
             steps += 1;
             for o in self.step()? {
@@ -515,284 +517,16 @@ impl Engine {
 
     /// Runs (idle) steps until the connector has released every delayed block; fails with
     /// `Stalled` after `max_steps`.
-    pub fn wait_for_pending_frees(&mut self, max_steps: u64) -> Result<(), WorkerError> {
+    pub fn wait_for_pending_frees(&mut self, max_steps: u64) -> Result<(), EngineError> {
         let mut steps = 0;
         while !self.pending_free.is_empty() {
             if steps == max_steps {
-                return Err(WorkerError::Stalled { steps, waiting: self.pending_frees() });
+                return Err(EngineError::Stalled { steps, waiting: self.pending_frees() });
             }
             steps += 1;
             self.step()?;
         }
         Ok(())
-    }
-
-    /// One scheduler + worker step.
-    pub fn step(&mut self) -> Result<Vec<RequestOutput>, WorkerError> {
-        let t0 = Instant::now();
-        let mut conn_time = Duration::ZERO;
-        self.step_no += 1;
-        let mut outputs = Vec::new();
-        // Set again by `admit` for loads of this step (a failed earlier step may have left it).
-        for s in self.seqs.values_mut() {
-            s.loaded_this_step = false;
-        }
-
-        // Scheduler: admit waiting requests in arrival order.
-        let waiting: Vec<u64> =
-            self.seqs.iter().filter(|(_, s)| s.state == State::Waiting).map(|(k, _)| *k).collect();
-        for key in waiting {
-            let t = Instant::now();
-            let admitted = self.admit(key, &mut outputs);
-            conn_time += t.elapsed();
-            if !admitted? {
-                break; // out of blocks: later requests wait too (first come, first served)
-            }
-        }
-        let scheduled: Vec<u64> =
-            self.seqs.iter().filter(|(_, s)| s.state == State::Running).map(|(k, _)| *k).collect();
-        let info = StepInfo {
-            step: self.step_no,
-            scheduled: scheduled.iter().filter_map(|k| self.seqs.get(k)).map(|s| s.req.id.clone()).collect(),
-            finished: std::mem::take(&mut self.finished_since_last),
-        };
-
-        // Worker: bind metadata, start loads.
-        let mut load_failed: BTreeMap<u64, String> = BTreeMap::new();
-        let t = Instant::now();
-        if let Some((sched, worker)) = self.connector.as_mut() {
-            let meta = sched.build_connector_meta(&info).map_err(conn_err("build_connector_meta"))?;
-            worker.bind_connector_meta(&meta).map_err(conn_err("bind_connector_meta"))?;
-            if let Err(e) = worker.start_load_kv() {
-                for k in &scheduled {
-                    if self.seqs.get(k).is_some_and(|s| s.loaded_this_step) {
-                        load_failed.insert(*k, format!("start_load_kv failed: {e}"));
-                    }
-                }
-            }
-        }
-        // Synchronous loads into device regions (lmcache) are complete when start_load_kv
-        // returns: bring them into the working copy before the forward reads it.
-        if let Some(dm) = &self.device {
-            if scheduled.iter().any(|k| self.seqs.get(k).is_some_and(|s| s.loaded_this_step)) {
-                dm.download_all(&self.pool)?;
-            }
-        }
-        conn_time += t.elapsed();
-
-        // Forward, layer by layer across the scheduled requests.
-        let mut compute = Duration::ZERO;
-        let d = self.model.hidden();
-        let mut hs: Vec<(u64, usize, Vec<f32>)> = Vec::with_capacity(scheduled.len());
-        let (mut prefill_tokens, mut decode_tokens) = (0, 0);
-        for k in &scheduled {
-            let Some(s) = self.seqs.get(k) else { continue };
-            let (start, end) = (s.num_computed, s.seq_len());
-            let mut h = vec![0.0f32; (end - start) * d];
-            for (i, pos) in (start..end).enumerate() {
-                self.model.embed(s.token(pos), &mut h[i * d..(i + 1) * d]);
-            }
-            if s.output.is_empty() {
-                prefill_tokens += end - start;
-            } else {
-                decode_tokens += end - start;
-            }
-            hs.push((*k, start, h));
-        }
-        for layer in 0..self.spec.layers.len() {
-            let lid = LayerId(layer as u32);
-            let t = Instant::now();
-            if let Some((_, worker)) = self.connector.as_mut() {
-                if let Err(e) = worker.wait_for_layer_load(lid) {
-                    for k in &scheduled {
-                        if self.seqs.get(k).is_some_and(|s| s.loaded_this_step) {
-                            load_failed
-                                .entry(*k)
-                                .or_insert_with(|| format!("wait_for_layer_load({layer}) failed: {e}"));
-                        }
-                    }
-                }
-            }
-            conn_time += t.elapsed();
-            let t = Instant::now();
-            if let Some(sg) = self.pool.state_group_of(lid) {
-                let slots = self.forward_state(layer, sg, &mut hs)?;
-                compute += t.elapsed();
-                if let Some((_, worker)) = self.connector.as_mut() {
-                    worker.save_kv_layer(lid, &slots).map_err(conn_err("save_kv_layer"))?;
-                }
-                continue;
-            }
-            let group = self
-                .pool
-                .group_of(lid)
-                .ok_or_else(|| WorkerError::Layout(format!("layer {layer} is in no KV cache group")))?;
-            let mut written: BTreeSet<BlockId> = BTreeSet::new();
-            for (k, start, h) in hs.iter_mut() {
-                let Some(blocks) = self.seqs.get(k).and_then(|s| s.blocks.as_ref()) else { continue };
-                let table = blocks.0.get(group).map(Vec::as_slice).unwrap_or(&[]);
-                let w = forward_layer(&self.model, &self.pool, layer, table, *start, h, &mut self.scratch)?;
-                written.extend(w);
-            }
-            compute += t.elapsed();
-            let t = Instant::now();
-            let ids: Vec<BlockId> = written.into_iter().collect();
-            if let Some(dm) = &self.device {
-                dm.upload_blocks(&self.pool, lid, &ids)?;
-            }
-            if let Some((_, worker)) = self.connector.as_mut() {
-                worker.save_kv_layer(lid, &ids).map_err(conn_err("save_kv_layer"))?;
-            }
-            conn_time += t.elapsed();
-        }
-
-        // Worker: finish saves, collect finished transfers and load errors.
-        let t = Instant::now();
-        let mut fin = kvconnect_api::FinishedTransfers::default();
-        let mut err_blocks: BTreeSet<BlockId> = BTreeSet::new();
-        if let Some((_, worker)) = self.connector.as_mut() {
-            worker.wait_for_save().map_err(conn_err("wait_for_save"))?;
-            fin = worker.get_finished(&info.finished).map_err(conn_err("get_finished"))?;
-            err_blocks = worker
-                .block_ids_with_load_errors()
-                .map_err(conn_err("block_ids_with_load_errors"))?
-                .into_iter()
-                .collect();
-        }
-        if !fin.finished_recving.is_empty() {
-            if let Some(dm) = &self.device {
-                dm.download_all(&self.pool)?;
-            }
-        }
-        conn_time += t.elapsed();
-
-        // Loads that completed or failed.
-        let recvd: BTreeSet<&str> = fin.finished_recving.iter().map(|r| r.0.as_str()).collect();
-        let failed_recv: BTreeSet<&str> = fin.failed_recving.iter().map(|r| r.0.as_str()).collect();
-        let bs = self.pool.effective().block_size as usize;
-        for (k, s) in self.seqs.iter_mut() {
-            let id = s.req.id.0.as_str();
-            let waiting = s.state == State::WaitingForRemoteKv;
-            // A bad block of a load still in flight is remembered and acted on once the
-            // connector is done with the request: recomputing into blocks a connector may
-            // still be writing would race with it.
-            if (s.loaded_this_step || waiting) && !err_blocks.is_empty() && s.load_error.is_none() {
-                // The blocks the load wrote: past the cached prefix, up to its last token.
-                let (first, end) = (s.cached / bs, (s.cached + s.external).div_ceil(bs));
-                s.load_error = s.blocks.as_ref().and_then(|bl| {
-                    bl.0.iter()
-                        .flat_map(|g| g.iter().skip(first).take(end.saturating_sub(first)))
-                        .find(|b| err_blocks.contains(b))
-                        .map(|b| format!("the connector could not load block {b}"))
-                });
-            }
-            if waiting && failed_recv.contains(id) {
-                load_failed
-                    .entry(*k)
-                    .or_insert_with(|| "the connector reported the async KV load as failed".into());
-            } else if s.loaded_this_step || (waiting && recvd.contains(id)) {
-                if let Some(why) = s.load_error.take() {
-                    load_failed.entry(*k).or_insert(why);
-                }
-            }
-        }
-        let mut to_finish: Vec<(u64, FinishReason)> = Vec::new();
-        for (k, why) in &load_failed {
-            let Some(s) = self.seqs.get_mut(k) else { continue };
-            match self.policy {
-                FailurePolicy::Recompute => {
-                    tracing::warn!(request = %s.req.id, reason = %why, "KV load failed; recomputing the prompt");
-                    s.kv_load_failure = Some(why.clone());
-                    s.num_computed = s.cached;
-                    s.external = 0;
-                    s.state = State::Running;
-                }
-                FailurePolicy::Fail => to_finish.push((
-                    *k,
-                    FinishReason::Error(format!(
-                        "KV load of {} external tokens failed ({why}) and kv_load_failure_policy is 'fail'",
-                        s.external
-                    )),
-                )),
-            }
-        }
-        for s in self.seqs.values_mut() {
-            if s.state == State::WaitingForRemoteKv && recvd.contains(s.req.id.0.as_str()) {
-                s.state = State::Running;
-                s.num_computed = s.cached + s.external;
-            }
-        }
-
-        // Sample the computed requests.
-        let t = Instant::now();
-        for (k, _, h) in &hs {
-            if load_failed.contains_key(k) {
-                continue;
-            }
-            let Some(s) = self.seqs.get_mut(k) else { continue };
-            // Every scheduled request has at least one token to compute (admission leaves one).
-            let Some(last) = h.len().checked_sub(d).map(|i| &h[i..]) else { continue };
-            let logits = self.model.logits(last);
-            let tok = sampling::sample(&logits, &s.sampling, &mut s.rng);
-            let logprobs: Vec<TokenLogprobs> =
-                s.sampling.logprobs.map(|n| sampling::token_logprobs(&logits, tok, n)).into_iter().collect();
-            s.num_computed = s.seq_len();
-            s.output.push(tok);
-            let first = s.output.len() == 1;
-            outputs.push(RequestOutput {
-                id: s.req.id.0.clone(),
-                new_tokens: vec![tok],
-                logprobs,
-                finished: None,
-                kv_transfer_params: None,
-                first_token_latency: first.then(|| s.added.elapsed()),
-                num_external_tokens: if first { s.external } else { 0 },
-                num_cached_tokens: if first { s.cached } else { 0 },
-                kv_load_failure: if first { s.kv_load_failure.clone() } else { None },
-            });
-            // A stop sequence that completes on the last allowed token still says "stop".
-            if let Some(matched_tokens) = sampling::stop_match(&s.output, &s.sampling) {
-                to_finish.push((*k, FinishReason::Stop { matched_tokens }));
-            } else if s.output.len() >= s.max_tokens {
-                to_finish.push((*k, FinishReason::Length));
-            }
-        }
-        compute += t.elapsed();
-        self.free_out_of_window_blocks();
-        let t = Instant::now();
-        for (k, why) in to_finish {
-            self.end(k, why, &mut outputs, true);
-        }
-        for r in &fin.finished_sending {
-            match self.pending_free.remove(&r.0) {
-                Some(b) => self.pool.release(&b),
-                None if self.by_id.contains_key(&r.0) => {
-                    self.sent_early.insert(r.0.clone());
-                }
-                None => {
-                    tracing::debug!(request = %r, "finished_sending for a request without delayed blocks")
-                }
-            }
-        }
-        conn_time += t.elapsed();
-        for s in self.seqs.values_mut() {
-            s.loaded_this_step = false;
-        }
-        self.stats = Some(StepStats {
-            step: self.step_no,
-            scheduled: hs.len(),
-            prefill_tokens,
-            decode_tokens,
-            waiting_for_remote_kv: self
-                .seqs
-                .values()
-                .filter(|s| s.state == State::WaitingForRemoteKv)
-                .count(),
-            elapsed: t0.elapsed(),
-            compute,
-            connector: conn_time,
-        });
-        Ok(outputs)
     }
 
     /// Runs state layer `layer` (of state group `sg`) for every scheduled request; returns
@@ -802,13 +536,13 @@ impl Engine {
         layer: usize,
         sg: usize,
         hs: &mut [(u64, usize, Vec<f32>)],
-    ) -> Result<Vec<BlockId>, WorkerError> {
+    ) -> Result<Vec<BlockId>, EngineError> {
         let list = self.pool.num_groups() + sg;
         let mut written = Vec::new();
         for (k, start, h) in hs.iter_mut() {
             let Some(blocks) = self.seqs.get(k).and_then(|s| s.blocks.as_ref()) else { continue };
             let slot = blocks.0.get(list).and_then(|l| l.first()).copied().ok_or_else(|| {
-                WorkerError::Layout(format!("a request has no state slot for state layer {layer}"))
+                EngineError::Layout(format!("a request has no state slot for state layer {layer}"))
             })?;
             state_layer::forward_state_layer(
                 &self.model,
@@ -826,7 +560,7 @@ impl Engine {
     }
 
     /// Looks a waiting request up and allocates its blocks. Ok(false): no room now.
-    fn admit(&mut self, key: u64, outputs: &mut Vec<RequestOutput>) -> Result<bool, WorkerError> {
+    fn admit(&mut self, key: u64, outputs: &mut Vec<RequestOutput>) -> Result<bool, EngineError> {
         let Some(s) = self.seqs.get(&key) else { return Ok(true) };
         let prompt_len = s.req.prompt_tokens.len();
         let need = self.blocks_needed(prompt_len, s.max_tokens);
@@ -1067,8 +801,10 @@ impl Drop for Engine {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::pool::local_effective_layout;
-    use kvconnect_api::{ConnectorResult, Dtype, FinishedTransfers, KvLayout, RequestFinished};
+    use crate::pool::local_effective_layout;
+    use kvconnect_api::{
+        ConnectorResult, Dtype, FinishedTransfers, KvLayout, LayerId, RequestFinished, StepInfo,
+    };
     use std::sync::{Arc, Mutex};
 
     type Log = Arc<Mutex<Vec<String>>>;
@@ -1261,7 +997,7 @@ mod tests {
 #[cfg(test)]
 mod window_tests {
     use super::*;
-    use crate::worker::pool::local_effective_layout;
+    use crate::pool::local_effective_layout;
     use kvconnect_api::{Dtype, KvLayout};
 
     fn engine(hma: bool) -> Engine {

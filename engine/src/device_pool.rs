@@ -18,8 +18,8 @@
 
 #![allow(unsafe_code)] // Vouches for device-mirrored KV regions and stages them through host memory.
 
-use crate::worker::error::WorkerError;
-use crate::worker::pool::KvPool;
+use crate::error::EngineError;
+use crate::pool::KvPool;
 use kvconnect_api::{BlockId, KvRegion, LayerId};
 
 /// The environment variable that picks the GPU (ordinal, default 0).
@@ -31,8 +31,8 @@ mod imp {
     use kvconnect_api::{KvRegionSpec, MemoryKind};
     use kvconnect_cuda::{DeviceBuffer, Gpu};
 
-    fn dev_err(what: &str, e: impl std::fmt::Display) -> WorkerError {
-        WorkerError::Device(format!("{what}: {e}"))
+    fn dev_err(what: &str, e: impl std::fmt::Display) -> EngineError {
+        EngineError::Device(format!("{what}: {e}"))
     }
 
     /// The device copy of a pool's regions.
@@ -53,10 +53,10 @@ mod imp {
 
     impl DeviceMirror {
         /// Allocates one device region per pool region, zeroed like the pool.
-        pub fn new(pool: &KvPool) -> Result<DeviceMirror, WorkerError> {
+        pub fn new(pool: &KvPool) -> Result<DeviceMirror, EngineError> {
             let ordinal = match std::env::var(GPU_ENV) {
                 Ok(s) => s.trim().parse::<usize>().map_err(|_| {
-                    WorkerError::Device(format!("{GPU_ENV}='{s}' is not a GPU ordinal (0, 1, ...)"))
+                    EngineError::Device(format!("{GPU_ENV}='{s}' is not a GPU ordinal (0, 1, ...)"))
                 })?,
                 Err(_) => 0,
             };
@@ -96,16 +96,16 @@ mod imp {
             pool: &KvPool,
             layer: LayerId,
             blocks: &[BlockId],
-        ) -> Result<(), WorkerError> {
+        ) -> Result<(), EngineError> {
             let mem = pool.memory();
             for &b in blocks {
                 for part in 0..pool.shape().kv_parts {
-                    let span = mem.span(layer, part, b).map_err(|e| WorkerError::Access(e.to_string()))?;
-                    let bytes = mem.slice(span).map_err(|e| WorkerError::Access(e.to_string()))?;
+                    let span = mem.span(layer, part, b).map_err(|e| EngineError::Access(e.to_string()))?;
+                    let bytes = mem.slice(span).map_err(|e| EngineError::Access(e.to_string()))?;
                     let buf = self
                         .bufs
                         .get(span.region)
-                        .ok_or_else(|| WorkerError::Access(format!("no device region {}", span.region)))?;
+                        .ok_or_else(|| EngineError::Access(format!("no device region {}", span.region)))?;
                     self.gpu
                         .upload(buf.ptr() + span.offset as u64, bytes)
                         .map_err(|e| dev_err("upload", e))?;
@@ -115,12 +115,12 @@ mod imp {
         }
 
         /// Copies every region down into the engine's working copy.
-        pub fn download_all(&self, pool: &KvPool) -> Result<(), WorkerError> {
+        pub fn download_all(&self, pool: &KvPool) -> Result<(), EngineError> {
             for (i, buf) in self.bufs.iter().enumerate() {
                 let (base, len) = pool
                     .memory()
                     .region_base(i)
-                    .ok_or_else(|| WorkerError::Access(format!("no host region {i}")))?;
+                    .ok_or_else(|| EngineError::Access(format!("no host region {i}")))?;
                 let len = len.min(buf.len());
                 // SAFETY: `base..base+len` is the pool's own host region, alive as long as the
                 // pool; no connector sees it (they see the device regions) and the engine is
@@ -143,8 +143,8 @@ mod imp {
 
     impl DeviceMirror {
         /// Always an error: this build has no GPU support.
-        pub fn new(_pool: &KvPool) -> Result<DeviceMirror, WorkerError> {
-            Err(WorkerError::Device(
+        pub fn new(_pool: &KvPool) -> Result<DeviceMirror, EngineError> {
+            Err(EngineError::Device(
                 "kv_buffer_device=\"cuda\" asks for KV regions in GPU memory, but this kvconnect was built without GPU support: rebuild with `cargo build --release -p kvconnect-host --features cuda`, or use kv_buffer_device=\"cpu\"".into(),
             ))
         }
@@ -155,12 +155,12 @@ mod imp {
         }
 
         /// Never called (no value exists).
-        pub fn upload_blocks(&self, _: &KvPool, _: LayerId, _: &[BlockId]) -> Result<(), WorkerError> {
+        pub fn upload_blocks(&self, _: &KvPool, _: LayerId, _: &[BlockId]) -> Result<(), EngineError> {
             match *self {}
         }
 
         /// Never called (no value exists).
-        pub fn download_all(&self, _: &KvPool) -> Result<(), WorkerError> {
+        pub fn download_all(&self, _: &KvPool) -> Result<(), EngineError> {
             match *self {}
         }
     }
@@ -170,7 +170,7 @@ pub use imp::DeviceMirror;
 
 #[cfg(all(test, not(feature = "cuda")))]
 mod tests {
-    use crate::worker::{local_effective_layout, Engine, EngineConfig, ReferenceConfig};
+    use crate::{local_effective_layout, Engine, EngineConfig, ReferenceConfig};
     use kvconnect_api::{Dtype, FailurePolicy, KvLayout, MemoryKind};
 
     #[test]

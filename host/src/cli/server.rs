@@ -1,18 +1,18 @@
-//! `kvconnect worker`: runs one prefill or decode worker, negotiated from a deployment file
+//! `kvconnect worker`: runs one prefill or decode server, negotiated from a deployment file
 //! (alone, or jointly with its peer's config with `--joint`) or from a kv-transfer-config and
 //! a model, alone, as vLLM does.
 
 use super::config_arg::read_config;
-use crate::deployment::{negotiate_role, negotiate_worker, parse_cache_dtype, Deployment, Role};
+use crate::deployment::{negotiate_alone, negotiate_role, parse_cache_dtype, Deployment, Negotiating};
 use crate::registry::Registry;
 use crate::server::producers::Producers;
-use crate::server::{run as run_worker, WorkerSpec};
+use crate::server::{run as run_server, ServerSpec};
 use crate::sidechannel::{
     SideChannelConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT,
 };
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::{EngineOptions, HmaOption};
-use kvconnect_api::{KvLayout, KvRole, KvTransferConfig, ModelSpec};
+use kvconnect_api::{KvLayout, KvTransferConfig, ModelSpec, Role};
 use kvconnect_nixl::auth::{Secret, SECRET_ENV};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -20,7 +20,7 @@ use std::time::Duration;
 
 /// Arguments of `kvconnect worker`.
 #[derive(Debug, Clone, clap::Args)]
-pub struct WorkerArgs {
+pub struct ServerArgs {
     /// A deployment file (TOML); with --role, runs that role's worker.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["kv_transfer_config", "model"])]
     pub deployment: Option<PathBuf>,
@@ -64,6 +64,13 @@ pub struct WorkerArgs {
     /// Side-channel port (0 = any free port; the chosen one is printed).
     #[arg(long = "side-channel-port", value_name = "P", default_value_t = 0)]
     pub side_channel_port: u16,
+    /// Seconds a side-channel peer may take to start a frame, then to send it whole, and to
+    /// take each answer; its connection is closed past that.
+    #[arg(long = "side-channel-timeout", value_name = "SECONDS", default_value_t = DEFAULT_READ_TIMEOUT.as_secs_f64())]
+    pub side_channel_timeout: f64,
+    /// Side-channel connections served at once; more are closed at once.
+    #[arg(long = "side-channel-max-connections", value_name = "N", default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    pub side_channel_max_connections: usize,
     /// A file holding the deployment's data-plane secret (mode 0600; the same on every
     /// worker). Default: $KVCONNECT_SIDE_CHANNEL_TOKEN. Required when the side channel or the
     /// nixl listener binds beyond loopback. Never given on the command line itself.
@@ -112,12 +119,20 @@ pub struct WorkerArgs {
     /// Seconds a client may take to send a request's body; slower ones get 408.
     #[arg(long = "request-body-timeout", value_name = "SECONDS", default_value_t = crate::server::gate::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
     pub request_body_timeout: f64,
+    /// Seconds a whole request may take (its body, its run, its streamed answer); past it a
+    /// whole answer is 504, a stream ends with an error event, and the request is cancelled.
+    #[arg(long = "request-timeout", value_name = "SECONDS", default_value_t = crate::server::gate::DEFAULT_RUN_TIMEOUT.as_secs_f64())]
+    pub request_timeout: f64,
+    /// HTTP connections open at once (idle kept-alive ones count); past it a new connection
+    /// is answered 503 and closed.
+    #[arg(long = "max-connections", value_name = "N", default_value_t = crate::server::serve::DEFAULT_MAX_CONNECTIONS)]
+    pub max_connections: usize,
     /// Seconds a handshake with a peer may take.
     #[arg(long = "handshake-timeout", value_name = "SECONDS", default_value_t = 10.0)]
     pub handshake_timeout: f64,
 }
 
-fn options(a: &WorkerArgs) -> Result<EngineOptions> {
+fn options(a: &ServerArgs) -> Result<EngineOptions> {
     let mut o = EngineOptions {
         hybrid_kv_cache_manager: a
             .hybrid_kv_cache_manager
@@ -153,16 +168,14 @@ fn device_kv_available(o: &EngineOptions) -> Result<()> {
     Ok(())
 }
 
-fn role_of(a: &WorkerArgs, config: Option<&KvTransferConfig>) -> Result<Role> {
+fn role_of(a: &ServerArgs, config: Option<&KvTransferConfig>) -> Result<Role> {
     if let Some(r) = &a.role {
         return r.parse::<Role>().map_err(|e| anyhow!("--role: {e}"));
     }
     match config.and_then(|c| c.kv_role) {
-        Some(KvRole::Producer) => Ok(Role::Prefill),
-        Some(KvRole::Consumer) => Ok(Role::Decode),
-        Some(KvRole::Both) => {
-            bail!("kv_role is kv_both; say which side this worker is with --role prefill|decode")
-        }
+        Some(k) => Role::from_kv_role(k).ok_or_else(|| {
+            anyhow!("kv_role is {k}; say which side this worker is with --role prefill|decode")
+        }),
         None => bail!("no role: pass --role prefill|decode (or set kv_role in the kv-transfer-config)"),
     }
 }
@@ -192,7 +205,7 @@ fn check_served_name(name: String) -> Result<String> {
 }
 
 /// Runs `kvconnect worker`.
-pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
+pub fn run(a: &ServerArgs, registry: Registry) -> Result<()> {
     if a.num_blocks == 0 {
         bail!("--num-blocks must be a positive integer, got 0");
     }
@@ -251,7 +264,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             );
         }
         device_kv_available(&opts)?;
-        let (n, c) = negotiate_worker(&registry, &config, &model, &opts, role.name())?;
+        let (n, c) = negotiate_alone(&registry, &config, &model, &opts, Negotiating::Role(role))?;
         (role, config, json, model, n, c, opts)
     };
     let engine_id = a
@@ -259,7 +272,7 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         .clone()
         .or_else(|| config.engine_id.clone())
         .unwrap_or_else(|| format!("{}-{}", role.name(), std::process::id()));
-    let spec = WorkerSpec {
+    let spec = ServerSpec {
         role,
         config,
         model_json,
@@ -273,9 +286,9 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
             host: a.side_channel_host,
             port: a.side_channel_port,
             secret: data_plane_secret(a.secret_file.as_deref())?,
-            read_timeout: DEFAULT_READ_TIMEOUT,
+            read_timeout: seconds("--side-channel-timeout", a.side_channel_timeout)?,
             max_frame: DEFAULT_MAX_FRAME,
-            max_connections: DEFAULT_MAX_CONNECTIONS,
+            max_connections: at_least_one("--side-channel-max-connections", a.side_channel_max_connections)?,
         },
         num_blocks: a.num_blocks,
         seed: a.seed,
@@ -289,12 +302,14 @@ pub fn run(a: &WorkerArgs, registry: Registry) -> Result<()> {
         .with_body_limits(
             a.max_request_body_bytes,
             seconds("--request-body-timeout", a.request_body_timeout)?,
-        ),
+        )
+        .with_run_timeout(seconds("--request-timeout", a.request_timeout)?),
         http_header_timeout: seconds("--request-header-timeout", a.request_header_timeout)?,
+        http_max_connections: at_least_one("--max-connections", a.max_connections)?,
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
         producers: producers.unwrap_or_default(),
     };
-    run_worker(spec, registry)
+    run_server(spec, registry)
 }
 
 /// A positive, finite number of seconds from flag `flag`.
@@ -303,6 +318,14 @@ fn seconds(flag: &str, v: f64) -> Result<Duration> {
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| anyhow!("{flag} must be a positive number of seconds, got {v}"))
+}
+
+/// `n` from flag `flag`, which must be at least 1.
+fn at_least_one(flag: &str, n: usize) -> Result<usize> {
+    if n == 0 {
+        bail!("{flag} must be at least 1, got 0");
+    }
+    Ok(n)
 }
 
 /// The deployment's data-plane secret: from `file` (which only its owner may read), else from

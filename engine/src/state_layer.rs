@@ -9,11 +9,11 @@
 //! every token, so a state stored after any token and loaded elsewhere continues exactly as
 //! if it had never left: prefill on one engine and decode on another agree bit for bit.
 
-use crate::worker::error::WorkerError;
-use crate::worker::kv_codec;
-use crate::worker::model::{matvec, rms_norm, ReferenceModel};
-use crate::worker::pool::KvPool;
-use crate::worker::prng::SplitMix64;
+use crate::error::EngineError;
+use crate::kv_codec;
+use crate::model::{matvec, rms_norm, ReferenceModel};
+use crate::pool::KvPool;
+use crate::prng::SplitMix64;
 use kvconnect_api::{BlockId, Dtype, LayerId, LayerState, Request, StateKind};
 
 /// The state's dimensions, from the model's `LayerState` (the config's `linear_*` fields).
@@ -39,8 +39,8 @@ pub struct StateDims {
 
 impl StateDims {
     /// The dimensions of a Gated DeltaNet state; other mixers are refused.
-    pub fn of(st: &LayerState) -> Result<StateDims, WorkerError> {
-        let bad = |m: String| Err(WorkerError::ModelConfig(m));
+    pub fn of(st: &LayerState) -> Result<StateDims, EngineError> {
+        let bad = |m: String| Err(EngineError::ModelConfig(m));
         if st.kind != StateKind::GatedDeltaNet {
             return bad(format!(
                 "the reference engine's state layers keep a gated_delta_net state (linear_attention with linear_* fields), not {}",
@@ -151,9 +151,9 @@ pub fn forward_state_layer(
     start: usize,
     h: &mut [f32],
     buf: &mut Vec<u8>,
-) -> Result<(), WorkerError> {
+) -> Result<(), EngineError> {
     let w = model.state_weights(layer).ok_or_else(|| {
-        WorkerError::Layout(format!(
+        EngineError::Layout(format!(
             "layer {layer} is in a state group but the model has no state weights for it"
         ))
     })?;
@@ -166,7 +166,7 @@ pub fn forward_state_layer(
     let mut s = vec![0.0f32; dm.ssm_len()];
     pool.read_state(lid, slot, buf)?;
     if buf.len() != conv_bytes + dm.ssm_len() * se {
-        return Err(WorkerError::Access(format!(
+        return Err(EngineError::Access(format!(
             "state slot of layer {layer} is {} bytes; the model's state needs {}",
             buf.len(),
             conv_bytes + dm.ssm_len() * se
@@ -244,8 +244,8 @@ pub fn forward_state_layer(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::model::ReferenceConfig;
-    use crate::worker::pool::local_effective_layout;
+    use crate::model::ReferenceConfig;
+    use crate::pool::local_effective_layout;
     use kvconnect_api::KvLayout;
 
     fn setup() -> (ReferenceModel, KvPool) {

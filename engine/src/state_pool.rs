@@ -4,9 +4,9 @@
 //! one slot per state group for its whole life; its id is the request's block list for that
 //! group, after the KV cache groups' lists.
 
-use crate::worker::error::WorkerError;
-use crate::worker::pool::{push_host_region, HostRegion};
-use crate::worker::region::RegionMemory;
+use crate::error::EngineError;
+use crate::pool::{push_host_region, HostRegion};
+use crate::region::RegionMemory;
 use kvconnect_api::state_slots::StateSlots;
 use kvconnect_api::{BlockId, EffectiveLayout, KvRegion};
 
@@ -26,12 +26,12 @@ impl StatePool {
         shm_engine_id: Option<&str>,
         regions: &mut Vec<KvRegion>,
         memories: &mut Vec<RegionMemory>,
-    ) -> Result<StatePool, WorkerError> {
+    ) -> Result<StatePool, EngineError> {
         if eff.state_groups.is_empty() {
             return Ok(StatePool::default());
         }
         let slot_bytes = StateSlots::slot_bytes_of(eff).ok_or_else(|| {
-            WorkerError::Layout(
+            EngineError::Layout(
                 "the model's state layers have no state shape; give the conv and recurrent state dimensions in its config.json".into(),
             )
         })?;
@@ -42,7 +42,7 @@ impl StatePool {
                 let len = usize::try_from(slot_bytes)
                     .ok()
                     .and_then(|b| b.checked_mul(num_slots as usize))
-                    .ok_or_else(|| WorkerError::Alloc { name: name.clone(), bytes: usize::MAX })?;
+                    .ok_or_else(|| EngineError::Alloc { name: name.clone(), bytes: usize::MAX })?;
                 let r = HostRegion {
                     name,
                     len,

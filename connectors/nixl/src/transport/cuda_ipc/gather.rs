@@ -1,32 +1,11 @@
-//! Backend `cuda_ipc`: device KV regions on one host.
-//!
-//! The producer exports a CUDA IPC handle of each registered device region and publishes
-//! them in its handshake metadata. The consumer opens a peer's handles once (lazy peer
-//! access, so it also works across GPUs of one host) and, per request, launches ONE gather
-//! kernel per KV cache group over every layer and K/V part with source and destination
-//! block-index arrays (with HMA off there is one group, so one launch per request); when the
-//! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
-//! copy. The pull thread then sleeps on a CUDA event recorded after the launches (the step
-//! loop never waits on it) and the usual "done" goes to the producer over the control
-//! connection. The kernel is compiled when the worker starts (once per process and GPU
-//! architecture, then cached), not at the first request.
-//!
-//! Two GPUs of one host: the producer names its GPU by PCI bus id, which the consumer looks
-//! up among the GPUs it sees. When its own GPU can access the producer's (peer access over
-//! NVLink or PCIe), the kernel reads the peer's memory directly; when it cannot, the copy
-//! goes through pinned host memory (`kvconnect_cuda::StagedCopy`: the producer's GPU gathers
-//! into it, this GPU gathers out of it). `cuda_ipc_path` forces either; the choice and its
-//! reason are logged once per producer.
-//!
-//! Per-layer layouts (`[L][KV][B]..`): the K part of layer l starts at its region's address,
-//! the V part `num_blocks * block_bytes` later, and blocks are contiguous, so each (layer,
-//! part) is one base address of the gather. Cross-layer layouts (`[B][L][KV]..`) are copied
-//! as whole cross-layer blocks, one base per region, and need equal layouts on both sides.
+//! Backend `cuda_ipc`, the GPU side (feature `cuda`): exporting a producer's regions, and the
+//! consumer's opened peers and gather kernel (see [`super`]).
 
+use super::exports::{sources, Exports, Sources};
 use crate::config::CudaIpcPath;
 use crate::error::TransferError;
 use crate::metadata::LoadSpec;
-use crate::metadata::{CudaIpcMetadata, PeerInfo};
+use crate::metadata::{CudaIpcMetadata, PeerInfo, PeerKey};
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::{BlockId, Dim, KvRegion, LayerId, MemoryKind};
 use kvconnect_cuda::{
@@ -67,20 +46,22 @@ pub fn open_gpu(regions: &[KvRegion]) -> Result<Arc<Gpu>, TransferError> {
     Gpu::open(ordinal).map(Arc::new).map_err(cuda)
 }
 
-/// Producer side: the IPC handle of each registered region.
-pub fn export(gpu: &Gpu, regions: &[KvRegion]) -> Result<CudaIpcMetadata, TransferError> {
+/// Producer side: the IPC handle of each registered region, for the handshake, and the
+/// record of them that a consumer in this same process reads them by (kept until the
+/// regions go).
+pub fn export(gpu: &Gpu, regions: &[KvRegion]) -> Result<(CudaIpcMetadata, Exports), TransferError> {
     let mut handles = Vec::with_capacity(regions.len());
     for r in regions {
         let h = IpcHandle::export_address(gpu, r.addr(), r.len() as usize)
             .map_err(|e| plan(format!("exporting region '{}': {e}", r.name())))?;
         handles.push(h.hex);
     }
-    Ok(CudaIpcMetadata {
-        device: gpu.ordinal() as i32,
-        handles,
-        addrs: regions.iter().map(|r| r.addr()).collect(),
-        pci_bus_id: gpu.pci_bus_id().ok(),
-    })
+    let pci_bus_id = gpu.pci_bus_id().ok();
+    let exports = Exports::record(
+        handles.iter().zip(regions).map(|(h, r)| (h.clone(), r.addr(), r.len())).collect(),
+        pci_bus_id.clone(),
+    );
+    Ok((CudaIpcMetadata { device: gpu.ordinal() as i32, handles, pci_bus_id }, exports))
 }
 
 /// How the copy reaches a producer's memory.
@@ -93,7 +74,10 @@ enum Route {
 
 struct Opened {
     handles: Vec<String>,
-    /// Mapped regions (empty for a producer in this same process).
+    /// Where they were found when opened.
+    sources: Sources,
+    /// Mapped regions (empty for a producer in this same process, whose regions are read
+    /// where it registered them).
     _regions: Vec<ImportedRegion>,
     bases: Vec<u64>,
     route: Route,
@@ -106,7 +90,7 @@ pub struct CudaIpcPull {
     kernel: GatherKernel,
     /// Recorded after a request's launches; the pull thread sleeps on it.
     done: kvconnect_cuda::CudaEvent,
-    opened: HashMap<String, Opened>,
+    opened: HashMap<PeerKey, Opened>,
     own: Vec<u64>,
     path: CudaIpcPath,
 }
@@ -186,15 +170,22 @@ impl CudaIpcPull {
         })
     }
 
-    /// Whether the copy from `engine` goes through host memory (None: not opened yet).
-    pub fn staged(&self, engine: &str) -> Option<bool> {
-        self.opened.get(engine).map(|o| matches!(o.route, Route::Staged(_)))
+    /// Whether the copy from producer `key` goes through host memory (None: not opened yet).
+    pub fn staged(&self, key: &PeerKey) -> Option<bool> {
+        self.opened.get(key).map(|o| matches!(o.route, Route::Staged(_)))
     }
 
-    /// The producer's GPU as this process sees it, and whether the copy is staged (with why).
-    fn choose(&self, e: &str, m: &CudaIpcMetadata) -> Result<(Arc<Gpu>, bool, String), TransferError> {
+    /// The producer's GPU as this process sees it (`local_bus`: the bus id this process
+    /// exported the regions from, when it did), and whether the copy is staged (with why).
+    fn choose(
+        &self,
+        e: &str,
+        m: &CudaIpcMetadata,
+        local_bus: Option<&Option<String>>,
+    ) -> Result<(Arc<Gpu>, bool, String), TransferError> {
         let own_bus = self.gpu.pci_bus_id().map_err(cuda)?;
-        let producer = match &m.pci_bus_id {
+        let bus = local_bus.unwrap_or(&m.pci_bus_id);
+        let producer = match bus {
             Some(bus) if bus.eq_ignore_ascii_case(&own_bus) => self.gpu.clone(),
             Some(bus) => match Gpu::open_by_pci_bus_id(bus).map_err(cuda)? {
                 Some(g) => Arc::new(g),
@@ -243,8 +234,8 @@ impl CudaIpcPull {
     }
 
     /// Forgets a peer's mapped regions.
-    pub fn forget(&mut self, engine: &str) {
-        self.opened.remove(engine);
+    pub fn forget(&mut self, key: &PeerKey) {
+        self.opened.remove(key);
     }
 
     /// Opens the peer's handles (once per peer, again when they changed) on the GPU the route
@@ -256,43 +247,49 @@ impl CudaIpcPull {
                 "producer engine '{e}' published no CUDA IPC handles: it does not run backend cuda_ipc with device KV; use the same backend on both sides"
             ))
         })?;
-        if m.handles.len() != peer.meta.regions.len() || m.addrs.len() != peer.meta.regions.len() {
-            return Err(plan(format!(
-                "producer engine '{e}' lists {} IPC handles and {} addresses for {} regions",
-                m.handles.len(),
-                m.addrs.len(),
-                peer.meta.regions.len()
-            )));
+        // Handles this process exported are read where it registered them (CUDA refuses to
+        // open a process's own handles); nothing from the wire says which, or where. Asked
+        // on every pull: a producer of this process that is gone is never read again.
+        let sources = sources(e, m, &peer.meta.regions).map_err(plan)?;
+        let key = peer.key();
+        if self.opened.get(&key).is_some_and(|o| o.handles == m.handles && o.sources == sources) {
+            return self.opened.get_mut(&key).ok_or_else(|| TransferError::UnknownPeer(e.clone()));
         }
-        if self.opened.get(e).is_some_and(|o| o.handles == m.handles) {
-            return self.opened.get_mut(e).ok_or_else(|| TransferError::UnknownPeer(e.clone()));
-        }
-        self.opened.remove(e);
-        let (on, staged, why) = self.choose(e, m)?;
+        self.opened.remove(&key);
+        let local_bus = match &sources {
+            Sources::Local { pci_bus_id, .. } => Some(pci_bus_id),
+            Sources::Import => None,
+        };
+        let (on, staged, why) = self.choose(e, m, local_bus)?;
         tracing::info!(engine = %e, "cuda_ipc: {why}");
-        let (regions, bases) = if peer.meta.pid == std::process::id() {
-            // CUDA refuses to open a process's own handles; the addresses are valid here,
-            // and a kernel on another GPU reads them once peer access is enabled.
-            if !staged && !Arc::ptr_eq(&on, &self.gpu) && !self.gpu.enable_peer_access(&on).map_err(cuda)? {
-                return Err(TransferError::Cuda(format!(
-                    "producer engine '{e}': peer access from GPU {} to GPU {} could not be enabled",
-                    self.gpu.ordinal(),
-                    on.ordinal()
-                )));
+        let (regions, bases) = match sources.clone() {
+            Sources::Local { addrs, .. } => {
+                // A kernel on another GPU reads them once peer access is enabled.
+                if !staged
+                    && !Arc::ptr_eq(&on, &self.gpu)
+                    && !self.gpu.enable_peer_access(&on).map_err(cuda)?
+                {
+                    return Err(TransferError::Cuda(format!(
+                        "producer engine '{e}': peer access from GPU {} to GPU {} could not be enabled",
+                        self.gpu.ordinal(),
+                        on.ordinal()
+                    )));
+                }
+                (Vec::new(), addrs)
             }
-            (Vec::new(), m.addrs.clone())
-        } else {
-            let map_on = if staged { &on } else { &self.gpu };
-            let mut regions = Vec::with_capacity(m.handles.len());
-            for (h, r) in m.handles.iter().zip(&peer.meta.regions) {
-                let handle = IpcHandle { hex: h.clone(), bytes: r.len as usize };
-                let mapped = ImportedRegion::open(map_on, &handle).map_err(|err| {
-                    TransferError::Cuda(format!("producer engine '{e}' region '{}': {err}", r.name))
-                })?;
-                regions.push(mapped);
+            Sources::Import => {
+                let map_on = if staged { &on } else { &self.gpu };
+                let mut regions = Vec::with_capacity(m.handles.len());
+                for (h, r) in m.handles.iter().zip(&peer.meta.regions) {
+                    let handle = IpcHandle { hex: h.clone(), bytes: r.len as usize };
+                    let mapped = ImportedRegion::open(map_on, &handle).map_err(|err| {
+                        TransferError::Cuda(format!("producer engine '{e}' region '{}': {err}", r.name))
+                    })?;
+                    regions.push(mapped);
+                }
+                let bases = regions.iter().map(ImportedRegion::ptr).collect();
+                (regions, bases)
             }
-            let bases = regions.iter().map(ImportedRegion::ptr).collect();
-            (regions, bases)
         };
         let route = if staged {
             let copy =
@@ -301,8 +298,8 @@ impl CudaIpcPull {
         } else {
             Route::Direct
         };
-        let opened = Opened { handles: m.handles.clone(), _regions: regions, bases, route };
-        Ok(self.opened.entry(e.clone()).or_insert(opened))
+        let opened = Opened { handles: m.handles.clone(), sources, _regions: regions, bases, route };
+        Ok(self.opened.entry(key).or_insert(opened))
     }
 
     /// Copies `load` from `peer` into this worker's regions (geometry `own`) and waits for
@@ -423,7 +420,8 @@ impl CudaIpcPull {
                 permute: perm,
             };
             let kernel = &mut self.kernel;
-            let opened = self.opened.get_mut(e).ok_or_else(|| TransferError::UnknownPeer(e.clone()))?;
+            let opened =
+                self.opened.get_mut(&peer.key()).ok_or_else(|| TransferError::UnknownPeer(e.clone()))?;
             match &mut opened.route {
                 Route::Direct => kernel.launch(&self.gpu, &spec).map_err(cuda)?,
                 Route::Staged(copy) => copy.copy(&self.gpu, kernel, &spec).map_err(cuda)?,

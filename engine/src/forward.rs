@@ -2,10 +2,10 @@
 //! written only through the block pool (so what the engine attends to is exactly what a
 //! connector saved or loaded).
 
-use crate::worker::error::WorkerError;
-use crate::worker::kv_codec;
-use crate::worker::model::ReferenceModel;
-use crate::worker::pool::KvPool;
+use crate::error::EngineError;
+use crate::kv_codec;
+use crate::model::ReferenceModel;
+use crate::pool::KvPool;
 use kvconnect_api::{AttentionKind, BlockId, LayerId};
 
 /// Reusable buffers, so the hot loop does not allocate per token.
@@ -28,7 +28,7 @@ pub fn forward_layer(
     start: usize,
     h: &mut [f32],
     s: &mut Scratch,
-) -> Result<Vec<BlockId>, WorkerError> {
+) -> Result<Vec<BlockId>, EngineError> {
     let c = &model.cfg;
     let d = c.hidden_size;
     let hd = c.head_dim;
@@ -46,7 +46,7 @@ pub fn forward_layer(
     let end = start + n;
     let block_at = |pos: usize| {
         blocks.get(pos / bs).copied().ok_or_else(|| {
-            WorkerError::Access(format!(
+            EngineError::Access(format!(
                 "position {pos} needs block {} of the request but only {} are allocated",
                 pos / bs,
                 blocks.len()

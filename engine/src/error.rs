@@ -1,11 +1,11 @@
-//! What can go wrong in the worker runtime.
+//! What can go wrong in the reference engine.
 
 use kvconnect_api::kv_memory::RegionError;
 use kvconnect_api::ConnectorError;
 
-/// An error of the worker runtime: pool, shared memory, model config, requests, connector.
+/// An error of the reference engine: pool, shared memory, model config, requests, connector.
 #[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
+pub enum EngineError {
     /// The reference model's config.json cannot be used.
     #[error("reference model config: {0}")]
     ModelConfig(String),
@@ -80,24 +80,24 @@ pub enum WorkerError {
     Access(String),
 }
 
-impl WorkerError {
+impl EngineError {
     /// The connector's error, when a connector call failed.
     pub fn connector_error(&self) -> Option<&ConnectorError> {
         match self {
-            WorkerError::Connector { source, .. } => Some(source),
+            EngineError::Connector { source, .. } => Some(source),
             _ => None,
         }
     }
 }
 
-impl From<kvconnect_nixl::shm::ShmError> for WorkerError {
+impl From<kvconnect_nixl::shm::ShmError> for EngineError {
     fn from(e: kvconnect_nixl::shm::ShmError) -> Self {
         use kvconnect_nixl::shm::ShmError;
         match e {
-            ShmError::Os { name, op, source } => WorkerError::Shm { name, op, source },
+            ShmError::Os { name, op, source } => EngineError::Shm { name, op, source },
             ShmError::BadName(ref name)
             | ShmError::SizeMismatch { ref name, .. }
-            | ShmError::NotPrivate { ref name, .. } => WorkerError::Shm {
+            | ShmError::NotPrivate { ref name, .. } => EngineError::Shm {
                 name: name.clone(),
                 op: "shm_open",
                 source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()),

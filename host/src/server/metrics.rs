@@ -1,5 +1,5 @@
-//! Everything a worker's `GET /metrics` shows, in the Prometheus text format (0.0.4) through
-//! `prometheus-client`. One worker process serves one engine, so the metrics are
+//! Everything a server's `GET /metrics` shows, in the Prometheus text format (0.0.4) through
+//! `prometheus-client`. One server process serves one engine, so the metrics are
 //! process-wide. Families are kept under kvconnect's names, and those that vLLM's P/D tests
 //! and dashboards scrape also under vLLM's names (`vllm:...`), with the same values.
 //!
@@ -115,9 +115,9 @@ impl Collector for Scraped {
     }
 }
 
-/// The worker's metrics.
+/// The server's metrics.
 #[derive(Debug)]
-pub struct WorkerMetrics {
+pub struct ServerMetrics {
     registry: Registry,
     scraped: Arc<Scraped>,
     http: Family<Labels, Counter>,
@@ -140,10 +140,10 @@ fn seconds() -> Histogram {
     Histogram::new(SECONDS)
 }
 
-impl WorkerMetrics {
-    fn new() -> WorkerMetrics {
+impl ServerMetrics {
+    fn new() -> ServerMetrics {
         let mut r = Registry::default();
-        let m = WorkerMetrics {
+        let m = ServerMetrics {
             registry: Registry::default(),
             scraped: Arc::new(Scraped::default()),
             http: Family::default(),
@@ -204,7 +204,7 @@ impl WorkerMetrics {
         );
         r.register(
             "kvconnect_http_refused",
-            "HTTP clients cut off before their request ran, by reason: header_timeout (the request head not whole in time; the connection is closed), body_timeout (408), body_too_large (413).",
+            "HTTP clients refused or cut off, by reason: header_timeout (the request head not whole in time; the connection is closed), body_timeout (408), body_too_large (413), too_many_requests (503 past --max-concurrent-requests), too_many_connections (a connection past --max-connections, answered 503 and closed), run_timeout (a request past --request-timeout: 504, or its stream ended).",
             m.http_refused.clone(),
         );
         r.register(
@@ -213,14 +213,14 @@ impl WorkerMetrics {
             m.cancelled.clone(),
         );
         r.register_collector(Box::new(m.scraped.clone()));
-        WorkerMetrics { registry: r, ..m }
+        ServerMetrics { registry: r, ..m }
     }
 }
 
-/// The process's worker metrics.
-pub fn get() -> &'static WorkerMetrics {
-    static M: OnceLock<WorkerMetrics> = OnceLock::new();
-    M.get_or_init(WorkerMetrics::new)
+/// The process's server metrics.
+pub fn get() -> &'static ServerMetrics {
+    static M: OnceLock<ServerMetrics> = OnceLock::new();
+    M.get_or_init(ServerMetrics::new)
 }
 
 /// A request answered on `route` with `status`.
@@ -284,8 +284,8 @@ pub fn cancelled() {
     get().cancelled.inc();
 }
 
-/// An HTTP client cut off before its request ran (`reason`: header_timeout, body_timeout,
-/// body_too_large).
+/// An HTTP client refused or cut off (`reason`: header_timeout, body_timeout, body_too_large,
+/// too_many_requests, too_many_connections, run_timeout).
 pub fn http_refused(reason: &'static str) {
     get().http_refused.get_or_create(&vec![("reason", reason.to_owned())]).inc();
 }

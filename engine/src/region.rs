@@ -3,8 +3,8 @@
 
 #![allow(unsafe_code)] // Allocates and frees the host memory behind KV regions.
 
-use crate::worker::error::WorkerError;
-use crate::worker::shm::ShmSegment;
+use crate::error::EngineError;
+use crate::shm::ShmSegment;
 use std::alloc::Layout;
 
 const ALIGN: usize = 4096;
@@ -31,8 +31,8 @@ unsafe impl Sync for RegionMemory {}
 
 impl RegionMemory {
     /// `len` zeroed bytes of private host memory.
-    pub fn heap(name: &str, len: usize) -> Result<RegionMemory, WorkerError> {
-        let alloc_err = || WorkerError::Alloc { name: name.to_owned(), bytes: len };
+    pub fn heap(name: &str, len: usize) -> Result<RegionMemory, EngineError> {
+        let alloc_err = || EngineError::Alloc { name: name.to_owned(), bytes: len };
         let layout = Layout::from_size_align(len.max(1), ALIGN).map_err(|_| alloc_err())?;
         // SAFETY: the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -43,7 +43,7 @@ impl RegionMemory {
     }
 
     /// `len` zeroed bytes in a new shared-memory segment called `shm_name`.
-    pub fn shm(shm_name: &str, len: usize) -> Result<RegionMemory, WorkerError> {
+    pub fn shm(shm_name: &str, len: usize) -> Result<RegionMemory, EngineError> {
         Ok(RegionMemory::Shm(ShmSegment::create_replacing(shm_name, len.max(1))?))
     }
 

@@ -1,4 +1,4 @@
-//! The worker runtime: a KV block pool over host-memory regions laid out as the effective
+//! The reference engine: a KV block pool over host-memory regions laid out as the effective
 //! layout says, a per-step driver that calls the connector API in vLLM's order, and a small
 //! deterministic reference transformer that reads and writes its KV only through that pool.
 //!
@@ -39,7 +39,7 @@ pub mod tp;
 pub use engine::{
     Cancel, Completion, Engine, EngineConfig, FinishReason, GenRequest, RequestOutput, StepStats,
 };
-pub use error::WorkerError;
+pub use error::EngineError;
 pub use model::{ReferenceConfig, ReferenceModel};
 pub use pool::{local_effective_layout, KvPool};
 pub use sampling::{SamplingParams, TokenLogprobs};

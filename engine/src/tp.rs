@@ -4,20 +4,20 @@
 //! forward pass gathers a layer's heads from every rank's regions, so its arithmetic (and
 //! every output token) is exactly TP 1's.
 
-use crate::worker::engine::EngineConfig;
-use crate::worker::error::WorkerError;
-use crate::worker::pool::KvPool;
+use crate::engine::EngineConfig;
+use crate::error::EngineError;
+use crate::pool::KvPool;
 use kvconnect_api::{MemoryKind, ModelSpec};
 
 /// The engine's block pool for `cfg.tp_size` ranks. Refused: a size that does not divide
 /// the model's KV heads, and several ranks over device memory (not built).
-pub fn pool(spec: &ModelSpec, cfg: &EngineConfig) -> Result<KvPool, WorkerError> {
+pub fn pool(spec: &ModelSpec, cfg: &EngineConfig) -> Result<KvPool, EngineError> {
     let tp = cfg.tp_size;
     if tp == 0 || !spec.num_kv_heads.is_multiple_of(tp) {
-        return Err(WorkerError::TpSize { tp_size: tp, kv_heads: spec.num_kv_heads });
+        return Err(EngineError::TpSize { tp_size: tp, kv_heads: spec.num_kv_heads });
     }
     if tp > 1 && cfg.effective.memory == MemoryKind::Device {
-        return Err(WorkerError::Layout(format!(
+        return Err(EngineError::Layout(format!(
             "tp_size {tp} with KV in device memory is not implemented: run tp_size 1 with kv_buffer_device \"cuda\", or keep KV in host memory"
         )));
     }
@@ -27,12 +27,12 @@ pub fn pool(spec: &ModelSpec, cfg: &EngineConfig) -> Result<KvPool, WorkerError>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::worker::engine::{Engine, GenRequest};
-    use crate::worker::model::ReferenceConfig;
-    use crate::worker::pool::local_effective_layout;
+    use crate::engine::{Engine, GenRequest};
+    use crate::model::ReferenceConfig;
+    use crate::pool::local_effective_layout;
     use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
 
-    fn engine(tp_size: u32, layout: KvLayout) -> Result<Engine, WorkerError> {
+    fn engine(tp_size: u32, layout: KvLayout) -> Result<Engine, EngineError> {
         let model = ReferenceConfig::builtin()?;
         let spec = model.model_spec()?;
         let effective = local_effective_layout(&spec, layout, true, 16, Dtype::Bf16);

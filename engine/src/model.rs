@@ -7,22 +7,22 @@
 //! the KV it reads, never on which other tokens share the step: prefill on one engine and
 //! decode on another then agree bit for bit.
 
-use crate::worker::error::WorkerError;
-use crate::worker::prng::SplitMix64;
-use crate::worker::state_layer::{StateDims, StateWeights};
-use crate::worker::tokenizer::VOCAB_SIZE;
+use crate::error::EngineError;
+use crate::prng::SplitMix64;
+use crate::state_layer::{StateDims, StateWeights};
+use crate::tokenizer::VOCAB_SIZE;
 use kvconnect_api::{AttentionKind, ModelSpec};
 use serde::Deserialize;
 
 /// The reference model's `config.json`, as checked in at
 /// `fixtures/models/kvconnect--reference/config.json`.
 pub const REFERENCE_CONFIG_JSON: &str =
-    include_str!("../../../fixtures/models/kvconnect--reference/config.json");
+    include_str!("../../fixtures/models/kvconnect--reference/config.json");
 
 /// The hybrid reference model's `config.json` (sliding-window, state and full-attention
 /// layers), as checked in at `fixtures/models/kvconnect--reference-hybrid/config.json`.
 pub const REFERENCE_HYBRID_CONFIG_JSON: &str =
-    include_str!("../../../fixtures/models/kvconnect--reference-hybrid/config.json");
+    include_str!("../../fixtures/models/kvconnect--reference-hybrid/config.json");
 
 /// The fields of a Hugging Face `config.json` the reference model reads.
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -63,9 +63,9 @@ pub struct ReferenceConfig {
 
 impl ReferenceConfig {
     /// Parses and checks a `config.json`.
-    pub fn from_json(json: &str) -> Result<ReferenceConfig, WorkerError> {
+    pub fn from_json(json: &str) -> Result<ReferenceConfig, EngineError> {
         let mut c: ReferenceConfig = serde_json::from_str(json)
-            .map_err(|e| WorkerError::ModelConfig(format!("not a reference model config: {e}")))?;
+            .map_err(|e| EngineError::ModelConfig(format!("not a reference model config: {e}")))?;
         c.raw = json.to_owned();
         c.validate()?;
         c.model_spec()?;
@@ -73,18 +73,18 @@ impl ReferenceConfig {
     }
 
     /// The checked-in reference config (`fixtures/models/kvconnect--reference/config.json`).
-    pub fn builtin() -> Result<ReferenceConfig, WorkerError> {
+    pub fn builtin() -> Result<ReferenceConfig, EngineError> {
         ReferenceConfig::from_json(REFERENCE_CONFIG_JSON)
     }
 
     /// The checked-in hybrid reference config
     /// (`fixtures/models/kvconnect--reference-hybrid/config.json`).
-    pub fn builtin_hybrid() -> Result<ReferenceConfig, WorkerError> {
+    pub fn builtin_hybrid() -> Result<ReferenceConfig, EngineError> {
         ReferenceConfig::from_json(REFERENCE_HYBRID_CONFIG_JSON)
     }
 
-    fn validate(&self) -> Result<(), WorkerError> {
-        let bad = |m: String| Err(WorkerError::ModelConfig(m));
+    fn validate(&self) -> Result<(), EngineError> {
+        let bad = |m: String| Err(EngineError::ModelConfig(m));
         if self.vocab_size != VOCAB_SIZE as usize {
             return bad(format!("vocab_size is {}; the byte tokenizer needs 256", self.vocab_size));
         }
@@ -112,7 +112,7 @@ impl ReferenceConfig {
     }
 
     /// The attention kind of every layer.
-    pub fn attention_kinds(&self) -> Result<Vec<AttentionKind>, WorkerError> {
+    pub fn attention_kinds(&self) -> Result<Vec<AttentionKind>, EngineError> {
         self.layer_types
             .iter()
             .enumerate()
@@ -121,11 +121,11 @@ impl ReferenceConfig {
                 "linear_attention" => Ok(AttentionKind::Linear),
                 "sliding_attention" => match self.sliding_window {
                     Some(w) if w > 0 => Ok(AttentionKind::SlidingWindow { window: w }),
-                    _ => Err(WorkerError::ModelConfig(format!(
+                    _ => Err(EngineError::ModelConfig(format!(
                         "layer {i} is sliding_attention but sliding_window is missing or 0"
                     ))),
                 },
-                other => Err(WorkerError::ModelConfig(format!(
+                other => Err(EngineError::ModelConfig(format!(
                     "layer_types[{i}] is '{other}'; the reference model knows full_attention, sliding_attention and linear_attention"
                 ))),
             })
@@ -135,16 +135,16 @@ impl ReferenceConfig {
     /// The model as negotiation and the KV pool see it: the generic Hugging Face parser's
     /// reading of the same `config.json`, checked against what the engine computes, so a
     /// disagreement is an error here rather than a silent layout mismatch later.
-    pub fn model_spec(&self) -> Result<ModelSpec, WorkerError> {
+    pub fn model_spec(&self) -> Result<ModelSpec, EngineError> {
         let kinds = self.attention_kinds()?;
         let spec = ModelSpec::from_hf_config_json(&self.raw).map_err(|e| {
-            WorkerError::ModelConfig(format!("negotiation cannot read this config.json: {e}"))
+            EngineError::ModelConfig(format!("negotiation cannot read this config.json: {e}"))
         })?;
         if spec.layers != kinds
             || spec.num_kv_heads as usize != self.num_key_value_heads
             || spec.head_dim as usize != self.head_dim
         {
-            return Err(WorkerError::ModelConfig(format!(
+            return Err(EngineError::ModelConfig(format!(
                 "the Hugging Face config parser reads {} layers {:?} with {} KV heads of dim {}, but the engine computes {:?} with {} KV heads of dim {}",
                 spec.num_layers, spec.layers, spec.num_kv_heads, spec.head_dim, kinds, self.num_key_value_heads, self.head_dim
             )));
@@ -154,12 +154,12 @@ impl ReferenceConfig {
     }
 
     /// The dimensions of the state layers' state, when the model has state layers.
-    pub fn state_dims(&self, spec: &ModelSpec) -> Result<Option<StateDims>, WorkerError> {
+    pub fn state_dims(&self, spec: &ModelSpec) -> Result<Option<StateDims>, EngineError> {
         if !spec.has_state_layers() {
             return Ok(None);
         }
         let st = spec.state.as_ref().ok_or_else(|| {
-            WorkerError::ModelConfig(
+            EngineError::ModelConfig(
                 "the config has linear_attention layers but no state dimensions: give linear_num_value_heads, linear_num_key_heads, linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim".into(),
             )
         })?;
@@ -210,7 +210,7 @@ fn norm_weights(rng: &mut SplitMix64, n: usize) -> Vec<f32> {
 impl ReferenceModel {
     /// Builds the model with weights drawn from `seed`: the same config and seed give the
     /// same weights in every process.
-    pub fn new(cfg: &ReferenceConfig, seed: u64) -> Result<ReferenceModel, WorkerError> {
+    pub fn new(cfg: &ReferenceConfig, seed: u64) -> Result<ReferenceModel, EngineError> {
         cfg.validate()?;
         let kinds = cfg.attention_kinds()?;
         let mut rng = SplitMix64::new(seed);

@@ -8,7 +8,7 @@ use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorResult, Dtype, FailurePolicy, FinishedTransfers, KvLayout, KvRegion,
     LayerId, MatchResult, Request, RequestFinished, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
-use kvconnect_host::worker::{
+use kvconnect_engine::{
     detokenize, local_effective_layout, tokenize, Completion, Engine, EngineConfig, FinishReason, GenRequest,
     ReferenceConfig,
 };

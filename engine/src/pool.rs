@@ -8,11 +8,11 @@
 
 #![allow(unsafe_code)] // Vouches for the block pool's KV regions (`KvRegion::new`) and reads them.
 
-use crate::worker::error::WorkerError;
-use crate::worker::prefix_cache::PrefixCache;
-use crate::worker::region::RegionMemory;
-use crate::worker::shm;
-use crate::worker::state_pool::StatePool;
+use crate::error::EngineError;
+use crate::prefix_cache::PrefixCache;
+use crate::region::RegionMemory;
+use crate::shm;
+use crate::state_pool::StatePool;
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
@@ -61,9 +61,9 @@ pub(crate) fn push_host_region(
     shm_engine_id: Option<&str>,
     regions: &mut Vec<KvRegion>,
     memories: &mut Vec<RegionMemory>,
-) -> Result<(), WorkerError> {
+) -> Result<(), EngineError> {
     let memory = match shm_engine_id {
-        Some(id) => RegionMemory::shm(&shm::segment_name(id, regions.len()), r.len)?,
+        Some(id) => RegionMemory::shm(&shm::segment_name(id, regions.len())?, r.len)?,
         None => RegionMemory::heap(&r.name, r.len)?,
     };
     let spec = KvRegionSpec {
@@ -133,7 +133,7 @@ impl KvPool {
         eff: &EffectiveLayout,
         num_blocks: u32,
         shm_engine_id: Option<&str>,
-    ) -> Result<KvPool, WorkerError> {
+    ) -> Result<KvPool, EngineError> {
         Self::with_tp_ranks(model, eff, num_blocks, shm_engine_id, 1)
     }
 
@@ -146,10 +146,10 @@ impl KvPool {
         num_blocks: u32,
         shm_engine_id: Option<&str>,
         tp_ranks: u32,
-    ) -> Result<KvPool, WorkerError> {
-        let lay = |m: String| WorkerError::Layout(m);
+    ) -> Result<KvPool, EngineError> {
+        let lay = |m: String| EngineError::Layout(m);
         if tp_ranks == 0 || !model.num_kv_heads.is_multiple_of(tp_ranks) {
-            return Err(WorkerError::TpSize { tp_size: tp_ranks, kv_heads: model.num_kv_heads });
+            return Err(EngineError::TpSize { tp_size: tp_ranks, kv_heads: model.num_kv_heads });
         }
         // Device KV: this pool is the engine's host working copy, `device_pool` the regions
         // the connectors see.
@@ -226,7 +226,7 @@ impl KvPool {
                 .len()
                 .checked_mul(num_blocks as usize)
                 .and_then(|x| x.checked_mul(rank_shape.layer_block_bytes()))
-                .ok_or_else(|| WorkerError::Alloc { name: name.clone(), bytes: usize::MAX })?;
+                .ok_or_else(|| EngineError::Alloc { name: name.clone(), bytes: usize::MAX })?;
             let spec = HostRegion { name, len, layers, group, num_blocks };
             push_host_region(spec, shm_engine_id, &mut regions, &mut memories)?;
         }
@@ -404,16 +404,16 @@ impl KvPool {
     }
 
     /// Copies one request's state (`slot`) of state layer `layer` into `buf` (resized to fit).
-    pub fn read_state(&self, layer: LayerId, slot: BlockId, buf: &mut Vec<u8>) -> Result<(), WorkerError> {
-        let span = self.mem.state_span(layer, slot).map_err(|e| WorkerError::Access(e.to_string()))?;
+    pub fn read_state(&self, layer: LayerId, slot: BlockId, buf: &mut Vec<u8>) -> Result<(), EngineError> {
+        let span = self.mem.state_span(layer, slot).map_err(|e| EngineError::Access(e.to_string()))?;
         buf.resize(span.len, 0);
-        self.mem.read(span, buf).map_err(|e| WorkerError::Access(e.to_string()))
+        self.mem.read(span, buf).map_err(|e| EngineError::Access(e.to_string()))
     }
 
     /// Writes `buf` as one request's state (`slot`) of state layer `layer`.
-    pub fn write_state(&self, layer: LayerId, slot: BlockId, buf: &[u8]) -> Result<(), WorkerError> {
-        let span = self.mem.state_span(layer, slot).map_err(|e| WorkerError::Access(e.to_string()))?;
-        self.mem.write(span, buf).map_err(|e| WorkerError::Access(e.to_string()))
+    pub fn write_state(&self, layer: LayerId, slot: BlockId, buf: &[u8]) -> Result<(), EngineError> {
+        let span = self.mem.state_span(layer, slot).map_err(|e| EngineError::Access(e.to_string()))?;
+        self.mem.write(span, buf).map_err(|e| EngineError::Access(e.to_string()))
     }
 
     /// Remembers that `blocks` (one per group, in use) hold the full prompt block `hash`.
@@ -455,8 +455,8 @@ impl KvPool {
         part: u32,
         block: BlockId,
         buf: &mut Vec<u8>,
-    ) -> Result<(), WorkerError> {
-        let access = |e: kvconnect_api::geometry::GeometryError| WorkerError::Access(e.to_string());
+    ) -> Result<(), EngineError> {
+        let access = |e: kvconnect_api::geometry::GeometryError| EngineError::Access(e.to_string());
         if self.tp_ranks == 1 {
             let span = self.mem.span(layer, part, block).map_err(access)?;
             buf.resize(span.len, 0);
@@ -479,14 +479,14 @@ impl KvPool {
         part: u32,
         block: BlockId,
         buf: &[u8],
-    ) -> Result<(), WorkerError> {
-        let access = |e: kvconnect_api::geometry::GeometryError| WorkerError::Access(e.to_string());
+    ) -> Result<(), EngineError> {
+        let access = |e: kvconnect_api::geometry::GeometryError| EngineError::Access(e.to_string());
         if self.tp_ranks == 1 {
             let span = self.mem.span(layer, part, block).map_err(access)?;
             return self.mem.write(span, buf).map_err(access);
         }
         if buf.len() != self.shape.bytes() {
-            return Err(WorkerError::Access(format!(
+            return Err(EngineError::Access(format!(
                 "a block of {} bytes written where blocks are {} bytes",
                 buf.len(),
                 self.shape.bytes()

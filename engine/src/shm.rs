@@ -7,24 +7,34 @@
 
 #![allow(unsafe_code)] // kill(2) with signal 0: is the process that created a segment alive?
 
+use super::WorkerError;
 use std::sync::OnceLock;
 
 pub use kvconnect_nixl::shm::{live_segments, unlink_live_segments, ShmSegment};
 
 /// The segment name for region `index` of engine `engine_id` in this process:
-/// `/kvc-<pid>-<random>-<engine_id>-<index>`: `<random>` is 32 random bits chosen once per
-/// process, so names cannot be guessed from the pid and the engine id; every character of
-/// the engine id outside `[A-Za-z0-9_.-]` is replaced by `_` and the id cut to keep the name
-/// short (Linux allows 255 bytes).
-pub fn segment_name(engine_id: &str, index: usize) -> String {
-    static RANDOM: OnceLock<String> = OnceLock::new();
-    let random = RANDOM.get_or_init(|| uuid::Uuid::new_v4().simple().to_string()[..8].to_owned());
+/// `/kvc-<pid>-<random>-<engine_id>-<index>`: `<random>` is 128 bits from the OS's random
+/// number generator (32 hex digits), chosen once per process, so names cannot be guessed from
+/// the pid and the engine id; every character of the engine id outside `[A-Za-z0-9_.-]` is
+/// replaced by `_` and the id cut to keep the name short (Linux allows 255 bytes).
+pub fn segment_name(engine_id: &str, index: usize) -> Result<String, WorkerError> {
+    static RANDOM: OnceLock<Result<String, String>> = OnceLock::new();
+    let random = RANDOM.get_or_init(|| {
+        kvconnect_nixl::auth::random_bytes::<16>()
+            .map(|b| kvconnect_nixl::nixl_agent::to_hex(&b))
+            .map_err(|e| e.to_string())
+    });
+    let random = random.as_ref().map_err(|e| WorkerError::Shm {
+        name: format!("/kvc-{}-...", std::process::id()),
+        op: "choosing a random name (getrandom)",
+        source: std::io::Error::other(e.clone()),
+    })?;
     let clean: String = engine_id
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') { c } else { '_' })
         .take(48)
         .collect();
-    format!("/kvc-{}-{random}-{}-{}", std::process::id(), clean, index)
+    Ok(format!("/kvc-{}-{random}-{}-{}", std::process::id(), clean, index))
 }
 
 /// The pid in a segment name [`segment_name`] made (`kvc-<pid>-...`, with or without `/`).
@@ -53,7 +63,7 @@ pub fn remove_segments_of(pid: u32) -> usize {
 }
 
 /// Unlinks the segments whose creating process is gone (a crash or SIGKILL leaves them in
-/// /dev/shm, holding memory); returns how many. Workers run it when they start.
+/// /dev/shm, holding memory); returns how many. Servers run it when they start.
 pub fn sweep_dead() -> usize {
     unlink_where(process_alive)
 }
@@ -71,11 +81,17 @@ mod tests {
 
     #[test]
     fn names_carry_a_random_part_and_their_owner() {
-        let a = segment_name("prefill 0", 3);
+        let a = segment_name("prefill 0", 3).unwrap();
         let parts: Vec<&str> = a.trim_start_matches('/').split('-').collect();
         assert_eq!(parts[0], "kvc");
         assert_eq!(parts[1], std::process::id().to_string());
-        assert_eq!(parts[2].len(), 8, "{a}");
+        assert_eq!(parts[2].len(), 32, "128 random bits, hex: {a}");
+        assert!(parts[2].bytes().all(|c| c.is_ascii_hexdigit()), "{a}");
+        assert_eq!(
+            segment_name("prefill 0", 4).unwrap().split('-').nth(2),
+            Some(parts[2]),
+            "once per process"
+        );
         assert!(a.ends_with("-prefill_0-3"), "{a}");
         assert_eq!(owner_pid(&a), Some(std::process::id()));
         assert_eq!(owner_pid("kvc-nixl-bench-5"), None);
@@ -99,7 +115,7 @@ mod tests {
 
     #[test]
     fn create_map_and_unlink_on_drop() {
-        let name = segment_name("unit test/ä", 0);
+        let name = segment_name("unit test/ä", 0).unwrap();
         assert!(name.starts_with("/kvc-") && !name[1..].contains('/'), "{name}");
         let seg = ShmSegment::create_replacing(&name, 8192).unwrap();
         assert!(live_segments().contains(&name));

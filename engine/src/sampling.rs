@@ -6,11 +6,11 @@
 //!
 //! Everything here is a pure function of the logits, the parameters and the generator's
 //! state, so a request with the same prompt and seed gets the same tokens on any engine: a
-//! monolithic worker, or a decode worker that continues from transferred KV (decode samples
+//! monolithic one, or a decode engine that continues from transferred KV (decode samples
 //! every generated token, so the generator sees the same draws in the same order).
 
-use crate::worker::model::argmax;
-use crate::worker::prng::SplitMix64;
+use crate::model::argmax;
+use crate::prng::SplitMix64;
 
 /// How a request's tokens are chosen and reported. `Default` is greedy decoding with nothing
 /// reported and no stop sequences: exactly what the engine did before sampling existed.
