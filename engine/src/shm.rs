@@ -7,7 +7,7 @@
 
 #![allow(unsafe_code)] // kill(2) with signal 0: is the process that created a segment alive?
 
-use super::WorkerError;
+use crate::EngineError;
 use std::sync::OnceLock;
 
 pub use kvconnect_nixl::shm::{live_segments, unlink_live_segments, ShmSegment};
@@ -17,14 +17,14 @@ pub use kvconnect_nixl::shm::{live_segments, unlink_live_segments, ShmSegment};
 /// number generator (32 hex digits), chosen once per process, so names cannot be guessed from
 /// the pid and the engine id; every character of the engine id outside `[A-Za-z0-9_.-]` is
 /// replaced by `_` and the id cut to keep the name short (Linux allows 255 bytes).
-pub fn segment_name(engine_id: &str, index: usize) -> Result<String, WorkerError> {
+pub fn segment_name(engine_id: &str, index: usize) -> Result<String, EngineError> {
     static RANDOM: OnceLock<Result<String, String>> = OnceLock::new();
     let random = RANDOM.get_or_init(|| {
         kvconnect_nixl::auth::random_bytes::<16>()
             .map(|b| kvconnect_nixl::nixl_agent::to_hex(&b))
             .map_err(|e| e.to_string())
     });
-    let random = random.as_ref().map_err(|e| WorkerError::Shm {
+    let random = random.as_ref().map_err(|e| EngineError::Shm {
         name: format!("/kvc-{}-...", std::process::id()),
         op: "choosing a random name (getrandom)",
         source: std::io::Error::other(e.clone()),

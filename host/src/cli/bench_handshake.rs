@@ -36,7 +36,7 @@ pub(super) fn measure(
         &EngineOptions::default(),
         "decode",
     )?;
-    let secret = super::worker::data_plane_secret(None)?;
+    let secret = super::server::data_plane_secret(None)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -5,7 +5,7 @@
 //! own parameters.
 
 use crate::cli::exit::Exit;
-use crate::deployment::Role;
+use kvconnect_api::Role;
 use crate::proxy::backends::Backends;
 use crate::proxy::Proxy;
 use anyhow::{anyhow, Context, Result};
@@ -104,6 +104,7 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
         listener,
         gate.wrap(crate::proxy::router(Arc::new(proxy))),
         crate::server::serve::DEFAULT_HEADER_TIMEOUT,
+        crate::server::serve::DEFAULT_MAX_CONNECTIONS,
         stop,
     )
     .await;
