@@ -14,7 +14,8 @@ use crate::error::AdapterError;
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{Conflict, EngineOptions, HmaOption, Negotiated};
 use kvconnect_api::{KvRole, KvTransferConfig, ModelSpec};
-use kvconnect_host::deployment::{negotiate_role, Deployment, DeploymentError, Role};
+use kvconnect_api::Role;
+use kvconnect_host::deployment::{negotiate_role, Deployment, DeploymentError};
 use kvconnect_host::registry::Registry;
 use std::path::Path;
 
@@ -60,7 +61,7 @@ impl Joint {
         };
         let role = match (deployment_role, from_kv_role) {
             (Some(r), k) => {
-                let r: Role = r.parse().map_err(|e: DeploymentError| AdapterError::ExtraConfig(format!("deployment_role: {e}")))?;
+                let r: Role = r.parse().map_err(|e: kvconnect_api::UnknownRole| AdapterError::ExtraConfig(format!("deployment_role: {e}")))?;
                 if k.is_some_and(|k| k != r) {
                     return Err(AdapterError::ExtraConfig(format!(
                         "deployment_role is {r} but vLLM's kv_role makes this server the {}; make them agree",

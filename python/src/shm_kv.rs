@@ -59,7 +59,11 @@ pub fn allocate(
     let len = usize::try_from(size).map_err(|_| {
         AdapterError::Setup(format!("a KV cache of {size} bytes does not fit this address space"))
     })?;
-    let made = ShmArena::create(len, &slabs, |i| segment_name(engine_id, i)).map_err(|e| {
+    let seg_names: Vec<String> = (0..slabs.len())
+        .map(|i| segment_name(engine_id, i))
+        .collect::<Result<_, _>>()
+        .map_err(|e| AdapterError::Setup(format!("cannot name vLLM's KV cache segments: {e}")))?;
+    let made = ShmArena::create(len, &slabs, |i| seg_names[i].clone()).map_err(|e| {
         AdapterError::SideChannel(format!(
             "cannot put vLLM's KV cache into shared memory: {e}; /dev/shm needs room for the whole KV cache (VLLM_CPU_KVCACHE_SPACE), or use backend 'tcp'"
         ))
