@@ -209,6 +209,13 @@ pub struct Capabilities {
     /// (same layout, same opaque format) reads back. Left out of the JSON when false.
     #[serde(default, skip_serializing_if = "is_false")]
     pub stores_opaque_blocks: bool,
+    /// Serves the KV regions of several tensor-parallel ranks registered in one worker half:
+    /// an engine whose ranks share one connector (`EngineOptions::ranks_per_worker` > 1, as
+    /// kvconnect's reference engine runs its ranks as threads of one process). vLLM gives
+    /// every rank its own connector and never needs it. Without it, negotiation refuses such
+    /// an engine at `tp_size` > 1. Left out of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub ranks_in_one_worker: bool,
 }
 
 fn is_false(b: &bool) -> bool {

@@ -76,6 +76,7 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     adapts_with_tp: false,
                     adapts_with_state: false,
                     stores_opaque_blocks: false,
+                    ranks_in_one_worker: false,
                 }
             },
         )
@@ -130,8 +131,10 @@ fn options() -> impl Strategy<Value = EngineOptions> {
         prop::option::of(select(vec![MemoryKind::Host, MemoryKind::Device])),
         (1u32..5),
         any::<bool>(),
+        // Now and then an engine whose ranks share one connector (kvconnect's own).
+        prop::bool::weighted(0.2),
     )
-        .prop_map(|(hma, layout, block, dtype, memory, tp, allow)| EngineOptions {
+        .prop_map(|(hma, layout, block, dtype, memory, tp, allow, shared)| EngineOptions {
             hybrid_kv_cache_manager: hma,
             kv_cache_layout: layout,
             block_size: block,
@@ -141,6 +144,7 @@ fn options() -> impl Strategy<Value = EngineOptions> {
             tp_rank: tp - 1,
             allow_adapters: allow,
             opaque_blocks: None,
+            ranks_per_worker: if shared { tp } else { 1 },
         })
 }
 
@@ -327,6 +331,14 @@ fn check_conflict(
         Conflict::BlockSize { by_user: true, block_size, .. } => {
             prop_assert_eq!(Some(*block_size), o.block_size);
             prop_assert!(!children.iter().all(|c| block_fits(&c.caps, *block_size)));
+        }
+        Conflict::RanksInOneWorker { ranks, children: ch } => {
+            prop_assert_eq!(*ranks, o.ranks_per_worker);
+            prop_assert!(*ranks > 1);
+            prop_assert!(!ch.is_empty());
+            for c in children.iter().filter(|c| ch.contains(&format!("child '{}'", c.name))) {
+                prop_assert!(!c.caps.ranks_in_one_worker);
+            }
         }
         Conflict::OpaqueBlocks { children: ch, .. } => {
             prop_assert!(o.opaque_blocks.is_some());

@@ -83,9 +83,50 @@ pub struct Deployment {
     pub prefill: RoleConfig,
     /// The decode server.
     pub decode: RoleConfig,
+    /// The engine the servers run (`engine`): kvconnect's reference engine, or vLLM.
+    pub engine: EngineKind,
+}
+
+/// The engine a deployment's servers run (`engine = "kvconnect" | "vllm"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum EngineKind {
+    /// kvconnect's reference engine (`kvconnect up`, `kvconnect worker`): its tensor-parallel
+    /// ranks are threads of one process behind one connector. The default.
+    #[default]
+    Kvconnect,
+    /// vLLM servers with `KvconnectConnector`: every rank has its own connector.
+    Vllm,
+}
+
+impl EngineKind {
+    /// How many tensor-parallel ranks one connector serves at `tp_size`.
+    pub fn ranks_per_worker(self, tp_size: u32) -> u32 {
+        match self {
+            EngineKind::Kvconnect => tp_size,
+            EngineKind::Vllm => 1,
+        }
+    }
+}
+
+impl std::fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            EngineKind::Kvconnect => "kvconnect",
+            EngineKind::Vllm => "vllm",
+        })
+    }
 }
 
 impl Deployment {
+    /// Refuses a deployment of another engine's servers (`engine = "vllm"`) where kvconnect's
+    /// own servers are to run it (`kvconnect up`, `kvconnect worker --deployment`).
+    pub fn for_kvconnect_servers(&self) -> Result<(), DeploymentError> {
+        match self.engine {
+            EngineKind::Kvconnect => Ok(()),
+            engine => Err(DeploymentError::OtherEngine { path: self.path.clone(), engine }),
+        }
+    }
+
     /// One role's config.
     pub fn role(&self, role: Role) -> &RoleConfig {
         match role {
@@ -99,6 +140,14 @@ impl Deployment {
 /// `Connector` are bad input; `Conflict` and `Incompatible` are deployments that cannot work.
 #[derive(Debug, thiserror::Error)]
 pub enum DeploymentError {
+    /// A deployment of another engine's servers, where kvconnect's servers are to run it.
+    #[error("{}: this deployment describes {engine} servers (engine = \"{engine}\"): start each with vLLM and KvconnectConnector, naming this file in kv_connector_extra_config.deployment; kvconnect up and kvconnect worker run kvconnect's own engine (engine = \"kvconnect\", the default)", path.display())]
+    OtherEngine {
+        /// The file.
+        path: PathBuf,
+        /// The engine it names.
+        engine: EngineKind,
+    },
     /// The file cannot be read.
     #[error("{}: cannot read the deployment file: {source}", path.display())]
     Read {
@@ -120,7 +169,7 @@ pub enum DeploymentError {
         message: String,
     },
     /// Keys the deployment format does not have.
-    #[error("{}: unknown key{} {}; valid keys are: model, [connectors], and in [prefill]/[decode]: {}", path.display(), if keys.len() == 1 { "" } else { "s" }, keys.join(", "), ROLE_KEYS.join(", "))]
+    #[error("{}: unknown key{} {}; valid keys are: model, engine, served_model_name, [connectors], and in [prefill]/[decode]: {}", path.display(), if keys.len() == 1 { "" } else { "s" }, keys.join(", "), ROLE_KEYS.join(", "))]
     UnknownKeys {
         /// The file.
         path: PathBuf,
@@ -236,6 +285,7 @@ enum StrOrBool {
 #[serde(deny_unknown_fields)]
 struct RawDeployment {
     model: Option<Spanned<String>>,
+    engine: Option<Spanned<String>>,
     served_model_name: Option<String>,
     prefill: Option<RawRole>,
     decode: Option<RawRole>,
@@ -379,7 +429,7 @@ fn unknown_keys(table: &toml::Table) -> Vec<String> {
     let mut out = Vec::new();
     for (k, v) in table {
         match k.as_str() {
-            "model" | "connectors" => {}
+            "model" | "engine" | "served_model_name" | "connectors" => {}
             "prefill" | "decode" => {
                 if let Some(t) = v.as_table() {
                     out.extend(
@@ -554,10 +604,39 @@ impl Deployment {
                 notes,
             })
         };
-        let prefill = role(Role::Prefill, raw.prefill)?;
-        let decode = role(Role::Decode, raw.decode)?;
+        let engine = match raw.engine {
+            None => EngineKind::default(),
+            Some(e) => match e.get_ref().as_str() {
+                "kvconnect" => EngineKind::Kvconnect,
+                "vllm" => EngineKind::Vllm,
+                other => {
+                    let (line, column) = line_col(src, e.span().start);
+                    return Err(DeploymentError::Toml {
+                        path: path.to_owned(),
+                        line,
+                        column,
+                        message: format!(
+                            "engine = {other:?}: expected \"kvconnect\" (kvconnect's reference engine, the default) or \"vllm\" (vLLM servers with KvconnectConnector)"
+                        ),
+                    });
+                }
+            },
+        };
+        let mut prefill = role(Role::Prefill, raw.prefill)?;
+        let mut decode = role(Role::Decode, raw.decode)?;
+        for rc in [&mut prefill, &mut decode] {
+            rc.options.ranks_per_worker = engine.ranks_per_worker(rc.options.tp_size);
+        }
         let served_model_name = raw.served_model_name;
-        Ok(Deployment { path: path.to_owned(), model_path, model, served_model_name, prefill, decode })
+        Ok(Deployment {
+            path: path.to_owned(),
+            model_path,
+            model,
+            served_model_name,
+            prefill,
+            decode,
+            engine,
+        })
     }
 }
 
@@ -769,6 +848,27 @@ kv_transfer_config = '{"kv_connector":"NixlConnector"}'
 
     fn parse(src: &str) -> Result<Deployment, DeploymentError> {
         Deployment::parse(&here(), src)
+    }
+
+    #[test]
+    fn the_engine_decides_how_many_ranks_one_connector_serves() {
+        let tp2 = "[prefill]\nkv_transfer_config = '{\"kv_connector\":\"NixlConnector\"}'\ntp_size = 2\n\
+                   [decode]\nkv_transfer_config = '{\"kv_connector\":\"NixlConnector\"}'\n";
+        // kvconnect's engine (the default): its ranks share one connector.
+        let d = parse(&format!("{QWEN}served_model_name = \"qwen\"\n{tp2}")).unwrap();
+        assert_eq!(
+            (d.engine, d.prefill.options.ranks_per_worker, d.decode.options.ranks_per_worker),
+            (EngineKind::Kvconnect, 2, 1)
+        );
+        assert_eq!(d.served_model_name.as_deref(), Some("qwen"));
+        assert!(d.for_kvconnect_servers().is_ok());
+        // vLLM: one connector per rank; kvconnect's servers refuse to run the file.
+        let d = parse(&format!("{QWEN}engine = \"vllm\"\n{tp2}")).unwrap();
+        assert_eq!((d.engine, d.prefill.options.ranks_per_worker), (EngineKind::Vllm, 1));
+        let e = d.for_kvconnect_servers().unwrap_err().to_string();
+        assert!(e.contains("describes vllm servers (engine = \"vllm\")"), "{e}");
+        let e = parse(&format!("{QWEN}engine = \"sglang\"\n{tp2}")).unwrap_err().to_string();
+        assert!(e.contains("engine = \"sglang\": expected \"kvconnect\"") && e.contains(":2:"), "{e}");
     }
 
     #[test]

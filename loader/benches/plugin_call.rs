@@ -147,8 +147,14 @@ fn main() {
     let mut w_plugin = unsafe { worker(plugin.factory.as_ref(), dir.path(), &mut bufs_b) };
     let ids: Vec<BlockId> = (0..16).map(|i| BlockId(i * 3 + 1)).collect();
     // Both halves answer the same, so the plugin's calls did the same work.
-    assert_eq!(w_native.save_kv_layer(LayerId(2), &ids).is_ok(), w_plugin.save_kv_layer(LayerId(2), &ids).is_ok());
-    assert!(w_plugin.save_kv_layer(LayerId(2), &[BlockId(NUM_BLOCKS)]).is_err(), "an id past the regions is refused");
+    assert_eq!(
+        w_native.save_kv_layer(LayerId(2), &ids).is_ok(),
+        w_plugin.save_kv_layer(LayerId(2), &ids).is_ok()
+    );
+    assert!(
+        w_plugin.save_kv_layer(LayerId(2), &[BlockId(NUM_BLOCKS)]).is_err(),
+        "an id past the regions is refused"
+    );
 
     let calls = size.calls;
     let save = interleaved_timed(
@@ -165,7 +171,11 @@ fn main() {
     );
     // Plugin time over in-process time, per pair: the inverse of the pairs' throughput ratio.
     let cost = |q: &Quartiles| Quartiles { q1: 1.0 / q.q3, median: 1.0 / q.median, q3: 1.0 / q.q1 };
-    let per = |q: &Quartiles| Quartiles { q1: q.q1 / calls as f64, median: q.median / calls as f64, q3: q.q3 / calls as f64 };
+    let per = |q: &Quartiles| Quartiles {
+        q1: q.q1 / calls as f64,
+        median: q.median / calls as f64,
+        q3: q.q3 / calls as f64,
+    };
 
     // Open + check + init + factory + capability validation of a library already mapped
     // (dlopen only bumps its count): the loader's own cost.

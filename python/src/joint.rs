@@ -13,8 +13,8 @@
 use crate::error::AdapterError;
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{Conflict, EngineOptions, HmaOption, Negotiated};
-use kvconnect_api::{KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_api::Role;
+use kvconnect_api::{KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_host::deployment::{negotiate_role, Deployment, DeploymentError};
 use kvconnect_host::registry::Registry;
 use std::path::Path;
@@ -125,6 +125,8 @@ impl Joint {
         p.memory = p.memory.or(own.memory);
         p.opaque_blocks = p.opaque_blocks.clone().or(own.opaque_blocks.clone());
         p.tp_rank = 0;
+        // The peer is a vLLM server too: one connector per rank, whatever the file's engine.
+        p.ranks_per_worker = 1;
         let conflict = |e: DeploymentError| {
             match &e {
             DeploymentError::Conflict { conflict, .. } if matches!(**conflict, Conflict::HmaUnsupported { .. }) => {

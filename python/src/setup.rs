@@ -303,6 +303,8 @@ fn engine_options(side: &VllmSide) -> Result<EngineOptions, AdapterError> {
         tp_rank: side.tp_rank,
         allow_adapters: true,
         opaque_blocks: side.opaque_blocks.clone(),
+        // vLLM gives every tensor-parallel rank its own connector.
+        ranks_per_worker: 1,
     })
 }
 

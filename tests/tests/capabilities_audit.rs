@@ -14,7 +14,7 @@
 //! every backend declares names one test.
 //!
 //! Claims are the capability fields that promise behaviour: `hma`, `layerwise`,
-//! `heterogeneous_tp`, `mla`, `async_load`, `adapt`, `carries_state`, `stores_opaque_blocks`, the combinations
+//! `heterogeneous_tp`, `ranks_in_one_worker`, `mla`, `async_load`, `adapt`, `carries_state`, `stores_opaque_blocks`, the combinations
 //! `state_with_tp`, `adapts_with_tp` and `adapts_with_state` (no built-in declares them:
 //! negotiation and the compat check refuse those pairs before launch), and each memory kind,
 //! transfer mode and role. Layout, block-size and dtype fields restrict rather than promise;
@@ -82,6 +82,9 @@ const CLAIMS: &[Claim] = &[
     claim("nixl", "hma", "tests/tests/pd_determinism.rs::shm_hma_on"),
     on("nixl", "shm", "heterogeneous_tp", "tests/tests/pd_determinism.rs::shm_tp_2_to_1"),
     on("nixl", "tcp", "heterogeneous_tp", "tests/tests/pd_determinism.rs::tcp_tp_2_to_1"),
+    // A TP 2 prefill of the reference engine registers both ranks' regions in one worker.
+    on("nixl", "shm", "ranks_in_one_worker", "tests/tests/pd_determinism.rs::shm_tp_2_to_1"),
+    on("nixl", "tcp", "ranks_in_one_worker", "tests/tests/pd_determinism.rs::tcp_tp_2_to_1"),
     claim("nixl", "mla", DEEPSEEK_PD),
     on("nixl", "shm", "carries_state", "tests/tests/pd_determinism.rs::hybrid_model_shm_hma_on"),
     on("nixl", "tcp", "carries_state", "tests/tests/pd_determinism.rs::hybrid_model_tcp_hma_on"),
@@ -160,6 +163,7 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         adapts_with_tp,
         adapts_with_state,
         stores_opaque_blocks,
+        ranks_in_one_worker,
     } = c;
     let mut out = BTreeSet::new();
     for (on, name) in [
@@ -174,6 +178,7 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         (*adapts_with_tp, "adapts_with_tp"),
         (*adapts_with_state, "adapts_with_state"),
         (*stores_opaque_blocks, "stores_opaque_blocks"),
+        (*ranks_in_one_worker, "ranks_in_one_worker"),
     ] {
         if on {
             out.insert(name.to_owned());
@@ -365,10 +370,12 @@ fn claims_that_depend_on_the_backend_are_audited_per_backend() {
     // adaptation combined with TP or state anywhere.
     for b in ["shm", "tcp"] {
         assert!(nixl(b).contains("carries_state") && nixl(b).contains("heterogeneous_tp"), "{b}");
+        assert!(nixl(b).contains("ranks_in_one_worker"), "{b}");
         assert!(nixl(b).contains("memory:host") && !nixl(b).contains("memory:device"), "{b}");
     }
     for b in ["nixl", "cuda_ipc"] {
         assert!(!nixl(b).contains("carries_state") && !nixl(b).contains("heterogeneous_tp"), "{b}");
+        assert!(!nixl(b).contains("ranks_in_one_worker"), "{b}");
     }
     assert!(!nixl("cuda_ipc").contains("memory:host"));
     for (v, d) in &declared {

@@ -85,6 +85,16 @@ fn plan_refuses_each_combination_before_launch_naming_the_child_and_the_remedy()
             ][..],
         ),
         ("hybrid-device.toml", true, &["not usable by child 'nixl' (prefill and decode)"][..]),
+        (
+            "tp-one-worker.toml",
+            false,
+            &[
+                "NOT COMPATIBLE: prefill: this engine serves its 2 tensor-parallel ranks through one connector",
+                "but child 'nixl' serves one rank's KV regions per worker (no ranks_in_one_worker)",
+                "Remedy: run tp_size=1, or use connectors that declare ranks_in_one_worker (the nixl connector does with backend shm or tcp)",
+            ][..],
+        ),
+        ("tp-one-worker.toml", true, &["serves one rank's KV regions per worker (no ranks_in_one_worker)"][..]),
     ] {
         let (code, stdout) = plan(file, joint);
         assert_eq!(code, 1, "{file} joint={joint}:\n{stdout}");
@@ -178,5 +188,62 @@ fn another_block_size_beside_state_is_refused_at_the_handshake_not_at_load() {
         prompt,
         &mono,
         &["block_size: prefill=16", "decode=32", "no adapts_with_state", "set block_size to the same value"],
+    );
+}
+
+/// A kvconnect worker started from `file` as `role`: its exit code and stderr, or a panic
+/// when it is still running after 60 s (it should refuse before it serves).
+fn refused_at_start(file: &str, role: &str) -> (i32, String) {
+    let path = deployment(file);
+    let mut child = std::process::Command::new(kvconnect_tests::kvconnect_bin())
+        .args(["worker", "--deployment", path.to_str().unwrap(), "--role", role])
+        .env_remove("KVCONNECT_PLUGIN_PATH")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("a worker from {file} as {role} still runs after 60 s instead of refusing to start");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    (out.status.code().unwrap_or(-1), text(&out.stderr))
+}
+
+#[test]
+fn an_engine_whose_ranks_share_one_connector_is_refused_before_launch_on_a_one_rank_backend() {
+    // kvconnect's engine at tp_size 2 over backend nixl: refused at start, never at
+    // register_kv_caches, with the conflict plan shows.
+    for role in ["prefill", "decode"] {
+        let (code, stderr) = refused_at_start("tp-one-worker.toml", role);
+        assert_ne!(code, 0, "{role}: {stderr}");
+        assert!(
+            stderr.contains("serves its 2 tensor-parallel ranks through one connector")
+                && stderr.contains("child 'nixl' serves one rank's KV regions per worker"),
+            "{role}: {stderr}"
+        );
+        assert!(!stderr.contains("register_kv_caches") && !stderr.contains("panicked"), "{role}: {stderr}");
+    }
+    // The same file for vLLM servers (one connector per rank) is compatible, and kvconnect's
+    // own servers refuse to run it, saying whose servers it describes.
+    let dir = tempfile::tempdir().unwrap();
+    let src = std::fs::read_to_string(deployment("tp-one-worker.toml"))
+        .unwrap()
+        .replace("model = ", "engine = \"vllm\"\nmodel = ")
+        .replace("../../fixtures", workspace_root().join("fixtures").to_str().unwrap());
+    let vllm = dir.path().join("tp-one-worker-vllm.toml");
+    std::fs::write(&vllm, src).unwrap();
+    let out = run_kvconnect(&["plan", vllm.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0), "{}{}", text(&out.stdout), text(&out.stderr));
+    let out = run_kvconnect(&["worker", "--deployment", vllm.to_str().unwrap(), "--role", "prefill"]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(
+        text(&out.stderr).contains("this deployment describes vllm servers (engine = \"vllm\"): start each with vLLM and KvconnectConnector"),
+        "{}",
+        text(&out.stderr)
     );
 }

@@ -7,8 +7,7 @@
 use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
 use kvconnect_engine::{local_effective_layout, Engine, EngineConfig, GenRequest, ReferenceConfig};
 use kvconnect_tests::{
-    assert_refused_at_the_handshake, disaggregated, reference_model, varied_prompts, write_deployment,
-    Worker,
+    assert_refused_at_the_handshake, disaggregated, reference_model, varied_prompts, write_deployment, Worker,
 };
 
 /// The reference config with 6 query and 6 KV heads.

@@ -44,6 +44,7 @@ impl Capabilities {
                 adapts_with_tp: false,
                 adapts_with_state: false,
                 stores_opaque_blocks: false,
+                ranks_in_one_worker: false,
             },
         }
     }
@@ -131,6 +132,13 @@ impl CapabilitiesBuilder {
     /// Adapts blocks (block size, layout) also for a model with state layers.
     pub fn adapts_with_state(mut self, yes: bool) -> Self {
         self.caps.adapts_with_state = yes;
+        self
+    }
+
+    /// Serves the regions of several tensor-parallel ranks in one worker
+    /// (`Capabilities::ranks_in_one_worker`).
+    pub fn ranks_in_one_worker(mut self, yes: bool) -> Self {
+        self.caps.ranks_in_one_worker = yes;
         self
     }
 

@@ -90,6 +90,7 @@ pub fn json_values() -> Vec<JsonValue> {
         adapts_with_tp: false,
         adapts_with_state: false,
         stores_opaque_blocks: false,
+        ranks_in_one_worker: false,
     };
     let region = KvRegionSpec {
         name: "layer.0".into(),

@@ -85,6 +85,15 @@ pub enum Conflict {
         /// What to change.
         remedy: String,
     },
+    /// An engine whose tensor-parallel ranks share one connector, with children that serve
+    /// one rank's regions per worker.
+    #[error("this engine serves its {ranks} tensor-parallel ranks through one connector (kvconnect's reference engine runs them as threads of one process), but {} one rank's KV regions per worker (no ranks_in_one_worker). Remedy: run tp_size=1, or use connectors that declare ranks_in_one_worker (the nixl connector does with backend shm or tcp) instead of {}; vLLM gives each rank its own connector (engine = \"vllm\" in a deployment file)", verb(.children, "serves", "serve"), them(.children))]
+    RanksInOneWorker {
+        /// The ranks one connector serves.
+        ranks: u32,
+        /// Children that serve one rank per worker.
+        children: Vec<String>,
+    },
     /// An MLA model with children that do not handle latent KV caches.
     #[error("model '{model}' uses MLA (latent KV), but {} not declare MLA support; remove {} or use a connector version that supports MLA", list_does(.unsupported), them(.unsupported))]
     MlaUnsupported {

@@ -85,6 +85,22 @@ pub(super) fn check_inputs(
             reason: format!("ranks go from 0 to tp_size-1 = {}", opts.tp_size - 1),
         });
     }
+    if opts.ranks_per_worker == 0 || opts.ranks_per_worker > opts.tp_size {
+        return Err(Conflict::InvalidOption {
+            option: "ranks_per_worker".to_owned(),
+            value: opts.ranks_per_worker.to_string(),
+            reason: format!("one connector serves 1 to tp_size = {} ranks", opts.tp_size),
+        });
+    }
+    if opts.ranks_per_worker > 1 {
+        let single: Vec<&Party> = parties.iter().filter(|p| !p.caps.ranks_in_one_worker).collect();
+        if !single.is_empty() {
+            return Err(Conflict::RanksInOneWorker {
+                ranks: opts.ranks_per_worker,
+                children: labels(&single),
+            });
+        }
+    }
     if opts.block_size == Some(0) {
         return Err(Conflict::InvalidOption {
             option: "block_size".to_owned(),

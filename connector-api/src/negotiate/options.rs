@@ -84,6 +84,11 @@ pub struct EngineOptions {
     /// which stores K transposed inside a block. `kv_cache_layout` then only says where whole
     /// blocks are; blocks move whole and are never adapted, so a layout adapter is a conflict.
     pub opaque_blocks: Option<String>,
+    /// How many tensor-parallel ranks one worker connector serves: 1 where every rank has its
+    /// own connector (vLLM), `tp_size` where the ranks share one (kvconnect's reference
+    /// engine, whose ranks are threads of one process). Above 1, every child must declare
+    /// `ranks_in_one_worker`. Default 1.
+    pub ranks_per_worker: u32,
 }
 
 impl Default for EngineOptions {
@@ -98,6 +103,7 @@ impl Default for EngineOptions {
             tp_rank: 0,
             allow_adapters: true,
             opaque_blocks: None,
+            ranks_per_worker: 1,
         }
     }
 }

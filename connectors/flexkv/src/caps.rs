@@ -52,6 +52,7 @@ pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
         // Over opaque blocks (vLLM's CPU backend) it stores each block's bytes as they are
         // and loads them back into the same engine's layout, never transposing.
         stores_opaque_blocks: true,
+        ranks_in_one_worker: false,
     }
 }
 

@@ -43,6 +43,7 @@ pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> Co
         adapts_with_tp: false,
         adapts_with_state: false,
         stores_opaque_blocks: false,
+        ranks_in_one_worker: false,
     })
 }
 

@@ -54,6 +54,7 @@ pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> Con
         adapts_with_tp: false,
         adapts_with_state: false,
         stores_opaque_blocks: false,
+        ranks_in_one_worker: backend.is_some_and(|b| b.across_tp),
     })
 }
 

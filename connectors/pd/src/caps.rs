@@ -138,6 +138,7 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
         adapts_with_tp: all(|c| c.adapts_with_tp),
         adapts_with_state: all(|c| c.adapts_with_state),
         stores_opaque_blocks: all(|c| c.stores_opaque_blocks),
+        ranks_in_one_worker: all(|c| c.ranks_in_one_worker),
     })
 }
 
@@ -356,6 +357,7 @@ mod props {
                     adapts_with_tp: false,
                     adapts_with_state: false,
                     stores_opaque_blocks: false,
+                    ranks_in_one_worker: false,
                 }
             })
     }

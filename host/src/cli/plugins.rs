@@ -283,6 +283,8 @@ fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {
         vec!["state_with_tp".into(), yes(c.state_with_tp)],
         vec!["adapts_with_tp".into(), yes(c.adapts_with_tp)],
         vec!["adapts_with_state".into(), yes(c.adapts_with_state)],
+        vec!["stores_opaque_blocks".into(), yes(c.stores_opaque_blocks)],
+        vec!["ranks_in_one_worker".into(), yes(c.ranks_in_one_worker)],
     ]
 }
 

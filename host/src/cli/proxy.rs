@@ -5,10 +5,10 @@
 //! own parameters.
 
 use crate::cli::exit::Exit;
-use kvconnect_api::Role;
 use crate::proxy::backends::Backends;
 use crate::proxy::Proxy;
 use anyhow::{anyhow, Context, Result};
+use kvconnect_api::Role;
 use serde_json::json;
 use std::io::Write;
 use std::net::SocketAddr;

@@ -153,6 +153,8 @@ fn options(a: &ServerArgs) -> Result<EngineOptions> {
         bail!("--tp-size must be a positive integer, got 0");
     }
     o.tp_size = a.tp_size;
+    // The engine's ranks are threads of this process behind one connector.
+    o.ranks_per_worker = a.tp_size;
     if let Some(d) = &a.cache_dtype {
         o.cache_dtype = parse_cache_dtype(d).map_err(|m| anyhow!("--{}", m.replacen('_', "-", 1)))?;
     }
@@ -221,6 +223,7 @@ pub fn run(a: &ServerArgs, registry: Registry) -> Result<()> {
     let (role, config, model_json, model, negotiated, compat, opts) = if let Some(path) = &a.deployment {
         let role = role_of(a, None)?;
         let d = Deployment::load(path)?;
+        d.for_kvconnect_servers()?;
         let (n, c) = negotiate_role(&d, role, a.joint, &registry)?;
         let json = std::fs::read_to_string(&d.model_path)
             .with_context(|| format!("model {}: cannot read it", d.model_path.display()))?;

@@ -108,6 +108,7 @@ async fn up(a: &UpArgs) -> Result<()> {
     let files = files::DeploymentFiles::resolve(a.deployment.as_deref())?;
     // Refuse a broken file before any process starts.
     let deployment = Deployment::load(&files.path).map_err(|e| Exit::bad_input(anyhow!(e)))?;
+    deployment.for_kvconnect_servers().map_err(|e| Exit::bad_input(anyhow!(e)))?;
     // The proxy's port first: a port in use is refused before any server starts.
     let want = SocketAddr::new(a.host, a.port);
     let listener = tokio::net::TcpListener::bind(want).await.map_err(|e| {

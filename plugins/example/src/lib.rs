@@ -98,6 +98,7 @@ impl ConnectorFactory for ExampleFactory {
             adapts_with_tp: false,
             adapts_with_state: false,
             stores_opaque_blocks: false,
+            ranks_in_one_worker: false,
         })
     }
 

@@ -21,7 +21,9 @@ pub use crate::puller::Link;
 use crate::puller::PullStats;
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::{ConnectorContext, ConnectorError, ConnectorResult, KvRegion, LayerId, MemoryKind, RequestId};
+use kvconnect_api::{
+    ConnectorContext, ConnectorError, ConnectorResult, KvRegion, LayerId, MemoryKind, RequestId,
+};
 use std::collections::HashMap;
 use std::sync::Arc;
 

@@ -41,7 +41,11 @@ pub static BACKEND: BackendInfo = BackendInfo {
     across_tp: false,
     carries_state: false,
     // Device memory registered as VRAM, in builds with the `cuda` feature.
-    memory_kinds: if cfg!(feature = "cuda") { &[MemoryKind::Host, MemoryKind::Device] } else { &[MemoryKind::Host] },
+    memory_kinds: if cfg!(feature = "cuda") {
+        &[MemoryKind::Host, MemoryKind::Device]
+    } else {
+        &[MemoryKind::Host]
+    },
     serves_reads: false,
     shm_regions: false,
     available,
