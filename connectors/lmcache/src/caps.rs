@@ -1,10 +1,10 @@
 //! What the lmcache connector declares.
 
-use crate::config::LmcacheConfig;
+use crate::config::{LmcacheConfig, NAME};
 use kvconnect_api::KvRole;
 use kvconnect_api::{
-    Capabilities, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind, ModelSpec,
-    TransferMode,
+    Capabilities, ConnectorError, ConnectorResult, KvLayout, KvTransferConfig, LayoutConstraint, MemoryKind,
+    ModelSpec, TransferMode,
 };
 
 /// No HMA; NHD or HND; the block size must divide `chunk_size`; layer-wise when
@@ -20,31 +20,21 @@ pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> Co
     if cfg.local_disk.is_some() {
         memory_kinds.push(MemoryKind::Disk);
     }
-    Ok(Capabilities {
-        hma: false,
-        layout: LayoutConstraint {
-            required: vec![KvLayout::NHD, KvLayout::HND],
-            rejected: vec![],
-            preferred: vec![KvLayout::NHD, KvLayout::HND],
-        },
-        adapt: None,
-        block_size_multiple: 1,
-        block_size_divides: Some(cfg.chunk_size),
-        cache_dtypes: vec![],
+    Capabilities::builder(
+        TransferMode::None,
         memory_kinds,
-        transfer_mode: TransferMode::None,
-        roles: vec![KvRole::Producer, KvRole::Consumer, KvRole::Both],
-        layerwise: cfg.use_layerwise,
-        heterogeneous_tp: false,
-        mla: true,
-        async_load: false,
-        carries_state: false,
-        state_with_tp: false,
-        adapts_with_tp: false,
-        adapts_with_state: false,
-        stores_opaque_blocks: false,
-        ranks_in_one_worker: false,
+        [KvRole::Producer, KvRole::Consumer, KvRole::Both],
+    )
+    .layout(LayoutConstraint {
+        required: vec![KvLayout::NHD, KvLayout::HND],
+        rejected: vec![],
+        preferred: vec![KvLayout::NHD, KvLayout::HND],
     })
+    .block_size_divides(Some(cfg.chunk_size))
+    .layerwise(cfg.use_layerwise)
+    .mla(true)
+    .build()
+    .map_err(|e| ConnectorError::invalid(NAME, e.to_string()))
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
-const NAME: &str = "lmcache";
+pub(crate) const NAME: &str = "lmcache";
 
 /// Bytes in one of LMCache's "GB" (it multiplies by 1024**3).
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;

@@ -338,27 +338,15 @@ mod props {
             .prop_map(|(hma, required, rejected, adapts, memory_kinds, moves)| {
                 let rejected: Vec<KvLayout> =
                     rejected.into_iter().filter(|l| !required.contains(l)).collect();
-                Capabilities {
-                    hma,
-                    layout: LayoutConstraint { preferred: required.clone(), required, rejected },
-                    adapt: adapts.then_some(AdaptCost::Medium),
-                    block_size_multiple: 1,
-                    block_size_divides: None,
-                    cache_dtypes: vec![],
-                    memory_kinds,
-                    transfer_mode: if moves { TransferMode::Pull } else { TransferMode::None },
-                    roles: vec![KvRole::Both],
-                    layerwise: false,
-                    heterogeneous_tp: false,
-                    mla: false,
-                    async_load: false,
-                    carries_state: false,
-                    state_with_tp: false,
-                    adapts_with_tp: false,
-                    adapts_with_state: false,
-                    stores_opaque_blocks: false,
-                    ranks_in_one_worker: false,
-                }
+                let mode = if moves { TransferMode::Pull } else { TransferMode::None };
+                let mut c = Capabilities::builder(mode, memory_kinds, [KvRole::Both])
+                    .hma(hma)
+                    .adapt(adapts.then_some(AdaptCost::Medium))
+                    .build()
+                    .expect("the default layout is valid");
+                // Any constraint, even one that leaves no layout: combine must say so.
+                c.layout = LayoutConstraint { preferred: required.clone(), required, rejected };
+                c
             })
     }
 

@@ -76,30 +76,20 @@ impl ConnectorFactory for ExampleFactory {
         _config: &KvTransferConfig,
         _model: Option<&ModelSpec>,
     ) -> ConnectorResult<Capabilities> {
-        Ok(Capabilities {
-            // One block table per request: with HMA on, sliding-window groups free blocks the
-            // store would still address.
-            hma: false,
-            // It copies whole spans through the geometry, so any layout works.
-            layout: LayoutConstraint { required: vec![], rejected: vec![], preferred: vec![KvLayout::NHD] },
-            adapt: None,
-            block_size_multiple: 1,
-            block_size_divides: None,
-            cache_dtypes: vec![],
-            memory_kinds: vec![MemoryKind::Host],
-            transfer_mode: TransferMode::None,
-            roles: vec![KvRole::Producer, KvRole::Consumer, KvRole::Both],
-            layerwise: true,
-            heterogeneous_tp: false,
-            mla: true,
-            async_load: false,
-            carries_state: false,
-            state_with_tp: false,
-            adapts_with_tp: false,
-            adapts_with_state: false,
-            stores_opaque_blocks: false,
-            ranks_in_one_worker: false,
-        })
+        Capabilities::builder(
+            TransferMode::None,
+            [MemoryKind::Host],
+            [KvRole::Producer, KvRole::Consumer, KvRole::Both],
+        )
+        // One block table per request: with HMA on, sliding-window groups free blocks the
+        // store would still address.
+        .hma(false)
+        // It copies whole spans through the geometry, so any layout works.
+        .layout(LayoutConstraint { required: vec![], rejected: vec![], preferred: vec![KvLayout::NHD] })
+        .layerwise(true)
+        .mla(true)
+        .build()
+        .map_err(|e| ConnectorError::invalid(NAME, e.to_string()))
     }
 
     fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
