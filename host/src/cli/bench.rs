@@ -314,12 +314,15 @@ impl Baseline {
     /// pull cuts its runs), every socket's buffers set to `buffer` bytes as the connector
     /// sets its own.
     fn socket(bytes: usize, rounds: usize, streams: usize, buffer: usize) -> Result<Baseline> {
-        const CHUNK: usize = 1 << 20;
         let streams = streams.max(1);
         let listener = TcpListener::bind("127.0.0.1:0").context("baseline socket")?;
         let addr = listener.local_addr()?;
         let share = bytes.div_ceil(streams).max(1);
         let sender = std::thread::spawn(move || -> std::io::Result<()> {
+            // As many bytes as the transfer, each sent once per round from its own place, as
+            // the producer sends its regions (a small buffer sent again and again would stay
+            // in cache and skip the memory reads the transfer pays).
+            let src = std::sync::Arc::new(vec![7u8; bytes]);
             for _ in 0..rounds {
                 let mut conns = Vec::with_capacity(streams);
                 for _ in 0..streams {
@@ -332,15 +335,10 @@ impl Baseline {
                     .into_iter()
                     .enumerate()
                     .map(|(i, mut s)| {
-                        let mut left = share.min(bytes.saturating_sub(i * share));
+                        let src = src.clone();
                         std::thread::spawn(move || -> std::io::Result<()> {
-                            let src = vec![7u8; CHUNK];
-                            while left > 0 {
-                                let n = left.min(CHUNK);
-                                s.write_all(&src[..n])?;
-                                left -= n;
-                            }
-                            Ok(())
+                            let from = (i * share).min(src.len());
+                            s.write_all(&src[from..(from + share).min(src.len())])
                         })
                     })
                     .collect();
