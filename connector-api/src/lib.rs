@@ -45,6 +45,7 @@ pub mod role;
 pub mod sdk;
 pub mod state_slots;
 pub mod stats;
+pub mod stream_copy;
 
 // The crates whose types and macros this crate's API uses, so that a plugin depends on
 // `kvconnect-api` alone and gets the very versions the API was built with: `serde_json`

@@ -145,6 +145,18 @@ pub fn seconds(f: impl FnOnce()) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// The baseline of a copy that may stream: the faster of glibc's memcpy and streaming stores
+/// ([`crate::stream_copy::Batch`]) over the same pieces, in seconds. `copy_all` calls the
+/// copier it is given once for each (destination, source) piece.
+pub fn best_memcpy(mut copy_all: impl FnMut(&mut dyn FnMut(&mut [u8], &[u8]))) -> f64 {
+    let glibc = seconds(|| copy_all(&mut |d, s| d.copy_from_slice(s)));
+    let streamed = seconds(|| {
+        let mut batch = crate::stream_copy::Batch::new();
+        copy_all(&mut |d, s| batch.copy(d, s));
+    });
+    glibc.min(streamed)
+}
+
 /// The quartiles of the time of one call of `f` (seconds), over `samples` samples of
 /// `iters` calls each, after one unmeasured call.
 pub fn per_call(samples: usize, iters: usize, mut f: impl FnMut()) -> Quartiles {

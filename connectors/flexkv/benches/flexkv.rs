@@ -24,7 +24,9 @@
 
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::stats::{interleaved_timed, per_call, verdict, Machine, Paired, Quartiles};
+use kvconnect_api::stats::{
+    best_memcpy, interleaved, interleaved_timed, per_call, seconds, verdict, Machine, Paired, Quartiles,
+};
 use kvconnect_api::{
     AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec, LayerId,
     MemoryKind, ModelSpec, TransferMode,
@@ -34,6 +36,7 @@ use kvconnect_flexkv::cache::BlockCache;
 use kvconnect_flexkv::hash::block_hashes;
 use kvconnect_flexkv::ssd_tier::SsdTier;
 use std::cell::RefCell;
+use std::convert::Infallible;
 use std::io::{Read, Seek, SeekFrom, Write};
 
 /// The sizes of one run: the benchmark's, or the tiny one of a test run.
@@ -104,47 +107,99 @@ impl Size {
     fn regions(&self, layout: KvLayout, seed: u32) -> Regions {
         let shape = BlockShape::of(&self.model(), &self.eff(layout));
         let len = self.blocks as usize * shape.layer_block_bytes();
-        let mut bufs: Vec<Vec<u8>> = (0..self.layers)
+        let mut bufs: Vec<Lines> = (0..self.layers)
             .map(|l| {
-                (0..len)
-                    .map(|i| if seed == 0 { 0 } else { (i as u32).wrapping_mul(2_654_435_761) >> 24 ^ l ^ seed } as u8)
-                    .collect()
+                Lines::new((0..len).map(|i| {
+                    (if seed == 0 { 0 } else { (i as u32).wrapping_mul(2_654_435_761) >> 24 ^ l ^ seed })
+                        as u8
+                }))
             })
             .collect();
-        let kv: Vec<KvRegion> = KvRegionSpec::per_layer(&mut bufs, self.blocks)
-            .into_iter()
-            // SAFETY: `bufs` moves into the returned value beside the KvMemory built from these
-            // regions; moving a Vec does not move its heap buffer, and the buffers are not
-            // resized while it lives.
-            .map(|spec| unsafe { KvRegion::new(spec) })
+        let kv: Vec<KvRegion> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(l, b)| {
+                let spec = KvRegionSpec::host(
+                    format!("layer.{l}"),
+                    b.bytes_mut(),
+                    vec![LayerId(l as u32)],
+                    0,
+                    self.blocks,
+                );
+                // SAFETY: `bufs` moves into the returned value beside the KvMemory built from
+                // these regions; moving a Vec does not move its heap buffer, and the buffers
+                // are not resized while it lives.
+                unsafe { KvRegion::new(spec) }
+            })
             .collect();
         let mem = KvMemory::new(&kv, &self.model(), &self.eff(layout)).expect("bench regions fit the layout");
         Regions { bufs, mem }
     }
 }
 
+/// Bytes that start at a cache line, as an engine's KV regions and flexkv's CPU tier slots
+/// do.
+struct Lines {
+    buf: Vec<u8>,
+    at: usize,
+    len: usize,
+}
+
+impl Lines {
+    fn new(bytes: impl ExactSizeIterator<Item = u8>) -> Lines {
+        let len = bytes.len();
+        let mut buf = vec![0u8; len + 63];
+        let at = buf.as_ptr().align_offset(64);
+        for (d, b) in buf[at..at + len].iter_mut().zip(bytes) {
+            *d = b;
+        }
+        Lines { buf, at, len }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buf[self.at..self.at + self.len]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut self.buf[self.at..self.at + self.len]
+    }
+}
+
+impl PartialEq for Lines {
+    fn eq(&self, other: &Lines) -> bool {
+        self.bytes() == other.bytes()
+    }
+}
+
 /// Per-layer host regions and the KvMemory over them.
 struct Regions {
-    bufs: Vec<Vec<u8>>,
+    bufs: Vec<Lines>,
     mem: KvMemory,
 }
 
 impl Regions {
     fn bytes(&self) -> usize {
-        self.bufs.iter().map(|b| b.len()).sum()
+        self.bufs.iter().map(|b| b.len).sum()
     }
 
-    /// The baseline of the CPU copies: every region copied into `flat`, one memcpy each.
-    fn memcpy_into(&self, flat: &mut [u8]) {
-        let mut off = 0;
-        for r in &self.bufs {
-            flat[off..off + r.len()].copy_from_slice(r);
-            off += r.len();
-        }
+    /// The baseline of the CPU copies: every region copied into `flat`, one copy each, by
+    /// the faster of glibc's memcpy and streaming stores (as the subject may stream); the
+    /// time in seconds.
+    fn memcpy_into(&self, flat: &mut [u8]) -> f64 {
+        best_memcpy(|copy| {
+            let mut off = 0;
+            for r in &self.bufs {
+                copy(&mut flat[off..off + r.len], r.bytes());
+                off += r.len;
+            }
+        })
     }
 
     fn check_flat(&self, flat: &[u8], what: &str) {
-        assert!(flat == self.bufs.concat().as_slice(), "{what}: the memcpy baseline's bytes differ");
+        assert!(
+            flat == self.bufs.iter().flat_map(|b| b.bytes()).copied().collect::<Vec<u8>>(),
+            "{what}: the memcpy baseline's bytes differ"
+        );
     }
 }
 
@@ -166,6 +221,20 @@ fn absolute(name: &str, q: &Quartiles, samples: usize, goal_us: Option<f64>) {
 
 fn pairs(size: &Size, base: impl FnMut(), subject: impl FnMut()) -> Paired {
     interleaved_timed(size.pairs, if size.test { 0 } else { 2 }, base, subject)
+}
+
+/// [`pairs`] against a baseline that times itself (seconds), such as the best memcpy.
+fn pairs_against(size: &Size, mut base: impl FnMut() -> f64, mut subject: impl FnMut()) -> Paired {
+    let r = interleaved::<Infallible>(
+        size.pairs,
+        if size.test { 0 } else { 2 },
+        || Ok(base()),
+        || Ok(seconds(&mut subject)),
+    );
+    match r {
+        Ok(p) => p,
+        Err(never) => match never {},
+    }
 }
 
 fn prefix_match(size: &Size) {
@@ -248,7 +317,7 @@ fn cpu_tier(size: &Size) {
     let (mut scratch, mut tbuf) = (Vec::new(), Vec::new());
     let m = Machine::start();
     let flat_cell = RefCell::new(&mut flat);
-    let p = pairs(size, || src.memcpy_into(&mut flat_cell.borrow_mut()), store);
+    let p = pairs_against(size, || src.memcpy_into(&mut flat_cell.borrow_mut()), store);
     report("cpu_tier store (KV -> CPU tier, checksum in the same pass) vs memcpy", 0.9, p, bytes, m.finish());
     // The last stored chain holds the source's blocks: loaded into `dst`, they equal them.
     let chain = last.borrow().clone();
@@ -273,7 +342,7 @@ fn cpu_tier(size: &Size) {
         }
     };
     let m = Machine::start();
-    let p = pairs(size, || src.memcpy_into(&mut flat_cell.borrow_mut()), load);
+    let p = pairs_against(size, || src.memcpy_into(&mut flat_cell.borrow_mut()), load);
     report("cpu_tier load (CPU tier -> KV) vs memcpy", 0.9, p, bytes, m.finish());
     src.check_flat(&flat_cell.borrow(), "cpu_tier");
     assert!(dst.bufs == src.bufs, "the loaded blocks differ from the stored ones");
@@ -286,16 +355,18 @@ fn transpose(size: &Size) {
     assert!(adapter.transposes());
     let bytes = hnd.bytes();
     let slot = adapter.slot_bytes();
-    let mut stored: Vec<Vec<u8>> = (0..size.blocks).map(|_| vec![0u8; slot]).collect();
+    // Line-aligned, as the CPU tier's slots are.
+    let mut stored: Vec<Lines> =
+        (0..size.blocks).map(|_| Lines::new(std::iter::repeat_n(0u8, slot))).collect();
     let mut flat = vec![0u8; bytes];
     let flat_cell = RefCell::new(&mut flat);
     let m = Machine::start();
-    let p = pairs(
+    let p = pairs_against(
         size,
         || hnd.memcpy_into(&mut flat_cell.borrow_mut()),
         || {
             for (i, s) in stored.iter_mut().enumerate() {
-                adapter.gather(&hnd.mem, BlockId(i as u32), s).expect("gather");
+                adapter.gather(&hnd.mem, BlockId(i as u32), s.bytes_mut()).expect("gather");
             }
         },
     );
@@ -303,12 +374,12 @@ fn transpose(size: &Size) {
     hnd.check_flat(&flat_cell.borrow(), "transpose");
     let mut tbuf = Vec::new();
     let m = Machine::start();
-    let p = pairs(
+    let p = pairs_against(
         size,
         || hnd.memcpy_into(&mut flat_cell.borrow_mut()),
         || {
             for (i, s) in stored.iter().enumerate() {
-                adapter.scatter(&back.mem, BlockId(i as u32), s, &mut tbuf).expect("scatter");
+                adapter.scatter(&back.mem, BlockId(i as u32), s.bytes(), &mut tbuf).expect("scatter");
             }
         },
     );
@@ -322,7 +393,10 @@ fn transpose(size: &Size) {
             raw.extend_from_slice(hnd.mem.slice(span).expect("slice"));
         }
     }
-    assert!(stored[0] != raw, "the stored form is the region's bytes: nothing was transposed");
+    assert!(
+        stored[0].bytes() != raw.as_slice(),
+        "the stored form is the region's bytes: nothing was transposed"
+    );
 }
 
 fn ssd_tier(size: &Size) {

@@ -9,9 +9,10 @@
 //! other falls back to element moves. Regions are reached only through `KvMemory`.
 
 use crate::hash::Checksum;
-use kvconnect_api::geometry::{BlockShape, Geometry, GeometryError, Span};
+use kvconnect_api::geometry::{BlockShape, Geometry, GeometryError};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
+use kvconnect_api::stream_copy::{Batch, STREAM_MIN_PIECE};
 use kvconnect_api::{BlockId, EffectiveLayout, KvLayout, LayerId, ModelSpec};
 
 /// How one block is gathered from and scattered into the KV regions.
@@ -96,23 +97,41 @@ impl BlockAdapter {
         self.layout
     }
 
-    /// Copies block `block` of every KV layer out of the regions into `dst` (stored form).
+    /// Copies block `block` of every KV layer out of the regions into `dst` (stored form),
+    /// with streaming stores (the stored block is not read again soon).
     pub fn gather(&self, mem: &KvMemory, block: BlockId, dst: &mut [u8]) -> Result<(), GeometryError> {
         self.check_len(dst.len())?;
+        let mut batch = Batch::new();
+        let mut scratch = Vec::new();
         for (i, out) in dst.chunks_exact_mut(self.sub_bytes).enumerate() {
             let (layer, part) = self.sub(i);
-            let span = mem.span(layer, part, block)?;
+            let src = mem.slice(mem.span(layer, part, block)?)?;
             match &self.moves {
-                None => mem.read(span, out)?,
-                Some(m) => permute(mem.slice(span)?, out, m, self.unit, false),
+                None => batch.copy(out, src),
+                Some(m) if self.streams_rows(out.as_ptr() as usize) => {
+                    batch.copy_rows(out, src, m.iter().map(|&(r, s)| (r as usize, s as usize)), self.unit)
+                }
+                // Rows that do not fill whole cache lines: transposed in cache, then streamed.
+                Some(m) => {
+                    scratch.resize(self.sub_bytes, 0);
+                    permute(src, &mut scratch, m, self.unit, false);
+                    batch.copy(out, &scratch);
+                }
             }
         }
         Ok(())
     }
 
+    /// Whether a sub-block at `addr` is written row by row with streaming stores: its rows
+    /// are whole cache lines ([`STREAM_MIN_PIECE`]), which needs the sub-block line aligned.
+    fn streams_rows(&self, addr: usize) -> bool {
+        self.unit % STREAM_MIN_PIECE == 0 && addr % STREAM_MIN_PIECE == 0
+    }
+
     /// [`BlockAdapter::gather`], returning the stored block's [`crate::hash::checksum`]
-    /// taken in the same pass: each piece is summed as it is copied (or, when transposing,
-    /// right after its sub-block is, while that is still in cache).
+    /// taken in the same pass: each piece is summed while it is in cache (the source piece
+    /// right after it is streamed out; when transposing, the sub-block transposed in a
+    /// cache-sized scratch, summed, then streamed out).
     pub fn gather_summed(
         &self,
         mem: &KvMemory,
@@ -121,22 +140,26 @@ impl BlockAdapter {
     ) -> Result<u64, GeometryError> {
         self.check_len(dst.len())?;
         let mut sum = Checksum::new();
+        let mut batch = Batch::new();
+        let mut scratch = Vec::new();
         for (i, out) in dst.chunks_exact_mut(self.sub_bytes).enumerate() {
             let (layer, part) = self.sub(i);
-            let span = mem.span(layer, part, block)?;
+            let src = mem.slice(mem.span(layer, part, block)?)?;
             match &self.moves {
-                None => sum.copy_update(out, mem.slice(span)?),
+                None => sum.copy_update(&mut batch, out, src),
                 Some(m) => {
-                    permute(mem.slice(span)?, out, m, self.unit, false);
-                    sum.update(out);
+                    scratch.resize(self.sub_bytes, 0);
+                    permute(src, &mut scratch, m, self.unit, false);
+                    sum.copy_update(&mut batch, out, &scratch);
                 }
             }
         }
         Ok(sum.finish())
     }
 
-    /// Copies a stored block `src` into block `block` of every KV layer. `scratch` holds one
-    /// transposed sub-block on its way in when the layout moves single elements.
+    /// Copies a stored block `src` into block `block` of every KV layer, with streaming
+    /// stores. `scratch` holds one transposed sub-block on its way in when the layout moves
+    /// single elements.
     pub fn scatter(
         &self,
         mem: &KvMemory,
@@ -145,24 +168,25 @@ impl BlockAdapter {
         scratch: &mut Vec<u8>,
     ) -> Result<(), GeometryError> {
         self.check_len(src.len())?;
+        let mut batch = Batch::new();
         for (i, inp) in src.chunks_exact(self.sub_bytes).enumerate() {
             let (layer, part) = self.sub(i);
             let span = mem.span(layer, part, block)?;
             match &self.moves {
-                None => mem.write(span, inp)?,
-                // Rows of a head dim: written straight into the region, row by row.
-                Some(m) if self.unit >= 64 => {
-                    for &(r, s) in m {
-                        let row =
-                            Span { region: span.region, offset: span.offset + r as usize, len: self.unit };
-                        mem.write(row, &inp[s as usize..s as usize + self.unit])?;
-                    }
-                }
-                // Single elements: transposed in `scratch`, then one copy.
+                None => mem.write_in(&mut batch, span, inp)?,
+                // Rows of whole cache lines: streamed straight into the region, row by row.
+                Some(m) if self.streams_rows(mem.slice(span)?.as_ptr() as usize) => mem.write_rows_in(
+                    &mut batch,
+                    span,
+                    inp,
+                    m.iter().map(|&(r, s)| (s as usize, r as usize)),
+                    self.unit,
+                )?,
+                // Other rows, or single elements: transposed in `scratch`, then streamed.
                 Some(m) => {
                     scratch.resize(self.sub_bytes, 0);
                     permute(inp, scratch, m, self.unit, true);
-                    mem.write(span, scratch)?;
+                    mem.write_in(&mut batch, span, scratch)?;
                 }
             }
         }
@@ -181,8 +205,9 @@ impl BlockAdapter {
     }
 }
 
-/// Moves `unit`-byte pieces between a deployment-ordered block and a stored one. `to_region`
-/// false: region -> stored (`src` is the region side); true: stored -> region.
+/// Moves `unit`-byte pieces between a deployment-ordered block and a stored one, into a
+/// destination that stays in cache (a scratch sub-block). `to_region` false: region ->
+/// stored (`src` is the region side); true: stored -> region.
 #[inline]
 fn permute(src: &[u8], dst: &mut [u8], moves: &[(u32, u32)], unit: usize, to_region: bool) {
     for &(r, s) in moves {
@@ -245,8 +270,17 @@ mod tests {
         assert!(BlockAdapter::with_shape(vec![LayerId(0)], shape(2), KvLayout::HND).transposes());
     }
 
-    #[test]
-    fn wide_rows_round_trip_through_hnd_regions_exactly() {
+    /// `shift` bytes past a cache line of `buf`, `len` long.
+    fn at_shift(buf: &mut [u8], shift: usize, len: usize) -> &mut [u8] {
+        let at = buf.as_ptr().align_offset(64) + shift;
+        &mut buf[at..at + len]
+    }
+
+    /// Gathers block 1 of HND regions with 128-byte rows into a stored block and scatters it
+    /// into block 2 of other regions; the stored block and the regions start `stored_shift`
+    /// and `region_shift` bytes past a cache line (0: rows streamed whole; else transposed in
+    /// cache first).
+    fn wide_rows_round_trip(stored_shift: usize, region_shift: usize) {
         use kvconnect_api::{
             AttentionKind, Dtype, KvGroup, KvRegion, KvRegionSpec, MemoryKind, TransferMode,
         };
@@ -273,29 +307,45 @@ mod tests {
         let shape = BlockShape::of(&model, &eff(KvLayout::HND));
         let len = 3 * shape.layer_block_bytes();
         let mut src: Vec<Vec<u8>> =
-            (0..2).map(|l| (0..len).map(|i| ((i * 131 + l * 7) % 253) as u8).collect()).collect();
-        let mut dst: Vec<Vec<u8>> = vec![vec![0u8; len]; 2];
+            (0..2).map(|l| (0..len + 128).map(|i| ((i * 131 + l * 7) % 253) as u8).collect()).collect();
+        let mut dst: Vec<Vec<u8>> = vec![vec![0u8; len + 128]; 2];
         let regions = |bufs: &mut Vec<Vec<u8>>| -> Vec<KvRegion> {
-            KvRegionSpec::per_layer(bufs, 3)
-                .into_iter()
-                // SAFETY: `src` and `dst` outlive both KvMemory values and are read back only
-                // after the copies.
-                .map(|spec| unsafe { KvRegion::new(spec) })
+            bufs.iter_mut()
+                .enumerate()
+                .map(|(i, b)| {
+                    let spec = KvRegionSpec::host(
+                        format!("layer.{i}"),
+                        at_shift(b, region_shift, len),
+                        vec![LayerId(i as u32)],
+                        0,
+                        3,
+                    );
+                    // SAFETY: `src` and `dst` outlive both KvMemory values and are read back
+                    // only after the copies.
+                    unsafe { KvRegion::new(spec) }
+                })
                 .collect()
         };
         let src_mem = KvMemory::new(&regions(&mut src), &model, &eff(KvLayout::HND)).unwrap();
         let dst_mem = KvMemory::new(&regions(&mut dst), &model, &eff(KvLayout::HND)).unwrap();
         let a = BlockAdapter::new(&model, &eff(KvLayout::HND));
         assert_eq!(a.unit, 128);
-        let mut stored = vec![0u8; a.slot_bytes()];
-        let sum = a.gather_summed(&src_mem, BlockId(1), &mut stored).unwrap();
-        assert_eq!(sum, crate::hash::checksum(&stored), "summed in the same pass as the copy");
-        let mut plain = vec![0u8; a.slot_bytes()];
-        a.gather(&src_mem, BlockId(1), &mut plain).unwrap();
+        let mut stored_buf = vec![0u8; a.slot_bytes() + 128];
+        let stored = at_shift(&mut stored_buf, stored_shift, a.slot_bytes());
+        assert_eq!(a.streams_rows(stored.as_ptr() as usize), stored_shift == 0);
+        let sum = a.gather_summed(&src_mem, BlockId(1), stored).unwrap();
+        assert_eq!(sum, crate::hash::checksum(stored), "summed in the same pass as the copy");
+        let mut plain_buf = vec![0u8; a.slot_bytes() + 128];
+        let plain = at_shift(&mut plain_buf, stored_shift, a.slot_bytes());
+        a.gather(&src_mem, BlockId(1), plain).unwrap();
         assert_eq!(plain, stored);
-        a.scatter(&dst_mem, BlockId(2), &stored, &mut Vec::new()).unwrap();
+        a.scatter(&dst_mem, BlockId(2), stored, &mut Vec::new()).unwrap();
+        let stored = stored.to_vec();
         let hnd = Geometry::new(shape, KvLayout::HND, vec![]);
         let nhd = Geometry::new(shape, KvLayout::NHD, vec![]);
+        let view = |b: &Vec<u8>| b[b.as_ptr().align_offset(64) + region_shift..][..len].to_vec();
+        let (src, dst): (Vec<Vec<u8>>, Vec<Vec<u8>>) =
+            (src.iter().map(view).collect(), dst.iter().map(view).collect());
         for l in 0..2u32 {
             for part in 0..2u32 {
                 let s = src_mem.span(LayerId(l), part, BlockId(1)).unwrap();
@@ -320,5 +370,13 @@ mod tests {
         // Nothing outside the destination block was written.
         let d0 = dst_mem.span(LayerId(0), 0, BlockId(0)).unwrap();
         assert!(dst[0][d0.offset..d0.offset + d0.len].iter().all(|b| *b == 0));
+    }
+
+    #[test]
+    fn wide_rows_round_trip_through_hnd_regions_exactly_aligned_or_not() {
+        wide_rows_round_trip(0, 0);
+        wide_rows_round_trip(16, 0);
+        wide_rows_round_trip(0, 16);
+        wide_rows_round_trip(16, 48);
     }
 }

@@ -13,9 +13,14 @@ const CHUNK: usize = 4096;
 /// moving the block to SSD later needs no second pass over them).
 #[derive(Default)]
 struct Slot {
+    /// The block's bytes start at the first cache line of this buffer (`LINE - 1` bytes
+    /// longer than a block), so streaming stores write its rows as whole lines.
     data: Vec<u8>,
     sum: u64,
 }
+
+/// The cache line slots are aligned to.
+const LINE: usize = 64;
 
 /// A chunk of slots, created on first use.
 type Chunk = OnceLock<Box<[Mutex<Slot>]>>;
@@ -53,17 +58,28 @@ impl CpuTier {
         let chunk = self.chunks.get(slot as usize / CHUNK)?;
         let chunk = chunk.get_or_init(|| (0..CHUNK).map(|_| Mutex::new(Slot::default())).collect());
         let mut s = chunk[slot as usize % CHUNK].lock().unwrap_or_else(|e| e.into_inner());
-        if s.data.len() != self.slot_bytes {
-            s.data.resize(self.slot_bytes, 0);
+        if s.data.len() != self.slot_bytes + LINE - 1 {
+            s.data.resize(self.slot_bytes + LINE - 1, 0);
         }
         let Slot { data, sum } = &mut *s;
-        Some(f(data, sum))
+        // The buffer is never resized after this, so its start, and the aligned offset, stay.
+        let at = data.as_ptr().align_offset(LINE).min(LINE - 1);
+        Some(f(&mut data[at..at + self.slot_bytes], sum))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_slot_starts_at_a_cache_line() {
+        let t = CpuTier::new(8, 1000);
+        for slot in 0..8 {
+            let (addr, len) = t.with_slot(slot, |b| (b.as_ptr() as usize, b.len())).unwrap();
+            assert_eq!((addr % LINE, len), (0, 1000), "slot {slot}");
+        }
+    }
 
     #[test]
     fn slots_are_separate_and_bounded() {

@@ -7,6 +7,8 @@
 //! step is a 64x64->128 multiply folded to 64 bits (as in wyhash): fast enough that hashing
 //! a 2k-block prompt costs a few tens of microseconds.
 
+use kvconnect_api::stream_copy::Batch;
+
 const P0: u64 = 0xa076_1d64_78bd_642f;
 const P1: u64 = 0xe703_7ed1_a0b4_28db;
 const P2: u64 = 0x8ebc_6af0_9c88_c6e3;
@@ -128,27 +130,28 @@ impl Checksum {
         self.tail.extend_from_slice(kib.remainder());
     }
 
-    /// Copies `src` into `dst` (same length) and adds it, in one pass: each 16 KiB piece is
-    /// summed right after it is copied, while it is in the L1 cache, so the bytes are read
-    /// from memory once (a piece of 1 KiB measured slower: the copy's start-up cost). The
-    /// same rule on piece lengths as [`Checksum::update`].
-    pub fn copy_update(&mut self, dst: &mut [u8], src: &[u8]) {
+    /// Copies `src` into `dst` (same length) as part of `batch` (streaming stores) and adds
+    /// it, in one pass: each 16 KiB piece of the source is summed right after it is copied,
+    /// while it is in the L1 cache, so the bytes are read from memory once (a piece of 1 KiB
+    /// measured slower: the copy's start-up cost). The same rule on piece lengths as
+    /// [`Checksum::update`].
+    pub fn copy_update(&mut self, batch: &mut Batch, dst: &mut [u8], src: &[u8]) {
         if dst.len() != src.len() || !self.tail.is_empty() {
             // Not one of the fused cases: the plain copy, then the sum.
             let n = dst.len().min(src.len());
-            dst[..n].copy_from_slice(&src[..n]);
-            self.update(&dst[..n]);
+            batch.copy(&mut dst[..n], &src[..n]);
+            self.update(&src[..n]);
             return;
         }
         self.len += src.len() as u64;
         let whole = src.len() / 1024 * 1024;
         for (d, s) in dst[..whole].chunks_mut(16 << 10).zip(src[..whole].chunks(16 << 10)) {
-            d.copy_from_slice(s);
-            for kib in d.chunks_exact(1024) {
+            batch.copy(d, s);
+            for kib in s.chunks_exact(1024) {
                 self.block(kib);
             }
         }
-        dst[whole..].copy_from_slice(&src[whole..]);
+        batch.copy(&mut dst[whole..], &src[whole..]);
         self.tail.extend_from_slice(&src[whole..]);
     }
 
@@ -229,8 +232,8 @@ mod tests {
         // Copying while summing gives the same sum and the same bytes.
         let mut q = Checksum::new();
         let mut out = vec![0u8; data.len()];
-        q.copy_update(&mut out[..3072], &data[..3072]);
-        q.copy_update(&mut out[3072..], &data[3072..]);
+        q.copy_update(&mut Batch::new(), &mut out[..3072], &data[..3072]);
+        q.copy_update(&mut Batch::new(), &mut out[3072..], &data[3072..]);
         assert_eq!((q.finish(), &out), (c, &data));
     }
 }

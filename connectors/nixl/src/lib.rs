@@ -39,7 +39,8 @@ pub mod producer;
 pub mod puller;
 pub mod scheduler;
 pub mod shm;
-pub mod stream_copy;
+/// The streaming copies of large runs (their home is kvconnect-api, which the cache tiers share).
+pub use kvconnect_api::stream_copy;
 pub mod tcp_data;
 pub mod transport;
 pub mod wire;
