@@ -76,6 +76,12 @@ impl Batch {
         Batch { avx2, streamed: false }
     }
 
+    /// Records that the caller wrote into the batch's destination with streaming stores of
+    /// its own (a copy fused with a checksum), so the batch fences them when it ends.
+    pub fn note_streamed(&mut self) {
+        self.streamed = true;
+    }
+
     /// Copies `src` into `dst` (same length).
     pub fn copy(&mut self, dst: &mut [u8], src: &[u8]) {
         assert_eq!(dst.len(), src.len(), "Batch::copy: length mismatch");

@@ -7,6 +7,8 @@
 //! step is a 64x64->128 multiply folded to 64 bits (as in wyhash): fast enough that hashing
 //! a 2k-block prompt costs a few tens of microseconds.
 
+#![allow(unsafe_code)] // SIMD: the checksum's lanes in AVX2 registers (fused with streaming stores), behind a runtime feature check.
+
 use kvconnect_api::stream_copy::Batch;
 
 const P0: u64 = 0xa076_1d64_78bd_642f;
@@ -145,6 +147,15 @@ impl Checksum {
         }
         self.len += src.len() as u64;
         let whole = src.len() / 1024 * 1024;
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && (dst.as_ptr() as usize) % 64 == 0 {
+            // SAFETY: AVX2 is present (checked just above); `dst` is line aligned.
+            unsafe { fused_avx2(&mut self.acc, &mut self.sums, &mut dst[..whole], &src[..whole]) };
+            batch.note_streamed();
+            batch.copy(&mut dst[whole..], &src[whole..]);
+            self.tail.extend_from_slice(&src[whole..]);
+            return;
+        }
         for (d, s) in dst[..whole].chunks_mut(16 << 10).zip(src[..whole].chunks(16 << 10)) {
             batch.copy(d, s);
             for kib in s.chunks_exact(1024) {
@@ -157,6 +168,12 @@ impl Checksum {
 
     #[inline]
     fn block(&mut self, block: &[u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: AVX2 is present (checked just above).
+            unsafe { sum_avx2(&mut self.acc, &mut self.sums, block) };
+            return;
+        }
         let (mut a, mut b) = (self.acc, self.sums);
         for stripe in block.chunks_exact(64) {
             for i in 0..8 {
@@ -177,6 +194,65 @@ impl Checksum {
         }
         h = hash_bytes(h, &self.tail);
         mix(h ^ self.len, P2)
+    }
+}
+
+/// [`Checksum`]'s lanes over `bytes` (whole 64-byte stripes) in four AVX2 registers: lanes
+/// 0-3 and 4-7 of the word sums and of the running sums, the same wrapping additions in the
+/// same order as the portable loop.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn sum_avx2(acc: &mut [u64; 8], sums: &mut [u64; 8], bytes: &[u8]) {
+    use std::arch::x86_64::{__m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_storeu_si256};
+    // SAFETY: loads and stores of the two 8-lane arrays (64 bytes each, unaligned forms), and
+    // loads of whole stripes inside `bytes` (`chunks_exact`).
+    unsafe {
+        let (pa, pb) = (acc.as_mut_ptr() as *mut __m256i, sums.as_mut_ptr() as *mut __m256i);
+        let (mut a0, mut a1) = (_mm256_loadu_si256(pa), _mm256_loadu_si256(pa.add(1)));
+        let (mut b0, mut b1) = (_mm256_loadu_si256(pb), _mm256_loadu_si256(pb.add(1)));
+        for stripe in bytes.chunks_exact(64) {
+            let p = stripe.as_ptr() as *const __m256i;
+            a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(p));
+            a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(p.add(1)));
+            b0 = _mm256_add_epi64(b0, a0);
+            b1 = _mm256_add_epi64(b1, a1);
+        }
+        _mm256_storeu_si256(pa, a0);
+        _mm256_storeu_si256(pa.add(1), a1);
+        _mm256_storeu_si256(pb, b0);
+        _mm256_storeu_si256(pb.add(1), b1);
+    }
+}
+
+/// [`sum_avx2`] fused with the copy: each stripe is loaded once, added to the lanes and
+/// streamed into `dst` (line aligned, as long as `src`); the caller's batch fences.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn fused_avx2(acc: &mut [u64; 8], sums: &mut [u64; 8], dst: &mut [u8], src: &[u8]) {
+    use std::arch::x86_64::{
+        __m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_storeu_si256, _mm256_stream_si256,
+    };
+    assert_eq!(dst.len(), src.len(), "fused_avx2: length mismatch");
+    // SAFETY: as in `sum_avx2`; the stores write whole stripes of `dst`, which is as long as
+    // `src` (asserted) and line aligned (the caller checked), so each is 32-byte aligned.
+    unsafe {
+        let (pa, pb) = (acc.as_mut_ptr() as *mut __m256i, sums.as_mut_ptr() as *mut __m256i);
+        let (mut a0, mut a1) = (_mm256_loadu_si256(pa), _mm256_loadu_si256(pa.add(1)));
+        let (mut b0, mut b1) = (_mm256_loadu_si256(pb), _mm256_loadu_si256(pb.add(1)));
+        for (d, s) in dst.chunks_exact_mut(64).zip(src.chunks_exact(64)) {
+            let (sp, dp) = (s.as_ptr() as *const __m256i, d.as_mut_ptr() as *mut __m256i);
+            let (x0, x1) = (_mm256_loadu_si256(sp), _mm256_loadu_si256(sp.add(1)));
+            _mm256_stream_si256(dp, x0);
+            _mm256_stream_si256(dp.add(1), x1);
+            a0 = _mm256_add_epi64(a0, x0);
+            a1 = _mm256_add_epi64(a1, x1);
+            b0 = _mm256_add_epi64(b0, a0);
+            b1 = _mm256_add_epi64(b1, a1);
+        }
+        _mm256_storeu_si256(pa, a0);
+        _mm256_storeu_si256(pa.add(1), a1);
+        _mm256_storeu_si256(pb, b0);
+        _mm256_storeu_si256(pb.add(1), b1);
     }
 }
 
@@ -235,5 +311,37 @@ mod tests {
         q.copy_update(&mut Batch::new(), &mut out[..3072], &data[..3072]);
         q.copy_update(&mut Batch::new(), &mut out[3072..], &data[3072..]);
         assert_eq!((q.finish(), &out), (c, &data));
+    }
+
+    /// The portable lanes over whole stripes, the definition the SIMD forms must match.
+    fn lanes(bytes: &[u8]) -> ([u64; 8], [u64; 8]) {
+        let (mut a, mut b) = (CK, [0u64; 8]);
+        for stripe in bytes.chunks_exact(64) {
+            for i in 0..8 {
+                a[i] = a[i].wrapping_add(u64::from_le_bytes(stripe[i * 8..i * 8 + 8].try_into().unwrap()));
+                b[i] = b[i].wrapping_add(a[i]);
+            }
+        }
+        (a, b)
+    }
+
+    #[test]
+    fn simd_lanes_and_the_fused_copy_match_the_portable_definition() {
+        let data: Vec<u8> = (0..64 * 1024u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+        let want = lanes(&data);
+        let mut c = Checksum::new();
+        c.update(&data);
+        assert_eq!((c.acc, c.sums), want);
+        // Copied and summed at once, into a line-aligned destination and an unaligned one.
+        let mut buf = vec![0u8; data.len() + 128];
+        let base = buf.as_ptr().align_offset(64);
+        for shift in [0usize, 8] {
+            let dst = &mut buf[base + shift..base + shift + data.len()];
+            let mut q = Checksum::new();
+            q.copy_update(&mut Batch::new(), dst, &data);
+            assert_eq!((q.acc, q.sums), want, "shift {shift}");
+            assert_eq!(dst, &data[..], "shift {shift}");
+            assert_eq!(q.finish(), checksum(&data));
+        }
     }
 }
