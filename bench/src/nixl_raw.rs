@@ -13,6 +13,7 @@
 
 #![allow(unsafe_code)] // NIXL bindings: raw buffers handed to the NIXL C API.
 
+use kvconnect_engine::region::HostBuffer;
 use kvconnect_nixl::nixl_agent::{from_hex, status_name, to_hex, NixlCallError};
 use nixl_sys::{
     Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, RegistrationHandle, XferDescList,
@@ -87,12 +88,18 @@ pub enum RawNixlError {
     Peer(String),
 }
 
+/// A buffer of `len` bytes, allocated as the engine allocates KV regions.
+fn buffer(len: usize) -> Result<HostBuffer, RawNixlError> {
+    HostBuffer::zeroed(len)
+        .map_err(|e| RawNixlError::Peer(format!("cannot allocate the baseline's {len} bytes: {e}")))
+}
+
 #[derive(Debug)]
 struct Buf {
     p: *const u8,
     n: usize,
 }
-// SAFETY: only the pointer value crosses threads; the Vec it points into outlives the agent.
+// SAFETY: only the pointer value crosses threads; the buffer it points into outlives the agent.
 unsafe impl Send for Buf {}
 // SAFETY: as above; NIXL only reads the pointer and size.
 unsafe impl Sync for Buf {}
@@ -141,17 +148,21 @@ pub fn serve_source(input: impl Read, mut output: impl Write) -> std::io::Result
     let mut line = String::new();
     input.read_line(&mut line)?;
     // The buffer and registration live until the reader is done (input closed).
-    let ready = (|| -> Result<(Ready, Agent, RegistrationHandle, Vec<u8>), RawNixlError> {
+    let ready = (|| -> Result<(Ready, Agent, RegistrationHandle, HostBuffer), RawNixlError> {
         let shape: Shape =
             serde_json::from_str(&line).map_err(|e| RawNixlError::Peer(format!("malformed shape: {e}")))?;
         shape.check()?;
         let name = format!("raw-source-{}", std::process::id());
         let a = agent(&name)?;
-        let src: Vec<u8> = (0..shape.buffer_bytes()).map(pattern).collect();
-        let reg =
-            a.register_memory(&Buf { p: src.as_ptr(), n: src.len() }, None).map_err(err("registerMem"))?;
+        // Allocated as the engine allocates KV regions (huge pages where the kernel gives them).
+        let mut src = buffer(shape.buffer_bytes())?;
+        for (i, b) in src.bytes_mut().iter_mut().enumerate() {
+            *b = pattern(i);
+        }
+        let (p, n) = (src.bytes().as_ptr(), src.bytes().len());
+        let reg = a.register_memory(&Buf { p, n }, None).map_err(err("registerMem"))?;
         let md = a.get_local_md().map_err(err("getLocalMD"))?;
-        let ready = Ready { agent: name, md: to_hex(&md), base: src.as_ptr() as usize };
+        let ready = Ready { agent: name, md: to_hex(&md), base: p as usize };
         Ok((ready, a, reg, src))
     })();
     match ready {
@@ -176,7 +187,7 @@ pub struct RawNixlRead {
     lists: (XferDlistHandle, XferDlistHandle),
     _reg: RegistrationHandle,
     reader: Agent,
-    dst: Vec<u8>,
+    dst: HostBuffer,
     shape: Shape,
     indices: Vec<i32>,
     source: Child,
@@ -238,9 +249,9 @@ impl RawNixlRead {
             Err(e) => return Err(peer(format!("{e}: it said {line:?}"))),
         };
         let reader = agent(&format!("raw-reader-{}", std::process::id()))?;
-        let mut dst = vec![0u8; shape.buffer_bytes()];
+        let mut dst = buffer(shape.buffer_bytes())?;
         let reg = reader
-            .register_memory(&Buf { p: dst.as_mut_ptr(), n: dst.len() }, None)
+            .register_memory(&Buf { p: dst.bytes_mut().as_mut_ptr(), n: dst.bytes().len() }, None)
             .map_err(err("registerMem"))?;
         let md = from_hex(&ready.md).ok_or_else(|| peer("its metadata is not hex".into()))?;
         let remote = reader.load_remote_md(&md).map_err(err("loadRemoteMD"))?;
@@ -252,7 +263,7 @@ impl RawNixlRead {
             Ok(l)
         };
         let local = reader
-            .prepare_xfer_dlist("", &list(dst.as_ptr() as usize)?, None)
+            .prepare_xfer_dlist("", &list(dst.bytes().as_ptr() as usize)?, None)
             .map_err(err("prepXferDlist"))?;
         let far =
             reader.prepare_xfer_dlist(&remote, &list(ready.base)?, None).map_err(err("prepXferDlist"))?;
@@ -268,7 +279,7 @@ impl RawNixlRead {
     /// until done.
     pub fn measure(&mut self) -> Result<Duration, RawNixlError> {
         // Cleared first so that `verify` checks this READ, not an earlier one.
-        self.dst.fill(0);
+        self.dst.bytes_mut().fill(0);
         let b = &self.reader;
         let t = Instant::now();
         let (local, far) = &self.lists;
@@ -297,8 +308,8 @@ impl RawNixlRead {
         let s = &self.shape;
         (0..s.runs).all(|r| {
             let start = r * (s.run_bytes + s.gap_bytes);
-            let run = &self.dst[start..start + s.run_bytes];
-            let gap = &self.dst[start + s.run_bytes..start + s.run_bytes + s.gap_bytes];
+            let run = &self.dst.bytes()[start..start + s.run_bytes];
+            let gap = &self.dst.bytes()[start + s.run_bytes..start + s.run_bytes + s.gap_bytes];
             run.iter().enumerate().all(|(i, &b)| b == pattern(start + i)) && gap.iter().all(|&b| b == 0)
         })
     }

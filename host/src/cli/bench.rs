@@ -14,6 +14,7 @@
 use crate::proxy::client;
 use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
+use kvconnect_engine::region::HostBuffer;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -282,16 +283,22 @@ pub(super) fn round(
     Ok((d, t0.elapsed()))
 }
 
+/// A baseline's buffer, allocated as the engine allocates KV regions (huge pages where the
+/// kernel gives them), so the baseline's memory is as well placed as the transfer's.
+fn host_buffer(bytes: usize) -> Result<HostBuffer> {
+    HostBuffer::zeroed(bytes).with_context(|| format!("the baseline's buffer of {bytes} bytes"))
+}
+
 /// The baseline over the same bytes, measured right after each transfer so both see the
 /// same machine load (these machines are shared and noisy).
 enum Baseline {
     Memcpy {
-        src: Vec<u8>,
-        dst: Vec<u8>,
+        src: HostBuffer,
+        dst: HostBuffer,
     },
     Socket {
         addr: std::net::SocketAddr,
-        dst: Vec<u8>,
+        dst: HostBuffer,
         streams: usize,
         buffer: usize,
         sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
@@ -303,11 +310,13 @@ enum Baseline {
 }
 
 impl Baseline {
-    fn memcpy(bytes: usize) -> Baseline {
-        let src: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
-        let mut dst = vec![0u8; bytes];
-        dst.copy_from_slice(&src); // fault every page in before timing
-        Baseline::Memcpy { src, dst }
+    fn memcpy(bytes: usize) -> Result<Baseline> {
+        let (mut src, mut dst) = (host_buffer(bytes)?, host_buffer(bytes)?);
+        for (i, b) in src.bytes_mut().iter_mut().enumerate() {
+            *b = i as u8;
+        }
+        dst.bytes_mut().copy_from_slice(src.bytes()); // fault every page in before timing
+        Ok(Baseline::Memcpy { src, dst })
     }
 
     /// `bytes` over `streams` loopback connections at once (each an equal share, as the tcp
@@ -322,7 +331,9 @@ impl Baseline {
             // As many bytes as the transfer, each sent once per round from its own place, as
             // the producer sends its regions (a small buffer sent again and again would stay
             // in cache and skip the memory reads the transfer pays).
-            let src = std::sync::Arc::new(vec![7u8; bytes]);
+            let mut src = host_buffer(bytes).map_err(std::io::Error::other)?;
+            src.bytes_mut().fill(7);
+            let src = std::sync::Arc::new(src);
             for _ in 0..rounds {
                 let mut conns = Vec::with_capacity(streams);
                 for _ in 0..streams {
@@ -337,6 +348,7 @@ impl Baseline {
                     .map(|(i, mut s)| {
                         let src = src.clone();
                         std::thread::spawn(move || -> std::io::Result<()> {
+                            let src = src.bytes();
                             let from = (i * share).min(src.len());
                             s.write_all(&src[from..(from + share).min(src.len())])
                         })
@@ -348,8 +360,8 @@ impl Baseline {
             }
             Ok(())
         });
-        let mut dst = vec![0u8; bytes];
-        dst.fill(1);
+        let mut dst = host_buffer(bytes)?;
+        dst.bytes_mut().fill(1);
         Ok(Baseline::Socket { addr, dst, streams, buffer, sender: Some(sender) })
     }
 
@@ -366,7 +378,7 @@ impl Baseline {
         match self {
             Baseline::Memcpy { src, dst } => {
                 let t = Instant::now();
-                dst.copy_from_slice(std::hint::black_box(src));
+                dst.bytes_mut().copy_from_slice(std::hint::black_box(src.bytes()));
                 let d = t.elapsed();
                 std::hint::black_box(dst);
                 Ok(d)
@@ -377,11 +389,11 @@ impl Baseline {
                 for _ in 0..*streams {
                     conns.push(kvconnect_nixl::tcp_data::connect(*addr, Duration::from_secs(10), *buffer)?);
                 }
-                let share = dst.len().div_ceil(*streams).max(1);
+                let share = dst.bytes().len().div_ceil(*streams).max(1);
                 std::thread::scope(|scope| -> Result<()> {
                     let recvs: Vec<_> = conns
                         .iter_mut()
-                        .zip(dst.chunks_mut(share))
+                        .zip(dst.bytes_mut().chunks_mut(share))
                         .map(|(s, d)| scope.spawn(move || s.read_exact(d)))
                         .collect();
                     for h in recvs {
@@ -461,7 +473,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         let ti = Duration::from_micros(p["transfer_us"].as_u64().unwrap_or(0));
         if baseline.is_none() {
             baseline = Some(match backend {
-                "shm" => Baseline::memcpy(0),
+                "shm" => Baseline::memcpy(0)?,
                 #[cfg(feature = "nixl")]
                 "nixl" => raw_nixl(&spec, a.tokens, bytes)?,
                 _ => Baseline::socket(

@@ -10,6 +10,7 @@ use kvconnect_api::{
     BlocksPerGroup, ConnectorError, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId,
     SchedulerConnector, StepInfo, WorkerConnector,
 };
+use kvconnect_engine::region::HostBuffer;
 use kvconnect_engine::{FinishReason, GenRequest, KvPool, RequestOutput};
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
@@ -37,7 +38,7 @@ pub struct TransferEngine {
     step_no: u64,
     idle: bool,
     // Two buffers of the last load's size, for the memcpy baseline (see `memcpy_baseline`).
-    baseline: Option<(Vec<u8>, Vec<u8>)>,
+    baseline: Option<(HostBuffer, HostBuffer)>,
 }
 
 fn pattern_word(salt: u64, block_index: usize, layer: u32, part: u32) -> u64 {
@@ -170,14 +171,24 @@ impl TransferEngine {
     /// The best memcpy of `bytes` between two faulted-in buffers: the faster of one thread and
     /// of as many threads as the nixl connector copies a large shm pull with.
     fn memcpy_baseline(&mut self, bytes: usize) -> std::time::Duration {
-        let fits = self.baseline.as_ref().is_some_and(|(s, _)| s.len() == bytes);
+        let fits = self.baseline.as_ref().is_some_and(|(s, _)| s.bytes().len() == bytes);
         if !fits {
-            let src: Vec<u8> = (0..bytes).map(|i| (i as u8) ^ 0x5a).collect();
-            let mut dst = vec![0u8; bytes];
-            dst.copy_from_slice(&src); // fault every page in before timing
+            // Allocated as the KV regions are (huge pages where the kernel gives them).
+            let (mut src, mut dst) = match (HostBuffer::zeroed(bytes), HostBuffer::zeroed(bytes)) {
+                (Ok(s), Ok(d)) => (s, d),
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::warn!("no memcpy baseline for this load (reported as 0): {e}");
+                    return std::time::Duration::ZERO;
+                }
+            };
+            for (i, b) in src.bytes_mut().iter_mut().enumerate() {
+                *b = (i as u8) ^ 0x5a;
+            }
+            dst.bytes_mut().copy_from_slice(src.bytes()); // fault every page in before timing
             self.baseline = Some((src, dst));
         }
         let Some((src, dst)) = self.baseline.as_mut() else { return std::time::Duration::ZERO };
+        let (src, dst) = (src.bytes(), dst.bytes_mut());
         let t = Instant::now();
         dst.copy_from_slice(std::hint::black_box(src));
         let one = t.elapsed();
