@@ -1,18 +1,41 @@
 //! Cost of negotiation and of the compat descriptor, for a 3-child composite (lmcache-,
-//! flexkv- and nixl-like capabilities) on an 80-layer hybrid model. The baseline, measured
-//! in the same run, is serialising the descriptor to JSON alone.
+//! flexkv- and nixl-like capabilities) on an 80-layer hybrid model, each against a baseline
+//! measured in the same run: serialising the finished descriptor to JSON. Interleaved pairs
+//! (`kvconnect_api::stats::interleaved`: the order alternates within a pair), each run a
+//! fixed number of calls on one thread on both sides; the figure is the median ratio
+//! baseline time / subject time with its quartiles, with the machine's cores and load
+//! average before and after. Every call's result is checked.
 //!
-//! `cargo bench -p kvconnect-api --bench negotiate -- --warm-up-time 1 --measurement-time 3`
+//! Run: `cargo bench -p kvconnect-api --bench negotiate` (`NEGOTIATE_BENCH_PAIRS` sets the
+//! pairs, 21 by default). Without `--bench` (as `cargo test` runs it) every figure runs one
+//! pair of a few calls.
 
-use criterion::{black_box, criterion_group, Criterion};
 #[path = "../tests/support/children.rs"]
 mod children;
 
+use kvconnect_api::stats::{bench_pairs, interleaved_timed, verdict, Machine};
 use kvconnect_api::{
     negotiate, negotiate_deployment, AttentionKind, ChildCaps, CompatDescriptor, Dtype, EngineOptions,
     ModelSpec,
 };
-use std::time::Instant;
+use std::hint::black_box;
+
+/// The sizes of one run: the benchmark's, or the tiny one of a test run.
+struct Size {
+    pairs: usize,
+    warmup: usize,
+    /// Calls per timed run, on either side.
+    calls: usize,
+}
+
+impl Size {
+    fn from_args() -> Size {
+        match bench_pairs("NEGOTIATE_BENCH_PAIRS", 21) {
+            None => Size { pairs: 1, warmup: 0, calls: 2 },
+            Some(pairs) => Size { pairs, warmup: 2, calls: 1000 },
+        }
+    }
+}
 
 fn children() -> Vec<ChildCaps> {
     let mut lmcache = children::lmcache(256);
@@ -37,67 +60,75 @@ fn model() -> ModelSpec {
 }
 
 fn negotiate_and_hash(m: &ModelSpec, o: &EngineOptions, c: &[ChildCaps]) -> String {
-    match negotiate(m, o, c) {
-        Ok(n) => CompatDescriptor::new(m, &n, o).compat_hash(),
-        Err(e) => e.to_string(),
-    }
+    let n = negotiate(m, o, c).expect("the benchmark's children negotiate a layout");
+    CompatDescriptor::new(m, &n, o).compat_hash()
 }
 
-fn benches(c: &mut Criterion) {
-    let m = model();
-    let o = EngineOptions::default();
-    let ch = children();
-    let n = negotiate(&m, &o, &ch).expect("the benchmark's children are compatible");
-    let d = CompatDescriptor::new(&m, &n, &o);
-    let mut g = c.benchmark_group("negotiate_80_layers_3_children");
-    g.bench_function("baseline_descriptor_to_json", |b| b.iter(|| serde_json::to_string(black_box(&d))));
-    g.bench_function("negotiate", |b| {
-        b.iter(|| black_box(negotiate(black_box(&m), black_box(&o), black_box(&ch))).is_ok())
-    });
-    g.bench_function("negotiate_descriptor_hash", |b| {
-        b.iter(|| negotiate_and_hash(black_box(&m), black_box(&o), black_box(&ch)))
-    });
-    g.bench_function("compat_hash_only", |b| b.iter(|| black_box(&d).compat_hash()));
-    let decode = vec![ch[2].clone()];
-    g.bench_function("negotiate_deployment", |b| {
-        b.iter(|| black_box(negotiate_deployment(black_box(&m), (&o, &ch), (&o, &decode))).is_ok())
-    });
-    g.finish();
-}
-
-criterion_group!(group, benches);
-
-/// Mean time per call over `iters` calls, after a short warm-up.
-fn per_call<R>(iters: u32, mut f: impl FnMut() -> R) -> f64 {
-    for _ in 0..iters / 10 {
-        black_box(f());
-    }
-    let t = Instant::now();
-    for _ in 0..iters {
-        black_box(f());
-    }
-    t.elapsed().as_secs_f64() / f64::from(iters)
-}
-
-/// The ratio the benchmark is read by, measured here so both sides share one run.
-fn ratio_report() {
-    let m = model();
-    let o = EngineOptions::default();
-    let ch = children();
-    let Ok(n) = negotiate(&m, &o, &ch) else { return };
-    let d = CompatDescriptor::new(&m, &n, &o);
-    let base = per_call(20_000, || serde_json::to_string(&d));
-    let full = per_call(20_000, || negotiate_and_hash(&m, &o, &ch));
-    println!(
-        "ratio: negotiate + descriptor + hash = {:.2} us, descriptor to JSON = {:.2} us, ratio {:.1}x",
-        full * 1e6,
-        base * 1e6,
-        full / base
+/// One figure: `subject` against the JSON baseline, per call, in interleaved pairs; with a
+/// goal on the subject's time per call where one is given.
+fn figure(
+    size: &Size,
+    name: &str,
+    goal_us: Option<f64>,
+    baseline: &mut dyn FnMut(),
+    subject: &mut dyn FnMut(),
+) {
+    let calls = size.calls;
+    let m = Machine::start();
+    let p = interleaved_timed(
+        size.pairs,
+        size.warmup,
+        || (0..calls).for_each(|_| baseline()),
+        || (0..calls).for_each(|_| subject()),
     );
+    let goal = goal_us.map_or(String::new(), |g| {
+        let us = p.subject_s.median / calls as f64 * 1e6;
+        format!("; goal < {g} us per call: {}", verdict(p.pairs, us < g))
+    });
+    println!("RATIO {name}: {}{goal}; {}", p.summary_per(calls, "call"), m.finish());
 }
 
 fn main() {
-    group();
-    Criterion::default().configure_from_args().final_summary();
-    ratio_report();
+    let size = Size::from_args();
+    let all = Machine::start();
+    println!("negotiate bench ({} pairs per ratio, {} calls per run): {all}", size.pairs, size.calls);
+    let m = model();
+    let o = EngineOptions::default();
+    let ch = children();
+    let decode = vec![ch[2].clone()];
+    let n = negotiate(&m, &o, &ch).expect("the benchmark's children negotiate a layout");
+    let d = CompatDescriptor::new(&m, &n, &o);
+    let json_len = serde_json::to_string(&d).expect("descriptor to JSON").len();
+    let hash = d.compat_hash();
+    assert_eq!(hash.len(), 64, "a compat hash is 64 hex digits: {hash}");
+    let mut to_json = || {
+        let s = serde_json::to_string(black_box(&d)).expect("descriptor to JSON");
+        assert_eq!(s.len(), json_len, "the descriptor's JSON changed between calls");
+    };
+    let goal = Some(1000.0);
+    figure(
+        &size,
+        "negotiate + descriptor + compat hash vs descriptor to JSON",
+        goal,
+        &mut to_json,
+        &mut || assert_eq!(negotiate_and_hash(black_box(&m), black_box(&o), black_box(&ch)), hash),
+    );
+    figure(&size, "negotiate vs descriptor to JSON", goal, &mut to_json, &mut || {
+        let got = negotiate(black_box(&m), black_box(&o), black_box(&ch)).expect("negotiate");
+        assert!(got == n, "negotiate gave another result than its first call");
+    });
+    figure(&size, "compat hash only vs descriptor to JSON", None, &mut to_json, &mut || {
+        assert_eq!(black_box(&d).compat_hash(), hash)
+    });
+    figure(
+        &size,
+        "negotiate_deployment (prefill 3 children, decode nixl) vs descriptor to JSON",
+        goal,
+        &mut to_json,
+        &mut || {
+            let r = negotiate_deployment(black_box(&m), (&o, &ch), (&o, &decode));
+            assert!(r.is_ok(), "negotiate_deployment refused the benchmark's deployment: {r:?}");
+        },
+    );
+    println!("negotiate bench done: {}", all.finish());
 }

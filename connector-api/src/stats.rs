@@ -122,6 +122,21 @@ impl Paired {
         )
     }
 
+    /// [`Paired::summary`] for runs of `n` repetitions each (calls, steps: `what`, singular):
+    /// each side's median time per repetition in microseconds.
+    pub fn summary_per(&self, n: usize, what: &str) -> String {
+        let us = |q: &Quartiles| q.median / n.max(1) as f64 * 1e6;
+        format!(
+            "{:.3}x the baseline's throughput (median of {} interleaved pairs of {n} {what}s, quartiles {:.3} .. {:.3}; subject {:.3} us, baseline {:.3} us per {what})",
+            self.ratio.median,
+            self.pairs,
+            self.ratio.q1,
+            self.ratio.q3,
+            us(&self.subject_s),
+            us(&self.baseline_s)
+        )
+    }
+
     /// Whether the median ratio reaches `goal`: `met`, `missed`, or, from a single pair (a
     /// run that only checks the code works), no verdict.
     pub fn verdict(&self, goal: f64) -> &'static str {
@@ -145,10 +160,12 @@ pub fn seconds(f: impl FnOnce()) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// The baseline of a copy that may stream: the faster of glibc's memcpy and streaming stores
-/// ([`crate::stream_copy::Batch`]) over the same pieces, in seconds. `copy_all` calls the
-/// copier it is given once for each (destination, source) piece.
-pub fn best_memcpy(mut copy_all: impl FnMut(&mut dyn FnMut(&mut [u8], &[u8]))) -> f64 {
+/// The baseline of a single-threaded copy of many pieces that may stream (a cache tier's
+/// blocks): the faster of glibc's memcpy and streaming stores ([`crate::stream_copy::Batch`])
+/// over the same pieces, in seconds. `copy_all` calls the copier it is given once for each
+/// (destination, source) piece. (A whole transfer's baseline, on threads, is
+/// `kvconnect_bench::memcpy::best_memcpy`.)
+pub fn best_memcpy_of_pieces(mut copy_all: impl FnMut(&mut dyn FnMut(&mut [u8], &[u8]))) -> f64 {
     let glibc = seconds(|| copy_all(&mut |d, s| d.copy_from_slice(s)));
     let streamed = seconds(|| {
         let mut batch = crate::stream_copy::Batch::new();
@@ -165,6 +182,19 @@ pub fn per_call(samples: usize, iters: usize, mut f: impl FnMut()) -> Quartiles 
     Quartiles::of(
         (0..samples.max(1)).map(|_| seconds(|| (0..iters).for_each(|_| f())) / iters as f64).collect(),
     )
+}
+
+/// A measurement's pairs, or None for a test run: `cargo bench` starts a benchmark binary
+/// with `--bench` among its arguments, `cargo test` without it (and `-- --test` asks for a
+/// test run), which runs every part once at a tiny size, checking its results. The pairs are
+/// the variable `pairs_var`'s value, `default` (21 in most benchmarks) where it is unset or
+/// not a number.
+pub fn bench_pairs(pairs_var: &str, default: usize) -> Option<usize> {
+    let args: Vec<String> = std::env::args().collect();
+    if !args.iter().any(|a| a == "--bench") || args.iter().any(|a| a == "--test") {
+        return None;
+    }
+    Some(std::env::var(pairs_var).ok().and_then(|p| p.parse().ok()).unwrap_or(default))
 }
 
 /// What a figure was measured on: the cores this process may use and the 1-minute load
@@ -251,6 +281,23 @@ mod tests {
             assert!(m.load_average_before.is_some() && m.load_average_after.is_some());
         }
         assert!(m.to_string().contains(&format!("{} cores", m.cores)));
+    }
+
+    #[test]
+    fn a_test_binary_is_a_test_run_and_per_call_times_divide_by_the_calls() {
+        // The test harness is not started with `--bench`.
+        assert_eq!(bench_pairs("KVCONNECT_STATS_TEST_PAIRS", 21), None);
+        let p = Paired {
+            pairs: 3,
+            ratio: Quartiles { q1: 0.5, median: 0.5, q3: 0.5 },
+            baseline_s: Quartiles { q1: 1e-3, median: 1e-3, q3: 1e-3 },
+            subject_s: Quartiles { q1: 2e-3, median: 2e-3, q3: 2e-3 },
+        };
+        let s = p.summary_per(1000, "call");
+        assert!(
+            s.contains("of 1000 calls") && s.contains("subject 2.000 us, baseline 1.000 us per call"),
+            "{s}"
+        );
     }
 
     #[test]

@@ -25,7 +25,8 @@
 use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::stats::{
-    best_memcpy, interleaved, interleaved_timed, per_call, seconds, verdict, Machine, Paired, Quartiles,
+    best_memcpy_of_pieces, interleaved, interleaved_timed, per_call, seconds, verdict, Machine, Paired,
+    Quartiles,
 };
 use kvconnect_api::{
     AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec, LayerId,
@@ -186,7 +187,7 @@ impl Regions {
     /// the faster of glibc's memcpy and streaming stores (as the subject may stream); the
     /// time in seconds.
     fn memcpy_into(&self, flat: &mut [u8]) -> f64 {
-        best_memcpy(|copy| {
+        best_memcpy_of_pieces(|copy| {
             let mut off = 0;
             for r in &self.bufs {
                 copy(&mut flat[off..off + r.len], r.bytes());

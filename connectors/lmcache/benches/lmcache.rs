@@ -48,12 +48,9 @@ struct Size {
 
 impl Size {
     fn from_args() -> Size {
-        let args: Vec<String> = std::env::args().collect();
-        // `cargo bench` passes --bench; `cargo test` does not (and `-- --test` asks for a test).
-        let test = !args.iter().any(|a| a == "--bench") || args.iter().any(|a| a == "--test");
-        if test {
+        let Some(pairs) = kvconnect_api::stats::bench_pairs("LMCACHE_BENCH_PAIRS", 21) else {
             return Size {
-                test,
+                test: true,
                 pairs: 1,
                 model: (2, 2, 16),
                 chunk: 32,
@@ -61,11 +58,10 @@ impl Size {
                 disk_bytes: 4096,
                 lookup_tokens: 1024,
             };
-        }
-        let pairs = std::env::var("LMCACHE_BENCH_PAIRS").ok().and_then(|p| p.parse().ok()).unwrap_or(21);
+        };
         // 8 layers x 8 KV heads x 128 dims x bf16: 32 KiB per token, 8 MiB per 256-token chunk.
         Size {
-            test,
+            test: false,
             pairs,
             model: (8, 8, 128),
             chunk: 256,

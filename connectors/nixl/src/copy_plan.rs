@@ -381,6 +381,12 @@ pub fn default_copy_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).min(8)
 }
 
+/// The threads a copy of `bytes` bytes runs on when it may use `threads`: one per
+/// [`PARALLEL_MIN_BYTES`] at the most, at least one.
+pub fn copy_threads_for(bytes: usize, threads: usize) -> usize {
+    threads.clamp(1, (bytes / PARALLEL_MIN_BYTES).max(1))
+}
+
 /// Cuts `pieces` into consecutive shares of about `share` bytes each (`len` of a piece),
 /// cutting a piece where a share ends (`cut(piece, n)`: its first `n` bytes and the rest).
 fn split_shares<T>(
@@ -508,7 +514,7 @@ impl<'a> LocalRegions<'a> {
         }
         refuse_overlap(pieces.iter().map(|(d, s)| (*d, *d + s.len())).collect())?;
         let total: usize = pieces.iter().map(|(_, s)| s.len()).sum();
-        let threads = threads.clamp(1, (total / PARALLEL_MIN_BYTES).max(1));
+        let threads = copy_threads_for(total, threads);
         let shares = split_evenly(pieces, total.div_ceil(threads));
         let copy = |share: &[(usize, &[u8])]| {
             for (dst, src) in share {

@@ -16,8 +16,7 @@ use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_engine::region::HostBuffer;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpListener;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -296,13 +295,7 @@ enum Baseline {
         src: HostBuffer,
         dst: HostBuffer,
     },
-    Socket {
-        addr: std::net::SocketAddr,
-        dst: HostBuffer,
-        streams: usize,
-        buffer: usize,
-        sender: Option<std::thread::JoinHandle<std::io::Result<()>>>,
-    },
+    Socket(kvconnect_bench::raw_socket::RawSocket),
     /// The same bytes in the same shape (one run per KV layer and K/V part, one prepared
     /// entry per block of each) READ through bare nixl-sys calls from a second process.
     #[cfg(feature = "nixl")]
@@ -319,56 +312,18 @@ impl Baseline {
         Ok(Baseline::Memcpy { src, dst })
     }
 
-    /// `bytes` over `streams` loopback connections at once (each an equal share, as the tcp
-    /// pull cuts its runs), every socket's buffers set to `buffer` bytes as the connector
-    /// sets its own.
+    /// `bytes` over `streams` loopback connections at once, `rounds` times
+    /// (`kvconnect_bench::raw_socket`).
     fn socket(bytes: usize, rounds: usize, streams: usize, buffer: usize) -> Result<Baseline> {
-        let streams = streams.max(1);
-        let listener = TcpListener::bind("127.0.0.1:0").context("baseline socket")?;
-        let addr = listener.local_addr()?;
-        let share = bytes.div_ceil(streams).max(1);
-        let sender = std::thread::spawn(move || -> std::io::Result<()> {
-            // As many bytes as the transfer, each sent once per round from its own place, as
-            // the producer sends its regions (a small buffer sent again and again would stay
-            // in cache and skip the memory reads the transfer pays).
-            let mut src = host_buffer(bytes).map_err(std::io::Error::other)?;
-            src.bytes_mut().fill(7);
-            let src = std::sync::Arc::new(src);
-            for _ in 0..rounds {
-                let mut conns = Vec::with_capacity(streams);
-                for _ in 0..streams {
-                    let (s, _) = listener.accept()?;
-                    s.set_nodelay(true)?;
-                    kvconnect_nixl::tcp_data::set_buffers(&s, buffer)?;
-                    conns.push(s);
-                }
-                let sends: Vec<_> = conns
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, mut s)| {
-                        let src = src.clone();
-                        std::thread::spawn(move || -> std::io::Result<()> {
-                            let src = src.bytes();
-                            let from = (i * share).min(src.len());
-                            s.write_all(&src[from..(from + share).min(src.len())])
-                        })
-                    })
-                    .collect();
-                for h in sends {
-                    h.join().map_err(|_| std::io::Error::other("a baseline sender panicked"))??;
-                }
-            }
-            Ok(())
-        });
-        let mut dst = host_buffer(bytes)?;
-        dst.bytes_mut().fill(1);
-        Ok(Baseline::Socket { addr, dst, streams, buffer, sender: Some(sender) })
+        let s = kvconnect_bench::raw_socket::RawSocket::start(bytes, rounds, streams, buffer)
+            .context("raw-socket baseline: listening on 127.0.0.1")?;
+        Ok(Baseline::Socket(s))
     }
 
     fn name(&self) -> &'static str {
         match self {
             Baseline::Memcpy { .. } => "memcpy",
-            Baseline::Socket { .. } => "raw loopback socket",
+            Baseline::Socket(_) => "raw loopback socket",
             #[cfg(feature = "nixl")]
             Baseline::Nixl(_) => "raw NIXL READ between two processes (nixl-sys)",
         }
@@ -383,26 +338,7 @@ impl Baseline {
                 std::hint::black_box(dst);
                 Ok(d)
             }
-            Baseline::Socket { addr, dst, streams, buffer, .. } => {
-                let t = Instant::now();
-                let mut conns = Vec::with_capacity(*streams);
-                for _ in 0..*streams {
-                    conns.push(kvconnect_nixl::tcp_data::connect(*addr, Duration::from_secs(10), *buffer)?);
-                }
-                let share = dst.bytes().len().div_ceil(*streams).max(1);
-                std::thread::scope(|scope| -> Result<()> {
-                    let recvs: Vec<_> = conns
-                        .iter_mut()
-                        .zip(dst.bytes_mut().chunks_mut(share))
-                        .map(|(s, d)| scope.spawn(move || s.read_exact(d)))
-                        .collect();
-                    for h in recvs {
-                        h.join().map_err(|_| anyhow!("a baseline receiver panicked"))??;
-                    }
-                    Ok(())
-                })?;
-                Ok(t.elapsed())
-            }
+            Baseline::Socket(s) => s.measure().context("raw-socket baseline"),
             #[cfg(feature = "nixl")]
             Baseline::Nixl(r) => {
                 let d = r.measure().map_err(|e| anyhow!("raw NIXL baseline: {e}"))?;
@@ -415,10 +351,8 @@ impl Baseline {
     }
 
     fn finish(&mut self) -> Result<()> {
-        if let Baseline::Socket { sender, .. } = self {
-            if let Some(h) = sender.take() {
-                h.join().map_err(|_| anyhow!("baseline sender panicked"))?.context("baseline sender")?;
-            }
+        if let Baseline::Socket(s) = self {
+            s.finish().context("raw-socket baseline sender")?;
         }
         Ok(())
     }

@@ -165,11 +165,11 @@ impl TransferEngine {
         Ok(None)
     }
 
-    /// A plain memcpy of `bytes` bytes in this process, timed right after a load: the
+    /// The best memcpy of `bytes` bytes in this process (`kvconnect_bench::memcpy`: glibc's
+    /// and the streaming copy, one thread and as many as the connector copies a large shm
+    /// pull with), between two faulted-in buffers, timed right after a load: the
     /// benchmark's baseline sees the same process, core and moment as the transfer (on a
     /// shared machine a baseline measured elsewhere or later sees other load).
-    /// The best memcpy of `bytes` between two faulted-in buffers: the faster of one thread and
-    /// of as many threads as the nixl connector copies a large shm pull with.
     fn memcpy_baseline(&mut self, bytes: usize) -> std::time::Duration {
         let fits = self.baseline.as_ref().is_some_and(|(s, _)| s.bytes().len() == bytes);
         if !fits {
@@ -188,24 +188,11 @@ impl TransferEngine {
             self.baseline = Some((src, dst));
         }
         let Some((src, dst)) = self.baseline.as_mut() else { return std::time::Duration::ZERO };
-        let (src, dst) = (src.bytes(), dst.bytes_mut());
-        let t = Instant::now();
-        dst.copy_from_slice(std::hint::black_box(src));
-        let one = t.elapsed();
-        let threads = kvconnect_nixl::copy_plan::default_copy_threads();
-        if threads < 2 || bytes < kvconnect_nixl::copy_plan::PARALLEL_MIN_BYTES {
-            return one;
-        }
-        let share = bytes.div_ceil(threads);
-        let t = Instant::now();
-        std::thread::scope(|s| {
-            for (d, s_) in dst.chunks_mut(share).zip(src.chunks(share)) {
-                s.spawn(move || d.copy_from_slice(std::hint::black_box(s_)));
-            }
-        });
-        let many = t.elapsed();
-        std::hint::black_box(dst);
-        one.min(many)
+        kvconnect_bench::memcpy::best_memcpy(
+            dst.bytes_mut(),
+            src.bytes(),
+            kvconnect_nixl::copy_plan::default_copy_threads(),
+        )
     }
 
     fn finish_output(id: &str, finished: FinishReason, params: Option<Map<String, Value>>) -> RequestOutput {
