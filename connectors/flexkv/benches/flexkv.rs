@@ -32,6 +32,7 @@ use kvconnect_api::{
     AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec, LayerId,
     MemoryKind, ModelSpec, TransferMode,
 };
+use kvconnect_engine::region::HostBuffer;
 use kvconnect_flexkv::adapter::BlockAdapter;
 use kvconnect_flexkv::cache::BlockCache;
 use kvconnect_flexkv::hash::block_hashes;
@@ -138,31 +139,26 @@ impl Size {
     }
 }
 
-/// Bytes that start at a cache line, as an engine's KV regions and flexkv's CPU tier slots
-/// do.
-struct Lines {
-    buf: Vec<u8>,
-    at: usize,
-    len: usize,
-}
+/// Bytes allocated as the engine allocates KV regions (line and page aligned, on huge pages
+/// where the kernel gives them): the regions, and the baselines' buffers, which must be as
+/// well placed. (flexkv's CPU tier slots are its own, line-aligned heap buffers.)
+struct Lines(HostBuffer);
 
 impl Lines {
     fn new(bytes: impl ExactSizeIterator<Item = u8>) -> Lines {
-        let len = bytes.len();
-        let mut buf = vec![0u8; len + 63];
-        let at = buf.as_ptr().align_offset(64);
-        for (d, b) in buf[at..at + len].iter_mut().zip(bytes) {
+        let mut buf = HostBuffer::zeroed(bytes.len()).expect("allocate a bench buffer");
+        for (d, b) in buf.bytes_mut().iter_mut().zip(bytes) {
             *d = b;
         }
-        Lines { buf, at, len }
+        Lines(buf)
     }
 
     fn bytes(&self) -> &[u8] {
-        &self.buf[self.at..self.at + self.len]
+        self.0.bytes()
     }
 
     fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut self.buf[self.at..self.at + self.len]
+        self.0.bytes_mut()
     }
 }
 
@@ -180,7 +176,7 @@ struct Regions {
 
 impl Regions {
     fn bytes(&self) -> usize {
-        self.bufs.iter().map(|b| b.len).sum()
+        self.bufs.iter().map(|b| b.bytes().len()).sum()
     }
 
     /// The baseline of the CPU copies: every region copied into `flat`, one copy each, by
@@ -190,8 +186,9 @@ impl Regions {
         best_memcpy_of_pieces(|copy| {
             let mut off = 0;
             for r in &self.bufs {
-                copy(&mut flat[off..off + r.len], r.bytes());
-                off += r.len;
+                let r = r.bytes();
+                copy(&mut flat[off..off + r.len()], r);
+                off += r.len();
             }
         })
     }
@@ -300,7 +297,7 @@ fn cpu_tier(size: &Size) {
         parent = Some(*h);
     }
     assert_eq!(cache.pin_prefix(&hashes, hashes.len()), n);
-    let mut flat = vec![0u8; bytes];
+    let mut flat = Lines::new(std::iter::repeat_n(0u8, bytes));
     let seq = std::cell::Cell::new(0u32);
     let last = RefCell::new(Vec::new());
     let store = || {
@@ -317,7 +314,7 @@ fn cpu_tier(size: &Size) {
     };
     let (mut scratch, mut tbuf) = (Vec::new(), Vec::new());
     let m = Machine::start();
-    let flat_cell = RefCell::new(&mut flat);
+    let flat_cell = RefCell::new(flat.bytes_mut());
     let p = pairs_against(size, || src.memcpy_into(&mut flat_cell.borrow_mut()), store);
     report("cpu_tier store (KV -> CPU tier, checksum in the same pass) vs memcpy", 0.9, p, bytes, m.finish());
     // The last stored chain holds the source's blocks: loaded into `dst`, they equal them.
@@ -359,8 +356,8 @@ fn transpose(size: &Size) {
     // Line-aligned, as the CPU tier's slots are.
     let mut stored: Vec<Lines> =
         (0..size.blocks).map(|_| Lines::new(std::iter::repeat_n(0u8, slot))).collect();
-    let mut flat = vec![0u8; bytes];
-    let flat_cell = RefCell::new(&mut flat);
+    let mut flat = Lines::new(std::iter::repeat_n(0u8, bytes));
+    let flat_cell = RefCell::new(flat.bytes_mut());
     let m = Machine::start();
     let p = pairs_against(
         size,
