@@ -150,7 +150,7 @@ impl Checksum {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") && (dst.as_ptr() as usize) % 64 == 0 {
             // SAFETY: AVX2 is present (checked just above); `dst` is line aligned.
-            unsafe { fused_avx2(&mut self.acc, &mut self.sums, &mut dst[..whole], &src[..whole]) };
+            unsafe { lanes_avx2::<true>(&mut self.acc, &mut self.sums, &src[..whole], &mut dst[..whole]) };
             batch.note_streamed();
             batch.copy(&mut dst[whole..], &src[whole..]);
             self.tail.extend_from_slice(&src[whole..]);
@@ -171,7 +171,7 @@ impl Checksum {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 is present (checked just above).
-            unsafe { sum_avx2(&mut self.acc, &mut self.sums, block) };
+            unsafe { lanes_avx2::<false>(&mut self.acc, &mut self.sums, block, &mut []) };
             return;
         }
         let (mut a, mut b) = (self.acc, self.sums);
@@ -197,53 +197,36 @@ impl Checksum {
     }
 }
 
-/// [`Checksum`]'s lanes over `bytes` (whole 64-byte stripes) in four AVX2 registers: lanes
-/// 0-3 and 4-7 of the word sums and of the running sums, the same wrapping additions in the
-/// same order as the portable loop.
+/// [`Checksum`]'s lanes over `src` (whole 64-byte stripes) in four AVX2 registers: lanes 0-3
+/// and 4-7 of the word sums and of the running sums, the same wrapping additions in the same
+/// order as the portable loop. With `COPY`, each stripe is also streamed into `dst` (line
+/// aligned, as long as `src`) in the same loop, loaded once; the caller's batch fences.
+/// Without, `dst` is unused.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn sum_avx2(acc: &mut [u64; 8], sums: &mut [u64; 8], bytes: &[u8]) {
-    use std::arch::x86_64::{__m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_storeu_si256};
-    // SAFETY: loads and stores of the two 8-lane arrays (64 bytes each, unaligned forms), and
-    // loads of whole stripes inside `bytes` (`chunks_exact`).
-    unsafe {
-        let (pa, pb) = (acc.as_mut_ptr() as *mut __m256i, sums.as_mut_ptr() as *mut __m256i);
-        let (mut a0, mut a1) = (_mm256_loadu_si256(pa), _mm256_loadu_si256(pa.add(1)));
-        let (mut b0, mut b1) = (_mm256_loadu_si256(pb), _mm256_loadu_si256(pb.add(1)));
-        for stripe in bytes.chunks_exact(64) {
-            let p = stripe.as_ptr() as *const __m256i;
-            a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(p));
-            a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(p.add(1)));
-            b0 = _mm256_add_epi64(b0, a0);
-            b1 = _mm256_add_epi64(b1, a1);
-        }
-        _mm256_storeu_si256(pa, a0);
-        _mm256_storeu_si256(pa.add(1), a1);
-        _mm256_storeu_si256(pb, b0);
-        _mm256_storeu_si256(pb.add(1), b1);
-    }
-}
-
-/// [`sum_avx2`] fused with the copy: each stripe is loaded once, added to the lanes and
-/// streamed into `dst` (line aligned, as long as `src`); the caller's batch fences.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-unsafe fn fused_avx2(acc: &mut [u64; 8], sums: &mut [u64; 8], dst: &mut [u8], src: &[u8]) {
+unsafe fn lanes_avx2<const COPY: bool>(acc: &mut [u64; 8], sums: &mut [u64; 8], src: &[u8], dst: &mut [u8]) {
     use std::arch::x86_64::{
         __m256i, _mm256_add_epi64, _mm256_loadu_si256, _mm256_storeu_si256, _mm256_stream_si256,
     };
-    assert_eq!(dst.len(), src.len(), "fused_avx2: length mismatch");
-    // SAFETY: as in `sum_avx2`; the stores write whole stripes of `dst`, which is as long as
-    // `src` (asserted) and line aligned (the caller checked), so each is 32-byte aligned.
+    if COPY {
+        assert_eq!(dst.len(), src.len(), "lanes_avx2: length mismatch");
+    }
+    // SAFETY: loads and stores of the two 8-lane arrays (64 bytes each, unaligned forms);
+    // loads of whole stripes inside `src` (`chunks_exact`); with `COPY`, stores of whole
+    // stripes of `dst`, as long as `src` (asserted) and line aligned (the caller checked), so
+    // each is 32-byte aligned.
     unsafe {
         let (pa, pb) = (acc.as_mut_ptr() as *mut __m256i, sums.as_mut_ptr() as *mut __m256i);
         let (mut a0, mut a1) = (_mm256_loadu_si256(pa), _mm256_loadu_si256(pa.add(1)));
         let (mut b0, mut b1) = (_mm256_loadu_si256(pb), _mm256_loadu_si256(pb.add(1)));
-        for (d, s) in dst.chunks_exact_mut(64).zip(src.chunks_exact(64)) {
-            let (sp, dp) = (s.as_ptr() as *const __m256i, d.as_mut_ptr() as *mut __m256i);
+        for (i, s) in src.chunks_exact(64).enumerate() {
+            let sp = s.as_ptr() as *const __m256i;
             let (x0, x1) = (_mm256_loadu_si256(sp), _mm256_loadu_si256(sp.add(1)));
-            _mm256_stream_si256(dp, x0);
-            _mm256_stream_si256(dp.add(1), x1);
+            if COPY {
+                let dp = dst[i * 64..i * 64 + 64].as_mut_ptr() as *mut __m256i;
+                _mm256_stream_si256(dp, x0);
+                _mm256_stream_si256(dp.add(1), x1);
+            }
             a0 = _mm256_add_epi64(a0, x0);
             a1 = _mm256_add_epi64(a1, x1);
             b0 = _mm256_add_epi64(b0, a0);
