@@ -117,9 +117,9 @@ impl Batch {
         #[cfg(target_arch = "x86_64")]
         if self.avx2
             && unit >= LINE
-            && unit % LINE == 0
-            && (dst.as_ptr() as usize) % LINE == 0
-            && rows.clone().all(|(_, to)| to % LINE == 0)
+            && unit.is_multiple_of(LINE)
+            && (dst.as_ptr() as usize).is_multiple_of(LINE)
+            && rows.clone().all(|(_, to)| to.is_multiple_of(LINE))
         {
             self.streamed = true;
             // SAFETY: AVX2 is present (checked in `new`).

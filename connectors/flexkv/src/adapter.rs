@@ -125,7 +125,7 @@ impl BlockAdapter {
     /// Whether a sub-block at `addr` is written row by row with streaming stores: its rows
     /// are whole cache lines ([`STREAM_MIN_PIECE`]), which needs the sub-block line aligned.
     fn streams_rows(&self, addr: usize) -> bool {
-        self.unit % STREAM_MIN_PIECE == 0 && addr % STREAM_MIN_PIECE == 0
+        self.unit.is_multiple_of(STREAM_MIN_PIECE) && addr.is_multiple_of(STREAM_MIN_PIECE)
     }
 
     /// [`BlockAdapter::gather`], returning the stored block's [`crate::hash::checksum`]

@@ -148,7 +148,7 @@ impl Checksum {
         self.len += src.len() as u64;
         let whole = src.len() / 1024 * 1024;
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") && (dst.as_ptr() as usize) % 64 == 0 {
+        if std::arch::is_x86_feature_detected!("avx2") && (dst.as_ptr() as usize).is_multiple_of(64) {
             // SAFETY: AVX2 is present (checked just above); `dst` is line aligned.
             unsafe { lanes_avx2::<true>(&mut self.acc, &mut self.sums, &src[..whole], &mut dst[..whole]) };
             batch.note_streamed();
