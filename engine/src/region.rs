@@ -147,7 +147,7 @@ unsafe impl Sync for HostBuffer {}
 impl HostBuffer {
     /// `len` zeroed bytes.
     pub fn zeroed(len: usize) -> Result<HostBuffer, EngineError> {
-        RegionMemory::heap("buffer", len).map(HostBuffer)
+        RegionMemory::heap("buffer", len).map(HostBuffer).map_err(|_| EngineError::BufferAlloc { bytes: len })
     }
 
     /// The bytes.
@@ -194,6 +194,14 @@ mod tests {
             }
         }
         None
+    }
+
+    #[test]
+    fn a_buffer_too_large_to_map_says_so_and_what_to_do() {
+        let e = HostBuffer::zeroed(usize::MAX / 2).unwrap_err().to_string();
+        assert!(e.contains("cannot allocate") && e.contains("move fewer bytes"), "{e}");
+        let e = RegionMemory::heap("layer.0", usize::MAX - 8).unwrap_err().to_string();
+        assert!(e.contains("KV region 'layer.0'") && e.contains("lower num_blocks"), "{e}");
     }
 
     #[test]
