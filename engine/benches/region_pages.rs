@@ -19,13 +19,9 @@ use kvconnect_engine::region::{RegionMemory, HUGE_PAGE};
 const BLOCK: usize = 32 << 10;
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let test = !args.iter().any(|a| a == "--bench") || args.iter().any(|a| a == "--test");
-    let (pairs, len) = if test {
-        (1, 2 * HUGE_PAGE)
-    } else {
-        let pairs = std::env::var("REGION_BENCH_PAIRS").ok().and_then(|p| p.parse().ok()).unwrap_or(21);
-        (pairs, 512 << 20)
+    let (test, pairs, len) = match kvconnect_api::stats::bench_pairs("REGION_BENCH_PAIRS", 21) {
+        None => (true, 1, 2 * HUGE_PAGE),
+        Some(pairs) => (false, pairs, 512 << 20),
     };
     let thp = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").unwrap_or_default();
     println!(

@@ -56,12 +56,9 @@ struct Size {
 
 impl Size {
     fn from_args() -> Size {
-        let args: Vec<String> = std::env::args().collect();
-        // `cargo bench` passes --bench; `cargo test` does not (and `-- --test` asks for a test).
-        let test = !args.iter().any(|a| a == "--bench") || args.iter().any(|a| a == "--test");
-        if test {
+        let Some(pairs) = kvconnect_api::stats::bench_pairs("FLEXKV_BENCH_PAIRS", 21) else {
             return Size {
-                test,
+                test: true,
                 pairs: 1,
                 layers: 2,
                 heads: 2,
@@ -70,9 +67,17 @@ impl Size {
                 prompts: 2,
                 prompt_blocks: 8,
             };
+        };
+        Size {
+            test: false,
+            pairs,
+            layers: 8,
+            heads: 8,
+            head_dim: 128,
+            blocks: 64,
+            prompts: 50,
+            prompt_blocks: 2048,
         }
-        let pairs = std::env::var("FLEXKV_BENCH_PAIRS").ok().and_then(|p| p.parse().ok()).unwrap_or(21);
-        Size { test, pairs, layers: 8, heads: 8, head_dim: 128, blocks: 64, prompts: 50, prompt_blocks: 2048 }
     }
 
     fn model(&self) -> ModelSpec {
