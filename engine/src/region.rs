@@ -136,13 +136,9 @@ impl Drop for RegionMemory {
 /// kernel gives them) but never registered with a connector, so it is safe to borrow as
 /// bytes: the buffers of the benchmarks' baselines, which must be as well placed as the
 /// regions they are compared with.
+/// (Send and Sync as `RegionMemory` is: the memory is owned by this value alone.)
 #[derive(Debug)]
 pub struct HostBuffer(RegionMemory);
-
-// SAFETY: the memory is owned by this value alone and reached only through its borrows.
-unsafe impl Send for HostBuffer {}
-// SAFETY: as above; shared borrows only read.
-unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
     /// `len` zeroed bytes.

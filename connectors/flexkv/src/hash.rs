@@ -118,18 +118,14 @@ impl Checksum {
         if !self.tail.is_empty() {
             self.tail.extend_from_slice(bytes);
             let t = std::mem::take(&mut self.tail);
-            let mut kib = t.chunks_exact(1024);
-            for block in &mut kib {
-                self.block(block);
-            }
-            self.tail = kib.remainder().to_vec();
+            let whole = t.len() / 1024 * 1024;
+            self.blocks(&t[..whole]);
+            self.tail = t[whole..].to_vec();
             return;
         }
-        let mut kib = bytes.chunks_exact(1024);
-        for block in &mut kib {
-            self.block(block);
-        }
-        self.tail.extend_from_slice(kib.remainder());
+        let whole = bytes.len() / 1024 * 1024;
+        self.blocks(&bytes[..whole]);
+        self.tail.extend_from_slice(&bytes[whole..]);
     }
 
     /// Copies `src` into `dst` (same length) as part of `batch` (streaming stores) and adds
@@ -158,24 +154,24 @@ impl Checksum {
         }
         for (d, s) in dst[..whole].chunks_mut(16 << 10).zip(src[..whole].chunks(16 << 10)) {
             batch.copy(d, s);
-            for kib in s.chunks_exact(1024) {
-                self.block(kib);
-            }
+            self.blocks(s);
         }
         batch.copy(&mut dst[whole..], &src[whole..]);
         self.tail.extend_from_slice(&src[whole..]);
     }
 
-    #[inline]
-    fn block(&mut self, block: &[u8]) {
+    /// Adds whole 1 KiB blocks (`bytes` is a multiple of 1 KiB long), in AVX2 where the CPU
+    /// has it (checked once per call).
+    fn blocks(&mut self, bytes: &[u8]) {
+        debug_assert!(bytes.len().is_multiple_of(1024), "Checksum::blocks: not whole blocks");
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: AVX2 is present (checked just above).
-            unsafe { lanes_avx2::<false>(&mut self.acc, &mut self.sums, block, &mut []) };
+            unsafe { lanes_avx2::<false>(&mut self.acc, &mut self.sums, bytes, &mut []) };
             return;
         }
         let (mut a, mut b) = (self.acc, self.sums);
-        for stripe in block.chunks_exact(64) {
+        for stripe in bytes.chunks_exact(64) {
             for i in 0..8 {
                 let mut w = [0u8; 8];
                 w.copy_from_slice(&stripe[i * 8..i * 8 + 8]);
