@@ -184,6 +184,11 @@ impl LayerState {
     }
 }
 
+/// The most layers a model config may declare. The deepest released models have a few
+/// hundred; a larger count is a typo, and honouring it would build a per-layer schedule of
+/// that many entries.
+pub const MAX_LAYERS: u32 = 4096;
+
 /// The KV geometry of a model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]

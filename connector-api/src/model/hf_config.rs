@@ -6,7 +6,7 @@
 
 use serde_json::{Map, Value};
 
-use super::{AttentionKind, Dtype, LayerState, ModelError, ModelSpec, StateKind};
+use super::{AttentionKind, Dtype, LayerState, ModelError, ModelSpec, StateKind, MAX_LAYERS};
 
 impl ModelSpec {
     /// Reads a Hugging Face `config.json` (its text; no file is opened).
@@ -142,6 +142,15 @@ fn parse(root: Fields<'_>, text: Fields<'_>) -> Result<ModelSpec, ModelError> {
     let name = model_name(root, text);
     let num_layers =
         text.required("num_hidden_layers", "set it to the number of decoder layers of the model")?;
+    if num_layers > MAX_LAYERS {
+        return Err(text.invalid(
+            "num_hidden_layers",
+            format!(
+                "{num_layers} layers is more than the {MAX_LAYERS} kvconnect accepts; real models \
+                 have at most a few hundred, so check the value"
+            ),
+        ));
+    }
     let num_heads = text.required("num_attention_heads", "set it to the number of query heads")?;
     let num_kv_heads = text.positive("num_key_value_heads")?.unwrap_or(num_heads);
     if num_heads % num_kv_heads != 0 {
@@ -853,6 +862,18 @@ mod tests {
         assert!(msg.contains("line 3") && msg.contains("column"), "{msg}");
         assert!(matches!(err("[1, 2]"), ModelError::Json(m) if m.contains("an array")));
         assert!(matches!(err(""), ModelError::Json(_)));
+    }
+
+    #[test]
+    fn a_layer_count_past_the_ceiling_is_refused_before_a_schedule_is_built() {
+        // 77 million layers: building that schedule took seconds and gigabytes.
+        let e = err(&edit(LLAMA, &[("num_hidden_layers", Some(77_400_099.into()))]));
+        assert!(matches!(e, ModelError::Invalid { .. }), "{e:?}");
+        assert_names(&e, "num_hidden_layers");
+        assert!(e.to_string().contains("4096"), "{e}");
+        let at_ceiling =
+            ModelSpec::from_hf_config_json(&edit(LLAMA, &[("num_hidden_layers", Some(MAX_LAYERS.into()))]));
+        assert_eq!(at_ceiling.map(|m| m.layers.len()), Ok(MAX_LAYERS as usize));
     }
 
     #[test]
