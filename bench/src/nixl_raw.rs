@@ -13,7 +13,7 @@
 
 #![allow(unsafe_code)] // NIXL bindings: raw buffers handed to the NIXL C API.
 
-use kvconnect_engine::region::HostBuffer;
+use kvconnect_api::host_buffer::HostBuffer;
 use kvconnect_nixl::nixl_agent::{from_hex, status_name, to_hex, NixlCallError};
 use nixl_sys::{
     Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, RegistrationHandle, XferDescList,

@@ -30,6 +30,7 @@ pub mod engine_tensor;
 pub mod error;
 pub mod frame;
 pub mod geometry;
+pub mod host_buffer;
 pub mod ids;
 pub mod kv_memory;
 pub mod layout;

@@ -13,8 +13,9 @@
 
 #![allow(unsafe_code)] // A benchmark harness over the regions it maps.
 
+use kvconnect_api::host_buffer::HUGE_PAGE;
 use kvconnect_api::stats::{interleaved_timed, Machine};
-use kvconnect_engine::region::{RegionMemory, HUGE_PAGE};
+use kvconnect_engine::region::RegionMemory;
 
 const BLOCK: usize = 32 << 10;
 

@@ -41,13 +41,6 @@ pub enum EngineError {
         /// Bytes asked for.
         bytes: usize,
     },
-    /// Host memory for a buffer placed as KV regions are (a benchmark's baseline) could not
-    /// be allocated.
-    #[error("cannot allocate {bytes} bytes of host memory for a buffer: free memory, or move fewer bytes (--tokens)")]
-    BufferAlloc {
-        /// Bytes asked for.
-        bytes: usize,
-    },
     /// A request that can never be served or is malformed.
     #[error("request '{id}': {reason}")]
     BadRequest {

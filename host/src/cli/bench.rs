@@ -14,7 +14,7 @@
 use crate::proxy::client;
 use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
-use kvconnect_engine::region::HostBuffer;
+use kvconnect_api::host_buffer::HostBuffer;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
