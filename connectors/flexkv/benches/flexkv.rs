@@ -397,9 +397,8 @@ fn transpose(size: &Size) {
     assert!(adapter.transposes());
     let bytes = hnd.bytes();
     let slot = adapter.slot_bytes();
-    // Line-aligned, as the CPU tier's slots are.
-    let mut stored: Vec<Lines> =
-        (0..size.blocks).map(|_| Lines::new(std::iter::repeat_n(0u8, slot))).collect();
+    // Slots back to back in one buffer, line aligned and on huge pages, as the CPU tier's are.
+    let mut stored_buf = Lines::new(std::iter::repeat_n(0u8, bytes));
     let mut flat = Lines::new(std::iter::repeat_n(0u8, bytes));
     let flat_cell = RefCell::new(flat.bytes_mut());
     let m = Machine::start();
@@ -407,32 +406,33 @@ fn transpose(size: &Size) {
         size,
         || hnd.memcpy_into(&mut flat_cell.borrow_mut()),
         || {
-            for (i, s) in stored.iter_mut().enumerate() {
-                adapter.gather(&hnd.mem, BlockId(i as u32), s.bytes_mut()).expect("gather");
+            for (i, s) in stored_buf.bytes_mut().chunks_exact_mut(slot).enumerate() {
+                adapter.gather(&hnd.mem, BlockId(i as u32), s).expect("gather");
             }
         },
     );
     report("transpose HND -> NHD vs memcpy", 0.9, p, bytes, m.finish());
     hnd.check_flat(&flat_cell.borrow(), "transpose");
+    let stored: Vec<&[u8]> = stored_buf.bytes().chunks_exact(slot).collect();
     let mut tbuf = Vec::new();
     // As the load's: the baseline reads the same stored blocks the subject reads.
     let stored_memcpy = || {
         best_memcpy_of_pieces(|copy| {
             let mut flat = flat_cell.borrow_mut();
             for (s, out) in stored.iter().zip(flat.chunks_exact_mut(slot)) {
-                copy(out, s.bytes());
+                copy(out, s);
             }
         })
     };
     let m = Machine::start();
     let p = pairs_against(size, stored_memcpy, || {
         for (i, s) in stored.iter().enumerate() {
-            adapter.scatter(&back.mem, BlockId(i as u32), s.bytes(), &mut tbuf).expect("scatter");
+            adapter.scatter(&back.mem, BlockId(i as u32), s, &mut tbuf).expect("scatter");
         }
     });
     report("transpose NHD -> HND vs memcpy out of the same stored blocks", 0.9, p, bytes, m.finish());
     assert!(
-        flat_cell.borrow().chunks_exact(slot).zip(&stored).all(|(f, s)| f == s.bytes()),
+        flat_cell.borrow().chunks_exact(slot).zip(&stored).all(|(f, s)| f == *s),
         "transpose: the stored blocks' memcpy copied other bytes"
     );
     // NHD -> HND undoes HND -> NHD, and the stored form is not the region's bytes.
@@ -444,10 +444,7 @@ fn transpose(size: &Size) {
             raw.extend_from_slice(hnd.mem.slice(span).expect("slice"));
         }
     }
-    assert!(
-        stored[0].bytes() != raw.as_slice(),
-        "the stored form is the region's bytes: nothing was transposed"
-    );
+    assert!(stored[0] != raw.as_slice(), "the stored form is the region's bytes: nothing was transposed");
 }
 
 fn ssd_tier(size: &Size) {
