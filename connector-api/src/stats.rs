@@ -84,6 +84,26 @@ pub fn interleaved<E>(
     })
 }
 
+/// [`interleaved`] against a baseline that times itself (its seconds: the best memcpy of
+/// [`best_memcpy_of_pieces`]), the subject timed whole on the wall clock; neither can fail.
+pub fn interleaved_against(
+    pairs: usize,
+    warmup: usize,
+    mut baseline: impl FnMut() -> f64,
+    mut subject: impl FnMut(),
+) -> Paired {
+    let r = interleaved::<std::convert::Infallible>(
+        pairs,
+        warmup,
+        || Ok(baseline()),
+        || Ok(seconds(&mut subject)),
+    );
+    match r {
+        Ok(p) => p,
+        Err(never) => match never {},
+    }
+}
+
 /// [`interleaved`] for closures that cannot fail, each timed whole on the wall clock.
 pub fn interleaved_timed(
     pairs: usize,

@@ -98,6 +98,31 @@ impl Batch {
         }
         dst.copy_from_slice(src);
     }
+
+    /// Appends `src` to `out` as [`Batch::copy`] copies: the new bytes are written once, into
+    /// the vector's spare capacity, never zeroed first.
+    pub fn extend(&mut self, out: &mut Vec<u8>, src: &[u8]) {
+        #[cfg(target_arch = "x86_64")]
+        if src.len() >= STREAM_MIN_PIECE {
+            out.reserve(src.len());
+            let at = out.len();
+            self.streamed = true;
+            // SAFETY: `reserve` made the `src.len()` bytes after `at` part of the allocation,
+            // valid for writes and disjoint from `src` (which `out`'s exclusive borrow cannot
+            // alias); the copy writes every one of them before `set_len` takes them in.
+            unsafe {
+                let dst = out.as_mut_ptr().add(at);
+                if self.avx2 {
+                    stream_avx2_to(dst, src)
+                } else {
+                    stream_sse2_to(dst, src)
+                }
+                out.set_len(at + src.len());
+            }
+            return;
+        }
+        out.extend_from_slice(src);
+    }
 }
 
 impl Batch {
@@ -176,17 +201,31 @@ const LINE: usize = 64;
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn stream_avx2(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "stream_avx2: length mismatch");
+    // SAFETY: `dst` is valid for writes of `src.len()` bytes (asserted), and a `&mut` cannot
+    // overlap `src`; AVX2 is the caller's promise.
+    unsafe { stream_avx2_to(dst.as_mut_ptr(), src) }
+}
+
+/// [`stream_avx2`] into raw memory (which may be uninitialised: it is only written).
+///
+/// # Safety
+/// AVX2 must be present, and `dst` valid for writes of `src.len()` bytes that do not overlap
+/// `src`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn stream_avx2_to(dst: *mut u8, src: &[u8]) {
     use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_stream_si256};
-    let n = dst.len();
-    let head = dst.as_ptr().align_offset(LINE).min(n);
-    dst[..head].copy_from_slice(&src[..head]);
+    let n = src.len();
+    let head = dst.align_offset(LINE).min(n);
     let body = (n - head) / LINE * LINE;
-    // SAFETY: loads read [head, head+body) of `src`, stores write the same range of `dst`,
-    // both in bounds (body <= n - head, equal lengths asserted by the caller); stores are
-    // 32-byte aligned because `dst + head` is line aligned.
+    // SAFETY: every write stays inside [dst, dst + n) (body <= n - head), the caller's range;
+    // loads read the same offsets of `src`; stores are 32-byte aligned because `dst + head`
+    // is line aligned; the ranges do not overlap (the caller's promise).
     unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
         let mut s = src.as_ptr().add(head) as *const __m256i;
-        let mut d = dst.as_mut_ptr().add(head) as *mut __m256i;
+        let mut d = dst.add(head) as *mut __m256i;
         for _ in 0..body / LINE {
             let a = _mm256_loadu_si256(s);
             let b = _mm256_loadu_si256(s.add(1));
@@ -195,23 +234,34 @@ unsafe fn stream_avx2(dst: &mut [u8], src: &[u8]) {
             s = s.add(2);
             d = d.add(2);
         }
+        std::ptr::copy_nonoverlapping(src.as_ptr().add(head + body), dst.add(head + body), n - head - body);
     }
-    dst[head + body..].copy_from_slice(&src[head + body..]);
 }
 
 /// The same with 16-byte stores, for x86_64 CPUs without AVX2 (SSE2 is baseline).
 #[cfg(target_arch = "x86_64")]
 fn stream_sse2(dst: &mut [u8], src: &[u8]) {
+    assert_eq!(dst.len(), src.len(), "stream_sse2: length mismatch");
+    // SAFETY: as in `stream_avx2`; SSE2 is part of the x86_64 baseline.
+    unsafe { stream_sse2_to(dst.as_mut_ptr(), src) }
+}
+
+/// [`stream_sse2`] into raw memory (which may be uninitialised: it is only written).
+///
+/// # Safety
+/// `dst` valid for writes of `src.len()` bytes that do not overlap `src`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn stream_sse2_to(dst: *mut u8, src: &[u8]) {
     use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    let n = dst.len();
-    let head = dst.as_ptr().align_offset(LINE).min(n);
-    dst[..head].copy_from_slice(&src[..head]);
+    let n = src.len();
+    let head = dst.align_offset(LINE).min(n);
     let body = (n - head) / LINE * LINE;
-    // SAFETY: as in `stream_avx2`, with 16-byte stores into line-aligned lines; SSE2 is part
-    // of the x86_64 baseline.
+    // SAFETY: as in `stream_avx2_to`, with 16-byte stores into line-aligned lines; SSE2 is
+    // part of the x86_64 baseline.
     unsafe {
+        std::ptr::copy_nonoverlapping(src.as_ptr(), dst, head);
         let mut s = src.as_ptr().add(head) as *const __m128i;
-        let mut d = dst.as_mut_ptr().add(head) as *mut __m128i;
+        let mut d = dst.add(head) as *mut __m128i;
         for _ in 0..body / LINE {
             let a = _mm_loadu_si128(s);
             let b = _mm_loadu_si128(s.add(1));
@@ -224,8 +274,8 @@ fn stream_sse2(dst: &mut [u8], src: &[u8]) {
             s = s.add(4);
             d = d.add(4);
         }
+        std::ptr::copy_nonoverlapping(src.as_ptr().add(head + body), dst.add(head + body), n - head - body);
     }
-    dst[head + body..].copy_from_slice(&src[head + body..]);
 }
 
 #[cfg(test)]
@@ -248,6 +298,24 @@ mod tests {
                     fence();
                     assert_eq!(&d2[off..off + len], &src[3..3 + len], "sse2 off {off} len {len}");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn extend_appends_exactly_at_every_alignment_and_size() {
+        let src: Vec<u8> = (0..5000).map(|i| (i * 11 + 5) as u8).collect();
+        for start in [0usize, 1, 63, 64, 100] {
+            for len in [0usize, 1, 63, 64, 65, 1000, 4999] {
+                let mut out: Vec<u8> = (0..start).map(|i| i as u8).collect();
+                let mut batch = Batch::new();
+                batch.extend(&mut out, &src[1..1 + len]);
+                batch.extend(&mut out, &src[..3]);
+                drop(batch);
+                let mut want: Vec<u8> = (0..start).map(|i| i as u8).collect();
+                want.extend_from_slice(&src[1..1 + len]);
+                want.extend_from_slice(&src[..3]);
+                assert_eq!(out, want, "start {start} len {len}");
             }
         }
     }

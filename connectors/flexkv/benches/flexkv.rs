@@ -28,7 +28,7 @@ use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::host_buffer::HostBuffer;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::stats::{
-    best_memcpy_of_pieces, interleaved, interleaved_timed, per_call, seconds, verdict, Machine, Paired,
+    best_memcpy_of_pieces, interleaved_against, interleaved_timed, per_call, verdict, Machine, Paired,
     Quartiles,
 };
 use kvconnect_api::{
@@ -40,7 +40,6 @@ use kvconnect_flexkv::cache::BlockCache;
 use kvconnect_flexkv::hash::block_hashes;
 use kvconnect_flexkv::ssd_tier::SsdTier;
 use std::cell::RefCell;
-use std::convert::Infallible;
 use std::io::{Read, Seek, SeekFrom, Write};
 
 /// The sizes of one run: the benchmark's, or the tiny one of a test run.
@@ -229,17 +228,8 @@ fn pairs(size: &Size, base: impl FnMut(), subject: impl FnMut()) -> Paired {
 }
 
 /// [`pairs`] against a baseline that times itself (seconds), such as the best memcpy.
-fn pairs_against(size: &Size, mut base: impl FnMut() -> f64, mut subject: impl FnMut()) -> Paired {
-    let r = interleaved::<Infallible>(
-        size.pairs,
-        if size.test { 0 } else { 2 },
-        || Ok(base()),
-        || Ok(seconds(&mut subject)),
-    );
-    match r {
-        Ok(p) => p,
-        Err(never) => match never {},
-    }
+fn pairs_against(size: &Size, base: impl FnMut() -> f64, subject: impl FnMut()) -> Paired {
+    interleaved_against(size.pairs, if size.test { 0 } else { 2 }, base, subject)
 }
 
 fn prefix_match(size: &Size) {

@@ -8,6 +8,7 @@
 
 use kvconnect_api::geometry::{GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
+use kvconnect_api::stream_copy::Batch;
 use kvconnect_api::{BlockId, ConnectorError, EffectiveLayout, KvLayout, LayerId, ModelSpec};
 
 /// The arithmetic of one engine's chunks.
@@ -210,9 +211,12 @@ impl ChunkLayout {
         tokens: usize,
         out: &mut Vec<u8>,
     ) -> Result<(), CopyError> {
+        // Streaming stores: a stored chunk is not read again soon (a load, or the disk
+        // writer, comes later), so its lines need not displace the cache on the way in.
+        let mut batch = Batch::new();
         for part in 0..self.parts {
             self.runs(mem, layer, part, blocks, start, tokens, 0, tokens, |_, span| {
-                out.extend_from_slice(mem.slice(span)?);
+                batch.extend(out, mem.slice(span)?);
                 Ok(())
             })?;
         }
@@ -239,11 +243,12 @@ impl ChunkLayout {
         }
         let layer = self.kv_layers[layer_idx];
         let seg_bytes = self.segment_bytes(tokens);
+        let mut batch = Batch::new();
         for part in 0..self.parts {
             let seg_start = (layer_idx * self.parts as usize + part as usize) * seg_bytes;
             let seg = &chunk[seg_start..seg_start + seg_bytes];
             self.runs(mem, layer, part, blocks, start, tokens, t0, t1, |off, span| {
-                mem.write(span, &seg[off..off + span.len])?;
+                mem.write_in(&mut batch, span, &seg[off..off + span.len])?;
                 Ok(())
             })?;
         }
