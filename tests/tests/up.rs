@@ -371,6 +371,10 @@ fn workload_report_checks_every_output_and_exits_zero() {
         "the default deployment's prefill caches with lmcache's CPU tier: {report}"
     );
     assert!(report["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{report}");
+    // Decode's own part of the TTFT: there, and no more than the whole (p99 to p99).
+    let part = |k: &str, p: &str| report[k][p].as_f64().unwrap();
+    assert!(0.0 < part("decode_ttft_ms", "p50"), "{report}");
+    assert!(part("decode_ttft_ms", "p99") <= part("ttft_ms", "p99"), "{report}");
     assert_eq!(report["compare_monolithic"]["monolithic_mismatches"], 0, "{report}");
     assert!(report["compare_monolithic"]["ttft_p50_ratio"].as_f64().unwrap() > 0.0, "{report}");
     // Every prompt ran on both, in interleaved rounds: eight pairs, ordered quartiles.

@@ -6,7 +6,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::{mpsc as tmpsc, oneshot};
 
 /// One generated token as a stream passes it on.
@@ -209,7 +209,8 @@ pub struct Done {
     pub finish: FinishReason,
     /// What the connector returned for the peer.
     pub kv_transfer_params: Option<Map<String, Value>>,
-    /// Time to first token.
+    /// Time to first token, from the moment the request was handed to the engine thread (the
+    /// wait for the step that was running then included, as vLLM counts from arrival).
     pub ttft: Option<Duration>,
     /// Prompt tokens loaded through the connector.
     pub num_external_tokens: usize,
@@ -223,7 +224,7 @@ pub struct Done {
 pub enum Command {
     /// Run a request; the answer comes when it ends. With a sink, each step's new tokens are
     /// also sent there as they are produced (the sink closes when the request ends).
-    Submit(GenRequest, oneshot::Sender<Result<Done, SubmitError>>, Option<TokenSink>),
+    Submit(GenRequest, oneshot::Sender<Result<Done, SubmitError>>, Option<TokenSink>, Instant),
     /// Pass a peer's handshake envelope to the connector.
     SetPeer(Value, oneshot::Sender<Result<(), String>>),
     /// Read the counters.
@@ -256,7 +257,7 @@ impl EngineHandle {
         sink: Option<TokenSink>,
     ) -> Result<Done, SubmitError> {
         let (tx, rx) = oneshot::channel();
-        self.tx.send(Command::Submit(req, tx, sink)).map_err(|_| SubmitError::Gone)?;
+        self.tx.send(Command::Submit(req, tx, sink, Instant::now())).map_err(|_| SubmitError::Gone)?;
         rx.await.map_err(|_| SubmitError::Gone)?
     }
 
@@ -288,6 +289,8 @@ struct Pending {
     client_gone: bool,
     /// The engine will not cancel it (it runs every request to its end).
     uncancellable: bool,
+    /// When the handler sent it; the engine only takes requests in between steps.
+    sent: Instant,
 }
 
 /// Why a request is cancelled.
@@ -385,7 +388,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
         let mut next = first;
         while let Some(cmd) = next {
             match cmd {
-                Command::Submit(req, reply, sink) => {
+                Command::Submit(req, reply, sink, sent) => {
                     let id = req.id.clone();
                     if let Some(why) = counters.unhealthy.clone() {
                         count(&mut counters, false);
@@ -407,7 +410,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                             };
                             pending.insert(
                                 id,
-                                Pending { reply, done, sink, client_gone: false, uncancellable: false },
+                                Pending { reply, done, sink, client_gone: false, uncancellable: false, sent },
                             );
                         }
                         Err(e) => {
@@ -454,13 +457,15 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
                         }
                     }
                     if o.first_token_latency.is_some() {
-                        p.done.ttft = o.first_token_latency;
+                        // From the handler's hand-off, not from the engine's admission: a
+                        // request that came in during a long step waited for it too.
+                        p.done.ttft = Some(p.sent.elapsed());
                         p.done.num_external_tokens = o.num_external_tokens;
                         p.done.num_cached_tokens = o.num_cached_tokens;
                         p.done.kv_load_failure = o.kv_load_failure.clone();
                         counters.external_tokens += o.num_external_tokens as u64;
                         if o.num_external_tokens > 0 {
-                            if let Some(t) = o.first_token_latency {
+                            if let Some(t) = p.done.ttft {
                                 crate::server::metrics::external_first_token(t);
                             }
                         }

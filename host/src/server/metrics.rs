@@ -163,7 +163,11 @@ impl ServerMetrics {
             cancelled: Counter::default(),
         };
         r.register("kvconnect_http_requests", "OpenAI-route requests by route and status.", m.http.clone());
-        r.register("kvconnect_ttft_seconds", "Engine time to first token.", m.ttft.clone());
+        r.register(
+            "kvconnect_ttft_seconds",
+            "Time to first token, from the request's hand-off to the engine (the wait for a running step included).",
+            m.ttft.clone(),
+        );
         r.register(
             "kvconnect_inter_token_seconds",
             "Mean time between tokens of each request (after the first).",

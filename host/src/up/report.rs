@@ -121,6 +121,9 @@ pub struct Report {
     pub mismatches: usize,
     /// Time to first token through the proxy (prefill round trip + decode's first token), ms.
     pub ttft_ms: Percentiles,
+    /// Of it, decode's own time to first token (its queue, the KV load and the first step), ms;
+    /// the rest is the prefill round trip.
+    pub decode_ttft_ms: Percentiles,
     /// Tokens per second of each request.
     pub tokens_per_s: Percentiles,
     /// Tokens generated over the workload's wall time.
@@ -187,6 +190,7 @@ impl Report {
             loaded_requests: ok.iter().filter(|s| !s.recomputed).count(),
             recomputed_requests: ok.iter().filter(|s| s.recomputed).count(),
             ttft_ms: Percentiles::of(ok.iter().map(|s| s.ttft_us as f64 / 1e3).collect()),
+            decode_ttft_ms: Percentiles::of(ok.iter().map(|s| s.decode_ttft_us as f64 / 1e3).collect()),
             tokens_per_s: Percentiles::of(
                 ok.iter()
                     .filter(|s| s.total_us > 0)
@@ -233,6 +237,7 @@ impl Report {
             "workload: {} requests ({} prompts, {} in flight) in {:.2} s\n\
              outputs equal to the monolithic engine: {}/{} ({} failed)\n\
              TTFT ms (prefill + decode first token): {}\n\
+             of which decode's own (queue, KV load, first step): {}\n\
              tokens/s per request: {}\n\
              throughput: {:.1} tokens/s\n\
              decode loaded the prompt's KV: {}/{} requests ({} recomputed instead)\n\
@@ -246,6 +251,7 @@ impl Report {
             self.requests,
             self.failed,
             p(&self.ttft_ms),
+            p(&self.decode_ttft_ms),
             p(&self.tokens_per_s),
             self.throughput_tokens_per_s,
             self.loaded_requests,
