@@ -514,3 +514,80 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
     driver.shutdown();
     drop(driver);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An engine whose every step takes `step` and gives each request it holds its one token;
+    /// its own first-token latency says 0, as an engine that counts from its admission would.
+    struct SlowDriver {
+        held: Vec<String>,
+        step: Duration,
+    }
+
+    impl Driver for SlowDriver {
+        fn add(&mut self, req: GenRequest) -> Result<(), SubmitError> {
+            self.held.push(req.id);
+            Ok(())
+        }
+        fn step(&mut self) -> Result<Vec<RequestOutput>, StepFailure> {
+            std::thread::sleep(self.step);
+            Ok(self
+                .held
+                .drain(..)
+                .map(|id| RequestOutput {
+                    id,
+                    new_tokens: vec![7],
+                    finished: Some(FinishReason::Length),
+                    first_token_latency: Some(Duration::ZERO),
+                    ..RequestOutput::default()
+                })
+                .collect())
+        }
+        fn abort_all(&mut self, _why: &str, _connector_dead: bool) -> usize {
+            std::mem::take(&mut self.held).len()
+        }
+        fn cancel(&mut self, _id: &str, _why: &str) -> Cancel {
+            Cancel::NotSupported
+        }
+        fn busy(&self) -> bool {
+            !self.held.is_empty()
+        }
+        fn idle_step(&self) -> bool {
+            false
+        }
+        fn set_peer(&mut self, _envelope: &Value) -> Result<(), String> {
+            Ok(())
+        }
+        fn stats(&self) -> PoolStats {
+            PoolStats::default()
+        }
+        fn shutdown(&mut self) {}
+    }
+
+    #[test]
+    fn time_to_first_token_counts_the_wait_for_a_running_step() {
+        let step = Duration::from_millis(300);
+        let (handle, join, ()) = spawn(move || Ok((SlowDriver { held: Vec::new(), step }, ()))).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let (a, b, b_elapsed) = rt.block_on(async {
+            let h = handle.clone();
+            let a = tokio::spawn(async move { h.submit(GenRequest::new("a", vec![1], 1)).await });
+            // `b` arrives while `a`'s step runs: the engine takes it only after that step.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let t0 = Instant::now();
+            let b = handle.submit(GenRequest::new("b", vec![1], 1)).await;
+            (a.await.unwrap(), b, t0.elapsed())
+        });
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!((a.tokens, b.tokens.clone()), (vec![7], vec![7]));
+        let ttft = b.ttft.expect("b had its first token");
+        // The rest of `a`'s step (about 200 ms, less on a slow machine), then `b`'s own 300 ms:
+        // at least that step, whatever the timing, where the engine's own count says 0.
+        assert!(ttft >= step, "b's TTFT {ttft:?} leaves out the time after its hand-off");
+        assert!(ttft <= b_elapsed, "b's TTFT {ttft:?} is longer than its whole request {b_elapsed:?}");
+        drop(handle);
+        join.join().unwrap();
+    }
+}
