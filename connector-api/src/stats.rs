@@ -109,18 +109,9 @@ pub fn interleaved_timed(
     pairs: usize,
     warmup: usize,
     mut baseline: impl FnMut(),
-    mut subject: impl FnMut(),
+    subject: impl FnMut(),
 ) -> Paired {
-    let r = interleaved::<std::convert::Infallible>(
-        pairs,
-        warmup,
-        || Ok(seconds(&mut baseline)),
-        || Ok(seconds(&mut subject)),
-    );
-    match r {
-        Ok(p) => p,
-        Err(never) => match never {},
-    }
+    interleaved_against(pairs, warmup, || seconds(&mut baseline), subject)
 }
 
 impl Paired {
