@@ -1,7 +1,9 @@
 //! The memcpy baseline of a copy that may use streaming stores (the shm pull's): the fastest
 //! of glibc's copy (`copy_from_slice`) and the streaming-store copy the pull uses
 //! (`kvconnect_nixl::stream_copy::copy_run`), each on one thread and on as many threads as
-//! the pull copies the same bytes with.
+//! the pull copies the same bytes with. Each pair of a benchmark times every way once; the
+//! way with the lowest median over the pairs is the baseline
+//! (`kvconnect_api::stats::interleaved_fastest`).
 
 use kvconnect_nixl::copy_plan::copy_threads_for;
 use kvconnect_nixl::stream_copy::copy_run;
@@ -41,18 +43,43 @@ pub fn timed_copy(dst: &mut [u8], src: &[u8], copier: Copier, threads: usize) ->
     took
 }
 
-/// The best memcpy of `src` into `dst`: the fastest of glibc's copy and the streaming copy,
-/// each on one thread and on the threads a pull allowed `threads` copies these bytes with
-/// (`copy_threads_for`). Every run copies all the bytes, so `dst` holds `src` afterwards.
-pub fn best_memcpy(dst: &mut [u8], src: &[u8], threads: usize) -> Duration {
-    let many = copy_threads_for(src.len(), threads);
-    let mut best = Duration::MAX;
-    for copier in [Copier::Glibc, Copier::Streaming] {
-        for t in if many > 1 { vec![1, many] } else { vec![1] } {
-            best = best.min(timed_copy(dst, src, copier, t));
-        }
+/// One way of the memcpy baseline: a copier on some threads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Way {
+    /// The copy.
+    pub copier: Copier,
+    /// The threads it runs on.
+    pub threads: usize,
+}
+
+impl std::fmt::Display for Way {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let copier = match self.copier {
+            Copier::Glibc => "glibc memcpy",
+            Copier::Streaming => "streaming copy",
+        };
+        write!(f, "{copier} on {} thread{}", self.threads, if self.threads == 1 { "" } else { "s" })
     }
-    best
+}
+
+/// The ways of the memcpy baseline of `bytes` copied by a pull allowed `threads` copy
+/// threads: glibc's copy and the streaming copy, each on one thread and on the threads such a
+/// pull uses (`copy_threads_for`), in a fixed order.
+pub fn memcpy_ways(bytes: usize, threads: usize) -> Vec<Way> {
+    let many = copy_threads_for(bytes, threads);
+    let counts = if many > 1 { vec![1, many] } else { vec![1] };
+    [Copier::Glibc, Copier::Streaming]
+        .into_iter()
+        .flat_map(|copier| counts.iter().map(move |&threads| Way { copier, threads }))
+        .collect()
+}
+
+/// One pair's baseline times: `src` copied into `dst` once by each of [`memcpy_ways`], in
+/// its order (for `kvconnect_api::stats::interleaved_fastest`, which takes the way with the
+/// lowest median as the baseline). Every way copies all the bytes, so `dst` holds `src`
+/// afterwards.
+pub fn time_memcpy_ways(dst: &mut [u8], src: &[u8], threads: usize) -> Vec<Duration> {
+    memcpy_ways(src.len(), threads).into_iter().map(|w| timed_copy(dst, src, w.copier, w.threads)).collect()
 }
 
 #[cfg(test)]
@@ -72,7 +99,20 @@ mod tests {
             }
         }
         let mut dst = vec![0u8; src.len()];
-        assert!(best_memcpy(&mut dst, &src, 2) > Duration::ZERO);
+        let times = time_memcpy_ways(&mut dst, &src, 2);
+        assert_eq!(times.len(), memcpy_ways(src.len(), 2).len());
+        assert!(times.iter().all(|t| *t > Duration::ZERO));
         assert!(dst == src);
+        let names: Vec<String> = memcpy_ways(src.len(), 2).iter().map(|w| w.to_string()).collect();
+        assert_eq!(
+            names,
+            [
+                "glibc memcpy on 1 thread",
+                "glibc memcpy on 2 threads",
+                "streaming copy on 1 thread",
+                "streaming copy on 2 threads"
+            ]
+        );
+        assert_eq!(memcpy_ways(16, 8).len(), 2, "a copy too small to split runs on one thread only");
     }
 }

@@ -57,13 +57,31 @@ pub fn interleaved<E>(
     pairs: usize,
     warmup: usize,
     mut baseline: impl FnMut() -> Result<f64, E>,
-    mut subject: impl FnMut() -> Result<f64, E>,
+    subject: impl FnMut() -> Result<f64, E>,
 ) -> Result<Paired, E> {
+    Ok(interleaved_fastest(pairs, warmup, || Ok(vec![baseline()?]), subject)?.0)
+}
+
+/// [`interleaved`] against the fastest of several baselines (ways of doing the same work,
+/// such as glibc's memcpy and a streaming copy, on one thread and on several): in each pair
+/// the baseline closure runs every way once and returns their times, in a fixed order. The
+/// figure's baseline is the way with the lowest median time over the pairs, returned with
+/// the pairs by its index; each pair's ratio is that way's time in the pair over the
+/// subject's. (The fastest way of each pair instead would set the minimum of several noisy
+/// draws against the subject's single draw, and on a noisy machine rate a subject exactly as
+/// fast as the best way below 1.) A baseline that returns no time, or a different number of
+/// times than the first pair, is a bug in the benchmark and panics.
+pub fn interleaved_fastest<E>(
+    pairs: usize,
+    warmup: usize,
+    mut baseline: impl FnMut() -> Result<Vec<f64>, E>,
+    mut subject: impl FnMut() -> Result<f64, E>,
+) -> Result<(Paired, usize), E> {
     for _ in 0..warmup {
         baseline()?;
         subject()?;
     }
-    let (mut ratios, mut base, mut subj) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut base, mut subj): (Vec<Vec<f64>>, Vec<f64>) = (Vec::new(), Vec::new());
     for i in 0..pairs.max(1) {
         let (b, s) = if i % 2 == 0 {
             let b = baseline()?;
@@ -72,27 +90,55 @@ pub fn interleaved<E>(
             let s = subject()?;
             (baseline()?, s)
         };
-        ratios.push(b / s.max(f64::MIN_POSITIVE));
         base.push(b);
         subj.push(s);
     }
-    Ok(Paired {
-        pairs: ratios.len(),
-        ratio: Quartiles::of(ratios),
-        baseline_s: Quartiles::of(base),
-        subject_s: Quartiles::of(subj),
-    })
+    Ok(paired_fastest(&base, &subj))
 }
 
-/// [`interleaved`] against a baseline that times itself (its seconds: the best memcpy of
-/// [`best_memcpy_of_pieces`]), the subject timed whole on the wall clock; neither can fail.
+/// The figure of measured pairs: `base[i]` holds pair `i`'s baseline time by each way (the
+/// same ways in every pair), `subject[i]` its subject's time (seconds). The baseline is the
+/// way with the lowest median time, returned by its index (see [`interleaved_fastest`]).
+/// Pairs with no baseline time are bugs in the benchmark and panic.
+pub fn paired_fastest(base: &[Vec<f64>], subject: &[f64]) -> (Paired, usize) {
+    assert!(
+        base.len() == subject.len() && base.iter().all(|b| !b.is_empty() && b.len() == base[0].len()),
+        "paired_fastest: every pair's baseline must time the same ways, at least one"
+    );
+    let way_median = |w: usize| Quartiles::of(base.iter().map(|b| b[w]).collect()).median;
+    let ways = base.first().map_or(1, Vec::len);
+    let fastest = (0..ways).min_by(|a, b| way_median(*a).total_cmp(&way_median(*b))).unwrap_or(0);
+    let chosen: Vec<f64> = base.iter().map(|b| b[fastest]).collect();
+    let ratios = chosen.iter().zip(subject).map(|(b, s)| b / s.max(f64::MIN_POSITIVE)).collect();
+    let paired = Paired {
+        pairs: subject.len(),
+        ratio: Quartiles::of(ratios),
+        baseline_s: Quartiles::of(chosen),
+        subject_s: Quartiles::of(subject.to_vec()),
+    };
+    (paired, fastest)
+}
+
+/// [`interleaved`] against a baseline that times itself, the subject timed whole on the wall
+/// clock; neither can fail.
 pub fn interleaved_against(
     pairs: usize,
     warmup: usize,
     mut baseline: impl FnMut() -> f64,
-    mut subject: impl FnMut(),
+    subject: impl FnMut(),
 ) -> Paired {
-    let r = interleaved::<std::convert::Infallible>(
+    interleaved_against_fastest(pairs, warmup, || vec![baseline()], subject).0
+}
+
+/// [`interleaved_fastest`] for a baseline that times its ways itself (such as
+/// [`memcpy_of_pieces`]) and a subject timed whole on the wall clock; neither can fail.
+pub fn interleaved_against_fastest(
+    pairs: usize,
+    warmup: usize,
+    mut baseline: impl FnMut() -> Vec<f64>,
+    mut subject: impl FnMut(),
+) -> (Paired, usize) {
+    let r = interleaved_fastest::<std::convert::Infallible>(
         pairs,
         warmup,
         || Ok(baseline()),
@@ -171,19 +217,23 @@ pub fn seconds(f: impl FnOnce()) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-/// The baseline of a single-threaded copy of many pieces that may stream (a cache tier's
-/// blocks): the faster of glibc's memcpy and streaming stores ([`crate::stream_copy::Batch`])
-/// over the same pieces, in seconds. `copy_all` calls the copier it is given once for each
-/// (destination, source) piece. (A whole transfer's baseline, on threads, is
-/// `kvconnect_bench::memcpy::best_memcpy`.)
-pub fn best_memcpy_of_pieces(mut copy_all: impl FnMut(&mut dyn FnMut(&mut [u8], &[u8]))) -> f64 {
+/// The ways of the baseline of a single-threaded copy of many pieces that may stream (a
+/// cache tier's blocks), for [`interleaved_against_fastest`]: the seconds of glibc's memcpy
+/// and of streaming stores ([`crate::stream_copy::Batch`]) over the same pieces, in the order
+/// of [`PIECE_COPIERS`]. `copy_all` calls the copier it is given once for each (destination,
+/// source) piece. (A whole transfer's baseline, on threads, is
+/// `kvconnect_bench::memcpy::memcpy_ways`.)
+pub fn memcpy_of_pieces(mut copy_all: impl FnMut(&mut dyn FnMut(&mut [u8], &[u8]))) -> Vec<f64> {
     let glibc = seconds(|| copy_all(&mut |d, s| d.copy_from_slice(s)));
     let streamed = seconds(|| {
         let mut batch = crate::stream_copy::Batch::new();
         copy_all(&mut |d, s| batch.copy(d, s));
     });
-    glibc.min(streamed)
+    vec![glibc, streamed]
 }
+
+/// The names of [`memcpy_of_pieces`]'s ways, by index.
+pub const PIECE_COPIERS: [&str; 2] = ["glibc memcpy", "streaming stores"];
 
 /// The quartiles of the time of one call of `f` (seconds), over `samples` samples of
 /// `iters` calls each, after one unmeasured call.
@@ -281,6 +331,22 @@ mod tests {
         assert_eq!(p.ratio, Quartiles { q1: 0.5, median: 2.0, q3: 4.0 });
         assert_eq!(p.baseline_s.median, 2.0);
         let e = interleaved(5, 1, || Ok(1.0), || Err("subject failed"));
+        assert_eq!(e, Err("subject failed"));
+    }
+
+    #[test]
+    fn the_fastest_baseline_is_the_way_with_the_lowest_median_not_each_pairs_minimum() {
+        // Way 0 is fastest at the median, though way 1 wins two pairs by noise.
+        let mut ways =
+            [vec![2.0, 5.0], vec![2.0, 1.0], vec![2.0, 1.0], vec![2.0, 3.0], vec![2.0, 4.0]].into_iter();
+        let (p, fastest) = interleaved_fastest::<()>(5, 0, || Ok(ways.next().unwrap()), || Ok(2.0)).unwrap();
+        assert_eq!(fastest, 0);
+        assert_eq!(p.ratio.median, 1.0, "the per-pair minimum would give 0.5 in two pairs");
+        assert_eq!(p.baseline_s.median, 2.0);
+        let mut ways = [vec![3.0, 1.0], vec![3.0, 2.0], vec![3.0, 1.0]].into_iter();
+        let (p, fastest) = interleaved_fastest::<()>(3, 0, || Ok(ways.next().unwrap()), || Ok(1.0)).unwrap();
+        assert_eq!((fastest, p.ratio.median), (1, 1.0));
+        let e = interleaved_fastest(3, 0, || Ok(vec![1.0]), || Err("subject failed"));
         assert_eq!(e, Err("subject failed"));
     }
 

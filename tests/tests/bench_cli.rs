@@ -48,6 +48,12 @@ fn bench_transfer_verifies_every_pair_and_reports_quartiles() {
         // 200 tokens: decode loads 199 of them, in 13 whole 16-token blocks of 28 layers x K
         // and V x 8 heads x 128 channels x bf16.
         assert_eq!(r["bytes"], 13 * 16 * 28 * 2 * 8 * 128 * 2, "{r}");
+        // shm's baseline is the memcpy way with the lowest median, named.
+        let baseline = r["baseline"].as_str().unwrap_or_default();
+        match backend {
+            "shm" => assert!(baseline.starts_with("fastest memcpy: ") && baseline.contains(" thread"), "{r}"),
+            _ => assert_eq!(baseline, "raw loopback socket", "{r}"),
+        }
     }
 }
 

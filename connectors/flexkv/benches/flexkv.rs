@@ -28,8 +28,8 @@ use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::host_buffer::HostBuffer;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::stats::{
-    best_memcpy_of_pieces, interleaved_against, interleaved_timed, per_call, verdict, Machine, Paired,
-    Quartiles,
+    interleaved_against_fastest, interleaved_timed, memcpy_of_pieces, per_call, verdict, Machine, Paired,
+    Quartiles, PIECE_COPIERS,
 };
 use kvconnect_api::{
     AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec, LayerId,
@@ -186,10 +186,10 @@ impl Regions {
     }
 
     /// The baseline of the CPU copies: every region copied into `flat`, one copy each, by
-    /// the faster of glibc's memcpy and streaming stores (as the subject may stream); the
-    /// time in seconds.
-    fn memcpy_into(&self, flat: &mut [u8]) -> f64 {
-        best_memcpy_of_pieces(|copy| {
+    /// glibc's memcpy and by streaming stores (as the subject may stream); each way's time
+    /// in seconds.
+    fn memcpy_into(&self, flat: &mut [u8]) -> Vec<f64> {
+        memcpy_of_pieces(|copy| {
             let mut off = 0;
             for r in &self.bufs {
                 let r = r.bytes();
@@ -227,9 +227,13 @@ fn pairs(size: &Size, base: impl FnMut(), subject: impl FnMut()) -> Paired {
     interleaved_timed(size.pairs, if size.test { 0 } else { 2 }, base, subject)
 }
 
-/// [`pairs`] against a baseline that times itself (seconds), such as the best memcpy.
-fn pairs_against(size: &Size, base: impl FnMut() -> f64, subject: impl FnMut()) -> Paired {
-    interleaved_against(size.pairs, if size.test { 0 } else { 2 }, base, subject)
+/// [`pairs`] against the fastest way of a memcpy baseline that times its ways itself
+/// ([`memcpy_of_pieces`]: glibc's and streaming stores): the way with the lowest median over
+/// the pairs, named on a line of its own.
+fn pairs_against(size: &Size, base: impl FnMut() -> Vec<f64>, subject: impl FnMut()) -> Paired {
+    let (p, way) = interleaved_against_fastest(size.pairs, if size.test { 0 } else { 2 }, base, subject);
+    println!("  (baseline below: {})", PIECE_COPIERS[way]);
+    p
 }
 
 fn prefix_match(size: &Size) {
@@ -339,7 +343,7 @@ fn cpu_tier(size: &Size) {
     // The baseline reads the same bytes from the same place (the tier's slots, in whatever
     // cache state the last copy left them), so only the destination differs.
     let slots_memcpy = || {
-        best_memcpy_of_pieces(|copy| {
+        memcpy_of_pieces(|copy| {
             let mut flat = flat_cell.borrow_mut();
             for (h, out) in hashes.iter().zip(flat.chunks_exact_mut(slot)) {
                 cache
@@ -407,7 +411,7 @@ fn transpose(size: &Size) {
     let mut tbuf = Vec::new();
     // As the load's: the baseline reads the same stored blocks the subject reads.
     let stored_memcpy = || {
-        best_memcpy_of_pieces(|copy| {
+        memcpy_of_pieces(|copy| {
             let mut flat = flat_cell.borrow_mut();
             for (s, out) in stored.iter().zip(flat.chunks_exact_mut(slot)) {
                 copy(out, s);

@@ -23,8 +23,8 @@
 
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::stats::{
-    best_memcpy_of_pieces, interleaved_against, interleaved_timed, per_call, verdict, Machine, Paired,
-    Quartiles,
+    interleaved_against_fastest, interleaved_timed, memcpy_of_pieces, per_call, verdict, Machine, Paired,
+    Quartiles, PIECE_COPIERS,
 };
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,
@@ -236,14 +236,14 @@ impl CpuBench {
     }
 
     /// The baseline: the same bytes copied block by block out of the regions into one
-    /// buffer and back into other blocks, by the faster of glibc's memcpy and streaming
-    /// stores (as the subject streams); its time in seconds.
-    fn memcpy(&mut self) -> f64 {
+    /// buffer and back into other blocks, by glibc's memcpy and by streaming
+    /// stores (as the subject streams); each way's time in seconds.
+    fn memcpy(&mut self) -> Vec<f64> {
         let e = &mut self.e;
         let staging = &mut self.staging;
         let per_block = e.geometry.shape().bytes();
         let nblocks = self.chunks * self.chunk / e.block_size;
-        let t = best_memcpy_of_pieces(|copy| {
+        let t = memcpy_of_pieces(|copy| {
             let mut off = 0;
             for buf in e.buffers.iter() {
                 for part in 0..2 {
@@ -347,13 +347,19 @@ fn cpu_tier(size: &Size) {
     let warmup = size.warmup(9);
     let cell = std::cell::RefCell::new(&mut b);
     let m = Machine::start();
-    let p = interleaved_against(
+    let (p, way) = interleaved_against_fastest(
         size.pairs,
         warmup,
         || cell.borrow_mut().memcpy(),
         || cell.borrow_mut().lmcache(),
     );
-    report("cpu tier save+load vs memcpy out and back", 0.9, p, bytes, m.finish());
+    report(
+        &format!("cpu tier save+load vs memcpy out and back ({})", PIECE_COPIERS[way]),
+        0.9,
+        p,
+        bytes,
+        m.finish(),
+    );
     b.lmcache();
     b.check_and_clear("lmcache");
     b.memcpy();

@@ -14,7 +14,6 @@
 use crate::proxy::client;
 use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
-use kvconnect_api::host_buffer::HostBuffer;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -282,19 +281,12 @@ pub(super) fn round(
     Ok((d, t0.elapsed()))
 }
 
-/// A baseline's buffer, allocated as the engine allocates KV regions (huge pages where the
-/// kernel gives them), so the baseline's memory is as well placed as the transfer's.
-fn host_buffer(bytes: usize) -> Result<HostBuffer> {
-    HostBuffer::zeroed(bytes).with_context(|| format!("the baseline's buffer of {bytes} bytes"))
-}
-
 /// The baseline over the same bytes, measured right after each transfer so both see the
 /// same machine load (these machines are shared and noisy).
 enum Baseline {
-    Memcpy {
-        src: HostBuffer,
-        dst: HostBuffer,
-    },
+    /// The memcpy of shm, whose ways the decode process times right after each load (its
+    /// `memcpy_ways_us`).
+    Memcpy,
     Socket(kvconnect_bench::raw_socket::RawSocket),
     /// The same bytes in the same shape (one run per KV layer and K/V part, one prepared
     /// entry per block of each) READ through bare nixl-sys calls from a second process.
@@ -303,15 +295,6 @@ enum Baseline {
 }
 
 impl Baseline {
-    fn memcpy(bytes: usize) -> Result<Baseline> {
-        let (mut src, mut dst) = (host_buffer(bytes)?, host_buffer(bytes)?);
-        for (i, b) in src.bytes_mut().iter_mut().enumerate() {
-            *b = i as u8;
-        }
-        dst.bytes_mut().copy_from_slice(src.bytes()); // fault every page in before timing
-        Ok(Baseline::Memcpy { src, dst })
-    }
-
     /// `bytes` over `streams` loopback connections at once, `rounds` times
     /// (`kvconnect_bench::raw_socket`).
     fn socket(bytes: usize, rounds: usize, streams: usize, buffer: usize) -> Result<Baseline> {
@@ -322,7 +305,7 @@ impl Baseline {
 
     fn name(&self) -> &'static str {
         match self {
-            Baseline::Memcpy { .. } => "memcpy",
+            Baseline::Memcpy => "memcpy",
             Baseline::Socket(_) => "raw loopback socket",
             #[cfg(feature = "nixl")]
             Baseline::Nixl(_) => "raw NIXL READ between two processes (nixl-sys)",
@@ -331,13 +314,7 @@ impl Baseline {
 
     fn measure(&mut self) -> Result<Duration> {
         match self {
-            Baseline::Memcpy { src, dst } => {
-                let t = Instant::now();
-                dst.bytes_mut().copy_from_slice(std::hint::black_box(src.bytes()));
-                let d = t.elapsed();
-                std::hint::black_box(dst);
-                Ok(d)
-            }
+            Baseline::Memcpy => bail!("the memcpy baseline is timed by the decode process, not here"),
             Baseline::Socket(s) => s.measure().context("raw-socket baseline"),
             #[cfg(feature = "nixl")]
             Baseline::Nixl(r) => {
@@ -389,7 +366,9 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     let load_before = load_average();
     let mut bytes = 0u64;
     let mut baseline: Option<Baseline> = None;
-    let (mut times, mut base_times, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
+    // Per pair: the transfer's time, and the baseline's by each of its ways (shm: every way
+    // of the memcpy, timed in the decode process; otherwise the one baseline).
+    let (mut times, mut base_ways): (Vec<f64>, Vec<Vec<f64>>) = (Vec::new(), Vec::new());
     for i in 0..total {
         // Pairs alternate which of the two runs first, so neither always meets a warmer
         // machine; shm's baseline runs in the decode process right after its load.
@@ -407,7 +386,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         let ti = Duration::from_micros(p["transfer_us"].as_u64().unwrap_or(0));
         if baseline.is_none() {
             baseline = Some(match backend {
-                "shm" => Baseline::memcpy(0)?,
+                "shm" => Baseline::Memcpy,
                 #[cfg(feature = "nixl")]
                 "nixl" => raw_nixl(&spec, a.tokens, bytes)?,
                 _ => Baseline::socket(
@@ -422,25 +401,38 @@ fn transfer(a: &TransferArgs) -> Result<()> {
                 )?,
             });
         }
-        let b = match (early, p["memcpy_us"].as_u64()) {
-            (Some(b), _) => b,
-            (None, Some(us)) if backend == "shm" && us > 0 => Duration::from_micros(us),
-            _ => baseline.as_mut().ok_or_else(|| anyhow!("no baseline"))?.measure()?,
+        let ways: Vec<f64> = if backend == "shm" {
+            let ways: Vec<f64> = p["memcpy_ways_us"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|w| w.as_f64())
+                .map(|us| us / 1e6)
+                .collect();
+            if ways.is_empty() || ways.iter().any(|w| *w <= 0.0) {
+                bail!("decode reported no memcpy baseline for its load (its log says why): {d}");
+            }
+            ways
+        } else {
+            let b = match early {
+                Some(b) => b,
+                None => baseline.as_mut().ok_or_else(|| anyhow!("no baseline"))?.measure()?,
+            };
+            vec![b.as_secs_f64()]
         };
+        let fastest_now = ways.iter().copied().fold(f64::INFINITY, f64::min);
         if !a.json {
             eprintln!(
                 "[{}/{total}] {backend}: {bytes} bytes in {:.1} ms; baseline {:.1} ms{}",
                 i + 1,
                 ti.as_secs_f64() * 1e3,
-                b.as_secs_f64() * 1e3,
+                fastest_now * 1e3,
                 if i == 0 { " (warm-up)" } else { "" }
             );
         }
         if i > 0 {
             times.push(ti.as_secs_f64());
-            base_times.push(b.as_secs_f64());
-            // Both moved the same bytes: the rate ratio is the inverse of the time ratio.
-            ratios.push(b.as_secs_f64() / ti.as_secs_f64().max(1e-9));
+            base_ways.push(ways);
         }
     }
     // What decode paid once, in the warm-up, before its first load from this peer.
@@ -453,15 +445,27 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     drop(prefill);
     let mut baseline = baseline.ok_or_else(|| anyhow!("no measured transfer"))?;
     baseline.finish()?;
-    let baseline = baseline.name();
-    let (t, bt, r) = (Quartiles::of(times), Quartiles::of(base_times), Quartiles::of(ratios.clone()));
+    // Both moved the same bytes: the rate ratio is the inverse of the time ratio.
+    let (paired, fastest) = kvconnect_api::stats::paired_fastest(&base_ways, &times);
+    let baseline = match (
+        &baseline,
+        kvconnect_bench::memcpy::memcpy_ways(
+            bytes as usize,
+            kvconnect_nixl::copy_plan::default_copy_threads(),
+        )
+        .get(fastest),
+    ) {
+        (Baseline::Memcpy, Some(way)) => format!("fastest memcpy: {way}"),
+        _ => baseline.name().to_owned(),
+    };
+    let (t, bt, r) = (paired.subject_s, paired.baseline_s, paired.ratio);
     let (g, bg) = (bytes as f64 / t.median.max(1e-9) / 1e9, bytes as f64 / bt.median.max(1e-9) / 1e9);
     let mut out = json!({
         "backend": backend,
         "model": spec.name,
         "tokens": a.tokens,
         "bytes": bytes,
-        "pairs": ratios.len(),
+        "pairs": paired.pairs,
         "seconds": t.median,
         "gbps": g,
         "baseline": baseline,
@@ -494,7 +498,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
             "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.3} (quartiles {:.3} .. {:.3}); once per peer: {per_peer_ms:.2} ms of handshakes; {}",
             a.tokens,
             spec.name,
-            ratios.len(),
+            paired.pairs,
             t.median * 1e3,
             bt.median * 1e3,
             r.median,

@@ -165,20 +165,22 @@ impl TransferEngine {
         Ok(None)
     }
 
-    /// The best memcpy of `bytes` bytes in this process (`kvconnect_bench::memcpy`: glibc's
-    /// and the streaming copy, one thread and as many as the connector copies a large shm
-    /// pull with), between two faulted-in buffers, timed right after a load: the
-    /// benchmark's baseline sees the same process, core and moment as the transfer (on a
-    /// shared machine a baseline measured elsewhere or later sees other load).
-    fn memcpy_baseline(&mut self, bytes: usize) -> std::time::Duration {
+    /// The memcpy baseline's ways for `bytes` bytes in this process
+    /// (`kvconnect_bench::memcpy::time_memcpy_ways`: glibc's and the streaming copy, one
+    /// thread and as many as the connector copies a large shm pull with), each timed once
+    /// between two faulted-in buffers right after a load: the benchmark's baseline sees the
+    /// same process, core and moment as the transfer (on a shared machine a baseline measured
+    /// elsewhere or later sees other load). The benchmark takes the way with the lowest
+    /// median over its pairs. Empty where the buffers cannot be allocated.
+    fn memcpy_baseline(&mut self, bytes: usize) -> Vec<std::time::Duration> {
         let fits = self.baseline.as_ref().is_some_and(|(s, _)| s.bytes().len() == bytes);
         if !fits {
             // Allocated as the KV regions are (huge pages where the kernel gives them).
             let (mut src, mut dst) = match (HostBuffer::zeroed(bytes), HostBuffer::zeroed(bytes)) {
                 (Ok(s), Ok(d)) => (s, d),
                 (Err(e), _) | (_, Err(e)) => {
-                    tracing::warn!("no memcpy baseline for this load (reported as 0): {e}");
-                    return std::time::Duration::ZERO;
+                    tracing::warn!("no memcpy baseline for this load (none reported): {e}");
+                    return Vec::new();
                 }
             };
             for (i, b) in src.bytes_mut().iter_mut().enumerate() {
@@ -187,8 +189,8 @@ impl TransferEngine {
             dst.bytes_mut().copy_from_slice(src.bytes()); // fault every page in before timing
             self.baseline = Some((src, dst));
         }
-        let Some((src, dst)) = self.baseline.as_mut() else { return std::time::Duration::ZERO };
-        kvconnect_bench::memcpy::best_memcpy(
+        let Some((src, dst)) = self.baseline.as_mut() else { return Vec::new() };
+        kvconnect_bench::memcpy::time_memcpy_ways(
             dst.bytes_mut(),
             src.bytes(),
             kvconnect_nixl::copy_plan::default_copy_threads(),
@@ -288,13 +290,13 @@ impl TransferEngine {
         };
         let bytes = self.kv_bytes(l.external);
         let verified = matches!(outcome, FinishReason::Length);
-        let memcpy = if verified { self.memcpy_baseline(bytes as usize) } else { std::time::Duration::ZERO };
+        let memcpy = if verified { self.memcpy_baseline(bytes as usize) } else { Vec::new() };
         let params = json!({
             "transfer_us": elapsed.as_micros() as u64,
             "bytes": bytes,
             "external_tokens": l.external,
             "verified": verified,
-            "memcpy_us": memcpy.as_micros() as u64,
+            "memcpy_ways_us": memcpy.iter().map(|d| d.as_secs_f64() * 1e6).collect::<Vec<f64>>(),
         });
         let _ = self.conn.0.request_finished(&l.req, &l.blocks);
         self.pool.release(&l.blocks);
