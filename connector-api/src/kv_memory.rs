@@ -295,6 +295,23 @@ impl KvMemory {
         Ok(())
     }
 
+    /// Hands `write` a writable view of a span of the regions (`len` bytes, which must be the
+    /// span's), for a copy that does more than copy, such as summing the bytes it streams in;
+    /// returns what `write` returns. The view lives only for the call.
+    pub fn write_with<R>(
+        &self,
+        span: Span,
+        len: usize,
+        write: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, GeometryError> {
+        let dst = self.checked(span, len)?;
+        // SAFETY: as in `write_in`: [dst, dst+len) lies inside a registered host region, valid
+        // for writes; the view is handed to `write` alone and cannot outlive the call (the
+        // closure's argument is borrowed for the call only).
+        let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
+        Ok(write(dst))
+    }
+
     /// [`crate::stream_copy::Batch::copy_rows`] into a span of the regions: `unit`-byte rows
     /// of `src`, each `(from, to)` of `rows` from `src[from..]` to `to` bytes into the span.
     pub fn write_rows_in(
@@ -472,8 +489,17 @@ mod tests {
         assert_eq!(back, data);
         assert!(mem.span(LayerId(1), 0, BlockId(3)).is_err());
         assert!(mem.read(span, &mut [0u8; 3]).is_err());
+        // A view handed to a closure writes the same span, and is refused at another length.
+        let other = mem.span(LayerId(1), 0, BlockId(0)).unwrap();
+        let n = mem.write_with(other, other.len, |d| {
+            d.fill(7);
+            d.len()
+        });
+        assert_eq!(n.unwrap(), other.len);
+        assert!(mem.write_with(other, other.len + 1, |_| ()).is_err());
         drop(mem);
         assert_eq!(&b[span.offset..span.offset + span.len], &data[..]);
+        assert!(b[other.offset..other.offset + other.len].iter().all(|x| *x == 7));
     }
 
     #[test]

@@ -167,26 +167,73 @@ impl BlockAdapter {
         src: &[u8],
         scratch: &mut Vec<u8>,
     ) -> Result<(), GeometryError> {
+        self.scatter_inner(mem, block, src, scratch, None)
+    }
+
+    /// [`BlockAdapter::scatter`], returning the stored block's [`crate::hash::checksum`]
+    /// taken in the same pass (each sub-block summed as it is streamed in, or, when
+    /// transposing, summed just before it is moved, while it is in cache), so a reader can
+    /// verify what it loaded without reading it again.
+    pub fn scatter_summed(
+        &self,
+        mem: &KvMemory,
+        block: BlockId,
+        src: &[u8],
+        scratch: &mut Vec<u8>,
+    ) -> Result<u64, GeometryError> {
+        let mut sum = Checksum::new();
+        self.scatter_inner(mem, block, src, scratch, Some(&mut sum))?;
+        Ok(sum.finish())
+    }
+
+    /// Zeroes block `block` of every KV layer: a block whose load failed after its bytes were
+    /// copied in (an SSD record whose checksum disagreed) holds no byte of it afterwards.
+    pub fn clear(&self, mem: &KvMemory, block: BlockId) -> Result<(), GeometryError> {
+        for i in 0..self.layers.len() * self.parts as usize {
+            let (layer, part) = self.sub(i);
+            let span = mem.span(layer, part, block)?;
+            mem.write_with(span, span.len, |d| d.fill(0))?;
+        }
+        Ok(())
+    }
+
+    fn scatter_inner(
+        &self,
+        mem: &KvMemory,
+        block: BlockId,
+        src: &[u8],
+        scratch: &mut Vec<u8>,
+        mut sum: Option<&mut Checksum>,
+    ) -> Result<(), GeometryError> {
         self.check_len(src.len())?;
         let mut batch = Batch::new();
         for (i, inp) in src.chunks_exact(self.sub_bytes).enumerate() {
             let (layer, part) = self.sub(i);
             let span = mem.span(layer, part, block)?;
-            match &self.moves {
-                None => mem.write_in(&mut batch, span, inp)?,
-                // Rows of whole cache lines: streamed straight into the region, row by row.
-                Some(m) if self.streams_rows(mem.slice(span)?.as_ptr() as usize) => mem.write_rows_in(
-                    &mut batch,
-                    span,
-                    inp,
-                    m.iter().map(|&(r, s)| (s as usize, r as usize)),
-                    self.unit,
-                )?,
-                // Other rows, or single elements: transposed in `scratch`, then streamed.
-                Some(m) => {
-                    scratch.resize(self.sub_bytes, 0);
-                    permute(inp, scratch, m, self.unit, true);
-                    mem.write_in(&mut batch, span, scratch)?;
+            match (&self.moves, sum.as_deref_mut()) {
+                (None, None) => mem.write_in(&mut batch, span, inp)?,
+                (None, Some(sum)) => {
+                    mem.write_with(span, inp.len(), |d| sum.copy_update(&mut batch, d, inp))?
+                }
+                (Some(m), sum) => {
+                    if let Some(sum) = sum {
+                        sum.update(inp);
+                    }
+                    if self.streams_rows(mem.slice(span)?.as_ptr() as usize) {
+                        // Rows of whole cache lines: streamed straight into the region, row by row.
+                        mem.write_rows_in(
+                            &mut batch,
+                            span,
+                            inp,
+                            m.iter().map(|&(r, s)| (s as usize, r as usize)),
+                            self.unit,
+                        )?
+                    } else {
+                        // Other rows, or single elements: transposed in `scratch`, then streamed.
+                        scratch.resize(self.sub_bytes, 0);
+                        permute(inp, scratch, m, self.unit, true);
+                        mem.write_in(&mut batch, span, scratch)?;
+                    }
                 }
             }
         }
@@ -276,11 +323,12 @@ mod tests {
         &mut buf[at..at + len]
     }
 
-    /// Gathers block 1 of HND regions with 128-byte rows into a stored block and scatters it
-    /// into block 2 of other regions; the stored block and the regions start `stored_shift`
+    /// Gathers block 1 of `layout` regions (HND: 128-byte rows) into a stored block and
+    /// scatters it into block 2 of other regions, summed in the same pass, and into block 1
+    /// plainly; the stored block and the regions start `stored_shift`
     /// and `region_shift` bytes past a cache line (0: rows streamed whole; else transposed in
     /// cache first).
-    fn wide_rows_round_trip(stored_shift: usize, region_shift: usize) {
+    fn wide_rows_round_trip(layout: KvLayout, stored_shift: usize, region_shift: usize) {
         use kvconnect_api::{
             AttentionKind, Dtype, KvGroup, KvRegion, KvRegionSpec, MemoryKind, TransferMode,
         };
@@ -304,7 +352,7 @@ mod tests {
             state_groups: vec![],
             opaque_blocks: false,
         };
-        let shape = BlockShape::of(&model, &eff(KvLayout::HND));
+        let shape = BlockShape::of(&model, &eff(layout));
         let len = 3 * shape.layer_block_bytes();
         let mut src: Vec<Vec<u8>> =
             (0..2).map(|l| (0..len + 128).map(|i| ((i * 131 + l * 7) % 253) as u8).collect()).collect();
@@ -326,22 +374,28 @@ mod tests {
                 })
                 .collect()
         };
-        let src_mem = KvMemory::new(&regions(&mut src), &model, &eff(KvLayout::HND)).unwrap();
-        let dst_mem = KvMemory::new(&regions(&mut dst), &model, &eff(KvLayout::HND)).unwrap();
-        let a = BlockAdapter::new(&model, &eff(KvLayout::HND));
-        assert_eq!(a.unit, 128);
+        let src_mem = KvMemory::new(&regions(&mut src), &model, &eff(layout)).unwrap();
+        let dst_mem = KvMemory::new(&regions(&mut dst), &model, &eff(layout)).unwrap();
+        let a = BlockAdapter::new(&model, &eff(layout));
+        assert_eq!(a.transposes(), layout == KvLayout::HND);
         let mut stored_buf = vec![0u8; a.slot_bytes() + 128];
         let stored = at_shift(&mut stored_buf, stored_shift, a.slot_bytes());
-        assert_eq!(a.streams_rows(stored.as_ptr() as usize), stored_shift == 0);
+        if a.transposes() {
+            assert_eq!(a.unit, 128);
+            assert_eq!(a.streams_rows(stored.as_ptr() as usize), stored_shift == 0);
+        }
         let sum = a.gather_summed(&src_mem, BlockId(1), stored).unwrap();
         assert_eq!(sum, crate::hash::checksum(stored), "summed in the same pass as the copy");
         let mut plain_buf = vec![0u8; a.slot_bytes() + 128];
         let plain = at_shift(&mut plain_buf, stored_shift, a.slot_bytes());
         a.gather(&src_mem, BlockId(1), plain).unwrap();
         assert_eq!(plain, stored);
-        a.scatter(&dst_mem, BlockId(2), stored, &mut Vec::new()).unwrap();
+        // Scattered with its checksum taken in the same pass into block 2, plainly into 1.
+        let sum_in = a.scatter_summed(&dst_mem, BlockId(2), stored, &mut Vec::new()).unwrap();
+        assert_eq!(sum_in, sum, "the scatter sums the stored block it copies");
+        a.scatter(&dst_mem, BlockId(1), stored, &mut Vec::new()).unwrap();
         let stored = stored.to_vec();
-        let hnd = Geometry::new(shape, KvLayout::HND, vec![]);
+        let hnd = Geometry::new(shape, layout, vec![]);
         let nhd = Geometry::new(shape, KvLayout::NHD, vec![]);
         let view = |b: &Vec<u8>| b[b.as_ptr().align_offset(64) + region_shift..][..len].to_vec();
         let (src, dst): (Vec<Vec<u8>>, Vec<Vec<u8>>) =
@@ -350,6 +404,13 @@ mod tests {
             for part in 0..2u32 {
                 let s = src_mem.span(LayerId(l), part, BlockId(1)).unwrap();
                 let d = dst_mem.span(LayerId(l), part, BlockId(2)).unwrap();
+                let d1 = dst_mem.span(LayerId(l), part, BlockId(1)).unwrap();
+                let dl = &dst[l as usize];
+                assert_eq!(
+                    dl[d1.offset..d1.offset + d1.len],
+                    dl[d.offset..d.offset + d.len],
+                    "scatter and scatter_summed"
+                );
                 let base = (l * 2 + part) as usize * shape.bytes();
                 for h in 0..4 {
                     for n in 0..8 {
@@ -373,10 +434,12 @@ mod tests {
     }
 
     #[test]
-    fn wide_rows_round_trip_through_hnd_regions_exactly_aligned_or_not() {
-        wide_rows_round_trip(0, 0);
-        wide_rows_round_trip(16, 0);
-        wide_rows_round_trip(0, 16);
-        wide_rows_round_trip(16, 48);
+    fn wide_rows_round_trip_through_hnd_and_nhd_regions_exactly_aligned_or_not() {
+        for layout in [KvLayout::HND, KvLayout::NHD] {
+            wide_rows_round_trip(layout, 0, 0);
+            wide_rows_round_trip(layout, 16, 0);
+            wide_rows_round_trip(layout, 0, 16);
+            wide_rows_round_trip(layout, 16, 48);
+        }
     }
 }

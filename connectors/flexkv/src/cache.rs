@@ -6,7 +6,10 @@
 //! is full, the least recently used unreferenced block gives up its slot: it moves to the
 //! SSD tier (written by the saving transfer thread, not the step loop), or, without an SSD
 //! tier or when the SSD write fails, it is dropped if it is a leaf. A block read from SSD is
-//! checked before it is handed out; a corrupt record is dropped and reported as a miss.
+//! checked before it is handed out ([`BlockCache::load`]), or, on the worker's load path, by
+//! the checksum its copy into the KV blocks takes in the same pass
+//! ([`BlockCache::load_summed`]; a block that then disagrees is wiped and fails its load); a
+//! corrupt record is dropped and reported as a miss.
 
 use crate::cpu_tier::CpuTier;
 use crate::hash::checksum;
@@ -332,19 +335,46 @@ impl BlockCache {
     }
 
     /// Loads block `hash` (which the caller references) into `sink`. `scratch` is reused for
-    /// SSD reads.
+    /// SSD reads. A block from the SSD tier is verified before `sink` sees it.
     pub fn load(
         &self,
         hash: u64,
         scratch: &mut Vec<u8>,
         sink: impl FnOnce(&[u8]) -> Result<(), String>,
     ) -> Result<Tier, LoadError> {
+        self.load_inner(hash, scratch, true, |b, _| sink(b).map(|()| 0))
+    }
+
+    /// [`BlockCache::load`] with a sink that verifies as it copies: `sink(bytes, sum)` copies
+    /// the block where it goes and, where `sum` is true (a block from the SSD tier), returns
+    /// the [`crate::hash::checksum`] of the bytes, taken in the same pass
+    /// ([`crate::adapter::BlockAdapter::scatter_summed`]); otherwise its value is unused.
+    /// An SSD block is then read from memory once instead of twice; the price is that a
+    /// corrupt one has been copied before the checksum disagrees, so on
+    /// [`LoadError::Ssd`] what the sink wrote must be treated as not loaded (the worker
+    /// reports the block as failed, and the engine recomputes it).
+    pub fn load_summed(
+        &self,
+        hash: u64,
+        scratch: &mut Vec<u8>,
+        sink: impl FnOnce(&[u8], bool) -> Result<u64, String>,
+    ) -> Result<Tier, LoadError> {
+        self.load_inner(hash, scratch, false, sink)
+    }
+
+    fn load_inner(
+        &self,
+        hash: u64,
+        scratch: &mut Vec<u8>,
+        verify_first: bool,
+        sink: impl FnOnce(&[u8], bool) -> Result<u64, String>,
+    ) -> Result<Tier, LoadError> {
         let view = self.lock().index.get(hash).ok_or(LoadError::Missing(hash))?;
         if view.state != State::Ready {
             return Err(LoadError::Missing(hash));
         }
         if let Some(c) = view.cpu {
-            let r = self.cpu.with_slot(c, |buf| sink(buf)).ok_or(LoadError::Missing(hash))?;
+            let r = self.cpu.with_slot(c, |buf| sink(buf, false)).ok_or(LoadError::Missing(hash))?;
             r.map_err(|message| LoadError::Sink { hash, message })?;
             bump(&self.counters.cpu_hits);
             return Ok(Tier::Cpu);
@@ -352,8 +382,14 @@ impl BlockCache {
         let (Some(s), Some(ssd)) = (view.ssd, self.ssd.as_ref()) else {
             return Err(LoadError::Missing(hash));
         };
-        let payload = match ssd.read(s, hash, scratch) {
-            Ok(p) => p,
+        let read = if verify_first {
+            ssd.read(s, hash, scratch).map(|payload| sink(payload, false).map(|_| payload))
+        } else {
+            ssd.read_into(s, hash, scratch, |payload| sink(payload, true))
+        };
+        let payload = match read {
+            Ok(Ok(p)) => p,
+            Ok(Err(message)) => return Err(LoadError::Sink { hash, message }),
             Err(source) => {
                 let mut g = self.lock();
                 let slots = g.index.mark_dead(hash);
@@ -364,7 +400,6 @@ impl BlockCache {
                 return Err(LoadError::Ssd { hash, source });
             }
         };
-        sink(payload).map_err(|message| LoadError::Sink { hash, message })?;
         bump(&self.counters.ssd_hits);
         if self.promote {
             self.promote_block(hash, payload);
@@ -652,15 +687,22 @@ mod tests {
         }
     }
 
-    #[test]
-    fn corrupted_ssd_block_is_a_miss_and_never_loaded() {
-        use std::os::unix::fs::FileExt;
+    /// A cache of one CPU slot over an SSD tier, holding a chain of three 100-byte blocks:
+    /// a[0] and a[1] on SSD (records 0 and 1), a[2] in the CPU tier.
+    fn three_blocks_two_on_ssd() -> (tempfile::TempDir, std::path::PathBuf, BlockCache, Vec<u64>) {
         let dir = tempfile::tempdir().unwrap();
         let ssd = SsdTier::open(dir.path(), "t", 100, 10 * 8192).unwrap();
         let path = ssd.path().to_path_buf();
         let c = BlockCache::new(1, 100, Some(ssd), false, String::new());
         let a = block_hashes(1, &[1, 2, 3], 1);
         store_chain(&c, &a, 0);
+        (dir, path, c, a)
+    }
+
+    #[test]
+    fn corrupted_ssd_block_is_a_miss_and_never_loaded() {
+        use std::os::unix::fs::FileExt;
+        let (_dir, path, c, a) = three_blocks_two_on_ssd();
         // a[0] and a[1] are on SSD in records 0 and 1; flip a byte of record 0's payload.
         let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
         f.write_all_at(&[0xee], 4096 + 7).unwrap();
@@ -680,6 +722,36 @@ mod tests {
         // The prefix can be cached again.
         assert_eq!(store_chain(&c, &a[..1], 0), vec![StoreOutcome::Stored]);
         assert_eq!(c.match_len(&a), 3);
+    }
+
+    #[test]
+    fn a_block_loaded_summed_is_verified_by_the_sinks_checksum() {
+        use std::os::unix::fs::FileExt;
+        let (_dir, path, c, a) = three_blocks_two_on_ssd();
+        c.pin_prefix(&a, 3);
+        // From the CPU tier no checksum is asked for; from SSD one is, and a right one loads.
+        let mut asked = Vec::new();
+        let mut sink = |b: &[u8], sum: bool| {
+            asked.push(sum);
+            Ok(if sum { crate::hash::checksum(b) } else { 0 })
+        };
+        assert_eq!(c.load_summed(a[2], &mut Vec::new(), &mut sink).unwrap(), Tier::Cpu);
+        assert_eq!(c.load_summed(a[1], &mut Vec::new(), &mut sink).unwrap(), Tier::Ssd);
+        assert_eq!(asked, [false, true]);
+        // A sum that disagrees with the record (here: a sink that sums other bytes) is
+        // corruption: the block is dropped.
+        let e = c.load_summed(a[1], &mut Vec::new(), |_, _| Ok(12345)).unwrap_err();
+        assert!(matches!(e, LoadError::Ssd { .. }) && e.to_string().contains("checksum mismatch"), "{e}");
+        assert_eq!(c.stats().ssd_corrupt, 1);
+        // A flipped byte on disk: the sink copied it, the load fails, the block is gone.
+        let f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+        f.write_all_at(&[0xee], 4096 + 7).unwrap();
+        let e = c.load_summed(a[0], &mut Vec::new(), |b, _| Ok(crate::hash::checksum(b))).unwrap_err();
+        assert!(matches!(e, LoadError::Ssd { .. }), "{e}");
+        assert_eq!(c.stats().ssd_corrupt, 2);
+        // A sink's own failure is the sink's error, not corruption.
+        c.unpin(&a);
+        assert_eq!(c.match_len(&a), 0);
     }
 
     #[test]

@@ -87,6 +87,9 @@ pub enum SsdReadError {
     },
 }
 
+/// What [`SsdTier::read_into`] gives back: the verified payload, or the copy's own error.
+pub type ReadInto<'b, E> = Result<Result<&'b [u8], E>, SsdReadError>;
+
 /// Record storage of the SSD tier.
 pub struct SsdTier {
     file: File,
@@ -224,6 +227,39 @@ impl SsdTier {
             .map_err(|reason| SsdReadError::Corrupt { slot, reason })?;
         Ok(&buf[page..])
     }
+
+    /// Reads record `slot` into `buf` (one read) and hands its payload to `copy`, which
+    /// copies it where it goes and returns the [`crate::hash::checksum`] of the bytes it
+    /// copied, taken in the same pass ([`crate::adapter::BlockAdapter::scatter_summed`]), so
+    /// the payload is read from memory once; then checks the record is block `hash` intact.
+    /// Returns the verified payload (a slice of `buf`), `Ok(Err(e))` where `copy` failed, or
+    /// the tier's error. The header (magic, block, length) is checked before `copy` runs, the
+    /// checksum after it: on a checksum mismatch `copy` has already written the bytes, which
+    /// the caller must treat as not loaded (a failed block load, recomputed by the engine).
+    pub fn read_into<'b, E>(
+        &self,
+        slot: u32,
+        hash: u64,
+        buf: &'b mut Vec<u8>,
+        copy: impl FnOnce(&[u8]) -> Result<u64, E>,
+    ) -> ReadInto<'b, E> {
+        if slot >= self.num_slots {
+            return Err(SsdReadError::Io { slot, reason: "slot past the end of the tier".into() });
+        }
+        let page = ALIGN as usize;
+        buf.resize(page + self.payload, 0);
+        let off = slot as u64 * self.record;
+        self.file.read_exact_at(buf, off).map_err(|e| SsdReadError::Io { slot, reason: e.to_string() })?;
+        let corrupt = |reason| SsdReadError::Corrupt { slot, reason };
+        let recorded = check_fields(&buf[..HEADER], hash, self.payload).map_err(corrupt)?;
+        let payload = &buf[page..];
+        let sum = match copy(payload) {
+            Ok(sum) => sum,
+            Err(e) => return Ok(Err(e)),
+        };
+        check_sum(recorded, sum).map_err(corrupt)?;
+        Ok(Ok(payload))
+    }
 }
 
 impl Drop for SsdTier {
@@ -237,6 +273,12 @@ impl Drop for SsdTier {
 /// Checks a record's header: that it holds block `hash`, `payload` bytes long, whose
 /// checksum is `sum`.
 fn check_header(header: &[u8], hash: u64, payload: usize, sum: u64) -> Result<(), String> {
+    check_sum(check_fields(header, hash, payload)?, sum)
+}
+
+/// Checks a record's header but for its checksum: that it holds block `hash`, `payload`
+/// bytes long; returns the checksum it records.
+fn check_fields(header: &[u8], hash: u64, payload: usize) -> Result<u64, String> {
     let word = |i: usize| {
         let mut w = [0u8; 8];
         w.copy_from_slice(&header[i * 8..i * 8 + 8]);
@@ -254,7 +296,11 @@ fn check_header(header: &[u8], hash: u64, payload: usize, sum: u64) -> Result<()
     if word(2) != payload as u64 {
         return Err(format!("length {} instead of {payload}", word(2)));
     }
-    if word(3) != sum {
+    Ok(word(3))
+}
+
+fn check_sum(recorded: u64, sum: u64) -> Result<(), String> {
+    if recorded != sum {
         return Err("checksum mismatch".into());
     }
     Ok(())
@@ -303,6 +349,32 @@ mod tests {
         f.write_all_at(&[0xff], 2 * 8192 + 4096 + 50).unwrap();
         let e = t.read(2, 77, &mut buf).unwrap_err();
         assert!(e.to_string().contains("checksum mismatch"), "{e}");
+        // Read into place: the copy's checksum decides, the header is checked before it runs.
+        fn sum_copy(out: &mut Vec<u8>) -> impl FnOnce(&[u8]) -> Result<u64, String> + '_ {
+            move |p: &[u8]| {
+                out.extend_from_slice(p);
+                Ok(crate::hash::checksum(p))
+            }
+        }
+        let mut out = Vec::new();
+        assert_eq!(t.read_into(1, 5, &mut buf, sum_copy(&mut out)).unwrap().unwrap(), &data[..]);
+        assert_eq!(out, data);
+        let e = t.read_into(2, 77, &mut buf, sum_copy(&mut Vec::new())).unwrap_err();
+        assert!(e.to_string().contains("SSD record 2 is corrupt: checksum mismatch"), "{e}");
+        let mut never = false;
+        let e = t
+            .read_into(1, 6, &mut buf, |_| {
+                never = true;
+                Ok::<u64, String>(0)
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("holds block") && !never, "{e}");
+        let r = t.read_into(1, 5, &mut buf, |_| Err::<u64, String>("sink failed".into())).unwrap();
+        assert_eq!(r.unwrap_err(), "sink failed");
+        assert!(matches!(
+            t.read_into(9, 5, &mut buf, sum_copy(&mut Vec::new())),
+            Err(SsdReadError::Io { .. })
+        ));
         let p = t.path().to_path_buf();
         drop(t);
         assert!(!p.exists(), "owned file is removed");

@@ -14,7 +14,7 @@
 //! them is an error that says how to rebuild.
 
 use crate::adapter::BlockAdapter;
-use crate::cache::{BlockCache, StoreOutcome};
+use crate::cache::{BlockCache, LoadError, StoreOutcome};
 use crate::factory::{Engine, NAME};
 use crate::meta::{FlexkvMeta, LoadOp, SaveOp};
 use crate::radix::Tier;
@@ -189,13 +189,30 @@ fn load_blocks(
     SCRATCH.with(|s| {
         let (read_buf, tbuf) = &mut *s.borrow_mut();
         for (i, (hash, block)) in op.hashes.iter().zip(blocks).enumerate() {
-            let r = cache.load(*hash, read_buf, |bytes| {
-                adapter.scatter(mem, *block, bytes, tbuf).map_err(|e| e.to_string())
+            // An SSD block is verified by the checksum its scatter takes (the block fails, and
+            // is recomputed, where it disagrees).
+            let r = cache.load_summed(*hash, read_buf, |bytes, sum| {
+                match sum {
+                    true => adapter.scatter_summed(mem, *block, bytes, tbuf),
+                    false => adapter.scatter(mem, *block, bytes, tbuf).map(|()| 0),
+                }
+                .map_err(|e| e.to_string())
             });
             match r {
                 Ok(Tier::Cpu) => tiers.0 += 1,
                 Ok(Tier::Ssd) => tiers.1 += 1,
-                Err(e) => return Some((op.blocks[i..].to_vec(), e.to_string())),
+                Err(e) => {
+                    if matches!(e, LoadError::Ssd { .. }) {
+                        // The scatter may have copied a corrupt record in: wipe it.
+                        if let Err(w) = adapter.clear(mem, *block) {
+                            tracing::warn!(
+                                "flexkv: could not wipe block {} after a failed SSD load: {w}",
+                                block.0
+                            );
+                        }
+                    }
+                    return Some((op.blocks[i..].to_vec(), e.to_string()));
+                }
             }
         }
         None

@@ -318,7 +318,8 @@ impl Sim {
                     out.wrong_blocks.push(i);
                 }
             }
-            // Failed blocks must be untouched (still zero), never half-written garbage.
+            // Failed blocks hold no byte of what failed: untouched, or wiped (zero) where a
+            // verifying copy had already written a corrupt record in.
             for b in &out.error_blocks {
                 for (ri, layer) in [0u32, 2].iter().enumerate() {
                     let s = self.geo.span(LayerId(*layer), 0, *b).unwrap();
