@@ -401,51 +401,34 @@ fn check_header_file(path: &Path, key: ChunkKey) -> Result<u64, String> {
     Ok(file_len)
 }
 
-/// Appends the next `n` bytes of `f` (the `what` of a chunk file) to `buf`.
-fn take(f: &mut File, buf: &mut Vec<u8>, n: usize, what: &str) -> Result<(), String> {
-    let got = f.take(n as u64).read_to_end(buf).map_err(|e| format!("cannot read {what}: {e}"))?;
-    if got != n {
-        return Err(format!("file ended {} bytes early in the {what}", n - got));
-    }
-    Ok(())
-}
-
-thread_local! {
-    /// The piece a disk read is hashed in ([`PIECE`] bytes once used), one per reading thread.
-    static STAGING: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-}
-
 fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>, String> {
     let mut f = open_chunk(path).map_err(|e| format!("cannot open: {e}"))?;
     let file_len = f.metadata().map_err(|e| format!("cannot stat: {e}"))?.len();
     if file_len != expected_len || file_len < FILE_OVERHEAD as u64 {
         return Err(format!("file is {file_len} bytes, {expected_len} were written"));
     }
-    // Read into spare capacity: no zeroing pass over the buffer before the read fills it.
-    let mut buf = Vec::with_capacity(file_len as usize);
-    take(&mut f, &mut buf, HEADER_LEN, "header")?;
+    // Zeroed by allocation (fresh zero pages for a chunk-sized buffer, no pass over it).
+    let mut buf = vec![0u8; file_len as usize];
+    let early = |what: &'static str| {
+        move |e: std::io::Error| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => format!("file ended early in the {what}"),
+            _ => format!("cannot read {what}: {e}"),
+        }
+    };
+    f.read_exact(&mut buf[..HEADER_LEN]).map_err(early("header"))?;
     let len = parse_header(&buf[..HEADER_LEN], key)?;
     if record_len(len)? != file_len {
         return Err(format!("file is {file_len} bytes, header says {len} of data"));
     }
     let data_end = file_len as usize - TRAILER_LEN;
     let mut h = BytesHasher::new(CHECKSUM_SEED);
-    // Each piece in one read into a cache-sized staging buffer, hashed there, then appended
-    // (`take(..).read_to_end` would read it in 8, 16, .. 128 KiB steps: six calls a piece).
-    STAGING.with_borrow_mut(|stage| -> Result<(), String> {
-        stage.resize(PIECE, 0);
-        while buf.len() < data_end {
-            let piece = &mut stage[..PIECE.min(data_end - buf.len())];
-            f.read_exact(piece).map_err(|e| match e.kind() {
-                std::io::ErrorKind::UnexpectedEof => "file ended early in the data".to_owned(),
-                _ => format!("cannot read data: {e}"),
-            })?;
-            h.update(piece);
-            buf.extend_from_slice(piece);
-        }
-        Ok(())
-    })?;
-    take(&mut f, &mut buf, TRAILER_LEN, "trailer")?;
+    // Each piece read straight into its place in one call and hashed there while it is in
+    // cache, so the data crosses memory once, as a plain read's does.
+    for piece in buf[HEADER_LEN..data_end].chunks_mut(PIECE) {
+        f.read_exact(piece).map_err(early("data"))?;
+        h.update(piece);
+    }
+    f.read_exact(&mut buf[data_end..]).map_err(early("trailer"))?;
     if trailer(h.finish()) != buf[data_end..] {
         return Err("data checksum mismatch".to_owned());
     }
