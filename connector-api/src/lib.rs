@@ -44,6 +44,7 @@ pub mod protocol;
 pub mod region;
 pub mod role;
 pub mod sdk;
+pub mod stable_hash;
 pub mod state_slots;
 pub mod stats;
 pub mod stream_copy;

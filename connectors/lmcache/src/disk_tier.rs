@@ -1,7 +1,8 @@
 //! The local-disk tier: one file per chunk, `<key>.chunk`: a header carrying the key and the
-//! length, the bytes, and a trailer with their checksum (computed while the bytes stream
-//! through the cache on their way to or from the file, so checking costs no extra pass
-//! over memory).
+//! length (guarded by a hash of its own), the bytes, and a trailer with their checksum
+//! (`kvconnect_api::stable_hash::Checksum`, additions in SIMD lanes: computed while the
+//! bytes stream through the cache on their way to or from the file, so checking costs no
+//! extra pass over memory and little time beside the copy).
 //!
 //! The index is rebuilt from the files' headers when the tier opens, so it survives a
 //! restart; the order of last use is taken from the files' modification times. A file is
@@ -15,8 +16,9 @@
 //! random temporary names; chunk files are opened without following symlinks.
 
 use crate::cpu_tier::KeyMap;
-use crate::hash::{hash_bytes, BytesHasher};
+use crate::hash::hash_bytes;
 use crate::key::{ChunkKey, FORMAT_VERSION};
+use kvconnect_api::stable_hash::{checksum, Checksum};
 use kvconnect_cache_dir::{sync_file, CacheDir, CacheDirError};
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
@@ -33,9 +35,11 @@ pub const HEADER_LEN: usize = 64;
 pub const TRAILER_LEN: usize = 16;
 /// Bytes a file holds besides the chunk's data.
 pub const FILE_OVERHEAD: usize = HEADER_LEN + TRAILER_LEN;
-/// Bytes hashed and written (or read and hashed) at a time: small enough to stay in cache.
-const PIECE: usize = 256 << 10;
-const CHECKSUM_SEED: [u64; 2] = [0x6c6d_6361_6368_6521, 0x6469_736b_2d74_6965];
+/// Bytes hashed and written (or read and hashed) at a time: small enough to stay in the L2
+/// cache between the two, large enough that the calls cost little (256 KiB pieces measured
+/// 6% slower over an 8 MiB chunk).
+const PIECE: usize = 1 << 20;
+const HEADER_SEED: [u64; 2] = [0x6c6d_6361_6368_6521, 0x6469_736b_2d74_6965];
 
 /// Why the tier cannot open.
 #[derive(Debug, thiserror::Error)]
@@ -104,12 +108,12 @@ impl DiskChunk {
 pub fn encode_record(key: ChunkKey, data: &[u8]) -> Vec<u8> {
     let mut buf = Vec::with_capacity(FILE_OVERHEAD + data.len());
     buf.extend_from_slice(&record_header(key, data.len()));
-    let mut h = BytesHasher::new(CHECKSUM_SEED);
+    let mut h = Checksum::new();
     for piece in data.chunks(PIECE) {
         h.update(piece);
         buf.extend_from_slice(piece);
     }
-    buf.extend_from_slice(&trailer(h.finish()));
+    buf.extend_from_slice(&trailer(h.finish(), data.len()));
     buf
 }
 
@@ -120,17 +124,19 @@ pub fn check_record(key: ChunkKey, buf: Vec<u8>) -> Result<DiskChunk, String> {
         return Err(format!("record is {} bytes, header says {} of data", buf.len(), len));
     }
     let data_end = buf.len() - TRAILER_LEN;
-    let sum = hash_bytes(CHECKSUM_SEED, &buf[HEADER_LEN..data_end]);
-    if trailer(sum) != buf[data_end..] {
+    let sum = checksum(&buf[HEADER_LEN..data_end]);
+    if trailer(sum, data_end - HEADER_LEN) != buf[data_end..] {
         return Err("data checksum mismatch".to_owned());
     }
     Ok(DiskChunk { buf })
 }
 
-fn trailer(sum: [u64; 2]) -> [u8; TRAILER_LEN] {
+/// The trailer of `len` bytes of data whose checksum is `sum`: the checksum, then the
+/// length again.
+fn trailer(sum: u64, len: usize) -> [u8; TRAILER_LEN] {
     let mut t = [0u8; TRAILER_LEN];
-    t[..8].copy_from_slice(&sum[0].to_le_bytes());
-    t[8..].copy_from_slice(&sum[1].to_le_bytes());
+    t[..8].copy_from_slice(&sum.to_le_bytes());
+    t[8..].copy_from_slice(&(len as u64).to_le_bytes());
     t
 }
 
@@ -294,12 +300,12 @@ impl DiskTier {
         let header = record_header(key, data.len());
         let res = (|| {
             f.write_all(&header)?;
-            let mut h = BytesHasher::new(CHECKSUM_SEED);
+            let mut h = Checksum::new();
             for piece in data.chunks(PIECE) {
                 h.update(piece);
                 f.write_all(piece)?;
             }
-            f.write_all(&trailer(h.finish()))?;
+            f.write_all(&trailer(h.finish(), data.len()))?;
             sync_file(&f)?;
             // rename(2) replaces whatever is at the final name (a symlink too) without
             // following it.
@@ -349,7 +355,7 @@ pub fn record_header(key: ChunkKey, len: usize) -> [u8; HEADER_LEN] {
     h[16..24].copy_from_slice(&key.0[0].to_le_bytes());
     h[24..32].copy_from_slice(&key.0[1].to_le_bytes());
     h[32..40].copy_from_slice(&(len as u64).to_le_bytes());
-    let hsum = hash_bytes(CHECKSUM_SEED, &h[..56]);
+    let hsum = hash_bytes(HEADER_SEED, &h[..56]);
     h[56..64].copy_from_slice(&hsum[0].to_le_bytes());
     h
 }
@@ -368,7 +374,7 @@ fn parse_header(h: &[u8], key: ChunkKey) -> Result<u64, String> {
     if h[0..8] != MAGIC {
         return Err("bad magic".to_owned());
     }
-    if hash_bytes(CHECKSUM_SEED, &h[..56])[0] != u64_at(h, 56) {
+    if hash_bytes(HEADER_SEED, &h[..56])[0] != u64_at(h, 56) {
         return Err("header checksum mismatch".to_owned());
     }
     let mut v = [0u8; 4];
@@ -421,7 +427,7 @@ fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>
         return Err(format!("file is {file_len} bytes, header says {len} of data"));
     }
     let data_end = file_len as usize - TRAILER_LEN;
-    let mut h = BytesHasher::new(CHECKSUM_SEED);
+    let mut h = Checksum::new();
     // Each piece read straight into its place in one call and hashed there while it is in
     // cache, so the data crosses memory once, as a plain read's does.
     for piece in buf[HEADER_LEN..data_end].chunks_mut(PIECE) {
@@ -429,7 +435,7 @@ fn read_checked(path: &Path, key: ChunkKey, expected_len: u64) -> Result<Vec<u8>
         h.update(piece);
     }
     f.read_exact(&mut buf[data_end..]).map_err(early("trailer"))?;
-    if trailer(h.finish()) != buf[data_end..] {
+    if trailer(h.finish(), data_end - HEADER_LEN) != buf[data_end..] {
         return Err("data checksum mismatch".to_owned());
     }
     Ok(buf)

@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 use std::fmt;
 
 /// Bumped whenever the stored byte format or the key derivation changes.
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 
 /// The key of one chunk: its hash chained over every earlier chunk and the namespace.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
