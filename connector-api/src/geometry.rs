@@ -74,6 +74,32 @@ pub struct Span {
     pub len: usize,
 }
 
+/// The block spans of one layer and K/V part ([`Geometry::layer_spans`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerSpans {
+    region: usize,
+    layer: LayerId,
+    base: usize,
+    stride: usize,
+    len: usize,
+    num_blocks: u32,
+}
+
+impl LayerSpans {
+    /// The span of `block`.
+    #[inline]
+    pub fn span(&self, block: BlockId) -> Result<Span, GeometryError> {
+        if block.0 >= self.num_blocks {
+            return Err(GeometryError::BlockOutOfRange {
+                block,
+                layer: self.layer,
+                num_blocks: self.num_blocks,
+            });
+        }
+        Ok(Span { region: self.region, offset: self.base + block.0 as usize * self.stride, len: self.len })
+    }
+}
+
 /// Why a block cannot be addressed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GeometryError {
@@ -241,6 +267,13 @@ impl Geometry {
         part: u32,
         block: BlockId,
     ) -> Result<Span, GeometryError> {
+        self.layer_spans(rank, layer, part)?.span(block)
+    }
+
+    /// The spans of every block of one layer and K/V part in rank `rank`'s regions: the
+    /// region found once, each block's span then a multiply and an add (a plan over
+    /// thousands of blocks asks for each).
+    pub fn layer_spans(&self, rank: u32, layer: LayerId, part: u32) -> Result<LayerSpans, GeometryError> {
         if part >= self.shape.kv_parts {
             return Err(GeometryError::NoSuchPart(part, self.shape.kv_parts));
         }
@@ -250,25 +283,23 @@ impl Geometry {
             .zip(range)
             .find_map(|(r, i)| r.layers.iter().position(|l| *l == layer).map(|li| (i, r, li)))
             .ok_or(GeometryError::NoRegionForLayer(layer))?;
-        if block.0 >= r.num_blocks {
-            return Err(GeometryError::BlockOutOfRange { block, layer, num_blocks: r.num_blocks });
-        }
         let blk = self.shape.bytes();
         let parts = self.shape.kv_parts as usize;
         let nl = r.layers.len();
-        let b = block.0 as usize;
         let nb = r.num_blocks as usize;
-        let offset = if self.opaque {
+        let part = part as usize;
+        // Offset of block b: base + b * stride.
+        let (base, stride) = if self.opaque {
             // [L][B][KV][..]: whole blocks per layer.
-            ((li * nb + b) * parts + part as usize) * blk
+            ((li * nb * parts + part) * blk, parts * blk)
         } else if self.layout.position(Dim::B) < self.layout.position(Dim::L) {
             // [B][L][KV][..]
-            ((b * nl + li) * parts + part as usize) * blk
+            ((li * parts + part) * blk, nl * parts * blk)
         } else {
             // [L][KV][B][..]
-            ((li * parts + part as usize) * nb + b) * blk
+            ((li * parts + part) * nb * blk, blk)
         };
-        Ok(Span { region: ri, offset, len: blk })
+        Ok(LayerSpans { region: ri, layer, base, stride, len: blk, num_blocks: r.num_blocks })
     }
 
     /// Byte offset of element (head, token, channel) inside one block span, per the layout's

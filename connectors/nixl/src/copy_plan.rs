@@ -230,15 +230,20 @@ impl CopyPlan {
                 let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
                 for &layer in layers {
                     for part in 0..parts {
+                        let (ps, os) = (peer.layer_spans(0, layer, part)?, own.layer_spans(0, layer, part)?);
                         for pos in positions(first, end, bp) {
-                            let s = peer.span(layer, part, r[pos])?;
-                            let d = own.span(layer, part, l[pos])?;
-                            runs.push(CopyRun::between(s, d));
+                            let run = CopyRun::between(ps.span(r[pos])?, os.span(l[pos])?);
+                            // Merged with the last where it continues it on both sides (the
+                            // result after sorting and coalescing is the same, on fewer runs).
+                            match runs.last_mut() {
+                                Some(p) if continues(p, &run) => p.len += run.len,
+                                _ => runs.push(run),
+                            }
                         }
                     }
                 }
             }
-            runs.sort_by_key(|r| (r.src_region, r.src_off));
+            runs.sort_unstable_by_key(|r| (r.src_region, r.src_off));
             Ok(CopyPlan::Direct(coalesce(runs)))
         } else {
             let mut blocks = Vec::new();
@@ -249,8 +254,9 @@ impl CopyPlan {
                 let r = &load.remote_blocks.0[g];
                 for &layer in layers {
                     for part in 0..parts {
+                        let ps = peer.layer_spans(0, layer, part)?;
                         for pos in positions(first, end, bp) {
-                            let s = peer.span(layer, part, r[pos])?;
+                            let s = ps.span(r[pos])?;
                             blocks.push(SrcBlock {
                                 src_region: s.region as u32,
                                 src_off: s.offset as u64,
@@ -264,7 +270,7 @@ impl CopyPlan {
                     }
                 }
             }
-            blocks.sort_by_key(|b| (b.src_region, b.src_off));
+            blocks.sort_unstable_by_key(|b| (b.src_region, b.src_off));
             Ok(CopyPlan::Adapt(blocks))
         }
     }
@@ -357,18 +363,19 @@ fn coalesce(runs: Vec<CopyRun>) -> Vec<CopyRun> {
     let mut out: Vec<CopyRun> = Vec::with_capacity(runs.len());
     for r in runs {
         match out.last_mut() {
-            Some(p)
-                if p.src_region == r.src_region
-                    && p.dst_region == r.dst_region
-                    && p.src_off + p.len == r.src_off
-                    && p.dst_off + p.len == r.dst_off =>
-            {
-                p.len += r.len
-            }
+            Some(p) if continues(p, &r) => p.len += r.len,
             _ => out.push(r),
         }
     }
     out
+}
+
+/// Whether run `r` starts where `p` ends, in the same regions on both sides.
+fn continues(p: &CopyRun, r: &CopyRun) -> bool {
+    p.src_region == r.src_region
+        && p.dst_region == r.dst_region
+        && p.src_off + p.len == r.src_off
+        && p.dst_off + p.len == r.dst_off
 }
 
 /// Below this many bytes a pull is copied by one thread: starting threads costs more than it
