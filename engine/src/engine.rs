@@ -139,6 +139,11 @@ pub struct Completion {
     pub num_cached_tokens: usize,
 }
 
+/// The pause after an idle step of [`Engine::run_to_completion`] and
+/// [`Engine::wait_for_pending_frees`]: 10,000 idle steps wait at least a second for a
+/// connector's transfer threads, however busy the machine.
+pub const IDLE_STEP_PAUSE: std::time::Duration = std::time::Duration::from_micros(100);
+
 /// Timings and counts of the last step (for benchmarks: TTFT splits, load waits).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepStats {
@@ -474,7 +479,10 @@ impl Engine {
     }
 
     /// Runs steps until every request has finished; returns them in the order they were
-    /// added. Fails with `Stalled` after `max_steps` steps.
+    /// added. Fails with `Stalled` after `max_steps` steps. A step that computed nothing
+    /// (every request waiting for its KV or for blocks) is followed by a pause of
+    /// [`IDLE_STEP_PAUSE`], so that the connector's threads get the cores a busy loop would
+    /// take from them, and `max_steps` idle steps wait at least that long times as many.
     pub fn run_to_completion(&mut self, max_steps: u64) -> Result<Vec<Completion>, EngineError> {
         let order: BTreeMap<String, u64> = self.by_id.clone();
         let mut done: BTreeMap<u64, Completion> = BTreeMap::new();
@@ -485,7 +493,11 @@ impl Engine {
                 return Err(EngineError::Stalled { steps, waiting: self.by_id.keys().cloned().collect() });
             }
             steps += 1;
-            for o in self.step()? {
+            let outputs = self.step()?;
+            if self.last_step_stats().is_none_or(|s| s.scheduled == 0) {
+                std::thread::sleep(IDLE_STEP_PAUSE);
+            }
+            for o in outputs {
                 let c = partial.entry(o.id.clone()).or_insert_with(|| Completion {
                     id: o.id.clone(),
                     tokens: Vec::new(),
@@ -515,8 +527,9 @@ impl Engine {
         Ok(done.into_values().collect())
     }
 
-    /// Runs (idle) steps until the connector has released every delayed block; fails with
-    /// `Stalled` after `max_steps`.
+    /// Runs (idle) steps until the connector has released every delayed block, pausing
+    /// [`IDLE_STEP_PAUSE`] after each (as [`Engine::run_to_completion`] does after a step
+    /// that computed nothing); fails with `Stalled` after `max_steps`.
     pub fn wait_for_pending_frees(&mut self, max_steps: u64) -> Result<(), EngineError> {
         let mut steps = 0;
         while !self.pending_free.is_empty() {
@@ -525,6 +538,7 @@ impl Engine {
             }
             steps += 1;
             self.step()?;
+            std::thread::sleep(IDLE_STEP_PAUSE);
         }
         Ok(())
     }
