@@ -750,6 +750,9 @@ mod tests {
         assert!(matches!(e, LoadError::Ssd { .. }), "{e}");
         assert_eq!(c.stats().ssd_corrupt, 2);
         // A sink's own failure is the sink's error, not corruption.
+        let e = c.load_summed(a[2], &mut Vec::new(), |_, _| Err("sink failed".into())).unwrap_err();
+        assert!(matches!(e, LoadError::Sink { .. }) && e.to_string().contains("sink failed"), "{e}");
+        assert_eq!(c.stats().ssd_corrupt, 2);
         c.unpin(&a);
         assert_eq!(c.match_len(&a), 0);
     }
