@@ -369,6 +369,8 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     // Per pair: the transfer's time, and the baseline's by each of its ways (shm: every way
     // of the memcpy, timed in the decode process; otherwise the one baseline).
     let (mut times, mut base_ways): (Vec<f64>, Vec<Vec<f64>>) = (Vec::new(), Vec::new());
+    // shm: the ways' names, as decode (which timed them) gives them.
+    let mut way_names: Vec<String> = Vec::new();
     for i in 0..total {
         // Pairs alternate which of the two runs first, so neither always meets a warmer
         // machine; shm's baseline runs in the decode process right after its load.
@@ -412,6 +414,16 @@ fn transfer(a: &TransferArgs) -> Result<()> {
             if ways.is_empty() || ways.iter().any(|w| *w <= 0.0) {
                 bail!("decode reported no memcpy baseline for its load (its log says why): {d}");
             }
+            way_names = p["memcpy_ways"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|w| w.as_str())
+                .map(str::to_owned)
+                .collect();
+            if way_names.len() != ways.len() {
+                bail!("decode named {} memcpy ways for {} times: {d}", way_names.len(), ways.len());
+            }
             ways
         } else {
             let b = match early {
@@ -447,14 +459,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     baseline.finish()?;
     // Both moved the same bytes: the rate ratio is the inverse of the time ratio.
     let (paired, fastest) = kvconnect_api::stats::paired_fastest(&base_ways, &times);
-    let baseline = match (
-        &baseline,
-        kvconnect_bench::memcpy::memcpy_ways(
-            bytes as usize,
-            kvconnect_nixl::copy_plan::default_copy_threads(),
-        )
-        .get(fastest),
-    ) {
+    let baseline = match (&baseline, way_names.get(fastest)) {
         (Baseline::Memcpy, Some(way)) => format!("fastest memcpy: {way}"),
         _ => baseline.name().to_owned(),
     };

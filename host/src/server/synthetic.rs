@@ -297,6 +297,12 @@ impl TransferEngine {
             "external_tokens": l.external,
             "verified": verified,
             "memcpy_ways_us": memcpy.iter().map(|d| d.as_secs_f64() * 1e6).collect::<Vec<f64>>(),
+            "memcpy_ways": if memcpy.is_empty() { Vec::new() } else {
+                kvconnect_bench::memcpy::memcpy_ways(bytes as usize, kvconnect_nixl::copy_plan::default_copy_threads())
+                    .iter()
+                    .map(|w| w.to_string())
+                    .collect::<Vec<String>>()
+            },
         });
         let _ = self.conn.0.request_finished(&l.req, &l.blocks);
         self.pool.release(&l.blocks);
