@@ -258,6 +258,14 @@ pub fn bench_pairs(pairs_var: &str, default: usize) -> Option<usize> {
     Some(std::env::var(pairs_var).ok().and_then(|p| p.parse().ok()).unwrap_or(default))
 }
 
+/// Whether a bench runs its part `part`: every part when the command line names none
+/// (`cargo bench --bench B`), else only the parts named (`cargo bench --bench B -- lookup`).
+/// Flags (`--bench`, `--test`, ...) are not part names.
+pub fn bench_part(part: &str) -> bool {
+    let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    named.is_empty() || named.iter().any(|a| a == part)
+}
+
 /// What a figure was measured on: the cores this process may use and the 1-minute load
 /// average when the measurement began and when it ended (None where /proc/loadavg is
 /// missing).
