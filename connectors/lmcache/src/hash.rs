@@ -150,22 +150,28 @@ unsafe fn byte_stripes_avx2(acc: &mut Acc, bytes: &[u8]) {
 /// Tokens in one block of stripes (16 stripes of 16 tokens).
 const BLOCK_TOKENS: usize = 16 * STRIPES_PER_BLOCK;
 
-/// Whole blocks of tokens from a block boundary, with AVX2: the same arithmetic as
-/// `token_stripes`, the accumulators held in two registers for a block's 16 stripes (whose
-/// secret offsets are then constants) instead of going through memory stripe by stripe.
+/// `Acc::new(seed)` followed by `token_stripes` over whole blocks of tokens, with AVX2: the
+/// same arithmetic, the accumulators held in two registers from the seed on (built there,
+/// not loaded from eight separate stores, which the CPU cannot forward to a wide load) and
+/// through a block's 16 stripes, whose secret offsets are then constants.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn token_blocks_avx2(acc: &mut Acc, tokens: &[u32]) {
+unsafe fn token_blocks_avx2(seed: [u64; 2], tokens: &[u32]) -> Acc {
     use std::arch::x86_64::*;
-    debug_assert_eq!(acc.stripe, 0, "blocks start at a block boundary");
     debug_assert_eq!(tokens.len() % BLOCK_TOKENS, 0);
     let ld = |p: *const u64| -> __m256i {
-        // SAFETY: every caller passes a pointer to four readable u64s (SECRET or the
-        // accumulators); unaligned loads need no alignment.
+        // SAFETY: every caller passes a pointer to four readable u64s of SECRET; unaligned
+        // loads need no alignment.
         unsafe { _mm256_loadu_si256(p as *const __m256i) }
     };
-    let mut a0 = ld(acc.acc.as_ptr());
-    let mut a1 = ld(acc.acc[4..].as_ptr());
+    // Acc::new: lane i is SECRET[24 + i] ^ seed[i & 1].rotate_left(8 * i). A variable shift
+    // by 64 gives 0, so lane 0's rotation by 0 is the seed itself.
+    let seeds = _mm256_set_epi64x(seed[1] as i64, seed[0] as i64, seed[1] as i64, seed[0] as i64);
+    let rotl = |v: __m256i, r: __m256i| {
+        _mm256_or_si256(_mm256_sllv_epi64(v, r), _mm256_srlv_epi64(v, _mm256_sub_epi64(_mm256_set1_epi64x(64), r)))
+    };
+    let mut a0 = _mm256_xor_si256(ld(SECRET[24..].as_ptr()), rotl(seeds, _mm256_set_epi64x(24, 16, 8, 0)));
+    let mut a1 = _mm256_xor_si256(ld(SECRET[28..].as_ptr()), rotl(seeds, _mm256_set_epi64x(56, 48, 40, 32)));
     let scramble0 = ld(SECRET[16..].as_ptr());
     let scramble1 = ld(SECRET[20..].as_ptr());
     let prime = _mm256_set1_epi64x(0x9e37_79b1);
@@ -199,22 +205,30 @@ unsafe fn token_blocks_avx2(acc: &mut Acc, tokens: &[u32]) {
         a0 = scramble(a0, scramble0);
         a1 = scramble(a1, scramble1);
     }
+    let mut acc = Acc { acc: [0; 8], stripe: 0 };
     // SAFETY: the accumulators are eight u64s: two unaligned 32-byte stores.
     unsafe {
         _mm256_storeu_si256(acc.acc.as_mut_ptr() as *mut __m256i, a0);
         _mm256_storeu_si256(acc.acc[4..].as_mut_ptr() as *mut __m256i, a1);
     }
+    acc
 }
 
 /// Hashes token ids (by value) continuing from `seed` (the previous chunk's key).
 pub fn hash_tokens(seed: [u64; 2], tokens: &[u32]) -> [u64; 2] {
-    let mut s = Acc::new(seed);
+    let mut s;
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         done = tokens.len() / BLOCK_TOKENS * BLOCK_TOKENS;
-        // SAFETY: AVX2 was just detected on this CPU; a fresh state is at a block boundary.
-        unsafe { token_blocks_avx2(&mut s, &tokens[..done]) };
+        // SAFETY: AVX2 was just detected on this CPU.
+        s = unsafe { token_blocks_avx2(seed, &tokens[..done]) };
+    } else {
+        s = Acc::new(seed);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        s = Acc::new(seed);
     }
     let full = tokens.len() / 16 * 16;
     dispatch!(token_stripes, token_stripes_avx2, &mut s, &tokens[done..full]);
@@ -330,11 +344,14 @@ mod tests {
         }
         // Three blocks, so the scramble between blocks is covered, from several seeds.
         let t: Vec<u32> = (0..3 * BLOCK_TOKENS as u32).map(|i| i.wrapping_mul(2654435761) ^ (i >> 3)).collect();
-        for seed in [[0, 0], [1, 2], [u64::MAX, 7]] {
-            let (mut a1, mut a2) = (Acc::new(seed), Acc::new(seed));
+        for seed in [[0, 0], [1, 2], [u64::MAX, 7], [0x0123_4567_89ab_cdef, 0xfedc_ba98_7654_3210]] {
+            // SAFETY: AVX2 was detected above.
+            let fresh = unsafe { token_blocks_avx2(seed, &[]) };
+            assert_eq!(fresh.acc, Acc::new(seed).acc, "the accumulators built from the seed");
+            let mut a1 = Acc::new(seed);
             token_stripes(&mut a1, &t);
-            // SAFETY: AVX2 was detected above; a fresh state is at a block boundary.
-            unsafe { token_blocks_avx2(&mut a2, &t) };
+            // SAFETY: as above.
+            let a2 = unsafe { token_blocks_avx2(seed, &t) };
             assert_eq!(a1.acc, a2.acc);
             assert_eq!(a1.stripe, a2.stripe);
         }
