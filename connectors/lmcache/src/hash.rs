@@ -214,22 +214,22 @@ unsafe fn token_blocks_avx2(seed: [u64; 2], tokens: &[u32]) -> Acc {
     acc
 }
 
-/// Hashes token ids (by value) continuing from `seed` (the previous chunk's key).
-pub fn hash_tokens(seed: [u64; 2], tokens: &[u32]) -> [u64; 2] {
-    let mut s;
-    let mut done = 0;
+/// A state seeded by `seed` and fed `tokens`' whole blocks where the CPU has AVX2, and how
+/// many tokens that took (none without AVX2: the stripes then take them all).
+#[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
+fn start_with_blocks(seed: [u64; 2], tokens: &[u32]) -> (Acc, usize) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
-        done = tokens.len() / BLOCK_TOKENS * BLOCK_TOKENS;
+        let done = tokens.len() / BLOCK_TOKENS * BLOCK_TOKENS;
         // SAFETY: AVX2 was just detected on this CPU.
-        s = unsafe { token_blocks_avx2(seed, &tokens[..done]) };
-    } else {
-        s = Acc::new(seed);
+        return (unsafe { token_blocks_avx2(seed, &tokens[..done]) }, done);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        s = Acc::new(seed);
-    }
+    (Acc::new(seed), 0)
+}
+
+/// Hashes token ids (by value) continuing from `seed` (the previous chunk's key).
+pub fn hash_tokens(seed: [u64; 2], tokens: &[u32]) -> [u64; 2] {
+    let (mut s, done) = start_with_blocks(seed, tokens);
     let full = tokens.len() / 16 * 16;
     dispatch!(token_stripes, token_stripes_avx2, &mut s, &tokens[done..full]);
     let rest = &tokens[full..];
