@@ -75,11 +75,14 @@ pub fn memcpy_ways(bytes: usize, threads: usize) -> Vec<Way> {
 }
 
 /// One pair's baseline times: `src` copied into `dst` once by each of [`memcpy_ways`], in
-/// its order (for `kvconnect_api::stats::interleaved_fastest`, which takes the way with the
-/// lowest median as the baseline). Every way copies all the bytes, so `dst` holds `src`
-/// afterwards.
-pub fn time_memcpy_ways(dst: &mut [u8], src: &[u8], threads: usize) -> Vec<Duration> {
-    memcpy_ways(src.len(), threads).into_iter().map(|w| timed_copy(dst, src, w.copier, w.threads)).collect()
+/// its order, each way with its time (for `kvconnect_api::stats::interleaved_fastest`, which
+/// takes the way with the lowest median as the baseline). Every way copies all the bytes, so
+/// `dst` holds `src` afterwards.
+pub fn time_memcpy_ways(dst: &mut [u8], src: &[u8], threads: usize) -> Vec<(Way, Duration)> {
+    memcpy_ways(src.len(), threads)
+        .into_iter()
+        .map(|w| (w, timed_copy(dst, src, w.copier, w.threads)))
+        .collect()
 }
 
 #[cfg(test)]
@@ -99,11 +102,11 @@ mod tests {
             }
         }
         let mut dst = vec![0u8; src.len()];
-        let times = time_memcpy_ways(&mut dst, &src, 2);
-        assert_eq!(times.len(), memcpy_ways(src.len(), 2).len());
-        assert!(times.iter().all(|t| *t > Duration::ZERO));
+        let timed = time_memcpy_ways(&mut dst, &src, 2);
+        assert_eq!(timed.iter().map(|(w, _)| *w).collect::<Vec<_>>(), memcpy_ways(src.len(), 2));
+        assert!(timed.iter().all(|(_, t)| *t > Duration::ZERO));
         assert!(dst == src);
-        let names: Vec<String> = memcpy_ways(src.len(), 2).iter().map(|w| w.to_string()).collect();
+        let names: Vec<String> = timed.iter().map(|(w, _)| w.to_string()).collect();
         assert_eq!(
             names,
             [

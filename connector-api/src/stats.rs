@@ -262,7 +262,12 @@ pub fn bench_pairs(pairs_var: &str, default: usize) -> Option<usize> {
 /// (`cargo bench --bench B`), else only the parts named (`cargo bench --bench B -- lookup`).
 /// Flags (`--bench`, `--test`, ...) are not part names.
 pub fn bench_part(part: &str) -> bool {
-    let named: Vec<String> = std::env::args().skip(1).filter(|a| !a.starts_with('-')).collect();
+    part_named(std::env::args().skip(1), part)
+}
+
+/// [`bench_part`] over given arguments (the program's name left out).
+fn part_named(args: impl IntoIterator<Item = String>, part: &str) -> bool {
+    let named: Vec<String> = args.into_iter().filter(|a| !a.starts_with('-')).collect();
     named.is_empty() || named.iter().any(|a| a == part)
 }
 
@@ -315,6 +320,16 @@ pub fn load_average() -> Option<f64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bench_parts_are_all_unless_some_are_named() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(part_named(args(&["--bench"]), "lookup"), "none named: every part");
+        assert!(part_named(args(&[]), "lookup"));
+        assert!(part_named(args(&["lookup", "--bench"]), "lookup"));
+        assert!(!part_named(args(&["lookup", "--bench"]), "disk_tier"));
+        assert!(part_named(args(&["cpu_tier", "disk_tier", "--bench"]), "disk_tier"));
+    }
 
     #[test]
     fn pairs_alternate_their_order_and_report_the_ratio_of_each() {

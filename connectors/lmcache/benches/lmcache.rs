@@ -16,15 +16,16 @@
 //! Every copy's bytes are checked. The copies run on one thread, and so do their baselines.
 //!
 //! Run: `cargo bench -p kvconnect-lmcache --bench lmcache [-- PART...]` (parts `cpu_tier`,
-//! `disk_tier`, `lookup`; all by default; `LMCACHE_BENCH_PAIRS` sets the pairs, 21 by default). Without `--bench` (as `cargo test` runs it) every part runs once at
-//! a tiny size, checking its bytes.
+//! `disk_tier`, `lookup`; all by default; `LMCACHE_BENCH_PAIRS` sets the pairs, 21 by
+//! default). Without `--bench` (as `cargo test` runs it) every part runs once at a tiny size,
+//! checking its bytes.
 
 #![allow(unsafe_code)] // The benchmark vouches for its own KV buffers as regions (KvRegion::new).
 
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::stats::{
-    bench_part, interleaved_against_fastest, interleaved_timed, memcpy_of_pieces, per_call, verdict, Machine, Paired,
-    Quartiles, PIECE_COPIERS,
+    bench_part, interleaved_against_fastest, interleaved_timed, memcpy_of_pieces, per_call, verdict, Machine,
+    Paired, Quartiles, PIECE_COPIERS,
 };
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,

@@ -168,7 +168,10 @@ unsafe fn token_blocks_avx2(seed: [u64; 2], tokens: &[u32]) -> Acc {
     // by 64 gives 0, so lane 0's rotation by 0 is the seed itself.
     let seeds = _mm256_set_epi64x(seed[1] as i64, seed[0] as i64, seed[1] as i64, seed[0] as i64);
     let rotl = |v: __m256i, r: __m256i| {
-        _mm256_or_si256(_mm256_sllv_epi64(v, r), _mm256_srlv_epi64(v, _mm256_sub_epi64(_mm256_set1_epi64x(64), r)))
+        _mm256_or_si256(
+            _mm256_sllv_epi64(v, r),
+            _mm256_srlv_epi64(v, _mm256_sub_epi64(_mm256_set1_epi64x(64), r)),
+        )
     };
     let mut a0 = _mm256_xor_si256(ld(SECRET[24..].as_ptr()), rotl(seeds, _mm256_set_epi64x(24, 16, 8, 0)));
     let mut a1 = _mm256_xor_si256(ld(SECRET[28..].as_ptr()), rotl(seeds, _mm256_set_epi64x(56, 48, 40, 32)));
@@ -184,7 +187,8 @@ unsafe fn token_blocks_avx2(seed: [u64; 2], tokens: &[u32]) -> Acc {
         for s in 0..STRIPES_PER_BLOCK {
             // SAFETY: a block is 256 u32s = 32 loads of 32 bytes; stripe s reads loads 2s and
             // 2s + 1. SECRET[s..s + 8] is in bounds for s < 16.
-            let (w0, w1) = unsafe { (_mm256_loadu_si256(p.add(2 * s)), _mm256_loadu_si256(p.add(2 * s + 1))) };
+            let (w0, w1) =
+                unsafe { (_mm256_loadu_si256(p.add(2 * s)), _mm256_loadu_si256(p.add(2 * s + 1))) };
             let x0 = _mm256_xor_si256(w0, ld(SECRET[s..].as_ptr()));
             let x1 = _mm256_xor_si256(w1, ld(SECRET[s + 4..].as_ptr()));
             // lo32(x) * hi32(x) per lane, plus the neighbouring lane's raw word (i ^ 1).
@@ -343,7 +347,8 @@ mod tests {
             return;
         }
         // Three blocks, so the scramble between blocks is covered, from several seeds.
-        let t: Vec<u32> = (0..3 * BLOCK_TOKENS as u32).map(|i| i.wrapping_mul(2654435761) ^ (i >> 3)).collect();
+        let t: Vec<u32> =
+            (0..3 * BLOCK_TOKENS as u32).map(|i| i.wrapping_mul(2654435761) ^ (i >> 3)).collect();
         for seed in [[0, 0], [1, 2], [u64::MAX, 7], [0x0123_4567_89ab_cdef, 0xfedc_ba98_7654_3210]] {
             // SAFETY: AVX2 was detected above.
             let fresh = unsafe { token_blocks_avx2(seed, &[]) };

@@ -172,7 +172,7 @@ impl TransferEngine {
     /// same process, core and moment as the transfer (on a shared machine a baseline measured
     /// elsewhere or later sees other load). The benchmark takes the way with the lowest
     /// median over its pairs. Empty where the buffers cannot be allocated.
-    fn memcpy_baseline(&mut self, bytes: usize) -> Vec<std::time::Duration> {
+    fn memcpy_baseline(&mut self, bytes: usize) -> Vec<(kvconnect_bench::memcpy::Way, std::time::Duration)> {
         let fits = self.baseline.as_ref().is_some_and(|(s, _)| s.bytes().len() == bytes);
         if !fits {
             // Allocated as the KV regions are (huge pages where the kernel gives them).
@@ -296,13 +296,8 @@ impl TransferEngine {
             "bytes": bytes,
             "external_tokens": l.external,
             "verified": verified,
-            "memcpy_ways_us": memcpy.iter().map(|d| d.as_secs_f64() * 1e6).collect::<Vec<f64>>(),
-            "memcpy_ways": if memcpy.is_empty() { Vec::new() } else {
-                kvconnect_bench::memcpy::memcpy_ways(bytes as usize, kvconnect_nixl::copy_plan::default_copy_threads())
-                    .iter()
-                    .map(|w| w.to_string())
-                    .collect::<Vec<String>>()
-            },
+            "memcpy_ways_us": memcpy.iter().map(|(_, d)| d.as_secs_f64() * 1e6).collect::<Vec<f64>>(),
+            "memcpy_ways": memcpy.iter().map(|(w, _)| w.to_string()).collect::<Vec<String>>(),
         });
         let _ = self.conn.0.request_finished(&l.req, &l.blocks);
         self.pool.release(&l.blocks);
