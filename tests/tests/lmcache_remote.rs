@@ -16,9 +16,11 @@ use std::time::Duration;
 const CHUNK: usize = 16;
 
 fn worker(redis: &RedisServer, engine: &str) -> Worker {
-    // A short back-off after a failed remote call, so the restart test need not wait long.
+    // A short back-off after a failed remote call, so the restart test need not wait long, and
+    // a generous timeout: a loaded 2-core machine can stall a call past the default 200 ms,
+    // which drops writes the tests count on (a dead server refuses at once either way).
     let cfg = format!(
-        r#"{{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_producer","kv_connector_extra_config":{{"chunk_size":{CHUNK},"max_local_cpu_size":0.05,"remote_url":"{}","remote_retry_ms":200}}}}"#,
+        r#"{{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_producer","kv_connector_extra_config":{{"chunk_size":{CHUNK},"max_local_cpu_size":0.05,"remote_url":"{}","remote_timeout_ms":2000,"remote_retry_ms":200}}}}"#,
         redis.url()
     );
     let model = reference_model();
