@@ -2,7 +2,8 @@
 //! prefilled on A is a remote hit on B, with the KV a monolithic engine computes), a server
 //! killed mid-workload costs misses (counted) and never a wrong or failed request, a restarted
 //! one serves hits again, and a corrupt value under a real key is a miss counted as corrupt.
-//! Skipped, with a message, where redis-server is not installed.
+//! Skipped, with a message, where redis-server is not installed. A remote that accepts
+//! connections and never answers (no Redis needed) costs timeouts, counted, never an answer.
 
 mod common;
 #[path = "common/redis_server.rs"]
@@ -24,11 +25,15 @@ const CHUNK: usize = 16;
 /// 100 ms call, which would drop writes the tests count on. The back-off is short so the
 /// restart test need not wait long.
 fn extra(url: &str) -> serde_json::Value {
+    extra_with_timeout(url, 5000)
+}
+
+fn extra_with_timeout(url: &str, timeout_ms: u64) -> serde_json::Value {
     json!({
         "chunk_size": CHUNK,
         "max_local_cpu_size": gb(64 * chunk_bytes(CHUNK)),
         "remote_url": url,
-        "remote_timeout_ms": 5000,
+        "remote_timeout_ms": timeout_ms,
         "remote_retry_ms": 50,
     })
 }
@@ -192,4 +197,44 @@ fn a_corrupt_or_truncated_remote_value_is_a_miss_counted_as_corrupt() {
     assert!(!errors.is_empty());
     let s = kvconnect_lmcache::stats("remote-corrupt-b2").unwrap();
     assert_eq!((s.remote_corrupt, s.remote.hits), (1, 0), "{s:?}");
+}
+
+/// The path the timeout exists for: a remote that takes connections and never answers (a hung
+/// or partitioned server). Every request is answered with the computed KV, every remote lookup
+/// and every chunk handed to the writer is counted as failed, skipped or dropped, and a flush
+/// returns. Run on a thread: a missing timeout would hang, and that must fail, not stall.
+#[test]
+fn a_remote_that_never_answers_costs_timeouts_never_answers() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("redis://{}", silent.local_addr().unwrap());
+    std::thread::spawn(move || {
+        // Holds every connection open and reads nothing.
+        let held: Vec<_> = silent.incoming().map_while(Result::ok).collect();
+        drop(held);
+    });
+    const REQUESTS: usize = 6;
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut a = Engine::new("remote-silent", KvLayout::NHD, 8, extra_with_timeout(&url, 200));
+        for i in 0..REQUESTS {
+            let p = prompt(500 + i as u32, 2 * CHUNK + 3);
+            assert_eq!(run_checked(&mut a, &format!("s{i}"), &p), (0, 0), "prompt {i}");
+        }
+        kvconnect_lmcache::flush("remote-silent");
+        // Read while the engine (and so its store) is still registered.
+        let _ = done_tx.send(kvconnect_lmcache::stats("remote-silent"));
+    });
+    let s = done_rx.recv_timeout(Duration::from_secs(60)).expect(
+        "requests or the flush did not finish within 60 s against a remote that never answers \
+         (200 ms timeout): they wait on it, or a request failed (see its panic above)",
+    );
+    let s = s.expect("the store is registered while its engine lives");
+    assert!(s.remote_errors >= 1, "the timeouts are counted: {s:?}");
+    assert!(s.remote_errors + s.remote_skipped >= REQUESTS as u64, "every remote lookup is counted: {s:?}");
+    assert_eq!(s.remote_writes, 0, "{s:?}");
+    assert_eq!(
+        s.remote_write_errors + s.remote_write_drops,
+        2 * REQUESTS as u64,
+        "every chunk handed to the writer is counted as failed or dropped: {s:?}"
+    );
 }
