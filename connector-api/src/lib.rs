@@ -48,6 +48,7 @@ pub mod stable_hash;
 pub mod state_slots;
 pub mod stats;
 pub mod stream_copy;
+pub mod tp_ranks;
 
 // The crates whose types and macros this crate's API uses, so that a plugin depends on
 // `kvconnect-api` alone and gets the very versions the API was built with: `serde_json`

@@ -247,6 +247,40 @@ pub enum ModelError {
 }
 
 impl ModelSpec {
+    /// What one of `tp_size` tensor-parallel ranks holds when every rank keeps its own KV
+    /// (vLLM's workers): `num_kv_heads / tp_size` heads per layer, or one replicated head
+    /// when the model has fewer KV heads than ranks; an MLA latent is never split. Refused
+    /// when the heads do not divide among the ranks (vLLM refuses such a model too).
+    pub fn tp_shard(&self, tp_size: u32) -> Result<ModelSpec, ModelError> {
+        let mla = self.layers.iter().any(|k| matches!(k, AttentionKind::Mla { .. }));
+        if tp_size <= 1 || mla {
+            return Ok(self.clone());
+        }
+        let heads = self.num_kv_heads;
+        let per_rank = if heads < tp_size {
+            if !tp_size.is_multiple_of(heads.max(1)) {
+                return Err(ModelError::Invalid {
+                    field: "num_key_value_heads".into(),
+                    reason: format!(
+                        "{heads} KV heads cannot be replicated evenly over {tp_size} tensor-parallel ranks; use a TP size that is a multiple of {heads}"
+                    ),
+                });
+            }
+            1
+        } else {
+            if !heads.is_multiple_of(tp_size) {
+                return Err(ModelError::Invalid {
+                    field: "num_key_value_heads".into(),
+                    reason: format!(
+                        "{heads} KV heads do not divide among {tp_size} tensor-parallel ranks; use a TP size that divides {heads}"
+                    ),
+                });
+            }
+            heads / tp_size
+        };
+        Ok(ModelSpec { num_kv_heads: per_rank, ..self.clone() })
+    }
+
     /// Hex SHA-256 of the spec's canonical JSON (fields in declaration order, no maps), so
     /// two processes that read the same model get the same string.
     pub fn fingerprint(&self) -> String {
@@ -306,5 +340,40 @@ impl std::io::Write for HashWriter {
 
     fn flush(&mut self) -> std::io::Result<()> {
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tp_shard_tests {
+    use super::*;
+
+    fn model(heads: u32, kind: AttentionKind) -> ModelSpec {
+        ModelSpec {
+            name: "m".into(),
+            num_layers: 2,
+            num_kv_heads: heads,
+            head_dim: 64,
+            dtype: None,
+            layers: vec![kind; 2],
+            state: None,
+        }
+    }
+
+    #[test]
+    fn a_rank_holds_its_share_of_the_kv_heads() {
+        assert_eq!(model(8, AttentionKind::Full).tp_shard(2).unwrap().num_kv_heads, 4);
+        assert_eq!(model(8, AttentionKind::Full).tp_shard(1).unwrap(), model(8, AttentionKind::Full));
+        // Fewer heads than ranks: each rank keeps one, replicated (as vLLM does).
+        assert_eq!(model(2, AttentionKind::Full).tp_shard(8).unwrap().num_kv_heads, 1);
+        let mla = model(1, AttentionKind::Mla { kv_lora_rank: 512, qk_rope_head_dim: 64 });
+        assert_eq!(mla.tp_shard(4).unwrap(), mla);
+    }
+
+    #[test]
+    fn heads_that_do_not_divide_are_refused_with_the_remedy() {
+        let e = model(6, AttentionKind::Full).tp_shard(4).unwrap_err().to_string();
+        assert!(e.contains("6 KV heads do not divide among 4") && e.contains("num_key_value_heads"), "{e}");
+        let e = model(3, AttentionKind::Full).tp_shard(4).unwrap_err().to_string();
+        assert!(e.contains("cannot be replicated evenly"), "{e}");
     }
 }

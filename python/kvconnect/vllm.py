@@ -61,9 +61,10 @@ class KvconnectMetadata(KVConnectorMetadata):
 
 @dataclass
 class KvconnectHandshake(KVConnectorHandshakeMetadata):
-    """What the worker (TP rank 0) hands vLLM's scheduler process at startup: where it serves
-    the kvconnect connector's scheduler half. Both halves run in the worker process, as in
-    kvconnect's own workers, so a cache connector's halves share its store."""
+    """What each worker hands vLLM's scheduler process at startup: where it serves its TP
+    rank's half of the kvconnect connector's scheduler. Both halves run in the worker process,
+    as in kvconnect's own workers, so a cache connector's halves share its store; each rank
+    has its own connector, and the scheduler asks every rank's half and combines them."""
 
     scheduler_socket: str
 
@@ -382,8 +383,7 @@ class KvconnectConnector(KVConnectorBase_V1):
         return json.loads(self._worker.stats_json())
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
-        socket = self._worker.scheduler_socket() if self._worker is not None else None
-        return None if socket is None else KvconnectHandshake(scheduler_socket=socket)
+        return None if self._worker is None else KvconnectHandshake(scheduler_socket=self._worker.scheduler_socket())
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if self._worker is None:
@@ -408,14 +408,17 @@ class KvconnectConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata) -> None:
         if self._scheduler is None:
             return
-        sockets = [m.scheduler_socket for m in (metadata or {}).values() if isinstance(m, KvconnectHandshake)]
-        if not sockets:
+        by_rank = {int(r): m.scheduler_socket for r, m in (metadata or {}).items() if isinstance(m, KvconnectHandshake)}
+        tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
+        missing = [r for r in range(tp) if r not in by_rank]
+        if missing:
             raise _kvconnect.KvconnectError(
-                "kvconnect: no vLLM worker serves the connector's scheduler half (TP rank 0 should); "
-                "run the same kvconnect in vLLM's scheduler and workers"
+                f"kvconnect: vLLM's workers of TP rank(s) {missing} (of {tp}) serve no kvconnect scheduler half; "
+                "run the same kvconnect in vLLM's scheduler and every worker"
             )
-        self._scheduler.attach(sockets[0])
-        logger.info("kvconnect scheduler: the connector's scheduler half runs in the worker, at %s", sockets[0])
+        sockets = [by_rank[r] for r in range(tp)]
+        self._scheduler.attach(sockets)
+        logger.info("kvconnect scheduler: the connector's scheduler halves run in the workers, at %s", ", ".join(sockets))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         tokens, is_async = self._scheduler.get_num_new_matched_tokens(

@@ -1,11 +1,15 @@
 //! The scheduler half as vLLM's scheduler process calls it: requests and block tables in,
-//! match answers, step metadata and transfer params out. It remembers which prefill engines
-//! this step loads from, so the worker half can handshake with them first.
+//! match answers, step metadata and transfer params out. Every tensor-parallel rank runs its
+//! own connector, scheduler half included (`kvconnect_api::tp_ranks`): each call goes to every
+//! rank's half and their answers are combined, and each rank's step metadata is its own half's.
+//! It remembers which prefill engines each rank loads from this step, so that rank's worker
+//! can handshake with them first.
 
 use crate::error::AdapterError;
 use crate::meta::{self, Peer, StepPeers};
 use crate::sched_link::client::RemoteScheduler;
 use crate::setup::Setup;
+use kvconnect_api::tp_ranks::{self, params_for_rank};
 use kvconnect_api::{BlockId, BlocksPerGroup, MatchResult, Request, RequestId, SchedulerConnector, StepInfo};
 use kvconnect_host::server::peers::remote_peer;
 use pyo3::prelude::*;
@@ -14,11 +18,17 @@ use serde_json::{Map, Value};
 use std::path::PathBuf;
 use std::sync::Mutex;
 
-struct State {
-    /// The half in the worker process, once vLLM handed over its socket.
-    conn: Option<Box<dyn SchedulerConnector>>,
+/// One tensor-parallel rank's scheduler half and what it loads this step.
+struct Rank {
+    /// The half in that rank's worker process.
+    conn: Box<dyn SchedulerConnector>,
     /// This step's loads and the prefill engines they come from.
     peers: StepPeers,
+}
+
+struct State {
+    /// Every rank's half, in rank order, once vLLM handed over their sockets.
+    ranks: Vec<Rank>,
 }
 
 /// The scheduler half of a kvconnect connector inside vLLM.
@@ -51,19 +61,33 @@ fn blocks(groups: Vec<Vec<u32>>) -> BlocksPerGroup {
 }
 
 impl Scheduler {
-    fn with<T>(
+    fn err(&self, call: &'static str) -> impl Fn(kvconnect_api::ConnectorError) -> AdapterError + '_ {
+        move |source| AdapterError::Connector { connector: self.name.clone(), call, source }
+    }
+
+    /// Runs `f` on every rank's half, in rank order.
+    fn each<T>(
         &self,
         call: &'static str,
-        f: impl FnOnce(&mut dyn SchedulerConnector, &mut StepPeers) -> Result<T, kvconnect_api::ConnectorError>,
-    ) -> Result<T, AdapterError> {
+        mut f: impl FnMut(usize, &mut Rank) -> Result<T, kvconnect_api::ConnectorError>,
+    ) -> Result<Vec<T>, AdapterError> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let State { conn, peers } = &mut *st;
-        let conn = conn.as_mut().ok_or(AdapterError::NotAttached { call })?;
-        f(conn.as_mut(), peers).map_err(|source| AdapterError::Connector {
-            connector: self.name.clone(),
-            call,
-            source,
-        })
+        if st.ranks.is_empty() {
+            return Err(AdapterError::NotAttached { call });
+        }
+        st.ranks.iter_mut().enumerate().map(|(i, r)| f(i, r).map_err(self.err(call))).collect()
+    }
+
+    fn ranks(&self) -> usize {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).ranks.len()
+    }
+
+    /// The request as rank `rank` of `ranks` sees it: with the params of the producer rank it
+    /// loads from.
+    fn rank_request(req: &Request, rank: usize, ranks: usize) -> Result<Request, AdapterError> {
+        let kv_transfer_params = params_for_rank(&req.kv_transfer_params, rank, ranks)
+            .map_err(|e| AdapterError::Setup(format!("request {}: {e}", req.id)))?;
+        Ok(Request { kv_transfer_params, ..req.clone() })
     }
 }
 
@@ -75,18 +99,21 @@ impl Scheduler {
         crate::init_logging();
         let setup = Setup::from_vllm(setup_json)?;
         let name = setup.ctx.config.kv_connector.clone();
-        Ok(Scheduler {
-            name,
-            summary: setup.summary(),
-            state: Mutex::new(State { conn: None, peers: StepPeers::default() }),
-        })
+        Ok(Scheduler { name, summary: setup.summary(), state: Mutex::new(State { ranks: Vec::new() }) })
     }
 
-    /// The socket at which the worker process (TP rank 0) serves the connector's scheduler
-    /// half (`Worker.scheduler_socket`), as vLLM's handshake metadata carried it.
-    fn attach(&self, socket: &str) {
-        let conn = RemoteScheduler::new(&self.name, PathBuf::from(socket));
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).conn = Some(Box::new(conn));
+    /// The sockets at which the worker processes serve their ranks' scheduler halves
+    /// (`Worker.scheduler_socket`), in TP rank order, as vLLM's handshake metadata carried them.
+    fn attach(&self, sockets: Vec<String>) {
+        let ranks = sockets
+            .iter()
+            .map(|s| Rank {
+                conn: Box::new(RemoteScheduler::new(&self.name, PathBuf::from(s)))
+                    as Box<dyn SchedulerConnector>,
+                peers: StepPeers::default(),
+            })
+            .collect();
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).ranks = ranks;
     }
 
     /// Connector, role, effective layout and compat hash, in one line.
@@ -94,7 +121,9 @@ impl Scheduler {
         self.summary.clone()
     }
 
-    /// `(tokens, async)`; `tokens` is None while the connector cannot tell yet.
+    /// `(tokens, async)`; `tokens` is None while the connector cannot tell yet: what every
+    /// rank can load. A request whose producer ran at another TP size loads nothing: its
+    /// prompt is computed here, and the log says why at ERROR.
     fn get_num_new_matched_tokens(
         &self,
         request_id: &str,
@@ -103,9 +132,18 @@ impl Scheduler {
         num_computed: usize,
     ) -> PyResult<(Option<usize>, bool)> {
         let req = request(request_id, prompt_tokens, params_json)?;
-        let m =
-            self.with("get_num_new_matched_tokens", |c, _| c.get_num_new_matched_tokens(&req, num_computed))?;
-        Ok(match m {
+        let n = self.ranks();
+        let reqs = match (0..n).map(|r| Self::rank_request(&req, r, n)).collect::<Result<Vec<_>, _>>() {
+            Ok(reqs) => reqs,
+            Err(e) => {
+                tracing::error!("kvconnect scheduler: {e}; this server computes the request's prompt itself");
+                return Ok((Some(0), false));
+            }
+        };
+        let each = self.each("get_num_new_matched_tokens", |r, rank| {
+            rank.conn.get_num_new_matched_tokens(&reqs[r], num_computed)
+        })?;
+        Ok(match tp_ranks::combine_matches(&each) {
             MatchResult::Pending => (None, false),
             MatchResult::Matched { tokens, async_load } => (Some(tokens), async_load),
         })
@@ -121,13 +159,27 @@ impl Scheduler {
         num_external: usize,
     ) -> PyResult<()> {
         let req = request(request_id, prompt_tokens, params_json)?;
-        let peer = remote_peer(&req.kv_transfer_params)
-            .map_err(|e| AdapterError::Setup(format!("request {request_id}: {e}")))?;
+        let n = self.ranks();
         let b = blocks(block_ids);
-        self.with("update_state_after_alloc", |c, peers| {
-            c.update_state_after_alloc(&req, &b, num_external)?;
+        let mut reqs = Vec::with_capacity(n);
+        for r in 0..n {
+            let rr = match Self::rank_request(&req, r, n) {
+                Ok(rr) => rr,
+                // Refused at the match (nothing loads): no rank's half hears of the producer.
+                Err(_) if num_external == 0 => {
+                    Request { kv_transfer_params: Default::default(), ..req.clone() }
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let peer = remote_peer(&rr.kv_transfer_params)
+                .map_err(|e| AdapterError::Setup(format!("request {request_id}: {e}")))?;
+            reqs.push((rr, peer));
+        }
+        self.each("update_state_after_alloc", |r, rank| {
+            let (rr, peer) = &reqs[r];
+            rank.conn.update_state_after_alloc(rr, &b, num_external)?;
             if let Some((engine_id, addr)) = peer {
-                peers.add(request_id, Peer { engine_id, addr });
+                rank.peers.add(request_id, Peer { engine_id: engine_id.clone(), addr: addr.clone() });
             }
             Ok(())
         })?;
@@ -147,15 +199,16 @@ impl Scheduler {
             scheduled: scheduled.into_iter().map(RequestId).collect(),
             finished: finished.into_iter().map(RequestId).collect(),
         };
-        let (peers, inner) = self.with("build_connector_meta", |c, peers| {
-            let inner = c.build_connector_meta(&info)?;
-            Ok((std::mem::take(peers), inner))
+        let each = self.each("build_connector_meta", |_, rank| {
+            let inner = rank.conn.build_connector_meta(&info)?;
+            Ok((std::mem::take(&mut rank.peers), inner))
         })?;
-        let bytes = meta::encode(&peers, &inner).map_err(AdapterError::Meta)?;
+        let bytes = meta::encode(&each).map_err(AdapterError::Meta)?;
         Ok(PyBytes::new(py, &bytes))
     }
 
-    /// `(delay_free, kv_transfer_params as JSON or None)`.
+    /// `(delay_free, kv_transfer_params as JSON or None)`: blocks kept while any rank keeps
+    /// them; at several ranks the params list every rank's own (`kvconnect_api::tp_ranks`).
     fn request_finished(
         &self,
         request_id: &str,
@@ -165,7 +218,8 @@ impl Scheduler {
     ) -> PyResult<(bool, Option<String>)> {
         let req = request(request_id, prompt_tokens, params_json)?;
         let b = blocks(block_ids);
-        let r = self.with("request_finished", |c, _| c.request_finished(&req, &b))?;
+        let each = self.each("request_finished", |_, rank| rank.conn.request_finished(&req, &b))?;
+        let r = tp_ranks::combine_finished(each);
         let params = r.transfer_params.map(|m| Value::Object(m).to_string());
         Ok((r.delay_free, params))
     }

@@ -159,7 +159,19 @@ impl Setup {
                 extra_err(format!("side_channel_host '{h}' is not an IP address; give the address decode reaches prefill at, e.g. 127.0.0.1"))
             })?,
         };
-        let port = extra.side_channel_port.unwrap_or(0);
+        // Each TP rank serves its own KV on its own side channel: rank r at the port plus r,
+        // as vLLM's NixlConnector numbers its ranks' side channels.
+        let rank_port = match extra.side_channel_port {
+            None | Some(0) => None,
+            Some(p) => Some(p.checked_add(u16::try_from(side.tp_rank).unwrap_or(u16::MAX)).ok_or_else(|| {
+                extra_err(format!(
+                    "side_channel_port {p}: TP rank {} serves its side channel at the port plus its rank, past 65535; pick a port below {}",
+                    side.tp_rank,
+                    65536 - side.tp_size.max(1)
+                ))
+            })?),
+        };
+        let port = rank_port.unwrap_or(0);
         let secret = data_plane_secret()?;
         let (config, transports) =
             with_side_channel(&registry, &config, &host.to_string(), port, secret.as_ref());
@@ -167,7 +179,7 @@ impl Setup {
         // kvconnect.vllm allocates it in (shm_kv); a consumer reads the producer's segments.
         let shm_kv = nixl_backend(&transports).map_err(extra_err)?.is_some_and(|b| b.shm_regions)
             && matches!(role, KvRole::Producer | KvRole::Both);
-        let side_channel = match (transports.is_empty(), role, extra.side_channel_port) {
+        let side_channel = match (transports.is_empty(), role, rank_port) {
             (true, _, _) | (false, KvRole::Consumer, _) => None,
             (false, _, Some(p)) if p > 0 => Some((host, p)),
             (false, _, _) => {
@@ -213,9 +225,12 @@ impl Setup {
                 "handshake_timeout_s is {timeout}; give a positive number of seconds"
             )));
         }
+        // Negotiation and the compat descriptor describe the whole model; each rank's
+        // connector holds its rank's share of the KV heads, as vLLM's worker allocates them.
+        let rank_model = model.tp_shard(opts.tp_size).map_err(|e| AdapterError::Model(e.to_string()))?;
         let ctx = ConnectorContext {
             config,
-            model,
+            model: rank_model,
             effective: negotiated.effective.clone(),
             role,
             engine_id,

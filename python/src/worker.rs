@@ -21,6 +21,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
+/// The counters each rank reports for itself; the rest are per request, from rank 0.
+const PER_RANK: &[&str] = &["handshakes", "handshakes_refused", "loads_failed"];
+
 #[derive(Default)]
 struct Counters {
     loads_done: u64,
@@ -34,8 +37,8 @@ struct Counters {
 }
 
 impl Counters {
-    /// Every counter by its stats name, with the scheduler half's when this worker serves it.
-    fn named(&self, sched: Option<&SchedulerCounters>) -> BTreeMap<String, u64> {
+    /// Every counter by its stats name, with what this rank's scheduler half decided.
+    fn named(&self, sc: &SchedulerCounters) -> BTreeMap<String, u64> {
         let mut m = BTreeMap::from([
             ("loads_done".to_owned(), self.loads_done),
             ("loads_failed".to_owned(), self.loads_failed),
@@ -43,10 +46,8 @@ impl Counters {
             ("handshakes".to_owned(), self.handshakes),
             ("handshakes_refused".to_owned(), self.handshakes_refused),
         ]);
-        if let Some(sc) = sched {
-            m.insert("external_requests".into(), sc.external_requests.load(Ordering::Relaxed));
-            m.insert("external_tokens".into(), sc.external_tokens.load(Ordering::Relaxed));
-        }
+        m.insert("external_requests".into(), sc.external_requests.load(Ordering::Relaxed));
+        m.insert("external_tokens".into(), sc.external_tokens.load(Ordering::Relaxed));
         for (k, v) in &self.cache_tokens {
             m.insert(format!("cache_tokens_{k}"), *v);
         }
@@ -76,11 +77,22 @@ pub struct Worker {
     state: Mutex<State>,
     /// Which prefill engines may be handshaken with, and what each answered.
     gate: PeerGate,
-    /// TP rank 0 serves the connector's scheduler half to vLLM's scheduler process.
-    scheduler: Option<SchedulerServer>,
+    /// This rank's scheduler half, served to vLLM's scheduler process.
+    scheduler: SchedulerServer,
 }
 
 impl Worker {
+    /// This rank's counters by stats name. Every rank sees each request, so the per-request
+    /// counts come from rank 0 alone (vLLM sums its workers' stats); each rank counts its own
+    /// handshakes and failed loads, which are its own.
+    fn counters(&self, st: &State) -> BTreeMap<String, u64> {
+        let mut all = st.counters.named(self.scheduler.counters());
+        if self.setup.ctx.tp_rank != 0 {
+            all.retain(|k, _| PER_RANK.contains(&k.as_str()));
+        }
+        all
+    }
+
     fn with<T>(
         &self,
         call: &'static str,
@@ -135,14 +147,11 @@ impl Worker {
         let setup = Setup::from_vllm(setup_json)?;
         let name = setup.ctx.config.kv_connector.clone();
         // Both halves in this process, scheduler half first, as kvconnect's own workers make
-        // them: a connector's halves may share state (lmcache's and flexkv's stores).
-        let scheduler = if setup.ctx.tp_rank == 0 {
-            let half = connector_setup::create_scheduler(&setup.registry, &setup.ctx)
-                .map_err(AdapterError::Negotiation)?;
-            Some(SchedulerServer::start(&name, half)?)
-        } else {
-            None
-        };
+        // them: a connector's halves may share state (lmcache's and flexkv's stores). Every
+        // TP rank serves its own half: each rank's store and transfers are its own.
+        let half = connector_setup::create_scheduler(&setup.registry, &setup.ctx)
+            .map_err(AdapterError::Negotiation)?;
+        let scheduler = SchedulerServer::start(&name, half)?;
         let conn =
             connector_setup::create_worker(&setup.registry, &setup.ctx).map_err(AdapterError::Negotiation)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
@@ -171,10 +180,15 @@ impl Worker {
         self.setup.summary()
     }
 
-    /// Where this worker serves the connector's scheduler half (TP rank 0 only), for vLLM's
-    /// scheduler process (`Scheduler.attach`).
-    fn scheduler_socket(&self) -> Option<String> {
-        self.scheduler.as_ref().map(|s| s.path().display().to_string())
+    /// Where this worker serves its rank's scheduler half, for vLLM's scheduler process
+    /// (`Scheduler.attach`).
+    fn scheduler_socket(&self) -> String {
+        self.scheduler.path().display().to_string()
+    }
+
+    /// This worker's tensor-parallel rank.
+    fn tp_rank(&self) -> u32 {
+        self.setup.ctx.tp_rank
     }
 
     /// Whether vLLM's KV cache must be in shared memory (a producer over the nixl `shm`
@@ -262,7 +276,8 @@ impl Worker {
     /// handshaken with first (outside the state lock, one lock per peer); the requests of a
     /// refused one keep the refusal for their failure report.
     fn bind_connector_meta(&self, meta_bytes: &[u8]) -> PyResult<()> {
-        let (step, inner) = meta::decode(meta_bytes).map_err(AdapterError::Meta)?;
+        let (step, inner) =
+            meta::decode(meta_bytes, self.setup.ctx.tp_rank as usize).map_err(AdapterError::Meta)?;
         let refused: Vec<Option<String>> = step
             .peers
             .iter()
@@ -367,14 +382,14 @@ impl Worker {
     /// the scheduler half, requests and tokens scheduled to load from outside.
     fn stats_json(&self) -> String {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        json!(st.counters.named(self.scheduler.as_ref().map(|s| s.counters()))).to_string()
+        json!(self.counters(&st)).to_string()
     }
 
     /// What the counters grew by since the last call (only those that grew), for vLLM's
     /// per-interval connector stats.
     fn take_stats_json(&self) -> String {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let now = st.counters.named(self.scheduler.as_ref().map(|s| s.counters()));
+        let now = self.counters(&st);
         let delta: BTreeMap<&String, u64> = now
             .iter()
             .filter_map(|(k, v)| {

@@ -45,7 +45,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, name: str, model: str, logdir: Path, core: int, kv_config=None, extra_env=None, args=()):
+    def __init__(self, name: str, model: str, logdir: Path, core: int, kv_config=None, extra_env=None, args=(),
+                 tp: int = 1):
+        """`core`: the CPU core the server's one worker runs on; at `tp` > 1 its ranks' workers
+        run on cores 0, 1, ... instead (vLLM's `mp` executor, one process per rank)."""
         self.name = name
         self.port = free_port()
         self.log_path = logdir / f"{name}.log"
@@ -56,11 +59,13 @@ class Server:
             "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK),
             "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
         ]
+        if tp > 1:
+            cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
         cmd += list(args)
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
         env = dict(os.environ)
-        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core) if tp == 1 else "|".join(str(c % (os.cpu_count() or 1)) for c in range(tp)),
                     "KVCONNECT_LOG": "info", "PYTHONFAULTHANDLER": "1"})
         env.update(extra_env or {})
         self.log = open(self.log_path, "w")

@@ -41,14 +41,14 @@ def example_plugin() -> Path:
     return path.resolve()
 
 
-def run_prefix_hit(model: str, logdir: Path, name: str, inner: dict, cache_source=None):
+def run_prefix_hit(model: str, logdir: Path, name: str, inner: dict, cache_source=None, tp: int = 1):
     """Each prompt twice on one server: equal outputs, and the second run loads the whole
     stored blocks before the prompt's last token. `cache_source`: the connector's tier that
     must have supplied them, as kvconnect's metrics name it."""
     rng = random.Random(11)
     ps = [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in PROMPT_LENS]
     srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner),
-                 args=["--no-enable-prefix-caching"])
+                 args=["--no-enable-prefix-caching"], tp=tp)
     with serving(srv):
         srv.wait_healthy()
         if "compat hash" not in srv.text():

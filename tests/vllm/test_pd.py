@@ -52,8 +52,8 @@ def pd_complete(prefill: str, decode: str, prompt: list[int], request_id: str) -
     return complete(decode, prompt, request_id, kv_transfer_params=params)
 
 
-def run_monolithic(model: str, logdir: Path, ps) -> list:
-    srv = Server("monolithic", model, logdir, core=0)
+def run_monolithic(model: str, logdir: Path, ps, tp: int = 1) -> list:
+    srv = Server(f"monolithic-tp{tp}", model, logdir, core=0, tp=tp)
     with serving(srv):
         srv.wait_healthy()
         return [tokens_of(complete(srv.url, p, f"mono-{i}")) for i, p in enumerate(ps)]
@@ -142,18 +142,19 @@ def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: li
 
 def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expected: list,
            dec_class: str = "KvconnectConnector", shm: bool = False, pre_adapter=None, dec_adapter=None,
-           lure: bool = False, via_proxy=None):
+           lure: bool = False, via_proxy=None, tp=(1, 1)):
     """Prefill and decode servers through the adapter; outputs equal `expected`, decode loads
     the prompts' KV and vLLM's /metrics and stats log show kvconnect's counters. `lure`:
-    decode lists prefill as its only producer and is sent params naming another."""
+    decode lists prefill as its only producer and is sent params naming another. `tp`:
+    prefill's and decode's tensor-parallel sizes."""
     port = free_port()
     dec_adapter = dict(dec_adapter or {})
     if lure:
         dec_adapter["kv_producers"] = [f"127.0.0.1:{port}"]
     pre = Server(f"prefill-{label}", model, logdir, core=0,
-                 kv_config=kv_config("kv_producer", pre_inner, port=port, **(pre_adapter or {})))
+                 kv_config=kv_config("kv_producer", pre_inner, port=port, **(pre_adapter or {})), tp=tp[0])
     dec = Server(f"decode-{label}", model, logdir, core=1,
-                 kv_config=kv_config("kv_consumer", dec_inner, cls=dec_class, **dec_adapter))
+                 kv_config=kv_config("kv_consumer", dec_inner, cls=dec_class, **dec_adapter), tp=tp[1])
     with serving(pre, dec):
         pre.wait_healthy()
         dec.wait_healthy()
@@ -170,9 +171,10 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         want = [(len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK]
         if sorted(ext) != sorted(want):
             raise Failed(f"{label}: decode loaded external tokens {ext}, expected {want} (the whole blocks before each prompt's last token)\n{dec.tail()}")
+        # Each of decode's TP ranks loads its own share of every request's KV.
         loaded = dec.text().count("loaded its external KV")
-        if loaded != len(want) or "failed to load its external KV" in dec.text():
-            raise Failed(f"{label}: decode's worker finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
+        if loaded != len(want) * tp[1] or "failed to load its external KV" in dec.text():
+            raise Failed(f"{label}: decode's {tp[1]} worker(s) finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
         if pre_adapter and "deployment" in pre_adapter:
             hp, hd = compat_hash(pre.text()), compat_hash(dec.text())
             if (joint_peer_hash(pre.text()), joint_peer_hash(dec.text())) != (hd, hp):
