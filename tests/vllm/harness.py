@@ -47,8 +47,11 @@ def free_port() -> int:
 class Server:
     def __init__(self, name: str, model: str, logdir: Path, core: int, kv_config=None, extra_env=None, args=(),
                  tp: int = 1):
-        """`core`: the CPU core the server's one worker runs on; at `tp` > 1 its ranks' workers
-        run on cores 0, 1, ... instead (vLLM's `mp` executor, one process per rank)."""
+        """`core`: the CPU core the server's workers run on; at `tp` > 1 (vLLM's `mp` executor,
+        one worker process per rank) every rank shares it. A server whose requests hold
+        blocks for a peer keeps stepping until the peer has read them, so a prefill and a
+        decode on the same cores would starve each other; on their own cores they behave as
+        on their own machines."""
         self.name = name
         self.port = free_port()
         self.log_path = logdir / f"{name}.log"
@@ -65,7 +68,7 @@ class Server:
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
         env = dict(os.environ)
-        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core) if tp == 1 else "|".join(str(c % (os.cpu_count() or 1)) for c in range(tp)),
+        env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join([str(core)] * tp),
                     "KVCONNECT_LOG": "info", "PYTHONFAULTHANDLER": "1"})
         env.update(extra_env or {})
         self.log = open(self.log_path, "w")

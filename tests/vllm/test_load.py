@@ -1,0 +1,113 @@
+"""kvconnect P/D inside real vLLM under load, with vLLM's prefix cache on (its default):
+
+- 200 requests of 1 to 4 blocks, a third of them sharing a prefix with another, 8 in flight,
+  each sent the way vLLM's P/D proxies send it (prefill with `do_remote_decode` and one token,
+  then decode with the params prefill returned, under the same X-Request-Id);
+- every output equals a monolithic vLLM server's for the same prompt (also run 8 in flight);
+- no load fails, and for every prompt decode's local prefix-cache hits plus the tokens it
+  loaded from prefill cover exactly the whole blocks before the prompt's last token
+  (vLLM's `vllm:prompt_tokens_by_source_total`), so nothing that could be loaded was
+  recomputed, and the prefix cache served what it held.
+
+    VENV/bin/python tests/vllm/test_load.py [--requests 200] [--in-flight 8] [--keep]
+"""
+
+import argparse
+import random
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import (  # noqa: E402
+    BLOCK, Failed, Server, complete, free_port, kv_config, make_tiny_model, metric, run_checks, serving,
+    tokens_of, wait_metric,
+)
+from test_pd import nixl, pd_complete  # noqa: E402
+
+
+def workload(n: int, seed: int = 21) -> list[list[int]]:
+    """`n` prompts of 1 to 4 blocks (plus a few tokens); every third one starts with the
+    whole blocks of an earlier prompt."""
+    rng = random.Random(seed)
+    out: list[list[int]] = []
+    for i in range(n):
+        length = rng.randrange(BLOCK, 4 * BLOCK + 8)
+        if i % 3 == 2 and out:
+            base = rng.choice(out)
+            shared = min(len(base) // BLOCK, 2) * BLOCK
+            p = base[:shared] + [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(max(1, length - shared))]
+        else:
+            p = [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(length)]
+        out.append(p)
+    return out
+
+
+def by_source(url: str) -> dict[str, float]:
+    return {s: metric(url, "vllm:prompt_tokens_by_source_total", f'source="{s}"')
+            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+
+
+def run_all(fn, ps, in_flight: int) -> list:
+    with ThreadPoolExecutor(in_flight) as pool:
+        return list(pool.map(fn, range(len(ps))))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--keep", action="store_true", help="keep the model and logs")
+    a = ap.parse_args()
+
+    def checks(model: str, tmp: Path):
+        ps = workload(a.requests)
+        mono = Server("monolithic-load", model, tmp, core=0)
+        with serving(mono):
+            mono.wait_healthy()
+            expected = run_all(lambda i: tokens_of(complete(mono.url, ps[i], f"mono-{i}")), ps, a.in_flight)
+        print(f"monolithic: {len(ps)} outputs, {a.in_flight} in flight")
+        port = free_port()
+        pre = Server("prefill-load", model, tmp, core=0, kv_config=kv_config("kv_producer", nixl("tcp"), port=port))
+        dec = Server("decode-load", model, tmp, core=1, kv_config=kv_config("kv_consumer", nixl("tcp")))
+        with serving(pre, dec):
+            pre.wait_healthy()
+            dec.wait_healthy()
+            before = by_source(dec.url)
+            t0 = time.time()
+            got = run_all(lambda i: tokens_of(pd_complete(pre.url, dec.url, ps[i], f"load-{i}")), ps, a.in_flight)
+            took = time.time() - t0
+            wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+            if wrong:
+                i = wrong[0]
+                raise Failed(f"{len(wrong)} of {len(ps)} P/D outputs differ from monolithic; prompt {i} "
+                             f"({len(ps[i])} tokens): P/D {got[i]}, monolithic {expected[i]}")
+            # Whole blocks before each prompt's last token: what decode can take from outside
+            # its own computation (vLLM's CPU attention continues from a block boundary).
+            reusable = sum((len(p) - 1) // BLOCK * BLOCK for p in ps)
+            failed = metric(dec.url, "vllm:kvconnect_loads_failed_total")
+            ext = wait_metric(dec.url, "vllm:prompt_tokens_by_source_total", before["external_kv_transfer"] + 1,
+                              'source="external_kv_transfer"')
+            deadline = time.time() + 60
+            while True:
+                now = by_source(dec.url)
+                d = {k: now[k] - before[k] for k in now}
+                if d["local_cache_hit"] + d["external_kv_transfer"] >= reusable or time.time() > deadline:
+                    break
+                time.sleep(1)
+            if failed or "failed to load its external KV" in dec.text():
+                raise Failed(f"{failed:.0f} loads failed under load\n{dec.tail()}")
+            if d["local_cache_hit"] + d["external_kv_transfer"] != reusable or d["external_kv_transfer"] <= 0:
+                raise Failed(f"decode took {d['local_cache_hit']:.0f} tokens from its prefix cache and loaded "
+                             f"{d['external_kv_transfer']:.0f} (vLLM counted {ext:.0f}); the prompts' whole blocks "
+                             f"before their last token are {reusable}: some reusable KV was computed again")
+            print(f"ok: {len(ps)} P/D requests, {a.in_flight} in flight, in {took:.1f} s: all equal monolithic, no "
+                  f"failed load; decode's prefix cache served {d['local_cache_hit']:.0f} tokens and prefill "
+                  f"{d['external_kv_transfer']:.0f}, together the {reusable} reusable")
+
+    run_checks("load", a.keep, checks)
+
+
+if __name__ == "__main__":
+    main()
