@@ -11,6 +11,13 @@ pub enum AdapterError {
     #[error("kvconnect: the adapter's setup from vLLM cannot be read: {0}; this is a bug in kvconnect.vllm, report it with the vLLM version")]
     Setup(String),
     /// `kv_connector_extra_config` is not what the adapter takes.
+    #[error("kvconnect: request {request}: {message}")]
+    Request {
+        /// vLLM's request id.
+        request: String,
+        /// What is wrong with it and what to do.
+        message: String,
+    },
     #[error("kvconnect: kv_connector_extra_config: {0}")]
     ExtraConfig(String),
     /// The model's config.json (vLLM's hf_config) gives no KV geometry.

@@ -86,7 +86,7 @@ impl Scheduler {
     /// loads from.
     fn rank_request(req: &Request, rank: usize, ranks: usize) -> Result<Request, AdapterError> {
         let kv_transfer_params = params_for_rank(&req.kv_transfer_params, rank, ranks)
-            .map_err(|e| AdapterError::Setup(format!("request {}: {e}", req.id)))?;
+            .map_err(|e| AdapterError::Request { request: req.id.0.clone(), message: e.to_string() })?;
         Ok(Request { kv_transfer_params, ..req.clone() })
     }
 }
@@ -136,7 +136,7 @@ impl Scheduler {
         let reqs = match (0..n).map(|r| Self::rank_request(&req, r, n)).collect::<Result<Vec<_>, _>>() {
             Ok(reqs) => reqs,
             Err(e) => {
-                tracing::error!("kvconnect scheduler: {e}; this server computes the request's prompt itself");
+                tracing::error!("{e}; this server computes the request's prompt itself");
                 return Ok((Some(0), false));
             }
         };
