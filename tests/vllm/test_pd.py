@@ -185,15 +185,16 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         # kvconnect's counters reach vLLM's /metrics through the connector stats hooks.
         n, total = len(want), sum(want)
         loads = wait_metric(dec.url, "vllm:kvconnect_loads_done_total", n)
+        from_peer = wait_metric(dec.url, "vllm:kvconnect_loads_by_source_total", n, 'source="peer"')
         ext_m = wait_metric(dec.url, "vllm:kvconnect_external_tokens_total", total)
         vllm_ext = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", total)
         # Prefill holds every request's blocks for decode, loaded or not (decode computes a
         # prompt shorter than a block itself and releases it).
         sends = wait_metric(pre.url, "vllm:kvconnect_sends_done_total", len(ps))
-        if (loads, ext_m, vllm_ext, sends) != (n, total, total, len(ps)):
-            raise Failed(f"{label}: /metrics show decode loads {loads}, kvconnect external tokens {ext_m}, "
-                         f"vLLM external prefix-cache hits {vllm_ext}, prefill sends {sends}; expected {n}, "
-                         f"{total}, {total}, {len(ps)}")
+        if (loads, from_peer, ext_m, vllm_ext, sends) != (n, n, total, total, len(ps)):
+            raise Failed(f"{label}: /metrics show decode loads {loads} ({from_peer} from a peer), kvconnect external "
+                         f"tokens {ext_m}, vLLM external prefix-cache hits {vllm_ext}, prefill sends {sends}; "
+                         f"expected {n} ({n}), {total}, {total}, {len(ps)}")
         if not wait_log(dec, "KV Transfer metrics: kvconnect_"):
             raise Failed(f"{label}: vLLM's stats log never showed kvconnect's transfer metrics\n{dec.tail()}")
         if lure:
