@@ -64,12 +64,14 @@ impl std::fmt::Debug for Entry {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
     /// No connector has this name.
-    #[error("no connector named '{name}': known connectors are {}; a plugin is found through KVCONNECT_PLUGIN_PATH or --plugin-dir, or named by path", known.join(", "))]
+    #[error("no connector named '{name}'{}: known connectors are {}; a plugin is found through KVCONNECT_PLUGIN_PATH or --plugin-dir, or named by path", suggestion.as_ref().map(|s| format!(" (did you mean '{s}'?)")).unwrap_or_default(), known.join(", "))]
     Unknown {
         /// The name asked for.
         name: String,
         /// Every name that resolves.
         known: Vec<String>,
+        /// The known name closest to it, when one is close enough ([`closest_name`]).
+        suggestion: Option<String>,
     },
     /// A plugin named by path could not be loaded.
     #[error(transparent)]
@@ -263,7 +265,7 @@ impl Registry {
         if let Some(p) = self.inner.plugins.iter().find(|p| p.name == name_or_path) {
             return Ok(p.clone());
         }
-        Err(RegistryError::Unknown { name: name_or_path.to_owned(), known: self.names() })
+        Err(self.unknown(name_or_path))
     }
 
     /// The connector a kv-transfer-config names.
@@ -281,7 +283,7 @@ impl Registry {
             // vLLM configs carry Python module paths here (`lmcache.integration.vllm...`);
             // those mean nothing to this host, so the connector name decides.
             if !m.contains('.') {
-                return Err(RegistryError::Unknown { name: m.to_owned(), known: self.names() });
+                return Err(self.unknown(m));
             }
             tracing::debug!(
                 module_path = m,
@@ -289,6 +291,11 @@ impl Registry {
             );
         }
         self.find(&config.kv_connector)
+    }
+
+    fn unknown(&self, name: &str) -> RegistryError {
+        let known = self.names();
+        RegistryError::Unknown { name: name.to_owned(), suggestion: closest_name(name, &known), known }
     }
 
     fn builtin(&self, name: &str) -> Option<&Builtin> {
@@ -344,6 +351,20 @@ fn plugin_entry(p: &LoadedPlugin) -> Entry {
     }
 }
 
+/// The name in `known` closest to `name` by edit distance, ignoring case (the first of equally
+/// close ones), when it is close enough to be a misspelling: at most one edit in four
+/// characters of `name`, and one edit for names under eight.
+pub fn closest_name(name: &str, known: &[String]) -> Option<String> {
+    let lower = name.to_lowercase();
+    let allowed = (lower.chars().count() / 4).max(1);
+    known
+        .iter()
+        .map(|k| (strsim::levenshtein(&lower, &k.to_lowercase()), k))
+        .filter(|(d, _)| *d <= allowed)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k.clone())
+}
+
 fn looks_like_path(s: &str) -> bool {
     s.contains('/') || s.ends_with(".so") || s.contains(".so.") || s.ends_with(".dylib")
 }
@@ -391,6 +412,37 @@ mod tests {
         }
         let err = r.resolve(&KvTransferConfig::named("MooncakeConnector")).err().unwrap();
         assert!(matches!(err, ConnectorError::InvalidConfig { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_misspelled_name_suggests_the_closest_known_one() {
+        let r = Registry::builtins_only();
+        for (typed, meant) in [
+            ("NixlConector", "NixlConnector"),
+            ("nixlconnector", "NixlConnector"),
+            ("LMCacheConnectorV2", "LMCacheConnectorV1"),
+            ("lmcach", "lmcache"),
+            ("FlexKvConnecter", "FlexKVConnector"),
+            ("nxl", "nixl"),
+        ] {
+            let e = r.find(typed).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!(
+                    "no connector named '{typed}' (did you mean '{meant}'?): known connectors are nixl, "
+                )),
+                "{e}"
+            );
+        }
+        // Too far from every name: no guess, the list alone.
+        for typed in ["MooncakeConnector", "P2pNcclConnector", "NoSuchConnector", "x"] {
+            let e = r.find(typed).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("no connector named '{typed}': known connectors are ")), "{e}");
+        }
+        // kv_connector_module_path's plugin name is checked the same way.
+        let mut c = KvTransferConfig::named("NixlConnector");
+        c.kv_connector_module_path = Some("pdconector".into());
+        let e = r.find_for_config(&c).unwrap_err().to_string();
+        assert!(e.contains("no connector named 'pdconector' (did you mean 'PdConnector'?)"), "{e}");
     }
 
     #[test]

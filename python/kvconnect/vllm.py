@@ -73,7 +73,8 @@ class KvconnectHandshake(KVConnectorHandshakeMetadata):
 class KvconnectStats(KVConnectorStats):
     """kvconnect's counters for one interval, as the worker's native half reports them:
     `loads_done`, `loads_failed`, `sends_done`, `handshakes`, `handshakes_refused`,
-    `external_requests`, `external_tokens` and `cache_tokens_<connector>_<tier>`. Every value
+    `external_requests`, `external_tokens`, `loads_by_source_<source>` (`peer` or
+    `<connector>_<tier>`) and `cache_tokens_<connector>_<tier>`. Every value
     is a count, so workers' and intervals' stats add up."""
 
     def reset(self):
@@ -93,7 +94,8 @@ class KvconnectStats(KVConnectorStats):
 
 # Counters shown on vLLM's /metrics: (stats key, metric name, help).
 _PROM_COUNTERS = [
-    ("loads_done", "vllm:kvconnect_loads_done", "Requests whose external KV kvconnect finished loading."),
+    ("loads_done", "vllm:kvconnect_loads_done",
+     "Requests whose external KV kvconnect finished loading, from a prefill engine or a cache tier."),
     ("loads_failed", "vllm:kvconnect_loads_failed", "Requests whose external KV load failed."),
     ("sends_done", "vllm:kvconnect_sends_done", "Requests whose KV a peer finished reading from this engine."),
     ("handshakes", "vllm:kvconnect_handshakes", "Side-channel handshakes with prefill engines."),
@@ -103,9 +105,18 @@ _PROM_COUNTERS = [
 ]
 
 
+# Counters with a `source` label: (stats key prefix, metric name, help).
+_PROM_SOURCE_COUNTERS = [
+    ("cache_tokens_", "vllm:kvconnect_cache_tokens", "Prompt tokens each kvconnect cache tier supplied."),
+    ("loads_by_source_", "vllm:kvconnect_loads_by_source",
+     "Requests each source supplied external KV to: peer (a prefill engine) or a cache tier."),
+]
+
+
 class KvconnectPromMetrics(KVConnectorPromMetrics):
     """kvconnect's counters as Prometheus counters on vLLM's /metrics; the tokens each cache
-    tier supplied as `vllm:kvconnect_cache_tokens{source="<connector>_<tier>"}`."""
+    tier supplied as `vllm:kvconnect_cache_tokens{source="<connector>_<tier>"}` and the loads
+    each source served as `vllm:kvconnect_loads_by_source{source="peer"|"<connector>_<tier>"}`."""
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
@@ -115,11 +126,10 @@ class KvconnectPromMetrics(KVConnectorPromMetrics):
         for key, name, doc in _PROM_COUNTERS:
             c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self._counters[key] = create_metric_per_engine(c, per_engine_labelvalues)
-        self._cache_tokens = self._counter_cls(
-            name="vllm:kvconnect_cache_tokens",
-            documentation="Prompt tokens each kvconnect cache tier supplied.",
-            labelnames=labelnames + ["source"],
-        )
+        self._by_source = [
+            (prefix, self._counter_cls(name=name, documentation=doc, labelnames=labelnames + ["source"]))
+            for prefix, name, doc in _PROM_SOURCE_COUNTERS
+        ]
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
         for k, v in (transfer_stats_data or {}).items():
@@ -127,9 +137,10 @@ class KvconnectPromMetrics(KVConnectorPromMetrics):
                 continue
             if k in self._counters:
                 self._counters[k][engine_idx].inc(v)
-            elif k.startswith("cache_tokens_"):
-                labels = list(self.per_engine_labelvalues[engine_idx]) + [k[len("cache_tokens_"):]]
-                self._cache_tokens.labels(*labels).inc(v)
+                continue
+            for prefix, counter in self._by_source:
+                if k.startswith(prefix):
+                    counter.labels(*self.per_engine_labelvalues[engine_idx], k[len(prefix):]).inc(v)
 
 
 def _layer_index(name: str) -> int:

@@ -4,6 +4,7 @@
 //! registry, side channel and negotiation as kvconnect's own workers.
 
 mod error;
+mod ignored;
 mod joint;
 mod meta;
 mod peer_gate;

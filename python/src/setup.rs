@@ -6,6 +6,7 @@
 //! inputs, so they agree by construction.
 
 use crate::error::AdapterError;
+use crate::ignored;
 use crate::joint::Joint;
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{Conflict, EngineOptions, HmaOption, Negotiated};
@@ -125,13 +126,20 @@ impl Setup {
     pub fn from_vllm(side_json: &str) -> Result<Setup, AdapterError> {
         let side: VllmSide =
             serde_json::from_str(side_json).map_err(|e| AdapterError::Setup(e.to_string()))?;
+        if let Some(m) = ignored::misplaced_failure_policy(&side.extra_config) {
+            return Err(extra_err(m));
+        }
         let extra: AdapterExtra = serde_json::from_value(Value::Object(side.extra_config.clone()))
             .map_err(|e| extra_err(format!("{e}; its keys are {EXTRA_KEYS}")))?;
         let (mut config, joint) = match (&extra.kvconnect, &extra.deployment) {
             (Some(v), None) => (kvconnect_config(v)?, None),
             (None, Some(path)) => {
                 let j = Joint::load(path, extra.deployment_role.as_deref(), side.kv_role)?;
-                (j.config(), Some(j))
+                let config = j.config();
+                if let Some(p) = config.kv_load_failure_policy {
+                    tracing::warn!("kvconnect: the deployment file's {} kv_load_failure_policy ({p:?}) is for kvconnect's own workers; inside vLLM, vLLM applies its own, read only at the top level of --kv-transfer-config (default \"fail\")", j.role.name());
+                }
+                (config, Some(j))
             }
             (Some(_), Some(_)) => return Err(extra_err("give either 'kvconnect' (this server's kvconnect kv-transfer-config) or 'deployment' (a kvconnect deployment file with both roles' configs, negotiated jointly), not both")),
             (None, None) => return Err(extra_err(format!("no kvconnect connector named: give 'kvconnect' (a kvconnect kv-transfer-config, e.g. {{\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{{\"backend\":\"tcp\"}}}}) or 'deployment' (a kvconnect deployment file); its keys are {EXTRA_KEYS}"))),
@@ -179,6 +187,18 @@ impl Setup {
         // kvconnect.vllm allocates it in (shm_kv); a consumer reads the producer's segments.
         let shm_kv = nixl_backend(&transports).map_err(extra_err)?.is_some_and(|b| b.shm_regions)
             && matches!(role, KvRole::Producer | KvRole::Both);
+        let given: Vec<&str> = [
+            ("side_channel_host", extra.side_channel_host.is_some()),
+            ("side_channel_port", extra.side_channel_port.is_some()),
+        ]
+        .into_iter()
+        .filter_map(|(k, set)| set.then_some(k))
+        .collect();
+        if let Some(w) =
+            ignored::unused_side_channel(role, !transports.is_empty(), &config.kv_connector, &given)
+        {
+            tracing::warn!("kvconnect: {w}");
+        }
         let side_channel = match (transports.is_empty(), role, rank_port) {
             (true, _, _) | (false, KvRole::Consumer, _) => None,
             (false, _, Some(p)) if p > 0 => Some((host, p)),
@@ -331,5 +351,56 @@ fn data_plane_secret() -> Result<Option<Secret>, AdapterError> {
             Secret::from_text(&t, SECRET_ENV).map(Some).map_err(|e| extra_err(e.to_string()))
         }
         _ => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// vLLM's side as `kvconnect.vllm` passes it, over the reference model.
+    fn side(kv_role: &str, extra: Value) -> String {
+        let hf = include_str!("../../fixtures/models/kvconnect--reference/config.json");
+        json!({
+            "kv_role": kv_role, "engine_id": "e-setup", "extra_config": extra,
+            "hf_config": serde_json::from_str::<Value>(hf).unwrap(), "block_size": 16,
+            "cache_dtype": "auto", "model_dtype": "bfloat16", "hma": false, "tp_size": 1, "tp_rank": 0,
+            "kv_device": "cpu", "kv_cache_layout": "HND", "opaque_blocks": null,
+        })
+        .to_string()
+    }
+
+    fn refusal(kv_role: &str, extra: Value) -> String {
+        Setup::from_vllm(&side(kv_role, extra)).err().expect("refused").to_string()
+    }
+
+    #[test]
+    fn a_failure_policy_below_the_top_level_is_refused_at_startup() {
+        let nixl = json!({"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": "tcp"}});
+        let e = refusal("kv_consumer", json!({"kvconnect": nixl, "kv_load_failure_policy": "recompute"}));
+        assert!(e.starts_with("kvconnect: kv_connector_extra_config: kv_load_failure_policy is set in kv_connector_extra_config, "), "{e}");
+        assert!(!e.contains("unknown field"), "{e}");
+        let mut inner = nixl.clone();
+        inner["kv_load_failure_policy"] = json!("recompute");
+        let e = refusal("kv_consumer", json!({"kvconnect": inner}));
+        assert!(e.contains("is set in kv_connector_extra_config.kvconnect, where it has no effect"), "{e}");
+        assert!(
+            e.contains(r#"'{"kv_connector":"KvconnectConnector","kv_load_failure_policy":"recompute",...}'"#),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_consumer_starts_without_a_side_channel_even_when_given_a_port() {
+        let nixl = json!({"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": "tcp"}});
+        let s = Setup::from_vllm(&side("kv_consumer", json!({"kvconnect": nixl, "side_channel_port": 5600})))
+            .unwrap();
+        assert_eq!(s.side_channel, None);
+        let s = Setup::from_vllm(&side("kv_producer", json!({"kvconnect": nixl, "side_channel_port": 5600})))
+            .unwrap();
+        assert_eq!(s.side_channel, Some((IpAddr::V4(Ipv4Addr::LOCALHOST), 5600)));
+        let e = refusal("kv_producer", json!({"kvconnect": nixl}));
+        assert!(e.contains("set side_channel_port to a free port"), "{e}");
     }
 }

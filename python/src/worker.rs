@@ -11,13 +11,14 @@ use crate::sched_link::server::{SchedulerCounters, SchedulerServer};
 use crate::setup::Setup;
 use crate::shm_kv;
 use kvconnect_api::engine_tensor::{Placement, TensorDesc};
+use kvconnect_api::load_report::{self, TierTokens};
 use kvconnect_api::{BlockId, ConnectorError, LayerId, LayoutField, RequestId, WorkerConnector};
 use kvconnect_host::server::connector_setup;
 use kvconnect_host::server::peers::{peer_envelope, PeerFailure};
 use kvconnect_host::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
 use pyo3::prelude::*;
 use serde_json::json;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 
@@ -34,6 +35,9 @@ struct Counters {
     /// Tokens each cache tier supplied (`<connector>_<tier>`), from the connectors' load
     /// reports, taken as vLLM finishes each request.
     cache_tokens: BTreeMap<String, u64>,
+    /// Requests each source supplied KV to: `peer` (a prefill engine) or a cache tier
+    /// (`<connector>_<tier>`); a request two sources served counts once under each.
+    loads_by_source: BTreeMap<String, u64>,
 }
 
 impl Counters {
@@ -51,7 +55,41 @@ impl Counters {
         for (k, v) in &self.cache_tokens {
             m.insert(format!("cache_tokens_{k}"), *v);
         }
+        for (k, v) in &self.loads_by_source {
+            m.insert(format!("loads_by_source_{k}"), *v);
+        }
         m
+    }
+
+    /// A step's finished loads: each asynchronous one (`finished_recving`) is a load done as
+    /// it finishes; `async_loaded` keeps it until vLLM finishes the request.
+    fn count_async_loads(
+        &mut self,
+        recving: &[RequestId],
+        from_peer: &HashMap<String, Peer>,
+        async_loaded: &mut HashSet<String>,
+    ) {
+        for r in recving {
+            self.loads_done += 1;
+            if from_peer.contains_key(&r.0) {
+                *self.loads_by_source.entry("peer".to_owned()).or_default() += 1;
+            }
+            async_loaded.insert(r.0.clone());
+        }
+    }
+
+    /// A request vLLM finished, with what each cache tier supplied to it: a cache load that
+    /// was not asynchronous (lmcache loads within the step) never shows in
+    /// `finished_recving`, so it is a load done here.
+    fn count_finished(&mut self, tiers: Vec<TierTokens>, counted_async: bool) {
+        if !tiers.is_empty() && !counted_async {
+            self.loads_done += 1;
+        }
+        for t in tiers {
+            let source = format!("{}_{}", t.connector, t.tier);
+            *self.loads_by_source.entry(source.clone()).or_default() += 1;
+            *self.cache_tokens.entry(source).or_default() += t.tokens;
+        }
     }
 }
 
@@ -63,6 +101,8 @@ struct State {
     load_peer: HashMap<String, Peer>,
     /// Why a request's load cannot succeed (its peer was refused), for its failure report.
     failed_why: HashMap<String, String>,
+    /// Requests whose asynchronous load finished and was counted, until vLLM finishes them.
+    async_loaded: HashSet<String>,
     counters: Counters,
     /// The counters as last reported to vLLM (`take_stats_json`).
     reported: BTreeMap<String, u64>,
@@ -168,6 +208,7 @@ impl Worker {
             server: None,
             load_peer: HashMap::new(),
             failed_why: HashMap::new(),
+            async_loaded: HashSet::new(),
             counters: Counters::default(),
             reported: BTreeMap::new(),
         };
@@ -335,14 +376,12 @@ impl Worker {
         let mut forget = Vec::new();
         let f = self.with("get_finished", |s| {
             let f = s.conn.get_finished(&ids)?;
+            s.counters.count_async_loads(&f.finished_recving, &s.load_peer, &mut s.async_loaded);
             for r in &ids {
-                for t in kvconnect_api::load_report::take(engine, &r.0) {
-                    *s.counters.cache_tokens.entry(format!("{}_{}", t.connector, t.tier)).or_default() +=
-                        t.tokens;
-                }
+                let counted_async = s.async_loaded.remove(&r.0);
+                s.counters.count_finished(load_report::take(engine, &r.0), counted_async);
             }
             s.counters.sends_done += f.finished_sending.len() as u64;
-            s.counters.loads_done += f.finished_recving.len() as u64;
             s.counters.loads_failed += f.failed_recving.len() as u64;
             let failed: Vec<(String, String)> = f
                 .failed_recving
@@ -377,8 +416,9 @@ impl Worker {
         Ok(b.into_iter().map(|b| b.0).collect())
     }
 
-    /// Counters since start, as a JSON object of numbers: loads finished and failed, sends
-    /// finished, handshakes, tokens each cache tier supplied and, on the worker that serves
+    /// Counters since start, as a JSON object of numbers: loads finished (from a prefill
+    /// engine or a cache tier) and failed, loads by source, sends finished, handshakes, tokens
+    /// each cache tier supplied and, on the worker that serves
     /// the scheduler half, requests and tokens scheduled to load from outside.
     fn stats_json(&self) -> String {
         let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -411,5 +451,43 @@ impl Worker {
             source,
         })?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tier(connector: &str, tier: &str, tokens: u64) -> TierTokens {
+        TierTokens { connector: connector.into(), tier: tier.into(), tokens }
+    }
+
+    #[test]
+    fn every_load_is_done_once_and_counted_by_source() {
+        let mut c = Counters::default();
+        let mut async_loaded = HashSet::new();
+        let peer = Peer { engine_id: "prefill".into(), addr: "127.0.0.1:5600".into() };
+        let from_peer = HashMap::from([("p1".to_owned(), peer)]);
+        // A load from prefill and an asynchronous cache load (flexkv) finish; the cache
+        // load's tiers are reported when vLLM finishes the request.
+        c.count_async_loads(&["p1".into(), "f1".into()], &from_peer, &mut async_loaded);
+        c.count_finished(Vec::new(), async_loaded.remove("p1"));
+        c.count_finished(vec![tier("flexkv", "cpu", 64)], async_loaded.remove("f1"));
+        // A synchronous cache load (lmcache) never shows in finished_recving; two tiers served it.
+        c.count_finished(
+            vec![tier("lmcache", "cpu", 32), tier("lmcache", "disk", 16)],
+            async_loaded.remove("l1"),
+        );
+        // A request nothing was loaded for.
+        c.count_finished(Vec::new(), async_loaded.remove("n1"));
+        let m = c.named(&SchedulerCounters::default());
+        assert_eq!(m["loads_done"], 3);
+        assert_eq!(m["loads_by_source_peer"], 1);
+        assert_eq!(m["loads_by_source_flexkv_cpu"], 1);
+        assert_eq!(m["loads_by_source_lmcache_cpu"], 1);
+        assert_eq!(m["loads_by_source_lmcache_disk"], 1);
+        assert_eq!(m["cache_tokens_lmcache_cpu"], 32);
+        assert_eq!(m["cache_tokens_flexkv_cpu"], 64);
+        assert!(async_loaded.is_empty());
     }
 }

@@ -137,6 +137,16 @@ fn inspect_refuses_unknown_names_and_invalid_capabilities() {
     assert!(!out.status.success());
     let e = text(&out.stderr);
     assert!(e.contains("no connector named 'MooncakeConnector'") && e.contains("NixlConnector"), "{e}");
+    assert!(!e.contains("did you mean"), "{e}");
+    assert_eq!(e.trim_end().lines().count(), 1, "{e}");
+    // A misspelling gets the closest name besides the list.
+    let out = run_kvconnect(&["plugins", "inspect", "NixlConector"]);
+    assert!(!out.status.success());
+    let e = text(&out.stderr);
+    assert!(
+        e.contains("no connector named 'NixlConector' (did you mean 'NixlConnector'?): known connectors are"),
+        "{e}"
+    );
     assert_eq!(e.trim_end().lines().count(), 1, "{e}");
 
     let dir = tempfile::tempdir().unwrap();

@@ -6,7 +6,8 @@ computing it, with the same greedy output.
 
 vLLM's own prefix cache is off, so every reused token comes through the connector. The load
 is proven three ways: the adapter's scheduler log, vLLM's own external prefix-cache metric,
-and kvconnect's counters on vLLM's /metrics (through the connector stats hooks).
+and kvconnect's counters on vLLM's /metrics (through the connector stats hooks): tokens and
+loads done by cache tier.
 Exit status 0 when every check passed.
 """
 
@@ -14,11 +15,12 @@ import argparse
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, complete, external_tokens, kv_config, make_tiny_model, run_checks,
+    BLOCK, Failed, Server, complete, external_tokens, kv_config, make_tiny_model, metric, run_checks,
     run_refused, serving, tokens_of, wait_metric,
 )
 
@@ -76,6 +78,17 @@ def run_prefix_hit(model: str, logdir: Path, name: str, inner: dict, cache_sourc
             src = wait_metric(srv.url, "vllm:kvconnect_cache_tokens_total", total, f'source="{cache_source}"')
             if src != total:
                 raise Failed(f"{name}: kvconnect's metrics show {src} tokens from {cache_source}, expected {total}")
+            # Each request the cache served is a load done, once, whether the connector loads
+            # within the step (lmcache) or asynchronously (flexkv), and counted by its source.
+            n = len(want)
+            wait_metric(srv.url, "vllm:kvconnect_loads_done_total", n)
+            wait_metric(srv.url, "vllm:kvconnect_loads_by_source_total", n, f'source="{cache_source}"')
+            time.sleep(2)  # a late double count would land by now
+            done, by_src = (metric(srv.url, "vllm:kvconnect_loads_done_total"),
+                            metric(srv.url, "vllm:kvconnect_loads_by_source_total", f'source="{cache_source}"'))
+            if (done, by_src) != (n, n):
+                raise Failed(f"{name}: kvconnect's metrics show {done} loads done and {by_src} from {cache_source}, "
+                             f"expected {n} each (one per second run that loaded)\n{srv.tail()}")
         print(f"ok: {name} prefix hit inside vLLM: {len(want)} second runs loaded {total} prompt tokens "
               f"from kvconnect's connector (vLLM's external hits {vllm_hits:.0f}), outputs equal")
 

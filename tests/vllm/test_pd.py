@@ -1,7 +1,7 @@
 """kvconnect inside a real vLLM (CPU): prefill/decode through KvconnectConnector equals a
 monolithic server, token for token, and decode loads the prompt's KV instead of computing it.
 
-    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp] [--keep]
+    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp] [--parts pd,composite,refused] [--keep]
 
 Runs with the venv scripts/install-vllm.sh makes, with kvconnect installed into it
 (`VENV/bin/pip install ./python`). Servers run one or two at a time (about 4 GB each).
@@ -151,6 +151,8 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
     dec_adapter = dict(dec_adapter or {})
     if lure:
         dec_adapter["kv_producers"] = [f"127.0.0.1:{port}"]
+        # A port copied onto decode, where it means nothing: warned about, never served.
+        dec_adapter["side_channel_port"] = free_port()
     pre = Server(f"prefill-{label}", model, logdir, core=0,
                  kv_config=kv_config("kv_producer", pre_inner, port=port, **(pre_adapter or {})), tp=tp[0])
     dec = Server(f"decode-{label}", model, logdir, core=1,
@@ -187,19 +189,24 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         # kvconnect's counters reach vLLM's /metrics through the connector stats hooks.
         n, total = len(want), sum(want)
         loads = wait_metric(dec.url, "vllm:kvconnect_loads_done_total", n)
+        from_peer = wait_metric(dec.url, "vllm:kvconnect_loads_by_source_total", n, 'source="peer"')
         ext_m = wait_metric(dec.url, "vllm:kvconnect_external_tokens_total", total)
         vllm_ext = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", total)
         # Prefill holds every request's blocks for decode, loaded or not (decode computes a
         # prompt shorter than a block itself and releases it).
         sends = wait_metric(pre.url, "vllm:kvconnect_sends_done_total", len(ps))
-        if (loads, ext_m, vllm_ext, sends) != (n, total, total, len(ps)):
-            raise Failed(f"{label}: /metrics show decode loads {loads}, kvconnect external tokens {ext_m}, "
-                         f"vLLM external prefix-cache hits {vllm_ext}, prefill sends {sends}; expected {n}, "
-                         f"{total}, {total}, {len(ps)}")
+        if (loads, from_peer, ext_m, vllm_ext, sends) != (n, n, total, total, len(ps)):
+            raise Failed(f"{label}: /metrics show decode loads {loads} ({from_peer} from a peer), kvconnect external "
+                         f"tokens {ext_m}, vLLM external prefix-cache hits {vllm_ext}, prefill sends {sends}; "
+                         f"expected {n} ({n}), {total}, {total}, {len(ps)}")
         if not wait_log(dec, "KV Transfer metrics: kvconnect_"):
             raise Failed(f"{label}: vLLM's stats log never showed kvconnect's transfer metrics\n{dec.tail()}")
         if lure:
             check_unlisted_producer(pre, dec, label, prompts(9, [200])[0])
+            line = next((l for l in dec.text().splitlines() if "side_channel_port ignored" in l), "")
+            if "WARN" not in line or "a decode serves no side channel" not in line:
+                raise Failed(f"{label}: decode given side_channel_port did not warn that it ignores it: {line!r}\n{dec.tail()}")
+            print(f"ok: {label}: decode warned about its side_channel_port: {line.strip()[:300]}")
         if via_proxy:
             check_kvconnect_proxy(pre, dec, label, *via_proxy)
         segments = shared_kv_segments(pre.text())
@@ -230,17 +237,30 @@ def shared_kv_segments(log: str) -> list[str]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backends", default="shm,tcp")
+    ap.add_argument("--parts", default="pd,composite,refused",
+                    help="which checks: pd (each backend against monolithic), composite, refused (bad configs)")
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
     a = ap.parse_args()
+    parts = set(a.parts.split(","))
+    if not parts or parts - {"pd", "composite", "refused"}:
+        ap.error(f"--parts {a.parts!r}: give pd, composite and/or refused, comma-separated")
 
     def checks(model: str, tmp: Path):
+        if parts & {"pd", "composite"}:
+            pd_checks(model, tmp)
+        if "refused" in parts:
+            refused_checks(model, tmp)
+
+    def pd_checks(model: str, tmp: Path):
         ps, pp = prompts(), prompts(8, PROXY_PROMPT_LENS)
         out = run_monolithic(model, tmp, ps + pp)
         expected, expected_pp = out[:len(ps)], out[len(ps):]
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
-        for backend in a.backends.split(","):
+        for backend in a.backends.split(",") if "pd" in parts else []:
             run_pd(model, tmp, ps, f"nixl-{backend}", nixl(backend), nixl(backend), expected,
                    shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if backend == "shm" else None)
+        if "composite" not in parts:
+            return
         composite = {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [
             {"kv_connector": "LMCacheConnectorV1", "kv_connector_extra_config": {"chunk_size": BLOCK}},
             nixl("tcp")]}}
@@ -255,10 +275,17 @@ def main():
         dep = write_deployment(tmp / "composite.toml", model, composite, nixl("tcp"))
         run_pd(model, tmp, ps, "composite-joint", None, None, expected,
                pre_adapter={"deployment": str(dep)}, dec_adapter={"deployment": str(dep)})
+
+    def refused_checks(model: str, tmp: Path):
         run_refused(model, tmp, "hma-class-over-lmcache", {"kv_connector": "LMCacheConnectorV1"},
                     "name KvconnectConnector instead of KvconnectHmaConnector", cls="KvconnectHmaConnector")
-        run_refused(model, tmp, "unknown-connector", {"kv_connector": "NoSuchConnector"},
-                    "no connector named 'NoSuchConnector'")
+        # A misspelled name: every known name, and the closest one.
+        run_refused(model, tmp, "misspelled-connector", {"kv_connector": "NixlConector"},
+                    "no connector named 'NixlConector' (did you mean 'NixlConnector'?): known connectors are nixl, ")
+        # vLLM reads kv_load_failure_policy only at the top level of --kv-transfer-config.
+        run_refused(model, tmp, "failure-policy-inside-kvconnect",
+                    dict(nixl("tcp"), kv_load_failure_policy="recompute"),
+                    "kv_load_failure_policy is set in kv_connector_extra_config.kvconnect, where it has no effect")
         # A deployment file that says otherwise than vLLM runs is refused, naming the setting.
         bad = write_deployment(tmp / "block16.toml", model, nixl("tcp"), nixl("tcp"))
         bad.write_text(bad.read_text().replace("[decode]\n", "[decode]\nblock_size = 16\n"))
