@@ -14,7 +14,9 @@
 //! (default 64 MiB), and `tcp_socket_buffer` (bytes, default 4 MiB, 0 for the kernel's
 //! autotuning): each data socket's send and receive buffer.
 //! `kv_lease_max` (seconds, default four leases) caps how long renewals may keep a request's
-//! blocks; `max_connections` (default 64) caps the listener's connections.
+//! blocks; `max_connections` (default 64) caps the listener's connections; `idle_timeout`
+//! (seconds, default 300 or two leases, whichever is longer) is how long the listener keeps a
+//! connection that carries no request (consumers open a new one when it is gone).
 //!
 //! The listener's bound address is what the handshake metadata publishes, so for tcp between
 //! hosts set `host` to an address the decode host can reach (not `0.0.0.0`). Every connection
@@ -107,6 +109,9 @@ pub struct NixlConfig {
     pub lease_max: Duration,
     /// Connections the producer listener serves at once (`max_connections`); more are refused.
     pub max_connections: usize,
+    /// How long the producer listener keeps a connection that carries no request
+    /// (`idle_timeout`; default [`default_idle_timeout`] of the lease).
+    pub idle_timeout: Duration,
 }
 
 impl Default for NixlConfig {
@@ -128,9 +133,20 @@ impl Default for NixlConfig {
             secret: None,
             lease_max: Duration::from_secs(120),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            idle_timeout: default_idle_timeout(Duration::from_secs(30)),
         }
     }
 }
+
+/// Default of `idle_timeout` under a lease of `lease`: five minutes, or two leases when that
+/// is longer.
+pub fn default_idle_timeout(lease: Duration) -> Duration {
+    Duration::from_secs(300).max(lease * 2)
+}
+
+/// The range `idle_timeout` is accepted in, seconds: shorter closes connections between the
+/// messages of one transfer; longer keeps a serving thread per forgotten connection for days.
+pub const IDLE_TIMEOUT_RANGE: std::ops::RangeInclusive<f64> = 0.1..=86400.0;
 
 /// Default of `max_connections`: far above the decode workers a producer serves (one
 /// connection each), far below what would exhaust its threads.
@@ -291,6 +307,19 @@ impl NixlConfig {
         }
         let max_connections =
             count(extra, "max_connections", d.max_connections, 1..=65536, "a count between 1 and 65536")?;
+        let idle_timeout = seconds(extra, "idle_timeout", default_idle_timeout(lease))?;
+        if !IDLE_TIMEOUT_RANGE.contains(&idle_timeout.as_secs_f64()) {
+            return Err(ConnectorError::config(
+                NAME,
+                format!(
+                    "kv_connector_extra_config.idle_timeout = {}s: expected seconds from {} to {} (one day); leave it out for {}s",
+                    idle_timeout.as_secs_f64(),
+                    IDLE_TIMEOUT_RANGE.start(),
+                    IDLE_TIMEOUT_RANGE.end(),
+                    default_idle_timeout(lease).as_secs_f64()
+                ),
+            ));
+        }
         Ok(NixlConfig {
             copy_threads,
             tcp_streams,
@@ -300,6 +329,7 @@ impl NixlConfig {
             lease,
             lease_max,
             max_connections,
+            idle_timeout,
             secret: secret(extra)?,
             host: string(extra, "host")?.unwrap_or(d.host),
             port: port(extra, "port")?.unwrap_or(0),
@@ -404,6 +434,10 @@ mod tests {
             (json!({"tcp_streams": 17}), "tcp_streams = 17"),
             (json!({"tcp_socket_buffer": -1}), "tcp_socket_buffer = -1: expected bytes from 0"),
             (json!({"tcp_socket_buffer": 1e12}), "tcp_socket_buffer"),
+            (json!({"idle_timeout": 0}), "idle_timeout = 0: expected a positive number of seconds"),
+            (json!({"idle_timeout": 0.01}), "idle_timeout = 0.01s: expected seconds from 0.1 to 86400"),
+            (json!({"idle_timeout": 1e7}), "idle_timeout = 10000000s: expected seconds from 0.1"),
+            (json!({"idle_timeout": "soon"}), "idle_timeout = \"soon\": expected a positive number"),
         ] {
             let e = NixlConfig::from_config(&cfg(extra)).unwrap_err().to_string();
             assert!(e.contains(key), "{e}");
@@ -425,5 +459,15 @@ mod tests {
         assert_eq!(d.tcp_socket_buffer, crate::tcp_data::DEFAULT_SOCKET_BUFFER);
         let c = NixlConfig::from_config(&cfg(json!({"tcp_streams": 3, "tcp_socket_buffer": 0}))).unwrap();
         assert_eq!((c.tcp_streams, c.tcp_socket_buffer), (3, 0));
+    }
+
+    #[test]
+    fn idle_timeout_defaults_to_five_minutes_or_two_leases_and_can_be_set() {
+        let d = NixlConfig::from_config(&cfg(json!({}))).unwrap();
+        assert_eq!(d.idle_timeout, Duration::from_secs(300));
+        let long = NixlConfig::from_config(&cfg(json!({"kv_lease_duration": 200}))).unwrap();
+        assert_eq!(long.idle_timeout, Duration::from_secs(400));
+        let c = NixlConfig::from_config(&cfg(json!({"idle_timeout": 1.5}))).unwrap();
+        assert_eq!(c.idle_timeout, Duration::from_millis(1500));
     }
 }

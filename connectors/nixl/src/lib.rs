@@ -31,6 +31,7 @@ pub mod config;
 pub mod copy_plan;
 pub mod error;
 pub mod factory;
+pub mod idle_link;
 pub mod metadata;
 pub mod nixl_agent;
 pub mod nixl_lib;

@@ -74,8 +74,10 @@ pub enum Refusal {
     Malformed,
     /// A frame over the cap.
     Oversized,
-    /// A frame that did not arrive whole within its deadline, or an answer (a Read's blocks
-    /// included) its peer did not take whole within its deadline.
+    /// A frame that did not arrive whole within its deadline (a challenge never answered, a
+    /// frame stalled half-way), or an answer (a Read's blocks included) its peer did not take
+    /// whole within its deadline. A connection idle between frames past `idle_timeout` is
+    /// closed without a refusal.
     Timeout,
     /// A connection closed in the middle of a frame.
     Truncated,
@@ -548,6 +550,8 @@ fn frame_refusal(e: FrameError, stopping: bool) -> Refused {
         FrameError::TooLarge { .. } => (e.to_string(), Some(Refusal::Oversized)),
         FrameError::Malformed(_) => (e.to_string(), Some(Refusal::Malformed)),
         FrameError::Closed => ("closed".into(), None),
+        // Where a frame is due (the answer to the challenge): a peer that sends nothing.
+        FrameError::Idle(_) => (format!("the peer sent nothing: {e}"), Some(Refusal::Timeout)),
         FrameError::Io(e) if stopping => (format!("shutting down ({e})"), None),
         FrameError::Io(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
             (format!("reading a request: {e}"), Some(Refusal::Timeout))
@@ -626,6 +630,12 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
         {
             Ok(m) => m,
             Err(FrameError::Closed) => return Ok(()),
+            // A consumer keeps its connection between requests; one unused for this long is
+            // closed, and the consumer opens a new one when it needs it. Nothing was refused.
+            Err(e @ FrameError::Idle(_)) => {
+                tracing::debug!("nixl producer: closing an idle connection ({e})");
+                return Ok(());
+            }
             Err(e) => return Err(frame_refusal(e, s.stop.load(Ordering::Relaxed))),
         };
         let send = |w: &mut TcpStream, m: ServerMsg| {
@@ -746,6 +756,15 @@ mod tests {
     }
 
     fn leased_producer(io_timeout: Duration, lease: Duration, lease_max: Duration) -> (Producer, Regions) {
+        configured_producer(io_timeout, lease, lease_max, Duration::from_secs(30))
+    }
+
+    fn configured_producer(
+        io_timeout: Duration,
+        lease: Duration,
+        lease_max: Duration,
+        idle_timeout: Duration,
+    ) -> (Producer, Regions) {
         let m = model(2, 2, 8);
         let eff = effective(&m, KvLayout::HND, 4);
         let regions = Regions::allocate(&m, &eff, 8, None).unwrap();
@@ -756,7 +775,7 @@ mod tests {
             port: 0,
             lease,
             io_timeout,
-            idle_timeout: Duration::from_secs(30),
+            idle_timeout,
             max_frame: 1 << 20,
             unknown_grace: Duration::ZERO,
             secret: None,
@@ -849,5 +868,44 @@ mod tests {
         assert_eq!(read_deadline(io, 100_000_000, 1 << 40), Duration::from_secs(2));
         // Runs named over and over (a terabyte asked of a 100 MB request) get no longer.
         assert_eq!(read_deadline(io, 1 << 40, 100_000_000), Duration::from_secs(2));
+    }
+
+    /// Reads until `c` is closed; how long that took.
+    fn until_closed(c: &mut TcpStream) -> Duration {
+        let t0 = Instant::now();
+        let mut rest = Vec::new();
+        let _ = io::Read::read_to_end(c, &mut rest);
+        t0.elapsed()
+    }
+
+    fn timeouts(p: &Producer) -> u64 {
+        p.refusals().iter().find(|(r, _)| *r == "timeout").map_or(0, |(_, n)| *n)
+    }
+
+    #[test]
+    fn an_idle_connection_is_closed_without_a_refusal_a_stalled_frame_is_one() {
+        let (io, idle) = (Duration::from_millis(400), Duration::from_millis(200));
+        let (p, _regions) = configured_producer(io, Duration::from_secs(30), Duration::from_secs(120), idle);
+        let connect = || {
+            let c = TcpStream::connect(p.addr()).unwrap();
+            c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            c
+        };
+        // Authenticated, then idle between frames: closed after the idle timeout, no refusal.
+        let mut c = connect();
+        crate::wire::authenticate_client(&mut c, None, 1 << 20).unwrap();
+        let took = until_closed(&mut c);
+        assert!(took >= idle - Duration::from_millis(50) && took < io * 4, "{took:?}");
+        assert_eq!(timeouts(&p), 0, "an idle close is no refusal");
+        // A frame stalled half-way: closed after the io timeout, a refusal.
+        let mut c = connect();
+        crate::wire::authenticate_client(&mut c, None, 1 << 20).unwrap();
+        c.write_all(&20u32.to_be_bytes()).unwrap();
+        c.write_all(b"{\"op\"").unwrap();
+        until_closed(&mut c);
+        assert_eq!(timeouts(&p), 1, "a stalled frame is a timeout");
+        // A challenge never answered is one too.
+        until_closed(&mut connect());
+        assert_eq!(timeouts(&p), 2, "a challenge never answered is a timeout");
     }
 }

@@ -6,11 +6,10 @@
 
 use crate::copy_plan::CopyPlan;
 use crate::error::TransferError;
+use crate::idle_link::NoAnswer;
 use crate::metadata::{LoadSpec, PeerInfo, PeerKey};
 use crate::transport::Transport;
-use crate::wire::{
-    authenticate_client, read_frame, write_frame, ClientAuthError, ClientMsg, FrameError, ServerMsg,
-};
+use crate::wire::{authenticate_client, read_frame, ClientAuthError, ClientMsg, FrameError, ServerMsg};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::LayerId;
 use std::collections::HashMap;
@@ -197,20 +196,34 @@ impl Link<'_> {
         TransferError::Protocol { engine: self.peer.meta.engine_id.clone(), message }
     }
 
-    /// The control connection.
+    /// The control connection, as it is (in the middle of an answer, the rest of it is read
+    /// here); opened when there is none.
     pub fn control(&mut self) -> Result<&mut TcpStream, TransferError> {
-        let engine = self.peer.meta.engine_id.clone();
-        self.streams(1)?.first_mut().ok_or(TransferError::UnknownPeer(engine))
+        let (peer, key) = (self.peer, self.peer.key());
+        let open = self.conns.open.get(&key).is_some_and(|(g, v)| *g == peer.generation && !v.is_empty());
+        if !open {
+            self.streams(1)?;
+        }
+        let first = self.conns.open.get_mut(&key).and_then(|(_, v)| v.first_mut());
+        first.ok_or(TransferError::UnknownPeer(key.engine))
     }
 
-    /// `n` authenticated connections (the first is the control connection), opened as needed
-    /// and kept.
-    pub fn streams(&mut self, n: usize) -> Result<&mut [TcpStream], TransferError> {
+    /// `n` authenticated connections (the first is the control connection) to start requests
+    /// on, opened as needed and kept, with how many of them were kept from before. Kept ones
+    /// the producer closed while they sat idle are dropped first ([`crate::idle_link`]).
+    pub fn streams(&mut self, n: usize) -> Result<(usize, &mut [TcpStream]), TransferError> {
         let (peer, key) = (self.peer, self.peer.key());
         if self.conns.open.get(&key).is_some_and(|(generation, v)| {
             *generation != peer.generation || v.iter().any(|s| s.peer_addr().ok() != Some(peer.addr))
         }) {
             self.conns.open.remove(&key);
+        }
+        if let Some((_, v)) = self.conns.open.get_mut(&key) {
+            let before = v.len();
+            v.retain(crate::idle_link::still_open);
+            if v.len() < before {
+                tracing::debug!(engine = %key.engine, addr = %peer.addr, "nixl: producer engine '{}' closed {} idle connection(s); opening new ones", key.engine, before - v.len());
+            }
         }
         let have = self.conns.open.get(&key).map_or(0, |(_, v)| v.len());
         for _ in have..n.max(1) {
@@ -225,7 +238,7 @@ impl Link<'_> {
             self.conns.open.entry(key.clone()).or_insert_with(|| (peer.generation, Vec::new())).1.push(s);
         }
         match self.conns.open.get_mut(&key) {
-            Some((_, v)) => Ok(&mut v[..n.max(1)]),
+            Some((_, v)) => Ok((have.min(n.max(1)), &mut v[..n.max(1)])),
             None => Err(TransferError::UnknownPeer(key.engine)),
         }
     }
@@ -251,13 +264,36 @@ impl Link<'_> {
         })
     }
 
-    /// Sends one control message and reads its answer.
+    /// Sends one control message and reads its answer. When a kept connection turns out
+    /// closed by the producer before any byte of the answer arrived (it closed it as idle just
+    /// as the message went out), the message is sent once more on a new connection; every
+    /// message may be ([`crate::idle_link`] says why).
     pub fn call(&mut self, msg: &ClientMsg) -> Result<ServerMsg, TransferError> {
+        let kept = self.streams(1)?.0 > 0;
+        let first = self.ask(msg)?;
+        let answer = match first {
+            Err(closed) if kept => {
+                tracing::debug!(engine = %self.peer.meta.engine_id, "nixl: producer engine '{}' closed a kept connection before answering ({closed}); asking again on a new one", self.peer.meta.engine_id);
+                self.close();
+                self.ask(msg)?
+            }
+            other => other,
+        };
+        answer.map_err(|closed| self.io("asking", closed))
+    }
+
+    /// Sends `msg` on the control connection and reads its answer; the inner `Err` when the
+    /// producer closed the connection before any byte of the answer arrived.
+    fn ask(&mut self, msg: &ClientMsg) -> Result<Result<ServerMsg, io::Error>, TransferError> {
         let cap = self.conns.cfg.max_frame;
         let s = self.control()?;
-        let sent = write_frame(s, msg);
-        let answer = sent.map_err(FrameError::Io).and_then(|_| read_frame::<_, ServerMsg>(s, cap));
-        answer.map_err(|e| self.frame_err("asking", e))
+        match crate::idle_link::send_and_await(s, msg) {
+            Ok(()) => {}
+            Err(NoAnswer::Closed(e)) => return Ok(Err(e)),
+            Err(NoAnswer::Io(e)) => return Err(self.io("asking", e)),
+        }
+        let answer = read_frame::<_, ServerMsg>(s, cap);
+        answer.map(Ok).map_err(|e| self.frame_err("asking", e))
     }
 
     fn expect_ok(&mut self, msg: &ClientMsg) -> Result<(), TransferError> {

@@ -3,7 +3,8 @@
 //! destination blocks. A large pull is cut into shares received on parallel streams
 //! (`copy_plan::split_runs`), each an authenticated connection of its own.
 
-use crate::wire::{read_frame, write_frame, ClientMsg, FrameError, ServerMsg};
+use crate::idle_link::NoAnswer;
+use crate::wire::{read_frame, ClientMsg, FrameError, ServerMsg};
 use socket2::{Domain, Protocol, SockRef, Socket, Type};
 use std::io::{self, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -76,6 +77,9 @@ pub enum ShareError {
     /// Reading the block bytes.
     #[error("{0}")]
     Io(io::Error),
+    /// The producer closed the connection before any byte of the answer arrived.
+    #[error("{0}")]
+    Closed(io::Error),
     /// The producer refused the read.
     #[error("{0}")]
     Refused(String),
@@ -93,7 +97,11 @@ pub fn receive_share(
     cap: usize,
 ) -> Result<(), ShareError> {
     let want: u64 = views.iter().map(|v| v.len() as u64).sum();
-    write_frame(stream, read).map_err(FrameError::Io)?;
+    match crate::idle_link::send_and_await(stream, read) {
+        Ok(()) => {}
+        Err(NoAnswer::Closed(e)) => return Err(ShareError::Closed(e)),
+        Err(NoAnswer::Io(e)) => return Err(ShareError::Frame(FrameError::Io(e))),
+    }
     match read_frame::<_, ServerMsg>(stream, cap)? {
         ServerMsg::Data { bytes } if bytes == want => {}
         ServerMsg::Error { reason } => return Err(ShareError::Refused(reason)),

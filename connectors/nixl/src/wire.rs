@@ -114,6 +114,9 @@ pub enum FrameError {
     /// The peer closed the connection between frames.
     #[error("connection closed")]
     Closed,
+    /// No frame started within the wait allowed between frames.
+    #[error("no frame started within {:.1}s", .0.as_secs_f64())]
+    Idle(std::time::Duration),
     /// A socket error (timeouts included).
     #[error("{0}")]
     Io(#[from] io::Error),
@@ -194,8 +197,9 @@ pub fn authenticate_client(
 }
 
 /// Reads one frame from `stream` (through `reader`, which buffers it): waits up to `idle`
-/// for the frame to start, then allows the whole rest of it until `within` has passed, so a
-/// peer that drips a frame a byte at a time loses its connection, as one that stalls does.
+/// for the frame to start ([`FrameError::Idle`] when none does), then allows the whole rest
+/// of it until `within` has passed, so a peer that drips a frame a byte at a time loses its
+/// connection, as one that stalls half-way does (a timeout, [`FrameError::Io`]).
 pub fn read_frame_within<T: for<'de> Deserialize<'de>>(
     reader: &mut io::BufReader<std::net::TcpStream>,
     cap: usize,
@@ -204,8 +208,13 @@ pub fn read_frame_within<T: for<'de> Deserialize<'de>>(
 ) -> Result<T, FrameError> {
     use io::BufRead;
     reader.get_ref().set_read_timeout(Some(idle))?;
-    if reader.fill_buf()?.is_empty() {
-        return Err(FrameError::Closed);
+    match reader.fill_buf() {
+        Ok([]) => return Err(FrameError::Closed),
+        Ok(_) => {}
+        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+            return Err(FrameError::Idle(idle))
+        }
+        Err(e) => return Err(FrameError::Io(e)),
     }
     let deadline = std::time::Instant::now() + within;
     read_frame(&mut Deadline { reader, deadline }, cap)

@@ -269,7 +269,7 @@ impl WorkerConnector for NixlWorker {
                     port: self.cfg.port,
                     lease: self.cfg.lease,
                     io_timeout: self.cfg.io_timeout,
-                    idle_timeout: Duration::from_secs(300).max(self.cfg.lease * 2),
+                    idle_timeout: self.cfg.idle_timeout,
                     max_frame: self.cfg.max_frame_bytes,
                     unknown_grace: (self.cfg.io_timeout / 2).min(Duration::from_secs(3)),
                     secret: self.cfg.secret.clone(),

@@ -866,6 +866,11 @@ fn overlapping_reads_cannot_hold_blocks_past_the_lease_cap() {
 /// A load of `req` from `p` into `d` (blocks 1..4 on both sides); returns what decode reported.
 fn load_one(p: &mut Engine, d: &mut Engine, req: &str) -> FinishedTransfers {
     let params = prefill_finish(p, req, 9, &[1, 2, 3]);
+    decode_load(d, req, params)
+}
+
+/// Decode's load of `req` (9 tokens) into its blocks 1..4 with `params`, to its end.
+fn decode_load(d: &mut Engine, req: &str, params: serde_json::Map<String, Value>) -> FinishedTransfers {
     decode_start(d, req, 9, params, &[1, 2, 3]);
     wait_finished(d.worker.as_mut(), |f| !f.failed_recving.is_empty() || !f.finished_recving.is_empty())
 }
@@ -922,5 +927,162 @@ fn two_shm_producers_claiming_one_engine_id_each_serve_their_own_loads() {
         let f = load_one(p, &mut d, &req);
         assert_eq!(f.finished_recving, vec![RequestId::from(req.as_str())], "{f:?}");
         assert_same_kv(p, &[1, 2, 3], &mut d, &[1, 2, 3], 8);
+    }
+}
+
+/// Decode keeps its connections to a producer between loads, and the producer closes those
+/// idle past its `idle_timeout`: the next load opens new ones and lands its bytes (decode's
+/// blocks are zeroed before each load, so only a real load passes), never failing on a
+/// closed connection; the close counts as no refusal.
+fn a_load_after_idle_connections_were_closed_is_served(backend: &str, tag: &str, consumer_more: Value) {
+    let id = format!("prefill-idle-{tag}");
+    let extra = json!({"backend": backend, "kv_lease_duration": 30, "io_timeout": 2, "idle_timeout": 0.3,
+        "side_channel_host": "127.0.0.1", "side_channel_port": 5600});
+    let shm = shm_prefix(tag);
+    let shm = (backend == "shm").then_some(shm.as_str());
+    let mut p = engine(KvRole::Producer, &id, KvLayout::HND, 4, extra, shm);
+    let mut d = consumer_with(backend, KvLayout::HND, 4, consumer_more);
+    handshake_as(&mut p, &mut d, &id);
+    for round in 0..3 {
+        for i in 0..d.mem.regions().len() {
+            d.mem.bytes_mut(i).fill(0);
+        }
+        let req = format!("idle-{round}");
+        let f = load_one(&mut p, &mut d, &req);
+        assert_eq!(f.finished_recving, vec![RequestId::from(req.as_str())], "{backend} round {round}: {f:?}");
+        assert!(f.failed_recving.is_empty(), "{f:?}");
+        assert_same_kv(&mut p, &[1, 2, 3], &mut d, &[1, 2, 3], 8);
+        // Well past the idle timeout: the producer has closed decode's connections.
+        std::thread::sleep(Duration::from_millis(900));
+    }
+    assert_eq!(refused(&id, "timeout"), 0, "{backend}: an idle connection closed is no refusal");
+}
+
+#[test]
+fn a_tcp_load_after_the_producer_closed_idle_connections_is_served() {
+    a_load_after_idle_connections_were_closed_is_served("tcp", "ia", json!({}));
+}
+
+#[test]
+fn a_tcp_load_on_parallel_streams_after_they_were_closed_idle_is_served() {
+    let more = json!({"tcp_streams": 3, "tcp_stream_min_bytes": 1024});
+    a_load_after_idle_connections_were_closed_is_served("tcp", "ib", more);
+}
+
+#[test]
+fn an_shm_load_after_the_producer_closed_idle_connections_is_served() {
+    a_load_after_idle_connections_were_closed_is_served("shm", "ic", json!({}));
+}
+
+/// A connection to `l` within `within`, if one comes.
+fn accept_within(l: &TcpListener, within: Duration) -> Option<TcpStream> {
+    l.set_nonblocking(true).unwrap();
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        if let Ok((s, _)) = l.accept() {
+            s.set_nonblocking(false).unwrap();
+            return Some(s);
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    None
+}
+
+/// A tcp producer that serves connection `i` for `plan[i]` messages, then reads one more and
+/// closes without answering it (`usize::MAX`: serves it to the end), as an idle close that
+/// lands just as a request goes out does. Returns its address and a handle that joins to the
+/// number of connections it accepted (waiting up to 10 s for each planned one), counting any
+/// that come in the 500 ms after its plan.
+fn closing_producer(plan: Vec<usize>) -> (String, std::thread::JoinHandle<usize>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let h = std::thread::spawn(move || {
+        let mut accepted = 0;
+        for answers in plan {
+            let Some(mut s) = accept_within(&l, Duration::from_secs(10)) else { return accepted };
+            accepted += 1;
+            let server_nonce = auth::nonce().unwrap();
+            write_frame(&mut s, &ServerMsg::Challenge { nonce: server_nonce.clone() }).unwrap();
+            let Ok(ClientMsg::Auth { nonce, .. }) = read_frame(&mut s, 1 << 20) else { break };
+            let proof = auth::proof(None, CHANNEL, Side::Server, &server_nonce, &nonce);
+            write_frame(&mut s, &ServerMsg::Authenticated { proof }).unwrap();
+            for served in 0.. {
+                let Ok(m) = read_frame::<_, ClientMsg>(&mut s, 1 << 24) else { break };
+                if served == answers {
+                    break; // closed without an answer
+                }
+                match m {
+                    ClientMsg::Read { runs, .. } => {
+                        let total: u64 = runs.iter().map(|r| r.2).sum();
+                        write_frame(&mut s, &ServerMsg::Data { bytes: total }).unwrap();
+                        s.write_all(&vec![7u8; total as usize]).unwrap();
+                    }
+                    _ => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
+                }
+            }
+        }
+        accepted + usize::from(accept_within(&l, Duration::from_millis(500)).is_some())
+    });
+    (addr, h)
+}
+
+/// Loads `req` (as `load_one` does); returns what decode reported and how long it took.
+fn load_from(p: &mut Engine, d: &mut Engine, req: &str) -> (FinishedTransfers, Duration) {
+    let t0 = Instant::now();
+    let f = load_one(p, d, req);
+    (f, t0.elapsed())
+}
+
+/// The handshake of `p`, its listener address replaced by `at`.
+fn handshake_at(p: &mut Engine, d: &mut Engine, at: &str) {
+    let mut meta = p.worker.handshake_metadata().unwrap().unwrap();
+    meta["listen"] = json!(at);
+    d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta})).unwrap();
+}
+
+#[test]
+fn a_kept_connection_closed_as_the_request_goes_out_is_asked_again_once_on_a_new_one() {
+    let mut p = producer("tcp", KvLayout::HND, 4, 30.0, "id");
+    // The first connection serves the first load (read, done), then closes on the next read
+    // without answering it; the second serves everything.
+    let (fake, h) = closing_producer(vec![2, usize::MAX]);
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    handshake_at(&mut p, &mut d, &fake);
+    let (f, _) = load_from(&mut p, &mut d, "first");
+    assert_eq!(f.finished_recving, vec![RequestId::from("first")], "{f:?}");
+    let (f, _) = load_from(&mut p, &mut d, "second");
+    assert_eq!(f.finished_recving, vec![RequestId::from("second")], "{f:?}");
+    drop(d);
+    assert_eq!(h.join().unwrap(), 2, "one new connection for the request asked again");
+}
+
+#[test]
+fn a_producer_that_closes_fresh_connections_too_fails_the_load_after_one_retry() {
+    let mut p = producer("tcp", KvLayout::HND, 4, 30.0, "ie");
+    // The kept connection closes on the second load's read, and so does the new one.
+    let (fake, h) = closing_producer(vec![2, 0]);
+    let mut d = consumer("tcp", KvLayout::HND, 4);
+    handshake_at(&mut p, &mut d, &fake);
+    assert_eq!(load_from(&mut p, &mut d, "first").0.finished_recving, vec![RequestId::from("first")]);
+    let (f, took) = load_from(&mut p, &mut d, "second");
+    assert_eq!(f.failed_recving, vec![RequestId::from("second")], "{f:?}");
+    assert!(took < Duration::from_secs(3), "failed fast: {took:?}");
+    assert_eq!(h.join().unwrap(), 2, "asked again once, not in a loop");
+}
+
+#[test]
+fn a_producer_that_is_gone_fails_the_load_at_once() {
+    for backend in ["tcp", "shm"] {
+        let tag = if backend == "tcp" { "if" } else { "ig" };
+        let mut p = producer(backend, KvLayout::HND, 4, 30.0, tag);
+        let mut d = consumer(backend, KvLayout::HND, 4);
+        handshake(&mut p, &mut d);
+        assert_eq!(load_from(&mut p, &mut d, "first").0.finished_recving, vec![RequestId::from("first")]);
+        let params = prefill_finish(&mut p, "second", 9, &[1, 2, 3]);
+        p.worker.shutdown().unwrap();
+        let t0 = Instant::now();
+        let f = decode_load(&mut d, "second", params);
+        assert_eq!(f.failed_recving, vec![RequestId::from("second")], "{backend}");
+        assert!(t0.elapsed() < Duration::from_secs(2), "{backend}: {:?}", t0.elapsed());
     }
 }

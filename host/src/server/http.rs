@@ -264,7 +264,7 @@ async fn prom(State(st): State<Arc<AppState>>) -> Response {
 /// Peers the data plane refused, by listener and reason: the side channel's, and this
 /// server's nixl producer listener's (when it runs one).
 fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnapshot) -> Vec<Sample> {
-    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: unauthenticated (no valid proof of the deployment's secret; on the side channel, no proof at all), wrong_secret (side channel: a proof that does not verify), bad_capability (a request named with a capability not its own), malformed, oversized, truncated (closed mid-frame), timeout (a frame not whole within its deadline, read or written), too_many_connections, read_not_served (a read to a backend that copies without it), lease_cap (a hold, check or read past kv_lease_max).";
+    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: unauthenticated (no valid proof of the deployment's secret; on the side channel, no proof at all), wrong_secret (side channel: a proof that does not verify), bad_capability (a request named with a capability not its own), malformed, oversized, truncated (closed mid-frame), timeout (a frame not whole within its deadline, read or written; a connection idle between frames past idle_timeout is closed without one), too_many_connections, read_not_served (a read to a backend that copies without it), lease_cap (a hold, check or read past kv_lease_max).";
     let one = |listener: &str, reason: &str, v: u64| {
         Sample::counter("kvconnect_data_plane_refused", HELP, v)
             .with(vec![("listener", listener.into()), ("reason", reason.into())])

@@ -60,7 +60,10 @@ impl Tcp {
     }
 
     /// A direct plan: its runs cut into one share per stream, each asked for on its own
-    /// connection and received into place, the streams on threads of their own.
+    /// connection and received into place, the streams on threads of their own. When a kept
+    /// connection turns out closed by the producer before it answered (closed as idle just as
+    /// the read went out), every share is asked for once more on new connections: a share
+    /// received again lands the same bytes in the same place ([`crate::idle_link`]).
     fn receive(
         &self,
         link: &mut Link<'_>,
@@ -68,6 +71,30 @@ impl Tcp {
         load: &LoadSpec,
         plan: &CopyPlan,
     ) -> Result<(), TransferError> {
+        let (kept, mut failed) = self.receive_shares(link, dst, load, plan)?;
+        if kept && matches!(failed, Some(ShareError::Closed(_))) {
+            tracing::debug!(request = %load.request, "nixl: a kept connection was closed by the producer before it answered a read; reading again on new connections");
+            link.close();
+            failed = self.receive_shares(link, dst, load, plan)?.1;
+        }
+        if let Some(e) = failed {
+            let e = share_err(link, e);
+            // Another stream may have stopped mid-answer: reuse none of them.
+            link.close();
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// One round of [`Tcp::receive`]: whether any connection was kept from before, and the
+    /// first share's failure.
+    fn receive_shares(
+        &self,
+        link: &mut Link<'_>,
+        dst: &mut LocalRegions,
+        load: &LoadSpec,
+        plan: &CopyPlan,
+    ) -> Result<(bool, Option<ShareError>), TransferError> {
         let CopyPlan::Direct(runs) = plan else {
             return Err(TransferError::Plan("an adapting plan is received on one stream".into()));
         };
@@ -81,7 +108,7 @@ impl Tcp {
             })
             .collect();
         let cap = link.config().max_frame;
-        let streams = link.streams(shares.len())?;
+        let (kept, streams) = link.streams(shares.len())?;
         let mut jobs = streams.iter_mut().zip(reads.iter()).zip(views);
         let results: Vec<Result<(), ShareError>> =
             match jobs.next() {
@@ -101,13 +128,7 @@ impl Tcp {
                     out
                 }),
             };
-        if let Some(e) = results.into_iter().find_map(Result::err) {
-            let e = share_err(link, e);
-            // Another stream may have stopped mid-answer: reuse none of them.
-            link.close();
-            return Err(e);
-        }
-        Ok(())
+        Ok((kept > 0, results.into_iter().find_map(Result::err)))
     }
 
     /// An adapting plan: one `read` of its source blocks on the control connection, each
@@ -148,6 +169,7 @@ fn share_err(link: &Link<'_>, e: ShareError) -> TransferError {
     match e {
         ShareError::Frame(f) => link.frame_err("asking", f),
         ShareError::Io(e) => link.io("reading block data", e),
+        ShareError::Closed(e) => link.io("asking", e),
         ShareError::Refused(reason) => link.refused(reason),
         ShareError::Protocol(message) => link.protocol(message),
     }
