@@ -221,6 +221,16 @@ pub trait WorkerConnector: Send {
         Ok(())
     }
 
+    /// The engine preempted these requests: their blocks are freed once this returns and this
+    /// step's forward may overwrite them. A connector that still reads or writes a preempted
+    /// request's blocks in the background (an asynchronous save) finishes or drops that work
+    /// before returning. Nothing by default: a connector without background work on a
+    /// running request's blocks has nothing to do. A plugin's worker half answers with this
+    /// default: the plugin ABI has no entry for it yet.
+    fn handle_preemptions(&mut self, _preempted: &[RequestId]) -> ConnectorResult<()> {
+        Ok(())
+    }
+
     /// Requests whose sending or receiving finished since the last call.
     fn get_finished(&mut self, finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers>;
 

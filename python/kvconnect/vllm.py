@@ -54,9 +54,11 @@ _CPU_OPAQUE = "vLLM's CPU attention backend stores K transposed inside a block"
 
 @dataclass
 class KvconnectMetadata(KVConnectorMetadata):
-    """One step's metadata: bytes the scheduler half made for the worker half."""
+    """One step's metadata: bytes the scheduler half made for the worker half, and the
+    requests vLLM preempted this step (for `handle_preemptions`; usually none)."""
 
     data: bytes
+    preempted: tuple[str, ...] = ()
 
 
 @dataclass
@@ -96,6 +98,8 @@ _PROM_COUNTERS = [
     ("loads_done", "vllm:kvconnect_loads_done", "Requests whose external KV kvconnect finished loading."),
     ("loads_failed", "vllm:kvconnect_loads_failed", "Requests whose external KV load failed."),
     ("sends_done", "vllm:kvconnect_sends_done", "Requests whose KV a peer finished reading from this engine."),
+    ("loads_preempted", "vllm:kvconnect_loads_preempted",
+     "Requests vLLM preempted after they loaded external KV (the loaded KV is dropped and recomputed or loaded again)."),
     ("handshakes", "vllm:kvconnect_handshakes", "Side-channel handshakes with prefill engines."),
     ("handshakes_refused", "vllm:kvconnect_handshakes_refused", "Handshakes refused (descriptors differ, wrong engine)."),
     ("external_requests", "vllm:kvconnect_external_requests", "Requests scheduled to load KV from outside."),
@@ -262,6 +266,10 @@ class KvconnectConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_ids: dict[str, int] = {}
         self._step = 0
+        # Scheduler: requests that loaded external KV, until they finish; and how many of
+        # them vLLM preempted since the stats were last taken.
+        self._loaded: set[str] = set()
+        self._preempted_loads = 0
         self._save_blocks: tuple[int, list[int]] = (-1, [])
         from vllm.platforms import current_platform
 
@@ -340,6 +348,14 @@ class KvconnectConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         self._worker.wait_for_save()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        """vLLM frees the preempted requests' blocks before this step's forward: the
+        connector finishes or drops its background work on them first (flexkv waits for
+        their saves in flight). Nothing to do, and no call, in a step without preemptions."""
+        preempted = getattr(kv_connector_metadata, "preempted", ())
+        if preempted:
+            self._worker.handle_preemptions(list(preempted))
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._worker.bind_connector_meta(connector_metadata.data)
@@ -387,7 +403,9 @@ class KvconnectConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if self._worker is None:
-            return None
+            # The scheduler's own count: preempted requests that had loaded external KV.
+            n, self._preempted_loads = self._preempted_loads, 0
+            return KvconnectStats(data={"loads_preempted": n}) if n else None
         delta = json.loads(self._worker.take_stats_json())
         return KvconnectStats(data=delta) if delta else None
 
@@ -443,6 +461,7 @@ class KvconnectConnector(KVConnectorBase_V1):
             int(num_external_tokens),
         )
         if num_external_tokens > 0:
+            self._loaded.add(request.request_id)
             logger.info(
                 "kvconnect scheduler: request %s loads %d external tokens", request.request_id, num_external_tokens
             )
@@ -455,9 +474,19 @@ class KvconnectConnector(KVConnectorBase_V1):
             scheduled += list(getattr(cached, "req_ids", []))
         finished = sorted(getattr(scheduler_output, "finished_req_ids", set()) or set())
         data = self._scheduler.build_connector_meta(self._step, scheduled, finished)
-        return KvconnectMetadata(data=data)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if not preempted:
+            return KvconnectMetadata(data=data)
+        for r in sorted(preempted):
+            if r in self._loaded:
+                self._loaded.discard(r)
+                self._preempted_loads += 1
+                logger.info("kvconnect scheduler: request %s preempted after loading external KV; "
+                            "its blocks are freed and its prompt is recomputed or loaded again", r)
+        return KvconnectMetadata(data=data, preempted=tuple(sorted(preempted)))
 
     def request_finished(self, request, block_ids):
+        self._loaded.discard(request.request_id)
         delay, params = self._scheduler.request_finished(
             request.request_id, list(request.prompt_token_ids or []), _params(request), _block_lists(block_ids)
         )
