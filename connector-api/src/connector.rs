@@ -189,6 +189,15 @@ pub trait SchedulerConnector: Send {
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
         Ok(Vec::new())
     }
+
+    /// Empties the connector's store (vLLM's `/reset_prefix_cache?reset_external=true`), so
+    /// that no later request loads what was stored before. `Ok(false)` when it cannot be
+    /// emptied now (a transfer holds stored blocks; the caller may retry), changing nothing.
+    /// `Ok(true)` by default: a connector without a store has nothing to reset. A plugin's
+    /// scheduler half answers with this default: the plugin ABI has no entry for it yet.
+    fn reset_cache(&mut self) -> ConnectorResult<bool> {
+        Ok(true)
+    }
 }
 
 /// The worker half (vLLM's worker-side methods).

@@ -485,6 +485,15 @@ class KvconnectConnector(KVConnectorBase_V1):
                             "its blocks are freed and its prompt is recomputed or loaded again", r)
         return KvconnectMetadata(data=data, preempted=tuple(sorted(preempted)))
 
+    def reset_cache(self) -> Optional[bool]:
+        """vLLM's `POST /reset_prefix_cache?reset_external=true`: every rank's connector
+        empties its store (lmcache's and flexkv's tiers; a connector without a store has
+        nothing to reset). False while a transfer holds stored blocks: vLLM answers
+        `{"success": false}` and the caller may retry."""
+        ok = bool(self._scheduler.reset_cache())
+        logger.info("kvconnect scheduler: reset_cache: %s", "store emptied" if ok else "refused now, retry later")
+        return ok
+
     def request_finished(self, request, block_ids):
         self._loaded.discard(request.request_id)
         delay, params = self._scheduler.request_finished(

@@ -10,7 +10,9 @@ use crate::meta::{self, Peer, StepPeers};
 use crate::sched_link::client::RemoteScheduler;
 use crate::setup::Setup;
 use kvconnect_api::tp_ranks::{self, params_for_rank};
-use kvconnect_api::{BlockId, BlocksPerGroup, MatchResult, Request, RequestId, SchedulerConnector, StepInfo};
+use kvconnect_api::{
+    BlockId, BlocksPerGroup, MatchResult, Request, RequestId, SchedulerConnector, StepInfo,
+};
 use kvconnect_host::server::peers::remote_peer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -205,6 +207,14 @@ impl Scheduler {
         })?;
         let bytes = meta::encode(&each).map_err(AdapterError::Meta)?;
         Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Empties every rank's store (vLLM's `/reset_prefix_cache?reset_external=true`): true
+    /// when every rank's half emptied its own, false when one could not now (vLLM's caller
+    /// may retry). Every rank is asked, whatever the others answered.
+    fn reset_cache(&self) -> PyResult<bool> {
+        let each = self.each("reset_cache", |_, rank| rank.conn.reset_cache())?;
+        Ok(each.into_iter().all(|ok| ok))
     }
 
     /// `(delay_free, kv_transfer_params as JSON or None)`: blocks kept while any rank keeps
