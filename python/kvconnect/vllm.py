@@ -274,6 +274,8 @@ class KvconnectConnector(KVConnectorBase_V1):
         from vllm.platforms import current_platform
 
         self._whole_blocks = current_platform.is_cpu()
+        ev = getattr(vllm_config, "kv_events_config", None)
+        self._events_on = bool(ev is not None and getattr(ev, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _kvconnect.Scheduler(_setup_json(vllm_config, 0))
             summary = self._scheduler.summary()
@@ -493,6 +495,23 @@ class KvconnectConnector(KVConnectorBase_V1):
         ok = bool(self._scheduler.reset_cache())
         logger.info("kvconnect scheduler: reset_cache: %s", "store emptied" if ok else "refused now, retry later")
         return ok
+
+    def take_events(self):
+        """The connector's KV events (lmcache's and flexkv's stores) as vLLM's BlockStored
+        and BlockRemoved, medium the connector's tier. Asked only when vLLM publishes KV
+        events (`--kv-events-config`), so a server without them pays no call per step."""
+        if not self._events_on:
+            return ()
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        out = []
+        for stored, hashes, tier in self._scheduler.take_events():
+            if stored:
+                out.append(BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                                       block_size=self._block_size, lora_id=None, medium=tier, lora_name=None))
+            else:
+                out.append(BlockRemoved(block_hashes=list(hashes), medium=tier))
+        return out
 
     def request_finished(self, request, block_ids):
         self._loaded.discard(request.request_id)
