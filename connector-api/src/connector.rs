@@ -189,6 +189,15 @@ pub trait SchedulerConnector: Send {
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
         Ok(Vec::new())
     }
+
+    /// Empties the connector's store (vLLM's `/reset_prefix_cache?reset_external=true`), so
+    /// that no later request loads what was stored before. `Ok(false)` when it cannot be
+    /// emptied now (a transfer holds stored blocks; the caller may retry), changing nothing.
+    /// `Ok(true)` by default: a connector without a store has nothing to reset. A plugin's
+    /// scheduler half answers with this default: the plugin ABI has no entry for it yet.
+    fn reset_cache(&mut self) -> ConnectorResult<bool> {
+        Ok(true)
+    }
 }
 
 /// The worker half (vLLM's worker-side methods).
@@ -218,6 +227,16 @@ pub trait WorkerConnector: Send {
     /// a connector that saves synchronously (or not at all) is done when `save_kv_layer`
     /// returns.
     fn wait_for_save(&mut self) -> ConnectorResult<()> {
+        Ok(())
+    }
+
+    /// The engine preempted these requests: their blocks are freed once this returns and this
+    /// step's forward may overwrite them. A connector that still reads or writes a preempted
+    /// request's blocks in the background (an asynchronous save) finishes or drops that work
+    /// before returning. Nothing by default: a connector without background work on a
+    /// running request's blocks has nothing to do. A plugin's worker half answers with this
+    /// default: the plugin ABI has no entry for it yet.
+    fn handle_preemptions(&mut self, _preempted: &[RequestId]) -> ConnectorResult<()> {
         Ok(())
     }
 

@@ -54,9 +54,11 @@ _CPU_OPAQUE = "vLLM's CPU attention backend stores K transposed inside a block"
 
 @dataclass
 class KvconnectMetadata(KVConnectorMetadata):
-    """One step's metadata: bytes the scheduler half made for the worker half."""
+    """One step's metadata: bytes the scheduler half made for the worker half, and the
+    requests vLLM preempted this step (for `handle_preemptions`; usually none)."""
 
     data: bytes
+    preempted: tuple[str, ...] = ()
 
 
 @dataclass
@@ -98,6 +100,8 @@ _PROM_COUNTERS = [
      "Requests whose external KV kvconnect finished loading, from a prefill engine or a cache tier."),
     ("loads_failed", "vllm:kvconnect_loads_failed", "Requests whose external KV load failed."),
     ("sends_done", "vllm:kvconnect_sends_done", "Requests whose KV a peer finished reading from this engine."),
+    ("loads_preempted", "vllm:kvconnect_loads_preempted",
+     "Requests vLLM preempted after they loaded external KV (the loaded KV is dropped and recomputed or loaded again)."),
     ("handshakes", "vllm:kvconnect_handshakes", "Side-channel handshakes with prefill engines."),
     ("handshakes_refused", "vllm:kvconnect_handshakes_refused", "Handshakes refused (descriptors differ, wrong engine)."),
     ("external_requests", "vllm:kvconnect_external_requests", "Requests scheduled to load KV from outside."),
@@ -273,10 +277,16 @@ class KvconnectConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._layer_ids: dict[str, int] = {}
         self._step = 0
+        # Scheduler: requests that loaded external KV, until they finish; and how many of
+        # them vLLM preempted since the stats were last taken.
+        self._loaded: set[str] = set()
+        self._preempted_loads = 0
         self._save_blocks: tuple[int, list[int]] = (-1, [])
         from vllm.platforms import current_platform
 
         self._whole_blocks = current_platform.is_cpu()
+        ev = getattr(vllm_config, "kv_events_config", None)
+        self._events_on = bool(ev is not None and getattr(ev, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = _kvconnect.Scheduler(_setup_json(vllm_config, 0))
             summary = self._scheduler.summary()
@@ -351,6 +361,14 @@ class KvconnectConnector(KVConnectorBase_V1):
     def wait_for_save(self):
         self._worker.wait_for_save()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        """vLLM frees the preempted requests' blocks before this step's forward: the
+        connector finishes or drops its background work on them first (flexkv waits for
+        their saves in flight). Nothing to do, and no call, in a step without preemptions."""
+        preempted = getattr(kv_connector_metadata, "preempted", ())
+        if preempted:
+            self._worker.handle_preemptions(list(preempted))
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._worker.bind_connector_meta(connector_metadata.data)
@@ -398,7 +416,9 @@ class KvconnectConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if self._worker is None:
-            return None
+            # The scheduler's own count: preempted requests that had loaded external KV.
+            n, self._preempted_loads = self._preempted_loads, 0
+            return KvconnectStats(data={"loads_preempted": n}) if n else None
         delta = json.loads(self._worker.take_stats_json())
         return KvconnectStats(data=delta) if delta else None
 
@@ -454,6 +474,7 @@ class KvconnectConnector(KVConnectorBase_V1):
             int(num_external_tokens),
         )
         if num_external_tokens > 0:
+            self._loaded.add(request.request_id)
             logger.info(
                 "kvconnect scheduler: request %s loads %d external tokens", request.request_id, num_external_tokens
             )
@@ -466,9 +487,45 @@ class KvconnectConnector(KVConnectorBase_V1):
             scheduled += list(getattr(cached, "req_ids", []))
         finished = sorted(getattr(scheduler_output, "finished_req_ids", set()) or set())
         data = self._scheduler.build_connector_meta(self._step, scheduled, finished)
-        return KvconnectMetadata(data=data)
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        if not preempted:
+            return KvconnectMetadata(data=data)
+        for r in sorted(preempted):
+            if r in self._loaded:
+                self._loaded.discard(r)
+                self._preempted_loads += 1
+                logger.info("kvconnect scheduler: request %s preempted after loading external KV; "
+                            "its blocks are freed and its prompt is recomputed or loaded again", r)
+        return KvconnectMetadata(data=data, preempted=tuple(sorted(preempted)))
+
+    def reset_cache(self) -> Optional[bool]:
+        """vLLM's `POST /reset_prefix_cache?reset_external=true`: every rank's connector
+        empties its store (lmcache's and flexkv's tiers; a connector without a store has
+        nothing to reset). False while a transfer holds stored blocks: vLLM answers
+        `{"success": false}` and the caller may retry."""
+        ok = bool(self._scheduler.reset_cache())
+        logger.info("kvconnect scheduler: reset_cache: %s", "store emptied" if ok else "refused now, retry later")
+        return ok
+
+    def take_events(self):
+        """The connector's KV events (lmcache's and flexkv's stores) as vLLM's BlockStored
+        and BlockRemoved, medium the connector's tier. Asked only when vLLM publishes KV
+        events (`--kv-events-config`), so a server without them pays no call per step."""
+        if not self._events_on:
+            return ()
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+        out = []
+        for stored, hashes, tier in self._scheduler.take_events():
+            if stored:
+                out.append(BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
+                                       block_size=self._block_size, lora_id=None, medium=tier, lora_name=None))
+            else:
+                out.append(BlockRemoved(block_hashes=list(hashes), medium=tier))
+        return out
 
     def request_finished(self, request, block_ids):
+        self._loaded.discard(request.request_id)
         delay, params = self._scheduler.request_finished(
             request.request_id, list(request.prompt_token_ids or []), _params(request), _block_lists(block_ids)
         )

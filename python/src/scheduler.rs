@@ -10,7 +10,9 @@ use crate::meta::{self, Peer, StepPeers};
 use crate::sched_link::client::RemoteScheduler;
 use crate::setup::Setup;
 use kvconnect_api::tp_ranks::{self, params_for_rank};
-use kvconnect_api::{BlockId, BlocksPerGroup, MatchResult, Request, RequestId, SchedulerConnector, StepInfo};
+use kvconnect_api::{
+    BlockId, BlocksPerGroup, KvEvent, MatchResult, Request, RequestId, SchedulerConnector, StepInfo,
+};
 use kvconnect_host::server::peers::remote_peer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -205,6 +207,32 @@ impl Scheduler {
         })?;
         let bytes = meta::encode(&each).map_err(AdapterError::Meta)?;
         Ok(PyBytes::new(py, &bytes))
+    }
+
+    /// Empties every rank's store (vLLM's `/reset_prefix_cache?reset_external=true`): true
+    /// when every rank's half emptied its own, false when one could not now (vLLM's caller
+    /// may retry). Every rank is asked, whatever the others answered.
+    fn reset_cache(&self) -> PyResult<bool> {
+        let each = self.each("reset_cache", |_, rank| rank.conn.reset_cache())?;
+        Ok(each.into_iter().all(|ok| ok))
+    }
+
+    /// The connector's KV events since the last call, as `(stored, hashes, tier)`: rank 0's,
+    /// since every rank stores its share of the same blocks under the same hashes (the
+    /// other ranks' queues are bounded and drop their oldest).
+    fn take_events(&self) -> PyResult<Vec<(bool, Vec<u64>, String)>> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(rank) = st.ranks.first_mut() else {
+            return Err(AdapterError::NotAttached { call: "take_events" }.into());
+        };
+        let events = rank.conn.take_events().map_err(self.err("take_events"))?;
+        Ok(events
+            .into_iter()
+            .map(|e| match e {
+                KvEvent::Stored { hashes, tier } => (true, hashes, tier),
+                KvEvent::Removed { hashes, tier } => (false, hashes, tier),
+            })
+            .collect())
     }
 
     /// `(delay_free, kv_transfer_params as JSON or None)`: blocks kept while any rank keeps

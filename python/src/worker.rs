@@ -362,6 +362,13 @@ impl Worker {
         Ok(self.with("wait_for_save", |s| s.conn.wait_for_save())?)
     }
 
+    /// vLLM preempted these requests and frees their blocks after this returns: the
+    /// connector finishes or drops its background work on them first.
+    fn handle_preemptions(&self, preempted: Vec<String>) -> PyResult<()> {
+        let ids: Vec<RequestId> = preempted.into_iter().map(RequestId).collect();
+        Ok(self.with("handle_preemptions", |s| s.conn.handle_preemptions(&ids))?)
+    }
+
     /// `(finished sending, finished receiving, failed receiving)`: request ids, a failed one
     /// with why it failed (the refused handshake's field diff and remedy, when that is why).
     /// A peer a load failed from for another reason is forgotten: the next request

@@ -14,7 +14,7 @@
 use crate::cpu_tier::CpuTier;
 use crate::hash::checksum;
 use crate::mempool::SlotPool;
-use crate::radix::{Insert, RadixIndex, State, Tier};
+use crate::radix::{Insert, NodeView, RadixIndex, State, Tier};
 use crate::ssd_tier::{SsdReadError, SsdTier};
 use kvconnect_api::KvEvent;
 use std::collections::VecDeque;
@@ -255,6 +255,36 @@ impl BlockCache {
             promoted: r(&c.promoted),
             events_dropped: self.lock().events_dropped,
         }
+    }
+
+    /// Empties the cache (vLLM's `/reset_prefix_cache?reset_external=true`): every block
+    /// leaves the tree and its slots are freed, each tier's as one `Removed` event. Returns
+    /// `None`, changing nothing, while a load or save holds a block or a block is still being
+    /// written (the caller may retry), else how many blocks were removed.
+    pub fn clear(&self) -> Option<usize> {
+        let mut g = self.lock();
+        let views: Vec<(u64, NodeView)> =
+            g.index.hashes().into_iter().filter_map(|h| g.index.get(h).map(|v| (h, v))).collect();
+        if views.iter().any(|(_, v)| v.refs > 0 || v.state == State::Pending) {
+            return None;
+        }
+        g.index = RadixIndex::new();
+        let (mut on_cpu, mut on_ssd) = (Vec::new(), Vec::new());
+        for (h, v) in &views {
+            g.free([v.cpu, v.ssd]);
+            if v.cpu.is_some() {
+                on_cpu.push(*h);
+            }
+            if v.ssd.is_some() {
+                on_ssd.push(*h);
+            }
+        }
+        for (hashes, tier) in [(on_cpu, Tier::Cpu), (on_ssd, Tier::Ssd)] {
+            if !hashes.is_empty() {
+                g.event(KvEvent::Removed { hashes, tier: tier.name().to_owned() });
+            }
+        }
+        Some(views.len())
     }
 
     /// Events since the last call.
@@ -647,6 +677,32 @@ mod tests {
         assert_eq!(c.match_len(&b), 2);
         assert_eq!(c.stats().evicted, 1);
         assert_eq!(load(&c, a[1]).unwrap(), (Tier::Cpu, expected(1, 64)));
+    }
+
+    #[test]
+    fn clear_empties_the_cache_unless_a_block_is_held() {
+        let c = BlockCache::new(4, 8, None, false, String::new());
+        let a = block_hashes(1, &[1, 2, 3], 1);
+        store_chain(&c, &a, 0);
+        c.take_events();
+        assert_eq!(c.pin_prefix(&a, 2), 2);
+        assert_eq!(c.clear(), None, "a pinned block keeps the cache as it is");
+        assert_eq!(c.match_len(&a), 3);
+        c.unpin(&a[..2]);
+        assert_eq!(c.clear(), Some(3));
+        assert_eq!((c.match_len(&a), c.sizes()), (0, (0, 0, 0)));
+        let removed: Vec<u64> = c
+            .take_events()
+            .into_iter()
+            .flat_map(|e| match e {
+                KvEvent::Removed { hashes, .. } => hashes,
+                KvEvent::Stored { .. } => panic!("stored event on clear"),
+            })
+            .collect();
+        assert_eq!(removed.len(), 3);
+        // The freed slots take new blocks.
+        let b = block_hashes(9, &[4, 5, 6, 7], 1);
+        assert_eq!(store_chain(&c, &b, 0), vec![StoreOutcome::Stored; 4]);
     }
 
     #[test]

@@ -292,6 +292,11 @@ impl RadixIndex {
         }
     }
 
+    /// Every block's hash, in no particular order.
+    pub fn hashes(&self) -> Vec<u64> {
+        self.map.keys().copied().collect()
+    }
+
     /// A snapshot of a block's node.
     pub fn get(&self, hash: u64) -> Option<NodeView> {
         self.map.get(&hash).map(|&idx| {

@@ -229,6 +229,21 @@ impl SchedulerConnector for FlexkvScheduler {
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
         Ok(self.engine.cache.take_events())
     }
+
+    fn reset_cache(&mut self) -> ConnectorResult<bool> {
+        match self.engine.cache.clear() {
+            Some(n) => {
+                tracing::info!(blocks = n, "flexkv: reset: the cache was emptied");
+                Ok(true)
+            }
+            None => {
+                tracing::info!(
+                    "flexkv: reset refused: a load or save holds cached blocks; retry once it is done"
+                );
+                Ok(false)
+            }
+        }
+    }
 }
 
 impl Drop for FlexkvScheduler {

@@ -29,6 +29,10 @@ use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
+use std::time::Duration;
+
+/// How long `handle_preemptions` waits for a preempted request's saves in flight.
+const PREEMPTED_SAVE_WAIT: Duration = Duration::from_secs(60);
 
 enum Done {
     /// A load ended; `tiers` counts the blocks the CPU and SSD tiers supplied.
@@ -68,6 +72,8 @@ pub struct FlexkvWorker {
     loads: Vec<LoadOp>,
     saves: Vec<SaveOp>,
     saving: HashMap<RequestId, Saving>,
+    /// Completions `handle_preemptions` received while waiting, for `get_finished`.
+    early: Vec<Done>,
     load_errors: Vec<BlockId>,
 }
 
@@ -90,6 +96,7 @@ impl FlexkvWorker {
             loads: Vec::new(),
             saves: Vec::new(),
             saving: HashMap::new(),
+            early: Vec::new(),
             load_errors: Vec::new(),
         })
     }
@@ -348,7 +355,9 @@ impl WorkerConnector for FlexkvWorker {
             }
         }
         let mut out = FinishedTransfers::default();
-        while let Ok(d) = self.done_rx.try_recv() {
+        let mut done = std::mem::take(&mut self.early);
+        done.extend(self.done_rx.try_iter());
+        for d in done {
             match d {
                 Done::Load { req, failed: None, tiers } => {
                     // Which tier supplied the request's tokens, for the host's report.
@@ -386,6 +395,44 @@ impl WorkerConnector for FlexkvWorker {
 
     fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {
         Ok(std::mem::take(&mut self.load_errors))
+    }
+
+    /// A preempted request's blocks are freed and reused by this step's forward: its saves
+    /// not yet submitted are dropped (their blocks would be read after the overwrite), and
+    /// those in flight, which read the blocks from transfer threads, are waited for.
+    fn handle_preemptions(&mut self, preempted: &[RequestId]) -> ConnectorResult<()> {
+        let (dropped, kept) =
+            std::mem::take(&mut self.saves).into_iter().partition(|s| preempted.contains(&s.req));
+        self.saves = kept;
+        for s in dropped {
+            tracing::debug!(req = %s.req, "flexkv: the save of a preempted request is dropped");
+            if let Some(st) = self.saving.get_mut(&s.req) {
+                st.outstanding = st.outstanding.saturating_sub(1);
+            }
+        }
+        let in_flight = |saving: &HashMap<RequestId, Saving>| {
+            preempted.iter().any(|r| saving.get(r).is_some_and(|s| s.outstanding > 0))
+        };
+        while in_flight(&self.saving) {
+            match self.done_rx.recv_timeout(PREEMPTED_SAVE_WAIT) {
+                Ok(Done::Save { req }) => {
+                    if let Some(s) = self.saving.get_mut(&req) {
+                        s.outstanding = s.outstanding.saturating_sub(1);
+                    }
+                }
+                Ok(other) => self.early.push(other),
+                Err(_) => {
+                    return Err(ConnectorError::io(
+                        NAME,
+                        format!(
+                            "a save of a preempted request did not finish within {} s, so its blocks cannot be handed back safely; the transfer threads are stuck (see the log above for a failing SSD write)",
+                            PREEMPTED_SAVE_WAIT.as_secs()
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(())
     }
 
     fn shutdown(&mut self) -> ConnectorResult<()> {

@@ -454,3 +454,62 @@ fn two_engines_share_one_ssd_cache_dir_each_in_a_private_subdirectory() {
         assert_eq!((mode(s), mode(&s.join("tier.ssd"))), (0o700, 0o600));
     }
 }
+
+/// Computes `prompt` into fresh blocks in one step, as the engine does, up to the point where
+/// its saves are queued (`bind_connector_meta`); returns the request and its blocks.
+fn compute_until_saves_queued(sim: &mut Sim, id: &str, prompt: &[u32]) -> (Request, Vec<BlockId>) {
+    let req =
+        Request { id: id.into(), prompt_tokens: prompt.to_vec(), kv_transfer_params: Default::default() };
+    assert_eq!(
+        sim.sched.get_num_new_matched_tokens(&req, 0).unwrap(),
+        MatchResult::Matched { tokens: 0, async_load: false }
+    );
+    let blocks: Vec<BlockId> =
+        (0..prompt.len().div_ceil(BS)).map(|_| BlockId(sim.free.pop().unwrap())).collect();
+    sim.sched.update_state_after_alloc(&req, &BlocksPerGroup(vec![blocks.clone()]), 0).unwrap();
+    for (i, b) in blocks.iter().enumerate() {
+        sim.write_block(*b, &prompt[..((i + 1) * BS).min(prompt.len())]);
+    }
+    sim.meta(std::slice::from_ref(&req.id));
+    sim.worker.start_load_kv().unwrap();
+    (req, blocks)
+}
+
+#[test]
+fn a_preempted_requests_saves_in_flight_finish_before_its_blocks_are_reused() {
+    let mut sim = Sim::new(effective(KvLayout::NHD), json!({"cpu_cache_gb": gb(64.0)}), "preempt", 64);
+    let prompt = tokens(5, 6 * BS + 1);
+    let (req, blocks) = compute_until_saves_queued(&mut sim, "a", &prompt);
+    sim.worker.wait_for_save().unwrap(); // the saves run on the transfer threads now
+    sim.worker.handle_preemptions(std::slice::from_ref(&req.id)).unwrap();
+    // The engine frees the blocks and the next forward overwrites them.
+    for b in &blocks {
+        sim.fill_block(*b, 0xAB);
+    }
+    let again = sim.run("b", &prompt);
+    assert_eq!(again.matched, 6 * BS, "every full block was stored before the blocks were reused");
+    assert!(
+        again.wrong_blocks.is_empty(),
+        "blocks {:?} hold the overwrite, not the prompt's KV",
+        again.wrong_blocks
+    );
+}
+
+#[test]
+fn a_preempted_requests_queued_saves_are_dropped_and_it_still_finishes() {
+    let mut sim = Sim::new(effective(KvLayout::NHD), json!({"cpu_cache_gb": gb(64.0)}), "preempt-queued", 64);
+    let prompt = tokens(6, 4 * BS + 1);
+    let (req, blocks) = compute_until_saves_queued(&mut sim, "a", &prompt);
+    // Preempted before this step's saves were submitted: they would read reused blocks.
+    sim.worker.handle_preemptions(std::slice::from_ref(&req.id)).unwrap();
+    for b in &blocks {
+        sim.fill_block(*b, 0xAB);
+    }
+    sim.worker.wait_for_save().unwrap();
+    assert_eq!(sim.lookup(&prompt), 0, "nothing of the preempted request was stored");
+    // Its save count went back to zero: finishing it reports it finished sending at once,
+    // so its blocks are not held forever.
+    sim.sched.request_finished(&req, &BlocksPerGroup(vec![blocks])).unwrap();
+    let f = sim.worker.get_finished(std::slice::from_ref(&req.id)).unwrap();
+    assert_eq!(f.finished_sending, vec![req.id.clone()]);
+}

@@ -83,6 +83,13 @@ impl CpuTier {
         Ok(evicted)
     }
 
+    /// Removes every chunk; returns their keys.
+    pub fn clear(&mut self) -> Vec<ChunkKey> {
+        self.used = 0;
+        self.lru.clear();
+        self.map.drain().map(|(k, _)| k).collect()
+    }
+
     /// Evicts least recently used chunks until `len` more bytes fit (or the tier is empty)
     /// and returns them.
     pub fn evict_for(&mut self, len: u64) -> Vec<(ChunkKey, ChunkData)> {

@@ -263,6 +263,20 @@ impl DiskTier {
         (i.map.len() as u64, i.used, self.budget)
     }
 
+    /// Removes every chunk and its file; returns their keys.
+    pub fn clear(&self) -> Vec<ChunkKey> {
+        let keys: Vec<ChunkKey> = {
+            let mut i = self.lock();
+            i.lru.clear();
+            i.used = 0;
+            i.map.drain().map(|(k, _)| k).collect()
+        };
+        for k in &keys {
+            let _ = std::fs::remove_file(self.path_of(k));
+        }
+        keys
+    }
+
     /// Removes least recently used chunks until `incoming` more bytes fit; returns how many.
     fn evict_until(&self, incoming: u64) -> u64 {
         let mut n = 0;

@@ -201,4 +201,10 @@ impl SchedulerConnector for LmcacheScheduler {
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
         Ok(self.store.take_events())
     }
+
+    fn reset_cache(&mut self) -> ConnectorResult<bool> {
+        let n = self.store.clear();
+        tracing::info!(chunks = n, "lmcache: reset: the CPU and disk tiers were emptied");
+        Ok(true)
+    }
 }

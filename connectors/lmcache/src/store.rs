@@ -441,6 +441,36 @@ impl ChunkStore {
         }
     }
 
+    /// Empties the local tiers (vLLM's `/reset_prefix_cache?reset_external=true`): the
+    /// chunks still queued for the disk are written first, then every CPU and disk chunk is
+    /// removed, each as a `Removed` event. A remote tier is shared with other engines and is
+    /// left as it is. Returns how many chunks were removed.
+    pub fn clear(&self) -> usize {
+        self.flush();
+        let mut n = 0;
+        if let Some(cpu) = &self.cpu {
+            let keys = lock(cpu).clear();
+            n += keys.len();
+            if !keys.is_empty() {
+                self.shared.event(KvEvent::Removed {
+                    hashes: keys.iter().map(|k| k.0[0]).collect(),
+                    tier: "cpu".into(),
+                });
+            }
+        }
+        if let Some(disk) = &self.shared.disk {
+            let keys = disk.clear();
+            n += keys.len();
+            if !keys.is_empty() {
+                self.shared.event(KvEvent::Removed {
+                    hashes: keys.iter().map(|k| k.0[0]).collect(),
+                    tier: "disk".into(),
+                });
+            }
+        }
+        n
+    }
+
     /// Events since the last call.
     pub fn take_events(&self) -> Vec<KvEvent> {
         lock(&self.shared.events).drain(..).collect()
@@ -505,5 +535,44 @@ fn writer_loop(sh: &Shared, rx: mpsc::Receiver<Job>) {
                 sh.recycle(data);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn clear_empties_the_cpu_and_disk_tiers() {
+        let dir = tempfile::tempdir().unwrap();
+        // Room for one 800-byte chunk in the CPU tier: the first goes to disk when the second
+        // comes.
+        let cfg = LmcacheConfig {
+            max_local_cpu_size: 1000.0 / 1e9,
+            local_disk: Some(dir.path().to_owned()),
+            max_local_disk_size: 0.001,
+            ..LmcacheConfig::default()
+        };
+        let store = ChunkStore::open(&cfg).unwrap();
+        let (a, b) = (ChunkKey([1, 1]), ChunkKey([2, 2]));
+        store.put(a, vec![7u8; 800]);
+        store.put(b, vec![8u8; 800]);
+        store.flush();
+        assert!(store.contains(&a) && store.contains(&b));
+        store.take_events();
+        assert_eq!(store.clear(), 2);
+        assert!(!store.contains(&a) && !store.contains(&b));
+        assert!(store.get(&a).is_none() && store.get(&b).is_none());
+        let removed: Vec<(Vec<u64>, String)> = store
+            .take_events()
+            .into_iter()
+            .map(|e| match e {
+                KvEvent::Removed { hashes, tier } => (hashes, tier),
+                KvEvent::Stored { .. } => panic!("a stored event on clear"),
+            })
+            .collect();
+        assert_eq!(removed, vec![(vec![2], "cpu".to_owned()), (vec![1], "disk".to_owned())]);
+        let files = std::fs::read_dir(dir.path()).unwrap().filter_map(Result::ok);
+        assert_eq!(files.filter(|f| f.file_name().to_string_lossy().ends_with(".chunk")).count(), 0);
     }
 }

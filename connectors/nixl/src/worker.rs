@@ -373,7 +373,8 @@ impl WorkerConnector for NixlWorker {
                 }
                 Err(e) => {
                     tracing::warn!(request = %load.request, engine = %load.remote_engine_id, "nixl: loading request {} failed: {e}", load.request);
-                    self.error_blocks.extend(load.local_blocks.0.iter().flatten().copied());
+                    let (groups, bs) = (self.ctx.effective.groups.len(), self.ctx.effective.block_size);
+                    self.error_blocks.extend(load.written_blocks(groups, bs as usize));
                     out.failed_recving.push(load.request);
                 }
             }

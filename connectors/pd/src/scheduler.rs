@@ -193,4 +193,13 @@ impl SchedulerConnector for PdScheduler {
         }
         Ok(out)
     }
+
+    fn reset_cache(&mut self) -> ConnectorResult<bool> {
+        // Every child is asked, even after one could not reset now.
+        let mut all = true;
+        for (name, child) in self.children.iter_mut() {
+            all &= child.reset_cache().map_err(|e| child_err(name, e))?;
+        }
+        Ok(all)
+    }
 }

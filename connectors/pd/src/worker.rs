@@ -113,6 +113,10 @@ impl WorkerConnector for PdWorker {
         self.each(|c| c.wait_for_save())
     }
 
+    fn handle_preemptions(&mut self, preempted: &[RequestId]) -> ConnectorResult<()> {
+        self.each(|c| c.handle_preemptions(preempted))
+    }
+
     fn get_finished(&mut self, finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
         let mut out = FinishedTransfers {
             finished_sending: std::mem::take(&mut self.ready_sending),

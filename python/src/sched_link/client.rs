@@ -133,4 +133,11 @@ impl SchedulerConnector for RemoteScheduler {
             (r, _) => Err(self.unexpected("take_events", r)),
         }
     }
+
+    fn reset_cache(&mut self) -> ConnectorResult<bool> {
+        match self.call(&Call::Reset)? {
+            (Reply::Reset(ok), _) => Ok(ok),
+            (r, _) => Err(self.unexpected("reset_cache", r)),
+        }
+    }
 }

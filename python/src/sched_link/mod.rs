@@ -35,6 +35,8 @@ pub enum Call {
     Finished { request: Request, blocks: BlocksPerGroup },
     /// `take_events`.
     Events,
+    /// `reset_cache`.
+    Reset,
 }
 
 /// The answer to a [`Call`].
@@ -51,6 +53,8 @@ pub enum Reply {
     Finished(RequestFinished),
     /// To `Events`.
     Events(Vec<KvEvent>),
+    /// To `Reset`: whether the store was emptied.
+    Reset(bool),
     /// The connector's error, or why the call could not be served.
     Error(ConnectorError),
 }

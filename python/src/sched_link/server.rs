@@ -126,6 +126,7 @@ fn serve(
                 (c.request_finished(&request, &blocks).map(Reply::Finished), None)
             }
             Call::Events => (c.take_events().map(Reply::Events), None),
+            Call::Reset => (c.reset_cache().map(Reply::Reset), None),
         };
         drop(c);
         let reply = reply.unwrap_or_else(Reply::Error);

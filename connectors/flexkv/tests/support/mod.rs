@@ -117,7 +117,7 @@ pub struct Sim {
     pub regions: Vec<Vec<u8>>,
     pub geo: Geometry,
     pub num_blocks: u32,
-    free: Vec<u32>,
+    pub free: Vec<u32>,
     step: u64,
 }
 
@@ -178,7 +178,7 @@ impl Sim {
         Sim { eff, sched, worker, regions, geo, num_blocks, free: (0..num_blocks).rev().collect(), step: 0 }
     }
 
-    fn write_block(&mut self, block: BlockId, prefix: &[u32]) {
+    pub fn write_block(&mut self, block: BlockId, prefix: &[u32]) {
         for (ri, layer) in [0u32, 2].iter().enumerate() {
             for part in 0..2 {
                 let span = self.geo.span(LayerId(*layer), part, block).unwrap();

@@ -55,6 +55,26 @@ impl LoadSpec {
         self.remote_request.as_ref().unwrap_or(&self.request).0.as_str()
     }
 
+    /// The local blocks the load writes, the ones a failed load leaves unfilled: in each of
+    /// the first `kv_groups` groups (attention, `block_size` tokens a block) those holding
+    /// tokens `[first_token, num_tokens)`, and every block of the groups after them (state
+    /// slots, written whole). Blocks before `first_token` hold KV computed here (a local
+    /// prefix hit) and are not among them, so the engine recomputes from the first block
+    /// the load was to fill, not from the prompt's start.
+    pub fn written_blocks(&self, kv_groups: usize, block_size: usize) -> Vec<kvconnect_api::BlockId> {
+        let bs = block_size.max(1);
+        let (from, to) = (self.first_token / bs, self.num_tokens.div_ceil(bs));
+        let mut out = Vec::new();
+        for (g, blocks) in self.local_blocks.0.iter().enumerate() {
+            if g < kv_groups {
+                out.extend(blocks.iter().take(to).skip(from).copied());
+            } else {
+                out.extend(blocks.iter().copied());
+            }
+        }
+        out
+    }
+
     /// True for [`LoadSpec::release`]: nothing to copy, only the producer to notify.
     pub fn is_release(&self) -> bool {
         self.remote_blocks.0.is_empty()
@@ -81,4 +101,46 @@ pub struct NixlMeta {
     pub loads: Vec<LoadSpec>,
     /// Requests that finished with delayed free (producer).
     pub sends: Vec<SendSpec>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvconnect_api::BlockId;
+
+    fn load(groups: Vec<Vec<u32>>, first_token: usize, num_tokens: usize) -> LoadSpec {
+        let b = BlocksPerGroup(groups.into_iter().map(|g| g.into_iter().map(BlockId).collect()).collect());
+        LoadSpec {
+            local_blocks: b.clone(),
+            remote_blocks: b,
+            first_token,
+            num_tokens,
+            ..LoadSpec::release(RequestId("r".into()), "p".into(), String::new())
+        }
+    }
+
+    fn ids(v: Vec<BlockId>) -> Vec<u32> {
+        v.into_iter().map(|b| b.0).collect()
+    }
+
+    #[test]
+    fn a_whole_load_writes_every_block() {
+        assert_eq!(ids(load(vec![vec![7, 3, 9]], 0, 96).written_blocks(1, 32)), [7, 3, 9]);
+        // A partial last block is written too.
+        assert_eq!(ids(load(vec![vec![7, 3, 9]], 0, 70).written_blocks(1, 32)), [7, 3, 9]);
+    }
+
+    #[test]
+    fn blocks_of_a_local_prefix_hit_are_not_written() {
+        // Two blocks computed here, the third and fourth loaded.
+        assert_eq!(ids(load(vec![vec![7, 3, 9, 4]], 64, 128).written_blocks(1, 32)), [9, 4]);
+        // Blocks past the last loaded token (the part decode computes) neither.
+        assert_eq!(ids(load(vec![vec![7, 3, 9, 4, 5]], 32, 96).written_blocks(1, 32)), [3, 9]);
+    }
+
+    #[test]
+    fn state_groups_are_written_whole() {
+        let l = load(vec![vec![7, 3, 9], vec![11]], 32, 96);
+        assert_eq!(ids(l.written_blocks(1, 32)), [3, 9, 11]);
+    }
 }
