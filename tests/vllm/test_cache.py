@@ -23,6 +23,7 @@ from harness import (  # noqa: E402
     BLOCK, Failed, Server, complete, external_tokens, kv_config, make_tiny_model, metric, run_checks,
     run_refused, serving, tokens_of, wait_metric,
 )
+import requests  # noqa: E402
 
 # Under a block (never stored), one block and a bit, several blocks.
 PROMPT_LENS = [20, 40, 100, 200]
@@ -93,7 +94,55 @@ def run_prefix_hit(model: str, logdir: Path, name: str, inner: dict, cache_sourc
               f"from kvconnect's connector (vLLM's external hits {vllm_hits:.0f}), outputs equal")
 
 
-def checks(model: str, tmp: Path):
+def by_source(url: str) -> dict[str, float]:
+    return {s: metric(url, "vllm:prompt_tokens_by_source_total", f'source="{s}"')
+            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+
+
+def run_local_then_connector(model: str, logdir: Path, name: str, inner: dict, cache_source: str):
+    """vLLM's own prefix cache on (its default) in front of the connector: a prompt whose first
+    two blocks vLLM still holds and whose next two only the connector's store does takes the
+    first from vLLM's prefix cache and loads the rest from the connector, each counted under
+    its source, output equal to the prompt computed whole."""
+    rng = random.Random(17)
+    a = [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(4 * BLOCK + 10)]
+    c = a[:2 * BLOCK] + [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(20)]
+    srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner),
+                 extra_env={"VLLM_SERVER_DEV_MODE": "1"})
+    with serving(srv):
+        srv.wait_healthy()
+        first = tokens_of(complete(srv.url, a, "local-a-first"))
+        # vLLM forgets its own cache; the connector's store keeps prompt a's blocks.
+        r = requests.post(srv.url + "/reset_prefix_cache", timeout=60)
+        if r.status_code != 200:
+            raise Failed(f"{name}: POST /reset_prefix_cache: HTTP {r.status_code} {r.text[:300]}")
+        # Prompt c shares a's first two blocks: vLLM's prefix cache holds them again after it.
+        complete(srv.url, c, "local-c")
+        before = by_source(srv.url)
+        src0 = metric(srv.url, "vllm:kvconnect_cache_tokens_total", f'source="{cache_source}"')
+        again = tokens_of(complete(srv.url, a, "local-a-again"))
+        want_local, want_ext = 2 * BLOCK, (len(a) - 1) // BLOCK * BLOCK - 2 * BLOCK
+        wait_metric(srv.url, "vllm:prompt_tokens_by_source_total", before["external_kv_transfer"] + want_ext,
+                    'source="external_kv_transfer"')
+        d = {k: v - before[k] for k, v in by_source(srv.url).items()}
+        src = wait_metric(srv.url, "vllm:kvconnect_cache_tokens_total", src0 + want_ext,
+                          f'source="{cache_source}"') - src0
+        if again != first:
+            raise Failed(f"{name}: prompt a from vLLM's prefix cache and the connector gave {again}, computed {first}")
+        if (d["local_cache_hit"], d["external_kv_transfer"], src) != (want_local, want_ext, want_ext):
+            raise Failed(f"{name}: prompt a took {d['local_cache_hit']:.0f} tokens from vLLM's prefix cache and "
+                         f"{d['external_kv_transfer']:.0f} from outside ({src:.0f} counted for {cache_source}); "
+                         f"expected {want_local} and {want_ext}\n{srv.tail()}")
+    print(f"ok: {name}: vLLM's prefix cache served {want_local} tokens first and {cache_source} the next "
+          f"{want_ext}, each counted under its source, output equal")
+
+
+def checks(model: str, tmp: Path, only=None):
+    if only in (None, "local"):
+        run_local_then_connector(model, tmp, "lmcache-local-first", LMCACHE, "lmcache_cpu")
+        run_local_then_connector(model, tmp, "flexkv-local-first", FLEXKV, "flexkv_cpu")
+    if only == "local":
+        return
     run_prefix_hit(model, tmp, "lmcache", LMCACHE, cache_source="lmcache_cpu")
     # flexkv stores vLLM's opaque CPU blocks whole (it transposes only blocks whose layout
     # it knows), so it runs here without an adapter.
@@ -110,7 +159,9 @@ def checks(model: str, tmp: Path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
-    run_checks("cache", ap.parse_args().keep, checks)
+    ap.add_argument("--only", choices=["local"], help="run only vLLM's prefix cache in front of the connectors")
+    a = ap.parse_args()
+    run_checks("cache", a.keep, lambda model, tmp: checks(model, tmp, a.only))
 
 
 if __name__ == "__main__":
