@@ -158,9 +158,16 @@ fn dense_order(shape: &[u64], strides: &[u64]) -> Option<Vec<usize>> {
     Some(axes)
 }
 
+/// vLLM allocates an fp8 KV cache as raw bytes (`uint8`): such a tensor holds the negotiated
+/// fp8 cache dtype (`cache_config.cache_dtype` names which one).
+fn fp8_as_bytes(name: &str, want: Dtype) -> Option<Dtype> {
+    let fp8 = matches!(want, Dtype::Fp8E4m3 | Dtype::Fp8E5m2);
+    (fp8 && name.trim_start_matches("torch.") == "uint8").then_some(want)
+}
+
 /// Describes `t` as a region of the negotiated layout `e`, or says why it is not one.
 pub fn describe(t: &TensorDesc, e: &Expected) -> Result<Described, TensorError> {
-    let dtype = Dtype::from_hf_name(&t.dtype);
+    let dtype = Dtype::from_hf_name(&t.dtype).or_else(|| fp8_as_bytes(&t.dtype, e.dtype));
     if dtype != Some(e.dtype) || t.elem_size != e.dtype.size() as u64 {
         return Err(TensorError::Dtype { given: t.dtype.clone(), elem_size: t.elem_size, want: e.dtype });
     }
@@ -402,12 +409,28 @@ mod tests {
         let mut t = tensor(&shape, dense(&shape, &[0, 1, 2, 3, 4]), Some(0));
         t.dtype = "float16".into();
         assert!(describe(&t, &e).unwrap_err().to_string().contains("negotiated cache dtype is bf16"));
+        t.dtype = "uint8".into();
+        assert!(describe(&t, &e).unwrap_err().to_string().contains("negotiated cache dtype is bf16"));
         t.dtype = "bfloat16".into();
         t.device = None;
         assert!(matches!(describe(&t, &e), Err(TensorError::Memory { .. })));
         let other = [2, B, 32, 2, 8];
         let err = describe(&tensor(&other, dense(&other, &[0, 1, 2, 3, 4]), Some(0)), &e).unwrap_err();
         assert!(err.to_string().contains("expected (2, num_blocks, block_size, heads, head_dim)"), "{err}");
+    }
+
+    #[test]
+    fn an_fp8_cache_allocated_as_bytes_is_the_negotiated_fp8() {
+        let shape = [2, B, 16, 2, 8];
+        let mut t = tensor(&shape, dense(&shape, &[0, 1, 2, 3, 4]), Some(0));
+        (t.dtype, t.elem_size) = ("uint8".into(), 1);
+        for fp8 in [Dtype::Fp8E4m3, Dtype::Fp8E5m2] {
+            let e = Expected { dtype: fp8, ..expected(false, KvLayout::NHD) };
+            assert_eq!(describe(&t, &e).unwrap().block_stride, 16 * 2 * 8);
+        }
+        t.dtype = "int8".into();
+        let e = Expected { dtype: Dtype::Fp8E4m3, ..expected(false, KvLayout::NHD) };
+        assert!(describe(&t, &e).unwrap_err().to_string().contains("negotiated cache dtype is fp8_e4m3"));
     }
 
     #[test]

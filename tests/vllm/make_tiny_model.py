@@ -1,8 +1,8 @@
 """Builds a tiny Llama (or, with `sliding`, a Gemma-3-like model whose first layer attends
-through a sliding window) with a fixed seed and a local byte-level BPE tokenizer (with a chat
+through a sliding window; with `mla`, a DeepSeek-V2-like model with multi-head latent attention) with a fixed seed and a local byte-level BPE tokenizer (with a chat
 template) into a directory, so vLLM can serve it without any download.
 
-    python make_tiny_model.py DIR [llama|sliding]
+    python make_tiny_model.py DIR [llama|sliding|mla]
 
 Random weights from a fixed seed are deterministic: greedy outputs of two runs compare exactly.
 """
@@ -60,10 +60,36 @@ def _sliding() -> "torch.nn.Module":
     return Gemma3ForCausalLM(cfg)
 
 
+def _mla() -> "torch.nn.Module":
+    """DeepSeek-V2-like attention (one latent per token; every layer dense, so the experts configured are never built). vLLM's
+    CPU MLA kernel takes only DeepSeek's latent, kv_lora_rank 512 + rope 64 = 576 wide."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    geometry = dict(GEOMETRY, num_key_value_heads=GEOMETRY["num_attention_heads"])
+    cfg = DeepseekV2Config(
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        moe_intermediate_size=64,
+        first_k_dense_replace=GEOMETRY["num_hidden_layers"],
+        tie_word_embeddings=False,
+        **geometry,
+    )
+    return DeepseekV2ForCausalLM(cfg)
+
+
 def build(out: str, kind: str = "llama") -> None:
     torch.manual_seed(SEED)
     if kind == "sliding":
         model = _sliding()
+    elif kind == "mla":
+        model = _mla()
     else:
         model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **GEOMETRY))
     model.to(torch.bfloat16).save_pretrained(out)
@@ -93,5 +119,5 @@ def _tokenizer(out: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) not in (2, 3):
-        sys.exit("usage: make_tiny_model.py DIR [llama|sliding]")
+        sys.exit("usage: make_tiny_model.py DIR [llama|sliding|mla]")
     build(*sys.argv[1:])
