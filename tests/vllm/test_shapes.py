@@ -89,6 +89,15 @@ def main():
     if set(names) - set(SHAPES):
         ap.error(f"--shapes {a.shapes!r}: give some of {', '.join(SHAPES)}, comma-separated")
 
+    # vLLM's CPU attention keeps an fp8 cache only with AVX-512 or AMX ("FP8 KV cache on CPU
+    # requires x86 with AVX-512 or AMX."); on another CPU those shapes cannot run at all.
+    import torch
+    if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
+        fp8 = [n for n in names if n.startswith("fp8")]
+        if fp8:
+            print(f"skipped: {', '.join(fp8)}: vLLM's CPU attention keeps an fp8 KV cache only on x86 with "
+                  "AVX-512 or AMX, and this CPU has neither")
+        names = [n for n in names if not n.startswith("fp8")]
     tmp = Path(tempfile.mkdtemp(prefix="kvconnect-vllm-shapes-"))
     ps = prompts()
     try:
