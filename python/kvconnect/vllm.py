@@ -102,6 +102,8 @@ _PROM_COUNTERS = [
     ("sends_done", "vllm:kvconnect_sends_done", "Requests whose KV a peer finished reading from this engine."),
     ("loads_preempted", "vllm:kvconnect_loads_preempted",
      "Requests vLLM preempted after they loaded external KV (the loaded KV is dropped and recomputed or loaded again)."),
+    ("loads_refused_tp", "vllm:kvconnect_loads_refused_tp",
+     "Requests computed here instead of loaded because their producer ran at another tensor-parallel size."),
     ("handshakes", "vllm:kvconnect_handshakes", "Side-channel handshakes with prefill engines."),
     ("handshakes_refused", "vllm:kvconnect_handshakes_refused", "Handshakes refused (descriptors differ, wrong engine)."),
     ("external_requests", "vllm:kvconnect_external_requests", "Requests scheduled to load KV from outside."),
@@ -418,7 +420,9 @@ class KvconnectConnector(KVConnectorBase_V1):
         if self._worker is None:
             # The scheduler's own count: preempted requests that had loaded external KV.
             n, self._preempted_loads = self._preempted_loads, 0
-            return KvconnectStats(data={"loads_preempted": n}) if n else None
+            data = {"loads_preempted": n, "loads_refused_tp": self._scheduler.take_refused_loads()}
+            data = {k: v for k, v in data.items() if v}
+            return KvconnectStats(data=data) if data else None
         delta = json.loads(self._worker.take_stats_json())
         return KvconnectStats(data=delta) if delta else None
 

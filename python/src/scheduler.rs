@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde_json::{Map, Value};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 /// One tensor-parallel rank's scheduler half and what it loads this step.
@@ -39,6 +40,9 @@ pub struct Scheduler {
     name: String,
     summary: String,
     state: Mutex<State>,
+    /// Requests computed here because their producer ran at another TP size, since the last
+    /// `take_refused_loads`.
+    refused_loads: AtomicU64,
 }
 
 fn request(id: &str, prompt: Vec<u32>, params: Option<&str>) -> Result<Request, AdapterError> {
@@ -101,7 +105,12 @@ impl Scheduler {
         crate::init_logging();
         let setup = Setup::from_vllm(setup_json)?;
         let name = setup.ctx.config.kv_connector.clone();
-        Ok(Scheduler { name, summary: setup.summary(), state: Mutex::new(State { ranks: Vec::new() }) })
+        Ok(Scheduler {
+            name,
+            summary: setup.summary(),
+            state: Mutex::new(State { ranks: Vec::new() }),
+            refused_loads: AtomicU64::new(0),
+        })
     }
 
     /// The sockets at which the worker processes serve their ranks' scheduler halves
@@ -123,6 +132,12 @@ impl Scheduler {
         self.summary.clone()
     }
 
+    /// How many requests were computed here since the last call because their producer ran
+    /// at another TP size (for vLLM's per-interval stats).
+    fn take_refused_loads(&self) -> u64 {
+        self.refused_loads.swap(0, Ordering::Relaxed)
+    }
+
     /// `(tokens, async)`; `tokens` is None while the connector cannot tell yet: what every
     /// rank can load. A request whose producer ran at another TP size loads nothing: its
     /// prompt is computed here, and the log says why at ERROR.
@@ -139,6 +154,7 @@ impl Scheduler {
             Ok(reqs) => reqs,
             Err(e) => {
                 tracing::error!("{e}; this server computes the request's prompt itself");
+                self.refused_loads.fetch_add(1, Ordering::Relaxed);
                 return Ok((Some(0), false));
             }
         };

@@ -16,7 +16,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Failed, Server, complete, external_tokens, kv_config, run_checks, serving, tokens_of  # noqa: E402
+from harness import (  # noqa: E402
+    Failed, Server, complete, external_tokens, kv_config, run_checks, serving, tokens_of, wait_metric,
+)
 from test_cache import FLEXKV, LMCACHE, run_prefix_hit  # noqa: E402
 from test_pd import nixl, pd_complete, prompts, run_monolithic, run_pd  # noqa: E402
 from harness import free_port  # noqa: E402
@@ -48,6 +50,10 @@ def run_mismatch(model: str, logdir: Path, ps):
         if len(lines) < len(ps) or "--tensor-parallel-size" not in lines[0]:
             raise Failed(f"TP 2 -> 1: decode did not say why it computed each prompt ({len(lines)} lines)\n{dec.tail()}")
         # The decode's own prefix cache holds the prompts from the runs alone; no load.
+        refused = wait_metric(dec.url, "vllm:kvconnect_loads_refused_tp_total", len(ps))
+        if refused != len(ps):
+            raise Failed(f"TP 2 -> 1: /metrics counts {refused:.0f} requests computed for their producer's TP size, "
+                         f"expected {len(ps)}")
         if external_tokens(text) or "failed to load its external KV" in text:
             raise Failed(f"TP 2 -> 1: decode loaded or failed a load across TP sizes\n{dec.tail()}")
     print(f"ok: TP 2 -> 1 refused per request with the remedy, prompts computed on decode: {lines[0].strip()[:300]}")
