@@ -30,16 +30,16 @@ impl Default for ProxyMetrics {
         let (served, failed, tokens) = (Counter::default(), Counter::default(), Counter::default());
         let per_server = Family::<Labels, Counter>::default();
         let (ttft, latency) = (Histogram::new(SECONDS), Histogram::new(SECONDS));
-        r.register("kvconnect_proxy_requests", "Requests served through prefill and decode.", served.clone());
-        r.register("kvconnect_proxy_requests_failed", "Requests answered with an error.", failed.clone());
-        r.register("kvconnect_proxy_completion_tokens", "Tokens generated.", tokens.clone());
-        r.register("kvconnect_proxy_worker_requests", "Requests per worker.", per_server.clone());
+        r.register("kvconnect_proxy_requests", "Requests served through prefill and decode", served.clone());
+        r.register("kvconnect_proxy_requests_failed", "Requests answered with an error", failed.clone());
+        r.register("kvconnect_proxy_completion_tokens", "Tokens generated", tokens.clone());
+        r.register("kvconnect_proxy_worker_requests", "Requests per worker", per_server.clone());
         r.register(
             "kvconnect_proxy_ttft_seconds",
-            "Time to first token (prefill round trip plus decode's first token).",
+            "Time to first token (prefill round trip plus decode's first token)",
             ttft.clone(),
         );
-        r.register("kvconnect_proxy_request_seconds", "Whole-request latency at the proxy.", latency.clone());
+        r.register("kvconnect_proxy_request_seconds", "Whole-request latency at the proxy", latency.clone());
         ProxyMetrics { registry: r, served, failed, tokens, per_server, ttft, latency }
     }
 }
@@ -86,5 +86,9 @@ mod tests {
         assert!(t.contains("kvconnect_proxy_ttft_seconds_bucket{le=\"0.0025\"} 0\n"), "{t}");
         assert!(t.contains("kvconnect_proxy_ttft_seconds_bucket{le=\"0.005\"} 1\n"), "{t}");
         assert!(t.contains("worker=\"d\"} 1\n"), "{t}");
+        // The registry ends each registered help with a period; scraped samples bring their own.
+        for help in t.lines().filter(|l| l.starts_with("# HELP")) {
+            assert!(help.ends_with('.') && !help.ends_with(".."), "one period ends a help text: {help}");
+        }
     }
 }
