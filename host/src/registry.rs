@@ -224,14 +224,38 @@ impl Registry {
         &self.inner.errors
     }
 
-    /// Logs each of [`Registry::load_errors`] as a warning.
+    /// Logs each of [`Registry::load_errors`] and [`Registry::shadowed`] as a warning.
     pub fn warn_load_errors(&self) {
         for e in &self.inner.errors {
             tracing::warn!("{e}");
         }
+        for note in self.shadowed() {
+            tracing::warn!("{note}");
+        }
     }
 
-    /// Every connector: built-ins first, then plugins in load order.
+    /// The plugins whose name is also a built-in's name or alias, one line each: the name
+    /// resolves to the built-in, and the line says how to reach the plugin instead.
+    pub fn shadowed(&self) -> Vec<String> {
+        self.inner
+            .plugins
+            .iter()
+            .filter_map(|p| {
+                let b = self.builtin(&p.name)?;
+                Some(format!(
+                    "plugin {}: its name '{}' is the built-in connector '{}'s, and the built-in wins where a config \
+                     names it in kv_connector; to use the plugin, name it in kv_connector_module_path (its name or \
+                     its path), or rename it",
+                    shown_path(p),
+                    p.name,
+                    b.name
+                ))
+            })
+            .collect()
+    }
+
+    /// Every connector: built-ins first, then plugins in load order (a plugin named like a
+    /// built-in is listed too; [`Registry::shadowed`] says which name wins).
     pub fn entries(&self) -> Vec<Entry> {
         let mut v: Vec<Entry> = self.inner.builtins.iter().map(|b| self.builtin_entry(b)).collect();
         v.extend(self.inner.plugins.iter().cloned());
@@ -505,6 +529,41 @@ mod tests {
         assert_eq!(r.find(&b).unwrap().path, Some(PathBuf::from(&b)));
         assert_eq!(r.find(&b).unwrap().name, "same");
         assert_eq!(opened.lock().unwrap().len(), 4);
+    }
+
+    #[test]
+    fn a_plugin_named_like_a_builtin_is_reachable_only_by_module_path_and_says_so() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("libnixl.so"), b"").unwrap();
+        let open: OpenPlugin = Arc::new(|path: &Path, _: &LoaderOptions| {
+            Ok(Entry {
+                name: "NixlConnector".into(),
+                aliases: Vec::new(),
+                origin: Origin::Dynamic,
+                path: Some(path.to_path_buf()),
+                abi: Some("1.0".into()),
+                sdk_version: Some("0.1.0".into()),
+                factory: crate::builtin::lmcache(),
+            })
+        });
+        let config = RegistryConfig {
+            plugin_dirs: vec![dir.path().to_path_buf()],
+            use_env: false,
+            allow_insecure: false,
+        };
+        let r = Registry::load_with(&config, open);
+        assert_eq!(r.find("NixlConnector").unwrap().origin, Origin::Builtin);
+        let mut c = KvTransferConfig::named("NixlConnector");
+        c.kv_connector_module_path = Some("NixlConnector".into());
+        assert_eq!(r.find_for_config(&c).unwrap().origin, Origin::Dynamic);
+        let notes = r.shadowed();
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].ends_with(
+            "libnixl.so: its name 'NixlConnector' is the built-in connector 'nixl's, and the built-in wins where a \
+             config names it in kv_connector; to use the plugin, name it in kv_connector_module_path (its name or \
+             its path), or rename it"
+        ), "{}", notes[0]);
+        assert!(Registry::builtins_only().shadowed().is_empty());
     }
 
     #[test]

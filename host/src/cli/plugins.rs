@@ -103,10 +103,13 @@ fn list(registry: &Registry, as_json: bool) -> anyhow::Result<()> {
             .iter()
             .map(|e| json!({"path": e.path(), "message": e.to_string()}))
             .collect();
+        let shadowed = registry.shadowed();
         writeln!(
             std::io::stdout(),
             "{}",
-            serde_json::to_string_pretty(&json!({"connectors": connectors, "errors": errors}))?
+            serde_json::to_string_pretty(
+                &json!({"connectors": connectors, "errors": errors, "shadowed": shadowed})
+            )?
         )?;
     } else {
         let mut table =
@@ -128,6 +131,9 @@ fn list(registry: &Registry, as_json: bool) -> anyhow::Result<()> {
         write!(std::io::stdout(), "{}", aligned(&table))?;
         for e in registry.load_errors() {
             eprintln!("{e}");
+        }
+        for note in registry.shadowed() {
+            eprintln!("{note}");
         }
     }
     Ok(())
