@@ -284,9 +284,6 @@ class KvconnectConnector(KVConnectorBase_V1):
         self._loaded: set[str] = set()
         self._preempted_loads = 0
         self._save_blocks: tuple[int, list[int]] = (-1, [])
-        from vllm.platforms import current_platform
-
-        self._whole_blocks = current_platform.is_cpu()
         ev = getattr(vllm_config, "kv_events_config", None)
         self._events_on = bool(ev is not None and getattr(ev, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
@@ -456,18 +453,11 @@ class KvconnectConnector(KVConnectorBase_V1):
         logger.info("kvconnect scheduler: the connector's scheduler halves run in the workers, at %s", ", ".join(sockets))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
-        tokens, is_async = self._scheduler.get_num_new_matched_tokens(
+        # Every token the connector has, up to the prompt's last (which vLLM computes to sample
+        # the first token), also where that ends inside a block.
+        return self._scheduler.get_num_new_matched_tokens(
             request.request_id, list(request.prompt_token_ids or []), _params(request), int(num_computed_tokens)
         )
-        if tokens and self._whole_blocks:
-            # vLLM's CPU attention computes the rest of a prompt only from a block boundary
-            # (it dies with SIGILL on a context that ends inside a block): load whole blocks,
-            # compute the rest.
-            end = (num_computed_tokens + tokens) // self._block_size * self._block_size
-            tokens = max(0, end - num_computed_tokens)
-            if tokens == 0:
-                is_async = False
-        return tokens, is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._scheduler.update_state_after_alloc(

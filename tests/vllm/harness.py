@@ -167,6 +167,12 @@ def kv_config(role: str, inner, port=None, cls="KvconnectConnector", **adapter) 
             "kv_role": role, "kv_connector_extra_config": extra}
 
 
+def loadable(prompt: list[int]) -> int:
+    """The tokens decode loads from its producer: every prompt token but the last, which it
+    computes to sample the first output token (a load may end inside a block)."""
+    return max(0, len(prompt) - 1)
+
+
 def external_tokens(log: str) -> list[int]:
     """The external tokens the adapter's scheduler logged, one entry per request that loads."""
     out = []

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, complete, external_tokens, free_port, kv_config, make_tiny_model, metric, run_checks,
+    BLOCK, Failed, Server, complete, external_tokens, free_port, kv_config, loadable, make_tiny_model, metric, run_checks,
     serving, tokens_of, wait_metric,
 )
 import requests  # noqa: E402
@@ -179,7 +179,7 @@ def check_load_error_blocks(pre: Server, dec: Server):
     text = dec.text()
     # vLLM names the request cmpl-<X-Request-Id>-...
     loads = [l for l in text.splitlines() if "-pd-lease-" in l and "kvconnect scheduler: request" in l and " loads " in l]
-    want_loaded = (len(prompt) - 1) // BLOCK * BLOCK - 2 * BLOCK
+    want_loaded = loadable(prompt) - 2 * BLOCK
     if not loads or f"loads {want_loaded} external tokens" not in loads[-1]:
         raise Failed(f"lease: decode was to load {want_loaded} tokens after its own 2 cached blocks; "
                      f"its log: {loads}\n{dec.tail()}")

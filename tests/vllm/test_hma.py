@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, compat_hash, external_tokens, free_port, joint_peer_hash, kv_config,
+    BLOCK, Failed, Server, compat_hash, external_tokens, free_port, joint_peer_hash, kv_config, loadable,
     make_tiny_model, run_checks, serving, tokens_of, wait_log, write_deployment,
 )
 from test_pd import nixl, pd_complete, run_monolithic  # noqa: E402
@@ -98,7 +98,7 @@ def joint(model: str, tmp: Path, ps, expected):
         for i, (g, e) in enumerate(zip(got, expected)):
             if g != e:
                 raise Failed(f"joint pair: prompt {i} ({len(ps[i])} tokens): P/D gave {g}, monolithic {e}")
-        want = [(len(p) - 1) // BLOCK * BLOCK for p in ps]
+        want = [loadable(p) for p in ps]
         if sorted(external_tokens(dec.text())) != sorted(want):
             raise Failed(f"joint pair: decode loaded {external_tokens(dec.text())} external tokens, expected {want}\n{dec.tail()}")
         print(f"ok: with the joint deployment both start (compat hash {hp[:12]} on both) and equal monolithic "

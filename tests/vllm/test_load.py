@@ -5,7 +5,7 @@
   then decode with the params prefill returned, under the same X-Request-Id);
 - every output equals a monolithic vLLM server's for the same prompt (also run 8 in flight);
 - no load fails, and for every prompt decode's local prefix-cache hits plus the tokens it
-  loaded from prefill cover exactly the whole blocks before the prompt's last token
+  loaded from prefill cover exactly the prompt's tokens before its last
   (vLLM's `vllm:prompt_tokens_by_source_total`), so nothing that could be loaded was
   recomputed, and the prefix cache served what it held.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, complete, free_port, kv_config, make_tiny_model, metric, run_checks, serving,
+    BLOCK, Failed, Server, complete, free_port, kv_config, loadable, make_tiny_model, metric, run_checks, serving,
     tokens_of, wait_metric,
 )
 from test_pd import nixl, pd_complete  # noqa: E402
@@ -83,9 +83,9 @@ def main():
                 i = wrong[0]
                 raise Failed(f"{len(wrong)} of {len(ps)} P/D outputs differ from monolithic; prompt {i} "
                              f"({len(ps[i])} tokens): P/D {got[i]}, monolithic {expected[i]}")
-            # Whole blocks before each prompt's last token: what decode can take from outside
-            # its own computation (vLLM's CPU attention continues from a block boundary).
-            reusable = sum((len(p) - 1) // BLOCK * BLOCK for p in ps)
+            # Every prompt token but the last: what decode can take from outside its own
+            # computation (its prefix cache's whole blocks, the rest loaded).
+            reusable = sum(loadable(p) for p in ps)
             failed = metric(dec.url, "vllm:kvconnect_loads_failed_total")
             ext = wait_metric(dec.url, "vllm:prompt_tokens_by_source_total", before["external_kv_transfer"] + 1,
                               'source="external_kv_transfer"')
@@ -100,8 +100,8 @@ def main():
                 raise Failed(f"{failed:.0f} loads failed under load\n{dec.tail()}")
             if d["local_cache_hit"] + d["external_kv_transfer"] != reusable or d["external_kv_transfer"] <= 0:
                 raise Failed(f"decode took {d['local_cache_hit']:.0f} tokens from its prefix cache and loaded "
-                             f"{d['external_kv_transfer']:.0f} (vLLM counted {ext:.0f}); the prompts' whole blocks "
-                             f"before their last token are {reusable}: some reusable KV was computed again")
+                             f"{d['external_kv_transfer']:.0f} (vLLM counted {ext:.0f}); the prompts' tokens "
+                             f"before their last are {reusable}: some reusable KV was computed again")
             print(f"ok: {len(ps)} P/D requests, {a.in_flight} in flight, in {took:.1f} s: all equal monolithic, no "
                   f"failed load; decode's prefix cache served {d['local_cache_hit']:.0f} tokens and prefill "
                   f"{d['external_kv_transfer']:.0f}, together the {reusable} reusable")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, MAX_TOKENS, Failed, Server, compat_hash, complete, external_tokens, free_port, joint_peer_hash,
+    BLOCK, MAX_TOKENS, Failed, Server, compat_hash, complete, external_tokens, free_port, joint_peer_hash, loadable,
     kv_config, make_tiny_model, metric, run_checks, run_refused, serving, tokens_of, wait_log, wait_metric,
     write_deployment,
 )
@@ -133,7 +133,7 @@ def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: li
     finally:
         proxy.terminate()
         proxy.wait(30)
-    want = sum((len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK)
+    want = sum(loadable(p) for p in ps)
     ext = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", ext0 + want) - ext0
     if ext != want:
         raise Failed(f"{label}: through kvconnect proxy decode's external prefix-cache hits grew by {ext}, expected {want}")
@@ -168,11 +168,10 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
             if g != e:
                 raise Failed(f"{label}: prompt {i} ({len(ps[i])} tokens): P/D gave {g}, monolithic {e}")
         ext = external_tokens(dec.text())
-        # vLLM's CPU attention continues a prompt from a block boundary only: decode loads the
-        # whole blocks before the prompt's last token and computes the rest.
-        want = [(len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK]
+        # Decode loads every prompt token but the last, also where that ends inside a block.
+        want = [loadable(p) for p in ps if loadable(p)]
         if sorted(ext) != sorted(want):
-            raise Failed(f"{label}: decode loaded external tokens {ext}, expected {want} (the whole blocks before each prompt's last token)\n{dec.tail()}")
+            raise Failed(f"{label}: decode loaded external tokens {ext}, expected {want} (every prompt token but the last)\n{dec.tail()}")
         # Each of decode's TP ranks loads its own share of every request's KV.
         loaded = dec.text().count("loaded its external KV")
         if loaded != len(want) * tp[1] or "failed to load its external KV" in dec.text():

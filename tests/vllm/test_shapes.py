@@ -6,7 +6,7 @@ latent attention (MLA: one 576-wide latent per token and layer, block size 16, f
 
 For each shape: a monolithic server's greedy outputs, then prefill and decode through
 KvconnectConnector over nixl tcp with the same flags; outputs equal token for token, decode
-loads the whole blocks before each prompt's last token, and both sides negotiated the block
+loads every prompt token but the last, and both sides negotiated the block
 size and cache dtype the flags give. The sliding-window shape is tests/vllm/test_hma.py's.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    Failed, Server, complete, external_tokens, free_port, kv_config, make_tiny_model, serving, tokens_of,
+    Failed, Server, complete, external_tokens, free_port, kv_config, loadable, make_tiny_model, serving, tokens_of,
 )
 from test_pd import nixl, pd_complete  # noqa: E402
 
@@ -67,9 +67,8 @@ def check_shape(name: str, model: str, logdir: Path, ps) -> None:
         for i, (g, e) in enumerate(zip(got, expected)):
             if g != e:
                 raise Failed(f"{name}: prompt {i} ({len(ps[i])} tokens): P/D gave {g}, monolithic {e}")
-        # vLLM's CPU attention continues a prompt from a block boundary only: decode loads the
-        # whole blocks before the prompt's last token and computes the rest.
-        want = [(len(p) - 1) // block * block for p in ps if len(p) > block]
+        # Decode loads every prompt token but the last, also where that ends inside a block.
+        want = [loadable(p) for p in ps if loadable(p)]
         ext = external_tokens(dec.text())
         if sorted(ext) != sorted(want):
             raise Failed(f"{name}: decode loaded external tokens {ext}, expected {want}\n{dec.tail()}")
