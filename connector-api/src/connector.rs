@@ -96,24 +96,7 @@ pub struct StepInfo {
     pub finished: Vec<RequestId>,
 }
 
-/// An event for KV-aware routers (blocks stored or removed).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub enum KvEvent {
-    /// Blocks were stored under these hashes.
-    Stored {
-        /// Block hashes.
-        hashes: Vec<u64>,
-        /// Tier (`cpu`, `disk`, ...).
-        tier: String,
-    },
-    /// Blocks were removed.
-    Removed {
-        /// Block hashes.
-        hashes: Vec<u64>,
-        /// Tier.
-        tier: String,
-    },
-}
+pub use crate::kv_events::KvEvent;
 
 /// Answer of `get_finished`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -32,6 +32,7 @@ pub mod frame;
 pub mod geometry;
 pub mod host_buffer;
 pub mod ids;
+pub mod kv_events;
 pub mod kv_memory;
 pub mod layout;
 pub mod load_report;
@@ -69,6 +70,7 @@ pub use connector::{
 };
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
+pub use kv_events::{BlockHash, BlockRemoved, BlockStored, KvEventBatch, Medium};
 pub use layout::{Dim, EffectiveLayout, KvGroup, KvLayout, StateGroup};
 pub use model::{AttentionKind, Dtype, LayerState, ModelError, ModelSpec, StateKind};
 pub use negotiate::{

@@ -502,20 +502,24 @@ class KvconnectConnector(KVConnectorBase_V1):
         return ok
 
     def take_events(self):
-        """The connector's KV events (lmcache's and flexkv's stores) as vLLM's BlockStored
-        and BlockRemoved, medium the connector's tier. Asked only when vLLM publishes KV
-        events (`--kv-events-config`), so a server without them pays no call per step."""
+        """The connector's KV events as vLLM's BlockStored (hashes, parent, token ids, block
+        size, medium: `cpu_tier`, `disk`, `remote`), BlockRemoved and AllBlocksCleared, so
+        vLLM's own `--kv-events-config` publisher carries them. Asked only when vLLM publishes
+        KV events, so a server without them pays no call per step. The workers' side
+        (`get_kv_connector_kv_cache_events`) stays None: the same events come from here."""
         if not self._events_on:
             return ()
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
         out = []
-        for stored, hashes, tier in self._scheduler.take_events():
-            if stored:
-                out.append(BlockStored(block_hashes=list(hashes), parent_block_hash=None, token_ids=[],
-                                       block_size=self._block_size, lora_id=None, medium=tier, lora_name=None))
+        for kind, hashes, parent, tokens, block_size, medium in self._scheduler.take_events():
+            if kind == "stored":
+                out.append(BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=list(tokens),
+                                       block_size=block_size, lora_id=None, medium=medium, lora_name=None))
+            elif kind == "removed":
+                out.append(BlockRemoved(block_hashes=list(hashes), medium=medium))
             else:
-                out.append(BlockRemoved(block_hashes=list(hashes), medium=tier))
+                out.append(AllBlocksCleared())
         return out
 
     def request_finished(self, request, block_ids):

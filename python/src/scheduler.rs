@@ -233,10 +233,13 @@ impl Scheduler {
         Ok(each.into_iter().all(|ok| ok))
     }
 
-    /// The connector's KV events since the last call, as `(stored, hashes, tier)`: rank 0's,
+    /// The connector's KV events since the last call, as `(kind, block_hashes,
+    /// parent_block_hash, token_ids, block_size, medium)` with kind `stored`, `removed`
+    /// (parent None, no tokens, block size 0) or `cleared` (no hashes, medium empty): rank 0's,
     /// since every rank stores its share of the same blocks under the same hashes (the
     /// other ranks' queues are bounded and drop their oldest).
-    fn take_events(&self) -> PyResult<Vec<(bool, Vec<u64>, String)>> {
+    #[allow(clippy::type_complexity)]
+    fn take_events(&self) -> PyResult<Vec<(&'static str, Vec<u64>, Option<u64>, Vec<u32>, u32, String)>> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let Some(rank) = st.ranks.first_mut() else {
             return Err(AdapterError::NotAttached { call: "take_events" }.into());
@@ -245,8 +248,18 @@ impl Scheduler {
         Ok(events
             .into_iter()
             .map(|e| match e {
-                KvEvent::Stored { hashes, tier } => (true, hashes, tier),
-                KvEvent::Removed { hashes, tier } => (false, hashes, tier),
+                KvEvent::BlockStored(s) => (
+                    "stored",
+                    s.block_hashes,
+                    s.parent_block_hash,
+                    s.token_ids,
+                    s.block_size,
+                    s.medium.to_string(),
+                ),
+                KvEvent::BlockRemoved(r) => {
+                    ("removed", r.block_hashes, None, Vec::new(), 0, r.medium.to_string())
+                }
+                KvEvent::AllBlocksCleared => ("cleared", Vec::new(), None, Vec::new(), 0, String::new()),
             })
             .collect())
     }

@@ -75,7 +75,7 @@ fn stored_on(events: &[kvconnect_api::KvEvent], tier: &str) -> usize {
     events
         .iter()
         .map(|ev| match ev {
-            kvconnect_api::KvEvent::Stored { hashes, tier: t } if t == tier => hashes.len(),
+            kvconnect_api::KvEvent::BlockStored(s) if s.medium.as_str() == tier => s.block_hashes.len(),
             _ => 0,
         })
         .sum()
@@ -85,7 +85,7 @@ fn stored_on(events: &[kvconnect_api::KvEvent], tier: &str) -> usize {
 fn engine_with_flexkv_nhd_hits_give_monolithic_tokens() {
     let ev = twice_through(KvLayout::NHD, serde_json::json!({"cpu_cache_gb": 0.5}), "flexkv-e2e-nhd");
     let full_blocks: usize = varied_prompts(25).iter().map(|p| p.len() / BLOCK).sum();
-    assert_eq!(stored_on(&ev, "cpu"), full_blocks);
+    assert_eq!(stored_on(&ev, "cpu_tier"), full_blocks);
 }
 
 #[test]
@@ -111,7 +111,7 @@ fn engine_with_flexkv_ssd_tier_hits_give_monolithic_tokens() {
     });
     let ev = twice_through(KvLayout::HND, extra, "flexkv-e2e-ssd");
     let full_blocks: usize = varied_prompts(25).iter().map(|p| p.len() / BLOCK).sum();
-    assert_eq!(stored_on(&ev, "ssd"), full_blocks - 8, "all but the CPU tier's 8 blocks went to SSD");
+    assert_eq!(stored_on(&ev, "disk"), full_blocks - 8, "all but the CPU tier's 8 blocks went to SSD");
 }
 
 fn deployment(dir: &std::path::Path) -> std::path::PathBuf {

@@ -242,7 +242,7 @@ def run_pd_api(model: str, logdir: Path):
 def checks(model: str, tmp: Path, only=None):
     if only in (None, "pd"):
         run_pd_api(model, tmp)
-    for name, inner, tier in [("lmcache", LMCACHE, "cpu"), ("flexkv", FLEXKV, "cpu")]:
+    for name, inner, tier in [("lmcache", LMCACHE, "cpu_tier"), ("flexkv", FLEXKV, "cpu_tier")]:
         if only in (None, name):
             run_reset_and_events(model, tmp, f"api-{name}", inner, tier)
 

@@ -143,11 +143,11 @@ impl Inner {
 }
 
 fn stored(hash: u64, tier: Tier) -> KvEvent {
-    KvEvent::Stored { hashes: vec![hash], tier: tier.name().to_owned() }
+    KvEvent::stored(vec![hash], None, Vec::new(), 0, tier.medium())
 }
 
 fn removed(hash: u64, tier: Tier) -> KvEvent {
-    KvEvent::Removed { hashes: vec![hash], tier: tier.name().to_owned() }
+    KvEvent::removed(vec![hash], tier.medium())
 }
 
 /// The cache of one engine.
@@ -281,7 +281,7 @@ impl BlockCache {
         }
         for (hashes, tier) in [(on_cpu, Tier::Cpu), (on_ssd, Tier::Ssd)] {
             if !hashes.is_empty() {
-                g.event(KvEvent::Removed { hashes, tier: tier.name().to_owned() });
+                g.event(KvEvent::removed(hashes, tier.medium()));
             }
         }
         Some(views.len())
@@ -695,8 +695,8 @@ mod tests {
             .take_events()
             .into_iter()
             .flat_map(|e| match e {
-                KvEvent::Removed { hashes, .. } => hashes,
-                KvEvent::Stored { .. } => panic!("stored event on clear"),
+                KvEvent::BlockRemoved(r) => r.block_hashes,
+                other => panic!("{other:?} on clear"),
             })
             .collect();
         assert_eq!(removed.len(), 3);

@@ -43,6 +43,14 @@ impl Tier {
             Tier::Ssd => "ssd",
         }
     }
+
+    /// The medium KV events name: `cpu_tier` for host memory, `disk` for the SSD file.
+    pub fn medium(self) -> kvconnect_api::Medium {
+        match self {
+            Tier::Cpu => kvconnect_api::Medium::CpuTier,
+            Tier::Ssd => kvconnect_api::Medium::Disk,
+        }
+    }
 }
 
 /// Block hashes are already well mixed, so the table uses them as they are.

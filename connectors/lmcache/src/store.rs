@@ -14,7 +14,7 @@ use crate::disk_tier::{DiskChunk, DiskTier, FILE_OVERHEAD};
 use crate::key::ChunkKey;
 use crate::remote_tier::{RemoteRead, RemoteTier};
 use crate::stats::{add, Counters, LmcacheStats};
-use kvconnect_api::{ConnectorError, KvEvent};
+use kvconnect_api::{ConnectorError, KvEvent, Medium};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -252,10 +252,16 @@ impl ChunkStore {
                         }
                         add(&c.chunks_saved, 1);
                         add(&c.cpu.bytes_stored, len);
-                        self.shared.event(KvEvent::Stored { hashes: vec![key.0[0]], tier: "cpu".into() });
+                        self.shared.event(KvEvent::stored(
+                            vec![key.0[0]],
+                            None,
+                            Vec::new(),
+                            0,
+                            Medium::CpuTier,
+                        ));
                         for (k, d) in evicted {
                             add(&c.cpu.evictions, 1);
-                            self.shared.event(KvEvent::Removed { hashes: vec![k.0[0]], tier: "cpu".into() });
+                            self.shared.event(KvEvent::removed(vec![k.0[0]], Medium::CpuTier));
                             // Still under the CPU lock, so the chunk is never in neither place.
                             self.send_to_disk(k, d);
                         }
@@ -290,7 +296,7 @@ impl ChunkStore {
         let mut cpu = lock(cpu);
         for (k, d) in cpu.evict_for(bytes) {
             add(&c.cpu.evictions, 1);
-            self.shared.event(KvEvent::Removed { hashes: vec![k.0[0]], tier: "cpu".into() });
+            self.shared.event(KvEvent::removed(vec![k.0[0]], Medium::CpuTier));
             self.send_to_disk(k, d);
         }
     }
@@ -374,10 +380,10 @@ impl ChunkStore {
             return;
         }
         if let Ok(evicted) = cpu.put(key, data) {
-            self.shared.event(KvEvent::Stored { hashes: vec![key.0[0]], tier: "cpu".into() });
+            self.shared.event(KvEvent::stored(vec![key.0[0]], None, Vec::new(), 0, Medium::CpuTier));
             for (k, d) in evicted {
                 add(&c.cpu.evictions, 1);
-                self.shared.event(KvEvent::Removed { hashes: vec![k.0[0]], tier: "cpu".into() });
+                self.shared.event(KvEvent::removed(vec![k.0[0]], Medium::CpuTier));
                 self.send_to_disk(k, d);
             }
         }
@@ -401,7 +407,7 @@ impl ChunkStore {
             Ok(None) => None,
             Err(e) => {
                 add(&c.disk_corrupt_chunks, 1);
-                self.shared.event(KvEvent::Removed { hashes: vec![key.0[0]], tier: "disk".into() });
+                self.shared.event(KvEvent::removed(vec![key.0[0]], Medium::Disk));
                 tracing::warn!("lmcache: {e}");
                 None
             }
@@ -452,20 +458,14 @@ impl ChunkStore {
             let keys = lock(cpu).clear();
             n += keys.len();
             if !keys.is_empty() {
-                self.shared.event(KvEvent::Removed {
-                    hashes: keys.iter().map(|k| k.0[0]).collect(),
-                    tier: "cpu".into(),
-                });
+                self.shared.event(KvEvent::removed(keys.iter().map(|k| k.0[0]).collect(), Medium::CpuTier));
             }
         }
         if let Some(disk) = &self.shared.disk {
             let keys = disk.clear();
             n += keys.len();
             if !keys.is_empty() {
-                self.shared.event(KvEvent::Removed {
-                    hashes: keys.iter().map(|k| k.0[0]).collect(),
-                    tier: "disk".into(),
-                });
+                self.shared.event(KvEvent::removed(keys.iter().map(|k| k.0[0]).collect(), Medium::Disk));
             }
         }
         n
@@ -515,7 +515,7 @@ fn writer_loop(sh: &Shared, rx: mpsc::Receiver<Job>) {
                     Ok(evicted) => {
                         add(&c.disk.bytes_stored, (FILE_OVERHEAD + data.len()) as u64);
                         add(&c.disk.evictions, evicted);
-                        sh.event(KvEvent::Stored { hashes: vec![key.0[0]], tier: "disk".into() });
+                        sh.event(KvEvent::stored(vec![key.0[0]], None, Vec::new(), 0, Medium::Disk));
                     }
                     Err(e) => {
                         let n = c.disk_write_errors.fetch_add(1, Ordering::Relaxed);
@@ -567,11 +567,11 @@ mod tests {
             .take_events()
             .into_iter()
             .map(|e| match e {
-                KvEvent::Removed { hashes, tier } => (hashes, tier),
-                KvEvent::Stored { .. } => panic!("a stored event on clear"),
+                KvEvent::BlockRemoved(r) => (r.block_hashes, r.medium.to_string()),
+                other => panic!("{other:?} on clear"),
             })
             .collect();
-        assert_eq!(removed, vec![(vec![2], "cpu".to_owned()), (vec![1], "disk".to_owned())]);
+        assert_eq!(removed, vec![(vec![2], "cpu_tier".to_owned()), (vec![1], "disk".to_owned())]);
         let files = std::fs::read_dir(dir.path()).unwrap().filter_map(Result::ok);
         assert_eq!(files.filter(|f| f.file_name().to_string_lossy().ends_with(".chunk")).count(), 0);
     }

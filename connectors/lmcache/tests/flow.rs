@@ -79,7 +79,7 @@ fn lookup_is_side_effect_free_and_repeatable() {
     let events = e.sched.take_events().unwrap();
     let stored: Vec<_> = events
         .iter()
-        .filter(|ev| matches!(ev, kvconnect_api::KvEvent::Stored { tier, .. } if tier == "cpu"))
+        .filter(|ev| matches!(ev, kvconnect_api::KvEvent::BlockStored(s) if s.medium == kvconnect_api::Medium::CpuTier))
         .collect();
     assert_eq!(stored.len(), 3, "one stored event per chunk: {events:?}");
     assert!(e.sched.take_events().unwrap().is_empty(), "events are taken once");

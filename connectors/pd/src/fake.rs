@@ -145,7 +145,7 @@ impl SchedulerConnector for FakeHalf {
         Ok(RequestFinished { delay_free: s.delay, transfer_params: s.params.clone() })
     }
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
-        Ok(vec![KvEvent::Stored { hashes: vec![1], tier: self.name.clone() }])
+        Ok(vec![KvEvent::stored(vec![1], None, vec![1], 1, kvconnect_api::Medium::Other(self.name.clone()))])
     }
 }
 

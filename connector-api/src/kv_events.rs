@@ -1,0 +1,185 @@
+//! KV cache events: what a connector or the engine's prefix cache stored, removed or
+//! cleared, in vLLM's event model (`vllm/distributed/kv_events.py`: `BlockStored`,
+//! `BlockRemoved`, `AllBlocksCleared`, batched in a `KVEventBatch`). A KV-aware router reads
+//! them to learn which worker holds which prefix, and in which tier.
+//!
+//! Plain data only; the msgpack codec and the ZeroMQ publisher live in `kvconnect-events`.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A block's hash as events carry it: vLLM's integer form of its block hash
+/// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, the low 64 bits), or a connector's own chunk hash.
+pub type BlockHash = u64;
+
+/// Where a block is kept. vLLM's own words for its prefix cache (`GPU`, and `CPU` for its CPU
+/// offloading), and kvconnect's for the tiers of its cache connectors (lmcache, flexkv).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Medium {
+    /// The engine's own prefix cache in GPU memory (vLLM's `MEDIUM_GPU`, `"GPU"`).
+    Gpu,
+    /// The engine's own prefix cache in host memory (vLLM's `MEDIUM_CPU`, `"CPU"`: a CPU
+    /// build's KV cache, or vLLM's CPU offloading).
+    Cpu,
+    /// A cache connector's host-memory tier (lmcache's `local_cpu`, flexkv's `cpu`):
+    /// `"cpu_tier"`.
+    CpuTier,
+    /// A cache connector's local disk tier (lmcache's `local_disk`, flexkv's `ssd`): `"disk"`.
+    Disk,
+    /// A cache connector's remote tier (lmcache's `remote_url`, flexkv's remote store):
+    /// `"remote"`.
+    Remote,
+    /// Any other medium a publisher names (vLLM's `"STORAGE"`, another system's words):
+    /// kept as written so that a decoded batch re-encodes unchanged.
+    Other(String),
+}
+
+impl Medium {
+    /// The medium as events write it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Medium::Gpu => "GPU",
+            Medium::Cpu => "CPU",
+            Medium::CpuTier => "cpu_tier",
+            Medium::Disk => "disk",
+            Medium::Remote => "remote",
+            Medium::Other(s) => s,
+        }
+    }
+
+    /// The medium an event names; a word not listed above is kept as [`Medium::Other`].
+    pub fn parse(s: &str) -> Medium {
+        match s {
+            "GPU" => Medium::Gpu,
+            "CPU" => Medium::Cpu,
+            "cpu_tier" => Medium::CpuTier,
+            "disk" => Medium::Disk,
+            "remote" => Medium::Remote,
+            other => Medium::Other(other.to_owned()),
+        }
+    }
+
+    /// How fast a block is reached from this medium, for a router weighing tiers: 0 for the
+    /// engine's own cache, then host memory, disk and remote; `Other` counts as remote.
+    pub fn rank(&self) -> u8 {
+        match self {
+            Medium::Gpu | Medium::Cpu => 0,
+            Medium::CpuTier => 1,
+            Medium::Disk => 2,
+            Medium::Remote | Medium::Other(_) => 3,
+        }
+    }
+}
+
+impl fmt::Display for Medium {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl Serialize for Medium {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for Medium {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Medium::parse(&String::deserialize(d)?))
+    }
+}
+
+/// Blocks were stored (vLLM's `BlockStored`): consecutive blocks of one prefix, each hash
+/// chained on the one before it, the first on `parent_block_hash`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockStored {
+    /// The blocks' hashes, in prefix order.
+    pub block_hashes: Vec<BlockHash>,
+    /// The hash of the block before the first one; `None` when the first block starts the
+    /// prompt.
+    pub parent_block_hash: Option<BlockHash>,
+    /// The tokens of the blocks, `block_size` per block, in order.
+    pub token_ids: Vec<u32>,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// The LoRA adapter the blocks were computed with (vLLM's deprecated `lora_id`); `None`
+    /// for the base model.
+    pub lora_id: Option<i64>,
+    /// Where the blocks are now.
+    pub medium: Medium,
+}
+
+/// Blocks were removed from one medium (vLLM's `BlockRemoved`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct BlockRemoved {
+    /// The removed blocks' hashes.
+    pub block_hashes: Vec<BlockHash>,
+    /// The medium they left.
+    pub medium: Medium,
+}
+
+/// One KV cache event (vLLM's `KVCacheEvent`s).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KvEvent {
+    /// Blocks were stored.
+    BlockStored(BlockStored),
+    /// Blocks were removed.
+    BlockRemoved(BlockRemoved),
+    /// Every block this publisher held is gone, in every medium (vLLM's `AllBlocksCleared`,
+    /// which names none).
+    AllBlocksCleared,
+}
+
+impl KvEvent {
+    /// A store of consecutive blocks.
+    pub fn stored(
+        block_hashes: Vec<BlockHash>,
+        parent_block_hash: Option<BlockHash>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        medium: Medium,
+    ) -> KvEvent {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            lora_id: None,
+            medium,
+        })
+    }
+
+    /// A removal of blocks from one medium.
+    pub fn removed(block_hashes: Vec<BlockHash>, medium: Medium) -> KvEvent {
+        KvEvent::BlockRemoved(BlockRemoved { block_hashes, medium })
+    }
+
+    /// The medium the event names; `None` for [`KvEvent::AllBlocksCleared`].
+    pub fn medium(&self) -> Option<&Medium> {
+        match self {
+            KvEvent::BlockStored(s) => Some(&s.medium),
+            KvEvent::BlockRemoved(r) => Some(&r.medium),
+            KvEvent::AllBlocksCleared => None,
+        }
+    }
+
+    /// The hashes the event names (none for a clear).
+    pub fn block_hashes(&self) -> &[BlockHash] {
+        match self {
+            KvEvent::BlockStored(s) => &s.block_hashes,
+            KvEvent::BlockRemoved(r) => &r.block_hashes,
+            KvEvent::AllBlocksCleared => &[],
+        }
+    }
+}
+
+/// A batch of events as a publisher sends it (vLLM's `KVEventBatch`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct KvEventBatch {
+    /// When the batch was made, in seconds since the Unix epoch.
+    pub ts: f64,
+    /// The events, in the order they happened.
+    pub events: Vec<KvEvent>,
+    /// The data-parallel rank of the engine that published them; `None` when unspecified.
+    pub data_parallel_rank: Option<i64>,
+}
