@@ -7,5 +7,7 @@
 //! unchanged.
 
 pub mod codec;
+pub mod publisher;
 
 pub use codec::{decode_batch, encode_batch, DecodeError, EncodeError};
+pub use publisher::{PublishError, PublisherConfig, PublisherCounters, ZmqEventPublisher, END_SEQ};
