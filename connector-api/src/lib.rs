@@ -33,6 +33,7 @@ pub mod geometry;
 pub mod host_buffer;
 pub mod ids;
 pub mod kv_events;
+pub mod kv_events_merge;
 pub mod kv_memory;
 pub mod layout;
 pub mod load_report;

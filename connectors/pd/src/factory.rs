@@ -244,6 +244,46 @@ mod tests {
         assert_eq!(s.get_num_new_matched_tokens(&req("r3"), 0).unwrap(), MatchResult::Pending);
     }
 
+    /// Two cache children holding the same prefix: the composite publishes each block once
+    /// per medium, and its removal only when the last holder lets it go.
+    #[test]
+    fn events_of_the_children_merge_without_duplicates() {
+        use kvconnect_api::{KvEvent, Medium};
+        let (f, sa, sb, cfg) = setup("");
+        let mut s = f.create_scheduler(&ctx(&cfg)).unwrap();
+        let st = |h: Vec<u64>, p| {
+            KvEvent::stored(h.clone(), p, h.iter().map(|&x| x as u32).collect(), 1, Medium::CpuTier)
+        };
+        sa.lock().unwrap().events = vec![st(vec![1, 2], None)];
+        sb.lock().unwrap().events =
+            vec![st(vec![1, 2, 3], None), KvEvent::stored(vec![1], None, vec![1], 1, Medium::Disk)];
+        assert_eq!(
+            s.take_events().unwrap(),
+            vec![
+                st(vec![1, 2], None),
+                st(vec![3], Some(2)),
+                KvEvent::stored(vec![1], None, vec![1], 1, Medium::Disk)
+            ]
+        );
+        // a moves 2 to disk: one removal from its CPU tier (b still holds it there: dropped),
+        // one store on disk.
+        sa.lock().unwrap().events = vec![
+            KvEvent::removed(vec![2], Medium::CpuTier),
+            KvEvent::stored(vec![2], Some(1), vec![2], 1, Medium::Disk),
+        ];
+        assert_eq!(
+            s.take_events().unwrap(),
+            vec![KvEvent::stored(vec![2], Some(1), vec![2], 1, Medium::Disk)]
+        );
+        sb.lock().unwrap().events = vec![KvEvent::removed(vec![1, 2, 3], Medium::CpuTier)];
+        assert_eq!(
+            s.take_events().unwrap(),
+            vec![KvEvent::removed(vec![2, 3], Medium::CpuTier)],
+            "a still holds 1"
+        );
+        assert!(s.take_events().unwrap().is_empty());
+    }
+
     #[test]
     fn sum_lookup_stacks_tiers() {
         let (f, sa, sb, cfg) = setup(r#","lookup":"sum""#);

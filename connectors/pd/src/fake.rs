@@ -39,6 +39,8 @@ pub struct Script {
     pub handshake: Option<serde_json::Value>,
     /// Metadata bound by the worker half.
     pub bound: Vec<Vec<u8>>,
+    /// Handed out (and emptied) by the next `take_events`.
+    pub events: Vec<KvEvent>,
 }
 
 /// Shared script of one fake child.
@@ -145,7 +147,7 @@ impl SchedulerConnector for FakeHalf {
         Ok(RequestFinished { delay_free: s.delay, transfer_params: s.params.clone() })
     }
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
-        Ok(vec![KvEvent::stored(vec![1], None, vec![1], 1, kvconnect_api::Medium::Other(self.name.clone()))])
+        Ok(std::mem::take(&mut self.s.lock().unwrap().events))
     }
 }
 

@@ -4,6 +4,7 @@
 use crate::config::LookupMode;
 use crate::error::PdError;
 use crate::meta::{MetaEnvelope, MetaPart, META_VERSION};
+use kvconnect_api::kv_events_merge::EventMerger;
 use kvconnect_api::{
     BlocksPerGroup, ConnectorResult, KvEvent, MatchResult, Request, RequestFinished, RequestId,
     SchedulerConnector, StepInfo,
@@ -24,6 +25,8 @@ pub struct PdScheduler {
     matched: HashMap<RequestId, Matched>,
     delayed: BTreeMap<RequestId, Vec<usize>>,
     loads: BTreeMap<RequestId, Vec<usize>>,
+    /// The children's KV events merged into one stream, duplicates dropped.
+    events: EventMerger,
 }
 
 impl PdScheduler {
@@ -35,6 +38,7 @@ impl PdScheduler {
             matched: HashMap::new(),
             delayed: BTreeMap::new(),
             loads: BTreeMap::new(),
+            events: EventMerger::new(),
         }
     }
 
@@ -187,11 +191,25 @@ impl SchedulerConnector for PdScheduler {
     }
 
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
+        // Every child is asked, so that one child's error loses no other child's events.
         let mut out = Vec::new();
-        for (name, child) in self.children.iter_mut() {
-            out.extend(child.take_events().map_err(|e| child_err(name, e))?);
+        let mut first_err = None;
+        for (i, (name, child)) in self.children.iter_mut().enumerate() {
+            match child.take_events() {
+                Ok(events) => self.events.push(i, events, &mut out),
+                Err(e) => {
+                    first_err.get_or_insert(child_err(name, e));
+                }
+            }
         }
-        Ok(out)
+        match first_err {
+            Some(e) if out.is_empty() => Err(e),
+            Some(e) => {
+                tracing::warn!("{e}; the other children's events are published");
+                Ok(out)
+            }
+            None => Ok(out),
+        }
     }
 
     fn reset_cache(&mut self) -> ConnectorResult<bool> {
