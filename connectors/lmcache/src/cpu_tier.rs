@@ -53,6 +53,11 @@ impl CpuTier {
         self.map.contains_key(key)
     }
 
+    /// Every chunk here (no use counted).
+    pub fn keys(&self) -> Vec<ChunkKey> {
+        self.map.keys().copied().collect()
+    }
+
     /// The chunk, marked most recently used.
     pub fn get(&mut self, key: &ChunkKey) -> Option<ChunkData> {
         self.tick += 1;

@@ -257,6 +257,11 @@ impl DiskTier {
         self.lock().map.contains_key(key)
     }
 
+    /// Every chunk indexed.
+    pub fn keys(&self) -> Vec<ChunkKey> {
+        self.lock().map.keys().copied().collect()
+    }
+
     /// (chunks, bytes used, budget).
     pub fn usage(&self) -> (u64, u64, u64) {
         let i = self.lock();
@@ -278,34 +283,34 @@ impl DiskTier {
     }
 
     /// Removes least recently used chunks until `incoming` more bytes fit; returns how many.
-    fn evict_until(&self, incoming: u64) -> u64 {
-        let mut n = 0;
+    fn evict_until(&self, incoming: u64) -> Vec<ChunkKey> {
+        let mut gone = Vec::new();
         loop {
             let victim = {
                 let mut i = self.lock();
                 if i.used + incoming <= self.budget {
-                    return n;
+                    return gone;
                 }
-                let Some((_, k)) = i.lru.pop_first() else { return n };
+                let Some((_, k)) = i.lru.pop_first() else { return gone };
                 if let Some(e) = i.map.remove(&k) {
                     i.used -= e.file_len;
                 }
                 k
             };
             let _ = std::fs::remove_file(self.path_of(&victim));
-            n += 1;
+            gone.push(victim);
         }
     }
 
-    /// Writes a chunk (blocking; the store calls it from its writer thread). Returns how many
-    /// chunks were evicted to make room.
-    pub fn write(&self, key: ChunkKey, data: &[u8]) -> Result<u64, DiskWriteError> {
+    /// Writes a chunk (blocking; the store calls it from its writer thread). Returns whether
+    /// it was written (false: already there) and the chunks evicted to make room.
+    pub fn write(&self, key: ChunkKey, data: &[u8]) -> Result<(bool, Vec<ChunkKey>), DiskWriteError> {
         let file_len = (FILE_OVERHEAD + data.len()) as u64;
         if file_len > self.budget {
             return Err(DiskWriteError::TooLarge { len: file_len, budget: self.budget });
         }
         if self.contains(&key) {
-            return Ok(0);
+            return Ok((false, Vec::new()));
         }
         let evicted = self.evict_until(file_len);
         let path = self.path_of(&key);
@@ -331,7 +336,7 @@ impl DiskTier {
             return Err(io(e));
         }
         self.lock().insert(key, file_len);
-        Ok(evicted)
+        Ok((true, evicted))
     }
 
     /// Reads and checks a chunk. `Ok(None)`: not here. A corrupt file is removed and reported.

@@ -28,6 +28,12 @@ pub fn stats(engine_id: &str) -> Option<LmcacheStats> {
     STORES.live(engine_id).first().map(|s| s.stats())
 }
 
+/// The chunk hashes `engine_id`'s local tiers hold, `(cpu_tier, disk)` (see
+/// [`ChunkStore::holdings`]).
+pub fn holdings(engine_id: &str) -> Option<(Vec<u64>, Vec<u64>)> {
+    STORES.live(engine_id).first().map(|s| s.holdings())
+}
+
 /// Waits until `engine_id`'s queued disk writes are done (tests, benchmarks, shutdown).
 pub fn flush(engine_id: &str) {
     for s in STORES.live(engine_id) {

@@ -182,6 +182,8 @@ pub struct RemoteTier {
     tx: Option<Mutex<mpsc::Sender<Job>>>,
     writer: Option<JoinHandle<()>>,
     queued: Arc<AtomicU64>,
+    /// Chunks the writer has written, until the store takes them for its KV events.
+    written: Arc<Mutex<Vec<ChunkKey>>>,
 }
 
 /// The Redis key of a chunk.
@@ -212,10 +214,11 @@ impl RemoteTier {
         });
         let (tx, rx) = mpsc::channel::<Job>();
         let queued = Arc::new(AtomicU64::new(0));
-        let (l, c, q) = (link.clone(), counters.clone(), queued.clone());
+        let written = Arc::new(Mutex::new(Vec::new()));
+        let (l, c, q, w) = (link.clone(), counters.clone(), queued.clone(), written.clone());
         let writer = std::thread::Builder::new()
             .name("lmcache-remote-writer".to_owned())
-            .spawn(move || writer_loop(&l, &c, &q, rx))
+            .spawn(move || writer_loop(&l, &c, &q, &w, rx))
             .map_err(RemoteError::Thread)?;
         Ok(RemoteTier {
             link,
@@ -224,6 +227,7 @@ impl RemoteTier {
             tx: Some(Mutex::new(tx)),
             writer: Some(writer),
             queued,
+            written,
         })
     }
 
@@ -311,6 +315,12 @@ impl RemoteTier {
         }
     }
 
+    /// The chunks written since the last call (at most `MAX_WRITTEN` are remembered; older
+    /// ones are dropped from this list, not from the remote).
+    pub fn take_written(&self) -> Vec<ChunkKey> {
+        std::mem::take(&mut *lock(&self.written))
+    }
+
     /// Waits until every chunk handed to the writer so far is written (or dropped).
     pub fn flush(&self) {
         let Some(tx) = &self.tx else { return };
@@ -331,7 +341,16 @@ impl Drop for RemoteTier {
     }
 }
 
-fn writer_loop(link: &Link, c: &Counters, queued: &AtomicU64, rx: mpsc::Receiver<Job>) {
+/// Written chunks remembered for KV events at most, between two `take_written`.
+const MAX_WRITTEN: usize = 1 << 16;
+
+fn writer_loop(
+    link: &Link,
+    c: &Counters,
+    queued: &AtomicU64,
+    written: &Mutex<Vec<ChunkKey>>,
+    rx: mpsc::Receiver<Job>,
+) {
     let mut conn: Option<redis::Connection> = None;
     while let Ok(job) = rx.recv() {
         match job {
@@ -347,6 +366,10 @@ fn writer_loop(link: &Link, c: &Counters, queued: &AtomicU64, rx: mpsc::Receiver
                     Ok(()) => {
                         add(&c.remote_writes, 1);
                         add(&c.remote.bytes_stored, record.len() as u64);
+                        let mut w = lock(written);
+                        if w.len() < MAX_WRITTEN {
+                            w.push(key);
+                        }
                     }
                     Err(Skip::Backoff) => add(&c.remote_write_drops, 1),
                     Err(Skip::Failed) => add(&c.remote_write_errors, 1),

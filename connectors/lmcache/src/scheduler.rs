@@ -143,6 +143,8 @@ impl SchedulerConnector for LmcacheScheduler {
             ));
         }
         self.store.count_hit_tokens(num_external_tokens);
+        // The chunks this request may save: their KV events carry their tokens.
+        self.store.describe(&lookup.chunks, &req.prompt_tokens);
         self.pending.push(Allocated {
             req: req.id.clone(),
             start,

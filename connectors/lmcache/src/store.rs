@@ -11,7 +11,7 @@ use crate::chunk_buf::ChunkBuf;
 use crate::config::LmcacheConfig;
 use crate::cpu_tier::{ChunkData, CpuTier, KeyMap};
 use crate::disk_tier::{DiskChunk, DiskTier, FILE_OVERHEAD};
-use crate::key::ChunkKey;
+use crate::key::{ChunkKey, ChunkRef};
 use crate::remote_tier::{RemoteRead, RemoteTier};
 use crate::stats::{add, Counters, LmcacheStats};
 use kvconnect_api::{ConnectorError, KvEvent, Medium};
@@ -76,7 +76,19 @@ struct Shared {
     inflight_bytes: AtomicU64,
     counters: Arc<Counters>,
     events: Mutex<VecDeque<KvEvent>>,
+    /// What KV events say of a chunk besides its hash: its tokens and the chunk before it.
+    meta: Mutex<KeyMap<ChunkMeta>>,
 }
+
+/// A chunk's tokens and parent, as the scheduler half saw them.
+#[derive(Clone)]
+struct ChunkMeta {
+    parent: Option<u64>,
+    tokens: Arc<[u32]>,
+}
+
+/// Chunk descriptions kept at most before those of chunks no local tier holds are dropped.
+const MAX_META: usize = 1 << 18;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
@@ -118,6 +130,18 @@ impl BufferPool {
 impl Shared {
     fn recycle(&self, data: ChunkData) {
         lock(&self.pool).give(data);
+    }
+
+    /// The store of one chunk in `medium`: its hash, the previous chunk's, its tokens (one
+    /// event block per chunk, the chunk's length as the block size); a chunk never described
+    /// is published with its hash alone.
+    fn stored_event(&self, key: ChunkKey, medium: Medium) -> KvEvent {
+        match lock(&self.meta).get(&key).cloned() {
+            Some(m) => {
+                KvEvent::stored(vec![key.0[0]], m.parent, m.tokens.to_vec(), m.tokens.len() as u32, medium)
+            }
+            None => KvEvent::stored(vec![key.0[0]], None, Vec::new(), 0, medium),
+        }
     }
 
     fn event(&self, e: KvEvent) {
@@ -177,6 +201,7 @@ impl ChunkStore {
             inflight_bytes: AtomicU64::new(0),
             counters,
             events: Mutex::new(VecDeque::new()),
+            meta: Mutex::new(KeyMap::default()),
         });
         let (tx, writer) = if has_disk {
             let (tx, rx) = mpsc::channel::<Job>();
@@ -252,13 +277,7 @@ impl ChunkStore {
                         }
                         add(&c.chunks_saved, 1);
                         add(&c.cpu.bytes_stored, len);
-                        self.shared.event(KvEvent::stored(
-                            vec![key.0[0]],
-                            None,
-                            Vec::new(),
-                            0,
-                            Medium::CpuTier,
-                        ));
+                        self.shared.event(self.shared.stored_event(key, Medium::CpuTier));
                         for (k, d) in evicted {
                             add(&c.cpu.evictions, 1);
                             self.shared.event(KvEvent::removed(vec![k.0[0]], Medium::CpuTier));
@@ -380,7 +399,7 @@ impl ChunkStore {
             return;
         }
         if let Ok(evicted) = cpu.put(key, data) {
-            self.shared.event(KvEvent::stored(vec![key.0[0]], None, Vec::new(), 0, Medium::CpuTier));
+            self.shared.event(self.shared.stored_event(key, Medium::CpuTier));
             for (k, d) in evicted {
                 add(&c.cpu.evictions, 1);
                 self.shared.event(KvEvent::removed(vec![k.0[0]], Medium::CpuTier));
@@ -453,6 +472,7 @@ impl ChunkStore {
     /// left as it is. Returns how many chunks were removed.
     pub fn clear(&self) -> usize {
         self.flush();
+        lock(&self.shared.meta).clear();
         let mut n = 0;
         if let Some(cpu) = &self.cpu {
             let keys = lock(cpu).clear();
@@ -471,9 +491,48 @@ impl ChunkStore {
         n
     }
 
-    /// Events since the last call.
+    /// Events since the last call: the local tiers' in order, then the chunks the remote
+    /// writer has written. The remote is shared and evicts on its own: it publishes stores
+    /// only.
     pub fn take_events(&self) -> Vec<KvEvent> {
-        lock(&self.shared.events).drain(..).collect()
+        let mut out: Vec<KvEvent> = lock(&self.shared.events).drain(..).collect();
+        if let Some(remote) = &self.remote {
+            out.extend(
+                remote.take_written().into_iter().map(|k| self.shared.stored_event(k, Medium::Remote)),
+            );
+        }
+        out
+    }
+
+    /// The hashes (as KV events name them) each local tier holds now, after the queued disk
+    /// writes: `(cpu_tier, disk)`. For checking the event stream against the contents.
+    pub fn holdings(&self) -> (Vec<u64>, Vec<u64>) {
+        self.flush();
+        let cpu = self.cpu.as_ref().map(|c| lock(c).keys()).unwrap_or_default();
+        let disk = self.shared.disk.as_ref().map(|d| d.keys()).unwrap_or_default();
+        let hashes = |ks: Vec<ChunkKey>| ks.into_iter().map(|k| k.0[0]).collect();
+        (hashes(cpu), hashes(disk))
+    }
+
+    /// Remembers the tokens of a prompt's chunks (`chunks` as [`crate::key::chunk_keys`]
+    /// made them from `tokens`), so that their KV events carry them.
+    pub fn describe(&self, chunks: &[ChunkRef], tokens: &[u32]) {
+        let mut meta = lock(&self.shared.meta);
+        if meta.len() >= MAX_META {
+            drop(meta);
+            let keys: Vec<ChunkKey> = lock(&self.shared.meta).keys().copied().collect();
+            let gone: Vec<ChunkKey> = keys.into_iter().filter(|k| !self.contains(k)).collect();
+            meta = lock(&self.shared.meta);
+            for k in gone {
+                meta.remove(&k);
+            }
+        }
+        let mut parent = None;
+        for c in chunks {
+            let Some(t) = tokens.get(c.start..c.start + c.tokens) else { break };
+            meta.entry(c.key).or_insert_with(|| ChunkMeta { parent, tokens: t.into() });
+            parent = Some(c.key.0[0]);
+        }
     }
 
     /// A snapshot of the counters and occupancy.
@@ -512,10 +571,18 @@ fn writer_loop(sh: &Shared, rx: mpsc::Receiver<Job>) {
             }
             Job::Write(key, data) => {
                 match disk.write(key, &data) {
-                    Ok(evicted) => {
-                        add(&c.disk.bytes_stored, (FILE_OVERHEAD + data.len()) as u64);
-                        add(&c.disk.evictions, evicted);
-                        sh.event(KvEvent::stored(vec![key.0[0]], None, Vec::new(), 0, Medium::Disk));
+                    Ok((written, evicted)) => {
+                        add(&c.disk.evictions, evicted.len() as u64);
+                        if !evicted.is_empty() {
+                            sh.event(KvEvent::removed(
+                                evicted.iter().map(|k| k.0[0]).collect(),
+                                Medium::Disk,
+                            ));
+                        }
+                        if written {
+                            add(&c.disk.bytes_stored, (FILE_OVERHEAD + data.len()) as u64);
+                            sh.event(sh.stored_event(key, Medium::Disk));
+                        }
                     }
                     Err(e) => {
                         let n = c.disk_write_errors.fetch_add(1, Ordering::Relaxed);
