@@ -142,8 +142,10 @@ impl Inner {
     }
 }
 
-fn stored(hash: u64, tier: Tier) -> KvEvent {
-    KvEvent::stored(vec![hash], None, Vec::new(), 0, tier.medium())
+/// A block stored in `tier`, under the parent the index links it to. The cache keeps no
+/// tokens: its events carry the hashes, the parent and the block size, no token ids.
+fn stored(index: &RadixIndex, hash: u64, tier: Tier, block_size: u32) -> KvEvent {
+    KvEvent::stored(vec![hash], index.parent_of(hash), Vec::new(), block_size, tier.medium())
 }
 
 fn removed(hash: u64, tier: Tier) -> KvEvent {
@@ -158,6 +160,8 @@ pub struct BlockCache {
     promote: bool,
     counters: Counters,
     identity: String,
+    /// Tokens per block, as KV events state it (0 until set).
+    block_tokens: u32,
 }
 
 impl BlockCache {
@@ -184,7 +188,14 @@ impl BlockCache {
             promote,
             counters: Counters::default(),
             identity,
+            block_tokens: 0,
         }
+    }
+
+    /// The cache, its KV events stating `tokens` tokens per block.
+    pub fn with_block_tokens(mut self, tokens: u32) -> BlockCache {
+        self.block_tokens = tokens;
+        self
     }
 
     /// What the cache was built for.
@@ -346,7 +357,8 @@ impl BlockCache {
             Some(Ok(())) => {
                 g.index.mark_ready(hash);
                 g.index.unpin(hash);
-                g.event(stored(hash, Tier::Cpu));
+                let e = stored(&g.index, hash, Tier::Cpu, self.block_tokens);
+                g.event(e);
                 bump(&self.counters.stored);
                 Ok(StoreOutcome::Stored)
             }
@@ -456,7 +468,8 @@ impl BlockCache {
         match g.index.get(hash) {
             Some(v) if filled && v.state == State::Ready && v.cpu.is_none() => {
                 g.index.set_slot(hash, Tier::Cpu, slot);
-                g.event(stored(hash, Tier::Cpu));
+                let e = stored(&g.index, hash, Tier::Cpu, self.block_tokens);
+                g.event(e);
                 bump(&self.counters.promoted);
             }
             _ => g.cpu_pool.release(slot),
@@ -554,7 +567,8 @@ impl BlockCache {
             match r {
                 Ok(()) => {
                     g.index.set_slot(v, Tier::Ssd, s);
-                    g.event(stored(v, Tier::Ssd));
+                    let e = stored(&g.index, v, Tier::Ssd, self.block_tokens);
+                    g.event(e);
                     bump(&self.counters.demoted);
                     demoted += 1;
                     // A load may have referenced the block (and be reading its CPU slot)
@@ -741,6 +755,57 @@ mod tests {
         for (i, h) in a.iter().enumerate() {
             assert_eq!(load(&c, *h).unwrap().1, expected(10 + i as u8, 100), "block {i}");
         }
+    }
+
+    /// The events of a workload through both tiers (demotions, a promotion, SSD evictions),
+    /// applied in order, give exactly what each tier holds; each store names its parent.
+    #[test]
+    fn events_replay_to_the_tiers_contents() {
+        use kvconnect_api::Medium;
+        use std::collections::BTreeSet;
+        let dir = tempfile::tempdir().unwrap();
+        // Room for 4 blocks on SSD: the chains below overflow it.
+        let ssd = SsdTier::open(dir.path(), "t", 100, 4 * 8192).unwrap();
+        let c = BlockCache::new(2, 100, Some(ssd), true, String::new()).with_block_tokens(16);
+        let a = block_hashes(1, &(0..5).collect::<Vec<_>>(), 1);
+        let b = block_hashes(2, &(0..4).collect::<Vec<_>>(), 1);
+        store_chain(&c, &a, 10);
+        c.pin_prefix(&a, 1);
+        load(&c, a[0]).unwrap();
+        c.unpin(&a[..1]);
+        store_chain(&c, &b, 20);
+        let mut index = BTreeSet::new();
+        for e in c.take_events() {
+            match e {
+                KvEvent::BlockStored(s) => {
+                    let h = s.block_hashes[0];
+                    assert_eq!(s.block_size, 16);
+                    let chain = if a.contains(&h) { &a } else { &b };
+                    let i = chain.iter().position(|x| *x == h).unwrap();
+                    assert_eq!(s.parent_block_hash, i.checked_sub(1).map(|p| chain[p]), "parent of {h}");
+                    assert!(index.insert((h, s.medium)), "stored twice");
+                }
+                KvEvent::BlockRemoved(r) => {
+                    for h in r.block_hashes {
+                        assert!(index.remove(&(h, r.medium.clone())), "{h} removed from {} unheld", r.medium);
+                    }
+                }
+                KvEvent::AllBlocksCleared => index.clear(),
+            }
+        }
+        let mut held = BTreeSet::new();
+        for h in a.iter().chain(&b) {
+            if let Some((cpu, ssd, _)) = c.locate(*h) {
+                if cpu {
+                    held.insert((*h, Medium::CpuTier));
+                }
+                if ssd {
+                    held.insert((*h, Medium::Disk));
+                }
+            }
+        }
+        assert_eq!(index, held);
+        assert!(c.stats().demoted > 4, "blocks went to SSD and some were evicted there");
     }
 
     /// A cache of one CPU slot over an SSD tier, holding a chain of three 100-byte blocks:

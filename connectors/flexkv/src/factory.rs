@@ -160,7 +160,8 @@ impl Engine {
                 ),
                 _ => None,
             };
-            Ok(BlockCache::new(cpu_slots, slot, ssd, config.enable_ssd_promotion, identity.clone()))
+            Ok(BlockCache::new(cpu_slots, slot, ssd, config.enable_ssd_promotion, identity.clone())
+                .with_block_tokens(eff.block_size))
         })?;
         Ok(Engine { ctx: ctx.clone(), config, adapter: Arc::new(adapter), seed, cache })
     }

@@ -305,6 +305,14 @@ impl RadixIndex {
         self.map.keys().copied().collect()
     }
 
+    /// The hash of the block before `hash` in its prefix; `None` for a first block or a block
+    /// not here.
+    pub fn parent_of(&self, hash: u64) -> Option<u64> {
+        let &idx = self.map.get(&hash)?;
+        let p = self.nodes[idx as usize].parent;
+        (p != NIL).then(|| self.nodes[p as usize].hash)
+    }
+
     /// A snapshot of a block's node.
     pub fn get(&self, hash: u64) -> Option<NodeView> {
         self.map.get(&hash).map(|&idx| {
