@@ -20,7 +20,7 @@ use crate::prng::SplitMix64;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::state_layer;
 use kvconnect_api::{
-    AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvRegion, MatchResult,
+    AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvEvent, KvRegion, MatchResult,
     MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, WorkerConnector,
 };
 use serde_json::{Map, Value};
@@ -323,6 +323,18 @@ impl Engine {
             shut_down: false,
             prefix_caching: false,
         })
+    }
+
+    /// KV events since the last call: the prefix cache's (medium `CPU`; from the first call
+    /// on) and then the connector's (its tiers', merged by a composite), for a KV-aware router.
+    pub fn take_kv_events(&mut self) -> Result<Vec<KvEvent>, EngineError> {
+        let mut out = self.pool.take_cache_events();
+        if let Some(c) = self.scheduler_connector() {
+            out.extend(
+                c.take_events().map_err(|source| EngineError::Connector { method: "take_events", source })?,
+            );
+        }
+        Ok(out)
     }
 
     /// Turns the prefix cache on (vLLM's `--enable-prefix-caching`): full prompt blocks of
@@ -723,12 +735,14 @@ impl Engine {
     fn cache_prompt_blocks(&mut self, s: &Seq, blocks: &BlocksPerGroup) {
         let bs = self.pool.effective().block_size as usize;
         let first_held = s.freed_prefix.iter().copied().max().unwrap_or(0);
-        for (i, h) in block_hashes(&s.req.prompt_tokens, bs).into_iter().enumerate().skip(first_held) {
+        let hashes = block_hashes(&s.req.prompt_tokens, bs);
+        for (i, &h) in hashes.iter().enumerate().skip(first_held) {
             let Some(row) = blocks.0.iter().map(|g| g.get(i).copied()).collect::<Option<Vec<BlockId>>>()
             else {
                 break;
             };
-            self.pool.cache_block(&row, h);
+            let parent = i.checked_sub(1).map(|p| hashes[p]);
+            self.pool.cache_block(&row, h, parent, &s.req.prompt_tokens[i * bs..(i + 1) * bs]);
         }
     }
 

@@ -17,8 +17,8 @@ use kvconnect_api::geometry::BlockShape;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
 use kvconnect_api::{
-    BlockId, BlocksPerGroup, Dtype, EffectiveLayout, KvLayout, KvRegion, KvRegionSpec, LayerId, MemoryKind,
-    ModelSpec, TransferMode,
+    BlockId, BlocksPerGroup, Dtype, EffectiveLayout, KvEvent, KvLayout, KvRegion, KvRegionSpec, LayerId,
+    MemoryKind, ModelSpec, TransferMode,
 };
 
 /// An effective layout for one engine on its own, without negotiation: the KV cache groups
@@ -416,13 +416,24 @@ impl KvPool {
         self.mem.write(span, buf).map_err(|e| EngineError::Access(e.to_string()))
     }
 
-    /// Remembers that `blocks` (one per group, in use) hold the full prompt block `hash`.
-    pub fn cache_block(&mut self, blocks: &[BlockId], hash: u64) {
+    /// Remembers that `blocks` (one per group, in use) hold the full prompt block `hash`,
+    /// whose tokens are `tokens` and whose prefix ends in block `parent`.
+    pub fn cache_block(&mut self, blocks: &[BlockId], hash: u64, parent: Option<u64>, tokens: &[u32]) {
         for (g, b) in blocks.iter().enumerate() {
-            if self.refs.get(g).and_then(|r| r.get(b.0 as usize)).is_some_and(|r| *r > 0) {
-                self.cache.register(g, b.0, hash);
+            if self.refs.get(g).and_then(|r| r.get(b.0 as usize)).is_some_and(|r| *r > 0)
+                && self.cache.register(g, b.0, hash)
+                && g == 0
+            {
+                self.cache.stored_event(hash, parent, tokens);
             }
         }
+    }
+
+    /// The prefix cache's KV events (see [`PrefixCache::take_events`]); turns them on at the
+    /// first call.
+    pub fn take_cache_events(&mut self) -> Vec<KvEvent> {
+        self.cache.enable_events();
+        self.cache.take_events()
     }
 
     /// The blocks holding the longest cached run of `hashes`, taken for one more use (one
@@ -651,10 +662,16 @@ mod tests {
 
     #[test]
     fn cached_blocks_are_shared_kept_while_idle_and_evicted_when_needed() {
+        use kvconnect_api::Medium;
         let eff = local_effective_layout(&model(), KvLayout::HND, false, 4, Dtype::Bf16);
         let mut pool = KvPool::new(&model(), &eff, 4, None).unwrap();
+        assert!(pool.take_cache_events().is_empty(), "events from here on");
         let a = pool.allocate(2).unwrap();
-        pool.cache_block(&[a.0[0][0]], 7);
+        pool.cache_block(&[a.0[0][0]], 7, None, &[1, 2, 3, 4]);
+        assert_eq!(
+            pool.take_cache_events(),
+            vec![KvEvent::stored(vec![7], None, vec![1, 2, 3, 4], 4, Medium::Cpu)]
+        );
         // A second request shares the cached block while the first still runs.
         let shared = pool.take_cached(&[7, 8]);
         assert_eq!(shared.0[0], vec![a.0[0][0]]);
@@ -670,6 +687,11 @@ mod tests {
         let all = pool.allocate(4).unwrap();
         assert_eq!(all.0[0].len(), 4);
         assert!(pool.take_cached(&[7]).0[0].is_empty(), "evicted for the allocation");
+        assert_eq!(
+            pool.take_cache_events(),
+            vec![KvEvent::removed(vec![7], Medium::Cpu)],
+            "the eviction is published"
+        );
         pool.release(&all);
         assert_eq!(pool.free_blocks(), 4);
     }

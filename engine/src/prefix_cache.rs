@@ -7,6 +7,7 @@
 //! now (idle: reusable on a hit, taken back oldest first when the pool runs out of free
 //! blocks).
 
+use kvconnect_api::{KvEvent, Medium};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
@@ -38,12 +39,33 @@ struct Group {
 pub struct PrefixCache {
     groups: Vec<Group>,
     tick: u64,
+    /// KV events of group 0 (the blocks every group caches alike) since they were last
+    /// taken; `None` while no one takes them.
+    events: Option<Vec<KvEvent>>,
 }
 
 impl PrefixCache {
     /// An empty cache.
     pub fn new(groups: usize) -> PrefixCache {
-        PrefixCache { groups: (0..groups).map(|_| Group::default()).collect(), tick: 0 }
+        PrefixCache { groups: (0..groups).map(|_| Group::default()).collect(), tick: 0, events: None }
+    }
+
+    /// Keeps KV events from now on (`take_events` must then be called regularly).
+    pub fn enable_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The events since the last call: blocks registered (stored) and evicted (removed), in
+    /// the engine's host memory (`CPU`, as vLLM names a CPU build's prefix cache).
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Publishes the store of a block group 0 registered: its hash, its parent's, its tokens.
+    pub fn stored_event(&mut self, hash: u64, parent: Option<u64>, tokens: &[u32]) {
+        if let Some(ev) = &mut self.events {
+            ev.push(KvEvent::stored(vec![hash], parent, tokens.to_vec(), tokens.len() as u32, Medium::Cpu));
+        }
     }
 
     /// Records that `block` of `group` holds the full block with `hash`; false (nothing
@@ -115,6 +137,9 @@ impl PrefixCache {
         g.idle_since.remove(&block);
         if let Some(h) = g.hash_of.remove(&block) {
             g.by_hash.remove(&h);
+            if let (0, Some(ev)) = (group, &mut self.events) {
+                ev.push(KvEvent::removed(vec![h], Medium::Cpu));
+            }
         }
         Some(block)
     }

@@ -130,6 +130,27 @@ pub struct ServerArgs {
     /// Seconds a handshake with a peer may take.
     #[arg(long = "handshake-timeout", value_name = "SECONDS", default_value_t = 10.0)]
     pub handshake_timeout: f64,
+    /// Publish KV cache events (the prefix cache's and the connector's tiers') as vLLM's
+    /// `--kv-events-config` zmq publisher does: msgpack `KVEventBatch`es on a ZeroMQ PUB
+    /// socket bound here, e.g. `tcp://*:5557`.
+    #[arg(long = "kv-events-endpoint", value_name = "tcp://HOST:PORT")]
+    pub kv_events_endpoint: Option<String>,
+    /// The ROUTER socket that answers replay requests for missed batches (vLLM's
+    /// `replay_endpoint`), e.g. `tcp://*:5558`.
+    #[arg(
+        long = "kv-events-replay-endpoint",
+        value_name = "tcp://HOST:PORT",
+        requires = "kv_events_endpoint"
+    )]
+    pub kv_events_replay_endpoint: Option<String>,
+    /// The topic frame of every KV event message (vLLM's `topic`).
+    #[arg(
+        long = "kv-events-topic",
+        value_name = "TOPIC",
+        default_value = "",
+        requires = "kv_events_endpoint"
+    )]
+    pub kv_events_topic: String,
 }
 
 fn options(a: &ServerArgs) -> Result<EngineOptions> {
@@ -311,6 +332,12 @@ pub fn run(a: &ServerArgs, registry: Registry) -> Result<()> {
         http_max_connections: at_least_one("--max-connections", a.max_connections)?,
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),
         producers: producers.unwrap_or_default(),
+        kv_events: a.kv_events_endpoint.as_ref().map(|endpoint| {
+            let mut c = kvconnect_events::PublisherConfig::new(endpoint.clone());
+            c.replay_endpoint = a.kv_events_replay_endpoint.clone();
+            c.topic = a.kv_events_topic.clone();
+            c
+        }),
     };
     run_server(spec, registry)
 }

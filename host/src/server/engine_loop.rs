@@ -1,7 +1,9 @@
 //! The engine's own thread: it steps continuously while there is work and talks to the HTTP
 //! handlers only through a command channel, so no handler ever holds the engine.
 
+use kvconnect_api::{KvEvent, KvEventBatch};
 use kvconnect_engine::{Cancel, Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
+use kvconnect_events::ZmqEventPublisher;
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -78,6 +80,11 @@ pub trait Driver {
     fn stats(&self) -> PoolStats;
     /// Shuts the connector down.
     fn shutdown(&mut self);
+    /// KV events since the last call (the engine's prefix cache, the connector's tiers).
+    /// None by default: an engine without a cache publishes nothing.
+    fn take_kv_events(&mut self) -> Result<Vec<KvEvent>, String> {
+        Ok(Vec::new())
+    }
 }
 
 /// A step that failed.
@@ -195,6 +202,10 @@ impl Driver for Engine {
         if let Err(e) = Engine::shutdown(self) {
             tracing::warn!(error = %e, "connector shutdown failed");
         }
+    }
+
+    fn take_kv_events(&mut self) -> Result<Vec<KvEvent>, String> {
+        Engine::take_kv_events(self).map_err(|e| e.to_string())
     }
 }
 
@@ -333,6 +344,19 @@ where
     T: Send + 'static,
     F: FnOnce() -> Result<(D, T), String> + Send + 'static,
 {
+    spawn_publishing(build, None)
+}
+
+/// As [`spawn`], the engine's KV events published after each step on `events`.
+pub fn spawn_publishing<D, T, F>(
+    build: F,
+    events: Option<ZmqEventPublisher>,
+) -> Result<(EngineHandle, std::thread::JoinHandle<()>, T), String>
+where
+    D: Driver + 'static,
+    T: Send + 'static,
+    F: FnOnce() -> Result<(D, T), String> + Send + 'static,
+{
     let (tx, rx) = mpsc::channel::<Command>();
     let (ready_tx, ready_rx) = mpsc::channel::<Result<T, String>>();
     let join = std::thread::Builder::new()
@@ -346,7 +370,7 @@ where
                 }
             };
             let _ = ready_tx.send(Ok(extra));
-            run(driver, rx);
+            run(driver, rx, events);
         })
         .map_err(|e| format!("cannot start the engine thread: {e}"))?;
     match ready_rx.recv() {
@@ -366,7 +390,24 @@ fn count(counters: &mut PoolStats, ok: bool) {
     crate::server::metrics::finished(ok);
 }
 
-fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
+/// Publishes the driver's KV events of the last step as one batch (none when there are none).
+fn publish_events<D: Driver>(driver: &mut D, publisher: &ZmqEventPublisher) {
+    match driver.take_kv_events() {
+        Ok(events) if events.is_empty() => {}
+        Ok(events) => {
+            let ts = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64());
+            let batch = KvEventBatch { ts, events, data_parallel_rank: Some(0) };
+            if let Err(e) = publisher.publish(&batch) {
+                tracing::warn!("KV events not published: {e}");
+            }
+        }
+        Err(e) => tracing::warn!("KV events not taken: {e}"),
+    }
+}
+
+fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>, events: Option<ZmqEventPublisher>) {
     let mut pending: BTreeMap<String, Pending> = BTreeMap::new();
     let mut counters = PoolStats::default();
     loop {
@@ -442,7 +483,11 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>) {
             continue;
         }
         cancel_abandoned(&mut driver, &mut pending);
-        match driver.step() {
+        let stepped = driver.step();
+        if let Some(p) = &events {
+            publish_events(&mut driver, p);
+        }
+        match stepped {
             Ok(outputs) => {
                 for o in outputs {
                     let Some(p) = pending.get_mut(&o.id) else { continue };

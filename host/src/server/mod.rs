@@ -83,6 +83,8 @@ pub struct ServerSpec {
     pub handshake_timeout: Duration,
     /// The producers a decode server may load KV from.
     pub producers: producers::Producers,
+    /// Where to publish KV events (`--kv-events-endpoint`); `None`: not published.
+    pub kv_events: Option<kvconnect_events::PublisherConfig>,
 }
 
 /// Runs the server until SIGTERM or Ctrl-C.
@@ -146,16 +148,29 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
     let policy = config.failure_policy();
     let registry = Arc::new(registry);
 
+    // Bound before the engine starts, so a taken port fails the start, not a later step.
+    let events = match &spec.kv_events {
+        Some(cfg) => {
+            let p = kvconnect_events::ZmqEventPublisher::start(cfg)?;
+            tracing::info!(endpoint = p.endpoint(), replay = ?p.replay_endpoint(), topic = %cfg.topic, "KV events published");
+            Some(p)
+        }
+        None => None,
+    };
     let (handle, join, metadata) = if spec.synthetic {
         let reg = registry.clone();
         let (model, eff, blocks) = (spec.model.clone(), spec.negotiated.effective.clone(), spec.num_blocks);
         let tp_size = spec.options.tp_size;
-        engine_loop::spawn(move || {
-            let conn = connector_setup::create_connector(&reg, &ctx)?;
-            let mut e = synthetic::TransferEngine::new(&model, &eff, blocks, shm.as_deref(), tp_size, conn)?;
-            let md = e.handshake_metadata()?;
-            Ok((e, md))
-        })
+        engine_loop::spawn_publishing(
+            move || {
+                let conn = connector_setup::create_connector(&reg, &ctx)?;
+                let mut e =
+                    synthetic::TransferEngine::new(&model, &eff, blocks, shm.as_deref(), tp_size, conn)?;
+                let md = e.handshake_metadata()?;
+                Ok((e, md))
+            },
+            events,
+        )
     } else {
         let reference = ReferenceConfig::from_json(&spec.model_json).map_err(|e| {
             anyhow!("{e}; the worker runs the reference engine: use fixtures/models/kvconnect--reference/config.json (or --synthetic-kv to move synthetic KV of any model)")
@@ -170,18 +185,23 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
             shm,
             tp_size: spec.options.tp_size,
         };
-        engine_loop::spawn(move || {
-            let conn = connector_setup::create_connector(&reg, &ctx)?;
-            let mut e = Engine::new(cfg, Some(conn), policy).map_err(|e| e.to_string())?;
-            if prefix_caching {
-                e.enable_prefix_caching().map_err(|e| e.to_string())?;
-            }
-            let md = match e.worker_connector() {
-                Some(w) => w.handshake_metadata().map_err(|e| format!("handshake_metadata failed: {e}"))?,
-                None => None,
-            };
-            Ok((e, md))
-        })
+        engine_loop::spawn_publishing(
+            move || {
+                let conn = connector_setup::create_connector(&reg, &ctx)?;
+                let mut e = Engine::new(cfg, Some(conn), policy).map_err(|e| e.to_string())?;
+                if prefix_caching {
+                    e.enable_prefix_caching().map_err(|e| e.to_string())?;
+                }
+                let md = match e.worker_connector() {
+                    Some(w) => {
+                        w.handshake_metadata().map_err(|e| format!("handshake_metadata failed: {e}"))?
+                    }
+                    None => None,
+                };
+                Ok((e, md))
+            },
+            events,
+        )
     }
     .map_err(|e| anyhow!("cannot start the engine: {e}"))?;
 
