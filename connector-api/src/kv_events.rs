@@ -119,7 +119,12 @@ pub struct BlockRemoved {
 }
 
 /// One KV cache event (vLLM's `KVCacheEvent`s).
+///
+/// Read from JSON (the plugin ABI's `take_events`) in this shape, or in the shape plugins
+/// built before it wrote (`{"Stored": {"hashes": [..], "tier": ".."}}`, `Removed` alike),
+/// read as a store or removal of those hashes in the medium the tier names.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(from = "AnyKvEvent")]
 pub enum KvEvent {
     /// Blocks were stored.
     BlockStored(BlockStored),
@@ -173,6 +178,52 @@ impl KvEvent {
     }
 }
 
+/// What `KvEvent` is read from: its own shape, or the one before it.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum AnyKvEvent {
+    Now(KvEventNow),
+    Before(KvEventBefore),
+}
+
+#[derive(Deserialize)]
+enum KvEventNow {
+    BlockStored(BlockStored),
+    BlockRemoved(BlockRemoved),
+    AllBlocksCleared,
+}
+
+#[derive(Deserialize)]
+enum KvEventBefore {
+    Stored { hashes: Vec<BlockHash>, tier: String },
+    Removed { hashes: Vec<BlockHash>, tier: String },
+}
+
+/// The tier names plugins used before media: `cpu` for a CPU tier, `ssd` for a disk one.
+fn medium_of_tier(tier: &str) -> Medium {
+    match tier {
+        "cpu" => Medium::CpuTier,
+        "ssd" => Medium::Disk,
+        other => Medium::parse(other),
+    }
+}
+
+impl From<AnyKvEvent> for KvEvent {
+    fn from(e: AnyKvEvent) -> KvEvent {
+        match e {
+            AnyKvEvent::Now(KvEventNow::BlockStored(s)) => KvEvent::BlockStored(s),
+            AnyKvEvent::Now(KvEventNow::BlockRemoved(r)) => KvEvent::BlockRemoved(r),
+            AnyKvEvent::Now(KvEventNow::AllBlocksCleared) => KvEvent::AllBlocksCleared,
+            AnyKvEvent::Before(KvEventBefore::Stored { hashes, tier }) => {
+                KvEvent::stored(hashes, None, Vec::new(), 0, medium_of_tier(&tier))
+            }
+            AnyKvEvent::Before(KvEventBefore::Removed { hashes, tier }) => {
+                KvEvent::removed(hashes, medium_of_tier(&tier))
+            }
+        }
+    }
+}
+
 /// A batch of events as a publisher sends it (vLLM's `KVEventBatch`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct KvEventBatch {
@@ -182,4 +233,30 @@ pub struct KvEventBatch {
     pub events: Vec<KvEvent>,
     /// The data-parallel rank of the engine that published them; `None` when unspecified.
     pub data_parallel_rank: Option<i64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_round_trips_and_reads_the_shape_before_media() {
+        let events = vec![
+            KvEvent::stored(vec![1, 2], Some(9), vec![5, 6], 1, Medium::CpuTier),
+            KvEvent::removed(vec![2], Medium::Other("STORAGE".into())),
+            KvEvent::AllBlocksCleared,
+        ];
+        let json = serde_json::to_string(&events).unwrap();
+        assert_eq!(serde_json::from_str::<Vec<KvEvent>>(&json).unwrap(), events);
+        let before = r#"[{"Stored":{"hashes":[3],"tier":"cpu"}},{"Removed":{"hashes":[4],"tier":"ssd"}}]"#;
+        assert_eq!(
+            serde_json::from_str::<Vec<KvEvent>>(before).unwrap(),
+            vec![
+                KvEvent::stored(vec![3], None, vec![], 0, Medium::CpuTier),
+                KvEvent::removed(vec![4], Medium::Disk)
+            ]
+        );
+        let err = serde_json::from_str::<KvEvent>(r#"{"Stored":{"hashes":"x"}}"#).unwrap_err().to_string();
+        assert!(err.contains("did not match any variant"), "{err}");
+    }
 }
