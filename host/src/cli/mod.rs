@@ -74,7 +74,7 @@ pub enum Command {
     /// Runs a prefill or decode worker: engine, connector, side channel and HTTP API.
     // One server; the subcommand keeps the name users know it by (ARCHITECTURE.md §2).
     #[command(name = "worker")]
-    Server(server::ServerArgs),
+    Server(Box<server::ServerArgs>),
     /// The whole P/D deployment in one command: prefill and decode workers plus the proxy.
     Up(up::UpArgs),
     /// The P/D proxy alone, in front of prefill and decode servers started elsewhere (vLLM
