@@ -1,1 +1,295 @@
-fn main() {}
+//! The indexer and the router at the size of a deployment past one host, without the
+//! workers: 256 prefill workers holding 10 million cached blocks in total, from generated
+//! event traces.
+//!
+//! The trace: every worker caches prompts of 64 blocks, each the 16-block prefix of one of
+//! 1,000 shared documents (system prompts, few-shot examples) followed by 48 blocks of its
+//! own, stored in `BlockStored` events of 16 blocks (vLLM publishes one per request and
+//! step), until the workers hold 10 million blocks between them. Then a steady state: each
+//! batch stores a new prompt on one worker, evicts an old one there, and moves one prompt's
+//! blocks from the GPU to the CPU tier (a removal and a store), so the index stays at its
+//! size. Block hashes are random 64-bit words, as chained hashes are.
+//!
+//! Figures, each over `ROUTER_BENCH_SAMPLES` samples (5 by default; median and quartiles):
+//! - build: the 10 million stores applied to an empty indexer, in events per second and
+//!   block operations per second, on one core;
+//! - steady: the steady-state batches (stores, evictions, moves), the same units;
+//! - the resident memory the index took, per cached block and per distinct block;
+//! - route: one routing decision (`choose` over all 256 workers, with random loads) for
+//!   requests that start with a cached prompt's blocks, each timed alone: p50 and p99.
+//!
+//! Run: `cargo bench -p kvconnect-router --bench router`. Without `--bench` (as `cargo test`
+//! runs it) it runs once at a tiny size and checks what the index answers.
+
+use kvconnect_api::stats::{bench_pairs, nearest_rank, Machine, Quartiles};
+use kvconnect_router::{choose, Candidate, EventBatch, Indexer, KvEvent, Medium, Outcome, Weights, WorkerId};
+use std::hint::black_box;
+use std::time::Instant;
+
+/// A trace's shape.
+struct Size {
+    workers: usize,
+    total_blocks: usize,
+    documents: usize,
+    samples: usize,
+    decisions: usize,
+    steady_batches: usize,
+}
+
+const PREFIX: usize = 16;
+const OWN: usize = 48;
+const PER_EVENT: usize = 16;
+
+impl Size {
+    fn from_args() -> Size {
+        match bench_pairs("ROUTER_BENCH_SAMPLES", 5) {
+            None => Size {
+                workers: 8,
+                total_blocks: 8 * 64 * 20,
+                documents: 10,
+                samples: 1,
+                decisions: 200,
+                steady_batches: 100,
+            },
+            Some(samples) => Size {
+                workers: 256,
+                total_blocks: 10_000_000,
+                documents: 1000,
+                samples,
+                decisions: 100_000,
+                steady_batches: 200_000,
+            },
+        }
+    }
+}
+
+/// splitmix64: the trace's random words.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+/// One cached prompt: its worker and block hashes.
+struct Prompt {
+    worker: WorkerId,
+    chain: Vec<u64>,
+}
+
+fn prompt(rng: &mut Rng, documents: &[Vec<u64>], worker: WorkerId) -> Prompt {
+    let mut chain = documents[rng.below(documents.len())].clone();
+    chain.extend((0..OWN).map(|_| rng.next()));
+    Prompt { worker, chain }
+}
+
+/// A prompt's blocks as `BlockStored` events of `PER_EVENT` blocks.
+fn stores(p: &Prompt, medium: Medium) -> Vec<KvEvent> {
+    p.chain
+        .chunks(PER_EVENT)
+        .enumerate()
+        .map(|(i, c)| KvEvent::Stored {
+            hashes: c.to_vec(),
+            parent: i.checked_sub(1).map(|j| p.chain[j * PER_EVENT + PER_EVENT - 1]),
+            medium,
+        })
+        .collect()
+}
+
+fn removals(p: &Prompt, medium: Medium) -> Vec<KvEvent> {
+    p.chain.chunks(PER_EVENT).map(|c| KvEvent::Removed { hashes: c.to_vec(), medium }).collect()
+}
+
+/// The trace: the build's batches per worker, and the steady state's.
+struct Trace {
+    prompts: Vec<Prompt>,
+    build: Vec<(WorkerId, EventBatch)>,
+    steady: Vec<(WorkerId, EventBatch)>,
+    build_blocks: usize,
+    steady_blocks: usize,
+}
+
+fn trace(size: &Size) -> Trace {
+    let mut rng = Rng(7);
+    let documents: Vec<Vec<u64>> =
+        (0..size.documents).map(|_| (0..PREFIX).map(|_| rng.next()).collect()).collect();
+    let per_worker = size.total_blocks / size.workers / (PREFIX + OWN);
+    let mut seq = vec![0u64; size.workers];
+    let mut prompts = Vec::new();
+    let mut build = Vec::new();
+    for _ in 0..per_worker {
+        for w in 0..size.workers as WorkerId {
+            let p = prompt(&mut rng, &documents, w);
+            build.push((w, EventBatch { seq: seq[usize::from(w)], events: stores(&p, Medium::Gpu) }));
+            seq[usize::from(w)] += 1;
+            prompts.push(p);
+        }
+    }
+    let build_blocks = prompts.len() * (PREFIX + OWN);
+    // Steady state: on one worker, store a new prompt, evict its oldest, move one to the CPU
+    // tier. Evicted prompts are the build's, in order, so each is evicted once.
+    let mut steady = Vec::new();
+    let mut steady_blocks = 0;
+    let mut oldest = vec![0usize; size.workers];
+    for i in 0..size.steady_batches {
+        let w = (i % size.workers) as WorkerId;
+        let k = oldest[usize::from(w)];
+        oldest[usize::from(w)] += 2;
+        let (Some(evicted), Some(moved)) = (
+            prompts.get(k * size.workers + usize::from(w)),
+            prompts.get((k + 1) * size.workers + usize::from(w)),
+        ) else {
+            break;
+        };
+        let p = prompt(&mut rng, &documents, w);
+        let mut events = stores(&p, Medium::Gpu);
+        events.extend(removals(evicted, Medium::Gpu));
+        events.extend(removals(moved, Medium::Gpu));
+        events.extend(stores(moved, Medium::CpuTier));
+        steady_blocks += 4 * (PREFIX + OWN);
+        steady.push((w, EventBatch { seq: seq[usize::from(w)], events }));
+        seq[usize::from(w)] += 1;
+    }
+    Trace { prompts, build, steady, build_blocks, steady_blocks }
+}
+
+fn apply_all(ix: &mut Indexer, batches: &[(WorkerId, EventBatch)]) {
+    for (w, b) in batches {
+        let o = ix.apply(*w, b, false);
+        debug_assert_eq!(o, Outcome::Applied);
+        black_box(o);
+    }
+}
+
+fn events(batches: &[(WorkerId, EventBatch)]) -> usize {
+    batches.iter().map(|(_, b)| b.events.len()).sum()
+}
+
+/// Resident memory of this process, in bytes (None where /proc is missing).
+fn rss() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+fn rate(n: usize, secs: &[f64]) -> Quartiles {
+    Quartiles::of(secs.iter().map(|s| n as f64 / s).collect())
+}
+
+fn main() {
+    let size = Size::from_args();
+    let bench = size.samples > 1 || size.workers > 8;
+    let t = trace(&size);
+    let m = Machine::start();
+    let (mut build_s, mut steady_s, mut decide) = (Vec::new(), Vec::new(), Vec::new());
+    let mut memory = None;
+    for sample in 0..size.samples {
+        let before = rss();
+        let mut ix = Indexer::new(size.workers).expect("256 workers fit the index");
+        let t0 = Instant::now();
+        apply_all(&mut ix, &t.build);
+        build_s.push(t0.elapsed().as_secs_f64());
+        let held: u64 = (0..size.workers as WorkerId).map(|w| ix.index().held(w)).sum();
+        if sample == 0 {
+            memory =
+                before.zip(rss()).map(|(b, a)| (a.saturating_sub(b), held, ix.index().distinct_blocks()));
+        }
+        // Every worker holds exactly its prompts' blocks (a document's prefix counts once per
+        // worker, however many of its prompts start with it).
+        assert!(held as usize <= t.build_blocks && held as usize >= t.build_blocks * 3 / 4, "{held}");
+        check_routes(&ix, &t, &size, &mut decide, sample == 0);
+        let t0 = Instant::now();
+        apply_all(&mut ix, &t.steady);
+        steady_s.push(t0.elapsed().as_secs_f64());
+        assert_eq!(ix.counts().dropped, [0; 5]);
+        drop(ix);
+    }
+    let m = m.finish();
+    let (be, se) = (events(&t.build), events(&t.steady));
+    let [p50, p99] = nearest_rank(decide.clone(), [0.50, 0.99]);
+    let q =
+        |x: Quartiles, unit: f64| format!("{:.2} [{:.2}, {:.2}]", x.median / unit, x.q1 / unit, x.q3 / unit);
+    println!(
+        "router: {} workers, {} blocks stored in {} events ({} batches); {} samples; {m}",
+        size.workers,
+        t.build_blocks,
+        be,
+        t.build.len(),
+        size.samples
+    );
+    println!(
+        "  build:  {} M events/s, {} M block ops/s (median [q1, q3])",
+        q(rate(be, &build_s), 1e6),
+        q(rate(t.build_blocks, &build_s), 1e6)
+    );
+    println!(
+        "  steady: {} M events/s, {} M block ops/s ({} batches of stores, evictions and moves)",
+        q(rate(se, &steady_s), 1e6),
+        q(rate(t.steady_blocks, &steady_s), 1e6),
+        t.steady.len()
+    );
+    if let Some((bytes, held, distinct)) = memory {
+        println!(
+            "  memory: {:.0} MiB resident for {held} cached blocks ({distinct} distinct): {:.1} bytes per cached block, {:.1} per distinct block",
+            bytes as f64 / (1 << 20) as f64,
+            bytes as f64 / held as f64,
+            bytes as f64 / distinct as f64
+        );
+    }
+    println!(
+        "  route:  p50 {:.1} µs, p99 {:.1} µs over {} decisions ({} per sample)",
+        p50 * 1e6,
+        p99 * 1e6,
+        decide.len(),
+        size.decisions
+    );
+    if bench {
+        println!(
+            "  goals:  events >= 1 M/s: {}; route p99 < 100 µs: {}",
+            if rate(be, &build_s).median >= 1e6 && rate(se, &steady_s).median >= 1e6 {
+                "met"
+            } else {
+                "NOT met"
+            },
+            if p99 < 100e-6 { "met" } else { "NOT met" }
+        );
+    }
+}
+
+/// Routes requests that start with a cached prompt (and go on past it), each decision timed
+/// alone, and checks that the worker holding the prompt is chosen while it is idle.
+fn check_routes(ix: &Indexer, t: &Trace, size: &Size, times: &mut Vec<f64>, check: bool) {
+    let mut rng = Rng(11);
+    let w = Weights::default();
+    let mut scratch = Vec::new();
+    let mut candidates: Vec<Candidate> =
+        (0..size.workers as WorkerId).map(|worker| Candidate { worker, in_flight: 0 }).collect();
+    let mut chain = Vec::with_capacity(PREFIX + OWN + 16);
+    for turn in 0..size.decisions {
+        let p = &t.prompts[rng.below(t.prompts.len())];
+        chain.clear();
+        chain.extend_from_slice(&p.chain);
+        chain.extend((0..16).map(|_| rng.next()));
+        for c in candidates.iter_mut() {
+            c.in_flight = (rng.next() % 3) as u32;
+        }
+        candidates[usize::from(p.worker)].in_flight = 0;
+        let t0 = Instant::now();
+        let c = choose(ix, &w, &chain, &candidates, turn, &mut scratch);
+        times.push(t0.elapsed().as_secs_f64());
+        let c = c.expect("candidates were given");
+        if check {
+            assert_eq!(c.worker, p.worker, "the idle worker holding the whole prompt is chosen");
+            assert_eq!(c.predicted_blocks as usize, p.chain.len());
+        }
+    }
+}

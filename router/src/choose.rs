@@ -14,7 +14,6 @@
 //! Without events to go by (no worker's stream is live: no events yet, or the subscriber
 //! cannot reach them) the choice falls back to round-robin and says why.
 
-use crate::event::Medium;
 use crate::index::{Overlap, WorkerId};
 use crate::indexer::Indexer;
 
@@ -126,7 +125,7 @@ pub fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{EventBatch, KvEvent};
+    use crate::event::{EventBatch, KvEvent, Medium};
 
     fn store(ix: &mut Indexer, worker: WorkerId, seq: u64, hashes: &[u64], medium: Medium) {
         let b = EventBatch {

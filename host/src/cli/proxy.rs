@@ -6,6 +6,7 @@
 
 use crate::cli::exit::Exit;
 use crate::proxy::backends::Backends;
+use crate::proxy::routing::{KvRouter, Routing};
 use crate::proxy::Proxy;
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
@@ -36,6 +37,10 @@ pub struct ProxyArgs {
     /// $KVCONNECT_API_KEY, else $VLLM_API_KEY, else none).
     #[arg(long = "api-key", value_name = "KEY")]
     pub api_key: Option<String>,
+    /// How prefill servers are picked: round-robin, or kv (by the servers' KV cache events;
+    /// round-robin, said so, while there are none to go by).
+    #[arg(long, value_enum, default_value = "round-robin")]
+    pub routing: Routing,
 }
 
 /// `http://HOST:PORT`, `HOST:PORT` or either with a trailing `/`, as the proxy's client
@@ -90,6 +95,13 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
     let mut proxy = Proxy::new(Arc::new(Backends::new(servers)), Duration::from_secs(a.timeout_s.max(1)));
     proxy.server_key = key;
     proxy.verbatim = true;
+    if a.routing == Routing::Kv {
+        let names = (0..a.prefill.len()).map(|i| format!("{}-{i}", Role::Prefill)).collect();
+        // The servers' bodies go on verbatim (their own tokenizers): no prompt is hashed here.
+        let kv = KvRouter::new(names, proxy.metrics.router.clone(), false)
+            .map_err(|e| Exit::bad_input(anyhow!(e)))?;
+        proxy.kv = Some(Arc::new(kv));
+    }
     {
         let mut out = std::io::stdout().lock();
         writeln!(out, "{line}").context("cannot write the address line to stdout")?;

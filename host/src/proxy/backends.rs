@@ -18,6 +18,8 @@ pub struct Backend {
     pub http: String,
     /// Why it is down; `None` while it is up.
     pub down: Option<String>,
+    /// Bumped each time it is marked down or up (a change: it restarted since).
+    pub generation: u64,
 }
 
 /// No server of a role is up.
@@ -55,7 +57,13 @@ impl Backends {
     /// Adds servers that are up.
     pub fn extend(&self, servers: impl IntoIterator<Item = (Role, String, String)>) {
         let mut l = self.list.write().unwrap_or_else(|p| p.into_inner());
-        l.extend(servers.into_iter().map(|(role, name, http)| Backend { role, name, http, down: None }));
+        l.extend(servers.into_iter().map(|(role, name, http)| Backend {
+            role,
+            name,
+            http,
+            down: None,
+            generation: 0,
+        }));
     }
 
     fn read(&self) -> std::sync::RwLockReadGuard<'_, Vec<Backend>> {
@@ -71,7 +79,10 @@ impl Backends {
 
     /// Marks `name` down, with the reason the proxy reports while no other server can serve.
     pub fn set_down(&self, name: &str, why: &str) {
-        self.update(name, |b| b.down = Some(why.to_owned()));
+        self.update(name, |b| {
+            b.down = Some(why.to_owned());
+            b.generation += 1;
+        });
     }
 
     /// Marks `name` up at `http`.
@@ -79,12 +90,18 @@ impl Backends {
         self.update(name, |b| {
             b.http = http.to_owned();
             b.down = None;
+            b.generation += 1;
         });
     }
 
     /// Every server, in start order.
     pub fn all(&self) -> Vec<Backend> {
         self.read().clone()
+    }
+
+    /// Every server of `role`, in start order, up or not.
+    pub fn of_role(&self, role: Role) -> Vec<Backend> {
+        self.read().iter().filter(|b| b.role == role).cloned().collect()
     }
 
     /// The next server of `role` that is up, round-robin, other than those in `avoid`.

@@ -1,6 +1,7 @@
 //! The proxy's Prometheus metrics (through `prometheus-client`): requests served and failed,
 //! tokens, requests per server, and histograms of time to first token and of whole-request
-//! latency.
+//! latency; and the KV router's ([`RouterMetrics`]): its decisions, the hits it predicted
+//! against those the prefill servers reported, and the event batches it applied or dropped.
 
 use crate::server::metrics::SECONDS;
 use kvconnect_api::Role;
@@ -22,6 +23,98 @@ pub struct ProxyMetrics {
     per_server: Family<Labels, Counter>,
     ttft: Histogram,
     latency: Histogram,
+    /// The KV router's (registered here, counted while `--routing kv` routes).
+    pub router: RouterMetrics,
+}
+
+/// The KV router's metrics.
+#[derive(Debug, Clone, Default)]
+pub struct RouterMetrics {
+    decisions: Family<Labels, Counter>,
+    predicted: Counter,
+    hit: Counter,
+    predictions: Family<Labels, Counter>,
+    applied: Counter,
+    dropped: Family<Labels, Counter>,
+    replays: Counter,
+}
+
+impl RouterMetrics {
+    fn register(&self, r: &mut Registry) {
+        r.register(
+            "kvconnect_router_decisions",
+            "Prefill servers picked by --routing kv: by the KV index (by=kv), or round-robin and why (no_events: no server's events are live; no_tokens: the proxy does not hash prompts).",
+            self.decisions.clone(),
+        );
+        r.register(
+            "kvconnect_router_predicted_hit_tokens",
+            "Prompt tokens the KV index predicted the chosen prefill server holds.",
+            self.predicted.clone(),
+        );
+        r.register(
+            "kvconnect_router_actual_hit_tokens",
+            "Prompt tokens those prefill servers reported they did not compute (prefix cache and cache connector).",
+            self.hit.clone(),
+        );
+        r.register(
+            "kvconnect_router_predictions",
+            "KV routing decisions by how the prediction compared with the server's hits (exact, over, under).",
+            self.predictions.clone(),
+        );
+        r.register(
+            "kvconnect_router_event_batches_applied",
+            "KV event batches applied to the index.",
+            self.applied.clone(),
+        );
+        r.register(
+            "kvconnect_router_event_batches_dropped",
+            "KV event batches dropped, by reason (replayed, gap, dead_worker, malformed, unknown_worker).",
+            self.dropped.clone(),
+        );
+        r.register(
+            "kvconnect_router_replays_requested",
+            "Replays asked of a server after a gap in its events.",
+            self.replays.clone(),
+        );
+    }
+
+    /// A decision: by the index (`fallback` empty) or round-robin for that reason.
+    pub fn decided(&self, fallback: &str) {
+        let labels = if fallback.is_empty() {
+            vec![("by", "kv".to_owned())]
+        } else {
+            vec![("by", "round_robin".to_owned()), ("reason", fallback.to_owned())]
+        };
+        self.decisions.get_or_create(&labels).inc();
+    }
+
+    /// A server reported `hit` tokens where the index predicted `predicted`.
+    pub fn observed(&self, predicted: u64, hit: u64) {
+        self.predicted.inc_by(predicted);
+        self.hit.inc_by(hit);
+        let outcome = match predicted.cmp(&hit) {
+            std::cmp::Ordering::Equal => "exact",
+            std::cmp::Ordering::Greater => "over",
+            std::cmp::Ordering::Less => "under",
+        };
+        self.predictions.get_or_create(&vec![("outcome", outcome.to_owned())]).inc();
+    }
+
+    /// What became of an event batch.
+    pub fn outcome(&self, o: kvconnect_router::Outcome) {
+        match o {
+            kvconnect_router::Outcome::Applied => {
+                self.applied.inc();
+            }
+            kvconnect_router::Outcome::Dropped(why) => {
+                self.dropped.get_or_create(&vec![("reason", why.label().to_owned())]).inc();
+            }
+            kvconnect_router::Outcome::Replay { .. } => {
+                self.replays.inc();
+                self.dropped.get_or_create(&vec![("reason", "gap".to_owned())]).inc();
+            }
+        }
+    }
 }
 
 impl Default for ProxyMetrics {
@@ -40,7 +133,9 @@ impl Default for ProxyMetrics {
             ttft.clone(),
         );
         r.register("kvconnect_proxy_request_seconds", "Whole-request latency at the proxy", latency.clone());
-        ProxyMetrics { registry: r, served, failed, tokens, per_server, ttft, latency }
+        let router = RouterMetrics::default();
+        router.register(&mut r);
+        ProxyMetrics { registry: r, served, failed, tokens, per_server, ttft, latency, router }
     }
 }
 
@@ -90,5 +185,25 @@ mod tests {
         for help in t.lines().filter(|l| l.starts_with("# HELP")) {
             assert!(help.ends_with('.') && !help.ends_with(".."), "one period ends a help text: {help}");
         }
+    }
+
+    #[test]
+    fn router_metrics_count_predictions_against_hits_and_drops_by_reason() {
+        let m = ProxyMetrics::default();
+        m.router.decided("");
+        m.router.decided("no_events");
+        m.router.observed(32, 32);
+        m.router.observed(32, 16);
+        m.router.outcome(kvconnect_router::Outcome::Dropped(kvconnect_router::Dropped::Malformed));
+        let t = m.render();
+        assert!(t.contains("kvconnect_router_decisions_total{by=\"kv\"} 1\n"), "{t}");
+        assert!(
+            t.contains("kvconnect_router_decisions_total{by=\"round_robin\",reason=\"no_events\"} 1\n"),
+            "{t}"
+        );
+        assert!(t.contains("kvconnect_router_predicted_hit_tokens_total 64\n"), "{t}");
+        assert!(t.contains("kvconnect_router_actual_hit_tokens_total 48\n"), "{t}");
+        assert!(t.contains("kvconnect_router_predictions_total{outcome=\"over\"} 1\n"), "{t}");
+        assert!(t.contains("kvconnect_router_event_batches_dropped_total{reason=\"malformed\"} 1\n"), "{t}");
     }
 }

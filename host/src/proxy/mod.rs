@@ -3,7 +3,8 @@
 //! `kv_transfer_params` with `do_remote_decode: true`), then to a decode server with the
 //! client's body and the `kv_transfer_params` prefill returned, verbatim; both hops carry one
 //! fresh `X-Request-Id` (uuid4) and the client's `Authorization`. Round-robin over the
-//! servers of each role that are up. The answer is decode's, with what the
+//! servers of each role that are up, or for prefill by the servers' KV cache events with
+//! `--routing kv` (`routing`). The answer is decode's, with what the
 //! proxy saw added under `kvconnect.proxy` (which servers, prefill time, time to first token)
 //! and prefill's own `kvconnect` block under `kvconnect.prefill`.
 //!
@@ -20,6 +21,7 @@ pub mod backends;
 pub mod client;
 pub mod fanout;
 pub mod metrics;
+pub mod routing;
 
 use crate::server::openai::{json_object, openai_error, param_error, CONTEXT_TOKENS};
 use crate::server::{params, request_id};
@@ -54,6 +56,8 @@ pub struct Proxy {
     /// client's body goes on as it came, as vLLM's own proxy sends it, and each server checks
     /// its own parameters (its model's context, its tokenizer, its sampling options).
     pub verbatim: bool,
+    /// The KV router of the prefill servers (`--routing kv`); None: round-robin.
+    pub kv: Option<Arc<routing::KvRouter>>,
 }
 
 impl Proxy {
@@ -66,6 +70,7 @@ impl Proxy {
             next_id: AtomicU64::new(0),
             server_key: None,
             verbatim: false,
+            kv: None,
         }
     }
 
@@ -85,9 +90,22 @@ impl Proxy {
         body: Option<&Value>,
         headers: &[(&str, &str)],
     ) -> Result<(String, client::Reply), Response> {
+        self.send_first(role, None, method, path, body, headers).await
+    }
+
+    /// [`Proxy::send`], trying `first` (a server already picked) before the others.
+    async fn send_first(
+        &self,
+        role: Role,
+        mut first: Option<String>,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        headers: &[(&str, &str)],
+    ) -> Result<(String, client::Reply), Response> {
         let mut tried: Vec<String> = Vec::new();
         loop {
-            let w = match self.backends.pick(role, &tried) {
+            let w = match first.take().map_or_else(|| self.backends.pick(role, &tried), Ok) {
                 Ok(w) => w,
                 Err(e) if tried.is_empty() => return Err(unreachable(role, e)),
                 Err(_) => break,
@@ -261,8 +279,23 @@ async fn prefill(
         headers.push(("authorization", a));
     }
     let pre = prefill_body(&body);
+    let picked = match &p.kv {
+        None => None,
+        Some(kv) => {
+            let tokens = (!p.verbatim)
+                .then(|| params::parse(&body, path.ends_with("chat/completions")).ok())
+                .flatten()
+                .and_then(|r| r.prompts.into_iter().next());
+            let picked = kv.pick(&p.backends, tokens.as_deref(), &[]).map_err(|e| {
+                p.metrics.error();
+                unreachable(Role::Prefill, e)
+            })?;
+            Some(picked)
+        }
+    };
+    let first = picked.as_ref().map(|x| x.http.clone());
     let (pw, pr) = p
-        .send(Role::Prefill, "POST", path, Some(&Value::Object(pre)), &borrowed(&headers))
+        .send_first(Role::Prefill, first, "POST", path, Some(&Value::Object(pre)), &borrowed(&headers))
         .await
         .inspect_err(|_| p.metrics.error())?;
     let pv = pr.json();
@@ -270,6 +303,15 @@ async fn prefill(
         p.metrics.error();
         return Err(relay(pr.status, pv));
     }
+    if let (Some(kv), Some(x)) = (&p.kv, &picked) {
+        if let (Some(pred), true) = (x.prediction, x.http == pw) {
+            let k = &pv["kvconnect"];
+            let hit =
+                k["num_cached_tokens"].as_u64().unwrap_or(0) + k["num_external_tokens"].as_u64().unwrap_or(0);
+            kv.observe(pred, hit);
+        }
+    }
+    drop(picked);
     let mut dec = body;
     dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
     Ok(Prefilled { pw, kvconnect: pv["kvconnect"].clone(), done: t0.elapsed(), dec, headers })

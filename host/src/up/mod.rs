@@ -72,6 +72,10 @@ pub struct UpArgs {
     /// $KVCONNECT_API_KEY, else $VLLM_API_KEY, else none).
     #[arg(long = "api-key", value_name = "KEY")]
     pub api_key: Option<String>,
+    /// How the proxy picks prefill workers: round-robin, or kv (by the workers' KV cache
+    /// events; round-robin, said so, while there are none to go by).
+    #[arg(long, value_enum, default_value = "round-robin")]
+    pub routing: crate::proxy::routing::Routing,
     /// Seconds between health checks of each worker; a worker that reports itself
     /// unhealthy, or misses five checks in a row, is restarted.
     #[arg(long = "health-interval", value_name = "SECS", default_value_t = 1.0, value_parser = positive_seconds)]
@@ -166,6 +170,12 @@ async fn up(a: &UpArgs) -> Result<()> {
     let (prefill, decode, mono) = (of("prefill"), of("decode"), of("monolithic"));
     let mut proxy = Proxy::new(backends, Duration::from_secs(300));
     proxy.server_key = key.clone();
+    if a.routing == crate::proxy::routing::Routing::Kv {
+        let names = (0..a.prefill).map(|i| format!("up{pid}-{}-{i}", Role::Prefill)).collect();
+        let kv = crate::proxy::routing::KvRouter::new(names, proxy.metrics.router.clone(), true)
+            .map_err(|e| Exit::bad_input(anyhow!(e)))?;
+        proxy.kv = Some(Arc::new(kv));
+    }
     let proxy = Arc::new(proxy);
     let pids: Vec<u32> = started.iter().map(|s| s.pid).collect();
     let line = json!({

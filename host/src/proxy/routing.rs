@@ -1,0 +1,341 @@
+//! How the proxy picks a prefill server: round-robin (the default), or by KV (`--routing
+//! kv`): the server whose cache holds most of the request's prefix, against its load
+//! (`kvconnect_router::choose`, whose doc states the formula and the tier weights).
+//!
+//! The KV router keeps the index of every prefill server's blocks (`kvconnect_router::
+//! Indexer`), fed by [`KvRouter::apply`] with each server's event batches, and the proxy's
+//! own count of the requests each server has in flight. A request's block hashes are the
+//! reference engine's prefix-cache hashes of its prompt tokens (`kvconnect_engine::
+//! prefix_cache::block_hashes`, at the block size the servers' events carry), truncated as
+//! the engine truncates them (the last prompt token is always computed), so the predicted
+//! hits are the ones the engine can take.
+//!
+//! Without events to go by (none arrived yet, the subscriber cannot reach the servers, or
+//! the proxy cannot hash the prompt: `kvconnect proxy` in front of vLLM passes bodies on
+//! verbatim and does not tokenize), it routes round-robin, logs why once per change, and
+//! counts each such choice (`kvconnect_router_decisions_total{by="round_robin",reason}`).
+//! A server the supervisor marks down is killed in the index (never routed to); one that
+//! comes back up starts a fresh stream.
+
+use super::backends::{Backends, NoBackend};
+use super::metrics::RouterMetrics;
+use kvconnect_api::Role;
+use kvconnect_engine::prefix_cache::block_hashes;
+use kvconnect_router::{
+    choose, Candidate, EventBatch, Indexer, KvEvent, Outcome, Overlap, Weights, WorkerId,
+};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// `--routing`: how prefill servers are picked.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Routing {
+    /// In turn, among the servers that are up.
+    #[default]
+    RoundRobin,
+    /// By the KV cache events of the servers: cached prefix against load.
+    Kv,
+}
+
+/// What the index predicted for a request sent to a prefill server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prediction {
+    /// Tokens of the prompt the server holds (whole blocks).
+    pub tokens: u64,
+}
+
+/// A prefill server picked, with the count of its requests in flight held until dropped.
+pub struct Picked {
+    /// Its HTTP address.
+    pub http: String,
+    /// What the index predicted (None: picked round-robin).
+    pub prediction: Option<Prediction>,
+    _in_flight: Option<InFlight>,
+}
+
+struct InFlight {
+    router: Arc<KvRouter>,
+    worker: WorkerId,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.router.in_flight[usize::from(self.worker)].fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+struct State {
+    indexer: Indexer,
+    /// Per server: the backend generation last seen (a change: it restarted).
+    generations: Vec<u64>,
+    /// The block size the servers' events carry (None until one arrived).
+    block_size: Option<u32>,
+    scratch: Vec<Overlap>,
+    /// The last fallback reason logged (None: routing by KV).
+    logged: Option<&'static str>,
+}
+
+/// The KV router of the prefill servers.
+pub struct KvRouter {
+    /// The prefill servers' names (engine ids), by their number in the index.
+    names: Vec<String>,
+    state: Mutex<State>,
+    in_flight: Vec<AtomicU32>,
+    turn: AtomicUsize,
+    weights: Weights,
+    metrics: RouterMetrics,
+    /// The proxy tokenizes prompts (false: bodies go on verbatim, no block hashes).
+    hashes_prompts: bool,
+}
+
+impl KvRouter {
+    /// A router over the prefill servers named `names`.
+    pub fn new(
+        names: Vec<String>,
+        metrics: RouterMetrics,
+        hashes_prompts: bool,
+    ) -> Result<KvRouter, kvconnect_router::TooManyWorkers> {
+        let indexer = Indexer::new(names.len())?;
+        Ok(KvRouter {
+            state: Mutex::new(State {
+                indexer,
+                generations: vec![0; names.len()],
+                block_size: None,
+                scratch: Vec::new(),
+                logged: None,
+            }),
+            in_flight: names.iter().map(|_| AtomicU32::new(0)).collect(),
+            names,
+            turn: AtomicUsize::new(0),
+            weights: Weights::default(),
+            metrics,
+            hashes_prompts,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn id(&self, name: &str) -> Option<WorkerId> {
+        self.names.iter().position(|n| n == name).and_then(|i| WorkerId::try_from(i).ok())
+    }
+
+    /// Applies one event batch of the prefill server `name`; `replay`: it came from the
+    /// server's replay socket. `Outcome::Replay` asks the caller to request the replay.
+    pub fn apply(&self, name: &str, batch: &EventBatch, replay: bool, block_size: Option<u32>) -> Outcome {
+        let mut st = self.lock();
+        let o = match self.id(name) {
+            Some(w) => st.indexer.apply(w, batch, replay),
+            None => st.indexer.reject(WorkerId::MAX),
+        };
+        if o == Outcome::Applied && batch.events.iter().any(|e| matches!(e, KvEvent::Stored { .. })) {
+            if let Some(bs) = block_size.filter(|b| *b > 0) {
+                st.block_size = Some(bs);
+            }
+        }
+        drop(st);
+        self.metrics.outcome(o);
+        o
+    }
+
+    /// A batch from `name` that could not be decoded: dropped and counted.
+    pub fn reject(&self, name: &str) {
+        let mut st = self.lock();
+        let o = st.indexer.reject(self.id(name).unwrap_or(WorkerId::MAX));
+        drop(st);
+        self.metrics.outcome(o);
+    }
+
+    /// Picks the prefill server for a request with these prompt tokens (None: not known
+    /// here), other than those in `avoid` (addresses that did not answer).
+    pub fn pick(
+        self: &Arc<Self>,
+        backends: &Backends,
+        prompt: Option<&[u32]>,
+        avoid: &[String],
+    ) -> Result<Picked, NoBackend> {
+        let up = backends.of_role(Role::Prefill);
+        let mut st = self.lock();
+        // Servers the supervisor marked down are dead in the index; one that restarted (its
+        // generation moved) starts a fresh stream.
+        for b in &up {
+            let Some(w) = self.id(&b.name) else { continue };
+            let seen = &mut st.generations[usize::from(w)];
+            if *seen != b.generation {
+                *seen = b.generation;
+                st.indexer.restart(w);
+            }
+            if b.down.is_some() {
+                st.indexer.kill(w);
+            }
+        }
+        let reason = if !self.hashes_prompts || prompt.is_none() {
+            Some("no_tokens")
+        } else if st.block_size.is_none() || !st.indexer.any_live() {
+            Some("no_events")
+        } else {
+            None
+        };
+        if st.logged != reason {
+            match reason {
+                Some(r) => tracing::warn!(reason = r, "KV routing falls back to round-robin: {}", explain(r)),
+                None => {
+                    tracing::info!("KV routing: the prefill servers' events arrive, routing by cached prefix")
+                }
+            }
+            st.logged = reason;
+        }
+        let (Some(prompt), Some(bs), None) = (prompt, st.block_size, reason) else {
+            drop(st);
+            self.metrics.decided(reason.unwrap_or("no_tokens"));
+            let http = backends.pick(Role::Prefill, avoid)?;
+            return Ok(Picked { http, prediction: None, _in_flight: None });
+        };
+        let mut chain = block_hashes(prompt, bs as usize);
+        chain.truncate(prompt.len().saturating_sub(1) / bs as usize);
+        let candidates: Vec<(Candidate, &str)> = up
+            .iter()
+            .filter(|b| b.down.is_none() && !avoid.contains(&b.http))
+            .filter_map(|b| {
+                let worker = self.id(&b.name)?;
+                let in_flight = self.in_flight[usize::from(worker)].load(Ordering::Relaxed);
+                Some((Candidate { worker, in_flight }, b.http.as_str()))
+            })
+            .collect();
+        let only: Vec<Candidate> = candidates.iter().map(|c| c.0).collect();
+        let turn = self.turn.fetch_add(1, Ordering::Relaxed);
+        let st = &mut *st;
+        let Some(c) = choose(&st.indexer, &self.weights, &chain, &only, turn, &mut st.scratch) else {
+            return Err(backends.pick(Role::Prefill, avoid).err().unwrap_or_else(|| NoBackend {
+                role: Role::Prefill,
+                why: "no prefill server in the KV index is up".into(),
+            }));
+        };
+        let http =
+            candidates.iter().find(|x| x.0.worker == c.worker).map(|x| x.1.to_owned()).unwrap_or_default();
+        self.metrics.decided(c.fallback.map_or("", |f| f.label()));
+        self.in_flight[usize::from(c.worker)].fetch_add(1, Ordering::Relaxed);
+        Ok(Picked {
+            http,
+            prediction: Some(Prediction { tokens: u64::from(c.predicted_blocks) * u64::from(bs) }),
+            _in_flight: Some(InFlight { router: self.clone(), worker: c.worker }),
+        })
+    }
+
+    /// The server then reported `hit` prompt tokens it did not compute (its prefix cache's
+    /// and its cache connector's).
+    pub fn observe(&self, p: Prediction, hit: u64) {
+        self.metrics.observed(p.tokens, hit);
+    }
+}
+
+fn explain(reason: &str) -> &'static str {
+    match reason {
+        "no_tokens" => "the proxy passes bodies on verbatim and does not hash prompts",
+        _ => "no prefill server's KV events have arrived (or none is live)",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::proxy::metrics::ProxyMetrics;
+    use kvconnect_router::{Dropped, Medium};
+
+    const BS: u32 = 4;
+
+    fn servers() -> (Arc<Backends>, Arc<KvRouter>, ProxyMetrics) {
+        let b = Arc::new(Backends::new([
+            (Role::Prefill, "p0".into(), "127.0.0.1:1".into()),
+            (Role::Prefill, "p1".into(), "127.0.0.1:2".into()),
+            (Role::Decode, "d0".into(), "127.0.0.1:3".into()),
+        ]));
+        let m = ProxyMetrics::default();
+        let kv = KvRouter::new(vec!["p0".into(), "p1".into()], m.router.clone(), true).unwrap();
+        (b, Arc::new(kv), m)
+    }
+
+    /// The batch a server publishes after computing `prompt`'s full blocks.
+    fn stored(seq: u64, prompt: &[u32]) -> EventBatch {
+        let hashes = block_hashes(prompt, BS as usize);
+        EventBatch { seq, events: vec![KvEvent::Stored { hashes, parent: None, medium: Medium::Cpu }] }
+    }
+
+    #[test]
+    fn without_events_it_routes_round_robin_and_with_them_by_prefix() {
+        let (b, kv, _) = servers();
+        let prompt: Vec<u32> = (0..13).collect();
+        let first: Vec<String> = (0..2).map(|_| kv.pick(&b, Some(&prompt), &[]).unwrap().http).collect();
+        assert_eq!(first, ["127.0.0.1:1", "127.0.0.1:2"], "no events: round-robin");
+        assert!(kv.pick(&b, Some(&prompt), &[]).unwrap().prediction.is_none());
+        assert_eq!(kv.apply("p1", &stored(0, &prompt), false, Some(BS)), Outcome::Applied);
+        assert_eq!(kv.apply("p0", &stored(0, &[9, 9, 9, 9]), false, Some(BS)), Outcome::Applied);
+        for _ in 0..3 {
+            let p = kv.pick(&b, Some(&prompt), &[]).unwrap();
+            // 13 tokens: 3 full blocks, all held; the last token is always computed.
+            assert_eq!((p.http.as_str(), p.prediction), ("127.0.0.1:2", Some(Prediction { tokens: 12 })));
+        }
+        // A prompt the index says p1 holds, but p1 did not answer: p0.
+        let p = kv.pick(&b, Some(&prompt), &["127.0.0.1:2".into()]).unwrap();
+        assert_eq!(p.http, "127.0.0.1:1");
+    }
+
+    #[test]
+    fn in_flight_requests_weigh_against_a_cached_prefix() {
+        let (b, kv, _) = servers();
+        let prompt: Vec<u32> = (0..9).collect(); // 2 blocks to hash
+        kv.apply("p0", &stored(0, &prompt), false, Some(BS));
+        kv.apply("p1", &stored(0, &[7; 4]), false, Some(BS));
+        let held = kv.pick(&b, Some(&prompt), &[]).unwrap();
+        assert_eq!(held.http, "127.0.0.1:1");
+        // p0 has one in flight: 2 - 2 * 0.9 + 4 = 4.2 > p1's 2.
+        let other = kv.pick(&b, Some(&prompt), &[]).unwrap();
+        assert_eq!(other.http, "127.0.0.1:2");
+        drop((held, other));
+        assert_eq!(kv.pick(&b, Some(&prompt), &[]).unwrap().http, "127.0.0.1:1", "back once it returned");
+    }
+
+    #[test]
+    fn a_server_marked_down_is_never_picked_and_starts_a_fresh_stream_when_back() {
+        let (b, kv, m) = servers();
+        let prompt: Vec<u32> = (0..9).collect();
+        kv.apply("p0", &stored(0, &prompt), false, Some(BS));
+        kv.apply("p0", &stored(1, &prompt), false, Some(BS));
+        kv.apply("p1", &stored(0, &[7; 4]), false, Some(BS));
+        b.set_down("p0", "exited; restarting");
+        for _ in 0..3 {
+            assert_eq!(kv.pick(&b, Some(&prompt), &[]).unwrap().http, "127.0.0.1:2");
+        }
+        assert_eq!(kv.apply("p0", &stored(2, &prompt), false, Some(BS)), Outcome::Dropped(Dropped::Dead));
+        b.set_up("p0", "127.0.0.1:5");
+        let p = kv.pick(&b, Some(&prompt), &[]).unwrap();
+        assert_eq!(
+            p.prediction,
+            Some(Prediction { tokens: 0 }),
+            "the restarted server's old blocks are gone"
+        );
+        // Its new publisher numbers from 0 again: applied, not taken for a replay.
+        assert_eq!(kv.apply("p0", &stored(0, &prompt), false, Some(BS)), Outcome::Applied);
+        drop(p);
+        assert_eq!(kv.pick(&b, Some(&prompt), &[]).unwrap().http, "127.0.0.1:5");
+        kv.reject("p1");
+        kv.reject("nobody");
+        let t = m.render();
+        assert!(t.contains("kvconnect_router_event_batches_dropped_total{reason=\"dead_worker\"} 1"), "{t}");
+        assert!(t.contains("reason=\"malformed\"} 1") && t.contains("reason=\"unknown_worker\"} 1"), "{t}");
+    }
+
+    #[test]
+    fn without_prompt_tokens_it_says_why_it_routes_round_robin() {
+        let (b, _, m) = servers();
+        let kv = Arc::new(KvRouter::new(vec!["p0".into(), "p1".into()], m.router.clone(), false).unwrap());
+        kv.apply("p0", &stored(0, &[1, 2, 3, 4, 5]), false, Some(BS));
+        assert!(kv.pick(&b, None, &[]).unwrap().prediction.is_none());
+        let t = m.render();
+        assert!(
+            t.contains("kvconnect_router_decisions_total{by=\"round_robin\",reason=\"no_tokens\"} 1"),
+            "{t}"
+        );
+    }
+}
