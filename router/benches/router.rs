@@ -8,7 +8,8 @@
 //! step), until the workers hold 10 million blocks between them. Then a steady state: each
 //! batch stores a new prompt on one worker, evicts an old one there, and moves one prompt's
 //! blocks from the GPU to the CPU tier (a removal and a store), so the index stays at its
-//! size. Block hashes are random 64-bit words, as chained hashes are.
+//! size. Block hashes are random 64-bit words, as chained hashes are; the events' token ids are
+//! left empty (the indexer does not read them), so the trace fits in memory beside the index.
 //!
 //! Each figure is timed twice: on the wall clock, and on this thread's CPU clock
 //! (`CLOCK_THREAD_CPUTIME_ID`), which counts only the time the thread ran on a core, so that
@@ -29,7 +30,9 @@
 #![allow(unsafe_code)] // clock_gettime of the thread's CPU clock (libc), for figures on one core of a shared machine.
 
 use kvconnect_api::stats::{bench_pairs, nearest_rank, Machine, Quartiles};
-use kvconnect_router::{choose, Candidate, EventBatch, Indexer, KvEvent, Medium, Outcome, Weights, WorkerId};
+use kvconnect_router::{
+    choose, Candidate, Indexer, KvEvent, KvEventBatch, Medium, Outcome, Weights, WorkerId,
+};
 use std::hint::black_box;
 use std::time::Instant;
 
@@ -104,23 +107,29 @@ fn stores(p: &Prompt, medium: Medium) -> Vec<KvEvent> {
     p.chain
         .chunks(PER_EVENT)
         .enumerate()
-        .map(|(i, c)| KvEvent::Stored {
-            hashes: c.to_vec(),
-            parent: i.checked_sub(1).map(|j| p.chain[j * PER_EVENT + PER_EVENT - 1]),
-            medium,
+        .map(|(i, c)| {
+            let parent = i.checked_sub(1).map(|j| p.chain[j * PER_EVENT + PER_EVENT - 1]);
+            KvEvent::stored(c.to_vec(), parent, Vec::new(), 16, medium.clone())
         })
         .collect()
 }
 
 fn removals(p: &Prompt, medium: Medium) -> Vec<KvEvent> {
-    p.chain.chunks(PER_EVENT).map(|c| KvEvent::Removed { hashes: c.to_vec(), medium }).collect()
+    p.chain.chunks(PER_EVENT).map(|c| KvEvent::removed(c.to_vec(), medium.clone())).collect()
+}
+
+/// A worker's batch with its sequence number.
+type Numbered = (WorkerId, u64, KvEventBatch);
+
+fn batch(events: Vec<KvEvent>) -> KvEventBatch {
+    KvEventBatch { ts: 0.0, events, data_parallel_rank: None }
 }
 
 /// The trace: the build's batches per worker, and the steady state's.
 struct Trace {
     prompts: Vec<Prompt>,
-    build: Vec<(WorkerId, EventBatch)>,
-    steady: Vec<(WorkerId, EventBatch)>,
+    build: Vec<Numbered>,
+    steady: Vec<Numbered>,
     build_blocks: usize,
     steady_blocks: usize,
 }
@@ -136,7 +145,7 @@ fn trace(size: &Size) -> Trace {
     for _ in 0..per_worker {
         for w in 0..size.workers as WorkerId {
             let p = prompt(&mut rng, &documents, w);
-            build.push((w, EventBatch { seq: seq[usize::from(w)], events: stores(&p, Medium::Gpu) }));
+            build.push((w, seq[usize::from(w)], batch(stores(&p, Medium::Gpu))));
             seq[usize::from(w)] += 1;
             prompts.push(p);
         }
@@ -163,22 +172,22 @@ fn trace(size: &Size) -> Trace {
         events.extend(removals(moved, Medium::Gpu));
         events.extend(stores(moved, Medium::CpuTier));
         steady_blocks += 4 * (PREFIX + OWN);
-        steady.push((w, EventBatch { seq: seq[usize::from(w)], events }));
+        steady.push((w, seq[usize::from(w)], batch(events)));
         seq[usize::from(w)] += 1;
     }
     Trace { prompts, build, steady, build_blocks, steady_blocks }
 }
 
-fn apply_all(ix: &mut Indexer, batches: &[(WorkerId, EventBatch)]) {
-    for (w, b) in batches {
-        let o = ix.apply(*w, b, false);
+fn apply_all(ix: &mut Indexer, batches: &[Numbered]) {
+    for (w, seq, b) in batches {
+        let o = ix.apply(*w, *seq, b, false);
         debug_assert_eq!(o, Outcome::Applied);
         black_box(o);
     }
 }
 
-fn events(batches: &[(WorkerId, EventBatch)]) -> usize {
-    batches.iter().map(|(_, b)| b.events.len()).sum()
+fn events(batches: &[Numbered]) -> usize {
+    batches.iter().map(|(_, _, b)| b.events.len()).sum()
 }
 
 /// Seconds on this thread's CPU clock (NaN where it cannot be read).

@@ -8,18 +8,21 @@
 //! `B` is the request's full blocks, `in_flight(w)` the requests the proxy has sent `w` that
 //! have not returned, and `LOAD` ([`Weights::load_blocks`]) how many blocks of computing one
 //! request in flight is worth. A block on the GPU saves its whole computation (weight 1); one
-//! further away saves less, since it has to be brought back first ([`TIER_WEIGHTS`]). Ties go
+//! further away saves less, since it has to be brought back first ([`TIER_WEIGHTS`], by
+//! `Medium::rank`). Ties go
 //! to the first worker in a rotating order, so requests nobody holds spread round-robin.
 //!
 //! Without events to go by (no worker's stream is live: no events yet, or the subscriber
 //! cannot reach them) the choice falls back to round-robin and says why.
 
+use crate::event::RANKS;
 use crate::index::{Overlap, WorkerId};
 use crate::indexer::Indexer;
 
-/// Weight of a block held in each medium, by [`Medium::index`]: gpu 1, cpu 0.9 (the
-/// engine's own blocks in CPU memory), cpu_tier 0.75, disk 0.5, remote 0.25.
-pub const TIER_WEIGHTS: [f64; 5] = [1.0, 0.9, 0.75, 0.5, 0.25];
+/// Weight of a block by the rank of the fastest medium holding it (`Medium::rank`): the
+/// engine's own cache (`GPU`, `CPU`) 1, a cache connector's CPU tier 0.75, disk 0.5, remote
+/// (and any medium kvconnect does not name) 0.25.
+pub const TIER_WEIGHTS: [f64; RANKS] = [1.0, 0.75, 0.5, 0.25];
 
 /// Blocks of computation one request in flight is worth, by default.
 pub const LOAD_BLOCKS: f64 = 4.0;
@@ -27,8 +30,8 @@ pub const LOAD_BLOCKS: f64 = 4.0;
 /// The formula's weights.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Weights {
-    /// Per medium, what a block held there is worth (1: its whole computation).
-    pub tier: [f64; 5],
+    /// Per rank of medium, what a block held there is worth (1: its whole computation).
+    pub tier: [f64; RANKS],
     /// Blocks one request in flight is worth.
     pub load_blocks: f64,
 }
@@ -42,7 +45,7 @@ impl Default for Weights {
 impl Weights {
     /// `H(w)`: what a worker's overlap saves, in blocks.
     pub fn saved(&self, o: &Overlap) -> f64 {
-        o.by_medium.iter().zip(self.tier).map(|(n, w)| f64::from(*n) * w).sum()
+        o.by_rank.iter().zip(self.tier).map(|(n, w)| f64::from(*n) * w).sum()
     }
 }
 
@@ -125,14 +128,13 @@ pub fn choose(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{EventBatch, KvEvent, Medium};
+    use crate::event::{KvEvent, KvEventBatch, Medium};
 
     fn store(ix: &mut Indexer, worker: WorkerId, seq: u64, hashes: &[u64], medium: Medium) {
-        let b = EventBatch {
-            seq,
-            events: vec![KvEvent::Stored { hashes: hashes.to_vec(), parent: None, medium }],
-        };
-        assert_eq!(ix.apply(worker, &b, false), crate::indexer::Outcome::Applied);
+        let tokens = vec![0; hashes.len() * 4];
+        let events = vec![KvEvent::stored(hashes.to_vec(), None, tokens, 4, medium)];
+        let b = KvEventBatch { ts: 0.0, events, data_parallel_rank: None };
+        assert_eq!(ix.apply(worker, seq, &b, false), crate::indexer::Outcome::Applied);
     }
 
     fn idle(workers: &[WorkerId]) -> Vec<Candidate> {

@@ -9,14 +9,14 @@
 //! per leading block of the request plus one step per holder of each; a removal or a store
 //! one probe per block; clearing a worker one pass over the whole map.
 
-use crate::event::{BlockHash, Medium};
+use crate::event::{fastest_rank, medium_bit, BlockHash, Medium, RANKS};
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 /// A worker's number in the index (its position in the router's list).
 pub type WorkerId = u16;
 
-/// The media a worker holds a block in, one bit per [`Medium::index`].
+/// The media a worker holds a block in, one bit each (`event::medium_bit`).
 pub type TierMask = u8;
 
 /// Block hashes are already uniform: the map uses them as they are.
@@ -102,8 +102,9 @@ impl Holders {
 pub struct Overlap {
     /// Leading blocks held, in any medium.
     pub blocks: u32,
-    /// Of those, how many at best in each medium (by [`Medium::index`]).
-    pub by_medium: [u32; 5],
+    /// Of those, how many have their fastest medium at each rank (`Medium::rank`: 0 the
+    /// engine's own cache, 1 host memory, 2 disk, 3 remote).
+    pub by_rank: [u32; RANKS],
 }
 
 /// The block index of a fixed set of workers.
@@ -141,8 +142,8 @@ impl BlockIndex {
     }
 
     /// `worker` now holds `hash` in `medium` too.
-    pub fn store(&mut self, worker: WorkerId, hash: BlockHash, medium: Medium) {
-        let bit = 1 << medium.index();
+    pub fn store(&mut self, worker: WorkerId, hash: BlockHash, medium: &Medium) {
+        let bit = medium_bit(medium);
         let holders = self
             .map
             .entry(hash)
@@ -154,8 +155,8 @@ impl BlockIndex {
     }
 
     /// `worker` no longer holds `hash` in `medium` (a block it did not hold there: nothing).
-    pub fn remove(&mut self, worker: WorkerId, hash: BlockHash, medium: Medium) {
-        let bit = 1 << medium.index();
+    pub fn remove(&mut self, worker: WorkerId, hash: BlockHash, medium: &Medium) {
+        let bit = medium_bit(medium);
         let Some(holders) = self.map.get_mut(&hash) else { return };
         let (was, is) = holders.update(worker, |t| t & !bit);
         if was && !is {
@@ -191,7 +192,7 @@ impl BlockIndex {
                 let o = &mut out[usize::from(h.worker)];
                 if o.blocks as usize == i {
                     o.blocks += 1;
-                    o.by_medium[h.tiers.trailing_zeros() as usize] += 1;
+                    o.by_rank[fastest_rank(h.tiers)] += 1;
                     extended = true;
                 }
             }
@@ -210,15 +211,15 @@ mod tests {
     fn a_prefix_counts_leading_blocks_only_at_their_fastest_medium() {
         let mut ix = BlockIndex::new(3);
         for h in [1, 2, 3] {
-            ix.store(0, h, Medium::Gpu);
+            ix.store(0, h, &Medium::Gpu);
         }
-        ix.store(0, 2, Medium::Disk);
-        ix.store(1, 1, Medium::Disk);
-        ix.store(1, 3, Medium::Gpu); // no block 2: block 3 is not a prefix of worker 1's
+        ix.store(0, 2, &Medium::Disk);
+        ix.store(1, 1, &Medium::Disk);
+        ix.store(1, 3, &Medium::Gpu); // no block 2: block 3 is not a prefix of worker 1's
         let mut out = Vec::new();
         ix.overlaps(&[1, 2, 3, 4], &mut out);
-        assert_eq!(out[0], Overlap { blocks: 3, by_medium: [3, 0, 0, 0, 0] });
-        assert_eq!(out[1], Overlap { blocks: 1, by_medium: [0, 0, 0, 1, 0] });
+        assert_eq!(out[0], Overlap { blocks: 3, by_rank: [3, 0, 0, 0] });
+        assert_eq!(out[1], Overlap { blocks: 1, by_rank: [0, 0, 1, 0] });
         assert_eq!(out[2], Overlap::default());
         assert_eq!((ix.held(0), ix.held(1), ix.distinct_blocks()), (3, 2, 3));
     }
@@ -226,18 +227,18 @@ mod tests {
     #[test]
     fn removals_are_per_medium_and_clear_forgets_one_worker() {
         let mut ix = BlockIndex::new(2);
-        ix.store(0, 7, Medium::CpuTier);
-        ix.store(1, 7, Medium::Gpu);
+        ix.store(0, 7, &Medium::CpuTier);
+        ix.store(1, 7, &Medium::Gpu);
         // A block moving from the CPU tier to disk: one removal, one store.
-        ix.remove(0, 7, Medium::CpuTier);
-        ix.store(0, 7, Medium::Disk);
-        assert_eq!(ix.tiers(0, 7), 1 << Medium::Disk.index());
+        ix.remove(0, 7, &Medium::CpuTier);
+        ix.store(0, 7, &Medium::Disk);
+        assert_eq!(ix.tiers(0, 7), medium_bit(&Medium::Disk));
         assert_eq!(ix.held(0), 1);
-        ix.remove(0, 7, Medium::Gpu); // not held there: nothing changes
+        ix.remove(0, 7, &Medium::Gpu); // not held there: nothing changes
         assert_eq!(ix.held(0), 1);
         ix.clear(1);
         assert_eq!((ix.held(1), ix.tiers(1, 7), ix.distinct_blocks()), (0, 0, 1));
-        ix.remove(0, 7, Medium::Disk);
+        ix.remove(0, 7, &Medium::Disk);
         assert_eq!((ix.held(0), ix.distinct_blocks()), (0, 0));
     }
 }

@@ -3,7 +3,7 @@
 //! restart (a new stream, or `AllBlocksCleared`) forgets the worker's blocks, which the new
 //! stream and its replay bring back; a dead worker is forgotten and never scored.
 
-use crate::event::{EventBatch, KvEvent};
+use crate::event::{KvEvent, KvEventBatch};
 use crate::index::{BlockIndex, Overlap, WorkerId};
 use crate::stream::{Admit, Dropped, Stream, StreamState};
 
@@ -84,20 +84,19 @@ impl Indexer {
         Outcome::Dropped(why)
     }
 
-    /// Applies `worker`'s batch; `replay`: it came from the worker's replay socket.
-    pub fn apply(&mut self, worker: WorkerId, batch: &EventBatch, replay: bool) -> Outcome {
+    /// Applies `worker`'s batch numbered `seq`; `replay`: it came from the worker's replay
+    /// socket.
+    pub fn apply(&mut self, worker: WorkerId, seq: u64, batch: &KvEventBatch, replay: bool) -> Outcome {
         let Some(stream) = self.streams.get_mut(usize::from(worker)) else {
             return self.drop(Dropped::UnknownWorker);
         };
-        let malformed = batch.events.iter().any(|e| match e {
-            KvEvent::Stored { hashes, .. } | KvEvent::Removed { hashes, .. } => hashes.is_empty(),
-            KvEvent::AllCleared => false,
-        });
+        let malformed =
+            batch.events.iter().any(|e| e.block_hashes().is_empty() && *e != KvEvent::AllBlocksCleared);
         if malformed && stream.state() != StreamState::Dead {
-            stream.skip(batch.seq);
+            stream.skip(seq);
             return self.drop(Dropped::Malformed);
         }
-        match stream.admit(batch.seq, replay) {
+        match stream.admit(seq, replay) {
             Admit::Drop(why) => self.drop(why),
             Admit::Replay { from } => {
                 self.counts.replays += 1;
@@ -109,13 +108,13 @@ impl Indexer {
                 self.counts.events += batch.events.len() as u64;
                 for e in &batch.events {
                     match e {
-                        KvEvent::Stored { hashes, medium, .. } => {
-                            hashes.iter().for_each(|h| self.index.store(worker, *h, *medium))
+                        KvEvent::BlockStored(s) => {
+                            s.block_hashes.iter().for_each(|h| self.index.store(worker, *h, &s.medium))
                         }
-                        KvEvent::Removed { hashes, medium } => {
-                            hashes.iter().for_each(|h| self.index.remove(worker, *h, *medium))
+                        KvEvent::BlockRemoved(r) => {
+                            r.block_hashes.iter().for_each(|h| self.index.remove(worker, *h, &r.medium))
                         }
-                        KvEvent::AllCleared => self.index.clear(worker),
+                        KvEvent::AllBlocksCleared => self.index.clear(worker),
                     }
                 }
                 Outcome::Applied
@@ -166,11 +165,13 @@ mod tests {
     use super::*;
     use crate::event::Medium;
 
-    fn stored(seq: u64, hashes: &[u64]) -> EventBatch {
-        EventBatch {
-            seq,
-            events: vec![KvEvent::Stored { hashes: hashes.to_vec(), parent: None, medium: Medium::Gpu }],
-        }
+    fn batch(events: Vec<KvEvent>) -> KvEventBatch {
+        KvEventBatch { ts: 0.0, events, data_parallel_rank: None }
+    }
+
+    fn stored(hashes: &[u64]) -> KvEventBatch {
+        let tokens = vec![0; hashes.len() * 4];
+        batch(vec![KvEvent::stored(hashes.to_vec(), None, tokens, 4, Medium::Gpu)])
     }
 
     fn blocks(ix: &Indexer, worker: WorkerId, chain: &[u64]) -> u32 {
@@ -182,15 +183,15 @@ mod tests {
     #[test]
     fn a_gap_makes_the_worker_stale_until_the_replay_fills_it() {
         let mut ix = Indexer::new(2).unwrap();
-        assert_eq!(ix.apply(0, &stored(0, &[1]), false), Outcome::Applied);
-        assert_eq!(ix.apply(0, &stored(2, &[3]), false), Outcome::Replay { from: 1 });
+        assert_eq!(ix.apply(0, 0, &stored(&[1]), false), Outcome::Applied);
+        assert_eq!(ix.apply(0, 2, &stored(&[3]), false), Outcome::Replay { from: 1 });
         assert_eq!(ix.state(0), StreamState::Stale { from: 1 });
         assert_eq!(blocks(&ix, 0, &[1, 2, 3]), 0, "a stale worker is not scored");
-        assert_eq!(ix.apply(0, &stored(1, &[2]), true), Outcome::Applied);
-        assert_eq!(ix.apply(0, &stored(2, &[3]), true), Outcome::Applied);
+        assert_eq!(ix.apply(0, 1, &stored(&[2]), true), Outcome::Applied);
+        assert_eq!(ix.apply(0, 2, &stored(&[3]), true), Outcome::Applied);
         assert_eq!(ix.state(0), StreamState::Live);
         assert_eq!(blocks(&ix, 0, &[1, 2, 3]), 3);
-        assert_eq!(ix.apply(0, &stored(1, &[2]), true), Outcome::Dropped(Dropped::Replayed));
+        assert_eq!(ix.apply(0, 1, &stored(&[2]), true), Outcome::Dropped(Dropped::Replayed));
         assert_eq!(ix.counts().dropped[Dropped::Replayed as usize], 1);
         assert_eq!(ix.counts().replays, 1);
     }
@@ -198,14 +199,13 @@ mod tests {
     #[test]
     fn malformed_batches_are_dropped_counted_and_the_stream_goes_on() {
         let mut ix = Indexer::new(1).unwrap();
-        ix.apply(0, &stored(0, &[1]), false);
-        let bad =
-            EventBatch { seq: 1, events: vec![KvEvent::Removed { hashes: vec![], medium: Medium::Gpu }] };
-        assert_eq!(ix.apply(0, &bad, false), Outcome::Dropped(Dropped::Malformed));
+        ix.apply(0, 0, &stored(&[1]), false);
+        let bad = batch(vec![KvEvent::removed(vec![], Medium::Gpu)]);
+        assert_eq!(ix.apply(0, 1, &bad, false), Outcome::Dropped(Dropped::Malformed));
         assert_eq!(ix.reject(0), Outcome::Dropped(Dropped::Malformed));
         assert_eq!(ix.reject(9), Outcome::Dropped(Dropped::UnknownWorker));
-        assert_eq!(ix.apply(9, &stored(0, &[1]), false), Outcome::Dropped(Dropped::UnknownWorker));
-        assert_eq!(ix.apply(0, &stored(2, &[2]), false), Outcome::Applied, "no gap after a malformed batch");
+        assert_eq!(ix.apply(9, 0, &stored(&[1]), false), Outcome::Dropped(Dropped::UnknownWorker));
+        assert_eq!(ix.apply(0, 2, &stored(&[2]), false), Outcome::Applied, "no gap after a malformed batch");
         assert_eq!(ix.counts().dropped, [0, 0, 0, 2, 2]);
         assert_eq!(blocks(&ix, 0, &[1, 2]), 2);
     }
@@ -213,26 +213,26 @@ mod tests {
     #[test]
     fn a_restart_forgets_the_worker_and_its_new_stream_rebuilds_it() {
         let mut ix = Indexer::new(2).unwrap();
-        ix.apply(0, &stored(0, &[1, 2]), false);
-        ix.apply(1, &stored(0, &[1]), false);
-        ix.apply(0, &EventBatch { seq: 1, events: vec![KvEvent::AllCleared] }, false);
+        ix.apply(0, 0, &stored(&[1, 2]), false);
+        ix.apply(1, 0, &stored(&[1]), false);
+        ix.apply(0, 1, &batch(vec![KvEvent::AllBlocksCleared]), false);
         assert_eq!(blocks(&ix, 0, &[1, 2]), 0);
         assert_eq!(blocks(&ix, 1, &[1, 2]), 1, "another worker's blocks stay");
-        ix.apply(0, &stored(2, &[1]), false);
+        ix.apply(0, 2, &stored(&[1]), false);
         ix.restart(0);
         assert_eq!(ix.state(0), StreamState::Fresh);
         assert_eq!(ix.index().held(0), 0);
         // The restarted worker's publisher numbers from 0 again.
-        assert_eq!(ix.apply(0, &stored(0, &[1, 2]), false), Outcome::Applied);
+        assert_eq!(ix.apply(0, 0, &stored(&[1, 2]), false), Outcome::Applied);
         assert_eq!(blocks(&ix, 0, &[1, 2]), 2);
     }
 
     #[test]
     fn a_dead_worker_is_forgotten_and_its_batches_dropped() {
         let mut ix = Indexer::new(2).unwrap();
-        ix.apply(0, &stored(0, &[1]), false);
+        ix.apply(0, 0, &stored(&[1]), false);
         ix.kill(0);
-        assert_eq!(ix.apply(0, &stored(1, &[2]), false), Outcome::Dropped(Dropped::Dead));
+        assert_eq!(ix.apply(0, 1, &stored(&[2]), false), Outcome::Dropped(Dropped::Dead));
         assert_eq!((ix.index().held(0), blocks(&ix, 0, &[1])), (0, 0));
         assert!(!ix.any_live());
         assert!(Indexer::new(70_000).unwrap_err().to_string().contains("--routing round-robin"));

@@ -22,7 +22,7 @@ use super::metrics::RouterMetrics;
 use kvconnect_api::Role;
 use kvconnect_engine::prefix_cache::block_hashes;
 use kvconnect_router::{
-    choose, Candidate, EventBatch, Indexer, KvEvent, Outcome, Overlap, Weights, WorkerId,
+    choose, Candidate, Indexer, KvEvent, KvEventBatch, Outcome, Overlap, Weights, WorkerId,
 };
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -121,16 +121,21 @@ impl KvRouter {
         self.names.iter().position(|n| n == name).and_then(|i| WorkerId::try_from(i).ok())
     }
 
-    /// Applies one event batch of the prefill server `name`; `replay`: it came from the
-    /// server's replay socket. `Outcome::Replay` asks the caller to request the replay.
-    pub fn apply(&self, name: &str, batch: &EventBatch, replay: bool, block_size: Option<u32>) -> Outcome {
+    /// Applies the event batch numbered `seq` of the prefill server `name`; `replay`: it came
+    /// from the server's replay socket. `Outcome::Replay` asks the caller to request the
+    /// replay. The block size the router hashes prompts at is the one the stores carry.
+    pub fn apply(&self, name: &str, seq: u64, batch: &KvEventBatch, replay: bool) -> Outcome {
         let mut st = self.lock();
         let o = match self.id(name) {
-            Some(w) => st.indexer.apply(w, batch, replay),
+            Some(w) => st.indexer.apply(w, seq, batch, replay),
             None => st.indexer.reject(WorkerId::MAX),
         };
-        if o == Outcome::Applied && batch.events.iter().any(|e| matches!(e, KvEvent::Stored { .. })) {
-            if let Some(bs) = block_size.filter(|b| *b > 0) {
+        if o == Outcome::Applied {
+            let stored = batch.events.iter().find_map(|e| match e {
+                KvEvent::BlockStored(s) if s.block_size > 0 => Some(s.block_size),
+                _ => None,
+            });
+            if let Some(bs) = stored {
                 st.block_size = Some(bs);
             }
         }
@@ -257,9 +262,11 @@ mod tests {
     }
 
     /// The batch a server publishes after computing `prompt`'s full blocks.
-    fn stored(seq: u64, prompt: &[u32]) -> EventBatch {
+    fn stored(prompt: &[u32]) -> KvEventBatch {
         let hashes = block_hashes(prompt, BS as usize);
-        EventBatch { seq, events: vec![KvEvent::Stored { hashes, parent: None, medium: Medium::Cpu }] }
+        let tokens = prompt[..hashes.len() * BS as usize].to_vec();
+        let events = vec![KvEvent::stored(hashes, None, tokens, BS, Medium::Cpu)];
+        KvEventBatch { ts: 0.0, events, data_parallel_rank: None }
     }
 
     #[test]
@@ -269,8 +276,8 @@ mod tests {
         let first: Vec<String> = (0..2).map(|_| kv.pick(&b, Some(&prompt), &[]).unwrap().http).collect();
         assert_eq!(first, ["127.0.0.1:1", "127.0.0.1:2"], "no events: round-robin");
         assert!(kv.pick(&b, Some(&prompt), &[]).unwrap().prediction.is_none());
-        assert_eq!(kv.apply("p1", &stored(0, &prompt), false, Some(BS)), Outcome::Applied);
-        assert_eq!(kv.apply("p0", &stored(0, &[9, 9, 9, 9]), false, Some(BS)), Outcome::Applied);
+        assert_eq!(kv.apply("p1", 0, &stored(&prompt), false), Outcome::Applied);
+        assert_eq!(kv.apply("p0", 0, &stored(&[9, 9, 9, 9]), false), Outcome::Applied);
         for _ in 0..3 {
             let p = kv.pick(&b, Some(&prompt), &[]).unwrap();
             // 13 tokens: 3 full blocks, all held; the last token is always computed.
@@ -285,11 +292,11 @@ mod tests {
     fn in_flight_requests_weigh_against_a_cached_prefix() {
         let (b, kv, _) = servers();
         let prompt: Vec<u32> = (0..9).collect(); // 2 blocks to hash
-        kv.apply("p0", &stored(0, &prompt), false, Some(BS));
-        kv.apply("p1", &stored(0, &[7; 4]), false, Some(BS));
+        kv.apply("p0", 0, &stored(&prompt), false);
+        kv.apply("p1", 0, &stored(&[7; 4]), false);
         let held = kv.pick(&b, Some(&prompt), &[]).unwrap();
         assert_eq!(held.http, "127.0.0.1:1");
-        // p0 has one in flight: 2 - 2 * 0.9 + 4 = 4.2 > p1's 2.
+        // p0 has one in flight: 2 - 2 + 4 = 4 > p1's 2.
         let other = kv.pick(&b, Some(&prompt), &[]).unwrap();
         assert_eq!(other.http, "127.0.0.1:2");
         drop((held, other));
@@ -300,14 +307,14 @@ mod tests {
     fn a_server_marked_down_is_never_picked_and_starts_a_fresh_stream_when_back() {
         let (b, kv, m) = servers();
         let prompt: Vec<u32> = (0..9).collect();
-        kv.apply("p0", &stored(0, &prompt), false, Some(BS));
-        kv.apply("p0", &stored(1, &prompt), false, Some(BS));
-        kv.apply("p1", &stored(0, &[7; 4]), false, Some(BS));
+        kv.apply("p0", 0, &stored(&prompt), false);
+        kv.apply("p0", 1, &stored(&prompt), false);
+        kv.apply("p1", 0, &stored(&[7; 4]), false);
         b.set_down("p0", "exited; restarting");
         for _ in 0..3 {
             assert_eq!(kv.pick(&b, Some(&prompt), &[]).unwrap().http, "127.0.0.1:2");
         }
-        assert_eq!(kv.apply("p0", &stored(2, &prompt), false, Some(BS)), Outcome::Dropped(Dropped::Dead));
+        assert_eq!(kv.apply("p0", 2, &stored(&prompt), false), Outcome::Dropped(Dropped::Dead));
         b.set_up("p0", "127.0.0.1:5");
         let p = kv.pick(&b, Some(&prompt), &[]).unwrap();
         assert_eq!(
@@ -316,7 +323,7 @@ mod tests {
             "the restarted server's old blocks are gone"
         );
         // Its new publisher numbers from 0 again: applied, not taken for a replay.
-        assert_eq!(kv.apply("p0", &stored(0, &prompt), false, Some(BS)), Outcome::Applied);
+        assert_eq!(kv.apply("p0", 0, &stored(&prompt), false), Outcome::Applied);
         drop(p);
         assert_eq!(kv.pick(&b, Some(&prompt), &[]).unwrap().http, "127.0.0.1:5");
         kv.reject("p1");
@@ -330,7 +337,7 @@ mod tests {
     fn without_prompt_tokens_it_says_why_it_routes_round_robin() {
         let (b, _, m) = servers();
         let kv = Arc::new(KvRouter::new(vec!["p0".into(), "p1".into()], m.router.clone(), false).unwrap());
-        kv.apply("p0", &stored(0, &[1, 2, 3, 4, 5]), false, Some(BS));
+        kv.apply("p0", 0, &stored(&[1, 2, 3, 4, 5]), false);
         assert!(kv.pick(&b, None, &[]).unwrap().prediction.is_none());
         let t = m.render();
         assert!(
