@@ -6,6 +6,7 @@
 
 use crate::cli::exit::Exit;
 use crate::proxy::backends::Backends;
+use crate::proxy::kv_subscriber::{follow, EventSource};
 use crate::proxy::routing::{KvRouter, Routing};
 use crate::proxy::Proxy;
 use anyhow::{anyhow, Context, Result};
@@ -41,6 +42,42 @@ pub struct ProxyArgs {
     /// round-robin, said so, while there are none to go by).
     #[arg(long, value_enum, default_value = "round-robin")]
     pub routing: Routing,
+    /// With --routing kv: a prefill server's KV event publisher, `tcp://HOST:PORT`, or
+    /// `tcp://HOST:PORT,tcp://HOST:PORT` with its replay endpoint; one per --prefill, in the
+    /// same order.
+    #[arg(long = "kv-events", value_name = "ENDPOINT[,REPLAY]", requires = "routing")]
+    pub kv_events: Vec<String>,
+}
+
+/// The event sources of `--kv-events`, one per prefill server named `names`.
+pub fn event_sources(flags: &[String], names: &[String]) -> Result<Vec<EventSource>, String> {
+    if flags.len() != names.len() {
+        return Err(format!(
+            "--kv-events given {} times for {} --prefill servers: give one per prefill server, in the same order",
+            flags.len(),
+            names.len()
+        ));
+    }
+    let tcp = |e: &str| {
+        let ok = e
+            .strip_prefix("tcp://")
+            .and_then(|r| r.rsplit_once(':'))
+            .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+        ok.then(|| e.to_owned()).ok_or_else(|| {
+            format!("--kv-events {e}: expected tcp://HOST:PORT (a vLLM or kvconnect KV events publisher)")
+        })
+    };
+    flags
+        .iter()
+        .zip(names)
+        .map(|(f, name)| {
+            let (pub_ep, replay) = match f.split_once(',') {
+                Some((a, b)) => (tcp(a.trim())?, Some(tcp(b.trim())?)),
+                None => (tcp(f.trim())?, None),
+            };
+            Ok(EventSource { name: name.clone(), endpoint: pub_ep, replay })
+        })
+        .collect()
 }
 
 /// `http://HOST:PORT`, `HOST:PORT` or either with a trailing `/`, as the proxy's client
@@ -95,12 +132,21 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
     let mut proxy = Proxy::new(Arc::new(Backends::new(servers)), Duration::from_secs(a.timeout_s.max(1)));
     proxy.server_key = key;
     proxy.verbatim = true;
+    let mut followers = Vec::new();
     if a.routing == Routing::Kv {
-        let names = (0..a.prefill.len()).map(|i| format!("{}-{i}", Role::Prefill)).collect();
-        // The servers' bodies go on verbatim (their own tokenizers): no prompt is hashed here.
+        let names: Vec<String> = (0..a.prefill.len()).map(|i| format!("{}-{i}", Role::Prefill)).collect();
+        let sources = if a.kv_events.is_empty() {
+            Vec::new()
+        } else {
+            event_sources(&a.kv_events, &names).map_err(|e| Exit::bad_input(anyhow!(e)))?
+        };
+        // The servers' bodies go on verbatim (their own tokenizers): no prompt is hashed here,
+        // so the router routes round-robin and says why (no_tokens), while it follows events.
         let kv = KvRouter::new(names, proxy.metrics.router.clone(), false)
             .map_err(|e| Exit::bad_input(anyhow!(e)))?;
-        proxy.kv = Some(Arc::new(kv));
+        let kv = Arc::new(kv);
+        followers = sources.into_iter().map(|s| tokio::spawn(follow(kv.clone(), s))).collect();
+        proxy.kv = Some(kv);
     }
     {
         let mut out = std::io::stdout().lock();
@@ -120,12 +166,28 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
         stop,
     )
     .await;
+    followers.iter().for_each(|f| f.abort());
     Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kv_event_sources_are_one_tcp_endpoint_per_prefill_server() {
+        let names = vec!["prefill-0".to_owned(), "prefill-1".to_owned()];
+        let flags = vec!["tcp://h:5557".to_owned(), "tcp://h:5558,tcp://h:5559".to_owned()];
+        let s = event_sources(&flags, &names).unwrap();
+        assert_eq!((s[0].endpoint.as_str(), s[0].replay.as_deref()), ("tcp://h:5557", None));
+        assert_eq!((s[1].name.as_str(), s[1].replay.as_deref()), ("prefill-1", Some("tcp://h:5559")));
+        let e = event_sources(&flags[..1], &names).unwrap_err();
+        assert!(e.contains("one per prefill server"), "{e}");
+        for bad in ["h:5557", "tcp://h", "tcp://:5", "tcp://h:0", "tcp://h:1,ipc:///x"] {
+            let e = event_sources(&[bad.to_owned(), flags[0].clone()], &names).unwrap_err();
+            assert!(e.contains("expected tcp://HOST:PORT"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn server_addresses_are_plain_http_host_and_port() {

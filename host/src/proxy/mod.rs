@@ -20,6 +20,7 @@
 pub mod backends;
 pub mod client;
 pub mod fanout;
+pub mod kv_subscriber;
 pub mod metrics;
 pub mod routing;
 
