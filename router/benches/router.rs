@@ -2,14 +2,14 @@
 //! workers: 256 prefill workers holding 10 million cached blocks in total, from generated
 //! event traces.
 //!
-//! The trace: every worker caches prompts of 64 blocks, each the 16-block prefix of one of
-//! 1,000 shared documents (system prompts, few-shot examples) followed by 48 blocks of its
-//! own, stored in `BlockStored` events of 16 blocks (vLLM publishes one per request and
-//! step), until the workers hold 10 million blocks between them. Then a steady state: each
-//! batch stores a new prompt on one worker, evicts an old one there, and moves one prompt's
-//! blocks from the GPU to the CPU tier (a removal and a store), so the index stays at its
-//! size. Block hashes are random 64-bit words, as chained hashes are; the events' token ids are
-//! left empty (the indexer does not read them), so the trace fits in memory beside the index.
+//! The trace: every worker caches prompts of 64 blocks of 16 tokens, each the 16-block
+//! prefix of one of 1,000 shared documents (system prompts, few-shot examples) followed by
+//! 48 blocks of its own, stored with their tokens in `BlockStored` events of 16 blocks (vLLM
+//! publishes one per request and step), until the workers hold 10 million blocks between
+//! them. Then a steady state: each batch stores a new prompt on one worker, evicts an old
+//! one there, and moves another from the GPU to the CPU tier (a removal, and a store naming
+//! the blocks by hash alone), so the index stays at its size. Tokens are random words; the
+//! workers' own block hashes random 64-bit words (the indexer re-hashes the tokens).
 //!
 //! Each figure is timed twice: on the wall clock, and on this thread's CPU clock
 //! (`CLOCK_THREAD_CPUTIME_ID`), which counts only the time the thread ran on a core, so that
@@ -21,8 +21,9 @@
 //!   block operations per second, on one core;
 //! - steady: the steady-state batches (stores, evictions, moves), the same units;
 //! - the resident memory the index took, per cached block and per distinct block;
-//! - route: one routing decision (`choose` over all 256 workers, with random loads) for
-//!   requests that start with a cached prompt's blocks, each timed alone: p50 and p99.
+//! - route: one routing decision (the request's hashes from its 1,280 prompt tokens, then
+//!   `choose` over all 256 workers, with random loads) for requests that start with a cached
+//!   prompt, each timed alone: p50 and p99.
 //!
 //! Run: `cargo bench -p kvconnect-router --bench router`. Without `--bench` (as `cargo test`
 //! runs it) it runs once at a tiny size and checks what the index answers.
@@ -30,6 +31,7 @@
 #![allow(unsafe_code)] // clock_gettime of the thread's CPU clock (libc), for figures on one core of a shared machine.
 
 use kvconnect_api::stats::{bench_pairs, nearest_rank, Machine, Quartiles};
+use kvconnect_router::chain::prefix_hashes;
 use kvconnect_router::{
     choose, Candidate, Indexer, KvEvent, KvEventBatch, Medium, Outcome, Weights, WorkerId,
 };
@@ -67,7 +69,7 @@ impl Size {
                 documents: 1000,
                 samples,
                 decisions: 100_000,
-                steady_batches: 200_000,
+                steady_batches: 20_000,
             },
         }
     }
@@ -90,32 +92,45 @@ impl Rng {
     }
 }
 
-/// One cached prompt: its worker and block hashes.
+/// Tokens per block: the engine's block size, and the router's unit.
+const BS: usize = 16;
+
+/// One cached prompt: its worker, its blocks' hashes as the worker names them, and its
+/// tokens (kept for the routing sample only).
 struct Prompt {
     worker: WorkerId,
-    chain: Vec<u64>,
+    ext: Vec<u64>,
+    tokens: Vec<u32>,
 }
 
-fn prompt(rng: &mut Rng, documents: &[Vec<u64>], worker: WorkerId) -> Prompt {
-    let mut chain = documents[rng.below(documents.len())].clone();
-    chain.extend((0..OWN).map(|_| rng.next()));
-    Prompt { worker, chain }
+fn prompt(rng: &mut Rng, documents: &[Vec<u32>], worker: WorkerId) -> Prompt {
+    let mut tokens = documents[rng.below(documents.len())].clone();
+    tokens.extend((0..OWN * BS).map(|_| rng.next() as u32));
+    Prompt { worker, ext: (0..PREFIX + OWN).map(|_| rng.next()).collect(), tokens }
 }
 
-/// A prompt's blocks as `BlockStored` events of `PER_EVENT` blocks.
+/// A prompt's blocks as `BlockStored` events of `PER_EVENT` blocks, with their tokens.
 fn stores(p: &Prompt, medium: Medium) -> Vec<KvEvent> {
-    p.chain
-        .chunks(PER_EVENT)
-        .enumerate()
-        .map(|(i, c)| {
-            let parent = i.checked_sub(1).map(|j| p.chain[j * PER_EVENT + PER_EVENT - 1]);
-            KvEvent::stored(c.to_vec(), parent, Vec::new(), 16, medium.clone())
+    (0..p.ext.len())
+        .step_by(PER_EVENT)
+        .map(|b| {
+            let parent = b.checked_sub(1).map(|j| p.ext[j]);
+            let tokens = p.tokens[b * BS..(b + PER_EVENT) * BS].to_vec();
+            KvEvent::stored(p.ext[b..b + PER_EVENT].to_vec(), parent, tokens, BS as u32, medium.clone())
         })
         .collect()
 }
 
+/// A move's store: the blocks named by their hashes alone.
+fn stores_by_hash(p: &Prompt, medium: Medium) -> Vec<KvEvent> {
+    p.ext
+        .chunks(PER_EVENT)
+        .map(|c| KvEvent::stored(c.to_vec(), None, Vec::new(), 0, medium.clone()))
+        .collect()
+}
+
 fn removals(p: &Prompt, medium: Medium) -> Vec<KvEvent> {
-    p.chain.chunks(PER_EVENT).map(|c| KvEvent::removed(c.to_vec(), medium.clone())).collect()
+    p.ext.chunks(PER_EVENT).map(|c| KvEvent::removed(c.to_vec(), medium.clone())).collect()
 }
 
 /// A worker's batch with its sequence number.
@@ -125,7 +140,8 @@ fn batch(events: Vec<KvEvent>) -> KvEventBatch {
     KvEventBatch { ts: 0.0, events, data_parallel_rank: None }
 }
 
-/// The trace: the build's batches per worker, and the steady state's.
+/// The trace: the build's batches per worker, and the steady state's; the prompts (tokens
+/// kept for every `SAMPLE`th).
 struct Trace {
     prompts: Vec<Prompt>,
     build: Vec<Numbered>,
@@ -134,43 +150,51 @@ struct Trace {
     steady_blocks: usize,
 }
 
+const SAMPLE: usize = 64;
+
 fn trace(size: &Size) -> Trace {
     let mut rng = Rng(7);
-    let documents: Vec<Vec<u64>> =
-        (0..size.documents).map(|_| (0..PREFIX).map(|_| rng.next()).collect()).collect();
+    let documents: Vec<Vec<u32>> =
+        (0..size.documents).map(|_| (0..PREFIX * BS).map(|_| rng.next() as u32).collect()).collect();
     let per_worker = size.total_blocks / size.workers / (PREFIX + OWN);
     let mut seq = vec![0u64; size.workers];
     let mut prompts = Vec::new();
     let mut build = Vec::new();
     for _ in 0..per_worker {
         for w in 0..size.workers as WorkerId {
-            let p = prompt(&mut rng, &documents, w);
+            let mut p = prompt(&mut rng, &documents, w);
             build.push((w, seq[usize::from(w)], batch(stores(&p, Medium::Gpu))));
             seq[usize::from(w)] += 1;
+            if prompts.len() % SAMPLE != 0 {
+                p.tokens = Vec::new();
+            }
             prompts.push(p);
         }
     }
     let build_blocks = prompts.len() * (PREFIX + OWN);
-    // Steady state: on one worker, store a new prompt, evict its oldest, move one to the CPU
-    // tier. Evicted prompts are the build's, in order, so each is evicted once.
+    // Steady state: on one worker, store a new prompt, evict its oldest, move one from the
+    // GPU to the CPU tier (a removal, and a store by hash alone). Evicted and moved prompts
+    // are the build's, in order, none sampled for routing, so each is touched once.
     let mut steady = Vec::new();
     let mut steady_blocks = 0;
-    let mut oldest = vec![0usize; size.workers];
+    let mut next = vec![0usize; size.workers];
+    let at = |k: usize, w: WorkerId| k * size.workers + usize::from(w);
     for i in 0..size.steady_batches {
         let w = (i % size.workers) as WorkerId;
-        let k = oldest[usize::from(w)];
-        oldest[usize::from(w)] += 2;
-        let (Some(evicted), Some(moved)) = (
-            prompts.get(k * size.workers + usize::from(w)),
-            prompts.get((k + 1) * size.workers + usize::from(w)),
-        ) else {
-            break;
+        let mut pick = || loop {
+            let k = next[usize::from(w)];
+            next[usize::from(w)] += 1;
+            match prompts.get(at(k, w)) {
+                Some(p) if !p.tokens.is_empty() => continue,
+                other => break other,
+            }
         };
+        let (Some(evicted), Some(moved)) = (pick(), pick()) else { break };
         let p = prompt(&mut rng, &documents, w);
         let mut events = stores(&p, Medium::Gpu);
         events.extend(removals(evicted, Medium::Gpu));
         events.extend(removals(moved, Medium::Gpu));
-        events.extend(stores(moved, Medium::CpuTier));
+        events.extend(stores_by_hash(moved, Medium::CpuTier));
         steady_blocks += 4 * (PREFIX + OWN);
         steady.push((w, seq[usize::from(w)], batch(events)));
         seq[usize::from(w)] += 1;
@@ -230,7 +254,7 @@ fn main() {
     let mut memory = None;
     for sample in 0..size.samples {
         let before = rss();
-        let mut ix = Indexer::new(size.workers).expect("256 workers fit the index");
+        let mut ix = Indexer::new(size.workers, BS as u32).expect("256 workers fit the index");
         let (wall, cpu) = timed(|| apply_all(&mut ix, &t.build));
         build_s.push(wall);
         build_cpu.push(cpu);
@@ -247,6 +271,7 @@ fn main() {
         steady_s.push(wall);
         steady_cpu.push(cpu);
         assert_eq!(ix.counts().dropped, [0; 5]);
+        assert_eq!(ix.counts().unindexed_blocks, 0);
         drop(ix);
     }
     let m = m.finish();
@@ -317,24 +342,29 @@ fn check_routes(ix: &Indexer, t: &Trace, size: &Size, times: (&mut Vec<f64>, &mu
     let mut scratch = Vec::new();
     let mut candidates: Vec<Candidate> =
         (0..size.workers as WorkerId).map(|worker| Candidate { worker, in_flight: 0 }).collect();
-    let mut chain = Vec::with_capacity(PREFIX + OWN + 16);
+    let sampled: Vec<&Prompt> = t.prompts.iter().filter(|p| !p.tokens.is_empty()).collect();
+    let mut tokens = Vec::with_capacity((PREFIX + OWN + 16) * BS);
     for turn in 0..size.decisions {
-        let p = &t.prompts[rng.below(t.prompts.len())];
-        chain.clear();
-        chain.extend_from_slice(&p.chain);
-        chain.extend((0..16).map(|_| rng.next()));
+        let p = sampled[rng.below(sampled.len())];
+        tokens.clear();
+        tokens.extend_from_slice(&p.tokens);
+        tokens.extend((0..16 * BS).map(|_| rng.next() as u32));
         for c in candidates.iter_mut() {
             c.in_flight = (rng.next() % 3) as u32;
         }
         candidates[usize::from(p.worker)].in_flight = 0;
         let mut c = None;
-        let (wall, cpu) = timed(|| c = choose(ix, &w, &chain, &candidates, turn, &mut scratch));
+        // The whole decision: the prompt's hashes, then the choice.
+        let (wall, cpu) = timed(|| {
+            let chain = prefix_hashes(&tokens, BS);
+            c = choose(ix, &w, &chain, &candidates, turn, &mut scratch);
+        });
         times.0.push(wall);
         times.1.push(cpu);
         let c = c.expect("candidates were given");
         if check {
             assert_eq!(c.worker, p.worker, "the idle worker holding the whole prompt is chosen");
-            assert_eq!(c.predicted_blocks as usize, p.chain.len());
+            assert_eq!(c.predicted_blocks as usize, p.ext.len());
         }
     }
 }

@@ -130,9 +130,13 @@ mod tests {
     use super::*;
     use crate::event::{KvEvent, KvEventBatch, Medium};
 
-    fn store(ix: &mut Indexer, worker: WorkerId, seq: u64, hashes: &[u64], medium: Medium) {
-        let tokens = vec![0; hashes.len() * 4];
-        let events = vec![KvEvent::stored(hashes.to_vec(), None, tokens, 4, medium)];
+    /// The request's tokens: 4 blocks of 4.
+    const PROMPT: [u32; 16] = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20];
+
+    /// The store of PROMPT's first `n` blocks (each named by a hash of the worker's own).
+    fn store(ix: &mut Indexer, worker: WorkerId, seq: u64, n: usize, medium: Medium) {
+        let hashes = (0..n as u64).map(|i| 100 * u64::from(worker) + i).collect();
+        let events = vec![KvEvent::stored(hashes, None, PROMPT[..4 * n].to_vec(), 4, medium)];
         let b = KvEventBatch { ts: 0.0, events, data_parallel_rank: None };
         assert_eq!(ix.apply(worker, seq, &b, false), crate::indexer::Outcome::Applied);
     }
@@ -145,41 +149,43 @@ mod tests {
     #[test]
     fn a_scripted_sequence_goes_where_the_prefix_is_unless_that_worker_is_busy() {
         let w = Weights::default();
-        let mut ix = Indexer::new(3).unwrap();
+        let mut ix = Indexer::new(3, 4).unwrap();
         let mut s = Vec::new();
+        let req = crate::chain::prefix_hashes(&PROMPT, 4);
+        let other = crate::chain::prefix_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4);
         let all = idle(&[0, 1, 2]);
         // 1. No events yet: round-robin, said so.
-        let c = choose(&ix, &w, &[1, 2, 3, 4], &all, 0, &mut s).unwrap();
+        let c = choose(&ix, &w, &req, &all, 0, &mut s).unwrap();
         assert_eq!((c.worker, c.fallback), (0, Some(Fallback::NoEvents)));
-        assert_eq!(choose(&ix, &w, &[1, 2, 3, 4], &all, 1, &mut s).unwrap().worker, 1);
+        assert_eq!(choose(&ix, &w, &req, &all, 1, &mut s).unwrap().worker, 1);
         // 2. Worker 1 stored the prompt's first 3 blocks on the GPU: it gets the request
         //    whatever the turn.
-        store(&mut ix, 1, 0, &[1, 2, 3], Medium::Gpu);
+        store(&mut ix, 1, 0, 3, Medium::Gpu);
         for turn in 0..3 {
-            let c = choose(&ix, &w, &[1, 2, 3, 4], &all, turn, &mut s).unwrap();
+            let c = choose(&ix, &w, &req, &all, turn, &mut s).unwrap();
             assert_eq!((c.worker, c.predicted_blocks, c.fallback), (1, 3, None), "turn {turn}");
             assert_eq!(c.cost, Some(1.0));
         }
         // 3. Worker 2 holds the whole prompt, but on disk: 4 - 4 * 0.5 = 2 > worker 1's 1.
-        store(&mut ix, 2, 0, &[1, 2, 3, 4], Medium::Disk);
-        assert_eq!(choose(&ix, &w, &[1, 2, 3, 4], &all, 0, &mut s).unwrap().worker, 1);
+        store(&mut ix, 2, 0, 4, Medium::Disk);
+        assert_eq!(choose(&ix, &w, &req, &all, 0, &mut s).unwrap().worker, 1);
         // 4. Worker 1 has a request in flight: 1 + 4 = 5 > worker 2's 2.
         let busy = vec![
             Candidate { worker: 0, in_flight: 0 },
             Candidate { worker: 1, in_flight: 1 },
             Candidate { worker: 2, in_flight: 0 },
         ];
-        assert_eq!(choose(&ix, &w, &[1, 2, 3, 4], &busy, 0, &mut s).unwrap().worker, 2);
+        assert_eq!(choose(&ix, &w, &req, &busy, 0, &mut s).unwrap().worker, 2);
         // 5. A prompt nobody holds: ties, so the turn decides (round-robin among equals).
         let picks: Vec<WorkerId> =
-            (0..3).map(|t| choose(&ix, &w, &[9, 10], &all, t, &mut s).unwrap().worker).collect();
+            (0..3).map(|t| choose(&ix, &w, &other, &all, t, &mut s).unwrap().worker).collect();
         assert_eq!(picks, [0, 1, 2]);
         // 6. Worker 1 is down (not a candidate) and then dead in the index: never chosen.
-        assert_eq!(choose(&ix, &w, &[1, 2, 3, 4], &idle(&[0, 2]), 0, &mut s).unwrap().worker, 2);
+        assert_eq!(choose(&ix, &w, &req, &idle(&[0, 2]), 0, &mut s).unwrap().worker, 2);
         ix.kill(2);
-        let c = choose(&ix, &w, &[1, 2, 3, 4], &idle(&[0, 2]), 0, &mut s).unwrap();
+        let c = choose(&ix, &w, &req, &idle(&[0, 2]), 0, &mut s).unwrap();
         assert_eq!((c.worker, c.predicted_blocks), (0, 0), "a dead worker's blocks do not count");
         // 7. No candidate at all: no choice.
-        assert_eq!(choose(&ix, &w, &[1], &[], 0, &mut s), None);
+        assert_eq!(choose(&ix, &w, &req, &[], 0, &mut s), None);
     }
 }

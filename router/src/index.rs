@@ -37,7 +37,8 @@ impl Hasher for IdentityHasher {
     }
 }
 
-type IdBuild = BuildHasherDefault<IdentityHasher>;
+/// Maps keyed by hashes that are already uniform.
+pub type IdBuild = BuildHasherDefault<IdentityHasher>;
 
 /// One worker's hold on a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,11 +1,19 @@
 //! The indexer: every worker's event stream applied to one [`BlockIndex`], in order, with
-//! what was dropped counted by reason. A gap marks the worker stale and asks for a replay; a
+//! what was dropped counted by reason. Stored blocks are re-hashed from their token ids into
+//! the router's own chain (`chain`, pieces of `unit` tokens), so that blocks of any size
+//! from any publisher (the engine's blocks, lmcache's chunks) index the same tokens under
+//! the same hashes; per worker, each publisher hash is remembered with the router hashes it
+//! stands for, for its removal and for the blocks that name it as parent. A store that names
+//! a block by its hash alone (no tokens) is indexed only when the hash is already known. A gap marks the worker stale and asks for a replay; a
 //! restart (a new stream, or `AllBlocksCleared`) forgets the worker's blocks, which the new
 //! stream and its replay bring back; a dead worker is forgotten and never scored.
 
-use crate::event::{KvEvent, KvEventBatch};
-use crate::index::{BlockIndex, Overlap, WorkerId};
+use crate::chain;
+use crate::event::{BlockHash, KvEvent, KvEventBatch};
+use crate::index::{BlockIndex, IdBuild, Overlap, WorkerId};
 use crate::stream::{Admit, Dropped, Stream, StreamState};
+use kvconnect_api::kv_events::{BlockRemoved, BlockStored};
+use std::collections::HashMap;
 
 /// Too many workers for one index.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -36,6 +44,17 @@ pub struct Counts {
     pub lost: u64,
     /// Replays asked for.
     pub replays: u64,
+    /// Stored blocks that could not be indexed: named by their hash alone and not known, or
+    /// chained on a parent not known, or shorter than the router's unit.
+    pub unindexed_blocks: u64,
+}
+
+/// What one publisher hash of a worker stands for: its router hashes, in order (`last` is
+/// the block's last piece, which its children chain on).
+#[derive(Debug, Clone)]
+struct Ext {
+    last: u64,
+    more: Vec<u64>,
 }
 
 /// Every worker's blocks, from their events.
@@ -44,11 +63,18 @@ pub struct Indexer {
     index: BlockIndex,
     streams: Vec<Stream>,
     counts: Counts,
+    /// Tokens per router hash.
+    unit: usize,
+    /// Per worker: publisher hash → what it stands for.
+    ext: Vec<HashMap<BlockHash, Ext, IdBuild>>,
+    /// Publisher hashes the batch being applied removed from their last medium.
+    unheld: Vec<BlockHash>,
 }
 
 impl Indexer {
-    /// An indexer of `workers` workers, numbered from 0, all fresh.
-    pub fn new(workers: usize) -> Result<Indexer, TooManyWorkers> {
+    /// An indexer of `workers` workers, numbered from 0, all fresh, hashing tokens in pieces
+    /// of `unit` (the smallest block size of the workers' caches: the engine's block size).
+    pub fn new(workers: usize, unit: u32) -> Result<Indexer, TooManyWorkers> {
         if workers > usize::from(WorkerId::MAX) {
             return Err(TooManyWorkers(workers));
         }
@@ -56,7 +82,81 @@ impl Indexer {
             index: BlockIndex::new(workers),
             streams: vec![Stream::default(); workers],
             counts: Counts::default(),
+            unit: (unit as usize).max(1),
+            ext: (0..workers).map(|_| HashMap::default()).collect(),
+            unheld: Vec::new(),
         })
+    }
+
+    /// Tokens per router hash.
+    pub fn unit(&self) -> usize {
+        self.unit
+    }
+
+    fn forget(&mut self, worker: WorkerId) {
+        self.index.clear(worker);
+        self.ext[usize::from(worker)] = HashMap::default();
+    }
+
+    fn store(&mut self, worker: WorkerId, s: &BlockStored) {
+        let w = usize::from(worker);
+        let bs = s.block_size as usize;
+        if bs == 0 || s.token_ids.is_empty() {
+            // Named by hash alone: only a block already known (a move between media).
+            for h in &s.block_hashes {
+                match self.ext[w].get(h) {
+                    Some(e) => {
+                        for u in e.more.iter().chain([&e.last]) {
+                            self.index.store(worker, *u, &s.medium);
+                        }
+                    }
+                    None => self.counts.unindexed_blocks += 1,
+                }
+            }
+            return;
+        }
+        let mut parent = match s.parent_block_hash {
+            None => Some(chain::ROOT),
+            Some(p) => self.ext[w].get(&p).map(|e| e.last),
+        };
+        for (i, h) in s.block_hashes.iter().enumerate() {
+            let Some(mut c) = parent else {
+                self.counts.unindexed_blocks += (s.block_hashes.len() - i) as u64;
+                return;
+            };
+            if bs < self.unit {
+                self.counts.unindexed_blocks += 1;
+                return;
+            }
+            let mut more = Vec::new();
+            let tokens = &s.token_ids[i * bs..(i + 1) * bs];
+            for (k, piece) in tokens.chunks_exact(self.unit).enumerate() {
+                if k > 0 {
+                    more.push(c);
+                }
+                c = chain::next(c, piece);
+                self.index.store(worker, c, &s.medium);
+            }
+            self.ext[w].insert(*h, Ext { last: c, more });
+            // A block that ends mid-piece cannot be chained on.
+            parent = (bs % self.unit == 0).then_some(c);
+        }
+    }
+
+    fn remove(&mut self, worker: WorkerId, r: &BlockRemoved) {
+        let w = usize::from(worker);
+        for h in &r.block_hashes {
+            let Some(e) = self.ext[w].get(h) else { continue };
+            let last = e.last;
+            for u in e.more.iter().chain([&last]) {
+                self.index.remove(worker, *u, &r.medium);
+            }
+            if self.index.tiers(worker, last) == 0 {
+                // Forgotten at the end of the batch, unless stored again in it (a move
+                // between media whose store names the block by its hash alone).
+                self.unheld.push(*h);
+            }
+        }
     }
 
     /// The block index.
@@ -90,8 +190,15 @@ impl Indexer {
         let Some(stream) = self.streams.get_mut(usize::from(worker)) else {
             return self.drop(Dropped::UnknownWorker);
         };
-        let malformed =
-            batch.events.iter().any(|e| e.block_hashes().is_empty() && *e != KvEvent::AllBlocksCleared);
+        let malformed = batch.events.iter().any(|e| match e {
+            KvEvent::BlockStored(s) => {
+                s.block_hashes.is_empty()
+                    || (!s.token_ids.is_empty()
+                        && s.token_ids.len() != s.block_hashes.len() * s.block_size as usize)
+            }
+            KvEvent::BlockRemoved(r) => r.block_hashes.is_empty(),
+            KvEvent::AllBlocksCleared => false,
+        });
         if malformed && stream.state() != StreamState::Dead {
             stream.skip(seq);
             return self.drop(Dropped::Malformed);
@@ -108,13 +215,15 @@ impl Indexer {
                 self.counts.events += batch.events.len() as u64;
                 for e in &batch.events {
                     match e {
-                        KvEvent::BlockStored(s) => {
-                            s.block_hashes.iter().for_each(|h| self.index.store(worker, *h, &s.medium))
-                        }
-                        KvEvent::BlockRemoved(r) => {
-                            r.block_hashes.iter().for_each(|h| self.index.remove(worker, *h, &r.medium))
-                        }
-                        KvEvent::AllBlocksCleared => self.index.clear(worker),
+                        KvEvent::BlockStored(s) => self.store(worker, s),
+                        KvEvent::BlockRemoved(r) => self.remove(worker, r),
+                        KvEvent::AllBlocksCleared => self.forget(worker),
+                    }
+                }
+                for h in std::mem::take(&mut self.unheld) {
+                    let w = usize::from(worker);
+                    if self.ext[w].get(&h).is_some_and(|e| self.index.tiers(worker, e.last) == 0) {
+                        self.ext[w].remove(&h);
                     }
                 }
                 Outcome::Applied
@@ -135,7 +244,7 @@ impl Indexer {
     pub fn restart(&mut self, worker: WorkerId) {
         if let Some(s) = self.streams.get_mut(usize::from(worker)) {
             s.reset();
-            self.index.clear(worker);
+            self.forget(worker);
         }
     }
 
@@ -143,11 +252,12 @@ impl Indexer {
     pub fn kill(&mut self, worker: WorkerId) {
         if let Some(s) = self.streams.get_mut(usize::from(worker)) {
             s.kill();
-            self.index.clear(worker);
+            self.forget(worker);
         }
     }
 
-    /// Each worker's overlap with `chain`, into `out`; a worker whose stream is not live (it
+    /// Each worker's overlap with `chain` (a request's router hashes: `chain::prefix_hashes`
+    /// of its prompt at [`Indexer::unit`]), into `out`; a worker whose stream is not live (it
     /// missed batches, or is dead) overlaps nothing, since its part of the index may be
     /// wrong.
     pub fn overlaps(&self, chain: &[u64], out: &mut Vec<Overlap>) {
@@ -165,76 +275,145 @@ mod tests {
     use super::*;
     use crate::event::Medium;
 
+    const UNIT: u32 = 4;
+
+    fn prompt() -> Vec<u32> {
+        (100..140).collect()
+    }
+
     fn batch(events: Vec<KvEvent>) -> KvEventBatch {
         KvEventBatch { ts: 0.0, events, data_parallel_rank: None }
     }
 
-    fn stored(hashes: &[u64]) -> KvEventBatch {
-        let tokens = vec![0; hashes.len() * 4];
-        batch(vec![KvEvent::stored(hashes.to_vec(), None, tokens, 4, Medium::Gpu)])
+    /// The publisher's own hash of block `i` (any numbering of its own).
+    fn ext(i: usize) -> u64 {
+        7000 + i as u64
     }
 
-    fn blocks(ix: &Indexer, worker: WorkerId, chain: &[u64]) -> u32 {
+    /// The store of the prompt's blocks `from..to` of `UNIT` tokens in `medium`.
+    fn blocks_of(from: usize, to: usize, medium: Medium) -> KvEvent {
+        let u = UNIT as usize;
+        let parent = from.checked_sub(1).map(ext);
+        KvEvent::stored(
+            (from..to).map(ext).collect(),
+            parent,
+            prompt()[from * u..to * u].to_vec(),
+            UNIT,
+            medium,
+        )
+    }
+
+    fn stored(from: usize, to: usize) -> KvEventBatch {
+        batch(vec![blocks_of(from, to, Medium::Gpu)])
+    }
+
+    /// Leading blocks of the prompt `worker` holds, as the router sees them.
+    fn blocks(ix: &Indexer, worker: WorkerId) -> u32 {
         let mut out = Vec::new();
-        ix.overlaps(chain, &mut out);
+        ix.overlaps(&chain::prefix_hashes(&prompt(), UNIT as usize), &mut out);
         out[usize::from(worker)].blocks
     }
 
     #[test]
     fn a_gap_makes_the_worker_stale_until_the_replay_fills_it() {
-        let mut ix = Indexer::new(2).unwrap();
-        assert_eq!(ix.apply(0, 0, &stored(&[1]), false), Outcome::Applied);
-        assert_eq!(ix.apply(0, 2, &stored(&[3]), false), Outcome::Replay { from: 1 });
+        let mut ix = Indexer::new(2, UNIT).unwrap();
+        assert_eq!(ix.apply(0, 0, &stored(0, 1), false), Outcome::Applied);
+        assert_eq!(ix.apply(0, 2, &stored(2, 3), false), Outcome::Replay { from: 1 });
         assert_eq!(ix.state(0), StreamState::Stale { from: 1 });
-        assert_eq!(blocks(&ix, 0, &[1, 2, 3]), 0, "a stale worker is not scored");
-        assert_eq!(ix.apply(0, 1, &stored(&[2]), true), Outcome::Applied);
-        assert_eq!(ix.apply(0, 2, &stored(&[3]), true), Outcome::Applied);
+        assert_eq!(blocks(&ix, 0), 0, "a stale worker is not scored");
+        assert_eq!(ix.apply(0, 1, &stored(1, 2), true), Outcome::Applied);
+        assert_eq!(ix.apply(0, 2, &stored(2, 3), true), Outcome::Applied);
         assert_eq!(ix.state(0), StreamState::Live);
-        assert_eq!(blocks(&ix, 0, &[1, 2, 3]), 3);
-        assert_eq!(ix.apply(0, 1, &stored(&[2]), true), Outcome::Dropped(Dropped::Replayed));
+        assert_eq!(blocks(&ix, 0), 3);
+        assert_eq!(ix.apply(0, 1, &stored(1, 2), true), Outcome::Dropped(Dropped::Replayed));
         assert_eq!(ix.counts().dropped[Dropped::Replayed as usize], 1);
         assert_eq!(ix.counts().replays, 1);
     }
 
     #[test]
     fn malformed_batches_are_dropped_counted_and_the_stream_goes_on() {
-        let mut ix = Indexer::new(1).unwrap();
-        ix.apply(0, 0, &stored(&[1]), false);
-        let bad = batch(vec![KvEvent::removed(vec![], Medium::Gpu)]);
-        assert_eq!(ix.apply(0, 1, &bad, false), Outcome::Dropped(Dropped::Malformed));
+        let mut ix = Indexer::new(1, UNIT).unwrap();
+        ix.apply(0, 0, &stored(0, 1), false);
+        let no_blocks = batch(vec![KvEvent::removed(vec![], Medium::Gpu)]);
+        assert_eq!(ix.apply(0, 1, &no_blocks, false), Outcome::Dropped(Dropped::Malformed));
+        // Two blocks of 4 tokens named, 5 tokens given.
+        let short = batch(vec![KvEvent::stored(vec![1, 2], None, vec![0; 5], UNIT, Medium::Gpu)]);
+        assert_eq!(ix.apply(0, 2, &short, false), Outcome::Dropped(Dropped::Malformed));
         assert_eq!(ix.reject(0), Outcome::Dropped(Dropped::Malformed));
         assert_eq!(ix.reject(9), Outcome::Dropped(Dropped::UnknownWorker));
-        assert_eq!(ix.apply(9, 0, &stored(&[1]), false), Outcome::Dropped(Dropped::UnknownWorker));
-        assert_eq!(ix.apply(0, 2, &stored(&[2]), false), Outcome::Applied, "no gap after a malformed batch");
-        assert_eq!(ix.counts().dropped, [0, 0, 0, 2, 2]);
-        assert_eq!(blocks(&ix, 0, &[1, 2]), 2);
+        assert_eq!(ix.apply(9, 0, &stored(0, 1), false), Outcome::Dropped(Dropped::UnknownWorker));
+        assert_eq!(ix.apply(0, 3, &stored(1, 2), false), Outcome::Applied, "no gap after a malformed batch");
+        assert_eq!(ix.counts().dropped, [0, 0, 0, 3, 2]);
+        assert_eq!(blocks(&ix, 0), 2);
     }
 
     #[test]
     fn a_restart_forgets_the_worker_and_its_new_stream_rebuilds_it() {
-        let mut ix = Indexer::new(2).unwrap();
-        ix.apply(0, 0, &stored(&[1, 2]), false);
-        ix.apply(1, 0, &stored(&[1]), false);
+        let mut ix = Indexer::new(2, UNIT).unwrap();
+        ix.apply(0, 0, &stored(0, 2), false);
+        ix.apply(1, 0, &stored(0, 1), false);
         ix.apply(0, 1, &batch(vec![KvEvent::AllBlocksCleared]), false);
-        assert_eq!(blocks(&ix, 0, &[1, 2]), 0);
-        assert_eq!(blocks(&ix, 1, &[1, 2]), 1, "another worker's blocks stay");
-        ix.apply(0, 2, &stored(&[1]), false);
+        assert_eq!(blocks(&ix, 0), 0);
+        assert_eq!(blocks(&ix, 1), 1, "another worker's blocks stay");
+        ix.apply(0, 2, &stored(0, 1), false);
         ix.restart(0);
         assert_eq!(ix.state(0), StreamState::Fresh);
         assert_eq!(ix.index().held(0), 0);
         // The restarted worker's publisher numbers from 0 again.
-        assert_eq!(ix.apply(0, 0, &stored(&[1, 2]), false), Outcome::Applied);
-        assert_eq!(blocks(&ix, 0, &[1, 2]), 2);
+        assert_eq!(ix.apply(0, 0, &stored(0, 2), false), Outcome::Applied);
+        assert_eq!(blocks(&ix, 0), 2);
     }
 
     #[test]
     fn a_dead_worker_is_forgotten_and_its_batches_dropped() {
-        let mut ix = Indexer::new(2).unwrap();
-        ix.apply(0, 0, &stored(&[1]), false);
+        let mut ix = Indexer::new(2, UNIT).unwrap();
+        ix.apply(0, 0, &stored(0, 1), false);
         ix.kill(0);
-        assert_eq!(ix.apply(0, 1, &stored(&[2]), false), Outcome::Dropped(Dropped::Dead));
-        assert_eq!((ix.index().held(0), blocks(&ix, 0, &[1])), (0, 0));
+        assert_eq!(ix.apply(0, 1, &stored(1, 2), false), Outcome::Dropped(Dropped::Dead));
+        assert_eq!((ix.index().held(0), blocks(&ix, 0)), (0, 0));
         assert!(!ix.any_live());
-        assert!(Indexer::new(70_000).unwrap_err().to_string().contains("--routing round-robin"));
+        assert!(Indexer::new(70_000, UNIT).unwrap_err().to_string().contains("--routing round-robin"));
+    }
+
+    /// An lmcache-like publisher: chunks of 3 units under hashes of its own, a move from the
+    /// CPU tier to disk with the chunk named by its hash alone; and the engine's own blocks of
+    /// one unit for the same tokens: both index the same router hashes.
+    #[test]
+    fn blocks_of_any_size_index_their_tokens_and_moves_keep_them() {
+        let mut ix = Indexer::new(2, UNIT).unwrap();
+        let p = prompt();
+        let chunk = |i: usize, parent: Option<u64>, medium: Medium| {
+            KvEvent::stored(vec![900 + i as u64], parent, p[i * 12..(i + 1) * 12].to_vec(), 12, medium)
+        };
+        let first = batch(vec![chunk(0, None, Medium::CpuTier), chunk(1, Some(900), Medium::CpuTier)]);
+        assert_eq!(ix.apply(0, 0, &first, false), Outcome::Applied);
+        assert_eq!(blocks(&ix, 0), 6);
+        let mut out = Vec::new();
+        ix.overlaps(&chain::prefix_hashes(&p, UNIT as usize), &mut out);
+        assert_eq!(out[0].by_rank, [0, 6, 0, 0], "in the CPU tier");
+        // Chunk 1 moves to disk: removed from cpu_tier, stored on disk by its hash alone.
+        let moved = batch(vec![
+            KvEvent::removed(vec![901], Medium::CpuTier),
+            KvEvent::stored(vec![901], None, Vec::new(), 0, Medium::Disk),
+        ]);
+        assert_eq!(ix.apply(0, 1, &moved, false), Outcome::Applied);
+        ix.overlaps(&chain::prefix_hashes(&p, UNIT as usize), &mut out);
+        assert_eq!((out[0].blocks, out[0].by_rank), (6, [0, 3, 3, 0]));
+        // 901 held nowhere after the removal, but stored again in the same batch: still known.
+        assert_eq!(ix.counts().unindexed_blocks, 0, "the disk store found 901 still known");
+        // Removed from disk too: forgotten, so a later store by hash alone is not indexed.
+        let gone = batch(vec![KvEvent::removed(vec![901], Medium::Disk)]);
+        ix.apply(0, 2, &gone, false);
+        let again = batch(vec![KvEvent::stored(vec![901], None, Vec::new(), 0, Medium::Disk)]);
+        ix.apply(0, 3, &again, false);
+        assert_eq!((blocks(&ix, 0), ix.counts().unindexed_blocks), (3, 1));
+        // A chunk whose parent the router never saw: not indexed, counted.
+        let orphan = batch(vec![chunk(2, Some(12345), Medium::Disk)]);
+        ix.apply(0, 4, &orphan, false);
+        assert_eq!((blocks(&ix, 0), ix.counts().unindexed_blocks), (3, 2));
+        // The engine's own blocks of one unit on worker 1: the same router hashes.
+        ix.apply(1, 0, &stored(0, 8), false);
+        ix.overlaps(&chain::prefix_hashes(&p, UNIT as usize), &mut out);
+        assert_eq!((out[1].blocks, out[1].by_rank), (8, [8, 0, 0, 0]));
     }
 }

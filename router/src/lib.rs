@@ -6,6 +6,7 @@
 //! states the formula). No sockets, threads or clocks: the proxy (`kvconnect-host`) feeds it
 //! events and asks it for choices.
 
+pub mod chain;
 pub mod choose;
 pub mod event;
 pub mod index;

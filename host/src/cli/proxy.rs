@@ -47,6 +47,10 @@ pub struct ProxyArgs {
     /// same order.
     #[arg(long = "kv-events", value_name = "ENDPOINT[,REPLAY]", requires = "routing")]
     pub kv_events: Vec<String>,
+    /// With --routing kv: the prefill engines' block size in tokens (the router's hashing
+    /// unit).
+    #[arg(long = "kv-block-size", value_name = "TOKENS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    pub kv_block_size: u32,
 }
 
 /// The event sources of `--kv-events`, one per prefill server named `names`.
@@ -142,7 +146,7 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
         };
         // The servers' bodies go on verbatim (their own tokenizers): no prompt is hashed here,
         // so the router routes round-robin and says why (no_tokens), while it follows events.
-        let kv = KvRouter::new(names, proxy.metrics.router.clone(), false)
+        let kv = KvRouter::new(names, a.kv_block_size, proxy.metrics.router.clone(), false)
             .map_err(|e| Exit::bad_input(anyhow!(e)))?;
         let kv = Arc::new(kv);
         followers = sources.into_iter().map(|s| tokio::spawn(follow(kv.clone(), s))).collect();

@@ -4,11 +4,11 @@
 //!
 //! The KV router keeps the index of every prefill server's blocks (`kvconnect_router::
 //! Indexer`), fed by [`KvRouter::apply`] with each server's event batches, and the proxy's
-//! own count of the requests each server has in flight. A request's block hashes are the
-//! reference engine's prefix-cache hashes of its prompt tokens (`kvconnect_engine::
-//! prefix_cache::block_hashes`, at the block size the servers' events carry), truncated as
-//! the engine truncates them (the last prompt token is always computed), so the predicted
-//! hits are the ones the engine can take.
+//! own count of the requests each server has in flight. A request's hashes are the router's
+//! chain over its prompt tokens (`kvconnect_router::chain::prefix_hashes`, in pieces of the
+//! engine's block size), the same chain the indexer computes from the token ids of every
+//! stored block, whoever stored it; cut as the engine cuts its prefix (the last prompt token
+//! is always computed), so the predicted hits are ones the engine can take.
 //!
 //! Without events to go by (none arrived yet, the subscriber cannot reach the servers, or
 //! the proxy cannot hash the prompt: `kvconnect proxy` in front of vLLM passes bodies on
@@ -20,7 +20,6 @@
 use super::backends::{Backends, NoBackend};
 use super::metrics::RouterMetrics;
 use kvconnect_api::Role;
-use kvconnect_engine::prefix_cache::block_hashes;
 use kvconnect_router::{
     choose, Candidate, Indexer, KvEvent, KvEventBatch, Outcome, Overlap, Weights, WorkerId,
 };
@@ -68,8 +67,6 @@ struct State {
     indexer: Indexer,
     /// Per server: the backend generation last seen (a change: it restarted).
     generations: Vec<u64>,
-    /// The block size the servers' events carry (None until one arrived).
-    block_size: Option<u32>,
     scratch: Vec<Overlap>,
     /// The last fallback reason logged (None: routing by KV).
     logged: Option<&'static str>,
@@ -89,18 +86,18 @@ pub struct KvRouter {
 }
 
 impl KvRouter {
-    /// A router over the prefill servers named `names`.
+    /// A router over the prefill servers named `names`, whose engines' block size is `unit`.
     pub fn new(
         names: Vec<String>,
+        unit: u32,
         metrics: RouterMetrics,
         hashes_prompts: bool,
     ) -> Result<KvRouter, kvconnect_router::TooManyWorkers> {
-        let indexer = Indexer::new(names.len())?;
+        let indexer = Indexer::new(names.len(), unit)?;
         Ok(KvRouter {
             state: Mutex::new(State {
                 indexer,
                 generations: vec![0; names.len()],
-                block_size: None,
                 scratch: Vec::new(),
                 logged: None,
             }),
@@ -123,22 +120,13 @@ impl KvRouter {
 
     /// Applies the event batch numbered `seq` of the prefill server `name`; `replay`: it came
     /// from the server's replay socket. `Outcome::Replay` asks the caller to request the
-    /// replay. The block size the router hashes prompts at is the one the stores carry.
+    /// replay.
     pub fn apply(&self, name: &str, seq: u64, batch: &KvEventBatch, replay: bool) -> Outcome {
         let mut st = self.lock();
         let o = match self.id(name) {
             Some(w) => st.indexer.apply(w, seq, batch, replay),
             None => st.indexer.reject(WorkerId::MAX),
         };
-        if o == Outcome::Applied {
-            let stored = batch.events.iter().find_map(|e| match e {
-                KvEvent::BlockStored(s) if s.block_size > 0 => Some(s.block_size),
-                _ => None,
-            });
-            if let Some(bs) = stored {
-                st.block_size = Some(bs);
-            }
-        }
         drop(st);
         self.metrics.outcome(o);
         o
@@ -177,7 +165,7 @@ impl KvRouter {
         }
         let reason = if !self.hashes_prompts || prompt.is_none() {
             Some("no_tokens")
-        } else if st.block_size.is_none() || !st.indexer.any_live() {
+        } else if !st.indexer.any_live() {
             Some("no_events")
         } else {
             None
@@ -191,14 +179,15 @@ impl KvRouter {
             }
             st.logged = reason;
         }
-        let (Some(prompt), Some(bs), None) = (prompt, st.block_size, reason) else {
+        let (Some(prompt), None) = (prompt, reason) else {
             drop(st);
             self.metrics.decided(reason.unwrap_or("no_tokens"));
             let http = backends.pick(Role::Prefill, avoid)?;
             return Ok(Picked { http, prediction: None, _in_flight: None });
         };
-        let mut chain = block_hashes(prompt, bs as usize);
-        chain.truncate(prompt.len().saturating_sub(1) / bs as usize);
+        let unit = st.indexer.unit();
+        let mut chain = kvconnect_router::chain::prefix_hashes(prompt, unit);
+        chain.truncate(prompt.len().saturating_sub(1) / unit);
         let candidates: Vec<(Candidate, &str)> = up
             .iter()
             .filter(|b| b.down.is_none() && !avoid.contains(&b.http))
@@ -223,7 +212,7 @@ impl KvRouter {
         self.in_flight[usize::from(c.worker)].fetch_add(1, Ordering::Relaxed);
         Ok(Picked {
             http,
-            prediction: Some(Prediction { tokens: u64::from(c.predicted_blocks) * u64::from(bs) }),
+            prediction: Some(Prediction { tokens: u64::from(c.predicted_blocks) * unit as u64 }),
             _in_flight: Some(InFlight { router: self.clone(), worker: c.worker }),
         })
     }
@@ -257,13 +246,14 @@ mod tests {
             (Role::Decode, "d0".into(), "127.0.0.1:3".into()),
         ]));
         let m = ProxyMetrics::default();
-        let kv = KvRouter::new(vec!["p0".into(), "p1".into()], m.router.clone(), true).unwrap();
+        let kv = KvRouter::new(vec!["p0".into(), "p1".into()], BS, m.router.clone(), true).unwrap();
         (b, Arc::new(kv), m)
     }
 
-    /// The batch a server publishes after computing `prompt`'s full blocks.
+    /// The batch a server publishes after computing `prompt`'s full blocks (named by the
+    /// engine's own block hashes).
     fn stored(prompt: &[u32]) -> KvEventBatch {
-        let hashes = block_hashes(prompt, BS as usize);
+        let hashes = kvconnect_engine::prefix_cache::block_hashes(prompt, BS as usize);
         let tokens = prompt[..hashes.len() * BS as usize].to_vec();
         let events = vec![KvEvent::stored(hashes, None, tokens, BS, Medium::Cpu)];
         KvEventBatch { ts: 0.0, events, data_parallel_rank: None }
@@ -336,7 +326,8 @@ mod tests {
     #[test]
     fn without_prompt_tokens_it_says_why_it_routes_round_robin() {
         let (b, _, m) = servers();
-        let kv = Arc::new(KvRouter::new(vec!["p0".into(), "p1".into()], m.router.clone(), false).unwrap());
+        let kv =
+            Arc::new(KvRouter::new(vec!["p0".into(), "p1".into()], BS, m.router.clone(), false).unwrap());
         kv.apply("p0", 0, &stored(&[1, 2, 3, 4, 5]), false);
         assert!(kv.pick(&b, None, &[]).unwrap().prediction.is_none());
         let t = m.render();

@@ -172,7 +172,9 @@ async fn up(a: &UpArgs) -> Result<()> {
     proxy.server_key = key.clone();
     if a.routing == crate::proxy::routing::Routing::Kv {
         let names = (0..a.prefill).map(|i| format!("up{pid}-{}-{i}", Role::Prefill)).collect();
-        let kv = crate::proxy::routing::KvRouter::new(names, proxy.metrics.router.clone(), true)
+        // The engines' block size: the deployment's, else the reference engine's 16.
+        let unit = deployment.prefill.options.block_size.unwrap_or(16);
+        let kv = crate::proxy::routing::KvRouter::new(names, unit, proxy.metrics.router.clone(), true)
             .map_err(|e| Exit::bad_input(anyhow!(e)))?;
         proxy.kv = Some(Arc::new(kv));
     }

@@ -1,0 +1,58 @@
+//! The router's own block hashes: a chain over pieces of `unit` tokens, each hash the
+//! previous one's mixed with the piece's tokens (`kvconnect_api::stable_hash::hash_bytes`,
+//! the same in every process). Workers name their blocks with hashes of their own (the
+//! engine's prefix cache its block hashes, lmcache its chunk keys rooted in a namespace the
+//! proxy cannot know, at a chunk size other than the engine's block size), so the indexer
+//! re-hashes every stored block from the token ids its event carries, and the proxy hashes a
+//! request's prompt the same way: a predicted hit is then a run of the same tokens, whoever
+//! stored it and at whatever block size.
+
+use kvconnect_api::stable_hash::hash_bytes;
+
+/// The hash before a prompt's first piece.
+pub const ROOT: u64 = 0;
+
+/// The hash of the piece `tokens` after the piece hashed `parent`.
+pub fn next(parent: u64, tokens: &[u32]) -> u64 {
+    let mut bytes = [0u8; 4 * 64];
+    let n = tokens.len().min(64);
+    for (i, t) in tokens[..n].iter().enumerate() {
+        bytes[4 * i..4 * i + 4].copy_from_slice(&t.to_le_bytes());
+    }
+    let mut h = hash_bytes(parent, &bytes[..4 * n]);
+    // Pieces longer than 64 tokens (a large unit) go on in steps of 64.
+    for rest in tokens[n..].chunks(64) {
+        h = next(h, rest);
+    }
+    h
+}
+
+/// The hashes of `tokens`' full pieces of `unit` tokens, from the start of a prompt.
+pub fn prefix_hashes(tokens: &[u32], unit: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(tokens.len() / unit.max(1));
+    let mut h = ROOT;
+    for piece in tokens.chunks_exact(unit.max(1)) {
+        h = next(h, piece);
+        out.push(h);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_chain_depends_on_every_earlier_token_and_extends_piece_by_piece() {
+        let a: Vec<u32> = (0..64).collect();
+        let mut b = a.clone();
+        b[3] = 999;
+        let (ha, hb) = (prefix_hashes(&a, 16), prefix_hashes(&b, 16));
+        assert_eq!(ha.len(), 4);
+        assert!(ha.iter().zip(&hb).all(|(x, y)| x != y), "a change in block 0 changes every later hash");
+        assert_eq!(prefix_hashes(&a[..40], 16), ha[..2], "a longer prompt extends the chain");
+        assert_eq!(next(ha[1], &a[32..48]), ha[2]);
+        let long: Vec<u32> = (0..300).collect();
+        assert_ne!(prefix_hashes(&long, 150)[0], prefix_hashes(&long, 100)[0]);
+    }
+}
