@@ -37,6 +37,26 @@ pub fn hash_bytes(seed: u64, bytes: &[u8]) -> u64 {
     mix(h ^ bytes.len() as u64, P3)
 }
 
+/// A hasher for keys that are already uniform hashes (block hashes, chained prefix hashes):
+/// a `u64` key is its own hash, other bytes are folded in. For hash maps keyed by such
+/// hashes (`HashMap<u64, V, BuildHasherDefault<PassThrough>>`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PassThrough(u64);
+
+impl std::hash::Hasher for PassThrough {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
 /// A checksum of a payload: a Fletcher-style pair of sums (the words, and the running sums
 /// of the words) in eight 64-bit lanes, so a change in any word, a zeroed sector, a bit flip
 /// or two words swapped changes it. Additions only, so it vectorises and runs faster than

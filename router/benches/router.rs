@@ -46,6 +46,8 @@ struct Size {
     samples: usize,
     decisions: usize,
     steady_batches: usize,
+    /// One prompt in this many keeps its tokens for the routing sample.
+    sample: usize,
 }
 
 const PREFIX: usize = 16;
@@ -62,6 +64,7 @@ impl Size {
                 samples: 1,
                 decisions: 200,
                 steady_batches: 100,
+                sample: 2,
             },
             Some(samples) => Size {
                 workers: 256,
@@ -70,6 +73,7 @@ impl Size {
                 samples,
                 decisions: 100_000,
                 steady_batches: 20_000,
+                sample: 64,
             },
         }
     }
@@ -141,7 +145,7 @@ fn batch(events: Vec<KvEvent>) -> KvEventBatch {
 }
 
 /// The trace: the build's batches per worker, and the steady state's; the prompts (tokens
-/// kept for every `SAMPLE`th).
+/// kept for one in `Size::sample`, drawn at random, for the routing sample).
 struct Trace {
     prompts: Vec<Prompt>,
     build: Vec<Numbered>,
@@ -149,8 +153,6 @@ struct Trace {
     build_blocks: usize,
     steady_blocks: usize,
 }
-
-const SAMPLE: usize = 64;
 
 fn trace(size: &Size) -> Trace {
     let mut rng = Rng(7);
@@ -165,7 +167,7 @@ fn trace(size: &Size) -> Trace {
             let mut p = prompt(&mut rng, &documents, w);
             build.push((w, seq[usize::from(w)], batch(stores(&p, Medium::Gpu))));
             seq[usize::from(w)] += 1;
-            if prompts.len() % SAMPLE != 0 {
+            if rng.below(size.sample) != 0 {
                 p.tokens = Vec::new();
             }
             prompts.push(p);

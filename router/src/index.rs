@@ -10,8 +10,9 @@
 //! one probe per block; clearing a worker one pass over the whole map.
 
 use crate::event::{fastest_rank, medium_bit, BlockHash, Medium, RANKS};
+use kvconnect_api::stable_hash::PassThrough;
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
 /// A worker's number in the index (its position in the router's list).
 pub type WorkerId = u16;
@@ -19,26 +20,8 @@ pub type WorkerId = u16;
 /// The media a worker holds a block in, one bit each (`event::medium_bit`).
 pub type TierMask = u8;
 
-/// Block hashes are already uniform: the map uses them as they are.
-#[derive(Default)]
-pub struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-/// Maps keyed by hashes that are already uniform.
-pub type IdBuild = BuildHasherDefault<IdentityHasher>;
+/// Maps keyed by hashes that are already uniform: a hash is its own hash.
+pub type IdBuild = BuildHasherDefault<PassThrough>;
 
 /// One worker's hold on a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

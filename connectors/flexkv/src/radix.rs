@@ -20,7 +20,7 @@
 //! still checks for children and skips inner nodes.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 
 /// Index of a node in the arena.
 pub type NodeIdx = u32;
@@ -54,22 +54,7 @@ impl Tier {
 }
 
 /// Block hashes are already well mixed, so the table uses them as they are.
-#[derive(Default)]
-pub struct PassThrough(u64);
-
-impl Hasher for PassThrough {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ *b as u64;
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
+pub use kvconnect_api::stable_hash::PassThrough;
 
 /// The life of a node's data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
