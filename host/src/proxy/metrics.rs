@@ -43,37 +43,37 @@ impl RouterMetrics {
     fn register(&self, r: &mut Registry) {
         r.register(
             "kvconnect_router_decisions",
-            "Prefill servers picked by --routing kv: by the KV index (by=kv), or round-robin and why (no_events: no server's events are live; no_tokens: the proxy does not hash prompts).",
+            "Prefill servers picked by --routing kv: by the KV index (by=kv), or round-robin and why (no_events: no server's events are live; no_tokens: the proxy does not hash prompts)",
             self.decisions.clone(),
         );
         r.register(
             "kvconnect_router_predicted_hit_tokens",
-            "Prompt tokens the KV index predicted the chosen prefill server holds.",
+            "Prompt tokens the KV index predicted the chosen prefill server holds",
             self.predicted.clone(),
         );
         r.register(
             "kvconnect_router_actual_hit_tokens",
-            "Prompt tokens those prefill servers reported they did not compute (prefix cache and cache connector).",
+            "Prompt tokens those prefill servers reported they did not compute (prefix cache and cache connector)",
             self.hit.clone(),
         );
         r.register(
             "kvconnect_router_predictions",
-            "KV routing decisions by how the prediction compared with the server's hits (exact, over, under).",
+            "KV routing decisions by how the prediction compared with the server's hits (exact, over, under)",
             self.predictions.clone(),
         );
         r.register(
             "kvconnect_router_event_batches_applied",
-            "KV event batches applied to the index.",
+            "KV event batches applied to the index",
             self.applied.clone(),
         );
         r.register(
             "kvconnect_router_event_batches_dropped",
-            "KV event batches dropped, by reason (replayed, gap, dead_worker, malformed, unknown_worker).",
+            "KV event batches dropped, by reason (replayed, gap, dead_worker, malformed, unknown_worker)",
             self.dropped.clone(),
         );
         r.register(
             "kvconnect_router_replays_requested",
-            "Replays asked of a server after a gap in its events.",
+            "Replays asked of a server after a gap in its events",
             self.replays.clone(),
         );
     }

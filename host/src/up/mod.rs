@@ -137,6 +137,9 @@ async fn up(a: &UpArgs) -> Result<()> {
             if role == Role::Decode && !producers.is_empty() {
                 l.kv_producers = Some(producers.join(","));
             }
+            if role == Role::Prefill && a.routing == crate::proxy::routing::Routing::Kv {
+                l.kv_events = Some((free_endpoint(a.host)?, free_endpoint(a.host)?));
+            }
             launches.push(l);
         }
     }
@@ -154,6 +157,13 @@ async fn up(a: &UpArgs) -> Result<()> {
     let key = crate::server::gate::api_key(a.api_key.as_deref());
     let gate = crate::server::gate::Gate::new(key.clone(), crate::server::gate::DEFAULT_MAX_IN_FLIGHT);
     let backends = Arc::new(Backends::default());
+    let event_sources: Vec<crate::proxy::kv_subscriber::EventSource> = launches
+        .iter()
+        .filter_map(|l| {
+            let (endpoint, replay) = l.kv_events.clone()?;
+            Some(crate::proxy::kv_subscriber::EventSource { name: l.engine_id.clone(), endpoint, replay: Some(replay) })
+        })
+        .collect();
     let starting = Supervisor::start(
         launches,
         backends.clone(),
@@ -176,7 +186,12 @@ async fn up(a: &UpArgs) -> Result<()> {
         let unit = deployment.prefill.options.block_size.unwrap_or(16);
         let kv = crate::proxy::routing::KvRouter::new(names, unit, proxy.metrics.router.clone(), true)
             .map_err(|e| Exit::bad_input(anyhow!(e)))?;
-        proxy.kv = Some(Arc::new(kv));
+        let kv = Arc::new(kv);
+        // The subscribers end with the runtime, when up does.
+        for source in event_sources {
+            tokio::spawn(crate::proxy::kv_subscriber::follow(kv.clone(), source));
+        }
+        proxy.kv = Some(kv);
     }
     let proxy = Arc::new(proxy);
     let pids: Vec<u32> = started.iter().map(|s| s.pid).collect();
@@ -252,7 +267,15 @@ fn launch(
         api_key: crate::server::gate::api_key(a.api_key.as_deref()),
         secret: secret.clone(),
         kv_producers: None,
+        kv_events: None,
     }
+}
+
+/// A free local TCP port, for a worker's KV event sockets (`tcp://HOST:PORT`).
+fn free_endpoint(host: IpAddr) -> Result<String> {
+    let l = std::net::TcpListener::bind(SocketAddr::new(host, 0))
+        .with_context(|| format!("cannot find a free port on {host} for a worker's KV events"))?;
+    Ok(format!("tcp://{}", l.local_addr().context("a free port's address")?))
 }
 
 fn sample(v: &Value, elapsed: Duration, truth: &[u32], direct: bool) -> Sample {

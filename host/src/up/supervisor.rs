@@ -53,6 +53,10 @@ pub struct Launch {
     pub secret: kvconnect_nixl::auth::Secret,
     /// Decode: the producers it may load from (`--kv-producers`).
     pub kv_producers: Option<String>,
+    /// Where it publishes its KV events, and its replay endpoint (`--kv-events-endpoint`,
+    /// `--kv-events-replay-endpoint`; the same across restarts, so the proxy's subscriber
+    /// finds the restarted worker where it was).
+    pub kv_events: Option<(String, String)>,
 }
 
 /// When to restart and when to give up.
@@ -303,6 +307,9 @@ impl Fleet {
         cmd.env(kvconnect_nixl::auth::SECRET_ENV, l.secret.to_text());
         if let Some(p) = &l.kv_producers {
             cmd.args(["--kv-producers", p]);
+        }
+        if let Some((endpoint, replay)) = &l.kv_events {
+            cmd.args(["--kv-events-endpoint", endpoint, "--kv-events-replay-endpoint", replay]);
         }
         die_with_this_thread(&mut cmd);
         let mut child =
