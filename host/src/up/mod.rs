@@ -161,7 +161,11 @@ async fn up(a: &UpArgs) -> Result<()> {
         .iter()
         .filter_map(|l| {
             let (endpoint, replay) = l.kv_events.clone()?;
-            Some(crate::proxy::kv_subscriber::EventSource { name: l.engine_id.clone(), endpoint, replay: Some(replay) })
+            Some(crate::proxy::kv_subscriber::EventSource {
+                name: l.engine_id.clone(),
+                endpoint,
+                replay: Some(replay),
+            })
         })
         .collect();
     let starting = Supervisor::start(

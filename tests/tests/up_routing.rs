@@ -1,0 +1,101 @@
+//! `kvconnect up --routing kv` end to end: the prefill workers publish their KV events, the
+//! proxy follows them, and a prompt sent again goes to the prefill worker that cached it,
+//! which then computes only its last block; the router's predicted hits equal what that
+//! worker reports. Against it, `--routing round-robin` spreads the same repeats over both
+//! prefill workers.
+
+use kvconnect_tests::http_request;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// A running `kvconnect up` (killed on drop; its workers die with it).
+struct Up {
+    child: std::process::Child,
+    proxy: String,
+    model: String,
+}
+
+impl Up {
+    fn start(routing: &str) -> Up {
+        let args = ["--prefill", "2", "--decode", "1", "--num-blocks", "128", "--routing", routing];
+        let (child, line) = kvconnect_tests::spawn_up(&args);
+        let proxy = line["proxy"].as_str().unwrap().trim_start_matches("http://").to_owned();
+        let (status, models) = http_request(&proxy, "GET", "/v1/models", None);
+        assert_eq!(status, 200, "{models}");
+        let model = models["data"][0]["id"].as_str().unwrap().to_owned();
+        Up { child, proxy, model }
+    }
+
+    fn complete(&self, prompt: &str) -> Value {
+        let body = json!({"model": self.model, "prompt": prompt, "max_tokens": 2, "temperature": 0});
+        let (status, v) = http_request(&self.proxy, "POST", "/v1/completions", Some(&body));
+        assert_eq!(status, 200, "{v}");
+        v
+    }
+
+    /// The proxy's /metrics line starting with `name` (labels included), as a number.
+    fn metric(&self, name: &str) -> u64 {
+        let (_, body) = http_request(&self.proxy, "GET", "/metrics", None);
+        let text = body.as_str().unwrap_or_default().to_owned();
+        text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok())).unwrap_or(0)
+    }
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Four distinct prompts of 100 bytes (the reference tokenizer: one token a byte), each sent
+/// four times in a row; which prefill worker served each, and the tokens it took from cache.
+fn repeats(up: &Up) -> Vec<Vec<(String, u64)>> {
+    (0..4)
+        .map(|p| {
+            let prompt: String = (0..100).map(|i| char::from(b'a' + ((i * 7 + p * 3) % 26) as u8)).collect();
+            (0..4)
+                .map(|_| {
+                    let v = up.complete(&prompt);
+                    // Give the worker's events time to reach the proxy.
+                    std::thread::sleep(Duration::from_millis(300));
+                    let k = &v["kvconnect"];
+                    let worker = k["proxy"]["prefill_worker"].as_str().unwrap().to_owned();
+                    let hit = k["prefill"]["num_cached_tokens"].as_u64().unwrap_or(0)
+                        + k["prefill"]["num_external_tokens"].as_u64().unwrap_or(0);
+                    (worker, hit)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+#[test]
+fn routing_kv_sends_a_repeated_prompt_to_the_prefill_worker_that_cached_it() {
+    let up = Up::start("kv");
+    let served = repeats(&up);
+    for (p, runs) in served.iter().enumerate() {
+        let first = &runs[0].0;
+        for (i, (worker, hit)) in runs.iter().enumerate().skip(1) {
+            assert_eq!(worker, first, "prompt {p} repeat {i} left the worker that cached it: {runs:?}");
+            // 100 tokens: 6 full blocks of 16, the last token always computed.
+            assert_eq!(*hit, 96, "prompt {p} repeat {i}: {runs:?}");
+        }
+    }
+    let by_kv = up.metric("kvconnect_router_decisions_total{by=\"kv\"}");
+    assert!(by_kv >= 12, "the repeats were routed by the index: {by_kv}");
+    let predicted = up.metric("kvconnect_router_predicted_hit_tokens_total");
+    let actual = up.metric("kvconnect_router_actual_hit_tokens_total");
+    assert!(predicted >= 12 * 96, "{predicted}");
+    assert_eq!(predicted, actual, "the index predicted what the workers hit");
+    assert_eq!(up.metric("kvconnect_router_event_batches_dropped_total{reason=\"malformed\"}"), 0);
+
+    // The same repeats round-robin: each prompt's repeats go to both prefill workers.
+    let rr = Up::start("round-robin");
+    let served = repeats(&rr);
+    for runs in &served {
+        let first = &runs[0].0;
+        assert!(runs.iter().any(|(w, _)| w != first), "round-robin kept a prompt on one worker: {runs:?}");
+    }
+    assert_eq!(rr.metric("kvconnect_router_decisions_total{by=\"kv\"}"), 0);
+}
