@@ -1,7 +1,8 @@
 //! `kvconnect up --routing kv` end to end: the prefill workers publish their KV events, the
-//! proxy follows them, and a prompt sent again goes to the prefill worker that cached it,
-//! which then computes only its last block; the router's predicted hits equal what that
-//! worker reports. Against it, `--routing round-robin` spreads the same repeats over both
+//! proxy follows them, and a prompt sent again goes to the prefill worker that cached it (in
+//! lmcache's CPU tier, the default deployment's prefill cache: chunks of 256 tokens), which
+//! loads its two full chunks instead of computing them; the router's predicted hits equal
+//! what that worker reports. Against it, `--routing round-robin` spreads the same repeats over both
 //! prefill workers.
 
 use kvconnect_tests::http_request;
@@ -48,12 +49,12 @@ impl Drop for Up {
     }
 }
 
-/// Four distinct prompts of 100 bytes (the reference tokenizer: one token a byte), each sent
+/// Four distinct prompts of 600 bytes (the reference tokenizer: one token a byte), each sent
 /// four times in a row; which prefill worker served each, and the tokens it took from cache.
 fn repeats(up: &Up) -> Vec<Vec<(String, u64)>> {
     (0..4)
         .map(|p| {
-            let prompt: String = (0..100).map(|i| char::from(b'a' + ((i * 7 + p * 3) % 26) as u8)).collect();
+            let prompt: String = (0..600).map(|i| char::from(b'a' + ((i * 7 + p * 3) % 26) as u8)).collect();
             (0..4)
                 .map(|_| {
                     let v = up.complete(&prompt);
@@ -78,15 +79,15 @@ fn routing_kv_sends_a_repeated_prompt_to_the_prefill_worker_that_cached_it() {
         let first = &runs[0].0;
         for (i, (worker, hit)) in runs.iter().enumerate().skip(1) {
             assert_eq!(worker, first, "prompt {p} repeat {i} left the worker that cached it: {runs:?}");
-            // 100 tokens: 6 full blocks of 16, the last token always computed.
-            assert_eq!(*hit, 96, "prompt {p} repeat {i}: {runs:?}");
+            // 600 tokens: two full chunks of 256 in lmcache.
+            assert_eq!(*hit, 512, "prompt {p} repeat {i}: {runs:?}");
         }
     }
     let by_kv = up.metric("kvconnect_router_decisions_total{by=\"kv\"}");
     assert!(by_kv >= 12, "the repeats were routed by the index: {by_kv}");
     let predicted = up.metric("kvconnect_router_predicted_hit_tokens_total");
     let actual = up.metric("kvconnect_router_actual_hit_tokens_total");
-    assert!(predicted >= 12 * 96, "{predicted}");
+    assert!(predicted >= 12 * 512, "{predicted}");
     assert_eq!(predicted, actual, "the index predicted what the workers hit");
     assert_eq!(up.metric("kvconnect_router_event_batches_dropped_total{reason=\"malformed\"}"), 0);
 
