@@ -139,7 +139,7 @@ impl Indexer {
             }
             self.ext[w].insert(*h, Ext { last: c, more });
             // A block that ends mid-piece cannot be chained on.
-            parent = (bs % self.unit == 0).then_some(c);
+            parent = bs.is_multiple_of(self.unit).then_some(c);
         }
     }
 

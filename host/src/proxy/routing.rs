@@ -20,9 +20,7 @@
 use super::backends::{Backends, NoBackend};
 use super::metrics::RouterMetrics;
 use kvconnect_api::Role;
-use kvconnect_router::{
-    choose, Candidate, Indexer, KvEvent, KvEventBatch, Outcome, Overlap, Weights, WorkerId,
-};
+use kvconnect_router::{choose, Candidate, Indexer, KvEventBatch, Outcome, Overlap, Weights, WorkerId};
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -235,7 +233,7 @@ fn explain(reason: &str) -> &'static str {
 mod tests {
     use super::*;
     use crate::proxy::metrics::ProxyMetrics;
-    use kvconnect_router::{Dropped, Medium};
+    use kvconnect_router::{Dropped, KvEvent, Medium};
 
     const BS: u32 = 4;
 
