@@ -2,9 +2,17 @@
 # The GPU tests (device KV, cuda_ipc, the gather kernel), built on a machine without a GPU and
 # run on one with a GPU.
 #
-#   scripts/gpu-tests.sh build   # here: release test binaries + kvconnect, into .device/gpu-tests
+#   scripts/gpu-tests.sh build   # here: release test binaries + kvconnect + the Python
+#                                # package's wheel (feature cuda), into .device/gpu-tests
+#   scripts/gpu-tests.sh build-wheel    # the wheel alone
 #   scripts/gpu-tests.sh run [NAME...]  # there, from the repository root: runs them (or the
-#                                       # test-NAME binaries given), logs in $OUT
+#                                       # test-NAME binaries given; `driver` names the Python
+#                                       # driver), logs in $OUT
+#
+# The wheel is abi3: it installs (pip --no-deps --target, no network) into the Python there,
+# beside its torch, and tests/gpu/driver.py makes vLLM's GPU worker calls through it with
+# torch CUDA tensors; GPU_DRIVER_ARGS are passed on (e.g. --bench). maturin is taken from
+# PATH, else from .venv-vllm.
 #
 # NIXL_LIB_DIR defaults to a trimmed NIXL copy under .device/nixl-min when one was carried
 # (the nixl_vram and nixl_vram_probe tests skip without the library). Each binary gets GPU_TEST_TIMEOUT seconds
@@ -39,7 +47,38 @@ for l in sys.stdin:
       | while read -r name exe; do cp "$exe" "$dir/test-$name"; done
   done
   strip "$dir"/* 2>/dev/null || true
+  build_wheel
   du -sh "$dir"/*
+}
+
+build_wheel() {
+  local maturin
+  maturin="$(command -v maturin || echo .venv-vllm/bin/maturin)"
+  mkdir -p "$dir"
+  rm -f "$dir"/kvconnect-*.whl
+  "$maturin" build --release --strip -m python/Cargo.toml --features cuda --compatibility linux -o "$dir"
+}
+
+# The Python driver: the wheel installed under a temporary directory, then every case (and
+# GPU_DRIVER_ARGS). Skips, saying why, where there is no wheel or no torch.
+driver() {
+  local logs="$1" site
+  local wheels=("$dir"/kvconnect-*.whl)
+  if [ ! -f "${wheels[0]}" ]; then echo "skipping driver: no wheel in $dir (scripts/gpu-tests.sh build-wheel)"; return 0; fi
+  if ! python3 -c 'import torch' 2>/dev/null; then echo "skipping driver: python3 has no torch"; return 0; fi
+  site="$(mktemp -d)"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "${wheels[0]}"
+  # shellcheck disable=SC2086
+  if PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout "${GPU_TEST_TIMEOUT:-600}" \
+      python3 tests/gpu/driver.py ${GPU_DRIVER_ARGS:-} > "$logs/driver.log" 2>&1; then
+    echo "PASS driver: $(grep -c '^PASS' "$logs/driver.log") cases; lines saying skipping: $(grep -c 'skipping' "$logs/driver.log")"
+    grep '^{"bench"' "$logs/driver.log" || true
+  else
+    echo "FAIL driver (see $logs/driver.log)"
+    grep -E '^(PASS|FAIL|skipping)' "$logs/driver.log" || true
+    tail -40 "$logs/driver.log"
+    return 1
+  fi
 }
 
 run() {
@@ -48,9 +87,18 @@ run() {
   export KVCONNECT_BIN="$PWD/$dir/kvconnect"
   if [ -z "${NIXL_LIB_DIR:-}" ] && [ -d "$nixl" ]; then export NIXL_LIB_DIR="$PWD/$nixl"; fi
   nvidia-smi -L > "$logs/gpu.txt" 2>&1 || true
-  local tests=("$dir"/test-*)
-  if [ $# -gt 0 ]; then tests=(); for n in "$@"; do tests+=("$dir/test-$n"); done; fi
+  local tests=("$dir"/test-*) with_driver=1
+  if [ $# -gt 0 ]; then
+    tests=() with_driver=0
+    for n in "$@"; do
+      if [ "$n" = driver ]; then with_driver=1; else tests+=("$dir/test-$n"); fi
+    done
+  fi
   for t in "${tests[@]}"; do
+    if [ ! -e "$t" ]; then
+      if [ $# -gt 0 ]; then rc=1; echo "FAIL $(basename "$t"): not built (scripts/gpu-tests.sh build)"; fi
+      continue
+    fi
     local name
     name="$(basename "$t")"
     if timeout "${GPU_TEST_TIMEOUT:-240}" "$t" --test-threads=1 --nocapture > "$logs/$name.log" 2>&1; then
@@ -61,11 +109,13 @@ run() {
       tail -40 "$logs/$name.log"
     fi
   done
+  if [ "$with_driver" = 1 ]; then driver "$logs" || rc=1; fi
   return $rc
 }
 
 case "${1:-}" in
   build) build ;;
+  build-wheel) build_wheel ;;
   run) shift; run "$@" ;;
   *) echo "usage: $0 build|run" >&2; exit 2 ;;
 esac

@@ -44,6 +44,9 @@ pub enum CudaError {
     /// A peer's IPC handle could not be opened (peer gone, or not the same host).
     #[error("opening the peer's CUDA IPC handle failed: {0}; the peer process may have exited or is on another host — the request fails or recomputes as kv_load_failure_policy says")]
     IpcOpen(String),
+    /// A region that cannot be exported as an IPC handle of its own.
+    #[error("exporting a KV region over CUDA IPC: {0}")]
+    IpcExport(String),
     /// Arguments that do not fit.
     #[error("invalid gather: {0}")]
     Invalid(String),

@@ -32,10 +32,26 @@ impl IpcHandle {
     }
 
     /// Exports the allocation that starts at device address `ptr` (from `cuMemAlloc`, e.g.
-    /// a region the host allocated with [`Gpu::alloc`] and registered by address). The driver
-    /// checks the address; one that is not such an allocation is an error, not a crash.
+    /// a region the host allocated with [`Gpu::alloc`] and registered by address, or a
+    /// framework's tensor that is its own allocation). The driver checks the address; one
+    /// that is not such an allocation is an error, not a crash. A handle names a whole
+    /// allocation and its importer maps it from its start, so a region that starts inside
+    /// an allocation (a tensor carved from a caching allocator's segment) is refused rather
+    /// than read at the wrong place.
     pub fn export_address(gpu: &Gpu, ptr: u64, bytes: usize) -> Result<IpcHandle, CudaError> {
         gpu.bind()?;
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: the driver validates `ptr` and only writes the two outputs.
+        let r = unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+        if r != sys::cudaError_enum::CUDA_SUCCESS {
+            return Err(CudaError::driver("cuMemGetAddressRange", cudarc::driver::DriverError(r)));
+        }
+        if base != ptr || size < bytes {
+            return Err(CudaError::IpcExport(format!(
+                "not implemented: the region at {ptr:#x} ({bytes} bytes) lies {} bytes into a CUDA allocation of {size} bytes, and an IPC handle maps whole allocations from their start; allocate each KV cache tensor as its own allocation (vLLM does; in PyTorch a tensor of 10 MiB or more allocated before others are freed is one)",
+                ptr.saturating_sub(base)
+            )));
+        }
         let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
         // SAFETY: the driver validates `ptr` and fails for anything not a live allocation.
         let r = unsafe { sys::cuIpcGetMemHandle(&mut h, ptr) };

@@ -12,14 +12,14 @@
 or plugin connector); the other keys are the adapter's own (README.md). Both halves
 negotiate from vLLM's own settings at startup and refuse to start, with kvconnect's one-line
 message, when vLLM's settings contradict the negotiation. Everything else is delegated to
-the native module: this file only turns vLLM's objects into plain values.
+the native module through the adapter's core (`kvconnect.core`, which runs without vLLM):
+this file only turns vLLM's objects into plain values.
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
-import json
 import re
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from kvconnect import _kvconnect
+from kvconnect.core import SchedulerCore, WorkerCore, setup_json
 
 # Under vLLM's logger, so its handlers and level apply.
 logger = init_logger("vllm.kvconnect")
@@ -182,22 +183,21 @@ def _setup_json(vllm_config, tp_rank: int) -> str:
     mc = vllm_config.model_config
     cc = vllm_config.cache_config
     sc = vllm_config.scheduler_config
-    side = {
-        "kv_role": kt.kv_role,
-        "engine_id": str(kt.engine_id),
-        "extra_config": dict(kt.kv_connector_extra_config or {}),
-        "hf_config": mc.hf_config.to_dict(),
-        "block_size": int(cc.block_size),
-        "cache_dtype": str(cc.cache_dtype),
-        "model_dtype": str(mc.dtype).replace("torch.", ""),
-        "hma": not bool(getattr(sc, "disable_hybrid_kv_cache_manager", True)),
-        "tp_size": int(vllm_config.parallel_config.tensor_parallel_size),
-        "tp_rank": tp_rank,
-        "kv_device": str(current_platform.device_type),
-        "kv_cache_layout": _kv_cache_layout(current_platform),
-        "opaque_blocks": _CPU_OPAQUE if current_platform.is_cpu() else None,
-    }
-    return json.dumps(side, default=str)
+    return setup_json(
+        kv_role=kt.kv_role,
+        engine_id=str(kt.engine_id),
+        extra_config=dict(kt.kv_connector_extra_config or {}),
+        hf_config=mc.hf_config.to_dict(),
+        block_size=int(cc.block_size),
+        cache_dtype=str(cc.cache_dtype),
+        model_dtype=str(mc.dtype),
+        hma=not bool(getattr(sc, "disable_hybrid_kv_cache_manager", True)),
+        tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+        tp_rank=tp_rank,
+        kv_device=str(current_platform.device_type),
+        kv_cache_layout=_kv_cache_layout(current_platform),
+        opaque_blocks=_CPU_OPAQUE if current_platform.is_cpu() else None,
+    )
 
 
 def _tp_rank() -> int:
@@ -209,9 +209,8 @@ def _tp_rank() -> int:
         return 0
 
 
-def _params(request) -> Optional[str]:
-    p = getattr(request, "kv_transfer_params", None)
-    return None if p is None else json.dumps(p)
+def _params(request) -> Optional[dict]:
+    return getattr(request, "kv_transfer_params", None)
 
 
 def _block_lists(blocks) -> list[list[int]]:
@@ -276,21 +275,21 @@ class KvconnectConnector(KVConnectorBase_V1):
         self._block_size = int(vllm_config.cache_config.block_size)
         self._scheduler = None
         self._worker = None
-        self._kv_caches: dict[str, torch.Tensor] = {}
-        self._layer_ids: dict[str, int] = {}
-        self._step = 0
+        self._core: Optional[WorkerCore] = None
+        self._sched: Optional[SchedulerCore] = None
         # Scheduler: requests that loaded external KV, until they finish; and how many of
         # them vLLM preempted since the stats were last taken.
         self._loaded: set[str] = set()
         self._preempted_loads = 0
-        self._save_blocks: tuple[int, list[int]] = (-1, [])
         ev = getattr(vllm_config, "kv_events_config", None)
         self._events_on = bool(ev is not None and getattr(ev, "enable_kv_cache_events", False))
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = _kvconnect.Scheduler(_setup_json(vllm_config, 0))
+            self._sched = SchedulerCore(_setup_json(vllm_config, 0))
+            self._scheduler = self._sched.native
             summary = self._scheduler.summary()
         else:
-            self._worker = _kvconnect.Worker(_setup_json(vllm_config, _tp_rank()))
+            self._core = WorkerCore(_setup_json(vllm_config, _tp_rank()), self._block_size)
+            self._worker = self._core.native
             summary = self._worker.summary()
         logger.info("kvconnect %s: %s", "scheduler" if self._scheduler else "worker", summary)
 
@@ -317,76 +316,52 @@ class KvconnectConnector(KVConnectorBase_V1):
         return _SharedKvAllocation(self._worker, int(tensors[0].size), placements)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        # The tensors are kept here: the native worker addresses their memory directly.
-        self._kv_caches = dict(kv_caches)
-        descs = []
-        for name, t in self._kv_caches.items():
-            if not isinstance(t, torch.Tensor):
-                raise _kvconnect.KvconnectError(
-                    f"kvconnect: not implemented: vLLM's KV cache for layer '{name}' is a {type(t).__name__} "
-                    "(a state layer's tensors), not one tensor; kvconnect inside vLLM moves attention layers' KV only"
-                )
-            idx = _layer_index(name)
-            self._layer_ids[name] = idx
-            device = None if t.device.type == "cpu" else int(t.device.index or 0)
-            descs.append((name, idx, int(t.data_ptr()), [int(x) for x in t.shape], [int(x) for x in t.stride()],
-                          int(t.element_size()), str(t.dtype).replace("torch.", ""), device))
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
-        addr = self._worker.register_kv_caches(descs, None if num_blocks is None else int(num_blocks))
+        addr = self._core.register_kv_caches(kv_caches, _layer_index, num_blocks)
         if addr is not None:
             logger.info("kvconnect worker: side channel listening on %s", addr)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
-        self._worker.start_load_kv()
+        self._core.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        self._worker.wait_for_layer_load(self._layer_ids[layer_name])
+        self._core.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         if attn_metadata is None:
             return
         if isinstance(attn_metadata, dict):
             attn_metadata = attn_metadata.get(layer_name)
-        slots = getattr(attn_metadata, "slot_mapping", None)
-        if slots is None:
-            return
-        # One list of the step's blocks, shared by its layers (same slot mapping object).
-        if self._save_blocks[0] != id(slots):
-            s = slots[slots >= 0]
-            blocks = torch.unique(torch.div(s, self._block_size, rounding_mode="floor")).tolist()
-            self._save_blocks = (id(slots), [int(b) for b in blocks])
-        self._worker.save_kv_layer(self._layer_ids[layer_name], self._save_blocks[1])
+        self._core.save_kv_layer(layer_name, getattr(attn_metadata, "slot_mapping", None))
 
     def wait_for_save(self):
-        self._worker.wait_for_save()
+        self._core.wait_for_save()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
         """vLLM frees the preempted requests' blocks before this step's forward: the
         connector finishes or drops its background work on them first (flexkv waits for
         their saves in flight). Nothing to do, and no call, in a step without preemptions."""
-        preempted = getattr(kv_connector_metadata, "preempted", ())
-        if preempted:
-            self._worker.handle_preemptions(list(preempted))
+        self._core.handle_preemptions(getattr(kv_connector_metadata, "preempted", ()))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._worker.bind_connector_meta(connector_metadata.data)
+        self._core.bind_connector_metadata(connector_metadata.data)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        self._save_blocks = (-1, [])
+        self._core.clear_connector_metadata()
 
     # With one KV cache group a failed load is reported by its blocks (vLLM recomputes from
     # the first bad one); with several, block ids are not unique, so by request instead.
     _failed_by_request = False
 
     def _finished(self, finished_req_ids: set[str]):
-        sending, recving, failed = self._worker.get_finished(sorted(finished_req_ids))
-        for r in recving:
+        sending, recving, failed = self._core.finished(finished_req_ids)
+        for r in sorted(recving):
             logger.info("kvconnect worker: request %s loaded its external KV", r)
-        for r, why in failed:
+        for r, why in sorted(failed.items()):
             logger.warning("kvconnect worker: request %s failed to load its external KV: %s", r, why)
-        return set(sending), set(recving), {r for r, _ in failed}
+        return sending, recving, set(failed)
 
     def get_finished(self, finished_req_ids: set[str]):
         sending, recving, failed = self._finished(finished_req_ids)
@@ -403,12 +378,12 @@ class KvconnectConnector(KVConnectorBase_V1):
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        blocks = set(self._worker.block_ids_with_load_errors())
+        blocks = self._core.block_ids_with_load_errors()
         return set() if self._failed_by_request else blocks
 
     def kvconnect_stats(self) -> dict[str, Any]:
         """The native worker's counters since start (see KvconnectStats)."""
-        return json.loads(self._worker.stats_json())
+        return self._core.stats()
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
         return None if self._worker is None else KvconnectHandshake(scheduler_socket=self._worker.scheduler_socket())
@@ -420,7 +395,7 @@ class KvconnectConnector(KVConnectorBase_V1):
             data = {"loads_preempted": n, "loads_refused_tp": self._scheduler.take_refused_loads()}
             data = {k: v for k, v in data.items() if v}
             return KvconnectStats(data=data) if data else None
-        delta = json.loads(self._worker.take_stats_json())
+        delta = self._core.take_stats()
         return KvconnectStats(data=delta) if delta else None
 
     @classmethod
@@ -432,8 +407,8 @@ class KvconnectConnector(KVConnectorBase_V1):
         return KvconnectPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
-        if self._worker is not None:
-            self._worker.shutdown()
+        if self._core is not None:
+            self._core.shutdown()
 
     # ---- scheduler side ----
 
@@ -449,18 +424,18 @@ class KvconnectConnector(KVConnectorBase_V1):
                 "run the same kvconnect in vLLM's scheduler and every worker"
             )
         sockets = [by_rank[r] for r in range(tp)]
-        self._scheduler.attach(sockets)
+        self._sched.attach(sockets)
         logger.info("kvconnect scheduler: the connector's scheduler halves run in the workers, at %s", ", ".join(sockets))
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         # Every token the connector has, up to the prompt's last (which vLLM computes to sample
         # the first token), also where that ends inside a block.
-        return self._scheduler.get_num_new_matched_tokens(
+        return self._sched.get_num_new_matched_tokens(
             request.request_id, list(request.prompt_token_ids or []), _params(request), int(num_computed_tokens)
         )
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
-        self._scheduler.update_state_after_alloc(
+        self._sched.update_state_after_alloc(
             request.request_id,
             list(request.prompt_token_ids or []),
             _params(request),
@@ -474,13 +449,12 @@ class KvconnectConnector(KVConnectorBase_V1):
             )
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
-        self._step += 1
         scheduled = [r.req_id for r in scheduler_output.scheduled_new_reqs]
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         if cached is not None:
             scheduled += list(getattr(cached, "req_ids", []))
         finished = sorted(getattr(scheduler_output, "finished_req_ids", set()) or set())
-        data = self._scheduler.build_connector_meta(self._step, scheduled, finished)
+        data = self._sched.build_connector_meta(scheduled, finished)
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if not preempted:
             return KvconnectMetadata(data=data)
@@ -524,10 +498,9 @@ class KvconnectConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         self._loaded.discard(request.request_id)
-        delay, params = self._scheduler.request_finished(
+        return self._sched.request_finished(
             request.request_id, list(request.prompt_token_ids or []), _params(request), _block_lists(block_ids)
         )
-        return delay, (json.loads(params) if params is not None else None)
 
 
 class KvconnectHmaConnector(KvconnectConnector, SupportsHMA):
