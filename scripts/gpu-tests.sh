@@ -72,7 +72,7 @@ driver() {
   if PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 timeout "${GPU_TEST_TIMEOUT:-600}" \
       python3 tests/gpu/driver.py ${GPU_DRIVER_ARGS:-} > "$logs/driver.log" 2>&1; then
     echo "PASS driver: $(grep -c '^PASS' "$logs/driver.log") cases; lines saying skipping: $(grep -c 'skipping' "$logs/driver.log")"
-    grep '^{"bench"' "$logs/driver.log" || true
+    grep -E '^(PASS|skipping|\{"bench")' "$logs/driver.log" || true
   else
     echo "FAIL driver (see $logs/driver.log)"
     grep -E '^(PASS|FAIL|skipping)' "$logs/driver.log" || true

@@ -3,14 +3,16 @@ the adapter's core (`kvconnect.core`), without vLLM.
 
     python tests/gpu/driver.py            # every case; skips, saying why, without CUDA
     python tests/gpu/driver.py --bench    # also the benchmark against torch's own copies
-    python tests/gpu/driver.py --only pd-fa-nhd-bf16,lmcache-fa-nhd-bf16
+    python tests/gpu/driver.py --only pd-fa-hnd-bf16,lmcache-fa-nhd-bf16
 
 Each case allocates its KV caches as vLLM's GPU backends do: FlashAttention's
 `(2, num_blocks, block_size, heads, head_dim)` (NHD, or the same logical shape over HND
 memory), MLA's `(num_blocks, block_size, kv_lora_rank + rope_dim)`, bf16 or fp8 (a uint8
 tensor, as vLLM allocates fp8). Every source block holds seeded random bytes.
 
-- `pd-*`: prefill and decode in two processes on one GPU, nixl over cuda_ipc. Prefill
+- `pd-*`: prefill and decode in two processes on one GPU, nixl over cuda_ipc (HND or MLA:
+  nixl, like vLLM's NixlConnector, moves FlashAttention KV in HND only, and
+  `pd-fa-nhd-refused` checks that an NHD engine is refused at startup, saying so). Prefill
   computes each request (save_kv_layer per layer, wait_for_save) and finishes it with
   `do_remote_decode`; decode takes its kv_transfer_params, loads asynchronously and steps
   until `finished` reports the request. Every loaded token is compared byte for byte with
@@ -18,10 +20,12 @@ tensor, as vLLM allocates fp8). Every source block holds seeded random bytes.
   decode's cache must keep its poison.
 - `lmcache-*`, `flexkv-*`: one process; a first request saves from the device tensors, a
   second with the same prompt loads into other blocks of the same tensors, checked likewise.
-- `--bench`: a 28-layer cache (8 KV heads x 128, block 16, 2048 blocks) and requests of 512
-  scattered blocks: the adapter's load end to end against torch's own gather of the same
-  bytes (`index_select` into a contiguous buffer, then `index_copy_` into the destination)
-  and against one contiguous copy, and the adapter's per-step overhead.
+- `--bench`: a 28-layer HND cache (8 KV heads x 128, block 16, 2048 blocks) and requests of
+  512 scattered blocks (896 MiB), and the same bytes in blocks of 128 tokens: the adapter's
+  load end to end (from `start_load_kv` until `finished` reports it) against torch's own
+  gather of the same bytes in decode's process (`index_select` into a contiguous buffer,
+  then `index_copy_` into the destination) and against one contiguous copy, and the
+  adapter's per-step overhead (an idle step; prefill's saving step).
 
 Prints one `PASS`/`FAIL`/`skipping` line per case and a JSON line per benchmark; exits 1 if
 any case failed.
@@ -141,6 +145,13 @@ class Caches:
             self.logical.append(logical)
             self.bytes.append(lbytes)
 
+    def poison(self, blocks: list[int]) -> None:
+        idx = torch.tensor(blocks, device=DEV)
+        for s in self.storage:
+            (s if self.case.mla else s[0]).view(torch.uint8)[idx] = POISON
+            if not self.case.mla:
+                s[1].view(torch.uint8)[idx] = POISON
+
     def as_dict(self) -> dict[str, torch.Tensor]:
         return dict(zip(self.case.layer_names(), self.logical))
 
@@ -250,7 +261,7 @@ def scattered(case: Case, count: int, seed: int, exclude=()) -> list[int]:
 
 def prefill_proc(case: Case, port: int, conn) -> None:
     try:
-                caches = case.allocate("random", seed=1)
+        caches = case.allocate("random", seed=1)
         extra = {"kvconnect": {"kv_connector": "NixlConnector", "kv_buffer_device": DEV,
                                "kv_connector_extra_config": {"backend": BACKEND}},
                  "side_channel_port": port}
@@ -270,7 +281,7 @@ def prefill_proc(case: Case, port: int, conn) -> None:
             assert delay and out, f"prefill did not hold {rid}'s blocks for decode: {delay}, {out}"
             e.finished_ids.append(rid)
             reqs.append({"rid": rid, "prompt": prompt, "blocks": blocks, "params": out})
-        conn.send(("ready", reqs, sum(e.step_us) / len(e.step_us)))
+        conn.send(("ready", reqs, sorted(e.step_us)[len(e.step_us) // 2]))
         # Keep stepping, as vLLM does while requests hold blocks for a peer, until every
         # request was sent and the driver says stop.
         sent, stop, deadline = set(), False, time.monotonic() + TIMEOUT_S
@@ -289,33 +300,21 @@ def prefill_proc(case: Case, port: int, conn) -> None:
 
 def decode_proc(case: Case, reqs: list[dict], bench: bool, conn) -> None:
     try:
-                caches = case.allocate("poison")
+        caches = case.allocate("poison")
         extra = {"kvconnect": {"kv_connector": "NixlConnector", "kv_buffer_device": DEV,
                                "kv_connector_extra_config": {"backend": BACKEND}}}
         e = Engine(case, "kv_consumer", "decode", extra, caches)
         source = case.allocate("random", seed=1)  # prefill's bytes, regenerated from the seed
-        used: list[int] = []
         load_s, blocks = [], []
         for i, r in enumerate(reqs):
             rid, prompt = r["rid"], r["prompt"]
             tokens, is_async = e.sched.get_num_new_matched_tokens(rid, prompt, r["params"], 0)
             assert tokens and is_async, f"decode: {rid} matched ({tokens}, {is_async}), want an asynchronous load"
-            blocks = scattered(case, len(r["blocks"]), 200 + i, exclude=used)
-            used += blocks
+            blocks = scattered(case, len(r["blocks"]), 200 + i)
             e.sched.update_state_after_alloc(rid, prompt, r["params"], [blocks], tokens)
-            sync()
-            t0 = time.perf_counter()
-            deadline = t0 + TIMEOUT_S
-            while True:
-                _, recving, failed = e.step([])
-                if rid in failed:
-                    raise AssertionError(f"decode: {rid} failed to load: {failed[rid]}")
-                if rid in recving:
-                    break
-                if time.perf_counter() > deadline:
-                    raise TimeoutError(f"decode: {rid} not loaded after {TIMEOUT_S}s")
-            load_s.append(time.perf_counter() - t0)
+            load_s.append(load_step(e, rid))
             check_loaded(case, caches, blocks, source, r["blocks"], tokens)
+            caches.poison(blocks)  # the next request's check starts from a poisoned cache
             # Decode computes the rest and finishes the request.
             e.finished_ids.append(rid)
             delay, _ = e.sched.request_finished(rid, prompt, r["params"], [blocks])
@@ -333,6 +332,32 @@ def decode_proc(case: Case, reqs: list[dict], bench: bool, conn) -> None:
         conn.send(("done", result))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
+
+
+def load_step(e: Engine, rid: str) -> float:
+    """The step that starts `rid`'s asynchronous load, its `finished` polled until the load
+    is reported (vLLM asks once per step; polling here times the transfer, not the step
+    rate). Returns the seconds from `start_load_kv` to the report."""
+    w = e.worker
+    w.bind_connector_metadata(e.sched.build_connector_meta([], []))  # handshakes a new producer
+    sync()
+    t0 = time.perf_counter()
+    w.start_load_kv()
+    for name in e.case.layer_names():
+        w.wait_for_layer_load(name)
+        w.save_kv_layer(name, None)
+    w.wait_for_save()
+    while True:
+        _, recving, failed = w.finished(set())
+        if rid in failed:
+            raise AssertionError(f"decode: {rid} failed to load: {failed[rid]}")
+        if rid in recving:
+            break
+        if time.perf_counter() - t0 > TIMEOUT_S:
+            raise TimeoutError(f"decode: {rid} not loaded after {TIMEOUT_S}s")
+    took = time.perf_counter() - t0
+    w.clear_connector_metadata()
+    return took
 
 
 def timed(f, repeat: int = 10) -> float:
@@ -366,6 +391,23 @@ def torch_baselines(case: Case, src: Caches, dst: Caches, src_blocks: list[int],
     t_gather = timed(gather)
     t_contig = timed(lambda: flat_dst.copy_(flat_src))
     return {"bytes": nbytes, "gather_s": t_gather, "contiguous_s": t_contig}
+
+
+def run_refused(case: Case) -> dict:
+    """nixl moves FlashAttention KV in HND only (as vLLM's NixlConnector): an NHD engine is
+    refused at startup, naming the layout and the remedy, before any tensor is touched."""
+    from kvconnect import _kvconnect
+    from kvconnect.core import WorkerCore
+
+    extra = {"kvconnect": {"kv_connector": "NixlConnector", "kv_buffer_device": DEV,
+                           "kv_connector_extra_config": {"backend": BACKEND}}}
+    try:
+        WorkerCore(case.setup("kv_consumer", "decode", extra), case.block_size)
+    except _kvconnect.KvconnectError as e:
+        if "requires HND" not in str(e):
+            raise AssertionError(f"refused, but not for the layout: {e}") from e
+        return {"refused": str(e)[:160]}
+    raise AssertionError("nixl accepted an NHD KV cache")
 
 
 def run_pd(case: Case, bench: bool = False) -> dict:
@@ -415,7 +457,7 @@ def free_port() -> int:
 
 def cache_proc(case: Case, conn) -> None:
     try:
-                caches = case.allocate("poison")
+        caches = case.allocate("poison")
         extra_cfg = {"chunk_size": 16} if case.connector == "lmcache" else {"cpu_cache_gb": 0.5}
         name = "LMCacheConnectorV1" if case.connector == "lmcache" else "FlexKVConnectorV1"
         extra = {"kvconnect": {"kv_connector": name, "kv_buffer_device": DEV,
@@ -439,10 +481,16 @@ def cache_proc(case: Case, conn) -> None:
         delay, _ = e.sched.request_finished("a", prompt, None, [src_blocks])
         e.finished_ids.append("a")
         matched, deadline = 0, time.monotonic() + TIMEOUT_S
-        while not matched:  # flexkv saves in the background: wait until the store holds it
+        whole = (n - 1) // case.block_size * case.block_size
+        while (matched or 0) < whole:  # flexkv saves in the background: wait for all of it
             e.step([])
+            seen = matched
             matched, is_async = e.sched.get_num_new_matched_tokens("b", prompt, None, 0)
+            if matched and not seen:
+                deadline = min(deadline, time.monotonic() + 2.0)  # a part matched: 2 s for the rest
             if time.monotonic() > deadline:
+                if matched:
+                    break
                 raise TimeoutError(f"{case.name}: the saved prompt never matched")
         dst_blocks = scattered(case, case.request_blocks + 1, 301, exclude=src_blocks)
         e.sched.update_state_after_alloc("b", prompt, None, [dst_blocks], matched)
@@ -493,9 +541,8 @@ def run_cache(case: Case) -> dict:
 
 
 CASES = [
-    Case("pd-fa-nhd-bf16", "nixl", "NHD", "bf16"),
+    Case("pd-fa-nhd-refused", "nixl-refused", "NHD", "bf16"),
     Case("pd-fa-hnd-bf16", "nixl", "HND", "bf16"),
-    Case("pd-fa-nhd-fp8", "nixl", "NHD", "fp8"),
     Case("pd-fa-hnd-fp8", "nixl", "HND", "fp8"),
     Case("pd-mla-bf16", "nixl", "MLA", "bf16"),
     Case("pd-mla-fp8", "nixl", "MLA", "fp8"),
@@ -504,10 +551,16 @@ CASES = [
     Case("lmcache-mla-bf16", "lmcache", "MLA", "bf16"),
     Case("flexkv-fa-nhd-bf16", "flexkv", "NHD", "bf16"),
     Case("flexkv-fa-hnd-bf16", "flexkv", "HND", "bf16"),
+    Case("flexkv-fa-nhd-fp8", "flexkv", "NHD", "fp8"),
 ]
 
-BENCH = Case("bench-pd-fa-nhd-bf16", "nixl", "NHD", "bf16", layers=28, blocks=2048, heads=8, head_dim=128,
-             request_blocks=512, requests=6)
+BENCH = [
+    Case("bench-pd-fa-hnd-bf16", "nixl", "HND", "bf16", layers=28, blocks=2048, heads=8, head_dim=128,
+         request_blocks=512, requests=8),
+    # The same bytes per request in 8x fewer, 8x larger blocks: what a load costs per block.
+    Case("bench-pd-fa-hnd-bf16-block128", "nixl", "HND", "bf16", layers=28, blocks=256, block_size=128,
+         heads=8, head_dim=128, request_blocks=64, requests=8),
+]
 
 
 def bench_report(case: Case, r: dict) -> dict:
@@ -523,7 +576,7 @@ def bench_report(case: Case, r: dict) -> dict:
             "adapter_vs_torch_gather_median": round(t["gather_s"] / med, 3),
             "adapter_GBps_median": round(t["bytes"] / med / 1e9, 1),
             "idle_step_us_median": round(r["idle_step_us"], 1),
-            "prefill_save_step_us_mean": round(r["prefill_step_us"], 1)}
+            "prefill_save_step_us_median": round(r["prefill_step_us"], 1)}
 
 
 def main() -> int:
@@ -547,13 +600,18 @@ def main() -> int:
           f"KV on {torch.cuda.get_device_name(0) if DEV == 'cuda' else 'the host'} ({BACKEND})", flush=True)
     only = {s for s in args.only.split(",") if s}
     failed = 0
-    for case in CASES + ([BENCH] if args.bench else []):
+    for case in CASES + (BENCH if args.bench else []):
         if only and case.name not in only:
             continue
         t0 = time.monotonic()
         try:
-            r = run_pd(case, bench=case is BENCH) if case.connector == "nixl" else run_cache(case)
-            if case is BENCH:
+            if case.connector == "nixl-refused":
+                r = run_refused(case)
+            elif case.connector == "nixl":
+                r = run_pd(case, bench=case in BENCH)
+            else:
+                r = run_cache(case)
+            if case in BENCH:
                 print(json.dumps(bench_report(case, r)), flush=True)
             r.pop("stats", None)
             print(f"PASS {case.name} ({time.monotonic() - t0:.1f}s): "
