@@ -134,7 +134,9 @@ mod gpu {
             load: &LoadSpec,
             plan: &CopyPlan,
         ) -> Result<PullStats, TransferError> {
+            let t0 = std::time::Instant::now();
             link.check(load, plan)?;
+            let checked = t0.elapsed();
             let pull = self.pull.as_ref().ok_or_else(|| {
                 TransferError::Plan(
                     "backend cuda_ipc: this worker is not a consumer (kv_role), so it has no GPU side to copy with"
@@ -143,7 +145,16 @@ mod gpu {
             })?;
             let (bytes, adapted) =
                 pull.lock().unwrap_or_else(|p| p.into_inner()).pull(local.geometry(), groups, peer, load)?;
+            let copied = t0.elapsed();
             link.done(load)?;
+            // Where a pull's time goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=debug).
+            tracing::debug!(
+                request = %load.request,
+                check_us = checked.as_micros() as u64,
+                copy_us = (copied - checked).as_micros() as u64,
+                done_us = (t0.elapsed() - copied).as_micros() as u64,
+                "cuda_ipc: pull phases"
+            );
             Ok(PullStats { bytes, runs: groups.len(), adapted })
         }
 

@@ -350,6 +350,7 @@ impl CudaIpcPull {
                 )))
             }
         };
+        let t0 = std::time::Instant::now();
         let src_all = self.open_peer(peer)?.bases.clone();
         let shape = own.shape();
         let span_bytes = shape.bytes() as u64;
@@ -428,12 +429,19 @@ impl CudaIpcPull {
             }
             bytes += block_bytes * src_bases.len() as u64 * src_blocks.len() as u64;
         }
+        let launched = t0.elapsed();
         // Completion through an event after this request's launches: the pull thread sleeps
         // on it; the step loop only sees the outcome in get_finished.
         self.done
             .record(self.gpu.stream())
             .map_err(|e| TransferError::Cuda(format!("cuEventRecord: {e}")))?;
         self.done.synchronize().map_err(|e| TransferError::Cuda(format!("cuEventSynchronize: {e}")))?;
+        tracing::debug!(
+            request = %load.request,
+            plan_and_launch_us = launched.as_micros() as u64,
+            kernel_wait_us = (t0.elapsed() - launched).as_micros() as u64,
+            "cuda_ipc: gather phases"
+        );
         Ok((bytes, perm != Permute::None))
     }
 }
