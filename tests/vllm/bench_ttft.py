@@ -1,25 +1,32 @@
-"""Time to first token of P/D through kvconnect (prefill and decode vLLM servers with
-KvconnectConnector over nixl) and of P/D through vLLM's own ExampleConnector (shared
-storage), each against one monolithic vLLM server in the same run, interleaved: each pair
-sends one fresh prompt to both, in alternating order. Then the transfer time of one long
-prompt's KV between the two kvconnect servers against a memcpy of its bytes.
+"""Time to first token of P/D between two vLLM servers against one monolithic vLLM server in
+the same run, interleaved: each pair sends one fresh prompt to both, in alternating order. The
+P/D peers, one pair at a time beside the monolithic server (at most three servers, about 4 GB
+each):
+- kvconnect-shm, kvconnect-tcp: KvconnectConnector over nixl's shm or tcp backend;
+- kvconnect-noload: the kvconnect pair with decode sent no params, so it computes the prompt
+  itself: the second server's hop alone, no KV moved (what a load could at best cost less);
+- nixlconnector: vLLM's own NixlConnector on CPU (`kv_buffer_device: cpu`), with the NIXL
+  Python package from --nixl-python DIR (`pip install --target DIR nixl==1.5.1`);
+- example: vLLM's ExampleConnector (shared storage).
 
-    VENV/bin/python tests/vllm/bench_ttft.py [--pairs 15] [--prompt-len 200] [--long-len 480]
-                                             [--backend shm|tcp]
+    VENV/bin/python tests/vllm/bench_ttft.py [--pairs 15] [--prompt-len 200] [--peers A,B,...]
+        [--nixl-python DIR] [--transfer [--long-len 480]] [--max-ratio R]
 
-At most three servers run at once (about 4 GB each): the monolithic server stays up while
-the kvconnect pair, then the ExampleConnector pair, runs beside it. So each P/D figure is a
-ratio of interleaved pairs against the same monolithic server; kvconnect against
-ExampleConnector is the ratio of those two medians (the two P/D pairs never run together).
+Each peer's figure is the median (with quartiles) of its pairs' P/D-over-monolithic ratios;
+peers are compared by the ratio of those medians (`over_nixlconnector`), as two pairs never
+run together. Decode's loaded tokens per request come from vLLM's
+`vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`. `--max-ratio`: a
+regression guard; the run fails when the first peer's median ratio is above it.
 
 P/D's TTFT is the prefill request (max_tokens 1) plus decode's first streamed token, as a
 proxy speaking vLLM's protocol sees it. Every P/D output is checked against monolithic's
-(greedy), so a path that recomputes or loads wrong KV cannot pass for a fast one. The
-transfer time is what decode's nixl worker logs for the pull alone (pin, copy, done); the
-baseline is the faster of a single-threaded memcpy and a copy on as many threads as the
-pull's copy may use (copy_threads: the cores, at most 8) of the same number of bytes, between
-two buffers of this process touched beforehand: each pair times both, and the one with the
-lower median over the pairs is the baseline. Prints one JSON line.
+(greedy), so a path that recomputes or loads wrong KV cannot pass for a fast one.
+`--transfer`: the first kvconnect peer's pull of one long prompt's KV against a memcpy: the
+pull time is what decode's nixl worker logs (pin, copy, done); the baseline is the faster of
+a single-threaded memcpy and a copy on as many threads as the pull's copy may use
+(copy_threads: the cores, at most 8) of the same number of bytes, between two buffers of this
+process touched beforehand: each pair times both, and the one with the lower median over the
+pairs is the baseline. Prints one JSON line.
 """
 
 import argparse
@@ -34,7 +41,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Failed, Server, free_port, kv_config, make_tiny_model, run_checks  # noqa: E402
+from harness import (  # noqa: E402
+    Failed, Server, free_port, kv_config, make_tiny_model, metric, run_checks,
+)
 from test_pd import nixl  # noqa: E402
 import requests  # noqa: E402
 import torch  # noqa: E402
@@ -196,53 +205,100 @@ def transfer(a, pre: Server, dec: Server, fresh_long):
             "memcpy_us_median": round(statistics.median(copy_us), 1)}
 
 
+PEERS = ("kvconnect-shm", "kvconnect-tcp", "kvconnect-noload", "nixlconnector", "example")
+
+
+def peer_servers(name: str, model: str, tmp: Path, nixl_python):
+    """(prefill, decode, decode sends prefill's params) of one P/D peer. `kvconnect-noload`:
+    the kvconnect pair with decode sent no params, so it computes the whole prompt: the cost
+    of the second server's hop without any KV moved. `nixlconnector`: vLLM's own connector
+    with the NIXL Python package from `nixl_python` (a directory on PYTHONPATH)."""
+    if name.startswith("kvconnect-"):
+        backend = "tcp" if name == "kvconnect-tcp" else "shm"
+        pre = Server(f"prefill-{name}", model, tmp, core=0, args=ARGS,
+                     kv_config=kv_config("kv_producer", nixl(backend), port=free_port()))
+        dec = Server(f"decode-{name}", model, tmp, core=1, args=ARGS,
+                     kv_config=kv_config("kv_consumer", nixl(backend)),
+                     extra_env={"KVCONNECT_LOG": "info,kvconnect_nixl=debug"})
+        return pre, dec, name != "kvconnect-noload"
+    if name == "nixlconnector":
+        conf = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
+        path = os.pathsep.join(p for p in (str(nixl_python), os.environ.get("PYTHONPATH", "")) if p)
+        servers = [Server(f"{role}-{name}", model, tmp, core=core, args=ARGS, kv_config=conf,
+                          extra_env={"PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+                   for role, core in (("prefill", 0), ("decode", 1))]
+        return servers[0], servers[1], True
+    store = tmp / "example-storage"
+    example = lambda role: {"kv_connector": "ExampleConnector", "kv_role": role,  # noqa: E731
+                            "kv_connector_extra_config": {"shared_storage_path": str(store)}}
+    pre = Server("prefill-example", model, tmp, core=0, args=ARGS, kv_config=example("kv_producer"))
+    dec = Server("decode-example", model, tmp, core=1, args=ARGS, kv_config=example("kv_consumer"))
+    return pre, dec, False
+
+
+EXTERNAL = ("vllm:prompt_tokens_by_source_total", 'source="external_kv_transfer"')
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=15)
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--long-len", type=int, default=480)
-    ap.add_argument("--backend", default="shm", choices=["shm", "tcp"])
+    ap.add_argument("--peers", default="kvconnect-shm,kvconnect-tcp,kvconnect-noload,nixlconnector",
+                    help=f"comma-separated, of {', '.join(PEERS)}")
+    ap.add_argument("--nixl-python", default=os.environ.get("KVCONNECT_NIXL_PYTHON", ""),
+                    help="a directory holding the NIXL Python package for vLLM's NixlConnector "
+                         "(pip install --target DIR nixl==1.5.1); without it that peer is skipped")
+    ap.add_argument("--transfer", action="store_true", help="also time one long prompt's pull against a memcpy")
+    ap.add_argument("--max-ratio", type=float, default=None,
+                    help="fail when the first peer's median TTFT over monolithic is above this")
     a = ap.parse_args()
+    peers = [p for p in a.peers.split(",") if p]
+    for p in peers:
+        if p not in PEERS:
+            raise SystemExit(f"unknown peer '{p}': choose from {', '.join(PEERS)}")
+    if "nixlconnector" in peers and not (a.nixl_python and Path(a.nixl_python, "nixl").is_dir()):
+        print("skipping nixlconnector: no NIXL Python package (pass --nixl-python DIR after "
+              "`pip install --target DIR nixl==1.5.1`)", file=sys.stderr)
+        peers.remove("nixlconnector")
 
     def bench(model: str, tmp: Path):
         rng = random.Random(3)
         fresh = lambda n=a.prompt_len: [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)]  # noqa: E731
-        out = {"pairs": a.pairs, "prompt_len": a.prompt_len, "backend": a.backend, "cores": os.cpu_count()}
+        out = {"pairs": a.pairs, "prompt_len": a.prompt_len, "cores": os.cpu_count(),
+               "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
         mono = Server("monolithic", model, tmp, core=0, args=ARGS)
         try:
             mono.wait_healthy()
-            pre = Server("prefill", model, tmp, core=0, args=ARGS,
-                         kv_config=kv_config("kv_producer", nixl(a.backend), port=free_port()))
-            dec = Server("decode", model, tmp, core=1, args=ARGS, kv_config=kv_config("kv_consumer", nixl(a.backend)),
-                         extra_env={"KVCONNECT_LOG": "info,kvconnect_nixl=debug"})
-            try:
-                pre.wait_healthy()
-                dec.wait_healthy()
-                out["loadavg_start"] = [round(x, 2) for x in os.getloadavg()]
-                out["kvconnect"] = interleaved(a, mono, pre, dec, "kvconnect", True, fresh)
-                out["transfer"] = transfer(a, pre, dec, lambda: fresh(a.long_len))
-            finally:
-                pre.stop()
-                dec.stop()
-            store = tmp / "example-storage"
-            example = lambda role: {"kv_connector": "ExampleConnector", "kv_role": role,  # noqa: E731
-                                    "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-            pre = Server("prefill-example", model, tmp, core=0, args=ARGS, kv_config=example("kv_producer"))
-            dec = Server("decode-example", model, tmp, core=1, args=ARGS, kv_config=example("kv_consumer"))
-            try:
-                pre.wait_healthy()
-                dec.wait_healthy()
-                out["example_connector"] = interleaved(a, mono, pre, dec, "example", False, fresh)
-            finally:
-                pre.stop()
-                dec.stop()
+            for name in peers:
+                pre, dec, with_params = peer_servers(name, model, tmp, a.nixl_python)
+                try:
+                    pre.wait_healthy()
+                    dec.wait_healthy()
+                    ext0 = metric(dec.url, *EXTERNAL)
+                    r = interleaved(a, mono, pre, dec, name, with_params, fresh)
+                    # Every timed request is fresh: what decode loaded, per request.
+                    time.sleep(2)  # vLLM's metrics trail the last step
+                    r["external_tokens_per_request"] = round((metric(dec.url, *EXTERNAL) - ext0) / (a.pairs + 1), 1)
+                    out[name] = r
+                    if a.transfer and name.startswith("kvconnect-") and with_params and "transfer" not in out:
+                        out["transfer"] = transfer(a, pre, dec, lambda: fresh(a.long_len))
+                finally:
+                    pre.stop()
+                    dec.stop()
         finally:
             mono.stop()
-        k, e = out["kvconnect"], out["example_connector"]
-        out["kvconnect_over_example_median_ratio"] = round(
-            k["ttft_ratio_over_mono"]["median"] / e["ttft_ratio_over_mono"]["median"], 3)
+        base = out.get("nixlconnector")
+        for name in peers:
+            if base and name != "nixlconnector":
+                out[name]["over_nixlconnector"] = round(
+                    out[name]["ttft_ratio_over_mono"]["median"] / base["ttft_ratio_over_mono"]["median"], 3)
         out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         print(json.dumps(out))
+        first = out[peers[0]]["ttft_ratio_over_mono"]["median"]
+        if a.max_ratio is not None and first > a.max_ratio:
+            raise Failed(f"{peers[0]}: P/D time to first token is {first}x monolithic at the median, above "
+                         f"the guard's {a.max_ratio}x")
 
     run_checks("bench", False, bench)
 

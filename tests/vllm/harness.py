@@ -255,6 +255,9 @@ def run_checks(name: str, keep: bool, checks, kind: str = "llama") -> None:
     import shutil
     import tempfile
 
+    # A runner that stops this one (`timeout`, CI) with SIGTERM unwinds it like an exception,
+    # so every server it started is stopped too (they run in their own sessions).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     tmp = Path(tempfile.mkdtemp(prefix=f"kvconnect-vllm-{name}-"))
     model = str(tmp / "model")
     make_tiny_model.build(model, kind)
