@@ -137,6 +137,12 @@ pub enum GeometryError {
         /// Ranks the regions belong to.
         ranks: u32,
     },
+    /// A slice of KV heads that is not one run per block part or per token.
+    #[error("not implemented: layout {layout} keeps a KV head's bytes apart inside a block in a way kvconnect does not slice; a head slice is planned for layouts with heads outermost in a block (HND, or opaque blocks whose heads are outermost) or right inside the tokens (NHD)")]
+    HeadsNotSliceable {
+        /// The layout's name.
+        layout: String,
+    },
 }
 
 /// Addresses blocks in a set of regions laid out per one effective layout.
@@ -144,20 +150,40 @@ pub enum GeometryError {
 /// Under tensor parallelism the regions belong to `tp_ranks` ranks, registered rank by
 /// rank, each rank with the same arrangement over its share of the KV heads: `shape.heads`
 /// is the heads of one rank, and rank `r` holds global heads `r * heads .. (r + 1) * heads`.
+/// The regions may be all of an engine's ranks (kvconnect's own workers), or one rank of
+/// several (vLLM's workers, [`Geometry::as_rank_of`]): ranks are then named by their index
+/// in the whole engine, and only the held ones have spans.
 #[derive(Debug, Clone)]
 pub struct Geometry {
     shape: BlockShape,
     layout: KvLayout,
     regions: Vec<RegionShape>,
     opaque: bool,
+    /// Opaque blocks whose bytes are the heads one after another (vLLM's CPU backend's
+    /// `[B, H, N, 2C]`): one head's K and V together are one run.
+    opaque_heads_outer: bool,
     tp_ranks: u32,
+    /// The first held rank's index in the whole engine.
+    first_rank: u32,
+    /// The whole engine's TP size.
+    tp_size: u32,
     state: crate::state_slots::StateSlots,
 }
 
 impl Geometry {
     /// A geometry over `regions`, in registration order (one tensor-parallel rank).
     pub fn new(shape: BlockShape, layout: KvLayout, regions: Vec<RegionShape>) -> Geometry {
-        Geometry { shape, layout, regions, opaque: false, tp_ranks: 1, state: Default::default() }
+        Geometry {
+            shape,
+            layout,
+            regions,
+            opaque: false,
+            opaque_heads_outer: false,
+            tp_ranks: 1,
+            first_rank: 0,
+            tp_size: 1,
+            state: Default::default(),
+        }
     }
 
     /// The same geometry over the regions of `ranks` tensor-parallel ranks (registered rank
@@ -167,26 +193,52 @@ impl Geometry {
             return None;
         }
         self.tp_ranks = ranks;
+        self.first_rank = 0;
+        self.tp_size = ranks;
         Some(self)
     }
 
-    /// Tensor-parallel ranks the regions belong to (1 without TP).
+    /// The same geometry over the regions of one rank, `rank` of an engine of `tp_size`
+    /// ranks (each of vLLM's workers registers its own rank's KV); `None` when the regions
+    /// are several ranks' or `rank` is not below `tp_size`.
+    pub fn as_rank_of(mut self, rank: u32, tp_size: u32) -> Option<Geometry> {
+        if self.tp_ranks != 1 || rank >= tp_size {
+            return None;
+        }
+        self.first_rank = rank;
+        self.tp_size = tp_size;
+        Some(self)
+    }
+
+    /// Tensor-parallel ranks the regions belong to (1 without TP, and for one rank of
+    /// several).
     pub fn tp_ranks(&self) -> u32 {
         self.tp_ranks
     }
 
-    /// KV heads over all ranks.
-    pub fn total_heads(&self) -> u32 {
-        self.shape.heads * self.tp_ranks
+    /// The whole engine's tensor-parallel size (held ranks or not).
+    pub fn tp_size(&self) -> u32 {
+        self.tp_size
     }
 
-    /// Indices of rank `rank`'s regions.
+    /// The engine's ranks whose regions these are.
+    pub fn held_ranks(&self) -> std::ops::Range<u32> {
+        self.first_rank..self.first_rank + self.tp_ranks
+    }
+
+    /// KV heads over all of the engine's ranks.
+    pub fn total_heads(&self) -> u32 {
+        self.shape.heads * self.tp_size
+    }
+
+    /// Indices of rank `rank`'s regions (`rank` counted in the whole engine).
     pub fn rank_regions(&self, rank: u32) -> Result<std::ops::Range<usize>, GeometryError> {
-        if rank >= self.tp_ranks {
+        if !self.held_ranks().contains(&rank) {
             return Err(GeometryError::NoSuchRank { rank, ranks: self.tp_ranks });
         }
         let per = self.regions.len() / self.tp_ranks as usize;
-        Ok(rank as usize * per..(rank as usize + 1) * per)
+        let i = (rank - self.first_rank) as usize;
+        Ok(i * per..(i + 1) * per)
     }
 
     /// Byte offset of local head `head`'s slice inside one block span, when each head's
@@ -197,6 +249,80 @@ impl Geometry {
             self.layout.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect();
         (inner.first() == Some(&Dim::H) && !self.opaque && head < self.shape.heads)
             .then(|| self.inner_offset(head, 0, 0))
+    }
+
+    /// The same geometry over opaque blocks whose heads are outermost inside a block, when
+    /// `yes` (the engine's tensors say so: vLLM's CPU backend's `[B, H, N, 2C]`).
+    pub fn with_opaque_heads_outer(mut self, yes: bool) -> Geometry {
+        self.opaque_heads_outer = yes;
+        self
+    }
+
+    /// True for opaque blocks whose heads are outermost inside a block.
+    pub fn opaque_heads_outer(&self) -> bool {
+        self.opaque && self.opaque_heads_outer
+    }
+
+    /// The byte runs holding local heads `first .. first + n` of `block` for `layer` in rank
+    /// `rank`'s regions, every K/V part included, in block order: one run per part when heads
+    /// are outermost (HND), one run for the whole block's share when the blocks are opaque
+    /// with heads outermost, one run per part and token when heads sit right inside the
+    /// tokens (NHD); other orders are not sliced.
+    pub fn head_runs(
+        &self,
+        rank: u32,
+        layer: LayerId,
+        block: BlockId,
+        first: u32,
+        n: u32,
+    ) -> Result<Vec<Span>, GeometryError> {
+        let s = self.shape;
+        if first.checked_add(n).is_none_or(|end| end > s.heads) {
+            return Err(GeometryError::SpanOutOfRegion {
+                region: 0,
+                offset: first as usize,
+                len: n as usize,
+            });
+        }
+        let per_head = s.bytes() / s.heads.max(1) as usize;
+        if self.opaque {
+            if !self.opaque_heads_outer {
+                return Err(GeometryError::HeadsNotSliceable { layout: "opaque".into() });
+            }
+            // [H][..] over the whole block, K and V together.
+            let k = self.rank_span(rank, layer, 0, block)?;
+            let head = per_head * s.kv_parts as usize;
+            return Ok(vec![Span {
+                region: k.region,
+                offset: k.offset + first as usize * head,
+                len: n as usize * head,
+            }]);
+        }
+        let inner: Vec<Dim> =
+            self.layout.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect();
+        let mut out = Vec::new();
+        for part in 0..s.kv_parts {
+            let b = self.rank_span(rank, layer, part, block)?;
+            match inner.as_slice() {
+                [Dim::H, ..] => out.push(Span {
+                    region: b.region,
+                    offset: b.offset + self.inner_offset(first, 0, 0),
+                    len: n as usize * per_head,
+                }),
+                [Dim::N, Dim::H, Dim::C] => {
+                    let row = n as usize * s.head_dim as usize * s.elem_size as usize;
+                    for t in 0..s.tokens {
+                        out.push(Span {
+                            region: b.region,
+                            offset: b.offset + self.inner_offset(first, t, 0),
+                            len: row,
+                        });
+                    }
+                }
+                _ => return Err(GeometryError::HeadsNotSliceable { layout: self.layout.display_name() }),
+            }
+        }
+        Ok(out)
     }
 
     /// The same geometry with the state regions that follow the KV regions.
@@ -252,11 +378,11 @@ impl Geometry {
             .checked_mul(self.shape.checked_layer_block_bytes()?)
     }
 
-    /// The bytes of `block` for `layer` and K/V `part` (0 = K, 1 = V) in rank 0's regions
-    /// (the only rank without TP). Within the span the three inner dims are in the layout's
-    /// order of H, N, C.
+    /// The bytes of `block` for `layer` and K/V `part` (0 = K, 1 = V) in the first held
+    /// rank's regions (the only rank without TP). Within the span the three inner dims are in
+    /// the layout's order of H, N, C.
     pub fn span(&self, layer: LayerId, part: u32, block: BlockId) -> Result<Span, GeometryError> {
-        self.rank_span(0, layer, part, block)
+        self.rank_span(self.first_rank, layer, part, block)
     }
 
     /// [`Geometry::span`] in tensor-parallel rank `rank`'s regions.

@@ -245,6 +245,19 @@ impl KvMemory {
         regions.iter().filter(|r| r.layers().contains(first)).count().max(1) as u32
     }
 
+    /// The same memory as rank `rank` of an engine of `tp_size` ranks, when it holds one
+    /// rank's regions ([`Geometry::as_rank_of`]); `None` otherwise.
+    pub fn as_rank_of(self, rank: u32, tp_size: u32) -> Option<KvMemory> {
+        let geometry = self.geometry.as_rank_of(rank, tp_size)?;
+        Some(KvMemory { geometry, ..self })
+    }
+
+    /// The same memory with opaque blocks whose heads are outermost, when `yes`
+    /// ([`Geometry::with_opaque_heads_outer`]).
+    pub fn with_opaque_heads_outer(self, yes: bool) -> KvMemory {
+        KvMemory { geometry: self.geometry.with_opaque_heads_outer(yes), ..self }
+    }
+
     /// The geometry the regions follow.
     pub fn geometry(&self) -> &Geometry {
         &self.geometry

@@ -40,8 +40,8 @@ pub struct Scheduler {
     name: String,
     summary: String,
     state: Mutex<State>,
-    /// Requests computed here because their producer ran at another TP size, since the last
-    /// `take_refused_loads`.
+    /// Requests computed here because their producer ran at a TP size that does not divide
+    /// this engine's, since the last `take_refused_loads`.
     refused_loads: AtomicU64,
 }
 
@@ -139,8 +139,9 @@ impl Scheduler {
     }
 
     /// `(tokens, async)`; `tokens` is None while the connector cannot tell yet: what every
-    /// rank can load. A request whose producer ran at another TP size loads nothing: its
-    /// prompt is computed here, and the log says why at ERROR.
+    /// rank can load. A request whose producer ran at a TP size that does not divide this
+    /// engine's (nor it the other) loads nothing: its prompt is computed here, and the log
+    /// says why at ERROR.
     fn get_num_new_matched_tokens(
         &self,
         request_id: &str,
@@ -189,14 +190,18 @@ impl Scheduler {
                 }
                 Err(e) => return Err(e.into()),
             };
-            let peer = remote_peer(&rr.kv_transfer_params)
+            // Every producer rank this rank reads (several when prefill ran at a larger TP size).
+            let peers = tp_ranks::sources(&rr.kv_transfer_params)
+                .iter()
+                .map(remote_peer)
+                .collect::<Result<Vec<_>, _>>()
                 .map_err(|e| AdapterError::Setup(format!("request {request_id}: {e}")))?;
-            reqs.push((rr, peer));
+            reqs.push((rr, peers));
         }
         self.each("update_state_after_alloc", |r, rank| {
-            let (rr, peer) = &reqs[r];
+            let (rr, peers) = &reqs[r];
             rank.conn.update_state_after_alloc(rr, &b, num_external)?;
-            if let Some((engine_id, addr)) = peer {
+            for (engine_id, addr) in peers.iter().flatten() {
                 rank.peers.add(request_id, Peer { engine_id: engine_id.clone(), addr: addr.clone() });
             }
             Ok(())

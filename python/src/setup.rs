@@ -181,8 +181,16 @@ impl Setup {
         };
         let port = rank_port.unwrap_or(0);
         let secret = data_plane_secret()?;
-        let (config, transports) =
+        let (mut config, transports) =
             with_side_channel(&registry, &config, &host.to_string(), port, secret.as_ref());
+        // vLLM's CPU backend's blocks are opaque with their KV heads outermost (`[B, H, N,
+        // 2C]`, checked on every tensor in `regions`): nixl may move a slice of heads between
+        // TP sizes.
+        if side.opaque_blocks.is_some()
+            && transports.first().is_some_and(|t| t.kv_connector == config.kv_connector)
+        {
+            config.kv_connector_extra_config.insert("opaque_heads_outer".into(), Value::Bool(true));
+        }
         // A producer over nixl's shm backend serves its KV cache from shared memory, which
         // kvconnect.vllm allocates it in (shm_kv); a consumer reads the producer's segments.
         let shm_kv = nixl_backend(&transports).map_err(extra_err)?.is_some_and(|b| b.shm_regions)

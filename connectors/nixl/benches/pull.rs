@@ -122,6 +122,8 @@ impl Pull {
             local_blocks: BlocksPerGroup(vec![ids]),
             first_token: 0,
             num_tokens: tokens,
+            reader: None,
+            sources: 1,
         };
         let bytes = pmem.regions().iter().map(|r| r.len() as usize).sum();
         Pull { producer, pmem, dmem, local, peer, groups: vec![m.kv_layers()], load, bytes }

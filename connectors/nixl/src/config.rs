@@ -112,6 +112,10 @@ pub struct NixlConfig {
     /// How long the producer listener keeps a connection that carries no request
     /// (`idle_timeout`; default [`default_idle_timeout`] of the lease).
     pub idle_timeout: Duration,
+    /// The engine's opaque blocks hold their KV heads one after another
+    /// (`opaque_heads_outer`, which the host sets from the engine's tensors: vLLM's CPU
+    /// backend's `[B, H, N, 2C]`), so a slice of heads can move between TP sizes.
+    pub opaque_heads_outer: bool,
 }
 
 impl Default for NixlConfig {
@@ -134,6 +138,7 @@ impl Default for NixlConfig {
             lease_max: Duration::from_secs(120),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             idle_timeout: default_idle_timeout(Duration::from_secs(30)),
+            opaque_heads_outer: false,
         }
     }
 }
@@ -320,7 +325,18 @@ impl NixlConfig {
                 ),
             ));
         }
+        let opaque_heads_outer = match extra.get("opaque_heads_outer") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(v) => {
+                return Err(ConnectorError::config(
+                    NAME,
+                    format!("kv_connector_extra_config.opaque_heads_outer = {v}: expected true or false (the host sets it)"),
+                ))
+            }
+        };
         Ok(NixlConfig {
+            opaque_heads_outer,
             copy_threads,
             tcp_streams,
             tcp_socket_buffer,

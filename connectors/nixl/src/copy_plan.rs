@@ -166,9 +166,8 @@ impl CopyPlan {
             )));
         }
         let (first, end) = (load.first_token, load.num_tokens);
-        if (peer.tp_ranks() != 1 || own.tp_ranks() != 1)
-            && (!peer.state().is_empty() || !own.state().is_empty())
-        {
+        let across = across_ranks_needed(peer, own);
+        if across && (!peer.state().is_empty() || !own.state().is_empty()) {
             return Err(TransferError::NotImplemented(format!(
                 "request {}: moving per-request state across tensor-parallel ranks (producer {} rank(s), this engine {}) is not built; run a model with state layers at TP 1 on both sides",
                 load.request,
@@ -194,7 +193,9 @@ impl CopyPlan {
         }
         let parts = peer.shape().kv_parts;
         let direct = bp == bd && first % bp == 0 && !layouts_adapt(peer, own);
-        if peer.tp_ranks() != 1 || own.tp_ranks() != 1 {
+        // One rank on each side, the same one of the same TP size: its blocks as they are.
+        let (pr, or) = (peer.held_ranks().start, own.held_ranks().start);
+        if across {
             if !direct {
                 return Err(TransferError::NotImplemented(format!(
                     "request {}: loading tokens {first}..{end} across tensor-parallel ranks (producer {} rank(s), this engine {}) while adapting blocks (producer {} blocks of {bp} tokens, this engine {} of {bd}, or a load not starting on a block boundary); across ranks use the same layout and block size on both sides",
@@ -230,7 +231,8 @@ impl CopyPlan {
                 let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
                 for &layer in layers {
                     for part in 0..parts {
-                        let (ps, os) = (peer.layer_spans(0, layer, part)?, own.layer_spans(0, layer, part)?);
+                        let (ps, os) =
+                            (peer.layer_spans(pr, layer, part)?, own.layer_spans(or, layer, part)?);
                         for pos in positions(first, end, bp) {
                             let run = CopyRun::between(ps.span(r[pos])?, os.span(l[pos])?);
                             // Merged with the last where it continues it on both sides (the
@@ -254,7 +256,7 @@ impl CopyPlan {
                 let r = &load.remote_blocks.0[g];
                 for &layer in layers {
                     for part in 0..parts {
-                        let ps = peer.layer_spans(0, layer, part)?;
+                        let ps = peer.layer_spans(pr, layer, part)?;
                         for pos in positions(first, end, bp) {
                             let s = ps.span(r[pos])?;
                             blocks.push(SrcBlock {
@@ -298,11 +300,26 @@ impl CopyPlan {
     }
 }
 
+/// Whether a load between these geometries moves head slices between ranks: either side
+/// holds several ranks, the TP sizes differ, or the two hold different ranks. A load
+/// between one rank of each side, the same rank of the same TP size (vLLM's workers at
+/// equal TP sizes), copies its blocks as they are.
+fn across_ranks_needed(peer: &Geometry, own: &Geometry) -> bool {
+    peer.tp_ranks() != 1
+        || own.tp_ranks() != 1
+        || peer.tp_size() != own.tp_size()
+        || peer.held_ranks() != own.held_ranks()
+}
+
 /// The runs of a load between engines whose KV heads are split across tensor-parallel
 /// ranks, the same layout and block size on both sides. Global head `h` lives in rank
 /// `h / heads` of each side; every slice of `min(producer heads, own heads)` heads lies in
 /// one rank on each side, so each of this engine's ranks reads its heads from the producer
-/// ranks holding them, one contiguous head slice per block (heads outermost in a block).
+/// ranks holding them. Only the ranks each side holds are planned: an engine holding one
+/// rank of several (vLLM's workers) reads its slice from a producer rank, and a producer
+/// geometry of one rank of several yields just the slices that rank holds. A head slice is
+/// one run per block part with heads outermost (HND), one run per block for opaque blocks
+/// whose heads are outermost (vLLM's CPU backend), one run per token and part for NHD.
 fn across_ranks(
     peer: &Geometry,
     own: &Geometry,
@@ -321,39 +338,55 @@ fn across_ranks(
         )));
     }
     let slice = hp.min(ho);
-    let head_bytes = (peer.shape().bytes() / hp as usize) as u64;
-    let offset = |g: &Geometry, head: u32| {
-        g.head_slice_offset(head).map(|o| o as u64).ok_or_else(|| {
-            TransferError::NotImplemented(format!(
-                "request {}: layout {} keeps a KV head's tokens apart inside a block, so one tensor-parallel rank's heads are not contiguous; across ranks use a layout with heads outermost in a block (HND)",
-                load.request,
-                g.layout().display_name()
-            ))
-        })
+    let sliced = |e: kvconnect_api::geometry::GeometryError| {
+        match e {
+        kvconnect_api::geometry::GeometryError::HeadsNotSliceable { .. } => TransferError::NotImplemented(format!(
+            "request {}: moving KV between tensor-parallel ranks (producer rank(s) {:?} of {}, this engine's {:?} of {}): {e}",
+            load.request,
+            peer.held_ranks(),
+            peer.tp_size(),
+            own.held_ranks(),
+            own.tp_size()
+        )),
+        other => TransferError::from(other),
+    }
     };
     let bs = peer.shape().tokens as usize;
     let mut runs = Vec::new();
     for (g, layers) in groups.iter().enumerate() {
         let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
         for &layer in layers {
-            for part in 0..peer.shape().kv_parts {
-                for pos in positions(load.first_token, load.num_tokens, bs) {
-                    for first_head in (0..peer.total_heads()).step_by(slice as usize) {
-                        let (pr, ph) = (first_head / hp, first_head % hp);
-                        let (or, oh) = (first_head / ho, first_head % ho);
-                        let s = peer.rank_span(pr, layer, part, r[pos])?;
-                        let d = own.rank_span(or, layer, part, l[pos])?;
-                        runs.push(CopyRun {
-                            src_region: s.region as u32,
-                            src_off: s.offset as u64 + offset(peer, ph)?,
-                            dst_region: d.region as u32,
-                            dst_off: d.offset as u64 + offset(own, oh)?,
-                            len: slice as u64 * head_bytes,
-                        });
+            for pos in positions(load.first_token, load.num_tokens, bs) {
+                for first_head in (0..peer.total_heads()).step_by(slice as usize) {
+                    let (pr, ph) = (first_head / hp, first_head % hp);
+                    let (or, oh) = (first_head / ho, first_head % ho);
+                    if !peer.held_ranks().contains(&pr) || !own.held_ranks().contains(&or) {
+                        continue;
                     }
+                    let s = peer.head_runs(pr, layer, r[pos], ph, slice).map_err(sliced)?;
+                    let d = own.head_runs(or, layer, l[pos], oh, slice).map_err(sliced)?;
+                    if s.len() != d.len() || s.iter().zip(&d).any(|(a, b)| a.len != b.len) {
+                        return Err(plan_err(format!(
+                            "request {}: a slice of {slice} KV heads is {} run(s) on the producer and {} here: both sides must use the same layout",
+                            load.request,
+                            s.len(),
+                            d.len()
+                        )));
+                    }
+                    runs.extend(s.into_iter().zip(d).map(|(s, d)| CopyRun::between(s, d)));
                 }
             }
         }
+    }
+    if runs.is_empty() && load.num_tokens > load.first_token {
+        return Err(plan_err(format!(
+            "request {}: the producer holds rank(s) {:?} of {} and this engine rank(s) {:?} of {}: none of this engine's KV heads are the producer's, so the load names the wrong producer rank",
+            load.request,
+            peer.held_ranks(),
+            peer.tp_size(),
+            own.held_ranks(),
+            own.tp_size()
+        )));
     }
     runs.sort_by_key(|r| (r.src_region, r.src_off));
     Ok(runs)
@@ -663,6 +696,8 @@ mod tests {
             local_blocks: BlocksPerGroup(vec![local.into_iter().map(BlockId).collect()]),
             first_token: first,
             num_tokens: n,
+            reader: None,
+            sources: 1,
         }
     }
 
@@ -740,13 +775,119 @@ mod tests {
         };
         let e = refusal(&ranked(2, KvLayout::HND), &ranked(1, KvLayout::NHD));
         assert!(e.starts_with("not implemented: request r: loading tokens 0..4 across tensor-parallel ranks (producer 2 rank(s), this engine 1)"), "{e}");
-        let e = refusal(&ranked(2, KvLayout::NHD), &ranked(1, KvLayout::NHD));
-        assert!(e.contains("layout NHD (LBNHC) keeps a KV head's tokens apart inside a block"), "{e}");
+        // Opaque blocks whose inner order is unknown are never sliced.
+        let opaque = |g: Geometry| g.with_opaque_blocks(true);
+        let e = refusal(&opaque(ranked(2, KvLayout::HND)), &opaque(ranked(1, KvLayout::HND)));
+        assert!(e.contains("not implemented") && e.contains("opaque"), "{e}");
         let one = ranked(1, KvLayout::HND);
         let other =
             Geometry::new(BlockShape { heads: 2, ..one.shape() }, KvLayout::HND, one.regions().to_vec());
         // Another model's heads are never copied (the handshake refuses such a peer first).
         assert!(refusal(&ranked(2, KvLayout::HND), &other).contains("(producer 2 rank(s), this engine 1)"));
+    }
+
+    /// One rank, `rank` of `ranks`, of two layers holding 4 KV heads over all ranks
+    /// (vLLM's workers: each registers its own rank's KV).
+    fn one_rank(rank: u32, ranks: u32, layout: KvLayout, opaque: bool) -> Geometry {
+        let shape = BlockShape { heads: 4 / ranks, tokens: 4, head_dim: 2, elem_size: 2, kv_parts: 2 };
+        let regions = [0, 1].map(|l| RegionShape { layers: vec![LayerId(l)], num_blocks: 8 }).to_vec();
+        Geometry::new(shape, layout, regions)
+            .with_opaque_blocks(opaque)
+            .with_opaque_heads_outer(opaque)
+            .as_rank_of(rank, ranks)
+            .unwrap()
+    }
+
+    /// Where each element of a held rank's blocks lies, named (layer, part, block position,
+    /// global head, token, channel), worked out from the layout alone: HND/NHD by
+    /// `inner_offset`, opaque heads-outermost blocks as vLLM's CPU backend lays them out
+    /// (`[H][N][K|V][C]`: each head's K and V rows one after another).
+    fn held_elements(
+        g: &Geometry,
+        blocks: &[u32],
+    ) -> Vec<((u32, u32, usize, u32, u32, u32), (usize, usize))> {
+        let s = g.shape();
+        let rank = g.held_ranks().start;
+        let mut out = Vec::new();
+        for layer in 0..2 {
+            for part in 0..2 {
+                for (pos, b) in blocks.iter().enumerate() {
+                    for h in 0..s.heads {
+                        let head = rank * s.heads + h;
+                        for t in 0..s.tokens {
+                            for c in 0..s.head_dim {
+                                let at = if g.opaque_blocks() {
+                                    let block = g.rank_span(rank, LayerId(layer), 0, BlockId(*b)).unwrap();
+                                    let row = (((h * s.tokens + t) * 2 + part) * s.head_dim + c) as usize;
+                                    (block.region, block.offset + row * s.elem_size as usize)
+                                } else {
+                                    let span = g.rank_span(rank, LayerId(layer), part, BlockId(*b)).unwrap();
+                                    (span.region, span.offset + g.inner_offset(h, t, c))
+                                };
+                                out.push(((layer, part, pos, head, t, c), at));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn one_rank_of_several_reads_its_heads_from_each_producer_rank_holding_them() {
+        let groups = [vec![LayerId(0), LayerId(1)]];
+        for (layout, opaque) in [(KvLayout::HND, false), (KvLayout::NHD, false), (KvLayout::HND, true)] {
+            for (p, d) in [(2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (1, 4), (4, 1)] {
+                let (remote, local) = (vec![3, 5], vec![6, 1]);
+                let peers: Vec<Geometry> = (0..p).map(|r| one_rank(r, p, layout, opaque)).collect();
+                // Every producer element, named, as a u16 at its place in that rank's regions.
+                let names: Vec<_> =
+                    peers.iter().flat_map(|g| held_elements(g, &remote)).map(|(n, _)| n).collect();
+                let label = |n: &(u32, u32, usize, u32, u32, u32)| {
+                    names.iter().position(|m| m == n).unwrap() as u16 + 1
+                };
+                for c in 0..d {
+                    let own = one_rank(c, d, layout, opaque);
+                    let mut dst = vec![vec![0u8; own.region_bytes(&own.regions()[0])]; 2];
+                    let mut read_from = 0;
+                    for peer in &peers {
+                        let mut src = vec![vec![0u8; peer.region_bytes(&peer.regions()[0])]; 2];
+                        for (n, (r, at)) in held_elements(peer, &remote) {
+                            src[r][at..at + 2].copy_from_slice(&label(&n).to_le_bytes());
+                        }
+                        let plan =
+                            CopyPlan::build(peer, &own, &groups, &load(remote.clone(), local.clone(), 0, 8));
+                        let runs = match plan {
+                            Ok(CopyPlan::Direct(runs)) => runs,
+                            Ok(other) => panic!("{p}->{d}: {other:?}"),
+                            Err(e) => {
+                                // A producer rank holding none of this rank's heads is named as such.
+                                assert!(
+                                    e.to_string().contains("none of this engine's KV heads"),
+                                    "{p}->{d}: {e}"
+                                );
+                                continue;
+                            }
+                        };
+                        read_from += 1;
+                        for r in runs {
+                            let (so, dof, n) = (r.src_off as usize, r.dst_off as usize, r.len as usize);
+                            dst[r.dst_region as usize][dof..dof + n]
+                                .copy_from_slice(&src[r.src_region as usize][so..so + n]);
+                        }
+                    }
+                    assert_eq!(read_from, (p / d).max(1), "{layout:?} opaque {opaque}: {p}->{d} rank {c}");
+                    for (n, (r, at)) in held_elements(&own, &local) {
+                        assert_eq!(
+                            &dst[r][at..at + 2],
+                            &label(&n).to_le_bytes(),
+                            "{layout:?} opaque {opaque}: {p}->{d} rank {c}: {n:?}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     /// `geo` plus one state layer (2) of 8 slots of 96 bytes after the two KV regions.

@@ -165,6 +165,10 @@ struct Held {
     bytes: u64,
     /// Reads in flight.
     active: u32,
+    /// Consumer ranks that read the request (`DoneBy`), once one said how many.
+    readers: Option<u32>,
+    /// Those that said they have their share.
+    done_by: Vec<u32>,
 }
 
 #[derive(Default)]
@@ -276,9 +280,50 @@ impl Shared {
         self.cv.notify_all();
     }
 
+    /// Records that consumer rank `reader` of `readers` has its share of `id`: true once
+    /// every reader has (the hold may then end), false while some have not.
+    fn reader_done(
+        &self,
+        id: &RequestId,
+        capability: &str,
+        reader: u32,
+        readers: u32,
+    ) -> Result<bool, Refused> {
+        let mut st = self.lock();
+        let Some(h) = st.held.get_mut(id) else { return Err((self.reason(&st, id), None)) };
+        if !auth::same_secret(&h.capability, capability) {
+            return Err(self.wrong_capability(id));
+        }
+        let malformed = |why: String| Err((format!("request {id}: {why}"), Some(Refusal::Malformed)));
+        if readers == 0 || readers > crate::wire::MAX_READERS || reader >= readers {
+            return malformed(format!(
+                "reader {reader} of {readers}: a reader's index must be below the count, at most {}",
+                crate::wire::MAX_READERS
+            ));
+        }
+        match h.readers {
+            Some(n) if n != readers => {
+                return malformed(format!(
+                    "one consumer rank said {n} ranks read it, another {readers}: run every decode rank with the same tp_size"
+                ))
+            }
+            _ => h.readers = Some(readers),
+        }
+        if !h.done_by.contains(&reader) {
+            h.done_by.push(reader);
+        }
+        Ok(h.done_by.len() as u32 >= readers)
+    }
+
     /// Ends the hold of `id` for a consumer that has its blocks: waits (up to the io timeout)
-    /// for reads of it in flight to end, so no block is freed while it is being sent.
-    fn complete(&self, id: &RequestId, capability: &str) -> Result<(), Refused> {
+    /// for reads of it in flight to end, so no block is freed while it is being sent. With
+    /// `reader` (`(index, readers)`), only once every reader has said so.
+    fn complete(&self, id: &RequestId, capability: &str, reader: Option<(u32, u32)>) -> Result<(), Refused> {
+        if let Some((r, n)) = reader {
+            if !self.reader_done(id, capability, r, n)? {
+                return Ok(());
+            }
+        }
         let give_up = Instant::now() + self.cfg.io_timeout;
         let mut st = self.lock();
         loop {
@@ -397,8 +442,7 @@ impl Producer {
                     }
                     continue;
                 }
-                for (rank, part) in
-                    (0..g.tp_ranks()).flat_map(|r| (0..g.shape().kv_parts).map(move |p| (r, p)))
+                for (rank, part) in g.held_ranks().flat_map(|r| (0..g.shape().kv_parts).map(move |p| (r, p)))
                 {
                     for &b in ids {
                         let Span { region, offset, len } = g.rank_span(rank, layer, part, b)?;
@@ -424,7 +468,9 @@ impl Producer {
         let now = Instant::now();
         let cap = now + self.shared.cfg.lease_max;
         let deadline = (now + self.shared.cfg.lease).min(cap);
-        st.held.insert(request, Held { deadline, cap, capability, allowed, bytes, active: 0 });
+        let held =
+            Held { deadline, cap, capability, allowed, bytes, active: 0, readers: None, done_by: Vec::new() };
+        st.held.insert(request, held);
         drop(st);
         self.shared.cv.notify_all();
         Ok(())
@@ -457,7 +503,7 @@ impl Producer {
     /// notification arrived): ends the hold once no read of it is in flight, so the request
     /// is reported finished. `Err` says why it was not ended.
     pub fn complete(&self, request: &RequestId, capability: &str) -> Result<(), String> {
-        self.shared.complete(request, capability).map_err(|(reason, refusal)| {
+        self.shared.complete(request, capability, None).map_err(|(reason, refusal)| {
             if let Some(r) = refusal {
                 self.shared.refusals.count(r);
             }
@@ -674,7 +720,11 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
                 send(w, answer(r))?;
             }
             ClientMsg::Done { request, capability } => {
-                let r = s.complete(&RequestId(request), &capability);
+                let r = s.complete(&RequestId(request), &capability, None);
+                send(w, answer(r))?;
+            }
+            ClientMsg::DoneBy { request, capability, reader, readers } => {
+                let r = s.complete(&RequestId(request), &capability, Some((reader, readers)));
                 send(w, answer(r))?;
             }
             ClientMsg::Read { request, capability, runs } => {
@@ -799,7 +849,7 @@ mod tests {
         let shared = p.shared.clone();
         let done = std::thread::spawn(move || {
             let t0 = Instant::now();
-            let r = shared.complete(&RequestId::from("r"), "cap");
+            let r = shared.complete(&RequestId::from("r"), "cap", None);
             (r.map_err(|e| e.0), t0.elapsed())
         });
         std::thread::sleep(Duration::from_millis(300));
@@ -810,6 +860,29 @@ mod tests {
         assert_eq!(r, Ok(()));
         assert!(waited >= Duration::from_millis(250), "{waited:?}");
         assert_eq!(p.take_finished(), vec![id]);
+    }
+
+    #[test]
+    fn blocks_read_by_several_consumer_ranks_are_freed_after_the_last_says_done() {
+        let (p, _regions) = producer(Duration::from_secs(5));
+        let id = RequestId::from("r");
+        // Two decode ranks (a decode at twice prefill's TP size) read the one block set.
+        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2))).map_err(|e| e.0), Ok(()));
+        // The same reader again (a retried done) counts once.
+        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2))).map_err(|e| e.0), Ok(()));
+        assert_eq!((p.held(), p.take_finished()), (1, vec![]));
+        // A reader naming another count, or an index past it, is refused and frees nothing.
+        let e = p.shared.complete(&id, "cap", Some((0, 3))).unwrap_err();
+        assert_eq!(e.1, Some(Refusal::Malformed));
+        assert!(e.0.contains("same tp_size"), "{}", e.0);
+        assert_eq!(p.shared.complete(&id, "cap", Some((2, 2))).unwrap_err().1, Some(Refusal::Malformed));
+        assert_eq!(
+            p.shared.complete(&id, "guess", Some((0, 2))).unwrap_err().1,
+            Some(Refusal::BadCapability)
+        );
+        assert_eq!(p.held(), 1);
+        assert_eq!(p.shared.complete(&id, "cap", Some((0, 2))).map_err(|e| e.0), Ok(()));
+        assert_eq!((p.held(), p.take_finished()), (0, vec![id]));
     }
 
     #[test]

@@ -329,9 +329,12 @@ impl Link<'_> {
     /// `done`: the consumer has the blocks; the producer frees them once no read is in
     /// flight. `Ok` means it still held them, so they were the request's throughout.
     pub fn done(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
-        self.expect_ok(&ClientMsg::Done {
-            request: load.producer_request().to_owned(),
-            capability: load.remote_capability.clone(),
+        let (request, capability) = (load.producer_request().to_owned(), load.remote_capability.clone());
+        self.expect_ok(&match load.reader {
+            Some((reader, readers)) if readers > 1 => {
+                ClientMsg::DoneBy { request, capability, reader, readers }
+            }
+            _ => ClientMsg::Done { request, capability },
         })
     }
 }

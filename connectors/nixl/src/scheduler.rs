@@ -6,6 +6,7 @@
 use crate::config::{NixlConfig, NAME};
 use crate::metadata::{LoadSpec, NixlMeta, SendSpec};
 use crate::params::{wants_remote_decode, TransferParams};
+use kvconnect_api::tp_ranks;
 use kvconnect_api::{
     BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, MatchResult, Request, RequestFinished,
     RequestId, SchedulerConnector, StepInfo,
@@ -71,14 +72,36 @@ impl SchedulerConnector for NixlScheduler {
         if self.scheduled.contains(&req.id) {
             return Ok(());
         }
+        // The producer ranks this rank reads (several at a smaller TP size than prefill's),
+        // and which of a producer rank's readers it is (at a larger one).
+        let sources = tp_ranks::sources(&req.kv_transfer_params)
+            .into_iter()
+            .map(|m| {
+                let r = Request { kv_transfer_params: m, ..req.clone() };
+                TransferParams::from_request(&r)?.ok_or_else(|| {
+                    ConnectorError::invalid(
+                        NAME,
+                        format!("request {}: a producer rank's kv_transfer_params lack do_remote_prefill; forward the params prefill returned unchanged", req.id),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let reader = tp_ranks::reader(&req.kv_transfer_params);
+        let n = u32::try_from(sources.len()).unwrap_or(u32::MAX);
         if num_external_tokens == 0 {
             // Computed locally after all: free the producer's blocks now, not at lease expiry.
             self.scheduled.insert(req.id.clone());
-            let mut release =
-                LoadSpec::release(req.id.clone(), p.remote_engine_id.clone(), p.remote_capability.clone());
-            release.remote_side_channel = p.side_channel();
-            release.remote_request = p.remote_request_id.clone().map(RequestId);
-            self.loads.push(release);
+            for p in &sources {
+                let mut release = LoadSpec::release(
+                    req.id.clone(),
+                    p.remote_engine_id.clone(),
+                    p.remote_capability.clone(),
+                );
+                release.remote_side_channel = p.side_channel();
+                release.remote_request = p.remote_request_id.clone().map(RequestId);
+                release.reader = reader;
+                self.loads.push(release);
+            }
             return Ok(());
         }
         // Negotiation and the handshake already refuse TP sizes that do not divide each other
@@ -95,17 +118,21 @@ impl SchedulerConnector for NixlScheduler {
             ));
         }
         self.scheduled.insert(req.id.clone());
-        self.loads.push(LoadSpec {
-            request: req.id.clone(),
-            remote_request: p.remote_request_id.clone().map(RequestId),
-            remote_engine_id: p.remote_engine_id.clone(),
-            remote_capability: p.remote_capability.clone(),
-            remote_side_channel: p.side_channel(),
-            remote_blocks: p.blocks(),
-            local_blocks: blocks.clone(),
-            first_token: first,
-            num_tokens: first + num_external_tokens,
-        });
+        for p in &sources {
+            self.loads.push(LoadSpec {
+                request: req.id.clone(),
+                remote_request: p.remote_request_id.clone().map(RequestId),
+                remote_engine_id: p.remote_engine_id.clone(),
+                remote_capability: p.remote_capability.clone(),
+                remote_side_channel: p.side_channel(),
+                remote_blocks: p.blocks(),
+                local_blocks: blocks.clone(),
+                first_token: first,
+                num_tokens: first + num_external_tokens,
+                reader,
+                sources: n,
+            });
+        }
         Ok(())
     }
 

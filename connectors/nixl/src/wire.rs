@@ -64,7 +64,23 @@ pub enum ClientMsg {
         #[serde(default)]
         capability: String,
     },
+    /// One of several consumer ranks that read the request's blocks (a consumer at a larger
+    /// TP size: each rank reads its heads' share) has its share; the producer frees them
+    /// once every one of the `readers` has said so.
+    DoneBy {
+        /// The request.
+        request: String,
+        /// Its transfer capability.
+        capability: String,
+        /// This reader's index, below `readers`.
+        reader: u32,
+        /// How many consumer ranks read the request.
+        readers: u32,
+    },
 }
+
+/// The most consumer ranks that may read one request's blocks (`ClientMsg::DoneBy`).
+pub const MAX_READERS: u32 = 64;
 
 /// The channel name both sides put into their proofs on the producer listener.
 pub const CHANNEL: &str = "kvconnect-nixl-producer";

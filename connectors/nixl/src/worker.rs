@@ -57,6 +57,10 @@ pub struct NixlWorker {
     puller: Option<JoinHandle<()>>,
     outcomes: Outcomes,
     error_blocks: Vec<BlockId>,
+    /// Requests loading from several producer ranks: how many of their loads ended, and
+    /// whether one failed; reported once all have ended, so no load still writes into
+    /// blocks the engine was told to recompute.
+    parts: HashMap<RequestId, (u32, bool)>,
     /// The started backend (after `register_kv_caches`); dropped at shutdown, after the pull
     /// thread and the listener, before the regions go.
     transport: Option<Arc<dyn Transport>>,
@@ -95,6 +99,7 @@ impl NixlWorker {
             puller: None,
             outcomes: Arc::default(),
             error_blocks: Vec::new(),
+            parts: HashMap::new(),
             transport: None,
         }
     }
@@ -366,17 +371,33 @@ impl WorkerConnector for NixlWorker {
                 }
                 continue;
             }
-            match r {
+            let failed = match r {
                 Ok(stats) => {
                     tracing::debug!(request = %load.request, bytes = stats.bytes, runs = stats.runs, "nixl: pulled");
-                    out.finished_recving.push(load.request);
+                    false
                 }
                 Err(e) => {
-                    tracing::warn!(request = %load.request, engine = %load.remote_engine_id, "nixl: loading request {} failed: {e}", load.request);
-                    let (groups, bs) = (self.ctx.effective.groups.len(), self.ctx.effective.block_size);
-                    self.error_blocks.extend(load.written_blocks(groups, bs as usize));
-                    out.failed_recving.push(load.request);
+                    tracing::warn!(request = %load.request, engine = %load.remote_engine_id, side_channel = %load.remote_side_channel, "nixl: loading request {} failed: {e}", load.request);
+                    true
                 }
+            };
+            let failed = if load.sources > 1 {
+                let part = self.parts.entry(load.request.clone()).or_default();
+                part.0 += 1;
+                part.1 |= failed;
+                if part.0 < load.sources {
+                    continue;
+                }
+                self.parts.remove(&load.request).is_some_and(|(_, f)| f)
+            } else {
+                failed
+            };
+            if failed {
+                let (groups, bs) = (self.ctx.effective.groups.len(), self.ctx.effective.block_size);
+                self.error_blocks.extend(load.written_blocks(groups, bs as usize));
+                out.failed_recving.push(load.request);
+            } else {
+                out.finished_recving.push(load.request);
             }
         }
         Ok(out)
@@ -395,9 +416,11 @@ impl WorkerConnector for NixlWorker {
             engine_id: self.ctx.engine_id.clone(),
             listen: p.addr().to_string(),
             shape: g.shape(),
-            tp_size: g.tp_ranks(),
+            tp_size: g.tp_size(),
+            tp_rank: (g.tp_ranks() == 1 && g.tp_size() > 1).then_some(g.held_ranks().start),
             layout: g.layout(),
             opaque_blocks: g.opaque_blocks(),
+            opaque_heads_outer: g.opaque_heads_outer(),
             region_shapes: g.regions().to_vec(),
             regions: self
                 .regions

@@ -44,6 +44,14 @@ pub struct ProducerMetadata {
     /// rank by rank. Absent (1) from producers without TP.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub tp_size: u32,
+    /// The one rank of `tp_size` whose regions these are, when the producer's ranks each
+    /// serve their own (vLLM's workers); absent when the regions are every rank's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tp_rank: Option<u32>,
+    /// Its opaque blocks hold the heads one after another (`Geometry::opaque_heads_outer`),
+    /// so a consumer at another TP size can read a slice of heads.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub opaque_heads_outer: bool,
     /// Its layout.
     pub layout: KvLayout,
     /// Its blocks are opaque (`EffectiveLayout::opaque_blocks`): they move whole, never
@@ -198,18 +206,24 @@ impl PeerInfo {
                 )));
             }
         }
+        let split = || {
+            bad(format!(
+                "peer engine '{e}' metadata lists {} regions for tp_size {} (tp_rank {:?}): every tensor-parallel rank must list the same regions, and a single rank must be below tp_size",
+                meta.region_shapes.len(),
+                meta.tp_size,
+                meta.tp_rank
+            ))
+        };
         let geometry = Geometry::new(meta.shape, meta.layout, meta.region_shapes.clone())
             .with_opaque_blocks(meta.opaque_blocks)
-            .with_tp_ranks(meta.tp_size)
-            .ok_or_else(|| {
-                bad(format!(
-                    "peer engine '{e}' metadata lists {} regions for tp_size {}: every tensor-parallel rank must list the same regions",
-                    meta.region_shapes.len(),
-                    meta.tp_size
-                ))
-            })?
-            .with_state(meta.state.clone());
-        if geometry.tp_ranks() > 1 && !geometry.state().is_empty() {
+            .with_opaque_heads_outer(meta.opaque_heads_outer);
+        let geometry = match meta.tp_rank {
+            None => geometry.with_tp_ranks(meta.tp_size),
+            Some(r) => geometry.as_rank_of(r, meta.tp_size),
+        }
+        .ok_or_else(split)?
+        .with_state(meta.state.clone());
+        if geometry.tp_size() > 1 && !geometry.state().is_empty() {
             return Err(bad(format!(
                 "peer engine '{e}' has state layers at tp_size {}: not implemented: per-request state across tensor-parallel ranks (run a model with state layers at TP 1)",
                 meta.tp_size
@@ -361,7 +375,7 @@ impl PeerInfo {
             }
         }
         if let Some((r, s)) = plan.tp_ratio {
-            let (p, o) = (self.geometry.tp_ranks() as u64, own.tp_ranks() as u64);
+            let (p, o) = (self.geometry.tp_size() as u64, own.tp_size() as u64);
             // (receiver, sender): r / s == own / peer.
             if r as u64 * p != s as u64 * o {
                 return Err(bad(format!(
@@ -403,6 +417,8 @@ pub(crate) fn sample_metadata() -> ProducerMetadata {
         cuda_ipc: None,
         opaque_blocks: false,
         tp_size: 1,
+        tp_rank: None,
+        opaque_heads_outer: false,
     }
 }
 

@@ -31,6 +31,23 @@ pub struct LoadSpec {
     pub first_token: usize,
     /// One past the last token to load.
     pub num_tokens: usize,
+    /// `(index, count)` when this engine's rank is one of several consumer ranks reading
+    /// the producer rank's blocks (a decode at a larger TP size): the producer frees them
+    /// once every reader is done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reader: Option<(u32, u32)>,
+    /// Producer ranks this request loads from, one load each (a decode at a smaller TP size
+    /// reads its heads from several); the request is loaded once all of them are.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub sources: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(n: &u32) -> bool {
+    *n == 1
 }
 
 impl LoadSpec {
@@ -47,6 +64,8 @@ impl LoadSpec {
             local_blocks: BlocksPerGroup::default(),
             first_token: 0,
             num_tokens: 0,
+            reader: None,
+            sources: 1,
         }
     }
 

@@ -158,12 +158,24 @@ pub struct Started {
 }
 
 /// The regions of backends that read and write host memory (`shm`, `tcp`): host memory, of
-/// every tensor-parallel rank the worker registered.
+/// every tensor-parallel rank the worker registered. A worker holding one rank of an engine
+/// at TP > 1 (vLLM's workers) addresses it as that rank of its engine, so loads between
+/// TP sizes plan head slices.
 pub(crate) fn host_memory(s: &Setup<'_>) -> ConnectorResult<KvMemory> {
     // Valid until the worker is dropped (`KvRegion::new`); shutdown stops the listener and
     // joins the pull thread, the other users of the memory, before that.
-    KvMemory::with_tp_ranks(s.regions, &s.ctx.model, &s.ctx.effective, s.tp_ranks)
-        .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))
+    let mem = KvMemory::with_tp_ranks(s.regions, &s.ctx.model, &s.ctx.effective, s.tp_ranks)
+        .map_err(|e| ConnectorError::invalid(NAME, format!("cannot register KV regions: {e}")))?
+        .with_opaque_heads_outer(s.cfg.opaque_heads_outer);
+    if s.tp_ranks != 1 || s.ctx.tp_size <= 1 {
+        return Ok(mem);
+    }
+    mem.as_rank_of(s.ctx.tp_rank, s.ctx.tp_size).ok_or_else(|| {
+        ConnectorError::invalid(
+            NAME,
+            format!("tp_rank {} is not below tp_size {}", s.ctx.tp_rank, s.ctx.tp_size),
+        )
+    })
 }
 
 /// A consumer's completion of a request that reached the producer outside its listener (a
