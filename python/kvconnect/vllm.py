@@ -104,7 +104,7 @@ _PROM_COUNTERS = [
     ("loads_preempted", "vllm:kvconnect_loads_preempted",
      "Requests vLLM preempted after they loaded external KV (the loaded KV is dropped and recomputed or loaded again)."),
     ("loads_refused_tp", "vllm:kvconnect_loads_refused_tp",
-     "Requests computed here instead of loaded because their producer ran at another tensor-parallel size."),
+     "Requests computed here instead of loaded because their producer ran at a tensor-parallel size that does not divide this server's."),
     ("handshakes", "vllm:kvconnect_handshakes", "Side-channel handshakes with prefill engines."),
     ("handshakes_refused", "vllm:kvconnect_handshakes_refused", "Handshakes refused (descriptors differ, wrong engine)."),
     ("external_requests", "vllm:kvconnect_external_requests", "Requests scheduled to load KV from outside."),

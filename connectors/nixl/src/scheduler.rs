@@ -188,3 +188,67 @@ impl SchedulerConnector for NixlScheduler {
         Ok(RequestFinished { delay_free: has_blocks, transfer_params: Some(params.to_map()) })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvconnect_api::tp_ranks::{params_for_rank, RANK_PARAMS};
+    use kvconnect_api::{BlockId, KvLayout, KvRole};
+    use kvconnect_bench::harness::{context, effective, model};
+    use serde_json::{json, Value};
+
+    /// Prefill rank `rank`'s params for a 70-token request held in blocks 4 and 5.
+    fn producer_rank(rank: u16, tp_size: u32) -> Value {
+        let p = TransferParams {
+            remote_engine_id: "prefill".into(),
+            remote_host: "127.0.0.1".into(),
+            remote_port: 5600 + rank,
+            remote_block_ids: vec![vec![4, 5]],
+            remote_num_tokens: 70,
+            tp_size,
+            remote_request_id: Some("r".into()),
+            remote_capability: format!("cap{rank}"),
+        };
+        Value::Object(p.to_map())
+    }
+
+    /// The loads decode rank `rank` of `tp` schedules for a request from prefill's `ranks`.
+    fn loads(rank: u32, tp: u32, params: Value) -> Vec<LoadSpec> {
+        let m = model(2, 2, 8);
+        let mut ctx = context(&m, &effective(&m, KvLayout::HND, 32), KvRole::Consumer, "decode", json!({}));
+        (ctx.tp_rank, ctx.tp_size) = (rank, tp);
+        let mut s = NixlScheduler::new(&ctx, NixlConfig::default());
+        let Value::Object(params) = params else { unreachable!("params are an object") };
+        let mine = params_for_rank(&params, rank as usize, tp as usize).unwrap();
+        let req = Request { id: "r".into(), prompt_tokens: vec![1; 70], kv_transfer_params: mine };
+        assert_eq!(
+            s.get_num_new_matched_tokens(&req, 0).unwrap(),
+            MatchResult::Matched { tokens: 69, async_load: true }
+        );
+        s.update_state_after_alloc(&req, &BlocksPerGroup(vec![vec![BlockId(1), BlockId(2), BlockId(3)]]), 64)
+            .unwrap();
+        let meta: NixlMeta =
+            serde_json::from_slice(&s.build_connector_meta(&StepInfo::default()).unwrap()).unwrap();
+        meta.loads
+    }
+
+    #[test]
+    fn a_decode_at_a_smaller_tp_loads_from_every_producer_rank_a_larger_one_shares_one() {
+        // TP 2 -> 1: one load per prefill rank, each naming its own side channel and capability.
+        let two = json!({"do_remote_prefill": true, RANK_PARAMS: [producer_rank(0, 2), producer_rank(1, 2)]});
+        let l = loads(0, 1, two);
+        let from: Vec<_> =
+            l.iter().map(|l| (l.remote_side_channel.as_str(), l.remote_capability.as_str())).collect();
+        assert_eq!(from, [("127.0.0.1:5600", "cap0"), ("127.0.0.1:5601", "cap1")]);
+        assert!(l.iter().all(|l| l.sources == 2 && l.reader.is_none() && l.num_tokens == 64));
+        // TP 1 -> 2: each decode rank one load from the one prefill rank, as reader r of 2.
+        for r in 0..2 {
+            let l = loads(r, 2, producer_rank(0, 1));
+            assert_eq!(l.len(), 1);
+            assert_eq!(
+                (l[0].remote_capability.as_str(), l[0].sources, l[0].reader),
+                ("cap0", 1, Some((r, 2)))
+            );
+        }
+    }
+}
