@@ -376,7 +376,9 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
                     std::thread::sleep(Duration::from_secs(3));
                     return;
                 }
-                ClientMsg::Done { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
+                ClientMsg::Done { .. } | ClientMsg::DoneBy { .. } => {
+                    write_frame(&mut s, &ServerMsg::Ok).unwrap()
+                }
                 ClientMsg::Auth { .. } => return,
             }
         }
