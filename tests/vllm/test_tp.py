@@ -5,7 +5,7 @@ worker process per rank, each with its own connector over its own rank's KV):
   decode rank loads its share of each prompt's KV from the prefill rank of the same index;
 - lmcache and flexkv inside one TP 2 server: a second run of each prompt loads its prefix from
   every rank's own store, outputs equal the first run's;
-- P/D TP 2 -> TP 1 and TP 1 -> TP 2 over nixl tcp, between two `kv_both` servers (TP 2 on
+- P/D TP 2 -> TP 1 and TP 1 -> TP 2 over nixl tcp and shm, between two `kv_both` servers (TP 2 on
   core 0, TP 1 on core 1; each prefills for the other; float32): the TP 1 decode reads half of each
   block's KV heads from each of prefill's two ranks, the TP 2 decode's two ranks each read
   their half from prefill's one rank (which frees the blocks after both). Outputs equal a
@@ -93,17 +93,25 @@ def check_direction(pre: Server, dec: Server, tps: tuple[int, int], ps, mono: di
           f"({tps[1]} rank(s) each loading its heads)")
 
 
-def run_cross(model: str, logdir: Path, ps_21, ps_12):
-    """TP 2 -> 1 and TP 1 -> 2 between two kv_both servers, each the other's prefill; each
-    direction its own prompts (a server's own prefix cache would serve the others)."""
+def run_cross(model: str, logdir: Path, ps_21, ps_12, backends):
+    """TP 2 -> 1 and TP 1 -> 2 over each of `backends`, between two kv_both servers, each the
+    other's prefill; each direction its own prompts (a server's own prefix cache would serve
+    the others)."""
     mono = monolithic_both(model, logdir, ps_21 + ps_12)
     n = len(ps_21)
     mono_21 = {tp: out[:n] for tp, out in mono.items()}
     mono_12 = {tp: out[n:] for tp, out in mono.items()}
-    two = Server("both-tp2", model, logdir, core=0, kv_config=kv_config("kv_both", nixl("tcp"), port=free_port()),
-                 tp=2, args=CROSS_ARGS)
-    one = Server("both-tp1", model, logdir, core=1, kv_config=kv_config("kv_both", nixl("tcp"), port=free_port()),
-                 args=CROSS_ARGS)
+    for backend in backends:
+        run_cross_pair(model, logdir, backend, ps_21, ps_12, mono_21, mono_12)
+
+
+def run_cross_pair(model: str, logdir: Path, backend: str, ps_21, ps_12, mono_21, mono_12):
+    def both(tp: int, core: int) -> Server:
+        return Server(f"both-tp{tp}-{backend}", model, logdir, core=core, tp=tp, args=CROSS_ARGS,
+                      kv_config=kv_config("kv_both", nixl(backend), port=free_port()))
+
+    two, one = both(2, 0), both(1, 1)
+    print(f"nixl over {backend}:")
     with serving(two, one):
         two.wait_healthy()
         one.wait_healthy()
@@ -140,7 +148,7 @@ def main():
             run_prefix_hit(model, tmp, "lmcache-tp2", LMCACHE, cache_source="lmcache_cpu", tp=2)
             run_prefix_hit(model, tmp, "flexkv-tp2", FLEXKV, cache_source="flexkv_cpu", tp=2)
         if "cross" in only:
-            run_cross(model, tmp, ps, prompts(17, TP_PROMPT_LENS))
+            run_cross(model, tmp, ps, prompts(17, TP_PROMPT_LENS), ("tcp", "shm"))
 
     run_checks("tp", a.keep, checks)
 
