@@ -137,6 +137,16 @@ pub enum GeometryError {
         /// Ranks the regions belong to.
         ranks: u32,
     },
+    /// Heads past the ones a rank holds.
+    #[error("KV heads {first}..{first}+{n} do not exist: a rank here holds {heads}")]
+    NoSuchHeads {
+        /// The first head asked for.
+        first: u32,
+        /// How many.
+        n: u32,
+        /// Heads one rank holds.
+        heads: u32,
+    },
     /// A slice of KV heads that is not one run per block part or per token.
     #[error("not implemented: layout {layout} keeps a KV head's bytes apart inside a block in a way kvconnect does not slice; a head slice is planned for layouts with heads outermost in a block (HND, or opaque blocks whose heads are outermost) or right inside the tokens (NHD)")]
     HeadsNotSliceable {
@@ -241,16 +251,6 @@ impl Geometry {
         Ok(i * per..(i + 1) * per)
     }
 
-    /// Byte offset of local head `head`'s slice inside one block span, when each head's
-    /// tokens and channels are contiguous (H outermost of H, N and C, as in HND); `None`
-    /// otherwise. A head slice is [`BlockShape::bytes`] / heads long.
-    pub fn head_slice_offset(&self, head: u32) -> Option<usize> {
-        let inner: Vec<Dim> =
-            self.layout.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect();
-        (inner.first() == Some(&Dim::H) && !self.opaque && head < self.shape.heads)
-            .then(|| self.inner_offset(head, 0, 0))
-    }
-
     /// The same geometry over opaque blocks whose heads are outermost inside a block, when
     /// `yes` (the engine's tensors say so: vLLM's CPU backend's `[B, H, N, 2C]`).
     pub fn with_opaque_heads_outer(mut self, yes: bool) -> Geometry {
@@ -278,11 +278,7 @@ impl Geometry {
     ) -> Result<Vec<Span>, GeometryError> {
         let s = self.shape;
         if first.checked_add(n).is_none_or(|end| end > s.heads) {
-            return Err(GeometryError::SpanOutOfRegion {
-                region: 0,
-                offset: first as usize,
-                len: n as usize,
-            });
+            return Err(GeometryError::NoSuchHeads { first, n, heads: s.heads });
         }
         let per_head = s.bytes() / s.heads.max(1) as usize;
         if self.opaque {
@@ -538,9 +534,51 @@ mod tests {
             g.rank_span(2, LayerId(0), 0, BlockId(0)),
             Err(GeometryError::NoSuchRank { rank: 2, ranks: 2 })
         );
-        assert_eq!(g.head_slice_offset(1), Some(blk / 2));
-        assert_eq!(Geometry::new(shape(), KvLayout::NHD, vec![]).head_slice_offset(1), None);
+        let head_runs = |g: &Geometry, first, n| g.head_runs(1, LayerId(0), BlockId(2), first, n);
+        let k = g.rank_span(1, LayerId(0), 0, BlockId(2)).unwrap();
+        let v = g.rank_span(1, LayerId(0), 1, BlockId(2)).unwrap();
+        let half = Span { len: blk / 2, ..k };
+        assert_eq!(
+            head_runs(&g, 1, 1).unwrap(),
+            [Span { offset: k.offset + blk / 2, ..half }, Span { offset: v.offset + blk / 2, ..half }]
+        );
+        assert_eq!(head_runs(&g, 1, 2), Err(GeometryError::NoSuchHeads { first: 1, n: 2, heads: 2 }));
         assert!(Geometry::new(shape(), KvLayout::HND, regions[..3].to_vec()).with_tp_ranks(2).is_none());
+    }
+
+    #[test]
+    fn one_rank_of_several_is_named_by_its_index_in_the_engine() {
+        let per_layer = |l| RegionShape { layers: vec![LayerId(l)], num_blocks: 10 };
+        let g =
+            Geometry::new(shape(), KvLayout::NHD, vec![per_layer(0), per_layer(1)]).as_rank_of(1, 2).unwrap();
+        assert_eq!((g.tp_ranks(), g.tp_size(), g.held_ranks(), g.total_heads()), (1, 2, 1..2, 4));
+        let blk = shape().bytes();
+        assert_eq!(
+            g.rank_span(1, LayerId(1), 0, BlockId(3)).unwrap(),
+            Span { region: 1, offset: 3 * blk, len: blk }
+        );
+        assert_eq!(g.span(LayerId(1), 0, BlockId(3)), g.rank_span(1, LayerId(1), 0, BlockId(3)));
+        assert!(matches!(
+            g.rank_span(0, LayerId(1), 0, BlockId(3)),
+            Err(GeometryError::NoSuchRank { rank: 0, .. })
+        ));
+        // NHD: one run per token of each part, the rank's head slice inside each token row.
+        let runs = g.head_runs(1, LayerId(0), BlockId(0), 1, 1).unwrap();
+        assert_eq!(runs.len(), 2 * 4);
+        assert_eq!(runs[1], Span { region: 0, offset: g.inner_offset(1, 1, 0), len: 8 * 2 });
+        let opaque = g.clone().with_opaque_blocks(true);
+        assert!(matches!(
+            opaque.head_runs(1, LayerId(0), BlockId(0), 0, 1),
+            Err(GeometryError::HeadsNotSliceable { .. })
+        ));
+        // Opaque blocks with heads outermost: one run over the head's K and V together.
+        let outer = opaque.with_opaque_heads_outer(true);
+        let b = outer.rank_span(1, LayerId(0), 0, BlockId(4)).unwrap();
+        assert_eq!(
+            outer.head_runs(1, LayerId(0), BlockId(4), 1, 1).unwrap(),
+            [Span { offset: b.offset + blk, len: blk, ..b }]
+        );
+        assert!(Geometry::new(shape(), KvLayout::NHD, vec![]).as_rank_of(2, 2).is_none());
     }
 
     #[test]
