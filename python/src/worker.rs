@@ -66,7 +66,7 @@ impl Counters {
     fn count_async_loads(
         &mut self,
         recving: &[RequestId],
-        from_peer: &HashMap<String, Peer>,
+        from_peer: &HashMap<String, Vec<Peer>>,
         async_loaded: &mut HashSet<String>,
     ) {
         for r in recving {
@@ -97,8 +97,8 @@ struct State {
     conn: Box<dyn WorkerConnector>,
     regions: Vec<kvconnect_api::KvRegion>,
     server: Option<SideChannelServer>,
-    /// The prefill engine each loading request reads from, until vLLM finishes it.
-    load_peer: HashMap<String, Peer>,
+    /// The prefill engine ranks each loading request reads from, until vLLM finishes it.
+    load_peer: HashMap<String, Vec<Peer>>,
     /// Why a request's load cannot succeed (its peer was refused), for its failure report.
     failed_why: HashMap<String, String>,
     /// Requests whose asynchronous load finished and was counted, until vLLM finishes them.
@@ -332,7 +332,7 @@ impl Worker {
             .collect();
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         for (r, i) in &step.loads {
-            st.load_peer.insert(r.clone(), step.peers[*i].clone());
+            st.load_peer.entry(r.clone()).or_default().push(step.peers[*i].clone());
             if let Some(why) = &refused[*i] {
                 st.failed_why.insert(r.clone(), why.clone());
             }
@@ -394,12 +394,16 @@ impl Worker {
                 .failed_recving
                 .iter()
                 .map(|r| {
-                    let peer = s.load_peer.remove(&r.0);
+                    let peers = s.load_peer.remove(&r.0).unwrap_or_default();
                     let why = s.failed_why.remove(&r.0).unwrap_or_else(|| {
-                        forget.extend(peer.clone());
-                        match &peer {
-                            Some(p) => format!("the load from prefill engine '{}' at {} failed (see the connector's error above); the next request handshakes with it again", p.engine_id, p.addr),
-                            None => "the connector's load failed (see its error above)".to_owned(),
+                        forget.extend(peers.iter().cloned());
+                        match peers.as_slice() {
+                            [] => "the connector's load failed (see its error above)".to_owned(),
+                            [p, ..] => format!(
+                                "the load from prefill engine '{}' at {} failed (see the connector's error above); the next request handshakes with it again",
+                                p.engine_id,
+                                peers.iter().map(|p| p.addr.as_str()).collect::<Vec<_>>().join(" and ")
+                            ),
                         }
                     });
                     (r.0.clone(), why)
@@ -474,7 +478,7 @@ mod tests {
         let mut c = Counters::default();
         let mut async_loaded = HashSet::new();
         let peer = Peer { engine_id: "prefill".into(), addr: "127.0.0.1:5600".into() };
-        let from_peer = HashMap::from([("p1".to_owned(), peer)]);
+        let from_peer = HashMap::from([("p1".to_owned(), vec![peer])]);
         // A load from prefill and an asynchronous cache load (flexkv) finish; the cache
         // load's tiers are reported when vLLM finishes the request.
         c.count_async_loads(&["p1".into(), "f1".into()], &from_peer, &mut async_loaded);
