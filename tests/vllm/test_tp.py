@@ -12,8 +12,8 @@ worker process per rank, each with its own connector over its own rank's KV):
   monolithic server at prefill's TP size; where monolithic TP 1 and TP 2 themselves differ
   for a prompt (bf16 sums in another order), the test says so and compares with the
   monolithic server at decode's TP size, which computes every generated token. Decode's
-  external tokens are the whole blocks before each prompt's last token, no load fails, none
-  is refused for its TP size.
+  external tokens are every prompt token but the last, no load fails, none is refused for
+  its TP size.
 
     VENV/bin/python tests/vllm/test_tp.py [--keep] [--only pd,cache,cross]
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, complete, external_tokens, kv_config, metric, run_checks, serving, tokens_of,
+    Failed, Server, complete, external_tokens, kv_config, loadable, metric, run_checks, serving, tokens_of,
     wait_metric,
 )
 from test_cache import FLEXKV, LMCACHE, run_prefix_hit  # noqa: E402
@@ -76,7 +76,7 @@ def check_direction(pre: Server, dec: Server, tps: tuple[int, int], ps, mono: di
         print(f"note: {label}: monolithic TP 1 and TP 2 differ for prompts {differ} (bf16 reductions in another "
               f"order); those compared with monolithic TP {tps[1]}")
     ext = external_tokens(dec.text())[ext0:]
-    want = [(len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK]
+    want = [loadable(p) for p in ps if loadable(p)]
     if sorted(ext) != sorted(want):
         raise Failed(f"{label}: decode loaded external tokens {ext}, expected {want}\n{dec.tail()}")
     # Every decode rank finishes its own load of every request.
