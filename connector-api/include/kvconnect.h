@@ -1,5 +1,5 @@
 /*
- * kvconnect plugin ABI, version 1.1: the C view of kvconnect-api's `ffi` module.
+ * kvconnect plugin ABI, version 1.2: the C view of kvconnect-api's `ffi` module.
  *
  * Written by kvconnect_api::ffi::c_header() from the Rust definitions; do not edit.
  * tests/tests/plugins_c_header.rs rewrites it when they change (and fails, so the change is
@@ -13,7 +13,7 @@
  * never move in any ABI version. Set `magic`, `abi_major`, `abi_minor` and
  * `layout_fingerprint` to the KVC_ constants below, `struct_size` to
  * sizeof(kvc_plugin_descriptor), each vtable's `struct_size` to the sizeof of its struct,
- * `sdk_version` to "kvconnect.h 1.1" (the host names it when it refuses the
+ * `sdk_version` to "kvconnect.h 1.2" (the host names it when it refuses the
  * plugin) and `rustc_version` to your compiler.
  *
  * Every entry returns a kvc_status: KVC_OK, or the kind of error with a JSON-encoded error in
@@ -40,7 +40,7 @@ extern "C" {
 #define KVC_ENTRY_SYMBOL "kvconnect_plugin_entry"
 #define KVC_ABI_MAGIC 0x43454e4e4f43564bULL /* "KVCONNEC" read as a little-endian u64 */
 #define KVC_ABI_MAJOR 1
-#define KVC_ABI_MINOR 1
+#define KVC_ABI_MINOR 2
 /* A hash of the layout of ABI 1.0's structs (offsets and entry types, not sizes), on
  * 64-bit targets: the same for every 1.x. The host refuses a plugin that reports another. */
 #define KVC_LAYOUT_FINGERPRINT 0x519a47d8acd937bdULL
@@ -172,8 +172,16 @@ typedef struct kvc_scheduler_vtable {
     kvc_status (*build_connector_meta)(void *self, kvc_bytes step, kvc_buffer *out, kvc_buffer *err);
     /* req, blocks as above; *out = JSON RequestFinished. */
     kvc_status (*request_finished)(void *self, kvc_bytes req, kvc_bytes blocks, kvc_buffer *out, kvc_buffer *err);
-    /* *out = JSON Vec<KvEvent>. */
+    /* *out = JSON events in the shape before media ([{"Stored": {"hashes": [..],
+     * "tier": ".."}}], Removed alike; no clears). A host calls it only when the plugin
+     * lacks take_kv_events.
+     */
     kvc_status (*take_events)(void *self, kvc_buffer *out, kvc_buffer *err);
+    /* *out = JSON Vec<KvEvent>: vLLM's event model (BlockStored with parent, tokens,
+     * block size and medium; BlockRemoved with medium; AllBlocksCleared).
+     * Since 1.2; may be NULL: the host calls `take_events`.
+     */
+    kvc_status (*take_kv_events)(void *self, kvc_buffer *out, kvc_buffer *err);
 } kvc_scheduler_vtable;
 
 /* A worker half: `self` is a handle `create_worker` made; one thread at a time. */

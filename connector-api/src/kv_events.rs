@@ -120,8 +120,8 @@ pub struct BlockRemoved {
 
 /// One KV cache event (vLLM's `KVCacheEvent`s).
 ///
-/// Read from JSON (the plugin ABI's `take_events`) in this shape, or in the shape plugins
-/// built before it wrote (`{"Stored": {"hashes": [..], "tier": ".."}}`, `Removed` alike),
+/// Read from JSON (the plugin ABI's `take_kv_events`) in this shape, or (its `take_events`)
+/// in the shape plugins built before it wrote (`{"Stored": {"hashes": [..], "tier": ".."}}`, `Removed` alike),
 /// read as a store or removal of those hashes in the medium the tier names.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(from = "AnyKvEvent")]
@@ -193,8 +193,10 @@ enum KvEventNow {
     AllBlocksCleared,
 }
 
-#[derive(Deserialize)]
-enum KvEventBefore {
+/// An event in the shape before media: what the plugin ABI's `take_events` entry carries
+/// both ways (a plugin of ABI 1.2 or later publishes media through `take_kv_events`).
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+pub(crate) enum KvEventBefore {
     Stored { hashes: Vec<BlockHash>, tier: String },
     Removed { hashes: Vec<BlockHash>, tier: String },
 }
@@ -205,6 +207,32 @@ fn medium_of_tier(tier: &str) -> Medium {
         "cpu" => Medium::CpuTier,
         "ssd" => Medium::Disk,
         other => Medium::parse(other),
+    }
+}
+
+/// The tier name a medium had before media, read back as that medium by `medium_of_tier`.
+fn tier_of_medium(medium: &Medium) -> String {
+    match medium {
+        Medium::CpuTier => "cpu".to_owned(),
+        other => other.as_str().to_owned(),
+    }
+}
+
+impl KvEventBefore {
+    /// `event` in the shape before media: its hashes and tier, without parent, tokens or
+    /// block size, which that shape has no room for. `None` for a clear, which it cannot say.
+    pub(crate) fn of(event: &KvEvent) -> Option<KvEventBefore> {
+        match event {
+            KvEvent::BlockStored(s) => Some(KvEventBefore::Stored {
+                hashes: s.block_hashes.clone(),
+                tier: tier_of_medium(&s.medium),
+            }),
+            KvEvent::BlockRemoved(r) => Some(KvEventBefore::Removed {
+                hashes: r.block_hashes.clone(),
+                tier: tier_of_medium(&r.medium),
+            }),
+            KvEvent::AllBlocksCleared => None,
+        }
     }
 }
 
@@ -258,5 +286,29 @@ mod tests {
         );
         let err = serde_json::from_str::<KvEvent>(r#"{"Stored":{"hashes":"x"}}"#).unwrap_err().to_string();
         assert!(err.contains("did not match any variant"), "{err}");
+    }
+
+    #[test]
+    fn the_shape_before_media_keeps_hashes_and_tier_and_reads_back_as_the_same_medium() {
+        let events = vec![
+            KvEvent::stored(vec![1, 2], Some(9), vec![5, 6], 1, Medium::CpuTier),
+            KvEvent::removed(vec![2], Medium::Disk),
+            KvEvent::AllBlocksCleared,
+            KvEvent::stored(vec![3], None, vec![7], 1, Medium::Remote),
+        ];
+        let before: Vec<_> = events.iter().filter_map(KvEventBefore::of).collect();
+        let json = serde_json::to_string(&before).unwrap();
+        assert_eq!(
+            json,
+            r#"[{"Stored":{"hashes":[1,2],"tier":"cpu"}},{"Removed":{"hashes":[2],"tier":"disk"}},{"Stored":{"hashes":[3],"tier":"remote"}}]"#
+        );
+        assert_eq!(
+            serde_json::from_str::<Vec<KvEvent>>(&json).unwrap(),
+            vec![
+                KvEvent::stored(vec![1, 2], None, vec![], 0, Medium::CpuTier),
+                KvEvent::removed(vec![2], Medium::Disk),
+                KvEvent::stored(vec![3], None, vec![], 0, Medium::Remote),
+            ]
+        );
     }
 }

@@ -237,7 +237,7 @@ pub enum LoadError {
     },
 }
 
-/// The prefix a C plugin's `sdk_version` starts with (`kvconnect.h 1.1`), as kvconnect.h asks.
+/// The prefix a C plugin's `sdk_version` starts with (`kvconnect.h 1.2`), as kvconnect.h asks.
 const C_HEADER_SDK: &str = "kvconnect.h";
 
 /// What a plugin was built with, as a message names it.

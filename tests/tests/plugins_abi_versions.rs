@@ -1,24 +1,26 @@
 //! ABI minors across real builds: a plugin of one minor loaded by a host of another.
 //!
-//! Two copies of the ABI definitions come from one source: kvconnect-api as it is (1.1, whose
-//! factory vtable ends with `child_capabilities`) and kvconnect-api with its test-only
-//! `abi_1_0` feature (1.0: `ABI_MINOR` 0, that entry dropped). The tests build:
+//! Two copies of the ABI definitions come from one source: kvconnect-api as it is (1.2, whose
+//! factory vtable ends with 1.1's `child_capabilities` and scheduler vtable with 1.2's
+//! `take_kv_events`) and kvconnect-api with its test-only `abi_1_0` feature (1.0: `ABI_MINOR`
+//! 0, those entries dropped). The tests build:
 //!
-//! * the example plugin against each copy, and load the 1.0 build into this 1.1 host, in
-//!   process and through `kvconnect plugins inspect --json`: it loads, and the entry it lacks
-//!   is absent with its fallback (no children);
+//! * the example plugin against each copy, and load the 1.0 build into this 1.2 host, in
+//!   process and through `kvconnect plugins inspect --json`: it loads, and the entries it
+//!   lacks are absent with their fallbacks (no children; events through `take_events`);
 //! * `tests/fixtures/abi-host`, a host made of the real loader (`kvconnect-loader`), against
-//!   each copy, and load 1.1 builds into it: the 1.0 host loads them and answers through the
-//!   1.0 entries only (a composite's children, a 1.1 entry, are not asked for), the 1.1 host
-//!   built the same way sees them;
+//!   each copy, and load 1.2 builds into it: the 1.0 host loads them and answers through the
+//!   1.0 entries only (a composite's children, a 1.1 entry, are not asked for; its KV events
+//!   come through `take_events`, in the shape before media), the 1.2 host built the same way
+//!   sees the children and the events with their media, parents and tokens;
 //! * a plugin built for major 2, which the host refuses with one line.
 
-use kvconnect_api::{ConnectorFactory, KvTransferConfig};
+use kvconnect_api::{ConnectorFactory, KvEvent, KvTransferConfig, Medium};
 use kvconnect_host::loader::{load_plugin, LoaderOptions};
 use kvconnect_tests::plugin_fixtures::{
     self, abi_host, broken_plugin, copy_with_mode, example_plugin_abi_1_0,
 };
-use kvconnect_tests::{run_kvconnect, text};
+use kvconnect_tests::{round_trip, run_kvconnect, text};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
@@ -27,8 +29,8 @@ fn tmp() -> &'static Path {
     Path::new(env!("CARGO_TARGET_TMPDIR"))
 }
 
-/// The example plugin built at 1.0 and at 1.1, copied out together (each build of it
-/// overwrites the last): (their directory, 1.0, 1.1).
+/// The example plugin built at 1.0 and at 1.2, copied out together (each build of it
+/// overwrites the last): (their directory, 1.0, 1.2).
 fn examples() -> &'static (tempfile::TempDir, PathBuf, PathBuf) {
     static E: OnceLock<(tempfile::TempDir, PathBuf, PathBuf)> = OnceLock::new();
     E.get_or_init(|| {
@@ -36,7 +38,7 @@ fn examples() -> &'static (tempfile::TempDir, PathBuf, PathBuf) {
         let new = copy_with_mode(
             &plugin_fixtures::example_plugin(tmp()),
             dir.path(),
-            "libexample_abi_1_1.so",
+            "libexample_abi_1_2.so",
             0o755,
         );
         let old = example_plugin_abi_1_0(tmp(), dir.path());
@@ -45,7 +47,7 @@ fn examples() -> &'static (tempfile::TempDir, PathBuf, PathBuf) {
 }
 
 #[test]
-fn a_1_0_plugin_loads_into_a_1_1_host_with_the_newer_entry_absent() {
+fn a_1_0_plugin_loads_into_a_1_2_host_with_the_newer_entries_absent() {
     let old = &examples().1;
 
     let p = load_plugin(old, &LoaderOptions::default()).unwrap_or_else(|e| panic!("{e}"));
@@ -54,6 +56,11 @@ fn a_1_0_plugin_loads_into_a_1_1_host_with_the_newer_entry_absent() {
     assert!(p.factory.capabilities(&config, None).is_ok());
     // `child_capabilities` is a 1.1 entry: absent, so the fallback: no children.
     assert_eq!(p.factory.child_capabilities(&config, None).unwrap(), None);
+    // `take_kv_events` is a 1.2 entry: absent, so the host takes the events through
+    // `take_events` (the example publishes none).
+    let store = tempfile::tempdir().unwrap();
+    let mut scheduler = p.factory.create_scheduler(&round_trip::ctx(store.path())).unwrap();
+    assert_eq!(scheduler.take_events().unwrap(), vec![]);
 
     let out = run_kvconnect(&["plugins", "inspect", &old.to_string_lossy(), "--json"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
@@ -65,7 +72,7 @@ fn a_1_0_plugin_loads_into_a_1_1_host_with_the_newer_entry_absent() {
 }
 
 #[test]
-fn a_1_1_plugin_loads_into_a_1_0_host_which_calls_only_1_0_entries() {
+fn a_1_2_plugin_loads_into_a_1_0_host_which_calls_only_1_0_entries() {
     let dir = tempfile::tempdir().unwrap();
     let composite = broken_plugin(tmp(), "composite", dir.path());
     // Each build of the host overwrites the last: keep a copy of the 1.0 one.
@@ -86,17 +93,31 @@ fn a_1_1_plugin_loads_into_a_1_0_host_which_calls_only_1_0_entries() {
 
     let v = run(&old_host, &examples().2);
     assert_eq!(v["host_abi"], "1.0", "{v}");
-    assert_eq!(v["plugin_abi"], "1.1", "{v}");
+    assert_eq!(v["plugin_abi"], "1.2", "{v}");
     assert_eq!(v["info"]["name"], "example", "{v}");
     assert_eq!(v["capabilities"]["ok"]["transfer_mode"], "none", "{v}");
 
     // A composite's `child_capabilities` is a 1.1 entry: the 1.0 host does not know it, so
     // it has the 1.0 answer (no children), though the plugin exports the entry.
     let v = run(&old_host, &composite);
-    assert_eq!((&v["host_abi"], &v["plugin_abi"]), (&"1.0".into(), &"1.1".into()), "{v}");
+    assert_eq!((&v["host_abi"], &v["plugin_abi"]), (&"1.0".into(), &"1.2".into()), "{v}");
     assert!(v["children"]["ok"].is_null(), "{v}");
+    // Its KV events: the 1.0 host calls `take_events`, which answers in the shape before
+    // media: hashes and tier only, no clear.
+    let before = [
+        KvEvent::stored(vec![11, 12], None, vec![], 0, Medium::CpuTier),
+        KvEvent::removed(vec![11], Medium::Disk),
+    ];
+    assert_eq!(events(&v), before, "{v}");
     let v = run(&new_host, &composite);
-    assert_eq!(v["host_abi"], "1.1", "{v}");
+    assert_eq!(v["host_abi"], "1.2", "{v}");
+    // The 1.2 host calls `take_kv_events`: the events as the plugin made them.
+    let now = [
+        KvEvent::stored(vec![11, 12], Some(10), (1..=8).collect(), 4, Medium::CpuTier),
+        KvEvent::removed(vec![11], Medium::Disk),
+        KvEvent::AllBlocksCleared,
+    ];
+    assert_eq!(events(&v), now, "{v}");
     let names: Vec<_> = v["children"]["ok"]
         .as_array()
         .unwrap_or_else(|| panic!("{v}"))
@@ -104,6 +125,11 @@ fn a_1_1_plugin_loads_into_a_1_0_host_which_calls_only_1_0_entries() {
         .map(|c| c["name"].as_str().unwrap().to_owned())
         .collect();
     assert_eq!(names, ["cache", "net"], "{v}");
+}
+
+/// The KV events an abi-host line reports.
+fn events(v: &serde_json::Value) -> Vec<KvEvent> {
+    serde_json::from_value(v["events"]["ok"].clone()).unwrap_or_else(|e| panic!("{e}: {v}"))
 }
 
 #[test]

@@ -60,9 +60,9 @@ pub const ABI_MAGIC: u64 = u64::from_le_bytes(*b"KVCONNEC");
 /// Breaking changes bump the major; a host refuses a plugin of another major.
 pub const ABI_MAJOR: u16 = 1;
 /// Additions (entries appended to a vtable) bump the minor; a host accepts a newer minor.
-/// 1.1 appended `FactoryVTable::child_capabilities`.
+/// 1.1 appended `FactoryVTable::child_capabilities`; 1.2 `SchedulerVTable::take_kv_events`.
 #[cfg(not(feature = "abi_1_0"))]
-pub const ABI_MINOR: u16 = 1;
+pub const ABI_MINOR: u16 = 2;
 /// The minor as 1.0 defined the ABI (the test-only `abi_1_0` feature: see Cargo.toml).
 #[cfg(feature = "abi_1_0")]
 pub const ABI_MINOR: u16 = 0;
@@ -132,6 +132,10 @@ mod tests {
         assert_eq!(MIN_FACTORY_VTABLE_SIZE, offset_of!(FactoryVTable, child_capabilities));
         #[cfg(feature = "abi_1_0")]
         assert_eq!(MIN_FACTORY_VTABLE_SIZE, size_of::<FactoryVTable>());
+        // 1.2 appended `take_kv_events`.
+        #[cfg(not(feature = "abi_1_0"))]
+        assert_eq!(MIN_SCHEDULER_VTABLE_SIZE, offset_of!(SchedulerVTable, take_kv_events));
+        #[cfg(feature = "abi_1_0")]
         assert_eq!(MIN_SCHEDULER_VTABLE_SIZE, size_of::<SchedulerVTable>());
         assert_eq!(MIN_WORKER_VTABLE_SIZE, size_of::<WorkerVTable>());
         assert_eq!(MIN_HOST_API_SIZE, size_of::<HostApi>());
@@ -140,8 +144,14 @@ mod tests {
     #[test]
     fn minimum_sizes_per_minor_end_at_that_minors_last_entry() {
         for minor in 0..=ABI_MINOR + 1 {
-            assert_eq!(SchedulerVTable::min_size_for_minor(minor), size_of::<SchedulerVTable>());
             assert_eq!(WorkerVTable::min_size_for_minor(minor), size_of::<WorkerVTable>());
+        }
+        // 1.2's `take_kv_events` is the scheduler's last entry: a plugin before 1.2 exports the
+        // vtable up to it, a 1.2 plugin (or a newer one) the whole struct this host knows.
+        #[cfg(not(feature = "abi_1_0"))]
+        for minor in 0..=ABI_MINOR + 1 {
+            let want = if minor >= 2 { size_of::<SchedulerVTable>() } else { MIN_SCHEDULER_VTABLE_SIZE };
+            assert_eq!(SchedulerVTable::min_size_for_minor(minor), want, "minor {minor}");
         }
         assert_eq!(FactoryVTable::min_size_for_minor(0), MIN_FACTORY_VTABLE_SIZE);
         // 1.1's `child_capabilities` is the factory's last entry: a 1.1 plugin (or a newer one)

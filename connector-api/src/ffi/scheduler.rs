@@ -10,6 +10,7 @@ use super::panic_guard::ExportedScheduler;
 use super::shim::*;
 use super::vtables::{free_exported, EntryInfo, Err, Out, This};
 use super::*;
+use crate::kv_events::KvEventBefore;
 use crate::{BlocksPerGroup, Request, StepInfo};
 use crate::{ConnectorResult, KvEvent, MatchResult, RequestFinished, SchedulerConnector};
 use core::mem::{offset_of, size_of};
@@ -32,11 +33,49 @@ vtable! {
         /// `req`, `blocks` as above; `*out` = JSON `RequestFinished`.
         request_finished(req: &Request as (req: AbiBytes), blocks: &BlocksPerGroup as (blocks: AbiBytes))
             -> json(RequestFinished);
-        /// `*out` = JSON `Vec<KvEvent>`.
-        take_events() -> json(Vec<KvEvent>);
+        /// `*out` = JSON events in the shape before media (`[{"Stored": {"hashes": [..],
+        /// "tier": ".."}}]`, `Removed` alike; no clears). A host calls it only when the plugin
+        /// lacks `take_kv_events`.
+        take_events() -> json(Vec<KvEvent>), by scheduler_take_events;
     }
-    optional {}
-    by hand {}
+    optional {
+        /// `*out` = JSON `Vec<KvEvent>`: vLLM's event model (`BlockStored` with parent, tokens,
+        /// block size and medium; `BlockRemoved` with medium; `AllBlocksCleared`).
+        #[since(1, 2)] #[cfg(not(feature = "abi_1_0"))]
+        take_kv_events() -> json(Vec<KvEvent>), else "the host calls `take_events`",
+            by scheduler_take_kv_events;
+    }
+    by hand {
+        fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
+            #[cfg(not(feature = "abi_1_0"))]
+            if let Some(f) = self.vt.take_kv_events {
+                return foreign_call!(self, take_kv_events, f, [], [json(Vec<KvEvent>)]);
+            }
+            // A plugin before 1.2 writes the shape before media, which `KvEvent` also reads.
+            foreign_call!(self, take_events, self.vt.take_events, [], [json(Vec<KvEvent>)])
+        }
+    }
+}
+
+/// `take_events`: the connector's events in the shape before media, for a host before 1.2.
+unsafe extern "C" fn scheduler_take_events(this: This, out: Out, err: Err) -> Status {
+    // SAFETY: a live scheduler handle of this plugin's, used as the vtable documents.
+    let s = unsafe { handle::<ExportedScheduler>(this) };
+    let r = s.call("take_events", |c| c.take_events()).and_then(|events| {
+        let before: Vec<KvEventBefore> = events.iter().filter_map(KvEventBefore::of).collect();
+        write_json(s.name(), &before, out)
+    });
+    finish(r, err, |()| ())
+}
+
+/// `take_kv_events`: the connector's events as they are.
+#[cfg(not(feature = "abi_1_0"))]
+unsafe extern "C" fn scheduler_take_kv_events(this: This, out: Out, err: Err) -> Status {
+    // SAFETY: a live scheduler handle of this plugin's, used as the vtable documents.
+    let s = unsafe { handle::<ExportedScheduler>(this) };
+    let r =
+        s.call("take_kv_events", |c| c.take_events()).and_then(|events| write_json(s.name(), &events, out));
+    finish(r, err, |()| ())
 }
 
 // ---------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@
 //! layout fingerprint, the host's checked copy (`*Fns`: 1.0 entries required, later ones
 //! optional, each with its fallback), the C header's declarations (`header.rs`), the
 //! plugin-side shim of each entry and the host-side `Foreign*` method that calls it.
-//! Adding an entry in a new minor is one line in an `optional` block.
+//! Adding an entry in a new minor is one line in an `optional` block; one written by hand
+//! (`by`) names no fallback value, its host method being written by hand too.
 //!
 //! Return kinds: none (status only), `json(T)` (a JSON value in `*out`), `bytes` (raw bytes
 //! in `*out`), `handle` (`*out` = a new instance). An entry marked `by shim_fn` has its shim
@@ -230,7 +231,7 @@ macro_rules! vtable {
                 $(#[doc = $odoc:literal])*
                 #[since(1, $minor:literal)] $(#[cfg($cfg:meta)])?
                 $oentry:ident ( $($oarg:ident : $orty:ty as ($($oc:ident : $octy:ty),+)),* )
-                    $(-> $ork:ident $(($ort:ty))?)?, else $fallback:literal => $fbexpr:expr;
+                    $(-> $ork:ident $(($ort:ty))?)?, else $fallback:literal $(=> $fbexpr:expr)? $(, by $oshim:ident)?;
             )*
         }
         by hand { $($manual:tt)* }
@@ -298,7 +299,7 @@ macro_rules! vtable {
                 struct_size: size_of::<$name>(),
                 free: Some(free_exported::<$exported>),
                 $( $entry: Some(shim_name!($entry $(, $shim)?)), )*
-                $( $(#[cfg($cfg)])? $oentry: Some(shim_name!($oentry)), )*
+                $( $(#[cfg($cfg)])? $oentry: Some(shim_name!($oentry $(, $oshim)?)), )*
             };
 
             /// Folds the `.0` layout into the fingerprint: alignment, each entry's offset and
@@ -397,7 +398,7 @@ macro_rules! vtable {
             )*
             $(
                 $(#[cfg($cfg)])?
-                shim!([] $exported, $get, $oentry,
+                shim!([$(by $oshim)?] $exported, $get, $oentry,
                     [$($oarg : $orty as ($($oc : $octy),+)),*], [$($($oc : $octy),+),*], [$($ork $(($ort))?)?]);
             )*
         }
@@ -409,8 +410,8 @@ macro_rules! vtable {
             )*
             $(
                 $(#[cfg($cfg)])?
-                foreign_fn!([] $recv, $oentry,
-                    [$($oarg : $orty as ($($oc : $octy),+)),*], [$($ork $(($ort))?)?], [$fbexpr]);
+                foreign_fn!([$(by $oshim)?] $recv, $oentry,
+                    [$($oarg : $orty as ($($oc : $octy),+)),*], [$($ork $(($ort))?)?], [$($fbexpr)?]);
             )*
             $($manual)*
         }
