@@ -7,5 +7,6 @@ pub use kvconnect_loader as loader;
 pub mod proxy;
 pub mod registry;
 pub mod server;
+mod shutdown;
 pub mod sidechannel;
 pub mod up;

@@ -120,7 +120,7 @@ pub fn run(a: &ProxyArgs) -> Result<()> {
 }
 
 async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()> {
-    let stop = crate::up::shutdown_signal()?;
+    let stop = crate::shutdown::shutdown_signal()?;
     let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {
         Exit::bad_input(anyhow!(
             "cannot bind the proxy on {}: {e}; pick another --listen (port 0 = any free port)",

@@ -101,7 +101,7 @@ pub fn run(spec: ServerSpec, registry: Registry) -> Result<()> {
 }
 
 async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
-    let stop = shutdown_signal()?;
+    let stop = crate::shutdown::shutdown_signal()?;
     let swept = kvconnect_engine::shm::sweep_dead();
     if swept > 0 {
         tracing::warn!(
@@ -264,28 +264,4 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
         tracing::warn!(segments = left, "unlinked shared-memory segments left behind");
     }
     Ok(())
-}
-
-/// Registers the SIGTERM and SIGINT handlers now (a signal that arrives before the server
-/// announces itself must not kill it with the default action and leak its shared memory);
-/// the returned future completes on the first of them.
-fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?;
-        let mut int = signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?;
-        Ok(async move {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
-            }
-        })
-    }
-    #[cfg(not(unix))]
-    {
-        Ok(async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
-    }
 }

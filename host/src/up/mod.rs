@@ -108,7 +108,7 @@ pub fn run(a: &UpArgs) -> Result<()> {
 }
 
 async fn up(a: &UpArgs) -> Result<()> {
-    let mut stop = Box::pin(shutdown_signal()?);
+    let mut stop = Box::pin(crate::shutdown::shutdown_signal()?);
     let files = files::DeploymentFiles::resolve(a.deployment.as_deref())?;
     // Refuse a broken file before any process starts.
     let deployment = Deployment::load(&files.path).map_err(|e| Exit::bad_input(anyhow!(e)))?;
@@ -428,17 +428,4 @@ async fn run_workload(
             )),
         }))
     }
-}
-
-/// SIGTERM or SIGINT (registered now, so a signal during start-up is not the default kill).
-pub(crate) fn shutdown_signal() -> Result<impl std::future::Future<Output = ()>> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).context("cannot listen for SIGTERM")?;
-    let mut int = signal(SignalKind::interrupt()).context("cannot listen for SIGINT")?;
-    Ok(async move {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = int.recv() => {}
-        }
-    })
 }
