@@ -8,6 +8,7 @@ mod bench_lmcache_device;
 mod bench_nixl_vram;
 mod bench_tp;
 pub mod config_arg;
+pub mod engine_args;
 pub mod exit;
 pub mod negotiate;
 pub mod plan;

@@ -1,11 +1,11 @@
 //! `kvconnect negotiate`: one server's effective KV layout, its compat hash and, with
 //! `--explain`, who decided every field and why.
 
-use crate::deployment::{negotiate_alone, parse_cache_dtype, DeploymentError, Negotiating};
-use anyhow::{anyhow, Context, Result};
+use crate::deployment::{negotiate_alone, DeploymentError, Negotiating};
+use anyhow::{Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
-use kvconnect_api::negotiate::{EngineOptions, HmaOption, Negotiated};
-use kvconnect_api::{ConnectorResolver, KvLayout, ModelSpec};
+use kvconnect_api::negotiate::{EngineOptions, Negotiated};
+use kvconnect_api::{ConnectorResolver, ModelSpec};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -18,21 +18,11 @@ pub struct NegotiateArgs {
     /// The model's Hugging Face config.json.
     #[arg(long, value_name = "CONFIG.json")]
     pub model: PathBuf,
-    /// Hybrid KV cache manager: auto, on or off.
-    #[arg(long = "hybrid-kv-cache-manager", value_name = "auto|on|off", default_value = "auto")]
-    pub hybrid_kv_cache_manager: String,
-    /// Force a KV layout (NHD, HND, BLHNC, ... or any order of L, B, H, N, C).
-    #[arg(long = "kv-cache-layout", value_name = "LAYOUT")]
-    pub kv_cache_layout: Option<String>,
-    /// Tokens per block (default 16).
-    #[arg(long = "block-size", value_name = "N")]
-    pub block_size: Option<u32>,
+    #[command(flatten)]
+    pub engine: super::engine_args::EngineArgs,
     /// Tensor-parallel size.
     #[arg(long = "tp-size", value_name = "N", default_value_t = 1)]
     pub tp_size: u32,
-    /// Cache dtype: auto (the model's), bf16, fp16, fp32, fp8, fp8_e5m2.
-    #[arg(long = "cache-dtype", value_name = "DTYPE")]
-    pub cache_dtype: Option<String>,
     /// Forbid children from adapting their own data path to another layout.
     #[arg(long = "no-adapters")]
     pub no_adapters: bool,
@@ -54,30 +44,8 @@ pub fn read_model(path: &std::path::Path) -> Result<ModelSpec> {
 }
 
 fn options(args: &NegotiateArgs) -> Result<EngineOptions> {
-    let mut o = EngineOptions {
-        hybrid_kv_cache_manager: args
-            .hybrid_kv_cache_manager
-            .parse::<HmaOption>()
-            .map_err(|e| anyhow!("--hybrid-kv-cache-manager: {e}"))?,
-        tp_size: args.tp_size,
-        allow_adapters: !args.no_adapters,
-        ..EngineOptions::default()
-    };
-    if args.tp_size == 0 {
-        return Err(anyhow!("--tp-size must be a positive integer, got 0"));
-    }
-    if let Some(l) = &args.kv_cache_layout {
-        o.kv_cache_layout = Some(l.parse::<KvLayout>().map_err(|e| anyhow!("--kv-cache-layout: {e}"))?);
-    }
-    if let Some(b) = args.block_size {
-        if b == 0 {
-            return Err(anyhow!("--block-size must be a positive integer, got 0"));
-        }
-        o.block_size = Some(b);
-    }
-    if let Some(d) = &args.cache_dtype {
-        o.cache_dtype = parse_cache_dtype(d).map_err(|m| anyhow!("--{}", m.replacen('_', "-", 1)))?;
-    }
+    let mut o = args.engine.options(args.tp_size)?;
+    o.allow_adapters = !args.no_adapters;
     Ok(o)
 }
 

@@ -3,7 +3,7 @@
 //! a model, alone, as vLLM does.
 
 use super::config_arg::read_config;
-use crate::deployment::{negotiate_alone, negotiate_role, parse_cache_dtype, Deployment, Negotiating};
+use crate::deployment::{negotiate_alone, negotiate_role, Deployment, Negotiating};
 use crate::registry::Registry;
 use crate::server::producers::Producers;
 use crate::server::{run as run_server, ServerSpec};
@@ -11,8 +11,8 @@ use crate::sidechannel::{
     SideChannelConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT,
 };
 use anyhow::{anyhow, bail, Context, Result};
-use kvconnect_api::negotiate::{EngineOptions, HmaOption};
-use kvconnect_api::{KvLayout, KvTransferConfig, ModelSpec, Role};
+use kvconnect_api::negotiate::EngineOptions;
+use kvconnect_api::{KvTransferConfig, ModelSpec, Role};
 use kvconnect_nixl::auth::{Secret, SECRET_ENV};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -36,18 +36,9 @@ pub struct ServerArgs {
     /// The model's config.json (the reference engine's, or any model with --synthetic-kv).
     #[arg(long, value_name = "CONFIG.json")]
     pub model: Option<PathBuf>,
-    /// Hybrid KV cache manager: auto, on or off (with --kv-transfer-config).
-    #[arg(long = "hybrid-kv-cache-manager", value_name = "auto|on|off", default_value = "auto")]
-    pub hybrid_kv_cache_manager: String,
-    /// Force a KV layout (with --kv-transfer-config).
-    #[arg(long = "kv-cache-layout", value_name = "LAYOUT")]
-    pub kv_cache_layout: Option<String>,
-    /// Tokens per block (with --kv-transfer-config; default 16).
-    #[arg(long = "block-size", value_name = "N")]
-    pub block_size: Option<u32>,
-    /// Cache dtype (with --kv-transfer-config): auto, bf16, fp16, fp32.
-    #[arg(long = "cache-dtype", value_name = "DTYPE")]
-    pub cache_dtype: Option<String>,
+    /// Engine options, with --kv-transfer-config (a deployment file sets its own).
+    #[command(flatten)]
+    pub engine: super::engine_args::EngineArgs,
     /// Tensor-parallel size (with --kv-transfer-config; a deployment file sets `tp_size`):
     /// the KV heads are split across this many ranks, each with its own KV regions.
     #[arg(long = "tp-size", value_name = "N", default_value_t = 1, conflicts_with = "deployment")]
@@ -154,31 +145,9 @@ pub struct ServerArgs {
 }
 
 fn options(a: &ServerArgs) -> Result<EngineOptions> {
-    let mut o = EngineOptions {
-        hybrid_kv_cache_manager: a
-            .hybrid_kv_cache_manager
-            .parse::<HmaOption>()
-            .map_err(|e| anyhow!("--hybrid-kv-cache-manager: {e}"))?,
-        ..EngineOptions::default()
-    };
-    if let Some(l) = &a.kv_cache_layout {
-        o.kv_cache_layout = Some(l.parse::<KvLayout>().map_err(|e| anyhow!("--kv-cache-layout: {e}"))?);
-    }
-    if let Some(b) = a.block_size {
-        if b == 0 {
-            bail!("--block-size must be a positive integer, got 0");
-        }
-        o.block_size = Some(b);
-    }
-    if a.tp_size == 0 {
-        bail!("--tp-size must be a positive integer, got 0");
-    }
-    o.tp_size = a.tp_size;
+    let mut o = a.engine.options(a.tp_size)?;
     // The engine's ranks are threads of this process behind one connector.
     o.ranks_per_worker = a.tp_size;
-    if let Some(d) = &a.cache_dtype {
-        o.cache_dtype = parse_cache_dtype(d).map_err(|m| anyhow!("--{}", m.replacen('_', "-", 1)))?;
-    }
     Ok(o)
 }
 
