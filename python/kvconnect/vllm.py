@@ -9,7 +9,7 @@
                                "side_channel_port": 5600}}'
 
 `kvconnect` is a kvconnect kv-transfer-config exactly as kvconnect takes it (any built-in
-or plugin connector); the other keys are the adapter's own (README.md). Both halves
+or plugin connector); the other keys are the adapter's own (docs/vllm.md). Both halves
 negotiate from vLLM's own settings at startup and refuse to start, with kvconnect's one-line
 message, when vLLM's settings contradict the negotiation. Everything else is delegated to
 the native module through the adapter's core (`kvconnect.core`, which runs without vLLM):
@@ -299,7 +299,7 @@ class KvconnectConnector(KVConnectorBase_V1):
         """Over the nixl `shm` backend a producer's KV cache must be shared memory, so a
         same-host decode can map it: vLLM allocates its whole KV cache with one
         `torch.zeros` inside this context, and that call gets kvconnect's shared-memory
-        buffer instead (README.md, "kvconnect inside vLLM")."""
+        buffer instead (docs/vllm.md)."""
         if self._worker is None or not self._worker.kv_in_shared_memory():
             return None
         cfg = self._kv_cache_config

@@ -1,7 +1,7 @@
 //! Builds the plugin libraries the plugin tests load through the real dynamic path: the
 //! example plugin (a workspace member), the deliberately broken plugins of
 //! `tests/fixtures/broken-plugins`, one library per defect, and plugin crates a test writes
-//! outside the workspace (README.md's).
+//! outside the workspace (docs/plugins.md's guide).
 //!
 //! They are built with cargo into a directory under the test's `CARGO_TARGET_TMPDIR`, not the
 //! outer target directory, whose lock the running `cargo test` holds. Dependencies are

@@ -53,7 +53,7 @@ const LOGGING: &str = "kvconnect logs through tracing: set RUST_LOG=kvconnect_fl
 const TRACE: &str = "no trace file is written; per-tier hits and bytes are on the worker's /metrics";
 const EVICTION: &str = "eviction is least recently used, of only as many blocks as the next write needs";
 
-/// FlexKV's keys (and kvconnect's own), with how each is handled. The flexkv README lists
+/// FlexKV's keys (and kvconnect's own), with how each is handled. docs/connectors/flexkv.md lists
 /// the same keys (a test keeps them in step).
 pub const KEYS: &[(&str, Kind)] = &[
     ("cpu_cache_gb", Kind::Setting),
@@ -701,10 +701,10 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_lists_every_key() {
-        let readme = include_str!("../README.md");
+    fn the_docs_list_every_key() {
+        let readme = include_str!("../../../docs/connectors/flexkv.md");
         for (k, _) in KEYS {
-            assert!(readme.contains(&format!("`{k}`")), "connectors/flexkv/README.md does not list `{k}`");
+            assert!(readme.contains(&format!("`{k}`")), "docs/connectors/flexkv.md does not list `{k}`");
         }
     }
 }

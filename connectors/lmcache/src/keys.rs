@@ -37,7 +37,7 @@ const NO_P2P: &str = "kvconnect's lmcache does not share CPU tiers peer to peer;
 const NO_BLENDING: &str = "kvconnect's lmcache reuses prompt prefixes only (no CacheBlend of non-prefix chunks); remove enable_blending";
 const NO_GDS: &str =
     "kvconnect has no GPU Direct Storage tier; for chunks on disk set local_disk: file:///path and max_local_disk_size";
-const NO_PLUGINS: &str = "kvconnect's lmcache loads no LMCache plugins; a storage backend of your own is a kvconnect connector plugin on KVCONNECT_PLUGIN_PATH (see README, Write a plugin)";
+const NO_PLUGINS: &str = "kvconnect's lmcache loads no LMCache plugins; a storage backend of your own is a kvconnect connector plugin on KVCONNECT_PLUGIN_PATH (see docs/plugins.md, Write a plugin)";
 const SYSTEM_ALLOCATOR: &str =
     "kvconnect takes the CPU tier's memory from the system allocator as chunks arrive (max_local_cpu_size caps it); no reservation, hugepages, NUMA binding or staged allocation";
 const NO_API_SERVER: &str = "kvconnect starts no LMCache API server: the worker's own HTTP port serves GET /metrics (cache hits per tier) and /health";
@@ -45,7 +45,7 @@ const NO_PYTHON: &str = "kvconnect has no Python runtime";
 const STATS: &str =
     "chunk statistics are kvconnect_lmcache::stats() and the worker's /metrics (kvconnect_cache_* per tier)";
 
-/// LMCache's keys, with how each is handled. The README's lmcache table lists the same keys
+/// LMCache's keys, with how each is handled. docs/connectors/lmcache.md's table lists the same keys
 /// (a test keeps them in step).
 pub const KEYS: &[(&str, Kind)] = &[
     // Storage and chunking.
@@ -247,12 +247,8 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_lists_every_key_and_no_other() {
-        let readme = include_str!("../../../README.md");
-        let start = readme.find("## lmcache").expect("README has an lmcache section");
-        let section = &readme[start..];
-        let end = section[3..].find("\n## ").map_or(section.len(), |i| i + 3);
-        let section = &section[..end];
+    fn the_docs_list_every_key_and_no_other() {
+        let section = include_str!("../../../docs/connectors/lmcache.md");
         let mut listed = Vec::new();
         for line in section.lines().filter(|l| l.starts_with("| `")) {
             let first = line.split('|').nth(1).unwrap_or("");
@@ -261,10 +257,13 @@ mod tests {
             }
         }
         for (k, _) in KEYS {
-            assert!(listed.iter().any(|l| l == k), "README's lmcache table does not list `{k}`");
+            assert!(listed.iter().any(|l| l == k), "docs/connectors/lmcache.md's table does not list `{k}`");
         }
         for l in &listed {
-            assert!(kind_of(l).is_some(), "README's lmcache table lists `{l}`, which keys.rs does not have");
+            assert!(
+                kind_of(l).is_some(),
+                "docs/connectors/lmcache.md's table lists `{l}`, which keys.rs does not have"
+            );
         }
     }
 }

@@ -1,5 +1,5 @@
 //! `kvconnect plugins list | inspect`: capability queries, answered without creating any
-//! connector instance. The `--json` output is a stable interface (documented in README.md):
+//! connector instance. The `--json` output is a stable interface (documented in docs/plugins.md):
 //! fields are only ever added.
 
 use super::config_arg::read_config;

@@ -4,7 +4,7 @@
 //! Every parameter OpenAI or vLLM define is either honoured, accepted without effect where
 //! this engine already behaves as asked (no special tokens, no EOS), or refused unless it has
 //! its default value (both lists are in `unsupported`). Parameters neither of them define are ignored with a
-//! warning, as vLLM's OpenAI server does. README.md's `kvconnect up` section has the table.
+//! warning, as vLLM's OpenAI server does. docs/openai-api.md has the table.
 
 use crate::server::chat_template;
 use crate::server::unsupported::{refuse, NO_EFFECT, REFUSED};
@@ -665,12 +665,15 @@ mod tests {
     }
 
     #[test]
-    fn the_readme_table_names_every_parameter() {
-        let readme = include_str!("../../../README.md");
+    fn the_docs_table_names_every_parameter() {
+        let readme = include_str!("../../../docs/openai-api.md");
         let names =
             REFUSED.iter().map(|r| r.name).chain(NO_EFFECT.iter().copied()).chain(HONOURED.iter().copied());
         for name in names.chain(HONOURED_COMPLETIONS.iter().copied()).chain(HONOURED_CHAT.iter().copied()) {
-            assert!(readme.contains(&format!("`{name}`")), "README.md's parameter table lacks `{name}`");
+            assert!(
+                readme.contains(&format!("`{name}`")),
+                "docs/openai-api.md's parameter table lacks `{name}`"
+            );
         }
     }
 }

@@ -1,5 +1,5 @@
 //! A third-party kvconnect plugin, built only against `kvconnect-api`: a KV cache store in a
-//! local directory. It is also the template for writing a plugin (README.md, "Write a
+//! local directory. It is also the template for writing a plugin (docs/plugins.md, "Write a
 //! plugin").
 //!
 //! What it does: when a request's prompt has been prefilled, the worker half copies the KV

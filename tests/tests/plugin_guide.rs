@@ -1,4 +1,4 @@
-//! README.md's "Write a plugin", followed as a user follows it: the section's `cargo new`, its
+//! docs/plugins.md's "Write a plugin", followed as a user follows it: the section's `cargo new`, its
 //! files pasted into the new crate outside the workspace (the kvconnect-api path pointed at
 //! this checkout), an offline build, the section's `kvconnect plugins inspect`, and then the
 //! worker half driven through the C ABI, to show its safe KV view at work.
@@ -16,14 +16,15 @@ use kvconnect_tests::{cargo_cmd, kvconnect_bin, readme, workspace_root};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// Where the README's Cargo.toml says the API is.
+/// Where the guide's Cargo.toml says the API is.
 const API_PLACEHOLDER: &str = "/path/to/kvconnect/connector-api";
 const NUM_BLOCKS: u32 = 4;
 
 fn section() -> String {
-    let doc = std::fs::read_to_string(workspace_root().join("README.md")).expect("read README.md");
+    let doc =
+        std::fs::read_to_string(workspace_root().join("docs/plugins.md")).expect("read docs/plugins.md");
     readme::section(&doc, "## Write a plugin")
-        .expect("README.md has a \"## Write a plugin\" section")
+        .expect("docs/plugins.md has a \"## Write a plugin\" section")
         .to_owned()
 }
 
@@ -50,7 +51,7 @@ fn write_files(section: &str, krate: &Path) -> Vec<String> {
         };
         let path = krate.join(name);
         std::fs::create_dir_all(path.parent().expect("a file in the crate")).expect("create a source folder");
-        std::fs::write(&path, body).expect("write a README file");
+        std::fs::write(&path, body).expect("write a guide's file");
     }
     files.into_iter().map(|(name, _)| name).collect()
 }
@@ -99,7 +100,7 @@ fn context() -> ConnectorContext {
 }
 
 #[test]
-fn the_readme_plugin_builds_loads_and_bounds_checks_its_kv_memory() {
+fn the_guide_plugin_builds_loads_and_bounds_checks_its_kv_memory() {
     let section = section();
     let dir = tempfile::tempdir().expect("a temporary directory");
     let krate = new_crate(&section, dir.path());
@@ -108,7 +109,7 @@ fn the_readme_plugin_builds_loads_and_bounds_checks_its_kv_memory() {
 
     let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
     let (lib, stderr) = external_plugin(tmp, &krate, "mine");
-    assert!(!stderr.contains("warning"), "the README's plugin builds without warnings:\n{stderr}");
+    assert!(!stderr.contains("warning"), "the guide's plugin builds without warnings:\n{stderr}");
     copy_with_mode(&lib, &krate, "libmine.so", 0o755);
     let outputs = run_kvconnect_lines(&section, &krate);
     let inspect = &outputs[0];
