@@ -479,156 +479,218 @@ fn on_off(b: bool) -> &'static str {
 }
 
 fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) -> Vec<FieldDiff> {
-    let mut out = Vec::new();
-    let mut push = |field: LayoutField,
-                    class,
-                    local: String,
-                    local_why,
-                    peer: String,
-                    peer_why,
-                    remedy: String,
-                    detail| {
-        out.push(FieldDiff { field, class, local, local_why, peer, peer_why, remedy, detail });
-    };
-    let (ea, eb) = (&a.effective, &b.effective);
+    let pair = Pair { a, b, ar, br };
+    FIELD_CHECKS.iter().filter_map(|check| check(&pair)).collect()
+}
 
-    let same_model = a.model_fingerprint == b.model_fingerprint;
-    if !same_model {
-        let short = |d: &CompatDescriptor| {
-            format!("{} ({})", d.model_name, d.model_fingerprint.get(..12).unwrap_or(&d.model_fingerprint))
-        };
-        push(
-            LayoutField::Model,
-            FieldClass::Strict,
-            short(a),
-            "from its config.json".to_owned(),
-            short(b),
-            "from its config.json".to_owned(),
-            format!("serve the same model (the same config.json) on {ar} and {br}"),
-            String::new(),
-        );
+/// Two descriptors and the names of their sides (`prefill`, `decode`), as the field checks
+/// see them.
+struct Pair<'a> {
+    a: &'a CompatDescriptor,
+    b: &'a CompatDescriptor,
+    ar: &'a str,
+    br: &'a str,
+}
+
+impl Pair<'_> {
+    fn same_model(&self) -> bool {
+        self.a.model_fingerprint == self.b.model_fingerprint
     }
-    if ea.cache_dtype != eb.cache_dtype {
-        push(
+
+    /// Opaque blocks (an engine-private in-block order) move whole: nothing about them adapts.
+    fn opaque(&self) -> bool {
+        self.a.effective.opaque_blocks || self.b.effective.opaque_blocks
+    }
+
+    /// A difference in `field`, each side's reason being the one its negotiation recorded.
+    fn diff(
+        &self,
+        field: LayoutField,
+        class: FieldClass,
+        values: (String, String),
+        remedy: String,
+    ) -> FieldDiff {
+        let (local, peer) = values;
+        let (local_why, peer_why) = (self.a.why(field.clone()), self.b.why(field.clone()));
+        FieldDiff { field, class, local, local_why, peer, peer_why, remedy, detail: String::new() }
+    }
+
+    /// The remedy for an adaptable field of opaque blocks.
+    fn opaque_remedy(&self, field: &str) -> String {
+        format!(
+            "opaque blocks move whole, never adapted: set the same {field} on {} and {}",
+            self.ar, self.br
+        )
+    }
+}
+
+/// One field's check: the difference, or `None` when the field does not differ (or another
+/// check already says it).
+type FieldCheck = fn(&Pair) -> Option<FieldDiff>;
+
+/// The field checks, strict fields first, in the order a diff lists them.
+const FIELD_CHECKS: &[FieldCheck] = &[
+    model_differs,
+    cache_dtype_differs,
+    groups_differ,
+    state_groups_differ,
+    transfer_mode_differs,
+    opaque_blocks_differ,
+    layout_differs,
+    block_size_differs,
+    tp_size_differs,
+];
+
+fn model_differs(p: &Pair) -> Option<FieldDiff> {
+    if p.same_model() {
+        return None;
+    }
+    let short = |d: &CompatDescriptor| {
+        format!("{} ({})", d.model_name, d.model_fingerprint.get(..12).unwrap_or(&d.model_fingerprint))
+    };
+    let why = "from its config.json".to_owned();
+    Some(FieldDiff {
+        field: LayoutField::Model,
+        class: FieldClass::Strict,
+        local: short(p.a),
+        local_why: why.clone(),
+        peer: short(p.b),
+        peer_why: why,
+        remedy: format!("serve the same model (the same config.json) on {} and {}", p.ar, p.br),
+        detail: String::new(),
+    })
+}
+
+fn cache_dtype_differs(p: &Pair) -> Option<FieldDiff> {
+    let (ea, eb) = (&p.a.effective, &p.b.effective);
+    (ea.cache_dtype != eb.cache_dtype).then(|| {
+        p.diff(
             LayoutField::CacheDtype,
             FieldClass::Strict,
-            ea.cache_dtype.to_string(),
-            a.why(LayoutField::CacheDtype),
-            eb.cache_dtype.to_string(),
-            b.why(LayoutField::CacheDtype),
-            format!("set cache_dtype to the same value on {ar} and {br}"),
-            String::new(),
-        );
+            (ea.cache_dtype.to_string(), eb.cache_dtype.to_string()),
+            format!("set cache_dtype to the same value on {} and {}", p.ar, p.br),
+        )
+    })
+}
+
+/// KV cache groups follow from the model: when the models differ, the model diff says it
+/// all. Groups that differ because HMA does are the `hma` field's difference.
+fn groups_differ(p: &Pair) -> Option<FieldDiff> {
+    let (ea, eb, ar, br) = (&p.a.effective, &p.b.effective, p.ar, p.br);
+    if !p.same_model() || ea.groups == eb.groups {
+        return None;
     }
-    // Groups follow from the model: when the models differ, the model diff says it all.
-    if same_model && ea.groups != eb.groups {
-        let detail = format!(
-            "kv groups: {ar} {}; {br} {}",
-            describe_groups_with(&ea.groups, ea.hma),
-            describe_groups_with(&eb.groups, eb.hma)
-        );
-        if ea.hma != eb.hma {
-            let on = if ea.hma { ar } else { br };
-            push(
-                LayoutField::Hma,
-                FieldClass::Strict,
-                on_off(ea.hma).to_owned(),
-                a.why(LayoutField::Hma),
-                on_off(eb.hma).to_owned(),
-                b.why(LayoutField::Hma),
-                format!("run {on} with the same connector set, or set hybrid_kv_cache_manager=off on {on}"),
-                detail,
-            );
-        } else {
-            push(
-                LayoutField::KvGroups,
-                FieldClass::Strict,
-                describe_groups_with(&ea.groups, ea.hma),
-                a.why(LayoutField::KvGroups),
-                describe_groups_with(&eb.groups, eb.hma),
-                b.why(LayoutField::KvGroups),
-                format!(
-                    "negotiate {ar} and {br} together (kvconnect plan) so they get the same KV cache groups"
-                ),
-                String::new(),
-            );
-        }
+    let (ga, gb) = (describe_groups_with(&ea.groups, ea.hma), describe_groups_with(&eb.groups, eb.hma));
+    if ea.hma == eb.hma {
+        let remedy =
+            format!("negotiate {ar} and {br} together (kvconnect plan) so they get the same KV cache groups");
+        return Some(p.diff(LayoutField::KvGroups, FieldClass::Strict, (ga, gb), remedy));
     }
-    // State groups follow from the model too; they differ only with a peer that does not
-    // describe them.
-    if same_model && ea.state_groups != eb.state_groups {
-        push(
+    let on = if ea.hma { ar } else { br };
+    let remedy = format!("run {on} with the same connector set, or set hybrid_kv_cache_manager=off on {on}");
+    let values = (on_off(ea.hma).to_owned(), on_off(eb.hma).to_owned());
+    let diff = p.diff(LayoutField::Hma, FieldClass::Strict, values, remedy);
+    Some(FieldDiff { detail: format!("kv groups: {ar} {ga}; {br} {gb}"), ..diff })
+}
+
+/// State groups follow from the model too; they differ only with a peer that does not
+/// describe them.
+fn state_groups_differ(p: &Pair) -> Option<FieldDiff> {
+    let (ea, eb) = (&p.a.effective, &p.b.effective);
+    (p.same_model() && ea.state_groups != eb.state_groups).then(|| {
+        p.diff(
             LayoutField::StateGroups,
             FieldClass::Strict,
-            describe_state_groups(&ea.state_groups),
-            a.why(LayoutField::StateGroups),
-            describe_state_groups(&eb.state_groups),
-            b.why(LayoutField::StateGroups),
+            (describe_state_groups(&ea.state_groups), describe_state_groups(&eb.state_groups)),
             format!(
-                "run the same kvconnect version on {ar} and {br}, with connectors that carry the per-request state of the state layers"
+                "run the same kvconnect version on {} and {}, with connectors that carry the per-request state of the state layers",
+                p.ar, p.br
             ),
-            String::new(),
-        );
-    }
-    if ea.transfer_mode != eb.transfer_mode {
-        push(
+        )
+    })
+}
+
+fn transfer_mode_differs(p: &Pair) -> Option<FieldDiff> {
+    let (ea, eb) = (&p.a.effective, &p.b.effective);
+    (ea.transfer_mode != eb.transfer_mode).then(|| {
+        p.diff(
             LayoutField::TransferMode,
             FieldClass::Strict,
-            ea.transfer_mode.to_string(),
-            a.why(LayoutField::TransferMode),
-            eb.transfer_mode.to_string(),
-            b.why(LayoutField::TransferMode),
-            format!("use the same transport connector (e.g. nixl) on {ar} and {br}"),
-            String::new(),
-        );
+            (ea.transfer_mode.to_string(), eb.transfer_mode.to_string()),
+            format!("use the same transport connector (e.g. nixl) on {} and {}", p.ar, p.br),
+        )
+    })
+}
+
+fn opaque_blocks_differ(p: &Pair) -> Option<FieldDiff> {
+    let (ea, eb, ar, br) = (&p.a.effective, &p.b.effective, p.ar, p.br);
+    if ea.opaque_blocks == eb.opaque_blocks {
+        return None;
     }
-    // Opaque blocks (an engine-private in-block order) move whole: nothing about them adapts.
-    let opaque = ea.opaque_blocks || eb.opaque_blocks;
-    if ea.opaque_blocks != eb.opaque_blocks {
-        let name = |o: bool| if o { "opaque" } else { "known layout" }.to_owned();
-        let which = if ea.opaque_blocks { ar } else { br };
-        push(
-            LayoutField::OpaqueBlocks,
-            FieldClass::Strict,
-            name(ea.opaque_blocks),
-            "from the engine backend".to_owned(),
-            name(eb.opaque_blocks),
-            "from the engine backend".to_owned(),
-            format!("{which}'s engine backend keeps its in-block order private, so its blocks cannot be re-laid-out for the other side: run the same engine backend on {ar} and {br}"),
-            String::new(),
-        );
+    let name = |o: bool| if o { "opaque" } else { "known layout" }.to_owned();
+    let which = if ea.opaque_blocks { ar } else { br };
+    let why = "from the engine backend".to_owned();
+    Some(FieldDiff {
+        field: LayoutField::OpaqueBlocks,
+        class: FieldClass::Strict,
+        local: name(ea.opaque_blocks),
+        local_why: why.clone(),
+        peer: name(eb.opaque_blocks),
+        peer_why: why,
+        remedy: format!(
+            "{which}'s engine backend keeps its in-block order private, so its blocks cannot be re-laid-out for the other side: run the same engine backend on {ar} and {br}"
+        ),
+        detail: String::new(),
+    })
+}
+
+/// Layout and block size adapt, unless the blocks are opaque.
+fn adaptable(p: &Pair) -> FieldClass {
+    if p.opaque() {
+        FieldClass::Strict
+    } else {
+        FieldClass::Adaptable
     }
-    let adaptable = if opaque { FieldClass::Strict } else { FieldClass::Adaptable };
-    let opaque_remedy = |field: &str| {
-        format!("opaque blocks move whole, never adapted: set the same {field} on {ar} and {br}")
+}
+
+fn layout_differs(p: &Pair) -> Option<FieldDiff> {
+    let (a, b, ea, eb) = (p.a, p.b, &p.a.effective, &p.b.effective);
+    if same_layout_bytes(a, b) {
+        return None;
+    }
+    let remedy = if p.opaque() {
+        p.opaque_remedy("kv_cache_layout")
+    } else if let Some(refusal) = combination_refusal(&LayoutField::Layout, a, b, p.ar, p.br) {
+        refusal
+    } else {
+        let perm = LayoutPermutation::between(eb.layout, ea.layout);
+        format!(
+            "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set kv_cache_layout={} on both",
+            perm.perm,
+            perm.from.canonical_name(),
+            perm.to.canonical_name(),
+            ea.layout.canonical_name()
+        )
     };
-    if !same_layout_bytes(a, b) {
-        let p = LayoutPermutation::between(eb.layout, ea.layout);
-        push(
-            LayoutField::Layout,
-            adaptable,
-            ea.layout.display_name(),
-            a.why(LayoutField::Layout),
-            eb.layout.display_name(),
-            b.why(LayoutField::Layout),
-            if opaque {
-                opaque_remedy("kv_cache_layout")
-            } else if let Some(refusal) = combination_refusal(&LayoutField::Layout, a, b, ar, br) {
-                refusal
-            } else {
-                format!(
-                "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set kv_cache_layout={} on both",
-                p.perm,
-                p.from.canonical_name(),
-                p.to.canonical_name(),
-                ea.layout.canonical_name()
-            )
-            },
-            String::new(),
-        );
+    Some(p.diff(
+        LayoutField::Layout,
+        adaptable(p),
+        (ea.layout.display_name(), eb.layout.display_name()),
+        remedy,
+    ))
+}
+
+fn block_size_differs(p: &Pair) -> Option<FieldDiff> {
+    let (ea, eb, ar, br) = (&p.a.effective, &p.b.effective, p.ar, p.br);
+    if ea.block_size == eb.block_size {
+        return None;
     }
-    if ea.block_size != eb.block_size {
-        let remedy = match divisible_ratio(ea.block_size, eb.block_size) {
+    let remedy = if p.opaque() {
+        p.opaque_remedy("block_size")
+    } else if let Some(refusal) = combination_refusal(&LayoutField::BlockSize, p.a, p.b, ar, br) {
+        refusal
+    } else {
+        match divisible_ratio(ea.block_size, eb.block_size) {
             Some((x, y)) => format!(
                 "blocks are split or merged in a {x}:{y} ratio on receive; set block_size to the same value on both to avoid it"
             ),
@@ -636,46 +698,38 @@ fn diff_named(a: &CompatDescriptor, b: &CompatDescriptor, ar: &str, br: &str) ->
                 "{} and {} do not divide each other: set block_size to the same value on {ar} and {br} (or sizes where one divides the other)",
                 ea.block_size, eb.block_size
             ),
-        };
-        push(
-            LayoutField::BlockSize,
-            adaptable,
-            ea.block_size.to_string(),
-            a.why(LayoutField::BlockSize),
-            eb.block_size.to_string(),
-            b.why(LayoutField::BlockSize),
-            if opaque {
-                opaque_remedy("block_size")
-            } else {
-                combination_refusal(&LayoutField::BlockSize, a, b, ar, br).unwrap_or(remedy)
-            },
-            String::new(),
-        );
-    }
-    // Equal TP sizes above 1 are a difference only for a model whose state the children
-    // cannot move across ranks.
+        }
+    };
+    Some(p.diff(
+        LayoutField::BlockSize,
+        adaptable(p),
+        (ea.block_size.to_string(), eb.block_size.to_string()),
+        remedy,
+    ))
+}
+
+/// Equal TP sizes above 1 are a difference only for a model whose state the children
+/// cannot move across ranks.
+fn tp_size_differs(p: &Pair) -> Option<FieldDiff> {
+    let (a, b, ar, br) = (p.a, p.b, p.ar, p.br);
     let state_refusal = combination_refusal(&LayoutField::TpSize, a, b, ar, br);
-    if a.tp_size != b.tp_size || state_refusal.is_some() {
-        let heterogeneous = a.heterogeneous_tp && b.heterogeneous_tp;
-        let remedy = match (tp_refusal((ar, a.tp_size), (br, b.tp_size), heterogeneous), state_refusal) {
-            (Some(refusal), _) | (None, Some(refusal)) => refusal,
-            (None, None) => {
-                let (x, y) = divisible_ratio(a.tp_size, b.tp_size).unwrap_or((1, 1));
-                format!("heads are regrouped across ranks in a {x}:{y} ratio on receive")
-            }
-        };
-        push(
-            LayoutField::TpSize,
-            FieldClass::Adaptable,
-            a.tp_size.to_string(),
-            a.why(LayoutField::TpSize),
-            b.tp_size.to_string(),
-            b.why(LayoutField::TpSize),
-            remedy,
-            String::new(),
-        );
+    if a.tp_size == b.tp_size && state_refusal.is_none() {
+        return None;
     }
-    out
+    let heterogeneous = a.heterogeneous_tp && b.heterogeneous_tp;
+    let remedy = match (tp_refusal((ar, a.tp_size), (br, b.tp_size), heterogeneous), state_refusal) {
+        (Some(refusal), _) | (None, Some(refusal)) => refusal,
+        (None, None) => {
+            let (x, y) = divisible_ratio(a.tp_size, b.tp_size).unwrap_or((1, 1));
+            format!("heads are regrouped across ranks in a {x}:{y} ratio on receive")
+        }
+    };
+    Some(p.diff(
+        LayoutField::TpSize,
+        FieldClass::Adaptable,
+        (a.tp_size.to_string(), b.tp_size.to_string()),
+        remedy,
+    ))
 }
 
 /// Every field that differs between two descriptors, strict fields first.
