@@ -15,12 +15,13 @@
 
 use crate::caps::{Capabilities, TransferMode};
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout, StateGroup};
-use crate::math::gcd;
+use crate::math::divisible_ratio;
 use crate::model::{Dtype, ModelSpec};
 use crate::negotiate::{
     describe_groups_with, describe_state_groups, loads_across_tp, ChildCaps, EngineOptions, FieldProvenance,
     LayoutField, Negotiated,
 };
+use crate::negotiate::{tp_exchangeable, tp_refusal};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::fmt;
@@ -340,36 +341,6 @@ fn render(diffs: &[FieldDiff], a: &str, b: &str) -> String {
     s
 }
 
-/// `(a, b)` reduced when one divides the other; `None` otherwise.
-fn divisible_ratio(a: u32, b: u32) -> Option<(u32, u32)> {
-    if a == 0 || b == 0 || (!a.is_multiple_of(b) && !b.is_multiple_of(a)) {
-        return None;
-    }
-    let g = gcd(a, b);
-    Some((a / g, b / g))
-}
-
-/// Why two workers with TP sizes `a` and `b` (each named by its role) cannot exchange KV,
-/// with the remedy, or `None` when they can: equal sizes, or sizes where one divides the
-/// other with a transport on both sides that declares `heterogeneous_tp`.
-pub(crate) fn tp_refusal(a: (&str, u32), b: (&str, u32), heterogeneous: bool) -> Option<String> {
-    let ((ar, at), (br, bt)) = (a, b);
-    if tp_exchangeable(at, bt, heterogeneous) {
-        return None;
-    }
-    if !heterogeneous {
-        return Some(format!(
-            "the KV transport moves KV only between equal tensor-parallel sizes (it does not declare heterogeneous_tp), and {at} != {bt}: run {br} with tp_size={at} like {ar}, or {ar} with tp_size={bt}"
-        ));
-    }
-    Some(format!("TP sizes {at} and {bt} do not divide each other: use TP sizes where one divides the other"))
-}
-
-/// Whether KV can move between TP sizes `a` and `b`.
-fn tp_exchangeable(a: u32, b: u32, heterogeneous: bool) -> bool {
-    a == b || (heterogeneous && divisible_ratio(a, b).is_some())
-}
-
 /// The head count both descriptors agree on, or 0 (compare layouts exactly) when they do not.
 fn shared_heads(a: &CompatDescriptor, b: &CompatDescriptor) -> u32 {
     if a.kv_heads == b.kv_heads && a.model_fingerprint == b.model_fingerprint {
@@ -384,20 +355,11 @@ fn same_layout_bytes(a: &CompatDescriptor, b: &CompatDescriptor) -> bool {
     a.effective.layout.same_bytes(b.effective.layout, shared_heads(a, b))
 }
 
-/// `no adapter: one KV head, so LBNHC and LBHNC are the same bytes`.
-pub fn one_head_note(a: KvLayout, b: KvLayout) -> String {
-    format!(
-        "no adapter: one KV head, so {} and {} are the same bytes",
-        a.canonical_name(),
-        b.canonical_name()
-    )
-}
-
 /// Why two descriptors with different layouts need no permutation between them, when that
-/// is so: [`one_head_note`] of the sender's and the receiver's layouts.
+/// is so: [`KvLayout::one_head_note`] of the sender's and the receiver's layouts.
 pub fn same_bytes_note(sender: &CompatDescriptor, receiver: &CompatDescriptor) -> Option<String> {
     let (s, r) = (sender.effective.layout, receiver.effective.layout);
-    (s != r && same_layout_bytes(sender, receiver)).then(|| one_head_note(s, r))
+    (s != r && same_layout_bytes(sender, receiver)).then(|| s.one_head_note(r))
 }
 
 /// The children of `a` (on `ar`) and `b` (on `br`) that one limit names, each once:

@@ -172,6 +172,16 @@ impl KvLayout {
         self.normalized(heads) == other.normalized(heads)
     }
 
+    /// `no adapter: one KV head, so LBNHC and LBHNC are the same bytes`: why this layout and
+    /// `other` need no adapter between them on a model with one KV head.
+    pub fn one_head_note(self, other: KvLayout) -> String {
+        format!(
+            "no adapter: one KV head, so {} and {} are the same bytes",
+            self.canonical_name(),
+            other.canonical_name()
+        )
+    }
+
     /// Every valid layout (120 permutations), in a fixed order.
     pub fn all() -> Vec<KvLayout> {
         // Lexicographic over dimension indices; repeated indices are skipped as soon as

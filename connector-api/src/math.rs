@@ -40,6 +40,15 @@ pub fn lcm<T: Unsigned>(a: T, b: T) -> Option<T> {
     (a / gcd(a, b)).checked_mul(b)
 }
 
+/// `(a, b)` reduced when one divides the other; `None` otherwise.
+pub fn divisible_ratio(a: u32, b: u32) -> Option<(u32, u32)> {
+    if a == 0 || b == 0 || (!a.is_multiple_of(b) && !b.is_multiple_of(a)) {
+        return None;
+    }
+    let g = gcd(a, b);
+    Some((a / g, b / g))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -269,11 +269,7 @@ pub(super) fn decide_layout(
         format!("{layout_reason}{}", adapter_clause(&adapters, parties))
     };
     for p in parties.iter().filter(|p| p.accepts_only_as_same_bytes(layout)) {
-        layout_reason.push_str(&format!(
-            "; {}: {}",
-            p.label,
-            crate::compat::one_head_note(native_layout(p.caps), layout)
-        ));
+        layout_reason.push_str(&format!("; {}: {}", p.label, native_layout(p.caps).one_head_note(layout)));
     }
     Ok((decided(layout, layout_by, layout_reason), adapters))
 }

@@ -106,7 +106,7 @@ pub fn negotiate_deployment(
     };
     let p = run(Role::Prefill, po, pc)?;
     let d = run(Role::Decode, dopt, dc)?;
-    if let Some(remedy) = crate::compat::tp_refusal(
+    if let Some(remedy) = super::tp_refusal(
         (Role::Prefill.name(), po.tp_size),
         (Role::Decode.name(), dopt.tp_size),
         loads_across_tp(pc.iter().chain(dc).map(|c| &c.caps)),

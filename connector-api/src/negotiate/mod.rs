@@ -18,6 +18,7 @@ mod outcome;
 mod party;
 #[cfg(test)]
 mod tests;
+mod tp_sizes;
 
 pub use conflict::{ChildConstraint, Conflict};
 pub use decide::loads_across_tp;
@@ -27,6 +28,7 @@ pub use groups::{
 };
 pub use options::{ChildCaps, EngineOptions, HmaOption, OptionParseError};
 pub use outcome::{DecidedBy, FieldProvenance, LayoutAdapter, LayoutField, Negotiated};
+pub(crate) use tp_sizes::{tp_exchangeable, tp_refusal};
 
 use crate::caps::{Capabilities, LayoutConstraint};
 use crate::layout::EffectiveLayout;
