@@ -453,186 +453,29 @@ impl Deployment {
 
     /// Parses a deployment; `path` places relative model paths and names the file in errors.
     pub fn parse(path: &Path, src: &str) -> Result<Deployment, DeploymentError> {
-        let toml_err = |e: toml::de::Error| {
-            let (line, column) = e.span().map_or((1, 1), |s| line_col(src, s.start));
-            let message = e.message().trim().lines().map(str::trim).collect::<Vec<_>>().join("; ");
-            DeploymentError::Toml { path: path.to_owned(), line, column, message }
-        };
-        let table: toml::Table = src.parse().map_err(toml_err)?;
+        let file = Source { path, src };
+        let table: toml::Table = src.parse().map_err(|e| file.toml_error(e))?;
         let unknown = unknown_keys(&table);
         if !unknown.is_empty() {
             return Err(DeploymentError::UnknownKeys { path: path.to_owned(), keys: unknown });
         }
-        let raw: RawDeployment = toml::from_str(src).map_err(toml_err)?;
-        let missing = |key: &str, hint: &str| DeploymentError::Missing {
-            path: path.to_owned(),
-            key: key.to_owned(),
-            hint: hint.to_owned(),
-        };
-        let model_rel = raw.model.ok_or_else(|| {
-            missing("model", "add model = \"<path to the model's config.json>\" (relative to this file)")
-        })?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        let model_path = normalize(&base.join(model_rel.get_ref()));
-        let model_json =
-            kvconnect_config_file::read_text(&model_path).map_err(|e| DeploymentError::Model {
-                path: path.to_owned(),
-                model: model_path.clone(),
-                message: format!("cannot read it: {e}"),
-            })?;
-        let model = ModelSpec::from_hf_config_json(&model_json).map_err(|e| DeploymentError::Model {
-            path: path.to_owned(),
-            model: model_path.clone(),
-            message: e.to_string(),
-        })?;
-
+        let raw: RawDeployment = toml::from_str(src).map_err(|e| file.toml_error(e))?;
+        let (model_path, model) = file.model(raw.model)?;
         let mut presets = std::collections::BTreeMap::new();
         for (name, v) in &raw.connectors {
             presets.insert(name.clone(), parse_embedded(path, src, &format!("[connectors] {name}"), v)?);
         }
-
-        let role = |r: Role, raw: Option<RawRole>| -> Result<RoleConfig, DeploymentError> {
-            let raw = raw.ok_or_else(|| {
-                missing(
-                    &format!("[{r}]"),
-                    "add a table with at least kv_transfer_config = '<vLLM kv-transfer-config JSON>'",
-                )
-            })?;
-            let ktc = raw.kv_transfer_config.ok_or_else(|| {
-                missing(
-                    &format!("{r}.kv_transfer_config"),
-                    "set it to the worker's vLLM --kv-transfer-config JSON",
-                )
-            })?;
-            let what = format!("[{r}] kv_transfer_config");
-            let json = parse_embedded(path, src, &what, &ktc)?;
-            let json = expand_presets(path, json, &presets, &mut Vec::new())?;
-            let (line, column) = line_col(src, content_start(src, ktc.span().start));
-            let kv_transfer_config: KvTransferConfig =
-                serde_json::from_value(json).map_err(|e| DeploymentError::Json {
-                    path: path.to_owned(),
-                    what: what.clone(),
-                    line,
-                    column,
-                    message: e.to_string(),
-                })?;
-            // LMCache's P/D settings (in the lmcache config or LMCACHE_CONFIG_FILE) are a
-            // request for the nixl connector beside lmcache.
-            let (kv_transfer_config, notes) = lmcache_pd(kv_transfer_config).map_err(|message| {
-                DeploymentError::BadOption { path: path.to_owned(), role: r, line, column, message }
-            })?;
-            // A role's config saying the opposite role is a copy-paste slip that would start a
-            // server on the wrong side of the transfer.
-            let wrong =
-                kv_transfer_config.kv_role.filter(|k| Role::from_kv_role(*k).is_some_and(|says| says != r));
-            if let Some(w) = wrong {
-                let (line, column) = line_col(src, content_start(src, ktc.span().start));
-                let want = format!("{} or {}", r.kv_role(), kvconnect_api::KvRole::Both);
-                return Err(DeploymentError::BadOption {
-                    path: path.to_owned(),
-                    role: r,
-                    line,
-                    column,
-                    message: format!(
-                        "kv_transfer_config has kv_role {w}{}; a {r} worker needs {want} (or no kv_role)",
-                        if notes.is_empty() { "" } else { " (from LMCache's pd_role)" }
-                    ),
-                });
-            }
-            let bad = |span: std::ops::Range<usize>, message: String| {
-                let (line, column) = line_col(src, span.start);
-                DeploymentError::BadOption { path: path.to_owned(), role: r, line, column, message }
-            };
-            let mut o = EngineOptions::default();
-            if let Some(h) = raw.hybrid_kv_cache_manager {
-                o.hybrid_kv_cache_manager = match h.get_ref() {
-                    StrOrBool::Bool(true) => HmaOption::On,
-                    StrOrBool::Bool(false) => HmaOption::Off,
-                    StrOrBool::Str(s) => {
-                        s.parse().map_err(|e: kvconnect_api::negotiate::OptionParseError| {
-                            bad(h.span(), e.to_string())
-                        })?
-                    }
-                };
-            }
-            if let Some(l) = raw.kv_cache_layout {
-                o.kv_cache_layout = Some(
-                    l.get_ref()
-                        .parse::<KvLayout>()
-                        .map_err(|e| bad(l.span(), format!("kv_cache_layout: {e}")))?,
-                );
-            }
-            let positive = |v: Spanned<i64>, key: &str| -> Result<u32, DeploymentError> {
-                u32::try_from(*v.get_ref()).ok().filter(|n| *n > 0).ok_or_else(|| {
-                    bad(v.span(), format!("{key} must be a positive integer, got {}", v.get_ref()))
-                })
-            };
-            if let Some(b) = raw.block_size {
-                o.block_size = Some(positive(b, "block_size")?);
-            }
-            if let Some(t) = raw.tp_size {
-                o.tp_size = positive(t, "tp_size")?;
-            }
-            if let Some(d) = raw.cache_dtype {
-                o.cache_dtype = parse_cache_dtype(d.get_ref()).map_err(|m| bad(d.span(), m))?;
-            }
-            if let Some(m) = raw.kv_buffer_device {
-                o.memory = Some(
-                    EngineOptions::memory_from_kv_buffer_device(m.get_ref())
-                        .map_err(|e| bad(m.span(), e.to_string()))?,
-                );
-            } else if let Some(dev) = &kv_transfer_config.kv_buffer_device {
-                o.memory = Some(EngineOptions::memory_from_kv_buffer_device(dev).map_err(|e| {
-                    let (line, column) = line_col(src, content_start(src, ktc.span().start));
-                    DeploymentError::BadOption {
-                        path: path.to_owned(),
-                        role: r,
-                        line,
-                        column,
-                        message: e.to_string(),
-                    }
-                })?);
-            }
-            if let Some(a) = raw.allow_adapters {
-                o.allow_adapters = a;
-            }
-            Ok(RoleConfig {
-                kv_transfer_config,
-                options: o,
-                enable_prefix_caching: raw.enable_prefix_caching.unwrap_or(false),
-                kv_producers: raw.kv_producers.unwrap_or_default(),
-                notes,
-            })
-        };
-        let engine = match raw.engine {
-            None => EngineKind::default(),
-            Some(e) => match e.get_ref().as_str() {
-                "kvconnect" => EngineKind::Kvconnect,
-                "vllm" => EngineKind::Vllm,
-                other => {
-                    let (line, column) = line_col(src, e.span().start);
-                    return Err(DeploymentError::Toml {
-                        path: path.to_owned(),
-                        line,
-                        column,
-                        message: format!(
-                            "engine = {other:?}: expected \"kvconnect\" (kvconnect's reference engine, the default) or \"vllm\" (vLLM servers with KvconnectConnector)"
-                        ),
-                    });
-                }
-            },
-        };
-        let mut prefill = role(Role::Prefill, raw.prefill)?;
-        let mut decode = role(Role::Decode, raw.decode)?;
+        let engine = file.engine(raw.engine)?;
+        let mut prefill = file.role(Role::Prefill, raw.prefill, &presets)?;
+        let mut decode = file.role(Role::Decode, raw.decode, &presets)?;
         for rc in [&mut prefill, &mut decode] {
             rc.options.ranks_per_worker = engine.ranks_per_worker(rc.options.tp_size);
         }
-        let served_model_name = raw.served_model_name;
         Ok(Deployment {
             path: path.to_owned(),
             model_path,
             model,
-            served_model_name,
+            served_model_name: raw.served_model_name,
             prefill,
             decode,
             engine,
@@ -670,6 +513,189 @@ fn normalize(p: &Path) -> PathBuf {
         PathBuf::from(".")
     } else {
         out.iter().collect()
+    }
+}
+
+/// A deployment file being parsed: its path and text, for errors that name both.
+struct Source<'a> {
+    path: &'a Path,
+    src: &'a str,
+}
+
+impl Source<'_> {
+    /// A TOML error at its line and column.
+    fn toml_error(&self, e: toml::de::Error) -> DeploymentError {
+        let (line, column) = e.span().map_or((1, 1), |s| line_col(self.src, s.start));
+        let message = e.message().trim().lines().map(str::trim).collect::<Vec<_>>().join("; ");
+        DeploymentError::Toml { path: self.path.to_owned(), line, column, message }
+    }
+
+    fn missing(&self, key: &str, hint: &str) -> DeploymentError {
+        DeploymentError::Missing { path: self.path.to_owned(), key: key.to_owned(), hint: hint.to_owned() }
+    }
+
+    /// A bad value of role `role`'s table, at byte offset `at`.
+    fn bad_option(&self, role: Role, at: usize, message: String) -> DeploymentError {
+        let (line, column) = line_col(self.src, at);
+        DeploymentError::BadOption { path: self.path.to_owned(), role, line, column, message }
+    }
+
+    /// `model = "..."`, relative to the file: its normalized path and its spec.
+    fn model(&self, model: Option<Spanned<String>>) -> Result<(PathBuf, ModelSpec), DeploymentError> {
+        let rel = model.ok_or_else(|| {
+            self.missing("model", "add model = \"<path to the model's config.json>\" (relative to this file)")
+        })?;
+        let base = self.path.parent().unwrap_or(Path::new("."));
+        let model_path = normalize(&base.join(rel.get_ref()));
+        let model_error = |message: String| DeploymentError::Model {
+            path: self.path.to_owned(),
+            model: model_path.clone(),
+            message,
+        };
+        let json = kvconnect_config_file::read_text(&model_path)
+            .map_err(|e| model_error(format!("cannot read it: {e}")))?;
+        let model = ModelSpec::from_hf_config_json(&json).map_err(|e| model_error(e.to_string()))?;
+        Ok((model_path, model))
+    }
+
+    /// `engine = "kvconnect" | "vllm"`.
+    fn engine(&self, engine: Option<Spanned<String>>) -> Result<EngineKind, DeploymentError> {
+        let Some(e) = engine else { return Ok(EngineKind::default()) };
+        match e.get_ref().as_str() {
+            "kvconnect" => Ok(EngineKind::Kvconnect),
+            "vllm" => Ok(EngineKind::Vllm),
+            other => {
+                let (line, column) = line_col(self.src, e.span().start);
+                Err(DeploymentError::Toml {
+                    path: self.path.to_owned(),
+                    line,
+                    column,
+                    message: format!(
+                        "engine = {other:?}: expected \"kvconnect\" (kvconnect's reference engine, the default) or \"vllm\" (vLLM servers with KvconnectConnector)"
+                    ),
+                })
+            }
+        }
+    }
+
+    /// One role's table: its kv-transfer-config and its engine options.
+    fn role(
+        &self,
+        r: Role,
+        raw: Option<RawRole>,
+        presets: &std::collections::BTreeMap<String, serde_json::Value>,
+    ) -> Result<RoleConfig, DeploymentError> {
+        let raw = raw.ok_or_else(|| {
+            self.missing(
+                &format!("[{r}]"),
+                "add a table with at least kv_transfer_config = '<vLLM kv-transfer-config JSON>'",
+            )
+        })?;
+        let ktc = raw.kv_transfer_config.clone().ok_or_else(|| {
+            self.missing(
+                &format!("{r}.kv_transfer_config"),
+                "set it to the worker's vLLM --kv-transfer-config JSON",
+            )
+        })?;
+        let (kv_transfer_config, notes) = self.kv_transfer_config(r, &ktc, presets)?;
+        let config_at = content_start(self.src, ktc.span().start);
+        let options = self.options(r, &raw, &kv_transfer_config, config_at)?;
+        Ok(RoleConfig {
+            kv_transfer_config,
+            options,
+            enable_prefix_caching: raw.enable_prefix_caching.unwrap_or(false),
+            kv_producers: raw.kv_producers.unwrap_or_default(),
+            notes,
+        })
+    }
+
+    /// A role's `kv_transfer_config`: the JSON with presets expanded, LMCache's P/D settings
+    /// turned into the nixl connector beside lmcache, and a `kv_role` of the other side
+    /// refused (a copy-paste slip that would start a server on the wrong side).
+    fn kv_transfer_config(
+        &self,
+        r: Role,
+        ktc: &Spanned<String>,
+        presets: &std::collections::BTreeMap<String, serde_json::Value>,
+    ) -> Result<(KvTransferConfig, Vec<String>), DeploymentError> {
+        let what = format!("[{r}] kv_transfer_config");
+        let json = parse_embedded(self.path, self.src, &what, ktc)?;
+        let json = expand_presets(self.path, json, presets, &mut Vec::new())?;
+        let at = content_start(self.src, ktc.span().start);
+        let (line, column) = line_col(self.src, at);
+        let config: KvTransferConfig = serde_json::from_value(json).map_err(|e| DeploymentError::Json {
+            path: self.path.to_owned(),
+            what: what.clone(),
+            line,
+            column,
+            message: e.to_string(),
+        })?;
+        let (config, notes) = lmcache_pd(config).map_err(|message| self.bad_option(r, at, message))?;
+        if let Some(w) = config.kv_role.filter(|k| Role::from_kv_role(*k).is_some_and(|says| says != r)) {
+            let want = format!("{} or {}", r.kv_role(), kvconnect_api::KvRole::Both);
+            let from = if notes.is_empty() { "" } else { " (from LMCache's pd_role)" };
+            let message = format!(
+                "kv_transfer_config has kv_role {w}{from}; a {r} worker needs {want} (or no kv_role)"
+            );
+            return Err(self.bad_option(r, at, message));
+        }
+        Ok((config, notes))
+    }
+
+    /// A role's engine options; `config_at` is where its kv_transfer_config starts (a bad
+    /// `kv_buffer_device` inside it is reported there).
+    fn options(
+        &self,
+        r: Role,
+        raw: &RawRole,
+        config: &KvTransferConfig,
+        config_at: usize,
+    ) -> Result<EngineOptions, DeploymentError> {
+        let bad = |span: std::ops::Range<usize>, message: String| self.bad_option(r, span.start, message);
+        let mut o = EngineOptions::default();
+        if let Some(h) = &raw.hybrid_kv_cache_manager {
+            o.hybrid_kv_cache_manager = match h.get_ref() {
+                StrOrBool::Bool(true) => HmaOption::On,
+                StrOrBool::Bool(false) => HmaOption::Off,
+                StrOrBool::Str(s) => s
+                    .parse()
+                    .map_err(|e: kvconnect_api::negotiate::OptionParseError| bad(h.span(), e.to_string()))?,
+            };
+        }
+        if let Some(l) = &raw.kv_cache_layout {
+            let layout = l
+                .get_ref()
+                .parse::<KvLayout>()
+                .map_err(|e| bad(l.span(), format!("kv_cache_layout: {e}")))?;
+            o.kv_cache_layout = Some(layout);
+        }
+        let positive = |v: &Spanned<i64>, key: &str| -> Result<u32, DeploymentError> {
+            u32::try_from(*v.get_ref()).ok().filter(|n| *n > 0).ok_or_else(|| {
+                bad(v.span(), format!("{key} must be a positive integer, got {}", v.get_ref()))
+            })
+        };
+        if let Some(b) = &raw.block_size {
+            o.block_size = Some(positive(b, "block_size")?);
+        }
+        if let Some(t) = &raw.tp_size {
+            o.tp_size = positive(t, "tp_size")?;
+        }
+        if let Some(d) = &raw.cache_dtype {
+            o.cache_dtype = parse_cache_dtype(d.get_ref()).map_err(|m| bad(d.span(), m))?;
+        }
+        if let Some(m) = &raw.kv_buffer_device {
+            let memory = EngineOptions::memory_from_kv_buffer_device(m.get_ref())
+                .map_err(|e| bad(m.span(), e.to_string()))?;
+            o.memory = Some(memory);
+        } else if let Some(dev) = &config.kv_buffer_device {
+            let memory = EngineOptions::memory_from_kv_buffer_device(dev)
+                .map_err(|e| self.bad_option(r, config_at, e.to_string()))?;
+            o.memory = Some(memory);
+        }
+        if let Some(a) = raw.allow_adapters {
+            o.allow_adapters = a;
+        }
+        Ok(o)
     }
 }
 
