@@ -352,7 +352,8 @@ fn cross_device(
     })?;
     Ok(json!({
         "peer_access": peer_access,
-        "path": if peer_access { "gather kernel reading the peer GPU over NVLink" } else { "host-staged (no peer access)" },
+        "path": if peer_access { "gather kernel reading the peer GPU over NVLink" } else { "host-staged (no \
+            peer access)" },
         "gather_gbps": gbps(bytes as u64, gather_ms),
         "peer_copy_gbps": gbps(bytes as u64, peer_ms),
         "ratio_vs_peer_copy": peer_ms / gather_ms,

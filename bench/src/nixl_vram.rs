@@ -44,7 +44,12 @@ pub enum VramError {
         detail: String,
     },
     /// Registering a device buffer failed.
-    #[error("registering {bytes} bytes of GPU {device} memory as VRAM with NIXL's UCX backend failed: {source}; UCX in this NIXL build may offer no transport for VRAM (its CUDA module {UCX_CUDA_MODULE} needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver; UCX_TLS, if set, must allow cuda_copy or cuda_ipc)")]
+    #[error(
+        "registering {bytes} bytes of GPU {device} memory as VRAM with NIXL's UCX backend failed: \
+        {source}; UCX in this NIXL build may offer no transport for VRAM (its CUDA module {UCX_CUDA_MODULE} \
+        needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver; UCX_TLS, if set, must allow \
+        cuda_copy or cuda_ipc)"
+    )]
     Register {
         /// Bytes.
         bytes: usize,
@@ -57,7 +62,10 @@ pub enum VramError {
     #[error("{0}")]
     Nixl(#[from] NixlCallError),
     /// The READ did not complete in time.
-    #[error("NIXL READ of {bytes} bytes of VRAM in {descriptors} descriptors did not finish within {seconds:.1}s (UCX stalled moving GPU memory; try UCX_TLS unset, or check the UCX CUDA transports)")]
+    #[error(
+        "NIXL READ of {bytes} bytes of VRAM in {descriptors} descriptors did not finish within \
+        {seconds:.1}s (UCX stalled moving GPU memory; try UCX_TLS unset, or check the UCX CUDA transports)"
+    )]
     Timeout {
         /// Bytes.
         bytes: u64,
@@ -67,7 +75,10 @@ pub enum VramError {
         seconds: f64,
     },
     /// The reader's notification never reached the owner.
-    #[error("the notification '{message}' sent after the READ did not reach the owning agent within {seconds:.1}s")]
+    #[error(
+        "the notification '{message}' sent after the READ did not reach the owning agent within \
+        {seconds:.1}s"
+    )]
     Notification {
         /// The message.
         message: String,
@@ -237,7 +248,8 @@ pub fn check_vram_transport(nixl_dir: &Path) -> Result<Option<PathBuf>, VramErro
     let Some(dir) = ucx_module_dir(nixl_dir) else { return Ok(None) };
     let module = find_ucx_cuda_module(&dir).ok_or_else(|| VramError::NoVramTransport {
         detail: format!(
-            "no {UCX_CUDA_MODULE}* (UCX's cuda_copy/cuda_ipc transports) in its module directory {}; copy it there from the nixl-cu12 wheel's nixl_cu12.libs/ucx/",
+            "no {UCX_CUDA_MODULE}* (UCX's cuda_copy/cuda_ipc transports) in its module directory {}; copy it \
+                there from the nixl-cu12 wheel's nixl_cu12.libs/ucx/",
             dir.display()
         ),
     })?;
@@ -246,7 +258,8 @@ pub fn check_vram_transport(nixl_dir: &Path) -> Result<Option<PathBuf>, VramErro
     if let Err(e) = unsafe { libloading::Library::new("libnvidia-ml.so.1") } {
         return Err(VramError::NoVramTransport {
             detail: format!(
-                "UCX's CUDA module {} needs libnvidia-ml.so.1 from the NVIDIA driver, which cannot be loaded here ({e}); install the driver's NVML library or add its directory to LD_LIBRARY_PATH",
+                "UCX's CUDA module {} needs libnvidia-ml.so.1 from the NVIDIA driver, which cannot be loaded \
+                    here ({e}); install the driver's NVML library or add its directory to LD_LIBRARY_PATH",
                 module.display()
             ),
         });
@@ -256,7 +269,10 @@ pub fn check_vram_transport(nixl_dir: &Path) -> Result<Option<PathBuf>, VramErro
     if beside.is_none() && unsafe { libloading::Library::new(CUDART) }.is_err() {
         return Err(VramError::NoVramTransport {
             detail: format!(
-                "UCX's CUDA memory hooks (libucm_cuda) need {CUDART}, which the nixl-cu12 wheel does not ship and this machine lacks, so UCX would take GPU memory for host memory; install the CUDA 12 runtime (the pip package nvidia-cuda-runtime-cu12 has it) and put {CUDART} on LD_LIBRARY_PATH or into {}",
+                "UCX's CUDA memory hooks (libucm_cuda) need {CUDART}, which the nixl-cu12 wheel does not \
+                    ship and this machine lacks, so UCX would take GPU memory for host memory; install the \
+                    CUDA 12 runtime (the pip package nvidia-cuda-runtime-cu12 has it) and put {CUDART} on \
+                    LD_LIBRARY_PATH or into {}",
                 dir.parent().unwrap_or(&dir).display()
             ),
         });

@@ -251,7 +251,10 @@ pub enum CapsError {
     #[error("block_size_divides is 0")]
     ZeroBlockDivides,
     /// The divisor is not compatible with the multiple.
-    #[error("block_size_divides {divides} is not a multiple of block_size_multiple {multiple}: no block size satisfies both")]
+    #[error(
+        "block_size_divides {divides} is not a multiple of block_size_multiple {multiple}: no block size \
+        satisfies both"
+    )]
     BlockConstraintsDisjoint {
         /// block_size_divides.
         divides: u32,

@@ -394,7 +394,8 @@ fn combination_refusal(
             let who = who(|l| &l.no_state_with_tp);
             return (state && ranks && !who.is_empty()).then(|| {
                 format!(
-                    "the model's state layers keep a per-request state, and moving it with {sizes} is not supported by {who} (no state_with_tp): run {ar} and {br} with tp_size=1"
+                    "the model's state layers keep a per-request state, and moving it with {sizes} is not \
+                        supported by {who} (no state_with_tp): run {ar} and {br} with tp_size=1"
                 )
             });
         }
@@ -421,13 +422,15 @@ fn combination_refusal(
     let tp_who = who(|l| &l.no_adapts_with_tp);
     if ranks && !tp_who.is_empty() {
         return Some(format!(
-            "{what} with {sizes}, which is not supported by {tp_who} (no adapts_with_tp: across tensor-parallel ranks blocks are copied as they are): {remedy}"
+            "{what} with {sizes}, which is not supported by {tp_who} (no adapts_with_tp: across \
+                tensor-parallel ranks blocks are copied as they are): {remedy}"
         ));
     }
     let state_who = who(|l| &l.no_adapts_with_state);
     (state && !state_who.is_empty()).then(|| {
         format!(
-            "{what} beside the per-request state of the model's state layers, which is not supported by {state_who} (no adapts_with_state): {remedy}"
+            "{what} beside the per-request state of the model's state layers, which is not supported by \
+                {state_who} (no adapts_with_state): {remedy}"
         )
     })
 }
@@ -565,7 +568,8 @@ fn state_groups_differ(p: &Pair) -> Option<FieldDiff> {
             FieldClass::Strict,
             (describe_state_groups(&ea.state_groups), describe_state_groups(&eb.state_groups)),
             format!(
-                "run the same kvconnect version on {} and {}, with connectors that carry the per-request state of the state layers",
+                "run the same kvconnect version on {} and {}, with connectors that carry the per-request \
+                    state of the state layers",
                 p.ar, p.br
             ),
         )
@@ -600,7 +604,8 @@ fn opaque_blocks_differ(p: &Pair) -> Option<FieldDiff> {
         peer: name(eb.opaque_blocks),
         peer_why: why,
         remedy: format!(
-            "{which}'s engine backend keeps its in-block order private, so its blocks cannot be re-laid-out for the other side: run the same engine backend on {ar} and {br}"
+            "{which}'s engine backend keeps its in-block order private, so its blocks cannot be re-laid-out \
+                for the other side: run the same engine backend on {ar} and {br}"
         ),
         detail: String::new(),
     })
@@ -627,7 +632,8 @@ fn layout_differs(p: &Pair) -> Option<FieldDiff> {
     } else {
         let perm = LayoutPermutation::between(eb.layout, ea.layout);
         format!(
-            "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set kv_cache_layout={} on both",
+            "the receiver permutes the blocks (axes {:?} of {} give {}); to avoid the extra pass set \
+                kv_cache_layout={} on both",
             perm.perm,
             perm.from.canonical_name(),
             perm.to.canonical_name(),
@@ -654,10 +660,12 @@ fn block_size_differs(p: &Pair) -> Option<FieldDiff> {
     } else {
         match divisible_ratio(ea.block_size, eb.block_size) {
             Some((x, y)) => format!(
-                "blocks are split or merged in a {x}:{y} ratio on receive; set block_size to the same value on both to avoid it"
+                "blocks are split or merged in a {x}:{y} ratio on receive; set block_size to the same value \
+                    on both to avoid it"
             ),
             None => format!(
-                "{} and {} do not divide each other: set block_size to the same value on {ar} and {br} (or sizes where one divides the other)",
+                "{} and {} do not divide each other: set block_size to the same value on {ar} and {br} (or \
+                    sizes where one divides the other)",
                 ea.block_size, eb.block_size
             ),
         }

@@ -92,7 +92,10 @@ pub struct Described {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum TensorError {
     /// Its dtype is not the negotiated cache dtype.
-    #[error("dtype {given} ({elem_size} bytes per element), but the negotiated cache dtype is {want}: the engine's cache dtype and the negotiation disagree")]
+    #[error(
+        "dtype {given} ({elem_size} bytes per element), but the negotiated cache dtype is {want}: the \
+        engine's cache dtype and the negotiation disagree"
+    )]
     Dtype {
         /// The engine's name.
         given: String,
@@ -102,7 +105,10 @@ pub enum TensorError {
         want: Dtype,
     },
     /// It lives in another kind of memory than negotiated.
-    #[error("it is in {given} memory, but the negotiation put the KV cache in {want} memory: set kv_buffer_device to where the engine keeps its KV cache")]
+    #[error(
+        "it is in {given} memory, but the negotiation put the KV cache in {want} memory: set \
+        kv_buffer_device to where the engine keeps its KV cache"
+    )]
     Memory {
         /// Where it is.
         given: MemoryKind,
@@ -113,7 +119,10 @@ pub enum TensorError {
     #[error("its data pointer is null")]
     Null,
     /// Its strides leave gaps or overlap (padding between blocks, a sliced view).
-    #[error("shape {shape:?} with strides {strides:?} is not dense (padded blocks or a sliced view): kvconnect moves each layer's blocks as whole runs of memory")]
+    #[error(
+        "shape {shape:?} with strides {strides:?} is not dense (padded blocks or a sliced view): \
+        kvconnect moves each layer's blocks as whole runs of memory"
+    )]
     NotDense {
         /// Shape.
         shape: Vec<u64>,
@@ -121,7 +130,11 @@ pub enum TensorError {
         strides: Vec<u64>,
     },
     /// A dense arrangement kvconnect has no layout for.
-    #[error("not implemented: a KV cache tensor of shape {shape:?} with strides {strides:?} ({why}); kvconnect knows blocks-outermost opaque blocks and K|V-outermost tensors (2, num_blocks, block_size, heads, head_dim) in any in-block order")]
+    #[error(
+        "not implemented: a KV cache tensor of shape {shape:?} with strides {strides:?} ({why}); \
+        kvconnect knows blocks-outermost opaque blocks and K|V-outermost tensors (2, num_blocks, block_size, \
+        heads, head_dim) in any in-block order"
+    )]
     NotImplemented {
         /// Shape.
         shape: Vec<u64>,
@@ -131,7 +144,10 @@ pub enum TensorError {
         why: String,
     },
     /// The tensor's in-block order is not the negotiated layout.
-    #[error("its in-block order is {given}, but the negotiation chose {want}: set kv_cache_layout to the engine's layout ({given})")]
+    #[error(
+        "its in-block order is {given}, but the negotiation chose {want}: set kv_cache_layout to the \
+        engine's layout ({given})"
+    )]
     Layout {
         /// The tensor's.
         given: String,
@@ -302,7 +318,8 @@ pub fn layer_ranges(size: u64, placements: &[Placement]) -> Result<Vec<(u64, u64
         let layer_bytes = p.block_stride.checked_mul(p.num_blocks).ok_or_else(|| bad("overflow".into()))?;
         if p.num_layers > 1 && p.layer_stride < layer_bytes {
             return Err(bad(
-                "a block-outermost allocation: each block holds every layer's part, so no layer's blocks are one range".into(),
+                "a block-outermost allocation: each block holds every layer's part, so no layer's blocks are \
+                    one range".into(),
             ));
         }
         for l in 0..p.num_layers {

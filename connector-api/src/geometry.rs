@@ -117,7 +117,10 @@ pub enum GeometryError {
         num_blocks: u32,
     },
     /// A byte range that does not fit the region, or a buffer of the wrong length.
-    #[error("span of {len} bytes at offset {offset} does not fit region {region} (or the buffer length differs from the block's)")]
+    #[error(
+        "span of {len} bytes at offset {offset} does not fit region {region} (or the buffer length \
+        differs from the block's)"
+    )]
     SpanOutOfRegion {
         /// Region index.
         region: usize,
@@ -148,7 +151,11 @@ pub enum GeometryError {
         heads: u32,
     },
     /// A slice of KV heads that is not one run per block part or per token.
-    #[error("not implemented: layout {layout} keeps a KV head's bytes apart inside a block in a way kvconnect does not slice; a head slice is planned for layouts with heads outermost in a block (HND, or opaque blocks whose heads are outermost) or right inside the tokens (NHD)")]
+    #[error(
+        "not implemented: layout {layout} keeps a KV head's bytes apart inside a block in a way \
+        kvconnect does not slice; a head slice is planned for layouts with heads outermost in a block (HND, \
+        or opaque blocks whose heads are outermost) or right inside the tokens (NHD)"
+    )]
     HeadsNotSliceable {
         /// The layout's name.
         layout: String,

@@ -29,7 +29,11 @@ pub enum RegionError {
         memory: MemoryKind,
     },
     /// A region's length disagrees with the layout.
-    #[error("region '{name}' is {len} bytes, but {layers} layer(s) x {num_blocks} blocks of {block_bytes} bytes (K and V) in the effective layout need {expected}: register regions laid out as the negotiated layout says")]
+    #[error(
+        "region '{name}' is {len} bytes, but {layers} layer(s) x {num_blocks} blocks of {block_bytes} \
+        bytes (K and V) in the effective layout need {expected}: register regions laid out as the negotiated \
+        layout says"
+    )]
     WrongSize {
         /// The region.
         name: String,
@@ -74,7 +78,10 @@ pub enum RegionError {
         kind: &'static str,
     },
     /// Tensor-parallel ranks that do not split the KV heads, or the regions, evenly.
-    #[error("{regions} region(s) for a model with {heads} KV heads cannot be split across {ranks} tensor-parallel rank(s): the ranks must divide the KV heads and register the same regions each")]
+    #[error(
+        "{regions} region(s) for a model with {heads} KV heads cannot be split across {ranks} \
+        tensor-parallel rank(s): the ranks must divide the KV heads and register the same regions each"
+    )]
     TpSplit {
         /// Ranks asked for.
         ranks: u32,
@@ -204,7 +211,8 @@ impl KvMemory {
             return Err(RegionError::State {
                 name: regions.last().map(|r| r.name().to_owned()).unwrap_or_default(),
                 reason: format!(
-                    "not implemented: state layers across {tp_ranks} tensor-parallel ranks (state regions are registered for TP 1 only)"
+                    "not implemented: state layers across {tp_ranks} tensor-parallel ranks (state regions \
+                        are registered for TP 1 only)"
                 ),
             });
         }
@@ -384,7 +392,9 @@ fn state_region(
         return Err(RegionError::Null(r.name().to_owned()));
     }
     let slot_bytes = StateSlots::slot_bytes_of(eff).ok_or_else(|| {
-        bad("the effective layout's state groups do not give one state shape (conv and recurrent state dims must be in the model's config)".into())
+        bad("the effective layout's state groups do not give one state shape (conv and recurrent state dims \
+            must be in the model's config)"
+            .into())
     })?;
     if state.is_empty() {
         *state = StateSlots { slot_bytes, first_region, regions: Vec::new() };
@@ -393,7 +403,8 @@ fn state_region(
     let expected = state.region_bytes(&region);
     if expected != Some(r.len()) {
         return Err(bad(format!(
-            "{} bytes, but {} layer(s) x {} slots of {slot_bytes} bytes need {}; register state regions sized as the state groups say",
+            "{} bytes, but {} layer(s) x {} slots of {slot_bytes} bytes need {}; register state regions \
+                sized as the state groups say",
             r.len(),
             region.layers.len(),
             region.num_slots,

@@ -65,7 +65,10 @@ pub struct KvLayout {
 
 /// A layout string that names no layout.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown KV layout '{input}': {reason}; valid layouts are NHD (= LBNHC), HND (= LBHNC), the cross-layer forms BLNHC and BLHNC, or any ordering of the letters L, B, H, N, C")]
+#[error(
+    "unknown KV layout '{input}': {reason}; valid layouts are NHD (= LBNHC), HND (= LBHNC), the \
+    cross-layer forms BLNHC and BLHNC, or any ordering of the letters L, B, H, N, C"
+)]
 pub struct LayoutParseError {
     /// What was given.
     pub input: String,
@@ -237,7 +240,8 @@ impl schemars::JsonSchema for KvLayout {
 
     fn json_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         schemars::json_schema!({
-            "description": "A KV layout: NHD or HND (aliases), or the five letters L (layer), B (block), N (token), H (head), C (channel) in storage order, each once",
+            "description": "A KV layout: NHD or HND (aliases), or the five letters L (layer), B (block), N \
+                (token), H (head), C (channel) in storage order, each once",
             "type": "string",
             "pattern": "^(NHD|HND|[LBNHC]{5})$"
         })

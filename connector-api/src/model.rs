@@ -262,7 +262,8 @@ impl ModelSpec {
                 return Err(ModelError::Invalid {
                     field: "num_key_value_heads".into(),
                     reason: format!(
-                        "{heads} KV heads cannot be replicated evenly over {tp_size} tensor-parallel ranks; use a TP size that is a multiple of {heads}"
+                        "{heads} KV heads cannot be replicated evenly over {tp_size} tensor-parallel ranks; \
+                            use a TP size that is a multiple of {heads}"
                     ),
                 });
             }
@@ -272,7 +273,8 @@ impl ModelSpec {
                 return Err(ModelError::Invalid {
                     field: "num_key_value_heads".into(),
                     reason: format!(
-                        "{heads} KV heads do not divide among {tp_size} tensor-parallel ranks; use a TP size that divides {heads}"
+                        "{heads} KV heads do not divide among {tp_size} tensor-parallel ranks; use a TP size \
+                            that divides {heads}"
                     ),
                 });
             }

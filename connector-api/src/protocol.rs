@@ -5,7 +5,8 @@
 
 /// Two sides of one protocol speak different versions.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{protocol} version mismatch: this {local_role} speaks version {local}, the {peer_role} speaks {} — run the same kvconnect release on both", peer_version(.peer))]
+#[error("{protocol} version mismatch: this {local_role} speaks version {local}, the {peer_role} speaks {} — \
+    run the same kvconnect release on both", peer_version(.peer))]
 pub struct VersionMismatch {
     /// The protocol (`side-channel handshake`, `nixl wire`, `pd metadata envelope`).
     pub protocol: &'static str,

@@ -169,7 +169,8 @@ impl Paired {
             None => format!("{:.3} ms", q.median * 1e3),
         };
         format!(
-            "{:.3}x the baseline's throughput (median of {} interleaved pairs, quartiles {:.3} .. {:.3}; subject {}, baseline {})",
+            "{:.3}x the baseline's throughput (median of {} interleaved pairs, quartiles {:.3} .. {:.3}; \
+                subject {}, baseline {})",
             self.ratio.median,
             self.pairs,
             self.ratio.q1,
@@ -184,7 +185,8 @@ impl Paired {
     pub fn summary_per(&self, n: usize, what: &str) -> String {
         let us = |q: &Quartiles| q.median / n.max(1) as f64 * 1e6;
         format!(
-            "{:.3}x the baseline's throughput (median of {} interleaved pairs of {n} {what}s, quartiles {:.3} .. {:.3}; subject {:.3} us, baseline {:.3} us per {what})",
+            "{:.3}x the baseline's throughput (median of {} interleaved pairs of {n} {what}s, quartiles \
+                {:.3} .. {:.3}; subject {:.3} us, baseline {:.3} us per {what})",
             self.ratio.median,
             self.pairs,
             self.ratio.q1,

@@ -4,10 +4,16 @@
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CudaError {
     /// No CUDA driver library on this machine.
-    #[error("no CUDA driver found (libcuda.so.1 could not be loaded: {0}); kv_buffer_device=\"cuda\" needs an NVIDIA GPU with its driver — use kv_buffer_device=\"cpu\" on this machine")]
+    #[error(
+        "no CUDA driver found (libcuda.so.1 could not be loaded: {0}); kv_buffer_device=\"cuda\" needs \
+        an NVIDIA GPU with its driver — use kv_buffer_device=\"cpu\" on this machine"
+    )]
     NoDriver(String),
     /// No NVRTC library.
-    #[error("NVRTC (libnvrtc) could not be loaded: {0}; install the CUDA runtime compiler library matching the driver, or use kv_buffer_device=\"cpu\"")]
+    #[error(
+        "NVRTC (libnvrtc) could not be loaded: {0}; install the CUDA runtime compiler library matching \
+        the driver, or use kv_buffer_device=\"cpu\""
+    )]
     NoNvrtc(String),
     /// The driver is there but has no such device.
     #[error("GPU {ordinal} is not available: {message}")]
@@ -26,7 +32,10 @@ pub enum CudaError {
         message: String,
     },
     /// Out of device memory.
-    #[error("out of GPU memory allocating {bytes} bytes on GPU {ordinal}: lower the KV cache size (num_blocks) or free memory on the device")]
+    #[error(
+        "out of GPU memory allocating {bytes} bytes on GPU {ordinal}: lower the KV cache size \
+        (num_blocks) or free memory on the device"
+    )]
     OutOfMemory {
         /// Bytes asked for.
         bytes: usize,
@@ -42,7 +51,10 @@ pub enum CudaError {
         log: String,
     },
     /// A peer's IPC handle could not be opened (peer gone, or not the same host).
-    #[error("opening the peer's CUDA IPC handle failed: {0}; the peer process may have exited or is on another host — the request fails or recomputes as kv_load_failure_policy says")]
+    #[error(
+        "opening the peer's CUDA IPC handle failed: {0}; the peer process may have exited or is on \
+        another host — the request fails or recomputes as kv_load_failure_policy says"
+    )]
     IpcOpen(String),
     /// A region that cannot be exported as an IPC handle of its own.
     #[error("exporting a KV region over CUDA IPC: {0}")]

@@ -48,7 +48,10 @@ impl IpcHandle {
         }
         if base != ptr || size < bytes {
             return Err(CudaError::IpcExport(format!(
-                "not implemented: the region at {ptr:#x} ({bytes} bytes) lies {} bytes into a CUDA allocation of {size} bytes, and an IPC handle maps whole allocations from their start; allocate each KV cache tensor as its own allocation (vLLM does; in PyTorch a tensor of 10 MiB or more allocated before others are freed is one)",
+                "not implemented: the region at {ptr:#x} ({bytes} bytes) lies {} bytes into a CUDA \
+                    allocation of {size} bytes, and an IPC handle maps whole allocations from their start; \
+                    allocate each KV cache tensor as its own allocation (vLLM does; in PyTorch a tensor of \
+                    10 MiB or more allocated before others are freed is one)",
                 ptr.saturating_sub(base)
             )));
         }

@@ -143,7 +143,8 @@ impl GatherSpec<'_> {
             let rows = heads as u64 * tokens as u64;
             if rows == 0 || !self.block_bytes.is_multiple_of(rows * 16) {
                 return Err(CudaError::Invalid(format!(
-                    "a permuted block of {} bytes must hold {heads} heads x {tokens} tokens of rows that are multiples of 16 bytes",
+                    "a permuted block of {} bytes must hold {heads} heads x {tokens} tokens of rows that are \
+                        multiples of 16 bytes",
                     self.block_bytes
                 )));
             }

@@ -43,7 +43,10 @@ pub enum StageError {
         memory: MemoryKind,
     },
     /// Regions on two GPUs.
-    #[error("region '{name}' is on GPU {device} but region '{first_name}' is on GPU {first}: all KV regions of a worker must be on one GPU")]
+    #[error(
+        "region '{name}' is on GPU {device} but region '{first_name}' is on GPU {first}: all KV regions \
+        of a worker must be on one GPU"
+    )]
     TwoGpus {
         /// The region.
         name: String,
@@ -58,7 +61,10 @@ pub enum StageError {
     #[error("no KV regions to stage")]
     NoRegions,
     /// A region the kernel's 16-byte copies cannot address.
-    #[error("region '{name}' starts at {addr:#x}, not a multiple of 16 bytes: the gather copies 16-byte words; register regions as allocated by cuMemAlloc (256-byte aligned)")]
+    #[error(
+        "region '{name}' starts at {addr:#x}, not a multiple of 16 bytes: the gather copies 16-byte \
+        words; register regions as allocated by cuMemAlloc (256-byte aligned)"
+    )]
     Misaligned {
         /// The region.
         name: String,
@@ -88,7 +94,10 @@ pub enum StageError {
         n: u32,
     },
     /// A grid copy on a layout that keeps several layers in one block.
-    #[error("KV layout {0} keeps every layer of a block together; copies by (layer, K|V part) need a layout with L before B (NHD, HND, ...)")]
+    #[error(
+        "KV layout {0} keeps every layer of a block together; copies by (layer, K|V part) need a layout \
+        with L before B (NHD, HND, ...)"
+    )]
     GridLayout(String),
     /// A grid unit that is not one (layer, part) block.
     #[error("layer {layer} part {part}: {why}")]
@@ -101,7 +110,10 @@ pub enum StageError {
         why: String,
     },
     /// A grid block past the end of the grid's memory, or not 16-byte aligned.
-    #[error("grid unit {unit} block {index} does not fit the grid's {len} bytes at 16-byte alignment (unit offset {offset}, {block_bytes}-byte blocks)")]
+    #[error(
+        "grid unit {unit} block {index} does not fit the grid's {len} bytes at 16-byte alignment (unit \
+        offset {offset}, {block_bytes}-byte blocks)"
+    )]
     GridOutOfRange {
         /// The unit.
         unit: usize,

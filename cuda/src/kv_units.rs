@@ -20,7 +20,11 @@ use kvconnect_api::{BlockId, KvLayout, KvRegion, KvRegionSpec, LayerId, MemoryKi
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum UnitsError {
     /// A layout with a head, token or channel dimension outside the block dimension.
-    #[error("KV layout {layout} puts {dims} outside the block dimension B, so a block is not one contiguous run per layer; device KV staging supports layouts that start with B or with L then B (NHD, HND, BLNHC, BLHNC, ...)")]
+    #[error(
+        "KV layout {layout} puts {dims} outside the block dimension B, so a block is not one contiguous \
+        run per layer; device KV staging supports layouts that start with B or with L then B (NHD, HND, \
+        BLNHC, BLHNC, ...)"
+    )]
     Layout {
         /// The layout.
         layout: String,
@@ -28,7 +32,10 @@ pub enum UnitsError {
         dims: String,
     },
     /// Cross-layer regions holding different numbers of layers (blocks of different sizes).
-    #[error("cross-layer region {region} holds {layers} layers but region 0 holds {first}: one gather needs blocks of one size; register cross-layer regions with equal layer counts")]
+    #[error(
+        "cross-layer region {region} holds {layers} layers but region 0 holds {first}: one gather needs \
+        blocks of one size; register cross-layer regions with equal layer counts"
+    )]
     UnequalRegions {
         /// The region index.
         region: usize,
@@ -38,10 +45,16 @@ pub enum UnitsError {
         first: usize,
     },
     /// A block size the gather kernel cannot copy.
-    #[error("a KV block of one unit is {0} bytes; the gather copies 16-byte words, so it must be a positive multiple of 16 (heads x block_size x head_dim x dtype size)")]
+    #[error(
+        "a KV block of one unit is {0} bytes; the gather copies 16-byte words, so it must be a positive \
+        multiple of 16 (heads x block_size x head_dim x dtype size)"
+    )]
     BlockBytes(u64),
     /// `Geometry::span` disagrees with the unit rule (a bug in one of them).
-    #[error("layer {layer} part {part} block {block}: Geometry::span puts it at region {region} offset {offset}, outside its copy unit")]
+    #[error(
+        "layer {layer} part {part} block {block}: Geometry::span puts it at region {region} offset \
+        {offset}, outside its copy unit"
+    )]
     Mismatch {
         /// Layer.
         layer: LayerId,

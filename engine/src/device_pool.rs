@@ -145,7 +145,10 @@ mod imp {
         /// Always an error: this build has no GPU support.
         pub fn new(_pool: &KvPool) -> Result<DeviceMirror, EngineError> {
             Err(EngineError::Device(
-                "kv_buffer_device=\"cuda\" asks for KV regions in GPU memory, but this kvconnect was built without GPU support: rebuild with `cargo build --release -p kvconnect-host --features cuda`, or use kv_buffer_device=\"cpu\"".into(),
+                "kv_buffer_device=\"cuda\" asks for KV regions in GPU memory, but this kvconnect was built \
+                    without GPU support: rebuild with `cargo build --release -p kvconnect-host --features \
+                    cuda`, or use kv_buffer_device=\"cpu\""
+                    .into(),
             ))
         }
 

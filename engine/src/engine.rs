@@ -345,7 +345,8 @@ impl Engine {
     pub fn enable_prefix_caching(&mut self) -> Result<(), EngineError> {
         if self.pool.has_state() {
             return Err(EngineError::ModelConfig(format!(
-                "not implemented: prefix caching for model '{}', whose state layers keep a per-request state that cached KV blocks do not restore; serve it without --enable-prefix-caching",
+                "not implemented: prefix caching for model '{}', whose state layers keep a per-request state \
+                    that cached KV blocks do not restore; serve it without --enable-prefix-caching",
                 self.spec.name
             )));
         }
@@ -375,7 +376,8 @@ impl Engine {
         let need = self.blocks_needed(r.prompt.len(), r.max_tokens);
         if need > self.pool.blocks_per_group() as usize {
             return bad(format!(
-                "needs {need} blocks per KV cache group ({} prompt + {} generated tokens at {} tokens a block) but the pool has {}; raise num_blocks or shorten the request",
+                "needs {need} blocks per KV cache group ({} prompt + {} generated tokens at {} tokens a \
+                    block) but the pool has {}; raise num_blocks or shorten the request",
                 r.prompt.len(),
                 r.max_tokens,
                 self.pool.effective().block_size,
@@ -645,7 +647,8 @@ impl Engine {
                     self.end(key, FinishReason::Error(why), outputs, true);
                     return Ok(true);
                 }
-                tracing::warn!(request = %s.req.id, error = %e, "update_state_after_alloc failed; computing the prompt locally");
+                tracing::warn!(request = %s.req.id, error = %e, "update_state_after_alloc failed; computing \
+                    the prompt locally");
                 (ext, async_load) = (0, false);
             }
         }
@@ -789,7 +792,8 @@ impl Engine {
                     params = rf.transfer_params;
                 }
                 Err(e) => {
-                    tracing::warn!(request = %s.req.id, error = %e, "request_finished failed; freeing its blocks now");
+                    tracing::warn!(request = %s.req.id, error = %e, "request_finished failed; freeing its \
+                        blocks now");
                 }
             }
         }

@@ -13,7 +13,10 @@ pub enum EngineError {
     #[error("effective layout not usable by the worker: {0}")]
     Layout(String),
     /// A tensor-parallel size the model's KV heads cannot be split across.
-    #[error("tp_size {tp_size} does not divide the model's {kv_heads} KV heads: each rank holds an equal share of them; use a tp_size that divides {kv_heads}")]
+    #[error(
+        "tp_size {tp_size} does not divide the model's {kv_heads} KV heads: each rank holds an equal \
+        share of them; use a tp_size that divides {kv_heads}"
+    )]
     TpSize {
         /// The tensor-parallel size asked for.
         tp_size: u32,
@@ -24,7 +27,10 @@ pub enum EngineError {
     #[error("KV pool regions do not match the effective layout: {0}")]
     Regions(#[from] RegionError),
     /// A shared-memory call failed.
-    #[error("shared memory segment '{name}': {op} failed: {source}; check /dev/shm space and that no stale segment of that name exists")]
+    #[error(
+        "shared memory segment '{name}': {op} failed: {source}; check /dev/shm space and that no stale \
+        segment of that name exists"
+    )]
     Shm {
         /// Segment name.
         name: String,
@@ -51,7 +57,10 @@ pub enum EngineError {
     },
     /// A request id that is already in the engine (running, or its blocks held for a
     /// remote decode).
-    #[error("request '{id}': a request with this id is still in the engine (running, or its KV held for a remote decode); send a unique X-Request-Id or request_id")]
+    #[error(
+        "request '{id}': a request with this id is still in the engine (running, or its KV held for a \
+        remote decode); send a unique X-Request-Id or request_id"
+    )]
     DuplicateId {
         /// The id.
         id: String,
@@ -65,7 +74,10 @@ pub enum EngineError {
         source: ConnectorError,
     },
     /// Requests stayed unfinished for too many steps (a connector never answered).
-    #[error("{steps} steps passed and requests {waiting:?} are still unfinished: a connector reports a load as neither finished nor failed")]
+    #[error(
+        "{steps} steps passed and requests {waiting:?} are still unfinished: a connector reports a load \
+        as neither finished nor failed"
+    )]
     Stalled {
         /// Steps run.
         steps: u64,

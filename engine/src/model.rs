@@ -126,7 +126,8 @@ impl ReferenceConfig {
                     ))),
                 },
                 other => Err(EngineError::ModelConfig(format!(
-                    "layer_types[{i}] is '{other}'; the reference model knows full_attention, sliding_attention and linear_attention"
+                    "layer_types[{i}] is '{other}'; the reference model knows full_attention, \
+                        sliding_attention and linear_attention"
                 ))),
             })
             .collect()
@@ -145,8 +146,15 @@ impl ReferenceConfig {
             || spec.head_dim as usize != self.head_dim
         {
             return Err(EngineError::ModelConfig(format!(
-                "the Hugging Face config parser reads {} layers {:?} with {} KV heads of dim {}, but the engine computes {:?} with {} KV heads of dim {}",
-                spec.num_layers, spec.layers, spec.num_kv_heads, spec.head_dim, kinds, self.num_key_value_heads, self.head_dim
+                "the Hugging Face config parser reads {} layers {:?} with {} KV heads of dim {}, but the \
+                    engine computes {:?} with {} KV heads of dim {}",
+                spec.num_layers,
+                spec.layers,
+                spec.num_kv_heads,
+                spec.head_dim,
+                kinds,
+                self.num_key_value_heads,
+                self.head_dim
             )));
         }
         self.state_dims(&spec)?;
@@ -160,7 +168,10 @@ impl ReferenceConfig {
         }
         let st = spec.state.as_ref().ok_or_else(|| {
             EngineError::ModelConfig(
-                "the config has linear_attention layers but no state dimensions: give linear_num_value_heads, linear_num_key_heads, linear_key_head_dim, linear_value_head_dim and linear_conv_kernel_dim".into(),
+                "the config has linear_attention layers but no state dimensions: give \
+                    linear_num_value_heads, linear_num_key_heads, linear_key_head_dim, linear_value_head_dim \
+                    and linear_conv_kernel_dim"
+                    .into(),
             )
         })?;
         StateDims::of(st).map(Some)

@@ -155,7 +155,8 @@ impl KvPool {
         // the connectors see.
         if !matches!(eff.memory, MemoryKind::Host | MemoryKind::Device) {
             return Err(lay(format!(
-                "memory kind is {:?}; the worker keeps KV in host or device memory (kv_buffer_device \"cpu\" or \"cuda\")",
+                "memory kind is {:?}; the worker keeps KV in host or device memory (kv_buffer_device \"cpu\" \
+                    or \"cuda\")",
                 eff.memory
             )));
         }
@@ -172,7 +173,8 @@ impl KvPool {
         }
         if !eff.hma && eff.groups.len() != 1 {
             return Err(lay(format!(
-                "hybrid KV cache manager is off but the layout has {} KV cache groups; with HMA off all KV layers form one group",
+                "hybrid KV cache manager is off but the layout has {} KV cache groups; with HMA off all KV \
+                    layers form one group",
                 eff.groups.len()
             )));
         }
@@ -232,7 +234,8 @@ impl KvPool {
         }
         if tp_ranks > 1 && !eff.state_groups.is_empty() {
             return Err(lay(format!(
-                "not implemented: state layers (per-request state slots) across {tp_ranks} tensor-parallel ranks; run a model with state layers at tp_size 1"
+                "not implemented: state layers (per-request state slots) across {tp_ranks} tensor-parallel \
+                    ranks; run a model with state layers at tp_size 1"
             )));
         }
         let state = StatePool::allocate(eff, num_blocks, shm_engine_id, &mut regions, &mut memories)?;

@@ -43,7 +43,8 @@ impl StateDims {
         let bad = |m: String| Err(EngineError::ModelConfig(m));
         if st.kind != StateKind::GatedDeltaNet {
             return bad(format!(
-                "the reference engine's state layers keep a gated_delta_net state (linear_attention with linear_* fields), not {}",
+                "the reference engine's state layers keep a gated_delta_net state (linear_attention with \
+                    linear_* fields), not {}",
                 st.kind
             ));
         }
@@ -61,7 +62,8 @@ impl StateDims {
         let k_heads = qk.map_or(0, |qk| qk / (2 * k_dim));
         if k_heads == 0 || v_heads == 0 || v_dim == 0 || !v_heads.is_multiple_of(k_heads) {
             return bad(format!(
-                "linear_num_value_heads ({v_heads}) must be a positive multiple of linear_num_key_heads ({k_heads}), with positive head dims"
+                "linear_num_value_heads ({v_heads}) must be a positive multiple of linear_num_key_heads \
+                    ({k_heads}), with positive head dims"
             ));
         }
         if !kv_codec::supported(st.conv_dtype) || !kv_codec::supported(st.ssm_dtype) {

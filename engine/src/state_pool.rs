@@ -32,7 +32,9 @@ impl StatePool {
         }
         let slot_bytes = StateSlots::slot_bytes_of(eff).ok_or_else(|| {
             EngineError::Layout(
-                "the model's state layers have no state shape; give the conv and recurrent state dimensions in its config.json".into(),
+                "the model's state layers have no state shape; give the conv and recurrent state dimensions \
+                    in its config.json"
+                    .into(),
             )
         })?;
         let kv_groups = eff.groups.len();

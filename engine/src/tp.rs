@@ -18,7 +18,8 @@ pub fn pool(spec: &ModelSpec, cfg: &EngineConfig) -> Result<KvPool, EngineError>
     }
     if tp > 1 && cfg.effective.memory == MemoryKind::Device {
         return Err(EngineError::Layout(format!(
-            "tp_size {tp} with KV in device memory is not implemented: run tp_size 1 with kv_buffer_device \"cuda\", or keep KV in host memory"
+            "tp_size {tp} with KV in device memory is not implemented: run tp_size 1 with kv_buffer_device \
+                \"cuda\", or keep KV in host memory"
         )));
     }
     KvPool::with_tp_ranks(spec, &cfg.effective, cfg.num_blocks, cfg.shm.as_deref(), tp)

@@ -141,7 +141,9 @@ impl Deployment {
 #[derive(Debug, thiserror::Error)]
 pub enum DeploymentError {
     /// A deployment of another engine's servers, where kvconnect's servers are to run it.
-    #[error("{}: this deployment describes {engine} servers (engine = \"{engine}\"): start each with vLLM and KvconnectConnector, naming this file in kv_connector_extra_config.deployment; kvconnect up and kvconnect worker run kvconnect's own engine (engine = \"kvconnect\", the default)", path.display())]
+    #[error("{}: this deployment describes {engine} servers (engine = \"{engine}\"): start each with vLLM \
+        and KvconnectConnector, naming this file in kv_connector_extra_config.deployment; kvconnect up and \
+        kvconnect worker run kvconnect's own engine (engine = \"kvconnect\", the default)", path.display())]
     OtherEngine {
         /// The file.
         path: PathBuf,
@@ -169,7 +171,8 @@ pub enum DeploymentError {
         message: String,
     },
     /// Keys the deployment format does not have.
-    #[error("{}: unknown key{} {}; valid keys are: model, engine, served_model_name, [connectors], and in [prefill]/[decode]: {}", path.display(), if keys.len() == 1 { "" } else { "s" }, keys.join(", "), ROLE_KEYS.join(", "))]
+    #[error("{}: unknown key{} {}; valid keys are: model, engine, served_model_name, [connectors], and in \
+        [prefill]/[decode]: {}", path.display(), if keys.len() == 1 { "" } else { "s" }, keys.join(", "), ROLE_KEYS.join(", "))]
     UnknownKeys {
         /// The file.
         path: PathBuf,
@@ -215,7 +218,8 @@ pub enum DeploymentError {
         message: String,
     },
     /// A named connector config that refers back to itself.
-    #[error("{}: named connector '{name}' contains itself ({chain}); a composite's children must not refer back to it", path.display())]
+    #[error("{}: named connector '{name}' contains itself ({chain}); a composite's children must not refer \
+        back to it", path.display())]
     PresetLoop {
         /// The file.
         path: PathBuf,
@@ -571,7 +575,8 @@ impl Source<'_> {
                     line,
                     column,
                     message: format!(
-                        "engine = {other:?}: expected \"kvconnect\" (kvconnect's reference engine, the default) or \"vllm\" (vLLM servers with KvconnectConnector)"
+                        "engine = {other:?}: expected \"kvconnect\" (kvconnect's reference engine, the \
+                            default) or \"vllm\" (vLLM servers with KvconnectConnector)"
                     ),
                 })
             }
@@ -705,7 +710,10 @@ pub fn parse_cache_dtype(s: &str) -> Result<Option<Dtype>, String> {
         return Ok(None);
     }
     Dtype::from_hf_name(s).map(Some).ok_or_else(|| {
-        format!("cache_dtype: '{s}' is not a valid value; expected auto, bf16, fp16, fp32, fp8 (= fp8_e4m3) or fp8_e5m2")
+        format!(
+            "cache_dtype: '{s}' is not a valid value; expected auto, bf16, fp16, fp32, fp8 (= fp8_e4m3) \
+            or fp8_e5m2"
+        )
     })
 }
 

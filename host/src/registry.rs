@@ -64,7 +64,8 @@ impl std::fmt::Debug for Entry {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
     /// No connector has this name.
-    #[error("no connector named '{name}'{}: known connectors are {}; a plugin is found through KVCONNECT_PLUGIN_PATH or --plugin-dir, or named by path", suggestion.as_ref().map(|s| format!(" (did you mean '{s}'?)")).unwrap_or_default(), known.join(", "))]
+    #[error("no connector named '{name}'{}: known connectors are {}; a plugin is found through \
+        KVCONNECT_PLUGIN_PATH or --plugin-dir, or named by path", suggestion.as_ref().map(|s| format!(" (did you mean '{s}'?)")).unwrap_or_default(), known.join(", "))]
     Unknown {
         /// The name asked for.
         name: String,

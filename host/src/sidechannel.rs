@@ -51,7 +51,10 @@ pub const CHANNEL: &str = "kvconnect-side-channel";
 #[derive(Debug, thiserror::Error)]
 pub enum SideChannelError {
     /// The listener could not bind.
-    #[error("side channel: cannot listen on {addr}: {source}; pick a free port with --side-channel-port or 0 for any")]
+    #[error(
+        "side channel: cannot listen on {addr}: {source}; pick a free port with --side-channel-port or 0 \
+        for any"
+    )]
     Bind {
         /// The address.
         addr: SocketAddr,
@@ -59,13 +62,20 @@ pub enum SideChannelError {
         source: std::io::Error,
     },
     /// Bound beyond loopback without a secret.
-    #[error("side channel: refusing to listen on {addr} beyond loopback without a data-plane secret, which would let any host handshake; set KVCONNECT_SIDE_CHANNEL_TOKEN (at least 16 random bytes, the same on every worker of the deployment) or pass --secret-file, or bind --side-channel-host 127.0.0.1")]
+    #[error(
+        "side channel: refusing to listen on {addr} beyond loopback without a data-plane secret, which \
+        would let any host handshake; set KVCONNECT_SIDE_CHANNEL_TOKEN (at least 16 random bytes, the same \
+        on every worker of the deployment) or pass --secret-file, or bind --side-channel-host 127.0.0.1"
+    )]
     Open {
         /// The address.
         addr: SocketAddr,
     },
     /// Connecting to a peer failed.
-    #[error("side channel: cannot connect to {addr}: {message}; is the prefill worker running and is remote_host/remote_port right?")]
+    #[error(
+        "side channel: cannot connect to {addr}: {message}; is the prefill worker running and is \
+        remote_host/remote_port right?"
+    )]
     Connect {
         /// The peer address as given.
         addr: String,
@@ -109,7 +119,10 @@ pub enum SideChannelError {
         cap: usize,
     },
     /// A frame is not a message of this protocol.
-    #[error("side channel: {peer} sent a frame that is not a kvconnect handshake message ({message}); closing the connection")]
+    #[error(
+        "side channel: {peer} sent a frame that is not a kvconnect handshake message ({message}); \
+        closing the connection"
+    )]
     Garbage {
         /// The peer.
         peer: String,
@@ -474,7 +487,8 @@ impl ServerStatsSnapshot {
 /// The diffs are those of `check_roles(prefill, decode)`.
 pub fn render_refusal(prefill_engine: &str, decode_engine: &str, diffs: &[FieldDiff]) -> String {
     let mut s = format!(
-        "prefill engine '{prefill_engine}' and decode engine '{decode_engine}' have incompatible KV caches; no KV was transferred:"
+        "prefill engine '{prefill_engine}' and decode engine '{decode_engine}' have incompatible KV caches; \
+            no KV was transferred:"
     );
     for d in diffs {
         s.push_str("\n  ");
@@ -510,7 +524,9 @@ pub fn answer_hello(
         return Message::Refused {
             diff: Vec::new(),
             message: format!(
-                "{UNAUTHENTICATED}: prefill engine '{}' did not get a valid proof of the deployment's data-plane secret from decode engine '{engine_id}'; give both workers the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file",
+                "{UNAUTHENTICATED}: prefill engine '{}' did not get a valid proof of the deployment's \
+                    data-plane secret from decode engine '{engine_id}'; give both workers the same \
+                    KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file",
                 local.engine_id
             ),
         };
@@ -640,7 +656,8 @@ async fn accept_loop(
                 Ok((sock, peer)) => {
                     let Ok(slot) = slots.clone().try_acquire_owned() else {
                         stats.count(Refusal::TooManyConnections);
-                        tracing::warn!(%peer, cap = cfg.max_connections, "side channel: refusing a connection past the cap of {} open connections", cfg.max_connections);
+                        tracing::warn!(%peer, cap = cfg.max_connections, "side channel: refusing a \
+                            connection past the cap of {} open connections", cfg.max_connections);
                         drop(sock);
                         continue;
                     };
@@ -813,7 +830,11 @@ pub async fn handshake(
         {
             Ok(HandshakeOutcome::Refused {
                 diff: Vec::new(),
-                message: format!("{UNAUTHENTICATED}: the side channel at {addr} did not prove the deployment's data-plane secret; nothing is loaded from it. Give every worker the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file"),
+                message: format!(
+                    "{UNAUTHENTICATED}: the side channel at {addr} did not prove the \
+                    deployment's data-plane secret; nothing is loaded from it. Give every worker the same \
+                    KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file"
+                ),
             })
         }
         Message::Welcome { version, compat, engine_id: peer_engine, metadata, instance, .. } => {

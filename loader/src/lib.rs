@@ -48,7 +48,10 @@ pub enum LoadError {
         reason: String,
     },
     /// Group or others may write the file.
-    #[error("plugin {path}: refused: the file is {who}-writable (mode {mode:04o}), so others could replace the code this host runs — run `chmod go-w {path}`, or pass --allow-insecure-plugins")]
+    #[error(
+        "plugin {path}: refused: the file is {who}-writable (mode {mode:04o}), so others could replace \
+        the code this host runs — run `chmod go-w {path}`, or pass --allow-insecure-plugins"
+    )]
     Insecure {
         /// The file.
         path: String,
@@ -58,7 +61,10 @@ pub enum LoadError {
         mode: u32,
     },
     /// `dlopen` failed.
-    #[error("plugin {path}: not a loadable shared library ({reason}) — a plugin is a cdylib built with kvconnect_api::export_connector!")]
+    #[error(
+        "plugin {path}: not a loadable shared library ({reason}) — a plugin is a cdylib built with \
+        kvconnect_api::export_connector!"
+    )]
     NotALibrary {
         /// The file.
         path: String,
@@ -66,7 +72,11 @@ pub enum LoadError {
         reason: String,
     },
     /// No entry symbol.
-    #[error("plugin {path}: has no `{}` symbol, so it is not a kvconnect plugin — export one with kvconnect_api::export_connector!(\"name\", Factory::new())", abi::ENTRY_SYMBOL)]
+    #[error(
+        "plugin {path}: has no `{}` symbol, so it is not a kvconnect plugin — export one with \
+        kvconnect_api::export_connector!(\"name\", Factory::new())",
+        abi::ENTRY_SYMBOL
+    )]
     NoEntry {
         /// The file.
         path: String,
@@ -81,7 +91,11 @@ pub enum LoadError {
         path: String,
     },
     /// Wrong magic.
-    #[error("plugin {path}: its descriptor starts with {found:#018x}, not kvconnect's magic {expected:#018x} (\"KVCONNEC\"), so it is not a kvconnect plugin or predates ABI 1 — rebuild it against kvconnect-api {host_sdk}")]
+    #[error(
+        "plugin {path}: its descriptor starts with {found:#018x}, not kvconnect's magic {expected:#018x} \
+        (\"KVCONNEC\"), so it is not a kvconnect plugin or predates ABI 1 — rebuild it against kvconnect-api \
+        {host_sdk}"
+    )]
     BadMagic {
         /// The file.
         path: String,
@@ -93,7 +107,8 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// Another ABI major.
-    #[error("plugin {path}: built for kvconnect ABI {plugin_major}.x ({}), this host speaks {host_major}.x — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
+    #[error("plugin {path}: built for kvconnect ABI {plugin_major}.x ({}), this host speaks {host_major}.x — \
+        {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     AbiMajor {
         /// The file.
         path: String,
@@ -107,7 +122,9 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A struct shorter than what the host calls.
-    #[error("plugin {path}: its {what} is {found} bytes but this host calls entries up to byte {needed} (plugin built for ABI {plugin_major}.{plugin_minor} with {}, this host speaks {host_major}.{host_minor}) — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
+    #[error("plugin {path}: its {what} is {found} bytes but this host calls entries up to byte {needed} \
+        (plugin built for ABI {plugin_major}.{plugin_minor} with {}, this host speaks \
+        {host_major}.{host_minor}) — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     TooShort {
         /// The file.
         path: String,
@@ -132,7 +149,9 @@ pub enum LoadError {
     },
     /// A vtable shorter than the minor the plugin declares defines it: built from mismatched
     /// definitions.
-    #[error("plugin {path}: declares ABI {plugin_major}.{plugin_minor} but its {what} is {found} bytes, short of the {needed} bytes that {plugin_major}.{plugin_minor} defines, so it was built from mismatched definitions ({}) — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
+    #[error("plugin {path}: declares ABI {plugin_major}.{plugin_minor} but its {what} is {found} bytes, \
+        short of the {needed} bytes that {plugin_major}.{plugin_minor} defines, so it was built from \
+        mismatched definitions ({}) — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     ShortForItsMinor {
         /// The file.
         path: String,
@@ -152,7 +171,10 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A layout fingerprint that is not ABI 1's.
-    #[error("plugin {path}: ABI layout fingerprint {found:#018x} is not the {expected:#018x} that ABI {host_major}.x has on this host (plugin built for ABI {plugin_major}.{plugin_minor} with {} by {plugin_rustc}): it was built for another target or against a modified kvconnect-api or header — {} for this target", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
+    #[error("plugin {path}: ABI layout fingerprint {found:#018x} is not the {expected:#018x} that ABI \
+        {host_major}.x has on this host (plugin built for ABI {plugin_major}.{plugin_minor} with {} by \
+        {plugin_rustc}): it was built for another target or against a modified kvconnect-api or header — {} \
+        for this target", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     Fingerprint {
         /// The file.
         path: String,
@@ -190,7 +212,10 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// `init` or the factory constructor failed.
-    #[error("plugin {path} ('{name}' {version}): {stage} failed: {error} — this is a bug in the plugin; report it to its author or remove the file")]
+    #[error(
+        "plugin {path} ('{name}' {version}): {stage} failed: {error} — this is a bug in the plugin; \
+        report it to its author or remove the file"
+    )]
     StartFailed {
         /// The file.
         path: String,
@@ -204,7 +229,10 @@ pub enum LoadError {
         error: String,
     },
     /// Capabilities that contradict themselves.
-    #[error("plugin {path} ('{name}' {version}): declares invalid capabilities: {reason} — fix its capabilities(); the host refuses it")]
+    #[error(
+        "plugin {path} ('{name}' {version}): declares invalid capabilities: {reason} — fix its \
+        capabilities(); the host refuses it"
+    )]
     InvalidCapabilities {
         /// The file.
         path: String,
@@ -216,7 +244,10 @@ pub enum LoadError {
         reason: String,
     },
     /// Two plugins claim one name.
-    #[error("plugin {path}: connector name '{name}' is already taken by {other} — remove one of them from the plugin path")]
+    #[error(
+        "plugin {path}: connector name '{name}' is already taken by {other} — remove one of them from \
+        the plugin path"
+    )]
     DuplicateName {
         /// The file.
         path: String,
@@ -254,7 +285,8 @@ fn built_with(plugin_sdk: &str) -> String {
 fn rebuild(plugin_sdk: &str, host_sdk: &str) -> String {
     if plugin_sdk.starts_with(C_HEADER_SDK) {
         format!(
-            "rebuild it against {C_HEADER_SDK} {}.{} (connector-api/include/kvconnect.h of kvconnect-api {host_sdk})",
+            "rebuild it against {C_HEADER_SDK} {}.{} (connector-api/include/kvconnect.h of kvconnect-api \
+                {host_sdk})",
             abi::ABI_MAJOR,
             abi::ABI_MINOR
         )

@@ -8,7 +8,10 @@ use kvconnect_api::ConnectorError;
 #[derive(Debug, thiserror::Error)]
 pub enum AdapterError {
     /// vLLM's side of the setup (what the Python half read from vLLM's config) is malformed.
-    #[error("kvconnect: the adapter's setup from vLLM cannot be read: {0}; this is a bug in kvconnect.vllm, report it with the vLLM version")]
+    #[error(
+        "kvconnect: the adapter's setup from vLLM cannot be read: {0}; this is a bug in kvconnect.vllm, \
+        report it with the vLLM version"
+    )]
     Setup(String),
     /// `kv_connector_extra_config` is not what the adapter takes.
     #[error("kvconnect: request {request}: {message}")]
@@ -51,7 +54,11 @@ pub enum AdapterError {
     #[error("kvconnect: not implemented: {0}")]
     NotImplemented(String),
     /// vLLM called the scheduler before it handed over the worker's scheduler socket.
-    #[error("kvconnect: vLLM called {call} before set_xfer_handshake_metadata handed the scheduler the worker's scheduler socket; this vLLM does not pass connector handshake metadata, which kvconnect.vllm needs")]
+    #[error(
+        "kvconnect: vLLM called {call} before set_xfer_handshake_metadata handed the scheduler the \
+        worker's scheduler socket; this vLLM does not pass connector handshake metadata, which \
+        kvconnect.vllm needs"
+    )]
     NotAttached {
         /// The call.
         call: &'static str,

@@ -47,7 +47,11 @@ fn in_kvconnect_config(config: &Value, path: String) -> Option<(String, Value)> 
 fn refusal(path: &str, why: &str, given: &Value) -> String {
     let value = given.as_str().filter(|p| matches!(*p, "recompute" | "fail")).unwrap_or("recompute");
     format!(
-        "{POLICY} is set in {path}, where it has no effect ({why}): vLLM reads it only at the top level of --kv-transfer-config; move it there, beside kv_connector: '{{\"kv_connector\":\"KvconnectConnector\",\"{POLICY}\":\"{value}\",...}}' (vLLM's default is \"fail\": a failed KV load ends the request with HTTP 500; \"recompute\" computes the prompt instead)"
+        "{POLICY} is set in {path}, where it has no effect ({why}): vLLM reads it only at the top level of \
+            --kv-transfer-config; move it there, beside kv_connector: \
+            '{{\"kv_connector\":\"KvconnectConnector\",\"{POLICY}\":\"{value}\",...}}' (vLLM's default is \
+            \"fail\": a failed KV load ends the request with HTTP 500; \"recompute\" computes the prompt \
+            instead)"
     )
 }
 
@@ -61,12 +65,15 @@ pub fn unused_side_channel(role: KvRole, moves_kv: bool, connector: &str, given:
     let keys = given.join(" and ");
     if !moves_kv {
         return Some(format!(
-            "{keys} ignored: '{connector}' moves no KV to another engine, so this server serves no side channel"
+            "{keys} ignored: '{connector}' moves no KV to another engine, so this server serves no side \
+                channel"
         ));
     }
     (role == KvRole::Consumer).then(|| {
         format!(
-            "{keys} ignored: kv_role is kv_consumer, and a decode serves no side channel; it reaches each prefill at the address that prefill's kv_transfer_params carry (set the port on prefill, kv_producer)"
+            "{keys} ignored: kv_role is kv_consumer, and a decode serves no side channel; it reaches each \
+                prefill at the address that prefill's kv_transfer_params carry (set the port on prefill, \
+                kv_producer)"
         )
     })
 }

@@ -59,24 +59,30 @@ impl Joint {
             Some(KvRole::Consumer) => Some(Role::Decode),
             _ => None,
         };
-        let role = match (deployment_role, from_kv_role) {
-            (Some(r), k) => {
-                let r: Role = r.parse().map_err(|e: kvconnect_api::UnknownRole| AdapterError::ExtraConfig(format!("deployment_role: {e}")))?;
-                if k.is_some_and(|k| k != r) {
-                    return Err(AdapterError::ExtraConfig(format!(
+        let role =
+            match (deployment_role, from_kv_role) {
+                (Some(r), k) => {
+                    let r: Role = r.parse().map_err(|e: kvconnect_api::UnknownRole| {
+                        AdapterError::ExtraConfig(format!(
+                            "deployment_role: \
+                    {e}"
+                        ))
+                    })?;
+                    if k.is_some_and(|k| k != r) {
+                        return Err(AdapterError::ExtraConfig(format!(
                         "deployment_role is {r} but vLLM's kv_role makes this server the {}; make them agree",
                         k.map_or("", Role::name)
                     )));
+                    }
+                    r
                 }
-                r
-            }
-            (None, Some(k)) => k,
-            (None, None) => {
-                return Err(AdapterError::ExtraConfig(
-                    "with 'deployment' and kv_role kv_both, say which of the file's roles this server is: deployment_role = \"prefill\" or \"decode\"".into(),
-                ))
-            }
-        };
+                (None, Some(k)) => k,
+                (None, None) => return Err(AdapterError::ExtraConfig(
+                    "with 'deployment' and kv_role kv_both, say which of the file's roles this server is: \
+                        deployment_role = \"prefill\" or \"decode\""
+                        .into(),
+                )),
+            };
         Ok(Joint { deployment, role })
     }
 
@@ -103,9 +109,17 @@ impl Joint {
         }
         if geometry(file_model) != geometry(model) {
             return Err(AdapterError::ExtraConfig(format!(
-                "deployment {path}: its model ({}, {} layers, {} KV heads of head dim {}) is not the model vLLM serves ({}, {} layers, {} KV heads of head dim {}); point the file's model at the served model's config.json",
-                file_model.name, file_model.num_layers, file_model.num_kv_heads, file_model.head_dim,
-                model.name, model.num_layers, model.num_kv_heads, model.head_dim
+                "deployment {path}: its model ({}, {} layers, {} KV heads of head dim {}) is not the model \
+                    vLLM serves ({}, {} layers, {} KV heads of head dim {}); point the file's model at the \
+                    served model's config.json",
+                file_model.name,
+                file_model.num_layers,
+                file_model.num_kv_heads,
+                file_model.head_dim,
+                model.name,
+                model.num_layers,
+                model.num_kv_heads,
+                model.head_dim
             )));
         }
         let file_own = &self.deployment.role(self.role).options;
@@ -127,15 +141,17 @@ impl Joint {
         p.tp_rank = 0;
         // The peer is a vLLM server too: one connector per rank, whatever the file's engine.
         p.ranks_per_worker = 1;
-        let conflict = |e: DeploymentError| {
-            match &e {
-            DeploymentError::Conflict { conflict, .. } if matches!(**conflict, Conflict::HmaUnsupported { .. }) => {
+        let conflict = |e: DeploymentError| match &e {
+            DeploymentError::Conflict { conflict, .. }
+                if matches!(**conflict, Conflict::HmaUnsupported { .. }) =>
+            {
                 AdapterError::Negotiation(format!(
-                    "negotiated jointly from {path}: {e}; inside vLLM: the hybrid KV cache manager is on here because the connector class is KvconnectHmaConnector: name KvconnectConnector (or pass --disable-hybrid-kv-cache-manager) and vLLM turns it off"
+                    "negotiated jointly from {path}: {e}; inside vLLM: the hybrid KV cache manager is on \
+                        here because the connector class is KvconnectHmaConnector: name KvconnectConnector \
+                        (or pass --disable-hybrid-kv-cache-manager) and vLLM turns it off"
                 ))
             }
             _ => AdapterError::Negotiation(format!("negotiated jointly from {path}: {e}")),
-        }
         };
         let (negotiated, compat) = negotiate_role(&d, self.role, true, registry).map_err(conflict)?;
         let (_, peer_compat) = negotiate_role(&d, peer_role, true, registry).map_err(conflict)?;
@@ -175,7 +191,8 @@ fn agrees(path: &str, role: Role, file: &EngineOptions, vllm: &EngineOptions) ->
         return Ok(());
     }
     Err(AdapterError::ExtraConfig(format!(
-        "deployment {path}: its [{role}] section does not describe this vLLM server: {}; change the file or vLLM's flags so they agree",
+        "deployment {path}: its [{role}] section does not describe this vLLM server: {}; change the file or \
+            vLLM's flags so they agree",
         differ.join("; ")
     )))
 }

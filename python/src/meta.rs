@@ -92,7 +92,8 @@ pub fn decode(bytes: &[u8], rank: usize) -> Result<(StepPeers, &[u8]), String> {
         serde_json::from_slice(header).map_err(|e| format!("its header cannot be read: {e}"))?;
     if header.version != VERSION {
         return Err(format!(
-            "envelope version {} (this worker reads {VERSION}): run the same kvconnect in the scheduler and the workers",
+            "envelope version {} (this worker reads {VERSION}): run the same kvconnect in the scheduler and \
+                the workers",
             header.version
         ));
     }
@@ -111,6 +112,7 @@ pub fn decode(bytes: &[u8], rank: usize) -> Result<(StepPeers, &[u8]), String> {
         return Ok((h.step, mine));
     }
     Err(format!(
-        "it holds {ranks} tensor-parallel rank(s) and this worker is rank {rank}: the scheduler attached to fewer workers than run"
+        "it holds {ranks} tensor-parallel rank(s) and this worker is rank {rank}: the scheduler attached to \
+            fewer workers than run"
     ))
 }

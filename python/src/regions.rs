@@ -24,7 +24,9 @@ pub fn to_regions(
 ) -> Result<Vec<KvRegion>, AdapterError> {
     if let Some(g) = eff.state_groups.first() {
         return Err(AdapterError::NotImplemented(format!(
-            "a model with state layers (layers {:?}: Mamba or linear attention) inside vLLM: kvconnect does not describe vLLM's state tensors as regions yet; serve it P/D with kvconnect's own workers (kvconnect up)",
+            "a model with state layers (layers {:?}: Mamba or linear attention) inside vLLM: kvconnect does \
+                not describe vLLM's state tensors as regions yet; serve it P/D with kvconnect's own workers \
+                (kvconnect up)",
             g.layers.iter().map(|l| l.0).collect::<Vec<_>>()
         )));
     }
@@ -43,24 +45,32 @@ pub fn to_regions(
     let mut out = Vec::with_capacity(tensors.len());
     for t in tensors {
         let err = |message: String| AdapterError::Region { layer: t.name.clone(), message };
-        let group = eff
-            .groups
-            .iter()
-            .position(|g| g.layers.contains(&t.layer))
-            .ok_or_else(|| err(format!("layer index {} is in no KV cache group of the negotiated layout ({} groups); the model's config.json and the engine's layers disagree", t.layer.0, eff.groups.len())))?;
+        let group = eff.groups.iter().position(|g| g.layers.contains(&t.layer)).ok_or_else(|| {
+            err(format!(
+                "layer index {} is in no KV cache group of the negotiated layout ({} \
+                groups); the model's config.json and the engine's layers disagree",
+                t.layer.0,
+                eff.groups.len()
+            ))
+        })?;
         let d = describe(t, &expected).map_err(|e| err(e.to_string()))?;
         // Opaque blocks are vLLM's CPU backend's, `[B, H, N, 2C]`: heads outermost in a block,
         // which moving KV between TP sizes relies on.
         let heads_outer = [shape.heads, eff.block_size, shape.kv_parts * shape.head_dim].map(u64::from);
         if eff.opaque_blocks && t.shape.get(1..) != Some(heads_outer.as_slice()) {
             return Err(err(format!(
-                "not implemented: vLLM's CPU KV cache tensor has shape {:?}; kvconnect reads it as [num_blocks, heads, block_size, 2 * head_dim] = [_, {}, {}, {}] (heads outermost in a block)",
+                "not implemented: vLLM's CPU KV cache tensor has shape {:?}; kvconnect reads it as \
+                    [num_blocks, heads, block_size, 2 * head_dim] = [_, {}, {}, {}] (heads outermost in a \
+                    block)",
                 t.shape, heads_outer[0], heads_outer[1], heads_outer[2]
             )));
         }
         let shm_name = if in_shared_memory {
             Some(shm_kv::segment_at(t.addr, d.len).ok_or_else(|| {
-                err("it is not in the shared memory kvconnect gave vLLM for its KV cache (vLLM did not allocate it inside the connector's get_mem_pool_context), so the nixl backend 'shm' cannot serve it; use backend 'tcp'".into())
+                err("it is not in the shared memory kvconnect gave vLLM for its KV cache (vLLM did not \
+                    allocate it inside the connector's get_mem_pool_context), so the nixl backend 'shm' \
+                    cannot serve it; use backend 'tcp'"
+                    .into())
             })?)
         } else {
             None

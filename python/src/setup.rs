@@ -89,7 +89,10 @@ struct AdapterExtra {
     kv_producers: Option<Value>,
 }
 
-const EXTRA_KEYS: &str = "kvconnect (the kvconnect kv-transfer-config) or deployment (a kvconnect deployment file, negotiated jointly) with deployment_role, side_channel_host, side_channel_port, handshake_timeout_s, plugin_dirs, allow_insecure_plugins, kv_producers";
+const EXTRA_KEYS: &str =
+    "kvconnect (the kvconnect kv-transfer-config) or deployment (a kvconnect deployment \
+    file, negotiated jointly) with deployment_role, side_channel_host, side_channel_port, \
+    handshake_timeout_s, plugin_dirs, allow_insecure_plugins, kv_producers";
 
 /// A negotiated connector, ready for either half to be created.
 pub struct Setup {
@@ -137,12 +140,19 @@ impl Setup {
                 let j = Joint::load(path, extra.deployment_role.as_deref(), side.kv_role)?;
                 let config = j.config();
                 if let Some(p) = config.kv_load_failure_policy {
-                    tracing::warn!("kvconnect: the deployment file's {} kv_load_failure_policy ({p:?}) is for kvconnect's own workers; inside vLLM, vLLM applies its own, read only at the top level of --kv-transfer-config (default \"fail\")", j.role.name());
+                    tracing::warn!("kvconnect: the deployment file's {} kv_load_failure_policy ({p:?}) is \
+                        for kvconnect's own workers; inside vLLM, vLLM applies its own, read only at the top \
+                        level of --kv-transfer-config (default \"fail\")", j.role.name());
                 }
                 (config, Some(j))
             }
-            (Some(_), Some(_)) => return Err(extra_err("give either 'kvconnect' (this server's kvconnect kv-transfer-config) or 'deployment' (a kvconnect deployment file with both roles' configs, negotiated jointly), not both")),
-            (None, None) => return Err(extra_err(format!("no kvconnect connector named: give 'kvconnect' (a kvconnect kv-transfer-config, e.g. {{\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{{\"backend\":\"tcp\"}}}}) or 'deployment' (a kvconnect deployment file); its keys are {EXTRA_KEYS}"))),
+            (Some(_), Some(_)) => return Err(extra_err("give either 'kvconnect' (this server's kvconnect \
+                kv-transfer-config) or 'deployment' (a kvconnect deployment file with both roles' configs, \
+                negotiated jointly), not both")),
+            (None, None) => return Err(extra_err(format!("no kvconnect connector named: give 'kvconnect' (a \
+                kvconnect kv-transfer-config, e.g. \
+                {{\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{{\"backend\":\"tcp\"}}}}) \
+                or 'deployment' (a kvconnect deployment file); its keys are {EXTRA_KEYS}"))),
         };
         let role = config.kv_role.or(side.kv_role).unwrap_or(KvRole::Both);
         config.kv_role = Some(role);
@@ -164,20 +174,26 @@ impl Setup {
         let host: IpAddr = match &extra.side_channel_host {
             None => IpAddr::V4(Ipv4Addr::LOCALHOST),
             Some(h) => h.parse().map_err(|_| {
-                extra_err(format!("side_channel_host '{h}' is not an IP address; give the address decode reaches prefill at, e.g. 127.0.0.1"))
+                extra_err(format!(
+                    "side_channel_host '{h}' is not an IP address; give the address decode \
+                    reaches prefill at, e.g. 127.0.0.1"
+                ))
             })?,
         };
         // Each TP rank serves its own KV on its own side channel: rank r at the port plus r,
         // as vLLM's NixlConnector numbers its ranks' side channels.
         let rank_port = match extra.side_channel_port {
             None | Some(0) => None,
-            Some(p) => Some(p.checked_add(u16::try_from(side.tp_rank).unwrap_or(u16::MAX)).ok_or_else(|| {
-                extra_err(format!(
-                    "side_channel_port {p}: TP rank {} serves its side channel at the port plus its rank, past 65535; pick a port below {}",
+            Some(p) => {
+                Some(p.checked_add(u16::try_from(side.tp_rank).unwrap_or(u16::MAX)).ok_or_else(|| {
+                    extra_err(format!(
+                    "side_channel_port {p}: TP rank {} serves its side channel at the port plus its rank, \
+                        past 65535; pick a port below {}",
                     side.tp_rank,
                     65536 - side.tp_size.max(1)
                 ))
-            })?),
+                })?)
+            }
         };
         let port = rank_port.unwrap_or(0);
         let secret = data_plane_secret()?;
@@ -212,7 +228,9 @@ impl Setup {
             (false, _, Some(p)) if p > 0 => Some((host, p)),
             (false, _, _) => {
                 return Err(extra_err(format!(
-                    "kv_role is {} and '{}' moves KV to a decode engine, so prefill needs a side channel: set side_channel_port to a free port (and side_channel_host to an address decode can reach, default 127.0.0.1)",
+                    "kv_role is {} and '{}' moves KV to a decode engine, so prefill needs a side channel: \
+                        set side_channel_port to a free port (and side_channel_host to an address decode can \
+                        reach, default 127.0.0.1)",
                     role_name(role),
                     config.kv_connector
                 )))
@@ -225,14 +243,19 @@ impl Setup {
                 (o.negotiated, o.compat, Some(o.note))
             }
             None => {
-                let (n, c) = negotiate_worker(&registry, &config, &model, &opts, role_name(role)).map_err(|e| match &e {
-                    DeploymentError::Conflict { conflict, .. } if matches!(**conflict, Conflict::HmaUnsupported { .. }) => {
-                        AdapterError::Negotiation(format!(
-                            "{e}; inside vLLM: name KvconnectConnector instead of KvconnectHmaConnector, and vLLM turns its hybrid KV cache manager off"
+                let (n, c) = negotiate_worker(&registry, &config, &model, &opts, role_name(role)).map_err(
+                    |e| match &e {
+                        DeploymentError::Conflict { conflict, .. }
+                            if matches!(**conflict, Conflict::HmaUnsupported { .. }) =>
+                        {
+                            AdapterError::Negotiation(format!(
+                            "{e}; inside vLLM: name KvconnectConnector instead of KvconnectHmaConnector, and \
+                                vLLM turns its hybrid KV cache manager off"
                         ))
-                    }
-                    _ => AdapterError::Negotiation(e.to_string()),
-                })?;
+                        }
+                        _ => AdapterError::Negotiation(e.to_string()),
+                    },
+                )?;
                 (n, c, None)
             }
         };
@@ -283,7 +306,8 @@ impl Setup {
     pub fn summary(&self) -> String {
         let e = &self.negotiated.effective;
         format!(
-            "connector {} ({}) role {} engine {}: layout {}{}, block_size {}, cache_dtype {:?}, hma {}, groups {}, tp {}/{}; compat hash {}",
+            "connector {} ({}) role {} engine {}: layout {}{}, block_size {}, cache_dtype {:?}, hma {}, \
+                groups {}, tp {}/{}; compat hash {}",
             self.ctx.config.kv_connector,
             self.compat.connectors.iter().map(|(n, v)| format!("{n} {v}")).collect::<Vec<_>>().join(", "),
             role_name(self.ctx.role),
@@ -308,7 +332,10 @@ fn kvconnect_config(v: &Value) -> Result<KvTransferConfig, AdapterError> {
             .map_err(|e| extra_err(format!("'kvconnect' is not a kvconnect kv-transfer-config: {e}"))),
         Value::String(s) => KvTransferConfig::from_json(s)
             .map_err(|e| extra_err(format!("'kvconnect' is not a kvconnect kv-transfer-config: {e}"))),
-        _ => Err(extra_err("'kvconnect' must be a kv-transfer-config object, e.g. {\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{\"backend\":\"tcp\"}}")),
+        _ => Err(extra_err(
+            "'kvconnect' must be a kv-transfer-config object, e.g. \
+            {\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{\"backend\":\"tcp\"}}",
+        )),
     }
 }
 

@@ -65,7 +65,8 @@ pub fn allocate(
         .map_err(|e| AdapterError::Setup(format!("cannot name vLLM's KV cache segments: {e}")))?;
     let made = ShmArena::create(len, &slabs, |i| seg_names[i].clone()).map_err(|e| {
         AdapterError::SideChannel(format!(
-            "cannot put vLLM's KV cache into shared memory: {e}; /dev/shm needs room for the whole KV cache (VLLM_CPU_KVCACHE_SPACE), or use backend 'tcp'"
+            "cannot put vLLM's KV cache into shared memory: {e}; /dev/shm needs room for the whole KV cache \
+                (VLLM_CPU_KVCACHE_SPACE), or use backend 'tcp'"
         ))
     })?;
     let addr = made.ptr() as u64;

@@ -161,7 +161,12 @@ impl Worker {
                 st.counters.handshakes_refused += 1;
             }
             if f.diff.iter().any(|d| d.field == LayoutField::Hma) {
-                f.message.push_str("\n  inside vLLM: decode's hybrid KV cache manager is on when its connector class is KvconnectHmaConnector and the model has several KV cache groups; name KvconnectConnector on decode (vLLM then turns it off), or give both servers the same 'deployment' file so they negotiate it jointly");
+                f.message.push_str(
+                    "\n  inside vLLM: decode's hybrid KV cache manager is on when its \
+                    connector class is KvconnectHmaConnector and the model has several KV cache groups; name \
+                    KvconnectConnector on decode (vLLM then turns it off), or give both servers the same \
+                    'deployment' file so they negotiate it jointly",
+                );
             }
             f
         })?;
@@ -173,7 +178,8 @@ impl Worker {
             ),
             diff: Vec::new(),
         })?;
-        tracing::info!(peer = %peer.engine_id, addr = %peer.addr, "kvconnect: handshake accepted; KV may be loaded from this prefill engine");
+        tracing::info!(peer = %peer.engine_id, addr = %peer.addr, "kvconnect: handshake accepted; KV may be \
+            loaded from this prefill engine");
         Ok(())
     }
 }
@@ -308,7 +314,8 @@ impl Worker {
             .block_on(SideChannelServer::bind(cfg, local))
             .map_err(|e| AdapterError::SideChannel(format!("{e}; pick another side_channel_port")))?;
         let addr = server.local_addr().to_string();
-        tracing::info!(side_channel = %addr, engine = %self.setup.ctx.engine_id, "kvconnect: side channel listening");
+        tracing::info!(side_channel = %addr, engine = %self.setup.ctx.engine_id, "kvconnect: side channel \
+            listening");
         self.state.lock().unwrap_or_else(|p| p.into_inner()).server = Some(server);
         Ok(Some(addr))
     }
@@ -400,7 +407,8 @@ impl Worker {
                         match peers.as_slice() {
                             [] => "the connector's load failed (see its error above)".to_owned(),
                             [p, ..] => format!(
-                                "the load from prefill engine '{}' at {} failed (see the connector's error above); the next request handshakes with it again",
+                                "the load from prefill engine '{}' at {} failed (see the connector's error \
+                                    above); the next request handshakes with it again",
                                 p.engine_id,
                                 peers.iter().map(|p| p.addr.as_str()).collect::<Vec<_>>().join(" and ")
                             ),

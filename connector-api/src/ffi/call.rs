@@ -75,7 +75,8 @@ pub(super) fn call_json<'a, T: serde::de::DeserializeOwned>(
     serde_json::from_slice(out.as_bytes()).map_err(|e| ConnectorError::Other {
         connector: connector().to_owned(),
         message: format!(
-            "plugin returned a {method} result the host cannot decode ({e}); is it built against another kvconnect-api?"
+            "plugin returned a {method} result the host cannot decode ({e}); is it built against another \
+                kvconnect-api?"
         ),
     })
 }

@@ -138,7 +138,8 @@ pub fn json_values() -> Vec<JsonValue> {
             used_by: "every entry's *err, with a status other than KVC_OK",
             rules: "one key naming the kind (NotImplemented {connector, method}, InvalidConfig, \
                     InvalidArgument, Io, Other {connector, message}); the status code says the same kind",
-            example: json(&ConnectorError::invalid("my-plugin", "block 9 is out of range for layer 0 (8 blocks)")),
+            example: json(&ConnectorError::invalid("my-plugin", "block 9 is out of range for layer 0 (8 \
+                blocks)")),
         },
         JsonValue {
             rust_type: "Request",

@@ -99,7 +99,8 @@ fn install(api: &'static HostApi) -> Result<(), ConnectorError> {
         return Err(ConnectorError::Other {
             connector: "plugin".into(),
             message: format!(
-                "this plugin speaks kvconnect ABI {}.{} but the host speaks {}.{} (host API struct of {} bytes, need {})",
+                "this plugin speaks kvconnect ABI {}.{} but the host speaks {}.{} (host API struct of {} \
+                    bytes, need {})",
                 crate::ffi::ABI_MAJOR,
                 crate::ffi::ABI_MINOR,
                 api.abi_major,

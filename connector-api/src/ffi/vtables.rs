@@ -312,7 +312,8 @@ macro_rules! vtable {
                 $(
                     h = mix(h, offset_of!($name, $entry));
                     h = mix_str(h, concat!(
-                        "(This, ", $($(stringify!($cty), ", ",)+)* out_str!($($rk $(($rt))?)?), "Err) -> Status"
+                        "(This, ", $($(stringify!($cty), ", ",)+)* out_str!($($rk $(($rt))?)?), "Err) -> \
+                            Status"
                     ));
                 )*
                 mix(h, Self::MIN_SIZE)
@@ -362,7 +363,8 @@ macro_rules! vtable {
             }
         }
 
-        #[doc = concat!("A checked copy of a plugin's `", stringify!($name), "`: every `.0` entry present, later ones optional.")]
+        #[doc = concat!("A checked copy of a plugin's `", stringify!($name), "`: every `.0` entry present, \
+            later ones optional.")]
         #[derive(Debug, Clone, Copy)]
         pub struct $checked {
             #[doc = concat!("`", stringify!($name), "::free`.")]

@@ -17,7 +17,10 @@ pub struct ChildConstraint {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
 pub enum Conflict {
     /// A child declared capabilities that contradict themselves.
-    #[error("{child} declares invalid capabilities: {error}; fix the connector's capability declaration (or remove the child)")]
+    #[error(
+        "{child} declares invalid capabilities: {error}; fix the connector's capability declaration (or \
+        remove the child)"
+    )]
     InvalidCaps {
         /// The child.
         child: String,
@@ -35,7 +38,8 @@ pub enum Conflict {
         reason: String,
     },
     /// The user asked for HMA and some children do not support it.
-    #[error("hybrid_kv_cache_manager=on was set, but {} not support the hybrid KV cache manager{}; set hybrid_kv_cache_manager=auto or off, or remove {}", list_does(.unsupported), supporters(.supported), them(.unsupported))]
+    #[error("hybrid_kv_cache_manager=on was set, but {} not support the hybrid KV cache manager{}; set \
+        hybrid_kv_cache_manager=auto or off, or remove {}", list_does(.unsupported), supporters(.supported), them(.unsupported))]
     HmaUnsupported {
         /// Children without HMA.
         unsupported: Vec<String>,
@@ -43,7 +47,8 @@ pub enum Conflict {
         supported: Vec<String>,
     },
     /// The model needs HMA (state-space or linear-attention layers) and it cannot be on.
-    #[error("model '{model}' has {linear_layers} state-space/linear-attention layer(s), which need the hybrid KV cache manager; {}", hma_required_tail(.user_off, .unsupported))]
+    #[error("model '{model}' has {linear_layers} state-space/linear-attention layer(s), which need the \
+        hybrid KV cache manager; {}", hma_required_tail(.user_off, .unsupported))]
     HmaRequired {
         /// The model's name.
         model: String,
@@ -57,7 +62,9 @@ pub enum Conflict {
     /// A model with state-space or linear-attention layers and children that do not carry
     /// their per-request state: decode would get the KV of the attention layers and not the
     /// recurrent state.
-    #[error("model '{model}' keeps per-request state in {state_layers} state-space/linear-attention layer(s) ({groups}), which decode needs besides the KV blocks, but {} not carry per-request state (carries_state); nothing would give decode that state. Remedy: {remedy}", list_does(.unsupported))]
+    #[error("model '{model}' keeps per-request state in {state_layers} state-space/linear-attention layer(s) \
+        ({groups}), which decode needs besides the KV blocks, but {} not carry per-request state \
+        (carries_state); nothing would give decode that state. Remedy: {remedy}", list_does(.unsupported))]
     StateUnsupported {
         /// The model's name.
         model: String,
@@ -72,7 +79,9 @@ pub enum Conflict {
     },
     /// A model with state layers whose KV heads are split over several tensor-parallel ranks,
     /// and children that carry its per-request state only at `tp_size` 1.
-    #[error("model '{model}' keeps per-request state in {state_layers} state-space/linear-attention layer(s), and tp_size={tp_size} splits its KV heads over {tp_size} tensor-parallel ranks, but {} that state only at tp_size 1 (no state_with_tp). Remedy: {remedy}", verb(.children, "carries", "carry"))]
+    #[error("model '{model}' keeps per-request state in {state_layers} state-space/linear-attention \
+        layer(s), and tp_size={tp_size} splits its KV heads over {tp_size} tensor-parallel ranks, but {} \
+        that state only at tp_size 1 (no state_with_tp). Remedy: {remedy}", verb(.children, "carries", "carry"))]
     StateWithTp {
         /// The model's name.
         model: String,
@@ -87,7 +96,11 @@ pub enum Conflict {
     },
     /// An engine whose tensor-parallel ranks share one connector, with children that serve
     /// one rank's regions per worker.
-    #[error("this engine serves its {ranks} tensor-parallel ranks through one connector (kvconnect's reference engine runs them as threads of one process), but {} one rank's KV regions per worker (no ranks_in_one_worker). Remedy: run tp_size=1, or use connectors that declare ranks_in_one_worker (the nixl connector does with backend shm or tcp) instead of {}; vLLM gives each rank its own connector (engine = \"vllm\" in a deployment file)", verb(.children, "serves", "serve"), them(.children))]
+    #[error("this engine serves its {ranks} tensor-parallel ranks through one connector (kvconnect's \
+        reference engine runs them as threads of one process), but {} one rank's KV regions per worker (no \
+        ranks_in_one_worker). Remedy: run tp_size=1, or use connectors that declare ranks_in_one_worker (the \
+        nixl connector does with backend shm or tcp) instead of {}; vLLM gives each rank its own connector \
+        (engine = \"vllm\" in a deployment file)", verb(.children, "serves", "serve"), them(.children))]
     RanksInOneWorker {
         /// The ranks one connector serves.
         ranks: u32,
@@ -95,7 +108,8 @@ pub enum Conflict {
         children: Vec<String>,
     },
     /// An MLA model with children that do not handle latent KV caches.
-    #[error("model '{model}' uses MLA (latent KV), but {} not declare MLA support; remove {} or use a connector version that supports MLA", list_does(.unsupported), them(.unsupported))]
+    #[error("model '{model}' uses MLA (latent KV), but {} not declare MLA support; remove {} or use a \
+        connector version that supports MLA", list_does(.unsupported), them(.unsupported))]
     MlaUnsupported {
         /// The model's name.
         model: String,
@@ -116,7 +130,10 @@ pub enum Conflict {
     },
     /// The engine's blocks are opaque and a child would need a layout adapter, which looks
     /// inside blocks.
-    #[error("the engine's KV blocks are opaque ({why}), but {} would need a layout adapter ({}), which re-lays-out block contents; blocks can only move whole. Remedy: use connectors that accept the engine's layout {layout} as it is (nixl, lmcache, pd over them), or run an engine backend whose in-block layout is NHD or HND", them(.children), .adapters.join("; "))]
+    #[error("the engine's KV blocks are opaque ({why}), but {} would need a layout adapter ({}), which \
+        re-lays-out block contents; blocks can only move whole. Remedy: use connectors that accept the \
+        engine's layout {layout} as it is (nixl, lmcache, pd over them), or run an engine backend whose \
+        in-block layout is NHD or HND", them(.children), .adapters.join("; "))]
     OpaqueBlocks {
         /// Why the engine's blocks are opaque.
         why: String,
@@ -142,7 +159,8 @@ pub enum Conflict {
         remedy: String,
     },
     /// A child cannot store the cache dtype.
-    #[error("cache dtype {dtype} ({source_of}) is not supported by {}. Children's dtypes: {}. Remedy: {remedy}", .violators.join(", "), constraint_list(.constraints))]
+    #[error("cache dtype {dtype} ({source_of}) is not supported by {}. Children's dtypes: {}. Remedy: \
+        {remedy}", .violators.join(", "), constraint_list(.constraints))]
     CacheDtype {
         /// The dtype.
         dtype: String,
@@ -156,7 +174,8 @@ pub enum Conflict {
         remedy: String,
     },
     /// A child cannot read or write KV in the memory kind.
-    #[error("KV memory {memory} ({source_of}) is not usable by {}. Children's memory kinds: {}. Remedy: {remedy}", .violators.join(", "), constraint_list(.constraints))]
+    #[error("KV memory {memory} ({source_of}) is not usable by {}. Children's memory kinds: {}. Remedy: \
+        {remedy}", .violators.join(", "), constraint_list(.constraints))]
     Memory {
         /// The memory kind.
         memory: String,
@@ -170,7 +189,8 @@ pub enum Conflict {
         remedy: String,
     },
     /// Some children pull and others push.
-    #[error("children disagree on the transfer direction: {} pull (the consumer reads), {} push (the producer writes); keep transport children of one mode only (remove {} or {})", .pull.join(", "), .push.join(", "), them(.pull), them(.push))]
+    #[error("children disagree on the transfer direction: {} pull (the consumer reads), {} push (the \
+        producer writes); keep transport children of one mode only (remove {} or {})", .pull.join(", "), .push.join(", "), them(.pull), them(.push))]
     TransferMode {
         /// Children that pull.
         pull: Vec<String>,
@@ -178,7 +198,10 @@ pub enum Conflict {
         push: Vec<String>,
     },
     /// Prefill and decode set an option that must be equal to different values.
-    #[error("option {option} differs between the roles: prefill={prefill}, decode={decode}; both workers must use the same {option}: set it to the same value on both, or leave it unset on one side")]
+    #[error(
+        "option {option} differs between the roles: prefill={prefill}, decode={decode}; both workers \
+        must use the same {option}: set it to the same value on both, or leave it unset on one side"
+    )]
     OptionMismatch {
         /// The option.
         option: String,
@@ -189,7 +212,10 @@ pub enum Conflict {
     },
     /// Prefill and decode use different tensor-parallel sizes, and the KV cannot be moved
     /// between them.
-    #[error("prefill has tp_size={prefill} and decode tp_size={decode}, but {reason}; no KV would be moved between them. Remedy: {remedy}")]
+    #[error(
+        "prefill has tp_size={prefill} and decode tp_size={decode}, but {reason}; no KV would be moved \
+        between them. Remedy: {remedy}"
+    )]
     TpSize {
         /// Prefill's TP size.
         prefill: u32,
@@ -239,7 +265,8 @@ fn hma_required_tail(user_off: &bool, unsupported: &[String]) -> String {
     }
     if !unsupported.is_empty() {
         parts.push(format!(
-            "{} not support the hybrid KV cache manager: remove {} (a child without HMA cannot serve this model)",
+            "{} not support the hybrid KV cache manager: remove {} (a child without HMA cannot serve this \
+                model)",
             list_does(unsupported),
             them(unsupported)
         ));

@@ -132,63 +132,65 @@ pub(super) fn decide_hma(
     let linear = model.layers.iter().filter(|k| matches!(k, AttentionKind::Linear)).count() as u32;
     let lacking: Vec<&Party> = parties.iter().filter(|p| !p.caps.hma).collect();
     let matters = kinds.len() > 1 || linear > 0;
-    let (hma, hma_by, hma_reason) = match opts.hybrid_kv_cache_manager {
-        HmaOption::On => {
-            if !lacking.is_empty() {
-                return Err(Conflict::HmaUnsupported {
-                    unsupported: labels(&lacking),
-                    supported: parties.iter().filter(|p| p.caps.hma).map(|p| p.label.clone()).collect(),
-                });
+    let (hma, hma_by, hma_reason) =
+        match opts.hybrid_kv_cache_manager {
+            HmaOption::On => {
+                if !lacking.is_empty() {
+                    return Err(Conflict::HmaUnsupported {
+                        unsupported: labels(&lacking),
+                        supported: parties.iter().filter(|p| p.caps.hma).map(|p| p.label.clone()).collect(),
+                    });
+                }
+                (true, DecidedBy::User, "user set hybrid_kv_cache_manager=on".to_owned())
             }
-            (true, DecidedBy::User, "user set hybrid_kv_cache_manager=on".to_owned())
-        }
-        HmaOption::Off => {
-            if linear > 0 {
-                return Err(Conflict::HmaRequired {
-                    model: model.name.clone(),
-                    linear_layers: linear,
-                    user_off: true,
-                    unsupported: labels(&lacking),
-                });
+            HmaOption::Off => {
+                if linear > 0 {
+                    return Err(Conflict::HmaRequired {
+                        model: model.name.clone(),
+                        linear_layers: linear,
+                        user_off: true,
+                        unsupported: labels(&lacking),
+                    });
+                }
+                (false, DecidedBy::User, "user set hybrid_kv_cache_manager=off".to_owned())
             }
-            (false, DecidedBy::User, "user set hybrid_kv_cache_manager=off".to_owned())
-        }
-        HmaOption::Auto => {
-            if linear > 0 && !lacking.is_empty() {
-                return Err(Conflict::HmaRequired {
-                    model: model.name.clone(),
-                    linear_layers: linear,
-                    user_off: false,
-                    unsupported: labels(&lacking),
-                });
-            }
-            if linear > 0 {
-                (
+            HmaOption::Auto => {
+                if linear > 0 && !lacking.is_empty() {
+                    return Err(Conflict::HmaRequired {
+                        model: model.name.clone(),
+                        linear_layers: linear,
+                        user_off: false,
+                        unsupported: labels(&lacking),
+                    });
+                }
+                if linear > 0 {
+                    (
                     true,
                     DecidedBy::Model,
-                    format!("model has {linear} state-space/linear-attention layer(s), which need the hybrid KV cache manager; every child supports it"),
+                    format!("model has {linear} state-space/linear-attention layer(s), which need the hybrid \
+                        KV cache manager; every child supports it"),
                 )
-            } else if !matters {
-                let kind = kinds.first().map(|k| k.to_string()).unwrap_or_else(|| "none".to_owned());
-                (
-                    false,
-                    DecidedBy::Model,
-                    format!(
-                        "model has one attention kind ({kind}): HMA would not change the KV cache groups"
-                    ),
-                )
-            } else if let Some(first) = lacking.first() {
-                let names = labels(&lacking);
-                (false, first.decided_by(), format!("{} not support HMA", list_does(&names)))
-            } else {
-                (
-                    true,
-                    DecidedBy::Default,
-                    format!("every child supports HMA and the model has {} attention kinds", kinds.len()),
-                )
+                } else if !matters {
+                    let kind = kinds.first().map(|k| k.to_string()).unwrap_or_else(|| "none".to_owned());
+                    (
+                        false,
+                        DecidedBy::Model,
+                        format!(
+                            "model has one attention kind ({kind}): HMA would not change the KV cache groups"
+                        ),
+                    )
+                } else if let Some(first) = lacking.first() {
+                    let names = labels(&lacking);
+                    (false, first.decided_by(), format!("{} not support HMA", list_does(&names)))
+                } else {
+                    (
+                        true,
+                        DecidedBy::Default,
+                        format!("every child supports HMA and the model has {} attention kinds", kinds.len()),
+                    )
+                }
             }
-        }
-    };
+        };
     let groups = kv_groups(model, hma);
     let (groups_by, groups_reason) = if !matters {
         (
@@ -306,13 +308,18 @@ pub(super) fn decide_block_size(opts: &EngineOptions, parties: &[Party]) -> Resu
                 .filter_map(|(i, p)| p.block_violation(default).map(|v| (i, v)))
                 .collect();
             match violations.first() {
-                None => (default, DecidedBy::Default, "vLLM's default block size; every child accepts it".to_owned()),
+                None => (
+                    default,
+                    DecidedBy::Default,
+                    "vLLM's default block size; every child accepts it".to_owned(),
+                ),
                 Some((first, _)) => match fitting_block_size(parties) {
                     Some(b) => (
                         b,
                         parties[*first].decided_by(),
                         format!(
-                            "the default 16 does not fit ({}); {b} is the first of 16, 32, 64, 128, 8, 256, ... that every child accepts",
+                            "the default 16 does not fit ({}); {b} is the first of 16, 32, 64, 128, 8, 256, \
+                                ... that every child accepts",
                             violations.iter().map(|(_, v)| v.as_str()).collect::<Vec<_>>().join("; ")
                         ),
                     ),
@@ -322,7 +329,10 @@ pub(super) fn decide_block_size(opts: &EngineOptions, parties: &[Party]) -> Resu
                             by_user: false,
                             violations: violations.into_iter().map(|(_, v)| v).collect(),
                             constraints: constraints(parties, |p| p.block_constraint()),
-                            remedy: "the children's block-size constraints exclude each other: remove one of them or change its chunk size".to_owned(),
+                            remedy:
+                                "the children's block-size constraints exclude each other: remove one of \
+                                them or change its chunk size"
+                                    .to_owned(),
                         })
                     }
                 },
@@ -493,7 +503,8 @@ pub(super) fn decide_state(
             groups: describe_state_groups(&groups),
             unsupported: labels(&unsupported),
             remedy: format!(
-                "use connectors that declare carries_state (the nixl connector does, with backend shm or tcp), or serve this model without disaggregation (remove {})",
+                "use connectors that declare carries_state (the nixl connector does, with backend shm or \
+                    tcp), or serve this model without disaggregation (remove {})",
                 them(&labels(&unsupported))
             ),
         });
@@ -506,13 +517,15 @@ pub(super) fn decide_state(
             tp_size,
             children: labels(&single_rank),
             remedy: format!(
-                "run this model with tp_size=1 on prefill and decode, or use connectors that declare state_with_tp (instead of {})",
+                "run this model with tp_size=1 on prefill and decode, or use connectors that declare \
+                    state_with_tp (instead of {})",
                 them(&labels(&single_rank))
             ),
         });
     }
     let reason = format!(
-        "model has {state_layers} state-space/linear-attention layer(s); every child carries their per-request state"
+        "model has {state_layers} state-space/linear-attention layer(s); every child carries their \
+            per-request state"
     );
     Ok(Some(decided(groups, DecidedBy::Model, reason)))
 }

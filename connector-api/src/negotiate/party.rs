@@ -81,7 +81,8 @@ impl Party<'_> {
         if let Some(d) = self.caps.block_size_divides {
             if b == 0 || d % b != 0 {
                 why.push(format!(
-                    "{} has chunk_size {d}, which must be a multiple of the block size; block size {b} does not divide {d}",
+                    "{} has chunk_size {d}, which must be a multiple of the block size; block size {b} does \
+                        not divide {d}",
                     self.label
                 ));
             }

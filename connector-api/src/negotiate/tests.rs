@@ -163,7 +163,8 @@ fn tp_size_says_whether_the_peer_may_use_another() {
     assert_eq!((tp.value.as_str(), &tp.decided_by), ("1", &DecidedBy::Default));
     assert_eq!(
         tp.why(),
-        "default: one tensor-parallel rank unless tp_size says otherwise; child 'nixl' moves KV only between equal TP sizes: the peer must use tp_size=1 too"
+        "default: one tensor-parallel rank unless tp_size says otherwise; child 'nixl' moves KV only between \
+            equal TP sizes: the peer must use tp_size=1 too"
     );
     let mut any_tp = nixl();
     any_tp.caps.heterogeneous_tp = true;
@@ -184,7 +185,10 @@ fn deployment_tp_sizes_must_match_without_heterogeneous_tp() {
     assert!(matches!(&e, Conflict::TpSize { prefill: 2, decode: 4, .. }), "{e:?}");
     assert_eq!(
         e.to_string(),
-        "prefill has tp_size=2 and decode tp_size=4, but child 'nixl' (prefill and decode) does not load KV across different TP sizes (no heterogeneous_tp); no KV would be moved between them. Remedy: the KV transport moves KV only between equal tensor-parallel sizes (it does not declare heterogeneous_tp), and 2 != 4: run decode with tp_size=2 like prefill, or prefill with tp_size=4"
+        "prefill has tp_size=2 and decode tp_size=4, but child 'nixl' (prefill and decode) does not load KV \
+            across different TP sizes (no heterogeneous_tp); no KV would be moved between them. Remedy: the \
+            KV transport moves KV only between equal tensor-parallel sizes (it does not declare \
+            heterogeneous_tp), and 2 != 4: run decode with tp_size=2 like prefill, or prefill with tp_size=4"
     );
     // Equal sizes are fine, and so are divisible sizes with a transport that handles them.
     negotiate_deployment(&dense(), (&tp(2), &[nixl()]), (&tp(2), &[nixl()])).unwrap();
@@ -400,7 +404,9 @@ fn hma_on_with_unsupporting_child() {
     let e = negotiate(&hybrid(), &o, &[lmcache(256), nixl()]).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "hybrid_kv_cache_manager=on was set, but child 'lmcache' does not support the hybrid KV cache manager (child 'nixl' supports it); set hybrid_kv_cache_manager=auto or off, or remove child 'lmcache'"
+        "hybrid_kv_cache_manager=on was set, but child 'lmcache' does not support the hybrid KV cache \
+            manager (child 'nixl' supports it); set hybrid_kv_cache_manager=auto or off, or remove child \
+            'lmcache'"
     );
 }
 
@@ -408,7 +414,8 @@ fn hma_on_with_unsupporting_child() {
 fn linear_layers_need_hma() {
     let e = negotiate(&with_linear(), &opts(), &[lmcache(256), nixl()]).unwrap_err();
     assert!(
-        matches!(&e, Conflict::HmaRequired { unsupported, user_off: false, .. } if unsupported == &["child 'lmcache'"])
+        matches!(&e, Conflict::HmaRequired { unsupported, user_off: false, .. } if unsupported == &["child \
+            'lmcache'"])
     );
     let s = e.to_string();
     assert!(s.contains("36 state-space/linear-attention layer(s)"), "{s}");
@@ -425,7 +432,11 @@ fn linear_layers_need_hma() {
     let e = negotiate(&with_linear(), &opts(), &[nixl()]).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s) (1 group: linear x36 (state shape not in the config)), which decode needs besides the KV blocks, but child 'nixl' does not carry per-request state (carries_state); nothing would give decode that state. Remedy: use connectors that declare carries_state (the nixl connector does, with backend shm or tcp), or serve this model without disaggregation (remove child 'nixl')"
+        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s) (1 group: \
+            linear x36 (state shape not in the config)), which decode needs besides the KV blocks, but child \
+            'nixl' does not carry per-request state (carries_state); nothing would give decode that state. \
+            Remedy: use connectors that declare carries_state (the nixl connector does, with backend shm or \
+            tcp), or serve this model without disaggregation (remove child 'nixl')"
     );
     let mut carrier = nixl();
     carrier.caps.carries_state = true;
@@ -453,7 +464,10 @@ fn state_at_tp_above_one_needs_children_that_carry_it_across_ranks() {
     );
     assert_eq!(
         e.to_string(),
-        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s), and tp_size=2 splits its KV heads over 2 tensor-parallel ranks, but child 'nixl' carries that state only at tp_size 1 (no state_with_tp). Remedy: run this model with tp_size=1 on prefill and decode, or use connectors that declare state_with_tp (instead of child 'nixl')"
+        "model 'qwen3_next' keeps per-request state in 36 state-space/linear-attention layer(s), and \
+            tp_size=2 splits its KV heads over 2 tensor-parallel ranks, but child 'nixl' carries that state \
+            only at tp_size 1 (no state_with_tp). Remedy: run this model with tp_size=1 on prefill and \
+            decode, or use connectors that declare state_with_tp (instead of child 'nixl')"
     );
     // A model without state layers is not concerned.
     assert!(negotiate(&dense(), &tp(2), std::slice::from_ref(&carrier)).is_ok());
@@ -497,7 +511,10 @@ fn lmcache_chunk_must_be_a_multiple_of_the_block_size() {
     let e = negotiate(&dense(), &o, &[lmcache(256), nixl()]).unwrap_err();
     let s = e.to_string();
     assert!(
-        s.contains("child 'lmcache' has chunk_size 256, which must be a multiple of the block size; block size 48 does not divide 256"),
+        s.contains(
+            "child 'lmcache' has chunk_size 256, which must be a multiple of the block size; block \
+            size 48 does not divide 256"
+        ),
         "{s}"
     );
     assert!(s.contains("set block_size=16"), "{s}");
@@ -653,11 +670,20 @@ fn dtype_and_memory_conflicts_word_for_word() {
     let got: Vec<String> =
         cases.iter().map(|(m, o, c)| negotiate(m, o, c).unwrap_err().to_string()).collect();
     let want = [
-        "cache dtype fp8_e4m3 (set by user) is not supported by child 'nixl'. Children's dtypes: child 'lmcache' stores any dtype; child 'nixl' stores bf16, f16. Remedy: set cache_dtype to bf16 or f16, or remove child 'nixl'",
-        "cache dtype bf16 (the model's torch_dtype) is not supported by child 'a', child 'b'. Children's dtypes: child 'a' stores f16; child 'b' stores f32. Remedy: the children share no cache dtype: remove one of child 'a', child 'b'",
-        "cache dtype bf16 (default: config has no torch_dtype) is not supported by child 'c'. Children's dtypes: child 'lmcache' stores any dtype; child 'c' stores f16. Remedy: set cache_dtype to f16, or remove child 'c'",
-        "KV memory device (set by user) is not usable by child 'lmcache', child 'nixl'. Children's memory kinds: child 'lmcache' uses host, disk; child 'nixl' uses host. Remedy: set kv_buffer_device to host memory, or remove one of child 'lmcache', child 'nixl'",
-        "KV memory host (default) is not usable by child 'gpu'. Children's memory kinds: child 'nixl' uses host; child 'gpu' uses device. Remedy: the children share no memory kind: remove child 'gpu'",
+        "cache dtype fp8_e4m3 (set by user) is not supported by child 'nixl'. Children's dtypes: child \
+            'lmcache' stores any dtype; child 'nixl' stores bf16, f16. Remedy: set cache_dtype to bf16 or \
+            f16, or remove child 'nixl'",
+        "cache dtype bf16 (the model's torch_dtype) is not supported by child 'a', child 'b'. Children's \
+            dtypes: child 'a' stores f16; child 'b' stores f32. Remedy: the children share no cache dtype: \
+            remove one of child 'a', child 'b'",
+        "cache dtype bf16 (default: config has no torch_dtype) is not supported by child 'c'. Children's \
+            dtypes: child 'lmcache' stores any dtype; child 'c' stores f16. Remedy: set cache_dtype to f16, \
+            or remove child 'c'",
+        "KV memory device (set by user) is not usable by child 'lmcache', child 'nixl'. Children's memory \
+            kinds: child 'lmcache' uses host, disk; child 'nixl' uses host. Remedy: set kv_buffer_device to \
+            host memory, or remove one of child 'lmcache', child 'nixl'",
+        "KV memory host (default) is not usable by child 'gpu'. Children's memory kinds: child 'nixl' uses \
+            host; child 'gpu' uses device. Remedy: the children share no memory kind: remove child 'gpu'",
     ];
     assert_eq!(got, want);
 }

@@ -12,7 +12,9 @@ pub(crate) fn tp_refusal(a: (&str, u32), b: (&str, u32), heterogeneous: bool) ->
     }
     if !heterogeneous {
         return Some(format!(
-            "the KV transport moves KV only between equal tensor-parallel sizes (it does not declare heterogeneous_tp), and {at} != {bt}: run {br} with tp_size={at} like {ar}, or {ar} with tp_size={bt}"
+            "the KV transport moves KV only between equal tensor-parallel sizes (it does not declare \
+                heterogeneous_tp), and {at} != {bt}: run {br} with tp_size={at} like {ar}, or {ar} with \
+                tp_size={bt}"
         ));
     }
     Some(format!("TP sizes {at} and {bt} do not divide each other: use TP sizes where one divides the other"))

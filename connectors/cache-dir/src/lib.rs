@@ -45,7 +45,11 @@ pub enum CacheDirError {
         path: PathBuf,
     },
     /// Another user owns it, or others can write it.
-    #[error("{setting} '{path}' {why}: they could read the cached KV or plant files that would be served as KV; point {setting} at a directory of this user's own (kvconnect creates a missing one with mode 0700), or chmod go-w it")]
+    #[error(
+        "{setting} '{path}' {why}: they could read the cached KV or plant files that would be served as \
+        KV; point {setting} at a directory of this user's own (kvconnect creates a missing one with mode \
+        0700), or chmod go-w it"
+    )]
     NotPrivate {
         /// The setting.
         setting: String,

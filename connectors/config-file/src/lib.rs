@@ -121,7 +121,8 @@ pub enum FileError {
         message: String,
     },
     /// It parses, but is not a mapping of keys to values.
-    #[error("{var}={}: the top level is {found}, not a mapping of keys to values; write one `key: value` per line (e.g. `{example}`)", path.display())]
+    #[error("{var}={}: the top level is {found}, not a mapping of keys to values; write one `key: value` per \
+        line (e.g. `{example}`)", path.display())]
     NotAMapping {
         /// The variable naming it.
         var: String,

@@ -18,7 +18,11 @@ static CACHES: PerEngine<BlockCache> = PerEngine::new();
 
 /// The id is taken by a cache built for something else.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("engine_id '{engine_id}' already has a flexkv cache in this process built for {existing}, but this half asks for {wanted}; give each engine its own engine_id and create both halves of one engine with the same config")]
+#[error(
+    "engine_id '{engine_id}' already has a flexkv cache in this process built for {existing}, but this \
+    half asks for {wanted}; give each engine its own engine_id and create both halves of one engine with the \
+    same config"
+)]
 pub struct RegistryError {
     /// The engine.
     pub engine_id: String,

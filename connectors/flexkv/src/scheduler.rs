@@ -151,7 +151,8 @@ impl SchedulerConnector for FlexkvScheduler {
             return Err(ConnectorError::invalid(
                 NAME,
                 format!(
-                    "request {}: {num_external_tokens} external tokens need {end} blocks but only {} were allocated",
+                    "request {}: {num_external_tokens} external tokens need {end} blocks but only {} were \
+                        allocated",
                     req.id,
                     st.blocks.len()
                 ),

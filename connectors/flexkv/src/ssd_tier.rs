@@ -40,7 +40,10 @@ const PIECE: usize = 256 * 1024;
 #[derive(Debug, thiserror::Error)]
 pub enum SsdError {
     /// The directory or file cannot be created or opened for writing.
-    #[error("ssd_cache_dir '{path}': {reason}; point ssd_cache_dir at a writable directory, or set ssd_cache_gb to 0 to run without the SSD tier")]
+    #[error(
+        "ssd_cache_dir '{path}': {reason}; point ssd_cache_dir at a writable directory, or set \
+        ssd_cache_gb to 0 to run without the SSD tier"
+    )]
     Open {
         /// The path.
         path: String,
@@ -51,13 +54,19 @@ pub enum SsdError {
     #[error(transparent)]
     Dir(#[from] CacheDirError),
     /// Another worker uses the file.
-    #[error("ssd_cache_dir '{path}' is a file another worker is using; give each worker its own file, or name a directory (workers can share one)")]
+    #[error(
+        "ssd_cache_dir '{path}' is a file another worker is using; give each worker its own file, or \
+        name a directory (workers can share one)"
+    )]
     Busy {
         /// The file.
         path: String,
     },
     /// The budget holds no record.
-    #[error("ssd_cache_gb = {gb} holds no block: one block record is {record} bytes; raise ssd_cache_gb or set it to 0")]
+    #[error(
+        "ssd_cache_gb = {gb} holds no block: one block record is {record} bytes; raise ssd_cache_gb or \
+        set it to 0"
+    )]
     TooSmall {
         /// The budget in GB.
         gb: f64,

@@ -123,7 +123,8 @@ impl FlexkvWorker {
                 Kv::Device(stage) => match crate::device_kv::gather(&stage, &op.blocks) {
                     Ok(copy) => SaveSource::Staged(Box::new(copy)),
                     Err(e) => {
-                        tracing::warn!(req = %op.req, "flexkv: gathering device blocks failed, save skipped: {e}");
+                        tracing::warn!(req = %op.req, "flexkv: gathering device blocks failed, save skipped: \
+                            {e}");
                         let _ = self.done_tx.send(Done::Save { req: op.req });
                         continue;
                     }
@@ -140,7 +141,8 @@ impl FlexkvWorker {
                     }
                 }));
                 if r.is_err() {
-                    tracing::error!(req = %op.req, "flexkv: a save panicked; the blocks it had not stored are not cached");
+                    tracing::error!(req = %op.req, "flexkv: a save panicked; the blocks it had not stored \
+                        are not cached");
                 }
                 let _ = tx.send(Done::Save { req: op.req });
             };
@@ -258,7 +260,9 @@ fn load_into(
 fn device_regions(_: &[KvRegion], _: &Engine) -> ConnectorResult<Kv> {
     Err(ConnectorError::config(
         NAME,
-        "register_kv_caches: the KV regions are in GPU memory (kv_buffer_device=\"cuda\"), but kvconnect-flexkv was built without its `cuda` feature: rebuild with `--features kvconnect-host/cuda` (or kvconnect-flexkv/cuda), or use kv_buffer_device=\"cpu\"",
+        "register_kv_caches: the KV regions are in GPU memory (kv_buffer_device=\"cuda\"), but \
+            kvconnect-flexkv was built without its `cuda` feature: rebuild with `--features \
+            kvconnect-host/cuda` (or kvconnect-flexkv/cuda), or use kv_buffer_device=\"cpu\"",
     ))
 }
 
@@ -425,7 +429,9 @@ impl WorkerConnector for FlexkvWorker {
                     return Err(ConnectorError::io(
                         NAME,
                         format!(
-                            "a save of a preempted request did not finish within {} s, so its blocks cannot be handed back safely; the transfer threads are stuck (see the log above for a failing SSD write)",
+                            "a save of a preempted request did not finish within {} s, so its blocks cannot \
+                                be handed back safely; the transfer threads are stuck (see the log above for \
+                                a failing SSD write)",
                             PREEMPTED_SAVE_WAIT.as_secs()
                         ),
                     ))

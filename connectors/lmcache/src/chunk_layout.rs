@@ -64,7 +64,8 @@ impl ChunkLayout {
         if eff.hma {
             return Err(ConnectorError::config(
                 "lmcache",
-                "the effective layout has the hybrid KV cache manager on; lmcache supports one block table only: run with hybrid_kv_cache_manager off",
+                "the effective layout has the hybrid KV cache manager on; lmcache supports one block table \
+                    only: run with hybrid_kv_cache_manager off",
             ));
         }
         if eff.layout != KvLayout::NHD && eff.layout != KvLayout::HND {
@@ -80,7 +81,8 @@ impl ChunkLayout {
             return Err(ConnectorError::config(
                 "lmcache",
                 format!(
-                    "chunk_size {chunk_size} is not a multiple of the block size {}; set chunk_size to a multiple of it (e.g. {}) or change the block size",
+                    "chunk_size {chunk_size} is not a multiple of the block size {}; set chunk_size to a \
+                        multiple of it (e.g. {}) or change the block size",
                     eff.block_size,
                     eff.block_size.max(1) * (chunk_size / eff.block_size.max(1)).max(1)
                 ),

@@ -428,7 +428,8 @@ impl State {
                 Some(s) if s == "naive" => {}
                 Some(s) if ["cachegen", "torch", "safetensor", "fast", "kivi"].contains(&s.as_str()) => {
                     self.mapped.push(format!(
-                        "remote_serde = {s} (from {source}): mapped to naive: chunks are stored as their raw KV bytes with a checksum, lossless (kvconnect has no {s} codec)"
+                        "remote_serde = {s} (from {source}): mapped to naive: chunks are stored as their raw \
+                            KV bytes with a checksum, lossless (kvconnect has no {s} codec)"
                     ));
                 }
                 _ => return Err(bad("naive, cachegen, torch, safetensor or fast")),
@@ -465,11 +466,16 @@ impl State {
                 if n > 1 {
                     return Err(ConnectorError::config(
                         NAME,
-                        format!("skip_last_n_tokens = {n} (from {source}) is not supported: lookups always leave exactly the prompt's last token to the engine (skip_last_n_tokens: 1); remove the key"),
+                        format!(
+                            "skip_last_n_tokens = {n} (from {source}) is not supported: lookups always \
+                            leave exactly the prompt's last token to the engine (skip_last_n_tokens: 1); \
+                            remove the key"
+                        ),
                     ));
                 }
                 self.mapped.push(format!(
-                    "skip_last_n_tokens = {n} (from {source}): lookups always leave the prompt's last token to the engine, as skip_last_n_tokens: 1 does"
+                    "skip_last_n_tokens = {n} (from {source}): lookups always leave the prompt's last token \
+                        to the engine, as skip_last_n_tokens: 1 does"
                 ));
             }
             "cache_policy" => {
@@ -480,7 +486,12 @@ impl State {
                     _ => {
                         return Err(ConnectorError::config(
                             NAME,
-                            format!("cache_policy = {} (from {source}) is not supported: kvconnect's tiers evict least recently used chunks first (cache_policy: LRU); set LRU or remove the key", raw.shown()),
+                            format!(
+                                "cache_policy = {} (from {source}) is not supported: kvconnect's tiers \
+                                evict least recently used chunks first (cache_policy: LRU); set LRU or \
+                                remove the key",
+                                raw.shown()
+                            ),
                         ))
                     }
                 }
@@ -516,13 +527,18 @@ impl State {
         if map.get("enable_nixl_storage").is_some_and(|v| Raw::Json(v.clone()).as_bool() == Some(true)) {
             return Err(ConnectorError::config(
                 NAME,
-                format!("extra_config.enable_nixl_storage (from {source}) is not supported: kvconnect's lmcache has no NIXL storage backend; for chunks on disk set local_disk: file:///path and max_local_disk_size"),
+                format!(
+                    "extra_config.enable_nixl_storage (from {source}) is not supported: kvconnect's \
+                    lmcache has no NIXL storage backend; for chunks on disk set local_disk: file:///path and \
+                    max_local_disk_size"
+                ),
             ));
         }
         if !map.is_empty() {
             let keys: Vec<&str> = map.keys().map(String::as_str).collect();
             self.mapped.push(format!(
-                "extra_config (from {source}): {} configure LMCache backends kvconnect does not have; not read",
+                "extra_config (from {source}): {} configure LMCache backends kvconnect does not have; not \
+                    read",
                 keys.join(", ")
             ));
         }
@@ -554,9 +570,16 @@ impl State {
                             v0_size.as_ref().map_or(V0_DEFAULT_CACHE_GB, |(f, _)| *f);
                     }
                     self.mapped.push(format!(
-                        "local_device = {dev} (from {source}): mapped to the disk tier (local_disk: {path}, max_local_disk_size: {} GB{}), with the CPU tier in front of it (local_cpu: {}, max_local_cpu_size: {} GB), as LMCache v1 writes it",
+                        "local_device = {dev} (from {source}): mapped to the disk tier (local_disk: {path}, \
+                            max_local_disk_size: {} GB{}), with the CPU tier in front of it (local_cpu: {}, \
+                            max_local_cpu_size: {} GB), as LMCache v1 writes it",
                         self.cfg.max_local_disk_size,
-                        if self.pending.disk_size_set || v0_size.is_some() { "" } else { ", LMCache v0's default size" },
+                        if self.pending.disk_size_set || v0_size.is_some() {
+                            ""
+                        } else {
+                            ", LMCache v0's \
+                            default size"
+                        },
                         self.cfg.local_cpu,
                         self.cfg.max_local_cpu_size
                     ));
@@ -570,12 +593,14 @@ impl State {
                 }
                 self.cfg.local_cpu = true;
                 let gpu = if dev == "cuda" {
-                    " (kvconnect has no cache tier in GPU memory; chunks of device KV are kept in pinned host memory)"
+                    " (kvconnect has no cache tier in GPU memory; chunks of device KV are kept in pinned \
+                        host memory)"
                 } else {
                     ""
                 };
                 self.mapped.push(format!(
-                    "local_device = {dev} (from {source}): mapped to the CPU tier (local_cpu: true, max_local_cpu_size: {} GB){gpu}",
+                    "local_device = {dev} (from {source}): mapped to the CPU tier (local_cpu: true, \
+                        max_local_cpu_size: {} GB){gpu}",
                     self.cfg.max_local_cpu_size
                 ));
             }
@@ -627,7 +652,10 @@ fn check_remote_url(url: &str, source: &str) -> Result<(), ConnectorError> {
     let refuse = |why: &str| {
         ConnectorError::config(
             NAME,
-            format!("remote_url '{u}' (from {source}) {why}; kvconnect's remote tier is a Redis server: run redis-server and set remote_url: redis://host:port"),
+            format!(
+                "remote_url '{u}' (from {source}) {why}; kvconnect's remote tier is a Redis server: run \
+                redis-server and set remote_url: redis://host:port"
+            ),
         )
     };
     match scheme.as_str() {
@@ -656,7 +684,8 @@ fn validate(cfg: &LmcacheConfig) -> Result<(), ConnectorError> {
         return Err(ConnectorError::config(
             NAME,
             format!(
-                "max_local_cpu_size is {} GB, which leaves the CPU tier no room; set a positive size (LMCache's default is 5.0) or local_cpu: false",
+                "max_local_cpu_size is {} GB, which leaves the CPU tier no room; set a positive size \
+                    (LMCache's default is 5.0) or local_cpu: false",
                 cfg.max_local_cpu_size
             ),
         ));
@@ -666,7 +695,8 @@ fn validate(cfg: &LmcacheConfig) -> Result<(), ConnectorError> {
             return Err(ConnectorError::config(
                 NAME,
                 format!(
-                    "local_disk is '{}' but max_local_disk_size is {} GB; set a positive size or remove local_disk",
+                    "local_disk is '{}' but max_local_disk_size is {} GB; set a positive size or remove \
+                        local_disk",
                     dir.display(),
                     cfg.max_local_disk_size
                 ),
@@ -676,7 +706,8 @@ fn validate(cfg: &LmcacheConfig) -> Result<(), ConnectorError> {
     if !cfg.has_storage() {
         return Err(ConnectorError::config(
             NAME,
-            "local_cpu is false and neither local_disk nor remote_url is set, so there is nowhere to store chunks; enable local_cpu, or set local_disk or remote_url",
+            "local_cpu is false and neither local_disk nor remote_url is set, so there is nowhere to store \
+                chunks; enable local_cpu, or set local_disk or remote_url",
         ));
     }
     Ok(())

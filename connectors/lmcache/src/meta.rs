@@ -53,12 +53,14 @@ impl StepMeta {
         if bytes.is_empty() {
             return Ok(StepMeta::default());
         }
-        let m: StepMeta = serde_json::from_slice(bytes).map_err(|e| {
-            ConnectorError::invalid(
+        let m: StepMeta =
+            serde_json::from_slice(bytes).map_err(|e| {
+                ConnectorError::invalid(
                 "lmcache",
-                format!("connector metadata of {} bytes is not lmcache's ({e}); pass the bytes this engine's lmcache scheduler built", bytes.len()),
+                format!("connector metadata of {} bytes is not lmcache's ({e}); pass the bytes this engine's \
+                    lmcache scheduler built", bytes.len()),
             )
-        })?;
+            })?;
         if m.connector != "lmcache" {
             return Err(ConnectorError::invalid(
                 "lmcache",

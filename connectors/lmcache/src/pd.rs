@@ -83,7 +83,8 @@ impl PdKeys {
         };
         let Some((true, enabled_by)) = enable else {
             mapped.push(format!(
-                "{} : P/D keys, not read because enable_pd is off for this lmcache; in kvconnect the nixl connector beside lmcache in a PdConnector carries KV from prefill to decode",
+                "{} : P/D keys, not read because enable_pd is off for this lmcache; in kvconnect the nixl \
+                    connector beside lmcache in a PdConnector carries KV from prefill to decode",
                 listed()
             ));
             return Ok(None);
@@ -92,7 +93,10 @@ impl PdKeys {
             None => {
                 return Err(ConnectorError::config(
                     "lmcache",
-                    format!("{enabled_by} asks for P/D but pd_role is not set; set pd_role: sender on prefill or pd_role: receiver on decode"),
+                    format!(
+                        "{enabled_by} asks for P/D but pd_role is not set; set pd_role: sender on \
+                        prefill or pd_role: receiver on decode"
+                    ),
                 ))
             }
             Some((k, raw, source)) => match raw.as_str().map(|s| s.trim().to_ascii_lowercase()) {
@@ -105,7 +109,8 @@ impl PdKeys {
             let ch = raw.as_str().map(|s| s.trim().to_ascii_lowercase());
             if !raw.is_null() && ch.as_deref() != Some("nixl") {
                 mapped.push(format!(
-                    "{k} = {} (from {source}): KV moves through kvconnect's nixl connector (shared memory on one host; \"backend\": \"tcp\" or \"nixl\" across hosts)",
+                    "{k} = {} (from {source}): KV moves through kvconnect's nixl connector (shared memory on \
+                        one host; \"backend\": \"tcp\" or \"nixl\" across hosts)",
                     raw.shown()
                 ));
             }
@@ -166,10 +171,12 @@ impl PdRequest {
         let what = if cache.has_storage() {
             "the nixl connector beside lmcache in a PdConnector"
         } else {
-            "the nixl connector alone (these settings keep no chunks: local_cpu is false and neither local_disk nor remote_url is set)"
+            "the nixl connector alone (these settings keep no chunks: local_cpu is false and neither \
+                local_disk nor remote_url is set)"
         };
         format!(
-            "LMCache P/D settings ({}; pd_role: {}) ask for disaggregated prefill: in kvconnect that is {what}, as {}; running {json}",
+            "LMCache P/D settings ({}; pd_role: {}) ask for disaggregated prefill: in kvconnect that is \
+                {what}, as {}; running {json}",
             self.enabled_by,
             self.role.name(),
             role_name(self.role.kv_role()),
@@ -196,7 +203,9 @@ impl PdRequest {
             }
         }
         let mut s = format!(
-            "LMCache P/D settings ({}; pd_role: {}) ask for disaggregated prefill, which kvconnect's lmcache does not do itself: in kvconnect, P/D is the nixl connector beside lmcache in a PdConnector. Run this {} with --kv-transfer-config '{}'",
+            "LMCache P/D settings ({}; pd_role: {}) ask for disaggregated prefill, which kvconnect's lmcache \
+                does not do itself: in kvconnect, P/D is the nixl connector beside lmcache in a PdConnector. \
+                Run this {} with --kv-transfer-config '{}'",
             self.enabled_by,
             self.role.name(),
             if self.role == PdRole::Sender { "prefill worker" } else { "decode worker" },
@@ -205,12 +214,14 @@ impl PdRequest {
         if !cache.has_storage() {
             let nixl = self.kv_transfer_config(&original, cache);
             s.push_str(&format!(
-                " (lmcache with its CPU tier, since local_cpu: false leaves it nowhere to keep chunks), or '{}' to move KV without caching it",
+                " (lmcache with its CPU tier, since local_cpu: false leaves it nowhere to keep chunks), or \
+                    '{}' to move KV without caching it",
                 serde_json::to_string(&nixl).unwrap_or_default()
             ));
         }
         s.push_str(
-            "; a deployment file or --kv-transfer-config naming LMCacheConnectorV1 with these settings is turned into that by the worker and `kvconnect plan`",
+            "; a deployment file or --kv-transfer-config naming LMCacheConnectorV1 with these settings is \
+                turned into that by the worker and `kvconnect plan`",
         );
         s
     }
@@ -284,7 +295,8 @@ pub fn rewrite(
         }
         add_nixl |= !has_nixl;
         notes.push(format!(
-            "{name} child's LMCache P/D settings ({}; pd_role: {}) ask for disaggregated prefill: the composite's nixl connector {} does it{}",
+            "{name} child's LMCache P/D settings ({}; pd_role: {}) ask for disaggregated prefill: the \
+                composite's nixl connector {} does it{}",
             pd.enabled_by,
             pd.role.name(),
             if has_nixl { "child" } else { "(added as a child)" },

@@ -94,7 +94,8 @@ impl Link {
             tracing::warn!(
                 url = %self.url,
                 failures = h.failures,
-                "lmcache: remote tier {what} failed ({e}); treating it as a miss and leaving the remote alone for {backoff:?}"
+                "lmcache: remote tier {what} failed ({e}); treating it as a miss and leaving the remote \
+                    alone for {backoff:?}"
             );
         }
     }

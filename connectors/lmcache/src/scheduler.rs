@@ -106,7 +106,8 @@ impl SchedulerConnector for LmcacheScheduler {
             return Err(ConnectorError::invalid(
                 "lmcache",
                 format!(
-                    "request {} has {} block tables; lmcache supports one (the hybrid KV cache manager must be off)",
+                    "request {} has {} block tables; lmcache supports one (the hybrid KV cache manager must \
+                        be off)",
                     req.id,
                     blocks.0.len()
                 ),
@@ -119,7 +120,8 @@ impl SchedulerConnector for LmcacheScheduler {
                 return Err(ConnectorError::invalid(
                     "lmcache",
                     format!(
-                        "request {} asks to load {num_external_tokens} tokens but get_num_new_matched_tokens was not called for this prompt",
+                        "request {} asks to load {num_external_tokens} tokens but get_num_new_matched_tokens \
+                            was not called for this prompt",
                         req.id
                     ),
                 ));

@@ -173,7 +173,8 @@ impl ChunkStore {
                 let (tier, report) = DiskTier::open(dir, cfg.disk_budget_bytes())
                     .map_err(|e| ConnectorError::config("lmcache", e.to_string()))?;
                 if report.removed > 0 {
-                    tracing::warn!(dir = %dir.display(), removed = report.removed, "lmcache: removed unreadable or unfinished chunk files from the disk tier");
+                    tracing::warn!(dir = %dir.display(), removed = report.removed, "lmcache: removed \
+                        unreadable or unfinished chunk files from the disk tier");
                 }
                 tracing::info!(dir = %dir.display(), chunks = report.chunks, "lmcache: disk tier opened");
                 Some(tier)

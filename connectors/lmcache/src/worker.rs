@@ -124,7 +124,8 @@ impl LmcacheWorker {
                         tiers.push(tier);
                     }
                     Some((b, _)) => {
-                        tracing::warn!(req = %spec.req, chunk = ?c.key, got = b.as_slice().len(), want, "lmcache: stored chunk has the wrong length; not loaded");
+                        tracing::warn!(req = %spec.req, chunk = ?c.key, got = b.as_slice().len(), want, "lmcache: \
+                            stored chunk has the wrong length; not loaded");
                         self.store.count_miss();
                         failed_at = Some(c.start);
                         break;
@@ -300,7 +301,9 @@ fn device_regions(
 ) -> ConnectorResult<Kv> {
     Err(ConnectorError::config(
         "lmcache",
-        "the KV regions are in GPU memory (kv_buffer_device=\"cuda\"), but kvconnect-lmcache was built without its `cuda` feature: rebuild with `--features kvconnect-host/cuda` (or kvconnect-lmcache/cuda), or use kv_buffer_device=\"cpu\"",
+        "the KV regions are in GPU memory (kv_buffer_device=\"cuda\"), but kvconnect-lmcache was built \
+            without its `cuda` feature: rebuild with `--features kvconnect-host/cuda` (or \
+            kvconnect-lmcache/cuda), or use kv_buffer_device=\"cpu\"",
     ))
 }
 

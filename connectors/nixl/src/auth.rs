@@ -30,7 +30,10 @@ pub const NONCE_BYTES: usize = 16;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
     /// The secret is too short to resist guessing.
-    #[error("the data-plane secret from {source_name} has {len} bytes; use at least {MIN_SECRET_BYTES} random bytes (e.g. `openssl rand -hex 32`)")]
+    #[error(
+        "the data-plane secret from {source_name} has {len} bytes; use at least {MIN_SECRET_BYTES} \
+        random bytes (e.g. `openssl rand -hex 32`)"
+    )]
     ShortSecret {
         /// Where it came from.
         source_name: String,

@@ -64,7 +64,10 @@ impl CudaIpcPath {
             "staged" | "host" => Ok(CudaIpcPath::Staged),
             other => Err(ConnectorError::config(
                 NAME,
-                format!("unknown cuda_ipc_path '{other}' in kv_connector_extra_config; use \"auto\" (direct when the GPUs have peer access, else through pinned host memory), \"peer\" or \"staged\""),
+                format!(
+                    "unknown cuda_ipc_path '{other}' in kv_connector_extra_config; use \"auto\" (direct \
+                    when the GPUs have peer access, else through pinned host memory), \"peer\" or \"staged\""
+                ),
             )),
         }
     }
@@ -255,7 +258,10 @@ impl NixlConfig {
                 _ => {
                     return Err(ConnectorError::config(
                         NAME,
-                        format!("kv_connector_extra_config.max_frame_bytes = {v}: expected bytes between 1024 and 1 GiB"),
+                        format!(
+                            "kv_connector_extra_config.max_frame_bytes = {v}: expected bytes between \
+                            1024 and 1 GiB"
+                        ),
                     ))
                 }
             },
@@ -263,12 +269,11 @@ impl NixlConfig {
         let side_channel = match (string(extra, "side_channel_host")?, port(extra, "side_channel_port")?) {
             (Some(h), Some(p)) => Some((h, p)),
             (None, None) => None,
-            _ => {
-                return Err(ConnectorError::config(
-                    NAME,
-                    "side_channel_host and side_channel_port must be set together (the host sets both to its side-channel address)",
-                ))
-            }
+            _ => return Err(ConnectorError::config(
+                NAME,
+                "side_channel_host and side_channel_port must be set together (the host sets both to its \
+                        side-channel address)",
+            )),
         };
         let copy_threads = count(
             extra,
@@ -304,7 +309,8 @@ impl NixlConfig {
             return Err(ConnectorError::config(
                 NAME,
                 format!(
-                    "kv_connector_extra_config.kv_lease_max = {}s is shorter than kv_lease_duration = {}s; make it at least as long",
+                    "kv_connector_extra_config.kv_lease_max = {}s is shorter than kv_lease_duration = {}s; \
+                        make it at least as long",
                     lease_max.as_secs_f64(),
                     lease.as_secs_f64()
                 ),
@@ -317,7 +323,8 @@ impl NixlConfig {
             return Err(ConnectorError::config(
                 NAME,
                 format!(
-                    "kv_connector_extra_config.idle_timeout = {}s: expected seconds from {} to {} (one day); leave it out for {}s",
+                    "kv_connector_extra_config.idle_timeout = {}s: expected seconds from {} to {} (one day); \
+                        leave it out for {}s",
                     idle_timeout.as_secs_f64(),
                     IDLE_TIMEOUT_RANGE.start(),
                     IDLE_TIMEOUT_RANGE.end(),
@@ -331,7 +338,10 @@ impl NixlConfig {
             Some(v) => {
                 return Err(ConnectorError::config(
                     NAME,
-                    format!("kv_connector_extra_config.opaque_heads_outer = {v}: expected true or false (the host sets it)"),
+                    format!(
+                        "kv_connector_extra_config.opaque_heads_outer = {v}: expected true or false (the \
+                        host sets it)"
+                    ),
                 ))
             }
         };

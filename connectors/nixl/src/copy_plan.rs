@@ -169,7 +169,8 @@ impl CopyPlan {
         let across = across_ranks_needed(peer, own);
         if across && (!peer.state().is_empty() || !own.state().is_empty()) {
             return Err(TransferError::NotImplemented(format!(
-                "request {}: moving per-request state across tensor-parallel ranks (producer {} rank(s), this engine {}) is not built; run a model with state layers at TP 1 on both sides",
+                "request {}: moving per-request state across tensor-parallel ranks (producer {} rank(s), \
+                    this engine {}) is not built; run a model with state layers at TP 1 on both sides",
                 load.request,
                 peer.tp_ranks(),
                 own.tp_ranks()
@@ -184,7 +185,8 @@ impl CopyPlan {
             let need_l = positions(first, end, bd).end;
             if first < end && (r.len() < need_r || l.len() < need_l) {
                 return Err(plan_err(format!(
-                    "request {}: tokens {first}..{end} of group {g} need {need_r} producer blocks and {need_l} local blocks, got {} and {}",
+                    "request {}: tokens {first}..{end} of group {g} need {need_r} producer blocks and \
+                        {need_l} local blocks, got {} and {}",
                     load.request,
                     r.len(),
                     l.len()
@@ -198,7 +200,10 @@ impl CopyPlan {
         if across {
             if !direct {
                 return Err(TransferError::NotImplemented(format!(
-                    "request {}: loading tokens {first}..{end} across tensor-parallel ranks (producer {} rank(s), this engine {}) while adapting blocks (producer {} blocks of {bp} tokens, this engine {} of {bd}, or a load not starting on a block boundary); across ranks use the same layout and block size on both sides",
+                    "request {}: loading tokens {first}..{end} across tensor-parallel ranks (producer {} \
+                        rank(s), this engine {}) while adapting blocks (producer {} blocks of {bp} tokens, \
+                        this engine {} of {bd}, or a load not starting on a block boundary); across ranks \
+                        use the same layout and block size on both sides",
                     load.request,
                     peer.tp_ranks(),
                     own.tp_ranks(),
@@ -210,7 +215,9 @@ impl CopyPlan {
         }
         if !direct && (peer.opaque_blocks() || own.opaque_blocks()) {
             return Err(plan_err(format!(
-                "request {}: loading tokens {first}..{end} would adapt blocks (producer {} blocks of {bp} tokens, this engine {} of {bd}), but opaque blocks move whole only: same block size and engine backend on both sides, loads starting on a block boundary",
+                "request {}: loading tokens {first}..{end} would adapt blocks (producer {} blocks of {bp} \
+                    tokens, this engine {} of {bd}), but opaque blocks move whole only: same block size and \
+                    engine backend on both sides, loads starting on a block boundary",
                 load.request,
                 if peer.opaque_blocks() { "opaque" } else { "known-layout" },
                 if own.opaque_blocks() { "opaque" } else { "known-layout" },
@@ -218,7 +225,10 @@ impl CopyPlan {
         }
         if !direct && !state.is_empty() {
             return Err(TransferError::NotImplemented(format!(
-                "request {}: loading tokens {first}..{end} adapts blocks (producer blocks of {bp} tokens, this engine's of {bd}, or another H/N order), and moving per-request state beside adapted blocks is not built; use the same layout and block size on both sides of a model with state layers",
+                "request {}: loading tokens {first}..{end} adapts blocks (producer blocks of {bp} tokens, \
+                    this engine's of {bd}, or another H/N order), and moving per-request state beside \
+                    adapted blocks is not built; use the same layout and block size on both sides of a model \
+                    with state layers",
                 load.request
             )));
         }
@@ -329,7 +339,8 @@ fn across_ranks(
     let (hp, ho) = (peer.shape().heads, own.shape().heads);
     if peer.total_heads() != own.total_heads() || hp == 0 || ho == 0 {
         return Err(plan_err(format!(
-            "request {}: the producer holds {} KV heads over {} rank(s), this engine {} over {}: both must hold the same model's heads",
+            "request {}: the producer holds {} KV heads over {} rank(s), this engine {} over {}: both must \
+                hold the same model's heads",
             load.request,
             peer.total_heads(),
             peer.tp_ranks(),
@@ -338,18 +349,19 @@ fn across_ranks(
         )));
     }
     let slice = hp.min(ho);
-    let sliced = |e: kvconnect_api::geometry::GeometryError| {
-        match e {
-        kvconnect_api::geometry::GeometryError::HeadsNotSliceable { .. } => TransferError::NotImplemented(format!(
-            "request {}: moving KV between tensor-parallel ranks (producer rank(s) {:?} of {}, this engine's {:?} of {}): {e}",
+    let sliced = |e: kvconnect_api::geometry::GeometryError| match e {
+        kvconnect_api::geometry::GeometryError::HeadsNotSliceable { .. } => {
+            TransferError::NotImplemented(format!(
+            "request {}: moving KV between tensor-parallel ranks (producer rank(s) {:?} of {}, this engine's \
+                {:?} of {}): {e}",
             load.request,
             peer.held_ranks(),
             peer.tp_size(),
             own.held_ranks(),
             own.tp_size()
-        )),
+        ))
+        }
         other => TransferError::from(other),
-    }
     };
     let bs = peer.shape().tokens as usize;
     let mut runs = Vec::new();
@@ -367,7 +379,8 @@ fn across_ranks(
                     let d = own.head_runs(or, layer, l[pos], oh, slice).map_err(sliced)?;
                     if s.len() != d.len() || s.iter().zip(&d).any(|(a, b)| a.len != b.len) {
                         return Err(plan_err(format!(
-                            "request {}: a slice of {slice} KV heads is {} run(s) on the producer and {} here: both sides must use the same layout",
+                            "request {}: a slice of {slice} KV heads is {} run(s) on the producer and {} \
+                                here: both sides must use the same layout",
                             load.request,
                             s.len(),
                             d.len()
@@ -380,7 +393,8 @@ fn across_ranks(
     }
     if runs.is_empty() && load.num_tokens > load.first_token {
         return Err(plan_err(format!(
-            "request {}: the producer holds rank(s) {:?} of {} and this engine rank(s) {:?} of {}: none of this engine's KV heads are the producer's, so the load names the wrong producer rank",
+            "request {}: the producer holds rank(s) {:?} of {} and this engine rank(s) {:?} of {}: none of \
+                this engine's KV heads are the producer's, so the load names the wrong producer rank",
             load.request,
             peer.held_ranks(),
             peer.tp_size(),

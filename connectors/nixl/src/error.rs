@@ -26,7 +26,10 @@ pub enum TransferError {
         reason: String,
     },
     /// No handshake with that engine yet.
-    #[error("no handshake metadata for engine '{0}': the host must complete the side-channel handshake before loading from it")]
+    #[error(
+        "no handshake metadata for engine '{0}': the host must complete the side-channel handshake \
+        before loading from it"
+    )]
     UnknownPeer(String),
     /// A socket error or timeout.
     #[error("{op} with producer engine '{engine}' at {addr} failed: {source}")]
@@ -59,7 +62,10 @@ pub enum TransferError {
     #[error("{0}")]
     Nixl(#[from] crate::nixl_agent::NixlCallError),
     /// A NIXL transfer did not finish in time.
-    #[error("NIXL READ of {bytes} bytes from producer engine '{engine}' did not finish within {seconds:.1}s (producer dead or stalled)")]
+    #[error(
+        "NIXL READ of {bytes} bytes from producer engine '{engine}' did not finish within {seconds:.1}s \
+        (producer dead or stalled)"
+    )]
     NixlTimeout {
         /// The producer.
         engine: String,

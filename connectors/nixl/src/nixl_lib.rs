@@ -26,22 +26,36 @@ pub const CAPI: &str = "libnixl_capi.so";
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NixlLibError {
     /// This build was made without feature `nixl`.
-    #[error("this kvconnect was built without NIXL support: rebuild with `--features nixl` (e.g. `cargo build --release -p kvconnect-host --features nixl`; needs libclang, `apt-get install -y libclang-dev`)")]
+    #[error(
+        "this kvconnect was built without NIXL support: rebuild with `--features nixl` (e.g. `cargo \
+        build --release -p kvconnect-host --features nixl`; needs libclang, `apt-get install -y \
+        libclang-dev`)"
+    )]
     NotBuilt,
     /// `NIXL_LIB_DIR` is set but has no `libnixl_capi.so`.
-    #[error("NIXL_LIB_DIR={dir} has no {CAPI}: point NIXL_LIB_DIR at the directory holding it (scripts/fetch-nixl.sh prints it), or unset it")]
+    #[error(
+        "NIXL_LIB_DIR={dir} has no {CAPI}: point NIXL_LIB_DIR at the directory holding it \
+        (scripts/fetch-nixl.sh prints it), or unset it"
+    )]
     EnvDirMissing {
         /// The directory named.
         dir: String,
     },
     /// Not found anywhere.
-    #[error("NIXL library not found: no {CAPI} in $NIXL_LIB_DIR (unset) or in {DEFAULT_DIR} under {searched}; run scripts/fetch-nixl.sh (downloads the pinned nixl-cu12 1.5.1 wheel into .nixl/) or set NIXL_LIB_DIR to a directory holding {CAPI}")]
+    #[error(
+        "NIXL library not found: no {CAPI} in $NIXL_LIB_DIR (unset) or in {DEFAULT_DIR} under \
+        {searched}; run scripts/fetch-nixl.sh (downloads the pinned nixl-cu12 1.5.1 wheel into .nixl/) or \
+        set NIXL_LIB_DIR to a directory holding {CAPI}"
+    )]
     NotFound {
         /// The directories searched, for the message.
         searched: String,
     },
     /// Found but it would not load.
-    #[error("NIXL library {path} cannot be loaded: {reason}; run scripts/fetch-nixl.sh again or set NIXL_LIB_DIR to a working copy")]
+    #[error(
+        "NIXL library {path} cannot be loaded: {reason}; run scripts/fetch-nixl.sh again or set \
+        NIXL_LIB_DIR to a working copy"
+    )]
     Load {
         /// The file.
         path: String,

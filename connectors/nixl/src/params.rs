@@ -73,12 +73,14 @@ impl TransferParams {
         if !flag(req, "do_remote_prefill") {
             return Ok(None);
         }
-        let params: TransferParams =
-            serde_json::from_value(Value::Object(req.kv_transfer_params.clone())).map_err(|e| {
+        let params: TransferParams = serde_json::from_value(Value::Object(req.kv_transfer_params.clone()))
+            .map_err(|e| {
                 ConnectorError::invalid(
                     NAME,
                     format!(
-                        "request {}: kv_transfer_params has do_remote_prefill but cannot be read ({e}); expected remote_engine_id, remote_host, remote_port, remote_block_ids (one list per KV cache group) and remote_num_tokens as prefill returned them",
+                        "request {}: kv_transfer_params has do_remote_prefill but cannot be read ({e}); \
+                            expected remote_engine_id, remote_host, remote_port, remote_block_ids (one list \
+                            per KV cache group) and remote_num_tokens as prefill returned them",
                         req.id
                     ),
                 )
@@ -88,7 +90,8 @@ impl TransferParams {
             return Err(ConnectorError::invalid(
                 NAME,
                 format!(
-                    "request {}: kv_transfer_params remote_host {:?} is not an IP address; prefill returns its side-channel IP, forward it unchanged",
+                    "request {}: kv_transfer_params remote_host {:?} is not an IP address; prefill returns \
+                        its side-channel IP, forward it unchanged",
                     req.id,
                     params.remote_host.chars().take(64).collect::<String>()
                 ),

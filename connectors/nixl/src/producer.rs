@@ -217,17 +217,29 @@ impl Shared {
     fn reason(&self, st: &State, id: &RequestId) -> String {
         match st.gone.get(id) {
             Some(Gone::Expired) => format!(
-                "the blocks of request {id} were freed: its lease of {:.1}s expired before the consumer finished",
+                "the blocks of request {id} were freed: its lease of {:.1}s expired before the consumer \
+                    finished",
                 self.cfg.lease.as_secs_f64()
             ),
-            Some(Gone::Done) => format!("request {id} was already completed by a consumer and its blocks freed"),
-            None => format!("request {id} is not held by engine '{}' (unknown request, or its blocks were freed)", self.cfg.engine_id),
+            Some(Gone::Done) => format!(
+                "request {id} was already completed by a consumer and its blocks \
+                freed"
+            ),
+            None => format!(
+                "request {id} is not held by engine '{}' (unknown request, or its blocks were \
+                freed)",
+                self.cfg.engine_id
+            ),
         }
     }
 
     fn wrong_capability(&self, id: &RequestId) -> Refused {
         (
-            format!("request {id}: the transfer capability does not match the one engine '{}' issued for it; forward kv_transfer_params as prefill returned them", self.cfg.engine_id),
+            format!(
+                "request {id}: the transfer capability does not match the one engine '{}' issued for it; \
+                forward kv_transfer_params as prefill returned them",
+                self.cfg.engine_id
+            ),
             Some(Refusal::BadCapability),
         )
     }
@@ -235,7 +247,9 @@ impl Shared {
     fn past_cap(&self, id: &RequestId) -> Refused {
         (
             format!(
-                "request {id}: engine '{}' has held its blocks for kv_lease_max = {:.1}s since it first held them; it serves no more reads or renewals of them and frees them once the reads in flight end; pull sooner, or raise kv_lease_max on the producer",
+                "request {id}: engine '{}' has held its blocks for kv_lease_max = {:.1}s since it first held \
+                    them; it serves no more reads or renewals of them and frees them once the reads in \
+                    flight end; pull sooner, or raise kv_lease_max on the producer",
                 self.cfg.engine_id,
                 self.cfg.lease_max.as_secs_f64()
             ),
@@ -304,7 +318,8 @@ impl Shared {
         match h.readers {
             Some(n) if n != readers => {
                 return malformed(format!(
-                    "one consumer rank said {n} ranks read it, another {readers}: run every decode rank with the same tp_size"
+                    "one consumer rank said {n} ranks read it, another {readers}: run every decode rank with \
+                        the same tp_size"
                 ))
             }
             _ => h.readers = Some(readers),
@@ -340,7 +355,11 @@ impl Shared {
             let now = Instant::now();
             if now >= give_up || self.stop.load(Ordering::Relaxed) {
                 return Err((
-                    format!("request {id}: reads of its blocks are still in flight after {:.1}s; not freeing them under a read", self.cfg.io_timeout.as_secs_f64()),
+                    format!(
+                        "request {id}: reads of its blocks are still in flight after {:.1}s; not freeing \
+                        them under a read",
+                        self.cfg.io_timeout.as_secs_f64()
+                    ),
                     None,
                 ));
             }
@@ -390,7 +409,13 @@ impl Producer {
         if cfg.secret.is_none() && !addr.ip().is_loopback() {
             return Err(io::Error::new(
                 io::ErrorKind::PermissionDenied,
-                format!("the producer listener would accept connections beyond loopback ({addr}) without a data-plane secret, letting any host read this engine's KV; set KVCONNECT_SIDE_CHANNEL_TOKEN (at least {} random bytes, the same on every worker of the deployment) or pass --secret-file, or bind host 127.0.0.1", auth::MIN_SECRET_BYTES),
+                format!(
+                    "the producer listener would accept connections beyond loopback ({addr}) without a \
+                    data-plane secret, letting any host read this engine's KV; set \
+                    KVCONNECT_SIDE_CHANNEL_TOKEN (at least {} random bytes, the same on every worker of the \
+                    deployment) or pass --secret-file, or bind host 127.0.0.1",
+                    auth::MIN_SECRET_BYTES
+                ),
             ));
         }
         let refusals = Arc::new(Refusals::default());
@@ -636,10 +661,24 @@ fn authenticate(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shared
         Err((why, None))
     };
     let ClientMsg::Auth { nonce, proof } = first else {
-        return refuse(w, format!("engine '{}' answers only peers that prove the deployment's data-plane secret first; this peer sent a request without it", cfg.engine_id));
+        return refuse(
+            w,
+            format!(
+                "engine '{}' answers only peers that prove the deployment's data-plane \
+            secret first; this peer sent a request without it",
+                cfg.engine_id
+            ),
+        );
     };
     if !auth::verify(cfg.secret.as_ref(), CHANNEL, Side::Client, &server_nonce, &nonce, &proof) {
-        return refuse(w, format!("engine '{}': the proof of the data-plane secret is wrong; give every worker of the deployment the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file", cfg.engine_id));
+        return refuse(
+            w,
+            format!(
+                "engine '{}': the proof of the data-plane secret is wrong; give every \
+            worker of the deployment the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file",
+                cfg.engine_id
+            ),
+        );
     }
     let mine = auth::proof(cfg.secret.as_ref(), CHANNEL, Side::Server, &server_nonce, &nonce);
     write_frame(
@@ -731,7 +770,11 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
                 let id = RequestId(request);
                 if !cfg.serve_reads {
                     let r = Err((
-                        format!("engine '{}' does not serve reads over its listener: its backend copies without them; use the same backend on both sides", cfg.engine_id),
+                        format!(
+                            "engine '{}' does not serve reads over its listener: its backend copies \
+                            without them; use the same backend on both sides",
+                            cfg.engine_id
+                        ),
                         Some(Refusal::ReadNotServed),
                     ));
                     send(w, answer(r))?;

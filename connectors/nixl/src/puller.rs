@@ -222,7 +222,8 @@ impl Link<'_> {
             let before = v.len();
             v.retain(crate::idle_link::still_open);
             if v.len() < before {
-                tracing::debug!(engine = %key.engine, addr = %peer.addr, "nixl: producer engine '{}' closed {} idle connection(s); opening new ones", key.engine, before - v.len());
+                tracing::debug!(engine = %key.engine, addr = %peer.addr, "nixl: producer engine '{}' closed \
+                    {} idle connection(s); opening new ones", key.engine, before - v.len());
             }
         }
         let have = self.conns.open.get(&key).map_or(0, |(_, v)| v.len());
@@ -273,7 +274,8 @@ impl Link<'_> {
         let first = self.ask(msg)?;
         let answer = match first {
             Err(closed) if kept => {
-                tracing::debug!(engine = %self.peer.meta.engine_id, "nixl: producer engine '{}' closed a kept connection before answering ({closed}); asking again on a new one", self.peer.meta.engine_id);
+                tracing::debug!(engine = %self.peer.meta.engine_id, "nixl: producer engine '{}' closed a \
+                    kept connection before answering ({closed}); asking again on a new one", self.peer.meta.engine_id);
                 self.close();
                 self.ask(msg)?
             }

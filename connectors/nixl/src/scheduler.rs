@@ -81,7 +81,11 @@ impl SchedulerConnector for NixlScheduler {
                 TransferParams::from_request(&r)?.ok_or_else(|| {
                     ConnectorError::invalid(
                         NAME,
-                        format!("request {}: a producer rank's kv_transfer_params lack do_remote_prefill; forward the params prefill returned unchanged", req.id),
+                        format!(
+                            "request {}: a producer rank's kv_transfer_params lack do_remote_prefill; \
+                            forward the params prefill returned unchanged",
+                            req.id
+                        ),
                     )
                 })
             })
@@ -112,7 +116,8 @@ impl SchedulerConnector for NixlScheduler {
             return Err(ConnectorError::invalid(
                 NAME,
                 format!(
-                    "request {} comes from a prefill with tp_size {a} but this decode has tp_size {b}: the sizes must divide one another (D = P/2, P, 2P, ...); run decode with tp_size {a}",
+                    "request {} comes from a prefill with tp_size {a} but this decode has tp_size {b}: the \
+                        sizes must divide one another (D = P/2, P, 2P, ...); run decode with tp_size {a}",
                     req.id
                 ),
             ));
@@ -157,7 +162,9 @@ impl SchedulerConnector for NixlScheduler {
             ConnectorError::config(
                 NAME,
                 format!(
-                    "request {} asks for remote decode but kv_connector_extra_config has no side_channel_host/side_channel_port: the host sets them to its side-channel address before creating the connector",
+                    "request {} asks for remote decode but kv_connector_extra_config has no \
+                        side_channel_host/side_channel_port: the host sets them to its side-channel address \
+                        before creating the connector",
                     req.id
                 ),
             )

@@ -28,7 +28,10 @@ pub enum ShmError {
         source: io::Error,
     },
     /// The segment's size is not what the peer's metadata says.
-    #[error("shared memory segment '{name}' is {actual} bytes but the peer's metadata says {expected}: it is not the region the peer registered (stale segment or a restarted peer); redo the handshake")]
+    #[error(
+        "shared memory segment '{name}' is {actual} bytes but the peer's metadata says {expected}: it is \
+        not the region the peer registered (stale segment or a restarted peer); redo the handshake"
+    )]
     SizeMismatch {
         /// The segment.
         name: String,
@@ -38,7 +41,10 @@ pub enum ShmError {
         expected: u64,
     },
     /// Other users may read or write it.
-    #[error("shared memory segment '{name}' has mode {mode:o} or another owner: KV regions must be created with mode 0600 by this user")]
+    #[error(
+        "shared memory segment '{name}' has mode {mode:o} or another owner: KV regions must be created \
+        with mode 0600 by this user"
+    )]
     NotPrivate {
         /// The segment.
         name: String,
@@ -398,7 +404,10 @@ impl ShmArena {
             if off % page != 0 || l % page != 0 || l == 0 || off.checked_add(l).is_none_or(|e| e > len) {
                 return Err(bad_slab(
                     label,
-                    format!("slab of {l} bytes at {off} is empty, not aligned to the {page}-byte page or outside the {len}-byte buffer"),
+                    format!(
+                        "slab of {l} bytes at {off} is empty, not aligned to the {page}-byte page or \
+                        outside the {len}-byte buffer"
+                    ),
                 ));
             }
         }

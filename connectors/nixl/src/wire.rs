@@ -170,7 +170,10 @@ pub enum ClientAuthError {
     #[error("{0}")]
     Refused(String),
     /// The producer does not hold this deployment's secret.
-    #[error("its proof of the data-plane secret is wrong: it does not hold this deployment's secret; give every worker the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file")]
+    #[error(
+        "its proof of the data-plane secret is wrong: it does not hold this deployment's secret; give \
+        every worker the same KVCONNECT_SIDE_CHANNEL_TOKEN or --secret-file"
+    )]
     WrongServer,
     /// The producer answered out of protocol.
     #[error("{0}")]

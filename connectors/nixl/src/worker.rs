@@ -249,7 +249,8 @@ impl WorkerConnector for NixlWorker {
             return Err(ConnectorError::not_implemented(
                 NAME,
                 &format!(
-                    "KV regions of {ranks} tensor-parallel ranks on backend '{}' (backends {} move KV across ranks)",
+                    "KV regions of {ranks} tensor-parallel ranks on backend '{}' (backends {} move KV across \
+                        ranks)",
                     backend.name(),
                     Backend::names_where(|b| b.across_tp)
                 ),
@@ -312,7 +313,11 @@ impl WorkerConnector for NixlWorker {
         })?;
         if !m.sends.is_empty() {
             let p = self.producer.as_ref().ok_or_else(|| {
-                ConnectorError::invalid(NAME, "requests to keep for remote decode arrived, but this worker is not a producer (kv_role) or has no registered regions")
+                ConnectorError::invalid(
+                    NAME,
+                    "requests to keep for remote decode arrived, but this worker \
+                    is not a producer (kv_role) or has no registered regions",
+                )
             })?;
             for s in &m.sends {
                 p.hold(s.request.clone(), s.capability.clone(), &s.blocks, &self.groups).map_err(|e| {
@@ -333,7 +338,11 @@ impl WorkerConnector for NixlWorker {
             return Ok(());
         }
         let Some(tx) = self.jobs.as_ref() else {
-            return Err(ConnectorError::invalid(NAME, "loads were scheduled, but this worker is not a consumer (kv_role) or has no registered regions"));
+            return Err(ConnectorError::invalid(
+                NAME,
+                "loads were scheduled, but this worker is not a \
+                consumer (kv_role) or has no registered regions",
+            ));
         };
         for l in loads {
             if let Err(mpsc::SendError(l)) = tx.send(l) {
@@ -367,17 +376,20 @@ impl WorkerConnector for NixlWorker {
                 // Nothing was loaded, so nothing is reported; the producer frees its blocks
                 // now rather than at lease expiry, or at expiry if this failed.
                 if let Err(e) = r {
-                    tracing::debug!(request = %load.request, "nixl: releasing the producer's blocks of request {} failed: {e}", load.request);
+                    tracing::debug!(request = %load.request, "nixl: releasing the producer's blocks of \
+                        request {} failed: {e}", load.request);
                 }
                 continue;
             }
             let failed = match r {
                 Ok(stats) => {
-                    tracing::debug!(request = %load.request, bytes = stats.bytes, runs = stats.runs, "nixl: pulled");
+                    tracing::debug!(request = %load.request, bytes = stats.bytes, runs = stats.runs, "nixl: \
+                        pulled");
                     false
                 }
                 Err(e) => {
-                    tracing::warn!(request = %load.request, engine = %load.remote_engine_id, side_channel = %load.remote_side_channel, "nixl: loading request {} failed: {e}", load.request);
+                    tracing::warn!(request = %load.request, engine = %load.remote_engine_id, side_channel = %load.remote_side_channel, "nixl: \
+                        loading request {} failed: {e}", load.request);
                     true
                 }
             };
@@ -448,7 +460,8 @@ impl WorkerConnector for NixlWorker {
         let mem = self.memory()?;
         let mut info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
         self.transport()?.admit(&info, mem.geometry(), &lock(&self.peers))?;
-        tracing::debug!(engine = %info.meta.engine_id, side_channel = %info.side_channel, addr = %info.addr, "nixl: peer registered");
+        tracing::debug!(engine = %info.meta.engine_id, side_channel = %info.side_channel, addr = %info.addr, "nixl: \
+            peer registered");
         self.handshakes += 1;
         info.generation = self.handshakes;
         lock(&self.peers).insert(info.key(), Arc::new(info));

@@ -9,7 +9,11 @@ pub const PD: &str = "pd";
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PdError {
     /// `kv_connector_extra_config.connectors` is missing or empty.
-    #[error("the composite has no children: set kv_connector_extra_config.connectors to a list of child kv-transfer-configs, e.g. [{{\"kv_connector\":\"LMCacheConnectorV1\"}}, {{\"kv_connector\":\"NixlConnector\"}}]")]
+    #[error(
+        "the composite has no children: set kv_connector_extra_config.connectors to a list of child \
+        kv-transfer-configs, e.g. [{{\"kv_connector\":\"LMCacheConnectorV1\"}}, \
+        {{\"kv_connector\":\"NixlConnector\"}}]"
+    )]
     NoChildren,
     /// `connectors` is not a list of objects.
     #[error("kv_connector_extra_config.connectors must be a list of kv-transfer-config objects; {what}")]
@@ -41,19 +45,26 @@ pub enum PdError {
         known: Vec<String>,
     },
     /// A key of `kv_connector_extra_config` the composite does not know.
-    #[error("unknown key(s) {} in the composite's kv_connector_extra_config; valid keys are 'connectors' and 'lookup'", keys.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", "))]
+    #[error("unknown key(s) {} in the composite's kv_connector_extra_config; valid keys are 'connectors' and \
+        'lookup'", keys.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", "))]
     UnknownKeys {
         /// The keys.
         keys: Vec<String>,
     },
     /// `lookup` has a value the composite does not know.
-    #[error("kv_connector_extra_config.lookup is {given}; valid values are \"first_hit\" (the first child with a hit wins) and \"sum\" (each child continues where the previous one stopped)")]
+    #[error(
+        "kv_connector_extra_config.lookup is {given}; valid values are \"first_hit\" (the first child \
+        with a hit wins) and \"sum\" (each child continues where the previous one stopped)"
+    )]
     BadLookup {
         /// The value as JSON.
         given: String,
     },
     /// Two children have the same name and `unique_names` was asked for.
-    #[error("two children of the composite are both named '{name}' (children {first} and {second}); child names key the handshake metadata and the connector metadata, so each must be unique")]
+    #[error(
+        "two children of the composite are both named '{name}' (children {first} and {second}); child \
+        names key the handshake metadata and the connector metadata, so each must be unique"
+    )]
     DuplicateName {
         /// The name.
         name: String,
@@ -63,7 +74,10 @@ pub enum PdError {
         second: usize,
     },
     /// Composites nested deeper than `MAX_DEPTH`.
-    #[error("composites are nested {depth} deep ({chain}); at most {max} levels are allowed: flatten the inner composites into one child list")]
+    #[error(
+        "composites are nested {depth} deep ({chain}); at most {max} levels are allowed: flatten the \
+        inner composites into one child list"
+    )]
     TooDeep {
         /// The depth reached.
         depth: usize,
@@ -98,7 +112,10 @@ pub enum PdError {
     #[error("connector metadata does not fit this composite: {0}")]
     BadMeta(String),
     /// Two children set the same transfer-param key.
-    #[error("children '{first}' and '{second}' both set kv_transfer_params key '{key}' for request {request}; rename the key in one of them, or drop one of the two children")]
+    #[error(
+        "children '{first}' and '{second}' both set kv_transfer_params key '{key}' for request \
+        {request}; rename the key in one of them, or drop one of the two children"
+    )]
     ParamClash {
         /// The key.
         key: String,

@@ -81,7 +81,10 @@ impl ConnectorFactory for PdFactory {
         ConnectorInfo {
             name: PD.to_owned(),
             version: env!("CARGO_PKG_VERSION").to_owned(),
-            description: "composite: several children (caches, transports, plugins) behind one connector and one negotiated layout".to_owned(),
+            description:
+                "composite: several children (caches, transports, plugins) behind one connector and \
+                one negotiated layout"
+                    .to_owned(),
         }
     }
 

@@ -130,7 +130,8 @@ impl MetaEnvelope {
         let indices_ok = env.parts.iter().enumerate().all(|(i, p)| p.index == i);
         if got != want || !indices_ok {
             return Err(PdError::BadMeta(format!(
-                "the scheduler's composite has children [{}] but this worker's has [{}]; give both halves the same kv-transfer-config",
+                "the scheduler's composite has children [{}] but this worker's has [{}]; give both halves \
+                    the same kv-transfer-config",
                 got.join(", "),
                 want.join(", ")
             )));

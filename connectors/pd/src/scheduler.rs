@@ -108,10 +108,16 @@ impl SchedulerConnector for PdScheduler {
         }
         if left > 0 {
             return Err(PdError::BadMeta(format!(
-                "request {}: the engine will load {num_external_tokens} external tokens but the children matched only {} ({})",
+                "request {}: the engine will load {num_external_tokens} external tokens but the children \
+                    matched only {} ({})",
                 req.id,
                 num_external_tokens - left,
-                self.children.iter().zip(&m.tokens).map(|((c, _), t)| format!("{c}: {t}")).collect::<Vec<_>>().join(", ")
+                self.children
+                    .iter()
+                    .zip(&m.tokens)
+                    .map(|((c, _), t)| format!("{c}: {t}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ))
             .into());
         }

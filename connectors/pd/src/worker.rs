@@ -219,14 +219,16 @@ impl WorkerConnector for PdWorker {
                 return child.set_peer_handshake_metadata(peer).map_err(|e| child_err(name, e));
             }
             return Err(PdError::BadPeer(format!(
-                "it has keys [{}] but this composite's children are [{}]; and no single transport child to give a plain connector's metadata to; wrap it as {{\"<child name>\": ...}}",
+                "it has keys [{}] but this composite's children are [{}]; and no single transport child to \
+                    give a plain connector's metadata to; wrap it as {{\"<child name>\": ...}}",
                 obj.keys().cloned().collect::<Vec<_>>().join(", "),
                 names.join(", ")
             ))
             .into());
         }
         for k in obj.keys().filter(|k| !names.contains(k)) {
-            tracing::debug!(key = %k, "peer handshake metadata for a child this composite does not have; ignored");
+            tracing::debug!(key = %k, "peer handshake metadata for a child this composite does not have; \
+                ignored");
         }
         for (name, child) in self.children.iter_mut() {
             // A child with no counterpart on the peer (e.g. a local cache) gets nothing.

@@ -292,7 +292,8 @@ impl Engine {
             let Some(s) = self.seqs.get_mut(k) else { continue };
             match self.policy {
                 FailurePolicy::Recompute => {
-                    tracing::warn!(request = %s.req.id, reason = %why, "KV load failed; recomputing the prompt");
+                    tracing::warn!(request = %s.req.id, reason = %why, "KV load failed; recomputing the \
+                        prompt");
                     s.kv_load_failure = Some(why.clone());
                     s.num_computed = s.cached;
                     s.external = 0;

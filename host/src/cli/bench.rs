@@ -500,7 +500,9 @@ fn transfer(a: &TransferArgs) -> Result<()> {
         println!("{out}");
     } else {
         println!(
-            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: {:.2} ms = {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.3} (quartiles {:.3} .. {:.3}); once per peer: {per_peer_ms:.2} ms of handshakes; {}",
+            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: {:.2} ms = \
+                {g:.2} GB/s; {baseline}: {:.2} ms = {bg:.2} GB/s; ratio {:.3} (quartiles {:.3} .. {:.3}); \
+                once per peer: {per_peer_ms:.2} ms of handshakes; {}",
             a.tokens,
             spec.name,
             paired.pairs,
@@ -630,7 +632,9 @@ fn ttft(a: &TtftArgs) -> Result<()> {
         println!("{out}");
     } else {
         println!(
-            "ttft {backend}, {} tokens, median of {} interleaved pairs: monolithic {:.1} ms, disaggregated {:.1} ms (prefill + transfer + first decode step; decode side alone {:.1} ms); ratio {:.3} (quartiles {:.3} .. {:.3}); same first token: {same}; {}",
+            "ttft {backend}, {} tokens, median of {} interleaved pairs: monolithic {:.1} ms, disaggregated \
+                {:.1} ms (prefill + transfer + first decode step; decode side alone {:.1} ms); ratio {:.3} \
+                (quartiles {:.3} .. {:.3}); same first token: {same}; {}",
             a.tokens,
             ratios.len(),
             m.median * 1e3,

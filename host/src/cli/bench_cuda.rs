@@ -9,7 +9,8 @@ use anyhow::Result;
 #[cfg(not(feature = "cuda"))]
 pub fn transfer(_a: &TransferArgs) -> Result<()> {
     anyhow::bail!(
-        "this kvconnect was built without GPU support: rebuild it with `cargo build --release -p kvconnect-host --features cuda` to use --backend cuda_ipc / --device cuda"
+        "this kvconnect was built without GPU support: rebuild it with `cargo build --release -p \
+            kvconnect-host --features cuda` to use --backend cuda_ipc / --device cuda"
     )
 }
 

@@ -50,7 +50,8 @@ pub struct LmcacheDeviceArgs {
 #[cfg(not(feature = "cuda"))]
 pub fn run(_a: &LmcacheDeviceArgs) -> Result<()> {
     anyhow::bail!(
-        "this kvconnect was built without GPU support: rebuild it with `cargo build --release -p kvconnect-host --features cuda` to run bench lmcache-device"
+        "this kvconnect was built without GPU support: rebuild it with `cargo build --release -p \
+            kvconnect-host --features cuda` to run bench lmcache-device"
     )
 }
 
@@ -307,7 +308,10 @@ mod imp {
         }
         worker.shutdown()?;
         if !verified {
-            bail!("the reloaded blocks differ from the saved ones (matched {matched} tokens): the save is wrong");
+            bail!(
+                "the reloaded blocks differ from the saved ones (matched {matched} tokens): the save is \
+                wrong"
+            );
         }
         Ok(json!({
             "device": gpu.name(),

@@ -30,7 +30,8 @@ pub struct NixlVramArgs {
 #[cfg(not(feature = "cuda"))]
 pub fn run(_a: &NixlVramArgs) -> Result<()> {
     anyhow::bail!(
-        "this kvconnect was built without GPU support: rebuild it with `cargo build --release -p kvconnect-host --features cuda` to run bench nixl-vram"
+        "this kvconnect was built without GPU support: rebuild it with `cargo build --release -p \
+            kvconnect-host --features cuda` to run bench nixl-vram"
     )
 }
 

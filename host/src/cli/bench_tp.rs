@@ -27,7 +27,8 @@ pub(super) fn transfer(a: &TransferArgs) -> Result<()> {
     let backend = backend(&a.backend)?;
     if backend == "nixl" || a.tp_size == 0 {
         bail!(
-            "--tp-size {} with --backend {backend}: prefill's TP size must be positive, and loads across TP sizes run on backends shm and tcp",
+            "--tp-size {} with --backend {backend}: prefill's TP size must be positive, and loads across TP \
+                sizes run on backends shm and tcp",
             a.tp_size
         );
     }
@@ -101,7 +102,8 @@ pub(super) fn transfer(a: &TransferArgs) -> Result<()> {
         println!("{out}");
     } else {
         println!(
-            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: TP {tp} -> 1 {:.2} ms, TP 1 -> 1 {:.2} ms; rate ratio {:.3} (quartiles {:.3} .. {:.3}); {}",
+            "transfer {backend}: {bytes} bytes ({} tokens of {}); median of {} interleaved pairs: TP {tp} -> \
+                1 {:.2} ms, TP 1 -> 1 {:.2} ms; rate ratio {:.3} (quartiles {:.3} .. {:.3}); {}",
             a.tokens,
             spec.name,
             ratios.len(),

@@ -61,7 +61,8 @@ pub fn render_adapters(n: &Negotiated) -> String {
         .iter()
         .map(|a| {
             format!(
-                "  adapter: child '{}' works in {} natively and adapts its own copy path to {} (transpose, cost {})\n",
+                "  adapter: child '{}' works in {} natively and adapts its own copy path to {} (transpose, \
+                    cost {})\n",
                 a.child,
                 a.native.display_name(),
                 a.effective.display_name(),

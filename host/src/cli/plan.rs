@@ -113,7 +113,8 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
             if !args.joint && inc.diffs.iter().any(|d| d.field != "tp_size") {
                 writeln!(
                     out,
-                    "hint: workers started with `kvconnect worker --deployment {0} --role prefill|decode --joint` negotiate jointly; `kvconnect plan --joint {0}` shows what they agree on",
+                    "hint: workers started with `kvconnect worker --deployment {0} --role prefill|decode \
+                        --joint` negotiate jointly; `kvconnect plan --joint {0}` shows what they agree on",
                     args.deployment.display()
                 )?;
             }
@@ -127,7 +128,8 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
                 )?,
                 None => writeln!(
                     out,
-                    "COMPATIBLE: identical compat hashes and layouts; decode reads prefill's blocks as they are"
+                    "COMPATIBLE: identical compat hashes and layouts; decode reads prefill's blocks as they \
+                        are"
                 )?,
             }
             Ok(0)
@@ -143,7 +145,8 @@ pub fn run(args: &PlanArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Writ
             if let Some(l) = &plan.layout {
                 writeln!(
                     out,
-                    "  decode permutes every block it reads from prefill: {} -> {}, axes {:?} (axis i of decode's layout is axis perm[i] of prefill's)",
+                    "  decode permutes every block it reads from prefill: {} -> {}, axes {:?} (axis i of \
+                        decode's layout is axis perm[i] of prefill's)",
                     l.from.canonical_name(),
                     l.to.canonical_name(),
                     l.perm

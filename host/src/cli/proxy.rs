@@ -57,7 +57,8 @@ pub struct ProxyArgs {
 pub fn event_sources(flags: &[String], names: &[String]) -> Result<Vec<EventSource>, String> {
     if flags.len() != names.len() {
         return Err(format!(
-            "--kv-events given {} times for {} --prefill servers: give one per prefill server, in the same order",
+            "--kv-events given {} times for {} --prefill servers: give one per prefill server, in the same \
+                order",
             flags.len(),
             names.len()
         ));

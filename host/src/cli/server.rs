@@ -155,7 +155,11 @@ fn options(a: &ServerArgs) -> Result<EngineOptions> {
 /// before negotiation reports it as a memory kind no connector supports.
 fn device_kv_available(o: &EngineOptions) -> Result<()> {
     if o.memory == Some(kvconnect_api::MemoryKind::Device) && !cfg!(feature = "cuda") {
-        bail!("kv_buffer_device=\"cuda\" asks for KV regions in GPU memory, but this kvconnect was built without GPU support: rebuild with `cargo build --release -p kvconnect-host --features cuda`, or use kv_buffer_device=\"cpu\"");
+        bail!(
+            "kv_buffer_device=\"cuda\" asks for KV regions in GPU memory, but this kvconnect was built \
+            without GPU support: rebuild with `cargo build --release -p kvconnect-host --features cuda`, or \
+            use kv_buffer_device=\"cpu\""
+        );
     }
     Ok(())
 }
@@ -235,7 +239,10 @@ pub fn run(a: &ServerArgs, registry: Registry) -> Result<()> {
         (role, rc.kv_transfer_config, json, d.model, n, c, rc.options)
     } else {
         let (Some(cfg), Some(model_path)) = (&a.kv_transfer_config, &a.model) else {
-            bail!("say what to run: --deployment FILE --role prefill|decode, or --kv-transfer-config JSON --model CONFIG.json");
+            bail!(
+                "say what to run: --deployment FILE --role prefill|decode, or --kv-transfer-config JSON \
+                --model CONFIG.json"
+            );
         };
         let config = read_config(cfg)?;
         let (config, notes) =

@@ -61,7 +61,8 @@ pub async fn follow(router: Arc<KvRouter>, source: EventSource) {
         };
         let Some(from) = apply(&router, &source.name, seq, payload, false) else { continue };
         let Some(replay) = &source.replay else {
-            tracing::warn!(worker = %source.name, "KV events: batches from {from} missed and the server has no replay endpoint");
+            tracing::warn!(worker = %source.name, "KV events: batches from {from} missed and the server has \
+                no replay endpoint");
             continue;
         };
         if dealer.is_none() {
@@ -69,7 +70,8 @@ pub async fn follow(router: Arc<KvRouter>, source: EventSource) {
             match d.connect(replay).await {
                 Ok(()) => dealer = Some(d),
                 Err(e) => {
-                    tracing::warn!(worker = %source.name, "KV events: cannot reach the replay endpoint {replay}: {e}");
+                    tracing::warn!(worker = %source.name, "KV events: cannot reach the replay endpoint \
+                        {replay}: {e}");
                     continue;
                 }
             }

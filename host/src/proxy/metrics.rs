@@ -43,7 +43,8 @@ impl RouterMetrics {
     fn register(&self, r: &mut Registry) {
         r.register(
             "kvconnect_router_decisions",
-            "Prefill servers picked by --routing kv: by the KV index (by=kv), or round-robin and why (no_events: no server's events are live; no_tokens: the proxy does not hash prompts)",
+            "Prefill servers picked by --routing kv: by the KV index (by=kv), or round-robin and why \
+                (no_events: no server's events are live; no_tokens: the proxy does not hash prompts)",
             self.decisions.clone(),
         );
         r.register(
@@ -53,7 +54,8 @@ impl RouterMetrics {
         );
         r.register(
             "kvconnect_router_actual_hit_tokens",
-            "Prompt tokens those prefill servers reported they did not compute (prefix cache and cache connector)",
+            "Prompt tokens those prefill servers reported they did not compute (prefix cache and cache \
+                connector)",
             self.hit.clone(),
         );
         r.register(

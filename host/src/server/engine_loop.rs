@@ -536,7 +536,8 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>, events: Option<Zmq
             Err(f) => {
                 // The step's requests are ended and their blocks freed: nothing is retried.
                 let ended = driver.abort_all(&f.message, f.connector_dead);
-                tracing::error!(error = %f.message, requests = ended, "engine step failed; its requests were ended");
+                tracing::error!(error = %f.message, requests = ended, "engine step failed; its requests were \
+                    ended");
                 for (_, p) in std::mem::take(&mut pending) {
                     count(&mut counters, false);
                     let _ =
@@ -544,7 +545,8 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>, events: Option<Zmq
                 }
                 if f.connector_dead {
                     let why = format!(
-                        "{}; the connector instance is unusable: restart this worker (kvconnect up restarts it by itself)",
+                        "{}; the connector instance is unusable: restart this worker (kvconnect up restarts \
+                            it by itself)",
                         f.message
                     );
                     tracing::error!("{why}");

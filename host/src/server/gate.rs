@@ -161,7 +161,8 @@ async fn check(State(g): State<Gate>, req: Request, next: Next) -> Response {
             return openai_error(
                 StatusCode::UNAUTHORIZED,
                 "authentication_error",
-                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key this server was started with (--api-key)",
+                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key this server was \
+                    started with (--api-key)",
                 None,
             );
         }
@@ -173,7 +174,8 @@ async fn check(State(g): State<Gate>, req: Request, next: Next) -> Response {
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
             format!(
-                "{} requests are in flight, the most this server takes (--max-concurrent-requests); retry shortly",
+                "{} requests are in flight, the most this server takes (--max-concurrent-requests); retry \
+                    shortly",
                 g.limit
             ),
             None,

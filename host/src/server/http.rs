@@ -138,7 +138,8 @@ pub(crate) async fn run_one(
             metrics::load_failure(f.reason, st.policy == FailurePolicy::Recompute);
             match st.policy {
                 FailurePolicy::Recompute => {
-                    tracing::warn!(request = %id, peer = %engine, "no KV will be loaded ({}); recomputing the prompt locally", f.message);
+                    tracing::warn!(request = %id, peer = %engine, "no KV will be loaded ({}); recomputing \
+                        the prompt locally", f.message);
                     params = strip_remote(&params);
                     kv_note = json!({"recomputed": true, "reason": f.message});
                 }
@@ -230,8 +231,16 @@ async fn prom(State(st): State<Arc<AppState>>) -> Response {
     let sc = st.side_channel.snapshot();
     let mut now = vec![
         Sample::gauge("kvconnect_pool_blocks", "KV blocks over all cache groups.", p.total_blocks as u64),
-        Sample::gauge("kvconnect_pool_free_blocks", "Free KV blocks over all cache groups.", p.free_blocks as u64),
-        Sample::gauge("kvconnect_requests_unfinished", "Requests waiting, loading or running.", p.unfinished as u64),
+        Sample::gauge(
+            "kvconnect_pool_free_blocks",
+            "Free KV blocks over all cache groups.",
+            p.free_blocks as u64,
+        ),
+        Sample::gauge(
+            "kvconnect_requests_unfinished",
+            "Requests waiting, loading or running.",
+            p.unfinished as u64,
+        ),
         Sample::gauge(
             "kvconnect_pending_frees",
             "Finished requests whose blocks the connector still holds.",
@@ -249,12 +258,17 @@ async fn prom(State(st): State<Arc<AppState>>) -> Response {
         ),
         Sample::counter(
             "kvconnect_kv_bytes_moved",
-            "KV bytes loaded through the connector: external prompt tokens times the model's KV bytes per token at the cache dtype.",
+            "KV bytes loaded through the connector: external prompt tokens times the model's KV bytes per \
+                token at the cache dtype.",
             p.external_tokens.saturating_mul(st.kv_bytes_per_token),
         ),
         Sample::counter("kvconnect_side_channel_welcomed", "Handshakes accepted.", sc.welcomed),
         Sample::counter("kvconnect_side_channel_refused", "Handshakes refused.", sc.refused),
-        Sample::counter("kvconnect_side_channel_dropped", "Side-channel connections closed for misbehaving.", sc.dropped),
+        Sample::counter(
+            "kvconnect_side_channel_dropped",
+            "Side-channel connections closed for misbehaving.",
+            sc.dropped,
+        ),
     ];
     now.extend(data_plane_refusals(&st.engine_id, &sc));
     now.extend(cache_metrics(&st.engine_id));
@@ -264,7 +278,13 @@ async fn prom(State(st): State<Arc<AppState>>) -> Response {
 /// Peers the data plane refused, by listener and reason: the side channel's, and this
 /// server's nixl producer listener's (when it runs one).
 fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnapshot) -> Vec<Sample> {
-    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: unauthenticated (no valid proof of the deployment's secret; on the side channel, no proof at all), wrong_secret (side channel: a proof that does not verify), bad_capability (a request named with a capability not its own), malformed, oversized, truncated (closed mid-frame), timeout (a frame not whole within its deadline, read or written; a connection idle between frames past idle_timeout is closed without one), too_many_connections, read_not_served (a read to a backend that copies without it), lease_cap (a hold, check or read past kv_lease_max).";
+    const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: \
+        unauthenticated (no valid proof of the deployment's secret; on the side channel, no proof at all), \
+        wrong_secret (side channel: a proof that does not verify), bad_capability (a request named with a \
+        capability not its own), malformed, oversized, truncated (closed mid-frame), timeout (a frame not \
+        whole within its deadline, read or written; a connection idle between frames past idle_timeout is \
+        closed without one), too_many_connections, read_not_served (a read to a backend that copies without \
+        it), lease_cap (a hold, check or read past kv_lease_max).";
     let one = |listener: &str, reason: &str, v: u64| {
         Sample::counter("kvconnect_data_plane_refused", HELP, v)
             .with(vec![("listener", listener.into()), ("reason", reason.into())])
@@ -284,7 +304,8 @@ fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnap
 fn cache_metrics(engine_id: &str) -> Vec<Sample> {
     const HITS: &str = "Chunks (lmcache) or blocks (flexkv) a KV load found in a cache tier.";
     const LOADED: &str = "Bytes read out of a cache tier into the KV cache.";
-    const OFFLOAD: &str = "Bytes moved between the KV cache and the host-memory cache tiers: GPU_to_CPU saved into a tier, CPU_to_GPU loaded from one (the KV cache may itself be in host memory).";
+    const OFFLOAD: &str = "Bytes moved between the KV cache and the host-memory cache tiers: GPU_to_CPU \
+        saved into a tier, CPU_to_GPU loaded from one (the KV cache may itself be in host memory).";
     let hit = |connector: &str, tier: &str, v: u64| {
         Sample::counter("kvconnect_cache_hits", HITS, v)
             .with(vec![("connector", connector.into()), ("tier", tier.into())])
@@ -311,7 +332,11 @@ fn cache_metrics(engine_id: &str) -> Vec<Sample> {
             )
             .with(vec![("connector", "lmcache".into())]),
         );
-        const REMOTE: &str = "lmcache remote tier (remote_url) outcomes other than hits: miss (not there, or the remote could not answer), error (a failed lookup or read), skipped (not tried during the back-off after a failure), corrupt (failed its checksum; never loaded), write_error, write_dropped.";
+        const REMOTE: &str =
+            "lmcache remote tier (remote_url) outcomes other than hits: miss (not there, or \
+            the remote could not answer), error (a failed lookup or read), skipped (not tried during the \
+            back-off after a failure), corrupt (failed its checksum; never loaded), write_error, \
+            write_dropped.";
         for (outcome, v) in [
             ("miss", s.remote_misses),
             ("error", s.remote_errors),

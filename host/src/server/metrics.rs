@@ -165,7 +165,8 @@ impl ServerMetrics {
         r.register("kvconnect_http_requests", "OpenAI-route requests by route and status", m.http.clone());
         r.register(
             "kvconnect_ttft_seconds",
-            "Time to first token, from the request's hand-off to the engine (the wait for a running step included)",
+            "Time to first token, from the request's hand-off to the engine (the wait for a running step \
+                included)",
             m.ttft.clone(),
         );
         r.register(
@@ -175,7 +176,8 @@ impl ServerMetrics {
         );
         r.register(
             "kvconnect_external_kv_first_token_seconds",
-            "Admission to first token of requests that loaded prompt KV through the connector (the external load plus one forward step)",
+            "Admission to first token of requests that loaded prompt KV through the connector (the external \
+                load plus one forward step)",
             m.external_first_token.clone(),
         );
         r.register(
@@ -190,25 +192,37 @@ impl ServerMetrics {
         );
         r.register("kvconnect_requests_completed", "Requests completed", m.completed.clone());
         r.register("kvconnect_requests_failed", "Requests that ended with an error", m.failed.clone());
-        let sources = "Prompt tokens of finished requests by where their KV came from: computed here (local_compute), this engine's prefix cache (local_cache_hit), or loaded through the connector (external_kv_transfer)";
+        let sources = "Prompt tokens of finished requests by where their KV came from: computed here \
+            (local_compute), this engine's prefix cache (local_cache_hit), or loaded through the connector \
+            (external_kv_transfer)";
         r.register("kvconnect_prompt_tokens_by_source", sources, m.prompt_tokens.clone());
         r.register("vllm:prompt_tokens_by_source", sources, m.prompt_tokens.clone());
-        let bytes = "KV bytes of each request's prompt loaded through the connector (its loaded tokens times the model's KV bytes per token)";
+        let bytes =
+            "KV bytes of each request's prompt loaded through the connector (its loaded tokens times \
+            the model's KV bytes per token)";
         r.register("kvconnect_kv_transfer_bytes", bytes, m.transfer_bytes.clone());
         r.register("vllm:nixl_bytes_transferred", bytes, m.transfer_bytes.clone());
         r.register(
             "kvconnect_kv_load_failures",
-            "Requests whose external KV could not be loaded, by reason: producer_not_allowed (params naming a producer outside the allow-list; nothing contacted), peer_unreachable, wrong_engine, peer_rejected, unauthenticated, handshake_refused (at the handshake) or load_failed (the transfer)",
+            "Requests whose external KV could not be loaded, by reason: producer_not_allowed (params naming \
+                a producer outside the allow-list; nothing contacted), peer_unreachable, wrong_engine, \
+                peer_rejected, unauthenticated, handshake_refused (at the handshake) or load_failed (the \
+                transfer)",
             m.load_failures.clone(),
         );
         r.register(
             "kvconnect_kv_recomputed_requests",
-            "Requests that were to load external KV and computed their prompt here instead (kv_load_failure_policy recompute)",
+            "Requests that were to load external KV and computed their prompt here instead \
+                (kv_load_failure_policy recompute)",
             m.recomputed.clone(),
         );
         r.register(
             "kvconnect_http_refused",
-            "HTTP clients refused or cut off, by reason: header_timeout (the request head not whole in time; the connection is closed), body_timeout (408), body_too_large (413), too_many_requests (503 past --max-concurrent-requests), too_many_connections (a connection past --max-connections, answered 503 and closed), run_timeout (a request past --request-timeout: 504, or its stream ended)",
+            "HTTP clients refused or cut off, by reason: header_timeout (the request head not whole in time; \
+                the connection is closed), body_timeout (408), body_too_large (413), too_many_requests (503 \
+                past --max-concurrent-requests), too_many_connections (a connection past --max-connections, \
+                answered 503 and closed), run_timeout (a request past --request-timeout: 504, or its stream \
+                ended)",
             m.http_refused.clone(),
         );
         r.register(

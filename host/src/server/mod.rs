@@ -111,7 +111,9 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
     }
     if connector_setup::carries_secret(&spec.config) {
         anyhow::bail!(
-            "the kv-transfer-config sets {}, which would put the deployment's secret on a command line or in a config file others may read; remove it and set KVCONNECT_SIDE_CHANNEL_TOKEN or pass --secret-file",
+            "the kv-transfer-config sets {}, which would put the deployment's secret on a command line or in \
+                a config file others may read; remove it and set KVCONNECT_SIDE_CHANNEL_TOKEN or pass \
+                --secret-file",
             kvconnect_nixl::auth::SECRET_CONFIG_KEY
         );
     }
@@ -152,7 +154,8 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
     let events = match &spec.kv_events {
         Some(cfg) => {
             let p = kvconnect_events::ZmqEventPublisher::start(cfg)?;
-            tracing::info!(endpoint = p.endpoint(), replay = ?p.replay_endpoint(), topic = %cfg.topic, "KV events published");
+            tracing::info!(endpoint = p.endpoint(), replay = ?p.replay_endpoint(), topic = %cfg.topic, "KV \
+                events published");
             Some(p)
         }
         None => None,
@@ -173,7 +176,11 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
         )
     } else {
         let reference = ReferenceConfig::from_json(&spec.model_json).map_err(|e| {
-            anyhow!("{e}; the worker runs the reference engine: use fixtures/models/kvconnect--reference/config.json (or --synthetic-kv to move synthetic KV of any model)")
+            anyhow!(
+                "{e}; the worker runs the reference engine: use \
+                fixtures/models/kvconnect--reference/config.json (or --synthetic-kv to move synthetic KV of \
+                any model)"
+            )
         })?;
         let reg = registry.clone();
         let prefix_caching = spec.prefix_caching;
@@ -250,7 +257,8 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
         writeln!(out, "{line}").context("cannot write the address line to stdout")?;
         out.flush().context("cannot flush stdout")?;
     }
-    tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker ready");
+    tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker \
+        ready");
 
     let app = spec.gate.clone().wrap(http::router(state));
     serve::serve(listener, app, spec.http_header_timeout, spec.http_max_connections, stop).await;

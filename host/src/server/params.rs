@@ -216,7 +216,8 @@ pub fn prompts(v: Option<&Value>) -> Result<Vec<Vec<u32>>, ParamError> {
         Some(Value::Array(a)) => a,
         Some(other) => {
             return Err(bad(format!(
-                "'prompt' must be a string, a list of token ids, a list of strings or a list of token-id lists, not {other}"
+                "'prompt' must be a string, a list of token ids, a list of strings or a list of token-id \
+                    lists, not {other}"
             )))
         }
         None => return Err(bad("the request has no 'prompt'; send a string or a list of token ids".into())),
@@ -297,7 +298,9 @@ fn include_usage(body: &Map<String, Value>, stream: bool) -> Result<bool, ParamE
         Some(Value::Object(o)) => {
             if o.get("continuous_usage_stats").is_some_and(|c| c.as_bool() == Some(true)) {
                 return Err(bad(
-                    "stream_options.continuous_usage_stats is not supported: usage comes in the last chunk; leave it out".into(),
+                    "stream_options.continuous_usage_stats is not supported: usage comes in the last chunk; \
+                        leave it out"
+                        .into(),
                 ));
             }
             match o.get("include_usage") {
@@ -379,7 +382,10 @@ pub fn parse(body: &Map<String, Value>, chat: bool) -> Result<OpenAiRequest, Par
         if b != n as i64 {
             return Err(ParamError::bad(
                 "best_of",
-                format!("'best_of' {b} is not supported (keeping the n most likely of best_of samples); leave it out or set it to n ({n})"),
+                format!(
+                    "'best_of' {b} is not supported (keeping the n most likely of best_of samples); \
+                    leave it out or set it to n ({n})"
+                ),
             ));
         }
     }
@@ -417,7 +423,8 @@ pub fn parse(body: &Map<String, Value>, chat: bool) -> Result<OpenAiRequest, Par
     if echo && logprobs.is_some() {
         return Err(ParamError::bad(
             "echo",
-            "'echo' with 'logprobs' would need the prompt's log-probabilities, which are not computed (in P/D prefill computes the prompt); send one of them",
+            "'echo' with 'logprobs' would need the prompt's log-probabilities, which are not computed (in \
+                P/D prefill computes the prompt); send one of them",
         ));
     }
     let kv_transfer_params = match body.get("kv_transfer_params") {
@@ -433,7 +440,8 @@ pub fn parse(body: &Map<String, Value>, chat: bool) -> Result<OpenAiRequest, Par
     if kv_transfer_params.is_some() && prompts.len() * n > 1 {
         return Err(ParamError::bad(
             "kv_transfer_params",
-            "'kv_transfer_params' belongs to one prompt and one choice; send one prompt with n 1 per request (the proxy splits larger requests)",
+            "'kv_transfer_params' belongs to one prompt and one choice; send one prompt with n 1 per request \
+                (the proxy splits larger requests)",
         ));
     }
     let request_id = text(body, "request_id")?;
@@ -481,7 +489,8 @@ pub fn check_context(
             return Err(ParamError {
                 param: Some("max_tokens"),
                 message: format!(
-                    "max_tokens {n} with a {prompt_len}-token prompt exceeds the model's context of {max_model_len} tokens; ask for at most {} tokens",
+                    "max_tokens {n} with a {prompt_len}-token prompt exceeds the model's context of \
+                        {max_model_len} tokens; ask for at most {} tokens",
                     max_model_len.saturating_sub(prompt_len)
                 ),
                 status: 422,

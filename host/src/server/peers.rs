@@ -70,11 +70,14 @@ pub fn remote_peer(params: &Map<String, Value>) -> Result<Option<(String, String
         (Some(e), Some(h), Some(p)) if p > 0 && p <= u16::MAX as u64 => match h.parse::<IpAddr>() {
             Ok(ip) => Ok(Some((e.to_owned(), SocketAddr::new(ip, p as u16).to_string()))),
             Err(_) => Err(format!(
-                "kv_transfer_params remote_host {:?} is not an IP address; prefill returns its side-channel IP, forward it unchanged",
+                "kv_transfer_params remote_host {:?} is not an IP address; prefill returns its side-channel \
+                    IP, forward it unchanged",
                 h.chars().take(64).collect::<String>()
             )),
         },
-        _ => Err("kv_transfer_params has do_remote_prefill but lacks a string remote_engine_id, a string remote_host or a remote_port in 1..65535; forward the params prefill returned unchanged".into()),
+        _ => Err("kv_transfer_params has do_remote_prefill but lacks a string remote_engine_id, a string \
+            remote_host or a remote_port in 1..65535; forward the params prefill returned unchanged"
+            .into()),
     }
 }
 
@@ -141,7 +144,8 @@ impl Peers {
                 return Ok(())
             }
             Some(PeerState::Ready(seen)) => {
-                tracing::info!(peer = %engine, %addr, was = ?seen, now = ?instance, "prefill engine restarted at the same address; handshaking again");
+                tracing::info!(peer = %engine, %addr, was = ?seen, now = ?instance, "prefill engine \
+                    restarted at the same address; handshaking again");
             }
             Some(PeerState::Refused(f, at)) if at.elapsed() < REFUSAL_MEMORY => return Err(f.clone()),
             _ => {}
@@ -195,7 +199,8 @@ pub async fn peer_envelope(
                 return Err(PeerFailure {
                     reason: "wrong_engine",
                     message: format!(
-                        "the side channel at {addr} belongs to engine '{engine_id}', not '{engine}' named in kv_transfer_params; no KV was loaded"
+                        "the side channel at {addr} belongs to engine '{engine_id}', not '{engine}' named in \
+                            kv_transfer_params; no KV was loaded"
                     ),
                     diff: Vec::new(),
                 });

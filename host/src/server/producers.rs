@@ -31,7 +31,10 @@ impl std::str::FromStr for Producer {
             None => (None, t),
         };
         let bad = || {
-            format!("producer '{t}': expected [ENGINE@]IP[:PORT] with an IP literal (e.g. prefill-0@10.0.0.5:5600, 10.0.0.5 or [fd00::5]:5600); host names are not resolved")
+            format!(
+                "producer '{t}': expected [ENGINE@]IP[:PORT] with an IP literal (e.g. \
+                prefill-0@10.0.0.5:5600, 10.0.0.5 or [fd00::5]:5600); host names are not resolved"
+            )
         };
         if let Ok(sa) = addr.parse::<SocketAddr>() {
             return Ok(Producer { engine, ip: sa.ip(), port: Some(sa.port()) });
@@ -55,13 +58,21 @@ impl Producers {
     /// as the params give it); else why not.
     pub fn check(&self, engine: &str, addr: &str) -> Result<(), String> {
         let sa: SocketAddr = addr.parse().map_err(|_| {
-            format!("kv_transfer_params name producer '{engine}' at {addr}, which is not an IP literal and port; host names are not resolved and nothing was contacted")
+            format!(
+                "kv_transfer_params name producer '{engine}' at {addr}, which is not an IP literal and \
+                port; host names are not resolved and nothing was contacted"
+            )
         })?;
         if self.0.is_empty() {
             if sa.ip().is_loopback() {
                 return Ok(());
             }
-            return Err(format!("kv_transfer_params name producer '{engine}' at {addr}, beyond this host, and this worker has no allow-list of producers; nothing was contacted. List the prefill workers with --kv-producers ENGINE@IP:PORT (or kv_producers in the deployment file's [decode] section)"));
+            return Err(format!(
+                "kv_transfer_params name producer '{engine}' at {addr}, beyond this host, and \
+                this worker has no allow-list of producers; nothing was contacted. List the prefill workers \
+                with --kv-producers ENGINE@IP:PORT (or kv_producers in the deployment file's [decode] \
+                section)"
+            ));
         }
         let ok = self.0.iter().any(|p| {
             p.ip == sa.ip()
@@ -71,7 +82,11 @@ impl Producers {
         if ok {
             Ok(())
         } else {
-            Err(format!("kv_transfer_params name producer '{engine}' at {addr}, which --kv-producers does not list; nothing was contacted. Forward the params the deployment's prefill returned, or add that producer to the list"))
+            Err(format!(
+                "kv_transfer_params name producer '{engine}' at {addr}, which --kv-producers does \
+                not list; nothing was contacted. Forward the params the deployment's prefill returned, or \
+                add that producer to the list"
+            ))
         }
     }
 }

@@ -20,14 +20,16 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 /// What a connection past the cap is sent before it is closed.
 fn over_cap_answer(cap: usize) -> Vec<u8> {
     let body = serde_json::json!({"error": {
-        "message": format!("{cap} connections are open, the most this server takes (--max-connections); retry shortly"),
+        "message": format!("{cap} connections are open, the most this server takes (--max-connections); \
+            retry shortly"),
         "type": "service_unavailable",
         "param": null,
         "code": null,
     }})
     .to_string();
     format!(
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: \
+            {}\r\nConnection: close\r\n\r\n{body}",
         body.len()
     )
     .into_bytes()

@@ -83,7 +83,9 @@ impl TransferEngine {
     ) -> Result<TransferEngine, String> {
         if !eff.state_groups.is_empty() {
             return Err(format!(
-                "not implemented: synthetic KV for model '{}', whose state layers keep a per-request state; run the hybrid reference model (fixtures/models/kvconnect--reference-hybrid) without --synthetic-kv",
+                "not implemented: synthetic KV for model '{}', whose state layers keep a per-request state; \
+                    run the hybrid reference model (fixtures/models/kvconnect--reference-hybrid) without \
+                    --synthetic-kv",
                 model.name
             ));
         }
@@ -317,7 +319,9 @@ impl Driver for TransferEngine {
         }
         if !r.sampling.is_plain_greedy() {
             return Err(SubmitError::Rejected(format!(
-                "request '{}': the transfer-only engine computes no logits, so it cannot sample, report logprobs or stop at a stop sequence; send this request to a worker running the reference engine",
+                "request '{}': the transfer-only engine computes no logits, so it cannot sample, report \
+                    logprobs or stop at a stop sequence; send this request to a worker running the reference \
+                    engine",
                 r.id
             )));
         }

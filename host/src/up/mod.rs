@@ -233,13 +233,16 @@ async fn up(a: &UpArgs) -> Result<()> {
         }
         None => {
             eprintln!(
-                "kvconnect up: proxy on http://{addr} ({} prefill, {} decode); Ctrl-C to stop\n  curl http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \"Hello\", \"max_tokens\": 8}}'",
+                "kvconnect up: proxy on http://{addr} ({} prefill, {} decode); Ctrl-C to stop\n  curl \
+                    http://{addr}/v1/completions -H 'Content-Type: application/json' -d '{{\"prompt\": \
+                    \"Hello\", \"max_tokens\": 8}}'",
                 prefill.len(),
                 decode.len()
             );
             tokio::select! {
                 _ = &mut stop => Ok(()),
-                why = &mut gave_up => Err(anyhow!("{}; stopping the rest", why.unwrap_or_else(|_| "the supervisor stopped".into()))),
+                why = &mut gave_up => Err(anyhow!("{}; stopping the rest", why.unwrap_or_else(|_| "the \
+                    supervisor stopped".into()))),
             }
         }
     };
@@ -421,7 +424,8 @@ async fn run_workload(
         Err(anyhow::Error::new(Exit {
             code: 1,
             error: Some(anyhow!(
-                "{} of {} requests failed or differ from the monolithic engine, and {} P/D requests recomputed their prompt on decode instead of loading its KV",
+                "{} of {} requests failed or differ from the monolithic engine, and {} P/D requests \
+                    recomputed their prompt on decode instead of loading its KV",
                 report.failed + report.mismatches,
                 report.requests,
                 report.recomputed_requests

@@ -264,7 +264,9 @@ impl Report {
         );
         if let Some(c) = &self.compare_monolithic {
             s.push_str(&format!(
-                "monolithic worker TTFT ms: {}\nTTFT disaggregated / monolithic: p50 {:.2}x  p99 {:.2}x; per prompt, interleaved rounds: median {:.2}x (quartiles {:.2}x .. {:.2}x over {} pairs) ({} monolithic outputs differ)\n",
+                "monolithic worker TTFT ms: {}\nTTFT disaggregated / monolithic: p50 {:.2}x  p99 {:.2}x; per \
+                    prompt, interleaved rounds: median {:.2}x (quartiles {:.2}x .. {:.2}x over {} pairs) ({} \
+                    monolithic outputs differ)\n",
                 p(&c.monolithic_ttft_ms),
                 c.ttft_p50_ratio,
                 c.ttft_p99_ratio,

@@ -466,12 +466,14 @@ impl Fleet {
                 slot.quick_failures += 1;
                 if slot.quick_failures >= policy.max_quick_failures {
                     return Err(format!(
-                        "the {} worker {} failed {} times in a row right after starting; giving up (last: {e:#})",
+                        "the {} worker {} failed {} times in a row right after starting; giving up (last: \
+                            {e:#})",
                         l.label, l.engine_id, slot.quick_failures
                     ));
                 }
                 let wait = backoff(&policy, slot.quick_failures);
-                tracing::warn!(engine = %l.engine_id, "restarting the {} worker {} failed: {e:#}; trying again in {wait:?}", l.label, l.engine_id);
+                tracing::warn!(engine = %l.engine_id, "restarting the {} worker {} failed: {e:#}; trying \
+                    again in {wait:?}", l.label, l.engine_id);
                 slot.restart_at = Some(Instant::now() + wait);
                 Ok(())
             }

@@ -90,7 +90,11 @@ pub fn reference_model(path: &std::path::Path) -> Result<ReferenceConfig> {
     let json =
         std::fs::read_to_string(path).with_context(|| format!("model {}: cannot read it", path.display()))?;
     ReferenceConfig::from_json(&json).map_err(|e| {
-        anyhow!("model {}: {e}; --workload checks outputs against the reference engine, so the deployment must name a reference model (fixtures/models/kvconnect--reference*)", path.display())
+        anyhow!(
+            "model {}: {e}; --workload checks outputs against the reference engine, so the deployment \
+            must name a reference model (fixtures/models/kvconnect--reference*)",
+            path.display()
+        )
     })
 }
 

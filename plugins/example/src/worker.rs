@@ -156,7 +156,8 @@ impl WorkerConnector for ExampleWorker {
                     .publish(&job.key, &job.tokens, job.blocks.len())
                     .map_err(|e| ConnectorError::io(NAME, format!("entry {}: {e}", job.key)))?;
             } else {
-                tracing::warn!(key = %job.key, saved = done.len(), of = all.len(), "not every layer was saved; entry dropped");
+                tracing::warn!(key = %job.key, saved = done.len(), of = all.len(), "not every layer was \
+                    saved; entry dropped");
                 self.store.discard(&job.key);
             }
         }

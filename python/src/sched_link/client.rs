@@ -32,7 +32,8 @@ impl RemoteScheduler {
         ConnectorError::Io {
             connector: self.name.clone(),
             message: format!(
-                "the scheduler half in vLLM's worker process ({}): {what}; the worker process has stopped or is stuck, see its log",
+                "the scheduler half in vLLM's worker process ({}): {what}; the worker process has stopped or \
+                    is stuck, see its log",
                 self.path.display()
             ),
         }

@@ -99,7 +99,10 @@ fn serve(
             Err(e) => {
                 let reply = Reply::Error(ConnectorError::invalid(
                     name,
-                    format!("a scheduler call that cannot be read ({e}): run the same kvconnect in vLLM's scheduler and workers"),
+                    format!(
+                        "a scheduler call that cannot be read ({e}): run the same kvconnect in vLLM's \
+                        scheduler and workers"
+                    ),
                 ));
                 let _ = send(&mut stream, &reply, None);
                 return;

@@ -197,7 +197,8 @@ impl PeerInfo {
         for (r, s) in meta.regions[meta.region_shapes.len()..].iter().zip(&meta.state.regions) {
             if meta.state.region_bytes(s) != Some(r.len) {
                 return Err(bad(format!(
-                    "peer engine '{e}' state region '{}' is {} bytes but {} layer(s) x {} slots of {} bytes do not make that",
+                    "peer engine '{e}' state region '{}' is {} bytes but {} layer(s) x {} slots of {} bytes \
+                        do not make that",
                     r.name,
                     r.len,
                     s.layers.len(),
@@ -208,7 +209,8 @@ impl PeerInfo {
         }
         let split = || {
             bad(format!(
-                "peer engine '{e}' metadata lists {} regions for tp_size {} (tp_rank {:?}): every tensor-parallel rank must list the same regions, and a single rank must be below tp_size",
+                "peer engine '{e}' metadata lists {} regions for tp_size {} (tp_rank {:?}): every \
+                    tensor-parallel rank must list the same regions, and a single rank must be below tp_size",
                 meta.region_shapes.len(),
                 meta.tp_size,
                 meta.tp_rank
@@ -225,14 +227,16 @@ impl PeerInfo {
         .with_state(meta.state.clone());
         if geometry.tp_size() > 1 && !geometry.state().is_empty() {
             return Err(bad(format!(
-                "peer engine '{e}' has state layers at tp_size {}: not implemented: per-request state across tensor-parallel ranks (run a model with state layers at TP 1)",
+                "peer engine '{e}' has state layers at tp_size {}: not implemented: per-request state across \
+                    tensor-parallel ranks (run a model with state layers at TP 1)",
                 meta.tp_size
             )));
         }
         for (r, s) in meta.regions.iter().zip(&meta.region_shapes) {
             let want = geometry.checked_region_bytes(s).ok_or_else(|| {
                 bad(format!(
-                    "peer engine '{e}' region '{}' declares {} layers of {} blocks of {:?}, which overflows 64 bits: the peer's metadata is corrupt or hostile",
+                    "peer engine '{e}' region '{}' declares {} layers of {} blocks of {:?}, which overflows \
+                        64 bits: the peer's metadata is corrupt or hostile",
                     r.name,
                     s.layers.len(),
                     s.num_blocks,
@@ -248,7 +252,8 @@ impl PeerInfo {
         }
         let addr: SocketAddr = meta.listen.parse().map_err(|_| {
             bad(format!(
-                "peer engine '{e}' listener address '{}' is not an IP address and port (like 10.0.0.5:5601); host names from a peer are not resolved",
+                "peer engine '{e}' listener address '{}' is not an IP address and port (like 10.0.0.5:5601); \
+                    host names from a peer are not resolved",
                 truncated(&meta.listen)
             ))
         })?;
@@ -289,7 +294,8 @@ impl PeerInfo {
             Some(Value::String(s)) => s.clone(),
             Some(v) => {
                 return Err(bad(format!(
-                    "peer handshake envelope for '{engine_id}' has side_channel {}: expected a \"host:port\" string",
+                    "peer handshake envelope for '{engine_id}' has side_channel {}: expected a \"host:port\" \
+                        string",
                     truncated(&v.to_string())
                 )))
             }
@@ -318,7 +324,8 @@ impl PeerInfo {
         ] {
             if a != b {
                 return Err(bad(format!(
-                    "peer engine '{e}' has {a} {field} per block, this engine {b}: the KV caches are not compatible (same model and cache dtype on both sides are required)"
+                    "peer engine '{e}' has {a} {field} per block, this engine {b}: the KV caches are not \
+                        compatible (same model and cache dtype on both sides are required)"
                 )));
             }
         }
@@ -330,7 +337,9 @@ impl PeerInfo {
                 format!("{} blocks of {tokens} tokens", if opaque { "opaque" } else { "known-layout" })
             };
             return Err(bad(format!(
-                "peer engine '{e}' has {}, this engine {}: opaque blocks (an engine-private in-block order) move whole between engines with the same block size only, never adapted; run the same engine backend and block size on both sides",
+                "peer engine '{e}' has {}, this engine {}: opaque blocks (an engine-private in-block order) \
+                    move whole between engines with the same block size only, never adapted; run the same \
+                    engine backend and block size on both sides",
                 side(self.meta.opaque_blocks, p.tokens),
                 side(own.opaque_blocks(), o.tokens)
             )));
@@ -339,7 +348,8 @@ impl PeerInfo {
         let layers = |s: &StateSlots| s.regions.iter().flat_map(|r| r.layers.clone()).collect::<Vec<_>>();
         if ps.slot_bytes != os.slot_bytes || layers(ps) != layers(os) {
             return Err(bad(format!(
-                "peer engine '{e}' keeps per-request state of {} bytes in layers {:?}, this engine {} bytes in layers {:?}: the same model on both sides is required",
+                "peer engine '{e}' keeps per-request state of {} bytes in layers {:?}, this engine {} bytes \
+                    in layers {:?}: the same model on both sides is required",
                 ps.slot_bytes,
                 layers(ps),
                 os.slot_bytes,
@@ -348,7 +358,8 @@ impl PeerInfo {
         }
         if self.meta.groups != own_groups {
             return Err(bad(format!(
-                "peer engine '{e}' has KV cache groups {:?}, this engine {:?}: both sides must use the same hybrid KV cache manager setting",
+                "peer engine '{e}' has KV cache groups {:?}, this engine {:?}: both sides must use the same \
+                    hybrid KV cache manager setting",
                 self.meta.groups, own_groups
             )));
         }
@@ -366,7 +377,8 @@ impl PeerInfo {
         if let Some(l) = &plan.layout {
             if l.from != self.meta.layout || l.to != own.layout() {
                 return Err(bad(format!(
-                    "adaptation plan for peer engine '{e}' permutes {} -> {} but the peer's metadata says {} and this engine uses {}: the handshake and the regions disagree",
+                    "adaptation plan for peer engine '{e}' permutes {} -> {} but the peer's metadata says {} \
+                        and this engine uses {}: the handshake and the regions disagree",
                     l.from,
                     l.to,
                     self.meta.layout,
@@ -379,7 +391,8 @@ impl PeerInfo {
             // (receiver, sender): r / s == own / peer.
             if r as u64 * p != s as u64 * o {
                 return Err(bad(format!(
-                    "adaptation plan for peer engine '{e}' has tp_ratio {r}:{s} (receiver:sender), but the peer's regions belong to {p} tensor-parallel rank(s) and this engine's to {o}"
+                    "adaptation plan for peer engine '{e}' has tp_ratio {r}:{s} (receiver:sender), but the \
+                        peer's regions belong to {p} tensor-parallel rank(s) and this engine's to {o}"
                 )));
             }
         }
@@ -388,7 +401,8 @@ impl PeerInfo {
             // (receiver, sender): r / s == own / peer.
             if r as u64 * p != s as u64 * o {
                 return Err(bad(format!(
-                    "adaptation plan for peer engine '{e}' has block_size_ratio {r}:{s} (receiver:sender), but the peer's blocks hold {p} tokens and this engine's {o}"
+                    "adaptation plan for peer engine '{e}' has block_size_ratio {r}:{s} (receiver:sender), \
+                        but the peer's blocks hold {p} tokens and this engine's {o}"
                 )));
             }
         }

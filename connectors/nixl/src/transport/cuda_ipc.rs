@@ -52,7 +52,8 @@ fn available() -> Result<(), ConnectorError> {
     }
     Err(ConnectorError::config(
         NAME,
-        "backend 'cuda_ipc' needs GPU support, which this build lacks: rebuild with `--features cuda` (kvconnect-host/cuda), or use backend \"shm\" or \"tcp\" with kv_buffer_device=\"cpu\"",
+        "backend 'cuda_ipc' needs GPU support, which this build lacks: rebuild with `--features cuda` \
+            (kvconnect-host/cuda), or use backend \"shm\" or \"tcp\" with kv_buffer_device=\"cpu\"",
     ))
 }
 
@@ -139,7 +140,8 @@ mod gpu {
             let checked = t0.elapsed();
             let pull = self.pull.as_ref().ok_or_else(|| {
                 TransferError::Plan(
-                    "backend cuda_ipc: this worker is not a consumer (kv_role), so it has no GPU side to copy with"
+                    "backend cuda_ipc: this worker is not a consumer (kv_role), so it has no GPU side to \
+                        copy with"
                         .into(),
                 )
             })?;

@@ -59,7 +59,10 @@ fn available() -> Result<(), ConnectorError> {
     crate::nixl_lib::load().map(|_| ()).map_err(|e| {
         ConnectorError::config(
             NAME,
-            format!("backend 'nixl' (selected by backend=\"nixl\" or backends=[\"UCX\"]) cannot run here: {e}; or use backend \"shm\" (same host) or \"tcp\" (any two hosts)"),
+            format!(
+                "backend 'nixl' (selected by backend=\"nixl\" or backends=[\"UCX\"]) cannot run here: \
+                {e}; or use backend \"shm\" (same host) or \"tcp\" (any two hosts)"
+            ),
         )
     })
 }
@@ -73,7 +76,9 @@ pub(crate) fn mixed_memory(engine: &str, own_vram: bool) -> String {
         ("host memory (DRAM)", "GPU memory (VRAM)")
     };
     format!(
-        "producer engine '{engine}' registered its KV with NIXL as {peer} but this engine's KV is in {own}: backend nixl reads VRAM from VRAM and DRAM from DRAM only; put both sides' KV in GPU memory (kv_buffer_device=\"cuda\") or both in host memory"
+        "producer engine '{engine}' registered its KV with NIXL as {peer} but this engine's KV is in {own}: \
+            backend nixl reads VRAM from VRAM and DRAM from DRAM only; put both sides' KV in GPU memory \
+            (kv_buffer_device=\"cuda\") or both in host memory"
     )
 }
 
@@ -81,7 +86,10 @@ pub(crate) fn mixed_memory(engine: &str, own_vram: bool) -> String {
 /// `what` names the mismatch.
 pub(crate) fn vram_adapt_refusal(engine: &str, what: &str) -> String {
     format!(
-        "backend nixl reads GPU memory as it lies (VRAM to VRAM, no host copy), so it cannot adapt the KV layout on receive, which loading from producer engine '{engine}' needs ({what}): use backend cuda_ipc (same host), which fuses the permute into its GPU copy, or the same layout and block size on both sides"
+        "backend nixl reads GPU memory as it lies (VRAM to VRAM, no host copy), so it cannot adapt the KV \
+            layout on receive, which loading from producer engine '{engine}' needs ({what}): use backend \
+            cuda_ipc (same host), which fuses the permute into its GPU copy, or the same layout and block \
+            size on both sides"
     )
 }
 
@@ -115,8 +123,11 @@ fn vram_regions(regions: &[KvRegion]) -> ConnectorResult<Option<VramRegions>> {
             return Err(ConnectorError::invalid(
                 NAME,
                 format!(
-                    "backend nixl: region '{}' is {:?} memory but region '{}' is in GPU memory: all KV regions of a worker must be in one kind of memory",
-                    r.name(), r.memory(), first.name()
+                    "backend nixl: region '{}' is {:?} memory but region '{}' is in GPU memory: all KV \
+                        regions of a worker must be in one kind of memory",
+                    r.name(),
+                    r.memory(),
+                    first.name()
                 ),
             ));
         }
@@ -124,8 +135,10 @@ fn vram_regions(regions: &[KvRegion]) -> ConnectorResult<Option<VramRegions>> {
             return Err(ConnectorError::invalid(
                 NAME,
                 format!(
-                    "backend nixl: region '{}' is in GPU memory but names no GPU (device {}): the host must give device regions their CUDA device ordinal",
-                    r.name(), r.device()
+                    "backend nixl: region '{}' is in GPU memory but names no GPU (device {}): the host must \
+                        give device regions their CUDA device ordinal",
+                    r.name(),
+                    r.device()
                 ),
             ));
         }
@@ -133,8 +146,12 @@ fn vram_regions(regions: &[KvRegion]) -> ConnectorResult<Option<VramRegions>> {
             return Err(ConnectorError::invalid(
                 NAME,
                 format!(
-                    "backend nixl: region '{}' is on GPU {} but region '{}' on GPU {}: all KV regions of a worker must be on one GPU",
-                    r.name(), r.device(), first.name(), first.device()
+                    "backend nixl: region '{}' is on GPU {} but region '{}' on GPU {}: all KV regions of a \
+                        worker must be on one GPU",
+                    r.name(),
+                    r.device(),
+                    first.name(),
+                    first.device()
                 ),
             ));
         }
@@ -152,7 +169,8 @@ fn vram_regions(regions: &[KvRegion]) -> ConnectorResult<Option<VramRegions>> {
     #[cfg(not(feature = "cuda"))]
     Err(ConnectorError::config(
         NAME,
-        "backend 'nixl' with KV regions in GPU memory needs a build with `--features cuda` (it registers them with NIXL as VRAM)",
+        "backend 'nixl' with KV regions in GPU memory needs a build with `--features cuda` (it registers \
+            them with NIXL as VRAM)",
     ))
 }
 
@@ -185,7 +203,9 @@ fn start(s: &Setup<'_>) -> ConnectorResult<Started> {
                 return Err(ConnectorError::io(
                     NAME,
                     format!(
-                        "UCX in this NIXL build offers no transport for VRAM (its UCX backend lists only: {}): use backend cuda_ipc for KV in GPU memory on one host, or a NIXL build with CUDA support",
+                        "UCX in this NIXL build offers no transport for VRAM (its UCX backend lists only: \
+                            {}): use backend cuda_ipc for KV in GPU memory on one host, or a NIXL build with \
+                            CUDA support",
                         agent.memory_types()
                     ),
                 ));
@@ -203,7 +223,12 @@ fn start(s: &Setup<'_>) -> ConnectorResult<Started> {
         let reg = unsafe { agent.register(r.addr() as usize, r.len() as usize, kind) }.map_err(|e| {
             let hint = match kind {
                 NixlMem::Dram => String::new(),
-                NixlMem::Vram(_) => "; UCX in this NIXL build may offer no transport for VRAM (its CUDA module libuct_cuda needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver, its CUDA memory hooks libcudart.so.12, which the nixl-cu12 wheel does not ship): `kvconnect bench nixl-vram` checks this machine, and backend cuda_ipc moves GPU KV on one host without NIXL".into(),
+                NixlMem::Vram(_) => "; UCX in this NIXL build may offer no transport for VRAM (its CUDA \
+                    module libuct_cuda needs libcuda.so.1 and libnvidia-ml.so.1 from the NVIDIA driver, its \
+                    CUDA memory hooks libcudart.so.12, which the nixl-cu12 wheel does not ship): `kvconnect \
+                    bench nixl-vram` checks this machine, and backend cuda_ipc moves GPU KV on one host \
+                    without NIXL"
+                    .into(),
             };
             ConnectorError::io(NAME, format!("region '{}': {e}{hint}", r.name()))
         })?;
@@ -340,7 +365,8 @@ impl std::fmt::Debug for Nixl {
 fn peer_agent(peer: &PeerInfo) -> Result<&NixlAgentMetadata, TransferError> {
     peer.meta.nixl.as_ref().ok_or_else(|| {
         TransferError::Plan(format!(
-            "producer engine '{}' published no NIXL agent: it does not run backend nixl; use the same backend on both sides",
+            "producer engine '{}' published no NIXL agent: it does not run backend nixl; use the same \
+                backend on both sides",
             peer.meta.engine_id
         ))
     })
@@ -373,7 +399,8 @@ fn producer_addr(
         .and_then(|a| usize::try_from(a).ok())
         .ok_or_else(|| {
             TransferError::Plan(format!(
-                "producer region '{}' at address {base:#x} cannot hold {len} bytes at {off}: the peer's NIXL metadata is corrupt",
+                "producer region '{}' at address {base:#x} cannot hold {len} bytes at {off}: the peer's NIXL \
+                    metadata is corrupt",
                 r.name
             ))
         })
@@ -476,7 +503,8 @@ impl Nixl {
             CopyPlan::Adapt(_) => {
                 let (p, o) = (&peer.geometry, own_geometry);
                 let what = format!(
-                    "request {}: producer layout {} with {}-token blocks, this engine's {} with {}-token blocks, first token {}",
+                    "request {}: producer layout {} with {}-token blocks, this engine's {} with {}-token \
+                        blocks, first token {}",
                     load.request,
                     p.layout().display_name(),
                     p.shape().tokens,
@@ -671,7 +699,10 @@ impl Transport for Nixl {
         let Some(m) = &info.meta.nixl else {
             return Err(ConnectorError::invalid(
                 NAME,
-                format!("peer engine '{e}' published no NIXL agent (it does not run backend nixl): use the same backend on both sides"),
+                format!(
+                    "peer engine '{e}' published no NIXL agent (it does not run backend nixl): use the \
+                    same backend on both sides"
+                ),
             ));
         };
         match (&self.vram, m.vram_device) {
@@ -708,7 +739,9 @@ impl Transport for Nixl {
             return Err(ConnectorError::invalid(
                 NAME,
                 format!(
-                    "peer engine {key} names its NIXL agent '{}', which another producer this engine already loaded uses with other metadata ({} bytes against {}): NIXL tells agents apart by name only, so this peer is refused; give each producer its own agent",
+                    "peer engine {key} names its NIXL agent '{}', which another producer this engine already \
+                        loaded uses with other metadata ({} bytes against {}): NIXL tells agents apart by \
+                        name only, so this peer is refused; give each producer its own agent",
                     m.agent,
                     m.md.len() / 2,
                     other.md.len() / 2

@@ -63,7 +63,8 @@ impl Shm {
         for r in &peer.meta.regions {
             let name = r.shm_name.as_deref().ok_or_else(|| {
                 TransferError::Plan(format!(
-                    "producer engine '{}' region '{}' is not in shared memory, so backend shm cannot read it: use backend tcp, or let the producer's pool allocate shm regions",
+                    "producer engine '{}' region '{}' is not in shared memory, so backend shm cannot read \
+                        it: use backend tcp, or let the producer's pool allocate shm regions",
                     peer.meta.engine_id, r.name
                 ))
             })?;

@@ -73,7 +73,8 @@ impl Tcp {
     ) -> Result<(), TransferError> {
         let (kept, mut failed) = self.receive_shares(link, dst, load, plan)?;
         if kept && matches!(failed, Some(ShareError::Closed(_))) {
-            tracing::debug!(request = %load.request, "nixl: a kept connection was closed by the producer before it answered a read; reading again on new connections");
+            tracing::debug!(request = %load.request, "nixl: a kept connection was closed by the producer \
+                before it answered a read; reading again on new connections");
             link.close();
             failed = self.receive_shares(link, dst, load, plan)?.1;
         }

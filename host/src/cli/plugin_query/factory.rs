@@ -59,7 +59,8 @@ impl QueriedFactory {
         ConnectorError::Other {
             connector: self.loaded.name.clone(),
             message: format!(
-                "{method}: `kvconnect plugins` only queries plugins, in a process of their own; a worker loads them to create connectors"
+                "{method}: `kvconnect plugins` only queries plugins, in a process of their own; a worker \
+                    loads them to create connectors"
             ),
         }
     }

@@ -34,18 +34,23 @@ impl NoAnswer {
         const FIX: &str = "fix it or remove it from the plugin path";
         match self {
             NoAnswer::Signal(sig) => format!(
-                "plugin {path}: the query process was killed by signal {sig} ({}) {DOING}, so the plugin crashed — {FIX}",
+                "plugin {path}: the query process was killed by signal {sig} ({}) {DOING}, so the plugin \
+                    crashed — {FIX}",
                 signal_name(*sig)
             ),
             NoAnswer::Exited(code) => format!(
-                "plugin {path}: the query process exited with status {code} before answering, {DOING} — a plugin must not end the process: {FIX}"
+                "plugin {path}: the query process exited with status {code} before answering, {DOING} — a \
+                    plugin must not end the process: {FIX}"
             ),
             NoAnswer::TimedOut(limit) => format!(
-                "plugin {path}: no answer within {} {DOING}, so the query process was killed (SIGKILL) and the plugin hangs — {FIX}, or allow more time with --query-timeout SECS or {QUERY_TIMEOUT_ENV}",
+                "plugin {path}: no answer within {} {DOING}, so the query process was killed (SIGKILL) and \
+                    the plugin hangs — {FIX}, or allow more time with --query-timeout SECS or \
+                    {QUERY_TIMEOUT_ENV}",
                 shown(*limit)
             ),
             NoAnswer::CannotRun(reason) => format!(
-                "plugin {path}: cannot run a query process to load it ({reason}) — check that this kvconnect binary can still be run, and that the machine has processes and memory to spare"
+                "plugin {path}: cannot run a query process to load it ({reason}) — check that this kvconnect \
+                    binary can still be run, and that the machine has processes and memory to spare"
             ),
         }
     }

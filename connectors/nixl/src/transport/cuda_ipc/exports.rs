@@ -105,14 +105,18 @@ pub fn sources(engine: &str, m: &CudaIpcMetadata, regions: &[RegionInfo]) -> Res
     for ((e, r), h) in mine.iter().zip(regions).zip(&m.handles) {
         let Some(e) = e else {
             return Err(format!(
-                "producer engine '{engine}' lists IPC handles of which some this process exported and some not (region '{}', handle {}...): its handshake metadata is corrupt or forged; the peer is refused",
+                "producer engine '{engine}' lists IPC handles of which some this process exported and some \
+                    not (region '{}', handle {}...): its handshake metadata is corrupt or forged; the peer \
+                    is refused",
                 r.name,
                 h.get(..16).unwrap_or(h)
             ));
         };
         if r.len > e.len {
             return Err(format!(
-                "producer engine '{engine}' claims region '{}' of {} bytes, but the region this process exported under that handle is {} bytes: its handshake metadata is corrupt or forged; the peer is refused",
+                "producer engine '{engine}' claims region '{}' of {} bytes, but the region this process \
+                    exported under that handle is {} bytes: its handshake metadata is corrupt or forged; the \
+                    peer is refused",
                 r.name, r.len, e.len
             ));
         }

@@ -28,13 +28,16 @@ pub fn open_gpu(regions: &[KvRegion]) -> Result<Arc<Gpu>, TransferError> {
     for r in regions {
         if r.memory() != MemoryKind::Device || r.device() < 0 {
             return Err(plan(format!(
-                "backend cuda_ipc needs device KV regions, but region '{}' is {:?} memory: set kv_buffer_device=\"cuda\" (or use backend shm/tcp for host KV)",
-                r.name(), r.memory()
+                "backend cuda_ipc needs device KV regions, but region '{}' is {:?} memory: set \
+                    kv_buffer_device=\"cuda\" (or use backend shm/tcp for host KV)",
+                r.name(),
+                r.memory()
             )));
         }
         if device.is_some_and(|d| d != r.device()) {
             return Err(plan(format!(
-                "backend cuda_ipc: region '{}' is on GPU {} but others on GPU {:?}: all KV regions of a worker must be on one GPU",
+                "backend cuda_ipc: region '{}' is on GPU {} but others on GPU {:?}: all KV regions of a \
+                    worker must be on one GPU",
                 r.name(),
                 r.device(),
                 device
@@ -191,7 +194,9 @@ impl CudaIpcPull {
                 Some(g) => Arc::new(g),
                 None => {
                     return Err(TransferError::Cuda(format!(
-                        "producer engine '{e}' keeps its KV on GPU {bus}, which this process cannot see (CUDA_VISIBLE_DEVICES={}): make that GPU visible to this worker as well; CUDA IPC works between the GPUs of one host only",
+                        "producer engine '{e}' keeps its KV on GPU {bus}, which this process cannot see \
+                            (CUDA_VISIBLE_DEVICES={}): make that GPU visible to this worker as well; CUDA \
+                            IPC works between the GPUs of one host only",
                         std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into())
                     )))
                 }
@@ -221,7 +226,9 @@ impl CudaIpcPull {
         }
         if self.path == CudaIpcPath::Peer {
             return Err(TransferError::Cuda(format!(
-                "{between}: this GPU cannot access the producer's memory (cuDeviceCanAccessPeer = 0) and cuda_ipc_path = \"peer\" forbids the host-staged copy: set cuda_ipc_path = \"auto\", or put both workers on GPUs with peer access (NVLink)"
+                "{between}: this GPU cannot access the producer's memory (cuDeviceCanAccessPeer = 0) and \
+                    cuda_ipc_path = \"peer\" forbids the host-staged copy: set cuda_ipc_path = \"auto\", or \
+                    put both workers on GPUs with peer access (NVLink)"
             )));
         }
         Ok((
@@ -244,7 +251,8 @@ impl CudaIpcPull {
         let e = &peer.meta.engine_id;
         let m = peer.meta.cuda_ipc.as_ref().ok_or_else(|| {
             plan(format!(
-                "producer engine '{e}' published no CUDA IPC handles: it does not run backend cuda_ipc with device KV; use the same backend on both sides"
+                "producer engine '{e}' published no CUDA IPC handles: it does not run backend cuda_ipc with \
+                    device KV; use the same backend on both sides"
             ))
         })?;
         // Handles this process exported are read where it registered them (CUDA refuses to
@@ -317,7 +325,8 @@ impl CudaIpcPull {
         let (bp, bd) = (pg.shape().tokens as usize, own.shape().tokens as usize);
         if bp != bd {
             return Err(plan(format!(
-                "backend cuda_ipc needs equal block sizes; producer engine '{e}' has {bp} tokens per block, this engine {bd}"
+                "backend cuda_ipc needs equal block sizes; producer engine '{e}' has {bp} tokens per block, \
+                    this engine {bd}"
             )));
         }
         if bp == 0 {
@@ -325,7 +334,8 @@ impl CudaIpcPull {
         }
         if !load.first_token.is_multiple_of(bp) {
             return Err(plan(format!(
-                "request {}: backend cuda_ipc copies whole blocks, but loading starts at token {} inside a block of {bp}",
+                "request {}: backend cuda_ipc copies whole blocks, but loading starts at token {} inside a \
+                    block of {bp}",
                 load.request, load.first_token
             )));
         }
@@ -344,7 +354,8 @@ impl CudaIpcPull {
             (false, false) if perm == Permute::None && pg.layout() == own.layout() => true,
             _ => {
                 return Err(plan(format!(
-                    "backend cuda_ipc copies per-layer layouts (with an NHD/HND permute) or equal cross-layer layouts; producer engine '{e}' uses {} and this engine {}",
+                    "backend cuda_ipc copies per-layer layouts (with an NHD/HND permute) or equal \
+                        cross-layer layouts; producer engine '{e}' uses {} and this engine {}",
                     pg.layout(),
                     own.layout()
                 )))
@@ -365,7 +376,8 @@ impl CudaIpcPull {
             let (rl, ll) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
             if positions.end > rl.len() || positions.end > ll.len() {
                 return Err(plan(format!(
-                    "request {}: tokens {}..{} of group {g} need {} blocks on each side, got {} remote and {} local",
+                    "request {}: tokens {}..{} of group {g} need {} blocks on each side, got {} remote and \
+                        {} local",
                     load.request,
                     load.first_token,
                     load.num_tokens,
