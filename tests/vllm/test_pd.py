@@ -142,18 +142,22 @@ def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: li
 
 def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expected: list,
            dec_class: str = "KvconnectConnector", shm: bool = False, pre_adapter=None, dec_adapter=None,
-           lure: bool = False, via_proxy=None, tp=(1, 1)):
+           lure: bool = False, via_proxy=None, tp=(1, 1), idle=None):
     """Prefill and decode servers through the adapter; outputs equal `expected`, decode loads
     the prompts' KV and vLLM's /metrics and stats log show kvconnect's counters. `lure`:
     decode lists prefill as its only producer and is sent params naming another. `tp`:
-    prefill's and decode's tensor-parallel sizes."""
+    prefill's and decode's tensor-parallel sizes. `idle`: (prompt, its monolithic output):
+    after the others, sent once the link decode keeps to prefill has sat idle past prefill's
+    `idle_timeout` (set in `pre_inner`)."""
     port = free_port()
     dec_adapter = dict(dec_adapter or {})
     if lure:
         dec_adapter["kv_producers"] = [f"127.0.0.1:{port}"]
         # A port copied onto decode, where it means nothing: warned about, never served.
         dec_adapter["side_channel_port"] = free_port()
-    pre = Server(f"prefill-{label}", model, logdir, core=0,
+    # With `idle`, prefill logs its idle closes (at debug), so the check sees the link was closed.
+    pre_env = {"KVCONNECT_LOG": "info,kvconnect_nixl::producer=debug"} if idle else None
+    pre = Server(f"prefill-{label}", model, logdir, core=0, extra_env=pre_env,
                  kv_config=kv_config("kv_producer", pre_inner, port=port, **(pre_adapter or {})), tp=tp[0])
     dec = Server(f"decode-{label}", model, logdir, core=1,
                  kv_config=kv_config("kv_consumer", dec_inner, cls=dec_class, **dec_adapter), tp=tp[1])
@@ -208,6 +212,8 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
             print(f"ok: {label}: decode warned about its side_channel_port: {line.strip()[:300]}")
         if via_proxy:
             check_kvconnect_proxy(pre, dec, label, *via_proxy)
+        if idle:
+            check_after_idle(pre, dec, label, pre_inner, *idle)
         segments = shared_kv_segments(pre.text())
         if shm != bool(segments):
             raise Failed(f"{label}: prefill's KV cache in shared memory: {segments or 'no'}, expected {shm}\n{pre.tail()}")
@@ -223,6 +229,29 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         raise Failed(f"{label}: prefill's shared-memory segments outlived it: {left}")
     print(f"ok: P/D over {label} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens"
           + (f"; prefill's KV cache was {len(segments)} shared-memory segments, removed at exit" if shm else ""))
+
+
+def check_after_idle(pre: Server, dec: Server, label: str, pre_inner: dict, prompt: list[int], expected: list):
+    """The first request after a lull longer than prefill's idle_timeout (which closes the link
+    decode keeps to it) still loads its KV: the closed link is noticed or retried, never a
+    failed load that decode recomputes."""
+    idle_s = float(pre_inner["kv_connector_extra_config"]["idle_timeout"])
+    failed0 = dec.text().count("failed to load its external KV")
+    ext0 = len(external_tokens(dec.text()))
+    time.sleep(idle_s * 2.5)
+    # The link decode keeps has been closed by now (perhaps already before the lull, whose
+    # requests also left it idle past the timeout).
+    if "closing an idle connection" not in pre.text():
+        raise Failed(f"{label}: prefill never closed an idle connection (idle_timeout {idle_s} s)\n{pre.tail()}")
+    got = tokens_of(pd_complete(pre.url, dec.url, prompt, f"idle-{label}"))
+    if got != expected:
+        raise Failed(f"{label}: after {idle_s * 2.5:.1f} s idle, P/D gave {got}, monolithic {expected}")
+    ext = external_tokens(dec.text())[ext0:]
+    if ext != [loadable(prompt)] or dec.text().count("failed to load its external KV") != failed0:
+        raise Failed(f"{label}: after {idle_s * 2.5:.1f} s idle (prefill's idle_timeout {idle_s} s) decode loaded "
+                     f"{ext}, expected [{loadable(prompt)}] and no failed load\n{dec.tail()}")
+    print(f"ok: {label}: after {idle_s * 2.5:.1f} s idle, past prefill's idle_timeout of {idle_s} s, the next "
+          f"request loaded its {loadable(prompt)} tokens and equals monolithic")
 
 
 def shared_kv_segments(log: str) -> list[str]:
@@ -252,12 +281,19 @@ def main():
 
     def pd_checks(model: str, tmp: Path):
         ps, pp = prompts(), prompts(8, PROXY_PROMPT_LENS)
-        out = run_monolithic(model, tmp, ps + pp)
-        expected, expected_pp = out[:len(ps)], out[len(ps):]
+        # A fresh prompt for the request after a lull (decode's prefix cache holds the others).
+        idle_prompt = prompts(11, [150])[0]
+        out = run_monolithic(model, tmp, ps + pp + [idle_prompt])
+        expected, expected_pp, expected_idle = out[:len(ps)], out[len(ps):-1], out[-1]
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
         for backend in a.backends.split(",") if "pd" in parts else []:
-            run_pd(model, tmp, ps, f"nixl-{backend}", nixl(backend), nixl(backend), expected,
-                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if backend == "shm" else None)
+            # Over tcp prefill closes links idle for 1 s, and a request comes after a longer lull.
+            pre = nixl(backend)
+            if backend == "tcp":
+                pre["kv_connector_extra_config"]["idle_timeout"] = 1
+            run_pd(model, tmp, ps, f"nixl-{backend}", pre, nixl(backend), expected,
+                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if backend == "shm" else None,
+                   idle=(idle_prompt, expected_idle) if backend == "tcp" else None)
         if "composite" not in parts:
             return
         composite = {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [
