@@ -119,18 +119,12 @@ impl ShmMapping {
                 });
             }
             // SAFETY: mapping `len` bytes of an open fd read-only and shared; the kernel picks
-            // the address; the result is checked for MAP_FAILED. MAP_POPULATE maps every page
-            // now, so pulls do not take a page fault per 4 KiB the first time they read it.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ,
-                    libc::MAP_SHARED | libc::MAP_POPULATE,
-                    fd,
-                    0,
-                )
-            };
+            // the address; the result is checked for MAP_FAILED. No MAP_POPULATE: a producer's
+            // whole KV cache (an engine's, gigabytes) would be mapped page by page inside the
+            // first pull, which on a busy core outlasted the producer's lease; a pull instead
+            // faults in only the pages of the blocks it reads, once.
+            let p =
+                unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, fd, 0) };
             if p == libc::MAP_FAILED {
                 return Err(os(name, "mmap"));
             }
