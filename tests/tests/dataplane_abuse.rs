@@ -6,6 +6,7 @@
 //! normal P/D request. And a decode request whose `kv_transfer_params` point outside the
 //! decode worker's allow-list is refused without any connection being made.
 
+use kvconnect_api::BlockId;
 use kvconnect_host::sidechannel::Message;
 use kvconnect_nixl::auth::Secret;
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg};
@@ -139,7 +140,11 @@ fn a_live_prefill_worker_refuses_and_counts_abuse_then_serves_normally() {
     for cap in ["00000000000000000000000000000000", cap_b.as_str()] {
         for m in [
             ClientMsg::Hold { request: id_a.clone(), capability: cap.into() },
-            ClientMsg::Check { request: id_a.clone(), capability: cap.into(), runs: runs.clone() },
+            ClientMsg::Check {
+                request: id_a.clone(),
+                capability: cap.into(),
+                blocks: vec![vec![BlockId(0)]],
+            },
             read_a(cap),
             ClientMsg::Done { request: id_a.clone(), capability: cap.into() },
         ] {

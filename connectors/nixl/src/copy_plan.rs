@@ -99,6 +99,30 @@ fn positions(first: usize, end: usize, bs: usize) -> std::ops::Range<usize> {
     first / bs..end.div_ceil(bs)
 }
 
+/// The producer blocks a load reads, one list per KV cache group (a state group's one state
+/// slot): what a consumer that copies without the producer seeing the reads asks it to
+/// confirm are the request's (`ClientMsg::Check`). Block ids, not byte runs: a load of
+/// scattered blocks is one run per block, layer and part, many times its block count.
+pub fn read_blocks(peer: &Geometry, groups: &[Vec<LayerId>], load: &LoadSpec) -> Vec<Vec<BlockId>> {
+    let bs = (peer.shape().tokens as usize).max(1);
+    let (first, end) = (load.first_token, load.num_tokens);
+    load.remote_blocks
+        .0
+        .iter()
+        .enumerate()
+        .map(|(g, ids)| {
+            let wanted = if end <= first {
+                0..0
+            } else if groups.get(g).is_some_and(|layers| is_state_group(peer, layers)) {
+                0..1
+            } else {
+                positions(first, end, bs)
+            };
+            ids.get(wanted.start..wanted.end.min(ids.len())).unwrap_or_default().to_vec()
+        })
+        .collect()
+}
+
 /// True for a state group (its layers keep per-request state in state slots, not KV blocks).
 fn is_state_group(own: &Geometry, layers: &[LayerId]) -> bool {
     layers.first().is_some_and(|l| own.state().holds(*l))
@@ -386,7 +410,7 @@ fn across_ranks(
                             d.len()
                         )));
                     }
-                    runs.extend(s.into_iter().zip(d).map(|(s, d)| CopyRun::between(s, d)));
+                    runs.extend(s.iter().zip(&d).map(|(s, d)| CopyRun::between(*s, *d)));
                 }
             }
         }
@@ -922,6 +946,28 @@ mod tests {
             local_blocks: BlocksPerGroup(vec![ids(local.0), vec![BlockId(local.1)]]),
             ..load(vec![], vec![], first, n)
         }
+    }
+
+    #[test]
+    fn a_check_names_the_blocks_a_load_reads_and_a_state_group_its_slot() {
+        let ids =
+            |g: Vec<Vec<BlockId>>| g.into_iter().map(|v| v.into_iter().map(|b| b.0).collect()).collect();
+        let one = vec![vec![LayerId(0), LayerId(1)]];
+        let g = geo(KvLayout::HND, 4);
+        // Tokens 4..10 of 4-token blocks are positions 1 and 2.
+        let got: Vec<Vec<u32>> = ids(read_blocks(&g, &one, &load(vec![10, 11, 12, 13], vec![], 4, 10)));
+        assert_eq!(got, vec![vec![11, 12]]);
+        assert_eq!(ids(read_blocks(&g, &one, &load(vec![10, 11], vec![], 0, 8))), vec![vec![10, 11]]);
+        // Nothing to load names nothing; params with fewer blocks than tokens name those there are.
+        assert_eq!(ids(read_blocks(&g, &one, &load(vec![10, 11], vec![], 5, 5))), vec![Vec::<u32>::new()]);
+        assert_eq!(ids(read_blocks(&g, &one, &load(vec![10], vec![], 0, 8))), vec![vec![10]]);
+        let groups = vec![vec![LayerId(0), LayerId(1)], vec![LayerId(2)]];
+        let got = ids(read_blocks(
+            &geo_state(KvLayout::HND, 4),
+            &groups,
+            &load_state((vec![1, 2], 5), (vec![3, 4], 6), 0, 7),
+        ));
+        assert_eq!(got, vec![vec![1, 2], vec![5]]);
     }
 
     #[test]

@@ -19,7 +19,7 @@ use crate::wire::{
 };
 use kvconnect_api::geometry::{GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::{BlocksPerGroup, LayerId, RequestId};
+use kvconnect_api::{BlockId, BlocksPerGroup, LayerId, RequestId};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufReader, IoSlice, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -163,6 +163,8 @@ struct Held {
     allowed: Vec<Vec<(u64, u64)>>,
     /// Bytes of those intervals: what one read of the whole request sends.
     bytes: u64,
+    /// The request's blocks per KV cache group, sorted (what a `Check` names).
+    blocks: Vec<Vec<BlockId>>,
     /// Reads in flight.
     active: u32,
     /// Consumer ranks that read the request (`DoneBy`), once one said how many.
@@ -367,6 +369,29 @@ impl Shared {
         }
     }
 
+    /// Whether every block of `blocks` (per KV cache group) is one of request `id`'s.
+    fn check_blocks(&self, id: &RequestId, blocks: &[Vec<BlockId>]) -> Result<(), String> {
+        let st = self.lock();
+        let h = st.held.get(id).ok_or_else(|| self.reason(&st, id))?;
+        if blocks.len() > h.blocks.len() {
+            return Err(format!(
+                "request {id} holds blocks in {} KV cache group(s), but the check names {}: both sides must \
+                    run the same model",
+                h.blocks.len(),
+                blocks.len()
+            ));
+        }
+        for (g, ids) in blocks.iter().enumerate() {
+            if let Some(b) = ids.iter().find(|b| h.blocks[g].binary_search(b).is_err()) {
+                return Err(format!(
+                    "block {} of KV cache group {g} is not one of request {id}'s blocks",
+                    b.0
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn check_runs(&self, id: &RequestId, runs: &[WireRun]) -> Result<u64, String> {
         let st = self.lock();
         let h = st.held.get(id).ok_or_else(|| self.reason(&st, id))?;
@@ -493,8 +518,26 @@ impl Producer {
         let now = Instant::now();
         let cap = now + self.shared.cfg.lease_max;
         let deadline = (now + self.shared.cfg.lease).min(cap);
-        let held =
-            Held { deadline, cap, capability, allowed, bytes, active: 0, readers: None, done_by: Vec::new() };
+        let blocks = blocks
+            .0
+            .iter()
+            .map(|ids| {
+                let mut ids = ids.clone();
+                ids.sort_unstable();
+                ids
+            })
+            .collect();
+        let held = Held {
+            deadline,
+            cap,
+            capability,
+            allowed,
+            bytes,
+            blocks,
+            active: 0,
+            readers: None,
+            done_by: Vec::new(),
+        };
         st.held.insert(request, held);
         drop(st);
         self.shared.cv.notify_all();
@@ -749,10 +792,10 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
                 let r = s.acquire(&id, &capability).map(|_| s.release(&id));
                 send(w, answer(r))?;
             }
-            ClientMsg::Check { request, capability, runs } => {
+            ClientMsg::Check { request, capability, blocks } => {
                 let id = RequestId(request);
                 let r = s.acquire(&id, &capability).and_then(|_| {
-                    let checked = s.check_runs(&id, &runs);
+                    let checked = s.check_blocks(&id, &blocks);
                     s.release(&id);
                     checked.map(|_| ()).map_err(|reason| (reason, None))
                 });

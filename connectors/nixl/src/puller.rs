@@ -132,8 +132,7 @@ impl Puller {
         peer: &PeerInfo,
         load: &LoadSpec,
     ) -> Result<PullStats, TransferError> {
-        let plan = CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
-        let r = self.transport.pull(&mut self.conns.link(peer), local, groups, peer, load, &plan);
+        let r = self.transport.pull(&mut self.conns.link(peer), local, groups, peer, load);
         if r.as_ref().is_err_and(TransferError::is_transport) {
             // A stream may be mid-message, a mapping or NIXL's endpoints stale: start again
             // from the handshake.
@@ -318,13 +317,13 @@ impl Link<'_> {
         })
     }
 
-    /// `check`: `hold`, plus the plan's runs lie inside the request's blocks (params naming
+    /// `check`: `hold`, plus the blocks the load reads are the request's (params naming
     /// another request's blocks are refused).
-    pub fn check(&mut self, load: &LoadSpec, plan: &CopyPlan) -> Result<(), TransferError> {
+    pub fn check(&mut self, load: &LoadSpec, groups: &[Vec<LayerId>]) -> Result<(), TransferError> {
         self.expect_ok(&ClientMsg::Check {
             request: load.producer_request().to_owned(),
             capability: load.remote_capability.clone(),
-            runs: plan.src_runs(),
+            blocks: crate::copy_plan::read_blocks(&self.peer.geometry, groups, load),
         })
     }
 

@@ -4,6 +4,7 @@
 //!
 //! Consumer → producer: [`ClientMsg`]. Producer → consumer: [`ServerMsg`].
 
+use kvconnect_api::BlockId;
 use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
@@ -34,7 +35,7 @@ pub enum ClientMsg {
         #[serde(default)]
         capability: String,
     },
-    /// Heartbeat that also checks that these runs lie inside the request's blocks (shm
+    /// Heartbeat that also checks that these blocks are the request's (shm and cuda_ipc
     /// consumers, which copy without the producer seeing the reads).
     Check {
         /// The request.
@@ -42,8 +43,10 @@ pub enum ClientMsg {
         /// Its transfer capability.
         #[serde(default)]
         capability: String,
-        /// Runs the consumer is about to copy.
-        runs: Vec<WireRun>,
+        /// The producer blocks the consumer is about to copy from, one list per KV cache group
+        /// (a state group's state slot): block ids, so the message stays small however
+        /// scattered the blocks are.
+        blocks: Vec<Vec<BlockId>>,
     },
     /// "read request R blocks [...]": stream these runs of the request's blocks (backend tcp
     /// only).

@@ -645,7 +645,11 @@ fn a_wrong_or_replayed_capability_neither_reads_nor_frees() {
         let r = "victim".to_owned();
         for m in [
             ClientMsg::Hold { request: r.clone(), capability: capability.clone() },
-            ClientMsg::Check { request: r.clone(), capability: capability.clone(), runs: runs.clone() },
+            ClientMsg::Check {
+                request: r.clone(),
+                capability: capability.clone(),
+                blocks: vec![vec![BlockId(1)]],
+            },
             ClientMsg::Read { request: r.clone(), capability: capability.clone(), runs: runs.clone() },
             ClientMsg::Done { request: r.clone(), capability: capability.clone() },
         ] {
@@ -684,10 +688,20 @@ fn only_backend_tcp_serves_reads() {
         &ClientMsg::Read { request: "r".into(), capability: capability.clone(), runs: vec![(0, 128, 128)] },
     );
     assert!(is_error(&m, "does not serve reads"), "{m:?}");
-    assert_eq!(
-        ask(&mut c, &ClientMsg::Check { request: "r".into(), capability, runs: vec![(0, 128, 128)] }),
-        ServerMsg::Ok
-    );
+    let check = |c: &mut TcpStream, blocks: Vec<Vec<u32>>| {
+        let blocks = blocks.into_iter().map(|g| g.into_iter().map(BlockId).collect()).collect();
+        ask(c, &ClientMsg::Check { request: "r".into(), capability: capability.clone(), blocks })
+    };
+    // The blocks a copy reads, by id: any of the request's, in any order, are confirmed.
+    assert_eq!(check(&mut c, vec![vec![3, 1, 2]]), ServerMsg::Ok);
+    assert_eq!(check(&mut c, vec![vec![2]]), ServerMsg::Ok);
+    // One that is not the request's, or a KV cache group it has no blocks in, is refused,
+    // and the connection stays usable.
+    let m = check(&mut c, vec![vec![1, 4]]);
+    assert!(is_error(&m, "block 4 of KV cache group 0 is not one of request r's blocks"), "{m:?}");
+    let m = check(&mut c, vec![vec![1], vec![2]]);
+    assert!(is_error(&m, "holds blocks in 1 KV cache group(s), but the check names 2"), "{m:?}");
+    assert_eq!(check(&mut c, vec![vec![1, 2, 3]]), ServerMsg::Ok);
     assert_eq!(refused("prefill-noread", "read_not_served"), 1);
 }
 

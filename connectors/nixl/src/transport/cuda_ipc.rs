@@ -75,7 +75,6 @@ mod gpu {
     use super::gather::{export, open_gpu, CudaIpcPull};
     use super::BACKEND;
     use crate::config::NAME;
-    use crate::copy_plan::CopyPlan;
     use crate::error::TransferError;
     use crate::metadata::{CudaIpcMetadata, LoadSpec, PeerInfo, PeerKey, ProducerMetadata};
     use crate::puller::PullStats;
@@ -133,10 +132,9 @@ mod gpu {
             groups: &[Vec<LayerId>],
             peer: &PeerInfo,
             load: &LoadSpec,
-            plan: &CopyPlan,
         ) -> Result<PullStats, TransferError> {
             let t0 = std::time::Instant::now();
-            link.check(load, plan)?;
+            link.check(load, groups)?;
             let checked = t0.elapsed();
             let pull = self.pull.as_ref().ok_or_else(|| {
                 TransferError::Plan(

@@ -14,7 +14,6 @@ pub mod shm;
 pub mod tcp;
 
 use crate::config::{NixlConfig, NAME};
-use crate::copy_plan::CopyPlan;
 use crate::error::TransferError;
 use crate::metadata::{LoadSpec, PeerInfo, PeerKey, ProducerMetadata};
 pub use crate::puller::Link;
@@ -217,9 +216,11 @@ pub trait Transport: Send + Sync {
         Ok(Vec::new())
     }
 
-    /// Moves `plan` of `load` from `peer` into `local` and tells the producer, over `link`
-    /// (the control connection, and more connections where the backend streams). On `Ok`
-    /// the bytes are in place and the producer confirmed it held them throughout.
+    /// Moves `load` from `peer` into `local` and tells the producer, over `link` (the
+    /// control connection, and more connections where the backend streams). A backend that
+    /// copies by runs plans them (`crate::copy_plan::CopyPlan::build`); one with its own gather does not pay
+    /// for a plan. On `Ok` the bytes are in place and the producer confirmed it held them
+    /// throughout.
     fn pull(
         &self,
         link: &mut Link<'_>,
@@ -227,7 +228,6 @@ pub trait Transport: Send + Sync {
         groups: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
-        plan: &CopyPlan,
     ) -> Result<PullStats, TransferError>;
 
     /// Forgets what it keeps for producer `key` (after a transfer error from it): the next

@@ -802,11 +802,11 @@ impl Transport for Nixl {
         &self,
         link: &mut Link<'_>,
         local: &KvMemory,
-        _groups: &[Vec<LayerId>],
+        groups: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
-        plan: &CopyPlan,
     ) -> Result<PullStats, TransferError> {
+        let plan = &CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
         // Pin first, as for shm: a request the producer no longer holds is a failed receive,
         // never a read of whatever its blocks hold now.
         link.hold(load)?;

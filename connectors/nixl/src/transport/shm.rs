@@ -85,15 +85,15 @@ impl Transport for Shm {
         &self,
         link: &mut Link<'_>,
         local: &KvMemory,
-        _groups: &[Vec<LayerId>],
+        groups: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
-        plan: &CopyPlan,
     ) -> Result<PullStats, TransferError> {
-        // Pin the blocks first: a request the producer no longer holds, or runs outside its
-        // blocks (params naming another request's blocks), are a failed receive, never a
+        let plan = &CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
+        // Pin the blocks first: a request the producer no longer holds, or blocks that are not
+        // its own (params naming another request's blocks), are a failed receive, never a
         // copy of whatever those blocks hold now.
-        link.check(load, plan)?;
+        link.check(load, groups)?;
         let mapped = self.map(peer)?;
         let src = |region: u32, off: u64, len: u64| -> Result<&[u8], TransferError> {
             let m = mapped

@@ -185,11 +185,11 @@ impl Transport for Tcp {
         &self,
         link: &mut Link<'_>,
         local: &KvMemory,
-        _groups: &[Vec<LayerId>],
+        groups: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
-        plan: &CopyPlan,
     ) -> Result<PullStats, TransferError> {
+        let plan = &CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
         let mut dst = LocalRegions::new(local);
         match plan {
             CopyPlan::Direct(_) => self.receive(link, &mut dst, load, plan)?,
