@@ -100,6 +100,28 @@ impl LayerSpans {
     }
 }
 
+/// A slice of heads in every block of one layer ([`Geometry::head_slice`]): per K/V part,
+/// where the part's blocks lie and the slice's pieces `(offset, len)` inside one block.
+#[derive(Debug, Clone)]
+pub struct HeadSlice {
+    parts: Vec<(LayerSpans, Vec<(usize, usize)>)>,
+}
+
+impl HeadSlice {
+    /// Appends the slice's runs in `block` to `out`, in block order.
+    pub fn spans(&self, block: BlockId, out: &mut Vec<Span>) -> Result<(), GeometryError> {
+        for (spans, pieces) in &self.parts {
+            let b = spans.span(block)?;
+            out.extend(pieces.iter().map(|&(off, len)| Span {
+                region: b.region,
+                offset: b.offset + off,
+                len,
+            }));
+        }
+        Ok(())
+    }
+}
+
 /// Why a block cannot be addressed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GeometryError {
@@ -283,6 +305,21 @@ impl Geometry {
         first: u32,
         n: u32,
     ) -> Result<Vec<Span>, GeometryError> {
+        let mut out = Vec::new();
+        self.head_slice(rank, layer, first, n)?.spans(block, &mut out)?;
+        Ok(out)
+    }
+
+    /// Where local heads `first .. first + n` lie in every block of `layer` in rank `rank`'s
+    /// regions ([`Geometry::head_runs`] of any block): worked out once, so a plan over
+    /// thousands of blocks pays a multiply and an add per run.
+    pub fn head_slice(
+        &self,
+        rank: u32,
+        layer: LayerId,
+        first: u32,
+        n: u32,
+    ) -> Result<HeadSlice, GeometryError> {
         let s = self.shape;
         if first.checked_add(n).is_none_or(|end| end > s.heads) {
             return Err(GeometryError::NoSuchHeads { first, n, heads: s.heads });
@@ -293,39 +330,24 @@ impl Geometry {
                 return Err(GeometryError::HeadsNotSliceable { layout: "opaque".into() });
             }
             // [H][..] over the whole block, K and V together.
-            let k = self.rank_span(rank, layer, 0, block)?;
             let head = per_head * s.kv_parts as usize;
-            return Ok(vec![Span {
-                region: k.region,
-                offset: k.offset + first as usize * head,
-                len: n as usize * head,
-            }]);
+            let pieces = vec![(first as usize * head, n as usize * head)];
+            return Ok(HeadSlice { parts: vec![(self.layer_spans(rank, layer, 0)?, pieces)] });
         }
         let inner: Vec<Dim> =
             self.layout.order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect();
-        let mut out = Vec::new();
-        for part in 0..s.kv_parts {
-            let b = self.rank_span(rank, layer, part, block)?;
-            match inner.as_slice() {
-                [Dim::H, ..] => out.push(Span {
-                    region: b.region,
-                    offset: b.offset + self.inner_offset(first, 0, 0),
-                    len: n as usize * per_head,
-                }),
-                [Dim::N, Dim::H, Dim::C] => {
-                    let row = n as usize * s.head_dim as usize * s.elem_size as usize;
-                    for t in 0..s.tokens {
-                        out.push(Span {
-                            region: b.region,
-                            offset: b.offset + self.inner_offset(first, t, 0),
-                            len: row,
-                        });
-                    }
-                }
-                _ => return Err(GeometryError::HeadsNotSliceable { layout: self.layout.display_name() }),
+        let pieces: Vec<(usize, usize)> = match inner.as_slice() {
+            [Dim::H, ..] => vec![(self.inner_offset(first, 0, 0), n as usize * per_head)],
+            [Dim::N, Dim::H, Dim::C] => {
+                let row = n as usize * s.head_dim as usize * s.elem_size as usize;
+                (0..s.tokens).map(|t| (self.inner_offset(first, t, 0), row)).collect()
             }
-        }
-        Ok(out)
+            _ => return Err(GeometryError::HeadsNotSliceable { layout: self.layout.display_name() }),
+        };
+        let parts = (0..s.kv_parts)
+            .map(|part| Ok((self.layer_spans(rank, layer, part)?, pieces.clone())))
+            .collect::<Result<_, GeometryError>>()?;
+        Ok(HeadSlice { parts })
     }
 
     /// The same geometry with the state regions that follow the KV regions.

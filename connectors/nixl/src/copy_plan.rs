@@ -389,18 +389,23 @@ fn across_ranks(
     };
     let bs = peer.shape().tokens as usize;
     let mut runs = Vec::new();
+    let (mut s, mut d) = (Vec::new(), Vec::new());
     for (g, layers) in groups.iter().enumerate() {
         let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
         for &layer in layers {
-            for pos in positions(load.first_token, load.num_tokens, bs) {
-                for first_head in (0..peer.total_heads()).step_by(slice as usize) {
-                    let (pr, ph) = (first_head / hp, first_head % hp);
-                    let (or, oh) = (first_head / ho, first_head % ho);
-                    if !peer.held_ranks().contains(&pr) || !own.held_ranks().contains(&or) {
-                        continue;
-                    }
-                    let s = peer.head_runs(pr, layer, r[pos], ph, slice).map_err(sliced)?;
-                    let d = own.head_runs(or, layer, l[pos], oh, slice).map_err(sliced)?;
+            for first_head in (0..peer.total_heads()).step_by(slice as usize) {
+                let (pr, ph) = (first_head / hp, first_head % hp);
+                let (or, oh) = (first_head / ho, first_head % ho);
+                if !peer.held_ranks().contains(&pr) || !own.held_ranks().contains(&or) {
+                    continue;
+                }
+                // Where the slice lies in any block, once per layer; per block, arithmetic.
+                let src = peer.head_slice(pr, layer, ph, slice).map_err(sliced)?;
+                let dst = own.head_slice(or, layer, oh, slice).map_err(sliced)?;
+                for pos in positions(load.first_token, load.num_tokens, bs) {
+                    (s.clear(), d.clear());
+                    src.spans(r[pos], &mut s).map_err(sliced)?;
+                    dst.spans(l[pos], &mut d).map_err(sliced)?;
                     if s.len() != d.len() || s.iter().zip(&d).any(|(a, b)| a.len != b.len) {
                         return Err(plan_err(format!(
                             "request {}: a slice of {slice} KV heads is {} run(s) on the producer and {} \
@@ -426,7 +431,7 @@ fn across_ranks(
             own.tp_size()
         )));
     }
-    runs.sort_by_key(|r| (r.src_region, r.src_off));
+    runs.sort_unstable_by_key(|r| (r.src_region, r.src_off));
     Ok(runs)
 }
 
