@@ -599,14 +599,23 @@ impl<'a> LocalRegions<'a> {
         let total: usize = pieces.iter().map(|(_, s)| s.len()).sum();
         let threads = copy_threads_for(total, threads);
         let shares = split_evenly(pieces, total.div_ceil(threads));
+        // A large pull is one large copy however many runs it has (a load across TP sizes is
+        // a half-block per run): streaming stores for all of its pieces, each thread's fenced
+        // once when its share ends (before the join), not only for runs that are large alone.
+        let stream = total >= crate::stream_copy::STREAM_THRESHOLD;
         let copy = |share: &[(usize, &[u8])]| {
+            let mut batch = crate::stream_copy::Batch::new();
             for (dst, src) in share {
                 // SAFETY: each destination lies inside a registered region (checked by
                 // `dst_mut` above), no two overlap (checked above; splitting a piece keeps
                 // that), and `&mut self` is held until every thread has joined, so these are
                 // the only views of those bytes.
                 let dst = unsafe { std::slice::from_raw_parts_mut(*dst as *mut u8, src.len()) };
-                crate::stream_copy::copy_run(dst, src);
+                if stream {
+                    batch.copy(dst, src);
+                } else {
+                    dst.copy_from_slice(src);
+                }
             }
         };
         match shares.split_first() {
