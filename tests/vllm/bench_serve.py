@@ -1,21 +1,30 @@
 """vLLM's own benchmark client (`vllm bench serve`, called as vllm.benchmarks.serve) against a
-monolithic vLLM server and, in the same run, against a kvconnect P/D pair (prefill and decode
-vLLM servers with KvconnectConnector over nixl) behind `kvconnect proxy`. Rounds alternate
-which side goes first; each round's figure is P/D's over monolithic's (TTFT at the median and
-p99, output tokens per second), and the result is the median of the rounds' ratios with the
-quartiles.
+baseline and, in the same run, against a kvconnect P/D pair (prefill and decode vLLM servers
+with KvconnectConnector over nixl) behind `kvconnect proxy`. Rounds alternate which side goes
+first; each round's figure is P/D's over the baseline's (TTFT at the median and p99, output
+tokens per second), and the result is the median of the rounds' ratios with the quartiles.
 
     VENV/bin/python tests/vllm/bench_serve.py [--rounds 5] [--prompts 200] [--in-flight 8]
                                               [--input-len 100] [--output-len 12] [--backend tcp]
+                                              [--versus monolithic|nixlconnector]
+                                              [--nixl-python DIR]
 
-Servers: monolithic on core 0, prefill on core 0, decode on core 1 (so P/D has two cores and
-monolithic one: the ratio is what a P/D pair delivers against one engine, not against the
-same hardware). Decode's external tokens must grow every round and no load may fail, so a
+Baselines:
+- `monolithic` (the default): one vLLM server on core 0, while prefill runs on core 0 and
+  decode on core 1 (so P/D has two cores and monolithic one: the ratio is what a P/D pair
+  delivers against one engine, not against the same hardware);
+- `nixlconnector`: vLLM's own NixlConnector pair (`kv_buffer_device: cpu`, the NIXL Python
+  package from --nixl-python DIR, as scripts/install-nixl-python.sh installs it), prefill on
+  core 0 and decode on core 1 like kvconnect's, the same server flags, behind its own
+  `kvconnect proxy`: the same processes, cores and streams.
+
+Each P/D decode's external tokens must grow every round and no kvconnect load may fail, so a
 pair that fell back to recomputing cannot pass for a fast one. Prints one JSON line.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -25,6 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Failed, Server, free_port, kv_config, metric, run_checks, serving  # noqa: E402
 from test_pd import kvconnect_bin, nixl  # noqa: E402
+
+EXTERNAL = "vllm:external_prefix_cache_hits_total"
 
 
 def bench(url: str, model: str, a, seed: int) -> dict:
@@ -40,10 +51,14 @@ def bench(url: str, model: str, a, seed: int) -> dict:
         "--random-output-len", str(a.output_len), "--num-prompts", str(a.prompts),
         "--max-concurrency", str(a.in_flight), "--ignore-eos", "--seed", str(seed),
         "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+        # Keeps each request's error in the result (nothing is written without --save-result).
+        "--save-detailed",
     ])
     r = main(args)
     if r.get("completed") != a.prompts:
-        raise Failed(f"{url}: vllm bench serve completed {r.get('completed')} of {a.prompts} requests")
+        errors = sorted({e for e in r.get("errors") or [] if e})
+        raise Failed(f"{url}: vllm bench serve completed {r.get('completed')} of {a.prompts} requests; "
+                     f"errors: {errors[:3]}")
     return r
 
 
@@ -62,54 +77,82 @@ def main():
     ap.add_argument("--input-len", type=int, default=100)
     ap.add_argument("--output-len", type=int, default=12)
     ap.add_argument("--backend", default="tcp")
+    ap.add_argument("--versus", choices=("monolithic", "nixlconnector"), default="monolithic",
+                    help="the baseline: one monolithic server, or vLLM's own NixlConnector pair")
+    ap.add_argument("--nixl-python", default=os.environ.get("KVCONNECT_NIXL_PYTHON", ""),
+                    help="with --versus nixlconnector: a directory holding the NIXL Python package "
+                         "(scripts/install-nixl-python.sh prints it)")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
+    if a.versus == "nixlconnector" and not (a.nixl_python and Path(a.nixl_python, "nixl").is_dir()):
+        sys.exit("--versus nixlconnector needs the NIXL Python package: pass --nixl-python DIR, the "
+                 "directory scripts/install-nixl-python.sh prints")
+
+    def proxy_for(pre: Server, dec: Server) -> tuple[subprocess.Popen, str]:
+        proxy = subprocess.Popen([str(kvconnect_bin()), "proxy", "--prefill", pre.url, "--decode", dec.url,
+                                  "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+        first = proxy.stdout.readline()
+        if not first:
+            raise Failed(f"kvconnect proxy did not start: {proxy.stderr.read()[:500]}")
+        return proxy, json.loads(first)["proxy"]
 
     def checks(model: str, tmp: Path):
         port = free_port()
-        mono = Server("monolithic", model, tmp, core=0)
         pre = Server("prefill", model, tmp, core=0, kv_config=kv_config("kv_producer", nixl(a.backend), port=port))
         dec = Server("decode", model, tmp, core=1, kv_config=kv_config("kv_consumer", nixl(a.backend)))
-        with serving(mono, pre, dec):
-            for s in (mono, pre, dec):
+        if a.versus == "monolithic":
+            base = [Server("monolithic", model, tmp, core=0)]
+        else:
+            from bench_ttft import peer_servers
+            bpre, bdec, _ = peer_servers("nixlconnector", model, tmp, a.nixl_python, args=())
+            base = [bpre, bdec]
+        proxies = []
+        with serving(*base, pre, dec):
+            for s in (*base, pre, dec):
                 s.wait_healthy()
-            proxy = subprocess.Popen([str(kvconnect_bin()), "proxy", "--prefill", pre.url, "--decode", dec.url,
-                                      "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True)
             try:
-                first = proxy.stdout.readline()
-                if not first:
-                    raise Failed(f"kvconnect proxy did not start: {proxy.stderr.read()[:500]}")
-                url = json.loads(first)["proxy"]
+                proxy, url = proxy_for(pre, dec)
+                proxies.append(proxy)
+                base_url = base[0].url
+                if len(base) == 2:
+                    proxy, base_url = proxy_for(*base)
+                    proxies.append(proxy)
                 ratios = {"ttft_p50": [], "ttft_p99": [], "output_throughput": []}
                 rounds = []
                 for r in range(a.rounds):
-                    ext0 = metric(dec.url, "vllm:external_prefix_cache_hits_total")
-                    order = [("mono", mono.url), ("pd", url)]
+                    ext0 = metric(dec.url, EXTERNAL)
+                    base_ext0 = metric(base[-1].url, EXTERNAL)
+                    order = [("base", base_url), ("pd", url)]
                     if r % 2:
                         order.reverse()
                     got = {}
                     for name, u in order:
                         time.sleep(2)
                         got[name] = bench(u, model, a, seed=100 + r)
-                    ext = metric(dec.url, "vllm:external_prefix_cache_hits_total") - ext0
+                    ext = metric(dec.url, EXTERNAL) - ext0
+                    base_ext = metric(base[-1].url, EXTERNAL) - base_ext0
                     failed = metric(dec.url, "vllm:kvconnect_loads_failed_total")
                     if ext <= 0 or failed:
                         raise Failed(f"round {r}: decode loaded {ext:.0f} external tokens, {failed:.0f} loads failed")
-                    m, p = got["mono"], got["pd"]
+                    if len(base) == 2 and base_ext <= 0:
+                        raise Failed(f"round {r}: {a.versus}'s decode loaded no external tokens")
+                    m, p = got["base"], got["pd"]
                     ratios["ttft_p50"].append(p["median_ttft_ms"] / m["median_ttft_ms"])
                     ratios["ttft_p99"].append(p["p99_ttft_ms"] / m["p99_ttft_ms"])
                     ratios["output_throughput"].append(p["output_throughput"] / m["output_throughput"])
-                    rounds.append({k: {"mono": m[k], "pd": p[k]}
+                    rounds.append({k: {a.versus: m[k], "pd": p[k]}
                                    for k in ("median_ttft_ms", "p99_ttft_ms", "output_throughput")}
-                                  | {"external_tokens": ext})
+                                  | {"external_tokens": ext}
+                                  | ({f"{a.versus}_external_tokens": base_ext} if len(base) == 2 else {}))
                     print(json.dumps({"round": r, **rounds[-1]}), file=sys.stderr)
             finally:
-                proxy.terminate()
-                proxy.wait(30)
-        print(json.dumps({"backend": a.backend, "prompts": a.prompts, "in_flight": a.in_flight,
+                for proxy in proxies:
+                    proxy.terminate()
+                    proxy.wait(30)
+        print(json.dumps({"backend": a.backend, "versus": a.versus, "prompts": a.prompts, "in_flight": a.in_flight,
                           "input_len": a.input_len, "output_len": a.output_len, "rounds": a.rounds,
-                          "pd_over_monolithic": {k: quartiles(v) for k, v in ratios.items()},
+                          f"pd_over_{a.versus}": {k: quartiles(v) for k, v in ratios.items()},
                           "per_round": rounds}))
 
     run_checks("bench-serve", a.keep, checks)

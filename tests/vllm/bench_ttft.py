@@ -209,31 +209,32 @@ def transfer(a, pre: Server, dec: Server, fresh_long):
 PEERS = ("kvconnect-shm", "kvconnect-tcp", "kvconnect-noload", "nixlconnector", "example")
 
 
-def peer_servers(name: str, model: str, tmp: Path, nixl_python):
-    """(prefill, decode, decode sends prefill's params) of one P/D peer. `kvconnect-noload`:
-    the kvconnect pair with decode sent no params, so it computes the whole prompt: the cost
-    of the second server's hop without any KV moved. `nixlconnector`: vLLM's own connector
-    with the NIXL Python package from `nixl_python` (a directory on PYTHONPATH)."""
+def peer_servers(name: str, model: str, tmp: Path, nixl_python, args=ARGS):
+    """(prefill, decode, decode sends prefill's params) of one P/D peer, the servers started
+    with `args`. `kvconnect-noload`: the kvconnect pair with decode sent no params, so it
+    computes the whole prompt: the cost of the second server's hop without any KV moved.
+    `nixlconnector`: vLLM's own connector with the NIXL Python package from `nixl_python` (a
+    directory on PYTHONPATH)."""
     if name.startswith("kvconnect-"):
         backend = "tcp" if name == "kvconnect-tcp" else "shm"
-        pre = Server(f"prefill-{name}", model, tmp, core=0, args=ARGS,
+        pre = Server(f"prefill-{name}", model, tmp, core=0, args=args,
                      kv_config=kv_config("kv_producer", nixl(backend), port=free_port()))
-        dec = Server(f"decode-{name}", model, tmp, core=1, args=ARGS,
+        dec = Server(f"decode-{name}", model, tmp, core=1, args=args,
                      kv_config=kv_config("kv_consumer", nixl(backend)),
                      extra_env={"KVCONNECT_LOG": "info,kvconnect_nixl=debug"})
         return pre, dec, name != "kvconnect-noload"
     if name == "nixlconnector":
         conf = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
         path = os.pathsep.join(p for p in (str(nixl_python), os.environ.get("PYTHONPATH", "")) if p)
-        servers = [Server(f"{role}-{name}", model, tmp, core=core, args=ARGS, kv_config=conf,
+        servers = [Server(f"{role}-{name}", model, tmp, core=core, args=args, kv_config=conf,
                           extra_env={"PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
                    for role, core in (("prefill", 0), ("decode", 1))]
         return servers[0], servers[1], True
     store = tmp / "example-storage"
     example = lambda role: {"kv_connector": "ExampleConnector", "kv_role": role,  # noqa: E731
                             "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    pre = Server("prefill-example", model, tmp, core=0, args=ARGS, kv_config=example("kv_producer"))
-    dec = Server("decode-example", model, tmp, core=1, args=ARGS, kv_config=example("kv_consumer"))
+    pre = Server("prefill-example", model, tmp, core=0, args=args, kv_config=example("kv_producer"))
+    dec = Server("decode-example", model, tmp, core=1, args=args, kv_config=example("kv_consumer"))
     return pre, dec, False
 
 
