@@ -49,6 +49,15 @@ def setup_json(*, kv_role: Optional[str], engine_id: str, extra_config: dict, hf
     return json.dumps(side, default=str)
 
 
+def required_kv_cache_layout(setup: str) -> Optional[str]:
+    """The in-block layout the connector needs the engine to allocate (`"HND"`, `"NHD"`), or
+    None where the engine may keep its own: negotiated from `setup` with its layout left open
+    (nixl needs HND for more than one KV head per rank, as vLLM's NixlConnector asks; lmcache
+    and flexkv prefer NHD; a composite takes its children's common answer). A setup that
+    cannot be negotiated raises the same one-line error the worker would."""
+    return _kvconnect.required_kv_cache_layout(setup)
+
+
 def describe_tensor(name: str, layer: int, t: torch.Tensor) -> tuple:
     """One layer's KV cache tensor as the native worker takes it: (name, layer index, data
     pointer, shape, strides in elements, element size, dtype, device ordinal or None for

@@ -43,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.logger import init_logger
 
 from kvconnect import _kvconnect
-from kvconnect.core import SchedulerCore, WorkerCore, setup_json
+from kvconnect.core import SchedulerCore, WorkerCore, required_kv_cache_layout, setup_json
 
 # Under vLLM's logger, so its handlers and level apply.
 logger = init_logger("vllm.kvconnect")
@@ -164,9 +164,14 @@ def _layer_index(name: str) -> int:
         return int(m.group(1))
 
 
-def _kv_cache_layout(platform) -> Optional[str]:
+def _kv_cache_layout(vllm_config, platform) -> Optional[str]:
     if platform.is_cpu():
         return "HND"  # vLLM's CPU backend logs "Using LBHNC KV cache layout"
+    # vLLM 0.32 resolves one layout in the engine core before any connector is created and
+    # records its name (`LBHNC`, ...) here; earlier versions answer get_kv_cache_layout().
+    resolved = getattr(vllm_config.cache_config, "kv_cache_layout", None)
+    if resolved:
+        return str(getattr(resolved, "name", resolved))
     try:
         from vllm.v1.attention.backends.utils import get_kv_cache_layout
 
@@ -175,8 +180,9 @@ def _kv_cache_layout(platform) -> Optional[str]:
         return None
 
 
-def _setup_json(vllm_config, tp_rank: int) -> str:
-    """vLLM's settings, as the native module negotiates from them."""
+def _setup_json(vllm_config, tp_rank: int, open_layout: bool = False) -> str:
+    """vLLM's settings, as the native module negotiates from them; with `open_layout` the KV
+    cache layout is left for negotiation to pick (what the connector would ask vLLM for)."""
     from vllm.platforms import current_platform
 
     kt = vllm_config.kv_transfer_config
@@ -195,7 +201,7 @@ def _setup_json(vllm_config, tp_rank: int) -> str:
         tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
         tp_rank=tp_rank,
         kv_device=str(current_platform.device_type),
-        kv_cache_layout=_kv_cache_layout(current_platform),
+        kv_cache_layout=None if open_layout else _kv_cache_layout(vllm_config, current_platform),
         opaque_blocks=_CPU_OPAQUE if current_platform.is_cpu() else None,
     )
 
@@ -397,6 +403,29 @@ class KvconnectConnector(KVConnectorBase_V1):
             return KvconnectStats(data=data) if data else None
         delta = self._core.take_stats()
         return KvconnectStats(data=delta) if delta else None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config) -> Optional[str]:
+        """The layout vLLM allocates its GPU KV cache in: the one the kvconnect connector needs
+        (nixl: HND, as vLLM's NixlConnector asks; lmcache, flexkv: NHD), negotiated natively.
+        None on vLLM's CPU backend, whose in-block layout is its own, for one KV head per rank
+        (MLA), and where the connector needs none. VLLM_KV_CACHE_LAYOUT still wins; a layout
+        the connector cannot take is then refused at startup with the remedy."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu() or getattr(vllm_config, "model_config", None) is None:
+            return None
+        if getattr(vllm_config, "kv_transfer_config", None) is None:
+            return None
+        try:
+            layout = required_kv_cache_layout(_setup_json(vllm_config, 0, open_layout=True))
+        except _kvconnect.KvconnectError as e:
+            logger.warning("kvconnect: cannot tell which KV cache layout the connector needs, so vLLM "
+                           "keeps its own; the connector's setup will say why: %s", e)
+            return None
+        if layout is not None:
+            logger.info("kvconnect: asking vLLM for the %s KV cache layout, which the connector needs", layout)
+        return layout
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[dict[str, Any]] = None) -> Optional[KVConnectorStats]:

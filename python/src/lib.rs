@@ -32,11 +32,19 @@ fn unlink_shared_kv() -> usize {
     shm_kv::unlink_at_exit()
 }
 
+/// The in-block layout the connector needs vLLM to allocate (`"HND"`, `"NHD"`) or `None`, for
+/// vLLM's `get_required_kvcache_layout` (`setup::required_layout`).
+#[pyfunction]
+fn required_kv_cache_layout(setup_json: &str) -> PyResult<Option<&'static str>> {
+    Ok(setup::required_layout(setup_json)?)
+}
+
 #[pymodule]
 fn _kvconnect(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::Scheduler>()?;
     m.add_class::<worker::Worker>()?;
     m.add_function(wrap_pyfunction!(unlink_shared_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(required_kv_cache_layout, m)?)?;
     m.add("KvconnectError", m.py().get_type::<error::KvconnectError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

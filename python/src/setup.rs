@@ -9,7 +9,7 @@ use crate::error::AdapterError;
 use crate::ignored;
 use crate::joint::Joint;
 use kvconnect_api::compat::CompatDescriptor;
-use kvconnect_api::negotiate::{Conflict, EngineOptions, HmaOption, Negotiated};
+use kvconnect_api::negotiate::{Conflict, DecidedBy, EngineOptions, HmaOption, LayoutField, Negotiated};
 use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
 use kvconnect_host::registry::{Registry, RegistryConfig};
@@ -325,6 +325,32 @@ impl Setup {
     }
 }
 
+/// The in-block layout the connector needs vLLM to allocate (`HND` or `NHD`), which the
+/// adapter answers vLLM's `get_required_kvcache_layout` with: negotiated from vLLM's other
+/// settings with the layout left open, as [`Setup::from_vllm`] would with vLLM's default.
+/// `None` where vLLM may keep its own: no child constrains the layout, each rank holds one KV
+/// head (MLA: both layouts are the same bytes), or the connector needs a layout vLLM cannot
+/// allocate (the worker's setup then refuses it with the remedy).
+pub fn required_layout(side_json: &str) -> Result<Option<&'static str>, AdapterError> {
+    let mut side: Value = serde_json::from_str(side_json).map_err(|e| AdapterError::Setup(e.to_string()))?;
+    if let Some(o) = side.as_object_mut() {
+        o.insert("kv_cache_layout".into(), Value::Null);
+    }
+    let setup = Setup::from_vllm(&side.to_string())?;
+    let by_child = setup
+        .negotiated
+        .provenance_of(LayoutField::Layout)
+        .is_some_and(|p| matches!(p.decided_by, DecidedBy::Child(_) | DecidedBy::Peer(_)));
+    let layout = setup.negotiated.effective.layout;
+    if !by_child || KvLayout::HND.same_bytes(KvLayout::NHD, setup.ctx.model.num_kv_heads) {
+        return Ok(None);
+    }
+    Ok([("HND", KvLayout::HND), ("NHD", KvLayout::NHD)]
+        .into_iter()
+        .find(|(_, l)| *l == layout)
+        .map(|(n, _)| n))
+}
+
 /// The adapter's `kvconnect` key as a kvconnect kv-transfer-config.
 fn kvconnect_config(v: &Value) -> Result<KvTransferConfig, AdapterError> {
     match v {
@@ -408,6 +434,32 @@ mod tests {
 
     fn refusal(kv_role: &str, extra: Value) -> String {
         Setup::from_vllm(&side(kv_role, extra)).err().expect("refused").to_string()
+    }
+
+    #[test]
+    fn vllm_is_asked_for_the_layout_the_connector_needs() {
+        let with = |c: &Value| required_layout(&side("kv_consumer", json!({"kvconnect": c})));
+        let nixl = json!({"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": "tcp"}});
+        let lmcache =
+            json!({"kv_connector": "LMCacheConnectorV1", "kv_connector_extra_config": {"chunk_size": 16}});
+        let composite = json!({"kv_connector": "PdConnector",
+            "kv_connector_extra_config": {"connectors": [lmcache.clone(), nixl.clone()]}});
+        assert_eq!(with(&nixl).unwrap(), Some("HND"));
+        assert_eq!(with(&lmcache).unwrap(), Some("NHD"));
+        assert_eq!(with(&composite).unwrap(), Some("HND"), "nixl requires HND; lmcache takes it too");
+        // Whatever layout vLLM chose is ignored: the question is what the connector needs.
+        let nhd = side("kv_consumer", json!({"kvconnect": nixl})).replace("\"HND\"", "\"NHD\"");
+        assert_eq!(required_layout(&nhd).unwrap(), Some("HND"));
+        // MLA: one KV head, so both layouts are the same bytes and vLLM keeps its own.
+        let mut mla: Value = serde_json::from_str(&side("kv_consumer", json!({"kvconnect": nixl}))).unwrap();
+        mla["hf_config"] = serde_json::from_str(include_str!(
+            "../../fixtures/models/deepseek-ai--DeepSeek-V2-Lite/config.json"
+        ))
+        .unwrap();
+        assert_eq!(required_layout(&mla.to_string()).unwrap(), None);
+        // A config that cannot be set up is the same one-line refusal the worker gives.
+        let e = with(&json!({"kv_connector": "NixlConector"})).unwrap_err().to_string();
+        assert!(e.contains("no connector named 'NixlConector'"), "{e}");
     }
 
     #[test]

@@ -406,8 +406,33 @@ def run_refused(case: Case) -> dict:
     except _kvconnect.KvconnectError as e:
         if "requires HND" not in str(e):
             raise AssertionError(f"refused, but not for the layout: {e}") from e
-        return {"refused": str(e)[:160]}
+        return {"refused": str(e)[:160], "asked_for": required_layouts(case)}
     raise AssertionError("nixl accepted an NHD KV cache")
+
+
+def required_layouts(case: Case) -> dict:
+    """What `get_required_kvcache_layout` asks vLLM for, per connector, so that an engine run
+    without VLLM_KV_CACHE_LAYOUT allocates what its connector takes: nixl HND (as vLLM's
+    NixlConnector), lmcache and flexkv NHD, a composite with nixl HND, MLA none."""
+    from kvconnect.core import required_kv_cache_layout
+
+    nixl = {"kv_connector": "NixlConnector", "kv_buffer_device": DEV,
+            "kv_connector_extra_config": {"backend": BACKEND}}
+    lmcache = {"kv_connector": "LMCacheConnectorV1", "kv_buffer_device": DEV,
+               "kv_connector_extra_config": {"chunk_size": 16}}
+    flexkv = {"kv_connector": "FlexKVConnectorV1", "kv_buffer_device": DEV,
+              "kv_connector_extra_config": {"cpu_cache_gb": 0.5}}
+    composite = {"kv_connector": "PdConnector", "kv_buffer_device": DEV,
+                 "kv_connector_extra_config": {"connectors": [lmcache, nixl]}}
+    mla = Case(case.name + "-mla", "nixl", "MLA", case.dtype)
+    want = [(case, "nixl", nixl, "HND"), (case, "lmcache", lmcache, "NHD"), (case, "flexkv", flexkv, "NHD"),
+            (case, "lmcache+nixl", composite, "HND"), (mla, "nixl MLA", nixl, None)]
+    got = {}
+    for c, label, cfg, expected in want:
+        got[label] = required_kv_cache_layout(c.setup("kv_consumer", "decode", {"kvconnect": cfg}))
+        if got[label] != expected:
+            raise AssertionError(f"{label}: the connector asks vLLM for {got[label]}, want {expected}")
+    return got
 
 
 def run_pd(case: Case, bench: bool = False) -> dict:

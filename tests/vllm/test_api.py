@@ -10,6 +10,9 @@ one server per cache connector, and one nixl P/D pair:
   `vllm:kvconnect_loads_preempted_total` counts them.
 - `reset_cache`: vLLM's `POST /reset_prefix_cache?reset_external=true` empties the
   connector's store: a prompt that loaded its prefix from it before loads nothing after.
+- `get_required_kvcache_layout`: asked through vLLM's own `get_kv_connector_cache_layout`, the
+  adapter wants HND for nixl and NHD for lmcache on a GPU platform (the platform check
+  patched, no server), and nothing on vLLM's CPU backend, whose layout is its own.
 - `take_events`: the connector's KV events reach vLLM's KV event publisher as vLLM's own
   `BlockStored` / `BlockRemoved` (read back from vLLM's zmq publisher with vLLM's classes).
 
@@ -239,8 +242,32 @@ def run_pd_api(model: str, logdir: Path):
         check_preemptions(pre, dec)
 
 
+def check_required_layout(model: str):
+    """What vLLM's engine core asks the connector class for before it allocates the KV cache
+    (`get_kv_connector_cache_layout`), from a real vLLM config of the tiny model."""
+    import unittest.mock
+
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+
+    nixl = {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": "tcp"}}
+    for inner, on_gpu in [(nixl, "HND"), (LMCACHE, "NHD")]:
+        kt = KVTransferConfig(**kv_config("kv_consumer", inner))
+        cfg = EngineArgs(model=model, block_size=BLOCK, kv_transfer_config=kt).create_engine_config()
+        got_cpu = get_kv_connector_cache_layout(cfg)
+        with unittest.mock.patch.object(type(current_platform), "is_cpu", lambda self: False):
+            got_gpu = get_kv_connector_cache_layout(cfg)
+        if (got_cpu, got_gpu) != (None, on_gpu):
+            raise Failed(f"{inner['kv_connector']}: the adapter asks vLLM for {got_cpu} on the CPU backend and "
+                         f"{got_gpu} on a GPU platform; want None and {on_gpu}")
+        print(f"ok: {inner['kv_connector']} asks vLLM for {got_gpu} on a GPU platform, nothing on the CPU backend")
+
+
 def checks(model: str, tmp: Path, only=None):
     if only in (None, "pd"):
+        check_required_layout(model)
         run_pd_api(model, tmp)
     for name, inner, tier in [("lmcache", LMCACHE, "cpu_tier"), ("flexkv", FLEXKV, "cpu_tier")]:
         if only in (None, name):
