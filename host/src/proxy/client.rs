@@ -88,15 +88,20 @@ impl<'a> Call<'a> {
     }
 }
 
+/// How long a kept-alive connection to a server waits in the pool. Below every server's own
+/// idle limit, so that the pool drops a connection before the server closes it under a
+/// request sent on it: vLLM's API server closes one idle for 5 s
+/// (`VLLM_HTTP_TIMEOUT_KEEP_ALIVE`), kvconnect's workers at their request-header deadline
+/// (30 s by default).
+pub const POOL_IDLE: Duration = Duration::from_secs(4);
+
 fn client() -> &'static Client<HttpConnector, Full<Bytes>> {
     static CLIENT: OnceLock<Client<HttpConnector, Full<Bytes>>> = OnceLock::new();
     CLIENT.get_or_init(|| {
         let mut http = HttpConnector::new();
         http.set_nodelay(true);
         http.set_connect_timeout(Some(Duration::from_secs(5)));
-        // Below the servers' request-header deadline, which also closes idle connections: a
-        // pooled connection is dropped here before the server drops it under a request.
-        Client::builder(TokioExecutor::new()).pool_idle_timeout(Duration::from_secs(10)).build(http)
+        Client::builder(TokioExecutor::new()).pool_idle_timeout(POOL_IDLE).build(http)
     })
 }
 
