@@ -32,8 +32,19 @@ SHAPES = {
     # vLLM's CPU MLA kernel runs block size 16 only. In float32: decode continues a prompt
     # from loaded KV through MLA's absorbed (latent) formulation, a monolithic server computes
     # the whole prompt through the expanded one; in bfloat16 their rounding differs enough to
-    # flip a greedy token of the random model.
-    "mla": ("mla", ["--block-size", "16", "--dtype", "float32"], 16, "cache_dtype F32"),
+    # flip a greedy token of the random model. On a CPU with AMX tiles vLLM would pick its AMX
+    # MLA backend, which takes no float32 weights (`expect weight to be bfloat16, ...` at
+    # startup): the reference CPU_MLA backend is named, so every machine runs the same one.
+    "mla": ("mla", ["--block-size", "16", "--dtype", "float32", "--attention-backend", "CPU_MLA"], 16,
+            "cache_dtype F32"),
+}
+
+# What decode loads of a prompt for each shape, as the servers' dtype, block size and cache
+# dtype make vLLM's CPU attention pick its kernels.
+LOADABLE = {
+    "fp8": lambda p: loadable(p, cache_dtype="fp8"),
+    "fp8_e5m2": lambda p: loadable(p, cache_dtype="fp8_e5m2"),
+    "mla": lambda p: loadable(p, dtype="float32", block=16),
 }
 
 
@@ -67,8 +78,10 @@ def check_shape(name: str, model: str, logdir: Path, ps) -> None:
         for i, (g, e) in enumerate(zip(got, expected)):
             if g != e:
                 raise Failed(f"{name}: prompt {i} ({len(ps[i])} tokens): P/D gave {g}, monolithic {e}")
-        # Decode loads every prompt token but the last, also where that ends inside a block.
-        want = [loadable(p) for p in ps if loadable(p)]
+        # Decode loads every prompt token but the last, also where that ends inside a block
+        # (whole blocks where vLLM's CPU attention runs its AMX kernels: the fp8 shapes).
+        lo = LOADABLE[name]
+        want = [lo(p) for p in ps if lo(p)]
         ext = external_tokens(dec.text())
         if sorted(ext) != sorted(want):
             raise Failed(f"{name}: decode loaded external tokens {ext}, expected {want}\n{dec.tail()}")
