@@ -38,10 +38,32 @@ class Failed(Exception):
     pass
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now and outside the kernel's ephemeral range. A port the kernel
+    hands out (bind to 0) is released before the server binds it, and in between vLLM's own
+    sockets of a server starting beside it may be given the same one (`Address already in
+    use` at startup); below the range the kernel gives none away, only another pick could
+    collide, and a pick that is taken is skipped."""
+    import random
+
+    lo, _ = _ephemeral_range()
+    for _ in range(200):
+        port = random.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise Failed(f"no free port below the ephemeral range ({lo}) after 200 tries")
 
 
 class Server:
