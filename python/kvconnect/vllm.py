@@ -180,38 +180,20 @@ def _kv_cache_layout(vllm_config, platform) -> Optional[str]:
         return None
 
 
-def _cpu_attention_isa(dtype, block_size: int, head_size: Optional[int], cache_dtype: Optional[str]) -> Optional[str]:
-    """The kernel family vLLM's CPU attention picks for these settings (`amx`, `vec`, `vec16`,
-    ...), by vLLM's own rule; None off the CPU backend or where vLLM does not say."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
+def _allow_amx() -> None:
+    """Asks Linux for this process's permission to use AMX tiles (`arch_prctl(ARCH_REQ_XCOMP_PERM)`,
+    through torch), on a CPU that has them. Without it the first AMX instruction is an illegal
+    one (SIGILL). vLLM's CPU attention (bfloat16, block size a multiple of 32) runs AMX kernels
+    for a prompt that continues from KV already in the cache, which vLLM alone does not meet
+    before something else asked; a decode whose first request loads its prompt meets it in its
+    first forward pass, and vLLM's worker died of `Fatal Python error: Illegal instruction` in
+    `cpu_attention_with_kv_cache` (Intel Xeon with AMX, whole-block and in-block loads alike)."""
     try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        return str(_get_attn_isa(dtype, int(block_size), head_size, cache_dtype))
-    except Exception:  # another vLLM: no such rule to ask
-        return None
-
-
-def _whole_blocks_only(vllm_config) -> Optional[str]:
-    """Why decode must load whole blocks only on this engine, or None when a load may end
-    inside a block. vLLM's CPU attention in its AMX kernels (bfloat16, block size a multiple of
-    32, a CPU with AMX tiles) dies of an illegal instruction (SIGILL, `Fatal Python error:
-    Illegal instruction` in `cpu_attention_with_kv_cache`) when a prompt continues from inside
-    a block, e.g. 1 token after 4 loaded: there, the rest of the prompt is computed from the
-    last block boundary. Its other kernels (`vec`, `vec16`) continue from anywhere."""
-    mc, cc = vllm_config.model_config, vllm_config.cache_config
-    try:
-        head_size = int(mc.get_head_size())
-    except Exception:
-        head_size = None
-    isa = _cpu_attention_isa(mc.dtype, int(cc.block_size), head_size, str(cc.cache_dtype))
-    if isa != "amx":
-        return None
-    return (f"vLLM's CPU attention runs its AMX kernels here ({str(mc.dtype).replace('torch.', '')}, block size "
-            f"{cc.block_size}), which die of an illegal instruction when a prompt continues from inside a block")
+        if torch.cpu._is_amx_tile_supported() and not torch._C._cpu._init_amx():
+            logger.warning("kvconnect worker: Linux refused this process AMX tiles; vLLM's CPU attention may "
+                           "die of an illegal instruction")
+    except AttributeError:  # a torch without these calls
+        pass
 
 
 def _setup_json(vllm_config, tp_rank: int, open_layout: bool = False) -> str:
@@ -323,16 +305,12 @@ class KvconnectConnector(KVConnectorBase_V1):
         self._preempted_loads = 0
         ev = getattr(vllm_config, "kv_events_config", None)
         self._events_on = bool(ev is not None and getattr(ev, "enable_kv_cache_events", False))
-        self._whole_blocks: Optional[str] = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerCore(_setup_json(vllm_config, 0))
             self._scheduler = self._sched.native
             summary = self._scheduler.summary()
-            self._whole_blocks = _whole_blocks_only(vllm_config)
-            if self._whole_blocks:
-                logger.warning("kvconnect scheduler: decode loads whole blocks only and computes the rest of "
-                               "each prompt: %s", self._whole_blocks)
         else:
+            _allow_amx()
             self._core = WorkerCore(_setup_json(vllm_config, _tp_rank()), self._block_size)
             self._worker = self._core.native
             summary = self._worker.summary()
@@ -497,17 +475,10 @@ class KvconnectConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         # Every token the connector has, up to the prompt's last (which vLLM computes to sample
-        # the first token), also where that ends inside a block; whole blocks only where vLLM's
-        # CPU attention cannot continue from inside one (_whole_blocks_only).
-        tokens, is_async = self._sched.get_num_new_matched_tokens(
+        # the first token), also where that ends inside a block.
+        return self._sched.get_num_new_matched_tokens(
             request.request_id, list(request.prompt_token_ids or []), _params(request), int(num_computed_tokens)
         )
-        if tokens and self._whole_blocks:
-            end = (num_computed_tokens + tokens) // self._block_size * self._block_size
-            tokens = max(0, end - num_computed_tokens)
-            if tokens == 0:
-                is_async = False
-        return tokens, is_async
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
         self._sched.update_state_after_alloc(

@@ -189,25 +189,10 @@ def kv_config(role: str, inner, port=None, cls="KvconnectConnector", **adapter) 
             "kv_role": role, "kv_connector_extra_config": extra}
 
 
-def whole_blocks_only(dtype: str = "bfloat16", block: int = BLOCK, head_size: int = 64,
-                      cache_dtype: str = "auto") -> bool:
-    """True where vLLM's CPU attention picks its AMX kernels for these server settings (by
-    vLLM's own rule): they die of an illegal instruction when a prompt continues from inside a
-    block, so there decode loads whole blocks only. The tiny models' head size is 64."""
-    import torch
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    return _get_attn_isa(getattr(torch, dtype), block, head_size, cache_dtype) == "amx"
-
-
-def loadable(prompt: list[int], dtype: str = "bfloat16", block: int = BLOCK, cache_dtype: str = "auto") -> int:
+def loadable(prompt: list[int]) -> int:
     """The tokens decode loads from its producer: every prompt token but the last, which it
-    computes to sample the first output token (a load may end inside a block); whole blocks
-    of them where vLLM's CPU attention runs its AMX kernels (`whole_blocks_only`)."""
-    n = max(0, len(prompt) - 1)
-    if whole_blocks_only(dtype, block, cache_dtype=cache_dtype):
-        n = n // block * block
-    return n
+    computes to sample the first output token (a load may end inside a block)."""
+    return max(0, len(prompt) - 1)
 
 
 def external_tokens(log: str) -> list[int]:

@@ -39,14 +39,6 @@ SHAPES = {
             "cache_dtype F32"),
 }
 
-# What decode loads of a prompt for each shape, as the servers' dtype, block size and cache
-# dtype make vLLM's CPU attention pick its kernels.
-LOADABLE = {
-    "fp8": lambda p: loadable(p, cache_dtype="fp8"),
-    "fp8_e5m2": lambda p: loadable(p, cache_dtype="fp8_e5m2"),
-    "mla": lambda p: loadable(p, dtype="float32", block=16),
-}
-
 
 def prompts(lens=PROMPT_LENS) -> list[list[int]]:
     rng = random.Random(11)
@@ -78,10 +70,8 @@ def check_shape(name: str, model: str, logdir: Path, ps) -> None:
         for i, (g, e) in enumerate(zip(got, expected)):
             if g != e:
                 raise Failed(f"{name}: prompt {i} ({len(ps[i])} tokens): P/D gave {g}, monolithic {e}")
-        # Decode loads every prompt token but the last, also where that ends inside a block
-        # (whole blocks where vLLM's CPU attention runs its AMX kernels: the fp8 shapes).
-        lo = LOADABLE[name]
-        want = [lo(p) for p in ps if lo(p)]
+        # Decode loads every prompt token but the last, also where that ends inside a block.
+        want = [loadable(p) for p in ps if loadable(p)]
         ext = external_tokens(dec.text())
         if sorted(ext) != sorted(want):
             raise Failed(f"{name}: decode loaded external tokens {ext}, expected {want}\n{dec.tail()}")
