@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs one fuzz target, or all of them, for SECONDS each (FUZZING.md).
+# Runs one fuzz target, or all of them, for SECONDS each (FUZZING.md), as many at a time as
+# there are cores (FUZZ_JOBS=N to change it).
 #   scripts/fuzz.sh TARGET SECONDS     e.g. scripts/fuzz.sh nixl_wire 60
 #   scripts/fuzz.sh all SECONDS
 #   scripts/fuzz.sh list
@@ -42,25 +43,46 @@ fi
 # faster. Debug assertions on, so an arithmetic overflow is a crash.
 flags=(-s none -a)
 cargo +nightly fuzz build "${flags[@]}"
-summary=()
-for t in $run; do
+# The targets run side by side, one per core (FUZZ_JOBS overrides): each gets one core for
+# its SECONDS, as it would alone.
+jobs="${FUZZ_JOBS:-$(nproc)}"
+case "$jobs" in '' | *[!0-9]* | 0) echo "error: FUZZ_JOBS must be a whole number above 0, got '$jobs'" >&2; exit 2 ;; esac
+one() {
+  local t="$1" log="fuzz/target/$1.log"
   mkdir -p "fuzz/target/corpus/$t"
-  log="fuzz/target/$t.log"
   echo "== $t: ${secs}s"
-  status=ok
   # -rss_limit_mb: a decoder that allocates what a length prefix announces runs out of it.
-  if ! cargo +nightly fuzz run "${flags[@]}" "$t" "fuzz/target/corpus/$t" "fuzz/corpus/$t" -- \
+  if cargo +nightly fuzz run "${flags[@]}" "$t" "fuzz/target/corpus/$t" "fuzz/corpus/$t" -- \
     -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -max_len=65536 -print_final_stats=1 \
     >"$log" 2>&1; then
-    status=CRASH
+    echo ok >"fuzz/target/$t.status"
+  else
+    echo CRASH >"fuzz/target/$t.status"
   fi
-  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
+}
+running=0
+for t in $run; do
+  rm -f "fuzz/target/$t.status"
+  if [ "$running" -ge "$jobs" ]; then
+    wait -n || true
+    running=$((running - 1))
+  fi
+  one "$t" &
+  running=$((running + 1))
+done
+wait
+summary=()
+crashed=0
+for t in $run; do
+  status=$(cat "fuzz/target/$t.status" 2>/dev/null || echo CRASH)
+  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "fuzz/target/$t.log" | tail -1)
   summary+=("$t $status ${runs:-?} executions")
   if [ "$status" != ok ]; then
-    tail -40 "$log" >&2
+    crashed=1
+    echo "== $t: the fuzzer's last lines" >&2
+    tail -40 "fuzz/target/$t.log" >&2
   fi
 done
-echo "== summary (${secs}s each)"
+echo "== summary (${secs}s each, $jobs at a time)"
 printf '%s\n' "${summary[@]}"
-printf '%s\n' "${summary[@]}" | grep -q CRASH && exit 1
-exit 0
+exit "$crashed"

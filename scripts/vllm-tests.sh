@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Runs kvconnect's tests inside real vLLM servers: two groups of test scripts side by side,
+# then the adapter's driver and the TTFT guard alone. Each group's output is kept in its own
+# log and printed whole when the group ends, so the lines of the two never interleave.
+#   scripts/vllm-tests.sh VENV
+# VENV: a venv with vLLM and kvconnect's Python package (scripts/install-vllm.sh, then
+# `pip install ./python`). Needs the `kvconnect` binary and the example plugin built
+# (`cargo build -p kvconnect-host --bin kvconnect` and `cargo build -p kvconnect-plugin-example`).
+#
+# Why side by side: a test script keeps about 0.9 of one core busy on average (vLLM's start is
+# one process importing after another; a request is one step at a time), so on two cores two
+# scripts take little more wall time than one. Each server is still pinned to one core, and
+# each script picks its own ports (tests/vllm/harness.py's free_port). The TTFT guard runs
+# after both, on a quiet machine, as its figures need.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ $# -ne 1 ] || [ ! -x "$1/bin/python" ]; then
+  echo "usage: scripts/vllm-tests.sh VENV (a venv with vLLM and kvconnect installed; see scripts/install-vllm.sh)" >&2
+  exit 2
+fi
+py="$1/bin/python"
+export KVCONNECT_REQUIRE_VLLM=1
+logs="$(mktemp -d)"
+trap 'rm -rf "$logs"' EXIT
+
+# Each group: its scripts one after another, stopping at the first that fails.
+group() {
+  local name="$1"
+  shift
+  local start=$SECONDS
+  for t in "$@"; do
+    echo "== [$name ${SECONDS}s] $py $t"
+    # shellcheck disable=SC2086 # a script's arguments are split on purpose
+    if ! "$py" $t; then
+      echo "== [$name] FAILED: $t"
+      return 1
+    fi
+  done
+  echo "== [$name] passed in $((SECONDS - start)) s"
+}
+
+# Group a:
+# - test_pd: P/D over nixl shm and tcp, jointly negotiated composites, and requests through
+#   the `kvconnect proxy` binary in front of the vLLM servers;
+# - test_cache: one server with kvconnect caches: lmcache, flexkv and the example plugin;
+# - test_hma: DYN-3545 on a tiny sliding-window model: the HMA mismatch refused at the
+#   handshake (the failed request's report carries the diff) and, from one deployment file,
+#   at startup;
+# - test_load: 200 P/D requests, 8 in flight, vLLM's prefix cache on: every output equal to
+#   monolithic, no failed load, every reusable token taken from the prefix cache or loaded.
+group a "tests/vllm/test_pd.py --backends shm,tcp" tests/vllm/test_cache.py tests/vllm/test_hma.py \
+  tests/vllm/test_load.py >"$logs/a.log" 2>&1 &
+a=$!
+# Group b:
+# - test_tp: tensor parallelism: P/D TP 2 -> TP 2 over nixl tcp and shm, lmcache and flexkv
+#   in a TP 2 server, TP 2 -> TP 1 and TP 1 -> TP 2;
+# - test_shapes: the tiny Llama with an fp8 KV cache (fp8, fp8_e5m2) and a tiny
+#   DeepSeek-V2-like MLA model, each in P/D over nixl tcp against a monolithic server;
+# - test_api: vLLM's connector API: a failed load recomputed from its first failed block,
+#   preemptions after loads, /reset_prefix_cache emptying lmcache's and flexkv's stores, KV
+#   events;
+# - test_events: lmcache's tier events (tokens, parents, CPU-to-disk moves) on vLLM's own
+#   --kv-events-config publisher, read with vLLM's KVEventBatch decoder; then kvconnect's
+#   codec and publisher read by vLLM's decoder and pyzmq.
+group b tests/vllm/test_tp.py tests/vllm/test_shapes.py tests/vllm/test_api.py tests/vllm/test_events.py \
+  >"$logs/b.log" 2>&1 &
+b=$!
+wait "$a"
+ra=$?
+cat "$logs/a.log"
+wait "$b"
+rb=$?
+cat "$logs/b.log"
+if [ "$ra" != 0 ] || [ "$rb" != 0 ]; then
+  echo "vllm-tests: a group failed (group a: exit $ra, group b: exit $rb); its log is above" >&2
+  exit 1
+fi
+
+set -e
+# kvconnect's KV event codec and publisher against the venv's own vLLM classes.
+KVCONNECT_VLLM_VENV="$1" cargo test -p kvconnect-events
+# The adapter's core without vLLM: the vLLM-shaped driver of the GPU tests, over host tensors
+# and nixl tcp (on a GPU machine scripts/gpu-tests.sh runs it over CUDA tensors).
+"$py" tests/gpu/driver.py --device cpu
+# The P/D hop inside vLLM, guarded: KvconnectConnector over shm against a monolithic server,
+# interleaved pairs; fails above 5.5x monolithic's TTFT at the median (twice the 2.77x
+# recorded in BENCHMARKS.md) or when decode loads fewer than every prompt token but the last.
+"$py" tests/vllm/bench_ttft.py --peers kvconnect-shm --pairs 7 --prompt-len 410 --max-ratio 5.5
