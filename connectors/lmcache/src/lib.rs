@@ -82,6 +82,7 @@ pub mod pd;
 pub mod pinned_slab;
 pub mod registry;
 pub mod remote_tier;
+pub mod remote_watch;
 pub mod scheduler;
 pub mod slot_alloc;
 pub mod stats;

@@ -18,12 +18,16 @@
 //! **Writes** go through a background thread with its own connection, so a save never waits
 //! on the network; its queue holds at most [`QUEUE_BYTES`], past which chunks are dropped
 //! (counted) rather than buffered without bound.
+//!
+//! **KV events.** The writer records each chunk it wrote, and a watcher thread the chunks the
+//! server removed ([`crate::remote_watch`]), in one ordered list the store publishes from.
 
 use crate::config::RemoteConfig;
 use crate::disk_tier::{check_record, encode_record, DiskChunk};
 use crate::key::{ChunkKey, FORMAT_VERSION};
+use crate::remote_watch::{Changes, RemoteChange, Watch};
 use crate::stats::{add, Counters};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -43,9 +47,9 @@ pub enum RemoteError {
         /// The client's reason.
         reason: String,
     },
-    /// The writer thread could not be started.
-    #[error("cannot start the remote tier's writer thread: {0}")]
-    Thread(std::io::Error),
+    /// The writer or watcher thread could not be started.
+    #[error("cannot start the remote tier's {0} thread: {1}")]
+    Thread(&'static str, std::io::Error),
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -183,8 +187,11 @@ pub struct RemoteTier {
     tx: Option<Mutex<mpsc::Sender<Job>>>,
     writer: Option<JoinHandle<()>>,
     queued: Arc<AtomicU64>,
-    /// Chunks the writer has written, until the store takes them for its KV events.
-    written: Arc<Mutex<Vec<ChunkKey>>>,
+    /// Chunks written and removed, until the store takes them for its KV events.
+    changes: Arc<Changes>,
+    /// The thread that hears of removals, and what stops it.
+    watcher: Option<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
 }
 
 /// The Redis key of a chunk.
@@ -215,12 +222,25 @@ impl RemoteTier {
         });
         let (tx, rx) = mpsc::channel::<Job>();
         let queued = Arc::new(AtomicU64::new(0));
-        let written = Arc::new(Mutex::new(Vec::new()));
-        let (l, c, q, w) = (link.clone(), counters.clone(), queued.clone(), written.clone());
+        let changes = Arc::new(Changes::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let watch = Watch {
+            client: link.client.clone(),
+            url: cfg.url.clone(),
+            timeout: link.timeout,
+            retry: link.retry,
+            stop: stop.clone(),
+            changes: changes.clone(),
+        };
+        let watcher = std::thread::Builder::new()
+            .name("lmcache-remote-watch".to_owned())
+            .spawn(move || watch.run())
+            .map_err(|e| RemoteError::Thread("watcher", e))?;
+        let (l, c, q, w) = (link.clone(), counters.clone(), queued.clone(), changes.clone());
         let writer = std::thread::Builder::new()
             .name("lmcache-remote-writer".to_owned())
             .spawn(move || writer_loop(&l, &c, &q, &w, rx))
-            .map_err(RemoteError::Thread)?;
+            .map_err(|e| RemoteError::Thread("writer", e))?;
         Ok(RemoteTier {
             link,
             conn: Mutex::new(None),
@@ -228,7 +248,9 @@ impl RemoteTier {
             tx: Some(Mutex::new(tx)),
             writer: Some(writer),
             queued,
-            written,
+            changes,
+            watcher: Some(watcher),
+            stop,
         })
     }
 
@@ -316,10 +338,11 @@ impl RemoteTier {
         }
     }
 
-    /// The chunks written since the last call (at most `MAX_WRITTEN` are remembered; older
-    /// ones are dropped from this list, not from the remote).
-    pub fn take_written(&self) -> Vec<ChunkKey> {
-        std::mem::take(&mut *lock(&self.written))
+    /// The chunks written and removed since the last call, in the order seen (at most
+    /// [`crate::remote_watch::MAX_CHANGES`]; older ones are dropped from this list, not from
+    /// the remote).
+    pub fn take_changes(&self) -> Vec<RemoteChange> {
+        self.changes.take()
     }
 
     /// Waits until every chunk handed to the writer so far is written (or dropped).
@@ -339,19 +362,14 @@ impl Drop for RemoteTier {
         if let Some(h) = self.writer.take() {
             let _ = h.join();
         }
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.watcher.take() {
+            let _ = h.join();
+        }
     }
 }
 
-/// Written chunks remembered for KV events at most, between two `take_written`.
-const MAX_WRITTEN: usize = 1 << 16;
-
-fn writer_loop(
-    link: &Link,
-    c: &Counters,
-    queued: &AtomicU64,
-    written: &Mutex<Vec<ChunkKey>>,
-    rx: mpsc::Receiver<Job>,
-) {
+fn writer_loop(link: &Link, c: &Counters, queued: &AtomicU64, changes: &Changes, rx: mpsc::Receiver<Job>) {
     let mut conn: Option<redis::Connection> = None;
     while let Ok(job) = rx.recv() {
         match job {
@@ -367,10 +385,7 @@ fn writer_loop(
                     Ok(()) => {
                         add(&c.remote_writes, 1);
                         add(&c.remote.bytes_stored, record.len() as u64);
-                        let mut w = lock(written);
-                        if w.len() < MAX_WRITTEN {
-                            w.push(key);
-                        }
+                        changes.written(key);
                     }
                     Err(Skip::Backoff) => add(&c.remote_write_drops, 1),
                     Err(Skip::Failed) => add(&c.remote_write_errors, 1),

@@ -13,6 +13,7 @@ use crate::cpu_tier::{ChunkData, CpuTier, KeyMap};
 use crate::disk_tier::{DiskChunk, DiskTier, FILE_OVERHEAD};
 use crate::key::{ChunkKey, ChunkRef};
 use crate::remote_tier::{RemoteRead, RemoteTier};
+use crate::remote_watch::RemoteChange;
 use crate::stats::{add, Counters, LmcacheStats};
 use kvconnect_api::{ConnectorError, KvEvent, Medium};
 use std::collections::VecDeque;
@@ -492,15 +493,16 @@ impl ChunkStore {
         n
     }
 
-    /// Events since the last call: the local tiers' in order, then the chunks the remote
-    /// writer has written. The remote is shared and evicts on its own: it publishes stores
-    /// only.
+    /// Events since the last call: the local tiers' in order, then the remote's: the chunks
+    /// its writer wrote and those the server removed, in the order seen
+    /// ([`crate::remote_watch`]).
     pub fn take_events(&self) -> Vec<KvEvent> {
         let mut out: Vec<KvEvent> = lock(&self.shared.events).drain(..).collect();
         if let Some(remote) = &self.remote {
-            out.extend(
-                remote.take_written().into_iter().map(|k| self.shared.stored_event(k, Medium::Remote)),
-            );
+            out.extend(remote.take_changes().into_iter().map(|c| match c {
+                RemoteChange::Written(k) => self.shared.stored_event(k, Medium::Remote),
+                RemoteChange::Removed(k) => KvEvent::removed(vec![k.0[0]], Medium::Remote),
+            }));
         }
         out
     }

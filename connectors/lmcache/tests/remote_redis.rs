@@ -2,8 +2,10 @@
 //! prefilled on A is a remote hit on B, with the KV a monolithic engine computes), a server
 //! killed mid-workload costs misses (counted) and never a wrong or failed request, a restarted
 //! one serves hits again, and a corrupt value under a real key is a miss counted as corrupt.
-//! Skipped, with a message, where redis-server is not installed. A remote that accepts
-//! connections and never answers (no Redis needed) costs timeouts, counted, never an answer.
+//! The remote's KV events, replayed, give what Redis holds, through eviction, a DEL and a
+//! restart. Skipped, with a message, where redis-server is not installed. A remote that
+//! accepts connections and never answers (no Redis needed) costs timeouts, counted, never an
+//! answer.
 
 mod common;
 #[path = "common/redis_server.rs"]
@@ -11,11 +13,13 @@ mod redis_server;
 
 use common::*;
 use kvconnect_api::load_report::{self, TierTokens};
-use kvconnect_api::{BlocksPerGroup, KvLayout, StepInfo};
+use kvconnect_api::{BlocksPerGroup, KvEvent, KvLayout, Medium, StepInfo};
 use kvconnect_lmcache::key::{chunk_keys, Namespace};
 use kvconnect_lmcache::remote_tier::redis_key;
+use kvconnect_lmcache::remote_watch::chunk_of;
 use redis_server::{skip, RedisServer};
 use serde_json::json;
+use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 const CHUNK: usize = 16;
@@ -237,4 +241,118 @@ fn a_remote_that_never_answers_costs_timeouts_never_answers() {
         2 * REQUESTS as u64,
         "every chunk handed to the writer is counted as failed or dropped: {s:?}"
     );
+}
+
+/// What Redis holds now of kvconnect's chunks, as KV events name them.
+fn remote_holdings(redis: &RedisServer) -> BTreeSet<u64> {
+    let keys: Vec<String> = redis::cmd("KEYS").arg("kvconnect:lmcache:*").query(&mut redis.client()).unwrap();
+    keys.iter().filter_map(|k| chunk_of(k)).map(|k| k.0[0]).collect()
+}
+
+/// The remote's events, applied in order: each removal must name a chunk stored before it.
+#[derive(Default)]
+struct RemoteReplay {
+    index: BTreeSet<u64>,
+    stores: usize,
+    removals: usize,
+}
+
+impl RemoteReplay {
+    fn apply(&mut self, e: &mut Engine) {
+        for ev in e.sched.take_events().unwrap() {
+            match ev {
+                KvEvent::BlockStored(s) if s.medium == Medium::Remote => {
+                    self.index.extend(&s.block_hashes);
+                    self.stores += s.block_hashes.len();
+                }
+                KvEvent::BlockRemoved(r) if r.medium == Medium::Remote => {
+                    for h in r.block_hashes {
+                        assert!(self.index.remove(&h), "{h} removed from the remote, never stored there");
+                        self.removals += 1;
+                    }
+                }
+                KvEvent::AllBlocksCleared => panic!("the remote tier never clears everything"),
+                _ => {}
+            }
+        }
+    }
+
+    /// Applies `e`'s events until they give what Redis holds (notifications arrive on their
+    /// own thread), or panics after 10 s with both.
+    fn settle(&mut self, e: &mut Engine, redis: &RedisServer, what: &str) {
+        let t0 = Instant::now();
+        loop {
+            self.apply(e);
+            let held = remote_holdings(redis);
+            if self.index == held {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "{what}: the remote tier's events give {:?}, Redis holds {held:?}",
+                self.index
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+#[test]
+fn remote_events_replay_to_what_redis_holds_through_eviction_and_a_restart() {
+    let Some(mut redis) =
+        RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru", "--notify-keyspace-events", "Exeg"])
+    else {
+        return skip("remote_redis");
+    };
+    // Room for 1 MiB beyond what the empty server uses (clients' buffers take some of it):
+    // 1,024 chunks of 3 KiB evict most of them.
+    let used: String = redis::cmd("INFO").arg("memory").query(&mut redis.client()).unwrap();
+    let used: u64 = used
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("INFO memory names used_memory");
+    let room = used + (1 << 20);
+    let _: () =
+        redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(room).query(&mut redis.client()).unwrap();
+
+    let id = "remote-events";
+    let mut e = Engine::new(id, KvLayout::NHD, 8, extra(&redis.url()));
+    let mut r = RemoteReplay::default();
+    for i in 0..512 {
+        run_checked(&mut e, &format!("r{i}"), &prompt(500 + i, 2 * CHUNK + 1));
+        kvconnect_lmcache::flush(id);
+        r.apply(&mut e);
+    }
+    r.settle(&mut e, &redis, "after 1,024 chunks written");
+    let st = kvconnect_lmcache::stats(id).unwrap();
+    assert_eq!(
+        (r.stores, st.remote_writes),
+        (1024, 1024),
+        "every chunk written is one store on the remote: {st:?}"
+    );
+    assert!(r.removals >= 512, "Redis evicted chunks and each is a removal: {} removals", r.removals);
+    assert!(!r.index.is_empty(), "some chunks are still on the remote");
+
+    // A chunk deleted by someone else is a removal too.
+    let victim = *r.index.iter().next().unwrap();
+    let key: Vec<String> = redis::cmd("KEYS").arg("kvconnect:lmcache:*").query(&mut redis.client()).unwrap();
+    let key = key.into_iter().find(|k| chunk_of(k).is_some_and(|c| c.0[0] == victim)).unwrap();
+    let _: () = redis::cmd("DEL").arg(&key).query(&mut redis.client()).unwrap();
+    r.settle(&mut e, &redis, "after a DEL");
+    assert!(!r.index.contains(&victim));
+
+    // The server restarts empty: no notification says so, but the watcher, subscribing
+    // again, finds the chunks it wrote gone and publishes their removal.
+    redis.restart();
+    let _: () =
+        redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg(room).query(&mut redis.client()).unwrap();
+    r.settle(&mut e, &redis, "after a restart");
+    assert!(r.index.is_empty(), "nothing is claimed on a server that restarted empty");
+    // And the chunks written after it are stores again.
+    std::thread::sleep(Duration::from_millis(300));
+    run_checked(&mut e, "after", &prompt(900, 2 * CHUNK + 1));
+    kvconnect_lmcache::flush(id);
+    r.settle(&mut e, &redis, "after a write past the restart");
+    assert_eq!(r.index.len(), 2, "{:?}", r.index);
 }

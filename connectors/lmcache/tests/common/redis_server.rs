@@ -13,6 +13,8 @@ pub struct RedisServer {
     pub port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
+    /// Further redis-server arguments, kept for a restart.
+    args: Vec<String>,
 }
 
 fn binary() -> Option<PathBuf> {
@@ -28,9 +30,15 @@ pub fn skip(test: &str) {
 impl RedisServer {
     /// A server on a free port, or `None` without the binary.
     pub fn start() -> Option<RedisServer> {
+        RedisServer::start_with(&[])
+    }
+
+    /// A server started with further redis-server arguments (`--maxmemory`, ...).
+    pub fn start_with(args: &[&str]) -> Option<RedisServer> {
         binary()?;
         let port = TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
-        let mut s = RedisServer { port, child: None, dir: tempfile::tempdir().ok()? };
+        let args = args.iter().map(|a| a.to_string()).collect();
+        let mut s = RedisServer { port, child: None, dir: tempfile::tempdir().ok()?, args };
         s.spawn();
         Some(s)
     }
@@ -48,6 +56,7 @@ impl RedisServer {
                 "no",
             ])
             .args(["--dir", &self.dir.path().display().to_string()])
+            .args(&self.args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
