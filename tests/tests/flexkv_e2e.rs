@@ -81,11 +81,37 @@ fn stored_on(events: &[kvconnect_api::KvEvent], tier: &str) -> usize {
         .sum()
 }
 
+/// Every stored block carries its tokens: one full block of one of the prompts, and the
+/// block its parent names holds the tokens just before it in that prompt.
+fn check_tokens(events: &[kvconnect_api::KvEvent]) {
+    let blocks: std::collections::HashSet<Vec<u32>> = varied_prompts(25)
+        .iter()
+        .flat_map(|p| p.chunks_exact(BLOCK).map(|b| b.to_vec()).collect::<Vec<_>>())
+        .collect();
+    let mut tokens_of = std::collections::HashMap::new();
+    for ev in events {
+        if let kvconnect_api::KvEvent::BlockStored(s) = ev {
+            assert_eq!((s.block_hashes.len(), s.token_ids.len()), (1, BLOCK), "{s:?}");
+            assert!(blocks.contains(&s.token_ids), "a stored block's tokens are a prompt's block: {s:?}");
+            tokens_of.insert(s.block_hashes[0], (s.parent_block_hash, s.token_ids.clone()));
+        }
+    }
+    for (parent, tokens) in tokens_of.values() {
+        let Some((_, before)) = parent.and_then(|p| tokens_of.get(&p)) else { continue };
+        let joined = [before.clone(), tokens.clone()].concat();
+        assert!(
+            varied_prompts(25).iter().any(|p| p.windows(2 * BLOCK).any(|w| w == &joined[..])),
+            "a block follows its parent's tokens in some prompt"
+        );
+    }
+}
+
 #[test]
 fn engine_with_flexkv_nhd_hits_give_monolithic_tokens() {
     let ev = twice_through(KvLayout::NHD, serde_json::json!({"cpu_cache_gb": 0.5}), "flexkv-e2e-nhd");
     let full_blocks: usize = varied_prompts(25).iter().map(|p| p.len() / BLOCK).sum();
     assert_eq!(stored_on(&ev, "cpu_tier"), full_blocks);
+    check_tokens(&ev);
 }
 
 #[test]
@@ -112,6 +138,8 @@ fn engine_with_flexkv_ssd_tier_hits_give_monolithic_tokens() {
     let ev = twice_through(KvLayout::HND, extra, "flexkv-e2e-ssd");
     let full_blocks: usize = varied_prompts(25).iter().map(|p| p.len() / BLOCK).sum();
     assert_eq!(stored_on(&ev, "disk"), full_blocks - 8, "all but the CPU tier's 8 blocks went to SSD");
+    // The blocks that moved from the CPU tier to the SSD carry their tokens there too.
+    check_tokens(&ev);
 }
 
 fn deployment(dir: &std::path::Path) -> std::path::PathBuf {

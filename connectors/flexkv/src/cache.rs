@@ -143,7 +143,8 @@ impl Inner {
 }
 
 /// A block stored in `tier`, under the parent the index links it to. The cache keeps no
-/// tokens: its events carry the hashes, the parent and the block size, no token ids.
+/// tokens: its events carry the hashes, the parent and the block size, and the scheduler
+/// half fills in the token ids (`crate::token_book`).
 fn stored(index: &RadixIndex, hash: u64, tier: Tier, block_size: u32) -> KvEvent {
     KvEvent::stored(vec![hash], index.parent_of(hash), Vec::new(), block_size, tier.medium())
 }

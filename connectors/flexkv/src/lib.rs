@@ -45,6 +45,7 @@ pub mod radix;
 pub mod registry;
 pub mod scheduler;
 pub mod ssd_tier;
+pub mod token_book;
 pub mod transfer;
 pub mod worker;
 

@@ -9,10 +9,14 @@
 //! the worker to save the prompt's full blocks; `request_finished` then holds the blocks
 //! (`delay_free`) until the worker reports the save done in `finished_sending`. This assumes
 //! the prompt is computed in one step (no chunked prefill), as the reference engine does.
+//!
+//! KV events: the cache's own carry hashes, parents and the block size; this half notes each
+//! prompt block's tokens when its save becomes due and fills them in ([`TokenBook`]).
 
 use crate::factory::{Engine, NAME};
 use crate::hash::block_hashes;
 use crate::meta::{FlexkvMeta, LoadOp, SaveOp};
+use crate::token_book::TokenBook;
 use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorError, ConnectorResult, KvEvent, MatchResult, Request, RequestFinished,
     RequestId, SchedulerConnector, StepInfo,
@@ -46,12 +50,21 @@ pub struct FlexkvScheduler {
     loads: Vec<LoadOp>,
     finished: Vec<RequestId>,
     step: u64,
+    /// The tokens of the blocks saved, for the KV events.
+    book: TokenBook,
 }
 
 impl FlexkvScheduler {
     /// The scheduler half over an engine's shared cache.
     pub fn new(engine: Engine) -> Self {
-        FlexkvScheduler { engine, reqs: HashMap::new(), loads: Vec::new(), finished: Vec::new(), step: 0 }
+        FlexkvScheduler {
+            engine,
+            reqs: HashMap::new(),
+            loads: Vec::new(),
+            finished: Vec::new(),
+            step: 0,
+            book: TokenBook::default(),
+        }
     }
 
     fn block_size(&self) -> usize {
@@ -137,6 +150,9 @@ impl SchedulerConnector for FlexkvScheduler {
         st.blocks = blocks.0.first().cloned().unwrap_or_default();
         if st.save == Save::Waiting {
             st.save = Save::Due;
+            for (h, t) in st.hashes.iter().zip(req.prompt_tokens.chunks_exact(bs)) {
+                self.book.note(*h, t);
+            }
         }
         let first = st.num_computed / bs;
         let end = ((st.num_computed + num_external_tokens) / bs).min(st.pinned);
@@ -228,7 +244,9 @@ impl SchedulerConnector for FlexkvScheduler {
     }
 
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
-        Ok(self.engine.cache.take_events())
+        let mut events = self.engine.cache.take_events();
+        self.book.fill(&mut events);
+        Ok(events)
     }
 
     fn reset_cache(&mut self) -> ConnectorResult<bool> {
