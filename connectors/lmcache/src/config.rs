@@ -648,7 +648,16 @@ fn disk_path(s: &str) -> Option<PathBuf> {
 /// backends are refused, naming it.
 fn check_remote_url(url: &str, source: &str) -> Result<(), ConnectorError> {
     let u = url.trim();
-    let scheme = u.split("://").next().unwrap_or("").to_ascii_lowercase();
+    let Some((scheme, rest)) = u.split_once("://") else {
+        return Err(ConnectorError::config(
+            NAME,
+            format!(
+                "remote_url '{u}' (from {source}) is not a URL; kvconnect's remote tier is a Redis server: \
+                run redis-server and set remote_url: redis://host:port"
+            ),
+        ));
+    };
+    let scheme = scheme.to_ascii_lowercase();
     let refuse = |why: &str| {
         ConnectorError::config(
             NAME,
@@ -660,7 +669,6 @@ fn check_remote_url(url: &str, source: &str) -> Result<(), ConnectorError> {
     };
     match scheme.as_str() {
         "redis" => {
-            let rest = &u["redis://".len()..];
             let host_port = rest.rsplit('@').next().unwrap_or("").split('/').next().unwrap_or("");
             if host_port.is_empty() {
                 return Err(refuse("names no host"));
@@ -860,6 +868,17 @@ mod tests {
         );
         let r = resolve(&extra(json!({"local_cpu": false, "remote_url": "redis://h:1"})), &[]).unwrap();
         assert!(!r.config.local_cpu && r.config.has_storage(), "a remote tier alone is somewhere to store");
+    }
+
+    #[test]
+    fn a_remote_url_without_a_scheme_separator_is_refused_not_a_panic() {
+        // Found by the lmcache_config fuzz target: "redis" alone was sliced past its end.
+        for url in ["redis", "redis:/h:1", "REDIS", "localhost:6379"] {
+            let e = resolve(&extra(json!({"remote_url": url})), &[]).unwrap_err().to_string();
+            assert!(e.contains("is not a URL") && e.contains("redis://host:port"), "{url}: {e}");
+        }
+        let e = resolve(&extra(json!({"remote_url": "redis://"})), &[]).unwrap_err().to_string();
+        assert!(e.contains("names no host"), "{e}");
     }
 
     #[test]
