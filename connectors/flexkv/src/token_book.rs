@@ -33,13 +33,12 @@ pub struct TokenBook {
 impl TokenBook {
     /// Notes the tokens of block `hash`.
     pub fn note(&mut self, hash: u64, tokens: &[u32]) {
-        match self.blocks.get_mut(&hash) {
-            Some(e) => e.tokens = tokens.into(),
-            None => {
-                self.blocks.insert(hash, Entry { tokens: tokens.into(), tiers: 0 });
-                self.order.push_back(hash);
-            }
+        // A hash names its tokens: a block noted before keeps what it has.
+        if self.blocks.contains_key(&hash) {
+            return;
         }
+        self.blocks.insert(hash, Entry { tokens: tokens.into(), tiers: 0 });
+        self.order.push_back(hash);
         while self.blocks.len() > MAX_BLOCKS {
             let Some(old) = self.order.pop_front() else { break };
             self.blocks.remove(&old);

@@ -52,7 +52,7 @@ pub enum RemoteError {
     Thread(&'static str, std::io::Error),
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     match m.lock() {
         Ok(g) => g,
         Err(p) => p.into_inner(),
@@ -65,12 +65,12 @@ struct Health {
     until: Option<Instant>,
 }
 
-struct Link {
+pub(crate) struct Link {
     client: redis::Client,
     timeout: Duration,
-    retry: Duration,
+    pub(crate) retry: Duration,
     health: Mutex<Health>,
-    url: String,
+    pub(crate) url: String,
 }
 
 impl Link {
@@ -104,7 +104,7 @@ impl Link {
         }
     }
 
-    fn connect(&self) -> redis::RedisResult<redis::Connection> {
+    pub(crate) fn connect(&self) -> redis::RedisResult<redis::Connection> {
         let c = self.client.get_connection_with_timeout(self.timeout)?;
         c.set_read_timeout(Some(self.timeout))?;
         c.set_write_timeout(Some(self.timeout))?;
@@ -224,14 +224,7 @@ impl RemoteTier {
         let queued = Arc::new(AtomicU64::new(0));
         let changes = Arc::new(Changes::default());
         let stop = Arc::new(AtomicBool::new(false));
-        let watch = Watch {
-            client: link.client.clone(),
-            url: cfg.url.clone(),
-            timeout: link.timeout,
-            retry: link.retry,
-            stop: stop.clone(),
-            changes: changes.clone(),
-        };
+        let watch = Watch { link: link.clone(), stop: stop.clone(), changes: changes.clone() };
         let watcher = std::thread::Builder::new()
             .name("lmcache-remote-watch".to_owned())
             .spawn(move || watch.run())

@@ -16,10 +16,10 @@
 //! all.
 
 use crate::key::{ChunkKey, FORMAT_VERSION};
-use crate::remote_tier::redis_key;
+use crate::remote_tier::{lock, redis_key, Link};
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The keyevent channels watched, in every database.
@@ -57,13 +57,6 @@ struct Written {
     held: HashSet<ChunkKey>,
     /// Oldest first; may still name chunks since removed (skipped when met).
     order: VecDeque<ChunkKey>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    match m.lock() {
-        Ok(g) => g,
-        Err(p) => p.into_inner(),
-    }
 }
 
 impl Changes {
@@ -140,20 +133,12 @@ pub fn missing_flags(setting: &str) -> String {
     missing
 }
 
-/// What the watcher needs of the tier.
-pub struct Watch {
-    /// The server.
-    pub client: redis::Client,
-    /// Its URL, for messages.
-    pub url: String,
-    /// Connect, read and write timeout of the checks.
-    pub timeout: Duration,
-    /// Wait before reconnecting.
-    pub retry: Duration,
-    /// Set when the tier is dropped.
-    pub stop: Arc<AtomicBool>,
-    /// Where removals go.
-    pub changes: Arc<Changes>,
+/// What the watcher needs of the tier: its link (server, URL, timeout and the wait before
+/// reconnecting), what stops it, and where removals go.
+pub(crate) struct Watch {
+    pub(crate) link: Arc<Link>,
+    pub(crate) stop: Arc<AtomicBool>,
+    pub(crate) changes: Arc<Changes>,
 }
 
 /// How often the watcher looks at `stop` while it waits for a notification.
@@ -166,27 +151,20 @@ impl Watch {
         let mut first = true;
         while !self.stop.load(Ordering::Relaxed) {
             if let Err(e) = self.subscribed(&mut warned, first) {
-                tracing::debug!(url = %self.url, "lmcache: the remote tier's key events are not received ({e}); \
-                    subscribing again in {:?}", self.retry);
-                let until = Instant::now() + self.retry;
+                tracing::debug!(url = %self.link.url, "lmcache: the remote tier's key events are not received ({e}); \
+                    subscribing again in {:?}", self.link.retry);
+                let until = Instant::now() + self.link.retry;
                 while Instant::now() < until && !self.stop.load(Ordering::Relaxed) {
-                    std::thread::sleep(POLL.min(self.retry));
+                    std::thread::sleep(POLL.min(self.link.retry));
                 }
             }
             first = false;
         }
     }
 
-    fn connect(&self) -> redis::RedisResult<redis::Connection> {
-        let c = self.client.get_connection_with_timeout(self.timeout)?;
-        c.set_read_timeout(Some(self.timeout))?;
-        c.set_write_timeout(Some(self.timeout))?;
-        Ok(c)
-    }
-
     /// One subscription, until the connection fails or `stop` is set.
     fn subscribed(&self, warned: &mut bool, first: bool) -> redis::RedisResult<()> {
-        let mut conn = self.connect()?;
+        let mut conn = self.link.connect()?;
         self.check_setting(&mut conn, warned);
         let mut ps = conn.as_pubsub();
         for ch in CHANNELS {
@@ -234,7 +212,7 @@ impl Watch {
                     "its notify-keyspace-events is '{setting}', which lacks '{missing}'; run `redis-cli -u {} \
                         CONFIG SET notify-keyspace-events Exeg` (or start redis-server with \
                         --notify-keyspace-events Exeg)",
-                    self.url
+                    self.link.url
                 )
             }
             Err(e) => format!(
@@ -243,7 +221,7 @@ impl Watch {
         };
         *warned = true;
         tracing::warn!(
-            url = %self.url,
+            url = %self.link.url,
             "lmcache: the remote tier cannot publish the chunks the server removes as KV events: {why}. \
                 Until then the remote tier publishes its stores only, and a router may send requests for \
                 chunks that are gone (they are misses, never wrong answers)"
@@ -256,7 +234,7 @@ impl Watch {
         if keys.is_empty() {
             return Ok(());
         }
-        let mut conn = self.connect()?;
+        let mut conn = self.link.connect()?;
         let mut gone = Vec::new();
         for part in keys.chunks(1024) {
             let mut p = redis::pipe();
@@ -270,7 +248,7 @@ impl Watch {
             self.changes.removed(*k);
         }
         if !gone.is_empty() {
-            tracing::info!(url = %self.url, "lmcache: after reconnecting, {} chunk(s) this worker wrote are no \
+            tracing::info!(url = %self.link.url, "lmcache: after reconnecting, {} chunk(s) this worker wrote are no \
                 longer on the remote tier; published as removed", gone.len());
         }
         Ok(())
