@@ -4,6 +4,8 @@
 #   scripts/fuzz.sh TARGET SECONDS     e.g. scripts/fuzz.sh nixl_wire 60
 #   scripts/fuzz.sh all SECONDS
 #   scripts/fuzz.sh list
+#   scripts/fuzz.sh build              builds every target and runs none (.ci/run builds them
+#                                      early, beside the tests, then runs them)
 # Needs nightly Rust and cargo-fuzz (cargo install cargo-fuzz). The seed corpus in
 # fuzz/corpus/TARGET is read, never written: what the fuzzer finds goes to
 # fuzz/target/corpus/TARGET, a crash to fuzz/artifacts/TARGET. Exits non-zero on a crash.
@@ -11,13 +13,28 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-  echo "usage: scripts/fuzz.sh TARGET|all|list SECONDS" >&2
+  echo "usage: scripts/fuzz.sh TARGET|all SECONDS, or scripts/fuzz.sh list|build" >&2
   exit 2
 }
 [ $# -ge 1 ] || usage
 targets() { sed -n 's/^name = "\(.*\)"$/\1/p' fuzz/Cargo.toml | grep -v '^kvconnect-fuzz$'; }
 if [ "$1" = list ]; then
   targets
+  exit 0
+fi
+# No sanitizer: the decoders are safe Rust, and without one each target runs several times
+# faster. Debug assertions on, so an arithmetic overflow is a crash.
+flags=(-s none -a)
+need_fuzz() {
+  if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
+    echo "error: cargo-fuzz with a nightly toolchain is needed: rustup toolchain install nightly && cargo install cargo-fuzz" >&2
+    exit 2
+  fi
+}
+if [ "$1" = build ]; then
+  [ $# -eq 1 ] || usage
+  need_fuzz
+  cargo +nightly fuzz build "${flags[@]}"
   exit 0
 fi
 [ $# -eq 2 ] || usage
@@ -34,15 +51,9 @@ else
   fi
   run="$target"
 fi
-if ! cargo +nightly fuzz --version >/dev/null 2>&1; then
-  echo "error: cargo-fuzz with a nightly toolchain is needed: rustup toolchain install nightly && cargo install cargo-fuzz" >&2
-  exit 2
-fi
-
-# No sanitizer: the decoders are safe Rust, and without one each target runs several times
-# faster. Debug assertions on, so an arithmetic overflow is a crash.
-flags=(-s none -a)
+need_fuzz
 cargo +nightly fuzz build "${flags[@]}"
+
 # The targets run side by side, one per core (FUZZ_JOBS overrides): each gets one core for
 # its SECONDS, as it would alone.
 jobs="${FUZZ_JOBS:-$(nproc)}"
