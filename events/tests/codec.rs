@@ -2,10 +2,12 @@
 //! (`vllm_golden.py`), and, where the vLLM venv is present, vLLM's decoder reads what
 //! kvconnect writes.
 
+mod vllm_venv;
+
 use kvconnect_api::{KvEvent, KvEventBatch, Medium};
 use kvconnect_events::{decode_batch, encode_batch, DecodeError};
-use std::path::PathBuf;
 use std::process::Command;
+use vllm_venv::vllm_python;
 
 const GOLDEN: &[u8] = include_bytes!("fixtures/vllm_batch.msgpack");
 
@@ -128,20 +130,12 @@ fn malformed_batches_get_an_error_that_names_the_fault() {
     }
 }
 
-/// The vLLM venv: `KVCONNECT_VLLM_VENV`, else the repository's `.venv-vllm` (CI's), else none.
-fn vllm_python() -> Option<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let venv = std::env::var_os("KVCONNECT_VLLM_VENV").map(PathBuf::from).unwrap_or(root.join(".venv-vllm"));
-    let py = venv.join("bin/python");
-    py.exists().then_some(py)
-}
-
 /// vLLM's own decoder (`msgspec.msgpack.Decoder(KVEventBatch)`) reads kvconnect's bytes and
 /// finds the same events.
 #[test]
 fn vllm_decodes_what_kvconnect_writes() {
     let Some(py) = vllm_python() else {
-        eprintln!("skipped: no vLLM venv (set KVCONNECT_VLLM_VENV, or scripts/install-vllm.sh)");
+        eprintln!("{}", vllm_venv::SKIPPED);
         return;
     };
     let dir = std::env::temp_dir().join(format!("kvc-events-codec-{}", std::process::id()));

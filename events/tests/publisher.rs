@@ -3,11 +3,13 @@
 //! malformed request is ignored and counted; and, where the vLLM venv is present, a
 //! subscriber written with pyzmq and vLLM's own decoder reads kvconnect's batches.
 
+mod vllm_venv;
+
 use kvconnect_api::{KvEvent, KvEventBatch, Medium};
 use kvconnect_events::{decode_batch, PublisherConfig, ZmqEventPublisher, END_SEQ};
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
+use vllm_venv::vllm_python;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 fn batch(i: u64) -> KvEventBatch {
@@ -119,19 +121,12 @@ fn bad_endpoints_are_refused_with_the_remedy() {
     assert!(err.contains("cannot bind") && err.contains("free port"), "{err}");
 }
 
-fn vllm_python() -> Option<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
-    let venv = std::env::var_os("KVCONNECT_VLLM_VENV").map(PathBuf::from).unwrap_or(root.join(".venv-vllm"));
-    let py = venv.join("bin/python");
-    py.exists().then_some(py)
-}
-
 /// A subscriber as vLLM's docs write one (pyzmq SUB, `msgspec.msgpack.Decoder(KVEventBatch)`,
 /// replay through a REQ... DEALER) reads kvconnect's publisher.
 #[test]
 fn a_vllm_subscriber_reads_kvconnect_publisher() {
     let Some(py) = vllm_python() else {
-        eprintln!("skipped: no vLLM venv (set KVCONNECT_VLLM_VENV, or scripts/install-vllm.sh)");
+        eprintln!("{}", vllm_venv::SKIPPED);
         return;
     };
     let p = publisher(true);
