@@ -58,6 +58,12 @@ pub struct UpArgs {
     /// Which prompts the workload sends.
     #[arg(long, value_enum, default_value = "mixed")]
     pub prompts: Prompts,
+    /// How many distinct long prefixes (600 tokens) the workload's shared prompts start with;
+    /// each request's is a fixed pseudo-random draw. Fewer repeats of each prefix make
+    /// where a request lands matter more (KV routing against round-robin).
+    #[arg(long, value_name = "N", default_value_t = workload::DEFAULT_PREFIXES,
+          value_parser = clap::value_parser!(u16).range(1..=4096), requires = "workload")]
+    pub prefixes: u16,
     /// Workload requests in flight at once.
     #[arg(long, value_name = "C", default_value_t = 4)]
     pub concurrency: usize,
@@ -380,13 +386,16 @@ async fn run_workload(
     model_path: &std::path::Path,
 ) -> Result<()> {
     let model = workload::reference_model(model_path)?;
-    let items = workload::items(n, a.prompts);
+    let items = workload::items(n, a.prompts, a.prefixes);
     let it2 = items.clone();
     let m2 = model.clone();
     let truth = tokio::task::spawn_blocking(move || workload::ground_truth(&it2, 0, m2))
         .await
         .context("ground truth task")??;
-    let prompts = format!("{:?}", a.prompts).to_lowercase();
+    let prompts = match a.prompts {
+        Prompts::Unique => "unique".to_owned(),
+        p => format!("{} ({} prefixes)", format!("{p:?}").to_lowercase(), a.prefixes),
+    };
     // With a monolithic server to compare against, the two run in interleaved rounds of
     // `concurrency` requests (which of the two goes first alternates), so both see the same
     // machine load; each prompt's two TTFTs form a pair.

@@ -46,10 +46,25 @@ fn letters(seed: usize, len: usize) -> String {
         .collect()
 }
 
-/// The `n` requests of a workload.
-pub fn items(n: usize, kind: Prompts) -> Vec<Item> {
+/// The long prefixes the shared prompts start with, unless `--prefixes` says otherwise.
+pub const DEFAULT_PREFIXES: u16 = 3;
+
+/// Which of `count` prefixes request `i` starts with: a fixed pseudo-random draw, as requests
+/// from many users arrive, so that no prefix follows the proxy's round-robin cycle (with
+/// `i % count`, a count that shares a factor with the number of prefill workers would send
+/// every repeat of a prefix to the same worker under round-robin too).
+fn prefix_of(i: usize, count: usize) -> usize {
+    // SplitMix64's finaliser: consecutive `i` give unrelated draws.
+    let mut x = (i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    ((x ^ (x >> 31)) % count.max(1) as u64) as usize
+}
+
+/// The `n` requests of a workload; shared prompts start with one of `prefixes` long prefixes.
+pub fn items(n: usize, kind: Prompts, prefixes: u16) -> Vec<Item> {
     // Prefixes of 600 bytes: two LMCache chunks of 256 tokens each are reusable.
-    let prefixes: Vec<String> = (0..3).map(|i| letters(1000 + i, 600)).collect();
+    let prefixes: Vec<String> = (0..usize::from(prefixes.max(1))).map(|i| letters(1000 + i, 600)).collect();
     (0..n)
         .map(|i| {
             let shared = match kind {
@@ -59,7 +74,7 @@ pub fn items(n: usize, kind: Prompts) -> Vec<Item> {
             };
             let suffix = letters(i, 20 + (i * 7) % 60);
             let text = if shared {
-                format!("{}{suffix}", prefixes[i % prefixes.len()])
+                format!("{}{suffix}", prefixes[prefix_of(i, prefixes.len())])
             } else {
                 letters(50_000 + i, 300 + (i * 13) % 300)
             };
@@ -130,17 +145,50 @@ mod tests {
 
     #[test]
     fn mixed_workload_shares_prefixes_and_has_chat() {
-        let it = items(8, Prompts::Mixed);
+        let it = items(8, Prompts::Mixed, DEFAULT_PREFIXES);
         assert_eq!(it.iter().filter(|i| i.shared).count(), 4);
         assert!(it.iter().any(|i| i.path == "/v1/chat/completions"));
-        assert_eq!(it[0].prompt[..600], it[6].prompt[..600], "shared prefix");
         assert_ne!(it[1].prompt[..20], it[5].prompt[..20], "unique prompts");
-        assert!(items(4, Prompts::Unique).iter().all(|i| !i.shared));
+        assert!(items(4, Prompts::Unique, DEFAULT_PREFIXES).iter().all(|i| !i.shared));
+    }
+
+    #[test]
+    fn shared_prompts_draw_every_prefix_out_of_step_with_round_robin() {
+        let n = 96;
+        for count in [1u16, 3, 4, 12] {
+            let it = items(n, Prompts::Shared, count);
+            // Completions only: chat wraps its text in the template.
+            let heads: Vec<(usize, &[u32])> = it
+                .iter()
+                .enumerate()
+                .filter(|(_, i)| i.path == "/v1/completions")
+                .map(|(k, i)| (k, &i.prompt[..600]))
+                .collect();
+            let mut distinct: Vec<&[u32]> = heads.iter().map(|h| h.1).collect();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(distinct.len(), usize::from(count), "{count} prefixes, each drawn at least once");
+            // Under round-robin over 4 workers, some prefix reaches more than one worker.
+            if count > 1 {
+                let spread = distinct.iter().any(|d| {
+                    let mut w: Vec<usize> = heads.iter().filter(|h| h.1 == *d).map(|h| h.0 % 4).collect();
+                    w.sort();
+                    w.dedup();
+                    w.len() > 1
+                });
+                assert!(spread, "{count} prefixes follow a 4-worker round-robin cycle");
+            }
+        }
+        assert_eq!(
+            items(10, Prompts::Shared, 5)[3].prompt,
+            items(10, Prompts::Shared, 5)[3].prompt,
+            "fixed draw"
+        );
     }
 
     #[test]
     fn ground_truth_is_deterministic() {
-        let it = items(2, Prompts::Unique);
+        let it = items(2, Prompts::Unique, DEFAULT_PREFIXES);
         let m = ReferenceConfig::builtin().unwrap();
         let a = ground_truth(&it, 0, m.clone()).unwrap();
         assert_eq!(a, ground_truth(&it, 0, m).unwrap());
