@@ -348,10 +348,13 @@ fn hybrid_model_workload_moves_kv_and_state_and_equals_monolithic() {
 #[test]
 fn workload_report_checks_every_output_and_exits_zero() {
     // One request at a time: a prompt sharing a prefix with one still in flight would find
-    // nothing stored yet, so the hit rate would depend on timing.
+    // nothing stored yet, so the hit rate would depend on timing. One prefix: the shared
+    // prompts among the 8 (a fixed draw) repeat it.
     let report = kvconnect_tests::up_workload_report(&[
         "--workload",
         "8",
+        "--prefixes",
+        "1",
         "--concurrency",
         "1",
         "--json",

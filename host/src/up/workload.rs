@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 /// Which prompts the workload sends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Prompts {
-    /// Half share one of a few long prefixes, half unique.
+    /// About half share one of a few long prefixes, the others unique.
     Mixed,
     /// Every prompt starts with one of a few long prefixes.
     Shared,
@@ -49,13 +49,15 @@ fn letters(seed: usize, len: usize) -> String {
 /// The long prefixes the shared prompts start with, unless `--prefixes` says otherwise.
 pub const DEFAULT_PREFIXES: u16 = 3;
 
-/// Which of `count` prefixes request `i` starts with: a fixed pseudo-random draw, as requests
-/// from many users arrive, so that no prefix follows the proxy's round-robin cycle (with
-/// `i % count`, a count that shares a factor with the number of prefill workers would send
-/// every repeat of a prefix to the same worker under round-robin too).
-fn prefix_of(i: usize, count: usize) -> usize {
+/// A fixed pseudo-random draw in `0..count` for request `i` (`salt` keeps draws of different
+/// things apart). Which prefix a request starts with, and whether it is a chat request, are
+/// drawn so, as requests from many users arrive, so that neither follows the proxy's
+/// round-robin cycle: with `i % count`, a count that shares a factor with the number of
+/// prefill workers would send every repeat of a prefix (or every chat request) to the same
+/// worker under round-robin too.
+fn draw(i: usize, salt: u64, count: usize) -> usize {
     // SplitMix64's finaliser: consecutive `i` give unrelated draws.
-    let mut x = (i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut x = (i as u64 ^ salt.rotate_left(32)).wrapping_add(0x9e37_79b9_7f4a_7c15);
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     ((x ^ (x >> 31)) % count.max(1) as u64) as usize
@@ -70,15 +72,16 @@ pub fn items(n: usize, kind: Prompts, prefixes: u16) -> Vec<Item> {
             let shared = match kind {
                 Prompts::Shared => true,
                 Prompts::Unique => false,
-                Prompts::Mixed => i % 2 == 0,
+                Prompts::Mixed => draw(i, 3, 2) == 0,
             };
             let suffix = letters(i, 20 + (i * 7) % 60);
             let text = if shared {
-                format!("{}{suffix}", prefixes[prefix_of(i, prefixes.len())])
+                format!("{}{suffix}", prefixes[draw(i, 1, prefixes.len())])
             } else {
                 letters(50_000 + i, 300 + (i * 13) % 300)
             };
-            if i % 4 == 3 {
+            // A quarter of the requests are chat requests.
+            if draw(i, 2, 4) == 3 {
                 let messages = json!([{"role": "user", "content": text}]);
                 let prompt = chat_prompt(&messages).map(|p| tokenize(&p)).unwrap_or_default();
                 Item {
@@ -146,9 +149,14 @@ mod tests {
     #[test]
     fn mixed_workload_shares_prefixes_and_has_chat() {
         let it = items(8, Prompts::Mixed, DEFAULT_PREFIXES);
-        assert_eq!(it.iter().filter(|i| i.shared).count(), 4);
+        let shared = it.iter().filter(|i| i.shared).count();
+        assert!((2..=6).contains(&shared), "{shared} of 8 shared");
         assert!(it.iter().any(|i| i.path == "/v1/chat/completions"));
-        assert_ne!(it[1].prompt[..20], it[5].prompt[..20], "unique prompts");
+        let unique: Vec<&[u32]> = it.iter().filter(|i| !i.shared).map(|i| &i.prompt[..20]).collect();
+        assert!(
+            unique.iter().enumerate().all(|(k, a)| unique[k + 1..].iter().all(|b| a != b)),
+            "unique prompts"
+        );
         assert!(items(4, Prompts::Unique, DEFAULT_PREFIXES).iter().all(|i| !i.shared));
     }
 
@@ -179,6 +187,16 @@ mod tests {
                 assert!(spread, "{count} prefixes follow a 4-worker round-robin cycle");
             }
         }
+        // Chat requests reach every slot of a 4-worker round-robin cycle.
+        let mut slots: Vec<usize> = items(n, Prompts::Shared, 3)
+            .iter()
+            .enumerate()
+            .filter(|(_, i)| i.path != "/v1/completions")
+            .map(|(k, _)| k % 4)
+            .collect();
+        slots.sort();
+        slots.dedup();
+        assert_eq!(slots, [0, 1, 2, 3], "chat requests follow the round-robin cycle");
         assert_eq!(
             items(10, Prompts::Shared, 5)[3].prompt,
             items(10, Prompts::Shared, 5)[3].prompt,
