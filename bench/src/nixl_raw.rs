@@ -14,7 +14,8 @@
 #![allow(unsafe_code)] // NIXL bindings: raw buffers handed to the NIXL C API.
 
 use kvconnect_api::host_buffer::HostBuffer;
-use kvconnect_nixl::nixl_agent::{from_hex, status_name, to_hex, NixlCallError};
+use kvconnect_dataplane::hex::{from_hex, to_hex};
+use kvconnect_nixl::nixl_agent::{status_name, NixlCallError};
 use nixl_sys::{
     Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, RegistrationHandle, XferDescList,
     XferDlistHandle, XferOp, XferStatus,

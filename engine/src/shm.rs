@@ -19,11 +19,8 @@ pub use kvconnect_nixl::shm::{live_segments, unlink_live_segments, ShmSegment};
 /// replaced by `_` and the id cut to keep the name short (Linux allows 255 bytes).
 pub fn segment_name(engine_id: &str, index: usize) -> Result<String, EngineError> {
     static RANDOM: OnceLock<Result<String, String>> = OnceLock::new();
-    let random = RANDOM.get_or_init(|| {
-        kvconnect_nixl::auth::random_bytes::<16>()
-            .map(|b| kvconnect_nixl::nixl_agent::to_hex(&b))
-            .map_err(|e| e.to_string())
-    });
+    let random =
+        RANDOM.get_or_init(|| kvconnect_dataplane::auth::random_hex::<16>().map_err(|e| e.to_string()));
     let random = random.as_ref().map_err(|e| EngineError::Shm {
         name: format!("/kvc-{}-...", std::process::id()),
         op: "choosing a random name (getrandom)",

@@ -20,7 +20,7 @@ use std::time::Duration;
 use kvconnect_api::compat::{check_roles, AdaptationPlan, CompatDescriptor, FieldDiff};
 use kvconnect_api::frame;
 use kvconnect_api::protocol::VersionMismatch;
-use kvconnect_nixl::auth::{self, Secret, Side};
+use kvconnect_dataplane::auth::{self, Secret, Side};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -44,7 +44,7 @@ pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Connections served at once by default; more are closed at once.
 pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
 
-/// The channel name both sides put into their proofs (`kvconnect_nixl::auth::proof`).
+/// The channel name both sides put into their proofs (`kvconnect_dataplane::auth::proof`).
 pub const CHANNEL: &str = "kvconnect-side-channel";
 
 /// What went wrong on the side channel.

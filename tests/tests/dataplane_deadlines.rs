@@ -7,8 +7,8 @@
 //! and decode then loads the request whole.
 
 use kvconnect_api::BlockId;
+use kvconnect_dataplane::auth::Secret;
 use kvconnect_host::sidechannel::Message;
-use kvconnect_nixl::auth::Secret;
 use kvconnect_nixl::wire::{authenticate_client, write_frame, ClientMsg};
 use kvconnect_nixl::{PeerInfo, ProducerMetadata};
 use kvconnect_tests::{fixture_model, metrics, side_channel, wait_until, Worker};

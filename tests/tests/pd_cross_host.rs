@@ -9,8 +9,8 @@
 //! Needs root and iproute2 (`ip netns`, `tc`); skips with the reason otherwise.
 
 use kvconnect_api::KvLayout;
+use kvconnect_dataplane::auth::Secret;
 use kvconnect_host::sidechannel::Message;
-use kvconnect_nixl::auth::Secret;
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg};
 use kvconnect_tests::netns::{self, link, Netns};
 use kvconnect_tests::{

@@ -23,8 +23,8 @@
 //! to it proves the deployment's secret (`data_plane_secret`, which the host sets, else
 //! `KVCONNECT_SIDE_CHANNEL_TOKEN`); without one it binds loopback only.
 
-use crate::auth::{Secret, SECRET_CONFIG_KEY, SECRET_ENV};
 use kvconnect_api::{ConnectorError, KvTransferConfig};
+use kvconnect_dataplane::auth::{Secret, SECRET_CONFIG_KEY, SECRET_ENV};
 use serde_json::{Map, Value};
 use std::time::Duration;
 
@@ -162,7 +162,7 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
 
 /// The secret from the config the host wrote, else from the environment.
 fn secret(extra: &Map<String, Value>) -> Result<Option<Secret>, ConnectorError> {
-    let bad = |e: crate::auth::AuthError| ConnectorError::config(NAME, e.to_string());
+    let bad = |e: kvconnect_dataplane::auth::AuthError| ConnectorError::config(NAME, e.to_string());
     if let Some(s) = string(extra, SECRET_CONFIG_KEY)? {
         return Secret::from_text(&s, "the host").map(Some).map_err(bad);
     }

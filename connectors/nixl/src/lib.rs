@@ -25,7 +25,6 @@
 //! `kvconnect_api`); it only refuses a peer whose blocks it cannot address. Every plugin that
 //! exports it links it, so benchmarks, probes and test harnesses live in `kvconnect-bench`.
 
-pub mod auth;
 pub mod caps;
 pub mod config;
 pub mod copy_plan;

@@ -13,13 +13,13 @@
 //! malformed or dripping frame, or comes past the connection cap is refused, counted by
 //! reason ([`refusals`]) and logged; others keep being served.
 
-use crate::auth::{self, Secret, Side};
 use crate::wire::{
     read_frame_within, write_frame, ClientMsg, DeadlineWriter, FrameError, ServerMsg, WireRun, CHANNEL,
 };
 use kvconnect_api::geometry::{GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{BlockId, BlocksPerGroup, LayerId, RequestId};
+use kvconnect_dataplane::auth::{self, Secret, Side};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufReader, IoSlice, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};

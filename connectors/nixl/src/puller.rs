@@ -32,7 +32,7 @@ pub struct PullConfig {
     pub socket_buffer: usize,
     /// The deployment's data-plane secret (`None`: the producer runs without one, on
     /// loopback).
-    pub secret: Option<crate::auth::Secret>,
+    pub secret: Option<kvconnect_dataplane::auth::Secret>,
 }
 
 /// What one pull moved.

@@ -177,7 +177,7 @@ impl SchedulerConnector for NixlScheduler {
             remote_num_tokens: req.prompt_tokens.len(),
             tp_size: self.ctx.tp_size,
             remote_request_id: Some(req.id.0.clone()),
-            remote_capability: crate::auth::capability().map_err(|e| {
+            remote_capability: kvconnect_dataplane::auth::capability().map_err(|e| {
                 ConnectorError::io(
                     NAME,
                     format!("request {}: cannot make its transfer capability: {e}", req.id),

@@ -20,7 +20,7 @@ pub type WireRun = (u32, u64, u64);
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum ClientMsg {
     /// The answer to the challenge: the consumer's own nonce and its proof of the secret
-    /// (`crate::auth::proof`, channel [`CHANNEL`]).
+    /// (`kvconnect_dataplane::auth::proof`, channel [`CHANNEL`]).
     Auth {
         /// The consumer's nonce (hex).
         nonce: String,
@@ -183,17 +183,17 @@ pub enum ClientAuthError {
     Protocol(String),
     /// No nonce could be made.
     #[error("{0}")]
-    Rng(#[from] crate::auth::AuthError),
+    Rng(#[from] kvconnect_dataplane::auth::AuthError),
 }
 
 /// The consumer's side of the challenge-response that opens a connection to a producer: on
 /// `Ok` both sides proved the same secret.
 pub fn authenticate_client(
     s: &mut std::net::TcpStream,
-    secret: Option<&crate::auth::Secret>,
+    secret: Option<&kvconnect_dataplane::auth::Secret>,
     cap: usize,
 ) -> Result<(), ClientAuthError> {
-    use crate::auth::{nonce, proof, verify, Side};
+    use kvconnect_dataplane::auth::{nonce, proof, verify, Side};
     let server_nonce = match read_frame::<_, ServerMsg>(s, cap)? {
         ServerMsg::Challenge { nonce } => nonce,
         ServerMsg::Error { reason } => return Err(ClientAuthError::Refused(reason)),

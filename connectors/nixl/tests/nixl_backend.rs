@@ -256,7 +256,7 @@ fn a_done_notification_without_the_requests_capability_frees_nothing() {
     // A NIXL agent that has the producer's agent metadata and the request id, but not the
     // capability: no capability, then one of its own.
     let meta = p.worker.handshake_metadata().unwrap().unwrap();
-    let md = kvconnect_nixl::nixl_agent::from_hex(meta["nixl"]["md"].as_str().unwrap()).unwrap();
+    let md = kvconnect_dataplane::hex::from_hex(meta["nixl"]["md"].as_str().unwrap()).unwrap();
     let rogue = kvconnect_nixl::nixl_agent::NixlAgent::new("rogue-agent").unwrap();
     let remote = rogue.load_remote_md(&md).unwrap();
     for note in ["kvc-done guarded".to_owned(), format!("kvc-done guarded {}", "0".repeat(32))] {

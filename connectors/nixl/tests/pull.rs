@@ -8,7 +8,7 @@ use kvconnect_api::{
     MatchResult, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
 };
 use kvconnect_bench::harness::{context, effective, model, Regions};
-use kvconnect_nixl::auth::{self, Secret, Side};
+use kvconnect_dataplane::auth::{self, Secret, Side};
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg, CHANNEL};
 use kvconnect_nixl::NixlFactory;
 use serde_json::{json, Value};

@@ -8,7 +8,7 @@ use kvconnect_api::geometry::Span;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{BlockId, BlocksPerGroup, KvLayout, LayerId, RequestId};
 use kvconnect_bench::harness::{effective, model, Regions};
-use kvconnect_nixl::auth::Secret;
+use kvconnect_dataplane::auth::Secret;
 use kvconnect_nixl::producer::{Producer, ProducerConfig};
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg};
 use std::io::Read;

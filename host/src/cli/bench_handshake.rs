@@ -11,7 +11,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::stats::Quartiles;
 use kvconnect_api::{KvTransferConfig, ModelSpec};
-use kvconnect_nixl::auth::{self, Secret, Side};
+use kvconnect_dataplane::auth::{self, Secret, Side};
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

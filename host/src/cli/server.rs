@@ -13,7 +13,7 @@ use crate::sidechannel::{
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::{KvTransferConfig, ModelSpec, Role};
-use kvconnect_nixl::auth::{Secret, SECRET_ENV};
+use kvconnect_dataplane::auth::{Secret, SECRET_ENV};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -6,7 +6,7 @@
 
 use crate::registry::Registry;
 use kvconnect_api::{ConnectorContext, KvTransferConfig, SchedulerConnector, WorkerConnector};
-use kvconnect_nixl::auth::{Secret, SECRET_CONFIG_KEY};
+use kvconnect_dataplane::auth::{Secret, SECRET_CONFIG_KEY};
 use kvconnect_nixl::config::{Backend, NixlConfig};
 use serde_json::{Map, Value};
 

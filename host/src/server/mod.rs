@@ -114,7 +114,7 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
             "the kv-transfer-config sets {}, which would put the deployment's secret on a command line or in \
                 a config file others may read; remove it and set KVCONNECT_SIDE_CHANNEL_TOKEN or pass \
                 --secret-file",
-            kvconnect_nixl::auth::SECRET_CONFIG_KEY
+            kvconnect_dataplane::auth::SECRET_CONFIG_KEY
         );
     }
     let sc_want = SocketAddr::new(spec.side_channel.host, spec.side_channel.port);

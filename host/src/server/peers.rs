@@ -12,7 +12,7 @@ use crate::server::engine_loop::EngineHandle;
 use crate::server::producers::Producers;
 use crate::sidechannel::{handshake, HandshakeOutcome};
 use kvconnect_api::compat::{CompatDescriptor, FieldDiff};
-use kvconnect_nixl::auth::Secret;
+use kvconnect_dataplane::auth::Secret;
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};

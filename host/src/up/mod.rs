@@ -132,7 +132,7 @@ async fn up(a: &UpArgs) -> Result<()> {
     // environment, and decode servers the list of this deployment's prefill engines.
     let secret = match crate::cli::server::data_plane_secret(None)? {
         Some(s) => s,
-        None => kvconnect_nixl::auth::Secret::generate().map_err(|e| anyhow!("kvconnect up: {e}"))?,
+        None => kvconnect_dataplane::auth::Secret::generate().map_err(|e| anyhow!("kvconnect up: {e}"))?,
     };
     let producers: Vec<String> = (0..a.prefill).map(|i| format!("up{pid}-prefill-{i}@127.0.0.1")).collect();
     let mut launches = Vec::new();
@@ -266,7 +266,7 @@ fn launch(
     label: &str,
     engine_id: String,
     behind_proxy: bool,
-    secret: &kvconnect_nixl::auth::Secret,
+    secret: &kvconnect_dataplane::auth::Secret,
 ) -> Launch {
     Launch {
         deployment: deployment.to_path_buf(),

@@ -50,7 +50,7 @@ pub struct Launch {
     /// The API key it requires, handed over in its environment (never on its command line).
     pub api_key: Option<String>,
     /// The deployment's data-plane secret, handed over in its environment.
-    pub secret: kvconnect_nixl::auth::Secret,
+    pub secret: kvconnect_dataplane::auth::Secret,
     /// Decode: the producers it may load from (`--kv-producers`).
     pub kv_producers: Option<String>,
     /// Where it publishes its KV events, and its replay endpoint (`--kv-events-endpoint`,
@@ -304,7 +304,7 @@ impl Fleet {
         if let Some(k) = &l.api_key {
             cmd.env(crate::server::gate::API_KEY_ENV[0], k);
         }
-        cmd.env(kvconnect_nixl::auth::SECRET_ENV, l.secret.to_text());
+        cmd.env(kvconnect_dataplane::auth::SECRET_ENV, l.secret.to_text());
         if let Some(p) = &l.kv_producers {
             cmd.args(["--kv-producers", p]);
         }

@@ -9,15 +9,15 @@
 //! loopback only and was given none) the key is empty: the exchange still runs, so both sides
 //! speak one protocol, but it proves nothing and the capability alone guards a request.
 
-use crate::nixl_agent::{from_hex, to_hex};
+use crate::hex::{from_hex, to_hex};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 /// The environment variable a worker reads its secret from.
 pub const SECRET_ENV: &str = "KVCONNECT_SIDE_CHANNEL_TOKEN";
 
-/// Key of `kv_connector_extra_config` under which the host hands the secret to its nixl
-/// connector (in memory; a user-written config must not carry it).
+/// Key of `kv_connector_extra_config` under which the host hands the secret to a connector
+/// whose data plane needs it (in memory; a user-written config must not carry it).
 pub const SECRET_CONFIG_KEY: &str = "data_plane_secret";
 
 /// The fewest bytes a secret may have.
@@ -88,9 +88,15 @@ pub fn random_bytes<const N: usize>() -> Result<[u8; N], AuthError> {
     Ok(b)
 }
 
+/// `N` bytes from the operating system's random number generator, hex-encoded (`2 * N`
+/// digits): nonces, capabilities, names that cannot be guessed.
+pub fn random_hex<const N: usize>() -> Result<String, AuthError> {
+    Ok(to_hex(&random_bytes::<N>()?))
+}
+
 /// A fresh nonce, hex-encoded.
 pub fn nonce() -> Result<String, AuthError> {
-    Ok(to_hex(&random_bytes::<NONCE_BYTES>()?))
+    random_hex::<NONCE_BYTES>()
 }
 
 /// Which side of an exchange a proof is from.
