@@ -9,7 +9,7 @@ use kvconnect_api::{
     AttentionKind, ConnectorContext, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec,
     KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode,
 };
-use kvconnect_nixl::shm::{ShmError, ShmSegment};
+use kvconnect_dataplane::shm::{ShmError, ShmSegment};
 
 /// A full-attention model with `layers` layers.
 pub fn model(layers: u32, kv_heads: u32, head_dim: u32) -> ModelSpec {

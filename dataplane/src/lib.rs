@@ -1,8 +1,10 @@
 //! What every data plane shares, whatever connector moves the KV (ARCHITECTURE.md §1): the
-//! per-deployment secret and the HMAC proofs its connections open with (`auth`), and random
-//! bytes and their hex (`auth::random_bytes`, `hex`).
+//! per-deployment secret and the HMAC proofs its connections open with (`auth`), random
+//! bytes and their hex (`auth::random_bytes`, `hex`), and the POSIX shared-memory segments
+//! KV regions live in (`shm`).
 //!
 //! It holds no connector: the connectors and the host depend on it.
 
 pub mod auth;
 pub mod hex;
+pub mod shm;

@@ -102,9 +102,9 @@ impl EngineError {
     }
 }
 
-impl From<kvconnect_nixl::shm::ShmError> for EngineError {
-    fn from(e: kvconnect_nixl::shm::ShmError) -> Self {
-        use kvconnect_nixl::shm::ShmError;
+impl From<kvconnect_dataplane::shm::ShmError> for EngineError {
+    fn from(e: kvconnect_dataplane::shm::ShmError) -> Self {
+        use kvconnect_dataplane::shm::ShmError;
         match e {
             ShmError::Os { name, op, source } => EngineError::Shm { name, op, source },
             ShmError::BadName(ref name)

@@ -2,15 +2,15 @@
 //! backend) can map the prefill engine's blocks and copy them directly: the names this
 //! process gives its segments and the sweeps of segments whose process is gone. The segment
 //! itself ([`ShmSegment`], created `O_EXCL` with mode 0600, unlinked on drop or by
-//! [`unlink_live_segments`] from a signal handler) is the nixl connector's, whose consumers
-//! map the same segments.
+//! [`unlink_live_segments`] from a signal handler) is `kvconnect-dataplane`'s, whose
+//! mappings the connectors' consumers open.
 
 #![allow(unsafe_code)] // kill(2) with signal 0: is the process that created a segment alive?
 
 use crate::EngineError;
 use std::sync::OnceLock;
 
-pub use kvconnect_nixl::shm::{live_segments, unlink_live_segments, ShmSegment};
+pub use kvconnect_dataplane::shm::{live_segments, unlink_live_segments, ShmSegment};
 
 /// The segment name for region `index` of engine `engine_id` in this process:
 /// `/kvc-<pid>-<random>-<engine_id>-<index>`: `<random>` is 128 bits from the OS's random

@@ -19,8 +19,8 @@
 
 use crate::error::AdapterError;
 use kvconnect_api::engine_tensor::{layer_ranges, Placement};
+use kvconnect_dataplane::shm::{unlink_live_segments, ShmArena};
 use kvconnect_engine::shm::{segment_name, sweep_dead};
-use kvconnect_nixl::shm::{unlink_live_segments, ShmArena};
 use std::sync::{Mutex, MutexGuard};
 
 /// The process's KV arena, once vLLM allocated its KV cache through it.

@@ -1,8 +1,8 @@
 //! Why a transfer failed. A failed pull is reported in `failed_recving`; the message is
 //! logged with the request id.
 
-use crate::shm::ShmError;
 use kvconnect_api::geometry::GeometryError;
+use kvconnect_dataplane::shm::ShmError;
 use std::io;
 
 /// A transfer that did not complete.

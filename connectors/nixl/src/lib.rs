@@ -38,7 +38,6 @@ pub mod params;
 pub mod producer;
 pub mod puller;
 pub mod scheduler;
-pub mod shm;
 /// The streaming copies of large runs (their home is kvconnect-api, which the cache tiers share).
 pub use kvconnect_api::stream_copy;
 pub mod tcp_data;

@@ -1,5 +1,5 @@
 //! Backend `shm`: one host. The producer's KV regions are POSIX shared-memory segments
-//! ([`crate::shm`]); the consumer checks the request's runs with the producer, maps its
+//! ([`kvconnect_dataplane::shm`]); the consumer checks the request's runs with the producer, maps its
 //! segments read-only (once per producer, again when they change), copies the coalesced
 //! runs straight into its own blocks (large pulls on several threads), then sends `done`.
 
@@ -8,9 +8,9 @@ use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
 use crate::metadata::{LoadSpec, PeerInfo, PeerKey};
 use crate::puller::PullStats;
-use crate::shm::ShmMapping;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{ConnectorResult, LayerId, MemoryKind};
+use kvconnect_dataplane::shm::ShmMapping;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
