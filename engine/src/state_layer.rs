@@ -136,7 +136,7 @@ impl StateWeights {
 /// itself (it needs that token's logits). The prefill's KV then covers the same tokens
 /// decode loads. A one-token prompt is left as it is: decode loads nothing from it.
 pub fn prefill_backoff(req: &mut Request, max_tokens: &mut usize) {
-    if kvconnect_nixl::params::wants_remote_decode(req) && req.prompt_tokens.len() > 1 {
+    if kvconnect_dataplane::params::wants_remote_decode(req) && req.prompt_tokens.len() > 1 {
         req.prompt_tokens.pop();
         *max_tokens = 1;
     }

@@ -3,14 +3,14 @@
 #![no_main]
 
 use kvconnect_api::Request;
-use kvconnect_nixl::params::TransferParams;
+use kvconnect_dataplane::params::TransferParams;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let Ok(serde_json::Value::Object(map)) = serde_json::from_slice(data) else { return };
     let _ = kvconnect_host::server::peers::remote_peer(&map);
     let req = Request { id: "fuzz".into(), prompt_tokens: vec![1, 2, 3], kv_transfer_params: map };
-    if let Ok(Some(p)) = TransferParams::from_request(&req) {
+    if let Ok(Some(p)) = TransferParams::from_request(kvconnect_nixl::config::NAME, &req) {
         let _ = p.blocks();
         let _ = p.to_map();
     }

@@ -34,7 +34,6 @@ pub mod idle_link;
 pub mod metadata;
 pub mod nixl_agent;
 pub mod nixl_lib;
-pub mod params;
 pub mod producer;
 pub mod puller;
 pub mod scheduler;

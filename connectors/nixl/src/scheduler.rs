@@ -5,12 +5,12 @@
 
 use crate::config::{NixlConfig, NAME};
 use crate::metadata::{LoadSpec, NixlMeta, SendSpec};
-use crate::params::{wants_remote_decode, TransferParams};
 use kvconnect_api::tp_ranks;
 use kvconnect_api::{
     BlocksPerGroup, ConnectorContext, ConnectorError, ConnectorResult, MatchResult, Request, RequestFinished,
     RequestId, SchedulerConnector, StepInfo,
 };
+use kvconnect_dataplane::params::{wants_remote_decode, TransferParams};
 use std::collections::{HashMap, HashSet};
 
 /// The nixl scheduler half.
@@ -47,7 +47,7 @@ impl SchedulerConnector for NixlScheduler {
         num_computed: usize,
     ) -> ConnectorResult<MatchResult> {
         let none = MatchResult::Matched { tokens: 0, async_load: false };
-        let Some(p) = TransferParams::from_request(req)? else { return Ok(none) };
+        let Some(p) = TransferParams::from_request(NAME, req)? else { return Ok(none) };
         if self.scheduled.contains(&req.id) {
             return Ok(none);
         }
@@ -67,7 +67,7 @@ impl SchedulerConnector for NixlScheduler {
         blocks: &BlocksPerGroup,
         num_external_tokens: usize,
     ) -> ConnectorResult<()> {
-        let Some(p) = TransferParams::from_request(req)? else { return Ok(()) };
+        let Some(p) = TransferParams::from_request(NAME, req)? else { return Ok(()) };
         let first = self.computed.remove(&req.id).unwrap_or(0);
         if self.scheduled.contains(&req.id) {
             return Ok(());
@@ -78,7 +78,7 @@ impl SchedulerConnector for NixlScheduler {
             .into_iter()
             .map(|m| {
                 let r = Request { kv_transfer_params: m, ..req.clone() };
-                TransferParams::from_request(&r)?.ok_or_else(|| {
+                TransferParams::from_request(NAME, &r)?.ok_or_else(|| {
                     ConnectorError::invalid(
                         NAME,
                         format!(

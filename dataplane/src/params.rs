@@ -1,6 +1,5 @@
 //! vLLM's `kv_transfer_params` for pull-mode P/D: what prefill returns and decode reads.
 
-use crate::config::NAME;
 use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorError, Request};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -68,15 +67,15 @@ impl TransferParams {
     }
 
     /// The params of a decode request that carries `do_remote_prefill`; `None` for any other
-    /// request; an error naming the field when the params are malformed.
-    pub fn from_request(req: &Request) -> Result<Option<TransferParams>, ConnectorError> {
+    /// request; an error of `connector` naming the field when the params are malformed.
+    pub fn from_request(connector: &str, req: &Request) -> Result<Option<TransferParams>, ConnectorError> {
         if !flag(req, "do_remote_prefill") {
             return Ok(None);
         }
         let params: TransferParams = serde_json::from_value(Value::Object(req.kv_transfer_params.clone()))
             .map_err(|e| {
                 ConnectorError::invalid(
-                    NAME,
+                    connector,
                     format!(
                         "request {}: kv_transfer_params has do_remote_prefill but cannot be read ({e}); \
                             expected remote_engine_id, remote_host, remote_port, remote_block_ids (one list \
@@ -88,7 +87,7 @@ impl TransferParams {
         // The params come from a client: a host name in them is never resolved.
         if params.remote_host.parse::<IpAddr>().is_err() {
             return Err(ConnectorError::invalid(
-                NAME,
+                connector,
                 format!(
                     "request {}: kv_transfer_params remote_host {:?} is not an IP address; prefill returns \
                         its side-channel IP, forward it unchanged",
@@ -131,7 +130,7 @@ mod tests {
             remote_capability: "00112233445566778899aabbccddeeff".into(),
         };
         let req = Request { id: "r".into(), prompt_tokens: vec![1; 20], kv_transfer_params: p.to_map() };
-        assert_eq!(TransferParams::from_request(&req).unwrap(), Some(p.clone()));
+        assert_eq!(TransferParams::from_request("test", &req).unwrap(), Some(p.clone()));
         assert_eq!(req.kv_transfer_params["do_remote_decode"], json!(false));
         assert_eq!(req.kv_transfer_params["remote_request_id"], json!("cmpl-abc"));
         assert_eq!(req.kv_transfer_params["remote_capability"], json!("00112233445566778899aabbccddeeff"));
@@ -139,16 +138,16 @@ mod tests {
         let mut older = p.to_map();
         older.remove("remote_request_id");
         let req = Request { id: "r".into(), prompt_tokens: vec![1; 20], kv_transfer_params: older };
-        assert_eq!(TransferParams::from_request(&req).unwrap().unwrap().remote_request_id, None);
+        assert_eq!(TransferParams::from_request("test", &req).unwrap().unwrap().remote_request_id, None);
     }
 
     #[test]
     fn malformed_params_are_an_error_and_absent_ones_none() {
         let mut req = Request { id: "r".into(), prompt_tokens: vec![], kv_transfer_params: Map::new() };
-        assert_eq!(TransferParams::from_request(&req).unwrap(), None);
+        assert_eq!(TransferParams::from_request("test", &req).unwrap(), None);
         req.kv_transfer_params.insert("do_remote_prefill".into(), json!(true));
         req.kv_transfer_params.insert("remote_port".into(), json!("x"));
-        let e = TransferParams::from_request(&req).unwrap_err().to_string();
+        let e = TransferParams::from_request("test", &req).unwrap_err().to_string();
         assert!(e.contains("request r") && e.contains("remote_"), "{e}");
     }
 
@@ -169,10 +168,10 @@ mod tests {
             prompt_tokens: vec![],
             kv_transfer_params: p.to_map(),
         };
-        assert!(TransferParams::from_request(&req(&p)).unwrap().is_some());
+        assert!(TransferParams::from_request("test", &req(&p)).unwrap().is_some());
         for host in ["localhost", "metadata.internal", "10.0.0.1:80", ""] {
             let bad = TransferParams { remote_host: host.into(), ..p.clone() };
-            let e = TransferParams::from_request(&req(&bad)).unwrap_err().to_string();
+            let e = TransferParams::from_request("test", &req(&bad)).unwrap_err().to_string();
             assert!(e.contains("not an IP address") && e.contains("request r"), "{host}: {e}");
         }
     }
