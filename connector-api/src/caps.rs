@@ -216,6 +216,19 @@ pub struct Capabilities {
     /// an engine at `tp_size` > 1. Left out of the JSON when false.
     #[serde(default, skip_serializing_if = "is_false")]
     pub ranks_in_one_worker: bool,
+    /// Needs the host's side channel (ARCHITECTURE.md §6): the host writes its address into
+    /// the connector's `kv_connector_extra_config` as `side_channel_host` and
+    /// `side_channel_port` (a producer hands it to its peers in the transfer params), whatever
+    /// the connector's name, at the top level or as a composite's child at any depth. Left
+    /// out of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub needs_side_channel: bool,
+    /// Needs the deployment's data-plane secret (ARCHITECTURE.md §10): the host writes it, in
+    /// memory only, into the connector's `kv_connector_extra_config` under
+    /// `data_plane_secret`, or removes that key when it has no secret; wherever the connector
+    /// sits, as for `needs_side_channel`. Left out of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub needs_data_plane_secret: bool,
 }
 
 fn is_false(b: &bool) -> bool {

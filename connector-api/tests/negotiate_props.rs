@@ -77,6 +77,8 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     adapts_with_state: false,
                     stores_opaque_blocks: false,
                     ranks_in_one_worker: false,
+                    needs_side_channel: false,
+                    needs_data_plane_secret: false,
                 }
             },
         )

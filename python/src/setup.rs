@@ -209,7 +209,7 @@ impl Setup {
         }
         // A producer over nixl's shm backend serves its KV cache from shared memory, which
         // kvconnect.vllm allocates it in (shm_kv); a consumer reads the producer's segments.
-        let shm_kv = nixl_backend(&transports).map_err(extra_err)?.is_some_and(|b| b.shm_regions)
+        let shm_kv = nixl_backend(&registry, &transports).map_err(extra_err)?.is_some_and(|b| b.shm_regions)
             && matches!(role, KvRole::Producer | KvRole::Both);
         let given: Vec<&str> = [
             ("side_channel_host", extra.side_channel_host.is_some()),

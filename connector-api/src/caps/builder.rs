@@ -45,6 +45,8 @@ impl Capabilities {
                 adapts_with_state: false,
                 stores_opaque_blocks: false,
                 ranks_in_one_worker: false,
+                needs_side_channel: false,
+                needs_data_plane_secret: false,
             },
         }
     }
@@ -139,6 +141,18 @@ impl CapabilitiesBuilder {
     /// (`Capabilities::ranks_in_one_worker`).
     pub fn ranks_in_one_worker(mut self, yes: bool) -> Self {
         self.caps.ranks_in_one_worker = yes;
+        self
+    }
+
+    /// Needs the host's side channel (`Capabilities::needs_side_channel`).
+    pub fn needs_side_channel(mut self, yes: bool) -> Self {
+        self.caps.needs_side_channel = yes;
+        self
+    }
+
+    /// Needs the deployment's data-plane secret (`Capabilities::needs_data_plane_secret`).
+    pub fn needs_data_plane_secret(mut self, yes: bool) -> Self {
+        self.caps.needs_data_plane_secret = yes;
         self
     }
 

@@ -91,6 +91,8 @@ pub fn json_values() -> Vec<JsonValue> {
         adapts_with_state: false,
         stores_opaque_blocks: false,
         ranks_in_one_worker: false,
+        needs_side_channel: false,
+        needs_data_plane_secret: false,
     };
     let region = KvRegionSpec {
         name: "layer.0".into(),

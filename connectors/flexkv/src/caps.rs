@@ -53,6 +53,8 @@ pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
         // and loads them back into the same engine's layout, never transposing.
         stores_opaque_blocks: true,
         ranks_in_one_worker: false,
+        needs_side_channel: false,
+        needs_data_plane_secret: false,
     }
 }
 

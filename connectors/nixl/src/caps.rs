@@ -55,6 +55,10 @@ pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> Con
         adapts_with_state: false,
         stores_opaque_blocks: false,
         ranks_in_one_worker: backend.is_some_and(|b| b.across_tp),
+        // Every backend's producer puts the side channel's address into the transfer params
+        // and authenticates its peers with the deployment's secret.
+        needs_side_channel: true,
+        needs_data_plane_secret: true,
     })
 }
 

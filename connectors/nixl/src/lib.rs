@@ -15,8 +15,9 @@
 //! build can is `kvconnect-bench`'s). `cuda_ipc` (feature `cuda`; same host, device KV
 //! regions): decode opens prefill's CUDA IPC handles once and copies each request with one gather kernel.
 //!
-//! The host side: it sets `side_channel_host`/`side_channel_port` in
-//! `kv_connector_extra_config` (they go into the transfer params as `remote_host` /
+//! The host side: it sets `side_channel_host`/`side_channel_port` and the data-plane secret
+//! in `kv_connector_extra_config`, as the capabilities ask (`needs_side_channel`,
+//! `needs_data_plane_secret`; the address goes into the transfer params as `remote_host` /
 //! `remote_port`), keeps stepping a producer while requests await `finished_sending`, and
 //! hands the decode worker its handshake envelope (ARCHITECTURE.md §6) before loading from a
 //! peer.

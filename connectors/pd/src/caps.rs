@@ -23,6 +23,8 @@ use kvconnect_api::{Capabilities, KvLayout, LayoutConstraint, TransferMode};
 /// * Dtypes, memory kinds, roles: intersected.
 /// * Transfer mode: the transport child's (the one child that moves KV between engines).
 /// * Layer-wise, async load: if any child does (the composite forwards every per-layer call).
+/// * The side channel and the data-plane secret: never needed by the composite itself (the
+///   host writes them into each child that declares the need).
 pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdError> {
     let first = match children.first() {
         Some((_, c)) => c,
@@ -139,6 +141,10 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
         adapts_with_state: all(|c| c.adapts_with_state),
         stores_opaque_blocks: all(|c| c.stores_opaque_blocks),
         ranks_in_one_worker: all(|c| c.ranks_in_one_worker),
+        // The host hands the side channel and the secret to each child that declares it
+        // needs them; the composite itself reads neither.
+        needs_side_channel: false,
+        needs_data_plane_secret: false,
     })
 }
 

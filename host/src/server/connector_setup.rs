@@ -1,33 +1,49 @@
 //! Turning a server's kv-transfer-config into connector instances: the host writes its
-//! side-channel address into every nixl config (top level or a composite's child, at any
-//! depth) so `request_finished` can hand it to the peer, and the deployment's data-plane
-//! secret (in memory only), and reads which nixl backend is in use (the `shm` backend needs
-//! the block pool in shared memory).
+//! side-channel address (so `request_finished` can hand it to the peer) and the deployment's
+//! data-plane secret (in memory only) into every config whose connector declares it needs
+//! them (`Capabilities::needs_side_channel`, `needs_data_plane_secret`; top level or a
+//! composite's child, at any depth; a built-in or a plugin), and reads which nixl backend is
+//! in use (the `shm` backend needs the block pool in shared memory).
 
 use crate::registry::Registry;
-use kvconnect_api::{ConnectorContext, KvTransferConfig, SchedulerConnector, WorkerConnector};
+use kvconnect_api::{Capabilities, ConnectorContext, KvTransferConfig, SchedulerConnector, WorkerConnector};
 use kvconnect_dataplane::auth::{Secret, SECRET_CONFIG_KEY};
 use kvconnect_nixl::config::{Backend, NixlConfig};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
-fn is_nixl(registry: &Registry, name: &str) -> bool {
-    registry.find(name).map(|e| e.name == "nixl").unwrap_or(false)
-}
-
-/// What the host writes into every nixl config.
+/// What the host writes into the config of a connector that declares it needs it.
 struct Injected<'a> {
     host: &'a str,
     port: u16,
     secret: Option<&'a Secret>,
 }
 
-fn set_in_extra(extra: &mut Map<String, Value>, i: &Injected) {
-    extra.insert("side_channel_host".into(), Value::String(i.host.to_owned()));
-    extra.insert("side_channel_port".into(), Value::from(i.port));
-    match i.secret {
-        Some(s) => extra.insert(SECRET_CONFIG_KEY.into(), Value::String(s.to_text())),
-        None => extra.remove(SECRET_CONFIG_KEY),
-    };
+/// The side channel and the secret a connector's config declares it needs: its factory's
+/// capabilities for that config (the model is not known yet). A connector the registry does
+/// not know, or whose capabilities cannot be had, needs neither (creating it then says why).
+fn needs(registry: &Registry, config: &KvTransferConfig) -> (bool, bool) {
+    registry
+        .find_for_config(config)
+        .ok()
+        .and_then(|e| e.factory.capabilities(config, None).ok())
+        .map_or((false, false), |c: Capabilities| (c.needs_side_channel, c.needs_data_plane_secret))
+}
+
+/// Writes what `config` declares it needs into its extra config; false when it needs nothing.
+fn set_in_extra(registry: &Registry, config: &mut KvTransferConfig, i: &Injected) -> bool {
+    let (side_channel, secret) = needs(registry, config);
+    let extra = &mut config.kv_connector_extra_config;
+    if side_channel {
+        extra.insert("side_channel_host".into(), Value::String(i.host.to_owned()));
+        extra.insert("side_channel_port".into(), Value::from(i.port));
+    }
+    if secret {
+        match i.secret {
+            Some(s) => extra.insert(SECRET_CONFIG_KEY.into(), Value::String(s.to_text())),
+            None => extra.remove(SECRET_CONFIG_KEY),
+        };
+    }
+    side_channel || secret
 }
 
 /// True when a config (at any depth) sets the data-plane secret itself.
@@ -43,24 +59,35 @@ pub fn carries_secret(config: &KvTransferConfig) -> bool {
         || config.kv_connector_extra_config.values().any(walk)
 }
 
-fn walk_children(registry: &Registry, extra: &mut Map<String, Value>, i: &Injected, found: &mut Vec<Value>) {
-    let Some(Value::Array(children)) = extra.get_mut("connectors") else { return };
+/// Serves `config` if it declares a need, else its children (a composite's `connectors`), at
+/// any depth; every config served is pushed onto `served`, as written.
+fn serve(
+    registry: &Registry,
+    config: &mut KvTransferConfig,
+    i: &Injected,
+    served: &mut Vec<KvTransferConfig>,
+) {
+    if set_in_extra(registry, config, i) {
+        served.push(config.clone());
+        return;
+    }
+    let Some(Value::Array(children)) = config.kv_connector_extra_config.get_mut("connectors") else { return };
     for child in children.iter_mut() {
-        let Value::Object(c) = child else { continue };
-        let name = c.get("kv_connector").and_then(Value::as_str).unwrap_or_default().to_owned();
-        let entry = c.entry("kv_connector_extra_config").or_insert_with(|| Value::Object(Map::new()));
-        let Value::Object(child_extra) = entry else { continue };
-        if is_nixl(registry, &name) {
-            set_in_extra(child_extra, i);
-            found.push(Value::Object(c.clone()));
+        let Ok(mut c) = serde_json::from_value::<KvTransferConfig>(child.clone()) else { continue };
+        let before = served.len();
+        serve(registry, &mut c, i, served);
+        if served.len() == before {
             continue;
         }
-        walk_children(registry, child_extra, i, found);
+        // Only the keys the host writes change: the child's own JSON keeps everything else.
+        let Value::Object(obj) = child else { continue };
+        obj.insert("kv_connector_extra_config".into(), Value::Object(c.kv_connector_extra_config));
     }
 }
 
 /// The config with `side_channel_host`/`side_channel_port` and the data-plane secret set in
-/// every nixl config in it, and the nixl configs found (as written, after the change).
+/// every config in it whose connector declares it needs them, and those configs (as written,
+/// after the change).
 pub fn with_side_channel(
     registry: &Registry,
     config: &KvTransferConfig,
@@ -69,26 +96,18 @@ pub fn with_side_channel(
     secret: Option<&Secret>,
 ) -> (KvTransferConfig, Vec<KvTransferConfig>) {
     let mut c = config.clone();
-    let mut found = Vec::new();
-    let i = Injected { host, port, secret };
-    if is_nixl(registry, &c.kv_connector) {
-        set_in_extra(&mut c.kv_connector_extra_config, &i);
-        return (c.clone(), vec![c]);
-    }
-    let mut raw = Vec::new();
-    walk_children(registry, &mut c.kv_connector_extra_config, &i, &mut raw);
-    for v in raw {
-        if let Ok(k) = serde_json::from_value::<KvTransferConfig>(v) {
-            found.push(k);
-        }
-    }
-    (c, found)
+    let mut served = Vec::new();
+    serve(registry, &mut c, &Injected { host, port, secret }, &mut served);
+    (c, served)
 }
 
-/// The nixl backend of the first nixl config, if any (it decides whether the pool lives in
-/// shared memory).
-pub fn nixl_backend(nixl_configs: &[KvTransferConfig]) -> Result<Option<Backend>, String> {
-    match nixl_configs.first() {
+/// The nixl backend of the first nixl config among `configs`, if any (it decides whether the
+/// pool lives in shared memory).
+pub fn nixl_backend(registry: &Registry, configs: &[KvTransferConfig]) -> Result<Option<Backend>, String> {
+    let nixl = configs
+        .iter()
+        .find(|c| registry.find_for_config(c).is_ok_and(|e| e.name == kvconnect_nixl::config::NAME));
+    match nixl {
         None => Ok(None),
         Some(c) => NixlConfig::from_config(c).map(|n| Some(n.backend)).map_err(|e| e.to_string()),
     }
@@ -134,6 +153,11 @@ pub fn create_connector(registry: &Registry, ctx: &ConnectorContext) -> Result<C
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::loader::LoaderOptions;
+    use crate::registry::{Entry, OpenPlugin, Origin, RegistryConfig};
+    use kvconnect_api::{ConnectorFactory, ConnectorInfo, ConnectorResult, ModelSpec};
+    use std::path::Path;
+    use std::sync::Arc;
 
     #[test]
     fn side_channel_reaches_nested_nixl_children_only() {
@@ -147,17 +171,131 @@ mod tests {
         let secret = Secret::from_text("a-secret-of-enough-bytes", "test").unwrap();
         let (out, nixl) = with_side_channel(&r, &c, "127.0.0.1", 4242, Some(&secret));
         let children = out.kv_connector_extra_config["connectors"].as_array().unwrap();
-        assert!(children[0]["kv_connector_extra_config"].get("side_channel_port").is_none());
+        assert!(children[0].get("kv_connector_extra_config").is_none());
         assert_eq!(children[1]["kv_connector_extra_config"]["side_channel_port"], 4242);
         assert_eq!(children[1]["kv_connector_extra_config"][SECRET_CONFIG_KEY], "a-secret-of-enough-bytes");
-        assert!(children[0]["kv_connector_extra_config"].get(SECRET_CONFIG_KEY).is_none());
+        assert_eq!(children[1]["kv_connector_extra_config"]["backend"], "tcp");
+        assert!(out.kv_connector_extra_config.get("side_channel_port").is_none());
         assert!(!carries_secret(&c) && carries_secret(&out));
         assert_eq!(nixl.len(), 1);
-        assert_eq!(nixl_backend(&nixl).unwrap(), Some(Backend::parse("tcp").unwrap()));
+        assert_eq!(nixl_backend(&r, &nixl).unwrap(), Some(Backend::parse("tcp").unwrap()));
 
         let plain = KvTransferConfig::from_json(r#"{"kv_connector":"NixlConnector"}"#).unwrap();
         let (out, nixl) = with_side_channel(&r, &plain, "127.0.0.1", 7, None);
         assert_eq!(out.kv_connector_extra_config["side_channel_host"], "127.0.0.1");
-        assert_eq!(nixl_backend(&nixl).unwrap(), Some(Backend::parse("shm").unwrap()));
+        assert_eq!(nixl_backend(&r, &nixl).unwrap(), Some(Backend::parse("shm").unwrap()));
+    }
+
+    /// lmcache's factory under another name, declaring what `needs` says.
+    struct Declaring {
+        name: &'static str,
+        needs: (bool, bool),
+    }
+
+    impl ConnectorFactory for Declaring {
+        fn info(&self) -> ConnectorInfo {
+            ConnectorInfo { name: self.name.into(), ..crate::builtin::lmcache().info() }
+        }
+
+        fn capabilities(
+            &self,
+            config: &KvTransferConfig,
+            model: Option<&ModelSpec>,
+        ) -> ConnectorResult<Capabilities> {
+            let mut c = crate::builtin::lmcache().capabilities(config, model)?;
+            (c.needs_side_channel, c.needs_data_plane_secret) = self.needs;
+            Ok(c)
+        }
+
+        fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
+            crate::builtin::lmcache().create_scheduler(ctx)
+        }
+
+        fn create_worker(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn WorkerConnector>> {
+            crate::builtin::lmcache().create_worker(ctx)
+        }
+    }
+
+    /// A registry with three plugins, each a file in a temporary folder: `libmover.so`
+    /// ("mover", needs both), `libsecret.so` ("secret-only", needs the secret only) and
+    /// `libnixl.so` (named "nixl", needs nothing).
+    fn registry_with_plugins() -> (Registry, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["libmover.so", "libsecret.so", "libnixl.so"] {
+            std::fs::write(dir.path().join(f), b"").unwrap();
+        }
+        let open: OpenPlugin = Arc::new(|path: &Path, _: &LoaderOptions| {
+            let file = path.file_name().unwrap().to_string_lossy().into_owned();
+            let (name, needs) = match file.as_str() {
+                "libmover.so" => ("mover", (true, true)),
+                "libsecret.so" => ("secret-only", (false, true)),
+                _ => ("nixl", (false, false)),
+            };
+            Ok(Entry {
+                name: name.into(),
+                aliases: Vec::new(),
+                origin: Origin::Dynamic,
+                path: Some(path.to_path_buf()),
+                abi: Some("1.0".into()),
+                sdk_version: Some("0.1.0".into()),
+                factory: Arc::new(Declaring { name, needs }),
+            })
+        });
+        let config = RegistryConfig {
+            plugin_dirs: vec![dir.path().to_path_buf()],
+            use_env: false,
+            allow_insecure: false,
+        };
+        (Registry::load_with(&config, open), dir)
+    }
+
+    #[test]
+    fn any_connector_that_declares_the_need_gets_the_side_channel_and_the_secret_and_no_other() {
+        let (r, dir) = registry_with_plugins();
+        let nixl_plugin = dir.path().join("libnixl.so").to_string_lossy().into_owned();
+        let c = KvTransferConfig::from_json(&format!(
+            r#"{{"kv_connector":"PdConnector","kv_connector_extra_config":{{"connectors":[
+                {{"kv_connector":"lmcache"}},
+                {{"kv_connector":"PdConnector","kv_connector_extra_config":{{"connectors":[
+                    {{"kv_connector":"mover","kv_connector_extra_config":{{"k":1}}}}]}}}},
+                {{"kv_connector":"secret-only"}},
+                {{"kv_connector":"{nixl_plugin}"}}]}}}}"#
+        ))
+        .unwrap();
+        let secret = Secret::from_text("a-secret-of-enough-bytes", "test").unwrap();
+        let (out, served) = with_side_channel(&r, &c, "10.0.0.2", 4242, Some(&secret));
+        let children = out.kv_connector_extra_config["connectors"].as_array().unwrap();
+        let extra = |v: &Value| v.get("kv_connector_extra_config").cloned().unwrap_or(Value::Null);
+
+        // A plugin nested two composites deep that declares both needs gets both, beside its own keys.
+        let mover = extra(&extra(&children[1])["connectors"][0]);
+        assert_eq!(mover["side_channel_host"], "10.0.0.2");
+        assert_eq!(mover["side_channel_port"], 4242);
+        assert_eq!(mover[SECRET_CONFIG_KEY], "a-secret-of-enough-bytes");
+        assert_eq!(mover["k"], 1);
+        // One that declares the secret only gets the secret only.
+        let secret_only = extra(&children[2]);
+        assert_eq!(secret_only[SECRET_CONFIG_KEY], "a-secret-of-enough-bytes");
+        assert!(secret_only.get("side_channel_port").is_none());
+        // A plugin named nixl that declares nothing, and a cache, get nothing.
+        assert_eq!(extra(&children[3]), Value::Null);
+        assert_eq!(extra(&children[0]), Value::Null);
+        assert!(out.kv_connector_extra_config.get("side_channel_port").is_none());
+
+        let names: Vec<&str> = served.iter().map(|c| c.kv_connector.as_str()).collect();
+        assert_eq!(names, ["mover", "secret-only"]);
+        // Neither is the nixl connector: no nixl backend decides the pool.
+        assert_eq!(nixl_backend(&r, &served).unwrap(), None);
+
+        // At the top level too; without a secret the key is removed.
+        let mut top = KvTransferConfig::named("mover");
+        top.kv_connector_extra_config.insert(SECRET_CONFIG_KEY.into(), Value::from("stale"));
+        let (out, served) = with_side_channel(&r, &top, "10.0.0.2", 7, None);
+        assert_eq!(out.kv_connector_extra_config["side_channel_port"], 7);
+        assert!(out.kv_connector_extra_config.get(SECRET_CONFIG_KEY).is_none());
+        assert_eq!(served.len(), 1);
+        let (out, served) =
+            with_side_channel(&r, &KvTransferConfig::named(&nixl_plugin), "10.0.0.2", 7, None);
+        assert!(out.kv_connector_extra_config.is_empty() && served.is_empty());
     }
 }

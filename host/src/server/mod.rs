@@ -136,7 +136,7 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
     if config.engine_id.is_none() {
         config.engine_id = Some(spec.engine_id.clone());
     }
-    let backend = connector_setup::nixl_backend(&nixl_configs).map_err(|e| anyhow!(e))?;
+    let backend = connector_setup::nixl_backend(&registry, &nixl_configs).map_err(|e| anyhow!(e))?;
     let shm = backend.is_some_and(|b| b.shm_regions).then(|| spec.engine_id.clone());
     let ctx = ConnectorContext {
         config: config.clone(),
