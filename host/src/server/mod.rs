@@ -8,23 +8,20 @@
 //! connector; then the side channel starts answering with the connector's handshake
 //! metadata; last the HTTP listener opens and the addresses are printed as one JSON line.
 
-pub mod chat_template;
 pub mod connector_setup;
 pub mod engine_loop;
-pub mod gate;
 pub mod http;
 pub mod logprobs;
-pub mod metrics;
 pub mod openai;
-pub mod params;
 pub mod peers;
 pub mod producers;
-pub mod request_id;
 pub mod response;
-pub mod serve;
 pub mod sse;
 pub mod synthetic;
-pub mod unsupported;
+
+// The OpenAI wire pieces the proxy speaks too (crate `kvconnect-openai`), under the paths the
+// server has always used.
+pub use kvconnect_openai::{chat_template, gate, metrics, params, request_id, serve, unsupported};
 
 use crate::registry::Registry;
 use crate::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};

@@ -17,7 +17,7 @@
 
 use crate::server::engine_loop::{TokenSink, TokenStream};
 use crate::server::http::{self, AppState, Failure, Finished, OneRequest};
-use crate::server::params::{self, OpenAiRequest, ParamError};
+use crate::server::params::{self, OpenAiRequest};
 use crate::server::response::{self, ChoiceOutput, Head, Shape};
 use crate::server::sse::{Chunks, Tail};
 use crate::server::{metrics, request_id};
@@ -26,64 +26,18 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use std::hash::{BuildHasher, Hasher};
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 pub use crate::server::chat_template::chat_prompt;
-
-/// The reference engine's context window (`max_position_embeddings` of its config).
-pub const CONTEXT_TOKENS: usize = 4096;
-
-/// An OpenAI-style error response.
-pub fn openai_error(
-    status: StatusCode,
-    kind: &str,
-    message: impl Into<String>,
-    param: Option<&str>,
-) -> Response {
-    let code = match status {
-        StatusCode::NOT_FOUND => Some("model_not_found"),
-        StatusCode::PAYLOAD_TOO_LARGE => Some("context_length_exceeded"),
-        _ => None,
-    };
-    openai_error_with_code(status, kind, message, param, code)
-}
-
-/// [`openai_error`] with its `code` given.
-pub fn openai_error_with_code(
-    status: StatusCode,
-    kind: &str,
-    message: impl Into<String>,
-    param: Option<&str>,
-    code: Option<&str>,
-) -> Response {
-    (status, Json(json!({"error": {"message": message.into(), "type": kind, "param": param, "code": code}})))
-        .into_response()
-}
-
-/// A refused or malformed parameter as OpenAI's error response.
-pub fn param_error(e: ParamError) -> Response {
-    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
-    openai_error(status, "invalid_request_error", e.message, e.param)
-}
-
-/// The body as a JSON object, or the 400 to answer.
-#[allow(clippy::result_large_err)]
-pub fn json_object(raw: &[u8]) -> Result<Map<String, Value>, Response> {
-    let bad = |m: String| openai_error(StatusCode::BAD_REQUEST, "invalid_request_error", m, None);
-    match serde_json::from_slice(raw) {
-        Ok(Value::Object(m)) => Ok(m),
-        Ok(_) => Err(bad("the body must be a JSON object".into())),
-        Err(e) => Err(bad(format!("the body is not valid JSON: {e}"))),
-    }
-}
+pub use kvconnect_openai::error::{json_object, openai_error, openai_error_with_code, param_error};
+pub use kvconnect_openai::stream::Events;
+pub use kvconnect_openai::CONTEXT_TOKENS;
 
 // The error is the finished response; it is built once per refused request, so its size
 // does not matter.
@@ -419,17 +373,6 @@ async fn error_event(r: Response) -> String {
         |_| json!({"error": {"message": String::from_utf8_lossy(&bytes), "type": "server_error"}}),
     );
     format!("data: {v}\n\n")
-}
-
-/// A stream's events as a response body (the proxy's streams use it too).
-pub(crate) struct Events(pub(crate) mpsc::Receiver<Bytes>);
-
-impl futures_core::Stream for Events {
-    type Item = Result<Bytes, std::convert::Infallible>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        self.0.poll_recv(cx).map(|e| e.map(Ok))
-    }
 }
 
 /// `POST /v1/completions`.

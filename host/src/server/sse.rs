@@ -16,6 +16,8 @@ use crate::server::response::{self, ChoiceOutput, Head, Shape};
 use kvconnect_engine::detokenize;
 use serde_json::{json, Value};
 
+pub use kvconnect_openai::stream::{collect_choices, collect_text, collect_token_ids};
+
 /// A choice's text as its stream has shown it.
 #[derive(Debug, Clone, Default)]
 struct ChoiceText {
@@ -174,60 +176,11 @@ impl Chunks {
     }
 }
 
-/// The data of each event of a stream, parsed; `None` when a chunk is not JSON or `[DONE]`
-/// is missing.
-fn events(stream: &str) -> Option<Vec<Value>> {
-    let mut out = Vec::new();
-    let mut done = false;
-    for ev in stream.split("\n\n").filter(|e| !e.trim().is_empty()) {
-        let data = ev.trim().strip_prefix("data: ")?;
-        if data == "[DONE]" {
-            done = true;
-            continue;
-        }
-        out.push(serde_json::from_str(data).ok()?);
-    }
-    done.then_some(out)
-}
-
-/// Each choice's text and token ids, joined from a stream's chunks, in `index` order (for
-/// clients and tests); `None` as for [`collect_text`].
-pub fn collect_choices(stream: &str) -> Option<Vec<(String, Vec<u32>)>> {
-    let mut out: Vec<(String, Vec<u32>)> = Vec::new();
-    for c in events(stream)? {
-        for ch in c["choices"].as_array().into_iter().flatten() {
-            let i = ch["index"].as_u64().unwrap_or(0) as usize;
-            if out.len() <= i {
-                out.resize(i + 1, Default::default());
-            }
-            if let Some(t) = ch["text"].as_str().or(ch["delta"]["content"].as_str()) {
-                out[i].0.push_str(t);
-            }
-            if let Some(a) = ch["token_ids"].as_array() {
-                out[i].1.extend(a.iter().filter_map(|t| t.as_u64().and_then(|n| u32::try_from(n).ok())));
-            }
-        }
-    }
-    Some(out)
-}
-
-/// The text a stream carries, joined from its chunks (choice 0's); `None` when a chunk is not
-/// JSON or `[DONE]` is missing.
-pub fn collect_text(stream: &str) -> Option<String> {
-    Some(collect_choices(stream)?.into_iter().next().map(|c| c.0).unwrap_or_default())
-}
-
-/// The token ids a stream carries (choice 0's `token_ids`), joined; `None` as for
-/// [`collect_text`]. Byte-level tokens that are not whole UTF-8 characters arrive as U+FFFD in
-/// a chunk's text, so the ids are what to compare exactly.
-pub fn collect_token_ids(stream: &str) -> Option<Vec<u32>> {
-    Some(collect_choices(stream)?.into_iter().next().map(|c| c.1).unwrap_or_default())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use kvconnect_engine::{FinishReason, TokenLogprobs};
+    use kvconnect_openai::stream::events;
 
     fn head(chat: bool) -> Head {
         Head { id: "cmpl-1".into(), model: "m".into(), created: 1, chat }

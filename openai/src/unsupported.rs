@@ -2,7 +2,7 @@
 //! have their default value ([`REFUSED`], with why), or accepted without effect because the
 //! engine already behaves as they ask ([`NO_EFFECT`]).
 
-use crate::server::params::ParamError;
+use crate::params::ParamError;
 use serde_json::{Map, Value};
 
 /// A parameter this server does not honour: refused with a 400 unless it has its default.

@@ -67,7 +67,7 @@ pub async fn serve(
             if let Ok(mut s) = stream.into_std() {
                 let _ = std::io::Write::write(&mut s, &over_cap_answer(max_connections));
             }
-            crate::server::metrics::http_refused("too_many_connections");
+            crate::metrics::http_refused("too_many_connections");
             tracing::warn!(
                 "HTTP: refused a connection past the cap of {max_connections} (--max-connections)"
             );
@@ -80,7 +80,7 @@ pub async fn serve(
             let _slot = slot;
             if let Err(e) = conn.await {
                 if e.is_timeout() {
-                    crate::server::metrics::http_refused("header_timeout");
+                    crate::metrics::http_refused("header_timeout");
                     tracing::warn!(
                         "HTTP: closed a connection whose request head did not arrive whole within {} s",
                         header_timeout.as_secs_f64()

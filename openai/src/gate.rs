@@ -8,7 +8,7 @@
 //! whole answer is 504, a stream ends with an error event, and the request is dropped, which
 //! cancels its engine requests and frees their blocks (as a client that disconnects does).
 
-use crate::server::openai::{openai_error, openai_error_with_code};
+use crate::error::{openai_error, openai_error_with_code};
 use axum::body::Body;
 use axum::body::{Bytes, HttpBody};
 use axum::extract::{Request, State};
@@ -96,7 +96,7 @@ impl Gate {
 /// to answer (counted by reason).
 async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
     let too_large = |what: String| {
-        crate::server::metrics::http_refused("body_too_large");
+        crate::metrics::http_refused("body_too_large");
         openai_error_with_code(
             StatusCode::PAYLOAD_TOO_LARGE,
             "invalid_request_error",
@@ -124,7 +124,7 @@ async fn read_body(g: &Gate, req: Request) -> Result<Request, Response> {
             None,
         )),
         Err(_) => {
-            crate::server::metrics::http_refused("body_timeout");
+            crate::metrics::http_refused("body_timeout");
             Err(openai_error_with_code(
                 StatusCode::REQUEST_TIMEOUT,
                 "invalid_request_error",
@@ -169,7 +169,7 @@ async fn check(State(g): State<Gate>, req: Request, next: Next) -> Response {
     }
     let deadline = tokio::time::Instant::now() + g.run_timeout;
     let Ok(permit) = g.in_flight.clone().try_acquire_owned() else {
-        crate::server::metrics::http_refused("too_many_requests");
+        crate::metrics::http_refused("too_many_requests");
         return openai_error(
             StatusCode::SERVICE_UNAVAILABLE,
             "service_unavailable",
@@ -223,7 +223,7 @@ fn run_timeout_error(g: &Gate) -> serde_json::Value {
 }
 
 fn ran_too_long(g: &Gate) -> Response {
-    crate::server::metrics::http_refused("run_timeout");
+    crate::metrics::http_refused("run_timeout");
     let e = run_timeout_error(g);
     (StatusCode::GATEWAY_TIMEOUT, axum::Json(e)).into_response()
 }
@@ -249,7 +249,7 @@ impl HttpBody for UntilDeadline {
         let Some(body) = this.body.as_mut() else { return Poll::Ready(None) };
         if this.deadline.as_mut().poll(cx).is_ready() {
             this.body = None;
-            crate::server::metrics::http_refused("run_timeout");
+            crate::metrics::http_refused("run_timeout");
             tracing::warn!("HTTP: a streamed request ran past its deadline (--request-timeout); ended it");
             return Poll::Ready(this.last.take().map(|b| Ok(Frame::data(b))));
         }

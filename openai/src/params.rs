@@ -6,8 +6,8 @@
 //! its default value (both lists are in `unsupported`). Parameters neither of them define are ignored with a
 //! warning, as vLLM's OpenAI server does. docs/openai-api.md has the table.
 
-use crate::server::chat_template;
-use crate::server::unsupported::{refuse, NO_EFFECT, REFUSED};
+use crate::chat_template;
+use crate::unsupported::{refuse, NO_EFFECT, REFUSED};
 use kvconnect_engine::{tokenize, SamplingParams};
 use serde_json::{Map, Value};
 
@@ -62,7 +62,7 @@ pub struct ParamError {
 
 impl ParamError {
     /// A 400 naming `param`.
-    pub(crate) fn bad(param: &'static str, message: impl Into<String>) -> ParamError {
+    pub fn bad(param: &'static str, message: impl Into<String>) -> ParamError {
         ParamError { param: Some(param), message: message.into(), status: 400 }
     }
 }
@@ -675,7 +675,7 @@ mod tests {
 
     #[test]
     fn the_docs_table_names_every_parameter() {
-        let readme = include_str!("../../../docs/openai-api.md");
+        let readme = include_str!("../../docs/openai-api.md");
         let names =
             REFUSED.iter().map(|r| r.name).chain(NO_EFFECT.iter().copied()).chain(HONOURED.iter().copied());
         for name in names.chain(HONOURED_COMPLETIONS.iter().copied()).chain(HONOURED_CHAT.iter().copied()) {
