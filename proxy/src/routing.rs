@@ -232,7 +232,7 @@ fn explain(reason: &str) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::metrics::ProxyMetrics;
+    use crate::metrics::ProxyMetrics;
     use kvconnect_router::{Dropped, KvEvent, Medium};
 
     const BS: u32 = 4;

@@ -135,8 +135,8 @@ async fn replay_from(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::proxy::backends::Backends;
-    use crate::proxy::metrics::ProxyMetrics;
+    use crate::backends::Backends;
+    use crate::metrics::ProxyMetrics;
     use kvconnect_api::{KvEvent, KvEventBatch, Medium, Role};
     use kvconnect_engine::prefix_cache::block_hashes;
     use kvconnect_events::{PublisherConfig, ZmqEventPublisher};

@@ -3,8 +3,8 @@
 //! latency; and the KV router's ([`RouterMetrics`]): its decisions, the hits it predicted
 //! against those the prefill servers reported, and the event batches it applied or dropped.
 
-use crate::server::metrics::SECONDS;
 use kvconnect_api::Role;
+use kvconnect_openai::metrics::SECONDS;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;

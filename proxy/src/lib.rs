@@ -8,7 +8,7 @@
 //! proxy saw added under `kvconnect.proxy` (which servers, prefill time, time to first token)
 //! and prefill's own `kvconnect` block under `kvconnect.prefill`.
 //!
-//! The proxy checks every OpenAI parameter as a server does (`server::params`) before prefill
+//! The proxy checks every OpenAI parameter as a server does (`kvconnect_openai::params`) before prefill
 //! produces any KV, and leaves the ones only decode acts on (`n`, `logprobs`, `min_tokens`,
 //! `stream_options`, ...) out of prefill's request. A request of several choices (a list of
 //! prompts, `n` above 1) is split into one request per choice (`fanout`).
@@ -24,8 +24,6 @@ pub mod kv_subscriber;
 pub mod metrics;
 pub mod routing;
 
-use crate::server::openai::{json_object, openai_error, param_error, CONTEXT_TOKENS};
-use crate::server::{params, request_id};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -34,6 +32,9 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use backends::Backends;
 use kvconnect_api::Role;
+use kvconnect_openai::error::{json_object, openai_error, param_error};
+use kvconnect_openai::CONTEXT_TOKENS;
+use kvconnect_openai::{params, request_id};
 use metrics::ProxyMetrics;
 use serde_json::{json, Map, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -378,7 +379,7 @@ pub(crate) async fn one_stream(
 pub(crate) fn sse_response(events: mpsc::Receiver<Bytes>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
-        axum::body::Body::from_stream(crate::server::openai::Events(events)),
+        axum::body::Body::from_stream(kvconnect_openai::stream::Events(events)),
     )
         .into_response()
 }

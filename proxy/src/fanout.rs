@@ -7,11 +7,11 @@
 //! token chunks on as they arrive under the choice's index, and closes the way a server's
 //! stream closes.
 
-use crate::proxy::{one, one_stream, sse_response, Proxy};
-use crate::server::params::OpenAiRequest;
+use crate::{one, one_stream, sse_response, Proxy};
 use axum::body::Bytes;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use kvconnect_openai::params::OpenAiRequest;
 use serde_json::{json, Map, Value};
 use std::future::Future;
 use std::sync::Arc;
@@ -260,7 +260,7 @@ pub async fn serve(
 }
 
 fn task_failed(e: tokio::task::JoinError) -> Response {
-    crate::server::openai::openai_error(
+    kvconnect_openai::error::openai_error(
         axum::http::StatusCode::INTERNAL_SERVER_ERROR,
         "server_error",
         format!("a choice's task failed: {e}"),
@@ -271,7 +271,7 @@ fn task_failed(e: tokio::task::JoinError) -> Response {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::server::params::parse;
+    use kvconnect_openai::params::parse;
 
     fn req(body: &Value) -> OpenAiRequest {
         parse(body.as_object().unwrap(), false).unwrap()
@@ -341,7 +341,7 @@ mod tests {
             s.extend(m.event(k, &e));
         }
         s += &m.close();
-        let got = crate::server::sse::collect_choices(&s).unwrap();
+        let got = kvconnect_openai::stream::collect_choices(&s).unwrap();
         assert_eq!(got, vec![("x".to_owned(), vec![1]), ("y".to_owned(), vec![1])]);
         let events: Vec<Value> = s
             .split("\n\n")
