@@ -9,7 +9,7 @@
 
 use kvconnect_api::KvLayout;
 use kvconnect_engine::{detokenize, tokenize};
-use kvconnect_host::server::sse::{collect_choices, collect_text, collect_token_ids};
+use kvconnect_openai::stream::{collect_choices, collect_text, collect_token_ids};
 use kvconnect_tests::{http_request, monolithic, token_ids};
 use serde_json::{json, Value};
 use std::process::Child;

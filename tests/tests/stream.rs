@@ -6,7 +6,7 @@
 //! and decode's shows KV bytes moved (external tokens × the model's KV bytes per token) and
 //! the admission-to-first-token histogram of requests that loaded external KV.
 
-use kvconnect_host::server::sse::collect_token_ids;
+use kvconnect_openai::stream::collect_token_ids;
 use kvconnect_tests::{http_request, wait_until};
 use serde_json::{json, Value};
 use std::io::{Read, Write};

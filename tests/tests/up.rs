@@ -10,8 +10,8 @@
 
 use kvconnect_api::KvLayout;
 use kvconnect_engine::{detokenize, tokenize};
-use kvconnect_host::server::openai::chat_prompt;
-use kvconnect_host::server::sse::{collect_text, collect_token_ids};
+use kvconnect_openai::chat_template::chat_prompt;
+use kvconnect_openai::stream::{collect_text, collect_token_ids};
 use kvconnect_tests::{http_request, kvconnect_bin, monolithic, reference_model, token_ids, varied_prompts};
 use serde_json::{json, Value};
 use std::io::{Read, Write};
@@ -399,7 +399,7 @@ fn up_refuses_a_missing_deployment_before_starting_anything() {
 #[test]
 fn the_proxy_and_its_workers_refuse_a_body_over_the_limit_with_413() {
     let up = Up::start(&[]);
-    let too_big = kvconnect_host::server::gate::DEFAULT_MAX_BODY_BYTES + 1;
+    let too_big = kvconnect_openai::gate::DEFAULT_MAX_BODY_BYTES + 1;
     for addr in [up.proxy.as_str(), up.line["decode"][0].as_str().unwrap()] {
         // Declared over the limit: answered without the body being sent at all.
         let mut s = std::net::TcpStream::connect(addr).unwrap();
