@@ -4,8 +4,6 @@ pub mod cli;
 pub mod deployment;
 /// The plugin loader (crate `kvconnect-loader`), under the name the host has always used.
 pub use kvconnect_loader as loader;
-/// The P/D proxy (crate `kvconnect-proxy`), under the name the host has always used.
-pub use kvconnect_proxy as proxy;
 pub mod registry;
 pub mod server;
 mod shutdown;

@@ -1,16 +1,16 @@
 //! `kvconnect proxy`: the P/D proxy alone, in front of prefill and decode servers that
 //! kvconnect did not start: vLLM servers running `kvconnect.vllm.KvconnectConnector`, or any
 //! servers speaking vLLM's P/D proxy protocol. Requests are routed as `kvconnect up`'s proxy
-//! routes them (crate::proxy); the client's body goes on verbatim, so each server checks its
+//! routes them (crate `kvconnect-proxy`); the client's body goes on verbatim, so each server checks its
 //! own parameters.
 
 use crate::cli::exit::Exit;
-use crate::proxy::backends::Backends;
-use crate::proxy::kv_subscriber::{follow, EventSource};
-use crate::proxy::routing::{KvRouter, Routing};
-use crate::proxy::Proxy;
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
+use kvconnect_proxy::backends::Backends;
+use kvconnect_proxy::kv_subscriber::{follow, EventSource};
+use kvconnect_proxy::routing::{KvRouter, Routing};
+use kvconnect_proxy::Proxy;
 use serde_json::json;
 use std::io::Write;
 use std::net::SocketAddr;
@@ -165,7 +165,7 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
     );
     crate::server::serve::serve(
         listener,
-        gate.wrap(crate::proxy::router(Arc::new(proxy))),
+        gate.wrap(kvconnect_proxy::router(Arc::new(proxy))),
         crate::server::serve::DEFAULT_HEADER_TIMEOUT,
         crate::server::serve::DEFAULT_MAX_CONNECTIONS,
         stop,

@@ -11,10 +11,10 @@ pub mod workload;
 
 use crate::cli::exit::Exit;
 use crate::deployment::Deployment;
-use crate::proxy::backends::Backends;
-use crate::proxy::{client, Proxy};
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
+use kvconnect_proxy::backends::Backends;
+use kvconnect_proxy::{client, Proxy};
 use report::{Comparison, Report, Sample};
 use serde_json::{json, Value};
 use std::io::Write;
@@ -81,7 +81,7 @@ pub struct UpArgs {
     /// How the proxy picks prefill workers: round-robin, or kv (by the workers' KV cache
     /// events; round-robin, said so, while there are none to go by).
     #[arg(long, value_enum, default_value = "round-robin")]
-    pub routing: crate::proxy::routing::Routing,
+    pub routing: kvconnect_proxy::routing::Routing,
     /// Seconds between health checks of each worker; a worker that reports itself
     /// unhealthy, or misses five checks in a row, is restarted.
     #[arg(long = "health-interval", value_name = "SECS", default_value_t = 1.0, value_parser = positive_seconds)]
@@ -143,7 +143,7 @@ async fn up(a: &UpArgs) -> Result<()> {
             if role == Role::Decode && !producers.is_empty() {
                 l.kv_producers = Some(producers.join(","));
             }
-            if role == Role::Prefill && a.routing == crate::proxy::routing::Routing::Kv {
+            if role == Role::Prefill && a.routing == kvconnect_proxy::routing::Routing::Kv {
                 l.kv_events = Some((free_endpoint(a.host)?, free_endpoint(a.host)?));
             }
             launches.push(l);
@@ -163,11 +163,11 @@ async fn up(a: &UpArgs) -> Result<()> {
     let key = crate::server::gate::api_key(a.api_key.as_deref());
     let gate = crate::server::gate::Gate::new(key.clone(), crate::server::gate::DEFAULT_MAX_IN_FLIGHT);
     let backends = Arc::new(Backends::default());
-    let event_sources: Vec<crate::proxy::kv_subscriber::EventSource> = launches
+    let event_sources: Vec<kvconnect_proxy::kv_subscriber::EventSource> = launches
         .iter()
         .filter_map(|l| {
             let (endpoint, replay) = l.kv_events.clone()?;
-            Some(crate::proxy::kv_subscriber::EventSource {
+            Some(kvconnect_proxy::kv_subscriber::EventSource {
                 name: l.engine_id.clone(),
                 endpoint,
                 replay: Some(replay),
@@ -190,16 +190,16 @@ async fn up(a: &UpArgs) -> Result<()> {
     let (prefill, decode, mono) = (of("prefill"), of("decode"), of("monolithic"));
     let mut proxy = Proxy::new(backends, Duration::from_secs(300));
     proxy.server_key = key.clone();
-    if a.routing == crate::proxy::routing::Routing::Kv {
+    if a.routing == kvconnect_proxy::routing::Routing::Kv {
         let names = (0..a.prefill).map(|i| format!("up{pid}-{}-{i}", Role::Prefill)).collect();
         // The engines' block size: the deployment's, else the reference engine's 16.
         let unit = deployment.prefill.options.block_size.unwrap_or(16);
-        let kv = crate::proxy::routing::KvRouter::new(names, unit, proxy.metrics.router.clone(), true)
+        let kv = kvconnect_proxy::routing::KvRouter::new(names, unit, proxy.metrics.router.clone(), true)
             .map_err(|e| Exit::bad_input(anyhow!(e)))?;
         let kv = Arc::new(kv);
         // The subscribers end with the runtime, when up does.
         for source in event_sources {
-            tokio::spawn(crate::proxy::kv_subscriber::follow(kv.clone(), source));
+            tokio::spawn(kvconnect_proxy::kv_subscriber::follow(kv.clone(), source));
         }
         proxy.kv = Some(kv);
     }
@@ -218,7 +218,7 @@ async fn up(a: &UpArgs) -> Result<()> {
     let server = tokio::spawn(async move {
         crate::server::serve::serve(
             listener,
-            gate.wrap(crate::proxy::router(proxy)),
+            gate.wrap(kvconnect_proxy::router(proxy)),
             crate::server::serve::DEFAULT_HEADER_TIMEOUT,
             crate::server::serve::DEFAULT_MAX_CONNECTIONS,
             async {

@@ -17,10 +17,10 @@
 
 #![allow(unsafe_code)] // Signals server processes and sets their parent-death signal (libc).
 
-use crate::proxy::backends::Backends;
-use crate::proxy::client;
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::Role;
+use kvconnect_proxy::backends::Backends;
+use kvconnect_proxy::client;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
