@@ -7,6 +7,7 @@
 use crate::cli::exit::Exit;
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
+use kvconnect_openai::{gate, serve};
 use kvconnect_proxy::backends::Backends;
 use kvconnect_proxy::kv_subscriber::{follow, EventSource};
 use kvconnect_proxy::routing::{KvRouter, Routing};
@@ -132,8 +133,8 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
     let of = |r: Role| servers.iter().filter(|s| s.0 == r).map(|s| s.2.clone()).collect::<Vec<_>>();
     let line =
         json!({"proxy": format!("http://{addr}"), "prefill": of(Role::Prefill), "decode": of(Role::Decode)});
-    let key = crate::server::gate::api_key(a.api_key.as_deref());
-    let gate = crate::server::gate::Gate::new(key.clone(), crate::server::gate::DEFAULT_MAX_IN_FLIGHT);
+    let key = gate::api_key(a.api_key.as_deref());
+    let gate = gate::Gate::new(key.clone(), gate::DEFAULT_MAX_IN_FLIGHT);
     let mut proxy = Proxy::new(Arc::new(Backends::new(servers)), Duration::from_secs(a.timeout_s.max(1)));
     proxy.server_key = key;
     proxy.verbatim = true;
@@ -163,11 +164,11 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
         a.prefill.len(),
         a.decode.len()
     );
-    crate::server::serve::serve(
+    serve::serve(
         listener,
         gate.wrap(kvconnect_proxy::router(Arc::new(proxy))),
-        crate::server::serve::DEFAULT_HEADER_TIMEOUT,
-        crate::server::serve::DEFAULT_MAX_CONNECTIONS,
+        serve::DEFAULT_HEADER_TIMEOUT,
+        serve::DEFAULT_MAX_CONNECTIONS,
         stop,
     )
     .await;

@@ -14,6 +14,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::{KvTransferConfig, ModelSpec, Role};
 use kvconnect_dataplane::auth::{Secret, SECRET_ENV};
+use kvconnect_openai::{gate, serve};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -89,7 +90,7 @@ pub struct ServerArgs {
     #[arg(long = "api-key", value_name = "KEY")]
     pub api_key: Option<String>,
     /// Requests handled at once; more get 503 instead of waiting in an unbounded queue.
-    #[arg(long = "max-concurrent-requests", value_name = "N", default_value_t = crate::server::gate::DEFAULT_MAX_IN_FLIGHT)]
+    #[arg(long = "max-concurrent-requests", value_name = "N", default_value_t = gate::DEFAULT_MAX_IN_FLIGHT)]
     pub max_concurrent_requests: usize,
     /// The model name clients use (`model` in requests, `GET /v1/models`), as vLLM's flag;
     /// default: `served_model_name` of the deployment file, else the config's
@@ -101,22 +102,22 @@ pub struct ServerArgs {
     #[arg(long = "enable-prefix-caching")]
     pub enable_prefix_caching: bool,
     /// The largest request body taken (bytes); larger ones get 413.
-    #[arg(long = "max-request-body-bytes", value_name = "N", default_value_t = crate::server::gate::DEFAULT_MAX_BODY_BYTES)]
+    #[arg(long = "max-request-body-bytes", value_name = "N", default_value_t = gate::DEFAULT_MAX_BODY_BYTES)]
     pub max_request_body_bytes: usize,
     /// Seconds a client may take to send a request's head (line and headers); slower ones,
     /// and idle kept-alive connections, are closed.
-    #[arg(long = "request-header-timeout", value_name = "SECONDS", default_value_t = crate::server::serve::DEFAULT_HEADER_TIMEOUT.as_secs_f64())]
+    #[arg(long = "request-header-timeout", value_name = "SECONDS", default_value_t = serve::DEFAULT_HEADER_TIMEOUT.as_secs_f64())]
     pub request_header_timeout: f64,
     /// Seconds a client may take to send a request's body; slower ones get 408.
-    #[arg(long = "request-body-timeout", value_name = "SECONDS", default_value_t = crate::server::gate::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
+    #[arg(long = "request-body-timeout", value_name = "SECONDS", default_value_t = gate::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
     pub request_body_timeout: f64,
     /// Seconds a whole request may take (its body, its run, its streamed answer); past it a
     /// whole answer is 504, a stream ends with an error event, and the request is cancelled.
-    #[arg(long = "request-timeout", value_name = "SECONDS", default_value_t = crate::server::gate::DEFAULT_RUN_TIMEOUT.as_secs_f64())]
+    #[arg(long = "request-timeout", value_name = "SECONDS", default_value_t = gate::DEFAULT_RUN_TIMEOUT.as_secs_f64())]
     pub request_timeout: f64,
     /// HTTP connections open at once (idle kept-alive ones count); past it a new connection
     /// is answered 503 and closed.
-    #[arg(long = "max-connections", value_name = "N", default_value_t = crate::server::serve::DEFAULT_MAX_CONNECTIONS)]
+    #[arg(long = "max-connections", value_name = "N", default_value_t = serve::DEFAULT_MAX_CONNECTIONS)]
     pub max_connections: usize,
     /// Seconds a handshake with a peer may take.
     #[arg(long = "handshake-timeout", value_name = "SECONDS", default_value_t = 10.0)]
@@ -295,15 +296,12 @@ pub fn run(a: &ServerArgs, registry: Registry) -> Result<()> {
         synthetic: a.synthetic_kv,
         prefix_caching,
         served_model_name: check_served_name(served.unwrap_or_default())?,
-        gate: crate::server::gate::Gate::new(
-            crate::server::gate::api_key(a.api_key.as_deref()),
-            a.max_concurrent_requests,
-        )
-        .with_body_limits(
-            a.max_request_body_bytes,
-            seconds("--request-body-timeout", a.request_body_timeout)?,
-        )
-        .with_run_timeout(seconds("--request-timeout", a.request_timeout)?),
+        gate: gate::Gate::new(gate::api_key(a.api_key.as_deref()), a.max_concurrent_requests)
+            .with_body_limits(
+                a.max_request_body_bytes,
+                seconds("--request-body-timeout", a.request_body_timeout)?,
+            )
+            .with_run_timeout(seconds("--request-timeout", a.request_timeout)?),
         http_header_timeout: seconds("--request-header-timeout", a.request_header_timeout)?,
         http_max_connections: at_least_one("--max-connections", a.max_connections)?,
         handshake_timeout: Duration::from_secs_f64(a.handshake_timeout),

@@ -322,7 +322,7 @@ fn cancel_abandoned<D: Driver>(driver: &mut D, pending: &mut BTreeMap<String, Pe
                     // A streaming handler may still wait for the answer its client will not read.
                     let _ = p.reply.send(Err(SubmitError::Failed(CLIENT_GONE.to_owned())));
                 }
-                crate::server::metrics::cancelled();
+                kvconnect_openai::metrics::cancelled();
                 tracing::info!(request = %id, "{CLIENT_GONE}; ended it and freed its blocks");
             }
             Cancel::Later => {}
@@ -387,7 +387,7 @@ fn count(counters: &mut PoolStats, ok: bool) {
     } else {
         counters.failed += 1;
     }
-    crate::server::metrics::finished(ok);
+    kvconnect_openai::metrics::finished(ok);
 }
 
 /// Publishes the driver's KV events of the last step as one batch (none when there are none).
@@ -511,7 +511,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>, events: Option<Zmq
                         counters.external_tokens += o.num_external_tokens as u64;
                         if o.num_external_tokens > 0 {
                             if let Some(t) = p.done.ttft {
-                                crate::server::metrics::external_first_token(t);
+                                kvconnect_openai::metrics::external_first_token(t);
                             }
                         }
                     }

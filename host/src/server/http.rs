@@ -4,7 +4,6 @@
 //! `kv_transfer_params` included).
 
 use crate::server::engine_loop::{Done, EngineHandle, PoolStats, SubmitError, TokenSink};
-use crate::server::metrics::{self, PromptSources, Sample};
 use crate::server::peers::{remote_instance, remote_peer, strip_remote, Peers};
 use crate::sidechannel::ServerStats;
 use axum::extract::State;
@@ -14,6 +13,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use kvconnect_api::{FailurePolicy, Role};
 use kvconnect_engine::{FinishReason, GenRequest, SamplingParams};
+use kvconnect_openai::metrics::{self, PromptSources, Sample};
 use serde_json::{json, Map, Value};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;

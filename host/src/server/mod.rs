@@ -19,10 +19,6 @@ pub mod response;
 pub mod sse;
 pub mod synthetic;
 
-// The OpenAI wire pieces the proxy speaks too (crate `kvconnect-openai`), under the paths the
-// server has always used.
-pub use kvconnect_openai::{chat_template, gate, metrics, params, request_id, serve, unsupported};
-
 use crate::registry::Registry;
 use crate::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
 use anyhow::{anyhow, Context, Result};
@@ -31,6 +27,7 @@ use kvconnect_api::negotiate::{EngineOptions, Negotiated};
 use kvconnect_api::Role;
 use kvconnect_api::{ConnectorContext, KvTransferConfig, ModelSpec};
 use kvconnect_engine::{Engine, EngineConfig, ReferenceConfig};
+use kvconnect_openai::{gate, serve};
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;

@@ -17,15 +17,15 @@
 
 use crate::server::engine_loop::{TokenSink, TokenStream};
 use crate::server::http::{self, AppState, Failure, Finished, OneRequest};
-use crate::server::params::{self, OpenAiRequest};
 use crate::server::response::{self, ChoiceOutput, Head, Shape};
 use crate::server::sse::{Chunks, Tail};
-use crate::server::{metrics, request_id};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use kvconnect_openai::params::{self, OpenAiRequest};
+use kvconnect_openai::{metrics, request_id};
 use serde_json::{json, Value};
 use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::Ordering;
@@ -34,7 +34,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-pub use crate::server::chat_template::chat_prompt;
+pub use kvconnect_openai::chat_template::chat_prompt;
 pub use kvconnect_openai::error::{json_object, openai_error, openai_error_with_code, param_error};
 pub use kvconnect_openai::stream::Events;
 pub use kvconnect_openai::CONTEXT_TOKENS;

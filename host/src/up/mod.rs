@@ -13,6 +13,7 @@ use crate::cli::exit::Exit;
 use crate::deployment::Deployment;
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
+use kvconnect_openai::{gate, serve};
 use kvconnect_proxy::backends::Backends;
 use kvconnect_proxy::{client, Proxy};
 use report::{Comparison, Report, Sample};
@@ -160,8 +161,8 @@ async fn up(a: &UpArgs) -> Result<()> {
             &secret,
         ));
     }
-    let key = crate::server::gate::api_key(a.api_key.as_deref());
-    let gate = crate::server::gate::Gate::new(key.clone(), crate::server::gate::DEFAULT_MAX_IN_FLIGHT);
+    let key = gate::api_key(a.api_key.as_deref());
+    let gate = gate::Gate::new(key.clone(), gate::DEFAULT_MAX_IN_FLIGHT);
     let backends = Arc::new(Backends::default());
     let event_sources: Vec<kvconnect_proxy::kv_subscriber::EventSource> = launches
         .iter()
@@ -216,11 +217,11 @@ async fn up(a: &UpArgs) -> Result<()> {
     }
     let (quit_tx, quit_rx) = tokio::sync::oneshot::channel::<()>();
     let server = tokio::spawn(async move {
-        crate::server::serve::serve(
+        serve::serve(
             listener,
             gate.wrap(kvconnect_proxy::router(proxy)),
-            crate::server::serve::DEFAULT_HEADER_TIMEOUT,
-            crate::server::serve::DEFAULT_MAX_CONNECTIONS,
+            serve::DEFAULT_HEADER_TIMEOUT,
+            serve::DEFAULT_MAX_CONNECTIONS,
             async {
                 let _ = quit_rx.await;
             },
@@ -277,7 +278,7 @@ fn launch(
         num_blocks: a.num_blocks,
         host: a.host,
         behind_proxy,
-        api_key: crate::server::gate::api_key(a.api_key.as_deref()),
+        api_key: gate::api_key(a.api_key.as_deref()),
         secret: secret.clone(),
         kv_producers: None,
         kv_events: None,

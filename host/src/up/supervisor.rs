@@ -19,6 +19,7 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::Role;
+use kvconnect_openai::gate;
 use kvconnect_proxy::backends::Backends;
 use kvconnect_proxy::client;
 use std::io::{BufRead, BufReader};
@@ -302,7 +303,7 @@ impl Fleet {
             cmd.arg("--joint");
         }
         if let Some(k) = &l.api_key {
-            cmd.env(crate::server::gate::API_KEY_ENV[0], k);
+            cmd.env(gate::API_KEY_ENV[0], k);
         }
         cmd.env(kvconnect_dataplane::auth::SECRET_ENV, l.secret.to_text());
         if let Some(p) = &l.kv_producers {
