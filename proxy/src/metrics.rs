@@ -27,6 +27,25 @@ pub struct ProxyMetrics {
     pub router: RouterMetrics,
 }
 
+/// The KV router's decisions and predictions, counted (what `kvconnect up --workload` reports).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RouterTally {
+    /// Prefill servers picked by the KV index.
+    pub by_kv: u64,
+    /// Picked round-robin instead (no server's events live yet, or no tokens to hash).
+    pub round_robin: u64,
+    /// Prompt tokens the index predicted the chosen servers hold.
+    pub predicted_hit_tokens: u64,
+    /// Prompt tokens those servers then reported they did not compute.
+    pub actual_hit_tokens: u64,
+    /// Decisions whose prediction equalled the server's hits, or was above or below them.
+    pub exact: u64,
+    /// See `exact`.
+    pub over: u64,
+    /// See `exact`.
+    pub under: u64,
+}
+
 /// The KV router's metrics.
 #[derive(Debug, Clone, Default)]
 pub struct RouterMetrics {
@@ -100,6 +119,25 @@ impl RouterMetrics {
             std::cmp::Ordering::Less => "under",
         };
         self.predictions.get_or_create(&vec![("outcome", outcome.to_owned())]).inc();
+    }
+
+    /// What the router decided and predicted so far, against what the servers then hit.
+    pub fn tally(&self) -> RouterTally {
+        let decisions = |by: &str, reason: Option<&str>| {
+            let mut labels = vec![("by", by.to_owned())];
+            labels.extend(reason.map(|r| ("reason", r.to_owned())));
+            self.decisions.get(&labels).map_or(0, |c| c.get())
+        };
+        let outcome = |o: &str| self.predictions.get(&vec![("outcome", o.to_owned())]).map_or(0, |c| c.get());
+        RouterTally {
+            by_kv: decisions("kv", None),
+            round_robin: ["no_events", "no_tokens"].iter().map(|r| decisions("round_robin", Some(r))).sum(),
+            predicted_hit_tokens: self.predicted.get(),
+            actual_hit_tokens: self.hit.get(),
+            exact: outcome("exact"),
+            over: outcome("over"),
+            under: outcome("under"),
+        }
     }
 
     /// What became of an event batch.
@@ -207,5 +245,18 @@ mod tests {
         assert!(t.contains("kvconnect_router_actual_hit_tokens_total 48\n"), "{t}");
         assert!(t.contains("kvconnect_router_predictions_total{outcome=\"over\"} 1\n"), "{t}");
         assert!(t.contains("kvconnect_router_event_batches_dropped_total{reason=\"malformed\"} 1\n"), "{t}");
+        m.router.decided("no_tokens");
+        let want = RouterTally {
+            by_kv: 1,
+            round_robin: 2,
+            predicted_hit_tokens: 64,
+            actual_hit_tokens: 48,
+            exact: 1,
+            over: 1,
+            under: 0,
+        };
+        assert_eq!(m.router.tally(), want);
+        // The tally creates no series: /metrics shows only what was counted.
+        assert!(!m.render().contains("outcome=\"under\""));
     }
 }

@@ -204,6 +204,7 @@ async fn up(a: &UpArgs) -> Result<()> {
         }
         proxy.kv = Some(kv);
     }
+    let router = proxy.kv.as_ref().map(|_| proxy.metrics.router.clone());
     let proxy = Arc::new(proxy);
     let pids: Vec<u32> = started.iter().map(|s| s.pid).collect();
     let line = json!({
@@ -233,7 +234,7 @@ async fn up(a: &UpArgs) -> Result<()> {
         Some(n) => {
             let proxy_addr = addr.to_string();
             tokio::select! {
-                r = run_workload(a, n, &proxy_addr, mono.first().cloned(), key.as_deref(), &deployment.model_path) => r,
+                r = run_workload(a, n, &proxy_addr, mono.first().cloned(), key.as_deref(), &deployment.model_path, router) => r,
                 _ = &mut stop => Err(anyhow!("interrupted during the workload")),
                 why = &mut gave_up => Err(anyhow!("{}", why.unwrap_or_else(|_| "the supervisor stopped".into()))),
             }
@@ -385,6 +386,7 @@ async fn run_workload(
     mono: Option<String>,
     key: Option<&str>,
     model_path: &std::path::Path,
+    router: Option<kvconnect_proxy::metrics::RouterMetrics>,
 ) -> Result<()> {
     let model = workload::reference_model(model_path)?;
     let items = workload::items(n, a.prompts, a.prefixes);
@@ -420,6 +422,7 @@ async fn run_workload(
     if mono.is_some() {
         report.compare_monolithic = Some(Comparison::of(&samples, &mono_samples, &report.ttft_ms));
     }
+    report.router = router.map(|r| r.tally());
     let mut out = std::io::stdout().lock();
     if a.json {
         writeln!(out, "{}", serde_json::to_string_pretty(&report).context("report as JSON")?)

@@ -2,6 +2,7 @@
 //! them, and the text and JSON forms.
 
 use kvconnect_api::load_report::TierTokens;
+use kvconnect_proxy::metrics::RouterTally;
 use serde::Serialize;
 
 /// What one request measured.
@@ -147,6 +148,9 @@ pub struct Report {
     pub errors: Vec<String>,
     /// Against a monolithic server process, when asked for.
     pub compare_monolithic: Option<Comparison>,
+    /// With `--routing kv`: the router's decisions and predicted hits against the servers'.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub router: Option<RouterTally>,
 }
 
 impl Report {
@@ -205,6 +209,7 @@ impl Report {
             wall_s,
             errors: samples.iter().filter_map(|s| s.error.clone()).take(5).collect(),
             compare_monolithic: None,
+            router: None,
         }
     }
 
@@ -275,6 +280,13 @@ impl Report {
                 c.ttft_pair_ratio.q3,
                 c.pairs,
                 c.monolithic_mismatches
+            ));
+        }
+        if let Some(r) = &self.router {
+            s.push_str(&format!(
+                "KV router: {} picks by the index, {} round-robin; it predicted {} hit tokens, the prefill \
+                    servers hit {} (exact {}, over {}, under {})\n",
+                r.by_kv, r.round_robin, r.predicted_hit_tokens, r.actual_hit_tokens, r.exact, r.over, r.under
             ));
         }
         for e in &self.errors {
