@@ -291,6 +291,8 @@ fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {
         vec!["adapts_with_state".into(), yes(c.adapts_with_state)],
         vec!["stores_opaque_blocks".into(), yes(c.stores_opaque_blocks)],
         vec!["ranks_in_one_worker".into(), yes(c.ranks_in_one_worker)],
+        vec!["needs_side_channel".into(), yes(c.needs_side_channel)],
+        vec!["needs_data_plane_secret".into(), yes(c.needs_data_plane_secret)],
     ]
 }
 
