@@ -17,12 +17,12 @@
 
 #![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
 
-use kvconnect_api::stats::Quartiles;
 use kvconnect_cuda::device::{DeviceBuffer, Gpu};
 use kvconnect_cuda::error::CudaError;
 use kvconnect_cuda::ipc::{ImportedRegion, IpcHandle};
 use kvconnect_cuda::kernel::{GatherKernel, GatherSpec, Permute};
 use kvconnect_cuda::staged::{StagedCopy, DEFAULT_BUFFERS, DEFAULT_CHUNK_BYTES};
+use kvconnect_support::stats::Quartiles;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 

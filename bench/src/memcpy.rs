@@ -3,7 +3,7 @@
 //! (`kvconnect_nixl::stream_copy::copy_run`), each on one thread and on as many threads as
 //! the pull copies the same bytes with. Each pair of a benchmark times every way once; the
 //! way with the lowest median over the pairs is the baseline
-//! (`kvconnect_api::stats::interleaved_fastest`).
+//! (`kvconnect_support::stats::interleaved_fastest`).
 
 use kvconnect_nixl::copy_plan::copy_threads_for;
 use kvconnect_nixl::stream_copy::copy_run;
@@ -75,7 +75,7 @@ pub fn memcpy_ways(bytes: usize, threads: usize) -> Vec<Way> {
 }
 
 /// One pair's baseline times: `src` copied into `dst` once by each of [`memcpy_ways`], in
-/// its order, each way with its time (for `kvconnect_api::stats::interleaved_fastest`, which
+/// its order, each way with its time (for `kvconnect_support::stats::interleaved_fastest`, which
 /// takes the way with the lowest median as the baseline). Every way copies all the bytes, so
 /// `dst` holds `src` afterwards.
 pub fn time_memcpy_ways(dst: &mut [u8], src: &[u8], threads: usize) -> Vec<(Way, Duration)> {

@@ -13,9 +13,9 @@
 
 #![allow(unsafe_code)] // NIXL bindings: raw buffers handed to the NIXL C API.
 
-use kvconnect_api::host_buffer::HostBuffer;
 use kvconnect_dataplane::hex::{from_hex, to_hex};
 use kvconnect_nixl::nixl_agent::{status_name, NixlCallError};
+use kvconnect_support::host_buffer::HostBuffer;
 use nixl_sys::{
     Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, RegistrationHandle, XferDescList,
     XferDlistHandle, XferOp, XferStatus,

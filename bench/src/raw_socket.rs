@@ -3,7 +3,7 @@
 //! every socket's buffers set as the connector sets its own, each byte sent once per round
 //! from a buffer as large as the transfer. A round's time includes its streams' connects.
 
-use kvconnect_api::host_buffer::HostBuffer;
+use kvconnect_support::host_buffer::HostBuffer;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;

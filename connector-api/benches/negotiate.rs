@@ -1,7 +1,7 @@
 //! Cost of negotiation and of the compat descriptor, for a 3-child composite (lmcache-,
 //! flexkv- and nixl-like capabilities) on an 80-layer hybrid model, each against a baseline
 //! measured in the same run: serialising the finished descriptor to JSON. Interleaved pairs
-//! (`kvconnect_api::stats::interleaved`: the order alternates within a pair), each run a
+//! (`kvconnect_support::stats::interleaved`: the order alternates within a pair), each run a
 //! fixed number of calls on one thread on both sides; the figure is the median ratio
 //! baseline time / subject time with its quartiles, with the machine's cores and load
 //! average before and after. Every call's result is checked.
@@ -13,11 +13,11 @@
 #[path = "../tests/support/children.rs"]
 mod children;
 
-use kvconnect_api::stats::{bench_pairs, interleaved_timed, verdict, Machine};
 use kvconnect_api::{
     negotiate, negotiate_deployment, AttentionKind, ChildCaps, CompatDescriptor, Dtype, EngineOptions,
     ModelSpec,
 };
+use kvconnect_support::stats::{bench_pairs, interleaved_timed, verdict, Machine};
 use std::hint::black_box;
 
 /// The sizes of one run: the benchmark's, or the tiny one of a test run.

@@ -6,8 +6,10 @@
 //! the versioned C ABI that carries those traits across a shared-library boundary.
 //!
 //! It must not open sockets, spawn threads, touch files or load libraries: effects live in
-//! `kvconnect-host` and the connectors. A third-party plugin depends on this crate alone: it
-//! re-exports `serde`, `serde_json` and `tracing` for that.
+//! `kvconnect-host` and the connectors, and what they share beyond the contract (benchmark
+//! statistics, host buffers, stable hashes, frames, peer slots) in `kvconnect-support`. A
+//! third-party plugin depends on this crate alone: it re-exports `serde`, `serde_json` and
+//! `tracing` for that.
 
 // The negotiation tests' children, shared with the integration tests and the benchmark; the
 // file names this crate by its name, in its own unit tests too.
@@ -28,9 +30,7 @@ pub mod config;
 pub mod connector;
 pub mod engine_tensor;
 pub mod error;
-pub mod frame;
 pub mod geometry;
-pub mod host_buffer;
 pub mod ids;
 pub mod kv_events;
 pub mod kv_events_merge;
@@ -40,15 +40,12 @@ pub mod load_report;
 pub mod math;
 pub mod model;
 pub mod negotiate;
-pub mod peer_slots;
 pub mod per_engine;
 pub mod protocol;
 pub mod region;
 pub mod role;
 pub mod sdk;
-pub mod stable_hash;
 pub mod state_slots;
-pub mod stats;
 pub mod stream_copy;
 pub mod tp_ranks;
 

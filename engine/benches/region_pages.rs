@@ -1,7 +1,7 @@
 //! What transparent huge pages give KV regions: a region allocated as the engine allocates
 //! it (`RegionMemory::heap`, advised for huge pages) against the same allocation without the
 //! advice (`RegionMemory::heap_with(.., false)`), in the same run as interleaved pairs
-//! (`kvconnect_api::stats::interleaved`, the order alternating). Each run maps a fresh region,
+//! (`kvconnect_support::stats::interleaved`, the order alternating). Each run maps a fresh region,
 //! fills it (first touch: the page faults), then copies its blocks out in a scattered order,
 //! one 32 KiB block at a time, as a pull of a prompt's blocks does (TLB misses), and unmaps it.
 //! Every copy's bytes are checked after the run.
@@ -13,14 +13,14 @@
 
 #![allow(unsafe_code)] // A benchmark harness over the regions it maps.
 
-use kvconnect_api::host_buffer::HUGE_PAGE;
-use kvconnect_api::stats::{interleaved_timed, Machine};
 use kvconnect_engine::region::RegionMemory;
+use kvconnect_support::host_buffer::HUGE_PAGE;
+use kvconnect_support::stats::{interleaved_timed, Machine};
 
 const BLOCK: usize = 32 << 10;
 
 fn main() {
-    let (test, pairs, len) = match kvconnect_api::stats::bench_pairs("REGION_BENCH_PAIRS", 21) {
+    let (test, pairs, len) = match kvconnect_support::stats::bench_pairs("REGION_BENCH_PAIRS", 21) {
         None => (true, 1, 2 * HUGE_PAGE),
         Some(pairs) => (false, pairs, 512 << 20),
     };

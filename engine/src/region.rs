@@ -7,7 +7,7 @@
 
 use crate::error::EngineError;
 use crate::shm::ShmSegment;
-use kvconnect_api::host_buffer::HostBuffer;
+use kvconnect_support::host_buffer::HostBuffer;
 
 /// Backing memory of a region.
 #[derive(Debug)]
@@ -77,7 +77,7 @@ impl RegionMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvconnect_api::host_buffer::HUGE_PAGE;
+    use kvconnect_support::host_buffer::HUGE_PAGE;
 
     #[test]
     fn a_region_too_large_to_map_names_it_and_the_remedy() {

@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use kvconnect_api::compat::{check_roles, AdaptationPlan, CompatDescriptor, FieldDiff};
-use kvconnect_api::frame;
 use kvconnect_api::protocol::VersionMismatch;
 use kvconnect_dataplane::auth::{self, Secret, Side};
+use kvconnect_support::frame;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -35,7 +35,7 @@ const PROTOCOL: &str = "side-channel handshake";
 
 /// The largest frame either side accepts (16 MiB): far above any real handshake, far below
 /// what would let a peer make the server allocate without bound.
-pub use kvconnect_api::frame::DEFAULT_MAX_FRAME;
+pub use kvconnect_support::frame::DEFAULT_MAX_FRAME;
 
 /// How long a peer may wait before starting a frame, and then how long the whole frame may
 /// take, before the connection is dropped; also the limit on writing one.

@@ -2,7 +2,7 @@
 //! ids) on the example connector loaded as a plugin (its cdylib, opened by this crate's
 //! loader and called through the C ABI) against the same connector linked in-process (its
 //! rlib, a direct `dyn WorkerConnector` call), measured in the same run as interleaved pairs
-//! (`kvconnect_api::stats::interleaved`: the order alternates within a pair), each run a
+//! (`kvconnect_support::stats::interleaved`: the order alternates within a pair), each run a
 //! fixed number of calls; plus the bare boundary call (`wait_for_layer_load`, no work) and
 //! the time to open and check a plugin.
 //!
@@ -17,13 +17,13 @@
 
 #![allow(unsafe_code)] // A benchmark harness over KV buffers it owns.
 
-use kvconnect_api::stats::{interleaved_timed, per_call, Machine, Quartiles};
 use kvconnect_api::{
     AttentionKind, BlockId, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout, KvGroup, KvLayout,
     KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MemoryKind, ModelSpec, TransferMode,
     WorkerConnector,
 };
 use kvconnect_loader::{load_plugin, LoaderOptions};
+use kvconnect_support::stats::{interleaved_timed, per_call, Machine, Quartiles};
 use serde_json::json;
 use std::hint::black_box;
 use std::path::{Path, PathBuf};
@@ -204,14 +204,14 @@ fn main() {
             "in_process_ns": ns(&per(&save.baseline_s)),
             "plugin_ns": ns(&per(&save.subject_s)),
             "goal": "plugin <= 1.5x in-process",
-            "verdict": kvconnect_api::stats::verdict(save.pairs, cost(&save.ratio).median <= 1.5),
+            "verdict": kvconnect_support::stats::verdict(save.pairs, cost(&save.ratio).median <= 1.5),
         },
         "wait_for_layer_load_noop": {
             "plugin_over_in_process": cost(&bare.ratio),
             "in_process_ns": ns(&per(&bare.baseline_s)),
             "plugin_ns": ns(&per(&bare.subject_s)),
             "goal": "plugin call < 40 ns",
-            "verdict": kvconnect_api::stats::verdict(bare.pairs, bare_plugin_ns < 40.0),
+            "verdict": kvconnect_support::stats::verdict(bare.pairs, bare_plugin_ns < 40.0),
         },
         "open_check_already_mapped_us": {"q1": mapped.q1 * 1e6, "median": mapped.median * 1e6, "q3": mapped.q3 * 1e6},
         "open_check_first_open_us": {"q1": first.q1 * 1e6, "median": first.median * 1e6, "q3": first.q3 * 1e6, "copies": size.fresh_opens},

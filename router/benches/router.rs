@@ -30,11 +30,11 @@
 
 #![allow(unsafe_code)] // clock_gettime of the thread's CPU clock (libc), for figures on one core of a shared machine.
 
-use kvconnect_api::stats::{bench_pairs, nearest_rank, Machine, Quartiles};
 use kvconnect_router::chain::prefix_hashes;
 use kvconnect_router::{
     choose, Candidate, Indexer, KvEvent, KvEventBatch, Medium, Outcome, Weights, WorkerId,
 };
+use kvconnect_support::stats::{bench_pairs, nearest_rank, Machine, Quartiles};
 use std::hint::black_box;
 use std::time::Instant;
 

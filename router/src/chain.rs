@@ -1,5 +1,5 @@
 //! The router's own block hashes: a chain over pieces of `unit` tokens, each hash the
-//! previous one's mixed with the piece's tokens (`kvconnect_api::stable_hash::hash_bytes`,
+//! previous one's mixed with the piece's tokens (`kvconnect_support::stable_hash::hash_bytes`,
 //! the same in every process). Workers name their blocks with hashes of their own (the
 //! engine's prefix cache its block hashes, lmcache its chunk keys rooted in a namespace the
 //! proxy cannot know, at a chunk size other than the engine's block size), so the indexer
@@ -7,7 +7,7 @@
 //! request's prompt the same way: a predicted hit is then a run of the same tokens, whoever
 //! stored it and at whatever block size.
 
-use kvconnect_api::stable_hash::hash_bytes;
+use kvconnect_support::stable_hash::hash_bytes;
 
 /// The hash before a prompt's first piece.
 pub const ROOT: u64 = 0;

@@ -10,7 +10,7 @@
 //! one probe per block; clearing a worker one pass over the whole map.
 
 use crate::event::{fastest_rank, medium_bit, BlockHash, Medium, RANKS};
-use kvconnect_api::stable_hash::PassThrough;
+use kvconnect_support::stable_hash::PassThrough;
 use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 

@@ -4,11 +4,11 @@
 //! (no proof, a wrong one, hellos it never reads the answers to).
 
 use kvconnect_api::compat::CompatDescriptor;
-use kvconnect_api::frame;
 use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::{KvTransferConfig, ModelSpec};
 use kvconnect_dataplane::auth::{self, Secret, Side};
 use kvconnect_host::sidechannel::{HelloAuth, Message, CHANNEL, PROTOCOL_VERSION};
+use kvconnect_support::frame;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::Path;

@@ -1,5 +1,5 @@
 //! flexkv benchmarks, each subject beside the baseline it is judged against, measured in the
-//! same run as interleaved pairs (`kvconnect_api::stats::interleaved`: the order alternates
+//! same run as interleaved pairs (`kvconnect_support::stats::interleaved`: the order alternates
 //! within a pair) and reported as the median ratio baseline time / subject time with its
 //! quartiles, with the machine's cores and load average before and after:
 //!
@@ -25,12 +25,7 @@
 #![allow(unsafe_code)] // The benchmark vouches for its own KV buffers as regions (KvRegion::new).
 
 use kvconnect_api::geometry::BlockShape;
-use kvconnect_api::host_buffer::HostBuffer;
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::stats::{
-    interleaved_against_fastest, interleaved_timed, memcpy_of_pieces, per_call, verdict, Machine, Paired,
-    Quartiles, PIECE_COPIERS,
-};
 use kvconnect_api::{
     AttentionKind, BlockId, Dtype, EffectiveLayout, KvGroup, KvLayout, KvRegion, KvRegionSpec, LayerId,
     MemoryKind, ModelSpec, TransferMode,
@@ -39,6 +34,11 @@ use kvconnect_flexkv::adapter::BlockAdapter;
 use kvconnect_flexkv::cache::BlockCache;
 use kvconnect_flexkv::hash::block_hashes;
 use kvconnect_flexkv::ssd_tier::SsdTier;
+use kvconnect_support::host_buffer::HostBuffer;
+use kvconnect_support::stats::{
+    interleaved_against_fastest, interleaved_timed, memcpy_of_pieces, per_call, verdict, Machine, Paired,
+    Quartiles, PIECE_COPIERS,
+};
 use std::cell::RefCell;
 use std::io::{Read, Seek, SeekFrom, Write};
 
@@ -57,7 +57,7 @@ struct Size {
 
 impl Size {
     fn from_args() -> Size {
-        let Some(pairs) = kvconnect_api::stats::bench_pairs("FLEXKV_BENCH_PAIRS", 21) else {
+        let Some(pairs) = kvconnect_support::stats::bench_pairs("FLEXKV_BENCH_PAIRS", 21) else {
             return Size {
                 test: true,
                 pairs: 1,

@@ -9,7 +9,7 @@
 
 #![allow(unsafe_code)] // Slots are disjoint byte ranges of one mapping, each reached under its own lock.
 
-use kvconnect_api::host_buffer::HostBuffer;
+use kvconnect_support::host_buffer::HostBuffer;
 use std::sync::{Mutex, OnceLock};
 
 /// The cache line every slot starts at, so streaming stores write its rows as whole lines.
@@ -140,7 +140,7 @@ mod tests {
         let t = CpuTier::new(300, slot);
         assert_eq!(t.per_chunk, 128);
         let addr = |s| t.with_slot(s, |b| b.as_ptr() as usize).unwrap();
-        assert_eq!(addr(0) % kvconnect_api::host_buffer::HUGE_PAGE, 0);
+        assert_eq!(addr(0) % kvconnect_support::host_buffer::HUGE_PAGE, 0);
         assert_eq!(addr(127) - addr(0), 127 * slot);
         // The last chunk holds only the slots that are left.
         assert_eq!(addr(299) - addr(256), 43 * slot);

@@ -1,5 +1,5 @@
 //! Stable 64-bit hashes: the chained block hash that keys the index, and the checksum that
-//! guards SSD records (`kvconnect_api::stable_hash`, shared with lmcache's stored chunks).
+//! guards SSD records (`kvconnect_support::stable_hash`, shared with lmcache's stored chunks).
 //!
 //! Both must give the same value in every process and on every run (a block's key is its
 //! identity in the index and in `KvEvent`s; a checksum written before a restart of the
@@ -7,8 +7,8 @@
 //! step is a 64x64->128 multiply folded to 64 bits (as in wyhash): fast enough that hashing
 //! a 2k-block prompt costs a few tens of microseconds.
 
-pub use kvconnect_api::stable_hash::{checksum, hash_bytes, Checksum};
-use kvconnect_api::stable_hash::{mix, P0, P1, P2, P3};
+pub use kvconnect_support::stable_hash::{checksum, hash_bytes, Checksum};
+use kvconnect_support::stable_hash::{mix, P0, P1, P2, P3};
 
 /// The key of one block: a hash of the previous block's key and this block's tokens, so a
 /// key stands for the whole prefix up to and including the block (vLLM's block hash chain).

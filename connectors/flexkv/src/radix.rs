@@ -54,7 +54,7 @@ impl Tier {
 }
 
 /// Block hashes are already well mixed, so the table uses them as they are.
-pub use kvconnect_api::stable_hash::PassThrough;
+pub use kvconnect_support::stable_hash::PassThrough;
 
 /// The life of a node's data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

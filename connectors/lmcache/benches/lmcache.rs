@@ -1,5 +1,5 @@
 //! lmcache benchmarks, each subject beside the baseline it is judged against, measured in the
-//! same run as interleaved pairs (`kvconnect_api::stats::interleaved`: the order alternates
+//! same run as interleaved pairs (`kvconnect_support::stats::interleaved`: the order alternates
 //! within a pair) and reported as the median ratio baseline time / subject time with its
 //! quartiles, with the machine's cores and load average before and after:
 //!
@@ -23,10 +23,6 @@
 #![allow(unsafe_code)] // The benchmark vouches for its own KV buffers as regions (KvRegion::new).
 
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
-use kvconnect_api::stats::{
-    bench_part, interleaved_against_fastest, interleaved_timed, memcpy_of_pieces, per_call, verdict, Machine,
-    Paired, Quartiles, PIECE_COPIERS,
-};
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,
     KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind,
@@ -35,6 +31,10 @@ use kvconnect_api::{
 use kvconnect_lmcache::disk_tier::DiskTier;
 use kvconnect_lmcache::key::ChunkKey;
 use kvconnect_lmcache::LmcacheFactory;
+use kvconnect_support::stats::{
+    bench_part, interleaved_against_fastest, interleaved_timed, memcpy_of_pieces, per_call, verdict, Machine,
+    Paired, Quartiles, PIECE_COPIERS,
+};
 use serde_json::json;
 use std::io::{Read, Write};
 
@@ -52,7 +52,7 @@ struct Size {
 
 impl Size {
     fn from_args() -> Size {
-        let Some(pairs) = kvconnect_api::stats::bench_pairs("LMCACHE_BENCH_PAIRS", 21) else {
+        let Some(pairs) = kvconnect_support::stats::bench_pairs("LMCACHE_BENCH_PAIRS", 21) else {
             return Size {
                 test: true,
                 pairs: 1,

@@ -17,7 +17,7 @@ use std::time::Instant;
 /// The chunk and the pairs of one run: the benchmark's (`REMOTE_BENCH_PAIRS`, 41 by default),
 /// or the tiny one of a test run.
 fn size() -> (usize, usize) {
-    match kvconnect_api::stats::bench_pairs("REMOTE_BENCH_PAIRS", 41) {
+    match kvconnect_support::stats::bench_pairs("REMOTE_BENCH_PAIRS", 41) {
         None => (4096, 1),
         Some(pairs) => (8 << 20, pairs),
     }

@@ -1,6 +1,6 @@
 //! The local-disk tier: one file per chunk, `<key>.chunk`: a header carrying the key and the
 //! length (guarded by a hash of its own), the bytes, and a trailer with their checksum
-//! (`kvconnect_api::stable_hash::Checksum`, additions in SIMD lanes: computed while the
+//! (`kvconnect_support::stable_hash::Checksum`, additions in SIMD lanes: computed while the
 //! bytes stream through the cache on their way to or from the file, so checking costs no
 //! extra pass over memory and little time beside the copy).
 //!
@@ -18,8 +18,8 @@
 use crate::cpu_tier::KeyMap;
 use crate::hash::hash_bytes;
 use crate::key::{ChunkKey, FORMAT_VERSION};
-use kvconnect_api::stable_hash::{checksum, Checksum};
 use kvconnect_cache_dir::{sync_file, CacheDir, CacheDirError};
+use kvconnect_support::stable_hash::{checksum, Checksum};
 use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write};

@@ -2,7 +2,7 @@
 //! block 16, HND: 112 KiB per token) from a producer connector into consumer regions through
 //! `Puller::pull` (hold, copy, done round trips included), over shm and over tcp, each
 //! against a baseline measured in the same run as interleaved pairs
-//! (`kvconnect_api::stats::interleaved`: the order alternates within a pair); the figure is
+//! (`kvconnect_support::stats::interleaved`: the order alternates within a pair); the figure is
 //! the median ratio baseline time / pull time with its quartiles, with the machine's cores
 //! and load average before and after.
 //!
@@ -22,9 +22,7 @@
 //! `NIXL_BENCH_PAIRS` the pairs (21). Without `--bench` (as `cargo test` runs it) each
 //! figure runs one pair of a 3-block pull.
 
-use kvconnect_api::host_buffer::HostBuffer;
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::stats::{bench_pairs, interleaved, interleaved_fastest, Machine, Paired};
 use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorFactory, KvLayout, KvRole, RequestId, WorkerConnector,
 };
@@ -36,6 +34,8 @@ use kvconnect_nixl::metadata::{LoadSpec, NixlMeta, SendSpec};
 use kvconnect_nixl::tcp_data::{default_tcp_streams, streams_for, DEFAULT_SOCKET_BUFFER, STREAM_MIN_BYTES};
 use kvconnect_nixl::transport::{shm::Shm, tcp::Tcp, Transport};
 use kvconnect_nixl::{NixlFactory, PeerInfo, ProducerMetadata, PullConfig, Puller};
+use kvconnect_support::host_buffer::HostBuffer;
+use kvconnect_support::stats::{bench_pairs, interleaved, interleaved_fastest, Machine, Paired};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use std::io::{self, Read, Write};
 
 /// Default cap on one control frame (the host side channel's too).
-pub use kvconnect_api::frame::DEFAULT_MAX_FRAME;
+pub use kvconnect_support::frame::DEFAULT_MAX_FRAME;
 
 /// A byte run of one producer region: (region index, offset, length).
 pub type WireRun = (u32, u64, u64);
@@ -143,7 +143,7 @@ pub enum FrameError {
 
 /// Writes one frame.
 pub fn write_frame<W: Write>(w: &mut W, msg: &impl Serialize) -> io::Result<()> {
-    let buf = kvconnect_api::frame::encode(msg).map_err(io::Error::other)?;
+    let buf = kvconnect_support::frame::encode(msg).map_err(io::Error::other)?;
     w.write_all(&buf)?;
     w.flush()
 }
@@ -156,7 +156,7 @@ pub fn read_frame_bytes<R: Read>(r: &mut R, cap: usize) -> Result<Vec<u8>, Frame
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(FrameError::Closed),
         Err(e) => return Err(FrameError::Io(e)),
     }
-    let len = kvconnect_api::frame::body_len(len, cap)
+    let len = kvconnect_support::frame::body_len(len, cap)
         .map_err(|e| FrameError::TooLarge { len: e.len, cap: e.cap })?;
     let mut body = vec![0u8; len];
     r.read_exact(&mut body)?;
@@ -301,7 +301,7 @@ impl Write for DeadlineWriter<'_> {
 /// Reads and decodes one frame.
 pub fn read_frame<R: Read, T: for<'de> Deserialize<'de>>(r: &mut R, cap: usize) -> Result<T, FrameError> {
     let body = read_frame_bytes(r, cap)?;
-    kvconnect_api::frame::decode(&body).map_err(|e| {
+    kvconnect_support::frame::decode(&body).map_err(|e| {
         let head = String::from_utf8_lossy(&body[..body.len().min(64)]).into_owned();
         FrameError::Malformed(format!("{e} (frame starts {head:?})"))
     })

@@ -1,5 +1,5 @@
 //! What the composite costs on the per-step path, each against the same work done without it,
-//! measured in the same run as interleaved pairs (`kvconnect_api::stats::interleaved`: the
+//! measured in the same run as interleaved pairs (`kvconnect_support::stats::interleaved`: the
 //! order alternates within a pair); the figure is the median ratio baseline time / composite
 //! time with its quartiles, with the machine's cores and load average before and after. Both
 //! sides run on one thread.
@@ -12,12 +12,12 @@
 //! by default). Without `--bench` (as `cargo test` runs it) each figure runs one pair of a
 //! few steps.
 
-use kvconnect_api::stats::{bench_pairs, interleaved_timed, Machine};
 use kvconnect_api::{
     BlockId, ConnectorResult, FinishedTransfers, KvRegion, LayerId, RequestId, WorkerConnector,
 };
 use kvconnect_pd::meta::{MetaEnvelope, MetaPart, META_VERSION};
 use kvconnect_pd::PdWorker;
+use kvconnect_support::stats::{bench_pairs, interleaved_timed, Machine};
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

@@ -458,7 +458,7 @@ fn transfer(a: &TransferArgs) -> Result<()> {
     let mut baseline = baseline.ok_or_else(|| anyhow!("no measured transfer"))?;
     baseline.finish()?;
     // Both moved the same bytes: the rate ratio is the inverse of the time ratio.
-    let (paired, fastest) = kvconnect_api::stats::paired_fastest(&base_ways, &times);
+    let (paired, fastest) = kvconnect_support::stats::paired_fastest(&base_ways, &times);
     let baseline = match (&baseline, way_names.get(fastest)) {
         (Baseline::Memcpy, Some(way)) => format!("fastest memcpy: {way}"),
         _ => baseline.name().to_owned(),
@@ -553,12 +553,12 @@ fn nixl_raw_peer() -> Result<()> {
 
 /// The 1-minute load average, from /proc/loadavg (None where there is none).
 pub(super) fn load_average() -> Option<f64> {
-    kvconnect_api::stats::load_average()
+    kvconnect_support::stats::load_average()
 }
 
 /// What the figures were measured on: cores, and the load average before and after.
 pub(super) fn machine(load_before: Option<f64>) -> Value {
-    let mut m = kvconnect_api::stats::Machine::start().finish();
+    let mut m = kvconnect_support::stats::Machine::start().finish();
     m.load_average_before = load_before;
     json!(m)
 }

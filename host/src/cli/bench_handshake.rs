@@ -9,9 +9,9 @@ use crate::registry::Registry;
 use crate::sidechannel::{handshake, HandshakeOutcome};
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::EngineOptions;
-use kvconnect_api::stats::Quartiles;
 use kvconnect_api::{KvTransferConfig, ModelSpec};
 use kvconnect_dataplane::auth::{self, Secret, Side};
+use kvconnect_support::stats::Quartiles;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -66,7 +66,7 @@ pub(super) fn measure(
         kvconnect_nixl::wire::authenticate_client(
             &mut s,
             secret.as_ref(),
-            kvconnect_api::frame::DEFAULT_MAX_FRAME,
+            kvconnect_support::frame::DEFAULT_MAX_FRAME,
         )
         .map_err(|e| anyhow!("authenticating to the producer listener {listen}: {e}"))?;
         producer.push(t.elapsed().as_secs_f64() * 1e3);

@@ -6,12 +6,12 @@
 //! tokens is ~0.9 GiB) without running that model.
 
 use crate::server::engine_loop::{Driver, PoolStats, StepFailure, SubmitError};
-use kvconnect_api::host_buffer::HostBuffer;
 use kvconnect_api::{
     BlocksPerGroup, ConnectorError, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId,
     SchedulerConnector, StepInfo, WorkerConnector,
 };
 use kvconnect_engine::{FinishReason, GenRequest, KvPool, RequestOutput};
+use kvconnect_support::host_buffer::HostBuffer;
 use serde_json::{json, Map, Value};
 use std::collections::BTreeMap;
 use std::time::Instant;

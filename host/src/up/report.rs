@@ -91,8 +91,8 @@ impl Comparison {
     }
 }
 
-use kvconnect_api::stats::nearest_rank;
-pub use kvconnect_api::stats::Quartiles;
+use kvconnect_support::stats::nearest_rank;
+pub use kvconnect_support::stats::Quartiles;
 
 /// Prefill cache hits of one connector's tier.
 #[derive(Debug, Clone, PartialEq, Serialize)]

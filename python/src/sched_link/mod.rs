@@ -70,16 +70,16 @@ pub fn write_frame(w: &mut impl Write, bytes: &[u8]) -> io::Result<()> {
 }
 
 /// Reads one frame; `Ok(None)` when the peer closed the connection between frames. The
-/// prefix is kvconnect's one frame format (`kvconnect_api::frame`); the body is bytes, which
+/// prefix is kvconnect's one frame format (`kvconnect_support::frame`); the body is bytes, which
 /// are JSON except a `Meta` reply's second frame.
 pub fn read_frame(r: &mut impl Read) -> io::Result<Option<Vec<u8>>> {
-    let mut len = [0u8; kvconnect_api::frame::HEADER_LEN];
+    let mut len = [0u8; kvconnect_support::frame::HEADER_LEN];
     match r.read_exact(&mut len) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(e) => return Err(e),
     }
-    let len = kvconnect_api::frame::body_len(len, MAX_FRAME).map_err(io::Error::other)?;
+    let len = kvconnect_support::frame::body_len(len, MAX_FRAME).map_err(io::Error::other)?;
     let mut buf = vec![0u8; len];
     r.read_exact(&mut buf)?;
     Ok(Some(buf))

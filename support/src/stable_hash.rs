@@ -6,7 +6,7 @@
 
 #![allow(unsafe_code)] // SIMD: the checksum's lanes in AVX2 registers (fused with streaming stores), behind a runtime feature check.
 
-use crate::stream_copy::Batch;
+use kvconnect_api::stream_copy::Batch;
 
 /// Mixing constants (wyhash's).
 pub const P0: u64 = 0xa076_1d64_78bd_642f;
