@@ -103,9 +103,12 @@ pub use crate::kv_events::KvEvent;
 pub struct FinishedTransfers {
     /// Requests whose blocks the producer may now free.
     pub finished_sending: Vec<RequestId>,
-    /// Requests whose async load completed.
+    /// Requests whose load completed: an async one the engine now resumes; a synchronous one
+    /// (matched with `async_load: false`) it already computed with, so nothing to resume.
     pub finished_recving: Vec<RequestId>,
-    /// Requests whose async load failed (the engine applies `kv_load_failure_policy`).
+    /// Requests whose load failed: for an async one the engine applies
+    /// `kv_load_failure_policy`; a synchronous one's blocks are also in
+    /// `block_ids_with_load_errors`, which the engine acts on.
     pub failed_recving: Vec<RequestId>,
 }
 

@@ -421,8 +421,37 @@ impl Worker {
                 s.load_peer.remove(&r.0);
                 s.failed_why.remove(&r.0);
             }
+            // A synchronous load was counted above; vLLM computed with it in the step that
+            // loaded it and waits for nothing, so it is not reported (a failed one is, by its
+            // blocks, in block_ids_with_load_errors).
+            let mut recving: Vec<String> = f.finished_recving.iter().map(|r| r.0.clone()).collect();
+            let mut failed = failed;
+            {
+                let mut sync = self.scheduler.counters().sync_loads.lock().unwrap_or_else(|p| p.into_inner());
+                if !sync.is_empty() {
+                    recving.retain(|r| {
+                        let was_sync = sync.remove(r);
+                        if was_sync {
+                            tracing::info!(request = %r, "kvconnect worker: request {r} loaded its external KV \
+                                synchronously");
+                        }
+                        !was_sync
+                    });
+                    failed.retain(|(r, why)| {
+                        let was_sync = sync.remove(r);
+                        if was_sync {
+                            tracing::warn!(request = %r, "kvconnect worker: request {r} failed to load its external KV \
+                                (a synchronous load; vLLM recomputes from its first failed block): {why}");
+                        }
+                        !was_sync
+                    });
+                    for r in &ids {
+                        sync.remove(&r.0);
+                    }
+                }
+            }
             let strs = |v: &[RequestId]| v.iter().map(|r| r.0.clone()).collect::<Vec<_>>();
-            Ok((strs(&f.finished_sending), strs(&f.finished_recving), failed))
+            Ok((strs(&f.finished_sending), recving, failed))
         })?;
         for p in &forget {
             self.gate.forget(p);

@@ -1,5 +1,6 @@
 """KvconnectConnector's vLLM connector API beyond loads and saves, against real vLLM (CPU):
-one server per cache connector, and one nixl P/D pair:
+one server per cache connector, and two nixl P/D pairs: decode loading asynchronously over
+tcp, and synchronously (`load: sync`) over shm, each through both checks below:
 
 - `get_block_ids_with_load_errors`: with `"kv_load_failure_policy": "recompute"`, a load that
   fails (prefill's lease expired) is reported by the blocks it was to fill: decode's own
@@ -226,15 +227,19 @@ def check_preemptions(pre: Server, dec: Server):
           "vllm:kvconnect_loads_preempted_total); every output equal, none hung")
 
 
-def run_pd_api(model: str, logdir: Path):
+def run_pd_api(model: str, logdir: Path, load: str = "async"):
+    """`load`: decode's load mode; `sync` runs over shm (a same-host producer, where it is
+    meant), so a failed load is told to vLLM by its blocks in the step that computes."""
     port = free_port()
+    backend = "shm" if load == "sync" else "tcp"
     nixl = {"kv_connector": "NixlConnector",
-            "kv_connector_extra_config": {"backend": "tcp", "kv_lease_duration": LEASE_S, "kv_lease_max": LEASE_S}}
-    pre = Server("api-prefill", model, logdir, core=0, kv_config=kv_config("kv_producer", nixl, port=port))
+            "kv_connector_extra_config": {"backend": backend, "kv_lease_duration": LEASE_S, "kv_lease_max": LEASE_S}}
+    pre = Server(f"api-prefill-{load}", model, logdir, core=0, kv_config=kv_config("kv_producer", nixl, port=port))
     dec_cfg = kv_config("kv_consumer", {"kv_connector": "NixlConnector",
-                                        "kv_connector_extra_config": {"backend": "tcp"}})
+                                        "kv_connector_extra_config": {"backend": backend, "load": load}})
     dec_cfg["kv_load_failure_policy"] = "recompute"
-    dec = Server("api-decode", model, logdir, core=1, kv_config=dec_cfg, args=["--num-gpu-blocks-override", str(DEC_BLOCKS)])
+    dec = Server(f"api-decode-{load}", model, logdir, core=1, kv_config=dec_cfg,
+                 args=["--num-gpu-blocks-override", str(DEC_BLOCKS)])
     with serving(pre, dec):
         pre.wait_healthy()
         dec.wait_healthy()
@@ -269,6 +274,7 @@ def checks(model: str, tmp: Path, only=None):
     if only in (None, "pd"):
         check_required_layout(model)
         run_pd_api(model, tmp)
+        run_pd_api(model, tmp, load="sync")
     for name, inner, tier in [("lmcache", LMCACHE, "cpu_tier"), ("flexkv", FLEXKV, "cpu_tier")]:
         if only in (None, name):
             run_reset_and_events(model, tmp, f"api-{name}", inner, tier)

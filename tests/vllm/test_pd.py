@@ -1,7 +1,7 @@
 """kvconnect inside a real vLLM (CPU): prefill/decode through KvconnectConnector equals a
 monolithic server, token for token, and decode loads the prompt's KV instead of computing it.
 
-    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp] [--parts pd,composite,refused] [--keep]
+    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp,shm-sync] [--parts pd,composite,refused] [--keep]
 
 Runs with the venv scripts/install-vllm.sh makes, with kvconnect installed into it
 (`VENV/bin/pip install ./python`). Servers run one or two at a time (about 4 GB each).
@@ -286,13 +286,18 @@ def main():
         out = run_monolithic(model, tmp, ps + pp + [idle_prompt])
         expected, expected_pp, expected_idle = out[:len(ps)], out[len(ps):-1], out[-1]
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
-        for backend in a.backends.split(",") if "pd" in parts else []:
+        for spec in a.backends.split(",") if "pd" in parts else []:
+            # `shm-sync`: decode loads synchronously, inside the step that computes the prompt's
+            # last token.
+            backend, _, mode = spec.partition("-")
             # Over tcp prefill closes links idle for 1 s, and a request comes after a longer lull.
-            pre = nixl(backend)
+            pre, dec = nixl(backend), nixl(backend)
+            if mode:
+                dec["kv_connector_extra_config"]["load"] = mode
             if backend == "tcp":
                 pre["kv_connector_extra_config"]["idle_timeout"] = 1
-            run_pd(model, tmp, ps, f"nixl-{backend}", pre, nixl(backend), expected,
-                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if backend == "shm" else None,
+            run_pd(model, tmp, ps, f"nixl-{spec}", pre, dec, expected,
+                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if spec == "shm" else None,
                    idle=(idle_prompt, expected_idle) if backend == "tcp" else None)
         if "composite" not in parts:
             return

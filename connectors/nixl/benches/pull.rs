@@ -124,6 +124,7 @@ impl Pull {
             num_tokens: tokens,
             reader: None,
             sources: 1,
+            sync: false,
         };
         let bytes = pmem.regions().iter().map(|r| r.len() as usize).sum();
         Pull { producer, pmem, dmem, local, peer, groups: vec![m.kv_layers()], load, bytes }

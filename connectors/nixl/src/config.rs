@@ -13,6 +13,9 @@
 //! connections receive one large pull, each carrying at least `tcp_stream_min_bytes`
 //! (default 64 MiB), and `tcp_socket_buffer` (bytes, default 4 MiB, 0 for the kernel's
 //! autotuning): each data socket's send and receive buffer.
+//! `load` (`async` | `sync`, default `async`): whether decode's engine steps on while a
+//! request's KV arrives, or the load finishes inside the step that computes the prompt's
+//! last token (see [`NixlConfig::sync_load`]).
 //! `kv_lease_max` (seconds, default four leases) caps how long renewals may keep a request's
 //! blocks; `max_connections` (default 64) caps the listener's connections; `idle_timeout`
 //! (seconds, default 300 or two leases, whichever is longer) is how long the listener keeps a
@@ -119,6 +122,14 @@ pub struct NixlConfig {
     /// (`opaque_heads_outer`, which the host sets from the engine's tensors: vLLM's CPU
     /// backend's `[B, H, N, 2C]`), so a slice of heads can move between TP sizes.
     pub opaque_heads_outer: bool,
+    /// `load: "sync"`: a request's load is scheduled as a synchronous one (vLLM's
+    /// `load_kv_async = False`). The engine computes the prompt's last token in the very step
+    /// the load runs in, and `wait_for_layer_load` holds that step until the KV is in, instead
+    /// of two more engine steps (one to start the load, one to see it finished) before the
+    /// request runs. Best where the pull is short next to a step (a same-host producer); the
+    /// step then waits for the pull, so a slow link stalls every request in it. With more
+    /// than one KV cache group (HMA) loads stay asynchronous.
+    pub sync_load: bool,
 }
 
 impl Default for NixlConfig {
@@ -142,6 +153,7 @@ impl Default for NixlConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             idle_timeout: default_idle_timeout(Duration::from_secs(30)),
             opaque_heads_outer: false,
+            sync_load: false,
         }
     }
 }
@@ -345,7 +357,23 @@ impl NixlConfig {
                 ))
             }
         };
+        let sync_load = match string(extra, "load")?.as_deref().map(str::trim) {
+            None => false,
+            Some(m) if m.eq_ignore_ascii_case("async") => false,
+            Some(m) if m.eq_ignore_ascii_case("sync") => true,
+            Some(other) => {
+                return Err(ConnectorError::config(
+                    NAME,
+                    format!(
+                        "kv_connector_extra_config.load = \"{other}\": expected \"async\" (decode steps on \
+                        while the KV arrives; the default) or \"sync\" (the load finishes inside the step \
+                        that computes the prompt's last token)"
+                    ),
+                ))
+            }
+        };
         Ok(NixlConfig {
+            sync_load,
             opaque_heads_outer,
             copy_threads,
             tcp_streams,
@@ -435,6 +463,13 @@ mod tests {
     }
 
     #[test]
+    fn load_mode_is_async_unless_sync_is_asked() {
+        assert!(!NixlConfig::from_config(&cfg(json!({}))).unwrap().sync_load);
+        assert!(!NixlConfig::from_config(&cfg(json!({"load": "async"}))).unwrap().sync_load);
+        assert!(NixlConfig::from_config(&cfg(json!({"load": " SYNC "}))).unwrap().sync_load);
+    }
+
+    #[test]
     fn cuda_ipc_needs_the_cuda_feature() {
         let c = NixlConfig::from_config(&cfg(json!({"backend": "cuda_ipc"}))).unwrap();
         assert_eq!(c.backend.name(), "cuda_ipc");
@@ -464,6 +499,8 @@ mod tests {
             (json!({"idle_timeout": 0.01}), "idle_timeout = 0.01s: expected seconds from 0.1 to 86400"),
             (json!({"idle_timeout": 1e7}), "idle_timeout = 10000000s: expected seconds from 0.1"),
             (json!({"idle_timeout": "soon"}), "idle_timeout = \"soon\": expected a positive number"),
+            (json!({"load": "eager"}), "load = \"eager\": expected \"async\""),
+            (json!({"load": true}), "load = true: expected a string"),
         ] {
             let e = NixlConfig::from_config(&cfg(extra)).unwrap_err().to_string();
             assert!(e.contains(key), "{e}");

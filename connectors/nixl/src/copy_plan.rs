@@ -750,6 +750,7 @@ mod tests {
             num_tokens: n,
             reader: None,
             sources: 1,
+            sync: false,
         }
     }
 

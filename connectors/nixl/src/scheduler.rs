@@ -40,6 +40,16 @@ impl NixlScheduler {
     }
 }
 
+impl NixlScheduler {
+    /// Whether loads are synchronous: asked for (`load: "sync"`), and one KV cache group, where
+    /// a failed load is told by its blocks (with several, block ids repeat across groups and
+    /// only an asynchronous load can be failed by request).
+    fn loads_sync(&self) -> bool {
+        let e = &self.ctx.effective;
+        self.cfg.sync_load && e.groups.len() == 1 && e.state_groups.is_empty()
+    }
+}
+
 impl SchedulerConnector for NixlScheduler {
     fn get_num_new_matched_tokens(
         &mut self,
@@ -58,7 +68,7 @@ impl SchedulerConnector for NixlScheduler {
             return Ok(none);
         }
         self.computed.insert(req.id.clone(), num_computed);
-        Ok(MatchResult::Matched { tokens, async_load: true })
+        Ok(MatchResult::Matched { tokens, async_load: !self.loads_sync() })
     }
 
     fn update_state_after_alloc(
@@ -136,6 +146,7 @@ impl SchedulerConnector for NixlScheduler {
                 num_tokens: first + num_external_tokens,
                 reader,
                 sources: n,
+                sync: self.loads_sync(),
             });
         }
         Ok(())
@@ -221,16 +232,26 @@ mod tests {
 
     /// The loads decode rank `rank` of `tp` schedules for a request from prefill's `ranks`.
     fn loads(rank: u32, tp: u32, params: Value) -> Vec<LoadSpec> {
+        loads_with(rank, tp, params, NixlConfig::default(), 1)
+    }
+
+    /// As `loads`, with `cfg` over a model of `groups` KV cache groups.
+    fn loads_with(rank: u32, tp: u32, params: Value, cfg: NixlConfig, groups: usize) -> Vec<LoadSpec> {
         let m = model(2, 2, 8);
-        let mut ctx = context(&m, &effective(&m, KvLayout::HND, 32), KvRole::Consumer, "decode", json!({}));
+        let mut eff = effective(&m, KvLayout::HND, 32);
+        while eff.groups.len() < groups {
+            eff.groups.push(eff.groups[0].clone());
+        }
+        let mut ctx = context(&m, &eff, KvRole::Consumer, "decode", json!({}));
         (ctx.tp_rank, ctx.tp_size) = (rank, tp);
-        let mut s = NixlScheduler::new(&ctx, NixlConfig::default());
+        let sync = cfg.sync_load && groups == 1;
+        let mut s = NixlScheduler::new(&ctx, cfg);
         let Value::Object(params) = params else { unreachable!("params are an object") };
         let mine = params_for_rank(&params, rank as usize, tp as usize).unwrap();
         let req = Request { id: "r".into(), prompt_tokens: vec![1; 70], kv_transfer_params: mine };
         assert_eq!(
             s.get_num_new_matched_tokens(&req, 0).unwrap(),
-            MatchResult::Matched { tokens: 69, async_load: true }
+            MatchResult::Matched { tokens: 69, async_load: !sync }
         );
         s.update_state_after_alloc(&req, &BlocksPerGroup(vec![vec![BlockId(1), BlockId(2), BlockId(3)]]), 64)
             .unwrap();
@@ -257,5 +278,16 @@ mod tests {
                 ("cap0", 1, Some((r, 2)))
             );
         }
+    }
+
+    #[test]
+    fn load_sync_is_a_synchronous_match_and_load_with_one_kv_cache_group_only() {
+        let sync = NixlConfig { sync_load: true, ..NixlConfig::default() };
+        let l = loads_with(0, 1, producer_rank(0, 1), sync.clone(), 1);
+        assert!(l.len() == 1 && l[0].sync, "{l:?}");
+        // HMA's groups repeat block ids, so a failed load must be told by request: async.
+        let l = loads_with(0, 1, producer_rank(0, 1), sync, 2);
+        assert!(l.len() == 1 && !l[0].sync, "{l:?}");
+        assert!(!loads(0, 1, producer_rank(0, 1))[0].sync);
     }
 }

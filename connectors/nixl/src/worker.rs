@@ -2,8 +2,10 @@
 //! producer listener (prefill) and the background pull thread (decode), and reports finished
 //! and failed transfers.
 //!
-//! Nothing here blocks the step loop: `start_load_kv` only posts the step's loads to the
-//! pull thread; `get_finished` only collects what finished since the last call.
+//! Nothing here blocks the step loop for an asynchronous load: `start_load_kv` only posts the
+//! step's loads to the pull thread; `get_finished` only collects what finished since the last
+//! call. A synchronous one (`load: "sync"`) is waited for in `wait_for_layer_load`, before the
+//! step computes with its blocks.
 
 use crate::config::{NixlConfig, NAME};
 use crate::error::TransferError;
@@ -19,7 +21,7 @@ use kvconnect_api::{
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -39,7 +41,19 @@ fn find_peer(peers: &Peers, load: &LoadSpec) -> Result<Arc<PeerInfo>, TransferEr
         .cloned()
         .ok_or(TransferError::UnknownPeer(engine))
 }
-type Outcomes = Arc<Mutex<Vec<(LoadSpec, Result<PullStats, TransferError>)>>>;
+/// Loads the pull thread ended, and the signal that one more did.
+#[derive(Default)]
+struct Outcomes {
+    ended: Mutex<Vec<(LoadSpec, Result<PullStats, TransferError>)>>,
+    arrived: Condvar,
+}
+
+impl Outcomes {
+    fn push(&self, load: LoadSpec, r: Result<PullStats, TransferError>) {
+        lock(&self.ended).push((load, r));
+        self.arrived.notify_all();
+    }
+}
 
 /// The nixl worker half.
 pub struct NixlWorker {
@@ -55,7 +69,9 @@ pub struct NixlWorker {
     bound: NixlMeta,
     jobs: Option<Sender<LoadSpec>>,
     puller: Option<JoinHandle<()>>,
-    outcomes: Outcomes,
+    outcomes: Arc<Outcomes>,
+    /// This step's synchronous loads, until each has ended (`wait_sync`).
+    sync_pending: Vec<LoadSpec>,
     error_blocks: Vec<BlockId>,
     /// Requests loading from several producer ranks: how many of their loads ended, and
     /// whether one failed; reported once all have ended, so no load still writes into
@@ -98,6 +114,7 @@ impl NixlWorker {
             jobs: None,
             puller: None,
             outcomes: Arc::default(),
+            sync_pending: Vec::new(),
             error_blocks: Vec::new(),
             parts: HashMap::new(),
             transport: None,
@@ -166,7 +183,7 @@ struct PullLoop {
     mem: Arc<KvMemory>,
     groups: Vec<Vec<LayerId>>,
     peers: Peers,
-    outcomes: Outcomes,
+    outcomes: Arc<Outcomes>,
     heartbeat: Duration,
 }
 
@@ -176,7 +193,7 @@ impl PullLoop {
     }
 
     fn finish(&self, load: LoadSpec, r: Result<PullStats, TransferError>) {
-        lock(&self.outcomes).push((load, r));
+        self.outcomes.push(load, r);
     }
 
     /// Heartbeats a queued load; a refusal or a dead peer fails it at once.
@@ -234,6 +251,51 @@ impl PullLoop {
                 }
                 self.finish(load, r);
             }
+        }
+    }
+}
+
+impl NixlWorker {
+    /// Waits until every synchronous load of this step has ended, successfully or not (their
+    /// outcomes stay for `get_finished`). It cannot hang: each pull ends within the
+    /// connector's connect and I/O timeouts, and should the pull thread stop, what it never
+    /// ended fails here.
+    fn wait_sync(&mut self) {
+        if self.sync_pending.is_empty() {
+            return;
+        }
+        let mut ended = lock(&self.outcomes.ended);
+        loop {
+            // A request loading from several producer ranks has one load per rank.
+            let count = |r: &RequestId, of: &mut dyn Iterator<Item = &LoadSpec>| {
+                of.filter(|l| l.sync && l.request == *r).count()
+            };
+            let done = self.sync_pending.iter().all(|p| {
+                count(&p.request, &mut ended.iter().map(|(l, _)| l))
+                    >= count(&p.request, &mut self.sync_pending.iter())
+            });
+            if done {
+                self.sync_pending.clear();
+                return;
+            }
+            if self.puller.as_ref().is_none_or(JoinHandle::is_finished) {
+                // Fail what never ended: per request, the loads past those that did.
+                let mut seen: HashMap<RequestId, usize> = HashMap::new();
+                for (l, _) in ended.iter().filter(|(l, _)| l.sync) {
+                    *seen.entry(l.request.clone()).or_default() += 1;
+                }
+                for l in std::mem::take(&mut self.sync_pending) {
+                    match seen.get_mut(&l.request) {
+                        Some(n) if *n > 0 => *n -= 1,
+                        _ => ended.push((l, Err(TransferError::Plan("the pull thread has stopped".into())))),
+                    }
+                }
+                return;
+            }
+            ended = match self.outcomes.arrived.wait_timeout(ended, Duration::from_millis(100)) {
+                Ok((g, _)) => g,
+                Err(p) => p.into_inner().0,
+            };
         }
     }
 }
@@ -345,11 +407,20 @@ impl WorkerConnector for NixlWorker {
             ));
         };
         for l in loads {
+            if l.sync {
+                self.sync_pending.push(l.clone());
+            }
             if let Err(mpsc::SendError(l)) = tx.send(l) {
-                lock(&self.outcomes)
-                    .push((l, Err(TransferError::Plan("the pull thread has stopped".into()))));
+                self.outcomes.push(l, Err(TransferError::Plan("the pull thread has stopped".into())));
             }
         }
+        Ok(())
+    }
+
+    fn wait_for_layer_load(&mut self, _layer: LayerId) -> ConnectorResult<()> {
+        // A synchronous load is whole before the first layer computes: later layers find
+        // nothing pending.
+        self.wait_sync();
         Ok(())
     }
 
@@ -370,7 +441,10 @@ impl WorkerConnector for NixlWorker {
             }
             out.finished_sending = p.take_finished();
         }
-        let done = std::mem::take(&mut *lock(&self.outcomes));
+        // A step with no forward (or a caller that skips the per-layer calls) still reports
+        // its synchronous loads in this step.
+        self.wait_sync();
+        let done = std::mem::take(&mut *lock(&self.outcomes.ended));
         for (load, r) in done {
             if load.is_release() {
                 // Nothing was loaded, so nothing is reported; the producer frees its blocks

@@ -140,12 +140,24 @@ fn decode_start(
     params: serde_json::Map<String, Value>,
     dblocks: &[u32],
 ) -> usize {
+    decode_begin(d, req, prompt_len, params, dblocks, true)
+}
+
+/// As `decode_start`, checking that the match is asynchronous (`want_async`) or not.
+fn decode_begin(
+    d: &mut Engine,
+    req: &str,
+    prompt_len: usize,
+    params: serde_json::Map<String, Value>,
+    dblocks: &[u32],
+    want_async: bool,
+) -> usize {
     let r = Request { id: req.into(), prompt_tokens: vec![7; prompt_len], kv_transfer_params: params };
     let MatchResult::Matched { tokens, async_load } = d.sched.get_num_new_matched_tokens(&r, 0).unwrap()
     else {
         panic!("expected a match")
     };
-    assert!(async_load);
+    assert_eq!(async_load, want_async);
     d.sched.update_state_after_alloc(&r, &blocks(dblocks), tokens).unwrap();
     let meta = d.sched.build_connector_meta(&step(1)).unwrap();
     d.worker.bind_connector_meta(&meta).unwrap();
@@ -1104,4 +1116,48 @@ fn a_producer_that_is_gone_fails_the_load_at_once() {
         assert_eq!(f.failed_recving, vec![RequestId::from("second")], "{backend}");
         assert!(t0.elapsed() < Duration::from_secs(2), "{backend}: {:?}", t0.elapsed());
     }
+}
+
+#[test]
+fn a_synchronous_load_is_whole_once_the_first_layer_has_waited() {
+    for (backend, tag) in [("shm", "sa"), ("tcp", "sb")] {
+        let mut p = producer(backend, KvLayout::HND, 4, 30.0, tag);
+        let mut d = consumer_with(backend, KvLayout::HND, 4, json!({"load": "sync"}));
+        handshake(&mut p, &mut d);
+        let (pblocks, dblocks) = ([3, 4, 5, 6, 7, 8], [2, 4, 6, 8, 10, 12]);
+        let params = prefill_finish(&mut p, "sync-1", 21, &pblocks);
+        // Matched synchronously; the first layer waits as an engine does before computing.
+        let tokens = decode_begin(&mut d, "sync-1", 21, params, &dblocks, false);
+        d.worker.wait_for_layer_load(kvconnect_api::LayerId(0)).unwrap();
+        assert_eq!(tokens, 20);
+        // No get_finished in between: the bytes are there when the step computes.
+        assert_same_kv(&mut p, &pblocks, &mut d, &dblocks, tokens);
+        let f = d.worker.get_finished(&[]).unwrap();
+        assert_eq!(
+            f.finished_recving,
+            vec![RequestId::from("sync-1")],
+            "{backend}: reported in its own step"
+        );
+        assert!(d.worker.block_ids_with_load_errors().unwrap().is_empty());
+        let f = wait_finished(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
+        assert_eq!(f.finished_sending, vec![RequestId::from("sync-1")]);
+    }
+}
+
+#[test]
+fn a_failed_synchronous_load_ends_the_wait_and_names_its_blocks_in_that_step() {
+    let mut p = producer("shm", KvLayout::HND, 4, 30.0, "sc");
+    let mut d = consumer_with("shm", KvLayout::HND, 4, json!({"load": "sync"}));
+    handshake(&mut p, &mut d);
+    let params = prefill_finish(&mut p, "gone", 9, &[1, 2, 3]);
+    p.worker.shutdown().unwrap();
+    let t0 = Instant::now();
+    decode_begin(&mut d, "gone", 9, params, &[5, 6, 7], false);
+    d.worker.wait_for_layer_load(kvconnect_api::LayerId(0)).unwrap();
+    assert!(t0.elapsed() < Duration::from_secs(5), "connect and io timeouts are 1 s: {:?}", t0.elapsed());
+    let f = d.worker.get_finished(&[]).unwrap();
+    assert_eq!(f.failed_recving, vec![RequestId::from("gone")], "{f:?}");
+    let mut bad: Vec<u32> = d.worker.block_ids_with_load_errors().unwrap().into_iter().map(|b| b.0).collect();
+    bad.sort();
+    assert_eq!(bad, [5, 6], "the blocks the load was to write (8 tokens of 4-token blocks)");
 }

@@ -4,8 +4,9 @@
 
 use super::{read_frame, write_frame, Call, Reply};
 use crate::error::AdapterError;
-use kvconnect_api::{ConnectorError, SchedulerConnector};
+use kvconnect_api::{ConnectorError, MatchResult, SchedulerConnector};
 use kvconnect_cache_dir::CacheDir;
+use std::collections::{HashMap, HashSet};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,6 +19,11 @@ pub struct SchedulerCounters {
     pub external_requests: AtomicU64,
     /// Tokens those requests load instead of computing.
     pub external_tokens: AtomicU64,
+    /// Requests allocated to load synchronously (matched with `async_load: false`): vLLM
+    /// computes with their KV in the step that loads it and never waits for them, so the
+    /// worker half keeps them out of what it reports finished or failed receiving. Taken
+    /// out by the worker half as it reports each.
+    pub sync_loads: Mutex<HashSet<String>>,
 }
 
 /// A scheduler half served to the scheduler process.
@@ -85,6 +91,8 @@ fn serve(
     conn: &Mutex<Box<dyn SchedulerConnector>>,
     counters: &SchedulerCounters,
 ) {
+    // Each request's last match: whether its load would be synchronous.
+    let mut matched_sync: HashMap<String, bool> = HashMap::new();
     loop {
         let frame = match read_frame(&mut stream) {
             Ok(Some(f)) => f,
@@ -111,13 +119,25 @@ fn serve(
         let mut c = conn.lock().unwrap_or_else(|p| p.into_inner());
         let (reply, extra) = match call {
             Call::Match { request, num_computed } => {
-                (c.get_num_new_matched_tokens(&request, num_computed).map(Reply::Matched), None)
+                let m = c.get_num_new_matched_tokens(&request, num_computed);
+                if let Ok(MatchResult::Matched { tokens, async_load }) = &m {
+                    matched_sync.insert(request.id.0.clone(), *tokens > 0 && !async_load);
+                }
+                (m.map(Reply::Matched), None)
             }
             Call::Alloc { request, blocks, num_external } => {
                 let r = c.update_state_after_alloc(&request, &blocks, num_external);
+                let sync = matched_sync.remove(&request.id.0).unwrap_or(false);
                 if r.is_ok() && num_external > 0 {
                     counters.external_requests.fetch_add(1, Ordering::Relaxed);
                     counters.external_tokens.fetch_add(num_external as u64, Ordering::Relaxed);
+                    if sync {
+                        counters
+                            .sync_loads
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .insert(request.id.0.clone());
+                    }
                 }
                 (r.map(|()| Reply::Done), None)
             }
@@ -126,6 +146,7 @@ fn serve(
                 Err(e) => (Err(e), None),
             },
             Call::Finished { request, blocks } => {
+                matched_sync.remove(&request.id.0);
                 (c.request_finished(&request, &blocks).map(Reply::Finished), None)
             }
             Call::Events => (c.take_events().map(Reply::Events), None),

@@ -40,6 +40,10 @@ pub struct LoadSpec {
     /// reads its heads from several); the request is loaded once all of them are.
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub sources: u32,
+    /// A synchronous load (`load: "sync"`): the engine computes with its blocks in the step
+    /// that starts it, so the worker's `wait_for_layer_load` waits for it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub sync: bool,
 }
 
 fn one() -> u32 {
@@ -66,6 +70,7 @@ impl LoadSpec {
             num_tokens: 0,
             reader: None,
             sources: 1,
+            sync: false,
         }
     }
 
