@@ -3,14 +3,29 @@ the same run, interleaved: each pair sends one fresh prompt to both, in alternat
 P/D peers, one pair at a time beside the monolithic server (at most three servers, about 4 GB
 each):
 - kvconnect-shm, kvconnect-tcp: KvconnectConnector over nixl's shm or tcp backend;
+- kvconnect-shm-sync: over shm, decode loading synchronously (`load: "sync"`): the load runs
+  in the step that computes the prompt's last token, not two steps before it;
 - kvconnect-noload: the kvconnect pair with decode sent no params, so it computes the prompt
-  itself: the second server's hop alone, no KV moved (what a load could at best cost less);
+  itself: the second server's hop alone, no KV moved. Prefill then holds every request's
+  blocks until its lease ends and keeps stepping meanwhile on core 0, monolithic's core, so
+  monolithic's times in its pairs are slowed: read its P/D time, not its ratio;
 - nixlconnector: vLLM's own NixlConnector on CPU (`kv_buffer_device: cpu`), with the NIXL
   Python package from --nixl-python DIR (`pip install --target DIR nixl==1.5.1`);
 - example: vLLM's ExampleConnector (shared storage).
 
     VENV/bin/python tests/vllm/bench_ttft.py [--pairs 15] [--prompt-len 200] [--peers A,B,...]
-        [--nixl-python DIR] [--transfer [--long-len 480]] [--max-ratio R]
+        [--nixl-python DIR] [--transfer [--long-len 480]] [--max-ratio R] [--breakdown]
+
+Every server runs wholly on its own core, its API server and engine core included (monolithic
+and prefill on core 0, decode on core 1), as on machines of their own. vLLM pins only a
+server's compute threads: a prefill server keeps stepping (every 1.5 ms) while it holds a
+request's blocks for decode, and its unpinned engine core then took decode's core, making
+decode's steps several times slower than on a machine of its own.
+
+`--breakdown` splits each P/D request's time into parts: the client's two round trips, and
+vLLM's own per-request histograms on each server (arrival to first token; queued to
+scheduled, which for decode includes the wait for an asynchronous load; scheduled to first
+token).
 
 Each peer's figure is the median (with quartiles) of its pairs' P/D-over-monolithic ratios;
 peers are compared by the ratio of those medians (`over_nixlconnector`), as two pairs never
@@ -80,10 +95,11 @@ def stream(url: str, prompt: list[int], request_id: str, params=None):
     return first, tokens
 
 
-def pd(pre: str, dec: str, prompt: list[int], request_id: str, with_params: bool):
+def pd(pre: str, dec: str, prompt: list[int], request_id: str, with_params: bool, parts=None):
     """vLLM's proxy protocol: prefill (one token, params asking for a remote decode), then
     decode's stream with prefill's params (kvconnect) or the same prompt alone (the
-    ExampleConnector finds the prompt's KV in its storage)."""
+    ExampleConnector finds the prompt's KV in its storage). `parts`, a dict, gets the client's
+    two round trips."""
     t0 = time.perf_counter()
     r = requests.post(pre + "/v1/completions", headers={"X-Request-Id": request_id}, timeout=120, json={
         "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
@@ -95,7 +111,31 @@ def pd(pre: str, dec: str, prompt: list[int], request_id: str, with_params: bool
         raise Failed(f"prefill returned no kv_transfer_params: {r.text[:300]}")
     prefill_s = time.perf_counter() - t0
     first, tokens = stream(dec, prompt, request_id, params)
+    if parts is not None:
+        parts["client_prefill_ms"] = prefill_s * 1e3
+        parts["client_decode_first_ms"] = first * 1e3
     return prefill_s + first, tokens
+
+
+# vLLM's per-request histograms (their sums, in seconds) that split a request's time on a
+# server: arrival at the API server to the first token (ttft), queued in the engine to
+# scheduled (queue: for decode, also the wait for an asynchronous load), scheduled to the
+# first token (prefill: the forward pass), and arrival to the end (e2e).
+PARTS = {"ttft": "vllm:time_to_first_token_seconds_sum", "queue": "vllm:request_queue_time_seconds_sum",
+         "prefill": "vllm:request_prefill_time_seconds_sum", "e2e": "vllm:e2e_request_latency_seconds_sum"}
+
+
+def server_parts(url: str) -> dict:
+    text = requests.get(url + "/metrics", timeout=30).text
+    out = {}
+    for part, name in PARTS.items():
+        out[part] = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                        if line.startswith(name + "{") or line.startswith(name + " "))
+    return out
+
+
+def breakdown_of(before: dict, after: dict, role: str) -> dict:
+    return {f"{role}_{k}_ms": (after[k] - before[k]) * 1e3 for k in PARTS}
 
 
 def quartiles(xs):
@@ -104,29 +144,59 @@ def quartiles(xs):
 
 
 def interleaved(a, mono: Server, pre: Server, dec: Server, label: str, with_params: bool, fresh):
-    """Pairs of (monolithic, P/D) on one fresh prompt each, alternating which goes first."""
+    """Pairs of (monolithic, P/D) on one fresh prompt each, alternating which goes first. With
+    `a.breakdown`, each P/D request's time is also split into its parts (client round trips,
+    and vLLM's own per-request histograms on both servers and on monolithic), as medians."""
     m0, tok = stream(mono.url, fresh(), f"warm-mono-{label}")
     pd(pre.url, dec.url, fresh(), f"warm-{label}", with_params)
-    ratios, pd_ms, mono_ms = [], [], []
+    ratios, pd_ms, mono_ms, parts = [], [], [], []
+
+    def timed_pd(p, i):
+        if not a.breakdown:
+            return pd(pre.url, dec.url, p, f"{label}-{i}", with_params)
+        b_pre, b_dec = server_parts(pre.url), server_parts(dec.url)
+        row = {}
+        out = pd(pre.url, dec.url, p, f"{label}-{i}", with_params, row)
+        time.sleep(SETTLE_S)  # vLLM's metrics trail the request's last step
+        row.update(breakdown_of(b_pre, server_parts(pre.url), "prefill"))
+        row.update(breakdown_of(b_dec, server_parts(dec.url), "decode"))
+        parts.append(row)
+        return out
+
+    def timed_mono(p, i):
+        before = server_parts(mono.url) if a.breakdown else None
+        out = stream(mono.url, p, f"mono-{label}-{i}")
+        if a.breakdown:
+            time.sleep(SETTLE_S)
+            parts[-1].update(breakdown_of(before, server_parts(mono.url), "mono"))
+            parts[-1]["client_mono_first_ms"] = out[0] * 1e3
+        return out
+
     for i in range(a.pairs):
         p = fresh()
         if i % 2 == 0:
             time.sleep(SETTLE_S)
-            m, want = stream(mono.url, p, f"mono-{label}-{i}")
+            m, want = stream(mono.url, p, f"mono-{label}-{i}") if not a.breakdown else (None, None)
             time.sleep(SETTLE_S)
-            d, got = pd(pre.url, dec.url, p, f"{label}-{i}", with_params)
+            d, got = timed_pd(p, i)
+            if a.breakdown:
+                time.sleep(SETTLE_S)
+                m, want = timed_mono(p, i)
         else:
             time.sleep(SETTLE_S)
-            d, got = pd(pre.url, dec.url, p, f"{label}-{i}", with_params)
+            d, got = timed_pd(p, i)
             time.sleep(SETTLE_S)
-            m, want = stream(mono.url, p, f"mono-{label}-{i}")
+            m, want = timed_mono(p, i) if a.breakdown else stream(mono.url, p, f"mono-{label}-{i}")
         if got != want:
             raise Failed(f"{label}: pair {i}: P/D gave {got}, monolithic {want}")
         ratios.append(d / m)
         pd_ms.append(d * 1e3)
         mono_ms.append(m * 1e3)
-    return {"ttft_ratio_over_mono": quartiles(ratios), "ttft_ms_median": round(statistics.median(pd_ms), 1),
-            "mono_ttft_ms_median": round(statistics.median(mono_ms), 1)}
+    out = {"ttft_ratio_over_mono": quartiles(ratios), "ttft_ms_median": round(statistics.median(pd_ms), 1),
+           "mono_ttft_ms_median": round(statistics.median(mono_ms), 1)}
+    if parts:
+        out["breakdown_ms_median"] = {k: round(statistics.median(r[k] for r in parts), 2) for k in sorted(parts[0])}
+    return out
 
 
 PULL = re.compile(r"nixl: pull took.*?request=(\S+).*?bytes=(\d+).*?micros=(\d+)")
@@ -206,7 +276,7 @@ def transfer(a, pre: Server, dec: Server, fresh_long):
             "memcpy_us_median": round(statistics.median(copy_us), 1)}
 
 
-PEERS = ("kvconnect-shm", "kvconnect-tcp", "kvconnect-noload", "nixlconnector", "example")
+PEERS = ("kvconnect-shm", "kvconnect-shm-sync", "kvconnect-tcp", "kvconnect-noload", "nixlconnector", "example")
 
 
 def peer_servers(name: str, model: str, tmp: Path, nixl_python, args=ARGS):
@@ -217,24 +287,28 @@ def peer_servers(name: str, model: str, tmp: Path, nixl_python, args=ARGS):
     directory on PYTHONPATH)."""
     if name.startswith("kvconnect-"):
         backend = "tcp" if name == "kvconnect-tcp" else "shm"
-        pre = Server(f"prefill-{name}", model, tmp, core=0, args=args,
+        inner = nixl(backend)
+        if name == "kvconnect-shm-sync":
+            inner["kv_connector_extra_config"]["load"] = "sync"
+        pre = Server(f"prefill-{name}", model, tmp, core=0, args=args, whole=True,
                      kv_config=kv_config("kv_producer", nixl(backend), port=free_port()))
-        dec = Server(f"decode-{name}", model, tmp, core=1, args=args,
-                     kv_config=kv_config("kv_consumer", nixl(backend)),
+        dec = Server(f"decode-{name}", model, tmp, core=1, args=args, whole=True,
+                     kv_config=kv_config("kv_consumer", inner),
                      extra_env={"KVCONNECT_LOG": "info,kvconnect_nixl=debug"})
         return pre, dec, name != "kvconnect-noload"
     if name == "nixlconnector":
         conf = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
-        path = os.pathsep.join(p for p in (str(nixl_python), os.environ.get("PYTHONPATH", "")) if p)
-        servers = [Server(f"{role}-{name}", model, tmp, core=core, args=args, kv_config=conf,
+        amx = Path(__file__).resolve().parent / "amx_site"
+        path = os.pathsep.join(p for p in (str(nixl_python), str(amx), os.environ.get("PYTHONPATH", "")) if p)
+        servers = [Server(f"{role}-{name}", model, tmp, core=core, args=args, kv_config=conf, whole=True,
                           extra_env={"PYTHONPATH": path, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
                    for role, core in (("prefill", 0), ("decode", 1))]
         return servers[0], servers[1], True
     store = tmp / "example-storage"
     example = lambda role: {"kv_connector": "ExampleConnector", "kv_role": role,  # noqa: E731
                             "kv_connector_extra_config": {"shared_storage_path": str(store)}}
-    pre = Server("prefill-example", model, tmp, core=0, args=args, kv_config=example("kv_producer"))
-    dec = Server("decode-example", model, tmp, core=1, args=args, kv_config=example("kv_consumer"))
+    pre = Server("prefill-example", model, tmp, core=0, args=args, whole=True, kv_config=example("kv_producer"))
+    dec = Server("decode-example", model, tmp, core=1, args=args, whole=True, kv_config=example("kv_consumer"))
     return pre, dec, False
 
 
@@ -251,6 +325,9 @@ def main():
     ap.add_argument("--nixl-python", default=os.environ.get("KVCONNECT_NIXL_PYTHON", ""),
                     help="a directory holding the NIXL Python package for vLLM's NixlConnector "
                          "(pip install --target DIR nixl==1.5.1); without it that peer is skipped")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also split each P/D request's time into its parts (profiling; the monolithic "
+                         "request then always follows the P/D one)")
     ap.add_argument("--transfer", action="store_true", help="also time one long prompt's pull against a memcpy")
     ap.add_argument("--max-ratio", type=float, default=None,
                     help="a guard: fail when the first peer's median TTFT over monolithic is above this, "
@@ -270,7 +347,7 @@ def main():
         fresh = lambda n=a.prompt_len: [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)]  # noqa: E731
         out = {"pairs": a.pairs, "prompt_len": a.prompt_len, "cores": os.cpu_count(),
                "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
-        mono = Server("monolithic", model, tmp, core=0, args=ARGS)
+        mono = Server("monolithic", model, tmp, core=0, args=ARGS, whole=True)
         try:
             mono.wait_healthy()
             for name in peers:

@@ -68,16 +68,19 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, name: str, model: str, logdir: Path, core: int, kv_config=None, extra_env=None, args=(),
-                 tp: int = 1):
+                 tp: int = 1, whole: bool = False):
         """`core`: the CPU core the server's workers run on; at `tp` > 1 (vLLM's `mp` executor,
         one worker process per rank) every rank shares it. A server whose requests hold
         blocks for a peer keeps stepping until the peer has read them, so a prefill and a
         decode on the same cores would starve each other; on their own cores they behave as
-        on their own machines."""
+        on their own machines. `whole`: every process of the server (its API server and
+        engine core too, which vLLM leaves unpinned) runs on that core, so a server's busy
+        loop never takes the other server's core: what timings need."""
         self.name = name
         self.port = free_port()
         self.log_path = logdir / f"{name}.log"
-        cmd = [
+        cmd = ["taskset", "-c", str(core)] if whole else []
+        cmd += [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(self.port),
