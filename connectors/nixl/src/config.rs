@@ -127,8 +127,8 @@ pub struct NixlConfig {
     /// the load runs in, and `wait_for_layer_load` holds that step until the KV is in, instead
     /// of two more engine steps (one to start the load, one to see it finished) before the
     /// request runs. Best where the pull is short next to a step (a same-host producer); the
-    /// step then waits for the pull, so a slow link stalls every request in it. With more
-    /// than one KV cache group (HMA) loads stay asynchronous.
+    /// step then waits for the pull, so a slow link stalls every request in it. With the
+    /// hybrid KV cache manager on, or more than one KV cache group, loads stay asynchronous.
     pub sync_load: bool,
 }
 

@@ -41,12 +41,13 @@ impl NixlScheduler {
 }
 
 impl NixlScheduler {
-    /// Whether loads are synchronous: asked for (`load: "sync"`), and one KV cache group, where
-    /// a failed load is told by its blocks (with several, block ids repeat across groups and
-    /// only an asynchronous load can be failed by request).
+    /// Whether loads are synchronous: asked for (`load: "sync"`), with the hybrid KV cache
+    /// manager off and one KV cache group, where a failed load is told by its blocks. With HMA
+    /// on, an engine reports failed loads by request (block ids may repeat across groups),
+    /// which only an asynchronous load can be.
     fn loads_sync(&self) -> bool {
         let e = &self.ctx.effective;
-        self.cfg.sync_load && e.groups.len() == 1 && e.state_groups.is_empty()
+        self.cfg.sync_load && !e.hma && e.groups.len() == 1 && e.state_groups.is_empty()
     }
 }
 
@@ -235,16 +236,30 @@ mod tests {
         loads_with(rank, tp, params, NixlConfig::default(), 1)
     }
 
-    /// As `loads`, with `cfg` over a model of `groups` KV cache groups.
+    /// As `loads`, with `cfg` over a model of `groups` KV cache groups (HMA on with more than
+    /// one).
     fn loads_with(rank: u32, tp: u32, params: Value, cfg: NixlConfig, groups: usize) -> Vec<LoadSpec> {
+        loads_in(rank, tp, params, cfg, groups, groups > 1)
+    }
+
+    /// As `loads_with`, with HMA on or off.
+    fn loads_in(
+        rank: u32,
+        tp: u32,
+        params: Value,
+        cfg: NixlConfig,
+        groups: usize,
+        hma: bool,
+    ) -> Vec<LoadSpec> {
         let m = model(2, 2, 8);
         let mut eff = effective(&m, KvLayout::HND, 32);
+        eff.hma = hma;
         while eff.groups.len() < groups {
             eff.groups.push(eff.groups[0].clone());
         }
         let mut ctx = context(&m, &eff, KvRole::Consumer, "decode", json!({}));
         (ctx.tp_rank, ctx.tp_size) = (rank, tp);
-        let sync = cfg.sync_load && groups == 1;
+        let sync = cfg.sync_load && groups == 1 && !hma;
         let mut s = NixlScheduler::new(&ctx, cfg);
         let Value::Object(params) = params else { unreachable!("params are an object") };
         let mine = params_for_rank(&params, rank as usize, tp as usize).unwrap();
@@ -281,12 +296,16 @@ mod tests {
     }
 
     #[test]
-    fn load_sync_is_a_synchronous_match_and_load_with_one_kv_cache_group_only() {
+    fn load_sync_is_a_synchronous_match_and_load_with_one_kv_cache_group_and_hma_off_only() {
         let sync = NixlConfig { sync_load: true, ..NixlConfig::default() };
         let l = loads_with(0, 1, producer_rank(0, 1), sync.clone(), 1);
         assert!(l.len() == 1 && l[0].sync, "{l:?}");
         // HMA's groups repeat block ids, so a failed load must be told by request: async.
-        let l = loads_with(0, 1, producer_rank(0, 1), sync, 2);
+        let l = loads_with(0, 1, producer_rank(0, 1), sync.clone(), 2);
+        assert!(l.len() == 1 && !l[0].sync, "{l:?}");
+        // HMA on with one group (vLLM's HMA class on a model of one attention kind): failed
+        // loads go by request there too.
+        let l = loads_in(0, 1, producer_rank(0, 1), sync, 1, true);
         assert!(l.len() == 1 && !l[0].sync, "{l:?}");
         assert!(!loads(0, 1, producer_rank(0, 1))[0].sync);
     }
