@@ -432,16 +432,21 @@ impl Worker {
                     recving.retain(|r| {
                         let was_sync = sync.remove(r);
                         if was_sync {
-                            tracing::info!(request = %r, "kvconnect worker: request {r} loaded its external KV \
-                                synchronously");
+                            tracing::info!(
+                                request = %r,
+                                "kvconnect worker: request {r} loaded its external KV synchronously"
+                            );
                         }
                         !was_sync
                     });
                     failed.retain(|(r, why)| {
                         let was_sync = sync.remove(r);
                         if was_sync {
-                            tracing::warn!(request = %r, "kvconnect worker: request {r} failed to load its external KV \
-                                (a synchronous load; vLLM recomputes from its first failed block): {why}");
+                            tracing::warn!(
+                                request = %r,
+                                "kvconnect worker: request {r} failed to load its external KV (a \
+                                synchronous load; vLLM recomputes from its first failed block): {why}"
+                            );
                         }
                         !was_sync
                     });

@@ -60,18 +60,23 @@ fn start_model(model: &Path, side: &str, role: &str, backend: &str, hma: &str) -
 }
 
 fn start_tp(model: &Path, side: &str, role: &str, backend: &str, hma: &str, tp: u32) -> Worker {
+    let id = format!("{side}-{role}-{backend}-{hma}-tp{tp}");
+    start_config(model, side, &nixl(role, backend), hma, tp, &id)
+}
+
+fn start_config(model: &Path, side: &str, config: &str, hma: &str, tp: u32, engine_id: &str) -> Worker {
     let tp = tp.to_string();
     Worker::start(&[
         "--tp-size",
         &tp,
         "--kv-transfer-config",
-        &nixl(role, backend),
+        config,
         "--model",
         model.to_str().unwrap(),
         "--hybrid-kv-cache-manager",
         hma,
         "--engine-id",
-        &format!("{side}-{role}-{backend}-{hma}-tp{tp}"),
+        engine_id,
         "--role",
         side,
     ])
@@ -140,6 +145,18 @@ fn shm_hma_on() {
 #[test]
 fn shm_hma_off() {
     check("shm", "off");
+}
+
+/// Decode loading synchronously (`load: "sync"`): the engine computes each prompt's last
+/// token in the step that loads the rest; outputs and loaded tokens are the same.
+#[test]
+fn shm_sync_load_hma_off() {
+    let model = reference_model();
+    let prefill = start_config(&model, "prefill", &nixl("kv_producer", "shm"), "off", 1, "prefill-for-sync");
+    let sync = nixl("kv_consumer", "shm").replace(r#""shm"}"#, r#""shm","load":"sync"}"#);
+    assert!(sync.contains(r#""load":"sync""#), "{sync}");
+    let decode = start_config(&model, "decode", &sync, "off", 1, "decode-sync");
+    check_pair(baseline(), &prefill, &decode, "shm", "off, load sync");
 }
 
 #[test]
