@@ -229,6 +229,13 @@ pub struct Capabilities {
     /// sits, as for `needs_side_channel`. Left out of the JSON when false.
     #[serde(default, skip_serializing_if = "is_false")]
     pub needs_data_plane_secret: bool,
+    /// Needs a producer's KV regions in POSIX shared memory, where a consumer on the same
+    /// host maps them: the host then allocates the producer's KV cache as shared-memory
+    /// segments (kvconnect's block pool; vLLM's KV cache through the adapter), whatever the
+    /// connector's name, at the top level or as a composite's child at any depth. Left out
+    /// of the JSON when false.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub needs_shared_memory_kv: bool,
 }
 
 fn is_false(b: &bool) -> bool {

@@ -79,6 +79,7 @@ fn capabilities() -> impl Strategy<Value = Capabilities> {
                     ranks_in_one_worker: false,
                     needs_side_channel: false,
                     needs_data_plane_secret: false,
+                    needs_shared_memory_kv: false,
                 }
             },
         )

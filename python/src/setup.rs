@@ -14,7 +14,7 @@ use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelS
 use kvconnect_dataplane::auth::{Secret, SECRET_ENV};
 use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
 use kvconnect_host::registry::{Registry, RegistryConfig};
-use kvconnect_host::server::connector_setup::{nixl_backend, with_side_channel};
+use kvconnect_host::server::connector_setup::{needs_shared_memory_kv, with_side_channel};
 use kvconnect_host::server::producers::Producers;
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -207,10 +207,11 @@ impl Setup {
         {
             config.kv_connector_extra_config.insert("opaque_heads_outer".into(), Value::Bool(true));
         }
-        // A producer over nixl's shm backend serves its KV cache from shared memory, which
-        // kvconnect.vllm allocates it in (shm_kv); a consumer reads the producer's segments.
-        let shm_kv = nixl_backend(&registry, &transports).map_err(extra_err)?.is_some_and(|b| b.shm_regions)
-            && matches!(role, KvRole::Producer | KvRole::Both);
+        // A producer whose connector needs shared-memory KV (nixl's shm backend) serves its KV
+        // cache from shared memory, which kvconnect.vllm allocates it in (shm_kv); a consumer
+        // reads the producer's segments.
+        let shm_kv =
+            needs_shared_memory_kv(&registry, &config) && matches!(role, KvRole::Producer | KvRole::Both);
         let given: Vec<&str> = [
             ("side_channel_host", extra.side_channel_host.is_some()),
             ("side_channel_port", extra.side_channel_port.is_some()),

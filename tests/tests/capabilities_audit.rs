@@ -18,9 +18,9 @@
 //! `state_with_tp`, `adapts_with_tp` and `adapts_with_state` (no built-in declares them:
 //! negotiation and the compat check refuse those pairs before launch), and each memory kind,
 //! transfer mode and role. Layout, block-size and dtype fields restrict rather than promise;
-//! negotiation checks them. `needs_side_channel` and `needs_data_plane_secret` ask the host for
-//! something rather than promise it (`host/src/server/connector_setup.rs` tests that it is
-//! given). Claims that only builds with `--features cuda` declare name the GPU tests that
+//! negotiation checks them. `needs_side_channel`, `needs_data_plane_secret` and
+//! `needs_shared_memory_kv` ask the host for something rather than promise it
+//! (`host/src/server/connector_setup.rs` tests that it is given). Claims that only builds with `--features cuda` declare name the GPU tests that
 //! exercise them; this build checks that those tests exist.
 
 use kvconnect_api::KvRole;
@@ -168,6 +168,7 @@ fn claims_of(c: &Capabilities) -> BTreeSet<String> {
         ranks_in_one_worker,
         needs_side_channel: _,
         needs_data_plane_secret: _,
+        needs_shared_memory_kv: _,
     } = c;
     let mut out = BTreeSet::new();
     for (on, name) in [

@@ -47,6 +47,7 @@ impl Capabilities {
                 ranks_in_one_worker: false,
                 needs_side_channel: false,
                 needs_data_plane_secret: false,
+                needs_shared_memory_kv: false,
             },
         }
     }
@@ -153,6 +154,12 @@ impl CapabilitiesBuilder {
     /// Needs the deployment's data-plane secret (`Capabilities::needs_data_plane_secret`).
     pub fn needs_data_plane_secret(mut self, yes: bool) -> Self {
         self.caps.needs_data_plane_secret = yes;
+        self
+    }
+
+    /// Needs a producer's KV regions in shared memory (`Capabilities::needs_shared_memory_kv`).
+    pub fn needs_shared_memory_kv(mut self, yes: bool) -> Self {
+        self.caps.needs_shared_memory_kv = yes;
         self
     }
 

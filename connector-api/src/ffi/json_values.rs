@@ -93,6 +93,7 @@ pub fn json_values() -> Vec<JsonValue> {
         ranks_in_one_worker: false,
         needs_side_channel: false,
         needs_data_plane_secret: false,
+        needs_shared_memory_kv: false,
     };
     let region = KvRegionSpec {
         name: "layer.0".into(),

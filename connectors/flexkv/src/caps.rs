@@ -55,6 +55,7 @@ pub fn capabilities_for(cfg: &FlexkvConfig) -> Capabilities {
         ranks_in_one_worker: false,
         needs_side_channel: false,
         needs_data_plane_secret: false,
+        needs_shared_memory_kv: false,
     }
 }
 

@@ -59,6 +59,8 @@ pub fn capabilities(config: &KvTransferConfig, model: Option<&ModelSpec>) -> Con
         // and authenticates its peers with the deployment's secret.
         needs_side_channel: true,
         needs_data_plane_secret: true,
+        // Backend shm's consumers map the producer's regions.
+        needs_shared_memory_kv: backend.is_some_and(|b| b.shm_regions),
     })
 }
 

@@ -23,8 +23,8 @@ use kvconnect_api::{Capabilities, KvLayout, LayoutConstraint, TransferMode};
 /// * Dtypes, memory kinds, roles: intersected.
 /// * Transfer mode: the transport child's (the one child that moves KV between engines).
 /// * Layer-wise, async load: if any child does (the composite forwards every per-layer call).
-/// * The side channel and the data-plane secret: never needed by the composite itself (the
-///   host writes them into each child that declares the need).
+/// * The side channel, the data-plane secret and shared-memory KV: never needed by the
+///   composite itself (the host serves each child that declares the need).
 pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdError> {
     let first = match children.first() {
         Some((_, c)) => c,
@@ -145,6 +145,7 @@ pub fn combine(children: &[(String, Capabilities)]) -> Result<Capabilities, PdEr
         // needs them; the composite itself reads neither.
         needs_side_channel: false,
         needs_data_plane_secret: false,
+        needs_shared_memory_kv: false,
     })
 }
 

@@ -293,6 +293,7 @@ fn caps_rows(c: &Capabilities) -> Vec<Vec<String>> {
         vec!["ranks_in_one_worker".into(), yes(c.ranks_in_one_worker)],
         vec!["needs_side_channel".into(), yes(c.needs_side_channel)],
         vec!["needs_data_plane_secret".into(), yes(c.needs_data_plane_secret)],
+        vec!["needs_shared_memory_kv".into(), yes(c.needs_shared_memory_kv)],
     ]
 }
 

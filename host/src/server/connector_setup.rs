@@ -2,13 +2,12 @@
 //! side-channel address (so `request_finished` can hand it to the peer) and the deployment's
 //! data-plane secret (in memory only) into every config whose connector declares it needs
 //! them (`Capabilities::needs_side_channel`, `needs_data_plane_secret`; top level or a
-//! composite's child, at any depth; a built-in or a plugin), and reads which nixl backend is
-//! in use (the `shm` backend needs the block pool in shared memory).
+//! composite's child, at any depth; a built-in or a plugin), and tells whether one declares
+//! it needs a producer's KV regions in shared memory (`needs_shared_memory_kv`).
 
 use crate::registry::Registry;
 use kvconnect_api::{Capabilities, ConnectorContext, KvTransferConfig, SchedulerConnector, WorkerConnector};
 use kvconnect_dataplane::auth::{Secret, SECRET_CONFIG_KEY};
-use kvconnect_nixl::config::{Backend, NixlConfig};
 use serde_json::Value;
 
 /// What the host writes into the config of a connector that declares it needs it.
@@ -101,16 +100,24 @@ pub fn with_side_channel(
     (c, served)
 }
 
-/// The nixl backend of the first nixl config among `configs`, if any (it decides whether the
-/// pool lives in shared memory).
-pub fn nixl_backend(registry: &Registry, configs: &[KvTransferConfig]) -> Result<Option<Backend>, String> {
-    let nixl = configs
-        .iter()
-        .find(|c| registry.find_for_config(c).is_ok_and(|e| e.name == kvconnect_nixl::config::NAME));
-    match nixl {
-        None => Ok(None),
-        Some(c) => NixlConfig::from_config(c).map(|n| Some(n.backend)).map_err(|e| e.to_string()),
-    }
+/// Whether `config`, or a composite child in it at any depth, declares it needs a producer's
+/// KV regions in shared memory (`Capabilities::needs_shared_memory_kv`; nixl's `shm` backend
+/// does): the host then allocates them as shared-memory segments. A connector the registry
+/// does not know, or whose capabilities cannot be had, needs none (creating it says why).
+pub fn needs_shared_memory_kv(registry: &Registry, config: &KvTransferConfig) -> bool {
+    let declares = registry
+        .find_for_config(config)
+        .ok()
+        .and_then(|e| e.factory.capabilities(config, None).ok())
+        .is_some_and(|c: Capabilities| c.needs_shared_memory_kv);
+    declares
+        || match config.kv_connector_extra_config.get("connectors") {
+            Some(Value::Array(children)) => children.iter().any(|child| {
+                serde_json::from_value::<KvTransferConfig>(child.clone())
+                    .is_ok_and(|c| needs_shared_memory_kv(registry, &c))
+            }),
+            _ => false,
+        }
 }
 
 /// Both halves of a connector instance.
@@ -178,18 +185,26 @@ mod tests {
         assert!(out.kv_connector_extra_config.get("side_channel_port").is_none());
         assert!(!carries_secret(&c) && carries_secret(&out));
         assert_eq!(nixl.len(), 1);
-        assert_eq!(nixl_backend(&r, &nixl).unwrap(), Some(Backend::parse("tcp").unwrap()));
+        // Backend tcp needs no shared memory; shm (the default) does, also as a nested child.
+        assert!(!needs_shared_memory_kv(&r, &c));
+        let shm_child = KvTransferConfig::from_json(
+            &serde_json::to_string(&c).unwrap().replace(r#""backend":"tcp""#, r#""backend":"shm""#),
+        )
+        .unwrap();
+        assert!(needs_shared_memory_kv(&r, &shm_child));
 
         let plain = KvTransferConfig::from_json(r#"{"kv_connector":"NixlConnector"}"#).unwrap();
-        let (out, nixl) = with_side_channel(&r, &plain, "127.0.0.1", 7, None);
+        let (out, _) = with_side_channel(&r, &plain, "127.0.0.1", 7, None);
         assert_eq!(out.kv_connector_extra_config["side_channel_host"], "127.0.0.1");
-        assert_eq!(nixl_backend(&r, &nixl).unwrap(), Some(Backend::parse("shm").unwrap()));
+        assert!(needs_shared_memory_kv(&r, &plain));
+        assert!(!needs_shared_memory_kv(&r, &KvTransferConfig::named("LMCacheConnectorV1")));
     }
 
-    /// lmcache's factory under another name, declaring what `needs` says.
+    /// lmcache's factory under another name, declaring what `needs` says: the side channel,
+    /// the secret, shared-memory KV.
     struct Declaring {
         name: &'static str,
-        needs: (bool, bool),
+        needs: (bool, bool, bool),
     }
 
     impl ConnectorFactory for Declaring {
@@ -203,7 +218,7 @@ mod tests {
             model: Option<&ModelSpec>,
         ) -> ConnectorResult<Capabilities> {
             let mut c = crate::builtin::lmcache().capabilities(config, model)?;
-            (c.needs_side_channel, c.needs_data_plane_secret) = self.needs;
+            (c.needs_side_channel, c.needs_data_plane_secret, c.needs_shared_memory_kv) = self.needs;
             Ok(c)
         }
 
@@ -217,7 +232,7 @@ mod tests {
     }
 
     /// A registry with three plugins, each a file in a temporary folder: `libmover.so`
-    /// ("mover", needs both), `libsecret.so` ("secret-only", needs the secret only) and
+    /// ("mover", needs all three), `libsecret.so` ("secret-only", needs the secret only) and
     /// `libnixl.so` (named "nixl", needs nothing).
     fn registry_with_plugins() -> (Registry, tempfile::TempDir) {
         let dir = tempfile::tempdir().unwrap();
@@ -227,9 +242,9 @@ mod tests {
         let open: OpenPlugin = Arc::new(|path: &Path, _: &LoaderOptions| {
             let file = path.file_name().unwrap().to_string_lossy().into_owned();
             let (name, needs) = match file.as_str() {
-                "libmover.so" => ("mover", (true, true)),
-                "libsecret.so" => ("secret-only", (false, true)),
-                _ => ("nixl", (false, false)),
+                "libmover.so" => ("mover", (true, true, true)),
+                "libsecret.so" => ("secret-only", (false, true, false)),
+                _ => ("nixl", (false, false, false)),
             };
             Ok(Entry {
                 name: name.into(),
@@ -284,8 +299,14 @@ mod tests {
 
         let names: Vec<&str> = served.iter().map(|c| c.kv_connector.as_str()).collect();
         assert_eq!(names, ["mover", "secret-only"]);
-        // Neither is the nixl connector: no nixl backend decides the pool.
-        assert_eq!(nixl_backend(&r, &served).unwrap(), None);
+        // Shared-memory KV by what a connector declares, not by its name: the plugin two
+        // composites deep asks for it; without it, the plugin named nixl does not.
+        assert!(needs_shared_memory_kv(&r, &c));
+        let mut without = c.clone();
+        if let Some(Value::Array(children)) = without.kv_connector_extra_config.get_mut("connectors") {
+            children.remove(1);
+        }
+        assert!(!needs_shared_memory_kv(&r, &without));
 
         // At the top level too; without a secret the key is removed.
         let mut top = KvTransferConfig::named("mover");

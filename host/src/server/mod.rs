@@ -117,7 +117,7 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
     })?;
     let sc_addr = sc_listener.local_addr().context("side channel address")?;
 
-    let (mut config, nixl_configs) = connector_setup::with_side_channel(
+    let (mut config, _) = connector_setup::with_side_channel(
         &registry,
         &spec.config,
         &sc_addr.ip().to_string(),
@@ -130,8 +130,7 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
     if config.engine_id.is_none() {
         config.engine_id = Some(spec.engine_id.clone());
     }
-    let backend = connector_setup::nixl_backend(&registry, &nixl_configs).map_err(|e| anyhow!(e))?;
-    let shm = backend.is_some_and(|b| b.shm_regions).then(|| spec.engine_id.clone());
+    let shm = connector_setup::needs_shared_memory_kv(&registry, &config).then(|| spec.engine_id.clone());
     let ctx = ConnectorContext {
         config: config.clone(),
         model: spec.model.clone(),
