@@ -108,8 +108,9 @@ typedef int32_t kvc_status;
  *   memory host; shm_name may be absent.
  *   [{"name":"layer.0","addr":139637976727552,"len":8192,"memory":"host","device":-1,"layers":[0],"group":0,"num_blocks":16}]
  *
- * FinishedTransfers: get_finished (*out); request ids as strings.
- *   {"finished_sending":[],"finished_recving":[],"failed_recving":[]}
+ * FinishedTransfers: get_finished (*out); request ids as strings; load_sources (what a cache
+ *   tier supplied to a request's load, reported once) may be absent.
+ *   {"finished_sending":[],"finished_recving":["req-1"],"failed_recving":[],"load_sources":[{"request":"req-1","connector":"my-plugin","tier":"disk","tokens":16}]}
  */
 
 /* Borrowed bytes or UTF-8 text, valid for one call. */

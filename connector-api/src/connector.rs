@@ -110,6 +110,78 @@ pub struct FinishedTransfers {
     /// `kv_load_failure_policy`; a synchronous one's blocks are also in
     /// `block_ids_with_load_errors`, which the engine acts on.
     pub failed_recving: Vec<RequestId>,
+    /// What the connector's cache tiers supplied to requests: the tokens each tier served to
+    /// a load, reported once, in the answer of the step in which the load completed (an
+    /// async load's with its `finished_recving` entry, a synchronous one's in the step that
+    /// loaded it). The host adds them up per request and reports them when the request ends;
+    /// a plugin's go the same way as a built-in connector's. Absent from the JSON when
+    /// empty, so a connector that reports none need not write it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub load_sources: Vec<LoadSource>,
+}
+
+impl FinishedTransfers {
+    /// Adds `tokens` that `connector`'s `tier` supplied to `request` (nothing for 0), to the
+    /// row of the same request, connector and tier when there is one.
+    pub fn add_load(&mut self, request: &RequestId, connector: &str, tier: &str, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let row = self
+            .load_sources
+            .iter_mut()
+            .find(|s| s.request == *request && s.source.connector == connector && s.source.tier == tier);
+        match row {
+            Some(s) => s.source.tokens += tokens,
+            None => self.load_sources.push(LoadSource::new(request, connector, tier, tokens)),
+        }
+    }
+}
+
+/// Tokens of one request one tier of one connector supplied.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierTokens {
+    /// The connector (`lmcache`, `flexkv`, a plugin's name).
+    pub connector: String,
+    /// Its tier (`cpu`, `disk`, `remote`, `ssd`).
+    pub tier: String,
+    /// Tokens loaded from it.
+    pub tokens: u64,
+}
+
+impl TierTokens {
+    /// Adds `t` to `rows`: to the row of the same connector and tier when there is one
+    /// (nothing for 0 tokens).
+    pub fn add_to(rows: &mut Vec<TierTokens>, t: TierTokens) {
+        if t.tokens == 0 {
+            return;
+        }
+        match rows.iter_mut().find(|r| r.connector == t.connector && r.tier == t.tier) {
+            Some(r) => r.tokens += t.tokens,
+            None => rows.push(t),
+        }
+    }
+}
+
+/// What one tier of one connector supplied to one request (`get_finished`'s
+/// `load_sources`). In JSON, one flat object: `{"request", "connector", "tier", "tokens"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadSource {
+    /// The request loaded for.
+    pub request: RequestId,
+    /// The connector, its tier and the tokens.
+    #[serde(flatten)]
+    pub source: TierTokens,
+}
+
+impl LoadSource {
+    /// `tokens` of `request` that `connector`'s `tier` supplied.
+    pub fn new(request: &RequestId, connector: &str, tier: &str, tokens: u64) -> Self {
+        LoadSource {
+            request: request.clone(),
+            source: TierTokens { connector: connector.to_owned(), tier: tier.to_owned(), tokens },
+        }
+    }
 }
 
 /// Creates connector instances and answers capability queries.

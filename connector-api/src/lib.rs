@@ -36,7 +36,6 @@ pub mod kv_events;
 pub mod kv_events_merge;
 pub mod kv_memory;
 pub mod layout;
-pub mod load_report;
 pub mod math;
 pub mod model;
 pub mod negotiate;
@@ -63,8 +62,8 @@ pub use compat::{AdaptationPlan, CompatDescriptor, FieldClass, FieldDiff, Incomp
 pub use config::{FailurePolicy, KvTransferConfig};
 pub use connector::{
     BlocksPerGroup, ConnectorContext, ConnectorFactory, ConnectorInfo, ConnectorResolver, ConnectorResult,
-    FinishedTransfers, KvEvent, MatchResult, Request, RequestFinished, SchedulerConnector, StepInfo,
-    WorkerConnector,
+    FinishedTransfers, KvEvent, LoadSource, MatchResult, Request, RequestFinished, SchedulerConnector,
+    StepInfo, TierTokens, WorkerConnector,
 };
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};

@@ -21,7 +21,7 @@ use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::state_layer;
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvEvent, KvRegion, MatchResult,
-    MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, WorkerConnector,
+    MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, TierTokens, WorkerConnector,
 };
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -116,6 +116,10 @@ pub struct RequestOutput {
     /// Why the external KV load failed, when the prompt was recomputed instead (on the
     /// first-token output).
     pub kv_load_failure: Option<String>,
+    /// Which connector tiers supplied the request's external tokens, as the connector
+    /// reported them in `get_finished`'s `load_sources`, added up per connector and tier
+    /// (on the finishing output).
+    pub load_sources: Vec<TierTokens>,
 }
 
 /// A finished request, as `run_to_completion` returns it.
@@ -197,6 +201,8 @@ struct Seq {
     load_error: Option<String>,
     /// Why an external load failed and the prompt was recomputed.
     kv_load_failure: Option<String>,
+    /// What the connector's tiers supplied to the request's loads, until it ends.
+    load_sources: Vec<TierTokens>,
     /// Prompt tokens found in the prefix cache at admission.
     cached: usize,
     /// Per KV cache group: how many leading blocks were already given back because every
@@ -398,6 +404,7 @@ impl Engine {
             loaded_this_step: false,
             load_error: None,
             kv_load_failure: None,
+            load_sources: Vec::new(),
             cached: 0,
             freed_prefix: Vec::new(),
             output: Vec::new(),
@@ -808,6 +815,7 @@ impl Engine {
             Some(o) => {
                 o.finished = Some(why);
                 o.kv_transfer_params = params;
+                o.load_sources = s.load_sources;
             }
             None => outputs.push(RequestOutput {
                 id: s.req.id.0.clone(),
@@ -816,6 +824,7 @@ impl Engine {
                 finished: Some(why),
                 kv_transfer_params: params,
                 first_token_latency: None,
+                load_sources: s.load_sources,
                 ..RequestOutput::default()
             }),
         }

@@ -6,7 +6,8 @@
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorResult, Dtype, FailurePolicy, FinishedTransfers, KvLayout, KvRegion,
-    LayerId, MatchResult, Request, RequestFinished, RequestId, SchedulerConnector, StepInfo, WorkerConnector,
+    LayerId, LoadSource, MatchResult, Request, RequestFinished, RequestId, SchedulerConnector, StepInfo,
+    TierTokens, WorkerConnector,
 };
 use kvconnect_engine::{
     detokenize, local_effective_layout, tokenize, Completion, Engine, EngineConfig, FinishReason, GenRequest,
@@ -253,6 +254,8 @@ struct LoopWorker {
     failed: Vec<RequestId>,
     err_blocks: Vec<BlockId>,
     layers_saved: Vec<u32>,
+    /// What its one tier ("store") supplied, for the next `get_finished`.
+    sources: Vec<LoadSource>,
 }
 
 impl LoopWorker {
@@ -312,6 +315,9 @@ impl WorkerConnector for LoopWorker {
                     }
                 }
             }
+            if ext > 0 {
+                self.sources.push(LoadSource::new(&RequestId(id.clone()), "loop", "store", ext as u64));
+            }
             self.recvd.push(RequestId(id));
         }
         Ok(())
@@ -350,6 +356,7 @@ impl WorkerConnector for LoopWorker {
             finished_recving: recvd,
             finished_sending: std::mem::take(&mut self.sent),
             failed_recving: std::mem::take(&mut self.failed),
+            load_sources: std::mem::take(&mut self.sources),
         })
     }
 
@@ -385,6 +392,7 @@ fn loopback_engine(
         failed: Vec::new(),
         err_blocks: Vec::new(),
         layers_saved: Vec::new(),
+        sources: Vec::new(),
     };
     Engine::new(config(layout, hma, Dtype::Bf16), Some((Box::new(sched), Box::new(worker))), policy).unwrap()
 }
@@ -396,6 +404,15 @@ fn disaggregated(
     prompts: &[Vec<u32>],
     max_tokens: usize,
 ) -> (Vec<Completion>, Vec<Completion>) {
+    let pre = prefill_into(p, d, prompts, max_tokens);
+    let dec = d.run_to_completion(1000).unwrap();
+    assert_eq!(d.free_blocks(), d.total_blocks(), "decode pool back to full");
+    (pre, dec)
+}
+
+/// Prefill every prompt on `p` (max_tokens 1, do_remote_decode), then add each to `d` with
+/// the transfer params prefill returned.
+fn prefill_into(p: &mut Engine, d: &mut Engine, prompts: &[Vec<u32>], max_tokens: usize) -> Vec<Completion> {
     for (i, pr) in prompts.iter().enumerate() {
         let mut r = GenRequest::new(format!("r{i}"), pr.clone(), 1);
         r.kv_transfer_params.insert("do_remote_decode".into(), json!(true));
@@ -417,9 +434,7 @@ fn disaggregated(
         };
         d.add_request(r).unwrap();
     }
-    let dec = d.run_to_completion(1000).unwrap();
-    assert_eq!(d.free_blocks(), d.total_blocks(), "decode pool back to full");
-    (pre, dec)
+    pre
 }
 
 #[test]
@@ -452,6 +467,45 @@ fn disaggregated_cross_layer_hma_off_sync_load() {
     let (_, dec) = disaggregated(&mut p, &mut d, &ps, 4);
     let got: Vec<_> = dec.into_iter().map(|c| c.tokens).collect();
     assert_eq!(got, mono);
+}
+
+/// What the connector said its tiers supplied (`get_finished`'s `load_sources`) comes out on
+/// the request's finishing output, for async and synchronous loads; nothing for a request
+/// nothing was loaded for.
+#[test]
+fn load_sources_come_out_on_the_finishing_output() {
+    for async_load in [true, false] {
+        let ps = prompts(8);
+        let store = Store::default();
+        let mut p =
+            loopback_engine(&store, KvLayout::HND, true, async_load, Fault::None, FailurePolicy::Fail);
+        let mut d =
+            loopback_engine(&store, KvLayout::HND, true, async_load, Fault::None, FailurePolicy::Fail);
+        prefill_into(&mut p, &mut d, &ps, 3);
+        let (mut external, mut reported) = (HashMap::new(), HashMap::new());
+        for _ in 0..1000 {
+            if !d.has_unfinished() {
+                break;
+            }
+            for o in d.step().unwrap() {
+                if o.first_token_latency.is_some() {
+                    external.insert(o.id.clone(), o.num_external_tokens as u64);
+                }
+                if o.finished.is_some() {
+                    reported.insert(o.id, o.load_sources);
+                } else {
+                    assert!(o.load_sources.is_empty(), "only the finishing output carries them");
+                }
+            }
+        }
+        assert_eq!(reported.len(), ps.len());
+        let tier = |n: u64| TierTokens { connector: "loop".into(), tier: "store".into(), tokens: n };
+        for (id, n) in &external {
+            let want = if *n > 0 { vec![tier(*n)] } else { vec![] };
+            assert_eq!(reported[id], want, "{id} (async {async_load})");
+        }
+        assert!(external.values().any(|n| *n > 0));
+    }
 }
 
 #[test]

@@ -11,7 +11,7 @@ use crate::sched_link::server::{SchedulerCounters, SchedulerServer};
 use crate::setup::Setup;
 use crate::shm_kv;
 use kvconnect_api::engine_tensor::{Placement, TensorDesc};
-use kvconnect_api::load_report::{self, TierTokens};
+use kvconnect_api::TierTokens;
 use kvconnect_api::{BlockId, ConnectorError, LayerId, LayoutField, RequestId, WorkerConnector};
 use kvconnect_host::server::connector_setup;
 use kvconnect_host::server::peers::{peer_envelope, PeerFailure};
@@ -103,6 +103,9 @@ struct State {
     failed_why: HashMap<String, String>,
     /// Requests whose asynchronous load finished and was counted, until vLLM finishes them.
     async_loaded: HashSet<String>,
+    /// What the connector's tiers supplied to each request (`get_finished`'s
+    /// `load_sources`), until vLLM finishes it.
+    load_sources: HashMap<String, Vec<TierTokens>>,
     counters: Counters,
     /// The counters as last reported to vLLM (`take_stats_json`).
     reported: BTreeMap<String, u64>,
@@ -215,6 +218,7 @@ impl Worker {
             load_peer: HashMap::new(),
             failed_why: HashMap::new(),
             async_loaded: HashSet::new(),
+            load_sources: HashMap::new(),
             counters: Counters::default(),
             reported: BTreeMap::new(),
         };
@@ -386,14 +390,16 @@ impl Worker {
         finished: Vec<String>,
     ) -> PyResult<(Vec<String>, Vec<String>, Vec<(String, String)>)> {
         let ids: Vec<RequestId> = finished.into_iter().map(RequestId).collect();
-        let engine = self.setup.ctx.engine_id.as_str();
         let mut forget = Vec::new();
         let f = self.with("get_finished", |s| {
-            let f = s.conn.get_finished(&ids)?;
+            let mut f = s.conn.get_finished(&ids)?;
             s.counters.count_async_loads(&f.finished_recving, &s.load_peer, &mut s.async_loaded);
+            for l in std::mem::take(&mut f.load_sources) {
+                TierTokens::add_to(s.load_sources.entry(l.request.0).or_default(), l.source);
+            }
             for r in &ids {
                 let counted_async = s.async_loaded.remove(&r.0);
-                s.counters.count_finished(load_report::take(engine, &r.0), counted_async);
+                s.counters.count_finished(s.load_sources.remove(&r.0).unwrap_or_default(), counted_async);
             }
             s.counters.sends_done += f.finished_sending.len() as u64;
             s.counters.loads_failed += f.failed_recving.len() as u64;

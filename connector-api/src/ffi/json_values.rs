@@ -46,6 +46,9 @@ fn model() -> ModelSpec {
 
 /// Every JSON value of the ABI, in the order the header lists them.
 pub fn json_values() -> Vec<JsonValue> {
+    let mut finished =
+        FinishedTransfers { finished_recving: vec![RequestId::from("req-1")], ..Default::default() };
+    finished.add_load(&RequestId::from("req-1"), "my-plugin", "disk", 16);
     let mut config = KvTransferConfig::named("my-plugin");
     config.kv_connector_extra_config.insert("dir".into(), "/var/cache/kv".into());
     let ctx = ConnectorContext {
@@ -181,8 +184,9 @@ pub fn json_values() -> Vec<JsonValue> {
         JsonValue {
             rust_type: "FinishedTransfers",
             used_by: "get_finished (*out)",
-            rules: "request ids as strings",
-            example: json(&FinishedTransfers::default()),
+            rules: "request ids as strings; load_sources (what a cache tier supplied to a request's \
+                load, reported once) may be absent",
+            example: json(&finished),
         },
     ]
 }

@@ -232,4 +232,54 @@ mod tests {
         let back: ConnectorError = serde_json::from_slice(buf.as_bytes()).unwrap();
         assert_eq!(back, e);
     }
+
+    /// A plugin's `get_finished` answer, written by its shim and read by the host's, arrives
+    /// with its `load_sources` whole; an answer from a plugin built before them (no such
+    /// field) still decodes, with none.
+    #[test]
+    fn load_sources_cross_the_abi_and_older_answers_still_decode() {
+        use super::call::call_json;
+        use super::shim::{write_buf, write_json};
+        use crate::{FinishedTransfers, RequestId};
+        let r1 = RequestId::from("r1");
+        let mut sent = FinishedTransfers { finished_recving: vec![r1.clone()], ..Default::default() };
+        sent.add_load(&r1, "my-plugin", "disk", 16);
+        sent.add_load(&r1, "my-plugin", "disk", 16);
+        sent.add_load(&r1, "my-plugin", "cpu", 0);
+        sent.add_load(&RequestId::from("r2"), "my-plugin", "disk", 8);
+        let got: FinishedTransfers = call_json(
+            || "my-plugin",
+            "get_finished",
+            |out, _err| {
+                write_json("my-plugin", &sent, out).unwrap();
+                status::OK
+            },
+        )
+        .unwrap();
+        assert_eq!(got, sent);
+        assert_eq!(
+            serde_json::to_value(&got.load_sources).unwrap(),
+            serde_json::json!([
+                {"request": "r1", "connector": "my-plugin", "tier": "disk", "tokens": 32},
+                {"request": "r2", "connector": "my-plugin", "tier": "disk", "tokens": 8},
+            ])
+        );
+
+        let old = br#"{"finished_sending":["s1"],"finished_recving":[],"failed_recving":[]}"#;
+        let got: FinishedTransfers = call_json(
+            || "old-plugin",
+            "get_finished",
+            |out, _err| {
+                write_buf(out, old.to_vec());
+                status::OK
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            got,
+            FinishedTransfers { finished_sending: vec![RequestId::from("s1")], ..Default::default() }
+        );
+        // And an answer without sources is written as before.
+        assert_eq!(serde_json::to_vec(&got).unwrap(), old.to_vec());
+    }
 }

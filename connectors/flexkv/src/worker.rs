@@ -366,9 +366,8 @@ impl WorkerConnector for FlexkvWorker {
                 Done::Load { req, failed: None, tiers } => {
                     // Which tier supplied the request's tokens, for the host's report.
                     let bs = self.engine.ctx.effective.block_size as u64;
-                    let engine = &self.engine.ctx.engine_id;
-                    kvconnect_api::load_report::record(engine, &req.0, "flexkv", "cpu", tiers.0 * bs);
-                    kvconnect_api::load_report::record(engine, &req.0, "flexkv", "ssd", tiers.1 * bs);
+                    out.add_load(&req, "flexkv", "cpu", tiers.0 * bs);
+                    out.add_load(&req, "flexkv", "ssd", tiers.1 * bs);
                     out.finished_recving.push(req);
                 }
                 Done::Load { req, failed: Some((blocks, why)), .. } => {

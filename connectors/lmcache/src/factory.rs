@@ -49,7 +49,6 @@ impl ConnectorFactory for LmcacheFactory {
         let layout = ChunkLayout::new(&ctx.model, &ctx.effective, cfg.chunk_size)?;
         let store = registry::store_for(&ctx.engine_id, &cfg)?;
         Ok(Box::new(LmcacheWorker::new(
-            ctx.engine_id.clone(),
             store,
             layout,
             ctx.model.clone(),

@@ -19,7 +19,7 @@
 //! that workers share sits behind both ([`remote_tier`]): new chunks are written to it in the
 //! background, lookups and loads fall back to it, every value is checksummed, and a remote
 //! that is down is a counted miss, never a failed or stalled request. Which tier served each
-//! request's tokens is recorded for the host ([`kvconnect_api::load_report`]).
+//! request's tokens goes to the host in `get_finished`'s `load_sources`.
 //!
 //! **Scheduler half** ([`LmcacheScheduler`]). `get_num_new_matched_tokens` returns the end of
 //! the longest run of stored chunks (chunk-aligned; a final partial chunk counts only with

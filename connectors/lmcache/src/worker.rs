@@ -50,7 +50,6 @@ enum Kv {
 
 /// The lmcache worker half.
 pub struct LmcacheWorker {
-    engine_id: String,
     store: Arc<ChunkStore>,
     layout: ChunkLayout,
     model: ModelSpec,
@@ -63,6 +62,9 @@ pub struct LmcacheWorker {
     saves: Vec<PendingSave>,
     layers_saved: usize,
     load_errors: BTreeSet<BlockId>,
+    /// What the tiers supplied to the loads done since the last `get_finished`, which
+    /// answers it.
+    loaded: FinishedTransfers,
 }
 
 fn no_regions() -> ConnectorError {
@@ -75,7 +77,6 @@ fn no_regions() -> ConnectorError {
 impl LmcacheWorker {
     /// A worker half over `store`.
     pub fn new(
-        engine_id: String,
         store: Arc<ChunkStore>,
         layout: ChunkLayout,
         model: ModelSpec,
@@ -83,7 +84,6 @@ impl LmcacheWorker {
         layerwise: bool,
     ) -> LmcacheWorker {
         LmcacheWorker {
-            engine_id,
             store,
             layout,
             model,
@@ -96,6 +96,7 @@ impl LmcacheWorker {
             saves: Vec::new(),
             layers_saved: 0,
             load_errors: BTreeSet::new(),
+            loaded: FinishedTransfers::default(),
         }
     }
 
@@ -145,20 +146,14 @@ impl LmcacheWorker {
         self.layers_loaded = 0;
     }
 
-    /// Records, per request, the tokens each tier supplied to the loads that are done
-    /// ([`kvconnect_api::load_report`]); chunks of a failed load were dropped already.
-    fn report_loads(&self) {
+    /// Adds, per request, the tokens each tier supplied to the loads that are done to the
+    /// next `get_finished` answer; chunks of a failed load were dropped already.
+    fn report_loads(&mut self) {
         for f in &self.fetched {
             for ((ci, _), tier) in f.chunks.iter().zip(&f.tiers) {
                 let c = f.spec.chunks[*ci];
                 let tokens = f.spec.end.min(c.start + c.tokens).saturating_sub(f.spec.start.max(c.start));
-                kvconnect_api::load_report::record(
-                    &self.engine_id,
-                    &f.spec.req.0,
-                    "lmcache",
-                    tier.name(),
-                    tokens as u64,
-                );
+                self.loaded.add_load(&f.spec.req, "lmcache", tier.name(), tokens as u64);
             }
         }
     }
@@ -428,8 +423,9 @@ impl WorkerConnector for LmcacheWorker {
     }
 
     fn get_finished(&mut self, _finished_reqs: &[RequestId]) -> ConnectorResult<FinishedTransfers> {
-        // Loads and saves complete inside the step, so nothing is ever outstanding.
-        Ok(FinishedTransfers::default())
+        // Loads and saves complete inside the step, so nothing is ever outstanding; the
+        // answer says only which tiers supplied this step's loads.
+        Ok(std::mem::take(&mut self.loaded))
     }
 
     fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {

@@ -12,7 +12,7 @@ mod common;
 mod redis_server;
 
 use common::*;
-use kvconnect_api::load_report::{self, TierTokens};
+use kvconnect_api::TierTokens;
 use kvconnect_api::{BlocksPerGroup, KvEvent, KvLayout, Medium, StepInfo};
 use kvconnect_lmcache::key::{chunk_keys, Namespace};
 use kvconnect_lmcache::remote_tier::redis_key;
@@ -69,13 +69,16 @@ fn a_prompt_prefilled_on_one_store_is_a_remote_hit_on_another() {
     // The request's tokens are reported as the remote tier's, for the host's answer.
     let tier =
         |t: &str, n: usize| TierTokens { connector: "lmcache".into(), tier: t.into(), tokens: n as u64 };
-    assert_eq!(load_report::take("remote-share-b", "b0"), vec![tier("remote", 3 * CHUNK)]);
+    let reported = |e: &Engine, r: &str| -> Vec<TierTokens> {
+        e.load_sources.iter().filter(|s| s.request.0 == r).map(|s| s.source.clone()).collect()
+    };
+    assert_eq!(reported(&b, "b0"), vec![tier("remote", 3 * CHUNK)]);
     // The chunks are now in B's CPU tier: the next hit is local.
     let (matched, _) = run_checked(&mut b, "b1", &p);
     assert_eq!(matched, 3 * CHUNK);
     let sb = kvconnect_lmcache::stats("remote-share-b").unwrap();
     assert_eq!((sb.remote.hits, sb.cpu.hits), (3, 3), "{sb:?}");
-    assert_eq!(load_report::take("remote-share-b", "b1"), vec![tier("cpu", 3 * CHUNK)]);
+    assert_eq!(reported(&b, "b1"), vec![tier("cpu", 3 * CHUNK)]);
 
     // A worker with another layout (or TP rank) never shares A's chunks: the keys differ.
     let mut c = Engine::new("remote-share-c", KvLayout::HND, 8, extra(&redis.url()));

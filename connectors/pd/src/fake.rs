@@ -6,8 +6,8 @@ use kvconnect_api::KvRole;
 use kvconnect_api::{
     BlockId, BlocksPerGroup, Capabilities, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
     ConnectorResolver, ConnectorResult, FinishedTransfers, KvEvent, KvLayout, KvRegion, KvTransferConfig,
-    LayerId, LayoutConstraint, MatchResult, MemoryKind, ModelSpec, Request, RequestFinished, RequestId,
-    SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
+    LayerId, LayoutConstraint, LoadSource, MatchResult, MemoryKind, ModelSpec, Request, RequestFinished,
+    RequestId, SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -33,6 +33,8 @@ pub struct Script {
     pub finished_recving: Vec<String>,
     /// Reported by the next `get_finished`.
     pub failed_recving: Vec<String>,
+    /// Reported by the next `get_finished`.
+    pub load_sources: Vec<LoadSource>,
     /// Reported by `block_ids_with_load_errors`.
     pub load_errors: Vec<u32>,
     /// Handshake metadata.
@@ -183,6 +185,7 @@ impl WorkerConnector for FakeHalf {
             finished_sending: ids(std::mem::take(&mut s.finished_sending)),
             finished_recving: ids(std::mem::take(&mut s.finished_recving)),
             failed_recving: ids(std::mem::take(&mut s.failed_recving)),
+            load_sources: std::mem::take(&mut s.load_sources),
         })
     }
     fn block_ids_with_load_errors(&mut self) -> ConnectorResult<Vec<BlockId>> {

@@ -124,6 +124,8 @@ impl WorkerConnector for PdWorker {
         };
         for (i, (name, child)) in self.children.iter_mut().enumerate() {
             let ft = child.get_finished(finished_reqs).map_err(|e| child_err(name, e))?;
+            // What each child's tiers supplied is its own: every child's rows, in order.
+            out.load_sources.extend(ft.load_sources);
             for r in ft.finished_sending {
                 match self.sending.get_mut(&r) {
                     Some(w) => {
@@ -314,6 +316,27 @@ mod props {
             let reports: usize = masks.iter().map(|m| m.count_ones() as usize).sum();
             (Just(masks), proptest::collection::vec(any::<u32>(), reports), 0..=reports as u32)
         })
+    }
+
+    /// What the children's tiers supplied goes out as they reported it: every child's rows,
+    /// in child order, each once.
+    #[test]
+    fn load_sources_are_every_childs_concatenated() {
+        let (mut w, scripts) = worker(3);
+        let src = |r: &str, c: &str, t: &str, n: u64| kvconnect_api::LoadSource::new(&r.into(), c, t, n);
+        scripts[0].lock().unwrap().load_sources = vec![src("r1", "lmcache", "cpu", 32)];
+        scripts[2].lock().unwrap().load_sources =
+            vec![src("r1", "flexkv", "ssd", 16), src("r2", "flexkv", "cpu", 64)];
+        let fin = w.get_finished(&[]).unwrap();
+        assert_eq!(
+            fin.load_sources,
+            vec![
+                src("r1", "lmcache", "cpu", 32),
+                src("r1", "flexkv", "ssd", 16),
+                src("r2", "flexkv", "cpu", 64)
+            ]
+        );
+        assert!(w.get_finished(&[]).unwrap().load_sources.is_empty(), "reported once");
     }
 
     proptest! {

@@ -9,7 +9,7 @@ use super::{conn_err, Engine, FinishReason, RequestOutput, Seq, State, StepStats
 use crate::error::EngineError;
 use crate::forward::forward_layer;
 use crate::sampling::{self, TokenLogprobs};
-use kvconnect_api::{BlockId, FailurePolicy, FinishedTransfers, LayerId, StepInfo};
+use kvconnect_api::{BlockId, FailurePolicy, FinishedTransfers, LayerId, StepInfo, TierTokens};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -56,6 +56,7 @@ impl Engine {
         }
         let (fin, err_blocks) = self.finish_transfers(&info, &mut w)?;
         self.note_load_results(&fin, &err_blocks, &mut w);
+        self.keep_load_sources(&fin);
         self.apply_failure_policy(&mut w);
         self.resume_received(&fin);
         self.sample_computed(&mut w);
@@ -285,6 +286,16 @@ impl Engine {
         }
     }
 
+    /// What the connector's tiers supplied, kept per request until it ends.
+    fn keep_load_sources(&mut self, fin: &FinishedTransfers) {
+        for l in &fin.load_sources {
+            let Some(k) = self.by_id.get(&l.request.0) else { continue };
+            if let Some(s) = self.seqs.get_mut(k) {
+                TierTokens::add_to(&mut s.load_sources, l.source.clone());
+            }
+        }
+    }
+
     /// `kv_load_failure_policy` on the failed loads: `recompute` computes the prompt past
     /// the cached prefix, `fail` ends the request saying why.
     fn apply_failure_policy(&mut self, w: &mut StepWork) {
@@ -350,6 +361,7 @@ impl Engine {
                 num_external_tokens: if first { s.external } else { 0 },
                 num_cached_tokens: if first { s.cached } else { 0 },
                 kv_load_failure: if first { s.kv_load_failure.clone() } else { None },
+                load_sources: Vec::new(),
             });
             // A stop sequence that completes on the last allowed token still says "stop".
             if let Some(matched_tokens) = sampling::stop_match(&s.output, &s.sampling) {

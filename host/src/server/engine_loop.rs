@@ -1,7 +1,7 @@
 //! The engine's own thread: it steps continuously while there is work and talks to the HTTP
 //! handlers only through a command channel, so no handler ever holds the engine.
 
-use kvconnect_api::{KvEvent, KvEventBatch};
+use kvconnect_api::{KvEvent, KvEventBatch, TierTokens};
 use kvconnect_engine::{Cancel, Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
 use kvconnect_events::ZmqEventPublisher;
 use serde::Serialize;
@@ -229,6 +229,10 @@ pub struct Done {
     pub num_cached_tokens: usize,
     /// Why the external KV load failed when the prompt was recomputed instead.
     pub kv_load_failure: Option<String>,
+    /// Which cache connector and tier supplied the external tokens (lmcache's cpu, disk or
+    /// remote tier, flexkv's cpu or ssd tier, a plugin's own), as the connector reported
+    /// them in `get_finished`.
+    pub load_sources: Vec<TierTokens>,
 }
 
 /// A command for the engine thread.
@@ -448,6 +452,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>, events: Option<Zmq
                                 num_external_tokens: 0,
                                 num_cached_tokens: 0,
                                 kv_load_failure: None,
+                                load_sources: Vec::new(),
                             };
                             pending.insert(
                                 id,
@@ -524,6 +529,7 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>, events: Option<Zmq
                             }
                             p.done.finish = f;
                             p.done.kv_transfer_params = o.kv_transfer_params;
+                            p.done.load_sources = o.load_sources;
                             let _ = p.reply.send(Ok(p.done));
                         }
                     }

@@ -113,9 +113,6 @@ pub(crate) struct Finished {
     /// Set when the peer handshake failed and the prompt was recomputed (policy
     /// `recompute`): `{"recomputed": true, "reason"}`.
     pub kv_note: Value,
-    /// Which cache connector and tier supplied the external tokens (lmcache's cpu, disk or
-    /// remote tier, flexkv's cpu or ssd tier), as the connectors recorded it.
-    pub cache_sources: Vec<kvconnect_api::load_report::TierTokens>,
 }
 
 /// Runs one engine request to its end (loading KV from a peer first when its transfer
@@ -195,8 +192,7 @@ pub(crate) async fn run_one(
         PromptSources::of(prompt_len as u64, done.num_cached_tokens as u64, external),
         external.saturating_mul(st.kv_bytes_per_token),
     );
-    let cache_sources = kvconnect_api::load_report::take(&st.engine_id, &id);
-    Ok(Finished { done, kv_note, cache_sources })
+    Ok(Finished { done, kv_note })
 }
 
 async fn current(st: &AppState) -> Result<PoolStats, Response> {

@@ -24,6 +24,7 @@ use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use kvconnect_api::TierTokens;
 use kvconnect_openai::params::{self, OpenAiRequest};
 use kvconnect_openai::{metrics, request_id};
 use serde_json::{json, Value};
@@ -189,12 +190,9 @@ impl Plan {
             kvconnect["kv_load"] = note.clone();
         }
         // Which cache connector and tier served the external tokens, summed over the choices.
-        let mut sources: Vec<kvconnect_api::load_report::TierTokens> = Vec::new();
-        for t in results.iter().flat_map(|f| &f.cache_sources) {
-            match sources.iter_mut().find(|s| s.connector == t.connector && s.tier == t.tier) {
-                Some(s) => s.tokens += t.tokens,
-                None => sources.push(t.clone()),
-            }
+        let mut sources: Vec<TierTokens> = Vec::new();
+        for t in results.iter().flat_map(|f| &f.done.load_sources) {
+            TierTokens::add_to(&mut sources, t.clone());
         }
         kvconnect["cache_sources"] = serde_json::to_value(&sources).unwrap_or(Value::Null);
         let kv_transfer_params = match results {

@@ -8,7 +8,7 @@
 use crate::server::engine_loop::{Driver, PoolStats, StepFailure, SubmitError};
 use kvconnect_api::{
     BlocksPerGroup, ConnectorError, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId,
-    SchedulerConnector, StepInfo, WorkerConnector,
+    SchedulerConnector, StepInfo, TierTokens, WorkerConnector,
 };
 use kvconnect_engine::{FinishReason, GenRequest, KvPool, RequestOutput};
 use kvconnect_support::host_buffer::HostBuffer;
@@ -360,6 +360,12 @@ impl Driver for TransferEngine {
             progressed = true;
             self.end_load(&r.0, Some("the connector reported the load as failed".into()), &mut outputs)
                 .map_err(StepFailure::recoverable)?;
+        }
+        // Every output ends its request: it carries what the connector's tiers supplied.
+        for o in &mut outputs {
+            for l in fin.load_sources.iter().filter(|l| l.request.0 == o.id) {
+                TierTokens::add_to(&mut o.load_sources, l.source.clone());
+            }
         }
         for r in &fin.finished_sending {
             if let Some(b) = self.pending_free.remove(&r.0) {

@@ -1,7 +1,7 @@
 //! The report of `kvconnect up --workload`: what each request measured, percentiles over
 //! them, and the text and JSON forms.
 
-use kvconnect_api::load_report::TierTokens;
+use kvconnect_api::TierTokens;
 use kvconnect_proxy::metrics::RouterTally;
 use serde::Serialize;
 

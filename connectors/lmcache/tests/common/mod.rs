@@ -7,8 +7,8 @@
 use kvconnect_api::geometry::{BlockShape, Geometry, RegionShape};
 use kvconnect_api::{
     AttentionKind, BlockId, BlocksPerGroup, ConnectorContext, ConnectorFactory, Dtype, EffectiveLayout,
-    KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, MatchResult, MemoryKind,
-    ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
+    KvGroup, KvLayout, KvRegion, KvRegionSpec, KvRole, KvTransferConfig, LayerId, LoadSource, MatchResult,
+    MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, StepInfo, TransferMode, WorkerConnector,
 };
 use kvconnect_lmcache::LmcacheFactory;
 
@@ -100,6 +100,8 @@ pub struct Engine {
     pub geometry: Geometry,
     pub buffers: Vec<Vec<u8>>,
     pub block_size: u32,
+    /// What `get_finished` said the tiers supplied, every run's in order.
+    pub load_sources: Vec<LoadSource>,
     next_block: u32,
     step: u64,
 }
@@ -132,7 +134,17 @@ impl Engine {
         // it (moving a Vec does not move its heap buffer); tests touch them between steps only.
         let kv_regions = unsafe { region_list(&mut buffers) };
         worker.register_kv_caches(&kv_regions).unwrap();
-        Engine { id, sched, worker, geometry, buffers, block_size, next_block: 0, step: 0 }
+        Engine {
+            id,
+            sched,
+            worker,
+            geometry,
+            buffers,
+            block_size,
+            load_sources: Vec::new(),
+            next_block: 0,
+            step: 0,
+        }
     }
 
     pub fn alloc(&mut self, tokens: usize) -> Vec<BlockId> {
@@ -271,6 +283,7 @@ impl Engine {
         self.worker.wait_for_save().unwrap();
         let fin = self.worker.get_finished(std::slice::from_ref(&req.id)).unwrap();
         assert!(fin.finished_recving.is_empty() && fin.failed_recving.is_empty());
+        self.load_sources.extend(fin.load_sources);
         let f = self.sched.request_finished(&req, &BlocksPerGroup(vec![blocks.clone()])).unwrap();
         assert!(!f.delay_free);
         (matched, blocks, errors)
