@@ -174,19 +174,16 @@ def interleaved(a, mono: Server, pre: Server, dec: Server, label: str, with_para
 
     for i in range(a.pairs):
         p = fresh()
-        if i % 2 == 0:
-            time.sleep(SETTLE_S)
-            m, want = stream(mono.url, p, f"mono-{label}-{i}") if not a.breakdown else (None, None)
-            time.sleep(SETTLE_S)
+        time.sleep(SETTLE_S)
+        # The breakdown reads the servers' histograms around each request in turn, P/D first.
+        if a.breakdown or i % 2 == 1:
             d, got = timed_pd(p, i)
-            if a.breakdown:
-                time.sleep(SETTLE_S)
-                m, want = timed_mono(p, i)
+            time.sleep(SETTLE_S)
+            m, want = timed_mono(p, i)
         else:
+            m, want = timed_mono(p, i)
             time.sleep(SETTLE_S)
             d, got = timed_pd(p, i)
-            time.sleep(SETTLE_S)
-            m, want = timed_mono(p, i) if a.breakdown else stream(mono.url, p, f"mono-{label}-{i}")
         if got != want:
             raise Failed(f"{label}: pair {i}: P/D gave {got}, monolithic {want}")
         ratios.append(d / m)

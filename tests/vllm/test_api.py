@@ -245,6 +245,12 @@ def run_pd_api(model: str, logdir: Path, load: str = "async"):
         dec.wait_healthy()
         check_load_error_blocks(pre, dec)
         check_preemptions(pre, dec)
+        # The synchronous pair really loaded synchronously (the adapter logs each such load),
+        # and its failed load was a synchronous one too.
+        text = dec.text()
+        if load == "sync" and ("loaded its external KV synchronously" not in text
+                               or "failed to load its external KV (a synchronous load" not in text):
+            raise Failed(f"load sync: decode's loads were not synchronous\n{dec.tail()}")
 
 
 def check_required_layout(model: str):

@@ -180,6 +180,10 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         loaded = dec.text().count("loaded its external KV")
         if loaded != len(want) * tp[1] or "failed to load its external KV" in dec.text():
             raise Failed(f"{label}: decode's {tp[1]} worker(s) finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
+        # `load: sync` really took vLLM's synchronous path: every load ended in its own step.
+        sync = (dec_inner or {}).get("kv_connector_extra_config", {}).get("load") == "sync"
+        if sync and dec.text().count("loaded its external KV synchronously") != loaded:
+            raise Failed(f"{label}: decode asked for synchronous loads, but not all {loaded} were\n{dec.tail()}")
         if pre_adapter and "deployment" in pre_adapter:
             hp, hd = compat_hash(pre.text()), compat_hash(dec.text())
             if (joint_peer_hash(pre.text()), joint_peer_hash(dec.text())) != (hd, hp):

@@ -17,15 +17,16 @@ struct Injected<'a> {
     secret: Option<&'a Secret>,
 }
 
-/// The side channel and the secret a connector's config declares it needs: its factory's
-/// capabilities for that config (the model is not known yet). A connector the registry does
-/// not know, or whose capabilities cannot be had, needs neither (creating it then says why).
+/// What a connector's config declares: its factory's capabilities for that config (the model
+/// is not known yet). None for a connector the registry does not know, or whose capabilities
+/// cannot be had: it needs nothing from the host (creating it then says why).
+fn declared(registry: &Registry, config: &KvTransferConfig) -> Option<Capabilities> {
+    registry.find_for_config(config).ok().and_then(|e| e.factory.capabilities(config, None).ok())
+}
+
+/// The side channel and the secret a connector's config declares it needs.
 fn needs(registry: &Registry, config: &KvTransferConfig) -> (bool, bool) {
-    registry
-        .find_for_config(config)
-        .ok()
-        .and_then(|e| e.factory.capabilities(config, None).ok())
-        .map_or((false, false), |c: Capabilities| (c.needs_side_channel, c.needs_data_plane_secret))
+    declared(registry, config).map_or((false, false), |c| (c.needs_side_channel, c.needs_data_plane_secret))
 }
 
 /// Writes what `config` declares it needs into its extra config; false when it needs nothing.
@@ -102,15 +103,9 @@ pub fn with_side_channel(
 
 /// Whether `config`, or a composite child in it at any depth, declares it needs a producer's
 /// KV regions in shared memory (`Capabilities::needs_shared_memory_kv`; nixl's `shm` backend
-/// does): the host then allocates them as shared-memory segments. A connector the registry
-/// does not know, or whose capabilities cannot be had, needs none (creating it says why).
+/// does): the host then allocates them as shared-memory segments.
 pub fn needs_shared_memory_kv(registry: &Registry, config: &KvTransferConfig) -> bool {
-    let declares = registry
-        .find_for_config(config)
-        .ok()
-        .and_then(|e| e.factory.capabilities(config, None).ok())
-        .is_some_and(|c: Capabilities| c.needs_shared_memory_kv);
-    declares
+    declared(registry, config).is_some_and(|c| c.needs_shared_memory_kv)
         || match config.kv_connector_extra_config.get("connectors") {
             Some(Value::Array(children)) => children.iter().any(|child| {
                 serde_json::from_value::<KvTransferConfig>(child.clone())
