@@ -1,5 +1,5 @@
 /*
- * kvconnect plugin ABI, version 1.2: the C view of kvconnect-api's `ffi` module.
+ * kvconnect plugin ABI, version 1.3: the C view of kvconnect-api's `ffi` module.
  *
  * Written by kvconnect_api::ffi::c_header() from the Rust definitions; do not edit.
  * tests/tests/plugins_c_header.rs rewrites it when they change (and fails, so the change is
@@ -13,7 +13,7 @@
  * never move in any ABI version. Set `magic`, `abi_major`, `abi_minor` and
  * `layout_fingerprint` to the KVC_ constants below, `struct_size` to
  * sizeof(kvc_plugin_descriptor), each vtable's `struct_size` to the sizeof of its struct,
- * `sdk_version` to "kvconnect.h 1.2" (the host names it when it refuses the
+ * `sdk_version` to "kvconnect.h 1.3" (the host names it when it refuses the
  * plugin) and `rustc_version` to your compiler.
  *
  * Every entry returns a kvc_status: KVC_OK, or the kind of error with a JSON-encoded error in
@@ -40,7 +40,7 @@ extern "C" {
 #define KVC_ENTRY_SYMBOL "kvconnect_plugin_entry"
 #define KVC_ABI_MAGIC 0x43454e4e4f43564bULL /* "KVCONNEC" read as a little-endian u64 */
 #define KVC_ABI_MAJOR 1
-#define KVC_ABI_MINOR 2
+#define KVC_ABI_MINOR 3
 /* A hash of the layout of ABI 1.0's structs (offsets and entry types, not sizes), on
  * 64-bit targets: the same for every 1.x. The host refuses a plugin that reports another. */
 #define KVC_LAYOUT_FINGERPRINT 0x519a47d8acd937bdULL
@@ -111,6 +111,11 @@ typedef int32_t kvc_status;
  * FinishedTransfers: get_finished (*out); request ids as strings; load_sources (what a cache
  *   tier supplied to a request's load, reported once) may be absent.
  *   {"finished_sending":[],"finished_recving":["req-1"],"failed_recving":[],"load_sources":[{"request":"req-1","connector":"my-plugin","tier":"disk","tokens":16}]}
+ *
+ * Vec<ConnectorMetric>: metrics (*out; scheduler and worker); kind "counter" or "gauge"; a
+ *   counter's name without _total (the host adds it); labels may be absent; the host adds up
+ *   equal samples of the two halves and the ranks.
+ *   [{"name":"my_plugin_hits","help":"Blocks found on disk.","kind":"counter","labels":[["tier","disk"]],"value":3}]
  */
 
 /* Borrowed bytes or UTF-8 text, valid for one call. */
@@ -183,6 +188,12 @@ typedef struct kvc_scheduler_vtable {
      * Since 1.2; may be NULL: the host calls `take_events`.
      */
     kvc_status (*take_kv_events)(void *self, kvc_buffer *out, kvc_buffer *err);
+    /* *out = JSON Vec<ConnectorMetric>: what the connector counts for the host's
+     * /metrics (a list of {name, help, kind: "counter"|"gauge", labels: [[name, value]],
+     * value}).
+     * Since 1.3; may be NULL: the connector reports no metrics.
+     */
+    kvc_status (*metrics)(void *self, kvc_buffer *out, kvc_buffer *err);
 } kvc_scheduler_vtable;
 
 /* A worker half: `self` is a handle `create_worker` made; one thread at a time. */
@@ -215,6 +226,10 @@ typedef struct kvc_worker_vtable {
     kvc_status (*set_peer_handshake_metadata)(void *self, kvc_bytes peer, kvc_buffer *err);
     /* Releases everything (the handle stays valid until free). */
     kvc_status (*shutdown)(void *self, kvc_buffer *err);
+    /* *out = JSON Vec<ConnectorMetric>, as the scheduler's metrics.
+     * Since 1.3; may be NULL: the connector reports no metrics.
+     */
+    kvc_status (*metrics)(void *self, kvc_buffer *out, kvc_buffer *err);
 } kvc_worker_vtable;
 
 typedef struct kvc_plugin_descriptor {

@@ -4,6 +4,7 @@
 
 use crate::caps::Capabilities;
 use crate::config::{KvRole, KvTransferConfig};
+use crate::connector_metrics::ConnectorMetric;
 use crate::error::ConnectorError;
 use crate::ids::{BlockId, LayerId, RequestId};
 use crate::layout::EffectiveLayout;
@@ -256,6 +257,13 @@ pub trait SchedulerConnector: Send {
     fn reset_cache(&mut self) -> ConnectorResult<bool> {
         Ok(true)
     }
+
+    /// What this half counts for the host's `/metrics`, read at scrape time: the state one
+    /// engine holds once (a cache's hits per tier, say); the host adds it up with the worker
+    /// halves' ([`ConnectorMetric::merge`]). None by default.
+    fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
+        Ok(Vec::new())
+    }
 }
 
 /// The worker half (vLLM's worker-side methods).
@@ -322,6 +330,14 @@ pub trait WorkerConnector: Send {
     /// it is dropped.
     fn shutdown(&mut self) -> ConnectorResult<()> {
         Ok(())
+    }
+
+    /// What this rank counts for the host's `/metrics`, read at scrape time: what each
+    /// rank holds on its own (a data-plane listener's refusals, say); the host adds up the
+    /// ranks' and the scheduler half's samples of equal name and labels
+    /// ([`ConnectorMetric::merge`]). None by default.
+    fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
+        Ok(Vec::new())
     }
 }
 

@@ -28,6 +28,7 @@ pub mod caps;
 pub mod compat;
 pub mod config;
 pub mod connector;
+pub mod connector_metrics;
 pub mod engine_tensor;
 pub mod error;
 pub mod geometry;
@@ -65,6 +66,7 @@ pub use connector::{
     FinishedTransfers, KvEvent, LoadSource, MatchResult, Request, RequestFinished, SchedulerConnector,
     StepInfo, TierTokens, WorkerConnector,
 };
+pub use connector_metrics::{ConnectorMetric, MetricError, MetricKind};
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
 pub use kv_events::{BlockHash, BlockRemoved, BlockStored, KvEventBatch, Medium};

@@ -19,9 +19,11 @@ use crate::prefix_cache::block_hashes;
 use crate::prng::SplitMix64;
 use crate::sampling::{SamplingParams, TokenLogprobs};
 use crate::state_layer;
+use kvconnect_api::connector_metrics;
 use kvconnect_api::{
-    AttentionKind, BlockId, BlocksPerGroup, EffectiveLayout, FailurePolicy, KvEvent, KvRegion, MatchResult,
-    MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, TierTokens, WorkerConnector,
+    AttentionKind, BlockId, BlocksPerGroup, ConnectorMetric, EffectiveLayout, FailurePolicy, KvEvent,
+    KvRegion, MatchResult, MemoryKind, ModelSpec, Request, RequestId, SchedulerConnector, TierTokens,
+    WorkerConnector,
 };
 use serde_json::{Map, Value};
 use std::collections::{BTreeMap, BTreeSet};
@@ -341,6 +343,15 @@ impl Engine {
             );
         }
         Ok(out)
+    }
+
+    /// What the connector counts for `/metrics`: its scheduler half's samples and its worker
+    /// half's, merged; none without a connector.
+    pub fn connector_metrics(&mut self) -> Result<Vec<ConnectorMetric>, EngineError> {
+        let Some((s, w)) = self.connector.as_mut() else {
+            return Ok(Vec::new());
+        };
+        connector_metrics::of_connector(s.as_mut(), w.as_mut()).map_err(conn_err("metrics"))
     }
 
     /// Turns the prefix cache on (vLLM's `--enable-prefix-caching`): full prompt blocks of

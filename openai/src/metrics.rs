@@ -14,6 +14,8 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
+use std::borrow::Cow;
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -57,13 +59,13 @@ impl PromptSources {
 #[derive(Debug, Clone)]
 pub struct Sample {
     /// Family name (counters without `_total`: it is added).
-    pub name: &'static str,
+    pub name: Cow<'static, str>,
     /// Help text.
-    pub help: &'static str,
+    pub help: Cow<'static, str>,
     /// Counter or gauge.
     pub counter: bool,
     /// Labels.
-    pub labels: Labels,
+    pub labels: Vec<(Cow<'static, str>, String)>,
     /// The value.
     pub value: u64,
 }
@@ -71,18 +73,30 @@ pub struct Sample {
 impl Sample {
     /// A gauge.
     pub fn gauge(name: &'static str, help: &'static str, value: u64) -> Sample {
-        Sample { name, help, counter: false, labels: Vec::new(), value }
+        Sample { name: name.into(), help: help.into(), counter: false, labels: Vec::new(), value }
     }
 
     /// A counter.
     pub fn counter(name: &'static str, help: &'static str, value: u64) -> Sample {
-        Sample { name, help, counter: true, labels: Vec::new(), value }
+        Sample { name: name.into(), help: help.into(), counter: true, labels: Vec::new(), value }
     }
 
     /// With labels.
     pub fn with(mut self, labels: Labels) -> Sample {
-        self.labels = labels;
+        self.labels = labels.into_iter().map(|(k, v)| (k.into(), v)).collect();
         self
+    }
+
+    /// A sample whose name, help and labels are made at run time (what a connector reports).
+    pub fn owned(
+        name: String,
+        help: String,
+        counter: bool,
+        labels: Vec<(String, String)>,
+        value: u64,
+    ) -> Sample {
+        let labels = labels.into_iter().map(|(k, v)| (k.into(), v)).collect();
+        Sample { name: name.into(), help: help.into(), counter, labels, value }
     }
 }
 
@@ -95,14 +109,20 @@ struct Scraped {
 impl Collector for Scraped {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let samples = self.samples.lock().map(|s| s.clone()).unwrap_or_default();
-        let mut names: Vec<&'static str> = samples.iter().map(|s| s.name).collect();
-        names.dedup();
+        // One family per name, in the order names first appear, whatever order the samples
+        // came in; a family's kind and help are its first sample's.
+        let mut names: Vec<&str> = Vec::new();
+        for s in &samples {
+            if !names.contains(&s.name.as_ref()) {
+                names.push(&s.name);
+            }
+        }
         for name in names {
             let of: Vec<&Sample> = samples.iter().filter(|s| s.name == name).collect();
-            let (help, counter) = (of[0].help, of[0].counter);
+            let (help, counter) = (&of[0].help, of[0].counter);
             let kind = if counter { MetricType::Counter } else { MetricType::Gauge };
             let mut m = encoder.encode_descriptor(name, help, None, kind)?;
-            for s in of {
+            for s in of.into_iter().filter(|s| s.counter == counter) {
                 let e = m.encode_family(&s.labels)?;
                 if counter {
                     ConstCounter::new(s.value).encode(e)?;
@@ -119,6 +139,8 @@ impl Collector for Scraped {
 #[derive(Debug)]
 pub struct ServerMetrics {
     registry: Registry,
+    /// The names of the families registered above (not the scraped ones).
+    own: HashSet<String>,
     scraped: Arc<Scraped>,
     http: Family<Labels, Counter>,
     ttft: Histogram,
@@ -145,6 +167,7 @@ impl ServerMetrics {
         let mut r = Registry::default();
         let m = ServerMetrics {
             registry: Registry::default(),
+            own: HashSet::new(),
             scraped: Arc::new(Scraped::default()),
             http: Family::default(),
             ttft: seconds(),
@@ -230,8 +253,13 @@ impl ServerMetrics {
             "Requests ended before their end because their client disconnected (their blocks freed then)",
             m.cancelled.clone(),
         );
+        // The families above, by the names the text shows, before the scraped ones join them.
+        let mut text = String::new();
+        let _ = prometheus_client::encoding::prometheus_text::encode(&mut text, &r);
+        let own = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).map(String::from);
+        let own = own.collect();
         r.register_collector(Box::new(m.scraped.clone()));
-        ServerMetrics { registry: r, ..m }
+        ServerMetrics { registry: r, own, ..m }
     }
 }
 
@@ -327,6 +355,13 @@ fn refusal_fields(reason: &str) -> Vec<String> {
         out.push("unknown".into());
     }
     out
+}
+
+/// Whether `name` is one of the server's own families, whose samples it counts itself: a
+/// scraped sample of that name would show the family twice.
+pub fn is_own_family(name: &str) -> bool {
+    let own = &get().own;
+    own.contains(name) || own.contains(&format!("{name}_total"))
 }
 
 /// Prometheus text of every metric, with `scraped` as the values read now.

@@ -1,6 +1,7 @@
 //! What kvconnect's connectors, engine, host and benchmarks share beyond the contract: the
 //! effects and helpers that `kvconnect-api` leaves out.
 //!
+//! - [`cache_metrics`]: the metric families every cache connector reports alike.
 //! - [`stats`]: the benchmarks' method (interleaved baseline/subject pairs, quartiles) and the
 //!   machine a figure was measured on (cores, load average from `/proc/loadavg`).
 //! - [`host_buffer`]: host memory for bulk copies, zeroed anonymous mappings on transparent
@@ -13,6 +14,7 @@
 //! in `kvconnect-api`, which this crate depends on and which never depends on it; a plugin
 //! needs only that.
 
+pub mod cache_metrics;
 pub mod frame;
 pub mod host_buffer;
 pub mod peer_slots;

@@ -122,7 +122,7 @@ fn the_guide_plugin_builds_loads_and_bounds_checks_its_kv_memory() {
     assert_eq!(field("name"), "mine");
     assert_eq!(field("version"), "0.1.0");
     assert_eq!(field("origin"), "dynamic");
-    assert!(field("abi").starts_with("1.2"), "{inspect}");
+    assert!(field("abi").starts_with("1.3"), "{inspect}");
     assert_eq!(field("memory_kinds"), "host");
     assert_eq!(field("transfer_mode"), "none");
 

@@ -85,13 +85,13 @@ fn struct_too_short_for_a_call_the_host_makes() {
     let line = refuse(&lib("short_vtable"));
     assert!(line.contains("its worker vtable is"), "{line}");
     assert!(line.contains("this host calls entries up to byte"), "{line}");
-    assert!(line.contains("plugin built for ABI 1.2"), "{line}");
+    assert!(line.contains("plugin built for ABI 1.3"), "{line}");
 }
 
 #[test]
 fn struct_too_short_for_the_minor_the_plugin_declares() {
     let line = refuse(&lib("minor_without_entry"));
-    assert!(line.contains("declares ABI 1.2 but its factory vtable is"), "{line}");
+    assert!(line.contains("declares ABI 1.3 but its factory vtable is"), "{line}");
     assert!(line.contains("so it was built from mismatched definitions"), "{line}");
     assert!(line.contains("rebuild it against kvconnect-api"), "{line}");
 }

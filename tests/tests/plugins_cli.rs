@@ -27,7 +27,16 @@ fn list_shows_builtins_and_plugins_and_one_line_per_refused_plugin() {
         "{stdout}"
     );
     let row = stdout.lines().find(|l| l.starts_with("example ")).unwrap_or_else(|| panic!("{stdout}"));
-    assert!(row.contains("dynamic") && row.contains("1.2") && row.contains("libexample.so"), "{row}");
+    assert!(
+        row.contains("dynamic")
+            && row.contains(&format!(
+                " {}.{} ",
+                kvconnect_api::abi::ABI_MAJOR,
+                kvconnect_api::abi::ABI_MINOR
+            ))
+            && row.contains("libexample.so"),
+        "{row}"
+    );
     assert!(row.contains("hma=no") && row.contains("mode=none"), "{row}");
     for b in ["nixl", "lmcache", "flexkv", "pd"] {
         assert!(
@@ -58,7 +67,7 @@ fn list_shows_builtins_and_plugins_and_one_line_per_refused_plugin() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let ex = v["connectors"].as_array().unwrap().iter().find(|c| c["name"] == "example").unwrap();
     assert_eq!(ex["origin"], "dynamic");
-    assert_eq!(ex["abi"], "1.2");
+    assert_eq!(ex["abi"], "1.3");
     assert_eq!(ex["sdk_version"], kvconnect_api::abi::SDK_VERSION);
     assert!(ex["summary"].as_str().unwrap().starts_with("hma=no"));
     assert!(ex["capabilities_error"].is_null());

@@ -25,7 +25,7 @@ fn example_plugin_stores_and_loads_blocks_through_the_c_abi() {
     let e = r.find("example").unwrap();
     assert_eq!(e.origin, Origin::Dynamic);
     assert_eq!(e.path.as_deref(), Some(lib.as_path()));
-    assert_eq!(e.abi.as_deref(), Some("1.2"));
+    assert_eq!(e.abi.as_deref(), Some("1.3"));
     store_then_load(e.factory.as_ref(), tempfile::tempdir().unwrap().path());
 }
 

@@ -6,6 +6,7 @@ use crate::caps::{Capabilities, LayoutConstraint, MemoryKind, TransferMode};
 use crate::connector::{
     BlocksPerGroup, ConnectorContext, ConnectorInfo, FinishedTransfers, MatchResult, Request, RequestFinished,
 };
+use crate::connector_metrics::ConnectorMetric;
 use crate::error::ConnectorError;
 use crate::ids::{BlockId, LayerId, RequestId};
 use crate::layout::{EffectiveLayout, KvGroup, KvLayout};
@@ -188,6 +189,14 @@ pub fn json_values() -> Vec<JsonValue> {
                 load, reported once) may be absent",
             example: json(&finished),
         },
+        JsonValue {
+            rust_type: "Vec<ConnectorMetric>",
+            used_by: "metrics (*out; scheduler and worker)",
+            rules: "kind \"counter\" or \"gauge\"; a counter's name without _total (the host adds it); \
+                labels may be absent; the host adds up equal samples of the two halves and the ranks",
+            example: json(&vec![ConnectorMetric::counter("my_plugin_hits", "Blocks found on disk.", 3)
+                .label("tier", "disk")]),
+        },
     ]
 }
 
@@ -229,6 +238,9 @@ mod tests {
         serde_json::from_str::<RequestFinished>(ex("RequestFinished")).unwrap();
         serde_json::from_str::<Vec<KvRegionSpec>>(ex("Vec<KvRegionSpec>")).unwrap();
         serde_json::from_str::<FinishedTransfers>(ex("FinishedTransfers")).unwrap();
+        for m in serde_json::from_str::<Vec<ConnectorMetric>>(ex("Vec<ConnectorMetric>")).unwrap() {
+            m.check().unwrap();
+        }
         serde_json::from_str::<KvTransferConfig>(ex("KvTransferConfig")).unwrap();
         assert!(v.iter().all(|j| !j.example.is_empty() && !j.example.contains("*/")));
     }

@@ -60,9 +60,10 @@ pub const ABI_MAGIC: u64 = u64::from_le_bytes(*b"KVCONNEC");
 /// Breaking changes bump the major; a host refuses a plugin of another major.
 pub const ABI_MAJOR: u16 = 1;
 /// Additions (entries appended to a vtable) bump the minor; a host accepts a newer minor.
-/// 1.1 appended `FactoryVTable::child_capabilities`; 1.2 `SchedulerVTable::take_kv_events`.
+/// 1.1 appended `FactoryVTable::child_capabilities`; 1.2 `SchedulerVTable::take_kv_events`;
+/// 1.3 `SchedulerVTable::metrics` and `WorkerVTable::metrics`.
 #[cfg(not(feature = "abi_1_0"))]
-pub const ABI_MINOR: u16 = 2;
+pub const ABI_MINOR: u16 = 3;
 /// The minor as 1.0 defined the ABI (the test-only `abi_1_0` feature: see Cargo.toml).
 #[cfg(feature = "abi_1_0")]
 pub const ABI_MINOR: u16 = 0;
@@ -137,20 +138,31 @@ mod tests {
         assert_eq!(MIN_SCHEDULER_VTABLE_SIZE, offset_of!(SchedulerVTable, take_kv_events));
         #[cfg(feature = "abi_1_0")]
         assert_eq!(MIN_SCHEDULER_VTABLE_SIZE, size_of::<SchedulerVTable>());
+        // 1.3 appended the worker's `metrics`.
+        #[cfg(not(feature = "abi_1_0"))]
+        assert_eq!(MIN_WORKER_VTABLE_SIZE, offset_of!(WorkerVTable, metrics));
+        #[cfg(feature = "abi_1_0")]
         assert_eq!(MIN_WORKER_VTABLE_SIZE, size_of::<WorkerVTable>());
         assert_eq!(MIN_HOST_API_SIZE, size_of::<HostApi>());
     }
 
     #[test]
     fn minimum_sizes_per_minor_end_at_that_minors_last_entry() {
-        for minor in 0..=ABI_MINOR + 1 {
-            assert_eq!(WorkerVTable::min_size_for_minor(minor), size_of::<WorkerVTable>());
-        }
-        // 1.2's `take_kv_events` is the scheduler's last entry: a plugin before 1.2 exports the
-        // vtable up to it, a 1.2 plugin (or a newer one) the whole struct this host knows.
+        // 1.3's `metrics` is the worker's last entry: a plugin before 1.3 exports the vtable
+        // up to it, a 1.3 plugin (or a newer one) the whole struct this host knows.
         #[cfg(not(feature = "abi_1_0"))]
         for minor in 0..=ABI_MINOR + 1 {
-            let want = if minor >= 2 { size_of::<SchedulerVTable>() } else { MIN_SCHEDULER_VTABLE_SIZE };
+            let want = if minor >= 3 { size_of::<WorkerVTable>() } else { MIN_WORKER_VTABLE_SIZE };
+            assert_eq!(WorkerVTable::min_size_for_minor(minor), want, "minor {minor}");
+        }
+        // 1.2 appended the scheduler's `take_kv_events`, 1.3 its `metrics`, the last entry.
+        #[cfg(not(feature = "abi_1_0"))]
+        for minor in 0..=ABI_MINOR + 1 {
+            let want = match minor {
+                0 | 1 => MIN_SCHEDULER_VTABLE_SIZE,
+                2 => offset_of!(SchedulerVTable, metrics),
+                _ => size_of::<SchedulerVTable>(),
+            };
             assert_eq!(SchedulerVTable::min_size_for_minor(minor), want, "minor {minor}");
         }
         assert_eq!(FactoryVTable::min_size_for_minor(0), MIN_FACTORY_VTABLE_SIZE);

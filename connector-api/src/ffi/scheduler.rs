@@ -12,7 +12,7 @@ use super::vtables::{free_exported, EntryInfo, Err, Out, This};
 use super::*;
 use crate::kv_events::KvEventBefore;
 use crate::{BlocksPerGroup, Request, StepInfo};
-use crate::{ConnectorResult, KvEvent, MatchResult, RequestFinished, SchedulerConnector};
+use crate::{ConnectorMetric, ConnectorResult, KvEvent, MatchResult, RequestFinished, SchedulerConnector};
 use core::mem::{offset_of, size_of};
 use std::sync::Arc;
 
@@ -44,6 +44,11 @@ vtable! {
         #[since(1, 2)] #[cfg(not(feature = "abi_1_0"))]
         take_kv_events() -> json(Vec<KvEvent>), else "the host calls `take_events`",
             by scheduler_take_kv_events;
+        /// `*out` = JSON `Vec<ConnectorMetric>`: what the connector counts for the host's
+        /// `/metrics` (a list of {name, help, kind: "counter"|"gauge", labels: [[name, value]],
+        /// value}).
+        #[since(1, 3)] #[cfg(not(feature = "abi_1_0"))]
+        metrics() -> json(Vec<ConnectorMetric>), else "the connector reports no metrics" => Ok(Vec::new());
     }
     by hand {
         fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {

@@ -11,7 +11,7 @@ use super::shim::*;
 use super::vtables::{free_exported, EntryInfo, Err, Out, This};
 use super::*;
 use crate::{BlockId, KvRegion, LayerId, RequestId};
-use crate::{ConnectorResult, FinishedTransfers, WorkerConnector};
+use crate::{ConnectorMetric, ConnectorResult, FinishedTransfers, WorkerConnector};
 use core::mem::{offset_of, size_of};
 use std::sync::Arc;
 
@@ -46,7 +46,11 @@ vtable! {
         /// Releases everything (the handle stays valid until `free`).
         shutdown();
     }
-    optional {}
+    optional {
+        /// `*out` = JSON `Vec<ConnectorMetric>`, as the scheduler's `metrics`.
+        #[since(1, 3)] #[cfg(not(feature = "abi_1_0"))]
+        metrics() -> json(Vec<ConnectorMetric>), else "the connector reports no metrics" => Ok(Vec::new());
+    }
     by hand {}
 }
 

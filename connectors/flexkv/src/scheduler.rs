@@ -18,9 +18,10 @@ use crate::hash::block_hashes;
 use crate::meta::{FlexkvMeta, LoadOp, SaveOp};
 use crate::token_book::TokenBook;
 use kvconnect_api::{
-    BlockId, BlocksPerGroup, ConnectorError, ConnectorResult, KvEvent, MatchResult, Request, RequestFinished,
-    RequestId, SchedulerConnector, StepInfo,
+    BlockId, BlocksPerGroup, ConnectorError, ConnectorMetric, ConnectorResult, KvEvent, MatchResult, Request,
+    RequestFinished, RequestId, SchedulerConnector, StepInfo,
 };
+use kvconnect_support::cache_metrics;
 use std::collections::HashMap;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -247,6 +248,17 @@ impl SchedulerConnector for FlexkvScheduler {
         let mut events = self.engine.cache.take_events();
         self.book.fill(&mut events);
         Ok(events)
+    }
+
+    fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
+        let (s, block) = (self.engine.cache.stats(), self.engine.cache.slot_bytes() as u64);
+        let tiers = [("cpu", s.cpu_hits), ("ssd", s.ssd_hits)];
+        let mut out: Vec<ConnectorMetric> =
+            tiers.iter().map(|&(tier, n)| cache_metrics::hits(NAME, tier, n)).collect();
+        out.extend(tiers.iter().map(|&(tier, n)| cache_metrics::loaded_bytes(NAME, tier, n * block)));
+        let restored = (s.cpu_hits + s.ssd_hits) * block;
+        out.extend(cache_metrics::offload(s.stored * block, restored));
+        Ok(out)
     }
 
     fn reset_cache(&mut self) -> ConnectorResult<bool> {

@@ -6,8 +6,8 @@ use crate::key::{chunk_keys, ChunkRef, Namespace};
 use crate::meta::{LoadSpec, SaveSpec, StepMeta};
 use crate::store::ChunkStore;
 use kvconnect_api::{
-    BlockId, BlocksPerGroup, ConnectorError, ConnectorResult, KvEvent, MatchResult, Request, RequestFinished,
-    RequestId, SchedulerConnector, StepInfo,
+    BlockId, BlocksPerGroup, ConnectorError, ConnectorMetric, ConnectorResult, KvEvent, MatchResult, Request,
+    RequestFinished, RequestId, SchedulerConnector, StepInfo,
 };
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -204,6 +204,10 @@ impl SchedulerConnector for LmcacheScheduler {
 
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
         Ok(self.store.take_events())
+    }
+
+    fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
+        Ok(crate::stats::metrics(&self.store.stats()))
     }
 
     fn reset_cache(&mut self) -> ConnectorResult<bool> {

@@ -1,6 +1,8 @@
 //! Counters of one store, kept as atomics on the hot path and read as a serde snapshot
 //! (`kvconnect_lmcache::stats(engine_id)`) for metrics and reports.
 
+use kvconnect_api::ConnectorMetric;
+use kvconnect_support::cache_metrics;
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -170,4 +172,35 @@ impl Counters {
             pinned_fallback_chunks: get(&self.pinned_fallback_chunks),
         }
     }
+}
+
+/// What the store counts as the host's `/metrics` shows it: hits, bytes loaded per tier,
+/// misses, the remote tier's other outcomes, and the bytes offloaded and restored.
+pub fn metrics(s: &LmcacheStats) -> Vec<ConnectorMetric> {
+    const REMOTE: &str =
+        "lmcache remote tier (remote_url) outcomes other than hits: miss (not there, or the \
+        remote could not answer), error (a failed lookup or read), skipped (not tried during the back-off \
+        after a failure), corrupt (failed its checksum; never loaded), write_error, write_dropped.";
+    let tiers = [("cpu", &s.cpu), ("disk", &s.disk), ("remote", &s.remote)];
+    let mut out: Vec<ConnectorMetric> =
+        tiers.iter().map(|(tier, t)| cache_metrics::hits("lmcache", tier, t.hits)).collect();
+    out.push(cache_metrics::misses("lmcache", s.misses));
+    for (outcome, v) in [
+        ("miss", s.remote_misses),
+        ("error", s.remote_errors),
+        ("skipped", s.remote_skipped),
+        ("corrupt", s.remote_corrupt),
+        ("write_error", s.remote_write_errors),
+        ("write_dropped", s.remote_write_drops),
+    ] {
+        out.push(
+            ConnectorMetric::counter("kvconnect_cache_remote_outcomes", REMOTE, v)
+                .label("connector", "lmcache")
+                .label("outcome", outcome),
+        );
+    }
+    out.extend(tiers.iter().map(|(tier, t)| cache_metrics::loaded_bytes("lmcache", tier, t.bytes_loaded)));
+    let restored = tiers.iter().map(|(_, t)| t.bytes_loaded).sum();
+    out.extend(cache_metrics::offload(s.cpu.bytes_stored, restored));
+    out
 }

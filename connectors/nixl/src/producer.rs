@@ -8,17 +8,18 @@
 //! `check` and `read` is refused (counted as `lease_cap`), and each read in flight has a
 //! whole deadline bounded by the request's bytes, so no consumer keeps blocks past the cap
 //! plus one read. A request ends with the consumer's `done` (once no read of it is in
-//! flight) or, when the consumer never comes (killed decode, lost client), at expiry. Both end in `finished_sending`, after which the host frees the
-//! blocks. A peer that fails the challenge, names a wrong capability, sends an oversized,
-//! malformed or dripping frame, or comes past the connection cap is refused, counted by
-//! reason ([`refusals`]) and logged; others keep being served.
+//! flight) or, when the consumer never comes (killed decode, lost client), at expiry. Both
+//! end in `finished_sending`, after which the host frees the blocks. A peer that fails the
+//! challenge, names a wrong capability, sends an oversized, malformed or dripping frame, or
+//! comes past the connection cap is refused, counted by reason ([`Producer::refusals`], and
+//! the worker's `metrics` for the host's `/metrics`) and logged; others keep being served.
 
 use crate::wire::{
     read_frame_within, write_frame, ClientMsg, DeadlineWriter, FrameError, ServerMsg, WireRun, CHANNEL,
 };
 use kvconnect_api::geometry::{GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::{BlockId, BlocksPerGroup, LayerId, RequestId};
+use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorMetric, LayerId, RequestId};
 use kvconnect_dataplane::auth::{self, Secret, Side};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufReader, IoSlice, Write};
@@ -134,17 +135,6 @@ impl Refusals {
     pub fn snapshot(&self) -> Vec<(&'static str, u64)> {
         Refusal::ALL.iter().zip(&self.0).map(|(r, n)| (r.name(), n.load(Ordering::Relaxed))).collect()
     }
-}
-
-fn registry() -> &'static Mutex<HashMap<String, Arc<Refusals>>> {
-    static R: std::sync::OnceLock<Mutex<HashMap<String, Arc<Refusals>>>> = std::sync::OnceLock::new();
-    R.get_or_init(Mutex::default)
-}
-
-/// The refusals of this process's producer for `engine_id` (read by the host's /metrics),
-/// `None` when it runs none.
-pub fn refusals(engine_id: &str) -> Option<Vec<(&'static str, u64)>> {
-    registry().lock().unwrap_or_else(|p| p.into_inner()).get(engine_id).map(|r| r.snapshot())
 }
 
 /// Why a request's blocks are no longer held.
@@ -444,7 +434,6 @@ impl Producer {
             ));
         }
         let refusals = Arc::new(Refusals::default());
-        registry().lock().unwrap_or_else(|p| p.into_inner()).insert(cfg.engine_id.clone(), refusals.clone());
         let shared = Arc::new(Shared {
             mem,
             cfg,
@@ -471,6 +460,20 @@ impl Producer {
     /// The listener's refusals by reason.
     pub fn refusals(&self) -> Vec<(&'static str, u64)> {
         self.shared.refusals.snapshot()
+    }
+
+    /// The listener's refusals as the host's `/metrics` shows them: one
+    /// `kvconnect_data_plane_refused` sample per reason, labelled `listener="producer"`.
+    pub fn metrics(&self) -> Vec<ConnectorMetric> {
+        const HELP: &str = "Peers the data plane refused, by listener and reason.";
+        self.refusals()
+            .into_iter()
+            .map(|(reason, v)| {
+                ConnectorMetric::counter("kvconnect_data_plane_refused", HELP, v)
+                    .label("listener", "producer")
+                    .label("reason", reason)
+            })
+            .collect()
     }
 
     /// Keeps `blocks` of `request` for a consumer that names `capability`, under a fresh lease.

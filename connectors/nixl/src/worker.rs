@@ -16,8 +16,8 @@ use crate::puller::{PullConfig, PullStats, Puller};
 use crate::transport::{Backend, Setup, Transport};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
-    BlockId, ConnectorContext, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, KvRole, LayerId,
-    RequestId, WorkerConnector,
+    BlockId, ConnectorContext, ConnectorError, ConnectorMetric, ConnectorResult, FinishedTransfers, KvRegion,
+    KvRole, LayerId, RequestId, WorkerConnector,
 };
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -553,6 +553,10 @@ impl WorkerConnector for NixlWorker {
         self.transport = None;
         self.mem = None;
         Ok(())
+    }
+
+    fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
+        Ok(self.producer.as_ref().map(Producer::metrics).unwrap_or_default())
     }
 }
 

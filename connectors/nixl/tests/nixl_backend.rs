@@ -262,15 +262,16 @@ fn a_done_notification_without_the_requests_capability_frees_nothing() {
     for note in ["kvc-done guarded".to_owned(), format!("kvc-done guarded {}", "0".repeat(32))] {
         rogue.notify(&remote, note.as_bytes()).unwrap();
     }
-    let bad_capability = || {
-        kvconnect_nixl::producer::refusals("prefill-0")
-            .unwrap_or_default()
+    let bad_capability = |p: &mut Engine| {
+        p.worker
+            .metrics()
+            .unwrap()
             .into_iter()
-            .find(|(r, _)| *r == "bad_capability")
-            .map_or(0, |(_, n)| n)
+            .find(|m| m.labels.contains(&("reason".to_owned(), "bad_capability".to_owned())))
+            .map_or(0, |m| m.value)
     };
     let t0 = Instant::now();
-    while bad_capability() < 2 {
+    while bad_capability(&mut p) < 2 {
         let f = p.worker.get_finished(&[]).unwrap();
         assert!(
             f.finished_sending.is_empty(),

@@ -578,9 +578,15 @@ fn producer_with(id: &str, more: Value) -> Engine {
     engine(KvRole::Producer, id, KvLayout::HND, 4, extra, None)
 }
 
-fn refused(engine: &str, reason: &str) -> u64 {
-    let all = kvconnect_nixl::producer::refusals(engine).unwrap();
-    all.iter().find(|(r, _)| *r == reason).map(|(_, n)| *n).unwrap()
+/// What the producer's worker reports for the host's /metrics as refused for `reason`.
+fn refused(p: &mut Engine, reason: &str) -> u64 {
+    let all = p.worker.metrics().unwrap();
+    let of = |m: &&kvconnect_api::ConnectorMetric| {
+        m.name == "kvconnect_data_plane_refused"
+            && m.labels.contains(&("listener".to_owned(), "producer".to_owned()))
+            && m.labels.contains(&("reason".to_owned(), reason.to_owned()))
+    };
+    all.iter().find(of).map(|m| m.value).unwrap()
 }
 
 fn is_error(m: &ServerMsg, needle: &str) -> bool {
@@ -607,7 +613,7 @@ fn peers_without_the_secret_are_refused_counted_and_read_nothing() {
         let e = authenticate_client(&mut c, wrong.as_ref(), 1 << 20).unwrap_err().to_string();
         assert!(e.contains("proof of the data-plane secret is wrong"), "{e}");
     }
-    assert_eq!(refused("prefill-auth", "unauthenticated"), 3);
+    assert_eq!(refused(&mut p, "unauthenticated"), 3);
     // The request is still held: the right secret and capability read it.
     let good = Secret::from_text(SECRET, "test").unwrap();
     let mut c = authed(&addr, Some(&good));
@@ -669,7 +675,7 @@ fn a_wrong_or_replayed_capability_neither_reads_nor_frees() {
             assert!(is_error(&a, "transfer capability does not match"), "{m:?}: {a:?}");
         }
     }
-    assert_eq!(refused("prefill-cap", "bad_capability"), 12);
+    assert_eq!(refused(&mut p, "bad_capability"), 12);
     assert!(p.worker.get_finished(&[]).unwrap().finished_sending.is_empty(), "nothing freed");
     // The victim's own consumer still gets its blocks.
     let mut d = consumer("tcp", KvLayout::HND, 4);
@@ -714,7 +720,7 @@ fn only_backend_tcp_serves_reads() {
     let m = check(&mut c, vec![vec![1], vec![2]]);
     assert!(is_error(&m, "holds blocks in 1 KV cache group(s), but the check names 2"), "{m:?}");
     assert_eq!(check(&mut c, vec![vec![1, 2, 3]]), ServerMsg::Ok);
-    assert_eq!(refused("prefill-noread", "read_not_served"), 1);
+    assert_eq!(refused(&mut p, "read_not_served"), 1);
 }
 
 #[test]
@@ -776,7 +782,7 @@ fn connections_past_the_cap_and_dripped_frames_are_refused() {
     c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let m: ServerMsg = read_frame(&mut c, 1 << 20).unwrap();
     assert!(is_error(&m, "at most 2 connections"), "{m:?}");
-    assert_eq!(refused("prefill-flood", "too_many_connections"), 1);
+    assert_eq!(refused(&mut p, "too_many_connections"), 1);
     drop((a, b));
     std::thread::sleep(Duration::from_millis(200));
     // A frame dripped a byte at a time loses its connection after the 1 s frame deadline,
@@ -801,7 +807,7 @@ fn connections_past_the_cap_and_dripped_frames_are_refused() {
     cut = cut || d.read(&mut buf).unwrap_or(0) == 0;
     assert!(cut, "the connection was closed");
     assert!(t0.elapsed() < Duration::from_secs(8));
-    assert_eq!(refused("prefill-flood", "timeout"), 1);
+    assert_eq!(refused(&mut p, "timeout"), 1);
     // And a normal consumer is served afterwards.
     let mut dd = consumer("tcp", KvLayout::HND, 4);
     handshake_as(&mut p, &mut dd, "prefill-flood");
@@ -879,7 +885,7 @@ fn overlapping_reads_cannot_hold_blocks_past_the_lease_cap() {
     let refused_at = refused_at.expect("reads past the lease cap were refused");
     assert!(refused_at >= Duration::from_millis(800), "not before the cap: {refused_at:?}");
     let freed = freed.expect("the blocks were freed although reads kept overlapping");
-    assert!(refused("prefill-overlap", "lease_cap") >= 1);
+    assert!(refused(&mut p, "lease_cap") >= 1);
     // Not while the last read was in flight: it ran until its whole deadline cut it.
     assert!(freed >= last_read + io_timeout - Duration::from_millis(100), "freed under a read");
     assert!(freed - t0 < Duration::from_secs(3), "freed {:?} after the first read", freed - t0);
@@ -986,7 +992,7 @@ fn a_load_after_idle_connections_were_closed_is_served(backend: &str, tag: &str,
         // Well past the idle timeout: the producer has closed decode's connections.
         std::thread::sleep(Duration::from_millis(900));
     }
-    assert_eq!(refused(&id, "timeout"), 0, "{backend}: an idle connection closed is no refusal");
+    assert_eq!(refused(&mut p, "timeout"), 0, "{backend}: an idle connection closed is no refusal");
 }
 
 #[test]

@@ -160,3 +160,25 @@ impl From<PdError> for ConnectorError {
         }
     }
 }
+
+/// A child's error, named by the child.
+pub(crate) fn child_err(name: &str, e: kvconnect_api::ConnectorError) -> kvconnect_api::ConnectorError {
+    PdError::Child { child: name.to_owned(), source: e }.into()
+}
+
+/// The children's metrics, merged ([`kvconnect_api::ConnectorMetric::merge`]). A child that
+/// cannot answer is left out with a warning, so that one child's error hides no other's counts.
+pub(crate) fn merged_metrics<'a>(
+    answers: impl IntoIterator<
+        Item = (&'a str, kvconnect_api::ConnectorResult<Vec<kvconnect_api::ConnectorMetric>>),
+    >,
+) -> Vec<kvconnect_api::ConnectorMetric> {
+    let mut out = Vec::new();
+    for (name, answer) in answers {
+        match answer {
+            Ok(m) => kvconnect_api::ConnectorMetric::merge(&mut out, m),
+            Err(e) => tracing::warn!("{}; the other children's metrics are shown", child_err(name, e)),
+        }
+    }
+    out
+}

@@ -2,12 +2,12 @@
 //! that provides the tokens, one metadata envelope per step, merged finish answers.
 
 use crate::config::LookupMode;
-use crate::error::PdError;
+use crate::error::{child_err, merged_metrics, PdError};
 use crate::meta::{MetaEnvelope, MetaPart, META_VERSION};
 use kvconnect_api::kv_events_merge::EventMerger;
 use kvconnect_api::{
-    BlocksPerGroup, ConnectorResult, KvEvent, MatchResult, Request, RequestFinished, RequestId,
-    SchedulerConnector, StepInfo,
+    BlocksPerGroup, ConnectorMetric, ConnectorResult, KvEvent, MatchResult, Request, RequestFinished,
+    RequestId, SchedulerConnector, StepInfo,
 };
 use std::collections::{BTreeMap, HashMap};
 
@@ -45,10 +45,6 @@ impl PdScheduler {
     fn names(&self) -> Vec<String> {
         self.children.iter().map(|(n, _)| n.clone()).collect()
     }
-}
-
-fn child_err(name: &str, e: kvconnect_api::ConnectorError) -> kvconnect_api::ConnectorError {
-    PdError::Child { child: name.to_owned(), source: e }.into()
 }
 
 impl SchedulerConnector for PdScheduler {
@@ -216,6 +212,10 @@ impl SchedulerConnector for PdScheduler {
             }
             None => Ok(out),
         }
+    }
+
+    fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
+        Ok(merged_metrics(self.children.iter_mut().map(|(name, c)| (name.as_str(), c.metrics()))))
     }
 
     fn reset_cache(&mut self) -> ConnectorResult<bool> {

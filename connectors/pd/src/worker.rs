@@ -2,10 +2,10 @@
 //! transfers are aggregated so a request is reported once, when every child involved is
 //! done.
 
-use crate::error::PdError;
+use crate::error::{child_err, merged_metrics, PdError};
 use crate::meta::MetaEnvelope;
 use kvconnect_api::{
-    BlockId, ConnectorError, ConnectorResult, FinishedTransfers, KvRegion, LayerId, RequestId,
+    BlockId, ConnectorMetric, ConnectorResult, FinishedTransfers, KvRegion, LayerId, RequestId,
     WorkerConnector,
 };
 use std::collections::{BTreeSet, HashMap};
@@ -59,10 +59,6 @@ impl PdWorker {
         }
         Ok(())
     }
-}
-
-fn child_err(name: &str, e: ConnectorError) -> ConnectorError {
-    PdError::Child { child: name.to_owned(), source: e }.into()
 }
 
 fn push_unique(v: &mut Vec<RequestId>, r: RequestId) {
@@ -239,6 +235,10 @@ impl WorkerConnector for PdWorker {
             }
         }
         Ok(())
+    }
+
+    fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
+        Ok(merged_metrics(self.children.iter_mut().map(|(name, c)| (name.as_str(), c.metrics()))))
     }
 
     fn shutdown(&mut self) -> ConnectorResult<()> {

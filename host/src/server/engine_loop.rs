@@ -1,7 +1,7 @@
 //! The engine's own thread: it steps continuously while there is work and talks to the HTTP
 //! handlers only through a command channel, so no handler ever holds the engine.
 
-use kvconnect_api::{KvEvent, KvEventBatch, TierTokens};
+use kvconnect_api::{ConnectorMetric, KvEvent, KvEventBatch, TierTokens};
 use kvconnect_engine::{Cancel, Engine, FinishReason, GenRequest, RequestOutput, TokenLogprobs};
 use kvconnect_events::ZmqEventPublisher;
 use serde::Serialize;
@@ -83,6 +83,10 @@ pub trait Driver {
     /// KV events since the last call (the engine's prefix cache, the connector's tiers).
     /// None by default: an engine without a cache publishes nothing.
     fn take_kv_events(&mut self) -> Result<Vec<KvEvent>, String> {
+        Ok(Vec::new())
+    }
+    /// What the connector counts for `/metrics`. None by default.
+    fn connector_metrics(&mut self) -> Result<Vec<ConnectorMetric>, String> {
         Ok(Vec::new())
     }
 }
@@ -207,6 +211,10 @@ impl Driver for Engine {
     fn take_kv_events(&mut self) -> Result<Vec<KvEvent>, String> {
         Engine::take_kv_events(self).map_err(|e| e.to_string())
     }
+
+    fn connector_metrics(&mut self) -> Result<Vec<ConnectorMetric>, String> {
+        Engine::connector_metrics(self).map_err(|e| e.to_string())
+    }
 }
 
 /// A finished request.
@@ -244,6 +252,8 @@ pub enum Command {
     SetPeer(Value, oneshot::Sender<Result<(), String>>),
     /// Read the counters.
     Stats(oneshot::Sender<PoolStats>),
+    /// Read what the connector counts.
+    ConnectorMetrics(oneshot::Sender<Result<Vec<ConnectorMetric>, String>>),
     /// Stop: fail what is unfinished, shut the connector down, drop the engine.
     Shutdown,
 }
@@ -288,6 +298,13 @@ impl EngineHandle {
         let (tx, rx) = oneshot::channel();
         self.tx.send(Command::Stats(tx)).map_err(|_| ENGINE_GONE.to_owned())?;
         rx.await.map_err(|_| ENGINE_GONE.to_owned())
+    }
+
+    /// What the connector counts, asked between steps.
+    pub async fn connector_metrics(&self) -> Result<Vec<ConnectorMetric>, String> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.send(Command::ConnectorMetrics(tx)).map_err(|_| ENGINE_GONE.to_owned())?;
+        rx.await.map_err(|_| ENGINE_GONE.to_owned())?
     }
 
     /// Asks the thread to stop.
@@ -476,6 +493,9 @@ fn run<D: Driver>(mut driver: D, rx: mpsc::Receiver<Command>, events: Option<Zmq
                         unhealthy: counters.unhealthy.clone(),
                         ..s
                     });
+                }
+                Command::ConnectorMetrics(reply) => {
+                    let _ = reply.send(driver.connector_metrics());
                 }
                 Command::Shutdown => stop = true,
             }

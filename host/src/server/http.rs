@@ -11,7 +11,7 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use kvconnect_api::{FailurePolicy, Role};
+use kvconnect_api::{FailurePolicy, MetricKind, Role};
 use kvconnect_engine::{FinishReason, GenRequest, SamplingParams};
 use kvconnect_openai::metrics::{self, PromptSources, Sample};
 use serde_json::{json, Map, Value};
@@ -266,14 +266,14 @@ async fn prom(State(st): State<Arc<AppState>>) -> Response {
             sc.dropped,
         ),
     ];
-    now.extend(data_plane_refusals(&st.engine_id, &sc));
-    now.extend(cache_metrics(&st.engine_id));
+    now.extend(side_channel_refusals(&sc));
+    now.extend(connector_samples(&st).await);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], metrics::render(now)).into_response()
 }
 
-/// Peers the data plane refused, by listener and reason: the side channel's, and this
-/// server's nixl producer listener's (when it runs one).
-fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnapshot) -> Vec<Sample> {
+/// Peers the side channel refused, by reason (a connector's own listeners report theirs in
+/// its metrics, in the same family).
+fn side_channel_refusals(sc: &crate::sidechannel::ServerStatsSnapshot) -> Vec<Sample> {
     const HELP: &str = "Peers the data plane refused, by listener (side_channel, producer) and reason: \
         unauthenticated (no valid proof of the deployment's secret; on the side channel, no proof at all), \
         wrong_secret (side channel: a proof that does not verify), bad_capability (a request named with a \
@@ -281,93 +281,40 @@ fn data_plane_refusals(engine_id: &str, sc: &crate::sidechannel::ServerStatsSnap
         whole within its deadline, read or written; a connection idle between frames past idle_timeout is \
         closed without one), too_many_connections, read_not_served (a read to a backend that copies without \
         it), lease_cap (a hold, check or read past kv_lease_max).";
-    let one = |listener: &str, reason: &str, v: u64| {
+    let one = |reason: &str, v: u64| {
         Sample::counter("kvconnect_data_plane_refused", HELP, v)
-            .with(vec![("listener", listener.into()), ("reason", reason.into())])
+            .with(vec![("listener", "side_channel".into()), ("reason", reason.into())])
     };
-    let mut out: Vec<Sample> =
-        sc.refusals().into_iter().map(|(reason, v)| one("side_channel", reason, v)).collect();
-    for (reason, v) in kvconnect_nixl::producer::refusals(engine_id).unwrap_or_default() {
-        out.push(one("producer", reason, v));
-    }
-    out
+    sc.refusals().into_iter().map(|(reason, v)| one(reason, v)).collect()
 }
 
-/// The cache tiers' hits, misses and bytes per direction, read at scrape time from the
-/// process-global stores of this server's engine (the composite passes its engine id to its
-/// children): lmcache's CPU, disk and remote tiers, flexkv's CPU and SSD tiers, and the
-/// remote tier's failures by kind. Empty when this server runs neither.
-fn cache_metrics(engine_id: &str) -> Vec<Sample> {
-    const HITS: &str = "Chunks (lmcache) or blocks (flexkv) a KV load found in a cache tier.";
-    const LOADED: &str = "Bytes read out of a cache tier into the KV cache.";
-    const OFFLOAD: &str = "Bytes moved between the KV cache and the host-memory cache tiers: GPU_to_CPU \
-        saved into a tier, CPU_to_GPU loaded from one (the KV cache may itself be in host memory).";
-    let hit = |connector: &str, tier: &str, v: u64| {
-        Sample::counter("kvconnect_cache_hits", HITS, v)
-            .with(vec![("connector", connector.into()), ("tier", tier.into())])
-    };
-    let loaded = |connector: &str, tier: &str, v: u64| {
-        Sample::counter("kvconnect_cache_loaded_bytes", LOADED, v)
-            .with(vec![("connector", connector.into()), ("tier", tier.into())])
-    };
-    let (mut hits, mut loads, mut misses) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut saved, mut restored) = (0u64, 0u64);
-    let mut remote = Vec::new();
-    if let Some(s) = kvconnect_lmcache::stats(engine_id) {
-        for (tier, t) in [("cpu", &s.cpu), ("disk", &s.disk), ("remote", &s.remote)] {
-            hits.push(hit("lmcache", tier, t.hits));
-            loads.push(loaded("lmcache", tier, t.bytes_loaded));
-            restored += t.bytes_loaded;
+/// What the connector counts (`SchedulerConnector::metrics` and `WorkerConnector::metrics`,
+/// a plugin's through the ABI alike), asked of the engine thread now. A sample the host
+/// cannot show (a bad name, or one of the server's own families) is left out with a
+/// warning, and so is everything when the connector cannot answer: the scrape itself
+/// never fails for it.
+async fn connector_samples(st: &AppState) -> Vec<Sample> {
+    let all = match st.engine.connector_metrics().await {
+        Ok(all) => all,
+        Err(e) => {
+            tracing::warn!("/metrics: the connector's own metrics are left out: {e}");
+            return Vec::new();
         }
-        saved += s.cpu.bytes_stored;
-        misses.push(
-            Sample::counter(
-                "kvconnect_cache_misses",
-                "Chunks a KV load expected but did not find.",
-                s.misses,
-            )
-            .with(vec![("connector", "lmcache".into())]),
-        );
-        const REMOTE: &str =
-            "lmcache remote tier (remote_url) outcomes other than hits: miss (not there, or \
-            the remote could not answer), error (a failed lookup or read), skipped (not tried during the \
-            back-off after a failure), corrupt (failed its checksum; never loaded), write_error, \
-            write_dropped.";
-        for (outcome, v) in [
-            ("miss", s.remote_misses),
-            ("error", s.remote_errors),
-            ("skipped", s.remote_skipped),
-            ("corrupt", s.remote_corrupt),
-            ("write_error", s.remote_write_errors),
-            ("write_dropped", s.remote_write_drops),
-        ] {
-            remote.push(
-                Sample::counter("kvconnect_cache_remote_outcomes", REMOTE, v)
-                    .with(vec![("connector", "lmcache".into()), ("outcome", outcome.into())]),
-            );
-        }
-    }
-    if let Some((s, block)) = kvconnect_flexkv::registry::stats(engine_id) {
-        let block = block as u64;
-        for (tier, n) in [("cpu", s.cpu_hits), ("ssd", s.ssd_hits)] {
-            hits.push(hit("flexkv", tier, n));
-            loads.push(loaded("flexkv", tier, n * block));
-            restored += n * block;
-        }
-        saved += s.stored * block;
-    }
-    if hits.is_empty() {
-        return Vec::new();
-    }
-    let offload = |direction: &str, v: u64| {
-        Sample::counter("vllm:kv_offload_total_bytes", OFFLOAD, v)
-            .with(vec![("transfer_type", direction.into())])
     };
-    let mut out = hits;
-    out.extend(misses);
-    out.extend(remote);
-    out.extend(loads);
-    out.push(offload("GPU_to_CPU", saved));
-    out.push(offload("CPU_to_GPU", restored));
+    let mut out = Vec::with_capacity(all.len());
+    for m in all {
+        let why = match m.check() {
+            Err(e) => e.to_string(),
+            Ok(()) if metrics::is_own_family(&m.name) => {
+                format!("{} is one of the server's own metrics; rename it in the connector", m.name)
+            }
+            Ok(()) => {
+                let counter = m.kind == MetricKind::Counter;
+                out.push(Sample::owned(m.name, m.help, counter, m.labels, m.value));
+                continue;
+            }
+        };
+        tracing::warn!("/metrics: a sample of the connector's is left out: {why}");
+    }
     out
 }

@@ -6,9 +6,10 @@
 //! tokens is ~0.9 GiB) without running that model.
 
 use crate::server::engine_loop::{Driver, PoolStats, StepFailure, SubmitError};
+use kvconnect_api::connector_metrics;
 use kvconnect_api::{
-    BlocksPerGroup, ConnectorError, EffectiveLayout, LayerId, MatchResult, ModelSpec, Request, RequestId,
-    SchedulerConnector, StepInfo, TierTokens, WorkerConnector,
+    BlocksPerGroup, ConnectorError, ConnectorMetric, EffectiveLayout, LayerId, MatchResult, ModelSpec,
+    Request, RequestId, SchedulerConnector, StepInfo, TierTokens, WorkerConnector,
 };
 use kvconnect_engine::{FinishReason, GenRequest, KvPool, RequestOutput};
 use kvconnect_support::host_buffer::HostBuffer;
@@ -424,6 +425,10 @@ impl Driver for TransferEngine {
             pending_frees: self.pending_free.len(),
             ..PoolStats::default()
         }
+    }
+
+    fn connector_metrics(&mut self) -> Result<Vec<ConnectorMetric>, String> {
+        connector_metrics::of_connector(self.conn.0.as_mut(), self.conn.1.as_mut()).map_err(|e| e.to_string())
     }
 
     fn shutdown(&mut self) {

@@ -66,6 +66,20 @@ fn one_cache_through_the_plugin_and_in_process() {
         assert!(errs.is_empty());
         assert!(dynamic.mismatches(&a, &blocks, 0, m).is_empty(), "byte for byte");
         assert_eq!(dynamic.run("b", &b, 0).0, 0);
+        // The plugin's own store, which this process's `kvconnect_lmcache::stats` cannot see,
+        // reports through the ABI's `metrics` entries as the built-in does.
+        let m = dynamic.sched.metrics().unwrap();
+        let disk_hits = m
+            .iter()
+            .find(|m| m.name == "kvconnect_cache_hits" && m.labels.contains(&("tier".into(), "disk".into())))
+            .map(|m| m.value);
+        assert_eq!(disk_hits, Some(2), "{m:?}");
+        assert!(m.iter().all(|m| m.check().is_ok()), "{m:?}");
+        assert_eq!(
+            dynamic.worker.metrics().unwrap(),
+            vec![],
+            "lmcache's worker half counts nothing of its own"
+        );
         dynamic.worker.shutdown().unwrap();
     }
 
