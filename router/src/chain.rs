@@ -7,22 +7,28 @@
 //! request's prompt the same way: a predicted hit is then a run of the same tokens, whoever
 //! stored it and at whatever block size.
 
-use kvconnect_support::stable_hash::hash_bytes;
+use kvconnect_support::stable_hash::{mix, P0, P1, P2, P3};
 
 /// The hash before a prompt's first piece.
 pub const ROOT: u64 = 0;
 
-/// The hash of the piece `tokens` after the piece hashed `parent`.
+/// The hash of the piece `tokens` after the piece hashed `parent`: `hash_bytes(parent, b)`
+/// of the tokens' little-endian bytes `b`, 64 tokens at a time (pieces longer than 64 tokens,
+/// a large unit, go on in steps of 64), computed from the tokens in place: each 8-byte word
+/// of `b` is two tokens.
 pub fn next(parent: u64, tokens: &[u32]) -> u64 {
-    let mut bytes = [0u8; 4 * 64];
     let n = tokens.len().min(64);
-    for (i, t) in tokens[..n].iter().enumerate() {
-        bytes[4 * i..4 * i + 4].copy_from_slice(&t.to_le_bytes());
+    let (head, rest) = tokens.split_at(n);
+    let mut h = parent ^ P0;
+    let mut pairs = head.chunks_exact(2);
+    for p in &mut pairs {
+        h = mix(h ^ (u64::from(p[0]) | u64::from(p[1]) << 32) ^ P1, P2);
     }
-    let mut h = hash_bytes(parent, &bytes[..4 * n]);
-    // Pieces longer than 64 tokens (a large unit) go on in steps of 64.
-    for rest in tokens[n..].chunks(64) {
-        h = next(h, rest);
+    let tail = pairs.remainder().first().map_or(0, |t| u64::from(*t));
+    h = mix(h ^ tail ^ P1, P2);
+    h = mix(h ^ (4 * n) as u64, P3);
+    for more in rest.chunks(64) {
+        h = next(h, more);
     }
     h
 }
@@ -54,5 +60,26 @@ mod tests {
         assert_eq!(next(ha[1], &a[32..48]), ha[2]);
         let long: Vec<u32> = (0..300).collect();
         assert_ne!(prefix_hashes(&long, 150)[0], prefix_hashes(&long, 100)[0]);
+    }
+
+    /// The definition `next` computes in place: the bytes, hashed 64 tokens at a time.
+    fn by_bytes(parent: u64, tokens: &[u32]) -> u64 {
+        let n = tokens.len().min(64);
+        let bytes: Vec<u8> = tokens[..n].iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut h = kvconnect_support::stable_hash::hash_bytes(parent, &bytes);
+        for rest in tokens[n..].chunks(64) {
+            h = by_bytes(h, rest);
+        }
+        h
+    }
+
+    #[test]
+    fn next_is_the_hash_of_the_tokens_bytes() {
+        let t: Vec<u32> = (0..300u32).map(|i| i.wrapping_mul(2_654_435_761) ^ (i << 7)).collect();
+        for len in (0..=140).chain([150, 199, 200, 255, 256, 300]) {
+            for parent in [ROOT, 1, u64::MAX, 0x0123_4567_89ab_cdef] {
+                assert_eq!(next(parent, &t[..len]), by_bytes(parent, &t[..len]), "{len} tokens");
+            }
+        }
     }
 }

@@ -4,14 +4,15 @@
 //! prefix is the run of leading blocks it holds (a block held without its parent does not
 //! count, as the engines cannot use it).
 //!
-//! What it costs: one map entry per distinct block (its hash, the first holder inline, more
-//! holders in a vector), 4 bytes per further worker holding it. A lookup costs one map probe
-//! per leading block of the request plus one step per holder of each; a removal or a store
-//! one probe per block; clearing a worker one pass over the whole map.
+//! What it costs: one 16-byte slot per distinct block in a flat table kept at most 3/4 full
+//! (`flat`: its hash, the first holder inline, the index of a list of more holders), 4 bytes
+//! per further worker holding it. A lookup costs one map probe per leading block of the
+//! request plus one step per holder of each; a removal or a store one probe per block;
+//! clearing a worker one pass over the whole map.
 
 use crate::event::{fastest_rank, medium_bit, BlockHash, Medium, RANKS};
+use crate::flat::{FlatMap, Packed};
 use kvconnect_support::stable_hash::PassThrough;
-use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
 /// A worker's number in the index (its position in the router's list).
@@ -24,58 +25,115 @@ pub type TierMask = u8;
 pub type IdBuild = BuildHasherDefault<PassThrough>;
 
 /// One worker's hold on a block.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 struct Holder {
     worker: WorkerId,
     tiers: TierMask,
 }
 
 /// The workers holding one block: the first inline (no allocation for a block one worker
-/// holds), the others in `rest`. `first.tiers == 0`: nobody.
-#[derive(Debug, Clone)]
+/// holds), the others in the index's `rest[more - 1]` (`more` 0: none, and a list there is
+/// never empty). `first.tiers == 0`: nobody (and then no others). 8 bytes, so an index slot
+/// is 16.
+#[derive(Debug, Clone, Copy, Default)]
 struct Holders {
     first: Holder,
-    rest: Vec<Holder>,
+    more: u32,
 }
 
-impl Holders {
-    fn iter(&self) -> impl Iterator<Item = &Holder> {
-        std::iter::once(&self.first).filter(|h| h.tiers != 0).chain(self.rest.iter())
+impl Packed for Holders {
+    fn pack(self) -> u64 {
+        u64::from(self.first.worker) | u64::from(self.first.tiers) << 16 | u64::from(self.more) << 32
+    }
+    fn unpack(word: u64) -> Holders {
+        let first = Holder { worker: word as u16, tiers: (word >> 16) as u8 };
+        Holders { first, more: (word >> 32) as u32 }
+    }
+}
+
+/// The lists of further holders, shared by all entries, with the free ones to reuse.
+#[derive(Debug, Clone, Default)]
+struct Rest {
+    lists: Vec<Vec<Holder>>,
+    free: Vec<u32>,
+}
+
+impl Rest {
+    fn of(&self, h: &Holders) -> &[Holder] {
+        match h.more {
+            0 => &[],
+            m => &self.lists[m as usize - 1],
+        }
     }
 
-    fn is_empty(&self) -> bool {
-        self.first.tiers == 0 && self.rest.is_empty()
+    fn iter<'a>(&'a self, h: &'a Holders) -> impl Iterator<Item = &'a Holder> {
+        std::iter::once(&h.first).filter(|h| h.tiers != 0).chain(self.of(h).iter())
     }
 
-    /// Updates `worker`'s mask with `f`; returns (was held, is held).
-    fn update(&mut self, worker: WorkerId, f: impl FnOnce(TierMask) -> TierMask) -> (bool, bool) {
-        if self.first.tiers != 0 && self.first.worker == worker {
-            let before = self.first.tiers;
-            self.first.tiers = f(before);
-            if self.first.tiers == 0 {
-                if let Some(h) = self.rest.pop() {
-                    self.first = h;
+    fn release(&mut self, h: &mut Holders) {
+        if h.more != 0 {
+            self.lists[h.more as usize - 1].clear();
+            self.free.push(h.more);
+            h.more = 0;
+        }
+    }
+
+    fn push(&mut self, h: &mut Holders, holder: Holder) {
+        if h.more == 0 {
+            h.more = match self.free.pop() {
+                Some(m) => m,
+                None => {
+                    self.lists.push(Vec::new());
+                    self.lists.len() as u32
+                }
+            };
+        }
+        self.lists[h.more as usize - 1].push(holder);
+    }
+
+    /// Updates `worker`'s mask in `h` with `f`; returns (was held, is held).
+    fn update(
+        &mut self,
+        h: &mut Holders,
+        worker: WorkerId,
+        f: impl FnOnce(TierMask) -> TierMask,
+    ) -> (bool, bool) {
+        if h.first.tiers != 0 && h.first.worker == worker {
+            h.first.tiers = f(h.first.tiers);
+            if h.first.tiers == 0 && h.more != 0 {
+                let list = &mut self.lists[h.more as usize - 1];
+                if let Some(next) = list.pop() {
+                    h.first = next;
+                }
+                if list.is_empty() {
+                    self.release(h);
                 }
             }
-            return (true, self.first.worker == worker && self.first.tiers != 0);
+            return (true, h.first.worker == worker && h.first.tiers != 0);
         }
-        if let Some(i) = self.rest.iter().position(|h| h.worker == worker) {
-            let t = f(self.rest[i].tiers);
-            if t == 0 {
-                self.rest.swap_remove(i);
-            } else {
-                self.rest[i].tiers = t;
+        if h.more != 0 {
+            let list = &mut self.lists[h.more as usize - 1];
+            if let Some(i) = list.iter().position(|x| x.worker == worker) {
+                let t = f(list[i].tiers);
+                if t == 0 {
+                    list.swap_remove(i);
+                    if list.is_empty() {
+                        self.release(h);
+                    }
+                } else {
+                    list[i].tiers = t;
+                }
+                return (true, t != 0);
             }
-            return (true, t != 0);
         }
         let t = f(0);
         if t == 0 {
             return (false, false);
         }
-        if self.first.tiers == 0 {
-            self.first = Holder { worker, tiers: t };
+        if h.first.tiers == 0 {
+            h.first = Holder { worker, tiers: t };
         } else {
-            self.rest.push(Holder { worker, tiers: t });
+            self.push(h, Holder { worker, tiers: t });
         }
         (false, true)
     }
@@ -94,7 +152,8 @@ pub struct Overlap {
 /// The block index of a fixed set of workers.
 #[derive(Debug, Clone)]
 pub struct BlockIndex {
-    map: HashMap<BlockHash, Holders, IdBuild>,
+    map: FlatMap<Holders>,
+    rest: Rest,
     /// Per worker: blocks held in at least one medium.
     held: Vec<u64>,
 }
@@ -102,7 +161,7 @@ pub struct BlockIndex {
 impl BlockIndex {
     /// An empty index of `workers` workers.
     pub fn new(workers: usize) -> BlockIndex {
-        BlockIndex { map: HashMap::default(), held: vec![0; workers] }
+        BlockIndex { map: FlatMap::new(), rest: Rest::default(), held: vec![0; workers] }
     }
 
     /// How many workers it indexes.
@@ -120,19 +179,42 @@ impl BlockIndex {
         self.map.len()
     }
 
+    /// Loads the first index slot of each of `hashes` (see `FlatMap::touch`), then the lists
+    /// of further holders of those that have one (a prefix many workers hold), so that their
+    /// cache misses overlap before the hashes are stored or removed one by one; returns what
+    /// it read, for the caller to keep.
+    pub fn touch(&self, hashes: &[BlockHash]) -> u64 {
+        let slots = hashes.iter().fold(0, |a, h| a ^ self.touch_slot(*h));
+        slots ^ self.touch_lists(hashes)
+    }
+
+    /// The first level of [`BlockIndex::touch`]: `hash`'s first slot.
+    pub fn touch_slot(&self, hash: BlockHash) -> u64 {
+        self.map.touch(hash)
+    }
+
+    /// The second level of [`BlockIndex::touch`]: the lists of further holders.
+    pub fn touch_lists(&self, hashes: &[BlockHash]) -> u64 {
+        hashes.iter().fold(0, |a, h| match self.map.get(*h) {
+            Some(x) if x.more != 0 => {
+                a ^ self.rest.lists[x.more as usize - 1].first().map_or(0, |f| u64::from(f.worker))
+            }
+            _ => a,
+        })
+    }
+
     /// The media `worker` holds `hash` in.
     pub fn tiers(&self, worker: WorkerId, hash: BlockHash) -> TierMask {
-        self.map.get(&hash).and_then(|h| h.iter().find(|h| h.worker == worker)).map_or(0, |h| h.tiers)
+        self.map
+            .get(hash)
+            .map_or(0, |h| self.rest.iter(&h).find(|h| h.worker == worker).map_or(0, |h| h.tiers))
     }
 
     /// `worker` now holds `hash` in `medium` too.
     pub fn store(&mut self, worker: WorkerId, hash: BlockHash, medium: &Medium) {
         let bit = medium_bit(medium);
-        let holders = self
-            .map
-            .entry(hash)
-            .or_insert_with(|| Holders { first: Holder { worker, tiers: 0 }, rest: Vec::new() });
-        let (was, is) = holders.update(worker, |t| t | bit);
+        let rest = &mut self.rest;
+        let (was, is) = self.map.upsert(hash, |h| rest.update(h, worker, |t| t | bit));
         if !was && is {
             self.held[usize::from(worker)] += 1;
         }
@@ -141,13 +223,18 @@ impl BlockIndex {
     /// `worker` no longer holds `hash` in `medium` (a block it did not hold there: nothing).
     pub fn remove(&mut self, worker: WorkerId, hash: BlockHash, medium: &Medium) {
         let bit = medium_bit(medium);
-        let Some(holders) = self.map.get_mut(&hash) else { return };
-        let (was, is) = holders.update(worker, |t| t & !bit);
+        let rest = &mut self.rest;
+        let Some((was, is, empty)) = self.map.update(hash, |h| {
+            let (was, is) = rest.update(h, worker, |t| t & !bit);
+            (was, is, h.first.tiers == 0)
+        }) else {
+            return;
+        };
         if was && !is {
             self.held[usize::from(worker)] -= 1;
         }
-        if holders.is_empty() {
-            self.map.remove(&hash);
+        if empty {
+            self.map.remove(hash);
         }
     }
 
@@ -156,9 +243,10 @@ impl BlockIndex {
         if self.held[usize::from(worker)] == 0 {
             return;
         }
+        let rest = &mut self.rest;
         self.map.retain(|_, h| {
-            h.update(worker, |_| 0);
-            !h.is_empty()
+            rest.update(h, worker, |_| 0);
+            h.first.tiers != 0
         });
         self.held[usize::from(worker)] = 0;
     }
@@ -170,9 +258,9 @@ impl BlockIndex {
         out.clear();
         out.resize(self.held.len(), Overlap::default());
         for (i, hash) in chain.iter().enumerate() {
-            let Some(holders) = self.map.get(hash) else { break };
+            let Some(holders) = self.map.get(*hash) else { break };
             let mut extended = false;
-            for h in holders.iter() {
+            for h in self.rest.iter(&holders) {
                 let o = &mut out[usize::from(h.worker)];
                 if o.blocks as usize == i {
                     o.blocks += 1;
@@ -206,6 +294,45 @@ mod tests {
         assert_eq!(out[1], Overlap { blocks: 1, by_rank: [0, 0, 1, 0] });
         assert_eq!(out[2], Overlap::default());
         assert_eq!((ix.held(0), ix.held(1), ix.distinct_blocks()), (3, 2, 3));
+    }
+
+    /// Random stores, removals and clears over a few workers and blocks (so most blocks have
+    /// several holders, and lists of further holders are taken, emptied and reused), checked
+    /// against a plain map of (worker, block) to media after every step.
+    #[test]
+    fn agrees_with_a_plain_map_of_each_workers_media() {
+        use std::collections::HashMap;
+        let media = [Medium::Gpu, Medium::CpuTier, Medium::Disk];
+        let mut ix = BlockIndex::new(6);
+        let mut want: HashMap<(WorkerId, u64), TierMask> = HashMap::new();
+        let mut x = 99u64;
+        for _ in 0..20_000 {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            let (w, hash, m, op) =
+                ((x >> 20) as u16 % 6, (x >> 30) % 12, &media[(x >> 40) as usize % 3], (x >> 50) % 100);
+            let bit = medium_bit(m);
+            if op < 55 {
+                ix.store(w, hash, m);
+                *want.entry((w, hash)).or_default() |= bit;
+            } else if op < 99 {
+                ix.remove(w, hash, m);
+                if let Some(t) = want.get_mut(&(w, hash)) {
+                    *t &= !bit;
+                }
+            } else {
+                ix.clear(w);
+                want.retain(|k, _| k.0 != w);
+            }
+            want.retain(|_, t| *t != 0);
+            for w in 0..6 {
+                for hash in 0..12 {
+                    assert_eq!(ix.tiers(w, hash), want.get(&(w, hash)).copied().unwrap_or(0));
+                }
+                assert_eq!(ix.held(w), want.keys().filter(|k| k.0 == w).count() as u64);
+            }
+            let distinct: std::collections::HashSet<u64> = want.keys().map(|k| k.1).collect();
+            assert_eq!(ix.distinct_blocks(), distinct.len());
+        }
     }
 
     #[test]

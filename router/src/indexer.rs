@@ -9,7 +9,8 @@
 //! stream and its replay bring back; a dead worker is forgotten and never scored.
 
 use crate::chain;
-use crate::event::{BlockHash, KvEvent, KvEventBatch};
+use crate::event::{BlockHash, KvEvent, KvEventBatch, Medium};
+use crate::flat::FlatMap;
 use crate::index::{BlockIndex, IdBuild, Overlap, WorkerId};
 use crate::stream::{Admit, Dropped, Stream, StreamState};
 use kvconnect_api::kv_events::{BlockRemoved, BlockStored};
@@ -49,14 +50,6 @@ pub struct Counts {
     pub unindexed_blocks: u64,
 }
 
-/// What one publisher hash of a worker stands for: its router hashes, in order (`last` is
-/// the block's last piece, which its children chain on).
-#[derive(Debug, Clone)]
-struct Ext {
-    last: u64,
-    more: Vec<u64>,
-}
-
 /// Every worker's blocks, from their events.
 #[derive(Debug, Clone)]
 pub struct Indexer {
@@ -65,10 +58,18 @@ pub struct Indexer {
     counts: Counts,
     /// Tokens per router hash.
     unit: usize,
-    /// Per worker: publisher hash → what it stands for.
-    ext: Vec<HashMap<BlockHash, Ext, IdBuild>>,
+    /// Per worker: publisher hash → the router hash of the block's last piece (which its
+    /// children chain on).
+    ext: Vec<FlatMap<u64>>,
+    /// Per worker: publisher hash → the router hashes of the block's other pieces, in order,
+    /// for the blocks of more than one piece (none where the blocks are the unit).
+    more: Vec<HashMap<BlockHash, Vec<u64>, IdBuild>>,
     /// Publisher hashes the batch being applied removed from their last medium.
     unheld: Vec<BlockHash>,
+    /// The router hashes of the event being applied (reused).
+    keys: Vec<u64>,
+    /// What `touch` read (kept, so that its loads are made).
+    touched: u64,
 }
 
 impl Indexer {
@@ -83,8 +84,11 @@ impl Indexer {
             streams: vec![Stream::default(); workers],
             counts: Counts::default(),
             unit: (unit as usize).max(1),
-            ext: (0..workers).map(|_| HashMap::default()).collect(),
+            ext: (0..workers).map(|_| FlatMap::new()).collect(),
+            more: (0..workers).map(|_| HashMap::default()).collect(),
             unheld: Vec::new(),
+            keys: Vec::new(),
+            touched: 0,
         })
     }
 
@@ -95,62 +99,133 @@ impl Indexer {
 
     fn forget(&mut self, worker: WorkerId) {
         self.index.clear(worker);
-        self.ext[usize::from(worker)] = HashMap::default();
+        self.ext[usize::from(worker)] = FlatMap::new();
+        self.more[usize::from(worker)] = HashMap::default();
     }
 
+    /// Appends the router hashes publisher hash `h` of worker `w` stands for, in order, to
+    /// `keys`; false where it is not known.
+    fn pieces_of(&self, w: usize, h: BlockHash, keys: &mut Vec<u64>) -> bool {
+        let Some(last) = self.ext[w].get(h) else { return false };
+        let last = &last;
+        if !self.more[w].is_empty() {
+            if let Some(m) = self.more[w].get(&h) {
+                keys.extend_from_slice(m);
+            }
+        }
+        keys.push(*last);
+        true
+    }
+
+    /// Loads the first slots, in worker `w`'s map, of the block hashes event `e` looks up
+    /// (`FlatMap::touch`); `apply` does it one event ahead, so that these misses overlap the
+    /// work of the event before.
+    fn touch_ext(&mut self, w: usize, e: &KvEvent) {
+        let (parent, hashes) = match e {
+            KvEvent::BlockStored(s) => (s.parent_block_hash, &s.block_hashes[..]),
+            KvEvent::BlockRemoved(r) => (None, &r.block_hashes[..]),
+            KvEvent::AllBlocksCleared => return,
+        };
+        let map = &self.ext[w];
+        let first = parent.map_or(0, |p| map.touch(p));
+        self.touched ^= hashes.iter().fold(first, |a, h| a ^ map.touch(*h));
+    }
+
+    /// Stores `keys` in the index for `worker`, having started all their cache misses.
+    fn store_keys(&mut self, worker: WorkerId, keys: &[u64], medium: &Medium) {
+        self.touched ^= self.index.touch(keys);
+        for k in keys {
+            self.index.store(worker, *k, medium);
+        }
+    }
+
+    // An event's work is in phases: every lookup's first slot is loaded before the first is
+    // used (the worker's map for its block hashes, one event ahead in `apply`; then the index
+    // for the router hashes), so the cache misses of its blocks overlap instead of following
+    // one another. The result is that of applying the blocks one by one: within an event,
+    // stores and removals touch each key once, and the lookups read nothing the event
+    // changes.
     fn store(&mut self, worker: WorkerId, s: &BlockStored) {
         let w = usize::from(worker);
         let bs = s.block_size as usize;
+        let mut keys = std::mem::take(&mut self.keys);
+        keys.clear();
         if bs == 0 || s.token_ids.is_empty() {
             // Named by hash alone: only a block already known (a move between media).
             for h in &s.block_hashes {
-                match self.ext[w].get(h) {
-                    Some(e) => {
-                        for u in e.more.iter().chain([&e.last]) {
-                            self.index.store(worker, *u, &s.medium);
-                        }
-                    }
-                    None => self.counts.unindexed_blocks += 1,
+                if !self.pieces_of(w, *h, &mut keys) {
+                    self.counts.unindexed_blocks += 1;
                 }
             }
+            self.store_keys(worker, &keys, &s.medium);
+            self.keys = keys;
             return;
         }
-        let mut parent = match s.parent_block_hash {
+        let parent = match s.parent_block_hash {
             None => Some(chain::ROOT),
-            Some(p) => self.ext[w].get(&p).map(|e| e.last),
+            Some(p) => self.ext[w].get(p),
         };
-        for (i, h) in s.block_hashes.iter().enumerate() {
-            let Some(mut c) = parent else {
-                self.counts.unindexed_blocks += (s.block_hashes.len() - i) as u64;
-                return;
-            };
-            if bs < self.unit {
-                self.counts.unindexed_blocks += 1;
-                return;
-            }
-            let mut more = Vec::new();
-            let tokens = &s.token_ids[i * bs..(i + 1) * bs];
-            for (k, piece) in tokens.chunks_exact(self.unit).enumerate() {
-                if k > 0 {
-                    more.push(c);
-                }
-                c = chain::next(c, piece);
-                self.index.store(worker, c, &s.medium);
-            }
-            self.ext[w].insert(*h, Ext { last: c, more });
-            // A block that ends mid-piece cannot be chained on.
-            parent = bs.is_multiple_of(self.unit).then_some(c);
+        let Some(mut c) = parent else {
+            self.counts.unindexed_blocks += s.block_hashes.len() as u64;
+            self.keys = keys;
+            return;
+        };
+        if bs < self.unit {
+            self.counts.unindexed_blocks += 1;
+            self.keys = keys;
+            return;
         }
+        // A block that ends mid-piece cannot be chained on: only the first is indexed.
+        let n = if bs.is_multiple_of(self.unit) { s.block_hashes.len() } else { 1 };
+        let hashes = &s.block_hashes[..n];
+        // Each key's index slot is loaded as soon as the key is known, while the next ones
+        // are hashed.
+        let mut touched = 0;
+        for block in s.token_ids[..n * bs].chunks_exact(bs) {
+            for piece in block.chunks_exact(self.unit) {
+                c = chain::next(c, piece);
+                touched ^= self.index.touch_slot(c);
+                keys.push(c);
+            }
+        }
+        self.touched ^= touched ^ self.index.touch_lists(&keys);
+        for k in &keys {
+            self.index.store(worker, *k, &s.medium);
+        }
+        let per = bs / self.unit;
+        for (h, pieces) in hashes.iter().zip(keys.chunks_exact(per)) {
+            let (last, more) = match pieces.split_last() {
+                Some((last, more)) => (*last, more),
+                None => continue,
+            };
+            self.ext[w].insert(*h, last);
+            if !more.is_empty() {
+                self.more[w].insert(*h, more.to_vec());
+            } else if !self.more[w].is_empty() {
+                self.more[w].remove(h);
+            }
+        }
+        self.counts.unindexed_blocks += (s.block_hashes.len() - n) as u64;
+        self.keys = keys;
     }
 
     fn remove(&mut self, worker: WorkerId, r: &BlockRemoved) {
         let w = usize::from(worker);
+        let mut keys = std::mem::take(&mut self.keys);
+        keys.clear();
         for h in &r.block_hashes {
-            let Some(e) = self.ext[w].get(h) else { continue };
-            let last = e.last;
-            for u in e.more.iter().chain([&last]) {
-                self.index.remove(worker, *u, &r.medium);
+            self.pieces_of(w, *h, &mut keys);
+        }
+        self.touched ^= self.index.touch(&keys);
+        self.keys = keys;
+        for h in &r.block_hashes {
+            let Some(last) = self.ext[w].get(*h) else { continue };
+            if let Some(more) = self.more[w].get(h) {
+                for u in more {
+                    self.index.remove(worker, *u, &r.medium);
+                }
             }
+            self.index.remove(worker, last, &r.medium);
             if self.index.tiers(worker, last) == 0 {
                 // Forgotten at the end of the batch, unless stored again in it (a move
                 // between media whose store names the block by its hash alone).
@@ -213,7 +288,14 @@ impl Indexer {
                 self.counts.lost += lost;
                 self.counts.batches += 1;
                 self.counts.events += batch.events.len() as u64;
-                for e in &batch.events {
+                let w = usize::from(worker);
+                if let Some(e) = batch.events.first() {
+                    self.touch_ext(w, e);
+                }
+                for (i, e) in batch.events.iter().enumerate() {
+                    if let Some(next) = batch.events.get(i + 1) {
+                        self.touch_ext(w, next);
+                    }
                     match e {
                         KvEvent::BlockStored(s) => self.store(worker, s),
                         KvEvent::BlockRemoved(r) => self.remove(worker, r),
@@ -221,9 +303,11 @@ impl Indexer {
                     }
                 }
                 for h in std::mem::take(&mut self.unheld) {
-                    let w = usize::from(worker);
-                    if self.ext[w].get(&h).is_some_and(|e| self.index.tiers(worker, e.last) == 0) {
-                        self.ext[w].remove(&h);
+                    if self.ext[w].get(h).is_some_and(|last| self.index.tiers(worker, last) == 0) {
+                        self.ext[w].remove(h);
+                        if !self.more[w].is_empty() {
+                            self.more[w].remove(&h);
+                        }
                     }
                 }
                 Outcome::Applied
@@ -373,6 +457,25 @@ mod tests {
         assert_eq!((ix.index().held(0), blocks(&ix, 0)), (0, 0));
         assert!(!ix.any_live());
         assert!(Indexer::new(70_000, UNIT).unwrap_err().to_string().contains("--routing round-robin"));
+    }
+
+    /// Blocks that end mid-piece: the first block's whole pieces are indexed, and the blocks
+    /// after it, which chain on a partial piece, are counted as unindexed; blocks shorter than
+    /// a piece index nothing.
+    #[test]
+    fn blocks_ending_mid_piece_index_only_the_first() {
+        let mut ix = Indexer::new(1, UNIT).unwrap();
+        let p = prompt();
+        let six = KvEvent::stored(vec![1, 2, 3], None, p[..18].to_vec(), 6, Medium::Gpu);
+        assert_eq!(ix.apply(0, 0, &batch(vec![six]), false), Outcome::Applied);
+        assert_eq!((blocks(&ix, 0), ix.counts().unindexed_blocks), (1, 2));
+        // Block 1 is known by its hash: a move stores its one piece again, elsewhere.
+        let moved = KvEvent::stored(vec![1, 2], None, Vec::new(), 0, Medium::Disk);
+        ix.apply(0, 1, &batch(vec![moved]), false);
+        assert_eq!(ix.counts().unindexed_blocks, 3, "block 2 was never indexed");
+        let short = KvEvent::stored(vec![4, 5], None, p[..4].to_vec(), 2, Medium::Gpu);
+        ix.apply(0, 2, &batch(vec![short]), false);
+        assert_eq!((ix.index().held(0), ix.counts().unindexed_blocks), (1, 4));
     }
 
     /// An lmcache-like publisher: chunks of 3 units under hashes of its own, a move from the

@@ -9,6 +9,7 @@
 pub mod chain;
 pub mod choose;
 pub mod event;
+pub mod flat;
 pub mod index;
 pub mod indexer;
 pub mod stream;
