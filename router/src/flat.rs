@@ -106,15 +106,18 @@ impl<V: Packed> FlatMap<V> {
         Some(&mut self.slots[i][1])
     }
 
-    /// Reads `key`'s first slot and returns what it read, for the caller to fold into a value
-    /// it keeps: a load of the line the lookup will need, issued early so that the misses of
-    /// several keys overlap.
+    /// Reads `key`'s first slot and the one four slots on (64 bytes: the next cache line)
+    /// and returns what it read, for the caller to fold into a value it keeps: loads of the
+    /// lines the lookup will need (a probe, or a removal's shift, goes on past the first line
+    /// when the run it meets crosses a line's end), issued early so that the misses of several
+    /// keys overlap.
     #[inline]
     pub fn touch(&self, key: u64) -> u64 {
         if self.slots.is_empty() {
             return 0;
         }
-        self.slots[self.home(key)][0]
+        let i = self.home(key);
+        self.slots[i][0] ^ self.slots[(i + 4) & (self.slots.len() - 1)][0]
     }
 
     /// The value of `key`.

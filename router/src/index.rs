@@ -193,11 +193,13 @@ impl BlockIndex {
         self.map.touch(hash)
     }
 
-    /// The second level of [`BlockIndex::touch`]: the lists of further holders.
+    /// The second level of [`BlockIndex::touch`]: the lists of further holders, each line of
+    /// each (16 holders of 4 bytes to a line), which a store or removal scans for its worker.
     pub fn touch_lists(&self, hashes: &[BlockHash]) -> u64 {
         hashes.iter().fold(0, |a, h| match self.map.get(*h) {
             Some(x) if x.more != 0 => {
-                a ^ self.rest.lists[x.more as usize - 1].first().map_or(0, |f| u64::from(f.worker))
+                let list = &self.rest.lists[x.more as usize - 1];
+                list.iter().step_by(16).fold(a, |a, f| a ^ u64::from(f.worker))
             }
             _ => a,
         })
@@ -221,14 +223,15 @@ impl BlockIndex {
     }
 
     /// `worker` no longer holds `hash` in `medium` (a block it did not hold there: nothing).
-    pub fn remove(&mut self, worker: WorkerId, hash: BlockHash, medium: &Medium) {
+    /// Returns whether `worker` still holds it in another medium.
+    pub fn remove(&mut self, worker: WorkerId, hash: BlockHash, medium: &Medium) -> bool {
         let bit = medium_bit(medium);
         let rest = &mut self.rest;
         let Some((was, is, empty)) = self.map.update(hash, |h| {
             let (was, is) = rest.update(h, worker, |t| t & !bit);
             (was, is, h.first.tiers == 0)
         }) else {
-            return;
+            return false;
         };
         if was && !is {
             self.held[usize::from(worker)] -= 1;
@@ -236,6 +239,7 @@ impl BlockIndex {
         if empty {
             self.map.remove(hash);
         }
+        is
     }
 
     /// Forgets every block of `worker` (one pass over the whole map).
@@ -315,10 +319,11 @@ mod tests {
                 ix.store(w, hash, m);
                 *want.entry((w, hash)).or_default() |= bit;
             } else if op < 99 {
-                ix.remove(w, hash, m);
+                let still = ix.remove(w, hash, m);
                 if let Some(t) = want.get_mut(&(w, hash)) {
                     *t &= !bit;
                 }
+                assert_eq!(still, want.get(&(w, hash)).is_some_and(|t| *t != 0));
             } else {
                 ix.clear(w);
                 want.retain(|k, _| k.0 != w);
@@ -345,7 +350,7 @@ mod tests {
         ix.store(0, 7, &Medium::Disk);
         assert_eq!(ix.tiers(0, 7), medium_bit(&Medium::Disk));
         assert_eq!(ix.held(0), 1);
-        ix.remove(0, 7, &Medium::Gpu); // not held there: nothing changes
+        assert!(ix.remove(0, 7, &Medium::Gpu), "not held on the GPU: nothing changes, still on disk");
         assert_eq!(ix.held(0), 1);
         ix.clear(1);
         assert_eq!((ix.held(1), ix.tiers(1, 7), ix.distinct_blocks()), (0, 0, 1));

@@ -225,8 +225,7 @@ impl Indexer {
                     self.index.remove(worker, *u, &r.medium);
                 }
             }
-            self.index.remove(worker, last, &r.medium);
-            if self.index.tiers(worker, last) == 0 {
+            if !self.index.remove(worker, last, &r.medium) {
                 // Forgotten at the end of the batch, unless stored again in it (a move
                 // between media whose store names the block by its hash alone).
                 self.unheld.push(*h);
