@@ -83,6 +83,8 @@ impl Rest {
             h.more = match self.free.pop() {
                 Some(m) => m,
                 None => {
+                    // Never more lists than index entries at once (freed ones are reused),
+                    // and 2^32 entries would be a table of over 64 GiB: the number fits.
                     self.lists.push(Vec::new());
                     self.lists.len() as u32
                 }
