@@ -851,7 +851,9 @@ mod tests {
             assert_eq!(d.class, FieldClass::Strict);
             assert_eq!(
                 d.line("prefill", "decode"),
-                "hma: prefill=off (child 'lmcache' does not support HMA), decode=on (default: every child supports HMA and the model has 2 attention kinds): run decode with the same connector set, or set hybrid_kv_cache_manager=off on decode"
+                "hma: prefill=off (child 'lmcache' does not support HMA), decode=on (default: every child \
+                 supports HMA and the model has 2 attention kinds): run decode with the same connector set, \
+                 or set hybrid_kv_cache_manager=off on decode"
             );
             assert!(
                 d.detail.contains("prefill 1 group: ") && d.detail.contains("decode 2 groups: "),
@@ -1050,7 +1052,8 @@ mod tests {
         let d = e.diff_of("block_size").unwrap();
         assert_eq!(d.class, FieldClass::Adaptable);
         assert!(e.to_string().contains(
-            "block_size: prefill=16 (default: vLLM's default block size; every child accepts it), decode=24 (user set block_size=24; every child accepts it): 16 and 24 do not divide each other"
+            "block_size: prefill=16 (default: vLLM's default block size; every child accepts it), decode=24 \
+             (user set block_size=24; every child accepts it): 16 and 24 do not divide each other"
         ), "{e}");
 
         // A transport that declares heterogeneous TP regroups heads when one size divides
@@ -1070,7 +1073,11 @@ mod tests {
         let d = e.diff_of("tp_size").unwrap();
         assert_eq!(d.class, FieldClass::Adaptable);
         assert!(
-            e.to_string().contains("tp_size: prefill=2 (user set tp_size=2; child 'nixl' loads KV across different TP sizes), decode=3 (user set tp_size=3; child 'nixl' loads KV across different TP sizes): TP sizes 2 and 3 do not divide each other"),
+            e.to_string().contains(
+                "tp_size: prefill=2 (user set tp_size=2; child 'nixl' loads KV across different TP \
+                 sizes), decode=3 (user set tp_size=3; child 'nixl' loads KV across different TP sizes): \
+                 TP sizes 2 and 3 do not divide each other"
+            ),
             "{e}"
         );
     }
@@ -1093,7 +1100,10 @@ mod tests {
             assert_eq!((diff.local.clone(), diff.peer.clone()), (prefill.to_string(), decode.to_string()));
             let text = e.to_string();
             assert!(
-                text.contains(&format!("tp_size: prefill={prefill} (user set tp_size={prefill}; child 'nixl' moves KV only between equal TP sizes: the peer must use tp_size={prefill} too), decode={decode}")),
+                text.contains(&format!(
+                    "tp_size: prefill={prefill} (user set tp_size={prefill}; child 'nixl' moves KV only \
+                     between equal TP sizes: the peer must use tp_size={prefill} too), decode={decode}"
+                )),
                 "{text}"
             );
             assert!(
@@ -1152,7 +1162,12 @@ mod tests {
             let diff = e.diff_of("block_size").unwrap();
             assert_eq!(
                 diff.remedy,
-                format!("blocks would be split or merged in a 1:2 ratio with tp_size {p} on prefill and {q} on decode, which is not supported by child 'nixl' (prefill and decode) (no adapts_with_tp: across tensor-parallel ranks blocks are copied as they are): set block_size to the same value on prefill and decode")
+                format!(
+                    "blocks would be split or merged in a 1:2 ratio with tp_size {p} on prefill and {q} on \
+                     decode, which is not supported by child 'nixl' (prefill and decode) (no \
+                     adapts_with_tp: across tensor-parallel ranks blocks are copied as they are): set \
+                     block_size to the same value on prefill and decode"
+                )
             );
             assert!(e.diff_of("tp_size").is_none() || p != q, "{e}");
             // The same check from decode's side at the handshake.
@@ -1196,7 +1211,9 @@ mod tests {
         assert_eq!(e.diffs.len(), 1, "{e}");
         assert_eq!(
             e.diffs[0].remedy,
-            "blocks would be split or merged in a 1:2 ratio beside the per-request state of the model's state layers, which is not supported by child 'nixl' (prefill and decode) (no adapts_with_state): set block_size to the same value on prefill and decode"
+            "blocks would be split or merged in a 1:2 ratio beside the per-request state of the model's \
+             state layers, which is not supported by child 'nixl' (prefill and decode) (no \
+             adapts_with_state): set block_size to the same value on prefill and decode"
         );
         // The same sizes on a model without state layers adapt.
         let q = |bs| desc(&qwen3(), &with(1, bs), std::slice::from_ref(&c));
@@ -1223,7 +1240,11 @@ mod tests {
             let diff = e.diff_of("tp_size").unwrap_or_else(|| panic!("{p}->{q}: {e}"));
             assert_eq!(
                 diff.remedy,
-                format!("the model's state layers keep a per-request state, and moving it with tp_size {p} on prefill and {q} on decode is not supported by child 'nixl' (prefill and decode) (no state_with_tp): run prefill and decode with tp_size=1")
+                format!(
+                    "the model's state layers keep a per-request state, and moving it with tp_size {p} on \
+                     prefill and {q} on decode is not supported by child 'nixl' (prefill and decode) (no \
+                     state_with_tp): run prefill and decode with tp_size=1"
+                )
             );
         }
         let mut able = c.clone();
@@ -1340,7 +1361,12 @@ mod tests {
         };
         assert_eq!(
             d.strict_json(),
-            r#"{"schema":"kvconnect.compat.v1","model_fingerprint":"ffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff","cache_dtype":"bf16","kv_groups":[{"kind":{"kind":"sliding_window","window":128},"layers":[0,2]},{"kind":{"kind":"full"},"layers":[1,3]}],"transfer_mode":"pull"}"#
+            concat!(
+                r#"{"schema":"kvconnect.compat.v1","#,
+                r#""model_fingerprint":"ffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff","#,
+                r#""cache_dtype":"bf16","kv_groups":[{"kind":{"kind":"sliding_window","window":128},"#,
+                r#""layers":[0,2]},{"kind":{"kind":"full"},"layers":[1,3]}],"transfer_mode":"pull"}"#
+            )
         );
         // Cross-checked with `printf %s <strict_json> | sha256sum`.
         assert_eq!(d.compat_hash(), "33a45f5e299d74a76c6bc0d83b65bd0ebf19e4be74c90c03d8f812686cc28009");

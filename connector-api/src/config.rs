@@ -93,9 +93,10 @@ mod tests {
 
     #[test]
     fn reads_vllm_config_verbatim() {
-        let c = KvTransferConfig::from_json(
-            r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cuda","kv_ip":"127.0.0.1"}"#,
-        )
+        let c = KvTransferConfig::from_json(concat!(
+            r#"{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_buffer_device":"cuda","#,
+            r#""kv_ip":"127.0.0.1"}"#
+        ))
         .unwrap();
         assert_eq!(c.kv_connector, "NixlConnector");
         assert_eq!(c.kv_role, Some(KvRole::Both));

@@ -121,8 +121,8 @@ pub struct BlockRemoved {
 /// One KV cache event (vLLM's `KVCacheEvent`s).
 ///
 /// Read from JSON (the plugin ABI's `take_kv_events`) in this shape, or (its `take_events`)
-/// in the shape plugins built before it wrote (`{"Stored": {"hashes": [..], "tier": ".."}}`, `Removed` alike),
-/// read as a store or removal of those hashes in the medium the tier names.
+/// in the shape plugins built before it wrote (`{"Stored": {"hashes": [..], "tier": ".."}}`,
+/// `Removed` alike), read as a store or removal of those hashes in the medium the tier names.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(from = "AnyKvEvent")]
 pub enum KvEvent {
@@ -300,7 +300,10 @@ mod tests {
         let json = serde_json::to_string(&before).unwrap();
         assert_eq!(
             json,
-            r#"[{"Stored":{"hashes":[1,2],"tier":"cpu"}},{"Removed":{"hashes":[2],"tier":"disk"}},{"Stored":{"hashes":[3],"tier":"remote"}}]"#
+            concat!(
+                r#"[{"Stored":{"hashes":[1,2],"tier":"cpu"}},{"Removed":{"hashes":[2],"tier":"disk"}},"#,
+                r#"{"Stored":{"hashes":[3],"tier":"remote"}}]"#
+            )
         );
         assert_eq!(
             serde_json::from_str::<Vec<KvEvent>>(&json).unwrap(),

@@ -5,8 +5,8 @@
 
 /// Two sides of one protocol speak different versions.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{protocol} version mismatch: this {local_role} speaks version {local}, the {peer_role} speaks {} — \
-    run the same kvconnect release on both", peer_version(.peer))]
+#[error("{protocol} version mismatch: this {local_role} speaks version {local}, the {peer_role} speaks \
+    {} — run the same kvconnect release on both", peer_version(.peer))]
 pub struct VersionMismatch {
     /// The protocol (`side-channel handshake`, `nixl wire`, `pd metadata envelope`).
     pub protocol: &'static str,
@@ -56,8 +56,8 @@ mod tests {
             VersionMismatch::check("nixl wire", "producer", 1, "consumer", Some(2)).unwrap_err().to_string();
         assert_eq!(
             e,
-            "nixl wire version mismatch: this producer speaks version 1, the consumer speaks version 2 — run the \
-             same kvconnect release on both"
+            "nixl wire version mismatch: this producer speaks version 1, the consumer speaks \
+             version 2 — run the same kvconnect release on both"
         );
         let old =
             VersionMismatch::check("nixl wire", "producer", 1, "consumer", None).unwrap_err().to_string();

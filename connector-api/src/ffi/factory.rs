@@ -33,8 +33,8 @@ vtable! {
         info() -> json(ConnectorInfo), by factory_info;
         /// `config` = JSON `KvTransferConfig`, `model` = JSON `ModelSpec` or empty; `*out` = JSON
         /// `Capabilities`.
-        capabilities(config: &KvTransferConfig as (config: AbiBytes), model: Option<&ModelSpec> as (model: AbiBytes))
-            -> json(Capabilities);
+        capabilities(config: &KvTransferConfig as (config: AbiBytes),
+            model: Option<&ModelSpec> as (model: AbiBytes)) -> json(Capabilities);
         /// `ctx` = JSON `ConnectorContext`; `*out` = the scheduler handle.
         create_scheduler(ctx: &ConnectorContext as (ctx: AbiBytes)) -> handle, by factory_create_scheduler;
         /// `ctx` = JSON `ConnectorContext`; `*out` = the worker handle.
@@ -44,7 +44,8 @@ vtable! {
         /// For a composite: `config`, `model` as for `capabilities`; `*out` = JSON
         /// `Option<Vec<ChildCaps>>` (a list of {name, version, caps}), `null` for a plain connector.
         #[since(1, 1)] #[cfg(not(feature = "abi_1_0"))]
-        child_capabilities(config: &KvTransferConfig as (config: AbiBytes), model: Option<&ModelSpec> as (model: AbiBytes))
+        child_capabilities(config: &KvTransferConfig as (config: AbiBytes),
+            model: Option<&ModelSpec> as (model: AbiBytes))
             -> json(Option<Vec<ChildCaps>>), else "the connector has no children" => Ok(None);
     }
     by hand {
@@ -63,7 +64,11 @@ vtable! {
 
         fn create_worker(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn WorkerConnector>> {
             let handle = self.create_instance("create_worker", self.fns().create_worker, ctx)?;
-            Ok(Box::new(ForeignWorker { factory: self.inner.clone(), vt: self.inner.lib.entries().worker_vt, handle }))
+            Ok(Box::new(ForeignWorker {
+                factory: self.inner.clone(),
+                vt: self.inner.lib.entries().worker_vt,
+                handle,
+            }))
         }
     }
 }

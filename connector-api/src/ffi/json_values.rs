@@ -124,8 +124,9 @@ pub fn json_values() -> Vec<JsonValue> {
         JsonValue {
             rust_type: "Capabilities",
             used_by: "factory capabilities (*out)",
-            rules: "unknown fields are refused; layouts are dimension orders (NHD = LBNHC, HND = LBHNC); \
-                    memory_kinds host|device|disk; transfer_mode none|pull|push; roles kv_producer|kv_consumer|kv_both",
+            rules: "unknown fields are refused; layouts are dimension orders (NHD = LBNHC, \
+                    HND = LBHNC); memory_kinds host|device|disk; transfer_mode none|pull|push; \
+                    roles kv_producer|kv_consumer|kv_both",
             example: json(&caps),
         },
         JsonValue {
@@ -145,8 +146,10 @@ pub fn json_values() -> Vec<JsonValue> {
             used_by: "every entry's *err, with a status other than KVC_OK",
             rules: "one key naming the kind (NotImplemented {connector, method}, InvalidConfig, \
                     InvalidArgument, Io, Other {connector, message}); the status code says the same kind",
-            example: json(&ConnectorError::invalid("my-plugin", "block 9 is out of range for layer 0 (8 \
-                blocks)")),
+            example: json(&ConnectorError::invalid(
+                "my-plugin",
+                "block 9 is out of range for layer 0 (8 blocks)",
+            )),
         },
         JsonValue {
             rust_type: "Request",

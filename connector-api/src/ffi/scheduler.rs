@@ -23,10 +23,11 @@ vtable! {
     plugin ExportedScheduler, via handle,
     host impl SchedulerConnector for ForeignScheduler, unique {
         /// `req` = JSON `Request`; `*out` = JSON `MatchResult`.
-        get_num_new_matched_tokens(req: &Request as (req: AbiBytes), num_computed: usize as (num_computed: u64))
-            -> json(MatchResult);
+        get_num_new_matched_tokens(req: &Request as (req: AbiBytes),
+            num_computed: usize as (num_computed: u64)) -> json(MatchResult);
         /// `req` = JSON `Request`, `blocks` = JSON `BlocksPerGroup`.
-        update_state_after_alloc(req: &Request as (req: AbiBytes), blocks: &BlocksPerGroup as (blocks: AbiBytes),
+        update_state_after_alloc(req: &Request as (req: AbiBytes),
+            blocks: &BlocksPerGroup as (blocks: AbiBytes),
             num_external_tokens: usize as (num_external_tokens: u64));
         /// `step` = JSON `StepInfo`; `*out` = the metadata bytes, as the connector made them.
         build_connector_meta(step: &StepInfo as (step: AbiBytes)) -> bytes;

@@ -14,7 +14,8 @@
 //! and host method written by hand beside the list, for calls that are more than "decode,
 //! call, encode" (making instances, the factory's cached `info`).
 
-#![allow(unsafe_code)] // Generates the shims and `Foreign*` calls: raw pointers that cross to another library.
+// Generates the shims and `Foreign*` calls: raw pointers that cross to another library.
+#![allow(unsafe_code)]
 
 use super::{AbiBuffer, AbiBytes};
 use core::ffi::c_void;
@@ -187,7 +188,10 @@ macro_rules! foreign_entry {
 /// Prepares the arguments (`Cross::hold`, kept alive across the call), passes their C
 /// parameters, and reads the result and the error.
 macro_rules! foreign_call {
-    ($s:ident, $entry:ident, $f:expr, [$($arg:ident : $rty:ty as ($($c:ident : $cty:ty),+)),*], [$($ret:tt)*]) => {{
+    (
+        $s:ident, $entry:ident, $f:expr,
+        [$($arg:ident : $rty:ty as ($($c:ident : $cty:ty),+)),*], [$($ret:tt)*]
+    ) => {{
         $( let $arg = <$rty as Cross>::hold($arg, || $s.name())?; )*
         $( let ($($c,)+) = <$rty as Cross>::c(&$arg); )*
         let (f, h) = ($f, $s.raw_handle());
@@ -231,7 +235,8 @@ macro_rules! vtable {
                 $(#[doc = $odoc:literal])*
                 #[since(1, $minor:literal)] $(#[cfg($cfg:meta)])?
                 $oentry:ident ( $($oarg:ident : $orty:ty as ($($oc:ident : $octy:ty),+)),* )
-                    $(-> $ork:ident $(($ort:ty))?)?, else $fallback:literal $(=> $fbexpr:expr)? $(, by $oshim:ident)?;
+                    $(-> $ork:ident $(($ort:ty))?)?,
+                    else $fallback:literal $(=> $fbexpr:expr)? $(, by $oshim:ident)?;
             )*
         }
         by hand { $($manual:tt)* }
@@ -250,7 +255,9 @@ macro_rules! vtable {
             )*
             $(
                 $(#[doc = $odoc])*
-                #[doc = concat!("\n\nSince 1.", $minor, "; may be null (or absent, in an older plugin): ", $fallback)]
+                #[doc = concat!(
+                    "\n\nSince 1.", $minor, "; may be null (or absent, in an older plugin): ", $fallback
+                )]
                 $(#[cfg($cfg)])?
                 pub $oentry: Option<entry_fn!([$($($octy),+),*], [$($ork $(($ort))?)?])>,
             )*
@@ -401,7 +408,8 @@ macro_rules! vtable {
             $(
                 $(#[cfg($cfg)])?
                 shim!([$(by $oshim)?] $exported, $get, $oentry,
-                    [$($oarg : $orty as ($($oc : $octy),+)),*], [$($($oc : $octy),+),*], [$($ork $(($ort))?)?]);
+                    [$($oarg : $orty as ($($oc : $octy),+)),*], [$($($oc : $octy),+),*],
+                    [$($ork $(($ort))?)?]);
             )*
         }
 

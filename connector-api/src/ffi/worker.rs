@@ -31,7 +31,8 @@ vtable! {
         /// Waits for one layer's loads.
         wait_for_layer_load(layer: LayerId as (layer: u32));
         /// Saves one layer of these blocks (`block_ids`: `len` u32 block ids).
-        save_kv_layer(layer: LayerId as (layer: u32), block_ids: &[BlockId] as (block_ids: *const u32, len: usize));
+        save_kv_layer(layer: LayerId as (layer: u32),
+            block_ids: &[BlockId] as (block_ids: *const u32, len: usize));
         /// Waits for this step's saves.
         wait_for_save();
         /// `finished` = `len` request ids (UTF-8); `*out` = JSON `FinishedTransfers`.

@@ -755,7 +755,10 @@ mod tests {
             layers: vec![AttentionKind::SlidingWindow { window: 8 }, AttentionKind::Full],
             state: None,
         };
-        let canonical = r#"{"name":"t","num_layers":2,"num_kv_heads":1,"head_dim":4,"dtype":"bf16","layers":[{"kind":"sliding_window","window":8},{"kind":"full"}]}"#;
+        let canonical = concat!(
+            r#"{"name":"t","num_layers":2,"num_kv_heads":1,"head_dim":4,"dtype":"bf16","#,
+            r#""layers":[{"kind":"sliding_window","window":8},{"kind":"full"}]}"#
+        );
         assert_eq!(serde_json::to_string(&m).unwrap(), canonical);
         // sha256 of `canonical`, computed outside this crate (Python hashlib).
         assert_eq!(m.fingerprint(), "e89aad20b6949af1c91b948fd72f3660a23c51cb82f946066f61b703075e971a");

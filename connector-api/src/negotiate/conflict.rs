@@ -39,7 +39,8 @@ pub enum Conflict {
     },
     /// The user asked for HMA and some children do not support it.
     #[error("hybrid_kv_cache_manager=on was set, but {} not support the hybrid KV cache manager{}; set \
-        hybrid_kv_cache_manager=auto or off, or remove {}", list_does(.unsupported), supporters(.supported), them(.unsupported))]
+        hybrid_kv_cache_manager=auto or off, or remove {}",
+        list_does(.unsupported), supporters(.supported), them(.unsupported))]
     HmaUnsupported {
         /// Children without HMA.
         unsupported: Vec<String>,
@@ -81,7 +82,8 @@ pub enum Conflict {
     /// and children that carry its per-request state only at `tp_size` 1.
     #[error("model '{model}' keeps per-request state in {state_layers} state-space/linear-attention \
         layer(s), and tp_size={tp_size} splits its KV heads over {tp_size} tensor-parallel ranks, but {} \
-        that state only at tp_size 1 (no state_with_tp). Remedy: {remedy}", verb(.children, "carries", "carry"))]
+        that state only at tp_size 1 (no state_with_tp). Remedy: {remedy}",
+        verb(.children, "carries", "carry"))]
     StateWithTp {
         /// The model's name.
         model: String,
@@ -145,7 +147,8 @@ pub enum Conflict {
         adapters: Vec<String>,
     },
     /// No block size satisfies every child, or the user's does not.
-    #[error("{}: {}. Children's block-size constraints: {}. Remedy: {remedy}", block_head(.block_size, .by_user), .violations.join("; "), constraint_list(.constraints))]
+    #[error("{}: {}. Children's block-size constraints: {}. Remedy: {remedy}",
+        block_head(.block_size, .by_user), .violations.join("; "), constraint_list(.constraints))]
     BlockSize {
         /// The block size that failed (the user's, or the default).
         block_size: u32,
@@ -190,7 +193,8 @@ pub enum Conflict {
     },
     /// Some children pull and others push.
     #[error("children disagree on the transfer direction: {} pull (the consumer reads), {} push (the \
-        producer writes); keep transport children of one mode only (remove {} or {})", .pull.join(", "), .push.join(", "), them(.pull), them(.push))]
+        producer writes); keep transport children of one mode only (remove {} or {})",
+        .pull.join(", "), .push.join(", "), them(.pull), them(.push))]
     TransferMode {
         /// Children that pull.
         pull: Vec<String>,

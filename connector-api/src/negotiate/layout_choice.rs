@@ -151,7 +151,8 @@ pub(super) fn adapter_clause(adapters: &[(usize, LayoutAdapter)], parties: &[Par
         .iter()
         .map(|(i, a)| {
             format!(
-                "; {} does not accept it and adapts with a transpose {} <-> {} on its own copy path ({} cost)",
+                "; {} does not accept it and adapts with a transpose \
+                 {} <-> {} on its own copy path ({} cost)",
                 parties[*i].label,
                 a.native.display_name(),
                 a.effective.display_name(),
