@@ -363,7 +363,8 @@ fn cpu_tier(size: &Size) {
     let m = Machine::start();
     let p = pairs_against(size, || src.memcpy_into(&mut flat_cell.borrow_mut()), &mut load);
     report(
-        "cpu_tier load vs memcpy out of the KV regions (reference, no goal: the baseline's source is in another cache state)",
+        "cpu_tier load vs memcpy out of the KV regions (reference, no goal: the baseline's \
+         source is in another cache state)",
         0.0,
         p,
         bytes,
@@ -492,7 +493,9 @@ fn ssd_tier(size: &Size) {
     let m = Machine::start();
     let p = pairs(size, plain_write, tier_write);
     report(
-        &format!("ssd_tier write (records in batches of {batch}, each fdatasync'd) vs sequential write, same syncs"),
+        &format!(
+            "ssd_tier write (records in batches of {batch}, each fdatasync'd) vs sequential write, same syncs"
+        ),
         0.9,
         p,
         slot * n,
@@ -544,7 +547,8 @@ fn ssd_tier(size: &Size) {
     let m = Machine::start();
     let p = pairs_against(size, &mut plain_load, &mut tier_load);
     report(
-        "ssd_tier load into KV (records read, scattered, verified in the same pass) vs sequential read + memcpy into the same blocks",
+        "ssd_tier load into KV (records read, scattered, verified in the same pass) vs sequential \
+         read + memcpy into the same blocks",
         0.9,
         p,
         slot * n,

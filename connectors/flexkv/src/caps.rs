@@ -8,9 +8,10 @@ use kvconnect_api::{
 };
 
 /// No HMA; token-major blocks only (rejects HND) but adapts by transposing on its own copy
-/// path, except over opaque blocks, which it stores whole in the engine's layout; async loads. Reads the config (extra config, `FLEXKV_*`, `FLEXKV_CONFIG_PATH`): a
-/// config that does not resolve is an error here already, and the disk memory kind is
-/// declared only when the SSD tier is on.
+/// path, except over opaque blocks, which it stores whole in the engine's layout; async loads.
+/// Reads the config (extra config, `FLEXKV_*`, `FLEXKV_CONFIG_PATH`): a config that does not
+/// resolve is an error here already, and the disk memory kind is declared only when the SSD
+/// tier is on.
 pub fn capabilities(config: &KvTransferConfig, _model: Option<&ModelSpec>) -> ConnectorResult<Capabilities> {
     let cfg = FlexkvConfig::from_extra_and_process_env(&config.kv_connector_extra_config)
         .map_err(|e| ConnectorError::config("flexkv", e.to_string()))?;

@@ -46,10 +46,22 @@ pub enum Kind {
     CacheConfig,
 }
 
-const SHARED: &str = "kvconnect's flexkv runs inside each worker; for a cache shared by workers use the lmcache connector's remote tier (remote_url: redis://host:port)";
-const ONE_FILE: &str = "the SSD tier is one file per worker, read and written with positional I/O by the transfer threads (num_transfer_threads)";
-const COPY_PATH: &str = "blocks are copied by kvconnect's transfer threads (host KV) or one gather kernel launch per request (device KV, feature cuda)";
-const LOGGING: &str = "kvconnect logs through tracing: set RUST_LOG=kvconnect_flexkv=debug; counters are on the worker's /metrics";
+const SHARED: &str = "kvconnect's flexkv runs inside each worker; for a cache shared by workers use the \
+    lmcache connector's remote tier (remote_url: redis://host:port)";
+const ONE_FILE: &str = "the SSD tier is one file per worker, read and written with positional I/O by the \
+    transfer threads (num_transfer_threads)";
+const COPY_PATH: &str = "blocks are copied by kvconnect's transfer threads (host KV) or one gather kernel \
+    launch per request (device KV, feature cuda)";
+const LOGGING: &str = "kvconnect logs through tracing: set RUST_LOG=kvconnect_flexkv=debug; \
+    counters are on the worker's /metrics";
+const NO_GDS: &str =
+    "kvconnect has no GPU Direct Storage path: SSD blocks are read into host memory; set enable_gds: false";
+const LRU: &str =
+    "kvconnect's flexkv evicts least recently used blocks; set eviction_policy: lru or remove it";
+const NO_SERVER_PORT: &str =
+    "the scheduler and worker halves share the cache inside the worker process; no server port is used";
+const NO_MASTER: &str =
+    "each kvconnect worker (one per TP rank) keeps its own cache; there is no multi-node master";
 const TRACE: &str = "no trace file is written; per-tier hits and bytes are on the worker's /metrics";
 const EVICTION: &str = "eviction is least recently used, of only as many blocks as the next write needs";
 
@@ -61,11 +73,11 @@ pub const KEYS: &[(&str, Kind)] = &[
     ("ssd_cache_dir", Kind::Setting),
     ("num_transfer_threads", Kind::Setting),
     ("enable_ssd_promotion", Kind::Setting),
-    ("enable_gds", Kind::DefaultOnly("false", "kvconnect has no GPU Direct Storage path: SSD blocks are read into host memory; set enable_gds: false")),
+    ("enable_gds", Kind::DefaultOnly("false", NO_GDS)),
     ("server_client_mode", Kind::DefaultOnly("false", SHARED)),
     ("instance_num", Kind::DefaultOnly("1", SHARED)),
-    ("eviction_policy", Kind::DefaultOnly("lru", "kvconnect's flexkv evicts least recently used blocks; set eviction_policy: lru or remove it")),
-    ("server_recv_port", Kind::Mapped("the scheduler and worker halves share the cache inside the worker process; no server port is used")),
+    ("eviction_policy", Kind::DefaultOnly("lru", LRU)),
+    ("server_recv_port", Kind::Mapped(NO_SERVER_PORT)),
     ("instance_id", Kind::Mapped("each worker has its own cache (instance_num 1)")),
     ("cpu_layout", Kind::Mapped("blocks are stored block-first, one record per block")),
     ("ssd_layout", Kind::Mapped("blocks are stored block-first, one record per block")),
@@ -80,8 +92,8 @@ pub const KEYS: &[(&str, Kind)] = &[
     ("iouring_flags", Kind::Mapped(ONE_FILE)),
     ("ioring_entries", Kind::Mapped(ONE_FILE)),
     ("ioring_flags", Kind::Mapped(ONE_FILE)),
-    ("master_host", Kind::Mapped("each kvconnect worker (one per TP rank) keeps its own cache; there is no multi-node master")),
-    ("master_ports", Kind::Mapped("each kvconnect worker (one per TP rank) keeps its own cache; there is no multi-node master")),
+    ("master_host", Kind::Mapped(NO_MASTER)),
+    ("master_ports", Kind::Mapped(NO_MASTER)),
     ("logging_prefix", Kind::Mapped(LOGGING)),
     ("log_level", Kind::Mapped(LOGGING)),
     ("num_log_interval_requests", Kind::Mapped(LOGGING)),
@@ -326,7 +338,9 @@ impl FlexkvConfig {
                             key: "ssd_cache_dir".to_owned(),
                             value: v.shown(),
                             from: s,
-                            remedy: "kvconnect's flexkv writes one SSD file per worker; give one directory (run one worker per SSD to use several)".to_owned(),
+                            remedy: "kvconnect's flexkv writes one SSD file per worker; give one directory \
+                                     (run one worker per SSD to use several)"
+                                .to_owned(),
                         })
                     }
                 }
@@ -355,15 +369,15 @@ impl FlexkvConfig {
         };
         if cpu_cache_gb == 0.0 {
             return Err(ConfigError::Inconsistent(
-                "cpu_cache_gb is 0, but the CPU tier stages every block (saves land there first and SSD blocks \
-                 are written from it); set cpu_cache_gb to a positive size such as 1"
+                "cpu_cache_gb is 0, but the CPU tier stages every block (saves land there first and SSD \
+                 blocks are written from it); set cpu_cache_gb to a positive size such as 1"
                     .to_owned(),
             ));
         }
         if ssd_cache_gb > 0.0 && ssd_cache_dir.is_none() {
             return Err(ConfigError::Inconsistent(format!(
-                "ssd_cache_gb is {ssd_cache_gb} but ssd_cache_dir is not set; set ssd_cache_dir to a writable \
-                 directory or ssd_cache_gb to 0 to run without the SSD tier"
+                "ssd_cache_gb is {ssd_cache_gb} but ssd_cache_dir is not set; set ssd_cache_dir to a \
+                 writable directory or ssd_cache_gb to 0 to run without the SSD tier"
             )));
         }
         Ok(FlexkvConfig {
@@ -434,17 +448,32 @@ fn cache_config(
             "enable_cpu" if raw.as_bool() == Some(true) => {}
             "enable_cpu" => return Err(refuse("the CPU tier stages every block; remove enable_cpu: false")),
             "enable_ssd" | "enable_remote" | "enable_gds" if raw.as_bool() == Some(false) => {}
-            "enable_ssd" => return Err(refuse("the SSD tier is on when ssd_cache_gb > 0: set ssd_cache_gb and ssd_cache_dir")),
+            "enable_ssd" => {
+                return Err(refuse(
+                    "the SSD tier is on when ssd_cache_gb > 0: set ssd_cache_gb and ssd_cache_dir",
+                ))
+            }
             "num_cpu_blocks" | "num_ssd_blocks" => {
                 let top = if k == "num_cpu_blocks" { "cpu_cache_gb" } else { "ssd_cache_gb" };
-                return Err(refuse(&format!("kvconnect sizes tiers in GB: write {top}: <blocks x bytes per block / 1024^3>")));
+                return Err(refuse(&format!(
+                    "kvconnect sizes tiers in GB: write {top}: <blocks x bytes per block / 1024^3>"
+                )));
             }
-            "enable_remote" | "num_remote_blocks" | "remote_cache_size_mode" | "remote_file_size" | "remote_file_num"
-            | "remote_file_prefix" | "remote_cache_path" | "remote_config_custom" => {
+            "enable_remote"
+            | "num_remote_blocks"
+            | "remote_cache_size_mode"
+            | "remote_file_size"
+            | "remote_file_num"
+            | "remote_file_prefix"
+            | "remote_cache_path"
+            | "remote_config_custom" => {
                 if raw.is_unset() {
                     continue;
                 }
-                return Err(refuse("kvconnect's flexkv has no remote tier; for a shared remote tier use the lmcache connector with remote_url: redis://host:port"));
+                return Err(refuse(
+                    "kvconnect's flexkv has no remote tier; for a shared remote tier use the lmcache \
+                     connector with remote_url: redis://host:port",
+                ));
             }
             "enable_gds" | "num_gds_blocks" | "gds_cache_dir" => {
                 if raw.is_unset() || k == "num_gds_blocks" {
@@ -453,14 +482,17 @@ fn cache_config(
                 return Err(refuse("kvconnect has no GPU Direct Storage path"));
             }
             "tokens_per_block" => mapped.push(format!(
-                "cache_config.tokens_per_block (from {src}): the block size is the engine's, agreed by negotiation (--block-size)"
+                "cache_config.tokens_per_block (from {src}): the block size is the engine's, \
+                 agreed by negotiation (--block-size)"
             )),
             other => {
                 return Err(ConfigError::UnknownKey {
                     key: format!("cache_config.{other}"),
                     from: src.clone(),
                     hint: String::new(),
-                    known: "enable_cpu, num_cpu_blocks, enable_ssd, num_ssd_blocks, ssd_cache_dir, tokens_per_block, enable_remote, enable_gds and the remote_* and gds keys".to_owned(),
+                    known: "enable_cpu, num_cpu_blocks, enable_ssd, num_ssd_blocks, ssd_cache_dir, \
+                            tokens_per_block, enable_remote, enable_gds and the remote_* and gds keys"
+                        .to_owned(),
                 })
             }
         }
@@ -620,8 +652,8 @@ mod tests {
         let e = FlexkvConfig::resolve(&Map::new(), &env(&[("FLEXKV_CPU_CACHE_GB", "lots")])).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "flexkv setting 'cpu_cache_gb' = 'lots' (from environment variable FLEXKV_CPU_CACHE_GB) is invalid: \
-             expected a size in GB, a number from 0 to 1000000 (e.g. 4 or 0.5)"
+            "flexkv setting 'cpu_cache_gb' = 'lots' (from environment variable FLEXKV_CPU_CACHE_GB) is \
+             invalid: expected a size in GB, a number from 0 to 1000000 (e.g. 4 or 0.5)"
         );
         let e =
             FlexkvConfig::resolve(&extra(serde_json::json!({"cpu_cache_gb": -1})), &env(&[])).unwrap_err();

@@ -91,8 +91,8 @@ impl Engine {
             return Err(ConnectorError::config(
                 NAME,
                 format!(
-                    "the effective layout has {} KV cache groups (hybrid KV cache manager on); flexkv keeps one \
-                     block table per request: run with hybrid_kv_cache_manager=off",
+                    "the effective layout has {} KV cache groups (hybrid KV cache manager on); flexkv keeps \
+                     one block table per request: run with hybrid_kv_cache_manager=off",
                     eff.groups.len()
                 ),
             ));

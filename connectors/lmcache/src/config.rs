@@ -744,7 +744,8 @@ mod tests {
         let file = dir.path().join("lmcache.yaml");
         std::fs::write(
             &file,
-            "chunk_size: 64\nmax_local_cpu_size: 1.5\nsave_unfull_chunk: true\nlocal_disk: \"file:///tmp/lmc\"\nmax_local_disk_size: 2\n",
+            "chunk_size: 64\nmax_local_cpu_size: 1.5\nsave_unfull_chunk: true\n\
+             local_disk: \"file:///tmp/lmc\"\nmax_local_disk_size: 2\n",
         )
         .unwrap();
         let env = vec![
@@ -806,7 +807,11 @@ mod tests {
             "{log}"
         );
         assert!(
-            log.contains("INFO") && log.contains("py_enable_gc (from kv_connector_extra_config key 'py_enable_gc'): kvconnect has no Python runtime"),
+            log.contains("INFO")
+                && log.contains(
+                    "py_enable_gc (from kv_connector_extra_config key \
+                     'py_enable_gc'): kvconnect has no Python runtime"
+                ),
             "{log}"
         );
     }

@@ -30,17 +30,57 @@ pub enum Kind {
     Special,
 }
 
-const NO_SHARED_LOOKUP: &str =
-    "kvconnect's lmcache looks up its own tiers; for a cache shared by workers set remote_url: redis://host:port";
-const NO_CONTROLLER: &str = "kvconnect has no LMCache controller: `kvconnect up` supervises the workers and each worker serves GET /metrics and /health; remove enable_controller";
-const NO_P2P: &str = "kvconnect's lmcache does not share CPU tiers peer to peer; for a cache shared by workers set remote_url: redis://host:port, and for prefill-to-decode transfer put the nixl connector beside lmcache in a PdConnector";
-const NO_BLENDING: &str = "kvconnect's lmcache reuses prompt prefixes only (no CacheBlend of non-prefix chunks); remove enable_blending";
-const NO_GDS: &str =
-    "kvconnect has no GPU Direct Storage tier; for chunks on disk set local_disk: file:///path and max_local_disk_size";
-const NO_PLUGINS: &str = "kvconnect's lmcache loads no LMCache plugins; a storage backend of your own is a kvconnect connector plugin on KVCONNECT_PLUGIN_PATH (see docs/plugins.md, Write a plugin)";
-const SYSTEM_ALLOCATOR: &str =
-    "kvconnect takes the CPU tier's memory from the system allocator as chunks arrive (max_local_cpu_size caps it); no reservation, hugepages, NUMA binding or staged allocation";
-const NO_API_SERVER: &str = "kvconnect starts no LMCache API server: the worker's own HTTP port serves GET /metrics (cache hits per tier) and /health";
+const NO_SHARED_LOOKUP: &str = "kvconnect's lmcache looks up its own tiers; for a cache shared by workers \
+    set remote_url: redis://host:port";
+const NO_CONTROLLER: &str = "kvconnect has no LMCache controller: `kvconnect up` supervises the workers and \
+    each worker serves GET /metrics and /health; remove enable_controller";
+const NO_P2P: &str = "kvconnect's lmcache does not share CPU tiers peer to peer; for a cache shared by \
+    workers set remote_url: redis://host:port, and for prefill-to-decode transfer put the nixl \
+    connector beside lmcache in a PdConnector";
+const NO_BLENDING: &str = "kvconnect's lmcache reuses prompt prefixes only (no CacheBlend of \
+    non-prefix chunks); remove enable_blending";
+const NO_GDS: &str = "kvconnect has no GPU Direct Storage tier; for chunks on disk set local_disk: \
+    file:///path and max_local_disk_size";
+const NO_PLUGINS: &str = "kvconnect's lmcache loads no LMCache plugins; a storage backend of your own is a \
+    kvconnect connector plugin on KVCONNECT_PLUGIN_PATH (see docs/plugins.md, Write a plugin)";
+const SYSTEM_ALLOCATOR: &str = "kvconnect takes the CPU tier's memory from the system allocator as chunks \
+    arrive (max_local_cpu_size caps it); no reservation, hugepages, NUMA binding or staged allocation";
+const NO_API_SERVER: &str = "kvconnect starts no LMCache API server: the worker's own HTTP port serves \
+    GET /metrics (cache hits per tier) and /health";
+const NO_DECODE_CACHE: &str =
+    "kvconnect's lmcache stores prompt KV only; decode-time KV is not saved; remove save_decode_cache";
+const REMOTE_TIMEOUT: &str = "the remote tier's operations time out after remote_timeout_ms \
+    (default 200 ms) so a request never waits on a slow remote";
+const NO_RETRIEVE_PIPELINE: &str =
+    "chunks are read within the step that loads them; there is no separate retrieve pipeline";
+const CHUNK_HASH: &str = "chunk keys use kvconnect's fixed-seed chained hash, the same in every \
+    kvconnect process (keys are not LMCache's)";
+const STORE_LOCATION: &str =
+    "saves go to the CPU tier (evictions to disk) and, with remote_url, to the remote tier";
+const ONE_DISK_DIR: &str =
+    "each worker uses the one local_disk directory it is given; give each worker its own";
+const LOOKUP_TIMEOUT: &str =
+    "lookups of the local tiers do not wait; remote lookups time out after remote_timeout_ms";
+const NO_LOOKUP_SERVER: &str =
+    "the scheduler and worker halves share one store in the worker process; there is no lookup server";
+const DIRECT_LOOKUP: &str = "the scheduler half looks chunks up in the shared store directly";
+const NO_RPC_PORT: &str =
+    "the scheduler and worker halves share one store in the worker process; no RPC port is opened";
+const LMCACHE_V1: &str = "kvconnect's lmcache follows LMCache v1 (the engine \
+    LMCACHE_USE_EXPERIMENTAL selected); v0 keys are mapped";
+const KV_EVENTS: &str = "KV events (stored/removed per tier) are always produced for the host's take_events";
+const GATHER_KERNEL: &str = "device KV is copied by kvconnect's own gather kernel (feature cuda)";
+const REFERENCE_COUNTED: &str = "chunks held by a load are reference counted and released when the load ends";
+const BLENDING_ONLY: &str = "read by LMCache only with enable_blending, which kvconnect does not have";
+const NO_CXL: &str = "kvconnect has no CXL shared-memory tier; for chunks shared by workers \
+    set remote_url: redis://host:port";
+const NO_PRIORITY: &str = "kvconnect requests carry no priority (the API refuses `priority`), so every \
+    prompt is cached; remove priority_limit";
+const NO_MISS_SIMULATION: &str = "kvconnect's lmcache does not simulate misses; remove hit_miss_ratio";
+const NO_REMOTE_CONFIG: &str =
+    "give the settings in LMCACHE_CONFIG_FILE, LMCACHE_* variables or kv_connector_extra_config";
+const NO_HIDDEN_STATES: &str =
+    "kvconnect's lmcache caches KV only, no hidden states; remove enable_hidden_state_cache";
 const NO_PYTHON: &str = "kvconnect has no Python runtime";
 const STATS: &str =
     "chunk statistics are kvconnect_lmcache::stats() and the worker's /metrics (kvconnect_cache_* per tier)";
@@ -65,26 +105,26 @@ pub const KEYS: &[(&str, Kind)] = &[
     ("skip_last_n_tokens", Kind::Special),
     ("extra_config", Kind::Special),
     ("cache_policy", Kind::Special),
-    ("save_decode_cache", Kind::DefaultOnly(Default::False, "kvconnect's lmcache stores prompt KV only; decode-time KV is not saved; remove save_decode_cache")),
-    ("blocking_timeout_secs", Kind::Mapped("the remote tier's operations time out after remote_timeout_ms (default 200 ms) so a request never waits on a slow remote")),
-    ("pipelined_backend", Kind::Mapped("chunks are read within the step that loads them; there is no separate retrieve pipeline")),
-    ("pre_caching_hash_algorithm", Kind::Mapped("chunk keys use kvconnect's fixed-seed chained hash, the same in every kvconnect process (keys are not LMCache's)")),
+    ("save_decode_cache", Kind::DefaultOnly(Default::False, NO_DECODE_CACHE)),
+    ("blocking_timeout_secs", Kind::Mapped(REMOTE_TIMEOUT)),
+    ("pipelined_backend", Kind::Mapped(NO_RETRIEVE_PIPELINE)),
+    ("pre_caching_hash_algorithm", Kind::Mapped(CHUNK_HASH)),
     ("retrieve_locations", Kind::Mapped("loads read the CPU tier, then the disk tier, then the remote tier")),
-    ("store_location", Kind::Mapped("saves go to the CPU tier (evictions to disk) and, with remote_url, to the remote tier")),
-    ("local_disk_path_sharding", Kind::Mapped("each worker uses the one local_disk directory it is given; give each worker its own")),
+    ("store_location", Kind::Mapped(STORE_LOCATION)),
+    ("local_disk_path_sharding", Kind::Mapped(ONE_DISK_DIR)),
     ("cost_aware_half_life_seconds", Kind::Mapped("eviction is least recently used")),
     ("cost_aware_ewma_alpha", Kind::Mapped("eviction is least recently used")),
     ("enable_async_loading", Kind::Mapped("loads complete within the engine step that needs them")),
-    ("lookup_timeout_ms", Kind::Mapped("lookups of the local tiers do not wait; remote lookups time out after remote_timeout_ms")),
-    ("lookup_server_worker_ids", Kind::Mapped("the scheduler and worker halves share one store in the worker process; there is no lookup server")),
-    ("enable_scheduler_bypass_lookup", Kind::Mapped("the scheduler half looks chunks up in the shared store directly")),
-    ("lmcache_rpc_port", Kind::Mapped("the scheduler and worker halves share one store in the worker process; no RPC port is opened")),
+    ("lookup_timeout_ms", Kind::Mapped(LOOKUP_TIMEOUT)),
+    ("lookup_server_worker_ids", Kind::Mapped(NO_LOOKUP_SERVER)),
+    ("enable_scheduler_bypass_lookup", Kind::Mapped(DIRECT_LOOKUP)),
+    ("lmcache_rpc_port", Kind::Mapped(NO_RPC_PORT)),
     ("use_native", Kind::Mapped("kvconnect's lmcache is native Rust")),
-    ("use_experimental", Kind::Mapped("kvconnect's lmcache follows LMCache v1 (the engine LMCACHE_USE_EXPERIMENTAL selected); v0 keys are mapped")),
-    ("enable_kv_events", Kind::Mapped("KV events (stored/removed per tier) are always produced for the host's take_events")),
-    ("use_gpu_connector_v3", Kind::Mapped("device KV is copied by kvconnect's own gather kernel (feature cuda)")),
-    ("pin_timeout_sec", Kind::Mapped("chunks held by a load are reference counted and released when the load ends")),
-    ("pin_check_interval_sec", Kind::Mapped("chunks held by a load are reference counted and released when the load ends")),
+    ("use_experimental", Kind::Mapped(LMCACHE_V1)),
+    ("enable_kv_events", Kind::Mapped(KV_EVENTS)),
+    ("use_gpu_connector_v3", Kind::Mapped(GATHER_KERNEL)),
+    ("pin_timeout_sec", Kind::Mapped(REFERENCE_COUNTED)),
+    ("pin_check_interval_sec", Kind::Mapped(REFERENCE_COUNTED)),
     ("audit_actual_remote_url", Kind::Mapped("no audit backend; remote_url names the one remote")),
     ("app_id", Kind::Mapped("no remote configuration service is asked")),
     ("mp_host", Kind::Mapped("no multi-process server is started; the worker serves its own engine")),
@@ -113,14 +153,14 @@ pub const KEYS: &[(&str, Kind)] = &[
     ("script_allowed_imports", Kind::Mapped(NO_API_SERVER)),
     // Features kvconnect's lmcache does not have.
     ("enable_blending", Kind::DefaultOnly(Default::False, NO_BLENDING)),
-    ("blend_recompute_ratios", Kind::Mapped("read by LMCache only with enable_blending, which kvconnect does not have")),
-    ("blend_recompute_ratio", Kind::Mapped("read by LMCache only with enable_blending, which kvconnect does not have")),
-    ("blend_thresholds", Kind::Mapped("read by LMCache only with enable_blending, which kvconnect does not have")),
-    ("blend_check_layers", Kind::Mapped("read by LMCache only with enable_blending, which kvconnect does not have")),
-    ("blend_min_tokens", Kind::Mapped("read by LMCache only with enable_blending, which kvconnect does not have")),
-    ("blend_special_str", Kind::Mapped("read by LMCache only with enable_blending, which kvconnect does not have")),
-    ("blend_separator", Kind::Mapped("read by LMCache only with enable_blending, which kvconnect does not have")),
-    ("blend_add_special_in_precomp", Kind::Mapped("read by LMCache only with enable_blending, which kvconnect does not have")),
+    ("blend_recompute_ratios", Kind::Mapped(BLENDING_ONLY)),
+    ("blend_recompute_ratio", Kind::Mapped(BLENDING_ONLY)),
+    ("blend_thresholds", Kind::Mapped(BLENDING_ONLY)),
+    ("blend_check_layers", Kind::Mapped(BLENDING_ONLY)),
+    ("blend_min_tokens", Kind::Mapped(BLENDING_ONLY)),
+    ("blend_special_str", Kind::Mapped(BLENDING_ONLY)),
+    ("blend_separator", Kind::Mapped(BLENDING_ONLY)),
+    ("blend_add_special_in_precomp", Kind::Mapped(BLENDING_ONLY)),
     ("enable_p2p", Kind::DefaultOnly(Default::False, NO_P2P)),
     ("p2p_host", Kind::Mapped("read by LMCache only with enable_p2p")),
     ("p2p_init_ports", Kind::Mapped("read by LMCache only with enable_p2p")),
@@ -146,12 +186,12 @@ pub const KEYS: &[(&str, Kind)] = &[
     ("cufile_buffer_size", Kind::Mapped("read by LMCache only with gds_path")),
     ("use_gds", Kind::Mapped("read by LMCache only with gds_path")),
     ("gds_backend", Kind::Mapped("read by LMCache only with gds_path")),
-    ("maru_path", Kind::DefaultOnly(Default::Unset, "kvconnect has no CXL shared-memory tier; for chunks shared by workers set remote_url: redis://host:port")),
+    ("maru_path", Kind::DefaultOnly(Default::Unset, NO_CXL)),
     ("maru_pool_size", Kind::Mapped("read by LMCache only with maru_path")),
-    ("priority_limit", Kind::DefaultOnly(Default::Unset, "kvconnect requests carry no priority (the API refuses `priority`), so every prompt is cached; remove priority_limit")),
-    ("hit_miss_ratio", Kind::DefaultOnly(Default::Unset, "kvconnect's lmcache does not simulate misses; remove hit_miss_ratio")),
-    ("remote_config_url", Kind::DefaultOnly(Default::Unset, "give the settings in LMCACHE_CONFIG_FILE, LMCACHE_* variables or kv_connector_extra_config")),
-    ("enable_hidden_state_cache", Kind::DefaultOnly(Default::False, "kvconnect's lmcache caches KV only, no hidden states; remove enable_hidden_state_cache")),
+    ("priority_limit", Kind::DefaultOnly(Default::Unset, NO_PRIORITY)),
+    ("hit_miss_ratio", Kind::DefaultOnly(Default::Unset, NO_MISS_SIMULATION)),
+    ("remote_config_url", Kind::DefaultOnly(Default::Unset, NO_REMOTE_CONFIG)),
+    ("enable_hidden_state_cache", Kind::DefaultOnly(Default::False, NO_HIDDEN_STATES)),
     ("max_hidden_state_cpu_size", Kind::Mapped("read by LMCache only with enable_hidden_state_cache")),
     ("hidden_state_layers", Kind::Mapped("read by LMCache only with enable_hidden_state_cache")),
     ("hidden_states_retrieve_mode", Kind::Mapped("read by LMCache only with enable_hidden_state_cache")),

@@ -321,7 +321,8 @@ fn check_role(given: Option<KvRole>, pd: &PdRequest) -> Result<(), ConnectorErro
         Some(r) if r != want && r != KvRole::Both => Err(ConnectorError::config(
             "lmcache",
             format!(
-                "kv_role is {} but the LMCache P/D settings say pd_role: {} ({}); a {} is {}: make them agree",
+                "kv_role is {} but the LMCache P/D settings say pd_role: \
+                 {} ({}); a {} is {}: make them agree",
                 role_name(r),
                 pd.role.name(),
                 pd.enabled_by,
@@ -378,9 +379,11 @@ mod tests {
 
     #[test]
     fn an_lmcache_child_is_switched_off_and_nixl_added_when_missing() {
-        let cfg = KvTransferConfig::from_json(
-            r#"{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"LMCacheConnectorV1","kv_connector_extra_config":{"enable_pd":true,"pd_role":"sender"}}]}}"#,
-        )
+        let cfg = KvTransferConfig::from_json(concat!(
+            r#"{"kv_connector":"PdConnector","#,
+            r#""kv_connector_extra_config":{"connectors":[{"kv_connector":"LMCacheConnectorV1","#,
+            r#""kv_connector_extra_config":{"enable_pd":true,"pd_role":"sender"}}]}}"#
+        ))
         .unwrap();
         let r = rewrite(&cfg, &[]).unwrap().unwrap();
         let children = r.config.kv_connector_extra_config["connectors"].as_array().unwrap();
@@ -394,7 +397,10 @@ mod tests {
 
     #[test]
     fn the_refusal_says_p_d_is_nixl_beside_lmcache_with_the_json() {
-        let (_d, env) = env_file("local_cpu: False\nsave_unfull_chunk: true\nenable_pd: True\ntransfer_channel: \"nixl\"\npd_role: \"sender\"\n");
+        let (_d, env) = env_file(
+            "local_cpu: False\nsave_unfull_chunk: true\nenable_pd: True\n\
+             transfer_channel: \"nixl\"\npd_role: \"sender\"\n",
+        );
         let e = crate::config::resolve(&serde_json::Map::new(), &env).unwrap_err().to_string();
         assert!(e.contains("in kvconnect, P/D is the nixl connector beside lmcache in a PdConnector"), "{e}");
         assert!(

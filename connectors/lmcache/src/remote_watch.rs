@@ -151,8 +151,8 @@ impl Watch {
         let mut first = true;
         while !self.stop.load(Ordering::Relaxed) {
             if let Err(e) = self.subscribed(&mut warned, first) {
-                tracing::debug!(url = %self.link.url, "lmcache: the remote tier's key events are not received ({e}); \
-                    subscribing again in {:?}", self.link.retry);
+                tracing::debug!(url = %self.link.url, "lmcache: the remote tier's key events are not \
+                    received ({e}); subscribing again in {:?}", self.link.retry);
                 let until = Instant::now() + self.link.retry;
                 while Instant::now() < until && !self.stop.load(Ordering::Relaxed) {
                     std::thread::sleep(POLL.min(self.link.retry));
@@ -209,9 +209,9 @@ impl Watch {
                     return;
                 }
                 format!(
-                    "its notify-keyspace-events is '{setting}', which lacks '{missing}'; run `redis-cli -u {} \
-                        CONFIG SET notify-keyspace-events Exeg` (or start redis-server with \
-                        --notify-keyspace-events Exeg)",
+                    "its notify-keyspace-events is '{setting}', which lacks '{missing}'; run \
+                     `redis-cli -u {} CONFIG SET notify-keyspace-events Exeg` (or start redis-server \
+                     with --notify-keyspace-events Exeg)",
                     self.link.url
                 )
             }
@@ -248,8 +248,8 @@ impl Watch {
             self.changes.removed(*k);
         }
         if !gone.is_empty() {
-            tracing::info!(url = %self.link.url, "lmcache: after reconnecting, {} chunk(s) this worker wrote are no \
-                longer on the remote tier; published as removed", gone.len());
+            tracing::info!(url = %self.link.url, "lmcache: after reconnecting, {} chunk(s) this worker wrote \
+                are no longer on the remote tier; published as removed", gone.len());
         }
         Ok(())
     }

@@ -125,8 +125,10 @@ impl LmcacheWorker {
                         tiers.push(tier);
                     }
                     Some((b, _)) => {
-                        tracing::warn!(req = %spec.req, chunk = ?c.key, got = b.as_slice().len(), want, "lmcache: \
-                            stored chunk has the wrong length; not loaded");
+                        tracing::warn!(
+                            req = %spec.req, chunk = ?c.key, got = b.as_slice().len(), want,
+                            "lmcache: stored chunk has the wrong length; not loaded"
+                        );
                         self.store.count_miss();
                         failed_at = Some(c.start);
                         break;
@@ -248,7 +250,10 @@ impl LmcacheWorker {
         for f in &self.fetched {
             let (loaded_to, why) = crate::device_kv::load(dkv, &self.layout, &f.spec, &f.chunks);
             if let Some(why) = why {
-                tracing::warn!(req = %f.spec.req, "lmcache: device load failed from token {loaded_to}: {why}");
+                tracing::warn!(
+                    req = %f.spec.req,
+                    "lmcache: device load failed from token {loaded_to}: {why}"
+                );
                 failures.push((f.spec.clone(), loaded_to));
             }
         }
