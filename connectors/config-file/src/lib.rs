@@ -286,7 +286,9 @@ mod tests {
     fn reads_yaml_scalars_lists_and_nesting_with_lines() {
         let f = parse(
             "p.yaml",
-            "# LMCache prefiller\nlocal_cpu: False\nsave_unfull_chunk: true  # keep partial chunks\n\nenable_pd: True\npd_role: \"sender\"\npd_buffer_size: 1073741824 # 1GB\nnixl_backends: [UCX]\nremote_serde: NULL\nlocal_device: \"file://local_disk/\"\nextra_config:\n  a: 1\n",
+            "# LMCache prefiller\nlocal_cpu: False\nsave_unfull_chunk: true  # keep partial chunks\n\n\
+             enable_pd: True\npd_role: \"sender\"\npd_buffer_size: 1073741824 # 1GB\nnixl_backends: [UCX]\n\
+             remote_serde: NULL\nlocal_device: \"file://local_disk/\"\nextra_config:\n  a: 1\n",
         )
         .unwrap();
         assert_eq!(f.format, Format::Yaml);

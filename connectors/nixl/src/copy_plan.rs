@@ -77,8 +77,8 @@ fn inner_order(g: &Geometry) -> Vec<Dim> {
 }
 
 /// Whether every plan between these geometries must adapt on receive (H/N/C order as the
-/// bytes are, or block shape, differ), whatever the request. A plan can also adapt for one request only: one whose
-/// first token to load is not on a block boundary.
+/// bytes are, or block shape, differ), whatever the request. A plan can also adapt for one request
+/// only: one whose first token to load is not on a block boundary.
 pub fn layouts_adapt(peer: &Geometry, own: &Geometry) -> bool {
     // Compared over all tensor-parallel ranks: how the heads are split is not adapting.
     let whole = |g: &Geometry| BlockShape { heads: g.total_heads(), ..g.shape() };
@@ -827,7 +827,13 @@ mod tests {
             CopyPlan::build(peer, own, &groups, &load(vec![0], vec![0], 0, 4)).unwrap_err().to_string()
         };
         let e = refusal(&ranked(2, KvLayout::HND), &ranked(1, KvLayout::NHD));
-        assert!(e.starts_with("not implemented: request r: loading tokens 0..4 across tensor-parallel ranks (producer 2 rank(s), this engine 1)"), "{e}");
+        assert!(
+            e.starts_with(
+                "not implemented: request r: loading tokens 0..4 across tensor-parallel ranks \
+                 (producer 2 rank(s), this engine 1)"
+            ),
+            "{e}"
+        );
         // Opaque blocks whose inner order is unknown are never sliced.
         let opaque = |g: Geometry| g.with_opaque_blocks(true);
         let e = refusal(&opaque(ranked(2, KvLayout::HND)), &opaque(ranked(1, KvLayout::HND)));

@@ -6,14 +6,15 @@
 //! never comes are freed when their lease (`kv_lease_duration`, renewed by heartbeats and
 //! reads) expires.
 //!
-//! Backends (`transport`: one file each, one registration table, one trait): `shm` (same host; decode maps prefill's shared-memory regions read-only and
-//! copies coalesced runs), `tcp` (any two hosts; blocks streamed over prefill's listener).
-//! `nixl` (NVIDIA's NIXL library over UCX through `nixl-sys`; any two hosts; decode READs the
-//! producer's registered regions and notifies it through NIXL; the library is found at run
-//! time, see `nixl_lib`; with feature `cuda`, device KV regions are registered as VRAM and
-//! read VRAM to VRAM when both sides' KV is in GPU memory; the probe that checks a NIXL
-//! build can is `kvconnect-bench`'s). `cuda_ipc` (feature `cuda`; same host, device KV
-//! regions): decode opens prefill's CUDA IPC handles once and copies each request with one gather kernel.
+//! Backends (`transport`: one file each, one registration table, one trait): `shm` (same host;
+//! decode maps prefill's shared-memory regions read-only and copies coalesced runs), `tcp` (any two
+//! hosts; blocks streamed over prefill's listener). `nixl` (NVIDIA's NIXL library over UCX through
+//! `nixl-sys`; any two hosts; decode READs the producer's registered regions and notifies it
+//! through NIXL; the library is found at run time, see `nixl_lib`; with feature `cuda`, device KV
+//! regions are registered as VRAM and read VRAM to VRAM when both sides' KV is in GPU memory; the
+//! probe that checks a NIXL build can is `kvconnect-bench`'s). `cuda_ipc` (feature `cuda`; same
+//! host, device KV regions): decode opens prefill's CUDA IPC handles once and copies each request
+//! with one gather kernel.
 //!
 //! The host side: it sets `side_channel_host`/`side_channel_port` and the data-plane secret
 //! in `kv_connector_extra_config`, as the capabilities ask (`needs_side_channel`,

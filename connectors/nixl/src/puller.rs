@@ -274,7 +274,8 @@ impl Link<'_> {
         let answer = match first {
             Err(closed) if kept => {
                 tracing::debug!(engine = %self.peer.meta.engine_id, "nixl: producer engine '{}' closed a \
-                    kept connection before answering ({closed}); asking again on a new one", self.peer.meta.engine_id);
+                    kept connection before answering ({closed}); asking again on a new one",
+                    self.peer.meta.engine_id);
                 self.close();
                 self.ask(msg)?
             }

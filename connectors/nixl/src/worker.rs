@@ -462,8 +462,11 @@ impl WorkerConnector for NixlWorker {
                     false
                 }
                 Err(e) => {
-                    tracing::warn!(request = %load.request, engine = %load.remote_engine_id, side_channel = %load.remote_side_channel, "nixl: \
-                        loading request {} failed: {e}", load.request);
+                    tracing::warn!(
+                        request = %load.request, engine = %load.remote_engine_id,
+                        side_channel = %load.remote_side_channel,
+                        "nixl: loading request {} failed: {e}", load.request
+                    );
                     true
                 }
             };
@@ -534,8 +537,10 @@ impl WorkerConnector for NixlWorker {
         let mem = self.memory()?;
         let mut info = PeerInfo::from_envelope(peer, mem.geometry(), &self.groups)?;
         self.transport()?.admit(&info, mem.geometry(), &lock(&self.peers))?;
-        tracing::debug!(engine = %info.meta.engine_id, side_channel = %info.side_channel, addr = %info.addr, "nixl: \
-            peer registered");
+        tracing::debug!(
+            engine = %info.meta.engine_id, side_channel = %info.side_channel, addr = %info.addr,
+            "nixl: peer registered"
+        );
         self.handshakes += 1;
         info.generation = self.handshakes;
         lock(&self.peers).insert(info.key(), Arc::new(info));

@@ -112,7 +112,8 @@ fn save_fanout(size: &Size) {
         },
     );
     println!(
-        "RATIO save_kv_layer x {LAYERS} layers, {BLOCKS} blocks, 2 no-op children: composite vs the children called directly: {}; {}",
+        "RATIO save_kv_layer x {LAYERS} layers, {BLOCKS} blocks, 2 no-op children: composite vs \
+         the children called directly: {}; {}",
         p.summary_per(steps, "step"),
         m.finish()
     );
@@ -156,7 +157,8 @@ fn meta_envelope(size: &Size) {
         },
     );
     println!(
-        "RATIO step metadata envelope, 2 children x 4 KiB: build + encode + decode + split vs cloning the bytes: {}; {}",
+        "RATIO step metadata envelope, 2 children x 4 KiB: \
+         build + encode + decode + split vs cloning the bytes: {}; {}",
         p.summary_per(steps, "step"),
         m.finish()
     );

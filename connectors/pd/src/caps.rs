@@ -365,7 +365,8 @@ mod props {
         fn combine_is_the_intersection_of_the_children(children in proptest::collection::vec(child(), 1..4)) {
             let named: Vec<(String, Capabilities)> =
                 children.iter().enumerate().map(|(i, c)| (format!("c{i}"), c.clone())).collect();
-            let hard = |l: KvLayout| children.iter().filter(|c| c.adapt.is_none()).all(|c| c.layout.accepts(l));
+            let hard =
+                |l: KvLayout| children.iter().filter(|c| c.adapt.is_none()).all(|c| c.layout.accepts(l));
             let some_layout = KvLayout::all().into_iter().any(hard);
             let some_memory = [MemoryKind::Host, MemoryKind::Device, MemoryKind::Disk]
                 .iter()

@@ -127,28 +127,32 @@ mod tests {
         ))
         .unwrap_err();
         assert!(e.to_string().contains("entry 0 is \"nixl\""), "{e}");
-        let e = PdConfig::from_config(&cfg(
-            r#"{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_role":"kv_both"}]}}"#,
-        ))
+        let e = PdConfig::from_config(&cfg(concat!(
+            r#"{"kv_connector":"PdConnector","#,
+            r#""kv_connector_extra_config":{"connectors":[{"kv_role":"kv_both"}]}}"#
+        )))
         .unwrap_err();
         assert!(e.to_string().contains("child 0") && e.to_string().contains("kv_connector"), "{e}");
-        let e = PdConfig::from_config(&cfg(
-            r#"{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"a"}],"lookup":"max"}}"#,
-        ))
+        let e = PdConfig::from_config(&cfg(concat!(
+            r#"{"kv_connector":"PdConnector","#,
+            r#""kv_connector_extra_config":{"connectors":[{"kv_connector":"a"}],"lookup":"max"}}"#
+        )))
         .unwrap_err();
         assert!(e.to_string().contains("\"max\"") && e.to_string().contains("first_hit"), "{e}");
-        let e = PdConfig::from_config(&cfg(
-            r#"{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"a"}],"conectors":[]}}"#,
-        ))
+        let e = PdConfig::from_config(&cfg(concat!(
+            r#"{"kv_connector":"PdConnector","#,
+            r#""kv_connector_extra_config":{"connectors":[{"kv_connector":"a"}],"conectors":[]}}"#
+        )))
         .unwrap_err();
         assert!(e.to_string().contains("'conectors'"), "{e}");
     }
 
     #[test]
     fn sum_lookup_is_read() {
-        let c = PdConfig::from_config(&cfg(
-            r#"{"kv_connector":"PdConnector","kv_connector_extra_config":{"connectors":[{"kv_connector":"a"}],"lookup":"sum"}}"#,
-        ))
+        let c = PdConfig::from_config(&cfg(concat!(
+            r#"{"kv_connector":"PdConnector","#,
+            r#""kv_connector_extra_config":{"connectors":[{"kv_connector":"a"}],"lookup":"sum"}}"#
+        )))
         .unwrap();
         assert_eq!(c.lookup, LookupMode::Sum);
     }

@@ -475,7 +475,8 @@ mod tests {
         let f = PdFactory::new(Arc::new(FakeResolver::default().with(a).with(b)));
         let inner = pd(&["a", "b"], "");
         let outer = format!(
-            r#"{{"kv_connector":"PdConnector","kv_connector_extra_config":{{"connectors":[{inner},{{"kv_connector":"b"}}]}}}}"#
+            "{{\"kv_connector\":\"PdConnector\",\"kv_connector_extra_config\":{{\"connectors\":[{inner},\
+             {{\"kv_connector\":\"b\"}}]}}}}"
         );
         let leaves = f.leaf_capabilities(&KvTransferConfig::from_json(&outer).unwrap(), None).unwrap();
         assert_eq!(leaves.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["a", "b", "b#2"]);

@@ -216,9 +216,9 @@ mod tests {
         assert_eq!(
             MetaEnvelope::decode(&v.encode(), &names()).unwrap_err().to_string(),
             format!(
-                "connector metadata does not fit this composite: pd metadata envelope version mismatch: this \
-                 worker speaks version {META_VERSION}, the scheduler speaks version 9 — run the same kvconnect \
-                 release on both"
+                "connector metadata does not fit this composite: pd metadata envelope version \
+                 mismatch: this worker speaks version {META_VERSION}, the scheduler speaks version 9 — \
+                 run the same kvconnect release on both"
             )
         );
     }

@@ -362,7 +362,9 @@ mod props {
                 delayed: masks
                     .iter()
                     .enumerate()
-                    .map(|(r, m)| (RequestId(format!("r{r}")), (0..3).filter(|c| m & (1 << c) != 0).collect()))
+                    .map(|(r, m)| {
+                        (RequestId(format!("r{r}")), (0..3).filter(|c| m & (1 << c) != 0).collect())
+                    })
                     .collect::<BTreeMap<_, _>>(),
                 loads: BTreeMap::new(),
             };

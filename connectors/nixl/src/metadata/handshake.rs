@@ -265,8 +265,8 @@ impl PeerInfo {
         PeerKey { engine: self.meta.engine_id.clone(), side_channel: self.side_channel.clone() }
     }
 
-    /// Reads the host's handshake envelope (ARCHITECTURE.md §6) and checks the peer against this engine's geometry and
-    /// the host's adaptation plan.
+    /// Reads the host's handshake envelope (ARCHITECTURE.md §6) and checks the peer against this
+    /// engine's geometry and the host's adaptation plan.
     pub fn from_envelope(
         env: &Value,
         own: &Geometry,
@@ -284,7 +284,8 @@ impl PeerInfo {
         })?;
         if meta.engine_id != engine_id {
             return Err(bad(format!(
-                "peer handshake envelope names engine '{engine_id}' but its nixl metadata is from engine '{}'",
+                "peer handshake envelope names engine '{engine_id}' but its \
+                 nixl metadata is from engine '{}'",
                 meta.engine_id
             )));
         }
@@ -498,8 +499,9 @@ mod tests {
         assert_eq!(
             e,
             format!(
-                "connector 'nixl': peer engine 'prefill-0': nixl wire version mismatch: this consumer speaks \
-                 version {PROTOCOL_VERSION}, the producer speaks version {} — run the same kvconnect release on both",
+                "connector 'nixl': peer engine 'prefill-0': nixl wire version mismatch: this \
+                 consumer speaks version {PROTOCOL_VERSION}, the producer speaks version {} — run \
+                 the same kvconnect release on both",
                 PROTOCOL_VERSION + 1
             )
         );

@@ -251,7 +251,10 @@ mod tests {
         assert_eq!(Backend::default().name(), "shm");
         let e = Backend::parse("rdma").unwrap_err().to_string();
         assert!(
-            e.ends_with("unknown backend 'rdma' in kv_connector_extra_config.backend; use \"shm\" (same host), \"tcp\" (any hosts), \"nixl\" or \"cuda_ipc\" (same host, GPU KV)"),
+            e.ends_with(
+                "unknown backend 'rdma' in kv_connector_extra_config.backend; use \"shm\" (same host), \
+                 \"tcp\" (any hosts), \"nixl\" or \"cuda_ipc\" (same host, GPU KV)"
+            ),
             "{e}"
         );
         assert_eq!(Backend::names_where(|b| b.across_tp), "shm and tcp");

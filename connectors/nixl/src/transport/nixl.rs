@@ -16,7 +16,8 @@
 //! into the coalesced runs). Adapting plans, which read into a staging buffer of their own,
 //! and regions too large to list build their descriptors per request.
 
-#![allow(unsafe_code)] // NIXL registration of the KV regions and of staging buffers (the NIXL bindings' unsafe contract).
+// NIXL registration of the KV regions and of staging buffers (the NIXL bindings' unsafe contract).
+#![allow(unsafe_code)]
 
 use super::{Backend, BackendInfo, Completion, Link, Setup, Started, Transport};
 use crate::config::NAME;
