@@ -240,7 +240,8 @@ impl ShmSegment {
                 op: "shm_open",
                 source: io::Error::new(
                     io::ErrorKind::AlreadyExists,
-                    "this process already holds a segment of that name (two engines with the same engine_id?)",
+                    "this process already holds a segment of that name (two \
+                     engines with the same engine_id?)",
                 ),
             });
         }

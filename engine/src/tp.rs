@@ -77,7 +77,10 @@ mod tests {
             let err = engine(tp, KvLayout::HND).unwrap_err().to_string();
             assert_eq!(
                 err,
-                format!("tp_size {tp} does not divide the model's 2 KV heads: each rank holds an equal share of them; use a tp_size that divides 2")
+                format!(
+                    "tp_size {tp} does not divide the model's 2 KV heads: each rank holds an equal share of \
+                     them; use a tp_size that divides 2"
+                )
             );
         }
     }

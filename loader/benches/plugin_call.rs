@@ -213,8 +213,13 @@ fn main() {
             "goal": "plugin call < 40 ns",
             "verdict": kvconnect_support::stats::verdict(bare.pairs, bare_plugin_ns < 40.0),
         },
-        "open_check_already_mapped_us": {"q1": mapped.q1 * 1e6, "median": mapped.median * 1e6, "q3": mapped.q3 * 1e6},
-        "open_check_first_open_us": {"q1": first.q1 * 1e6, "median": first.median * 1e6, "q3": first.q3 * 1e6, "copies": size.fresh_opens},
+        "open_check_already_mapped_us": {
+            "q1": mapped.q1 * 1e6, "median": mapped.median * 1e6, "q3": mapped.q3 * 1e6,
+        },
+        "open_check_first_open_us": {
+            "q1": first.q1 * 1e6, "median": first.median * 1e6, "q3": first.q3 * 1e6,
+            "copies": size.fresh_opens,
+        },
         "machine": machine.finish(),
     });
     println!("{}", serde_json::to_string_pretty(&out).expect("JSON"));

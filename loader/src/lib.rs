@@ -93,8 +93,8 @@ pub enum LoadError {
     /// Wrong magic.
     #[error(
         "plugin {path}: its descriptor starts with {found:#018x}, not kvconnect's magic {expected:#018x} \
-        (\"KVCONNEC\"), so it is not a kvconnect plugin or predates ABI 1 — rebuild it against kvconnect-api \
-        {host_sdk}"
+        (\"KVCONNEC\"), so it is not a kvconnect plugin or predates ABI 1 — rebuild it against \
+        kvconnect-api {host_sdk}"
     )]
     BadMagic {
         /// The file.
@@ -107,8 +107,8 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// Another ABI major.
-    #[error("plugin {path}: built for kvconnect ABI {plugin_major}.x ({}), this host speaks {host_major}.x — \
-        {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
+    #[error("plugin {path}: built for kvconnect ABI {plugin_major}.x ({}), this host speaks \
+        {host_major}.x — {}", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     AbiMajor {
         /// The file.
         path: String,
@@ -173,8 +173,8 @@ pub enum LoadError {
     /// A layout fingerprint that is not ABI 1's.
     #[error("plugin {path}: ABI layout fingerprint {found:#018x} is not the {expected:#018x} that ABI \
         {host_major}.x has on this host (plugin built for ABI {plugin_major}.{plugin_minor} with {} by \
-        {plugin_rustc}): it was built for another target or against a modified kvconnect-api or header — {} \
-        for this target", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
+        {plugin_rustc}): it was built for another target or against a modified kvconnect-api or \
+        header — {} for this target", built_with(.plugin_sdk), rebuild(.plugin_sdk, .host_sdk))]
     Fingerprint {
         /// The file.
         path: String,
@@ -196,7 +196,10 @@ pub enum LoadError {
         host_sdk: String,
     },
     /// A required entry point is null.
-    #[error("plugin {path}: its {what} has no `{entry}` entry, which ABI {major}.0 requires — {}", rebuild(.plugin_sdk, .host_sdk))]
+    #[error(
+        "plugin {path}: its {what} has no `{entry}` entry, which ABI {major}.0 requires — {}",
+        rebuild(.plugin_sdk, .host_sdk)
+    )]
     MissingEntry {
         /// The plugin's SDK version (`kvconnect.h M.N` for a C plugin).
         plugin_sdk: String,

@@ -52,9 +52,9 @@ mod tests {
             &json!([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]),
         );
         assert_eq!(p.unwrap(), "system: be brief\nuser: hi\nassistant: ");
-        let parts = chat_prompt(
-            &json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]),
-        );
+        let parts = chat_prompt(&json!([{"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "text", "text": "b"},
+        ]}]));
         assert_eq!(parts.unwrap(), "user: ab\nassistant: ");
         assert_eq!(render(&json!([{"role": "user", "content": "hi"}]), false).unwrap(), "user: hi\n");
     }

@@ -383,7 +383,8 @@ mod tests {
 
     #[test]
     fn refusal_fields_come_from_the_indented_diff_lines() {
-        let r = "prefill engine 'p' and decode engine 'd' have incompatible KV caches; no KV was transferred:\n  hma: prefill=off, decode=on\n  block_size: 16 vs 32";
+        let r = "prefill engine 'p' and decode engine 'd' have incompatible KV caches; no KV was \
+                 transferred:\n  hma: prefill=off, decode=on\n  block_size: 16 vs 32";
         assert_eq!(refusal_fields(r), vec!["hma", "block_size"]);
         assert_eq!(refusal_fields("peer gone"), vec!["unknown"]);
     }

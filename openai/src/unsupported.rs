@@ -140,7 +140,8 @@ mod tests {
     #[test]
     fn defaults_pass_and_anything_else_is_refused_with_why() {
         let ok = json!({"logit_bias": {}, "presence_penalty": 0, "repetition_penalty": 1, "tools": [],
-            "tool_choice": "none", "response_format": {"type": "text"}, "suffix": null, "modalities": ["text"]});
+            "tool_choice": "none", "response_format": {"type": "text"}, "suffix": null,
+            "modalities": ["text"]});
         assert!(refuse(ok.as_object().unwrap()).is_ok());
         for r in REFUSED {
             let e = refuse(json!({r.name: {"asks": "for something"}}).as_object().unwrap()).unwrap_err();

@@ -110,7 +110,10 @@ impl Merge {
     }
 
     fn chunk(&self, choices: Vec<Value>) -> Value {
-        let mut c = json!({"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": choices});
+        let mut c = json!({
+            "id": self.id, "object": self.object, "created": self.created, "model": self.model,
+            "choices": choices,
+        });
         if self.include_usage {
             c["usage"] = Value::Null;
         }
@@ -323,14 +326,16 @@ mod tests {
         let tok = |t: &str| {
             format!(
                 "data: {}\n\n",
-                json!({"id": "sub", "object": "text_completion", "model": "m", "choices": [{"index": 0, "text": t, "token_ids": [1], "finish_reason": null}]})
+                json!({"id": "sub", "object": "text_completion", "model": "m",
+                    "choices": [{"index": 0, "text": t, "token_ids": [1], "finish_reason": null}]})
             )
         };
         let fin = |p: u64| {
             format!(
                 "data: {}\n\n",
                 json!({"id": "sub", "object": "text_completion", "model": "m",
-            "choices": [{"index": 0, "text": "", "finish_reason": "stop"}], "usage": {"prompt_tokens": p, "completion_tokens": 1}, "kvconnect": {}})
+                    "choices": [{"index": 0, "text": "", "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": p, "completion_tokens": 1}, "kvconnect": {}})
             )
         };
         let mut m = Merge::new("pd".into(), 9, 2, 1, true);

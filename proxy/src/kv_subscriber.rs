@@ -36,7 +36,10 @@ pub async fn follow(router: Arc<KvRouter>, source: EventSource) {
         match sub.connect(&source.endpoint).await {
             Ok(()) => break,
             Err(e) => {
-                tracing::debug!(worker = %source.name, "KV events: cannot connect to {}: {e}; retrying", source.endpoint);
+                tracing::debug!(
+                    worker = %source.name,
+                    "KV events: cannot connect to {}: {e}; retrying", source.endpoint
+                );
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
         }

@@ -436,7 +436,8 @@ async fn stream_decode(
                 Some(Ok(b)) => b,
                 Some(Err(e)) => {
                     failed = true;
-                    let ev = json!({"error": {"message": format!("decode worker's stream broke: {e}"), "type": "service_unavailable"}});
+                    let message = format!("decode worker's stream broke: {e}");
+                    let ev = json!({"error": {"message": message, "type": "service_unavailable"}});
                     pending.extend_from_slice(format!("data: {ev}\n\n").as_bytes());
                     Vec::new()
                 }
@@ -525,7 +526,10 @@ async fn health(State(p): State<Arc<Proxy>>) -> Response {
     let mut ok = true;
     for b in p.backends.all() {
         let up = b.down.is_none()
-            && matches!(client::request(&b.http, "GET", "/health", None, Duration::from_secs(2)).await, Ok(r) if r.status == 200);
+            && matches!(
+                client::request(&b.http, "GET", "/health", None, Duration::from_secs(2)).await,
+                Ok(r) if r.status == 200
+            );
         ok &= up;
         servers.push(
             json!({"role": b.role.name(), "engine_id": b.name, "http": b.http, "ok": up, "down": b.down}),

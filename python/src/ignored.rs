@@ -112,7 +112,9 @@ mod tests {
             ),
             (
                 // The JSON-text form of `kvconnect`.
-                json!({"kvconnect": r#"{"kv_connector":"NixlConnector","kv_load_failure_policy":"recompute"}"#}),
+                json!({
+                    "kvconnect": r#"{"kv_connector":"NixlConnector","kv_load_failure_policy":"recompute"}"#
+                }),
                 "kv_connector_extra_config.kvconnect,",
                 "recompute",
             ),
@@ -124,7 +126,8 @@ mod tests {
             ),
             (
                 // A value vLLM does not take: the remedy shows one it does.
-                json!({"kvconnect": {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [
+                json!({"kvconnect": {"kv_connector": "PdConnector",
+                    "kv_connector_extra_config": {"connectors": [
                     {"kv_connector": "LMCacheConnectorV1"},
                     {"kv_connector": "NixlConnector", "kv_load_failure_policy": "retry"}]}}}),
                 "kv_connector_extra_config.kvconnect.kv_connector_extra_config.connectors[1],",
@@ -142,7 +145,9 @@ mod tests {
     #[test]
     fn no_failure_policy_or_an_unreadable_kvconnect_is_left_to_the_parser() {
         for v in [
-            json!({"kvconnect": {"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": "tcp"}}}),
+            json!({"kvconnect": {
+                "kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": "tcp"},
+            }}),
             json!({"kvconnect": "{not json"}),
             json!({"kvconnect": 3}),
             json!({"deployment": "/x.toml"}),

@@ -140,19 +140,27 @@ impl Setup {
                 let j = Joint::load(path, extra.deployment_role.as_deref(), side.kv_role)?;
                 let config = j.config();
                 if let Some(p) = config.kv_load_failure_policy {
-                    tracing::warn!("kvconnect: the deployment file's {} kv_load_failure_policy ({p:?}) is \
-                        for kvconnect's own workers; inside vLLM, vLLM applies its own, read only at the top \
-                        level of --kv-transfer-config (default \"fail\")", j.role.name());
+                    tracing::warn!(
+                        "kvconnect: the deployment file's {} kv_load_failure_policy ({p:?}) is for \
+                         kvconnect's own workers; inside vLLM, vLLM applies its own, read only at the top \
+                         level of --kv-transfer-config (default \"fail\")",
+                        j.role.name()
+                    );
                 }
                 (config, Some(j))
             }
-            (Some(_), Some(_)) => return Err(extra_err("give either 'kvconnect' (this server's kvconnect \
-                kv-transfer-config) or 'deployment' (a kvconnect deployment file with both roles' configs, \
-                negotiated jointly), not both")),
-            (None, None) => return Err(extra_err(format!("no kvconnect connector named: give 'kvconnect' (a \
-                kvconnect kv-transfer-config, e.g. \
-                {{\"kv_connector\":\"NixlConnector\",\"kv_connector_extra_config\":{{\"backend\":\"tcp\"}}}}) \
-                or 'deployment' (a kvconnect deployment file); its keys are {EXTRA_KEYS}"))),
+            (Some(_), Some(_)) => return Err(extra_err(
+                "give either 'kvconnect' (this server's kvconnect kv-transfer-config) or 'deployment' (a \
+                 kvconnect deployment file with both roles' configs, negotiated jointly), not both",
+            )),
+            (None, None) => {
+                return Err(extra_err(format!(
+                    "no kvconnect connector named: give 'kvconnect' (a kvconnect kv-transfer-config, e.g. \
+                     {{\"kv_connector\":\"NixlConnector\",\
+                     \"kv_connector_extra_config\":{{\"backend\":\"tcp\"}}}}) or 'deployment' (a kvconnect \
+                     deployment file); its keys are {EXTRA_KEYS}"
+                )))
+            }
         };
         let role = config.kv_role.or(side.kv_role).unwrap_or(KvRole::Both);
         config.kv_role = Some(role);
@@ -467,7 +475,13 @@ mod tests {
     fn a_failure_policy_below_the_top_level_is_refused_at_startup() {
         let nixl = json!({"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": "tcp"}});
         let e = refusal("kv_consumer", json!({"kvconnect": nixl, "kv_load_failure_policy": "recompute"}));
-        assert!(e.starts_with("kvconnect: kv_connector_extra_config: kv_load_failure_policy is set in kv_connector_extra_config, "), "{e}");
+        assert!(
+            e.starts_with(
+                "kvconnect: kv_connector_extra_config: kv_load_failure_policy is \
+                 set in kv_connector_extra_config, "
+            ),
+            "{e}"
+        );
         assert!(!e.contains("unknown field"), "{e}");
         let mut inner = nixl.clone();
         inner["kv_load_failure_policy"] = json!("recompute");

@@ -335,7 +335,10 @@ impl Worker {
             .iter()
             .map(|p| {
                 self.gate.ensure(p, || self.handshake(p)).err().map(|f| {
-                    tracing::error!(reason = f.reason, peer = %p.engine_id, addr = %p.addr, "kvconnect: {}", f.message);
+                    tracing::error!(
+                        reason = f.reason, peer = %p.engine_id, addr = %p.addr,
+                        "kvconnect: {}", f.message
+                    );
                     // One line per request: the refusal's header and each field's diff.
                     format!("{} ({})", f.message.replace(":\n  ", ": ").replace("\n  ", "; "), f.reason)
                 })

@@ -28,7 +28,8 @@
 //! Run: `cargo bench -p kvconnect-router --bench router`. Without `--bench` (as `cargo test`
 //! runs it) it runs once at a tiny size and checks what the index answers.
 
-#![allow(unsafe_code)] // clock_gettime of the thread's CPU clock (libc), for figures on one core of a shared machine.
+// clock_gettime of the thread's CPU clock (libc), for figures on one core of a shared machine.
+#![allow(unsafe_code)]
 
 use kvconnect_router::chain::prefix_hashes;
 use kvconnect_router::{
@@ -306,14 +307,16 @@ fn main() {
     );
     if let Some((bytes, held, distinct)) = memory {
         println!(
-            "  memory: {:.0} MiB resident for {held} cached blocks ({distinct} distinct): {:.1} bytes per cached block, {:.1} per distinct block",
+            "  memory: {:.0} MiB resident for {held} cached blocks ({distinct} distinct): {:.1} bytes per \
+             cached block, {:.1} per distinct block",
             bytes as f64 / (1 << 20) as f64,
             bytes as f64 / held as f64,
             bytes as f64 / distinct as f64
         );
     }
     println!(
-        "  route:  CPU clock p50 {:.1} µs, p99 {:.1} µs; wall clock p50 {:.1} µs, p99 {:.1} µs; {} decisions ({} per sample)",
+        "  route:  CPU clock p50 {:.1} µs, p99 {:.1} µs; wall clock p50 {:.1} µs, p99 \
+         {:.1} µs; {} decisions ({} per sample)",
         c50 * 1e6,
         c99 * 1e6,
         p50 * 1e6,
@@ -327,7 +330,8 @@ fn main() {
         let blocks = min(rate(t.build_blocks, &build_cpu), rate(t.steady_blocks, &steady_cpu));
         let evs = min(rate(be, &build_cpu), rate(se, &steady_cpu));
         println!(
-            "  goals (one core, CPU clock): >= 1 M block events/s: {}; >= 1 M events of {PER_EVENT} blocks/s: {}; route p99 < 100 µs: {} (wall clock: {})",
+            "  goals (one core, CPU clock): >= 1 M block events/s: {}; >= 1 M events of {PER_EVENT} \
+             blocks/s: {}; route p99 < 100 µs: {} (wall clock: {})",
             met(blocks >= 1e6),
             met(evs >= 1e6),
             met(c99 < 100e-6),

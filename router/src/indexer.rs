@@ -4,9 +4,10 @@
 //! from any publisher (the engine's blocks, lmcache's chunks) index the same tokens under
 //! the same hashes; per worker, each publisher hash is remembered with the router hashes it
 //! stands for, for its removal and for the blocks that name it as parent. A store that names
-//! a block by its hash alone (no tokens) is indexed only when the hash is already known. A gap marks the worker stale and asks for a replay; a
-//! restart (a new stream, or `AllBlocksCleared`) forgets the worker's blocks, which the new
-//! stream and its replay bring back; a dead worker is forgotten and never scored.
+//! a block by its hash alone (no tokens) is indexed only when the hash is already known. A gap
+//! marks the worker stale and asks for a replay; a restart (a new stream, or `AllBlocksCleared`)
+//! forgets the worker's blocks, which the new stream and its replay bring back; a dead worker is
+//! forgotten and never scored.
 
 use crate::chain;
 use crate::event::{BlockHash, KvEvent, KvEventBatch, Medium};
@@ -18,7 +19,10 @@ use std::collections::HashMap;
 
 /// Too many workers for one index.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0} prefill workers is more than the KV index takes ({max}); route with --routing round-robin", max = usize::from(WorkerId::MAX))]
+#[error(
+    "{0} prefill workers is more than the KV index takes ({max}); route with --routing round-robin",
+    max = usize::from(WorkerId::MAX)
+)]
 pub struct TooManyWorkers(pub usize);
 
 /// What became of one batch.

@@ -4,7 +4,8 @@
 //! [`Checksum::copy_update`]). The cache connectors key and guard their stored blocks with
 //! them. The mixing step is a 64x64->128 multiply folded to 64 bits (as in wyhash).
 
-#![allow(unsafe_code)] // SIMD: the checksum's lanes in AVX2 registers (fused with streaming stores), behind a runtime feature check.
+// SIMD: the checksum's lanes in AVX2 registers (fused with streaming stores), behind a runtime feature check.
+#![allow(unsafe_code)]
 
 use kvconnect_api::stream_copy::Batch;
 
