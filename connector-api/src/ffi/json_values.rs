@@ -197,8 +197,9 @@ pub fn json_values() -> Vec<JsonValue> {
             used_by: "metrics (*out; scheduler and worker)",
             rules: "kind \"counter\" or \"gauge\"; a counter's name without _total (the host adds it); \
                 labels may be absent; the host adds up equal samples of the two halves and the ranks",
-            example: json(&vec![ConnectorMetric::counter("my_plugin_hits", "Blocks found on disk.", 3)
-                .label("tier", "disk")]),
+            example: json(&vec![
+                ConnectorMetric::counter("my_plugin_hits", "Blocks found on disk.", 3).label("tier", "disk")
+            ]),
         },
     ]
 }
