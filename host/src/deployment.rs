@@ -864,7 +864,7 @@ pub fn plan(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registry::Registry;
+    use kvconnect_registry::Registry;
 
     /// A path in examples/deployments/, so `../../fixtures/...` finds the model configs.
     fn here() -> PathBuf {

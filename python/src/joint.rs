@@ -16,7 +16,7 @@ use kvconnect_api::negotiate::{Conflict, EngineOptions, HmaOption, Negotiated};
 use kvconnect_api::Role;
 use kvconnect_api::{KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_host::deployment::{negotiate_role, Deployment, DeploymentError};
-use kvconnect_host::registry::Registry;
+use kvconnect_registry::Registry;
 use std::path::Path;
 
 /// A deployment file and the role this server plays in it.

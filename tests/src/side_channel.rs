@@ -20,7 +20,7 @@ pub fn descriptor(config: &str, model: &Path) -> CompatDescriptor {
     let model = std::fs::read_to_string(model).expect("read the model's config.json");
     let model = ModelSpec::from_hf_config_json(&model).expect("model config");
     let config = KvTransferConfig::from_json(config).expect("kv-transfer-config");
-    let registry = kvconnect_host::registry::Registry::builtins_only();
+    let registry = kvconnect_registry::Registry::builtins_only();
     kvconnect_host::deployment::negotiate_worker(
         &registry,
         &config,

@@ -25,7 +25,7 @@
 
 use kvconnect_api::KvRole;
 use kvconnect_api::{Capabilities, ConnectorResolver, KvTransferConfig, MemoryKind, ModelSpec, TransferMode};
-use kvconnect_host::registry::Registry;
+use kvconnect_registry::Registry;
 use kvconnect_tests::{fixture_model, workspace_root};
 use std::collections::{BTreeMap, BTreeSet};
 

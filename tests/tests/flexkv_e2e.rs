@@ -33,7 +33,7 @@ fn flexkv_engine(layout: KvLayout, extra: serde_json::Value, engine_id: &str) ->
         tp_rank: 0,
         tp_size: 1,
     };
-    let f = kvconnect_host::builtin::flexkv();
+    let f = kvconnect_registry::builtin::flexkv();
     let conn = (f.create_scheduler(&ctx).unwrap(), f.create_worker(&ctx).unwrap());
     let cfg = EngineConfig { model, effective: eff, num_blocks: 256, seed: 0, shm: None, tp_size: 1 };
     Engine::new(cfg, Some(conn), FailurePolicy::Fail).unwrap()

@@ -10,7 +10,7 @@ use kvconnect_api::{
     KvRegionSpec, KvRole, KvTransferConfig, LayerId, ModelSpec,
 };
 use kvconnect_engine::local_effective_layout;
-use kvconnect_host::loader::{load_plugin, LoaderOptions};
+use kvconnect_registry::loader::{load_plugin, LoaderOptions};
 use kvconnect_tests::plugin_fixtures::{copy_with_mode, external_plugin};
 use kvconnect_tests::{cargo_cmd, kvconnect_bin, readme, workspace_root};
 use std::path::{Path, PathBuf};

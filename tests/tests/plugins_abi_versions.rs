@@ -17,7 +17,7 @@
 //! * a plugin built for major 2, which the host refuses with one line.
 
 use kvconnect_api::{ConnectorFactory, KvEvent, KvTransferConfig, Medium};
-use kvconnect_host::loader::{load_plugin, LoaderOptions};
+use kvconnect_registry::loader::{load_plugin, LoaderOptions};
 use kvconnect_tests::plugin_fixtures::{
     self, abi_host, broken_plugin, copy_with_mode, example_plugin_abi_1_0,
 };

@@ -7,8 +7,8 @@ use kvconnect_api::{
     BlockId, ConnectorContext, ConnectorError, Dtype, EffectiveLayout, KvRole, KvTransferConfig, LayerId,
     MemoryKind, ModelSpec, TransferMode,
 };
-use kvconnect_host::loader::{load_plugin, LoadError, LoaderOptions};
-use kvconnect_host::registry::{Registry, RegistryConfig};
+use kvconnect_registry::loader::{load_plugin, LoadError, LoaderOptions};
+use kvconnect_registry::{Registry, RegistryConfig};
 use kvconnect_tests::plugin_fixtures::{self, broken_plugin, copy_with_mode, DEFECTS};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -4,7 +4,7 @@
 //! message naming header versions, not kvconnect-api's.
 
 use kvconnect_api::{abi, BlockId, KvTransferConfig, LayerId, TransferMode};
-use kvconnect_host::registry::{Origin, Registry, RegistryConfig};
+use kvconnect_registry::{Origin, Registry, RegistryConfig};
 use kvconnect_tests::round_trip::{ctx, model, store_then_load, Engine, NUM_BLOCKS};
 use kvconnect_tests::{plugin_fixtures, run_kvconnect, text};
 use std::path::Path;

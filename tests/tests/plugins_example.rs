@@ -3,7 +3,7 @@
 //! tell the two apart.
 
 use kvconnect_api::{BlockId, ConnectorFactory, KvTransferConfig, LayerId};
-use kvconnect_host::registry::{Origin, Registry, RegistryConfig};
+use kvconnect_registry::{Origin, Registry, RegistryConfig};
 use kvconnect_tests::plugin_fixtures;
 use kvconnect_tests::round_trip::{ctx, model, store_then_load, Engine, NUM_BLOCKS};
 use std::path::Path;

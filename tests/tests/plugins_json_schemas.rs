@@ -8,8 +8,8 @@
 use kvconnect_api::ffi::{json_schemas, SCHEMA_DIR};
 use kvconnect_api::{ConnectorError, ConnectorFactory, Dtype, KvLayout, KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_engine::local_effective_layout;
-use kvconnect_host::loader::{load_plugin, LoaderOptions};
-use kvconnect_host::registry::Registry;
+use kvconnect_registry::loader::{load_plugin, LoaderOptions};
+use kvconnect_registry::Registry;
 use kvconnect_tests::plugin_fixtures::example_plugin;
 use kvconnect_tests::workspace_root;
 use serde_json::{json, Value};

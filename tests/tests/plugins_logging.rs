@@ -3,7 +3,7 @@
 #![allow(unsafe_code)] // Tests vouch for their own KV buffers as regions (KvRegion::new).
 
 use kvconnect_api::KvTransferConfig;
-use kvconnect_host::registry::{Registry, RegistryConfig};
+use kvconnect_registry::{Registry, RegistryConfig};
 use kvconnect_tests::plugin_fixtures;
 use std::path::Path;
 use std::sync::{Arc, Mutex};

@@ -18,8 +18,8 @@ pub mod proxy;
 pub mod server;
 pub mod up;
 
-use crate::registry::{Registry, RegistryConfig};
 use clap::{Args, Parser, Subcommand};
+use kvconnect_registry::{Registry, RegistryConfig};
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -4,7 +4,6 @@
 
 use super::config_arg::read_config;
 use crate::deployment::{negotiate_alone, negotiate_role, Deployment, Negotiating};
-use crate::registry::Registry;
 use crate::server::producers::Producers;
 use crate::server::{run as run_server, ServerSpec};
 use crate::sidechannel::{
@@ -15,6 +14,7 @@ use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::{KvTransferConfig, ModelSpec, Role};
 use kvconnect_dataplane::auth::{Secret, SECRET_ENV};
 use kvconnect_openai::{gate, serve};
+use kvconnect_registry::Registry;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;

@@ -5,9 +5,9 @@
 //! composite's child, at any depth; a built-in or a plugin), and tells whether one declares
 //! it needs a producer's KV regions in shared memory (`needs_shared_memory_kv`).
 
-use crate::registry::Registry;
 use kvconnect_api::{Capabilities, ConnectorContext, KvTransferConfig, SchedulerConnector, WorkerConnector};
 use kvconnect_dataplane::auth::{Secret, SECRET_CONFIG_KEY};
+use kvconnect_registry::Registry;
 use serde_json::Value;
 
 /// What the host writes into the config of a connector that declares it needs it.
@@ -156,8 +156,8 @@ pub fn create_connector(registry: &Registry, ctx: &ConnectorContext) -> Result<C
 mod tests {
     use super::*;
     use crate::loader::LoaderOptions;
-    use crate::registry::{Entry, OpenPlugin, Origin, RegistryConfig};
     use kvconnect_api::{ConnectorFactory, ConnectorInfo, ConnectorResult, ModelSpec};
+    use kvconnect_registry::{Entry, OpenPlugin, Origin, RegistryConfig};
     use std::path::Path;
     use std::sync::Arc;
 
@@ -204,7 +204,7 @@ mod tests {
 
     impl ConnectorFactory for Declaring {
         fn info(&self) -> ConnectorInfo {
-            ConnectorInfo { name: self.name.into(), ..crate::builtin::lmcache().info() }
+            ConnectorInfo { name: self.name.into(), ..kvconnect_registry::builtin::lmcache().info() }
         }
 
         fn capabilities(
@@ -212,17 +212,17 @@ mod tests {
             config: &KvTransferConfig,
             model: Option<&ModelSpec>,
         ) -> ConnectorResult<Capabilities> {
-            let mut c = crate::builtin::lmcache().capabilities(config, model)?;
+            let mut c = kvconnect_registry::builtin::lmcache().capabilities(config, model)?;
             (c.needs_side_channel, c.needs_data_plane_secret, c.needs_shared_memory_kv) = self.needs;
             Ok(c)
         }
 
         fn create_scheduler(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn SchedulerConnector>> {
-            crate::builtin::lmcache().create_scheduler(ctx)
+            kvconnect_registry::builtin::lmcache().create_scheduler(ctx)
         }
 
         fn create_worker(&self, ctx: &ConnectorContext) -> ConnectorResult<Box<dyn WorkerConnector>> {
-            crate::builtin::lmcache().create_worker(ctx)
+            kvconnect_registry::builtin::lmcache().create_worker(ctx)
         }
     }
 

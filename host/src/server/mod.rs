@@ -19,7 +19,6 @@ pub mod response;
 pub mod sse;
 pub mod synthetic;
 
-use crate::registry::Registry;
 use crate::sidechannel::{LocalIdentity, SideChannelConfig, SideChannelServer};
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
@@ -28,6 +27,7 @@ use kvconnect_api::Role;
 use kvconnect_api::{ConnectorContext, KvTransferConfig, ModelSpec};
 use kvconnect_engine::{Engine, EngineConfig, ReferenceConfig};
 use kvconnect_openai::{gate, serve};
+use kvconnect_registry::Registry;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;

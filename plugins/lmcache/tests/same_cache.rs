@@ -7,8 +7,8 @@ mod common;
 
 use common::*;
 use kvconnect_api::{ConnectorFactory, KvLayout};
-use kvconnect_host::loader::{load_plugin, LoaderOptions};
 use kvconnect_lmcache::LmcacheFactory;
+use kvconnect_registry::loader::{load_plugin, LoaderOptions};
 use serde_json::json;
 use std::path::PathBuf;
 

@@ -92,7 +92,9 @@ mod tests {
 
     #[test]
     fn answers_cross_as_the_last_line_whatever_the_plugin_printed_before() {
-        let caps = crate::builtin::lmcache().capabilities(&KvTransferConfig::named("lmcache"), None).unwrap();
+        let caps = kvconnect_registry::builtin::lmcache()
+            .capabilities(&KvTransferConfig::named("lmcache"), None)
+            .unwrap();
         for a in [
             loaded(Ok(caps)),
             loaded(Err(ConnectorError::config("mine", "set kv_connector_extra_config.dir"))),

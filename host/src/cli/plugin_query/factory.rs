@@ -4,11 +4,11 @@
 use super::answer::Loaded;
 use super::process::QueryProcess;
 use crate::loader::{LoadError, LoaderOptions};
-use crate::registry::{Entry, OpenPlugin, Origin};
 use kvconnect_api::{
     Capabilities, ChildCaps, ConnectorContext, ConnectorError, ConnectorFactory, ConnectorInfo,
     ConnectorResult, KvTransferConfig, ModelSpec, SchedulerConnector, WorkerConnector,
 };
+use kvconnect_registry::{Entry, OpenPlugin, Origin};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 

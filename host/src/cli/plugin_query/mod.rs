@@ -17,7 +17,7 @@ mod process;
 pub mod time_limit;
 
 use crate::cli::GlobalArgs;
-use crate::registry::Registry;
+use kvconnect_registry::Registry;
 use std::time::Duration;
 
 /// The registry `kvconnect plugins` queries: the built-ins, and every plugin on the plugin

@@ -6,7 +6,11 @@
 //! only finds the connector: what it does comes from its capabilities, never from the name.
 //! `kv_connector_module_path` forces a plugin (by name or by path).
 
-use crate::loader::{self, LoadError, LoadedPlugin, LoaderOptions};
+pub mod builtin;
+/// The plugin loader (crate `kvconnect-loader`), under the name the host has always used.
+pub use kvconnect_loader as loader;
+
+use crate::loader::{LoadError, LoadedPlugin, LoaderOptions};
 use kvconnect_api::{ConnectorError, ConnectorFactory, ConnectorResolver, ConnectorResult, KvTransferConfig};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
