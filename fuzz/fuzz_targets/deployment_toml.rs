@@ -1,7 +1,7 @@
 //! A deployment file (TOML), with a model config.json beside it.
 #![no_main]
 
-use kvconnect_host::deployment::Deployment;
+use kvconnect_deployment::Deployment;
 use libfuzzer_sys::fuzz_target;
 use std::path::PathBuf;
 use std::sync::OnceLock;

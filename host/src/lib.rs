@@ -1,9 +1,7 @@
 //! The kvconnect host: finds and loads connectors (built in and plugins), and runs servers.
 pub mod cli;
-pub mod deployment;
 /// The plugin loader (crate `kvconnect-loader`), under the name the host has always used.
 pub use kvconnect_loader as loader;
 pub mod server;
-mod shutdown;
 pub mod sidechannel;
 pub mod up;

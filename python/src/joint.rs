@@ -15,7 +15,7 @@ use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{Conflict, EngineOptions, HmaOption, Negotiated};
 use kvconnect_api::Role;
 use kvconnect_api::{KvRole, KvTransferConfig, ModelSpec};
-use kvconnect_host::deployment::{negotiate_role, Deployment, DeploymentError};
+use kvconnect_deployment::{negotiate_role, Deployment, DeploymentError};
 use kvconnect_registry::Registry;
 use std::path::Path;
 

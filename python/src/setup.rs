@@ -12,7 +12,7 @@ use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{Conflict, DecidedBy, EngineOptions, HmaOption, LayoutField, Negotiated};
 use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_dataplane::auth::{Secret, SECRET_ENV};
-use kvconnect_host::deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
+use kvconnect_deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
 use kvconnect_host::server::connector_setup::{needs_shared_memory_kv, with_side_channel};
 use kvconnect_host::server::producers::Producers;
 use kvconnect_registry::{Registry, RegistryConfig};

@@ -21,15 +21,9 @@ pub fn descriptor(config: &str, model: &Path) -> CompatDescriptor {
     let model = ModelSpec::from_hf_config_json(&model).expect("model config");
     let config = KvTransferConfig::from_json(config).expect("kv-transfer-config");
     let registry = kvconnect_registry::Registry::builtins_only();
-    kvconnect_host::deployment::negotiate_worker(
-        &registry,
-        &config,
-        &model,
-        &EngineOptions::default(),
-        "decode",
-    )
-    .expect("negotiate")
-    .1
+    kvconnect_deployment::negotiate_worker(&registry, &config, &model, &EngineOptions::default(), "decode")
+        .expect("negotiate")
+        .1
 }
 
 /// `body` as one frame: its length as a big-endian u32, then the bytes.

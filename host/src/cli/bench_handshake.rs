@@ -29,14 +29,14 @@ pub(super) fn measure(
     rounds: usize,
 ) -> Result<Value> {
     let config = KvTransferConfig::from_json(consumer_config).context("the consumer's kv-transfer-config")?;
-    let (_, compat) = crate::deployment::negotiate_worker(
+    let (_, compat) = kvconnect_deployment::negotiate_worker(
         &Registry::builtins_only(),
         &config,
         model,
         &EngineOptions::default(),
         "decode",
     )?;
-    let secret = super::server::data_plane_secret(None)?;
+    let secret = kvconnect_deployment::secret::data_plane_secret(None)?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

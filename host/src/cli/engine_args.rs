@@ -1,9 +1,9 @@
 //! The engine options `kvconnect negotiate` and `kvconnect worker` both take, parsed once.
 
-use crate::deployment::parse_cache_dtype;
 use anyhow::{anyhow, bail, Result};
 use kvconnect_api::negotiate::{EngineOptions, HmaOption};
 use kvconnect_api::KvLayout;
+use kvconnect_deployment::parse_cache_dtype;
 
 /// Engine options as vLLM names its flags (on `worker`, with `--kv-transfer-config`).
 #[derive(Debug, Clone, clap::Args)]

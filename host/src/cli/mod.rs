@@ -9,7 +9,6 @@ mod bench_nixl_vram;
 mod bench_tp;
 pub mod config_arg;
 pub mod engine_args;
-pub mod exit;
 pub mod negotiate;
 pub mod plan;
 pub mod plugin_query;
@@ -19,6 +18,7 @@ pub mod server;
 pub mod up;
 
 use clap::{Args, Parser, Subcommand};
+use kvconnect_deployment::exit::Exit;
 use kvconnect_registry::{Registry, RegistryConfig};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -91,10 +91,10 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Plugins(c) => plugins::run(&cli.global, c),
         Command::Negotiate(a) => {
-            exit::Exit::from_result(negotiate::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
+            Exit::from_result(negotiate::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
         }
         Command::Plan(a) => {
-            exit::Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
+            Exit::from_result(plan::run(&a, &cli.global.registry(), &mut std::io::stdout().lock()))
         }
         Command::Server(a) => server::run(&a, cli.global.registry()),
         Command::Up(a) => up::run(&a),
@@ -113,7 +113,7 @@ pub fn main() -> ExitCode {
         // The reader went away (`kvconnect plugins inspect nixl | head`): stop quietly, with
         // the status a process killed by SIGPIPE has.
         Err(e) if broken_pipe(&e) => ExitCode::from(141),
-        Err(e) => match e.downcast_ref::<exit::Exit>() {
+        Err(e) => match e.downcast_ref::<Exit>() {
             Some(x) => {
                 if let Some(inner) = &x.error {
                     eprintln!("error: {inner:#}");
@@ -134,9 +134,7 @@ fn broken_pipe(e: &anyhow::Error) -> bool {
         c.downcast_ref::<std::io::Error>().is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     };
     e.chain().any(is)
-        || e.downcast_ref::<exit::Exit>()
-            .and_then(|x| x.error.as_ref())
-            .is_some_and(|inner| inner.chain().any(is))
+        || e.downcast_ref::<Exit>().and_then(|x| x.error.as_ref()).is_some_and(|inner| inner.chain().any(is))
 }
 
 fn init_tracing() {

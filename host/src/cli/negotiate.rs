@@ -1,11 +1,11 @@
 //! `kvconnect negotiate`: one server's effective KV layout, its compat hash and, with
 //! `--explain`, who decided every field and why.
 
-use crate::deployment::{negotiate_alone, DeploymentError, Negotiating};
 use anyhow::{Context, Result};
 use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::{EngineOptions, Negotiated};
 use kvconnect_api::{ConnectorResolver, ModelSpec};
+use kvconnect_deployment::{negotiate_alone, DeploymentError, Negotiating};
 use std::io::Write;
 use std::path::PathBuf;
 
@@ -77,7 +77,7 @@ pub fn render_adapters(n: &Negotiated) -> String {
 pub fn run(args: &NegotiateArgs, resolver: &dyn ConnectorResolver, out: &mut dyn Write) -> Result<u8> {
     let config = read_config(&args.kv_transfer_config)?;
     let (config, notes) =
-        crate::deployment::lmcache_pd(config).map_err(|e| anyhow::anyhow!("--kv-transfer-config: {e}"))?;
+        kvconnect_deployment::lmcache_pd(config).map_err(|e| anyhow::anyhow!("--kv-transfer-config: {e}"))?;
     let model = read_model(&args.model)?;
     let opts = options(args)?;
     let (n, d) = match negotiate_alone(resolver, &config, &model, &opts, Negotiating::Engine("worker")) {

@@ -4,11 +4,11 @@
 //! remedy).
 
 use crate::cli::negotiate::{render_adapters, render_fields};
-use crate::deployment::{plan, Deployment, DeploymentError, Plan};
 use anyhow::Result;
 use kvconnect_api::compat::{same_bytes_note, FieldClass, FieldDiff};
 use kvconnect_api::ConnectorResolver;
 use kvconnect_api::Role;
+use kvconnect_deployment::{plan, Deployment, DeploymentError, Plan};
 use std::io::Write;
 use std::path::PathBuf;
 

@@ -4,9 +4,9 @@
 //! routes them (crate `kvconnect-proxy`); the client's body goes on verbatim, so each server checks its
 //! own parameters.
 
-use crate::cli::exit::Exit;
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
+use kvconnect_deployment::exit::Exit;
 use kvconnect_openai::{gate, serve};
 use kvconnect_proxy::backends::Backends;
 use kvconnect_proxy::kv_subscriber::{follow, EventSource};
@@ -122,7 +122,7 @@ pub fn run(a: &ProxyArgs) -> Result<()> {
 }
 
 async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()> {
-    let stop = crate::shutdown::shutdown_signal()?;
+    let stop = kvconnect_deployment::shutdown::shutdown_signal()?;
     let listener = tokio::net::TcpListener::bind(a.listen).await.map_err(|e| {
         Exit::bad_input(anyhow!(
             "cannot bind the proxy on {}: {e}; pick another --listen (port 0 = any free port)",

@@ -3,7 +3,6 @@
 //! a model, alone, as vLLM does.
 
 use super::config_arg::read_config;
-use crate::deployment::{negotiate_alone, negotiate_role, Deployment, Negotiating};
 use crate::server::producers::Producers;
 use crate::server::{run as run_server, ServerSpec};
 use crate::sidechannel::{
@@ -12,11 +11,12 @@ use crate::sidechannel::{
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::{KvTransferConfig, ModelSpec, Role};
-use kvconnect_dataplane::auth::{Secret, SECRET_ENV};
+use kvconnect_deployment::secret::data_plane_secret;
+use kvconnect_deployment::{negotiate_alone, negotiate_role, Deployment, Negotiating};
 use kvconnect_openai::{gate, serve};
 use kvconnect_registry::Registry;
 use std::net::{IpAddr, SocketAddr};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 /// Arguments of `kvconnect worker`.
@@ -247,7 +247,7 @@ pub fn run(a: &ServerArgs, registry: Registry) -> Result<()> {
         };
         let config = read_config(cfg)?;
         let (config, notes) =
-            crate::deployment::lmcache_pd(config).map_err(|e| anyhow!("--kv-transfer-config: {e}"))?;
+            kvconnect_deployment::lmcache_pd(config).map_err(|e| anyhow!("--kv-transfer-config: {e}"))?;
         for note in &notes {
             tracing::info!("{note}");
         }
@@ -330,35 +330,6 @@ fn at_least_one(flag: &str, n: usize) -> Result<usize> {
         bail!("{flag} must be at least 1, got 0");
     }
     Ok(n)
-}
-
-/// The deployment's data-plane secret: from `file` (which only its owner may read), else from
-/// `KVCONNECT_SIDE_CHANNEL_TOKEN`, else none.
-pub fn data_plane_secret(file: Option<&Path>) -> Result<Option<Secret>> {
-    if let Some(f) = file {
-        let meta =
-            std::fs::metadata(f).with_context(|| format!("--secret-file {}: cannot read it", f.display()))?;
-        let mode = std::os::unix::fs::PermissionsExt::mode(&meta.permissions());
-        if mode & 0o077 != 0 {
-            bail!(
-                "--secret-file {}: group or others may access it (mode {:o}); run `chmod 600 {}`",
-                f.display(),
-                mode & 0o777,
-                f.display()
-            );
-        }
-        let text = std::fs::read_to_string(f)
-            .with_context(|| format!("--secret-file {}: cannot read it", f.display()))?;
-        return Secret::from_text(&text, &format!("--secret-file {}", f.display()))
-            .map(Some)
-            .map_err(|e| anyhow!("{e}"));
-    }
-    match std::env::var(SECRET_ENV) {
-        Ok(t) if !t.trim().is_empty() => {
-            Secret::from_text(&t, SECRET_ENV).map(Some).map_err(|e| anyhow!("{e}"))
-        }
-        _ => Ok(None),
-    }
 }
 
 #[cfg(test)]

@@ -95,7 +95,7 @@ pub fn run(spec: ServerSpec, registry: Registry) -> Result<()> {
 }
 
 async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
-    let stop = crate::shutdown::shutdown_signal()?;
+    let stop = kvconnect_deployment::shutdown::shutdown_signal()?;
     let swept = kvconnect_engine::shm::sweep_dead();
     if swept > 0 {
         tracing::warn!(

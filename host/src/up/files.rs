@@ -63,7 +63,7 @@ mod tests {
     #[test]
     fn the_embedded_default_parses_and_is_removed_on_drop() {
         let f = DeploymentFiles::resolve(None).unwrap();
-        let d = crate::deployment::Deployment::load(&f.path).unwrap();
+        let d = kvconnect_deployment::Deployment::load(&f.path).unwrap();
         assert!(d.model_path.ends_with("kvconnect--reference/config.json"));
         let dir = f.temp.clone().unwrap();
         drop(f);

@@ -9,10 +9,10 @@ pub mod report;
 pub mod supervisor;
 pub mod workload;
 
-use crate::cli::exit::Exit;
-use crate::deployment::Deployment;
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
+use kvconnect_deployment::exit::Exit;
+use kvconnect_deployment::Deployment;
 use kvconnect_openai::{gate, serve};
 use kvconnect_proxy::backends::Backends;
 use kvconnect_proxy::{client, Proxy};
@@ -115,7 +115,7 @@ pub fn run(a: &UpArgs) -> Result<()> {
 }
 
 async fn up(a: &UpArgs) -> Result<()> {
-    let mut stop = Box::pin(crate::shutdown::shutdown_signal()?);
+    let mut stop = Box::pin(kvconnect_deployment::shutdown::shutdown_signal()?);
     let files = files::DeploymentFiles::resolve(a.deployment.as_deref())?;
     // Refuse a broken file before any process starts.
     let deployment = Deployment::load(&files.path).map_err(|e| Exit::bad_input(anyhow!(e)))?;
@@ -131,7 +131,7 @@ async fn up(a: &UpArgs) -> Result<()> {
     let pid = std::process::id();
     // One secret for the deployment: the caller's, else a fresh one. Servers get it in their
     // environment, and decode servers the list of this deployment's prefill engines.
-    let secret = match crate::cli::server::data_plane_secret(None)? {
+    let secret = match kvconnect_deployment::secret::data_plane_secret(None)? {
         Some(s) => s,
         None => kvconnect_dataplane::auth::Secret::generate().map_err(|e| anyhow!("kvconnect up: {e}"))?,
     };

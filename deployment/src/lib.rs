@@ -17,6 +17,14 @@
 //!
 //! A server started from a deployment calls [`negotiate_role`], so both roles reach the same
 //! descriptor and hash by construction when negotiated jointly.
+//!
+//! Beside the deployment files, what the worker server, `kvconnect up` and the `kvconnect`
+//! command share: the deployment's data-plane secret ([`secret`]), the shutdown signal of
+//! every long-running command ([`shutdown`]) and the commands' exit statuses ([`exit`]).
+
+pub mod exit;
+pub mod secret;
+pub mod shutdown;
 
 use kvconnect_api::compat::{
     check_roles, diff_roles, AdaptationPlan, CompatDescriptor, FieldDiff, Incompatible,
