@@ -5,7 +5,7 @@
 use kvconnect_api::compat::{check_roles, CompatDescriptor};
 use kvconnect_api::negotiate::{negotiate, ChildCaps, EngineOptions};
 use kvconnect_api::{KvTransferConfig, ModelSpec};
-use kvconnect_host::sidechannel::{read_frame, Message};
+use kvconnect_server::sidechannel::{read_frame, Message};
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
 use std::time::Duration;

@@ -1,13 +1,13 @@
 //! Decode side: the prefill engines this worker may handshake with and what it remembers of
-//! each, as kvconnect's own decode workers do (`kvconnect_host::server::peers`): the same
+//! each, as kvconnect's own decode workers do (`kvconnect_server::peers`): the same
 //! allow-list (`Producers`: `kv_producers`, loopback only when unset), failure reasons and
 //! refusal memory ([`REFUSAL_MEMORY`]), over one lock per peer
 //! ([`kvconnect_support::peer_slots`]). A peer outside the allow-list is refused before anything
 //! is contacted; a peer a load failed from is forgotten, so the next request handshakes again.
 
 use crate::meta::Peer;
-use kvconnect_host::server::peers::{PeerFailure, REFUSAL_MEMORY};
-use kvconnect_host::server::producers::Producers;
+use kvconnect_server::peers::{PeerFailure, REFUSAL_MEMORY};
+use kvconnect_server::producers::Producers;
 use kvconnect_support::peer_slots::PeerSlots;
 
 /// The allow-list and every peer's state.

@@ -13,7 +13,7 @@ use kvconnect_api::tp_ranks::{self, params_for_rank};
 use kvconnect_api::{
     BlockId, BlocksPerGroup, KvEvent, MatchResult, Request, RequestId, SchedulerConnector, StepInfo,
 };
-use kvconnect_host::server::peers::remote_peer;
+use kvconnect_server::peers::remote_peer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use serde_json::{Map, Value};

@@ -13,9 +13,9 @@ use kvconnect_api::negotiate::{Conflict, DecidedBy, EngineOptions, HmaOption, La
 use kvconnect_api::{ConnectorContext, KvLayout, KvRole, KvTransferConfig, ModelSpec};
 use kvconnect_dataplane::auth::{Secret, SECRET_ENV};
 use kvconnect_deployment::{negotiate_worker, parse_cache_dtype, DeploymentError};
-use kvconnect_host::server::connector_setup::{needs_shared_memory_kv, with_side_channel};
-use kvconnect_host::server::producers::Producers;
 use kvconnect_registry::{Registry, RegistryConfig};
+use kvconnect_server::connector_setup::{needs_shared_memory_kv, with_side_channel};
+use kvconnect_server::producers::Producers;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use std::net::{IpAddr, Ipv4Addr};

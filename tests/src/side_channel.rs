@@ -1,5 +1,5 @@
 //! A side-channel peer written out by hand, as a client on the network would speak to a
-//! worker's side channel (`kvconnect_host::sidechannel`): blocking sockets, the frames and the
+//! worker's side channel (`kvconnect_server::sidechannel`): blocking sockets, the frames and the
 //! proof of the secret built here, so a test can send what a real decode worker never would
 //! (no proof, a wrong one, hellos it never reads the answers to).
 
@@ -7,7 +7,7 @@ use kvconnect_api::compat::CompatDescriptor;
 use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::{KvTransferConfig, ModelSpec};
 use kvconnect_dataplane::auth::{self, Secret, Side};
-use kvconnect_host::sidechannel::{HelloAuth, Message, CHANNEL, PROTOCOL_VERSION};
+use kvconnect_server::sidechannel::{HelloAuth, Message, CHANNEL, PROTOCOL_VERSION};
 use kvconnect_support::frame;
 use std::io::{Read, Write};
 use std::net::TcpStream;

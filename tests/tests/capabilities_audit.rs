@@ -20,7 +20,7 @@
 //! transfer mode and role. Layout, block-size and dtype fields restrict rather than promise;
 //! negotiation checks them. `needs_side_channel`, `needs_data_plane_secret` and
 //! `needs_shared_memory_kv` ask the host for something rather than promise it
-//! (`host/src/server/connector_setup.rs` tests that it is given). Claims that only builds with `--features cuda` declare name the GPU tests that
+//! (`server/src/connector_setup.rs` tests that it is given). Claims that only builds with `--features cuda` declare name the GPU tests that
 //! exercise them; this build checks that those tests exist.
 
 use kvconnect_api::KvRole;

@@ -8,8 +8,8 @@
 
 use kvconnect_api::BlockId;
 use kvconnect_dataplane::auth::Secret;
-use kvconnect_host::sidechannel::Message;
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg};
+use kvconnect_server::sidechannel::Message;
 use kvconnect_tests::{
     closed_by_peer, metrics, prefill_for_remote_decode, reference_model, reference_worker_with_secret,
     side_channel, varied_prompts, Worker,

@@ -8,9 +8,9 @@
 
 use kvconnect_api::BlockId;
 use kvconnect_dataplane::auth::Secret;
-use kvconnect_host::sidechannel::Message;
 use kvconnect_nixl::wire::{authenticate_client, write_frame, ClientMsg};
 use kvconnect_nixl::{PeerInfo, ProducerMetadata};
+use kvconnect_server::sidechannel::Message;
 use kvconnect_tests::{fixture_model, metrics, side_channel, wait_until, Worker};
 use serde_json::{json, Value};
 use std::io::{Read, Write};

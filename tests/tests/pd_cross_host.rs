@@ -10,8 +10,8 @@
 
 use kvconnect_api::KvLayout;
 use kvconnect_dataplane::auth::Secret;
-use kvconnect_host::sidechannel::Message;
 use kvconnect_nixl::wire::{authenticate_client, read_frame, write_frame, ClientMsg, ServerMsg};
+use kvconnect_server::sidechannel::Message;
 use kvconnect_tests::netns::{self, link, Netns};
 use kvconnect_tests::{
     closed_by_peer, kvconnect_bin, metrics, monolithic, reference_model, side_channel, token_ids,

@@ -5,12 +5,12 @@
 //! listener (connect, challenge, both proofs). A consumer opens one such connection per tcp
 //! stream and keeps them; the transfers that follow pay neither again.
 
-use crate::sidechannel::{handshake, HandshakeOutcome};
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::{KvTransferConfig, ModelSpec};
 use kvconnect_dataplane::auth::{self, Secret, Side};
 use kvconnect_registry::Registry;
+use kvconnect_server::sidechannel::{handshake, HandshakeOutcome};
 use kvconnect_support::stats::Quartiles;
 use serde_json::{json, Value};
 use std::net::SocketAddr;

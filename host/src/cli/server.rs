@@ -3,11 +3,6 @@
 //! a model, alone, as vLLM does.
 
 use super::config_arg::read_config;
-use crate::server::producers::Producers;
-use crate::server::{run as run_server, ServerSpec};
-use crate::sidechannel::{
-    SideChannelConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT,
-};
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_api::negotiate::EngineOptions;
 use kvconnect_api::{KvTransferConfig, ModelSpec, Role};
@@ -15,6 +10,11 @@ use kvconnect_deployment::secret::data_plane_secret;
 use kvconnect_deployment::{negotiate_alone, negotiate_role, Deployment, Negotiating};
 use kvconnect_openai::{gate, serve};
 use kvconnect_registry::Registry;
+use kvconnect_server::producers::Producers;
+use kvconnect_server::sidechannel::{
+    SideChannelConfig, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_FRAME, DEFAULT_READ_TIMEOUT,
+};
+use kvconnect_server::{run as run_server, ServerSpec};
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;

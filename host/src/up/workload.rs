@@ -2,10 +2,10 @@
 //! and chat), some sharing long prefixes so the cache on prefill finds them, and the ground
 //! truth for each from the reference engine run in-process as a single monolithic engine.
 
-use crate::server::openai::chat_prompt;
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::{Dtype, FailurePolicy, KvLayout};
 use kvconnect_engine::{local_effective_layout, tokenize, Engine, EngineConfig, GenRequest, ReferenceConfig};
+use kvconnect_openai::chat_template::chat_prompt;
 use serde_json::{json, Value};
 
 /// Which prompts the workload sends.

@@ -3,7 +3,7 @@
 //! prompt in front with `echo`), `token_ids`, `logprobs` and `finish_reason`, plus `usage`
 //! and this server's `kv_transfer_params` and `kvconnect` blocks.
 
-use crate::server::logprobs;
+use crate::logprobs;
 use kvconnect_engine::{detokenize, FinishReason, TokenLogprobs};
 use serde_json::{json, Value};
 

@@ -155,8 +155,8 @@ pub fn create_connector(registry: &Registry, ctx: &ConnectorContext) -> Result<C
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::loader::LoaderOptions;
     use kvconnect_api::{ConnectorFactory, ConnectorInfo, ConnectorResult, ModelSpec};
+    use kvconnect_registry::loader::LoaderOptions;
     use kvconnect_registry::{Entry, OpenPlugin, Origin, RegistryConfig};
     use std::path::Path;
     use std::sync::Arc;

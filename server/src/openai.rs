@@ -15,10 +15,10 @@
 //! status. A client that leaves mid-stream only closes the channel: the requests run to their
 //! end and free their blocks as usual.
 
-use crate::server::engine_loop::{TokenSink, TokenStream};
-use crate::server::http::{self, AppState, Failure, Finished, OneRequest};
-use crate::server::response::{self, ChoiceOutput, Head, Shape};
-use crate::server::sse::{Chunks, Tail};
+use crate::engine_loop::{TokenSink, TokenStream};
+use crate::http::{self, AppState, Failure, Finished, OneRequest};
+use crate::response::{self, ChoiceOutput, Head, Shape};
+use crate::sse::{Chunks, Tail};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};

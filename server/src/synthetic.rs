@@ -5,7 +5,7 @@
 //! block against the pattern. This moves the KV of any model geometry (Qwen3-0.6B at 8192
 //! tokens is ~0.9 GiB) without running that model.
 
-use crate::server::engine_loop::{Driver, PoolStats, StepFailure, SubmitError};
+use crate::engine_loop::{Driver, PoolStats, StepFailure, SubmitError};
 use kvconnect_api::connector_metrics;
 use kvconnect_api::{
     BlocksPerGroup, ConnectorError, ConnectorMetric, EffectiveLayout, LayerId, MatchResult, ModelSpec,

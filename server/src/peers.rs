@@ -8,8 +8,8 @@
 //! or a request names another process at the peer's address (its `remote_instance`: the peer
 //! restarted), which is handshaken again before anything is loaded from it.
 
-use crate::server::engine_loop::EngineHandle;
-use crate::server::producers::Producers;
+use crate::engine_loop::EngineHandle;
+use crate::producers::Producers;
 use crate::sidechannel::{handshake, HandshakeOutcome};
 use kvconnect_api::compat::{CompatDescriptor, FieldDiff};
 use kvconnect_dataplane::auth::Secret;

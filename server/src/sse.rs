@@ -10,9 +10,9 @@
 //! text is held back by the longest one's length, so no part of the stop sequence that ends
 //! it is ever sent (the token that completes it arrives before the request's end). The server and the proxy send the same shapes.
 
-use crate::server::engine_loop::Produced;
-use crate::server::logprobs;
-use crate::server::response::{self, ChoiceOutput, Head, Shape};
+use crate::engine_loop::Produced;
+use crate::logprobs;
+use crate::response::{self, ChoiceOutput, Head, Shape};
 use kvconnect_engine::detokenize;
 use serde_json::{json, Value};
 

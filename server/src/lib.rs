@@ -16,6 +16,7 @@ pub mod openai;
 pub mod peers;
 pub mod producers;
 pub mod response;
+pub mod sidechannel;
 pub mod sse;
 pub mod synthetic;
 

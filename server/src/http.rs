@@ -3,8 +3,8 @@
 //! text); and [`run_one`], which runs one engine request for the OpenAI layer (vLLM's
 //! `kv_transfer_params` included).
 
-use crate::server::engine_loop::{Done, EngineHandle, PoolStats, SubmitError, TokenSink};
-use crate::server::peers::{remote_instance, remote_peer, strip_remote, Peers};
+use crate::engine_loop::{Done, EngineHandle, PoolStats, SubmitError, TokenSink};
+use crate::peers::{remote_instance, remote_peer, strip_remote, Peers};
 use crate::sidechannel::ServerStats;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -53,9 +53,9 @@ pub struct AppState {
 /// The router.
 pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
-        .route("/v1/completions", post(crate::server::openai::completions))
-        .route("/v1/chat/completions", post(crate::server::openai::chat_completions))
-        .route("/v1/models", get(crate::server::openai::models))
+        .route("/v1/completions", post(crate::openai::completions))
+        .route("/v1/chat/completions", post(crate::openai::chat_completions))
+        .route("/v1/models", get(crate::openai::models))
         .route("/health", get(health))
         .route("/metrics", get(prom))
         .with_state(state)
