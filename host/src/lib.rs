@@ -2,4 +2,3 @@
 pub mod cli;
 /// The plugin loader (crate `kvconnect-loader`), under the name the host has always used.
 pub use kvconnect_loader as loader;
-pub mod up;

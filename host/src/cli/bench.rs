@@ -11,9 +11,9 @@
 
 #![allow(unsafe_code)] // Signals the benchmark's server process (libc).
 
-use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
 use kvconnect_proxy::client;
+use kvconnect_support::stats::Quartiles;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

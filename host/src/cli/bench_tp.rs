@@ -7,8 +7,8 @@
 use super::bench::{
     backend, connector_settings, load_average, machine, pair_with, round, BenchServer, TransferArgs,
 };
-use crate::up::report::Quartiles;
 use anyhow::{anyhow, bail, Context, Result};
+use kvconnect_support::stats::Quartiles;
 use serde_json::{json, Value};
 use std::time::Duration;
 

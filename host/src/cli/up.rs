@@ -1,9 +1,9 @@
 //! `kvconnect up`: the one-command P/D deployment (servers, proxy, optional workload); the
-//! work is in [`crate::up`].
+//! work is in the crate [`kvconnect_up`].
 
-pub use crate::up::UpArgs;
+pub use kvconnect_up::UpArgs;
 
 /// Runs `kvconnect up`.
 pub fn run(a: &UpArgs) -> anyhow::Result<()> {
-    crate::up::run(a)
+    kvconnect_up::run(a)
 }

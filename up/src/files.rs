@@ -6,9 +6,9 @@ use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
 /// The embedded default deployment (examples/deployments/default-up.toml).
-pub const DEFAULT_DEPLOYMENT: &str = include_str!("../../../examples/deployments/default-up.toml");
+pub const DEFAULT_DEPLOYMENT: &str = include_str!("../../examples/deployments/default-up.toml");
 /// The reference model's config.json the default deployment names.
-pub const REFERENCE_MODEL: &str = include_str!("../../../fixtures/models/kvconnect--reference/config.json");
+pub const REFERENCE_MODEL: &str = include_str!("../../fixtures/models/kvconnect--reference/config.json");
 
 /// A deployment file on disk; a temporary one is removed on drop.
 pub struct DeploymentFiles {
