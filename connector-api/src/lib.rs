@@ -6,7 +6,7 @@
 //! the versioned C ABI that carries those traits across a shared-library boundary.
 //!
 //! It must not open sockets, spawn threads, touch files or load libraries: effects live in
-//! `kvconnect-host` and the connectors, and what they share beyond the contract (benchmark
+//! the host's crates and the connectors, and what they share beyond the contract (benchmark
 //! statistics, host buffers, stable hashes, frames, peer slots) in `kvconnect-support`. A
 //! third-party plugin depends on this crate alone: it re-exports `serde`, `serde_json` and
 //! `tracing` for that.

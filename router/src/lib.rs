@@ -3,7 +3,7 @@
 //! `AllBlocksCleared`, in batches numbered by the worker's publisher)
 //! to one index of which worker holds which prefix blocks in which medium, and the choice of
 //! the worker for a request by its cached prefix against its load (`choose`, whose doc
-//! states the formula). No sockets, threads or clocks: the proxy (`kvconnect-host`) feeds it
+//! states the formula). No sockets, threads or clocks: the proxy (`kvconnect-proxy`) feeds it
 //! events and asks it for choices.
 
 pub mod chain;
