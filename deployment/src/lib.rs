@@ -179,8 +179,14 @@ pub enum DeploymentError {
         message: String,
     },
     /// Keys the deployment format does not have.
-    #[error("{}: unknown key{} {}; valid keys are: model, engine, served_model_name, [connectors], and in \
-        [prefill]/[decode]: {}", path.display(), if keys.len() == 1 { "" } else { "s" }, keys.join(", "), ROLE_KEYS.join(", "))]
+    #[error(
+        "{}: unknown key{} {}; valid keys are: model, engine, served_model_name, [connectors], and \
+         in [prefill]/[decode]: {}",
+        path.display(),
+        if keys.len() == 1 { "" } else { "s" },
+        keys.join(", "),
+        ROLE_KEYS.join(", ")
+    )]
     UnknownKeys {
         /// The file.
         path: PathBuf,
@@ -916,10 +922,12 @@ kv_transfer_config = '{"kv_connector":"NixlConnector"}'
     #[test]
     fn reads_roles_options_and_the_model_relative_to_the_file() {
         let d = parse(&format!(
-            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\",\"kv_buffer_device\":\"cuda\"}}'\n\
+            "{QWEN}[prefill]\n\
+             kv_transfer_config = '{{\"kv_connector\":\"NixlConnector\",\"kv_buffer_device\":\"cuda\"}}'\n\
              hybrid_kv_cache_manager = \"off\"\nkv_cache_layout = \"HND\"\nblock_size = 32\ntp_size = 2\n\
              cache_dtype = \"fp8\"\nallow_adapters = false\n\
-             [decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\nhybrid_kv_cache_manager = true\n"
+             [decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n\
+             hybrid_kv_cache_manager = true\n"
         ))
         .unwrap();
         assert_eq!(d.model.num_layers, 28);
@@ -944,14 +952,17 @@ kv_transfer_config = '{"kv_connector":"NixlConnector"}'
         assert!(matches!(e, DeploymentError::Toml { line: 3, .. }), "{e}");
         assert!(!e.to_string().contains('\n'), "one line: {e}");
         let e = parse(&format!(
-            "{QWEN}[prefill]\nkv_transfer_config = '''\n{{\n  \"kv_connector\": \"NixlConnector\",\n  \"kv_role\": ,\n}}\n'''\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+            "{QWEN}[prefill]\nkv_transfer_config = '''\n\
+             {{\n  \"kv_connector\": \"NixlConnector\",\n  \"kv_role\": ,\n}}\n'''\n[decode]\n\
+             kv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
         ))
         .unwrap_err();
         // Line 6 of the file is `  "kv_role": ,`; the comma is column 14.
         assert!(matches!(e, DeploymentError::Json { line: 6, column: 14, .. }), "{e}");
         assert!(e.to_string().contains("test.toml:6:14: [prefill] kv_transfer_config"), "{e}");
         let e = parse(&format!(
-            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\": 7}}'\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\": 7}}'\n[decode]\n\
+             kv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
         ))
         .unwrap_err();
         assert!(e.to_string().contains("invalid type: integer `7`"), "{e}");
@@ -974,7 +985,8 @@ kv_transfer_config = '{"kv_connector":"NixlConnector"}'
             ("kv_buffer_device = \"tpu\"", "cpu or cuda"),
         ] {
             let e = parse(&format!(
-                "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n{line}\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+                "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n{line}\n\
+                 [decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
             ))
             .unwrap_err();
             assert!(matches!(e, DeploymentError::BadOption { line: 4, .. }), "{e}");
@@ -986,7 +998,9 @@ kv_transfer_config = '{"kv_connector":"NixlConnector"}'
         .unwrap_err();
         assert!(e.to_string().contains("missing [decode]"), "{e}");
         let e = parse(&format!(
-            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_consumer\"}}'\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+            "{QWEN}[prefill]\n\
+             kv_transfer_config = '{{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"kv_consumer\"}}'\n\
+             [decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
         ))
         .unwrap_err();
         assert!(
@@ -1013,7 +1027,8 @@ kv_transfer_config = '{"kv_connector":"NixlConnector"}'
         let e = parse(&format!(
             "{QWEN}[connectors]\na = '{{\"kv_connector\":\"PdConnector\",\"kv_connector_extra_config\":{{\"connectors\":[{{\"kv_connector\":\"b\"}}]}}}}'\n\
              b = '{{\"kv_connector\":\"PdConnector\",\"kv_connector_extra_config\":{{\"connectors\":[{{\"kv_connector\":\"a\"}}]}}}}'\n\
-             [prefill]\nkv_transfer_config = '{{\"kv_connector\":\"a\"}}'\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+             [prefill]\nkv_transfer_config = '{{\"kv_connector\":\"a\"}}'\n[decode]\n\
+             kv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
         ))
         .unwrap_err();
         assert!(e.to_string().contains("'a' contains itself (a -> b -> a)"), "{e}");
@@ -1046,7 +1061,8 @@ kv_transfer_config = '{"kv_connector":"NixlConnector"}'
     fn resolution_errors_are_bad_input_conflicts_are_not() {
         let r = Registry::builtins_only();
         let bad = parse(&format!(
-            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NoSuchConnector\"}}'\n[decode]\nkv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
+            "{QWEN}[prefill]\nkv_transfer_config = '{{\"kv_connector\":\"NoSuchConnector\"}}'\n[decode]\n\
+             kv_transfer_config = '{{\"kv_connector\":\"NixlConnector\"}}'\n"
         ))
         .unwrap();
         let e = plan(&bad, false, &r).unwrap_err();

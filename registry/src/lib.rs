@@ -68,8 +68,12 @@ impl std::fmt::Debug for Entry {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
     /// No connector has this name.
-    #[error("no connector named '{name}'{}: known connectors are {}; a plugin is found through \
-        KVCONNECT_PLUGIN_PATH or --plugin-dir, or named by path", suggestion.as_ref().map(|s| format!(" (did you mean '{s}'?)")).unwrap_or_default(), known.join(", "))]
+    #[error(
+        "no connector named '{name}'{}: known connectors are {}; a plugin is found through \
+         KVCONNECT_PLUGIN_PATH or --plugin-dir, or named by path",
+        suggestion.as_ref().map(|s| format!(" (did you mean '{s}'?)")).unwrap_or_default(),
+        known.join(", ")
+    )]
     Unknown {
         /// The name asked for.
         name: String,
@@ -248,9 +252,9 @@ impl Registry {
             .filter_map(|p| {
                 let b = self.builtin(&p.name)?;
                 Some(format!(
-                    "plugin {}: its name '{}' is the built-in connector '{}'s, and the built-in wins where a config \
-                     names it in kv_connector; to use the plugin, name it in kv_connector_module_path (its name or \
-                     its path), or rename it",
+                    "plugin {}: its name '{}' is the built-in connector '{}'s, and the built-in wins \
+                     where a config names it in kv_connector; to use the plugin, name it in \
+                     kv_connector_module_path (its name or its path), or rename it",
                     shown_path(p),
                     p.name,
                     b.name
@@ -563,11 +567,15 @@ mod tests {
         assert_eq!(r.find_for_config(&c).unwrap().origin, Origin::Dynamic);
         let notes = r.shadowed();
         assert_eq!(notes.len(), 1, "{notes:?}");
-        assert!(notes[0].ends_with(
-            "libnixl.so: its name 'NixlConnector' is the built-in connector 'nixl's, and the built-in wins where a \
-             config names it in kv_connector; to use the plugin, name it in kv_connector_module_path (its name or \
-             its path), or rename it"
-        ), "{}", notes[0]);
+        assert!(
+            notes[0].ends_with(
+                "libnixl.so: its name 'NixlConnector' is the built-in connector 'nixl's, and the \
+                 built-in wins where a config names it in kv_connector; to use the plugin, name it \
+                 in kv_connector_module_path (its name or its path), or rename it"
+            ),
+            "{}",
+            notes[0]
+        );
         assert!(Registry::builtins_only().shadowed().is_empty());
     }
 

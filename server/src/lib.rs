@@ -251,8 +251,13 @@ async fn serve(spec: ServerSpec, registry: Registry) -> Result<()> {
         writeln!(out, "{line}").context("cannot write the address line to stdout")?;
         out.flush().context("cannot flush stdout")?;
     }
-    tracing::info!(http = %http_addr, side_channel = %server.local_addr(), role = spec.role.name(), engine = %spec.engine_id, "worker \
-        ready");
+    tracing::info!(
+        http = %http_addr,
+        side_channel = %server.local_addr(),
+        role = spec.role.name(),
+        engine = %spec.engine_id,
+        "worker ready"
+    );
 
     let app = spec.gate.clone().wrap(http::router(state));
     serve::serve(listener, app, spec.http_header_timeout, spec.http_max_connections, stop).await;

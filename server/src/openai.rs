@@ -83,7 +83,9 @@ fn failure_response(f: Failure) -> Response {
     let mut r = openai_error(status, f.kind, f.message.clone(), param);
     // Keep the server's structured extras (the handshake diff under `fail`).
     if let Some(diff) = f.diff {
-        let body = json!({"error": {"message": f.message, "type": f.kind, "param": param, "code": Value::Null, "diff": diff}});
+        let body = json!({"error": {
+            "message": f.message, "type": f.kind, "param": param, "code": Value::Null, "diff": diff,
+        }});
         r = (status, Json(body)).into_response();
     }
     r
@@ -387,7 +389,9 @@ pub async fn chat_completions(State(st): State<Arc<AppState>>, headers: HeaderMa
 pub async fn models(State(st): State<Arc<AppState>>) -> Response {
     Json(json!({
         "object": "list",
-        "data": [{"id": st.model, "object": "model", "owned_by": "kvconnect", "max_model_len": st.max_model_len}],
+        "data": [{
+            "id": st.model, "object": "model", "owned_by": "kvconnect", "max_model_len": st.max_model_len,
+        }],
     }))
     .into_response()
 }

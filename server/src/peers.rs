@@ -232,7 +232,8 @@ mod tests {
     #[test]
     fn remote_peer_reads_prefill_params() {
         let p: Map<String, Value> = serde_json::from_value(json!({
-            "do_remote_prefill": true, "remote_engine_id": "p0", "remote_host": "127.0.0.1", "remote_port": 5000,
+            "do_remote_prefill": true, "remote_engine_id": "p0", "remote_host": "127.0.0.1",
+            "remote_port": 5000,
             "remote_block_ids": [[1]], "remote_num_tokens": 3
         }))
         .unwrap();

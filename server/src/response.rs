@@ -86,7 +86,11 @@ pub fn choice(index: usize, c: &ChoiceOutput, echo: Option<&[u32]>, shape: Shape
 
 /// `usage`.
 pub fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens})
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    })
 }
 
 /// OpenAI's `object` of a response (`chunk` for a stream's).

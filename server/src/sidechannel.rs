@@ -1136,7 +1136,9 @@ mod tests {
         for wrong in [Some(&guess), None] {
             let bad = handshake(&addr, &d, "decode-0", wrong, Duration::from_secs(5)).await.unwrap();
             assert!(
-                matches!(&bad, HandshakeOutcome::Refused { message, .. } if message.starts_with(UNAUTHENTICATED) && message.contains("KVCONNECT_SIDE_CHANNEL_TOKEN")),
+                matches!(&bad, HandshakeOutcome::Refused { message, .. }
+                    if message.starts_with(UNAUTHENTICATED)
+                        && message.contains("KVCONNECT_SIDE_CHANNEL_TOKEN")),
                 "{bad:?}"
             );
         }
@@ -1341,8 +1343,9 @@ mod tests {
         assert_eq!(
             message,
             format!(
-                "side-channel handshake version mismatch: this prefill worker speaks version {PROTOCOL_VERSION}, \
-                 the decode worker speaks version {} — run the same kvconnect release on both",
+                "side-channel handshake version mismatch: this prefill worker speaks version \
+                 {PROTOCOL_VERSION}, the decode worker speaks version {} — run the same kvconnect \
+                 release on both",
                 PROTOCOL_VERSION + 1
             )
         );
@@ -1385,8 +1388,9 @@ mod tests {
         assert_eq!(
             message,
             format!(
-                "side-channel handshake version mismatch: this decode worker speaks version {PROTOCOL_VERSION}, \
-                 the prefill worker speaks version 7 — run the same kvconnect release on both"
+                "side-channel handshake version mismatch: this decode worker speaks version \
+                 {PROTOCOL_VERSION}, the prefill worker speaks version 7 — run the same kvconnect \
+                 release on both"
             )
         );
     }

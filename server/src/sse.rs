@@ -8,7 +8,8 @@
 //! `kv_transfer_params` and `kvconnect`; with it every chunk has `"usage": null` and one more
 //! chunk with no choices carries them, as OpenAI sends it. With stop sequences a choice's
 //! text is held back by the longest one's length, so no part of the stop sequence that ends
-//! it is ever sent (the token that completes it arrives before the request's end). The server and the proxy send the same shapes.
+//! it is ever sent (the token that completes it arrives before the request's end). The
+//! server and the proxy send the same shapes.
 
 use crate::engine_loop::Produced;
 use crate::logprobs;

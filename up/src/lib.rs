@@ -85,7 +85,12 @@ pub struct UpArgs {
     pub routing: kvconnect_proxy::routing::Routing,
     /// Seconds between health checks of each worker; a worker that reports itself
     /// unhealthy, or misses five checks in a row, is restarted.
-    #[arg(long = "health-interval", value_name = "SECS", default_value_t = 1.0, value_parser = positive_seconds)]
+    #[arg(
+        long = "health-interval",
+        value_name = "SECS",
+        default_value_t = 1.0,
+        value_parser = positive_seconds
+    )]
     pub health_interval: f64,
 }
 
@@ -234,9 +239,13 @@ async fn up(a: &UpArgs) -> Result<()> {
         Some(n) => {
             let proxy_addr = addr.to_string();
             tokio::select! {
-                r = run_workload(a, n, &proxy_addr, mono.first().cloned(), key.as_deref(), &deployment.model_path, router) => r,
+                r = run_workload(
+                    a, n, &proxy_addr, mono.first().cloned(), key.as_deref(), &deployment.model_path, router,
+                ) => r,
                 _ = &mut stop => Err(anyhow!("interrupted during the workload")),
-                why = &mut gave_up => Err(anyhow!("{}", why.unwrap_or_else(|_| "the supervisor stopped".into()))),
+                why = &mut gave_up => {
+                    Err(anyhow!("{}", why.unwrap_or_else(|_| "the supervisor stopped".into())))
+                }
             }
         }
         None => {

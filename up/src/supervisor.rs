@@ -451,7 +451,14 @@ impl Fleet {
         let l = slot.launch.clone();
         match self.spawn(&l) {
             Ok(p) => {
-                tracing::warn!(engine = %l.engine_id, "{} worker {} restarted (pid {}, http {})", l.label, l.engine_id, p.child.id(), p.http);
+                tracing::warn!(
+                    engine = %l.engine_id,
+                    "{} worker {} restarted (pid {}, http {})",
+                    l.label,
+                    l.engine_id,
+                    p.child.id(),
+                    p.http
+                );
                 if l.behind_proxy {
                     self.backends.set_up(&l.engine_id, &p.http);
                 }
