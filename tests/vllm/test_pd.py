@@ -1,7 +1,7 @@
 """kvconnect inside a real vLLM (CPU): prefill/decode through KvconnectConnector equals a
 monolithic server, token for token, and decode loads the prompt's KV instead of computing it.
 
-    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp,shm-sync] [--parts pd,composite,refused] [--keep]
+    VENV/bin/python tests/vllm/test_pd.py [--backends shm-sync,tcp] [--parts pd,composite,refused] [--keep]
 
 Runs with the venv scripts/install-vllm.sh makes, with kvconnect installed into it
 (`VENV/bin/pip install ./python`). Servers run one or two at a time (about 4 GB each).
@@ -268,7 +268,8 @@ def shared_kv_segments(log: str) -> list[str]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backends", default="shm,tcp")
+    ap.add_argument("--backends", default="shm-sync,tcp",
+                    help="nixl backends, each with -sync for decode loading synchronously (shm, shm-sync, tcp)")
     ap.add_argument("--parts", default="pd,composite,refused",
                     help="which checks: pd (each backend against monolithic), composite, refused (bad configs)")
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
@@ -290,6 +291,7 @@ def main():
         out = run_monolithic(model, tmp, ps + pp + [idle_prompt])
         expected, expected_pp, expected_idle = out[:len(ps)], out[len(ps):-1], out[-1]
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
+        proxied = False
         for spec in a.backends.split(",") if "pd" in parts else []:
             # `shm-sync`: decode loads synchronously, inside the step that computes the prompt's
             # last token.
@@ -300,8 +302,11 @@ def main():
                 dec["kv_connector_extra_config"]["load"] = mode
             if backend == "tcp":
                 pre["kv_connector_extra_config"]["idle_timeout"] = 1
+            # The `kvconnect proxy` binary goes in front of the first shm pair, whatever its load.
+            proxy = backend == "shm" and not proxied
+            proxied |= proxy
             run_pd(model, tmp, ps, f"nixl-{spec}", pre, dec, expected,
-                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if spec == "shm" else None,
+                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if proxy else None,
                    idle=(idle_prompt, expected_idle) if backend == "tcp" else None)
         if "composite" not in parts:
             return
