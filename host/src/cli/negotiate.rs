@@ -123,7 +123,11 @@ pub fn json(n: &Negotiated, d: &CompatDescriptor) -> serde_json::Value {
         "compat_hash": d.compat_hash(),
         "provenance": n.provenance,
         "adapters": n.adapters,
-        "children": n.children.iter().map(|c| serde_json::json!({"name": c.name, "version": c.version})).collect::<Vec<_>>(),
+        "children": n
+            .children
+            .iter()
+            .map(|c| serde_json::json!({"name": c.name, "version": c.version}))
+            .collect::<Vec<_>>(),
         "descriptor": d,
     })
 }

@@ -210,7 +210,14 @@ fn inspect(
         v["children"] = match &children {
             Some(cs) => Value::Array(
                 cs.iter()
-                    .map(|c| json!({"name": c.name, "version": c.version, "summary": c.caps.summary(), "capabilities": c.caps}))
+                    .map(|c| {
+                        json!({
+                            "name": c.name,
+                            "version": c.version,
+                            "summary": c.caps.summary(),
+                            "capabilities": c.caps,
+                        })
+                    })
                     .collect(),
             ),
             None => Value::Null,

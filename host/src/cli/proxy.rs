@@ -50,7 +50,12 @@ pub struct ProxyArgs {
     pub kv_events: Vec<String>,
     /// With --routing kv: the prefill engines' block size in tokens (the router's hashing
     /// unit).
-    #[arg(long = "kv-block-size", value_name = "TOKENS", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(
+        long = "kv-block-size",
+        value_name = "TOKENS",
+        default_value_t = 16,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
     pub kv_block_size: u32,
 }
 

@@ -58,7 +58,8 @@ pub struct ServerArgs {
     pub side_channel_port: u16,
     /// Seconds a side-channel peer may take to start a frame, then to send it whole, and to
     /// take each answer; its connection is closed past that.
-    #[arg(long = "side-channel-timeout", value_name = "SECONDS", default_value_t = DEFAULT_READ_TIMEOUT.as_secs_f64())]
+    #[arg(long = "side-channel-timeout", value_name = "SECONDS", default_value_t =
+        DEFAULT_READ_TIMEOUT.as_secs_f64())]
     pub side_channel_timeout: f64,
     /// Side-channel connections served at once; more are closed at once.
     #[arg(long = "side-channel-max-connections", value_name = "N", default_value_t = DEFAULT_MAX_CONNECTIONS)]
@@ -106,14 +107,17 @@ pub struct ServerArgs {
     pub max_request_body_bytes: usize,
     /// Seconds a client may take to send a request's head (line and headers); slower ones,
     /// and idle kept-alive connections, are closed.
-    #[arg(long = "request-header-timeout", value_name = "SECONDS", default_value_t = serve::DEFAULT_HEADER_TIMEOUT.as_secs_f64())]
+    #[arg(long = "request-header-timeout", value_name = "SECONDS", default_value_t =
+        serve::DEFAULT_HEADER_TIMEOUT.as_secs_f64())]
     pub request_header_timeout: f64,
     /// Seconds a client may take to send a request's body; slower ones get 408.
-    #[arg(long = "request-body-timeout", value_name = "SECONDS", default_value_t = gate::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
+    #[arg(long = "request-body-timeout", value_name = "SECONDS", default_value_t =
+        gate::DEFAULT_BODY_TIMEOUT.as_secs_f64())]
     pub request_body_timeout: f64,
     /// Seconds a whole request may take (its body, its run, its streamed answer); past it a
     /// whole answer is 504, a stream ends with an error event, and the request is cancelled.
-    #[arg(long = "request-timeout", value_name = "SECONDS", default_value_t = gate::DEFAULT_RUN_TIMEOUT.as_secs_f64())]
+    #[arg(long = "request-timeout", value_name = "SECONDS", default_value_t =
+        gate::DEFAULT_RUN_TIMEOUT.as_secs_f64())]
     pub request_timeout: f64,
     /// HTTP connections open at once (idle kept-alive ones count); past it a new connection
     /// is answered 503 and closed.
