@@ -444,4 +444,38 @@ mod tests {
             assert!(help.ends_with('.') && !help.ends_with(".."), "one period ends a help text: {help}");
         }
     }
+
+    #[test]
+    fn a_family_is_written_once_wherever_its_samples_come_and_of_its_first_samples_kind() {
+        let scraped = Arc::new(Scraped::default());
+        let hit = |tier: &str, v| Sample::counter("hits", "Hits.", v).with(vec![("tier", tier.into())]);
+        *scraped.samples.lock().unwrap() = vec![
+            hit("cpu", 1),
+            Sample::gauge("free", "Free.", 7),
+            Sample::owned("hits".into(), "Hits.".into(), true, vec![("tier".into(), "disk".into())], 2),
+            Sample::gauge("hits", "Not a counter.", 9),
+        ];
+        let mut r = Registry::default();
+        r.register_collector(Box::new(scraped));
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &r).unwrap();
+        assert_eq!(text.matches("# TYPE hits counter").count(), 1, "{text}");
+        assert!(
+            text.contains("hits_total{tier=\"cpu\"} 1") && text.contains("hits_total{tier=\"disk\"} 2"),
+            "{text}"
+        );
+        assert!(!text.contains(" 9"), "a gauge sample in a counter family is left out: {text}");
+    }
+
+    #[test]
+    fn the_servers_own_families_are_known_by_name() {
+        for own in ["kvconnect_ttft_seconds", "kvconnect_requests_completed", "vllm:prompt_tokens_by_source"]
+        {
+            assert!(is_own_family(own), "{own}");
+        }
+        assert!(is_own_family("kvconnect_requests_completed_total"), "a gauge named as a counter's samples");
+        for theirs in ["kvconnect_cache_hits", "kvconnect_data_plane_refused", "my_plugin_hits"] {
+            assert!(!is_own_family(theirs), "{theirs}");
+        }
+    }
 }
