@@ -13,7 +13,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -139,7 +139,7 @@ impl Collector for Scraped {
 #[derive(Debug)]
 pub struct ServerMetrics {
     registry: Registry,
-    /// The names of the families registered above (not the scraped ones).
+    /// The names of the families registered in `new` (not the scraped ones).
     own: HashSet<String>,
     scraped: Arc<Scraped>,
     http: Family<Labels, Counter>,
@@ -165,6 +165,7 @@ fn seconds() -> Histogram {
 impl ServerMetrics {
     fn new() -> ServerMetrics {
         let mut r = Registry::default();
+        let mut own = HashSet::new();
         let m = ServerMetrics {
             registry: Registry::default(),
             own: HashSet::new(),
@@ -185,47 +186,71 @@ impl ServerMetrics {
             http_refused: Family::default(),
             cancelled: Counter::default(),
         };
-        r.register("kvconnect_http_requests", "OpenAI-route requests by route and status", m.http.clone());
-        r.register(
+        register(
+            &mut r,
+            &mut own,
+            "kvconnect_http_requests",
+            "OpenAI-route requests by route and status",
+            m.http.clone(),
+        );
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_ttft_seconds",
             "Time to first token, from the request's hand-off to the engine (the wait for a running step \
                 included)",
             m.ttft.clone(),
         );
-        r.register(
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_inter_token_seconds",
             "Mean time between tokens of each request (after the first)",
             m.inter_token.clone(),
         );
-        r.register(
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_external_kv_first_token_seconds",
             "Admission to first token of requests that loaded prompt KV through the connector (the external \
                 load plus one forward step)",
             m.external_first_token.clone(),
         );
-        r.register(
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_kv_loaded_tokens",
             "Prompt tokens whose KV came from a peer or cache through the connector (OpenAI routes)",
             m.loaded_tokens.clone(),
         );
-        r.register(
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_handshake_refusals",
             "Refused handshakes seen by requests, by the field that differed",
             m.refusals.clone(),
         );
-        r.register("kvconnect_requests_completed", "Requests completed", m.completed.clone());
-        r.register("kvconnect_requests_failed", "Requests that ended with an error", m.failed.clone());
+        register(&mut r, &mut own, "kvconnect_requests_completed", "Requests completed", m.completed.clone());
+        register(
+            &mut r,
+            &mut own,
+            "kvconnect_requests_failed",
+            "Requests that ended with an error",
+            m.failed.clone(),
+        );
         let sources = "Prompt tokens of finished requests by where their KV came from: computed here \
             (local_compute), this engine's prefix cache (local_cache_hit), or loaded through the connector \
             (external_kv_transfer)";
-        r.register("kvconnect_prompt_tokens_by_source", sources, m.prompt_tokens.clone());
-        r.register("vllm:prompt_tokens_by_source", sources, m.prompt_tokens.clone());
+        register(&mut r, &mut own, "kvconnect_prompt_tokens_by_source", sources, m.prompt_tokens.clone());
+        register(&mut r, &mut own, "vllm:prompt_tokens_by_source", sources, m.prompt_tokens.clone());
         let bytes =
             "KV bytes of each request's prompt loaded through the connector (its loaded tokens times \
             the model's KV bytes per token)";
-        r.register("kvconnect_kv_transfer_bytes", bytes, m.transfer_bytes.clone());
-        r.register("vllm:nixl_bytes_transferred", bytes, m.transfer_bytes.clone());
-        r.register(
+        register(&mut r, &mut own, "kvconnect_kv_transfer_bytes", bytes, m.transfer_bytes.clone());
+        register(&mut r, &mut own, "vllm:nixl_bytes_transferred", bytes, m.transfer_bytes.clone());
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_kv_load_failures",
             "Requests whose external KV could not be loaded, by reason: producer_not_allowed (params naming \
                 a producer outside the allow-list; nothing contacted), peer_unreachable, wrong_engine, \
@@ -233,13 +258,17 @@ impl ServerMetrics {
                 transfer)",
             m.load_failures.clone(),
         );
-        r.register(
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_kv_recomputed_requests",
             "Requests that were to load external KV and computed their prompt here instead \
                 (kv_load_failure_policy recompute)",
             m.recomputed.clone(),
         );
-        r.register(
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_http_refused",
             "HTTP clients refused or cut off, by reason: header_timeout (the request head not whole in time; \
                 the connection is closed), body_timeout (408), body_too_large (413), too_many_requests (503 \
@@ -248,19 +277,22 @@ impl ServerMetrics {
                 ended)",
             m.http_refused.clone(),
         );
-        r.register(
+        register(
+            &mut r,
+            &mut own,
             "kvconnect_requests_cancelled",
             "Requests ended before their end because their client disconnected (their blocks freed then)",
             m.cancelled.clone(),
         );
-        // The families above, by the names the text shows, before the scraped ones join them.
-        let mut text = String::new();
-        let _ = prometheus_client::encoding::prometheus_text::encode(&mut text, &r);
-        let own = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).map(String::from);
-        let own = own.collect();
         r.register_collector(Box::new(m.scraped.clone()));
         ServerMetrics { registry: r, own, ..m }
     }
+}
+
+/// Registers `metric` as `name` and keeps the name among the server's own families.
+fn register(r: &mut Registry, own: &mut HashSet<String>, name: &str, help: &str, metric: impl Metric) {
+    own.insert(name.to_owned());
+    r.register(name, help, metric);
 }
 
 /// The process's server metrics.
@@ -361,7 +393,7 @@ fn refusal_fields(reason: &str) -> Vec<String> {
 /// scraped sample of that name would show the family twice.
 pub fn is_own_family(name: &str) -> bool {
     let own = &get().own;
-    own.contains(name) || own.contains(&format!("{name}_total"))
+    own.contains(name) || name.strip_suffix("_total").is_some_and(|base| own.contains(base))
 }
 
 /// Prometheus text of every metric, with `scraped` as the values read now.
@@ -459,7 +491,7 @@ mod tests {
         r.register_collector(Box::new(scraped));
         let mut text = String::new();
         prometheus_client::encoding::prometheus_text::encode(&mut text, &r).unwrap();
-        assert_eq!(text.matches("# TYPE hits counter").count(), 1, "{text}");
+        assert_eq!(text.matches("# TYPE hits_total counter").count(), 1, "{text}");
         assert!(
             text.contains("hits_total{tier=\"cpu\"} 1") && text.contains("hits_total{tier=\"disk\"} 2"),
             "{text}"
