@@ -3,7 +3,7 @@
 //! a kept connection is used again the consumer looks for that close ([`still_open`]), and
 //! opens a new connection in its place. A close that lands between that look and the request
 //! shows as the connection ending before any byte of the answer ([`send_and_await`]); the
-//! consumer then sends the request once more, on a new connection ([`crate::puller::Link`]).
+//! consumer then sends the request once more, on a new connection ([`crate::puller::Streams::call`]).
 //!
 //! Sending again is safe for every request: `hold`, `check` and `read` change nothing a
 //! second one would undo (a lease renewed twice, bytes received into the same place twice),

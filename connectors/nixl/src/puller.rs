@@ -1,14 +1,16 @@
-//! The consumer (decode) side of a pull: plan the copy, let the backend move the bytes
-//! ([`crate::transport`]), and keep the authenticated connections to each producer that
-//! carry the control messages (and, for tcp, the blocks). Every socket operation has a
-//! timeout, so a dead producer ends in an error, never a hang. This is also the entry point
-//! benchmarks use to time one transfer.
+//! The consumer (decode) side of a pull: plan the copy, send the control messages around it
+//! that the backend's steps name ([`crate::transport::PullSteps`]: `check` or `hold` before,
+//! `done` or `hold` after), let the backend move the bytes ([`crate::transport`]), and keep the
+//! authenticated connections to each producer that carry the control messages (and, for tcp,
+//! the blocks, through [`Streams`]). Every socket operation has a timeout, so a dead producer
+//! ends in an error, never a hang. This is also the entry point benchmarks use to time one
+//! transfer.
 
 use crate::copy_plan::CopyPlan;
 use crate::error::TransferError;
 use crate::idle_link::NoAnswer;
 use crate::metadata::{LoadSpec, PeerInfo, PeerKey};
-use crate::transport::Transport;
+use crate::transport::{Confirm, Pin, Transport};
 use crate::wire::{authenticate_client, read_frame, ClientAuthError, ClientMsg, FrameError, ServerMsg};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::LayerId;
@@ -16,7 +18,7 @@ use std::collections::HashMap;
 use std::io;
 use std::net::TcpStream;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Connection settings of a consumer.
 #[derive(Debug, Clone)]
@@ -123,8 +125,10 @@ impl Puller {
         r.map(|()| PullStats { bytes: 0, runs: 0, adapted: false })
     }
 
-    /// Copies `load` from `peer` into `local`, then tells the producer it is done. On `Ok`
-    /// the bytes are in place and the producer confirmed it held them throughout.
+    /// Copies `load` from `peer` into `local` through the backend, with the control messages
+    /// its steps name ([`Transport::steps`]) around the copy, then tells the producer it is
+    /// done. On `Ok` the bytes are in place and the producer confirmed it held them
+    /// throughout.
     pub fn pull(
         &mut self,
         local: &KvMemory,
@@ -132,7 +136,7 @@ impl Puller {
         peer: &PeerInfo,
         load: &LoadSpec,
     ) -> Result<PullStats, TransferError> {
-        let r = self.transport.pull(&mut self.conns.link(peer), local, groups, peer, load);
+        let r = pull_steps(&*self.transport, &mut self.conns.link(peer), local, groups, peer, load);
         if r.as_ref().is_err_and(TransferError::is_transport) {
             // A stream may be mid-message, a mapping or NIXL's endpoints stale: start again
             // from the handshake.
@@ -142,20 +146,73 @@ impl Puller {
     }
 }
 
+/// One pull from `link`'s producer, step by step as `transport` declares them
+/// ([`Transport::steps`]): plan, pin, copy, confirm, then the backend's own word to the producer.
+fn pull_steps(
+    transport: &dyn Transport,
+    link: &mut Link<'_>,
+    local: &KvMemory,
+    groups: &[Vec<LayerId>],
+    peer: &PeerInfo,
+    load: &LoadSpec,
+) -> Result<PullStats, TransferError> {
+    let steps = transport.steps();
+    // Planned before any message: a load this engine cannot take fails without one.
+    let plan = match steps.plan {
+        true => Some(CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?),
+        false => None,
+    };
+    let t0 = Instant::now();
+    // Pin the blocks first: a request the producer no longer holds, or blocks that are not
+    // its own (params naming another request's blocks), are a failed receive, never a
+    // copy of whatever those blocks hold now. tcp's producer checks each read itself.
+    match steps.before {
+        Pin::Check => link.check(load, groups)?,
+        Pin::Hold => link.hold(load)?,
+        Pin::Nothing => {}
+    }
+    let pinned = t0.elapsed();
+    let conns = match transport.backend().serves_reads {
+        true => Some(&mut link.0),
+        false => None,
+    };
+    let stats = transport.copy(conns, local, groups, peer, load, plan.as_ref())?;
+    let copied = t0.elapsed();
+    // Still held now means held throughout (a freed request is never held again): the
+    // bytes copied are the request's. `done` also lets the producer free them; after a
+    // `hold` the backend tells it so its own way (NIXL's notification).
+    match steps.after {
+        Confirm::Done => link.done(load)?,
+        Confirm::Hold => link.hold(load)?,
+    }
+    transport.confirmed(peer, load)?;
+    // Where a pull's time goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=debug).
+    tracing::debug!(
+        request = %load.request,
+        pin_us = pinned.as_micros() as u64,
+        copy_us = (copied - pinned).as_micros() as u64,
+        confirm_us = (t0.elapsed() - copied).as_micros() as u64,
+        "{}: pull phases",
+        transport.backend().name()
+    );
+    Ok(stats)
+}
+
 impl Connections {
     fn link<'a>(&'a mut self, peer: &'a PeerInfo) -> Link<'a> {
-        Link { conns: self, peer }
+        Link(Streams { conns: self, peer })
     }
 }
 
-/// The connections to one producer, for one pull: the control messages every backend sends,
-/// and the streams tcp receives blocks on.
-pub struct Link<'a> {
+/// The connections to one producer, for one pull, as a backend whose blocks travel over them
+/// (tcp) uses them: streams to ask for reads on, and the errors naming the producer. The
+/// control messages around a pull are the puller's ([`Puller::pull`]).
+pub struct Streams<'a> {
     conns: &'a mut Connections,
     peer: &'a PeerInfo,
 }
 
-impl Link<'_> {
+impl Streams<'_> {
     /// The connection settings.
     pub fn config(&self) -> &PullConfig {
         &self.conns.cfg
@@ -297,10 +354,16 @@ impl Link<'_> {
         let answer = read_frame::<_, ServerMsg>(s, cap);
         answer.map(Ok).map_err(|e| self.frame_err("asking", e))
     }
+}
 
+/// The connections to one producer, for one pull, with the control messages the puller sends
+/// around a backend's copy.
+struct Link<'a>(Streams<'a>);
+
+impl Link<'_> {
     fn expect_ok(&mut self, msg: &ClientMsg) -> Result<(), TransferError> {
-        let engine = || self.peer.meta.engine_id.clone();
-        match self.call(msg)? {
+        let engine = || self.0.peer.meta.engine_id.clone();
+        match self.0.call(msg)? {
             ServerMsg::Ok => Ok(()),
             ServerMsg::Error { reason } => Err(TransferError::Refused { engine: engine(), reason }),
             other => Err(TransferError::Protocol {
@@ -311,7 +374,7 @@ impl Link<'_> {
     }
 
     /// `hold`: renews the lease; fails when the producer no longer holds the request.
-    pub fn hold(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
+    fn hold(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
         self.expect_ok(&ClientMsg::Hold {
             request: load.producer_request().to_owned(),
             capability: load.remote_capability.clone(),
@@ -320,17 +383,17 @@ impl Link<'_> {
 
     /// `check`: `hold`, plus the blocks the load reads are the request's (params naming
     /// another request's blocks are refused).
-    pub fn check(&mut self, load: &LoadSpec, groups: &[Vec<LayerId>]) -> Result<(), TransferError> {
+    fn check(&mut self, load: &LoadSpec, groups: &[Vec<LayerId>]) -> Result<(), TransferError> {
         self.expect_ok(&ClientMsg::Check {
             request: load.producer_request().to_owned(),
             capability: load.remote_capability.clone(),
-            blocks: crate::copy_plan::read_blocks(&self.peer.geometry, groups, load),
+            blocks: crate::copy_plan::read_blocks(&self.0.peer.geometry, groups, load),
         })
     }
 
     /// `done`: the consumer has the blocks; the producer frees them once no read is in
     /// flight. `Ok` means it still held them, so they were the request's throughout.
-    pub fn done(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
+    fn done(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
         let (request, capability) = (load.producer_request().to_owned(), load.remote_capability.clone());
         self.expect_ok(&match load.reader {
             Some((reader, readers)) if readers > 1 => {

@@ -6,10 +6,11 @@
 //! kernel per KV cache group over every layer and K/V part with source and destination
 //! block-index arrays (with HMA off there is one group, so one launch per request); when the
 //! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
-//! copy. The pull thread then sleeps on a CUDA event recorded after the launches (the step
-//! loop never waits on it) and the usual "done" goes to the producer over the control
-//! connection. The kernel is compiled when the worker starts (once per process and GPU
-//! architecture, then cached), not at the first request.
+//! copy. The puller checks the request's blocks with the producer (`check`) before the copy;
+//! the pull thread then sleeps on a CUDA event recorded after the launches (the step loop
+//! never waits on it) and the puller sends the usual `done` over the control connection. The
+//! kernel is compiled when the worker starts (once per process and GPU architecture, then
+//! cached), not at the first request.
 //!
 //! Two GPUs of one host: the producer names its GPU by PCI bus id, which the consumer looks
 //! up among the GPUs it sees. When its own GPU can access the producer's (peer access over
@@ -70,11 +71,12 @@ use gpu::start;
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use super::super::{Backend, Link, Setup, Started, Transport};
+    use super::super::{Backend, Confirm, Pin, PullSteps, Setup, Started, Streams, Transport};
     use super::exports::Exports;
     use super::gather::{export, open_gpu, CudaIpcPull};
     use super::BACKEND;
     use crate::config::NAME;
+    use crate::copy_plan::CopyPlan;
     use crate::error::TransferError;
     use crate::metadata::{CudaIpcMetadata, LoadSpec, PeerInfo, PeerKey, ProducerMetadata};
     use crate::puller::PullStats;
@@ -123,19 +125,22 @@ mod gpu {
             Ok(())
         }
 
-        /// Pins the request's blocks at the producer (as shm does), copies them with one
-        /// gather launch per KV cache group, then tells the producer.
-        fn pull(
+        /// Pins the request's blocks at the producer (as shm does); its gather checks the load
+        /// itself, so the puller plans nothing.
+        fn steps(&self) -> PullSteps {
+            PullSteps { plan: false, before: Pin::Check, after: Confirm::Done }
+        }
+
+        /// Copies the blocks with one gather launch per KV cache group.
+        fn copy(
             &self,
-            link: &mut Link<'_>,
+            _: Option<&mut Streams<'_>>,
             local: &KvMemory,
             groups: &[Vec<LayerId>],
             peer: &PeerInfo,
             load: &LoadSpec,
+            _: Option<&CopyPlan>,
         ) -> Result<PullStats, TransferError> {
-            let t0 = std::time::Instant::now();
-            link.check(load, groups)?;
-            let checked = t0.elapsed();
             let pull = self.pull.as_ref().ok_or_else(|| {
                 TransferError::Plan(
                     "backend cuda_ipc: this worker is not a consumer (kv_role), so it has no GPU side to \
@@ -145,16 +150,6 @@ mod gpu {
             })?;
             let (bytes, adapted) =
                 pull.lock().unwrap_or_else(|p| p.into_inner()).pull(local.geometry(), groups, peer, load)?;
-            let copied = t0.elapsed();
-            link.done(load)?;
-            // Where a pull's time goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=debug).
-            tracing::debug!(
-                request = %load.request,
-                check_us = checked.as_micros() as u64,
-                copy_us = (copied - checked).as_micros() as u64,
-                done_us = (t0.elapsed() - copied).as_micros() as u64,
-                "cuda_ipc: pull phases"
-            );
             Ok(PullStats { bytes, runs: groups.len(), adapted })
         }
 

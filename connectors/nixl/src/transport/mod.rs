@@ -6,7 +6,9 @@
 //! them. Everything else (config, capabilities, the worker, the puller) asks the table or the
 //! trait, never a backend by name, so adding a backend is a file plus its line in
 //! [`BACKENDS`]. The producer's listener, the lease and the control messages (`hold`,
-//! `check`, `done`) are the same for every backend ([`crate::producer`], [`Link`]).
+//! `check`, `done`) are the same for every backend ([`crate::producer`]). The puller sends
+//! them ([`crate::puller::Puller::pull`]); a backend only says which go around its copy
+//! ([`PullSteps`]) and moves the bytes ([`Transport::copy`]).
 
 pub mod cuda_ipc;
 pub mod nixl;
@@ -14,10 +16,11 @@ pub mod shm;
 pub mod tcp;
 
 use crate::config::{NixlConfig, NAME};
+use crate::copy_plan::CopyPlan;
 use crate::error::TransferError;
 use crate::metadata::{LoadSpec, PeerInfo, PeerKey, ProducerMetadata};
-pub use crate::puller::Link;
 use crate::puller::PullStats;
+pub use crate::puller::Streams;
 use kvconnect_api::geometry::Geometry;
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
@@ -189,6 +192,49 @@ pub struct Completion {
     pub capability: String,
 }
 
+/// What the puller sends the producer before a backend's copy, so that the copy reads blocks
+/// the producer holds for the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pin {
+    /// `check`: the request is held and the blocks the load reads are its own (shm, cuda_ipc,
+    /// which read the producer's memory without it seeing the reads).
+    Check,
+    /// `hold`: the request is held (nixl).
+    Hold,
+    /// Nothing: the producer checks each read itself (tcp).
+    Nothing,
+}
+
+/// What the puller sends the producer after a backend's copy: either way an `Ok` means the
+/// request was still held, so the bytes copied are its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Confirm {
+    /// `done` (`DoneBy` for one of several readers): the producer may free the blocks.
+    Done,
+    /// `hold`: the backend then tells the producer itself ([`Transport::confirmed`]).
+    Hold,
+}
+
+/// The steps of one pull around a backend's copy, which the puller takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullSteps {
+    /// The puller plans the copy ([`CopyPlan::build`]) before any message, so a load this
+    /// engine cannot take fails without one; `false`: the backend's own gather checks the
+    /// load in its copy.
+    pub plan: bool,
+    /// Sent before the copy.
+    pub before: Pin,
+    /// Sent after it.
+    pub after: Confirm,
+}
+
+/// The copy's plan, which the puller builds for a backend whose steps ask for one.
+pub(crate) fn planned(plan: Option<&CopyPlan>) -> Result<&CopyPlan, TransferError> {
+    plan.ok_or_else(|| {
+        TransferError::Plan("the puller built no copy plan for a backend that copies by one".into())
+    })
+}
+
 /// One worker's started backend. Shared by the worker (handshakes, notifications) and its
 /// pull thread (pulls), so every method takes `&self`.
 pub trait Transport: Send + Sync {
@@ -216,19 +262,30 @@ pub trait Transport: Send + Sync {
         Ok(Vec::new())
     }
 
-    /// Moves `load` from `peer` into `local` and tells the producer, over `link` (the
-    /// control connection, and more connections where the backend streams). A backend that
-    /// copies by runs plans them (`crate::copy_plan::CopyPlan::build`); one with its own gather does not pay
-    /// for a plan. On `Ok` the bytes are in place and the producer confirmed it held them
-    /// throughout.
-    fn pull(
+    /// The steps the puller takes around this backend's copy.
+    fn steps(&self) -> PullSteps;
+
+    /// Moves `load` from `peer` into `local`, after the puller pinned the blocks and before
+    /// it confirms them ([`Transport::steps`]); the control messages are the puller's, never a
+    /// backend's. `conns`: the connections to the producer, for a backend whose blocks
+    /// travel over them (`serves_reads`: tcp), `None` for the others. `plan`: the copy's
+    /// runs, when its steps ask the puller to plan (a backend with its own gather does not pay
+    /// for a plan). On `Ok` the bytes are in place.
+    fn copy(
         &self,
-        link: &mut Link<'_>,
+        conns: Option<&mut Streams<'_>>,
         local: &KvMemory,
         groups: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
+        plan: Option<&CopyPlan>,
     ) -> Result<PullStats, TransferError>;
+
+    /// Tells the producer it is done with `load`, its own way, after the puller confirmed
+    /// the blocks (NIXL's notification after a `hold`); nothing by default (`done` told it).
+    fn confirmed(&self, _peer: &PeerInfo, _load: &LoadSpec) -> Result<(), TransferError> {
+        Ok(())
+    }
 
     /// Forgets what it keeps for producer `key` (after a transfer error from it): the next
     /// pull starts again from its handshake.

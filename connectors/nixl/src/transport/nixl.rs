@@ -2,11 +2,12 @@
 //! run time, [`crate::nixl_lib`]), any two hosts. Each worker has one agent with every KV
 //! region registered, as DRAM, or as VRAM of their GPU when they are device memory (feature
 //! `cuda`). A producer publishes its agent's metadata and region addresses; a consumer loads
-//! them at the handshake, then per request holds the blocks, READs the plan's coalesced runs
-//! from the producer's registered regions (direct plans straight into place; adapting plans,
-//! host memory only, into a registered staging buffer, then scattered), holds again (still
-//! held means held throughout) and tells the producer with a NIXL notification
-//! (`kvc-done <request> <capability>`) instead of `done`.
+//! them at the handshake. Per request the puller holds the blocks (`hold`), the backend READs
+//! the plan's coalesced runs from the producer's registered regions (direct plans straight
+//! into place; adapting plans, host memory only, into a registered staging buffer, then
+//! scattered), the puller holds again (still held means held throughout), and the backend
+//! tells the producer with a NIXL notification (`kvc-done <request> <capability>`) instead of
+//! `done` ([`Transport::confirmed`]).
 //!
 //! Descriptor lists are prepared once per producer and region set, not per request: one
 //! entry per span (one layer's K or V of one block) of every region, this worker's own at
@@ -19,7 +20,9 @@
 // NIXL registration of the KV regions and of staging buffers (the NIXL bindings' unsafe contract).
 #![allow(unsafe_code)]
 
-use super::{Backend, BackendInfo, Completion, Link, Setup, Started, Transport};
+use super::{
+    planned, Backend, BackendInfo, Completion, Confirm, Pin, PullSteps, Setup, Started, Streams, Transport,
+};
 use crate::config::NAME;
 use crate::copy_plan::CopyRun;
 use crate::copy_plan::{CopyPlan, LocalRegions};
@@ -254,6 +257,7 @@ fn start(s: &Setup<'_>) -> ConnectorResult<Started> {
         region_addrs: s.regions.iter().map(|r| r.addr()).collect(),
         vram,
         stale: Mutex::default(),
+        io_timeout: s.cfg.io_timeout,
     };
     Ok(Started { mem, transport: Arc::new(transport) })
 }
@@ -275,6 +279,8 @@ pub struct Nixl {
     /// Producers whose agent metadata is loaded again before the next READ (a transfer
     /// from them failed).
     stale: Mutex<HashSet<PeerKey>>,
+    /// How long a READ may take (the worker's `io_timeout`, as for its connections).
+    io_timeout: Duration,
 }
 
 /// READs this process posted by the indices of prepared lists (the rest built their
@@ -800,27 +806,31 @@ impl Transport for Nixl {
         Ok(out)
     }
 
-    fn pull(
+    fn steps(&self) -> PullSteps {
+        PullSteps { plan: true, before: Pin::Hold, after: Confirm::Hold }
+    }
+
+    fn copy(
         &self,
-        link: &mut Link<'_>,
+        _: Option<&mut Streams<'_>>,
         local: &KvMemory,
-        groups: &[Vec<LayerId>],
+        _: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
+        plan: Option<&CopyPlan>,
     ) -> Result<PullStats, TransferError> {
-        let plan = &CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
-        // Pin first, as for shm: a request the producer no longer holds is a failed receive,
-        // never a read of whatever its blocks hold now.
-        link.hold(load)?;
+        let plan = planned(plan)?;
         let mut dst = LocalRegions::new(local);
-        self.read(link.config().io_timeout, &mut dst, peer, load, plan)?;
-        // Still held after the read means held throughout (a freed request is never held
-        // again), so the bytes are the request's. Then NIXL tells the producer.
-        link.hold(load)?;
+        self.read(self.io_timeout, &mut dst, peer, load, plan)?;
+        Ok(PullStats::of(plan))
+    }
+
+    /// After the puller's second `hold`: NIXL tells the producer.
+    fn confirmed(&self, peer: &PeerInfo, load: &LoadSpec) -> Result<(), TransferError> {
         let remote = peer_agent(peer)?;
         let note = format!("{NIXL_DONE}{} {}", load.producer_request(), load.remote_capability);
         self.agent.notify(&remote.agent, note.as_bytes())?;
-        Ok(PullStats::of(plan))
+        Ok(())
     }
 
     fn forget(&self, key: &PeerKey) {

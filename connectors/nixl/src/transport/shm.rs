@@ -1,9 +1,10 @@
 //! Backend `shm`: one host. The producer's KV regions are POSIX shared-memory segments
-//! ([`kvconnect_dataplane::shm`]); the consumer checks the request's runs with the producer, maps its
-//! segments read-only (once per producer, again when they change), copies the coalesced
-//! runs straight into its own blocks (large pulls on several threads), then sends `done`.
+//! ([`kvconnect_dataplane::shm`]); after the puller checks the request's blocks with the
+//! producer (`check`), the consumer maps its segments read-only (once per producer, again when
+//! they change) and copies the coalesced runs straight into its own blocks (large pulls on
+//! several threads); then the puller sends `done`.
 
-use super::{host_memory, BackendInfo, Link, Setup, Started, Transport};
+use super::{host_memory, planned, BackendInfo, Confirm, Pin, PullSteps, Setup, Started, Streams, Transport};
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
 use crate::metadata::{LoadSpec, PeerInfo, PeerKey};
@@ -81,19 +82,20 @@ impl Transport for Shm {
         super::Backend::of(&BACKEND)
     }
 
-    fn pull(
+    fn steps(&self) -> PullSteps {
+        PullSteps { plan: true, before: Pin::Check, after: Confirm::Done }
+    }
+
+    fn copy(
         &self,
-        link: &mut Link<'_>,
+        _: Option<&mut Streams<'_>>,
         local: &KvMemory,
-        groups: &[Vec<LayerId>],
+        _: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
+        plan: Option<&CopyPlan>,
     ) -> Result<PullStats, TransferError> {
-        let plan = &CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
-        // Pin the blocks first: a request the producer no longer holds, or blocks that are not
-        // its own (params naming another request's blocks), are a failed receive, never a
-        // copy of whatever those blocks hold now.
-        link.check(load, groups)?;
+        let plan = planned(plan)?;
         let mapped = self.map(peer)?;
         let src = |region: u32, off: u64, len: u64| -> Result<&[u8], TransferError> {
             let m = mapped
@@ -124,8 +126,6 @@ impl Transport for Shm {
                 }
             }
         }
-        // Still held now means held throughout: the bytes copied are the request's.
-        link.done(load)?;
         Ok(PullStats::of(plan))
     }
 

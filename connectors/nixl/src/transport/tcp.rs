@@ -3,9 +3,10 @@
 //! authenticated connection, received straight into its destination blocks on a thread of its
 //! own; the producer answers each with `writev` straight out of its regions
 //! ([`crate::tcp_data`]). An adapting plan is read on the control connection and scattered.
-//! Then `done`.
+//! The connections are the puller's, lent to the copy as [`Streams`]; the puller sends no
+//! message before it (the producer checks each read itself) and `done` after it.
 
-use super::{host_memory, BackendInfo, Link, Setup, Started, Transport};
+use super::{host_memory, planned, BackendInfo, Confirm, Pin, PullSteps, Setup, Started, Streams, Transport};
 use crate::copy_plan::{CopyPlan, LocalRegions};
 use crate::error::TransferError;
 use crate::metadata::{LoadSpec, PeerInfo};
@@ -66,22 +67,22 @@ impl Tcp {
     /// received again lands the same bytes in the same place ([`crate::idle_link`]).
     fn receive(
         &self,
-        link: &mut Link<'_>,
+        conns: &mut Streams<'_>,
         dst: &mut LocalRegions,
         load: &LoadSpec,
         plan: &CopyPlan,
     ) -> Result<(), TransferError> {
-        let (kept, mut failed) = self.receive_shares(link, dst, load, plan)?;
+        let (kept, mut failed) = self.receive_shares(conns, dst, load, plan)?;
         if kept && matches!(failed, Some(ShareError::Closed(_))) {
             tracing::debug!(request = %load.request, "nixl: a kept connection was closed by the producer \
                 before it answered a read; reading again on new connections");
-            link.close();
-            failed = self.receive_shares(link, dst, load, plan)?.1;
+            conns.close();
+            failed = self.receive_shares(conns, dst, load, plan)?.1;
         }
         if let Some(e) = failed {
-            let e = share_err(link, e);
+            let e = share_err(conns, e);
             // Another stream may have stopped mid-answer: reuse none of them.
-            link.close();
+            conns.close();
             return Err(e);
         }
         Ok(())
@@ -91,7 +92,7 @@ impl Tcp {
     /// first share's failure.
     fn receive_shares(
         &self,
-        link: &mut Link<'_>,
+        conns: &mut Streams<'_>,
         dst: &mut LocalRegions,
         load: &LoadSpec,
         plan: &CopyPlan,
@@ -108,8 +109,8 @@ impl Tcp {
                 Tcp::read_msg(load, share.iter().map(|r| (r.src_region, r.src_off, r.len)).collect())
             })
             .collect();
-        let cap = link.config().max_frame;
-        let (kept, streams) = link.streams(shares.len())?;
+        let cap = conns.config().max_frame;
+        let (kept, streams) = conns.streams(shares.len())?;
         let mut jobs = streams.iter_mut().zip(reads.iter()).zip(views);
         let results: Vec<Result<(), ShareError>> =
             match jobs.next() {
@@ -135,7 +136,7 @@ impl Tcp {
     /// An adapting plan: one `read` of its source blocks on the control connection, each
     /// scattered into this engine's layout as it arrives.
     fn receive_adapting(
-        link: &mut Link<'_>,
+        conns: &mut Streams<'_>,
         dst: &mut LocalRegions,
         peer: &PeerInfo,
         load: &LoadSpec,
@@ -143,7 +144,7 @@ impl Tcp {
     ) -> Result<(), TransferError> {
         let total = plan.total_bytes();
         let engine = || peer.meta.engine_id.clone();
-        match link.call(&Tcp::read_msg(load, plan.src_runs()))? {
+        match conns.call(&Tcp::read_msg(load, plan.src_runs()))? {
             ServerMsg::Data { bytes } if bytes == total => {}
             ServerMsg::Error { reason } => return Err(TransferError::Refused { engine: engine(), reason }),
             other => {
@@ -157,8 +158,8 @@ impl Tcp {
             let mut scratch = Vec::new();
             for b in bs {
                 scratch.resize(b.len as usize, 0);
-                let read = link.control()?.read_exact(&mut scratch);
-                read.map_err(|e| link.io("reading block data", e))?;
+                let read = conns.control()?.read_exact(&mut scratch);
+                read.map_err(|e| conns.io("reading block data", e))?;
                 dst.scatter(&peer.geometry, load, b, &scratch)?;
             }
         }
@@ -166,13 +167,13 @@ impl Tcp {
     }
 }
 
-fn share_err(link: &Link<'_>, e: ShareError) -> TransferError {
+fn share_err(conns: &Streams<'_>, e: ShareError) -> TransferError {
     match e {
-        ShareError::Frame(f) => link.frame_err("asking", f),
-        ShareError::Io(e) => link.io("reading block data", e),
-        ShareError::Closed(e) => link.io("asking", e),
-        ShareError::Refused(reason) => link.refused(reason),
-        ShareError::Protocol(message) => link.protocol(message),
+        ShareError::Frame(f) => conns.frame_err("asking", f),
+        ShareError::Io(e) => conns.io("reading block data", e),
+        ShareError::Closed(e) => conns.io("asking", e),
+        ShareError::Refused(reason) => conns.refused(reason),
+        ShareError::Protocol(message) => conns.protocol(message),
     }
 }
 
@@ -181,21 +182,30 @@ impl Transport for Tcp {
         super::Backend::of(&BACKEND)
     }
 
-    fn pull(
+    fn steps(&self) -> PullSteps {
+        PullSteps { plan: true, before: Pin::Nothing, after: Confirm::Done }
+    }
+
+    fn copy(
         &self,
-        link: &mut Link<'_>,
+        conns: Option<&mut Streams<'_>>,
         local: &KvMemory,
-        groups: &[Vec<LayerId>],
+        _: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
+        plan: Option<&CopyPlan>,
     ) -> Result<PullStats, TransferError> {
-        let plan = &CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?;
+        let plan = planned(plan)?;
+        let conns = conns.ok_or_else(|| {
+            TransferError::Plan(
+                "backend tcp receives over the producer's connections, and was lent none".into(),
+            )
+        })?;
         let mut dst = LocalRegions::new(local);
         match plan {
-            CopyPlan::Direct(_) => self.receive(link, &mut dst, load, plan)?,
-            CopyPlan::Adapt(_) => Tcp::receive_adapting(link, &mut dst, peer, load, plan)?,
+            CopyPlan::Direct(_) => self.receive(conns, &mut dst, load, plan)?,
+            CopyPlan::Adapt(_) => Tcp::receive_adapting(conns, &mut dst, peer, load, plan)?,
         }
-        link.done(load)?;
         Ok(PullStats::of(plan))
     }
 }
