@@ -66,6 +66,19 @@ def free_port() -> int:
     raise Failed(f"no free port below the ephemeral range ({lo}) after 200 tries")
 
 
+def placed(core: int) -> int:
+    """The CPU a server asked to run on `core` gets: the `core`-th of this process's CPUs,
+    moved on by KVCONNECT_VLLM_CORE_SHIFT (default 0) places. Two groups of scripts side by side
+    run with different shifts, so that their prefill and single servers (`core` 0) do not all
+    share one CPU while another idles (scripts/vllm-tests.sh)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        shift = int(os.environ.get("KVCONNECT_VLLM_CORE_SHIFT", "0"))
+    except ValueError:
+        raise Failed(f"KVCONNECT_VLLM_CORE_SHIFT={os.environ['KVCONNECT_VLLM_CORE_SHIFT']!r}: give a whole number")
+    return cpus[(core + shift) % len(cpus)]
+
+
 class Server:
     def __init__(self, name: str, model: str, logdir: Path, core: int, kv_config=None, extra_env=None, args=(),
                  tp: int = 1, whole: bool = False):
@@ -77,6 +90,7 @@ class Server:
         engine core too, which vLLM leaves unpinned) runs on that core, so a server's busy
         loop never takes the other server's core: what timings need."""
         self.name = name
+        core = placed(core)
         self.port = free_port()
         self.log_path = logdir / f"{name}.log"
         cmd = ["taskset", "-c", str(core)] if whole else []
