@@ -332,9 +332,10 @@ pub trait WorkerConnector: Send {
         Ok(())
     }
 
-    /// What this rank counts for the host's `/metrics`, read at scrape time: what each
-    /// rank holds on its own (a data-plane listener's refusals, say); the host adds up the
-    /// ranks' and the scheduler half's samples of equal name and labels
+    /// What this worker half counts for the host's `/metrics`, read at scrape time: what it
+    /// holds on its own (a data-plane listener's refusals, say). The host adds up the samples
+    /// of equal name and labels of every worker half it runs (kvconnect's worker server runs
+    /// one for all of an engine's ranks) and of the scheduler half
     /// ([`ConnectorMetric::merge`]). None by default.
     fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
         Ok(Vec::new())
