@@ -295,11 +295,41 @@ fn launch(
     }
 }
 
-/// A free local TCP port, for a worker's KV event sockets (`tcp://HOST:PORT`).
+/// A free local TCP port for a worker's KV event sockets (`tcp://HOST:PORT`), below the
+/// kernel's ephemeral range. The worker binds it only later, and again after each restart; a
+/// port from the range (what binding port 0 gives) may meanwhile go to any outgoing
+/// connection on this machine, and the worker then fails with `Address already in use`. Below
+/// the range the kernel hands out none; only another program's own choice can collide.
 fn free_endpoint(host: IpAddr) -> Result<String> {
-    let l = std::net::TcpListener::bind(SocketAddr::new(host, 0))
-        .with_context(|| format!("cannot find a free port on {host} for a worker's KV events"))?;
-    Ok(format!("tcp://{}", l.local_addr().context("a free port's address")?))
+    use std::hash::{BuildHasher, Hasher};
+    let (first, end) = below_ephemeral_range();
+    // A random start (std's per-process hash keys), so that two `kvconnect up` on one
+    // machine do not try the same ports in the same order.
+    let start = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    let span = u64::from(end - first);
+    for i in 0..span.min(200) {
+        let port = first + ((start.wrapping_add(i.wrapping_mul(7919))) % span) as u16;
+        if let Ok(l) = std::net::TcpListener::bind(SocketAddr::new(host, port)) {
+            return Ok(format!("tcp://{}", l.local_addr().context("a free port's address")?));
+        }
+    }
+    Err(anyhow!(
+        "cannot find a free port on {host} for a worker's KV events among ports {first}-{} \
+         (below the kernel's ephemeral range, /proc/sys/net/ipv4/ip_local_port_range); free \
+         some, or run fewer workers with --routing kv",
+        end - 1
+    ))
+}
+
+/// The ports `free_endpoint` picks from: 12,000 below the kernel's ephemeral range, not below
+/// 1024 (where binding needs privileges).
+fn below_ephemeral_range() -> (u16, u16) {
+    let lo = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|p| p.parse::<u16>().ok()))
+        .unwrap_or(32768);
+    let end = lo.max(1024 + 1000);
+    (end.saturating_sub(12000).max(1024), end)
 }
 
 fn sample(v: &Value, elapsed: Duration, truth: &[u32], direct: bool) -> Sample {
@@ -453,5 +483,27 @@ async fn run_workload(
                 report.recomputed_requests
             )),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kv_event_ports_come_from_below_the_ephemeral_range_and_differ() {
+        let (first, end) = below_ephemeral_range();
+        assert!(first >= 1024 && first < end, "{first}..{end}");
+        let host: IpAddr = "127.0.0.1".parse().unwrap();
+        let port = |e: &str| e.rsplit(':').next().unwrap().parse::<u16>().unwrap();
+        let a = free_endpoint(host).unwrap();
+        // Held, so the next pick must be another port.
+        let _held = std::net::TcpListener::bind(("127.0.0.1", port(&a))).unwrap();
+        let b = free_endpoint(host).unwrap();
+        assert!(a.starts_with("tcp://127.0.0.1:"), "{a}");
+        for e in [&a, &b] {
+            assert!((first..end).contains(&port(e)), "{e} outside {first}..{end}");
+        }
+        assert_ne!(a, b);
     }
 }
