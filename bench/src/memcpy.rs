@@ -1,12 +1,12 @@
 //! The memcpy baseline of a copy that may use streaming stores (the shm pull's): the fastest
 //! of glibc's copy (`copy_from_slice`) and the streaming-store copy the pull uses
-//! (`kvconnect_nixl::stream_copy::copy_run`), each on one thread and on as many threads as
+//! (`kvconnect_support::stream_copy::copy_run`), each on one thread and on as many threads as
 //! the pull copies the same bytes with. Each pair of a benchmark times every way once; the
 //! way with the lowest median over the pairs is the baseline
 //! (`kvconnect_support::stats::interleaved_fastest`).
 
 use kvconnect_nixl::copy_plan::copy_threads_for;
-use kvconnect_nixl::stream_copy::copy_run;
+use kvconnect_support::stream_copy::copy_run;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 

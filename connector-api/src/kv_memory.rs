@@ -299,23 +299,6 @@ impl KvMemory {
         Ok(())
     }
 
-    /// [`KvMemory::write`] as one piece of a batch of streaming copies
-    /// ([`crate::stream_copy::Batch`]): the bytes are in place once the batch ends.
-    pub fn write_in(
-        &self,
-        batch: &mut crate::stream_copy::Batch,
-        span: Span,
-        src: &[u8],
-    ) -> Result<(), GeometryError> {
-        let dst = self.checked(span, src.len())?;
-        // SAFETY: as in `write`: [dst, dst+len) lies inside a registered host region, valid
-        // for writes, and `src`, a shared slice the caller owns, cannot alias it; this view
-        // lives only for the copy.
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, src.len()) };
-        batch.copy(dst, src);
-        Ok(())
-    }
-
     /// Hands `write` a writable view of a span of the regions (`len` bytes, which must be the
     /// span's), for a copy that does more than copy, such as summing the bytes it streams in;
     /// returns what `write` returns. The view lives only for the call.
@@ -326,30 +309,11 @@ impl KvMemory {
         write: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, GeometryError> {
         let dst = self.checked(span, len)?;
-        // SAFETY: as in `write_in`: [dst, dst+len) lies inside a registered host region, valid
-        // for writes; the view is handed to `write` alone and cannot outlive the call (the
-        // closure's argument is borrowed for the call only).
+        // SAFETY: [dst, dst+len) lies inside a registered host region (checked by `checked`),
+        // valid for writes by `KvRegion::new`'s contract; the view is handed to `write` alone
+        // and cannot outlive the call (the closure's argument is borrowed for the call only).
         let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, len) };
         Ok(write(dst))
-    }
-
-    /// [`crate::stream_copy::Batch::copy_rows`] into a span of the regions: `unit`-byte rows
-    /// of `src`, each `(from, to)` of `rows` from `src[from..]` to `to` bytes into the span.
-    pub fn write_rows_in(
-        &self,
-        batch: &mut crate::stream_copy::Batch,
-        span: Span,
-        src: &[u8],
-        rows: impl Iterator<Item = (usize, usize)> + Clone,
-        unit: usize,
-    ) -> Result<(), GeometryError> {
-        let dst = self.checked(span, span.len)?;
-        // SAFETY: as in `write_in`: the span lies inside a registered host region, valid for
-        // writes; `src` cannot alias it; the view lives only for the copy, and `copy_rows`
-        // stays inside it (slicing checks every row).
-        let dst = unsafe { std::slice::from_raw_parts_mut(dst as *mut u8, span.len) };
-        batch.copy_rows(dst, src, rows, unit);
-        Ok(())
     }
 
     /// A read-only view of a span, for zero-copy senders. The caller must not hold it across

@@ -46,7 +46,6 @@ pub mod region;
 pub mod role;
 pub mod sdk;
 pub mod state_slots;
-pub mod stream_copy;
 pub mod tp_ranks;
 
 // The crates whose types and macros this crate's API uses, so that a plugin depends on

@@ -9,6 +9,8 @@
 //! - [`stable_hash`]: 64-bit hashes and payload checksums that are the same in every process.
 //! - [`frame`]: length-prefixed JSON frames, the side channel's and the nixl producer's.
 //! - [`peer_slots`]: what a decode remembers of each prefill it handshakes with.
+//! - [`stream_copy`]: copies with non-temporal (streaming) stores, for runs and rows larger
+//!   than the caches.
 //!
 //! The contract itself (data, pure functions, the connector traits and the plugin ABI) stays
 //! in `kvconnect-api`, which this crate depends on and which never depends on it; a plugin
@@ -20,3 +22,4 @@ pub mod host_buffer;
 pub mod peer_slots;
 pub mod stable_hash;
 pub mod stats;
+pub mod stream_copy;

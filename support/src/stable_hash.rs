@@ -7,7 +7,7 @@
 // SIMD: the checksum's lanes in AVX2 registers (fused with streaming stores), behind a runtime feature check.
 #![allow(unsafe_code)]
 
-use kvconnect_api::stream_copy::Batch;
+use crate::stream_copy::Batch;
 
 /// Mixing constants (wyhash's).
 pub const P0: u64 = 0xa076_1d64_78bd_642f;

@@ -221,14 +221,14 @@ pub fn seconds(f: impl FnOnce()) -> f64 {
 
 /// The ways of the baseline of a single-threaded copy of many pieces that may stream (a
 /// cache tier's blocks), for [`interleaved_against_fastest`]: the seconds of glibc's memcpy
-/// and of streaming stores ([`kvconnect_api::stream_copy::Batch`]) over the same pieces, in
+/// and of streaming stores ([`crate::stream_copy::Batch`]) over the same pieces, in
 /// the order of [`PIECE_COPIERS`]. `copy_all` calls the copier it is given once for each
 /// (destination, source) piece. (A whole transfer's baseline, on threads, is
 /// `kvconnect_bench::memcpy::memcpy_ways`.)
 pub fn memcpy_of_pieces(mut copy_all: impl FnMut(&mut dyn FnMut(&mut [u8], &[u8]))) -> Vec<f64> {
     let glibc = seconds(|| copy_all(&mut |d, s| d.copy_from_slice(s)));
     let streamed = seconds(|| {
-        let mut batch = kvconnect_api::stream_copy::Batch::new();
+        let mut batch = crate::stream_copy::Batch::new();
         copy_all(&mut |d, s| batch.copy(d, s));
     });
     vec![glibc, streamed]

@@ -12,8 +12,8 @@ use crate::hash::Checksum;
 use kvconnect_api::geometry::{BlockShape, Geometry, GeometryError};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::layout::Dim;
-use kvconnect_api::stream_copy::{Batch, STREAM_MIN_PIECE};
 use kvconnect_api::{BlockId, EffectiveLayout, KvLayout, LayerId, ModelSpec};
+use kvconnect_support::stream_copy::{self, Batch, STREAM_MIN_PIECE};
 
 /// How one block is gathered from and scattered into the KV regions.
 #[derive(Debug, Clone)]
@@ -211,7 +211,7 @@ impl BlockAdapter {
             let (layer, part) = self.sub(i);
             let span = mem.span(layer, part, block)?;
             match (&self.moves, sum.as_deref_mut()) {
-                (None, None) => mem.write_in(&mut batch, span, inp)?,
+                (None, None) => stream_copy::write_in(mem, &mut batch, span, inp)?,
                 (None, Some(sum)) => {
                     mem.write_with(span, inp.len(), |d| sum.copy_update(&mut batch, d, inp))?
                 }
@@ -221,7 +221,8 @@ impl BlockAdapter {
                     }
                     if self.streams_rows(mem.slice(span)?.as_ptr() as usize) {
                         // Rows of whole cache lines: streamed straight into the region, row by row.
-                        mem.write_rows_in(
+                        stream_copy::write_rows_in(
+                            mem,
                             &mut batch,
                             span,
                             inp,
@@ -232,7 +233,7 @@ impl BlockAdapter {
                         // Other rows, or single elements: transposed in `scratch`, then streamed.
                         scratch.resize(self.sub_bytes, 0);
                         permute(inp, scratch, m, self.unit, true);
-                        mem.write_in(&mut batch, span, scratch)?;
+                        stream_copy::write_in(mem, &mut batch, span, scratch)?;
                     }
                 }
             }

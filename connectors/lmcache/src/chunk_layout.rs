@@ -8,8 +8,8 @@
 
 use kvconnect_api::geometry::{GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::stream_copy::Batch;
 use kvconnect_api::{BlockId, ConnectorError, EffectiveLayout, KvLayout, LayerId, ModelSpec};
+use kvconnect_support::stream_copy::{self, Batch};
 
 /// The arithmetic of one engine's chunks.
 #[derive(Debug, Clone)]
@@ -250,7 +250,7 @@ impl ChunkLayout {
             let seg_start = (layer_idx * self.parts as usize + part as usize) * seg_bytes;
             let seg = &chunk[seg_start..seg_start + seg_bytes];
             self.runs(mem, layer, part, blocks, start, tokens, t0, t1, |off, span| {
-                mem.write_in(&mut batch, span, &seg[off..off + span.len])?;
+                stream_copy::write_in(mem, &mut batch, span, &seg[off..off + span.len])?;
                 Ok(())
             })?;
         }

@@ -602,9 +602,9 @@ impl<'a> LocalRegions<'a> {
         // A large pull is one large copy however many runs it has (a load across TP sizes is
         // a half-block per run): streaming stores for all of its pieces, each thread's fenced
         // once when its share ends (before the join), not only for runs that are large alone.
-        let stream = total >= crate::stream_copy::STREAM_THRESHOLD;
+        let stream = total >= kvconnect_support::stream_copy::STREAM_THRESHOLD;
         let copy = |share: &[(usize, &[u8])]| {
-            let mut batch = crate::stream_copy::Batch::new();
+            let mut batch = kvconnect_support::stream_copy::Batch::new();
             for (dst, src) in share {
                 // SAFETY: each destination lies inside a registered region (checked by
                 // `dst_mut` above), no two overlap (checked above; splitting a piece keeps

@@ -39,8 +39,6 @@ pub mod nixl_lib;
 pub mod producer;
 pub mod puller;
 pub mod scheduler;
-/// The streaming copies of large runs (their home is kvconnect-api, which the cache tiers share).
-pub use kvconnect_api::stream_copy;
 pub mod tcp_data;
 pub mod transport;
 pub mod wire;

@@ -11,6 +11,9 @@
 
 #![allow(unsafe_code)] // SIMD copies: AVX2 non-temporal stores behind a runtime feature check.
 
+use kvconnect_api::geometry::{GeometryError, Span};
+use kvconnect_api::kv_memory::KvMemory;
+
 /// Pieces shorter than this are copied with ordinary stores inside a [`Batch`]: a streaming
 /// store that fills less than a cache line costs more than it saves.
 pub const STREAM_MIN_PIECE: usize = 64;
@@ -189,6 +192,24 @@ impl Drop for Batch {
             fence();
         }
     }
+}
+
+/// [`KvMemory::write`] as one piece of `batch`: the bytes are in place once the batch ends.
+pub fn write_in(mem: &KvMemory, batch: &mut Batch, span: Span, src: &[u8]) -> Result<(), GeometryError> {
+    mem.write_with(span, src.len(), |dst| batch.copy(dst, src))
+}
+
+/// [`Batch::copy_rows`] into a span of `mem`'s regions: `unit`-byte rows of `src`, each
+/// `(from, to)` of `rows` from `src[from..]` to `to` bytes into the span.
+pub fn write_rows_in(
+    mem: &KvMemory,
+    batch: &mut Batch,
+    span: Span,
+    src: &[u8],
+    rows: impl Iterator<Item = (usize, usize)> + Clone,
+    unit: usize,
+) -> Result<(), GeometryError> {
+    mem.write_with(span, span.len, |dst| batch.copy_rows(dst, src, rows, unit))
 }
 
 /// The cache line: streaming stores write whole lines only, so a line that the copy covers
