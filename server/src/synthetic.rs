@@ -34,6 +34,8 @@ pub struct TransferEngine {
     kv_layers: Vec<(LayerId, usize)>,
     waiting: Vec<Request>,
     loading: BTreeMap<String, Loading>,
+    /// A load admitted since the last step is synchronous: the step waits for it.
+    sync_loads: bool,
     pending_free: BTreeMap<String, BlocksPerGroup>,
     finished_since_last: Vec<RequestId>,
     step_no: u64,
@@ -102,6 +104,7 @@ impl TransferEngine {
             kv_layers,
             waiting: Vec::new(),
             loading: BTreeMap::new(),
+            sync_loads: false,
             pending_free: BTreeMap::new(),
             finished_since_last: Vec::new(),
             step_no: 0,
@@ -246,9 +249,11 @@ impl TransferEngine {
             .0
             .update_state_after_alloc(&req, &blocks, ext)
             .map_err(|e| format!("update_state_after_alloc failed: {e}"))?;
-        if ext > 0 && async_load {
+        if ext > 0 {
             // Zero the destination first so only this transfer can make the check pass.
             self.write_pattern(&blocks, ext, None)?;
+            // A synchronous load is whole once this step's first layer has waited for it.
+            self.sync_loads |= !async_load;
             self.loading.insert(id, Loading { req, blocks, external: ext, started: Instant::now() });
             return Ok(true);
         }
@@ -352,6 +357,13 @@ impl Driver for TransferEngine {
         let meta = self.conn.0.build_connector_meta(&info).map_err(call("build_connector_meta"))?;
         self.conn.1.bind_connector_meta(&meta).map_err(call("bind_connector_meta"))?;
         self.conn.1.start_load_kv().map_err(call("start_load_kv"))?;
+        if std::mem::take(&mut self.sync_loads) {
+            // As an engine computing this step would: its first KV layer waits for the
+            // synchronous loads; they are then reported by this step's `get_finished`.
+            if let Some(&(layer, _)) = self.kv_layers.first() {
+                self.conn.1.wait_for_layer_load(layer).map_err(call("wait_for_layer_load"))?;
+            }
+        }
         let fin = self.conn.1.get_finished(&info.finished).map_err(call("get_finished"))?;
         for r in &fin.finished_recving {
             progressed = true;

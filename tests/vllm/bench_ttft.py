@@ -2,9 +2,12 @@
 the same run, interleaved: each pair sends one fresh prompt to both, in alternating order. The
 P/D peers, one pair at a time beside the monolithic server (at most three servers, about 4 GB
 each):
-- kvconnect-shm, kvconnect-tcp: KvconnectConnector over nixl's shm or tcp backend;
-- kvconnect-shm-sync: over shm, decode loading synchronously (`load: "sync"`): the load runs
-  in the step that computes the prompt's last token, not two steps before it;
+- kvconnect-shm, kvconnect-tcp: KvconnectConnector over nixl's shm or tcp backend, decode's
+  `load` left at its default (`auto`: synchronous over shm for a load of at most 64 MiB, so
+  for these prompts; asynchronous over tcp);
+- kvconnect-shm-sync, kvconnect-shm-async: over shm, decode loading synchronously (`load:
+  "sync"`: the load runs in the step that computes the prompt's last token, not two steps
+  before it) or asynchronously (`load: "async"`, vLLM's NixlConnector's way);
 - kvconnect-noload: the kvconnect pair with decode sent no params, so it computes the prompt
   itself: the second server's hop alone, no KV moved. Prefill then holds every request's
   blocks until its lease ends and keeps stepping meanwhile on core 0, monolithic's core, so
@@ -273,7 +276,7 @@ def transfer(a, pre: Server, dec: Server, fresh_long):
             "memcpy_us_median": round(statistics.median(copy_us), 1)}
 
 
-PEERS = ("kvconnect-shm", "kvconnect-shm-sync", "kvconnect-tcp", "kvconnect-noload", "nixlconnector", "example")
+PEERS = ("kvconnect-shm", "kvconnect-shm-sync", "kvconnect-shm-async", "kvconnect-tcp", "kvconnect-noload", "nixlconnector", "example")
 
 
 def peer_servers(name: str, model: str, tmp: Path, nixl_python, args=ARGS):
@@ -285,8 +288,8 @@ def peer_servers(name: str, model: str, tmp: Path, nixl_python, args=ARGS):
     if name.startswith("kvconnect-"):
         backend = "tcp" if name == "kvconnect-tcp" else "shm"
         inner = nixl(backend)
-        if name == "kvconnect-shm-sync":
-            inner["kv_connector_extra_config"]["load"] = "sync"
+        if name in ("kvconnect-shm-sync", "kvconnect-shm-async"):
+            inner["kv_connector_extra_config"]["load"] = name.rsplit("-", 1)[1]
         pre = Server(f"prefill-{name}", model, tmp, core=0, args=args, whole=True,
                      kv_config=kv_config("kv_producer", nixl(backend), port=free_port()))
         dec = Server(f"decode-{name}", model, tmp, core=1, args=args, whole=True,

@@ -1,7 +1,7 @@
 """kvconnect inside a real vLLM (CPU): prefill/decode through KvconnectConnector equals a
 monolithic server, token for token, and decode loads the prompt's KV instead of computing it.
 
-    VENV/bin/python tests/vllm/test_pd.py [--backends shm-sync,tcp] [--parts pd,composite,refused] [--keep]
+    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp] [--parts pd,composite,refused] [--keep]
 
 Runs with the venv scripts/install-vllm.sh makes, with kvconnect installed into it
 (`VENV/bin/pip install ./python`). Servers run one or two at a time (about 4 GB each).
@@ -180,10 +180,15 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         loaded = dec.text().count("loaded its external KV")
         if loaded != len(want) * tp[1] or "failed to load its external KV" in dec.text():
             raise Failed(f"{label}: decode's {tp[1]} worker(s) finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
-        # `load: sync` really took vLLM's synchronous path: every load ended in its own step.
-        sync = (dec_inner or {}).get("kv_connector_extra_config", {}).get("load") == "sync"
-        if sync and dec.text().count("loaded its external KV synchronously") != loaded:
-            raise Failed(f"{label}: decode asked for synchronous loads, but not all {loaded} were\n{dec.tail()}")
+        # `load: sync`, and the default `auto` over shm for these small prompts, really took
+        # vLLM's synchronous path: every load ended in its own step; async never did.
+        extra = (dec_inner or {}).get("kv_connector_extra_config", {})
+        mode = extra.get("load", "auto")
+        sync = mode == "sync" or (mode == "auto" and extra.get("backend", "shm") == "shm")
+        synced = dec.text().count("loaded its external KV synchronously")
+        if synced != (loaded if sync else 0):
+            raise Failed(f"{label}: decode's load mode {mode!r} should have made {loaded if sync else 0} "
+                         f"of {loaded} loads synchronous, but {synced} were\n{dec.tail()}")
         if pre_adapter and "deployment" in pre_adapter:
             hp, hd = compat_hash(pre.text()), compat_hash(dec.text())
             if (joint_peer_hash(pre.text()), joint_peer_hash(dec.text())) != (hd, hp):
@@ -268,8 +273,9 @@ def shared_kv_segments(log: str) -> list[str]:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--backends", default="shm-sync,tcp",
-                    help="nixl backends, each with -sync for decode loading synchronously (shm, shm-sync, tcp)")
+    ap.add_argument("--backends", default="shm,tcp",
+                    help="nixl backends, each with -sync or -async for decode's load mode (default auto: "
+                         "synchronous over shm for these prompts): shm, shm-async, tcp-sync, ...")
     ap.add_argument("--parts", default="pd,composite,refused",
                     help="which checks: pd (each backend against monolithic), composite, refused (bad configs)")
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
@@ -293,8 +299,8 @@ def main():
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
         proxied = False
         for spec in a.backends.split(",") if "pd" in parts else []:
-            # `shm-sync`: decode loads synchronously, inside the step that computes the prompt's
-            # last token.
+            # `shm-async`, `tcp-sync`: decode's load mode; without one, `auto` (synchronous
+            # over shm, inside the step that computes the prompt's last token).
             backend, _, mode = spec.partition("-")
             # Over tcp prefill closes links idle for 1 s, and a request comes after a longer lull.
             pre, dec = nixl(backend), nixl(backend)

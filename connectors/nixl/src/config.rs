@@ -13,9 +13,10 @@
 //! connections receive one large pull, each carrying at least `tcp_stream_min_bytes`
 //! (default 64 MiB), and `tcp_socket_buffer` (bytes, default 4 MiB, 0 for the kernel's
 //! autotuning): each data socket's send and receive buffer.
-//! `load` (`async` | `sync`, default `async`): whether decode's engine steps on while a
-//! request's KV arrives, or the load finishes inside the step that computes the prompt's
-//! last token (see [`NixlConfig::sync_load`]).
+//! `load` (`auto` | `async` | `sync`, default `auto`): whether decode's engine steps on while
+//! a request's KV arrives, or the load finishes inside the step that computes the prompt's
+//! last token; `auto` loads synchronously over backend `shm` when a request's load is at most
+//! `sync_max_bytes` (default 64 MiB) and asynchronously otherwise (see [`LoadMode`]).
 //! `kv_lease_max` (seconds, default four leases) caps how long renewals may keep a request's
 //! blocks; `max_connections` (default 64) caps the listener's connections; `idle_timeout`
 //! (seconds, default 300 or two leases, whichever is longer) is how long the listener keeps a
@@ -76,6 +77,44 @@ impl CudaIpcPath {
     }
 }
 
+/// How decode's loads are scheduled (`load`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadMode {
+    /// Synchronous over backend `shm` for a load of at most `sync_max_bytes`, asynchronous
+    /// otherwise: a same-host pull runs at memory speed, shorter than the two engine steps an
+    /// asynchronous load costs, while a large pull or one over a link would hold up every
+    /// request in the step.
+    Auto,
+    /// Always asynchronous (vLLM's NixlConnector's way).
+    Async,
+    /// Always synchronous.
+    Sync,
+}
+
+impl LoadMode {
+    fn parse(s: &str) -> Result<LoadMode, ConnectorError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(LoadMode::Auto),
+            "async" => Ok(LoadMode::Async),
+            "sync" => Ok(LoadMode::Sync),
+            _ => Err(ConnectorError::config(
+                NAME,
+                format!(
+                    "kv_connector_extra_config.load = \"{}\": expected \"auto\" (the default: synchronous \
+                    over shm up to sync_max_bytes, else asynchronous), \"async\" (decode steps on while the \
+                    KV arrives) or \"sync\" (the load finishes inside the step that computes the prompt's \
+                    last token)",
+                    s.trim()
+                ),
+            )),
+        }
+    }
+}
+
+/// Default of `sync_max_bytes`: a pull of this size over shared memory takes a few
+/// milliseconds, about one engine step of a small model.
+pub const DEFAULT_SYNC_MAX_BYTES: u64 = 64 << 20;
+
 /// Parsed settings.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NixlConfig {
@@ -122,14 +161,17 @@ pub struct NixlConfig {
     /// (`opaque_heads_outer`, which the host sets from the engine's tensors: vLLM's CPU
     /// backend's `[B, H, N, 2C]`), so a slice of heads can move between TP sizes.
     pub opaque_heads_outer: bool,
-    /// `load: "sync"`: a request's load is scheduled as a synchronous one (vLLM's
-    /// `load_kv_async = False`). The engine computes the prompt's last token in the very step
-    /// the load runs in, and `wait_for_layer_load` holds that step until the KV is in, instead
-    /// of two more engine steps (one to start the load, one to see it finished) before the
-    /// request runs. Best where the pull is short next to a step (a same-host producer); the
-    /// step then waits for the pull, so a slow link stalls every request in it. With the
-    /// hybrid KV cache manager on, or more than one KV cache group, loads stay asynchronous.
-    pub sync_load: bool,
+    /// `load`: whether a request's load is scheduled as a synchronous one (vLLM's
+    /// `load_kv_async = False`). The engine then computes the prompt's last token in the very
+    /// step the load runs in, and `wait_for_layer_load` holds that step until the KV is in,
+    /// instead of two more engine steps (one to start the load, one to see it finished) before
+    /// the request runs. Best where the pull is short next to a step (a same-host producer);
+    /// the step waits for the pull, so a slow link stalls every request in it. With the hybrid
+    /// KV cache manager on, or more than one KV cache group, loads stay asynchronous.
+    pub load: LoadMode,
+    /// `sync_max_bytes`: under `load: "auto"`, the largest load (this rank's bytes) that is
+    /// synchronous.
+    pub sync_max_bytes: u64,
 }
 
 impl Default for NixlConfig {
@@ -153,7 +195,8 @@ impl Default for NixlConfig {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             idle_timeout: default_idle_timeout(Duration::from_secs(30)),
             opaque_heads_outer: false,
-            sync_load: false,
+            load: LoadMode::Auto,
+            sync_max_bytes: DEFAULT_SYNC_MAX_BYTES,
         }
     }
 }
@@ -357,23 +400,20 @@ impl NixlConfig {
                 ))
             }
         };
-        let sync_load = match string(extra, "load")?.as_deref().map(str::trim) {
-            None => false,
-            Some(m) if m.eq_ignore_ascii_case("async") => false,
-            Some(m) if m.eq_ignore_ascii_case("sync") => true,
-            Some(other) => {
-                return Err(ConnectorError::config(
-                    NAME,
-                    format!(
-                        "kv_connector_extra_config.load = \"{other}\": expected \"async\" (decode steps on \
-                        while the KV arrives; the default) or \"sync\" (the load finishes inside the step \
-                        that computes the prompt's last token)"
-                    ),
-                ))
-            }
+        let load = match string(extra, "load")? {
+            Some(m) => LoadMode::parse(&m)?,
+            None => d.load,
         };
+        let sync_max_bytes = count(
+            extra,
+            "sync_max_bytes",
+            d.sync_max_bytes as usize,
+            0..=(1 << 40),
+            "bytes from 0 (never synchronous under load \"auto\") to 1 TiB",
+        )? as u64;
         Ok(NixlConfig {
-            sync_load,
+            load,
+            sync_max_bytes,
             opaque_heads_outer,
             copy_threads,
             tcp_streams,
@@ -396,6 +436,18 @@ impl NixlConfig {
                 None => d.cuda_ipc_path,
             },
         })
+    }
+
+    /// Whether a load of `bytes` (this rank's share) is synchronous under `load`, where the
+    /// engine allows a synchronous load at all.
+    pub fn sync_for(&self, bytes: u64) -> bool {
+        match self.load {
+            LoadMode::Sync => true,
+            LoadMode::Async => false,
+            LoadMode::Auto => {
+                self.backend == Backend::of(&crate::transport::shm::BACKEND) && bytes <= self.sync_max_bytes
+            }
+        }
     }
 
     /// Refuses a backend this build or machine cannot run (`nixl` needs the NIXL library,
@@ -463,10 +515,25 @@ mod tests {
     }
 
     #[test]
-    fn load_mode_is_async_unless_sync_is_asked() {
-        assert!(!NixlConfig::from_config(&cfg(json!({}))).unwrap().sync_load);
-        assert!(!NixlConfig::from_config(&cfg(json!({"load": "async"}))).unwrap().sync_load);
-        assert!(NixlConfig::from_config(&cfg(json!({"load": " SYNC "}))).unwrap().sync_load);
+    fn load_mode_is_auto_unless_asked() {
+        let d = NixlConfig::from_config(&cfg(json!({}))).unwrap();
+        assert_eq!((d.load, d.sync_max_bytes), (LoadMode::Auto, DEFAULT_SYNC_MAX_BYTES));
+        assert_eq!(NixlConfig::from_config(&cfg(json!({"load": "async"}))).unwrap().load, LoadMode::Async);
+        assert_eq!(NixlConfig::from_config(&cfg(json!({"load": " SYNC "}))).unwrap().load, LoadMode::Sync);
+        let c = NixlConfig::from_config(&cfg(json!({"load": "auto", "sync_max_bytes": 0}))).unwrap();
+        assert_eq!((c.load, c.sync_max_bytes), (LoadMode::Auto, 0));
+    }
+
+    #[test]
+    fn auto_loads_synchronously_over_shm_up_to_the_limit_only() {
+        let shm = NixlConfig::from_config(&cfg(json!({"sync_max_bytes": 1000}))).unwrap();
+        assert!(shm.sync_for(0) && shm.sync_for(1000) && !shm.sync_for(1001));
+        let tcp = NixlConfig::from_config(&cfg(json!({"backend": "tcp"}))).unwrap();
+        assert!(!tcp.sync_for(1));
+        let sync = NixlConfig::from_config(&cfg(json!({"backend": "tcp", "load": "sync"}))).unwrap();
+        assert!(sync.sync_for(u64::MAX));
+        let not = NixlConfig::from_config(&cfg(json!({"load": "async"}))).unwrap();
+        assert!(!not.sync_for(0));
     }
 
     #[test]
@@ -499,7 +566,8 @@ mod tests {
             (json!({"idle_timeout": 0.01}), "idle_timeout = 0.01s: expected seconds from 0.1 to 86400"),
             (json!({"idle_timeout": 1e7}), "idle_timeout = 10000000s: expected seconds from 0.1"),
             (json!({"idle_timeout": "soon"}), "idle_timeout = \"soon\": expected a positive number"),
-            (json!({"load": "eager"}), "load = \"eager\": expected \"async\""),
+            (json!({"load": "eager"}), "load = \"eager\": expected \"auto\""),
+            (json!({"sync_max_bytes": -5}), "sync_max_bytes = -5: expected bytes from 0"),
             (json!({"load": true}), "load = true: expected a string"),
         ] {
             let e = NixlConfig::from_config(&cfg(extra)).unwrap_err().to_string();

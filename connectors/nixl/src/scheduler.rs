@@ -20,8 +20,9 @@ pub struct NixlScheduler {
     cfg: NixlConfig,
     loads: Vec<LoadSpec>,
     sends: Vec<SendSpec>,
-    /// `num_computed` seen when a request matched, so the load starts after it.
-    computed: HashMap<RequestId, usize>,
+    /// `num_computed` seen when a request matched, so the load starts after it, and whether
+    /// its load was matched as a synchronous one.
+    computed: HashMap<RequestId, (usize, bool)>,
     /// Requests whose load was already scheduled: never load twice.
     scheduled: HashSet<RequestId>,
 }
@@ -41,13 +42,16 @@ impl NixlScheduler {
 }
 
 impl NixlScheduler {
-    /// Whether loads are synchronous: asked for (`load: "sync"`), with the hybrid KV cache
-    /// manager off and one KV cache group, where a failed load is told by its blocks. With HMA
-    /// on, an engine reports failed loads by request (block ids may repeat across groups),
-    /// which only an asynchronous load can be.
-    fn loads_sync(&self) -> bool {
+    /// Whether a load of `tokens` tokens is synchronous: as `load` says for its bytes on this
+    /// rank ([`NixlConfig::sync_for`]), with the hybrid KV cache manager off and one KV cache
+    /// group, where a failed load is told by its blocks. With HMA on, an engine reports failed
+    /// loads by request (block ids may repeat across groups), which only an asynchronous load
+    /// can be.
+    fn loads_sync(&self, tokens: usize) -> bool {
         let e = &self.ctx.effective;
-        self.cfg.sync_load && !e.hma && e.groups.len() == 1 && e.state_groups.is_empty()
+        let per_token = self.ctx.model.kv_bytes_per_token(e.cache_dtype) / u64::from(self.ctx.tp_size.max(1));
+        let bytes = per_token.saturating_mul(tokens as u64);
+        !e.hma && e.groups.len() == 1 && e.state_groups.is_empty() && self.cfg.sync_for(bytes)
     }
 }
 
@@ -68,8 +72,9 @@ impl SchedulerConnector for NixlScheduler {
         if tokens == 0 {
             return Ok(none);
         }
-        self.computed.insert(req.id.clone(), num_computed);
-        Ok(MatchResult::Matched { tokens, async_load: !self.loads_sync() })
+        let sync = self.loads_sync(tokens);
+        self.computed.insert(req.id.clone(), (num_computed, sync));
+        Ok(MatchResult::Matched { tokens, async_load: !sync })
     }
 
     fn update_state_after_alloc(
@@ -79,7 +84,9 @@ impl SchedulerConnector for NixlScheduler {
         num_external_tokens: usize,
     ) -> ConnectorResult<()> {
         let Some(p) = TransferParams::from_request(NAME, req)? else { return Ok(()) };
-        let first = self.computed.remove(&req.id).unwrap_or(0);
+        // The load is as it was matched (the engine scheduled it so).
+        let (first, sync) =
+            self.computed.remove(&req.id).unwrap_or_else(|| (0, self.loads_sync(num_external_tokens)));
         if self.scheduled.contains(&req.id) {
             return Ok(());
         }
@@ -147,7 +154,7 @@ impl SchedulerConnector for NixlScheduler {
                 num_tokens: first + num_external_tokens,
                 reader,
                 sources: n,
-                sync: self.loads_sync(),
+                sync,
             });
         }
         Ok(())
@@ -211,6 +218,7 @@ impl SchedulerConnector for NixlScheduler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::LoadMode;
     use kvconnect_api::tp_ranks::{params_for_rank, RANK_PARAMS};
     use kvconnect_api::{BlockId, KvLayout, KvRole};
     use kvconnect_bench::harness::{context, effective, model};
@@ -242,6 +250,14 @@ mod tests {
         loads_in(rank, tp, params, cfg, groups, groups > 1)
     }
 
+    /// Whether the 69 loaded tokens' bytes on rank 0 of `tp` make a synchronous load under `cfg`.
+    fn sync_expected(cfg: &NixlConfig, tp: u32, groups: usize, hma: bool) -> bool {
+        let m = model(2, 2, 8);
+        let eff = effective(&m, KvLayout::HND, 32);
+        let bytes = m.kv_bytes_per_token(eff.cache_dtype) / u64::from(tp) * 69;
+        groups == 1 && !hma && cfg.sync_for(bytes)
+    }
+
     /// As `loads_with`, with HMA on or off.
     fn loads_in(
         rank: u32,
@@ -259,7 +275,7 @@ mod tests {
         }
         let mut ctx = context(&m, &eff, KvRole::Consumer, "decode", json!({}));
         (ctx.tp_rank, ctx.tp_size) = (rank, tp);
-        let sync = cfg.sync_load && groups == 1 && !hma;
+        let sync = sync_expected(&cfg, tp, groups, hma);
         let mut s = NixlScheduler::new(&ctx, cfg);
         let Value::Object(params) = params else { unreachable!("params are an object") };
         let mine = params_for_rank(&params, rank as usize, tp as usize).unwrap();
@@ -272,6 +288,8 @@ mod tests {
             .unwrap();
         let meta: NixlMeta =
             serde_json::from_slice(&s.build_connector_meta(&StepInfo::default()).unwrap()).unwrap();
+        // The load is as it was matched.
+        assert!(meta.loads.iter().all(|l| l.sync == sync), "{:?}", meta.loads);
         meta.loads
     }
 
@@ -297,7 +315,7 @@ mod tests {
 
     #[test]
     fn load_sync_is_a_synchronous_match_and_load_with_one_kv_cache_group_and_hma_off_only() {
-        let sync = NixlConfig { sync_load: true, ..NixlConfig::default() };
+        let sync = NixlConfig { load: LoadMode::Sync, ..NixlConfig::default() };
         let l = loads_with(0, 1, producer_rank(0, 1), sync.clone(), 1);
         assert!(l.len() == 1 && l[0].sync, "{l:?}");
         // HMA's groups repeat block ids, so a failed load must be told by request: async.
@@ -307,6 +325,29 @@ mod tests {
         // loads go by request there too.
         let l = loads_in(0, 1, producer_rank(0, 1), sync, 1, true);
         assert!(l.len() == 1 && !l[0].sync, "{l:?}");
-        assert!(!loads(0, 1, producer_rank(0, 1))[0].sync);
+        let not = NixlConfig { load: LoadMode::Async, ..NixlConfig::default() };
+        assert!(!loads_with(0, 1, producer_rank(0, 1), not, 1)[0].sync);
+    }
+
+    #[test]
+    fn load_auto_is_synchronous_over_shm_for_a_load_within_the_limit_only() {
+        // The default: shm, auto, 64 MiB; the test model's 69 tokens are a few KiB.
+        assert!(loads(0, 1, producer_rank(0, 1))[0].sync);
+        let per_token = {
+            let m = model(2, 2, 8);
+            m.kv_bytes_per_token(effective(&m, KvLayout::HND, 32).cache_dtype)
+        };
+        // The limit counts this rank's bytes: at TP 2 half of each token's.
+        for (tp, limit, sync) in
+            [(1, per_token * 69, true), (1, per_token * 69 - 1, false), (2, per_token * 69 / 2, true)]
+        {
+            let cfg = NixlConfig { sync_max_bytes: limit, ..NixlConfig::default() };
+            let l = loads_with(0, tp, producer_rank(0, 1), cfg, 1);
+            assert!(l.iter().all(|l| l.sync == sync), "tp {tp} limit {limit}: {l:?}");
+        }
+        // Over tcp, auto is asynchronous.
+        let tcp =
+            NixlConfig { backend: crate::config::Backend::parse("tcp").unwrap(), ..NixlConfig::default() };
+        assert!(!loads_with(0, 1, producer_rank(0, 1), tcp, 1)[0].sync);
     }
 }

@@ -67,9 +67,11 @@ fn consumer(backend: &str, layout: KvLayout, bs: u32) -> Engine {
     consumer_with(backend, layout, bs, json!({}))
 }
 
-/// A consumer with extra settings merged into the usual ones.
+/// A consumer with extra settings merged into the usual ones. It loads asynchronously (`load:
+/// "async"`) unless `more` says otherwise: the flow most tests here drive (match, start, and
+/// the load reported by `get_finished` later).
 fn consumer_with(backend: &str, layout: KvLayout, bs: u32, more: Value) -> Engine {
-    let mut extra = json!({"backend": backend, "io_timeout": 1, "connect_timeout": 1});
+    let mut extra = json!({"backend": backend, "io_timeout": 1, "connect_timeout": 1, "load": "async"});
     if let (Some(e), Some(m)) = (extra.as_object_mut(), more.as_object()) {
         e.extend(m.clone());
     }
@@ -1147,6 +1149,36 @@ fn a_synchronous_load_is_whole_once_the_first_layer_has_waited() {
         assert!(d.worker.block_ids_with_load_errors().unwrap().is_empty());
         let f = wait_finished(p.worker.as_mut(), |f| !f.finished_sending.is_empty());
         assert_eq!(f.finished_sending, vec![RequestId::from("sync-1")]);
+    }
+}
+
+#[test]
+fn load_auto_is_synchronous_over_shm_within_its_limit_and_asynchronous_otherwise() {
+    let (pblocks, dblocks) = ([3, 4, 5, 6, 7, 8], [2, 4, 6, 8, 10, 12]);
+    // (backend, extra settings, whether the 20-token load is matched synchronously); `load:
+    // null` is the default, `auto`.
+    for (backend, more, sync, tag) in [
+        ("shm", json!({"load": null}), true, "aa"),
+        ("shm", json!({"load": "auto", "sync_max_bytes": 1}), false, "ab"),
+        ("tcp", json!({"load": null}), false, "ac"),
+    ] {
+        let mut p = producer(backend, KvLayout::HND, 4, 30.0, tag);
+        let mut d = consumer_with(backend, KvLayout::HND, 4, more.clone());
+        handshake(&mut p, &mut d);
+        let params = prefill_finish(&mut p, "auto-1", 21, &pblocks);
+        let tokens = decode_begin(&mut d, "auto-1", 21, params, &dblocks, !sync);
+        assert_eq!(tokens, 20);
+        let f = if sync {
+            // Whole once the first layer has waited, reported in its own step.
+            d.worker.wait_for_layer_load(kvconnect_api::LayerId(0)).unwrap();
+            d.worker.get_finished(&[]).unwrap()
+        } else {
+            wait_finished(d.worker.as_mut(), |f| {
+                !f.failed_recving.is_empty() || !f.finished_recving.is_empty()
+            })
+        };
+        assert_eq!(f.finished_recving, vec![RequestId::from("auto-1")], "{backend} {more}: {f:?}");
+        assert_same_kv(&mut p, &pblocks, &mut d, &dblocks, tokens);
     }
 }
 
