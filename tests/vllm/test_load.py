@@ -9,7 +9,10 @@
   (vLLM's `vllm:prompt_tokens_by_source_total`), so nothing that could be loaded was
   recomputed, and the prefix cache served what it held.
 
-    VENV/bin/python tests/vllm/test_load.py [--requests 200] [--in-flight 8] [--keep]
+    VENV/bin/python tests/vllm/test_load.py [--requests 200] [--in-flight 8] [--backends tcp,shm] [--keep]
+
+Each nixl backend runs with decode's `load` at its default (`auto`): asynchronous loads over
+tcp, synchronous ones over shm (checked by the adapter's log).
 """
 
 import argparse
@@ -54,10 +57,62 @@ def run_all(fn, ps, in_flight: int) -> list:
         return list(pool.map(fn, range(len(ps))))
 
 
+def pd_under_load(model: str, tmp: Path, ps, expected, backend: str, in_flight: int):
+    """One P/D pair over nixl `backend`, the workload sent `in_flight` at a time; fails on any output
+    that differs from monolithic's, a failed load, or reusable KV computed again."""
+    port = free_port()
+    pre = Server(f"prefill-load-{backend}", model, tmp, core=0,
+                 kv_config=kv_config("kv_producer", nixl(backend), port=port))
+    dec = Server(f"decode-load-{backend}", model, tmp, core=1, kv_config=kv_config("kv_consumer", nixl(backend)))
+    with serving(pre, dec):
+        pre.wait_healthy()
+        dec.wait_healthy()
+        before = by_source(dec.url)
+        t0 = time.time()
+        got = run_all(lambda i: tokens_of(pd_complete(pre.url, dec.url, ps[i], f"load-{backend}-{i}")), ps,
+                      in_flight)
+        took = time.time() - t0
+        wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+        if wrong:
+            i = wrong[0]
+            raise Failed(f"{len(wrong)} of {len(ps)} P/D outputs differ from monolithic; prompt {i} "
+                         f"({len(ps[i])} tokens): P/D {got[i]}, monolithic {expected[i]}")
+        # Every prompt token but the last: what decode can take from outside its own
+        # computation (its prefix cache's whole blocks, the rest loaded).
+        reusable = sum(loadable(p) for p in ps)
+        failed = metric(dec.url, "vllm:kvconnect_loads_failed_total")
+        ext = wait_metric(dec.url, "vllm:prompt_tokens_by_source_total", before["external_kv_transfer"] + 1,
+                          'source="external_kv_transfer"')
+        deadline = time.time() + 60
+        while True:
+            now = by_source(dec.url)
+            d = {k: now[k] - before[k] for k in now}
+            if d["local_cache_hit"] + d["external_kv_transfer"] >= reusable or time.time() > deadline:
+                break
+            time.sleep(1)
+        if failed or "failed to load its external KV" in dec.text():
+            raise Failed(f"{failed:.0f} loads failed under load\n{dec.tail()}")
+        # decode's `load` is at its default, `auto`: synchronous over shm, asynchronous over tcp.
+        loaded = dec.text().count("loaded its external KV")
+        synced = dec.text().count("loaded its external KV synchronously")
+        if loaded == 0 or synced != (loaded if backend == "shm" else 0):
+            raise Failed(f"{backend}: {synced} of decode's {loaded} loads were synchronous; load \"auto\" makes "
+                         f"{'all' if backend == 'shm' else 'none'} of them so\n{dec.tail()}")
+        if d["local_cache_hit"] + d["external_kv_transfer"] != reusable or d["external_kv_transfer"] <= 0:
+            raise Failed(f"decode took {d['local_cache_hit']:.0f} tokens from its prefix cache and loaded "
+                         f"{d['external_kv_transfer']:.0f} (vLLM counted {ext:.0f}); the prompts' tokens "
+                         f"before their last are {reusable}: some reusable KV was computed again")
+        print(f"ok: {backend}: {len(ps)} P/D requests, {in_flight} in flight, in {took:.1f} s ({synced} of {loaded} "
+              f"loads synchronous): all equal monolithic, no "
+              f"failed load; decode's prefix cache served {d['local_cache_hit']:.0f} tokens and prefill "
+              f"{d['external_kv_transfer']:.0f}, together the {reusable} reusable")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--backends", default="tcp,shm", help="nixl backends, one P/D pair each")
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
     a = ap.parse_args()
 
@@ -68,43 +123,8 @@ def main():
             mono.wait_healthy()
             expected = run_all(lambda i: tokens_of(complete(mono.url, ps[i], f"mono-{i}")), ps, a.in_flight)
         print(f"monolithic: {len(ps)} outputs, {a.in_flight} in flight")
-        port = free_port()
-        pre = Server("prefill-load", model, tmp, core=0, kv_config=kv_config("kv_producer", nixl("tcp"), port=port))
-        dec = Server("decode-load", model, tmp, core=1, kv_config=kv_config("kv_consumer", nixl("tcp")))
-        with serving(pre, dec):
-            pre.wait_healthy()
-            dec.wait_healthy()
-            before = by_source(dec.url)
-            t0 = time.time()
-            got = run_all(lambda i: tokens_of(pd_complete(pre.url, dec.url, ps[i], f"load-{i}")), ps, a.in_flight)
-            took = time.time() - t0
-            wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-            if wrong:
-                i = wrong[0]
-                raise Failed(f"{len(wrong)} of {len(ps)} P/D outputs differ from monolithic; prompt {i} "
-                             f"({len(ps[i])} tokens): P/D {got[i]}, monolithic {expected[i]}")
-            # Every prompt token but the last: what decode can take from outside its own
-            # computation (its prefix cache's whole blocks, the rest loaded).
-            reusable = sum(loadable(p) for p in ps)
-            failed = metric(dec.url, "vllm:kvconnect_loads_failed_total")
-            ext = wait_metric(dec.url, "vllm:prompt_tokens_by_source_total", before["external_kv_transfer"] + 1,
-                              'source="external_kv_transfer"')
-            deadline = time.time() + 60
-            while True:
-                now = by_source(dec.url)
-                d = {k: now[k] - before[k] for k in now}
-                if d["local_cache_hit"] + d["external_kv_transfer"] >= reusable or time.time() > deadline:
-                    break
-                time.sleep(1)
-            if failed or "failed to load its external KV" in dec.text():
-                raise Failed(f"{failed:.0f} loads failed under load\n{dec.tail()}")
-            if d["local_cache_hit"] + d["external_kv_transfer"] != reusable or d["external_kv_transfer"] <= 0:
-                raise Failed(f"decode took {d['local_cache_hit']:.0f} tokens from its prefix cache and loaded "
-                             f"{d['external_kv_transfer']:.0f} (vLLM counted {ext:.0f}); the prompts' tokens "
-                             f"before their last are {reusable}: some reusable KV was computed again")
-            print(f"ok: {len(ps)} P/D requests, {a.in_flight} in flight, in {took:.1f} s: all equal monolithic, no "
-                  f"failed load; decode's prefix cache served {d['local_cache_hit']:.0f} tokens and prefill "
-                  f"{d['external_kv_transfer']:.0f}, together the {reusable} reusable")
+        for backend in a.backends.split(","):
+            pd_under_load(model, tmp, ps, expected, backend, a.in_flight)
 
     run_checks("load", a.keep, checks)
 
