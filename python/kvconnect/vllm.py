@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import re
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -60,6 +61,9 @@ class KvconnectMetadata(KVConnectorMetadata):
 
     data: bytes
     preempted: tuple[str, ...] = ()
+    # The step schedules no tokens: the engine steps only because requests wait on the
+    # connector (blocks held for decode, loads in flight).
+    idle: bool = False
 
 
 @dataclass
@@ -313,6 +317,9 @@ class KvconnectConnector(KVConnectorBase_V1):
             _allow_amx()
             self._core = WorkerCore(_setup_json(vllm_config, _tp_rank()), self._block_size)
             self._worker = self._core.native
+            # Checked by the native setup just above (a number from 0 to 100).
+            extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+            self._idle_wait_max = float(extra.get("idle_step_wait_ms", 2.0)) / 1000.0
             summary = self._worker.summary()
         logger.info("kvconnect %s: %s", "scheduler" if self._scheduler else "worker", summary)
 
@@ -368,6 +375,7 @@ class KvconnectConnector(KVConnectorBase_V1):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        self._idle_step = getattr(connector_metadata, "idle", False)
         self._core.bind_connector_metadata(connector_metadata.data)
 
     def clear_connector_metadata(self) -> None:
@@ -378,8 +386,27 @@ class KvconnectConnector(KVConnectorBase_V1):
     # the first bad one); with several, block ids are not unique, so by request instead.
     _failed_by_request = False
 
+    # Idle steps: vLLM steps without pause while any request waits on the connector (a
+    # producer's blocks held until decode has pulled them, a load in flight), each step a
+    # round trip between engine core and worker that does nothing, on the cores the server's
+    # other processes need. An idle step that finished nothing waits before it returns, twice
+    # as long each time from IDLE_WAIT_MIN seconds up to `idle_step_wait_ms`; a step with work
+    # or news starts again from none.
+    IDLE_WAIT_MIN = 0.0001
+    _idle_step = False
+    _idle_wait = 0.0
+    _idle_wait_max = 0.002
+
+    def _pace_idle(self, news: bool) -> None:
+        if news or not self._idle_step or self._idle_wait_max <= 0:
+            self._idle_wait = 0.0
+            return
+        self._idle_wait = min(max(self._idle_wait * 2, self.IDLE_WAIT_MIN), self._idle_wait_max)
+        time.sleep(self._idle_wait)
+
     def _finished(self, finished_req_ids: set[str]):
         sending, recving, failed = self._core.finished(finished_req_ids)
+        self._pace_idle(bool(sending or recving or failed or finished_req_ids))
         for r in sorted(recving):
             logger.info("kvconnect worker: request %s loaded its external KV", r)
         for r, why in sorted(failed.items()):
@@ -501,9 +528,10 @@ class KvconnectConnector(KVConnectorBase_V1):
             scheduled += list(getattr(cached, "req_ids", []))
         finished = sorted(getattr(scheduler_output, "finished_req_ids", set()) or set())
         data = self._sched.build_connector_meta(scheduled, finished)
+        idle = not scheduled and not finished and getattr(scheduler_output, "total_num_scheduled_tokens", 1) == 0
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
         if not preempted:
-            return KvconnectMetadata(data=data)
+            return KvconnectMetadata(data=data, idle=idle)
         for r in sorted(preempted):
             if r in self._loaded:
                 self._loaded.discard(r)

@@ -87,12 +87,23 @@ struct AdapterExtra {
     /// comma-separated string), as kvconnect workers' `--kv-producers`; unset: this host only.
     #[serde(default)]
     kv_producers: Option<Value>,
+    /// The longest a worker's idle step waits (milliseconds, default
+    /// [`IDLE_STEP_WAIT_MS`], 0: never); read by the Python adapter, checked here.
+    #[serde(default)]
+    idle_step_wait_ms: Option<f64>,
 }
 
 const EXTRA_KEYS: &str =
     "kvconnect (the kvconnect kv-transfer-config) or deployment (a kvconnect deployment \
     file, negotiated jointly) with deployment_role, side_channel_host, side_channel_port, \
-    handshake_timeout_s, plugin_dirs, allow_insecure_plugins, kv_producers";
+    handshake_timeout_s, plugin_dirs, allow_insecure_plugins, kv_producers, idle_step_wait_ms";
+
+/// Default of `idle_step_wait_ms`, the Python adapter's pacing of steps that schedule nothing
+/// and finish nothing (vLLM steps without pause while requests wait on the connector).
+pub const IDLE_STEP_WAIT_MS: f64 = 2.0;
+
+/// The range `idle_step_wait_ms` is accepted in.
+const IDLE_STEP_WAIT_RANGE: std::ops::RangeInclusive<f64> = 0.0..=100.0;
 
 /// A negotiated connector, ready for either half to be created.
 pub struct Setup {
@@ -162,6 +173,12 @@ impl Setup {
                 )))
             }
         };
+        if let Some(ms) = extra.idle_step_wait_ms.filter(|ms| !IDLE_STEP_WAIT_RANGE.contains(ms)) {
+            return Err(extra_err(format!(
+                "idle_step_wait_ms = {ms}: expected milliseconds from 0 (idle steps never wait) to 100; leave \
+                 it out for {IDLE_STEP_WAIT_MS}"
+            )));
+        }
         let role = config.kv_role.or(side.kv_role).unwrap_or(KvRole::Both);
         config.kv_role = Some(role);
         if config.engine_id.is_none() {
@@ -469,6 +486,22 @@ mod tests {
         // A config that cannot be set up is the same one-line refusal the worker gives.
         let e = with(&json!({"kv_connector": "NixlConector"})).unwrap_err().to_string();
         assert!(e.contains("no connector named 'NixlConector'"), "{e}");
+    }
+
+    #[test]
+    fn idle_step_wait_outside_its_range_is_refused_with_the_range() {
+        let nixl = json!({"kv_connector": "NixlConnector", "kv_connector_extra_config": {"backend": "tcp"}});
+        for bad in [json!(-1), json!(101.5)] {
+            let e = refusal("kv_consumer", json!({"kvconnect": nixl, "idle_step_wait_ms": bad}));
+            assert!(e.contains("idle_step_wait_ms = ") && e.contains("expected milliseconds from 0"), "{e}");
+        }
+        let e = refusal("kv_consumer", json!({"kvconnect": nixl, "idle_step_wait_ms": "soon"}));
+        assert!(e.contains("invalid type: string \"soon\""), "{e}");
+        for ok in [0.0, 2.0, 100.0] {
+            let s =
+                Setup::from_vllm(&side("kv_consumer", json!({"kvconnect": nixl, "idle_step_wait_ms": ok})));
+            assert!(s.is_ok(), "{ok}: {:?}", s.err().map(|e| e.to_string()));
+        }
     }
 
     #[test]

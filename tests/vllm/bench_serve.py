@@ -7,7 +7,7 @@ tokens per second), and the result is the median of the rounds' ratios with the 
     VENV/bin/python tests/vllm/bench_serve.py [--rounds 5] [--prompts 200] [--in-flight 8]
                                               [--input-len 100] [--output-len 12] [--backend tcp]
                                               [--versus monolithic|nixlconnector]
-                                              [--nixl-python DIR]
+                                              [--nixl-python DIR] [--idle-step-wait-ms MS]
 
 Baselines:
 - `monolithic` (the default): one vLLM server on core 0, while prefill runs on core 0 and
@@ -82,6 +82,8 @@ def main():
     ap.add_argument("--nixl-python", default=os.environ.get("KVCONNECT_NIXL_PYTHON", ""),
                     help="with --versus nixlconnector: a directory holding the NIXL Python package "
                          "(scripts/install-nixl-python.sh prints it)")
+    ap.add_argument("--idle-step-wait-ms", type=float, default=None,
+                    help="the P/D servers' adapter key idle_step_wait_ms (unset: the adapter's default)")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
     if a.versus == "nixlconnector" and not (a.nixl_python and Path(a.nixl_python, "nixl").is_dir()):
@@ -99,8 +101,10 @@ def main():
 
     def checks(model: str, tmp: Path):
         port = free_port()
-        pre = Server("prefill", model, tmp, core=0, kv_config=kv_config("kv_producer", nixl(a.backend), port=port))
-        dec = Server("decode", model, tmp, core=1, kv_config=kv_config("kv_consumer", nixl(a.backend)))
+        pace = {} if a.idle_step_wait_ms is None else {"idle_step_wait_ms": a.idle_step_wait_ms}
+        pre = Server("prefill", model, tmp, core=0,
+                     kv_config=kv_config("kv_producer", nixl(a.backend), port=port, **pace))
+        dec = Server("decode", model, tmp, core=1, kv_config=kv_config("kv_consumer", nixl(a.backend), **pace))
         if a.versus == "monolithic":
             base = [Server("monolithic", model, tmp, core=0)]
         else:
