@@ -142,7 +142,7 @@ def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: li
 
 def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expected: list,
            dec_class: str = "KvconnectConnector", shm: bool = False, pre_adapter=None, dec_adapter=None,
-           lure: bool = False, via_proxy=None, tp=(1, 1), idle=None):
+           lure: bool = False, via_proxy=None, tp=(1, 1), idle=None, joint_dec=None):
     """Prefill and decode servers through the adapter; outputs equal `expected`, decode loads
     the prompts' KV and vLLM's /metrics and stats log show kvconnect's counters. `lure`:
     decode lists prefill as its only producer and is sent params naming another. `tp`:
@@ -182,7 +182,8 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
             raise Failed(f"{label}: decode's {tp[1]} worker(s) finished {loaded} loads for {len(want)} requests, or a load failed\n{dec.tail()}")
         # `load: sync`, and the default `auto` over shm for these small prompts, really took
         # vLLM's synchronous path: every load ended in its own step; async never did.
-        extra = (dec_inner or {}).get("kv_connector_extra_config", {})
+        # (`joint_dec`: decode's config in the deployment file of a jointly negotiated pair.)
+        extra = (dec_inner or joint_dec or {}).get("kv_connector_extra_config", {})
         mode = extra.get("load", "auto")
         sync = mode == "sync" or (mode == "auto" and extra.get("backend", "shm") == "shm")
         synced = dec.text().count("loaded its external KV synchronously")
@@ -327,8 +328,9 @@ def main():
         # The same pair negotiated jointly: both servers read one deployment file and each
         # computes both roles' layouts, so each knows the other's compat hash before any
         # request.
-        dep = write_deployment(tmp / "composite.toml", model, composite, nixl("tcp"))
-        run_pd(model, tmp, ps, "composite-joint", None, None, expected,
+        decode_in_file = nixl("tcp")
+        dep = write_deployment(tmp / "composite.toml", model, composite, decode_in_file)
+        run_pd(model, tmp, ps, "composite-joint", None, None, expected, joint_dec=decode_in_file,
                pre_adapter={"deployment": str(dep)}, dec_adapter={"deployment": str(dep)})
 
     def refused_checks(model: str, tmp: Path):
