@@ -317,9 +317,7 @@ class KvconnectConnector(KVConnectorBase_V1):
             _allow_amx()
             self._core = WorkerCore(_setup_json(vllm_config, _tp_rank()), self._block_size)
             self._worker = self._core.native
-            # Checked by the native setup just above (a number from 0 to 100).
-            extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-            self._idle_wait_max = float(extra.get("idle_step_wait_ms", 2.0)) / 1000.0
+            self._idle_wait_max = self._worker.idle_step_wait_s()
             summary = self._worker.summary()
         logger.info("kvconnect %s: %s", "scheduler" if self._scheduler else "worker", summary)
 
@@ -395,7 +393,7 @@ class KvconnectConnector(KVConnectorBase_V1):
     IDLE_WAIT_MIN = 0.0001
     _idle_step = False
     _idle_wait = 0.0
-    _idle_wait_max = 0.002
+    _idle_wait_max = 0.0
 
     def _pace_idle(self, news: bool) -> None:
         if news or not self._idle_step or self._idle_wait_max <= 0:

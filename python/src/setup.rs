@@ -88,7 +88,7 @@ struct AdapterExtra {
     #[serde(default)]
     kv_producers: Option<Value>,
     /// The longest a worker's idle step waits (milliseconds, default
-    /// [`IDLE_STEP_WAIT_MS`], 0: never); read by the Python adapter, checked here.
+    /// [`IDLE_STEP_WAIT_MS`], 0: never); the Python adapter asks the worker for it.
     #[serde(default)]
     idle_step_wait_ms: Option<f64>,
 }
@@ -128,6 +128,9 @@ pub struct Setup {
     pub joint: Option<String>,
     /// Decode: the producers KV may be loaded from (empty: this host only).
     pub producers: Producers,
+    /// The longest an idle step waits, milliseconds (`idle_step_wait_ms`; see
+    /// [`IDLE_STEP_WAIT_MS`]).
+    pub idle_step_wait_ms: f64,
 }
 
 fn extra_err(m: impl Into<String>) -> AdapterError {
@@ -173,10 +176,11 @@ impl Setup {
                 )))
             }
         };
-        if let Some(ms) = extra.idle_step_wait_ms.filter(|ms| !IDLE_STEP_WAIT_RANGE.contains(ms)) {
+        let idle_step_wait_ms = extra.idle_step_wait_ms.unwrap_or(IDLE_STEP_WAIT_MS);
+        if !IDLE_STEP_WAIT_RANGE.contains(&idle_step_wait_ms) {
             return Err(extra_err(format!(
-                "idle_step_wait_ms = {ms}: expected milliseconds from 0 (idle steps never wait) to 100; leave \
-                 it out for {IDLE_STEP_WAIT_MS}"
+                "idle_step_wait_ms = {idle_step_wait_ms}: expected milliseconds from 0 (idle steps never \
+                 wait) to 100; leave it out for {IDLE_STEP_WAIT_MS}"
             )));
         }
         let role = config.kv_role.or(side.kv_role).unwrap_or(KvRole::Both);
@@ -325,6 +329,7 @@ impl Setup {
             shm_kv,
             joint: joint_note,
             producers,
+            idle_step_wait_ms,
         })
     }
 
@@ -500,8 +505,10 @@ mod tests {
         for ok in [0.0, 2.0, 100.0] {
             let s =
                 Setup::from_vllm(&side("kv_consumer", json!({"kvconnect": nixl, "idle_step_wait_ms": ok})));
-            assert!(s.is_ok(), "{ok}: {:?}", s.err().map(|e| e.to_string()));
+            assert_eq!(s.map(|s| s.idle_step_wait_ms).map_err(|e| e.to_string()), Ok(ok));
         }
+        let s = Setup::from_vllm(&side("kv_consumer", json!({"kvconnect": nixl}))).map_err(|e| e.to_string());
+        assert_eq!(s.map(|s| s.idle_step_wait_ms), Ok(IDLE_STEP_WAIT_MS));
     }
 
     #[test]

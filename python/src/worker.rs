@@ -242,6 +242,12 @@ impl Worker {
         self.setup.ctx.tp_rank
     }
 
+    /// The longest an idle step waits, in seconds (the adapter key `idle_step_wait_ms`,
+    /// checked at setup, or its default): `kvconnect.vllm` paces vLLM's idle steps with it.
+    fn idle_step_wait_s(&self) -> f64 {
+        self.setup.idle_step_wait_ms / 1000.0
+    }
+
     /// Whether vLLM's KV cache must be in shared memory (a producer over the nixl `shm`
     /// backend): `kvconnect.vllm` then allocates it through [`Worker::allocate_shared_kv`].
     fn kv_in_shared_memory(&self) -> bool {
