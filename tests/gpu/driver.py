@@ -24,8 +24,9 @@ tensor, as vLLM allocates fp8). Every source block holds seeded random bytes.
   512 scattered blocks (896 MiB), and the same bytes in blocks of 128 tokens: the adapter's
   load end to end (from `start_load_kv` until `finished` reports it) against torch's own
   gather of the same bytes in decode's process (`index_select` into a contiguous buffer,
-  then `index_copy_` into the destination) and against one contiguous copy, and the
-  adapter's per-step overhead (an idle step; prefill's saving step).
+  then `index_copy_` into the destination) and against one contiguous copy, each timed
+  right after a load (15 interleaved pairs; the ratio is the median of the pairs', with
+  quartiles), and the adapter's per-step overhead (an idle step; prefill's saving step).
 
 Prints one `PASS`/`FAIL`/`skipping` line per case and a JSON line per benchmark; exits 1 if
 any case failed.
@@ -305,7 +306,8 @@ def decode_proc(case: Case, reqs: list[dict], bench: bool, conn) -> None:
                                "kv_connector_extra_config": {"backend": BACKEND}}}
         e = Engine(case, "kv_consumer", "decode", extra, caches)
         source = case.allocate("random", seed=1)  # prefill's bytes, regenerated from the seed
-        load_s, blocks = [], []
+        copies = TorchCopies(case, source, caches) if bench else None
+        load_s, blocks, torch_s = [], [], []
         for i, r in enumerate(reqs):
             rid, prompt = r["rid"], r["prompt"]
             tokens, is_async = e.sched.get_num_new_matched_tokens(rid, prompt, r["params"], 0)
@@ -314,6 +316,11 @@ def decode_proc(case: Case, reqs: list[dict], bench: bool, conn) -> None:
             e.sched.update_state_after_alloc(rid, prompt, r["params"], [blocks], tokens)
             load_s.append(load_step(e, rid))
             check_loaded(case, caches, blocks, source, r["blocks"], tokens)
+            if copies is not None and i > 0:
+                # torch's copies of the same bytes right after each timed load (after the
+                # first, which handshakes): interleaved pairs, alternating which goes first.
+                n = case.request_blocks
+                torch_s.append(copies.time(r["blocks"][:n], blocks[:n], gather_first=i % 2 == 0))
             caches.poison(blocks)  # the next request's check starts from a poisoned cache
             # Decode computes the rest and finishes the request.
             e.finished_ids.append(rid)
@@ -326,8 +333,7 @@ def decode_proc(case: Case, reqs: list[dict], bench: bool, conn) -> None:
         result = {"load_s": load_s, "idle_step_us": sorted(idle)[len(idle) // 2],
                   "tokens": tokens, "stats": e.worker.stats()}
         if bench:
-            result["torch"] = torch_baselines(case, source, caches, reqs[-1]["blocks"][:case.request_blocks],
-                                              blocks[:case.request_blocks])
+            result["torch"] = {"bytes": copies.nbytes, "pairs": torch_s}
         e.worker.shutdown()
         conn.send(("done", result))
     except BaseException:
@@ -360,37 +366,45 @@ def load_step(e: Engine, rid: str) -> float:
     return took
 
 
-def timed(f, repeat: int = 10) -> float:
-    """Best of `repeat` runs of `f`, seconds, the GPU idle before each."""
-    best = float("inf")
-    for _ in range(repeat):
+class TorchCopies:
+    """The same bytes moved by torch in decode's process: per layer `index_select` of the
+    source's blocks into a contiguous buffer, then `index_copy_` into the destination's
+    blocks; and one contiguous copy of as many bytes."""
+
+    def __init__(self, case: Case, src: Caches, dst: Caches):
+        self.case, self.src, self.dst = case, src, dst
+        self.dim = 0 if case.mla else 1
+        self.nbytes = sum(s.view(torch.uint8).numel() // case.blocks * case.request_blocks for s in src.storage)
+        self.flat_src = torch.empty(self.nbytes, dtype=torch.uint8, device=DEV)
+        self.flat_dst = torch.empty_like(self.flat_src)
+
+    @staticmethod
+    def timed(f) -> float:
         sync()
         t0 = time.perf_counter()
         f()
         sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        return time.perf_counter() - t0
 
+    def time(self, src_blocks: list[int], dst_blocks: list[int], gather_first: bool) -> dict:
+        """One gather and one contiguous copy, each timed alone, in the order given."""
+        sidx = torch.tensor(src_blocks, device=DEV)
+        didx = torch.tensor(dst_blocks, device=DEV)
 
-def torch_baselines(case: Case, src: Caches, dst: Caches, src_blocks: list[int], dst_blocks: list[int]) -> dict:
-    """The same bytes moved by torch: per layer `index_select` of the source's blocks into a
-    contiguous buffer, then `index_copy_` into the destination's blocks; and one contiguous
-    copy of as many bytes."""
-    sidx = torch.tensor(src_blocks, device=DEV)
-    didx = torch.tensor(dst_blocks, device=DEV)
-    dim = 0 if case.mla else 1
+        def gather():
+            for s, d in zip(self.src.storage, self.dst.storage):
+                d.index_copy_(self.dim, didx, s.index_select(self.dim, sidx))
 
-    def gather():
-        for s, d in zip(src.storage, dst.storage):
-            buf = s.index_select(dim, sidx)
-            d.index_copy_(dim, didx, buf)
+        def contiguous():
+            self.flat_dst.copy_(self.flat_src)
 
-    nbytes = sum(s.view(torch.uint8).numel() // case.blocks * len(src_blocks) for s in src.storage)
-    flat_src = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-    flat_dst = torch.empty_like(flat_src)
-    t_gather = timed(gather)
-    t_contig = timed(lambda: flat_dst.copy_(flat_src))
-    return {"bytes": nbytes, "gather_s": t_gather, "contiguous_s": t_contig}
+        if gather_first:
+            g = self.timed(gather)
+            c = self.timed(contiguous)
+        else:
+            c = self.timed(contiguous)
+            g = self.timed(gather)
+        return {"gather_s": g, "contiguous_s": c}
 
 
 def run_refused(case: Case) -> dict:
@@ -581,25 +595,34 @@ CASES = [
 
 BENCH = [
     Case("bench-pd-fa-hnd-bf16", "nixl", "HND", "bf16", layers=28, blocks=2048, heads=8, head_dim=128,
-         request_blocks=512, requests=8),
+         request_blocks=512, requests=16),
     # The same bytes per request in 8x fewer, 8x larger blocks: what a load costs per block.
     Case("bench-pd-fa-hnd-bf16-block128", "nixl", "HND", "bf16", layers=28, blocks=256, block_size=128,
-         heads=8, head_dim=128, request_blocks=64, requests=8),
+         heads=8, head_dim=128, request_blocks=64, requests=16),
 ]
 
 
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    xs = sorted(xs)
+    at = lambda q: xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]  # noqa: E731
+    return at(0.25), at(0.5), at(0.75)
+
+
 def bench_report(case: Case, r: dict) -> dict:
-    t = r["torch"]
-    loads = sorted(r["load_s"][1:])  # the first load handshakes and opens the IPC handles
-    med = loads[len(loads) // 2]
-    best = loads[0]
-    return {"bench": case.name, "bytes": t["bytes"], "requests_timed": len(loads),
-            "adapter_load_ms_best": round(best * 1e3, 3), "adapter_load_ms_median": round(med * 1e3, 3),
-            "torch_gather_ms": round(t["gather_s"] * 1e3, 3), "contiguous_copy_ms": round(t["contiguous_s"] * 1e3, 3),
-            "adapter_vs_contiguous_median": round(t["contiguous_s"] / med, 3),
-            "adapter_vs_contiguous_best": round(t["contiguous_s"] / best, 3),
-            "adapter_vs_torch_gather_median": round(t["gather_s"] / med, 3),
-            "adapter_GBps_median": round(t["bytes"] / med / 1e9, 1),
+    """Each load after the first (which handshakes and opens the IPC handles) paired with
+    torch's copies timed right after it: the median of the per-pair ratios, with quartiles."""
+    loads, pairs = r["load_s"][1:], r["torch"]["pairs"]
+    vs_contig = [p["contiguous_s"] / a for a, p in zip(loads, pairs)]
+    vs_gather = [p["gather_s"] / a for a, p in zip(loads, pairs)]
+    ms = lambda xs: round(quartiles(xs)[1] * 1e3, 3)  # noqa: E731
+    r3 = lambda q: [round(x, 3) for x in q]  # noqa: E731
+    return {"bench": case.name, "bytes": r["torch"]["bytes"], "pairs": len(pairs),
+            "adapter_load_ms_median": ms(loads), "adapter_load_ms_best": round(min(loads) * 1e3, 3),
+            "torch_gather_ms_median": ms([p["gather_s"] for p in pairs]),
+            "contiguous_copy_ms_median": ms([p["contiguous_s"] for p in pairs]),
+            "adapter_vs_contiguous_q1_median_q3": r3(quartiles(vs_contig)),
+            "adapter_vs_torch_gather_q1_median_q3": r3(quartiles(vs_gather)),
+            "adapter_GBps_median": round(r["torch"]["bytes"] / quartiles(loads)[1] / 1e9, 1),
             "idle_step_us_median": round(r["idle_step_us"], 1),
             "prefill_save_step_us_median": round(r["prefill_step_us"], 1)}
 

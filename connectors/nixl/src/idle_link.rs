@@ -5,8 +5,8 @@
 //! shows as the connection ending before any byte of the answer ([`send_and_await`]); the
 //! consumer then sends the request once more, on a new connection ([`crate::puller::Streams::call`]).
 //!
-//! Sending again is safe for every request: `hold`, `check` and `read` change nothing a
-//! second one would undo (a lease renewed twice, bytes received into the same place twice),
+//! Sending again is safe for every request: `hold` and `read` change nothing a second one
+//! would undo (a lease renewed twice, bytes received into the same place twice),
 //! and a `done` the producer had already applied is answered "already completed", a failed
 //! load, never a false success. A producer that is really gone refuses the new connection,
 //! which fails at once with the connect error.

@@ -5,7 +5,7 @@
 //! connection first proves the deployment's secret (ARCHITECTURE.md §10) and every request
 //! names its transfer capability. A request's lease is renewed by every heartbeat (`hold`)
 //! and read, never past `lease_max` from when it was first held: past it every `hold`,
-//! `check` and `read` is refused (counted as `lease_cap`), and each read in flight has a
+//! `read` and `done` naming blocks is refused (counted as `lease_cap`), and each read in flight has a
 //! whole deadline bounded by the request's bytes, so no consumer keeps blocks past the cap
 //! plus one read. A request ends with the consumer's `done` (once no read of it is in
 //! flight) or, when the consumer never comes (killed decode, lost client), at expiry. Both
@@ -86,7 +86,7 @@ pub enum Refusal {
     TooManyConnections,
     /// A `read` to a producer whose backend does not serve reads.
     ReadNotServed,
-    /// A `hold`, `check` or `read` of a request held for `lease_max` already.
+    /// A `hold`, `read` or `done` naming blocks of a request held for `lease_max` already.
     LeaseCap,
 }
 
@@ -324,8 +324,19 @@ impl Shared {
 
     /// Ends the hold of `id` for a consumer that has its blocks: waits (up to the io timeout)
     /// for reads of it in flight to end, so no block is freed while it is being sent. With
-    /// `reader` (`(index, readers)`), only once every reader has said so.
-    fn complete(&self, id: &RequestId, capability: &str, reader: Option<(u32, u32)>) -> Result<(), Refused> {
+    /// `reader` (`(index, readers)`), only once every reader has said so. With `blocks` (a
+    /// consumer that copied without this listener seeing the reads), only when every one is
+    /// the request's: otherwise refused, the hold kept.
+    fn complete(
+        &self,
+        id: &RequestId,
+        capability: &str,
+        reader: Option<(u32, u32)>,
+        blocks: Option<&[Vec<BlockId>]>,
+    ) -> Result<(), Refused> {
+        if let Some(blocks) = blocks {
+            self.check_blocks(id, capability, blocks)?;
+        }
         if let Some((r, n)) = reader {
             if !self.reader_done(id, capability, r, n)? {
                 return Ok(());
@@ -359,14 +370,23 @@ impl Shared {
         }
     }
 
-    /// Whether every block of `blocks` (per KV cache group) is one of request `id`'s.
-    fn check_blocks(&self, id: &RequestId, blocks: &[Vec<BlockId>]) -> Result<(), String> {
+    /// Whether every block of `blocks` (per KV cache group) is one of request `id`'s, for a
+    /// consumer that copied them without this listener seeing the reads: waits for the hold
+    /// as a read does, and checks the capability first.
+    fn check_blocks(&self, id: &RequestId, capability: &str, blocks: &[Vec<BlockId>]) -> Result<(), Refused> {
+        self.acquire(id, capability)?;
+        let checked = self.blocks_of(id, blocks);
+        self.release(id);
+        checked.map_err(|reason| (reason, None))
+    }
+
+    fn blocks_of(&self, id: &RequestId, blocks: &[Vec<BlockId>]) -> Result<(), String> {
         let st = self.lock();
         let h = st.held.get(id).ok_or_else(|| self.reason(&st, id))?;
         if blocks.len() > h.blocks.len() {
             return Err(format!(
-                "request {id} holds blocks in {} KV cache group(s), but the check names {}: both sides must \
-                    run the same model",
+                "request {id} holds blocks in {} KV cache group(s), but the consumer names {}: both sides \
+                    must run the same model",
                 h.blocks.len(),
                 blocks.len()
             ));
@@ -374,7 +394,8 @@ impl Shared {
         for (g, ids) in blocks.iter().enumerate() {
             if let Some(b) = ids.iter().find(|b| h.blocks[g].binary_search(b).is_err()) {
                 return Err(format!(
-                    "block {} of KV cache group {g} is not one of request {id}'s blocks",
+                    "block {} of KV cache group {g} is not one of request {id}'s blocks: the load read \
+                        another request's blocks and fails",
                     b.0
                 ));
             }
@@ -574,7 +595,7 @@ impl Producer {
     /// notification arrived): ends the hold once no read of it is in flight, so the request
     /// is reported finished. `Err` says why it was not ended.
     pub fn complete(&self, request: &RequestId, capability: &str) -> Result<(), String> {
-        self.shared.complete(request, capability, None).map_err(|(reason, refusal)| {
+        self.shared.complete(request, capability, None, None).map_err(|(reason, refusal)| {
             if let Some(r) = refusal {
                 self.shared.refusals.count(r);
             }
@@ -795,21 +816,13 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
                 let r = s.acquire(&id, &capability).map(|_| s.release(&id));
                 send(w, answer(r))?;
             }
-            ClientMsg::Check { request, capability, blocks } => {
-                let id = RequestId(request);
-                let r = s.acquire(&id, &capability).and_then(|_| {
-                    let checked = s.check_blocks(&id, &blocks);
-                    s.release(&id);
-                    checked.map(|_| ()).map_err(|reason| (reason, None))
-                });
+            ClientMsg::Done { request, capability, blocks } => {
+                let r = s.complete(&RequestId(request), &capability, None, blocks.as_deref());
                 send(w, answer(r))?;
             }
-            ClientMsg::Done { request, capability } => {
-                let r = s.complete(&RequestId(request), &capability, None);
-                send(w, answer(r))?;
-            }
-            ClientMsg::DoneBy { request, capability, reader, readers } => {
-                let r = s.complete(&RequestId(request), &capability, Some((reader, readers)));
+            ClientMsg::DoneBy { request, capability, reader, readers, blocks } => {
+                let r =
+                    s.complete(&RequestId(request), &capability, Some((reader, readers)), blocks.as_deref());
                 send(w, answer(r))?;
             }
             ClientMsg::Read { request, capability, runs } => {
@@ -938,7 +951,7 @@ mod tests {
         let shared = p.shared.clone();
         let done = std::thread::spawn(move || {
             let t0 = Instant::now();
-            let r = shared.complete(&RequestId::from("r"), "cap", None);
+            let r = shared.complete(&RequestId::from("r"), "cap", None, None);
             (r.map_err(|e| e.0), t0.elapsed())
         });
         std::thread::sleep(Duration::from_millis(300));
@@ -956,22 +969,49 @@ mod tests {
         let (p, _regions) = producer(Duration::from_secs(5));
         let id = RequestId::from("r");
         // Two decode ranks (a decode at twice prefill's TP size) read the one block set.
-        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2))).map_err(|e| e.0), Ok(()));
+        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2)), None).map_err(|e| e.0), Ok(()));
         // The same reader again (a retried done) counts once.
-        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2))).map_err(|e| e.0), Ok(()));
+        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2)), None).map_err(|e| e.0), Ok(()));
         assert_eq!((p.held(), p.take_finished()), (1, vec![]));
         // A reader naming another count, or an index past it, is refused and frees nothing.
-        let e = p.shared.complete(&id, "cap", Some((0, 3))).unwrap_err();
+        let e = p.shared.complete(&id, "cap", Some((0, 3)), None).unwrap_err();
         assert_eq!(e.1, Some(Refusal::Malformed));
         assert!(e.0.contains("same tp_size"), "{}", e.0);
-        assert_eq!(p.shared.complete(&id, "cap", Some((2, 2))).unwrap_err().1, Some(Refusal::Malformed));
         assert_eq!(
-            p.shared.complete(&id, "guess", Some((0, 2))).unwrap_err().1,
+            p.shared.complete(&id, "cap", Some((2, 2)), None).unwrap_err().1,
+            Some(Refusal::Malformed)
+        );
+        assert_eq!(
+            p.shared.complete(&id, "guess", Some((0, 2)), None).unwrap_err().1,
             Some(Refusal::BadCapability)
         );
         assert_eq!(p.held(), 1);
-        assert_eq!(p.shared.complete(&id, "cap", Some((0, 2))).map_err(|e| e.0), Ok(()));
+        assert_eq!(p.shared.complete(&id, "cap", Some((0, 2)), None).map_err(|e| e.0), Ok(()));
         assert_eq!((p.held(), p.take_finished()), (0, vec![id]));
+    }
+
+    #[test]
+    fn done_naming_the_blocks_read_frees_them_only_when_all_are_the_requests() {
+        let (p, _regions) = producer(Duration::from_secs(5));
+        let id = RequestId::from("r");
+        let other = [vec![vec![BlockId(1), BlockId(2)]], vec![vec![BlockId(1)], vec![BlockId(1)]]];
+        let e = p.shared.complete(&id, "cap", None, Some(&other[0])).unwrap_err();
+        assert!(e.0.contains("block 2 of KV cache group 0 is not one of request r's blocks"), "{}", e.0);
+        let e = p.shared.complete(&id, "cap", None, Some(&other[1])).unwrap_err();
+        assert!(e.0.contains("same model"), "{}", e.0);
+        // Checked after the capability, which is refused and counted as ever.
+        let e = p.shared.complete(&id, "guess", None, Some(&other[0])).unwrap_err();
+        assert_eq!(e.1, Some(Refusal::BadCapability));
+        // A reader naming a foreign block is not counted as done.
+        assert!(p.shared.complete(&id, "cap", Some((0, 2)), Some(&other[0])).is_err());
+        assert!(p.shared.reader_done(&id, "cap", 1, 2).is_ok_and(|all| !all), "reader 0 was not counted");
+        assert_eq!((p.held(), p.take_finished()), (1, vec![]), "refused: the hold is kept");
+        let own = [vec![BlockId(1)]];
+        assert_eq!(p.shared.complete(&id, "cap", Some((0, 2)), Some(&own)).map_err(|e| e.0), Ok(()));
+        assert_eq!((p.held(), p.take_finished()), (0, vec![id.clone()]));
+        // Named blocks are never checked against a request that is gone.
+        let e = p.shared.complete(&id, "cap", None, Some(&own)).unwrap_err();
+        assert!(e.0.contains("request r"), "{}", e.0);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The consumer (decode) side of a pull: plan the copy, send the control messages around it
-//! that the backend's steps name ([`crate::transport::PullSteps`]: `check` or `hold` before,
-//! `done` or `hold` after), let the backend move the bytes ([`crate::transport`]), and keep the
+//! that the backend's steps name ([`crate::transport::PullSteps`]: `hold` or nothing before,
+//! `done`, `done` naming the blocks read, or `hold` after), let the backend move the bytes ([`crate::transport`]), and keep the
 //! authenticated connections to each producer that carry the control messages (and, for tcp,
 //! the blocks, through [`Streams`]). Every socket operation has a timeout, so a dead producer
 //! ends in an error, never a hang. This is also the entry point benchmarks use to time one
@@ -118,7 +118,7 @@ impl Puller {
     /// Tells the producer it may free `request`'s blocks without anything being pulled (the
     /// consumer computes the prompt itself, e.g. a 1-token prompt).
     pub fn release(&mut self, peer: &PeerInfo, load: &LoadSpec) -> Result<PullStats, TransferError> {
-        let r = self.conns.link(peer).done(load);
+        let r = self.conns.link(peer).done(load, None);
         if r.as_ref().is_err_and(TransferError::is_transport) {
             self.conns.open.remove(&peer.key());
         }
@@ -163,11 +163,10 @@ fn pull_steps(
         false => None,
     };
     let t0 = Instant::now();
-    // Pin the blocks first: a request the producer no longer holds, or blocks that are not
-    // its own (params naming another request's blocks), are a failed receive, never a
-    // copy of whatever those blocks hold now. tcp's producer checks each read itself.
+    // Hold the request first where the copy takes long enough to need its lease (nixl).
+    // tcp's producer checks each read itself; shm and cuda_ipc copy at once and name what
+    // they read in `done`.
     match steps.before {
-        Pin::Check => link.check(load, groups)?,
         Pin::Hold => link.hold(load)?,
         Pin::Nothing => {}
     }
@@ -178,11 +177,14 @@ fn pull_steps(
     };
     let stats = transport.copy(conns, local, groups, peer, load, plan.as_ref())?;
     let copied = t0.elapsed();
-    // Still held now means held throughout (a freed request is never held again): the
-    // bytes copied are the request's. `done` also lets the producer free them; after a
-    // `hold` the backend tells it so its own way (NIXL's notification).
+    // Still held now means held throughout (a freed request is never held again under the
+    // same capability): the bytes copied are the request's. `done` also lets the producer
+    // free them; naming the blocks read, it frees them only if every one is the request's,
+    // so a load whose params named another request's blocks fails and its bytes are never
+    // used. After a `hold` the backend tells the producer its own way (NIXL's notification).
     match steps.after {
-        Confirm::Done => link.done(load)?,
+        Confirm::Done => link.done(load, None)?,
+        Confirm::DoneChecked => link.done(load, Some(groups))?,
         Confirm::Hold => link.hold(load)?,
     }
     transport.confirmed(peer, load)?;
@@ -381,25 +383,18 @@ impl Link<'_> {
         })
     }
 
-    /// `check`: `hold`, plus the blocks the load reads are the request's (params naming
-    /// another request's blocks are refused).
-    fn check(&mut self, load: &LoadSpec, groups: &[Vec<LayerId>]) -> Result<(), TransferError> {
-        self.expect_ok(&ClientMsg::Check {
-            request: load.producer_request().to_owned(),
-            capability: load.remote_capability.clone(),
-            blocks: crate::copy_plan::read_blocks(&self.0.peer.geometry, groups, load),
-        })
-    }
-
     /// `done`: the consumer has the blocks; the producer frees them once no read is in
-    /// flight. `Ok` means it still held them, so they were the request's throughout.
-    fn done(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
+    /// flight. `Ok` means it still held them, so they were the request's throughout. With
+    /// `read` (the KV cache groups of a copy the producer did not see), it names the blocks
+    /// read, and `Ok` also means every one is the request's.
+    fn done(&mut self, load: &LoadSpec, read: Option<&[Vec<LayerId>]>) -> Result<(), TransferError> {
         let (request, capability) = (load.producer_request().to_owned(), load.remote_capability.clone());
+        let blocks = read.map(|groups| crate::copy_plan::read_blocks(&self.0.peer.geometry, groups, load));
         self.expect_ok(&match load.reader {
             Some((reader, readers)) if readers > 1 => {
-                ClientMsg::DoneBy { request, capability, reader, readers }
+                ClientMsg::DoneBy { request, capability, reader, readers, blocks }
             }
-            _ => ClientMsg::Done { request, capability },
+            _ => ClientMsg::Done { request, capability, blocks },
         })
     }
 }

@@ -35,19 +35,6 @@ pub enum ClientMsg {
         #[serde(default)]
         capability: String,
     },
-    /// Heartbeat that also checks that these blocks are the request's (shm and cuda_ipc
-    /// consumers, which copy without the producer seeing the reads).
-    Check {
-        /// The request.
-        request: String,
-        /// Its transfer capability.
-        #[serde(default)]
-        capability: String,
-        /// The producer blocks the consumer is about to copy from, one list per KV cache group
-        /// (a state group's state slot): block ids, so the message stays small however
-        /// scattered the blocks are.
-        blocks: Vec<Vec<BlockId>>,
-    },
     /// "read request R blocks [...]": stream these runs of the request's blocks (backend tcp
     /// only).
     Read {
@@ -66,6 +53,13 @@ pub enum ClientMsg {
         /// Its transfer capability.
         #[serde(default)]
         capability: String,
+        /// The producer blocks the consumer copied without the producer seeing the reads (shm,
+        /// cuda_ipc), one list per KV cache group (a state group's state slot): the producer
+        /// frees them only when every one is the request's, and otherwise refuses, so the load
+        /// fails. Block ids, so the message stays small however scattered the blocks are.
+        /// Absent when the producer checked each read itself (tcp).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        blocks: Option<Vec<Vec<BlockId>>>,
     },
     /// One of several consumer ranks that read the request's blocks (a consumer at a larger
     /// TP size: each rank reads its heads' share) has its share; the producer frees them
@@ -79,6 +73,9 @@ pub enum ClientMsg {
         reader: u32,
         /// How many consumer ranks read the request.
         readers: u32,
+        /// The producer blocks this reader copied, as for `Done`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        blocks: Option<Vec<Vec<BlockId>>>,
     },
 }
 

@@ -377,9 +377,7 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
                 Err(_) => return,
             };
             match m {
-                ClientMsg::Hold { .. } | ClientMsg::Check { .. } => {
-                    write_frame(&mut s, &ServerMsg::Ok).unwrap()
-                }
+                ClientMsg::Hold { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
                 ClientMsg::Read { runs, .. } => {
                     let total: u64 = runs.iter().map(|r| r.2).sum();
                     write_frame(&mut s, &ServerMsg::Data { bytes: total }).unwrap();
@@ -525,6 +523,9 @@ fn params_naming_another_requests_blocks_are_a_failed_receive() {
             !f.failed_recving.is_empty() || !f.finished_recving.is_empty()
         });
         assert_eq!(f.failed_recving, vec![RequestId::from("mine")], "{backend}");
+        // Refused, so neither request's blocks were freed under it.
+        let sent = p.worker.get_finished(&[]).unwrap().finished_sending;
+        assert!(sent.is_empty(), "{backend}: {sent:?}");
     }
 }
 
@@ -665,13 +666,13 @@ fn a_wrong_or_replayed_capability_neither_reads_nor_frees() {
         let r = "victim".to_owned();
         for m in [
             ClientMsg::Hold { request: r.clone(), capability: capability.clone() },
-            ClientMsg::Check {
+            ClientMsg::Done {
                 request: r.clone(),
                 capability: capability.clone(),
-                blocks: vec![vec![BlockId(1)]],
+                blocks: Some(vec![vec![BlockId(1)]]),
             },
             ClientMsg::Read { request: r.clone(), capability: capability.clone(), runs: runs.clone() },
-            ClientMsg::Done { request: r.clone(), capability: capability.clone() },
+            ClientMsg::Done { request: r.clone(), capability: capability.clone(), blocks: None },
         ] {
             let a = ask(&mut c, &m);
             assert!(is_error(&a, "transfer capability does not match"), "{m:?}: {a:?}");
@@ -708,20 +709,22 @@ fn only_backend_tcp_serves_reads() {
         &ClientMsg::Read { request: "r".into(), capability: capability.clone(), runs: vec![(0, 128, 128)] },
     );
     assert!(is_error(&m, "does not serve reads"), "{m:?}");
-    let check = |c: &mut TcpStream, blocks: Vec<Vec<u32>>| {
+    let done = |c: &mut TcpStream, blocks: Vec<Vec<u32>>| {
         let blocks = blocks.into_iter().map(|g| g.into_iter().map(BlockId).collect()).collect();
-        ask(c, &ClientMsg::Check { request: "r".into(), capability: capability.clone(), blocks })
+        ask(c, &ClientMsg::Done { request: "r".into(), capability: capability.clone(), blocks: Some(blocks) })
     };
-    // The blocks a copy reads, by id: any of the request's, in any order, are confirmed.
-    assert_eq!(check(&mut c, vec![vec![3, 1, 2]]), ServerMsg::Ok);
-    assert_eq!(check(&mut c, vec![vec![2]]), ServerMsg::Ok);
-    // One that is not the request's, or a KV cache group it has no blocks in, is refused,
-    // and the connection stays usable.
-    let m = check(&mut c, vec![vec![1, 4]]);
+    // A `done` naming a block that is not the request's, or a KV cache group it has no
+    // blocks in, is refused, frees nothing, and the connection stays usable.
+    let m = done(&mut c, vec![vec![1, 4]]);
     assert!(is_error(&m, "block 4 of KV cache group 0 is not one of request r's blocks"), "{m:?}");
-    let m = check(&mut c, vec![vec![1], vec![2]]);
-    assert!(is_error(&m, "holds blocks in 1 KV cache group(s), but the check names 2"), "{m:?}");
-    assert_eq!(check(&mut c, vec![vec![1, 2, 3]]), ServerMsg::Ok);
+    let m = done(&mut c, vec![vec![1], vec![2]]);
+    assert!(is_error(&m, "holds blocks in 1 KV cache group(s), but the consumer names 2"), "{m:?}");
+    assert!(p.worker.get_finished(&[]).unwrap().finished_sending.is_empty(), "nothing freed");
+    // The blocks a copy read, by id: any of the request's, in any order, are confirmed, and
+    // the request ends.
+    assert_eq!(done(&mut c, vec![vec![3, 1]]), ServerMsg::Ok);
+    let m = done(&mut c, vec![vec![1, 2, 3]]);
+    assert!(is_error(&m, "request r"), "once done, the request is gone: {m:?}");
     assert_eq!(refused(&mut p, "read_not_served"), 1);
 }
 

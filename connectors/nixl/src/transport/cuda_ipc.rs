@@ -6,9 +6,9 @@
 //! kernel per KV cache group over every layer and K/V part with source and destination
 //! block-index arrays (with HMA off there is one group, so one launch per request); when the
 //! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
-//! copy. The puller checks the request's blocks with the producer (`check`) before the copy;
-//! the pull thread then sleeps on a CUDA event recorded after the launches (the step loop
-//! never waits on it) and the puller sends the usual `done` over the control connection. The
+//! copy. The pull thread waits for a CUDA event recorded after the launches (the step loop
+//! never waits on it), then the puller sends `done` naming the blocks read over the control
+//! connection, which the producer confirms are the request's and still held. The
 //! kernel is compiled when the worker starts (once per process and GPU architecture, then
 //! cached), not at the first request.
 //!
@@ -125,10 +125,10 @@ mod gpu {
             Ok(())
         }
 
-        /// Pins the request's blocks at the producer (as shm does); its gather checks the load
-        /// itself, so the puller plans nothing.
+        /// Copies at once and names the blocks it read in `done` (as shm does); its gather checks
+        /// the load itself, so the puller plans nothing.
         fn steps(&self) -> PullSteps {
-            PullSteps { plan: false, before: Pin::Check, after: Confirm::Done }
+            PullSteps { plan: false, before: Pin::Nothing, after: Confirm::DoneChecked }
         }
 
         /// Copies the blocks with one gather launch per KV cache group.

@@ -6,7 +6,7 @@
 //! them. Everything else (config, capabilities, the worker, the puller) asks the table or the
 //! trait, never a backend by name, so adding a backend is a file plus its line in
 //! [`BACKENDS`]. The producer's listener, the lease and the control messages (`hold`,
-//! `check`, `done`) are the same for every backend ([`crate::producer`]). The puller sends
+//! `done`) are the same for every backend ([`crate::producer`]). The puller sends
 //! them ([`crate::puller::Puller::pull`]); a backend only says which go around its copy
 //! ([`PullSteps`]) and moves the bytes ([`Transport::copy`]).
 
@@ -196,12 +196,10 @@ pub struct Completion {
 /// the producer holds for the request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pin {
-    /// `check`: the request is held and the blocks the load reads are its own (shm, cuda_ipc,
-    /// which read the producer's memory without it seeing the reads).
-    Check,
-    /// `hold`: the request is held (nixl).
+    /// `hold`: the request is held, its lease renewed (nixl, whose READ may take long).
     Hold,
-    /// Nothing: the producer checks each read itself (tcp).
+    /// Nothing: the producer checks each read itself (tcp), or `done` names the blocks read
+    /// ([`Confirm::DoneChecked`]).
     Nothing,
 }
 
@@ -211,6 +209,11 @@ pub enum Pin {
 pub enum Confirm {
     /// `done` (`DoneBy` for one of several readers): the producer may free the blocks.
     Done,
+    /// `done` naming the blocks read (shm, cuda_ipc, which read the producer's memory without
+    /// it seeing the reads): `Ok` also means every one is the request's. One round trip after
+    /// the copy instead of one before and one after it; a load whose params named another
+    /// request's blocks fails there, and what it copied is never used.
+    DoneChecked,
     /// `hold`: the backend then tells the producer itself ([`Transport::confirmed`]).
     Hold,
 }

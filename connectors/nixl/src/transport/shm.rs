@@ -1,8 +1,8 @@
 //! Backend `shm`: one host. The producer's KV regions are POSIX shared-memory segments
-//! ([`kvconnect_dataplane::shm`]); after the puller checks the request's blocks with the
-//! producer (`check`), the consumer maps its segments read-only (once per producer, again when
-//! they change) and copies the coalesced runs straight into its own blocks (large pulls on
-//! several threads); then the puller sends `done`.
+//! ([`kvconnect_dataplane::shm`]). The consumer maps its segments read-only (once per
+//! producer, again when they change) and copies the coalesced runs straight into its own
+//! blocks (large pulls on several threads); then the puller sends `done` naming the blocks
+//! read, which the producer confirms are the request's and still held.
 
 use super::{host_memory, planned, BackendInfo, Confirm, Pin, PullSteps, Setup, Started, Streams, Transport};
 use crate::copy_plan::{CopyPlan, LocalRegions};
@@ -83,7 +83,7 @@ impl Transport for Shm {
     }
 
     fn steps(&self) -> PullSteps {
-        PullSteps { plan: true, before: Pin::Check, after: Confirm::Done }
+        PullSteps { plan: true, before: Pin::Nothing, after: Confirm::DoneChecked }
     }
 
     fn copy(
