@@ -81,8 +81,9 @@ class KvconnectStats(KVConnectorStats):
     """kvconnect's counters for one interval, as the worker's native half reports them:
     `loads_done`, `loads_failed`, `sends_done`, `handshakes`, `handshakes_refused`,
     `external_requests`, `external_tokens`, `loads_by_source_<source>` (`peer` or
-    `<connector>_<tier>`) and `cache_tokens_<connector>_<tier>`. Every value
-    is a count, so workers' and intervals' stats add up."""
+    `<connector>_<tier>`) and `cache_tokens_<connector>_<tier>`; and the adapter's own
+    `idle_steps_paced` and `idle_wait_seconds`. Every value is a count (or seconds), so
+    workers' and intervals' stats add up."""
 
     def reset(self):
         self.data = {}
@@ -113,6 +114,10 @@ _PROM_COUNTERS = [
     ("handshakes_refused", "vllm:kvconnect_handshakes_refused", "Handshakes refused (descriptors differ, wrong engine)."),
     ("external_requests", "vllm:kvconnect_external_requests", "Requests scheduled to load KV from outside."),
     ("external_tokens", "vllm:kvconnect_external_tokens", "Prompt tokens scheduled to load instead of computing."),
+    ("idle_steps_paced", "vllm:kvconnect_idle_steps_paced",
+     "Worker steps that had nothing to do and waited before returning (idle_step_wait_ms)."),
+    ("idle_wait_seconds", "vllm:kvconnect_idle_wait_seconds",
+     "Seconds the worker's idle steps waited (idle_step_wait_ms), leaving the cores to the server's other processes."),
 ]
 
 
@@ -394,6 +399,9 @@ class KvconnectConnector(KVConnectorBase_V1):
     _idle_step = False
     _idle_wait = 0.0
     _idle_wait_max = 0.0
+    # Since the stats were last taken: idle steps that waited, and the seconds they waited.
+    _idle_paced = 0
+    _idle_waited = 0.0
 
     def _pace_idle(self, news: bool) -> None:
         if news or not self._idle_step or self._idle_wait_max <= 0:
@@ -401,6 +409,8 @@ class KvconnectConnector(KVConnectorBase_V1):
             return
         self._idle_wait = min(max(self._idle_wait * 2, self.IDLE_WAIT_MIN), self._idle_wait_max)
         time.sleep(self._idle_wait)
+        self._idle_paced += 1
+        self._idle_waited += self._idle_wait
 
     def _finished(self, finished_req_ids: set[str]):
         sending, recving, failed = self._core.finished(finished_req_ids)
@@ -443,7 +453,10 @@ class KvconnectConnector(KVConnectorBase_V1):
             data = {"loads_preempted": n, "loads_refused_tp": self._scheduler.take_refused_loads()}
             data = {k: v for k, v in data.items() if v}
             return KvconnectStats(data=data) if data else None
-        delta = self._core.take_stats()
+        delta = self._core.take_stats() or {}
+        if self._idle_paced:
+            delta["idle_steps_paced"], delta["idle_wait_seconds"] = self._idle_paced, self._idle_waited
+            self._idle_paced, self._idle_waited = 0, 0.0
         return KvconnectStats(data=delta) if delta else None
 
     @classmethod

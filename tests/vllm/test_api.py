@@ -5,7 +5,9 @@ tcp, and synchronously (`load: sync`) over shm, each through both checks below:
 - `get_block_ids_with_load_errors`: with `"kv_load_failure_policy": "recompute"`, a load that
   fails (prefill's lease expired) is reported by the blocks it was to fill: decode's own
   prefix-cache hit before them is kept and only the failed tokens are recomputed, and the
-  output still equals the prefill server's own (monolithic) one.
+  output still equals the prefill server's own (monolithic) one. While prefill holds the
+  blocks with nothing to compute, its worker's idle steps wait (`idle_step_wait_ms`) for
+  most of the hold, as `vllm:kvconnect_idle_wait_seconds_total` shows.
 - `handle_preemptions`: decode with 8 usable KV blocks and several P/D requests in flight, so vLLM
   preempts requests that loaded their KV: every output equal, none hangs, and
   `vllm:kvconnect_loads_preempted_total` counts them.
@@ -174,8 +176,15 @@ def check_load_error_blocks(pre: Server, dec: Server):
     reference = tokens_of(complete(pre.url, prompt, "ref-lease"))
     # Decode computes the first 70 tokens itself and caches their two whole blocks.
     complete(dec.url, prompt[:70], "warm-lease", max_tokens=1)
+    waited0 = metric(pre.url, "vllm:kvconnect_idle_wait_seconds_total")
     params = prefill_params(pre.url, prompt, "pd-lease")
     time.sleep(LEASE_S + 2)
+    # Prefill held the blocks with nothing else to do: vLLM kept stepping, and its worker's
+    # idle steps waited (idle_step_wait_ms) for most of the lease rather than spinning.
+    waited = wait_metric(pre.url, "vllm:kvconnect_idle_wait_seconds_total", waited0 + 0.2 * LEASE_S) - waited0
+    if waited < 0.2 * LEASE_S:
+        raise Failed(f"lease: prefill's idle steps waited {waited:.2f} s while it held blocks for {LEASE_S} s "
+                     "with nothing to compute; they should wait most of it (idle_step_wait_ms)")
     failed0 = metric(dec.url, "vllm:kvconnect_loads_failed_total")
     got = tokens_of(complete(dec.url, prompt, "pd-lease", kv_transfer_params=params))
     if got != reference:
@@ -199,7 +208,7 @@ def check_load_error_blocks(pre: Server, dec: Server):
         raise Failed(f"lease: vllm:kvconnect_loads_failed_total stayed {failed}")
     print(f"ok: a load failed after prefill's lease expired; vLLM recomputed only the {want_loaded} tokens "
           f"it was to fill ({rec[-1].split('Recovered from ')[1].strip()}), decode's 2 cached blocks kept, "
-          "output equal")
+          f"output equal; prefill's idle steps waited {waited:.2f} s of its {LEASE_S} s hold")
 
 
 def check_preemptions(pre: Server, dec: Server):
