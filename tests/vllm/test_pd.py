@@ -303,18 +303,18 @@ def main():
             # `shm-async`, `tcp-sync`: decode's load mode; without one, `auto` (synchronous
             # over shm, inside the step that computes the prompt's last token).
             backend, _, mode = spec.partition("-")
-            # Over tcp prefill closes links idle for 1 s, and a request comes after a longer lull.
+            # Prefill closes links idle for 1 s, and a request comes after a longer lull: over
+            # tcp the blocks travel on those links, over shm the `done` that ends each load.
             pre, dec = nixl(backend), nixl(backend)
             if mode:
                 dec["kv_connector_extra_config"]["load"] = mode
-            if backend == "tcp":
-                pre["kv_connector_extra_config"]["idle_timeout"] = 1
+            pre["kv_connector_extra_config"]["idle_timeout"] = 1
             # The `kvconnect proxy` binary goes in front of the first shm pair, whatever its load.
             proxy = backend == "shm" and not proxied
             proxied |= proxy
             run_pd(model, tmp, ps, f"nixl-{spec}", pre, dec, expected,
                    shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if proxy else None,
-                   idle=(idle_prompt, expected_idle) if backend == "tcp" else None)
+                   idle=(idle_prompt, expected_idle))
         if "composite" not in parts:
             return
         composite = {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [

@@ -121,11 +121,8 @@ fn reads_racing_done_and_lease_expiry_never_ship_bytes_of_a_reused_block() {
                     };
                     // One in four asks: this reader is done with it, racing the others' reads.
                     if rng.below(4) == 0 {
-                        let done = ClientMsg::Done {
-                            request: req.id.clone(),
-                            capability: req.capability.clone(),
-                            blocks: None,
-                        };
+                        let done =
+                            ClientMsg::Done { request: req.id.clone(), capability: req.capability.clone() };
                         write_frame(&mut c, &done).unwrap();
                         let answer: ServerMsg = read_frame(&mut c, 1 << 20).unwrap();
                         if matches!(answer, ServerMsg::Ok) {
