@@ -124,7 +124,7 @@ fn a_live_prefill_worker_refuses_and_counts_abuse_then_serves_normally() {
     assert!(closed_by_peer(&mut c));
     for m in [
         ClientMsg::Hold { request: id_a.clone(), capability: cap_b.clone() },
-        ClientMsg::Done { request: id_a.clone(), capability: cap_b.clone(), blocks: None },
+        ClientMsg::Done { request: id_a.clone(), capability: cap_b.clone() },
     ] {
         let mut c = challenged(&producer);
         assert!(refused_with(&ask(&mut c, &m), "data-plane secret"), "{m:?}");
@@ -140,13 +140,9 @@ fn a_live_prefill_worker_refuses_and_counts_abuse_then_serves_normally() {
     for cap in ["00000000000000000000000000000000", cap_b.as_str()] {
         for m in [
             ClientMsg::Hold { request: id_a.clone(), capability: cap.into() },
-            ClientMsg::Done {
-                request: id_a.clone(),
-                capability: cap.into(),
-                blocks: Some(vec![vec![BlockId(0)]]),
-            },
+            ClientMsg::Pin { request: id_a.clone(), capability: cap.into(), blocks: vec![vec![BlockId(0)]] },
             read_a(cap),
-            ClientMsg::Done { request: id_a.clone(), capability: cap.into(), blocks: None },
+            ClientMsg::Done { request: id_a.clone(), capability: cap.into() },
         ] {
             assert!(refused_with(&ask(&mut c, &m), "capability does not match"), "{m:?}");
         }

@@ -101,7 +101,7 @@ fn positions(first: usize, end: usize, bs: usize) -> std::ops::Range<usize> {
 
 /// The producer blocks a load reads, one list per KV cache group (a state group's one state
 /// slot): what a consumer that copies without the producer seeing the reads asks it to
-/// confirm are the request's (`done` naming them). Block ids, not byte runs: a load of
+/// confirm are the request's (`pin`). Block ids, not byte runs: a load of
 /// scattered blocks is one run per block, layer and part, many times its block count.
 pub fn read_blocks(peer: &Geometry, groups: &[Vec<LayerId>], load: &LoadSpec) -> Vec<Vec<BlockId>> {
     let bs = (peer.shape().tokens as usize).max(1);

@@ -5,8 +5,8 @@
 //! shows as the connection ending before any byte of the answer ([`send_and_await`]); the
 //! consumer then sends the request once more, on a new connection ([`crate::puller::Streams::call`]).
 //!
-//! Sending again is safe for every request: `hold` and `read` change nothing a second one
-//! would undo (a lease renewed twice, bytes received into the same place twice),
+//! Sending again is safe for every request: `hold`, `pin` and `read` change nothing a second
+//! one would undo (a lease renewed twice, bytes received into the same place twice),
 //! and a `done` the producer had already applied is answered "already completed", a failed
 //! load, never a false success. A producer that is really gone refuses the new connection,
 //! which fails at once with the connect error.
@@ -19,12 +19,11 @@ use std::net::TcpStream;
 /// nothing unasked, so a connection that is closed (end of stream or reset) or that holds an
 /// unread byte (out of step with the protocol) is not to be used again.
 pub fn still_open(s: &TcpStream) -> bool {
-    if s.set_nonblocking(true).is_err() {
-        return false;
-    }
-    let peeked = s.peek(&mut [0u8; 1]);
-    let restored = s.set_nonblocking(false).is_ok();
-    restored && matches!(peeked, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    // One look that does not block (MSG_DONTWAIT) and leaves the byte (MSG_PEEK): nothing
+    // waiting is the only answer that keeps the connection.
+    let mut byte = [std::mem::MaybeUninit::<u8>::uninit(); 1];
+    let looked = socket2::SockRef::from(s).recv_with_flags(&mut byte, libc::MSG_PEEK | libc::MSG_DONTWAIT);
+    matches!(looked, Err(e) if e.kind() == io::ErrorKind::WouldBlock)
 }
 
 /// Whether `e`, of writing a request or of waiting for its answer, says the peer closed or

@@ -5,7 +5,7 @@
 //! connection first proves the deployment's secret (ARCHITECTURE.md §10) and every request
 //! names its transfer capability. A request's lease is renewed by every heartbeat (`hold`)
 //! and read, never past `lease_max` from when it was first held: past it every `hold`,
-//! `read` and `done` naming blocks is refused (counted as `lease_cap`), and each read in flight has a
+//! `pin` and `read` is refused (counted as `lease_cap`), and each read in flight has a
 //! whole deadline bounded by the request's bytes, so no consumer keeps blocks past the cap
 //! plus one read. A request ends with the consumer's `done` (once no read of it is in
 //! flight) or, when the consumer never comes (killed decode, lost client), at expiry. Both
@@ -86,7 +86,7 @@ pub enum Refusal {
     TooManyConnections,
     /// A `read` to a producer whose backend does not serve reads.
     ReadNotServed,
-    /// A `hold`, `read` or `done` naming blocks of a request held for `lease_max` already.
+    /// A `hold`, `pin` or `read` of a request held for `lease_max` already.
     LeaseCap,
 }
 
@@ -324,19 +324,8 @@ impl Shared {
 
     /// Ends the hold of `id` for a consumer that has its blocks: waits (up to the io timeout)
     /// for reads of it in flight to end, so no block is freed while it is being sent. With
-    /// `reader` (`(index, readers)`), only once every reader has said so. With `blocks` (a
-    /// consumer that copied without this listener seeing the reads), only when every one is
-    /// the request's: otherwise refused, the hold kept.
-    fn complete(
-        &self,
-        id: &RequestId,
-        capability: &str,
-        reader: Option<(u32, u32)>,
-        blocks: Option<&[Vec<BlockId>]>,
-    ) -> Result<(), Refused> {
-        if let Some(blocks) = blocks {
-            self.check_blocks(id, capability, blocks)?;
-        }
+    /// `reader` (`(index, readers)`), only once every reader has said so.
+    fn complete(&self, id: &RequestId, capability: &str, reader: Option<(u32, u32)>) -> Result<(), Refused> {
         if let Some((r, n)) = reader {
             if !self.reader_done(id, capability, r, n)? {
                 return Ok(());
@@ -370,14 +359,19 @@ impl Shared {
         }
     }
 
-    /// Whether every block of `blocks` (per KV cache group) is one of request `id`'s, for a
-    /// consumer that copied them without this listener seeing the reads: waits for the hold
-    /// as a read does, and checks the capability first.
-    fn check_blocks(&self, id: &RequestId, capability: &str, blocks: &[Vec<BlockId>]) -> Result<(), Refused> {
+    /// `pin`, for a consumer that copies without this listener seeing the reads: waits for
+    /// the hold as a read does, checks the capability, renews the lease, and checks that
+    /// every block of `blocks` (per KV cache group) is one of request `id`'s. Returns how
+    /// long the hold lasts at least from now (the lease left: a hold ends before it only by
+    /// the consumer's `done`).
+    fn pin(&self, id: &RequestId, capability: &str, blocks: &[Vec<BlockId>]) -> Result<Duration, Refused> {
         self.acquire(id, capability)?;
         let checked = self.blocks_of(id, blocks);
         self.release(id);
-        checked.map_err(|reason| (reason, None))
+        checked.map_err(|reason| (reason, None))?;
+        let st = self.lock();
+        let h = st.held.get(id).ok_or_else(|| (self.reason(&st, id), None))?;
+        Ok(h.deadline.saturating_duration_since(Instant::now()))
     }
 
     fn blocks_of(&self, id: &RequestId, blocks: &[Vec<BlockId>]) -> Result<(), String> {
@@ -595,7 +589,7 @@ impl Producer {
     /// notification arrived): ends the hold once no read of it is in flight, so the request
     /// is reported finished. `Err` says why it was not ended.
     pub fn complete(&self, request: &RequestId, capability: &str) -> Result<(), String> {
-        self.shared.complete(request, capability, None, None).map_err(|(reason, refusal)| {
+        self.shared.complete(request, capability, None).map_err(|(reason, refusal)| {
             if let Some(r) = refusal {
                 self.shared.refusals.count(r);
             }
@@ -816,13 +810,19 @@ fn serve_requests(reader: &mut BufReader<TcpStream>, w: &mut TcpStream, s: &Shar
                 let r = s.acquire(&id, &capability).map(|_| s.release(&id));
                 send(w, answer(r))?;
             }
-            ClientMsg::Done { request, capability, blocks } => {
-                let r = s.complete(&RequestId(request), &capability, None, blocks.as_deref());
+            ClientMsg::Pin { request, capability, blocks } => {
+                let m = match s.pin(&RequestId(request), &capability, &blocks) {
+                    Ok(left) => ServerMsg::Held { ms: left.as_millis() as u64 },
+                    Err(refused) => answer(Err(refused)),
+                };
+                send(w, m)?;
+            }
+            ClientMsg::Done { request, capability } => {
+                let r = s.complete(&RequestId(request), &capability, None);
                 send(w, answer(r))?;
             }
-            ClientMsg::DoneBy { request, capability, reader, readers, blocks } => {
-                let r =
-                    s.complete(&RequestId(request), &capability, Some((reader, readers)), blocks.as_deref());
+            ClientMsg::DoneBy { request, capability, reader, readers } => {
+                let r = s.complete(&RequestId(request), &capability, Some((reader, readers)));
                 send(w, answer(r))?;
             }
             ClientMsg::Read { request, capability, runs } => {
@@ -951,7 +951,7 @@ mod tests {
         let shared = p.shared.clone();
         let done = std::thread::spawn(move || {
             let t0 = Instant::now();
-            let r = shared.complete(&RequestId::from("r"), "cap", None, None);
+            let r = shared.complete(&RequestId::from("r"), "cap", None);
             (r.map_err(|e| e.0), t0.elapsed())
         });
         std::thread::sleep(Duration::from_millis(300));
@@ -969,49 +969,51 @@ mod tests {
         let (p, _regions) = producer(Duration::from_secs(5));
         let id = RequestId::from("r");
         // Two decode ranks (a decode at twice prefill's TP size) read the one block set.
-        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2)), None).map_err(|e| e.0), Ok(()));
+        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2))).map_err(|e| e.0), Ok(()));
         // The same reader again (a retried done) counts once.
-        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2)), None).map_err(|e| e.0), Ok(()));
+        assert_eq!(p.shared.complete(&id, "cap", Some((1, 2))).map_err(|e| e.0), Ok(()));
         assert_eq!((p.held(), p.take_finished()), (1, vec![]));
         // A reader naming another count, or an index past it, is refused and frees nothing.
-        let e = p.shared.complete(&id, "cap", Some((0, 3)), None).unwrap_err();
+        let e = p.shared.complete(&id, "cap", Some((0, 3))).unwrap_err();
         assert_eq!(e.1, Some(Refusal::Malformed));
         assert!(e.0.contains("same tp_size"), "{}", e.0);
+        assert_eq!(p.shared.complete(&id, "cap", Some((2, 2))).unwrap_err().1, Some(Refusal::Malformed));
         assert_eq!(
-            p.shared.complete(&id, "cap", Some((2, 2)), None).unwrap_err().1,
-            Some(Refusal::Malformed)
-        );
-        assert_eq!(
-            p.shared.complete(&id, "guess", Some((0, 2)), None).unwrap_err().1,
+            p.shared.complete(&id, "guess", Some((0, 2))).unwrap_err().1,
             Some(Refusal::BadCapability)
         );
         assert_eq!(p.held(), 1);
-        assert_eq!(p.shared.complete(&id, "cap", Some((0, 2)), None).map_err(|e| e.0), Ok(()));
+        assert_eq!(p.shared.complete(&id, "cap", Some((0, 2))).map_err(|e| e.0), Ok(()));
         assert_eq!((p.held(), p.take_finished()), (0, vec![id]));
     }
 
     #[test]
-    fn done_naming_the_blocks_read_frees_them_only_when_all_are_the_requests() {
+    fn pin_renews_the_lease_and_confirms_only_the_requests_own_blocks() {
         let (p, _regions) = producer(Duration::from_secs(5));
         let id = RequestId::from("r");
         let other = [vec![vec![BlockId(1), BlockId(2)]], vec![vec![BlockId(1)], vec![BlockId(1)]]];
-        let e = p.shared.complete(&id, "cap", None, Some(&other[0])).unwrap_err();
+        let e = p.shared.pin(&id, "cap", &other[0]).unwrap_err();
         assert!(e.0.contains("block 2 of KV cache group 0 is not one of request r's blocks"), "{}", e.0);
-        let e = p.shared.complete(&id, "cap", None, Some(&other[1])).unwrap_err();
+        let e = p.shared.pin(&id, "cap", &other[1]).unwrap_err();
         assert!(e.0.contains("same model"), "{}", e.0);
         // Checked after the capability, which is refused and counted as ever.
-        let e = p.shared.complete(&id, "guess", None, Some(&other[0])).unwrap_err();
+        let e = p.shared.pin(&id, "guess", &other[0]).unwrap_err();
         assert_eq!(e.1, Some(Refusal::BadCapability));
-        // A reader naming a foreign block is not counted as done.
-        assert!(p.shared.complete(&id, "cap", Some((0, 2)), Some(&other[0])).is_err());
-        assert!(p.shared.reader_done(&id, "cap", 1, 2).is_ok_and(|all| !all), "reader 0 was not counted");
-        assert_eq!((p.held(), p.take_finished()), (1, vec![]), "refused: the hold is kept");
-        let own = [vec![BlockId(1)]];
-        assert_eq!(p.shared.complete(&id, "cap", Some((0, 2)), Some(&own)).map_err(|e| e.0), Ok(()));
-        assert_eq!((p.held(), p.take_finished()), (0, vec![id.clone()]));
-        // Named blocks are never checked against a request that is gone.
-        let e = p.shared.complete(&id, "cap", None, Some(&own)).unwrap_err();
-        assert!(e.0.contains("request r"), "{}", e.0);
+        // The request's own blocks: held, for the lease just renewed (30 s here).
+        let left = p.shared.pin(&id, "cap", &[vec![BlockId(1)]]).unwrap();
+        assert!(left > Duration::from_secs(29) && left <= Duration::from_secs(30), "{left:?}");
+        assert_eq!((p.held(), p.take_finished()), (1, vec![]), "a pin frees nothing");
+        p.shared.complete(&id, "cap", None).unwrap();
+        let e = p.shared.pin(&id, "cap", &[vec![BlockId(1)]]).unwrap_err();
+        assert!(e.0.contains("request r"), "a request that is gone is never pinned: {}", e.0);
+    }
+
+    #[test]
+    fn a_pin_never_promises_past_the_lease_cap() {
+        let (p, _regions) =
+            leased_producer(Duration::from_secs(5), Duration::from_secs(30), Duration::from_millis(800));
+        let left = p.shared.pin(&RequestId::from("r"), "cap", &[vec![BlockId(1)]]).unwrap();
+        assert!(left <= Duration::from_millis(800), "{left:?}");
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! The consumer (decode) side of a pull: plan the copy, send the control messages around it
-//! that the backend's steps name ([`crate::transport::PullSteps`]: `hold` or nothing before,
-//! `done`, `done` naming the blocks read, or `hold` after), let the backend move the bytes ([`crate::transport`]), and keep the
+//! that the backend's steps name ([`crate::transport::PullSteps`]: `hold`, `pin` or nothing
+//! before, `done` or `hold` after), let the backend move the bytes ([`crate::transport`]), and keep the
 //! authenticated connections to each producer that carry the control messages (and, for tcp,
 //! the blocks, through [`Streams`]). Every socket operation has a timeout, so a dead producer
 //! ends in an error, never a hang. This is also the entry point benchmarks use to time one
@@ -65,7 +65,20 @@ impl PullStats {
 /// producer that restarted at the same address, opens new ones.
 struct Connections {
     cfg: PullConfig,
-    open: HashMap<PeerKey, (u64, Vec<TcpStream>)>,
+    open: HashMap<PeerKey, Open>,
+}
+
+/// The kept connections to one producer.
+struct Open {
+    /// The handshake they were opened for.
+    generation: u64,
+    /// The address they were opened to.
+    addr: std::net::SocketAddr,
+    /// The first is the control connection.
+    streams: Vec<TcpStream>,
+    /// Answers the control connection still owes to `done`s sent without waiting
+    /// ([`crate::transport::Confirm::Release`]); read before it carries anything else.
+    owed: usize,
 }
 
 /// Pulls blocks from producers through one backend.
@@ -118,7 +131,7 @@ impl Puller {
     /// Tells the producer it may free `request`'s blocks without anything being pulled (the
     /// consumer computes the prompt itself, e.g. a 1-token prompt).
     pub fn release(&mut self, peer: &PeerInfo, load: &LoadSpec) -> Result<PullStats, TransferError> {
-        let r = self.conns.link(peer).done(load, None);
+        let r = self.conns.link(peer).done(load);
         if r.as_ref().is_err_and(TransferError::is_transport) {
             self.conns.open.remove(&peer.key());
         }
@@ -157,42 +170,70 @@ fn pull_steps(
     load: &LoadSpec,
 ) -> Result<PullStats, TransferError> {
     let steps = transport.steps();
+    if steps.before == Pin::Overlapped && transport.backend().serves_reads {
+        return Err(TransferError::Plan(format!(
+            "backend {}: its blocks travel over the control connection, which an overlapped pin's answer \
+                needs while the copy runs",
+            transport.backend().name()
+        )));
+    }
     // Planned before any message: a load this engine cannot take fails without one.
     let plan = match steps.plan {
         true => Some(CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?),
         false => None,
     };
     let t0 = Instant::now();
-    // Hold the request first where the copy takes long enough to need its lease (nixl).
-    // tcp's producer checks each read itself; shm and cuda_ipc copy at once and name what
-    // they read in `done`.
-    match steps.before {
-        Pin::Hold => link.hold(load)?,
-        Pin::Nothing => {}
+    // nixl holds the request first (its READ may take long); shm and cuda_ipc send `pin`
+    // naming the blocks they read as the copy starts, and copy while it travels; tcp's
+    // producer checks each read itself.
+    if steps.before == Pin::Hold {
+        link.hold(load)?;
     }
-    let pinned = t0.elapsed();
-    let conns = match transport.backend().serves_reads {
-        true => Some(&mut link.0),
-        false => None,
+    // The pin sent, and when (for the timing log below).
+    let mut pin = None;
+    let mut pinned = Duration::ZERO;
+    let copy = match (steps.before, transport.backend().serves_reads) {
+        (Pin::Overlapped, _) => {
+            let mut started = || {
+                pin = Some(link.send_pin(load, groups)?);
+                pinned = t0.elapsed();
+                Ok(())
+            };
+            transport.copy_overlapped(local, groups, peer, load, plan.as_ref(), &mut started)
+        }
+        (_, true) => transport.copy(Some(&mut link.0), local, groups, peer, load, plan.as_ref()),
+        (_, false) => transport.copy(None, local, groups, peer, load, plan.as_ref()),
     };
-    let stats = transport.copy(conns, local, groups, peer, load, plan.as_ref())?;
+    let copy_end = Instant::now();
     let copied = t0.elapsed();
-    // Still held now means held throughout (a freed request is never held again under the
-    // same capability): the bytes copied are the request's. `done` also lets the producer
-    // free them; naming the blocks read, it frees them only if every one is the request's,
-    // so a load whose params named another request's blocks fails and its bytes are never
-    // used. After a `hold` the backend tells the producer its own way (NIXL's notification).
+    // The pin's answer is read whatever the copy did, so the connection stays in step. A
+    // refused pin (the request gone, blocks not its own) fails the load; nothing it copied is
+    // used.
+    let held = pin.map(|sent| link.pinned(sent)).transpose();
+    let stats = copy?;
+    let held = held?;
+    if steps.before == Pin::Overlapped && held.is_none_or(|until| copy_end > until) {
+        // The copy outlasted the hold the pin promised (or the backend never started the
+        // pin): pinned now, still held means held throughout (a request is never held again
+        // under the same capability).
+        let sent = link.send_pin(load, groups)?;
+        link.pinned(sent)?;
+    }
+    // After the copy: `done` lets the producer free the blocks, and its `Ok` (still held)
+    // means the bytes were the request's throughout; after a pin that covered the copy the
+    // answer proves nothing more, so it is read later. After a `hold` the backend tells the
+    // producer its own way (NIXL's notification).
     match steps.after {
-        Confirm::Done => link.done(load, None)?,
-        Confirm::DoneChecked => link.done(load, Some(groups))?,
+        Confirm::Done => link.done(load)?,
+        Confirm::Release => link.release(load),
         Confirm::Hold => link.hold(load)?,
     }
     transport.confirmed(peer, load)?;
     // Where a pull's time goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=debug).
     tracing::debug!(
         request = %load.request,
-        pin_us = pinned.as_micros() as u64,
-        copy_us = (copied - pinned).as_micros() as u64,
+        pin_sent_at_us = pinned.as_micros() as u64,
+        copied_at_us = copied.as_micros() as u64,
         confirm_us = (t0.elapsed() - copied).as_micros() as u64,
         "{}: pull phases",
         transport.backend().name()
@@ -258,11 +299,15 @@ impl Streams<'_> {
     /// here); opened when there is none.
     pub fn control(&mut self) -> Result<&mut TcpStream, TransferError> {
         let (peer, key) = (self.peer, self.peer.key());
-        let open = self.conns.open.get(&key).is_some_and(|(g, v)| *g == peer.generation && !v.is_empty());
+        let open = self
+            .conns
+            .open
+            .get(&key)
+            .is_some_and(|o| o.generation == peer.generation && !o.streams.is_empty() && o.owed == 0);
         if !open {
             self.streams(1)?;
         }
-        let first = self.conns.open.get_mut(&key).and_then(|(_, v)| v.first_mut());
+        let first = self.conns.open.get_mut(&key).and_then(|o| o.streams.first_mut());
         first.ok_or(TransferError::UnknownPeer(key.engine))
     }
 
@@ -271,12 +316,11 @@ impl Streams<'_> {
     /// the producer closed while they sat idle are dropped first ([`crate::idle_link`]).
     pub fn streams(&mut self, n: usize) -> Result<(usize, &mut [TcpStream]), TransferError> {
         let (peer, key) = (self.peer, self.peer.key());
-        if self.conns.open.get(&key).is_some_and(|(generation, v)| {
-            *generation != peer.generation || v.iter().any(|s| s.peer_addr().ok() != Some(peer.addr))
-        }) {
+        if self.conns.open.get(&key).is_some_and(|o| o.generation != peer.generation || o.addr != peer.addr) {
             self.conns.open.remove(&key);
         }
-        if let Some((_, v)) = self.conns.open.get_mut(&key) {
+        self.settle();
+        if let Some(Open { streams: v, .. }) = self.conns.open.get_mut(&key) {
             let before = v.len();
             v.retain(crate::idle_link::still_open);
             if v.len() < before {
@@ -284,7 +328,7 @@ impl Streams<'_> {
                     {} idle connection(s); opening new ones", key.engine, before - v.len());
             }
         }
-        let have = self.conns.open.get(&key).map_or(0, |(_, v)| v.len());
+        let have = self.conns.open.get(&key).map_or(0, |o| o.streams.len());
         for _ in have..n.max(1) {
             let cfg = &self.conns.cfg;
             let mut s = crate::tcp_data::connect(peer.addr, cfg.connect_timeout, cfg.socket_buffer)
@@ -294,10 +338,12 @@ impl Streams<'_> {
                 .and_then(|_| s.set_write_timeout(Some(cfg.io_timeout)));
             setup.map_err(|e| self.io("configuring the socket", e))?;
             self.authenticate(&mut s)?;
-            self.conns.open.entry(key.clone()).or_insert_with(|| (peer.generation, Vec::new())).1.push(s);
+            let o = self.conns.open.entry(key.clone());
+            let new = || Open { generation: peer.generation, addr: peer.addr, streams: Vec::new(), owed: 0 };
+            o.or_insert_with(new).streams.push(s);
         }
         match self.conns.open.get_mut(&key) {
-            Some((_, v)) => Ok((have.min(n.max(1)), &mut v[..n.max(1)])),
+            Some(o) => Ok((have.min(n.max(1)), &mut o.streams[..n.max(1)])),
             None => Err(TransferError::UnknownPeer(key.engine)),
         }
     }
@@ -305,6 +351,85 @@ impl Streams<'_> {
     /// Closes every connection to this producer (one stopped mid-answer).
     pub fn close(&mut self) {
         self.conns.open.remove(&self.peer.key());
+    }
+
+    /// Reads the answers the control connection owes to `done`s sent without waiting. A
+    /// refusal there changes no load (each was whole before its `done` went out) and is
+    /// logged; a connection that cannot answer is closed, and the producer frees the blocks
+    /// at its lease's end instead.
+    fn settle(&mut self) {
+        let (key, cap) = (self.peer.key(), self.conns.cfg.max_frame);
+        let Some(o) = self.conns.open.get_mut(&key) else { return };
+        while o.owed > 0 {
+            let Some(s) = o.streams.first_mut() else { break };
+            match read_frame::<_, ServerMsg>(s, cap) {
+                Ok(ServerMsg::Ok) => {}
+                Ok(other) => {
+                    tracing::warn!(engine = %key.engine, "nixl: producer engine '{}' answered a done \
+                    with {other:?}; the load it ended was already whole", key.engine)
+                }
+                Err(e) => {
+                    tracing::debug!(engine = %key.engine, "nixl: producer engine '{}' did not answer a done ({e}); \
+                        opening a new connection", key.engine);
+                    self.conns.open.remove(&key);
+                    return;
+                }
+            }
+            o.owed -= 1;
+        }
+    }
+
+    /// Sends `msg` on the control connection without waiting for its answer. Returns whether
+    /// the connection was kept from before (the producer may have closed it as idle just
+    /// then: [`Streams::answer`] tells).
+    fn send(&mut self, msg: &ClientMsg) -> Result<bool, TransferError> {
+        let kept = self.streams(1)?.0 > 0;
+        let s = self.control()?;
+        match crate::wire::write_frame(s, msg) {
+            Ok(()) => Ok(kept),
+            Err(e) if kept && crate::idle_link::is_closed(&e) => {
+                self.close();
+                let s = self.control()?;
+                crate::wire::write_frame(s, msg).map_err(|e| self.io("asking", e))?;
+                Ok(false)
+            }
+            Err(e) => Err(self.io("asking", e)),
+        }
+    }
+
+    /// Reads the answer to what [`Streams::send`] sent; the inner `Err` when the producer
+    /// closed the connection before any byte of it arrived.
+    fn answer(&mut self) -> Result<Result<ServerMsg, io::Error>, TransferError> {
+        let cap = self.conns.cfg.max_frame;
+        let s = self.control()?;
+        let first = match s.peek(&mut [0u8; 1]) {
+            Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by the producer")),
+            Ok(_) => Ok(()),
+            Err(e) => Err(e),
+        };
+        match first {
+            Ok(()) => read_frame::<_, ServerMsg>(s, cap).map(Ok).map_err(|e| self.frame_err("asking", e)),
+            Err(e) if crate::idle_link::is_closed(&e) => Ok(Err(e)),
+            Err(e) => Err(self.io("asking", e)),
+        }
+    }
+
+    /// Sends `msg` without waiting for its answer, which the control connection then owes
+    /// (read by [`Streams::settle`] before its next use). A send that fails closes the
+    /// connections; nothing else fails.
+    fn send_owed(&mut self, msg: &ClientMsg) {
+        match self.send(msg) {
+            Ok(_) => {
+                if let Some(o) = self.conns.open.get_mut(&self.peer.key()) {
+                    o.owed += 1;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(engine = %self.peer.meta.engine_id, "nixl: sending a done failed ({e}); the \
+                    producer frees the blocks at its lease's end");
+                self.close();
+            }
+        }
     }
 
     /// Answers the producer's challenge and checks its proof in turn: a listener that does
@@ -384,17 +509,68 @@ impl Link<'_> {
     }
 
     /// `done`: the consumer has the blocks; the producer frees them once no read is in
-    /// flight. `Ok` means it still held them, so they were the request's throughout. With
-    /// `read` (the KV cache groups of a copy the producer did not see), it names the blocks
-    /// read, and `Ok` also means every one is the request's.
-    fn done(&mut self, load: &LoadSpec, read: Option<&[Vec<LayerId>]>) -> Result<(), TransferError> {
-        let (request, capability) = (load.producer_request().to_owned(), load.remote_capability.clone());
-        let blocks = read.map(|groups| crate::copy_plan::read_blocks(&self.0.peer.geometry, groups, load));
-        self.expect_ok(&match load.reader {
-            Some((reader, readers)) if readers > 1 => {
-                ClientMsg::DoneBy { request, capability, reader, readers, blocks }
+    /// flight. `Ok` means it still held them, so they were the request's throughout.
+    fn done(&mut self, load: &LoadSpec) -> Result<(), TransferError> {
+        self.expect_ok(&done_msg(load))
+    }
+
+    /// `done` without waiting for its answer (read before the connection's next use): for a
+    /// load a `pin` already proved whole.
+    fn release(&mut self, load: &LoadSpec) {
+        self.0.send_owed(&done_msg(load));
+    }
+
+    /// Sends `pin` for the blocks `load` reads, as the copy starts; its answer is read by
+    /// [`Link::pinned`] once the copy is done.
+    fn send_pin(&mut self, load: &LoadSpec, groups: &[Vec<LayerId>]) -> Result<PinSent, TransferError> {
+        let msg = ClientMsg::Pin {
+            request: load.producer_request().to_owned(),
+            capability: load.remote_capability.clone(),
+            blocks: crate::copy_plan::read_blocks(&self.0.peer.geometry, groups, load),
+        };
+        let at = Instant::now();
+        let kept = self.0.send(&msg)?;
+        Ok(PinSent { msg, at, kept })
+    }
+
+    /// The answer to a `pin`: until when the hold lasts at least. A kept connection the
+    /// producer closed as idle before answering is asked again on a new one (now, after the
+    /// copy: held then means held throughout).
+    fn pinned(&mut self, sent: PinSent) -> Result<Instant, TransferError> {
+        let (answer, at) = match self.0.answer()? {
+            Ok(m) => (m, sent.at),
+            Err(closed) if sent.kept => {
+                tracing::debug!(engine = %self.0.peer.meta.engine_id, "nixl: producer engine '{}' closed a \
+                    kept connection before answering ({closed}); asking again on a new one",
+                    self.0.peer.meta.engine_id);
+                self.0.close();
+                let at = Instant::now();
+                (self.0.call(&sent.msg)?, at)
             }
-            _ => ClientMsg::Done { request, capability, blocks },
-        })
+            Err(closed) => return Err(self.0.io("asking", closed)),
+        };
+        match answer {
+            ServerMsg::Held { ms } => Ok(at + Duration::from_millis(ms)),
+            ServerMsg::Error { reason } => Err(self.0.refused(reason)),
+            other => Err(self.0.protocol(format!("answered {other:?} to {:?}", sent.msg))),
+        }
+    }
+}
+
+/// A `pin` sent, its answer not read yet.
+struct PinSent {
+    msg: ClientMsg,
+    /// When it was sent: the hold it answers lasts at least its `ms` from then.
+    at: Instant,
+    /// It went out on a connection kept from before.
+    kept: bool,
+}
+
+/// `done`, or `done_by` for one of several readers.
+fn done_msg(load: &LoadSpec) -> ClientMsg {
+    let (request, capability) = (load.producer_request().to_owned(), load.remote_capability.clone());
+    match load.reader {
+        Some((reader, readers)) if readers > 1 => ClientMsg::DoneBy { request, capability, reader, readers },
+        _ => ClientMsg::Done { request, capability },
     }
 }

@@ -35,6 +35,20 @@ pub enum ClientMsg {
         #[serde(default)]
         capability: String,
     },
+    /// Sent by a consumer that copies without the producer seeing the reads (shm, cuda_ipc)
+    /// as it starts the copy: renew the request's lease and check that these blocks are the
+    /// request's. Answered `held`, with how long the hold lasts at least, or refused.
+    Pin {
+        /// The request.
+        request: String,
+        /// Its transfer capability.
+        #[serde(default)]
+        capability: String,
+        /// The producer blocks the consumer copies, one list per KV cache group (a state
+        /// group's state slot): block ids, so the message stays small however scattered the
+        /// blocks are.
+        blocks: Vec<Vec<BlockId>>,
+    },
     /// "read request R blocks [...]": stream these runs of the request's blocks (backend tcp
     /// only).
     Read {
@@ -53,13 +67,6 @@ pub enum ClientMsg {
         /// Its transfer capability.
         #[serde(default)]
         capability: String,
-        /// The producer blocks the consumer copied without the producer seeing the reads (shm,
-        /// cuda_ipc), one list per KV cache group (a state group's state slot): the producer
-        /// frees them only when every one is the request's, and otherwise refuses, so the load
-        /// fails. Block ids, so the message stays small however scattered the blocks are.
-        /// Absent when the producer checked each read itself (tcp).
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        blocks: Option<Vec<Vec<BlockId>>>,
     },
     /// One of several consumer ranks that read the request's blocks (a consumer at a larger
     /// TP size: each rank reads its heads' share) has its share; the producer frees them
@@ -73,9 +80,6 @@ pub enum ClientMsg {
         reader: u32,
         /// How many consumer ranks read the request.
         readers: u32,
-        /// The producer blocks this reader copied, as for `Done`.
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        blocks: Option<Vec<Vec<BlockId>>>,
     },
 }
 
@@ -101,6 +105,12 @@ pub enum ServerMsg {
     },
     /// Done / held.
     Ok,
+    /// The answer to `pin`: the request is held, its blocks are its own, and the hold lasts at
+    /// least `ms` milliseconds from when this answer was made (unless the consumer says done).
+    Held {
+        /// Milliseconds the hold lasts at least.
+        ms: u64,
+    },
     /// `bytes` bytes of block data follow, the runs in the order asked.
     Data {
         /// Bytes that follow.

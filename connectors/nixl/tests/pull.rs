@@ -378,6 +378,7 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
             };
             match m {
                 ClientMsg::Hold { .. } => write_frame(&mut s, &ServerMsg::Ok).unwrap(),
+                ClientMsg::Pin { .. } => write_frame(&mut s, &ServerMsg::Held { ms: 30_000 }).unwrap(),
                 ClientMsg::Read { runs, .. } => {
                     let total: u64 = runs.iter().map(|r| r.2).sum();
                     write_frame(&mut s, &ServerMsg::Data { bytes: total }).unwrap();
@@ -396,6 +397,81 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
         }
     });
     (addr, h)
+}
+
+/// A producer's listener that answers each `pin` with the next of `pins` (then `held` for 30
+/// s) and every `done` with `ok`, and records the ops it was sent.
+fn scripted_pins(mut pins: Vec<ServerMsg>) -> (String, std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let ops = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = ops.clone();
+    pins.reverse();
+    std::thread::spawn(move || {
+        let Ok((mut s, _)) = l.accept() else { return };
+        let server_nonce = auth::nonce().unwrap();
+        write_frame(&mut s, &ServerMsg::Challenge { nonce: server_nonce.clone() }).unwrap();
+        let Ok(ClientMsg::Auth { nonce, .. }) = read_frame(&mut s, 1 << 20) else { return };
+        let proof = auth::proof(None, CHANNEL, Side::Server, &server_nonce, &nonce);
+        write_frame(&mut s, &ServerMsg::Authenticated { proof }).unwrap();
+        while let Ok(m) = read_frame::<_, ClientMsg>(&mut s, 1 << 24) {
+            let answer = match m {
+                ClientMsg::Pin { .. } => {
+                    seen.lock().unwrap().push("pin");
+                    pins.pop().unwrap_or(ServerMsg::Held { ms: 30_000 })
+                }
+                ClientMsg::Done { .. } | ClientMsg::DoneBy { .. } => {
+                    seen.lock().unwrap().push("done");
+                    ServerMsg::Ok
+                }
+                _ => {
+                    seen.lock().unwrap().push("other");
+                    ServerMsg::Error { reason: "not expected here".into() }
+                }
+            };
+            if write_frame(&mut s, &answer).is_err() {
+                return;
+            }
+        }
+    });
+    (addr, ops)
+}
+
+#[test]
+fn a_copy_that_outlasts_its_pins_hold_is_pinned_again_after_it() {
+    // The pin promises no time at all, so every copy outlasts it: a second pin after the copy
+    // decides the load, and only then is `done` sent.
+    let cases = [
+        (ServerMsg::Held { ms: 30_000 }, true, vec!["pin", "pin", "done"]),
+        (ServerMsg::Error { reason: "request outlast is not held".into() }, false, vec!["pin", "pin"]),
+    ];
+    for (i, (second, whole, want)) in cases.into_iter().enumerate() {
+        let mut p = producer("shm", KvLayout::HND, 4, 30.0, &format!("outlast{i}"));
+        let mut d = consumer("shm", KvLayout::HND, 4);
+        let mut meta = p.worker.handshake_metadata().unwrap().unwrap();
+        let (fake, ops) = scripted_pins(vec![ServerMsg::Held { ms: 0 }, second]);
+        meta["listen"] = json!(fake);
+        d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta})).unwrap();
+        let params = prefill_finish(&mut p, "outlast", 9, &[1, 2, 3]);
+        decode_start(&mut d, "outlast", 9, params, &[4, 5, 6]);
+        let f = wait_finished(d.worker.as_mut(), |f| {
+            !f.failed_recving.is_empty() || !f.finished_recving.is_empty()
+        });
+        let id = vec![RequestId::from("outlast")];
+        if whole {
+            assert_eq!(f.finished_recving, id);
+            assert_same_kv(&mut p, &[1, 2, 3], &mut d, &[4, 5, 6], 8);
+        } else {
+            assert_eq!(f.failed_recving, id, "the second pin was refused");
+        }
+        // `done` goes out after the load is reported, its answer read later.
+        let t0 = Instant::now();
+        while ops.lock().unwrap().len() < want.len() && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(*ops.lock().unwrap(), want, "case {i}");
+    }
 }
 
 #[test]
@@ -666,13 +742,13 @@ fn a_wrong_or_replayed_capability_neither_reads_nor_frees() {
         let r = "victim".to_owned();
         for m in [
             ClientMsg::Hold { request: r.clone(), capability: capability.clone() },
-            ClientMsg::Done {
+            ClientMsg::Pin {
                 request: r.clone(),
                 capability: capability.clone(),
-                blocks: Some(vec![vec![BlockId(1)]]),
+                blocks: vec![vec![BlockId(1)]],
             },
             ClientMsg::Read { request: r.clone(), capability: capability.clone(), runs: runs.clone() },
-            ClientMsg::Done { request: r.clone(), capability: capability.clone(), blocks: None },
+            ClientMsg::Done { request: r.clone(), capability: capability.clone() },
         ] {
             let a = ask(&mut c, &m);
             assert!(is_error(&a, "transfer capability does not match"), "{m:?}: {a:?}");
@@ -709,22 +785,24 @@ fn only_backend_tcp_serves_reads() {
         &ClientMsg::Read { request: "r".into(), capability: capability.clone(), runs: vec![(0, 128, 128)] },
     );
     assert!(is_error(&m, "does not serve reads"), "{m:?}");
-    let done = |c: &mut TcpStream, blocks: Vec<Vec<u32>>| {
+    let pin = |c: &mut TcpStream, blocks: Vec<Vec<u32>>| {
         let blocks = blocks.into_iter().map(|g| g.into_iter().map(BlockId).collect()).collect();
-        ask(c, &ClientMsg::Done { request: "r".into(), capability: capability.clone(), blocks: Some(blocks) })
+        ask(c, &ClientMsg::Pin { request: "r".into(), capability: capability.clone(), blocks })
     };
-    // A `done` naming a block that is not the request's, or a KV cache group it has no
-    // blocks in, is refused, frees nothing, and the connection stays usable.
-    let m = done(&mut c, vec![vec![1, 4]]);
+    // The blocks a copy reads, by id: any of the request's, in any order, are confirmed, with
+    // the lease left (30 s by default, just renewed).
+    for blocks in [vec![vec![3, 1, 2]], vec![vec![2]]] {
+        let m = pin(&mut c, blocks);
+        assert!(matches!(m, ServerMsg::Held { ms } if (29_000..=30_000).contains(&ms)), "{m:?}");
+    }
+    // One that is not the request's, or a KV cache group it has no blocks in, is refused,
+    // and the connection stays usable.
+    let m = pin(&mut c, vec![vec![1, 4]]);
     assert!(is_error(&m, "block 4 of KV cache group 0 is not one of request r's blocks"), "{m:?}");
-    let m = done(&mut c, vec![vec![1], vec![2]]);
+    let m = pin(&mut c, vec![vec![1], vec![2]]);
     assert!(is_error(&m, "holds blocks in 1 KV cache group(s), but the consumer names 2"), "{m:?}");
-    assert!(p.worker.get_finished(&[]).unwrap().finished_sending.is_empty(), "nothing freed");
-    // The blocks a copy read, by id: any of the request's, in any order, are confirmed, and
-    // the request ends.
-    assert_eq!(done(&mut c, vec![vec![3, 1]]), ServerMsg::Ok);
-    let m = done(&mut c, vec![vec![1, 2, 3]]);
-    assert!(is_error(&m, "request r"), "once done, the request is gone: {m:?}");
+    assert!(matches!(pin(&mut c, vec![vec![1, 2, 3]]), ServerMsg::Held { .. }));
+    assert!(p.worker.get_finished(&[]).unwrap().finished_sending.is_empty(), "a pin frees nothing");
     assert_eq!(refused(&mut p, "read_not_served"), 1);
 }
 

@@ -13,7 +13,7 @@ use serde_json::Value;
 use std::net::SocketAddr;
 
 /// Version of the metadata and wire protocol.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// One region as a peer sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -7,8 +7,8 @@
 //! block-index arrays (with HMA off there is one group, so one launch per request); when the
 //! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
 //! copy. The pull thread waits for a CUDA event recorded after the launches (the step loop
-//! never waits on it), then the puller sends `done` naming the blocks read over the control
-//! connection, which the producer confirms are the request's and still held. The
+//! never waits on it), while the puller's `pin`, sent as the copy starts, is answered over
+//! the control connection; then the puller sends `done` ([`super::Pin::Overlapped`]). The
 //! kernel is compiled when the worker starts (once per process and GPU architecture, then
 //! cached), not at the first request.
 //!
@@ -125,10 +125,10 @@ mod gpu {
             Ok(())
         }
 
-        /// Copies at once and names the blocks it read in `done` (as shm does); its gather checks
-        /// the load itself, so the puller plans nothing.
+        /// The puller pins the blocks as the copy starts (as for shm); the gather checks the
+        /// load itself, so the puller plans nothing.
         fn steps(&self) -> PullSteps {
-            PullSteps { plan: false, before: Pin::Nothing, after: Confirm::DoneChecked }
+            PullSteps { plan: false, before: Pin::Overlapped, after: Confirm::Release }
         }
 
         /// Copies the blocks with one gather launch per KV cache group.
@@ -141,6 +141,19 @@ mod gpu {
             load: &LoadSpec,
             _: Option<&CopyPlan>,
         ) -> Result<PullStats, TransferError> {
+            self.copy_overlapped(local, groups, peer, load, None, &mut || Ok(()))
+        }
+
+        /// Calls `started` once the gather is launched, so the pin travels while it runs.
+        fn copy_overlapped(
+            &self,
+            local: &KvMemory,
+            groups: &[Vec<LayerId>],
+            peer: &PeerInfo,
+            load: &LoadSpec,
+            _: Option<&CopyPlan>,
+            started: &mut dyn FnMut() -> Result<(), TransferError>,
+        ) -> Result<PullStats, TransferError> {
             let pull = self.pull.as_ref().ok_or_else(|| {
                 TransferError::Plan(
                     "backend cuda_ipc: this worker is not a consumer (kv_role), so it has no GPU side to \
@@ -148,8 +161,8 @@ mod gpu {
                         .into(),
                 )
             })?;
-            let (bytes, adapted) =
-                pull.lock().unwrap_or_else(|p| p.into_inner()).pull(local.geometry(), groups, peer, load)?;
+            let mut pull = pull.lock().unwrap_or_else(|p| p.into_inner());
+            let (bytes, adapted) = pull.pull(local.geometry(), groups, peer, load, started)?;
             Ok(PullStats { bytes, runs: groups.len(), adapted })
         }
 

@@ -6,7 +6,7 @@
 //! them. Everything else (config, capabilities, the worker, the puller) asks the table or the
 //! trait, never a backend by name, so adding a backend is a file plus its line in
 //! [`BACKENDS`]. The producer's listener, the lease and the control messages (`hold`,
-//! `done`) are the same for every backend ([`crate::producer`]). The puller sends
+//! `pin`, `done`) are the same for every backend ([`crate::producer`]). The puller sends
 //! them ([`crate::puller::Puller::pull`]); a backend only says which go around its copy
 //! ([`PullSteps`]) and moves the bytes ([`Transport::copy`]).
 
@@ -198,22 +198,25 @@ pub struct Completion {
 pub enum Pin {
     /// `hold`: the request is held, its lease renewed (nixl, whose READ may take long).
     Hold,
-    /// Nothing: the producer checks each read itself (tcp), or `done` names the blocks read
-    /// ([`Confirm::DoneChecked`]).
+    /// `pin` naming the blocks read, sent as the copy starts and answered while it runs (shm,
+    /// cuda_ipc, which read the producer's memory without it seeing the reads): the request is
+    /// held, the blocks are its own, and the hold lasts at least the answer's `ms`. A copy
+    /// that ends within it read the request's blocks throughout; one that does not is pinned
+    /// again after it.
+    Overlapped,
+    /// Nothing: the producer checks each read itself (tcp).
     Nothing,
 }
 
-/// What the puller sends the producer after a backend's copy: either way an `Ok` means the
-/// request was still held, so the bytes copied are its own.
+/// What the puller sends the producer after a backend's copy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Confirm {
-    /// `done` (`DoneBy` for one of several readers): the producer may free the blocks.
+    /// `done` (`DoneBy` for one of several readers), waited for: `Ok` means the request was
+    /// still held, so the bytes copied are its own; the producer may free the blocks.
     Done,
-    /// `done` naming the blocks read (shm, cuda_ipc, which read the producer's memory without
-    /// it seeing the reads): `Ok` also means every one is the request's. One round trip after
-    /// the copy instead of one before and one after it; a load whose params named another
-    /// request's blocks fails there, and what it copied is never used.
-    DoneChecked,
+    /// `done` without waiting for its answer, after a pin that already proved the copy whole
+    /// ([`Pin::Overlapped`]).
+    Release,
     /// `hold`: the backend then tells the producer itself ([`Transport::confirmed`]).
     Hold,
 }
@@ -283,6 +286,24 @@ pub trait Transport: Send + Sync {
         load: &LoadSpec,
         plan: Option<&CopyPlan>,
     ) -> Result<PullStats, TransferError>;
+
+    /// [`Transport::copy`] for a backend whose steps pin while it copies ([`Pin::Overlapped`]):
+    /// calls `started` (which sends the pin) once the copy is under way, and returns only once
+    /// the copy is over, whatever `started` returned. By default `started` goes first, then
+    /// the copy; a backend that copies asynchronously (a GPU kernel) calls it after its launch,
+    /// so the pin's sending overlaps the copy too.
+    fn copy_overlapped(
+        &self,
+        local: &KvMemory,
+        groups: &[Vec<LayerId>],
+        peer: &PeerInfo,
+        load: &LoadSpec,
+        plan: Option<&CopyPlan>,
+        started: &mut dyn FnMut() -> Result<(), TransferError>,
+    ) -> Result<PullStats, TransferError> {
+        started()?;
+        self.copy(None, local, groups, peer, load, plan)
+    }
 
     /// Tells the producer it is done with `load`, its own way, after the puller confirmed
     /// the blocks (NIXL's notification after a `hold`); nothing by default (`done` told it).

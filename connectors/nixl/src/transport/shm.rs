@@ -1,8 +1,8 @@
 //! Backend `shm`: one host. The producer's KV regions are POSIX shared-memory segments
 //! ([`kvconnect_dataplane::shm`]). The consumer maps its segments read-only (once per
 //! producer, again when they change) and copies the coalesced runs straight into its own
-//! blocks (large pulls on several threads); then the puller sends `done` naming the blocks
-//! read, which the producer confirms are the request's and still held.
+//! blocks (large pulls on several threads), while the puller's `pin` (sent as the copy
+//! starts) is answered; then the puller sends `done` ([`super::Pin::Overlapped`]).
 
 use super::{host_memory, planned, BackendInfo, Confirm, Pin, PullSteps, Setup, Started, Streams, Transport};
 use crate::copy_plan::{CopyPlan, LocalRegions};
@@ -83,7 +83,7 @@ impl Transport for Shm {
     }
 
     fn steps(&self) -> PullSteps {
-        PullSteps { plan: true, before: Pin::Nothing, after: Confirm::DoneChecked }
+        PullSteps { plan: true, before: Pin::Overlapped, after: Confirm::Release }
     }
 
     fn copy(

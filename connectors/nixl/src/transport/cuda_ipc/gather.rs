@@ -337,14 +337,16 @@ impl CudaIpcPull {
     }
 
     /// Copies `load` from `peer` into this worker's regions (geometry `own`) and waits for
-    /// the copy (on the calling pull thread). Returns the bytes copied and whether a layout
-    /// permute was fused in.
+    /// the copy (on the calling pull thread), calling `started` once it is launched (the
+    /// puller's pin then travels while the GPU copies). Returns, only once no copy of it runs
+    /// any more, the bytes copied and whether a layout permute was fused in.
     pub fn pull(
         &mut self,
         own: &Geometry,
         groups: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
+        started: &mut dyn FnMut() -> Result<(), TransferError>,
     ) -> Result<(u64, bool), TransferError> {
         let pg = &peer.geometry;
         let e = &peer.meta.engine_id;
@@ -389,9 +391,53 @@ impl CudaIpcPull {
         };
         let t0 = std::time::Instant::now();
         let src_all = self.open_peer(peer)?.bases.clone();
+        let mut any = false;
+        let launches = self.launch_groups(own, groups, peer, load, (perm, cross, &src_all), &mut any);
+        if launches.is_err() && any {
+            // A later group failed after an earlier one's gather was launched: none may still
+            // write into this worker's blocks once the load is reported failed.
+            let _ = self.gpu.synchronize();
+        }
+        let bytes = launches?;
+        let launched = t0.elapsed();
+        // Completion through an event after this request's launches: the pull thread waits
+        // for it; the step loop only sees the outcome in get_finished.
+        if let Err(e) = self.done.record(self.gpu.stream()) {
+            let _ = self.gpu.synchronize();
+            return Err(TransferError::Cuda(format!("cuEventRecord: {e}")));
+        }
+        // The pin goes out while the GPU copies; the copy is waited for whatever it did.
+        let sent = started();
+        if let Err(e) = wait(&self.done) {
+            let _ = self.gpu.synchronize();
+            return Err(e);
+        }
+        sent?;
+        tracing::debug!(
+            request = %load.request,
+            plan_and_launch_us = launched.as_micros() as u64,
+            kernel_wait_us = (t0.elapsed() - launched).as_micros() as u64,
+            "cuda_ipc: gather phases"
+        );
+        Ok((bytes, perm != Permute::None))
+    }
+
+    /// Launches one gather per KV cache group of `load` (`launched` set once one is), and
+    /// returns the bytes they copy. `how`: the permute, whether blocks are cross-layer, and
+    /// the producer's region bases.
+    fn launch_groups(
+        &mut self,
+        own: &Geometry,
+        groups: &[Vec<LayerId>],
+        peer: &PeerInfo,
+        load: &LoadSpec,
+        how: (Permute, bool, &[u64]),
+        launched: &mut bool,
+    ) -> Result<u64, TransferError> {
+        let (perm, cross, src_all) = how;
+        let (pg, e) = (&peer.geometry, &peer.meta.engine_id);
         let shape = own.shape();
-        let span_bytes = shape.bytes() as u64;
-        let parts = shape.kv_parts;
+        let (span_bytes, parts, bp) = (shape.bytes() as u64, shape.kv_parts, (shape.tokens as usize).max(1));
         let positions = if load.num_tokens > load.first_token {
             load.first_token / bp..load.num_tokens.div_ceil(bp)
         } else {
@@ -464,22 +510,10 @@ impl CudaIpcPull {
                 Route::Direct => kernel.launch(&self.gpu, &spec).map_err(cuda)?,
                 Route::Staged(copy) => copy.copy(&self.gpu, kernel, &spec).map_err(cuda)?,
             }
+            *launched = true;
             bytes += block_bytes * src_bases.len() as u64 * src_blocks.len() as u64;
         }
-        let launched = t0.elapsed();
-        // Completion through an event after this request's launches: the pull thread waits
-        // for it; the step loop only sees the outcome in get_finished.
-        self.done
-            .record(self.gpu.stream())
-            .map_err(|e| TransferError::Cuda(format!("cuEventRecord: {e}")))?;
-        wait(&self.done)?;
-        tracing::debug!(
-            request = %load.request,
-            plan_and_launch_us = launched.as_micros() as u64,
-            kernel_wait_us = (t0.elapsed() - launched).as_micros() as u64,
-            "cuda_ipc: gather phases"
-        );
-        Ok((bytes, perm != Permute::None))
+        Ok(bytes)
     }
 }
 
