@@ -11,7 +11,7 @@
 //! clearing a worker one pass over the whole map.
 
 use crate::event::{fastest_rank, medium_bit, BlockHash, Medium, RANKS};
-use crate::flat::{FlatMap, Packed};
+use crate::flat::{prefetch_line, FlatMap, Packed};
 use kvconnect_support::stable_hash::PassThrough;
 use std::hash::BuildHasherDefault;
 
@@ -181,30 +181,30 @@ impl BlockIndex {
         self.map.len()
     }
 
-    /// Loads the first index slot of each of `hashes` (see `FlatMap::touch`), then the lists
-    /// of further holders of those that have one (a prefix many workers hold), so that their
-    /// cache misses overlap before the hashes are stored or removed one by one; returns what
-    /// it read, for the caller to keep.
-    pub fn touch(&self, hashes: &[BlockHash]) -> u64 {
-        let slots = hashes.iter().fold(0, |a, h| a ^ self.touch_slot(*h));
-        slots ^ self.touch_lists(hashes)
+    /// Prefetches the first index slot of each of `hashes` (see `FlatMap::prefetch`), then
+    /// the lists of further holders of those that have one (a prefix many workers hold), so
+    /// that their cache misses overlap before the hashes are stored or removed one by one.
+    pub fn prefetch(&self, hashes: &[BlockHash]) {
+        for h in hashes {
+            self.prefetch_slot(*h);
+        }
+        self.prefetch_lists(hashes);
     }
 
-    /// The first level of [`BlockIndex::touch`]: `hash`'s first slot.
-    pub fn touch_slot(&self, hash: BlockHash) -> u64 {
-        self.map.touch(hash)
+    /// The first level of [`BlockIndex::prefetch`]: `hash`'s first slot.
+    pub fn prefetch_slot(&self, hash: BlockHash) {
+        self.map.prefetch(hash);
     }
 
-    /// The second level of [`BlockIndex::touch`]: the lists of further holders, each line of
-    /// each (16 holders of 4 bytes to a line), which a store or removal scans for its worker.
-    pub fn touch_lists(&self, hashes: &[BlockHash]) -> u64 {
-        hashes.iter().fold(0, |a, h| match self.map.get(*h) {
-            Some(x) if x.more != 0 => {
-                let list = &self.rest.lists[x.more as usize - 1];
-                list.iter().step_by(16).fold(a, |a, f| a ^ u64::from(f.worker))
+    /// The second level of [`BlockIndex::prefetch`]: the lists of further holders, each line
+    /// of each (16 holders of 4 bytes to a line), which a store or removal scans for its
+    /// worker. It reads the slots (best prefetched first).
+    pub fn prefetch_lists(&self, hashes: &[BlockHash]) {
+        for h in hashes {
+            if let Some(x) = self.map.get(*h).filter(|x| x.more != 0) {
+                self.rest.lists[x.more as usize - 1].iter().step_by(16).for_each(prefetch_line);
             }
-            _ => a,
-        })
+        }
     }
 
     /// The media `worker` holds `hash` in.

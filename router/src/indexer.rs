@@ -72,8 +72,6 @@ pub struct Indexer {
     unheld: Vec<BlockHash>,
     /// The router hashes of the event being applied (reused).
     keys: Vec<u64>,
-    /// What `touch` read (kept, so that its loads are made).
-    touched: u64,
 }
 
 impl Indexer {
@@ -92,7 +90,6 @@ impl Indexer {
             more: (0..workers).map(|_| HashMap::default()).collect(),
             unheld: Vec::new(),
             keys: Vec::new(),
-            touched: 0,
         })
     }
 
@@ -121,34 +118,38 @@ impl Indexer {
         true
     }
 
-    /// Loads the first slots, in worker `w`'s map, of the block hashes event `e` looks up
-    /// (`FlatMap::touch`); `apply` does it one event ahead, so that these misses overlap the
-    /// work of the event before.
-    fn touch_ext(&mut self, w: usize, e: &KvEvent) {
+    /// Prefetches the first slots, in worker `w`'s map, of the block hashes event `e` looks up
+    /// (`FlatMap::prefetch`); `apply` does it one event ahead, so that these misses overlap
+    /// the work of the event before.
+    fn prefetch_ext(&self, w: usize, e: &KvEvent) {
         let (parent, hashes) = match e {
             KvEvent::BlockStored(s) => (s.parent_block_hash, &s.block_hashes[..]),
             KvEvent::BlockRemoved(r) => (None, &r.block_hashes[..]),
             KvEvent::AllBlocksCleared => return,
         };
         let map = &self.ext[w];
-        let first = parent.map_or(0, |p| map.touch(p));
-        self.touched ^= hashes.iter().fold(first, |a, h| a ^ map.touch(*h));
+        if let Some(p) = parent {
+            map.prefetch(p);
+        }
+        for h in hashes {
+            map.prefetch(*h);
+        }
     }
 
     /// Stores `keys` in the index for `worker`, having started all their cache misses.
     fn store_keys(&mut self, worker: WorkerId, keys: &[u64], medium: &Medium) {
-        self.touched ^= self.index.touch(keys);
+        self.index.prefetch(keys);
         for k in keys {
             self.index.store(worker, *k, medium);
         }
     }
 
-    // An event's work is in phases: every lookup's first slot is loaded before the first is
-    // used (the worker's map for its block hashes, one event ahead in `apply`; then the index
-    // for the router hashes), so the cache misses of its blocks overlap instead of following
-    // one another. The result is that of applying the blocks one by one: within an event,
-    // stores and removals touch each key once, and the lookups read nothing the event
-    // changes.
+    // An event's work is in phases: every lookup's first slot is prefetched before the first
+    // is used (the worker's map for its block hashes one event ahead in `apply`; then the
+    // index for the router hashes, each as soon as it is known), so the cache misses of its
+    // blocks overlap instead of following one another. Prefetches only fetch; the result is
+    // that of applying the blocks one by one: within an event, stores and removals touch each
+    // key once, and the lookups read nothing the event changes.
     fn store(&mut self, worker: WorkerId, s: &BlockStored) {
         let w = usize::from(worker);
         let bs = s.block_size as usize;
@@ -182,17 +183,16 @@ impl Indexer {
         // A block that ends mid-piece cannot be chained on: only the first is indexed.
         let n = if bs.is_multiple_of(self.unit) { s.block_hashes.len() } else { 1 };
         let hashes = &s.block_hashes[..n];
-        // Each key's index slot is loaded as soon as the key is known, while the next ones
+        // Each key's index slot is prefetched as soon as the key is known, while the next ones
         // are hashed.
-        let mut touched = 0;
         for block in s.token_ids[..n * bs].chunks_exact(bs) {
             for piece in block.chunks_exact(self.unit) {
                 c = chain::next(c, piece);
-                touched ^= self.index.touch_slot(c);
+                self.index.prefetch_slot(c);
                 keys.push(c);
             }
         }
-        self.touched ^= touched ^ self.index.touch_lists(&keys);
+        self.index.prefetch_lists(&keys);
         for k in &keys {
             self.index.store(worker, *k, &s.medium);
         }
@@ -220,7 +220,7 @@ impl Indexer {
         for h in &r.block_hashes {
             self.pieces_of(w, *h, &mut keys);
         }
-        self.touched ^= self.index.touch(&keys);
+        self.index.prefetch(&keys);
         self.keys = keys;
         for h in &r.block_hashes {
             let Some(last) = self.ext[w].get(*h) else { continue };
@@ -293,11 +293,11 @@ impl Indexer {
                 self.counts.events += batch.events.len() as u64;
                 let w = usize::from(worker);
                 if let Some(e) = batch.events.first() {
-                    self.touch_ext(w, e);
+                    self.prefetch_ext(w, e);
                 }
                 for (i, e) in batch.events.iter().enumerate() {
                     if let Some(next) = batch.events.get(i + 1) {
-                        self.touch_ext(w, next);
+                        self.prefetch_ext(w, next);
                     }
                     match e {
                         KvEvent::BlockStored(s) => self.store(worker, s),
