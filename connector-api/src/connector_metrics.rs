@@ -122,6 +122,22 @@ impl ConnectorMetric {
     }
 }
 
+/// The counter of a producer's holds ended (the blocks it kept for a consumer, then freed),
+/// labelled `how`: `done` (a consumer finished reading) or `expired` (none finished within the
+/// lease: it never pulled, or its `done` was lost, and the blocks stayed held until then).
+/// Hosts read it to tell a send that ended by its lease from one a consumer finished.
+pub const KV_HOLDS_ENDED: &str = "kvconnect_kv_holds_ended";
+
+/// The holds that ended by their lease, over `samples` ([`KV_HOLDS_ENDED`] with `how` =
+/// `expired`, every connector's and child's added up).
+pub fn holds_expired(samples: &[ConnectorMetric]) -> u64 {
+    samples
+        .iter()
+        .filter(|m| m.name == KV_HOLDS_ENDED && m.kind == MetricKind::Counter)
+        .filter(|m| m.labels.iter().any(|(k, v)| k == "how" && v == "expired"))
+        .fold(0u64, |a, m| a.saturating_add(m.value))
+}
+
 /// What one connector counts: its scheduler half's samples and its worker half's, merged.
 pub fn of_connector(
     scheduler: &mut dyn SchedulerConnector,
@@ -166,6 +182,20 @@ mod tests {
         assert_eq!(all.iter().map(|m| m.value).collect::<Vec<_>>(), vec![1, 5, 4, 5]);
         assert_eq!(all[2].labels, vec![("tier".to_owned(), "remote".to_owned())]);
         assert_eq!(all[3].kind, MetricKind::Gauge, "a gauge of the same name is not a counter's sample");
+    }
+
+    #[test]
+    fn holds_expired_adds_the_expired_samples_alone() {
+        let ended = |how: &str, v| ConnectorMetric::counter(KV_HOLDS_ENDED, "h", v).label("how", how);
+        let samples = vec![
+            ended("done", 5),
+            ended("expired", 2),
+            ConnectorMetric::counter("other", "h", 9).label("how", "expired"),
+            ConnectorMetric::gauge(KV_HOLDS_ENDED, "h", 7).label("how", "expired"),
+            ended("expired", 1),
+        ];
+        assert_eq!(holds_expired(&samples), 3);
+        assert_eq!(holds_expired(&[]), 0);
     }
 
     #[test]

@@ -65,7 +65,7 @@ pub use connector::{
     FinishedTransfers, KvEvent, LoadSource, MatchResult, Request, RequestFinished, SchedulerConnector,
     StepInfo, TierTokens, WorkerConnector,
 };
-pub use connector_metrics::{ConnectorMetric, MetricError, MetricKind};
+pub use connector_metrics::{holds_expired, ConnectorMetric, MetricError, MetricKind, KV_HOLDS_ENDED};
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
 pub use kv_events::{BlockHash, BlockRemoved, BlockStored, KvEventBatch, Medium};

@@ -79,7 +79,7 @@ class KvconnectHandshake(KVConnectorHandshakeMetadata):
 @dataclass
 class KvconnectStats(KVConnectorStats):
     """kvconnect's counters for one interval, as the worker's native half reports them:
-    `loads_done`, `loads_failed`, `sends_done`, `handshakes`, `handshakes_refused`,
+    `loads_done`, `loads_failed`, `sends_done`, `sends_expired`, `handshakes`, `handshakes_refused`,
     `external_requests`, `external_tokens`, `loads_by_source_<source>` (`peer` or
     `<connector>_<tier>`) and `cache_tokens_<connector>_<tier>`; and the adapter's own
     `idle_steps_paced` and `idle_wait_seconds`. Every value is a count (or seconds), so
@@ -106,6 +106,9 @@ _PROM_COUNTERS = [
      "Requests whose external KV kvconnect finished loading, from a prefill engine or a cache tier."),
     ("loads_failed", "vllm:kvconnect_loads_failed", "Requests whose external KV load failed."),
     ("sends_done", "vllm:kvconnect_sends_done", "Requests whose KV a peer finished reading from this engine."),
+    ("sends_expired", "vllm:kvconnect_sends_expired",
+     "Requests whose KV this engine held for a peer until the lease ended, none having finished reading it "
+     "(decode never pulled it, or its done was lost); the blocks were freed then."),
     ("loads_preempted", "vllm:kvconnect_loads_preempted",
      "Requests vLLM preempted after they loaded external KV (the loaded KV is dropped and recomputed or loaded again)."),
     ("loads_refused_tp", "vllm:kvconnect_loads_refused_tp",

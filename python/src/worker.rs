@@ -29,7 +29,14 @@ const PER_RANK: &[&str] = &["handshakes", "handshakes_refused", "loads_failed"];
 struct Counters {
     loads_done: u64,
     loads_failed: u64,
+    /// Requests whose blocks a consumer finished reading.
     sends_done: u64,
+    /// Requests whose blocks were held for a consumer until their lease ended (none finished
+    /// reading them): freed too, but no send.
+    sends_expired: u64,
+    /// The connector's count of holds that ended by their lease (`holds_expired`), as last
+    /// read.
+    expired_seen: u64,
     handshakes: u64,
     handshakes_refused: u64,
     /// Tokens each cache tier supplied (`<connector>_<tier>`), from the connectors' load
@@ -47,6 +54,7 @@ impl Counters {
             ("loads_done".to_owned(), self.loads_done),
             ("loads_failed".to_owned(), self.loads_failed),
             ("sends_done".to_owned(), self.sends_done),
+            ("sends_expired".to_owned(), self.sends_expired),
             ("handshakes".to_owned(), self.handshakes),
             ("handshakes_refused".to_owned(), self.handshakes_refused),
         ]);
@@ -76,6 +84,16 @@ impl Counters {
             }
             async_loaded.insert(r.0.clone());
         }
+    }
+
+    /// `freed` requests whose blocks the connector no longer holds for a consumer, when its
+    /// holds that ended by their lease number `expired` in all: those not counted before are
+    /// expired sends (no more than `freed`; the rest wait for the next call), the others done.
+    fn count_sends(&mut self, freed: u64, expired: u64) {
+        let new = expired.saturating_sub(self.expired_seen).min(freed);
+        self.expired_seen += new;
+        self.sends_expired += new;
+        self.sends_done += freed - new;
     }
 
     /// A request vLLM finished, with what each cache tier supplied to it: a cache load that
@@ -410,7 +428,20 @@ impl Worker {
                 let counted_async = s.async_loaded.remove(&r.0);
                 s.counters.count_finished(s.load_sources.remove(&r.0).unwrap_or_default(), counted_async);
             }
-            s.counters.sends_done += f.finished_sending.len() as u64;
+            if !f.finished_sending.is_empty() {
+                // A connector whose metrics fail leaves every freed request counted as done.
+                let expired = match s.conn.metrics() {
+                    Ok(m) => kvconnect_api::holds_expired(&m),
+                    Err(e) => {
+                        tracing::warn!(
+                            "kvconnect: the connector's metrics failed ({e}); sends that ended by \
+                            their lease are counted as done"
+                        );
+                        s.counters.expired_seen
+                    }
+                };
+                s.counters.count_sends(f.finished_sending.len() as u64, expired);
+            }
             s.counters.loads_failed += f.failed_recving.len() as u64;
             let failed: Vec<(String, String)> = f
                 .failed_recving
@@ -528,6 +559,21 @@ mod tests {
 
     fn tier(connector: &str, tier: &str, tokens: u64) -> TierTokens {
         TierTokens { connector: connector.into(), tier: tier.into(), tokens }
+    }
+
+    #[test]
+    fn freed_requests_are_sends_done_unless_their_hold_ended_by_its_lease() {
+        let mut c = Counters::default();
+        c.count_sends(2, 0);
+        // One of three freed now ended by its lease (the connector's count went 0 -> 1).
+        c.count_sends(3, 1);
+        // Nothing new expired.
+        c.count_sends(1, 1);
+        // A count ahead of what this call freed counts no more than it freed, the rest later.
+        c.count_sends(1, 4);
+        c.count_sends(3, 4);
+        let m = c.named(&SchedulerCounters::default());
+        assert_eq!((m["sends_done"], m["sends_expired"]), (6, 4));
     }
 
     #[test]

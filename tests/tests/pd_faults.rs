@@ -57,6 +57,12 @@ fn prefill_frees_blocks_at_lease_expiry_when_decode_dies_or_never_comes() {
         "lease never expired: {}",
         pool(&prefill)
     );
+    // /metrics tells a hold that ended by its lease from one a consumer finished.
+    let ended = |how: &str| {
+        let key = format!("kvconnect_kv_holds_ended_total{{how=\"{how}\"}}");
+        kvconnect_tests::metrics(&prefill.http).get(&key).copied().unwrap_or(-1.0)
+    };
+    assert_eq!((ended("expired"), ended("done")), (1.0, 0.0), "holds ended, by how");
 
     // A decode killed while it loads: the pool comes back to full either way.
     let mut decode = worker(&nixl("kv_consumer", ""), "decode-killed");
@@ -82,6 +88,16 @@ fn prefill_frees_blocks_at_lease_expiry_when_decode_dies_or_never_comes() {
     let (st, d) = disaggregated(&prefill, &decode2, &prompt, 2);
     assert_eq!(st, 200, "{d}");
     assert_eq!(d["kvconnect"]["num_external_tokens"], 149, "{d}");
+    // Three holds: the first expired; the killed decode's ended either way (it may have
+    // finished its pull before the kill); the last by decode2's done.
+    let all = || ended("done") + ended("expired");
+    assert!(wait_until(Duration::from_secs(10), || all() == 3.0), "holds ended: {}", all());
+    assert!(
+        ended("done") >= 1.0 && ended("expired") >= 1.0,
+        "{} done, {} expired",
+        ended("done"),
+        ended("expired")
+    );
 }
 
 #[test]

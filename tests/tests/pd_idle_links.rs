@@ -7,7 +7,8 @@
 
 use kvconnect_api::KvLayout;
 use kvconnect_tests::{
-    disaggregated, metrics, monolithic, reference_worker_with_secret, token_ids, varied_prompts, Worker,
+    disaggregated, metrics, monolithic, reference_worker_with_secret, token_ids, varied_prompts, wait_until,
+    Worker,
 };
 use std::time::Duration;
 
@@ -60,6 +61,19 @@ fn a_request_after_a_lull_loads_its_kv(backend: &str) {
         assert_eq!(total(&decode, "kvconnect_kv_load_failures_total"), 0.0, "{what}\n{}", decode.log());
         assert_eq!(&token_ids(&r).into_iter().map(|t| t as u32).collect::<Vec<_>>(), want, "{what}");
     }
+    // Every hold ended by decode's done, none by its lease: no done went astray on a link
+    // prefill had closed (decode sends it without waiting for the answer).
+    let ended = |how: &str| {
+        let key = format!("kvconnect_kv_holds_ended_total{{how=\"{how}\"}}");
+        metrics(&prefill.http).get(&key).copied().unwrap_or(0.0)
+    };
+    let n = prompts.len() as f64;
+    assert!(
+        wait_until(Duration::from_secs(10), || ended("done") == n),
+        "{backend}: holds done {}",
+        ended("done")
+    );
+    assert_eq!(ended("expired"), 0.0, "{backend}: a hold ended by its lease");
     // The idle closes were quiet: no WARN, no refusal.
     let timeouts = r#"kvconnect_data_plane_refused_total{listener="producer",reason="timeout"}"#;
     assert_eq!(metrics(&prefill.http).get(timeouts).copied().unwrap_or(0.0), 0.0, "{backend}");

@@ -177,6 +177,7 @@ def check_load_error_blocks(pre: Server, dec: Server):
     # Decode computes the first 70 tokens itself and caches their two whole blocks.
     complete(dec.url, prompt[:70], "warm-lease", max_tokens=1)
     waited0 = metric(pre.url, "vllm:kvconnect_idle_wait_seconds_total")
+    sends0 = {k: metric(pre.url, f"vllm:kvconnect_sends_{k}_total") for k in ("done", "expired")}
     params = prefill_params(pre.url, prompt, "pd-lease")
     time.sleep(LEASE_S + 2)
     # Prefill held the blocks with nothing else to do: vLLM kept stepping, and its worker's
@@ -185,6 +186,13 @@ def check_load_error_blocks(pre: Server, dec: Server):
     if waited < 0.2 * LEASE_S:
         raise Failed(f"lease: prefill's idle steps waited {waited:.2f} s while it held blocks for {LEASE_S} s "
                      "with nothing to compute; they should wait most of it (idle_step_wait_ms)")
+    # The hold ended by its lease, not by a consumer: /metrics says so, and counts no send done.
+    expired = wait_metric(pre.url, "vllm:kvconnect_sends_expired_total", sends0["expired"] + 1)
+    done = metric(pre.url, "vllm:kvconnect_sends_done_total")
+    if (expired, done) != (sends0["expired"] + 1, sends0["done"]):
+        raise Failed(f"lease: prefill's blocks were freed at the lease's end; vllm:kvconnect_sends_expired_total "
+                     f"went {sends0['expired']} -> {expired} (want +1) and sends_done {sends0['done']} -> {done} "
+                     "(want unchanged)")
     failed0 = metric(dec.url, "vllm:kvconnect_loads_failed_total")
     got = tokens_of(complete(dec.url, prompt, "pd-lease", kv_transfer_params=params))
     if got != reference:
@@ -208,7 +216,8 @@ def check_load_error_blocks(pre: Server, dec: Server):
         raise Failed(f"lease: vllm:kvconnect_loads_failed_total stayed {failed}")
     print(f"ok: a load failed after prefill's lease expired; vLLM recomputed only the {want_loaded} tokens "
           f"it was to fill ({rec[-1].split('Recovered from ')[1].strip()}), decode's 2 cached blocks kept, "
-          f"output equal; prefill's idle steps waited {waited:.2f} s of its {LEASE_S} s hold")
+          f"output equal; prefill's idle steps waited {waited:.2f} s of its {LEASE_S} s hold, "
+          "and counted the hold as expired, not done")
 
 
 def check_preemptions(pre: Server, dec: Server):

@@ -208,10 +208,11 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         # Prefill holds every request's blocks for decode, loaded or not (decode computes a
         # prompt shorter than a block itself and releases it).
         sends = wait_metric(pre.url, "vllm:kvconnect_sends_done_total", len(ps))
-        if (loads, from_peer, ext_m, vllm_ext, sends) != (n, n, total, total, len(ps)):
+        expired = metric(pre.url, "vllm:kvconnect_sends_expired_total")
+        if (loads, from_peer, ext_m, vllm_ext, sends, expired) != (n, n, total, total, len(ps), 0):
             raise Failed(f"{label}: /metrics show decode loads {loads} ({from_peer} from a peer), kvconnect external "
-                         f"tokens {ext_m}, vLLM external prefix-cache hits {vllm_ext}, prefill sends {sends}; "
-                         f"expected {n} ({n}), {total}, {total}, {len(ps)}")
+                         f"tokens {ext_m}, vLLM external prefix-cache hits {vllm_ext}, prefill sends {sends} "
+                         f"({expired} ended by the lease); expected {n} ({n}), {total}, {total}, {len(ps)} (0)")
         if not wait_log(dec, "KV Transfer metrics: kvconnect_"):
             raise Failed(f"{label}: vLLM's stats log never showed kvconnect's transfer metrics\n{dec.tail()}")
         if lure:

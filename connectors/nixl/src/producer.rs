@@ -19,7 +19,7 @@ use crate::wire::{
 };
 use kvconnect_api::geometry::{GeometryError, Span};
 use kvconnect_api::kv_memory::KvMemory;
-use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorMetric, LayerId, RequestId};
+use kvconnect_api::{BlockId, BlocksPerGroup, ConnectorMetric, LayerId, RequestId, KV_HOLDS_ENDED};
 use kvconnect_dataplane::auth::{self, Secret, Side};
 use std::collections::{HashMap, VecDeque};
 use std::io::{self, BufReader, IoSlice, Write};
@@ -144,6 +144,18 @@ enum Gone {
     Expired,
 }
 
+impl Gone {
+    const ALL: [Gone; 2] = [Gone::Done, Gone::Expired];
+
+    /// The `how` label of `kvconnect_kv_holds_ended`.
+    fn name(self) -> &'static str {
+        match self {
+            Gone::Done => "done",
+            Gone::Expired => "expired",
+        }
+    }
+}
+
 struct Held {
     deadline: Instant,
     /// No renewal moves `deadline` past this.
@@ -169,10 +181,15 @@ struct State {
     finished: Vec<RequestId>,
     gone: HashMap<RequestId, Gone>,
     gone_order: VecDeque<RequestId>,
+    /// Holds ended since the producer started, by [`Gone::ALL`]'s order.
+    ended: [u64; 2],
 }
 
 impl State {
+    /// `id`'s hold ended, for `why`: remembered for a while, so that a late consumer is told
+    /// why, and counted.
     fn forget(&mut self, id: RequestId, why: Gone) {
+        self.ended[why as usize] += 1;
         if self.gone.insert(id.clone(), why).is_none() {
             self.gone_order.push_back(id);
         }
@@ -477,18 +494,32 @@ impl Producer {
         self.shared.refusals.snapshot()
     }
 
-    /// The listener's refusals as the host's `/metrics` shows them: one
-    /// `kvconnect_data_plane_refused` sample per reason, labelled `listener="producer"`.
+    /// Holds ended since the producer started, by how: `("done", n)`, a consumer finished
+    /// reading; `("expired", n)`, no consumer finished within the lease (it never pulled, or
+    /// its `done` was lost), so the blocks were held until then.
+    pub fn holds_ended(&self) -> Vec<(&'static str, u64)> {
+        let ended = self.shared.lock().ended;
+        Gone::ALL.iter().map(|g| (g.name(), ended[*g as usize])).collect()
+    }
+
+    /// The listener's refusals and the holds ended as the host's `/metrics` shows them: one
+    /// `kvconnect_data_plane_refused` sample per reason, labelled `listener="producer"`, and
+    /// one `kvconnect_kv_holds_ended` sample per way a hold ends (`how`).
     pub fn metrics(&self) -> Vec<ConnectorMetric> {
         const HELP: &str = "Peers the data plane refused, by listener and reason.";
-        self.refusals()
+        const ENDED_HELP: &str = "Requests whose blocks this prefill engine held for a consumer, by how the hold \
+                                  ended: done (the consumer finished reading) or expired (no consumer finished \
+                                  within the lease; the blocks were held until then).";
+        let refused = self.refusals().into_iter().map(|(reason, v)| {
+            ConnectorMetric::counter("kvconnect_data_plane_refused", HELP, v)
+                .label("listener", "producer")
+                .label("reason", reason)
+        });
+        let ended = self
+            .holds_ended()
             .into_iter()
-            .map(|(reason, v)| {
-                ConnectorMetric::counter("kvconnect_data_plane_refused", HELP, v)
-                    .label("listener", "producer")
-                    .label("reason", reason)
-            })
-            .collect()
+            .map(|(how, v)| ConnectorMetric::counter(KV_HOLDS_ENDED, ENDED_HELP, v).label("how", how));
+        refused.chain(ended).collect()
     }
 
     /// Keeps `blocks` of `request` for a consumer that names `capability`, under a fresh lease.
@@ -1006,6 +1037,28 @@ mod tests {
         p.shared.complete(&id, "cap", None).unwrap();
         let e = p.shared.pin(&id, "cap", &[vec![BlockId(1)]]).unwrap_err();
         assert!(e.0.contains("request r"), "a request that is gone is never pinned: {}", e.0);
+    }
+
+    #[test]
+    fn holds_are_counted_by_how_they_ended_and_shown_as_metrics() {
+        let (p, _regions) =
+            leased_producer(Duration::from_secs(5), Duration::from_millis(200), Duration::from_secs(5));
+        let groups = vec![model(2, 2, 8).kv_layers()];
+        let blocks = BlocksPerGroup(vec![vec![BlockId(2)]]);
+        p.hold(RequestId::from("read"), "cap2".into(), &blocks, &groups).unwrap();
+        assert_eq!(p.holds_ended(), vec![("done", 0), ("expired", 0)]);
+        p.shared.complete(&RequestId::from("read"), "cap2", None).unwrap();
+        // "r" (held by the helper) is never read: its lease ends.
+        std::thread::sleep(Duration::from_millis(300));
+        let mut freed = p.take_finished();
+        freed.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(freed, vec![RequestId::from("r"), RequestId::from("read")]);
+        assert_eq!(p.holds_ended(), vec![("done", 1), ("expired", 1)]);
+        let m = p.metrics();
+        assert_eq!(kvconnect_api::holds_expired(&m), 1);
+        let done = m.iter().find(|s| s.name == KV_HOLDS_ENDED && s.labels == [("how".into(), "done".into())]);
+        assert_eq!(done.map(|s| s.value), Some(1));
+        assert!(m.iter().all(|s| s.check().is_ok()));
     }
 
     #[test]
