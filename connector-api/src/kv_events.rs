@@ -290,7 +290,7 @@ mod tests {
 
     #[test]
     fn the_shape_before_media_keeps_hashes_and_tier_and_reads_back_as_the_same_medium() {
-        let events = vec![
+        let events = [
             KvEvent::stored(vec![1, 2], Some(9), vec![5, 6], 1, Medium::CpuTier),
             KvEvent::removed(vec![2], Medium::Disk),
             KvEvent::AllBlocksCleared,

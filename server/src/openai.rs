@@ -108,7 +108,8 @@ struct Plan {
 
 impl Plan {
     /// The request's id is vLLM's: from the X-Request-Id header, else the body's
-    /// `request_id`, else a fresh one (see `request_id`).
+    /// `request_id`, else a fresh one (see `request_id`). `Err` is the answer to send instead.
+    #[allow(clippy::result_large_err)] // Built once per request, on its way out: no cost worth a box.
     fn new(st: &AppState, headers: &HeaderMap, req: OpenAiRequest, t0: Instant) -> Result<Plan, Response> {
         let fresh = || format!("{}-{}", st.engine_id, st.next_id.fetch_add(1, Ordering::Relaxed));
         let body_id = req.request_id.clone().map(Value::String);

@@ -397,7 +397,7 @@ fn claims_that_depend_on_the_backend_are_audited_per_backend() {
     let (missing, _) = audit(&declared, &one_test);
     assert_eq!(missing, ["nixl (backend tcp) declares carries_state"]);
     // One entry for every backend, for a claim only some declare, is promised in vain.
-    let mut blanket: Vec<Claim> = CLAIMS.iter().copied().collect();
+    let mut blanket: Vec<Claim> = CLAIMS.to_vec();
     blanket.push(claim("nixl", "carries_state", "tests/tests/pd_determinism.rs::hybrid_model_shm_hma_on"));
     let (_, stale) = audit(&declared, &blanket);
     assert_eq!(stale.len(), 1, "{stale:#?}");

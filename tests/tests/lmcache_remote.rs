@@ -113,7 +113,7 @@ fn redis_killed_mid_workload_costs_counted_misses_and_restarted_serves_hits_agai
     let Some(mut redis) = RedisServer::start() else { return skip("lmcache_remote") };
     let a = worker(&redis, "remote-kill-wa");
     let b = worker(&redis, "remote-kill-wb");
-    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(i, 3 * CHUNK as usize + 2)).collect();
+    let prompts: Vec<Vec<u32>> = (0..6).map(|i| prompt(i, 3 * CHUNK + 2)).collect();
 
     // A prefills the whole workload; B hits the first prompt remotely.
     for (i, p) in prompts.iter().enumerate() {
@@ -138,7 +138,7 @@ fn redis_killed_mid_workload_costs_counted_misses_and_restarted_serves_hits_agai
     let failed = remote_outcome(&b, "error") + remote_outcome(&b, "miss") + remote_outcome(&b, "skipped");
     assert!(failed >= 5.0, "every remote lookup after the kill is counted, got {failed}\n{}", b.log());
     // A keeps serving too; its writes to the dead remote are counted, not fatal.
-    complete_checked(&a, &prompt(50, 2 * CHUNK as usize + 1), "A with Redis down");
+    complete_checked(&a, &prompt(50, 2 * CHUNK + 1), "A with Redis down");
     assert!(
         wait_until(Duration::from_secs(10), || remote_outcome(&a, "write_error")
             + remote_outcome(&a, "write_dropped")
@@ -151,7 +151,7 @@ fn redis_killed_mid_workload_costs_counted_misses_and_restarted_serves_hits_agai
     // connections are replaced, not counted as failures) and B hits.
     redis.restart();
     std::thread::sleep(Duration::from_secs(4));
-    let fresh = prompt(99, 2 * CHUNK as usize + 5);
+    let fresh = prompt(99, 2 * CHUNK + 5);
     complete_checked(&a, &fresh, "A after the restart");
     assert!(
         wait_until(Duration::from_secs(10), || keys(&redis) >= 2),
@@ -174,7 +174,7 @@ fn a_corrupt_value_under_a_real_key_is_a_miss_counted_as_corrupt() {
     let Some(redis) = RedisServer::start() else { return skip("lmcache_remote") };
     let a = worker(&redis, "remote-corrupt-wa");
     let b = worker(&redis, "remote-corrupt-wb");
-    let p = prompt(7, 2 * CHUNK as usize + 3);
+    let p = prompt(7, 2 * CHUNK + 3);
     complete_checked(&a, &p, "A");
     assert!(wait_until(Duration::from_secs(10), || keys(&redis) >= 2), "A's chunks never reached Redis");
 

@@ -403,7 +403,8 @@ fn across_ranks(
                 let src = peer.head_slice(pr, layer, ph, slice).map_err(sliced)?;
                 let dst = own.head_slice(or, layer, oh, slice).map_err(sliced)?;
                 for pos in positions(load.first_token, load.num_tokens, bs) {
-                    (s.clear(), d.clear());
+                    s.clear();
+                    d.clear();
                     src.spans(r[pos], &mut s).map_err(sliced)?;
                     dst.spans(l[pos], &mut d).map_err(sliced)?;
                     if s.len() != d.len() || s.iter().zip(&d).any(|(a, b)| a.len != b.len) {
@@ -762,9 +763,12 @@ mod tests {
         Geometry::new(shape, layout, regions).with_tp_ranks(ranks).unwrap()
     }
 
+    /// An element of a block: (layer, part, block position, global head, token, channel).
+    type Element = (u32, u32, usize, u32, u32, u32);
+
     /// Every element of the blocks `blocks` in `g`'s regions, named by what it is: (layer,
     /// part, block position, global head, token, channel) -> (region, byte offset).
-    fn elements(g: &Geometry, blocks: &[u32]) -> Vec<((u32, u32, usize, u32, u32, u32), (usize, usize))> {
+    fn elements(g: &Geometry, blocks: &[u32]) -> Vec<(Element, (usize, usize))> {
         let s = g.shape();
         let mut out = Vec::new();
         for layer in 0..2 {
@@ -861,10 +865,7 @@ mod tests {
     /// global head, token, channel), worked out from the layout alone: HND/NHD by
     /// `inner_offset`, opaque heads-outermost blocks as vLLM's CPU backend lays them out
     /// (`[H][N][K|V][C]`: each head's K and V rows one after another).
-    fn held_elements(
-        g: &Geometry,
-        blocks: &[u32],
-    ) -> Vec<((u32, u32, usize, u32, u32, u32), (usize, usize))> {
+    fn held_elements(g: &Geometry, blocks: &[u32]) -> Vec<(Element, (usize, usize))> {
         let s = g.shape();
         let rank = g.held_ranks().start;
         let mut out = Vec::new();

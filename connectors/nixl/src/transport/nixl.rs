@@ -319,7 +319,7 @@ impl SpanIndex {
     /// The entries of `len` bytes at `off` in region `region`, if they are whole entries.
     fn entries(&self, region: u32, off: u64, len: u64) -> Option<std::ops::Range<usize>> {
         let r = region as usize;
-        if off % self.unit != 0 || len % self.unit != 0 {
+        if !off.is_multiple_of(self.unit) || !len.is_multiple_of(self.unit) {
             return None;
         }
         let (start, n) = ((off / self.unit) as usize, (len / self.unit) as usize);
@@ -470,11 +470,12 @@ impl Nixl {
                     });
                     at += len as usize;
                 }
-                // SAFETY: `staging` outlives the registration (dropped at the end of this block,
-                // after the transfer finished or was released).
-                let reg = unsafe { self.agent.register_dram(base, staging.len().max(1))? };
-                let r = self.wait(io_timeout, peer, &remote.agent, &pairs, NixlMem::Dram, NixlMem::Dram);
-                drop(reg);
+                let r = {
+                    // SAFETY: `staging` outlives the registration (dropped at the end of this
+                    // block, after the transfer finished or was released).
+                    let _registered = unsafe { self.agent.register_dram(base, staging.len().max(1))? };
+                    self.wait(io_timeout, peer, &remote.agent, &pairs, NixlMem::Dram, NixlMem::Dram)
+                };
                 r?;
                 let mut at = 0usize;
                 for b in bs {
