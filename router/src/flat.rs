@@ -9,7 +9,7 @@
 //! entry of slot `i` near slot `2i`: growing is one pass over the old array and a nearly
 //! sequential one over the new, not a random write per entry.
 
-#![allow(unsafe_code)] // One prefetch instruction (`prefetch_line`): a hint that reads nothing and cannot fault.
+#![allow(unsafe_code)] // `prefetch_line`: a CPU hint that reads nothing and cannot fault.
 
 use kvconnect_support::stable_hash::{mix, P0};
 use std::marker::PhantomData;

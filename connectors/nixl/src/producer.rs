@@ -507,9 +507,9 @@ impl Producer {
     /// one `kvconnect_kv_holds_ended` sample per way a hold ends (`how`).
     pub fn metrics(&self) -> Vec<ConnectorMetric> {
         const HELP: &str = "Peers the data plane refused, by listener and reason.";
-        const ENDED_HELP: &str = "Requests whose blocks this prefill engine held for a consumer, by how the hold \
-                                  ended: done (the consumer finished reading) or expired (no consumer finished \
-                                  within the lease; the blocks were held until then).";
+        const ENDED_HELP: &str = "Requests whose blocks this prefill engine held for a consumer, by how \
+            the hold ended: done (the consumer finished reading) or expired (no consumer finished within \
+            the lease; the blocks were held until then).";
         let refused = self.refusals().into_iter().map(|(reason, v)| {
             ConnectorMetric::counter("kvconnect_data_plane_refused", HELP, v)
                 .label("listener", "producer")
