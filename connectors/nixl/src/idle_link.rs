@@ -62,6 +62,12 @@ impl NoAnswer {
 /// answer, leaving it unread.
 pub fn send_and_await(s: &mut TcpStream, msg: &ClientMsg) -> Result<(), NoAnswer> {
     write_frame(s, msg).map_err(NoAnswer::of)?;
+    await_answer(s)
+}
+
+/// Waits (up to the socket's read timeout) for the first byte of the answer to what was sent
+/// on `s`, leaving it unread.
+pub fn await_answer(s: &mut TcpStream) -> Result<(), NoAnswer> {
     match s.peek(&mut [0u8; 1]) {
         Ok(0) => Err(NoAnswer::Closed(io::Error::new(
             io::ErrorKind::UnexpectedEof,

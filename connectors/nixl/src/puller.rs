@@ -402,15 +402,10 @@ impl Streams<'_> {
     fn answer(&mut self) -> Result<Result<ServerMsg, io::Error>, TransferError> {
         let cap = self.conns.cfg.max_frame;
         let s = self.control()?;
-        let first = match s.peek(&mut [0u8; 1]) {
-            Ok(0) => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "connection closed by the producer")),
-            Ok(_) => Ok(()),
-            Err(e) => Err(e),
-        };
-        match first {
+        match crate::idle_link::await_answer(s) {
             Ok(()) => read_frame::<_, ServerMsg>(s, cap).map(Ok).map_err(|e| self.frame_err("asking", e)),
-            Err(e) if crate::idle_link::is_closed(&e) => Ok(Err(e)),
-            Err(e) => Err(self.io("asking", e)),
+            Err(NoAnswer::Closed(e)) => Ok(Err(e)),
+            Err(NoAnswer::Io(e)) => Err(self.io("asking", e)),
         }
     }
 
@@ -453,33 +448,34 @@ impl Streams<'_> {
     /// as the message went out), the message is sent once more on a new connection; every
     /// message may be ([`crate::idle_link`] says why).
     pub fn call(&mut self, msg: &ClientMsg) -> Result<ServerMsg, TransferError> {
-        let kept = self.streams(1)?.0 > 0;
-        let first = self.ask(msg)?;
-        let answer = match first {
+        let at = Instant::now();
+        let kept = self.send(msg)?;
+        Ok(self.answer_to(msg, kept, at)?.0)
+    }
+
+    /// The answer to `msg`, sent at `at` by [`Streams::send`] (`kept`: on a connection kept
+    /// from before), with when the message it answers was sent: a kept connection the
+    /// producer closed as idle before answering is asked again on a new one.
+    fn answer_to(
+        &mut self,
+        msg: &ClientMsg,
+        kept: bool,
+        at: Instant,
+    ) -> Result<(ServerMsg, Instant), TransferError> {
+        match self.answer()? {
+            Ok(m) => Ok((m, at)),
             Err(closed) if kept => {
                 tracing::debug!(engine = %self.peer.meta.engine_id, "nixl: producer engine '{}' closed a \
                     kept connection before answering ({closed}); asking again on a new one",
                     self.peer.meta.engine_id);
                 self.close();
-                self.ask(msg)?
+                let at = Instant::now();
+                self.send(msg)?;
+                let answer = self.answer()?.map_err(|closed| self.io("asking", closed))?;
+                Ok((answer, at))
             }
-            other => other,
-        };
-        answer.map_err(|closed| self.io("asking", closed))
-    }
-
-    /// Sends `msg` on the control connection and reads its answer; the inner `Err` when the
-    /// producer closed the connection before any byte of the answer arrived.
-    fn ask(&mut self, msg: &ClientMsg) -> Result<Result<ServerMsg, io::Error>, TransferError> {
-        let cap = self.conns.cfg.max_frame;
-        let s = self.control()?;
-        match crate::idle_link::send_and_await(s, msg) {
-            Ok(()) => {}
-            Err(NoAnswer::Closed(e)) => return Ok(Err(e)),
-            Err(NoAnswer::Io(e)) => return Err(self.io("asking", e)),
+            Err(closed) => Err(self.io("asking", closed)),
         }
-        let answer = read_frame::<_, ServerMsg>(s, cap);
-        answer.map(Ok).map_err(|e| self.frame_err("asking", e))
     }
 }
 
@@ -537,18 +533,7 @@ impl Link<'_> {
     /// producer closed as idle before answering is asked again on a new one (now, after the
     /// copy: held then means held throughout).
     fn pinned(&mut self, sent: PinSent) -> Result<Instant, TransferError> {
-        let (answer, at) = match self.0.answer()? {
-            Ok(m) => (m, sent.at),
-            Err(closed) if sent.kept => {
-                tracing::debug!(engine = %self.0.peer.meta.engine_id, "nixl: producer engine '{}' closed a \
-                    kept connection before answering ({closed}); asking again on a new one",
-                    self.0.peer.meta.engine_id);
-                self.0.close();
-                let at = Instant::now();
-                (self.0.call(&sent.msg)?, at)
-            }
-            Err(closed) => return Err(self.0.io("asking", closed)),
-        };
+        let (answer, at) = self.0.answer_to(&sent.msg, sent.kept, sent.at)?;
         match answer {
             ServerMsg::Held { ms } => Ok(at + Duration::from_millis(ms)),
             ServerMsg::Error { reason } => Err(self.0.refused(reason)),

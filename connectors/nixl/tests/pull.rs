@@ -400,14 +400,18 @@ fn fake_producer(close: bool) -> (String, std::thread::JoinHandle<()>) {
 }
 
 /// A producer's listener that answers each `pin` with the next of `pins` (then `held` for 30
-/// s) and every `done` with `ok`, and records the ops it was sent.
-fn scripted_pins(mut pins: Vec<ServerMsg>) -> (String, std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>) {
+/// s) and every `done` with `ok`, and records the ops it was sent. The pin numbered
+/// `close_at` (from 0) it does not answer: it closes that connection and serves the next.
+fn scripted_pins(
+    mut pins: Vec<ServerMsg>,
+    close_at: Option<usize>,
+) -> (String, std::sync::Arc<std::sync::Mutex<Vec<&'static str>>>) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap().to_string();
-    let ops = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let ops = std::sync::Arc::new(std::sync::Mutex::new(Vec::<&'static str>::new()));
     let seen = ops.clone();
     pins.reverse();
-    std::thread::spawn(move || {
+    std::thread::spawn(move || loop {
         let Ok((mut s, _)) = l.accept() else { return };
         let server_nonce = auth::nonce().unwrap();
         write_frame(&mut s, &ServerMsg::Challenge { nonce: server_nonce.clone() }).unwrap();
@@ -417,7 +421,12 @@ fn scripted_pins(mut pins: Vec<ServerMsg>) -> (String, std::sync::Arc<std::sync:
         while let Ok(m) = read_frame::<_, ClientMsg>(&mut s, 1 << 24) {
             let answer = match m {
                 ClientMsg::Pin { .. } => {
-                    seen.lock().unwrap().push("pin");
+                    let mut seen = seen.lock().unwrap();
+                    if close_at == Some(seen.iter().filter(|o| o.starts_with("pin")).count()) {
+                        seen.push("pin, closed unanswered");
+                        break;
+                    }
+                    seen.push("pin");
                     pins.pop().unwrap_or(ServerMsg::Held { ms: 30_000 })
                 }
                 ClientMsg::Done { .. } | ClientMsg::DoneBy { .. } => {
@@ -430,11 +439,44 @@ fn scripted_pins(mut pins: Vec<ServerMsg>) -> (String, std::sync::Arc<std::sync:
                 }
             };
             if write_frame(&mut s, &answer).is_err() {
-                return;
+                break;
             }
         }
     });
     (addr, ops)
+}
+
+/// Waits (up to 5 s) until `ops` holds `n` entries, then a moment more for any beyond.
+fn ops_after(ops: &std::sync::Mutex<Vec<&'static str>>, n: usize) -> Vec<&'static str> {
+    let t0 = Instant::now();
+    while ops.lock().unwrap().len() < n && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    ops.lock().unwrap().clone()
+}
+
+#[test]
+fn a_pin_whose_kept_connection_closes_unanswered_is_asked_again_on_a_new_one() {
+    let mut p = producer("shm", KvLayout::HND, 4, 30.0, "pinclose");
+    let mut d = consumer("shm", KvLayout::HND, 4);
+    let mut meta = p.worker.handshake_metadata().unwrap().unwrap();
+    // The second load's pin goes out on the connection the first load kept, which closes
+    // without answering it (a producer closing an idle link just then).
+    let (fake, ops) = scripted_pins(vec![], Some(1));
+    meta["listen"] = json!(fake);
+    d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta})).unwrap();
+    for (req, src, dst) in [("pc1", [1, 2, 3], [4, 5, 6]), ("pc2", [7, 1, 2], [3, 5, 4])] {
+        let params = prefill_finish(&mut p, req, 9, &src);
+        decode_start(&mut d, req, 9, params, &dst);
+        let f = wait_finished(d.worker.as_mut(), |f| {
+            !f.failed_recving.is_empty() || !f.finished_recving.is_empty()
+        });
+        assert_eq!(f.finished_recving, vec![RequestId::from(req)], "{f:?}");
+        assert_same_kv(&mut p, &src, &mut d, &dst, 8);
+    }
+    let want = ["pin", "done", "pin, closed unanswered", "pin", "done"];
+    assert_eq!(ops_after(&ops, want.len()), want);
 }
 
 #[test]
@@ -449,7 +491,7 @@ fn a_copy_that_outlasts_its_pins_hold_is_pinned_again_after_it() {
         let mut p = producer("shm", KvLayout::HND, 4, 30.0, &format!("outlast{i}"));
         let mut d = consumer("shm", KvLayout::HND, 4);
         let mut meta = p.worker.handshake_metadata().unwrap().unwrap();
-        let (fake, ops) = scripted_pins(vec![ServerMsg::Held { ms: 0 }, second]);
+        let (fake, ops) = scripted_pins(vec![ServerMsg::Held { ms: 0 }, second], None);
         meta["listen"] = json!(fake);
         d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta})).unwrap();
         let params = prefill_finish(&mut p, "outlast", 9, &[1, 2, 3]);
@@ -465,12 +507,7 @@ fn a_copy_that_outlasts_its_pins_hold_is_pinned_again_after_it() {
             assert_eq!(f.failed_recving, id, "the second pin was refused");
         }
         // `done` goes out after the load is reported, its answer read later.
-        let t0 = Instant::now();
-        while ops.lock().unwrap().len() < want.len() && t0.elapsed() < Duration::from_secs(5) {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        std::thread::sleep(Duration::from_millis(50));
-        assert_eq!(*ops.lock().unwrap(), want, "case {i}");
+        assert_eq!(ops_after(&ops, want.len()), want, "case {i}");
     }
 }
 
