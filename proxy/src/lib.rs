@@ -20,6 +20,7 @@
 pub mod backends;
 pub mod client;
 pub mod fanout;
+pub mod first_token;
 pub mod kv_subscriber;
 pub mod metrics;
 pub mod routing;
@@ -60,6 +61,8 @@ pub struct Proxy {
     pub verbatim: bool,
     /// The KV router of the prefill servers (`--routing kv`); None: round-robin.
     pub kv: Option<Arc<routing::KvRouter>>,
+    /// Which server's token a streamed completion starts with (`--first-token`).
+    pub first_token: first_token::FirstToken,
 }
 
 impl Proxy {
@@ -73,6 +76,7 @@ impl Proxy {
             server_key: None,
             verbatim: false,
             kv: None,
+            first_token: first_token::FirstToken::Decode,
         }
     }
 
@@ -173,6 +177,12 @@ async fn disaggregated(p: &Arc<Proxy>, raw: &[u8], chat: bool, auth: Option<Stri
         Err(r) => return r,
     };
     if p.verbatim {
+        if p.first_token == first_token::FirstToken::Prefill {
+            match first_token::plan(&body, chat) {
+                Ok(rest) => return first_token::serve(p, path, body, t0, auth, rest).await,
+                Err(why) => p.metrics.first_token_from_decode(why),
+            }
+        }
         let stream = body.remove("stream").is_some_and(|s| s == json!(true));
         return match one_or_stream(p, path, body, t0, auth, stream).await {
             Ok(Either::One(v)) => Json(v).into_response(),
@@ -231,6 +241,8 @@ async fn one_or_stream(
 /// What prefill did for one choice, and what decode gets.
 struct Prefilled {
     pw: String,
+    /// Prefill's whole answer.
+    answer: Value,
     kvconnect: Value,
     done: Duration,
     dec: Map<String, Value>,
@@ -267,6 +279,20 @@ pub fn prefill_body(body: &Map<String, Value>) -> Map<String, Value> {
     pre
 }
 
+/// What prefill is asked for besides vLLM's P/D protocol's one token.
+#[derive(Clone, Copy, Debug)]
+struct PrefillAsk {
+    /// The prompt's and its token's ids (vLLM's `return_token_ids`).
+    token_ids: bool,
+    /// Keep the prompt's KV for a decode (false: prefill's answer is the whole answer).
+    remote_decode: bool,
+}
+
+impl PrefillAsk {
+    /// vLLM's P/D protocol: one token, its KV kept for decode.
+    const PROTOCOL: PrefillAsk = PrefillAsk { token_ids: false, remote_decode: true };
+}
+
 /// Prefill's half of one choice, under a fresh X-Request-Id; decode's body is the client's
 /// with the transfer params prefill returned, verbatim.
 async fn prefill(
@@ -275,12 +301,19 @@ async fn prefill(
     body: Map<String, Value>,
     t0: Instant,
     auth: Option<String>,
+    ask: PrefillAsk,
 ) -> Result<Prefilled, Response> {
     let mut headers = vec![(request_id::HEADER, uuid::Uuid::new_v4().to_string())];
     if let Some(a) = auth {
         headers.push(("authorization", a));
     }
-    let pre = prefill_body(&body);
+    let mut pre = prefill_body(&body);
+    if ask.token_ids {
+        pre.insert("return_token_ids".into(), json!(true));
+    }
+    if !ask.remote_decode {
+        pre.remove("kv_transfer_params");
+    }
     let picked = match &p.kv {
         None => None,
         Some(kv) => {
@@ -316,7 +349,7 @@ async fn prefill(
     drop(picked);
     let mut dec = body;
     dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
-    Ok(Prefilled { pw, kvconnect: pv["kvconnect"].clone(), done: t0.elapsed(), dec, headers })
+    Ok(Prefilled { pw, kvconnect: pv["kvconnect"].clone(), answer: pv, done: t0.elapsed(), dec, headers })
 }
 
 /// One choice, prefill then decode; decode's answer with the proxy's `kvconnect` block.
@@ -327,7 +360,7 @@ pub(crate) async fn one(
     t0: Instant,
     auth: Option<String>,
 ) -> Result<Value, Response> {
-    let pf = prefill(p, path, body, t0, auth).await?;
+    let pf = prefill(p, path, body, t0, auth, PrefillAsk::PROTOCOL).await?;
     let dec = Value::Object(pf.dec.clone());
     let (dw, dr) = p
         .send(Role::Decode, "POST", path, Some(&dec), &pf.headers())
@@ -364,14 +397,24 @@ pub(crate) async fn one_stream(
     t0: Instant,
     auth: Option<String>,
 ) -> Result<mpsc::Receiver<Bytes>, Response> {
-    let mut pf = prefill(p, path, body, t0, auth).await?;
+    let pf = prefill(p, path, body, t0, auth, PrefillAsk::PROTOCOL).await?;
+    decode_stream(p, path, pf, t0).await
+}
+
+/// Decode's half of one streamed choice, after prefill's: its events as they arrive.
+async fn decode_stream(
+    p: &Arc<Proxy>,
+    path: &str,
+    mut pf: Prefilled,
+    t0: Instant,
+) -> Result<mpsc::Receiver<Bytes>, Response> {
     let dw = p.backends.pick(Role::Decode, &[]).map_err(|e| {
         p.metrics.error();
         unreachable(Role::Decode, e)
     })?;
     pf.dec.insert("stream".into(), json!(true));
     let headers = pf.headers.clone();
-    let hop = Hop { pw: pf.pw, dw, prefill: pf.kvconnect, t0, prefill_done: pf.done };
+    let hop = Hop { pw: pf.pw, dw, prefill: pf.kvconnect, t0, prefill_done: pf.done, first_sent: None };
     stream_decode(p, path, pf.dec, &headers, hop).await
 }
 
@@ -391,6 +434,42 @@ struct Hop {
     prefill: Value,
     t0: Instant,
     prefill_done: Duration,
+    /// The first token came from prefill (`--first-token prefill`), sent to the client at
+    /// this time: decode's prompt holds it, so decode's usage counts it as a prompt token
+    /// (moved back here) and decode's own `prompt_token_ids` are not the client's.
+    first_sent: Option<Duration>,
+}
+
+/// Why decode's stream could not be opened.
+enum DecodeOpen {
+    /// No decode server could be reached.
+    Unreachable(String),
+    /// Decode answered with this status and body.
+    Refused(u16, Value),
+}
+
+/// Opens decode's SSE stream for `dec` on `hop.dw`.
+async fn open_decode(
+    p: &Proxy,
+    path: &str,
+    dec: &Value,
+    headers: &[(&'static str, String)],
+    dw: &str,
+) -> Result<client::Streaming, DecodeOpen> {
+    let headers = borrowed(headers);
+    let call =
+        client::Call { headers: &headers, ..client::Call::new(dw, "POST", path, Some(dec), p.timeout) };
+    let mut ds = client::call_streaming(call).await.map_err(|e| DecodeOpen::Unreachable(e.to_string()))?;
+    if ds.status != 200 {
+        let mut b = Vec::new();
+        while let Some(Ok(piece)) = ds.body.recv().await {
+            b.extend_from_slice(&piece);
+        }
+        let v = serde_json::from_slice(&b)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&b).into_owned()));
+        return Err(DecodeOpen::Refused(ds.status, v));
+    }
+    Ok(ds)
 }
 
 /// Decode's SSE stream, passed on event by event as it arrives; the chunk with `usage` gets
@@ -403,94 +482,99 @@ async fn stream_decode(
     headers: &[(&'static str, String)],
     hop: Hop,
 ) -> Result<mpsc::Receiver<Bytes>, Response> {
-    let dec = Value::Object(dec);
-    let headers = borrowed(headers);
-    let call =
-        client::Call { headers: &headers, ..client::Call::new(&hop.dw, "POST", path, Some(&dec), p.timeout) };
-    let mut ds = match client::call_streaming(call).await {
-        Ok(s) => s,
+    let ds = match open_decode(p, path, &Value::Object(dec), headers, &hop.dw).await {
+        Ok(ds) => ds,
         Err(e) => {
             p.metrics.error();
-            return Err(unreachable(Role::Decode, e));
+            return Err(match e {
+                DecodeOpen::Unreachable(e) => unreachable(Role::Decode, e),
+                DecodeOpen::Refused(status, v) => relay(status, v),
+            });
         }
     };
-    if ds.status != 200 {
-        let mut b = Vec::new();
-        while let Some(Ok(piece)) = ds.body.recv().await {
-            b.extend_from_slice(&piece);
-        }
-        p.metrics.error();
-        let v = serde_json::from_slice(&b)
-            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&b).into_owned()));
-        return Err(relay(ds.status, v));
-    }
     let (out, events) = mpsc::channel::<Bytes>(64);
-    let p = p.clone();
-    tokio::spawn(async move {
-        let mut client = Some(out);
-        let mut pending: Vec<u8> = Vec::new();
-        let (mut tokens, mut ttft, mut failed) = (0u64, None, false);
-        loop {
-            let piece = match ds.body.recv().await {
-                None => break,
-                Some(Ok(b)) => b,
-                Some(Err(e)) => {
+    tokio::spawn(forward(p.clone(), ds, Some(out), hop));
+    Ok(events)
+}
+
+/// One SSE event carrying `v`.
+fn sse_event(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// Passes decode's stream `ds` on to the client (`client`: None once it left), whole events
+/// only, so the closing one can be annotated, and counts the request.
+async fn forward(
+    p: Arc<Proxy>,
+    mut ds: client::Streaming,
+    mut client: Option<mpsc::Sender<Bytes>>,
+    hop: Hop,
+) {
+    let mut pending: Vec<u8> = Vec::new();
+    let (mut tokens, mut ttft, mut failed) = (u64::from(hop.first_sent.is_some()), hop.first_sent, false);
+    loop {
+        let piece = match ds.body.recv().await {
+            None => break,
+            Some(Ok(b)) => b,
+            Some(Err(e)) => {
+                failed = true;
+                let message = format!("decode worker's stream broke: {e}");
+                let ev = json!({"error": {"message": message, "type": "service_unavailable"}});
+                pending.extend_from_slice(&sse_event(&ev));
+                Vec::new()
+            }
+        };
+        pending.extend_from_slice(&piece);
+        while let Some(at) = pending.windows(2).position(|w| w == b"\n\n") {
+            let raw: Vec<u8> = pending.drain(..at + 2).collect();
+            let mut ev = Bytes::from(raw.clone());
+            if let Some(mut v) = std::str::from_utf8(&raw)
+                .ok()
+                .and_then(|t| t.trim().strip_prefix("data: "))
+                .and_then(|d| serde_json::from_str::<Value>(d).ok())
+            {
+                if v["choices"][0]["token_ids"].as_array().is_some_and(|a| !a.is_empty()) {
+                    tokens += 1;
+                    ttft.get_or_insert_with(|| hop.t0.elapsed());
+                }
+                if v.get("error").is_some() {
                     failed = true;
-                    let message = format!("decode worker's stream broke: {e}");
-                    let ev = json!({"error": {"message": message, "type": "service_unavailable"}});
-                    pending.extend_from_slice(format!("data: {ev}\n\n").as_bytes());
-                    Vec::new()
                 }
-            };
-            pending.extend_from_slice(&piece);
-            // Forward whole events only, so the closing one can be annotated.
-            while let Some(at) = pending.windows(2).position(|w| w == b"\n\n") {
-                let raw: Vec<u8> = pending.drain(..at + 2).collect();
-                let mut ev = raw.clone();
-                if let Some(mut v) = std::str::from_utf8(&raw)
-                    .ok()
-                    .and_then(|t| t.trim().strip_prefix("data: "))
-                    .and_then(|d| serde_json::from_str::<Value>(d).ok())
-                {
-                    if v["choices"][0]["token_ids"].as_array().is_some_and(|a| !a.is_empty()) {
-                        tokens += 1;
-                        ttft.get_or_insert_with(|| hop.t0.elapsed());
+                let mut changed = hop.first_sent.is_some() && first_token::as_client_sees(&mut v);
+                if v.get("usage").is_some_and(|u| !u.is_null()) {
+                    let total = hop.t0.elapsed();
+                    if !v.get("kvconnect").is_some_and(Value::is_object) {
+                        v["kvconnect"] = json!({});
                     }
-                    if v.get("error").is_some() {
-                        failed = true;
-                    }
-                    if v.get("usage").is_some_and(|u| !u.is_null()) {
-                        let total = hop.t0.elapsed();
-                        if !v.get("kvconnect").is_some_and(Value::is_object) {
-                            v["kvconnect"] = json!({});
-                        }
-                        v["kvconnect"]["prefill"] = hop.prefill.clone();
-                        v["kvconnect"]["proxy"] = json!({
-                            "prefill_worker": hop.pw, "decode_worker": hop.dw,
-                            "prefill_us": hop.prefill_done.as_micros() as u64,
-                            "ttft_us": ttft.unwrap_or(total).as_micros() as u64,
-                            "total_us": total.as_micros() as u64,
-                        });
-                        ev = format!("data: {v}\n\n").into_bytes();
-                    }
+                    v["kvconnect"]["prefill"] = hop.prefill.clone();
+                    v["kvconnect"]["proxy"] = json!({
+                        "prefill_worker": hop.pw, "decode_worker": hop.dw,
+                        "prefill_us": hop.prefill_done.as_micros() as u64,
+                        "ttft_us": ttft.unwrap_or(total).as_micros() as u64,
+                        "total_us": total.as_micros() as u64,
+                        "first_token": if hop.first_sent.is_some() { "prefill" } else { "decode" },
+                    });
+                    changed = true;
                 }
-                // A client that left stops the writes; decode's stream is still read to its
-                // end so the request is counted.
-                if let Some(c) = &client {
-                    if c.send(Bytes::from(ev)).await.is_err() {
-                        client = None;
-                    }
+                if changed {
+                    ev = sse_event(&v);
+                }
+            }
+            // A client that left stops the writes; decode's stream is still read to its
+            // end so the request is counted.
+            if let Some(c) = &client {
+                if c.send(ev).await.is_err() {
+                    client = None;
                 }
             }
         }
-        if failed {
-            p.metrics.error();
-        } else {
-            let total = hop.t0.elapsed();
-            p.metrics.served(&hop.pw, &hop.dw, ttft.unwrap_or(total), total, tokens);
-        }
-    });
-    Ok(events)
+    }
+    if failed {
+        p.metrics.error();
+    } else {
+        let total = hop.t0.elapsed();
+        p.metrics.served(&hop.pw, &hop.dw, ttft.unwrap_or(total), total, tokens);
+    }
 }
 
 /// The Authorization the servers get: the servers' key when the proxy has one (as vLLM's

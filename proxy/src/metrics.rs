@@ -23,6 +23,7 @@ pub struct ProxyMetrics {
     per_server: Family<Labels, Counter>,
     ttft: Histogram,
     latency: Histogram,
+    first_token: Family<Labels, Counter>,
     /// The KV router's (registered here, counted while `--routing kv` routes).
     pub router: RouterMetrics,
 }
@@ -173,9 +174,17 @@ impl Default for ProxyMetrics {
             ttft.clone(),
         );
         r.register("kvconnect_proxy_request_seconds", "Whole-request latency at the proxy", latency.clone());
+        let first_token = Family::<Labels, Counter>::default();
+        r.register(
+            "kvconnect_proxy_first_token",
+            "With --first-token prefill: streamed completions that started with prefill's token \
+                (from=prefill), or with decode's and why (from=decode; reason: chat, not_streamed, prompts, \
+                parameters, no_token_ids)",
+            first_token.clone(),
+        );
         let router = RouterMetrics::default();
         router.register(&mut r);
-        ProxyMetrics { registry: r, served, failed, tokens, per_server, ttft, latency, router }
+        ProxyMetrics { registry: r, served, failed, tokens, per_server, ttft, latency, first_token, router }
     }
 }
 
@@ -189,6 +198,29 @@ impl ProxyMetrics {
         }
         self.ttft.observe(ttft.as_secs_f64());
         self.latency.observe(total.as_secs_f64());
+    }
+
+    /// A request prefill answered whole (its one token; no decode asked).
+    pub fn served_at_prefill(&self, pw: &str, ttft: Duration, total: Duration) {
+        self.served.inc();
+        self.tokens.inc();
+        self.per_server
+            .get_or_create(&vec![("role", Role::Prefill.to_string()), ("worker", pw.to_owned())])
+            .inc();
+        self.ttft.observe(ttft.as_secs_f64());
+        self.latency.observe(total.as_secs_f64());
+    }
+
+    /// A streamed completion that starts with prefill's token (`--first-token prefill`).
+    pub fn first_token_from_prefill(&self) {
+        self.first_token.get_or_create(&vec![("from", "prefill".to_owned())]).inc();
+    }
+
+    /// One that starts with decode's instead, and why (a label of [`crate::first_token::plan`]).
+    pub fn first_token_from_decode(&self, why: &str) {
+        self.first_token
+            .get_or_create(&vec![("from", "decode".to_owned()), ("reason", why.to_owned())])
+            .inc();
     }
 
     /// A request that ended with an error.

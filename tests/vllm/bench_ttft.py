@@ -14,7 +14,12 @@ each):
   monolithic's times in its pairs are slowed: read its P/D time, not its ratio;
 - nixlconnector: vLLM's own NixlConnector on CPU (`kv_buffer_device: cpu`), with the NIXL
   Python package from --nixl-python DIR (`pip install --target DIR nixl==1.5.1`);
-- example: vLLM's ExampleConnector (shared storage).
+- example: vLLM's ExampleConnector (shared storage);
+- kvconnect-first: kvconnect-shm's pair behind `kvconnect proxy --first-token prefill`: the
+  client streams from the proxy, which sends prefill's token as soon as prefill answers and
+  has decode continue after it (decode then loads every prompt token). Its P/D time is the
+  client's time to the first streamed token through the proxy, so it includes the proxy's
+  hop.
 
     VENV/bin/python tests/vllm/bench_ttft.py [--pairs 15] [--prompt-len 200] [--peers A,B,...]
         [--nixl-python DIR] [--transfer [--long-len 480]] [--max-ratio R] [--breakdown]
@@ -63,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     Failed, Server, free_port, kv_config, make_tiny_model, metric, run_checks,
 )
-from test_pd import nixl  # noqa: E402
+from test_pd import nixl, start_proxy  # noqa: E402
 import requests  # noqa: E402
 import torch  # noqa: E402
 
@@ -146,20 +151,28 @@ def quartiles(xs):
     return {"q1": round(q[0], 3), "median": round(statistics.median(xs), 3), "q3": round(q[2], 3)}
 
 
-def interleaved(a, mono: Server, pre: Server, dec: Server, label: str, with_params: bool, fresh):
+def interleaved(a, mono: Server, pre: Server, dec: Server, label: str, with_params: bool, fresh, proxy=None):
     """Pairs of (monolithic, P/D) on one fresh prompt each, alternating which goes first. With
     `a.breakdown`, each P/D request's time is also split into its parts (client round trips,
-    and vLLM's own per-request histograms on both servers and on monolithic), as medians."""
+    and vLLM's own per-request histograms on both servers and on monolithic), as medians.
+    `proxy`: the URL of a `kvconnect proxy` in front of the pair, which P/D requests stream
+    from (the client's one round trip)."""
+
+    def hop(p, rid, parts=None):
+        if proxy:
+            return stream(proxy, p, rid)
+        return pd(pre.url, dec.url, p, rid, with_params, parts)
+
     m0, tok = stream(mono.url, fresh(), f"warm-mono-{label}")
-    pd(pre.url, dec.url, fresh(), f"warm-{label}", with_params)
+    hop(fresh(), f"warm-{label}")
     ratios, pd_ms, mono_ms, parts = [], [], [], []
 
     def timed_pd(p, i):
         if not a.breakdown:
-            return pd(pre.url, dec.url, p, f"{label}-{i}", with_params)
+            return hop(p, f"{label}-{i}")
         b_pre, b_dec = server_parts(pre.url), server_parts(dec.url)
         row = {}
-        out = pd(pre.url, dec.url, p, f"{label}-{i}", with_params, row)
+        out = hop(p, f"{label}-{i}", row)
         time.sleep(SETTLE_S)  # vLLM's metrics trail the request's last step
         row.update(breakdown_of(b_pre, server_parts(pre.url), "prefill"))
         row.update(breakdown_of(b_dec, server_parts(dec.url), "decode"))
@@ -276,7 +289,8 @@ def transfer(a, pre: Server, dec: Server, fresh_long):
             "memcpy_us_median": round(statistics.median(copy_us), 1)}
 
 
-PEERS = ("kvconnect-shm", "kvconnect-shm-sync", "kvconnect-shm-async", "kvconnect-tcp", "kvconnect-noload", "nixlconnector", "example")
+PEERS = ("kvconnect-shm", "kvconnect-shm-sync", "kvconnect-shm-async", "kvconnect-tcp", "kvconnect-noload",
+         "kvconnect-first", "nixlconnector", "example")
 
 
 def peer_servers(name: str, model: str, tmp: Path, nixl_python, args=ARGS):
@@ -286,6 +300,7 @@ def peer_servers(name: str, model: str, tmp: Path, nixl_python, args=ARGS):
     `nixlconnector`: vLLM's own connector with the NIXL Python package from `nixl_python` (a
     directory on PYTHONPATH)."""
     if name.startswith("kvconnect-"):
+        # kvconnect-first: kvconnect-shm's pair (the proxy in front of it is main's).
         backend = "tcp" if name == "kvconnect-tcp" else "shm"
         inner = nixl(backend)
         if name in ("kvconnect-shm-sync", "kvconnect-shm-async"):
@@ -356,7 +371,15 @@ def main():
                     pre.wait_healthy()
                     dec.wait_healthy()
                     ext0 = metric(dec.url, *EXTERNAL)
-                    r = interleaved(a, mono, pre, dec, name, with_params, fresh)
+                    if name == "kvconnect-first":
+                        proxy, proxy_url = start_proxy(pre, dec, "--first-token", "prefill")
+                    try:
+                        r = interleaved(a, mono, pre, dec, name, with_params, fresh,
+                                        proxy_url if name == "kvconnect-first" else None)
+                    finally:
+                        if name == "kvconnect-first":
+                            proxy.terminate()
+                            proxy.wait(30)
                     # Every timed request is fresh: what decode loaded, per request.
                     time.sleep(2)  # vLLM's metrics trail the last step
                     r["external_tokens_per_request"] = round((metric(dec.url, *EXTERNAL) - ext0) / (a.pairs + 1), 1)

@@ -103,31 +103,49 @@ def kvconnect_bin() -> Path:
     return path
 
 
-def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: list):
-    """`kvconnect proxy` in front of the two vLLM servers: plain OpenAI requests through it
-    (the last one streamed) equal monolithic, and decode loads each prompt's KV."""
-    ext0 = metric(dec.url, "vllm:external_prefix_cache_hits_total")
+def start_proxy(pre: Server, dec: Server, *flags: str):
+    """`kvconnect proxy` in front of the two servers: (the process, its URL)."""
     proxy = subprocess.Popen([str(kvconnect_bin()), "proxy", "--prefill", pre.url, "--decode", dec.url,
-                              "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              "--listen", "127.0.0.1:0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    first = proxy.stdout.readline()
+    if not first:
+        raise Failed(f"kvconnect proxy did not start: {proxy.stderr.read()[:500]}")
+    return proxy, json.loads(first)["proxy"]
+
+
+def stream_through(url: str, body: dict, label: str):
+    """(every streamed token id, the usage chunk's usage, the first chunk) of one streamed
+    completion."""
+    body = dict(body, model="tiny", temperature=body.get("temperature", 0.0), stream=True, return_token_ids=True)
+    tokens, usage, first = [], None, None
+    with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+        if r.status_code != 200:
+            raise Failed(f"{label}: streaming through kvconnect proxy: HTTP {r.status_code}: {r.text[:300]}")
+        for line in r.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise Failed(f"{label}: the stream carried an error: {chunk}")
+                first = first or chunk
+                usage = chunk.get("usage") or usage
+                for c in chunk.get("choices", []):
+                    tokens += c.get("token_ids") or []
+    return tokens, usage, first
+
+
+def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: list, fresh=None, fresh_expected=None):
+    """`kvconnect proxy` in front of the two vLLM servers: plain OpenAI requests through it
+    (the last one streamed) equal monolithic, and decode loads each prompt's KV. `fresh`:
+    prompts for the same through `--first-token prefill` (check_first_token)."""
+    ext0 = metric(dec.url, "vllm:external_prefix_cache_hits_total")
+    proxy, url = start_proxy(pre, dec)
     try:
-        first = proxy.stdout.readline()
-        if not first:
-            raise Failed(f"kvconnect proxy did not start: {proxy.stderr.read()[:500]}")
-        url = json.loads(first)["proxy"]
         for i, (p, e) in enumerate(zip(ps[:-1], expected)):
             got = tokens_of(complete(url, p, f"proxy-{label}-{i}"))
             if got != e:
                 raise Failed(f"{label}: through kvconnect proxy, prompt {i} ({len(p)} tokens) gave {got}, monolithic {e}")
-        body = {"model": "tiny", "prompt": ps[-1], "max_tokens": MAX_TOKENS, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "stream": True}
-        streamed = []
-        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
-            if r.status_code != 200:
-                raise Failed(f"{label}: streaming through kvconnect proxy: HTTP {r.status_code}: {r.text[:300]}")
-            for line in r.iter_lines():
-                if line.startswith(b"data: ") and line != b"data: [DONE]":
-                    for c in json.loads(line[6:]).get("choices", []):
-                        streamed += c.get("token_ids") or []
+        streamed, _, _ = stream_through(url, {"prompt": ps[-1], "max_tokens": MAX_TOKENS, "ignore_eos": True}, label)
         if streamed != expected[-1]:
             raise Failed(f"{label}: streamed through kvconnect proxy: {streamed}, monolithic {expected[-1]}")
     finally:
@@ -138,6 +156,62 @@ def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: li
     if ext != want:
         raise Failed(f"{label}: through kvconnect proxy decode's external prefix-cache hits grew by {ext}, expected {want}")
     print(f"ok: {label}: {len(ps)} requests through kvconnect proxy (one streamed) equal monolithic; decode loaded {ext:.0f} prompt tokens")
+    if fresh:
+        check_first_token(pre, dec, label, fresh, fresh_expected)
+
+
+def check_first_token(pre: Server, dec: Server, label: str, ps, expected: list):
+    """`kvconnect proxy --first-token prefill`: each streamed completion starts with
+    prefill's token and equals monolithic's, its usage is the client's (prompt and
+    completion tokens as monolithic counts them), and decode loads the KV of every prompt
+    token, computing only prefill's token. A one-token request is prefill's alone (decode
+    loads nothing); a seeded one (the last prompt) goes vLLM's two-request way, counted by why."""
+    (ps, seeded_prompt), (expected, seeded_expected) = (ps[:-1], ps[-1]), (expected[:-1], expected[-1])
+    ext0 = metric(dec.url, "vllm:external_prefix_cache_hits_total")
+    sends0 = metric(pre.url, "vllm:kvconnect_sends_done_total")
+    proxy, url = start_proxy(pre, dec, "--first-token", "prefill")
+    try:
+        for i, (p, e) in enumerate(zip(ps, expected)):
+            body = {"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            got, usage, first = stream_through(url, body, f"{label} first token from prefill, prompt {i}")
+            if got != e:
+                raise Failed(f"{label}: first token from prefill, prompt {i} ({len(p)} tokens) gave {got}, monolithic {e}")
+            want_usage = {"prompt_tokens": len(p), "completion_tokens": MAX_TOKENS, "total_tokens": len(p) + MAX_TOKENS}
+            if {k: (usage or {}).get(k) for k in want_usage} != want_usage:
+                raise Failed(f"{label}: first token from prefill, prompt {i}: usage {usage}, expected {want_usage}")
+            if first["choices"][0].get("prompt_token_ids") != p or first["choices"][0].get("token_ids") != e[:1]:
+                raise Failed(f"{label}: first token from prefill, prompt {i}: the first chunk is {first}")
+        ext = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", ext0 + sum(map(len, ps))) - ext0
+        if ext != sum(map(len, ps)):
+            raise Failed(f"{label}: first token from prefill: decode's external prefix-cache hits grew by {ext}, "
+                         f"expected every prompt token, {sum(map(len, ps))}")
+        # One token: prefill's answer is the whole answer, and prefill keeps no KV for it.
+        one, _, _ = stream_through(url, {"prompt": ps[0], "max_tokens": 1}, f"{label} one token")
+        seeded, _, _ = stream_through(url, {"prompt": seeded_prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+                                            "seed": 7}, f"{label} seeded")
+        if (one, seeded) != (expected[0][:1], seeded_expected):
+            raise Failed(f"{label}: through --first-token prefill, one token gave {one}, a seeded request {seeded}; "
+                         f"monolithic {expected[0][:1]}, {seeded_expected}")
+        text = requests.get(url + "/metrics", timeout=10).text
+    finally:
+        proxy.terminate()
+        proxy.wait(30)
+    counts = {k: sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("kvconnect_proxy_first_token_total{") and k in l)
+              for k in ('from="prefill"', 'reason="parameters"')}
+    if counts != {'from="prefill"': len(ps) + 1, 'reason="parameters"': 1}:
+        raise Failed(f"{label}: the proxy counted first tokens {counts}, expected {len(ps) + 1} from prefill and the "
+                     f"seeded request from decode (parameters)")
+    # The seeded request went the two-request way: its KV loaded, the one-token one's not.
+    want = loadable(seeded_prompt)
+    ext2 = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", ext0 + ext + want) - ext0 - ext
+    sends = wait_metric(pre.url, "vllm:kvconnect_sends_done_total", sends0 + len(ps) + 1) - sends0
+    if (ext2, sends) != (want, len(ps) + 1):
+        raise Failed(f"{label}: after the one-token and seeded requests decode's external hits grew by {ext2} and prefill "
+                     f"finished {sends} sends; expected {want} and {len(ps) + 1}")
+    print(f"ok: {label}: {len(ps)} streamed completions through --first-token prefill equal monolithic, with "
+          f"monolithic's usage; decode loaded every prompt token ({ext:.0f}); one token from prefill alone, "
+          f"a seeded request the two-request way")
 
 
 def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expected: list,
@@ -293,11 +367,12 @@ def main():
             refused_checks(model, tmp)
 
     def pd_checks(model: str, tmp: Path):
-        ps, pp = prompts(), prompts(8, PROXY_PROMPT_LENS)
+        ps, pp, pf = prompts(), prompts(8, PROXY_PROMPT_LENS), prompts(12, PROXY_PROMPT_LENS + [40])
         # A fresh prompt for the request after a lull (decode's prefix cache holds the others).
         idle_prompt = prompts(11, [150])[0]
-        out = run_monolithic(model, tmp, ps + pp + [idle_prompt])
-        expected, expected_pp, expected_idle = out[:len(ps)], out[len(ps):-1], out[-1]
+        out = run_monolithic(model, tmp, ps + pp + pf + [idle_prompt])
+        expected, expected_idle = out[:len(ps)], out[-1]
+        expected_pp, expected_pf = out[len(ps):len(ps) + len(pp)], out[len(ps) + len(pp):-1]
         print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
         proxied = False
         for spec in a.backends.split(",") if "pd" in parts else []:
@@ -314,7 +389,7 @@ def main():
             proxy = backend == "shm" and not proxied
             proxied |= proxy
             run_pd(model, tmp, ps, f"nixl-{spec}", pre, dec, expected,
-                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp) if proxy else None,
+                   shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp, pf, expected_pf) if proxy else None,
                    idle=(idle_prompt, expected_idle))
         if "composite" not in parts:
             return

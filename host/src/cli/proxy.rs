@@ -9,6 +9,7 @@ use kvconnect_api::Role;
 use kvconnect_deployment::exit::Exit;
 use kvconnect_openai::{gate, serve};
 use kvconnect_proxy::backends::Backends;
+use kvconnect_proxy::first_token::FirstToken;
 use kvconnect_proxy::kv_subscriber::{follow, EventSource};
 use kvconnect_proxy::routing::{KvRouter, Routing};
 use kvconnect_proxy::Proxy;
@@ -43,6 +44,12 @@ pub struct ProxyArgs {
     /// round-robin, said so, while there are none to go by).
     #[arg(long, value_enum, default_value = "round-robin")]
     pub routing: Routing,
+    /// Which server's token a streamed completion starts with: decode's (vLLM's P/D
+    /// protocol), or prefill's, sent as soon as prefill answers, decode continuing after it
+    /// (time to first token: prefill's round trip). Requests whose output that could change
+    /// (chat, a seed, stop strings, ...) keep decode's; /metrics counts which and why.
+    #[arg(long = "first-token", value_enum, default_value = "decode")]
+    pub first_token: FirstToken,
     /// With --routing kv: a prefill server's KV event publisher, `tcp://HOST:PORT`, or
     /// `tcp://HOST:PORT,tcp://HOST:PORT` with its replay endpoint; one per --prefill, in the
     /// same order.
@@ -143,6 +150,7 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
     let mut proxy = Proxy::new(Arc::new(Backends::new(servers)), Duration::from_secs(a.timeout_s.max(1)));
     proxy.server_key = key;
     proxy.verbatim = true;
+    proxy.first_token = a.first_token;
     let mut followers = Vec::new();
     if a.routing == Routing::Kv {
         let names: Vec<String> = (0..a.prefill.len()).map(|i| format!("{}-{i}", Role::Prefill)).collect();
