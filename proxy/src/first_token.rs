@@ -27,6 +27,9 @@
 //!   `min_tokens`, `logprobs`, `echo`, `n` above 1, structured outputs, ...;
 //! - `no_token_ids`: prefill answered without token ids (not a vLLM that returns them); its
 //!   KV goes to decode the two-request way.
+//! - `params`: prefill's transfer params do not say that it holds the whole prompt
+//!   (`remote_num_tokens`: KvconnectConnector's do; vLLM's NixlConnector's do not, and its
+//!   decode loads every token of its prompt, one more than prefill holds).
 //!
 //! If prefill's token ends the completion (an end-of-sequence or stop token), decode is not
 //! asked: prefill's blocks, kept for a decode that will not come, are freed when their lease
@@ -236,14 +239,35 @@ pub(crate) async fn serve(
         Ok(pf) => pf,
         Err(r) => return r,
     };
-    let Some(first) = First::of(&pf.answer) else {
-        tracing::warn!(
-            prefill = %pf.pw,
-            "prefill answered without prompt_token_ids and token_ids (vLLM's return_token_ids): this \
-                request's first token comes from decode; run the proxy with --first-token decode in \
-                front of servers that do not return token ids"
-        );
-        p.metrics.first_token_from_decode("no_token_ids");
+    let first = First::of(&pf.answer);
+    // Decode can continue after prefill's token only if its connector loads as many tokens
+    // as prefill's params say prefill holds (`remote_num_tokens`, kvconnect's params): vLLM's
+    // NixlConnector would load every token of decode's prompt, one more than prefill holds.
+    let held = pf.answer["kv_transfer_params"]["remote_num_tokens"].as_u64();
+    const NO_IDS: (&str, &str) =
+        ("no_token_ids", "prefill answered without prompt_token_ids and token_ids (vLLM's return_token_ids)");
+    let why = match &first {
+        None => Some(NO_IDS),
+        Some(f) if rest > 0 && f.finish == json!("length") && held != Some(f.prompt_ids.len() as u64) => Some((
+            "params",
+            "prefill's kv_transfer_params do not say that it holds the whole prompt (remote_num_tokens, as \
+                KvconnectConnector's do), so decode's connector could not be trusted to continue after \
+                prefill's token",
+        )),
+        _ => None,
+    };
+    let (Some(first), None) = (first, why) else {
+        let (reason, message) = why.unwrap_or(NO_IDS);
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                prefill = %pf.pw,
+                "{message}: such requests get decode's first token, the two-request way (counted in \
+                    kvconnect_proxy_first_token_total{{reason=\"{reason}\"}}); run the proxy with \
+                    --first-token decode in front of these servers"
+            )
+        });
+        p.metrics.first_token_from_decode(reason);
         return match crate::decode_stream(p, path, pf, t0).await {
             Ok(events) => sse_response(events),
             Err(r) => r,
@@ -434,7 +458,8 @@ mod tests {
             (start(app).await, got)
         }
 
-        pub async fn prefill(ids: bool, finish: &'static str) -> (String, Got) {
+        /// `held`: the tokens prefill's params say it holds (3: the whole prompt).
+        pub async fn prefill(ids: bool, finish: &'static str, held: Option<u64>) -> (String, Got) {
             recording(move |_| {
                 let mut c = json!({"index": 0, "text": " A", "finish_reason": finish, "stop_reason": null});
                 if ids {
@@ -444,7 +469,8 @@ mod tests {
                 axum::Json(json!({"id": "cmpl-r", "object": "text_completion", "created": 1,
                     "model": "tiny", "choices": [c],
                     "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
-                    "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p0"}}))
+                    "kv_transfer_params": {"do_remote_prefill": true, "remote_engine_id": "p0",
+                        "remote_num_tokens": held}}))
             })
             .await
         }
@@ -506,7 +532,8 @@ mod tests {
 
     #[tokio::test]
     async fn prefills_token_goes_first_and_decode_continues_from_it() {
-        let ((pa, pgot), (da, dgot)) = (servers::prefill(true, "length").await, servers::decode(200).await);
+        let ((pa, pgot), (da, dgot)) =
+            (servers::prefill(true, "length", Some(3)).await, servers::decode(200).await);
         let p = proxy_of(&pa, &da).await;
         let ev = events(&p, json_of(ASK)).await;
         assert_eq!(ev.len(), 5, "{ev:?}");
@@ -536,7 +563,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_token_that_ends_the_completion_or_a_one_token_request_never_reaches_decode() {
-        let ((pa, pgot), (da, dgot)) = (servers::prefill(true, "stop").await, servers::decode(200).await);
+        let ((pa, pgot), (da, dgot)) =
+            (servers::prefill(true, "stop", Some(3)).await, servers::decode(200).await);
         let p = proxy_of(&pa, &da).await;
         let ev = events(&p, json_of(ASK)).await;
         assert_eq!(json_of(&ev[0])["choices"][0]["finish_reason"], "stop");
@@ -555,7 +583,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_decode_that_is_gone_or_refuses_after_the_first_token_ends_the_stream_with_an_error() {
-        let (pa, _) = servers::prefill(true, "length").await;
+        let (pa, _) = servers::prefill(true, "length", Some(3)).await;
         let p = proxy_of(&pa, &closed_port()).await;
         let ev = events(&p, json_of(ASK)).await;
         assert_eq!(json_of(&ev[0])["choices"][0]["token_ids"], json!([40]));
@@ -573,7 +601,8 @@ mod tests {
 
     #[tokio::test]
     async fn a_prefill_without_token_ids_is_served_the_two_request_way() {
-        let ((pa, _), (da, dgot)) = (servers::prefill(false, "length").await, servers::decode(200).await);
+        let ((pa, _), (da, dgot)) =
+            (servers::prefill(false, "length", Some(3)).await, servers::decode(200).await);
         let p = proxy_of(&pa, &da).await;
         let ev = events(&p, json_of(ASK)).await;
         assert_eq!(json_of(&ev[0])["choices"][0]["token_ids"], json!([41]), "decode's first token: {ev:?}");
@@ -584,5 +613,21 @@ mod tests {
             m.contains("kvconnect_proxy_first_token_total{from=\"decode\",reason=\"no_token_ids\"} 1\n"),
             "{m}"
         );
+
+        // Params that do not say prefill holds the whole prompt (vLLM's NixlConnector's say
+        // nothing of it): decode's connector might load more of its prompt than prefill holds.
+        for held in [None, Some(2)] {
+            let ((pa, _), (da, dgot)) =
+                (servers::prefill(true, "length", held).await, servers::decode(200).await);
+            let p = proxy_of(&pa, &da).await;
+            let ev = events(&p, json_of(ASK)).await;
+            assert_eq!(json_of(&ev[0])["choices"][0]["token_ids"], json!([41]), "{held:?}: {ev:?}");
+            assert_eq!(dgot.lock().unwrap()[0]["prompt"], json!("hi"));
+            let m = p.metrics.render();
+            assert!(
+                m.contains("kvconnect_proxy_first_token_total{from=\"decode\",reason=\"params\"} 1\n"),
+                "{m}"
+            );
+        }
     }
 }

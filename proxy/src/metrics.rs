@@ -179,7 +179,7 @@ impl Default for ProxyMetrics {
             "kvconnect_proxy_first_token",
             "With --first-token prefill: streamed completions that started with prefill's token \
                 (from=prefill), or with decode's and why (from=decode; reason: chat, not_streamed, prompts, \
-                parameters, no_token_ids)",
+                parameters, no_token_ids, params)",
             first_token.clone(),
         );
         let router = RouterMetrics::default();
