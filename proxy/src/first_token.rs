@@ -31,9 +31,10 @@
 //!   (`remote_num_tokens`: KvconnectConnector's do; vLLM's NixlConnector's do not, and its
 //!   decode loads every token of its prompt, one more than prefill holds).
 //!
-//! If prefill's token ends the completion (an end-of-sequence or stop token), decode is not
-//! asked: prefill's blocks, kept for a decode that will not come, are freed when their lease
-//! ends (kvconnect's producer counts such a hold as expired).
+//! If prefill's token ends the completion (an end-of-sequence or stop token), the client's
+//! stream ends with it; decode is still sent the prompt in the background, for one token
+//! whose answer is dropped, so that prefill's blocks are read and freed at once, not held
+//! until their lease ends ([`release`]).
 
 use crate::{forward, open_decode, prefill, sse_event, sse_response, DecodeOpen, Hop, Proxy};
 use axum::body::Bytes;
@@ -288,6 +289,9 @@ pub(crate) async fn serve(
         }
         let _ = out.try_send(Bytes::from_static(DONE));
         p.metrics.served_at_prefill(&pf.pw, sent, t0.elapsed());
+        if rest > 0 {
+            release(p, path, pf, first.prompt_ids);
+        }
         return sse_response(events);
     }
     let dw = match p.backends.pick(Role::Decode, &[]) {
@@ -324,6 +328,36 @@ pub(crate) async fn serve(
         }
     });
     sse_response(events)
+}
+
+/// Prefill kept the prompt's KV for a decode, but its token ended the completion: decode is
+/// still sent the prompt, in the background, for one token whose answer is dropped, so that
+/// it reads prefill's blocks and prefill frees them now rather than when their lease ends
+/// (vLLM's protocol would have sent decode the request too).
+fn release(p: &Arc<Proxy>, path: &str, mut pf: crate::Prefilled, prompt_ids: Vec<Value>) {
+    pf.dec.insert("prompt".into(), Value::Array(prompt_ids));
+    pf.dec.insert("max_tokens".into(), json!(1));
+    pf.dec.insert("stream".into(), json!(false));
+    pf.dec.remove("stream_options");
+    let (p, path) = (p.clone(), path.to_owned());
+    tokio::spawn(async move {
+        let headers = crate::borrowed(&pf.headers);
+        let body = Value::Object(pf.dec);
+        match p.send(Role::Decode, "POST", &path, Some(&body), &headers).await {
+            Ok((_, r)) if r.status == 200 => {}
+            Ok((dw, r)) => tracing::warn!(
+                decode = %dw,
+                "decode refused the request that would free prefill's blocks (HTTP {}): prefill frees them \
+                    when their lease ends: {}",
+                r.status,
+                r.body.chars().take(300).collect::<String>()
+            ),
+            Err(_) => tracing::warn!(
+                "no decode server could be reached to free prefill's blocks; prefill frees them when their \
+                    lease ends"
+            ),
+        }
+    });
 }
 
 #[cfg(test)]
@@ -562,7 +596,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_token_that_ends_the_completion_or_a_one_token_request_never_reaches_decode() {
+    async fn a_token_that_ends_the_completion_frees_prefills_kv_and_a_one_token_request_keeps_none() {
         let ((pa, pgot), (da, dgot)) =
             (servers::prefill(true, "stop", Some(3)).await, servers::decode(200).await);
         let p = proxy_of(&pa, &da).await;
@@ -570,6 +604,16 @@ mod tests {
         assert_eq!(json_of(&ev[0])["choices"][0]["finish_reason"], "stop");
         assert_eq!(json_of(&ev[1])["usage"]["completion_tokens"], 1);
         assert_eq!(ev[2], "[DONE]");
+        // Decode is still asked, in the background, so prefill's blocks are read and freed.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while dgot.lock().unwrap().is_empty() && std::time::Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let release =
+            dgot.lock().unwrap().first().cloned().expect("decode is sent the prompt to free prefill's KV");
+        assert_eq!((release["prompt"].clone(), release["max_tokens"].clone()), (json!([5, 6, 7]), json!(1)));
+        assert_eq!(release["stream"], false);
+        assert_eq!(release["kv_transfer_params"]["remote_engine_id"], "p0");
         let mut one = json_of(ASK);
         one["max_tokens"] = json!(1);
         let ev = events(&p, one).await;
@@ -578,7 +622,8 @@ mod tests {
             pgot.lock().unwrap()[1].get("kv_transfer_params").is_none(),
             "one token: no KV kept for decode"
         );
-        assert!(dgot.lock().unwrap().is_empty());
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        assert_eq!(dgot.lock().unwrap().len(), 1, "one token: nothing kept for decode to free");
     }
 
     #[tokio::test]

@@ -139,7 +139,8 @@ def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: li
     (the last one streamed) equal monolithic, and decode loads each prompt's KV. `fresh`:
     prompts for the same through `--first-token prefill` (check_first_token)."""
     ext0 = metric(dec.url, "vllm:external_prefix_cache_hits_total")
-    proxy, url = start_proxy(pre, dec)
+    # vLLM's protocol for every request: decode computes each prompt's last token.
+    proxy, url = start_proxy(pre, dec, "--first-token", "decode")
     try:
         for i, (p, e) in enumerate(zip(ps[:-1], expected)):
             got = tokens_of(complete(url, p, f"proxy-{label}-{i}"))
@@ -161,15 +162,17 @@ def check_kvconnect_proxy(pre: Server, dec: Server, label: str, ps, expected: li
 
 
 def check_first_token(pre: Server, dec: Server, label: str, ps, expected: list):
-    """`kvconnect proxy --first-token prefill`: each streamed completion starts with
+    """`kvconnect proxy` (its default, `--first-token prefill`): each streamed completion starts with
     prefill's token and equals monolithic's, its usage is the client's (prompt and
     completion tokens as monolithic counts them), and decode loads the KV of every prompt
     token, computing only prefill's token. A one-token request is prefill's alone (decode
-    loads nothing); a seeded one (the last prompt) goes vLLM's two-request way, counted by why."""
-    (ps, seeded_prompt), (expected, seeded_expected) = (ps[:-1], ps[-1]), (expected[:-1], expected[-1])
+    loads nothing); a seeded one goes vLLM's two-request way, counted by why; one whose first
+    token is a stop token ends with it, and decode still reads prefill's blocks, freeing them."""
+    (ps, seeded_prompt, stop_prompt), (expected, seeded_expected, stop_expected) = (
+        (ps[:-2], ps[-2], ps[-1]), (expected[:-2], expected[-2], expected[-1]))
     ext0 = metric(dec.url, "vllm:external_prefix_cache_hits_total")
     sends0 = metric(pre.url, "vllm:kvconnect_sends_done_total")
-    proxy, url = start_proxy(pre, dec, "--first-token", "prefill")
+    proxy, url = start_proxy(pre, dec)
     try:
         for i, (p, e) in enumerate(zip(ps, expected)):
             body = {"prompt": p, "max_tokens": MAX_TOKENS, "ignore_eos": True,
@@ -193,25 +196,33 @@ def check_first_token(pre: Server, dec: Server, label: str, ps, expected: list):
         if (one, seeded) != (expected[0][:1], seeded_expected):
             raise Failed(f"{label}: through --first-token prefill, one token gave {one}, a seeded request {seeded}; "
                          f"monolithic {expected[0][:1]}, {seeded_expected}")
+        body = {"prompt": stop_prompt, "max_tokens": MAX_TOKENS, "stop_token_ids": [stop_expected[0]]}
+        stopped, _, first = stream_through(url, body, f"{label} stopped at the first token")
+        if stopped != stop_expected[:1] or first["choices"][0].get("finish_reason") != "stop":
+            raise Failed(f"{label}: a request stopped at its first token gave {stopped}, first chunk {first}")
         text = requests.get(url + "/metrics", timeout=10).text
+        counts = {k: sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("kvconnect_proxy_first_token_total{") and k in l)
+                  for k in ('from="prefill"', 'reason="parameters"')}
+        if counts != {'from="prefill"': len(ps) + 2, 'reason="parameters"': 1}:
+            raise Failed(f"{label}: the proxy counted first tokens {counts}, expected {len(ps) + 2} from prefill and the "
+                         f"seeded request from decode (parameters)")
+        # The seeded request and the stopped one's release loaded their KV (every token but the
+        # last); the one-token request kept none.
+        want = loadable(seeded_prompt) + loadable(stop_prompt)
+        ext2 = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", ext0 + ext + want) - ext0 - ext
+        sends = wait_metric(pre.url, "vllm:kvconnect_sends_done_total", sends0 + len(ps) + 2) - sends0
+        expired = metric(pre.url, "vllm:kvconnect_sends_expired_total")
+        if (ext2, sends, expired) != (want, len(ps) + 2, 0):
+            raise Failed(f"{label}: after the one-token, seeded and stopped requests decode's external hits grew by {ext2} "
+                         f"and prefill finished {sends} sends ({expired} ended by the lease); expected {want} and "
+                         f"{len(ps) + 2} (0)")
+        print(f"ok: {label}: {len(ps)} streamed completions through --first-token prefill equal monolithic, with "
+              f"monolithic's usage; decode loaded every prompt token ({ext:.0f}); one token from prefill alone, "
+              f"a seeded request the two-request way, one stopped at its first token freed prefill's blocks")
     finally:
+        # Only now: the stopped request's release runs in the proxy's background.
         proxy.terminate()
         proxy.wait(30)
-    counts = {k: sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith("kvconnect_proxy_first_token_total{") and k in l)
-              for k in ('from="prefill"', 'reason="parameters"')}
-    if counts != {'from="prefill"': len(ps) + 1, 'reason="parameters"': 1}:
-        raise Failed(f"{label}: the proxy counted first tokens {counts}, expected {len(ps) + 1} from prefill and the "
-                     f"seeded request from decode (parameters)")
-    # The seeded request went the two-request way: its KV loaded, the one-token one's not.
-    want = loadable(seeded_prompt)
-    ext2 = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", ext0 + ext + want) - ext0 - ext
-    sends = wait_metric(pre.url, "vllm:kvconnect_sends_done_total", sends0 + len(ps) + 1) - sends0
-    if (ext2, sends) != (want, len(ps) + 1):
-        raise Failed(f"{label}: after the one-token and seeded requests decode's external hits grew by {ext2} and prefill "
-                     f"finished {sends} sends; expected {want} and {len(ps) + 1}")
-    print(f"ok: {label}: {len(ps)} streamed completions through --first-token prefill equal monolithic, with "
-          f"monolithic's usage; decode loaded every prompt token ({ext:.0f}); one token from prefill alone, "
-          f"a seeded request the two-request way")
 
 
 def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expected: list,
@@ -367,7 +378,7 @@ def main():
             refused_checks(model, tmp)
 
     def pd_checks(model: str, tmp: Path):
-        ps, pp, pf = prompts(), prompts(8, PROXY_PROMPT_LENS), prompts(12, PROXY_PROMPT_LENS + [40])
+        ps, pp, pf = prompts(), prompts(8, PROXY_PROMPT_LENS), prompts(12, PROXY_PROMPT_LENS + [40, 50])
         # A fresh prompt for the request after a lull (decode's prefix cache holds the others).
         idle_prompt = prompts(11, [150])[0]
         out = run_monolithic(model, tmp, ps + pp + pf + [idle_prompt])

@@ -44,11 +44,13 @@ pub struct ProxyArgs {
     /// round-robin, said so, while there are none to go by).
     #[arg(long, value_enum, default_value = "round-robin")]
     pub routing: Routing,
-    /// Which server's token a streamed completion starts with: decode's (vLLM's P/D
-    /// protocol), or prefill's, sent as soon as prefill answers, decode continuing after it
-    /// (time to first token: prefill's round trip). Requests whose output that could change
-    /// (chat, a seed, stop strings, ...) keep decode's; /metrics counts which and why.
-    #[arg(long = "first-token", value_enum, default_value = "decode")]
+    /// Which server's token a streamed completion starts with: prefill's, sent as soon as
+    /// prefill answers, decode continuing after it (time to first token: prefill's round
+    /// trip), or decode's (vLLM's P/D protocol, where decode computes the prompt's last token
+    /// again). Requests whose output prefill's token could change (chat, a seed, stop strings,
+    /// ...), and servers whose transfer params do not say they hold the whole prompt (vLLM's
+    /// NixlConnector), keep decode's; /metrics counts which and why.
+    #[arg(long = "first-token", value_enum, default_value = "prefill")]
     pub first_token: FirstToken,
     /// With --routing kv: a prefill server's KV event publisher, `tcp://HOST:PORT`, or
     /// `tcp://HOST:PORT,tcp://HOST:PORT` with its replay endpoint; one per --prefill, in the
