@@ -8,6 +8,7 @@ tokens per second), and the result is the median of the rounds' ratios with the 
                                               [--input-len 100] [--output-len 12] [--backend tcp]
                                               [--versus monolithic|nixlconnector]
                                               [--nixl-python DIR] [--idle-step-wait-ms MS]
+                                              [--first-token prefill|decode]
 
 Baselines:
 - `monolithic` (the default): one vLLM server on core 0, while prefill runs on core 0 and
@@ -18,6 +19,10 @@ Baselines:
   core 0 and decode on core 1 like kvconnect's, the same server flags, behind its own
   `kvconnect proxy`: the same processes, cores and streams.
 
+The kvconnect pair's proxy streams prefill's token first (`--first-token prefill`, the
+proxy's default) or speaks vLLM's protocol (`decode`); the baseline's proxy always speaks
+vLLM's protocol.
+
 Each P/D decode's external tokens must grow every round and no kvconnect load may fail, so a
 pair that fell back to recomputing cannot pass for a fast one. Prints one JSON line.
 """
@@ -26,14 +31,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Failed, Server, free_port, kv_config, metric, run_checks, serving  # noqa: E402
-from test_pd import kvconnect_bin, nixl  # noqa: E402
+from test_pd import nixl, start_proxy  # noqa: E402
 
 EXTERNAL = "vllm:external_prefix_cache_hits_total"
 
@@ -84,20 +88,14 @@ def main():
                          "(scripts/install-nixl-python.sh prints it)")
     ap.add_argument("--idle-step-wait-ms", type=float, default=None,
                     help="the P/D servers' adapter key idle_step_wait_ms (unset: the adapter's default)")
+    ap.add_argument("--first-token", choices=("prefill", "decode"), default="prefill",
+                    help="kvconnect proxy's --first-token for the kvconnect pair (the baseline pair's proxy "
+                         "always speaks vLLM's protocol, decode's first token)")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
     if a.versus == "nixlconnector" and not (a.nixl_python and Path(a.nixl_python, "nixl").is_dir()):
         sys.exit("--versus nixlconnector needs the NIXL Python package: pass --nixl-python DIR, the "
                  "directory scripts/install-nixl-python.sh prints")
-
-    def proxy_for(pre: Server, dec: Server) -> tuple[subprocess.Popen, str]:
-        proxy = subprocess.Popen([str(kvconnect_bin()), "proxy", "--prefill", pre.url, "--decode", dec.url,
-                                  "--listen", "127.0.0.1:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True)
-        first = proxy.stdout.readline()
-        if not first:
-            raise Failed(f"kvconnect proxy did not start: {proxy.stderr.read()[:500]}")
-        return proxy, json.loads(first)["proxy"]
 
     def checks(model: str, tmp: Path):
         port = free_port()
@@ -116,11 +114,11 @@ def main():
             for s in (*base, pre, dec):
                 s.wait_healthy()
             try:
-                proxy, url = proxy_for(pre, dec)
+                proxy, url = start_proxy(pre, dec, "--first-token", a.first_token)
                 proxies.append(proxy)
                 base_url = base[0].url
                 if len(base) == 2:
-                    proxy, base_url = proxy_for(*base)
+                    proxy, base_url = start_proxy(*base, "--first-token", "decode")
                     proxies.append(proxy)
                 ratios = {"ttft_p50": [], "ttft_p99": [], "output_throughput": []}
                 rounds = []
