@@ -26,7 +26,7 @@
 //!   presence or frequency penalties (decode would not count prefill's token as output),
 //!   `min_tokens`, `logprobs`, `echo`, `n` above 1, structured outputs, ...;
 //! - `no_token_ids`: prefill answered without token ids (not a vLLM that returns them); its
-//!   KV goes to decode the two-request way.
+//!   KV goes to decode the two-request way;
 //! - `params`: prefill's transfer params do not say that it holds the whole prompt
 //!   (`remote_num_tokens`: KvconnectConnector's do; vLLM's NixlConnector's do not, and its
 //!   decode loads every token of its prompt, one more than prefill holds).
