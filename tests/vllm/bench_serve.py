@@ -19,6 +19,8 @@ Baselines:
   core 0 and decode on core 1 like kvconnect's, the same server flags, behind its own
   `kvconnect proxy`: the same processes, cores and streams.
 
+Every server runs wholly on its core (its API server and engine core too).
+
 The kvconnect pair's proxy streams prefill's token first (`--first-token prefill`, the
 proxy's default) or speaks vLLM's protocol (`decode`); the baseline's proxy always speaks
 vLLM's protocol.
@@ -100,11 +102,14 @@ def main():
     def checks(model: str, tmp: Path):
         port = free_port()
         pace = {} if a.idle_step_wait_ms is None else {"idle_step_wait_ms": a.idle_step_wait_ms}
-        pre = Server("prefill", model, tmp, core=0,
+        # Every server wholly on its core, its API server and engine core too (as
+        # bench_ttft's NixlConnector pair is): no pair borrows the other core's idle time.
+        pre = Server("prefill", model, tmp, core=0, whole=True,
                      kv_config=kv_config("kv_producer", nixl(a.backend), port=port, **pace))
-        dec = Server("decode", model, tmp, core=1, kv_config=kv_config("kv_consumer", nixl(a.backend), **pace))
+        dec = Server("decode", model, tmp, core=1, whole=True,
+                     kv_config=kv_config("kv_consumer", nixl(a.backend), **pace))
         if a.versus == "monolithic":
-            base = [Server("monolithic", model, tmp, core=0)]
+            base = [Server("monolithic", model, tmp, core=0, whole=True)]
         else:
             from bench_ttft import peer_servers
             bpre, bdec, _ = peer_servers("nixlconnector", model, tmp, a.nixl_python, args=())
