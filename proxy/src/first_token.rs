@@ -259,8 +259,9 @@ pub(crate) async fn serve(
     };
     let (Some(first), None) = (first, why) else {
         let (reason, message) = why.unwrap_or(NO_IDS);
-        static WARNED: std::sync::Once = std::sync::Once::new();
-        WARNED.call_once(|| {
+        // Once per reason and proxy; the metric counts every request.
+        static WARNED: [std::sync::Once; 2] = [std::sync::Once::new(), std::sync::Once::new()];
+        WARNED[usize::from(reason != NO_IDS.0)].call_once(|| {
             tracing::warn!(
                 prefill = %pf.pw,
                 "{message}: such requests get decode's first token, the two-request way (counted in \
@@ -288,7 +289,7 @@ pub(crate) async fn serve(
             let _ = out.try_send(sse_event(&usage));
         }
         let _ = out.try_send(Bytes::from_static(DONE));
-        p.metrics.served_at_prefill(&pf.pw, sent, t0.elapsed());
+        p.metrics.served(&pf.pw, None, sent, t0.elapsed(), 1);
         if rest > 0 {
             release(p, path, pf, first.prompt_ids);
         }
@@ -308,7 +309,8 @@ pub(crate) async fn serve(
     pf.dec.insert("prompt".into(), Value::Array(prompt));
     pf.dec.insert("max_tokens".into(), json!(rest));
     pf.dec.insert("stream".into(), json!(true));
-    let hop = Hop { pw: pf.pw, dw, prefill: pf.kvconnect, t0, prefill_done: pf.done, first_sent: Some(sent) };
+    let prefill = pf.answer["kvconnect"].clone();
+    let hop = Hop { pw: pf.pw, dw, prefill, t0, prefill_done: pf.done, first_sent: Some(sent) };
     let (p, path, dec, headers) = (p.clone(), path.to_owned(), Value::Object(pf.dec), pf.headers);
     tokio::spawn(async move {
         match open_decode(&p, &path, &dec, &headers, &hop.dw).await {

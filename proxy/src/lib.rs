@@ -241,9 +241,8 @@ async fn one_or_stream(
 /// What prefill did for one choice, and what decode gets.
 struct Prefilled {
     pw: String,
-    /// Prefill's whole answer.
+    /// Prefill's whole answer (its `kvconnect` block goes into decode's).
     answer: Value,
-    kvconnect: Value,
     done: Duration,
     dec: Map<String, Value>,
     /// The hop's headers: its X-Request-Id, and the client's Authorization.
@@ -349,7 +348,7 @@ async fn prefill(
     drop(picked);
     let mut dec = body;
     dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
-    Ok(Prefilled { pw, kvconnect: pv["kvconnect"].clone(), answer: pv, done: t0.elapsed(), dec, headers })
+    Ok(Prefilled { pw, answer: pv, done: t0.elapsed(), dec, headers })
 }
 
 /// One choice, prefill then decode; decode's answer with the proxy's `kvconnect` block.
@@ -375,11 +374,11 @@ pub(crate) async fn one(
     let ttft = pf.done + decode_ttft;
     let total = t0.elapsed();
     let tokens = dv["usage"]["completion_tokens"].as_u64().unwrap_or(0);
-    p.metrics.served(&pf.pw, &dw, ttft, total, tokens);
+    p.metrics.served(&pf.pw, Some(&dw), ttft, total, tokens);
     if dv.get("kvconnect").is_none_or(|k| !k.is_object()) {
         dv["kvconnect"] = json!({});
     }
-    dv["kvconnect"]["prefill"] = pf.kvconnect;
+    dv["kvconnect"]["prefill"] = pf.answer["kvconnect"].clone();
     dv["kvconnect"]["proxy"] = json!({
         "prefill_worker": pf.pw, "decode_worker": dw,
         "prefill_us": pf.done.as_micros() as u64,
@@ -414,7 +413,8 @@ async fn decode_stream(
     })?;
     pf.dec.insert("stream".into(), json!(true));
     let headers = pf.headers.clone();
-    let hop = Hop { pw: pf.pw, dw, prefill: pf.kvconnect, t0, prefill_done: pf.done, first_sent: None };
+    let prefill = pf.answer["kvconnect"].clone();
+    let hop = Hop { pw: pf.pw, dw, prefill, t0, prefill_done: pf.done, first_sent: None };
     stream_decode(p, path, pf.dec, &headers, hop).await
 }
 
@@ -573,7 +573,7 @@ async fn forward(
         p.metrics.error();
     } else {
         let total = hop.t0.elapsed();
-        p.metrics.served(&hop.pw, &hop.dw, ttft.unwrap_or(total), total, tokens);
+        p.metrics.served(&hop.pw, Some(&hop.dw), ttft.unwrap_or(total), total, tokens);
     }
 }
 

@@ -170,7 +170,8 @@ impl Default for ProxyMetrics {
         r.register("kvconnect_proxy_worker_requests", "Requests per worker", per_server.clone());
         r.register(
             "kvconnect_proxy_ttft_seconds",
-            "Time to first token (prefill round trip plus decode's first token)",
+            "Time to first token: to the first token chunk the proxy sent (prefill's round trip, plus \
+                decode's first token when decode's token comes first)",
             ttft.clone(),
         );
         r.register("kvconnect_proxy_request_seconds", "Whole-request latency at the proxy", latency.clone());
@@ -189,24 +190,18 @@ impl Default for ProxyMetrics {
 }
 
 impl ProxyMetrics {
-    /// A request served by prefill `pw` and decode `dw`.
-    pub fn served(&self, pw: &str, dw: &str, ttft: Duration, total: Duration, tokens: u64) {
+    /// A request served by prefill `pw` and decode `dw` (None: prefill's answer was the
+    /// whole answer).
+    pub fn served(&self, pw: &str, dw: Option<&str>, ttft: Duration, total: Duration, tokens: u64) {
         self.served.inc();
         self.tokens.inc_by(tokens);
-        for (role, w) in [(Role::Prefill, pw), (Role::Decode, dw)] {
-            self.per_server.get_or_create(&vec![("role", role.to_string()), ("worker", w.to_owned())]).inc();
+        for (role, w) in [(Role::Prefill, Some(pw)), (Role::Decode, dw)] {
+            if let Some(w) = w {
+                self.per_server
+                    .get_or_create(&vec![("role", role.to_string()), ("worker", w.to_owned())])
+                    .inc();
+            }
         }
-        self.ttft.observe(ttft.as_secs_f64());
-        self.latency.observe(total.as_secs_f64());
-    }
-
-    /// A request prefill answered whole (its one token; no decode asked).
-    pub fn served_at_prefill(&self, pw: &str, ttft: Duration, total: Duration) {
-        self.served.inc();
-        self.tokens.inc();
-        self.per_server
-            .get_or_create(&vec![("role", Role::Prefill.to_string()), ("worker", pw.to_owned())])
-            .inc();
         self.ttft.observe(ttft.as_secs_f64());
         self.latency.observe(total.as_secs_f64());
     }
@@ -245,7 +240,7 @@ mod tests {
     #[test]
     fn histogram_buckets_are_cumulative() {
         let m = ProxyMetrics::default();
-        m.served("p", "d", Duration::from_millis(3), Duration::from_millis(30), 4);
+        m.served("p", Some("d"), Duration::from_millis(3), Duration::from_millis(30), 4);
         m.error();
         let t = m.render();
         assert!(t.contains("kvconnect_proxy_requests_total 1\n"), "{t}");

@@ -167,9 +167,11 @@ def check_first_token(pre: Server, dec: Server, label: str, ps, expected: list):
     completion tokens as monolithic counts them), and decode loads the KV of every prompt
     token, computing only prefill's token. A one-token request is prefill's alone (decode
     loads nothing); a seeded one goes vLLM's two-request way, counted by why; one whose first
-    token is a stop token ends with it, and decode still reads prefill's blocks, freeing them."""
-    (ps, seeded_prompt, stop_prompt), (expected, seeded_expected, stop_expected) = (
-        (ps[:-2], ps[-2], ps[-1]), (expected[:-2], expected[-2], expected[-1]))
+    token is a stop token ends with it, and decode still reads prefill's blocks, freeing them.
+    After a lull longer than prefill's idle_timeout and the proxy's pooled connections' idle
+    limit, the next completion still starts with prefill's token and decode loads its KV."""
+    (ps, idle_prompt, seeded_prompt, stop_prompt) = (ps[:-3], ps[-3], ps[-2], ps[-1])
+    (expected, idle_expected, seeded_expected, stop_expected) = (expected[:-3], expected[-3], expected[-2], expected[-1])
     ext0 = metric(dec.url, "vllm:external_prefix_cache_hits_total")
     sends0 = metric(pre.url, "vllm:kvconnect_sends_done_total")
     proxy, url = start_proxy(pre, dec)
@@ -185,6 +187,14 @@ def check_first_token(pre: Server, dec: Server, label: str, ps, expected: list):
                 raise Failed(f"{label}: first token from prefill, prompt {i}: usage {usage}, expected {want_usage}")
             if first["choices"][0].get("prompt_token_ids") != p or first["choices"][0].get("token_ids") != e[:1]:
                 raise Failed(f"{label}: first token from prefill, prompt {i}: the first chunk is {first}")
+        # A lull past prefill's idle_timeout (1 s here) and the proxy's pool idle limit (4 s).
+        time.sleep(5)
+        got, usage, first = stream_through(url, {"prompt": idle_prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                                           f"{label} first token from prefill after a lull")
+        if got != idle_expected or first["choices"][0].get("token_ids") != idle_expected[:1]:
+            raise Failed(f"{label}: first token from prefill after a lull gave {got} (first chunk {first}), "
+                         f"monolithic {idle_expected}")
+        ps, expected = ps + [idle_prompt], expected + [idle_expected]
         ext = wait_metric(dec.url, "vllm:external_prefix_cache_hits_total", ext0 + sum(map(len, ps))) - ext0
         if ext != sum(map(len, ps)):
             raise Failed(f"{label}: first token from prefill: decode's external prefix-cache hits grew by {ext}, "
@@ -218,7 +228,8 @@ def check_first_token(pre: Server, dec: Server, label: str, ps, expected: list):
                          f"{len(ps) + 2} (0)")
         print(f"ok: {label}: {len(ps)} streamed completions through --first-token prefill equal monolithic, with "
               f"monolithic's usage; decode loaded every prompt token ({ext:.0f}); one token from prefill alone, "
-              f"a seeded request the two-request way, one stopped at its first token freed prefill's blocks")
+              f"a seeded request the two-request way, one stopped at its first token freed prefill's blocks, "
+              f"and one after a 5 s lull loaded its KV")
     finally:
         # Only now: the stopped request's release runs in the proxy's background.
         proxy.terminate()
@@ -378,7 +389,7 @@ def main():
             refused_checks(model, tmp)
 
     def pd_checks(model: str, tmp: Path):
-        ps, pp, pf = prompts(), prompts(8, PROXY_PROMPT_LENS), prompts(12, PROXY_PROMPT_LENS + [40, 50])
+        ps, pp, pf = prompts(), prompts(8, PROXY_PROMPT_LENS), prompts(12, PROXY_PROMPT_LENS + [70, 40, 50])
         # A fresh prompt for the request after a lull (decode's prefix cache holds the others).
         idle_prompt = prompts(11, [150])[0]
         out = run_monolithic(model, tmp, ps + pp + pf + [idle_prompt])
