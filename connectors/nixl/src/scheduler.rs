@@ -53,6 +53,19 @@ impl NixlScheduler {
         let bytes = per_token.saturating_mul(tokens as u64);
         !e.hma && e.groups.len() == 1 && e.state_groups.is_empty() && self.cfg.sync_for(bytes)
     }
+
+    /// Whether a load of tokens up to `end`, from a producer holding `held` of a `prompt`-token
+    /// prompt, would race the engine if it were synchronous. Such a load runs in the step that
+    /// computes the prompt's tokens from `end` on, and vLLM writes each layer's new KV before it
+    /// waits for that layer's load; the load copies its last block whole, so it may land on a
+    /// slot the step just wrote. That is harmless where the producer holds that position's KV
+    /// (the same token's), and wrong past `held`: a decode given more of the prompt than
+    /// prefill computed (a proxy that appends prefill's token) would attend to the producer's
+    /// stale slot. Such a load is asynchronous: it ends before the request computes anything.
+    fn races_the_step(&self, held: usize, end: usize, prompt: usize) -> bool {
+        let bs = (self.ctx.effective.block_size as usize).max(1);
+        held < (end.div_ceil(bs) * bs).min(prompt)
+    }
 }
 
 impl SchedulerConnector for NixlScheduler {
@@ -72,7 +85,8 @@ impl SchedulerConnector for NixlScheduler {
         if tokens == 0 {
             return Ok(none);
         }
-        let sync = self.loads_sync(tokens);
+        let sync = self.loads_sync(tokens)
+            && !self.races_the_step(p.remote_num_tokens, loadable, req.prompt_tokens.len());
         self.computed.insert(req.id.clone(), (num_computed, sync));
         Ok(MatchResult::Matched { tokens, async_load: !sync })
     }
@@ -311,6 +325,29 @@ mod tests {
                 ("cap0", 1, Some((r, 2)))
             );
         }
+    }
+
+    #[test]
+    fn a_load_that_would_copy_over_a_slot_the_step_writes_past_the_producers_tokens_is_asynchronous() {
+        let m = model(2, 2, 8);
+        let eff = effective(&m, KvLayout::HND, 32);
+        let ctx = context(&m, &eff, KvRole::Consumer, "decode", json!({}));
+        let sync = NixlConfig { load: LoadMode::Sync, ..NixlConfig::default() };
+        let matched = |held: usize, prompt: usize| {
+            let mut s = NixlScheduler::new(&ctx, sync.clone());
+            let Value::Object(mut params) = producer_rank(0, 1) else { unreachable!("params are an object") };
+            params.insert("remote_num_tokens".into(), json!(held));
+            let req = Request { id: "r".into(), prompt_tokens: vec![1; prompt], kv_transfer_params: params };
+            s.get_num_new_matched_tokens(&req, 0).unwrap()
+        };
+        // vLLM's protocol: every prompt token but the last, the last computed in the load's
+        // step at a position the producer holds too.
+        assert_eq!(matched(70, 70), MatchResult::Matched { tokens: 69, async_load: false });
+        // Prefill's token appended: all 70 loaded, the 71st computed in the last loaded block,
+        // whose slot 70 the producer never wrote: asynchronous.
+        assert_eq!(matched(70, 71), MatchResult::Matched { tokens: 70, async_load: true });
+        // The same on a block boundary: the copy ends where the step's writes begin.
+        assert_eq!(matched(64, 65), MatchResult::Matched { tokens: 64, async_load: false });
     }
 
     #[test]
