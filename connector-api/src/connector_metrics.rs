@@ -128,6 +128,11 @@ impl ConnectorMetric {
 /// Hosts read it to tell a send that ended by its lease from one a consumer finished.
 pub const KV_HOLDS_ENDED: &str = "kvconnect_kv_holds_ended";
 
+/// The counter of a consumer's loads from a prefill engine by where their copy started,
+/// labelled `on`: `step` (by `start_load_kv` itself, a GPU gather launched without waiting) or
+/// `pull_thread`.
+pub const KV_LOADS_STARTED: &str = "kvconnect_kv_loads_started";
+
 /// The holds that ended by their lease, over `samples` ([`KV_HOLDS_ENDED`] with `how` =
 /// `expired`, every connector's and child's added up).
 pub fn holds_expired(samples: &[ConnectorMetric]) -> u64 {

@@ -65,7 +65,9 @@ pub use connector::{
     FinishedTransfers, KvEvent, LoadSource, MatchResult, Request, RequestFinished, SchedulerConnector,
     StepInfo, TierTokens, WorkerConnector,
 };
-pub use connector_metrics::{holds_expired, ConnectorMetric, MetricError, MetricKind, KV_HOLDS_ENDED};
+pub use connector_metrics::{
+    holds_expired, ConnectorMetric, MetricError, MetricKind, KV_HOLDS_ENDED, KV_LOADS_STARTED,
+};
 pub use error::ConnectorError;
 pub use ids::{BlockId, LayerId, RequestId};
 pub use kv_events::{BlockHash, BlockRemoved, BlockStored, KvEventBatch, Medium};

@@ -2,9 +2,10 @@
 //! producer listener (prefill) and the background pull thread (decode), and reports finished
 //! and failed transfers.
 //!
-//! Nothing here blocks the step loop for an asynchronous load: `start_load_kv` only posts the
-//! step's loads to the pull thread; `get_finished` only collects what finished since the last
-//! call. A synchronous one (`load: "sync"`) is waited for in `wait_for_layer_load`, before the
+//! Nothing here blocks the step loop for an asynchronous load: `start_load_kv` posts the step's
+//! loads to the pull thread (where the backend can, it first starts a copy itself, without
+//! waiting: a GPU gather, [`Transport::launch`]); `get_finished` only collects what finished
+//! since the last call. A synchronous one (`load: "sync"`) is waited for in `wait_for_layer_load`, before the
 //! step computes with its blocks.
 
 use crate::config::{NixlConfig, NAME};
@@ -17,9 +18,10 @@ use crate::transport::{Backend, Setup, Transport};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::{
     BlockId, ConnectorContext, ConnectorError, ConnectorMetric, ConnectorResult, FinishedTransfers, KvRegion,
-    KvRole, LayerId, RequestId, WorkerConnector,
+    KvRole, LayerId, RequestId, WorkerConnector, KV_LOADS_STARTED,
 };
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -41,6 +43,13 @@ fn find_peer(peers: &Peers, load: &LoadSpec) -> Result<Arc<PeerInfo>, TransferEr
         .cloned()
         .ok_or(TransferError::UnknownPeer(engine))
 }
+/// A load for the pull thread, and whether its copy was started already
+/// ([`Transport::launch`], on the step's thread).
+struct Job {
+    load: LoadSpec,
+    launched: bool,
+}
+
 /// Loads the pull thread ended, and the signal that one more did.
 #[derive(Default)]
 struct Outcomes {
@@ -67,7 +76,12 @@ pub struct NixlWorker {
     /// Handshakes taken so far: each peer's `generation`.
     handshakes: u64,
     bound: NixlMeta,
-    jobs: Option<Sender<LoadSpec>>,
+    jobs: Option<Sender<Job>>,
+    /// Jobs sent to the pull thread and not ended yet: a copy is started on the step's
+    /// thread only when there are none (it is then the pull thread's next).
+    in_pull: Arc<AtomicUsize>,
+    /// Loads whose copy started on the step's thread, and those the pull thread started.
+    started: (u64, u64),
     puller: Option<JoinHandle<()>>,
     outcomes: Arc<Outcomes>,
     /// This step's synchronous loads, until each has ended (`wait_sync`).
@@ -112,6 +126,8 @@ impl NixlWorker {
             handshakes: 0,
             bound: NixlMeta::default(),
             jobs: None,
+            in_pull: Arc::default(),
+            started: (0, 0),
             puller: None,
             outcomes: Arc::default(),
             sync_pending: Vec::new(),
@@ -166,6 +182,7 @@ impl NixlWorker {
             groups: self.groups.clone(),
             peers: self.peers.clone(),
             outcomes: self.outcomes.clone(),
+            in_pull: self.in_pull.clone(),
             heartbeat: self.cfg.lease / 3,
         };
         let h = std::thread::Builder::new()
@@ -184,6 +201,7 @@ struct PullLoop {
     groups: Vec<Vec<LayerId>>,
     peers: Peers,
     outcomes: Arc<Outcomes>,
+    in_pull: Arc<AtomicUsize>,
     heartbeat: Duration,
 }
 
@@ -192,8 +210,14 @@ impl PullLoop {
         find_peer(&self.peers, load)
     }
 
-    fn finish(&self, load: LoadSpec, r: Result<PullStats, TransferError>) {
-        self.outcomes.push(load, r);
+    /// Reports a job's outcome, once no copy it started still runs.
+    fn finish(&self, job: Job, r: Result<PullStats, TransferError>) {
+        if job.launched {
+            self.puller.settle_launched();
+        }
+        // Counted out first: whoever sees the outcome finds the pull thread free.
+        self.in_pull.fetch_sub(1, Ordering::AcqRel);
+        self.outcomes.push(job.load, r);
     }
 
     /// Heartbeats a queued load; a refusal or a dead peer fails it at once.
@@ -202,9 +226,9 @@ impl PullLoop {
         self.puller.hold(&peer, load)
     }
 
-    fn run(mut self, rx: Receiver<LoadSpec>) {
+    fn run(mut self, rx: Receiver<Job>) {
         // Each queued load with the time of its last heartbeat (None: never sent).
-        let mut queue: VecDeque<(LoadSpec, Option<Instant>)> = VecDeque::new();
+        let mut queue: VecDeque<(Job, Option<Instant>)> = VecDeque::new();
         loop {
             if queue.is_empty() {
                 match rx.recv() {
@@ -224,24 +248,25 @@ impl PullLoop {
             // let the producer free blocks we are about to pull.
             let mut waiting = VecDeque::with_capacity(queue.len());
             let head = queue.pop_front();
-            for (load, last) in queue.drain(..) {
+            for (job, last) in queue.drain(..) {
                 if last.is_some_and(|t| t.elapsed() < self.heartbeat) {
-                    waiting.push_back((load, last));
+                    waiting.push_back((job, last));
                     continue;
                 }
-                match self.hold(&load) {
-                    Ok(()) => waiting.push_back((load, Some(Instant::now()))),
-                    Err(e) => self.finish(load, Err(e)),
+                match self.hold(&job.load) {
+                    Ok(()) => waiting.push_back((job, Some(Instant::now()))),
+                    Err(e) => self.finish(job, Err(e)),
                 }
             }
             queue = waiting;
-            if let Some((load, _)) = head {
+            if let Some((job, _)) = head {
+                let load = &job.load;
                 let t0 = Instant::now();
-                let r = self.peer(&load).and_then(|peer| {
+                let r = self.peer(load).and_then(|peer| {
                     if load.is_release() {
-                        self.puller.release(&peer, &load)
+                        self.puller.release(&peer, load)
                     } else {
-                        self.puller.pull(&self.mem, &self.groups, &peer, &load)
+                        self.puller.pull(&self.mem, &self.groups, &peer, load)
                     }
                 });
                 if let (Ok(s), false) = (&r, load.is_release()) {
@@ -249,7 +274,7 @@ impl PullLoop {
                     let micros = t0.elapsed().as_micros() as u64;
                     tracing::debug!(request = %load.request, bytes = s.bytes, micros, "nixl: pull took");
                 }
-                self.finish(load, r);
+                self.finish(job, r);
             }
         }
     }
@@ -296,6 +321,28 @@ impl NixlWorker {
                 Ok((g, _)) => g,
                 Err(p) => p.into_inner().0,
             };
+        }
+    }
+}
+
+impl NixlWorker {
+    /// Starts `load`'s copy here, on the step's thread, where the backend can without waiting
+    /// ([`Transport::launch`]) and the pull thread has nothing else to do first. Anything that
+    /// stops it (a peer not handshaken, a load the backend refuses) leaves the load to the
+    /// pull thread, which reports it.
+    fn launch(&self, load: &LoadSpec) -> bool {
+        if load.is_release() || load.sources > 1 || self.in_pull.load(Ordering::Acquire) > 0 {
+            return false;
+        }
+        let (Some(mem), Some(t)) = (&self.mem, &self.transport) else { return false };
+        let Ok(peer) = find_peer(&self.peers, load) else { return false };
+        match t.launch(mem, &self.groups, &peer, load) {
+            Ok(launched) => launched,
+            Err(e) => {
+                tracing::debug!(request = %load.request, "nixl: not started on the step's thread ({e}); the \
+                    pull thread takes it");
+                false
+            }
         }
     }
 }
@@ -410,8 +457,22 @@ impl WorkerConnector for NixlWorker {
             if l.sync {
                 self.sync_pending.push(l.clone());
             }
-            if let Err(mpsc::SendError(l)) = tx.send(l) {
-                self.outcomes.push(l, Err(TransferError::Plan("the pull thread has stopped".into())));
+            let launched = self.launch(&l);
+            if !l.is_release() {
+                match launched {
+                    true => self.started.0 += 1,
+                    false => self.started.1 += 1,
+                }
+            }
+            self.in_pull.fetch_add(1, Ordering::AcqRel);
+            if let Err(mpsc::SendError(job)) = tx.send(Job { load: l, launched }) {
+                if job.launched {
+                    if let Some(t) = &self.transport {
+                        t.settle_launched();
+                    }
+                }
+                self.in_pull.fetch_sub(1, Ordering::AcqRel);
+                self.outcomes.push(job.load, Err(TransferError::Plan("the pull thread has stopped".into())));
             }
         }
         Ok(())
@@ -561,7 +622,15 @@ impl WorkerConnector for NixlWorker {
     }
 
     fn metrics(&mut self) -> ConnectorResult<Vec<ConnectorMetric>> {
-        Ok(self.producer.as_ref().map(Producer::metrics).unwrap_or_default())
+        let mut out = self.producer.as_ref().map(Producer::metrics).unwrap_or_default();
+        if self.jobs.is_some() {
+            const HELP: &str = "Loads from a prefill engine by where their copy started: step (by \
+                start_load_kv itself, a GPU gather launched without waiting) or pull_thread.";
+            for (on, v) in [("step", self.started.0), ("pull_thread", self.started.1)] {
+                out.push(ConnectorMetric::counter(KV_LOADS_STARTED, HELP, v).label("on", on));
+            }
+        }
+        Ok(out)
     }
 }
 

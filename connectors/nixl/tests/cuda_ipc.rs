@@ -7,6 +7,8 @@
 //! - two processes: this test binary re-runs itself as the producer, the consumer opens its
 //!   IPC handles (the real IPC path); then the producer dies and a load fails;
 //! - a handle that cannot be opened is a failed receive, never a crash;
+//! - loads after the first from a producer are launched by `start_load_kv` itself, whole, and
+//!   one the producer refuses after its launch fails;
 //! - the host-staged path (`cuda_ipc_path = "staged"`, what a GPU without peer access to the
 //!   producer's gets automatically), in one process and across two, with a permute.
 //!
@@ -16,7 +18,7 @@
 mod device;
 
 use device::{assert_loaded, decode_start, device_engine, prefill_finish, wait_recv, Engine};
-use kvconnect_api::{KvLayout, KvRole, RequestId};
+use kvconnect_api::{KvLayout, KvRole, RequestId, KV_LOADS_STARTED};
 use kvconnect_cuda::Gpu;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read};
@@ -89,6 +91,62 @@ fn unopenable_handle_is_a_failed_receive() {
     let f = wait_recv(d.worker.as_mut());
     assert_eq!(f.failed_recving, vec![RequestId::from("req-1")], "{f:?}");
     assert!(!d.worker.block_ids_with_load_errors().unwrap().is_empty());
+}
+
+/// Loads of `d` started by `start_load_kv` itself and by the pull thread.
+fn started(d: &mut Engine) -> (u64, u64) {
+    let m = d.worker.metrics().unwrap();
+    let on = |on: &str| {
+        let s = m.iter().find(|s| s.name == KV_LOADS_STARTED && s.labels == [("on".into(), on.into())]);
+        s.map_or(0, |s| s.value)
+    };
+    (on("step"), on("pull_thread"))
+}
+
+/// Overwrites every byte of `e`'s device regions with `byte`.
+fn poison(g: &Gpu, e: &Engine, byte: u8) {
+    for b in &e.dev {
+        g.memset_async(b.ptr(), byte, b.len()).unwrap();
+    }
+    g.synchronize().unwrap();
+}
+
+/// The first load from a producer opens its memory on the pull thread; the next one's gather
+/// is launched by `start_load_kv` itself, and its bytes are whole. A load launched that way
+/// that the producer then refuses (a capability not the request's) fails, with its blocks
+/// reported, and a later load is whole again.
+#[test]
+fn later_loads_start_on_the_steps_thread_and_a_refused_one_fails() {
+    let Some(g) = gpu() else { return };
+    let mut p = engine(&g, KvRole::Producer, "prefill-0", KvLayout::HND);
+    let mut d = engine(&g, KvRole::Consumer, "decode-0", KvLayout::HND);
+    let meta = p.worker.handshake_metadata().unwrap().unwrap();
+    d.worker.set_peer_handshake_metadata(&json!({"engine_id": "prefill-0", "peer": meta})).unwrap();
+    let load = |p: &mut Engine, d: &mut Engine, req: &str| {
+        let params = prefill_finish(p, req);
+        decode_start(d, req, params);
+        let f = wait_recv(d.worker.as_mut());
+        assert_eq!(f.finished_recving, vec![RequestId::from(req)], "{f:?}");
+    };
+    load(&mut p, &mut d, "req-1");
+    assert_eq!(started(&mut d), (0, 1), "the first load opens the producer's memory on the pull thread");
+    poison(&g, &d, 0xA5);
+    load(&mut p, &mut d, "req-2");
+    assert_eq!(started(&mut d), (1, 1), "the second load's gather is launched by start_load_kv");
+    assert_loaded(&g, &mut p, &mut d);
+
+    let mut params = prefill_finish(&mut p, "req-3");
+    let cap = params["remote_capability"].as_str().unwrap().chars().rev().collect::<String>();
+    params.insert("remote_capability".into(), json!(cap));
+    decode_start(&mut d, "req-3", params);
+    let f = wait_recv(d.worker.as_mut());
+    assert_eq!(f.failed_recving, vec![RequestId::from("req-3")], "{f:?}");
+    assert_eq!(started(&mut d), (2, 1), "the refused load was launched by start_load_kv");
+    assert!(!d.worker.block_ids_with_load_errors().unwrap().is_empty());
+
+    poison(&g, &d, 0x5A);
+    load(&mut p, &mut d, "req-4");
+    assert_loaded(&g, &mut p, &mut d);
 }
 
 /// The producer process of `two_processes`: prints its handshake metadata and the transfer

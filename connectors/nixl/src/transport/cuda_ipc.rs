@@ -6,8 +6,11 @@
 //! kernel per KV cache group over every layer and K/V part with source and destination
 //! block-index arrays (with HMA off there is one group, so one launch per request); when the
 //! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
-//! copy. The pull thread waits for a CUDA event recorded after the launches (the step loop
-//! never waits on it), while the puller's `pin`, sent as the copy starts, is answered over
+//! copy. When the pull thread is idle and the peer's regions are open, `start_load_kv`
+//! launches that gather itself (a few tens of µs on the step's thread, no wait), so the copy
+//! starts without waiting for the pull thread to wake. The pull thread waits for a CUDA event
+//! recorded after the launches (the step loop never waits on it), while the puller's `pin`,
+//! sent as the copy starts, is answered over
 //! the control connection; then the puller sends `done` ([`super::Pin::Overlapped`]). The
 //! kernel is compiled when the worker starts (once per process and GPU architecture, then
 //! cached), not at the first request.
@@ -164,6 +167,27 @@ mod gpu {
             let mut pull = pull.lock().unwrap_or_else(|p| p.into_inner());
             let (bytes, adapted) = pull.pull(local.geometry(), groups, peer, load, started)?;
             Ok(PullStats { bytes, runs: groups.len(), adapted })
+        }
+
+        /// Launches the gather on the calling thread when the consumer's GPU side is free (the
+        /// pull thread is not copying) and the peer's regions are open.
+        fn launch(
+            &self,
+            local: &KvMemory,
+            groups: &[Vec<LayerId>],
+            peer: &PeerInfo,
+            load: &LoadSpec,
+        ) -> Result<bool, TransferError> {
+            let Some(pull) = &self.pull else { return Ok(false) };
+            // Never waits: a pull thread that is copying holds the lock.
+            let Ok(mut pull) = pull.try_lock() else { return Ok(false) };
+            pull.launch(local.geometry(), groups, peer, load)
+        }
+
+        fn settle_launched(&self) {
+            if let Some(p) = &self.pull {
+                p.lock().unwrap_or_else(|p| p.into_inner()).settle();
+            }
         }
 
         fn forget(&self, key: &PeerKey) {

@@ -305,6 +305,27 @@ pub trait Transport: Send + Sync {
         self.copy(None, local, groups, peer, load, plan)
     }
 
+    /// Starts `load`'s copy now, on the calling thread (the step's, in `start_load_kv`), for
+    /// a backend whose copy runs asynchronously and can start without waiting (a GPU gather
+    /// over a producer's regions opened already): the pull thread's [`Transport::copy_overlapped`]
+    /// of it then sends the pin and waits, so neither the hand-off to the pull thread nor its
+    /// wake-up delays the copy. `Ok(false)` (the default): not started, the pull thread copies
+    /// it. Whatever then happens to the load, the pull thread calls
+    /// [`Transport::settle_launched`] before it reports it.
+    fn launch(
+        &self,
+        _local: &KvMemory,
+        _groups: &[Vec<LayerId>],
+        _peer: &PeerInfo,
+        _load: &LoadSpec,
+    ) -> Result<bool, TransferError> {
+        Ok(false)
+    }
+
+    /// Waits for a copy [`Transport::launch`] started, if one still runs (idempotent): after
+    /// it, no copy of a load that is reported writes into this worker's blocks.
+    fn settle_launched(&self) {}
+
     /// Tells the producer it is done with `load`, its own way, after the puller confirmed
     /// the blocks (NIXL's notification after a `hold`); nothing by default (`done` told it).
     fn confirmed(&self, _peer: &PeerInfo, _load: &LoadSpec) -> Result<(), TransferError> {

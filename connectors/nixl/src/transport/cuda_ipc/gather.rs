@@ -117,6 +117,24 @@ pub struct CudaIpcPull {
     opened: HashMap<PeerKey, Opened>,
     own: Vec<u64>,
     path: CudaIpcPath,
+    /// A gather [`CudaIpcPull::launch`] started on the step's thread, until the pull thread
+    /// waits for it (its `done` is recorded after it).
+    launched: Option<Launched>,
+}
+
+/// A gather launched ahead of its pull, and what it copies.
+struct Launched {
+    request: kvconnect_api::RequestId,
+    peer: PeerKey,
+    bytes: u64,
+    adapted: bool,
+}
+
+impl Drop for CudaIpcPull {
+    /// No launched gather reads or writes after the regions it copies between go.
+    fn drop(&mut self) {
+        self.settle();
+    }
 }
 
 impl std::fmt::Debug for CudaIpcPull {
@@ -196,6 +214,7 @@ impl CudaIpcPull {
             opened: HashMap::new(),
             own: own_regions.iter().map(|r| r.addr()).collect(),
             path,
+            launched: None,
         })
     }
 
@@ -266,9 +285,28 @@ impl CudaIpcPull {
         ))
     }
 
-    /// Forgets a peer's mapped regions.
+    /// Forgets a peer's mapped regions (after any launched gather that may read them).
     pub fn forget(&mut self, key: &PeerKey) {
+        self.settle();
         self.opened.remove(key);
+    }
+
+    /// Waits for the gather [`CudaIpcPull::launch`] started, if one still runs: after this no
+    /// copy of it writes into this worker's blocks. Idempotent.
+    pub fn settle(&mut self) {
+        if self.launched.take().is_some() && wait(&self.done).is_err() {
+            let _ = self.gpu.synchronize();
+        }
+    }
+
+    /// The peer's regions as already opened, when they still are what it publishes (a
+    /// producer of this process that is gone, or new handles, need `open_peer`).
+    fn still_open(&self, peer: &PeerInfo) -> Option<&Opened> {
+        let m = peer.meta.cuda_ipc.as_ref()?;
+        let o = self.opened.get(&peer.key())?;
+        let same = o.handles == m.handles
+            && sources(&peer.meta.engine_id, m, &peer.meta.regions).is_ok_and(|s| s == o.sources);
+        same.then_some(o)
     }
 
     /// Opens the peer's handles (once per peer, again when they changed) on the GPU the route
@@ -336,10 +374,36 @@ impl CudaIpcPull {
         Ok(self.opened.entry(key).or_insert(opened))
     }
 
+    /// Starts `load`'s gather now, on the calling thread (the step's, in `start_load_kv`),
+    /// when that costs no wait: no other gather of this consumer runs and the peer's regions
+    /// are open already (opening them is the pull thread's) and read directly (not staged). The pull thread's
+    /// [`CudaIpcPull::pull`] of it then only waits; `Ok(false)`: not started, the pull copies
+    /// it as usual. Bad loads are refused as `pull` refuses them.
+    pub fn launch(
+        &mut self,
+        own: &Geometry,
+        groups: &[Vec<LayerId>],
+        peer: &PeerInfo,
+        load: &LoadSpec,
+    ) -> Result<bool, TransferError> {
+        // The host-staged route enqueues a chunk's copies at a time: the pull thread's.
+        let direct = self.still_open(peer).is_some_and(|o| matches!(o.route, Route::Direct));
+        if self.launched.is_some() || !direct {
+            return Ok(false);
+        }
+        let t0 = std::time::Instant::now();
+        let (bytes, adapted) = self.start(own, groups, peer, load)?;
+        self.launched = Some(Launched { request: load.request.clone(), peer: peer.key(), bytes, adapted });
+        tracing::debug!(request = %load.request, plan_and_launch_us = t0.elapsed().as_micros() as u64,
+            "cuda_ipc: gather launched by start_load_kv");
+        Ok(true)
+    }
+
     /// Copies `load` from `peer` into this worker's regions (geometry `own`) and waits for
     /// the copy (on the calling pull thread), calling `started` once it is launched (the
-    /// puller's pin then travels while the GPU copies). Returns, only once no copy of it runs
-    /// any more, the bytes copied and whether a layout permute was fused in.
+    /// puller's pin then travels while the GPU copies); a gather [`CudaIpcPull::launch`]
+    /// started already is only waited for. Returns, only once no copy of it runs any more,
+    /// the bytes copied and whether a layout permute was fused in.
     pub fn pull(
         &mut self,
         own: &Geometry,
@@ -347,6 +411,47 @@ impl CudaIpcPull {
         peer: &PeerInfo,
         load: &LoadSpec,
         started: &mut dyn FnMut() -> Result<(), TransferError>,
+    ) -> Result<(u64, bool), TransferError> {
+        let t0 = std::time::Instant::now();
+        let ahead = match self.launched.take() {
+            Some(l) if l.request == load.request && l.peer == peer.key() => Some(l),
+            other => {
+                // Another load's gather (not expected: a launched load is the pull thread's
+                // next): it ends before this one starts.
+                self.launched = other;
+                self.settle();
+                None
+            }
+        };
+        let (bytes, adapted) = match ahead {
+            Some(l) => (l.bytes, l.adapted),
+            None => self.start(own, groups, peer, load)?,
+        };
+        let launched = t0.elapsed();
+        // The pin goes out while the GPU copies; the copy is waited for whatever it did.
+        let sent = started();
+        if let Err(e) = wait(&self.done) {
+            let _ = self.gpu.synchronize();
+            return Err(e);
+        }
+        sent?;
+        tracing::debug!(
+            request = %load.request,
+            plan_and_launch_us = launched.as_micros() as u64,
+            kernel_wait_us = (t0.elapsed() - launched).as_micros() as u64,
+            "cuda_ipc: gather phases"
+        );
+        Ok((bytes, adapted))
+    }
+
+    /// Checks `load`, launches its gathers and records `done` after them: the bytes they
+    /// copy and whether a layout permute is fused in. On an error nothing of it still runs.
+    fn start(
+        &mut self,
+        own: &Geometry,
+        groups: &[Vec<LayerId>],
+        peer: &PeerInfo,
+        load: &LoadSpec,
     ) -> Result<(u64, bool), TransferError> {
         let pg = &peer.geometry;
         let e = &peer.meta.engine_id;
@@ -389,7 +494,6 @@ impl CudaIpcPull {
                 )))
             }
         };
-        let t0 = std::time::Instant::now();
         let src_all = self.open_peer(peer)?.bases.clone();
         let mut any = false;
         let launches = self.launch_groups(own, groups, peer, load, (perm, cross, &src_all), &mut any);
@@ -399,26 +503,12 @@ impl CudaIpcPull {
             let _ = self.gpu.synchronize();
         }
         let bytes = launches?;
-        let launched = t0.elapsed();
         // Completion through an event after this request's launches: the pull thread waits
         // for it; the step loop only sees the outcome in get_finished.
         if let Err(e) = self.done.record(self.gpu.stream()) {
             let _ = self.gpu.synchronize();
             return Err(TransferError::Cuda(format!("cuEventRecord: {e}")));
         }
-        // The pin goes out while the GPU copies; the copy is waited for whatever it did.
-        let sent = started();
-        if let Err(e) = wait(&self.done) {
-            let _ = self.gpu.synchronize();
-            return Err(e);
-        }
-        sent?;
-        tracing::debug!(
-            request = %load.request,
-            plan_and_launch_us = launched.as_micros() as u64,
-            kernel_wait_us = (t0.elapsed() - launched).as_micros() as u64,
-            "cuda_ipc: gather phases"
-        );
         Ok((bytes, perm != Permute::None))
     }
 
