@@ -4,7 +4,9 @@
 //! One thread block of 512 threads copies one (block, region) pair with 16-byte loads, two in
 //! flight per thread. Regions are passed as base addresses (a per-layer K or V region, or a whole
 //! cross-layer region), blocks as two index arrays, so one launch covers every layer: per
-//! block copies are bound by the host (about 5 µs a call), one launch is not.
+//! block copies are bound by the host (about 5 µs a call), one launch is not. Up to 128
+//! regions and 3,584 blocks the arrays travel in the launch's own parameters (one 30 KiB
+//! parameter, sm_70 and later); larger gathers upload them to device memory first.
 
 #![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
 
@@ -14,23 +16,31 @@ use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 use std::ffi::CString;
 
 const SOURCE: &str = r#"
-extern "C" __global__ void kvc_gather(
-    const unsigned long long* __restrict__ src_bases,
-    const unsigned long long* __restrict__ dst_bases,
-    const unsigned int* __restrict__ src_blocks,
-    const unsigned int* __restrict__ dst_blocks,
-    unsigned int n_blocks,
+#define KVC_MAX_REGIONS 128
+#define KVC_MAX_BLOCKS 3584
+
+// Index arrays passed in the launch itself (a kernel parameter of up to 32 KiB, sm_70+):
+// nothing to upload before the kernel runs.
+struct kvc_inline_args {
+    unsigned long long block_bytes;
+    unsigned int n_blocks;
+    unsigned int mode;
+    unsigned int heads;
+    unsigned int tokens;
+    unsigned long long src_bases[KVC_MAX_REGIONS];
+    unsigned long long dst_bases[KVC_MAX_REGIONS];
+    unsigned int src_blocks[KVC_MAX_BLOCKS];
+    unsigned int dst_blocks[KVC_MAX_BLOCKS];
+};
+
+__device__ __forceinline__ void kvc_copy_block(
+    const uint4* __restrict__ src,
+    uint4* __restrict__ dst,
     unsigned long long block_bytes,
     unsigned int mode,
     unsigned int heads,
     unsigned int tokens)
 {
-    const unsigned int b = blockIdx.x % n_blocks;
-    const unsigned int r = blockIdx.x / n_blocks;
-    const uint4* __restrict__ src =
-        (const uint4*)(src_bases[r] + (unsigned long long)src_blocks[b] * block_bytes);
-    uint4* __restrict__ dst =
-        (uint4*)(dst_bases[r] + (unsigned long long)dst_blocks[b] * block_bytes);
     const unsigned int n16 = (unsigned int)(block_bytes >> 4);
     const unsigned int step = blockDim.x;
     if (mode == 0) {
@@ -63,6 +73,36 @@ extern "C" __global__ void kvc_gather(
         }
     }
 }
+
+extern "C" __global__ void kvc_gather(
+    const unsigned long long* __restrict__ src_bases,
+    const unsigned long long* __restrict__ dst_bases,
+    const unsigned int* __restrict__ src_blocks,
+    const unsigned int* __restrict__ dst_blocks,
+    unsigned int n_blocks,
+    unsigned long long block_bytes,
+    unsigned int mode,
+    unsigned int heads,
+    unsigned int tokens)
+{
+    const unsigned int b = blockIdx.x % n_blocks;
+    const unsigned int r = blockIdx.x / n_blocks;
+    const uint4* src = (const uint4*)(src_bases[r] + (unsigned long long)src_blocks[b] * block_bytes);
+    uint4* dst = (uint4*)(dst_bases[r] + (unsigned long long)dst_blocks[b] * block_bytes);
+    kvc_copy_block(src, dst, block_bytes, mode, heads, tokens);
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 700
+extern "C" __global__ void kvc_gather_inline(const __grid_constant__ kvc_inline_args a)
+{
+    const unsigned int b = blockIdx.x % a.n_blocks;
+    const unsigned int r = blockIdx.x / a.n_blocks;
+    const uint4* src = (const uint4*)(a.src_bases[r] + (unsigned long long)a.src_blocks[b] * a.block_bytes);
+    uint4* dst = (uint4*)(a.dst_bases[r] + (unsigned long long)a.dst_blocks[b] * a.block_bytes);
+    kvc_copy_block(src, dst, a.block_bytes, a.mode, a.heads, a.tokens);
+}
+#endif
+
 "#;
 
 /// Threads per thread block. With 512 threads holding two 16-byte loads each, a 32 KiB block
@@ -157,9 +197,38 @@ impl GatherSpec<'_> {
     }
 }
 
+/// Regions and blocks a launch can carry in its parameters (`KVC_MAX_REGIONS`,
+/// `KVC_MAX_BLOCKS` in the kernel's source); larger gathers upload their index arrays first.
+pub const INLINE_MAX_REGIONS: usize = 128;
+/// See [`INLINE_MAX_REGIONS`].
+pub const INLINE_MAX_BLOCKS: usize = 3584;
+
+/// `kvc_inline_args` of the kernel's source, field for field (30,744 bytes, within the 32 KiB
+/// a kernel parameter may have on sm_70 and later).
+#[repr(C)]
+struct InlineArgs {
+    block_bytes: u64,
+    n_blocks: u32,
+    mode: u32,
+    heads: u32,
+    tokens: u32,
+    src_bases: [u64; INLINE_MAX_REGIONS],
+    dst_bases: [u64; INLINE_MAX_REGIONS],
+    src_blocks: [u32; INLINE_MAX_BLOCKS],
+    dst_blocks: [u32; INLINE_MAX_BLOCKS],
+}
+
+// SAFETY: plain old data laid out as the kernel's `kvc_inline_args` (`repr(C)`, the same field
+// types in the same order), passed by value.
+unsafe impl cudarc::driver::DeviceRepr for InlineArgs {}
+
 /// The compiled kernel plus reusable index buffers.
 pub struct GatherKernel {
     func: CudaFunction,
+    /// The kernel whose index arrays travel in its launch (sm_70 and later).
+    inline: Option<CudaFunction>,
+    /// Its parameter block, reused (the driver copies it at each launch).
+    args: Box<InlineArgs>,
     arch: String,
     scratch: Option<(DeviceBuffer, PinnedBuffer)>,
     /// Bumped by every `prepare`: a `Prepared` of an older generation is refused.
@@ -179,7 +248,26 @@ impl GatherKernel {
             .map_err(|e| CudaError::driver("cuModuleLoadData", e))?;
         let func =
             module.load_function("kvc_gather").map_err(|e| CudaError::driver("cuModuleGetFunction", e))?;
-        Ok(GatherKernel { func, arch, scratch: None, generation: 0 })
+        let inline = match sm_major(&arch) >= 7 {
+            true => Some(
+                module
+                    .load_function("kvc_gather_inline")
+                    .map_err(|e| CudaError::driver("cuModuleGetFunction", e))?,
+            ),
+            false => None,
+        };
+        let args = Box::new(InlineArgs {
+            block_bytes: 0,
+            n_blocks: 0,
+            mode: 0,
+            heads: 0,
+            tokens: 0,
+            src_bases: [0; INLINE_MAX_REGIONS],
+            dst_bases: [0; INLINE_MAX_REGIONS],
+            src_blocks: [0; INLINE_MAX_BLOCKS],
+            dst_blocks: [0; INLINE_MAX_BLOCKS],
+        });
+        Ok(GatherKernel { func, inline, args, arch, scratch: None, generation: 0 })
     }
 
     /// The architecture it was compiled for.
@@ -188,7 +276,39 @@ impl GatherKernel {
     }
 
     /// Enqueues the gather on the GPU's stream (returns at once; synchronise or time it).
+    /// Up to [`INLINE_MAX_REGIONS`] regions and [`INLINE_MAX_BLOCKS`] blocks its index arrays
+    /// travel in the launch's parameters, so nothing is uploaded or waited for first (about
+    /// 20 µs of a 0.5 ms gather on an H200, BENCHMARKS.md); larger gathers upload them.
     pub fn launch(&mut self, gpu: &Gpu, spec: &GatherSpec<'_>) -> Result<(), CudaError> {
+        let (regions, blocks) = (spec.src_bases.len(), spec.src_blocks.len());
+        if let Some(func) =
+            self.inline.as_ref().filter(|_| regions <= INLINE_MAX_REGIONS && blocks <= INLINE_MAX_BLOCKS)
+        {
+            let (mode, heads, tokens) = spec.check()?;
+            if regions == 0 || blocks == 0 {
+                return Ok(());
+            }
+            let a = &mut *self.args;
+            a.block_bytes = spec.block_bytes;
+            a.n_blocks = blocks as u32;
+            (a.mode, a.heads, a.tokens) = (mode, heads, tokens);
+            a.src_bases[..regions].copy_from_slice(spec.src_bases);
+            a.dst_bases[..regions].copy_from_slice(spec.dst_bases);
+            a.src_blocks[..blocks].copy_from_slice(spec.src_blocks);
+            a.dst_blocks[..blocks].copy_from_slice(spec.dst_blocks);
+            gpu.bind()?;
+            let grid = (regions * blocks) as u32;
+            let cfg =
+                LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+            let mut args = gpu.stream().launch_builder(func);
+            args.arg(&*self.args);
+            // SAFETY: the one argument is the kernel's `kvc_inline_args`, by value (the driver
+            // copies it at the launch); `check` bounded the grid and the block size; the caller
+            // guarantees every base address plus (max block index + 1) * block_bytes lies in
+            // live memory.
+            unsafe { args.launch(cfg) }.map_err(|e| CudaError::driver("cuLaunchKernel", e))?;
+            return Ok(());
+        }
         let prepared = self.prepare(gpu, std::slice::from_ref(spec))?;
         self.launch_prepared(gpu, &prepared, 0)
     }
@@ -328,6 +448,12 @@ struct Launch {
     tokens: u32,
 }
 
+/// The major compute capability of an `sm_XY` architecture name (0 when it is not one).
+fn sm_major(arch: &str) -> u32 {
+    let digits = arch.trim_start_matches("sm_");
+    digits.get(..digits.len().saturating_sub(1)).and_then(|d| d.parse().ok()).unwrap_or(0)
+}
+
 /// The cubin for `arch`, compiled at the first call and kept for the process: every
 /// connector, staged path and stage of a worker loads the same bytes without NVRTC again.
 fn cubin_for(arch: &str) -> Result<Vec<u8>, CudaError> {
@@ -376,4 +502,29 @@ fn compile_cubin(arch: &str) -> Result<Vec<u8>, CudaError> {
     // SAFETY: destroyed once, after its last use.
     let _ = unsafe { result::destroy_program(prog) };
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_inline_parameters_match_the_kernels_struct_and_fit_one_launch() {
+        // kvc_inline_args: 24 bytes of scalars, then the four arrays; a kernel parameter may
+        // hold 32,764 bytes.
+        let want = 24 + 16 * INLINE_MAX_REGIONS + 8 * INLINE_MAX_BLOCKS;
+        assert_eq!(std::mem::size_of::<InlineArgs>(), want);
+        assert!(want <= 32_764, "{want}");
+        assert!(SOURCE.contains(&format!("#define KVC_MAX_REGIONS {INLINE_MAX_REGIONS}")));
+        assert!(SOURCE.contains(&format!("#define KVC_MAX_BLOCKS {INLINE_MAX_BLOCKS}")));
+    }
+
+    #[test]
+    fn the_major_compute_capability_is_read_from_the_architecture() {
+        assert_eq!(sm_major("sm_90"), 9);
+        assert_eq!(sm_major("sm_75"), 7);
+        assert_eq!(sm_major("sm_100"), 10);
+        assert_eq!(sm_major("sm_61"), 6);
+        assert_eq!(sm_major("gfx90a"), 0);
+    }
 }

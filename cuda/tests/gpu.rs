@@ -8,7 +8,7 @@
 use kvconnect_cuda::device::check_libraries;
 use kvconnect_cuda::testing::random_bytes;
 use kvconnect_cuda::{
-    CudaError, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute, StagedCopy,
+    CudaError, DeviceBuffer, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute, StagedCopy,
 };
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
@@ -39,14 +39,10 @@ const DIM: u32 = 64; // bf16: 128-byte rows
 const ELEM: u32 = 2;
 const BLOCK: usize = (HEADS * TOKENS * DIM * ELEM) as usize;
 
-#[test]
-fn gather_is_exact_and_touches_nothing_else() {
-    let Some(gpu) = gpu() else { return };
-    let mut k = GatherKernel::new(&gpu).unwrap();
-    let (nreg, nsrc, ndst) = (6usize, 40u32, 32u32);
-    let src_host: Vec<Vec<u8>> =
-        (0..nreg).map(|r| random_bytes(nsrc as usize * BLOCK, r as u64 + 1)).collect();
-    let src: Vec<_> = src_host
+/// `n` device regions of `len` random bytes (seeded from `seed`), with their host copies.
+fn random_regions(gpu: &Gpu, n: usize, len: usize, seed: u64) -> (Vec<Vec<u8>>, Vec<DeviceBuffer>) {
+    let host: Vec<Vec<u8>> = (0..n).map(|r| random_bytes(len, r as u64 + seed)).collect();
+    let dev = host
         .iter()
         .map(|h| {
             let b = gpu.alloc(h.len()).unwrap();
@@ -54,10 +50,25 @@ fn gather_is_exact_and_touches_nothing_else() {
             b
         })
         .collect();
-    let dst: Vec<_> = (0..nreg).map(|_| gpu.alloc(ndst as usize * BLOCK).unwrap()).collect();
+    (host, dev)
+}
+
+/// `n` device regions of `len` bytes of 0xEE.
+fn poisoned_regions(gpu: &Gpu, n: usize, len: usize) -> Vec<DeviceBuffer> {
+    let dst: Vec<_> = (0..n).map(|_| gpu.alloc(len).unwrap()).collect();
     for d in &dst {
         gpu.memset_async(d.ptr(), 0xEE, d.len()).unwrap();
     }
+    dst
+}
+
+#[test]
+fn gather_is_exact_and_touches_nothing_else() {
+    let Some(gpu) = gpu() else { return };
+    let mut k = GatherKernel::new(&gpu).unwrap();
+    let (nreg, nsrc, ndst) = (6usize, 40u32, 32u32);
+    let (src_host, src) = random_regions(&gpu, nreg, nsrc as usize * BLOCK, 1);
+    let dst = poisoned_regions(&gpu, nreg, ndst as usize * BLOCK);
     let sb = [3u32, 39, 0, 17, 18, 19, 5];
     let db = [31u32, 0, 7, 8, 9, 10, 2];
     let spec = GatherSpec {
@@ -81,6 +92,55 @@ fn gather_is_exact_and_touches_nothing_else() {
                     assert_eq!(got, &src_host[r][s * BLOCK..(s + 1) * BLOCK], "region {r} block {blk}");
                 }
                 None => assert!(got.iter().all(|b| *b == 0xEE), "region {r} block {blk} was written"),
+            }
+        }
+    }
+}
+
+/// Gathers past what a launch's parameters carry (more blocks, or more regions, than
+/// `INLINE_MAX_*`) upload their index arrays first, and are as exact.
+#[test]
+fn gathers_too_large_for_the_launchs_parameters_are_exact() {
+    use kvconnect_cuda::kernel::{INLINE_MAX_BLOCKS, INLINE_MAX_REGIONS};
+    let Some(gpu) = gpu() else { return };
+    let mut k = GatherKernel::new(&gpu).unwrap();
+    let small = 256usize;
+    for (nreg, n) in [(2usize, INLINE_MAX_BLOCKS as u32 + 416), (INLINE_MAX_REGIONS + 2, 8)] {
+        let (nsrc, ndst) = (n + 10, n + 20);
+        let (src_host, src) = random_regions(&gpu, nreg, nsrc as usize * small, 7);
+        let dst = poisoned_regions(&gpu, nreg, ndst as usize * small);
+        // Source blocks in order from 5, destination blocks reversed from 15: both scattered
+        // against each other, each side's first blocks left alone.
+        let sb: Vec<u32> = (0..n).map(|i| 5 + i).collect();
+        let db: Vec<u32> = (0..n).rev().map(|i| 15 + i).collect();
+        let spec = GatherSpec {
+            src_bases: &src.iter().map(|b| b.ptr()).collect::<Vec<_>>(),
+            dst_bases: &dst.iter().map(|b| b.ptr()).collect::<Vec<_>>(),
+            src_blocks: &sb,
+            dst_blocks: &db,
+            block_bytes: small as u64,
+            permute: Permute::None,
+        };
+        k.launch(&gpu, &spec).unwrap();
+        gpu.synchronize().unwrap();
+        for r in 0..nreg {
+            let mut out = vec![0u8; ndst as usize * small];
+            gpu.download(&mut out, dst[r].ptr()).unwrap();
+            for blk in 0..ndst {
+                let got = &out[blk as usize * small..(blk as usize + 1) * small];
+                if (15..15 + n).contains(&blk) {
+                    let s = sb[(n - 1 - (blk - 15)) as usize] as usize;
+                    assert_eq!(
+                        got,
+                        &src_host[r][s * small..(s + 1) * small],
+                        "{nreg} regions: region {r} block {blk}"
+                    );
+                } else {
+                    assert!(
+                        got.iter().all(|b| *b == 0xEE),
+                        "{nreg} regions: region {r} block {blk} was written"
+                    );
+                }
             }
         }
     }
