@@ -155,7 +155,21 @@ impl Puller {
         peer: &PeerInfo,
         load: &LoadSpec,
     ) -> Result<PullStats, TransferError> {
-        let r = pull_steps(&*self.transport, &mut self.conns.link(peer), local, groups, peer, load);
+        self.pull_reporting(local, groups, peer, load, &mut |_| {})
+    }
+
+    /// [`Puller::pull`], calling `whole` as soon as the load is known whole, before the
+    /// messages after it that cannot change that (a `done` whose answer is read later): the
+    /// caller reports the load without waiting for them. Not called for a load that fails.
+    pub fn pull_reporting(
+        &mut self,
+        local: &KvMemory,
+        groups: &[Vec<LayerId>],
+        peer: &PeerInfo,
+        load: &LoadSpec,
+        whole: &mut dyn FnMut(PullStats),
+    ) -> Result<PullStats, TransferError> {
+        let r = pull_steps(&*self.transport, &mut self.conns.link(peer), local, groups, peer, load, whole);
         if r.as_ref().is_err_and(TransferError::is_transport) {
             // A stream may be mid-message, a mapping or NIXL's endpoints stale: start again
             // from the handshake.
@@ -174,6 +188,7 @@ fn pull_steps(
     groups: &[Vec<LayerId>],
     peer: &PeerInfo,
     load: &LoadSpec,
+    whole: &mut dyn FnMut(PullStats),
 ) -> Result<PullStats, TransferError> {
     let steps = transport.steps();
     if steps.before == Pin::Overlapped && transport.backend().serves_reads {
@@ -230,11 +245,21 @@ fn pull_steps(
     // answer proves nothing more, so it is read later. After a `hold` the backend tells the
     // producer its own way (NIXL's notification).
     match steps.after {
-        Confirm::Done => link.done(load)?,
-        Confirm::Release => link.release(load),
-        Confirm::Hold => link.hold(load)?,
+        Confirm::Done => {
+            link.done(load)?;
+            transport.confirmed(peer, load)?;
+        }
+        Confirm::Release => {
+            // Nothing after this can fail the load: it is reported before `done` goes out.
+            transport.confirmed(peer, load)?;
+            whole(stats);
+            link.release(load);
+        }
+        Confirm::Hold => {
+            link.hold(load)?;
+            transport.confirmed(peer, load)?;
+        }
     }
-    transport.confirmed(peer, load)?;
     // Where a pull's time goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=debug).
     tracing::debug!(
         request = %load.request,

@@ -165,6 +165,7 @@ impl NixlWorker {
     fn start_puller(&mut self, mem: Arc<KvMemory>, transport: Arc<dyn Transport>) -> ConnectorResult<()> {
         let (tx, rx) = mpsc::channel();
         let backend = transport.backend();
+        let transport_for_loop = transport.clone();
         let puller = Puller::new(
             PullConfig {
                 io_timeout: self.cfg.io_timeout,
@@ -178,6 +179,7 @@ impl NixlWorker {
         );
         let ctx = PullLoop {
             puller,
+            transport: transport_for_loop,
             mem,
             groups: self.groups.clone(),
             peers: self.peers.clone(),
@@ -195,8 +197,26 @@ impl NixlWorker {
     }
 }
 
+/// Reports a job's outcome, once no copy it started still runs (`transport`'s).
+fn report(
+    transport: &dyn Transport,
+    in_pull: &AtomicUsize,
+    outcomes: &Outcomes,
+    job: Job,
+    r: Result<PullStats, TransferError>,
+) {
+    if job.launched {
+        transport.settle_launched();
+    }
+    // Counted out first: whoever sees the outcome finds the pull thread free.
+    in_pull.fetch_sub(1, Ordering::AcqRel);
+    outcomes.push(job.load, r);
+}
+
 struct PullLoop {
     puller: Puller,
+    /// The puller's backend, to settle a launched copy with while the puller is busy.
+    transport: Arc<dyn Transport>,
     mem: Arc<KvMemory>,
     groups: Vec<Vec<LayerId>>,
     peers: Peers,
@@ -212,12 +232,7 @@ impl PullLoop {
 
     /// Reports a job's outcome, once no copy it started still runs.
     fn finish(&self, job: Job, r: Result<PullStats, TransferError>) {
-        if job.launched {
-            self.puller.settle_launched();
-        }
-        // Counted out first: whoever sees the outcome finds the pull thread free.
-        self.in_pull.fetch_sub(1, Ordering::AcqRel);
-        self.outcomes.push(job.load, r);
+        report(&*self.transport, &self.in_pull, &self.outcomes, job, r);
     }
 
     /// Heartbeats a queued load; a refusal or a dead peer fails it at once.
@@ -262,19 +277,30 @@ impl PullLoop {
             if let Some((job, _)) = head {
                 let load = &job.load;
                 let t0 = Instant::now();
+                // A load known whole is reported at once, before the `done` that follows it.
+                let mut early = None;
                 let r = self.peer(load).and_then(|peer| {
                     if load.is_release() {
-                        self.puller.release(&peer, load)
-                    } else {
-                        self.puller.pull(&self.mem, &self.groups, &peer, load)
+                        return self.puller.release(&peer, load);
                     }
+                    let (transport, in_pull, outcomes) = (&*self.transport, &*self.in_pull, &*self.outcomes);
+                    let whole = &mut |s: PullStats| {
+                        let job = Job { load: load.clone(), launched: job.launched };
+                        report(transport, in_pull, outcomes, job, Ok(s));
+                        early = Some(t0.elapsed());
+                    };
+                    self.puller.pull_reporting(&self.mem, &self.groups, &peer, load, whole)
                 });
                 if let (Ok(s), false) = (&r, load.is_release()) {
                     // The transfer alone (pin, copy or stream, done), for benchmarks.
                     let micros = t0.elapsed().as_micros() as u64;
-                    tracing::debug!(request = %load.request, bytes = s.bytes, micros, "nixl: pull took");
+                    let reported_us = early.map(|e| e.as_micros() as u64);
+                    tracing::debug!(request = %load.request, bytes = s.bytes, micros, reported_us = ?reported_us,
+                        "nixl: pull took");
                 }
-                self.finish(job, r);
+                if early.is_none() {
+                    self.finish(job, r);
+                }
             }
         }
     }
