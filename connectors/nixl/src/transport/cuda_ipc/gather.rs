@@ -120,6 +120,8 @@ pub struct CudaIpcPull {
     /// A gather [`CudaIpcPull::launch`] started on the step's thread, until the pull thread
     /// waits for it (its `done` is recorded after it).
     launched: Option<Launched>,
+    /// Time in the kernel's launch calls of the load being started (for its trace line).
+    launch_time: std::time::Duration,
 }
 
 /// A gather launched ahead of its pull, and what it copies.
@@ -215,6 +217,7 @@ impl CudaIpcPull {
             own: own_regions.iter().map(|r| r.addr()).collect(),
             path,
             launched: None,
+            launch_time: std::time::Duration::ZERO,
         })
     }
 
@@ -494,8 +497,11 @@ impl CudaIpcPull {
                 )))
             }
         };
+        let t0 = std::time::Instant::now();
         let src_all = self.open_peer(peer)?.bases.clone();
+        let opened = t0.elapsed();
         let mut any = false;
+        self.launch_time = std::time::Duration::ZERO;
         let launches = self.launch_groups(own, groups, peer, load, (perm, cross, &src_all), &mut any);
         if launches.is_err() && any {
             // A later group failed after an earlier one's gather was launched: none may still
@@ -505,10 +511,20 @@ impl CudaIpcPull {
         let bytes = launches?;
         // Completion through an event after this request's launches: the pull thread waits
         // for it; the step loop only sees the outcome in get_finished.
+        let planned = t0.elapsed();
         if let Err(e) = self.done.record(self.gpu.stream()) {
             let _ = self.gpu.synchronize();
             return Err(TransferError::Cuda(format!("cuEventRecord: {e}")));
         }
+        // Where launching goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=trace).
+        tracing::trace!(
+            request = %load.request,
+            open_us = opened.as_micros() as u64,
+            plan_us = (planned - opened - self.launch_time).as_micros() as u64,
+            launch_us = self.launch_time.as_micros() as u64,
+            record_us = (t0.elapsed() - planned).as_micros() as u64,
+            "cuda_ipc: launching"
+        );
         Ok((bytes, perm != Permute::None))
     }
 
@@ -596,10 +612,12 @@ impl CudaIpcPull {
             let kernel = &mut self.kernel;
             let opened =
                 self.opened.get_mut(&peer.key()).ok_or_else(|| TransferError::UnknownPeer(e.clone()))?;
+            let t = std::time::Instant::now();
             match &mut opened.route {
                 Route::Direct => kernel.launch(&self.gpu, &spec).map_err(cuda)?,
                 Route::Staged(copy) => copy.copy(&self.gpu, kernel, &spec).map_err(cuda)?,
             }
+            self.launch_time += t.elapsed();
             *launched = true;
             bytes += block_bytes * src_bases.len() as u64 * src_blocks.len() as u64;
         }
