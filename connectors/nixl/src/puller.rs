@@ -118,12 +118,6 @@ impl Puller {
         self.transport.forget(key);
     }
 
-    /// Waits for a copy [`Transport::launch`] started, if one still runs: called before a
-    /// launched load is reported, whatever its pull did.
-    pub fn settle_launched(&self) {
-        self.transport.settle_launched();
-    }
-
     /// Heartbeat: renews the producer's lease on `load`'s request; fails when its blocks are
     /// gone.
     pub fn hold(&mut self, peer: &PeerInfo, load: &LoadSpec) -> Result<(), TransferError> {

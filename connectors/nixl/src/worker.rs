@@ -5,8 +5,8 @@
 //! Nothing here blocks the step loop for an asynchronous load: `start_load_kv` posts the step's
 //! loads to the pull thread (where the backend can, it first starts a copy itself, without
 //! waiting: a GPU gather, [`Transport::launch`]); `get_finished` only collects what finished
-//! since the last call. A synchronous one (`load: "sync"`) is waited for in `wait_for_layer_load`, before the
-//! step computes with its blocks.
+//! since the last call. A synchronous one (`load: "sync"`) is waited for in
+//! `wait_for_layer_load`, before the step computes with its blocks.
 
 use crate::config::{NixlConfig, NAME};
 use crate::error::TransferError;

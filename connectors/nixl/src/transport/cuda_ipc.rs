@@ -7,11 +7,11 @@
 //! block-index arrays (with HMA off there is one group, so one launch per request); when the
 //! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
 //! copy. When the pull thread is idle and the peer's regions are open, `start_load_kv`
-//! launches that gather itself (a few tens of µs on the step's thread, no wait), so the copy
-//! starts without waiting for the pull thread to wake. The pull thread waits for a CUDA event
-//! recorded after the launches (the step loop never waits on it), while the puller's `pin`,
-//! sent as the copy starts, is answered over
-//! the control connection; then the puller sends `done` ([`super::Pin::Overlapped`]). The
+//! launches that gather itself (about 80 µs on the step's thread on an H100, no wait), so the
+//! copy starts without waiting for the pull thread to wake. The pull thread waits for a CUDA
+//! event recorded after the launches (the step loop never waits on it), while the puller's
+//! `pin`, sent as the copy starts, is answered over the control connection; then the puller
+//! sends `done` ([`super::Pin::Overlapped`]). The
 //! kernel is compiled when the worker starts (once per process and GPU architecture, then
 //! cached), not at the first request.
 //!

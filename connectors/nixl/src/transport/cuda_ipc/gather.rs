@@ -378,10 +378,10 @@ impl CudaIpcPull {
     }
 
     /// Starts `load`'s gather now, on the calling thread (the step's, in `start_load_kv`),
-    /// when that costs no wait: no other gather of this consumer runs and the peer's regions
-    /// are open already (opening them is the pull thread's) and read directly (not staged). The pull thread's
-    /// [`CudaIpcPull::pull`] of it then only waits; `Ok(false)`: not started, the pull copies
-    /// it as usual. Bad loads are refused as `pull` refuses them.
+    /// when that costs no wait: no other gather of this consumer runs, and the peer's regions
+    /// are open already (opening them is the pull thread's) and read directly (not staged).
+    /// The pull thread's [`CudaIpcPull::pull`] of it then only waits; `Ok(false)`: not
+    /// started, the pull copies it as usual. Bad loads are refused as `pull` refuses them.
     pub fn launch(
         &mut self,
         own: &Geometry,
