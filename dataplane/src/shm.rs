@@ -252,10 +252,20 @@ fn populate_in_pieces(
         vec![advise(0)]
     } else {
         std::thread::scope(|s| {
-            let handles: Vec<_> = starts.iter().map(|&o| s.spawn(move || advise(o))).collect();
-            handles
+            // A piece whose thread cannot be started is populated on this one, after the others
+            // started.
+            let spawned: Vec<_> = starts
+                .iter()
+                .map(|&o| (o, std::thread::Builder::new().spawn_scoped(s, move || advise(o))))
+                .collect();
+            spawned
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err(io::Error::other("a populating thread panicked"))))
+                .map(|(o, h)| match h {
+                    Ok(h) => {
+                        h.join().unwrap_or_else(|_| Err(io::Error::other("a populating thread panicked")))
+                    }
+                    Err(_) => advise(o),
+                })
                 .collect()
         })
     };
