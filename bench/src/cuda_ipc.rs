@@ -21,7 +21,7 @@ use kvconnect_cuda::device::{DeviceBuffer, Gpu};
 use kvconnect_cuda::error::CudaError;
 use kvconnect_cuda::ipc::{ImportedRegion, IpcHandle};
 use kvconnect_cuda::kernel::{GatherKernel, GatherSpec, Permute};
-use kvconnect_cuda::staged::{StagedCopy, DEFAULT_BUFFERS, DEFAULT_CHUNK_BYTES};
+use kvconnect_cuda::staged::{StagedConfig, StagedCopy, DEFAULT_BUFFERS, DEFAULT_CHUNK_BYTES};
 use kvconnect_support::stats::Quartiles;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -398,8 +398,11 @@ fn check_blocks(
 }
 
 /// The host-staged path (`StagedCopy`, as backend cuda_ipc runs it without peer access) on
-/// the request's blocks, checked, then timed (wall clock, best of) against its own baseline:
-/// the slower of one contiguous device-to-host and one host-to-device copy of the same bytes.
+/// the request's blocks, checked, then timed (wall clock) in interleaved rounds against its
+/// baselines: the slower of one contiguous device-to-host and one host-to-device copy of the
+/// same bytes (each alone), and the two running at once on two streams (what the link does
+/// both ways together, which bounds the path where both ends are one GPU). The same path with
+/// one stream per GPU (kernels and copies in line) runs in the same rounds.
 #[allow(clippy::too_many_arguments)]
 fn staged_path(
     spec: &PeerSpec,
@@ -428,51 +431,94 @@ fn staged_path(
     let knob = |name: &str, default: usize| {
         std::env::var(name).ok().and_then(|v| v.parse::<usize>().ok()).filter(|v| *v > 0).unwrap_or(default)
     };
-    let chunk = knob("KVC_BENCH_STAGED_CHUNK_MIB", DEFAULT_CHUNK_BYTES >> 20) << 20;
-    let buffers = knob("KVC_BENCH_STAGED_BUFFERS", DEFAULT_BUFFERS);
-    let mut staged = StagedCopy::with_buffers(producer.clone(), gpu, chunk, buffers)?;
-    poison(gpu, local)?;
-    staged.copy(gpu, kernel, &request)?;
-    gpu.synchronize()?;
-    let checked = check_blocks(gpu, local, src_blocks, dst_blocks, bb, "staged")?;
-    let bytes = src_blocks.len() * src_bases.len() * bb as usize;
-    let mut staged_ms = f64::INFINITY;
-    for _ in 0..iters.clamp(1, 5) {
-        let t = std::time::Instant::now();
-        staged.copy(gpu, kernel, &request)?;
+    let config = StagedConfig {
+        chunk_bytes: knob("KVC_BENCH_STAGED_CHUNK_MIB", DEFAULT_CHUNK_BYTES >> 20) << 20,
+        buffers: knob("KVC_BENCH_STAGED_BUFFERS", DEFAULT_BUFFERS),
+        copy_streams: true,
+    };
+    let mut staged = StagedCopy::configured(producer.clone(), gpu, config)?;
+    let mut inline =
+        StagedCopy::configured(producer.clone(), gpu, StagedConfig { copy_streams: false, ..config })?;
+    let mut checked = 0;
+    for (path, name) in [(&mut staged, "staged"), (&mut inline, "staged, one stream per GPU")] {
+        poison(gpu, local)?;
+        path.copy(gpu, kernel, &request)?;
         gpu.synchronize()?;
-        staged_ms = staged_ms.min(t.elapsed().as_secs_f64() * 1e3);
+        checked += check_blocks(gpu, local, src_blocks, dst_blocks, bb, name)?;
     }
+    let bytes = src_blocks.len() * src_bases.len() * bb as usize;
     let src = producer.alloc(bytes)?;
     let dst = gpu.alloc(bytes)?;
-    let mut host = gpu.alloc_pinned(bytes)?;
-    let d2h_ms = best_ms(&producer, iters.clamp(1, 3), || {
-        // SAFETY: `host` and `src` hold `bytes` bytes each.
-        unsafe {
-            cudarc::driver::result::memcpy_dtoh_async(
-                host.as_mut_slice(),
-                src.ptr(),
-                producer.stream().cu_stream(),
-            )
+    let mut down_host = gpu.alloc_pinned(bytes)?;
+    let up_host = gpu.alloc_pinned(bytes)?;
+    let d2h = |host: &mut [u8]| {
+        // SAFETY: `host` and `src` hold `bytes` bytes each; the caller synchronises the
+        // producer's stream before `host` is touched again.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(host, src.ptr(), producer.stream().cu_stream()) }
+            .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))
+    };
+    let h2d = |host: &[u8]| {
+        // SAFETY: as above, the other way, on the consumer's stream.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst.ptr(), host, gpu.stream().cu_stream()) }
+            .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))
+    };
+    let wall = |f: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
+        let t = std::time::Instant::now();
+        f()?;
+        producer.synchronize()?;
+        gpu.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() * 1e3)
+    };
+    // Rounds of five, each subject's place in the round rotating.
+    let rounds = iters.clamp(3, 15) as usize;
+    let mut ms: [Vec<f64>; 5] = Default::default();
+    for r in 0..=rounds {
+        for j in 0..5 {
+            let which = (j + r) % 5;
+            let t = match which {
+                0 => wall(&mut || staged.copy(gpu, kernel, &request))?,
+                1 => wall(&mut || inline.copy(gpu, kernel, &request))?,
+                2 => wall(&mut || d2h(down_host.as_mut_slice()))?,
+                3 => wall(&mut || h2d(up_host.as_slice()))?,
+                _ => wall(&mut || {
+                    d2h(down_host.as_mut_slice())?;
+                    h2d(up_host.as_slice())
+                })?,
+            };
+            // Round 0 warms every subject up.
+            if r > 0 {
+                ms[which].push(t);
+            }
         }
-        .map_err(|e| CudaError::driver("cuMemcpyDtoHAsync", e))
-    })?;
-    let h2d_ms = best_ms(gpu, iters.clamp(1, 3), || {
-        // SAFETY: as above, the other way.
-        unsafe {
-            cudarc::driver::result::memcpy_htod_async(dst.ptr(), host.as_slice(), gpu.stream().cu_stream())
-        }
-        .map_err(|e| CudaError::driver("cuMemcpyHtoDAsync", e))
-    })?;
+    }
+    let best = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    let [staged_ms, inline_ms, d2h_ms, h2d_ms, both_ms] = [0, 1, 2, 3, 4].map(|i| best(&ms[i]));
     let baseline_ms = d2h_ms.max(h2d_ms);
+    // Per round: the baseline of that round over the subject of that round.
+    let per_round = |num: &dyn Fn(usize) -> f64, den: usize| {
+        Quartiles::of((0..rounds).map(|r| num(r) / ms[den][r]).collect())
+    };
+    let one_way = |r: usize| ms[2][r].max(ms[3][r]);
+    let both_ways = |r: usize| ms[4][r];
     Ok(json!({
-        "path": "pack on the producer's GPU, D2H, H2D, unpack on the consumer's",
-        "chunk_mib": chunk >> 20,
-        "buffers": buffers,
+        "path": "pack on the producer's GPU, D2H, H2D, unpack on the consumer's, each on its own stream",
+        "chunk_mib": config.chunk_bytes >> 20,
+        "buffers": config.buffers,
+        "rounds": rounds,
         "blocks_checked": checked,
         "gbps": gbps(bytes as u64, staged_ms),
         "baseline": "the slower of one contiguous D2H and one contiguous H2D of the same bytes",
         "baseline_gbps": gbps(bytes as u64, baseline_ms),
         "ratio": baseline_ms / staged_ms,
+        "ratio_per_round": per_round(&one_way, 0),
+        "both_ways": "one contiguous D2H and one contiguous H2D of the same bytes at once, on two streams",
+        "both_ways_gbps_each": gbps(bytes as u64, both_ms),
+        "ratio_both_ways": both_ms / staged_ms,
+        "ratio_both_ways_per_round": per_round(&both_ways, 0),
+        "one_stream_per_gpu": {
+            "gbps": gbps(bytes as u64, inline_ms),
+            "ratio": baseline_ms / inline_ms,
+            "ratio_per_round": per_round(&one_way, 1),
+        },
     }))
 }

@@ -28,4 +28,4 @@ pub use error::CudaError;
 pub use ipc::{ImportedRegion, IpcHandle};
 pub use kernel::{GatherKernel, GatherSpec, Permute};
 pub use kv_stage::{HostCopy, KvStage, StageError};
-pub use staged::StagedCopy;
+pub use staged::{StagedConfig, StagedCopy};

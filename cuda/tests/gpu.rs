@@ -8,7 +8,8 @@
 use kvconnect_cuda::device::check_libraries;
 use kvconnect_cuda::testing::random_bytes;
 use kvconnect_cuda::{
-    CudaError, DeviceBuffer, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute, StagedCopy,
+    CudaError, DeviceBuffer, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute, StagedConfig,
+    StagedCopy,
 };
 use std::io::{BufRead, Write};
 use std::process::{Command, Stdio};
@@ -167,15 +168,10 @@ fn host_staged_copy_is_exact_with_permute_over_many_chunks() {
         })
         .collect();
     let dst: Vec<_> = (0..nreg).map(|_| dst_gpu.alloc(ndst as usize * BLOCK).unwrap()).collect();
-    for d in &dst {
-        dst_gpu.memset_async(d.ptr(), 0xEE, d.len()).unwrap();
-    }
-    dst_gpu.synchronize().unwrap();
-    // 23 blocks, 3 per chunk (5 regions x 3 blocks fit in the staging buffers): 8 chunks,
-    // the last one with 2 blocks.
+    // 23 blocks: 3 per chunk (5 regions x 3 blocks fit in the staging buffers) make 8 chunks,
+    // the last one with 2 blocks; 1 per chunk makes 23, each buffer set reused many times.
     let sb: Vec<u32> = (0..23u32).map(|i| (i * 37 + 5) % nsrc).collect();
     let db: Vec<u32> = (0..23u32).map(|i| 47 - 2 * i).collect();
-    let mut staged = StagedCopy::new(src_gpu.clone(), &dst_gpu, 3 * nreg * BLOCK + 100).unwrap();
     let spec = GatherSpec {
         src_bases: &src.iter().map(|b| b.ptr()).collect::<Vec<_>>(),
         dst_bases: &dst.iter().map(|b| b.ptr()).collect::<Vec<_>>(),
@@ -184,28 +180,46 @@ fn host_staged_copy_is_exact_with_permute_over_many_chunks() {
         block_bytes: BLOCK as u64,
         permute: Permute::NhdToHnd { heads: HEADS, tokens: TOKENS },
     };
-    // Twice: the second pass reuses buffers the first one left behind.
-    for pass in 0..2 {
-        staged.copy(&dst_gpu, &mut k, &spec).unwrap();
-        dst_gpu.synchronize().unwrap();
-        for r in 0..nreg {
-            let mut out = vec![0u8; ndst as usize * BLOCK];
-            dst_gpu.download(&mut out, dst[r].ptr()).unwrap();
-            for blk in 0..ndst as usize {
-                let got = &out[blk * BLOCK..(blk + 1) * BLOCK];
-                match db.iter().position(|d| *d as usize == blk) {
-                    Some(i) => {
-                        let s = sb[i] as usize;
-                        let want = permute_reference(&src_host[r][s * BLOCK..(s + 1) * BLOCK], true);
-                        assert_eq!(got, &want[..], "pass {pass} region {r} block {blk}");
+    let configs = [
+        (3, StagedConfig::default()),
+        (1, StagedConfig::default()),
+        (1, StagedConfig { buffers: 3, ..StagedConfig::default() }),
+        (3, StagedConfig { copy_streams: false, ..StagedConfig::default() }),
+    ];
+    for (per_chunk, config) in configs {
+        let config = StagedConfig { chunk_bytes: per_chunk * nreg * BLOCK + 100, ..config };
+        let mut staged = StagedCopy::configured(src_gpu.clone(), &dst_gpu, config).unwrap();
+        // Twice: the second pass reuses buffers and events the first one left behind.
+        for pass in 0..2 {
+            for d in &dst {
+                dst_gpu.memset_async(d.ptr(), 0xEE, d.len()).unwrap();
+            }
+            staged.copy(&dst_gpu, &mut k, &spec).unwrap();
+            dst_gpu.synchronize().unwrap();
+            for r in 0..nreg {
+                let mut out = vec![0u8; ndst as usize * BLOCK];
+                dst_gpu.download(&mut out, dst[r].ptr()).unwrap();
+                for blk in 0..ndst as usize {
+                    let got = &out[blk * BLOCK..(blk + 1) * BLOCK];
+                    match db.iter().position(|d| *d as usize == blk) {
+                        Some(i) => {
+                            let s = sb[i] as usize;
+                            let want = permute_reference(&src_host[r][s * BLOCK..(s + 1) * BLOCK], true);
+                            assert_eq!(got, &want[..], "{config:?} pass {pass} region {r} block {blk}");
+                        }
+                        None => assert!(
+                            got.iter().all(|b| *b == 0xEE),
+                            "{config:?} pass {pass} region {r} block {blk} was written"
+                        ),
                     }
-                    None => assert!(
-                        got.iter().all(|b| *b == 0xEE),
-                        "pass {pass} region {r} block {blk} was written"
-                    ),
                 }
             }
         }
+        // Another handle of the destination GPU has another stream, which the path's last
+        // unpack would not be ordered on: refused.
+        let other = Gpu::open(dst_ordinal).unwrap();
+        let e = staged.copy(&other, &mut k, &spec).unwrap_err().to_string();
+        assert!(e.contains("same Gpu"), "{e}");
     }
 }
 
