@@ -243,6 +243,32 @@ pub fn run_consumer(spec: &PeerSpec) -> Result<Value, CudaError> {
         small.insert(format!("{n}_blocks_us"), json!(ms * 1e3));
     }
 
+    // What starting a gather costs the host, the GPU idle before each: the launch call for the
+    // whole request and for one block, and recording an event after a launch. Each closure
+    // returns the microseconds of the call it times.
+    let host_us = |f: &mut dyn FnMut() -> Result<f64, CudaError>| -> Result<Quartiles, CudaError> {
+        let mut us = Vec::new();
+        for _ in 0..iters.max(1) {
+            gpu.synchronize()?;
+            us.push(f()?);
+        }
+        gpu.synchronize()?;
+        Ok(Quartiles::of(us))
+    };
+    let timed = |f: &mut dyn FnMut() -> Result<(), CudaError>| -> Result<f64, CudaError> {
+        let t = std::time::Instant::now();
+        f()?;
+        Ok(t.elapsed().as_secs_f64() * 1e6)
+    };
+    let one = GatherSpec { src_blocks: &src_blocks[..1], dst_blocks: &dst_blocks[..1], ..plain.clone() };
+    let launch_request_us = host_us(&mut || timed(&mut || kernel.launch(&gpu, &plain)))?;
+    let launch_one_block_us = host_us(&mut || timed(&mut || kernel.launch(&gpu, &one)))?;
+    let done = gpu.completion_event()?;
+    let record_us = host_us(&mut || {
+        kernel.launch(&gpu, &plain)?;
+        timed(&mut || done.record(gpu.stream()).map_err(|e| CudaError::driver("cuEventRecord", e)))
+    })?;
+
     // lmcache-style save: the request's blocks of every region into pinned host memory.
     let mut pinned = gpu.alloc_pinned(bytes as usize)?;
     let per_region = spec.request_blocks as u64 * bb;
@@ -313,6 +339,11 @@ pub fn run_consumer(spec: &PeerSpec) -> Result<Value, CudaError> {
         "per_block_memcpy_gbps": gbps(bytes * 2, per_block_ms),
         "per_block_memcpy_ratio": contiguous_ms / per_block_ms,
         "small_requests": small,
+        "host_us": {
+            "launch_request": launch_request_us,
+            "launch_one_block": launch_one_block_us,
+            "record_after_launch": record_us,
+        },
         "save_to_pinned_gbps": gbps(bytes, save_ms),
         "contiguous_d2h_gbps": gbps(bytes, d2h_ms),
         "save_ratio": d2h_ms / save_ms,
