@@ -10,7 +10,7 @@
 //! unpack of the previous one run while the copy engines move this one, the download of one
 //! chunk overlaps the upload of the one before, and the host never waits in between. So the
 //! copy engines do not stand idle behind a kernel (with one stream per GPU they did: 0.83 of
-//! the baseline against 0.88 on one H100), and the path runs at the speed of the slower PCIe
+//! the baseline against 0.87-0.88 on one H100), and the path runs at the speed of the slower PCIe
 //! direction, or of the link both ways at once where both ends are one GPU.
 //! The source regions are addresses in the source GPU's context (a peer's IPC handles opened
 //! there), the destination regions addresses in the destination GPU's.
