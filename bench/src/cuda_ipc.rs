@@ -13,6 +13,10 @@
 //! - an lmcache-style save: gather into mapped pinned host memory vs one contiguous
 //!   device-to-host copy of the same bytes.
 //!
+//! On the host's clock it also times the launch call and an event record (`host_us`), and the
+//! host-staged path (on its own streams and on one stream per GPU) against one contiguous
+//! D2H, one H2D, and the two at once (`staged`).
+//!
 //! Every gather is checked against the producer's fill pattern before it is timed.
 
 #![allow(unsafe_code)] // CUDA bindings: driver calls and device memory.
