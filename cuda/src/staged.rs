@@ -81,7 +81,6 @@ pub struct StagedCopy {
     up: Arc<CudaStream>,
     /// The destination's own stream, where the unpacks run (the caller waits on it).
     unpack: Arc<CudaStream>,
-    dst_ordinal: usize,
     chunk_bytes: usize,
     buffers: usize,
     stages: Vec<Stage>,
@@ -111,7 +110,6 @@ impl StagedCopy {
             down,
             up,
             unpack: dst.stream().clone(),
-            dst_ordinal: dst.ordinal(),
             chunk_bytes: 0,
             buffers: config.buffers.max(2),
             stages: Vec::new(),
@@ -178,11 +176,11 @@ impl StagedCopy {
         spec: &GatherSpec<'_>,
     ) -> Result<(), CudaError> {
         spec.check()?;
-        if dst.ordinal() != self.dst_ordinal || !Arc::ptr_eq(dst.stream(), &self.unpack) {
+        if !Arc::ptr_eq(dst.stream(), &self.unpack) {
             return Err(CudaError::Invalid(format!(
                 "this staged path was built for another handle of GPU {}, not this one of GPU {}: pass \
                     the same Gpu on every copy",
-                self.dst_ordinal,
+                self.unpack.context().ordinal(),
                 dst.ordinal()
             )));
         }
