@@ -251,6 +251,8 @@ impl<V: Packed> FlatMap<V> {
     fn grow(&mut self) {
         let n = (self.slots.len() * 2).max(MIN_SLOTS);
         let mut slots = vec![[0u64; 2]; n];
+        // Before the first write below: probes of a table of hundreds of MiB miss the TLB too.
+        kvconnect_support::host_buffer::advise_huge_pages(&mut slots);
         // Zeroed memory fresh from the kernel: the first read of a page would map the shared
         // zero page and the first write then fault again, so each page (4 KiB, 256 slots) is
         // written once first (a value the compiler cannot know is zero, so the write stays).

@@ -12,6 +12,31 @@ pub const PAGE: usize = 4096;
 /// least this long is aligned to it and advised for them.
 pub const HUGE_PAGE: usize = 2 << 20;
 
+/// Asks the kernel to back the whole huge pages inside `memory` with huge pages, for memory
+/// that is not a [`HostBuffer`] (a large `Vec` the allocator mapped, such as the router's
+/// tables): a random probe of hundreds of MiB then costs no page walk of 4 KiB pages, and
+/// first touch one fault per 2 MiB instead of per 4 KiB. A hint: it changes no byte; memory
+/// shorter than a huge page, or a kernel without transparent huge pages, is left as it is.
+/// Call it before the memory is first written, or the pages already backed stay small until
+/// the kernel's background collapse reaches them.
+pub fn advise_huge_pages<T: Copy>(memory: &mut [T]) {
+    let start = memory.as_mut_ptr() as usize;
+    let end = start + std::mem::size_of_val(memory);
+    let (first, last) = (start.next_multiple_of(HUGE_PAGE), end / HUGE_PAGE * HUGE_PAGE);
+    if last > first {
+        advise_huge(first, last);
+    }
+}
+
+/// `MADV_HUGEPAGE` on `[start, end)`, page-aligned and inside memory the caller owns. A kernel
+/// without transparent huge pages refuses it (EINVAL): ordinary pages then.
+fn advise_huge(start: usize, end: usize) {
+    // SAFETY: advice on memory its caller owns (a mapping just made, or a slice it borrows
+    // mutably), page-aligned; MADV_HUGEPAGE changes how the kernel backs those pages, never
+    // their contents, so no reference into them is invalidated.
+    unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+}
+
 /// Host memory could not be mapped.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("cannot allocate {bytes} bytes of host memory ({reason}): free memory, or ask for less")]
@@ -87,9 +112,7 @@ impl HostBuffer {
             }
         }
         if align == HUGE_PAGE {
-            // SAFETY: advice on the buffer's own mapping, before any page of it is touched. A
-            // kernel without transparent huge pages refuses it (EINVAL): ordinary pages then.
-            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+            advise_huge(start, end);
         }
         Ok(HostBuffer { ptr: start as *mut u8, len: asked, mapped: end - start })
     }
@@ -207,5 +230,28 @@ mod tests {
         {
             assert_eq!(anon_huge_kib(plain.as_ptr() as usize), Some(0), "huge pages without the advice");
         }
+    }
+
+    #[test]
+    fn a_large_vec_advised_gets_huge_pages_and_keeps_its_bytes() {
+        // Short slices and a slice with no whole huge page inside are left alone, unharmed.
+        let mut small = vec![3u64; 100];
+        advise_huge_pages(&mut small);
+        advise_huge_pages(&mut small[..0]);
+        assert!(small.iter().all(|x| *x == 3));
+        if !thp_advised() {
+            eprintln!("skipped: transparent huge pages are off on this kernel");
+            return;
+        }
+        let mut v = vec![[0u64; 2]; 8 * HUGE_PAGE / 16];
+        advise_huge_pages(&mut v);
+        for (i, s) in v.iter_mut().enumerate() {
+            *s = [i as u64, !(i as u64)];
+        }
+        assert!(v.iter().enumerate().all(|(i, s)| *s == [i as u64, !(i as u64)]));
+        // The advice splits the mapping: its advised part starts at the first huge boundary.
+        let advised = (v.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
+        let kib = anon_huge_kib(advised).expect("the Vec's mapping is in /proc/self/smaps");
+        assert!(kib >= 2048, "no huge page in an advised 16 MiB Vec ({kib} KiB)");
     }
 }
