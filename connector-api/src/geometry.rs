@@ -120,6 +120,14 @@ impl HeadSlice {
         }
         Ok(())
     }
+
+    /// The slice's pieces in the order [`HeadSlice::spans`] appends them: each with where its
+    /// part's blocks lie, its offset inside a block, and its length. A plan over many blocks
+    /// takes each piece through every block in turn, so consecutive runs follow each other
+    /// in memory where the blocks do.
+    pub fn pieces(&self) -> impl Iterator<Item = (LayerSpans, usize, usize)> + '_ {
+        self.parts.iter().flat_map(|(spans, pieces)| pieces.iter().map(|&(off, len)| (*spans, off, len)))
+    }
 }
 
 /// Why a block cannot be addressed.

@@ -279,7 +279,7 @@ impl CopyPlan {
                     }
                 }
             }
-            runs.sort_unstable_by_key(|r| (r.src_region, r.src_off));
+            sort_by_source(&mut runs);
             Ok(CopyPlan::Direct(coalesce(runs)))
         } else {
             let mut blocks = Vec::new();
@@ -389,34 +389,50 @@ fn across_ranks(
     };
     let bs = peer.shape().tokens as usize;
     let mut runs = Vec::new();
-    let (mut s, mut d) = (Vec::new(), Vec::new());
-    for (g, layers) in groups.iter().enumerate() {
-        let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
-        for &layer in layers {
-            for first_head in (0..peer.total_heads()).step_by(slice as usize) {
-                let (pr, ph) = (first_head / hp, first_head % hp);
-                let (or, oh) = (first_head / ho, first_head % ho);
-                if !peer.held_ranks().contains(&pr) || !own.held_ranks().contains(&or) {
-                    continue;
-                }
+    // Each group's positions in the order of their producer blocks, so that a piece taken
+    // through them reads ascending addresses (a request's blocks come in any order).
+    let by_block: Vec<Vec<usize>> = load
+        .remote_blocks
+        .0
+        .iter()
+        .map(|r| {
+            let mut p: Vec<usize> = positions(load.first_token, load.num_tokens, bs).collect();
+            p.sort_by_key(|&pos| r[pos]);
+            p
+        })
+        .collect();
+    // Head slice (so producer rank) outermost, then layer, then piece, then block: where a
+    // rank's regions hold its layers in order (one region per layer, or the layers one after
+    // another) the runs come out sorted by source and the sort below is one pass.
+    for first_head in (0..peer.total_heads()).step_by(slice as usize) {
+        let (pr, ph) = (first_head / hp, first_head % hp);
+        let (or, oh) = (first_head / ho, first_head % ho);
+        if !peer.held_ranks().contains(&pr) || !own.held_ranks().contains(&or) {
+            continue;
+        }
+        for (g, layers) in groups.iter().enumerate() {
+            let (r, l) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
+            for &layer in layers {
                 // Where the slice lies in any block, once per layer; per block, arithmetic.
-                let src = peer.head_slice(pr, layer, ph, slice).map_err(sliced)?;
-                let dst = own.head_slice(or, layer, oh, slice).map_err(sliced)?;
-                for pos in positions(load.first_token, load.num_tokens, bs) {
-                    s.clear();
-                    d.clear();
-                    src.spans(r[pos], &mut s).map_err(sliced)?;
-                    dst.spans(l[pos], &mut d).map_err(sliced)?;
-                    if s.len() != d.len() || s.iter().zip(&d).any(|(a, b)| a.len != b.len) {
-                        return Err(plan_err(format!(
-                            "request {}: a slice of {slice} KV heads is {} run(s) on the producer and {} \
-                                here: both sides must use the same layout",
-                            load.request,
-                            s.len(),
-                            d.len()
-                        )));
+                let src: Vec<_> = peer.head_slice(pr, layer, ph, slice).map_err(sliced)?.pieces().collect();
+                let dst: Vec<_> = own.head_slice(or, layer, oh, slice).map_err(sliced)?.pieces().collect();
+                if src.len() != dst.len() || src.iter().zip(&dst).any(|(a, b)| a.2 != b.2) {
+                    return Err(plan_err(format!(
+                        "request {}: a slice of {slice} KV heads is {} run(s) on the producer and {} \
+                            here: both sides must use the same layout",
+                        load.request,
+                        src.len(),
+                        dst.len()
+                    )));
+                }
+                for (&(sb, so, len), &(db, dof, _)) in src.iter().zip(&dst) {
+                    for &pos in &by_block[g] {
+                        let (s, d) = (sb.span(r[pos]).map_err(sliced)?, db.span(l[pos]).map_err(sliced)?);
+                        runs.push(CopyRun::between(
+                            Span { region: s.region, offset: s.offset + so, len },
+                            Span { region: d.region, offset: d.offset + dof, len },
+                        ));
                     }
-                    runs.extend(s.iter().zip(&d).map(|(s, d)| CopyRun::between(*s, *d)));
                 }
             }
         }
@@ -432,8 +448,18 @@ fn across_ranks(
             own.tp_size()
         )));
     }
-    runs.sort_unstable_by_key(|r| (r.src_region, r.src_off));
+    sort_by_source(&mut runs);
     Ok(runs)
+}
+
+/// Sorts runs by where they read: nothing to do for runs built in that order, one pass to
+/// see it; otherwise a stable sort, which merges the stretches already in order rather than
+/// sorting tens of thousands of runs from scratch.
+fn sort_by_source(runs: &mut [CopyRun]) {
+    let key = |r: &CopyRun| (r.src_region, r.src_off);
+    if !runs.is_sorted_by_key(key) {
+        runs.sort_by_key(key);
+    }
 }
 
 fn coalesce(runs: Vec<CopyRun>) -> Vec<CopyRun> {
@@ -501,18 +527,27 @@ fn split_shares<T>(
     out
 }
 
-/// Cuts `(destination address, source)` pieces into consecutive shares of about `share`
-/// bytes each, splitting a piece where a share ends.
-fn split_evenly(pieces: Vec<(usize, &[u8])>, share: usize) -> Vec<Vec<(usize, &[u8])>> {
-    split_shares(
-        pieces,
-        share,
-        |(_, src)| src.len(),
-        |(dst, src), n| {
-            let (now, later) = src.split_at(n);
-            ((dst, now), (dst + n, later))
-        },
-    )
+/// Where each share of about `share` bytes of `runs` starts: the run, and the byte in it. A
+/// share runs to where the next starts (the last to the end), so the shares are consecutive
+/// and cover every byte once; `runs` itself is not copied.
+fn share_starts(runs: &[CopyRun], share: u64) -> Vec<(usize, u64)> {
+    let share = share.max(1);
+    let mut starts = vec![(0, 0)];
+    let mut room = share;
+    for (i, r) in runs.iter().enumerate() {
+        let mut at = 0;
+        while r.len - at > room {
+            at += room;
+            starts.push((i, at));
+            room = share;
+        }
+        room -= r.len - at;
+        if room == 0 && i + 1 < runs.len() {
+            starts.push((i + 1, 0));
+            room = share;
+        }
+    }
+    starts
 }
 
 /// Cuts direct runs into at most `parts` consecutive shares of about equal bytes (the
@@ -532,15 +567,6 @@ pub fn split_runs(runs: &[CopyRun], parts: usize) -> Vec<Vec<CopyRun>> {
             (now, later)
         },
     )
-}
-
-/// Refuses destination spans `[start, end)` of which two overlap.
-fn refuse_overlap(mut spans: Vec<(usize, usize)>) -> Result<(), TransferError> {
-    spans.sort_unstable();
-    if spans.windows(2).any(|w| w[1].0 < w[0].1) {
-        return Err(plan_err("two runs of the plan write the same destination bytes".into()));
-    }
-    Ok(())
 }
 
 /// Write access to this engine's registered regions for the receive path. `KvMemory`'s safe
@@ -564,6 +590,17 @@ impl<'a> LocalRegions<'a> {
         self.mem.geometry()
     }
 
+    /// Refuses runs whose destinations share a byte ([`crate::overlap`]). Their bounds are
+    /// checked already.
+    fn refuse_overlap<'r>(
+        &self,
+        runs: impl Iterator<Item = &'r CopyRun> + Clone,
+    ) -> Result<(), TransferError> {
+        crate::overlap::refuse_overlap(runs.map(|r| (r.dst_region, r.dst_off, r.len)), |i| {
+            self.mem.region_base(i)
+        })
+    }
+
     /// A writable view of `len` bytes at `off` in region `region`, bounds-checked.
     pub fn dst_mut(&mut self, region: u32, off: u64, len: u64) -> Result<&mut [u8], TransferError> {
         let (base, rlen) = self
@@ -583,53 +620,89 @@ impl<'a> LocalRegions<'a> {
         Ok(unsafe { std::slice::from_raw_parts_mut((base + off as usize) as *mut u8, len as usize) })
     }
 
-    /// Copies direct runs (each with its source bytes) into place, splitting the bytes evenly
-    /// over up to `threads` threads when there are at least [`PARALLEL_MIN_BYTES`] of them.
-    /// The destinations are bounds-checked and must not overlap (a plan never writes a byte
-    /// twice; one that would is refused before anything is copied).
-    pub fn write_runs(&mut self, runs: &[(CopyRun, &[u8])], threads: usize) -> Result<(), TransferError> {
-        let mut pieces = Vec::with_capacity(runs.len());
-        for (run, src) in runs {
-            if src.len() as u64 != run.len {
-                return Err(plan_err(format!("run of {} bytes for a destination of {}", src.len(), run.len)));
+    /// Copies direct runs into place, reading each run's bytes from `src`, and splitting the
+    /// bytes evenly over up to `threads` threads when there are at least
+    /// [`PARALLEL_MIN_BYTES`] of them. Before any byte is written, every run is checked: its
+    /// source is as long as it, its destination lies inside a registered region, and no two
+    /// destinations share a byte (a plan never writes a byte twice; one that would is refused).
+    /// A pull across TP sizes is tens of thousands of runs: the checks are one pass each, and
+    /// nothing per run is allocated.
+    pub fn write_runs<'s>(
+        &mut self,
+        runs: &[CopyRun],
+        src: impl Fn(&CopyRun) -> Result<&'s [u8], TransferError> + Sync,
+        threads: usize,
+    ) -> Result<(), TransferError> {
+        let t0 = std::time::Instant::now();
+        let mut total = 0usize;
+        for run in runs {
+            let s = src(run)?;
+            if s.len() as u64 != run.len {
+                return Err(plan_err(format!("run of {} bytes for a destination of {}", s.len(), run.len)));
             }
-            let dst = self.dst_mut(run.dst_region, run.dst_off, run.len)?;
-            pieces.push((dst.as_mut_ptr() as usize, *src));
+            self.dst_mut(run.dst_region, run.dst_off, run.len)?;
+            total += s.len();
         }
-        refuse_overlap(pieces.iter().map(|(d, s)| (*d, *d + s.len())).collect())?;
-        let total: usize = pieces.iter().map(|(_, s)| s.len()).sum();
+        self.refuse_overlap(runs.iter())?;
         let threads = copy_threads_for(total, threads);
-        let shares = split_evenly(pieces, total.div_ceil(threads));
+        let starts = share_starts(runs, total.div_ceil(threads) as u64);
         // A large pull is one large copy however many runs it has (a load across TP sizes is
         // a half-block per run): streaming stores for all of its pieces, each thread's fenced
         // once when its share ends (before the join), not only for runs that are large alone.
         let stream = total >= kvconnect_support::stream_copy::STREAM_THRESHOLD;
-        let copy = |share: &[(usize, &[u8])]| {
+        let mem = self.mem;
+        let copy = |share: usize| -> Result<(), TransferError> {
+            let (first, from) = starts[share];
+            let (last, to) = starts.get(share + 1).copied().unwrap_or((runs.len(), 0));
             let mut batch = kvconnect_support::stream_copy::Batch::new();
-            for (dst, src) in share {
+            for (i, run) in runs.iter().enumerate().take(last + 1).skip(first) {
+                let lo = if i == first { from } else { 0 };
+                let hi = if i == last { to } else { run.len };
+                if hi <= lo {
+                    continue;
+                }
+                let bytes = &src(run)?[lo as usize..hi as usize];
+                let (base, _) = mem
+                    .region_base(run.dst_region as usize)
+                    .ok_or_else(|| plan_err(format!("no local region {}", run.dst_region)))?;
+                let at = base + (run.dst_off + lo) as usize;
                 // SAFETY: each destination lies inside a registered region (checked by
-                // `dst_mut` above), no two overlap (checked above; splitting a piece keeps
-                // that), and `&mut self` is held until every thread has joined, so these are
-                // the only views of those bytes.
-                let dst = unsafe { std::slice::from_raw_parts_mut(*dst as *mut u8, src.len()) };
+                // `dst_mut` above), no two overlap (checked above; the shares cut runs into
+                // disjoint parts), and `&mut self` is held until every thread has joined, so
+                // these are the only views of those bytes.
+                let dst = unsafe { std::slice::from_raw_parts_mut(at as *mut u8, bytes.len()) };
                 if stream {
-                    batch.copy(dst, src);
+                    batch.copy(dst, bytes);
                 } else {
-                    dst.copy_from_slice(src);
+                    dst.copy_from_slice(bytes);
                 }
             }
+            Ok(())
         };
-        match shares.split_first() {
-            None => {}
-            Some((first, [])) => copy(first),
-            Some((first, rest)) => std::thread::scope(|s| {
-                for share in rest {
-                    s.spawn(move || copy(share));
+        let prepared = t0.elapsed();
+        let copied = match starts.len() {
+            _ if total == 0 => Ok(()),
+            1 => copy(0),
+            n => std::thread::scope(|s| {
+                let others: Vec<_> = (1..n).map(|k| s.spawn(move || copy(k))).collect();
+                let mut r = copy(0);
+                for t in others {
+                    let done = t.join().unwrap_or_else(|_| Err(plan_err("a copy thread panicked".into())));
+                    r = r.and(done);
                 }
-                copy(first);
+                r
             }),
-        }
-        Ok(())
+        };
+        // Where a large copy's time goes (KVCONNECT_LOG=kvconnect_nixl=debug).
+        tracing::debug!(
+            runs = runs.len(),
+            bytes = total,
+            threads = starts.len(),
+            prepare_us = prepared.as_micros() as u64,
+            copy_us = (t0.elapsed() - prepared).as_micros() as u64,
+            "copy: runs written"
+        );
+        copied
     }
 
     /// Writable views of the destinations of `shares` (direct runs, each share one stream's),
@@ -645,7 +718,7 @@ impl<'a> LocalRegions<'a> {
             }
             addrs.push(v);
         }
-        refuse_overlap(addrs.iter().flatten().map(|&(a, n)| (a, a + n)).collect())?;
+        self.refuse_overlap(shares.iter().flatten())?;
         let views = addrs
             .into_iter()
             .map(|share| {
@@ -791,9 +864,13 @@ mod tests {
 
     #[test]
     fn each_rank_reads_its_heads_from_the_producer_ranks_that_hold_them() {
-        for (p, d) in [(2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (1, 4)] {
+        // The blocks in either order on each side: the runs come out sorted by source anyway.
+        let orders = [(vec![3, 5], vec![6, 1]), (vec![5, 3], vec![1, 6]), (vec![7, 0], vec![2, 4])];
+        for ((p, d), (remote, local)) in [(2, 1), (1, 2), (2, 2), (4, 2), (2, 4), (1, 4)]
+            .into_iter()
+            .flat_map(|pd| orders.iter().cloned().map(move |o| (pd, o)))
+        {
             let (peer, own) = (ranked(p, KvLayout::HND), ranked(d, KvLayout::HND));
-            let (remote, local) = (vec![3, 5], vec![6, 1]);
             let plan = CopyPlan::build(
                 &peer,
                 &own,
@@ -802,6 +879,7 @@ mod tests {
             )
             .unwrap();
             let CopyPlan::Direct(runs) = &plan else { panic!("{p}->{d}: {plan:?}") };
+            assert!(runs.is_sorted_by_key(|r| (r.src_region, r.src_off)), "{p}->{d}: {runs:?}");
             // Producer regions filled with each element's own name; copy the runs as a pull would.
             let region_len = peer.region_bytes(&peer.regions()[0]);
             let mut src = vec![vec![0u8; region_len]; peer.regions().len()];
@@ -1024,16 +1102,18 @@ mod tests {
     }
 
     #[test]
-    fn shares_split_pieces_evenly_and_in_order() {
-        let src: Vec<u8> = (0..100u8).collect();
-        let pieces = vec![(1000, &src[..30]), (5000, &src[30..100])];
-        let shares = split_evenly(pieces, 40);
-        let lens: Vec<Vec<(usize, usize)>> =
-            shares.iter().map(|s| s.iter().map(|(d, b)| (*d, b.len())).collect()).collect();
-        assert_eq!(lens, vec![vec![(1000, 30), (5000, 10)], vec![(5010, 40)], vec![(5050, 20)]]);
-        let joined: Vec<u8> = shares.iter().flatten().flat_map(|(_, b)| b.iter().copied()).collect();
-        assert_eq!(joined, src);
-        assert!(split_evenly(Vec::new(), 10).is_empty());
+    fn shares_start_where_the_bytes_divide_evenly() {
+        let run = |len| CopyRun { src_region: 0, src_off: 0, dst_region: 0, dst_off: 0, len };
+        let runs = [run(30), run(70)];
+        assert_eq!(share_starts(&runs, 40), vec![(0, 0), (1, 10), (1, 50)]);
+        // A share ending where a run ends starts the next at that run's start, never at its end.
+        assert_eq!(share_starts(&runs, 30), vec![(0, 0), (1, 0), (1, 30), (1, 60)]);
+        assert_eq!(share_starts(&[run(40), run(40)], 40), vec![(0, 0), (1, 0)]);
+        assert_eq!(share_starts(&runs, 1000), vec![(0, 0)]);
+        assert_eq!(share_starts(&runs, 0).len(), 100, "a share of 0 bytes is taken as 1");
+        assert_eq!(share_starts(&[], 10), vec![(0, 0)]);
+        // Zero-length runs are passed over.
+        assert_eq!(share_starts(&[run(0), run(20), run(0), run(20)], 20), vec![(0, 0), (2, 0)]);
     }
 
     #[test]
@@ -1082,16 +1162,51 @@ mod tests {
         let (mut regions, mem) = big_memory();
         let len = regions.regions()[0].len();
         let src: Vec<u8> = (0..2 * len).map(|i| (i * 7 % 251) as u8).collect();
-        let runs: Vec<(CopyRun, &[u8])> = (0..2u32)
-            .map(|r| {
-                let run = CopyRun { src_region: r, src_off: 0, dst_region: r, dst_off: 0, len };
-                (run, &src[(r as u64 * len) as usize..((r as u64 + 1) * len) as usize])
-            })
+        let runs: Vec<CopyRun> = (0..2u32)
+            .map(|r| CopyRun { src_region: r, src_off: 0, dst_region: r, dst_off: 0, len })
             .collect();
-        LocalRegions::new(&mem).write_runs(&runs, 4).unwrap();
+        let from = |r: &CopyRun| Ok(&src[(r.src_region as u64 * len) as usize..][..r.len as usize]);
+        LocalRegions::new(&mem).write_runs(&runs, from, 4).unwrap();
         drop(mem);
         assert!(regions.bytes_mut(0) == &src[..len as usize]);
         assert!(regions.bytes_mut(1) == &src[len as usize..]);
+    }
+
+    #[test]
+    fn many_small_runs_cut_between_threads_land_exactly() {
+        // Runs of 5,000 and 11,000 bytes alternating between two regions, read from a source
+        // in reverse order: the four threads' shares start mid-run.
+        let (mut regions, mem) = big_memory();
+        let len = regions.regions()[0].len();
+        let src: Vec<u8> = (0..2 * len).map(|i| (i * 13 % 251) as u8).collect();
+        let mut runs = Vec::new();
+        let (mut at, mut read) = ([0u64; 2], 2 * len);
+        for k in 0.. {
+            let n = if k % 4 < 2 { 5000 } else { 11000 };
+            let r = (k % 2) as usize;
+            if at[r] + n > len {
+                break;
+            }
+            read -= n;
+            runs.push(CopyRun { src_region: 0, src_off: read, dst_region: r as u32, dst_off: at[r], len: n });
+            at[r] += n;
+        }
+        let total: u64 = runs.iter().map(|r| r.len).sum();
+        assert!(
+            share_starts(&runs, total.div_ceil(4)).iter().any(|&(_, at)| at > 0),
+            "a share starts mid-run"
+        );
+        let from = |r: &CopyRun| Ok(&src[r.src_off as usize..][..r.len as usize]);
+        LocalRegions::new(&mem).write_runs(&runs, from, 4).unwrap();
+        drop(mem);
+        for r in 0..2u32 {
+            let got = regions.bytes_mut(r as usize).to_vec();
+            for run in runs.iter().filter(|x| x.dst_region == r) {
+                let (d, s) = (run.dst_off as usize, run.src_off as usize);
+                assert!(got[d..d + run.len as usize] == src[s..s + run.len as usize], "{run:?}");
+            }
+            assert!(got[at[r as usize] as usize..].iter().all(|b| *b == 0), "nothing past the runs");
+        }
     }
 
     #[test]
@@ -1099,12 +1214,10 @@ mod tests {
         let (mut regions, mem) = big_memory();
         let src = vec![9u8; 4096];
         let run = |off| CopyRun { src_region: 0, src_off: 0, dst_region: 0, dst_off: off, len: 4096 };
-        let e =
-            LocalRegions::new(&mem).write_runs(&[(run(0), &src[..]), (run(2048), &src[..])], 2).unwrap_err();
+        let e = LocalRegions::new(&mem).write_runs(&[run(0), run(2048)], |_| Ok(&src[..]), 2).unwrap_err();
         assert!(e.to_string().contains("write the same destination bytes"), "{e}");
         let far = regions.regions()[0].len();
-        let e =
-            LocalRegions::new(&mem).write_runs(&[(run(0), &src[..]), (run(far), &src[..])], 2).unwrap_err();
+        let e = LocalRegions::new(&mem).write_runs(&[run(0), run(far)], |_| Ok(&src[..]), 2).unwrap_err();
         assert!(e.to_string().contains("do not fit local region 0"), "{e}");
         drop(mem);
         assert!(regions.bytes_mut(0).iter().all(|b| *b == 0), "nothing was copied");

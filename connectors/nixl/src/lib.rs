@@ -36,6 +36,7 @@ pub mod idle_link;
 pub mod metadata;
 pub mod nixl_agent;
 pub mod nixl_lib;
+pub mod overlap;
 pub mod producer;
 pub mod puller;
 pub mod scheduler;

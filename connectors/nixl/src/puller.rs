@@ -193,11 +193,13 @@ fn pull_steps(
         )));
     }
     // Planned before any message: a load this engine cannot take fails without one.
+    let planning = Instant::now();
     let plan = match steps.plan {
         true => Some(CopyPlan::build(&peer.geometry, local.geometry(), groups, load)?),
         false => None,
     };
     let t0 = Instant::now();
+    let plan_us = (t0 - planning).as_micros() as u64;
     // nixl holds the request first (its READ may take long); shm and cuda_ipc send `pin`
     // naming the blocks they read as the copy starts, and copy while it travels; tcp's
     // producer checks each read itself.
@@ -257,6 +259,7 @@ fn pull_steps(
     // Where a pull's time goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=debug).
     tracing::debug!(
         request = %load.request,
+        plan_us,
         pin_sent_at_us = pinned.as_micros() as u64,
         copied_at_us = copied.as_micros() as u64,
         confirm_us = (t0.elapsed() - copied).as_micros() as u64,

@@ -114,11 +114,7 @@ impl Transport for Shm {
         let mut dst = LocalRegions::new(local);
         match plan {
             CopyPlan::Direct(rs) => {
-                let runs = rs
-                    .iter()
-                    .map(|r| Ok((*r, src(r.src_region, r.src_off, r.len)?)))
-                    .collect::<Result<Vec<_>, TransferError>>()?;
-                dst.write_runs(&runs, self.copy_threads)?;
+                dst.write_runs(rs, |r| src(r.src_region, r.src_off, r.len), self.copy_threads)?;
             }
             CopyPlan::Adapt(bs) => {
                 for b in bs {
