@@ -6,9 +6,9 @@
 
 use crate::error::TransferError;
 
-/// Refuses destination spans `(region, offset, len)` of which two share a byte. Each span
-/// lies inside its region (checked before); `region(i)` is region `i`'s start address and
-/// length.
+/// Refuses destination spans `(region, offset, len)` of which two share a byte, or one that
+/// leaves its region (its callers check that first, with the same message); `region(i)` is
+/// region `i`'s start address and length.
 ///
 /// - Spans in different regions share no byte unless the regions do: the regions' own
 ///   address ranges are compared first.
@@ -25,6 +25,12 @@ pub fn refuse_overlap(
     let spans = spans.filter(|s| s.2 > 0).map(|(r, o, l)| (r as usize, o, l));
     let (mut regions, mut count, mut bits_of) = (0, 0u64, 0u64);
     for (r, o, l) in spans.clone() {
+        let len = region(r).map_or(0, |(_, len)| len as u64);
+        if o.checked_add(l).is_none_or(|end| end > len) {
+            return Err(TransferError::Plan(format!(
+                "{l} bytes at {o} do not fit local region {r} of {len} bytes"
+            )));
+        }
         regions = regions.max(r + 1);
         count += 1;
         bits_of |= o | l;
@@ -32,6 +38,7 @@ pub fn refuse_overlap(
     if count == 0 {
         return Ok(());
     }
+    // Every index below `regions` names a region (one of them was found above).
     let places: Vec<(usize, usize)> = (0..regions).map(|i| region(i).unwrap_or((0, 0))).collect();
     let mut used = vec![false; regions];
     for (r, _, _) in spans.clone() {
@@ -147,6 +154,46 @@ mod tests {
         // Empty spans write nothing, wherever they are.
         assert!(both_ways(&[(0, 0, 64), (0, 32, 0)], apart));
         assert!(refuse_overlap([].into_iter(), apart).is_ok());
+    }
+
+    #[test]
+    fn random_spans_are_judged_as_sorting_judges_them() {
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let (mut refused, mut passed) = (0, 0);
+        for _ in 0..3000 {
+            // A granule from 1 byte to 64 KiB, a few spans of a few granules in two regions.
+            let g = 1u64 << rnd(17);
+            let spans: Vec<(u32, u64, u64)> = (0..1 + rnd(12))
+                .map(|_| {
+                    let len = g * rnd(4);
+                    let room = (1u64 << 20) - len;
+                    (rnd(2) as u32, (rnd(room / g + 1) * g).min(room), len)
+                })
+                .collect();
+            if both_ways(&spans, apart) {
+                passed += 1;
+            } else {
+                refused += 1;
+            }
+        }
+        assert!(refused > 100 && passed > 100, "both answers are exercised: {refused} / {passed}");
+    }
+
+    #[test]
+    fn a_span_past_its_region_is_refused_not_marked() {
+        let e = refuse_overlap([(0, 0, 4096), (1, (1 << 20) - 4096, 8192)].into_iter(), apart).unwrap_err();
+        assert!(e.to_string().contains("do not fit local region 1"), "{e}");
+        let e = refuse_overlap([(3, 0, 4096)].into_iter(), apart).unwrap_err();
+        assert!(e.to_string().contains("do not fit local region 3 of 0 bytes"), "{e}");
+        // A region index far past the regions is refused before anything is sized by it.
+        let e = refuse_overlap([(u32::MAX, 0, 1)].into_iter(), apart).unwrap_err();
+        assert!(e.to_string().contains("local region 4294967295 of 0 bytes"), "{e}");
     }
 
     #[test]
