@@ -19,7 +19,11 @@ Baselines:
   core 0 and decode on core 1 like kvconnect's, the same server flags, behind its own
   `kvconnect proxy`: the same processes, cores and streams.
 
-Every server runs wholly on its core (its API server and engine core too).
+Every server runs wholly on its core (its API server and engine core too), and is put back on
+it once it is up (vLLM's NixlConnector moves its worker's compute thread to the machine's last
+core as it starts). While one side is measured the other side's servers are stopped
+(`--other-side paused`, the default): idle, vLLM's NixlConnector pair keeps about half of each
+core busy, which would count against whichever side runs beside it.
 
 The kvconnect pair's proxy streams prefill's token first (`--first-token prefill`, the
 proxy's default) or speaks vLLM's protocol (`decode`); the baseline's proxy always speaks
@@ -93,6 +97,9 @@ def main():
     ap.add_argument("--first-token", choices=("prefill", "decode"), default="prefill",
                     help="kvconnect proxy's --first-token for the kvconnect pair (the baseline pair's proxy "
                          "always speaks vLLM's protocol, decode's first token)")
+    ap.add_argument("--other-side", choices=("paused", "running"), default="paused",
+                    help="while one side is measured, the other side's servers are stopped (SIGSTOP, the "
+                         "default: as on machines of their own) or left running idle")
     ap.add_argument("--keep", action="store_true")
     a = ap.parse_args()
     if a.versus == "nixlconnector" and not (a.nixl_python and Path(a.nixl_python, "nixl").is_dir()):
@@ -134,9 +141,19 @@ def main():
                     if r % 2:
                         order.reverse()
                     got = {}
+                    sides = {"base": base, "pd": [pre, dec]}
                     for name, u in order:
                         time.sleep(2)
-                        got[name] = bench(u, model, a, seed=100 + r)
+                        others = [s for k, v in sides.items() if k != name for s in v]
+                        if a.other_side == "paused":
+                            for s in others:
+                                s.pause()
+                        try:
+                            got[name] = bench(u, model, a, seed=100 + r)
+                        finally:
+                            if a.other_side == "paused":
+                                for s in others:
+                                    s.resume()
                     ext = metric(dec.url, EXTERNAL) - ext0
                     base_ext = metric(base[-1].url, EXTERNAL) - base_ext0
                     failed = metric(dec.url, "vllm:kvconnect_loads_failed_total")
@@ -160,7 +177,10 @@ def main():
         print(json.dumps({"backend": a.backend, "versus": a.versus, "prompts": a.prompts, "in_flight": a.in_flight,
                           "input_len": a.input_len, "output_len": a.output_len, "rounds": a.rounds,
                           f"pd_over_{a.versus}": {k: quartiles(v) for k, v in ratios.items()},
-                          "per_round": rounds}))
+                          "per_round": rounds, "other_side": a.other_side,
+                          # Threads a server had moved off its core, put back on it once it was up
+                          # (Server.keep_on_core): every server runs on its own core only.
+                          "threads_put_back": {s.name: s.moved_back for s in (*base, pre, dec)}}))
 
     run_checks("bench-serve", a.keep, checks)
 

@@ -91,6 +91,10 @@ class Server:
         loop never takes the other server's core: what timings need."""
         self.name = name
         core = placed(core)
+        self.core = core
+        self.whole = whole
+        # Threads a whole server had moved off its core, put back once it was up.
+        self.moved_back = 0
         self.port = free_port()
         self.log_path = logdir / f"{name}.log"
         cmd = ["taskset", "-c", str(core)] if whole else []
@@ -124,11 +128,50 @@ class Server:
                 raise Failed(f"{self.name} exited with status {self.proc.returncode} before it was healthy\n{self.tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    if self.whole:
+                        self.moved_back = self.keep_on_core()
                     return
             except requests.RequestException:
                 pass
             time.sleep(1)
         raise Failed(f"{self.name} not healthy within {timeout} s\n{self.tail()}")
+
+    def keep_on_core(self) -> int:
+        """Puts every thread of this server's processes (its session: API server, engine core,
+        workers) back on its core, and says how many were elsewhere. vLLM's NixlConnector on
+        CPU moves its worker's main thread, which runs the model, to the last core of each NUMA
+        node as it starts (`os.sched_setaffinity` in its worker, to keep a core for transfers),
+        whatever the process was started on: where each server has one core, that is another
+        server's, and its prefill then computes on decode's core."""
+        moved = 0
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                session = int(stat[stat.rindex(")") + 2:].split()[3])
+                threads = os.listdir(f"/proc/{pid}/task")
+            except (OSError, ValueError, IndexError):
+                continue  # gone, or not readable: not this server's
+            if session != self.proc.pid:
+                continue
+            for tid in map(int, threads):
+                try:
+                    if os.sched_getaffinity(tid) != {self.core}:
+                        os.sched_setaffinity(tid, {self.core})
+                        moved += 1
+                except OSError:
+                    pass  # the thread ended
+        if moved:
+            print(f"  [{self.name}] {moved} thread(s) had left core {self.core}; put back", flush=True)
+        return moved
+
+    def pause(self) -> None:
+        """Stops every process of the server (SIGSTOP to its process group) until `resume`:
+        a pair not being measured, whose idle loops would otherwise take the measured pair's
+        cores."""
+        os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGCONT)
 
     def wait_exit(self, timeout) -> int:
         try:
