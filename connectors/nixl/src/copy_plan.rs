@@ -661,7 +661,14 @@ impl<'a> LocalRegions<'a> {
                 if hi <= lo {
                     continue;
                 }
-                let bytes = &src(run)?[lo as usize..hi as usize];
+                // The source was as long as the run when checked; a function that answers
+                // otherwise now fails the copy rather than the process.
+                let bytes = src(run)?.get(lo as usize..hi as usize).ok_or_else(|| {
+                    plan_err(format!(
+                        "the source of a run of {} bytes changed length during the copy",
+                        run.len
+                    ))
+                })?;
                 let (base, _) = mem
                     .region_base(run.dst_region as usize)
                     .ok_or_else(|| plan_err(format!("no local region {}", run.dst_region)))?;
@@ -1219,6 +1226,14 @@ mod tests {
         let far = regions.regions()[0].len();
         let e = LocalRegions::new(&mem).write_runs(&[run(0), run(far)], |_| Ok(&src[..]), 2).unwrap_err();
         assert!(e.to_string().contains("do not fit local region 0"), "{e}");
+        // A source that answers shorter once checked fails the copy, not the process.
+        let calls = std::sync::atomic::AtomicUsize::new(0);
+        let shrinking = |_: &CopyRun| {
+            let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(if n == 0 { &src[..] } else { &src[..100] })
+        };
+        let e = LocalRegions::new(&mem).write_runs(&[run(8192)], shrinking, 2).unwrap_err();
+        assert!(e.to_string().contains("changed length during the copy"), "{e}");
         drop(mem);
         assert!(regions.bytes_mut(0).iter().all(|b| *b == 0), "nothing was copied");
     }
