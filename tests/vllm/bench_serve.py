@@ -145,10 +145,12 @@ def main():
                     for name, u in order:
                         time.sleep(2)
                         others = [s for k, v in sides.items() if k != name for s in v]
-                        if a.other_side == "paused":
-                            for s in others:
-                                s.pause()
                         try:
+                            # Inside the try: a server stopped and never continued would not
+                            # take the SIGTERM that ends the run.
+                            if a.other_side == "paused":
+                                for s in others:
+                                    s.pause()
                             got[name] = bench(u, model, a, seed=100 + r)
                         finally:
                             if a.other_side == "paused":
