@@ -10,8 +10,9 @@ each):
   before it) or asynchronously (`load: "async"`, vLLM's NixlConnector's way);
 - kvconnect-noload: the kvconnect pair with decode sent no params, so it computes the prompt
   itself: the second server's hop alone, no KV moved. Prefill then holds every request's
-  blocks until its lease ends and keeps stepping meanwhile on core 0, monolithic's core, so
-  monolithic's times in its pairs are slowed: read its P/D time, not its ratio;
+  blocks until its lease ends and keeps stepping meanwhile on core 0, monolithic's core: with
+  `--other-side running` monolithic's times in its pairs are slowed, so read its P/D time, not
+  its ratio;
 - nixlconnector: vLLM's own NixlConnector on CPU (`kv_buffer_device: cpu`), with the NIXL
   Python package from --nixl-python DIR (`pip install --target DIR nixl==1.5.1`);
 - example: vLLM's ExampleConnector (shared storage);
@@ -23,12 +24,17 @@ each):
 
     VENV/bin/python tests/vllm/bench_ttft.py [--pairs 15] [--prompt-len 200] [--peers A,B,...]
         [--nixl-python DIR] [--transfer [--long-len 480]] [--max-ratio R[,R...]] [--breakdown]
+        [--other-side paused|running]
 
 Every server runs wholly on its own core, its API server and engine core included (monolithic
 and prefill on core 0, decode on core 1), as on machines of their own. vLLM pins only a
 server's compute threads: a prefill server keeps stepping (every 1.5 ms) while it holds a
 request's blocks for decode, and its unpinned engine core then took decode's core, making
-decode's steps several times slower than on a machine of its own.
+decode's steps several times slower than on a machine of its own. While one side of a pair is
+timed, the other side's servers are stopped (`--other-side paused`, the default: SIGSTOP to
+each server's process group, SIGCONT after the request): idle, vLLM's NixlConnector pair keeps
+about half of each core busy, and monolithic then measured 117 ms beside it against 65-68 ms
+beside kvconnect's pair.
 
 `--breakdown` splits each P/D request's time into parts: the client's two round trips, and
 vLLM's own per-request histograms on each server (arrival to first token; queued to
@@ -189,18 +195,32 @@ def interleaved(a, mono: Server, pre: Server, dec: Server, label: str, with_para
             parts[-1]["client_mono_first_ms"] = out[0] * 1e3
         return out
 
+    def alone(timed, others, p, i):
+        """`timed` after SETTLE_S of quiet, with the servers of the side not timed stopped
+        (`--other-side paused`): idle, vLLM's NixlConnector pair keeps about half of each core
+        busy, the monolithic server's core among them."""
+        try:
+            # Inside the try: a server stopped and never continued would not take the SIGTERM
+            # that ends the run.
+            if a.other_side == "paused":
+                for s in others:
+                    s.pause()
+            time.sleep(SETTLE_S)
+            return timed(p, i)
+        finally:
+            if a.other_side == "paused":
+                for s in others:
+                    s.resume()
+
     for i in range(a.pairs):
         p = fresh()
-        time.sleep(SETTLE_S)
         # The breakdown reads the servers' histograms around each request in turn, P/D first.
         if a.breakdown or i % 2 == 1:
-            d, got = timed_pd(p, i)
-            time.sleep(SETTLE_S)
-            m, want = timed_mono(p, i)
+            d, got = alone(timed_pd, [mono], p, i)
+            m, want = alone(timed_mono, [pre, dec], p, i)
         else:
-            m, want = timed_mono(p, i)
-            time.sleep(SETTLE_S)
-            d, got = timed_pd(p, i)
+            m, want = alone(timed_mono, [pre, dec], p, i)
+            d, got = alone(timed_pd, [mono], p, i)
         if got != want:
             raise Failed(f"{label}: pair {i}: P/D gave {got}, monolithic {want}")
         ratios.append(d / m)
@@ -344,6 +364,9 @@ def main():
     ap.add_argument("--breakdown", action="store_true",
                     help="also split each P/D request's time into its parts (profiling; the monolithic "
                          "request then always follows the P/D one)")
+    ap.add_argument("--other-side", choices=("paused", "running"), default="paused",
+                    help="while one side of a pair is timed, the other side's servers are stopped "
+                         "(SIGSTOP, then SIGCONT after the request), or left running idle")
     ap.add_argument("--transfer", action="store_true", help="also time one long prompt's pull against a memcpy")
     ap.add_argument("--max-ratio", type=lambda v: [float(x) for x in v.split(",")], default=None,
                     help="a guard: fail when the first peer's median TTFT over monolithic is above this, "
@@ -361,7 +384,7 @@ def main():
     def bench(model: str, tmp: Path):
         rng = random.Random(3)
         fresh = lambda n=a.prompt_len: [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)]  # noqa: E731
-        out = {"pairs": a.pairs, "prompt_len": a.prompt_len, "cores": os.cpu_count(),
+        out = {"pairs": a.pairs, "prompt_len": a.prompt_len, "cores": os.cpu_count(), "other_side": a.other_side,
                "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
         mono = Server("monolithic", model, tmp, core=0, args=ARGS, whole=True)
         try:
@@ -397,8 +420,9 @@ def main():
             if base and name != "nixlconnector":
                 out[name]["over_nixlconnector"] = round(
                     out[name]["ttft_ratio_over_mono"]["median"] / base["ttft_ratio_over_mono"]["median"], 3)
-                # By the P/D times alone: NixlConnector's prefill keeps stepping on monolithic's
-                # core, which slows monolithic in its pairs and so flatters its ratio.
+                # By the P/D times alone too: with `--other-side running`, NixlConnector's idle
+                # pair keeps stepping on monolithic's core, which slows monolithic in its pairs and
+                # so flatters its ratio.
                 out[name]["ttft_ms_over_nixlconnector"] = round(out[name]["ttft_ms_median"] / base["ttft_ms_median"], 3)
         out["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
         print(json.dumps(out))
