@@ -68,8 +68,15 @@ pub struct Indexer {
     /// Per worker: publisher hash → the router hashes of the block's other pieces, in order,
     /// for the blocks of more than one piece (none where the blocks are the unit).
     more: Vec<HashMap<BlockHash, Vec<u64>, IdBuild>>,
-    /// Publisher hashes the batch being applied removed from their last medium.
-    unheld: Vec<BlockHash>,
+    /// Publisher hashes the batch being applied removed from their last medium, each with
+    /// the number of the event that did, in the batch.
+    unheld: Vec<(BlockHash, u32)>,
+    /// While `unheld` has any: publisher hashes the batch stored again (indexed), each with
+    /// the number of the event that did. A hash unheld with no store after its removal is
+    /// forgotten at the batch's end, without looking it up in the index again.
+    restored: Vec<(BlockHash, u32)>,
+    /// The number of the event being applied, in its batch.
+    event: u32,
     /// The router hashes of the event being applied (reused).
     keys: Vec<u64>,
 }
@@ -89,6 +96,8 @@ impl Indexer {
             ext: (0..workers).map(|_| FlatMap::new()).collect(),
             more: (0..workers).map(|_| HashMap::default()).collect(),
             unheld: Vec::new(),
+            restored: Vec::new(),
+            event: 0,
             keys: Vec::new(),
         })
     }
@@ -160,6 +169,8 @@ impl Indexer {
             for h in &s.block_hashes {
                 if !self.pieces_of(w, *h, &mut keys) {
                     self.counts.unindexed_blocks += 1;
+                } else if !self.unheld.is_empty() {
+                    self.restored.push((*h, self.event));
                 }
             }
             self.store_keys(worker, &keys, &s.medium);
@@ -203,6 +214,9 @@ impl Indexer {
                 None => continue,
             };
             self.ext[w].insert(*h, last);
+            if !self.unheld.is_empty() {
+                self.restored.push((*h, self.event));
+            }
             if !more.is_empty() {
                 self.more[w].insert(*h, more.to_vec());
             } else if !self.more[w].is_empty() {
@@ -232,7 +246,7 @@ impl Indexer {
             if !self.index.remove(worker, last, &r.medium) {
                 // Forgotten at the end of the batch, unless stored again in it (a move
                 // between media whose store names the block by its hash alone).
-                self.unheld.push(*h);
+                self.unheld.push((*h, self.event));
             }
         }
     }
@@ -299,23 +313,40 @@ impl Indexer {
                     if let Some(next) = batch.events.get(i + 1) {
                         self.prefetch_ext(w, next);
                     }
+                    self.event = i as u32;
                     match e {
                         KvEvent::BlockStored(s) => self.store(worker, s),
                         KvEvent::BlockRemoved(r) => self.remove(worker, r),
                         KvEvent::AllBlocksCleared => self.forget(worker),
                     }
                 }
-                for h in std::mem::take(&mut self.unheld) {
-                    if self.ext[w].get(h).is_some_and(|last| self.index.tiers(worker, last) == 0) {
-                        self.ext[w].remove(h);
-                        if !self.more[w].is_empty() {
-                            self.more[w].remove(&h);
-                        }
-                    }
-                }
+                self.forget_unheld(w);
                 Outcome::Applied
             }
         }
+    }
+
+    /// At a batch's end: forgets worker `w`'s publisher hashes that the batch removed from
+    /// their last medium and did not store again after (stores and removals of one hash in a
+    /// batch apply in order, so the last one says whether the worker holds it).
+    fn forget_unheld(&mut self, w: usize) {
+        if self.unheld.is_empty() {
+            return;
+        }
+        let mut unheld = std::mem::take(&mut self.unheld);
+        let mut restored = std::mem::take(&mut self.restored);
+        restored.sort_unstable();
+        for &(h, removed) in &unheld {
+            // The last store of `h` in the batch: the end of its run in the sorted list.
+            let end = restored.partition_point(|&(r, _)| r <= h);
+            let stored_after = end > 0 && restored[end - 1].0 == h && restored[end - 1].1 > removed;
+            if !stored_after && self.ext[w].remove(h).is_some() && !self.more[w].is_empty() {
+                self.more[w].remove(&h);
+            }
+        }
+        unheld.clear();
+        restored.clear();
+        (self.unheld, self.restored) = (unheld, restored);
     }
 
     /// A batch from `worker` that could not be decoded (counted; nothing applied).
@@ -521,5 +552,33 @@ mod tests {
         ix.apply(1, 0, &stored(0, 8), false);
         ix.overlaps(&chain::prefix_hashes(&p, UNIT as usize), &mut out);
         assert_eq!((out[1].blocks, out[1].by_rank), (8, [8, 0, 0, 0]));
+    }
+
+    /// Within one batch a hash's stores and removals apply in order: the last says whether
+    /// the worker still holds the block, and so whether its hash is remembered.
+    #[test]
+    fn a_hash_removed_and_stored_again_in_one_batch_follows_its_last_event() {
+        let by_hash = |i: usize, m: Medium| KvEvent::stored(vec![ext(i)], None, Vec::new(), 0, m);
+        let mut ix = Indexer::new(1, UNIT).unwrap();
+        assert_eq!(ix.apply(0, 0, &stored(0, 4), false), Outcome::Applied);
+        // Block 3: gpu -> cpu -> gone -> cpu. Block 2: gpu -> cpu -> gone.
+        let b = batch(vec![
+            KvEvent::removed(vec![ext(3), ext(2)], Medium::Gpu),
+            by_hash(3, Medium::CpuTier),
+            by_hash(2, Medium::CpuTier),
+            KvEvent::removed(vec![ext(3), ext(2)], Medium::CpuTier),
+            by_hash(3, Medium::CpuTier),
+        ]);
+        assert_eq!(ix.apply(0, 1, &b, false), Outcome::Applied);
+        assert_eq!((blocks(&ix, 0), ix.counts().unindexed_blocks), (2, 0), "block 3 is held, block 2 is not");
+        // 2's hash was forgotten: stored by hash alone, it is not known. 3's still is.
+        ix.apply(0, 2, &batch(vec![by_hash(2, Medium::Disk), by_hash(3, Medium::Disk)]), false);
+        assert_eq!(ix.counts().unindexed_blocks, 1);
+        let mut out = Vec::new();
+        ix.overlaps(&chain::prefix_hashes(&prompt(), UNIT as usize), &mut out);
+        assert_eq!(out[0].blocks, 2, "block 3 is held but its parent, block 2, is not");
+        // Stored again with its tokens after its hash was forgotten: known again.
+        ix.apply(0, 3, &batch(vec![blocks_of(2, 3, Medium::Gpu)]), false);
+        assert_eq!(blocks(&ix, 0), 4);
     }
 }
