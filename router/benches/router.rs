@@ -20,6 +20,12 @@
 //! - build: the 10 million stores applied to an empty indexer, in events per second and
 //!   block operations per second, on one core;
 //! - steady: the steady-state batches (stores, evictions, moves), the same units;
+//! - floor: the memory traffic alone of the steady state, as a baseline in the same samples:
+//!   per block operation one random 16-byte slot read and written in each of two tables of
+//!   the index's size (the worker's hash map and the index each cost one slot per block), an
+//!   event's 32 slots prefetched one event ahead as the indexer does, and nothing else: the
+//!   steady state's rate over this one says how far the work besides the cache misses keeps
+//!   it from what the memory allows;
 //! - the resident memory the index took, per cached block and per distinct block;
 //! - route: one routing decision (the request's hashes from its 1,280 prompt tokens, then
 //!   `choose` over all 256 workers, with random loads) for requests that start with a cached
@@ -32,6 +38,7 @@
 #![allow(unsafe_code)]
 
 use kvconnect_router::chain::prefix_hashes;
+use kvconnect_router::flat::prefetch_line;
 use kvconnect_router::{
     choose, Candidate, Indexer, KvEvent, KvEventBatch, Medium, Outcome, Weights, WorkerId,
 };
@@ -251,7 +258,9 @@ fn main() {
     let bench = size.samples > 1 || size.workers > 8;
     let t = trace(&size);
     let m = Machine::start();
-    let (mut build_s, mut steady_s) = (Vec::new(), Vec::new());
+    let (mut build_s, mut steady_s, mut floor_s, mut floor_cpu) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut floor = Floor::new(t.build_blocks, t.steady_blocks);
     let (mut build_cpu, mut steady_cpu, mut decide, mut decide_cpu) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut memory = None;
@@ -276,6 +285,9 @@ fn main() {
         assert_eq!(ix.counts().dropped, [0; 5]);
         assert_eq!(ix.counts().unindexed_blocks, 0);
         drop(ix);
+        let (wall, cpu) = timed(|| floor.run());
+        floor_s.push(wall);
+        floor_cpu.push(cpu);
     }
     let m = m.finish();
     let (be, se) = (events(&t.build), events(&t.steady));
@@ -304,6 +316,12 @@ fn main() {
         per(se, &steady_cpu, &steady_s),
         per(t.steady_blocks, &steady_cpu, &steady_s),
         t.steady.len()
+    );
+    let ratios: Vec<f64> = steady_cpu.iter().zip(&floor_cpu).map(|(s, f)| f / s).collect();
+    println!(
+        "  floor:  block ops {} (memory traffic alone); steady over floor {} per sample",
+        per(t.steady_blocks, &floor_cpu, &floor_s),
+        q(Quartiles::of(ratios), 1.0)
     );
     if let Some((bytes, held, distinct)) = memory {
         println!(
@@ -337,6 +355,51 @@ fn main() {
             met(c99 < 100e-6),
             met(p99 < 100e-6)
         );
+    }
+}
+
+/// The steady state's memory traffic alone (see the module note): two tables of 16-byte slots
+/// the size of the index's (a power of two at most 3/4 full, as `flat` keeps it), and the
+/// random slots each block operation touches, drawn in advance.
+struct Floor {
+    tables: [Vec<[u64; 2]>; 2],
+    slots: Vec<u32>,
+}
+
+impl Floor {
+    fn new(blocks: usize, steady_blocks: usize) -> Floor {
+        let n = (blocks * 4 / 3).next_power_of_two();
+        let table = || {
+            let mut t = vec![[0u64; 2]; n];
+            kvconnect_support::host_buffer::advise_huge_pages(&mut t);
+            for s in t.iter_mut() {
+                *s = [1, 0];
+            }
+            t
+        };
+        let mut rng = Rng(13);
+        let slots = (0..steady_blocks * 2).map(|_| rng.below(n) as u32).collect();
+        Floor { tables: [table(), table()], slots }
+    }
+
+    /// Every block operation's two slots, an event's prefetched one event ahead.
+    fn run(&mut self) {
+        let per = 2 * PER_EVENT;
+        let events: Vec<&[u32]> = self.slots.chunks(per).collect();
+        let mut sum = 0u64;
+        for (i, e) in events.iter().enumerate() {
+            if let Some(next) = events.get(i + 1) {
+                for (k, s) in next.iter().enumerate() {
+                    prefetch_line(&self.tables[k & 1][*s as usize]);
+                }
+            }
+            for (k, s) in e.iter().enumerate() {
+                let slot = &mut self.tables[k & 1][*s as usize];
+                sum = sum.wrapping_add(slot[0]);
+                slot[1] += 1;
+            }
+        }
+        black_box(sum);
     }
 }
 

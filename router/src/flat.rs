@@ -20,7 +20,7 @@ use std::marker::PhantomData;
 /// flight while the caller goes on (hashing the next keys, applying the event before).
 /// Elsewhere than x86-64 it does nothing.
 #[inline(always)]
-pub(crate) fn prefetch_line<T>(p: &T) {
+pub fn prefetch_line<T>(p: &T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `_mm_prefetch` is a hint: it reads nothing the program sees and never faults,
     // whatever the address; this one is a live reference's besides.
