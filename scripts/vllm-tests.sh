@@ -57,8 +57,9 @@ checks() {
   #   handshake (the failed request's report carries the diff) and, from one deployment file,
   #   at startup;
   # - test_load: 200 P/D requests, 8 in flight, vLLM's prefix cache on: every output equal to
-  #   monolithic, no failed load, every reusable token taken from the prefix cache or loaded.
-  group a tests/vllm/test_pd.py tests/vllm/test_cache.py tests/vllm/test_hma.py \
+  #   monolithic, no failed load, every reusable token taken from the prefix cache or loaded;
+  # - test_harness: the benchmarks' stopping of the side not timed (no vLLM server).
+  group a tests/vllm/test_harness.py tests/vllm/test_pd.py tests/vllm/test_cache.py tests/vllm/test_hma.py \
     tests/vllm/test_load.py >"$logs/a.log" 2>&1 &
   a=$!
   # Group b:

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Failed, Server, free_port, kv_config, metric, run_checks, serving  # noqa: E402
+from harness import Failed, Server, free_port, kv_config, metric, run_checks, serving, stopped  # noqa: E402
 from test_pd import nixl, start_proxy  # noqa: E402
 
 EXTERNAL = "vllm:external_prefix_cache_hits_total"
@@ -145,17 +145,8 @@ def main():
                     for name, u in order:
                         time.sleep(2)
                         others = [s for k, v in sides.items() if k != name for s in v]
-                        try:
-                            # Inside the try: a server stopped and never continued would not
-                            # take the SIGTERM that ends the run.
-                            if a.other_side == "paused":
-                                for s in others:
-                                    s.pause()
+                        with stopped(others, a.other_side == "paused"):
                             got[name] = bench(u, model, a, seed=100 + r)
-                        finally:
-                            if a.other_side == "paused":
-                                for s in others:
-                                    s.resume()
                     ext = metric(dec.url, EXTERNAL) - ext0
                     base_ext = metric(base[-1].url, EXTERNAL) - base_ext0
                     failed = metric(dec.url, "vllm:kvconnect_loads_failed_total")

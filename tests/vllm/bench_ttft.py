@@ -73,7 +73,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    Failed, Server, free_port, kv_config, make_tiny_model, metric, run_checks,
+    Failed, Server, free_port, kv_config, make_tiny_model, metric, run_checks, stopped,
 )
 from test_pd import nixl, start_proxy  # noqa: E402
 import requests  # noqa: E402
@@ -199,18 +199,9 @@ def interleaved(a, mono: Server, pre: Server, dec: Server, label: str, with_para
         """`timed` after SETTLE_S of quiet, with the servers of the side not timed stopped
         (`--other-side paused`): idle, vLLM's NixlConnector pair keeps about half of each core
         busy, the monolithic server's core among them."""
-        try:
-            # Inside the try: a server stopped and never continued would not take the SIGTERM
-            # that ends the run.
-            if a.other_side == "paused":
-                for s in others:
-                    s.pause()
+        with stopped(others, a.other_side == "paused"):
             time.sleep(SETTLE_S)
             return timed(p, i)
-        finally:
-            if a.other_side == "paused":
-                for s in others:
-                    s.resume()
 
     for i in range(a.pairs):
         p = fresh()

@@ -312,6 +312,22 @@ def serving(*servers: "Server"):
             s.stop()
 
 
+@contextlib.contextmanager
+def stopped(servers, enabled: bool = True):
+    """Stops `servers` (`Server.pause`) for the block when `enabled`, and continues them after
+    it whatever it did. The stops happen inside the block's `try`: a server stopped and never
+    continued would not take the SIGTERM that ends the run."""
+    try:
+        if enabled:
+            for s in servers:
+                s.pause()
+        yield
+    finally:
+        if enabled:
+            for s in servers:
+                s.resume()
+
+
 def run_refused(model: str, logdir: Path, name: str, inner, want: str, cls="KvconnectConnector", config=None):
     """vLLM must stop at startup with kvconnect's one-line message containing `want`;
     `config` replaces the kv-transfer-config made from `inner`."""

@@ -1,0 +1,76 @@
+"""The benchmarks' own tools, without vLLM servers: `harness.stopped`, which stops the servers of
+the side not being timed, on a stand-in server (a `sleep` in its own session, as a server's
+processes are), checked in /proc.
+
+    VENV/bin/python tests/vllm/test_harness.py
+"""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Failed, Server, stopped  # noqa: E402
+
+
+def state(pid: int) -> str:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2]
+
+
+def settled(pid: int, want: str) -> str:
+    """The process's state once it is `want`, or whatever it is after 5 s."""
+    deadline = time.time() + 5
+    while (s := state(pid)) != want and time.time() < deadline:
+        time.sleep(0.01)
+    return s
+
+
+def stand_in() -> Server:
+    s = Server.__new__(Server)
+    s.proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    return s
+
+
+def main():
+    servers = [stand_in(), stand_in()]
+    pids = [s.proc.pid for s in servers]
+    try:
+        with stopped(servers):
+            got = [settled(p, "T") for p in pids]
+            if got != ["T", "T"]:
+                raise Failed(f"inside the block the servers are {got}, not stopped")
+        got = [settled(p, "S") for p in pids]
+        if got != ["S", "S"]:
+            raise Failed(f"after the block the servers are {got}, not continued")
+        # A failure inside the block continues them too, and still propagates.
+        try:
+            with stopped(servers):
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        else:
+            raise Failed("the block's error did not propagate")
+        got = [settled(p, "S") for p in pids]
+        if got != ["S", "S"]:
+            raise Failed(f"after a failed block the servers are {got}, not continued")
+        # Not enabled: nothing is stopped.
+        with stopped(servers, enabled=False):
+            time.sleep(0.2)
+            got = [state(p) for p in pids]
+            if "T" in got:
+                raise Failed(f"with enabled=False the servers are {got}")
+    finally:
+        for s in servers:
+            s.proc.kill()
+            s.proc.wait()
+    print("all harness checks passed")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Failed as e:
+        print(f"FAILED: {e}", file=sys.stderr)
+        sys.exit(1)
