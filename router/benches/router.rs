@@ -385,10 +385,9 @@ impl Floor {
     /// Every block operation's two slots, an event's prefetched one event ahead.
     fn run(&mut self) {
         let per = 2 * PER_EVENT;
-        let events: Vec<&[u32]> = self.slots.chunks(per).collect();
         let mut sum = 0u64;
-        for (i, e) in events.iter().enumerate() {
-            if let Some(next) = events.get(i + 1) {
+        for (i, e) in self.slots.chunks(per).enumerate() {
+            if let Some(next) = self.slots.get((i + 1) * per..(i + 2) * per) {
                 for (k, s) in next.iter().enumerate() {
                     prefetch_line(&self.tables[k & 1][*s as usize]);
                 }
