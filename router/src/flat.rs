@@ -140,6 +140,17 @@ impl<V: Packed> FlatMap<V> {
         prefetch_line(&self.slots[(i + 4) & (self.slots.len() - 1)]);
     }
 
+    /// The value of `key` where its entry is in its first slot (most are), without probing
+    /// further: for hints, which may miss an entry but never find a wrong one.
+    #[inline]
+    pub fn get_at_home(&self, key: u64) -> Option<V> {
+        if self.slots.is_empty() || key == 0 {
+            return None;
+        }
+        let s = self.slots[self.home(key)];
+        (s[0] == key).then(|| V::unpack(s[1]))
+    }
+
     /// The value of `key`.
     pub fn get(&self, key: u64) -> Option<V> {
         if key == 0 {
@@ -192,14 +203,35 @@ impl<V: Packed> FlatMap<V> {
 
     /// Removes `key`, returning its value.
     pub fn remove(&mut self, key: u64) -> Option<V> {
+        self.change(key, |_| ((), false)).map(|((), v)| v)
+    }
+
+    /// Changes the value of `key` with `f`, where present, and removes the entry where `f`
+    /// says so (its second answer false): one probe for both. Returns what `f` returned and
+    /// the value it left.
+    pub fn change<R>(&mut self, key: u64, f: impl FnOnce(&mut V) -> (R, bool)) -> Option<(R, V)> {
         if key == 0 {
-            return self.zero.take().map(V::unpack);
+            let mut v = V::unpack(self.zero?);
+            let (r, keep) = f(&mut v);
+            self.zero = keep.then(|| v.pack());
+            return Some((r, v));
         }
         if self.slots.is_empty() {
             return None;
         }
-        let mut hole = self.find(key).ok()?;
-        let value = V::unpack(self.slots[hole][1]);
+        let hole = self.find(key).ok()?;
+        let mut v = V::unpack(self.slots[hole][1]);
+        let (r, keep) = f(&mut v);
+        if keep {
+            self.slots[hole][1] = v.pack();
+        } else {
+            self.remove_at(hole);
+        }
+        Some((r, v))
+    }
+
+    /// Empties slot `hole` (occupied).
+    fn remove_at(&mut self, mut hole: usize) {
         // Backward shift: each later entry of the run moves into the hole if the hole lies
         // between its first slot and where it is, so no probe meets a gap before its key.
         let mask = self.slots.len() - 1;
@@ -218,7 +250,6 @@ impl<V: Packed> FlatMap<V> {
         }
         self.slots[hole] = [0, 0];
         self.len -= 1;
-        Some(value)
     }
 
     /// Keeps the entries for which `keep` (which may change the value) says true.
@@ -291,12 +322,29 @@ mod tests {
             let (mut f, mut s) = (FlatMap::<u64>::new(), HashMap::new());
             for step in 0..60_000u32 {
                 let k = if range == u64::MAX { rnd() } else { rnd() % range };
-                match rnd() % 4 {
+                match rnd() % 5 {
                     0 | 1 => {
                         f.insert(k, u64::from(step));
                         s.insert(k, u64::from(step));
                     }
                     2 => assert_eq!(f.remove(k), s.remove(&k), "{k}"),
+                    3 => {
+                        // Bumped, and removed where it was odd.
+                        let got = f.change(k, |v| {
+                            let odd = *v % 2 == 1;
+                            *v += 1;
+                            (odd, !odd)
+                        });
+                        let want = s.get_mut(&k).map(|v| {
+                            let odd = *v % 2 == 1;
+                            *v += 1;
+                            (odd, *v)
+                        });
+                        if want.is_some_and(|(odd, _)| odd) {
+                            s.remove(&k);
+                        }
+                        assert_eq!(got, want, "{k}");
+                    }
                     _ => {
                         f.update(k, |v| *v += 1);
                         if let Some(v) = s.get_mut(&k) {
@@ -305,6 +353,9 @@ mod tests {
                     }
                 }
                 assert_eq!(f.get(k), s.get(&k).copied());
+                if let Some(v) = f.get_at_home(k) {
+                    assert_eq!(Some(&v), s.get(&k), "a hint finds only the right value");
+                }
             }
             assert_eq!(f.len(), s.len());
             let mut all: Vec<(u64, u64)> = f.iter().collect();
@@ -334,6 +385,7 @@ mod tests {
     #[test]
     fn key_zero_and_an_empty_map() {
         let mut f = FlatMap::<u64>::new();
+        assert_eq!((f.get_at_home(5), f.get_at_home(0)), (None, None));
         assert_eq!(f.remove(5), None);
         f.prefetch(5);
         assert_eq!((f.get(0), f.get(5), f.len()), (None, None, 0));

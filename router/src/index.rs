@@ -93,8 +93,44 @@ impl Rest {
         self.lists[h.more as usize - 1].push(holder);
     }
 
-    /// Updates `worker`'s mask in `h` with `f`; returns (was held, is held).
+    /// Updates `worker`'s mask in `h` with `f`; returns (was held, is held). A block with
+    /// one holder at most (most of them) is done here, inline; one with a list, in
+    /// `update_listed`.
+    #[inline]
     fn update(
+        &mut self,
+        h: &mut Holders,
+        worker: WorkerId,
+        f: impl FnOnce(TierMask) -> TierMask,
+    ) -> (bool, bool) {
+        if h.more != 0 {
+            return self.update_listed(h, worker, f);
+        }
+        if h.first.tiers != 0 && h.first.worker == worker {
+            h.first.tiers = f(h.first.tiers);
+            return (true, h.first.tiers != 0);
+        }
+        self.hold(h, worker, f(0))
+    }
+
+    /// `worker`, not among `h`'s holders, now holds the block in the media of `t` (none where
+    /// `t` is 0); returns (was held, is held).
+    #[inline]
+    fn hold(&mut self, h: &mut Holders, worker: WorkerId, t: TierMask) -> (bool, bool) {
+        if t == 0 {
+            return (false, false);
+        }
+        if h.first.tiers == 0 {
+            h.first = Holder { worker, tiers: t };
+        } else {
+            self.push(h, Holder { worker, tiers: t });
+        }
+        (false, true)
+    }
+
+    /// [`Rest::update`] of a block with a list of further holders (`h.more` not 0).
+    #[inline(never)]
+    fn update_listed(
         &mut self,
         h: &mut Holders,
         worker: WorkerId,
@@ -113,31 +149,20 @@ impl Rest {
             }
             return (true, h.first.worker == worker && h.first.tiers != 0);
         }
-        if h.more != 0 {
-            let list = &mut self.lists[h.more as usize - 1];
-            if let Some(i) = list.iter().position(|x| x.worker == worker) {
-                let t = f(list[i].tiers);
-                if t == 0 {
-                    list.swap_remove(i);
-                    if list.is_empty() {
-                        self.release(h);
-                    }
-                } else {
-                    list[i].tiers = t;
+        let list = &mut self.lists[h.more as usize - 1];
+        if let Some(i) = list.iter().position(|x| x.worker == worker) {
+            let t = f(list[i].tiers);
+            if t == 0 {
+                list.swap_remove(i);
+                if list.is_empty() {
+                    self.release(h);
                 }
-                return (true, t != 0);
+            } else {
+                list[i].tiers = t;
             }
+            return (true, t != 0);
         }
-        let t = f(0);
-        if t == 0 {
-            return (false, false);
-        }
-        if h.first.tiers == 0 {
-            h.first = Holder { worker, tiers: t };
-        } else {
-            self.push(h, Holder { worker, tiers: t });
-        }
-        (false, true)
+        self.hold(h, worker, f(0))
     }
 }
 
@@ -181,29 +206,21 @@ impl BlockIndex {
         self.map.len()
     }
 
-    /// Prefetches the first index slot of each of `hashes` (see `FlatMap::prefetch`), then
-    /// the lists of further holders of those that have one (a prefix many workers hold), so
-    /// that their cache misses overlap before the hashes are stored or removed one by one.
-    pub fn prefetch(&self, hashes: &[BlockHash]) {
-        for h in hashes {
-            self.prefetch_slot(*h);
-        }
-        self.prefetch_lists(hashes);
-    }
-
-    /// The first level of [`BlockIndex::prefetch`]: `hash`'s first slot.
+    /// Prefetches `hash`'s first index slot (see `FlatMap::prefetch`), so that the cache misses
+    /// of many hashes overlap before they are stored or removed one by one.
+    #[inline]
     pub fn prefetch_slot(&self, hash: BlockHash) {
         self.map.prefetch(hash);
     }
 
-    /// The second level of [`BlockIndex::prefetch`]: the lists of further holders, each line
-    /// of each (16 holders of 4 bytes to a line), which a store or removal scans for its
-    /// worker. It reads the slots (best prefetched first).
-    pub fn prefetch_lists(&self, hashes: &[BlockHash]) {
-        for h in hashes {
-            if let Some(x) = self.map.get(*h).filter(|x| x.more != 0) {
-                self.rest.lists[x.more as usize - 1].iter().step_by(16).for_each(prefetch_line);
-            }
+    /// Prefetches `hash`'s list of further holders (a prefix many workers hold), each line of
+    /// it (16 holders of 4 bytes to a line), which a store or removal scans for its worker.
+    /// It reads the slot (best prefetched first), and only the first (most entries are there:
+    /// a hint need not find every one).
+    #[inline]
+    pub fn prefetch_list(&self, hash: BlockHash) {
+        if let Some(x) = self.map.get_at_home(hash).filter(|x| x.more != 0) {
+            self.rest.lists[x.more as usize - 1].iter().step_by(16).for_each(prefetch_line);
         }
     }
 
@@ -216,7 +233,11 @@ impl BlockIndex {
 
     /// `worker` now holds `hash` in `medium` too.
     pub fn store(&mut self, worker: WorkerId, hash: BlockHash, medium: &Medium) {
-        let bit = medium_bit(medium);
+        self.store_in(worker, hash, medium_bit(medium));
+    }
+
+    /// [`BlockIndex::store`] in the medium of tier bit `bit` (`event::medium_bit`).
+    pub fn store_in(&mut self, worker: WorkerId, hash: BlockHash, bit: TierMask) {
         let rest = &mut self.rest;
         let (was, is) = self.map.upsert(hash, |h| rest.update(h, worker, |t| t | bit));
         if !was && is {
@@ -227,19 +248,21 @@ impl BlockIndex {
     /// `worker` no longer holds `hash` in `medium` (a block it did not hold there: nothing).
     /// Returns whether `worker` still holds it in another medium.
     pub fn remove(&mut self, worker: WorkerId, hash: BlockHash, medium: &Medium) -> bool {
-        let bit = medium_bit(medium);
+        self.remove_from(worker, hash, medium_bit(medium))
+    }
+
+    /// [`BlockIndex::remove`] from the medium of tier bit `bit`.
+    pub fn remove_from(&mut self, worker: WorkerId, hash: BlockHash, bit: TierMask) -> bool {
         let rest = &mut self.rest;
-        let Some((was, is, empty)) = self.map.update(hash, |h| {
+        let Some(((was, is), _)) = self.map.change(hash, |h| {
             let (was, is) = rest.update(h, worker, |t| t & !bit);
-            (was, is, h.first.tiers == 0)
+            // The entry goes with its last holder.
+            ((was, is), h.first.tiers != 0)
         }) else {
             return false;
         };
         if was && !is {
             self.held[usize::from(worker)] -= 1;
-        }
-        if empty {
-            self.map.remove(hash);
         }
         is
     }

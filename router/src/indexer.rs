@@ -10,11 +10,12 @@
 //! forgotten and never scored.
 
 use crate::chain;
-use crate::event::{BlockHash, KvEvent, KvEventBatch, Medium};
-use crate::flat::FlatMap;
-use crate::index::{BlockIndex, IdBuild, Overlap, WorkerId};
+use crate::event::{medium_bit, BlockHash, KvEvent, KvEventBatch};
+use crate::flat::{prefetch_line, FlatMap};
+use crate::index::{BlockIndex, IdBuild, Overlap, TierMask, WorkerId};
 use crate::stream::{Admit, Dropped, Stream, StreamState};
 use kvconnect_api::kv_events::{BlockRemoved, BlockStored};
+use kvconnect_support::stable_hash::{mix, P0};
 use std::collections::HashMap;
 
 /// Too many workers for one index.
@@ -71,15 +72,65 @@ pub struct Indexer {
     /// Publisher hashes the batch being applied removed from their last medium, each with
     /// the number of the event that did, in the batch.
     unheld: Vec<(BlockHash, u32)>,
-    /// While `unheld` has any: publisher hashes the batch stored again (indexed), each with
-    /// the number of the event that did. A hash unheld with no store after its removal is
-    /// forgotten at the batch's end, without looking it up in the index again.
+    /// Publisher hashes the batch stored (indexed) after a removal of theirs, each with the
+    /// number of the event that did (more, where `removed` answers maybe). A hash unheld with
+    /// no store after its removal is forgotten at the batch's end, without looking it up in
+    /// the index again.
     restored: Vec<(BlockHash, u32)>,
-    /// The number of the event being applied, in its batch.
+    /// The publisher hashes the batch has planned removals of so far, as a filter: a bit
+    /// per hash (`removed_bit`), so no for a hash never removed, and maybe otherwise.
+    removed: Box<[u64; REMOVED_WORDS]>,
+    /// Whether `removed` has any bit set.
+    any_removed: bool,
+    /// The number of the event being planned, in its batch.
     event: u32,
-    /// The router hashes of the event being applied (reused).
-    keys: Vec<u64>,
+    /// The index operations of the batch being applied, in order (reused).
+    ops: Vec<Op>,
 }
+
+/// What an [`Op`] does to the index.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OpKind {
+    /// Store the key.
+    Store,
+    /// Remove the key: a piece of a block before its last.
+    Remove,
+    /// Remove the key, the last piece of publisher hash `Op::hash`: where the worker then
+    /// holds it in no medium, the hash is forgotten at the batch's end (`unheld`).
+    RemoveLast,
+}
+
+/// One index operation of a batch: a router hash stored in, or removed from, one medium.
+#[derive(Debug, Clone, Copy)]
+struct Op {
+    key: u64,
+    /// The publisher hash, for `RemoveLast`.
+    hash: BlockHash,
+    /// The number of its event in the batch.
+    event: u32,
+    /// The medium's tier bit.
+    bit: TierMask,
+    kind: OpKind,
+}
+
+/// Words of `Indexer::removed`: 4,096 bits, so that a batch's few hundred removals leave most
+/// bits clear.
+const REMOVED_WORDS: usize = 64;
+
+/// The word and bit of publisher hash `h` in `Indexer::removed`: top bits of the hash mixed
+/// (a publisher may number its blocks 1, 2, 3).
+fn removed_bit(h: BlockHash) -> (usize, u64) {
+    let b = (mix(h, P0) >> 52) as usize;
+    (b / 64, 1 << (b % 64))
+}
+
+/// Operations between the prefetch of an index slot and its use (`Indexer::run_ops`): enough
+/// for the misses of about one event's blocks to be in flight together.
+const SLOT_AHEAD: usize = 16;
+
+/// Operations between the prefetch of a slot's list of further holders (which reads the
+/// slot, prefetched `SLOT_AHEAD - LIST_AHEAD` operations before) and its use.
+const LIST_AHEAD: usize = 8;
 
 impl Indexer {
     /// An indexer of `workers` workers, numbered from 0, all fresh, hashing tokens in pieces
@@ -97,8 +148,10 @@ impl Indexer {
             more: (0..workers).map(|_| HashMap::default()).collect(),
             unheld: Vec::new(),
             restored: Vec::new(),
+            removed: Box::new([0; REMOVED_WORDS]),
+            any_removed: false,
             event: 0,
-            keys: Vec::new(),
+            ops: Vec::new(),
         })
     }
 
@@ -113,18 +166,39 @@ impl Indexer {
         self.more[usize::from(worker)] = HashMap::default();
     }
 
-    /// Appends the router hashes publisher hash `h` of worker `w` stands for, in order, to
-    /// `keys`; false where it is not known.
-    fn pieces_of(&self, w: usize, h: BlockHash, keys: &mut Vec<u64>) -> bool {
+    /// Plans an operation of kind `kind` on each router hash publisher hash `h` of worker `w`
+    /// stands for, in order (the last piece `RemoveLast` where `kind` is a removal); false
+    /// where `h` is not known.
+    fn plan_pieces(&mut self, w: usize, h: BlockHash, bit: TierMask, kind: OpKind) -> bool {
         let Some(last) = self.ext[w].get(h) else { return false };
-        let last = &last;
+        let event = self.event;
+        let op = |key, kind| Op { key, hash: h, event, bit, kind };
         if !self.more[w].is_empty() {
             if let Some(m) = self.more[w].get(&h) {
-                keys.extend_from_slice(m);
+                self.ops.extend(m.iter().map(|k| op(*k, kind)));
             }
         }
-        keys.push(*last);
+        let last_kind = if kind == OpKind::Store {
+            kind
+        } else {
+            let (word, bit) = removed_bit(h);
+            self.removed[word] |= bit;
+            self.any_removed = true;
+            OpKind::RemoveLast
+        };
+        self.ops.push(op(last, last_kind));
         true
+    }
+
+    /// Notes a store of publisher hash `h` by the event being planned, where the batch may
+    /// have removed `h` before (see `restored`).
+    fn note_store(&mut self, h: BlockHash) {
+        if self.any_removed {
+            let (word, bit) = removed_bit(h);
+            if self.removed[word] & bit != 0 {
+                self.restored.push((h, self.event));
+            }
+        }
     }
 
     /// Prefetches the first slots, in worker `w`'s map, of the block hashes event `e` looks up
@@ -145,36 +219,44 @@ impl Indexer {
         }
     }
 
-    /// Stores `keys` in the index for `worker`, having started all their cache misses.
-    fn store_keys(&mut self, worker: WorkerId, keys: &[u64], medium: &Medium) {
-        self.index.prefetch(keys);
-        for k in keys {
-            self.index.store(worker, *k, medium);
+    /// Prefetches the first lines of event `e`'s own arrays (its block hashes, its tokens),
+    /// which a batch fresh from the wire has in the caches, but a long one, or one decoded
+    /// a while before, may not: `apply` does it two events ahead, before `prefetch_ext` reads
+    /// the hashes.
+    fn prefetch_event(e: &KvEvent) {
+        match e {
+            KvEvent::BlockStored(s) => {
+                s.block_hashes.iter().step_by(8).for_each(prefetch_line);
+                s.token_ids.iter().step_by(16).take(4).for_each(prefetch_line);
+            }
+            KvEvent::BlockRemoved(r) => r.block_hashes.iter().step_by(8).for_each(prefetch_line),
+            KvEvent::AllBlocksCleared => {}
         }
     }
 
-    // An event's work is in phases: every lookup's first slot is prefetched before the first
-    // is used (the worker's map for its block hashes one event ahead in `apply`; then the
-    // index for the router hashes, each as soon as it is known), so the cache misses of its
-    // blocks overlap instead of following one another. Prefetches only fetch; the result is
-    // that of applying the blocks one by one: within an event, stores and removals touch each
-    // key once, and the lookups read nothing the event changes.
-    fn store(&mut self, worker: WorkerId, s: &BlockStored) {
+    // A batch is applied in two passes. The first plans: it turns each event's blocks into
+    // router hashes (the worker's map, or the tokens' chain) and operations on the index, in
+    // order, and keeps the worker's map up to date as it goes (within a batch the map only
+    // gains entries; what it loses goes at the batch's end, `forget_unheld`). The second runs
+    // the operations in the same order, each index slot prefetched `SLOT_AHEAD` operations
+    // before its use, so that the cache misses of many blocks overlap instead of following
+    // one another. The result is that of applying the events one by one: the first pass reads
+    // nothing of the index, and the second nothing of the worker's map.
+
+    /// Plans a store (see above).
+    fn plan_store(&mut self, worker: WorkerId, s: &BlockStored) {
         let w = usize::from(worker);
         let bs = s.block_size as usize;
-        let mut keys = std::mem::take(&mut self.keys);
-        keys.clear();
+        let bit = medium_bit(&s.medium);
         if bs == 0 || s.token_ids.is_empty() {
             // Named by hash alone: only a block already known (a move between media).
             for h in &s.block_hashes {
-                if !self.pieces_of(w, *h, &mut keys) {
+                if self.plan_pieces(w, *h, bit, OpKind::Store) {
+                    self.note_store(*h);
+                } else {
                     self.counts.unindexed_blocks += 1;
-                } else if !self.unheld.is_empty() {
-                    self.restored.push((*h, self.event));
                 }
             }
-            self.store_keys(worker, &keys, &s.medium);
-            self.keys = keys;
             return;
         }
         let parent = match s.parent_block_hash {
@@ -183,72 +265,74 @@ impl Indexer {
         };
         let Some(mut c) = parent else {
             self.counts.unindexed_blocks += s.block_hashes.len() as u64;
-            self.keys = keys;
             return;
         };
         if bs < self.unit {
             self.counts.unindexed_blocks += 1;
-            self.keys = keys;
             return;
         }
         // A block that ends mid-piece cannot be chained on: only the first is indexed.
         let n = if bs.is_multiple_of(self.unit) { s.block_hashes.len() } else { 1 };
-        let hashes = &s.block_hashes[..n];
-        // Each key's index slot is prefetched as soon as the key is known, while the next ones
-        // are hashed.
-        for block in s.token_ids[..n * bs].chunks_exact(bs) {
+        let event = self.event;
+        let per = bs / self.unit;
+        for (h, block) in s.block_hashes[..n].iter().zip(s.token_ids[..n * bs].chunks_exact(bs)) {
+            let first = self.ops.len();
             for piece in block.chunks_exact(self.unit) {
                 c = chain::next(c, piece);
-                self.index.prefetch_slot(c);
-                keys.push(c);
+                self.ops.push(Op { key: c, hash: *h, event, bit, kind: OpKind::Store });
             }
-        }
-        self.index.prefetch_lists(&keys);
-        for k in &keys {
-            self.index.store(worker, *k, &s.medium);
-        }
-        let per = bs / self.unit;
-        for (h, pieces) in hashes.iter().zip(keys.chunks_exact(per)) {
-            let (last, more) = match pieces.split_last() {
-                Some((last, more)) => (*last, more),
-                None => continue,
-            };
-            self.ext[w].insert(*h, last);
-            if !self.unheld.is_empty() {
-                self.restored.push((*h, self.event));
-            }
-            if !more.is_empty() {
-                self.more[w].insert(*h, more.to_vec());
+            self.ext[w].insert(*h, c);
+            self.note_store(*h);
+            if per > 1 {
+                let more = self.ops[first..self.ops.len() - 1].iter().map(|o| o.key).collect();
+                self.more[w].insert(*h, more);
             } else if !self.more[w].is_empty() {
                 self.more[w].remove(h);
             }
         }
         self.counts.unindexed_blocks += (s.block_hashes.len() - n) as u64;
-        self.keys = keys;
     }
 
-    fn remove(&mut self, worker: WorkerId, r: &BlockRemoved) {
-        let w = usize::from(worker);
-        let mut keys = std::mem::take(&mut self.keys);
-        keys.clear();
+    /// Plans a removal (see above).
+    fn plan_remove(&mut self, worker: WorkerId, r: &BlockRemoved) {
+        let bit = medium_bit(&r.medium);
         for h in &r.block_hashes {
-            self.pieces_of(w, *h, &mut keys);
+            self.plan_pieces(usize::from(worker), *h, bit, OpKind::Remove);
         }
-        self.index.prefetch(&keys);
-        self.keys = keys;
-        for h in &r.block_hashes {
-            let Some(last) = self.ext[w].get(*h) else { continue };
-            if let Some(more) = self.more[w].get(h) {
-                for u in more {
-                    self.index.remove(worker, *u, &r.medium);
+    }
+
+    /// Runs the planned operations (see above), in order.
+    fn run_ops(&mut self, worker: WorkerId) {
+        let ops = std::mem::take(&mut self.ops);
+        for op in ops.iter().take(SLOT_AHEAD) {
+            self.index.prefetch_slot(op.key);
+        }
+        for op in ops.iter().take(LIST_AHEAD) {
+            self.index.prefetch_list(op.key);
+        }
+        for (i, op) in ops.iter().enumerate() {
+            if let Some(o) = ops.get(i + SLOT_AHEAD) {
+                self.index.prefetch_slot(o.key);
+            }
+            if let Some(o) = ops.get(i + LIST_AHEAD) {
+                self.index.prefetch_list(o.key);
+            }
+            match op.kind {
+                OpKind::Store => self.index.store_in(worker, op.key, op.bit),
+                OpKind::Remove => {
+                    self.index.remove_from(worker, op.key, op.bit);
+                }
+                OpKind::RemoveLast => {
+                    if !self.index.remove_from(worker, op.key, op.bit) {
+                        // Forgotten at the end of the batch, unless stored again after (a move
+                        // between media whose store names the block by its hash alone).
+                        self.unheld.push((op.hash, op.event));
+                    }
                 }
             }
-            if !self.index.remove(worker, last, &r.medium) {
-                // Forgotten at the end of the batch, unless stored again in it (a move
-                // between media whose store names the block by its hash alone).
-                self.unheld.push((*h, self.event));
-            }
         }
+        self.ops = ops;
+        self.ops.clear();
     }
 
     /// The block index.
@@ -306,20 +390,30 @@ impl Indexer {
                 self.counts.batches += 1;
                 self.counts.events += batch.events.len() as u64;
                 let w = usize::from(worker);
-                if let Some(e) = batch.events.first() {
+                let events = &batch.events;
+                events.iter().take(2).for_each(Self::prefetch_event);
+                if let Some(e) = events.first() {
                     self.prefetch_ext(w, e);
                 }
-                for (i, e) in batch.events.iter().enumerate() {
-                    if let Some(next) = batch.events.get(i + 1) {
+                for (i, e) in events.iter().enumerate() {
+                    if let Some(later) = events.get(i + 2) {
+                        Self::prefetch_event(later);
+                    }
+                    if let Some(next) = events.get(i + 1) {
                         self.prefetch_ext(w, next);
                     }
                     self.event = i as u32;
                     match e {
-                        KvEvent::BlockStored(s) => self.store(worker, s),
-                        KvEvent::BlockRemoved(r) => self.remove(worker, r),
-                        KvEvent::AllBlocksCleared => self.forget(worker),
+                        KvEvent::BlockStored(s) => self.plan_store(worker, s),
+                        KvEvent::BlockRemoved(r) => self.plan_remove(worker, r),
+                        KvEvent::AllBlocksCleared => {
+                            // What came before the clear is applied first, then forgotten.
+                            self.run_ops(worker);
+                            self.forget(worker);
+                        }
                     }
                 }
+                self.run_ops(worker);
                 self.forget_unheld(w);
                 Outcome::Applied
             }
@@ -330,7 +424,12 @@ impl Indexer {
     /// their last medium and did not store again after (stores and removals of one hash in a
     /// batch apply in order, so the last one says whether the worker holds it).
     fn forget_unheld(&mut self, w: usize) {
+        if self.any_removed {
+            self.removed.fill(0);
+            self.any_removed = false;
+        }
         if self.unheld.is_empty() {
+            self.restored.clear();
             return;
         }
         let mut unheld = std::mem::take(&mut self.unheld);
