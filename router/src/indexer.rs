@@ -653,6 +653,152 @@ mod tests {
         assert_eq!((out[1].blocks, out[1].by_rank), (8, [8, 0, 0, 0]));
     }
 
+    /// The indexer's rules as the module states them, applied event by event with plain maps:
+    /// what the two passes, the prefetches and the filter of removed hashes must agree with.
+    #[derive(Default)]
+    struct Model {
+        /// (worker, publisher hash) -> the router hashes it stands for.
+        ext: HashMap<(WorkerId, BlockHash), Vec<u64>>,
+        /// (worker, router hash) -> media.
+        held: HashMap<(WorkerId, u64), u8>,
+        unindexed: u64,
+    }
+
+    impl Model {
+        fn apply(&mut self, w: WorkerId, events: &[KvEvent]) {
+            let unit = UNIT as usize;
+            let (mut unheld, mut stores) = (Vec::new(), Vec::new());
+            for (i, e) in events.iter().enumerate() {
+                match e {
+                    KvEvent::BlockStored(s) if s.block_size == 0 || s.token_ids.is_empty() => {
+                        for h in &s.block_hashes {
+                            match self.ext.get(&(w, *h)) {
+                                Some(keys) => {
+                                    for k in keys {
+                                        *self.held.entry((w, *k)).or_default() |= medium_bit(&s.medium);
+                                    }
+                                    stores.push((*h, i));
+                                }
+                                None => self.unindexed += 1,
+                            }
+                        }
+                    }
+                    KvEvent::BlockStored(s) => {
+                        let bs = s.block_size as usize;
+                        let parent = match s.parent_block_hash {
+                            None => Some(chain::ROOT),
+                            Some(p) => self.ext.get(&(w, p)).map(|k| *k.last().unwrap()),
+                        };
+                        let Some(mut c) = parent else {
+                            self.unindexed += s.block_hashes.len() as u64;
+                            continue;
+                        };
+                        if bs < unit {
+                            self.unindexed += 1;
+                            continue;
+                        }
+                        let n = if bs % unit == 0 { s.block_hashes.len() } else { 1 };
+                        for (b, h) in s.block_hashes[..n].iter().enumerate() {
+                            let mut keys = Vec::new();
+                            for piece in s.token_ids[b * bs..(b + 1) * bs].chunks_exact(unit) {
+                                c = chain::next(c, piece);
+                                keys.push(c);
+                                *self.held.entry((w, c)).or_default() |= medium_bit(&s.medium);
+                            }
+                            self.ext.insert((w, *h), keys);
+                            stores.push((*h, i));
+                        }
+                        self.unindexed += (s.block_hashes.len() - n) as u64;
+                    }
+                    KvEvent::BlockRemoved(r) => {
+                        for h in &r.block_hashes {
+                            let Some(keys) = self.ext.get(&(w, *h)) else { continue };
+                            for k in keys {
+                                if let Some(m) = self.held.get_mut(&(w, *k)) {
+                                    *m &= !medium_bit(&r.medium);
+                                }
+                            }
+                            if self.held.get(&(w, *keys.last().unwrap())).is_none_or(|m| *m == 0) {
+                                unheld.push((*h, i));
+                            }
+                            self.held.retain(|_, m| *m != 0);
+                        }
+                    }
+                    KvEvent::AllBlocksCleared => {
+                        self.held.retain(|k, _| k.0 != w);
+                        self.ext.retain(|k, _| k.0 != w);
+                    }
+                }
+            }
+            for (h, removed) in unheld {
+                if !stores.iter().any(|&(s, at)| s == h && at > removed) {
+                    self.ext.remove(&(w, h));
+                }
+            }
+        }
+    }
+
+    /// Random batches over three workers, a few publisher hashes (so blocks are stored,
+    /// moved, removed and stored again within a batch), blocks of one and two pieces and
+    /// some ending mid-piece, parents known and not, and clears mid-batch: after each batch
+    /// the index, the workers' maps and the unindexed count are the model's.
+    #[test]
+    fn batches_apply_as_their_events_one_by_one() {
+        let media = [Medium::Gpu, Medium::CpuTier, Medium::Disk];
+        let mut x = 5u64;
+        let mut rnd = move |n: u64| {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            (x >> 33) % n
+        };
+        let mut ix = Indexer::new(3, UNIT).unwrap();
+        let mut model = Model::default();
+        let mut seq = [0u64; 3];
+        for _ in 0..3000 {
+            let w = rnd(3) as WorkerId;
+            let events: Vec<KvEvent> = (0..1 + rnd(8))
+                .map(|_| {
+                    let medium = media[rnd(3) as usize].clone();
+                    let hashes: Vec<u64> = (0..1 + rnd(3)).map(|_| 1 + rnd(24)).collect();
+                    match rnd(20) {
+                        0..=6 => {
+                            let bs = [4u32, 8, 4, 6, 2][rnd(5) as usize];
+                            let parent = [None, Some(1 + rnd(24))][rnd(2) as usize];
+                            // Tokens from a small alphabet: prompts share pieces.
+                            let tokens = (0..hashes.len() * bs as usize).map(|_| rnd(3) as u32).collect();
+                            KvEvent::stored(hashes, parent, tokens, bs, medium)
+                        }
+                        7..=11 => KvEvent::stored(hashes, None, Vec::new(), 0, medium),
+                        12..=18 => KvEvent::removed(hashes, medium),
+                        _ if rnd(10) == 0 => KvEvent::AllBlocksCleared,
+                        _ => KvEvent::removed(hashes, medium),
+                    }
+                })
+                .collect();
+            let s = &mut seq[usize::from(w)];
+            assert_eq!(ix.apply(w, *s, &batch(events.clone()), false), Outcome::Applied);
+            *s += 1;
+            model.apply(w, &events);
+            assert_eq!(ix.counts().unindexed_blocks, model.unindexed);
+            for ((mw, key), m) in &model.held {
+                assert_eq!(ix.index().tiers(*mw, *key), *m, "worker {mw}, key {key:x}");
+            }
+            for v in 0..3 {
+                let n = model.held.keys().filter(|k| k.0 == v).count() as u64;
+                assert_eq!(ix.index().held(v), n, "worker {v}");
+                let mut known: Vec<(u64, u64)> = ix.ext[usize::from(v)].iter().collect();
+                let mut want: Vec<(u64, u64)> = model
+                    .ext
+                    .iter()
+                    .filter(|(k, _)| k.0 == v)
+                    .map(|(k, keys)| (k.1, *keys.last().unwrap()))
+                    .collect();
+                known.sort_unstable();
+                want.sort_unstable();
+                assert_eq!(known, want, "worker {v}'s hashes");
+            }
+        }
+    }
+
     /// Within one batch a hash's stores and removals apply in order: the last says whether
     /// the worker still holds the block, and so whether its hash is remembered.
     #[test]
