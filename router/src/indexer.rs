@@ -697,7 +697,7 @@ mod tests {
                             self.unindexed += 1;
                             continue;
                         }
-                        let n = if bs % unit == 0 { s.block_hashes.len() } else { 1 };
+                        let n = if bs.is_multiple_of(unit) { s.block_hashes.len() } else { 1 };
                         for (b, h) in s.block_hashes[..n].iter().enumerate() {
                             let mut keys = Vec::new();
                             for piece in s.token_ids[b * bs..(b + 1) * bs].chunks_exact(unit) {
