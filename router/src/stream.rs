@@ -31,7 +31,7 @@ pub enum Admit {
     Replay { from: u64 },
 }
 
-/// Why a batch was dropped: the label of `kvconnect_router_batches_dropped_total{reason}`.
+/// Why a batch was dropped: the label of `kvconnect_router_event_batches_dropped_total{reason}`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Dropped {
     /// Its sequence number was already applied (a replay overlapping the live stream).
