@@ -48,21 +48,19 @@ checks() {
     echo "== [$name] passed in $((SECONDS - start)) s"
   }
 
-  # The groups are balanced by their scripts' times on CI's two cores: with test_hma in group
-  # a and test_events in b they took 1,239 s and 1,059 s; as below, about 1,130 and 1,170 s.
   # Group a:
   # - test_pd: P/D over nixl shm with decode loading synchronously (`load: sync`) and over tcp
   #   loading asynchronously (test_tp runs shm asynchronously), jointly negotiated composites,
   #   and requests through the `kvconnect proxy` binary in front of the vLLM servers;
   # - test_cache: one server with kvconnect caches: lmcache, flexkv and the example plugin;
+  # - test_hma: DYN-3545 on a tiny sliding-window model: the HMA mismatch refused at the
+  #   handshake (the failed request's report carries the diff) and, from one deployment file,
+  #   at startup;
   # - test_load: 200 P/D requests, 8 in flight, vLLM's prefix cache on: every output equal to
   #   monolithic, no failed load, every reusable token taken from the prefix cache or loaded;
-  # - test_harness: the benchmarks' stopping of the side not timed (no vLLM server);
-  # - test_events: lmcache's tier events (tokens, parents, CPU-to-disk moves) on vLLM's own
-  #   --kv-events-config publisher, read with vLLM's KVEventBatch decoder; then kvconnect's
-  #   codec and publisher read by vLLM's decoder and pyzmq.
-  group a tests/vllm/test_harness.py tests/vllm/test_pd.py tests/vllm/test_cache.py tests/vllm/test_load.py \
-    tests/vllm/test_events.py >"$logs/a.log" 2>&1 &
+  # - test_harness: the benchmarks' stopping of the side not timed (no vLLM server).
+  group a tests/vllm/test_harness.py tests/vllm/test_pd.py tests/vllm/test_cache.py tests/vllm/test_hma.py \
+    tests/vllm/test_load.py >"$logs/a.log" 2>&1 &
   a=$!
   # Group b:
   # - test_tp: tensor parallelism: P/D TP 2 -> TP 2 over nixl tcp and shm, lmcache and flexkv
@@ -72,13 +70,13 @@ checks() {
   # - test_api: vLLM's connector API: a failed load recomputed from its first failed block,
   #   preemptions after loads, /reset_prefix_cache emptying lmcache's and flexkv's stores, KV
   #   events;
-  # - test_hma: DYN-3545 on a tiny sliding-window model: the HMA mismatch refused at the
-  #   handshake (the failed request's report carries the diff) and, from one deployment file,
-  #   at startup.
+  # - test_events: lmcache's tier events (tokens, parents, CPU-to-disk moves) on vLLM's own
+  #   --kv-events-config publisher, read with vLLM's KVEventBatch decoder; then kvconnect's
+  #   codec and publisher read by vLLM's decoder and pyzmq.
   # Its servers take the other core than group a's (KVCONNECT_VLLM_CORE_SHIFT, harness.py): each
   # group's prefill and single servers on a core of their own.
   KVCONNECT_VLLM_CORE_SHIFT=1 group b tests/vllm/test_tp.py tests/vllm/test_shapes.py tests/vllm/test_api.py \
-    tests/vllm/test_hma.py >"$logs/b.log" 2>&1 &
+    tests/vllm/test_events.py >"$logs/b.log" 2>&1 &
   b=$!
   wait "$a"
   ra=$?
