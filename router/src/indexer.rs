@@ -11,7 +11,7 @@
 
 use crate::chain;
 use crate::event::{medium_bit, BlockHash, KvEvent, KvEventBatch};
-use crate::flat::{prefetch_line, FlatMap};
+use crate::flat::FlatMap;
 use crate::index::{BlockIndex, IdBuild, Overlap, TierMask, WorkerId};
 use crate::stream::{Admit, Dropped, Stream, StreamState};
 use kvconnect_api::kv_events::{BlockRemoved, BlockStored};
@@ -219,21 +219,6 @@ impl Indexer {
         }
     }
 
-    /// Prefetches the first lines of event `e`'s own arrays (its block hashes, its tokens),
-    /// which a batch fresh from the wire has in the caches, but a long one, or one decoded
-    /// a while before, may not: `apply` does it two events ahead, before `prefetch_ext` reads
-    /// the hashes.
-    fn prefetch_event(e: &KvEvent) {
-        match e {
-            KvEvent::BlockStored(s) => {
-                s.block_hashes.iter().step_by(8).for_each(prefetch_line);
-                s.token_ids.iter().step_by(16).take(4).for_each(prefetch_line);
-            }
-            KvEvent::BlockRemoved(r) => r.block_hashes.iter().step_by(8).for_each(prefetch_line),
-            KvEvent::AllBlocksCleared => {}
-        }
-    }
-
     // A batch is applied in two passes. The first plans: it turns each event's blocks into
     // router hashes (the worker's map, or the tokens' chain) and operations on the index, in
     // order, and keeps the worker's map up to date as it goes (within a batch the map only
@@ -391,14 +376,10 @@ impl Indexer {
                 self.counts.events += batch.events.len() as u64;
                 let w = usize::from(worker);
                 let events = &batch.events;
-                events.iter().take(2).for_each(Self::prefetch_event);
                 if let Some(e) = events.first() {
                     self.prefetch_ext(w, e);
                 }
                 for (i, e) in events.iter().enumerate() {
-                    if let Some(later) = events.get(i + 2) {
-                        Self::prefetch_event(later);
-                    }
                     if let Some(next) = events.get(i + 1) {
                         self.prefetch_ext(w, next);
                     }
