@@ -10,7 +10,7 @@ use crate::copy_plan::CopyPlan;
 use crate::error::TransferError;
 use crate::idle_link::NoAnswer;
 use crate::metadata::{LoadSpec, PeerInfo, PeerKey};
-use crate::transport::{Confirm, Pin, Transport};
+use crate::transport::{Confirm, Pin, Transport, WhileCopying};
 use crate::wire::{authenticate_client, read_frame, ClientAuthError, ClientMsg, FrameError, ServerMsg};
 use kvconnect_api::kv_memory::KvMemory;
 use kvconnect_api::LayerId;
@@ -206,27 +206,29 @@ fn pull_steps(
     if steps.before == Pin::Hold {
         link.hold(load)?;
     }
-    // The pin sent, and when (for the timing log below).
-    let mut pin = None;
-    let mut pinned = Duration::ZERO;
+    let mut pin = PinWhileCopying {
+        link,
+        load,
+        groups,
+        t0,
+        sent_at: Duration::ZERO,
+        answered_at: Duration::ZERO,
+        sent: None,
+        held: None,
+    };
     let copy = match (steps.before, transport.backend().serves_reads) {
-        (Pin::Overlapped, _) => {
-            let mut started = || {
-                pin = Some(link.send_pin(load, groups)?);
-                pinned = t0.elapsed();
-                Ok(())
-            };
-            transport.copy_overlapped(local, groups, peer, load, plan.as_ref(), &mut started)
-        }
-        (_, true) => transport.copy(Some(&mut link.0), local, groups, peer, load, plan.as_ref()),
+        (Pin::Overlapped, _) => transport.copy_overlapped(local, groups, peer, load, plan.as_ref(), &mut pin),
+        (_, true) => transport.copy(Some(&mut pin.link.0), local, groups, peer, load, plan.as_ref()),
         (_, false) => transport.copy(None, local, groups, peer, load, plan.as_ref()),
     };
     let copy_end = Instant::now();
     let copied = t0.elapsed();
-    // The pin's answer is read whatever the copy did, so the connection stays in step. A
-    // refused pin (the request gone, blocks not its own) fails the load; nothing it copied is
-    // used.
-    let held = pin.map(|sent| link.pinned(sent)).transpose();
+    // The pin's answer is read whatever the copy did (now, unless the backend had it read
+    // while it copied), so the connection stays in step. A refused pin (the request gone,
+    // blocks not its own) fails the load; nothing it copied is used.
+    pin.answer();
+    let PinWhileCopying { link, sent_at, answered_at, held, .. } = pin;
+    let held = held.transpose();
     let stats = copy?;
     let held = held?;
     if steps.before == Pin::Overlapped && held.is_none_or(|until| copy_end > until) {
@@ -260,13 +262,45 @@ fn pull_steps(
     tracing::debug!(
         request = %load.request,
         plan_us,
-        pin_sent_at_us = pinned.as_micros() as u64,
+        pin_sent_at_us = sent_at.as_micros() as u64,
+        pin_answered_at_us = answered_at.as_micros() as u64,
         copied_at_us = copied.as_micros() as u64,
         confirm_us = (t0.elapsed() - copied).as_micros() as u64,
         "{}: pull phases",
         transport.backend().name()
     );
     Ok(stats)
+}
+
+/// The pin of a [`Pin::Overlapped`] pull: sent once the copy is under way, its answer read
+/// while the copy runs where the backend allows ([`WhileCopying::answer`]), else after it.
+struct PinWhileCopying<'p, 'l> {
+    link: &'p mut Link<'l>,
+    load: &'p LoadSpec,
+    groups: &'p [Vec<LayerId>],
+    /// When the pull started; `sent_at` and `answered_at` count from it (for the log).
+    t0: Instant,
+    sent_at: Duration,
+    answered_at: Duration,
+    /// The pin sent, its answer not read yet.
+    sent: Option<PinSent>,
+    /// Its answer: until when the hold lasts.
+    held: Option<Result<Instant, TransferError>>,
+}
+
+impl WhileCopying for PinWhileCopying<'_, '_> {
+    fn started(&mut self) -> Result<(), TransferError> {
+        self.sent = Some(self.link.send_pin(self.load, self.groups)?);
+        self.sent_at = self.t0.elapsed();
+        Ok(())
+    }
+
+    fn answer(&mut self) {
+        if let Some(sent) = self.sent.take() {
+            self.held = Some(self.link.pinned(sent));
+            self.answered_at = self.t0.elapsed();
+        }
+    }
 }
 
 impl Connections {
@@ -545,7 +579,7 @@ impl Link<'_> {
     }
 
     /// Sends `pin` for the blocks `load` reads, as the copy starts; its answer is read by
-    /// [`Link::pinned`] once the copy is done.
+    /// [`Link::pinned`] while the copy runs (GPU copies) or once it is done.
     fn send_pin(&mut self, load: &LoadSpec, groups: &[Vec<LayerId>]) -> Result<PinSent, TransferError> {
         let msg = ClientMsg::Pin {
             request: load.producer_request().to_owned(),
@@ -558,8 +592,10 @@ impl Link<'_> {
     }
 
     /// The answer to a `pin`: until when the hold lasts at least. A kept connection the
-    /// producer closed as idle before answering is asked again on a new one (now, after the
-    /// copy: held then means held throughout).
+    /// producer closed as idle before answering is asked again on a new one: held then means
+    /// held since before the copy (a request is never held again under the same capability),
+    /// and the hold lasts at least the answer's `ms` from the second asking, which the copy's
+    /// end is checked against.
     fn pinned(&mut self, sent: PinSent) -> Result<Instant, TransferError> {
         let (answer, at) = self.0.answer_to(&sent.msg, sent.kept, sent.at)?;
         match answer {

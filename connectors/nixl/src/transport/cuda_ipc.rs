@@ -7,10 +7,11 @@
 //! block-index arrays (with HMA off there is one group, so one launch per request); when the
 //! two layouts order heads and tokens differently (NHD vs HND) the permute is fused into that
 //! copy. When the pull thread is idle and the peer's regions are open, `start_load_kv`
-//! launches that gather itself (about 80 µs on the step's thread on an H100, no wait), so the
-//! copy starts without waiting for the pull thread to wake. The pull thread waits for a CUDA
-//! event recorded after the launches (the step loop never waits on it), while the puller's
-//! `pin`, sent as the copy starts, is answered over the control connection; then the puller
+//! launches that gather itself (about 40 µs on the step's thread on an H100, no wait), so the
+//! copy starts without waiting for the pull thread to wake; what every load from a producer's
+//! handshake shares is planned once (`launch_plan.rs`). The pull thread sends the puller's
+//! `pin` as the copy starts and reads its answer while the GPU copies, then waits for a CUDA
+//! event recorded after the launches (the step loop never waits on it); then the puller
 //! sends `done` ([`super::Pin::Overlapped`]). The
 //! kernel is compiled when the worker starts (once per process and GPU architecture, then
 //! cached), not at the first request.
@@ -30,6 +31,8 @@
 pub mod exports;
 #[cfg(feature = "cuda")]
 pub mod gather;
+#[cfg(feature = "cuda")]
+pub mod launch_plan;
 
 use super::BackendInfo;
 use crate::config::NAME;
@@ -74,7 +77,9 @@ use gpu::start;
 
 #[cfg(feature = "cuda")]
 mod gpu {
-    use super::super::{Backend, Confirm, Pin, PullSteps, Setup, Started, Streams, Transport};
+    use super::super::{
+        Backend, Confirm, NoPin, Pin, PullSteps, Setup, Started, Streams, Transport, WhileCopying,
+    };
     use super::exports::Exports;
     use super::gather::{export, open_gpu, CudaIpcPull};
     use super::BACKEND;
@@ -144,10 +149,11 @@ mod gpu {
             load: &LoadSpec,
             _: Option<&CopyPlan>,
         ) -> Result<PullStats, TransferError> {
-            self.copy_overlapped(local, groups, peer, load, None, &mut || Ok(()))
+            self.copy_overlapped(local, groups, peer, load, None, &mut NoPin)
         }
 
-        /// Calls `started` once the gather is launched, so the pin travels while it runs.
+        /// Sends the pin once the gather is launched and reads its answer while the GPU
+        /// copies; then waits for the copy.
         fn copy_overlapped(
             &self,
             local: &KvMemory,
@@ -155,7 +161,7 @@ mod gpu {
             peer: &PeerInfo,
             load: &LoadSpec,
             _: Option<&CopyPlan>,
-            started: &mut dyn FnMut() -> Result<(), TransferError>,
+            pin: &mut dyn WhileCopying,
         ) -> Result<PullStats, TransferError> {
             let pull = self.pull.as_ref().ok_or_else(|| {
                 TransferError::Plan(
@@ -165,7 +171,7 @@ mod gpu {
                 )
             })?;
             let mut pull = pull.lock().unwrap_or_else(|p| p.into_inner());
-            let (bytes, adapted) = pull.pull(local.geometry(), groups, peer, load, started)?;
+            let (bytes, adapted) = pull.pull(local.geometry(), groups, peer, load, pin)?;
             Ok(PullStats { bytes, runs: groups.len(), adapted })
         }
 

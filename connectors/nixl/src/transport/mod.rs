@@ -241,6 +241,29 @@ pub(crate) fn planned(plan: Option<&CopyPlan>) -> Result<&CopyPlan, TransferErro
     })
 }
 
+/// The puller's messages while a backend copies ([`Transport::copy_overlapped`]).
+pub trait WhileCopying {
+    /// Sends the pin: called once the copy is under way.
+    fn started(&mut self) -> Result<(), TransferError>;
+
+    /// Reads the pin's answer (its outcome is kept for the puller). A backend whose copy runs
+    /// without the calling thread (a GPU kernel) calls it after `started` and before it
+    /// waits for the copy: the answer arrives while the copy runs, and reading it then costs
+    /// the load nothing after the copy. Without this call the puller reads it after the copy.
+    fn answer(&mut self);
+}
+
+/// [`WhileCopying`] with no pin: a copy outside a pull (tests, benchmarks).
+pub struct NoPin;
+
+impl WhileCopying for NoPin {
+    fn started(&mut self) -> Result<(), TransferError> {
+        Ok(())
+    }
+
+    fn answer(&mut self) {}
+}
+
 /// One worker's started backend. Shared by the worker (handshakes, notifications) and its
 /// pull thread (pulls), so every method takes `&self`.
 pub trait Transport: Send + Sync {
@@ -288,10 +311,11 @@ pub trait Transport: Send + Sync {
     ) -> Result<PullStats, TransferError>;
 
     /// [`Transport::copy`] for a backend whose steps pin while it copies ([`Pin::Overlapped`]):
-    /// calls `started` (which sends the pin) once the copy is under way, and returns only once
-    /// the copy is over, whatever `started` returned. By default `started` goes first, then
-    /// the copy; a backend that copies asynchronously (a GPU kernel) calls it after its launch,
-    /// so the pin's sending overlaps the copy too.
+    /// calls `pin.started()` (which sends the pin) once the copy is under way, and returns only
+    /// once the copy is over, whatever `started` returned. By default `started` goes first,
+    /// then the copy; a backend that copies asynchronously (a GPU kernel) calls it after its
+    /// launch, so the pin's sending overlaps the copy too, and then `pin.answer()` before it
+    /// waits for the copy.
     fn copy_overlapped(
         &self,
         local: &KvMemory,
@@ -299,9 +323,9 @@ pub trait Transport: Send + Sync {
         peer: &PeerInfo,
         load: &LoadSpec,
         plan: Option<&CopyPlan>,
-        started: &mut dyn FnMut() -> Result<(), TransferError>,
+        pin: &mut dyn WhileCopying,
     ) -> Result<PullStats, TransferError> {
-        started()?;
+        pin.started()?;
         self.copy(None, local, groups, peer, load, plan)
     }
 

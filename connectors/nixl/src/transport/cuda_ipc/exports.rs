@@ -96,6 +96,11 @@ pub fn sources(engine: &str, m: &CudaIpcMetadata, regions: &[RegionInfo]) -> Res
         ));
     }
     let t = table();
+    if t.is_empty() {
+        // This process exported nothing (a consumer alone): no handle is its own. Asked before
+        // every load, so the handles are not hashed for nothing.
+        return Ok(Sources::Import);
+    }
     let mine: Vec<Option<&Exported>> = m.handles.iter().map(|h| t.get(h)).collect();
     if mine.iter().all(Option::is_none) {
         return Ok(Sources::Import);

@@ -2,12 +2,13 @@
 //! consumer's opened peers and gather kernel (see [`super`]).
 
 use super::exports::{sources, Exports, Sources};
+use super::launch_plan::{check_block, LaunchPlan};
 use crate::config::CudaIpcPath;
 use crate::error::TransferError;
 use crate::metadata::LoadSpec;
 use crate::metadata::{CudaIpcMetadata, PeerInfo, PeerKey};
 use kvconnect_api::geometry::Geometry;
-use kvconnect_api::{BlockId, Dim, KvRegion, LayerId, MemoryKind};
+use kvconnect_api::{KvRegion, LayerId, MemoryKind};
 use kvconnect_cuda::{
     CudaError, GatherKernel, GatherSpec, Gpu, ImportedRegion, IpcHandle, Permute, StagedCopy,
 };
@@ -39,7 +40,7 @@ fn cuda(e: CudaError) -> TransferError {
     TransferError::Cuda(e.to_string())
 }
 
-fn plan(msg: String) -> TransferError {
+fn plan_error(msg: String) -> TransferError {
     TransferError::Plan(msg)
 }
 
@@ -48,7 +49,7 @@ pub fn open_gpu(regions: &[KvRegion]) -> Result<Arc<Gpu>, TransferError> {
     let mut device = None;
     for r in regions {
         if r.memory() != MemoryKind::Device || r.device() < 0 {
-            return Err(plan(format!(
+            return Err(plan_error(format!(
                 "backend cuda_ipc needs device KV regions, but region '{}' is {:?} memory: set \
                     kv_buffer_device=\"cuda\" (or use backend shm/tcp for host KV)",
                 r.name(),
@@ -56,7 +57,7 @@ pub fn open_gpu(regions: &[KvRegion]) -> Result<Arc<Gpu>, TransferError> {
             )));
         }
         if device.is_some_and(|d| d != r.device()) {
-            return Err(plan(format!(
+            return Err(plan_error(format!(
                 "backend cuda_ipc: region '{}' is on GPU {} but others on GPU {:?}: all KV regions of a \
                     worker must be on one GPU",
                 r.name(),
@@ -77,7 +78,7 @@ pub fn export(gpu: &Gpu, regions: &[KvRegion]) -> Result<(CudaIpcMetadata, Expor
     let mut handles = Vec::with_capacity(regions.len());
     for r in regions {
         let h = IpcHandle::export_address(gpu, r.addr(), r.len() as usize)
-            .map_err(|e| plan(format!("exporting region '{}': {e}", r.name())))?;
+            .map_err(|e| plan_error(format!("exporting region '{}': {e}", r.name())))?;
         handles.push(h.hex);
     }
     let pci_bus_id = gpu.pci_bus_id().ok();
@@ -105,6 +106,8 @@ struct Opened {
     _regions: Vec<ImportedRegion>,
     bases: Vec<u64>,
     route: Route,
+    /// The gathers' plan for the handshake last loaded from.
+    plan: Option<Arc<LaunchPlan>>,
 }
 
 /// Consumer side, owned by the pull thread: the GPU, the kernel (compiled at the first pull)
@@ -143,61 +146,6 @@ impl std::fmt::Debug for CudaIpcPull {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaIpcPull").field("gpu", &self.gpu.ordinal()).finish()
     }
-}
-
-/// Base address, block stride (= copied bytes) and region shape index of one copy unit.
-struct Unit {
-    region: usize,
-    offset: u64,
-}
-
-fn per_layer(g: &Geometry) -> bool {
-    g.layout().position(Dim::B) > g.layout().position(Dim::L)
-}
-
-fn inner_order(g: &Geometry) -> Vec<Dim> {
-    g.layout().order().into_iter().filter(|d| matches!(d, Dim::H | Dim::N | Dim::C)).collect()
-}
-
-/// The permute that turns the peer's block bytes into this engine's.
-fn permute(peer: &Geometry, own: &Geometry) -> Result<Permute, TransferError> {
-    let (p, o) = (inner_order(peer), inner_order(own));
-    if p == o {
-        return Ok(Permute::None);
-    }
-    let s = own.shape();
-    let (heads, tokens) = (s.heads, s.tokens);
-    let nhd = [Dim::N, Dim::H, Dim::C];
-    let hnd = [Dim::H, Dim::N, Dim::C];
-    if p == nhd && o == hnd {
-        Ok(Permute::NhdToHnd { heads, tokens })
-    } else if p == hnd && o == nhd {
-        Ok(Permute::HndToNhd { heads, tokens })
-    } else {
-        Err(plan(format!(
-            "backend cuda_ipc permutes NHD<->HND only; the peer's blocks are {} and this engine's {}",
-            peer.layout(),
-            own.layout()
-        )))
-    }
-}
-
-fn unit(g: &Geometry, layer: LayerId, part: u32) -> Result<Unit, TransferError> {
-    let s = g.span(layer, part, BlockId(0))?;
-    Ok(Unit { region: s.region, offset: s.offset as u64 })
-}
-
-/// The fewest blocks of `regions` of `g`: every block index of a launch over them must be
-/// below it.
-fn fewest_blocks(g: &Geometry, regions: impl Iterator<Item = usize>) -> u32 {
-    regions.map(|r| g.regions().get(r).map_or(0, |r| r.num_blocks)).min().unwrap_or(0)
-}
-
-fn check_block(n: u32, b: BlockId, side: &str) -> Result<u32, TransferError> {
-    if b.0 >= n {
-        return Err(plan(format!("{side} block {} is outside its region of {n} blocks", b.0)));
-    }
-    Ok(b.0)
 }
 
 impl CudaIpcPull {
@@ -317,7 +265,7 @@ impl CudaIpcPull {
     fn open_peer(&mut self, peer: &PeerInfo) -> Result<&mut Opened, TransferError> {
         let e = &peer.meta.engine_id;
         let m = peer.meta.cuda_ipc.as_ref().ok_or_else(|| {
-            plan(format!(
+            plan_error(format!(
                 "producer engine '{e}' published no CUDA IPC handles: it does not run backend cuda_ipc with \
                     device KV; use the same backend on both sides"
             ))
@@ -325,7 +273,7 @@ impl CudaIpcPull {
         // Handles this process exported are read where it registered them (CUDA refuses to
         // open a process's own handles); nothing from the wire says which, or where. Asked
         // on every pull: a producer of this process that is gone is never read again.
-        let sources = sources(e, m, &peer.meta.regions).map_err(plan)?;
+        let sources = sources(e, m, &peer.meta.regions).map_err(plan_error)?;
         let key = peer.key();
         if self.opened.get(&key).is_some_and(|o| o.handles == m.handles && o.sources == sources) {
             return self.opened.get_mut(&key).ok_or_else(|| TransferError::UnknownPeer(e.clone()));
@@ -373,7 +321,8 @@ impl CudaIpcPull {
         } else {
             Route::Direct
         };
-        let opened = Opened { handles: m.handles.clone(), sources, _regions: regions, bases, route };
+        let opened =
+            Opened { handles: m.handles.clone(), sources, _regions: regions, bases, route, plan: None };
         Ok(self.opened.entry(key).or_insert(opened))
     }
 
@@ -403,17 +352,17 @@ impl CudaIpcPull {
     }
 
     /// Copies `load` from `peer` into this worker's regions (geometry `own`) and waits for
-    /// the copy (on the calling pull thread), calling `started` once it is launched (the
-    /// puller's pin then travels while the GPU copies); a gather [`CudaIpcPull::launch`]
-    /// started already is only waited for. Returns, only once no copy of it runs any more,
-    /// the bytes copied and whether a layout permute was fused in.
+    /// the copy (on the calling pull thread). Once it is launched, `pin.started()` sends the
+    /// puller's pin and `pin.answer()` reads its answer, both while the GPU copies; a gather
+    /// [`CudaIpcPull::launch`] started already is only waited for. Returns, only once no copy
+    /// of it runs any more, the bytes copied and whether a layout permute was fused in.
     pub fn pull(
         &mut self,
         own: &Geometry,
         groups: &[Vec<LayerId>],
         peer: &PeerInfo,
         load: &LoadSpec,
-        started: &mut dyn FnMut() -> Result<(), TransferError>,
+        pin: &mut dyn crate::transport::WhileCopying,
     ) -> Result<(u64, bool), TransferError> {
         let t0 = std::time::Instant::now();
         let ahead = match self.launched.take() {
@@ -431,8 +380,13 @@ impl CudaIpcPull {
             None => self.start(own, groups, peer, load)?,
         };
         let launched = t0.elapsed();
-        // The pin goes out while the GPU copies; the copy is waited for whatever it did.
-        let sent = started();
+        // The pin goes out, and its answer comes back, while the GPU copies; the copy is
+        // waited for whatever they did.
+        let sent = pin.started();
+        if sent.is_ok() {
+            pin.answer();
+        }
+        let answered = t0.elapsed();
         if let Err(e) = wait(&self.done) {
             let _ = self.gpu.synchronize();
             return Err(e);
@@ -441,7 +395,8 @@ impl CudaIpcPull {
         tracing::debug!(
             request = %load.request,
             plan_and_launch_us = launched.as_micros() as u64,
-            kernel_wait_us = (t0.elapsed() - launched).as_micros() as u64,
+            pin_answered_at_us = answered.as_micros() as u64,
+            kernel_waited_at_us = t0.elapsed().as_micros() as u64,
             "cuda_ipc: gather phases"
         );
         Ok((bytes, adapted))
@@ -456,27 +411,20 @@ impl CudaIpcPull {
         peer: &PeerInfo,
         load: &LoadSpec,
     ) -> Result<(u64, bool), TransferError> {
-        let pg = &peer.geometry;
-        let e = &peer.meta.engine_id;
-        let (bp, bd) = (pg.shape().tokens as usize, own.shape().tokens as usize);
-        if bp != bd {
-            return Err(plan(format!(
-                "backend cuda_ipc needs equal block sizes; producer engine '{e}' has {bp} tokens per block, \
-                    this engine {bd}"
-            )));
-        }
-        if bp == 0 {
-            return Err(plan("a block size of 0 tokens".into()));
-        }
+        let t0 = std::time::Instant::now();
+        let key = peer.key();
+        let plan = self.plan_for(own, groups, peer, &key)?;
+        let opened = t0.elapsed();
+        let bp = plan.block_tokens;
         if !load.first_token.is_multiple_of(bp) {
-            return Err(plan(format!(
+            return Err(plan_error(format!(
                 "request {}: backend cuda_ipc copies whole blocks, but loading starts at token {} inside a \
                     block of {bp}",
                 load.request, load.first_token
             )));
         }
         if load.remote_blocks.0.len() != groups.len() || load.local_blocks.0.len() != groups.len() {
-            return Err(plan(format!(
+            return Err(plan_error(format!(
                 "request {}: {} remote and {} local block lists for {} KV cache groups",
                 load.request,
                 load.remote_blocks.0.len(),
@@ -484,25 +432,9 @@ impl CudaIpcPull {
                 groups.len()
             )));
         }
-        let perm = permute(pg, own)?;
-        let cross = match (per_layer(pg), per_layer(own)) {
-            (true, true) => false,
-            (false, false) if perm == Permute::None && pg.layout() == own.layout() => true,
-            _ => {
-                return Err(plan(format!(
-                    "backend cuda_ipc copies per-layer layouts (with an NHD/HND permute) or equal \
-                        cross-layer layouts; producer engine '{e}' uses {} and this engine {}",
-                    pg.layout(),
-                    own.layout()
-                )))
-            }
-        };
-        let t0 = std::time::Instant::now();
-        let src_all = self.open_peer(peer)?.bases.clone();
-        let opened = t0.elapsed();
         let mut any = false;
         self.launch_time = std::time::Duration::ZERO;
-        let launches = self.launch_groups(own, groups, peer, load, (perm, cross, &src_all), &mut any);
+        let launches = self.launch_groups(&plan, &key, load, &mut any);
         if launches.is_err() && any {
             // A later group failed after an earlier one's gather was launched: none may still
             // write into this worker's blocks once the load is reported failed.
@@ -516,7 +448,8 @@ impl CudaIpcPull {
             let _ = self.gpu.synchronize();
             return Err(TransferError::Cuda(format!("cuEventRecord: {e}")));
         }
-        // Where launching goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=trace).
+        // Where launching goes, for benchmarks (KVCONNECT_LOG=kvconnect_nixl=trace): `open_us`
+        // includes planning the peer's gathers at its first load after a handshake.
         tracing::trace!(
             request = %load.request,
             open_us = opened.as_micros() as u64,
@@ -525,35 +458,52 @@ impl CudaIpcPull {
             record_us = (t0.elapsed() - planned).as_micros() as u64,
             "cuda_ipc: launching"
         );
-        Ok((bytes, perm != Permute::None))
+        Ok((bytes, plan.permute != Permute::None))
     }
 
-    /// Launches one gather per KV cache group of `load` (`launched` set once one is), and
-    /// returns the bytes they copy. `how`: the permute, whether blocks are cross-layer, and
-    /// the producer's region bases.
-    fn launch_groups(
+    /// The peer's regions opened and its gathers' plan: kept from an earlier load of the same
+    /// handshake, else made now (and kept).
+    fn plan_for(
         &mut self,
         own: &Geometry,
         groups: &[Vec<LayerId>],
         peer: &PeerInfo,
+        key: &PeerKey,
+    ) -> Result<Arc<LaunchPlan>, TransferError> {
+        let opened = self.open_peer(peer)?;
+        if let Some(p) = opened.plan.as_ref().filter(|p| p.fits(peer, groups)) {
+            return Ok(p.clone());
+        }
+        let src_all = opened.bases.clone();
+        let plan = Arc::new(LaunchPlan::new(own, &self.own, groups, peer, &src_all)?);
+        if let Some(o) = self.opened.get_mut(key) {
+            o.plan = Some(plan.clone());
+        }
+        Ok(plan)
+    }
+
+    /// Launches one gather per KV cache group of `load` as `plan` says (`launched` set once
+    /// one is), and returns the bytes they copy.
+    fn launch_groups(
+        &mut self,
+        plan: &LaunchPlan,
+        key: &PeerKey,
         load: &LoadSpec,
-        how: (Permute, bool, &[u64]),
         launched: &mut bool,
     ) -> Result<u64, TransferError> {
-        let (perm, cross, src_all) = how;
-        let (pg, e) = (&peer.geometry, &peer.meta.engine_id);
-        let shape = own.shape();
-        let (span_bytes, parts, bp) = (shape.bytes() as u64, shape.kv_parts, (shape.tokens as usize).max(1));
+        let bp = plan.block_tokens;
         let positions = if load.num_tokens > load.first_token {
             load.first_token / bp..load.num_tokens.div_ceil(bp)
         } else {
             0..0
         };
+        let opened =
+            self.opened.get_mut(key).ok_or_else(|| TransferError::UnknownPeer(key.engine.clone()))?;
         let mut bytes = 0u64;
-        for (g, layers) in groups.iter().enumerate() {
+        for (g, gp) in plan.per_group.iter().enumerate() {
             let (rl, ll) = (&load.remote_blocks.0[g], &load.local_blocks.0[g]);
             if positions.end > rl.len() || positions.end > ll.len() {
-                return Err(plan(format!(
+                return Err(plan_error(format!(
                     "request {}: tokens {}..{} of group {g} need {} blocks on each side, got {} remote and \
                         {} local",
                     load.request,
@@ -564,62 +514,31 @@ impl CudaIpcPull {
                     ll.len()
                 )));
             }
-            let (mut src_bases, mut dst_bases) = (Vec::new(), Vec::new());
-            // (peer region, own region) of the units, to bound-check block indices.
-            let mut pairs = Vec::new();
-            let block_bytes;
-            if cross {
-                let Some(&first) = layers.first() else { continue };
-                let (s, d) = (unit(pg, first, 0)?, unit(own, first, 0)?);
-                let (sr, dr) = (&pg.regions()[s.region], &own.regions()[d.region]);
-                block_bytes = (sr.layers.len() as u64) * parts as u64 * span_bytes;
-                if dr.layers != sr.layers {
-                    return Err(plan(format!(
-                        "producer engine '{e}' region of group {g} holds layers {:?}, this engine's {:?}",
-                        sr.layers, dr.layers
-                    )));
-                }
-                src_bases.push(src_all[s.region]);
-                dst_bases.push(self.own[d.region]);
-                pairs.push((s.region, d.region));
-            } else {
-                block_bytes = span_bytes;
-                for &layer in layers {
-                    for part in 0..parts {
-                        let (s, d) = (unit(pg, layer, part)?, unit(own, layer, part)?);
-                        src_bases.push(src_all[s.region] + s.offset);
-                        dst_bases.push(self.own[d.region] + d.offset);
-                        pairs.push((s.region, d.region));
-                    }
-                }
+            if gp.src_bases.is_empty() {
+                continue;
             }
-            // Each block once, against the smallest region it is read from or written to.
-            let src_n = fewest_blocks(pg, pairs.iter().map(|p| p.0));
-            let dst_n = fewest_blocks(own, pairs.iter().map(|p| p.1));
-            let (mut src_blocks, mut dst_blocks) = (Vec::new(), Vec::new());
+            let (mut src_blocks, mut dst_blocks) =
+                (Vec::with_capacity(positions.len()), Vec::with_capacity(positions.len()));
             for pos in positions.clone() {
-                src_blocks.push(check_block(src_n, rl[pos], "producer")?);
-                dst_blocks.push(check_block(dst_n, ll[pos], "local")?);
+                src_blocks.push(check_block(gp.src_blocks, rl[pos], "producer")?);
+                dst_blocks.push(check_block(gp.dst_blocks, ll[pos], "local")?);
             }
             let spec = GatherSpec {
-                src_bases: &src_bases,
-                dst_bases: &dst_bases,
+                src_bases: &gp.src_bases,
+                dst_bases: &gp.dst_bases,
                 src_blocks: &src_blocks,
                 dst_blocks: &dst_blocks,
-                block_bytes,
-                permute: perm,
+                block_bytes: gp.block_bytes,
+                permute: plan.permute,
             };
-            let kernel = &mut self.kernel;
-            let opened =
-                self.opened.get_mut(&peer.key()).ok_or_else(|| TransferError::UnknownPeer(e.clone()))?;
             let t = std::time::Instant::now();
             match &mut opened.route {
-                Route::Direct => kernel.launch(&self.gpu, &spec).map_err(cuda)?,
-                Route::Staged(copy) => copy.copy(&self.gpu, kernel, &spec).map_err(cuda)?,
+                Route::Direct => self.kernel.launch(&self.gpu, &spec).map_err(cuda)?,
+                Route::Staged(copy) => copy.copy(&self.gpu, &mut self.kernel, &spec).map_err(cuda)?,
             }
             self.launch_time += t.elapsed();
             *launched = true;
-            bytes += block_bytes * src_bases.len() as u64 * src_blocks.len() as u64;
+            bytes += gp.block_bytes * gp.src_bases.len() as u64 * src_blocks.len() as u64;
         }
         Ok(bytes)
     }
@@ -628,6 +547,7 @@ impl CudaIpcPull {
 #[allow(unsafe_code)] // CUDA IPC: the producer's device regions opened in this process.
 #[cfg(test)]
 mod tests {
+    use super::super::launch_plan::{per_layer, permute};
     use super::*;
     use kvconnect_api::geometry::{BlockShape, RegionShape};
     use kvconnect_api::{KvLayout, KvRegionSpec};
