@@ -8,6 +8,11 @@
 #   scripts/gpu-tests.sh run [NAME...]  # there, from the repository root: runs them (or the
 #                                       # test-NAME binaries given; `driver` names the Python
 #                                       # driver), logs in $OUT
+#   scripts/gpu-tests.sh compare ROUNDS WHEEL_A WHEEL_B
+#                                       # there: the driver's adapter benchmarks with two
+#                                       # wheels (two builds) in turn, which goes first
+#                                       # swapping each round; a line per run and case
+#                                       # (GPU_DRIVER_ARGS passed on; COMPARE_CASES: which)
 #
 # The wheel is abi3: it installs (pip --no-deps --target, no network) into the Python there,
 # beside its torch, and tests/gpu/driver.py makes vLLM's GPU worker calls through it with
@@ -81,6 +86,38 @@ driver() {
   fi
 }
 
+# Two builds' wheels in the driver's benchmarks, alternating (each run: its median of 15
+# pairs, and the load's time against the contiguous copy's).
+compare() {
+  if [ $# -ne 3 ] || [ ! -f "$2" ] || [ ! -f "$3" ]; then
+    echo "usage: $0 compare ROUNDS WHEEL_A WHEEL_B (two kvconnect wheels built with build-wheel)" >&2; exit 2
+  fi
+  local rounds="$1" logs="${OUT:-.device/gpu-logs}" sites
+  sites="$(mktemp -d)"
+  mkdir -p "$logs"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$sites/a" "$2"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$sites/b" "$3"
+  one() {
+    local w="$1" r="$2" log="$logs/compare-$1-$2.log"
+    # shellcheck disable=SC2086 # GPU_DRIVER_ARGS are split on purpose
+    PYTHONPATH="$sites/$w" PYTHONUNBUFFERED=1 timeout "${GPU_TEST_TIMEOUT:-600}" python3 tests/gpu/driver.py --bench \
+      --only "${COMPARE_CASES:-bench-pd-fa-hnd-bf16,bench-pd-fa-hnd-bf16-block128}" ${GPU_DRIVER_ARGS:-} > "$log" 2>&1 \
+      || { echo "FAIL wheel $w, round $r (see $log)"; tail -20 "$log"; return 1; }
+    if ! grep -q '^{"bench"' "$log"; then
+      echo "wheel $w, round $r: no benchmark ran: $(tail -1 "$log")"; return 1
+    fi
+    grep '^{"bench"' "$log" | python3 -c 'import json,sys
+for l in sys.stdin:
+    d = json.loads(l)
+    print(sys.argv[1], "round", sys.argv[2], d["bench"], "vs contiguous", d["adapter_vs_contiguous_q1_median_q3"],
+          "vs torch gather", d["adapter_vs_torch_gather_q1_median_q3"][1], "load ms", d["adapter_load_ms_median"],
+          "contiguous ms", d["contiguous_copy_ms_median"])' "$w" "$r"
+  }
+  for r in $(seq 1 "$rounds"); do
+    if [ $((r % 2)) = 1 ]; then one a "$r" && one b "$r"; else one b "$r" && one a "$r"; fi || return 1
+  done
+}
+
 run() {
   local logs="${OUT:-.device/gpu-logs}" rc=0 nixl=.device/nixl-min/x/.nixl_cu12.mesonpy.libs
   mkdir -p "$logs"
@@ -117,5 +154,6 @@ case "${1:-}" in
   build) build ;;
   build-wheel) build_wheel ;;
   run) shift; run "$@" ;;
-  *) echo "usage: $0 build|run" >&2; exit 2 ;;
+  compare) shift; compare "$@" ;;
+  *) echo "usage: $0 build|build-wheel|run|compare" >&2; exit 2 ;;
 esac
