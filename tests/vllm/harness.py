@@ -33,6 +33,14 @@ BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
 MAX_TOKENS = 12
 START_TIMEOUT = 420
 
+# The program a server runs: what `python -m vllm.entrypoints.openai.api_server` runs (vLLM's
+# OpenAI API server, entry.main), from the command line rather than from that module. vLLM
+# starts its engine core and each worker with multiprocessing's `spawn`, which imports the
+# parent's main module in every child: run as `-m`, that is the api_server module and the
+# whole API server behind it (FastAPI, the OpenAI protocol, tokenizers), which neither child
+# uses; from `-c` there is no main module to import.
+SERVE = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
+
 
 class Failed(Exception):
     pass
@@ -99,7 +107,7 @@ class Server:
         self.log_path = logdir / f"{name}.log"
         cmd = ["taskset", "-c", str(core)] if whole else []
         cmd += [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            sys.executable, "-c", SERVE,
             "--model", model, "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK),
@@ -111,8 +119,10 @@ class Server:
         if kv_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv_config)]
         env = dict(os.environ)
+        # VLLM_LOG_STATS_INTERVAL: vLLM's stats log line (which shows the connector's transfer
+        # metrics, wait_log) every second rather than every 10 s, so a check waits that long at most.
         env.update({"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "|".join([str(core)] * tp),
-                    "KVCONNECT_LOG": "info", "PYTHONFAULTHANDLER": "1"})
+                    "KVCONNECT_LOG": "info", "PYTHONFAULTHANDLER": "1", "VLLM_LOG_STATS_INTERVAL": "1"})
         env.update(extra_env or {})
         self.log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -133,7 +143,7 @@ class Server:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         raise Failed(f"{self.name} not healthy within {timeout} s\n{self.tail()}")
 
     def keep_on_core(self) -> int:
@@ -289,7 +299,8 @@ def wait_metric(url: str, name: str, want: float, labels: str = "", timeout: flo
 
 
 def wait_log(server: "Server", text: str, timeout: float = 60) -> bool:
-    """Waits for `text` in the server's log (vLLM logs its stats every 10 s)."""
+    """Waits for `text` in the server's log (vLLM logs its stats every VLLM_LOG_STATS_INTERVAL,
+    1 s in Server's environment)."""
     deadline = time.time() + timeout
     while text not in server.text():
         if time.time() > deadline:
