@@ -51,16 +51,17 @@ checks() {
   # Group a:
   # - test_pd: P/D over nixl shm with decode loading synchronously (`load: sync`) and over tcp
   #   loading asynchronously (test_tp runs shm asynchronously), jointly negotiated composites,
-  #   and requests through the `kvconnect proxy` binary in front of the vLLM servers;
+  #   and requests through the `kvconnect proxy` binary in front of the vLLM servers; then
+  #   test_load's checks on its shm and tcp pairs: 200 P/D requests, 8 in flight, vLLM's prefix
+  #   cache on: every output equal to monolithic, no failed load, every reusable token taken
+  #   from the prefix cache or loaded;
   # - test_cache: one server with kvconnect caches: lmcache, flexkv and the example plugin;
   # - test_hma: DYN-3545 on a tiny sliding-window model: the HMA mismatch refused at the
   #   handshake (the failed request's report carries the diff) and, from one deployment file,
   #   at startup;
-  # - test_load: 200 P/D requests, 8 in flight, vLLM's prefix cache on: every output equal to
-  #   monolithic, no failed load, every reusable token taken from the prefix cache or loaded;
   # - test_harness: the benchmarks' stopping of the side not timed (no vLLM server).
   group a tests/vllm/test_harness.py tests/vllm/test_pd.py tests/vllm/test_cache.py tests/vllm/test_hma.py \
-    tests/vllm/test_load.py >"$logs/a.log" 2>&1 &
+    >"$logs/a.log" 2>&1 &
   a=$!
   # Group b:
   # - test_tp: tensor parallelism: P/D TP 2 -> TP 2 over nixl tcp and shm, lmcache and flexkv

@@ -29,6 +29,10 @@ from harness import (  # noqa: E402
 )
 from test_pd import nixl, pd_complete  # noqa: E402
 
+# The workload as scripts/vllm-tests.sh runs it (in tests/vllm/test_pd.py, on its pairs).
+REQUESTS = 200
+IN_FLIGHT = 8
+
 
 def workload(n: int, seed: int = 21) -> list[list[int]]:
     """`n` prompts of 1 to 4 blocks (plus a few tokens); every third one starts with the
@@ -57,9 +61,13 @@ def run_all(fn, ps, in_flight: int) -> list:
         return list(pool.map(fn, range(len(ps))))
 
 
+def monolithic_under_load(mono: Server, ps, in_flight: int) -> list:
+    """The workload's outputs from a monolithic server, sent `in_flight` at a time as P/D's are."""
+    return run_all(lambda i: tokens_of(complete(mono.url, ps[i], f"mono-load-{i}")), ps, in_flight)
+
+
 def pd_under_load(model: str, tmp: Path, ps, expected, backend: str, in_flight: int):
-    """One P/D pair over nixl `backend`, the workload sent `in_flight` at a time; fails on any output
-    that differs from monolithic's, a failed load, or reusable KV computed again."""
+    """One P/D pair over nixl `backend` started for the workload (check_under_load)."""
     port = free_port()
     pre = Server(f"prefill-load-{backend}", model, tmp, core=0,
                  kv_config=kv_config("kv_producer", nixl(backend), port=port))
@@ -67,51 +75,68 @@ def pd_under_load(model: str, tmp: Path, ps, expected, backend: str, in_flight: 
     with serving(pre, dec):
         pre.wait_healthy()
         dec.wait_healthy()
-        before = by_source(dec.url)
-        t0 = time.time()
-        got = run_all(lambda i: tokens_of(pd_complete(pre.url, dec.url, ps[i], f"load-{backend}-{i}")), ps,
-                      in_flight)
-        took = time.time() - t0
-        wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
-        if wrong:
-            i = wrong[0]
-            raise Failed(f"{len(wrong)} of {len(ps)} P/D outputs differ from monolithic; prompt {i} "
-                         f"({len(ps[i])} tokens): P/D {got[i]}, monolithic {expected[i]}")
-        # Every prompt token but the last: what decode can take from outside its own
-        # computation (its prefix cache's whole blocks, the rest loaded).
-        reusable = sum(loadable(p) for p in ps)
-        failed = metric(dec.url, "vllm:kvconnect_loads_failed_total")
-        ext = wait_metric(dec.url, "vllm:prompt_tokens_by_source_total", before["external_kv_transfer"] + 1,
-                          'source="external_kv_transfer"')
-        deadline = time.time() + 60
-        while True:
-            now = by_source(dec.url)
-            d = {k: now[k] - before[k] for k in now}
-            if d["local_cache_hit"] + d["external_kv_transfer"] >= reusable or time.time() > deadline:
-                break
-            time.sleep(1)
-        if failed or "failed to load its external KV" in dec.text():
-            raise Failed(f"{failed:.0f} loads failed under load\n{dec.tail()}")
-        # decode's `load` is at its default, `auto`: synchronous over shm, asynchronous over tcp.
-        loaded = dec.text().count("loaded its external KV")
-        synced = dec.text().count("loaded its external KV synchronously")
-        if loaded == 0 or synced != (loaded if backend == "shm" else 0):
-            raise Failed(f"{backend}: {synced} of decode's {loaded} loads were synchronous; load \"auto\" makes "
-                         f"{'all' if backend == 'shm' else 'none'} of them so\n{dec.tail()}")
-        if d["local_cache_hit"] + d["external_kv_transfer"] != reusable or d["external_kv_transfer"] <= 0:
-            raise Failed(f"decode took {d['local_cache_hit']:.0f} tokens from its prefix cache and loaded "
-                         f"{d['external_kv_transfer']:.0f} (vLLM counted {ext:.0f}); the prompts' tokens "
-                         f"before their last are {reusable}: some reusable KV was computed again")
-        print(f"ok: {backend}: {len(ps)} P/D requests, {in_flight} in flight, in {took:.1f} s ({synced} of {loaded} "
-              f"loads synchronous): all equal monolithic, no "
-              f"failed load; decode's prefix cache served {d['local_cache_hit']:.0f} tokens and prefill "
-              f"{d['external_kv_transfer']:.0f}, together the {reusable} reusable")
+        check_under_load(pre, dec, ps, expected, backend, in_flight)
+
+
+def check_under_load(pre: Server, dec: Server, ps, expected, backend: str, in_flight: int):
+    """The workload through a running P/D pair over nixl `backend` with decode's `load` at its
+    default, `in_flight` at a time; fails on any output that differs from monolithic's, a
+    failed load, or reusable KV computed again. Everything is counted from what decode's log
+    and /metrics held before the workload, so the pair may have served other requests
+    first (tests/vllm/test_pd.py runs this on its own pairs after its checks; their
+    prompts share no block with this workload's, so decode's prefix cache holds nothing of
+    it beforehand)."""
+    before = by_source(dec.url)
+    failed0 = metric(dec.url, "vllm:kvconnect_loads_failed_total")
+    text0 = dec.text()
+    failed_lines0 = text0.count("failed to load its external KV")
+    loaded0 = text0.count("loaded its external KV")
+    synced0 = text0.count("loaded its external KV synchronously")
+    t0 = time.time()
+    got = run_all(lambda i: tokens_of(pd_complete(pre.url, dec.url, ps[i], f"load-{backend}-{i}")), ps,
+                  in_flight)
+    took = time.time() - t0
+    wrong = [i for i, (g, e) in enumerate(zip(got, expected)) if g != e]
+    if wrong:
+        i = wrong[0]
+        raise Failed(f"{len(wrong)} of {len(ps)} P/D outputs differ from monolithic; prompt {i} "
+                     f"({len(ps[i])} tokens): P/D {got[i]}, monolithic {expected[i]}")
+    # Every prompt token but the last: what decode can take from outside its own
+    # computation (its prefix cache's whole blocks, the rest loaded).
+    reusable = sum(loadable(p) for p in ps)
+    failed = metric(dec.url, "vllm:kvconnect_loads_failed_total") - failed0
+    ext = wait_metric(dec.url, "vllm:prompt_tokens_by_source_total", before["external_kv_transfer"] + 1,
+                      'source="external_kv_transfer"') - before["external_kv_transfer"]
+    deadline = time.time() + 60
+    while True:
+        now = by_source(dec.url)
+        d = {k: now[k] - before[k] for k in now}
+        if d["local_cache_hit"] + d["external_kv_transfer"] >= reusable or time.time() > deadline:
+            break
+        time.sleep(1)
+    text = dec.text()
+    if failed or text.count("failed to load its external KV") != failed_lines0:
+        raise Failed(f"{failed:.0f} loads failed under load\n{dec.tail()}")
+    # decode's `load` is at its default, `auto`: synchronous over shm, asynchronous over tcp.
+    loaded = text.count("loaded its external KV") - loaded0
+    synced = text.count("loaded its external KV synchronously") - synced0
+    if loaded == 0 or synced != (loaded if backend == "shm" else 0):
+        raise Failed(f"{backend}: {synced} of decode's {loaded} loads were synchronous; load \"auto\" makes "
+                     f"{'all' if backend == 'shm' else 'none'} of them so\n{dec.tail()}")
+    if d["local_cache_hit"] + d["external_kv_transfer"] != reusable or d["external_kv_transfer"] <= 0:
+        raise Failed(f"decode took {d['local_cache_hit']:.0f} tokens from its prefix cache and loaded "
+                     f"{d['external_kv_transfer']:.0f} (vLLM counted {ext:.0f}); the prompts' tokens "
+                     f"before their last are {reusable}: some reusable KV was computed again")
+    print(f"ok: {backend}: {len(ps)} P/D requests, {in_flight} in flight, in {took:.1f} s ({synced} of {loaded} "
+          f"loads synchronous): all equal monolithic, no "
+          f"failed load; decode's prefix cache served {d['local_cache_hit']:.0f} tokens and prefill "
+          f"{d['external_kv_transfer']:.0f}, together the {reusable} reusable")
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=REQUESTS)
+    ap.add_argument("--in-flight", type=int, default=IN_FLIGHT)
     ap.add_argument("--backends", default="tcp,shm", help="nixl backends, one P/D pair each")
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
     a = ap.parse_args()
@@ -121,7 +146,7 @@ def main():
         mono = Server("monolithic-load", model, tmp, core=0)
         with serving(mono):
             mono.wait_healthy()
-            expected = run_all(lambda i: tokens_of(complete(mono.url, ps[i], f"mono-{i}")), ps, a.in_flight)
+            expected = monolithic_under_load(mono, ps, a.in_flight)
         print(f"monolithic: {len(ps)} outputs, {a.in_flight} in flight")
         for backend in a.backends.split(","):
             pd_under_load(model, tmp, ps, expected, backend, a.in_flight)

@@ -1,7 +1,9 @@
 """kvconnect inside a real vLLM (CPU): prefill/decode through KvconnectConnector equals a
 monolithic server, token for token, and decode loads the prompt's KV instead of computing it.
+Then tests/vllm/test_load.py's 200 requests, 8 in flight, through the same shm and tcp pairs
+(part `load`), against the same monolithic server.
 
-    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp] [--parts pd,composite,refused] [--keep]
+    VENV/bin/python tests/vllm/test_pd.py [--backends shm,tcp] [--parts pd,load,composite,refused] [--keep]
 
 Runs with the venv scripts/install-vllm.sh makes, with kvconnect installed into it
 (`VENV/bin/pip install ./python`). Servers run one or two at a time (about 4 GB each).
@@ -52,11 +54,18 @@ def pd_complete(prefill: str, decode: str, prompt: list[int], request_id: str) -
     return complete(decode, prompt, request_id, kv_transfer_params=params)
 
 
-def run_monolithic(model: str, logdir: Path, ps, tp: int = 1) -> list:
+def run_monolithic(model: str, logdir: Path, ps, tp: int = 1, under_load=None):
+    """The greedy outputs of `ps` from a monolithic server, one request at a time. `under_load`:
+    (prompts, in flight): their outputs too, sent that many at a time (test_load's
+    workload), returned as a second list."""
     srv = Server(f"monolithic-tp{tp}", model, logdir, core=0, tp=tp)
     with serving(srv):
         srv.wait_healthy()
-        return [tokens_of(complete(srv.url, p, f"mono-{i}")) for i, p in enumerate(ps)]
+        out = [tokens_of(complete(srv.url, p, f"mono-{i}")) for i, p in enumerate(ps)]
+        if under_load is None:
+            return out
+        from test_load import monolithic_under_load
+        return out, monolithic_under_load(srv, *under_load)
 
 
 def nixl(backend: str) -> dict:
@@ -244,13 +253,15 @@ def check_first_token(pre: Server, dec: Server, label: str, ps, expected: list):
 
 def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expected: list,
            dec_class: str = "KvconnectConnector", shm: bool = False, pre_adapter=None, dec_adapter=None,
-           lure: bool = False, via_proxy=None, tp=(1, 1), idle=None, joint_dec=None):
+           lure: bool = False, via_proxy=None, tp=(1, 1), idle=None, joint_dec=None, load=None):
     """Prefill and decode servers through the adapter; outputs equal `expected`, decode loads
     the prompts' KV and vLLM's /metrics and stats log show kvconnect's counters. `lure`:
     decode lists prefill as its only producer and is sent params naming another. `tp`:
     prefill's and decode's tensor-parallel sizes. `idle`: (prompt, its monolithic output):
     after the others, sent once the link decode keeps to prefill has sat idle past prefill's
-    `idle_timeout` (set in `pre_inner`)."""
+    `idle_timeout` (set in `pre_inner`). `load`: (prompts, their monolithic outputs, in flight):
+    test_load's workload through the pair after the other checks (test_load.check_under_load,
+    which counts from what the pair had done before it)."""
     port = free_port()
     dec_adapter = dict(dec_adapter or {})
     if lure:
@@ -327,6 +338,9 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
             check_kvconnect_proxy(pre, dec, label, *via_proxy)
         if idle:
             check_after_idle(pre, dec, label, pre_inner, *idle)
+        if load:
+            from test_load import check_under_load
+            check_under_load(pre, dec, load[0], load[1], pre_inner["kv_connector_extra_config"]["backend"], load[2])
         segments = shared_kv_segments(pre.text())
         if shm != bool(segments):
             raise Failed(f"{label}: prefill's KV cache in shared memory: {segments or 'no'}, expected {shm}\n{pre.tail()}")
@@ -418,13 +432,17 @@ def main():
     ap.add_argument("--backends", default="shm,tcp",
                     help="nixl backends, each with -sync or -async for decode's load mode (default auto: "
                          "synchronous over shm for these prompts): shm, shm-async, tcp-sync, ...")
-    ap.add_argument("--parts", default="pd,composite,refused",
-                    help="which checks: pd (each backend against monolithic), composite, refused (bad configs)")
+    ap.add_argument("--parts", default="pd,load,composite,refused",
+                    help="which checks: pd (each backend against monolithic), load (tests/vllm/test_load.py's "
+                         "workload through the pd part's pairs whose decode loads in the default mode, after their "
+                         "other checks), composite, refused (bad configs)")
     ap.add_argument("--keep", action="store_true", help="keep the model and logs")
     a = ap.parse_args()
     parts = set(a.parts.split(","))
-    if not parts or parts - {"pd", "composite", "refused"}:
-        ap.error(f"--parts {a.parts!r}: give pd, composite and/or refused, comma-separated")
+    if not parts or parts - {"pd", "load", "composite", "refused"}:
+        ap.error(f"--parts {a.parts!r}: give pd, load, composite and/or refused, comma-separated")
+    if "load" in parts and "pd" not in parts:
+        ap.error("--parts load runs on the pd part's pairs: give pd too")
 
     def checks(model: str, tmp: Path):
         if parts & {"pd", "composite"}:
@@ -436,11 +454,17 @@ def main():
         ps, pp, pf = prompts(), prompts(8, PROXY_PROMPT_LENS), prompts(12, PROXY_PROMPT_LENS + [70, 40, 50])
         # A fresh prompt for the request after a lull (decode's prefix cache holds the others).
         idle_prompt = prompts(11, [150])[0]
-        out = run_monolithic(model, tmp, ps + pp + pf + [idle_prompt])
+        # test_load's workload, sent through the pairs below after their own checks: one
+        # monolithic server computes its outputs too (as test_load's own would, 8 in flight).
+        from test_load import IN_FLIGHT, REQUESTS, workload
+        load_ps = workload(REQUESTS) if "load" in parts else []
+        out, load_expected = run_monolithic(model, tmp, ps + pp + pf + [idle_prompt], under_load=(load_ps, IN_FLIGHT))
         expected, expected_idle = out[:len(ps)], out[-1]
         expected_pp, expected_pf = out[len(ps):len(ps) + len(pp)], out[len(ps) + len(pp):-1]
-        print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens")
+        print(f"monolithic: {len(expected)} greedy outputs of {MAX_TOKENS} tokens"
+              + (f", and {len(load_ps)} more, {IN_FLIGHT} in flight" if load_ps else ""))
         proxied = False
+        loaded = set()
         for spec in a.backends.split(",") if "pd" in parts else []:
             # `shm-async`, `tcp-sync`: decode's load mode; without one, `auto` (synchronous
             # over shm, inside the step that computes the prompt's last token).
@@ -454,9 +478,14 @@ def main():
             # The `kvconnect proxy` binary goes in front of the first shm pair, whatever its load.
             proxy = backend == "shm" and not proxied
             proxied |= proxy
+            # test_load's workload goes through the first pair of each backend whose decode
+            # loads in the default mode (`auto`), as test_load's own pairs do.
+            load = load_ps and not mode and backend not in loaded
+            if load:
+                loaded.add(backend)
             run_pd(model, tmp, ps, f"nixl-{spec}", pre, dec, expected,
                    shm=backend == "shm", lure=backend == "tcp", via_proxy=(pp, expected_pp, pf, expected_pf) if proxy else None,
-                   idle=(idle_prompt, expected_idle))
+                   idle=(idle_prompt, expected_idle), load=(load_ps, load_expected, IN_FLIGHT) if load else None)
         if "composite" not in parts:
             return
         composite = {"kv_connector": "PdConnector", "kv_connector_extra_config": {"connectors": [
