@@ -55,7 +55,8 @@ checks() {
   #   test_load's checks on its shm and tcp pairs: 200 P/D requests, 8 in flight, vLLM's prefix
   #   cache on: every output equal to monolithic, no failed load, every reusable token taken
   #   from the prefix cache or loaded;
-  # - test_cache: one server with kvconnect caches: lmcache, flexkv and the example plugin;
+  # - test_cache: vLLM's prefix cache in front of lmcache and flexkv; the example plugin's
+  #   prefix hit (lmcache's and flexkv's run on test_api's servers);
   # - test_hma: DYN-3545 on a tiny sliding-window model: the HMA mismatch refused at the
   #   handshake (the failed request's report carries the diff) and, from one deployment file,
   #   at startup;
@@ -70,7 +71,7 @@ checks() {
   #   DeepSeek-V2-like MLA model, each in P/D over nixl tcp against a monolithic server;
   # - test_api: vLLM's connector API: a failed load recomputed from its first failed block,
   #   preemptions after loads, /reset_prefix_cache emptying lmcache's and flexkv's stores, KV
-  #   events;
+  #   events; then test_cache's prefix hits on the same lmcache and flexkv servers;
   # - test_events: lmcache's tier events (tokens, parents, CPU-to-disk moves) on vLLM's own
   #   --kv-events-config publisher, read with vLLM's KVEventBatch decoder; then kvconnect's
   #   codec and publisher read by vLLM's decoder and pyzmq.

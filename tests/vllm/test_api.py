@@ -18,6 +18,7 @@ tcp, and synchronously (`load: sync`) over shm, each through both checks below:
   patched, no server), and nothing on vLLM's CPU backend, whose layout is its own.
 - `take_events`: the connector's KV events reach vLLM's KV event publisher as vLLM's own
   `BlockStored` / `BlockRemoved` (read back from vLLM's zmq publisher with vLLM's classes).
+- then, on the same lmcache and flexkv servers, tests/vllm/test_cache.py's prefix hit.
 
     VENV/bin/python tests/vllm/test_api.py [--keep] [--only pd|lmcache|flexkv]
 
@@ -42,7 +43,7 @@ from harness import (  # noqa: E402
     serving, tokens_of, wait_metric,
 )
 import requests  # noqa: E402
-from test_cache import FLEXKV, LMCACHE  # noqa: E402
+from test_cache import FLEXKV, LMCACHE, check_prefix_hit  # noqa: E402
 from test_pd import pd_complete, prefill_params  # noqa: E402
 
 # Prefill holds a request's blocks this long for decode; the load-failure check waits past it.
@@ -110,7 +111,12 @@ class Events:
         self._sock.close(0)
 
 
-def run_reset_and_events(model: str, logdir: Path, name: str, inner: dict, tier: str):
+def run_reset_and_events(model: str, logdir: Path, name: str, inner: dict, tier: str, cache_source: str):
+    """reset_cache and take_events on a fresh server with the connector `inner`; then, on the
+    same server, tests/vllm/test_cache.py's prefix hit (check_prefix_hit, with prompts of its
+    own that share no block with these, counted from what the server had done before), which
+    would otherwise take a server of its own with the same connector and vLLM's prefix cache
+    off, only without KV events."""
     rng = random.Random(23)
     ps = [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in PROMPT_LENS]
     # Whole stored blocks before each prompt's last token: what a hit loads.
@@ -163,6 +169,8 @@ def run_reset_and_events(model: str, logdir: Path, name: str, inner: dict, tier:
                          f"{len(stored - removed)} stored ones not among them")
         print(f"ok: {name}: POST /reset_prefix_cache?reset_external=true emptied the store; "
               f"{len(removed)} blocks reached vLLM as BlockRemoved")
+        # Last: its requests would add to the stored blocks and loads counted above.
+        check_prefix_hit(srv, name, cache_source)
 
     events.close()
 
@@ -301,7 +309,7 @@ def checks(model: str, tmp: Path, only=None):
         run_pd_api(model, tmp, load="sync")
     for name, inner, tier in [("lmcache", LMCACHE, "cpu_tier"), ("flexkv", FLEXKV, "cpu_tier")]:
         if only in (None, name):
-            run_reset_and_events(model, tmp, f"api-{name}", inner, tier)
+            run_reset_and_events(model, tmp, f"api-{name}", inner, tier, f"{name}_cpu")
 
 
 def main():

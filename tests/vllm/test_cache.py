@@ -1,11 +1,13 @@
 """kvconnect's cache connectors (lmcache, flexkv, the example plugin) inside one real vLLM
 server (CPU): the second run of a prompt loads its prefix from kvconnect's cache instead of
-computing it, with the same greedy output.
+computing it, with the same greedy output (lmcache's and flexkv's on tests/vllm/test_api.py's
+servers, check_prefix_hit here); and with vLLM's prefix cache on in front of lmcache and
+flexkv, each source counted.
 
     VENV/bin/python tests/vllm/test_cache.py [--keep]
 
-vLLM's own prefix cache is off, so every reused token comes through the connector. The load
-is proven three ways: the adapter's scheduler log, vLLM's own external prefix-cache metric,
+For a prefix hit vLLM's own prefix cache is off, so every reused token comes through the
+connector. The load is proven three ways: the adapter's scheduler log, vLLM's own external prefix-cache metric,
 and kvconnect's counters on vLLM's /metrics (through the connector stats hooks): tokens and
 loads done by cache tier.
 Exit status 0 when every check passed.
@@ -45,53 +47,68 @@ def example_plugin() -> Path:
 
 
 def run_prefix_hit(model: str, logdir: Path, name: str, inner: dict, cache_source=None, tp: int = 1):
-    """Each prompt twice on one server: equal outputs, and the second run loads the whole
-    stored blocks before the prompt's last token. `cache_source`: the connector's tier that
-    must have supplied them, as kvconnect's metrics name it."""
-    rng = random.Random(11)
-    ps = [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    """A fresh server with vLLM's prefix cache off and the connector `inner` (check_prefix_hit)."""
     srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner),
                  args=["--no-enable-prefix-caching"], tp=tp)
     with serving(srv):
         srv.wait_healthy()
-        if "compat hash" not in srv.text():
-            raise Failed(f"{name}: the adapter did not log its negotiated layout\n{srv.tail()}")
-        first = [tokens_of(complete(srv.url, p, f"first-{i}")) for i, p in enumerate(ps)]
-        if external_tokens(srv.text()):
-            raise Failed(f"{name}: the first run loaded external tokens from an empty cache\n{srv.tail()}")
-        second = [tokens_of(complete(srv.url, p, f"second-{i}")) for i, p in enumerate(ps)]
-        for i, (a, b) in enumerate(zip(first, second)):
-            if a != b:
-                raise Failed(f"{name}: prompt {i} ({len(ps[i])} tokens): first run {a}, second run {b}")
-        # Whole stored chunks, leaving the last prompt token to compute, on block boundaries.
-        want = [(len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK]
-        got = external_tokens(srv.text())
-        if sorted(got) != sorted(want):
-            raise Failed(f"{name}: the second run loaded {got} external tokens, expected {want}\n{srv.tail()}")
-        total = sum(want)
-        vllm_hits = wait_metric(srv.url, "vllm:external_prefix_cache_hits_total", total)
-        if vllm_hits != total:
-            raise Failed(f"{name}: vLLM's external prefix-cache hits are {vllm_hits}, expected {total}")
-        ext = wait_metric(srv.url, "vllm:kvconnect_external_tokens_total", total)
-        if ext != total:
-            raise Failed(f"{name}: kvconnect's metrics show {ext} external tokens, expected {total}\n{srv.tail()}")
-        if cache_source is not None:
-            src = wait_metric(srv.url, "vllm:kvconnect_cache_tokens_total", total, f'source="{cache_source}"')
-            if src != total:
-                raise Failed(f"{name}: kvconnect's metrics show {src} tokens from {cache_source}, expected {total}")
-            # Each request the cache served is a load done, once, whether the connector loads
-            # within the step (lmcache) or asynchronously (flexkv), and counted by its source.
-            n = len(want)
-            wait_metric(srv.url, "vllm:kvconnect_loads_done_total", n)
-            wait_metric(srv.url, "vllm:kvconnect_loads_by_source_total", n, f'source="{cache_source}"')
-            time.sleep(2)  # a late double count would land by now
-            done, by_src = (metric(srv.url, "vllm:kvconnect_loads_done_total"),
-                            metric(srv.url, "vllm:kvconnect_loads_by_source_total", f'source="{cache_source}"'))
-            if (done, by_src) != (n, n):
-                raise Failed(f"{name}: kvconnect's metrics show {done} loads done and {by_src} from {cache_source}, "
-                             f"expected {n} each (one per second run that loaded)\n{srv.tail()}")
-        print(f"ok: {name} prefix hit inside vLLM: {len(want)} second runs loaded {total} prompt tokens "
-              f"from kvconnect's connector (vLLM's external hits {vllm_hits:.0f}), outputs equal")
+        check_prefix_hit(srv, name, cache_source)
+
+
+def check_prefix_hit(srv: Server, name: str, cache_source=None):
+    """Each prompt twice on a running server with vLLM's prefix cache off: equal outputs, and
+    the second run loads the whole stored blocks before the prompt's last token.
+    `cache_source`: the connector's tier that must have supplied them, as kvconnect's metrics
+    name it. Counted from what the server's log and /metrics held before, so the server may
+    have served other prompts first (tests/vllm/test_api.py's reset and events checks); these
+    prompts share no block with those."""
+    rng = random.Random(11)
+    ps = [[rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)] for n in PROMPT_LENS]
+    if "compat hash" not in srv.text():
+        raise Failed(f"{name}: the adapter did not log its negotiated layout\n{srv.tail()}")
+    ext0 = len(external_tokens(srv.text()))
+    src_label = f'source="{cache_source}"'
+    hits0 = metric(srv.url, "vllm:external_prefix_cache_hits_total")
+    ext_m0 = metric(srv.url, "vllm:kvconnect_external_tokens_total")
+    src0 = metric(srv.url, "vllm:kvconnect_cache_tokens_total", src_label)
+    done0 = metric(srv.url, "vllm:kvconnect_loads_done_total")
+    by_src0 = metric(srv.url, "vllm:kvconnect_loads_by_source_total", src_label)
+    first = [tokens_of(complete(srv.url, p, f"first-{i}")) for i, p in enumerate(ps)]
+    if external_tokens(srv.text())[ext0:]:
+        raise Failed(f"{name}: the first run loaded external tokens from a cache without these prompts\n{srv.tail()}")
+    second = [tokens_of(complete(srv.url, p, f"second-{i}")) for i, p in enumerate(ps)]
+    for i, (a, b) in enumerate(zip(first, second)):
+        if a != b:
+            raise Failed(f"{name}: prompt {i} ({len(ps[i])} tokens): first run {a}, second run {b}")
+    # Whole stored chunks, leaving the last prompt token to compute, on block boundaries.
+    want = [(len(p) - 1) // BLOCK * BLOCK for p in ps if len(p) > BLOCK]
+    got = external_tokens(srv.text())[ext0:]
+    if sorted(got) != sorted(want):
+        raise Failed(f"{name}: the second run loaded {got} external tokens, expected {want}\n{srv.tail()}")
+    total = sum(want)
+    vllm_hits = wait_metric(srv.url, "vllm:external_prefix_cache_hits_total", hits0 + total) - hits0
+    if vllm_hits != total:
+        raise Failed(f"{name}: vLLM's external prefix-cache hits grew by {vllm_hits}, expected {total}")
+    ext = wait_metric(srv.url, "vllm:kvconnect_external_tokens_total", ext_m0 + total) - ext_m0
+    if ext != total:
+        raise Failed(f"{name}: kvconnect's metrics show {ext} external tokens, expected {total}\n{srv.tail()}")
+    if cache_source is not None:
+        src = wait_metric(srv.url, "vllm:kvconnect_cache_tokens_total", src0 + total, src_label) - src0
+        if src != total:
+            raise Failed(f"{name}: kvconnect's metrics show {src} tokens from {cache_source}, expected {total}")
+        # Each request the cache served is a load done, once, whether the connector loads
+        # within the step (lmcache) or asynchronously (flexkv), and counted by its source.
+        n = len(want)
+        wait_metric(srv.url, "vllm:kvconnect_loads_done_total", done0 + n)
+        wait_metric(srv.url, "vllm:kvconnect_loads_by_source_total", by_src0 + n, src_label)
+        time.sleep(2)  # a late double count would land by now
+        done, by_src = (metric(srv.url, "vllm:kvconnect_loads_done_total") - done0,
+                        metric(srv.url, "vllm:kvconnect_loads_by_source_total", src_label) - by_src0)
+        if (done, by_src) != (n, n):
+            raise Failed(f"{name}: kvconnect's metrics show {done} loads done and {by_src} from {cache_source}, "
+                         f"expected {n} each (one per second run that loaded)\n{srv.tail()}")
+    print(f"ok: {name} prefix hit inside vLLM: {len(want)} second runs loaded {total} prompt tokens "
+          f"from kvconnect's connector (vLLM's external hits {vllm_hits:.0f}), outputs equal")
 
 
 def by_source(url: str) -> dict[str, float]:
@@ -143,10 +160,11 @@ def checks(model: str, tmp: Path, only=None):
         run_local_then_connector(model, tmp, "flexkv-local-first", FLEXKV, "flexkv_cpu")
     if only == "local":
         return
-    run_prefix_hit(model, tmp, "lmcache", LMCACHE, cache_source="lmcache_cpu")
-    # flexkv stores vLLM's opaque CPU blocks whole (it transposes only blocks whose layout
-    # it knows), so it runs here without an adapter.
-    run_prefix_hit(model, tmp, "flexkv", FLEXKV, cache_source="flexkv_cpu")
+    # lmcache's and flexkv's prefix hits (check_prefix_hit) run on tests/vllm/test_api.py's
+    # servers of each, after its reset and events checks: the same connector config with
+    # vLLM's prefix cache off, there with KV events on (which takes a server start less).
+    # flexkv stores vLLM's opaque CPU blocks whole (it transposes only blocks whose layout it
+    # knows), so it runs there without an adapter.
     plugin = example_plugin()
     run_prefix_hit(model, tmp, "example-plugin", {
         "kv_connector": "example", "kv_connector_module_path": str(plugin),
