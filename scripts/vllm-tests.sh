@@ -60,9 +60,12 @@ checks() {
   # - test_hma: DYN-3545 on a tiny sliding-window model: the HMA mismatch refused at the
   #   handshake (the failed request's report carries the diff) and, from one deployment file,
   #   at startup;
+  # - test_events: lmcache's tier events (tokens, parents, CPU-to-disk moves) on vLLM's own
+  #   --kv-events-config publisher, read with vLLM's KVEventBatch decoder; then kvconnect's
+  #   codec and publisher read by vLLM's decoder and pyzmq;
   # - test_harness: the benchmarks' stopping of the side not timed (no vLLM server).
   group a tests/vllm/test_harness.py tests/vllm/test_pd.py tests/vllm/test_cache.py tests/vllm/test_hma.py \
-    >"$logs/a.log" 2>&1 &
+    tests/vllm/test_events.py >"$logs/a.log" 2>&1 &
   a=$!
   # Group b:
   # - test_tp: tensor parallelism: P/D TP 2 -> TP 2 over nixl tcp and shm, lmcache and flexkv
@@ -71,14 +74,11 @@ checks() {
   #   DeepSeek-V2-like MLA model, each in P/D over nixl tcp against a monolithic server;
   # - test_api: vLLM's connector API: a failed load recomputed from its first failed block,
   #   preemptions after loads, /reset_prefix_cache emptying lmcache's and flexkv's stores, KV
-  #   events; then test_cache's prefix hits on the same lmcache and flexkv servers;
-  # - test_events: lmcache's tier events (tokens, parents, CPU-to-disk moves) on vLLM's own
-  #   --kv-events-config publisher, read with vLLM's KVEventBatch decoder; then kvconnect's
-  #   codec and publisher read by vLLM's decoder and pyzmq.
+  #   events; then test_cache's prefix hits on the same lmcache and flexkv servers.
   # Its servers take the other core than group a's (KVCONNECT_VLLM_CORE_SHIFT, harness.py): each
   # group's prefill and single servers on a core of their own.
   KVCONNECT_VLLM_CORE_SHIFT=1 group b tests/vllm/test_tp.py tests/vllm/test_shapes.py tests/vllm/test_api.py \
-    tests/vllm/test_events.py >"$logs/b.log" 2>&1 &
+    >"$logs/b.log" 2>&1 &
   b=$!
   wait "$a"
   ra=$?
