@@ -74,10 +74,13 @@ checks() {
   #   DeepSeek-V2-like MLA model, each in P/D over nixl tcp against a monolithic server;
   # - test_api: vLLM's connector API: a failed load recomputed from its first failed block,
   #   preemptions after loads, /reset_prefix_cache emptying lmcache's and flexkv's stores, KV
-  #   events; then test_cache's prefix hits on the same lmcache and flexkv servers.
+  #   events; then test_cache's prefix hits on the same lmcache and flexkv servers;
+  # - test_routing: `kvconnect proxy --routing kv` by two prefill servers' own KV events (vLLM's
+  #   --kv-events-config), text and chat prompts tokenized by their /tokenize, one server killed.
   # Its servers take the other core than group a's (KVCONNECT_VLLM_CORE_SHIFT, harness.py): each
   # group's prefill and single servers on a core of their own.
   KVCONNECT_VLLM_CORE_SHIFT=1 group b tests/vllm/test_tp.py tests/vllm/test_shapes.py tests/vllm/test_api.py \
+    tests/vllm/test_routing.py \
     >"$logs/b.log" 2>&1 &
   b=$!
   wait "$a"

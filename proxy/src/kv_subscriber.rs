@@ -177,9 +177,7 @@ mod tests {
             (Role::Prefill, "p1".into(), "127.0.0.1:2".into()),
         ]);
         let metrics = ProxyMetrics::default();
-        let kv = Arc::new(
-            KvRouter::new(vec!["p0".into(), "p1".into()], BS, metrics.router.clone(), true).unwrap(),
-        );
+        let kv = Arc::new(KvRouter::new(vec!["p0".into(), "p1".into()], BS, metrics.router.clone()).unwrap());
         let source = EventSource {
             name: "p1".into(),
             endpoint: publisher.endpoint().replace("0.0.0.0", "127.0.0.1"),

@@ -24,6 +24,7 @@ pub mod first_token;
 pub mod kv_subscriber;
 pub mod metrics;
 pub mod routing;
+pub mod tokenize;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -38,7 +39,7 @@ use kvconnect_openai::CONTEXT_TOKENS;
 use kvconnect_openai::{params, request_id};
 use metrics::ProxyMetrics;
 use serde_json::{json, Map, Value};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -53,6 +54,8 @@ pub struct Proxy {
     pub metrics: ProxyMetrics,
     /// Numbers the ids of answers the proxy puts together itself.
     next_id: AtomicU64,
+    /// Whose turn it is to tokenize a prompt for the KV router (`verbatim_tokens`).
+    tokenize_turn: AtomicUsize,
     /// The API key the servers require, sent on every hop.
     pub server_key: Option<String>,
     /// The workers are not kvconnect's (`kvconnect proxy` in front of vLLM servers): the
@@ -73,6 +76,7 @@ impl Proxy {
             timeout,
             metrics: ProxyMetrics::default(),
             next_id: AtomicU64::new(0),
+            tokenize_turn: AtomicUsize::new(0),
             server_key: None,
             verbatim: false,
             kv: None,
@@ -316,10 +320,12 @@ async fn prefill(
     let picked = match &p.kv {
         None => None,
         Some(kv) => {
-            let tokens = (!p.verbatim)
-                .then(|| params::parse(&body, path.ends_with("chat/completions")).ok())
-                .flatten()
-                .and_then(|r| r.prompts.into_iter().next());
+            let chat = path.ends_with("chat/completions");
+            let tokens = if p.verbatim {
+                verbatim_tokens(p, &body, chat, &borrowed(&headers)).await
+            } else {
+                params::parse(&body, chat).ok().and_then(|r| r.prompts.into_iter().next())
+            };
             let picked = kv.pick(&p.backends, tokens.as_deref(), &[]).map_err(|e| {
                 p.metrics.error();
                 unreachable(Role::Prefill, e)
@@ -339,16 +345,51 @@ async fn prefill(
     }
     if let (Some(kv), Some(x)) = (&p.kv, &picked) {
         if let (Some(pred), true) = (x.prediction, x.http == pw) {
+            // kvconnect's workers say it in their `kvconnect` block; vLLM in its usage, when
+            // asked (--enable-prompt-tokens-details). A server that says nothing is not counted.
             let k = &pv["kvconnect"];
-            let hit =
-                k["num_cached_tokens"].as_u64().unwrap_or(0) + k["num_external_tokens"].as_u64().unwrap_or(0);
-            kv.observe(pred, hit);
+            let hit = match (k["num_cached_tokens"].as_u64(), k["num_external_tokens"].as_u64()) {
+                (None, None) => tokenize::cached_tokens(&pv),
+                (c, e) => Some(c.unwrap_or(0) + e.unwrap_or(0)),
+            };
+            if let Some(hit) = hit {
+                kv.observe(pred, hit);
+            }
         }
     }
     drop(picked);
     let mut dec = body;
     dec.insert("kv_transfer_params".into(), pv["kv_transfer_params"].clone());
     Ok(Prefilled { pw, answer: pv, done: t0.elapsed(), dec, headers })
+}
+
+/// The prompt's token ids of a request the proxy passes on verbatim (`tokenize`): the
+/// body's own ids, or a prefill server's `/tokenize` answer; None where neither gives them
+/// (the router then routes round-robin, counted as `no_tokens`).
+async fn verbatim_tokens(
+    p: &Arc<Proxy>,
+    body: &Map<String, Value>,
+    chat: bool,
+    headers: &[(&str, &str)],
+) -> Option<Vec<u32>> {
+    if !chat {
+        if let Some(ids) = tokenize::given(body) {
+            return Some(ids);
+        }
+    }
+    let ask = tokenize::request(body, chat)?;
+    // The prefill servers in a turn of their own, so that round-robin picks (where the router
+    // falls back to them) stay in theirs.
+    let up: Vec<String> =
+        p.backends.of_role(Role::Prefill).into_iter().filter(|b| b.down.is_none()).map(|b| b.http).collect();
+    let first = up.get(p.tokenize_turn.fetch_add(1, Ordering::Relaxed) % up.len().max(1)).cloned();
+    let (w, r) =
+        p.send_first(Role::Prefill, first, "POST", tokenize::PATH, Some(&ask), headers).await.ok()?;
+    let ids = (r.status == 200).then(|| tokenize::answer(&r.json())).flatten();
+    if ids.is_none() {
+        tracing::debug!(worker = %w, status = r.status, "{} gave no token ids: routing this request round-robin", tokenize::PATH);
+    }
+    ids
 }
 
 /// One choice, prefill then decode; decode's answer with the proxy's `kvconnect` block.

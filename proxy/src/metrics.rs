@@ -64,7 +64,7 @@ impl RouterMetrics {
         r.register(
             "kvconnect_router_decisions",
             "Prefill servers picked by --routing kv: by the KV index (by=kv), or round-robin and why \
-                (no_events: no server's events are live; no_tokens: the proxy does not hash prompts)",
+                (no_events: no server's events are live; no_tokens: the prompt's token ids are not known)",
             self.decisions.clone(),
         );
         r.register(

@@ -10,9 +10,12 @@
 //! stored block, whoever stored it; cut as the engine cuts its prefix (the last prompt token
 //! is always computed), so the predicted hits are ones the engine can take.
 //!
-//! Without events to go by (none arrived yet, the subscriber cannot reach the servers, or
-//! the proxy cannot hash the prompt: `kvconnect proxy` in front of vLLM passes bodies on
-//! verbatim and does not tokenize), it routes round-robin, logs why once per change, and
+//! In front of servers that tokenize for themselves (`kvconnect proxy` in front of vLLM) the
+//! prompt's ids come from the body or the servers' `/tokenize` (`crate::tokenize`).
+//!
+//! Without events to go by (none arrived yet, or the subscriber cannot reach the servers), or
+//! without the prompt's ids (several prompts in one request, or no `/tokenize` answer), it
+//! routes round-robin, logs why once per change, and
 //! counts each such choice (`kvconnect_router_decisions_total{by="round_robin",reason}`).
 //! A server the supervisor marks down is killed in the index (never routed to); one that
 //! comes back up starts a fresh stream.
@@ -79,8 +82,6 @@ pub struct KvRouter {
     turn: AtomicUsize,
     weights: Weights,
     metrics: RouterMetrics,
-    /// The proxy tokenizes prompts (false: bodies go on verbatim, no block hashes).
-    hashes_prompts: bool,
 }
 
 impl KvRouter {
@@ -89,7 +90,6 @@ impl KvRouter {
         names: Vec<String>,
         unit: u32,
         metrics: RouterMetrics,
-        hashes_prompts: bool,
     ) -> Result<KvRouter, kvconnect_router::TooManyWorkers> {
         let indexer = Indexer::new(names.len(), unit)?;
         Ok(KvRouter {
@@ -104,7 +104,6 @@ impl KvRouter {
             turn: AtomicUsize::new(0),
             weights: Weights::default(),
             metrics,
-            hashes_prompts,
         })
     }
 
@@ -161,7 +160,7 @@ impl KvRouter {
                 st.indexer.kill(w);
             }
         }
-        let reason = if !self.hashes_prompts || prompt.is_none() {
+        let reason = if prompt.is_none() {
             Some("no_tokens")
         } else if !st.indexer.any_live() {
             Some("no_events")
@@ -224,7 +223,10 @@ impl KvRouter {
 
 fn explain(reason: &str) -> &'static str {
     match reason {
-        "no_tokens" => "the proxy passes bodies on verbatim and does not hash prompts",
+        "no_tokens" => {
+            "the request's prompt token ids are not known (several prompts in one request, or the \
+             prefill servers' /tokenize gave none)"
+        }
         _ => "no prefill server's KV events have arrived (or none is live)",
     }
 }
@@ -244,7 +246,7 @@ mod tests {
             (Role::Decode, "d0".into(), "127.0.0.1:3".into()),
         ]));
         let m = ProxyMetrics::default();
-        let kv = KvRouter::new(vec!["p0".into(), "p1".into()], BS, m.router.clone(), true).unwrap();
+        let kv = KvRouter::new(vec!["p0".into(), "p1".into()], BS, m.router.clone()).unwrap();
         (b, Arc::new(kv), m)
     }
 
@@ -324,8 +326,7 @@ mod tests {
     #[test]
     fn without_prompt_tokens_it_says_why_it_routes_round_robin() {
         let (b, _, m) = servers();
-        let kv =
-            Arc::new(KvRouter::new(vec!["p0".into(), "p1".into()], BS, m.router.clone(), false).unwrap());
+        let kv = Arc::new(KvRouter::new(vec!["p0".into(), "p1".into()], BS, m.router.clone()).unwrap());
         kv.apply("p0", 0, &stored(&[1, 2, 3, 4, 5]), false);
         assert!(kv.pick(&b, None, &[]).unwrap().prediction.is_none());
         let t = m.render();

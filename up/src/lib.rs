@@ -200,7 +200,7 @@ async fn up(a: &UpArgs) -> Result<()> {
         let names = (0..a.prefill).map(|i| format!("up{pid}-{}-{i}", Role::Prefill)).collect();
         // The engines' block size: the deployment's, else the reference engine's 16.
         let unit = deployment.prefill.options.block_size.unwrap_or(16);
-        let kv = kvconnect_proxy::routing::KvRouter::new(names, unit, proxy.metrics.router.clone(), true)
+        let kv = kvconnect_proxy::routing::KvRouter::new(names, unit, proxy.metrics.router.clone())
             .map_err(|e| Exit::bad_input(anyhow!(e)))?;
         let kv = Arc::new(kv);
         // The subscribers end with the runtime, when up does.

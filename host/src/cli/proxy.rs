@@ -40,8 +40,9 @@ pub struct ProxyArgs {
     /// $KVCONNECT_API_KEY, else $VLLM_API_KEY, else none).
     #[arg(long = "api-key", value_name = "KEY")]
     pub api_key: Option<String>,
-    /// How prefill servers are picked: round-robin, or kv (by the servers' KV cache events;
-    /// round-robin, said so, while there are none to go by).
+    /// How prefill servers are picked: round-robin, or kv (by the servers' KV cache events,
+    /// each prompt's token ids from the body or a prefill server's /tokenize; round-robin,
+    /// said so, while there are no events or ids to go by).
     #[arg(long, value_enum, default_value = "round-robin")]
     pub routing: Routing,
     /// Which server's token a streamed completion starts with: prefill's, sent as soon as
@@ -161,9 +162,9 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
         } else {
             event_sources(&a.kv_events, &names).map_err(|e| Exit::bad_input(anyhow!(e)))?
         };
-        // The servers' bodies go on verbatim (their own tokenizers): no prompt is hashed here,
-        // so the router routes round-robin and says why (no_tokens), while it follows events.
-        let kv = KvRouter::new(names, a.kv_block_size, proxy.metrics.router.clone(), false)
+        // The servers' bodies go on verbatim; the router hashes each prompt's ids as a prefill
+        // server's /tokenize gives them (kvconnect_proxy::tokenize).
+        let kv = KvRouter::new(names, a.kv_block_size, proxy.metrics.router.clone())
             .map_err(|e| Exit::bad_input(anyhow!(e)))?;
         let kv = Arc::new(kv);
         followers = sources.into_iter().map(|s| tokio::spawn(follow(kv.clone(), s))).collect();
