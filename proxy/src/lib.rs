@@ -321,10 +321,14 @@ async fn prefill(
         None => None,
         Some(kv) => {
             let chat = path.ends_with("chat/completions");
-            let tokens = if p.verbatim {
+            // In front of vLLM the ids may cost a /tokenize round trip: not asked for while the
+            // router has no events to use them with.
+            let tokens = if !p.verbatim {
+                params::parse(&body, chat).ok().and_then(|r| r.prompts.into_iter().next())
+            } else if kv.has_events() {
                 verbatim_tokens(p, &body, chat, &borrowed(&headers)).await
             } else {
-                params::parse(&body, chat).ok().and_then(|r| r.prompts.into_iter().next())
+                None
             };
             let picked = kv.pick(&p.backends, tokens.as_deref(), &[]).map_err(|e| {
                 p.metrics.error();

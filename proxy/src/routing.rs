@@ -137,6 +137,12 @@ impl KvRouter {
         self.metrics.outcome(o);
     }
 
+    /// Whether any prefill server's events are live: without them a request is routed
+    /// round-robin whatever its prompt, so there is no prompt to hash.
+    pub fn has_events(&self) -> bool {
+        self.lock().indexer.any_live()
+    }
+
     /// Picks the prefill server for a request with these prompt tokens (None: not known
     /// here), other than those in `avoid` (addresses that did not answer).
     pub fn pick(
@@ -160,10 +166,10 @@ impl KvRouter {
                 st.indexer.kill(w);
             }
         }
-        let reason = if prompt.is_none() {
-            Some("no_tokens")
-        } else if !st.indexer.any_live() {
+        let reason = if !st.indexer.any_live() {
             Some("no_events")
+        } else if prompt.is_none() {
+            Some("no_tokens")
         } else {
             None
         };

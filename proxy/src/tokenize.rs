@@ -207,9 +207,10 @@ mod tests {
         }
 
         /// `kvconnect proxy --routing kv` over two such prefill servers (`tokenizes`: whether
-        /// they tokenize; the second reports 8 cached tokens) and a decode, with events saying
-        /// that prefill-1 holds the prompt's two whole blocks and prefill-0 something else.
-        async fn proxy(tokenizes: bool) -> (Arc<Proxy>, Asked, Asked) {
+        /// they tokenize; the second reports 8 cached tokens) and a decode, with events (where
+        /// `events`) saying that prefill-1 holds the prompt's two whole blocks and prefill-0
+        /// something else.
+        async fn proxy(tokenizes: bool, events: bool) -> (Arc<Proxy>, Asked, Asked) {
             let ((p0, a0), (p1, a1), (d, _)) =
                 (server(tokenizes, 0).await, server(tokenizes, 8).await, server(true, 0).await);
             let names = vec!["prefill-0".to_owned(), "prefill-1".to_owned()];
@@ -221,8 +222,10 @@ mod tests {
             let mut p = Proxy::new(Arc::new(b), std::time::Duration::from_secs(10));
             p.verbatim = true;
             let kv = Arc::new(KvRouter::new(names, BS, p.metrics.router.clone()).unwrap());
-            kv.apply("prefill-1", 0, &stored(&IDS[..8]), false);
-            kv.apply("prefill-0", 0, &stored(&[1, 2, 3, 4]), false);
+            if events {
+                kv.apply("prefill-1", 0, &stored(&IDS[..8]), false);
+                kv.apply("prefill-0", 0, &stored(&[1, 2, 3, 4]), false);
+            }
             p.kv = Some(kv);
             (Arc::new(p), a0, a1)
         }
@@ -233,7 +236,7 @@ mod tests {
 
         #[tokio::test]
         async fn a_text_prompt_goes_to_the_server_holding_its_prefix() {
-            let (p, a0, a1) = proxy(true).await;
+            let (p, a0, a1) = proxy(true, true).await;
             for _ in 0..3 {
                 ask(&p, json!({"model": "tiny", "prompt": "some text", "max_tokens": 2})).await;
             }
@@ -255,7 +258,7 @@ mod tests {
 
         #[tokio::test]
         async fn without_a_tokenizer_it_routes_round_robin_and_says_why() {
-            let (p, a0, a1) = proxy(false).await;
+            let (p, a0, a1) = proxy(false, true).await;
             for _ in 0..4 {
                 ask(&p, json!({"model": "tiny", "prompt": "some text", "max_tokens": 2})).await;
             }
@@ -265,6 +268,18 @@ mod tests {
             let rr = "kvconnect_router_decisions_total{by=\"round_robin\",reason=\"no_tokens\"} 4\n";
             assert!(m.contains(rr), "{m}");
             assert!(m.contains("kvconnect_router_predicted_hit_tokens_total 0\n"), "{m}");
+        }
+
+        #[tokio::test]
+        async fn without_events_no_prompt_is_tokenized() {
+            let (p, a0, a1) = proxy(true, false).await;
+            for _ in 0..2 {
+                ask(&p, json!({"model": "tiny", "prompt": "some text", "max_tokens": 2})).await;
+            }
+            assert_eq!(count(&a0, PATH) + count(&a1, PATH), 0, "no round trip the router cannot use");
+            let m = p.metrics.render();
+            let rr = "kvconnect_router_decisions_total{by=\"round_robin\",reason=\"no_events\"} 2\n";
+            assert!(m.contains(rr), "{m}");
         }
     }
 }

@@ -81,12 +81,9 @@ def run(routing: str, pres, dec, flags, prompts, logdir: Path, label: str, settl
             ttft.append(t)
             outputs.append(tokens)
         h1, q1 = hits(pres)
-        text = requests.get(url + "/metrics", timeout=30).text
-        def m(name):
-            return sum(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith(name + " "))
         return {"hit_rate": (h1 - h0) / max(q1 - q0, 1), "ttft_p50_ms": statistics.median(ttft) * 1e3,
-                "predicted": m("kvconnect_router_predicted_hit_tokens_total"),
-                "reported": m("kvconnect_router_actual_hit_tokens_total"),
+                "predicted": metric(url, "kvconnect_router_predicted_hit_tokens_total"),
+                "reported": metric(url, "kvconnect_router_actual_hit_tokens_total"),
                 "outputs": outputs}
     finally:
         proc.terminate()

@@ -14,6 +14,9 @@ prefill server's `/tokenize` for their ids. Checked:
 - a chat completion's rendered prompt is routed the same way (the chat template applied by
   the server's own `/tokenize`);
 - the same prompt gives the same output whichever way it went;
+- decode loads every request's KV from the prefill server it went to (none recomputed), also
+  after a lull past prefill's idle_timeout (1 s) and the proxy's pooled connections' idle
+  limit (4 s), and the request after the lull is still routed by the index;
 - a prefill server killed with SIGKILL: the next request that its cache would have drawn is
   served by the other one, with no error to the client.
 
@@ -34,7 +37,9 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import BLOCK, Failed, Server, free_port, kv_config, metric, run_checks, serving  # noqa: E402
+from harness import (  # noqa: E402
+    BLOCK, Failed, Server, external_tokens, free_port, kv_config, metric, run_checks, serving,
+)
 from test_pd import kvconnect_bin, nixl  # noqa: E402
 
 # Words for the documents (any text: the tiny model's tokenizer is byte-level BPE).
@@ -83,9 +88,16 @@ def wait_applied(proxy: str, more_than: float, label: str) -> float:
     raise Failed(f"{label}: the proxy applied no KV event batch from vLLM's publishers within 30 s")
 
 
+def idle_closing() -> dict:
+    """nixl over tcp, prefill closing links idle for 1 s."""
+    inner = nixl("tcp")
+    inner["kv_connector_extra_config"]["idle_timeout"] = 1
+    return inner
+
+
 def check_routing(model: str, logdir: Path):
     events = [(free_port(), free_port()) for _ in range(2)]
-    pres = [Server(f"prefill-{i}", model, logdir, core=i, kv_config=kv_config("kv_producer", nixl("tcp"), port=free_port()),
+    pres = [Server(f"prefill-{i}", model, logdir, core=i, kv_config=kv_config("kv_producer", idle_closing(), port=free_port()),
                    args=["--enable-prompt-tokens-details", "--kv-events-config", json.dumps({
                        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                        "endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{replay}"})])
@@ -106,14 +118,37 @@ def check_routing(model: str, logdir: Path):
             first = proc.stdout.readline()
             if not first:
                 raise Failed(f"kvconnect proxy did not start: {(logdir / 'proxy.log').read_text()[:500]}")
-            run_routing_checks(json.loads(first)["proxy"], pres, logdir)
+            run_routing_checks(json.loads(first)["proxy"], pres, dec)
         finally:
             proc.terminate()
             proc.wait(10)
             proxy_log.close()
 
 
-def run_routing_checks(proxy: str, pres: list, logdir: Path):
+def loads(dec: Server) -> int:
+    """Loads decode finished; a failed one fails the check."""
+    text = dec.text()
+    if "failed to load its external KV" in text:
+        raise Failed(f"decode failed to load a request's KV\n{dec.tail()}")
+    return text.count("loaded its external KV")
+
+
+def routed(proxy: str, label: str, holder: str, **prompt) -> dict:
+    """One request that the index must send to `holder`, its prediction equal to what the
+    server reports."""
+    before = router_figures(proxy)
+    a = ask(proxy, label, **prompt)
+    after = router_figures(proxy)
+    if a["prefill"] != holder:
+        raise Failed(f"{label}: routed to {a['prefill']}, but {holder} holds its prefix (router: {after})")
+    predicted, hit = after[1] - before[1], after[2] - before[2]
+    if after[0] != before[0] + 1 or predicted < 2 * BLOCK or predicted != hit:
+        raise Failed(f"{label}: the index decided {after[0] - before[0]:.0f} time(s), predicted {predicted:.0f} "
+                     f"cached tokens, the server reported {hit:.0f}")
+    return dict(a, predicted=predicted)
+
+
+def run_routing_checks(proxy: str, pres: list, dec: Server):
     addr = {s.url.removeprefix("http://"): s for s in pres}
     applied = 0.0
     # Round 0: each document's first request, wherever it goes; its blocks' events follow.
@@ -125,22 +160,16 @@ def run_routing_checks(proxy: str, pres: list, logdir: Path):
     # Later rounds: each document's requests back to back (round-robin would alternate).
     for r in range(1, ROUNDS):
         for d in range(DOCS):
-            before = router_figures(proxy)
             cached0 = metric(f"http://{holder[d]}", "vllm:prefix_cache_hits_total")
-            a = ask(proxy, f"doc {d} round {r}", prompt=document(d) + f" question {r}")
-            after = router_figures(proxy)
-            if a["prefill"] != holder[d]:
-                raise Failed(f"doc {d} round {r}: routed to {a['prefill']}, but {holder[d]} holds the document "
-                             f"(router: {after}); proxy log:\n{(logdir / 'proxy.log').read_text()[-1500:]}")
-            predicted, hit = after[1] - before[1], after[2] - before[2]
-            if after[0] != before[0] + 1 or predicted < 2 * BLOCK or predicted != hit:
-                raise Failed(f"doc {d} round {r}: the index decided {after[0] - before[0]:.0f} time(s), predicted "
-                             f"{predicted:.0f} cached tokens, the server reported {hit:.0f}")
+            a = routed(proxy, f"doc {d} round {r}", holder[d], prompt=document(d) + f" question {r}")
             cached = metric(f"http://{holder[d]}", "vllm:prefix_cache_hits_total") - cached0
-            if cached < predicted:
+            if cached < a["predicted"]:
                 raise Failed(f"doc {d} round {r}: vLLM's prefix cache hit {cached:.0f} tokens, "
-                             f"the router predicted {predicted:.0f}")
+                             f"the router predicted {a['predicted']:.0f}")
             answers[(d, r)] = a["text"]
+    # Each distinct prompt's decode loaded its KV from prefill: none was recomputed.
+    if loads(dec) != DOCS * ROUNDS:
+        raise Failed(f"decode finished {loads(dec)} loads for {DOCS * ROUNDS} requests\n{dec.tail()}")
     servers = sorted(set(holder.values()))
     print(f"ok: {DOCS * (ROUNDS - 1)} text prompts each routed to the prefill server holding their document "
           f"(documents on {len(servers)} server(s)), every prediction equal to vLLM's cached tokens "
@@ -154,14 +183,22 @@ def run_routing_checks(proxy: str, pres: list, logdir: Path):
     applied = metric(proxy, "kvconnect_router_event_batches_applied_total")
     c0 = ask(proxy, "chat first", messages=chat)
     wait_applied(proxy, applied, "chat")
-    before = router_figures(proxy)
-    c1 = ask(proxy, "chat second", messages=[{"role": "user", "content": chat[0]["content"][:-6] + " second"}])
-    after = router_figures(proxy)
-    if c1["prefill"] != c0["prefill"] or after[1] - before[1] < 2 * BLOCK or after[1] - before[1] != after[2] - before[2]:
-        raise Failed(f"chat: the second request went to {c1['prefill']} (the first to {c0['prefill']}); predicted "
-                     f"{after[1] - before[1]:.0f} tokens, reported {after[2] - before[2]:.0f}")
+    c1 = routed(proxy, "chat second", c0["prefill"],
+                messages=[{"role": "user", "content": chat[0]["content"][:-6] + " second"}])
     print(f"ok: a chat completion routed to the server holding its rendered prefix "
-          f"({after[1] - before[1]:.0f} tokens predicted and reported)")
+          f"({c1['predicted']:.0f} tokens predicted and reported)")
+    # A lull past prefill's idle_timeout and the proxy's pool idle limit: still routed by the
+    # index, and decode still loads the KV.
+    loaded0 = loads(dec)
+    time.sleep(5)
+    routed(proxy, "after a lull", holder[1], prompt=document(1) + " question after a lull")
+    deadline = time.time() + 10
+    while loads(dec) == loaded0 and time.time() < deadline:
+        time.sleep(0.2)
+    if loads(dec) != loaded0 + 1:
+        raise Failed(f"after a 5 s lull: decode finished {loads(dec) - loaded0} loads for 1 request\n{dec.tail()}")
+    print(f"ok: after a 5 s lull a request was routed to the holder of its prefix and decode loaded its KV "
+          f"({external_tokens(dec.text())[-1]} tokens); {loaded0 + 1} loads in all, none failed")
     rr = metric(proxy, "kvconnect_router_decisions_total", 'by="round_robin"')
     # Kill -9 the server holding a document: the proxy skips it and the request is served.
     victim_addr = holder[0]
