@@ -63,24 +63,25 @@ checks() {
   # - test_events: lmcache's tier events (tokens, parents, CPU-to-disk moves) on vLLM's own
   #   --kv-events-config publisher, read with vLLM's KVEventBatch decoder; then kvconnect's
   #   codec and publisher read by vLLM's decoder and pyzmq;
+  # - test_routing: `kvconnect proxy --routing kv` by two prefill servers' own KV events (vLLM's
+  #   --kv-events-config), text and chat prompts tokenized by their /tokenize, one server killed;
   # - test_harness: the benchmarks' stopping of the side not timed (no vLLM server).
+  # Each script prints a line of its servers' start and stop times ("servers: ...") as it ends.
   group a tests/vllm/test_harness.py tests/vllm/test_pd.py tests/vllm/test_cache.py tests/vllm/test_hma.py \
-    tests/vllm/test_events.py >"$logs/a.log" 2>&1 &
+    tests/vllm/test_events.py tests/vllm/test_routing.py >"$logs/a.log" 2>&1 &
   a=$!
   # Group b:
-  # - test_tp: tensor parallelism: P/D TP 2 -> TP 2 over nixl tcp and shm, lmcache and flexkv
-  #   in a TP 2 server, TP 2 -> TP 1 and TP 1 -> TP 2;
+  # - test_tp: tensor parallelism: lmcache and flexkv in a TP 2 server; P/D TP 2 -> TP 2,
+  #   TP 2 -> TP 1 and TP 1 -> TP 2 over nixl tcp and shm, among three kv_both servers per backend;
   # - test_shapes: the tiny Llama with an fp8 KV cache (fp8, fp8_e5m2) and a tiny
-  #   DeepSeek-V2-like MLA model, each in P/D over nixl tcp against a monolithic server;
+  #   DeepSeek-V2-like MLA model, each in P/D over nixl tcp against the prefill server's own
+  #   outputs;
   # - test_api: vLLM's connector API: a failed load recomputed from its first failed block,
   #   preemptions after loads, /reset_prefix_cache emptying lmcache's and flexkv's stores, KV
-  #   events; then test_cache's prefix hits on the same lmcache and flexkv servers;
-  # - test_routing: `kvconnect proxy --routing kv` by two prefill servers' own KV events (vLLM's
-  #   --kv-events-config), text and chat prompts tokenized by their /tokenize, one server killed.
+  #   events; then test_cache's prefix hits on the same lmcache and flexkv servers.
   # Its servers take the other core than group a's (KVCONNECT_VLLM_CORE_SHIFT, harness.py): each
   # group's prefill and single servers on a core of their own.
   KVCONNECT_VLLM_CORE_SHIFT=1 group b tests/vllm/test_tp.py tests/vllm/test_shapes.py tests/vllm/test_api.py \
-    tests/vllm/test_routing.py \
     >"$logs/b.log" 2>&1 &
   b=$!
   wait "$a"

@@ -3,6 +3,7 @@ KVCONNECT_REQUIRE_VLLM=1), a vLLM OpenAI server in its own process group, comple
 adapter's kv-transfer-config and what its log and /metrics say.
 """
 
+import atexit
 import contextlib
 import json
 import os
@@ -46,6 +47,28 @@ class Failed(Exception):
     pass
 
 
+# Every server this script started: (name, seconds to healthy or None, seconds to stop or None).
+# Printed as one summary line when the script exits, so that a CI log shows where each
+# script's time went (vLLM's start is most of it).
+_timings: dict = {}
+
+
+def _secs(t) -> str:
+    return "-" if t is None else f"{t:.0f}"
+
+
+@atexit.register
+def _print_timings() -> None:
+    if not _timings:
+        return
+    starts = [t[0] for t in _timings.values() if t[0] is not None]
+    stops = [t[1] for t in _timings.values() if t[1] is not None]
+    each = ", ".join(f"{n} {_secs(t[0])}/{_secs(t[1])}" for n, t in _timings.items())
+    print(f"servers: {len(_timings)} started, {len(starts)} healthy in {sum(starts):.0f} s "
+          f"(mean {sum(starts) / max(1, len(starts)):.1f} s), stopped in {sum(stops):.0f} s; "
+          f"each, healthy/stopped in s: {each}", flush=True)
+
+
 def _ephemeral_range() -> tuple[int, int]:
     try:
         lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
@@ -87,6 +110,22 @@ def placed(core: int) -> int:
     return cpus[(core + shift) % len(cpus)]
 
 
+def serve_args(model: str, port: int, tp: int = 1, args=(), kv_config=None) -> list[str]:
+    """A test server's command-line arguments to vLLM's OpenAI API server."""
+    cmd = [
+        "--model", model, "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK),
+        "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
+    ]
+    if tp > 1:
+        cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+    cmd += list(args)
+    if kv_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+    return cmd
+
+
 class Server:
     def __init__(self, name: str, model: str, logdir: Path, core: int, kv_config=None, extra_env=None, args=(),
                  tp: int = 1, whole: bool = False):
@@ -106,18 +145,7 @@ class Server:
         self.port = free_port()
         self.log_path = logdir / f"{name}.log"
         cmd = ["taskset", "-c", str(core)] if whole else []
-        cmd += [
-            sys.executable, "-c", SERVE,
-            "--model", model, "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--enforce-eager", "--dtype", "bfloat16", "--block-size", str(BLOCK),
-            "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "256",
-        ]
-        if tp > 1:
-            cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
-        cmd += list(args)
-        if kv_config is not None:
-            cmd += ["--kv-transfer-config", json.dumps(kv_config)]
+        cmd += [sys.executable, "-c", SERVE] + serve_args(model, self.port, tp, args, kv_config)
         env = dict(os.environ)
         # VLLM_LOG_STATS_INTERVAL: vLLM's stats log line (which shows the connector's transfer
         # metrics, wait_log) every second rather than every 10 s, so a check waits that long at most.
@@ -125,6 +153,13 @@ class Server:
                     "KVCONNECT_LOG": "info", "PYTHONFAULTHANDLER": "1", "VLLM_LOG_STATS_INTERVAL": "1"})
         env.update(extra_env or {})
         self.log = open(self.log_path, "w")
+        self.started = time.time()
+        # The name in the timing summary: a name used again gets a number.
+        self.timing_key, n = name, 1
+        while self.timing_key in _timings:
+            n += 1
+            self.timing_key = f"{name}#{n}"
+        _timings[self.timing_key] = [None, None]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     @property
@@ -138,6 +173,7 @@ class Server:
                 raise Failed(f"{self.name} exited with status {self.proc.returncode} before it was healthy\n{self.tail()}")
             try:
                 if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    _timings[self.timing_key][0] = time.time() - self.started
                     if self.whole:
                         self.moved_back = self.keep_on_core()
                     return
@@ -199,12 +235,14 @@ class Server:
 
     def stop(self):
         if self.proc.poll() is None:
+            began = time.time()
             os.killpg(self.proc.pid, signal.SIGTERM)
             try:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+            _timings[self.timing_key][1] = time.time() - began
         self.log.close()
 
 
@@ -355,6 +393,36 @@ def run_refused(model: str, logdir: Path, name: str, inner, want: str, cls="Kvco
         print(f"ok: {name} refused at startup: {line.strip()[:400]}")
     finally:
         srv.stop()
+
+
+def run_refused_in_process(model: str, cases) -> None:
+    """Each case (name, kv-transfer-config, `want`) refused as a vLLM server's startup refuses
+    it, without the server: vLLM's own parser reads a test server's arguments (serve_args),
+    vLLM builds its config from them (the hybrid KV cache manager's decision included), and
+    vLLM's connector factory makes the connector's scheduler half, as the engine core does as
+    it starts. That must raise kvconnect's error containing `want`. One import of vLLM serves
+    every case, where each refused server start costs three processes importing it;
+    `run_refused` checks a refusal end to end, through the server's exit."""
+    from kvconnect import _kvconnect
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    for name, config, want in cases:
+        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(serve_args(model, free_port(), kv_config=config))
+        try:
+            vllm_config = AsyncEngineArgs.from_cli_args(ns).create_engine_config()
+            KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.SCHEDULER, None)
+        except Exception as e:
+            if not isinstance(e, _kvconnect.KvconnectError):
+                raise Failed(f"{name}: refused by {type(e).__name__}, not kvconnect's error: {e}")
+            if want not in str(e):
+                raise Failed(f"{name}: refused with kvconnect's message, but without {want!r}: {e}")
+            print(f"ok: {name} refused as vLLM starts (its config and connector made in process): {str(e)[:400]}")
+            continue
+        raise Failed(f"{name}: vLLM made its config and kvconnect's connector; expected kvconnect's refusal ({want!r})")
 
 
 def run_checks(name: str, keep: bool, checks, kind: str = "llama") -> None:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, complete, external_tokens, kv_config, make_tiny_model, metric, run_checks,
-    run_refused, serving, tokens_of, wait_metric,
+    BLOCK, Failed, Server, complete, external_tokens, free_port, kv_config, make_tiny_model, metric, run_checks,
+    run_refused_in_process, serving, tokens_of, wait_metric,
 )
 import requests  # noqa: E402
 
@@ -169,9 +169,10 @@ def checks(model: str, tmp: Path, only=None):
     run_prefix_hit(model, tmp, "example-plugin", {
         "kv_connector": "example", "kv_connector_module_path": str(plugin),
         "kv_connector_extra_config": {"dir": str(tmp / "example-store")}})
-    run_refused(model, tmp, "missing-plugin", {
-        "kv_connector": "example", "kv_connector_module_path": str(tmp / "libmissing.so")},
-        f"plugin {tmp / 'libmissing.so'}: cannot read it")
+    # (tests/vllm/test_pd.py checks a refusal end to end, through the server's exit.)
+    run_refused_in_process(model, [("missing-plugin", kv_config("kv_both", {
+        "kv_connector": "example", "kv_connector_module_path": str(tmp / "libmissing.so")}, port=free_port()),
+        f"plugin {tmp / 'libmissing.so'}: cannot read it")])
 
 
 def main():

@@ -23,8 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
     BLOCK, MAX_TOKENS, Failed, Server, compat_hash, complete, external_tokens, free_port, joint_peer_hash, loadable,
-    kv_config, make_tiny_model, metric, run_checks, run_refused, serving, tokens_of, wait_log, wait_metric,
-    write_deployment,
+    kv_config, make_tiny_model, metric, run_checks, run_refused, run_refused_in_process, serving, tokens_of, wait_log,
+    wait_metric, write_deployment,
 )
 import requests  # noqa: E402
 
@@ -341,21 +341,8 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         if load:
             from test_load import check_under_load
             check_under_load(pre, dec, load[0], load[1], pre_inner["kv_connector_extra_config"]["backend"], load[2])
-        segments = shared_kv_segments(pre.text())
-        if shm != bool(segments):
-            raise Failed(f"{label}: prefill's KV cache in shared memory: {segments or 'no'}, expected {shm}\n{pre.tail()}")
-        if segments:
-            check_kv_mapped_whole(pre, label, segments)
-    # The segments go with the server that made them (its resource tracker unlinks them once
-    # its processes are gone, a moment after the server itself).
-    deadline = time.time() + 20
-    while True:
-        left = [s for s in segments if Path("/dev/shm", s.lstrip("/")).exists()]
-        if not left or time.time() > deadline:
-            break
-        time.sleep(0.5)
-    if left:
-        raise Failed(f"{label}: prefill's shared-memory segments outlived it: {left}")
+        segments = check_shared_kv(pre, label, shm)
+    check_segments_removed(segments, label)
     print(f"ok: P/D over {label} equals monolithic for {len(ps)} prompts; decode loaded {sum(ext)} prompt tokens"
           + (f"; prefill's KV cache was {len(segments)} shared-memory segments, removed at exit" if shm else ""))
 
@@ -381,6 +368,30 @@ def check_after_idle(pre: Server, dec: Server, label: str, pre_inner: dict, prom
                      f"{ext}, expected [{loadable(prompt)}] and no failed load\n{dec.tail()}")
     print(f"ok: {label}: after {idle_s * 2.5:.1f} s idle, past prefill's idle_timeout of {idle_s} s, the next "
           f"request loaded its {loadable(prompt)} tokens and equals monolithic")
+
+
+def check_shared_kv(pre: Server, label: str, shm: bool) -> list[str]:
+    """Prefill's KV cache is in shared memory exactly when `shm`, allocated and mapped whole
+    (`check_kv_mapped_whole`); returns its segments."""
+    segments = shared_kv_segments(pre.text())
+    if shm != bool(segments):
+        raise Failed(f"{label}: prefill's KV cache in shared memory: {segments or 'no'}, expected {shm}\n{pre.tail()}")
+    if segments:
+        check_kv_mapped_whole(pre, label, segments)
+    return segments
+
+
+def check_segments_removed(segments: list[str], label: str):
+    """The segments go with the server that made them (its resource tracker unlinks them once
+    its processes are gone, a moment after the server itself)."""
+    deadline = time.time() + 20
+    while True:
+        left = [s for s in segments if Path("/dev/shm", s.lstrip("/")).exists()]
+        if not left or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    if left:
+        raise Failed(f"{label}: prefill's shared-memory segments outlived it: {left}")
 
 
 def check_kv_mapped_whole(pre: Server, label: str, segments: list[str]):
@@ -505,20 +516,34 @@ def main():
                pre_adapter={"deployment": str(dep)}, dec_adapter={"deployment": str(dep)})
 
     def refused_checks(model: str, tmp: Path):
-        run_refused(model, tmp, "hma-class-over-lmcache", {"kv_connector": "LMCacheConnectorV1"},
-                    "name KvconnectConnector instead of KvconnectHmaConnector", cls="KvconnectHmaConnector")
-        # A misspelled name: every known name, and the closest one.
+        # A misspelled name, through a server's start and exit: every known name, and the
+        # closest one.
         run_refused(model, tmp, "misspelled-connector", {"kv_connector": "NixlConector"},
                     "no connector named 'NixlConector' (did you mean 'NixlConnector'?): known connectors are nixl, ")
-        # vLLM reads kv_load_failure_policy only at the top level of --kv-transfer-config.
-        run_refused(model, tmp, "failure-policy-inside-kvconnect",
-                    dict(nixl("tcp"), kv_load_failure_policy="recompute"),
-                    "kv_load_failure_policy is set in kv_connector_extra_config.kvconnect, where it has no effect")
         # A deployment file that says otherwise than vLLM runs is refused, naming the setting.
         bad = write_deployment(tmp / "block16.toml", model, nixl("tcp"), nixl("tcp"))
         bad.write_text(bad.read_text().replace("[decode]\n", "[decode]\nblock_size = 16\n"))
-        run_refused(model, tmp, "deployment-disagrees", None, "block_size = 16 in the file, 32 in this vLLM server",
-                    config=kv_config("kv_consumer", None, deployment=str(bad)))
+        run_refused_in_process(model, [
+            ("hma-class-over-lmcache",
+             kv_config("kv_both", {"kv_connector": "LMCacheConnectorV1"}, port=free_port(), cls="KvconnectHmaConnector"),
+             "name KvconnectConnector instead of KvconnectHmaConnector"),
+            # vLLM reads kv_load_failure_policy only at the top level of --kv-transfer-config.
+            ("failure-policy-inside-kvconnect",
+             kv_config("kv_both", dict(nixl("tcp"), kv_load_failure_policy="recompute"), port=free_port()),
+             "kv_load_failure_policy is set in kv_connector_extra_config.kvconnect, where it has no effect"),
+            ("deployment-disagrees", kv_config("kv_consumer", None, deployment=str(bad)),
+             "block_size = 16 in the file, 32 in this vLLM server"),
+        ])
+        # The same check fails for a config vLLM starts with.
+        try:
+            run_refused_in_process(model, [("accepted", kv_config("kv_producer", nixl("tcp"), port=free_port()),
+                                            "kvconnect:")])
+        except Failed as e:
+            if "vLLM made its config and kvconnect's connector" not in str(e):
+                raise
+        else:
+            raise Failed("run_refused_in_process passed a config that vLLM and kvconnect accept")
+        print("ok: the in-process refusal check fails for a config that vLLM and kvconnect accept")
 
     run_checks("pd", a.keep, checks)
 
