@@ -1,7 +1,8 @@
-//! The servers behind the proxy: each one's role, address and whether it is up. The
-//! supervisor marks servers down when they exit or turn unhealthy and up again once a
-//! restarted process announced its new address; the proxy picks round-robin among the
-//! servers of a role that are up.
+//! The servers behind the proxy: each one's role, address and whether it is up. Under
+//! `kvconnect up` the supervisor marks servers down when they exit or turn unhealthy and up
+//! again once a restarted process announced its new address; `kvconnect proxy` marks them by
+//! their `/health` (`health`). The proxy picks round-robin among the servers of a role that
+//! are up.
 
 use kvconnect_api::Role;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -24,7 +25,7 @@ pub struct Backend {
 
 /// No server of a role is up.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("no {role} worker is up ({why}); retry shortly: kvconnect up restarts workers that exit")]
+#[error("no {role} worker is up ({why}); retry shortly: kvconnect up restarts workers that exit, and kvconnect proxy routes to a server again once its /health answers")]
 pub struct NoBackend {
     /// The role.
     pub role: Role,

@@ -21,6 +21,7 @@ pub mod backends;
 pub mod client;
 pub mod fanout;
 pub mod first_token;
+pub mod health;
 pub mod kv_subscriber;
 pub mod metrics;
 pub mod routing;
@@ -46,7 +47,8 @@ use tokio::sync::mpsc;
 
 /// The proxy's servers and counters.
 pub struct Proxy {
-    /// The servers, with which of them are up (kept current by `kvconnect up`'s supervisor).
+    /// The servers, with which of them are up (kept current by `kvconnect up`'s supervisor, or
+    /// `kvconnect proxy`'s watch, `health`).
     pub backends: Arc<Backends>,
     /// How long one server request may take.
     pub timeout: Duration,

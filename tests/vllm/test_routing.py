@@ -18,7 +18,8 @@ prefill server's `/tokenize` for their ids. Checked:
   after a lull past prefill's idle_timeout (1 s) and the proxy's pooled connections' idle
   limit (4 s), and the request after the lull is still routed by the index;
 - a prefill server killed with SIGKILL: the next request that its cache would have drawn is
-  served by the other one, with no error to the client.
+  served by the other one, with no error to the client; within seconds the proxy's watch of
+  its servers' `/health` marks it down (its /health says so) and no later request tries it.
 
     VENV/bin/python tests/vllm/test_routing.py [--keep]
 
@@ -118,7 +119,7 @@ def check_routing(model: str, logdir: Path):
             first = proc.stdout.readline()
             if not first:
                 raise Failed(f"kvconnect proxy did not start: {(logdir / 'proxy.log').read_text()[:500]}")
-            run_routing_checks(json.loads(first)["proxy"], pres, dec)
+            run_routing_checks(json.loads(first)["proxy"], pres, dec, logdir / "proxy.log")
         finally:
             proc.terminate()
             proc.wait(10)
@@ -148,7 +149,7 @@ def routed(proxy: str, label: str, holder: str, **prompt) -> dict:
     return dict(a, predicted=predicted)
 
 
-def run_routing_checks(proxy: str, pres: list, dec: Server):
+def run_routing_checks(proxy: str, pres: list, dec: Server, log: Path):
     addr = {s.url.removeprefix("http://"): s for s in pres}
     applied = 0.0
     # Round 0: each document's first request, wherever it goes; its blocks' events follow.
@@ -210,6 +211,30 @@ def run_routing_checks(proxy: str, pres: list, dec: Server):
         raise Failed(f"after the kill: served by the dead server {victim_addr}?")
     print(f"ok: with {victim.name} killed (SIGKILL), a prompt its cache held was served by {a['prefill']}; "
           f"{rr:.0f} round-robin decision(s) before events arrived")
+    # The proxy's own watch of its servers' /health marks the dead one down within seconds:
+    # from then on no request tries it first.
+    why = wait_down(proxy, victim_addr)
+    tried0 = log.read_text().count("worker unreachable")
+    b = ask(proxy, "after it was marked down", prompt=document(0) + " question once marked down")
+    if b["prefill"] == victim_addr or log.read_text().count("worker unreachable") != tried0:
+        raise Failed(f"once marked down ({why}), {victim_addr} was still tried: served by {b['prefill']}\n"
+                     f"{log.read_text()[-1500:]}")
+    print(f"ok: the proxy marked {victim_addr} down ({why[:160]}); the next request went to {b['prefill']} "
+          f"without trying it")
+
+
+def wait_down(proxy: str, http: str, timeout: float = 15) -> str:
+    """Waits until the proxy's /health reports the server at `http` down; returns why."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        r = requests.get(proxy + "/health", timeout=10)
+        down = next((w.get("down") for w in r.json().get("workers", []) if w.get("http") == http), None)
+        if down:
+            if r.status_code != 503:
+                raise Failed(f"the proxy reports {http} down ({down}) but answers /health with {r.status_code}")
+            return down
+        time.sleep(0.5)
+    raise Failed(f"the proxy did not mark the killed server {http} down within {timeout:.0f} s: {r.text[:500]}")
 
 
 def main():

@@ -2,7 +2,8 @@
 //! kvconnect did not start: vLLM servers running `kvconnect.vllm.KvconnectConnector`, or any
 //! servers speaking vLLM's P/D proxy protocol. Requests are routed as `kvconnect up`'s proxy
 //! routes them (crate `kvconnect-proxy`); the client's body goes on verbatim, so each server checks its
-//! own parameters.
+//! own parameters. The proxy watches each server's `/health` (`kvconnect_proxy::health`): a
+//! server that died is not picked until it answers again.
 
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
@@ -10,6 +11,7 @@ use kvconnect_deployment::exit::Exit;
 use kvconnect_openai::{gate, serve};
 use kvconnect_proxy::backends::Backends;
 use kvconnect_proxy::first_token::FirstToken;
+use kvconnect_proxy::health;
 use kvconnect_proxy::kv_subscriber::{follow, EventSource};
 use kvconnect_proxy::routing::{KvRouter, Routing};
 use kvconnect_proxy::Proxy;
@@ -150,7 +152,11 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
         json!({"proxy": format!("http://{addr}"), "prefill": of(Role::Prefill), "decode": of(Role::Decode)});
     let key = gate::api_key(a.api_key.as_deref());
     let gate = gate::Gate::new(key.clone(), gate::DEFAULT_MAX_IN_FLIGHT);
-    let mut proxy = Proxy::new(Arc::new(Backends::new(servers)), Duration::from_secs(a.timeout_s.max(1)));
+    let backends = Arc::new(Backends::new(servers));
+    // No supervisor here: the proxy watches its servers' /health itself, so that one that died
+    // is no longer picked (nor held in the KV index) and one that came back is again.
+    let watch = tokio::spawn(health::watch(backends.clone(), key.clone()));
+    let mut proxy = Proxy::new(backends, Duration::from_secs(a.timeout_s.max(1)));
     proxy.server_key = key;
     proxy.verbatim = true;
     proxy.first_token = a.first_token;
@@ -189,6 +195,7 @@ async fn serve(a: &ProxyArgs, servers: Vec<(Role, String, String)>) -> Result<()
     )
     .await;
     followers.iter().for_each(|f| f.abort());
+    watch.abort();
     Ok(())
 }
 
