@@ -15,8 +15,10 @@ use std::time::Duration;
 /// How often each server is asked.
 pub const INTERVAL: Duration = Duration::from_secs(1);
 
-/// How long one `/health` answer may take; a slower one changes nothing.
-const TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one `/health` answer may take; a slower one changes nothing. Long, so that a
+/// server that does not answer for a while (busy, or stopped) holds one pending question
+/// rather than a queue of abandoned ones that it would answer all at once when it goes on.
+const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What one `/health` exchange says of a server.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,29 +45,13 @@ pub fn judge(r: &Result<Reply, ClientError>) -> Verdict {
     }
 }
 
-/// Asks every server once, side by side, and marks each as its answer says.
-pub async fn check(backends: &Backends, key: Option<&str>) {
+/// Asks `b` once and marks it as its answer says.
+async fn check_one(backends: &Backends, b: &Backend, key: Option<&str>) {
     let bearer = key.map(|k| format!("Bearer {k}"));
-    let asks = backends.all().into_iter().map(|b| {
-        let bearer = bearer.clone();
-        tokio::spawn(async move {
-            let headers: Vec<(&str, &str)> = bearer.iter().map(|a| ("authorization", a.as_str())).collect();
-            let call = client::Call {
-                headers: &headers,
-                ..client::Call::new(&b.http, "GET", "/health", None, TIMEOUT)
-            };
-            let verdict = judge(&client::call(call).await);
-            (b, verdict)
-        })
-    });
-    let asks: Vec<_> = asks.collect();
-    for ask in asks {
-        let Ok((b, verdict)) = ask.await else { continue };
-        mark(backends, &b, verdict);
-    }
-}
-
-fn mark(backends: &Backends, b: &Backend, verdict: Verdict) {
+    let headers: Vec<(&str, &str)> = bearer.iter().map(|a| ("authorization", a.as_str())).collect();
+    let call =
+        client::Call { headers: &headers, ..client::Call::new(&b.http, "GET", "/health", None, TIMEOUT) };
+    let verdict = judge(&client::call(call).await);
     match (verdict, &b.down) {
         (Verdict::Down(why), None) => {
             tracing::warn!(
@@ -84,12 +70,28 @@ fn mark(backends: &Backends, b: &Backend, verdict: Verdict) {
     }
 }
 
-/// Checks every server every [`INTERVAL`], for as long as the task runs.
-pub async fn watch(backends: Arc<Backends>, key: Option<String>) {
-    loop {
-        check(&backends, key.as_deref()).await;
-        tokio::time::sleep(INTERVAL).await;
+/// Asks every server once, one after another, and marks each as its answer says.
+pub async fn check(backends: &Backends, key: Option<&str>) {
+    for b in backends.all() {
+        check_one(backends, &b, key).await;
     }
+}
+
+/// Checks every server every [`INTERVAL`], each in a task of its own (one slow server delays
+/// no other), for as long as the task runs; dropping it stops them all.
+pub async fn watch(backends: Arc<Backends>, key: Option<String>) {
+    let mut tasks = tokio::task::JoinSet::new();
+    for name in backends.all().into_iter().map(|b| b.name) {
+        let (backends, key) = (backends.clone(), key.clone());
+        tasks.spawn(async move {
+            loop {
+                let Some(b) = backends.all().into_iter().find(|b| b.name == name) else { return };
+                check_one(&backends, &b, key.as_deref()).await;
+                tokio::time::sleep(INTERVAL).await;
+            }
+        });
+    }
+    while tasks.join_next().await.is_some() {}
 }
 
 #[cfg(test)]
@@ -111,7 +113,7 @@ mod tests {
         );
         // A server without the route, or one that is slow, stays as it is.
         assert_eq!(judge(&reply(404, "not found")), Verdict::Unsure);
-        let slow = Err(ClientError::Io { addr: "h:1".into(), reason: "no answer within 2s".into() });
+        let slow = Err(ClientError::Io { addr: "h:1".into(), reason: "no answer within 30s".into() });
         assert_eq!(judge(&slow), Verdict::Unsure);
         let gone = Err(ClientError::Connect { addr: "h:1".into(), reason: "connection refused".into() });
         assert!(matches!(judge(&gone), Verdict::Down(w) if w.contains("connection refused")));
