@@ -11,11 +11,10 @@
 
 use crate::chain;
 use crate::event::{medium_bit, BlockHash, KvEvent, KvEventBatch};
-use crate::flat::FlatMap;
+use crate::flat::{FlatMap, Packed};
 use crate::index::{BlockIndex, IdBuild, Overlap, TierMask, WorkerId};
 use crate::stream::{Admit, Dropped, Stream, StreamState};
 use kvconnect_api::kv_events::{BlockRemoved, BlockStored};
-use kvconnect_support::stable_hash::{mix, P0};
 use std::collections::HashMap;
 
 /// Too many workers for one index.
@@ -64,64 +63,58 @@ pub struct Indexer {
     /// Tokens per router hash.
     unit: usize,
     /// Per worker: publisher hash → the router hash of the block's last piece (which its
-    /// children chain on).
-    ext: Vec<FlatMap<u64>>,
+    /// children chain on), with the media the worker's events say it holds the block in
+    /// (`Known`).
+    ext: Vec<FlatMap<Known>>,
     /// Per worker: publisher hash → the router hashes of the block's other pieces, in order,
     /// for the blocks of more than one piece (none where the blocks are the unit).
     more: Vec<HashMap<BlockHash, Vec<u64>, IdBuild>>,
-    /// Publisher hashes the batch being applied removed from their last medium, each with
-    /// the number of the event that did, in the batch.
-    unheld: Vec<(BlockHash, u32)>,
-    /// Publisher hashes the batch stored (indexed) after a removal of theirs, each with the
-    /// number of the event that did (more, where `removed` answers maybe). A hash unheld with
-    /// no store after its removal is forgotten at the batch's end, without looking it up in
-    /// the index again.
-    restored: Vec<(BlockHash, u32)>,
-    /// The publisher hashes the batch has planned removals of so far, as a filter: a bit
-    /// per hash (`removed_bit`), so no for a hash never removed, and maybe otherwise.
-    removed: Box<[u64; REMOVED_WORDS]>,
-    /// Whether `removed` has any bit set.
-    any_removed: bool,
-    /// The number of the event being planned, in its batch.
-    event: u32,
+    /// Publisher hashes the batch being applied removed from their last medium: forgotten at
+    /// the batch's end unless a later event of the batch stored them again (a move between
+    /// media whose store names the block by its hash alone).
+    unheld: Vec<BlockHash>,
     /// The index operations of the batch being applied, in order (reused).
     ops: Vec<Op>,
 }
 
-/// What an [`Op`] does to the index.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum OpKind {
-    /// Store the key.
-    Store,
-    /// Remove the key: a piece of a block before its last.
-    Remove,
-    /// Remove the key, the last piece of publisher hash `Op::hash`: where the worker then
-    /// holds it in no medium, the hash is forgotten at the batch's end (`unheld`).
-    RemoveLast,
+/// A publisher hash's entry in a worker's map, in one word: the router hash of its last
+/// piece (`chain::KEY_BITS` bits) and, above it, the media the worker's events say it holds
+/// the block in (`event::medium_bit`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Known(u64);
+
+impl Known {
+    fn new(key: u64, tiers: TierMask) -> Known {
+        Known(key | u64::from(tiers) << chain::KEY_BITS)
+    }
+    fn key(self) -> u64 {
+        self.0 & chain::KEY_MASK
+    }
+    fn tiers(self) -> TierMask {
+        (self.0 >> chain::KEY_BITS) as TierMask
+    }
+    /// The same block, held in `tiers` now.
+    fn with_tiers(self, tiers: TierMask) -> Known {
+        Known::new(self.key(), tiers)
+    }
+}
+
+impl Packed for Known {
+    fn pack(self) -> u64 {
+        self.0
+    }
+    fn unpack(word: u64) -> Known {
+        Known(word)
+    }
 }
 
 /// One index operation of a batch: a router hash stored in, or removed from, one medium.
 #[derive(Debug, Clone, Copy)]
 struct Op {
     key: u64,
-    /// The publisher hash, for `RemoveLast`.
-    hash: BlockHash,
-    /// The number of its event in the batch.
-    event: u32,
     /// The medium's tier bit.
     bit: TierMask,
-    kind: OpKind,
-}
-
-/// Words of `Indexer::removed`: 4,096 bits, so that a batch's few hundred removals leave most
-/// bits clear.
-const REMOVED_WORDS: usize = 64;
-
-/// The word and bit of publisher hash `h` in `Indexer::removed`: top bits of the hash mixed
-/// (a publisher may number its blocks 1, 2, 3).
-fn removed_bit(h: BlockHash) -> (usize, u64) {
-    let b = (mix(h, P0) >> 52) as usize;
-    (b / 64, 1 << (b % 64))
+    store: bool,
 }
 
 /// Operations between the prefetch of an index slot and its use (`Indexer::run_ops`): enough
@@ -147,10 +140,6 @@ impl Indexer {
             ext: (0..workers).map(|_| FlatMap::new()).collect(),
             more: (0..workers).map(|_| HashMap::default()).collect(),
             unheld: Vec::new(),
-            restored: Vec::new(),
-            removed: Box::new([0; REMOVED_WORDS]),
-            any_removed: false,
-            event: 0,
             ops: Vec::new(),
         })
     }
@@ -164,41 +153,18 @@ impl Indexer {
         self.index.clear(worker);
         self.ext[usize::from(worker)] = FlatMap::new();
         self.more[usize::from(worker)] = HashMap::default();
+        self.unheld.clear();
     }
 
-    /// Plans an operation of kind `kind` on each router hash publisher hash `h` of worker `w`
-    /// stands for, in order (the last piece `RemoveLast` where `kind` is a removal); false
-    /// where `h` is not known.
-    fn plan_pieces(&mut self, w: usize, h: BlockHash, bit: TierMask, kind: OpKind) -> bool {
-        let Some(last) = self.ext[w].get(h) else { return false };
-        let event = self.event;
-        let op = |key, kind| Op { key, hash: h, event, bit, kind };
+    /// Plans the operation (`store`, or a removal) in the medium of tier bit `bit` on each
+    /// router hash that publisher hash `h` of worker `w`, known as `k`, stands for, in order.
+    fn plan_pieces(&mut self, w: usize, h: BlockHash, k: Known, bit: TierMask, store: bool) {
         if !self.more[w].is_empty() {
             if let Some(m) = self.more[w].get(&h) {
-                self.ops.extend(m.iter().map(|k| op(*k, kind)));
+                self.ops.extend(m.iter().map(|key| Op { key: *key, bit, store }));
             }
         }
-        let last_kind = if kind == OpKind::Store {
-            kind
-        } else {
-            let (word, bit) = removed_bit(h);
-            self.removed[word] |= bit;
-            self.any_removed = true;
-            OpKind::RemoveLast
-        };
-        self.ops.push(op(last, last_kind));
-        true
-    }
-
-    /// Notes a store of publisher hash `h` by the event being planned, where the batch may
-    /// have removed `h` before (see `restored`).
-    fn note_store(&mut self, h: BlockHash) {
-        if self.any_removed {
-            let (word, bit) = removed_bit(h);
-            if self.removed[word] & bit != 0 {
-                self.restored.push((h, self.event));
-            }
-        }
+        self.ops.push(Op { key: k.key(), bit, store });
     }
 
     /// Prefetches the first slots, in worker `w`'s map, of the block hashes event `e` looks up
@@ -221,11 +187,13 @@ impl Indexer {
 
     // A batch is applied in two passes. The first plans: it turns each event's blocks into
     // router hashes (the worker's map, or the tokens' chain) and operations on the index, in
-    // order, and keeps the worker's map up to date as it goes (within a batch the map only
-    // gains entries; what it loses goes at the batch's end, `forget_unheld`). The second runs
-    // the operations in the same order, each index slot prefetched `SLOT_AHEAD` operations
-    // before its use, so that the cache misses of many blocks overlap instead of following
-    // one another. The result is that of applying the events one by one: the first pass reads
+    // order, and keeps the worker's map up to date as it goes. The map holds, with each
+    // publisher hash, the media the worker's events say it holds the block in, so a removal
+    // from its last medium is seen here: the hash is forgotten at the batch's end
+    // (`forget_unheld`) unless a later event stored it again. The second pass runs the
+    // operations in the same order, each index slot prefetched `SLOT_AHEAD` operations before
+    // its use, so that the cache misses of many blocks overlap instead of following one
+    // another. The result is that of applying the events one by one: the first pass reads
     // nothing of the index, and the second nothing of the worker's map.
 
     /// Plans a store (see above).
@@ -236,17 +204,20 @@ impl Indexer {
         if bs == 0 || s.token_ids.is_empty() {
             // Named by hash alone: only a block already known (a move between media).
             for h in &s.block_hashes {
-                if self.plan_pieces(w, *h, bit, OpKind::Store) {
-                    self.note_store(*h);
-                } else {
-                    self.counts.unindexed_blocks += 1;
+                let held = |k: &mut Known| {
+                    *k = k.with_tiers(k.tiers() | bit);
+                    *k
+                };
+                match self.ext[w].update(*h, held) {
+                    Some(k) => self.plan_pieces(w, *h, k, bit, true),
+                    None => self.counts.unindexed_blocks += 1,
                 }
             }
             return;
         }
         let parent = match s.parent_block_hash {
             None => Some(chain::ROOT),
-            Some(p) => self.ext[w].get(p),
+            Some(p) => self.ext[w].get(p).map(Known::key),
         };
         let Some(mut c) = parent else {
             self.counts.unindexed_blocks += s.block_hashes.len() as u64;
@@ -258,16 +229,15 @@ impl Indexer {
         }
         // A block that ends mid-piece cannot be chained on: only the first is indexed.
         let n = if bs.is_multiple_of(self.unit) { s.block_hashes.len() } else { 1 };
-        let event = self.event;
         let per = bs / self.unit;
         for (h, block) in s.block_hashes[..n].iter().zip(s.token_ids[..n * bs].chunks_exact(bs)) {
             let first = self.ops.len();
             for piece in block.chunks_exact(self.unit) {
                 c = chain::next(c, piece);
-                self.ops.push(Op { key: c, hash: *h, event, bit, kind: OpKind::Store });
+                self.ops.push(Op { key: c, bit, store: true });
             }
-            self.ext[w].insert(*h, c);
-            self.note_store(*h);
+            // Its media: any it was stored in before (under whatever tokens), and this one.
+            self.ext[w].upsert(*h, |k| *k = Known::new(c, k.tiers() | bit));
             if per > 1 {
                 let more = self.ops[first..self.ops.len() - 1].iter().map(|o| o.key).collect();
                 self.more[w].insert(*h, more);
@@ -280,9 +250,19 @@ impl Indexer {
 
     /// Plans a removal (see above).
     fn plan_remove(&mut self, worker: WorkerId, r: &BlockRemoved) {
+        let w = usize::from(worker);
         let bit = medium_bit(&r.medium);
         for h in &r.block_hashes {
-            self.plan_pieces(usize::from(worker), *h, bit, OpKind::Remove);
+            let unheld = |k: &mut Known| {
+                *k = k.with_tiers(k.tiers() & !bit);
+                *k
+            };
+            if let Some(k) = self.ext[w].update(*h, unheld) {
+                self.plan_pieces(w, *h, k, bit, false);
+                if k.tiers() == 0 {
+                    self.unheld.push(*h);
+                }
+            }
         }
     }
 
@@ -302,18 +282,10 @@ impl Indexer {
             if let Some(o) = ops.get(i + LIST_AHEAD) {
                 self.index.prefetch_list(o.key);
             }
-            match op.kind {
-                OpKind::Store => self.index.store_in(worker, op.key, op.bit),
-                OpKind::Remove => {
-                    self.index.remove_from(worker, op.key, op.bit);
-                }
-                OpKind::RemoveLast => {
-                    if !self.index.remove_from(worker, op.key, op.bit) {
-                        // Forgotten at the end of the batch, unless stored again after (a move
-                        // between media whose store names the block by its hash alone).
-                        self.unheld.push((op.hash, op.event));
-                    }
-                }
+            if op.store {
+                self.index.store_in(worker, op.key, op.bit);
+            } else {
+                self.index.remove_from(worker, op.key, op.bit);
             }
         }
         self.ops = ops;
@@ -383,7 +355,6 @@ impl Indexer {
                     if let Some(next) = events.get(i + 1) {
                         self.prefetch_ext(w, next);
                     }
-                    self.event = i as u32;
                     match e {
                         KvEvent::BlockStored(s) => self.plan_store(worker, s),
                         KvEvent::BlockRemoved(r) => self.plan_remove(worker, r),
@@ -402,31 +373,15 @@ impl Indexer {
     }
 
     /// At a batch's end: forgets worker `w`'s publisher hashes that the batch removed from
-    /// their last medium and did not store again after (stores and removals of one hash in a
-    /// batch apply in order, so the last one says whether the worker holds it).
+    /// their last medium and did not store again after (the map's media of a hash follow its
+    /// events in order, so they say whether the worker holds it now).
     fn forget_unheld(&mut self, w: usize) {
-        if self.any_removed {
-            self.removed.fill(0);
-            self.any_removed = false;
-        }
-        if self.unheld.is_empty() {
-            self.restored.clear();
-            return;
-        }
-        let mut unheld = std::mem::take(&mut self.unheld);
-        let mut restored = std::mem::take(&mut self.restored);
-        restored.sort_unstable();
-        for &(h, removed) in &unheld {
-            // The last store of `h` in the batch: the end of its run in the sorted list.
-            let end = restored.partition_point(|&(r, _)| r <= h);
-            let stored_after = end > 0 && restored[end - 1].0 == h && restored[end - 1].1 > removed;
-            if !stored_after && self.ext[w].remove(h).is_some() && !self.more[w].is_empty() {
+        for h in self.unheld.drain(..) {
+            let gone = self.ext[w].change(h, |k| ((), k.tiers() != 0));
+            if gone.is_some_and(|((), k)| k.tiers() == 0) && !self.more[w].is_empty() {
                 self.more[w].remove(&h);
             }
         }
-        unheld.clear();
-        restored.clear();
-        (self.unheld, self.restored) = (unheld, restored);
     }
 
     /// A batch from `worker` that could not be decoded (counted; nothing applied).
@@ -635,11 +590,12 @@ mod tests {
     }
 
     /// The indexer's rules as the module states them, applied event by event with plain maps:
-    /// what the two passes, the prefetches and the filter of removed hashes must agree with.
+    /// what the two passes and the prefetches must agree with.
     #[derive(Default)]
     struct Model {
-        /// (worker, publisher hash) -> the router hashes it stands for.
-        ext: HashMap<(WorkerId, BlockHash), Vec<u64>>,
+        /// (worker, publisher hash) -> the router hashes it stands for, and the media the
+        /// worker's events say it holds it in.
+        ext: HashMap<(WorkerId, BlockHash), (Vec<u64>, u8)>,
         /// (worker, router hash) -> media.
         held: HashMap<(WorkerId, u64), u8>,
         unindexed: u64,
@@ -648,17 +604,17 @@ mod tests {
     impl Model {
         fn apply(&mut self, w: WorkerId, events: &[KvEvent]) {
             let unit = UNIT as usize;
-            let (mut unheld, mut stores) = (Vec::new(), Vec::new());
-            for (i, e) in events.iter().enumerate() {
+            for e in events {
                 match e {
                     KvEvent::BlockStored(s) if s.block_size == 0 || s.token_ids.is_empty() => {
+                        let bit = medium_bit(&s.medium);
                         for h in &s.block_hashes {
-                            match self.ext.get(&(w, *h)) {
-                                Some(keys) => {
+                            match self.ext.get_mut(&(w, *h)) {
+                                Some((keys, media)) => {
+                                    *media |= bit;
                                     for k in keys {
-                                        *self.held.entry((w, *k)).or_default() |= medium_bit(&s.medium);
+                                        *self.held.entry((w, *k)).or_default() |= bit;
                                     }
-                                    stores.push((*h, i));
                                 }
                                 None => self.unindexed += 1,
                             }
@@ -666,9 +622,10 @@ mod tests {
                     }
                     KvEvent::BlockStored(s) => {
                         let bs = s.block_size as usize;
+                        let bit = medium_bit(&s.medium);
                         let parent = match s.parent_block_hash {
                             None => Some(chain::ROOT),
-                            Some(p) => self.ext.get(&(w, p)).map(|k| *k.last().unwrap()),
+                            Some(p) => self.ext.get(&(w, p)).map(|k| *k.0.last().unwrap()),
                         };
                         let Some(mut c) = parent else {
                             self.unindexed += s.block_hashes.len() as u64;
@@ -684,23 +641,22 @@ mod tests {
                             for piece in s.token_ids[b * bs..(b + 1) * bs].chunks_exact(unit) {
                                 c = chain::next(c, piece);
                                 keys.push(c);
-                                *self.held.entry((w, c)).or_default() |= medium_bit(&s.medium);
+                                *self.held.entry((w, c)).or_default() |= bit;
                             }
-                            self.ext.insert((w, *h), keys);
-                            stores.push((*h, i));
+                            let media = self.ext.get(&(w, *h)).map_or(0, |k| k.1);
+                            self.ext.insert((w, *h), (keys, media | bit));
                         }
                         self.unindexed += (s.block_hashes.len() - n) as u64;
                     }
                     KvEvent::BlockRemoved(r) => {
+                        let bit = medium_bit(&r.medium);
                         for h in &r.block_hashes {
-                            let Some(keys) = self.ext.get(&(w, *h)) else { continue };
+                            let Some((keys, media)) = self.ext.get_mut(&(w, *h)) else { continue };
+                            *media &= !bit;
                             for k in keys {
                                 if let Some(m) = self.held.get_mut(&(w, *k)) {
-                                    *m &= !medium_bit(&r.medium);
+                                    *m &= !bit;
                                 }
-                            }
-                            if self.held.get(&(w, *keys.last().unwrap())).is_none_or(|m| *m == 0) {
-                                unheld.push((*h, i));
                             }
                             self.held.retain(|_, m| *m != 0);
                         }
@@ -711,11 +667,8 @@ mod tests {
                     }
                 }
             }
-            for (h, removed) in unheld {
-                if !stores.iter().any(|&(s, at)| s == h && at > removed) {
-                    self.ext.remove(&(w, h));
-                }
-            }
+            // A hash held in no medium at the batch's end is forgotten.
+            self.ext.retain(|k, v| k.0 != w || v.1 != 0);
         }
     }
 
@@ -766,12 +719,13 @@ mod tests {
             for v in 0..3 {
                 let n = model.held.keys().filter(|k| k.0 == v).count() as u64;
                 assert_eq!(ix.index().held(v), n, "worker {v}");
-                let mut known: Vec<(u64, u64)> = ix.ext[usize::from(v)].iter().collect();
-                let mut want: Vec<(u64, u64)> = model
+                let mut known: Vec<(u64, u64, u8)> =
+                    ix.ext[usize::from(v)].iter().map(|(h, k)| (h, k.key(), k.tiers())).collect();
+                let mut want: Vec<(u64, u64, u8)> = model
                     .ext
                     .iter()
                     .filter(|(k, _)| k.0 == v)
-                    .map(|(k, keys)| (k.1, *keys.last().unwrap()))
+                    .map(|(k, (keys, media))| (k.1, *keys.last().unwrap(), *media))
                     .collect();
                 known.sort_unstable();
                 want.sort_unstable();
