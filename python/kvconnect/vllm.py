@@ -328,6 +328,10 @@ class KvconnectConnector(KVConnectorBase_V1):
             self._idle_wait_max = self._worker.idle_step_wait_s()
             summary = self._worker.summary()
         logger.info("kvconnect %s: %s", "scheduler" if self._scheduler else "worker", summary)
+        if getattr(_kvconnect, "BUILD", "release") == "debug" and self._scheduler:
+            logger.warning("kvconnect: this is a debug build of kvconnect's native module (maturin's --profile dev), "
+                           "whose calls on every request cost several times a release build's; for serving and "
+                           "for timings, install the release build: pip install ./python")
 
     # ---- worker side ----
 

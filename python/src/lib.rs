@@ -47,5 +47,8 @@ fn _kvconnect(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(required_kv_cache_layout, m)?)?;
     m.add("KvconnectError", m.py().get_type::<error::KvconnectError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // How this module was compiled: "release" (`pip install ./python`) or "debug" (maturin's
+    // `--profile dev`, as CI builds it for its tests), whose calls cost several times more.
+    m.add("BUILD", if cfg!(debug_assertions) { "debug" } else { "release" })?;
     Ok(())
 }

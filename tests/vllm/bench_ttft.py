@@ -57,7 +57,10 @@ pull time is what decode's nixl worker logs (pin, copy, done); the baseline is t
 a single-threaded memcpy and a copy on as many threads as the pull's copy may use
 (copy_threads: the cores, at most 8) of the same number of bytes, between two buffers of this
 process touched beforehand: each pair times both, and the one with the lower median over the
-pairs is the baseline. Prints one JSON line.
+pairs is the baseline. Prints one JSON line, with `adapter_build`: how the venv's kvconnect
+native module was compiled. kvconnect's figures are the release build's (`pip install
+./python`, as users install it); CI's debug build (maturin's `--profile dev`) spends several
+times as long in each of the connector's calls, about 2 ms more per request here.
 """
 
 import argparse
@@ -305,6 +308,19 @@ PEERS = ("kvconnect-shm", "kvconnect-shm-sync", "kvconnect-shm-async", "kvconnec
          "kvconnect-first", "nixlconnector", "example")
 
 
+def adapter_build() -> str:
+    """How the venv's kvconnect native module was compiled: "release" (`pip install ./python`,
+    what users run) or "debug" (maturin's `--profile dev`, as CI builds it), whose calls on
+    every request cost several times more: kvconnect's figures need the release build."""
+    from kvconnect import _kvconnect
+
+    build = getattr(_kvconnect, "BUILD", "unknown")
+    if build != "release":
+        print(f"note: kvconnect's native module in this venv is a {build} build; kvconnect's P/D times are "
+              "slower than users see (install the release build: pip install ./python)", file=sys.stderr)
+    return build
+
+
 def peer_servers(name: str, model: str, tmp: Path, nixl_python, args=ARGS):
     """(prefill, decode, decode sends prefill's params) of one P/D peer, the servers started
     with `args`. `kvconnect-noload`: the kvconnect pair with decode sent no params, so it
@@ -376,7 +392,7 @@ def main():
         rng = random.Random(3)
         fresh = lambda n=a.prompt_len: [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)]  # noqa: E731
         out = {"pairs": a.pairs, "prompt_len": a.prompt_len, "cores": os.cpu_count(), "other_side": a.other_side,
-               "loadavg_start": [round(x, 2) for x in os.getloadavg()]}
+               "loadavg_start": [round(x, 2) for x in os.getloadavg()], "adapter_build": adapter_build()}
         mono = Server("monolithic", model, tmp, core=0, args=ARGS, whole=True)
         try:
             mono.wait_healthy()
