@@ -4,8 +4,9 @@
 //! engine died (vLLM answers 5xx) is marked down: the proxy no longer picks it, so no request
 //! pays a refused connection first, and the KV router forgets the blocks it held. It is marked
 //! up again once `/health` answers 200, as a restarted server does; the KV router then starts
-//! its event stream afresh. A server that answers slowly, or without a `/health` route, is
-//! left as it is.
+//! its event stream afresh. A server that gives no answer within [`TIMEOUT`] (it accepts
+//! connections but hangs) is marked down too. One that answers slowly within it, or without a
+//! `/health` route, is left as it is.
 
 use crate::backends::{Backend, Backends};
 use crate::client::{self, ClientError, Reply};
@@ -15,10 +16,12 @@ use std::time::Duration;
 /// How often each server is asked.
 pub const INTERVAL: Duration = Duration::from_secs(1);
 
-/// How long one `/health` answer may take; a slower one changes nothing. Long, so that a
-/// server that does not answer for a while (busy, or stopped) holds one pending question
-/// rather than a queue of abandoned ones that it would answer all at once when it goes on.
-const TIMEOUT: Duration = Duration::from_secs(30);
+/// How long one `/health` answer may take: a server that gives none within it hangs, and is
+/// marked down. Long, so that a busy server is not dropped from the KV index for being slow,
+/// and one that does not answer for a while (busy, or stopped by a benchmark) holds one
+/// pending question rather than a queue of abandoned ones that it would answer all at once
+/// when it goes on.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What one `/health` exchange says of a server.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,13 +48,19 @@ pub fn judge(r: &Result<Reply, ClientError>) -> Verdict {
     }
 }
 
-/// Asks `b` once and marks it as its answer says.
-async fn check_one(backends: &Backends, b: &Backend, key: Option<&str>) {
+/// Asks `b` once and marks it as its answer, or no answer within `limit`, says.
+async fn check_one(backends: &Backends, b: &Backend, key: Option<&str>, limit: Duration) {
     let bearer = key.map(|k| format!("Bearer {k}"));
     let headers: Vec<(&str, &str)> = bearer.iter().map(|a| ("authorization", a.as_str())).collect();
+    // The exchange's own limits are longer: running out of `limit` is told apart here.
     let call =
-        client::Call { headers: &headers, ..client::Call::new(&b.http, "GET", "/health", None, TIMEOUT) };
-    let verdict = judge(&client::call(call).await);
+        client::Call { headers: &headers, ..client::Call::new(&b.http, "GET", "/health", None, limit * 2) };
+    let verdict = match tokio::time::timeout(limit, client::call(call)).await {
+        Ok(r) => judge(&r),
+        Err(_) => Verdict::Down(format!(
+            "GET /health gave no answer within {limit:?}: the server accepts connections but hangs"
+        )),
+    };
     match (verdict, &b.down) {
         (Verdict::Down(why), None) => {
             tracing::warn!(
@@ -73,7 +82,7 @@ async fn check_one(backends: &Backends, b: &Backend, key: Option<&str>) {
 /// Asks every server once, one after another, and marks each as its answer says.
 pub async fn check(backends: &Backends, key: Option<&str>) {
     for b in backends.all() {
-        check_one(backends, &b, key).await;
+        check_one(backends, &b, key, TIMEOUT).await;
     }
 }
 
@@ -86,7 +95,7 @@ pub async fn watch(backends: Arc<Backends>, key: Option<String>) {
         tasks.spawn(async move {
             loop {
                 let Some(b) = backends.all().into_iter().find(|b| b.name == name) else { return };
-                check_one(&backends, &b, key.as_deref()).await;
+                check_one(&backends, &b, key.as_deref(), TIMEOUT).await;
                 tokio::time::sleep(INTERVAL).await;
             }
         });
@@ -111,7 +120,8 @@ mod tests {
             judge(&reply(503, "{\"error\": \"EngineDeadError\"}")),
             Verdict::Down("GET /health answered 503: {\"error\": \"EngineDeadError\"}".into())
         );
-        // A server without the route, or one that is slow, stays as it is.
+        // A server without the route, or an exchange cut off by the client's own limit (which
+        // `check_one` sets beyond its own: a hung server is told apart there), stays as it is.
         assert_eq!(judge(&reply(404, "not found")), Verdict::Unsure);
         let slow = Err(ClientError::Io { addr: "h:1".into(), reason: "no answer within 30s".into() });
         assert_eq!(judge(&slow), Verdict::Unsure);
@@ -163,5 +173,26 @@ mod tests {
         let all = b.all();
         assert_eq!(all[1].down, None);
         assert_eq!(all[1].generation, generation + 1);
+    }
+
+    #[tokio::test]
+    async fn a_server_that_accepts_but_never_answers_is_marked_down() {
+        // Connections accepted and held open, nothing ever written back.
+        let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let hung_addr = hung.local_addr().unwrap().to_string();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = hung.accept().await {
+                held.push(s);
+            }
+        });
+        let b = Backends::new([(Role::Decode, "decode-0".to_owned(), hung_addr)]);
+        let limit = Duration::from_millis(300);
+        let t0 = std::time::Instant::now();
+        check_one(&b, &b.all()[0], None, limit).await;
+        assert!(t0.elapsed() < limit * 2, "the check waited {:?}", t0.elapsed());
+        let down = b.all()[0].down.clone();
+        assert!(down.as_deref().is_some_and(|w| w.contains("gave no answer within 300ms")), "{down:?}");
+        assert!(b.pick(Role::Decode, &[]).is_err(), "a hung server is not picked");
     }
 }

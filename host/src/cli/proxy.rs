@@ -3,7 +3,7 @@
 //! servers speaking vLLM's P/D proxy protocol. Requests are routed as `kvconnect up`'s proxy
 //! routes them (crate `kvconnect-proxy`); the client's body goes on verbatim, so each server checks its
 //! own parameters. The proxy watches each server's `/health` (`kvconnect_proxy::health`): a
-//! server that died is not picked until it answers again.
+//! server that died or hangs is not picked until it answers again.
 
 use anyhow::{anyhow, Context, Result};
 use kvconnect_api::Role;
