@@ -79,13 +79,6 @@ async fn check_one(backends: &Backends, b: &Backend, key: Option<&str>, limit: D
     }
 }
 
-/// Asks every server once, one after another, and marks each as its answer says.
-pub async fn check(backends: &Backends, key: Option<&str>) {
-    for b in backends.all() {
-        check_one(backends, &b, key, TIMEOUT).await;
-    }
-}
-
 /// Checks every server every [`INTERVAL`], each in a task of its own (one slow server delays
 /// no other), for as long as the task runs; dropping it stops them all.
 pub async fn watch(backends: Arc<Backends>, key: Option<String>) {
@@ -108,6 +101,13 @@ mod tests {
     use super::*;
     use kvconnect_api::Role;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// One round of the watch: every server asked once, one after another.
+    async fn check(backends: &Backends, key: Option<&str>) {
+        for b in backends.all() {
+            check_one(backends, &b, key, TIMEOUT).await;
+        }
+    }
 
     fn reply(status: u16, body: &str) -> Result<Reply, ClientError> {
         Ok(Reply { status, body: body.to_owned() })
