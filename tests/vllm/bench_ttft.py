@@ -24,7 +24,7 @@ each):
 
     VENV/bin/python tests/vllm/bench_ttft.py [--pairs 15] [--prompt-len 200] [--peers A,B,...]
         [--nixl-python DIR] [--transfer [--long-len 480]] [--max-ratio R[,R...]] [--breakdown]
-        [--other-side paused|running]
+        [--other-side paused|running] [--client auto|realtime|normal]
 
 Every server runs wholly on its own core, its API server and engine core included (monolithic
 and prefill on core 0, decode on core 1), as on machines of their own. vLLM pins only a
@@ -35,6 +35,17 @@ timed, the other side's servers are stopped (`--other-side paused`, the default:
 each server's process group, SIGCONT after the request): idle, vLLM's NixlConnector pair keeps
 about half of each core busy, and monolithic then measured 117 ms beside it against 65-68 ms
 beside kvconnect's pair.
+
+The client is a process on the same cores, and the first token reaches it only once it gets a
+core. With monolithic timed, the stopped pair's core is free; with a P/D pair timed, both cores
+are busy as the first token travels (prefill stepping until decode has read its blocks, decode
+taking the request and loading them), and at the normal priority the client measured about
+2 ms of its own wait for a core there. So the client runs each timed request at a real-time
+priority (SCHED_FIFO: root or an RLIMIT_RTPRIO above 0), as a client on a machine of its own
+would: `--client auto` (the default) does where it may, else says so on stderr; `--client
+realtime` insists; `--client normal` leaves it at the normal priority. The JSON's `client` says
+which ran. The
+proxy of kvconnect-first and every server stay at the normal priority: their waits are counted.
 
 `--breakdown` splits each P/D request's time into parts: the client's two round trips, and
 vLLM's own per-request histograms on each server (arrival to first token; queued to
@@ -64,6 +75,7 @@ times as long in each of the connector's calls, about 2 ms more per request here
 """
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
@@ -201,10 +213,12 @@ def interleaved(a, mono: Server, pre: Server, dec: Server, label: str, with_para
     def alone(timed, others, p, i):
         """`timed` after SETTLE_S of quiet, with the servers of the side not timed stopped
         (`--other-side paused`): idle, vLLM's NixlConnector pair keeps about half of each core
-        busy, the monolithic server's core among them."""
+        busy, the monolithic server's core among them. The client runs the request at the
+        priority `--client` gives it."""
         with stopped(others, a.other_side == "paused"):
             time.sleep(SETTLE_S)
-            return timed(p, i)
+            with client_priority(a.client == "realtime"):
+                return timed(p, i)
 
     for i in range(a.pairs):
         p = fresh()
@@ -225,6 +239,33 @@ def interleaved(a, mono: Server, pre: Server, dec: Server, label: str, with_para
     if parts:
         out["breakdown_ms_median"] = {k: round(statistics.median(r[k] for r in parts), 2) for k in sorted(parts[0])}
     return out
+
+
+@contextlib.contextmanager
+def client_priority(realtime: bool):
+    """The client's thread at a real-time priority (SCHED_FIFO) for the block, as if on a
+    machine of its own, then back to the normal policy. On a machine with a core per server, a
+    P/D pair's two servers keep both cores busy while its first token travels (prefill stepping
+    until decode has read its blocks, decode loading them), where monolithic's client has the
+    stopped pair's core to itself: at the normal priority the client's own wait for a core, not
+    the serving, made up most of P/D's lead over monolithic (see BENCHMARKS.md)."""
+    if not realtime:
+        yield
+        return
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+
+
+def realtime_permitted() -> str:
+    """"" when this process may run at a real-time priority, else why not."""
+    try:
+        with client_priority(True):
+            return ""
+    except OSError as e:
+        return f"SCHED_FIFO refused ({e}): run as root or raise RLIMIT_RTPRIO (ulimit -r)"
 
 
 PULL = re.compile(r"nixl: pull took.*?request=(\S+).*?bytes=(\d+).*?micros=(\d+)")
@@ -378,7 +419,19 @@ def main():
     ap.add_argument("--max-ratio", type=lambda v: [float(x) for x in v.split(",")], default=None,
                     help="a guard: fail when the first peer's median TTFT over monolithic is above this, "
                          "or when it loaded fewer than every prompt token but the last")
+    ap.add_argument("--client", choices=("auto", "realtime", "normal"), default="auto",
+                    help="the priority of the client's timed requests: real-time (SCHED_FIFO, as if the client "
+                         "had a core of its own) or normal (it waits for a core like any process); auto, the "
+                         "default: real-time where this process may use it, else normal with a note")
     a = ap.parse_args()
+    why = realtime_permitted() if a.client != "normal" else ""
+    if why and a.client == "realtime":
+        raise SystemExit(f"--client realtime: {why}; or pass --client normal")
+    if a.client == "auto":
+        a.client = "normal" if why else "realtime"
+        if why:
+            print(f"note: the client runs at the normal priority: {why}; P/D's times then include the "
+                  "client's own wait for a core", file=sys.stderr)
     peers = [p for p in a.peers.split(",") if p]
     for p in peers:
         if p not in PEERS:
@@ -392,7 +445,7 @@ def main():
         rng = random.Random(3)
         fresh = lambda n=a.prompt_len: [rng.randrange(4, make_tiny_model.VOCAB) for _ in range(n)]  # noqa: E731
         out = {"pairs": a.pairs, "prompt_len": a.prompt_len, "cores": os.cpu_count(), "other_side": a.other_side,
-               "loadavg_start": [round(x, 2) for x in os.getloadavg()], "adapter_build": adapter_build()}
+               "client": a.client, "loadavg_start": [round(x, 2) for x in os.getloadavg()], "adapter_build": adapter_build()}
         mono = Server("monolithic", model, tmp, core=0, args=ARGS, whole=True)
         try:
             mono.wait_healthy()
