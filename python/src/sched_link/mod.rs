@@ -84,3 +84,6 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<Option<Vec<u8>>> {
     r.read_exact(&mut buf)?;
     Ok(Some(buf))
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,130 @@
+//! The scheduler link end to end: a half served on a socket, called through
+//! [`client::RemoteScheduler`] as vLLM's scheduler process calls it.
+
+use super::client::RemoteScheduler;
+use super::server::SchedulerServer;
+use kvconnect_api::{
+    BlockId, BlocksPerGroup, ConnectorError, ConnectorResult, MatchResult, Request, RequestFinished,
+    RequestId, SchedulerConnector, StepInfo,
+};
+use std::sync::{Arc, Mutex};
+
+/// Records every call it serves, in order; refuses the allocation of request "bad".
+struct Recorder(Arc<Mutex<Vec<String>>>);
+
+impl Recorder {
+    fn log(&self, s: String) {
+        self.0.lock().unwrap().push(s);
+    }
+}
+
+impl SchedulerConnector for Recorder {
+    fn get_num_new_matched_tokens(&mut self, req: &Request, _: usize) -> ConnectorResult<MatchResult> {
+        self.log(format!("match {}", req.id.0));
+        Ok(MatchResult::Matched { tokens: req.prompt_tokens.len() - 1, async_load: false })
+    }
+
+    fn update_state_after_alloc(
+        &mut self,
+        req: &Request,
+        b: &BlocksPerGroup,
+        _: usize,
+    ) -> ConnectorResult<()> {
+        let ids: Vec<u32> = b.0.iter().flatten().map(|b| b.0).collect();
+        self.log(format!("alloc {} {ids:?}", req.id.0));
+        if req.id.0 == "bad" {
+            return Err(ConnectorError::invalid("recorder", "request bad: its params name no producer"));
+        }
+        Ok(())
+    }
+
+    fn build_connector_meta(&mut self, step: &StepInfo) -> ConnectorResult<Vec<u8>> {
+        self.log(format!("meta {}", step.step));
+        Ok(step.step.to_be_bytes().to_vec())
+    }
+
+    fn request_finished(&mut self, req: &Request, _: &BlocksPerGroup) -> ConnectorResult<RequestFinished> {
+        self.log(format!("finished {}", req.id.0));
+        Ok(RequestFinished { delay_free: true, transfer_params: None })
+    }
+}
+
+fn req(id: &str, tokens: usize) -> Request {
+    Request {
+        id: RequestId(id.into()),
+        prompt_tokens: (0..tokens as u32).collect(),
+        kv_transfer_params: Default::default(),
+    }
+}
+
+fn blocks(ids: &[u32]) -> BlocksPerGroup {
+    BlocksPerGroup(vec![ids.iter().map(|&b| BlockId(b)).collect()])
+}
+
+fn step(n: u64) -> StepInfo {
+    StepInfo { step: n, ..Default::default() }
+}
+
+fn served() -> (SchedulerServer, RemoteScheduler, Arc<Mutex<Vec<String>>>) {
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let server = SchedulerServer::start("recorder", Box::new(Recorder(calls.clone()))).unwrap();
+    let client = RemoteScheduler::new("recorder", server.path().to_owned());
+    (server, client, calls)
+}
+
+#[test]
+fn an_allocation_is_served_in_order_before_the_next_call_answers() {
+    let (_server, mut c, calls) = served();
+    let r = req("a", 410);
+    assert_eq!(
+        c.get_num_new_matched_tokens(&r, 0).unwrap(),
+        MatchResult::Matched { tokens: 409, async_load: false }
+    );
+    c.update_state_after_alloc(&r, &blocks(&[1, 2, 3, 4]), 409).unwrap();
+    c.update_state_after_alloc(&req("b", 8), &blocks(&[5]), 0).unwrap();
+    assert_eq!(c.build_connector_meta(&step(7)).unwrap(), 7u64.to_be_bytes());
+    assert!(c.request_finished(&r, &BlocksPerGroup::default()).unwrap().delay_free);
+    assert_eq!(
+        *calls.lock().unwrap(),
+        ["match a", "alloc a [1, 2, 3, 4]", "alloc b [5]", "meta 7", "finished a"]
+    );
+}
+
+#[test]
+fn a_refused_allocation_fails_the_next_call_with_the_connectors_message_and_the_link_goes_on() {
+    let (_server, mut c, calls) = served();
+    c.update_state_after_alloc(&req("bad", 8), &blocks(&[1]), 0).unwrap();
+    c.update_state_after_alloc(&req("ok", 8), &blocks(&[2]), 0).unwrap();
+    let e = c.build_connector_meta(&step(1)).unwrap_err();
+    assert!(e.to_string().contains("request bad: its params name no producer"), "{e}");
+    // The call itself was served, after the allocations, and the link is in step.
+    assert_eq!(c.build_connector_meta(&step(2)).unwrap(), 2u64.to_be_bytes());
+    assert_eq!(*calls.lock().unwrap(), ["alloc bad [1]", "alloc ok [2]", "meta 1", "meta 2"]);
+}
+
+#[test]
+fn many_allocations_without_another_call_never_block_either_side() {
+    let (_server, mut c, calls) = served();
+    // Past the cap of unread answers, each with a long prompt: the client waits for the
+    // answers in turn instead of filling both sockets' buffers.
+    let n = 2_000;
+    for i in 0..n {
+        c.update_state_after_alloc(&req(&format!("r{i}"), 4_096), &blocks(&[i]), 0).unwrap();
+    }
+    assert_eq!(c.build_connector_meta(&step(9)).unwrap(), 9u64.to_be_bytes());
+    let calls = calls.lock().unwrap();
+    assert_eq!(calls.len(), n as usize + 1);
+    assert_eq!(calls.last().unwrap(), "meta 9");
+}
+
+#[test]
+fn a_worker_process_that_is_gone_fails_the_call_with_an_io_error_naming_the_socket() {
+    let (server, mut c, _) = served();
+    c.update_state_after_alloc(&req("a", 8), &blocks(&[1]), 0).unwrap();
+    let path = server.path().to_owned();
+    drop(server);
+    let mut gone = RemoteScheduler::new("recorder", path.clone());
+    let e = gone.build_connector_meta(&step(1)).unwrap_err();
+    assert!(matches!(e, ConnectorError::Io { .. }), "{e:?}");
+    assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+}
