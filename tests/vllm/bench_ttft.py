@@ -44,8 +44,8 @@ taking the request and loading them), and at the normal priority the client meas
 priority (SCHED_FIFO: root or an RLIMIT_RTPRIO above 0), as a client on a machine of its own
 would: `--client auto` (the default) does where it may, else says so on stderr; `--client
 realtime` insists; `--client normal` leaves it at the normal priority. The JSON's `client` says
-which ran. The
-proxy of kvconnect-first and every server stay at the normal priority: their waits are counted.
+which ran. The proxy of kvconnect-first and every server stay at the normal priority: their
+waits are counted.
 
 `--breakdown` splits each P/D request's time into parts: the client's two round trips, and
 vLLM's own per-request histograms on each server (arrival to first token; queued to
@@ -260,7 +260,7 @@ def client_priority(realtime: bool):
 
 
 def realtime_permitted() -> str:
-    """"" when this process may run at a real-time priority, else why not."""
+    """Why this process may not run at a real-time priority; empty when it may."""
     try:
         with client_priority(True):
             return ""
