@@ -31,12 +31,17 @@ impl ConfigInput {
         ConfigInput { file, env, extra }
     }
 
-    /// Writes the file part to this process's scratch file and returns its path.
+    /// Writes the file part to this process's scratch file and returns its path: in
+    /// `KVCONNECT_FUZZ_SCRATCH` where it names a directory (`scripts/fuzz.sh` gives each target
+    /// one and removes it after), else in `/dev/shm`, memory-backed (a file written per input
+    /// on a busy disk costs milliseconds), else in the temporary directory.
     pub fn write_file(&self, ext: &str) -> PathBuf {
-        // Memory-backed where there is one: a file written per input on a busy disk costs
-        // milliseconds.
         let shm = std::path::Path::new("/dev/shm");
-        let dir = if shm.is_dir() { shm.to_path_buf() } else { std::env::temp_dir() };
+        let dir = match std::env::var_os("KVCONNECT_FUZZ_SCRATCH").map(PathBuf::from) {
+            Some(d) if d.is_dir() => d,
+            _ if shm.is_dir() => shm.to_path_buf(),
+            _ => std::env::temp_dir(),
+        };
         let p = dir.join(format!("kvconnect-fuzz-{}.{ext}", std::process::id()));
         std::fs::write(&p, &self.file).expect("scratch file");
         p

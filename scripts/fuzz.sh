@@ -58,18 +58,23 @@ cargo +nightly fuzz build "${flags[@]}"
 # its SECONDS, as it would alone.
 jobs="${FUZZ_JOBS:-$(nproc)}"
 case "$jobs" in '' | *[!0-9]* | 0) echo "error: FUZZ_JOBS must be a whole number above 0, got '$jobs'" >&2; exit 2 ;; esac
+# Scratch directories in memory where there is /dev/shm (fuzz/common.rs writes a file per input).
+scratch_root=/dev/shm
+[ -d "$scratch_root" ] || scratch_root="${TMPDIR:-/tmp}"
 one() {
-  local t="$1" log="fuzz/target/$1.log"
+  local t="$1" log="fuzz/target/$1.log" scratch
   mkdir -p "fuzz/target/corpus/$t"
   echo "== $t: ${secs}s"
+  scratch=$(mktemp -d "$scratch_root/kvconnect-fuzz-$t.XXXXXX")
   # -rss_limit_mb: a decoder that allocates what a length prefix announces runs out of it.
-  if cargo +nightly fuzz run "${flags[@]}" "$t" "fuzz/target/corpus/$t" "fuzz/corpus/$t" -- \
-    -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -max_len=65536 -print_final_stats=1 \
-    >"$log" 2>&1; then
+  if KVCONNECT_FUZZ_SCRATCH="$scratch" cargo +nightly fuzz run "${flags[@]}" "$t" "fuzz/target/corpus/$t" \
+    "fuzz/corpus/$t" -- -max_total_time="$secs" -rss_limit_mb=2048 -timeout=10 -max_len=65536 \
+    -print_final_stats=1 >"$log" 2>&1; then
     echo ok >"fuzz/target/$t.status"
   else
     echo CRASH >"fuzz/target/$t.status"
   fi
+  rm -rf "$scratch"
 }
 running=0
 for t in $run; do
