@@ -67,6 +67,17 @@ pub enum ConnectorError {
     },
 }
 
+/// The text of a caught panic's payload (`std::panic::catch_unwind`'s `Err`).
+pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
+
 impl ConnectorError {
     /// True when the instance that returned this is unusable from now on: the call
     /// panicked, or an earlier one did (`Poisoned`). The host must stop calling it.

@@ -4,21 +4,10 @@
 //! exported objects the plugin-side shims call hold the connector and its poison flag.
 
 use crate::connector::{ConnectorContext, ConnectorFactory, SchedulerConnector, WorkerConnector};
+use crate::error::panic_message;
 use crate::error::ConnectorError;
-use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
-
-/// The text of a panic payload.
-pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
-    if let Some(s) = payload.downcast_ref::<&str>() {
-        (*s).to_owned()
-    } else if let Some(s) = payload.downcast_ref::<String>() {
-        s.clone()
-    } else {
-        "a panic without a message".to_owned()
-    }
-}
 
 /// Runs `f`, turning a panic into `Panicked` and recording it in `poison`.
 #[inline]

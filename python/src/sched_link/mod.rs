@@ -39,6 +39,20 @@ pub enum Call {
     Reset,
 }
 
+impl Call {
+    /// The vLLM connector method it stands for.
+    pub fn method(&self) -> &'static str {
+        match self {
+            Call::Match { .. } => "get_num_new_matched_tokens",
+            Call::Alloc { .. } => "update_state_after_alloc",
+            Call::Meta { .. } => "build_connector_meta",
+            Call::Finished { .. } => "request_finished",
+            Call::Events => "take_events",
+            Call::Reset => "reset_cache",
+        }
+    }
+}
+
 /// The answer to a [`Call`].
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

@@ -4,10 +4,12 @@
 
 use super::{read_frame, write_frame, Call, Reply};
 use crate::error::AdapterError;
+use kvconnect_api::error::panic_message;
 use kvconnect_api::{ConnectorError, MatchResult, SchedulerConnector};
 use kvconnect_cache_dir::CacheDir;
 use std::collections::{HashMap, HashSet};
 use std::os::unix::net::{UnixListener, UnixStream};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -46,7 +48,7 @@ impl SchedulerServer {
             .map_err(|e| err(e.to_string()))?;
         let path = dir.path().join("scheduler.sock");
         let listener = UnixListener::bind(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
-        let conn = Arc::new(Mutex::new(conn));
+        let conn = Arc::new(Mutex::new(Half { conn, poison: None }));
         let counters = Arc::new(SchedulerCounters::default());
         let served = counters.clone();
         let name = name.to_owned();
@@ -85,12 +87,15 @@ impl Drop for SchedulerServer {
     }
 }
 
-fn serve(
-    name: &str,
-    mut stream: UnixStream,
-    conn: &Mutex<Box<dyn SchedulerConnector>>,
-    counters: &SchedulerCounters,
-) {
+/// The connector's scheduler half, and why it refuses every call from now on: a call of it
+/// panicked (as a plugin's connector is poisoned behind the ABI). The panic's answer names
+/// it; each later call answers `Poisoned` with the same message, and the link stays up.
+struct Half {
+    conn: Box<dyn SchedulerConnector>,
+    poison: Option<String>,
+}
+
+fn serve(name: &str, mut stream: UnixStream, conn: &Mutex<Half>, counters: &SchedulerCounters) {
     // Each request's last match: whether its load would be synchronous.
     let mut matched_sync: HashMap<String, bool> = HashMap::new();
     loop {
@@ -116,48 +121,84 @@ fn serve(
                 return;
             }
         };
-        let mut c = conn.lock().unwrap_or_else(|p| p.into_inner());
-        let (reply, extra) = match call {
-            Call::Match { request, num_computed } => {
-                let m = c.get_num_new_matched_tokens(&request, num_computed);
-                if let Ok(MatchResult::Matched { tokens, async_load }) = &m {
-                    matched_sync.insert(request.id.0.clone(), *tokens > 0 && !async_load);
-                }
-                (m.map(Reply::Matched), None)
+        let mut half = conn.lock().unwrap_or_else(|p| p.into_inner());
+        let (reply, extra) = match &half.poison {
+            Some(message) => {
+                (Err(ConnectorError::Poisoned { connector: name.to_owned(), message: message.clone() }), None)
             }
-            Call::Alloc { request, blocks, num_external } => {
-                let r = c.update_state_after_alloc(&request, &blocks, num_external);
-                let sync = matched_sync.remove(&request.id.0).unwrap_or(false);
-                if r.is_ok() && num_external > 0 {
-                    counters.external_requests.fetch_add(1, Ordering::Relaxed);
-                    counters.external_tokens.fetch_add(num_external as u64, Ordering::Relaxed);
-                    if sync {
-                        counters
-                            .sync_loads
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .insert(request.id.0.clone());
+            None => {
+                let method = call.method();
+                let c = &mut half.conn;
+                match catch_unwind(AssertUnwindSafe(|| {
+                    dispatch(c.as_mut(), call, &mut matched_sync, counters)
+                })) {
+                    Ok(r) => r,
+                    Err(payload) => {
+                        let message = panic_message(payload.as_ref());
+                        tracing::error!(
+                            "kvconnect: connector '{name}' panicked in {method} (scheduler half): {message}"
+                        );
+                        half.poison = Some(format!("in {method}: {message}"));
+                        let e = ConnectorError::Panicked {
+                            connector: name.to_owned(),
+                            method: method.into(),
+                            message,
+                        };
+                        (Err(e), None)
                     }
                 }
-                (r.map(|()| Reply::Done), None)
             }
-            Call::Meta { step } => match c.build_connector_meta(&step) {
-                Ok(bytes) => (Ok(Reply::Meta), Some(bytes)),
-                Err(e) => (Err(e), None),
-            },
-            Call::Finished { request, blocks } => {
-                matched_sync.remove(&request.id.0);
-                (c.request_finished(&request, &blocks).map(Reply::Finished), None)
-            }
-            Call::Events => (c.take_events().map(Reply::Events), None),
-            Call::Reset => (c.reset_cache().map(Reply::Reset), None),
         };
-        drop(c);
+        drop(half);
         let reply = reply.unwrap_or_else(Reply::Error);
         if let Err(e) = send(&mut stream, &reply, extra.as_deref()) {
             tracing::warn!("kvconnect: cannot answer the scheduler process: {e}");
             return;
         }
+    }
+}
+
+/// One call served by the connector's scheduler half: its answer, and a `Meta` answer's bytes.
+fn dispatch(
+    c: &mut dyn SchedulerConnector,
+    call: Call,
+    matched_sync: &mut HashMap<String, bool>,
+    counters: &SchedulerCounters,
+) -> (Result<Reply, ConnectorError>, Option<Vec<u8>>) {
+    match call {
+        Call::Match { request, num_computed } => {
+            let m = c.get_num_new_matched_tokens(&request, num_computed);
+            if let Ok(MatchResult::Matched { tokens, async_load }) = &m {
+                matched_sync.insert(request.id.0.clone(), *tokens > 0 && !async_load);
+            }
+            (m.map(Reply::Matched), None)
+        }
+        Call::Alloc { request, blocks, num_external } => {
+            let r = c.update_state_after_alloc(&request, &blocks, num_external);
+            let sync = matched_sync.remove(&request.id.0).unwrap_or(false);
+            if r.is_ok() && num_external > 0 {
+                counters.external_requests.fetch_add(1, Ordering::Relaxed);
+                counters.external_tokens.fetch_add(num_external as u64, Ordering::Relaxed);
+                if sync {
+                    counters
+                        .sync_loads
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(request.id.0.clone());
+                }
+            }
+            (r.map(|()| Reply::Done), None)
+        }
+        Call::Meta { step } => match c.build_connector_meta(&step) {
+            Ok(bytes) => (Ok(Reply::Meta), Some(bytes)),
+            Err(e) => (Err(e), None),
+        },
+        Call::Finished { request, blocks } => {
+            matched_sync.remove(&request.id.0);
+            (c.request_finished(&request, &blocks).map(Reply::Finished), None)
+        }
+        Call::Events => (c.take_events().map(Reply::Events), None),
+        Call::Reset => (c.reset_cache().map(Reply::Reset), None),
     }
 }
 

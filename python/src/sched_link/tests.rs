@@ -128,3 +128,86 @@ fn a_worker_process_that_is_gone_fails_the_call_with_an_io_error_naming_the_sock
     assert!(matches!(e, ConnectorError::Io { .. }), "{e:?}");
     assert!(e.to_string().contains(&path.display().to_string()), "{e}");
 }
+
+/// Panics in `build_connector_meta` at step 3.
+struct PanicsAtStep3;
+
+impl SchedulerConnector for PanicsAtStep3 {
+    fn get_num_new_matched_tokens(&mut self, _: &Request, _: usize) -> ConnectorResult<MatchResult> {
+        Ok(MatchResult::Matched { tokens: 0, async_load: false })
+    }
+
+    fn update_state_after_alloc(&mut self, _: &Request, _: &BlocksPerGroup, _: usize) -> ConnectorResult<()> {
+        Ok(())
+    }
+
+    fn build_connector_meta(&mut self, step: &StepInfo) -> ConnectorResult<Vec<u8>> {
+        assert_ne!(step.step, 3, "the test's panic in step three");
+        Ok(Vec::new())
+    }
+
+    fn request_finished(&mut self, _: &Request, _: &BlocksPerGroup) -> ConnectorResult<RequestFinished> {
+        Ok(RequestFinished { delay_free: false, transfer_params: None })
+    }
+}
+
+#[test]
+fn a_connector_that_panics_answers_the_panic_then_refuses_every_call_as_poisoned() {
+    let server = SchedulerServer::start("panicky", Box::new(PanicsAtStep3)).unwrap();
+    let mut c = RemoteScheduler::new("panicky", server.path().to_owned());
+    assert!(c.build_connector_meta(&step(2)).is_ok());
+    let e = c.build_connector_meta(&step(3)).unwrap_err();
+    assert!(
+        matches!(&e, ConnectorError::Panicked { method, message, .. }
+            if method == "build_connector_meta" && message.contains("the test's panic in step three")),
+        "{e:?}"
+    );
+    // The same connection answers on, and so does a new one: every call refused with the panic.
+    for e in [c.get_num_new_matched_tokens(&req("a", 8), 0).unwrap_err(), {
+        let mut again = RemoteScheduler::new("panicky", server.path().to_owned());
+        again.build_connector_meta(&step(4)).unwrap_err()
+    }] {
+        assert!(
+            matches!(&e, ConnectorError::Poisoned { message, .. }
+                if message.contains("in build_connector_meta") && message.contains("step three")),
+            "{e:?}"
+        );
+        assert!(e.poisons_instance());
+    }
+}
+
+#[test]
+fn a_worker_process_that_dies_inside_a_call_fails_it_with_an_io_error_and_the_next_call_reconnects() {
+    use std::os::unix::net::UnixListener;
+    let dir =
+        kvconnect_cache_dir::CacheDir::create_unique(&std::env::temp_dir(), "kvconnect-link-test", "TMPDIR")
+            .unwrap();
+    let path = dir.path().join("scheduler.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    // A worker that reads the call and is gone before it answers; then, on the next
+    // connection, one that serves.
+    let dying = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let call = super::read_frame(&mut s).unwrap().unwrap();
+        drop(s);
+        (listener, call)
+    });
+    let mut c = RemoteScheduler::new("recorder", path.clone());
+    let started = std::time::Instant::now();
+    let e = c.build_connector_meta(&step(1)).unwrap_err();
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "no wait for the call's time limit");
+    assert!(matches!(e, ConnectorError::Io { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(text.contains(&path.display().to_string()) && text.contains("closed"), "{text}");
+    let (listener, call) = dying.join().unwrap();
+    assert!(String::from_utf8_lossy(&call).contains("\"meta\""));
+    let serving = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let _ = super::read_frame(&mut s).unwrap().unwrap();
+        super::write_frame(&mut s, &serde_json::to_vec(&super::Reply::Meta).unwrap()).unwrap();
+        super::write_frame(&mut s, b"m2").unwrap();
+    });
+    assert_eq!(c.build_connector_meta(&step(2)).unwrap(), b"m2");
+    serving.join().unwrap();
+    std::fs::remove_dir_all(dir.path()).unwrap();
+}
