@@ -8,6 +8,9 @@
 //! A key's first slot is the top bits of its mixed value, so doubling the array moves the
 //! entry of slot `i` near slot `2i`: growing is one pass over the old array and a nearly
 //! sequential one over the new, not a random write per entry.
+//!
+//! The lookups are `#[inline(always)]`: called from many places, the compiler kept them as
+//! calls, and their entries and exits were a sixth of the indexer's instructions.
 
 #![allow(unsafe_code)] // `prefetch_line`: a CPU hint that reads nothing and cannot fault.
 
@@ -93,12 +96,14 @@ impl<V: Packed> FlatMap<V> {
         self.slots.len() * std::mem::size_of::<[u64; 2]>()
     }
 
+    #[inline(always)]
     fn home(&self, key: u64) -> usize {
         // Keys need not be uniform (a publisher may number its blocks 1, 2, 3): mixed first.
         (mix(key, P0) >> self.shift) as usize
     }
 
     /// Where `key` is (`Ok`), or the empty slot where it would go (`Err`). Needs slots.
+    #[inline(always)]
     fn find(&self, key: u64) -> Result<usize, usize> {
         let mask = self.slots.len() - 1;
         let mut i = self.home(key);
@@ -115,6 +120,7 @@ impl<V: Packed> FlatMap<V> {
     }
 
     /// The word of `key`, where present.
+    #[inline(always)]
     fn word(&mut self, key: u64) -> Option<&mut u64> {
         if key == 0 {
             return self.zero.as_mut();
@@ -152,6 +158,7 @@ impl<V: Packed> FlatMap<V> {
     }
 
     /// The value of `key`.
+    #[inline(always)]
     pub fn get(&self, key: u64) -> Option<V> {
         if key == 0 {
             return self.zero.map(V::unpack);
@@ -163,6 +170,7 @@ impl<V: Packed> FlatMap<V> {
     }
 
     /// Changes the value of `key` with `f`, where present; returns what `f` returned.
+    #[inline(always)]
     pub fn update<R>(&mut self, key: u64, f: impl FnOnce(&mut V) -> R) -> Option<R> {
         let w = self.word(key)?;
         let mut v = V::unpack(*w);
@@ -173,6 +181,7 @@ impl<V: Packed> FlatMap<V> {
 
     /// Changes the value of `key` with `f`, inserted as `unpack(0)` where absent; returns
     /// what `f` returned.
+    #[inline(always)]
     pub fn upsert<R>(&mut self, key: u64, f: impl FnOnce(&mut V) -> R) -> R {
         let w = if key == 0 {
             self.zero.get_or_insert(0)
@@ -209,6 +218,7 @@ impl<V: Packed> FlatMap<V> {
     /// Changes the value of `key` with `f`, where present, and removes the entry where `f`
     /// says so (its second answer false): one probe for both. Returns what `f` returned and
     /// the value it left.
+    #[inline(always)]
     pub fn change<R>(&mut self, key: u64, f: impl FnOnce(&mut V) -> (R, bool)) -> Option<(R, V)> {
         if key == 0 {
             let mut v = V::unpack(self.zero?);

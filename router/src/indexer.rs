@@ -158,6 +158,7 @@ impl Indexer {
 
     /// Plans the operation (`store`, or a removal) in the medium of tier bit `bit` on each
     /// router hash that publisher hash `h` of worker `w`, known as `k`, stands for, in order.
+    #[inline(always)]
     fn plan_pieces(&mut self, w: usize, h: BlockHash, k: Known, bit: TierMask, store: bool) {
         if !self.more[w].is_empty() {
             if let Some(m) = self.more[w].get(&h) {
