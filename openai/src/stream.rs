@@ -6,7 +6,7 @@ use axum::body::Bytes;
 use serde_json::Value;
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// A stream's events as a response body (the proxy's streams use it too).
 pub struct Events(pub mpsc::Receiver<Bytes>);
@@ -16,6 +16,37 @@ impl futures_core::Stream for Events {
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         self.0.poll_recv(cx).map(|e| e.map(Ok))
+    }
+}
+
+/// [`Events`] that says when the connection has taken the first event: `first` is sent to
+/// as the body hands it over, just before the connection writes it. The proxy starts decode's
+/// request then (`--first-token prefill`), not before: on a busy machine decode's work would
+/// otherwise take the core that the write to the client waits for.
+pub struct EventsThen {
+    events: mpsc::Receiver<Bytes>,
+    first: Option<oneshot::Sender<()>>,
+}
+
+impl EventsThen {
+    /// The body of `events`, telling `first` when the first is taken.
+    pub fn new(events: mpsc::Receiver<Bytes>, first: oneshot::Sender<()>) -> EventsThen {
+        EventsThen { events, first: Some(first) }
+    }
+}
+
+impl futures_core::Stream for EventsThen {
+    type Item = Result<Bytes, std::convert::Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let next = self.events.poll_recv(cx);
+        if next.is_ready() {
+            if let Some(first) = self.first.take() {
+                // The waiting side may be gone (its task ended): nothing to tell.
+                let _ = first.send(());
+            }
+        }
+        next.map(|e| e.map(Ok))
     }
 }
 
@@ -67,4 +98,39 @@ pub fn collect_text(stream: &str) -> Option<String> {
 /// a chunk's text, so the ids are what to compare exactly.
 pub fn collect_token_ids(stream: &str) -> Option<Vec<u32>> {
     Some(collect_choices(stream)?.into_iter().next().map(|c| c.1).unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_core::Stream;
+    use std::task::Waker;
+
+    fn poll(s: &mut EventsThen) -> Poll<Option<Result<Bytes, std::convert::Infallible>>> {
+        Pin::new(s).poll_next(&mut Context::from_waker(Waker::noop()))
+    }
+
+    #[test]
+    fn the_first_event_taken_is_told_once_and_nothing_before() {
+        let (tx, rx) = mpsc::channel(4);
+        let (first, mut told) = oneshot::channel();
+        let mut body = EventsThen::new(rx, first);
+        assert!(poll(&mut body).is_pending());
+        assert_eq!(told.try_recv(), Err(oneshot::error::TryRecvError::Empty), "nothing taken yet");
+        tx.try_send(Bytes::from_static(b"data: 1\n\n")).unwrap();
+        tx.try_send(Bytes::from_static(b"data: 2\n\n")).unwrap();
+        assert!(matches!(poll(&mut body), Poll::Ready(Some(Ok(b))) if b == "data: 1\n\n"));
+        assert_eq!(told.try_recv(), Ok(()));
+        assert!(matches!(poll(&mut body), Poll::Ready(Some(Ok(b))) if b == "data: 2\n\n"));
+        drop(tx);
+        assert!(matches!(poll(&mut body), Poll::Ready(None)));
+    }
+
+    #[test]
+    fn a_body_dropped_unread_tells_the_waiting_side_by_closing() {
+        let (_tx, rx) = mpsc::channel::<Bytes>(1);
+        let (first, mut told) = oneshot::channel();
+        drop(EventsThen::new(rx, first));
+        assert_eq!(told.try_recv(), Err(oneshot::error::TryRecvError::Closed));
+    }
 }

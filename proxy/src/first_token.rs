@@ -36,14 +36,16 @@
 //! whose answer is dropped, so that prefill's blocks are read and freed at once, not held
 //! until their lease ends ([`release`]).
 
-use crate::{forward, open_decode, prefill, sse_event, sse_response, DecodeOpen, Hop, Proxy};
+use crate::{
+    forward, open_decode, prefill, sse_event, sse_response, sse_response_then, DecodeOpen, Hop, Proxy,
+};
 use axum::body::Bytes;
 use axum::response::Response;
 use kvconnect_api::Role;
 use serde_json::{json, Map, Value};
 use std::sync::Arc;
 use std::time::Instant;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// Which server's token a streamed completion starts with.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -312,7 +314,13 @@ pub(crate) async fn serve(
     let prefill = pf.answer["kvconnect"].clone();
     let hop = Hop { pw: pf.pw, dw, prefill, t0, prefill_done: pf.done, first_sent: Some(sent) };
     let (p, path, dec, headers) = (p.clone(), path.to_owned(), Value::Object(pf.dec), pf.headers);
+    // Decode's request waits until the client's connection has taken the first chunk: sent
+    // at once, decode's work (and prefill's steps while it holds the blocks) took both cores of
+    // a busy machine from the write that brings the client its first token. If the client is
+    // gone first, decode is still asked, so that it reads prefill's blocks and they are freed.
+    let (taken, first_taken) = oneshot::channel();
     tokio::spawn(async move {
+        let _ = first_taken.await;
         match open_decode(&p, &path, &dec, &headers, &hop.dw).await {
             Ok(ds) => forward(p, ds, Some(out), hop).await,
             Err(e) => {
@@ -329,7 +337,7 @@ pub(crate) async fn serve(
             }
         }
     });
-    sse_response(events)
+    sse_response_then(events, taken)
 }
 
 /// Prefill kept the prompt's KV for a decode, but its token ended the completion: decode is

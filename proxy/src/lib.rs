@@ -43,7 +43,7 @@ use serde_json::{json, Map, Value};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 /// The proxy's servers and counters.
 pub struct Proxy {
@@ -470,6 +470,16 @@ pub(crate) fn sse_response(events: mpsc::Receiver<Bytes>) -> Response {
     (
         [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
         axum::body::Body::from_stream(kvconnect_openai::stream::Events(events)),
+    )
+        .into_response()
+}
+
+/// [`sse_response`] whose `first` is told when the connection takes the first event
+/// (`kvconnect_openai::stream::EventsThen`).
+pub(crate) fn sse_response_then(events: mpsc::Receiver<Bytes>, first: oneshot::Sender<()>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
+        axum::body::Body::from_stream(kvconnect_openai::stream::EventsThen::new(events, first)),
     )
         .into_response()
 }
