@@ -21,7 +21,7 @@ impl futures_core::Stream for Events {
 
 /// [`Events`] that says when the connection has taken the first event: `first` is sent to
 /// as the body hands it over, just before the connection writes it. The proxy starts decode's
-/// request then (`--first-token prefill`), not before: on a busy machine decode's work would
+/// request then (`--first-token prefill`), not before: on a busy machine decode's work could
 /// otherwise take the core that the write to the client waits for.
 pub struct EventsThen {
     events: mpsc::Receiver<Bytes>,

@@ -315,9 +315,10 @@ pub(crate) async fn serve(
     let hop = Hop { pw: pf.pw, dw, prefill, t0, prefill_done: pf.done, first_sent: Some(sent) };
     let (p, path, dec, headers) = (p.clone(), path.to_owned(), Value::Object(pf.dec), pf.headers);
     // Decode's request waits until the client's connection has taken the first chunk: sent
-    // at once, decode's work (and prefill's steps while it holds the blocks) took both cores of
-    // a busy machine from the write that brings the client its first token. If the client is
-    // gone first, decode is still asked, so that it reads prefill's blocks and they are freed.
+    // at once, decode's work (and prefill's steps while it holds the blocks) could take the
+    // cores of a busy machine from the write that brings the client its first token. If the
+    // client is gone first, decode is still asked, so that it reads prefill's blocks and they
+    // are freed.
     let (taken, first_taken) = oneshot::channel();
     tokio::spawn(async move {
         let _ = first_taken.await;
