@@ -2,11 +2,20 @@
 //! server-sent events, and the reading of such a stream back into its chunks (for clients,
 //! the proxy and tests).
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use tokio::sync::{mpsc, oneshot};
+
+/// A `text/event-stream` response of `body`: a stream's events, whole or as they come
+/// ([`Events`], [`EventsThen`]).
+pub fn sse(body: impl Into<Body>) -> Response {
+    ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], body.into())
+        .into_response()
+}
 
 /// A stream's events as a response body (the proxy's streams use it too).
 pub struct Events(pub mpsc::Receiver<Bytes>);
@@ -24,29 +33,29 @@ impl futures_core::Stream for Events {
 /// request then (`--first-token prefill`), not before: on a busy machine decode's work could
 /// otherwise take the core that the write to the client waits for.
 pub struct EventsThen {
-    events: mpsc::Receiver<Bytes>,
+    events: Events,
     first: Option<oneshot::Sender<()>>,
 }
 
 impl EventsThen {
     /// The body of `events`, telling `first` when the first is taken.
     pub fn new(events: mpsc::Receiver<Bytes>, first: oneshot::Sender<()>) -> EventsThen {
-        EventsThen { events, first: Some(first) }
+        EventsThen { events: Events(events), first: Some(first) }
     }
 }
 
 impl futures_core::Stream for EventsThen {
-    type Item = Result<Bytes, std::convert::Infallible>;
+    type Item = <Events as futures_core::Stream>::Item;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let next = self.events.poll_recv(cx);
+        let next = Pin::new(&mut self.events).poll_next(cx);
         if next.is_ready() {
             if let Some(first) = self.first.take() {
                 // The waiting side may be gone (its task ended): nothing to tell.
                 let _ = first.send(());
             }
         }
-        next.map(|e| e.map(Ok))
+        next
     }
 }
 

@@ -606,6 +606,32 @@ mod tests {
         assert!(m.contains("kvconnect_proxy_requests_total 1\n"), "{m}");
     }
 
+    /// Decode is asked only once the client's connection has taken the first chunk: while
+    /// the response's body lies unread, decode gets nothing; once its first chunk is taken,
+    /// decode gets the request and the rest of the stream follows.
+    #[tokio::test]
+    async fn decode_is_asked_only_once_the_first_chunk_is_taken() {
+        use http_body_util::BodyExt;
+        let ((pa, _), (da, dgot)) =
+            (servers::prefill(true, "length", Some(3)).await, servers::decode(200).await);
+        let p = proxy_of(&pa, &da).await;
+        let r = crate::disaggregated(&p, ASK.as_bytes(), false, None).await;
+        assert_eq!(r.status(), 200);
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        assert!(dgot.lock().unwrap().is_empty(), "decode was asked before the client took its first chunk");
+        let mut body = r.into_body();
+        let first = body.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert!(first.starts_with(b"data: {"), "{first:?}");
+        let t = Instant::now();
+        while dgot.lock().unwrap().is_empty() {
+            assert!(t.elapsed().as_secs() < 10, "decode was never asked after the first chunk was taken");
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let rest = body.collect().await.unwrap().to_bytes();
+        assert!(rest.ends_with(b"data: [DONE]\n\n"), "{rest:?}");
+        assert_eq!(dgot.lock().unwrap()[0]["prompt"], json!([5, 6, 7, 40]));
+    }
+
     #[tokio::test]
     async fn a_token_that_ends_the_completion_frees_prefills_kv_and_a_one_token_request_keeps_none() {
         let ((pa, pgot), (da, dgot)) =

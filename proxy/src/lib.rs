@@ -37,7 +37,7 @@ use backends::Backends;
 use kvconnect_api::Role;
 use kvconnect_openai::error::{json_object, openai_error, param_error};
 use kvconnect_openai::CONTEXT_TOKENS;
-use kvconnect_openai::{params, request_id};
+use kvconnect_openai::{params, request_id, stream};
 use metrics::ProxyMetrics;
 use serde_json::{json, Map, Value};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -467,21 +467,13 @@ async fn decode_stream(
 
 /// Events as a `text/event-stream` response.
 pub(crate) fn sse_response(events: mpsc::Receiver<Bytes>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
-        axum::body::Body::from_stream(kvconnect_openai::stream::Events(events)),
-    )
-        .into_response()
+    stream::sse(axum::body::Body::from_stream(stream::Events(events)))
 }
 
 /// [`sse_response`] whose `first` is told when the connection takes the first event
 /// (`kvconnect_openai::stream::EventsThen`).
 pub(crate) fn sse_response_then(events: mpsc::Receiver<Bytes>, first: oneshot::Sender<()>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
-        axum::body::Body::from_stream(kvconnect_openai::stream::EventsThen::new(events, first)),
-    )
-        .into_response()
+    stream::sse(axum::body::Body::from_stream(stream::EventsThen::new(events, first)))
 }
 
 /// What the proxy knows of a request when decode's stream starts.

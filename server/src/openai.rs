@@ -21,7 +21,7 @@ use crate::response::{self, ChoiceOutput, Head, Shape};
 use crate::sse::{Chunks, Tail};
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvconnect_api::TierTokens;
@@ -37,6 +37,7 @@ use tokio::task::JoinHandle;
 
 pub use kvconnect_openai::chat_template::chat_prompt;
 pub use kvconnect_openai::error::{json_object, openai_error, openai_error_with_code, param_error};
+use kvconnect_openai::stream::sse;
 pub use kvconnect_openai::stream::Events;
 pub use kvconnect_openai::CONTEXT_TOKENS;
 
@@ -312,8 +313,7 @@ async fn stream(st: Arc<AppState>, plan: Plan, jobs: Vec<Job>, mut tokens: Token
                 let mut chunks = chunks_of(&plan);
                 let (outputs, tail) = plan.finish(&st, &results);
                 let body = chunks.open() + &chunks.close(&outputs, &tail);
-                ([(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")], body)
-                    .into_response()
+                sse(body)
             }
             Err(r) => r,
         };
@@ -339,11 +339,7 @@ async fn stream(st: Arc<AppState>, plan: Plan, jobs: Vec<Job>, mut tokens: Token
         };
         push(&mut client, tail).await;
     });
-    (
-        [(header::CONTENT_TYPE, "text/event-stream"), (header::CACHE_CONTROL, "no-cache")],
-        Body::from_stream(Events(events)),
-    )
-        .into_response()
+    sse(Body::from_stream(Events(events)))
 }
 
 fn chunks_of(plan: &Plan) -> Chunks {
