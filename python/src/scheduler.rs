@@ -1,17 +1,20 @@
 //! The scheduler half as vLLM's scheduler process calls it: requests and block tables in,
 //! match answers, step metadata and transfer params out. Every tensor-parallel rank runs its
 //! own connector, scheduler half included (`kvconnect_api::tp_ranks`): each call goes to every
-//! rank's half and their answers are combined, and each rank's step metadata is its own half's.
+//! rank's half at once (`sched_link::client::call_each`) and their answers are combined, and
+//! each rank's step metadata is its own half's.
 //! It remembers which prefill engines each rank loads from this step, so that rank's worker
 //! can handshake with them first.
 
 use crate::error::AdapterError;
 use crate::meta::{self, Peer, StepPeers};
-use crate::sched_link::client::RemoteScheduler;
+use crate::sched_link::client::{self, Answer, RemoteScheduler};
+use crate::sched_link::Call;
 use crate::setup::Setup;
 use kvconnect_api::tp_ranks::{self, params_for_rank};
 use kvconnect_api::{
-    BlockId, BlocksPerGroup, KvEvent, MatchResult, Request, RequestId, SchedulerConnector, StepInfo,
+    BlockId, BlocksPerGroup, ConnectorResult, KvEvent, MatchResult, Request, RequestId, SchedulerConnector,
+    StepInfo,
 };
 use kvconnect_server::peers::remote_peer;
 use pyo3::prelude::*;
@@ -24,7 +27,7 @@ use std::sync::Mutex;
 /// One tensor-parallel rank's scheduler half and what it loads this step.
 struct Rank {
     /// The half in that rank's worker process.
-    conn: Box<dyn SchedulerConnector>,
+    conn: RemoteScheduler,
     /// This step's loads and the prefill engines they come from.
     peers: StepPeers,
 }
@@ -71,17 +74,42 @@ impl Scheduler {
         move |source| AdapterError::Connector { connector: self.name.clone(), call, source }
     }
 
-    /// Runs `f` on every rank's half, in rank order.
+    /// `f` of every rank, in rank order, once vLLM attached them.
+    fn ranks_do<T>(
+        &self,
+        call: &'static str,
+        f: impl FnOnce(&mut [Rank]) -> Result<T, AdapterError>,
+    ) -> Result<T, AdapterError> {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if st.ranks.is_empty() {
+            return Err(AdapterError::NotAttached { call });
+        }
+        f(&mut st.ranks)
+    }
+
+    /// Runs `f` on every rank's half, one after the other, in rank order.
     fn each<T>(
         &self,
         call: &'static str,
         mut f: impl FnMut(usize, &mut Rank) -> Result<T, kvconnect_api::ConnectorError>,
     ) -> Result<Vec<T>, AdapterError> {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if st.ranks.is_empty() {
-            return Err(AdapterError::NotAttached { call });
-        }
-        st.ranks.iter_mut().enumerate().map(|(i, r)| f(i, r).map_err(self.err(call))).collect()
+        self.ranks_do(call, |ranks| {
+            ranks.iter_mut().enumerate().map(|(i, r)| f(i, r).map_err(self.err(call))).collect()
+        })
+    }
+
+    /// `call(rank)` to every rank's half at once (`client::call_each`), each answer read by
+    /// `read`; the answers in rank order, or the first rank's error.
+    fn call_each<T>(
+        &self,
+        method: &'static str,
+        call: impl Fn(usize) -> Call,
+        read: impl Fn(&RemoteScheduler, Answer) -> ConnectorResult<T>,
+    ) -> Result<Vec<T>, AdapterError> {
+        self.ranks_do(method, |ranks| {
+            let each = client::call_each(ranks.iter_mut().map(|r| &mut r.conn), call, read);
+            each.into_iter().map(|r| r.map_err(self.err(method))).collect()
+        })
     }
 
     fn ranks(&self) -> usize {
@@ -119,8 +147,7 @@ impl Scheduler {
         let ranks = sockets
             .iter()
             .map(|s| Rank {
-                conn: Box::new(RemoteScheduler::new(&self.name, PathBuf::from(s)))
-                    as Box<dyn SchedulerConnector>,
+                conn: RemoteScheduler::new(&self.name, PathBuf::from(s)),
                 peers: StepPeers::default(),
             })
             .collect();
@@ -159,9 +186,11 @@ impl Scheduler {
                 return Ok((Some(0), false));
             }
         };
-        let each = self.each("get_num_new_matched_tokens", |r, rank| {
-            rank.conn.get_num_new_matched_tokens(&reqs[r], num_computed)
-        })?;
+        let each = self.call_each(
+            "get_num_new_matched_tokens",
+            |r| Call::Match { request: reqs[r].clone(), num_computed },
+            RemoteScheduler::read_match,
+        )?;
         Ok(match tp_ranks::combine_matches(&each) {
             MatchResult::Pending => (None, false),
             MatchResult::Matched { tokens, async_load } => (Some(tokens), async_load),
@@ -222,9 +251,17 @@ impl Scheduler {
             scheduled: scheduled.into_iter().map(RequestId).collect(),
             finished: finished.into_iter().map(RequestId).collect(),
         };
-        let each = self.each("build_connector_meta", |_, rank| {
-            let inner = rank.conn.build_connector_meta(&info)?;
-            Ok((std::mem::take(&mut rank.peers), inner))
+        let each = self.ranks_do("build_connector_meta", |ranks| {
+            let call = |_| Call::Meta { step: info.clone() };
+            let inner =
+                client::call_each(ranks.iter_mut().map(|r| &mut r.conn), call, RemoteScheduler::read_meta);
+            ranks
+                .iter_mut()
+                .zip(inner)
+                .map(|(rank, inner)| {
+                    Ok((std::mem::take(&mut rank.peers), inner.map_err(self.err("build_connector_meta"))?))
+                })
+                .collect::<Result<Vec<_>, AdapterError>>()
         })?;
         let bytes = meta::encode(&each).map_err(AdapterError::Meta)?;
         Ok(PyBytes::new(py, &bytes))
@@ -234,7 +271,7 @@ impl Scheduler {
     /// when every rank's half emptied its own, false when one could not now (vLLM's caller
     /// may retry). Every rank is asked, whatever the others answered.
     fn reset_cache(&self) -> PyResult<bool> {
-        let each = self.each("reset_cache", |_, rank| rank.conn.reset_cache())?;
+        let each = self.call_each("reset_cache", |_| Call::Reset, RemoteScheduler::read_reset)?;
         Ok(each.into_iter().all(|ok| ok))
     }
 
@@ -280,7 +317,11 @@ impl Scheduler {
     ) -> PyResult<(bool, Option<String>)> {
         let req = request(request_id, prompt_tokens, params_json)?;
         let b = blocks(block_ids);
-        let each = self.each("request_finished", |_, rank| rank.conn.request_finished(&req, &b))?;
+        let each = self.call_each(
+            "request_finished",
+            |_| Call::Finished { request: req.clone(), blocks: b.clone() },
+            RemoteScheduler::read_finished,
+        )?;
         let r = tp_ranks::combine_finished(each);
         let params = r.transfer_params.map(|m| Value::Object(m).to_string());
         Ok((r.delay_free, params))

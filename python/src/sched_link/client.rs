@@ -8,6 +8,10 @@
 //! process answers after it (one connection, served in order). One wait between the
 //! processes fewer per request; an error it answers fails that next call instead, with the
 //! connector's message, as it would have failed the pass before.
+//!
+//! At several tensor-parallel ranks the scheduler calls every rank's half; [`call_each`] sends
+//! each rank its call before it reads any answer, so that the ranks' worker processes serve
+//! them together.
 
 use super::{read_frame, write_frame, Call, Reply};
 use kvconnect_api::{
@@ -28,6 +32,9 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(120);
 /// writer's buffer at a kilobyte or more, however small (about 200 KiB by default): 256
 /// unread answers filled it in a test, 16 stay well below.
 const MAX_UNANSWERED: usize = 16;
+
+/// A call's answer: the reply, and the metadata's bytes after a `Meta` reply.
+pub type Answer = (Reply, Option<Vec<u8>>);
 
 /// The scheduler half, reached in the worker process.
 pub struct RemoteScheduler {
@@ -55,14 +62,20 @@ impl RemoteScheduler {
         }
     }
 
-    /// One call and its answer, after the answers still owed to calls sent without waiting:
-    /// an error among those is this call's result.
-    fn call(&mut self, call: &Call) -> ConnectorResult<(Reply, Option<Vec<u8>>)> {
-        let r = self.send(call).and_then(|()| {
-            let owed = self.read_unanswered()?;
-            let answer = self.answer()?;
-            Ok((owed, answer))
-        });
+    /// Sends `call`; [`finish`](Self::finish) reads its answer. A call that cannot be sent
+    /// drops the connection.
+    fn start(&mut self, call: &Call) -> ConnectorResult<()> {
+        let r = self.send(call);
+        if r.is_err() {
+            self.drop_connection();
+        }
+        r
+    }
+
+    /// The answer to the call [`start`](Self::start) sent, after the answers still owed to
+    /// calls sent without waiting: an error among those is this call's result.
+    fn finish(&mut self) -> ConnectorResult<Answer> {
+        let r = self.read_unanswered().and_then(|owed| Ok((owed, self.answer()?)));
         let (owed, (reply, extra)) = match r {
             Ok(r) => r,
             Err(e) => {
@@ -73,6 +86,44 @@ impl RemoteScheduler {
         match (owed, reply) {
             (Some(e), _) | (None, Reply::Error(e)) => Err(e),
             (None, reply) => Ok((reply, extra)),
+        }
+    }
+
+    /// One call and its answer.
+    fn call(&mut self, call: &Call) -> ConnectorResult<Answer> {
+        self.start(call)?;
+        self.finish()
+    }
+
+    /// The answer to a `Match`.
+    pub fn read_match(&self, a: Answer) -> ConnectorResult<MatchResult> {
+        match a {
+            (Reply::Matched(m), _) => Ok(m),
+            (r, _) => Err(self.unexpected("get_num_new_matched_tokens", r)),
+        }
+    }
+
+    /// The answer to a `Meta`: the metadata's bytes.
+    pub fn read_meta(&self, a: Answer) -> ConnectorResult<Vec<u8>> {
+        match a {
+            (Reply::Meta, Some(bytes)) => Ok(bytes),
+            (r, _) => Err(self.unexpected("build_connector_meta", r)),
+        }
+    }
+
+    /// The answer to a `Finished`.
+    pub fn read_finished(&self, a: Answer) -> ConnectorResult<RequestFinished> {
+        match a {
+            (Reply::Finished(f), _) => Ok(f),
+            (r, _) => Err(self.unexpected("request_finished", r)),
+        }
+    }
+
+    /// The answer to a `Reset`.
+    pub fn read_reset(&self, a: Answer) -> ConnectorResult<bool> {
+        match a {
+            (Reply::Reset(ok), _) => Ok(ok),
+            (r, _) => Err(self.unexpected("reset_cache", r)),
         }
     }
 
@@ -127,7 +178,7 @@ impl RemoteScheduler {
     }
 
     /// Reads one answer (with the metadata's bytes after a `Meta` answer).
-    fn answer(&mut self) -> ConnectorResult<(Reply, Option<Vec<u8>>)> {
+    fn answer(&mut self) -> ConnectorResult<Answer> {
         let Some(stream) = self.stream.as_mut() else { return Err(self.io("not connected")) };
         let frame = match read_frame(stream) {
             Ok(Some(f)) => f,
@@ -158,10 +209,8 @@ impl SchedulerConnector for RemoteScheduler {
         req: &Request,
         num_computed: usize,
     ) -> ConnectorResult<MatchResult> {
-        match self.call(&Call::Match { request: req.clone(), num_computed })? {
-            (Reply::Matched(m), _) => Ok(m),
-            (r, _) => Err(self.unexpected("get_num_new_matched_tokens", r)),
-        }
+        let a = self.call(&Call::Match { request: req.clone(), num_computed })?;
+        self.read_match(a)
     }
 
     fn update_state_after_alloc(
@@ -176,10 +225,8 @@ impl SchedulerConnector for RemoteScheduler {
     }
 
     fn build_connector_meta(&mut self, step: &StepInfo) -> ConnectorResult<Vec<u8>> {
-        match self.call(&Call::Meta { step: step.clone() })? {
-            (Reply::Meta, Some(bytes)) => Ok(bytes),
-            (r, _) => Err(self.unexpected("build_connector_meta", r)),
-        }
+        let a = self.call(&Call::Meta { step: step.clone() })?;
+        self.read_meta(a)
     }
 
     fn request_finished(
@@ -187,10 +234,8 @@ impl SchedulerConnector for RemoteScheduler {
         req: &Request,
         blocks: &BlocksPerGroup,
     ) -> ConnectorResult<RequestFinished> {
-        match self.call(&Call::Finished { request: req.clone(), blocks: blocks.clone() })? {
-            (Reply::Finished(f), _) => Ok(f),
-            (r, _) => Err(self.unexpected("request_finished", r)),
-        }
+        let a = self.call(&Call::Finished { request: req.clone(), blocks: blocks.clone() })?;
+        self.read_finished(a)
     }
 
     fn take_events(&mut self) -> ConnectorResult<Vec<KvEvent>> {
@@ -201,9 +246,28 @@ impl SchedulerConnector for RemoteScheduler {
     }
 
     fn reset_cache(&mut self) -> ConnectorResult<bool> {
-        match self.call(&Call::Reset)? {
-            (Reply::Reset(ok), _) => Ok(ok),
-            (r, _) => Err(self.unexpected("reset_cache", r)),
-        }
+        let a = self.call(&Call::Reset)?;
+        self.read_reset(a)
     }
+}
+
+/// One call to each of several halves at once (vLLM's tensor-parallel ranks, each served in
+/// its own worker process): every call is sent before any answer is read, so the worker
+/// processes serve them together and the wait is about the slowest one's, not their sum.
+/// Every half a call went out to has its answer read, also after another's error, so that
+/// each connection stays in step. `call(i)` is the call of the `i`th half; `read` turns each
+/// answer into its result; the results are in the halves' order.
+pub fn call_each<'a, T>(
+    halves: impl IntoIterator<Item = &'a mut RemoteScheduler>,
+    call: impl Fn(usize) -> Call,
+    read: impl Fn(&RemoteScheduler, Answer) -> ConnectorResult<T>,
+) -> Vec<ConnectorResult<T>> {
+    let mut halves: Vec<&mut RemoteScheduler> = halves.into_iter().collect();
+    let sent: Vec<ConnectorResult<()>> =
+        halves.iter_mut().enumerate().map(|(i, h)| h.start(&call(i))).collect();
+    halves
+        .into_iter()
+        .zip(sent)
+        .map(|(h, sent)| sent.and_then(|()| h.finish()).and_then(|a| read(h, a)))
+        .collect()
 }

@@ -101,3 +101,6 @@ pub fn read_frame(r: &mut impl Read) -> io::Result<Option<Vec<u8>>> {
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod bench;

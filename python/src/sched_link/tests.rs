@@ -211,3 +211,87 @@ fn a_worker_process_that_dies_inside_a_call_fails_it_with_an_io_error_and_the_ne
     serving.join().unwrap();
     std::fs::remove_dir_all(dir.path()).unwrap();
 }
+
+/// Answers `get_num_new_matched_tokens` only once every one of `n` halves sharing `met` is
+/// inside the same call: served one after another, the first would wait alone.
+struct Rendezvous {
+    met: Arc<(Mutex<usize>, std::sync::Condvar)>,
+    n: usize,
+}
+
+impl SchedulerConnector for Rendezvous {
+    fn get_num_new_matched_tokens(&mut self, _: &Request, _: usize) -> ConnectorResult<MatchResult> {
+        let (count, cv) = &*self.met;
+        let mut c = count.lock().unwrap();
+        *c += 1;
+        cv.notify_all();
+        let (c, waited) =
+            cv.wait_timeout_while(c, std::time::Duration::from_secs(5), |c| *c < self.n).unwrap();
+        if waited.timed_out() {
+            return Err(ConnectorError::invalid(
+                "rendezvous",
+                format!("{} of {} halves were called at once", *c, self.n),
+            ));
+        }
+        Ok(MatchResult::Matched { tokens: 1, async_load: false })
+    }
+
+    fn update_state_after_alloc(&mut self, _: &Request, _: &BlocksPerGroup, _: usize) -> ConnectorResult<()> {
+        Ok(())
+    }
+
+    fn build_connector_meta(&mut self, _: &StepInfo) -> ConnectorResult<Vec<u8>> {
+        Ok(Vec::new())
+    }
+
+    fn request_finished(&mut self, _: &Request, _: &BlocksPerGroup) -> ConnectorResult<RequestFinished> {
+        Ok(RequestFinished { delay_free: false, transfer_params: None })
+    }
+}
+
+#[test]
+fn every_rank_is_called_before_any_answer_is_read() {
+    let met = Arc::new((Mutex::new(0), std::sync::Condvar::new()));
+    let servers: Vec<SchedulerServer> = (0..4)
+        .map(|_| {
+            SchedulerServer::start("rendezvous", Box::new(Rendezvous { met: met.clone(), n: 4 })).unwrap()
+        })
+        .collect();
+    let mut halves: Vec<RemoteScheduler> =
+        servers.iter().map(|s| RemoteScheduler::new("rendezvous", s.path().to_owned())).collect();
+    let r = req("a", 410);
+    let each = super::client::call_each(
+        &mut halves,
+        |_| super::Call::Match { request: r.clone(), num_computed: 0 },
+        RemoteScheduler::read_match,
+    );
+    for m in each {
+        assert_eq!(m.unwrap(), MatchResult::Matched { tokens: 1, async_load: false });
+    }
+}
+
+#[test]
+fn a_rank_that_is_gone_fails_its_call_and_the_other_ranks_stay_in_step() {
+    let (live, live_client, calls) = served();
+    let (gone, gone_client, _) = served();
+    let gone_path = gone.path().to_owned();
+    drop(gone);
+    let mut halves = [live_client, gone_client];
+    // An allocation owed on the live rank is read with the calls' answers.
+    halves[0].update_state_after_alloc(&req("a", 8), &blocks(&[1]), 0).unwrap();
+    let meta = |h: &mut [RemoteScheduler; 2], n: u64| {
+        super::client::call_each(h, |_| super::Call::Meta { step: step(n) }, RemoteScheduler::read_meta)
+    };
+    let each = meta(&mut halves, 1);
+    assert_eq!(each[0].as_ref().unwrap(), &1u64.to_be_bytes());
+    let e = each[1].as_ref().unwrap_err();
+    assert!(
+        matches!(e, ConnectorError::Io { .. }) && e.to_string().contains(&gone_path.display().to_string()),
+        "{e}"
+    );
+    let each = meta(&mut halves, 2);
+    assert_eq!(each[0].as_ref().unwrap(), &2u64.to_be_bytes());
+    assert!(each[1].is_err());
+    assert_eq!(*calls.lock().unwrap(), ["alloc a [1]", "meta 1", "meta 2"]);
+    drop(live);
+}
