@@ -5,6 +5,10 @@
 //! each rank's step metadata is its own half's.
 //! It remembers which prefill engines each rank loads from this step, so that rank's worker
 //! can handshake with them first.
+//!
+//! The calls to the worker processes run without the GIL: while one waits for its answer, the
+//! scheduler process's other threads (vLLM's engine core receives requests and sends outputs
+//! from threads of its own) go on.
 
 use crate::error::AdapterError;
 use crate::meta::{self, Peer, StepPeers};
@@ -171,6 +175,7 @@ impl Scheduler {
     /// says why at ERROR.
     fn get_num_new_matched_tokens(
         &self,
+        py: Python<'_>,
         request_id: &str,
         prompt_tokens: Vec<u32>,
         params_json: Option<&str>,
@@ -186,11 +191,13 @@ impl Scheduler {
                 return Ok((Some(0), false));
             }
         };
-        let each = self.call_each(
-            "get_num_new_matched_tokens",
-            |r| Call::Match { request: reqs[r].clone(), num_computed },
-            RemoteScheduler::read_match,
-        )?;
+        let each = py.detach(|| {
+            self.call_each(
+                "get_num_new_matched_tokens",
+                |r| Call::Match { request: reqs[r].clone(), num_computed },
+                RemoteScheduler::read_match,
+            )
+        })?;
         Ok(match tp_ranks::combine_matches(&each) {
             MatchResult::Pending => (None, false),
             MatchResult::Matched { tokens, async_load } => (Some(tokens), async_load),
@@ -200,6 +207,7 @@ impl Scheduler {
     /// Blocks were allocated; `num_external` tokens will be loaded into them.
     fn update_state_after_alloc(
         &self,
+        py: Python<'_>,
         request_id: &str,
         prompt_tokens: Vec<u32>,
         params_json: Option<&str>,
@@ -227,13 +235,15 @@ impl Scheduler {
                 .map_err(|e| AdapterError::Setup(format!("request {request_id}: {e}")))?;
             reqs.push((rr, peers));
         }
-        self.each("update_state_after_alloc", |r, rank| {
-            let (rr, peers) = &reqs[r];
-            rank.conn.update_state_after_alloc(rr, &b, num_external)?;
-            for (engine_id, addr) in peers.iter().flatten() {
-                rank.peers.add(request_id, Peer { engine_id: engine_id.clone(), addr: addr.clone() });
-            }
-            Ok(())
+        py.detach(|| {
+            self.each("update_state_after_alloc", |r, rank| {
+                let (rr, peers) = &reqs[r];
+                rank.conn.update_state_after_alloc(rr, &b, num_external)?;
+                for (engine_id, addr) in peers.iter().flatten() {
+                    rank.peers.add(request_id, Peer { engine_id: engine_id.clone(), addr: addr.clone() });
+                }
+                Ok(())
+            })
         })?;
         Ok(())
     }
@@ -251,17 +261,25 @@ impl Scheduler {
             scheduled: scheduled.into_iter().map(RequestId).collect(),
             finished: finished.into_iter().map(RequestId).collect(),
         };
-        let each = self.ranks_do("build_connector_meta", |ranks| {
-            let call = |_| Call::Meta { step: info.clone() };
-            let inner =
-                client::call_each(ranks.iter_mut().map(|r| &mut r.conn), call, RemoteScheduler::read_meta);
-            ranks
-                .iter_mut()
-                .zip(inner)
-                .map(|(rank, inner)| {
-                    Ok((std::mem::take(&mut rank.peers), inner.map_err(self.err("build_connector_meta"))?))
-                })
-                .collect::<Result<Vec<_>, AdapterError>>()
+        let each = py.detach(|| {
+            self.ranks_do("build_connector_meta", |ranks| {
+                let call = |_| Call::Meta { step: info.clone() };
+                let inner = client::call_each(
+                    ranks.iter_mut().map(|r| &mut r.conn),
+                    call,
+                    RemoteScheduler::read_meta,
+                );
+                ranks
+                    .iter_mut()
+                    .zip(inner)
+                    .map(|(rank, inner)| {
+                        Ok((
+                            std::mem::take(&mut rank.peers),
+                            inner.map_err(self.err("build_connector_meta"))?,
+                        ))
+                    })
+                    .collect::<Result<Vec<_>, AdapterError>>()
+            })
         })?;
         let bytes = meta::encode(&each).map_err(AdapterError::Meta)?;
         Ok(PyBytes::new(py, &bytes))
@@ -270,8 +288,9 @@ impl Scheduler {
     /// Empties every rank's store (vLLM's `/reset_prefix_cache?reset_external=true`): true
     /// when every rank's half emptied its own, false when one could not now (vLLM's caller
     /// may retry). Every rank is asked, whatever the others answered.
-    fn reset_cache(&self) -> PyResult<bool> {
-        let each = self.call_each("reset_cache", |_| Call::Reset, RemoteScheduler::read_reset)?;
+    fn reset_cache(&self, py: Python<'_>) -> PyResult<bool> {
+        let each =
+            py.detach(|| self.call_each("reset_cache", |_| Call::Reset, RemoteScheduler::read_reset))?;
         Ok(each.into_iter().all(|ok| ok))
     }
 
@@ -281,12 +300,17 @@ impl Scheduler {
     /// since every rank stores its share of the same blocks under the same hashes (the
     /// other ranks' queues are bounded and drop their oldest).
     #[allow(clippy::type_complexity)]
-    fn take_events(&self) -> PyResult<Vec<(&'static str, Vec<u64>, Option<u64>, Vec<u32>, u32, String)>> {
-        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(rank) = st.ranks.first_mut() else {
-            return Err(AdapterError::NotAttached { call: "take_events" }.into());
-        };
-        let events = rank.conn.take_events().map_err(self.err("take_events"))?;
+    fn take_events(
+        &self,
+        py: Python<'_>,
+    ) -> PyResult<Vec<(&'static str, Vec<u64>, Option<u64>, Vec<u32>, u32, String)>> {
+        let events = py.detach(|| {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(rank) = st.ranks.first_mut() else {
+                return Err(AdapterError::NotAttached { call: "take_events" });
+            };
+            rank.conn.take_events().map_err(self.err("take_events"))
+        })?;
         Ok(events
             .into_iter()
             .map(|e| match e {
@@ -310,6 +334,7 @@ impl Scheduler {
     /// them; at several ranks the params list every rank's own (`kvconnect_api::tp_ranks`).
     fn request_finished(
         &self,
+        py: Python<'_>,
         request_id: &str,
         prompt_tokens: Vec<u32>,
         params_json: Option<&str>,
@@ -317,11 +342,13 @@ impl Scheduler {
     ) -> PyResult<(bool, Option<String>)> {
         let req = request(request_id, prompt_tokens, params_json)?;
         let b = blocks(block_ids);
-        let each = self.call_each(
-            "request_finished",
-            |_| Call::Finished { request: req.clone(), blocks: b.clone() },
-            RemoteScheduler::read_finished,
-        )?;
+        let each = py.detach(|| {
+            self.call_each(
+                "request_finished",
+                |_| Call::Finished { request: req.clone(), blocks: b.clone() },
+                RemoteScheduler::read_finished,
+            )
+        })?;
         let r = tp_ranks::combine_finished(each);
         let params = r.transfer_params.map(|m| Value::Object(m).to_string());
         Ok((r.delay_free, params))

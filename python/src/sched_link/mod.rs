@@ -21,9 +21,12 @@ use std::io::{self, Read, Write};
 /// Frames above this are refused before their body is read.
 const MAX_FRAME: usize = 256 << 20;
 
-/// One scheduler-half call.
+/// One scheduler-half call, tagged by the variant's name as its one key (`{"match": {...}}`):
+/// read in one pass. A tag among the fields (`{"call": "match", ...}`) would have the reader
+/// keep the whole call aside first, and a 410-token prompt then took 11-14 µs to read instead
+/// of 4.5.
 #[derive(Debug, Serialize, Deserialize)]
-#[serde(tag = "call", rename_all = "snake_case")]
+#[serde(rename_all = "snake_case")]
 pub enum Call {
     /// `get_num_new_matched_tokens`.
     Match { request: Request, num_computed: usize },
