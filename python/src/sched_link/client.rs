@@ -43,12 +43,21 @@ pub struct RemoteScheduler {
     stream: Option<UnixStream>,
     /// `update_state_after_alloc` calls sent whose answers are still unread.
     unanswered: usize,
+    /// How long one call may take ([`CALL_TIMEOUT`]).
+    timeout: Duration,
 }
 
 impl RemoteScheduler {
     /// Calls the half served at `path` (connector `name`, for messages).
     pub fn new(name: &str, path: PathBuf) -> RemoteScheduler {
-        RemoteScheduler { name: name.to_owned(), path, stream: None, unanswered: 0 }
+        RemoteScheduler { name: name.to_owned(), path, stream: None, unanswered: 0, timeout: CALL_TIMEOUT }
+    }
+
+    /// The same, with calls that may take `timeout` (tests).
+    #[cfg(test)]
+    pub fn with_timeout(mut self, timeout: Duration) -> RemoteScheduler {
+        self.timeout = timeout;
+        self
     }
 
     fn io(&self, what: impl std::fmt::Display) -> ConnectorError {
@@ -151,13 +160,24 @@ impl RemoteScheduler {
     fn send(&mut self, call: &Call) -> ConnectorResult<()> {
         if self.stream.is_none() {
             let s = UnixStream::connect(&self.path).map_err(|e| self.io(format!("cannot connect: {e}")))?;
-            s.set_read_timeout(Some(CALL_TIMEOUT)).map_err(|e| self.io(e))?;
-            s.set_write_timeout(Some(CALL_TIMEOUT)).map_err(|e| self.io(e))?;
+            s.set_read_timeout(Some(self.timeout)).map_err(|e| self.io(e))?;
+            s.set_write_timeout(Some(self.timeout)).map_err(|e| self.io(e))?;
             self.stream = Some(s);
         }
         let body = serde_json::to_vec(call).map_err(|e| self.io(format!("cannot encode the call: {e}")))?;
         let Some(stream) = self.stream.as_mut() else { return Err(self.io("not connected")) };
-        write_frame(stream, &body).map_err(|e| self.io(e))
+        write_frame(stream, &body).map_err(|e| self.io_failed(e, "the call not taken"))
+    }
+
+    /// An I/O error of the link; a timeout says what did not come in time (`late`: "no
+    /// answer", "the call not taken").
+    fn io_failed(&self, e: std::io::Error, late: &str) -> ConnectorError {
+        match e.kind() {
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                self.io(format!("{late} within {} s", self.timeout.as_secs_f64()))
+            }
+            _ => self.io(e),
+        }
     }
 
     /// Reads the answers owed to calls sent without waiting: the first error the connector
@@ -183,7 +203,7 @@ impl RemoteScheduler {
         let frame = match read_frame(stream) {
             Ok(Some(f)) => f,
             Ok(None) => return Err(self.io("the connection closed")),
-            Err(e) => return Err(self.io(e)),
+            Err(e) => return Err(self.io_failed(e, "no answer")),
         };
         let reply: Reply = serde_json::from_slice(&frame)
             .map_err(|e| self.io(format!("an answer that cannot be read: {e}")))?;
@@ -194,7 +214,7 @@ impl RemoteScheduler {
         match read_frame(stream) {
             Ok(Some(bytes)) => Ok((reply, Some(bytes))),
             Ok(None) => Err(self.io("the connection closed inside an answer")),
-            Err(e) => Err(self.io(e)),
+            Err(e) => Err(self.io_failed(e, "no answer")),
         }
     }
 

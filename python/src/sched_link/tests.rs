@@ -295,3 +295,36 @@ fn a_rank_that_is_gone_fails_its_call_and_the_other_ranks_stay_in_step() {
     assert_eq!(*calls.lock().unwrap(), ["alloc a [1]", "meta 1", "meta 2"]);
     drop(live);
 }
+
+#[test]
+fn a_worker_process_stuck_inside_a_call_fails_it_after_the_time_limit_and_the_next_call_reconnects() {
+    use std::os::unix::net::UnixListener;
+    let dir =
+        kvconnect_cache_dir::CacheDir::create_unique(&std::env::temp_dir(), "kvconnect-link-test", "TMPDIR")
+            .unwrap();
+    let path = dir.path().join("scheduler.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    // A worker that reads the call and never answers (its connection stays open until the
+    // test ends); then, on the next connection, one that serves.
+    let (stuck_tx, stuck_rx) = std::sync::mpsc::channel::<()>();
+    let worker = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let _ = super::read_frame(&mut s).unwrap().unwrap();
+        let (mut s2, _) = listener.accept().unwrap();
+        let _ = super::read_frame(&mut s2).unwrap().unwrap();
+        super::write_frame(&mut s2, &serde_json::to_vec(&super::Reply::Meta).unwrap()).unwrap();
+        super::write_frame(&mut s2, b"m2").unwrap();
+        let _ = stuck_rx.recv();
+        drop(s);
+    });
+    let mut c =
+        RemoteScheduler::new("recorder", path.clone()).with_timeout(std::time::Duration::from_millis(300));
+    let e = c.build_connector_meta(&step(1)).unwrap_err();
+    assert!(matches!(e, ConnectorError::Io { .. }), "{e:?}");
+    let text = e.to_string();
+    assert!(text.contains("no answer within 0.3 s") && text.contains(&path.display().to_string()), "{text}");
+    assert_eq!(c.build_connector_meta(&step(2)).unwrap(), b"m2", "a new connection, answered");
+    stuck_tx.send(()).unwrap();
+    worker.join().unwrap();
+    std::fs::remove_dir_all(dir.path()).unwrap();
+}
