@@ -225,6 +225,15 @@ pub trait SchedulerConnector: Send {
         num_computed: usize,
     ) -> ConnectorResult<MatchResult>;
 
+    /// Whether [`get_num_new_matched_tokens`](Self::get_num_new_matched_tokens) answers every
+    /// request whose `kv_transfer_params` do not ask for a remote prefill (no
+    /// `do_remote_prefill: true`) with 0 tokens, synchronous, changing nothing: a host may
+    /// then answer those requests itself, without the call (inside vLLM, a round trip to the
+    /// worker process). False by default: a connector with a cache matches any request.
+    fn matches_only_remote_prefills(&self) -> bool {
+        false
+    }
+
     /// Blocks were allocated for `req`; `num_external_tokens` of them will be loaded.
     fn update_state_after_alloc(
         &mut self,

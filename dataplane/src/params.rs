@@ -49,6 +49,12 @@ fn flag(req: &Request, key: &str) -> bool {
     req.kv_transfer_params.get(key).and_then(Value::as_bool).unwrap_or(false)
 }
 
+/// True when the request is a decode's that loads its prompt's KV from a prefill engine
+/// (`do_remote_prefill`).
+pub fn asks_remote_prefill(req: &Request) -> bool {
+    flag(req, "do_remote_prefill")
+}
+
 /// True when the client asked prefill to keep the KV for a remote decode.
 pub fn wants_remote_decode(req: &Request) -> bool {
     flag(req, "do_remote_decode")
@@ -69,7 +75,7 @@ impl TransferParams {
     /// The params of a decode request that carries `do_remote_prefill`; `None` for any other
     /// request; an error of `connector` naming the field when the params are malformed.
     pub fn from_request(connector: &str, req: &Request) -> Result<Option<TransferParams>, ConnectorError> {
-        if !flag(req, "do_remote_prefill") {
+        if !asks_remote_prefill(req) {
             return Ok(None);
         }
         let params: TransferParams = serde_json::from_value(Value::Object(req.kv_transfer_params.clone()))

@@ -152,6 +152,9 @@ class WorkerCore:
     def scheduler_socket(self) -> str:
         return self.native.scheduler_socket()
 
+    def scheduler_matches_only_remote_prefills(self) -> bool:
+        return bool(self.native.scheduler_matches_only_remote_prefills())
+
     def shutdown(self) -> None:
         self.native.shutdown()
 
@@ -167,9 +170,11 @@ class SchedulerCore:
     def summary(self) -> str:
         return self.native.summary()
 
-    def attach(self, sockets: list[str]) -> None:
-        """The workers' scheduler halves, one socket per TP rank in rank order."""
-        self.native.attach(list(sockets))
+    def attach(self, sockets: list[str], matches_only_remote_prefills: bool = False) -> None:
+        """The workers' scheduler halves, one socket per TP rank in rank order;
+        `matches_only_remote_prefills`: every rank's half matches only decodes' requests, so
+        the others are answered here (0 tokens) without a call."""
+        self.native.attach(list(sockets), bool(matches_only_remote_prefills))
 
     def get_num_new_matched_tokens(self, req_id: str, prompt: list[int], params: Optional[dict],
                                    num_computed_tokens: int) -> tuple[Optional[int], bool]:

@@ -71,9 +71,12 @@ class KvconnectHandshake(KVConnectorHandshakeMetadata):
     """What each worker hands vLLM's scheduler process at startup: where it serves its TP
     rank's half of the kvconnect connector's scheduler. Both halves run in the worker process,
     as in kvconnect's own workers, so a cache connector's halves share its store; each rank
-    has its own connector, and the scheduler asks every rank's half and combines them."""
+    has its own connector, and the scheduler asks every rank's half and combines them.
+    `matches_only_remote_prefills`: the half matches only decodes' requests (a transport), so
+    the scheduler answers the others itself, without a call."""
 
     scheduler_socket: str
+    matches_only_remote_prefills: bool = False
 
 
 @dataclass
@@ -451,7 +454,10 @@ class KvconnectConnector(KVConnectorBase_V1):
         return self._core.stats()
 
     def get_handshake_metadata(self) -> Optional[KVConnectorHandshakeMetadata]:
-        return None if self._worker is None else KvconnectHandshake(scheduler_socket=self._worker.scheduler_socket())
+        if self._worker is None:
+            return None
+        return KvconnectHandshake(scheduler_socket=self._worker.scheduler_socket(),
+                                  matches_only_remote_prefills=self._worker.scheduler_matches_only_remote_prefills())
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if self._worker is None:
@@ -506,7 +512,7 @@ class KvconnectConnector(KVConnectorBase_V1):
     def set_xfer_handshake_metadata(self, metadata) -> None:
         if self._scheduler is None:
             return
-        by_rank = {int(r): m.scheduler_socket for r, m in (metadata or {}).items() if isinstance(m, KvconnectHandshake)}
+        by_rank = {int(r): m for r, m in (metadata or {}).items() if isinstance(m, KvconnectHandshake)}
         tp = int(self._vllm_config.parallel_config.tensor_parallel_size)
         missing = [r for r in range(tp) if r not in by_rank]
         if missing:
@@ -514,9 +520,11 @@ class KvconnectConnector(KVConnectorBase_V1):
                 f"kvconnect: vLLM's workers of TP rank(s) {missing} (of {tp}) serve no kvconnect scheduler half; "
                 "run the same kvconnect in vLLM's scheduler and every worker"
             )
-        sockets = [by_rank[r] for r in range(tp)]
-        self._sched.attach(sockets)
-        logger.info("kvconnect scheduler: the connector's scheduler halves run in the workers, at %s", ", ".join(sockets))
+        sockets = [by_rank[r].scheduler_socket for r in range(tp)]
+        local = all(by_rank[r].matches_only_remote_prefills for r in range(tp))
+        self._sched.attach(sockets, local)
+        logger.info("kvconnect scheduler: the connector's scheduler halves run in the workers, at %s%s", ", ".join(sockets),
+                    "; requests that are not decodes' match nothing, answered here" if local else "")
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
         # Every token the connector has, up to the prompt's last (which vLLM computes to sample

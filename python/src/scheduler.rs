@@ -20,6 +20,7 @@ use kvconnect_api::{
     BlockId, BlocksPerGroup, ConnectorResult, KvEvent, MatchResult, Request, RequestId, SchedulerConnector,
     StepInfo,
 };
+use kvconnect_dataplane::params::asks_remote_prefill;
 use kvconnect_server::peers::remote_peer;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -39,6 +40,8 @@ struct Rank {
 struct State {
     /// Every rank's half, in rank order, once vLLM handed over their sockets.
     ranks: Vec<Rank>,
+    /// Every rank's half matches only decodes' requests: the others are answered here.
+    matches_only_remote_prefills: bool,
 }
 
 /// The scheduler half of a kvconnect connector inside vLLM.
@@ -140,14 +143,16 @@ impl Scheduler {
         Ok(Scheduler {
             name,
             summary: setup.summary(),
-            state: Mutex::new(State { ranks: Vec::new() }),
+            state: Mutex::new(State { ranks: Vec::new(), matches_only_remote_prefills: false }),
             refused_loads: AtomicU64::new(0),
         })
     }
 
     /// The sockets at which the worker processes serve their ranks' scheduler halves
-    /// (`Worker.scheduler_socket`), in TP rank order, as vLLM's handshake metadata carried them.
-    fn attach(&self, sockets: Vec<String>) {
+    /// (`Worker.scheduler_socket`), in TP rank order, as vLLM's handshake metadata carried them;
+    /// whether every one of those halves matches only decodes' requests
+    /// (`Worker.scheduler_matches_only_remote_prefills`).
+    fn attach(&self, sockets: Vec<String>, matches_only_remote_prefills: bool) {
         let ranks = sockets
             .iter()
             .map(|s| Rank {
@@ -155,7 +160,9 @@ impl Scheduler {
                 peers: StepPeers::default(),
             })
             .collect();
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).ranks = ranks;
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.ranks = ranks;
+        st.matches_only_remote_prefills = matches_only_remote_prefills;
     }
 
     /// Connector, role, effective layout and compat hash, in one line.
@@ -172,7 +179,8 @@ impl Scheduler {
     /// `(tokens, async)`; `tokens` is None while the connector cannot tell yet: what every
     /// rank can load. A request whose producer ran at a TP size that does not divide this
     /// engine's (nor it the other) loads nothing: its prompt is computed here, and the log
-    /// says why at ERROR.
+    /// says why at ERROR. A request that is not a decode's (no `do_remote_prefill`) is
+    /// answered here, 0 tokens, where every rank's half matches only decodes' requests.
     fn get_num_new_matched_tokens(
         &self,
         py: Python<'_>,
@@ -182,6 +190,10 @@ impl Scheduler {
         num_computed: usize,
     ) -> PyResult<(Option<usize>, bool)> {
         let req = request(request_id, prompt_tokens, params_json)?;
+        let local = self.state.lock().unwrap_or_else(|p| p.into_inner()).matches_only_remote_prefills;
+        if local && !asks_remote_prefill(&req) {
+            return Ok((Some(0), false));
+        }
         let n = self.ranks();
         let reqs = match (0..n).map(|r| Self::rank_request(&req, r, n)).collect::<Result<Vec<_>, _>>() {
             Ok(reqs) => reqs,

@@ -255,6 +255,12 @@ impl Worker {
         self.scheduler.path().display().to_string()
     }
 
+    /// Whether this rank's scheduler half matches only decodes' requests (those whose params
+    /// ask for a remote prefill), for `Scheduler.attach`.
+    fn scheduler_matches_only_remote_prefills(&self) -> bool {
+        self.scheduler.matches_only_remote_prefills()
+    }
+
     /// This worker's tensor-parallel rank.
     fn tp_rank(&self) -> u32 {
         self.setup.ctx.tp_rank

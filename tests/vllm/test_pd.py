@@ -280,6 +280,13 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         for s in (pre, dec):
             if "compat hash" not in s.text():
                 raise Failed(f"{s.name} did not log its negotiated layout and compat hash\n{s.tail()}")
+        # A transport alone matches only decodes' requests, so prefill's scheduler answers its
+        # own requests without a call to the worker process; a composite with a cache child
+        # asks (joint pairs here hold lmcache: `pre_inner` None).
+        local = "requests that are not decodes' match nothing, answered here" in pre.text()
+        if local != ((pre_inner or {}).get("kv_connector") == "NixlConnector"):
+            raise Failed(f"{label}: prefill's scheduler {'answers' if local else 'asks about'} requests that are not "
+                         f"decodes' (expected: answered itself for a transport alone)\n{pre.tail()}")
         got = [tokens_of(pd_complete(pre.url, dec.url, p, f"pd-{label}-{i}")) for i, p in enumerate(ps)]
         for i, (g, e) in enumerate(zip(got, expected)):
             if g != e:

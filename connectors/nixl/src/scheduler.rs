@@ -69,6 +69,11 @@ impl NixlScheduler {
 }
 
 impl SchedulerConnector for NixlScheduler {
+    /// A transport: it matches only a decode's request, from the params prefill returned.
+    fn matches_only_remote_prefills(&self) -> bool {
+        true
+    }
+
     fn get_num_new_matched_tokens(
         &mut self,
         req: &Request,
@@ -305,6 +310,34 @@ mod tests {
         // The load is as it was matched.
         assert!(meta.loads.iter().all(|l| l.sync == sync), "{:?}", meta.loads);
         meta.loads
+    }
+
+    /// What `matches_only_remote_prefills` declares, and hosts act on: a request that is not a
+    /// decode's matches nothing and changes nothing, so a step is the same whether the
+    /// scheduler asked about it or not.
+    #[test]
+    fn only_a_decodes_request_matches_so_the_others_need_not_be_asked() {
+        let m = model(2, 2, 8);
+        let eff = effective(&m, KvLayout::HND, 32);
+        let ctx = context(&m, &eff, KvRole::Both, "both", json!({}));
+        let mut asked = NixlScheduler::new(&ctx, NixlConfig::default());
+        let mut not_asked = NixlScheduler::new(&ctx, NixlConfig::default());
+        assert!(asked.matches_only_remote_prefills());
+        let blocks = BlocksPerGroup(vec![vec![BlockId(1), BlockId(2)]]);
+        let params = [json!({}), json!({"do_remote_decode": true}), json!({"do_remote_prefill": false})];
+        for (i, p) in params.into_iter().enumerate() {
+            let Value::Object(p) = p else { unreachable!("params are an object") };
+            let req =
+                Request { id: RequestId(format!("r{i}")), prompt_tokens: vec![1; 70], kv_transfer_params: p };
+            assert_eq!(
+                asked.get_num_new_matched_tokens(&req, 0).unwrap(),
+                MatchResult::Matched { tokens: 0, async_load: false }
+            );
+            asked.update_state_after_alloc(&req, &blocks, 0).unwrap();
+            not_asked.update_state_after_alloc(&req, &blocks, 0).unwrap();
+        }
+        let step = |s: &mut NixlScheduler| s.build_connector_meta(&StepInfo::default()).unwrap();
+        assert_eq!(step(&mut asked), step(&mut not_asked));
     }
 
     #[test]

@@ -221,6 +221,23 @@ mod tests {
         s.lock().unwrap().calls.clone()
     }
 
+    /// The composite matches only decodes' requests where every child does: a cache child
+    /// matches any request. A request it was not asked about is allocated as one that matched
+    /// nothing in every child.
+    #[test]
+    fn only_remote_prefills_where_every_child_says_so() {
+        let (f, sa, sb, cfg) = setup("");
+        sb.lock().unwrap().only_remote_prefills = true;
+        assert!(!f.create_scheduler(&ctx(&cfg)).unwrap().matches_only_remote_prefills(), "a is a cache");
+        sa.lock().unwrap().only_remote_prefills = true;
+        let mut s = f.create_scheduler(&ctx(&cfg)).unwrap();
+        assert!(s.matches_only_remote_prefills());
+        s.update_state_after_alloc(&req("r1"), &blocks(), 0).unwrap();
+        for c in [&sa, &sb] {
+            assert!(calls(c).contains(&"alloc r1 0 blocks=2".to_owned()), "{:?}", calls(c));
+        }
+    }
+
     #[test]
     fn first_hit_lookup_routes_the_load_to_the_winner() {
         let (f, sa, sb, cfg) = setup("");

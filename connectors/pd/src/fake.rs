@@ -43,6 +43,8 @@ pub struct Script {
     pub bound: Vec<Vec<u8>>,
     /// Handed out (and emptied) by the next `take_events`.
     pub events: Vec<KvEvent>,
+    /// Declares `matches_only_remote_prefills` (a transport's answer).
+    pub only_remote_prefills: bool,
 }
 
 /// Shared script of one fake child.
@@ -121,6 +123,9 @@ fn ids(v: Vec<String>) -> Vec<RequestId> {
 }
 
 impl SchedulerConnector for FakeHalf {
+    fn matches_only_remote_prefills(&self) -> bool {
+        self.s.lock().unwrap().only_remote_prefills
+    }
     fn get_num_new_matched_tokens(&mut self, req: &Request, n: usize) -> ConnectorResult<MatchResult> {
         self.log(format!("lookup {} {n}", req.id));
         let s = self.s.lock().unwrap();

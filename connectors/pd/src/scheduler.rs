@@ -48,6 +48,12 @@ impl PdScheduler {
 }
 
 impl SchedulerConnector for PdScheduler {
+    /// Where every child does (transports alone; a cache child matches any request). A
+    /// request it is not asked about is allocated as if every child had matched nothing.
+    fn matches_only_remote_prefills(&self) -> bool {
+        self.children.iter().all(|(_, c)| c.matches_only_remote_prefills())
+    }
+
     fn get_num_new_matched_tokens(
         &mut self,
         req: &Request,

@@ -32,6 +32,8 @@ pub struct SchedulerCounters {
 pub struct SchedulerServer {
     path: PathBuf,
     counters: Arc<SchedulerCounters>,
+    /// The half's `matches_only_remote_prefills`.
+    matches_only_remote_prefills: bool,
     // Kept for its lock; the directory and socket are removed on drop.
     dir: CacheDir,
 }
@@ -48,6 +50,7 @@ impl SchedulerServer {
             .map_err(|e| err(e.to_string()))?;
         let path = dir.path().join("scheduler.sock");
         let listener = UnixListener::bind(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
+        let matches_only_remote_prefills = conn.matches_only_remote_prefills();
         let conn = Arc::new(Mutex::new(Half { conn, poison: None }));
         let counters = Arc::new(SchedulerCounters::default());
         let served = counters.clone();
@@ -66,7 +69,13 @@ impl SchedulerServer {
                 }
             })
             .map_err(|e| err(e.to_string()))?;
-        Ok(SchedulerServer { path, counters, dir })
+        Ok(SchedulerServer { path, counters, matches_only_remote_prefills, dir })
+    }
+
+    /// Whether the half matches only decodes' requests (`SchedulerConnector::
+    /// matches_only_remote_prefills`): the scheduler process then answers the others itself.
+    pub fn matches_only_remote_prefills(&self) -> bool {
+        self.matches_only_remote_prefills
     }
 
     /// What the half decided so far.
