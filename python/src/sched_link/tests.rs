@@ -176,14 +176,26 @@ fn a_connector_that_panics_answers_the_panic_then_refuses_every_call_as_poisoned
     }
 }
 
-#[test]
-fn a_worker_process_that_dies_inside_a_call_fails_it_with_an_io_error_and_the_next_call_reconnects() {
-    use std::os::unix::net::UnixListener;
+/// A socket in a fresh directory for a scripted worker process to serve by hand.
+fn worker_socket() -> (kvconnect_cache_dir::CacheDir, std::path::PathBuf, std::os::unix::net::UnixListener) {
     let dir =
         kvconnect_cache_dir::CacheDir::create_unique(&std::env::temp_dir(), "kvconnect-link-test", "TMPDIR")
             .unwrap();
     let path = dir.path().join("scheduler.sock");
-    let listener = UnixListener::bind(&path).unwrap();
+    let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+    (dir, path, listener)
+}
+
+/// Reads one call on `s` and answers it as a `build_connector_meta` with `bytes`.
+fn answer_meta(s: &mut std::os::unix::net::UnixStream, bytes: &[u8]) {
+    let _ = super::read_frame(s).unwrap().unwrap();
+    super::write_frame(s, &serde_json::to_vec(&super::Reply::Meta).unwrap()).unwrap();
+    super::write_frame(s, bytes).unwrap();
+}
+
+#[test]
+fn a_worker_process_that_dies_inside_a_call_fails_it_with_an_io_error_and_the_next_call_reconnects() {
+    let (dir, path, listener) = worker_socket();
     // A worker that reads the call and is gone before it answers; then, on the next
     // connection, one that serves.
     let dying = std::thread::spawn(move || {
@@ -203,9 +215,7 @@ fn a_worker_process_that_dies_inside_a_call_fails_it_with_an_io_error_and_the_ne
     assert!(String::from_utf8_lossy(&call).contains("\"meta\""));
     let serving = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        let _ = super::read_frame(&mut s).unwrap().unwrap();
-        super::write_frame(&mut s, &serde_json::to_vec(&super::Reply::Meta).unwrap()).unwrap();
-        super::write_frame(&mut s, b"m2").unwrap();
+        answer_meta(&mut s, b"m2");
     });
     assert_eq!(c.build_connector_meta(&step(2)).unwrap(), b"m2");
     serving.join().unwrap();
@@ -298,12 +308,7 @@ fn a_rank_that_is_gone_fails_its_call_and_the_other_ranks_stay_in_step() {
 
 #[test]
 fn a_worker_process_stuck_inside_a_call_fails_it_after_the_time_limit_and_the_next_call_reconnects() {
-    use std::os::unix::net::UnixListener;
-    let dir =
-        kvconnect_cache_dir::CacheDir::create_unique(&std::env::temp_dir(), "kvconnect-link-test", "TMPDIR")
-            .unwrap();
-    let path = dir.path().join("scheduler.sock");
-    let listener = UnixListener::bind(&path).unwrap();
+    let (dir, path, listener) = worker_socket();
     // A worker that reads the call and never answers (its connection stays open until the
     // test ends); then, on the next connection, one that serves.
     let (stuck_tx, stuck_rx) = std::sync::mpsc::channel::<()>();
@@ -311,9 +316,7 @@ fn a_worker_process_stuck_inside_a_call_fails_it_after_the_time_limit_and_the_ne
         let (mut s, _) = listener.accept().unwrap();
         let _ = super::read_frame(&mut s).unwrap().unwrap();
         let (mut s2, _) = listener.accept().unwrap();
-        let _ = super::read_frame(&mut s2).unwrap().unwrap();
-        super::write_frame(&mut s2, &serde_json::to_vec(&super::Reply::Meta).unwrap()).unwrap();
-        super::write_frame(&mut s2, b"m2").unwrap();
+        answer_meta(&mut s2, b"m2");
         let _ = stuck_rx.recv();
         drop(s);
     });
