@@ -179,11 +179,11 @@ class SchedulerCore:
     def get_num_new_matched_tokens(self, req_id: str, prompt: list[int], params: Optional[dict],
                                    num_computed_tokens: int) -> tuple[Optional[int], bool]:
         """External tokens to load (None: not known yet) and whether the load is asynchronous."""
-        return self.native.get_num_new_matched_tokens(req_id, list(prompt), _params(params), int(num_computed_tokens))
+        return self.native.get_num_new_matched_tokens(req_id, prompt, _params(params), int(num_computed_tokens))
 
     def update_state_after_alloc(self, req_id: str, prompt: list[int], params: Optional[dict],
                                  blocks: list[list[int]], num_external_tokens: int) -> None:
-        self.native.update_state_after_alloc(req_id, list(prompt), _params(params), blocks, int(num_external_tokens))
+        self.native.update_state_after_alloc(req_id, prompt, _params(params), blocks, int(num_external_tokens))
 
     def build_connector_meta(self, scheduled: list[str], finished: list[str]) -> bytes:
         """The next step's metadata for the workers (the step is counted here)."""
@@ -193,7 +193,7 @@ class SchedulerCore:
     def request_finished(self, req_id: str, prompt: list[int], params: Optional[dict],
                          blocks: list[list[int]]) -> tuple[bool, Optional[dict]]:
         """Whether the request's blocks stay held for a peer, and the params it returns."""
-        delay, out = self.native.request_finished(req_id, list(prompt), _params(params), blocks)
+        delay, out = self.native.request_finished(req_id, prompt, _params(params), blocks)
         return bool(delay), (json.loads(out) if out is not None else None)
 
 

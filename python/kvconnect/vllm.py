@@ -116,6 +116,9 @@ _PROM_COUNTERS = [
      "Requests vLLM preempted after they loaded external KV (the loaded KV is dropped and recomputed or loaded again)."),
     ("loads_refused_tp", "vllm:kvconnect_loads_refused_tp",
      "Requests computed here instead of loaded because their producer ran at a tensor-parallel size that does not divide this server's."),
+    ("matches_answered_here", "vllm:kvconnect_matches_answered_here",
+     "Requests matched by the scheduler itself, 0 external tokens without a round trip to the worker processes: "
+     "not a decode's, where every rank's connector matches only remote prefills (a transport alone)."),
     ("handshakes", "vllm:kvconnect_handshakes", "Side-channel handshakes with prefill engines."),
     ("handshakes_refused", "vllm:kvconnect_handshakes_refused", "Handshakes refused (descriptors differ, wrong engine)."),
     ("external_requests", "vllm:kvconnect_external_requests", "Requests scheduled to load KV from outside."),
@@ -461,9 +464,11 @@ class KvconnectConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> Optional[KVConnectorStats]:
         if self._worker is None:
-            # The scheduler's own count: preempted requests that had loaded external KV.
+            # The scheduler's own counts: preempted requests that had loaded external KV, loads
+            # refused for their producer's TP size, matches answered without the workers.
             n, self._preempted_loads = self._preempted_loads, 0
-            data = {"loads_preempted": n, "loads_refused_tp": self._scheduler.take_refused_loads()}
+            data = {"loads_preempted": n, "loads_refused_tp": self._scheduler.take_refused_loads(),
+                    "matches_answered_here": self._scheduler.take_matches_answered_here()}
             data = {k: v for k, v in data.items() if v}
             return KvconnectStats(data=data) if data else None
         delta = self._core.take_stats() or {}

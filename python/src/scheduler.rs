@@ -53,6 +53,9 @@ pub struct Scheduler {
     /// Requests computed here because their producer ran at a TP size that does not divide
     /// this engine's, since the last `take_refused_loads`.
     refused_loads: AtomicU64,
+    /// Matches answered here without a call to the workers (`matches_only_remote_prefills`),
+    /// since the last `take_matches_answered_here`.
+    matches_answered_here: AtomicU64,
 }
 
 fn request(id: &str, prompt: Vec<u32>, params: Option<&str>) -> Result<Request, AdapterError> {
@@ -145,6 +148,7 @@ impl Scheduler {
             summary: setup.summary(),
             state: Mutex::new(State { ranks: Vec::new(), matches_only_remote_prefills: false }),
             refused_loads: AtomicU64::new(0),
+            matches_answered_here: AtomicU64::new(0),
         })
     }
 
@@ -176,6 +180,14 @@ impl Scheduler {
         self.refused_loads.swap(0, Ordering::Relaxed)
     }
 
+    /// How many matches were answered here since the last call, 0 tokens without a call to
+    /// the worker processes, because every rank's half matches only decodes' requests (for
+    /// vLLM's per-interval stats: an operator sees the saved round trips, a test that they
+    /// happen).
+    fn take_matches_answered_here(&self) -> u64 {
+        self.matches_answered_here.swap(0, Ordering::Relaxed)
+    }
+
     /// `(tokens, async)`; `tokens` is None while the connector cannot tell yet: what every
     /// rank can load. A request whose producer ran at a TP size that does not divide this
     /// engine's (nor it the other) loads nothing: its prompt is computed here, and the log
@@ -192,6 +204,7 @@ impl Scheduler {
         let req = request(request_id, prompt_tokens, params_json)?;
         let local = self.state.lock().unwrap_or_else(|p| p.into_inner()).matches_only_remote_prefills;
         if local && !asks_remote_prefill(&req) {
+            self.matches_answered_here.fetch_add(1, Ordering::Relaxed);
             return Ok((Some(0), false));
         }
         let n = self.ranks();

@@ -291,6 +291,13 @@ def run_pd(model: str, logdir: Path, ps, label: str, pre_inner, dec_inner, expec
         for i, (g, e) in enumerate(zip(got, expected)):
             if g != e:
                 raise Failed(f"{label}: prompt {i} ({len(ps[i])} tokens): P/D gave {g}, monolithic {e}")
+        # And it does so for each request (vLLM's stats trail by a step): every prefill request
+        # answered without the worker process, or, for a composite with a cache, none.
+        here = "vllm:kvconnect_matches_answered_here_total"
+        answered = wait_metric(pre.url, here, len(ps), timeout=10 if local else 3)
+        if (answered < len(ps)) if local else answered:
+            raise Failed(f"{label}: prefill's scheduler answered {answered:.0f} matches of its {len(ps)} requests itself "
+                         f"({here}); expected {'every one' if local else 'none'}")
         ext = external_tokens(dec.text())
         # Decode loads every prompt token but the last, also where that ends inside a block.
         want = [loadable(p) for p in ps if loadable(p)]
