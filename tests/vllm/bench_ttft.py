@@ -45,7 +45,9 @@ priority (SCHED_FIFO: root or an RLIMIT_RTPRIO above 0), as a client on a machin
 would: `--client auto` (the default) does where it may, else says so on stderr; `--client
 realtime` insists; `--client normal` leaves it at the normal priority. The JSON's `client` says
 which ran. The proxy of kvconnect-first and every server stay at the normal priority: their
-waits are counted.
+waits are counted. The proxy runs on decode's core, which is idle while prefill's token
+travels, as on a machine of its own. Left to the kernel, it may run on prefill's core beside
+prefill's server: pinned over unpinned, the median of 6 alternated pairs of runs was 0.974.
 
 `--breakdown` splits each P/D request's time into parts: the client's two round trips, and
 vLLM's own per-request histograms on each server (arrival to first token; queued to
@@ -456,7 +458,7 @@ def main():
                     dec.wait_healthy()
                     ext0 = metric(dec.url, *EXTERNAL)
                     if name == "kvconnect-first":
-                        proxy, proxy_url = start_proxy(pre, dec, "--first-token", "prefill")
+                        proxy, proxy_url = start_proxy(pre, dec, "--first-token", "prefill", core=dec.core)
                     try:
                         r = interleaved(a, mono, pre, dec, name, with_params, fresh,
                                         proxy_url if name == "kvconnect-first" else None)

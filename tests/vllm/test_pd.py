@@ -112,9 +112,11 @@ def kvconnect_bin() -> Path:
     return path
 
 
-def start_proxy(pre: Server, dec: Server, *flags: str):
-    """`kvconnect proxy` in front of the two servers: (the process, its URL)."""
-    proxy = subprocess.Popen([str(kvconnect_bin()), "proxy", "--prefill", pre.url, "--decode", dec.url,
+def start_proxy(pre: Server, dec: Server, *flags: str, core=None):
+    """`kvconnect proxy` in front of the two servers: (the process, its URL). `core`: the CPU
+    every thread of the proxy runs on (None: wherever the kernel puts them)."""
+    pin = ["taskset", "-c", str(core)] if core is not None else []
+    proxy = subprocess.Popen([*pin, str(kvconnect_bin()), "proxy", "--prefill", pre.url, "--decode", dec.url,
                               "--listen", "127.0.0.1:0", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
     first = proxy.stdout.readline()
