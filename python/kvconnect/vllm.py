@@ -84,8 +84,9 @@ class KvconnectStats(KVConnectorStats):
     """kvconnect's counters for one interval, as the worker's native half reports them:
     `loads_done`, `loads_failed`, `sends_done`, `sends_expired`, `handshakes`, `handshakes_refused`,
     `external_requests`, `external_tokens`, `loads_by_source_<source>` (`peer` or
-    `<connector>_<tier>`) and `cache_tokens_<connector>_<tier>`; and the adapter's own
-    `idle_steps_paced` and `idle_wait_seconds`. Every value is a count (or seconds), so
+    `<connector>_<tier>`) and `cache_tokens_<connector>_<tier>`; the adapter's own
+    `idle_steps_paced` and `idle_wait_seconds`; and the scheduler's `loads_preempted`,
+    `loads_refused_tp` and `matches_answered_here`. Every value is a count (or seconds), so
     workers' and intervals' stats add up."""
 
     def reset(self):
