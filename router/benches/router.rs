@@ -35,6 +35,14 @@
 //!   `choose` over all 256 workers, with random loads) for requests that start with a cached
 //!   prompt, each timed alone: p50 and p99.
 //!
+//! What the goal of 1 million events per second on one core counts: events as vLLM defines
+//! them (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), each as its publisher emits it. A
+//! store of a request's newly cached blocks is one event, however many blocks it carries, and
+//! each evicted block is a `BlockRemoved` of its own (`tests/vllm/event_mix.py` counts vLLM's
+//! own stream). So the figure that answers it is the steady state as published. Every phase is
+//! also given in block operations (each block stored or removed once), and in events of 16
+//! blocks, a stricter yardstick than the goal: such an event costs 16 block operations.
+//!
 //! Run: `cargo bench -p kvconnect-router --bench router`. Without `--bench` (as `cargo test`
 //! runs it) it runs once at a tiny size and checks what the index answers.
 
@@ -402,18 +410,22 @@ fn main() {
     );
     if bench {
         let met = |ok: bool| if ok { "met" } else { "NOT met" };
-        let min = |a: Quartiles, b: Quartiles| a.median.min(b.median);
-        let blocks = min(rate(t.build_blocks, &build_cpu), rate(t.steady_blocks, &steady_cpu));
-        let evs = min(rate(be, &build_cpu), rate(se, &steady_cpu));
+        let median = |n: usize, cpu: &[f64]| rate(n, cpu).median;
+        let published = median(pe, &published_cpu);
+        let blocks = median(t.build_blocks, &build_cpu).min(median(t.steady_blocks, &steady_cpu));
         println!(
-            "  goals (one core, CPU clock): >= 1 M block events/s: {}; >= 1 M events of {PER_EVENT} \
-             blocks/s: {}; >= 1 M events/s of the steady state as published: {}; route p99 < 100 µs: \
-             {} (wall clock: {})",
+            "  goals (one core, CPU clock): >= 1 M events/s as the publishers emit them, steady state: {} \
+             ({:.2} M); >= 1 M block operations/s, building and steady: {} ({:.2} M at the slower); route \
+             p99 < 100 µs: {} (wall clock: {}); not a goal, events of {PER_EVENT} blocks: {:.2} M building, \
+             {:.2} M steady",
+            met(published >= 1e6),
+            published / 1e6,
             met(blocks >= 1e6),
-            met(evs >= 1e6),
-            met(rate(pe, &published_cpu).median >= 1e6),
+            blocks / 1e6,
             met(c99 < 100e-6),
-            met(p99 < 100e-6)
+            met(p99 < 100e-6),
+            median(be, &build_cpu) / 1e6,
+            median(se, &steady_cpu) / 1e6
         );
     }
 }

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -345,6 +346,68 @@ def wait_log(server: "Server", text: str, timeout: float = 60) -> bool:
             return False
         time.sleep(1)
     return True
+
+
+class KvEvents:
+    """vLLM's KV event batches from its zmq publisher, read as vLLM's docs write a subscriber:
+    a SUB socket and `msgspec.msgpack.Decoder(KVEventBatch)`, vLLM's own classes. `bind`: this
+    end binds `endpoint` (vLLM's publisher connects to an endpoint that names a host, and binds
+    only a wildcard one); otherwise it connects."""
+
+    def __init__(self, endpoint: str, topic: bytes = b"", bind: bool = False):
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._sock = zmq.Context.instance().socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, topic)
+        self._sock.setsockopt(zmq.RCVTIMEO, 200)
+        if bind:
+            self._sock.bind(endpoint)
+        else:
+            self._sock.connect(endpoint)
+        self._events = []
+        self._lock = threading.Lock()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        import zmq
+
+        while not self._stop:
+            try:
+                _topic, _seq, payload = self._sock.recv_multipart()
+            except zmq.Again:
+                continue
+            batch = self._decoder.decode(payload)
+            with self._lock:
+                self._events.extend(batch.events)
+
+    def snapshot(self) -> list:
+        """Every event received so far, in order."""
+        with self._lock:
+            return list(self._events)
+
+    def of(self, cls_name: str, medium: str) -> list:
+        return [e for e in self.snapshot() if type(e).__name__ == cls_name and e.medium == medium]
+
+    def hashes(self, cls_name: str, medium: str) -> set:
+        return {h for e in self.of(cls_name, medium) for h in e.block_hashes}
+
+    def wait(self, cls_name: str, medium: str, want: int, timeout: float = 30) -> set:
+        """The hashes of `cls_name` events on `medium`, once there are `want` of them or
+        `timeout` seconds have passed."""
+        deadline = time.time() + timeout
+        while len(self.hashes(cls_name, medium)) < want and time.time() < deadline:
+            time.sleep(0.5)
+        return self.hashes(cls_name, medium)
+
+    def close(self):
+        self._stop = True
+        self._thread.join(5)
+        self._sock.close(0)
 
 
 @contextlib.contextmanager

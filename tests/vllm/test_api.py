@@ -31,7 +31,6 @@ computing the prompt itself). Exit status 0 when every check passed.
 import argparse
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -39,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, complete, external_tokens, free_port, kv_config, loadable, make_tiny_model, metric, run_checks,
-    serving, tokens_of, wait_metric,
+    BLOCK, Failed, KvEvents, Server, complete, external_tokens, free_port, kv_config, loadable, make_tiny_model, metric,
+    run_checks, serving, tokens_of, wait_metric,
 )
 import requests  # noqa: E402
 from test_cache import FLEXKV, LMCACHE, check_prefix_hit  # noqa: E402
@@ -59,58 +58,6 @@ DEC_BLOCKS = 9
 PROMPT_LENS = [100, 200]
 
 
-class Events:
-    """vLLM's KV event batches from its zmq publisher, decoded with vLLM's own classes. This
-    end binds `endpoint`: vLLM's publisher connects to an endpoint naming a host (and binds
-    only a wildcard one)."""
-
-    def __init__(self, endpoint: str):
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.setsockopt(zmq.RCVTIMEO, 200)
-        self._sock.bind(endpoint)
-        self.events = []
-        self._lock = threading.Lock()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        import zmq
-
-        while not self._stop:
-            try:
-                _topic, _seq, payload = self._sock.recv_multipart()
-            except zmq.Again:
-                continue
-            batch = self._decoder.decode(payload)
-            with self._lock:
-                self.events.extend(batch.events)
-
-    def of(self, cls_name: str, medium: str) -> list:
-        with self._lock:
-            return [e for e in self.events if type(e).__name__ == cls_name and e.medium == medium]
-
-    def hashes(self, cls_name: str, medium: str) -> set:
-        return {h for e in self.of(cls_name, medium) for h in e.block_hashes}
-
-    def wait(self, cls_name: str, medium: str, want: int, timeout: float = 30) -> set:
-        deadline = time.time() + timeout
-        while len(self.hashes(cls_name, medium)) < want and time.time() < deadline:
-            time.sleep(0.5)
-        return self.hashes(cls_name, medium)
-
-    def close(self):
-        self._stop = True
-        self._thread.join(5)
-        self._sock.close(0)
-
-
 def run_reset_and_events(model: str, logdir: Path, name: str, inner: dict, tier: str, cache_source: str):
     """reset_cache and take_events on a fresh server with the connector `inner`; then, on the
     same server, tests/vllm/test_cache.py's prefix hit (check_prefix_hit, with prompts of its
@@ -122,7 +69,7 @@ def run_reset_and_events(model: str, logdir: Path, name: str, inner: dict, tier:
     # Whole stored blocks before each prompt's last token: what a hit loads.
     want = sorted((len(p) - 1) // BLOCK * BLOCK for p in ps)
     port = free_port()
-    events = Events(f"tcp://127.0.0.1:{port}")
+    events = KvEvents(f"tcp://127.0.0.1:{port}", bind=True)
     srv = Server(name, model, logdir, core=0, kv_config=kv_config("kv_both", inner),
                  extra_env={"VLLM_SERVER_DEV_MODE": "1"},
                  args=["--no-enable-prefix-caching", "--kv-events-config",
@@ -136,7 +83,7 @@ def run_reset_and_events(model: str, logdir: Path, name: str, inner: dict, tier:
         stored = events.wait("BlockStored", tier, stored_blocks)
         if len(stored) < stored_blocks:
             raise Failed(f"{name}: vLLM published {len(stored)} connector blocks stored (medium {tier!r}), "
-                         f"expected {stored_blocks}; events seen: {events.events[:10]}\n{srv.tail()}")
+                         f"expected {stored_blocks}; events seen: {events.snapshot()[:10]}\n{srv.tail()}")
         print(f"ok: {name}: {len(stored)} stored blocks reached vLLM's KV event publisher as BlockStored "
               f"(medium {tier!r})")
 

@@ -20,63 +20,18 @@ Exit status 0 when every check passed.
 import argparse
 import random
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import (  # noqa: E402
-    BLOCK, Failed, Server, complete, free_port, kv_config, make_tiny_model, run_checks, serving, tokens_of,
+    BLOCK, Failed, KvEvents, Server, complete, free_port, kv_config, make_tiny_model, run_checks, serving, tokens_of,
 )
 
 # The tiny model's KV: 2 layers x (K, V) x 2 heads x 64 channels x 2 bytes = 1 KiB a token.
 CHUNK_BYTES = BLOCK * 1024
 PROMPTS = 4
 PROMPT_LEN = 3 * BLOCK + 5
-
-
-class Subscriber:
-    """A subscriber as vLLM's docs write one: a zmq SUB socket and
-    `msgspec.msgpack.Decoder(KVEventBatch)`."""
-
-    def __init__(self, endpoint: str, topic: bytes):
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._sock = zmq.Context.instance().socket(zmq.SUB)
-        self._sock.setsockopt(zmq.SUBSCRIBE, topic)
-        self._sock.setsockopt(zmq.RCVTIMEO, 200)
-        self._sock.connect(endpoint)
-        self.events = []
-        self.seqs = []
-        self._lock = threading.Lock()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self):
-        import zmq
-
-        while not self._stop:
-            try:
-                _topic, seq, payload = self._sock.recv_multipart()
-            except zmq.Again:
-                continue
-            batch = self._decoder.decode(payload)
-            with self._lock:
-                self.seqs.append(int.from_bytes(seq, "big"))
-                self.events.extend(batch.events)
-
-    def snapshot(self) -> list:
-        with self._lock:
-            return list(self.events)
-
-    def close(self):
-        self._stop = True
-        self._thread.join(5)
-        self._sock.close(0)
 
 
 def tier_events(events, medium):
@@ -96,7 +51,7 @@ def check_events(model: str, logdir: Path):
                  "local_disk": str(logdir / "lmcache-disk"),
                  "max_local_disk_size": 0.01}}
     port = free_port()
-    sub = Subscriber(f"tcp://127.0.0.1:{port}", b"kv")
+    sub = KvEvents(f"tcp://127.0.0.1:{port}", b"kv")
     srv = Server("events-lmcache", model, logdir, core=0, kv_config=kv_config("kv_both", inner),
                  args=["--kv-events-config",
                        f'{{"enable_kv_cache_events": true, "publisher": "zmq", '
