@@ -78,6 +78,48 @@ pub fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// Why a connector instance refuses every call: an earlier call of it panicked (empty until
+/// then). One home for the rule behind the plugin ABI (`ffi::panic_guard`) and wherever else a
+/// host calls a connector half in process (the vLLM adapter's scheduler link).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Poison(Option<String>);
+
+impl Poison {
+    /// Whether a call panicked.
+    pub fn is_poisoned(&self) -> bool {
+        self.0.is_some()
+    }
+
+    /// Runs `f`, the call `method` of `connector`, unless an earlier call panicked
+    /// (`Poisoned`, with that panic's message). A panic in `f` becomes `Panicked` and poisons
+    /// from then on; an error passes through and poisons nothing.
+    pub fn guard<T>(
+        &mut self,
+        connector: &str,
+        method: &str,
+        f: impl FnOnce() -> Result<T, ConnectorError>,
+    ) -> Result<T, ConnectorError> {
+        if let Some(message) = &self.0 {
+            return Err(ConnectorError::Poisoned {
+                connector: connector.to_owned(),
+                message: message.clone(),
+            });
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            Ok(r) => r,
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                self.0 = Some(format!("in {method}: {message}"));
+                Err(ConnectorError::Panicked {
+                    connector: connector.to_owned(),
+                    method: method.to_owned(),
+                    message,
+                })
+            }
+        }
+    }
+}
+
 impl ConnectorError {
     /// True when the instance that returned this is unusable from now on: the call
     /// panicked, or an earlier one did (`Poisoned`). The host must stop calling it.

@@ -1,38 +1,11 @@
 //! The panic guard: every call from the host into a plugin's connector runs inside
-//! `catch_unwind` here. A panic becomes `ConnectorError::Panicked` and poisons that
-//! instance, whose next call returns `ConnectorError::Poisoned`; the host keeps running. The
-//! exported objects the plugin-side shims call hold the connector and its poison flag.
+//! [`Poison::guard`] (`error.rs`). A panic becomes `ConnectorError::Panicked` and poisons
+//! that instance, whose next call returns `ConnectorError::Poisoned`; the host keeps running.
+//! The exported objects the plugin-side shims call hold the connector and its poison.
 
 use crate::connector::{ConnectorContext, ConnectorFactory, SchedulerConnector, WorkerConnector};
-use crate::error::panic_message;
-use crate::error::ConnectorError;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use crate::error::{ConnectorError, Poison};
 use std::sync::Mutex;
-
-/// Runs `f`, turning a panic into `Panicked` and recording it in `poison`.
-#[inline]
-fn guarded<T>(
-    connector: &str,
-    method: &str,
-    poison: &mut Option<String>,
-    f: impl FnOnce() -> Result<T, ConnectorError>,
-) -> Result<T, ConnectorError> {
-    if let Some(message) = poison {
-        return Err(ConnectorError::Poisoned { connector: connector.to_owned(), message: message.clone() });
-    }
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(r) => r,
-        Err(payload) => {
-            let message = panic_message(payload.as_ref());
-            *poison = Some(format!("in {method}: {message}"));
-            Err(ConnectorError::Panicked {
-                connector: connector.to_owned(),
-                method: method.to_owned(),
-                message,
-            })
-        }
-    }
-}
 
 /// A plugin's factory behind the ABI: the connector's factory plus a poison flag.
 pub(crate) struct ExportedFactory {
@@ -40,15 +13,14 @@ pub(crate) struct ExportedFactory {
     inner: Box<dyn ConnectorFactory>,
     // A factory is shared between threads, so its poison flag is behind a lock; factory calls
     // are setup-time, never per step.
-    poison: Mutex<Option<String>>,
+    poison: Mutex<Poison>,
 }
 
 impl ExportedFactory {
     /// Builds the factory, catching a panic in its constructor.
     pub fn new(name: &'static str, make: fn() -> Box<dyn ConnectorFactory>) -> Result<Self, ConnectorError> {
-        let mut poison = None;
-        let inner = guarded(name, "the factory constructor", &mut poison, || Ok(make()))?;
-        Ok(ExportedFactory { name, inner, poison: Mutex::new(None) })
+        let inner = Poison::default().guard(name, "the factory constructor", || Ok(make()))?;
+        Ok(ExportedFactory { name, inner, poison: Mutex::new(Poison::default()) })
     }
 
     /// The connector name.
@@ -63,9 +35,9 @@ impl ExportedFactory {
         f: impl FnOnce(&dyn ConnectorFactory) -> Result<T, ConnectorError>,
     ) -> Result<T, ConnectorError> {
         let mut poison = self.poison.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let was = poison.is_some();
-        let r = guarded(self.name, method, &mut poison, || f(self.inner.as_ref()));
-        if !was && poison.is_some() {
+        let was = poison.is_poisoned();
+        let r = poison.guard(self.name, method, || f(self.inner.as_ref()));
+        if !was && poison.is_poisoned() {
             *self.poison.lock().unwrap_or_else(|e| e.into_inner()) = poison;
         }
         r
@@ -74,13 +46,13 @@ impl ExportedFactory {
     /// Creates a scheduler half.
     pub fn create_scheduler(&self, ctx: &ConnectorContext) -> Result<ExportedScheduler, ConnectorError> {
         let inner = self.call("create_scheduler", |f| f.create_scheduler(ctx))?;
-        Ok(ExportedScheduler { name: self.name, inner, poison: None })
+        Ok(ExportedScheduler { name: self.name, inner, poison: Poison::default() })
     }
 
     /// Creates a worker half.
     pub fn create_worker(&self, ctx: &ConnectorContext) -> Result<ExportedWorker, ConnectorError> {
         let inner = self.call("create_worker", |f| f.create_worker(ctx))?;
-        Ok(ExportedWorker { name: self.name, inner, poison: None })
+        Ok(ExportedWorker { name: self.name, inner, poison: Poison::default() })
     }
 }
 
@@ -88,7 +60,7 @@ impl ExportedFactory {
 pub(crate) struct Exported<C: ?Sized> {
     name: &'static str,
     inner: Box<C>,
-    poison: Option<String>,
+    poison: Poison,
 }
 
 /// A scheduler half behind the ABI.
@@ -111,7 +83,7 @@ impl<C: ?Sized> Exported<C> {
         f: impl FnOnce(&mut C) -> Result<T, ConnectorError>,
     ) -> Result<T, ConnectorError> {
         let inner = &mut self.inner;
-        guarded(self.name, method, &mut self.poison, || f(inner.as_mut()))
+        self.poison.guard(self.name, method, || f(inner.as_mut()))
     }
 }
 
@@ -121,10 +93,10 @@ mod tests {
 
     #[test]
     fn panic_poisons_and_next_call_is_refused() {
-        let mut poison = None;
-        let r: Result<(), _> = guarded("t", "save_kv_layer", &mut poison, || panic!("boom"));
+        let mut poison = Poison::default();
+        let r: Result<(), _> = poison.guard("t", "save_kv_layer", || panic!("boom"));
         assert!(matches!(r, Err(ConnectorError::Panicked { ref message, .. }) if message == "boom"), "{r:?}");
-        let r = guarded("t", "wait_for_save", &mut poison, || Ok(()));
+        let r = poison.guard("t", "wait_for_save", || Ok(()));
         assert!(
             matches!(r, Err(ConnectorError::Poisoned { ref message, .. }) if message.contains("boom")),
             "{r:?}"
@@ -133,9 +105,9 @@ mod tests {
 
     #[test]
     fn errors_pass_through_without_poisoning() {
-        let mut poison = None;
-        let r: Result<(), _> = guarded("t", "m", &mut poison, || Err(ConnectorError::invalid("t", "no")));
+        let mut poison = Poison::default();
+        let r: Result<(), _> = poison.guard("t", "m", || Err(ConnectorError::invalid("t", "no")));
         assert!(matches!(r, Err(ConnectorError::InvalidArgument { .. })));
-        assert!(poison.is_none());
+        assert!(!poison.is_poisoned());
     }
 }

@@ -4,12 +4,11 @@
 
 use super::{read_frame, write_frame, Call, Reply};
 use crate::error::AdapterError;
-use kvconnect_api::error::panic_message;
+use kvconnect_api::error::Poison;
 use kvconnect_api::{ConnectorError, MatchResult, SchedulerConnector};
 use kvconnect_cache_dir::CacheDir;
 use std::collections::{HashMap, HashSet};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -51,7 +50,7 @@ impl SchedulerServer {
         let path = dir.path().join("scheduler.sock");
         let listener = UnixListener::bind(&path).map_err(|e| err(format!("{}: {e}", path.display())))?;
         let matches_only_remote_prefills = conn.matches_only_remote_prefills();
-        let conn = Arc::new(Mutex::new(Half { conn, poison: None }));
+        let conn = Arc::new(Mutex::new(Half { conn, poison: Poison::default() }));
         let counters = Arc::new(SchedulerCounters::default());
         let served = counters.clone();
         let name = name.to_owned();
@@ -101,7 +100,7 @@ impl Drop for SchedulerServer {
 /// it; each later call answers `Poisoned` with the same message, and the link stays up.
 struct Half {
     conn: Box<dyn SchedulerConnector>,
-    poison: Option<String>,
+    poison: Poison,
 }
 
 fn serve(name: &str, mut stream: UnixStream, conn: &Mutex<Half>, counters: &SchedulerCounters) {
@@ -130,36 +129,22 @@ fn serve(name: &str, mut stream: UnixStream, conn: &Mutex<Half>, counters: &Sche
                 return;
             }
         };
+        let method = call.method();
         let mut half = conn.lock().unwrap_or_else(|p| p.into_inner());
-        let (reply, extra) = match &half.poison {
-            Some(message) => {
-                (Err(ConnectorError::Poisoned { connector: name.to_owned(), message: message.clone() }), None)
-            }
-            None => {
-                let method = call.method();
-                let c = &mut half.conn;
-                match catch_unwind(AssertUnwindSafe(|| {
-                    dispatch(c.as_mut(), call, &mut matched_sync, counters)
-                })) {
-                    Ok(r) => r,
-                    Err(payload) => {
-                        let message = panic_message(payload.as_ref());
-                        tracing::error!(
-                            "kvconnect: connector '{name}' panicked in {method} (scheduler half): {message}"
-                        );
-                        half.poison = Some(format!("in {method}: {message}"));
-                        let e = ConnectorError::Panicked {
-                            connector: name.to_owned(),
-                            method: method.into(),
-                            message,
-                        };
-                        (Err(e), None)
-                    }
+        let Half { conn: c, poison } = &mut *half;
+        let r = poison.guard(name, method, || dispatch(c.as_mut(), call, &mut matched_sync, counters));
+        drop(half);
+        let (reply, extra) = match r {
+            Ok(answer) => answer,
+            Err(e) => {
+                if let ConnectorError::Panicked { message, .. } = &e {
+                    tracing::error!(
+                        "kvconnect: connector '{name}' panicked in {method} (scheduler half): {message}"
+                    );
                 }
+                (Reply::Error(e), None)
             }
         };
-        drop(half);
-        let reply = reply.unwrap_or_else(Reply::Error);
         if let Err(e) = send(&mut stream, &reply, extra.as_deref()) {
             tracing::warn!("kvconnect: cannot answer the scheduler process: {e}");
             return;
@@ -173,14 +158,14 @@ fn dispatch(
     call: Call,
     matched_sync: &mut HashMap<String, bool>,
     counters: &SchedulerCounters,
-) -> (Result<Reply, ConnectorError>, Option<Vec<u8>>) {
+) -> Result<(Reply, Option<Vec<u8>>), ConnectorError> {
     match call {
         Call::Match { request, num_computed } => {
             let m = c.get_num_new_matched_tokens(&request, num_computed);
             if let Ok(MatchResult::Matched { tokens, async_load }) = &m {
                 matched_sync.insert(request.id.0.clone(), *tokens > 0 && !async_load);
             }
-            (m.map(Reply::Matched), None)
+            Ok((Reply::Matched(m?), None))
         }
         Call::Alloc { request, blocks, num_external } => {
             let r = c.update_state_after_alloc(&request, &blocks, num_external);
@@ -196,18 +181,16 @@ fn dispatch(
                         .insert(request.id.0.clone());
                 }
             }
-            (r.map(|()| Reply::Done), None)
+            r?;
+            Ok((Reply::Done, None))
         }
-        Call::Meta { step } => match c.build_connector_meta(&step) {
-            Ok(bytes) => (Ok(Reply::Meta), Some(bytes)),
-            Err(e) => (Err(e), None),
-        },
+        Call::Meta { step } => Ok((Reply::Meta, Some(c.build_connector_meta(&step)?))),
         Call::Finished { request, blocks } => {
             matched_sync.remove(&request.id.0);
-            (c.request_finished(&request, &blocks).map(Reply::Finished), None)
+            Ok((Reply::Finished(c.request_finished(&request, &blocks)?), None))
         }
-        Call::Events => (c.take_events().map(Reply::Events), None),
-        Call::Reset => (c.reset_cache().map(Reply::Reset), None),
+        Call::Events => Ok((Reply::Events(c.take_events()?), None)),
+        Call::Reset => Ok((Reply::Reset(c.reset_cache()?), None)),
     }
 }
 
