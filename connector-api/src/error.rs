@@ -93,6 +93,7 @@ impl Poison {
     /// Runs `f`, the call `method` of `connector`, unless an earlier call panicked
     /// (`Poisoned`, with that panic's message). A panic in `f` becomes `Panicked` and poisons
     /// from then on; an error passes through and poisons nothing.
+    #[inline]
     pub fn guard<T>(
         &mut self,
         connector: &str,
