@@ -78,23 +78,32 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+# Ports free_port has handed out in this process: each is given once.
+_ports_given: set[int] = set()
+
+
 def free_port() -> int:
-    """A port that is free now and outside the kernel's ephemeral range. A port the kernel
-    hands out (bind to 0) is released before the server binds it, and in between vLLM's own
-    sockets of a server starting beside it may be given the same one (`Address already in
-    use` at startup); below the range the kernel gives none away, only another pick could
-    collide, and a pick that is taken is skipped."""
+    """A port that is free now and outside the kernel's ephemeral range, and not one this
+    process was given before. A port the kernel hands out (bind to 0) is released before the
+    server binds it, and in between vLLM's own sockets of a server starting beside it may be
+    given the same one (`Address already in use` at startup); below the range the kernel gives
+    none away, so only another pick could collide: a pick that is taken is skipped, and so is
+    one handed out earlier, which a test may not have bound yet (a server's HTTP port equal to
+    another's KV event replay port left it answering zmq, never healthy)."""
     import random
 
     lo, _ = _ephemeral_range()
     for _ in range(200):
         port = random.randrange(max(1024, lo - 12000), lo)
+        if port in _ports_given:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _ports_given.add(port)
+        return port
     raise Failed(f"no free port below the ephemeral range ({lo}) after 200 tries")
 
 

@@ -1,6 +1,7 @@
-"""The benchmarks' own tools, without vLLM servers: `harness.stopped`, which stops the servers of
-the side not being timed, on a stand-in server (a `sleep` in its own session, as a server's
-processes are), checked in /proc.
+"""The benchmarks' and tests' own tools, without vLLM servers: `harness.stopped`, which stops
+the servers of the side not being timed, on a stand-in server (a `sleep` in its own session,
+as a server's processes are), checked in /proc; and `harness.free_port`, which never hands
+out the same port twice (a test takes several before its servers bind any).
 
     VENV/bin/python tests/vllm/test_harness.py
 """
@@ -11,7 +12,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Failed, Server, stopped  # noqa: E402
+from harness import Failed, Server, free_port, stopped  # noqa: E402
 
 
 def state(pid: int) -> str:
@@ -33,7 +34,16 @@ def stand_in() -> Server:
     return s
 
 
+def check_free_ports():
+    # 2,000 picks from a range of 12,000: with repeats allowed, some two of them would almost
+    # surely be equal (the odds of none are about e^-166).
+    ports = [free_port() for _ in range(2000)]
+    if len(set(ports)) != len(ports):
+        raise Failed(f"free_port handed out {len(ports) - len(set(ports))} ports twice in {len(ports)} picks")
+
+
 def main():
+    check_free_ports()
     servers = [stand_in(), stand_in()]
     pids = [s.proc.pid for s in servers]
     try:
