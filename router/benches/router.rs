@@ -8,8 +8,9 @@
 //! publishes one per request and step, with the blocks that step filled), until the workers
 //! hold 10 million blocks between them. Then a steady state: each batch stores a new prompt
 //! on one worker, evicts an old one there, and moves another from the GPU to the CPU tier (a
-//! removal, and a store naming the blocks by hash alone), so the index stays at its size. Tokens are random words; the
-//! workers' own block hashes random 64-bit words (the indexer re-hashes the tokens).
+//! removal, and a store naming the blocks by hash alone), so the index stays at its size.
+//! Tokens are random words; the workers' own block hashes random 64-bit words (the indexer
+//! re-hashes the tokens).
 //!
 //! Each figure is timed twice: on the wall clock, and on this thread's CPU clock
 //! (`CLOCK_THREAD_CPUTIME_ID`), which counts only the time the thread ran on a core, so that
