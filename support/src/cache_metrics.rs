@@ -37,3 +37,29 @@ pub fn offload(saved: u64, restored: u64) -> [ConnectorMetric; 2] {
     };
     [one("GPU_to_CPU", saved), one("CPU_to_GPU", restored)]
 }
+
+const EVICTIONS: &str =
+    "Chunks (lmcache) or blocks (flexkv) a cache tier let go of to make room: moved to the \
+    next tier, or dropped.";
+const USED: &str = "Bytes a cache tier holds now.";
+const CAPACITY: &str = "Bytes a cache tier may hold (its configured budget).";
+
+/// `kvconnect_cache_evictions{connector, tier}`.
+pub fn evictions(connector: &str, tier: &str, v: u64) -> ConnectorMetric {
+    ConnectorMetric::counter("kvconnect_cache_evictions", EVICTIONS, v)
+        .label("connector", connector)
+        .label("tier", tier)
+}
+
+/// `kvconnect_cache_used_bytes{connector, tier}` and `kvconnect_cache_capacity_bytes{connector,
+/// tier}`: how full a tier is, which says whether its hit rate is bounded by its size.
+pub fn occupancy(connector: &str, tier: &str, used: u64, capacity: u64) -> [ConnectorMetric; 2] {
+    [
+        ConnectorMetric::gauge("kvconnect_cache_used_bytes", USED, used)
+            .label("connector", connector)
+            .label("tier", tier),
+        ConnectorMetric::gauge("kvconnect_cache_capacity_bytes", CAPACITY, capacity)
+            .label("connector", connector)
+            .label("tier", tier),
+    ]
+}

@@ -45,8 +45,12 @@ fn cached_tokens(len: usize) -> usize {
 }
 
 /// Runs every prompt twice; returns the cache's events (stored/removed, per tier) of the
-/// first round.
-fn twice_through(layout: KvLayout, extra: serde_json::Value, id: &str) -> Vec<kvconnect_api::KvEvent> {
+/// first round, and its metrics at the end.
+fn twice_through(
+    layout: KvLayout,
+    extra: serde_json::Value,
+    id: &str,
+) -> (Vec<kvconnect_api::KvEvent>, Vec<kvconnect_api::ConnectorMetric>) {
     let prompts = varied_prompts(25);
     let mono = monolithic(&prompts, MAX_TOKENS, layout);
     let mut e = flexkv_engine(layout, extra, id);
@@ -67,8 +71,15 @@ fn twice_through(layout: KvLayout, extra: serde_json::Value, id: &str) -> Vec<kv
             assert_eq!(c.num_external_tokens, want, "{layout} round {round} prompt {i} (len {})", p.len());
         }
     }
+    let metrics = e.scheduler_connector().unwrap().metrics().unwrap();
     e.shutdown().unwrap();
-    events
+    (events, metrics)
+}
+
+/// A metric of flexkv's `tier`, by family.
+fn tier_metric(metrics: &[kvconnect_api::ConnectorMetric], name: &str, tier: &str) -> Option<u64> {
+    let tier_label = ("tier".to_owned(), tier.to_owned());
+    metrics.iter().find(|m| m.name == name && m.labels.contains(&tier_label)).map(|m| m.value)
 }
 
 fn stored_on(events: &[kvconnect_api::KvEvent], tier: &str) -> usize {
@@ -108,7 +119,7 @@ fn check_tokens(events: &[kvconnect_api::KvEvent]) {
 
 #[test]
 fn engine_with_flexkv_nhd_hits_give_monolithic_tokens() {
-    let ev = twice_through(KvLayout::NHD, serde_json::json!({"cpu_cache_gb": 0.5}), "flexkv-e2e-nhd");
+    let (ev, _) = twice_through(KvLayout::NHD, serde_json::json!({"cpu_cache_gb": 0.5}), "flexkv-e2e-nhd");
     let full_blocks: usize = varied_prompts(25).iter().map(|p| p.len() / BLOCK).sum();
     assert_eq!(stored_on(&ev, "cpu_tier"), full_blocks);
     check_tokens(&ev);
@@ -135,9 +146,19 @@ fn engine_with_flexkv_ssd_tier_hits_give_monolithic_tokens() {
         "ssd_cache_dir": dir.path(),
         "enable_ssd_promotion": false,
     });
-    let ev = twice_through(KvLayout::HND, extra, "flexkv-e2e-ssd");
+    let (ev, m) = twice_through(KvLayout::HND, extra, "flexkv-e2e-ssd");
     let full_blocks: usize = varied_prompts(25).iter().map(|p| p.len() / BLOCK).sum();
     assert_eq!(stored_on(&ev, "disk"), full_blocks - 8, "all but the CPU tier's 8 blocks went to SSD");
+    // The metrics say the CPU tier is full and let every other block go (to SSD); the SSD
+    // tier holds them all and let none go.
+    let cpu = |name| tier_metric(&m, name, "cpu");
+    let block = block as u64;
+    assert_eq!(cpu("kvconnect_cache_capacity_bytes"), Some(8 * block), "{m:?}");
+    assert_eq!(cpu("kvconnect_cache_used_bytes"), Some(8 * block), "{m:?}");
+    assert_eq!(cpu("kvconnect_cache_evictions"), Some(full_blocks as u64 - 8), "{m:?}");
+    let ssd = |name| tier_metric(&m, name, "ssd");
+    assert_eq!(ssd("kvconnect_cache_used_bytes"), Some((full_blocks as u64 - 8) * block), "{m:?}");
+    assert_eq!(ssd("kvconnect_cache_evictions"), Some(0), "{m:?}");
     // The blocks that moved from the CPU tier to the SSD carry their tokens there too.
     check_tokens(&ev);
 }

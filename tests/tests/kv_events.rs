@@ -14,6 +14,21 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A worker with lmcache (chunks of [`CHUNK`] tokens, a CPU tier of `budget_gib`) publishing
+/// its cache events on `tcp://*:port`.
+fn lmcache_worker(budget_gib: f64, engine_id: &str, port: u16, more: &[&str]) -> Worker {
+    let cfg = format!(
+        r#"{{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_producer","kv_connector_extra_config":{{"chunk_size":{CHUNK},"max_local_cpu_size":{budget_gib}}}}}"#
+    );
+    let model = reference_model();
+    let publish = format!("tcp://*:{port}");
+    let mut args =
+        vec!["--kv-transfer-config", &cfg, "--model", model.to_str().unwrap(), "--engine-id", engine_id];
+    args.extend(["--kv-events-endpoint", &publish]);
+    args.extend(more);
+    Worker::start(&args)
+}
+
 fn seq_of(frame: &[u8]) -> i64 {
     i64::from_be_bytes(frame.try_into().unwrap())
 }
@@ -21,26 +36,13 @@ fn seq_of(frame: &[u8]) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_publishes_its_cache_events_and_replays_them() {
     let (port, replay_port) = (free_port(), free_port());
-    let cfg = format!(
-        r#"{{"kv_connector":"LMCacheConnectorV1","kv_role":"kv_producer","kv_connector_extra_config":{{"chunk_size":{CHUNK},"max_local_cpu_size":0.05}}}}"#
-    );
-    let model = reference_model();
     let (pub_ep, replay_ep) = (format!("tcp://127.0.0.1:{port}"), format!("tcp://127.0.0.1:{replay_port}"));
-    let w = Worker::start(&[
-        "--kv-transfer-config",
-        &cfg,
-        "--model",
-        model.to_str().unwrap(),
-        "--engine-id",
+    let w = lmcache_worker(
+        0.05,
         "events-worker",
-        "--enable-prefix-caching",
-        "--kv-events-endpoint",
-        &format!("tcp://*:{port}"),
-        "--kv-events-replay-endpoint",
-        &replay_ep,
-        "--kv-events-topic",
-        "kv",
-    ]);
+        port,
+        &["--enable-prefix-caching", "--kv-events-replay-endpoint", &replay_ep, "--kv-events-topic", "kv"],
+    );
     let mut sub = zeromq::SubSocket::new();
     sub.connect(&pub_ep).await.unwrap();
     sub.subscribe("kv").await.unwrap();
@@ -118,4 +120,62 @@ fn stored(seen: &[(i64, KvEvent)], medium: Medium) -> Vec<kvconnect_api::BlockSt
             _ => None,
         })
         .collect()
+}
+
+/// A CPU tier too small for the workload: `/metrics` shows it full (bytes held against its
+/// budget) and counts each chunk it let go of, as many as the removals the worker published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_cpu_tier_shows_in_metrics_as_its_events_say() {
+    // The reference model's KV is 512 bytes a token: a chunk of 16 tokens is 8 KiB, and the
+    // budget holds 3 of them.
+    let chunk_bytes = 512 * CHUNK as u64;
+    let budget_gib = (3 * chunk_bytes) as f64 / (1u64 << 30) as f64;
+    let port = free_port();
+    let w = lmcache_worker(budget_gib, "events-full-tier", port, &[]);
+    let mut sub = zeromq::SubSocket::new();
+    sub.connect(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
+    sub.subscribe("").await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Three prompts of three chunks each: nine chunks through a tier of three.
+    for p in 0..3u32 {
+        let prompt: Vec<u32> = (0..3 * CHUNK as u32 + 1).map(|i| (i * 29 + p * 101 + 3) % 256).collect();
+        let (st, r) = w.post("/v1/completions", &serde_json::json!({"prompt": prompt, "max_tokens": 1}));
+        assert_eq!(st, 200, "{r}\n{}", w.log());
+    }
+    let (mut stored_n, mut removed_n) = (0u64, 0u64);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while stored_n < 9 || removed_n < 6 {
+        let m = tokio::time::timeout_at(deadline, sub.recv())
+            .await
+            .unwrap_or_else(|_| panic!("{stored_n} chunks stored, {removed_n} removed\n{}", w.log()))
+            .unwrap()
+            .into_vec();
+        for e in decode_batch(&m[2]).unwrap().events {
+            match e {
+                KvEvent::BlockStored(s) if s.medium == Medium::CpuTier => {
+                    stored_n += s.block_hashes.len() as u64
+                }
+                KvEvent::BlockRemoved(r) if r.medium == Medium::CpuTier => {
+                    removed_n += r.block_hashes.len() as u64
+                }
+                _ => {}
+            }
+        }
+    }
+    let m = kvconnect_tests::metrics(&w.http);
+    let get = |k: &str| m.get(&format!(r#"{k}{{connector="lmcache",tier="cpu"}}"#)).copied();
+    assert_eq!((stored_n, removed_n), (9, 6), "{m:?}");
+    assert_eq!(get("kvconnect_cache_evictions_total"), Some(removed_n as f64), "{m:?}");
+    assert_eq!(get("kvconnect_cache_capacity_bytes"), Some((3 * chunk_bytes) as f64), "{m:?}");
+    assert_eq!(
+        get("kvconnect_cache_used_bytes"),
+        Some(((stored_n - removed_n) * chunk_bytes) as f64),
+        "{m:?}"
+    );
+    // No disk tier configured: none shown.
+    assert!(
+        !m.keys().any(|k| k.contains(r#"tier="disk""#) && k.starts_with("kvconnect_cache_used")),
+        "{m:?}"
+    );
 }

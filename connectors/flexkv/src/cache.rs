@@ -50,6 +50,11 @@ pub struct CacheStats {
     pub demoted: u64,
     /// Blocks dropped from the cache by eviction.
     pub evicted: u64,
+    /// Blocks the CPU tier let go of to make room (demoted to SSD, dropped, or their CPU copy
+    /// freed while SSD keeps one).
+    pub cpu_evictions: u64,
+    /// Blocks the SSD tier let go of to make room.
+    pub ssd_evictions: u64,
     /// SSD writes that failed (full disk, I/O error); the block was not kept on SSD.
     pub ssd_write_errors: u64,
     /// SSD records found corrupt or unreadable when loading; dropped, reported as misses.
@@ -69,6 +74,8 @@ struct Counters {
     no_space: AtomicU64,
     demoted: AtomicU64,
     evicted: AtomicU64,
+    cpu_evictions: AtomicU64,
+    ssd_evictions: AtomicU64,
     ssd_write_errors: AtomicU64,
     ssd_corrupt: AtomicU64,
     promoted: AtomicU64,
@@ -240,6 +247,12 @@ impl BlockCache {
         (g.index.len(), g.index.tier_len(Tier::Cpu), g.index.tier_len(Tier::Ssd))
     }
 
+    /// Slots of the CPU tier and of the SSD tier (0 when it is off).
+    pub fn capacities(&self) -> (u32, u32) {
+        let g = self.lock();
+        (g.cpu_pool.capacity(), g.ssd_pool.as_ref().map_or(0, |p| p.capacity()))
+    }
+
     /// Where a block is: (on CPU, on SSD, references). None when not in the tree.
     pub fn locate(&self, hash: u64) -> Option<(bool, bool, u32)> {
         self.lock().index.get(hash).map(|v| (v.cpu.is_some(), v.ssd.is_some(), v.refs))
@@ -262,6 +275,8 @@ impl BlockCache {
             no_space: r(&c.no_space),
             demoted: r(&c.demoted),
             evicted: r(&c.evicted),
+            cpu_evictions: r(&c.cpu_evictions),
+            ssd_evictions: r(&c.ssd_evictions),
             ssd_write_errors: r(&c.ssd_write_errors),
             ssd_corrupt: r(&c.ssd_corrupt),
             promoted: r(&c.promoted),
@@ -494,6 +509,7 @@ impl BlockCache {
                 let c = g.index.clear_slot(v, Tier::Cpu);
                 g.free([c, None]);
                 g.event(removed(v, Tier::Cpu));
+                bump(&self.counters.cpu_evictions);
                 continue;
             }
             if !demote_ok {
@@ -501,6 +517,7 @@ impl BlockCache {
                     g.free(slots);
                     g.event(removed(v, Tier::Cpu));
                     bump(&self.counters.evicted);
+                    bump(&self.counters.cpu_evictions);
                     continue;
                 }
                 return (g, None);
@@ -578,6 +595,7 @@ impl BlockCache {
                         let c = g.index.clear_slot(v, Tier::Cpu);
                         g.free([c, None]);
                         g.event(removed(v, Tier::Cpu));
+                        bump(&self.counters.cpu_evictions);
                     }
                 }
                 Err(e) => {
@@ -610,6 +628,7 @@ impl BlockCache {
                 bump(&self.counters.evicted);
             }
             g.event(removed(v, Tier::Ssd));
+            bump(&self.counters.ssd_evictions);
         }
     }
 }
@@ -776,6 +795,7 @@ mod tests {
         c.unpin(&a[..1]);
         store_chain(&c, &b, 20);
         let mut index = BTreeSet::new();
+        let mut removals = std::collections::BTreeMap::new();
         for e in c.take_events() {
             match e {
                 KvEvent::BlockStored(s) => {
@@ -787,6 +807,7 @@ mod tests {
                     assert!(index.insert((h, s.medium)), "stored twice");
                 }
                 KvEvent::BlockRemoved(r) => {
+                    *removals.entry(r.medium.clone()).or_insert(0u64) += r.block_hashes.len() as u64;
                     for h in r.block_hashes {
                         assert!(index.remove(&(h, r.medium.clone())), "{h} removed from {} unheld", r.medium);
                     }
@@ -806,7 +827,16 @@ mod tests {
             }
         }
         assert_eq!(index, held);
-        assert!(c.stats().demoted > 4, "blocks went to SSD and some were evicted there");
+        let st = c.stats();
+        assert!(st.demoted > 4, "blocks went to SSD and some were evicted there");
+        // Every removal here made room (nothing was reset), so each tier's evictions are its
+        // removals.
+        assert_eq!(st.cpu_evictions, removals[&Medium::CpuTier]);
+        assert_eq!(st.ssd_evictions, removals[&Medium::Disk]);
+        assert!(st.ssd_evictions > 0);
+        let (_, on_cpu, on_ssd) = c.sizes();
+        assert_eq!(c.capacities(), (2, 4));
+        assert!(on_cpu <= 2 && on_ssd <= 4, "{on_cpu} on CPU, {on_ssd} on SSD");
     }
 
     /// A cache of one CPU slot over an SSD tier, holding a chain of three 100-byte blocks:

@@ -258,6 +258,21 @@ impl SchedulerConnector for FlexkvScheduler {
         out.extend(tiers.iter().map(|&(tier, n)| cache_metrics::loaded_bytes(NAME, tier, n * block)));
         let restored = (s.cpu_hits + s.ssd_hits) * block;
         out.extend(cache_metrics::offload(s.stored * block, restored));
+        let ((_, on_cpu, on_ssd), (cpu_slots, ssd_slots)) =
+            (self.engine.cache.sizes(), self.engine.cache.capacities());
+        for (tier, evicted, held, slots) in
+            [("cpu", s.cpu_evictions, on_cpu, cpu_slots), ("ssd", s.ssd_evictions, on_ssd, ssd_slots)]
+        {
+            if slots > 0 {
+                out.push(cache_metrics::evictions(NAME, tier, evicted));
+                out.extend(cache_metrics::occupancy(
+                    NAME,
+                    tier,
+                    held as u64 * block,
+                    u64::from(slots) * block,
+                ));
+            }
+        }
         Ok(out)
     }
 

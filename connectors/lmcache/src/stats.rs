@@ -175,7 +175,8 @@ impl Counters {
 }
 
 /// What the store counts as the host's `/metrics` shows it: hits, bytes loaded per tier,
-/// misses, the remote tier's other outcomes, and the bytes offloaded and restored.
+/// misses, the remote tier's other outcomes, the bytes offloaded and restored, and each local
+/// tier's evictions, bytes held and budget.
 pub fn metrics(s: &LmcacheStats) -> Vec<ConnectorMetric> {
     const REMOTE: &str =
         "lmcache remote tier (remote_url) outcomes other than hits: miss (not there, or the \
@@ -200,6 +201,12 @@ pub fn metrics(s: &LmcacheStats) -> Vec<ConnectorMetric> {
         );
     }
     out.extend(tiers.iter().map(|(tier, t)| cache_metrics::loaded_bytes("lmcache", tier, t.bytes_loaded)));
+    // The local tiers that are on (a budget): how full, and how much they let go of. The
+    // remote tier's size is the remote server's to say.
+    for (tier, t) in tiers.iter().take(2).filter(|(_, t)| t.budget_bytes > 0) {
+        out.push(cache_metrics::evictions("lmcache", tier, t.evictions));
+        out.extend(cache_metrics::occupancy("lmcache", tier, t.bytes_used, t.budget_bytes));
+    }
     let restored = tiers.iter().map(|(_, t)| t.bytes_loaded).sum();
     out.extend(cache_metrics::offload(s.cpu.bytes_stored, restored));
     out
