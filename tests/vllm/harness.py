@@ -78,18 +78,39 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-# Ports free_port has handed out in this process: each is given once.
+# Ports free_port has handed out in this process, and the locks that claim them.
 _ports_given: set[int] = set()
+_port_locks: list[int] = []
+
+
+def _claim(port: int) -> bool:
+    """Claims `port` against every process that picks ports with free_port, such as the other
+    group of scripts running beside this one: an exclusive lock on a file named for the port,
+    held until this process exits (the kernel drops it then, even after a kill -9)."""
+    import fcntl
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / "kvconnect-test-ports"
+    folder.mkdir(exist_ok=True)
+    fd = os.open(folder / str(port), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _port_locks.append(fd)
+    return True
 
 
 def free_port() -> int:
-    """A port that is free now and outside the kernel's ephemeral range, and not one this
-    process was given before. A port the kernel hands out (bind to 0) is released before the
-    server binds it, and in between vLLM's own sockets of a server starting beside it may be
-    given the same one (`Address already in use` at startup); below the range the kernel gives
-    none away, so only another pick could collide: a pick that is taken is skipped, and so is
-    one handed out earlier, which a test may not have bound yet (a server's HTTP port equal to
-    another's KV event replay port left it answering zmq, never healthy)."""
+    """A port that is free now and outside the kernel's ephemeral range, and not one handed
+    out before to this process or to another that is running. A port the kernel hands out
+    (bind to 0) is released before the server binds it, and in between vLLM's own sockets of a
+    server starting beside it may be given the same one (`Address already in use` at startup);
+    below the range the kernel gives none away, so only another pick could collide: a pick that
+    is taken is skipped, and so is one handed out earlier, which a test may not have bound yet
+    (a server's HTTP port equal to another's KV event replay port left it answering zmq, never
+    healthy). Another process's picks are kept apart by a lock on a file per port."""
     import random
 
     lo, _ = _ephemeral_range()
@@ -102,6 +123,8 @@ def free_port() -> int:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+        if not _claim(port):
+            continue
         _ports_given.add(port)
         return port
     raise Failed(f"no free port below the ephemeral range ({lo}) after 200 tries")

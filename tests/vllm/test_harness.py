@@ -1,11 +1,13 @@
 """The benchmarks' and tests' own tools, without vLLM servers: `harness.stopped`, which stops
 the servers of the side not being timed, on a stand-in server (a `sleep` in its own session,
 as a server's processes are), checked in /proc; and `harness.free_port`, which never hands
-out the same port twice (a test takes several before its servers bind any).
+out the same port twice (a test takes several before its servers bind any), nor one another
+running process was handed (the two groups of scripts run side by side).
 
     VENV/bin/python tests/vllm/test_harness.py
 """
 
+import json
 import subprocess
 import sys
 import time
@@ -35,11 +37,28 @@ def stand_in() -> Server:
 
 
 def check_free_ports():
-    # 2,000 picks from a range of 12,000: with repeats allowed, some two of them would almost
-    # surely be equal (the odds of none are about e^-166).
-    ports = [free_port() for _ in range(2000)]
+    # 400 picks from a range of 12,000: with repeats allowed, some two of them would almost
+    # surely be equal (the odds of none are about e^-6.6).
+    ports = [free_port() for _ in range(400)]
     if len(set(ports)) != len(ports):
         raise Failed(f"free_port handed out {len(ports) - len(set(ports))} ports twice in {len(ports)} picks")
+    # Another process picking at the same time (the other group of scripts) gets other ports:
+    # two sets of 300 picks, unclaimed, would share about 7.
+    here = Path(__file__).resolve().parent
+    child = subprocess.Popen(
+        [sys.executable, "-c", f"import json, sys; sys.path.insert(0, {str(here)!r}); from harness import free_port; "
+         "print(json.dumps([free_port() for _ in range(300)]), flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        theirs = set(json.loads(child.stdout.readline()))
+        mine = {free_port() for _ in range(300)}
+    finally:
+        child.stdin.close()
+        child.wait(30)
+    shared = (mine | set(ports)) & theirs
+    if len(theirs) != 300 or shared:
+        raise Failed(f"another process was handed {len(shared)} of this one's ports: {sorted(shared)[:10]}")
 
 
 def main():
