@@ -14,17 +14,27 @@ struct Up {
     child: std::process::Child,
     proxy: String,
     model: String,
+    /// The prefill workers' HTTP addresses.
+    prefill: Vec<String>,
 }
 
 impl Up {
     fn start(routing: &str) -> Up {
-        let args = ["--prefill", "2", "--decode", "1", "--num-blocks", "128", "--routing", routing];
+        Up::start_with(&[], routing)
+    }
+
+    /// With more arguments first (a deployment file).
+    fn start_with(first: &[&str], routing: &str) -> Up {
+        let mut args = first.to_vec();
+        args.extend(["--prefill", "2", "--decode", "1", "--num-blocks", "128", "--routing", routing]);
         let (child, line) = kvconnect_tests::spawn_up(&args);
         let proxy = line["proxy"].as_str().unwrap().trim_start_matches("http://").to_owned();
         let (status, models) = http_request(&proxy, "GET", "/v1/models", None);
         assert_eq!(status, 200, "{models}");
         let model = models["data"][0]["id"].as_str().unwrap().to_owned();
-        Up { child, proxy, model }
+        let prefill =
+            line["prefill"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_owned()).collect();
+        Up { child, proxy, model, prefill }
     }
 
     fn complete(&self, prompt: &str) -> Value {
@@ -49,26 +59,26 @@ impl Drop for Up {
     }
 }
 
-/// Four distinct prompts of 600 bytes (the reference tokenizer: one token a byte), each sent
-/// four times in a row; which prefill worker served each, and the tokens it took from cache.
+/// Distinct prompt `p` of 600 bytes (the reference tokenizer: one token a byte).
+fn prompt(p: usize) -> String {
+    (0..600).map(|i| char::from(b'a' + ((i * 7 + p * 3) % 26) as u8)).collect()
+}
+
+/// Sends `prompt`; which prefill worker served it, and the tokens it took from cache.
+fn served(up: &Up, prompt: &str) -> (String, u64) {
+    let v = up.complete(prompt);
+    // Give the worker's events time to reach the proxy.
+    std::thread::sleep(Duration::from_millis(300));
+    let k = &v["kvconnect"];
+    let worker = k["proxy"]["prefill_worker"].as_str().unwrap().to_owned();
+    let hit = k["prefill"]["num_cached_tokens"].as_u64().unwrap_or(0)
+        + k["prefill"]["num_external_tokens"].as_u64().unwrap_or(0);
+    (worker, hit)
+}
+
+/// Four distinct prompts, each sent four times in a row.
 fn repeats(up: &Up) -> Vec<Vec<(String, u64)>> {
-    (0..4)
-        .map(|p| {
-            let prompt: String = (0..600).map(|i| char::from(b'a' + ((i * 7 + p * 3) % 26) as u8)).collect();
-            (0..4)
-                .map(|_| {
-                    let v = up.complete(&prompt);
-                    // Give the worker's events time to reach the proxy.
-                    std::thread::sleep(Duration::from_millis(300));
-                    let k = &v["kvconnect"];
-                    let worker = k["proxy"]["prefill_worker"].as_str().unwrap().to_owned();
-                    let hit = k["prefill"]["num_cached_tokens"].as_u64().unwrap_or(0)
-                        + k["prefill"]["num_external_tokens"].as_u64().unwrap_or(0);
-                    (worker, hit)
-                })
-                .collect()
-        })
-        .collect()
+    (0..4).map(|p| (0..4).map(|_| served(up, &prompt(p))).collect()).collect()
 }
 
 #[test]
@@ -99,4 +109,43 @@ fn routing_kv_sends_a_repeated_prompt_to_the_prefill_worker_that_cached_it() {
         assert!(runs.iter().any(|(w, _)| w != first), "round-robin kept a prompt on one worker: {runs:?}");
     }
     assert_eq!(rr.metric("kvconnect_router_decisions_total{by=\"kv\"}"), 0);
+}
+
+/// Prefill workers whose LMCache CPU tiers hold two prompts each (4 chunks of 256 tokens):
+/// six prompts, then the same six again. The router learns each eviction from the worker's
+/// events, so a prompt evicted from the worker that had it is predicted as no hit: every
+/// prediction equals what the worker then hit. The workers' /metrics show the tiers full and
+/// evicting.
+#[test]
+fn routing_kv_follows_evictions_from_tiers_too_small_for_the_prompts() {
+    let dir = tempfile::tempdir().unwrap();
+    // The reference model's KV is 512 bytes a token: 128 KiB a chunk.
+    let (chunk, slots) = (512 * 256u64, 4u64);
+    let gib = (slots * chunk) as f64 / (1u64 << 30) as f64;
+    let prefill = format!(
+        r#"{{"kv_connector":"PdConnector","kv_role":"kv_producer","kv_connector_extra_config":{{"connectors":[{{"kv_connector":"LMCacheConnectorV1","kv_connector_extra_config":{{"max_local_cpu_size":{gib}}}}},{{"kv_connector":"NixlConnector","kv_connector_extra_config":{{"backend":"shm"}}}}]}}}}"#
+    );
+    let decode = r#"{"kv_connector":"NixlConnector","kv_role":"kv_consumer","kv_connector_extra_config":{"backend":"shm"}}"#;
+    let model = kvconnect_tests::reference_model();
+    let file =
+        kvconnect_tests::write_deployment(dir.path(), "small.toml", &model, (&prefill, ""), (decode, ""));
+    let up = Up::start_with(&[file.to_str().unwrap()], "kv");
+    let rounds: Vec<Vec<(String, u64)>> =
+        (0..2).map(|_| (0..6).map(|p| served(&up, &prompt(p))).collect()).collect();
+    let predicted = up.metric("kvconnect_router_predicted_hit_tokens_total");
+    let actual = up.metric("kvconnect_router_actual_hit_tokens_total");
+    assert_eq!(predicted, actual, "the index predicted what the workers hit: {rounds:?}");
+    assert_eq!(up.metric("kvconnect_router_predictions_total{outcome=\"over\"}"), 0, "{rounds:?}");
+    // Twelve chunks through two tiers of four: the second round misses some prompts.
+    assert!(rounds[1].iter().any(|(_, hit)| *hit == 0), "nothing was evicted: {rounds:?}");
+    let mut evicted = 0;
+    for w in &up.prefill {
+        let m = kvconnect_tests::metrics(w);
+        let get =
+            |k: &str| m.get(&format!(r#"{k}{{connector="lmcache",tier="cpu"}}"#)).copied().unwrap_or(-1.0);
+        assert_eq!(get("kvconnect_cache_capacity_bytes"), (slots * chunk) as f64, "{w}: {m:?}");
+        assert!(get("kvconnect_cache_used_bytes") <= (slots * chunk) as f64, "{w}: {m:?}");
+        evicted += get("kvconnect_cache_evictions_total") as i64;
+    }
+    assert!(evicted > 0, "the tiers evicted nothing: {rounds:?}");
 }
