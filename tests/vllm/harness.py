@@ -91,8 +91,16 @@ def _claim(port: int) -> bool:
     import tempfile
 
     folder = Path(tempfile.gettempdir()) / "kvconnect-test-ports"
-    folder.mkdir(exist_ok=True)
-    fd = os.open(folder / str(port), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        if not folder.is_dir():
+            folder.mkdir(exist_ok=True)
+            # Shared like /tmp, so that another user's tests can claim ports there too (a lock
+            # needs only a file opened for reading); whoever made it sets this.
+            with contextlib.suppress(OSError):
+                folder.chmod(0o1777)
+        fd = os.open(folder / str(port), os.O_CREAT | os.O_RDONLY, 0o644)
+    except OSError as e:
+        raise Failed(f"cannot claim port {port} in {folder} ({e}); make the folder writable, or set TMPDIR to one that is")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:

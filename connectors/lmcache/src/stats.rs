@@ -203,7 +203,7 @@ pub fn metrics(s: &LmcacheStats) -> Vec<ConnectorMetric> {
     out.extend(tiers.iter().map(|(tier, t)| cache_metrics::loaded_bytes("lmcache", tier, t.bytes_loaded)));
     // The local tiers that are on (a budget): how full, and how much they let go of. The
     // remote tier's size is the remote server's to say.
-    for (tier, t) in tiers.iter().take(2).filter(|(_, t)| t.budget_bytes > 0) {
+    for (tier, t) in tiers.iter().filter(|(tier, t)| *tier != "remote" && t.budget_bytes > 0) {
         out.push(cache_metrics::evictions("lmcache", tier, t.evictions));
         out.extend(cache_metrics::occupancy("lmcache", tier, t.bytes_used, t.budget_bytes));
     }
