@@ -78,15 +78,16 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-# Ports free_port has handed out in this process, and the locks that claim them.
-_ports_given: set[int] = set()
+# The locks that claim the ports free_port has handed out in this process.
 _port_locks: list[int] = []
 
 
 def _claim(port: int) -> bool:
     """Claims `port` against every process that picks ports with free_port, such as the other
-    group of scripts running beside this one: an exclusive lock on a file named for the port,
-    held until this process exits (the kernel drops it then, even after a kill -9)."""
+    group of scripts running beside this one, and against this process's own earlier picks (a
+    lock taken through one open file refuses another open of the same file, in any process):
+    an exclusive lock on a file named for the port, held until this process exits (the kernel
+    drops it then, even after a kill -9)."""
     import fcntl
     import tempfile
 
@@ -118,14 +119,12 @@ def free_port() -> int:
     below the range the kernel gives none away, so only another pick could collide: a pick that
     is taken is skipped, and so is one handed out earlier, which a test may not have bound yet
     (a server's HTTP port equal to another's KV event replay port left it answering zmq, never
-    healthy). Another process's picks are kept apart by a lock on a file per port."""
+    healthy). Picks, this process's and another's, are kept apart by a lock on a file per port."""
     import random
 
     lo, _ = _ephemeral_range()
     for _ in range(200):
         port = random.randrange(max(1024, lo - 12000), lo)
-        if port in _ports_given:
-            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -133,7 +132,6 @@ def free_port() -> int:
                 continue
         if not _claim(port):
             continue
-        _ports_given.add(port)
         return port
     raise Failed(f"no free port below the ephemeral range ({lo}) after 200 tries")
 
